@@ -1,0 +1,188 @@
+"""Module-level GPU benchmark: te.Linear and te.TransformerLayer in FP8 against bf16 torch and
+torchao's Float8Linear, measured side by side in one process (PERFORMANCE.md's method).
+
+Run on the GPU machine:  python benchmarks/bench_modules.py [--quick]
+Writes benchmarks/results/modules-<date>.json (and $OUT/modules.json when $OUT is set) and
+prints a table last. torchao is optional (its rows are skipped when it is not importable).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import te_core as te
+from te_core import recipe as te_recipe
+
+DEV = "cuda"
+LINEAR_SHAPES = [(16384, 8192, 8192), (16384, 8192, 28672), (8192, 4096, 4096)]
+
+
+def bench(fn, warmup=5, rep=20):
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def peak_mib(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def fwd_bwd(module, x, dy, ctx=None):
+    def step():
+        if ctx is None:
+            y = module(x)
+        else:
+            with ctx():
+                y = module(x)
+        y = y[0] if isinstance(y, tuple) else y
+        y.backward(dy)
+
+    return step
+
+
+def torchao_linear(lin, recipe_name, compile_it=True):
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except Exception as exc:  # torchao is an optional peer
+        return None, f"torchao unavailable: {exc}"
+    model = nn.Sequential(lin)
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe_name))
+    return (torch.compile(model) if compile_it else model), ""
+
+
+def linear_rows(quick):
+    rows = []
+    recipes = {"delayed": te_recipe.DelayedScaling, "current": te_recipe.Float8CurrentScaling}
+    for M, K, N in LINEAR_SHAPES[-1:] if quick else LINEAR_SHAPES:
+        x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
+        ref = nn.Linear(K, N, bias=False, device=DEV, dtype=torch.bfloat16)
+        t_bf16 = bench(fwd_bwd(ref, x, dy))
+        row = {"shape": f"M{M} K{K} N{N}", "bf16_ms": t_bf16}
+        for name in ("tensorwise", "rowwise"):
+            lin = nn.Linear(K, N, bias=False, device=DEV, dtype=torch.bfloat16)
+            model, why = torchao_linear(lin, name)
+            row[f"torchao_{name}_ms"] = bench(fwd_bwd(model, x, dy)) if model is not None else None
+        for name, make in recipes.items():
+            lin = te.Linear(K, N, bias=False, params_dtype=torch.bfloat16)
+            rcp = make()
+            row[f"te_{name}_ms"] = bench(fwd_bwd(lin, x, dy, lambda: te.autocast(recipe=rcp)))
+        rows.append(row)
+    return rows
+
+
+class TorchLayer(nn.Module):
+    """A plain-PyTorch pre-LN GPT layer: the bf16 baseline (eager + SDPA)."""
+
+    def __init__(self, h, ffn, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.fc1, self.fc2 = nn.Linear(h, ffn), nn.Linear(ffn, h)
+
+    def forward(self, x):  # x: (s, b, h)
+        s, b, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(s, b, 3, self.heads, h // self.heads).permute(2, 1, 3, 0, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.permute(2, 0, 1, 3).reshape(s, b, h))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+
+
+def layer_rows(quick):
+    h, ffn, heads, s, b = (4096, 16384, 32, 2048, 2 if quick else 8)
+    x = torch.randn(s, b, h, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(s, b, h, device=DEV, dtype=torch.bfloat16)
+    rows = []
+    torch_layer = TorchLayer(h, ffn, heads).to(DEV, torch.bfloat16)
+    step = fwd_bwd(torch_layer, x, dy)
+    rows.append({"variant": "torch bf16 eager + SDPA", "ms": bench(step, 3, 10), "peak_mib": peak_mib(step)})
+    compiled = torch.compile(torch_layer)
+    step = fwd_bwd(compiled, x, dy)
+    rows.append({"variant": "torch bf16 compile", "ms": bench(step, 3, 10), "peak_mib": peak_mib(step)})
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        ao_layer = TorchLayer(h, ffn, heads).to(DEV, torch.bfloat16)
+        convert_to_float8_training(ao_layer, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+        step = fwd_bwd(torch.compile(ao_layer), x, dy)
+        rows.append({"variant": "torchao tensorwise + compile", "ms": bench(step, 3, 10), "peak_mib": peak_mib(step)})
+    except Exception as exc:
+        rows.append({"variant": "torchao tensorwise + compile", "ms": None, "peak_mib": None, "error": str(exc)[:200]})
+    layer = te.TransformerLayer(h, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0,
+                                self_attn_mask_type="causal", params_dtype=torch.bfloat16)
+    step = fwd_bwd(layer, x, dy)
+    rows.append({"variant": "te bf16", "ms": bench(step, 3, 10), "peak_mib": peak_mib(step)})
+    for name, rcp in (("delayed", te_recipe.DelayedScaling()), ("current", te_recipe.Float8CurrentScaling())):
+        step = fwd_bwd(layer, x, dy, lambda rcp=rcp: te.autocast(recipe=rcp))
+        rows.append({"variant": f"te fp8 {name}", "ms": bench(step, 3, 10), "peak_mib": peak_mib(step)})
+    return rows
+
+
+def tiny_rows():
+    x = torch.randn(16, 64, device=DEV, dtype=torch.bfloat16)
+    ref = nn.Linear(64, 64, device=DEV, dtype=torch.bfloat16)
+    lin = te.Linear(64, 64, params_dtype=torch.bfloat16)
+    rcp = te_recipe.DelayedScaling()
+
+    def wall(fn, n=300):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    def te_fwd():
+        with torch.no_grad(), te.autocast(recipe=rcp):
+            lin(x)
+
+    with torch.no_grad():
+        t_ref = wall(lambda: ref(x))
+    return [{"nn.Linear bf16 us": t_ref, "te.Linear fp8 us": wall(te_fwd)}]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--skip-layer", action="store_true")
+    args = parser.parse_args()
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat()}
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    result = {"meta": meta, "linear": linear_rows(args.quick), "tiny": tiny_rows()}
+    if not args.skip_layer:
+        result["layer"] = layer_rows(args.quick)
+    path = os.path.join(os.path.dirname(__file__), "results", f"modules-{meta['date']}.json")
+    for p in filter(None, [path, os.environ.get("OUT") and os.path.join(os.environ["OUT"], "modules.json")]):
+        with open(p, "w") as f:
+            json.dump(result, f, indent=2)
+    print(json.dumps(meta))
+    for row in result["linear"]:
+        base = row["bf16_ms"]
+        cells = "  ".join(f"{k[:-3]} {v:.2f}ms ({base / v:.2f}x)" for k, v in row.items() if k.endswith("_ms") and v)
+        print(f"Linear {row['shape']}: {cells}")
+    for row in result.get("layer", []):
+        print(f"Layer {row['variant']:<30} {row['ms'] and round(row['ms'], 2)} ms  peak {row['peak_mib'] and round(row['peak_mib'])} MiB")
+    print(f"tiny: {result['tiny'][0]}")
+
+
+if __name__ == "__main__":
+    main()

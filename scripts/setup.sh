@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Set up (once) a virtual environment in .venv with te-core, its backends and test tools.
+# Sourced by scripts/demo.sh and scripts/test.sh; safe to run again (it only installs what is missing).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  # system site packages: reuse an installed torch (e.g. a GPU build) instead of downloading one
+  "$PY" -m venv --system-site-packages .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+if ! python -c "import torch" 2>/dev/null; then
+  python -m pip install -q "torch==2.13.0" || python -m pip install -q "torch>=2.7"
+fi
+stamp=.venv/.te-core-installed
+if [ ! -f "$stamp" ] || [ -n "$(find pyproject.toml backends plugins -name pyproject.toml -newer "$stamp" 2>/dev/null)" ]; then
+  python -m pip install -q --upgrade "pip>=23" "setuptools>=64" 2>/dev/null || true
+  python -m pip install -q pluggy numpy "pytest>=7"
+  # triton runs the shared kernels' tests on the CPU through its interpreter
+  python -m pip install -q triton || echo "setup: triton not installable here; its kernel tests will be skipped" >&2
+  python -m pip install -q --no-build-isolation -e . -e plugins/template
+  for pkg in backends/triton backends/cuda backends/musa; do
+    if [ -f "$pkg/pyproject.toml" ]; then python -m pip install -q --no-build-isolation --no-deps -e "$pkg"; fi
+  done
+  touch "$stamp"
+fi

@@ -1,0 +1,56 @@
+"""The backend registry: discovery, selection, capabilities, and per-op dispatch.
+
+See te_core.backend.registry for the selection rule, te_core.backend.hookspecs for what a
+plugin implements, and te_core.ops for the op contract.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+from .dispatch import BackendFallbackWarning
+from .hookspecs import ENTRY_POINT_GROUP, hookimpl
+from .plugin import Backend, BackendError, BrokenPlugin
+from .registry import REGISTRY
+from .types import API_VERSION, BackendInfo, Capabilities, OpImpl
+
+__all__ = [
+    "API_VERSION", "Backend", "BackendError", "BackendFallbackWarning", "BackendInfo", "BrokenPlugin",
+    "Capabilities", "ENTRY_POINT_GROUP", "OpImpl", "broken_plugins", "get_backend", "hookimpl",
+    "is_fp8_available", "list_backends", "reset", "selection_reason", "set_backend",
+]
+
+
+def get_backend(name: Optional[str] = None) -> Backend:
+    """The selected backend, or the usable backend called `name` (BackendError if it is not)."""
+    if name is None:
+        return REGISTRY.selection().backend
+    return REGISTRY.get(name)
+
+
+def set_backend(name: str) -> Backend:
+    """Select a backend from code, like TE_BACKEND=name ("auto" allowed)."""
+    return REGISTRY.select(name)
+
+
+def selection_reason() -> str:
+    return REGISTRY.selection().why
+
+
+def list_backends() -> List[Backend]:
+    return list(REGISTRY.backends().values())
+
+
+def broken_plugins() -> List[BrokenPlugin]:
+    return REGISTRY.broken()
+
+
+def reset() -> None:
+    """Forget discovered plugins and the selection; the next use discovers and selects anew."""
+    REGISTRY.reset()
+
+
+def is_fp8_available() -> Tuple[bool, str]:
+    """(True, "") when the selected backend runs E4M3 on its device, else (False, reason)."""
+    backend = get_backend()
+    reason = backend.capabilities.check_fp8_name("E4M3")
+    return (reason is None), (reason or "")

@@ -1,0 +1,110 @@
+"""Per-call dispatch of a contract op: the selected backend's implementation or the reference.
+
+Fallback happens only when the backend does not declare the op, its capabilities decline the
+call (FP8 format, scaling mode), or its `supports` declines it. It warns once per
+(op, backend, device, reason); TE_BACKEND_STRICT=1 makes it an error. An exception raised
+by an implementation propagates: it is a bug, never a reason to retry elsewhere.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from .plugin import BackendError
+from .registry import REFERENCE, REGISTRY
+from .types import Capabilities, Supports
+
+
+class BackendFallbackWarning(UserWarning):
+    """An op ran on the reference backend instead of the selected one."""
+
+
+class Resolution(NamedTuple):
+    backend: str
+    fn: Optional[Callable[..., Any]]  # None: not declared by the backend
+    supports: Optional[Supports]
+    capabilities: Optional[Capabilities]  # None: no capability check needed (reference)
+    reference: Callable[..., Any]
+    strict: bool
+
+
+_warned: set = set()
+
+
+def resolve(op) -> Resolution:
+    from ..reference.plugin import implementations
+
+    selection = REGISTRY.selection()
+    backend = selection.overrides.get(op.name, selection.backend)
+    reference = implementations()[op.name]
+    impl = backend.ops.get(op.name)
+    if backend.name == REFERENCE:
+        caps = None
+    else:
+        caps = backend.capabilities if op.capability_check is not None else None
+    return Resolution(
+        backend.name,
+        impl.fn if impl is not None else None,
+        impl.supports if impl is not None else None,
+        caps,
+        reference,
+        selection.strict,
+    )
+
+
+def call(op, args, kwargs):
+    cached = op._cache
+    if cached is None or cached[0] != REGISTRY.generation:
+        generation = REGISTRY.generation
+        cached = op._cache = (generation, resolve(op))
+    res: Resolution = cached[1]
+    if res.fn is None:
+        return _fallback(op, res, f"{op.name} is not implemented by backend {res.backend!r}", args, kwargs)
+    if res.capabilities is not None:
+        reason = op.check_capabilities(res.capabilities, args, kwargs)
+        if reason:
+            return _fallback(op, res, reason, args, kwargs)
+    if res.supports is not None:
+        ok, reason = res.supports(*args, **kwargs)
+        if not ok:
+            return _fallback(op, res, reason or "declined by supports()", args, kwargs)
+    return res.fn(*args, **kwargs)
+
+
+def _fallback(op, res: Resolution, reason: str, args, kwargs):
+    if res.strict:
+        raise BackendError(
+            f"op {op.name!r} cannot run on backend {res.backend!r} ({reason}) and TE_BACKEND_STRICT=1 "
+            "forbids falling back to the reference backend; unset TE_BACKEND_STRICT to allow it"
+        )
+    device = _device_of(args, kwargs)
+    key = (op.name, res.backend, device, reason)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(
+            f"te_core: op {op.name!r} falls back from backend {res.backend!r} to reference on {device}: {reason}",
+            BackendFallbackWarning,
+            stacklevel=3,
+        )
+    return res.reference(*args, **kwargs)
+
+
+def _device_of(args, kwargs) -> str:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return str(value.device)
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            return str(value[0].device)
+    return "no tensor"
+
+
+def fallback_reason(op_name: str) -> Optional[str]:
+    """Why `op_name` would fall back on the selected backend regardless of the call (not
+    declared), or None when the backend declares it (it may still decline single calls)."""
+    selection = REGISTRY.selection()
+    backend = selection.overrides.get(op_name, selection.backend)
+    if backend.name == REFERENCE or op_name in backend.ops:
+        return None
+    return f"not implemented by {backend.name!r}"

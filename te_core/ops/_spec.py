@@ -1,0 +1,65 @@
+"""How a contract op is declared: a stub whose signature and docstring are the specification.
+
+`@contract_op(family)` turns the stub into an `Op`: calling it dispatches to the selected
+backend's implementation (see te_core.backend.dispatch). The stub body is never run.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict, Optional
+
+from ..backend.types import Capabilities
+
+CapabilityCheck = Callable[..., Optional[str]]
+
+CONTRACT: Dict[str, "Op"] = {}
+"""Every contract op by name, in declaration order."""
+
+
+class Op:
+    """A contract op: its specification plus a dispatching `__call__`."""
+
+    def __init__(self, stub: Callable[..., Any], family: str, capability_check: Optional[CapabilityCheck]):
+        self.name = stub.__name__
+        self.family = family
+        self.signature = inspect.signature(stub)
+        self.__doc__ = stub.__doc__
+        self.__wrapped__ = stub
+        self.capability_check = capability_check
+        self._cache = None  # (registry generation, Resolution); filled by dispatch
+
+    def check_capabilities(self, caps: Capabilities, args, kwargs) -> Optional[str]:
+        """None if `caps` can run this call, else why not."""
+        if self.capability_check is None:
+            return None
+        return self.capability_check(caps, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return _dispatch()(self, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<te_core op {self.family}.{self.name}{self.signature}>"
+
+
+_DISPATCH = None
+
+
+def _dispatch():
+    global _DISPATCH
+    if _DISPATCH is None:  # late: ops are declared before the registry module exists
+        from ..backend.dispatch import call
+
+        _DISPATCH = call
+    return _DISPATCH
+
+
+def contract_op(family: str, capability_check: Optional[CapabilityCheck] = None):
+    def declare(stub: Callable[..., Any]) -> Op:
+        if stub.__name__ in CONTRACT:
+            raise RuntimeError(f"contract op {stub.__name__!r} declared twice")
+        op = Op(stub, family, capability_check)
+        CONTRACT[op.name] = op
+        return op
+
+    return declare
+

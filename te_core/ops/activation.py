@@ -1,0 +1,64 @@
+"""Contract: activations (optionally with FP8 output) and the fused backward epilogues.
+
+`kind` is one of ACTIVATIONS. Formulas, as in Transformer Engine, computed in float32:
+gelu = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (tanh approximation);
+relu; silu = x sigmoid(x); qgelu = x sigmoid(1.702 x); srelu = relu(x)^2.
+Gated kinds split the last dimension of x (2h) into a = x[..., :h] and b = x[..., h:] and
+return act(a) * b: swiglu (silu), geglu (gelu), reglu (relu); their output has h columns.
+FP8 output works as in ops.norm: with fp8_scale and fp8_dtype, y is FP8 data of
+y * fp8_scale and amax = max|y|; else y in x's dtype and amax None.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..backend.types import Capabilities
+from ._spec import contract_op
+
+ACTIVATIONS = ("gelu", "relu", "silu", "qgelu", "srelu", "swiglu", "geglu", "reglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu", "reglu")
+
+
+def _fp8_out_caps(caps: Capabilities, *args, fp8_dtype=None, **_):
+    return None if fp8_dtype is None else caps.check_fp8(fp8_dtype)
+
+
+def _fp8_arg_caps(caps: Capabilities, dy, *args, **kwargs):
+    fp8_dtype = kwargs.get("fp8_dtype", args[-1] if args else None)
+    return caps.check_fp8(fp8_dtype)
+
+
+@contract_op("activation", _fp8_out_caps)
+def activation_fwd(
+    x: Tensor, kind: str, *, fp8_scale: Optional[Tensor] = None, fp8_dtype: Optional[torch.dtype] = None
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """Returns (y, amax)."""
+
+
+@contract_op("activation")
+def activation_bwd(dy: Tensor, x: Tensor, kind: str) -> Tensor:
+    """d(act)/dx applied to dy; dx has x's shape and dtype (2h columns for gated kinds)."""
+
+
+@contract_op("activation")
+def dbias(dy: Tensor) -> Tensor:
+    """Sum of dy over every dimension but the last, accumulated in float32, in dy's dtype."""
+
+
+@contract_op("activation", _fp8_arg_caps)
+def dbias_cast_transpose(
+    dy: Tensor, scale: Tensor, fp8_dtype: torch.dtype
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """For a 2-D gradient dy (M, N): (data, data_t, dbias, amax) = cast_transpose_fp8(dy) and
+    dbias(dy), in one pass."""
+
+
+@contract_op("activation", _fp8_arg_caps)
+def activation_bwd_dbias_cast_transpose(
+    dy: Tensor, x: Tensor, kind: str, scale: Tensor, fp8_dtype: torch.dtype
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dx = activation_bwd(dy, x, kind) for 2-D x, then (data, data_t, dbias, amax) of dx as
+    dbias_cast_transpose does — the backward epilogue between fc2's dgrad and fc1's GEMMs."""

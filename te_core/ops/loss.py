@@ -1,0 +1,20 @@
+"""Contract: cross-entropy over a vocabulary, differentiable.
+
+logits (N, V) in any float dtype, target (N,) int64. Computed in float32 with the
+log-sum-exp trick; `label_smoothing` mixes the one-hot target with the uniform distribution
+as torch.nn.functional.cross_entropy does; targets equal to ignore_index contribute nothing
+(and "mean" divides by the number of non-ignored targets). reduction "mean", "sum" or
+"none" ((N,) float32). The gradient w.r.t. logits has the logits' dtype.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+from ._spec import contract_op
+
+
+@contract_op("loss")
+def cross_entropy(
+    logits: Tensor, target: Tensor, *, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean"
+) -> Tensor:
+    """Returns the loss (0-dim for mean/sum), float32."""

@@ -1,0 +1,24 @@
+"""Contract: rotary position embedding.
+
+x is (s, b, h, d) for tensor_format "sbhd" or (b, s, h, d) for "bshd". freqs is float32
+(s, 1, 1, r) of angles, r <= d, r even; dims r..d of x pass through unchanged.
+Non-interleaved (default, as Transformer Engine and GPT-NeoX): freqs = cat(f, f) and
+y = x * cos(freqs) + rotate_half(x) * sin(freqs) with rotate_half(x) = cat(-x2, x1) over the
+halves of the first r dims. Interleaved (GPT-J): pair (2i, 2i+1) is rotated by the angle
+freqs[..., i] (only the first r/2 angles are read). Math in float32, y in x's dtype.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+from ._spec import contract_op
+
+
+@contract_op("rope")
+def rope_fwd(x: Tensor, freqs: Tensor, *, tensor_format: str = "sbhd", interleaved: bool = False) -> Tensor:
+    """Returns y, rotated by +angle."""
+
+
+@contract_op("rope")
+def rope_bwd(dy: Tensor, freqs: Tensor, *, tensor_format: str = "sbhd", interleaved: bool = False) -> Tensor:
+    """Returns dx: dy rotated by -angle (the transpose of the forward rotation)."""
