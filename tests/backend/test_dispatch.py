@@ -9,7 +9,7 @@ from te_core.backend import BackendError, BackendFallbackWarning, OpImpl
 from te_core.backend.types import Capabilities
 from te_core.reference.plugin import implementations
 
-from conftest import FakeEntryPoint, make_plugin
+from registry_fakes import FakeEntryPoint, make_plugin
 
 REF = implementations()
 

@@ -6,7 +6,7 @@ import sys
 from te_core import info
 from te_core.ops import CONTRACT
 
-from conftest import FakeEntryPoint, make_plugin
+from registry_fakes import FakeEntryPoint, make_plugin
 
 
 def test_report_lists_backends_broken_selection_and_coverage(plugins):

@@ -7,7 +7,7 @@ import te_core
 from te_core import backend
 from te_core.backend import BackendError
 
-from conftest import FakeEntryPoint, make_plugin
+from registry_fakes import FakeEntryPoint, make_plugin
 
 
 def test_default_is_reference_when_no_accelerator(plugins):

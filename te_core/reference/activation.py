@@ -1,0 +1,148 @@
+"""Reference activations (plain and gated), their exact derivatives, and the dbias epilogues.
+
+Each kind is a pair (f, f') of float32 closed forms; gated kinds reuse the pair of their
+inner activation on the first half of the columns and multiply by the second half.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..ops.activation import ACTIVATIONS
+from .cast import cast_transpose_fp8, check_choice, check_float, check_ndim, fp8_output
+
+_GELU_K = math.sqrt(2.0 / math.pi)
+_GELU_C = 0.044715
+_QGELU_K = 1.702
+
+
+def _gelu(x: Tensor) -> Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(_GELU_K * (x + _GELU_C * x * x * x)))
+
+
+def _dgelu(x: Tensor) -> Tensor:
+    t = torch.tanh(_GELU_K * (x + _GELU_C * x * x * x))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_K * (1.0 + 3.0 * _GELU_C * x * x)
+
+
+def _relu(x: Tensor) -> Tensor:
+    return torch.relu(x)
+
+
+def _drelu(x: Tensor) -> Tensor:
+    return (x > 0).to(x.dtype)
+
+
+def _silu(x: Tensor) -> Tensor:
+    return x * torch.sigmoid(x)
+
+
+def _dsilu(x: Tensor) -> Tensor:
+    s = torch.sigmoid(x)
+    return s * (1.0 + x * (1.0 - s))
+
+
+def _qgelu(x: Tensor) -> Tensor:
+    return x * torch.sigmoid(_QGELU_K * x)
+
+
+def _dqgelu(x: Tensor) -> Tensor:
+    s = torch.sigmoid(_QGELU_K * x)
+    return s + _QGELU_K * x * s * (1.0 - s)
+
+
+def _srelu(x: Tensor) -> Tensor:
+    return torch.relu(x).square()
+
+
+def _dsrelu(x: Tensor) -> Tensor:
+    return 2.0 * torch.relu(x)
+
+
+Pair = Tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]
+_ELEMENTWISE: Dict[str, Pair] = {
+    "gelu": (_gelu, _dgelu),
+    "relu": (_relu, _drelu),
+    "silu": (_silu, _dsilu),
+    "qgelu": (_qgelu, _dqgelu),
+    "srelu": (_srelu, _dsrelu),
+}
+_GATED_INNER = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}
+
+
+def _out_columns(x: Tensor, kind: str) -> int:
+    if kind not in _GATED_INNER:
+        return x.shape[-1]
+    if x.shape[-1] % 2 != 0:
+        raise ValueError(
+            f"gated activation {kind!r} splits the last dimension of x in two halves; "
+            f"it must be even, got {x.shape[-1]}"
+        )
+    return x.shape[-1] // 2
+
+
+def _split_gated(x32: Tensor, kind: str) -> Tuple[Tensor, Tensor]:
+    h = _out_columns(x32, kind)
+    return x32[..., :h], x32[..., h:]
+
+
+def _check_kind_and_x(x: Tensor, kind: str) -> None:
+    check_float("x", x)
+    check_choice("kind", kind, ACTIVATIONS)
+    if x.dim() < 1:
+        raise ValueError("x must have at least 1 dimension")
+
+
+def _forward32(x: Tensor, kind: str) -> Tensor:
+    if kind in _GATED_INNER:
+        a, b = _split_gated(x.float(), kind)
+        return _ELEMENTWISE[_GATED_INNER[kind]][0](a) * b
+    return _ELEMENTWISE[kind][0](x.float())
+
+
+def activation_fwd(
+    x: Tensor, kind: str, *, fp8_scale: Optional[Tensor] = None, fp8_dtype: Optional[torch.dtype] = None
+) -> Tuple[Tensor, Optional[Tensor]]:
+    _check_kind_and_x(x, kind)
+    return fp8_output(_forward32(x, kind), x.dtype, fp8_scale, fp8_dtype)
+
+
+def activation_bwd(dy: Tensor, x: Tensor, kind: str) -> Tensor:
+    _check_kind_and_x(x, kind)
+    check_float("dy", dy)
+    expected = (*x.shape[:-1], _out_columns(x, kind))
+    if tuple(dy.shape) != expected:
+        raise ValueError(f"dy has shape {tuple(dy.shape)}; activation {kind!r} of x {tuple(x.shape)} needs {expected}")
+    dy32 = dy.float()
+    if kind in _GATED_INNER:
+        f, df = _ELEMENTWISE[_GATED_INNER[kind]]
+        a, b = _split_gated(x.float(), kind)
+        dx = torch.cat([dy32 * b * df(a), dy32 * f(a)], dim=-1)
+    else:
+        dx = dy32 * _ELEMENTWISE[kind][1](x.float())
+    return dx.to(x.dtype)
+
+
+def dbias(dy: Tensor) -> Tensor:
+    check_float("dy", dy)
+    if dy.dim() < 1:
+        raise ValueError("dy must have at least 1 dimension (dbias sums all but the last)")
+    return dy.float().reshape(-1, dy.shape[-1]).sum(dim=0).to(dy.dtype)
+
+
+def dbias_cast_transpose(dy: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    check_float("dy", dy)
+    check_ndim("dy", dy, 2)
+    data, data_t, amax = cast_transpose_fp8(dy, scale, fp8_dtype)
+    return data, data_t, dbias(dy), amax
+
+
+def activation_bwd_dbias_cast_transpose(
+    dy: Tensor, x: Tensor, kind: str, scale: Tensor, fp8_dtype: torch.dtype
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    check_float("x", x)
+    check_ndim("x", x, 2)
+    return dbias_cast_transpose(activation_bwd(dy, x, kind), scale, fp8_dtype)

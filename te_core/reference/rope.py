@@ -1,0 +1,56 @@
+"""Reference rotary position embedding: both layouts, interleaved (GPT-J) or not (GPT-NeoX).
+
+The backward is the forward with the angles negated: a rotation's transpose is its inverse.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .cast import check_choice, check_float, check_ndim
+
+TENSOR_FORMATS = ("sbhd", "bshd")
+
+
+def _angles(x: Tensor, freqs: Tensor, tensor_format: str) -> Tensor:
+    """freqs as float32, checked and shaped to broadcast against x's first r channels."""
+    check_choice("tensor_format", tensor_format, TENSOR_FORMATS)
+    check_ndim("x", x, 4)
+    check_float("freqs", freqs)
+    check_ndim("freqs", freqs, 4)
+    seq = x.shape[0] if tensor_format == "sbhd" else x.shape[1]
+    s, one_b, one_h, r = freqs.shape
+    if one_b != 1 or one_h != 1 or s < seq:
+        raise ValueError(
+            f"freqs has shape {tuple(freqs.shape)}; expected (s, 1, 1, r) with s >= {seq}, "
+            f"the sequence length of x {tuple(x.shape)} in {tensor_format!r} format"
+        )
+    if r % 2 != 0 or r > x.shape[-1]:
+        raise ValueError(f"freqs rotates r={r} channels; r must be even and <= the head dim {x.shape[-1]}")
+    angles = freqs[:seq].float()
+    return angles if tensor_format == "sbhd" else angles.transpose(0, 1)
+
+
+def _rotate(x: Tensor, angles: Tensor, sign: float, interleaved: bool) -> Tensor:
+    r = angles.shape[-1]
+    x32 = x.float()
+    rot, rest = x32[..., :r], x32[..., r:]
+    if interleaved:
+        theta = angles[..., : r // 2]
+        cos, sin = torch.cos(theta), sign * torch.sin(theta)
+        even, odd = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
+    else:
+        x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
+        rotated = rot * torch.cos(angles) + torch.cat([-x2, x1], dim=-1) * (sign * torch.sin(angles))
+    return torch.cat([rotated, rest], dim=-1).to(x.dtype)
+
+
+def rope_fwd(x: Tensor, freqs: Tensor, *, tensor_format: str = "sbhd", interleaved: bool = False) -> Tensor:
+    check_float("x", x)
+    return _rotate(x, _angles(x, freqs, tensor_format), 1.0, interleaved)
+
+
+def rope_bwd(dy: Tensor, freqs: Tensor, *, tensor_format: str = "sbhd", interleaved: bool = False) -> Tensor:
+    check_float("dy", dy)
+    return _rotate(dy, _angles(dy, freqs, tensor_format), -1.0, interleaved)

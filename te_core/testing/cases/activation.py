@@ -1,0 +1,82 @@
+"""Cases for ops.activation: every activation kind forward and backward, FP8 outputs, dbias
+and the fused backward epilogues (dbias + cast + transpose)."""
+from __future__ import annotations
+
+import torch
+
+from ...ops.activation import ACTIVATIONS, GATED_ACTIVATIONS
+from ..inputs import E4M3, E5M2, case, dims, pow2, randn, short, to_cast
+
+_SHAPES = [(33, 64), (7, 48), (2, 9, 40), (5, 30), (64, 16), (3, 3, 24), (17, 8), (11, 66)]
+
+
+def _out_shape(shape, kind):
+    return (*shape[:-1], shape[-1] // 2) if kind in GATED_ACTIVATIONS else tuple(shape)
+
+
+def _fwd(kind, shape, dtype, fp8=None):
+    name = f"{kind}-{short(dtype)}-{dims(shape)}" + (f"-fp8-{short(fp8)}" if fp8 else "")
+
+    @case("activation_fwd", name, exact_fp8=False)
+    def make(gen):
+        kwargs = {} if fp8 is None else dict(fp8_scale=pow2(3), fp8_dtype=fp8)
+        return (randn(gen, *shape, dtype=dtype, std=2.0), kind), kwargs
+
+
+def _bwd(kind, shape, dtype):
+    @case("activation_bwd", f"{kind}-{short(dtype)}-{dims(shape)}")
+    def make(gen):
+        x = randn(gen, *shape, dtype=dtype, std=2.0)
+        return (randn(gen, *_out_shape(shape, kind), dtype=dtype), x, kind), {}
+
+
+for _kind, _shape in zip(ACTIVATIONS, _SHAPES):
+    _fwd(_kind, _shape, torch.float32)
+    _bwd(_kind, _shape, torch.float32)
+_fwd("gelu", (13, 40), torch.bfloat16)
+_fwd("swiglu", (13, 40), torch.bfloat16)
+_fwd("gelu", (16, 48), torch.float32, fp8=E4M3)
+_fwd("swiglu", (9, 64), torch.bfloat16, fp8=E5M2)
+_bwd("geglu", (13, 40), torch.bfloat16)
+_bwd("srelu", (5, 31), torch.float16)
+
+
+@case("dbias", "fp32-33x65")
+def _(gen):
+    return (randn(gen, 33, 65),), {}
+
+
+@case("dbias", "bf16-4x5x48")
+def _(gen):
+    return (randn(gen, 4, 5, 48, dtype=torch.bfloat16),), {}
+
+
+@case("dbias", "fp16-17x31")
+def _(gen):
+    return (randn(gen, 17, 31, dtype=torch.float16),), {}
+
+
+@case("dbias_cast_transpose", "bf16-e5m2-64x32")
+def _(gen):
+    scale = pow2(-1)
+    return (to_cast(gen, (64, 32), torch.bfloat16, E5M2, scale), scale, E5M2), {}
+
+
+@case("dbias_cast_transpose", "fp32-e4m3-17x33")
+def _(gen):
+    scale = pow2(3)
+    return (to_cast(gen, (17, 33), torch.float32, E4M3, scale, specials=False), scale, E4M3), {}
+
+
+def _bwd_epilogue(kind, m, h, dtype, fp8):
+    cols = 2 * h if kind in GATED_ACTIVATIONS else h
+
+    @case("activation_bwd_dbias_cast_transpose", f"{kind}-{short(dtype)}-{m}x{cols}", exact_fp8=False)
+    def make(gen):
+        x = randn(gen, m, cols, dtype=dtype, std=2.0)
+        return (randn(gen, m, h, dtype=dtype), x, kind, pow2(2), fp8), {}
+
+
+_bwd_epilogue("gelu", 32, 48, torch.float32, E4M3)
+_bwd_epilogue("swiglu", 16, 32, torch.bfloat16, E5M2)
+_bwd_epilogue("relu", 9, 20, torch.float32, E4M3)

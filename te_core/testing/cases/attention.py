@@ -1,0 +1,95 @@
+"""Cases for ops.softmax, ops.rope and ops.attention (forward and the q, k, v gradients).
+
+Attention gets a slightly wider floor than TE's elementwise tolerances (fused kernels reorder
+the softmax reductions): 1e-5 relative in float32, 1.6e-2 absolute in 16-bit types.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..compare import Tol
+from ..inputs import case, dims, randn, short
+
+ATTN_TOL = {torch.float32: Tol(1e-5, 1e-5), torch.bfloat16: Tol(1.6e-2, 1.6e-2), torch.float16: Tol(1e-3, 1e-3)}
+
+
+def _softmax_fwd(name, shape, dtype, scale, causal=False, mask_shape=None, masked_row=None):
+    @case("softmax_fwd", f"{name}-{short(dtype)}-{dims(shape)}")
+    def make(gen):
+        x = randn(gen, *shape, dtype=dtype, std=3.0)
+        kwargs = dict(causal=causal)
+        if mask_shape is not None:
+            mask = torch.rand(mask_shape, generator=gen) < 0.3
+            if masked_row is not None:
+                mask[masked_row] = True  # every position masked: the row must be all zeros
+            kwargs["mask"] = mask
+        return (x, scale), kwargs
+
+
+_softmax_fwd("plain", (2, 3, 8, 8), torch.float32, 0.125)
+_softmax_fwd("causal-sq-lt-sk", (2, 2, 5, 9), torch.bfloat16, 0.5, causal=True)
+_softmax_fwd("mask-full-row", (2, 3, 6, 7), torch.float16, 1.0, mask_shape=(2, 1, 6, 7), masked_row=(1, 0, 2))
+_softmax_fwd("causal-padding", (1, 2, 7, 7), torch.float32, 0.3, causal=True, mask_shape=(1, 1, 1, 7))
+
+
+def _softmax_bwd(shape, dtype, scale):
+    @case("softmax_bwd", f"{short(dtype)}-{dims(shape)}")
+    def make(gen):
+        y = torch.softmax(torch.randn(shape, generator=gen) * 3, dim=-1)
+        y[..., -1] = 0.0  # a masked position, as the forward leaves it
+        return (randn(gen, *shape, dtype=dtype), y.to(dtype), scale), {}
+
+
+_softmax_bwd((2, 3, 8, 11), torch.float32, 0.125)
+_softmax_bwd((1, 2, 5, 16), torch.bfloat16, 1.0)
+
+
+def _rope(op, fmt, shape, rotary_dim, dtype, interleaved=False):
+    seq = shape[0] if fmt == "sbhd" else shape[1]
+    name = f"{fmt}-{'interleaved-' if interleaved else ''}{short(dtype)}-{dims(shape)}-r{rotary_dim}"
+
+    @case(op, name)
+    def make(gen):
+        angles = randn(gen, seq, 1, 1, rotary_dim // 2, std=3.0)
+        freqs = torch.cat([angles, angles], dim=-1)
+        return (randn(gen, *shape, dtype=dtype), freqs), dict(tensor_format=fmt, interleaved=interleaved)
+
+
+for _op in ("rope_fwd", "rope_bwd"):
+    _rope(_op, "sbhd", (7, 2, 3, 16), 16, torch.float32)
+    _rope(_op, "bshd", (2, 7, 3, 32), 16, torch.bfloat16)
+    _rope(_op, "sbhd", (5, 2, 2, 12), 8, torch.float32, interleaved=True)
+    _rope(_op, "bshd", (2, 5, 2, 16), 16, torch.float16, interleaved=True)
+
+
+def _attention(name, b, hq, hkv, sq, sk, d, dv=None, dtype=torch.float32, mask_type="no_mask", mask=None,
+               softmax_scale=None):
+    """mask: None, "padding" ((b, 1, 1, sk), a few keys of each batch masked) or "arbitrary"
+    ((b, 1, sq, sk) random, one query row fully masked)."""
+
+    @case("attention", f"{name}-{short(dtype)}", tol=ATTN_TOL[dtype], grad_of=(0, 1, 2))
+    def make(gen):
+        q = randn(gen, b, hq, sq, d, dtype=dtype)
+        k = randn(gen, b, hkv, sk, d, dtype=dtype)
+        v = randn(gen, b, hkv, sk, dv or d, dtype=dtype)
+        kwargs = dict(attn_mask_type=mask_type, softmax_scale=softmax_scale)
+        if mask == "padding":
+            lengths = torch.randint(sk // 2, sk + 1, (b,), generator=gen)
+            kwargs["attention_mask"] = (torch.arange(sk) >= lengths[:, None]).view(b, 1, 1, sk)
+        elif mask == "arbitrary":
+            full = torch.rand(b, 1, sq, sk, generator=gen) < 0.3
+            full[0, 0, 1] = True
+            kwargs["attention_mask"] = full
+        return (q, k, v), kwargs
+
+
+_attention("no-mask-2x4x8x16", 2, 4, 4, 8, 8, 16)
+_attention("causal-1x2x9x9", 1, 2, 2, 9, 9, 16, mask_type="causal")
+_attention("causal-top-left-sq5-sk9", 1, 2, 2, 5, 9, 8, mask_type="causal")
+_attention("causal-bottom-right-sq5-sk9", 2, 2, 2, 5, 9, 8, mask_type="causal_bottom_right")
+_attention("padding-2x2x6x10", 2, 2, 2, 6, 10, 16, mask_type="padding", mask="padding")
+_attention("padding-causal-2x2x6x6", 2, 2, 2, 6, 6, 16, mask_type="padding_causal", mask="padding")
+_attention("arbitrary-full-row-2x2x7x7", 2, 2, 2, 7, 7, 16, mask_type="arbitrary", mask="arbitrary")
+_attention("gqa-scale-2x4x2x7x7", 2, 4, 2, 7, 7, 16, softmax_scale=0.3)
+_attention("mqa-dv8-causal-2x4x1x7x7", 2, 4, 1, 7, 7, 16, dv=8, mask_type="causal")
+_attention("causal-1x2x16x16", 1, 2, 2, 16, 16, 32, dtype=torch.bfloat16, mask_type="causal")

@@ -1,0 +1,80 @@
+"""Cases for ops.norm: LayerNorm and RMSNorm forward (optionally with FP8 output) and backward.
+
+Backward cases take statistics computed here from x in float32, as a forward would give them.
+FP8 outputs follow a float32 reduction, so they may differ by one FP8 step (not bit-exact).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..inputs import E4M3, E5M2, case, pow2, randn
+
+EPS = 1e-5
+
+
+def _x_weight(gen, shape, dtype, zero_centered):
+    x = randn(gen, *shape, dtype=dtype, std=2.0, mean=0.5)
+    weight = randn(gen, shape[-1], dtype=dtype, std=0.1 if zero_centered else 0.5, mean=0.0 if zero_centered else 1.0)
+    return x, weight
+
+
+def _layernorm_stats(x):
+    xf = x.float()
+    mean = xf.mean(-1)
+    rstd = torch.rsqrt(xf.var(-1, unbiased=False) + EPS)
+    return mean, rstd
+
+
+def _rms_rstd(x):
+    return torch.rsqrt(x.float().pow(2).mean(-1) + EPS)
+
+
+def _layernorm_fwd(name, shape, dtype, zero_centered=False, fp8=None):
+    @case("layernorm_fwd", name, exact_fp8=False)
+    def make(gen):
+        x, weight = _x_weight(gen, shape, dtype, zero_centered)
+        kwargs = dict(zero_centered_gamma=zero_centered)
+        if fp8 is not None:
+            kwargs.update(fp8_scale=pow2(2), fp8_dtype=fp8)
+        return (x, weight, randn(gen, shape[-1], dtype=dtype, std=0.1), EPS), kwargs
+
+
+def _rmsnorm_fwd(name, shape, dtype, zero_centered=False, fp8=None):
+    @case("rmsnorm_fwd", name, exact_fp8=False)
+    def make(gen):
+        x, weight = _x_weight(gen, shape, dtype, zero_centered)
+        kwargs = dict(zero_centered_gamma=zero_centered)
+        if fp8 is not None:
+            kwargs.update(fp8_scale=pow2(-1), fp8_dtype=fp8)
+        return (x, weight, EPS), kwargs
+
+
+def _layernorm_bwd(name, shape, dtype, zero_centered=False):
+    @case("layernorm_bwd", name)
+    def make(gen):
+        x, weight = _x_weight(gen, shape, dtype, zero_centered)
+        mean, rstd = _layernorm_stats(x)
+        dy = randn(gen, *shape, dtype=dtype)
+        return (dy, x, mean, rstd, weight), dict(zero_centered_gamma=zero_centered)
+
+
+def _rmsnorm_bwd(name, shape, dtype, zero_centered=False):
+    @case("rmsnorm_bwd", name)
+    def make(gen):
+        x, weight = _x_weight(gen, shape, dtype, zero_centered)
+        dy = randn(gen, *shape, dtype=dtype)
+        return (dy, x, _rms_rstd(x), weight), dict(zero_centered_gamma=zero_centered)
+
+
+_layernorm_fwd("fp32-4x7x96", (4, 7, 96), torch.float32)
+_layernorm_fwd("bf16-zero-centered-33x128", (33, 128), torch.bfloat16, zero_centered=True)
+_layernorm_fwd("fp32-fp8-e4m3-16x64", (16, 64), torch.float32, fp8=E4M3)
+_layernorm_fwd("fp16-fp8-e5m2-5x40", (5, 40), torch.float16, fp8=E5M2)
+_rmsnorm_fwd("fp32-3x5x80", (3, 5, 80), torch.float32)
+_rmsnorm_fwd("bf16-zero-centered-fp8-e4m3-33x64", (33, 64), torch.bfloat16, zero_centered=True, fp8=E4M3)
+_rmsnorm_fwd("fp16-17x48", (17, 48), torch.float16)
+_layernorm_bwd("fp32-6x5x48", (6, 5, 48), torch.float32)
+_layernorm_bwd("bf16-zero-centered-33x64", (33, 64), torch.bfloat16, zero_centered=True)
+_layernorm_bwd("fp16-17x40", (17, 40), torch.float16)
+_rmsnorm_bwd("fp32-6x5x48", (6, 5, 48), torch.float32)
+_rmsnorm_bwd("bf16-zero-centered-33x64", (33, 64), torch.bfloat16, zero_centered=True)

@@ -1,0 +1,132 @@
+"""A conformance case (one op, one set of fresh seeded inputs) and the input generators.
+
+Inputs are built on the CPU from a generator seeded by the case's id, so every run and every
+device sees the same values; the runner copies them to the backend's device. Values are
+random and never all zeros; FP8 inputs use power-of-two scales, so that x * scale is exact
+and a correct cast is bit-exact.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ..backend.types import fp8_max
+from .compare import Tol
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+
+Inputs = Tuple[tuple, dict]
+MakeInputs = Callable[[torch.Generator], Inputs]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call of one contract op.
+
+    make: builds (args, kwargs) on the CPU from a seeded generator.
+    exact_fp8: FP8 outputs must be bit-exact (pure casts); else within one FP8 step.
+    tol: a floor for float tolerances (e.g. the FP8 tolerance for FP8 GEMM outputs).
+    grad_of: positions of the args to differentiate w.r.t. (differentiable ops).
+    returns_out: the op must return the `out` tensor it was given.
+    """
+
+    op: str
+    name: str
+    make: MakeInputs
+    exact_fp8: bool = True
+    tol: Optional[Tol] = None
+    grad_of: Tuple[int, ...] = ()
+    returns_out: bool = False
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}[{self.name}]"
+
+    def inputs(self) -> Inputs:
+        return self.make(generator(self.id))
+
+
+CASES: List[Case] = []
+"""Every case, in registration order (filled by importing te_core.testing.cases)."""
+
+
+def case(op: str, name: str, **options) -> Callable[[MakeInputs], MakeInputs]:
+    """Registers the decorated input builder as a case of `op`."""
+
+    def register(make: MakeInputs) -> MakeInputs:
+        CASES.append(Case(op, name, make, **options))
+        return make
+
+    return register
+
+
+def generator(key: str) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(key.encode()))
+
+
+def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32, std: float = 1.0,
+          mean: float = 0.0) -> Tensor:
+    return (torch.randn(shape, generator=gen) * std + mean).to(dtype)
+
+
+def uniform(gen: torch.Generator, *shape: int, low: float, high: float, dtype=torch.float32) -> Tensor:
+    return (torch.rand(shape, generator=gen) * (high - low) + low).to(dtype)
+
+
+def pow2(exponent: int) -> Tensor:
+    """A 1-element float32 scale 2**exponent (exact to multiply by)."""
+    return torch.tensor([2.0**exponent], dtype=torch.float32)
+
+
+def fp8_specials(fp8_dtype: torch.dtype) -> List[float]:
+    """Values a cast must get exactly right: ties (round half to even), saturation, subnormals."""
+    mantissa_bits = 3 if fp8_dtype == E4M3 else 2
+    half_step = 2.0 ** -(mantissa_bits + 1)
+    min_subnormal = 2.0**-9 if fp8_dtype == E4M3 else 2.0**-16
+    fmax = fp8_max(fp8_dtype)
+    return [
+        1 + half_step, 1 + 3 * half_step, -(1 + half_step), 8 * (1 + 3 * half_step),  # ties
+        2 * fmax, -3 * fmax, fmax * (1 + half_step / 2),  # beyond the max: saturate
+        1.5 * min_subnormal, -2.5 * min_subnormal,  # subnormal ties
+    ]
+
+
+def to_cast(gen: torch.Generator, shape: Sequence[int], dtype: torch.dtype, fp8_dtype: torch.dtype,
+            scale: Tensor, *, specials: bool = True) -> Tensor:
+    """x to quantize at `scale`: spread over the format's range, a few beyond it, plus the
+    special values (first elements, divided by the power-of-two scale, so exact)."""
+    x = torch.randn(tuple(shape), generator=gen) * (fp8_max(fp8_dtype) / 3) / scale.item()
+    if specials:
+        values = torch.tensor(fp8_specials(fp8_dtype)) / scale.item()
+        n = min(values.numel(), x.numel())
+        x.view(-1)[:n] = values[:n]
+    return x.to(dtype)
+
+
+def fp8_data(gen: torch.Generator, shape: Sequence[int], fp8_dtype: torch.dtype, std: float = 8.0) -> Tensor:
+    """Random finite FP8 data (as a cast of normal values, clamped into range)."""
+    fmax = fp8_max(fp8_dtype)
+    return (torch.randn(tuple(shape), generator=gen) * std).clamp(-fmax, fmax).to(fp8_dtype)
+
+
+def row_scaled(gen: torch.Generator, rows: int, cols: int, dtype: torch.dtype) -> Tensor:
+    """Rows of very different magnitudes (powers of two), so block scales differ."""
+    exponents = torch.randint(-6, 7, (rows, 1), generator=gen).float()
+    return (torch.randn(rows, cols, generator=gen) * torch.exp2(exponents)).to(dtype)
+
+
+_SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", E4M3: "e4m3", E5M2: "e5m2"}
+
+
+def short(dtype: torch.dtype) -> str:
+    """fp32, bf16, e4m3, ...: for case names."""
+    return _SHORT_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def dims(shape: Sequence[int]) -> str:
+    return "x".join(map(str, shape))

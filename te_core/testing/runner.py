@@ -1,0 +1,87 @@
+"""Runs one conformance case on a backend implementation and checks it against the reference.
+
+The reference runs on CPU copies of the inputs, the implementation under test on copies on
+its device. Checked: the returned structure, shapes, dtypes and device; values within
+tolerance (FP8 casts bit-exact); every input afterwards (in-place updates, `out=` buffers —
+NaN-poisoned, so an element left unwritten shows — and inputs that must stay untouched);
+`out` returned when given; and, for differentiable ops, the gradients of the inputs.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from ..backend.types import OpImpl
+from .compare import assert_same
+from .inputs import Case, Inputs, generator
+
+
+def map_tensors(tree: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    if isinstance(tree, Tensor):
+        return fn(tree)
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(map_tensors(t, fn) for t in tree)
+    if isinstance(tree, dict):
+        return {k: map_tensors(v, fn) for k, v in tree.items()}
+    return tree
+
+
+def copy_to(inputs: Inputs, device: torch.device) -> Inputs:
+    """A deep copy of (args, kwargs) with every tensor on `device` (never shared storage)."""
+    return map_tensors(inputs, lambda t: t.detach().clone().to(device))
+
+
+def decline_reason(case: Case, op, impl: OpImpl, capabilities, device: torch.device) -> Optional[str]:
+    """Why the backend would not run this case (its capability check or supports()), or None."""
+    args, kwargs = copy_to(case.inputs(), device)
+    reason = op.check_capabilities(capabilities, args, kwargs)
+    if reason:
+        return f"declined by capability check: {reason}"
+    if impl.supports is not None:
+        ok, why = impl.supports(*args, **kwargs)
+        if not ok:
+            return f"declined by supports(): {why or '(no reason given)'}"
+    return None
+
+
+def run_case(case: Case, fn: Callable[..., Any], reference: Callable[..., Any], device: torch.device) -> None:
+    """Raises AssertionError (naming the case and what differs) unless `fn` matches `reference`."""
+    ref_args, ref_kwargs = copy_to(case.inputs(), torch.device("cpu"))
+    args, kwargs = copy_to(case.inputs(), device)
+    _require_grad(case, ref_args)
+    _require_grad(case, args)
+    expected = reference(*ref_args, **ref_kwargs)
+    actual = fn(*args, **kwargs)
+    opts = dict(exact_fp8=case.exact_fp8, tol=case.tol)
+    if case.returns_out and actual is not kwargs["out"]:
+        raise AssertionError(f"{case.id}: must return the `out` tensor it was given, returned another object")
+    assert_same(actual, expected, where=f"{case.id} output", device_type=device.type, **opts)
+    assert_same(_detached(args), _detached(ref_args), where=f"{case.id} positional inputs after the call", **opts)
+    assert_same(_detached(kwargs), _detached(ref_kwargs), where=f"{case.id} keyword inputs after the call", **opts)
+    if case.grad_of:
+        _check_grads(case, actual, expected, args, ref_args, device)
+
+
+def _require_grad(case: Case, args: tuple) -> None:
+    for i in case.grad_of:
+        args[i].requires_grad_(True)
+
+
+def _detached(tree: Any) -> Any:
+    return map_tensors(tree, lambda t: t.detach())
+
+
+def _check_grads(case: Case, actual: Tensor, expected: Tensor, args: tuple, ref_args: tuple, device) -> None:
+    if not isinstance(actual, Tensor) or not actual.requires_grad:
+        raise AssertionError(f"{case.id}: the output is not differentiable (requires_grad is False); "
+                             f"the contract requires autograd for inputs {case.grad_of}")
+    grad_out = torch.randn(expected.shape, generator=generator(case.id + "/grad")).to(expected.dtype)
+    inputs = [args[i] for i in case.grad_of]
+    grads = torch.autograd.grad(actual, inputs, grad_out.to(device), allow_unused=True)
+    ref_grads = torch.autograd.grad(expected, [ref_args[i] for i in case.grad_of], grad_out, allow_unused=True)
+    for i, got, want in zip(case.grad_of, grads, ref_grads):
+        if got is None and want is not None:
+            raise AssertionError(f"{case.id}: no gradient reaches input {i}; the reference has one")
+        assert_same(got, want, where=f"{case.id} gradient of input {i}", device_type=device.type, tol=case.tol)

@@ -1,0 +1,99 @@
+"""Reference activations against float64 torch, derivatives against float64 autograd."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from te_core.reference import activation
+
+TOLS = {torch.float32: dict(rtol=1.3e-6, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-5)}
+E4M3 = torch.float8_e4m3fn
+
+PLAIN = {
+    "gelu": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "qgelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "srelu": lambda x: F.relu(x) ** 2,
+}
+GATED = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}
+
+
+def act64(x, kind):
+    if kind in GATED:
+        a, b = x.chunk(2, dim=-1)
+        return PLAIN[GATED[kind]](a) * b
+    return PLAIN[kind](x)
+
+
+@pytest.mark.parametrize("kind", list(PLAIN) + list(GATED))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_and_backward(kind, dtype):
+    x = (torch.randn(3, 5, 74) * 3).to(dtype)
+    out_cols = 37 if kind in GATED else 74
+    dy = torch.randn(3, 5, out_cols).to(dtype)
+    y, amax = activation.activation_fwd(x, kind)
+    x64 = x.double().requires_grad_()
+    y64 = act64(x64, kind)
+    assert y.dtype == dtype and y.shape == (3, 5, out_cols) and amax is None
+    torch.testing.assert_close(y.double(), y64.to(dtype).double(), **TOLS[dtype])
+    y64.backward(dy.double())
+    dx = activation.activation_bwd(dy, x, kind)
+    assert dx.dtype == dtype and dx.shape == x.shape
+    torch.testing.assert_close(dx.double(), x64.grad.to(dtype).double(), **TOLS[dtype])
+
+
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+def test_fp8_output(kind):
+    x = torch.randn(6, 64) * 30
+    y_hp, _ = activation.activation_fwd(x, kind)
+    y8, amax = activation.activation_fwd(x, kind, fp8_scale=torch.tensor([2.5]), fp8_dtype=E4M3)
+    assert torch.equal(y8.view(torch.uint8), torch.clamp(y_hp * 2.5, -448, 448).to(E4M3).view(torch.uint8))
+    assert amax.item() == y_hp.abs().max().item()
+
+
+def test_dbias():
+    dy = torch.randn(3, 5, 37, dtype=torch.bfloat16)
+    db = activation.dbias(dy)
+    assert db.dtype == torch.bfloat16 and db.shape == (37,)
+    torch.testing.assert_close(db.double(), dy.double().sum((0, 1)).bfloat16().double(), rtol=1.6e-2, atol=1e-5)
+
+
+def test_dbias_cast_transpose():
+    dy = torch.randn(45, 70) * 10
+    scale = torch.tensor([4.0])
+    data, data_t, db, amax = activation.dbias_cast_transpose(dy, scale, E4M3)
+    want = torch.clamp(dy * 4.0, -448, 448).to(E4M3)
+    assert torch.equal(data.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(data_t.view(torch.uint8), want.t().contiguous().view(torch.uint8))
+    torch.testing.assert_close(db.double(), dy.double().sum(0), rtol=1.3e-6, atol=1e-5)
+    assert amax.item() == dy.abs().max().item()
+
+
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+def test_activation_bwd_dbias_cast_transpose(kind):
+    x = torch.randn(33, 80, dtype=torch.bfloat16)
+    dy = torch.randn(33, 40 if kind == "swiglu" else 80, dtype=torch.bfloat16)
+    scale = torch.tensor([16.0])
+    data, data_t, db, amax = activation.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, E4M3)
+    x64 = x.double().requires_grad_()
+    act64(x64, kind).backward(dy.double())
+    dx = x64.grad
+    assert data.shape == x.shape and data_t.shape == (80, 33) and db.dtype == torch.bfloat16
+    torch.testing.assert_close(data.double() / 16.0, dx, rtol=0.125, atol=0.0675)
+    assert torch.equal(data_t.view(torch.uint8), data.t().contiguous().view(torch.uint8))
+    # dbias sums dx as activation_bwd returns it (in x's dtype), accumulating in float32
+    torch.testing.assert_close(db.double(), dx.bfloat16().double().sum(0).bfloat16().double(), rtol=1.6e-2, atol=1e-5)
+    torch.testing.assert_close(amax.double(), dx.abs().max(), rtol=1.6e-2, atol=1e-5)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match=r"kind='tanh' is not supported; allowed values: 'gelu', 'relu'"):
+        activation.activation_fwd(torch.randn(4, 6), "tanh")
+    with pytest.raises(ValueError, match=r"gated activation 'swiglu'.*must be even, got 7"):
+        activation.activation_fwd(torch.randn(4, 7), "swiglu")
+    with pytest.raises(ValueError, match=r"dy has shape \(4, 6\); activation 'geglu' of x \(4, 6\) needs \(4, 3\)"):
+        activation.activation_bwd(torch.randn(4, 6), torch.randn(4, 6), "geglu")
+    with pytest.raises(ValueError, match=r"dy must be 2-D"):
+        activation.dbias_cast_transpose(torch.randn(2, 3, 4), torch.ones(1), E4M3)
+    with pytest.raises(TypeError, match=r"x has dtype torch.int64"):
+        activation.activation_fwd(torch.ones(3, dtype=torch.long), "relu")

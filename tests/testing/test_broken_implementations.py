@@ -1,0 +1,147 @@
+"""Deliberately broken implementations are caught by the kit's runner; correct ones pass.
+
+Each broken function is what a plausible backend bug looks like; the runner must fail every
+case of its op that exercises the bug, with a message naming what went wrong.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from te_core.backend.types import fp8_max
+from te_core.reference.plugin import implementations
+from te_core.testing.cases import cases_by_op
+from te_core.testing.runner import map_tensors, run_case
+
+REF = implementations()
+CPU = torch.device("cpu")
+CASES = cases_by_op()
+
+
+def _cases(op, must_have=""):
+    return [c for c in CASES[op] if must_have in c.name]
+
+
+def _quantize_toward_zero(x, scale, fp8_dtype):
+    """Truncates the float32 mantissa to the FP8 width (round toward zero) before the cast."""
+    y = (x.float() * scale).clamp(-fp8_max(fp8_dtype), fp8_max(fp8_dtype))
+    drop = 23 - (3 if fp8_dtype == torch.float8_e4m3fn else 2)
+    y = (y.view(torch.int32) & ~((1 << drop) - 1)).view(torch.float32)
+    return y.to(fp8_dtype), x.float().abs().amax()
+
+
+def _gemm_without_bias(a, b, *, bias=None, **kwargs):
+    return REF["gemm"](a, b, **kwargs)
+
+
+def _gemm_fp8_without_bias(a, b, a_si, b_si, *, bias=None, **kwargs):
+    return REF["gemm_fp8"](a, b, a_si, b_si, **kwargs)
+
+
+def _gemm_new_tensor(a, b, *, out=None, **kwargs):
+    result = REF["gemm"](a, b, out=None if out is None else out.clone(), **kwargs)
+    return result.clone()
+
+
+def _gemm_half_written(a, b, *, out=None, **kwargs):
+    if out is None:
+        return REF["gemm"](a, b, **kwargs)
+    result = REF["gemm"](a, b, out=out.clone(), **kwargs)
+    out[: out.shape[0] // 2] = result[: out.shape[0] // 2]
+    return out
+
+
+def _gemm_ignores_accumulate(a, b, *, accumulate=False, **kwargs):
+    return REF["gemm"](a, b, accumulate=False, **kwargs)
+
+
+def _adam_forgets_second_moment(params, grads, exp_avgs, exp_avg_sqs, **kwargs):
+    REF["multi_tensor_adam"](params, grads, exp_avgs, [s.clone() for s in exp_avg_sqs], **kwargs)
+
+
+def _attention_detached(q, k, v, **kwargs):
+    return REF["attention"](q.detach(), k.detach(), v.detach(), **kwargs)
+
+
+class _DoubleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def _attention_wrong_grad(q, k, v, **kwargs):
+    return REF["attention"](_DoubleGrad.apply(q), k, v, **kwargs)
+
+
+def _cross_entropy_no_ignore(logits, target, *, ignore_index=-100, **kwargs):
+    target = torch.where(target == ignore_index, torch.zeros_like(target), target)
+    return REF["cross_entropy"](logits, target, ignore_index=ignore_index, **kwargs)
+
+
+def _layernorm_wrong_dtype(x, *args, **kwargs):
+    y, mean, rstd, amax = REF["layernorm_fwd"](x, *args, **kwargs)
+    return (y.float() if y.dtype != torch.float32 else y.double()), mean, rstd, amax
+
+
+def _dbias_clobbers_input(dy):
+    result = REF["dbias"](dy)
+    dy.mul_(2)
+    return result
+
+
+def _scaling_no_roll(histories, scales, fp8_maxes, **kwargs):
+    copies = [h.clone() for h in histories]
+    REF["delayed_scaling_update"](copies, scales, fp8_maxes, **kwargs)
+
+
+BROKEN = [
+    ("quantize_fp8", "", _quantize_toward_zero, "FP8 values differ"),
+    ("gemm", "bias", _gemm_without_bias, "differ beyond"),
+    ("gemm_fp8", "bias", _gemm_fp8_without_bias, "differ beyond"),
+    ("gemm", "out", _gemm_new_tensor, "must return the `out` tensor"),
+    ("gemm", "poisoned", _gemm_half_written, "NaN poison"),
+    ("gemm", "accumulate", _gemm_ignores_accumulate, "differ beyond"),
+    ("multi_tensor_adam", "", _adam_forgets_second_moment, r"inputs after the call\[3\]"),
+    ("attention", "", _attention_detached, "not differentiable"),
+    ("attention", "", _attention_wrong_grad, "gradient of input 0"),
+    ("cross_entropy", "ignore", _cross_entropy_no_ignore, "differ beyond"),
+    ("layernorm_fwd", "", _layernorm_wrong_dtype, r"output\[0\]: dtype"),
+    ("dbias", "", _dbias_clobbers_input, "positional inputs after the call"),
+    ("delayed_scaling_update", "", _scaling_no_roll, r"inputs after the call\[0\]"),
+]
+
+
+@pytest.mark.parametrize("op, must_have, broken, message", BROKEN, ids=[b[2].__name__.strip("_") for b in BROKEN])
+def test_broken_implementation_is_caught(op, must_have, broken, message):
+    cases = _cases(op, must_have)
+    assert cases, f"no {op} case named *{must_have}*"
+    for case in cases:
+        with pytest.raises(AssertionError, match=message):
+            run_case(case, broken, REF[op], CPU)
+
+
+@pytest.mark.parametrize("op", ["quantize_blockwise", "gemm_fp8", "attention", "multi_tensor_adam"])
+def test_reference_against_itself_passes(op):
+    for case in CASES[op]:
+        run_case(case, REF[op], REF[op], CPU)
+
+
+def _tensors(inputs):
+    found = []
+    map_tensors(inputs, lambda t: found.append(t) or t)
+    return found
+
+
+def test_case_inputs_are_seeded_fresh_and_nonzero():
+    for op_cases in CASES.values():
+        for case in op_cases:
+            first, again = _tensors(case.inputs()), _tensors(case.inputs())
+            assert first and len(first) == len(again), case.id
+            for x, y in zip(first, again):
+                assert x is not y and torch.equal(x.float().nan_to_num(), y.float().nan_to_num()), case.id
+                if x.is_floating_point() and x.numel() > 1:
+                    assert x.float().ne(0).float().mean() > 0.5, f"{case.id}: an input is mostly zeros"
