@@ -4,8 +4,12 @@ x is (s, b, h, d) for tensor_format "sbhd" or (b, s, h, d) for "bshd". freqs is 
 (s, 1, 1, r) of angles, r <= d, r even; dims r..d of x pass through unchanged.
 Non-interleaved (default, as Transformer Engine and GPT-NeoX): freqs = cat(f, f) and
 y = x * cos(freqs) + rotate_half(x) * sin(freqs) with rotate_half(x) = cat(-x2, x1) over the
-halves of the first r dims. Interleaved (GPT-J): pair (2i, 2i+1) is rotated by the angle
-freqs[..., i] (only the first r/2 angles are read). Math in float32, y in x's dtype.
+halves of the first r dims. Interleaved (GPT-J), as Transformer Engine: channels (2i, 2i+1)
+rotate as a pair and channel d reads its own angle freqs[..., d], so freqs is built as
+[f0, f0, f1, f1, ...]: y[2i] = x[2i] cos(freqs[2i]) - x[2i+1] sin(freqs[2i]),
+y[2i+1] = x[2i+1] cos(freqs[2i+1]) + x[2i] sin(freqs[2i+1]) (backward assumes the two angles
+of a pair are equal, as they are when built that way). Math in float32, y in x's dtype.
+freqs may have more rows than the sequence; the first s are used.
 """
 from __future__ import annotations
 

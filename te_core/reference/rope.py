@@ -36,10 +36,12 @@ def _rotate(x: Tensor, angles: Tensor, sign: float, interleaved: bool) -> Tensor
     x32 = x.float()
     rot, rest = x32[..., :r], x32[..., r:]
     if interleaved:
-        theta = angles[..., : r // 2]
-        cos, sin = torch.cos(theta), sign * torch.sin(theta)
+        # each channel reads its own angle (TE builds them [f0, f0, f1, f1, ...])
+        theta_even, theta_odd = angles[..., 0::2], angles[..., 1::2]
         even, odd = rot[..., 0::2], rot[..., 1::2]
-        rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
+        rotated = torch.stack(
+            [even * torch.cos(theta_even) - odd * (sign * torch.sin(theta_even)),
+             odd * torch.cos(theta_odd) + even * (sign * torch.sin(theta_odd))], dim=-1).flatten(-2)
     else:
         x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
         rotated = rot * torch.cos(angles) + torch.cat([-x2, x1], dim=-1) * (sign * torch.sin(angles))

@@ -24,9 +24,10 @@ def rope64(x, f, interleaved):
 
 
 def freqs_for(s, r, interleaved, extra_rows=0):
-    """The contract's freqs (s, 1, 1, r) and the r/2 angles each pair is rotated by."""
+    """The contract's freqs (s, 1, 1, r) and the r/2 angles each channel pair is rotated by."""
     f = torch.randn(s + extra_rows, r // 2) * 3
-    full = torch.cat([f, f], -1) if not interleaved else torch.cat([f, torch.randn_like(f)], -1)
+    # interleaved: TE's layout, each channel of a pair holds the pair's angle: [f0, f0, f1, f1, ...]
+    full = torch.cat([f, f], -1) if not interleaved else torch.stack([f, f], -1).flatten(-2)
     return full[:, None, None, :].float(), f[:s].double()
 
 

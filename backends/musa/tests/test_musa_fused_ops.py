@@ -132,9 +132,9 @@ def _rope64(x, freqs, fmt, interleaved):
     f = freqs[:s].double()
     part, rest = xs[..., :r], xs[..., r:]
     if interleaved:
-        ang = f[..., : r // 2]
+        ang_e, ang_o = f[..., 0::2], f[..., 1::2]  # channel d reads angle d, as TE
         even, odd = part[..., 0::2], part[..., 1::2]
-        out = torch.stack((even * ang.cos() - odd * ang.sin(), odd * ang.cos() + even * ang.sin()), -1).flatten(-2)
+        out = torch.stack((even * ang_e.cos() - odd * ang_e.sin(), odd * ang_o.cos() + even * ang_o.sin()), -1).flatten(-2)
     else:
         x1, x2 = part[..., : r // 2], part[..., r // 2 :]
         out = part * f.cos() + torch.cat((-x2, x1), -1) * f.sin()
@@ -144,7 +144,8 @@ def _rope64(x, freqs, fmt, interleaved):
 
 def _freqs(s, r, interleaved, g):
     half = torch.rand(s + 3, 1, 1, r // 2, generator=g) * 6
-    return torch.rand(s + 3, 1, 1, r, generator=g) * 6 if interleaved else torch.cat((half, half), -1)
+    # interleaved: TE's layout [f0, f0, f1, f1, ...] (each pair's channels share the angle)
+    return torch.stack((half, half), -1).flatten(-2) if interleaved else torch.cat((half, half), -1)
 
 
 @pytest.mark.parametrize("fmt", ["sbhd", "bshd"])

@@ -11,6 +11,8 @@ import torch
 
 from te_backend_musa import plugin, triton_kernels
 
+pytest.importorskip("te_triton", reason="the shared Triton kernels (backends/triton) are not installed")
+
 E4M3 = torch.float8_e4m3fn
 
 

@@ -35,8 +35,8 @@ def _rotate(x: Tensor, freqs: Tensor, tensor_format: str, interleaved: bool) -> 
     angles = freqs[:seq].reshape(seq, rot).float()
     part = x_sbhd[..., :rot].float()
     if interleaved:
-        half = angles[:, : rot // 2]
-        angles = torch.cat((half, half), dim=-1)
+        # channel d reads angle d (TE's interleaved layout): de-interleave the angles like x
+        angles = torch.cat((angles[:, 0::2], angles[:, 1::2]), dim=-1)
         part = torch.cat((part[..., 0::2], part[..., 1::2]), dim=-1)
     rotated = _rope_kernel(part.contiguous(), angles.contiguous())
     if interleaved:
