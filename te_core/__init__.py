@@ -1,11 +1,47 @@
 """te-core: a multi-vendor Transformer Engine for PyTorch.
 
-`import te_core as te` gives the names Transformer Engine users know; vendor backends plug in
-through the registry in te_core.backend.
+`import te_core as te` gives the names Transformer Engine users know (`te.Linear`,
+`te.autocast`, `te.recipe.DelayedScaling`, ...); vendor backends plug in through the registry
+in te_core.backend, and every computation runs through the op contract in te_core.ops.
 """
 __version__ = "0.1.0"
 
-from . import ops
-from .backend import get_backend, is_fp8_available, list_backends, set_backend
+from . import ops, recipe
+from .backend import get_backend, list_backends, set_backend
+from .convert import convert_model
+from .modules import (
+    DotProductAttention,
+    GroupedLinear,
+    LayerNorm,
+    LayerNormLinear,
+    LayerNormMLP,
+    Linear,
+    MultiheadAttention,
+    RMSNorm,
+    RotaryPositionEmbedding,
+    TransformerLayer,
+    apply_rotary_pos_emb,
+    checkpoint,
+)
+from .quantization import (
+    Float8BlockwiseTensor,
+    Float8Tensor,
+    MXFP8Tensor,
+    QuantizedTensor,
+    autocast,
+    fp8_autocast,
+    fp8_model_init,
+    is_fp8_available,
+    is_fp8_block_scaling_available,
+    is_mxfp8_available,
+    quantized_model_init,
+)
 
-__all__ = ["__version__", "ops", "get_backend", "set_backend", "list_backends", "is_fp8_available"]
+__all__ = [
+    "__version__", "ops", "recipe", "get_backend", "set_backend", "list_backends", "convert_model",
+    "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "LayerNorm", "RMSNorm", "DotProductAttention",
+    "MultiheadAttention", "TransformerLayer", "RotaryPositionEmbedding", "apply_rotary_pos_emb", "checkpoint",
+    "autocast", "fp8_autocast", "quantized_model_init", "fp8_model_init", "is_fp8_available",
+    "is_fp8_block_scaling_available", "is_mxfp8_available",
+    "Float8Tensor", "Float8BlockwiseTensor", "MXFP8Tensor", "QuantizedTensor",
+]

@@ -1,0 +1,22 @@
+"""Triton tuning configs for NVIDIA GPUs, by kernel family.
+
+Chosen on an H200 (132 SMs) by `benchmarks/bench_kernels.py --sweep` at 16384x8192 bf16, each
+config checked against the reference in the same run (benchmarks/results/kernels-2026-11-30.json).
+Program caps are multiples of the SM count; other GPUs use these until measured.
+"""
+from __future__ import annotations
+
+from te_triton import Config
+
+SMS = 132  # H200
+
+QUANTIZE = Config(block=8192, num_warps=8, max_programs=SMS * 4)  # 3749 GB/s (one block per program: 3220)
+CAST_TRANSPOSE = Config(block_m=64, block_n=128, num_warps=4)  # 3525 GB/s (64x128 with 8 warps: 2177)
+NORM = Config(num_warps=8, max_programs=SMS * 4)  # LayerNorm fwd + FP8 out: 2340 GB/s
+NORM_BWD = Config(num_warps=16, max_programs=SMS * 2)  # LayerNorm bwd: 2571 GB/s
+ELEMENTWISE = Config(block_m=8, block_n=256, num_warps=4)  # gelu fwd + FP8 out: 2161 GB/s (compute-bound)
+SCALING = Config(block_m=8, block_n=128, num_warps=4)
+SOFTMAX = Config(num_warps=4)
+ROPE = Config(num_warps=4)
+BLOCKWISE = Config(block_m=64, num_warps=8)  # not measured yet
+LOSS = Config(block=4096, num_warps=8)  # not measured yet

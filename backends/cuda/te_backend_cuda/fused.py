@@ -1,0 +1,321 @@
+"""The memory-bound contract ops on te_triton kernels, with this backend's tuning configs.
+
+Each op is an OpImpl whose supports() declines (so the reference runs) what the kernels do
+not take: tensors off the GPU, non-contiguous inputs, int32-overflowing sizes, huge rows.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict
+
+import torch
+from te_core.backend.types import OpImpl
+from te_triton import activation, blockwise, cast, loss, norm, rope, scaling, softmax
+from te_triton._common import MAX_NUMEL
+
+from . import configs
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+EXPERIMENTAL_ENV = "TE_CUDA_EXPERIMENTAL_OPS"
+"""=1 also registers kernels that pass the interpreter tests but have not yet been checked on a
+GPU by benchmarks/bench_kernels.py (see EXPERIMENTAL below)."""
+
+
+def _tensor_ok(x: torch.Tensor, name: str = "x"):
+    if not x.is_cuda:
+        return False, f"{name} is not on a CUDA device"
+    if x.dtype not in FLOAT_DTYPES:
+        return False, f"{name} dtype {x.dtype} is not float32/bfloat16/float16"
+    if not x.is_contiguous():
+        return False, f"{name} is not contiguous"
+    if x.numel() > MAX_NUMEL:
+        return False, f"{name} has more than 2^31 elements"
+    return True, ""
+
+
+def _all_ok(*named):
+    for t, name in named:
+        ok, why = _tensor_ok(t, name)
+        if not ok:
+            return ok, why
+    return True, ""
+
+
+def _on_device(fn):
+    """Launch on the tensor's GPU, not the current one."""
+    def run(x, *args, **kwargs):
+        if x.device.index == torch.cuda.current_device():
+            return fn(x, *args, **kwargs)
+        with torch.cuda.device(x.device):
+            return fn(x, *args, **kwargs)
+    run.__name__ = fn.__name__
+    return run
+
+
+# --- cast ---------------------------------------------------------------------------------
+def quantize_fp8(x, scale, fp8_dtype):
+    return cast.quantize_fp8(x, scale, fp8_dtype, configs.QUANTIZE)
+
+
+def cast_transpose_fp8(x, scale, fp8_dtype):
+    return cast.cast_transpose_fp8(x, scale, fp8_dtype, configs.CAST_TRANSPOSE)
+
+
+def quantize_fp8_current(x, fp8_dtype, *, with_transpose=False, force_pow2_scales=False, amax_epsilon=0.0):
+    return cast.quantize_fp8_current(x, fp8_dtype, with_transpose=with_transpose, force_pow2_scales=force_pow2_scales,
+                                     amax_epsilon=amax_epsilon, cfg=configs.QUANTIZE, ct_cfg=configs.CAST_TRANSPOSE)
+
+
+def _scale_ok(scale, x, name="scale"):
+    """The kernels read a 1-element float32 scale from x's device; anything else goes to the
+    reference, which converts it or names the problem."""
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
+        return False, f"{name} is not a 1-element float32 tensor"
+    if scale.device != x.device:
+        return False, f"{name} is not on x's device"
+    return True, ""
+
+
+def _fp8_out_ok(x, fp8_scale, fp8_dtype):
+    if (fp8_scale is None) != (fp8_dtype is None):
+        return False, "fp8_scale and fp8_dtype go together (the reference explains)"
+    return (True, "") if fp8_scale is None else _scale_ok(fp8_scale, x, "fp8_scale")
+
+
+def _cast_ok(x, scale, *args, **kwargs):
+    ok, why = _scale_ok(scale, x)
+    return (ok, why) if not ok else _tensor_ok(x)
+
+
+def _cast_2d_ok(x, scale, *args, **kwargs):
+    if x.dim() != 2:
+        return False, "x is not 2-D"
+    return _cast_ok(x, scale)
+
+
+def _self_scaled_2d_ok(x, *args, **kwargs):
+    if x.dim() != 2:
+        return False, "x is not 2-D"
+    return _tensor_ok(x)
+
+
+def _current_ok(x, fp8_dtype, *, with_transpose=False, **_):
+    return _self_scaled_2d_ok(x) if with_transpose else _tensor_ok(x)
+
+
+def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, force_pow2_scales=True,
+                       amax_epsilon=0.0):
+    return blockwise.quantize_blockwise(x, fp8_dtype, block_2d=block_2d, with_transpose=with_transpose,
+                                        force_pow2_scales=force_pow2_scales, amax_epsilon=amax_epsilon,
+                                        cfg=configs.BLOCKWISE)
+
+
+# --- norm ---------------------------------------------------------------------------------
+def layernorm_fwd(x, weight, bias, eps, *, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None):
+    return norm.norm_fwd(x, weight, bias, eps, rms=False, zero_centered_gamma=zero_centered_gamma,
+                         fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=configs.NORM)
+
+
+def rmsnorm_fwd(x, weight, eps, *, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None):
+    y, _, rstd, amax = norm.norm_fwd(x, weight, None, eps, rms=True, zero_centered_gamma=zero_centered_gamma,
+                                     fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=configs.NORM)
+    return y, rstd, amax
+
+
+def layernorm_bwd(dy, x, mean, rstd, weight, *, zero_centered_gamma=False):
+    return norm.norm_bwd(dy, x, mean, rstd, weight, rms=False, zero_centered_gamma=zero_centered_gamma,
+                         cfg=configs.NORM_BWD)
+
+
+def rmsnorm_bwd(dy, x, rstd, weight, *, zero_centered_gamma=False):
+    dx, dw, _ = norm.norm_bwd(dy, x, None, rstd, weight, rms=True, zero_centered_gamma=zero_centered_gamma,
+                              cfg=configs.NORM_BWD)
+    return dx, dw
+
+
+def _rows_ok(x, weight):
+    if x.dim() == 0 or x.shape[-1] > norm.MAX_N:
+        return False, f"rows longer than {norm.MAX_N} elements do not fit the one-row-per-program kernel"
+    if weight.numel() != x.shape[-1]:
+        return False, "weight does not match x's last dimension"
+    return _all_ok((x, "x"), (weight, "weight"))
+
+
+def _norm_fwd_ok(x, weight, *args, fp8_scale=None, fp8_dtype=None, **kwargs):
+    bias = args[0] if len(args) > 1 else None  # layernorm: (bias, eps); rmsnorm: (eps,)
+    for ok, why in (_fp8_out_ok(x, fp8_scale, fp8_dtype),
+                    _tensor_ok(bias, "bias") if bias is not None else (True, "")):
+        if not ok:
+            return ok, why
+    return _rows_ok(x, weight)
+
+
+def _layernorm_bwd_ok(dy, x, mean, rstd, weight, **_):
+    if dy.shape != x.shape or rstd.shape != x.shape[:-1] or (mean is not None and mean.shape != rstd.shape):
+        return False, "dy, mean and rstd do not match x's shape"
+    ok, why = _rows_ok(x, weight)
+    return (ok, why) if not ok else _tensor_ok(dy, "dy")
+
+
+def _rmsnorm_bwd_ok(dy, x, rstd, weight, **_):
+    return _layernorm_bwd_ok(dy, x, None, rstd, weight)
+
+
+# --- activation ---------------------------------------------------------------------------
+def activation_fwd(x, kind, *, fp8_scale=None, fp8_dtype=None):
+    return activation.activation_fwd(x, kind, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=configs.ELEMENTWISE)
+
+
+def activation_bwd(dy, x, kind):
+    return activation.activation_bwd(dy, x, kind, configs.ELEMENTWISE)
+
+
+def dbias_cast_transpose(dy, scale, fp8_dtype):
+    return activation.dbias_cast_transpose(dy, scale, fp8_dtype, configs.CAST_TRANSPOSE)
+
+
+def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype):
+    return activation.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, configs.CAST_TRANSPOSE,
+                                                          configs.ELEMENTWISE)
+
+
+def _act_fwd_ok(x, kind, *, fp8_scale=None, fp8_dtype=None):
+    if kind not in activation.KIND_IDS:
+        return False, f"activation {kind!r} has no kernel"
+    if kind in activation.GATED and (x.dim() == 0 or x.shape[-1] % 2):
+        return False, "a gated activation needs an even last dimension"
+    ok, why = _fp8_out_ok(x, fp8_scale, fp8_dtype)
+    return (ok, why) if not ok else _tensor_ok(x)
+
+
+def _act_bwd_ok(dy, x, kind):
+    if kind in activation.KIND_IDS and x.dim() > 0:
+        h = x.shape[-1] // 2 if kind in activation.GATED else x.shape[-1]
+        if dy.shape != (*x.shape[:-1], h):
+            return False, "dy does not match the activation's output shape"
+    ok, why = _act_fwd_ok(x, kind)
+    return (ok, why) if not ok else _tensor_ok(dy, "dy")
+
+
+def _dbias_ct_ok(dy, scale, fp8_dtype):
+    return _cast_2d_ok(dy, scale)
+
+
+def _act_bwd_dbias_ct_ok(dy, x, kind, scale, fp8_dtype):
+    if x.dim() != 2:
+        return False, "x is not 2-D"
+    ok, why = _scale_ok(scale, x)
+    return (ok, why) if not ok else _act_bwd_ok(dy, x, kind)
+
+
+# --- scaling ------------------------------------------------------------------------------
+def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin=0.0, amax_compute_algo="max"):
+    if not amax_histories:
+        return None
+    with torch.cuda.device(amax_histories[0].device):
+        scaling.delayed_scaling_update(amax_histories, scales, fp8_maxes, margin=margin,
+                                       amax_compute_algo=amax_compute_algo, cfg=configs.SCALING)
+    return None
+
+
+def _scaling_ok(amax_histories, scales, fp8_maxes, *, margin=0.0, amax_compute_algo="max"):
+    if not callable(amax_compute_algo) and amax_compute_algo not in ("max", "most_recent"):
+        return False, f"amax_compute_algo {amax_compute_algo!r} has no kernel"
+    if callable(amax_compute_algo):
+        return False, "a callable amax_compute_algo runs on the reference path"
+    devices = {t.device for t in list(amax_histories) + list(scales)}
+    if len(devices) > 1 or any(d.type != "cuda" for d in devices):
+        return False, "histories and scales must all be on one CUDA device"
+    for h, s in zip(amax_histories, scales):
+        if h.dim() != 2 or h.dtype != torch.float32 or not h.is_contiguous() or not s.is_contiguous():
+            return False, "histories must be contiguous float32 (L, n) tensors with contiguous scales"
+    return True, ""
+
+
+# --- softmax, rope -------------------------------------------------------------------------
+def softmax_fwd(x, scale, *, mask=None, causal=False):
+    return softmax.softmax_fwd(x, scale, mask=mask, causal=causal, cfg=configs.SOFTMAX)
+
+
+def softmax_bwd(dy, y, scale):
+    return softmax.softmax_bwd(dy, y, scale, configs.SOFTMAX)
+
+
+def _softmax_fwd_ok(x, scale, *, mask=None, causal=False):
+    if x.dim() != 4 or x.shape[-1] > softmax.MAX_SK:
+        return False, f"x must be 4-D with at most {softmax.MAX_SK} keys per row"
+    if mask is not None:
+        if mask.dtype != torch.bool or mask.device != x.device or mask.dim() > 4:
+            return False, "mask must be a bool tensor on x's device"
+        try:
+            if torch.broadcast_shapes(mask.shape, x.shape) != x.shape:
+                return False, "mask does not broadcast to x"
+        except RuntimeError:
+            return False, "mask does not broadcast to x"
+    return _tensor_ok(x)
+
+
+def _softmax_bwd_ok(dy, y, scale):
+    if dy.dim() != 4 or dy.shape != y.shape or dy.shape[-1] > softmax.MAX_SK:
+        return False, "dy and y must be 4-D of one shape"
+    return _all_ok((dy, "dy"), (y, "y"))
+
+
+def rope_fwd(x, freqs, *, tensor_format="sbhd", interleaved=False):
+    return rope.rope_fwd(x, freqs, tensor_format=tensor_format, interleaved=interleaved, cfg=configs.ROPE)
+
+
+def rope_bwd(dy, freqs, *, tensor_format="sbhd", interleaved=False):
+    return rope.rope_bwd(dy, freqs, tensor_format=tensor_format, interleaved=interleaved, cfg=configs.ROPE)
+
+
+def _rope_ok(x, freqs, *, tensor_format="sbhd", interleaved=False):
+    if x.dim() != 4 or freqs.dim() != 4 or tensor_format not in ("sbhd", "bshd"):
+        return False, "x and freqs must be 4-D, tensor_format sbhd or bshd"
+    if x.shape[-2] * x.shape[-1] > 65536:
+        return False, "heads x head_dim above 65536 do not fit one program"
+    return _tensor_ok(x)
+
+
+def cross_entropy(logits, target, *, ignore_index=-100, label_smoothing=0.0, reduction="mean"):
+    return loss.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                              reduction=reduction, cfg=configs.LOSS)
+
+
+def _cross_entropy_ok(logits, target, **_):
+    if logits.dim() != 2 or target.dim() != 1 or target.dtype.is_floating_point or target.device != logits.device:
+        return False, "logits must be 2-D and target 1-D integer on the same device"
+    if not logits.is_cuda or logits.dtype not in FLOAT_DTYPES or not logits.is_contiguous():
+        return False, "logits must be contiguous float32/bfloat16/float16 on a CUDA device"
+    return True, ""
+
+
+EXPERIMENTAL = {
+    "quantize_blockwise": (quantize_blockwise, _self_scaled_2d_ok),
+    "cross_entropy": (cross_entropy, _cross_entropy_ok),
+}
+
+
+def ops() -> Dict[str, OpImpl]:
+    table = {
+        "quantize_fp8": (quantize_fp8, _cast_ok),
+        "cast_transpose_fp8": (cast_transpose_fp8, _cast_2d_ok),
+        "quantize_fp8_current": (quantize_fp8_current, _current_ok),
+        "layernorm_fwd": (layernorm_fwd, _norm_fwd_ok),
+        "rmsnorm_fwd": (rmsnorm_fwd, _norm_fwd_ok),
+        "layernorm_bwd": (layernorm_bwd, _layernorm_bwd_ok),
+        "rmsnorm_bwd": (rmsnorm_bwd, _rmsnorm_bwd_ok),
+        "activation_fwd": (activation_fwd, _act_fwd_ok),
+        "activation_bwd": (activation_bwd, _act_bwd_ok),
+        "dbias_cast_transpose": (dbias_cast_transpose, _dbias_ct_ok),
+        "activation_bwd_dbias_cast_transpose": (activation_bwd_dbias_cast_transpose, _act_bwd_dbias_ct_ok),
+        "softmax_fwd": (softmax_fwd, _softmax_fwd_ok),
+        "softmax_bwd": (softmax_bwd, _softmax_bwd_ok),
+        "rope_fwd": (rope_fwd, _rope_ok),
+        "rope_bwd": (rope_bwd, _rope_ok),
+    }
+    if os.environ.get(EXPERIMENTAL_ENV) == "1":
+        table.update(EXPERIMENTAL)
+    impls = {name: OpImpl(_on_device(fn), supports) for name, (fn, supports) in table.items()}
+    impls["delayed_scaling_update"] = OpImpl(delayed_scaling_update, _scaling_ok)
+    return impls

@@ -1,0 +1,146 @@
+"""FP8 GEMMs through torch._scaled_mm (cuBLASLt): a @ b.T with per-mode scale layouts.
+
+torch._scaled_mm wants the second operand column-major, so b (N, K) row-major is passed as
+b.t(). Its scales multiply back (they are our scale_inv). Scale layouts it expects (torch
+2.8+, cuBLAS 12.9+, sm_90): 1x128 scales "outer-dim-major" ((M, K/128) with stride (1, M));
+128x128 scales of b as a (K/128, N/128) view whose memory is K-major.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from te_core.backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, MXFP8, ROWWISE, TENSORWISE
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _scale_args(a, b, a_si, b_si, scaling: str):
+    M, N = a.shape[0], b.shape[0]
+    if scaling == TENSORWISE:
+        return a_si.reshape(()).float(), b_si.reshape(()).float()
+    if scaling == ROWWISE:
+        return a_si.reshape(M, 1).float().contiguous(), b_si.reshape(1, N).float().contiguous()
+    sa = a_si.float().t().contiguous().t()
+    if scaling == BLOCK_1x128_128x128:
+        return sa, b_si.float().contiguous().t()
+    if scaling == BLOCK_1x128_1x128:
+        return sa, b_si.float().t().contiguous()
+    raise ValueError(f"scaling {scaling!r} is not run by torch._scaled_mm here")
+
+
+def _bias_in_kernel(bias, out_dtype, scaling) -> bool:
+    # cuBLASLt's fused bias takes bf16/fp16 bias matching the output, tensor-wise only
+    return bias is not None and scaling == TENSORWISE and bias.dtype == out_dtype and out_dtype != torch.float32
+
+
+def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, bias=None, out=None,
+             accumulate=False):
+    """te_core.ops.gemm_fp8 on cuBLASLt."""
+    sa, sb = _scale_args(a, b, a_scale_inv, b_scale_inv, scaling)
+    fused_bias = bias if _bias_in_kernel(bias, out_dtype, scaling) else None
+    unfused_bias = bias is not None and fused_bias is None
+    direct = out is not None and not accumulate and out.dtype == out_dtype and out.is_contiguous() and not unfused_bias
+    kwargs = dict(bias=fused_bias, out_dtype=out_dtype, use_fast_accum=False)
+    if direct:
+        result = torch._scaled_mm(a, b.t(), sa, sb, out=out, **kwargs)
+    else:
+        result = torch._scaled_mm(a, b.t(), sa, sb, **kwargs)
+    if unfused_bias:
+        result = (result.float() + bias.float()).to(out_dtype)
+    if out is None or direct:
+        return out if direct else result
+    if accumulate:
+        return out.add_(result)
+    return out.copy_(result)
+
+
+def supports_gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, bias=None, out=None,
+                      accumulate=False) -> Tuple[bool, str]:
+    if not (a.is_cuda and b.is_cuda):
+        return False, "operands are not on a CUDA device"
+    why = fp8_gemm_decline_reason(a, b, out_dtype, scaling)
+    return (why is None), (why or "")
+
+
+def fp8_gemm_decline_reason(a, b, out_dtype, scaling) -> Optional[str]:
+    """Why cuBLASLt (through torch._scaled_mm) cannot take this call, or None."""
+    if a.dim() != 2 or b.dim() != 2:
+        return "operands must be 2-D"
+    if a.dtype not in FP8_DTYPES or b.dtype not in FP8_DTYPES:
+        return f"operands must be FP8, got {a.dtype} and {b.dtype}"
+    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+        return "cuBLASLt has no E5M2 x E5M2 GEMM"
+    (M, K), N = a.shape, b.shape[0]
+    if M % 16 or N % 16 or K % 16:
+        return f"cuBLASLt FP8 needs M, N, K multiples of 16, got M={M} N={N} K={K}"
+    if not (a.is_contiguous() and b.is_contiguous()):
+        return "operands must be contiguous row-major"
+    if a.data_ptr() % 16 or b.data_ptr() % 16:
+        return "operands must be 16-byte aligned"
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"out_dtype {out_dtype} is not produced by cuBLASLt FP8 GEMMs here"
+    if scaling == MXFP8:
+        return "mxfp8 GEMM needs swizzled E8M0 scales; not implemented in te-backend-cuda yet"
+    if scaling in (BLOCK_1x128_128x128, BLOCK_1x128_1x128):
+        if K % 128:
+            return f"block-scaled cuBLASLt GEMMs need K a multiple of 128, got {K}"
+        if scaling == BLOCK_1x128_128x128 and (K // 128) % 4:
+            return f"128x128 block scales need K/128 a multiple of 4 (cuBLASLt pads them), got K={K}"
+    return None
+
+
+def _expand(scale, rows, cols, mode, is_b):
+    if mode == TENSORWISE:
+        return scale.reshape(()).float()
+    if mode == ROWWISE:
+        return scale.reshape(rows, 1).float()
+    s = scale.float()
+    if mode == BLOCK_1x128_128x128 and is_b:
+        s = s.repeat_interleave(128, 0)[:rows]
+    return s.repeat_interleave(128, 1)[:, :cols]
+
+
+def emulate(a, b, a_scale_inv, b_scale_inv, scaling: str) -> torch.Tensor:
+    """float32 dequant(a) @ dequant(b).T: the math gemm_fp8 must match (used by the probes)."""
+    (M, K), N = a.shape, b.shape[0]
+    da = a.float() * _expand(a_scale_inv, M, K, scaling, False)
+    db = b.float() * _expand(b_scale_inv, N, K, scaling, True)
+    return da @ db.t()
+
+
+def _mm_out_dtype(a, b_t, out_dtype: torch.dtype) -> torch.Tensor:
+    if out_dtype == a.dtype:
+        return torch.mm(a, b_t)
+    if out_dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
+        try:  # torch >= 2.8: fp32 output straight from the bf16/fp16 GEMM
+            return torch.mm(a, b_t, out_dtype=torch.float32)
+        except (TypeError, NotImplementedError, RuntimeError):  # older torch, or a device without it
+            pass
+    return torch.mm(a.float(), b_t.float()).to(out_dtype)
+
+
+def gemm(a, b, *, bias: Optional[torch.Tensor] = None, out=None, accumulate=False, out_dtype=None):
+    """te_core.ops.gemm on cuBLAS."""
+    out_dtype = out_dtype or (out.dtype if out is not None else a.dtype)
+    if out is not None and accumulate and out.dtype == a.dtype and bias is None:
+        return out.addmm_(a, b.t())
+    if bias is not None and out_dtype == a.dtype and bias.dtype == a.dtype and not accumulate:
+        result = torch.addmm(bias, a, b.t())
+    else:
+        result = _mm_out_dtype(a, b.t(), out_dtype)
+        if bias is not None:
+            result = (result.float() + bias.float()).to(out_dtype)
+    if out is None:
+        return result
+    return out.add_(result) if accumulate else out.copy_(result)
+
+
+def supports_gemm(a, b, *, bias=None, out=None, accumulate=False, out_dtype=None) -> Tuple[bool, str]:
+    if not (a.is_cuda and b.is_cuda):
+        return False, "operands are not on a CUDA device"
+    if a.dim() != 2 or b.dim() != 2 or a.dtype != b.dtype:
+        return False, "cuBLAS path takes 2-D operands of one dtype"
+    if a.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False, f"dtype {a.dtype} is not a cuBLAS GEMM type here"
+    return True, ""

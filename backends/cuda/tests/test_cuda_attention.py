@@ -1,0 +1,68 @@
+"""The SDPA-based attention against the reference, on the CPU (SDPA's math kernel): every mask
+type, GQA, fully masked rows, gradients; and the backend-choice variable."""
+import pytest
+import torch
+from te_backend_cuda import attention
+from te_core.reference import attention as ref
+
+MASKS = ("no_mask", "causal", "causal_bottom_right", "padding", "padding_causal", "arbitrary")
+
+
+def _qkv(b, hq, hkv, sq, sk, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, sq, d, generator=g, dtype=torch.float32)
+    k = torch.randn(b, hkv, sk, d, generator=g, dtype=torch.float32)
+    v = torch.randn(b, hkv, sk, d, generator=g, dtype=torch.float32)
+    return q, k, v
+
+
+def _mask(kind, b, hq, sq, sk, seed):
+    g = torch.Generator().manual_seed(seed)
+    if kind in ("padding", "padding_causal"):
+        m = torch.zeros(b, 1, 1, sk, dtype=torch.bool)
+        m[0, ..., sk - 2:] = True
+        m[-1, ..., :] = True  # a batch whose every key is padding: all rows masked -> zeros
+        return m
+    if kind == "arbitrary":
+        return torch.rand(b, hq, sq, sk, generator=g) > 0.6
+    return None
+
+
+@pytest.mark.parametrize("kind", MASKS)
+@pytest.mark.parametrize("sq,sk", [(5, 5), (3, 6), (6, 3)])
+def test_matches_reference_with_grads(kind, sq, sk):
+    b, hq, hkv, d = 2, 4, 2, 8
+    q, k, v = _qkv(b, hq, hkv, sq, sk, d, 1)
+    mask = _mask(kind, b, hq, sq, sk, 2)
+    got_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    want_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = attention.attention(*got_in, attn_mask_type=kind, attention_mask=mask, softmax_scale=0.3)
+    want = ref.attention(*want_in, attn_mask_type=kind, attention_mask=mask, softmax_scale=0.3)
+    torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-5)
+    dout = torch.randn(got.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float32)
+    got.backward(dout)
+    want.backward(dout)
+    for g_t, w_t in zip(got_in, want_in):
+        assert not g_t.grad.isnan().any()
+        torch.testing.assert_close(g_t.grad, w_t.grad, rtol=1.3e-6, atol=1e-5)
+
+
+def test_backend_order_from_environment(monkeypatch):
+    from torch.nn.attention import SDPBackend
+
+    monkeypatch.setenv(attention.ENV, "math")
+    assert attention._backend_list()[0] == SDPBackend.MATH
+    monkeypatch.delenv(attention.ENV)
+    assert attention._backend_list()[0] == SDPBackend.CUDNN_ATTENTION
+    monkeypatch.setenv(attention.ENV, "fast")
+    with pytest.raises(ValueError, match="TE_CUDA_ATTENTION_BACKEND='fast' is not an SDPA backend"):
+        attention._backend_list()
+
+
+def test_errors_name_the_problem():
+    q, k, v = _qkv(1, 3, 2, 4, 4, 8, 4)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        attention.attention(q, k, v)
+    q, k, v = _qkv(1, 2, 2, 4, 4, 8, 4)
+    with pytest.raises(ValueError, match="needs attention_mask"):
+        attention.attention(q, k, v, attn_mask_type="padding")

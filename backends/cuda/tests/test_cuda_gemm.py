@@ -1,0 +1,109 @@
+"""cuBLASLt GEMM glue that runs without a GPU: decline reasons, scale layouts for
+torch._scaled_mm, the probes' emulation against the reference, and the high-precision gemm."""
+import pytest
+import torch
+from te_backend_cuda import scaled_mm
+from te_core.backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, MXFP8, ROWWISE, TENSORWISE
+from te_core.reference import gemm as ref
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _fp8(shape, dtype=E4M3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 4).to(dtype)
+
+
+def _scales(mode, M, N, K, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    kb, nb = -(-K // 128), -(-N // 128)
+    shapes = {TENSORWISE: ((1,), (1,)), ROWWISE: ((M, 1), (N, 1)), BLOCK_1x128_128x128: ((M, kb), (nb, kb)),
+              BLOCK_1x128_1x128: ((M, kb), (N, kb))}[mode]
+    return tuple(torch.rand(s, generator=g) + 0.5 for s in shapes)
+
+
+@pytest.mark.parametrize("mode", [TENSORWISE, ROWWISE, BLOCK_1x128_128x128, BLOCK_1x128_1x128])
+def test_emulation_matches_reference(mode):
+    M, N, K = 48, 160, 384
+    a, b = _fp8((M, K)), _fp8((N, K), seed=2)
+    sa, sb = _scales(mode, M, N, K)
+    want = ref.gemm_fp8(a, b, sa, sb, out_dtype=torch.float32, scaling=mode)
+    torch.testing.assert_close(scaled_mm.emulate(a, b, sa, sb, mode), want, rtol=1.3e-6, atol=1e-3)
+
+
+def test_scale_layouts_for_scaled_mm():
+    M, N, K = 256, 384, 1024
+    a, b = _fp8((M, K)), _fp8((N, K))
+    sa, sb = scaled_mm._scale_args(a, b, *_scales(BLOCK_1x128_128x128, M, N, K), BLOCK_1x128_128x128)
+    assert sa.shape == (M, K // 128) and sa.stride() == (1, M)  # 1x128: outer-dim-major
+    assert sb.shape == (K // 128, N // 128) and sb.stride() == (1, K // 128)  # 128x128: K-major
+    sa, sb = scaled_mm._scale_args(a, b, *_scales(BLOCK_1x128_1x128, M, N, K), BLOCK_1x128_1x128)
+    assert sb.shape == (K // 128, N) and sb.is_contiguous()
+    sa, sb = scaled_mm._scale_args(a, b, *_scales(ROWWISE, M, N, K), ROWWISE)
+    assert sa.shape == (M, 1) and sb.shape == (1, N)
+
+
+@pytest.mark.parametrize("a_dtype,b_dtype,shape,out_dtype,mode,expect", [
+    (E5M2, E5M2, (32, 32, 32), torch.bfloat16, TENSORWISE, "E5M2 x E5M2"),
+    (E4M3, E4M3, (30, 32, 32), torch.bfloat16, TENSORWISE, "multiples of 16"),
+    (E4M3, E4M3, (32, 32, 32), torch.int32, TENSORWISE, "out_dtype"),
+    (E4M3, E4M3, (32, 32, 32), torch.bfloat16, MXFP8, "swizzled"),
+    (E4M3, E4M3, (32, 32, 144), torch.bfloat16, BLOCK_1x128_1x128, "multiple of 128"),
+    (E4M3, E4M3, (32, 32, 256), torch.bfloat16, BLOCK_1x128_128x128, "multiple of 4"),
+    (E4M3, E5M2, (32, 32, 512), torch.bfloat16, BLOCK_1x128_128x128, None),
+])
+def test_decline_reasons(a_dtype, b_dtype, shape, out_dtype, mode, expect):
+    M, N, K = shape
+    why = scaled_mm.fp8_gemm_decline_reason(_fp8((M, K), a_dtype), _fp8((N, K), b_dtype), out_dtype, mode)
+    assert (why is None) if expect is None else (expect in why)
+
+
+def test_decline_non_contiguous():
+    a = _fp8((64, 32)).t()
+    assert "contiguous" in scaled_mm.fp8_gemm_decline_reason(a, _fp8((16, 64)), torch.bfloat16, TENSORWISE)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_high_precision_gemm(with_bias, accumulate):
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(17, 33, generator=g), torch.randn(9, 33, generator=g)
+    bias = torch.randn(9, generator=g) if with_bias else None
+    out, want_out = torch.randn(17, 9, generator=g), None
+    want_out = out.clone()
+    got = scaled_mm.gemm(a, b, bias=bias, out=out, accumulate=accumulate)
+    want = ref.gemm(a, b, bias=bias, out=want_out, accumulate=accumulate)
+    assert got is out
+    torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-5)
+
+
+def test_high_precision_gemm_out_dtype():
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(8, 16, generator=g).bfloat16(), torch.randn(4, 16, generator=g).bfloat16()
+    got = scaled_mm.gemm(a, b, out_dtype=torch.float32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref.gemm(a, b, out_dtype=torch.float32), rtol=1.6e-2, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", [TENSORWISE, ROWWISE])
+@pytest.mark.parametrize("out_kind", ["new", "out", "accumulate"])
+@pytest.mark.parametrize("out_dtype,bias_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                                  (torch.bfloat16, None)])
+def test_gemm_fp8_glue_on_cpu_scaled_mm(mode, out_kind, out_dtype, bias_dtype):
+    """torch's CPU _scaled_mm runs tensor-wise and row-wise scales: enough to test the glue
+    (operand layout, scales, fused or separate bias, out / accumulate) against the reference."""
+    M, N, K = 32, 48, 64
+    a, b = _fp8((M, K), seed=5), _fp8((N, K), E5M2, seed=6)
+    sa, sb = _scales(mode, M, N, K, seed=7)
+    g = torch.Generator().manual_seed(8)
+    bias = None if bias_dtype is None else torch.randn(N, generator=g).to(bias_dtype)
+    out = want_out = None
+    if out_kind != "new":
+        out = torch.randn(M, N, generator=g).to(out_dtype)
+        want_out = out.clone()
+    kw = dict(out_dtype=out_dtype, scaling=mode, bias=bias, accumulate=out_kind == "accumulate")
+    got = scaled_mm.gemm_fp8(a, b, sa, sb, out=out, **kw)
+    want = ref.gemm_fp8(a, b, sa, sb, out=want_out, **kw)
+    assert got.dtype == out_dtype and (out is None or got is out)
+    tol = dict(rtol=1.6e-2, atol=1e-2) if out_dtype == torch.bfloat16 else dict(rtol=1.3e-6, atol=1e-3)
+    torch.testing.assert_close(got, want, **tol)

@@ -1,0 +1,159 @@
+"""Registration, availability and capability logic of te-backend-cuda, with torch.cuda mocked."""
+import importlib.metadata
+
+import pytest
+import torch
+from te_backend_cuda import capabilities, plugin
+from te_core.backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, MXFP8, ROWWISE, TENSORWISE
+from te_core.ops import CONTRACT
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A CUDA build with one visible GPU of a settable compute capability."""
+    state = {"cc": (9, 0)}
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: state["cc"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    capabilities.capabilities_for.cache_clear()
+    yield state
+    capabilities.capabilities_for.cache_clear()
+
+
+def test_entry_point_is_published():
+    eps = importlib.metadata.entry_points(group="te_core.backends")
+    assert any(ep.name == "cuda" and ep.value == "te_backend_cuda.plugin" for ep in eps)
+
+
+def test_info_names_backend_and_versions():
+    info = plugin.te_backend_info()
+    assert info.name == "cuda" and info.device_type == "cuda"
+    assert set(info.vendor_versions) == {"torch", "cuda", "cudnn", "triton"}
+
+
+def test_unavailable_on_cpu_only_torch(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    ok, why = plugin.te_backend_available()
+    assert not ok and "CPU-only build" in why
+
+
+def test_unavailable_on_rocm(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    ok, why = plugin.te_backend_available()
+    assert not ok and "ROCm build" in why
+
+
+def test_unavailable_without_gpu(fake_gpu, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ok, why = plugin.te_backend_available()
+    assert not ok and "no NVIDIA GPU visible" in why
+
+
+def test_available_with_gpu(fake_gpu):
+    ok, why = plugin.te_backend_available()
+    assert ok and "NVIDIA H200" in why
+
+
+def test_no_fp8_before_sm89(fake_gpu):
+    fake_gpu["cc"] = (8, 0)
+    caps = plugin.te_backend_capabilities(torch.device("cuda", 0))
+    assert caps.fp8_formats == {} and caps.scaling_modes == frozenset()
+    assert "8.9" in caps.check_fp8(torch.float8_e4m3fn) or "not supported" in caps.check_fp8(torch.float8_e4m3fn)
+    assert caps.distributed_backend == "nccl"
+
+
+def test_hopper_modes_follow_the_probes(fake_gpu):
+    works = {ROWWISE: True, BLOCK_1x128_128x128: True, BLOCK_1x128_1x128: False}
+    caps = capabilities.capabilities_for(0, lambda mode, device: (works[mode], f"{mode} failed"))
+    assert caps.fp8_formats == {"E4M3": 448.0, "E5M2": 57344.0}
+    assert caps.scaling_modes == {TENSORWISE, ROWWISE, BLOCK_1x128_128x128}
+    assert caps.arch == "sm_90" and any("block_1x128_1x128 failed" in n for n in caps.notes)
+
+
+def test_mxfp8_only_from_sm100(fake_gpu):
+    fake_gpu["cc"] = (10, 0)
+    caps = capabilities.capabilities_for(0, lambda mode, device: (True, ""))
+    assert MXFP8 in caps.scaling_modes
+    fake_gpu["cc"] = (8, 9)
+    capabilities.capabilities_for.cache_clear()
+    assert MXFP8 not in capabilities.capabilities_for(0, lambda mode, device: (True, "")).scaling_modes
+
+
+def test_probe_reports_why_a_mode_fails(monkeypatch):
+    from te_backend_cuda import scaled_mm
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Invalid scaling configuration\nmore")
+
+    monkeypatch.setattr(scaled_mm, "gemm_fp8", refuse)
+    ok, why = capabilities.probe_scaling_mode(ROWWISE, torch.device("cpu"))
+    assert not ok and why == "torch._scaled_mm does not run rowwise here: Invalid scaling configuration"
+
+
+def test_probe_rejects_wrong_numbers(monkeypatch):
+    from te_backend_cuda import scaled_mm
+
+    monkeypatch.setattr(scaled_mm, "gemm_fp8", lambda a, b, *args, **kwargs: torch.zeros(a.shape[0], b.shape[0]))
+    ok, why = capabilities.probe_scaling_mode(BLOCK_1x128_1x128, torch.device("cpu"))
+    assert not ok and "wrong results in block_1x128_1x128" in why
+
+
+def test_ops_are_contract_ops():
+    impls = plugin.te_backend_ops()
+    assert set(impls) <= set(CONTRACT)
+    assert {"gemm_fp8", "gemm", "attention", "quantize_fp8", "cast_transpose_fp8", "layernorm_fwd",
+            "delayed_scaling_update"} <= set(impls)
+    assert all(impl.supports is not None for impl in impls.values())
+
+
+def test_ops_decline_cpu_tensors():
+    impls = plugin.te_backend_ops()
+    x = torch.randn(4, 4)
+    ok, why = impls["quantize_fp8"].supports(x, torch.ones(1), torch.float8_e4m3fn)
+    assert not ok and "not on a CUDA device" in why
+    ok, why = impls["attention"].supports(torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4))
+    assert not ok and "CUDA" in why
+
+
+def test_registry_lists_cuda_with_reason():
+    from te_core import backend
+
+    backend.reset()
+    try:
+        found = {b.name: b for b in backend.list_backends()}
+        assert "cuda" in found
+        if not torch.cuda.is_available():
+            assert not found["cuda"].available and found["cuda"].reason
+    finally:
+        backend.reset()
+
+
+def test_experimental_ops_need_the_switch(monkeypatch):
+    from te_backend_cuda import fused
+
+    monkeypatch.delenv(fused.EXPERIMENTAL_ENV, raising=False)
+    assert "quantize_blockwise" not in plugin.te_backend_ops()
+    monkeypatch.setenv(fused.EXPERIMENTAL_ENV, "1")
+    assert "quantize_blockwise" in plugin.te_backend_ops()
+
+
+def test_supports_decline_what_the_kernels_do_not_take(monkeypatch):
+    """Argument checks that run before the device check, on CPU tensors."""
+    from te_backend_cuda import fused
+
+    x = torch.randn(4, 6)
+    assert "1-element float32" in fused._cast_ok(x, torch.ones(2))[1]
+    assert "1-element float32" in fused._cast_ok(x, torch.ones(1, dtype=torch.float64))[1]
+    assert "go together" in fused._norm_fwd_ok(x, torch.ones(6), torch.ones(6), 1e-5, fp8_dtype=torch.float8_e4m3fn)[1]
+    assert "weight does not match" in fused._rows_ok(x, torch.ones(5))[1]
+    assert "has no kernel" in fused._act_fwd_ok(x, "tanh")[1]
+    assert "even last dimension" in fused._act_fwd_ok(torch.randn(4, 5), "swiglu")[1]
+    assert "output shape" in fused._act_bwd_ok(torch.randn(4, 6), x, "swiglu")[1]
+    assert "do not match" in fused._layernorm_bwd_ok(torch.randn(4, 5), x, None, torch.ones(4), torch.ones(6))[1]
+    assert "is not 2-D" in fused._act_bwd_dbias_ct_ok(torch.randn(2, 2, 2), torch.randn(2, 2, 2), "gelu",
+                                                         torch.ones(1), torch.float8_e4m3fn)[1]
+    assert "callable" in fused._scaling_ok([], [], [], amax_compute_algo=lambda h: h[0])[1]

@@ -1,0 +1,63 @@
+"""Pieces every kernel module uses: tuning config, FP8 saturating cast, NaN-aware amax."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+MAX_NUMEL = 2**31 - 1  # kernels index with int32 offsets
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tuning parameters of one launch. Kernels read the fields they need.
+
+    block: elements per program per step (1-D kernels); block_m/block_n: tile shape (2-D kernels);
+    num_warps; max_programs: cap on the grid (0 = one program per block/tile/row), programs then
+    loop over the work, which keeps the number of amax atomics small.
+    """
+
+    block: int = 4096
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    max_programs: int = 0
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    if dtype not in FP8_MAX:
+        raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    return FP8_MAX[dtype]
+
+
+def grid_size(work_items: int, cfg: Config) -> int:
+    if cfg.max_programs > 0:
+        return max(1, min(work_items, cfg.max_programs))
+    return max(1, work_items)
+
+
+def new_amax_buffer(device) -> torch.Tensor:
+    """int32 zero: the bits of a non-negative float32 order like the float (NaN above inf),
+    so an integer atomic max over |x| bits is a float max that keeps NaN."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def amax_from_buffer(buf: torch.Tensor) -> torch.Tensor:
+    return buf.view(torch.float32).reshape(())
+
+
+@triton.jit
+def saturating_cast(v, fmax, out_dtype: tl.constexpr):
+    """v (float32) clamped to [-fmax, fmax] then cast round-to-nearest-even; NaN stays NaN."""
+    c = tl.minimum(tl.maximum(v, -fmax), fmax)
+    c = tl.where(v != v, v, c)
+    return c.to(out_dtype)
+
+
+@triton.jit
+def abs_bits(v):
+    """|v| as int32 bits; max over these is max |v| with NaN winning."""
+    return tl.abs(v).to(tl.int32, bitcast=True)

@@ -1,0 +1,91 @@
+"""Block-scaled FP8 casts (128-element blocks): 1x128 runs of a row, or 128x128 tiles.
+
+A program owns one (BM, 128) tile: the row-wise amax of each 1x128 run (or the whole tile's,
+for 2-D blocks) gives its scale, computed on the device exactly as current scaling does.
+With a transpose, the tile is 128 rows tall so that its columns are the 1x128 runs of x.T:
+one read of x gives both the row-wise and the column-wise quantization.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import MAX_NUMEL, Config, abs_bits, fp8_max, saturating_cast
+
+BLOCK = 128
+BLOCKWISE_DEFAULT = Config(block_m=64, num_warps=8)
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def _block_scale(amax, fmax, eps, POW2: tl.constexpr):
+    """Scales from block amaxes, as te_core.ops.quantize_fp8_current defines them."""
+    amax_eff = tl.maximum(amax, eps)
+    scale = tl.math.div_rn(tl.zeros_like(amax_eff) + fmax, amax_eff)
+    scale = tl.where(scale == float("inf"), FLT_MAX, scale)
+    bad = (amax != amax) | (amax == float("inf")) | (amax_eff == 0.0)
+    scale = tl.where(bad, 1.0, scale)
+    if POW2:
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, MB, KB, fmax, eps, BM: tl.constexpr,
+                      BLOCK_2D: tl.constexpr, TRANSPOSE: tl.constexpr, POW2: tl.constexpr):
+    pm = tl.program_id(0)
+    pk = tl.program_id(1)
+    rows = pm * BM + tl.arange(0, BM)
+    cols = pk * 128 + tl.arange(0, 128)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    v = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    bits = abs_bits(v)
+    mask_t = (cols[:, None] < K) & (rows[None, :] < M)
+    if BLOCK_2D:
+        # the max over integer bits keeps a NaN (a float max might drop it)
+        scale = _block_scale(tl.max(tl.max(bits, axis=1), axis=0).to(tl.float32, bitcast=True), fmax, eps, POW2)
+        q = saturating_cast(v * scale, fmax, y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+        tl.store(s_ptr + pm * KB + pk, tl.math.div_rn(1.0, scale))
+        if TRANSPOSE:
+            tl.store(yt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
+            tl.store(st_ptr + pk * MB + pm, tl.math.div_rn(1.0, scale))
+    else:
+        scale = _block_scale(tl.max(bits, axis=1).to(tl.float32, bitcast=True), fmax, eps, POW2)
+        q = saturating_cast(v * scale[:, None], fmax, y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+        tl.store(s_ptr + rows * KB + pk, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=rows < M)
+        if TRANSPOSE:  # BM == 128: each column of the tile is one 1x128 run of x.T
+            scale_t = _block_scale(tl.max(bits, axis=0).to(tl.float32, bitcast=True), fmax, eps, POW2)
+            qt = saturating_cast(v * scale_t[None, :], fmax, yt_ptr.dtype.element_ty)
+            tl.store(yt_ptr + cols[:, None] * M + rows[None, :], tl.trans(qt), mask=mask_t)
+            tl.store(st_ptr + cols * MB + pm, tl.math.div_rn(tl.zeros_like(scale_t) + 1.0, scale_t), mask=cols < K)
+
+
+def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, force_pow2_scales=True,
+                       amax_epsilon=0.0, cfg: Config = BLOCKWISE_DEFAULT):
+    """(data, scale_inv, data_t, scale_inv_t) as te_core.ops.quantize_blockwise."""
+    fmax = fp8_max(fp8_dtype)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (M, K), got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    if not x.is_contiguous() or x.numel() > MAX_NUMEL:
+        raise ValueError("x must be contiguous with fewer than 2^31 elements; call .contiguous() first")
+    M, K = x.shape
+    MB, KB = triton.cdiv(M, BLOCK), triton.cdiv(K, BLOCK)
+    BM = BLOCK if (block_2d or with_transpose) else cfg.block_m
+    dev = x.device
+    data = torch.empty((M, K), dtype=fp8_dtype, device=dev)
+    scale_inv = torch.empty((MB, KB) if block_2d else (M, KB), dtype=torch.float32, device=dev)
+    data_t = torch.empty((K, M), dtype=fp8_dtype, device=dev) if with_transpose else None
+    scale_inv_t = None
+    if with_transpose:
+        scale_inv_t = torch.empty((KB, MB) if block_2d else (K, MB), dtype=torch.float32, device=dev)
+    if x.numel():
+        _blockwise_kernel[(triton.cdiv(M, BM), KB)](
+            x, data, scale_inv, data if data_t is None else data_t, scale_inv if scale_inv_t is None else scale_inv_t,
+            M, K, MB, KB, fmax, float(amax_epsilon), BM=BM, BLOCK_2D=bool(block_2d), TRANSPOSE=bool(with_transpose),
+            POW2=bool(force_pow2_scales), num_warps=cfg.num_warps)
+    return data, scale_inv, data_t, scale_inv_t

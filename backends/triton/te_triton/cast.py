@@ -1,0 +1,180 @@
+"""FP8 casts with amax: delayed scaling (given scale), cast-transpose, current scaling.
+
+quantize_fp8 and cast_transpose_fp8 record amax in the same pass as the cast: each program
+keeps a running max of |x| bits and does one integer atomic max at the end (see
+_common.new_amax_buffer). Current scaling is an amax pass, a one-program scale kernel, and a
+cast pass that reads the scale from device memory: no host synchronisation.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    MAX_NUMEL,
+    Config,
+    abs_bits,
+    amax_from_buffer,
+    fp8_max,
+    grid_size,
+    new_amax_buffer,
+    saturating_cast,
+)
+
+QUANTIZE_DEFAULT = Config(block=4096, num_warps=8)
+CAST_TRANSPOSE_DEFAULT = Config(block_m=64, block_n=64, num_warps=4)
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, n, fmax, BLOCK: tl.constexpr, STORE: tl.constexpr):
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK
+    scale = tl.load(scale_ptr)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(pid * BLOCK, n, step):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, abs_bits(v))
+        if STORE:
+            tl.store(y_ptr + offs, saturating_cast(v * scale, fmax, y_ptr.dtype.element_ty), mask=mask)
+    tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _cast_transpose_tile(x_ptr, y_ptr, yt_ptr, dbias_ptr, v, tm, tn, M, N, scale, fmax,
+                         BM: tl.constexpr, BN: tl.constexpr, DBIAS: tl.constexpr):
+    """Store one (BM, BN) tile v (float32) row-wise and column-wise; return its |v| bits max."""
+    rows = tm * BM + tl.arange(0, BM)
+    cols = tn * BN + tl.arange(0, BN)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    q = saturating_cast(v * scale, fmax, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], q, mask=mask)
+    mask_t = (cols[:, None] < N) & (rows[None, :] < M)
+    tl.store(yt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
+    if DBIAS:
+        tl.store(dbias_ptr + tm * N + cols, tl.sum(v, axis=0), mask=cols < N)
+    return tl.max(tl.max(abs_bits(v), axis=1), axis=0)
+
+
+@triton.jit
+def _cast_transpose_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr, M, N, fmax,
+                           BM: tl.constexpr, BN: tl.constexpr, DBIAS: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tn = tl.cdiv(N, BN)
+    n_tiles = tl.cdiv(M, BM) * n_tn
+    scale = tl.load(scale_ptr)
+    acc = tl.zeros([], dtype=tl.int32)
+    for t in range(pid, n_tiles, tl.num_programs(0)):
+        tm = t // n_tn
+        tn = t % n_tn
+        rows = tm * BM + tl.arange(0, BM)
+        cols = tn * BN + tl.arange(0, BN)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        v = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tile_max = _cast_transpose_tile(x_ptr, y_ptr, yt_ptr, dbias_ptr, v, tm, tn, M, N, scale, fmax, BM, BN, DBIAS)
+        acc = tl.maximum(acc, tile_max)
+    tl.atomic_max(amax_ptr, acc)
+
+
+def _check_input(x: torch.Tensor, scale: Optional[torch.Tensor], two_d: bool) -> None:
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous; call .contiguous() first")
+    if x.numel() > MAX_NUMEL:
+        raise ValueError(f"x has {x.numel()} elements; these kernels index with int32 (at most {MAX_NUMEL})")
+    if two_d and x.dim() != 2:
+        raise ValueError(f"x must be 2-D (M, K) for a transposed output, got shape {tuple(x.shape)}")
+    if scale is not None and (scale.numel() != 1 or scale.dtype != torch.float32):
+        raise ValueError(f"scale must be a 1-element float32 tensor, got {scale.dtype} {tuple(scale.shape)}")
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, cfg: Config = QUANTIZE_DEFAULT):
+    """(data, amax): saturate(x * scale) cast to fp8_dtype, and max|x| (NaN if x has one)."""
+    fmax = fp8_max(fp8_dtype)
+    _check_input(x, scale, two_d=False)
+    y = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    amax = new_amax_buffer(x.device)
+    n = x.numel()
+    grid = (grid_size(triton.cdiv(n, cfg.block), cfg),)
+    if n:
+        _quantize_kernel[grid](x, y, scale, amax, n, fmax, BLOCK=cfg.block, STORE=True, num_warps=cfg.num_warps)
+    return y, amax_from_buffer(amax)
+
+
+def amax(x: torch.Tensor, cfg: Config = QUANTIZE_DEFAULT) -> torch.Tensor:
+    """max|x| as a 0-dim float32 tensor (NaN if x has one), one pass."""
+    _check_input(x, None, two_d=False)
+    buf = new_amax_buffer(x.device)
+    n = x.numel()
+    grid = (grid_size(triton.cdiv(n, cfg.block), cfg),)
+    if n:
+        _quantize_kernel[grid](x, x, buf, buf, n, 1.0, BLOCK=cfg.block, STORE=False, num_warps=cfg.num_warps)
+    return amax_from_buffer(buf)
+
+
+def cast_transpose_fp8(x, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFAULT, *, with_dbias: bool = False):
+    """(data (M,K), data_t (K,M), amax[, dbias partial sums]) for a 2-D x, one pass over x.
+
+    With with_dbias, also returns the float32 column sums of x, reduced over row tiles."""
+    fmax = fp8_max(fp8_dtype)
+    _check_input(x, scale, two_d=True)
+    M, N = x.shape
+    y = torch.empty((M, N), dtype=fp8_dtype, device=x.device)
+    yt = torch.empty((N, M), dtype=fp8_dtype, device=x.device)
+    amax_buf = new_amax_buffer(x.device)
+    n_tm = triton.cdiv(M, cfg.block_m)
+    partial = torch.empty((n_tm, N), dtype=torch.float32, device=x.device) if with_dbias else amax_buf
+    n_tiles = n_tm * triton.cdiv(N, cfg.block_n)
+    if x.numel():
+        _cast_transpose_kernel[(grid_size(n_tiles, cfg),)](
+            x, y, yt, scale, amax_buf, partial, M, N, fmax,
+            BM=cfg.block_m, BN=cfg.block_n, DBIAS=with_dbias, num_warps=cfg.num_warps)
+    if with_dbias:
+        dbias = partial.sum(dim=0) if M else torch.zeros(N, dtype=torch.float32, device=x.device)
+        return y, yt, amax_from_buffer(amax_buf), dbias
+    return y, yt, amax_from_buffer(amax_buf)
+
+
+@triton.jit
+def _current_scale_kernel(amax_ptr, scale_ptr, scale_inv_ptr, fmax, eps, POW2: tl.constexpr):
+    amax = tl.load(amax_ptr)
+    amax_eff = tl.maximum(amax, eps)
+    scale = tl.math.div_rn(fmax, amax_eff)
+    scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)
+    bad = (amax != amax) | (amax == float("inf")) | (amax_eff == 0.0)
+    scale = tl.where(bad, 1.0, scale)
+    if POW2:
+        # keep the exponent, drop the mantissa: round down to a power of two
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    tl.store(scale_ptr, scale)
+    tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
+
+
+def current_scale(amax_t: torch.Tensor, fp8_dtype, force_pow2_scales=False, amax_epsilon=0.0):
+    """(scale, scale_inv), 1-element float32 each, from a 0-dim amax, on the device."""
+    scale = torch.empty(1, dtype=torch.float32, device=amax_t.device)
+    scale_inv = torch.empty_like(scale)
+    _current_scale_kernel[(1,)](amax_t, scale, scale_inv, fp8_max(fp8_dtype), float(amax_epsilon),
+                                POW2=bool(force_pow2_scales), num_warps=1)
+    return scale, scale_inv
+
+
+def quantize_fp8_current(
+    x, fp8_dtype, *, with_transpose=False, force_pow2_scales=False, amax_epsilon=0.0,
+    cfg: Config = QUANTIZE_DEFAULT, ct_cfg: Config = CAST_TRANSPOSE_DEFAULT,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(data, data_t or None, scale, scale_inv, amax): amax pass, scale on device, cast pass."""
+    amax_t = amax(x, cfg)
+    scale, scale_inv = current_scale(amax_t, fp8_dtype, force_pow2_scales, amax_epsilon)
+    if with_transpose:
+        data, data_t, _ = cast_transpose_fp8(x, scale, fp8_dtype, ct_cfg)
+    else:
+        data, _ = quantize_fp8(x, scale, fp8_dtype, cfg)
+        data_t = None
+    return data, data_t, scale, scale_inv, amax_t

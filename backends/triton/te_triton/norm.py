@@ -1,0 +1,140 @@
+"""LayerNorm / RMSNorm over the last dimension: forward (optionally FP8 out + amax) and backward.
+
+Forward: a program owns whole rows (the row lives in registers, BLOCK_N >= N) and loops over
+rows, so gamma/beta are loaded once per program and amax costs one atomic per program.
+Backward: the same row loop computes dx and keeps float32 partial dgamma/dbeta per program;
+the launcher sums the (programs, N) partials.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import MAX_NUMEL, Config, abs_bits, amax_from_buffer, fp8_max, grid_size, new_amax_buffer, saturating_cast
+
+NORM_DEFAULT = Config(num_warps=8, max_programs=1024)
+MAX_N = 65536  # one row must fit in a program's registers
+
+
+@triton.jit
+def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, amax_ptr, M, N, eps, fmax,
+                     BLOCK_N: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr, FP8_OUT: tl.constexpr):
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    g = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        g = g + 1.0
+    if not RMS:
+        beta = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr)
+    acc = tl.zeros([], dtype=tl.int32)  # a scalar: a row-wide running max would cost BLOCK_N registers
+    for row in range(tl.program_id(0), M, tl.num_programs(0)):
+        x = tl.load(x_ptr + row * N + cols, mask=cmask, other=0.0).to(tl.float32)
+        if RMS:
+            xc = x
+        else:
+            mean = tl.sum(x, axis=0) / N
+            xc = tl.where(cmask, x - mean, 0.0)
+            tl.store(mean_ptr + row, mean)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
+        tl.store(rstd_ptr + row, rstd)
+        y = xc * rstd * g
+        if not RMS:
+            y = y + beta
+        if FP8_OUT:
+            acc = tl.maximum(acc, tl.max(tl.where(cmask, abs_bits(y), 0), axis=0))
+            tl.store(y_ptr + row * N + cols, saturating_cast(y * scale, fmax, y_ptr.dtype.element_ty), mask=cmask)
+        else:
+            tl.store(y_ptr + row * N + cols, y.to(y_ptr.dtype.element_ty), mask=cmask)
+    if FP8_OUT:
+        tl.atomic_max(amax_ptr, acc)
+
+
+@triton.jit
+def _norm_bwd_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, dx_ptr, dw_part_ptr, db_part_ptr, M, N,
+                     BLOCK_N: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    g = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        g = g + 1.0
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for row in range(pid, M, tl.num_programs(0)):
+        x = tl.load(x_ptr + row * N + cols, mask=cmask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * N + cols, mask=cmask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        if RMS:
+            xhat = x * rstd
+        else:
+            xhat = tl.where(cmask, (x - tl.load(mean_ptr + row)) * rstd, 0.0)
+        wdy = dy * g
+        c1 = tl.sum(xhat * wdy, axis=0) / N
+        if RMS:
+            dx = (wdy - xhat * c1) * rstd
+        else:
+            c2 = tl.sum(wdy, axis=0) / N
+            dx = (wdy - (xhat * c1 + c2)) * rstd
+            db += dy
+        dw += dy * xhat
+        tl.store(dx_ptr + row * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=cmask)
+    tl.store(dw_part_ptr + pid * N + cols, dw, mask=cmask)
+    if not RMS:
+        tl.store(db_part_ptr + pid * N + cols, db, mask=cmask)
+
+
+def _rows(x: torch.Tensor, weight: torch.Tensor):
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous; call .contiguous() first")
+    N = x.shape[-1] if x.dim() else 0
+    if weight.numel() != N:
+        raise ValueError(f"weight has {weight.numel()} elements but x's last dimension is {N}")
+    if N > MAX_N or x.numel() > MAX_NUMEL:
+        raise ValueError(f"rows of {N} elements (or {x.numel()} in all) are too large for this kernel (max {MAX_N})")
+    return x.numel() // max(N, 1), N
+
+
+def norm_fwd(x, weight, bias, eps, *, rms: bool, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None,
+             cfg: Config = NORM_DEFAULT):
+    """(y, mean or None, rstd, amax or None) as te_core.ops.layernorm_fwd / rmsnorm_fwd."""
+    M, N = _rows(x, weight)
+    fp8_out = fp8_dtype is not None
+    if fp8_out and (fp8_scale is None or fp8_scale.numel() != 1):
+        raise ValueError("fp8_dtype needs fp8_scale, a 1-element float32 tensor")
+    fmax = fp8_max(fp8_dtype) if fp8_out else 1.0
+    y = torch.empty(x.shape, dtype=fp8_dtype if fp8_out else x.dtype, device=x.device)
+    stats_shape = x.shape[:-1]
+    rstd = torch.empty(stats_shape, dtype=torch.float32, device=x.device)
+    mean = None if rms else torch.empty(stats_shape, dtype=torch.float32, device=x.device)
+    amax_buf = new_amax_buffer(x.device)
+    scale = fp8_scale if fp8_out else amax_buf
+    if M:
+        _norm_fwd_kernel[(grid_size(M, cfg),)](
+            x, weight, weight if bias is None else bias, y, rstd if mean is None else mean, rstd, scale, amax_buf,
+            M, N, float(eps), fmax, BLOCK_N=triton.next_power_of_2(N), RMS=rms,
+            ZERO_CENTERED=bool(zero_centered_gamma), FP8_OUT=fp8_out, num_warps=cfg.num_warps)
+    return y, mean, rstd, amax_from_buffer(amax_buf) if fp8_out else None
+
+
+def norm_bwd(dy, x, mean: Optional[torch.Tensor], rstd, weight, *, rms: bool, zero_centered_gamma=False,
+             cfg: Config = NORM_DEFAULT):
+    """(dx, dweight, dbias or None) as te_core.ops.layernorm_bwd / rmsnorm_bwd."""
+    M, N = _rows(x, weight)
+    if dy.shape != x.shape or not dy.is_contiguous():
+        raise ValueError(f"dy must be contiguous with x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
+    dx = torch.empty_like(x)
+    programs = grid_size(M, cfg)
+    dw_part = torch.zeros((programs, N), dtype=torch.float32, device=x.device)
+    db_part = None if rms else torch.zeros((programs, N), dtype=torch.float32, device=x.device)
+    if M:
+        _norm_bwd_kernel[(programs,)](
+            dy, x, rstd if mean is None else mean, rstd, weight, dx, dw_part, dw_part if db_part is None else db_part,
+            M, N, BLOCK_N=triton.next_power_of_2(N), RMS=rms, ZERO_CENTERED=bool(zero_centered_gamma),
+            num_warps=cfg.num_warps)
+    dweight = dw_part.sum(dim=0).to(weight.dtype)
+    dbias = None if rms else db_part.sum(dim=0).to(weight.dtype)
+    return dx, dweight, dbias

@@ -1,0 +1,103 @@
+"""Delayed-scaling update of every amax history and scale of a step, in one launch.
+
+A table of (history address, scale address, columns, history length, fp8 max) rows lets one
+grid of (tensor, column block) programs visit every history. A program reads its columns'
+history (read-only pass: amax), updates their scales, then rolls the history up one row in
+chunks; barriers order each chunk's loads before its stores, since the warps that load a row
+are not the warps that store it.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import Config
+
+SCALING_DEFAULT = Config(block_m=8, block_n=128, num_warps=4)
+FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def _delayed_update_kernel(table_ptr, fmax_ptr, margin_scale, MOST_RECENT: tl.constexpr,
+                           BR: tl.constexpr, BN: tl.constexpr):
+    i = tl.program_id(0)
+    hist = tl.load(table_ptr + i * 4).to(tl.pointer_type(tl.float32))
+    scales = tl.load(table_ptr + i * 4 + 1).to(tl.pointer_type(tl.float32))
+    n = tl.load(table_ptr + i * 4 + 2)
+    L = tl.load(table_ptr + i * 4 + 3)
+    fmax = tl.load(fmax_ptr + i)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cmask = cols < n
+    row0 = tl.load(hist + cols, mask=cmask, other=0.0)
+    if MOST_RECENT:
+        amax = row0
+    else:
+        bits = tl.abs(row0).to(tl.int32, bitcast=True)
+        for r in range(0, L, BR):
+            rows = r + tl.arange(0, BR)
+            m = (rows[:, None] < L) & cmask[None, :]
+            h = tl.load(hist + rows[:, None] * n + cols[None, :], mask=m, other=0.0)
+            bits = tl.maximum(bits, tl.max(tl.abs(h).to(tl.int32, bitcast=True), axis=0))
+        amax = bits.to(tl.float32, bitcast=True)
+    old = tl.load(scales + cols, mask=cmask, other=1.0)
+    new = tl.math.div_rn(tl.math.div_rn(fmax, amax), margin_scale)
+    new = tl.where(new == float("inf"), FLOAT32_MAX, new)
+    keep = (amax == 0.0) | (amax == float("inf")) | (amax != amax)
+    tl.store(scales + cols, tl.where(keep, old, new), mask=cmask)
+    tl.debug_barrier()
+    for r in range(0, L - 1, BR):  # row i takes row i + 1
+        rows = r + tl.arange(0, BR)
+        m = (rows[:, None] < L - 1) & cmask[None, :]
+        h = tl.load(hist + (rows[:, None] + 1) * n + cols[None, :], mask=m, other=0.0)
+        tl.debug_barrier()
+        tl.store(hist + rows[:, None] * n + cols[None, :], h, mask=m)
+    tl.debug_barrier()
+    tl.store(hist + (L - 1) * n + cols, row0, mask=cmask)  # the last row takes row 0
+    tl.debug_barrier()
+    tl.store(hist + cols, tl.zeros([BN], dtype=tl.float32), mask=cmask)
+
+
+_TABLES: dict = {}
+
+
+def _table(amax_histories, scales, fp8_maxes, device):
+    """Device tables of addresses and sizes, cached: histories are long-lived buffers."""
+    key = tuple((h.data_ptr(), s.data_ptr(), h.shape, float(f)) for h, s, f in zip(amax_histories, scales, fp8_maxes))
+    if key not in _TABLES:
+        if len(_TABLES) > 64:
+            _TABLES.clear()
+        rows = [[h.data_ptr(), s.data_ptr(), h.shape[1], h.shape[0]] for h, s in zip(amax_histories, scales)]
+        _TABLES[key] = (
+            torch.tensor(rows, dtype=torch.int64).to(device),
+            torch.tensor([float(f) for f in fp8_maxes], dtype=torch.float32).to(device),
+        )
+    return _TABLES[key]
+
+
+def delayed_scaling_update(amax_histories: List[torch.Tensor], scales: List[torch.Tensor],
+                           fp8_maxes: Sequence[float], *, margin: float = 0.0, amax_compute_algo: str = "max",
+                           cfg: Config = SCALING_DEFAULT) -> None:
+    """In place, as te_core.ops.delayed_scaling_update, for all histories in one launch."""
+    if amax_compute_algo not in ("max", "most_recent"):
+        raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {amax_compute_algo!r}")
+    if not (len(amax_histories) == len(scales) == len(fp8_maxes)):
+        raise ValueError(f"got {len(amax_histories)} histories, {len(scales)} scales, {len(fp8_maxes)} fp8_maxes; "
+                         "they must pair up one to one")
+    for h, s in zip(amax_histories, scales):
+        if h.dim() != 2 or h.dtype != torch.float32 or not h.is_contiguous():
+            raise ValueError(f"each amax history must be a contiguous float32 (L, n) tensor, got {h.dtype} "
+                             f"{tuple(h.shape)}")
+        if s.dtype != torch.float32 or s.numel() != h.shape[1] or not s.is_contiguous():
+            raise ValueError(f"scales must be contiguous float32 with {h.shape[1]} elements (one per history "
+                             f"column), got {s.dtype} {tuple(s.shape)}")
+    if not amax_histories:
+        return
+    device = amax_histories[0].device
+    table, fmaxes = _table(amax_histories, scales, fp8_maxes, device)
+    max_cols = max(h.shape[1] for h in amax_histories)
+    grid = (len(amax_histories), triton.cdiv(max(max_cols, 1), cfg.block_n))
+    _delayed_update_kernel[grid](table, fmaxes, float(2.0 ** margin), MOST_RECENT=amax_compute_algo == "most_recent",
+                                 BR=cfg.block_m, BN=cfg.block_n, num_warps=cfg.num_warps)

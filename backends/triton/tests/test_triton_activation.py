@@ -1,0 +1,78 @@
+"""te_triton.activation under the Triton interpreter against te_core.reference.activation."""
+import pytest
+import torch
+from triton_fp8_compare import assert_fp8_matches
+from te_core.reference import activation as ref
+from te_triton import Config, activation
+
+KINDS = ("gelu", "relu", "silu", "qgelu", "srelu", "swiglu", "geglu", "reglu")
+SMALL = Config(block_m=4, block_n=32, num_warps=4, max_programs=5)
+TOL = {torch.float32: dict(rtol=1.3e-6, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-5)}
+
+
+def _x(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 2).to(dtype)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_backward(kind, dtype):
+    x = _x((3, 5, 42), dtype, 1)
+    y, amax = activation.activation_fwd(x, kind, cfg=SMALL)
+    wy, _ = ref.activation_fwd(x, kind)
+    assert amax is None
+    torch.testing.assert_close(y, wy, **TOL[dtype])
+    dy = _x(wy.shape, dtype, 2)
+    torch.testing.assert_close(activation.activation_bwd(dy, x, kind, SMALL), ref.activation_bwd(dy, x, kind),
+                               **TOL[dtype])
+
+
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+def test_fp8_output(kind):
+    x = _x((7, 66), torch.float32, 3)
+    scale = torch.tensor([30.0])
+    y, amax = activation.activation_fwd(x, kind, fp8_scale=scale, fp8_dtype=torch.float8_e4m3fn, cfg=SMALL)
+    wy, wamax = ref.activation_fwd(x, kind, fp8_scale=scale, fp8_dtype=torch.float8_e4m3fn)
+    torch.testing.assert_close(amax, wamax, rtol=1.3e-6, atol=1e-5)
+    assert_fp8_matches(y, wy)
+
+
+def test_dbias_cast_transpose():
+    dy = _x((37, 50), torch.bfloat16, 4)
+    scale = torch.tensor([10.0])
+    got = activation.dbias_cast_transpose(dy, scale, torch.float8_e5m2, Config(block_m=16, block_n=16, max_programs=4))
+    want = ref.dbias_cast_transpose(dy, scale, torch.float8_e5m2)
+    assert_fp8_matches(got[0], want[0])
+    assert torch.equal(got[1].float(), got[0].float().t())
+    torch.testing.assert_close(got[2], want[2], **TOL[torch.bfloat16])
+    assert torch.equal(got[3], want[3])
+
+
+@pytest.mark.parametrize("kind", ["gelu", "srelu", "swiglu"])
+def test_activation_bwd_dbias_cast_transpose(kind):
+    x = _x((33, 48), torch.bfloat16, 5)
+    dy = _x((33, 24 if kind == "swiglu" else 48), torch.bfloat16, 6)
+    scale = torch.tensor([8.0])
+    got = activation.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, torch.float8_e4m3fn,
+                                                         Config(block_m=16, block_n=16, max_programs=3), SMALL)
+    want = ref.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, torch.float8_e4m3fn)
+    assert_fp8_matches(got[0], want[0])
+    assert torch.equal(got[1].float(), got[0].float().t())
+    # dx is rounded to bf16 before the sum: one element one bf16 ulp off (fp32 formula
+    # differences) moves a column sum by that ulp, however small the sum is
+    ulp = 2.0**-7 * ref.activation_bwd(dy, x, kind).abs().max().item()
+    torch.testing.assert_close(got[2], want[2], rtol=1.6e-2, atol=ulp)
+    torch.testing.assert_close(got[3], want[3], **TOL[torch.bfloat16])
+
+
+def test_bad_inputs_name_the_problem():
+    with pytest.raises(ValueError, match="unknown activation kind 'tanh'"):
+        activation.activation_fwd(torch.randn(4, 4), "tanh", cfg=SMALL)
+    with pytest.raises(ValueError, match="even last dimension"):
+        activation.activation_fwd(torch.randn(4, 5), "swiglu", cfg=SMALL)
+    with pytest.raises(ValueError, match=r"dy must be contiguous with shape \(4, 2\)"):
+        activation.activation_bwd(torch.randn(4, 4), torch.randn(4, 4), "geglu", SMALL)
+    with pytest.raises(ValueError, match="must be 2-D"):
+        activation.activation_bwd_dbias_cast_transpose(torch.randn(2, 2, 2), torch.randn(2, 2, 2), "gelu",
+                                                       torch.tensor([1.0]), torch.float8_e4m3fn)

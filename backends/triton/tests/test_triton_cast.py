@@ -1,0 +1,93 @@
+"""te_triton.cast under the Triton interpreter against te_core.reference.cast.
+
+amax, scales and shapes compare exactly; FP8 data through fp8_compare (interpreter caveat)."""
+import pytest
+import torch
+from triton_fp8_compare import assert_fp8_matches
+from te_core.reference import cast as ref
+from te_triton import Config, cast
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+SMALL = Config(block=256, block_m=16, block_n=32, num_warps=4, max_programs=3)
+
+
+def _x(shape, dtype, seed, spread=20.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * spread).to(dtype)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (37, 129)), (torch.float32, (3, 5, 7)), (torch.float16, (1000,))])
+def test_quantize_fp8(fp8_dtype, dtype, shape):
+    x = _x(shape, dtype, 1)
+    scale = torch.tensor([7.5])
+    data, amax = cast.quantize_fp8(x, scale, fp8_dtype, SMALL)
+    want_data, want_amax = ref.quantize_fp8(x, scale, fp8_dtype)
+    assert torch.equal(amax, want_amax)
+    assert_fp8_matches(data, want_data)
+
+
+def test_quantize_saturates_and_keeps_nan():
+    x = torch.tensor([1e6, -1e6, float("nan"), 3.0, float("inf")])
+    data, amax = cast.quantize_fp8(x, torch.tensor([1.0]), torch.float8_e4m3fn, SMALL)
+    assert data.float()[:2].tolist() == [448.0, -448.0]
+    assert amax.isnan()  # data[2] is NaN on the GPU; the interpreter casts NaN to 384 (bench checks the GPU)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("shape", [(64, 96), (33, 70), (1, 5)])
+def test_cast_transpose(fp8_dtype, shape):
+    x = _x(shape, torch.bfloat16, 2)
+    scale = torch.tensor([3.0])
+    data, data_t, amax = cast.cast_transpose_fp8(x, scale, fp8_dtype, SMALL)
+    want, want_t, want_amax = ref.cast_transpose_fp8(x, scale, fp8_dtype)
+    assert torch.equal(amax, want_amax)
+    assert_fp8_matches(data, want)
+    assert torch.equal(data_t.float().nan_to_num(), data.float().t().nan_to_num())  # transpose is exact
+
+
+@pytest.mark.parametrize("with_transpose", [False, True])
+@pytest.mark.parametrize("pow2,eps", [(False, 0.0), (True, 0.0), (False, 100.0)])
+def test_quantize_current(with_transpose, pow2, eps):
+    x = _x((45, 67), torch.bfloat16, 3)
+    got = cast.quantize_fp8_current(x, torch.float8_e4m3fn, with_transpose=with_transpose, force_pow2_scales=pow2,
+                                    amax_epsilon=eps, cfg=SMALL, ct_cfg=SMALL)
+    want = ref.quantize_fp8_current(x, torch.float8_e4m3fn, with_transpose=with_transpose, force_pow2_scales=pow2,
+                                    amax_epsilon=eps)
+    assert torch.equal(got[4], want[4])  # amax
+    # scales: the interpreter's div_rn may differ in the last bit from a true quotient (the GPU's does not)
+    torch.testing.assert_close(got[2], want[2], rtol=2e-7, atol=0)
+    torch.testing.assert_close(got[3], want[3], rtol=2e-7, atol=0)
+    if pow2:
+        assert torch.equal(got[2], want[2])
+    assert_fp8_matches(got[0], want[0])
+    assert (got[1] is None) == (not with_transpose)
+
+
+@pytest.mark.parametrize("special,expected_scale", [(0.0, 1.0), (float("nan"), 1.0), (float("inf"), 1.0), (1e-40, 3.4028234663852886e38)])
+def test_current_scale_edge_cases(special, expected_scale):
+    x = torch.full((4, 4), special)
+    _, _, scale, scale_inv, amax = cast.quantize_fp8_current(x, torch.float8_e4m3fn, cfg=SMALL)
+    assert scale.item() == expected_scale
+    want = ref.quantize_fp8_current(x, torch.float8_e4m3fn)
+    assert torch.equal(scale, want[2]) and torch.equal(amax.nan_to_num(), want[4].nan_to_num())
+
+
+def test_cast_transpose_dbias_partials():
+    x = _x((50, 40), torch.float32, 4)
+    *_, dbias = cast.cast_transpose_fp8(x, torch.tensor([1.0]), torch.float8_e4m3fn, SMALL, with_dbias=True)
+    torch.testing.assert_close(dbias, x.double().sum(0).float(), rtol=1.3e-6, atol=1e-4)
+
+
+def test_bad_inputs_name_the_problem():
+    x = torch.randn(8, 8)
+    with pytest.raises(ValueError, match="fp8_dtype must be"):
+        cast.quantize_fp8(x, torch.tensor([1.0]), torch.float16, SMALL)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        cast.quantize_fp8(x.t(), torch.tensor([1.0]), torch.float8_e4m3fn, SMALL)
+    with pytest.raises(ValueError, match="1-element float32"):
+        cast.quantize_fp8(x, torch.tensor([1.0, 2.0]), torch.float8_e4m3fn, SMALL)
+    with pytest.raises(ValueError, match="must be 2-D"):
+        cast.cast_transpose_fp8(torch.randn(2, 3, 4), torch.tensor([1.0]), torch.float8_e4m3fn, SMALL)
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        cast.quantize_fp8(torch.ones(4, dtype=torch.int32), torch.tensor([1.0]), torch.float8_e4m3fn, SMALL)

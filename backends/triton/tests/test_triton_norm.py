@@ -1,0 +1,80 @@
+"""te_triton.norm under the Triton interpreter against te_core.reference.norm."""
+import pytest
+import torch
+from triton_fp8_compare import assert_fp8_matches
+from te_core.reference import norm as ref
+from te_triton import Config, norm
+
+SMALL = Config(num_warps=4, max_programs=5)
+TOL = {torch.float32: dict(rtol=1.3e-6, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-5)}
+
+
+def _inputs(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = shape[-1]
+    x = (torch.randn(shape, generator=g) * 3 + 1).to(dtype)
+    w = (torch.randn(n, generator=g) * 0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    dy = torch.randn(shape, generator=g).to(dtype)
+    return x, w, b, dy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(13, 100), (2, 3, 64)])
+@pytest.mark.parametrize("zc", [False, True])
+def test_layernorm(dtype, shape, zc):
+    x, w, b, dy = _inputs(shape, dtype, 1)
+    y, mean, rstd, amax = norm.norm_fwd(x, w, b, 1e-5, rms=False, zero_centered_gamma=zc, cfg=SMALL)
+    wy, wmean, wrstd, _ = ref.layernorm_fwd(x, w, b, 1e-5, zero_centered_gamma=zc)
+    assert amax is None and y.dtype == dtype
+    torch.testing.assert_close(y, wy, **TOL[dtype])
+    torch.testing.assert_close(mean, wmean, rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(rstd, wrstd, rtol=1.3e-6, atol=1e-5)
+    dx, dw, db = norm.norm_bwd(dy, x, mean, rstd, w, rms=False, zero_centered_gamma=zc, cfg=SMALL)
+    wdx, wdw, wdb = ref.layernorm_bwd(dy, x, wmean, wrstd, w, zero_centered_gamma=zc)
+    torch.testing.assert_close(dx, wdx, **TOL[dtype])
+    torch.testing.assert_close(dw, wdw, **{**TOL[dtype], "atol": 1e-4})
+    torch.testing.assert_close(db, wdb, **{**TOL[dtype], "atol": 1e-4})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zc", [False, True])
+def test_rmsnorm(dtype, zc):
+    x, w, _, dy = _inputs((11, 70), dtype, 2)
+    y, mean, rstd, _ = norm.norm_fwd(x, w, None, 1e-6, rms=True, zero_centered_gamma=zc, cfg=SMALL)
+    wy, wrstd, _ = ref.rmsnorm_fwd(x, w, 1e-6, zero_centered_gamma=zc)
+    assert mean is None
+    torch.testing.assert_close(y, wy, **TOL[dtype])
+    torch.testing.assert_close(rstd, wrstd, rtol=1.3e-6, atol=1e-5)
+    dx, dw, db = norm.norm_bwd(dy, x, None, rstd, w, rms=True, zero_centered_gamma=zc, cfg=SMALL)
+    wdx, wdw = ref.rmsnorm_bwd(dy, x, wrstd, w, zero_centered_gamma=zc)
+    assert db is None
+    torch.testing.assert_close(dx, wdx, **TOL[dtype])
+    torch.testing.assert_close(dw, wdw, **{**TOL[dtype], "atol": 1e-4})
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_output(rms, fp8_dtype):
+    x, w, b, _ = _inputs((9, 48), torch.float32, 3)
+    scale = torch.tensor([20.0])
+    y, _, _, amax = norm.norm_fwd(x, w, None if rms else b, 1e-5, rms=rms, fp8_scale=scale, fp8_dtype=fp8_dtype,
+                                  cfg=SMALL)
+    if rms:
+        wy, _, wamax = ref.rmsnorm_fwd(x, w, 1e-5, fp8_scale=scale, fp8_dtype=fp8_dtype)
+    else:
+        wy, _, _, wamax = ref.layernorm_fwd(x, w, b, 1e-5, fp8_scale=scale, fp8_dtype=fp8_dtype)
+    torch.testing.assert_close(amax, wamax, rtol=1.3e-6, atol=1e-5)  # y differs in the last bits (reduction order)
+    assert_fp8_matches(y, wy)
+
+
+def test_bad_inputs_name_the_problem():
+    x, w, b, _ = _inputs((4, 8), torch.float32, 4)
+    with pytest.raises(ValueError, match="weight has 7 elements"):
+        norm.norm_fwd(x, w[:7], b, 1e-5, rms=False, cfg=SMALL)
+    with pytest.raises(ValueError, match="needs fp8_scale"):
+        norm.norm_fwd(x, w, b, 1e-5, rms=False, fp8_dtype=torch.float8_e4m3fn, cfg=SMALL)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        norm.norm_fwd(torch.randn(8, 4).t(), w, b, 1e-5, rms=False, cfg=SMALL)
+    with pytest.raises(ValueError, match="dy must be contiguous"):
+        norm.norm_bwd(torch.randn(4, 9), x, None, torch.ones(4), w, rms=True, cfg=SMALL)

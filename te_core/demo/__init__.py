@@ -1,0 +1,7 @@
+"""The te-core demo: a small GPT trained in BF16 and FP8 on text that needs no download.
+
+Entry point: `te_core.demo.main(argv)` (the CLI's `te-core demo`, or `python -m te_core.demo`).
+"""
+from .main import main
+
+__all__ = ["main"]

@@ -1,0 +1,83 @@
+"""A small GPT built from te-core modules: byte embedding, TransformerLayers with rotary
+positions, a final norm and an LM head (kept in high precision, as is usual for FP8 training)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .. import ops
+from ..modules import Linear, RMSNorm, RotaryPositionEmbedding, TransformerLayer
+from .data import VOCAB_SIZE
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    seq_len: int
+    batch_size: int
+    vocab_size: int = VOCAB_SIZE
+
+    @property
+    def ffn_hidden_size(self) -> int:
+        return 4 * self.hidden_size
+
+    def as_dict(self) -> dict:
+        return dict(asdict(self), ffn_hidden_size=self.ffn_hidden_size)
+
+
+# Sizes: hidden, head, ffn sizes and tokens per step are multiples of 32, so every recipe
+# (MXFP8's 32-element blocks included) can quantize every GEMM operand.
+SIZES = {
+    "tiny": GPTConfig(hidden_size=64, num_layers=1, num_heads=2, seq_len=64, batch_size=4),
+    "small": GPTConfig(hidden_size=128, num_layers=2, num_heads=4, seq_len=128, batch_size=8),
+    "medium": GPTConfig(hidden_size=256, num_layers=4, num_heads=8, seq_len=256, batch_size=16),
+    "large": GPTConfig(hidden_size=512, num_layers=6, num_heads=8, seq_len=256, batch_size=32),
+}
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig, device: torch.device):
+        super().__init__()
+        self.config = config
+        head_dim = config.hidden_size // config.num_heads
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size, device=device)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.rope = RotaryPositionEmbedding(head_dim).to(device)
+        self.layers = nn.ModuleList(
+            TransformerLayer(
+                config.hidden_size,
+                config.ffn_hidden_size,
+                config.num_heads,
+                hidden_dropout=0.0,
+                attention_dropout=0.0,
+                self_attn_mask_type="causal",
+                normalization="RMSNorm",
+                activation="gelu",
+                attn_input_format="bshd",
+                layer_number=i + 1,
+                device=device,
+            )
+            for i in range(config.num_layers)
+        )
+        self.final_norm = RMSNorm(config.hidden_size, device=device)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, device=device)
+
+    def body(self, tokens: Tensor) -> Tensor:
+        """Embedding and transformer layers: the part that runs under te.autocast."""
+        x = self.embed(tokens)
+        freqs = self.rope(tokens.shape[1])
+        for layer in self.layers:
+            x = layer(x, rotary_pos_emb=freqs)
+        return x
+
+    def head_loss(self, x: Tensor, targets: Tensor) -> Tensor:
+        """Final norm, LM head and mean cross-entropy, in high precision."""
+        logits = self.lm_head(self.final_norm(x))
+        return ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,130 @@
+"""One training run of the demo GPT: BF16 (torch.autocast) or FP8 (te.autocast with a recipe
+inside the same torch.autocast), with identical initialization and data order."""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+from .data import BatchSampler
+from .model import GPT, GPTConfig
+from .progress import ProgressBar
+
+RECIPES = ("delayed", "current", "block", "mxfp8")
+
+
+def make_recipe(name: str):
+    """The te-core recipe object for a --recipe name."""
+    from .. import recipe
+
+    factories = {
+        "delayed": lambda: recipe.DelayedScaling(),
+        "current": lambda: recipe.Float8CurrentScaling(),
+        "block": lambda: recipe.Float8BlockScaling(),
+        "mxfp8": lambda: recipe.MXFP8BlockScaling(),
+    }
+    if name not in factories:
+        raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}")
+    return factories[name]()
+
+
+@dataclass
+class RunConfig:
+    model: GPTConfig
+    steps: int
+    lr: float = 2e-3
+    warmup: int = 0  # 0: 10% of the steps
+    weight_decay: float = 0.1
+    seed: int = 1234
+    eval_batches: int = 4
+
+
+@dataclass
+class RunResult:
+    name: str
+    losses: List[float] = field(default_factory=list)
+    val_loss: float = float("nan")
+    seconds: float = 0.0
+    tokens_per_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dict(name=self.name, losses=self.losses, val_loss=self.val_loss, seconds=self.seconds, tokens_per_s=self.tokens_per_s)
+
+
+def lr_at(step: int, cfg: RunConfig) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+    warmup = cfg.warmup or max(1, cfg.steps // 10)
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, cfg.steps - warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def fp8_context(fp8_recipe):
+    """te.autocast(recipe) for the FP8 run; nothing for the BF16 run."""
+    if fp8_recipe is None:
+        return contextlib.nullcontext()
+    from ..quantization import autocast
+
+    return autocast(enabled=True, recipe=fp8_recipe)
+
+
+def loss_of(model: GPT, inputs: torch.Tensor, targets: torch.Tensor, device: torch.device, fp8_recipe) -> torch.Tensor:
+    """Mean next-byte loss; the transformer body under te.autocast, everything under torch.autocast(bf16)."""
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        with fp8_context(fp8_recipe):
+            hidden = model.body(inputs)
+        return model.head_loss(hidden, targets)
+
+
+def train(name: str, cfg: RunConfig, train_tokens, val_tokens, device: torch.device, fp8_recipe=None, progress: bool = True) -> RunResult:
+    """Train a freshly initialized GPT for cfg.steps steps; returns per-step losses and speed."""
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)]
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    sampler = BatchSampler(train_tokens, cfg.model.batch_size, cfg.model.seq_len, seed=cfg.seed)
+    result = RunResult(name)
+    bar = ProgressBar(name, cfg.steps, enabled=progress)
+    tokens_per_step = cfg.model.batch_size * cfg.model.seq_len
+    start = time.perf_counter()
+    for step in range(cfg.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        inputs, targets = sampler.next(device)
+        loss = loss_of(model, inputs, targets, device, fp8_recipe)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        result.losses.append(float(loss.detach()))
+        elapsed = time.perf_counter() - start
+        bar.update(step + 1, loss=result.losses[-1], tok_s=f"{tokens_per_step * (step + 1) / elapsed:.0f}")
+    bar.close()
+    result.seconds = time.perf_counter() - start
+    result.tokens_per_s = tokens_per_step * cfg.steps / max(result.seconds, 1e-9)
+    result.val_loss = evaluate(model, cfg, val_tokens, device, fp8_recipe)
+    return result
+
+
+@torch.no_grad()
+def evaluate(model: GPT, cfg: RunConfig, val_tokens, device: torch.device, fp8_recipe) -> float:
+    """Mean loss on cfg.eval_batches held-out batches (the same batches for every run)."""
+    if cfg.eval_batches <= 0 or val_tokens.numel() <= cfg.model.seq_len + 1:
+        return float("nan")
+    sampler = BatchSampler(val_tokens, cfg.model.batch_size, cfg.model.seq_len, seed=cfg.seed + 1)
+    losses = [float(loss_of(model, *sampler.next(device), device, fp8_recipe)) for _ in range(cfg.eval_batches)]
+    return sum(losses) / len(losses)
+
+
+def default_device() -> Optional[torch.device]:
+    from .. import backend
+
+    return backend.get_backend().device

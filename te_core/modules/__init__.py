@@ -1,0 +1,17 @@
+"""te-core modules: Transformer Engine's layers (class names, constructor arguments, parameter
+names and forward signatures as in Transformer Engine), built on the registry ops."""
+from .attention import DotProductAttention
+from .checkpoint import checkpoint
+from .grouped_linear import GroupedLinear
+from .layernorm import LayerNorm, RMSNorm
+from .layernorm_linear import LayerNormLinear
+from .layernorm_mlp import LayerNormMLP
+from .linear import Linear
+from .multihead_attention import MultiheadAttention
+from .rope import RotaryPositionEmbedding, apply_rotary_pos_emb
+from .transformer_layer import TransformerLayer
+
+__all__ = [
+    "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "LayerNorm", "RMSNorm", "DotProductAttention",
+    "MultiheadAttention", "TransformerLayer", "RotaryPositionEmbedding", "apply_rotary_pos_emb", "checkpoint",
+]

@@ -1,0 +1,130 @@
+"""Shared plumbing of the modules: where parameters live, which dtype a forward computes in,
+and the input checks whose messages name the offending argument."""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from ..ops import ACTIVATIONS, GATED_ACTIVATIONS
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def resolve_device(device: Union[None, str, torch.device]) -> torch.device:
+    """`device`, or the selected backend's device when None (CPU under the reference backend)."""
+    if device is not None:
+        return torch.device(device)
+    from .. import backend
+
+    return backend.get_backend().device
+
+
+def resolve_params_dtype(params_dtype: Optional[torch.dtype]) -> torch.dtype:
+    dtype = torch.float32 if params_dtype is None else params_dtype
+    if dtype not in HP_DTYPES:
+        raise TypeError(f"params_dtype={dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16")
+    return dtype
+
+
+def default_init_method(std: float = 0.023) -> Callable[[Tensor], None]:
+    """Transformer Engine's default weight init: normal(0, 0.023)."""
+
+    def init(weight: Tensor) -> None:
+        torch.nn.init.normal_(weight, mean=0.0, std=std)
+
+    return init
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a module computes in: torch.autocast's when enabled for x's device, else x's."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def no_torch_autocast(device_type: str):
+    """Modules cast operands themselves; torch.autocast must not re-cast inside the ops."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def cast_if_needed(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    if t is None or t.dtype == dtype:
+        return t
+    return t.to(dtype)
+
+
+def hp_weight(step, weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """The weight as a GEMM operand source: as stored under FP8 (quantized from its own
+    precision), cast to the compute dtype otherwise."""
+    return weight if step.fp8 else weight.to(dtype)
+
+
+def check_fp8_gemms(step, module: str, *gemms: Tuple[int, int, int]) -> None:
+    """Before anything is quantized: each (M, N, K) must suit the recipe's FP8 GEMMs."""
+    try:
+        for m, n, k in gemms:
+            step.check_gemm_dims(m, n, k)
+    except ValueError as err:
+        raise ValueError(f"{module}: {err}") from None
+
+
+def check_input(x: Tensor, last_dim: int, *, name: str = "inp", module: str = "module") -> None:
+    """A floating-point tensor with at least 1 dimension whose last dimension is `last_dim`."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{module}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in HP_DTYPES:
+        raise TypeError(
+            f"{module}: {name} has dtype {x.dtype}; expected float32, bfloat16 or float16 "
+            "(FP8 quantization happens inside the module under te.autocast)"
+        )
+    if x.dim() == 0 or x.shape[-1] != last_dim:
+        raise ValueError(
+            f"{module}: {name} has shape {tuple(x.shape)}; its last dimension must be {last_dim} "
+            "(the module's input features / hidden size)"
+        )
+
+
+def check_choice(value: str, allowed: Sequence[str], *, name: str, module: str) -> str:
+    if value not in allowed:
+        raise ValueError(f"{module}: unknown {name}={value!r}; choose one of {', '.join(map(repr, allowed))}")
+    return value
+
+
+def check_activation(activation: str, module: str) -> str:
+    return check_choice(activation, ACTIVATIONS, name="activation", module=module)
+
+
+def check_normalization(normalization: str, module: str) -> str:
+    return check_choice(normalization, NORMALIZATIONS, name="normalization", module=module)
+
+
+def is_gated(activation: str) -> bool:
+    return activation in GATED_ACTIVATIONS
+
+
+def check_positive(value: int, *, name: str, module: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{module}: {name} must be a positive integer, got {value!r}")
+    return value
+
+
+def check_divisible(numerator: int, denominator: int, *, what: str, by: str, module: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{module}: {what}={numerator} is not divisible by {by}={denominator}")
+    return numerator // denominator
+
+
+def normalized_size(normalized_shape: Union[int, Sequence[int]], module: str) -> Tuple[Tuple[int, ...], int]:
+    """(shape tuple, number of elements normalized together)."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not shape or any(not isinstance(s, int) or s <= 0 for s in shape):
+        raise ValueError(f"{module}: normalized_shape must be a positive int or a tuple of them, got {normalized_shape!r}")
+    return shape, math.prod(shape)

@@ -1,0 +1,69 @@
+"""LayerNorm / RMSNorm forward and backward on 2-D tensors through the registry ops.
+
+Shared by the norm modules and by the fused norm+GEMM modules (LayerNormLinear, LayerNormMLP),
+which call `norm_fwd` / `norm_bwd` inside their own autograd Functions.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import ops
+
+
+def norm_fwd(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    eps: float,
+    normalization: str,
+    zero_centered_gamma: bool,
+    *,
+    fp8_scale: Optional[Tensor] = None,
+    fp8_dtype: Optional[torch.dtype] = None,
+) -> Tuple[Tensor, Tuple[Tensor, ...], Optional[Tensor]]:
+    """Returns (y, stats to keep for backward, amax). y is FP8 data when fp8_dtype is given."""
+    if normalization == "LayerNorm":
+        y, mean, rstd, amax = ops.layernorm_fwd(
+            x, weight, bias, eps, zero_centered_gamma=zero_centered_gamma, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype
+        )
+        return y, (mean, rstd), amax
+    y, rstd, amax = ops.rmsnorm_fwd(
+        x, weight, eps, zero_centered_gamma=zero_centered_gamma, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype
+    )
+    return y, (rstd,), amax
+
+
+def norm_bwd(
+    dy: Tensor, x: Tensor, stats: Tuple[Tensor, ...], weight: Tensor, normalization: str, zero_centered_gamma: bool
+) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """Returns (dx, dweight, dbias or None for RMSNorm)."""
+    if normalization == "LayerNorm":
+        mean, rstd = stats
+        return ops.layernorm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma=zero_centered_gamma)
+    (rstd,) = stats
+    dx, dw = ops.rmsnorm_bwd(dy, x, rstd, weight, zero_centered_gamma=zero_centered_gamma)
+    return dx, dw, None
+
+
+class NormFunction(torch.autograd.Function):
+    """High-precision norm of x (any shape; normalized over its last dimension)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, normalization, zero_centered_gamma):
+        x2d = x.reshape(-1, x.shape[-1])
+        y, stats, _ = norm_fwd(x2d, weight, bias, eps, normalization, zero_centered_gamma)
+        ctx.save_for_backward(x2d, weight, *stats)
+        ctx.normalization = normalization
+        ctx.zero_centered_gamma = zero_centered_gamma
+        ctx.has_bias = bias is not None
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, weight, *stats = ctx.saved_tensors
+        dy2d = dy.reshape(x2d.shape).to(x2d.dtype)
+        dx, dw, db = norm_bwd(dy2d, x2d, tuple(stats), weight, ctx.normalization, ctx.zero_centered_gamma)
+        return dx.view(dy.shape), dw, db if ctx.has_bias else None, None, None, None

@@ -1,0 +1,117 @@
+"""te.GroupedLinear: num_gemms independent linear layers applied to consecutive row groups of
+one input (the experts of a mixture-of-experts layer), in one autograd Function."""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from ..quantization import gemm_slots
+from ..quantization.gemm import dgrad_gemm, fprop_gemm, wgrad_gemm
+from ._base import QuantizedModule
+from ._common import check_fp8_gemms, check_input, check_positive, compute_dtype, default_init_method, hp_weight, no_torch_autocast
+
+
+def _slot(i: int, role: str) -> str:
+    return f"gemm{i}_{role}"
+
+
+class _GroupedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, m_splits, step, num_gemms, *params):
+        weights, biases = params[:num_gemms], params[num_gemms:]
+        outs, saved = [], []
+        for i, xi in enumerate(torch.split(x, m_splits)):
+            w = weights[i]
+            if xi.shape[0] == 0:  # an expert that received no tokens this step
+                outs.append(xi.new_empty(0, w.shape[0]))
+                saved += [xi, w]
+                continue
+            x_q = step.operand(_slot(i, "input"), xi, columnwise=w.requires_grad)
+            w_q = step.weight_operand(_slot(i, "weight"), hp_weight(step, w, x.dtype), columnwise=x.requires_grad)
+            outs.append(fprop_gemm(x_q, w_q, out_dtype=x.dtype, bias=biases[i] if biases else None))
+            saved += [x_q, w_q]
+        ctx.save_for_backward(*saved)
+        ctx.step, ctx.m_splits, ctx.num_gemms = step, m_splits, num_gemms
+        ctx.weight_meta = [(w.shape, w.dtype) for w in weights]
+        ctx.bias_dtypes = [b.dtype for b in biases]
+        ctx.x_dtype = x.dtype
+        return torch.cat(outs, dim=0)
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved, step = ctx.saved_tensors, ctx.step
+        dxs, dws, dbs = [], [], []
+        for i, dyi in enumerate(torch.split(dy.to(ctx.x_dtype), ctx.m_splits)):
+            x_q, w_q = saved[2 * i], saved[2 * i + 1]
+            shape, w_dtype = ctx.weight_meta[i]
+            if dyi.shape[0] == 0:
+                dxs.append(dyi.new_zeros(0, shape[1]))
+                dws.append(torch.zeros(shape, dtype=w_dtype, device=dy.device))
+                dbs.append(torch.zeros(shape[0], dtype=w_dtype, device=dy.device) if ctx.bias_dtypes else None)
+                continue
+            dy_q, db = step.grad_operand(_slot(i, "grad_output"), dyi.contiguous(), columnwise=True, with_dbias=bool(ctx.bias_dtypes))
+            dxs.append(dgrad_gemm(dy_q, w_q, out_dtype=ctx.x_dtype))
+            dws.append(wgrad_gemm(dy_q, x_q, out_dtype=w_dtype))
+            dbs.append(None if db is None else db.to(ctx.bias_dtypes[i]))
+        step.backward_done()
+        return (torch.cat(dxs, dim=0), None, None, None, *dws, *(dbs if ctx.bias_dtypes else ()))
+
+
+class GroupedLinear(QuantizedModule):
+    """Rows m_splits[0], m_splits[1], ... of the input go through weight0, weight1, ...;
+    parameters weight{i} (out_features, in_features) and bias{i}, as in Transformer Engine."""
+
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        init_method=None,
+        params_dtype: Optional[torch.dtype] = None,
+        device: Union[None, str, torch.device] = None,
+        return_bias: bool = False,
+        **kwargs,
+    ):
+        name = "GroupedLinear"
+        check_positive(num_gemms, name="num_gemms", module=name)
+        slots = tuple(s for i in range(num_gemms) for s in gemm_slots(f"gemm{i}_"))
+        super().__init__(slots, device=device, params_dtype=params_dtype)
+        self.num_gemms = num_gemms
+        self.in_features = check_positive(in_features, name="in_features", module=name)
+        self.out_features = check_positive(out_features, name="out_features", module=name)
+        self.use_bias, self.return_bias = bias, return_bias
+        init = init_method or default_init_method()
+        factory = dict(device=self.device, dtype=self.params_dtype)
+        for i in range(num_gemms):
+            weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
+            with torch.no_grad():
+                init(weight)
+            self.register_parameter(f"weight{i}", weight)
+            self.register_parameter(f"bias{i}", nn.Parameter(torch.zeros(out_features, **factory)) if bias else None)
+
+    def _params(self, prefix: str) -> List[Tensor]:
+        return [getattr(self, f"{prefix}{i}") for i in range(self.num_gemms)]
+
+    def forward(self, inp: Tensor, m_splits: Sequence[int], is_first_microbatch: Optional[bool] = None):
+        name = "GroupedLinear"
+        check_input(inp, self.in_features, module=name)
+        m_splits = [int(m) for m in m_splits]
+        if len(m_splits) != self.num_gemms or any(m < 0 for m in m_splits):
+            raise ValueError(f"{name}: m_splits must be {self.num_gemms} non-negative row counts, got {m_splits}")
+        rows = inp.numel() // self.in_features
+        if sum(m_splits) != rows:
+            raise ValueError(f"{name}: m_splits sum to {sum(m_splits)} but inp has {rows} rows (tokens)")
+        dtype = compute_dtype(inp)
+        x = inp.reshape(-1, self.in_features).to(dtype)
+        step = self.quantization_step(is_first_microbatch)
+        check_fp8_gemms(step, name, *((m, self.out_features, self.in_features) for m in m_splits if m))
+        biases = self._params("bias") if self.use_bias and not self.return_bias else []
+        with no_torch_autocast(inp.device.type):
+            y = _GroupedLinearFunction.apply(x, m_splits, step, self.num_gemms, *self._params("weight"), *biases)
+        y = y.view(*inp.shape[:-1], self.out_features)
+        if self.return_bias:
+            return y, self._params("bias") if self.use_bias else None
+        return y

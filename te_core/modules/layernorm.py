@@ -1,0 +1,80 @@
+"""te.LayerNorm and te.RMSNorm: normalization over the trailing `normalized_shape` dimensions."""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from ._common import check_input, compute_dtype, no_torch_autocast, normalized_size, resolve_device, resolve_params_dtype
+from ._norm import NormFunction
+
+
+class _Norm(nn.Module):
+    normalization = ""
+
+    def __init__(
+        self,
+        normalized_shape: Union[int, Sequence[int]],
+        eps: float = 1e-5,
+        sequence_parallel: Optional[bool] = None,
+        params_dtype: Optional[torch.dtype] = None,
+        zero_centered_gamma: bool = False,
+        device: Union[None, str, torch.device] = None,
+        **kwargs,
+    ):
+        super().__init__()
+        if "hidden_size" in kwargs:  # Transformer Engine's older name for normalized_shape
+            normalized_shape = kwargs.pop("hidden_size")
+        if kwargs:
+            raise TypeError(f"{type(self).__name__}: unexpected arguments {sorted(kwargs)}")
+        name = type(self).__name__
+        self.normalized_shape, self._size = normalized_size(normalized_shape, name)
+        if not eps > 0:
+            raise ValueError(f"{name}: eps must be positive, got {eps!r}")
+        self.eps = float(eps)
+        self.zero_centered_gamma = zero_centered_gamma
+        self.sequence_parallel = sequence_parallel
+        factory = dict(device=resolve_device(device), dtype=resolve_params_dtype(params_dtype))
+        self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory))
+        if self.normalization == "LayerNorm":
+            self.bias = nn.Parameter(torch.empty(self.normalized_shape, **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.weight, 0.0 if self.zero_centered_gamma else 1.0)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, inp: Tensor) -> Tensor:
+        name = type(self).__name__
+        n = len(self.normalized_shape)
+        if not isinstance(inp, Tensor) or inp.dim() < n or tuple(inp.shape[-n:]) != self.normalized_shape:
+            shape = tuple(inp.shape) if isinstance(inp, Tensor) else type(inp).__name__
+            raise ValueError(f"{name}: inp has shape {shape}; its trailing dimensions must be {self.normalized_shape}")
+        x = inp.reshape(*inp.shape[: inp.dim() - n], self._size)
+        check_input(x, self._size, module=name)
+        x = x.to(compute_dtype(x))
+        with no_torch_autocast(x.device.type):
+            w = self.weight.reshape(self._size)
+            b = None if self.bias is None else self.bias.reshape(self._size)
+            y = NormFunction.apply(x, w, b, self.eps, self.normalization, self.zero_centered_gamma)
+        return y.view(inp.shape)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
+
+
+class LayerNorm(_Norm):
+    """y = (x - mean) / sqrt(var + eps) * gamma + beta, with gamma = weight (1 + weight when
+    zero_centered_gamma). Parameters `weight`, `bias`."""
+
+    normalization = "LayerNorm"
+
+
+class RMSNorm(_Norm):
+    """y = x / sqrt(mean(x^2) + eps) * gamma. Parameter `weight`."""
+
+    normalization = "RMSNorm"

@@ -1,0 +1,143 @@
+"""te.LayerNormLinear: a norm fused with the linear layer that consumes it.
+
+Forward: norm (FP8 output straight from the norm op where the recipe's quantizer allows),
+quantized weight, fprop GEMM. The FP8 input and weight (with their column-wise copies) are
+kept for the backward GEMMs; dgrad flows into the norm's backward.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from ..quantization import gemm_slots
+from ..quantization.gemm import dgrad_gemm, fprop_gemm, wgrad_gemm
+from ._base import QuantizedModule
+from ._common import (
+    check_fp8_gemms, check_input, check_normalization, check_positive, compute_dtype, default_init_method, hp_weight, no_torch_autocast,
+)
+from ._norm import norm_bwd, norm_fwd
+
+SLOTS = gemm_slots()
+
+
+def normalized_operand(step, slot: str, x2d: Tensor, ln_weight: Tensor, ln_bias: Optional[Tensor], norm: dict,
+                       columnwise: bool, keep_hp: bool):
+    """Norm of x2d as the GEMM operand of `slot`: (operand, stats, high-precision output or None).
+
+    The norm op writes FP8 directly when the slot's quantizer knows its scale up front and the
+    high-precision output is not needed; otherwise the output is quantized afterwards."""
+    fused = None if keep_hp else step.fused_cast_args(slot)
+    if fused is not None:
+        data, stats, amax = norm_fwd(x2d, ln_weight, ln_bias, **norm, **fused)
+        return step.wrap_fused(slot, data, amax, nominal_dtype=x2d.dtype, columnwise=columnwise), stats, None
+    y, stats, _ = norm_fwd(x2d, ln_weight, ln_bias, **norm)
+    return step.operand(slot, y, columnwise=columnwise), stats, (y if keep_hp else None)
+
+
+class _LayerNormLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ln_weight, ln_bias, weight, bias, step, norm, return_ln_out):
+        ln_out_q, stats, ln_out = normalized_operand(
+            step, "input", x, ln_weight, ln_bias, norm, columnwise=weight.requires_grad, keep_hp=return_ln_out
+        )
+        w_q = step.weight_operand("weight", hp_weight(step, weight, x.dtype), columnwise=x.requires_grad)
+        y = fprop_gemm(ln_out_q, w_q, out_dtype=x.dtype, bias=bias)
+        ctx.save_for_backward(x, ln_weight, ln_out_q, w_q, *stats)
+        ctx.step, ctx.norm, ctx.weight_dtype = step, norm, weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.needs = (x.requires_grad, weight.requires_grad)
+        if return_ln_out:
+            return y, ln_out
+        return y
+
+    @staticmethod
+    def backward(ctx, dy, d_ln_out=None):
+        x, ln_weight, ln_out_q, w_q, *stats = ctx.saved_tensors
+        step = ctx.step
+        needs_dx, needs_dw = ctx.needs
+        dy_q, dbias = step.grad_operand("grad_output", dy.to(x.dtype), columnwise=needs_dw, with_dbias=ctx.bias_dtype is not None)
+        dw = wgrad_gemm(dy_q, ln_out_q, out_dtype=ctx.weight_dtype) if needs_dw else None
+        d_ln = dgrad_gemm(dy_q, w_q, out_dtype=x.dtype)
+        if d_ln_out is not None:
+            d_ln = d_ln + d_ln_out
+        dx, d_ln_w, d_ln_b = norm_bwd(d_ln, x, tuple(stats), ln_weight, ctx.norm["normalization"], ctx.norm["zero_centered_gamma"])
+        step.backward_done()
+        dbias = None if dbias is None else dbias.to(ctx.bias_dtype)
+        return dx if needs_dx else None, d_ln_w, d_ln_b, dw, dbias, None, None, None
+
+
+class LayerNormLinear(QuantizedModule):
+    """y = norm(x) @ weight.T + bias. Parameters layer_norm_weight, layer_norm_bias (LayerNorm
+    only), weight (out_features, in_features), bias."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        eps: float = 1e-5,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        get_rng_state_tracker=None,
+        init_method=None,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        return_bias: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        parallel_mode: Optional[str] = None,
+        return_layernorm_output: bool = False,
+        zero_centered_gamma: bool = False,
+        device: Union[None, str, torch.device] = None,
+        **kwargs,
+    ):
+        super().__init__(SLOTS, device=device, params_dtype=params_dtype)
+        name = "LayerNormLinear"
+        self.in_features = check_positive(in_features, name="in_features", module=name)
+        self.out_features = check_positive(out_features, name="out_features", module=name)
+        self.normalization = check_normalization(normalization, name)
+        if not eps > 0:
+            raise ValueError(f"{name}: eps must be positive, got {eps!r}")
+        self.eps, self.zero_centered_gamma = float(eps), zero_centered_gamma
+        self.return_bias, self.return_layernorm_output = return_bias, return_layernorm_output
+        self.use_bias = bias
+        factory = dict(device=self.device, dtype=self.params_dtype)
+        self.layer_norm_weight = nn.Parameter(torch.empty(in_features, **factory))
+        self.layer_norm_bias = nn.Parameter(torch.empty(in_features, **factory)) if normalization == "LayerNorm" else None
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self.init_method = init_method or default_init_method()
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            nn.init.constant_(self.layer_norm_weight, 0.0 if self.zero_centered_gamma else 1.0)
+            if self.layer_norm_bias is not None:
+                nn.init.zeros_(self.layer_norm_bias)
+            self.init_method(self.weight)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
+
+    def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False):
+        check_input(inp, self.in_features, module="LayerNormLinear")
+        dtype = compute_dtype(inp)
+        x = inp.reshape(-1, self.in_features).to(dtype)
+        step = self.quantization_step(is_first_microbatch)
+        check_fp8_gemms(step, "LayerNormLinear", (x.shape[0], self.out_features, self.in_features))
+        bias = None if self.return_bias else self.bias
+        norm = dict(eps=self.eps, normalization=self.normalization, zero_centered_gamma=self.zero_centered_gamma)
+        with no_torch_autocast(inp.device.type):
+            out = _LayerNormLinearFunction.apply(
+                x, self.layer_norm_weight, self.layer_norm_bias, self.weight, bias, step, norm,
+                self.return_layernorm_output,
+            )
+        y, ln_out = out if self.return_layernorm_output else (out, None)
+        y = y.view(*inp.shape[:-1], self.out_features)
+        result = (y,)
+        if self.return_bias:
+            result += (self.bias,)
+        if ln_out is not None:
+            result += (ln_out.view(inp.shape),)
+        return result[0] if len(result) == 1 else result

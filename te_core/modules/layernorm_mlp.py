@@ -1,0 +1,156 @@
+"""te.LayerNormMLP: norm -> fc1 -> activation -> fc2 in one autograd Function.
+
+Each GEMM operand is quantized once in forward (with the column-wise copy its wgrad needs)
+and kept; the norm and the activation write FP8 directly where the quantizer knows its scale
+up front. The backward runs fc2's dgrad/wgrad, the activation backward, fc1's dgrad/wgrad,
+and the norm backward, with the bias gradients fused into the gradient casts.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from .. import ops
+from ..quantization import gemm_slots
+from ..quantization.gemm import dgrad_gemm, fprop_gemm, wgrad_gemm
+from ._base import QuantizedModule
+from ._common import (
+    check_activation, check_fp8_gemms, check_input, check_normalization, check_positive, compute_dtype, default_init_method,
+    hp_weight, is_gated, no_torch_autocast,
+)
+from ._norm import norm_bwd
+from .layernorm_linear import normalized_operand
+
+SLOTS = gemm_slots("fc1_") + gemm_slots("fc2_")
+
+
+def activated_operand(step, slot: str, h: Tensor, kind: str, columnwise: bool):
+    """act(h) as the GEMM operand of `slot`, FP8 straight from the activation op where possible."""
+    fused = step.fused_cast_args(slot)
+    if fused is not None:
+        data, amax = ops.activation_fwd(h, kind, **fused)
+        return step.wrap_fused(slot, data, amax, nominal_dtype=h.dtype, columnwise=columnwise)
+    a, _ = ops.activation_fwd(h, kind)
+    return step.operand(slot, a, columnwise=columnwise)
+
+
+class _LayerNormMLPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, step, norm, activation, return_ln_out):
+        ln_out_q, stats, ln_out = normalized_operand(
+            step, "fc1_input", x, ln_weight, ln_bias, norm, columnwise=fc1_weight.requires_grad, keep_hp=return_ln_out
+        )
+        fc1_w_q = step.weight_operand("fc1_weight", hp_weight(step, fc1_weight, x.dtype), columnwise=x.requires_grad)
+        h = fprop_gemm(ln_out_q, fc1_w_q, out_dtype=x.dtype, bias=fc1_bias)
+        act_q = activated_operand(step, "fc2_input", h, activation, columnwise=fc2_weight.requires_grad)
+        fc2_w_q = step.weight_operand("fc2_weight", hp_weight(step, fc2_weight, x.dtype), columnwise=True)
+        y = fprop_gemm(act_q, fc2_w_q, out_dtype=x.dtype, bias=fc2_bias)
+        ctx.save_for_backward(x, ln_weight, ln_out_q, fc1_w_q, h, act_q, fc2_w_q, *stats)
+        ctx.step, ctx.norm, ctx.activation = step, norm, activation
+        ctx.bias_dtypes = (None if fc1_bias is None else fc1_bias.dtype, None if fc2_bias is None else fc2_bias.dtype)
+        ctx.weight_dtypes = (fc1_weight.dtype, fc2_weight.dtype)
+        ctx.needs = (x.requires_grad, fc1_weight.requires_grad, fc2_weight.requires_grad)
+        return (y, ln_out) if return_ln_out else y
+
+    @staticmethod
+    def backward(ctx, dy, d_ln_out=None):
+        x, ln_weight, ln_out_q, fc1_w_q, h, act_q, fc2_w_q, *stats = ctx.saved_tensors
+        step = ctx.step
+        needs_dx, needs_dw1, needs_dw2 = ctx.needs
+        dy_q, d_fc2_b = step.grad_operand("fc2_grad_output", dy.to(x.dtype), columnwise=needs_dw2, with_dbias=ctx.bias_dtypes[1] is not None)
+        d_fc2_w = wgrad_gemm(dy_q, act_q, out_dtype=ctx.weight_dtypes[1]) if needs_dw2 else None
+        d_act = dgrad_gemm(dy_q, fc2_w_q, out_dtype=x.dtype)
+        d_h = ops.activation_bwd(d_act, h, ctx.activation)
+        dh_q, d_fc1_b = step.grad_operand("fc1_grad_output", d_h, columnwise=needs_dw1, with_dbias=ctx.bias_dtypes[0] is not None)
+        d_fc1_w = wgrad_gemm(dh_q, ln_out_q, out_dtype=ctx.weight_dtypes[0]) if needs_dw1 else None
+        d_ln = dgrad_gemm(dh_q, fc1_w_q, out_dtype=x.dtype)
+        if d_ln_out is not None:
+            d_ln = d_ln + d_ln_out
+        dx, d_ln_w, d_ln_b = norm_bwd(d_ln, x, tuple(stats), ln_weight, ctx.norm["normalization"], ctx.norm["zero_centered_gamma"])
+        step.backward_done()
+        d_fc1_b, d_fc2_b = (None if d is None else d.to(t) for d, t in zip((d_fc1_b, d_fc2_b), ctx.bias_dtypes))
+        return dx if needs_dx else None, d_ln_w, d_ln_b, d_fc1_w, d_fc1_b, d_fc2_w, d_fc2_b, None, None, None, None
+
+
+class LayerNormMLP(QuantizedModule):
+    """y = fc2(act(fc1(norm(x)))). Parameters layer_norm_weight, layer_norm_bias (LayerNorm
+    only), fc1_weight (ffn_hidden_size, or 2 * ffn_hidden_size for gated activations, x
+    hidden_size), fc1_bias, fc2_weight (hidden_size x ffn_hidden_size), fc2_bias."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        eps: float = 1e-5,
+        sequence_parallel: bool = False,
+        return_bias: bool = False,
+        get_rng_state_tracker=None,
+        tp_group=None,
+        tp_size: int = 1,
+        init_method=None,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        activation: str = "gelu",
+        output_layer_init_method=None,
+        fuse_wgrad_accumulation: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        return_layernorm_output: bool = False,
+        zero_centered_gamma: bool = False,
+        device: Union[None, str, torch.device] = None,
+        **kwargs,
+    ):
+        super().__init__(SLOTS, device=device, params_dtype=params_dtype)
+        name = "LayerNormMLP"
+        self.hidden_size = check_positive(hidden_size, name="hidden_size", module=name)
+        self.ffn_hidden_size = check_positive(ffn_hidden_size, name="ffn_hidden_size", module=name)
+        self.activation = check_activation(activation, name)
+        self.normalization = check_normalization(normalization, name)
+        if not eps > 0:
+            raise ValueError(f"{name}: eps must be positive, got {eps!r}")
+        self.eps, self.zero_centered_gamma = float(eps), zero_centered_gamma
+        self.return_bias, self.return_layernorm_output, self.use_bias = return_bias, return_layernorm_output, bias
+        factory = dict(device=self.device, dtype=self.params_dtype)
+        fc1_out = 2 * ffn_hidden_size if is_gated(activation) else ffn_hidden_size
+        self.layer_norm_weight = nn.Parameter(torch.empty(hidden_size, **factory))
+        self.layer_norm_bias = nn.Parameter(torch.empty(hidden_size, **factory)) if normalization == "LayerNorm" else None
+        self.fc1_weight = nn.Parameter(torch.empty(fc1_out, hidden_size, **factory))
+        self.fc1_bias = nn.Parameter(torch.empty(fc1_out, **factory)) if bias else None
+        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **factory))
+        self.fc2_bias = nn.Parameter(torch.empty(hidden_size, **factory)) if bias else None
+        self.init_method = init_method or default_init_method()
+        self.output_layer_init_method = output_layer_init_method or default_init_method()
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            nn.init.constant_(self.layer_norm_weight, 0.0 if self.zero_centered_gamma else 1.0)
+            for p in (self.layer_norm_bias, self.fc1_bias, self.fc2_bias):
+                if p is not None:
+                    nn.init.zeros_(p)
+            self.init_method(self.fc1_weight)
+            self.output_layer_init_method(self.fc2_weight)
+
+    def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None):
+        check_input(inp, self.hidden_size, module="LayerNormMLP")
+        dtype = compute_dtype(inp)
+        x = inp.reshape(-1, self.hidden_size).to(dtype)
+        step = self.quantization_step(is_first_microbatch)
+        m = x.shape[0]
+        check_fp8_gemms(step, "LayerNormMLP", (m, self.fc1_weight.shape[0], self.hidden_size), (m, self.hidden_size, self.ffn_hidden_size))
+        fc2_bias = None if self.return_bias else self.fc2_bias
+        norm = dict(eps=self.eps, normalization=self.normalization, zero_centered_gamma=self.zero_centered_gamma)
+        with no_torch_autocast(inp.device.type):
+            out = _LayerNormMLPFunction.apply(
+                x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias,
+                step, norm,
+                self.activation, self.return_layernorm_output,
+            )
+        y, ln_out = out if self.return_layernorm_output else (out, None)
+        result = (y.view(*inp.shape[:-1], self.hidden_size),)
+        if self.return_bias:
+            result += (self.fc2_bias,)
+        if ln_out is not None:
+            result += (ln_out.view(inp.shape),)
+        return result[0] if len(result) == 1 else result

@@ -1,0 +1,202 @@
+"""Linear: y = x @ weight.T + bias, in FP8 under te_core.autocast (Transformer Engine's te.Linear).
+
+The module checks arguments and picks the quantization step; the autograd Function writes one
+code path for every recipe (and for high precision): quantize operands, fprop GEMM, keep the
+column-wise copies for the backward GEMMs, then dgrad, wgrad and the fused dbias.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, NamedTuple, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_gemm
+from ..quantization.roles import gemm_slots
+from ._base import QuantizedModule
+
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _default_init(weight: Tensor) -> None:
+    """Transformer Engine's default: normal(0, 0.023)."""
+    nn.init.normal_(weight, mean=0.0, std=0.023)
+
+
+class _Options(NamedTuple):
+    compute_dtype: torch.dtype
+    fuse_wgrad_accumulation: bool
+    grad_enabled: bool  # read outside the Function: inside forward, grad mode is always off
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inp: Tensor, weight: Tensor, bias: Optional[Tensor], step, options: _Options) -> Tensor:
+        out_features, in_features = weight.shape
+        dtype = options.compute_dtype
+        x2d = inp.reshape(-1, in_features)
+        step.check_gemm_dims(x2d.shape[0], out_features, in_features)
+        need_dgrad = options.grad_enabled and inp.requires_grad
+        need_wgrad = options.grad_enabled and weight.requires_grad
+        x_op = step.operand("input", x2d if step.fp8 else x2d.to(dtype), columnwise=need_wgrad)
+        w_hp = weight if step.fp8 else weight.to(dtype)
+        w_op = step.weight_operand("weight", w_hp, columnwise=need_dgrad)
+        y = fprop_gemm(x_op, w_op, out_dtype=dtype, bias=bias)
+        # Backward reads only the column-wise copy of x (wgrad); the weight stays whole (it may be cached).
+        ctx.save_for_backward(keep_columnwise(x_op) if need_wgrad else None, w_op if need_dgrad else None)
+        ctx.step, ctx.options, ctx.weight = step, options, weight
+        ctx.inp_shape, ctx.inp_dtype = inp.shape, inp.dtype
+        ctx.need_dgrad, ctx.need_wgrad = need_dgrad, need_wgrad
+        ctx.bias_dtype = None if bias is None or not bias.requires_grad else bias.dtype
+        return y.reshape(*inp.shape[:-1], out_features)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x_op, w_op = ctx.saved_tensors
+        step, weight = ctx.step, ctx.weight
+        dy2d = dy.reshape(-1, dy.shape[-1]).contiguous()
+        dy_op, dbias = step.grad_operand("grad_output", dy2d, columnwise=ctx.need_wgrad,
+                                         with_dbias=ctx.bias_dtype is not None)
+        dx = dw = None
+        if ctx.need_dgrad:
+            dx = dgrad_gemm(dy_op, w_op, out_dtype=ctx.inp_dtype).reshape(ctx.inp_shape)
+        if ctx.need_wgrad:
+            dw = _wgrad(dy_op, x_op, weight, ctx.options.fuse_wgrad_accumulation)
+        step.backward_done()
+        if dbias is not None:
+            dbias = dbias.to(ctx.bias_dtype)
+        return dx, dw, dbias, None, None
+
+
+def _wgrad(dy_op, x_op, weight: Tensor, fuse_accumulation: bool) -> Optional[Tensor]:
+    """dw in the weight's dtype, or (fused) added into weight.main_grad with no .grad returned."""
+    if not fuse_accumulation:
+        return wgrad_gemm(dy_op, x_op, out_dtype=weight.dtype)
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        raise RuntimeError("Linear(fuse_wgrad_accumulation=True): weight.main_grad is not set; assign a float32 "
+                           f"buffer of shape {tuple(weight.shape)} to weight.main_grad before backward")
+    wgrad_gemm(dy_op, x_op, out_dtype=main_grad.dtype, out=main_grad, accumulate=True)
+    return None
+
+
+def _reject_unsupported(**kwargs) -> None:
+    defaults = {"tp_size": 1, "tp_group": None, "sequence_parallel": False, "parameters_split": None,
+                "get_rng_state_tracker": None, "rng_tracker_name": None, "delay_wgrad_compute": False,
+                "ub_overlap_ag": False, "ub_overlap_rs": False, "ub_overlap_rs_dgrad": False, "ub_bulk_dgrad": False,
+                "ub_bulk_wgrad": False, "ub_name": None, "symmetric_ar_type": None}
+    for name, value in kwargs.items():
+        if value != defaults[name]:
+            raise NotImplementedError(
+                f"Linear: {name}={value!r} is not supported by te-core yet (no tensor parallelism, sequence "
+                f"parallelism, parameter splitting or userbuffers overlap); leave {name} at its default "
+                f"{defaults[name]!r}"
+            )
+
+
+class Linear(QuantizedModule):
+    """Applies y = x @ weight.T + bias. Runs in FP8 per the recipe under te_core.autocast,
+    in high precision (ops.gemm) otherwise.
+
+    FP8 GEMMs need the tokens (product of the leading input dims), in_features and
+    out_features to be multiples of 16 (32 with MXFP8): otherwise a ValueError names the shape.
+    With fuse_wgrad_accumulation=True the weight gradient is added into `weight.main_grad`
+    (which you allocate) and weight.grad stays None.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        params_dtype: Optional[torch.dtype] = None,
+        device: Union[None, str, torch.device] = None,
+        return_bias: bool = False,
+        init_method: Optional[Callable[[Tensor], None]] = None,
+        parallel_mode: Optional[str] = None,
+        fuse_wgrad_accumulation: bool = False,
+        name: Optional[str] = None,
+        **unsupported,
+    ):
+        unknown = set(unsupported) - set(_UNSUPPORTED_DEFAULTS)
+        if unknown:
+            raise TypeError(f"Linear got unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+        _reject_unsupported(**unsupported)
+        if parallel_mode not in (None, "column", "row"):
+            raise ValueError(f"Linear: parallel_mode={parallel_mode!r}; use None, 'column' or 'row' "
+                             "(the latter two are no-ops without tensor parallelism)")
+        for arg, value in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"Linear: {arg} must be a positive integer, got {value!r}")
+        super().__init__(gemm_slots(), device=device, params_dtype=params_dtype)
+        self.in_features, self.out_features = in_features, out_features
+        self.return_bias, self.use_bias = return_bias, bias
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.parallel_mode, self.name = parallel_mode, name
+        self._create_parameters(init_method or _default_init)
+
+    def _create_parameters(self, init_method) -> None:
+        weight = torch.empty(self.out_features, self.in_features, device=self.device, dtype=self.params_dtype)
+        init_method(weight)
+        quantizer = self.primary_weight_quantizer("weight")
+        if quantizer is not None:
+            weight = quantizer.quantize_primary(weight)
+        self.weight = nn.Parameter(weight)
+        if self.use_bias:
+            self.bias = nn.Parameter(torch.zeros(self.out_features, device=self.device, dtype=self.params_dtype))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None):
+        self._check_input(inp)
+        step = self.quantization_step(is_first_microbatch)
+        options = _Options(_compute_dtype(inp), self.fuse_wgrad_accumulation, torch.is_grad_enabled())
+        fused_bias = None if self.return_bias else self.bias
+        with _no_torch_autocast(inp.device.type):  # operands are cast here, not by torch.autocast
+            out = _LinearFunction.apply(inp, self.weight, fused_bias, step, options)
+        if self.return_bias:
+            return out, self.bias
+        return out
+
+    def _check_input(self, inp: Tensor) -> None:
+        if not isinstance(inp, Tensor):
+            raise TypeError(f"Linear: inp must be a torch.Tensor, got {type(inp).__name__}")
+        if inp.dtype not in INPUT_DTYPES:
+            raise TypeError(f"Linear: inp has dtype {inp.dtype}; expected float32, bfloat16 or float16 "
+                            "(FP8 quantization happens inside the module under te_core.autocast)")
+        if inp.dim() == 0 or inp.shape[-1] != self.in_features:
+            raise ValueError(f"Linear: inp has shape {tuple(inp.shape)}; its last dimension must be "
+                             f"in_features={self.in_features}")
+        if inp.device != self.weight.device:
+            raise ValueError(f"Linear: inp is on {inp.device} but the weight is on {self.weight.device}; "
+                             f"move one of them (inp.to({str(self.weight.device)!r}) or module.to(...))")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}"
+
+    def reset_parameters(self, init_method: Optional[Callable[[Tensor], None]] = None) -> None:
+        with torch.no_grad():
+            (init_method or _default_init)(self.weight)
+            if self.bias is not None:
+                self.bias.zero_()
+
+
+_UNSUPPORTED_DEFAULTS = ("tp_size", "tp_group", "sequence_parallel", "parameters_split", "get_rng_state_tracker",
+                         "rng_tracker_name", "delay_wgrad_compute", "ub_overlap_ag", "ub_overlap_rs",
+                         "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad", "ub_name", "symmetric_ar_type")
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """torch.autocast's dtype when enabled for x's device, else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+
+def _no_torch_autocast(device_type: str):
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()

@@ -1,0 +1,132 @@
+"""te.MultiheadAttention: (norm +) QKV projection, rotary embedding, attention core, output projection."""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from ._common import check_choice, check_divisible, check_input, check_normalization, check_positive
+from .attention import QKV_FORMATS, DotProductAttention
+from .layernorm_linear import LayerNormLinear
+from .linear import Linear
+from .rope import apply_rotary_pos_emb
+
+
+class MultiheadAttention(nn.Module):
+    """Self- or cross-attention block with Transformer Engine's constructor and submodule names
+    (layernorm_qkv / qkv, layernorm_query / query_layer, key_value, core_attention, proj).
+
+    The fused QKV weight is laid out [q heads | k groups | v groups] along its output dimension.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        kv_channels: Optional[int] = None,
+        attention_dropout: float = 0.1,
+        layernorm_epsilon: float = 1e-5,
+        init_method=None,
+        output_layer_init_method=None,
+        layer_number: Optional[int] = None,
+        attn_mask_type: str = "causal",
+        window_size=None,
+        num_gqa_groups: Optional[int] = None,
+        params_dtype: Optional[torch.dtype] = None,
+        return_layernorm_output: bool = False,
+        input_layernorm: bool = False,
+        attention_type: str = "self",
+        zero_centered_gamma: bool = False,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        device: Union[None, str, torch.device] = None,
+        qkv_format: str = "sbhd",
+        **kwargs,
+    ):
+        super().__init__()
+        name = "MultiheadAttention"
+        check_positive(hidden_size, name="hidden_size", module=name)
+        check_positive(num_attention_heads, name="num_attention_heads", module=name)
+        if kv_channels is None:
+            kv_channels = check_divisible(hidden_size, num_attention_heads, what="hidden_size", by="num_attention_heads", module=name)
+        self.num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+        check_positive(self.num_gqa_groups, name="num_gqa_groups", module=name)
+        check_divisible(num_attention_heads, self.num_gqa_groups, what="num_attention_heads", by="num_gqa_groups", module=name)
+        check_normalization(normalization, name)
+        self.attention_type = check_choice(attention_type, ("self", "cross"), name="attention_type", module=name)
+        self.qkv_format = check_choice(qkv_format, QKV_FORMATS, name="qkv_format", module=name)
+        self.hidden_size, self.num_attention_heads, self.kv_channels = hidden_size, num_attention_heads, kv_channels
+        self.input_layernorm, self.return_layernorm_output = input_layernorm, return_layernorm_output
+        self.layer_number = layer_number
+        q_size, kv_size = num_attention_heads * kv_channels, self.num_gqa_groups * kv_channels
+        common = dict(params_dtype=params_dtype, device=device, bias=bias)
+        norm_args = dict(eps=layernorm_epsilon, normalization=normalization, zero_centered_gamma=zero_centered_gamma,
+                         return_layernorm_output=return_layernorm_output)
+        q_out = q_size + 2 * kv_size if attention_type == "self" else q_size
+        if input_layernorm:
+            proj = LayerNormLinear(hidden_size, q_out, init_method=init_method, **norm_args, **common)
+        else:
+            proj = Linear(hidden_size, q_out, init_method=init_method, **common)
+        setattr(self, _input_proj_name(attention_type, input_layernorm), proj)
+        if attention_type == "cross":
+            self.key_value = Linear(hidden_size, 2 * kv_size, init_method=init_method, **common)
+        self.core_attention = DotProductAttention(
+            num_attention_heads, kv_channels, num_gqa_groups=self.num_gqa_groups, attention_dropout=attention_dropout,
+            qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window_size, layer_number=layer_number,
+            attention_type=attention_type,
+        )
+        self.proj = Linear(q_size, hidden_size, init_method=output_layer_init_method, **common)
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Optional[Tensor] = None,
+        encoder_output: Optional[Tensor] = None,
+        attn_mask_type: Optional[str] = None,
+        is_first_microbatch: Optional[bool] = None,
+        checkpoint_core_attention: bool = False,
+        rotary_pos_emb: Union[None, Tensor, Tuple[Tensor, Tensor]] = None,
+        **kwargs,
+    ):
+        name = "MultiheadAttention"
+        check_input(hidden_states, self.hidden_size, name="hidden_states", module=name)
+        if hidden_states.dim() != 3:
+            raise ValueError(f"{name}: hidden_states must be 3-D ({self.qkv_format}), got shape {tuple(hidden_states.shape)}")
+        proj_in = getattr(self, _input_proj_name(self.attention_type, self.input_layernorm))
+        projected = proj_in(hidden_states, is_first_microbatch=is_first_microbatch)
+        ln_out = None
+        if self.input_layernorm and self.return_layernorm_output:
+            projected, ln_out = projected
+        q, k, v = self._split_heads(projected, encoder_output, is_first_microbatch)
+        if rotary_pos_emb is not None:
+            q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list)) else (rotary_pos_emb, rotary_pos_emb)
+            q = apply_rotary_pos_emb(q, q_freqs, tensor_format=self.qkv_format)
+            k = apply_rotary_pos_emb(k, k_freqs, tensor_format=self.qkv_format)
+        context = self.core_attention(
+            q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type,
+            checkpoint_core_attention=checkpoint_core_attention,
+        )
+        out = self.proj(context, is_first_microbatch=is_first_microbatch)
+        return (out, ln_out) if ln_out is not None else out
+
+    def _split_heads(self, projected: Tensor, encoder_output: Optional[Tensor], is_first_microbatch) -> Tuple[Tensor, Tensor, Tensor]:
+        h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
+        lead = projected.shape[:2]
+        if self.attention_type == "self":
+            q, k, v = projected.split([h * d, g * d, g * d], dim=-1)
+        else:
+            if encoder_output is None:
+                raise ValueError("MultiheadAttention: attention_type='cross' needs encoder_output")
+            check_input(encoder_output, self.hidden_size, name="encoder_output", module="MultiheadAttention")
+            q = projected
+            kv = self.key_value(encoder_output, is_first_microbatch=is_first_microbatch)
+            k, v = kv.split([g * d, g * d], dim=-1)
+            return q.reshape(*lead, h, d), k.reshape(*kv.shape[:2], g, d), v.reshape(*kv.shape[:2], g, d)
+        return q.reshape(*lead, h, d), k.reshape(*lead, g, d), v.reshape(*lead, g, d)
+
+
+def _input_proj_name(attention_type: str, input_layernorm: bool) -> str:
+    if attention_type == "self":
+        return "layernorm_qkv" if input_layernorm else "qkv"
+    return "layernorm_query" if input_layernorm else "query_layer"

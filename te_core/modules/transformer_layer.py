@@ -1,0 +1,144 @@
+"""te.TransformerLayer: pre-norm self-attention (+ cross-attention for decoders) and MLP, with
+residual connections, in Transformer Engine's layout and submodule names
+(self_attention, inter_attention, layernorm_mlp, layernorm)."""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from ._common import check_activation, check_choice, check_divisible, check_input, check_normalization, check_positive
+from .attention import QKV_FORMATS
+from .layernorm import LayerNorm, RMSNorm
+from .layernorm_mlp import LayerNormMLP
+from .multihead_attention import MultiheadAttention
+
+
+class TransformerLayer(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_attention_heads: int,
+        num_gqa_groups: Optional[int] = None,
+        layernorm_epsilon: float = 1e-5,
+        hidden_dropout: float = 0.1,
+        attention_dropout: float = 0.1,
+        init_method=None,
+        output_layer_init_method=None,
+        layer_number: Optional[int] = None,
+        kv_channels: Optional[int] = None,
+        self_attn_mask_type: str = "causal",
+        window_size=None,
+        enc_dec_attn_mask_type: str = "no_mask",
+        params_dtype: Optional[torch.dtype] = None,
+        apply_residual_connection_post_layernorm: bool = False,
+        output_layernorm: bool = False,
+        parallel_attention_mlp: bool = False,
+        layer_type: str = "encoder",
+        drop_path_rate: float = 0.0,
+        zero_centered_gamma: bool = False,
+        bias: bool = True,
+        activation: str = "gelu",
+        normalization: str = "LayerNorm",
+        device: Union[None, str, torch.device] = None,
+        attn_input_format: str = "sbhd",
+        **kwargs,
+    ):
+        super().__init__()
+        name = "TransformerLayer"
+        check_positive(hidden_size, name="hidden_size", module=name)
+        check_positive(ffn_hidden_size, name="ffn_hidden_size", module=name)
+        check_positive(num_attention_heads, name="num_attention_heads", module=name)
+        if kv_channels is None:
+            check_divisible(hidden_size, num_attention_heads, what="hidden_size", by="num_attention_heads", module=name)
+        check_activation(activation, name)
+        check_normalization(normalization, name)
+        self.layer_type = check_choice(layer_type, ("encoder", "decoder"), name="layer_type", module=name)
+        check_choice(attn_input_format, QKV_FORMATS, name="attn_input_format", module=name)
+        if drop_path_rate:
+            raise NotImplementedError(f"{name}: drop_path_rate={drop_path_rate} (stochastic depth) is not supported")
+        self.hidden_size = hidden_size
+        self.hidden_dropout = hidden_dropout
+        self.apply_residual_connection_post_layernorm = apply_residual_connection_post_layernorm
+        self.parallel_attention_mlp = parallel_attention_mlp
+        self.attn_input_format = attn_input_format
+        self.self_attn_mask_type, self.enc_dec_attn_mask_type = self_attn_mask_type, enc_dec_attn_mask_type
+        common = dict(params_dtype=params_dtype, device=device, bias=bias, zero_centered_gamma=zero_centered_gamma,
+                      normalization=normalization, layernorm_epsilon=layernorm_epsilon)
+        attention = dict(num_gqa_groups=num_gqa_groups, kv_channels=kv_channels, attention_dropout=attention_dropout,
+                         init_method=init_method, output_layer_init_method=output_layer_init_method,
+                         layer_number=layer_number, input_layernorm=True, qkv_format=attn_input_format,
+                         return_layernorm_output=apply_residual_connection_post_layernorm, **common)
+        self.self_attention = MultiheadAttention(
+            hidden_size, num_attention_heads, attn_mask_type=self_attn_mask_type, window_size=window_size,
+            attention_type="self", **attention,
+        )
+        if layer_type == "decoder":
+            self.inter_attention = MultiheadAttention(
+                hidden_size, num_attention_heads, attn_mask_type=enc_dec_attn_mask_type, attention_type="cross", **attention
+            )
+        eps = common.pop("layernorm_epsilon")
+        self.layernorm_mlp = LayerNormMLP(
+            hidden_size, ffn_hidden_size, eps=eps, init_method=init_method, output_layer_init_method=output_layer_init_method,
+            activation=activation, return_layernorm_output=apply_residual_connection_post_layernorm, **common,
+        )
+        if output_layernorm:
+            norm_cls = LayerNorm if normalization == "LayerNorm" else RMSNorm
+            self.layernorm = norm_cls(hidden_size, eps=eps, params_dtype=params_dtype, zero_centered_gamma=zero_centered_gamma, device=device)
+        else:
+            self.layernorm = None
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Optional[Tensor] = None,
+        self_attn_mask_type: Optional[str] = None,
+        encoder_output: Optional[Tensor] = None,
+        enc_dec_attn_mask: Optional[Tensor] = None,
+        enc_dec_attn_mask_type: Optional[str] = None,
+        is_first_microbatch: Optional[bool] = None,
+        checkpoint_core_attention: bool = False,
+        rotary_pos_emb=None,
+        **kwargs,
+    ) -> Tensor:
+        name = "TransformerLayer"
+        check_input(hidden_states, self.hidden_size, name="hidden_states", module=name)
+        if hidden_states.dim() != 3:
+            raise ValueError(f"{name}: hidden_states must be 3-D ({self.attn_input_format}), got shape {tuple(hidden_states.shape)}")
+        if self.layer_type == "decoder" and encoder_output is None:
+            raise ValueError(f"{name}: layer_type='decoder' needs encoder_output")
+        attn = self.self_attention(
+            hidden_states, attention_mask=attention_mask, attn_mask_type=self_attn_mask_type or self.self_attn_mask_type,
+            is_first_microbatch=is_first_microbatch, checkpoint_core_attention=checkpoint_core_attention,
+            rotary_pos_emb=rotary_pos_emb,
+        )
+        attn, residual = self._residual_source(attn, hidden_states)
+        if self.parallel_attention_mlp:
+            mlp, _ = self._residual_source(self.layernorm_mlp(hidden_states, is_first_microbatch=is_first_microbatch), hidden_states)
+            out = residual + self._dropout(attn) + self._dropout(mlp)
+            return self.layernorm(out) if self.layernorm is not None else out
+        hidden = residual + self._dropout(attn)
+        if self.layer_type == "decoder":
+            cross = self.inter_attention(
+                hidden, attention_mask=enc_dec_attn_mask, encoder_output=encoder_output,
+                attn_mask_type=enc_dec_attn_mask_type or self.enc_dec_attn_mask_type,
+                is_first_microbatch=is_first_microbatch, checkpoint_core_attention=checkpoint_core_attention,
+            )
+            cross, residual = self._residual_source(cross, hidden)
+            hidden = residual + self._dropout(cross)
+        mlp, residual = self._residual_source(self.layernorm_mlp(hidden, is_first_microbatch=is_first_microbatch), hidden)
+        out = residual + self._dropout(mlp)
+        return self.layernorm(out) if self.layernorm is not None else out
+
+    def _residual_source(self, output, block_input: Tensor):
+        """(block output, residual): the residual is the block's normalized input when
+        apply_residual_connection_post_layernorm, else its input."""
+        if self.apply_residual_connection_post_layernorm:
+            out, ln_out = output
+            return out, ln_out
+        return output, block_input
+
+    def _dropout(self, x: Tensor) -> Tensor:
+        return nn.functional.dropout(x, p=self.hidden_dropout, training=self.training)

@@ -1,0 +1,146 @@
+"""Autocast state: which recipe modules quantize with, in one small thread-local context object.
+
+`autocast(...)` pushes an AutocastContext; modules read the innermost one. Forward scaling
+groups used anywhere inside are collected by the outermost context and updated when it exits.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+from ..recipe import DelayedScaling, Recipe
+from .scaling import PendingUpdates, ScalingGroup
+
+__all__ = [
+    "AutocastContext", "autocast", "fp8_autocast", "get_autocast_context", "quantized_model_init",
+    "fp8_model_init", "model_init_recipe", "is_fp8_available", "is_mxfp8_available",
+    "is_fp8_block_scaling_available",
+]
+
+
+@dataclass(frozen=True)
+class AutocastContext:
+    enabled: bool
+    calibrating: bool
+    recipe: Recipe
+    amax_reduction_group: object = None
+    forward_updates: PendingUpdates = field(default=None, compare=False, repr=False)
+
+    def schedule_forward_update(self, group: ScalingGroup) -> None:
+        """Update `group` when the outermost autocast exits (amax reduced over this context's group)."""
+        self.forward_updates.add(group, self.amax_reduction_group)
+
+
+class _ThreadState(threading.local):
+    def __init__(self):
+        self.stack: List[AutocastContext] = []
+        self.model_init: List[Optional[Recipe]] = []
+
+
+_STATE = _ThreadState()
+
+
+def get_autocast_context() -> Optional[AutocastContext]:
+    """The innermost active autocast context of this thread, or None."""
+    stack = _STATE.stack
+    return stack[-1] if stack else None
+
+
+def _check_recipe(recipe, where: str) -> Recipe:
+    if recipe is None:
+        return DelayedScaling()
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"{where}: recipe must be a te_core.recipe recipe (DelayedScaling, Float8CurrentScaling, "
+                        f"Float8BlockScaling, MXFP8BlockScaling), got {type(recipe).__name__}")
+    return recipe
+
+
+@contextmanager
+def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[Recipe] = None,
+             amax_reduction_group=None):
+    """Run te_core modules in FP8 (`enabled`) per `recipe` (default DelayedScaling()).
+
+    calibrating=True with enabled=False computes in high precision while recording amaxes (and
+    updating scales), so an FP8 run can start from calibrated scales. amax_reduction_group: the
+    torch.distributed process group whose amaxes are reduced (MAX) before each scale update.
+    """
+    recipe = _check_recipe(recipe, "autocast")
+    if enabled:
+        ok, reason = is_fp8_available()
+        if not ok:
+            raise RuntimeError(f"autocast(enabled=True): FP8 is not available on the selected backend: {reason}")
+    stack = _STATE.stack
+    updates = stack[0].forward_updates if stack else PendingUpdates()
+    stack.append(AutocastContext(bool(enabled), bool(calibrating), recipe, amax_reduction_group, updates))
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        stack.pop()
+        if not stack:
+            if ok:
+                updates.flush()
+            else:
+                updates.clear()
+
+
+def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[Recipe] = None,
+                 fp8_group=None):
+    """Transformer Engine's older name for `autocast` (fp8_recipe -> recipe, fp8_group ->
+    amax_reduction_group)."""
+    warnings.warn("fp8_autocast is deprecated; use te_core.autocast(recipe=..., amax_reduction_group=...)",
+                  DeprecationWarning, stacklevel=2)
+    return autocast(enabled=enabled, calibrating=calibrating, recipe=fp8_recipe, amax_reduction_group=fp8_group)
+
+
+@contextmanager
+def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None):
+    """Modules created inside keep their weights only in quantized form (primary FP8 weights)."""
+    _STATE.model_init.append(_check_recipe(recipe, "quantized_model_init") if enabled else None)
+    try:
+        yield
+    finally:
+        _STATE.model_init.pop()
+
+
+def fp8_model_init(enabled: bool = True, recipe: Optional[Recipe] = None):
+    """Transformer Engine's older name for `quantized_model_init`."""
+    warnings.warn("fp8_model_init is deprecated; use te_core.quantized_model_init", DeprecationWarning, stacklevel=2)
+    return quantized_model_init(enabled=enabled, recipe=recipe)
+
+
+def model_init_recipe() -> Optional[Recipe]:
+    """The recipe of the innermost enabled quantized_model_init, or None."""
+    stack = _STATE.model_init
+    return stack[-1] if stack else None
+
+
+def is_fp8_available() -> Tuple[bool, str]:
+    """(True, "") when the selected backend runs FP8 (E4M3) on its device, else (False, reason)."""
+    from .. import backend
+
+    return backend.is_fp8_available()
+
+
+def _native_scaling(mode: str) -> Tuple[bool, str]:
+    from .. import backend
+
+    ok, reason = is_fp8_available()
+    if not ok:
+        return ok, reason
+    why = backend.get_backend().capabilities.check_scaling(mode)
+    return (why is None), (why or "")
+
+
+def is_mxfp8_available() -> Tuple[bool, str]:
+    """Whether MXFP8 GEMMs run natively; if not, MXFP8BlockScaling still works, emulated."""
+    return _native_scaling("mxfp8")
+
+
+def is_fp8_block_scaling_available() -> Tuple[bool, str]:
+    """Whether 1x128/128x128 block-scaled GEMMs run natively (emulated otherwise)."""
+    return _native_scaling("block_1x128_128x128")

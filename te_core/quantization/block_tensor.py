@@ -1,0 +1,110 @@
+"""Block-scaled quantized tensors: 1x128 / 128x128 FP8 blocks, and MXFP8 (1x32, E8M0 scales).
+
+Unlike a Float8Tensor, the column-wise copy cannot be derived from the row-wise data (blocks
+run along the other dimension), so it is produced by the quantizer when asked for.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import ops
+from .tensor import BLOCK_1x128, BLOCK_128x128, MX_1x32, GemmOperand, QuantizedTensor
+
+
+class _TwoLayoutTensor(QuantizedTensor):
+    """2-D data (M, K) with scale_inv, and optionally the column-wise pair (K, M)."""
+
+    _data: Tensor
+    _scale_inv: Tensor
+    _data_t: Optional[Tensor]
+    _scale_inv_t: Optional[Tensor]
+
+    @classmethod
+    def make(cls, data, scale_inv, data_t, scale_inv_t, *, nominal_dtype, quantizer=None, **extra):
+        self = QuantizedTensor.__new__(cls, data.shape, nominal_dtype, data.device, quantizer)
+        self._data, self._scale_inv, self._data_t, self._scale_inv_t = data, scale_inv, data_t, scale_inv_t
+        for name, value in extra.items():
+            setattr(self, name, value)
+        return self
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return (self._data if self._data is not None else self._data_t).dtype
+
+    @property
+    def has_columnwise(self) -> bool:
+        return self._data_t is not None
+
+    def _operand_kind(self, columnwise: bool) -> str:
+        raise NotImplementedError
+
+    def columnwise(self) -> GemmOperand:
+        if self._data_t is None:
+            raise RuntimeError(
+                f"{type(self).__name__} of shape {tuple(self.shape)} was quantized without its column-wise copy; "
+                "quantize it with columnwise=True when a dgrad/wgrad GEMM will read it"
+            )
+        return GemmOperand(self._data_t, self._scale_inv_t, self._operand_kind(True))
+
+    def _payload(self) -> dict:
+        return {"_data": self._data, "_scale_inv": self._scale_inv, "_data_t": self._data_t,
+                "_scale_inv_t": self._scale_inv_t}
+
+    def columnwise_only(self) -> "_TwoLayoutTensor":
+        self.columnwise()  # raises the clear error when there is no column-wise copy
+        twin = self._same_kind()
+        twin._data = twin._scale_inv = None
+        return twin
+
+    def _dequantize_layout(self, data, scale_inv, dtype) -> Tensor:
+        raise NotImplementedError
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
+        dtype = dtype or self.dtype
+        if self._data is None:  # column-wise only: dequantize x.T, then transpose back
+            return self._dequantize_layout(self._data_t, self._scale_inv_t, dtype).t()
+        return self._dequantize_layout(self._data, self._scale_inv, dtype)
+
+    def rowwise(self) -> GemmOperand:
+        if self._data is None:
+            raise RuntimeError(f"{type(self).__name__} of shape {tuple(self.shape)} keeps only its column-wise copy "
+                               "(saved for a backward GEMM); it cannot be a row-wise GEMM operand")
+        return GemmOperand(self._data, self._scale_inv, self._operand_kind(False))
+
+
+class Float8BlockwiseTensor(_TwoLayoutTensor):
+    """FP8 with one float32 scale per 1x128 run (`_block_2d` False) or 128x128 tile (True)."""
+
+    _block_2d: bool
+
+    @staticmethod
+    def __new__(cls, shape, nominal_dtype, device, quantizer=None):
+        return QuantizedTensor.__new__(cls, shape, nominal_dtype, device, quantizer)
+
+    def _same_kind(self):
+        twin = super()._same_kind()
+        twin._block_2d = self._block_2d
+        return twin
+
+    def _operand_kind(self, columnwise: bool) -> str:
+        return BLOCK_128x128 if self._block_2d else BLOCK_1x128
+
+    def _dequantize_layout(self, data, scale_inv, dtype) -> Tensor:
+        return ops.dequantize_blockwise(data, scale_inv, self._block_2d, dtype)
+
+
+class MXFP8Tensor(_TwoLayoutTensor):
+    """MXFP8: FP8 data with a uint8 E8M0 scale (2^(s-127)) per 1x32 run of a row."""
+
+    @staticmethod
+    def __new__(cls, shape, nominal_dtype, device, quantizer=None):
+        return QuantizedTensor.__new__(cls, shape, nominal_dtype, device, quantizer)
+
+    def _operand_kind(self, columnwise: bool) -> str:
+        return MX_1x32
+
+    def _dequantize_layout(self, data, scale_inv, dtype) -> Tensor:
+        return ops.dequantize_mxfp8(data, scale_inv, dtype)

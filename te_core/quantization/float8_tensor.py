@@ -1,0 +1,68 @@
+"""Float8Tensor: per-tensor scaled FP8 data (delayed and current scaling)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import ops
+from .tensor import TENSOR, GemmOperand, QuantizedTensor
+
+
+class Float8Tensor(QuantizedTensor):
+    """x ~= _data * _scale_inv. `_data` has x's shape (FP8); `_transpose` is the column-wise
+    copy (K, M) of a 2-D tensor, kept only when a backward GEMM needs it; `_scale_inv` is a
+    1-element float32 snapshot taken at quantization (later scale updates don't change it)."""
+
+    _data: Tensor
+    _scale_inv: Tensor
+    _transpose: Optional[Tensor]
+
+    @staticmethod
+    def __new__(cls, shape, nominal_dtype, device, quantizer=None):
+        return QuantizedTensor.__new__(cls, shape, nominal_dtype, device, quantizer)
+
+    @classmethod
+    def make(cls, data: Tensor, scale_inv: Tensor, transpose: Optional[Tensor], *, nominal_dtype: torch.dtype,
+             quantizer=None) -> "Float8Tensor":
+        self = cls.__new__(cls, data.shape, nominal_dtype, data.device, quantizer)
+        self._data, self._transpose = data, transpose
+        self._scale_inv = scale_inv if scale_inv.dim() == 1 else scale_inv.reshape(1)
+        return self
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
+        return ops.dequantize_fp8(self._rowwise_data(), self._scale_inv, dtype or self.dtype).reshape(self.shape)
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return (self._data if self._data is not None else self._transpose).dtype
+
+    def _rowwise_data(self) -> Tensor:
+        if self._data is None:  # kept column-wise only: the transpose of the transpose is exact
+            return self._transpose.t()
+        return self._data
+
+    def rowwise(self) -> GemmOperand:
+        data = self._rowwise_data()
+        data = data if data.dim() == 2 else data.reshape(-1, data.shape[-1])
+        return GemmOperand(data if data.is_contiguous() else data.contiguous(), self._scale_inv, TENSOR)
+
+    def columnwise_only(self) -> "Float8Tensor":
+        twin = self._same_kind()
+        twin._transpose = self.columnwise().data
+        twin._data = None
+        return twin
+
+    def columnwise(self) -> GemmOperand:
+        if self._transpose is None:
+            # Same scale for both layouts, so the transpose of the FP8 data is exact.
+            self._transpose = self.rowwise().data.t().contiguous()
+        return GemmOperand(self._transpose, self._scale_inv, TENSOR)
+
+    @property
+    def has_columnwise(self) -> bool:
+        return self._transpose is not None
+
+    def _payload(self) -> dict:
+        return {"_data": self._data, "_scale_inv": self._scale_inv, "_transpose": self._transpose}

@@ -1,0 +1,103 @@
+"""GEMMs of a linear layer on quantized or plain operands, one function per role.
+
+Every GEMM is ops.gemm_fp8 / ops.gemm's `a @ b.T`. With QuantizedTensors the scaling mode
+comes from the operands' layout kinds; the backward GEMMs read the column-wise copies made at
+quantization time. With plain tensors the same call runs ops.gemm in high precision, so a
+module's autograd Function has one code path.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from .. import ops
+from ..backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, MXFP8, TENSORWISE
+from .tensor import BLOCK_1x128, BLOCK_128x128, MX_1x32, TENSOR, GemmOperand, QuantizedTensor
+
+Operand = Union[Tensor, QuantizedTensor]
+
+_MODES = {
+    (TENSOR, TENSOR): TENSORWISE,
+    (BLOCK_1x128, BLOCK_128x128): BLOCK_1x128_128x128,
+    (BLOCK_1x128, BLOCK_1x128): BLOCK_1x128_1x128,
+    (MX_1x32, MX_1x32): MXFP8,
+}
+
+
+def fprop_gemm(x: Operand, w: Operand, *, out_dtype: torch.dtype, bias: Optional[Tensor] = None) -> Tensor:
+    """y = x @ w.T: x (M, K), w (N, K) -> (M, N)."""
+    return quantized_gemm(x, w, out_dtype=out_dtype, bias=bias)
+
+
+def dgrad_gemm(dy: Operand, w: Operand, *, out_dtype: torch.dtype) -> Tensor:
+    """dx = dy @ w: dy (M, N), w (N, K) -> (M, K); reads w's column-wise copy (K, N)."""
+    return quantized_gemm(dy, w, b_columnwise=True, out_dtype=out_dtype)
+
+
+def wgrad_gemm(dy: Operand, x: Operand, *, out_dtype: torch.dtype, out: Optional[Tensor] = None,
+               accumulate: bool = False) -> Tensor:
+    """dw = dy.T @ x: dy (M, N), x (M, K) -> (N, K); reads both column-wise copies. With `out`
+    and accumulate=True the product is added into `out` (fused main_grad accumulation)."""
+    return quantized_gemm(dy, x, a_columnwise=True, b_columnwise=True, out_dtype=out_dtype, out=out,
+                          accumulate=accumulate)
+
+
+def keep_columnwise(t: Operand) -> Operand:
+    """What to save for backward of an operand only a wgrad/dgrad will read: a QuantizedTensor's
+    column-wise copy alone (half the bytes); a plain tensor as it is."""
+    return t.columnwise_only() if isinstance(t, QuantizedTensor) else t
+
+
+def quantized_gemm(a: Operand, b: Operand, *, a_columnwise: bool = False, b_columnwise: bool = False,
+                   out_dtype: torch.dtype, bias: Optional[Tensor] = None, out: Optional[Tensor] = None,
+                   accumulate: bool = False) -> Tensor:
+    """op(a) @ op(b).T where op transposes an operand whose `*_columnwise` flag is set."""
+    if out is not None:
+        out_dtype = out.dtype
+    if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
+        qa = a.columnwise() if a_columnwise else a.rowwise()
+        qb = b.columnwise() if b_columnwise else b.rowwise()
+        mode = _scaling_mode(qa, qb)
+        check_gemm_dims(qa.data.shape[0], qb.data.shape[0], qa.data.shape[1], max(_align(a), _align(b)))
+        if bias is not None and bias.dtype not in (out_dtype, torch.float32):
+            bias = bias.to(out_dtype)
+        return ops.gemm_fp8(qa.data, qb.data, qa.scale_inv, qb.scale_inv, out_dtype=out_dtype, scaling=mode,
+                            bias=bias, out=out, accumulate=accumulate)
+    a_hp, b_hp = _high_precision(a, a_columnwise), _high_precision(b, b_columnwise)
+    if bias is not None and bias.dtype != out_dtype:
+        bias = bias.to(out_dtype)
+    return ops.gemm(a_hp, b_hp, bias=bias, out=out, accumulate=accumulate, out_dtype=out_dtype)
+
+
+def _high_precision(t: Operand, columnwise: bool) -> Tensor:
+    if isinstance(t, QuantizedTensor):
+        t = t.dequantize()
+    return t.t().contiguous() if columnwise else t
+
+
+def _align(t: QuantizedTensor) -> int:
+    return getattr(t.quantizer, "gemm_alignment", 16)
+
+
+def _scaling_mode(a: GemmOperand, b: GemmOperand) -> str:
+    try:
+        return _MODES[(a.kind, b.kind)]
+    except KeyError:
+        raise ValueError(
+            f"no FP8 GEMM scaling mode for operands quantized as {a.kind} (a) and {b.kind} (b); quantize both "
+            "operands with the same recipe (a 128x128-block operand must be the second one, b)"
+        ) from None
+
+
+def check_gemm_dims(m: int, n: int, k: int, align: int = 16, *, what: str = "FP8 GEMM") -> None:
+    """Raise a ValueError naming the shape when an FP8 GEMM dimension is not a multiple of `align`
+    (FP8 tensor cores need aligned operands; te-core does not pad behind your back)."""
+    bad = [f"{name}={value}" for name, value in (("M", m), ("N", n), ("K", k)) if value % align]
+    if bad:
+        raise ValueError(
+            f"{what}: every dimension must be a multiple of {align}; got M={m}, N={n}, K={k} "
+            f"({', '.join(bad)} not). Pad the tokens (batch x sequence) or features to a multiple of {align}, "
+            "or run this layer outside te_core.autocast."
+        )

@@ -1,0 +1,169 @@
+"""Quantizers: how one tensor role is cast, one class per scaling kind, all through te_core.ops.
+
+quantize(x, columnwise=...) returns a QuantizedTensor; `columnwise=True` also makes the copy
+the backward GEMMs read (fused cast-transpose where the kind allows it).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import ops
+from .block_tensor import Float8BlockwiseTensor, MXFP8Tensor
+from .float8_tensor import Float8Tensor
+from .roles import Role
+from .scaling import ScalingGroup, forward_amax_of
+from .tensor import QuantizedTensor
+
+
+def _as_2d(x: Tensor, what: str) -> Tensor:
+    if x.dim() == 2:
+        return x
+    if x.dim() == 0:
+        raise ValueError(f"{what} needs a tensor with at least 1 dimension, got a 0-dim tensor")
+    return x.reshape(-1, x.shape[-1])
+
+
+class Quantizer:
+    """Base: casts tensors of one role to one FP8 format."""
+
+    gemm_alignment = 16  # FP8 GEMM dims must be multiples of this
+
+    def __init__(self, role: Role, fp8_dtype: torch.dtype):
+        self.role = role
+        self.fp8_dtype = fp8_dtype
+
+    scaling_group: Optional[ScalingGroup] = None  # delayed scaling: the state this quantizer updates
+
+    def quantize(self, x: Tensor, *, columnwise: bool = False) -> QuantizedTensor:
+        raise NotImplementedError
+
+    def quantize_with_dbias(self, dy: Tensor, *, columnwise: bool = True) -> Tuple[QuantizedTensor, Tensor]:
+        """A 2-D gradient quantized, with its bias gradient (sum over rows)."""
+        return self.quantize(dy, columnwise=columnwise), ops.dbias(dy)
+
+    def quantize_primary(self, x: Tensor) -> QuantizedTensor:
+        """A weight kept only in FP8 (quantized_model_init): both layouts."""
+        return self.quantize(x, columnwise=x.dim() == 2)
+
+    def fused_cast_args(self) -> Optional[dict]:
+        """Arguments for a norm/activation op to emit this quantizer's FP8 directly, or None
+        when the scale is not known before the op runs (current, block, MXFP8 scaling)."""
+        return None
+
+    def wrap_fused(self, data: Tensor, amax: Tensor, *, nominal_dtype, columnwise: bool = False) -> QuantizedTensor:
+        raise NotImplementedError(f"{type(self).__name__} has no fused cast; fused_cast_args() returned None")
+
+    def observe(self, x: Tensor) -> None:
+        """Calibration: record statistics of x without quantizing (no-op without scaling state)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(role={self.role.value}, fp8_dtype={self.fp8_dtype})"
+
+
+class Float8Quantizer(Quantizer):
+    """Delayed scaling: casts with the scale of earlier steps, records this step's amax."""
+
+    def __init__(self, role: Role, group: ScalingGroup, column: int):
+        super().__init__(role, group.fp8_dtype)
+        self.scaling_group = group
+        self.column = column
+
+    @property
+    def scale(self) -> Tensor:
+        return self.scaling_group.scale[self.column : self.column + 1]
+
+    def _record(self, amax: Tensor) -> None:
+        self.scaling_group.record(self.column, amax)
+
+    def _wrap(self, data, data_t, nominal_dtype) -> Float8Tensor:
+        scale_inv = self.scaling_group.scale_inv()[self.column : self.column + 1]
+        return Float8Tensor.make(data, scale_inv, data_t, nominal_dtype=nominal_dtype, quantizer=self)
+
+    def quantize(self, x: Tensor, *, columnwise: bool = False) -> Float8Tensor:
+        scale = self.scale
+        if columnwise:
+            data, data_t, amax = ops.cast_transpose_fp8(_as_2d(x, "a column-wise quantization"), scale, self.fp8_dtype)
+            data = data.reshape(x.shape)
+        else:
+            (data, amax), data_t = ops.quantize_fp8(x, scale, self.fp8_dtype), None
+        self._record(amax)
+        return self._wrap(data, data_t, x.dtype)
+
+    def quantize_with_dbias(self, dy: Tensor, *, columnwise: bool = True):
+        scale = self.scale
+        data, data_t, dbias, amax = ops.dbias_cast_transpose(dy, scale, self.fp8_dtype)
+        self._record(amax)
+        return self._wrap(data, data_t, dy.dtype), dbias
+
+    def quantize_primary(self, x: Tensor) -> Float8Tensor:
+        # A fresh weight has no history yet: take its scale from its own amax, as current scaling does.
+        x2d = _as_2d(x, "a primary weight")
+        data, data_t, scale, scale_inv, amax = ops.quantize_fp8_current(x2d, self.fp8_dtype, with_transpose=True)
+        self.scale.copy_(scale)
+        self._record(amax)
+        return Float8Tensor.make(data.reshape(x.shape), scale_inv, data_t, nominal_dtype=x.dtype, quantizer=self)
+
+    def fused_cast_args(self) -> Optional[dict]:
+        return {"fp8_scale": self.scale, "fp8_dtype": self.fp8_dtype}
+
+    def wrap_fused(self, data, amax, *, nominal_dtype, columnwise=False) -> Float8Tensor:
+        self._record(amax)
+        data_t = _as_2d(data, "a column-wise copy").t().contiguous() if columnwise else None
+        return self._wrap(data, data_t, nominal_dtype)
+
+    def observe(self, x: Tensor) -> None:
+        self._record(forward_amax_of(x))
+
+
+class Float8CurrentScalingQuantizer(Quantizer):
+    """Current scaling: the scale comes from this tensor's amax, in the same op as the cast."""
+
+    def __init__(self, role: Role, fp8_dtype: torch.dtype, power_2_scale: bool = False, amax_epsilon: float = 0.0):
+        super().__init__(role, fp8_dtype)
+        self.power_2_scale = power_2_scale
+        self.amax_epsilon = amax_epsilon
+
+    def quantize(self, x: Tensor, *, columnwise: bool = False) -> Float8Tensor:
+        src = _as_2d(x, "a column-wise quantization") if columnwise else x
+        data, data_t, _scale, scale_inv, _amax = ops.quantize_fp8_current(
+            src, self.fp8_dtype, with_transpose=columnwise,
+            force_pow2_scales=self.power_2_scale, amax_epsilon=self.amax_epsilon,
+        )
+        return Float8Tensor.make(data.reshape(x.shape), scale_inv, data_t, nominal_dtype=x.dtype, quantizer=self)
+
+
+class Float8BlockQuantizer(Quantizer):
+    """One float32 scale per 1x128 run of a row (block_2d=False) or per 128x128 tile."""
+
+    def __init__(self, role, fp8_dtype, block_2d: bool, power_2_scale: bool = True, amax_epsilon: float = 0.0):
+        super().__init__(role, fp8_dtype)
+        self.block_2d = block_2d
+        self.power_2_scale = power_2_scale
+        self.amax_epsilon = amax_epsilon
+
+    def quantize(self, x: Tensor, *, columnwise: bool = False) -> Float8BlockwiseTensor:
+        data, scale_inv, data_t, scale_inv_t = ops.quantize_blockwise(
+            _as_2d(x, "block quantization"), self.fp8_dtype, block_2d=self.block_2d, with_transpose=columnwise,
+            force_pow2_scales=self.power_2_scale, amax_epsilon=self.amax_epsilon,
+        )
+        return Float8BlockwiseTensor.make(data, scale_inv, data_t, scale_inv_t, nominal_dtype=x.dtype,
+                                          quantizer=self, _block_2d=self.block_2d)
+
+
+class MXFP8Quantizer(Quantizer):
+    """MXFP8: an E8M0 power-of-two scale per 32 consecutive elements."""
+
+    gemm_alignment = 32
+
+    def quantize(self, x: Tensor, *, columnwise: bool = False) -> MXFP8Tensor:
+        x2d = _as_2d(x, "MXFP8 quantization")
+        rows, cols = x2d.shape
+        if cols % 32 or (columnwise and rows % 32):
+            need = "both dimensions" if columnwise else "the last dimension"
+            raise ValueError(f"MXFP8 quantization needs {need} of the 2-D tensor to be multiples of 32 "
+                             f"(one E8M0 scale per 32 elements); got shape {tuple(x2d.shape)}")
+        data, scales, data_t, scales_t = ops.quantize_mxfp8(x2d, self.fp8_dtype, with_transpose=columnwise)
+        return MXFP8Tensor.make(data, scales, data_t, scales_t, nominal_dtype=x.dtype, quantizer=self)

@@ -1,0 +1,36 @@
+"""What a quantized tensor is for: its role in a GEMM, and the named slots a module declares."""
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple, Tuple
+
+FORWARD = "forward"
+BACKWARD = "backward"
+
+
+class Role(enum.Enum):
+    INPUT = "input"
+    WEIGHT = "weight"
+    GRAD_OUTPUT = "grad_output"
+
+    @property
+    def direction(self) -> str:
+        """The pass whose scales this role follows: forward scales update when the outermost
+        autocast exits, backward scales at the end of the backward pass."""
+        return BACKWARD if self is Role.GRAD_OUTPUT else FORWARD
+
+
+class QuantizerSlot(NamedTuple):
+    """One tensor a module quantizes: `name` keys its state (quantization_state, checkpoints)."""
+
+    name: str
+    role: Role
+
+
+def gemm_slots(prefix: str = "") -> Tuple[QuantizerSlot, QuantizerSlot, QuantizerSlot]:
+    """The three slots of one linear GEMM: input, weight and the gradient of its output."""
+    return (
+        QuantizerSlot(prefix + "input", Role.INPUT),
+        QuantizerSlot(prefix + "weight", Role.WEIGHT),
+        QuantizerSlot(prefix + "grad_output", Role.GRAD_OUTPUT),
+    )

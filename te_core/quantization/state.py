@@ -1,0 +1,135 @@
+"""A module's quantization state under one recipe: its quantizers, by slot name, and (delayed
+scaling) the amax histories and scales behind them, with their checkpoint form."""
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .quantizers import Float8Quantizer, Quantizer
+from .roles import BACKWARD, FORWARD, QuantizerSlot, Role
+from .scaling import ScalingGroup, group_state
+
+
+class RecipeState:
+    """Quantizers of a module's slots; subclasses add persistent scaling state."""
+
+    def __init__(self, recipe, slots: Sequence[QuantizerSlot]):
+        self.recipe = recipe
+        self.slots = tuple(slots)
+        self.quantizers: Dict[str, Quantizer] = {}
+
+    def quantizer(self, slot: str) -> Quantizer:
+        try:
+            return self.quantizers[slot]
+        except KeyError:
+            raise KeyError(f"no quantizer slot {slot!r}; this module declares {', '.join(self.quantizers)}") from None
+
+    def quantization_state(self) -> Dict[str, Dict[str, Dict[str, Tensor]]]:
+        return {FORWARD: {}, BACKWARD: {}}
+
+    def load_quantization_state(self, saved: dict) -> None:
+        """Copy saved tensors in (the inverse of quantization_state)."""
+
+    def rebind(self, recipe) -> None:
+        """Use `recipe` (compatible with the current one) from now on, keeping the state."""
+        self.recipe = recipe
+
+    def follow_device(self, device: torch.device) -> None:
+        """Keep persistent state on the module's device (it is not a parameter or buffer, so
+        module.to(...) does not move it; the module calls this on each step instead)."""
+
+
+class StatelessState(RecipeState):
+    """Current, block and MXFP8 scaling: scales come from each tensor itself; nothing persists."""
+
+    def __init__(self, recipe, slots):
+        super().__init__(recipe, slots)
+        for slot in self.slots:
+            self.quantizers[slot.name] = recipe.quantizer_for(slot.role)
+
+    def rebind(self, recipe) -> None:
+        super().rebind(recipe)
+        for slot in self.slots:
+            self.quantizers[slot.name] = recipe.quantizer_for(slot.role)
+
+
+class DelayedScalingState(RecipeState):
+    """One ScalingGroup per role (inputs, weights, output gradients), one column per slot; the
+    groups update separately, so weights cached with is_first_microbatch=False keep their scale."""
+
+    def __init__(self, recipe, slots, device: torch.device):
+        super().__init__(recipe, slots)
+        self.groups: Dict[Role, ScalingGroup] = {}
+        for role in Role:
+            names = [s.name for s in self.slots if s.role is role]
+            if not names:
+                continue
+            group = ScalingGroup(names, recipe.fp8_dtype(role), recipe, device)
+            self.groups[role] = group
+            for column, name in enumerate(names):
+                self.quantizers[name] = Float8Quantizer(role, group, column)
+
+    def follow_device(self, device: torch.device) -> None:
+        for group in self.groups.values():
+            if group.device != device:
+                group.to_device(device)
+
+    def quantization_state(self):
+        state = {FORWARD: {}, BACKWARD: {}}
+        for role, group in self.groups.items():
+            state[role.direction].update(group_state(group))
+        return state
+
+    def load_quantization_state(self, saved: dict) -> None:
+        for role, group in self.groups.items():
+            entries = saved.get(role.direction, {})
+            for column, name in enumerate(group.names):
+                if name not in entries:
+                    raise ValueError(f"checkpoint has no delayed-scaling state for slot {name!r} "
+                                     f"({role.direction}); it has {', '.join(entries) or 'none'}")
+                _copy_checked(group.scale[column : column + 1], entries[name]["scale"], f"{name}.scale")
+                _copy_checked(group.amax_history[:, column], entries[name]["amax_history"], f"{name}.amax_history")
+
+    def rebind(self, recipe) -> None:
+        super().rebind(recipe)
+        for group in self.groups.values():
+            group.recipe = recipe
+
+
+def _copy_checked(dst: Tensor, src, what: str) -> None:
+    if not isinstance(src, Tensor) or tuple(src.shape) != tuple(dst.shape):
+        shape = tuple(src.shape) if isinstance(src, Tensor) else type(src).__name__
+        raise ValueError(f"checkpoint entry {what} has shape {shape}, expected {tuple(dst.shape)}; "
+                         "was it saved with a different amax_history_len?")
+    dst.copy_(src)
+
+
+def check_compatible(current, saved, *, where: str) -> None:
+    """Raise when scaling state made under `saved` cannot be used with `current`."""
+    if current.compatible_key() != saved.compatible_key():
+        raise ValueError(
+            f"{where}: the quantization state was made with {_describe(saved)} but the recipe is now "
+            f"{_describe(current)}; scales and amax histories do not carry over between recipes, formats "
+            "or history lengths. Use the checkpoint's recipe, or drop the module's '_extra_state' entry "
+            "from the state dict to start the scaling state afresh."
+        )
+
+
+def _describe(recipe) -> str:
+    key = recipe.compatible_key()
+    extra = f", amax_history_len={key[2]}" if len(key) > 2 else ""
+    return f"{key[0]}(fp8_format={key[1]}{extra})"
+
+
+def extra_state(state: Optional[RecipeState]) -> Optional[dict]:
+    """The checkpoint form: plain values and tensors only (loads with weights_only=True)."""
+    if state is None:
+        return None
+    saved = state.quantization_state()
+    if not any(saved.values()):
+        return None  # stateless recipes: nothing to restore, so nothing that could conflict on load
+    tensors = {d: {name: {k: v.detach().clone() for k, v in entry.items()} for name, entry in roles.items()}
+               for d, roles in saved.items()}
+    return {"recipe": state.recipe.to_config(), "quantization_state": tensors}

@@ -1,0 +1,159 @@
+"""QuantizationStep: what one forward (and its backward) of a module quantizes, and when scales update.
+
+A module asks for a step at the start of each forward and hands it to its autograd Function,
+which calls the same methods whatever the recipe: `operand` / `weight_operand` /
+`grad_operand` give FP8 operands under autocast and the plain tensors otherwise, so the
+Function has one code path. The step records amaxes and schedules the delayed-scaling
+updates (forward groups at the outermost autocast exit, backward groups at the end of backward).
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+from torch import Tensor
+
+from .. import ops
+from .gemm import check_gemm_dims
+from .scaling import schedule_backward_update
+from .tensor import QuantizedTensor
+
+
+class HighPrecisionStep:
+    """No FP8: operands pass through (quantized primary weights are dequantized)."""
+
+    fp8 = False
+
+    def quantizer(self, slot: str):
+        """The slot's Quantizer, or None without a recipe."""
+        return None
+
+    def operand(self, slot: str, x: Tensor, *, columnwise: bool = False) -> Tensor:
+        return x
+
+    def weight_operand(self, slot: str, weight: Tensor, *, columnwise: bool = False) -> Tensor:
+        return weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
+
+    def grad_operand(self, slot: str, dy: Tensor, *, columnwise: bool = False,
+                     with_dbias: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        return dy, (ops.dbias(dy) if with_dbias else None)
+
+    def fused_cast_args(self, slot: str) -> Optional[dict]:
+        return None
+
+    def wrap_fused(self, slot, data, amax, *, nominal_dtype, columnwise=False):
+        raise RuntimeError("wrap_fused called without FP8: fused_cast_args() returned None, so the op "
+                           "produced high-precision output; pass it to step.operand instead")
+
+    def check_gemm_dims(self, m: int, n: int, k: int) -> None:
+        """Only FP8 GEMMs have alignment rules."""
+
+    def backward_done(self) -> None:
+        """Nothing to update."""
+
+
+HIGH_PRECISION = HighPrecisionStep()
+
+
+class CalibrationStep(HighPrecisionStep):
+    """calibrating=True without FP8: high-precision compute, amaxes recorded, scales updated."""
+
+    def __init__(self, state, context, is_first_microbatch: Optional[bool]):
+        self._state = state
+        self._context = context
+        self._weights_fresh = is_first_microbatch is not False
+        self._backward_groups: Dict[int, object] = {}
+
+    def quantizer(self, slot: str):
+        return self._state.quantizer(slot)
+
+    def _used(self, quantizer) -> None:
+        """Schedule the update of the scaling group `quantizer` recorded into (if it has one)."""
+        group = quantizer.scaling_group
+        if group is None:
+            return
+        if quantizer.role.direction == "forward":
+            self._context.schedule_forward_update(group)
+        else:
+            self._backward_groups[id(group)] = group
+
+    def _observe(self, slot: str, x: Tensor) -> None:
+        quantizer = self._state.quantizer(slot)
+        quantizer.observe(x)
+        self._used(quantizer)
+
+    def operand(self, slot, x, *, columnwise=False):
+        self._observe(slot, x)
+        return x
+
+    def weight_operand(self, slot, weight, *, columnwise=False):
+        weight = super().weight_operand(slot, weight)
+        if self._weights_fresh:
+            self._observe(slot, weight)
+        return weight
+
+    def grad_operand(self, slot, dy, *, columnwise=False, with_dbias=False):
+        self._observe(slot, dy)
+        return super().grad_operand(slot, dy, with_dbias=with_dbias)
+
+    def backward_done(self) -> None:
+        for group in self._backward_groups.values():
+            schedule_backward_update(group, self._context.amax_reduction_group)
+        self._backward_groups.clear()
+
+
+class QuantizationStep(CalibrationStep):
+    """FP8 compute per the module's recipe state. `weight_cache` (the module's) holds weights
+    quantized with is_first_microbatch=True for reuse while it is False."""
+
+    fp8 = True
+
+    def __init__(self, state, context, is_first_microbatch: Optional[bool], weight_cache: Dict[str, QuantizedTensor]):
+        super().__init__(state, context, is_first_microbatch)
+        self._is_first_microbatch = is_first_microbatch
+        self._weight_cache = weight_cache
+
+    def _quantize(self, slot: str, x: Tensor, columnwise: bool) -> QuantizedTensor:
+        quantizer = self._state.quantizer(slot)
+        result = quantizer.quantize(x, columnwise=columnwise)
+        self._used(quantizer)
+        return result
+
+    def operand(self, slot, x, *, columnwise=False):
+        return self._quantize(slot, x, columnwise)
+
+    def weight_operand(self, slot, weight, *, columnwise=False):
+        if isinstance(weight, QuantizedTensor):  # primary FP8 weight: already quantized
+            if weight.quantizer is not None:
+                self._used(weight.quantizer)
+            return weight
+        cached = self._weight_cache.get(slot)
+        if self._is_first_microbatch is False and cached is not None:
+            return cached  # amax not recorded, scale not updated: the weight did not change
+        result = self._quantize(slot, weight, columnwise=columnwise or self._is_first_microbatch is not None)
+        if self._is_first_microbatch is None:
+            self._weight_cache.pop(slot, None)
+        else:
+            self._weight_cache[slot] = result
+        return result
+
+    def grad_operand(self, slot, dy, *, columnwise=False, with_dbias=False):
+        quantizer = self._state.quantizer(slot)
+        if with_dbias:
+            result, dbias = quantizer.quantize_with_dbias(dy, columnwise=columnwise)
+        else:
+            result, dbias = quantizer.quantize(dy, columnwise=columnwise), None
+        self._used(quantizer)
+        return result, dbias
+
+    def fused_cast_args(self, slot: str) -> Optional[dict]:
+        return self._state.quantizer(slot).fused_cast_args()
+
+    def wrap_fused(self, slot, data, amax, *, nominal_dtype, columnwise=False):
+        quantizer = self._state.quantizer(slot)
+        result = quantizer.wrap_fused(data, amax, nominal_dtype=nominal_dtype, columnwise=columnwise)
+        self._used(quantizer)
+        return result
+
+    def check_gemm_dims(self, m: int, n: int, k: int) -> None:
+        align = max(q.gemm_alignment for q in self._state.quantizers.values())
+        check_gemm_dims(m, n, k, align, what=f"FP8 GEMM ({type(self._state.recipe).__name__})")

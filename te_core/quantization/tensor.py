@@ -1,0 +1,121 @@
+"""QuantizedTensor: a torch.Tensor holding quantized data, that behaves as its high-precision value.
+
+It is a wrapper subclass (no storage of its own): shape and dtype are the nominal, high-precision
+ones. GEMM helpers read its row-wise / column-wise operands directly; every other torch op sees
+the dequantized value, and in-place ops (copy_, add_, an optimizer's update) requantize into the
+tensor with the quantizer it was made by, so an FP8 parameter stays FP8.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+aten = torch.ops.aten
+
+# Operand kinds: how a GEMM operand's scale_inv is laid out.
+TENSOR = "tensor"  # one float32 scale_inv
+BLOCK_1x128 = "1x128"  # (rows, ceil(cols/128)) float32
+BLOCK_128x128 = "128x128"  # (ceil(rows/128), ceil(cols/128)) float32
+MX_1x32 = "mx1x32"  # (rows, cols/32) uint8 E8M0
+
+
+class GemmOperand(NamedTuple):
+    """One 2-D FP8 operand of ops.gemm_fp8: data (rows, K), its scale_inv, and their layout kind."""
+
+    data: Tensor
+    scale_inv: Tensor
+    kind: str
+
+
+class QuantizedTensor(Tensor):
+    """Base of Float8Tensor, Float8BlockwiseTensor and MXFP8Tensor."""
+
+    _quantizer: Any
+
+    @staticmethod
+    def __new__(cls, shape, nominal_dtype: torch.dtype, device: torch.device, quantizer=None):
+        self = Tensor._make_wrapper_subclass(cls, shape, dtype=nominal_dtype, device=device, requires_grad=False)
+        self._quantizer = quantizer
+        return self
+
+    # --- what subclasses provide
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
+        raise NotImplementedError
+
+    def rowwise(self) -> GemmOperand:
+        raise NotImplementedError
+
+    def columnwise(self) -> GemmOperand:
+        """The operand of the transposed tensor (K, M), for dgrad/wgrad."""
+        raise NotImplementedError
+
+    @property
+    def has_columnwise(self) -> bool:
+        raise NotImplementedError
+
+    def columnwise_only(self) -> "QuantizedTensor":
+        """A twin holding only the column-wise copy: what a backward GEMM reads, so saving it
+        for backward instead of this tensor keeps half the bytes."""
+        raise NotImplementedError
+
+    def _payload(self) -> dict:
+        """The attributes holding the quantized data (shared by detach, replaced by requantize)."""
+        raise NotImplementedError
+
+    # --- shared behaviour
+    @property
+    def quantizer(self):
+        return self._quantizer
+
+    def _same_kind(self) -> "QuantizedTensor":
+        twin = type(self).__new__(type(self), self.shape, self.dtype, self.device, self._quantizer)
+        for name, value in self._payload().items():
+            setattr(twin, name, value)
+        return twin
+
+    def requantize_(self, hp: Tensor) -> "QuantizedTensor":
+        """Replace the value with `hp`, quantized by this tensor's quantizer."""
+        if self._quantizer is None:
+            raise RuntimeError(f"{type(self).__name__} has no quantizer, so it cannot be updated in place; "
+                               "dequantize() it and work on the high-precision copy")
+        hp = hp.detach().reshape(self.shape).to(self.dtype)
+        fresh = self._quantizer.quantize(hp, columnwise=self.has_columnwise)
+        for name, value in fresh._payload().items():
+            setattr(self, name, value)
+        return self
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return (f"{type(self).__name__}(shape={tuple(self.shape)}, nominal_dtype={self.dtype}, "
+                f"device={self.device}, value={self.dequantize()})")
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (aten.detach.default, aten.alias.default):
+            return args[0]._same_kind()
+        if func._schema.name.endswith("_") or func is aten.copy_.default:
+            return _mutate(func, args, kwargs)
+        return func(*tree_map(_dequantized, args), **tree_map(_dequantized, kwargs))
+
+
+def _dequantized(value):
+    return value.dequantize() if isinstance(value, QuantizedTensor) else value
+
+
+def _mutate(func, args, kwargs):
+    """In-place op on quantized tensor(s): run it on dequantized copies, then requantize them."""
+    target = args[0]
+    targets = list(target) if isinstance(target, (list, tuple)) else [target]
+    copies = [_dequantized(t) for t in targets]
+    hp_first = copies if isinstance(target, (list, tuple)) else copies[0]
+    rest = tree_map(_dequantized, args[1:])
+    func(hp_first, *rest, **tree_map(_dequantized, kwargs))
+    for t, hp in zip(targets, copies):
+        if isinstance(t, QuantizedTensor):
+            t.requantize_(hp)
+    return target

@@ -1,0 +1,292 @@
+"""Quantization recipes: what to quantize to and how scales are chosen (Transformer Engine's names
+and defaults).
+
+A recipe is a frozen dataclass validated on construction. It never runs math itself: for a
+module's quantizer slots it produces the scaling state and one quantizer per slot
+(`make_state`), so modules never ask which recipe is active.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Dict, Optional, Sequence, Union
+
+import torch
+
+__all__ = [
+    "Format", "QParams", "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
+    "MXFP8BlockScaling", "recipe_from_config",
+]
+
+
+class Format(enum.Enum):
+    """FP8 formats of a recipe: forward (activations, weights) and backward (gradients)."""
+
+    E4M3 = ("E4M3", "E4M3")
+    E5M2 = ("E5M2", "E5M2")
+    HYBRID = ("E4M3", "E5M2")  # E4M3 forward, E5M2 backward: TE's default for training
+
+    @property
+    def forward_dtype(self) -> torch.dtype:
+        return _DTYPES[self.value[0]]
+
+    @property
+    def backward_dtype(self) -> torch.dtype:
+        return _DTYPES[self.value[1]]
+
+
+_DTYPES = {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2}
+
+
+def _check_format(recipe: "Recipe") -> None:
+    fmt = recipe.fp8_format
+    if not isinstance(fmt, Format):
+        raise TypeError(f"{type(recipe).__name__}: fp8_format must be a te_core.recipe.Format, got {fmt!r}")
+    if fmt is Format.E5M2:
+        raise ValueError(
+            f"{type(recipe).__name__}: pure E5M2 training is not supported (E5M2 has too few mantissa bits "
+            "for activations and weights); use fp8_format=Format.HYBRID (E4M3 forward, E5M2 gradients)"
+        )
+
+
+@dataclass(frozen=True)
+class QParams:
+    """Per-tensor-kind options of the current and block scaling recipes."""
+
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+
+    def __post_init__(self):
+        if not isinstance(self.amax_epsilon, (int, float)) or self.amax_epsilon < 0:
+            raise ValueError(f"QParams.amax_epsilon must be a float >= 0, got {self.amax_epsilon!r}")
+
+
+class Recipe:
+    """Base of every recipe. Subclasses are frozen dataclasses."""
+
+    def make_state(self, slots: Sequence, device: torch.device):
+        """The scaling state and quantizers of a module's `slots` (te_core.quantization.QuantizerSlot)."""
+        raise NotImplementedError
+
+    def quantizer_for(self, role):
+        """A quantizer for a tensor of `role` that needs no per-module state (stateless recipes)."""
+        raise NotImplementedError
+
+    def fp8_dtype(self, role) -> torch.dtype:
+        return self.fp8_format.forward_dtype if role.direction == "forward" else self.fp8_format.backward_dtype
+
+    def to_config(self) -> Dict[str, Any]:
+        """Plain values only (checkpoint-safe); callables are recorded by name."""
+        config: Dict[str, Any] = {"recipe": type(self).__name__}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Format):
+                value = value.name
+            elif isinstance(value, QParams):
+                value = {"power_2_scale": value.power_2_scale, "amax_epsilon": float(value.amax_epsilon)}
+            elif callable(value):
+                value = f"<callable {getattr(value, '__qualname__', type(value).__name__)}>"
+            config[f.name] = value
+        return config
+
+    def compatible_key(self) -> tuple:
+        """What must agree for saved scaling state to be reused (checked on checkpoint load)."""
+        return (type(self).__name__, self.fp8_format.name)
+
+    # Transformer Engine's type queries, for user code ported from TE (te_core itself never calls them).
+    def delayed(self) -> bool:
+        return isinstance(self, DelayedScaling)
+
+    def float8_current_scaling(self) -> bool:
+        return isinstance(self, Float8CurrentScaling)
+
+    def float8_block_scaling(self) -> bool:
+        return isinstance(self, Float8BlockScaling)
+
+    def mxfp8(self) -> bool:
+        return isinstance(self, MXFP8BlockScaling)
+
+    def float8_per_tensor_scaling(self) -> bool:
+        return isinstance(self, (DelayedScaling, Float8CurrentScaling))
+
+
+AmaxAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class DelayedScaling(Recipe):
+    """Per-tensor scales from the amax history of earlier steps.
+
+    scale = fp8_max / amax / 2^margin, amax = max over the last `amax_history_len` steps
+    ("max"), the latest step ("most_recent"), or `amax_compute_algo(history) -> amax` (per
+    column of the (L, n) history). `scaling_factor_compute_algo(amax, scale, fp8_max, recipe)`
+    replaces the scale formula. With `reduce_amax`, amaxes are all-reduced (MAX) over the
+    autocast's amax_reduction_group before each update.
+    """
+
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: AmaxAlgo = "max"
+    scaling_factor_compute_algo: Optional[Callable] = None
+    reduce_amax: bool = True
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+    def __post_init__(self):
+        _check_format(self)
+        if not isinstance(self.margin, (int, float)) or self.margin < 0:
+            raise ValueError(f"DelayedScaling: margin must be a number >= 0, got {self.margin!r}")
+        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
+            raise ValueError(f"DelayedScaling: amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
+        algo = self.amax_compute_algo
+        if not callable(algo) and algo not in ("max", "most_recent"):
+            raise ValueError(
+                f"DelayedScaling: amax_compute_algo must be 'max', 'most_recent' or a callable "
+                f"(history -> amax), got {algo!r}"
+            )
+        if self.scaling_factor_compute_algo is not None and not callable(self.scaling_factor_compute_algo):
+            raise TypeError("DelayedScaling: scaling_factor_compute_algo must be None or a callable "
+                            "(amax, scale, fp8_max, recipe) -> scale")
+        if self.fp8_dpa or self.fp8_mha:
+            raise NotImplementedError("DelayedScaling: fp8_dpa / fp8_mha (FP8 attention) are not supported "
+                                      "by te-core yet; leave them False (attention runs in high precision)")
+
+    def make_state(self, slots, device):
+        from .quantization.state import DelayedScalingState
+
+        return DelayedScalingState(self, slots, device)
+
+    def compatible_key(self) -> tuple:
+        return (*super().compatible_key(), self.amax_history_len)
+
+
+def _check_block_recipe_flags(recipe) -> None:
+    if recipe.fp8_dpa or recipe.fp8_mha:
+        raise NotImplementedError(f"{type(recipe).__name__}: fp8_dpa / fp8_mha (FP8 attention) are not "
+                                  "supported by te-core yet; leave them False")
+
+
+@dataclass(frozen=True)
+class Float8CurrentScaling(Recipe):
+    """Per-tensor scales from each tensor's own amax, computed in the same op as the cast."""
+
+    fp8_format: Format = Format.HYBRID
+    fp8_quant_fwd_inp: QParams = field(default_factory=QParams)
+    fp8_quant_fwd_weight: QParams = field(default_factory=QParams)
+    fp8_quant_bwd_grad: QParams = field(default_factory=QParams)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+    def __post_init__(self):
+        _check_format(self)
+        _check_block_recipe_flags(self)
+
+    def make_state(self, slots, device):
+        from .quantization.state import StatelessState
+
+        return StatelessState(self, slots)
+
+    def quantizer_for(self, role):
+        from .quantization.quantizers import Float8CurrentScalingQuantizer
+
+        params = _qparams_for(self, role)
+        return Float8CurrentScalingQuantizer(role, self.fp8_dtype(role), params.power_2_scale, params.amax_epsilon)
+
+
+def _qparams_for(recipe, role) -> QParams:
+    return {"input": recipe.fp8_quant_fwd_inp, "weight": recipe.fp8_quant_fwd_weight,
+            "grad_output": recipe.fp8_quant_bwd_grad}[role.value]
+
+
+_POW2 = QParams(power_2_scale=True)
+
+
+@dataclass(frozen=True)
+class Float8BlockScaling(Recipe):
+    """One scale per block: 1x128 runs for activations and gradients, 128x128 tiles for weights
+    (w_block_scaling_dim=2; 1 gives 1x128 runs), power-of-2 scales by default (DeepSeek-V3 style)."""
+
+    fp8_format: Format = Format.E4M3
+    fp8_quant_fwd_inp: QParams = _POW2
+    fp8_quant_fwd_weight: QParams = _POW2
+    fp8_quant_bwd_grad: QParams = _POW2
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+    def __post_init__(self):
+        _check_format(self)
+        _check_block_recipe_flags(self)
+        for name in ("x_block_scaling_dim", "grad_block_scaling_dim"):
+            if getattr(self, name) != 1:
+                raise ValueError(f"Float8BlockScaling: {name}={getattr(self, name)!r} is not supported; activations "
+                                 "and gradients use 1x128 blocks (1)")
+        if self.w_block_scaling_dim not in (1, 2):
+            raise ValueError(f"Float8BlockScaling: w_block_scaling_dim must be 1 (1x128) or 2 (128x128), "
+                             f"got {self.w_block_scaling_dim!r}")
+
+    def make_state(self, slots, device):
+        from .quantization.state import StatelessState
+
+        return StatelessState(self, slots)
+
+    def quantizer_for(self, role):
+        from .quantization.quantizers import Float8BlockQuantizer
+
+        params = _qparams_for(self, role)
+        block_2d = role.value == "weight" and self.w_block_scaling_dim == 2
+        return Float8BlockQuantizer(role, self.fp8_dtype(role), block_2d, params.power_2_scale, params.amax_epsilon)
+
+
+@dataclass(frozen=True)
+class MXFP8BlockScaling(Recipe):
+    """OCP MXFP8: a power-of-two E8M0 scale per 32 consecutive elements (emulated GEMM where the
+    backend lacks it: the capability check declines and the reference backend runs, with a warning)."""
+
+    fp8_format: Format = Format.E4M3
+    margin: int = 0
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+    def __post_init__(self):
+        _check_format(self)
+        _check_block_recipe_flags(self)
+
+    def make_state(self, slots, device):
+        from .quantization.state import StatelessState
+
+        return StatelessState(self, slots)
+
+    def quantizer_for(self, role):
+        from .quantization.quantizers import MXFP8Quantizer
+
+        return MXFP8Quantizer(role, self.fp8_dtype(role))
+
+
+RECIPES = {cls.__name__: cls for cls in (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling)}
+
+
+def recipe_from_config(config: Dict[str, Any]) -> Recipe:
+    """Inverse of Recipe.to_config. A callable recorded by name comes back as the default ("max"
+    / None): the checkpoint keeps the state, the caller's autocast recipe supplies the callable."""
+    config = dict(config)
+    name = config.pop("recipe", None)
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r} in checkpoint; known: {', '.join(RECIPES)}")
+    cls = RECIPES[name]
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in config:
+            continue
+        value = config[f.name]
+        if f.name == "fp8_format":
+            value = Format[value]
+        elif isinstance(value, dict):
+            value = QParams(**value)
+        elif isinstance(value, str) and value.startswith("<callable"):
+            continue
+        kwargs[f.name] = value
+    return cls(**kwargs)

@@ -1,0 +1,74 @@
+"""te.checkpoint: gradients and the FP8 scaling state are exactly those of the same model run
+without recompute, for several steps (delayed scaling, whose scales change between forward
+and recompute, and current scaling)."""
+import copy
+
+import pytest
+import torch
+
+import te_core.modules as tm
+from te_core import recipe
+from te_core.quantization import autocast
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = tm.LayerNormMLP(32, 64)
+        self.proj = tm.Linear(32, 32)
+
+    def forward(self, x):
+        return self.proj(self.mlp(x))
+
+
+def run(model, x, rec, use_checkpoint, steps=3):
+    grads = []
+    for i in range(steps):
+        model.zero_grad()
+        with autocast(recipe=rec):
+            xi = (x * (i + 1)).requires_grad_(True)  # amaxes change each step
+            y = tm.checkpoint(model, xi) if use_checkpoint else model(xi)
+        y.pow(2).sum().backward()
+        grads.append([xi.grad.clone()] + [p.grad.clone() for p in model.parameters()])
+    return grads
+
+
+def states(model):
+    return [m.quantization_state() for m in model.modules() if hasattr(m, "quantization_state")]
+
+
+@pytest.mark.parametrize("rec", [recipe.DelayedScaling(amax_history_len=3), recipe.Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_checkpoint_reproduces_fp8_exactly(rec):
+    torch.manual_seed(0)
+    plain = Block()
+    ckpt = copy.deepcopy(plain)
+    x = torch.randn(32, 32)
+    ref = run(plain, x, rec, use_checkpoint=False)
+    got = run(ckpt, x, rec, use_checkpoint=True)
+    for step, (a, e) in enumerate(zip(got, ref)):
+        for i, (ga, ge) in enumerate(zip(a, e)):
+            torch.testing.assert_close(ga, ge, rtol=0, atol=0, msg=lambda m: f"step {step} grad {i}: {m}")
+    for sa, se in zip(states(ckpt), states(plain)):
+        for direction in ("forward", "backward"):
+            for slot, entry in se[direction].items():
+                for key, t in entry.items():
+                    torch.testing.assert_close(sa[direction][slot][key], t, rtol=0, atol=0)
+
+
+def test_checkpoint_saves_memory_path_and_passes_kwargs():
+    torch.manual_seed(0)
+    layer = tm.LayerNormMLP(16, 32)
+    x = torch.randn(4, 16, requires_grad=True)
+    y = tm.checkpoint(layer.forward, x, is_first_microbatch=None)
+    y.sum().backward()
+    ref_x = x.detach().clone().requires_grad_(True)
+    layer2 = copy.deepcopy(layer)
+    layer2.zero_grad()
+    layer2(ref_x).sum().backward()
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=0, atol=0)
+
+
+def test_checkpoint_rejects_tensor_parallel_options():
+    with pytest.raises(NotImplementedError, match="distribute_saved_activations"):
+        tm.checkpoint(torch.nn.Identity(), torch.randn(2, requires_grad=True), distribute_saved_activations=True)

@@ -1,0 +1,114 @@
+"""te.convert_model on a Llama-style model (Hugging Face module names, built here; the real
+transformers Llama is used when transformers is installed) and on nn.Sequential norm+linear."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import te_core.modules as tm
+from te_core import recipe
+from te_core.convert import convert_model
+
+
+class LlamaRMSNorm(nn.Module):  # Hugging Face's layout: weight + variance_epsilon
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(var + self.variance_epsilon)).to(x.dtype)
+
+
+class ToyLlamaLayer(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(h)
+        self.self_attn = nn.ModuleDict({n: nn.Linear(h, h, bias=False) for n in ("q_proj", "k_proj", "v_proj", "o_proj")})
+        self.post_attention_layernorm = nn.RMSNorm(h, eps=1e-5)
+        self.mlp = nn.ModuleDict(dict(gate_proj=nn.Linear(h, 2 * h, bias=False), up_proj=nn.Linear(h, 2 * h, bias=False),
+                                      down_proj=nn.Linear(2 * h, h, bias=False)))
+
+    def forward(self, x):
+        a = self.input_layernorm(x)
+        q, k, v = (self.self_attn[n](a) for n in ("q_proj", "k_proj", "v_proj"))
+        att = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ v
+        x = x + self.self_attn["o_proj"](att)
+        m = self.post_attention_layernorm(x)
+        return x + self.mlp["down_proj"](nn.functional.silu(self.mlp["gate_proj"](m)) * self.mlp["up_proj"](m))
+
+
+class ToyLlama(nn.Module):
+    def __init__(self, h=32, vocab=50):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, h)
+        self.layers = nn.ModuleList([ToyLlamaLayer(h), ToyLlamaLayer(h)])
+        self.norm = LlamaRMSNorm(h)
+        self.lm_head = nn.Linear(h, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def test_converts_llama_style_model_keeping_weights():
+    torch.manual_seed(0)
+    model = ToyLlama()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape) * 0.05)
+    tokens = torch.randint(0, 50, (2, 9))
+    before = model(tokens)
+    converted = convert_model(copy.deepcopy(model), skip=("lm_head",))
+    assert isinstance(converted.layers[0].self_attn["q_proj"], tm.Linear)
+    assert isinstance(converted.layers[0].input_layernorm, tm.RMSNorm)
+    assert isinstance(converted.layers[1].post_attention_layernorm, tm.RMSNorm)
+    assert type(converted.lm_head) is nn.Linear
+    assert converted.layers[0].input_layernorm.eps == 1e-6
+    torch.testing.assert_close(converted(tokens), before, rtol=1.3e-6, atol=1e-5)
+
+
+def test_filter_fn_and_fp8_alignment_warning():
+    model = ToyLlama(h=32, vocab=50)
+    with pytest.warns(UserWarning, match=r"left in high precision.*lm_head \(32->50\)"):
+        convert_model(model, recipe.Float8CurrentScaling(), module_filter_fn=lambda m, name: "mlp" not in name)
+    assert type(model.layers[0].mlp["gate_proj"]) is nn.Linear
+    assert isinstance(model.layers[0].self_attn["o_proj"], tm.Linear)
+    assert type(model.lm_head) is nn.Linear
+
+
+def test_sequential_norm_linear_pairs_fuse():
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.RMSNorm(32), nn.Linear(32, 8))
+    with torch.no_grad():
+        for p in seq.parameters():
+            p.add_(torch.randn(p.shape) * 0.1)
+    x = torch.randn(5, 16)
+    before = seq(x)
+    convert_model(seq)
+    assert isinstance(seq[0], tm.LayerNormLinear) and isinstance(seq[1], nn.Identity)
+    assert isinstance(seq[3], tm.LayerNormLinear) and seq[3].normalization == "RMSNorm"
+    torch.testing.assert_close(seq(x), before, rtol=1.3e-6, atol=1e-5)
+
+
+def test_bad_model_argument():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        convert_model("llama")
+
+
+def test_hugging_face_llama_from_config():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    tokens = torch.randint(0, 64, (2, 8))
+    before = model(tokens).logits
+    convert_model(model, skip=("lm_head",))
+    assert isinstance(model.model.layers[0].self_attn.q_proj, tm.Linear)
+    assert isinstance(model.model.layers[0].input_layernorm, tm.RMSNorm)
+    torch.testing.assert_close(model(tokens).logits, before, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,106 @@
+"""The GEMM modules under te.autocast with every recipe, against plain PyTorch in float32:
+within the E4M3 tolerance forward and the E5M2 tolerance for gradients (HYBRID), measured
+relative to the largest reference value."""
+import pytest
+import torch
+
+import te_core.modules as tm
+from te_core import recipe
+from te_core.quantization import autocast
+
+from ._compare import randomize_
+from .plain import PlainNormLinear, PlainNormMLP
+
+RECIPES = {
+    "delayed": lambda: recipe.DelayedScaling(amax_history_len=4),
+    "current": recipe.Float8CurrentScaling,
+    "block": recipe.Float8BlockScaling,
+    "mxfp8": recipe.MXFP8BlockScaling,
+}
+E4M3 = dict(rtol=0.125, atol=0.0675)
+E5M2 = dict(rtol=0.25, atol=0.125)
+
+
+def assert_close_scaled(actual, expected, tol, what):
+    scale = expected.abs().max().clamp_min(1e-12)
+    torch.testing.assert_close(actual / scale, expected / scale, **tol, msg=lambda m: f"{what}: {m}")
+
+
+def fp8_vs_plain(te_mod, ref, x, rec, steps=2):
+    """Runs `steps` FP8 iterations (delayed scaling needs one to calibrate), compares the last."""
+    ref.load_state_dict(te_mod.state_dict(), strict=False)
+    for _ in range(steps):
+        te_mod.zero_grad()
+        x_te = x.clone().requires_grad_(True)
+        with autocast(recipe=rec):
+            y = te_mod(x_te)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(9))
+        y.backward(dy)
+    x_ref = x.clone().requires_grad_(True)
+    y_ref = ref(x_ref)
+    y_ref.backward(dy)
+    assert not torch.equal(y, y_ref), "FP8 output is bit-identical to float32: FP8 did not run"
+    assert_close_scaled(y, y_ref, E4M3, "forward")
+    assert_close_scaled(x_te.grad, x_ref.grad, E5M2, "dx")
+    ref_params = dict(ref.named_parameters())
+    for name, p in te_mod.named_parameters():
+        assert_close_scaled(p.grad, ref_params[name].grad, E5M2, f"d{name}")
+
+
+@pytest.mark.parametrize("rec", list(RECIPES))
+def test_layernorm_linear_fp8(rec):
+    torch.manual_seed(0)
+    te_mod = tm.LayerNormLinear(64, 96, normalization="RMSNorm")
+    randomize_(te_mod, seed=11, std=0.2)
+    fp8_vs_plain(te_mod, PlainNormLinear(64, 96, "RMSNorm"), torch.randn(2, 32, 64), RECIPES[rec]())
+
+
+@pytest.mark.parametrize("rec", list(RECIPES))
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_layernorm_mlp_fp8(rec, activation):
+    torch.manual_seed(0)
+    te_mod = tm.LayerNormMLP(64, 128, activation=activation)
+    randomize_(te_mod, seed=12, std=0.2)
+    fp8_vs_plain(te_mod, PlainNormMLP(64, 128, activation, "LayerNorm"), torch.randn(64, 64), RECIPES[rec]())
+
+
+def test_delayed_scaling_state_of_layernorm_mlp_tracks_amaxes():
+    torch.manual_seed(0)
+    te_mod = tm.LayerNormMLP(32, 64)
+    x = torch.randn(32, 32)
+    with autocast(recipe=recipe.DelayedScaling(amax_history_len=2)):
+        te_mod(x.requires_grad_(True)).sum().backward()
+    state = te_mod.quantization_state()
+    assert set(state["forward"]) == {"fc1_input", "fc1_weight", "fc2_input", "fc2_weight"}
+    assert set(state["backward"]) == {"fc1_grad_output", "fc2_grad_output"}
+    w_amax = te_mod.fc1_weight.detach().abs().max()
+    hist = state["forward"]["fc1_weight"]["amax_history"]
+    assert torch.isclose(hist.max(), w_amax), (hist, w_amax)
+    torch.testing.assert_close(state["forward"]["fc1_weight"]["scale"], (448.0 / w_amax).reshape(1))
+
+
+@pytest.mark.parametrize("rec, rows, match", [
+    ("current", 24, r"LayerNormMLP: FP8 GEMM.*multiple of"),
+    ("mxfp8", 48, r"LayerNormMLP: FP8 GEMM.*multiple of"),
+])
+def test_unquantizable_shapes_raise_clear_error(rec, rows, match):
+    te_mod = tm.LayerNormMLP(64, 128)
+    with pytest.raises(ValueError, match=match):
+        with autocast(recipe=RECIPES[rec]()):
+            te_mod(torch.randn(rows, 64))
+
+
+def test_weights_cached_across_microbatches():
+    torch.manual_seed(0)
+    te_mod = tm.LayerNormLinear(32, 32)
+    rec = recipe.Float8CurrentScaling()
+    x = torch.randn(16, 32)
+    with autocast(recipe=rec):
+        y1 = te_mod(x, is_first_microbatch=True)
+    with torch.no_grad():
+        te_mod.weight.mul_(2.0)  # a stale cache must ignore this change
+    with autocast(recipe=rec):
+        y2 = te_mod(x, is_first_microbatch=False)
+        y3 = te_mod(x, is_first_microbatch=None)
+    torch.testing.assert_close(y1, y2, rtol=0, atol=0)
+    assert not torch.allclose(y2, y3)

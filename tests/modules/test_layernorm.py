@@ -1,0 +1,95 @@
+import pytest
+import torch
+
+import te_core.modules as tm
+from ._compare import randomize_, run_pair
+
+
+def plain_rmsnorm(x, weight, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+class PlainRMSNorm(torch.nn.Module):
+    def __init__(self, n, eps, zero_centered):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n))
+        self.eps, self.zero_centered = eps, zero_centered
+
+    def forward(self, x):
+        return plain_rmsnorm(x, self.weight + 1 if self.zero_centered else self.weight, self.eps)
+
+
+class PlainLayerNorm(torch.nn.Module):
+    def __init__(self, n, eps, zero_centered):
+        super().__init__()
+        self.weight, self.bias = torch.nn.Parameter(torch.ones(n)), torch.nn.Parameter(torch.zeros(n))
+        self.eps, self.zero_centered = eps, zero_centered
+
+    def forward(self, x):
+        w = self.weight + 1 if self.zero_centered else self.weight
+        return torch.nn.functional.layer_norm(x.float(), x.shape[-1:], w, self.bias, self.eps).to(x.dtype)
+
+
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("shape", [(4, 16), (3, 5, 37)])
+def test_norm_matches_plain_pytorch(kind, zero_centered, shape):
+    torch.manual_seed(0)
+    n = shape[-1]
+    te_mod = getattr(tm, kind)(n, eps=1e-5, zero_centered_gamma=zero_centered)
+    ref = (PlainLayerNorm if kind == "LayerNorm" else PlainRMSNorm)(n, 1e-5, zero_centered)
+    randomize_(te_mod, seed=1)
+    ref.load_state_dict(te_mod.state_dict())
+    names = {"weight": "weight", "bias": "bias"} if kind == "LayerNorm" else {"weight": "weight"}
+    run_pair(te_mod, ref, torch.randn(shape) * 3 + 0.5, names)
+
+
+def test_layernorm_multi_dim_normalized_shape_matches_torch():
+    torch.manual_seed(0)
+    te_mod, ref = tm.LayerNorm((5, 7)), torch.nn.LayerNorm((5, 7))
+    randomize_(te_mod, seed=2)
+    ref.load_state_dict(te_mod.state_dict())
+    run_pair(te_mod, ref, torch.randn(3, 5, 7), {"weight": "weight", "bias": "bias"})
+
+
+def test_bf16_params_and_input():
+    torch.manual_seed(0)
+    te_mod = tm.RMSNorm(64, params_dtype=torch.bfloat16)
+    ref = PlainRMSNorm(64, 1e-5, False).to(torch.bfloat16)
+    randomize_(te_mod, seed=3)
+    ref.load_state_dict(te_mod.state_dict())
+    y = run_pair(te_mod, ref, torch.randn(6, 64).to(torch.bfloat16), {"weight": "weight"})
+    assert y.dtype == torch.bfloat16 and te_mod.weight.dtype == torch.bfloat16
+
+
+def test_torch_autocast_computes_in_autocast_dtype():
+    torch.manual_seed(0)
+    te_mod = tm.LayerNorm(32)
+    x = torch.randn(4, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = te_mod(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), torch.nn.functional.layer_norm(x.bfloat16().float(), (32,)), rtol=1.6e-2, atol=1e-2)
+
+
+def test_parameters_default_to_float32_on_backend_device():
+    mod = tm.LayerNorm(8)
+    assert mod.weight.dtype == torch.float32 and mod.weight.device.type == "cpu"
+    assert [n for n, _ in tm.RMSNorm(8).named_parameters()] == ["weight"]
+
+
+@pytest.mark.parametrize(
+    "build, call, match",
+    [
+        (lambda: tm.LayerNorm(8), lambda m: m(torch.randn(4, 9)), r"inp has shape \(4, 9\).*trailing dimensions must be \(8,\)"),
+        (lambda: tm.RMSNorm(8), lambda m: m(torch.randint(0, 3, (4, 8))), r"inp has dtype torch.int64"),
+        (lambda: tm.LayerNorm(0), None, r"normalized_shape must be a positive int"),
+        (lambda: tm.LayerNorm(8, eps=0.0), None, r"eps must be positive"),
+        (lambda: tm.LayerNorm(8, params_dtype=torch.int32), None, r"params_dtype=torch.int32 is not supported"),
+    ],
+)
+def test_bad_input_messages(build, call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        mod = build()
+        call(mod)

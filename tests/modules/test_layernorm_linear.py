@@ -1,0 +1,91 @@
+import pytest
+import torch
+
+import te_core.modules as tm
+
+from ._compare import randomize_, run_pair
+from .plain import PlainNormLinear, PlainNormMLP
+
+
+def params_of(mod):
+    return {n: n for n, _ in mod.named_parameters()}
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("shape, n_out, bias", [((4, 32), 48, True), ((3, 5, 24), 13, False)])
+def test_layernorm_linear_matches_plain(normalization, shape, n_out, bias):
+    torch.manual_seed(0)
+    te_mod = tm.LayerNormLinear(shape[-1], n_out, normalization=normalization, bias=bias)
+    ref = PlainNormLinear(shape[-1], n_out, normalization, bias=bias)
+    randomize_(te_mod, seed=4)
+    ref.load_state_dict(te_mod.state_dict(), strict=False)
+    run_pair(te_mod, ref, torch.randn(shape), params_of(ref))
+
+
+def test_layernorm_linear_returns_layernorm_output_with_its_gradient():
+    torch.manual_seed(0)
+    te_mod = tm.LayerNormLinear(16, 8, return_layernorm_output=True)
+    ref = PlainNormLinear(16, 8, "LayerNorm")
+    randomize_(te_mod, seed=5)
+    ref.load_state_dict(te_mod.state_dict(), strict=False)
+
+    def both(m, x):
+        if isinstance(m, tm.LayerNormLinear):
+            y, ln = m(x)
+        else:
+            y = m(x)
+            ln = torch.nn.functional.layer_norm(x, (16,), m.layer_norm_weight, m.layer_norm_bias)
+        return torch.cat([y, ln], dim=-1)
+
+    run_pair(te_mod, ref, torch.randn(6, 16), params_of(ref), forward=both)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu", "silu", "qgelu", "srelu", "swiglu", "geglu", "reglu"])
+def test_layernorm_mlp_matches_plain(activation):
+    torch.manual_seed(0)
+    normalization = "RMSNorm" if activation in ("silu", "swiglu") else "LayerNorm"
+    te_mod = tm.LayerNormMLP(24, 40, activation=activation, normalization=normalization)
+    ref = PlainNormMLP(24, 40, activation, normalization)
+    randomize_(te_mod, seed=6, std=0.15)
+    ref.load_state_dict(te_mod.state_dict(), strict=False)
+    assert [n for n, _ in te_mod.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    run_pair(te_mod, ref, torch.randn(3, 7, 24), params_of(ref))
+
+
+def test_layernorm_mlp_bf16_within_te_tolerance():
+    torch.manual_seed(0)
+    te_mod = tm.LayerNormMLP(32, 64, activation="swiglu", params_dtype=torch.bfloat16)
+    ref = PlainNormMLP(32, 64, "swiglu", "LayerNorm").to(torch.bfloat16)
+    randomize_(te_mod, seed=7, std=0.2)
+    ref.load_state_dict(te_mod.state_dict(), strict=False)
+    run_pair(te_mod, ref, torch.randn(16, 32).to(torch.bfloat16), params_of(ref), tol=dict(rtol=1.6e-2, atol=1e-5))
+
+
+def test_torch_autocast_bf16_compute_fp32_grads():
+    torch.manual_seed(0)
+    te_mod = tm.LayerNormMLP(32, 64)
+    x = torch.randn(8, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = te_mod(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and te_mod.fc1_weight.grad.dtype == torch.float32
+    ref = PlainNormMLP(32, 64, "gelu", "LayerNorm")
+    ref.load_state_dict(te_mod.state_dict(), strict=False)
+    torch.testing.assert_close(y.float(), ref(x.detach()), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: tm.LayerNormMLP(16, 32, activation="gelu2"), r"LayerNormMLP: unknown activation='gelu2'"),
+        (lambda: tm.LayerNormMLP(16, 32, normalization="BatchNorm"), r"LayerNormMLP: unknown normalization='BatchNorm'"),
+        (lambda: tm.LayerNormLinear(16, 32, normalization="rms"), r"LayerNormLinear: unknown normalization='rms'"),
+        (lambda: tm.LayerNormLinear(16, 0), r"out_features must be a positive integer"),
+        (lambda: tm.LayerNormMLP(16, 32)(torch.randn(4, 15)), r"LayerNormMLP: inp has shape \(4, 15\)"),
+        (lambda: tm.LayerNormLinear(16, 32)(torch.ones(4, 16, dtype=torch.int64)), r"inp has dtype torch.int64"),
+    ],
+)
+def test_bad_input_messages(build, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        build()

@@ -1,0 +1,209 @@
+"""te_core Linear: high-precision numerics, each FP8 recipe end to end, options and bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from te_core import backend
+from te_core.modules.linear import Linear
+from te_core.quantization import autocast
+from te_core.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+
+FP32 = dict(rtol=1.3e-6, atol=1e-5)
+BF16 = dict(rtol=1.6e-2, atol=1e-5)
+RECIPES = [DelayedScaling(amax_history_len=4), Float8CurrentScaling(), Float8BlockScaling(), MXFP8BlockScaling()]
+
+# FP8 GEMM outputs are compared by relative Frobenius error ||y - y64|| / ||y64|| (an SQNR bound),
+# not elementwise: an output element is a sum of K products whose quantization errors partly cancel,
+# and elements near zero have unbounded relative error although the GEMM is exact to the operands'
+# precision. Each E4M3 operand carries a relative rounding error <= 2^-4 (3 mantissa bits), E5M2
+# <= 2^-3, so the product's relative error is bounded by roughly their sum: we allow the E4M3
+# tolerance 0.0675 for fprop (E4M3 x E4M3) and the E5M2 one, 0.125, for the gradient GEMMs (E5M2 dy).
+FPROP_REL, GRAD_REL = 0.0675, 0.125
+
+
+@pytest.fixture(autouse=True)
+def reference_backend(monkeypatch):
+    for var in ("TE_BACKEND", "TE_BACKEND_STRICT", "TE_BACKEND_OVERRIDES"):
+        monkeypatch.delenv(var, raising=False)
+    backend.set_backend("reference")
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(7)
+
+
+def randn(gen, *shape, scale=1.0):
+    return torch.randn(*shape, generator=gen) * scale
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("shape,out_features,bias", [((16, 32), 48, True), ((3, 5, 17), 13, True), ((7, 9), 1, False)])
+def test_high_precision_matches_torch(gen, shape, out_features, bias):
+    layer = Linear(shape[-1], out_features, bias=bias)
+    with torch.no_grad():
+        if bias:
+            layer.bias.copy_(randn(gen, out_features))
+    x = randn(gen, *shape).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    w_ref = layer.weight.detach().clone().requires_grad_()
+    b_ref = layer.bias.detach().clone().requires_grad_() if bias else None
+    y, y_ref = layer(x), F.linear(x_ref, w_ref, b_ref)
+    torch.testing.assert_close(y, y_ref, **FP32)
+    dy = randn(gen, *y.shape)
+    y.backward(dy)
+    y_ref.backward(dy)
+    torch.testing.assert_close(x.grad, x_ref.grad, **FP32)
+    torch.testing.assert_close(layer.weight.grad, w_ref.grad, **FP32)
+    if bias:
+        torch.testing.assert_close(layer.bias.grad, b_ref.grad, **FP32)
+
+
+def test_high_precision_bf16(gen):
+    layer = Linear(32, 16, params_dtype=torch.bfloat16)
+    x = randn(gen, 4, 8, 32).to(torch.bfloat16)
+    y = layer(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), F.linear(x.float(), layer.weight.float(), layer.bias.float()), **BF16)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_fp8_recipes_against_float64(gen, recipe):
+    torch.manual_seed(0)
+    layer = Linear(64, 96)
+    with torch.no_grad():
+        layer.bias.copy_(randn(gen, 96))
+    x0 = randn(gen, 2, 16, 64, scale=2.0)
+    with autocast(recipe=recipe):  # a first step gives delayed scaling its scales
+        layer(x0).sum().backward()
+    layer.zero_grad()
+    x = randn(gen, 2, 16, 64, scale=2.0).requires_grad_()
+    with autocast(recipe=recipe):
+        y = layer(x)
+    dy = randn(gen, 2, 16, 96, scale=0.5)
+    y.backward(dy)
+    x64, w64, b64, dy64 = x.detach().double(), layer.weight.detach().double(), layer.bias.detach().double(), dy.double()
+    assert rel_err(y, x64 @ w64.T + b64) < FPROP_REL
+    assert rel_err(x.grad, dy64 @ w64) < GRAD_REL
+    assert rel_err(layer.weight.grad, dy64.reshape(-1, 96).T @ x64.reshape(-1, 64)) < GRAD_REL
+    torch.testing.assert_close(layer.bias.grad, dy.sum((0, 1)), **FP32)  # dbias from the unquantized dy
+
+
+@pytest.mark.parametrize("recipe", [None, DelayedScaling()], ids=["hp", "fp8"])
+def test_fuse_wgrad_accumulation_into_main_grad(gen, recipe):
+    layer = Linear(32, 16, fuse_wgrad_accumulation=True)
+    start = randn(gen, 16, 32)
+    layer.weight.main_grad = start.clone()
+    x, dy = randn(gen, 16, 32), randn(gen, 16, 16)
+    with autocast(enabled=recipe is not None, recipe=recipe):
+        y = layer(x)
+    y.backward(dy)
+    assert layer.weight.grad is None
+    want = start.double() + dy.double().T @ x.double()
+    assert rel_err(layer.weight.main_grad - start, want - start.double()) < (GRAD_REL if recipe else 1e-6)
+    del layer.weight.main_grad
+    y = layer(x)
+    with pytest.raises(RuntimeError, match=r"weight.main_grad is not set; assign a float32 buffer of shape \(16, 32\)"):
+        y.backward(dy)
+
+
+def test_return_bias(gen):
+    layer = Linear(16, 8, return_bias=True)
+    x = randn(gen, 4, 16)
+    out, bias = layer(x)
+    assert bias is layer.bias
+    torch.testing.assert_close(out, x @ layer.weight.T, **FP32)
+
+
+def test_init_method_and_defaults():
+    layer = Linear(16, 8, init_method=torch.nn.init.ones_)
+    assert torch.all(layer.weight == 1) and torch.all(layer.bias == 0)
+    assert layer.weight.device == backend.get_backend().device and layer.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kwargs,name", [(dict(tp_size=2), "tp_size"), (dict(sequence_parallel=True), "sequence_parallel"),
+                                         (dict(tp_group=object()), "tp_group"), (dict(ub_overlap_ag=True), "ub_overlap_ag")])
+def test_tensor_parallel_arguments_not_implemented(kwargs, name):
+    with pytest.raises(NotImplementedError, match=f"Linear: {name}=.* is not supported"):
+        Linear(16, 16, **kwargs)
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(TypeError, match="unexpected keyword argument.*bogus"):
+        Linear(16, 16, bogus=1)
+    with pytest.raises(ValueError, match="parallel_mode='diagonal'"):
+        Linear(16, 16, parallel_mode="diagonal")
+    with pytest.raises(ValueError, match="in_features must be a positive integer, got 0"):
+        Linear(0, 16)
+    with pytest.raises(TypeError, match="params_dtype=torch.int32 is not supported"):
+        Linear(16, 16, params_dtype=torch.int32)
+
+
+def test_fp8_dims_not_multiple_of_16_name_the_shape(gen):
+    layer = Linear(32, 16)
+    with autocast(recipe=DelayedScaling()):
+        with pytest.raises(ValueError, match=r"multiple of 16; got M=10, N=16, K=32 \(M=10 not\)"):
+            layer(randn(gen, 10, 32))
+    mx = Linear(48, 32)
+    with autocast(recipe=MXFP8BlockScaling()):
+        with pytest.raises(ValueError, match=r"multiple of 32; got M=32, N=32, K=48"):
+            mx(randn(gen, 32, 48))
+    assert layer(randn(gen, 10, 32)).shape == (10, 16)  # fine in high precision
+
+
+def test_bad_inputs_have_clear_errors(gen):
+    layer = Linear(16, 16)
+    with pytest.raises(TypeError, match="inp has dtype torch.int64; expected float32, bfloat16 or float16"):
+        layer(torch.ones(4, 16, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"inp has shape \(4, 15\); its last dimension must be in_features=16"):
+        layer(randn(gen, 4, 15))
+    with pytest.raises(ValueError, match="inp is on meta but the weight is on cpu"):
+        layer(torch.empty(4, 16, device="meta"))
+    with pytest.raises(TypeError, match="inp must be a torch.Tensor, got list"):
+        layer([[1.0] * 16])
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=2), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_nan_input_keeps_scale_and_stays_visible(gen, recipe):
+    layer = Linear(32, 16)
+    with autocast(recipe=recipe):
+        layer(randn(gen, 16, 32))
+    before = {k: v["scale"].clone() for k, v in layer.quantization_state()["forward"].items()}
+    x = randn(gen, 16, 32)
+    x[3, 5] = float("nan")
+    with autocast(recipe=recipe):
+        y = layer(x)
+    assert torch.isnan(y[3]).all() and torch.isfinite(y[torch.arange(16) != 3]).all()
+    for slot, scale in before.items():
+        assert torch.equal(layer.quantization_state()["forward"][slot]["scale"], scale)
+
+
+def test_torch_autocast_dtype_is_used(gen):
+    layer = Linear(32, 16)
+    x = randn(gen, 16, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+        with autocast(recipe=Float8CurrentScaling()):
+            y8 = layer(x)
+    assert y.dtype == torch.bfloat16 and y8.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), F.linear(x, layer.weight, layer.bias), rtol=1.6e-2, atol=1e-2)
+
+
+def test_inf_input_keeps_delayed_scale(gen):
+    layer = Linear(32, 16)
+    recipe = DelayedScaling(amax_history_len=1)
+    with autocast(recipe=recipe):
+        layer(randn(gen, 16, 32))
+    before = layer.quantization_state()["forward"]["input"]["scale"].clone()
+    x = randn(gen, 16, 32)
+    x[0, 0] = float("inf")
+    with autocast(recipe=recipe):
+        y = layer(x)
+    assert torch.equal(layer.quantization_state()["forward"]["input"]["scale"], before)
+    assert torch.isfinite(y[1:]).all()  # inf saturates to the format's max in the cast (ops.cast contract)

@@ -1,0 +1,153 @@
+"""MultiheadAttention and TransformerLayer against a plain-PyTorch computation from the same
+parameters (fp32, forward and every gradient), GroupedLinear against per-group F.linear."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import te_core.modules as tm
+
+from .plain import plain_activation, plain_norm
+from .test_attention import plain_attention, plain_rope
+
+
+def plain_mha(p, prefix, x, cfg, freqs=None, mask=None):
+    """x in (s, b, hidden) (sbhd) or (b, s, hidden) (bshd)."""
+    h, g, d = cfg["heads"], cfg["groups"], cfg["hidden"] // cfg["heads"]
+    ln = plain_norm(x, p[prefix + "layernorm_qkv.layer_norm_weight"], p.get(prefix + "layernorm_qkv.layer_norm_bias"),
+                    1e-5, cfg["normalization"])
+    qkv = F.linear(ln, p[prefix + "layernorm_qkv.weight"], p[prefix + "layernorm_qkv.bias"])
+    q, k, v = qkv.split([h * d, g * d, g * d], dim=-1)
+    q, k, v = q.unflatten(-1, (h, d)), k.unflatten(-1, (g, d)), v.unflatten(-1, (g, d))
+    to_sbhd = (lambda t: t) if cfg["fmt"] == "sbhd" else (lambda t: t.transpose(0, 1))
+    q, k, v = to_sbhd(q), to_sbhd(k), to_sbhd(v)
+    if freqs is not None:
+        q, k = plain_rope(q, freqs[: q.shape[0]]), plain_rope(k, freqs[: k.shape[0]])
+    o = plain_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), cfg["mask_type"], mask, 1 / math.sqrt(d))
+    o = to_sbhd(o.permute(2, 0, 1, 3)).flatten(-2)
+    return F.linear(o, p[prefix + "proj.weight"], p[prefix + "proj.bias"])
+
+
+def plain_layer(p, x, cfg, freqs=None, mask=None):
+    hidden = x + plain_mha(p, "self_attention.", x, cfg, freqs, mask)
+    ln = plain_norm(hidden, p["layernorm_mlp.layer_norm_weight"], p.get("layernorm_mlp.layer_norm_bias"), 1e-5,
+                    cfg["normalization"])
+    h = F.linear(ln, p["layernorm_mlp.fc1_weight"], p["layernorm_mlp.fc1_bias"])
+    return hidden + F.linear(plain_activation(h, cfg["activation"]), p["layernorm_mlp.fc2_weight"], p["layernorm_mlp.fc2_bias"])
+
+
+CASES = [
+    dict(hidden=32, heads=4, groups=4, normalization="LayerNorm", activation="gelu", fmt="sbhd", mask_type="causal", rope=False),
+    dict(hidden=48, heads=6, groups=2, normalization="RMSNorm", activation="swiglu", fmt="bshd", mask_type="causal", rope=True),
+    dict(hidden=24, heads=2, groups=1, normalization="LayerNorm", activation="relu", fmt="bshd", mask_type="padding", rope=False),
+]
+
+
+@pytest.mark.parametrize("cfg", CASES, ids=lambda c: f"{c['normalization']}-{c['activation']}-{c['fmt']}-{c['mask_type']}")
+def test_transformer_layer_matches_plain(cfg):
+    torch.manual_seed(0)
+    layer = tm.TransformerLayer(
+        cfg["hidden"], 2 * cfg["hidden"] + 8, cfg["heads"], num_gqa_groups=cfg["groups"], hidden_dropout=0.0,
+        attention_dropout=0.0, self_attn_mask_type=cfg["mask_type"], normalization=cfg["normalization"],
+        activation=cfg["activation"], attn_input_format=cfg["fmt"],
+    )
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(torch.randn(p.shape) * 0.1)
+    s, b = 7, 3
+    x = torch.randn((s, b, cfg["hidden"]) if cfg["fmt"] == "sbhd" else (b, s, cfg["hidden"]))
+    freqs = tm.RotaryPositionEmbedding(cfg["hidden"] // cfg["heads"])(s) if cfg["rope"] else None
+    mask = (torch.arange(s)[None, :] >= torch.tensor([7, 5, 2])[:, None]).view(b, 1, 1, s) if cfg["mask_type"] == "padding" else None
+    x_te, x_ref = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y = layer(x_te, attention_mask=mask, rotary_pos_emb=freqs)
+    params = {n: t.detach().clone().requires_grad_(True) for n, t in layer.named_parameters()}
+    y_ref = plain_layer(params, x_ref, cfg, freqs, mask)
+    torch.testing.assert_close(y, y_ref, rtol=1.3e-6, atol=1e-5)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    y.backward(dy)
+    y_ref.backward(dy)
+    torch.testing.assert_close(x_te.grad, x_ref.grad, rtol=1.3e-6, atol=1e-5)
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(p.grad, params[name].grad, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"d{name}: {m}")
+
+
+def test_parameter_names_follow_transformer_engine():
+    layer = tm.TransformerLayer(32, 64, 4, normalization="LayerNorm")
+    names = {n for n, _ in layer.named_parameters()}
+    assert {
+        "self_attention.layernorm_qkv.layer_norm_weight", "self_attention.layernorm_qkv.layer_norm_bias",
+        "self_attention.layernorm_qkv.weight", "self_attention.layernorm_qkv.bias", "self_attention.proj.weight",
+        "self_attention.proj.bias", "layernorm_mlp.layer_norm_weight", "layernorm_mlp.fc1_weight",
+        "layernorm_mlp.fc1_bias", "layernorm_mlp.fc2_weight", "layernorm_mlp.fc2_bias",
+    } == names - {"layernorm_mlp.layer_norm_bias"}
+
+
+def test_decoder_layer_runs_cross_attention():
+    torch.manual_seed(0)
+    layer = tm.TransformerLayer(32, 64, 4, layer_type="decoder", hidden_dropout=0.0, attention_dropout=0.0)
+    x, enc = torch.randn(5, 2, 32, requires_grad=True), torch.randn(9, 2, 32, requires_grad=True)
+    y = layer(x, encoder_output=enc)
+    y.sum().backward()
+    assert y.shape == x.shape and enc.grad is not None and enc.grad.abs().sum() > 0
+    assert hasattr(layer.inter_attention, "key_value")
+
+
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: tm.TransformerLayer(30, 64, 4), r"TransformerLayer: hidden_size=30 is not divisible by num_attention_heads=4"),
+        (lambda: tm.TransformerLayer(32, 64, 4, num_gqa_groups=3), r"num_attention_heads=4 is not divisible by num_gqa_groups=3"),
+        (lambda: tm.TransformerLayer(32, 64, 4, activation="tanh"), r"TransformerLayer: unknown activation='tanh'"),
+        (lambda: tm.TransformerLayer(32, 64, 4, normalization="Layernorm"), r"unknown normalization='Layernorm'"),
+        (lambda: tm.TransformerLayer(32, 64, 4, layer_type="encdec"), r"unknown layer_type='encdec'"),
+        (lambda: tm.TransformerLayer(32, 64, 4)(torch.randn(4, 32)), r"hidden_states must be 3-D"),
+        (lambda: tm.TransformerLayer(32, 64, 4)(torch.randn(4, 2, 31)), r"hidden_states has shape \(4, 2, 31\)"),
+        (lambda: tm.MultiheadAttention(32, 5), r"MultiheadAttention: hidden_size=32 is not divisible by num_attention_heads=5"),
+        (lambda: tm.TransformerLayer(32, 64, 4, layer_type="decoder")(torch.randn(4, 2, 32)), r"needs encoder_output"),
+    ],
+)
+def test_bad_input_messages(build, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        build()
+
+
+def test_grouped_linear_matches_per_group_linear():
+    torch.manual_seed(0)
+    mod = tm.GroupedLinear(3, 16, 24)
+    with torch.no_grad():
+        for i in range(3):
+            getattr(mod, f"bias{i}").normal_()
+    splits = [5, 0, 9]
+    x = torch.randn(14, 16, requires_grad=True)
+    y = mod(x, splits)
+    ref = torch.cat([F.linear(xi, getattr(mod, f"weight{i}"), getattr(mod, f"bias{i}")) for i, xi in enumerate(x.split(splits))])
+    torch.testing.assert_close(y, ref, rtol=1.3e-6, atol=1e-5)
+    dy = torch.randn(y.shape)
+    grads = torch.autograd.grad(y, [x, *mod.parameters()], dy)
+    ref_grads = torch.autograd.grad(ref, [x, *mod.parameters()], dy, allow_unused=True)
+    for a, e in zip(grads, ref_grads):
+        torch.testing.assert_close(a, torch.zeros_like(a) if e is None else e, rtol=1.3e-6, atol=1e-5)
+    with pytest.raises(ValueError, match=r"GroupedLinear: m_splits sum to 13 but inp has 14 rows"):
+        mod(x, [5, 0, 8])
+    with pytest.raises(ValueError, match=r"m_splits must be 3 non-negative row counts"):
+        mod(x, [14])
+
+
+def test_grouped_linear_fp8_current_scaling():
+    from te_core import recipe
+    from te_core.quantization import autocast
+
+    torch.manual_seed(0)
+    mod = tm.GroupedLinear(2, 32, 32, bias=False)
+    x = torch.randn(64, 32, requires_grad=True)
+    with autocast(recipe=recipe.Float8CurrentScaling()):
+        y = mod(x, [32, 32])
+    y.sum().backward()
+    ref = torch.cat([F.linear(xi, getattr(mod, f"weight{i}")) for i, xi in enumerate(x.detach().split([32, 32]))])
+    scale = ref.abs().max()
+    torch.testing.assert_close(y / scale, ref / scale, rtol=0.125, atol=0.0675)
+    assert not torch.equal(y, ref)
+    with pytest.raises(ValueError, match=r"GroupedLinear: FP8 GEMM.*multiple of 16"):
+        with autocast(recipe=recipe.Float8CurrentScaling()):
+            mod(x, [24, 40])

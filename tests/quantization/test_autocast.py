@@ -1,0 +1,190 @@
+"""Autocast state, FP8 availability per backend, emulated MXFP8, quantized_model_init."""
+from __future__ import annotations
+
+import io
+import re
+import types
+
+import pytest
+import torch
+
+from te_core import backend
+from te_core.backend import BackendFallbackWarning, hookimpl, registry
+from te_core.backend.types import API_VERSION, FP8_FORMATS, BackendInfo, Capabilities, OpImpl
+from te_core.modules.linear import Linear
+from te_core.quantization import (
+    Float8Tensor,
+    autocast,
+    fp8_autocast,
+    fp8_model_init,
+    get_autocast_context,
+    is_fp8_available,
+    is_mxfp8_available,
+    quantized_model_init,
+)
+from te_core.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
+
+from .conftest import randn
+
+
+def test_nesting_innermost_wins_and_restores():
+    outer, inner = DelayedScaling(), Float8CurrentScaling()
+    assert get_autocast_context() is None
+    with autocast(recipe=outer):
+        assert get_autocast_context().recipe is outer
+        with autocast(enabled=False, recipe=inner):
+            ctx = get_autocast_context()
+            assert ctx.recipe is inner and not ctx.enabled
+        assert get_autocast_context().recipe is outer and get_autocast_context().enabled
+    assert get_autocast_context() is None
+
+
+def test_default_recipe_is_delayed_scaling():
+    with autocast():
+        assert get_autocast_context().recipe == DelayedScaling()
+
+
+def test_exception_leaves_no_state(gen):
+    layer = Linear(16, 16)
+    with pytest.raises(RuntimeError, match="boom"):
+        with autocast(recipe=DelayedScaling()):
+            layer(randn(gen, 16, 16))
+            raise RuntimeError("boom")
+    assert get_autocast_context() is None
+    assert layer.quantization_state()["forward"]["input"]["scale"] == 1.0  # no update from a failed step
+
+
+def test_fp8_autocast_alias(gen):
+    recipe, group = DelayedScaling(amax_history_len=3), object()
+    with pytest.warns(DeprecationWarning, match="use te_core.autocast"):
+        context = fp8_autocast(fp8_recipe=recipe, fp8_group=group)
+    with context:
+        ctx = get_autocast_context()
+        assert ctx.recipe is recipe and ctx.amax_reduction_group is group and ctx.enabled
+
+
+def test_bad_recipe_type():
+    with pytest.raises(TypeError, match="recipe must be a te_core.recipe recipe.*got str"):
+        with autocast(recipe="delayed"):
+            pass
+
+
+def test_fp8_available_on_reference():
+    assert is_fp8_available() == (True, "")
+
+
+def _plugin(name, caps):
+    from te_core.reference.plugin import implementations
+
+    reference = implementations()
+
+    @hookimpl
+    def te_backend_info():
+        return BackendInfo(name=name, device_type="cpu", api_version=API_VERSION)
+
+    @hookimpl
+    def te_backend_available():
+        return True, "test backend"
+
+    @hookimpl
+    def te_backend_ops():
+        return {"gemm_fp8": OpImpl(reference["gemm_fp8"])}
+
+    @hookimpl
+    def te_backend_capabilities(device):
+        return caps
+
+    return types.SimpleNamespace(te_backend_info=te_backend_info, te_backend_available=te_backend_available,
+                                 te_backend_ops=te_backend_ops, te_backend_capabilities=te_backend_capabilities)
+
+
+class _EntryPoint:
+    def __init__(self, name, plugin):
+        self.name, self._plugin = name, plugin
+        self.dist = types.SimpleNamespace(metadata={"Name": f"te-backend-{name}"}, version="1.0")
+
+    def load(self):
+        return self._plugin
+
+
+@pytest.fixture
+def fake_backend(monkeypatch):
+    def install(name, caps):
+        monkeypatch.setattr(registry, "_entry_points", lambda: [_EntryPoint(name, _plugin(name, caps))])
+        registry.REGISTRY.reset()
+        backend.set_backend(name)
+
+    yield install
+    monkeypatch.undo()
+    registry.REGISTRY.reset()
+
+
+def test_autocast_refuses_without_fp8(fake_backend):
+    fake_backend("nofp8", Capabilities(fp8_formats={}, device_name="Old GPU", arch="arch_1"))
+    ok, reason = is_fp8_available()
+    assert not ok and "E4M3" in reason
+    with pytest.raises(RuntimeError, match="FP8 is not available on the selected backend: .*E4M3"):
+        with autocast():
+            pass
+    with autocast(enabled=False, calibrating=True):  # calibration needs no FP8 hardware
+        pass
+
+
+def test_mxfp8_emulated_where_the_backend_lacks_it(gen, fake_backend):
+    formats = {n: m for n, m in FP8_FORMATS.values()}
+    fake_backend("nomx", Capabilities(fp8_formats=formats, scaling_modes=frozenset({"tensorwise"}),
+                                      device_name="Fake GPU", arch="fake_9"))
+    ok, reason = is_mxfp8_available()
+    assert not ok and "mxfp8" in reason
+    torch.manual_seed(0)
+    layer = Linear(64, 32)
+    x = randn(gen, 32, 64)
+    with pytest.warns(BackendFallbackWarning) as record:
+        with autocast(recipe=MXFP8BlockScaling()):
+            y = layer(x)
+    messages = [str(w.message) for w in record]
+    assert any(re.search(r"gemm_fp8.*falls back.*nomx.*'mxfp8' not supported", m) for m in messages), messages
+    want = x.double() @ layer.weight.double().T + layer.bias.double()
+    assert (y - want).norm() / want.norm() < 0.07
+
+
+def test_quantized_model_init_keeps_weights_in_fp8(gen):
+    torch.manual_seed(0)
+    with quantized_model_init(recipe=Float8CurrentScaling()):
+        layer = Linear(32, 16)
+    assert isinstance(layer.weight, Float8Tensor)
+    assert layer.weight.requires_grad
+    hp_weight = layer.weight.dequantize().clone()
+    x = randn(gen, 16, 32)
+    with autocast(recipe=Float8CurrentScaling()):
+        y = layer(x)
+    y.sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.shape == (16, 32)
+    torch.optim.SGD(layer.parameters(), lr=0.5, foreach=False).step()
+    assert isinstance(layer.weight, Float8Tensor)
+    torch.testing.assert_close(layer.weight.dequantize(), hp_weight - 0.5 * layer.weight.grad, rtol=0.125, atol=0.0675)
+    y_hp = layer(x)  # without autocast: the FP8 weight is dequantized
+    torch.testing.assert_close(y_hp, x @ layer.weight.dequantize().T + layer.bias)
+    # checkpoints hold the dequantized weight (loads with weights_only=True) and load back into FP8
+    buffer = io.BytesIO()
+    torch.save(layer.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert type(saved["weight"]) is torch.Tensor
+    with quantized_model_init(recipe=Float8CurrentScaling()):
+        other = Linear(32, 16)
+    other.load_state_dict(saved)
+    assert isinstance(other.weight, Float8Tensor)
+    torch.testing.assert_close(other.weight.dequantize(), layer.weight.dequantize(), rtol=0.125, atol=0.0675)
+
+
+def test_fp8_model_init_alias():
+    with pytest.warns(DeprecationWarning):
+        context = fp8_model_init(recipe=DelayedScaling())
+    with context:
+        layer = Linear(16, 16)
+    assert isinstance(layer.weight, Float8Tensor)
+    # the initial scale comes from the weight's own amax: its largest element lands on E4M3's max
+    assert layer.weight._data.float().abs().max() == 448.0
+    assert torch.equal(torch.reciprocal(layer.quantization_state()["forward"]["weight"]["scale"]),
+                       layer.weight._scale_inv)

@@ -1,0 +1,154 @@
+"""Checkpoints: extra state is tensors + plain values, restores bit for bit, resumes exactly."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from te_core.modules.linear import Linear
+from te_core.quantization import autocast
+from te_core.recipe import DelayedScaling, Float8CurrentScaling, Format
+
+from .conftest import randn
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = Linear(32, 48)
+        self.fc2 = Linear(48, 16)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def train(model, optimizer, batches, recipe):
+    losses = []
+    for x, target in batches:
+        optimizer.zero_grad()
+        with autocast(recipe=recipe):
+            y = model(x)
+        loss = torch.nn.functional.mse_loss(y, target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def roundtrip(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def make_batches(gen, n):
+    return [(randn(gen, 16, 32, scale=1 + i), randn(gen, 16, 16)) for i in range(n)]
+
+
+RECIPE = DelayedScaling(amax_history_len=4)
+
+
+def test_state_dict_restores_scaling_state_bit_for_bit(gen):
+    torch.manual_seed(0)
+    model = TwoLayers()
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), make_batches(gen, 3), RECIPE)
+    loaded = roundtrip(model.state_dict())  # weights_only=True: no pickled objects
+    torch.manual_seed(1)
+    fresh = TwoLayers()
+    fresh.load_state_dict(loaded)
+    for name in ("fc1", "fc2"):
+        want = getattr(model, name).quantization_state()
+        got = getattr(fresh, name).quantization_state()
+        for direction, roles in want.items():
+            assert set(got[direction]) == set(roles)
+            for role, entry in roles.items():
+                for key, tensor in entry.items():
+                    assert torch.equal(got[direction][role][key], tensor), (name, direction, role, key)
+    assert want["forward"]["input"]["amax_history"].ne(0).any()
+
+
+def test_resumed_training_matches_uninterrupted(gen):
+    batches = make_batches(gen, 6)
+    torch.manual_seed(0)
+    model = TwoLayers()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train(model, optimizer, batches[:3], RECIPE)
+    checkpoint = roundtrip({"model": model.state_dict(), "optim": optimizer.state_dict()})
+    uninterrupted = train(model, optimizer, batches[3:], RECIPE)
+
+    torch.manual_seed(5)
+    resumed_model = TwoLayers()
+    resumed_optimizer = torch.optim.Adam(resumed_model.parameters(), lr=1e-2)
+    resumed_model.load_state_dict(checkpoint["model"])
+    resumed_optimizer.load_state_dict(checkpoint["optim"])
+    resumed = train(resumed_model, resumed_optimizer, batches[3:], DelayedScaling(amax_history_len=4))
+    for a, b in zip(uninterrupted, resumed):
+        assert torch.equal(a, b)
+    for (name, p), q in zip(model.named_parameters(), resumed_model.parameters()):
+        assert torch.equal(p, q), name
+    assert torch.equal(model.fc2.quantization_state()["backward"]["grad_output"]["scale"],
+                       resumed_model.fc2.quantization_state()["backward"]["grad_output"]["scale"])
+
+
+def _trained_layer(gen, recipe):
+    layer = Linear(16, 16)
+    with autocast(recipe=recipe):
+        layer(randn(gen, 16, 16))
+    return layer
+
+
+def test_loading_other_history_length_is_a_clear_error(gen):
+    saved = roundtrip(_trained_layer(gen, DelayedScaling(amax_history_len=4)).state_dict())
+    target = _trained_layer(gen, DelayedScaling(amax_history_len=8))
+    with pytest.raises(ValueError, match=r"amax_history_len=4.*amax_history_len=8"):
+        target.load_state_dict(saved)
+
+
+def test_checkpoint_then_other_recipe_is_a_clear_error(gen):
+    saved = roundtrip(_trained_layer(gen, DelayedScaling(amax_history_len=4)).state_dict())
+    fresh = Linear(16, 16)
+    fresh.load_state_dict(saved)  # no state yet: adopts the checkpoint's
+    with pytest.raises(ValueError, match=r"made with DelayedScaling.*now Float8CurrentScaling"):
+        with autocast(recipe=Float8CurrentScaling()):
+            fresh(randn(gen, 16, 16))
+    with pytest.raises(ValueError, match=r"fp8_format=HYBRID.*fp8_format=E4M3"):
+        with autocast(recipe=DelayedScaling(amax_history_len=4, fp8_format=Format.E4M3)):
+            fresh(randn(gen, 16, 16))
+
+
+def test_checkpoint_without_scaling_state_loads_anywhere(gen):
+    saved = roundtrip(Linear(16, 16).state_dict())
+    assert saved["_extra_state"] is None
+    target = _trained_layer(gen, Float8CurrentScaling())
+    target.load_state_dict(saved)
+    assert target.quantization_state() == {"forward": {}, "backward": {}}
+
+
+def test_bad_extra_state_is_rejected():
+    layer = Linear(16, 16)
+    with pytest.raises(ValueError, match="unrecognised extra state"):
+        layer.set_extra_state(torch.zeros(3))
+
+
+def test_stateless_recipe_writes_no_state_and_loads_into_delayed(gen):
+    saved = roundtrip(_trained_layer(gen, Float8CurrentScaling()).state_dict())
+    assert saved["_extra_state"] is None
+    target = Linear(16, 16)
+    target.load_state_dict(saved)
+    with autocast(recipe=DelayedScaling(amax_history_len=4)):
+        target(randn(gen, 16, 16))
+    assert target.quantization_state()["forward"]["input"]["amax_history"].shape == (4,)
+
+
+def test_state_follows_the_module_device(gen):
+    layer = _trained_layer(gen, RECIPE)
+    before = {k: v.clone() for k, v in layer.quantization_state()["forward"]["input"].items()}
+    layer.to("meta")  # any other device: the scaling state moves with the module at its next step
+    step = layer.quantization_step()
+    assert step.fp8 is False  # outside autocast nothing moves ...
+    with autocast(recipe=RECIPE):
+        layer.quantization_step()  # ... inside, the state follows the parameters
+    moved = layer.quantization_state()["forward"]["input"]
+    assert moved["scale"].device.type == "meta" and moved["amax_history"].shape == before["amax_history"].shape

@@ -1,0 +1,64 @@
+"""GEMM helpers: the scaling mode follows the operands' types; plain tensors run ops.gemm."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from te_core import ops
+from te_core.quantization import dgrad_gemm, fprop_gemm, gemm_slots, quantized_gemm, wgrad_gemm
+from te_core.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+
+from .conftest import randn
+
+
+@pytest.fixture
+def modes(monkeypatch):
+    seen = []
+    real = ops.gemm_fp8
+
+    def spy(a, b, a_scale_inv, b_scale_inv, **kwargs):
+        seen.append(kwargs["scaling"])
+        return real(a, b, a_scale_inv, b_scale_inv, **kwargs)
+
+    monkeypatch.setattr(ops, "gemm_fp8", spy)
+    return seen
+
+
+@pytest.mark.parametrize("recipe,expected", [
+    (DelayedScaling(), ["tensorwise"] * 3),
+    (Float8CurrentScaling(), ["tensorwise"] * 3),
+    (Float8BlockScaling(), ["block_1x128_128x128", "block_1x128_128x128", "block_1x128_1x128"]),
+    (Float8BlockScaling(w_block_scaling_dim=1), ["block_1x128_1x128"] * 3),
+    (MXFP8BlockScaling(), ["mxfp8"] * 3),
+], ids=lambda v: type(v).__name__ if not isinstance(v, list) else "")
+def test_scaling_mode_follows_operands(gen, modes, recipe, expected):
+    state = recipe.make_state(gemm_slots(), torch.device("cpu"))
+    x, w, dy = randn(gen, 64, 96), randn(gen, 32, 96), randn(gen, 64, 32)
+    xq = state.quantizer("input").quantize(x, columnwise=True)
+    wq = state.quantizer("weight").quantize(w, columnwise=True)
+    dyq = state.quantizer("grad_output").quantize(dy, columnwise=True)
+    outs = [fprop_gemm(xq, wq, out_dtype=torch.float32), dgrad_gemm(dyq, wq, out_dtype=torch.float32),
+            wgrad_gemm(dyq, xq, out_dtype=torch.float32)]
+    assert modes == expected
+    wants = [x.double() @ w.double().T, dy.double() @ w.double(), dy.double().T @ x.double()]
+    for out, want in zip(outs, wants):
+        assert out.shape == want.shape
+        assert ((out.double() - want).norm() / want.norm()) < 0.125  # FP8 relative (SQNR) bound, see test_linear
+
+
+def test_plain_tensors_run_high_precision(gen):
+    x, w, dy = randn(gen, 8, 12), randn(gen, 5, 12), randn(gen, 8, 5)
+    torch.testing.assert_close(fprop_gemm(x, w, out_dtype=torch.float32), x @ w.T, rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(dgrad_gemm(dy, w, out_dtype=torch.float32), dy @ w, rtol=1.3e-6, atol=1e-5)
+    out = torch.ones(5, 12)
+    wgrad_gemm(dy, x, out_dtype=torch.float32, out=out, accumulate=True)
+    torch.testing.assert_close(out, 1 + dy.T @ x, rtol=1.3e-6, atol=1e-5)
+
+
+def test_mismatched_operand_kinds_are_rejected(gen):
+    block = Float8BlockScaling().make_state(gemm_slots(), torch.device("cpu"))
+    delayed = DelayedScaling().make_state(gemm_slots(), torch.device("cpu"))
+    a = block.quantizer("input").quantize(randn(gen, 16, 128))
+    b = delayed.quantizer("weight").quantize(randn(gen, 16, 128))
+    with pytest.raises(ValueError, match="no FP8 GEMM scaling mode for operands quantized as 1x128 .a. and tensor .b."):
+        quantized_gemm(a, b, out_dtype=torch.float32)

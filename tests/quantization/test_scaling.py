@@ -1,0 +1,245 @@
+"""Delayed scaling: cast with earlier steps' scales, amax history, the update rule and its timing."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from te_core import ops
+from te_core.modules import linear as linear_module
+from te_core.modules.linear import Linear
+from te_core.quantization import autocast, gemm_slots
+from te_core.quantization.scaling import ScalingGroup, update_scales
+from te_core.recipe import DelayedScaling, Format
+
+from .conftest import randn
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+F32_MAX = torch.finfo(torch.float32).max
+
+
+def expected_update(history, scale, fmax, margin=0.0, algo="max"):
+    """The update rule in float64 on copies: (new scale, rolled history)."""
+    h = history.double()
+    amax = h.max(dim=0).values if algo == "max" else h[0]
+    new = (fmax / amax / 2.0 ** margin).clamp(max=F32_MAX)  # a float32 scale that would be inf
+    keep = ~torch.isfinite(amax) | (amax == 0)
+    new = torch.where(keep, scale.double(), new).float()
+    rolled = torch.roll(history, -1, 0).clone()
+    rolled[0] = 0
+    return new, rolled
+
+
+def assert_scale(scale, fmax, amax):
+    """scale == fmax / amax up to float32 rounding of the division."""
+    amax = amax.detach() if isinstance(amax, torch.Tensor) else amax
+    want = torch.tensor([fmax / float(amax)], dtype=torch.float32)
+    torch.testing.assert_close(scale.reshape(1), want, rtol=1.3e-6, atol=0)
+
+
+def make_group(history, scale, recipe):
+    group = ScalingGroup([f"t{i}" for i in range(history.shape[1])], torch.float8_e4m3fn, recipe, torch.device("cpu"))
+    group.amax_history.copy_(history)
+    group.scale.copy_(scale)
+    return group
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_update_rule_matches_float64(gen, algo, margin):
+    recipe = DelayedScaling(amax_history_len=5, amax_compute_algo=algo, margin=margin)
+    history = randn(gen, 5, 6).abs() * 3
+    # column 1: amax 0 everywhere; 2: NaN this step; 3: inf; 4: so small the scale overflows
+    history[:, 1] = 0
+    history[0, 2] = float("nan")
+    history[0, 3] = float("inf")
+    history[:, 4] = 0
+    history[0, 4] = 1e-44
+    scale = randn(gen, 6).abs() + 0.5
+    group = make_group(history, scale, recipe)
+    update_scales([group])
+    want_scale, want_history = expected_update(history, scale, E4M3_MAX, margin, algo)
+    torch.testing.assert_close(group.scale, want_scale, rtol=1.3e-6, atol=0, equal_nan=True)
+    torch.testing.assert_close(group.amax_history, want_history, rtol=0, atol=0, equal_nan=True)
+    assert group.scale[1] == scale[1] and group.scale[2] == scale[2] and group.scale[3] == scale[3]
+    assert group.scale[4] == F32_MAX
+    # rolled up by one row (TE: torch.roll(h, -1, 0)), then row 0 zeroed: this step's amax is last
+    torch.testing.assert_close(group.amax_history[-1], history[0], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(group.amax_history[1:-1], history[2:])
+    assert torch.all(group.amax_history[0] == 0)
+
+
+def test_callable_algorithms(gen):
+    calls = []
+
+    def second_largest(history):
+        calls.append(history.shape)
+        return history.sort(dim=0).values[-2]
+
+    def halve(amax, scale, fp8_max, recipe):
+        return fp8_max / amax / 2
+
+    recipe = DelayedScaling(amax_history_len=4, amax_compute_algo=second_largest, scaling_factor_compute_algo=halve)
+    history = randn(gen, 4, 3).abs() + 0.1
+    group = make_group(history, torch.ones(3), recipe)
+    update_scales([group])
+    want = E4M3_MAX / history.sort(dim=0).values[-2] / 2
+    torch.testing.assert_close(group.scale, want, rtol=1.3e-6, atol=0)
+    assert calls == [torch.Size([4, 3])]
+    assert torch.all(group.amax_history[0] == 0) and torch.equal(group.amax_history[-1], history[0])
+
+
+def _spy_fprop(monkeypatch):
+    seen = []
+    real = linear_module.fprop_gemm
+
+    def spy(x, w, **kwargs):
+        seen.append((x, w))
+        return real(x, w, **kwargs)
+
+    monkeypatch.setattr(linear_module, "fprop_gemm", spy)
+    return seen
+
+
+def test_each_step_casts_with_earlier_scale_and_records_amax(gen, monkeypatch):
+    seen = _spy_fprop(monkeypatch)
+    recipe = DelayedScaling(amax_history_len=3)
+    layer = Linear(32, 16)
+    scales_before = []
+    amaxes = []
+    for step in range(4):
+        x = randn(gen, 16, 32, scale=1.0 + step)
+        state = layer.quantization_state()
+        scales_before.append(None if not state["forward"] else state["forward"]["input"]["scale"].clone())
+        with autocast(recipe=recipe):
+            layer(x)
+            # inside the autocast, row 0 holds this step's amax, not yet rolled
+            row0 = layer.quantization_state()["forward"]["input"]["amax_history"][0]
+            assert row0 == x.abs().max()
+        amaxes.append(x.abs().max())
+        x_q = seen[-1][0]
+        scale = scales_before[-1] if scales_before[-1] is not None else torch.ones(1)
+        assert x_q._scale_inv == torch.reciprocal(scale)  # the scale from earlier steps
+        want_data, _ = ops.quantize_fp8(x, scale, torch.float8_e4m3fn)
+        assert torch.equal(x_q._data.view(torch.uint8), want_data.view(torch.uint8))  # bit exact
+        state = layer.quantization_state()["forward"]["input"]
+        window = torch.stack(amaxes[-3:]).max()
+        assert_scale(state["scale"], E4M3_MAX, window)
+        # history after the roll: most recent amax in the last row, row 0 zeroed
+        assert state["amax_history"][-1] == amaxes[-1] and state["amax_history"][0] == 0
+        assert state["amax_history"][1] == (amaxes[-2] if step >= 1 else 0)
+
+
+def test_forward_update_at_outermost_exit_only(gen):
+    layer = Linear(16, 16)
+    x = randn(gen, 16, 16, scale=4.0)
+    with autocast(recipe=DelayedScaling(amax_history_len=2)):
+        with autocast(recipe=DelayedScaling(amax_history_len=2)):
+            layer(x)
+        inner_exit = layer.quantization_state()["forward"]["input"]["scale"].clone()
+        with autocast(enabled=False):
+            layer(x)  # high precision inside: still updates at the outermost exit
+    assert inner_exit == 1.0
+    assert_scale(layer.quantization_state()["forward"]["input"]["scale"], E4M3_MAX, x.abs().max())
+
+
+def test_backward_update_at_end_of_backward(gen):
+    layer = Linear(16, 16)
+    x = randn(gen, 16, 16).requires_grad_()
+    dy = randn(gen, 16, 16, scale=3.0)
+    recipe = DelayedScaling(amax_history_len=2)
+    with autocast(recipe=recipe):
+        y = layer(x)
+    seen_during = []
+    x.register_hook(lambda g: seen_during.append(
+        {k: v.clone() for k, v in layer.quantization_state()["backward"]["grad_output"].items()}))
+    y.backward(dy)
+    during = seen_during[0]
+    assert during["scale"] == 1.0 and during["amax_history"][0] == dy.abs().max()  # recorded, not yet updated
+    after = layer.quantization_state()["backward"]["grad_output"]
+    assert_scale(after["scale"], E5M2_MAX, dy.abs().max())  # HYBRID: gradients in E5M2
+    assert after["amax_history"][0] == 0 and after["amax_history"][1] == dy.abs().max()
+
+
+def test_weight_scale_only_updates_on_first_microbatch(gen):
+    layer = Linear(16, 16)
+    recipe = DelayedScaling(amax_history_len=4)
+    x = randn(gen, 16, 16)
+    with autocast(recipe=recipe):
+        layer(x, is_first_microbatch=True)
+    weight_after_first = {k: v.clone() for k, v in layer.quantization_state()["forward"]["weight"].items()}
+    assert_scale(weight_after_first["scale"], E4M3_MAX, layer.weight.abs().max())
+    for _ in range(2):
+        with autocast(recipe=recipe):
+            layer(randn(gen, 16, 16), is_first_microbatch=False)
+    state = layer.quantization_state()["forward"]
+    assert torch.equal(state["weight"]["amax_history"], weight_after_first["amax_history"])  # not rolled
+    assert torch.equal(state["weight"]["scale"], weight_after_first["scale"])
+    assert state["input"]["amax_history"][-3:].ne(0).all()  # inputs kept updating
+    with autocast(recipe=recipe):
+        layer(x, is_first_microbatch=None)
+    assert not torch.equal(layer.quantization_state()["forward"]["weight"]["amax_history"],
+                           weight_after_first["amax_history"])
+
+
+def test_weight_cache_reused_while_not_first_microbatch(gen, monkeypatch):
+    seen = _spy_fprop(monkeypatch)
+    layer = Linear(16, 16)
+    with autocast(recipe=DelayedScaling()):
+        layer(randn(gen, 16, 16), is_first_microbatch=True)
+        layer(randn(gen, 16, 16), is_first_microbatch=False)
+        layer(randn(gen, 16, 16), is_first_microbatch=None)
+    assert seen[1][1] is seen[0][1] and seen[2][1] is not seen[0][1]
+
+
+def test_calibration_records_amax_computing_in_high_precision(gen):
+    layer = Linear(16, 32)
+    x = randn(gen, 8, 16, scale=2.0).requires_grad_()
+    with autocast(enabled=False, calibrating=True, recipe=DelayedScaling(amax_history_len=2)):
+        y = layer(x)
+    y.backward(torch.ones_like(y))
+    plain = torch.nn.functional.linear(x.detach(), layer.weight.detach(), layer.bias.detach())
+    assert torch.allclose(y, plain, rtol=1.3e-6, atol=1e-5)  # not quantized (FP8 would be ~1e-2 off)
+    state = layer.quantization_state()
+    assert state["forward"]["input"]["amax_history"][1] == x.abs().max()
+    assert_scale(state["forward"]["weight"]["scale"], E4M3_MAX, layer.weight.abs().max())
+    assert_scale(state["backward"]["grad_output"]["scale"], E5M2_MAX, 1.0)
+
+
+def test_quantization_state_layout(gen):
+    layer = Linear(16, 16)
+    assert layer.quantization_state() == {"forward": {}, "backward": {}}
+    with autocast(recipe=DelayedScaling(amax_history_len=7)):
+        layer(randn(gen, 16, 16))
+    state = layer.quantization_state()
+    assert set(state) == {"forward", "backward"}
+    assert set(state["forward"]) == {"input", "weight"} and set(state["backward"]) == {"grad_output"}
+    for roles in state.values():
+        for entry in roles.values():
+            assert set(entry) == {"scale", "amax_history"}
+            assert entry["scale"].shape == (1,) and entry["amax_history"].shape == (7,)
+            assert entry["scale"].dtype == torch.float32
+
+
+def test_format_dtypes():
+    assert Format.HYBRID.forward_dtype == torch.float8_e4m3fn and Format.HYBRID.backward_dtype == torch.float8_e5m2
+    assert Format.E4M3.backward_dtype == torch.float8_e4m3fn
+    assert math.isclose(E4M3_MAX, 448.0)
+
+
+def test_quantized_tensors_keep_their_scale_snapshot(gen):
+    """scale_inv is shared per step, but an update (or an in-place write to the scale) never
+    changes the scale_inv of tensors quantized before it."""
+    recipe = DelayedScaling(amax_history_len=2)
+    state = recipe.make_state(gemm_slots(), torch.device("cpu"))
+    q = state.quantizer("input")
+    first = q.quantize(randn(gen, 16, 16, scale=9.0))
+    update_scales([q.scaling_group])
+    second = q.quantize(randn(gen, 16, 16))
+    assert first._scale_inv == 1.0
+    torch.testing.assert_close(second._scale_inv, torch.reciprocal(q.scale))
+    q.scale.mul_(2)  # e.g. a state restore through the quantization_state() views
+    third = q.quantize(randn(gen, 16, 16))
+    torch.testing.assert_close(third._scale_inv, torch.reciprocal(q.scale))
+    assert first._scale_inv == 1.0 and second._scale_inv == third._scale_inv * 2
