@@ -4,6 +4,7 @@ weights, then one FP8 training step runs. Needs `transformers`; skipped otherwis
 
     python examples/convert_llama.py
 """
+
 import sys
 
 import torch
@@ -19,8 +20,15 @@ def main() -> int:
     except ImportError:
         print("transformers is not installed; skipping (pip install transformers)")
         return 0
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    cfg = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (2, 64))

@@ -4,6 +4,7 @@ Transformer Engine user would write (`import te_core as te` instead of
 
     python examples/transformer_layer_fp8.py
 """
+
 import torch
 
 import te_core.modules as te
@@ -22,8 +23,15 @@ def main() -> None:
     seq, batch, hidden = 64, 4, 128  # tokens and features: multiples of 32 for every recipe
     for name, rec in RECIPES.items():
         torch.manual_seed(0)
-        layer = te.TransformerLayer(hidden, 4 * hidden, num_attention_heads=4, normalization="RMSNorm",
-                                    activation="swiglu", hidden_dropout=0.0, attention_dropout=0.0)
+        layer = te.TransformerLayer(
+            hidden,
+            4 * hidden,
+            num_attention_heads=4,
+            normalization="RMSNorm",
+            activation="swiglu",
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
         opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
         x = torch.randn(seq, batch, hidden, device=layer.layernorm_mlp.fc1_weight.device)
         target = torch.roll(x, 1, dims=0)

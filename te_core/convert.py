@@ -5,6 +5,7 @@ A norm directly followed by a Linear inside an nn.Sequential becomes one LayerNo
 Linear's slot becomes nn.Identity); elsewhere the data flow between modules is not known from
 the module tree, so norms and Linears are converted one by one.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -28,8 +29,13 @@ def _is_rmsnorm(module: nn.Module) -> bool:
     if rms_cls is not None and isinstance(module, rms_cls):
         return module.weight is not None
     weight = getattr(module, "weight", None)
-    return (type(module).__name__.endswith("RMSNorm") and isinstance(weight, torch.Tensor) and weight.dim() == 1
-            and hasattr(module, "variance_epsilon") and not list(module.children()))
+    return (
+        type(module).__name__.endswith("RMSNorm")
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 1
+        and hasattr(module, "variance_epsilon")
+        and not list(module.children())
+    )
 
 
 def _norm_eps(module: nn.Module) -> float:
@@ -42,8 +48,12 @@ def _norm_eps(module: nn.Module) -> float:
 
 
 def _is_layernorm(module: nn.Module) -> bool:
-    return (type(module) is nn.LayerNorm and module.elementwise_affine and module.bias is not None
-            and len(module.normalized_shape) == 1)
+    return (
+        type(module) is nn.LayerNorm
+        and module.elementwise_affine
+        and module.bias is not None
+        and len(module.normalized_shape) == 1
+    )
 
 
 def _convert_norm(module: nn.Module) -> nn.Module:
@@ -59,7 +69,9 @@ def _convert_norm(module: nn.Module) -> nn.Module:
 
 def _convert_linear(module: nn.Linear) -> Linear:
     w = module.weight
-    new = Linear(module.in_features, module.out_features, bias=module.bias is not None, params_dtype=w.dtype, device=w.device)
+    new = Linear(
+        module.in_features, module.out_features, bias=module.bias is not None, params_dtype=w.dtype, device=w.device
+    )
     _copy(new.weight, w)
     if module.bias is not None:
         _copy(new.bias, module.bias)
@@ -69,8 +81,15 @@ def _convert_linear(module: nn.Linear) -> Linear:
 def _fuse(norm: nn.Module, linear: nn.Linear) -> LayerNormLinear:
     w = linear.weight
     kind = "LayerNorm" if _is_layernorm(norm) else "RMSNorm"
-    new = LayerNormLinear(linear.in_features, linear.out_features, eps=_norm_eps(norm), bias=linear.bias is not None,
-                          normalization=kind, params_dtype=w.dtype, device=w.device)
+    new = LayerNormLinear(
+        linear.in_features,
+        linear.out_features,
+        eps=_norm_eps(norm),
+        bias=linear.bias is not None,
+        normalization=kind,
+        params_dtype=w.dtype,
+        device=w.device,
+    )
     _copy(new.layer_norm_weight, norm.weight)
     if kind == "LayerNorm":
         _copy(new.layer_norm_bias, norm.bias)
@@ -131,8 +150,10 @@ def convert_model(
     for fqn, parent in list(model.named_modules()):
         _convert_children(parent, fqn, wanted, linear_ok, fuse_norm_linear)
     if left_out:
-        warnings.warn(f"convert_model: left in high precision (features not multiples of {align}): {', '.join(left_out)}",
-                      stacklevel=2)
+        warnings.warn(
+            f"convert_model: left in high precision (features not multiples of {align}): {', '.join(left_out)}",
+            stacklevel=2,
+        )
     return model
 
 
@@ -147,8 +168,12 @@ def _convert_children(parent: nn.Module, prefix: str, wanted, linear_ok, fuse: b
         if is_norm and fuse and isinstance(parent, nn.Sequential) and i + 1 < len(names):
             next_name, nxt = names[i + 1]
             next_fqn = f"{prefix}.{next_name}" if prefix else next_name
-            if (type(nxt) is nn.Linear and nxt.in_features == child.weight.shape[0] and wanted(nxt, next_fqn)
-                    and linear_ok(nxt, next_fqn)):
+            if (
+                type(nxt) is nn.Linear
+                and nxt.in_features == child.weight.shape[0]
+                and wanted(nxt, next_fqn)
+                and linear_ok(nxt, next_fqn)
+            ):
                 setattr(parent, name, _fuse(child, nxt))
                 setattr(parent, next_name, nn.Identity())
                 fused_into.add(next_name)

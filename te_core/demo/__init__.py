@@ -2,6 +2,7 @@
 
 Entry point: `te_core.demo.main(argv)` (the CLI's `te-core demo`, or `python -m te_core.demo`).
 """
+
 from .main import main
 
 __all__ = ["main"]

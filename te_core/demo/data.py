@@ -3,6 +3,7 @@
 Byte-level tokens (vocabulary 256), files in sorted order, so a run is reproducible on any
 machine with the same Python; batches are drawn with a seeded generator.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """A small GPT built from te-core modules: byte embedding, TransformerLayers with rotary
 positions, a final norm and an LM head (kept in high precision, as is usual for FP8 training)."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass

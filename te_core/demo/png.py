@@ -1,5 +1,6 @@
 """A loss-curve PNG without plotting libraries: lines rasterized into an RGB canvas and
 written with zlib. Used when matplotlib is not installed."""
+
 from __future__ import annotations
 
 import struct
@@ -36,13 +37,17 @@ class Canvas:
                 self.set(x, y, color)
 
     def to_png(self) -> bytes:
-        rows = b"".join(b"\x00" + bytes(self.pixels[3 * y * self.width : 3 * (y + 1) * self.width]) for y in range(self.height))
+        rows = b"".join(
+            b"\x00" + bytes(self.pixels[3 * y * self.width : 3 * (y + 1) * self.width]) for y in range(self.height)
+        )
 
         def chunk(kind: bytes, data: bytes) -> bytes:
             return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
         header = struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0)
-        return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows, 9)) + chunk(b"IEND", b"")
+        return (
+            b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows, 9)) + chunk(b"IEND", b"")
+        )
 
 
 def plot_curves(curves: Dict[str, Sequence[float]], width: int = 800, height: int = 450) -> Tuple[bytes, List[Color]]:

@@ -1,5 +1,6 @@
 """A text progress bar on stderr (no tqdm needed): redrawn in place on a terminal, a line
 every 10% otherwise (logs, CI)."""
+
 from __future__ import annotations
 
 import sys

@@ -1,4 +1,5 @@
 """What the demo shows and keeps: the loss curves side by side, the gap, a PNG and a JSON."""
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,13 @@ def final_gap(hp: Sequence[float], fp8: Sequence[float], fraction: float = 0.1) 
     """Mean loss of the last `fraction` of the steps for both runs, and their difference."""
     n = max(1, int(len(hp) * fraction))
     hp_tail, fp8_tail = sum(hp[-n:]) / n, sum(fp8[-n:]) / n
-    return dict(steps_averaged=n, bf16=hp_tail, fp8=fp8_tail, gap=fp8_tail - hp_tail, relative_gap=(fp8_tail - hp_tail) / hp_tail)
+    return dict(
+        steps_averaged=n,
+        bf16=hp_tail,
+        fp8=fp8_tail,
+        gap=fp8_tail - hp_tail,
+        relative_gap=(fp8_tail - hp_tail) / hp_tail,
+    )
 
 
 def side_by_side(hp: Sequence[float], fp8: Sequence[float], rows: int = 10) -> str:
@@ -40,7 +47,9 @@ def side_by_side(hp: Sequence[float], fp8: Sequence[float], rows: int = 10) -> s
     lines = [f"{'step':>6} | {'bf16 loss':>9} {'':20} | {'fp8 loss':>9} {'':20} | {'fp8-bf16':>8}"]
     for r in range(rows):
         i = min(len(hp) - 1, round(r * (len(hp) - 1) / max(rows - 1, 1)))
-        lines.append(f"{i + 1:>6} | {hs[i]:>9.4f} {bar(hs[i]):<20} | {fs[i]:>9.4f} {bar(fs[i]):<20} | {fs[i] - hs[i]:>+8.4f}")
+        lines.append(
+            f"{i + 1:>6} | {hs[i]:>9.4f} {bar(hs[i]):<20} | {fs[i]:>9.4f} {bar(fs[i]):<20} | {fs[i] - hs[i]:>+8.4f}"
+        )
     return "\n".join(lines)
 
 

@@ -1,12 +1,13 @@
 """One training run of the demo GPT: BF16 (torch.autocast) or FP8 (te.autocast with a recipe
 inside the same torch.autocast), with identical initialization and data order."""
+
 from __future__ import annotations
 
 import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List
 
 import torch
 
@@ -52,7 +53,13 @@ class RunResult:
     tokens_per_s: float = 0.0
 
     def as_dict(self) -> dict:
-        return dict(name=self.name, losses=self.losses, val_loss=self.val_loss, seconds=self.seconds, tokens_per_s=self.tokens_per_s)
+        return dict(
+            name=self.name,
+            losses=self.losses,
+            val_loss=self.val_loss,
+            seconds=self.seconds,
+            tokens_per_s=self.tokens_per_s,
+        )
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:
@@ -81,7 +88,9 @@ def loss_of(model: GPT, inputs: torch.Tensor, targets: torch.Tensor, device: tor
         return model.head_loss(hidden, targets)
 
 
-def train(name: str, cfg: RunConfig, train_tokens, val_tokens, device: torch.device, fp8_recipe=None, progress: bool = True) -> RunResult:
+def train(
+    name: str, cfg: RunConfig, train_tokens, val_tokens, device: torch.device, fp8_recipe=None, progress: bool = True
+) -> RunResult:
     """Train a freshly initialized GPT for cfg.steps steps; returns per-step losses and speed."""
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model, device)
@@ -122,9 +131,3 @@ def evaluate(model: GPT, cfg: RunConfig, val_tokens, device: torch.device, fp8_r
     sampler = BatchSampler(val_tokens, cfg.model.batch_size, cfg.model.seq_len, seed=cfg.seed + 1)
     losses = [float(loss_of(model, *sampler.next(device), device, fp8_recipe)) for _ in range(cfg.eval_batches)]
     return sum(losses) / len(losses)
-
-
-def default_device() -> Optional[torch.device]:
-    from .. import backend
-
-    return backend.get_backend().device

@@ -1,5 +1,6 @@
 """te-core modules: Transformer Engine's layers (class names, constructor arguments, parameter
 names and forward signatures as in Transformer Engine), built on the registry ops."""
+
 from .attention import DotProductAttention
 from .checkpoint import checkpoint
 from .grouped_linear import GroupedLinear
@@ -12,6 +13,16 @@ from .rope import RotaryPositionEmbedding, apply_rotary_pos_emb
 from .transformer_layer import TransformerLayer
 
 __all__ = [
-    "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "LayerNorm", "RMSNorm", "DotProductAttention",
-    "MultiheadAttention", "TransformerLayer", "RotaryPositionEmbedding", "apply_rotary_pos_emb", "checkpoint",
+    "Linear",
+    "LayerNormLinear",
+    "LayerNormMLP",
+    "GroupedLinear",
+    "LayerNorm",
+    "RMSNorm",
+    "DotProductAttention",
+    "MultiheadAttention",
+    "TransformerLayer",
+    "RotaryPositionEmbedding",
+    "apply_rotary_pos_emb",
+    "checkpoint",
 ]

@@ -1,5 +1,6 @@
 """Shared plumbing of the modules: where parameters live, which dtype a forward computes in,
 and the input checks whose messages name the offending argument."""
+
 from __future__ import annotations
 
 import contextlib
@@ -126,5 +127,7 @@ def normalized_size(normalized_shape: Union[int, Sequence[int]], module: str) ->
     """(shape tuple, number of elements normalized together)."""
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     if not shape or any(not isinstance(s, int) or s <= 0 for s in shape):
-        raise ValueError(f"{module}: normalized_shape must be a positive int or a tuple of them, got {normalized_shape!r}")
+        raise ValueError(
+            f"{module}: normalized_shape must be a positive int or a tuple of them, got {normalized_shape!r}"
+        )
     return shape, math.prod(shape)

@@ -3,6 +3,7 @@
 Shared by the norm modules and by the fused norm+GEMM modules (LayerNormLinear, LayerNormMLP),
 which call `norm_fwd` / `norm_bwd` inside their own autograd Functions.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple

@@ -1,4 +1,5 @@
 """te.DotProductAttention: softmax(q k^T * scale + mask) v over heads, through ops.attention."""
+
 from __future__ import annotations
 
 import math
@@ -45,7 +46,9 @@ class DotProductAttention(nn.Module):
         self.num_attention_heads = check_positive(num_attention_heads, name="num_attention_heads", module=name)
         self.num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
         check_positive(self.num_gqa_groups, name="num_gqa_groups", module=name)
-        check_divisible(num_attention_heads, self.num_gqa_groups, what="num_attention_heads", by="num_gqa_groups", module=name)
+        check_divisible(
+            num_attention_heads, self.num_gqa_groups, what="num_attention_heads", by="num_gqa_groups", module=name
+        )
         k_ch, v_ch = (kv_channels, kv_channels) if isinstance(kv_channels, int) else tuple(kv_channels)
         self.hidden_size_per_attention_head_k = check_positive(k_ch, name="kv_channels", module=name)
         self.hidden_size_per_attention_head_v = check_positive(v_ch, name="kv_channels", module=name)
@@ -75,10 +78,15 @@ class DotProductAttention(nn.Module):
     ) -> Tensor:
         name = "DotProductAttention"
         fmt = check_choice(qkv_format or self.qkv_format, QKV_FORMATS, name="qkv_format", module=name)
-        mask_type = check_choice(attn_mask_type or self.attn_mask_type, ops.ATTN_MASK_TYPES, name="attn_mask_type", module=name)
+        mask_type = check_choice(
+            attn_mask_type or self.attn_mask_type, ops.ATTN_MASK_TYPES, name="attn_mask_type", module=name
+        )
         if core_attention_bias_type != "no_bias" or core_attention_bias is not None:
             raise NotImplementedError(f"{name}: core_attention_bias_type={core_attention_bias_type!r} is not supported")
-        q, k, v = (self._to_bhsd(t, arg, fmt) for t, arg in ((query_layer, "query_layer"), (key_layer, "key_layer"), (value_layer, "value_layer")))
+        q, k, v = (
+            self._to_bhsd(t, arg, fmt)
+            for t, arg in ((query_layer, "query_layer"), (key_layer, "key_layer"), (value_layer, "value_layer"))
+        )
         self._check_heads(q, k, v)
         mask = self._check_mask(attention_mask, mask_type, q, k)
         dtype = compute_dtype(query_layer)
@@ -102,12 +110,16 @@ class DotProductAttention(nn.Module):
 
     def _check_heads(self, q: Tensor, k: Tensor, v: Tensor) -> None:
         name = "DotProductAttention"
-        if q.shape[1] != self.num_attention_heads or q.shape[3] != self.hidden_size_per_attention_head_k:
+        d_k = self.hidden_size_per_attention_head_k
+        if q.shape[1] != self.num_attention_heads or q.shape[3] != d_k:
             raise ValueError(
                 f"{name}: query_layer has {q.shape[1]} heads of size {q.shape[3]}; expected "
-                f"num_attention_heads={self.num_attention_heads} heads of kv_channels={self.hidden_size_per_attention_head_k}"
+                f"num_attention_heads={self.num_attention_heads} heads of kv_channels={d_k}"
             )
-        for t, arg, d in ((k, "key_layer", self.hidden_size_per_attention_head_k), (v, "value_layer", self.hidden_size_per_attention_head_v)):
+        for t, arg, d in (
+            (k, "key_layer", self.hidden_size_per_attention_head_k),
+            (v, "value_layer", self.hidden_size_per_attention_head_v),
+        ):
             if t.shape[1] != self.num_gqa_groups or t.shape[3] != d:
                 raise ValueError(
                     f"{name}: {arg} has {t.shape[1]} heads of size {t.shape[3]}; expected "
@@ -130,13 +142,17 @@ class DotProductAttention(nn.Module):
             raise TypeError(f"{name}: attention_mask must be a bool tensor (True = masked out), got {mask.dtype}")
         b, sk = q.shape[0], k.shape[2]
         if mask_type in PADDING_MASKS and tuple(mask.shape) != (b, 1, 1, sk):
-            raise ValueError(f"{name}: a padding attention_mask must have shape {(b, 1, 1, sk)}, got {tuple(mask.shape)}")
+            raise ValueError(
+                f"{name}: a padding attention_mask must have shape {(b, 1, 1, sk)}, got {tuple(mask.shape)}"
+            )
         return mask
 
 
 def _core_attention(q, k, v, mask_type, mask, scale, dropout_p, checkpoint) -> Tensor:
     def run(q, k, v):
-        return ops.attention(q, k, v, attn_mask_type=mask_type, attention_mask=mask, softmax_scale=scale, dropout_p=dropout_p)
+        return ops.attention(
+            q, k, v, attn_mask_type=mask_type, attention_mask=mask, softmax_scale=scale, dropout_p=dropout_p
+        )
 
     if checkpoint and torch.is_grad_enabled():
         return torch.utils.checkpoint.checkpoint(run, q, k, v, use_reentrant=False)

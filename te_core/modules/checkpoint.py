@@ -7,6 +7,7 @@ those copies (delayed scaling has updated them since), and afterwards its forwar
 state is restored, so the recompute neither changes the quantization nor records amaxes twice.
 torch.utils.checkpoint restores the RNG state (dropout) and torch.autocast itself.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,10 +48,15 @@ def _cell_filled(cell) -> bool:
 
 
 def _forward_state(module: QuantizedModule) -> Dict[str, Dict[str, torch.Tensor]]:
-    return {slot: {k: v.detach().clone() for k, v in entry.items()} for slot, entry in module.quantization_state()["forward"].items()}
+    return {
+        slot: {k: v.detach().clone() for k, v in entry.items()}
+        for slot, entry in module.quantization_state()["forward"].items()
+    }
 
 
-def _load_forward_state(module: QuantizedModule, saved: Dict[str, Dict[str, torch.Tensor]], keys=("scale", "amax_history")) -> None:
+def _load_forward_state(
+    module: QuantizedModule, saved: Dict[str, Dict[str, torch.Tensor]], keys=("scale", "amax_history")
+) -> None:
     live = module.quantization_state()["forward"]
     for slot, entry in saved.items():
         for key in keys:
@@ -115,8 +121,15 @@ def _instance_override(modules: List[QuantizedModule], make: Callable):
             module.__dict__.pop("quantization_step", None)
 
 
-def checkpoint(function: Callable, *args, distribute_saved_activations: bool = False, get_rng_state_tracker=None,
-               tp_group=None, use_reentrant: bool = True, **kwargs):
+def checkpoint(
+    function: Callable,
+    *args,
+    distribute_saved_activations: bool = False,
+    get_rng_state_tracker=None,
+    tp_group=None,
+    use_reentrant: bool = True,
+    **kwargs,
+):
     """Run function(*args, **kwargs) without keeping its activations; recompute them in backward.
 
     FP8-exact for every recipe when the te-core modules it runs are reachable from `function`
@@ -124,8 +137,10 @@ def checkpoint(function: Callable, *args, distribute_saved_activations: bool = F
     from its arguments. The recompute is always non-reentrant (use_reentrant is accepted for
     Transformer Engine compatibility and ignored)."""
     if distribute_saved_activations or tp_group is not None:
-        raise NotImplementedError("checkpoint: distribute_saved_activations / tp_group need tensor parallelism, "
-                                  "which te-core does not implement")
+        raise NotImplementedError(
+            "checkpoint: distribute_saved_activations / tp_group need tensor parallelism, "
+            "which te-core does not implement"
+        )
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     log = _StepLog(_modules_reachable(function, args, kwargs))

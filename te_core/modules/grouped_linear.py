@@ -1,5 +1,6 @@
 """te.GroupedLinear: num_gemms independent linear layers applied to consecutive row groups of
 one input (the experts of a mixture-of-experts layer), in one autograd Function."""
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Union
@@ -10,7 +11,15 @@ from torch import Tensor, nn
 from ..quantization import gemm_slots
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, wgrad_gemm
 from ._base import QuantizedModule
-from ._common import check_fp8_gemms, check_input, check_positive, compute_dtype, default_init_method, hp_weight, no_torch_autocast
+from ._common import (
+    check_fp8_gemms,
+    check_input,
+    check_positive,
+    compute_dtype,
+    default_init_method,
+    hp_weight,
+    no_torch_autocast,
+)
 
 
 def _slot(i: int, role: str) -> str:
@@ -51,7 +60,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 dws.append(torch.zeros(shape, dtype=w_dtype, device=dy.device))
                 dbs.append(torch.zeros(shape[0], dtype=w_dtype, device=dy.device) if ctx.bias_dtypes else None)
                 continue
-            dy_q, db = step.grad_operand(_slot(i, "grad_output"), dyi.contiguous(), columnwise=True, with_dbias=bool(ctx.bias_dtypes))
+            dy_q, db = step.grad_operand(
+                _slot(i, "grad_output"), dyi.contiguous(), columnwise=True, with_dbias=bool(ctx.bias_dtypes)
+            )
             dxs.append(dgrad_gemm(dy_q, w_q, out_dtype=ctx.x_dtype))
             dws.append(wgrad_gemm(dy_q, x_q, out_dtype=w_dtype))
             dbs.append(None if db is None else db.to(ctx.bias_dtypes[i]))

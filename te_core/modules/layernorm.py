@@ -1,4 +1,5 @@
 """te.LayerNorm and te.RMSNorm: normalization over the trailing `normalized_shape` dimensions."""
+
 from __future__ import annotations
 
 from typing import Optional, Sequence, Union
@@ -6,7 +7,14 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from ._common import check_input, compute_dtype, no_torch_autocast, normalized_size, resolve_device, resolve_params_dtype
+from ._common import (
+    check_input,
+    compute_dtype,
+    no_torch_autocast,
+    normalized_size,
+    resolve_device,
+    resolve_params_dtype,
+)
 from ._norm import NormFunction
 
 

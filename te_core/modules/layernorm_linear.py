@@ -4,6 +4,7 @@ Forward: norm (FP8 output straight from the norm op where the recipe's quantizer
 quantized weight, fprop GEMM. The FP8 input and weight (with their column-wise copies) are
 kept for the backward GEMMs; dgrad flows into the norm's backward.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -15,15 +16,30 @@ from ..quantization import gemm_slots
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, wgrad_gemm
 from ._base import QuantizedModule
 from ._common import (
-    check_fp8_gemms, check_input, check_normalization, check_positive, compute_dtype, default_init_method, hp_weight, no_torch_autocast,
+    check_fp8_gemms,
+    check_input,
+    check_normalization,
+    check_positive,
+    compute_dtype,
+    default_init_method,
+    hp_weight,
+    no_torch_autocast,
 )
 from ._norm import norm_bwd, norm_fwd
 
 SLOTS = gemm_slots()
 
 
-def normalized_operand(step, slot: str, x2d: Tensor, ln_weight: Tensor, ln_bias: Optional[Tensor], norm: dict,
-                       columnwise: bool, keep_hp: bool):
+def normalized_operand(
+    step,
+    slot: str,
+    x2d: Tensor,
+    ln_weight: Tensor,
+    ln_bias: Optional[Tensor],
+    norm: dict,
+    columnwise: bool,
+    keep_hp: bool,
+):
     """Norm of x2d as the GEMM operand of `slot`: (operand, stats, high-precision output or None).
 
     The norm op writes FP8 directly when the slot's quantizer knows its scale up front and the
@@ -57,12 +73,16 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         x, ln_weight, ln_out_q, w_q, *stats = ctx.saved_tensors
         step = ctx.step
         needs_dx, needs_dw = ctx.needs
-        dy_q, dbias = step.grad_operand("grad_output", dy.to(x.dtype), columnwise=needs_dw, with_dbias=ctx.bias_dtype is not None)
+        dy_q, dbias = step.grad_operand(
+            "grad_output", dy.to(x.dtype), columnwise=needs_dw, with_dbias=ctx.bias_dtype is not None
+        )
         dw = wgrad_gemm(dy_q, ln_out_q, out_dtype=ctx.weight_dtype) if needs_dw else None
         d_ln = dgrad_gemm(dy_q, w_q, out_dtype=x.dtype)
         if d_ln_out is not None:
             d_ln = d_ln + d_ln_out
-        dx, d_ln_w, d_ln_b = norm_bwd(d_ln, x, tuple(stats), ln_weight, ctx.norm["normalization"], ctx.norm["zero_centered_gamma"])
+        dx, d_ln_w, d_ln_b = norm_bwd(
+            d_ln, x, tuple(stats), ln_weight, ctx.norm["normalization"], ctx.norm["zero_centered_gamma"]
+        )
         step.backward_done()
         dbias = None if dbias is None else dbias.to(ctx.bias_dtype)
         return dx if needs_dx else None, d_ln_w, d_ln_b, dw, dbias, None, None, None
@@ -105,7 +125,9 @@ class LayerNormLinear(QuantizedModule):
         self.use_bias = bias
         factory = dict(device=self.device, dtype=self.params_dtype)
         self.layer_norm_weight = nn.Parameter(torch.empty(in_features, **factory))
-        self.layer_norm_bias = nn.Parameter(torch.empty(in_features, **factory)) if normalization == "LayerNorm" else None
+        self.layer_norm_bias = (
+            nn.Parameter(torch.empty(in_features, **factory)) if normalization == "LayerNorm" else None
+        )
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.init_method = init_method or default_init_method()
@@ -130,7 +152,13 @@ class LayerNormLinear(QuantizedModule):
         norm = dict(eps=self.eps, normalization=self.normalization, zero_centered_gamma=self.zero_centered_gamma)
         with no_torch_autocast(inp.device.type):
             out = _LayerNormLinearFunction.apply(
-                x, self.layer_norm_weight, self.layer_norm_bias, self.weight, bias, step, norm,
+                x,
+                self.layer_norm_weight,
+                self.layer_norm_bias,
+                self.weight,
+                bias,
+                step,
+                norm,
                 self.return_layernorm_output,
             )
         y, ln_out = out if self.return_layernorm_output else (out, None)

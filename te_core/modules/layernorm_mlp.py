@@ -5,6 +5,7 @@ and kept; the norm and the activation write FP8 directly where the quantizer kno
 up front. The backward runs fc2's dgrad/wgrad, the activation backward, fc1's dgrad/wgrad,
 and the norm backward, with the bias gradients fused into the gradient casts.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -17,8 +18,16 @@ from ..quantization import gemm_slots
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, wgrad_gemm
 from ._base import QuantizedModule
 from ._common import (
-    check_activation, check_fp8_gemms, check_input, check_normalization, check_positive, compute_dtype, default_init_method,
-    hp_weight, is_gated, no_torch_autocast,
+    check_activation,
+    check_fp8_gemms,
+    check_input,
+    check_normalization,
+    check_positive,
+    compute_dtype,
+    default_init_method,
+    hp_weight,
+    is_gated,
+    no_torch_autocast,
 )
 from ._norm import norm_bwd
 from .layernorm_linear import normalized_operand
@@ -38,7 +47,9 @@ def activated_operand(step, slot: str, h: Tensor, kind: str, columnwise: bool):
 
 class _LayerNormMLPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, step, norm, activation, return_ln_out):
+    def forward(
+        ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, step, norm, activation, return_ln_out
+    ):
         ln_out_q, stats, ln_out = normalized_operand(
             step, "fc1_input", x, ln_weight, ln_bias, norm, columnwise=fc1_weight.requires_grad, keep_hp=return_ln_out
         )
@@ -59,16 +70,22 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         x, ln_weight, ln_out_q, fc1_w_q, h, act_q, fc2_w_q, *stats = ctx.saved_tensors
         step = ctx.step
         needs_dx, needs_dw1, needs_dw2 = ctx.needs
-        dy_q, d_fc2_b = step.grad_operand("fc2_grad_output", dy.to(x.dtype), columnwise=needs_dw2, with_dbias=ctx.bias_dtypes[1] is not None)
+        dy_q, d_fc2_b = step.grad_operand(
+            "fc2_grad_output", dy.to(x.dtype), columnwise=needs_dw2, with_dbias=ctx.bias_dtypes[1] is not None
+        )
         d_fc2_w = wgrad_gemm(dy_q, act_q, out_dtype=ctx.weight_dtypes[1]) if needs_dw2 else None
         d_act = dgrad_gemm(dy_q, fc2_w_q, out_dtype=x.dtype)
         d_h = ops.activation_bwd(d_act, h, ctx.activation)
-        dh_q, d_fc1_b = step.grad_operand("fc1_grad_output", d_h, columnwise=needs_dw1, with_dbias=ctx.bias_dtypes[0] is not None)
+        dh_q, d_fc1_b = step.grad_operand(
+            "fc1_grad_output", d_h, columnwise=needs_dw1, with_dbias=ctx.bias_dtypes[0] is not None
+        )
         d_fc1_w = wgrad_gemm(dh_q, ln_out_q, out_dtype=ctx.weight_dtypes[0]) if needs_dw1 else None
         d_ln = dgrad_gemm(dh_q, fc1_w_q, out_dtype=x.dtype)
         if d_ln_out is not None:
             d_ln = d_ln + d_ln_out
-        dx, d_ln_w, d_ln_b = norm_bwd(d_ln, x, tuple(stats), ln_weight, ctx.norm["normalization"], ctx.norm["zero_centered_gamma"])
+        dx, d_ln_w, d_ln_b = norm_bwd(
+            d_ln, x, tuple(stats), ln_weight, ctx.norm["normalization"], ctx.norm["zero_centered_gamma"]
+        )
         step.backward_done()
         d_fc1_b, d_fc2_b = (None if d is None else d.to(t) for d, t in zip((d_fc1_b, d_fc2_b), ctx.bias_dtypes))
         return dx if needs_dx else None, d_ln_w, d_ln_b, d_fc1_w, d_fc1_b, d_fc2_w, d_fc2_b, None, None, None, None
@@ -114,7 +131,9 @@ class LayerNormMLP(QuantizedModule):
         factory = dict(device=self.device, dtype=self.params_dtype)
         fc1_out = 2 * ffn_hidden_size if is_gated(activation) else ffn_hidden_size
         self.layer_norm_weight = nn.Parameter(torch.empty(hidden_size, **factory))
-        self.layer_norm_bias = nn.Parameter(torch.empty(hidden_size, **factory)) if normalization == "LayerNorm" else None
+        self.layer_norm_bias = (
+            nn.Parameter(torch.empty(hidden_size, **factory)) if normalization == "LayerNorm" else None
+        )
         self.fc1_weight = nn.Parameter(torch.empty(fc1_out, hidden_size, **factory))
         self.fc1_bias = nn.Parameter(torch.empty(fc1_out, **factory)) if bias else None
         self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **factory))
@@ -138,14 +157,27 @@ class LayerNormMLP(QuantizedModule):
         x = inp.reshape(-1, self.hidden_size).to(dtype)
         step = self.quantization_step(is_first_microbatch)
         m = x.shape[0]
-        check_fp8_gemms(step, "LayerNormMLP", (m, self.fc1_weight.shape[0], self.hidden_size), (m, self.hidden_size, self.ffn_hidden_size))
+        check_fp8_gemms(
+            step,
+            "LayerNormMLP",
+            (m, self.fc1_weight.shape[0], self.hidden_size),
+            (m, self.hidden_size, self.ffn_hidden_size),
+        )
         fc2_bias = None if self.return_bias else self.fc2_bias
         norm = dict(eps=self.eps, normalization=self.normalization, zero_centered_gamma=self.zero_centered_gamma)
         with no_torch_autocast(inp.device.type):
             out = _LayerNormMLPFunction.apply(
-                x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias,
-                step, norm,
-                self.activation, self.return_layernorm_output,
+                x,
+                self.layer_norm_weight,
+                self.layer_norm_bias,
+                self.fc1_weight,
+                self.fc1_bias,
+                self.fc2_weight,
+                fc2_bias,
+                step,
+                norm,
+                self.activation,
+                self.return_layernorm_output,
             )
         y, ln_out = out if self.return_layernorm_output else (out, None)
         result = (y.view(*inp.shape[:-1], self.hidden_size),)

@@ -1,4 +1,5 @@
 """te.MultiheadAttention: (norm +) QKV projection, rotary embedding, attention core, output projection."""
+
 from __future__ import annotations
 
 from typing import Optional, Tuple, Union
@@ -49,10 +50,14 @@ class MultiheadAttention(nn.Module):
         check_positive(hidden_size, name="hidden_size", module=name)
         check_positive(num_attention_heads, name="num_attention_heads", module=name)
         if kv_channels is None:
-            kv_channels = check_divisible(hidden_size, num_attention_heads, what="hidden_size", by="num_attention_heads", module=name)
+            kv_channels = check_divisible(
+                hidden_size, num_attention_heads, what="hidden_size", by="num_attention_heads", module=name
+            )
         self.num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
         check_positive(self.num_gqa_groups, name="num_gqa_groups", module=name)
-        check_divisible(num_attention_heads, self.num_gqa_groups, what="num_attention_heads", by="num_gqa_groups", module=name)
+        check_divisible(
+            num_attention_heads, self.num_gqa_groups, what="num_attention_heads", by="num_gqa_groups", module=name
+        )
         check_normalization(normalization, name)
         self.attention_type = check_choice(attention_type, ("self", "cross"), name="attention_type", module=name)
         self.qkv_format = check_choice(qkv_format, QKV_FORMATS, name="qkv_format", module=name)
@@ -61,8 +66,12 @@ class MultiheadAttention(nn.Module):
         self.layer_number = layer_number
         q_size, kv_size = num_attention_heads * kv_channels, self.num_gqa_groups * kv_channels
         common = dict(params_dtype=params_dtype, device=device, bias=bias)
-        norm_args = dict(eps=layernorm_epsilon, normalization=normalization, zero_centered_gamma=zero_centered_gamma,
-                         return_layernorm_output=return_layernorm_output)
+        norm_args = dict(
+            eps=layernorm_epsilon,
+            normalization=normalization,
+            zero_centered_gamma=zero_centered_gamma,
+            return_layernorm_output=return_layernorm_output,
+        )
         q_out = q_size + 2 * kv_size if attention_type == "self" else q_size
         if input_layernorm:
             proj = LayerNormLinear(hidden_size, q_out, init_method=init_method, **norm_args, **common)
@@ -72,8 +81,14 @@ class MultiheadAttention(nn.Module):
         if attention_type == "cross":
             self.key_value = Linear(hidden_size, 2 * kv_size, init_method=init_method, **common)
         self.core_attention = DotProductAttention(
-            num_attention_heads, kv_channels, num_gqa_groups=self.num_gqa_groups, attention_dropout=attention_dropout,
-            qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window_size, layer_number=layer_number,
+            num_attention_heads,
+            kv_channels,
+            num_gqa_groups=self.num_gqa_groups,
+            attention_dropout=attention_dropout,
+            qkv_format=qkv_format,
+            attn_mask_type=attn_mask_type,
+            window_size=window_size,
+            layer_number=layer_number,
             attention_type=attention_type,
         )
         self.proj = Linear(q_size, hidden_size, init_method=output_layer_init_method, **common)
@@ -92,7 +107,9 @@ class MultiheadAttention(nn.Module):
         name = "MultiheadAttention"
         check_input(hidden_states, self.hidden_size, name="hidden_states", module=name)
         if hidden_states.dim() != 3:
-            raise ValueError(f"{name}: hidden_states must be 3-D ({self.qkv_format}), got shape {tuple(hidden_states.shape)}")
+            raise ValueError(
+                f"{name}: hidden_states must be 3-D ({self.qkv_format}), got shape {tuple(hidden_states.shape)}"
+            )
         proj_in = getattr(self, _input_proj_name(self.attention_type, self.input_layernorm))
         projected = proj_in(hidden_states, is_first_microbatch=is_first_microbatch)
         ln_out = None
@@ -100,17 +117,25 @@ class MultiheadAttention(nn.Module):
             projected, ln_out = projected
         q, k, v = self._split_heads(projected, encoder_output, is_first_microbatch)
         if rotary_pos_emb is not None:
-            q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list)) else (rotary_pos_emb, rotary_pos_emb)
+            q_freqs, k_freqs = (
+                rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list)) else (rotary_pos_emb, rotary_pos_emb)
+            )
             q = apply_rotary_pos_emb(q, q_freqs, tensor_format=self.qkv_format)
             k = apply_rotary_pos_emb(k, k_freqs, tensor_format=self.qkv_format)
         context = self.core_attention(
-            q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type,
+            q,
+            k,
+            v,
+            attention_mask=attention_mask,
+            attn_mask_type=attn_mask_type,
             checkpoint_core_attention=checkpoint_core_attention,
         )
         out = self.proj(context, is_first_microbatch=is_first_microbatch)
         return (out, ln_out) if ln_out is not None else out
 
-    def _split_heads(self, projected: Tensor, encoder_output: Optional[Tensor], is_first_microbatch) -> Tuple[Tensor, Tensor, Tensor]:
+    def _split_heads(
+        self, projected: Tensor, encoder_output: Optional[Tensor], is_first_microbatch
+    ) -> Tuple[Tensor, Tensor, Tensor]:
         h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
         lead = projected.shape[:2]
         if self.attention_type == "self":

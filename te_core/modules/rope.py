@@ -1,4 +1,5 @@
 """Rotary position embedding: te.RotaryPositionEmbedding (the angles) and apply_rotary_pos_emb."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -26,7 +27,9 @@ class RotaryPositionEmbedding(nn.Module):
         super().__init__()
         rot_dim = int(dim * rotary_percent)
         if rot_dim <= 0 or rot_dim % 2:
-            raise ValueError(f"RotaryPositionEmbedding: dim * rotary_percent = {rot_dim} must be a positive even number")
+            raise ValueError(
+                f"RotaryPositionEmbedding: dim * rotary_percent = {rot_dim} must be a positive even number"
+            )
         self.rotary_base = rotary_base
         inv_freq = 1.0 / (rotary_base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)

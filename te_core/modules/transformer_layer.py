@@ -1,6 +1,7 @@
 """te.TransformerLayer: pre-norm self-attention (+ cross-attention for decoders) and MLP, with
 residual connections, in Transformer Engine's layout and submodule names
 (self_attention, inter_attention, layernorm_mlp, layernorm)."""
+
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -65,28 +66,58 @@ class TransformerLayer(nn.Module):
         self.parallel_attention_mlp = parallel_attention_mlp
         self.attn_input_format = attn_input_format
         self.self_attn_mask_type, self.enc_dec_attn_mask_type = self_attn_mask_type, enc_dec_attn_mask_type
-        common = dict(params_dtype=params_dtype, device=device, bias=bias, zero_centered_gamma=zero_centered_gamma,
-                      normalization=normalization, layernorm_epsilon=layernorm_epsilon)
-        attention = dict(num_gqa_groups=num_gqa_groups, kv_channels=kv_channels, attention_dropout=attention_dropout,
-                         init_method=init_method, output_layer_init_method=output_layer_init_method,
-                         layer_number=layer_number, input_layernorm=True, qkv_format=attn_input_format,
-                         return_layernorm_output=apply_residual_connection_post_layernorm, **common)
+        common = dict(
+            params_dtype=params_dtype,
+            device=device,
+            bias=bias,
+            zero_centered_gamma=zero_centered_gamma,
+            normalization=normalization,
+            layernorm_epsilon=layernorm_epsilon,
+        )
+        attention = dict(
+            num_gqa_groups=num_gqa_groups,
+            kv_channels=kv_channels,
+            attention_dropout=attention_dropout,
+            init_method=init_method,
+            output_layer_init_method=output_layer_init_method,
+            layer_number=layer_number,
+            input_layernorm=True,
+            qkv_format=attn_input_format,
+            return_layernorm_output=apply_residual_connection_post_layernorm,
+            **common,
+        )
         self.self_attention = MultiheadAttention(
-            hidden_size, num_attention_heads, attn_mask_type=self_attn_mask_type, window_size=window_size,
-            attention_type="self", **attention,
+            hidden_size,
+            num_attention_heads,
+            attn_mask_type=self_attn_mask_type,
+            window_size=window_size,
+            attention_type="self",
+            **attention,
         )
         if layer_type == "decoder":
             self.inter_attention = MultiheadAttention(
-                hidden_size, num_attention_heads, attn_mask_type=enc_dec_attn_mask_type, attention_type="cross", **attention
+                hidden_size,
+                num_attention_heads,
+                attn_mask_type=enc_dec_attn_mask_type,
+                attention_type="cross",
+                **attention,
             )
         eps = common.pop("layernorm_epsilon")
         self.layernorm_mlp = LayerNormMLP(
-            hidden_size, ffn_hidden_size, eps=eps, init_method=init_method, output_layer_init_method=output_layer_init_method,
-            activation=activation, return_layernorm_output=apply_residual_connection_post_layernorm, **common,
+            hidden_size,
+            ffn_hidden_size,
+            eps=eps,
+            init_method=init_method,
+            output_layer_init_method=output_layer_init_method,
+            activation=activation,
+            return_layernorm_output=apply_residual_connection_post_layernorm,
+            **common,
         )
         if output_layernorm:
             norm_cls = LayerNorm if normalization == "LayerNorm" else RMSNorm
-            self.layernorm = norm_cls(hidden_size, eps=eps, params_dtype=params_dtype, zero_centered_gamma=zero_centered_gamma, device=device)
+            self.layernorm = norm_cls(
+                hidden_size, eps=eps, params_dtype=params_dtype, zero_centered_gamma=zero_centered_gamma, device=device
+            )
         else:
             self.layernorm = None
 
@@ -106,29 +137,41 @@ class TransformerLayer(nn.Module):
         name = "TransformerLayer"
         check_input(hidden_states, self.hidden_size, name="hidden_states", module=name)
         if hidden_states.dim() != 3:
-            raise ValueError(f"{name}: hidden_states must be 3-D ({self.attn_input_format}), got shape {tuple(hidden_states.shape)}")
+            raise ValueError(
+                f"{name}: hidden_states must be 3-D ({self.attn_input_format}), got shape {tuple(hidden_states.shape)}"
+            )
         if self.layer_type == "decoder" and encoder_output is None:
             raise ValueError(f"{name}: layer_type='decoder' needs encoder_output")
         attn = self.self_attention(
-            hidden_states, attention_mask=attention_mask, attn_mask_type=self_attn_mask_type or self.self_attn_mask_type,
-            is_first_microbatch=is_first_microbatch, checkpoint_core_attention=checkpoint_core_attention,
+            hidden_states,
+            attention_mask=attention_mask,
+            attn_mask_type=self_attn_mask_type or self.self_attn_mask_type,
+            is_first_microbatch=is_first_microbatch,
+            checkpoint_core_attention=checkpoint_core_attention,
             rotary_pos_emb=rotary_pos_emb,
         )
         attn, residual = self._residual_source(attn, hidden_states)
         if self.parallel_attention_mlp:
-            mlp, _ = self._residual_source(self.layernorm_mlp(hidden_states, is_first_microbatch=is_first_microbatch), hidden_states)
+            mlp, _ = self._residual_source(
+                self.layernorm_mlp(hidden_states, is_first_microbatch=is_first_microbatch), hidden_states
+            )
             out = residual + self._dropout(attn) + self._dropout(mlp)
             return self.layernorm(out) if self.layernorm is not None else out
         hidden = residual + self._dropout(attn)
         if self.layer_type == "decoder":
             cross = self.inter_attention(
-                hidden, attention_mask=enc_dec_attn_mask, encoder_output=encoder_output,
+                hidden,
+                attention_mask=enc_dec_attn_mask,
+                encoder_output=encoder_output,
                 attn_mask_type=enc_dec_attn_mask_type or self.enc_dec_attn_mask_type,
-                is_first_microbatch=is_first_microbatch, checkpoint_core_attention=checkpoint_core_attention,
+                is_first_microbatch=is_first_microbatch,
+                checkpoint_core_attention=checkpoint_core_attention,
             )
             cross, residual = self._residual_source(cross, hidden)
             hidden = residual + self._dropout(cross)
-        mlp, residual = self._residual_source(self.layernorm_mlp(hidden, is_first_microbatch=is_first_microbatch), hidden)
+        mlp, residual = self._residual_source(
+            self.layernorm_mlp(hidden, is_first_microbatch=is_first_microbatch), hidden
+        )
         out = residual + self._dropout(mlp)
         return self.layernorm(out) if self.layernorm is not None else out
 

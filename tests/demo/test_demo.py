@@ -1,4 +1,5 @@
 """The demo end to end with a tiny setting, and its pieces (data, PNG writer, report)."""
+
 import json
 import math
 import struct

@@ -1,5 +1,6 @@
 """Run a te-core module and its plain-PyTorch twin on the same input and compare the output
 and every gradient (input and parameters by name)."""
+
 from __future__ import annotations
 
 from typing import Dict, Optional
@@ -14,8 +15,16 @@ def grads_of(module: torch.nn.Module, names: Dict[str, str]) -> Dict[str, torch.
     return {k: params[v].grad for k, v in names.items()}
 
 
-def run_pair(te_mod, ref_mod, x: torch.Tensor, param_map: Dict[str, str], *, seed: int = 0, tol: Optional[dict] = None,
-             forward=None):
+def run_pair(
+    te_mod,
+    ref_mod,
+    x: torch.Tensor,
+    param_map: Dict[str, str],
+    *,
+    seed: int = 0,
+    tol: Optional[dict] = None,
+    forward=None,
+):
     """param_map: te parameter name -> reference parameter name. Compares output, dx and each dparam."""
     forward = forward or (lambda m, inp: m(inp))
     x_te = x.detach().clone().requires_grad_(True)

@@ -1,4 +1,5 @@
 """Plain-PyTorch twins of the te-core modules (same parameter names), for comparisons."""
+
 from __future__ import annotations
 
 import math
@@ -51,7 +52,9 @@ class PlainNormLinear(nn.Module):
         self.normalization, self.eps, self.zero_centered = normalization, eps, zero_centered
 
     def forward(self, x):
-        ln = plain_norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.normalization, self.zero_centered)
+        ln = plain_norm(
+            x, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.normalization, self.zero_centered
+        )
         return F.linear(ln, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 

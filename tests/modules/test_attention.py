@@ -72,18 +72,34 @@ def test_dropout_only_in_training():
 @pytest.mark.parametrize(
     "build, call, match",
     [
-        (lambda: tm.DotProductAttention(6, 8, num_gqa_groups=4), None, r"num_attention_heads=6 is not divisible by num_gqa_groups=4"),
+        (
+            lambda: tm.DotProductAttention(6, 8, num_gqa_groups=4),
+            None,
+            r"num_attention_heads=6 is not divisible by num_gqa_groups=4",
+        ),
         (lambda: tm.DotProductAttention(2, 8, qkv_format="thd"), None, r"unknown qkv_format='thd'"),
         (lambda: tm.DotProductAttention(2, 8, attn_mask_type="weird"), None, r"unknown attn_mask_type='weird'"),
         (lambda: tm.DotProductAttention(2, 8), lambda m: m(*[torch.randn(4, 2, 16)] * 3), r"query_layer must be 4-D"),
-        (lambda: tm.DotProductAttention(2, 8), lambda m: m(torch.randn(4, 2, 3, 8), *[torch.randn(4, 2, 2, 8)] * 2),
-         r"query_layer has 3 heads of size 8; expected num_attention_heads=2"),
-        (lambda: tm.DotProductAttention(2, 8), lambda m: m(*[torch.randn(4, 2, 2, 8).half().int()] * 3), r"query_layer has dtype torch.int32"),
-        (lambda: tm.DotProductAttention(2, 8, attn_mask_type="padding"), lambda m: m(*[torch.randn(4, 2, 2, 8)] * 3),
-         r"needs attention_mask"),
-        (lambda: tm.DotProductAttention(2, 8, attn_mask_type="padding"),
-         lambda m: m(*[torch.randn(4, 2, 2, 8)] * 3, attention_mask=torch.zeros(2, 1, 1, 5, dtype=torch.bool)),
-         r"padding attention_mask must have shape \(2, 1, 1, 4\)"),
+        (
+            lambda: tm.DotProductAttention(2, 8),
+            lambda m: m(torch.randn(4, 2, 3, 8), *[torch.randn(4, 2, 2, 8)] * 2),
+            r"query_layer has 3 heads of size 8; expected num_attention_heads=2",
+        ),
+        (
+            lambda: tm.DotProductAttention(2, 8),
+            lambda m: m(*[torch.randn(4, 2, 2, 8).half().int()] * 3),
+            r"query_layer has dtype torch.int32",
+        ),
+        (
+            lambda: tm.DotProductAttention(2, 8, attn_mask_type="padding"),
+            lambda m: m(*[torch.randn(4, 2, 2, 8)] * 3),
+            r"needs attention_mask",
+        ),
+        (
+            lambda: tm.DotProductAttention(2, 8, attn_mask_type="padding"),
+            lambda m: m(*[torch.randn(4, 2, 2, 8)] * 3, attention_mask=torch.zeros(2, 1, 1, 5, dtype=torch.bool)),
+            r"padding attention_mask must have shape \(2, 1, 1, 4\)",
+        ),
     ],
 )
 def test_bad_input_messages(build, call, match):
@@ -105,6 +121,8 @@ def test_rotary_embedding_matches_plain_formula_and_grads():
     ref = plain_rope(x, freqs[:5])
     torch.testing.assert_close(y, ref, rtol=1.3e-6, atol=1e-5)
     dy = torch.randn(y.shape, generator=g)
-    torch.testing.assert_close(torch.autograd.grad(y, x, dy)[0], torch.autograd.grad(ref, x, dy)[0], rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(
+        torch.autograd.grad(y, x, dy)[0], torch.autograd.grad(ref, x, dy)[0], rtol=1.3e-6, atol=1e-5
+    )
     yb = tm.apply_rotary_pos_emb(x.detach().transpose(0, 1), freqs, tensor_format="bshd")
     torch.testing.assert_close(yb.transpose(0, 1), ref.detach(), rtol=1.3e-6, atol=1e-5)

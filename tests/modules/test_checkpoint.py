@@ -1,6 +1,7 @@
 """te.checkpoint: gradients and the FP8 scaling state are exactly those of the same model run
 without recompute, for several steps (delayed scaling, whose scales change between forward
 and recompute, and current scaling)."""
+
 import copy
 
 import pytest
@@ -37,8 +38,9 @@ def states(model):
     return [m.quantization_state() for m in model.modules() if hasattr(m, "quantization_state")]
 
 
-@pytest.mark.parametrize("rec", [recipe.DelayedScaling(amax_history_len=3), recipe.Float8CurrentScaling()],
-                         ids=["delayed", "current"])
+@pytest.mark.parametrize(
+    "rec", [recipe.DelayedScaling(amax_history_len=3), recipe.Float8CurrentScaling()], ids=["delayed", "current"]
+)
 def test_checkpoint_reproduces_fp8_exactly(rec):
     torch.manual_seed(0)
     plain = Block()

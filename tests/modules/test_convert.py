@@ -1,5 +1,6 @@
 """te.convert_model on a Llama-style model (Hugging Face module names, built here; the real
 transformers Llama is used when transformers is installed) and on nn.Sequential norm+linear."""
+
 import copy
 
 import pytest
@@ -26,10 +27,17 @@ class ToyLlamaLayer(nn.Module):
     def __init__(self, h):
         super().__init__()
         self.input_layernorm = LlamaRMSNorm(h)
-        self.self_attn = nn.ModuleDict({n: nn.Linear(h, h, bias=False) for n in ("q_proj", "k_proj", "v_proj", "o_proj")})
+        self.self_attn = nn.ModuleDict(
+            {n: nn.Linear(h, h, bias=False) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        )
         self.post_attention_layernorm = nn.RMSNorm(h, eps=1e-5)
-        self.mlp = nn.ModuleDict(dict(gate_proj=nn.Linear(h, 2 * h, bias=False), up_proj=nn.Linear(h, 2 * h, bias=False),
-                                      down_proj=nn.Linear(2 * h, h, bias=False)))
+        self.mlp = nn.ModuleDict(
+            dict(
+                gate_proj=nn.Linear(h, 2 * h, bias=False),
+                up_proj=nn.Linear(h, 2 * h, bias=False),
+                down_proj=nn.Linear(2 * h, h, bias=False),
+            )
+        )
 
     def forward(self, x):
         a = self.input_layernorm(x)
@@ -102,8 +110,15 @@ def test_bad_model_argument():
 
 def test_hugging_face_llama_from_config():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
     tokens = torch.randint(0, 64, (2, 8))

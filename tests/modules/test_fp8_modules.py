@@ -1,6 +1,7 @@
 """The GEMM modules under te.autocast with every recipe, against plain PyTorch in float32:
 within the E4M3 tolerance forward and the E5M2 tolerance for gradients (HYBRID), measured
 relative to the largest reference value."""
+
 import pytest
 import torch
 
@@ -79,10 +80,13 @@ def test_delayed_scaling_state_of_layernorm_mlp_tracks_amaxes():
     torch.testing.assert_close(state["forward"]["fc1_weight"]["scale"], (448.0 / w_amax).reshape(1))
 
 
-@pytest.mark.parametrize("rec, rows, match", [
-    ("current", 24, r"LayerNormMLP: FP8 GEMM.*multiple of"),
-    ("mxfp8", 48, r"LayerNormMLP: FP8 GEMM.*multiple of"),
-])
+@pytest.mark.parametrize(
+    "rec, rows, match",
+    [
+        ("current", 24, r"LayerNormMLP: FP8 GEMM.*multiple of"),
+        ("mxfp8", 48, r"LayerNormMLP: FP8 GEMM.*multiple of"),
+    ],
+)
 def test_unquantizable_shapes_raise_clear_error(rec, rows, match):
     te_mod = tm.LayerNormMLP(64, 128)
     with pytest.raises(ValueError, match=match):

@@ -70,7 +70,9 @@ def test_torch_autocast_computes_in_autocast_dtype():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = te_mod(x)
     assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float(), torch.nn.functional.layer_norm(x.bfloat16().float(), (32,)), rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(
+        y.float(), torch.nn.functional.layer_norm(x.bfloat16().float(), (32,)), rtol=1.6e-2, atol=1e-2
+    )
 
 
 def test_parameters_default_to_float32_on_backend_device():
@@ -82,7 +84,11 @@ def test_parameters_default_to_float32_on_backend_device():
 @pytest.mark.parametrize(
     "build, call, match",
     [
-        (lambda: tm.LayerNorm(8), lambda m: m(torch.randn(4, 9)), r"inp has shape \(4, 9\).*trailing dimensions must be \(8,\)"),
+        (
+            lambda: tm.LayerNorm(8),
+            lambda m: m(torch.randn(4, 9)),
+            r"inp has shape \(4, 9\).*trailing dimensions must be \(8,\)",
+        ),
         (lambda: tm.RMSNorm(8), lambda m: m(torch.randint(0, 3, (4, 8))), r"inp has dtype torch.int64"),
         (lambda: tm.LayerNorm(0), None, r"normalized_shape must be a positive int"),
         (lambda: tm.LayerNorm(8, eps=0.0), None, r"eps must be positive"),

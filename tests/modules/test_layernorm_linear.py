@@ -79,7 +79,10 @@ def test_torch_autocast_bf16_compute_fp32_grads():
     "build, match",
     [
         (lambda: tm.LayerNormMLP(16, 32, activation="gelu2"), r"LayerNormMLP: unknown activation='gelu2'"),
-        (lambda: tm.LayerNormMLP(16, 32, normalization="BatchNorm"), r"LayerNormMLP: unknown normalization='BatchNorm'"),
+        (
+            lambda: tm.LayerNormMLP(16, 32, normalization="BatchNorm"),
+            r"LayerNormMLP: unknown normalization='BatchNorm'",
+        ),
         (lambda: tm.LayerNormLinear(16, 32, normalization="rms"), r"LayerNormLinear: unknown normalization='rms'"),
         (lambda: tm.LayerNormLinear(16, 0), r"out_features must be a positive integer"),
         (lambda: tm.LayerNormMLP(16, 32)(torch.randn(4, 15)), r"LayerNormMLP: inp has shape \(4, 15\)"),

@@ -1,5 +1,6 @@
 """MultiheadAttention and TransformerLayer against a plain-PyTorch computation from the same
 parameters (fp32, forward and every gradient), GroupedLinear against per-group F.linear."""
+
 import math
 
 import pytest
@@ -15,8 +16,13 @@ from .test_attention import plain_attention, plain_rope
 def plain_mha(p, prefix, x, cfg, freqs=None, mask=None):
     """x in (s, b, hidden) (sbhd) or (b, s, hidden) (bshd)."""
     h, g, d = cfg["heads"], cfg["groups"], cfg["hidden"] // cfg["heads"]
-    ln = plain_norm(x, p[prefix + "layernorm_qkv.layer_norm_weight"], p.get(prefix + "layernorm_qkv.layer_norm_bias"),
-                    1e-5, cfg["normalization"])
+    ln = plain_norm(
+        x,
+        p[prefix + "layernorm_qkv.layer_norm_weight"],
+        p.get(prefix + "layernorm_qkv.layer_norm_bias"),
+        1e-5,
+        cfg["normalization"],
+    )
     qkv = F.linear(ln, p[prefix + "layernorm_qkv.weight"], p[prefix + "layernorm_qkv.bias"])
     q, k, v = qkv.split([h * d, g * d, g * d], dim=-1)
     q, k, v = q.unflatten(-1, (h, d)), k.unflatten(-1, (g, d)), v.unflatten(-1, (g, d))
@@ -31,26 +37,65 @@ def plain_mha(p, prefix, x, cfg, freqs=None, mask=None):
 
 def plain_layer(p, x, cfg, freqs=None, mask=None):
     hidden = x + plain_mha(p, "self_attention.", x, cfg, freqs, mask)
-    ln = plain_norm(hidden, p["layernorm_mlp.layer_norm_weight"], p.get("layernorm_mlp.layer_norm_bias"), 1e-5,
-                    cfg["normalization"])
+    ln = plain_norm(
+        hidden, p["layernorm_mlp.layer_norm_weight"], p.get("layernorm_mlp.layer_norm_bias"), 1e-5, cfg["normalization"]
+    )
     h = F.linear(ln, p["layernorm_mlp.fc1_weight"], p["layernorm_mlp.fc1_bias"])
-    return hidden + F.linear(plain_activation(h, cfg["activation"]), p["layernorm_mlp.fc2_weight"], p["layernorm_mlp.fc2_bias"])
+    return hidden + F.linear(
+        plain_activation(h, cfg["activation"]), p["layernorm_mlp.fc2_weight"], p["layernorm_mlp.fc2_bias"]
+    )
 
 
 CASES = [
-    dict(hidden=32, heads=4, groups=4, normalization="LayerNorm", activation="gelu", fmt="sbhd", mask_type="causal", rope=False),
-    dict(hidden=48, heads=6, groups=2, normalization="RMSNorm", activation="swiglu", fmt="bshd", mask_type="causal", rope=True),
-    dict(hidden=24, heads=2, groups=1, normalization="LayerNorm", activation="relu", fmt="bshd", mask_type="padding", rope=False),
+    dict(
+        hidden=32,
+        heads=4,
+        groups=4,
+        normalization="LayerNorm",
+        activation="gelu",
+        fmt="sbhd",
+        mask_type="causal",
+        rope=False,
+    ),
+    dict(
+        hidden=48,
+        heads=6,
+        groups=2,
+        normalization="RMSNorm",
+        activation="swiglu",
+        fmt="bshd",
+        mask_type="causal",
+        rope=True,
+    ),
+    dict(
+        hidden=24,
+        heads=2,
+        groups=1,
+        normalization="LayerNorm",
+        activation="relu",
+        fmt="bshd",
+        mask_type="padding",
+        rope=False,
+    ),
 ]
 
 
-@pytest.mark.parametrize("cfg", CASES, ids=lambda c: f"{c['normalization']}-{c['activation']}-{c['fmt']}-{c['mask_type']}")
+@pytest.mark.parametrize(
+    "cfg", CASES, ids=lambda c: f"{c['normalization']}-{c['activation']}-{c['fmt']}-{c['mask_type']}"
+)
 def test_transformer_layer_matches_plain(cfg):
     torch.manual_seed(0)
     layer = tm.TransformerLayer(
-        cfg["hidden"], 2 * cfg["hidden"] + 8, cfg["heads"], num_gqa_groups=cfg["groups"], hidden_dropout=0.0,
-        attention_dropout=0.0, self_attn_mask_type=cfg["mask_type"], normalization=cfg["normalization"],
-        activation=cfg["activation"], attn_input_format=cfg["fmt"],
+        cfg["hidden"],
+        2 * cfg["hidden"] + 8,
+        cfg["heads"],
+        num_gqa_groups=cfg["groups"],
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        self_attn_mask_type=cfg["mask_type"],
+        normalization=cfg["normalization"],
+        activation=cfg["activation"],
+        attn_input_format=cfg["fmt"],
     )
     with torch.no_grad():
         for p in layer.parameters():
@@ -58,7 +103,11 @@ def test_transformer_layer_matches_plain(cfg):
     s, b = 7, 3
     x = torch.randn((s, b, cfg["hidden"]) if cfg["fmt"] == "sbhd" else (b, s, cfg["hidden"]))
     freqs = tm.RotaryPositionEmbedding(cfg["hidden"] // cfg["heads"])(s) if cfg["rope"] else None
-    mask = (torch.arange(s)[None, :] >= torch.tensor([7, 5, 2])[:, None]).view(b, 1, 1, s) if cfg["mask_type"] == "padding" else None
+    mask = (
+        (torch.arange(s)[None, :] >= torch.tensor([7, 5, 2])[:, None]).view(b, 1, 1, s)
+        if cfg["mask_type"] == "padding"
+        else None
+    )
     x_te, x_ref = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     y = layer(x_te, attention_mask=mask, rotary_pos_emb=freqs)
     params = {n: t.detach().clone().requires_grad_(True) for n, t in layer.named_parameters()}
@@ -76,10 +125,17 @@ def test_parameter_names_follow_transformer_engine():
     layer = tm.TransformerLayer(32, 64, 4, normalization="LayerNorm")
     names = {n for n, _ in layer.named_parameters()}
     assert {
-        "self_attention.layernorm_qkv.layer_norm_weight", "self_attention.layernorm_qkv.layer_norm_bias",
-        "self_attention.layernorm_qkv.weight", "self_attention.layernorm_qkv.bias", "self_attention.proj.weight",
-        "self_attention.proj.bias", "layernorm_mlp.layer_norm_weight", "layernorm_mlp.fc1_weight",
-        "layernorm_mlp.fc1_bias", "layernorm_mlp.fc2_weight", "layernorm_mlp.fc2_bias",
+        "self_attention.layernorm_qkv.layer_norm_weight",
+        "self_attention.layernorm_qkv.layer_norm_bias",
+        "self_attention.layernorm_qkv.weight",
+        "self_attention.layernorm_qkv.bias",
+        "self_attention.proj.weight",
+        "self_attention.proj.bias",
+        "layernorm_mlp.layer_norm_weight",
+        "layernorm_mlp.fc1_weight",
+        "layernorm_mlp.fc1_bias",
+        "layernorm_mlp.fc2_weight",
+        "layernorm_mlp.fc2_bias",
     } == names - {"layernorm_mlp.layer_norm_bias"}
 
 
@@ -96,14 +152,23 @@ def test_decoder_layer_runs_cross_attention():
 @pytest.mark.parametrize(
     "build, match",
     [
-        (lambda: tm.TransformerLayer(30, 64, 4), r"TransformerLayer: hidden_size=30 is not divisible by num_attention_heads=4"),
-        (lambda: tm.TransformerLayer(32, 64, 4, num_gqa_groups=3), r"num_attention_heads=4 is not divisible by num_gqa_groups=3"),
+        (
+            lambda: tm.TransformerLayer(30, 64, 4),
+            r"TransformerLayer: hidden_size=30 is not divisible by num_attention_heads=4",
+        ),
+        (
+            lambda: tm.TransformerLayer(32, 64, 4, num_gqa_groups=3),
+            r"num_attention_heads=4 is not divisible by num_gqa_groups=3",
+        ),
         (lambda: tm.TransformerLayer(32, 64, 4, activation="tanh"), r"TransformerLayer: unknown activation='tanh'"),
         (lambda: tm.TransformerLayer(32, 64, 4, normalization="Layernorm"), r"unknown normalization='Layernorm'"),
         (lambda: tm.TransformerLayer(32, 64, 4, layer_type="encdec"), r"unknown layer_type='encdec'"),
         (lambda: tm.TransformerLayer(32, 64, 4)(torch.randn(4, 32)), r"hidden_states must be 3-D"),
         (lambda: tm.TransformerLayer(32, 64, 4)(torch.randn(4, 2, 31)), r"hidden_states has shape \(4, 2, 31\)"),
-        (lambda: tm.MultiheadAttention(32, 5), r"MultiheadAttention: hidden_size=32 is not divisible by num_attention_heads=5"),
+        (
+            lambda: tm.MultiheadAttention(32, 5),
+            r"MultiheadAttention: hidden_size=32 is not divisible by num_attention_heads=5",
+        ),
         (lambda: tm.TransformerLayer(32, 64, 4, layer_type="decoder")(torch.randn(4, 2, 32)), r"needs encoder_output"),
     ],
 )
@@ -121,7 +186,9 @@ def test_grouped_linear_matches_per_group_linear():
     splits = [5, 0, 9]
     x = torch.randn(14, 16, requires_grad=True)
     y = mod(x, splits)
-    ref = torch.cat([F.linear(xi, getattr(mod, f"weight{i}"), getattr(mod, f"bias{i}")) for i, xi in enumerate(x.split(splits))])
+    ref = torch.cat(
+        [F.linear(xi, getattr(mod, f"weight{i}"), getattr(mod, f"bias{i}")) for i, xi in enumerate(x.split(splits))]
+    )
     torch.testing.assert_close(y, ref, rtol=1.3e-6, atol=1e-5)
     dy = torch.randn(y.shape)
     grads = torch.autograd.grad(y, [x, *mod.parameters()], dy)

@@ -17,8 +17,7 @@ from . import configs
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 EXPERIMENTAL_ENV = "TE_CUDA_EXPERIMENTAL_OPS"
-"""=1 also registers kernels that pass the interpreter tests but have not yet been checked on a
-GPU by benchmarks/bench_kernels.py (see EXPERIMENTAL below)."""
+"""=1 also registers the kernels in EXPERIMENTAL below (see there why each is opt-in)."""
 
 
 def _tensor_ok(x: torch.Tensor, name: str = "x"):
@@ -290,8 +289,9 @@ def _cross_entropy_ok(logits, target, **_):
     return True, ""
 
 
+# cross_entropy passes the conformance kit on the H200, but its kernel does not check that
+# targets lie in [0, V) (the reference does, at the cost of a sync): opt-in until it does.
 EXPERIMENTAL = {
-    "quantize_blockwise": (quantize_blockwise, _self_scaled_2d_ok),
     "cross_entropy": (cross_entropy, _cross_entropy_ok),
 }
 
@@ -301,6 +301,7 @@ def ops() -> Dict[str, OpImpl]:
         "quantize_fp8": (quantize_fp8, _cast_ok),
         "cast_transpose_fp8": (cast_transpose_fp8, _cast_2d_ok),
         "quantize_fp8_current": (quantize_fp8_current, _current_ok),
+        "quantize_blockwise": (quantize_blockwise, _self_scaled_2d_ok),
         "layernorm_fwd": (layernorm_fwd, _norm_fwd_ok),
         "rmsnorm_fwd": (rmsnorm_fwd, _norm_fwd_ok),
         "layernorm_bwd": (layernorm_bwd, _layernorm_bwd_ok),

@@ -136,9 +136,9 @@ def test_experimental_ops_need_the_switch(monkeypatch):
     from te_backend_cuda import fused
 
     monkeypatch.delenv(fused.EXPERIMENTAL_ENV, raising=False)
-    assert "quantize_blockwise" not in plugin.te_backend_ops()
+    assert "cross_entropy" not in plugin.te_backend_ops() and "quantize_blockwise" in plugin.te_backend_ops()
     monkeypatch.setenv(fused.EXPERIMENTAL_ENV, "1")
-    assert "quantize_blockwise" in plugin.te_backend_ops()
+    assert "cross_entropy" in plugin.te_backend_ops()
 
 
 def test_supports_decline_what_the_kernels_do_not_take(monkeypatch):

@@ -42,3 +42,17 @@ def test_bad_inputs_name_the_problem():
         scaling.delayed_scaling_update([h], [torch.rand(2)], [448.0])
     with pytest.raises(ValueError, match="contiguous float32 \\(L, n\\)"):
         scaling.delayed_scaling_update([h.double()], [s], [448.0])
+
+
+@pytest.mark.parametrize("length, cols", [(1024, 3), (37, 2), (300, 9)])
+def test_long_history_few_columns(length, cols):
+    """The shape modules have: a long history with a handful of columns (narrow, tall tiles)."""
+    g = torch.Generator().manual_seed(length)
+    hists = [torch.rand(length, cols, generator=g) * 10, torch.rand(length, 1, generator=g)]
+    scales = [torch.rand(cols, generator=g) + 0.5, torch.rand(1, generator=g) + 0.5]
+    want_h, want_s = [h.clone() for h in hists], [s.clone() for s in scales]
+    scaling.delayed_scaling_update(hists, scales, [448.0, 57344.0])
+    ref.delayed_scaling_update(want_h, want_s, [448.0, 57344.0])
+    for h, wh, s, ws in zip(hists, want_h, scales, want_s):
+        assert torch.equal(h, wh)
+        torch.testing.assert_close(s, ws, rtol=2.5e-7, atol=0)

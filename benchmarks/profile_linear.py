@@ -1,0 +1,79 @@
+"""Where an FP8 te.Linear training step spends its time on the GPU: host (Python, launches)
+versus device. Prints wall time per step for bf16 nn.Linear and te.Linear per recipe, then a
+torch.profiler table and the top Python functions (cProfile) for the FP8 step.
+
+    python benchmarks/profile_linear.py [M K N]
+"""
+from __future__ import annotations
+
+import cProfile
+import pstats
+import sys
+import time
+
+import torch
+
+import te_core as te
+from te_core import recipe
+
+M, K, N = (int(v) for v in sys.argv[1:4]) if len(sys.argv) > 3 else (8192, 4096, 4096)
+DEV = "cuda"
+
+
+def timed(step, n=30):
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    host = (time.perf_counter() - t0) / n
+    torch.cuda.synchronize()
+    total = (time.perf_counter() - t0) / n
+    return host * 1e3, total * 1e3
+
+
+def main():
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
+    ref = torch.nn.Linear(K, N, bias=False, device=DEV, dtype=torch.bfloat16)
+    lin = te.Linear(K, N, bias=False, params_dtype=torch.bfloat16)
+
+    def bf16_step():
+        ref(x).backward(dy)
+
+    def fp8_step(rcp):
+        def step():
+            with te.autocast(recipe=rcp):
+                y = lin(x)
+            y.backward(dy)
+        return step
+
+    print(f"shape M{M} K{K} N{N}: host ms (enqueue) / total ms per step")
+    print("bf16 nn.Linear", timed(bf16_step))
+    steps = {name: fp8_step(r) for name, r in (("delayed", recipe.DelayedScaling()),
+                                               ("current", recipe.Float8CurrentScaling()),
+                                               ("block", recipe.Float8BlockScaling()))}
+    for name, step in steps.items():
+        try:
+            print(f"te.Linear {name}", timed(step))
+        except Exception as exc:  # keep profiling the others
+            print(f"te.Linear {name} failed: {type(exc).__name__}: {exc}")
+    step = steps["delayed"]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()
