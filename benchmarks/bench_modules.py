@@ -22,6 +22,7 @@ from te_core import recipe as te_recipe
 
 DEV = "cuda"
 LINEAR_SHAPES = [(16384, 8192, 8192), (16384, 8192, 28672), (8192, 4096, 4096)]
+LAYER = dict(h=4096, ffn=16384, heads=32, s=2048, b=8)  # PERFORMANCE.md's layer
 
 
 def bench(fn, warmup=5, rep=20):
@@ -102,7 +103,8 @@ class TorchLayer(nn.Module):
 
 
 def layer_rows(quick):
-    h, ffn, heads, s, b = (4096, 16384, 32, 2048, 2 if quick else 8)
+    h, ffn, heads, s, b = (LAYER[k] for k in ("h", "ffn", "heads", "s", "b"))
+    b = 2 if quick else b
     x = torch.randn(s, b, h, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(s, b, h, device=DEV, dtype=torch.bfloat16)
     rows = []

@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--backend", default=None, help="te-core backend (default: TE_BACKEND or auto)")
     p.add_argument("--device", default=None, help="torch device to train on (default: the backend's device)")
-    p.add_argument("--out", default="te-core-demo", help="directory for loss_curves.png and demo_run.json")
+    p.add_argument("--out", default="demo-out", help="directory for loss_curves.png and demo_run.json")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: by --size)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -50,7 +50,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     from .. import backend
 
-    be = backend.set_backend(args.backend) if args.backend else backend.get_backend()
+    try:
+        be = backend.set_backend(args.backend) if args.backend else backend.get_backend()
+    except backend.BackendError as err:
+        print(f"te-core demo: --backend {args.backend}: {err}", file=sys.stderr)
+        return 2
     device = torch.device(args.device) if args.device else be.device
     fp8_recipe = make_recipe(args.recipe)
     steps = args.steps or DEFAULT_STEPS[args.size]
@@ -71,35 +75,30 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"val loss {run.val_loss:.4f}"
         )
         runs.append(run)
-    gap = final_gap(runs[0].losses, runs[1].losses)
-    gap["val_gap"] = runs[1].val_loss - runs[0].val_loss
-    print(side_by_side(runs[0].losses, runs[1].losses))
+    report(
+        args, cfg, be.name, device, fp8_recipe, runs, corpus=dict(bytes=tokens.numel(), files=files, root=stdlib_dir())
+    )
+    return 0
+
+
+def report(args, cfg: RunConfig, backend_name: str, device, fp8_recipe, runs, corpus: dict) -> None:
+    """Print the curves side by side and the gap; write the PNG and the JSON of the run."""
+    hp, fp8 = runs
+    gap = final_gap(hp.losses, fp8.losses)
+    gap["val_gap"] = fp8.val_loss - hp.val_loss
+    print(side_by_side(hp.losses, fp8.losses))
     print(
         f"loss over the last {gap['steps_averaged']} steps: bf16 {gap['bf16']:.4f}, fp8 {gap['fp8']:.4f}, "
         f"gap {gap['gap']:+.4f} ({100 * gap['relative_gap']:+.2f}%); val gap {gap['val_gap']:+.4f}"
     )
     paths = output_paths(args.out)
-    drawn_by = write_plot(paths["png"], runs[0].losses, runs[1].losses, args.recipe)
-    config = dict(
-        size=args.size,
-        model=cfg.model.as_dict(),
-        steps=steps,
-        lr=lr,
-        seed=args.seed,
-        recipe=args.recipe,
-        recipe_repr=repr(fp8_recipe),
-    )
+    drawn_by = write_plot(paths["png"], hp.losses, fp8.losses, args.recipe)
+    config = dict(size=args.size, model=cfg.model.as_dict(), steps=cfg.steps, lr=cfg.lr, seed=cfg.seed,
+                  recipe=args.recipe, recipe_repr=repr(fp8_recipe))  # fmt: skip
     record = dict(
-        config=config,
-        backend=be.name,
-        device=str(device),
-        recipe=args.recipe,
-        versions=dict(python=platform.python_version(), torch=torch.__version__),
-        corpus=dict(bytes=tokens.numel(), files=files, root=stdlib_dir()),
-        runs={run.name: run.as_dict() for run in runs},
-        final_gap=gap,
-        plot=dict(path=paths["png"], drawn_by=drawn_by),
-    )
+        config=config, backend=backend_name, device=str(device), recipe=args.recipe,
+        versions=dict(python=platform.python_version(), torch=torch.__version__), corpus=corpus,
+        runs={run.name: run.as_dict() for run in runs}, final_gap=gap, plot=dict(path=paths["png"], drawn_by=drawn_by),
+    )  # fmt: skip
     write_json(paths["json"], record)
     print(f"wrote {paths['png']} and {paths['json']}")
-    return 0

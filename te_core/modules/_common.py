@@ -16,6 +16,58 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+# Transformer Engine arguments te-core accepts only at these values (no tensor / sequence /
+# context parallelism, userbuffers or split parameters yet); anything else is an error.
+UNSUPPORTED_DEFAULTS = {
+    "sequence_parallel": (None, False),
+    "tp_group": (None,),
+    "tp_size": (1,),
+    "get_rng_state_tracker": (None,),
+    "rng_tracker_name": (None,),
+    "fuse_wgrad_accumulation": (False,),
+    "parallel_mode": (None, "column", "row"),
+    "set_parallel_mode": (False,),
+    "return_layernorm_output_gathered": (False,),
+    "parameters_split": (None,),
+    "seq_length": (None,),
+    "micro_batch_size": (None,),
+    "cp_group": (None,),
+    "cp_global_ranks": (None,),
+    "cp_stream": (None,),
+    "cp_comm_type": ("p2p",),
+    "fuse_qkv_params": (False, True),
+    "qkv_weight_interleaved": (True, False),
+    "ub_overlap_ag": (False,),
+    "ub_overlap_rs": (False,),
+    "ub_overlap_rs_dgrad": (False,),
+    "ub_bulk_dgrad": (False,),
+    "ub_bulk_wgrad": (False,),
+    "ub_name": (None,),
+    "name": (None,),
+    "delay_wgrad_compute": (False,),
+    "symmetric_ar_type": (None,),
+    "fp8_output": (False,),
+    "layer_number": (None,),
+    "attention_type": ("self",),
+    "bias_dropout_fusion": (True, False),
+    "fuse_qkv": (False,),
+}
+
+
+def reject_unsupported(module: str, **kwargs) -> None:
+    """TypeError for an argument Transformer Engine does not have; NotImplementedError for one
+    te-core does not implement beyond its default."""
+    for name, value in kwargs.items():
+        if name not in UNSUPPORTED_DEFAULTS:
+            raise TypeError(f"{module} got an unexpected keyword argument {name!r}")
+        allowed = UNSUPPORTED_DEFAULTS[name]
+        if not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
+            raise NotImplementedError(
+                f"{module}: {name}={value!r} is not supported by te-core yet (no tensor, sequence or context "
+                f"parallelism, userbuffers or parameter splitting); leave it at {allowed[0]!r}"
+            )
+
+
 def resolve_device(device: Union[None, str, torch.device]) -> torch.device:
     """`device`, or the selected backend's device when None (CPU under the reference backend)."""
     if device is not None:
@@ -60,6 +112,14 @@ def cast_if_needed(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     if t is None or t.dtype == dtype:
         return t
     return t.to(dtype)
+
+
+def primary_weight(module, slot: str, weight: torch.nn.Parameter) -> torch.nn.Parameter:
+    """Under te.quantized_model_init: the initialized weight stored only in FP8, else as is."""
+    quantizer = module.primary_weight_quantizer(slot)
+    if quantizer is None:
+        return weight
+    return torch.nn.Parameter(quantizer.quantize_primary(weight.detach()), requires_grad=weight.requires_grad)
 
 
 def hp_weight(step, weight: Tensor, dtype: torch.dtype) -> Tensor:

@@ -9,7 +9,15 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
-from ._common import HP_DTYPES, check_choice, check_divisible, check_positive, compute_dtype, no_torch_autocast
+from ._common import (
+    HP_DTYPES,
+    reject_unsupported,
+    check_choice,
+    check_divisible,
+    check_positive,
+    compute_dtype,
+    no_torch_autocast,
+)
 
 QKV_FORMATS = ("sbhd", "bshd")
 PADDING_MASKS = ("padding", "padding_causal")
@@ -43,6 +51,14 @@ class DotProductAttention(nn.Module):
     ):
         super().__init__()
         name = "DotProductAttention"
+        reject_unsupported(
+            name,
+            sequence_parallel=sequence_parallel,
+            tp_size=tp_size,
+            get_rng_state_tracker=get_rng_state_tracker,
+            tp_group=tp_group,
+            **kwargs,
+        )
         self.num_attention_heads = check_positive(num_attention_heads, name="num_attention_heads", module=name)
         self.num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
         check_positive(self.num_gqa_groups, name="num_gqa_groups", module=name)

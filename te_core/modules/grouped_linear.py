@@ -19,6 +19,8 @@ from ._common import (
     default_init_method,
     hp_weight,
     no_torch_autocast,
+    primary_weight,
+    reject_unsupported,
 )
 
 
@@ -45,7 +47,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         ctx.step, ctx.m_splits, ctx.num_gemms = step, m_splits, num_gemms
         ctx.weight_meta = [(w.shape, w.dtype) for w in weights]
         ctx.bias_dtypes = [b.dtype for b in biases]
-        ctx.x_dtype = x.dtype
+        ctx.x_dtype, ctx.needs_dx = x.dtype, x.requires_grad
         return torch.cat(outs, dim=0)
 
     @staticmethod
@@ -63,11 +65,13 @@ class _GroupedLinearFunction(torch.autograd.Function):
             dy_q, db = step.grad_operand(
                 _slot(i, "grad_output"), dyi.contiguous(), columnwise=True, with_dbias=bool(ctx.bias_dtypes)
             )
-            dxs.append(dgrad_gemm(dy_q, w_q, out_dtype=ctx.x_dtype))
+            if ctx.needs_dx:
+                dxs.append(dgrad_gemm(dy_q, w_q, out_dtype=ctx.x_dtype))
             dws.append(wgrad_gemm(dy_q, x_q, out_dtype=w_dtype))
             dbs.append(None if db is None else db.to(ctx.bias_dtypes[i]))
         step.backward_done()
-        return (torch.cat(dxs, dim=0), None, None, None, *dws, *(dbs if ctx.bias_dtypes else ()))
+        dx = torch.cat(dxs, dim=0) if ctx.needs_dx else None
+        return (dx, None, None, None, *dws, *(dbs if ctx.bias_dtypes else ()))
 
 
 class GroupedLinear(QuantizedModule):
@@ -87,6 +91,7 @@ class GroupedLinear(QuantizedModule):
         **kwargs,
     ):
         name = "GroupedLinear"
+        reject_unsupported(name, **kwargs)
         check_positive(num_gemms, name="num_gemms", module=name)
         slots = tuple(s for i in range(num_gemms) for s in gemm_slots(f"gemm{i}_"))
         super().__init__(slots, device=device, params_dtype=params_dtype)
@@ -100,7 +105,7 @@ class GroupedLinear(QuantizedModule):
             weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
             with torch.no_grad():
                 init(weight)
-            self.register_parameter(f"weight{i}", weight)
+            self.register_parameter(f"weight{i}", primary_weight(self, f"gemm{i}_weight", weight))
             self.register_parameter(f"bias{i}", nn.Parameter(torch.zeros(out_features, **factory)) if bias else None)
 
     def _params(self, prefix: str) -> List[Tensor]:

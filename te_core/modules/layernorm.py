@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ._common import (
+    reject_unsupported,
     check_input,
     compute_dtype,
     no_torch_autocast,
@@ -34,9 +35,8 @@ class _Norm(nn.Module):
         super().__init__()
         if "hidden_size" in kwargs:  # Transformer Engine's older name for normalized_shape
             normalized_shape = kwargs.pop("hidden_size")
-        if kwargs:
-            raise TypeError(f"{type(self).__name__}: unexpected arguments {sorted(kwargs)}")
         name = type(self).__name__
+        reject_unsupported(name, sequence_parallel=sequence_parallel, **kwargs)
         self.normalized_shape, self._size = normalized_size(normalized_shape, name)
         if not eps > 0:
             raise ValueError(f"{name}: eps must be positive, got {eps!r}")

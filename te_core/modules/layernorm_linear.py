@@ -24,10 +24,28 @@ from ._common import (
     default_init_method,
     hp_weight,
     no_torch_autocast,
+    primary_weight,
+    reject_unsupported,
 )
 from ._norm import norm_bwd, norm_fwd
 
 SLOTS = gemm_slots()
+
+
+def needs_norm_grad(x: Tensor, ln_weight: Tensor, ln_bias: Optional[Tensor]) -> bool:
+    """Whether the backward must run dgrad into the norm: for dx, or for the norm's own parameters."""
+    return any(t is not None and t.requires_grad for t in (x, ln_weight, ln_bias))
+
+
+def norm_backward(ctx, dy_q, w_q, d_ln_out, x, stats, ln_weight):
+    """dgrad of the GEMM that read the norm's output (plus any gradient of the returned norm
+    output), then the norm's backward: (dx, dweight, dbias), all None when nothing needs them."""
+    if not ctx.needs_norm:
+        return None, None, None
+    d_ln = dgrad_gemm(dy_q, w_q, out_dtype=x.dtype)
+    if d_ln_out is not None:
+        d_ln = d_ln + d_ln_out
+    return norm_bwd(d_ln, x, tuple(stats), ln_weight, ctx.norm["normalization"], ctx.norm["zero_centered_gamma"])
 
 
 def normalized_operand(
@@ -58,12 +76,15 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         ln_out_q, stats, ln_out = normalized_operand(
             step, "input", x, ln_weight, ln_bias, norm, columnwise=weight.requires_grad, keep_hp=return_ln_out
         )
-        w_q = step.weight_operand("weight", hp_weight(step, weight, x.dtype), columnwise=x.requires_grad)
+        w_q = step.weight_operand(
+            "weight", hp_weight(step, weight, x.dtype), columnwise=needs_norm_grad(x, ln_weight, ln_bias)
+        )
         y = fprop_gemm(ln_out_q, w_q, out_dtype=x.dtype, bias=bias)
         ctx.save_for_backward(x, ln_weight, ln_out_q, w_q, *stats)
         ctx.step, ctx.norm, ctx.weight_dtype = step, norm, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.needs = (x.requires_grad, weight.requires_grad)
+        ctx.needs_norm = needs_norm_grad(x, ln_weight, ln_bias)
         if return_ln_out:
             return y, ln_out
         return y
@@ -77,12 +98,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
             "grad_output", dy.to(x.dtype), columnwise=needs_dw, with_dbias=ctx.bias_dtype is not None
         )
         dw = wgrad_gemm(dy_q, ln_out_q, out_dtype=ctx.weight_dtype) if needs_dw else None
-        d_ln = dgrad_gemm(dy_q, w_q, out_dtype=x.dtype)
-        if d_ln_out is not None:
-            d_ln = d_ln + d_ln_out
-        dx, d_ln_w, d_ln_b = norm_bwd(
-            d_ln, x, tuple(stats), ln_weight, ctx.norm["normalization"], ctx.norm["zero_centered_gamma"]
-        )
+        dx, d_ln_w, d_ln_b = norm_backward(ctx, dy_q, w_q, d_ln_out, x, stats, ln_weight)
         step.backward_done()
         dbias = None if dbias is None else dbias.to(ctx.bias_dtype)
         return dx if needs_dx else None, d_ln_w, d_ln_b, dw, dbias, None, None, None
@@ -113,8 +129,18 @@ class LayerNormLinear(QuantizedModule):
         device: Union[None, str, torch.device] = None,
         **kwargs,
     ):
-        super().__init__(SLOTS, device=device, params_dtype=params_dtype)
         name = "LayerNormLinear"
+        reject_unsupported(
+            name,
+            sequence_parallel=sequence_parallel,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            tp_group=tp_group,
+            tp_size=tp_size,
+            get_rng_state_tracker=get_rng_state_tracker,
+            parallel_mode=parallel_mode,
+            **kwargs,
+        )
+        super().__init__(SLOTS, device=device, params_dtype=params_dtype)
         self.in_features = check_positive(in_features, name="in_features", module=name)
         self.out_features = check_positive(out_features, name="out_features", module=name)
         self.normalization = check_normalization(normalization, name)
@@ -132,6 +158,7 @@ class LayerNormLinear(QuantizedModule):
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.init_method = init_method or default_init_method()
         self.reset_parameters()
+        self.weight = primary_weight(self, "weight", self.weight)
 
     def reset_parameters(self) -> None:
         with torch.no_grad():

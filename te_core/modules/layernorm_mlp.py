@@ -28,9 +28,10 @@ from ._common import (
     hp_weight,
     is_gated,
     no_torch_autocast,
+    primary_weight,
+    reject_unsupported,
 )
-from ._norm import norm_bwd
-from .layernorm_linear import normalized_operand
+from .layernorm_linear import needs_norm_grad, norm_backward, normalized_operand
 
 SLOTS = gemm_slots("fc1_") + gemm_slots("fc2_")
 
@@ -45,6 +46,22 @@ def activated_operand(step, slot: str, h: Tensor, kind: str, columnwise: bool):
     return step.operand(slot, a, columnwise=columnwise)
 
 
+def activation_grad_operand(step, slot: str, d_act: Tensor, h: Tensor, kind: str, *, columnwise: bool, with_dbias):
+    """d(act)/dh applied to d_act as the gradient operand of `slot`, with fc1's bias gradient.
+
+    One fused op (activation backward + dbias + FP8 cast) where the quantizer knows its scale up
+    front; otherwise the activation backward, then the recipe's gradient cast."""
+    fused = step.fused_cast_args(slot)
+    if fused is None:
+        d_h = ops.activation_bwd(d_act, h, kind)
+        return step.grad_operand(slot, d_h, columnwise=columnwise, with_dbias=bool(with_dbias))
+    data, _, dbias, amax = ops.activation_bwd_dbias_cast_transpose(
+        d_act, h, kind, fused["fp8_scale"], fused["fp8_dtype"]
+    )
+    dh_q = step.wrap_fused(slot, data, amax, nominal_dtype=h.dtype, columnwise=columnwise)
+    return dh_q, (dbias if with_dbias else None)
+
+
 class _LayerNormMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -53,7 +70,9 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         ln_out_q, stats, ln_out = normalized_operand(
             step, "fc1_input", x, ln_weight, ln_bias, norm, columnwise=fc1_weight.requires_grad, keep_hp=return_ln_out
         )
-        fc1_w_q = step.weight_operand("fc1_weight", hp_weight(step, fc1_weight, x.dtype), columnwise=x.requires_grad)
+        fc1_w_q = step.weight_operand(
+            "fc1_weight", hp_weight(step, fc1_weight, x.dtype), columnwise=needs_norm_grad(x, ln_weight, ln_bias)
+        )
         h = fprop_gemm(ln_out_q, fc1_w_q, out_dtype=x.dtype, bias=fc1_bias)
         act_q = activated_operand(step, "fc2_input", h, activation, columnwise=fc2_weight.requires_grad)
         fc2_w_q = step.weight_operand("fc2_weight", hp_weight(step, fc2_weight, x.dtype), columnwise=True)
@@ -63,6 +82,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         ctx.bias_dtypes = (None if fc1_bias is None else fc1_bias.dtype, None if fc2_bias is None else fc2_bias.dtype)
         ctx.weight_dtypes = (fc1_weight.dtype, fc2_weight.dtype)
         ctx.needs = (x.requires_grad, fc1_weight.requires_grad, fc2_weight.requires_grad)
+        ctx.needs_norm = needs_norm_grad(x, ln_weight, ln_bias)
         return (y, ln_out) if return_ln_out else y
 
     @staticmethod
@@ -75,17 +95,11 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         )
         d_fc2_w = wgrad_gemm(dy_q, act_q, out_dtype=ctx.weight_dtypes[1]) if needs_dw2 else None
         d_act = dgrad_gemm(dy_q, fc2_w_q, out_dtype=x.dtype)
-        d_h = ops.activation_bwd(d_act, h, ctx.activation)
-        dh_q, d_fc1_b = step.grad_operand(
-            "fc1_grad_output", d_h, columnwise=needs_dw1, with_dbias=ctx.bias_dtypes[0] is not None
+        dh_q, d_fc1_b = activation_grad_operand(
+            step, "fc1_grad_output", d_act, h, ctx.activation, columnwise=needs_dw1, with_dbias=ctx.bias_dtypes[0]
         )
         d_fc1_w = wgrad_gemm(dh_q, ln_out_q, out_dtype=ctx.weight_dtypes[0]) if needs_dw1 else None
-        d_ln = dgrad_gemm(dh_q, fc1_w_q, out_dtype=x.dtype)
-        if d_ln_out is not None:
-            d_ln = d_ln + d_ln_out
-        dx, d_ln_w, d_ln_b = norm_bwd(
-            d_ln, x, tuple(stats), ln_weight, ctx.norm["normalization"], ctx.norm["zero_centered_gamma"]
-        )
+        dx, d_ln_w, d_ln_b = norm_backward(ctx, dh_q, fc1_w_q, d_ln_out, x, stats, ln_weight)
         step.backward_done()
         d_fc1_b, d_fc2_b = (None if d is None else d.to(t) for d, t in zip((d_fc1_b, d_fc2_b), ctx.bias_dtypes))
         return dx if needs_dx else None, d_ln_w, d_ln_b, d_fc1_w, d_fc1_b, d_fc2_w, d_fc2_b, None, None, None, None
@@ -118,8 +132,17 @@ class LayerNormMLP(QuantizedModule):
         device: Union[None, str, torch.device] = None,
         **kwargs,
     ):
-        super().__init__(SLOTS, device=device, params_dtype=params_dtype)
         name = "LayerNormMLP"
+        reject_unsupported(
+            name,
+            sequence_parallel=sequence_parallel,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            tp_group=tp_group,
+            tp_size=tp_size,
+            get_rng_state_tracker=get_rng_state_tracker,
+            **kwargs,
+        )
+        super().__init__(SLOTS, device=device, params_dtype=params_dtype)
         self.hidden_size = check_positive(hidden_size, name="hidden_size", module=name)
         self.ffn_hidden_size = check_positive(ffn_hidden_size, name="ffn_hidden_size", module=name)
         self.activation = check_activation(activation, name)
@@ -141,6 +164,8 @@ class LayerNormMLP(QuantizedModule):
         self.init_method = init_method or default_init_method()
         self.output_layer_init_method = output_layer_init_method or default_init_method()
         self.reset_parameters()
+        self.fc1_weight = primary_weight(self, "fc1_weight", self.fc1_weight)
+        self.fc2_weight = primary_weight(self, "fc2_weight", self.fc2_weight)
 
     def reset_parameters(self) -> None:
         with torch.no_grad():

@@ -7,7 +7,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from ._common import check_choice, check_divisible, check_input, check_normalization, check_positive
+from ._common import reject_unsupported, check_choice, check_divisible, check_input, check_normalization, check_positive
 from .attention import QKV_FORMATS, DotProductAttention
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
@@ -47,6 +47,7 @@ class MultiheadAttention(nn.Module):
     ):
         super().__init__()
         name = "MultiheadAttention"
+        reject_unsupported(name, **kwargs)
         check_positive(hidden_size, name="hidden_size", module=name)
         check_positive(num_attention_heads, name="num_attention_heads", module=name)
         if kv_channels is None:
@@ -66,12 +67,9 @@ class MultiheadAttention(nn.Module):
         self.layer_number = layer_number
         q_size, kv_size = num_attention_heads * kv_channels, self.num_gqa_groups * kv_channels
         common = dict(params_dtype=params_dtype, device=device, bias=bias)
-        norm_args = dict(
-            eps=layernorm_epsilon,
-            normalization=normalization,
-            zero_centered_gamma=zero_centered_gamma,
-            return_layernorm_output=return_layernorm_output,
-        )
+        # fmt: off
+        norm_args = dict(eps=layernorm_epsilon, normalization=normalization, zero_centered_gamma=zero_centered_gamma,
+                         return_layernorm_output=return_layernorm_output)
         q_out = q_size + 2 * kv_size if attention_type == "self" else q_size
         if input_layernorm:
             proj = LayerNormLinear(hidden_size, q_out, init_method=init_method, **norm_args, **common)
@@ -81,16 +79,10 @@ class MultiheadAttention(nn.Module):
         if attention_type == "cross":
             self.key_value = Linear(hidden_size, 2 * kv_size, init_method=init_method, **common)
         self.core_attention = DotProductAttention(
-            num_attention_heads,
-            kv_channels,
-            num_gqa_groups=self.num_gqa_groups,
-            attention_dropout=attention_dropout,
-            qkv_format=qkv_format,
-            attn_mask_type=attn_mask_type,
-            window_size=window_size,
-            layer_number=layer_number,
-            attention_type=attention_type,
-        )
+            num_attention_heads, kv_channels, num_gqa_groups=self.num_gqa_groups, attention_dropout=attention_dropout,
+            qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window_size, layer_number=layer_number,
+            attention_type=attention_type)
+        # fmt: on
         self.proj = Linear(q_size, hidden_size, init_method=output_layer_init_method, **common)
 
     def forward(

@@ -9,7 +9,15 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
-from ._common import check_activation, check_choice, check_divisible, check_input, check_normalization, check_positive
+from ._common import (
+    reject_unsupported,
+    check_activation,
+    check_choice,
+    check_divisible,
+    check_input,
+    check_normalization,
+    check_positive,
+)
 from .attention import QKV_FORMATS
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_mlp import LayerNormMLP
@@ -49,6 +57,7 @@ class TransformerLayer(nn.Module):
     ):
         super().__init__()
         name = "TransformerLayer"
+        reject_unsupported(name, **kwargs)
         check_positive(hidden_size, name="hidden_size", module=name)
         check_positive(ffn_hidden_size, name="ffn_hidden_size", module=name)
         check_positive(num_attention_heads, name="num_attention_heads", module=name)
@@ -66,57 +75,27 @@ class TransformerLayer(nn.Module):
         self.parallel_attention_mlp = parallel_attention_mlp
         self.attn_input_format = attn_input_format
         self.self_attn_mask_type, self.enc_dec_attn_mask_type = self_attn_mask_type, enc_dec_attn_mask_type
-        common = dict(
-            params_dtype=params_dtype,
-            device=device,
-            bias=bias,
-            zero_centered_gamma=zero_centered_gamma,
-            normalization=normalization,
-            layernorm_epsilon=layernorm_epsilon,
-        )
-        attention = dict(
-            num_gqa_groups=num_gqa_groups,
-            kv_channels=kv_channels,
-            attention_dropout=attention_dropout,
-            init_method=init_method,
-            output_layer_init_method=output_layer_init_method,
-            layer_number=layer_number,
-            input_layernorm=True,
-            qkv_format=attn_input_format,
-            return_layernorm_output=apply_residual_connection_post_layernorm,
-            **common,
-        )
-        self.self_attention = MultiheadAttention(
-            hidden_size,
-            num_attention_heads,
-            attn_mask_type=self_attn_mask_type,
-            window_size=window_size,
-            attention_type="self",
-            **attention,
-        )
+        # fmt: off
+        common = dict(params_dtype=params_dtype, device=device, bias=bias, zero_centered_gamma=zero_centered_gamma,
+                      normalization=normalization)
+        attention = dict(num_gqa_groups=num_gqa_groups, kv_channels=kv_channels, attention_dropout=attention_dropout,
+                         init_method=init_method, output_layer_init_method=output_layer_init_method,
+                         layer_number=layer_number, input_layernorm=True, qkv_format=attn_input_format,
+                         return_layernorm_output=apply_residual_connection_post_layernorm,
+                         layernorm_epsilon=layernorm_epsilon, **common)
+        self.self_attention = MultiheadAttention(hidden_size, num_attention_heads, attn_mask_type=self_attn_mask_type,
+                                                 window_size=window_size, attention_type="self", **attention)
         if layer_type == "decoder":
-            self.inter_attention = MultiheadAttention(
-                hidden_size,
-                num_attention_heads,
-                attn_mask_type=enc_dec_attn_mask_type,
-                attention_type="cross",
-                **attention,
-            )
-        eps = common.pop("layernorm_epsilon")
-        self.layernorm_mlp = LayerNormMLP(
-            hidden_size,
-            ffn_hidden_size,
-            eps=eps,
-            init_method=init_method,
-            output_layer_init_method=output_layer_init_method,
-            activation=activation,
-            return_layernorm_output=apply_residual_connection_post_layernorm,
-            **common,
-        )
+            self.inter_attention = MultiheadAttention(hidden_size, num_attention_heads, attention_type="cross",
+                                                      attn_mask_type=enc_dec_attn_mask_type, **attention)
+        self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, eps=layernorm_epsilon, init_method=init_method,
+                                          output_layer_init_method=output_layer_init_method, activation=activation,
+                                          return_layernorm_output=apply_residual_connection_post_layernorm, **common)
+        # fmt: on
         if output_layernorm:
             norm_cls = LayerNorm if normalization == "LayerNorm" else RMSNorm
             self.layernorm = norm_cls(
-                hidden_size, eps=eps, params_dtype=params_dtype, zero_centered_gamma=zero_centered_gamma, device=device
+                hidden_size, eps=layernorm_epsilon, params_dtype=params_dtype, zero_centered_gamma=zero_centered_gamma, device=device
             )
         else:
             self.layernorm = None

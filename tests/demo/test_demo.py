@@ -38,6 +38,8 @@ def test_demo_rejects_bad_arguments(capsys):
     assert "invalid choice: 'fp4'" in capsys.readouterr().err
     assert main(["--steps", "1"]) == 2
     assert "--steps must be at least 2" in capsys.readouterr().err
+    assert main(["--backend", "no-such-backend", "--steps", "2"]) == 2
+    assert "--backend no-such-backend" in capsys.readouterr().err
 
 
 def test_corpus_is_stdlib_source_and_batches_are_reproducible():

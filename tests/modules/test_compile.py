@@ -1,6 +1,7 @@
 """torch.compile: the modules trace without graph breaks in high precision and compile (with
 graph breaks around the quantization steps) under te.autocast; results match eager.
 aot_eager keeps the test fast; inductor was checked by hand (see docs/convergence.md)."""
+
 import copy
 
 import pytest
@@ -13,8 +14,9 @@ from te_core.quantization import autocast
 
 def make_layer():
     torch.manual_seed(0)
-    return tm.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm",
-                               activation="swiglu")
+    return tm.TransformerLayer(
+        64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm", activation="swiglu"
+    )
 
 
 def fwd_bwd(fn, layer, x):
@@ -39,8 +41,9 @@ def test_high_precision_compiles_without_graph_breaks():
 
 
 @pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")
-@pytest.mark.parametrize("rec", [recipe.Float8CurrentScaling(), recipe.DelayedScaling(amax_history_len=2)],
-                         ids=["current", "delayed"])
+@pytest.mark.parametrize(
+    "rec", [recipe.Float8CurrentScaling(), recipe.DelayedScaling(amax_history_len=2)], ids=["current", "delayed"]
+)
 def test_fp8_compiles_and_matches_eager(rec):
     eager_layer = make_layer()
     compiled_layer = copy.deepcopy(eager_layer)
@@ -50,6 +53,7 @@ def test_fp8_compiles_and_matches_eager(rec):
         def f(inp):
             with autocast(recipe=rec):
                 return layer(inp)
+
         return f
 
     compiled = torch.compile(run(compiled_layer), backend="aot_eager")

@@ -108,3 +108,48 @@ def test_weights_cached_across_microbatches():
         y3 = te_mod(x, is_first_microbatch=None)
     torch.testing.assert_close(y1, y2, rtol=0, atol=0)
     assert not torch.allclose(y2, y3)
+
+
+def test_quantized_model_init_keeps_fp8_primary_weights():
+    from te_core.quantization import QuantizedTensor, quantized_model_init
+
+    torch.manual_seed(0)
+    rec = recipe.Float8CurrentScaling()
+    with quantized_model_init(recipe=rec):
+        te_mod = tm.LayerNormMLP(32, 64)
+    assert isinstance(te_mod.fc1_weight, QuantizedTensor) and isinstance(te_mod.fc2_weight, QuantizedTensor)
+    ref = PlainNormMLP(32, 64, "gelu", "LayerNorm")
+    ref.load_state_dict(te_mod.state_dict(), strict=False)  # the dequantized weights
+    x = torch.randn(32, 32)
+    with autocast(recipe=rec):
+        y = te_mod(x)
+    assert_close_scaled(y, ref(x), E4M3, "forward")
+    y.sum().backward()
+    assert te_mod.fc1_weight.grad is not None and te_mod.fc1_weight.grad.shape == (64, 32)
+
+
+def test_quantized_model_init_layernorm_linear_and_grouped_linear():
+    from te_core.quantization import QuantizedTensor, quantized_model_init
+
+    with quantized_model_init(recipe=recipe.Float8CurrentScaling()):
+        lnl, grouped = tm.LayerNormLinear(32, 32), tm.GroupedLinear(2, 32, 32)
+    assert isinstance(lnl.weight, QuantizedTensor) and isinstance(grouped.weight1, QuantizedTensor)
+    assert not isinstance(tm.LayerNormLinear(32, 32).weight, QuantizedTensor)
+
+
+@pytest.mark.parametrize("rec", ["block", "mxfp8"])
+def test_frozen_input_still_trains_norm_and_weights(rec):
+    """x without requires_grad: the norm parameters still need the dgrad, so the weight keeps
+    its column-wise copy (block scaling cannot transpose a row-wise copy after the fact)."""
+    torch.manual_seed(0)
+    lnl, mlp = tm.LayerNormLinear(64, 64), tm.LayerNormMLP(64, 128)
+    grouped = tm.GroupedLinear(2, 64, 64)
+    x = torch.randn(64, 64)
+    with autocast(recipe=RECIPES[rec]()):
+        (lnl(x).sum() + mlp(x).sum() + grouped(x, [32, 32]).sum()).backward()
+    assert lnl.layer_norm_weight.grad.abs().sum() > 0 and mlp.layer_norm_weight.grad.abs().sum() > 0
+    assert grouped.weight0.grad.abs().sum() > 0
+    lnl.layer_norm_weight.requires_grad_(False)
+    lnl.layer_norm_bias.requires_grad_(False)
+    with autocast(recipe=RECIPES[rec]()):
+        lnl(x).sum().backward()  # nothing upstream needs the dgrad: it is skipped

@@ -218,3 +218,87 @@ def test_grouped_linear_fp8_current_scaling():
     with pytest.raises(ValueError, match=r"GroupedLinear: FP8 GEMM.*multiple of 16"):
         with autocast(recipe=recipe.Float8CurrentScaling()):
             mod(x, [24, 40])
+
+
+@pytest.mark.parametrize("rec_name", ["delayed", "current", "block", "mxfp8"])
+def test_transformer_layer_fp8_within_fp8_tolerances(rec_name):
+    from te_core.quantization import autocast
+
+    from .test_fp8_modules import E4M3, E5M2, RECIPES, assert_close_scaled
+
+    cfg = dict(
+        hidden=64, heads=4, groups=2, normalization="RMSNorm", activation="swiglu", fmt="sbhd", mask_type="causal"
+    )
+    torch.manual_seed(0)
+    layer = tm.TransformerLayer(
+        64,
+        128,
+        4,
+        num_gqa_groups=2,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        normalization="RMSNorm",
+        activation="swiglu",
+    )
+    x = torch.randn(16, 2, 64)
+    rec = RECIPES[rec_name]()
+    for _ in range(2):  # delayed scaling: the second step uses scales from the first
+        layer.zero_grad()
+        x_te = x.clone().requires_grad_(True)
+        with autocast(recipe=rec):
+            y = layer(x_te)
+        y.backward(torch.ones_like(y))
+    params = {n: t.detach().clone().requires_grad_(True) for n, t in layer.named_parameters()}
+    x_ref = x.clone().requires_grad_(True)
+    y_ref = plain_layer(params, x_ref, cfg)
+    y_ref.backward(torch.ones_like(y_ref))
+    assert not torch.equal(y, y_ref)
+    assert_close_scaled(y, y_ref, E4M3, "forward")
+    assert_close_scaled(x_te.grad, x_ref.grad, E5M2, "dx")
+    for name, p in layer.named_parameters():
+        assert_close_scaled(p.grad, params[name].grad, E5M2, f"d{name}")
+
+
+@pytest.mark.parametrize(
+    "build, exc, match",
+    [
+        (
+            lambda: tm.LayerNormLinear(16, 16, tp_size=2),
+            NotImplementedError,
+            r"LayerNormLinear: tp_size=2 is not supported",
+        ),
+        (lambda: tm.LayerNormMLP(16, 16, sequence_parallel=True), NotImplementedError, r"sequence_parallel=True"),
+        (
+            lambda: tm.TransformerLayer(32, 64, 4, hiden_dropout=0.1),
+            TypeError,
+            r"unexpected keyword argument 'hiden_dropout'",
+        ),
+        (lambda: tm.LayerNorm(8, tp_group=object()), NotImplementedError, r"LayerNorm: tp_group="),
+    ],
+)
+def test_unsupported_and_unknown_arguments(build, exc, match):
+    with pytest.raises(exc, match=match):
+        build()
+
+
+def test_layout_options_match_their_definitions():
+    """output_layernorm, apply_residual_connection_post_layernorm, parallel_attention_mlp."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 2, 32)
+    kw = dict(hidden_dropout=0.0, attention_dropout=0.0)
+    base = tm.TransformerLayer(32, 64, 4, **kw)
+    with_out_norm = tm.TransformerLayer(32, 64, 4, output_layernorm=True, **kw)
+    with_out_norm.load_state_dict(base.state_dict(), strict=False)
+    torch.testing.assert_close(with_out_norm(x), with_out_norm.layernorm(base(x)), rtol=1.3e-6, atol=1e-5)
+
+    post = tm.TransformerLayer(32, 64, 4, apply_residual_connection_post_layernorm=True, **kw)
+    post.load_state_dict(base.state_dict())
+    attn, ln1 = post.self_attention(x)
+    hidden = ln1 + attn
+    mlp, ln2 = post.layernorm_mlp(hidden)
+    torch.testing.assert_close(post(x), ln2 + mlp, rtol=1.3e-6, atol=1e-5)
+
+    par = tm.TransformerLayer(32, 64, 4, parallel_attention_mlp=True, **kw)
+    par.load_state_dict(base.state_dict())
+    expected = x + base.self_attention(x) + base.layernorm_mlp(x)
+    torch.testing.assert_close(par(x), expected, rtol=1.3e-6, atol=1e-5)
