@@ -81,6 +81,7 @@ def linear_rows(quick):
             rcp = make()
             row[f"te_{name}_ms"] = bench(fwd_bwd(lin, x, dy, lambda: te.autocast(recipe=rcp)))
         rows.append(row)
+        print(json.dumps(row), flush=True)  # partial results survive a timeout
     return rows
 
 
@@ -102,6 +103,11 @@ class TorchLayer(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
 
 
+def _row(rows, row):
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
 def layer_rows(quick):
     h, ffn, heads, s, b = (LAYER[k] for k in ("h", "ffn", "heads", "s", "b"))
     b = 2 if quick else b
@@ -110,23 +116,23 @@ def layer_rows(quick):
     rows = []
     torch_layer = TorchLayer(h, ffn, heads).to(DEV, torch.bfloat16)
     step = fwd_bwd(torch_layer, x, dy)
-    rows.append({"variant": "torch bf16 eager + SDPA", "ms": bench(step, 3, 10), "peak_mib": peak_mib(step)})
+    _row(rows, {"variant": "torch bf16 eager + SDPA", "ms": bench(step, 3, 10), "peak_mib": peak_mib(step)})
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         ao_layer = TorchLayer(h, ffn, heads).to(DEV, torch.bfloat16)
         convert_to_float8_training(ao_layer, config=Float8LinearConfig.from_recipe_name("tensorwise"))
         step = fwd_bwd(torch.compile(ao_layer), x, dy)
-        rows.append({"variant": "torchao tensorwise + compile", "ms": bench(step, 3, 10), "peak_mib": peak_mib(step)})
+        _row(rows, {"variant": "torchao tensorwise + compile", "ms": bench(step, 3, 10), "peak_mib": peak_mib(step)})
     except Exception as exc:
-        rows.append({"variant": "torchao tensorwise + compile", "ms": None, "peak_mib": None, "error": str(exc)[:200]})
+        _row(rows, {"variant": "torchao tensorwise + compile", "ms": None, "peak_mib": None, "error": str(exc)[:200]})
     layer = te.TransformerLayer(h, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0,
                                 self_attn_mask_type="causal", params_dtype=torch.bfloat16)
     step = fwd_bwd(layer, x, dy)
-    rows.append({"variant": "te bf16", "ms": bench(step, 3, 10), "peak_mib": peak_mib(step)})
+    _row(rows, {"variant": "te bf16", "ms": bench(step, 3, 10), "peak_mib": peak_mib(step)})
     for name, rcp in (("delayed", te_recipe.DelayedScaling()), ("current", te_recipe.Float8CurrentScaling())):
         step = fwd_bwd(layer, x, dy, lambda rcp=rcp: te.autocast(recipe=rcp))
-        rows.append({"variant": f"te fp8 {name}", "ms": bench(step, 3, 10), "peak_mib": peak_mib(step)})
+        _row(rows, {"variant": f"te fp8 {name}", "ms": bench(step, 3, 10), "peak_mib": peak_mib(step)})
     return rows
 
 
