@@ -22,6 +22,7 @@ from te_core import recipe as te_recipe
 
 DEV = "cuda"
 LINEAR_SHAPES = [(16384, 8192, 8192), (16384, 8192, 28672), (8192, 4096, 4096)]
+SKIP_TORCHAO = False
 LAYER = dict(h=4096, ffn=16384, heads=32, s=2048, b=8)  # PERFORMANCE.md's layer
 
 
@@ -55,6 +56,8 @@ def fwd_bwd(module, x, dy, ctx=None):
 
 def torchao_linear(lin, recipe_name, compile_it=True):
     try:
+        if SKIP_TORCHAO:
+            raise RuntimeError("skipped (--skip-torchao)")
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except Exception as exc:  # torchao is an optional peer
         return None, f"torchao unavailable: {exc}"
@@ -118,6 +121,8 @@ def layer_rows(quick):
     step = fwd_bwd(torch_layer, x, dy)
     _row(rows, {"variant": "torch bf16 eager + SDPA", "ms": bench(step, 3, 10), "peak_mib": peak_mib(step)})
     try:
+        if SKIP_TORCHAO:
+            raise RuntimeError("skipped (--skip-torchao)")
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         ao_layer = TorchLayer(h, ffn, heads).to(DEV, torch.bfloat16)
@@ -158,21 +163,27 @@ def tiny_rows():
 
     with torch.no_grad():
         t_ref = wall(lambda: ref(x))
-    return [{"nn.Linear bf16 us": t_ref, "te.Linear fp8 us": wall(te_fwd)}]
+    row = {"nn.Linear bf16 us": t_ref, "te.Linear fp8 us": wall(te_fwd)}
+    print(json.dumps(row), flush=True)
+    return [row]
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-layer", action="store_true")
+    parser.add_argument("--layer-only", action="store_true", help="the layer and tiny rows only")
+    parser.add_argument("--skip-torchao", action="store_true")
     args = parser.parse_args()
+    global SKIP_TORCHAO
+    SKIP_TORCHAO = args.skip_torchao
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat()}
     try:
         import triton
         meta["triton"] = triton.__version__
     except ImportError:
         pass
-    result = {"meta": meta, "linear": linear_rows(args.quick), "tiny": tiny_rows()}
+    result = {"meta": meta, "linear": [] if args.layer_only else linear_rows(args.quick), "tiny": tiny_rows()}
     if not args.skip_layer:
         result["layer"] = layer_rows(args.quick)
     path = os.path.join(os.path.dirname(__file__), "results", f"modules-{meta['date']}.json")

@@ -29,25 +29,27 @@ def _scale_args(a, b, a_si, b_si, scaling: str):
     raise ValueError(f"scaling {scaling!r} is not run by torch._scaled_mm here")
 
 
-def _bias_in_kernel(bias, out_dtype, scaling) -> bool:
-    # cuBLASLt's fused bias takes bf16/fp16 bias matching the output, tensor-wise only
-    return bias is not None and scaling == TENSORWISE and bias.dtype == out_dtype and out_dtype != torch.float32
+def _add_bias(result, bias):
+    """The bias is added after the GEMM, not in cuBLASLt's bias epilogue: on the H200 (torch
+    2.11) that epilogue failed with CUBLAS_STATUS_NOT_SUPPORTED at M=16384 N=4096 K=16384 while
+    the same GEMM without it ran (torchao adds its bias outside the GEMM too)."""
+    if bias.dtype == result.dtype:
+        return result.add_(bias)
+    return (result.float() + bias.float()).to(result.dtype)
 
 
 def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, bias=None, out=None,
              accumulate=False):
     """te_core.ops.gemm_fp8 on cuBLASLt."""
     sa, sb = _scale_args(a, b, a_scale_inv, b_scale_inv, scaling)
-    fused_bias = bias if _bias_in_kernel(bias, out_dtype, scaling) else None
-    unfused_bias = bias is not None and fused_bias is None
-    direct = out is not None and not accumulate and out.dtype == out_dtype and out.is_contiguous() and not unfused_bias
-    kwargs = dict(bias=fused_bias, out_dtype=out_dtype, use_fast_accum=False)
+    direct = out is not None and not accumulate and out.dtype == out_dtype and out.is_contiguous() and bias is None
+    kwargs = dict(out_dtype=out_dtype, use_fast_accum=False)
     if direct:
         result = torch._scaled_mm(a, b.t(), sa, sb, out=out, **kwargs)
     else:
         result = torch._scaled_mm(a, b.t(), sa, sb, **kwargs)
-    if unfused_bias:
-        result = (result.float() + bias.float()).to(out_dtype)
+    if bias is not None:
+        result = _add_bias(result, bias)
     if out is None or direct:
         return out if direct else result
     if accumulate:
