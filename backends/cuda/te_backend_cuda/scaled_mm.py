@@ -15,10 +15,17 @@ from te_core.backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, MXFP8,
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def _aligned_scalar(scale):
+    """A 0-dim float32 scale at a 16-byte aligned address: a scale sliced out of a module's
+    scale vector at an offset made cuBLASLt answer CUBLAS_STATUS_NOT_SUPPORTED on the H200."""
+    scale = scale.reshape(()).float()
+    return scale.clone() if scale.data_ptr() % 16 else scale
+
+
 def _scale_args(a, b, a_si, b_si, scaling: str):
     M, N = a.shape[0], b.shape[0]
     if scaling == TENSORWISE:
-        return a_si.reshape(()).float(), b_si.reshape(()).float()
+        return _aligned_scalar(a_si), _aligned_scalar(b_si)
     if scaling == ROWWISE:
         return a_si.reshape(M, 1).float().contiguous(), b_si.reshape(1, N).float().contiguous()
     sa = a_si.float().t().contiguous().t()

@@ -98,10 +98,6 @@ def delayed_scaling_update(amax_histories: List[torch.Tensor], scales: List[torc
     device = amax_histories[0].device
     table, fmaxes = _table(amax_histories, scales, fp8_maxes, device)
     max_cols = max(h.shape[1] for h in amax_histories)
-    # Modules have a handful of columns and a long history: a tile as wide as the columns and
-    # tall enough to hold cfg's element budget walks the rows in a few steps instead of L / 8.
-    block_n = min(cfg.block_n, triton.next_power_of_2(max(max_cols, 1)))
-    block_r = max(cfg.block_m, (cfg.block_m * cfg.block_n) // block_n)
-    grid = (len(amax_histories), triton.cdiv(max(max_cols, 1), block_n))
+    grid = (len(amax_histories), triton.cdiv(max(max_cols, 1), cfg.block_n))
     _delayed_update_kernel[grid](table, fmaxes, float(2.0 ** margin), MOST_RECENT=amax_compute_algo == "most_recent",
-                                 BR=block_r, BN=block_n, num_warps=cfg.num_warps)
+                                 BR=cfg.block_m, BN=cfg.block_n, num_warps=cfg.num_warps)
