@@ -107,3 +107,18 @@ def test_gemm_fp8_glue_on_cpu_scaled_mm(mode, out_kind, out_dtype, bias_dtype):
     assert got.dtype == out_dtype and (out is None or got is out)
     tol = dict(rtol=1.6e-2, atol=1e-2) if out_dtype == torch.bfloat16 else dict(rtol=1.3e-6, atol=1e-3)
     torch.testing.assert_close(got, want, **tol)
+
+
+def test_tensorwise_scales_are_passed_16_byte_aligned():
+    """A module's per-slot scale_inv is a 1-element slice of a vector; cuBLASLt refused one at
+    an unaligned address on the H200, so the backend hands it an aligned copy of the value."""
+    from te_backend_cuda import scaled_mm
+
+    g = torch.Generator().manual_seed(3)
+    vector = torch.rand(8, generator=g) + 0.5
+    a = torch.randn(16, 32, generator=g).to(torch.float8_e4m3fn)
+    b = torch.randn(16, 32, generator=g).to(torch.float8_e4m3fn)
+    for column in range(4):
+        sa, sb = scaled_mm._scale_args(a, b, vector[column : column + 1], vector[3:4], "tensorwise")
+        assert sa.data_ptr() % 16 == 0 and sb.data_ptr() % 16 == 0
+        assert sa.item() == vector[column].item() and sb.item() == vector[3].item()
