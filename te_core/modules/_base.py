@@ -6,7 +6,7 @@ checkpoint-safe extra state (tensors and plain values only).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Union
+from typing import Dict, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -17,25 +17,7 @@ from ..quantization.state import RecipeState, check_compatible, extra_state
 from ..quantization.step import HIGH_PRECISION, CalibrationStep, QuantizationStep
 from ..quantization.tensor import QuantizedTensor
 from ..recipe import recipe_from_config
-
-PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def default_device(device: Union[None, str, torch.device]) -> torch.device:
-    """`device`, or the selected backend's device when None."""
-    if device is not None:
-        return torch.device(device)
-    from .. import backend
-
-    return backend.get_backend().device
-
-
-def default_params_dtype(params_dtype: Optional[torch.dtype]) -> torch.dtype:
-    dtype = torch.get_default_dtype() if params_dtype is None else params_dtype
-    if dtype not in PARAMS_DTYPES:
-        raise TypeError(f"params_dtype={dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16")
-    return dtype
-
+from ._common import resolve_device, resolve_params_dtype
 
 class QuantizedModule(nn.Module):
     """Base for modules whose GEMMs follow te_core.autocast. Subclasses declare their quantizer
@@ -44,8 +26,8 @@ class QuantizedModule(nn.Module):
 
     def __init__(self, slots: Sequence[QuantizerSlot], *, device=None, params_dtype=None):
         super().__init__()
-        self.device = default_device(device)
-        self.params_dtype = default_params_dtype(params_dtype)
+        self.device = resolve_device(device)
+        self.params_dtype = resolve_params_dtype(params_dtype)
         self._quantizer_slots = tuple(slots)
         self._recipe_state: Optional[RecipeState] = None
         self._state_from_checkpoint = False

@@ -78,7 +78,8 @@ def resolve_device(device: Union[None, str, torch.device]) -> torch.device:
 
 
 def resolve_params_dtype(params_dtype: Optional[torch.dtype]) -> torch.dtype:
-    dtype = torch.float32 if params_dtype is None else params_dtype
+    """`params_dtype`, or torch's default dtype (float32 unless changed), as Transformer Engine."""
+    dtype = torch.get_default_dtype() if params_dtype is None else params_dtype
     if dtype not in HP_DTYPES:
         raise TypeError(f"params_dtype={dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16")
     return dtype
@@ -137,8 +138,10 @@ def check_fp8_gemms(step, module: str, *gemms: Tuple[int, int, int]) -> None:
         raise ValueError(f"{module}: {err}") from None
 
 
-def check_input(x: Tensor, last_dim: int, *, name: str = "inp", module: str = "module") -> None:
-    """A floating-point tensor with at least 1 dimension whose last dimension is `last_dim`."""
+def check_input(x: Tensor, last_dim: int, *, name: str = "inp", module: str = "module",
+                last_dim_name: str = "", device: Optional[torch.device] = None) -> None:
+    """A floating-point tensor with at least 1 dimension whose last dimension is `last_dim`
+    (called `last_dim_name` in the message), on `device` (the weights') when given."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{module}: {name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in HP_DTYPES:
@@ -147,9 +150,12 @@ def check_input(x: Tensor, last_dim: int, *, name: str = "inp", module: str = "m
             "(FP8 quantization happens inside the module under te.autocast)"
         )
     if x.dim() == 0 or x.shape[-1] != last_dim:
+        what = f"{last_dim_name}={last_dim}" if last_dim_name else f"{last_dim} (the module's input features / hidden size)"
+        raise ValueError(f"{module}: {name} has shape {tuple(x.shape)}; its last dimension must be {what}")
+    if device is not None and x.device != device:
         raise ValueError(
-            f"{module}: {name} has shape {tuple(x.shape)}; its last dimension must be {last_dim} "
-            "(the module's input features / hidden size)"
+            f"{module}: {name} is on {x.device} but the weight is on {device}; move one of them "
+            f"({name}.to({str(device)!r}) or module.to(...))"
         )
 
 

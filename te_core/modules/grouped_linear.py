@@ -113,7 +113,7 @@ class GroupedLinear(QuantizedModule):
 
     def forward(self, inp: Tensor, m_splits: Sequence[int], is_first_microbatch: Optional[bool] = None):
         name = "GroupedLinear"
-        check_input(inp, self.in_features, module=name)
+        check_input(inp, self.in_features, module=name, device=self.weight0.device)
         m_splits = [int(m) for m in m_splits]
         if len(m_splits) != self.num_gemms or any(m < 0 for m in m_splits):
             raise ValueError(f"{name}: m_splits must be {self.num_gemms} non-negative row counts, got {m_splits}")

@@ -63,7 +63,7 @@ class _Norm(nn.Module):
             shape = tuple(inp.shape) if isinstance(inp, Tensor) else type(inp).__name__
             raise ValueError(f"{name}: inp has shape {shape}; its trailing dimensions must be {self.normalized_shape}")
         x = inp.reshape(*inp.shape[: inp.dim() - n], self._size)
-        check_input(x, self._size, module=name)
+        check_input(x, self._size, module=name, device=self.weight.device)
         x = x.to(compute_dtype(x))
         with no_torch_autocast(x.device.type):
             w = self.weight.reshape(self._size)

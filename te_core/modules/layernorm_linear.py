@@ -170,7 +170,7 @@ class LayerNormLinear(QuantizedModule):
                 nn.init.zeros_(self.bias)
 
     def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False):
-        check_input(inp, self.in_features, module="LayerNormLinear")
+        check_input(inp, self.in_features, module="LayerNormLinear", device=self.weight.device)
         dtype = compute_dtype(inp)
         x = inp.reshape(-1, self.in_features).to(dtype)
         step = self.quantization_step(is_first_microbatch)

@@ -177,7 +177,7 @@ class LayerNormMLP(QuantizedModule):
             self.output_layer_init_method(self.fc2_weight)
 
     def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None):
-        check_input(inp, self.hidden_size, module="LayerNormMLP")
+        check_input(inp, self.hidden_size, module="LayerNormMLP", device=self.fc1_weight.device)
         dtype = compute_dtype(inp)
         x = inp.reshape(-1, self.hidden_size).to(dtype)
         step = self.quantization_step(is_first_microbatch)

@@ -6,7 +6,6 @@ column-wise copies for the backward GEMMs, then dgrad, wgrad and the fused dbias
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, NamedTuple, Optional, Union
 
 import torch
@@ -15,13 +14,9 @@ from torch import Tensor, nn
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_gemm
 from ..quantization.roles import gemm_slots
 from ._base import QuantizedModule
+from ._common import check_input, check_positive, compute_dtype, default_init_method, no_torch_autocast, reject_unsupported
 
-INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _default_init(weight: Tensor) -> None:
-    """Transformer Engine's default: normal(0, 0.023)."""
-    nn.init.normal_(weight, mean=0.0, std=0.023)
+_default_init = default_init_method()
 
 
 class _Options(NamedTuple):
@@ -81,20 +76,6 @@ def _wgrad(dy_op, x_op, weight: Tensor, fuse_accumulation: bool) -> Optional[Ten
     return None
 
 
-def _reject_unsupported(**kwargs) -> None:
-    defaults = {"tp_size": 1, "tp_group": None, "sequence_parallel": False, "parameters_split": None,
-                "get_rng_state_tracker": None, "rng_tracker_name": None, "delay_wgrad_compute": False,
-                "ub_overlap_ag": False, "ub_overlap_rs": False, "ub_overlap_rs_dgrad": False, "ub_bulk_dgrad": False,
-                "ub_bulk_wgrad": False, "ub_name": None, "symmetric_ar_type": None}
-    for name, value in kwargs.items():
-        if value != defaults[name]:
-            raise NotImplementedError(
-                f"Linear: {name}={value!r} is not supported by te-core yet (no tensor parallelism, sequence "
-                f"parallelism, parameter splitting or userbuffers overlap); leave {name} at its default "
-                f"{defaults[name]!r}"
-            )
-
-
 class Linear(QuantizedModule):
     """Applies y = x @ weight.T + bias. Runs in FP8 per the recipe under te_core.autocast,
     in high precision (ops.gemm) otherwise.
@@ -120,16 +101,12 @@ class Linear(QuantizedModule):
         name: Optional[str] = None,
         **unsupported,
     ):
-        unknown = set(unsupported) - set(_UNSUPPORTED_DEFAULTS)
-        if unknown:
-            raise TypeError(f"Linear got unexpected keyword argument(s): {', '.join(sorted(unknown))}")
-        _reject_unsupported(**unsupported)
+        reject_unsupported("Linear", **unsupported)
         if parallel_mode not in (None, "column", "row"):
             raise ValueError(f"Linear: parallel_mode={parallel_mode!r}; use None, 'column' or 'row' "
                              "(the latter two are no-ops without tensor parallelism)")
-        for arg, value in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"Linear: {arg} must be a positive integer, got {value!r}")
+        check_positive(in_features, name="in_features", module="Linear")
+        check_positive(out_features, name="out_features", module="Linear")
         super().__init__(gemm_slots(), device=device, params_dtype=params_dtype)
         self.in_features, self.out_features = in_features, out_features
         self.return_bias, self.use_bias = return_bias, bias
@@ -150,28 +127,15 @@ class Linear(QuantizedModule):
             self.register_parameter("bias", None)
 
     def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None):
-        self._check_input(inp)
+        check_input(inp, self.in_features, module="Linear", last_dim_name="in_features", device=self.weight.device)
         step = self.quantization_step(is_first_microbatch)
-        options = _Options(_compute_dtype(inp), self.fuse_wgrad_accumulation, torch.is_grad_enabled())
+        options = _Options(compute_dtype(inp), self.fuse_wgrad_accumulation, torch.is_grad_enabled())
         fused_bias = None if self.return_bias else self.bias
-        with _no_torch_autocast(inp.device.type):  # operands are cast here, not by torch.autocast
+        with no_torch_autocast(inp.device.type):  # operands are cast here, not by torch.autocast
             out = _LinearFunction.apply(inp, self.weight, fused_bias, step, options)
         if self.return_bias:
             return out, self.bias
         return out
-
-    def _check_input(self, inp: Tensor) -> None:
-        if not isinstance(inp, Tensor):
-            raise TypeError(f"Linear: inp must be a torch.Tensor, got {type(inp).__name__}")
-        if inp.dtype not in INPUT_DTYPES:
-            raise TypeError(f"Linear: inp has dtype {inp.dtype}; expected float32, bfloat16 or float16 "
-                            "(FP8 quantization happens inside the module under te_core.autocast)")
-        if inp.dim() == 0 or inp.shape[-1] != self.in_features:
-            raise ValueError(f"Linear: inp has shape {tuple(inp.shape)}; its last dimension must be "
-                             f"in_features={self.in_features}")
-        if inp.device != self.weight.device:
-            raise ValueError(f"Linear: inp is on {inp.device} but the weight is on {self.weight.device}; "
-                             f"move one of them (inp.to({str(self.weight.device)!r}) or module.to(...))")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}"
@@ -181,22 +145,3 @@ class Linear(QuantizedModule):
             (init_method or _default_init)(self.weight)
             if self.bias is not None:
                 self.bias.zero_()
-
-
-_UNSUPPORTED_DEFAULTS = ("tp_size", "tp_group", "sequence_parallel", "parameters_split", "get_rng_state_tracker",
-                         "rng_tracker_name", "delay_wgrad_compute", "ub_overlap_ag", "ub_overlap_rs",
-                         "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad", "ub_name", "symmetric_ar_type")
-
-
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    """torch.autocast's dtype when enabled for x's device, else x's."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
-
-
-
-def _no_torch_autocast(device_type: str):
-    if torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()

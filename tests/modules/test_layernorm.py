@@ -90,6 +90,7 @@ def test_parameters_default_to_float32_on_backend_device():
             r"inp has shape \(4, 9\).*trailing dimensions must be \(8,\)",
         ),
         (lambda: tm.RMSNorm(8), lambda m: m(torch.randint(0, 3, (4, 8))), r"inp has dtype torch.int64"),
+        (lambda: tm.RMSNorm(8), lambda m: m(torch.randn(4, 8, device="meta")), r"inp is on meta but the weight is on cpu"),
         (lambda: tm.LayerNorm(0), None, r"normalized_shape must be a positive int"),
         (lambda: tm.LayerNorm(8, eps=0.0), None, r"eps must be positive"),
         (lambda: tm.LayerNorm(8, params_dtype=torch.int32), None, r"params_dtype=torch.int32 is not supported"),

@@ -87,6 +87,10 @@ def test_torch_autocast_bf16_compute_fp32_grads():
         (lambda: tm.LayerNormLinear(16, 0), r"out_features must be a positive integer"),
         (lambda: tm.LayerNormMLP(16, 32)(torch.randn(4, 15)), r"LayerNormMLP: inp has shape \(4, 15\)"),
         (lambda: tm.LayerNormLinear(16, 32)(torch.ones(4, 16, dtype=torch.int64)), r"inp has dtype torch.int64"),
+        (lambda: tm.LayerNormLinear(16, 32)(torch.randn(4, 16, device="meta")),
+         r"LayerNormLinear: inp is on meta but the weight is on cpu"),
+        (lambda: tm.LayerNormMLP(16, 32)(torch.randn(4, 16, device="meta")),
+         r"LayerNormMLP: inp is on meta but the weight is on cpu"),
     ],
 )
 def test_bad_input_messages(build, match):
