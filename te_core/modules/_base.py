@@ -110,3 +110,16 @@ class QuantizedModule(nn.Module):
         target.load_quantization_state(state["quantization_state"])
         self._recipe_state = target
         self._weight_cache.clear()
+
+
+def merged_quantization_state(container: nn.Module) -> Dict[str, Dict[str, Dict[str, Tensor]]]:
+    """quantization_state() of a container (MultiheadAttention, TransformerLayer): every quantized
+    submodule's slots, keyed "<submodule path>.<slot>" (e.g. "layernorm_mlp.fc1_input")."""
+    merged: Dict[str, Dict[str, Dict[str, Tensor]]] = {"forward": {}, "backward": {}}
+    for path, child in container.named_modules():
+        if child is container or not isinstance(child, QuantizedModule):
+            continue
+        for direction, slots in child.quantization_state().items():
+            for slot, state in slots.items():
+                merged[direction][f"{path}.{slot}"] = state
+    return merged

@@ -7,6 +7,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from ._base import merged_quantization_state
 from ._common import reject_unsupported, check_choice, check_divisible, check_input, check_normalization, check_positive
 from .attention import QKV_FORMATS, DotProductAttention
 from .layernorm_linear import LayerNormLinear
@@ -84,6 +85,10 @@ class MultiheadAttention(nn.Module):
             attention_type=attention_type)
         # fmt: on
         self.proj = Linear(q_size, hidden_size, init_method=output_layer_init_method, **common)
+
+    def quantization_state(self):
+        """Every quantized submodule's scaling state, keyed "<submodule>.<slot>" per direction."""
+        return merged_quantization_state(self)
 
     def forward(
         self,

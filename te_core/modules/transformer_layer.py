@@ -9,6 +9,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
+from ._base import merged_quantization_state
 from ._common import (
     reject_unsupported,
     check_activation,
@@ -99,6 +100,10 @@ class TransformerLayer(nn.Module):
             )
         else:
             self.layernorm = None
+
+    def quantization_state(self):
+        """Every quantized submodule's scaling state, keyed "<submodule>.<slot>" per direction."""
+        return merged_quantization_state(self)
 
     def forward(
         self,

@@ -302,3 +302,29 @@ def test_layout_options_match_their_definitions():
     par.load_state_dict(base.state_dict())
     expected = x + base.self_attention(x) + base.layernorm_mlp(x)
     torch.testing.assert_close(par(x), expected, rtol=1.3e-6, atol=1e-5)
+
+
+def test_container_quantization_state_collects_submodules():
+    """TransformerLayer.quantization_state(): each GEMM's slots under its submodule path, live
+    views of the delayed-scaling state (the scale a step used is the one shown)."""
+    from te_core import autocast, recipe
+
+    torch.manual_seed(7)
+    layer = tm.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0)
+    x = torch.randn(16, 2, 64, requires_grad=True)
+    with autocast(recipe=recipe.DelayedScaling(amax_history_len=4)):
+        layer(x).sum().backward()
+    state = layer.quantization_state()
+    assert set(state["forward"]) == {
+        "self_attention.layernorm_qkv.input", "self_attention.layernorm_qkv.weight",
+        "self_attention.proj.input", "self_attention.proj.weight",
+        "layernorm_mlp.fc1_input", "layernorm_mlp.fc1_weight", "layernorm_mlp.fc2_input", "layernorm_mlp.fc2_weight",
+    }
+    assert set(state["backward"]) == {"self_attention.layernorm_qkv.grad_output", "self_attention.proj.grad_output",
+                                      "layernorm_mlp.fc1_grad_output", "layernorm_mlp.fc2_grad_output"}
+    fc1 = layer.layernorm_mlp.quantization_state()["forward"]["fc1_weight"]
+    merged = state["forward"]["layernorm_mlp.fc1_weight"]
+    assert torch.equal(merged["scale"], fc1["scale"]) and torch.equal(merged["amax_history"], fc1["amax_history"])
+    # after one step the scale came from the recorded amax: fp8_max / amax of the weight
+    amax = layer.layernorm_mlp.fc1_weight.detach().abs().max()
+    torch.testing.assert_close(merged["scale"].reshape(()), (448.0 / amax).float(), rtol=1.3e-6, atol=0)
