@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from ..quantization import gemm_slots
-from ..quantization.gemm import dgrad_gemm, fprop_gemm, wgrad_gemm
+from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_gemm
 from ._base import QuantizedModule
 from ._common import (
     check_fp8_gemms,
@@ -42,7 +42,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             x_q = step.operand(_slot(i, "input"), xi, columnwise=w.requires_grad)
             w_q = step.weight_operand(_slot(i, "weight"), hp_weight(step, w, x.dtype), columnwise=x.requires_grad)
             outs.append(fprop_gemm(x_q, w_q, out_dtype=x.dtype, bias=biases[i] if biases else None))
-            saved += [x_q, w_q]
+            saved += [x_q, keep_columnwise(w_q) if x.requires_grad else None]  # dgrad reads the column-wise copy
         ctx.save_for_backward(*saved)
         ctx.step, ctx.m_splits, ctx.num_gemms = step, m_splits, num_gemms
         ctx.weight_meta = [(w.shape, w.dtype) for w in weights]

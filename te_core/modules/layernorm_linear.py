@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ..quantization import gemm_slots
-from ..quantization.gemm import dgrad_gemm, fprop_gemm, wgrad_gemm
+from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_gemm
 from ._base import QuantizedModule
 from ._common import (
     check_fp8_gemms,
@@ -80,7 +80,9 @@ class _LayerNormLinearFunction(torch.autograd.Function):
             "weight", hp_weight(step, weight, x.dtype), columnwise=needs_norm_grad(x, ln_weight, ln_bias)
         )
         y = fprop_gemm(ln_out_q, w_q, out_dtype=x.dtype, bias=bias)
-        ctx.save_for_backward(x, ln_weight, ln_out_q, w_q, *stats)
+        # backward reads the column-wise copies only: ln_out for wgrad, the weight for dgrad
+        ctx.save_for_backward(x, ln_weight, keep_columnwise(ln_out_q) if weight.requires_grad else None,
+                              keep_columnwise(w_q) if needs_norm_grad(x, ln_weight, ln_bias) else None, *stats)
         ctx.step, ctx.norm, ctx.weight_dtype = step, norm, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.needs = (x.requires_grad, weight.requires_grad)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..quantization import gemm_slots
-from ..quantization.gemm import dgrad_gemm, fprop_gemm, wgrad_gemm
+from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_gemm
 from ._base import QuantizedModule
 from ._common import (
     check_activation,
@@ -77,7 +77,12 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         act_q = activated_operand(step, "fc2_input", h, activation, columnwise=fc2_weight.requires_grad)
         fc2_w_q = step.weight_operand("fc2_weight", hp_weight(step, fc2_weight, x.dtype), columnwise=True)
         y = fprop_gemm(act_q, fc2_w_q, out_dtype=x.dtype, bias=fc2_bias)
-        ctx.save_for_backward(x, ln_weight, ln_out_q, fc1_w_q, h, act_q, fc2_w_q, *stats)
+        # backward reads the column-wise copies only (wgrad: ln_out, act; dgrad: the weights)
+        ctx.save_for_backward(
+            x, ln_weight, keep_columnwise(ln_out_q) if fc1_weight.requires_grad else None,
+            keep_columnwise(fc1_w_q) if needs_norm_grad(x, ln_weight, ln_bias) else None, h,
+            keep_columnwise(act_q) if fc2_weight.requires_grad else None, keep_columnwise(fc2_w_q), *stats,
+        )
         ctx.step, ctx.norm, ctx.activation = step, norm, activation
         ctx.bias_dtypes = (None if fc1_bias is None else fc1_bias.dtype, None if fc2_bias is None else fc2_bias.dtype)
         ctx.weight_dtypes = (fc1_weight.dtype, fc2_weight.dtype)

@@ -38,8 +38,10 @@ class _LinearFunction(torch.autograd.Function):
         w_hp = weight if step.fp8 else weight.to(dtype)
         w_op = step.weight_operand("weight", w_hp, columnwise=need_dgrad)
         y = fprop_gemm(x_op, w_op, out_dtype=dtype, bias=bias)
-        # Backward reads only the column-wise copy of x (wgrad); the weight stays whole (it may be cached).
-        ctx.save_for_backward(keep_columnwise(x_op) if need_wgrad else None, w_op if need_dgrad else None)
+        # Backward reads only column-wise copies: x's for wgrad, the weight's for dgrad (a cached
+        # weight keeps both layouts in the module's cache; saving the twin costs nothing extra).
+        ctx.save_for_backward(keep_columnwise(x_op) if need_wgrad else None,
+                              keep_columnwise(w_op) if need_dgrad else None)
         ctx.step, ctx.options, ctx.weight = step, options, weight
         ctx.inp_shape, ctx.inp_dtype = inp.shape, inp.dtype
         ctx.need_dgrad, ctx.need_wgrad = need_dgrad, need_wgrad
