@@ -30,7 +30,7 @@ class _LinearFunction(torch.autograd.Function):
     def forward(ctx, inp: Tensor, weight: Tensor, bias: Optional[Tensor], step, options: _Options) -> Tensor:
         out_features, in_features = weight.shape
         dtype = options.compute_dtype
-        x2d = inp.reshape(-1, in_features)
+        x2d = inp if inp.dim() == 2 else inp.reshape(-1, in_features)
         step.check_gemm_dims(x2d.shape[0], out_features, in_features)
         need_dgrad = options.grad_enabled and inp.requires_grad
         need_wgrad = options.grad_enabled and weight.requires_grad
@@ -46,18 +46,19 @@ class _LinearFunction(torch.autograd.Function):
         ctx.inp_shape, ctx.inp_dtype = inp.shape, inp.dtype
         ctx.need_dgrad, ctx.need_wgrad = need_dgrad, need_wgrad
         ctx.bias_dtype = None if bias is None or not bias.requires_grad else bias.dtype
-        return y.reshape(*inp.shape[:-1], out_features)
+        return y if inp.dim() == 2 else y.reshape(*inp.shape[:-1], out_features)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x_op, w_op = ctx.saved_tensors
         step, weight = ctx.step, ctx.weight
-        dy2d = dy.reshape(-1, dy.shape[-1]).contiguous()
+        dy2d = (dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).contiguous()
         dy_op, dbias = step.grad_operand("grad_output", dy2d, columnwise=ctx.need_wgrad,
                                          with_dbias=ctx.bias_dtype is not None)
         dx = dw = None
         if ctx.need_dgrad:
-            dx = dgrad_gemm(dy_op, w_op, out_dtype=ctx.inp_dtype).reshape(ctx.inp_shape)
+            dx = dgrad_gemm(dy_op, w_op, out_dtype=ctx.inp_dtype)
+            dx = dx if dx.shape == ctx.inp_shape else dx.reshape(ctx.inp_shape)
         if ctx.need_wgrad:
             dw = _wgrad(dy_op, x_op, weight, ctx.options.fuse_wgrad_accumulation)
         step.backward_done()

@@ -18,6 +18,7 @@ from .. import ops
 from ..backend.types import fp8_max
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
+_FLOATS_PER_16_BYTES = 4
 
 
 class ScalingGroup:
@@ -33,6 +34,9 @@ class ScalingGroup:
         self.scale = torch.ones(n, dtype=torch.float32, device=device)
         self._scale_inv = torch.ones(n, dtype=torch.float32, device=device)
         self._scale_inv_version = self.scale._version
+        # Per-column views, made once: slicing on every cast costs host time on a hot path.
+        self._column_views: Optional[Tuple[List[Tensor], List[Tensor]]] = None
+        self._scale_inv_views: Tuple[Optional[Tensor], List[Tensor]] = (None, [])
 
     def scale_inv(self) -> Tensor:
         """1 / scale, recomputed (as a NEW tensor) only after `scale` changed in place, so tensors
@@ -52,6 +56,33 @@ class ScalingGroup:
         self.amax_history = self.amax_history.to(device)
         self.scale = self.scale.to(device)
         self._scale_inv_version = None
+        self._column_views = None
+
+    def _views(self) -> Tuple[List[Tensor], List[Tensor]]:
+        if self._column_views is None:
+            columns = range(len(self.names))
+            self._column_views = ([self.scale[i : i + 1] for i in columns],
+                                  [self.amax_history[0, i : i + 1] for i in columns])
+        return self._column_views
+
+    def scale_of(self, column: int) -> Tensor:
+        """The (1,) view of `column`'s scale (live: updates show through)."""
+        return self._views()[0][column]
+
+    def scale_inv_of(self, column: int) -> Tensor:
+        """The (1,) view of `column` in the current scale_inv snapshot, at a 16-byte aligned
+        address: FP8 GEMM libraries read scales with vector loads (cuBLASLt refused a scale at
+        an offset of 4 bytes), so the snapshot is copied into one 16-byte slot per column."""
+        snapshot = self.scale_inv()
+        if self._scale_inv_views[0] is not snapshot:
+            if len(self.names) == 1:  # a fresh (1,) tensor is aligned already
+                views = [snapshot]
+            else:
+                slots = torch.empty(len(self.names), _FLOATS_PER_16_BYTES, dtype=torch.float32, device=snapshot.device)
+                slots[:, 0] = snapshot
+                views = [slot[:1] for slot in slots.unbind(0)]
+            self._scale_inv_views = (snapshot, views)
+        return self._scale_inv_views[1][column]
 
     def scale_changed(self) -> None:
         """Call after writing `scale` through a kernel (which does not bump torch's version counter)."""
@@ -59,7 +90,7 @@ class ScalingGroup:
 
     def record(self, column: int, amax: Tensor) -> None:
         """Keep the largest amax of the step (torch.maximum keeps a NaN, so the update skips it)."""
-        row = self.amax_history[0, column : column + 1]
+        row = self._views()[1][column]
         torch.maximum(row, amax if amax.dtype == torch.float32 else amax.float(), out=row)
 
 

@@ -243,3 +243,24 @@ def test_quantized_tensors_keep_their_scale_snapshot(gen):
     third = q.quantize(randn(gen, 16, 16))
     torch.testing.assert_close(third._scale_inv, torch.reciprocal(q.scale))
     assert first._scale_inv == 1.0 and second._scale_inv == third._scale_inv * 2
+
+
+def test_per_column_views_are_live_aligned_and_snapshotted():
+    """scale_of/scale_inv_of hand out cached per-column views: scale views see updates, each
+    scale_inv view sits at a 16-byte aligned address (GEMM libraries load scales as vectors) and
+    keeps the value of its snapshot after the scale changes."""
+
+    group = ScalingGroup(["a", "b", "c"], torch.float8_e4m3fn, DelayedScaling(amax_history_len=4),
+                         torch.device("cpu"))
+    group.scale.copy_(torch.tensor([2.0, 4.0, 8.0]))
+    before = [group.scale_inv_of(i) for i in range(3)]
+    assert all(v.data_ptr() % 16 == 0 for v in before)
+    assert [v.item() for v in before] == [0.5, 0.25, 0.125]
+    assert group.scale_of(1) is group.scale_of(1)  # made once
+    group.scale.mul_(2.0)
+    assert group.scale_of(2).item() == 16.0  # live
+    assert [v.item() for v in before] == [0.5, 0.25, 0.125]  # earlier snapshot kept
+    assert group.scale_inv_of(2).item() == 0.0625
+    group.record(1, torch.tensor(3.0))
+    group.record(1, torch.tensor(2.0))
+    assert group.amax_history[0].tolist() == [0.0, 3.0, 0.0]
