@@ -50,10 +50,10 @@ def dbias(dy: Tensor) -> Tensor:
 
 @contract_op("activation", _fp8_arg_caps)
 def dbias_cast_transpose(
-    dy: Tensor, scale: Tensor, fp8_dtype: torch.dtype
+    dy: Tensor, scale: Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[Tensor] = None
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """For a 2-D gradient dy (M, N): (data, data_t, dbias, amax) = cast_transpose_fp8(dy) and
-    dbias(dy), in one pass."""
+    dbias(dy), in one pass (`amax_out` as for cast_transpose_fp8)."""
 
 
 @contract_op("activation", _fp8_arg_caps)

@@ -5,6 +5,9 @@ Conventions shared by every cast op:
   the format's max become +-max (never inf/NaN); NaN stays NaN. `scale_inv` = 1 / scale
   multiplies back: x ~= data * scale_inv. Scales and amaxes are float32.
 - `amax` = max(|x|) over the whole input as a 0-dim float32 tensor, NaN if x holds a NaN.
+  Delayed-scaling casts also take `amax_out`: a 1-element float32 tensor (typically the slot
+  of an amax history row) into which max(amax_out, amax) is written in place (NaN wins); the
+  op then returns amax_out itself as its amax, so no separate buffer or max is needed.
 - 2-D ops take (M, K) tensors; `*_t` outputs are the transposed (K, M) tensors, contiguous,
   quantized so that data_t == data.T element for element where the scales allow it.
 - Inputs may be float32, bfloat16 or float16; math is done in float32.
@@ -29,13 +32,17 @@ def _self_scaled_cast_caps(caps: Capabilities, x, fp8_dtype, **_):
 
 
 @contract_op("cast", _scaled_cast_caps)
-def quantize_fp8(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+def quantize_fp8(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[Tensor] = None
+) -> Tuple[Tensor, Tensor]:
     """Delayed-scaling cast: (data, amax). data has x's shape and `fp8_dtype`; amax is of x
     (before scaling). `scale` is a 1-element float32 tensor."""
 
 
 @contract_op("cast", _scaled_cast_caps)
-def cast_transpose_fp8(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
+def cast_transpose_fp8(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[Tensor] = None
+) -> Tuple[Tensor, Tensor, Tensor]:
     """quantize_fp8 of a 2-D x plus its transpose in one pass: (data (M,K), data_t (K,M), amax)."""
 
 

@@ -88,19 +88,19 @@ class Float8Quantizer(Quantizer):
         return Float8Tensor.make(data, scale_inv, data_t, nominal_dtype=nominal_dtype, quantizer=self)
 
     def quantize(self, x: Tensor, *, columnwise: bool = False) -> Float8Tensor:
-        scale = self.scale
+        # the op maxes this step's amax straight into the history slot (amax_out)
+        scale, slot = self.scale, self.scaling_group.amax_slot(self.column)
         if columnwise:
-            data, data_t, amax = ops.cast_transpose_fp8(_as_2d(x, "a column-wise quantization"), scale, self.fp8_dtype)
+            x2d = _as_2d(x, "a column-wise quantization")
+            data, data_t, _ = ops.cast_transpose_fp8(x2d, scale, self.fp8_dtype, amax_out=slot)
             data = _shaped_like(data, x)
         else:
-            (data, amax), data_t = ops.quantize_fp8(x, scale, self.fp8_dtype), None
-        self._record(amax)
+            (data, _), data_t = ops.quantize_fp8(x, scale, self.fp8_dtype, amax_out=slot), None
         return self._wrap(data, data_t, x.dtype)
 
     def quantize_with_dbias(self, dy: Tensor, *, columnwise: bool = True):
-        scale = self.scale
-        data, data_t, dbias, amax = ops.dbias_cast_transpose(dy, scale, self.fp8_dtype)
-        self._record(amax)
+        slot = self.scaling_group.amax_slot(self.column)
+        data, data_t, dbias, _ = ops.dbias_cast_transpose(dy, self.scale, self.fp8_dtype, amax_out=slot)
         return self._wrap(data, data_t, dy.dtype), dbias
 
     def quantize_primary(self, x: Tensor) -> Float8Tensor:

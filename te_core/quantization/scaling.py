@@ -69,6 +69,10 @@ class ScalingGroup:
         """The (1,) view of `column`'s scale (live: updates show through)."""
         return self._views()[0][column]
 
+    def amax_slot(self, column: int) -> Tensor:
+        """The (1,) view of `column` in history row 0: where a cast maxes this step's amax."""
+        return self._views()[1][column]
+
     def scale_inv_of(self, column: int) -> Tensor:
         """The (1,) view of `column` in the current scale_inv snapshot, at a 16-byte aligned
         address: FP8 GEMM libraries read scales with vector loads (cuBLASLt refused a scale at
@@ -90,7 +94,7 @@ class ScalingGroup:
 
     def record(self, column: int, amax: Tensor) -> None:
         """Keep the largest amax of the step (torch.maximum keeps a NaN, so the update skips it)."""
-        row = self._views()[1][column]
+        row = self.amax_slot(column)
         torch.maximum(row, amax if amax.dtype == torch.float32 else amax.float(), out=row)
 
 

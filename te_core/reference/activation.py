@@ -135,10 +135,12 @@ def dbias(dy: Tensor) -> Tensor:
     return dy.reshape(-1, dy.shape[-1]).sum(dim=0, dtype=torch.float32).to(dy.dtype)
 
 
-def dbias_cast_transpose(dy: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def dbias_cast_transpose(
+    dy: Tensor, scale: Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[Tensor] = None
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     check_float("dy", dy)
     check_ndim("dy", dy, 2)
-    data, data_t, amax = cast_transpose_fp8(dy, scale, fp8_dtype)
+    data, data_t, amax = cast_transpose_fp8(dy, scale, fp8_dtype, amax_out=amax_out)
     return data, data_t, dbias(dy), amax
 
 

@@ -130,15 +130,32 @@ def _check_cast_input(x: Tensor, fp8_dtype, ndim: Optional[int] = None) -> float
 # ---------------------------------------------------------------- tensor-wise
 
 
-def quantize_fp8(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+def merge_amax(amax: Tensor, amax_out: Optional[Tensor]) -> Tensor:
+    """amax, or (with amax_out) max(amax_out, amax) written into amax_out and returned."""
+    if amax_out is None:
+        return amax
+    if not isinstance(amax_out, Tensor) or amax_out.dtype != torch.float32 or amax_out.numel() != 1:
+        got = f"{amax_out.dtype} {tuple(amax_out.shape)}" if isinstance(amax_out, Tensor) else type(amax_out).__name__
+        raise ValueError(f"amax_out must be a 1-element float32 tensor, got {got}")
+    if amax_out.device != amax.device:
+        raise ValueError(f"amax_out is on {amax_out.device} but x is on {amax.device}")
+    torch.maximum(amax_out, amax.reshape(amax_out.shape), out=amax_out)
+    return amax_out
+
+
+def quantize_fp8(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[Tensor] = None
+) -> Tuple[Tensor, Tensor]:
     _check_cast_input(x, fp8_dtype)
     s = check_one_element("scale", scale)
-    return saturating_cast(x.float() * s, fp8_dtype), amax_of(x)
+    return saturating_cast(x.float() * s, fp8_dtype), merge_amax(amax_of(x), amax_out)
 
 
-def cast_transpose_fp8(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
+def cast_transpose_fp8(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[Tensor] = None
+) -> Tuple[Tensor, Tensor, Tensor]:
     _check_cast_input(x, fp8_dtype, ndim=2)
-    data, amax = quantize_fp8(x, scale, fp8_dtype)
+    data, amax = quantize_fp8(x, scale, fp8_dtype, amax_out=amax_out)
     return data, data.t().contiguous(), amax
 
 

@@ -216,3 +216,21 @@ def test_bad_inputs():
 def test_exact_pow2_covers_the_float32_range():
     e = torch.arange(-149, 128)
     assert cast.exact_pow2(e).tolist() == [2.0 ** int(i) for i in e]
+
+
+def test_amax_out_maxes_into_the_slot_and_rejects_bad_slots():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 8, generator=g)
+    amax = x.abs().max()
+    for start, want in ((0.5 * amax.item(), amax.item()), (2 * amax.item(), 2 * amax.item())):
+        history = torch.zeros(2, 3)
+        history[0, 2] = start
+        data, got = cast.cast_transpose_fp8(x, torch.tensor([4.0]), torch.float8_e4m3fn, amax_out=history[0, 2:3])[::2]
+        assert got.data_ptr() == history[0, 2:3].data_ptr() and history[0, 2].item() == pytest.approx(want, rel=0)
+        assert torch.equal(data.float(), cast.quantize_fp8(x, torch.tensor([4.0]), torch.float8_e4m3fn)[0].float())
+    with pytest.raises(ValueError, match=r"amax_out must be a 1-element float32 tensor, got torch.float64 \(1,\)"):
+        cast.quantize_fp8(x, torch.tensor([1.0]), torch.float8_e4m3fn, amax_out=torch.zeros(1, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"amax_out must be a 1-element float32 tensor, got torch.float32 \(2,\)"):
+        cast.quantize_fp8(x, torch.tensor([1.0]), torch.float8_e4m3fn, amax_out=torch.zeros(2))
+    with pytest.raises(ValueError, match="amax_out is on meta but x is on cpu"):
+        cast.quantize_fp8(x, torch.tensor([1.0]), torch.float8_e4m3fn, amax_out=torch.zeros(1, device="meta"))

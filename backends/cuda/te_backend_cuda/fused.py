@@ -11,7 +11,7 @@ from typing import Dict
 import torch
 from te_core.backend.types import OpImpl
 from te_triton import activation, blockwise, cast, loss, norm, rope, scaling, softmax
-from te_triton._common import MAX_NUMEL
+from te_triton._common import MAX_NUMEL, amax_out_ok
 
 from . import configs
 
@@ -52,12 +52,12 @@ def _on_device(fn):
 
 
 # --- cast ---------------------------------------------------------------------------------
-def quantize_fp8(x, scale, fp8_dtype):
-    return cast.quantize_fp8(x, scale, fp8_dtype, configs.QUANTIZE)
+def quantize_fp8(x, scale, fp8_dtype, *, amax_out=None):
+    return cast.quantize_fp8(x, scale, fp8_dtype, configs.QUANTIZE, amax_out=amax_out)
 
 
-def cast_transpose_fp8(x, scale, fp8_dtype):
-    return cast.cast_transpose_fp8(x, scale, fp8_dtype, configs.CAST_TRANSPOSE)
+def cast_transpose_fp8(x, scale, fp8_dtype, *, amax_out=None):
+    return cast.cast_transpose_fp8(x, scale, fp8_dtype, configs.CAST_TRANSPOSE, amax_out=amax_out)
 
 
 def quantize_fp8_current(x, fp8_dtype, *, with_transpose=False, force_pow2_scales=False, amax_epsilon=0.0):
@@ -81,15 +81,17 @@ def _fp8_out_ok(x, fp8_scale, fp8_dtype):
     return (True, "") if fp8_scale is None else _scale_ok(fp8_scale, x, "fp8_scale")
 
 
-def _cast_ok(x, scale, *args, **kwargs):
-    ok, why = _scale_ok(scale, x)
-    return (ok, why) if not ok else _tensor_ok(x)
+def _cast_ok(x, scale, *args, amax_out=None, **kwargs):
+    for ok, why in (_scale_ok(scale, x), amax_out_ok(amax_out, x)):
+        if not ok:
+            return ok, why
+    return _tensor_ok(x)
 
 
-def _cast_2d_ok(x, scale, *args, **kwargs):
+def _cast_2d_ok(x, scale, *args, amax_out=None, **kwargs):
     if x.dim() != 2:
         return False, "x is not 2-D"
-    return _cast_ok(x, scale)
+    return _cast_ok(x, scale, amax_out=amax_out)
 
 
 def _self_scaled_2d_ok(x, *args, **kwargs):
@@ -169,8 +171,8 @@ def activation_bwd(dy, x, kind):
     return activation.activation_bwd(dy, x, kind, configs.ELEMENTWISE)
 
 
-def dbias_cast_transpose(dy, scale, fp8_dtype):
-    return activation.dbias_cast_transpose(dy, scale, fp8_dtype, configs.CAST_TRANSPOSE)
+def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out=None):
+    return activation.dbias_cast_transpose(dy, scale, fp8_dtype, configs.CAST_TRANSPOSE, amax_out=amax_out)
 
 
 def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype):
@@ -196,8 +198,8 @@ def _act_bwd_ok(dy, x, kind):
     return (ok, why) if not ok else _tensor_ok(dy, "dy")
 
 
-def _dbias_ct_ok(dy, scale, fp8_dtype):
-    return _cast_2d_ok(dy, scale)
+def _dbias_ct_ok(dy, scale, fp8_dtype, *, amax_out=None):
+    return _cast_2d_ok(dy, scale, amax_out=amax_out)
 
 
 def _act_bwd_dbias_ct_ok(dy, x, kind, scale, fp8_dtype):

@@ -122,3 +122,15 @@ def test_tensorwise_scales_are_passed_16_byte_aligned():
         sa, sb = scaled_mm._scale_args(a, b, vector[column : column + 1], vector[3:4], "tensorwise")
         assert sa.data_ptr() % 16 == 0 and sb.data_ptr() % 16 == 0
         assert sa.item() == vector[column].item() and sb.item() == vector[3].item()
+
+
+def test_casts_decline_an_amax_out_the_kernels_cannot_take():
+    from te_backend_cuda import fused
+
+    x, scale = torch.randn(4, 8), torch.tensor([1.0])
+    assert fused._cast_ok(x, scale, torch.float8_e4m3fn, amax_out=torch.zeros(2)) == (
+        False, "amax_out is not a 1-element float32 tensor")
+    assert fused._dbias_ct_ok(x, scale, torch.float8_e4m3fn, amax_out=torch.zeros(1, device="meta")) == (
+        False, "amax_out is not on x's device")
+    ok, why = fused._cast_ok(x, scale, torch.float8_e4m3fn, amax_out=torch.zeros(1))
+    assert not ok and why == "x is not on a CUDA device"  # the amax_out itself was acceptable

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -39,14 +40,31 @@ def grid_size(work_items: int, cfg: Config) -> int:
     return max(1, work_items)
 
 
-def new_amax_buffer(device) -> torch.Tensor:
+def new_amax_buffer(device, amax_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """int32 zero: the bits of a non-negative float32 order like the float (NaN above inf),
-    so an integer atomic max over |x| bits is a float max that keeps NaN."""
+    so an integer atomic max over |x| bits is a float max that keeps NaN. With `amax_out` (a
+    1-element float32 slot holding a non-negative amax or NaN, e.g. an amax history row) the
+    kernel maxes straight into it: no buffer to zero, no separate max afterwards."""
+    if amax_out is not None:
+        return amax_out.view(torch.int32)
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def amax_from_buffer(buf: torch.Tensor) -> torch.Tensor:
+def amax_from_buffer(buf: torch.Tensor, amax_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if amax_out is not None:
+        return amax_out
     return buf.view(torch.float32).reshape(())
+
+
+def amax_out_ok(amax_out, x: torch.Tensor) -> Tuple[bool, str]:
+    """Whether the kernels can max into `amax_out` (else the caller's supports() declines)."""
+    if amax_out is None:
+        return True, ""
+    if not isinstance(amax_out, torch.Tensor) or amax_out.dtype != torch.float32 or amax_out.numel() != 1:
+        return False, "amax_out is not a 1-element float32 tensor"
+    if amax_out.device != x.device:
+        return False, "amax_out is not on x's device"
+    return True, ""
 
 
 @triton.jit

@@ -168,11 +168,11 @@ def activation_bwd(dy, x, kind, cfg: Config = ELEMENTWISE_DEFAULT):
     return dx
 
 
-def dbias_cast_transpose(dy, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFAULT):
+def dbias_cast_transpose(dy, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFAULT, *, amax_out=None):
     """(data, data_t, dbias, amax) as te_core.ops.dbias_cast_transpose."""
     from .cast import cast_transpose_fp8
 
-    data, data_t, amax, dbias = cast_transpose_fp8(dy, scale, fp8_dtype, cfg, with_dbias=True)
+    data, data_t, amax, dbias = cast_transpose_fp8(dy, scale, fp8_dtype, cfg, with_dbias=True, amax_out=amax_out)
     return data, data_t, dbias.to(dy.dtype), amax
 
 

@@ -94,17 +94,19 @@ def _check_input(x: torch.Tensor, scale: Optional[torch.Tensor], two_d: bool) ->
         raise ValueError(f"scale must be a 1-element float32 tensor, got {scale.dtype} {tuple(scale.shape)}")
 
 
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, cfg: Config = QUANTIZE_DEFAULT):
-    """(data, amax): saturate(x * scale) cast to fp8_dtype, and max|x| (NaN if x has one)."""
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, cfg: Config = QUANTIZE_DEFAULT, *,
+                 amax_out: Optional[torch.Tensor] = None):
+    """(data, amax): saturate(x * scale) cast to fp8_dtype, and max|x| (NaN if x has one),
+    maxed into `amax_out` when given (then returned as the amax)."""
     fmax = fp8_max(fp8_dtype)
     _check_input(x, scale, two_d=False)
     y = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
-    amax = new_amax_buffer(x.device)
+    amax = new_amax_buffer(x.device, amax_out)
     n = x.numel()
     grid = (grid_size(triton.cdiv(n, cfg.block), cfg),)
     if n:
         _quantize_kernel[grid](x, y, scale, amax, n, fmax, BLOCK=cfg.block, STORE=True, num_warps=cfg.num_warps)
-    return y, amax_from_buffer(amax)
+    return y, amax_from_buffer(amax, amax_out)
 
 
 def amax(x: torch.Tensor, cfg: Config = QUANTIZE_DEFAULT) -> torch.Tensor:
@@ -118,7 +120,8 @@ def amax(x: torch.Tensor, cfg: Config = QUANTIZE_DEFAULT) -> torch.Tensor:
     return amax_from_buffer(buf)
 
 
-def cast_transpose_fp8(x, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFAULT, *, with_dbias: bool = False):
+def cast_transpose_fp8(x, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFAULT, *, with_dbias: bool = False,
+                       amax_out: Optional[torch.Tensor] = None):
     """(data (M,K), data_t (K,M), amax[, dbias partial sums]) for a 2-D x, one pass over x.
 
     With with_dbias, also returns the float32 column sums of x, reduced over row tiles."""
@@ -127,7 +130,7 @@ def cast_transpose_fp8(x, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFAULT
     M, N = x.shape
     y = torch.empty((M, N), dtype=fp8_dtype, device=x.device)
     yt = torch.empty((N, M), dtype=fp8_dtype, device=x.device)
-    amax_buf = new_amax_buffer(x.device)
+    amax_buf = new_amax_buffer(x.device, amax_out)
     n_tm = triton.cdiv(M, cfg.block_m)
     partial = torch.empty((n_tm, N), dtype=torch.float32, device=x.device) if with_dbias else amax_buf
     n_tiles = n_tm * triton.cdiv(N, cfg.block_n)
@@ -137,8 +140,8 @@ def cast_transpose_fp8(x, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFAULT
             BM=cfg.block_m, BN=cfg.block_n, DBIAS=with_dbias, num_warps=cfg.num_warps)
     if with_dbias:
         dbias = partial.sum(dim=0) if M else torch.zeros(N, dtype=torch.float32, device=x.device)
-        return y, yt, amax_from_buffer(amax_buf), dbias
-    return y, yt, amax_from_buffer(amax_buf)
+        return y, yt, amax_from_buffer(amax_buf, amax_out), dbias
+    return y, yt, amax_from_buffer(amax_buf, amax_out)
 
 
 @triton.jit

@@ -91,3 +91,23 @@ def test_bad_inputs_name_the_problem():
         cast.cast_transpose_fp8(torch.randn(2, 3, 4), torch.tensor([1.0]), torch.float8_e4m3fn, SMALL)
     with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
         cast.quantize_fp8(torch.ones(4, dtype=torch.int32), torch.tensor([1.0]), torch.float8_e4m3fn, SMALL)
+
+
+@pytest.mark.parametrize("start", [0.25, 1e30, float("nan")])
+def test_amax_out_is_maxed_in_place(start):
+    """With amax_out (a slot of an amax history row) the kernels max straight into it and return
+    it; NaN already there or in x wins, as torch.maximum would give."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(24, 40, generator=g) * 3
+    x[5, 7] = 9.5
+    for launch in (lambda out: cast.quantize_fp8(x, torch.tensor([2.0]), torch.float8_e4m3fn, SMALL, amax_out=out)[1],
+                   lambda out: cast.cast_transpose_fp8(x, torch.tensor([2.0]), torch.float8_e4m3fn, SMALL,
+                                                       amax_out=out)[2]):
+        history = torch.zeros(3, 2)
+        history[0, 1] = start
+        slot = history[0, 1:2]
+        returned = launch(slot)
+        assert returned is slot
+        want = torch.maximum(torch.tensor([start]), torch.tensor([9.5]))
+        torch.testing.assert_close(history[0, 1:2], want, rtol=0, atol=0, equal_nan=True)
+        assert history[0, 0] == 0 and history[1:].eq(0).all()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...ops.activation import ACTIVATIONS, GATED_ACTIVATIONS
-from ..inputs import E4M3, E5M2, case, dims, pow2, randn, short, to_cast
+from ..inputs import E4M3, E5M2, case, dims, pow2, randn, short, to_cast, uniform
 
 _SHAPES = [(33, 64), (7, 48), (2, 9, 40), (5, 30), (64, 16), (3, 3, 24), (17, 8), (11, 66)]
 
@@ -66,6 +66,13 @@ def _(gen):
 def _(gen):
     scale = pow2(3)
     return (to_cast(gen, (17, 33), torch.float32, E4M3, scale, specials=False), scale, E4M3), {}
+
+
+@case("dbias_cast_transpose", "bf16-e4m3-amax-out-48x32")
+def _(gen):
+    scale = pow2(0)
+    x = to_cast(gen, (48, 32), torch.bfloat16, E4M3, scale, specials=False)
+    return (x, scale, E4M3), dict(amax_out=uniform(gen, 2, low=0.5, high=1.0)[1:])
 
 
 def _bwd_epilogue(kind, m, h, dtype, fp8):

@@ -48,6 +48,34 @@ def _(gen):
     return (to_cast(gen, (33, 17), torch.bfloat16, E5M2, scale), scale, E5M2), {}
 
 
+def _history_slot(gen, low: float, high: float) -> torch.Tensor:
+    """amax_out as modules pass it: a 1-element slot of an amax history row, holding an earlier
+    amax of this step (drawn from [low, high], below or above the input's own amax)."""
+    history = uniform(gen, 4, 3, low=low, high=high)
+    return history[0, 1:2]
+
+
+@case("quantize_fp8", "fp32-e4m3-amax-out-below-8x16")
+def _(gen):
+    scale = pow2(-4)
+    x = to_cast(gen, (8, 16), torch.float32, E4M3, scale)
+    return (x, scale, E4M3), dict(amax_out=_history_slot(gen, 0.1, 1.0))
+
+
+@case("quantize_fp8", "bf16-e5m2-amax-out-above-6x10")
+def _(gen):
+    scale = pow2(-2)
+    x = to_cast(gen, (6, 10), torch.bfloat16, E5M2, scale, specials=False)
+    return (x, scale, E5M2), dict(amax_out=_history_slot(gen, 1e30, 2e30))
+
+
+@case("cast_transpose_fp8", "fp32-e4m3-amax-out-32x48")
+def _(gen):
+    scale = pow2(1)
+    x = to_cast(gen, (32, 48), torch.float32, E4M3, scale, specials=False)
+    return (x, scale, E4M3), dict(amax_out=_history_slot(gen, 0.5, 2.0))
+
+
 @case("quantize_fp8_current", "fp32-e4m3-32x64")
 def _(gen):
     return (randn(gen, 32, 64, std=3.0), E4M3), {}
