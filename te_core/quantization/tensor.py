@@ -7,6 +7,7 @@ tensor with the quantizer it was made by, so an FP8 parameter stays FP8.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -93,11 +94,38 @@ class QuantizedTensor(Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    def _with_payload(self, fn) -> "QuantizedTensor":
+        """A twin whose quantized data tensors are fn(tensor): a clone, or a move to a device."""
+        device = None
+        twin = self._same_kind()
+        for name, value in self._payload().items():
+            if isinstance(value, Tensor):
+                value = fn(value)
+                device = device or value.device
+            setattr(twin, name, value)
+        if device is not None and device != self.device:  # the wrapper's own device must follow
+            moved = type(self).__new__(type(self), self.shape, self.dtype, device, self._quantizer)
+            for name, value in twin._payload().items():
+                setattr(moved, name, value)
+            twin = moved
+        return twin
+
+    def __deepcopy__(self, memo):
+        twin = self._with_payload(lambda t: t.clone())
+        twin._quantizer = copy.deepcopy(self._quantizer, memo)
+        return twin
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in (aten.detach.default, aten.alias.default):
             return args[0]._same_kind()
+        if func is aten.clone.default:
+            return args[0]._with_payload(lambda t: t.clone())
+        if func is aten._to_copy.default and kwargs.get("dtype") in (None, args[0].dtype):
+            # a move (module.to(device)) keeps the quantized form; a dtype change dequantizes below
+            device = kwargs.get("device") or args[0].device
+            return args[0]._with_payload(lambda t: t.to(device, non_blocking=kwargs.get("non_blocking", False)))
         if func._schema.name.endswith("_") or func is aten.copy_.default:
             return _mutate(func, args, kwargs)
         return func(*tree_map(_dequantized, args), **tree_map(_dequantized, kwargs))

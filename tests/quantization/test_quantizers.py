@@ -154,3 +154,36 @@ def test_columnwise_only_keeps_value_and_drops_rowwise(gen, recipe):
     else:
         with pytest.raises(RuntimeError, match="keeps only its column-wise copy"):
             col.rowwise()
+
+
+def test_fp8_primary_weights_survive_deepcopy_clone_and_device_moves():
+    """deepcopy / clone / module.to(device) keep an FP8 primary weight FP8 (same value, own
+    storage, the copy's own scaling state); a dtype change is a dequantizing conversion."""
+    import copy
+
+    from te_core.modules.linear import Linear
+    from te_core.quantization import quantized_model_init
+    from te_core.recipe import DelayedScaling
+
+    torch.manual_seed(3)
+    with quantized_model_init(recipe=DelayedScaling(amax_history_len=4)):
+        layer = Linear(32, 16)
+    weight = layer.weight
+    twin = copy.deepcopy(layer)
+    assert type(twin.weight) is type(weight)
+    assert torch.equal(twin.weight.dequantize(), weight.dequantize())
+    assert twin.weight._data.data_ptr() != weight._data.data_ptr()
+    assert twin.weight.quantizer is twin._recipe_state.quantizer("weight")  # not the original's state
+    assert twin.weight.quantizer is not weight.quantizer
+
+    cloned = weight.clone()
+    assert type(cloned) is type(weight) and torch.equal(cloned.dequantize(), weight.dequantize())
+    assert cloned._data.data_ptr() != weight._data.data_ptr()
+
+    as_bf16 = weight.to(torch.bfloat16)
+    assert type(as_bf16) is torch.Tensor and as_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(as_bf16, weight.dequantize().to(torch.bfloat16), rtol=0, atol=0)
+
+    layer.to("meta")
+    assert type(layer.weight) is type(weight) and layer.weight.device.type == "meta"
+    assert layer.weight._data.device.type == "meta"
