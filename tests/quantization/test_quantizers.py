@@ -184,6 +184,11 @@ def test_fp8_primary_weights_survive_deepcopy_clone_and_device_moves():
     assert type(as_bf16) is torch.Tensor and as_bf16.dtype == torch.bfloat16
     torch.testing.assert_close(as_bf16, weight.dequantize().to(torch.bfloat16), rtol=0, atol=0)
 
+    fp8_data = weight._data.clone()
+    layer.to(torch.bfloat16)  # the FP8 data stays; only the nominal dtype changes
+    assert type(layer.weight) is type(weight) and layer.weight.dtype == torch.bfloat16
+    assert torch.equal(layer.weight._data.view(torch.uint8), fp8_data.view(torch.uint8))
+
     layer.to("meta")
     assert type(layer.weight) is type(weight) and layer.weight.device.type == "meta"
     assert layer.weight._data.device.type == "meta"
