@@ -24,16 +24,15 @@ def norm_fwd(
     *,
     fp8_scale: Optional[Tensor] = None,
     fp8_dtype: Optional[torch.dtype] = None,
+    amax_out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tuple[Tensor, ...], Optional[Tensor]]:
-    """Returns (y, stats to keep for backward, amax). y is FP8 data when fp8_dtype is given."""
+    """Returns (y, stats to keep for backward, amax). y is FP8 data when fp8_dtype is given
+    (its amax maxed into `amax_out` when given)."""
+    fp8 = dict(zero_centered_gamma=zero_centered_gamma, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, amax_out=amax_out)
     if normalization == "LayerNorm":
-        y, mean, rstd, amax = ops.layernorm_fwd(
-            x, weight, bias, eps, zero_centered_gamma=zero_centered_gamma, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype
-        )
+        y, mean, rstd, amax = ops.layernorm_fwd(x, weight, bias, eps, **fp8)
         return y, (mean, rstd), amax
-    y, rstd, amax = ops.rmsnorm_fwd(
-        x, weight, eps, zero_centered_gamma=zero_centered_gamma, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype
-    )
+    y, rstd, amax = ops.rmsnorm_fwd(x, weight, eps, **fp8)
     return y, (rstd,), amax
 
 

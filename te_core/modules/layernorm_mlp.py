@@ -56,7 +56,7 @@ def activation_grad_operand(step, slot: str, d_act: Tensor, h: Tensor, kind: str
         d_h = ops.activation_bwd(d_act, h, kind)
         return step.grad_operand(slot, d_h, columnwise=columnwise, with_dbias=bool(with_dbias))
     data, _, dbias, amax = ops.activation_bwd_dbias_cast_transpose(
-        d_act, h, kind, fused["fp8_scale"], fused["fp8_dtype"]
+        d_act, h, kind, fused["fp8_scale"], fused["fp8_dtype"], amax_out=fused.get("amax_out")
     )
     dh_q = step.wrap_fused(slot, data, amax, nominal_dtype=h.dtype, columnwise=columnwise)
     return dh_q, (dbias if with_dbias else None)

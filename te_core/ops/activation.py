@@ -6,7 +6,8 @@ relu; silu = x sigmoid(x); qgelu = x sigmoid(1.702 x); srelu = relu(x)^2.
 Gated kinds split the last dimension of x (2h) into a = x[..., :h] and b = x[..., h:] and
 return act(a) * b: swiglu (silu), geglu (gelu), reglu (relu); their output has h columns.
 FP8 output works as in ops.norm: with fp8_scale and fp8_dtype, y is FP8 data of
-y * fp8_scale and amax = max|y|; else y in x's dtype and amax None.
+y * fp8_scale and amax = max|y| (maxed into `amax_out` when given, as in ops.cast); else y in
+x's dtype and amax None.
 """
 from __future__ import annotations
 
@@ -33,7 +34,12 @@ def _fp8_arg_caps(caps: Capabilities, dy, *args, **kwargs):
 
 @contract_op("activation", _fp8_out_caps)
 def activation_fwd(
-    x: Tensor, kind: str, *, fp8_scale: Optional[Tensor] = None, fp8_dtype: Optional[torch.dtype] = None
+    x: Tensor,
+    kind: str,
+    *,
+    fp8_scale: Optional[Tensor] = None,
+    fp8_dtype: Optional[torch.dtype] = None,
+    amax_out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Returns (y, amax)."""
 
@@ -58,7 +64,7 @@ def dbias_cast_transpose(
 
 @contract_op("activation", _fp8_arg_caps)
 def activation_bwd_dbias_cast_transpose(
-    dy: Tensor, x: Tensor, kind: str, scale: Tensor, fp8_dtype: torch.dtype
+    dy: Tensor, x: Tensor, kind: str, scale: Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[Tensor] = None
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """dx = activation_bwd(dy, x, kind) for 2-D x, then (data, data_t, dbias, amax) of dx as
     dbias_cast_transpose does — the backward epilogue between fc2's dgrad and fc1's GEMMs."""

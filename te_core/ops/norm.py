@@ -4,8 +4,8 @@ Math in float32. y = norm(x) * gamma (+ beta), where gamma = weight, or 1 + weig
 zero_centered_gamma. Statistics (mean, rstd) are float32 with shape x.shape[:-1];
 rstd = 1 / sqrt(var + eps) (LayerNorm, biased variance) or 1 / sqrt(mean(x^2) + eps) (RMSNorm).
 With fp8_scale (1-element float32) and fp8_dtype, y is returned as FP8 data of y * fp8_scale
-(saturated as in ops.cast) and amax = max|y| before scaling; otherwise y has x's dtype and
-amax is None. Backward returns dx in x's dtype and parameter gradients in weight's dtype.
+(saturated as in ops.cast) and amax = max|y| before scaling, maxed into `amax_out` when given
+(as in ops.cast; it is then returned as the amax); otherwise y has x's dtype and amax is None. Backward returns dx in x's dtype and parameter gradients in weight's dtype.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ def layernorm_fwd(
     zero_centered_gamma: bool = False,
     fp8_scale: Optional[Tensor] = None,
     fp8_dtype: Optional[torch.dtype] = None,
+    amax_out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Returns (y, mean, rstd, amax)."""
 
@@ -52,6 +53,7 @@ def rmsnorm_fwd(
     zero_centered_gamma: bool = False,
     fp8_scale: Optional[Tensor] = None,
     fp8_dtype: Optional[torch.dtype] = None,
+    amax_out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """Returns (y, rstd, amax)."""
 

@@ -112,10 +112,12 @@ class Float8Quantizer(Quantizer):
         return Float8Tensor.make(_shaped_like(data, x), scale_inv, data_t, nominal_dtype=x.dtype, quantizer=self)
 
     def fused_cast_args(self) -> Optional[dict]:
-        return {"fp8_scale": self.scale, "fp8_dtype": self.fp8_dtype}
+        return {"fp8_scale": self.scale, "fp8_dtype": self.fp8_dtype,
+                "amax_out": self.scaling_group.amax_slot(self.column)}
 
     def wrap_fused(self, data, amax, *, nominal_dtype, columnwise=False) -> Float8Tensor:
-        self._record(amax)
+        if amax is not self.scaling_group.amax_slot(self.column):  # else the op maxed it in already
+            self._record(amax)
         data_t = _as_2d(data, "a column-wise copy").t().contiguous() if columnwise else None
         return self._wrap(data, data_t, nominal_dtype)
 

@@ -104,10 +104,15 @@ def _forward32(x: Tensor, kind: str) -> Tensor:
 
 
 def activation_fwd(
-    x: Tensor, kind: str, *, fp8_scale: Optional[Tensor] = None, fp8_dtype: Optional[torch.dtype] = None
+    x: Tensor,
+    kind: str,
+    *,
+    fp8_scale: Optional[Tensor] = None,
+    fp8_dtype: Optional[torch.dtype] = None,
+    amax_out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     _check_kind_and_x(x, kind)
-    return fp8_output(_forward32(x, kind), x.dtype, fp8_scale, fp8_dtype)
+    return fp8_output(_forward32(x, kind), x.dtype, fp8_scale, fp8_dtype, amax_out)
 
 
 def activation_bwd(dy: Tensor, x: Tensor, kind: str) -> Tensor:
@@ -145,8 +150,8 @@ def dbias_cast_transpose(
 
 
 def activation_bwd_dbias_cast_transpose(
-    dy: Tensor, x: Tensor, kind: str, scale: Tensor, fp8_dtype: torch.dtype
+    dy: Tensor, x: Tensor, kind: str, scale: Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[Tensor] = None
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     check_float("x", x)
     check_ndim("x", x, 2)
-    return dbias_cast_transpose(activation_bwd(dy, x, kind), scale, fp8_dtype)
+    return dbias_cast_transpose(activation_bwd(dy, x, kind), scale, fp8_dtype, amax_out=amax_out)

@@ -105,7 +105,8 @@ def scale_from_amax(amax: Tensor, fmax: float, amax_epsilon: float, force_pow2: 
 
 
 def fp8_output(
-    y32: Tensor, hp_dtype: torch.dtype, fp8_scale: Optional[Tensor], fp8_dtype: Optional[torch.dtype]
+    y32: Tensor, hp_dtype: torch.dtype, fp8_scale: Optional[Tensor], fp8_dtype: Optional[torch.dtype],
+    amax_out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """The (y, amax) pair of ops that may emit FP8 (norms, activations)."""
     if (fp8_scale is None) != (fp8_dtype is None):
@@ -114,10 +115,12 @@ def fp8_output(
             f"high-precision output (got fp8_scale={'set' if fp8_scale is not None else None}, fp8_dtype={fp8_dtype})"
         )
     if fp8_dtype is None:
+        if amax_out is not None:
+            raise ValueError("amax_out records the amax of an FP8 output: pass fp8_scale and fp8_dtype too")
         return y32.to(hp_dtype), None
     check_fp8_dtype("fp8_dtype", fp8_dtype)
     scale = check_one_element("fp8_scale", fp8_scale)
-    return saturating_cast(y32 * scale, fp8_dtype), amax_of(y32)
+    return saturating_cast(y32 * scale, fp8_dtype), merge_amax(amax_of(y32), amax_out)
 
 
 def _check_cast_input(x: Tensor, fp8_dtype, ndim: Optional[int] = None) -> float:

@@ -56,6 +56,7 @@ def layernorm_fwd(
     zero_centered_gamma: bool = False,
     fp8_scale: Optional[Tensor] = None,
     fp8_dtype: Optional[torch.dtype] = None,
+    amax_out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     _check_norm_args(x, [("weight", weight), ("bias", bias)])
     x32 = x.float()
@@ -63,7 +64,7 @@ def layernorm_fwd(
     centered = x32 - mean.unsqueeze(-1)
     rstd = torch.rsqrt(centered.square().mean(dim=-1) + eps)
     y32 = centered * rstd.unsqueeze(-1) * _gamma(weight, zero_centered_gamma) + bias.float()
-    y, amax = fp8_output(y32, x.dtype, fp8_scale, fp8_dtype)
+    y, amax = fp8_output(y32, x.dtype, fp8_scale, fp8_dtype, amax_out)
     return y, mean, rstd, amax
 
 
@@ -90,12 +91,13 @@ def rmsnorm_fwd(
     zero_centered_gamma: bool = False,
     fp8_scale: Optional[Tensor] = None,
     fp8_dtype: Optional[torch.dtype] = None,
+    amax_out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     _check_norm_args(x, [("weight", weight)])
     x32 = x.float()
     rstd = torch.rsqrt(x32.square().mean(dim=-1) + eps)
     y32 = x32 * rstd.unsqueeze(-1) * _gamma(weight, zero_centered_gamma)
-    y, amax = fp8_output(y32, x.dtype, fp8_scale, fp8_dtype)
+    y, amax = fp8_output(y32, x.dtype, fp8_scale, fp8_dtype, amax_out)
     return y, rstd, amax
 
 

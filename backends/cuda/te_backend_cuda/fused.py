@@ -81,6 +81,13 @@ def _fp8_out_ok(x, fp8_scale, fp8_dtype):
     return (True, "") if fp8_scale is None else _scale_ok(fp8_scale, x, "fp8_scale")
 
 
+def _fp8_amax_out_ok(amax_out, x, fp8_dtype):
+    """amax_out only goes with FP8 output; a stray one goes to the reference, which names it."""
+    if amax_out is not None and fp8_dtype is None:
+        return False, "amax_out given without FP8 output"
+    return amax_out_ok(amax_out, x)
+
+
 def _cast_ok(x, scale, *args, amax_out=None, **kwargs):
     for ok, why in (_scale_ok(scale, x), amax_out_ok(amax_out, x)):
         if not ok:
@@ -112,14 +119,14 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
 
 
 # --- norm ---------------------------------------------------------------------------------
-def layernorm_fwd(x, weight, bias, eps, *, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None):
+def layernorm_fwd(x, weight, bias, eps, *, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, amax_out=None):
     return norm.norm_fwd(x, weight, bias, eps, rms=False, zero_centered_gamma=zero_centered_gamma,
-                         fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=configs.NORM)
+                         fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=configs.NORM, amax_out=amax_out)
 
 
-def rmsnorm_fwd(x, weight, eps, *, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None):
+def rmsnorm_fwd(x, weight, eps, *, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, amax_out=None):
     y, _, rstd, amax = norm.norm_fwd(x, weight, None, eps, rms=True, zero_centered_gamma=zero_centered_gamma,
-                                     fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=configs.NORM)
+                                     fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=configs.NORM, amax_out=amax_out)
     return y, rstd, amax
 
 
@@ -142,9 +149,9 @@ def _rows_ok(x, weight):
     return _all_ok((x, "x"), (weight, "weight"))
 
 
-def _norm_fwd_ok(x, weight, *args, fp8_scale=None, fp8_dtype=None, **kwargs):
+def _norm_fwd_ok(x, weight, *args, fp8_scale=None, fp8_dtype=None, amax_out=None, **kwargs):
     bias = args[0] if len(args) > 1 else None  # layernorm: (bias, eps); rmsnorm: (eps,)
-    for ok, why in (_fp8_out_ok(x, fp8_scale, fp8_dtype),
+    for ok, why in (_fp8_out_ok(x, fp8_scale, fp8_dtype), _fp8_amax_out_ok(amax_out, x, fp8_dtype),
                     _tensor_ok(bias, "bias") if bias is not None else (True, "")):
         if not ok:
             return ok, why
@@ -163,8 +170,9 @@ def _rmsnorm_bwd_ok(dy, x, rstd, weight, **_):
 
 
 # --- activation ---------------------------------------------------------------------------
-def activation_fwd(x, kind, *, fp8_scale=None, fp8_dtype=None):
-    return activation.activation_fwd(x, kind, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=configs.ELEMENTWISE)
+def activation_fwd(x, kind, *, fp8_scale=None, fp8_dtype=None, amax_out=None):
+    return activation.activation_fwd(x, kind, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=configs.ELEMENTWISE,
+                                     amax_out=amax_out)
 
 
 def activation_bwd(dy, x, kind):
@@ -175,18 +183,20 @@ def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out=None):
     return activation.dbias_cast_transpose(dy, scale, fp8_dtype, configs.CAST_TRANSPOSE, amax_out=amax_out)
 
 
-def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype):
+def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, *, amax_out=None):
     return activation.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, configs.CAST_TRANSPOSE,
-                                                          configs.ELEMENTWISE)
+                                                          configs.ELEMENTWISE, amax_out=amax_out)
 
 
-def _act_fwd_ok(x, kind, *, fp8_scale=None, fp8_dtype=None):
+def _act_fwd_ok(x, kind, *, fp8_scale=None, fp8_dtype=None, amax_out=None):
     if kind not in activation.KIND_IDS:
         return False, f"activation {kind!r} has no kernel"
     if kind in activation.GATED and (x.dim() == 0 or x.shape[-1] % 2):
         return False, "a gated activation needs an even last dimension"
-    ok, why = _fp8_out_ok(x, fp8_scale, fp8_dtype)
-    return (ok, why) if not ok else _tensor_ok(x)
+    for ok, why in (_fp8_out_ok(x, fp8_scale, fp8_dtype), _fp8_amax_out_ok(amax_out, x, fp8_dtype)):
+        if not ok:
+            return ok, why
+    return _tensor_ok(x)
 
 
 def _act_bwd_ok(dy, x, kind):
@@ -202,11 +212,13 @@ def _dbias_ct_ok(dy, scale, fp8_dtype, *, amax_out=None):
     return _cast_2d_ok(dy, scale, amax_out=amax_out)
 
 
-def _act_bwd_dbias_ct_ok(dy, x, kind, scale, fp8_dtype):
+def _act_bwd_dbias_ct_ok(dy, x, kind, scale, fp8_dtype, *, amax_out=None):
     if x.dim() != 2:
         return False, "x is not 2-D"
-    ok, why = _scale_ok(scale, x)
-    return (ok, why) if not ok else _act_bwd_ok(dy, x, kind)
+    for ok, why in (_scale_ok(scale, x), amax_out_ok(amax_out, x)):
+        if not ok:
+            return ok, why
+    return _act_bwd_ok(dy, x, kind)
 
 
 # --- scaling ------------------------------------------------------------------------------

@@ -142,18 +142,20 @@ def _grid(R, H, cfg):
     return (grid_size(triton.cdiv(R, cfg.block_m) * triton.cdiv(H, cfg.block_n), cfg),)
 
 
-def activation_fwd(x, kind, *, fp8_scale=None, fp8_dtype=None, cfg: Config = ELEMENTWISE_DEFAULT):
+def activation_fwd(x, kind, *, fp8_scale=None, fp8_dtype=None, cfg: Config = ELEMENTWISE_DEFAULT, amax_out=None):
     """(y, amax or None) as te_core.ops.activation_fwd."""
     gated, R, H = _check(x, kind)
     fp8_out = fp8_dtype is not None
+    if amax_out is not None and not fp8_out:
+        raise ValueError("amax_out records the amax of an FP8 output: pass fp8_scale and fp8_dtype too")
     fmax = fp8_max(fp8_dtype) if fp8_out else 1.0
     y = torch.empty((*x.shape[:-1], H), dtype=fp8_dtype if fp8_out else x.dtype, device=x.device)
-    amax_buf = new_amax_buffer(x.device)
+    amax_buf = new_amax_buffer(x.device, amax_out)
     if y.numel():
         _act_fwd_kernel[_grid(R, H, cfg)](
             x, y, fp8_scale if fp8_out else amax_buf, amax_buf, R, H, fmax, KIND=KIND_IDS[kind], GATED=gated,
             FP8_OUT=fp8_out, BM=cfg.block_m, BN=cfg.block_n, num_warps=cfg.num_warps)
-    return y, amax_from_buffer(amax_buf) if fp8_out else None
+    return y, amax_from_buffer(amax_buf, amax_out) if fp8_out else None
 
 
 def activation_bwd(dy, x, kind, cfg: Config = ELEMENTWISE_DEFAULT):
@@ -177,25 +179,25 @@ def dbias_cast_transpose(dy, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFA
 
 
 def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFAULT,
-                                        act_cfg: Config = ELEMENTWISE_DEFAULT):
+                                        act_cfg: Config = ELEMENTWISE_DEFAULT, *, amax_out=None):
     """(data, data_t, dbias, amax) of dx = activation_bwd(dy, x, kind); one pass for
     non-gated kinds, activation_bwd then dbias_cast_transpose for gated ones."""
     gated, _, _ = _check(x, kind)
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D, got shape {tuple(x.shape)}")
     if gated:
-        return dbias_cast_transpose(activation_bwd(dy, x, kind, act_cfg), scale, fp8_dtype, cfg)
+        return dbias_cast_transpose(activation_bwd(dy, x, kind, act_cfg), scale, fp8_dtype, cfg, amax_out=amax_out)
     if dy.shape != x.shape or not dy.is_contiguous():
         raise ValueError(f"dy must be contiguous with x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
     fmax = fp8_max(fp8_dtype)
     M, N = x.shape
     y = torch.empty((M, N), dtype=fp8_dtype, device=x.device)
     yt = torch.empty((N, M), dtype=fp8_dtype, device=x.device)
-    amax_buf = new_amax_buffer(x.device)
+    amax_buf = new_amax_buffer(x.device, amax_out)
     partial = torch.empty((triton.cdiv(M, cfg.block_m), N), dtype=torch.float32, device=x.device)
     if x.numel():
         _act_bwd_dbias_ct_kernel[_grid(M, N, cfg)](
             dy, x, y, yt, scale, amax_buf, partial, M, N, fmax, KIND=KIND_IDS[kind], BM=cfg.block_m,
             BN=cfg.block_n, num_warps=cfg.num_warps)
     dbias = partial.sum(dim=0) if M else torch.zeros(N, dtype=torch.float32, device=x.device)
-    return y, yt, dbias.to(x.dtype), amax_from_buffer(amax_buf)
+    return y, yt, dbias.to(x.dtype), amax_from_buffer(amax_buf, amax_out)

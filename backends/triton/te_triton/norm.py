@@ -99,7 +99,7 @@ def _rows(x: torch.Tensor, weight: torch.Tensor):
 
 
 def norm_fwd(x, weight, bias, eps, *, rms: bool, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None,
-             cfg: Config = NORM_DEFAULT):
+             cfg: Config = NORM_DEFAULT, amax_out=None):
     """(y, mean or None, rstd, amax or None) as te_core.ops.layernorm_fwd / rmsnorm_fwd."""
     M, N = _rows(x, weight)
     fp8_out = fp8_dtype is not None
@@ -110,14 +110,16 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, zero_centered_gamma=False, fp8_
     stats_shape = x.shape[:-1]
     rstd = torch.empty(stats_shape, dtype=torch.float32, device=x.device)
     mean = None if rms else torch.empty(stats_shape, dtype=torch.float32, device=x.device)
-    amax_buf = new_amax_buffer(x.device)
+    if amax_out is not None and not fp8_out:
+        raise ValueError("amax_out records the amax of an FP8 output: pass fp8_scale and fp8_dtype too")
+    amax_buf = new_amax_buffer(x.device, amax_out)
     scale = fp8_scale if fp8_out else amax_buf
     if M:
         _norm_fwd_kernel[(grid_size(M, cfg),)](
             x, weight, weight if bias is None else bias, y, rstd if mean is None else mean, rstd, scale, amax_buf,
             M, N, float(eps), fmax, BLOCK_N=triton.next_power_of_2(N), RMS=rms,
             ZERO_CENTERED=bool(zero_centered_gamma), FP8_OUT=fp8_out, num_warps=cfg.num_warps)
-    return y, mean, rstd, amax_from_buffer(amax_buf) if fp8_out else None
+    return y, mean, rstd, amax_from_buffer(amax_buf, amax_out) if fp8_out else None
 
 
 def norm_bwd(dy, x, mean: Optional[torch.Tensor], rstd, weight, *, rms: bool, zero_centered_gamma=False,

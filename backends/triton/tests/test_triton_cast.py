@@ -111,3 +111,25 @@ def test_amax_out_is_maxed_in_place(start):
         want = torch.maximum(torch.tensor([start]), torch.tensor([9.5]))
         torch.testing.assert_close(history[0, 1:2], want, rtol=0, atol=0, equal_nan=True)
         assert history[0, 0] == 0 and history[1:].eq(0).all()
+
+
+def test_fused_fp8_outputs_max_into_amax_out():
+    """The norm and activation kernels with FP8 output max their amax into amax_out too."""
+    from te_triton import activation, norm
+
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(16, 64, generator=g) * 2
+    w = torch.rand(64, generator=g) + 0.5
+    history = torch.zeros(2, 3)
+    slot = history[0, 2:3]
+    _, _, _, amax = norm.norm_fwd(x, w, None, 1e-5, rms=True, fp8_scale=torch.tensor([1.0]),
+                                  fp8_dtype=torch.float8_e4m3fn, amax_out=slot)
+    want = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w).abs().max()
+    assert amax is slot
+    torch.testing.assert_close(slot, want.reshape(1), rtol=1e-5, atol=0)
+    _, amax = activation.activation_fwd(x, "relu", fp8_scale=torch.tensor([1.0]), fp8_dtype=torch.float8_e4m3fn,
+                                        amax_out=slot)
+    assert amax is slot  # relu's max is below the norm's here, so the slot keeps the larger
+    torch.testing.assert_close(slot, torch.maximum(want, x.relu().max()).reshape(1), rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="amax_out records the amax of an FP8 output"):
+        activation.activation_fwd(x, "relu", amax_out=slot)

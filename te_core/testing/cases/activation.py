@@ -14,12 +14,15 @@ def _out_shape(shape, kind):
     return (*shape[:-1], shape[-1] // 2) if kind in GATED_ACTIVATIONS else tuple(shape)
 
 
-def _fwd(kind, shape, dtype, fp8=None):
+def _fwd(kind, shape, dtype, fp8=None, amax_start=None):
     name = f"{kind}-{short(dtype)}-{dims(shape)}" + (f"-fp8-{short(fp8)}" if fp8 else "")
+    name += "-amax-out" if amax_start is not None else ""
 
     @case("activation_fwd", name, exact_fp8=False)
     def make(gen):
         kwargs = {} if fp8 is None else dict(fp8_scale=pow2(3), fp8_dtype=fp8)
+        if amax_start is not None:  # the slot of an amax history row, as modules pass it
+            kwargs["amax_out"] = torch.full((2,), amax_start)[1:]
         return (randn(gen, *shape, dtype=dtype, std=2.0), kind), kwargs
 
 
@@ -37,6 +40,7 @@ _fwd("gelu", (13, 40), torch.bfloat16)
 _fwd("swiglu", (13, 40), torch.bfloat16)
 _fwd("gelu", (16, 48), torch.float32, fp8=E4M3)
 _fwd("swiglu", (9, 64), torch.bfloat16, fp8=E5M2)
+_fwd("gelu", (8, 32), torch.bfloat16, fp8=E4M3, amax_start=0.25)
 _bwd("geglu", (13, 40), torch.bfloat16)
 _bwd("srelu", (5, 31), torch.float16)
 
@@ -82,6 +86,13 @@ def _bwd_epilogue(kind, m, h, dtype, fp8):
     def make(gen):
         x = randn(gen, m, cols, dtype=dtype, std=2.0)
         return (randn(gen, m, h, dtype=dtype), x, kind, pow2(2), fp8), {}
+
+
+@case("activation_bwd_dbias_cast_transpose", "gelu-bf16-amax-out-16x32", exact_fp8=False)
+def _(gen):
+    x = randn(gen, 16, 32, dtype=torch.bfloat16, std=2.0)
+    amax_out = torch.full((3,), 0.125)[2:]  # the slot of an amax history row
+    return (randn(gen, 16, 32, dtype=torch.bfloat16), x, "gelu", pow2(2), E5M2), dict(amax_out=amax_out)
 
 
 _bwd_epilogue("gelu", 32, 48, torch.float32, E4M3)

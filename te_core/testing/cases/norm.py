@@ -29,23 +29,34 @@ def _rms_rstd(x):
     return torch.rsqrt(x.float().pow(2).mean(-1) + EPS)
 
 
-def _layernorm_fwd(name, shape, dtype, zero_centered=False, fp8=None):
+def _amax_slot(start: float) -> torch.Tensor:
+    """amax_out as modules pass it: the slot of an amax history row holding an earlier amax."""
+    history = torch.zeros(3, 2)
+    history[0, 1] = start
+    return history[0, 1:2]
+
+
+def _layernorm_fwd(name, shape, dtype, zero_centered=False, fp8=None, amax_start=None):
     @case("layernorm_fwd", name, exact_fp8=False)
     def make(gen):
         x, weight = _x_weight(gen, shape, dtype, zero_centered)
         kwargs = dict(zero_centered_gamma=zero_centered)
         if fp8 is not None:
             kwargs.update(fp8_scale=pow2(2), fp8_dtype=fp8)
+        if amax_start is not None:
+            kwargs.update(amax_out=_amax_slot(amax_start))
         return (x, weight, randn(gen, shape[-1], dtype=dtype, std=0.1), EPS), kwargs
 
 
-def _rmsnorm_fwd(name, shape, dtype, zero_centered=False, fp8=None):
+def _rmsnorm_fwd(name, shape, dtype, zero_centered=False, fp8=None, amax_start=None):
     @case("rmsnorm_fwd", name, exact_fp8=False)
     def make(gen):
         x, weight = _x_weight(gen, shape, dtype, zero_centered)
         kwargs = dict(zero_centered_gamma=zero_centered)
         if fp8 is not None:
             kwargs.update(fp8_scale=pow2(-1), fp8_dtype=fp8)
+        if amax_start is not None:
+            kwargs.update(amax_out=_amax_slot(amax_start))
         return (x, weight, EPS), kwargs
 
 
@@ -73,6 +84,8 @@ _layernorm_fwd("fp16-fp8-e5m2-5x40", (5, 40), torch.float16, fp8=E5M2)
 _rmsnorm_fwd("fp32-3x5x80", (3, 5, 80), torch.float32)
 _rmsnorm_fwd("bf16-zero-centered-fp8-e4m3-33x64", (33, 64), torch.bfloat16, zero_centered=True, fp8=E4M3)
 _rmsnorm_fwd("fp16-17x48", (17, 48), torch.float16)
+_layernorm_fwd("bf16-fp8-e4m3-amax-out-12x64", (12, 64), torch.bfloat16, fp8=E4M3, amax_start=0.5)
+_rmsnorm_fwd("fp32-fp8-e4m3-amax-out-above-8x32", (8, 32), torch.float32, fp8=E4M3, amax_start=1e4)
 _layernorm_bwd("fp32-6x5x48", (6, 5, 48), torch.float32)
 _layernorm_bwd("bf16-zero-centered-33x64", (33, 64), torch.bfloat16, zero_centered=True)
 _layernorm_bwd("fp16-17x40", (17, 40), torch.float16)

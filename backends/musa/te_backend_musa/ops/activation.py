@@ -26,12 +26,17 @@ def _swish_glu(x: Tensor) -> Tensor:
 
 
 def activation_fwd(
-    x: Tensor, kind: str, *, fp8_scale: Optional[Tensor] = None, fp8_dtype: Optional[torch.dtype] = None
+    x: Tensor,
+    kind: str,
+    *,
+    fp8_scale: Optional[Tensor] = None,
+    fp8_dtype: Optional[torch.dtype] = None,
+    amax_out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     y = _swish_glu(x)
     if fp8_dtype is None:
         return y, None
-    return cast_with_amax(y, fp8_scale, fp8_dtype)
+    return cast_with_amax(y, fp8_scale, fp8_dtype, amax_out)
 
 
 def activation_bwd(dy: Tensor, x: Tensor, kind: str) -> Tensor:
@@ -55,9 +60,11 @@ def _verdict(x: Tensor, kind: str) -> Verdict:
     return True, ""
 
 
-def activation_fwd_supports(x, kind, *, fp8_scale=None, fp8_dtype=None) -> Verdict:
+def activation_fwd_supports(x, kind, *, fp8_scale=None, fp8_dtype=None, amax_out=None) -> Verdict:
     if fp8_dtype is not None and fp8_scale is None:
         return False, "fp8_dtype given without fp8_scale"
+    if amax_out is not None and fp8_dtype is None:
+        return False, "amax_out given without FP8 output"
     return _verdict(x, kind)
 
 

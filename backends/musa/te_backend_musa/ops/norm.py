@@ -42,11 +42,12 @@ def rmsnorm_fwd(
     zero_centered_gamma: bool = False,
     fp8_scale: Optional[Tensor] = None,
     fp8_dtype: Optional[torch.dtype] = None,
+    amax_out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     y, rstd = _forward_kernel()(x, [x.shape[-1]], eps, _gamma(weight, zero_centered_gamma))
     if fp8_dtype is None:
         return y, rstd, None
-    data, amax = cast_with_amax(y, fp8_scale, fp8_dtype)
+    data, amax = cast_with_amax(y, fp8_scale, fp8_dtype, amax_out)
     return data, rstd, amax
 
 
@@ -77,9 +78,12 @@ def _gamma_verdict(weight: Tensor, zero_centered_gamma: bool) -> Verdict:
     return True, ""
 
 
-def rmsnorm_fwd_supports(x, weight, eps, *, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None) -> Verdict:
+def rmsnorm_fwd_supports(x, weight, eps, *, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None,
+                         amax_out=None) -> Verdict:
     if fp8_dtype is not None and fp8_scale is None:
         return False, "fp8_dtype given without fp8_scale"
+    if amax_out is not None and fp8_dtype is None:
+        return False, "amax_out given without FP8 output"
     verdict = _dtype_verdict(x, weight)
     return _gamma_verdict(weight, zero_centered_gamma) if verdict[0] else verdict
 
