@@ -65,8 +65,12 @@ class Recipe:
     """Base of every recipe. Subclasses are frozen dataclasses."""
 
     def make_state(self, slots: Sequence, device: torch.device):
-        """The scaling state and quantizers of a module's `slots` (te_core.quantization.QuantizerSlot)."""
-        raise NotImplementedError
+        """The scaling state and quantizers of a module's `slots` (te_core.quantization.QuantizerSlot).
+        Default: no per-module state, each slot's quantizer from quantizer_for (DelayedScaling
+        overrides it with amax histories and scales)."""
+        from .quantization.state import StatelessState
+
+        return StatelessState(self, slots)
 
     def quantizer_for(self, role):
         """A quantizer for a tensor of `role` that needs no per-module state (stateless recipes)."""
@@ -182,11 +186,6 @@ class Float8CurrentScaling(Recipe):
         _check_format(self)
         _check_block_recipe_flags(self)
 
-    def make_state(self, slots, device):
-        from .quantization.state import StatelessState
-
-        return StatelessState(self, slots)
-
     def quantizer_for(self, role):
         from .quantization.quantizers import Float8CurrentScalingQuantizer
 
@@ -228,11 +227,6 @@ class Float8BlockScaling(Recipe):
             raise ValueError(f"Float8BlockScaling: w_block_scaling_dim must be 1 (1x128) or 2 (128x128), "
                              f"got {self.w_block_scaling_dim!r}")
 
-    def make_state(self, slots, device):
-        from .quantization.state import StatelessState
-
-        return StatelessState(self, slots)
-
     def quantizer_for(self, role):
         from .quantization.quantizers import Float8BlockQuantizer
 
@@ -254,11 +248,6 @@ class MXFP8BlockScaling(Recipe):
     def __post_init__(self):
         _check_format(self)
         _check_block_recipe_flags(self)
-
-    def make_state(self, slots, device):
-        from .quantization.state import StatelessState
-
-        return StatelessState(self, slots)
 
     def quantizer_for(self, role):
         from .quantization.quantizers import MXFP8Quantizer

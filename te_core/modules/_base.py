@@ -112,14 +112,17 @@ class QuantizedModule(nn.Module):
         self._weight_cache.clear()
 
 
-def merged_quantization_state(container: nn.Module) -> Dict[str, Dict[str, Dict[str, Tensor]]]:
-    """quantization_state() of a container (MultiheadAttention, TransformerLayer): every quantized
-    submodule's slots, keyed "<submodule path>.<slot>" (e.g. "layernorm_mlp.fc1_input")."""
-    merged: Dict[str, Dict[str, Dict[str, Tensor]]] = {"forward": {}, "backward": {}}
-    for path, child in container.named_modules():
-        if child is container or not isinstance(child, QuantizedModule):
-            continue
-        for direction, slots in child.quantization_state().items():
-            for slot, state in slots.items():
-                merged[direction][f"{path}.{slot}"] = state
-    return merged
+class QuantizedContainer(nn.Module):
+    """Base of modules made of quantized submodules (MultiheadAttention, TransformerLayer)."""
+
+    def quantization_state(self) -> Dict[str, Dict[str, Dict[str, Tensor]]]:
+        """Every quantized submodule's slots, keyed "<submodule path>.<slot>" per direction
+        (e.g. "layernorm_mlp.fc1_input")."""
+        merged: Dict[str, Dict[str, Dict[str, Tensor]]] = {"forward": {}, "backward": {}}
+        for path, child in self.named_modules():
+            if child is self or not isinstance(child, QuantizedModule):
+                continue
+            for direction, slots in child.quantization_state().items():
+                for slot, state in slots.items():
+                    merged[direction][f"{path}.{slot}"] = state
+        return merged

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Optional, Tuple, Union
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from ._base import merged_quantization_state
+from ._base import QuantizedContainer
 from ._common import reject_unsupported, check_choice, check_divisible, check_input, check_normalization, check_positive
 from .attention import QKV_FORMATS, DotProductAttention
 from .layernorm_linear import LayerNormLinear
@@ -15,7 +15,7 @@ from .linear import Linear
 from .rope import apply_rotary_pos_emb
 
 
-class MultiheadAttention(nn.Module):
+class MultiheadAttention(QuantizedContainer):
     """Self- or cross-attention block with Transformer Engine's constructor and submodule names
     (layernorm_qkv / qkv, layernorm_query / query_layer, key_value, core_attention, proj).
 
@@ -85,10 +85,6 @@ class MultiheadAttention(nn.Module):
             attention_type=attention_type)
         # fmt: on
         self.proj = Linear(q_size, hidden_size, init_method=output_layer_init_method, **common)
-
-    def quantization_state(self):
-        """Every quantized submodule's scaling state, keyed "<submodule>.<slot>" per direction."""
-        return merged_quantization_state(self)
 
     def forward(
         self,

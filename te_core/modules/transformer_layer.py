@@ -9,7 +9,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
-from ._base import merged_quantization_state
+from ._base import QuantizedContainer
 from ._common import (
     reject_unsupported,
     check_activation,
@@ -25,7 +25,7 @@ from .layernorm_mlp import LayerNormMLP
 from .multihead_attention import MultiheadAttention
 
 
-class TransformerLayer(nn.Module):
+class TransformerLayer(QuantizedContainer):
     def __init__(
         self,
         hidden_size: int,
@@ -100,10 +100,6 @@ class TransformerLayer(nn.Module):
             )
         else:
             self.layernorm = None
-
-    def quantization_state(self):
-        """Every quantized submodule's scaling state, keyed "<submodule>.<slot>" per direction."""
-        return merged_quantization_state(self)
 
     def forward(
         self,

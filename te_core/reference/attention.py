@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 

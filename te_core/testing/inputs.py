@@ -78,6 +78,14 @@ def uniform(gen: torch.Generator, *shape: int, low: float, high: float, dtype=to
     return (torch.rand(shape, generator=gen) * (high - low) + low).to(dtype)
 
 
+def amax_slot(start: float) -> Tensor:
+    """amax_out as modules pass it: the 1-element slot of an amax history row (a view at an
+    offset), already holding an earlier amax `start` of this step."""
+    history = torch.zeros(3, 2)
+    history[0, 1] = start
+    return history[0, 1:2]
+
+
 def pow2(exponent: int) -> Tensor:
     """A 1-element float32 scale 2**exponent (exact to multiply by)."""
     return torch.tensor([2.0**exponent], dtype=torch.float32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...ops.activation import ACTIVATIONS, GATED_ACTIVATIONS
-from ..inputs import E4M3, E5M2, case, dims, pow2, randn, short, to_cast, uniform
+from ..inputs import E4M3, E5M2, amax_slot, case, dims, pow2, randn, short, to_cast, uniform
 
 _SHAPES = [(33, 64), (7, 48), (2, 9, 40), (5, 30), (64, 16), (3, 3, 24), (17, 8), (11, 66)]
 
@@ -21,8 +21,8 @@ def _fwd(kind, shape, dtype, fp8=None, amax_start=None):
     @case("activation_fwd", name, exact_fp8=False)
     def make(gen):
         kwargs = {} if fp8 is None else dict(fp8_scale=pow2(3), fp8_dtype=fp8)
-        if amax_start is not None:  # the slot of an amax history row, as modules pass it
-            kwargs["amax_out"] = torch.full((2,), amax_start)[1:]
+        if amax_start is not None:
+            kwargs["amax_out"] = amax_slot(amax_start)
         return (randn(gen, *shape, dtype=dtype, std=2.0), kind), kwargs
 
 
@@ -76,7 +76,7 @@ def _(gen):
 def _(gen):
     scale = pow2(0)
     x = to_cast(gen, (48, 32), torch.bfloat16, E4M3, scale, specials=False)
-    return (x, scale, E4M3), dict(amax_out=uniform(gen, 2, low=0.5, high=1.0)[1:])
+    return (x, scale, E4M3), dict(amax_out=amax_slot(uniform(gen, 1, low=0.5, high=1.0).item()))
 
 
 def _bwd_epilogue(kind, m, h, dtype, fp8):
@@ -91,8 +91,7 @@ def _bwd_epilogue(kind, m, h, dtype, fp8):
 @case("activation_bwd_dbias_cast_transpose", "gelu-bf16-amax-out-16x32", exact_fp8=False)
 def _(gen):
     x = randn(gen, 16, 32, dtype=torch.bfloat16, std=2.0)
-    amax_out = torch.full((3,), 0.125)[2:]  # the slot of an amax history row
-    return (randn(gen, 16, 32, dtype=torch.bfloat16), x, "gelu", pow2(2), E5M2), dict(amax_out=amax_out)
+    return (randn(gen, 16, 32, dtype=torch.bfloat16), x, "gelu", pow2(2), E5M2), dict(amax_out=amax_slot(0.125))
 
 
 _bwd_epilogue("gelu", 32, 48, torch.float32, E4M3)

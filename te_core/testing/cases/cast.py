@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..inputs import E4M3, E5M2, case, fp8_data, pow2, randn, row_scaled, to_cast, uniform
+from ..inputs import E4M3, E5M2, amax_slot, case, fp8_data, pow2, randn, row_scaled, to_cast, uniform
 
 
 @case("quantize_fp8", "fp32-e4m3-16x32")
@@ -49,10 +49,8 @@ def _(gen):
 
 
 def _history_slot(gen, low: float, high: float) -> torch.Tensor:
-    """amax_out as modules pass it: a 1-element slot of an amax history row, holding an earlier
-    amax of this step (drawn from [low, high], below or above the input's own amax)."""
-    history = uniform(gen, 4, 3, low=low, high=high)
-    return history[0, 1:2]
+    """An amax_out slot holding an earlier amax drawn from [low, high] (below or above x's)."""
+    return amax_slot(uniform(gen, 1, low=low, high=high).item())
 
 
 @case("quantize_fp8", "fp32-e4m3-amax-out-below-8x16")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..inputs import E4M3, E5M2, case, pow2, randn
+from ..inputs import E4M3, E5M2, amax_slot, case, pow2, randn
 
 EPS = 1e-5
 
@@ -29,13 +29,6 @@ def _rms_rstd(x):
     return torch.rsqrt(x.float().pow(2).mean(-1) + EPS)
 
 
-def _amax_slot(start: float) -> torch.Tensor:
-    """amax_out as modules pass it: the slot of an amax history row holding an earlier amax."""
-    history = torch.zeros(3, 2)
-    history[0, 1] = start
-    return history[0, 1:2]
-
-
 def _layernorm_fwd(name, shape, dtype, zero_centered=False, fp8=None, amax_start=None):
     @case("layernorm_fwd", name, exact_fp8=False)
     def make(gen):
@@ -44,7 +37,7 @@ def _layernorm_fwd(name, shape, dtype, zero_centered=False, fp8=None, amax_start
         if fp8 is not None:
             kwargs.update(fp8_scale=pow2(2), fp8_dtype=fp8)
         if amax_start is not None:
-            kwargs.update(amax_out=_amax_slot(amax_start))
+            kwargs.update(amax_out=amax_slot(amax_start))
         return (x, weight, randn(gen, shape[-1], dtype=dtype, std=0.1), EPS), kwargs
 
 
@@ -56,7 +49,7 @@ def _rmsnorm_fwd(name, shape, dtype, zero_centered=False, fp8=None, amax_start=N
         if fp8 is not None:
             kwargs.update(fp8_scale=pow2(-1), fp8_dtype=fp8)
         if amax_start is not None:
-            kwargs.update(amax_out=_amax_slot(amax_start))
+            kwargs.update(amax_out=amax_slot(amax_start))
         return (x, weight, EPS), kwargs
 
 
