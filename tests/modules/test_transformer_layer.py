@@ -199,6 +199,8 @@ def test_grouped_linear_matches_per_group_linear():
         mod(x, [5, 0, 8])
     with pytest.raises(ValueError, match=r"m_splits must be 3 non-negative row counts"):
         mod(x, [14])
+    with pytest.raises(ValueError, match=r"GroupedLinear: inp is on meta but the weight is on cpu"):
+        mod(torch.randn(14, 16, device="meta"), [5, 1, 8])
 
 
 def test_grouped_linear_fp8_current_scaling():
