@@ -24,6 +24,7 @@ from .cast import (
     quantize_fp8,
     quantize_fp8_current,
     quantize_mxfp8,
+    transpose_fp8,
 )
 from .gemm import gemm, gemm_fp8
 from .loss import cross_entropy

@@ -100,6 +100,17 @@ def quantize_mxfp8(
     quantizes x.T (K, M) along M (None unless with_transpose)."""
 
 
+def _transpose_caps(caps: Capabilities, data, **_):
+    return caps.check_fp8(getattr(data, "dtype", None))
+
+
+@contract_op("cast", _transpose_caps)
+def transpose_fp8(data: Tensor) -> Tensor:
+    """The transpose of a 2-D FP8 tensor (M, K) as a contiguous (K, M) tensor of the same
+    dtype, bit for bit: the column-wise copy of data that was cast without one (e.g. a
+    norm's or an activation's FP8 output)."""
+
+
 @contract_op("cast")
 def dequantize_fp8(data: Tensor, scale_inv: Tensor, out_dtype: torch.dtype) -> Tensor:
     """data.float() * scale_inv, cast to out_dtype. scale_inv is 1 element."""

@@ -44,8 +44,9 @@ class Float8Tensor(QuantizedTensor):
         return self._data
 
     def rowwise(self) -> GemmOperand:
-        data = self._rowwise_data()
-        data = data if data.dim() == 2 else data.reshape(-1, data.shape[-1])
+        if self._data is None:
+            return GemmOperand(ops.transpose_fp8(self._transpose), self._scale_inv, TENSOR)
+        data = self._data if self._data.dim() == 2 else self._data.reshape(-1, self._data.shape[-1])
         return GemmOperand(data if data.is_contiguous() else data.contiguous(), self._scale_inv, TENSOR)
 
     def columnwise_only(self) -> "Float8Tensor":
@@ -57,7 +58,7 @@ class Float8Tensor(QuantizedTensor):
     def columnwise(self) -> GemmOperand:
         if self._transpose is None:
             # Same scale for both layouts, so the transpose of the FP8 data is exact.
-            self._transpose = self.rowwise().data.t().contiguous()
+            self._transpose = ops.transpose_fp8(self.rowwise().data)
         return GemmOperand(self._transpose, self._scale_inv, TENSOR)
 
     @property

@@ -118,7 +118,7 @@ class Float8Quantizer(Quantizer):
     def wrap_fused(self, data, amax, *, nominal_dtype, columnwise=False) -> Float8Tensor:
         if amax is not self.scaling_group.amax_slot(self.column):  # else the op maxed it in already
             self._record(amax)
-        data_t = _as_2d(data, "a column-wise copy").t().contiguous() if columnwise else None
+        data_t = ops.transpose_fp8(_as_2d(data, "a column-wise copy")) if columnwise else None
         return self._wrap(data, data_t, nominal_dtype)
 
     def observe(self, x: Tensor) -> None:

@@ -178,6 +178,12 @@ def quantize_fp8_current(
     return data, data_t, scale.reshape(1), torch.reciprocal(scale).reshape(1), amax
 
 
+def transpose_fp8(data: Tensor) -> Tensor:
+    check_fp8_tensor("data", data)
+    check_ndim("data", data, 2)
+    return data.t().contiguous()
+
+
 def dequantize_fp8(data: Tensor, scale_inv: Tensor, out_dtype: torch.dtype) -> Tensor:
     check_fp8_tensor("data", data)
     return (data.float() * check_one_element("scale_inv", scale_inv)).to(out_dtype)

@@ -65,6 +65,20 @@ def quantize_fp8_current(x, fp8_dtype, *, with_transpose=False, force_pow2_scale
                                      amax_epsilon=amax_epsilon, cfg=configs.QUANTIZE, ct_cfg=configs.CAST_TRANSPOSE)
 
 
+def transpose_fp8(data):
+    return cast.transpose_fp8(data, configs.TRANSPOSE)
+
+
+def _transpose_ok(data):
+    if data.dim() != 2 or not data.is_contiguous():
+        return False, "data is not a contiguous 2-D tensor"
+    if not data.is_cuda:
+        return False, "data is not on a CUDA device"
+    if data.numel() > MAX_NUMEL:
+        return False, "data has more than 2^31 elements"
+    return True, ""
+
+
 def _scale_ok(scale, x, name="scale"):
     """The kernels read a 1-element float32 scale from x's device; anything else goes to the
     reference, which converts it or names the problem."""
@@ -315,6 +329,7 @@ def ops() -> Dict[str, OpImpl]:
         "quantize_fp8": (quantize_fp8, _cast_ok),
         "cast_transpose_fp8": (cast_transpose_fp8, _cast_2d_ok),
         "quantize_fp8_current": (quantize_fp8_current, _current_ok),
+        "transpose_fp8": (transpose_fp8, _transpose_ok),
         "quantize_blockwise": (quantize_blockwise, _self_scaled_2d_ok),
         "layernorm_fwd": (layernorm_fwd, _norm_fwd_ok),
         "rmsnorm_fwd": (rmsnorm_fwd, _norm_fwd_ok),

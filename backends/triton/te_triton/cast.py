@@ -181,3 +181,34 @@ def quantize_fp8_current(
         data, _ = quantize_fp8(x, scale, fp8_dtype, cfg)
         data_t = None
     return data, data_t, scale, scale_inv, amax_t
+
+
+TRANSPOSE_DEFAULT = Config(block_m=64, block_n=128, num_warps=4)
+
+
+@triton.jit
+def _transpose_kernel(x_ptr, y_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tn = tl.cdiv(N, BN)
+    rows = (pid // n_tn) * BM + tl.arange(0, BM)
+    cols = (pid % n_tn) * BN + tl.arange(0, BN)
+    v = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=(rows[:, None] < M) & (cols[None, :] < N))
+    tl.store(y_ptr + cols[:, None] * M + rows[None, :], tl.trans(v), mask=(cols[:, None] < N) & (rows[None, :] < M))
+
+
+def transpose_fp8(data: torch.Tensor, cfg: Config = TRANSPOSE_DEFAULT) -> torch.Tensor:
+    """data.t().contiguous() for a contiguous 2-D FP8 tensor, moved as bytes (bit for bit)."""
+    if data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"data must be float8_e4m3fn or float8_e5m2, got {data.dtype}")
+    if data.dim() != 2 or not data.is_contiguous():
+        raise ValueError(f"data must be a contiguous 2-D tensor, got shape {tuple(data.shape)} "
+                         f"(contiguous: {data.is_contiguous()})")
+    if data.numel() > MAX_NUMEL:
+        raise ValueError(f"data has {data.numel()} elements; these kernels index with int32 (at most {MAX_NUMEL})")
+    M, N = data.shape
+    out = torch.empty((N, M), dtype=data.dtype, device=data.device)
+    if data.numel():
+        grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+        _transpose_kernel[grid](data.view(torch.uint8), out.view(torch.uint8), M, N,
+                                BM=cfg.block_m, BN=cfg.block_n, num_warps=cfg.num_warps)
+    return out

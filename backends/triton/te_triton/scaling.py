@@ -1,10 +1,12 @@
 """Delayed-scaling update of every amax history and scale of a step, in one launch.
 
 A table of (history address, scale address, columns, history length, fp8 max) rows lets one
-grid of (tensor, column block) programs visit every history. A program reads its columns'
-history (read-only pass: amax), updates their scales, then rolls the history up one row in
-chunks; barriers order each chunk's loads before its stores, since the warps that load a row
-are not the warps that store it.
+grid of (tensor, column block) programs visit every history. Modules keep long histories with a
+handful of columns, so the usual case holds a program's whole (L, columns) block in registers:
+one load of the history already rolled (row i reads row i + 1), the amax from it, one store
+(_delayed_update_tile_kernel: a few microseconds). Larger blocks read in chunks: an amax pass,
+then the roll chunk by chunk (_delayed_update_kernel). Either way a barrier orders the loads
+before the stores, since the warps that load a row are not the warps that store it.
 """
 from __future__ import annotations
 
@@ -18,6 +20,43 @@ from ._common import Config
 
 SCALING_DEFAULT = Config(block_m=8, block_n=128, num_warps=4)
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
+TILE_ELEMENTS = 8192  # the largest (L, columns) block one program keeps in registers
+TILE_COLUMNS = 16
+
+
+@triton.jit
+def _new_scale(scales, cols, cmask, amax, fmax, margin_scale):
+    """fp8_max / amax / 2^margin into `scales`, keeping the old scale where amax is 0, inf or NaN."""
+    old = tl.load(scales + cols, mask=cmask, other=1.0)
+    new = tl.math.div_rn(tl.math.div_rn(fmax, amax), margin_scale)
+    new = tl.where(new == float("inf"), FLOAT32_MAX, new)
+    keep = (amax == 0.0) | (amax == float("inf")) | (amax != amax)
+    tl.store(scales + cols, tl.where(keep, old, new), mask=cmask)
+
+
+@triton.jit
+def _delayed_update_tile_kernel(table_ptr, fmax_ptr, margin_scale, MOST_RECENT: tl.constexpr,
+                                BL: tl.constexpr, BN: tl.constexpr):
+    i = tl.program_id(0)
+    hist = tl.load(table_ptr + i * 4).to(tl.pointer_type(tl.float32))
+    scales = tl.load(table_ptr + i * 4 + 1).to(tl.pointer_type(tl.float32))
+    n = tl.load(table_ptr + i * 4 + 2)
+    L = tl.load(table_ptr + i * 4 + 3)
+    fmax = tl.load(fmax_ptr + i)
+    rows = tl.arange(0, BL)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cmask = cols < n
+    m = (rows[:, None] < L) & cmask[None, :]
+    # the rolled history: row i takes row i + 1 and the last row takes row 0, the current amax
+    src = (rows + 1) % L
+    rolled = tl.load(hist + src[:, None] * n + cols[None, :], mask=m, other=0.0)
+    if MOST_RECENT:
+        amax = tl.load(hist + cols, mask=cmask, other=0.0)
+    else:  # the max over a permutation of the rows is the max over the history; NaN bits win
+        amax = tl.max(tl.abs(rolled).to(tl.int32, bitcast=True), axis=0).to(tl.float32, bitcast=True)
+    _new_scale(scales, cols, cmask, amax, fmax, margin_scale)
+    tl.debug_barrier()
+    tl.store(hist + rows[:, None] * n + cols[None, :], tl.where(rows[:, None] == 0, 0.0, rolled), mask=m)
 
 
 @triton.jit
@@ -42,11 +81,7 @@ def _delayed_update_kernel(table_ptr, fmax_ptr, margin_scale, MOST_RECENT: tl.co
             h = tl.load(hist + rows[:, None] * n + cols[None, :], mask=m, other=0.0)
             bits = tl.maximum(bits, tl.max(tl.abs(h).to(tl.int32, bitcast=True), axis=0))
         amax = bits.to(tl.float32, bitcast=True)
-    old = tl.load(scales + cols, mask=cmask, other=1.0)
-    new = tl.math.div_rn(tl.math.div_rn(fmax, amax), margin_scale)
-    new = tl.where(new == float("inf"), FLOAT32_MAX, new)
-    keep = (amax == 0.0) | (amax == float("inf")) | (amax != amax)
-    tl.store(scales + cols, tl.where(keep, old, new), mask=cmask)
+    _new_scale(scales, cols, cmask, amax, fmax, margin_scale)
     tl.debug_barrier()
     for r in range(0, L - 1, BR):  # row i takes row i + 1
         rows = r + tl.arange(0, BR)
@@ -97,7 +132,15 @@ def delayed_scaling_update(amax_histories: List[torch.Tensor], scales: List[torc
         return
     device = amax_histories[0].device
     table, fmaxes = _table(amax_histories, scales, fp8_maxes, device)
-    max_cols = max(h.shape[1] for h in amax_histories)
-    grid = (len(amax_histories), triton.cdiv(max(max_cols, 1), cfg.block_n))
-    _delayed_update_kernel[grid](table, fmaxes, float(2.0 ** margin), MOST_RECENT=amax_compute_algo == "most_recent",
+    max_cols = max(max(h.shape[1] for h in amax_histories), 1)
+    most_recent = amax_compute_algo == "most_recent"
+    block_l = triton.next_power_of_2(max(h.shape[0] for h in amax_histories))
+    block_n = min(triton.next_power_of_2(max_cols), TILE_COLUMNS)
+    if block_l * block_n <= TILE_ELEMENTS:
+        grid = (len(amax_histories), triton.cdiv(max_cols, block_n))
+        _delayed_update_tile_kernel[grid](table, fmaxes, float(2.0 ** margin), MOST_RECENT=most_recent,
+                                          BL=block_l, BN=block_n, num_warps=4 if block_l * block_n <= 4096 else 8)
+        return
+    grid = (len(amax_histories), triton.cdiv(max_cols, cfg.block_n))
+    _delayed_update_kernel[grid](table, fmaxes, float(2.0 ** margin), MOST_RECENT=most_recent,
                                  BR=cfg.block_m, BN=cfg.block_n, num_warps=cfg.num_warps)

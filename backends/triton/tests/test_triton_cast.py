@@ -133,3 +133,20 @@ def test_fused_fp8_outputs_max_into_amax_out():
     torch.testing.assert_close(slot, torch.maximum(want, x.relu().max()).reshape(1), rtol=1e-5, atol=0)
     with pytest.raises(ValueError, match="amax_out records the amax of an FP8 output"):
         activation.activation_fwd(x, "relu", amax_out=slot)
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("shape", [(64, 48), (33, 130), (1, 7)])
+def test_transpose_fp8_is_bit_exact(fp8_dtype, shape):
+    g = torch.Generator().manual_seed(shape[0])
+    data = (torch.randn(shape, generator=g) * 100).clamp(-448, 448).to(fp8_dtype)
+    got = cast.transpose_fp8(data, Config(block_m=16, block_n=32, num_warps=1))
+    assert got.dtype == fp8_dtype and got.shape == shape[::-1] and got.is_contiguous()
+    assert torch.equal(got.view(torch.uint8), data.view(torch.uint8).t())
+
+
+def test_transpose_fp8_names_bad_input():
+    with pytest.raises(TypeError, match="float8_e4m3fn or float8_e5m2"):
+        cast.transpose_fp8(torch.randn(4, 4))
+    with pytest.raises(ValueError, match="contiguous 2-D"):
+        cast.transpose_fp8(torch.zeros(4, 6).to(torch.float8_e4m3fn).t())

@@ -56,3 +56,17 @@ def test_long_history_few_columns(length, cols):
     for h, wh, s, ws in zip(hists, want_h, scales, want_s):
         assert torch.equal(h, wh)
         torch.testing.assert_close(s, ws, rtol=2.5e-7, atol=0)
+
+
+def test_history_too_large_for_one_tile_is_rolled_in_chunks():
+    """(L, columns) blocks beyond scaling.TILE_ELEMENTS take the chunked kernel; same result."""
+    g = torch.Generator().manual_seed(5)
+    assert 2048 * 8 > scaling.TILE_ELEMENTS
+    hists = [torch.rand(2048, 5, generator=g) * 3]
+    hists[0][7, 2] = float("nan")
+    scales = [torch.rand(5, generator=g) + 0.5]
+    want_h, want_s = [h.clone() for h in hists], [s.clone() for s in scales]
+    scaling.delayed_scaling_update(hists, scales, [448.0], cfg=SMALL)
+    ref.delayed_scaling_update(want_h, want_s, [448.0])
+    assert torch.equal(hists[0].nan_to_num(), want_h[0].nan_to_num())
+    torch.testing.assert_close(scales[0], want_s[0], rtol=2.5e-7, atol=0, equal_nan=True)

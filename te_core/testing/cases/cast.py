@@ -171,3 +171,13 @@ def _(gen):
 def _(gen):
     scales = torch.randint(120, 135, (16, 3), generator=gen, dtype=torch.uint8)
     return (fp8_data(gen, (16, 96), E5M2), scales, torch.bfloat16), {}
+
+
+@case("transpose_fp8", "e4m3-64x48")
+def _(gen):
+    return (fp8_data(gen, (64, 48), E4M3),), {}
+
+
+@case("transpose_fp8", "e5m2-odd-33x130")
+def _(gen):
+    return (fp8_data(gen, (33, 130), E5M2, std=300.0),), {}

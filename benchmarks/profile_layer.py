@@ -1,0 +1,58 @@
+"""Where an FP8 te.TransformerLayer training step (PERFORMANCE.md's layer) spends GPU time:
+host enqueue vs total per step, then the kernels by CUDA time (torch.profiler).
+
+    python benchmarks/profile_layer.py [--recipe delayed|current] [--batch 8]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import te_core as te
+from te_core import recipe
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--recipe", default="delayed", choices=("delayed", "current", "bf16"))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=40)
+    args = parser.parse_args()
+    h, ffn, heads, s, b = 4096, 16384, 32, 2048, args.batch
+    x = torch.randn(s, b, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(s, b, h, device="cuda", dtype=torch.bfloat16)
+    layer = te.TransformerLayer(h, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0,
+                                self_attn_mask_type="causal", params_dtype=torch.bfloat16)
+    rcp = {"delayed": recipe.DelayedScaling(), "current": recipe.Float8CurrentScaling(), "bf16": None}[args.recipe]
+
+    def step():
+        with te.autocast(enabled=rcp is not None, recipe=rcp):
+            y = layer(x)
+        y.backward(dy)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        step()
+    host = (time.perf_counter() - t0) / 5
+    torch.cuda.synchronize()
+    total = (time.perf_counter() - t0) / 5
+    print(f"layer {args.recipe} b{b}: host {host * 1e3:.2f} ms, total {total * 1e3:.2f} ms per step")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    total_us = sum(e.self_device_time_total for e in events) / 3
+    print(f"GPU time per step {total_us / 1e3:.2f} ms; kernels by time per step:")
+    for e in events[: args.rows]:
+        print(f"  {e.self_device_time_total / 3 / 1e3:7.3f} ms  x{e.count // 3:<3} {e.key[:110]}")
+
+
+if __name__ == "__main__":
+    main()
