@@ -37,20 +37,28 @@ def _scale_args(a, b, a_si, b_si, scaling: str):
 
 
 def _add_bias(result, bias):
-    """The bias is added after the GEMM, not in cuBLASLt's bias epilogue: on the H200 (torch
-    2.11) that epilogue failed with CUBLAS_STATUS_NOT_SUPPORTED at M=16384 N=4096 K=16384 while
-    the same GEMM without it ran (torchao adds its bias outside the GEMM too)."""
+    """The bias for outputs cuBLASLt's epilogue does not take (float32 output, a bias of another dtype)."""
     if bias.dtype == result.dtype:
         return result.add_(bias)
     return (result.float() + bias.float()).to(result.dtype)
+
+
+def _epilogue_bias(bias, out_dtype) -> bool:
+    """cuBLASLt adds a bias of the output's dtype (bf16/fp16) in the GEMM's epilogue, in float32
+    before the output is rounded: on the H200 that was 0.18-0.86 ms faster per GEMM than a separate
+    add at the layer's shapes (benchmarks/results/probe-bias-2026-11-30.log). It once answered
+    CUBLAS_STATUS_NOT_SUPPORTED here; that was the misaligned scale _aligned_scalar now prevents."""
+    return bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
 
 
 def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, bias=None, out=None,
              accumulate=False):
     """te_core.ops.gemm_fp8 on cuBLASLt."""
     sa, sb = _scale_args(a, b, a_scale_inv, b_scale_inv, scaling)
-    direct = out is not None and not accumulate and out.dtype == out_dtype and out.is_contiguous() and bias is None
     kwargs = dict(out_dtype=out_dtype, use_fast_accum=False)
+    if _epilogue_bias(bias, out_dtype) and scaling == TENSORWISE:
+        kwargs["bias"], bias = bias, None
+    direct = out is not None and not accumulate and out.dtype == out_dtype and out.is_contiguous() and bias is None
     if direct:
         result = torch._scaled_mm(a, b.t(), sa, sb, out=out, **kwargs)
     else:

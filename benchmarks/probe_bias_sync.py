@@ -1,0 +1,131 @@
+"""Diagnostics: (1) does cuBLASLt's bias epilogue run through torch._scaled_mm at the layer's
+shapes, and what does it save against a separate add; (2) does an FP8 step synchronize with
+the GPU (torch.cuda sync debug mode); (3) the tiny forward under torch.profiler;
+(4) transpose_fp8 bandwidth against torch's t().contiguous().
+
+    python benchmarks/probe_bias_sync.py
+"""
+from __future__ import annotations
+
+import torch
+from triton.testing import do_bench
+
+import te_core as te
+from te_core import ops, recipe
+
+E4M3 = torch.float8_e4m3fn
+
+
+def bias_probe():
+    print("bias epilogue: M K N | epilogue ms | mm + add_ ms | ok")
+    for M, K, N in [(16384, 4096, 12288), (16384, 4096, 4096), (16384, 4096, 16384), (16384, 16384, 4096),
+                    (8192, 4096, 4096), (16, 64, 64)]:
+        a = (torch.randn(M, K, device="cuda") * 4).to(E4M3)
+        b = (torch.randn(N, K, device="cuda") * 4).to(E4M3)
+        sa = torch.full((), 0.5, device="cuda")
+        sb = torch.full((), 0.25, device="cuda")
+        bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+        plain = lambda: torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.bfloat16).add_(bias)
+        try:
+            fused = lambda: torch._scaled_mm(a, b.t(), sa, sb, bias=bias, out_dtype=torch.bfloat16)
+            want = plain().float()
+            err = (fused().float() - want).abs().max().item() / want.abs().max().item()
+            t_f = do_bench(fused, warmup=3, rep=20)
+            status = f"ok (max rel err {err:.2e})"
+        except RuntimeError as exc:
+            t_f, status = float("nan"), f"FAILED: {str(exc)[:120]}"
+        print(f"  {M} {K} {N} | {t_f:.3f} | {do_bench(plain, warmup=3, rep=20):.3f} | {status}", flush=True)
+
+
+def sync_probe():
+    x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
+    lin = te.Linear(64, 64, params_dtype=torch.bfloat16)
+    big = te.Linear(4096, 4096, bias=True, params_dtype=torch.bfloat16)
+    xb = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    rcp = recipe.DelayedScaling()
+
+    def tiny():
+        with torch.no_grad(), te.autocast(recipe=rcp):
+            lin(x)
+
+    def train():
+        with te.autocast(recipe=rcp):
+            y = big(xb)
+        y.backward(dy)
+
+    for fn in (tiny, train):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+        torch.cuda.set_sync_debug_mode(0)
+        print(f"sync points in {fn.__name__}: {len(caught)}")
+        for w in caught[:5]:
+            print("   ", str(w.message)[:200], w.filename, w.lineno)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            tiny()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+
+
+def transpose_probe():
+    for M, N in [(16384, 4096), (16384, 16384)]:
+        d = (torch.randn(M, N, device="cuda") * 4).to(E4M3)
+        ok = torch.equal(ops.transpose_fp8(d).view(torch.uint8), d.t().contiguous().view(torch.uint8))
+        t_ours = do_bench(lambda: ops.transpose_fp8(d), warmup=3, rep=20)
+        t_torch = do_bench(lambda: d.t().contiguous(), warmup=3, rep=20)
+        gbs = lambda t: 2 * M * N / t / 1e6
+        print(f"transpose_fp8 {M}x{N}: ours {gbs(t_ours):.0f} GB/s, torch {gbs(t_torch):.0f} GB/s, exact {ok}")
+        from te_triton import Config, cast
+        for bm, bn, w in [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (32, 256, 4),
+                          (256, 32, 4), (64, 256, 8)]:
+            cfg = Config(block_m=bm, block_n=bn, num_warps=w)
+            t = do_bench(lambda: cast.transpose_fp8(d, cfg), warmup=3, rep=20)
+            print(f"   cfg {bm}x{bn} w{w}: {gbs(t):.0f} GB/s")
+
+
+def activation_sweep():
+    """gelu forward with FP8 out and its fused backward at the layer's fc1 shape, per config:
+    each program does one atomic max of the amax, so the program count matters."""
+    from te_core.reference.plugin import implementations
+    from te_triton import Config, activation
+
+    ref = implementations()
+    M, N = 16384, 16384
+    x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 2
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    s = torch.full((1,), 8.0, device="cuda")
+    want = ref["activation_fwd"](x, "gelu", fp8_scale=s, fp8_dtype=E4M3)[0].view(torch.uint8)
+    for bm, bn, w, mp in [(8, 256, 4, 0), (8, 256, 4, 132 * 8), (8, 256, 4, 132 * 16), (16, 256, 8, 132 * 8),
+                          (16, 512, 8, 132 * 4), (32, 256, 8, 132 * 4), (4, 1024, 8, 132 * 8), (8, 512, 8, 132 * 8)]:
+        cfg = Config(block_m=bm, block_n=bn, num_warps=w, max_programs=mp)
+        fn = lambda: activation.activation_fwd(x, "gelu", fp8_scale=s, fp8_dtype=E4M3, cfg=cfg)
+        ok = torch.equal(fn()[0].view(torch.uint8), want)
+        t = do_bench(fn, warmup=3, rep=20)
+        print(f"gelu fwd fp8 {bm}x{bn} w{w} mp{mp}: {3 * M * N / t / 1e6:.0f} GB/s {'ok' if ok else 'WRONG'}", flush=True)
+    want = ref["activation_bwd_dbias_cast_transpose"](dy, x, "gelu", s, E4M3)
+    for bm, bn, w, mp in [(64, 128, 4, 0), (64, 128, 4, 132 * 4), (64, 128, 4, 132 * 8), (32, 128, 4, 132 * 8),
+                          (64, 64, 4, 132 * 8), (128, 64, 8, 132 * 4)]:
+        cfg = Config(block_m=bm, block_n=bn, num_warps=w, max_programs=mp)
+        fn = lambda: activation.activation_bwd_dbias_cast_transpose(dy, x, "gelu", s, E4M3, cfg)
+        got = fn()
+        off = (got[0].view(torch.uint8) != want[0].view(torch.uint8)).sum().item()
+        dbias_ok = torch.allclose(got[2].float(), want[2].float(), rtol=1.6e-2, atol=1e-2)
+        t = do_bench(fn, warmup=3, rep=20)
+        print(f"gelu bwd dbias ct {bm}x{bn} w{w} mp{mp}: {6 * M * N / t / 1e6:.0f} GB/s ({off} bytes off, "
+              f"dbias {'ok' if dbias_ok else 'WRONG'})", flush=True)
+
+
+if __name__ == "__main__":
+    activation_sweep()
+    transpose_probe()
+    bias_probe()
+    sync_probe()
