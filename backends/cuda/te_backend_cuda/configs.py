@@ -15,7 +15,9 @@ CAST_TRANSPOSE = Config(block_m=64, block_n=128, num_warps=4)  # 3525 GB/s (64x1
 TRANSPOSE = Config(block_m=64, block_n=128, num_warps=4)  # FP8 byte transpose: not measured yet
 NORM = Config(num_warps=8, max_programs=SMS * 4)  # LayerNorm fwd + FP8 out: 2340 GB/s
 NORM_BWD = Config(num_warps=16, max_programs=SMS * 2)  # LayerNorm bwd: 2571 GB/s
-ELEMENTWISE = Config(block_m=8, block_n=256, num_warps=4)  # gelu fwd + FP8 out: 2161 GB/s (compute-bound)
+ELEMENTWISE = Config(block_m=8, block_n=256, num_warps=4)  # gelu bwd: 4179 GB/s
+# gelu fwd + FP8 out at 16384x16384: 2434 GB/s (this config's previous one, ELEMENTWISE: 2225)
+ACTIVATION_FWD = Config(block_m=8, block_n=512, num_warps=8, max_programs=SMS * 8)
 SCALING = Config(block_m=8, block_n=128, num_warps=4)
 SOFTMAX = Config(num_warps=4)
 ROPE = Config(num_warps=4)

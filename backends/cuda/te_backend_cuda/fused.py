@@ -185,7 +185,7 @@ def _rmsnorm_bwd_ok(dy, x, rstd, weight, **_):
 
 # --- activation ---------------------------------------------------------------------------
 def activation_fwd(x, kind, *, fp8_scale=None, fp8_dtype=None, amax_out=None):
-    return activation.activation_fwd(x, kind, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=configs.ELEMENTWISE,
+    return activation.activation_fwd(x, kind, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=configs.ACTIVATION_FWD,
                                      amax_out=amax_out)
 
 

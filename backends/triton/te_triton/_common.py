@@ -18,7 +18,8 @@ class Config:
 
     block: elements per program per step (1-D kernels); block_m/block_n: tile shape (2-D kernels);
     num_warps; max_programs: cap on the grid (0 = one program per block/tile/row), programs then
-    loop over the work, which keeps the number of amax atomics small.
+    loop over the work, which keeps the number of amax atomics small; rows: rows a row kernel
+    (norms) handles per step, for more loads in flight when rows are short.
     """
 
     block: int = 4096
@@ -26,6 +27,7 @@ class Config:
     block_n: int = 64
     num_warps: int = 4
     max_programs: int = 0
+    rows: int = 1
 
 
 def fp8_max(dtype: torch.dtype) -> float:

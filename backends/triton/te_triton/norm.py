@@ -1,7 +1,8 @@
 """LayerNorm / RMSNorm over the last dimension: forward (optionally FP8 out + amax) and backward.
 
-Forward: a program owns whole rows (the row lives in registers, BLOCK_N >= N) and loops over
-rows, so gamma/beta are loaded once per program and amax costs one atomic per program.
+Forward: a program owns whole rows (the rows live in registers, BLOCK_N >= N), `cfg.rows` of
+them per step, and loops over rows, so gamma/beta are loaded once per program and amax costs
+one atomic per program.
 Backward: the same row loop computes dx and keeps float32 partial dgamma/dbeta per program;
 the launcher sums the (programs, N) partials.
 """
@@ -17,11 +18,16 @@ from ._common import MAX_NUMEL, Config, abs_bits, amax_from_buffer, fp8_max, gri
 
 NORM_DEFAULT = Config(num_warps=8, max_programs=1024)
 MAX_N = 65536  # one row must fit in a program's registers
+MAX_TILE = 16384  # rows x padded columns per step, at most
+TILE_AMAX_ELEMENTS_PER_THREAD = 32  # beyond this, a per-element running amax costs too many registers
 
 
 @triton.jit
 def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, amax_ptr, M, N, eps, fmax,
-                     BLOCK_N: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr, FP8_OUT: tl.constexpr):
+                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                     FP8_OUT: tl.constexpr, TILE_AMAX: tl.constexpr):
+    """ROWS rows per step. TILE_AMAX keeps the running amax per element (one reduction at the
+    end instead of one per row, which costs a block-wide barrier) when the tile fits registers."""
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     g = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -30,27 +36,41 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, 
     if not RMS:
         beta = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr)
-    acc = tl.zeros([], dtype=tl.int32)  # a scalar: a row-wide running max would cost BLOCK_N registers
-    for row in range(tl.program_id(0), M, tl.num_programs(0)):
-        x = tl.load(x_ptr + row * N + cols, mask=cmask, other=0.0).to(tl.float32)
+    if TILE_AMAX:
+        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.int32)
+    else:
+        acc = tl.zeros([], dtype=tl.int32)
+    for first in range(tl.program_id(0) * ROWS, M, tl.num_programs(0) * ROWS):
+        rows = first + tl.arange(0, ROWS)
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows[:, None] * N + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if RMS:
             xc = x
         else:
-            mean = tl.sum(x, axis=0) / N
-            xc = tl.where(cmask, x - mean, 0.0)
-            tl.store(mean_ptr + row, mean)
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
-        tl.store(rstd_ptr + row, rstd)
-        y = xc * rstd * g
+            mean = tl.sum(x, axis=1) / N
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+            tl.store(mean_ptr + rows, mean, mask=rmask)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        tl.store(rstd_ptr + rows, rstd, mask=rmask)
+        y = xc * rstd[:, None] * g[None, :]
         if not RMS:
-            y = y + beta
+            y = y + beta[None, :]
         if FP8_OUT:
-            acc = tl.maximum(acc, tl.max(tl.where(cmask, abs_bits(y), 0), axis=0))
-            tl.store(y_ptr + row * N + cols, saturating_cast(y * scale, fmax, y_ptr.dtype.element_ty), mask=cmask)
+            bits = tl.where(mask, abs_bits(y), 0)  # a padding row would otherwise contribute beta
+            if TILE_AMAX:
+                acc = tl.maximum(acc, bits)
+            else:
+                acc = tl.maximum(acc, tl.max(tl.max(bits, axis=1), axis=0))
+            tl.store(y_ptr + offs, saturating_cast(y * scale, fmax, y_ptr.dtype.element_ty), mask=mask)
         else:
-            tl.store(y_ptr + row * N + cols, y.to(y_ptr.dtype.element_ty), mask=cmask)
+            tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
     if FP8_OUT:
-        tl.atomic_max(amax_ptr, acc)
+        if TILE_AMAX:
+            tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
+        else:
+            tl.atomic_max(amax_ptr, acc)
 
 
 @triton.jit
@@ -115,10 +135,13 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, zero_centered_gamma=False, fp8_
     amax_buf = new_amax_buffer(x.device, amax_out)
     scale = fp8_scale if fp8_out else amax_buf
     if M:
-        _norm_fwd_kernel[(grid_size(M, cfg),)](
+        block_n = triton.next_power_of_2(N)
+        rows = max(1, min(cfg.rows, MAX_TILE // block_n))
+        _norm_fwd_kernel[(grid_size(triton.cdiv(M, rows), cfg),)](
             x, weight, weight if bias is None else bias, y, rstd if mean is None else mean, rstd, scale, amax_buf,
-            M, N, float(eps), fmax, BLOCK_N=triton.next_power_of_2(N), RMS=rms,
-            ZERO_CENTERED=bool(zero_centered_gamma), FP8_OUT=fp8_out, num_warps=cfg.num_warps)
+            M, N, float(eps), fmax, BLOCK_N=block_n, ROWS=rows, RMS=rms,
+            ZERO_CENTERED=bool(zero_centered_gamma), FP8_OUT=fp8_out,
+            TILE_AMAX=rows * block_n <= TILE_AMAX_ELEMENTS_PER_THREAD * 32 * cfg.num_warps, num_warps=cfg.num_warps)
     return y, mean, rstd, amax_from_buffer(amax_buf, amax_out) if fp8_out else None
 
 

@@ -53,19 +53,31 @@ def test_rmsnorm(dtype, zc):
     torch.testing.assert_close(dw, wdw, **{**TOL[dtype], "atol": 1e-4})
 
 
+# SMALL: one row per step; ROWS4: 4 rows per step over 9 rows (a padded step); WIDE: rows too
+# wide for a per-element running amax (the per-row reduction path)
+ROWS4 = Config(num_warps=1, max_programs=2, rows=4)
+WIDE = Config(num_warps=1, max_programs=2, rows=2)
+
+
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_fp8_output(rms, fp8_dtype):
-    x, w, b, _ = _inputs((9, 48), torch.float32, 3)
+@pytest.mark.parametrize("cfg,shape", [(SMALL, (9, 48)), (ROWS4, (9, 48)), (WIDE, (5, 1500))])
+def test_fp8_output(rms, fp8_dtype, cfg, shape):
+    x, w, b, _ = _inputs(shape, torch.float32, 3)
+    # column 0: every real row's output is below beta[0], a padding row's output would equal it
+    x[:, 0], w[0], b[0] = -50.0, 1.0, 100.0
     scale = torch.tensor([20.0])
-    y, _, _, amax = norm.norm_fwd(x, w, None if rms else b, 1e-5, rms=rms, fp8_scale=scale, fp8_dtype=fp8_dtype,
-                                  cfg=SMALL)
+    y, mean, rstd, amax = norm.norm_fwd(x, w, None if rms else b, 1e-5, rms=rms, fp8_scale=scale,
+                                        fp8_dtype=fp8_dtype, cfg=cfg)
     if rms:
         wy, _, wamax = ref.rmsnorm_fwd(x, w, 1e-5, fp8_scale=scale, fp8_dtype=fp8_dtype)
     else:
         wy, _, _, wamax = ref.layernorm_fwd(x, w, b, 1e-5, fp8_scale=scale, fp8_dtype=fp8_dtype)
     torch.testing.assert_close(amax, wamax, rtol=1.3e-6, atol=1e-5)  # y differs in the last bits (reduction order)
     assert_fp8_matches(y, wy)
+    if not rms:
+        torch.testing.assert_close(mean, x.mean(dim=-1), rtol=1.3e-6, atol=1e-5)
+    assert rstd.shape == shape[:-1]
 
 
 def test_bad_inputs_name_the_problem():
