@@ -124,8 +124,42 @@ def activation_sweep():
               f"dbias {'ok' if dbias_ok else 'WRONG'})", flush=True)
 
 
+def norm_sweep():
+    """LayerNorm forward with FP8 out + amax (and bf16 out, and backward) at the layer's shape, per config."""
+    from te_core.reference.plugin import implementations
+    from te_triton import Config, norm
+
+    ref = implementations()
+    for M, N in [(16384, 4096), (16384, 8192)]:
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 3 + 1
+        w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        s = torch.full((1,), 16.0, device="cuda")
+        want_y, _, _, want_amax = ref["layernorm_fwd"](x, w, b, 1e-5, fp8_scale=s, fp8_dtype=E4M3)
+        for rows, warps, mp in [(1, 8, 528), (1, 8, 0), (2, 8, 528), (2, 8, 1056), (4, 8, 528), (2, 4, 1056),
+                                (4, 16, 264), (2, 16, 528), (1, 4, 0), (4, 8, 0)]:
+            cfg = Config(num_warps=warps, max_programs=mp, rows=rows)
+            fn = lambda: norm.norm_fwd(x, w, b, 1e-5, rms=False, fp8_scale=s, fp8_dtype=E4M3, cfg=cfg)
+            y, mean, rstd, amax = fn()
+            off = (y.view(torch.uint8) != want_y.view(torch.uint8)).sum().item()
+            amax_ok = torch.allclose(amax, want_amax, rtol=1e-6)
+            t = do_bench(fn, warmup=3, rep=20)
+            t16 = do_bench(lambda: norm.norm_fwd(x, w, b, 1e-5, rms=False, cfg=cfg), warmup=3, rep=20)
+            print(f"layernorm fwd {M}x{N} rows{rows} w{warps} mp{mp}: fp8 {3 * M * N / t / 1e6:.0f} GB/s "
+                  f"({off} bytes off, amax {'ok' if amax_ok else 'WRONG'}), bf16 {4 * M * N / t16 / 1e6:.0f} GB/s",
+                  flush=True)
+        _, mean, rstd, _ = norm.norm_fwd(x, w, b, 1e-5, rms=False)
+        for warps, mp in [(16, 264), (8, 264), (8, 528), (16, 528), (4, 1056), (32, 132)]:
+            cfg = Config(num_warps=warps, max_programs=mp)
+            t = do_bench(lambda: norm.norm_bwd(dy, x, mean, rstd, w, rms=False, cfg=cfg), warmup=3, rep=20)
+            print(f"layernorm bwd {M}x{N} w{warps} mp{mp}: {6 * M * N / t / 1e6:.0f} GB/s", flush=True)
+
+
 if __name__ == "__main__":
-    activation_sweep()
-    transpose_probe()
-    bias_probe()
-    sync_probe()
+    import sys
+
+    probes = {"activation": activation_sweep, "transpose": transpose_probe, "bias": bias_probe, "sync": sync_probe,
+              "norm": norm_sweep}
+    for name in sys.argv[1:] or probes:
+        probes[name]()
