@@ -66,12 +66,15 @@ def main():
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    # backward on this thread, so cProfile sees its Python too (autograd runs CUDA backward on its own thread)
+    torch.autograd.set_multithreading_enabled(False)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(20):
         step()
     torch.cuda.synchronize()
     profiler.disable()
+    torch.autograd.set_multithreading_enabled(True)
     pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 

@@ -47,8 +47,9 @@ class QuantizedModule(nn.Module):
         return CalibrationStep(state, context, is_first_microbatch)
 
     def _state_device(self) -> torch.device:
-        for param in self.parameters(recurse=False):
-            return param.device
+        for param in self._parameters.values():  # (not self.parameters(): this runs every step)
+            if param is not None:
+                return param.device
         return self.device
 
     def _state_for(self, recipe) -> RecipeState:

@@ -25,19 +25,29 @@ class _Options(NamedTuple):
     grad_enabled: bool  # read outside the Function: inside forward, grad mode is always off
 
 
+def _fprop(inp: Tensor, weight: Tensor, bias: Optional[Tensor], step, options: _Options,
+           need_dgrad: bool = False, need_wgrad: bool = False):
+    """(y as a 2-D tensor, x operand, weight operand): the forward GEMM with its quantized operands."""
+    out_features, in_features = weight.shape
+    dtype = options.compute_dtype
+    x2d = inp if inp.dim() == 2 else inp.reshape(-1, in_features)
+    step.check_gemm_dims(x2d.shape[0], out_features, in_features)
+    x_op = step.operand("input", x2d if step.fp8 else x2d.to(dtype), columnwise=need_wgrad)
+    w_hp = weight if step.fp8 else weight.to(dtype)
+    w_op = step.weight_operand("weight", w_hp, columnwise=need_dgrad)
+    return fprop_gemm(x_op, w_op, out_dtype=dtype, bias=bias), x_op, w_op
+
+
+def _output(y: Tensor, inp: Tensor) -> Tensor:
+    return y if inp.dim() == 2 else y.reshape(*inp.shape[:-1], y.shape[-1])
+
+
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp: Tensor, weight: Tensor, bias: Optional[Tensor], step, options: _Options) -> Tensor:
-        out_features, in_features = weight.shape
-        dtype = options.compute_dtype
-        x2d = inp if inp.dim() == 2 else inp.reshape(-1, in_features)
-        step.check_gemm_dims(x2d.shape[0], out_features, in_features)
         need_dgrad = options.grad_enabled and inp.requires_grad
         need_wgrad = options.grad_enabled and weight.requires_grad
-        x_op = step.operand("input", x2d if step.fp8 else x2d.to(dtype), columnwise=need_wgrad)
-        w_hp = weight if step.fp8 else weight.to(dtype)
-        w_op = step.weight_operand("weight", w_hp, columnwise=need_dgrad)
-        y = fprop_gemm(x_op, w_op, out_dtype=dtype, bias=bias)
+        y, x_op, w_op = _fprop(inp, weight, bias, step, options, need_dgrad, need_wgrad)
         # Backward reads only column-wise copies: x's for wgrad, the weight's for dgrad (a cached
         # weight keeps both layouts in the module's cache; saving the twin costs nothing extra).
         ctx.save_for_backward(keep_columnwise(x_op) if need_wgrad else None,
@@ -46,7 +56,7 @@ class _LinearFunction(torch.autograd.Function):
         ctx.inp_shape, ctx.inp_dtype = inp.shape, inp.dtype
         ctx.need_dgrad, ctx.need_wgrad = need_dgrad, need_wgrad
         ctx.bias_dtype = None if bias is None or not bias.requires_grad else bias.dtype
-        return y if inp.dim() == 2 else y.reshape(*inp.shape[:-1], out_features)
+        return _output(y, inp)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
@@ -135,7 +145,11 @@ class Linear(QuantizedModule):
         options = _Options(compute_dtype(inp), self.fuse_wgrad_accumulation, torch.is_grad_enabled())
         fused_bias = None if self.return_bias else self.bias
         with no_torch_autocast(inp.device.type):  # operands are cast here, not by torch.autocast
-            out = _LinearFunction.apply(inp, self.weight, fused_bias, step, options)
+            if options.grad_enabled and (inp.requires_grad or self.weight.requires_grad
+                                         or (fused_bias is not None and fused_bias.requires_grad)):
+                out = _LinearFunction.apply(inp, self.weight, fused_bias, step, options)
+            else:  # nothing to differentiate: skip the autograd Function's bookkeeping (inference)
+                out = _output(_fprop(inp, self.weight, fused_bias, step, options)[0], inp)
         if self.return_bias:
             return out, self.bias
         return out

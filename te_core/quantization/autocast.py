@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from contextlib import contextmanager
+from contextlib import ContextDecorator, contextmanager
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
@@ -49,43 +49,53 @@ def get_autocast_context() -> Optional[AutocastContext]:
     return stack[-1] if stack else None
 
 
+_DEFAULT_RECIPE = DelayedScaling()  # recipes are frozen: one default serves every call
+
+
 def _check_recipe(recipe, where: str) -> Recipe:
     if recipe is None:
-        return DelayedScaling()
+        return _DEFAULT_RECIPE
     if not isinstance(recipe, Recipe):
         raise TypeError(f"{where}: recipe must be a te_core.recipe recipe (DelayedScaling, Float8CurrentScaling, "
                         f"Float8BlockScaling, MXFP8BlockScaling), got {type(recipe).__name__}")
     return recipe
 
 
-@contextmanager
-def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[Recipe] = None,
-             amax_reduction_group=None):
+class autocast(ContextDecorator):
     """Run te_core modules in FP8 (`enabled`) per `recipe` (default DelayedScaling()).
 
     calibrating=True with enabled=False computes in high precision while recording amaxes (and
     updating scales), so an FP8 run can start from calibrated scales. amax_reduction_group: the
     torch.distributed process group whose amaxes are reduced (MAX) before each scale update.
     """
-    recipe = _check_recipe(recipe, "autocast")
-    if enabled:
-        ok, reason = is_fp8_available()
-        if not ok:
-            raise RuntimeError(f"autocast(enabled=True): FP8 is not available on the selected backend: {reason}")
-    stack = _STATE.stack
-    updates = stack[0].forward_updates if stack else PendingUpdates()
-    stack.append(AutocastContext(bool(enabled), bool(calibrating), recipe, amax_reduction_group, updates))
-    ok = False
-    try:
-        yield
-        ok = True
-    finally:
-        stack.pop()
+
+    # A class, not a generator-based context manager: it is entered once per training step
+    # around every forward, and the generator machinery was a measurable part of a small step.
+    def __init__(self, enabled: bool = True, calibrating: bool = False, recipe: Optional[Recipe] = None,
+                 amax_reduction_group=None):
+        self.enabled, self.calibrating = bool(enabled), bool(calibrating)
+        self.recipe, self.amax_reduction_group = recipe, amax_reduction_group
+
+    def __enter__(self):
+        recipe = _check_recipe(self.recipe, "autocast")
+        if self.enabled:
+            ok, reason = is_fp8_available()
+            if not ok:
+                raise RuntimeError(f"autocast(enabled=True): FP8 is not available on the selected backend: {reason}")
+        stack = _STATE.stack
+        updates = stack[0].forward_updates if stack else PendingUpdates()
+        stack.append(AutocastContext(self.enabled, self.calibrating, recipe, self.amax_reduction_group, updates))
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        stack = _STATE.stack
+        context = stack.pop()
         if not stack:
-            if ok:
-                updates.flush()
+            if exc_type is None:
+                context.forward_updates.flush()
             else:
-                updates.clear()
+                context.forward_updates.clear()
+        return False
 
 
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[Recipe] = None,
