@@ -133,14 +133,19 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
 
 
 # --- norm ---------------------------------------------------------------------------------
+def _norm_cfg(fp8_dtype):
+    return configs.NORM if fp8_dtype is not None else configs.NORM_HIGH_PRECISION
+
+
 def layernorm_fwd(x, weight, bias, eps, *, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, amax_out=None):
     return norm.norm_fwd(x, weight, bias, eps, rms=False, zero_centered_gamma=zero_centered_gamma,
-                         fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=configs.NORM, amax_out=amax_out)
+                         fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=_norm_cfg(fp8_dtype), amax_out=amax_out)
 
 
 def rmsnorm_fwd(x, weight, eps, *, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, amax_out=None):
     y, _, rstd, amax = norm.norm_fwd(x, weight, None, eps, rms=True, zero_centered_gamma=zero_centered_gamma,
-                                     fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=configs.NORM, amax_out=amax_out)
+                                     fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=_norm_cfg(fp8_dtype),
+                                     amax_out=amax_out)
     return y, rstd, amax
 
 
