@@ -95,21 +95,40 @@ def _delayed_update_kernel(table_ptr, fmax_ptr, margin_scale, MOST_RECENT: tl.co
     tl.store(hist + cols, tl.zeros([BN], dtype=tl.float32), mask=cmask)
 
 
-_TABLES: dict = {}
+_PLANS: dict = {}
 
 
-def _table(amax_histories, scales, fp8_maxes, device):
-    """Device tables of addresses and sizes, cached: histories are long-lived buffers."""
-    key = tuple((h.data_ptr(), s.data_ptr(), h.shape, float(f)) for h, s, f in zip(amax_histories, scales, fp8_maxes))
-    if key not in _TABLES:
-        if len(_TABLES) > 64:
-            _TABLES.clear()
+def plan_key(amax_histories, scales, fp8_maxes) -> tuple:
+    """Identity and address of every tensor (C-level maps: this runs on every update)."""
+    ptr = torch.Tensor.data_ptr
+    return (tuple(map(id, amax_histories)), tuple(map(ptr, amax_histories)), tuple(map(id, scales)),
+            tuple(map(ptr, scales)), tuple(fp8_maxes))
+
+
+def _plan(amax_histories, scales, fp8_maxes, device):
+    """Checked inputs and the device table of (history, scale, columns, length) rows, cached per
+    set of tensors: histories are long-lived buffers and a model updates hundreds of them per
+    step, so checking and tabulating each on every call cost more host time than the kernel.
+    The plan keeps the tensors alive, so their ids and addresses cannot be reused meanwhile."""
+    key = plan_key(amax_histories, scales, fp8_maxes)
+    plan = _PLANS.get(key)
+    if plan is None:
+        for h, s in zip(amax_histories, scales):
+            if h.dim() != 2 or h.dtype != torch.float32 or not h.is_contiguous():
+                raise ValueError(f"each amax history must be a contiguous float32 (L, n) tensor, got {h.dtype} "
+                                 f"{tuple(h.shape)}")
+            if s.dtype != torch.float32 or s.numel() != h.shape[1] or not s.is_contiguous():
+                raise ValueError(f"scales must be contiguous float32 with {h.shape[1]} elements (one per history "
+                                 f"column), got {s.dtype} {tuple(s.shape)}")
+        if len(_PLANS) > 64:
+            _PLANS.clear()
         rows = [[h.data_ptr(), s.data_ptr(), h.shape[1], h.shape[0]] for h, s in zip(amax_histories, scales)]
-        _TABLES[key] = (
-            torch.tensor(rows, dtype=torch.int64).to(device),
-            torch.tensor([float(f) for f in fp8_maxes], dtype=torch.float32).to(device),
-        )
-    return _TABLES[key]
+        table = torch.tensor(rows, dtype=torch.int64).to(device)
+        fmaxes = torch.tensor([float(f) for f in fp8_maxes], dtype=torch.float32).to(device)
+        max_cols = max(max(h.shape[1] for h in amax_histories), 1)
+        max_len = max(h.shape[0] for h in amax_histories)
+        plan = _PLANS[key] = (list(amax_histories), list(scales), table, fmaxes, max_cols, max_len)
+    return plan
 
 
 def delayed_scaling_update(amax_histories: List[torch.Tensor], scales: List[torch.Tensor],
@@ -121,20 +140,11 @@ def delayed_scaling_update(amax_histories: List[torch.Tensor], scales: List[torc
     if not (len(amax_histories) == len(scales) == len(fp8_maxes)):
         raise ValueError(f"got {len(amax_histories)} histories, {len(scales)} scales, {len(fp8_maxes)} fp8_maxes; "
                          "they must pair up one to one")
-    for h, s in zip(amax_histories, scales):
-        if h.dim() != 2 or h.dtype != torch.float32 or not h.is_contiguous():
-            raise ValueError(f"each amax history must be a contiguous float32 (L, n) tensor, got {h.dtype} "
-                             f"{tuple(h.shape)}")
-        if s.dtype != torch.float32 or s.numel() != h.shape[1] or not s.is_contiguous():
-            raise ValueError(f"scales must be contiguous float32 with {h.shape[1]} elements (one per history "
-                             f"column), got {s.dtype} {tuple(s.shape)}")
     if not amax_histories:
         return
-    device = amax_histories[0].device
-    table, fmaxes = _table(amax_histories, scales, fp8_maxes, device)
-    max_cols = max(max(h.shape[1] for h in amax_histories), 1)
+    _, _, table, fmaxes, max_cols, max_len = _plan(amax_histories, scales, fp8_maxes, amax_histories[0].device)
     most_recent = amax_compute_algo == "most_recent"
-    block_l = triton.next_power_of_2(max(h.shape[0] for h in amax_histories))
+    block_l = triton.next_power_of_2(max_len)
     block_n = min(triton.next_power_of_2(max_cols), TILE_COLUMNS)
     if block_l * block_n <= TILE_ELEMENTS:
         grid = (len(amax_histories), triton.cdiv(max_cols, block_n))

@@ -70,3 +70,26 @@ def test_history_too_large_for_one_tile_is_rolled_in_chunks():
     ref.delayed_scaling_update(want_h, want_s, [448.0])
     assert torch.equal(hists[0].nan_to_num(), want_h[0].nan_to_num())
     torch.testing.assert_close(scales[0], want_s[0], rtol=2.5e-7, atol=0, equal_nan=True)
+
+
+def test_cached_plan_follows_the_tensors():
+    """The per-tensor-set plan is reused across steps and never applies to other tensors."""
+    g = torch.Generator().manual_seed(9)
+    hists = [torch.rand(16, 2, generator=g), torch.rand(16, 1, generator=g)]
+    scales = [torch.ones(2), torch.ones(1)]
+    want_h, want_s = [h.clone() for h in hists], [s.clone() for s in scales]
+    for _ in range(2):  # the second call runs on the cached plan
+        for h in hists + want_h:
+            h[0] = torch.rand(h.shape[1], generator=g) * 5
+        want_h[0][0].copy_(hists[0][0]), want_h[1][0].copy_(hists[1][0])
+        scaling.delayed_scaling_update(hists, scales, [448.0, 448.0])
+        ref.delayed_scaling_update(want_h, want_s, [448.0, 448.0])
+        for h, wh, s, ws in zip(hists, want_h, scales, want_s):
+            assert torch.equal(h, wh)
+            torch.testing.assert_close(s, ws, rtol=2.5e-7, atol=0)
+    moved = hists[0].clone()  # a new buffer (as after module.to): a new plan, with its address
+    scaling.delayed_scaling_update([moved, hists[1]], scales, [448.0, 448.0])
+    ref.delayed_scaling_update([want_h[0], want_h[1]], want_s, [448.0, 448.0])
+    assert torch.equal(moved, want_h[0])
+    with pytest.raises(ValueError, match="contiguous float32"):
+        scaling.delayed_scaling_update([moved.t()], [torch.ones(16)], [448.0])
