@@ -24,9 +24,10 @@ DEV = "cuda"
 LINEAR_SHAPES = [(16384, 8192, 8192), (16384, 8192, 28672), (8192, 4096, 4096)]
 SKIP_TORCHAO = False
 LAYER = dict(h=4096, ffn=16384, heads=32, s=2048, b=8)  # PERFORMANCE.md's layer
+LAYER_REPS = (100, 400)  # do_bench warm-up / measuring time in ms: ~15 measured steps of the layer
 
 
-def bench(fn, warmup=5, rep=20):
+def bench(fn, warmup=25, rep=200):
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
@@ -83,9 +84,21 @@ def linear_rows(quick):
             lin = te.Linear(K, N, bias=False, params_dtype=torch.bfloat16)
             rcp = make()
             row[f"te_{name}_ms"] = bench(fwd_bwd(lin, x, dy, lambda: te.autocast(recipe=rcp)))
+        row["te_delayed_graphed_ms"] = _graphed_ms(te.Linear(K, N, bias=False, params_dtype=torch.bfloat16), x, dy)
         rows.append(row)
         print(json.dumps(row), flush=True)  # partial results survive a timeout
     return rows
+
+
+def _graphed_ms(module, x, dy, reps=(50, 200)):
+    """fwd+bwd of `module` captured with te.make_graphed_callables (FP8 delayed scaling)."""
+    rcp = te_recipe.DelayedScaling()
+    try:
+        graphed = te.make_graphed_callables(module, (x,), fp8_enabled=True, fp8_recipe=rcp)
+        return bench(fwd_bwd(graphed, x, dy, lambda: te.autocast(recipe=rcp)), *reps)
+    except Exception as exc:  # report, keep benchmarking the rest
+        print(f"graphed {type(module).__name__} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        return None
 
 
 class TorchLayer(nn.Module):
@@ -119,7 +132,7 @@ def layer_rows(quick):
     rows = []
     torch_layer = TorchLayer(h, ffn, heads).to(DEV, torch.bfloat16)
     step = fwd_bwd(torch_layer, x, dy)
-    _row(rows, {"variant": "torch bf16 eager + SDPA", "ms": bench(step, 3, 10), "peak_mib": peak_mib(step)})
+    _row(rows, {"variant": "torch bf16 eager + SDPA", "ms": bench(step, *LAYER_REPS), "peak_mib": peak_mib(step)})
     try:
         if SKIP_TORCHAO:
             raise RuntimeError("skipped (--skip-torchao)")
@@ -128,16 +141,20 @@ def layer_rows(quick):
         ao_layer = TorchLayer(h, ffn, heads).to(DEV, torch.bfloat16)
         convert_to_float8_training(ao_layer, config=Float8LinearConfig.from_recipe_name("tensorwise"))
         step = fwd_bwd(torch.compile(ao_layer), x, dy)
-        _row(rows, {"variant": "torchao tensorwise + compile", "ms": bench(step, 3, 10), "peak_mib": peak_mib(step)})
+        _row(rows, {"variant": "torchao tensorwise + compile", "ms": bench(step, *LAYER_REPS), "peak_mib": peak_mib(step)})
     except Exception as exc:
         _row(rows, {"variant": "torchao tensorwise + compile", "ms": None, "peak_mib": None, "error": str(exc)[:200]})
     layer = te.TransformerLayer(h, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0,
                                 self_attn_mask_type="causal", params_dtype=torch.bfloat16)
     step = fwd_bwd(layer, x, dy)
-    _row(rows, {"variant": "te bf16", "ms": bench(step, 3, 10), "peak_mib": peak_mib(step)})
+    _row(rows, {"variant": "te bf16", "ms": bench(step, *LAYER_REPS), "peak_mib": peak_mib(step)})
     for name, rcp in (("delayed", te_recipe.DelayedScaling()), ("current", te_recipe.Float8CurrentScaling())):
         step = fwd_bwd(layer, x, dy, lambda rcp=rcp: te.autocast(recipe=rcp))
-        _row(rows, {"variant": f"te fp8 {name}", "ms": bench(step, 3, 10), "peak_mib": peak_mib(step)})
+        _row(rows, {"variant": f"te fp8 {name}", "ms": bench(step, *LAYER_REPS), "peak_mib": peak_mib(step)})
+    graphed_layer = te.TransformerLayer(h, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0,
+                                        self_attn_mask_type="causal", params_dtype=torch.bfloat16)
+    _row(rows, {"variant": "te fp8 delayed + make_graphed_callables",
+                "ms": _graphed_ms(graphed_layer, x, dy, LAYER_REPS), "peak_mib": None})
     return rows
 
 
@@ -164,6 +181,14 @@ def tiny_rows():
     with torch.no_grad():
         t_ref = wall(lambda: ref(x))
     row = {"nn.Linear bf16 us": t_ref, "te.Linear fp8 us": wall(te_fwd)}
+    graphed = te.make_graphed_callables(te.Linear(64, 64, params_dtype=torch.bfloat16), (x,), fp8_enabled=True,
+                                        fp8_recipe=rcp)
+
+    def graphed_fwd():
+        with torch.no_grad(), te.autocast(recipe=rcp):
+            graphed(x)
+
+    row["te.Linear fp8 graphed us"] = wall(graphed_fwd)
     print(json.dumps(row), flush=True)
     return [row]
 

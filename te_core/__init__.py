@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 from . import ops, recipe
 from .backend import get_backend, list_backends, set_backend
 from .convert import convert_model
+from .graphs import make_graphed_callables
 from .modules import (
     DotProductAttention,
     GroupedLinear,
@@ -39,6 +40,7 @@ from .quantization import (
 
 __all__ = [
     "__version__", "ops", "recipe", "get_backend", "set_backend", "list_backends", "convert_model",
+    "make_graphed_callables",
     "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "LayerNorm", "RMSNorm", "DotProductAttention",
     "MultiheadAttention", "TransformerLayer", "RotaryPositionEmbedding", "apply_rotary_pos_emb", "checkpoint",
     "autocast", "fp8_autocast", "quantized_model_init", "fp8_model_init", "is_fp8_available",

@@ -21,6 +21,28 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 _FLOATS_PER_16_BYTES = 4
 
 
+class _Capture(threading.local):
+    active = False
+
+
+_CAPTURE = _Capture()
+
+
+class graph_capture:
+    """While active (te_core.make_graphed_callables' warm-up and capture): every scale_inv is
+    recomputed from the live scale, so a captured graph recomputes it on each replay, and
+    backward scale updates are not queued, so none is captured; the graphed callable schedules
+    both directions' updates itself, eagerly, on every replay."""
+
+    def __enter__(self):
+        self._outer = _CAPTURE.active
+        _CAPTURE.active = True
+
+    def __exit__(self, *exc):
+        _CAPTURE.active = self._outer
+        return False
+
+
 class ScalingGroup:
     """History and scales of `names` (one column each); row 0 of the history is this step's amax."""
 
@@ -42,7 +64,7 @@ class ScalingGroup:
         """1 / scale, recomputed (as a NEW tensor) only after `scale` changed in place, so tensors
         quantized earlier keep their snapshot and a step costs one reciprocal per group, not per cast."""
         version = self.scale._version
-        if version != self._scale_inv_version:
+        if version != self._scale_inv_version or _CAPTURE.active:
             self._scale_inv = torch.reciprocal(self.scale)
             self._scale_inv_version = version
         return self._scale_inv
@@ -200,6 +222,8 @@ def schedule_backward_update(group: ScalingGroup, process_group) -> None:
     """Queue `group`'s update for the end of the running backward pass. Must be called from inside
     a backward. Every call queues a callback; the first to run flushes all, the rest find nothing
     (robust to a backward that raised before its callbacks ran)."""
+    if _CAPTURE.active:
+        return
     _BACKWARD_PENDING.add(group, process_group)
     torch.autograd.Variable._execution_engine.queue_callback(_BACKWARD_PENDING.flush)
 
