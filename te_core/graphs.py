@@ -12,7 +12,7 @@ backward pass).
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -36,6 +36,27 @@ def _scaling_groups(module: nn.Module) -> Tuple[List[ScalingGroup], List[Scaling
         for role, group in getattr(state, "groups", {}).items():
             (backward if role is Role.GRAD_OUTPUT else forward).append(group)
     return forward, backward
+
+
+def _save_scaling_state(module: nn.Module) -> Dict[int, Tuple[torch.Tensor, torch.Tensor]]:
+    forward, backward = _scaling_groups(module)
+    return {id(g): (g.amax_history.clone(), g.scale.clone()) for g in forward + backward}
+
+
+def _restore_scaling_state(module: nn.Module, saved: Dict[int, Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Undo what warm-up and capture did to the scaling state (their backward passes run on
+    uninitialized gradients), in place: the graphs keep pointing at these buffers. State the
+    warm-up created starts fresh (zero history, unit scale), as an eager module's would."""
+    forward, backward = _scaling_groups(module)
+    with torch.no_grad():
+        for group in forward + backward:
+            history, scale = saved.get(id(group), (None, None))
+            if history is None:
+                group.amax_history.zero_()
+                group.scale.fill_(1.0)
+            else:
+                group.amax_history.copy_(history)
+                group.scale.copy_(scale)
 
 
 class _BackwardUpdates(torch.autograd.Function):
@@ -121,9 +142,12 @@ def make_graphed_callables(
     if graph_api is None:
         raise NotImplementedError(f"make_graphed_callables: torch has no graph capture for device type "
                                   f"{device.type!r}; run the modules eagerly")
+    saved = [_save_scaling_state(module) for module in mods]
     with autocast(enabled=fp8_enabled, recipe=fp8_recipe, amax_reduction_group=fp8_group), graph_capture():
         graphed = graph_api(tuple(mods), tuple(args), num_warmup_iters=num_warmup_iters,
                             allow_unused_input=allow_unused_input)
+    for module, before in zip(mods, saved):
+        _restore_scaling_state(module, before)
     for module, graphed_module in zip(mods, graphed):
         graphed_module.forward = _wrap(graphed_module.forward, module, fp8_enabled)
     return graphed[0] if single else tuple(graphed)

@@ -21,8 +21,8 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 _FLOATS_PER_16_BYTES = 4
 
 
-class _Capture(threading.local):
-    active = False
+class _Capture:
+    active = False  # process-wide, not per thread: autograd runs the backward on its own threads
 
 
 _CAPTURE = _Capture()
