@@ -79,7 +79,10 @@ def _wrap(graphed_forward, module: nn.Module, fp8_enabled: bool):
     forward_groups, backward_groups = _scaling_groups(module) if fp8_enabled else ([], [])
     name = type(module).__name__
 
-    def forward(*args):
+    def forward(*args, **kwargs):
+        if kwargs:
+            raise TypeError(f"graphed {name} replays positional inputs only; got keyword arguments "
+                            f"{', '.join(sorted(kwargs))} (is_first_microbatch and other options are not graphed)")
         context = get_autocast_context()
         if fp8_enabled and (context is None or not context.enabled):
             raise RuntimeError(f"graphed {name} was captured with fp8_enabled=True: call it inside "

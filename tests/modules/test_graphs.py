@@ -120,6 +120,8 @@ def test_graphed_module_names_wrong_autocast(fake_graphs):
         with te.autocast(recipe=RECIPE):
             plain(x2)
     plain(x2).sum().backward()  # high precision outside autocast is fine
+    with pytest.raises(TypeError, match="is_first_microbatch"):
+        plain(x2, is_first_microbatch=True)
 
 
 def test_bad_arguments_name_the_problem(fake_graphs):
