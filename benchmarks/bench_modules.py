@@ -11,11 +11,11 @@ import argparse
 import datetime
 import json
 import os
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _timing import wall_us
 
 import te_core as te
 from te_core import recipe as te_recipe
@@ -164,23 +164,13 @@ def tiny_rows():
     lin = te.Linear(64, 64, params_dtype=torch.bfloat16)
     rcp = te_recipe.DelayedScaling()
 
-    def wall(fn, n=300):
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / n * 1e6
-
     def te_fwd():
         with torch.no_grad(), te.autocast(recipe=rcp):
             lin(x)
 
     with torch.no_grad():
-        t_ref = wall(lambda: ref(x))
-    row = {"nn.Linear bf16 us": t_ref, "te.Linear fp8 us": wall(te_fwd)}
+        t_ref = wall_us(lambda: ref(x))
+    row = {"nn.Linear bf16 us": t_ref, "te.Linear fp8 us": wall_us(te_fwd)}
     graphed = te.make_graphed_callables(te.Linear(64, 64, params_dtype=torch.bfloat16), (x,), fp8_enabled=True,
                                         fp8_recipe=rcp)
 
@@ -188,7 +178,7 @@ def tiny_rows():
         with torch.no_grad(), te.autocast(recipe=rcp):
             graphed(x)
 
-    row["te.Linear fp8 graphed us"] = wall(graphed_fwd)
+    row["te.Linear fp8 graphed us"] = wall_us(graphed_fwd)
     print(json.dumps(row), flush=True)
     return [row]
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import cProfile
 import pstats
-import time
 
 import torch
 import triton
 import triton.language as tl
+from _timing import wall_us
 
 import te_core as te
 from te_core import ops, recipe
@@ -24,17 +24,6 @@ DEV = "cuda"
 def _noop_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
-
-
-def wall_us(fn, n=500):
-    for _ in range(30):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
 
 
 def main():
@@ -80,7 +69,7 @@ def main():
     results = {}
     with torch.no_grad():
         for name, fn in rows.items():
-            results[name] = wall_us(fn)
+            results[name] = wall_us(fn, 500, 30)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(300):

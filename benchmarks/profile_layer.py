@@ -6,9 +6,8 @@ host enqueue vs total per step, then the kernels by CUDA time (torch.profiler).
 from __future__ import annotations
 
 import argparse
-import time
-
 import torch
+from _timing import host_and_total_ms
 
 import te_core as te
 from te_core import recipe
@@ -32,16 +31,8 @@ def main():
             y = layer(x)
         y.backward(dy)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        step()
-    host = (time.perf_counter() - t0) / 5
-    torch.cuda.synchronize()
-    total = (time.perf_counter() - t0) / 5
-    print(f"layer {args.recipe} b{b}: host {host * 1e3:.2f} ms, total {total * 1e3:.2f} ms per step")
+    host, total = host_and_total_ms(step, n=5, warmup=3)
+    print(f"layer {args.recipe} b{b}: host {host:.2f} ms, total {total:.2f} ms per step")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             step()

@@ -9,28 +9,15 @@ from __future__ import annotations
 import cProfile
 import pstats
 import sys
-import time
 
 import torch
+from _timing import host_and_total_ms
 
 import te_core as te
 from te_core import recipe
 
 M, K, N = (int(v) for v in sys.argv[1:4]) if len(sys.argv) > 3 else (8192, 4096, 4096)
 DEV = "cuda"
-
-
-def timed(step, n=30):
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    host = (time.perf_counter() - t0) / n
-    torch.cuda.synchronize()
-    total = (time.perf_counter() - t0) / n
-    return host * 1e3, total * 1e3
 
 
 def main():
@@ -50,13 +37,13 @@ def main():
         return step
 
     print(f"shape M{M} K{K} N{N}: host ms (enqueue) / total ms per step")
-    print("bf16 nn.Linear", timed(bf16_step))
+    print("bf16 nn.Linear", host_and_total_ms(bf16_step))
     steps = {name: fp8_step(r) for name, r in (("delayed", recipe.DelayedScaling()),
                                                ("current", recipe.Float8CurrentScaling()),
                                                ("block", recipe.Float8BlockScaling()))}
     for name, step in steps.items():
         try:
-            print(f"te.Linear {name}", timed(step))
+            print(f"te.Linear {name}", host_and_total_ms(step))
         except Exception as exc:  # keep profiling the others
             print(f"te.Linear {name} failed: {type(exc).__name__}: {exc}")
     step = steps["delayed"]

@@ -25,6 +25,14 @@ TILE_COLUMNS = 16
 
 
 @triton.jit
+def _table_row(table_ptr, fmax_ptr, i):
+    """History pointer, scale pointer, columns, length and fp8 max of table row i."""
+    hist = tl.load(table_ptr + i * 4).to(tl.pointer_type(tl.float32))
+    scales = tl.load(table_ptr + i * 4 + 1).to(tl.pointer_type(tl.float32))
+    return hist, scales, tl.load(table_ptr + i * 4 + 2), tl.load(table_ptr + i * 4 + 3), tl.load(fmax_ptr + i)
+
+
+@triton.jit
 def _new_scale(scales, cols, cmask, amax, fmax, margin_scale):
     """fp8_max / amax / 2^margin into `scales`, keeping the old scale where amax is 0, inf or NaN."""
     old = tl.load(scales + cols, mask=cmask, other=1.0)
@@ -37,12 +45,7 @@ def _new_scale(scales, cols, cmask, amax, fmax, margin_scale):
 @triton.jit
 def _delayed_update_tile_kernel(table_ptr, fmax_ptr, margin_scale, MOST_RECENT: tl.constexpr,
                                 BL: tl.constexpr, BN: tl.constexpr):
-    i = tl.program_id(0)
-    hist = tl.load(table_ptr + i * 4).to(tl.pointer_type(tl.float32))
-    scales = tl.load(table_ptr + i * 4 + 1).to(tl.pointer_type(tl.float32))
-    n = tl.load(table_ptr + i * 4 + 2)
-    L = tl.load(table_ptr + i * 4 + 3)
-    fmax = tl.load(fmax_ptr + i)
+    hist, scales, n, L, fmax = _table_row(table_ptr, fmax_ptr, tl.program_id(0))
     rows = tl.arange(0, BL)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     cmask = cols < n
@@ -62,12 +65,7 @@ def _delayed_update_tile_kernel(table_ptr, fmax_ptr, margin_scale, MOST_RECENT: 
 @triton.jit
 def _delayed_update_kernel(table_ptr, fmax_ptr, margin_scale, MOST_RECENT: tl.constexpr,
                            BR: tl.constexpr, BN: tl.constexpr):
-    i = tl.program_id(0)
-    hist = tl.load(table_ptr + i * 4).to(tl.pointer_type(tl.float32))
-    scales = tl.load(table_ptr + i * 4 + 1).to(tl.pointer_type(tl.float32))
-    n = tl.load(table_ptr + i * 4 + 2)
-    L = tl.load(table_ptr + i * 4 + 3)
-    fmax = tl.load(fmax_ptr + i)
+    hist, scales, n, L, fmax = _table_row(table_ptr, fmax_ptr, tl.program_id(0))
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     cmask = cols < n
     row0 = tl.load(hist + cols, mask=cmask, other=0.0)
