@@ -156,10 +156,37 @@ def norm_sweep():
             print(f"layernorm bwd {M}x{N} w{warps} mp{mp}: {6 * M * N / t / 1e6:.0f} GB/s", flush=True)
 
 
+def dbias_sweep():
+    """dbias + cast-transpose and gelu backward + dbias + cast-transpose, per config, checked
+    against the reference (FP8 bytes, dbias within one bf16 step per summed element)."""
+    from te_core.reference.plugin import implementations
+    from te_triton import Config, activation
+
+    ref = implementations()
+    for M, N in [(16384, 8192), (16384, 16384)]:
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 2
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        s = torch.full((1,), 8.0, device="cuda")
+        want_d = ref["dbias_cast_transpose"](dy, s, E4M3)
+        for bm, bn, w, mp in [(32, 128, 4, 1056), (32, 128, 4, 528), (64, 128, 4, 1056), (32, 128, 8, 1056),
+                              (16, 128, 4, 2112), (32, 64, 4, 2112), (64, 64, 4, 1056)]:
+            cfg = Config(block_m=bm, block_n=bn, num_warps=w, max_programs=mp)
+            fn = lambda: activation.dbias_cast_transpose(dy, s, E4M3, cfg)
+            got = fn()
+            off = (got[0].view(torch.uint8) != want_d[0].view(torch.uint8)).sum().item()
+            off_t = (got[1].view(torch.uint8) != want_d[1].view(torch.uint8)).sum().item()
+            derr = (got[2].float() - want_d[2].float()).abs().max().item()
+            t = do_bench(fn, warmup=3, rep=20)
+            tg = do_bench(lambda: activation.activation_bwd_dbias_cast_transpose(dy, x, "gelu", s, E4M3, cfg),
+                          warmup=3, rep=20)
+            print(f"{M}x{N} {bm}x{bn} w{w} mp{mp}: dbias_ct {4 * M * N / t / 1e6:.0f} GB/s ({off}/{off_t} bytes off, "
+                  f"dbias max err {derr:.3g}), gelu bwd dbias ct {6 * M * N / tg / 1e6:.0f} GB/s", flush=True)
+
+
 if __name__ == "__main__":
     import sys
 
     probes = {"activation": activation_sweep, "transpose": transpose_probe, "bias": bias_probe, "sync": sync_probe,
-              "norm": norm_sweep}
+              "norm": norm_sweep, "dbias": dbias_sweep}
     for name in sys.argv[1:] or probes:
         probes[name]()

@@ -11,6 +11,8 @@ from te_triton import Config
 SMS = 132  # H200
 
 QUANTIZE = Config(block=8192, num_warps=8, max_programs=SMS * 4)  # 3749 GB/s (one block per program: 3220)
+# a column strip per program, row tiles every `groups`-th: not measured yet on the H200
+DBIAS_CAST_TRANSPOSE = Config(block_m=32, block_n=128, num_warps=4, max_programs=SMS * 8)
 CAST_TRANSPOSE = Config(block_m=64, block_n=128, num_warps=4)  # 3525 GB/s (64x128 with 8 warps: 2177)
 TRANSPOSE = Config(block_m=64, block_n=128, num_warps=4)  # FP8 byte transpose: not measured yet
 NORM = Config(num_warps=8, max_programs=SMS * 4, rows=4)  # LayerNorm fwd + FP8 out 16384x4096: 2508 GB/s (1 row: 1754)

@@ -199,11 +199,11 @@ def activation_bwd(dy, x, kind):
 
 
 def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out=None):
-    return activation.dbias_cast_transpose(dy, scale, fp8_dtype, configs.CAST_TRANSPOSE, amax_out=amax_out)
+    return activation.dbias_cast_transpose(dy, scale, fp8_dtype, configs.DBIAS_CAST_TRANSPOSE, amax_out=amax_out)
 
 
 def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, *, amax_out=None):
-    return activation.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, configs.CAST_TRANSPOSE,
+    return activation.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, configs.DBIAS_CAST_TRANSPOSE,
                                                           configs.ELEMENTWISE, amax_out=amax_out)
 
 

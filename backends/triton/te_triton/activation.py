@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ._common import MAX_NUMEL, Config, abs_bits, amax_from_buffer, fp8_max, grid_size, new_amax_buffer, saturating_cast
-from .cast import CAST_TRANSPOSE_DEFAULT, _cast_transpose_tile
+from .cast import _cast_transpose_tile, _check_input
 
 ELEMENTWISE_DEFAULT = Config(block_m=16, block_n=256, num_warps=8, max_programs=0)
 KIND_IDS = {"gelu": 0, "relu": 1, "silu": 2, "qgelu": 3, "srelu": 4, "geglu": 0, "reglu": 1, "swiglu": 2}
@@ -104,24 +104,55 @@ def _act_bwd_kernel(dy_ptr, x_ptr, dx_ptr, R, H, KIND: tl.constexpr, GATED: tl.c
 
 
 @triton.jit
-def _act_bwd_dbias_ct_kernel(dy_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr, M, N, fmax,
-                             KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """Non-gated: dx = dy * act'(x), rounded to x's dtype, then cast-transposed with dbias partials."""
-    n_tn = tl.cdiv(N, BN)
-    n_tiles = tl.cdiv(M, BM) * n_tn
+def _dbias_ct_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr, M, N, fmax, groups,
+                     ACT: tl.constexpr, KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Cast-transpose of a gradient with its column sums (dbias). ACT: the gradient is
+    dx = g * act'(x) (non-gated), rounded to x's dtype as the unfused ops do; else it is g.
+
+    A program owns one column strip and every `groups`-th row tile of it, so column sums and
+    the amax build up element-wise in registers: one reduction and one atomic per program, and
+    a (groups, N) partial-sum buffer, instead of a reduction per tile."""
+    pid = tl.program_id(0)
+    tn = pid // groups
+    cols = tn * BN + tl.arange(0, BN)
     scale = tl.load(scale_ptr)
-    acc = tl.zeros([], dtype=tl.int32)
-    for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        rows, cols, mask = _tile(t, M, N, BM, BN)
+    colsum = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = tl.zeros([BM, BN], dtype=tl.int32)
+    for tm in range(pid % groups, tl.cdiv(M, BM), groups):
+        rows = tm * BM + tl.arange(0, BM)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
         off = rows[:, None] * N + cols[None, :]
-        dy = tl.load(dy_ptr + off, mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + off, mask=mask, other=0.0)
-        # the contract's dx is in x's dtype; quantize that rounded value, as the unfused ops do
-        dx = (dy * _dact(x.to(tl.float32), KIND)).to(x.dtype).to(tl.float32)
-        tile_max = _cast_transpose_tile(x_ptr, y_ptr, yt_ptr, dbias_ptr, dx, t // n_tn, t % n_tn, M, N, scale, fmax,
-                                        BM, BN, True)
-        acc = tl.maximum(acc, tile_max)
-    tl.atomic_max(amax_ptr, acc)
+        g = tl.load(g_ptr + off, mask=mask, other=0.0)
+        if ACT:
+            x = tl.load(x_ptr + off, mask=mask, other=0.0)
+            v = (g.to(tl.float32) * _dact(x.to(tl.float32), KIND)).to(x.dtype).to(tl.float32)
+        else:
+            v = g.to(tl.float32)
+        _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN)
+        colsum += v
+        acc = tl.maximum(acc, abs_bits(v))
+    tl.store(dbias_ptr + (pid % groups) * N + cols, tl.sum(colsum, axis=0), mask=cols < N)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
+
+
+def _dbias_cast_transpose(g, x, kind, scale, fp8_dtype, cfg: Config, amax_out):
+    """(data, data_t, dbias in x's dtype, amax) of g (x is None) or of activation_bwd(g, x, kind)."""
+    fmax = fp8_max(fp8_dtype)
+    src = g if x is None else x
+    M, N = src.shape
+    y = torch.empty((M, N), dtype=fp8_dtype, device=src.device)
+    yt = torch.empty((N, M), dtype=fp8_dtype, device=src.device)
+    amax_buf = new_amax_buffer(src.device, amax_out)
+    n_tm, n_tn = triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n)
+    # row groups per column strip: enough programs to fill the GPU (cfg.max_programs), no more
+    groups = max(1, min(n_tm, cfg.max_programs // n_tn)) if cfg.max_programs > 0 else n_tm
+    partial = torch.empty((groups, N), dtype=torch.float32, device=src.device)
+    if src.numel():
+        _dbias_ct_kernel[(groups * n_tn,)](
+            g, src, y, yt, scale, amax_buf, partial, M, N, fmax, groups, ACT=x is not None,
+            KIND=KIND_IDS[kind] if x is not None else 0, BM=cfg.block_m, BN=cfg.block_n, num_warps=cfg.num_warps)
+    dbias = partial.sum(dim=0) if M else torch.zeros(N, dtype=torch.float32, device=src.device)
+    return y, yt, dbias.to(src.dtype), amax_from_buffer(amax_buf, amax_out)
 
 
 def _check(x: torch.Tensor, kind: str):
@@ -170,15 +201,16 @@ def activation_bwd(dy, x, kind, cfg: Config = ELEMENTWISE_DEFAULT):
     return dx
 
 
-def dbias_cast_transpose(dy, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFAULT, *, amax_out=None):
+DBIAS_CAST_TRANSPOSE_DEFAULT = Config(block_m=32, block_n=128, num_warps=4, max_programs=1024)
+
+
+def dbias_cast_transpose(dy, scale, fp8_dtype, cfg: Config = DBIAS_CAST_TRANSPOSE_DEFAULT, *, amax_out=None):
     """(data, data_t, dbias, amax) as te_core.ops.dbias_cast_transpose."""
-    from .cast import cast_transpose_fp8
-
-    data, data_t, amax, dbias = cast_transpose_fp8(dy, scale, fp8_dtype, cfg, with_dbias=True, amax_out=amax_out)
-    return data, data_t, dbias.to(dy.dtype), amax
+    _check_input(dy, scale, two_d=True)
+    return _dbias_cast_transpose(dy, None, "gelu", scale, fp8_dtype, cfg, amax_out)
 
 
-def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFAULT,
+def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, cfg: Config = DBIAS_CAST_TRANSPOSE_DEFAULT,
                                         act_cfg: Config = ELEMENTWISE_DEFAULT, *, amax_out=None):
     """(data, data_t, dbias, amax) of dx = activation_bwd(dy, x, kind); one pass for
     non-gated kinds, activation_bwd then dbias_cast_transpose for gated ones."""
@@ -189,15 +221,6 @@ def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, cfg: Conf
         return dbias_cast_transpose(activation_bwd(dy, x, kind, act_cfg), scale, fp8_dtype, cfg, amax_out=amax_out)
     if dy.shape != x.shape or not dy.is_contiguous():
         raise ValueError(f"dy must be contiguous with x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
-    fmax = fp8_max(fp8_dtype)
-    M, N = x.shape
-    y = torch.empty((M, N), dtype=fp8_dtype, device=x.device)
-    yt = torch.empty((N, M), dtype=fp8_dtype, device=x.device)
-    amax_buf = new_amax_buffer(x.device, amax_out)
-    partial = torch.empty((triton.cdiv(M, cfg.block_m), N), dtype=torch.float32, device=x.device)
-    if x.numel():
-        _act_bwd_dbias_ct_kernel[_grid(M, N, cfg)](
-            dy, x, y, yt, scale, amax_buf, partial, M, N, fmax, KIND=KIND_IDS[kind], BM=cfg.block_m,
-            BN=cfg.block_n, num_warps=cfg.num_warps)
-    dbias = partial.sum(dim=0) if M else torch.zeros(N, dtype=torch.float32, device=x.device)
-    return y, yt, dbias.to(x.dtype), amax_from_buffer(amax_buf, amax_out)
+    _check_input(dy, scale, two_d=True)
+    return _dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, cfg, amax_out)
+

@@ -46,9 +46,8 @@ def _quantize_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, n, fmax, BLOCK: tl.const
 
 
 @triton.jit
-def _cast_transpose_tile(x_ptr, y_ptr, yt_ptr, dbias_ptr, v, tm, tn, M, N, scale, fmax,
-                         BM: tl.constexpr, BN: tl.constexpr, DBIAS: tl.constexpr):
-    """Store one (BM, BN) tile v (float32) row-wise and column-wise; return its |v| bits max."""
+def _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM: tl.constexpr, BN: tl.constexpr):
+    """Store one (BM, BN) tile v (float32) cast to FP8, row-wise and column-wise."""
     rows = tm * BM + tl.arange(0, BM)
     cols = tn * BN + tl.arange(0, BN)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -56,14 +55,11 @@ def _cast_transpose_tile(x_ptr, y_ptr, yt_ptr, dbias_ptr, v, tm, tn, M, N, scale
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], q, mask=mask)
     mask_t = (cols[:, None] < N) & (rows[None, :] < M)
     tl.store(yt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
-    if DBIAS:
-        tl.store(dbias_ptr + tm * N + cols, tl.sum(v, axis=0), mask=cols < N)
-    return tl.max(tl.max(abs_bits(v), axis=1), axis=0)
 
 
 @triton.jit
-def _cast_transpose_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr, M, N, fmax,
-                           BM: tl.constexpr, BN: tl.constexpr, DBIAS: tl.constexpr):
+def _cast_transpose_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, M, N, fmax,
+                           BM: tl.constexpr, BN: tl.constexpr):
     pid = tl.program_id(0)
     n_tn = tl.cdiv(N, BN)
     n_tiles = tl.cdiv(M, BM) * n_tn
@@ -76,8 +72,8 @@ def _cast_transpose_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr,
         cols = tn * BN + tl.arange(0, BN)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         v = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        tile_max = _cast_transpose_tile(x_ptr, y_ptr, yt_ptr, dbias_ptr, v, tm, tn, M, N, scale, fmax, BM, BN, DBIAS)
-        acc = tl.maximum(acc, tile_max)
+        _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN)
+        acc = tl.maximum(acc, tl.max(tl.max(abs_bits(v), axis=1), axis=0))
     tl.atomic_max(amax_ptr, acc)
 
 
@@ -120,27 +116,19 @@ def amax(x: torch.Tensor, cfg: Config = QUANTIZE_DEFAULT) -> torch.Tensor:
     return amax_from_buffer(buf)
 
 
-def cast_transpose_fp8(x, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFAULT, *, with_dbias: bool = False,
+def cast_transpose_fp8(x, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFAULT, *,
                        amax_out: Optional[torch.Tensor] = None):
-    """(data (M,K), data_t (K,M), amax[, dbias partial sums]) for a 2-D x, one pass over x.
-
-    With with_dbias, also returns the float32 column sums of x, reduced over row tiles."""
+    """(data (M,K), data_t (K,M), amax) for a 2-D x, one pass over x."""
     fmax = fp8_max(fp8_dtype)
     _check_input(x, scale, two_d=True)
     M, N = x.shape
     y = torch.empty((M, N), dtype=fp8_dtype, device=x.device)
     yt = torch.empty((N, M), dtype=fp8_dtype, device=x.device)
     amax_buf = new_amax_buffer(x.device, amax_out)
-    n_tm = triton.cdiv(M, cfg.block_m)
-    partial = torch.empty((n_tm, N), dtype=torch.float32, device=x.device) if with_dbias else amax_buf
-    n_tiles = n_tm * triton.cdiv(N, cfg.block_n)
+    n_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     if x.numel():
         _cast_transpose_kernel[(grid_size(n_tiles, cfg),)](
-            x, y, yt, scale, amax_buf, partial, M, N, fmax,
-            BM=cfg.block_m, BN=cfg.block_n, DBIAS=with_dbias, num_warps=cfg.num_warps)
-    if with_dbias:
-        dbias = partial.sum(dim=0) if M else torch.zeros(N, dtype=torch.float32, device=x.device)
-        return y, yt, amax_from_buffer(amax_buf, amax_out), dbias
+            x, y, yt, scale, amax_buf, M, N, fmax, BM=cfg.block_m, BN=cfg.block_n, num_warps=cfg.num_warps)
     return y, yt, amax_from_buffer(amax_buf, amax_out)
 
 

@@ -49,13 +49,15 @@ def test_dbias_cast_transpose():
     assert torch.equal(got[3], want[3])
 
 
+@pytest.mark.parametrize("max_programs", [3, 12])  # one row group per column strip, or one per row tile
 @pytest.mark.parametrize("kind", ["gelu", "srelu", "swiglu"])
-def test_activation_bwd_dbias_cast_transpose(kind):
+def test_activation_bwd_dbias_cast_transpose(kind, max_programs):
     x = _x((33, 48), torch.bfloat16, 5)
     dy = _x((33, 24 if kind == "swiglu" else 48), torch.bfloat16, 6)
     scale = torch.tensor([8.0])
     got = activation.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, torch.float8_e4m3fn,
-                                                         Config(block_m=16, block_n=16, max_programs=3), SMALL)
+                                                         Config(block_m=16, block_n=16, max_programs=max_programs),
+                                                         SMALL)
     want = ref.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, torch.float8_e4m3fn)
     assert_fp8_matches(got[0], want[0])
     assert torch.equal(got[1].float(), got[0].float().t())

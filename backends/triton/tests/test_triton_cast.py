@@ -73,10 +73,19 @@ def test_current_scale_edge_cases(special, expected_scale):
     assert torch.equal(scale, want[2]) and torch.equal(amax.nan_to_num(), want[4].nan_to_num())
 
 
-def test_cast_transpose_dbias_partials():
+@pytest.mark.parametrize("max_programs", [0, 3, 7, 64])
+def test_dbias_cast_transpose_partials(max_programs):
+    """Row groups per column strip (1, a few, one per tile) all sum to the float64 column sums."""
+    from te_triton import activation
+
     x = _x((50, 40), torch.float32, 4)
-    *_, dbias = cast.cast_transpose_fp8(x, torch.tensor([1.0]), torch.float8_e4m3fn, SMALL, with_dbias=True)
+    cfg = Config(block_m=8, block_n=16, num_warps=1, max_programs=max_programs)
+    data, data_t, dbias, amax = activation.dbias_cast_transpose(x, torch.tensor([1.0]), torch.float8_e4m3fn, cfg)
     torch.testing.assert_close(dbias, x.double().sum(0).float(), rtol=1.3e-6, atol=1e-4)
+    assert amax.item() == x.abs().max().item()
+    want, want_t, _ = ref.cast_transpose_fp8(x, torch.tensor([1.0]), torch.float8_e4m3fn)
+    assert_fp8_matches(data, want)
+    assert torch.equal(data_t.view(torch.uint8), data.view(torch.uint8).t())
 
 
 def test_bad_inputs_name_the_problem():
