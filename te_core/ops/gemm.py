@@ -26,7 +26,9 @@ def gemm(
     out_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
     """High-precision a @ b.T (+ bias broadcast over rows). out_dtype defaults to a.dtype.
-    With `out`, the result is written there (accumulate=True adds to its contents: the fused
+    Unlike gemm_fp8, a and b may be any strided 2-D tensors: the modules pass dgrad's and
+    wgrad's operands as transposed views of row-major tensors (a backend that needs row-major
+    operands copies them or declines the call). With `out`, the result is written there (accumulate=True adds to its contents: the fused
     wgrad accumulation into a main_grad) and `out` is returned."""
 
 

@@ -72,9 +72,11 @@ def quantized_gemm(a: Operand, b: Operand, *, a_columnwise: bool = False, b_colu
 
 
 def _high_precision(t: Operand, columnwise: bool) -> Tensor:
+    """The operand for ops.gemm: a transposed view, not a copy (BLAS libraries transpose for free;
+    a copy of each activation and gradient cost the bf16 layer bandwidth and peak memory)."""
     if isinstance(t, QuantizedTensor):
         t = t.dequantize()
-    return t.t().contiguous() if columnwise else t
+    return t.t() if columnwise else t
 
 
 def _align(t: QuantizedTensor) -> int:

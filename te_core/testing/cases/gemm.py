@@ -45,6 +45,14 @@ def _(gen):
     return (a, b), dict(out=randn(gen, 48, 40), accumulate=True, out_dtype=torch.float32)
 
 
+@case("gemm", "bf16-transposed-views-wgrad-40x24x48")
+def _(gen):
+    """dw = dy.T @ x as the modules call it: both operands are transposed views, not copies."""
+    std = 48**-0.25
+    dy, x = randn(gen, 48, 40, dtype=torch.bfloat16, std=std), randn(gen, 48, 24, dtype=torch.bfloat16, std=std)
+    return (dy.t(), x.t()), {}
+
+
 def _scale_inv_shapes(scaling, m, n, k):
     kb, k32 = math.ceil(k / 128), k // 32
     return {
