@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .modules._base import QuantizedModule
-from .quantization.autocast import autocast, get_autocast_context
+from .quantization.autocast import _check_recipe, autocast, get_autocast_context
 from .quantization.roles import Role
 from .quantization.scaling import ScalingGroup, graph_capture, schedule_backward_update
 
@@ -75,7 +75,7 @@ class _BackwardUpdates(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def _wrap(graphed_forward, module: nn.Module, fp8_enabled: bool):
+def _wrap(graphed_forward, module: nn.Module, fp8_enabled: bool, recipe):
     forward_groups, backward_groups = _scaling_groups(module) if fp8_enabled else ([], [])
     name = type(module).__name__
 
@@ -87,6 +87,9 @@ def _wrap(graphed_forward, module: nn.Module, fp8_enabled: bool):
         if fp8_enabled and (context is None or not context.enabled):
             raise RuntimeError(f"graphed {name} was captured with fp8_enabled=True: call it inside "
                                "te_core.autocast(enabled=True, recipe=...) so its scales keep updating")
+        if fp8_enabled and context.recipe is not recipe and context.recipe != recipe:
+            raise RuntimeError(f"graphed {name} was captured with {recipe} but is called under {context.recipe}: "
+                               "the graphs bake in the captured recipe; capture again with the new one")
         if not fp8_enabled and context is not None and context.enabled:
             raise RuntimeError(f"graphed {name} was captured in high precision (fp8_enabled=False) but is called "
                                "under te_core.autocast(enabled=True); capture it with fp8_enabled=True")
@@ -146,12 +149,13 @@ def make_graphed_callables(
         raise NotImplementedError(f"make_graphed_callables: torch has no graph capture for device type "
                                   f"{device.type!r}; run the modules eagerly")
     saved = [_save_scaling_state(module) for module in mods]
-    with autocast(enabled=fp8_enabled, recipe=fp8_recipe, amax_reduction_group=fp8_group), graph_capture():
+    recipe = _check_recipe(fp8_recipe, "make_graphed_callables")
+    with autocast(enabled=fp8_enabled, recipe=recipe, amax_reduction_group=fp8_group), graph_capture():
         graphed = graph_api(tuple(mods), tuple(args), num_warmup_iters=num_warmup_iters,
                             allow_unused_input=allow_unused_input)
     for module, before in zip(mods, saved):
         _restore_scaling_state(module, before)
     for module, graphed_module in zip(mods, graphed):
-        graphed_module.forward = _wrap(graphed_module.forward, module, fp8_enabled)
+        graphed_module.forward = _wrap(graphed_module.forward, module, fp8_enabled, recipe)
     return graphed[0] if single else tuple(graphed)
 

@@ -114,6 +114,11 @@ def test_graphed_module_names_wrong_autocast(fake_graphs):
     graphed = graphs.make_graphed_callables(lin, (x,), fp8_enabled=True, fp8_recipe=RECIPE)
     with pytest.raises(RuntimeError, match="inside te_core.autocast"):
         graphed(x)
+    with pytest.raises(RuntimeError, match="bake in the captured recipe"):
+        with te.autocast(recipe=te.recipe.DelayedScaling(amax_history_len=16)):
+            graphed(x)
+    with te.autocast(recipe=te.recipe.DelayedScaling(amax_history_len=4)):  # an equal recipe is fine
+        graphed(x)
     lin2, x2 = _linear()
     plain = graphs.make_graphed_callables(lin2, (x2,))
     with pytest.raises(RuntimeError, match="captured in high precision"):
