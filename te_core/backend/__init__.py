@@ -49,8 +49,13 @@ def reset() -> None:
     REGISTRY.reset()
 
 
+_FP8_ANSWER: list = [None, (False, "")]  # [registry generation it was given at, answer]
+
+
 def is_fp8_available() -> Tuple[bool, str]:
-    """(True, "") when the selected backend runs E4M3 on its device, else (False, reason)."""
-    backend = get_backend()
-    reason = backend.capabilities.check_fp8_name("E4M3")
-    return (reason is None), (reason or "")
+    """(True, "") when the selected backend runs E4M3 on its device, else (False, reason).
+    Asked again only after the selection changed: te_core.autocast asks on every entry."""
+    if _FP8_ANSWER[0] != REGISTRY.generation:
+        reason = get_backend().capabilities.check_fp8_name("E4M3")
+        _FP8_ANSWER[:] = [REGISTRY.generation, ((reason is None), (reason or ""))]  # generation after selecting
+    return _FP8_ANSWER[1]

@@ -32,6 +32,40 @@ from ._norm import norm_bwd, norm_fwd
 SLOTS = gemm_slots()
 
 
+def add_norm_parameters(module: QuantizedModule, size: int, normalization: str, eps: float,
+                        zero_centered_gamma: bool, name: str) -> None:
+    """The norm settings and parameters (layer_norm_weight, LayerNorm's layer_norm_bias) of a
+    fused norm + GEMM module, registered before its GEMM weights."""
+    module.normalization = check_normalization(normalization, name)
+    if not eps > 0:
+        raise ValueError(f"{name}: eps must be positive, got {eps!r}")
+    module.eps, module.zero_centered_gamma = float(eps), zero_centered_gamma
+    factory = dict(device=module.device, dtype=module.params_dtype)
+    module.layer_norm_weight = nn.Parameter(torch.empty(size, **factory))
+    module.layer_norm_bias = nn.Parameter(torch.empty(size, **factory)) if normalization == "LayerNorm" else None
+
+
+def reset_norm_parameters(module: QuantizedModule) -> None:
+    nn.init.constant_(module.layer_norm_weight, 0.0 if module.zero_centered_gamma else 1.0)
+    if module.layer_norm_bias is not None:
+        nn.init.zeros_(module.layer_norm_bias)
+
+
+def norm_settings(module: QuantizedModule) -> dict:
+    return dict(eps=module.eps, normalization=module.normalization, zero_centered_gamma=module.zero_centered_gamma)
+
+
+def fused_outputs(y: Tensor, inp: Tensor, out_features: int, bias: Optional[Tensor], ln_out: Optional[Tensor]):
+    """y shaped like inp (last dim out_features), then the bias when it is returned unapplied,
+    then the norm's output when it is returned: a tensor alone, else a tuple (TE's order)."""
+    result = (y.view(*inp.shape[:-1], out_features),)
+    if bias is not None:
+        result += (bias,)
+    if ln_out is not None:
+        result += (ln_out.view(inp.shape),)
+    return result[0] if len(result) == 1 else result
+
+
 def needs_norm_grad(x: Tensor, ln_weight: Tensor, ln_bias: Optional[Tensor]) -> bool:
     """Whether the backward must run dgrad into the norm: for dx, or for the norm's own parameters."""
     return any(t is not None and t.requires_grad for t in (x, ln_weight, ln_bias))
@@ -145,17 +179,10 @@ class LayerNormLinear(QuantizedModule):
         super().__init__(SLOTS, device=device, params_dtype=params_dtype)
         self.in_features = check_positive(in_features, name="in_features", module=name)
         self.out_features = check_positive(out_features, name="out_features", module=name)
-        self.normalization = check_normalization(normalization, name)
-        if not eps > 0:
-            raise ValueError(f"{name}: eps must be positive, got {eps!r}")
-        self.eps, self.zero_centered_gamma = float(eps), zero_centered_gamma
+        add_norm_parameters(self, in_features, normalization, eps, zero_centered_gamma, name)
         self.return_bias, self.return_layernorm_output = return_bias, return_layernorm_output
         self.use_bias = bias
         factory = dict(device=self.device, dtype=self.params_dtype)
-        self.layer_norm_weight = nn.Parameter(torch.empty(in_features, **factory))
-        self.layer_norm_bias = (
-            nn.Parameter(torch.empty(in_features, **factory)) if normalization == "LayerNorm" else None
-        )
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.init_method = init_method or default_init_method()
@@ -164,9 +191,7 @@ class LayerNormLinear(QuantizedModule):
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            nn.init.constant_(self.layer_norm_weight, 0.0 if self.zero_centered_gamma else 1.0)
-            if self.layer_norm_bias is not None:
-                nn.init.zeros_(self.layer_norm_bias)
+            reset_norm_parameters(self)
             self.init_method(self.weight)
             if self.bias is not None:
                 nn.init.zeros_(self.bias)
@@ -178,7 +203,7 @@ class LayerNormLinear(QuantizedModule):
         step = self.quantization_step(is_first_microbatch)
         check_fp8_gemms(step, "LayerNormLinear", (x.shape[0], self.out_features, self.in_features))
         bias = None if self.return_bias else self.bias
-        norm = dict(eps=self.eps, normalization=self.normalization, zero_centered_gamma=self.zero_centered_gamma)
+        norm = norm_settings(self)
         with no_torch_autocast(inp.device.type):
             out = _LayerNormLinearFunction.apply(
                 x,
@@ -191,10 +216,4 @@ class LayerNormLinear(QuantizedModule):
                 self.return_layernorm_output,
             )
         y, ln_out = out if self.return_layernorm_output else (out, None)
-        y = y.view(*inp.shape[:-1], self.out_features)
-        result = (y,)
-        if self.return_bias:
-            result += (self.bias,)
-        if ln_out is not None:
-            result += (ln_out.view(inp.shape),)
-        return result[0] if len(result) == 1 else result
+        return fused_outputs(y, inp, self.out_features, self.bias if self.return_bias else None, ln_out)

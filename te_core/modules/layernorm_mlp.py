@@ -21,7 +21,6 @@ from ._common import (
     check_activation,
     check_fp8_gemms,
     check_input,
-    check_normalization,
     check_positive,
     compute_dtype,
     default_init_method,
@@ -31,7 +30,15 @@ from ._common import (
     primary_weight,
     reject_unsupported,
 )
-from .layernorm_linear import needs_norm_grad, norm_backward, normalized_operand
+from .layernorm_linear import (
+    add_norm_parameters,
+    fused_outputs,
+    needs_norm_grad,
+    norm_backward,
+    norm_settings,
+    normalized_operand,
+    reset_norm_parameters,
+)
 
 SLOTS = gemm_slots("fc1_") + gemm_slots("fc2_")
 
@@ -151,17 +158,10 @@ class LayerNormMLP(QuantizedModule):
         self.hidden_size = check_positive(hidden_size, name="hidden_size", module=name)
         self.ffn_hidden_size = check_positive(ffn_hidden_size, name="ffn_hidden_size", module=name)
         self.activation = check_activation(activation, name)
-        self.normalization = check_normalization(normalization, name)
-        if not eps > 0:
-            raise ValueError(f"{name}: eps must be positive, got {eps!r}")
-        self.eps, self.zero_centered_gamma = float(eps), zero_centered_gamma
+        add_norm_parameters(self, hidden_size, normalization, eps, zero_centered_gamma, name)
         self.return_bias, self.return_layernorm_output, self.use_bias = return_bias, return_layernorm_output, bias
         factory = dict(device=self.device, dtype=self.params_dtype)
         fc1_out = 2 * ffn_hidden_size if is_gated(activation) else ffn_hidden_size
-        self.layer_norm_weight = nn.Parameter(torch.empty(hidden_size, **factory))
-        self.layer_norm_bias = (
-            nn.Parameter(torch.empty(hidden_size, **factory)) if normalization == "LayerNorm" else None
-        )
         self.fc1_weight = nn.Parameter(torch.empty(fc1_out, hidden_size, **factory))
         self.fc1_bias = nn.Parameter(torch.empty(fc1_out, **factory)) if bias else None
         self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **factory))
@@ -174,8 +174,8 @@ class LayerNormMLP(QuantizedModule):
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            nn.init.constant_(self.layer_norm_weight, 0.0 if self.zero_centered_gamma else 1.0)
-            for p in (self.layer_norm_bias, self.fc1_bias, self.fc2_bias):
+            reset_norm_parameters(self)
+            for p in (self.fc1_bias, self.fc2_bias):
                 if p is not None:
                     nn.init.zeros_(p)
             self.init_method(self.fc1_weight)
@@ -194,7 +194,7 @@ class LayerNormMLP(QuantizedModule):
             (m, self.hidden_size, self.ffn_hidden_size),
         )
         fc2_bias = None if self.return_bias else self.fc2_bias
-        norm = dict(eps=self.eps, normalization=self.normalization, zero_centered_gamma=self.zero_centered_gamma)
+        norm = norm_settings(self)
         with no_torch_autocast(inp.device.type):
             out = _LayerNormMLPFunction.apply(
                 x,
@@ -210,9 +210,4 @@ class LayerNormMLP(QuantizedModule):
                 self.return_layernorm_output,
             )
         y, ln_out = out if self.return_layernorm_output else (out, None)
-        result = (y.view(*inp.shape[:-1], self.hidden_size),)
-        if self.return_bias:
-            result += (self.fc2_bias,)
-        if ln_out is not None:
-            result += (ln_out.view(inp.shape),)
-        return result[0] if len(result) == 1 else result
+        return fused_outputs(y, inp, self.hidden_size, self.fc2_bias if self.return_bias else None, ln_out)

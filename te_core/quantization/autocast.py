@@ -79,7 +79,7 @@ class autocast(ContextDecorator):
     def __enter__(self):
         recipe = _check_recipe(self.recipe, "autocast")
         if self.enabled:
-            ok, reason = _fp8_available_cached()
+            ok, reason = is_fp8_available()
             if not ok:
                 raise RuntimeError(f"autocast(enabled=True): FP8 is not available on the selected backend: {reason}")
         stack = _STATE.stack
@@ -134,20 +134,6 @@ def is_fp8_available() -> Tuple[bool, str]:
     from .. import backend
 
     return backend.is_fp8_available()
-
-
-_FP8_AVAILABLE: list = [None, (False, "")]  # [registry generation, answer]
-
-
-def _fp8_available_cached() -> Tuple[bool, str]:
-    """is_fp8_available(), asked again only when the backend selection changed (autocast is
-    entered every step)."""
-    from ..backend.registry import REGISTRY
-
-    if _FP8_AVAILABLE[0] != REGISTRY.generation or REGISTRY.generation == 0:
-        answer = is_fp8_available()
-        _FP8_AVAILABLE[:] = [REGISTRY.generation, answer]
-    return _FP8_AVAILABLE[1]
 
 
 def _native_scaling(mode: str) -> Tuple[bool, str]:

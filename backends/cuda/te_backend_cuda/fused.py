@@ -250,9 +250,6 @@ def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin=0.0, ama
     return None
 
 
-_SCALING_ACCEPTED: dict = {}  # plan keys of tensor sets already checked (kept alive by te_triton's plan)
-
-
 def _scaling_ok(amax_histories, scales, fp8_maxes, *, margin=0.0, amax_compute_algo="max"):
     if not callable(amax_compute_algo) and amax_compute_algo not in ("max", "most_recent"):
         return False, f"amax_compute_algo {amax_compute_algo!r} has no kernel"
@@ -260,8 +257,7 @@ def _scaling_ok(amax_histories, scales, fp8_maxes, *, margin=0.0, amax_compute_a
         return False, "a callable amax_compute_algo runs on the reference path"
     if len(amax_histories) != len(scales):
         return False, "histories and scales do not pair up (the reference names the problem)"
-    key = scaling.plan_key(amax_histories, scales, fp8_maxes)
-    if key in _SCALING_ACCEPTED:
+    if scaling.planned(amax_histories, scales, fp8_maxes):  # checked when the kernel first ran on them
         return True, ""
     devices = {t.device for t in list(amax_histories) + list(scales)}
     if len(devices) > 1 or any(d.type != "cuda" for d in devices):
@@ -269,9 +265,6 @@ def _scaling_ok(amax_histories, scales, fp8_maxes, *, margin=0.0, amax_compute_a
     for h, s in zip(amax_histories, scales):
         if h.dim() != 2 or h.dtype != torch.float32 or not h.is_contiguous() or not s.is_contiguous():
             return False, "histories must be contiguous float32 (L, n) tensors with contiguous scales"
-    if len(_SCALING_ACCEPTED) > 64:
-        _SCALING_ACCEPTED.clear()
-    _SCALING_ACCEPTED[key] = (list(amax_histories), list(scales))  # alive: ids and addresses stay theirs
     return True, ""
 
 

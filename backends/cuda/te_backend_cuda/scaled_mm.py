@@ -43,12 +43,14 @@ def _add_bias(result, bias):
     return (result.float() + bias.float()).to(result.dtype)
 
 
-def _epilogue_bias(bias, out_dtype) -> bool:
+def _epilogue_bias(bias, out_dtype, scaling) -> bool:
     """cuBLASLt adds a bias of the output's dtype (bf16/fp16) in the GEMM's epilogue, in float32
     before the output is rounded: on the H200 that was 0.18-0.86 ms faster per GEMM than a separate
     add at the layer's shapes (benchmarks/results/probe-bias-2026-11-30.log). It once answered
-    CUBLAS_STATUS_NOT_SUPPORTED here; that was the misaligned scale _aligned_scalar now prevents."""
-    return bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
+    CUBLAS_STATUS_NOT_SUPPORTED here, most likely because of the misaligned scale _aligned_scalar now
+    prevents (the same shape ran in the probe). Tensor-wise scaling only: the probe measured no other mode."""
+    return (bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
+            and scaling == TENSORWISE)
 
 
 def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, bias=None, out=None,
@@ -56,7 +58,7 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, b
     """te_core.ops.gemm_fp8 on cuBLASLt."""
     sa, sb = _scale_args(a, b, a_scale_inv, b_scale_inv, scaling)
     kwargs = dict(out_dtype=out_dtype, use_fast_accum=False)
-    if _epilogue_bias(bias, out_dtype) and scaling == TENSORWISE:
+    if _epilogue_bias(bias, out_dtype, scaling):
         kwargs["bias"], bias = bias, None
     direct = out is not None and not accumulate and out.dtype == out_dtype and out.is_contiguous() and bias is None
     if direct:

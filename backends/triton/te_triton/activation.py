@@ -150,7 +150,7 @@ def _dbias_cast_transpose(g, x, kind, scale, fp8_dtype, cfg: Config, amax_out):
     if src.numel():
         _dbias_ct_kernel[(groups * n_tn,)](
             g, src, y, yt, scale, amax_buf, partial, M, N, fmax, groups, ACT=x is not None,
-            KIND=KIND_IDS[kind] if x is not None else 0, BM=cfg.block_m, BN=cfg.block_n, num_warps=cfg.num_warps)
+            KIND=KIND_IDS.get(kind, 0), BM=cfg.block_m, BN=cfg.block_n, num_warps=cfg.num_warps)
     dbias = partial.sum(dim=0) if M else torch.zeros(N, dtype=torch.float32, device=src.device)
     return y, yt, dbias.to(src.dtype), amax_from_buffer(amax_buf, amax_out)
 
@@ -207,7 +207,7 @@ DBIAS_CAST_TRANSPOSE_DEFAULT = Config(block_m=32, block_n=128, num_warps=4, max_
 def dbias_cast_transpose(dy, scale, fp8_dtype, cfg: Config = DBIAS_CAST_TRANSPOSE_DEFAULT, *, amax_out=None):
     """(data, data_t, dbias, amax) as te_core.ops.dbias_cast_transpose."""
     _check_input(dy, scale, two_d=True)
-    return _dbias_cast_transpose(dy, None, "gelu", scale, fp8_dtype, cfg, amax_out)
+    return _dbias_cast_transpose(dy, None, None, scale, fp8_dtype, cfg, amax_out)
 
 
 def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, cfg: Config = DBIAS_CAST_TRANSPOSE_DEFAULT,

@@ -103,6 +103,12 @@ def plan_key(amax_histories, scales, fp8_maxes) -> tuple:
             tuple(map(ptr, scales)), tuple(fp8_maxes))
 
 
+def planned(amax_histories, scales, fp8_maxes) -> bool:
+    """Whether these tensors were checked and tabulated already (a backend's supports() can
+    skip its own checks then)."""
+    return plan_key(amax_histories, scales, fp8_maxes) in _PLANS
+
+
 def _plan(amax_histories, scales, fp8_maxes, device):
     """Checked inputs and the device table of (history, scale, columns, length) rows, cached per
     set of tensors: histories are long-lived buffers and a model updates hundreds of them per
