@@ -207,3 +207,27 @@ def test_inf_input_keeps_delayed_scale(gen):
         y = layer(x)
     assert torch.equal(layer.quantization_state()["forward"]["input"]["scale"], before)
     assert torch.isfinite(y[1:]).all()  # inf saturates to the format's max in the cast (ops.cast contract)
+
+
+def test_fp8_inference_without_grad_matches_the_training_forward(gen):
+    """Under no_grad Linear skips its autograd Function: same output, amaxes still recorded."""
+    import copy
+
+    rcp = DelayedScaling(amax_history_len=4)
+    trained = Linear(64, 48)
+    with torch.no_grad():
+        trained.bias.copy_(randn(gen, 48))
+    with autocast(recipe=rcp):  # a first step gives the scales something to start from
+        trained(randn(gen, 32, 64)).sum().backward()
+    inferred = copy.deepcopy(trained)
+    x = randn(gen, 2, 16, 64, scale=2.0)
+    with autocast(recipe=rcp):
+        y_train = trained(x.clone().requires_grad_())
+    with torch.no_grad(), autocast(recipe=rcp):
+        y_infer = inferred(x)
+    assert y_infer.grad_fn is None and y_infer.shape == (2, 16, 48)
+    torch.testing.assert_close(y_infer, y_train.detach(), rtol=0, atol=0)
+    for slot, state in trained.quantization_state()["forward"].items():  # recorded and updated alike
+        assert torch.equal(inferred.quantization_state()["forward"][slot]["amax_history"], state["amax_history"])
+    y64 = F.linear(x.double(), trained.weight.detach().double(), trained.bias.detach().double())
+    assert rel_err(y_infer, y64) < FPROP_REL
