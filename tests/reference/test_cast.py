@@ -234,3 +234,14 @@ def test_amax_out_maxes_into_the_slot_and_rejects_bad_slots():
         cast.quantize_fp8(x, torch.tensor([1.0]), torch.float8_e4m3fn, amax_out=torch.zeros(2))
     with pytest.raises(ValueError, match="amax_out is on meta but x is on cpu"):
         cast.quantize_fp8(x, torch.tensor([1.0]), torch.float8_e4m3fn, amax_out=torch.zeros(1, device="meta"))
+
+
+def test_transpose_fp8_is_exact_and_names_bad_input():
+    g = torch.Generator().manual_seed(11)
+    data = (torch.randn(7, 13, generator=g) * 50).to(torch.float8_e5m2)
+    got = cast.transpose_fp8(data)
+    assert got.is_contiguous() and torch.equal(got.view(torch.uint8), data.view(torch.uint8).t())
+    with pytest.raises(ValueError, match="not an FP8 dtype"):
+        cast.transpose_fp8(torch.randn(4, 4))
+    with pytest.raises(ValueError, match="must be 2-D"):
+        cast.transpose_fp8(torch.zeros(2, 3, 4).to(torch.float8_e4m3fn))
