@@ -8,6 +8,11 @@ the GPU (torch.cuda sync debug mode); (3) the tiny forward under torch.profiler;
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+from te_triton._common import abs_bits
+from te_triton.activation import _act, _dact
+from te_triton.cast import _cast_transpose_tile
 from triton.testing import do_bench
 
 import te_core as te
@@ -183,10 +188,131 @@ def dbias_sweep():
                   f"dbias max err {derr:.3g}), gelu bwd dbias ct {6 * M * N / tg / 1e6:.0f} GB/s", flush=True)
 
 
+@triton.jit
+def _dbias_tiles_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr, M, N, fmax, ACT: tl.constexpr,
+           BM: tl.constexpr, BN: tl.constexpr, TPP: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tn = tl.cdiv(N, BN)
+    tg, tn = pid // n_tn, pid % n_tn
+    cols = tn * BN + tl.arange(0, BN)
+    scale = tl.load(scale_ptr)
+    colsum = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = tl.zeros([BM, BN], dtype=tl.int32)
+    for i in tl.static_range(TPP):
+        tm = tg * TPP + i
+        rows = tm * BM + tl.arange(0, BM)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        off = rows[:, None] * N + cols[None, :]
+        g = tl.load(g_ptr + off, mask=mask, other=0.0)
+        if ACT:
+            x = tl.load(x_ptr + off, mask=mask, other=0.0)
+            v = (g.to(tl.float32) * _dact(x.to(tl.float32), 0)).to(x.dtype).to(tl.float32)
+        else:
+            v = g.to(tl.float32)
+        _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN)
+        colsum += v
+        acc = tl.maximum(acc, abs_bits(v))
+    tl.store(dbias_ptr + tg * N + cols, tl.sum(colsum, axis=0), mask=cols < N)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
+
+
+
+@triton.jit
+def _act_ct_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, M, N, fmax, BM: tl.constexpr, BN: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tn = tl.cdiv(N, BN)
+    tm, tn = pid // n_tn, pid % n_tn
+    rows = tm * BM + tl.arange(0, BM)
+    cols = tn * BN + tl.arange(0, BN)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    v = _act(tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32), 0)
+    _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, tl.load(scale_ptr), fmax, BM, BN)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(abs_bits(v), axis=1), axis=0))
+
+
+def act_ct_probe():
+    """gelu forward with FP8 output and its column-wise copy: today's two kernels (activation
+    forward, then transpose_fp8) against one kernel that stores both."""
+    from te_backend_cuda import configs
+    from te_triton import activation, cast
+
+    for M, N in [(16384, 16384)]:
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 2
+        s = torch.full((1,), 8.0, device="cuda")
+
+        def today():
+            y, _ = activation.activation_fwd(x, "gelu", fp8_scale=s, fp8_dtype=E4M3, cfg=configs.ACTIVATION_FWD)
+            return y, cast.transpose_fp8(y, configs.TRANSPOSE)
+
+        want = today()
+        t = do_bench(today, warmup=3, rep=30)
+        print(f"{M}x{N} gelu fwd + transpose_fp8: {t * 1e3:.0f} us ({4 * M * N / t / 1e6:.0f} GB/s "
+              f"of the fused kernel's bytes)")
+        for bm, bn, w in [(64, 128, 4), (64, 128, 8), (128, 64, 8), (32, 128, 4), (128, 128, 8)]:
+            def fused():
+                y = torch.empty((M, N), dtype=E4M3, device="cuda")
+                yt = torch.empty((N, M), dtype=E4M3, device="cuda")
+                amax = torch.zeros(1, dtype=torch.int32, device="cuda")
+                _act_ct_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](x, y, yt, s, amax, M, N, 448.0, BM=bm, BN=bn,
+                                                                            num_warps=w)
+                return y, yt
+
+            got = fused()
+            off = [int((a.view(torch.uint8) != b.view(torch.uint8)).sum().item()) for a, b in zip(got, want)]
+            t = do_bench(fused, warmup=3, rep=30)
+            print(f"{M}x{N} fused {bm}x{bn} w{w}: {t * 1e3:.0f} us, {4 * M * N / t / 1e6:.0f} GB/s (bytes off {off})",
+                  flush=True)
+
+
+def dbias_tiles_sweep():
+    """A candidate layout for the fused dbias kernels: each program takes TPP consecutive row
+    tiles of one column strip (tiles in cast-transpose's row-major order), sums them
+    element-wise and writes one row of partial column sums; against the current kernel."""
+    from te_core.reference.plugin import implementations
+    from te_triton import Config, activation
+
+    def run(g, x, s, bm, bn, w, tpp):
+        M, N = g.shape
+        y = torch.empty((M, N), dtype=E4M3, device=g.device)
+        yt = torch.empty((N, M), dtype=E4M3, device=g.device)
+        amax = torch.zeros(1, dtype=torch.int32, device=g.device)
+        n_tg, n_tn = triton.cdiv(triton.cdiv(M, bm), tpp), triton.cdiv(N, bn)
+        part = torch.empty((n_tg, N), dtype=torch.float32, device=g.device)
+        _dbias_tiles_kernel[(n_tg * n_tn,)](g, g if x is None else x, y, yt, s, amax, part, M, N, 448.0, ACT=x is not None,
+                                BM=bm, BN=bn, TPP=tpp, num_warps=w)
+        return y, yt, part.sum(0).to(g.dtype)
+
+    ref = implementations()
+    for M, N in [(16384, 4096), (16384, 12288), (16384, 16384)]:
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 2
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        s = torch.full((1,), 8.0, device="cuda")
+        want_d = ref["dbias_cast_transpose"](dy, s, E4M3)
+        want_g = ref["activation_bwd_dbias_cast_transpose"](dy, x, "gelu", s, E4M3)
+        cur = Config(block_m=32, block_n=64, num_warps=4, max_programs=132 * 16)
+        t = do_bench(lambda: activation.dbias_cast_transpose(dy, s, E4M3, cur), warmup=3, rep=30)
+        tg = do_bench(lambda: activation.activation_bwd_dbias_cast_transpose(dy, x, "gelu", s, E4M3, cur),
+                      warmup=3, rep=30)
+        print(f"{M}x{N} current strips: dbias_ct {4 * M * N / t / 1e6:.0f} GB/s, gelu {6 * M * N / tg / 1e6:.0f} GB/s")
+        for bm, bn, w, tpp in [(64, 128, 4, 1), (64, 128, 4, 2), (64, 128, 4, 4), (64, 128, 8, 4), (32, 128, 4, 4),
+                               (32, 128, 4, 8), (64, 64, 4, 4), (128, 64, 8, 2), (128, 128, 8, 1), (64, 128, 4, 8)]:
+            bad = []
+            for xx, want in ((None, want_d), (x, want_g)):
+                got = run(dy, xx, s, bm, bn, w, tpp)
+                for a, b_ in zip(got[:2], want[:2]):
+                    bad.append(int((a.view(torch.uint8) != b_.view(torch.uint8)).sum().item()))
+                bad.append(round((got[2].float() - want[2].float()).abs().max().item(), 4))
+            t = do_bench(lambda: run(dy, None, s, bm, bn, w, tpp), warmup=3, rep=30)
+            tg = do_bench(lambda: run(dy, x, s, bm, bn, w, tpp), warmup=3, rep=30)
+            print(f"{M}x{N} {bm}x{bn} w{w} tpp{tpp}: dbias_ct {4 * M * N / t / 1e6:.0f} GB/s, "
+                  f"gelu {6 * M * N / tg / 1e6:.0f} GB/s (bytes off / dbias err: {bad})", flush=True)
+
+
 if __name__ == "__main__":
     import sys
 
     probes = {"activation": activation_sweep, "transpose": transpose_probe, "bias": bias_probe, "sync": sync_probe,
-              "norm": norm_sweep, "dbias": dbias_sweep}
+              "norm": norm_sweep, "dbias": dbias_sweep,
+              "dbias_tiles": dbias_tiles_sweep, "act_ct": act_ct_probe}
     for name in sys.argv[1:] or probes:
         probes[name]()
