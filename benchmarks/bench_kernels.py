@@ -211,6 +211,22 @@ def check_activations():
     n = fp8_exact(got[0], want[0]) + fp8_exact(got[1], want[1])
     okb, db = close(got[2].float(), want[2].float(), 1.6e-2, 0.05)
     record_check("dbias_cast_transpose (4096, 3072)", n == 0 and okb and torch.equal(got[3], want[3]), f"{n} bytes; {db}")
+    for shape in ((4096, 3072), (3, 1000, 96)):
+        dyb = rand(shape, BF16, 1.0, 11)
+        okb, db = close(fused.dbias(dyb).float(), REF["dbias"](dyb).float(), 1.6e-2, 0.05)
+        record_check(f"dbias {shape}", okb, db)
+    data = fused.quantize_fp8(rand((4096, 3072), BF16, 1.0, 12), s, E4M3)[0]
+    sinv = torch.reciprocal(s)
+    for out in (BF16, torch.float32):
+        poison()
+        got = fused.dequantize_fp8(data, sinv, out)
+        record_check(f"dequantize_fp8 to {out}", torch.equal(got, REF["dequantize_fp8"](data, sinv, out)), "bit for bit")
+    for block_2d in (False, True):
+        bd, bs, _, _ = fused.quantize_blockwise(rand((1000, 3000), BF16, 1.0, 13), E4M3, block_2d=block_2d)
+        poison()
+        got = fused.dequantize_blockwise(bd, bs, block_2d, BF16)
+        record_check(f"dequantize_blockwise 2d={block_2d}",
+                     torch.equal(got, REF["dequantize_blockwise"](bd, bs, block_2d, BF16)), "bit for bit")
     for kind in ("gelu", "silu", "relu", "swiglu"):
         x = rand((4096, 3072), BF16, 2.0, 8)
         dyk = dy[:, :1536].contiguous() if kind == "swiglu" else dy
@@ -443,6 +459,13 @@ def time_memory_bound(use_compile):
           {"eager": lambda: REF["dbias_cast_transpose"](dy, s, E5M2)})
     timed("gelu bwd+dbias+cast_transpose", 6 * n, lambda: fused.activation_bwd_dbias_cast_transpose(dy, x, "gelu", s, E5M2),
           {"eager": lambda: REF["activation_bwd_dbias_cast_transpose"](dy, x, "gelu", s, E5M2)})
+    timed("dbias", 2 * n, lambda: fused.dbias(dy), {"eager": lambda: REF["dbias"](dy)})
+    xq = fused.quantize_fp8(x, s, E4M3)[0]
+    timed("dequantize_fp8 to bf16", 3 * n, lambda: fused.dequantize_fp8(xq, s, BF16),
+          {"eager": lambda: REF["dequantize_fp8"](xq, s, BF16)})
+    bq, bs, _, _ = fused.quantize_blockwise(x, E4M3)
+    timed("dequantize_blockwise 1x128 to bf16", 3 * n, lambda: fused.dequantize_blockwise(bq, bs, False, BF16),
+          {"eager": lambda: REF["dequantize_blockwise"](bq, bs, False, BF16)})
     copy_dst = torch.empty_like(x)
     timed("device copy (ceiling)", 4 * n, lambda: copy_dst.copy_(x), {})
     return x, dy, s, w, b

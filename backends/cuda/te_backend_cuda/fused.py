@@ -69,6 +69,47 @@ def transpose_fp8(data):
     return cast.transpose_fp8(data, configs.TRANSPOSE)
 
 
+def dequantize_fp8(data, scale_inv, out_dtype):
+    return cast.dequantize_fp8(data, scale_inv, out_dtype, configs.QUANTIZE)
+
+
+def dequantize_blockwise(data, scale_inv, block_2d, out_dtype):
+    return blockwise.dequantize_blockwise(data, scale_inv, block_2d, out_dtype, configs.BLOCKWISE)
+
+
+def _fp8_data_ok(data, out_dtype):
+    if not data.is_cuda:
+        return False, "data is not on a CUDA device"
+    if data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return False, f"data dtype {data.dtype} is not FP8"
+    if out_dtype not in FLOAT_DTYPES:
+        return False, f"out_dtype {out_dtype} is not float32/bfloat16/float16"
+    if not data.is_contiguous():
+        return False, "data is not contiguous"
+    if data.numel() > MAX_NUMEL:
+        return False, "data has more than 2^31 elements"
+    return True, ""
+
+
+def _dequantize_ok(data, scale_inv, out_dtype):
+    ok, why = _scale_ok(scale_inv, data, "scale_inv")
+    return _fp8_data_ok(data, out_dtype) if ok else (ok, why)
+
+
+def _dequantize_blockwise_ok(data, scale_inv, block_2d, out_dtype):
+    if data.dim() != 2:
+        return False, "data is not 2-D"
+    if not isinstance(scale_inv, torch.Tensor) or scale_inv.device != data.device:
+        return False, "scale_inv is not a tensor on data's device"
+    if scale_inv.dtype != torch.float32 or not scale_inv.is_contiguous():
+        return False, "scale_inv is not contiguous float32"
+    m, k = data.shape
+    expected = (-(-m // 128) if block_2d else m, -(-k // 128))
+    if tuple(scale_inv.shape) != expected:
+        return False, f"scale_inv shape {tuple(scale_inv.shape)} is not {expected} (the reference explains)"
+    return _fp8_data_ok(data, out_dtype)
+
+
 def _transpose_ok(data):
     if data.dim() != 2 or not data.is_contiguous():
         return False, "data is not a contiguous 2-D tensor"
@@ -196,6 +237,16 @@ def activation_fwd(x, kind, *, fp8_scale=None, fp8_dtype=None, amax_out=None):
 
 def activation_bwd(dy, x, kind):
     return activation.activation_bwd(dy, x, kind, configs.ELEMENTWISE)
+
+
+def dbias(dy):
+    return activation.dbias(dy, configs.DBIAS_CAST_TRANSPOSE)
+
+
+def _dbias_ok(dy):
+    if dy.dim() < 1:
+        return False, "dy is 0-dim"
+    return _tensor_ok(dy, "dy")
 
 
 def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out=None):
@@ -340,12 +391,15 @@ def ops() -> Dict[str, OpImpl]:
         "quantize_fp8_current": (quantize_fp8_current, _current_ok),
         "transpose_fp8": (transpose_fp8, _transpose_ok),
         "quantize_blockwise": (quantize_blockwise, _self_scaled_2d_ok),
+        "dequantize_fp8": (dequantize_fp8, _dequantize_ok),
+        "dequantize_blockwise": (dequantize_blockwise, _dequantize_blockwise_ok),
         "layernorm_fwd": (layernorm_fwd, _norm_fwd_ok),
         "rmsnorm_fwd": (rmsnorm_fwd, _norm_fwd_ok),
         "layernorm_bwd": (layernorm_bwd, _layernorm_bwd_ok),
         "rmsnorm_bwd": (rmsnorm_bwd, _rmsnorm_bwd_ok),
         "activation_fwd": (activation_fwd, _act_fwd_ok),
         "activation_bwd": (activation_bwd, _act_bwd_ok),
+        "dbias": (dbias, _dbias_ok),
         "dbias_cast_transpose": (dbias_cast_transpose, _dbias_ct_ok),
         "activation_bwd_dbias_cast_transpose": (activation_bwd_dbias_cast_transpose, _act_bwd_dbias_ct_ok),
         "softmax_fwd": (softmax_fwd, _softmax_fwd_ok),

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ._common import MAX_NUMEL, Config, abs_bits, fp8_max, saturating_cast
+from .cast import check_dequantize_args
 
 BLOCK = 128
 BLOCKWISE_DEFAULT = Config(block_m=64, num_warps=8)
@@ -89,3 +90,35 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
             M, K, MB, KB, fmax, float(amax_epsilon), BM=BM, BLOCK_2D=bool(block_2d), TRANSPOSE=bool(with_transpose),
             POW2=bool(force_pow2_scales), num_warps=cfg.num_warps)
     return data, scale_inv, data_t, scale_inv_t
+
+
+@triton.jit
+def _dequantize_blockwise_kernel(x_ptr, s_ptr, y_ptr, M, K, KB, BM: tl.constexpr, BLOCK_2D: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    pk = tl.program_id(1)
+    cols = pk * 128 + tl.arange(0, 128)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    scale_row = rows // 128 if BLOCK_2D else rows
+    s = tl.load(s_ptr + scale_row * KB + pk, mask=rows < M, other=0.0)
+    v = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32) * s[:, None]
+    tl.store(y_ptr + rows[:, None] * K + cols[None, :], v.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_blockwise(data, scale_inv, block_2d, out_dtype, cfg: Config = BLOCKWISE_DEFAULT):
+    """data times its block's scale_inv, in float32, cast to out_dtype (as
+    te_core.ops.dequantize_blockwise)."""
+    check_dequantize_args(data, out_dtype)
+    if data.dim() != 2:
+        raise ValueError(f"data must be 2-D (M, K), got shape {tuple(data.shape)}")
+    M, K = data.shape
+    MB, KB = triton.cdiv(M, BLOCK), triton.cdiv(K, BLOCK)
+    expected = (MB, KB) if block_2d else (M, KB)
+    if tuple(scale_inv.shape) != expected or scale_inv.dtype != torch.float32 or not scale_inv.is_contiguous():
+        kind = "128x128" if block_2d else "1x128"
+        raise ValueError(f"scale_inv must be contiguous float32 of shape {expected} for {kind} blocks of data "
+                         f"{(M, K)}, got {scale_inv.dtype} {tuple(scale_inv.shape)}")
+    y = torch.empty((M, K), dtype=out_dtype, device=data.device)
+    if data.numel():
+        _dequantize_blockwise_kernel[(triton.cdiv(M, cfg.block_m), KB)](
+            data, scale_inv, y, M, K, KB, BM=cfg.block_m, BLOCK_2D=bool(block_2d), num_warps=cfg.num_warps)
+    return y

@@ -171,6 +171,40 @@ def quantize_fp8_current(
     return data, data_t, scale, scale_inv, amax_t
 
 
+@triton.jit
+def _dequantize_kernel(x_ptr, s_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    s = tl.load(s_ptr)
+    for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + offs, mask=offs < n).to(tl.float32) * s
+        tl.store(y_ptr + offs, v.to(y_ptr.dtype.element_ty), mask=offs < n)
+
+
+def check_dequantize_args(data: torch.Tensor, out_dtype: torch.dtype) -> None:
+    if data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"data must be float8_e4m3fn or float8_e5m2, got {data.dtype}")
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+    if not data.is_contiguous():
+        raise ValueError("data must be contiguous; call .contiguous() first")
+    if data.numel() > MAX_NUMEL:
+        raise ValueError(f"data has {data.numel()} elements; these kernels index with int32 (at most {MAX_NUMEL})")
+
+
+def dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype,
+                   cfg: Config = QUANTIZE_DEFAULT) -> torch.Tensor:
+    """data * scale_inv in float32, cast to out_dtype (as te_core.ops.dequantize_fp8): one pass."""
+    check_dequantize_args(data, out_dtype)
+    if not isinstance(scale_inv, torch.Tensor) or scale_inv.numel() != 1 or scale_inv.dtype != torch.float32:
+        raise ValueError(f"scale_inv must be a 1-element float32 tensor, got {getattr(scale_inv, 'dtype', scale_inv)}")
+    y = torch.empty(data.shape, dtype=out_dtype, device=data.device)
+    n = data.numel()
+    if n:
+        _dequantize_kernel[(grid_size(triton.cdiv(n, cfg.block), cfg),)](data, scale_inv, y, n, BLOCK=cfg.block,
+                                                                          num_warps=cfg.num_warps)
+    return y
+
+
 TRANSPOSE_DEFAULT = Config(block_m=64, block_n=128, num_warps=4)
 
 

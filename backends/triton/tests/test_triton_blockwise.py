@@ -47,3 +47,28 @@ def test_bad_inputs_name_the_problem():
         blockwise.quantize_blockwise(torch.randn(2, 3, 4), torch.float8_e4m3fn)
     with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
         blockwise.quantize_blockwise(torch.ones(4, 4, dtype=torch.int8), torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("block_2d", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(130, 300), (3, 128)])
+def test_dequantize_matches_reference(block_2d, out_dtype, shape):
+    data, scale_inv, _, _ = ref.quantize_blockwise(_x(shape, 2), torch.float8_e5m2, block_2d=block_2d,
+                                                   force_pow2_scales=False)
+    got = blockwise.dequantize_blockwise(data, scale_inv, block_2d, out_dtype, Config(block_m=16, num_warps=4))
+    want = ref.dequantize_blockwise(data, scale_inv, block_2d, out_dtype)
+    assert got.dtype == out_dtype
+    if out_dtype == torch.float32:
+        assert torch.equal(got, want)  # an exact product: bit for bit
+    else:  # the interpreter's float32 -> bfloat16 cast does not always round to nearest (the GPU's does)
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-5)
+
+
+def test_dequantize_names_bad_input():
+    data = torch.zeros(4, 256).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"shape \(4, 2\) for 1x128 blocks"):
+        blockwise.dequantize_blockwise(data, torch.ones(1, 2), False, torch.float32)
+    with pytest.raises(TypeError, match="out_dtype must be"):
+        blockwise.dequantize_blockwise(data, torch.ones(4, 2), False, torch.int8)
+    with pytest.raises(TypeError, match="data must be float8"):
+        blockwise.dequantize_blockwise(torch.zeros(4, 256), torch.ones(4, 2), False, torch.float32)

@@ -159,3 +159,28 @@ def test_transpose_fp8_names_bad_input():
         cast.transpose_fp8(torch.randn(4, 4))
     with pytest.raises(ValueError, match="contiguous 2-D"):
         cast.transpose_fp8(torch.zeros(4, 6).to(torch.float8_e4m3fn).t())
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_fp8_is_exact(fp8_dtype, out_dtype):
+    g = torch.Generator().manual_seed(3)
+    data = (torch.randn(5, 7, 9, generator=g) * 100).clamp(-448, 448).to(fp8_dtype)
+    scale_inv = torch.tensor([0.0371])
+    got = cast.dequantize_fp8(data, scale_inv, out_dtype, Config(block=64, num_warps=1, max_programs=3))
+    assert got.dtype == out_dtype and got.shape == data.shape
+    want = ref.dequantize_fp8(data, scale_inv, out_dtype)
+    if out_dtype == torch.float32:
+        assert torch.equal(got, want)  # an exact product: bit for bit
+    else:  # the interpreter's float32 -> 16-bit casts do not always round to nearest (the GPU's do)
+        torch.testing.assert_close(got, want, rtol=1.6e-2 if out_dtype == torch.bfloat16 else 1e-3, atol=1e-5)
+
+
+def test_dequantize_fp8_names_bad_input():
+    data = torch.zeros(4, 4).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="scale_inv must be a 1-element float32 tensor"):
+        cast.dequantize_fp8(data, torch.ones(2), torch.float32)
+    with pytest.raises(ValueError, match="contiguous"):
+        cast.dequantize_fp8(torch.zeros(4, 6).to(torch.float8_e4m3fn).t(), torch.ones(1), torch.float32)
+    with pytest.raises(TypeError, match="data must be float8"):
+        cast.dequantize_fp8(torch.zeros(4), torch.ones(1), torch.float32)
