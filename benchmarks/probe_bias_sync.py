@@ -264,6 +264,80 @@ def act_ct_probe():
                   flush=True)
 
 
+@triton.jit
+def _dbias_chunks_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr, M, N, fmax, groups,
+                         ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """As te_triton's _dbias_ct_kernel, but each program walks a contiguous run of row tiles."""
+    pid = tl.program_id(0)
+    tn, g = pid // groups, pid % groups
+    n_tm = tl.cdiv(M, BM)
+    per = tl.cdiv(n_tm, groups)
+    cols = tn * BN + tl.arange(0, BN)
+    scale = tl.load(scale_ptr)
+    colsum = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = tl.zeros([BM, BN], dtype=tl.int32)
+    for tm in range(g * per, tl.minimum(g * per + per, n_tm)):
+        rows = tm * BM + tl.arange(0, BM)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        off = rows[:, None] * N + cols[None, :]
+        gv = tl.load(g_ptr + off, mask=mask, other=0.0)
+        if ACT:
+            x = tl.load(x_ptr + off, mask=mask, other=0.0)
+            v = (gv.to(tl.float32) * _dact(x.to(tl.float32), 0)).to(x.dtype).to(tl.float32)
+        else:
+            v = gv.to(tl.float32)
+        colsum += v
+        _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN)
+        acc = tl.maximum(acc, abs_bits(v))
+    tl.store(dbias_ptr + g * N + cols, tl.sum(colsum, axis=0), mask=cols < N)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
+
+
+def dbias_layout_sweep():
+    """The fused dbias kernels: software pipelining depth (num_stages) of today's strided walk,
+    and a contiguous walk of row tiles per program, against the reference."""
+    from te_core.reference.plugin import implementations
+    from te_triton.activation import _dbias_ct_kernel
+
+    ref = implementations()
+    for M, N in [(16384, 4096), (16384, 16384)]:
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 2
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        s = torch.full((1,), 8.0, device="cuda")
+        want_d = ref["dbias_cast_transpose"](dy, s, E4M3)
+        for bm, bn, w, mp, stages, walk in [(32, 64, 4, 2112, None, "strided"), (32, 64, 4, 2112, 1, "strided"),
+                                            (32, 64, 4, 2112, 2, "strided"), (32, 64, 4, 2112, 4, "strided"),
+                                            (32, 64, 4, 2112, None, "contiguous"), (32, 64, 4, 1056, None, "contiguous"),
+                                            (32, 128, 8, 1056, None, "contiguous"), (64, 64, 4, 2112, 1, "strided"),
+                                            (32, 128, 8, 1056, 1, "strided"), (32, 64, 4, 4224, None, "strided")]:
+            n_tm, n_tn = triton.cdiv(M, bm), triton.cdiv(N, bn)
+            groups = max(1, min(n_tm, mp // n_tn))
+            extra = {} if stages is None else {"num_stages": stages}
+
+            def run(xx):
+                y = torch.empty((M, N), dtype=E4M3, device="cuda")
+                yt = torch.empty((N, M), dtype=E4M3, device="cuda")
+                amax = torch.zeros(1, dtype=torch.int32, device="cuda")
+                part = torch.empty((groups, N), dtype=torch.float32, device="cuda")
+                if walk == "strided":
+                    _dbias_ct_kernel[(groups * n_tn,)](dy, dy if xx is None else xx, y, yt, s, amax, part, M, N, 448.0,
+                                                       groups, ACT=xx is not None, KIND=0, CAST=True, BM=bm, BN=bn,
+                                                       num_warps=w, **extra)
+                else:
+                    _dbias_chunks_kernel[(groups * n_tn,)](dy, dy if xx is None else xx, y, yt, s, amax, part, M, N,
+                                                           448.0, groups, ACT=xx is not None, BM=bm, BN=bn,
+                                                           num_warps=w, **extra)
+                return y, yt, part.sum(0).to(dy.dtype)
+
+            got = run(None)
+            bad = [int((a.view(torch.uint8) != b_.view(torch.uint8)).sum().item()) for a, b_ in zip(got[:2], want_d[:2])]
+            bad.append(round((got[2].float() - want_d[2].float()).abs().max().item(), 4))
+            t = do_bench(lambda: run(None), warmup=3, rep=30)
+            tg = do_bench(lambda: run(x), warmup=3, rep=30)
+            print(f"{M}x{N} {walk} {bm}x{bn} w{w} mp{mp} stages{stages}: dbias_ct {4 * M * N / t / 1e6:.0f} GB/s, "
+                  f"gelu {6 * M * N / tg / 1e6:.0f} GB/s (bytes off / dbias err: {bad})", flush=True)
+
+
 def dbias_tiles_sweep():
     """A candidate layout for the fused dbias kernels: each program takes TPP consecutive row
     tiles of one column strip (tiles in cast-transpose's row-major order), sums them
@@ -313,6 +387,7 @@ if __name__ == "__main__":
 
     probes = {"activation": activation_sweep, "transpose": transpose_probe, "bias": bias_probe, "sync": sync_probe,
               "norm": norm_sweep, "dbias": dbias_sweep,
-              "dbias_tiles": dbias_tiles_sweep, "act_ct": act_ct_probe}
+              "dbias_tiles": dbias_tiles_sweep, "act_ct": act_ct_probe,
+              "dbias_layout": dbias_layout_sweep}
     for name in sys.argv[1:] or probes:
         probes[name]()

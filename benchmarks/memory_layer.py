@@ -1,0 +1,95 @@
+"""What is alive at the peak of one training step of PERFORMANCE.md's layer: replays the CUDA
+caching allocator's trace (torch.cuda.memory._record_memory_history) and groups the blocks
+allocated during the step and alive at its peak by the innermost te_core / benchmark source
+line that allocated them.
+
+    python benchmarks/memory_layer.py [--variants te-delayed,te-bf16,torch] [--batch 8]
+"""
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+
+import te_core as te
+from te_core import recipe
+
+OURS = ("te_core/", "benchmarks/")
+
+
+def site(frames):
+    for f in frames:
+        name = f.get("filename", "")
+        if any(k in name for k in OURS):
+            return f"{name.split('/')[-2]}/{name.split('/')[-1]}:{f.get('line')} {f.get('name')}"
+    return "(no te_core frame: autograd engine / torch internals)"
+
+
+def peak_breakdown(step, rows=14):
+    step()
+    step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    step()
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    peak = torch.cuda.max_memory_allocated() - base
+    live, total, best, best_live, at = {}, 0, 0, {}, ""
+    for ev in snap["device_traces"][torch.cuda.current_device()]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = (ev["size"], site(ev.get("frames", [])))
+            total += ev["size"]
+            if total > best:
+                best, best_live, at = total, dict(live), live[ev["addr"]][1]
+        elif ev["action"] == "free_completed" and ev["addr"] in live:
+            total -= live.pop(ev["addr"])[0]
+    by_site = defaultdict(int)
+    for size, where in best_live.values():
+        by_site[where] += size
+    print(f"  peak above the step's start {peak / 2**20:.0f} MiB; the step's own blocks at their peak "
+          f"{best / 2**20:.0f} MiB (the rest: blocks from before the step), reached at {at}")
+    for where, size in sorted(by_site.items(), key=lambda kv: -kv[1])[:rows]:
+        print(f"  {size / 2**20:8.0f} MiB  {where}")
+
+
+def make_step(variant, x, dy, h, ffn, heads):
+    if variant == "torch":
+        from bench_modules import TorchLayer
+
+        layer = TorchLayer(h, ffn, heads).to("cuda", torch.bfloat16)
+        rcp = None
+    else:
+        layer = te.TransformerLayer(h, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0,
+                                    self_attn_mask_type="causal", params_dtype=torch.bfloat16)
+        rcp = {"te-delayed": recipe.DelayedScaling(), "te-current": recipe.Float8CurrentScaling(),
+               "te-bf16": None}[variant]
+
+    def step():
+        with te.autocast(enabled=rcp is not None, recipe=rcp):
+            y = layer(x)
+        y.backward(dy)
+
+    return step
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variants", default="te-delayed,te-bf16,torch")
+    parser.add_argument("--batch", type=int, default=8)
+    args = parser.parse_args()
+    h, ffn, heads, s, b = 4096, 16384, 32, 2048, args.batch
+    x = torch.randn(s, b, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(s, b, h, device="cuda", dtype=torch.bfloat16)
+    for variant in args.variants.split(","):
+        print(f"{variant}:")
+        peak_breakdown(make_step(variant, x, dy, h, ffn, heads))
+        x.grad = None
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
