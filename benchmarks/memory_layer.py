@@ -16,14 +16,16 @@ import te_core as te
 from te_core import recipe
 
 OURS = ("te_core/", "benchmarks/")
+PLUMBING = ("te_core/backend/", "te_core/ops/")  # every op passes through these: not informative
 
 
 def site(frames):
-    for f in frames:
-        name = f.get("filename", "")
-        if any(k in name for k in OURS):
-            return f"{name.split('/')[-2]}/{name.split('/')[-1]}:{f.get('line')} {f.get('name')}"
-    return "(no te_core frame: autograd engine / torch internals)"
+    """The two innermost te_core (or benchmark) frames outside the op-dispatch plumbing."""
+    ours = [f for f in frames if any(k in f.get("filename", "") for k in OURS)
+            and not any(k in f.get("filename", "") for k in PLUMBING)]
+    if not ours:
+        return "(no te_core frame: autograd engine / torch internals)"
+    return " < ".join(f"{f['filename'].split('/')[-1]}:{f.get('line')} {f.get('name')}" for f in ours[:2])
 
 
 def peak_breakdown(step, rows=14):
@@ -54,6 +56,8 @@ def peak_breakdown(step, rows=14):
           f"{best / 2**20:.0f} MiB (the rest: blocks from before the step), reached at {at}")
     for where, size in sorted(by_site.items(), key=lambda kv: -kv[1])[:rows]:
         print(f"  {size / 2**20:8.0f} MiB  {where}")
+    print("  largest blocks at the peak:", ", ".join(f"{size / 2**20:.0f}" for size, _ in
+                                                    sorted(best_live.values(), key=lambda v: -v[0])[:16]), "MiB")
 
 
 def make_step(variant, x, dy, h, ffn, heads):

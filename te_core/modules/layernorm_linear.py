@@ -71,14 +71,19 @@ def needs_norm_grad(x: Tensor, ln_weight: Tensor, ln_bias: Optional[Tensor]) -> 
     return any(t is not None and t.requires_grad for t in (x, ln_weight, ln_bias))
 
 
-def norm_backward(ctx, dy_q, w_q, d_ln_out, x, stats, ln_weight):
-    """dgrad of the GEMM that read the norm's output (plus any gradient of the returned norm
-    output), then the norm's backward: (dx, dweight, dbias), all None when nothing needs them."""
+def norm_input_grad(ctx, dy_q, w_q, d_ln_out, dtype):
+    """The gradient into the norm's output: dgrad of the GEMM that read it, plus any gradient
+    of the returned norm output; None when nothing needs it."""
     if not ctx.needs_norm:
+        return None
+    d_ln = dgrad_gemm(dy_q, w_q, out_dtype=dtype)
+    return d_ln if d_ln_out is None else d_ln + d_ln_out
+
+
+def norm_grads(ctx, d_ln, x, stats, ln_weight):
+    """The norm's backward: (dx, dweight, dbias), all None when nothing needs them."""
+    if d_ln is None:
         return None, None, None
-    d_ln = dgrad_gemm(dy_q, w_q, out_dtype=x.dtype)
-    if d_ln_out is not None:
-        d_ln = d_ln + d_ln_out
     return norm_bwd(d_ln, x, tuple(stats), ln_weight, ctx.norm["normalization"], ctx.norm["zero_centered_gamma"])
 
 
@@ -134,7 +139,9 @@ class _LayerNormLinearFunction(torch.autograd.Function):
             "grad_output", dy.to(x.dtype), columnwise=needs_dw, with_dbias=ctx.bias_dtype is not None
         )
         dw = wgrad_gemm(dy_q, ln_out_q, out_dtype=ctx.weight_dtype) if needs_dw else None
-        dx, d_ln_w, d_ln_b = norm_backward(ctx, dy_q, w_q, d_ln_out, x, stats, ln_weight)
+        d_ln = norm_input_grad(ctx, dy_q, w_q, d_ln_out, x.dtype)
+        del dy_q  # freed before the norm backward allocates dx
+        dx, d_ln_w, d_ln_b = norm_grads(ctx, d_ln, x, stats, ln_weight)
         step.backward_done()
         dbias = None if dbias is None else dbias.to(ctx.bias_dtype)
         return dx if needs_dx else None, d_ln_w, d_ln_b, dw, dbias, None, None, None

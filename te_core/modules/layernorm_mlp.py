@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from .. import ops
 from ..quantization import gemm_slots
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_gemm
+from . import _saved
 from ._base import QuantizedModule
 from ._common import (
     check_activation,
@@ -34,7 +35,8 @@ from .layernorm_linear import (
     add_norm_parameters,
     fused_outputs,
     needs_norm_grad,
-    norm_backward,
+    norm_grads,
+    norm_input_grad,
     norm_settings,
     normalized_operand,
     reset_norm_parameters,
@@ -62,10 +64,10 @@ def activation_grad_operand(step, slot: str, d_act: Tensor, h: Tensor, kind: str
     if fused is None:
         d_h = ops.activation_bwd(d_act, h, kind)
         return step.grad_operand(slot, d_h, columnwise=columnwise, with_dbias=bool(with_dbias))
-    data, _, dbias, amax = ops.activation_bwd_dbias_cast_transpose(
+    data, data_t, dbias, amax = ops.activation_bwd_dbias_cast_transpose(
         d_act, h, kind, fused["fp8_scale"], fused["fp8_dtype"], amax_out=fused.get("amax_out")
     )
-    dh_q = step.wrap_fused(slot, data, amax, nominal_dtype=h.dtype, columnwise=columnwise)
+    dh_q = step.wrap_fused(slot, data, amax, nominal_dtype=h.dtype, columnwise=columnwise, data_t=data_t)
     return dh_q, (dbias if with_dbias else None)
 
 
@@ -84,12 +86,13 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         act_q = activated_operand(step, "fc2_input", h, activation, columnwise=fc2_weight.requires_grad)
         fc2_w_q = step.weight_operand("fc2_weight", hp_weight(step, fc2_weight, x.dtype), columnwise=True)
         y = fprop_gemm(act_q, fc2_w_q, out_dtype=x.dtype, bias=fc2_bias)
-        # backward reads the column-wise copies only (wgrad: ln_out, act; dgrad: the weights)
-        ctx.save_for_backward(
-            x, ln_weight, keep_columnwise(ln_out_q) if fc1_weight.requires_grad else None,
+        # backward reads the column-wise copies only (wgrad: ln_out, act; dgrad: the weights) and
+        # frees each intermediate once used (_saved): at its end only the gradients are alive
+        _saved.save(ctx, (x, ln_weight, *stats), (
+            keep_columnwise(ln_out_q) if fc1_weight.requires_grad else None,
             keep_columnwise(fc1_w_q) if needs_norm_grad(x, ln_weight, ln_bias) else None, h,
-            keep_columnwise(act_q) if fc2_weight.requires_grad else None, keep_columnwise(fc2_w_q), *stats,
-        )
+            keep_columnwise(act_q) if fc2_weight.requires_grad else None, keep_columnwise(fc2_w_q),
+        ))
         ctx.step, ctx.norm, ctx.activation = step, norm, activation
         ctx.bias_dtypes = (None if fc1_bias is None else fc1_bias.dtype, None if fc2_bias is None else fc2_bias.dtype)
         ctx.weight_dtypes = (fc1_weight.dtype, fc2_weight.dtype)
@@ -99,19 +102,27 @@ class _LayerNormMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, d_ln_out=None):
-        x, ln_weight, ln_out_q, fc1_w_q, h, act_q, fc2_w_q, *stats = ctx.saved_tensors
+        (x, ln_weight, *stats), held = _saved.restore(ctx, "LayerNormMLP")
+        ln_out_q, fc1_w_q, h, act_q, fc2_w_q = held
+        del held  # from here on the locals below are the only references: each `del` frees memory
         step = ctx.step
         needs_dx, needs_dw1, needs_dw2 = ctx.needs
         dy_q, d_fc2_b = step.grad_operand(
             "fc2_grad_output", dy.to(x.dtype), columnwise=needs_dw2, with_dbias=ctx.bias_dtypes[1] is not None
         )
         d_fc2_w = wgrad_gemm(dy_q, act_q, out_dtype=ctx.weight_dtypes[1]) if needs_dw2 else None
+        del act_q
         d_act = dgrad_gemm(dy_q, fc2_w_q, out_dtype=x.dtype)
+        del dy_q, fc2_w_q
         dh_q, d_fc1_b = activation_grad_operand(
             step, "fc1_grad_output", d_act, h, ctx.activation, columnwise=needs_dw1, with_dbias=ctx.bias_dtypes[0]
         )
+        del d_act, h
         d_fc1_w = wgrad_gemm(dh_q, ln_out_q, out_dtype=ctx.weight_dtypes[0]) if needs_dw1 else None
-        dx, d_ln_w, d_ln_b = norm_backward(ctx, dh_q, fc1_w_q, d_ln_out, x, stats, ln_weight)
+        del ln_out_q
+        d_ln = norm_input_grad(ctx, dh_q, fc1_w_q, d_ln_out, x.dtype)
+        del dh_q, fc1_w_q
+        dx, d_ln_w, d_ln_b = norm_grads(ctx, d_ln, x, stats, ln_weight)
         step.backward_done()
         d_fc1_b, d_fc2_b = (None if d is None else d.to(t) for d, t in zip((d_fc1_b, d_fc2_b), ctx.bias_dtypes))
         return dx if needs_dx else None, d_ln_w, d_ln_b, d_fc1_w, d_fc1_b, d_fc2_w, d_fc2_b, None, None, None, None

@@ -58,7 +58,8 @@ class Quantizer:
         when the scale is not known before the op runs (current, block, MXFP8 scaling)."""
         return None
 
-    def wrap_fused(self, data: Tensor, amax: Tensor, *, nominal_dtype, columnwise: bool = False) -> QuantizedTensor:
+    def wrap_fused(self, data: Tensor, amax: Tensor, *, nominal_dtype, columnwise: bool = False,
+                   data_t: Optional[Tensor] = None) -> QuantizedTensor:
         raise NotImplementedError(f"{type(self).__name__} has no fused cast; fused_cast_args() returned None")
 
     def observe(self, x: Tensor) -> None:
@@ -115,10 +116,14 @@ class Float8Quantizer(Quantizer):
         return {"fp8_scale": self.scale, "fp8_dtype": self.fp8_dtype,
                 "amax_out": self.scaling_group.amax_slot(self.column)}
 
-    def wrap_fused(self, data, amax, *, nominal_dtype, columnwise=False) -> Float8Tensor:
+    def wrap_fused(self, data, amax, *, nominal_dtype, columnwise=False, data_t=None) -> Float8Tensor:
+        """`data_t`: the column-wise copy when the fused op wrote one (else it is made here if needed)."""
         if amax is not self.scaling_group.amax_slot(self.column):  # else the op maxed it in already
             self._record(amax)
-        data_t = ops.transpose_fp8(_as_2d(data, "a column-wise copy")) if columnwise else None
+        if not columnwise:
+            data_t = None
+        elif data_t is None:
+            data_t = ops.transpose_fp8(_as_2d(data, "a column-wise copy"))
         return self._wrap(data, data_t, nominal_dtype)
 
     def observe(self, x: Tensor) -> None:

@@ -40,7 +40,7 @@ class HighPrecisionStep:
     def fused_cast_args(self, slot: str) -> Optional[dict]:
         return None
 
-    def wrap_fused(self, slot, data, amax, *, nominal_dtype, columnwise=False):
+    def wrap_fused(self, slot, data, amax, *, nominal_dtype, columnwise=False, data_t=None):
         raise RuntimeError("wrap_fused called without FP8: fused_cast_args() returned None, so the op "
                            "produced high-precision output; pass it to step.operand instead")
 
@@ -148,9 +148,9 @@ class QuantizationStep(CalibrationStep):
     def fused_cast_args(self, slot: str) -> Optional[dict]:
         return self._state.quantizer(slot).fused_cast_args()
 
-    def wrap_fused(self, slot, data, amax, *, nominal_dtype, columnwise=False):
+    def wrap_fused(self, slot, data, amax, *, nominal_dtype, columnwise=False, data_t=None):
         quantizer = self._state.quantizer(slot)
-        result = quantizer.wrap_fused(data, amax, nominal_dtype=nominal_dtype, columnwise=columnwise)
+        result = quantizer.wrap_fused(data, amax, nominal_dtype=nominal_dtype, columnwise=columnwise, data_t=data_t)
         self._used(quantizer)
         return result
 
