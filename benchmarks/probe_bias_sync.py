@@ -321,7 +321,7 @@ def dbias_layout_sweep():
                 part = torch.empty((groups, N), dtype=torch.float32, device="cuda")
                 if walk == "strided":
                     _dbias_ct_kernel[(groups * n_tn,)](dy, dy if xx is None else xx, y, yt, s, amax, part, M, N, 448.0,
-                                                       groups, ACT=xx is not None, KIND=0, CAST=True, BM=bm, BN=bn,
+                                                       groups, ACT=xx is not None, KIND=0, BM=bm, BN=bn,
                                                        num_warps=w, **extra)
                 else:
                     _dbias_chunks_kernel[(groups * n_tn,)](dy, dy if xx is None else xx, y, yt, s, amax, part, M, N,
@@ -336,26 +336,6 @@ def dbias_layout_sweep():
             tg = do_bench(lambda: run(x), warmup=3, rep=30)
             print(f"{M}x{N} {walk} {bm}x{bn} w{w} mp{mp} stages{stages}: dbias_ct {4 * M * N / t / 1e6:.0f} GB/s, "
                   f"gelu {6 * M * N / tg / 1e6:.0f} GB/s (bytes off / dbias err: {bad})", flush=True)
-
-
-def dbias_only_sweep():
-    """ops.dbias (column sums, no cast) per config against torch's sum(dim=0, dtype=float32)."""
-    from te_triton import Config, activation
-
-    for M, N in [(16384, 4096), (16384, 8192), (16384, 16384)]:
-        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        want = dy.sum(dim=0, dtype=torch.float32).to(torch.bfloat16)
-        t = do_bench(lambda: dy.sum(dim=0, dtype=torch.float32).to(torch.bfloat16), warmup=3, rep=30)
-        print(f"{M}x{N} torch sum: {2 * M * N / t / 1e6:.0f} GB/s", flush=True)
-        for bm, bn, w, mp in [(32, 64, 4, 2112), (64, 128, 4, 1056), (64, 256, 8, 528), (128, 128, 8, 1056),
-                              (32, 256, 4, 1056), (16, 256, 4, 2112), (64, 128, 4, 2112), (128, 256, 8, 528),
-                              (32, 512, 8, 528), (64, 64, 4, 4224)]:
-            cfg = Config(block_m=bm, block_n=bn, num_warps=w, max_programs=mp)
-            got = activation.dbias(dy, cfg)
-            err = (got.float() - want.float()).abs().max().item()
-            t = do_bench(lambda: activation.dbias(dy, cfg), warmup=3, rep=30)
-            print(f"{M}x{N} {bm}x{bn} w{w} mp{mp}: {2 * M * N / t / 1e6:.0f} GB/s (max diff to torch {err:.3g})",
-                  flush=True)
 
 
 def dbias_tiles_sweep():
@@ -408,6 +388,6 @@ if __name__ == "__main__":
     probes = {"activation": activation_sweep, "transpose": transpose_probe, "bias": bias_probe, "sync": sync_probe,
               "norm": norm_sweep, "dbias": dbias_sweep,
               "dbias_tiles": dbias_tiles_sweep, "act_ct": act_ct_probe,
-              "dbias_layout": dbias_layout_sweep, "dbias_only": dbias_only_sweep}
+              "dbias_layout": dbias_layout_sweep}
     for name in sys.argv[1:] or probes:
         probes[name]()

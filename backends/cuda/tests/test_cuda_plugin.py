@@ -157,3 +157,25 @@ def test_supports_decline_what_the_kernels_do_not_take(monkeypatch):
     assert "is not 2-D" in fused._act_bwd_dbias_ct_ok(torch.randn(2, 2, 2), torch.randn(2, 2, 2), "gelu",
                                                          torch.ones(1), torch.float8_e4m3fn)[1]
     assert "callable" in fused._scaling_ok([], [], [], amax_compute_algo=lambda h: h[0])[1]
+    assert "is 0-dim" in fused._dbias_ok(torch.tensor(1.0))[1]
+    assert "not contiguous" in fused._dequantize_ok(torch.zeros(4, 6).to(torch.float8_e4m3fn).t(), torch.ones(1),
+                                                    torch.float32)[1]
+    data = torch.zeros(4, 256).to(torch.float8_e4m3fn)
+    assert "is not (4, 2)" in fused._dequantize_blockwise_ok(data, torch.ones(1, 2), False, torch.float32)[1]
+    assert "is not FP8" in fused._dequantize_ok(torch.zeros(4), torch.ones(1), torch.float32)[1]
+
+
+@pytest.mark.parametrize("shape", [(37, 50), (3, 5, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dbias_is_a_float32_column_sum(shape, dtype):
+    """cuda's dbias is torch's reduction (faster on the H200 than the Triton kernel that was
+    tried): float32 accumulation, dy's dtype out, every leading dimension summed."""
+    from te_backend_cuda import fused
+
+    g = torch.Generator().manual_seed(1)
+    dy = (torch.randn(shape, generator=g) * 3).to(dtype)
+    got = fused.dbias(dy)
+    want = dy.double().reshape(-1, shape[-1]).sum(0)
+    assert got.dtype == dtype and got.shape == (shape[-1],)
+    tol = dict(rtol=1.3e-6, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-5)
+    torch.testing.assert_close(got.double(), want, **tol)

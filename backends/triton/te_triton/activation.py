@@ -105,10 +105,9 @@ def _act_bwd_kernel(dy_ptr, x_ptr, dx_ptr, R, H, KIND: tl.constexpr, GATED: tl.c
 
 @triton.jit
 def _dbias_ct_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr, M, N, fmax, groups,
-                     ACT: tl.constexpr, KIND: tl.constexpr, CAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                     ACT: tl.constexpr, KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """Cast-transpose of a gradient with its column sums (dbias). ACT: the gradient is
     dx = g * act'(x) (non-gated), rounded to x's dtype as the unfused ops do; else it is g.
-    Without CAST only the column sums (ops.dbias).
 
     A program owns one column strip and every `groups`-th row tile of it, so column sums and
     the amax build up element-wise in registers: one reduction and one atomic per program, and
@@ -116,10 +115,9 @@ def _dbias_ct_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr
     pid = tl.program_id(0)
     tn = pid // groups
     cols = tn * BN + tl.arange(0, BN)
+    scale = tl.load(scale_ptr)
     colsum = tl.zeros([BM, BN], dtype=tl.float32)
-    if CAST:
-        scale = tl.load(scale_ptr)
-        acc = tl.zeros([BM, BN], dtype=tl.int32)
+    acc = tl.zeros([BM, BN], dtype=tl.int32)
     for tm in range(pid % groups, tl.cdiv(M, BM), groups):
         rows = tm * BM + tl.arange(0, BM)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -130,29 +128,11 @@ def _dbias_ct_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr
             v = (g.to(tl.float32) * _dact(x.to(tl.float32), KIND)).to(x.dtype).to(tl.float32)
         else:
             v = g.to(tl.float32)
+        _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN)
         colsum += v
-        if CAST:
-            _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN)
-            acc = tl.maximum(acc, abs_bits(v))
+        acc = tl.maximum(acc, abs_bits(v))
     tl.store(dbias_ptr + (pid % groups) * N + cols, tl.sum(colsum, axis=0), mask=cols < N)
-    if CAST:
-        tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
-
-
-def _column_partials(g, x, kind, cfg: Config, cast_args=None):
-    """Launch _dbias_ct_kernel on 2-D g (M, N); returns the (groups, N) float32 partial sums.
-    cast_args = (y, yt, scale, amax_buf, fmax) also writes the FP8 cast and its transpose."""
-    M, N = g.shape
-    n_tm, n_tn = triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n)
-    # row groups per column strip: enough programs to fill the GPU (cfg.max_programs), no more
-    groups = max(1, min(n_tm, cfg.max_programs // n_tn)) if cfg.max_programs > 0 else n_tm
-    partial = torch.empty((groups, N), dtype=torch.float32, device=g.device)
-    y, yt, scale, amax_buf, fmax = cast_args or (g, g, partial, partial, 1.0)
-    _dbias_ct_kernel[(groups * n_tn,)](
-        g, g if x is None else x, y, yt, scale, amax_buf, partial, M, N, fmax, groups, ACT=x is not None,
-        KIND=KIND_IDS.get(kind, 0), CAST=cast_args is not None, BM=cfg.block_m, BN=cfg.block_n,
-        num_warps=cfg.num_warps)
-    return partial
+    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
 
 
 def _dbias_cast_transpose(g, x, kind, scale, fp8_dtype, cfg: Config, amax_out):
@@ -163,10 +143,15 @@ def _dbias_cast_transpose(g, x, kind, scale, fp8_dtype, cfg: Config, amax_out):
     y = torch.empty((M, N), dtype=fp8_dtype, device=src.device)
     yt = torch.empty((N, M), dtype=fp8_dtype, device=src.device)
     amax_buf = new_amax_buffer(src.device, amax_out)
-    if M and N:
-        dbias = _column_partials(g, x, kind, cfg, (y, yt, scale, amax_buf, fmax)).sum(dim=0)
-    else:
-        dbias = torch.zeros(N, dtype=torch.float32, device=src.device)
+    n_tm, n_tn = triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n)
+    # row groups per column strip: enough programs to fill the GPU (cfg.max_programs), no more
+    groups = max(1, min(n_tm, cfg.max_programs // n_tn)) if cfg.max_programs > 0 else n_tm
+    partial = torch.empty((groups, N), dtype=torch.float32, device=src.device)
+    if src.numel():
+        _dbias_ct_kernel[(groups * n_tn,)](
+            g, src, y, yt, scale, amax_buf, partial, M, N, fmax, groups, ACT=x is not None,
+            KIND=KIND_IDS.get(kind, 0), BM=cfg.block_m, BN=cfg.block_n, num_warps=cfg.num_warps)
+    dbias = partial.sum(dim=0) if M else torch.zeros(N, dtype=torch.float32, device=src.device)
     return y, yt, dbias.to(src.dtype), amax_from_buffer(amax_buf, amax_out)
 
 
@@ -217,23 +202,6 @@ def activation_bwd(dy, x, kind, cfg: Config = ELEMENTWISE_DEFAULT):
 
 
 DBIAS_CAST_TRANSPOSE_DEFAULT = Config(block_m=32, block_n=128, num_warps=4, max_programs=1024)
-
-
-def dbias(dy, cfg: Config = DBIAS_CAST_TRANSPOSE_DEFAULT):
-    """Column sums of dy over every dimension but the last, in float32, in dy's dtype (as
-    te_core.ops.dbias); one read of dy."""
-    if dy.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"dy must be float32, bfloat16 or float16, got {dy.dtype}")
-    if dy.dim() < 1:
-        raise ValueError("dy must have at least 1 dimension (dbias sums all but the last)")
-    if not dy.is_contiguous():
-        raise ValueError("dy must be contiguous; call .contiguous() first")
-    if dy.numel() > MAX_NUMEL:
-        raise ValueError(f"dy has {dy.numel()} elements; these kernels index with int32 (at most {MAX_NUMEL})")
-    g = dy.reshape(-1, dy.shape[-1])
-    if not g.numel():
-        return torch.zeros(dy.shape[-1], dtype=dy.dtype, device=dy.device)
-    return _column_partials(g, None, None, cfg).sum(dim=0).to(dy.dtype)
 
 
 def dbias_cast_transpose(dy, scale, fp8_dtype, cfg: Config = DBIAS_CAST_TRANSPOSE_DEFAULT, *, amax_out=None):

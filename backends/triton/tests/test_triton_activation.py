@@ -79,23 +79,3 @@ def test_bad_inputs_name_the_problem():
         activation.activation_bwd_dbias_cast_transpose(torch.randn(2, 2, 2), torch.randn(2, 2, 2), "gelu",
                                                        torch.tensor([1.0]), torch.float8_e4m3fn)
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape,max_programs", [((37, 50), 4), ((3, 5, 40), 0), ((1, 9), 7)])
-def test_dbias(dtype, shape, max_programs):
-    dy = _x(shape, dtype, 7)
-    got = activation.dbias(dy, Config(block_m=8, block_n=16, max_programs=max_programs))
-    want64 = dy.double().reshape(-1, shape[-1]).sum(0)
-    assert got.dtype == dtype and got.shape == (shape[-1],)
-    tol = TOL.get(dtype, dict(rtol=1e-3, atol=1e-5))
-    torch.testing.assert_close(got.double(), want64, rtol=tol["rtol"], atol=1e-4 if dtype == torch.float32 else 1e-2)
-    torch.testing.assert_close(got, ref.dbias(dy), **TOL.get(dtype, dict(rtol=1e-3, atol=1e-5)))
-
-
-def test_dbias_names_bad_input():
-    with pytest.raises(TypeError, match="dy must be float32, bfloat16 or float16"):
-        activation.dbias(torch.ones(4, 4, dtype=torch.int32))
-    with pytest.raises(ValueError, match="contiguous"):
-        activation.dbias(torch.randn(4, 6).t())
-    with pytest.raises(ValueError, match="at least 1 dimension"):
-        activation.dbias(torch.tensor(1.0))
