@@ -338,6 +338,28 @@ def dbias_layout_sweep():
                   f"gelu {6 * M * N / tg / 1e6:.0f} GB/s (bytes off / dbias err: {bad})", flush=True)
 
 
+def fast_accum_probe():
+    """cuBLASLt FP8 fast accumulation (torch._scaled_mm use_fast_accum=True, what Transformer
+    Engine and torchao use for forward GEMMs) against float32 accumulation at the layer's
+    forward shapes, tensor-wise scales, bf16 out with the bias epilogue."""
+    for M, K, N in [(16384, 4096, 12288), (16384, 4096, 4096), (16384, 4096, 16384), (16384, 16384, 4096),
+                    (16384, 8192, 8192), (8192, 4096, 4096)]:
+        a = (torch.randn(M, K, device="cuda") * 2).to(E4M3)
+        b = (torch.randn(N, K, device="cuda") * 2).to(E4M3)
+        s = torch.ones((), device="cuda")
+        bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+        exact = torch._scaled_mm(a, b.t(), s, s, bias=bias, out_dtype=torch.bfloat16, use_fast_accum=False)
+        fast = torch._scaled_mm(a, b.t(), s, s, bias=bias, out_dtype=torch.bfloat16, use_fast_accum=True)
+        err = ((fast.float() - exact.float()).abs().max() / exact.float().abs().max()).item()
+        t0 = do_bench(lambda: torch._scaled_mm(a, b.t(), s, s, bias=bias, out_dtype=torch.bfloat16,
+                                               use_fast_accum=False), warmup=5, rep=50)
+        t1 = do_bench(lambda: torch._scaled_mm(a, b.t(), s, s, bias=bias, out_dtype=torch.bfloat16,
+                                               use_fast_accum=True), warmup=5, rep=50)
+        print(f"M{M} K{K} N{N}: float32 accumulation {t0 * 1e3:.0f} us ({2 * M * N * K / t0 / 1e9:.0f} TFLOP/s), "
+              f"fast {t1 * 1e3:.0f} us ({2 * M * N * K / t1 / 1e9:.0f} TFLOP/s); max difference {err:.2e} of max|y|",
+              flush=True)
+
+
 def dbias_tiles_sweep():
     """A candidate layout for the fused dbias kernels: each program takes TPP consecutive row
     tiles of one column strip (tiles in cast-transpose's row-major order), sums them
@@ -388,6 +410,6 @@ if __name__ == "__main__":
     probes = {"activation": activation_sweep, "transpose": transpose_probe, "bias": bias_probe, "sync": sync_probe,
               "norm": norm_sweep, "dbias": dbias_sweep,
               "dbias_tiles": dbias_tiles_sweep, "act_ct": act_ct_probe,
-              "dbias_layout": dbias_layout_sweep}
+              "dbias_layout": dbias_layout_sweep, "fast_accum": fast_accum_probe}
     for name in sys.argv[1:] or probes:
         probes[name]()
