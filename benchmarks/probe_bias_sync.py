@@ -360,6 +360,27 @@ def fast_accum_probe():
               flush=True)
 
 
+def blockwise_sweep():
+    """1x128 block quantization with its transpose (row- and column-wise 1x128 scales from one
+    128x128 tile) per warp count, against the reference bytes and scales."""
+    from te_core.reference.plugin import implementations
+    from te_triton import Config, blockwise
+
+    ref = implementations()
+    x = torch.randn(16384, 8192, device="cuda", dtype=torch.bfloat16)
+    for block_2d in (False, True):
+        want = ref["quantize_blockwise"](x, E4M3, block_2d=block_2d, with_transpose=True)
+        for w in (4, 8, 16, 32):
+            cfg = Config(block_m=64, num_warps=w)
+            got = blockwise.quantize_blockwise(x, E4M3, block_2d=block_2d, with_transpose=True, cfg=cfg)
+            bad = [int((got[i].view(torch.uint8) != want[i].view(torch.uint8)).sum().item()) for i in (0, 2)]
+            same = all(torch.equal(got[i], want[i]) for i in (1, 3))
+            t = do_bench(lambda: blockwise.quantize_blockwise(x, E4M3, block_2d=block_2d, with_transpose=True,
+                                                              cfg=cfg), warmup=3, rep=30)
+            print(f"blockwise 2d={block_2d} +transpose w{w}: {4 * x.numel() / t / 1e6:.0f} GB/s "
+                  f"(bytes off {bad}, scales equal {same})", flush=True)
+
+
 def dbias_tiles_sweep():
     """A candidate layout for the fused dbias kernels: each program takes TPP consecutive row
     tiles of one column strip (tiles in cast-transpose's row-major order), sums them
@@ -410,6 +431,7 @@ if __name__ == "__main__":
     probes = {"activation": activation_sweep, "transpose": transpose_probe, "bias": bias_probe, "sync": sync_probe,
               "norm": norm_sweep, "dbias": dbias_sweep,
               "dbias_tiles": dbias_tiles_sweep, "act_ct": act_ct_probe,
-              "dbias_layout": dbias_layout_sweep, "fast_accum": fast_accum_probe}
+              "dbias_layout": dbias_layout_sweep, "fast_accum": fast_accum_probe,
+              "blockwise": blockwise_sweep}
     for name in sys.argv[1:] or probes:
         probes[name]()

@@ -170,7 +170,8 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
                        amax_epsilon=0.0):
     return blockwise.quantize_blockwise(x, fp8_dtype, block_2d=block_2d, with_transpose=with_transpose,
                                         force_pow2_scales=force_pow2_scales, amax_epsilon=amax_epsilon,
-                                        cfg=configs.BLOCKWISE)
+                                        cfg=configs.BLOCKWISE_1D_TRANSPOSE if with_transpose and not block_2d
+                                        else configs.BLOCKWISE)
 
 
 # --- norm ---------------------------------------------------------------------------------
