@@ -11,9 +11,7 @@ import argparse
 from collections import defaultdict
 
 import torch
-
-import te_core as te
-from te_core import recipe
+from _layer import FFN, HEADS, H, inputs, te_layer, training_step
 
 OURS = ("te_core/", "benchmarks/")
 PLUMBING = ("te_core/backend/", "te_core/ops/")  # every op passes through these: not informative
@@ -60,24 +58,12 @@ def peak_breakdown(step, rows=14):
                                                     sorted(best_live.values(), key=lambda v: -v[0])[:16]), "MiB")
 
 
-def make_step(variant, x, dy, h, ffn, heads):
+def make_step(variant, x, dy):
     if variant == "torch":
         from bench_modules import TorchLayer
 
-        layer = TorchLayer(h, ffn, heads).to("cuda", torch.bfloat16)
-        rcp = None
-    else:
-        layer = te.TransformerLayer(h, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0,
-                                    self_attn_mask_type="causal", params_dtype=torch.bfloat16)
-        rcp = {"te-delayed": recipe.DelayedScaling(), "te-current": recipe.Float8CurrentScaling(),
-               "te-bf16": None}[variant]
-
-    def step():
-        with te.autocast(enabled=rcp is not None, recipe=rcp):
-            y = layer(x)
-        y.backward(dy)
-
-    return step
+        return training_step(TorchLayer(H, FFN, HEADS).to("cuda", torch.bfloat16), x, dy, "bf16")
+    return training_step(te_layer(), x, dy, variant.removeprefix("te-"))
 
 
 def main():
@@ -85,12 +71,10 @@ def main():
     parser.add_argument("--variants", default="te-delayed,te-bf16,torch")
     parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args()
-    h, ffn, heads, s, b = 4096, 16384, 32, 2048, args.batch
-    x = torch.randn(s, b, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(s, b, h, device="cuda", dtype=torch.bfloat16)
+    x, dy = inputs(args.batch)
     for variant in args.variants.split(","):
         print(f"{variant}:")
-        peak_breakdown(make_step(variant, x, dy, h, ffn, heads))
+        peak_breakdown(make_step(variant, x, dy))
         x.grad = None
         torch.cuda.empty_cache()
 

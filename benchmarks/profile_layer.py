@@ -6,11 +6,10 @@ host enqueue vs total per step, then the kernels by CUDA time (torch.profiler).
 from __future__ import annotations
 
 import argparse
-import torch
-from _timing import host_and_total_ms
 
-import te_core as te
-from te_core import recipe
+import torch
+from _layer import inputs, te_layer, training_step
+from _timing import host_and_total_ms
 
 
 def main():
@@ -19,18 +18,9 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rows", type=int, default=40)
     args = parser.parse_args()
-    h, ffn, heads, s, b = 4096, 16384, 32, 2048, args.batch
-    x = torch.randn(s, b, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(s, b, h, device="cuda", dtype=torch.bfloat16)
-    layer = te.TransformerLayer(h, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0,
-                                self_attn_mask_type="causal", params_dtype=torch.bfloat16)
-    rcp = {"delayed": recipe.DelayedScaling(), "current": recipe.Float8CurrentScaling(), "bf16": None}[args.recipe]
-
-    def step():
-        with te.autocast(enabled=rcp is not None, recipe=rcp):
-            y = layer(x)
-        y.backward(dy)
-
+    b = args.batch
+    x, dy = inputs(b)
+    step = training_step(te_layer(), x, dy, args.recipe)
     host, total = host_and_total_ms(step, n=5, warmup=3)
     print(f"layer {args.recipe} b{b}: host {host:.2f} ms, total {total:.2f} ms per step")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

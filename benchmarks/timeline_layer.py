@@ -15,32 +15,10 @@ import tempfile
 from collections import Counter
 
 import torch
-
-import te_core as te
-from te_core import recipe
+from _layer import inputs, te_layer, training_step
 
 GPU_CATS = ("kernel", "gpu_memset", "gpu_memcpy")
 SYNCING = ("Synchronize", "cudaMemcpy", "cudaFree", "cudaMalloc", "cudaHostAlloc", "cudaEventSynchronize")
-
-
-def make_step(args):
-    h, ffn, heads, s, b = 4096, 16384, 32, 2048, args.batch
-    x = torch.randn(s, b, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(s, b, h, device="cuda", dtype=torch.bfloat16)
-    layer = te.TransformerLayer(h, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0,
-                                self_attn_mask_type="causal", params_dtype=torch.bfloat16)
-    rcp = {"delayed": recipe.DelayedScaling(), "current": recipe.Float8CurrentScaling(), "bf16": None}[args.recipe]
-
-    def step():
-        if args.grads == "none":  # as after optimizer.zero_grad(): no accumulation into .grad
-            x.grad = None
-            for p in layer.parameters():
-                p.grad = None
-        with te.autocast(enabled=rcp is not None, recipe=rcp):
-            y = layer(x)
-        y.backward(dy)
-
-    return step
 
 
 def _busy(gpu):
@@ -114,7 +92,8 @@ def main():
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--grads", default="accumulate", choices=("accumulate", "none"))
     args = parser.parse_args()
-    step = make_step(args)
+    x, dy = inputs(args.batch)
+    step = training_step(te_layer(), x, dy, args.recipe, args.grads)
     for _ in range(5):
         step()
     torch.cuda.synchronize()
