@@ -41,14 +41,16 @@ def _all_ok(*named):
 
 
 def _on_device(fn):
-    """Launch on the tensor's GPU, not the current one."""
+    """Launch on the tensor's GPU, not the current one (the device guard only when they differ:
+    entering one costs more host time than a small kernel's launch)."""
     def run(x, *args, **kwargs):
-        if x.device.index == torch.cuda.current_device():
+        if x.get_device() == torch.cuda.current_device():
             return fn(x, *args, **kwargs)
         with torch.cuda.device(x.device):
             return fn(x, *args, **kwargs)
     run.__name__ = fn.__name__
     return run
+
 
 
 # --- cast ---------------------------------------------------------------------------------
@@ -300,10 +302,14 @@ def _act_bwd_dbias_ct_ok(dy, x, kind, scale, fp8_dtype, *, amax_out=None):
 def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin=0.0, amax_compute_algo="max"):
     if not amax_histories:
         return None
-    with torch.cuda.device(amax_histories[0].device):
-        scaling.delayed_scaling_update(amax_histories, scales, fp8_maxes, margin=margin,
-                                       amax_compute_algo=amax_compute_algo, cfg=configs.SCALING)
+    _update(amax_histories[0], amax_histories, scales, fp8_maxes, margin, amax_compute_algo)
     return None
+
+
+@_on_device
+def _update(_device_of, amax_histories, scales, fp8_maxes, margin, amax_compute_algo):
+    scaling.delayed_scaling_update(amax_histories, scales, fp8_maxes, margin=margin,
+                                   amax_compute_algo=amax_compute_algo, cfg=configs.SCALING)
 
 
 def _scaling_ok(amax_histories, scales, fp8_maxes, *, margin=0.0, amax_compute_algo="max"):
