@@ -381,6 +381,37 @@ def blockwise_sweep():
                   f"(bytes off {bad}, scales equal {same})", flush=True)
 
 
+def quantize_sweep():
+    """quantize_fp8 (delayed: cast with a given scale + amax) and cast_transpose_fp8 per config at
+    16384x8192 bf16, checked against the reference bytes and amax."""
+    from te_core.reference.plugin import implementations
+    from te_triton import Config, cast
+
+    ref = implementations()
+    x = torch.randn(16384, 8192, device="cuda", dtype=torch.bfloat16) * 3
+    s = torch.full((1,), 16.0, device="cuda")
+    want, want_amax = ref["quantize_fp8"](x, s, E4M3)
+    for block, w, mp in [(8192, 8, 528), (1024, 4, 0), (2048, 4, 0), (4096, 4, 0), (4096, 8, 0), (2048, 8, 0),
+                         (1024, 2, 0), (2048, 4, 1056), (4096, 4, 1056), (4096, 8, 528), (8192, 8, 1056),
+                         (16384, 16, 264)]:
+        cfg = Config(block=block, num_warps=w, max_programs=mp)
+        y, amax = cast.quantize_fp8(x, s, E4M3, cfg)
+        ok = torch.equal(y.view(torch.uint8), want.view(torch.uint8)) and torch.equal(amax, want_amax)
+        t = do_bench(lambda: cast.quantize_fp8(x, s, E4M3, cfg), warmup=5, rep=40)
+        print(f"quantize block{block} w{w} mp{mp}: {3 * x.numel() / t / 1e6:.0f} GB/s ({'ok' if ok else 'WRONG'})",
+              flush=True)
+    want_ct = ref["cast_transpose_fp8"](x, s, E4M3)
+    for bm, bn, w, mp in [(64, 128, 4, 0), (128, 64, 4, 0), (64, 64, 4, 0), (128, 128, 8, 0), (32, 128, 4, 0),
+                          (64, 256, 8, 0), (64, 128, 4, 2112), (128, 128, 4, 0)]:
+        cfg = Config(block_m=bm, block_n=bn, num_warps=w, max_programs=mp)
+        y, yt, amax = cast.cast_transpose_fp8(x, s, E4M3, cfg)
+        ok = (torch.equal(y.view(torch.uint8), want_ct[0].view(torch.uint8))
+              and torch.equal(yt.view(torch.uint8), want_ct[1].view(torch.uint8)))
+        t = do_bench(lambda: cast.cast_transpose_fp8(x, s, E4M3, cfg), warmup=5, rep=40)
+        print(f"cast_transpose {bm}x{bn} w{w} mp{mp}: {4 * x.numel() / t / 1e6:.0f} GB/s ({'ok' if ok else 'WRONG'})",
+              flush=True)
+
+
 def dbias_tiles_sweep():
     """A candidate layout for the fused dbias kernels: each program takes TPP consecutive row
     tiles of one column strip (tiles in cast-transpose's row-major order), sums them
@@ -432,6 +463,6 @@ if __name__ == "__main__":
               "norm": norm_sweep, "dbias": dbias_sweep,
               "dbias_tiles": dbias_tiles_sweep, "act_ct": act_ct_probe,
               "dbias_layout": dbias_layout_sweep, "fast_accum": fast_accum_probe,
-              "blockwise": blockwise_sweep}
+              "blockwise": blockwise_sweep, "quantize": quantize_sweep}
     for name in sys.argv[1:] or probes:
         probes[name]()
