@@ -58,4 +58,3 @@ def restore(ctx, name: str) -> Tuple[Tuple[Optional[Tensor], ...], List[Optional
     if not _graph_kept():
         ctx.held_intermediates = _RELEASED
     return saved, list(held)
-

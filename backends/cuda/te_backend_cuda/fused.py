@@ -52,7 +52,6 @@ def _on_device(fn):
     return run
 
 
-
 # --- cast ---------------------------------------------------------------------------------
 def quantize_fp8(x, scale, fp8_dtype, *, amax_out=None):
     return cast.quantize_fp8(x, scale, fp8_dtype, configs.QUANTIZE, amax_out=amax_out)
