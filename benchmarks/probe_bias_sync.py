@@ -412,30 +412,6 @@ def quantize_sweep():
               flush=True)
 
 
-def norm_bwd_sweep():
-    """LayerNorm / RMSNorm backward with several rows per step (cfg.rows), per config, against
-    one row per step (dx equal; dgamma/dbeta sums differ only in summation order)."""
-    from te_triton import Config, norm
-
-    for M, N in [(16384, 4096), (16384, 8192)]:
-        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 3 + 1
-        w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        _, mean, rstd, _ = norm.norm_fwd(x, w, w, 1e-5, rms=False)
-        base = norm.norm_bwd(dy, x, mean, rstd, w, rms=False, cfg=Config(num_warps=16, max_programs=264))
-        for rows, warps, mp in [(1, 16, 264), (2, 16, 264), (4, 16, 264), (2, 8, 528), (4, 8, 528), (2, 16, 528),
-                                (4, 16, 132), (1, 8, 528)]:
-            cfg = Config(num_warps=warps, max_programs=mp, rows=rows)
-            for rms in (False, True):
-                got = norm.norm_bwd(dy, x, None if rms else mean, rstd, w, rms=rms, cfg=cfg)
-                same = "" if rms else (f"dx equal {torch.equal(got[0], base[0])}, dw max diff "
-                                       f"{(got[1].float() - base[1].float()).abs().max().item():.3g}")
-                t = do_bench(lambda: norm.norm_bwd(dy, x, None if rms else mean, rstd, w, rms=rms, cfg=cfg),
-                             warmup=3, rep=30)
-                print(f"{'rmsnorm' if rms else 'layernorm'} bwd {M}x{N} rows{rows} w{warps} mp{mp}: "
-                      f"{6 * M * N / t / 1e6:.0f} GB/s {same}", flush=True)
-
-
 def dbias_tiles_sweep():
     """A candidate layout for the fused dbias kernels: each program takes TPP consecutive row
     tiles of one column strip (tiles in cast-transpose's row-major order), sums them
@@ -487,7 +463,6 @@ if __name__ == "__main__":
               "norm": norm_sweep, "dbias": dbias_sweep,
               "dbias_tiles": dbias_tiles_sweep, "act_ct": act_ct_probe,
               "dbias_layout": dbias_layout_sweep, "fast_accum": fast_accum_probe,
-              "blockwise": blockwise_sweep, "quantize": quantize_sweep,
-              "norm_bwd": norm_bwd_sweep}
+              "blockwise": blockwise_sweep, "quantize": quantize_sweep}
     for name in sys.argv[1:] or probes:
         probes[name]()

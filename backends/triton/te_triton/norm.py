@@ -75,42 +75,36 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, 
 
 @triton.jit
 def _norm_bwd_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, dx_ptr, dw_part_ptr, db_part_ptr, M, N,
-                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr):
-    """ROWS rows per step, as in the forward; dgamma/dbeta partials build up per element."""
+                     BLOCK_N: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     g = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         g = g + 1.0
-    dw = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    db = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    for first in range(pid * ROWS, M, tl.num_programs(0) * ROWS):
-        rows = first + tl.arange(0, ROWS)
-        rmask = rows < M
-        mask = rmask[:, None] & cmask[None, :]
-        offs = rows[:, None] * N + cols[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for row in range(pid, M, tl.num_programs(0)):
+        x = tl.load(x_ptr + row * N + cols, mask=cmask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * N + cols, mask=cmask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
         if RMS:
-            xhat = x * rstd[:, None]
+            xhat = x * rstd
         else:
-            mean = tl.load(mean_ptr + rows, mask=rmask, other=0.0)
-            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-        wdy = dy * g[None, :]
-        c1 = tl.sum(xhat * wdy, axis=1) / N
+            xhat = tl.where(cmask, (x - tl.load(mean_ptr + row)) * rstd, 0.0)
+        wdy = dy * g
+        c1 = tl.sum(xhat * wdy, axis=0) / N
         if RMS:
-            dx = (wdy - xhat * c1[:, None]) * rstd[:, None]
+            dx = (wdy - xhat * c1) * rstd
         else:
-            c2 = tl.sum(wdy, axis=1) / N
-            dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            c2 = tl.sum(wdy, axis=0) / N
+            dx = (wdy - (xhat * c1 + c2)) * rstd
             db += dy
         dw += dy * xhat
-        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(dw_part_ptr + pid * N + cols, tl.sum(dw, axis=0), mask=cmask)
+        tl.store(dx_ptr + row * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=cmask)
+    tl.store(dw_part_ptr + pid * N + cols, dw, mask=cmask)
     if not RMS:
-        tl.store(db_part_ptr + pid * N + cols, tl.sum(db, axis=0), mask=cmask)
+        tl.store(db_part_ptr + pid * N + cols, db, mask=cmask)
 
 
 def _rows(x: torch.Tensor, weight: torch.Tensor):
@@ -158,15 +152,13 @@ def norm_bwd(dy, x, mean: Optional[torch.Tensor], rstd, weight, *, rms: bool, ze
     if dy.shape != x.shape or not dy.is_contiguous():
         raise ValueError(f"dy must be contiguous with x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
     dx = torch.empty_like(x)
-    block_n = triton.next_power_of_2(N)
-    rows = max(1, min(cfg.rows, MAX_TILE // block_n))
-    programs = grid_size(triton.cdiv(M, rows), cfg)
+    programs = grid_size(M, cfg)
     dw_part = torch.zeros((programs, N), dtype=torch.float32, device=x.device)
     db_part = None if rms else torch.zeros((programs, N), dtype=torch.float32, device=x.device)
     if M:
         _norm_bwd_kernel[(programs,)](
             dy, x, rstd if mean is None else mean, rstd, weight, dx, dw_part, dw_part if db_part is None else db_part,
-            M, N, BLOCK_N=block_n, ROWS=rows, RMS=rms, ZERO_CENTERED=bool(zero_centered_gamma),
+            M, N, BLOCK_N=triton.next_power_of_2(N), RMS=rms, ZERO_CENTERED=bool(zero_centered_gamma),
             num_warps=cfg.num_warps)
     dweight = dw_part.sum(dim=0).to(weight.dtype)
     dbias = None if rms else db_part.sum(dim=0).to(weight.dtype)
