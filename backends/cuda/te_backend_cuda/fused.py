@@ -5,6 +5,7 @@ not take: tensors off the GPU, non-contiguous inputs, int32-overflowing sizes, h
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Dict
 
@@ -16,6 +17,7 @@ from te_triton._common import MAX_NUMEL, amax_out_ok
 from . import configs
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_NO_GUARD = contextlib.nullcontext()
 EXPERIMENTAL_ENV = "TE_CUDA_EXPERIMENTAL_OPS"
 """=1 also registers the kernels in EXPERIMENTAL below (see there why each is opt-in)."""
 
@@ -40,13 +42,16 @@ def _all_ok(*named):
     return True, ""
 
 
+def _guard(x):
+    """The device guard for x's GPU, or none when that is the current one: entering a guard
+    costs more host time than a small kernel's launch."""
+    return _NO_GUARD if x.get_device() == torch.cuda.current_device() else torch.cuda.device(x.device)
+
+
 def _on_device(fn):
-    """Launch on the tensor's GPU, not the current one (the device guard only when they differ:
-    entering one costs more host time than a small kernel's launch)."""
+    """Launch on the tensor's GPU, not the current one."""
     def run(x, *args, **kwargs):
-        if x.get_device() == torch.cuda.current_device():
-            return fn(x, *args, **kwargs)
-        with torch.cuda.device(x.device):
+        with _guard(x):
             return fn(x, *args, **kwargs)
     run.__name__ = fn.__name__
     return run
@@ -301,14 +306,10 @@ def _act_bwd_dbias_ct_ok(dy, x, kind, scale, fp8_dtype, *, amax_out=None):
 def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin=0.0, amax_compute_algo="max"):
     if not amax_histories:
         return None
-    _update(amax_histories[0], amax_histories, scales, fp8_maxes, margin, amax_compute_algo)
+    with _guard(amax_histories[0]):
+        scaling.delayed_scaling_update(amax_histories, scales, fp8_maxes, margin=margin,
+                                       amax_compute_algo=amax_compute_algo, cfg=configs.SCALING)
     return None
-
-
-@_on_device
-def _update(_device_of, amax_histories, scales, fp8_maxes, margin, amax_compute_algo):
-    scaling.delayed_scaling_update(amax_histories, scales, fp8_maxes, margin=margin,
-                                   amax_compute_algo=amax_compute_algo, cfg=configs.SCALING)
 
 
 def _scaling_ok(amax_histories, scales, fp8_maxes, *, margin=0.0, amax_compute_algo="max"):
