@@ -52,6 +52,26 @@ def main():
         with te.autocast(recipe=rcp):
             pass
 
+    graphed = te.make_graphed_callables(te.Linear(64, 64, params_dtype=torch.bfloat16), (x,), fp8_enabled=True,
+                                        fp8_recipe=rcp)
+
+    def graphed_fwd():
+        with torch.no_grad(), te.autocast(recipe=rcp):
+            graphed(x)
+
+    one_kernel = torch.cuda.CUDAGraph()
+    update = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(one_kernel):
+        y.mul_(1.0)
+    ops.delayed_scaling_update(hist, scales, [448.0, 448.0])
+    torch.cuda.synchronize()
+    try:
+        with torch.cuda.graph(update):
+            ops.delayed_scaling_update(hist, scales, [448.0, 448.0])
+    except RuntimeError as exc:
+        print(f"capturing the update failed: {exc}")
+        update = one_kernel
+
     rows = {
         "torch.empty": lambda: torch.empty(16, 64, device=DEV),
         "x * 2 (one torch kernel)": lambda: x * 2,
@@ -65,6 +85,9 @@ def main():
         "Float8Tensor.make": lambda: Float8Tensor.make(xq, s_inv, None, nominal_dtype=torch.bfloat16),
         "te.autocast enter/exit (empty)": autocast_only,
         "te.Linear fp8 fwd under autocast": te_fwd,
+        "graph replay (one kernel)": one_kernel.replay,
+        "graph replay (delayed_scaling_update 2 groups)": update.replay,
+        "graphed te.Linear fp8 fwd under autocast": graphed_fwd,
     }
     results = {}
     with torch.no_grad():
@@ -77,6 +100,13 @@ def main():
     torch.cuda.synchronize()
     profiler.disable()
     pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(300):
+        graphed_fwd()
+    torch.cuda.synchronize()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     print("host cost per call (wall us, 500 calls after warm-up):")
     for name, us in results.items():
         print(f"  {name:<42} {us:8.1f}")

@@ -394,7 +394,7 @@ def quantize_sweep():
     for block, w, mp in [(8192, 8, 528), (1024, 4, 0), (2048, 4, 0), (4096, 4, 0), (4096, 8, 0), (2048, 8, 0),
                          (1024, 2, 0), (2048, 4, 1056), (4096, 4, 1056), (4096, 8, 528), (8192, 8, 1056),
                          (16384, 16, 264)]:
-        cfg = Config(block=block, num_warps=w, max_programs=mp)
+        cfg = Config(block=block, num_warps=w, max_programs=mp, hw_saturate=True)
         y, amax = cast.quantize_fp8(x, s, E4M3, cfg)
         ok = torch.equal(y.view(torch.uint8), want.view(torch.uint8)) and torch.equal(amax, want_amax)
         t = do_bench(lambda: cast.quantize_fp8(x, s, E4M3, cfg), warmup=5, rep=40)
@@ -403,13 +403,34 @@ def quantize_sweep():
     want_ct = ref["cast_transpose_fp8"](x, s, E4M3)
     for bm, bn, w, mp in [(64, 128, 4, 0), (128, 64, 4, 0), (64, 64, 4, 0), (128, 128, 8, 0), (32, 128, 4, 0),
                           (64, 256, 8, 0), (64, 128, 4, 2112), (128, 128, 4, 0)]:
-        cfg = Config(block_m=bm, block_n=bn, num_warps=w, max_programs=mp)
+        cfg = Config(block_m=bm, block_n=bn, num_warps=w, max_programs=mp, hw_saturate=True)
         y, yt, amax = cast.cast_transpose_fp8(x, s, E4M3, cfg)
         ok = (torch.equal(y.view(torch.uint8), want_ct[0].view(torch.uint8))
               and torch.equal(yt.view(torch.uint8), want_ct[1].view(torch.uint8)))
         t = do_bench(lambda: cast.cast_transpose_fp8(x, s, E4M3, cfg), warmup=5, rep=40)
         print(f"cast_transpose {bm}x{bn} w{w} mp{mp}: {4 * x.numel() / t / 1e6:.0f} GB/s ({'ok' if ok else 'WRONG'})",
               flush=True)
+
+
+def gated_sweep():
+    """swiglu forward with FP8 out (hardware saturation) at the layer's fc1 output shape, per
+    config: it reads two halves of each row, gelu reads one."""
+    from te_core.reference.plugin import implementations
+    from te_triton import Config, activation
+
+    ref = implementations()
+    M, H = 16384, 8192
+    x = torch.randn(M, 2 * H, device="cuda", dtype=torch.bfloat16) * 2
+    s = torch.full((1,), 8.0, device="cuda")
+    want = ref["activation_fwd"](x, "swiglu", fp8_scale=s, fp8_dtype=E4M3)[0].view(torch.uint8)
+    for bm, bn, w, mp in [(8, 512, 8, 132 * 8), (8, 256, 4, 132 * 8), (8, 256, 4, 0), (16, 256, 8, 132 * 8),
+                          (4, 1024, 8, 132 * 8), (16, 512, 8, 132 * 4), (8, 1024, 8, 132 * 4), (4, 512, 4, 132 * 16),
+                          (32, 128, 4, 132 * 8), (8, 512, 8, 0)]:
+        cfg = Config(block_m=bm, block_n=bn, num_warps=w, max_programs=mp, hw_saturate=True)
+        fn = lambda: activation.activation_fwd(x, "swiglu", fp8_scale=s, fp8_dtype=E4M3, cfg=cfg)
+        off = (fn()[0].view(torch.uint8) != want).sum().item()
+        t = do_bench(fn, warmup=3, rep=30)
+        print(f"swiglu fwd fp8 {bm}x{bn} w{w} mp{mp}: {5 * M * H / t / 1e6:.0f} GB/s ({off} bytes off)", flush=True)
 
 
 def dbias_tiles_sweep():
@@ -463,6 +484,6 @@ if __name__ == "__main__":
               "norm": norm_sweep, "dbias": dbias_sweep,
               "dbias_tiles": dbias_tiles_sweep, "act_ct": act_ct_probe,
               "dbias_layout": dbias_layout_sweep, "fast_accum": fast_accum_probe,
-              "blockwise": blockwise_sweep, "quantize": quantize_sweep}
+              "blockwise": blockwise_sweep, "quantize": quantize_sweep, "gated": gated_sweep}
     for name in sys.argv[1:] or probes:
         probes[name]()

@@ -3,6 +3,8 @@
 Chosen on an H200 (132 SMs) by `benchmarks/bench_kernels.py --sweep` at 16384x8192 bf16, each
 config checked against the reference in the same run (benchmarks/results/kernels-2026-11-30.json).
 Program caps are multiples of the SM count; other GPUs use these until measured.
+hw_saturate: the FP8-output kernels leave saturation to the convert instruction (fused.py
+sends GPUs without it, below compute capability 8.9, to the reference).
 """
 from __future__ import annotations
 
@@ -10,20 +12,20 @@ from te_triton import Config
 
 SMS = 132  # H200
 
-QUANTIZE = Config(block=8192, num_warps=8, max_programs=SMS * 4)  # 3749 GB/s (one block per program: 3220)
+QUANTIZE = Config(block=8192, num_warps=8, max_programs=SMS * 4, hw_saturate=True)  # 3749 GB/s (one block per program: 3220)
 # a column strip per program, every `groups`-th row tile of it (probe-dbias-2026-11-30.log, 16384x16384):
 # dbias + cast-transpose 2848 GB/s, gelu bwd + dbias + cast-transpose 2418 GB/s (one tile per
 # program before: 2256 / 1878 at 16384x8192)
-DBIAS_CAST_TRANSPOSE = Config(block_m=32, block_n=64, num_warps=4, max_programs=SMS * 16)
-CAST_TRANSPOSE = Config(block_m=64, block_n=128, num_warps=4)  # 3525 GB/s (64x128 with 8 warps: 2177)
+DBIAS_CAST_TRANSPOSE = Config(block_m=32, block_n=64, num_warps=4, max_programs=SMS * 16, hw_saturate=True)
+CAST_TRANSPOSE = Config(block_m=64, block_n=128, num_warps=4, hw_saturate=True)  # 3525 GB/s (64x128 with 8 warps: 2177)
 TRANSPOSE = Config(block_m=64, block_n=128, num_warps=4)  # FP8 byte transpose: not measured yet
-NORM = Config(num_warps=8, max_programs=SMS * 4, rows=4)  # LayerNorm fwd + FP8 out 16384x4096: 2508 GB/s (1 row: 1754)
+NORM = Config(num_warps=8, max_programs=SMS * 4, rows=4, hw_saturate=True)  # LayerNorm fwd + FP8 out 16384x4096: 2508 GB/s (1 row: 1754)
 # bf16/fp16 output: one row per step (16384x8192: 3209 GB/s against 2725 with 2 rows)
 NORM_HIGH_PRECISION = Config(num_warps=8, max_programs=SMS * 4)
 NORM_BWD = Config(num_warps=16, max_programs=SMS * 2)  # LayerNorm bwd: 2571 GB/s
 ELEMENTWISE = Config(block_m=8, block_n=256, num_warps=4)  # gelu bwd: 4179 GB/s
 # gelu fwd + FP8 out at 16384x16384: 2434 GB/s (this config's previous one, ELEMENTWISE: 2225)
-ACTIVATION_FWD = Config(block_m=8, block_n=512, num_warps=8, max_programs=SMS * 8)
+ACTIVATION_FWD = Config(block_m=8, block_n=512, num_warps=8, max_programs=SMS * 8, hw_saturate=True)
 SCALING = Config(block_m=8, block_n=128, num_warps=4)
 SOFTMAX = Config(num_warps=4)
 ROPE = Config(num_warps=4)

@@ -6,6 +6,7 @@ not take: tensors off the GPU, non-contiguous inputs, int32-overflowing sizes, h
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Dict
 
@@ -14,7 +15,7 @@ from te_core.backend.types import OpImpl
 from te_triton import activation, blockwise, cast, loss, norm, rope, scaling, softmax
 from te_triton._common import MAX_NUMEL, amax_out_ok
 
-from . import configs
+from . import configs, update_graph
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NO_GUARD = contextlib.nullcontext()
@@ -126,6 +127,16 @@ def _transpose_ok(data):
     return True, ""
 
 
+@functools.lru_cache(maxsize=None)
+def _fp8_convert_ok(index: int):
+    """The FP8-output kernels rely on the hardware convert (cvt.rn.satfinite, compute capability
+    8.9 and up) to saturate: configs set hw_saturate. Older GPUs go to the reference."""
+    cc = torch.cuda.get_device_capability(index)
+    if cc < (8, 9):
+        return False, f"the FP8-output kernels need compute capability >= 8.9 (GPU {index} is {cc[0]}.{cc[1]})"
+    return True, ""
+
+
 def _scale_ok(scale, x, name="scale"):
     """The kernels read a 1-element float32 scale from x's device; anything else goes to the
     reference, which converts it or names the problem."""
@@ -133,7 +144,7 @@ def _scale_ok(scale, x, name="scale"):
         return False, f"{name} is not a 1-element float32 tensor"
     if scale.device != x.device:
         return False, f"{name} is not on x's device"
-    return True, ""
+    return _fp8_convert_ok(x.get_device()) if x.is_cuda else (True, "")
 
 
 def _fp8_out_ok(x, fp8_scale, fp8_dtype):
@@ -169,7 +180,8 @@ def _self_scaled_2d_ok(x, *args, **kwargs):
 
 
 def _current_ok(x, fp8_dtype, *, with_transpose=False, **_):
-    return _self_scaled_2d_ok(x) if with_transpose else _tensor_ok(x)
+    ok, why = _self_scaled_2d_ok(x) if with_transpose else _tensor_ok(x)
+    return _fp8_convert_ok(x.get_device()) if ok else (ok, why)
 
 
 def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, force_pow2_scales=True,
@@ -306,9 +318,13 @@ def _act_bwd_dbias_ct_ok(dy, x, kind, scale, fp8_dtype, *, amax_out=None):
 def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin=0.0, amax_compute_algo="max"):
     if not amax_histories:
         return None
-    with _guard(amax_histories[0]):
-        scaling.delayed_scaling_update(amax_histories, scales, fp8_maxes, margin=margin,
-                                       amax_compute_algo=amax_compute_algo, cfg=configs.SCALING)
+    first = amax_histories[0]
+    key = (scaling.plan_key(amax_histories, scales, fp8_maxes), float(margin), amax_compute_algo, first.get_device())
+    with _guard(first):
+        update_graph.run(key, lambda: scaling.plan(amax_histories, scales, fp8_maxes, first.device),
+                         lambda: scaling.delayed_scaling_update(amax_histories, scales, fp8_maxes, margin=margin,
+                                                                amax_compute_algo=amax_compute_algo,
+                                                                cfg=configs.SCALING))
     return None
 
 

@@ -44,3 +44,60 @@ def test_graphed_linear_matches_eager_steps(recipe):
                     wrong.append(f"{slot}.{key}: graphed {got[key].flatten()[:4].tolist()} "
                                  f"eager {state[key].flatten()[:4].tolist()}")
     assert not wrong, wrong
+
+
+def _histories(seed):
+    g = torch.Generator().manual_seed(seed)
+    hist = [torch.rand(16, 3, generator=g) * 100, torch.rand(1024, 1, generator=g), torch.rand(4, 2, generator=g)]
+    scales = [torch.rand(h.shape[1], generator=g) + 0.5 for h in hist]
+    return hist, scales
+
+
+def test_scaling_update_replays_its_captured_graph_exactly():
+    """From the second update of a set of tensors on, the backend replays a captured graph of the
+    launch: every step must still match the reference update, histories and scales."""
+    from te_backend_cuda import fused, update_graph
+    from te_core.reference.plugin import implementations
+
+    ref_update = implementations()["delayed_scaling_update"]
+    hist, scales = _histories(0)
+    dev_hist = [h.cuda() for h in hist]
+    dev_scales = [s.cuda() for s in scales]
+    fmaxes = [448.0, 57344.0, 448.0]
+    update_graph.clear()
+    g = torch.Generator().manual_seed(1)
+    for step in range(5):
+        for h, d in zip(hist, dev_hist):  # this step's amaxes in row 0, in place
+            row = torch.rand(h.shape[1], generator=g) * 10 ** step
+            h[0] = row
+            d[0] = row.cuda()
+        ref_update(hist, scales, fmaxes, margin=1.0)
+        fused.delayed_scaling_update(dev_hist, dev_scales, fmaxes, margin=1.0)
+        for want, got in zip(hist + scales, dev_hist + dev_scales):
+            assert torch.equal(got.cpu(), want), f"step {step}"
+    graphs = [entry[0] for entry in update_graph._GRAPHS.values()]
+    assert len(graphs) == 1 and graphs[0] is not None  # steps 1.. replayed one graph
+
+
+def test_scaling_update_inside_a_user_capture_launches_into_it():
+    from te_backend_cuda import fused, update_graph
+    from te_core.reference.plugin import implementations
+
+    ref_update = implementations()["delayed_scaling_update"]
+    hist, scales = _histories(2)
+    dev_hist = [h.cuda() for h in hist]
+    dev_scales = [s.cuda() for s in scales]
+    fmaxes = [448.0, 448.0, 448.0]
+    update_graph.clear()
+    fused.delayed_scaling_update(dev_hist, dev_scales, fmaxes)  # compiles; the next call would capture
+    ref_update(hist, scales, fmaxes)
+    user_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(user_graph):
+        fused.delayed_scaling_update(dev_hist, dev_scales, fmaxes)
+    assert all(entry[0] is None for entry in update_graph._GRAPHS.values())
+    for _ in range(2):
+        user_graph.replay()
+        ref_update(hist, scales, fmaxes)
+    torch.cuda.synchronize()
+    for want, got in zip(hist + scales, dev_hist + dev_scales):
+        assert torch.equal(got.cpu(), want)

@@ -165,6 +165,24 @@ def test_supports_decline_what_the_kernels_do_not_take(monkeypatch):
     assert "is not FP8" in fused._dequantize_ok(torch.zeros(4), torch.ones(1), torch.float32)[1]
 
 
+def test_fp8_output_kernels_need_sm89(fake_gpu):
+    """They leave saturation to the hardware convert (configs' hw_saturate), which sm_89 brings."""
+    from te_backend_cuda import configs, fused
+
+    fused._fp8_convert_ok.cache_clear()
+    try:
+        fake_gpu["cc"] = (8, 0)
+        ok, why = fused._fp8_convert_ok(0)
+        assert not ok and "compute capability >= 8.9" in why and "8.0" in why
+        fused._fp8_convert_ok.cache_clear()
+        fake_gpu["cc"] = (9, 0)
+        assert fused._fp8_convert_ok(0) == (True, "")
+    finally:
+        fused._fp8_convert_ok.cache_clear()
+    assert configs.QUANTIZE.hw_saturate and configs.NORM.hw_saturate and configs.ACTIVATION_FWD.hw_saturate
+    assert not configs.BLOCKWISE.hw_saturate  # block scales keep values in range; its kernel keeps the clamp
+
+
 @pytest.mark.parametrize("shape", [(37, 50), (3, 5, 40)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dbias_is_a_float32_column_sum(shape, dtype):

@@ -19,7 +19,10 @@ class Config:
     block: elements per program per step (1-D kernels); block_m/block_n: tile shape (2-D kernels);
     num_warps; max_programs: cap on the grid (0 = one program per block/tile/row), programs then
     loop over the work, which keeps the number of amax atomics small; rows: rows a row kernel
-    (norms) handles per step, for more loads in flight when rows are short.
+    (norms) handles per step, for more loads in flight when rows are short; hw_saturate: the
+    target's float32 -> FP8 convert already saturates finite values to the format's max and
+    keeps NaN (NVIDIA's cvt.rn.satfinite, which Triton emits from sm_89 on), so the kernels skip
+    their clamp. False keeps the clamp, which the CPU interpreter (a plain numpy cast) needs.
     """
 
     block: int = 4096
@@ -28,6 +31,7 @@ class Config:
     num_warps: int = 4
     max_programs: int = 0
     rows: int = 1
+    hw_saturate: bool = False
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -70,11 +74,14 @@ def amax_out_ok(amax_out, x: torch.Tensor) -> Tuple[bool, str]:
 
 
 @triton.jit
-def saturating_cast(v, fmax, out_dtype: tl.constexpr):
-    """v (float32) clamped to [-fmax, fmax] then cast round-to-nearest-even; NaN stays NaN."""
-    c = tl.minimum(tl.maximum(v, -fmax), fmax)
-    c = tl.where(v != v, v, c)
-    return c.to(out_dtype)
+def saturating_cast(v, fmax, out_dtype: tl.constexpr, CLAMP: tl.constexpr = True):
+    """v (float32) clamped to [-fmax, fmax] then cast round-to-nearest-even; NaN stays NaN.
+    CLAMP=False (Config.hw_saturate) leaves the saturation to the hardware convert."""
+    if CLAMP:
+        c = tl.minimum(tl.maximum(v, -fmax), fmax)
+        c = tl.where(v != v, v, c)
+        return c.to(out_dtype)
+    return v.to(out_dtype)
 
 
 @triton.jit

@@ -17,19 +17,26 @@ ELEMENTWISE_DEFAULT = Config(block_m=16, block_n=256, num_warps=8, max_programs=
 KIND_IDS = {"gelu": 0, "relu": 1, "silu": 2, "qgelu": 3, "srelu": 4, "geglu": 0, "reglu": 1, "swiglu": 2}
 GATED = ("swiglu", "geglu", "reglu")
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+# gelu(x) = 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3); as a
+# power of two: exp(-2u) = 2^(x (GELU_K1 + GELU_K3 x^2))
+GELU_K1 = tl.constexpr(-2.0 * 0.7978845608028654 * 1.4426950408889634)
+GELU_K3 = tl.constexpr(-2.0 * 0.7978845608028654 * 1.4426950408889634 * 0.044715)
+NEG_LOG2E = tl.constexpr(-1.4426950408889634)
+QGELU_K = tl.constexpr(-1.702 * 1.4426950408889634)
 
 
 @triton.jit
 def _act(x, KIND: tl.constexpr):
-    if KIND == 0:  # gelu, tanh approximation; tanh(u) = 2 sigmoid(2u) - 1
-        u = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)
-        return 0.5 * x * (1.0 + (2.0 * tl.sigmoid(2.0 * u) - 1.0))
+    """Forward activations written as x / (1 + 2^(...)): one exp2 and one (non-IEEE, 2 ulp)
+    division per element, which keeps the FP8-out forward kernels memory-bound."""
+    if KIND == 0:
+        return tl.fdiv(x, 1.0 + tl.exp2(x * (GELU_K1 + GELU_K3 * x * x)))
     elif KIND == 1:
         return tl.maximum(x, 0.0)
     elif KIND == 2:
-        return x * tl.sigmoid(x)
+        return tl.fdiv(x, 1.0 + tl.exp2(x * NEG_LOG2E))
     elif KIND == 3:
-        return x * tl.sigmoid(1.702 * x)
+        return tl.fdiv(x, 1.0 + tl.exp2(x * QGELU_K))
     else:
         r = tl.maximum(x, 0.0)
         return r * r
@@ -63,7 +70,7 @@ def _tile(t, R, C, BM: tl.constexpr, BN: tl.constexpr):
 
 @triton.jit
 def _act_fwd_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, R, H, fmax, KIND: tl.constexpr, GATED: tl.constexpr,
-                    FP8_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                    FP8_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CLAMP: tl.constexpr):
     """y (R, H) = act(a) [* b]; x is (R, H) or, gated, (R, 2H)."""
     x_cols = 2 * H if GATED else H
     n_tiles = tl.cdiv(R, BM) * tl.cdiv(H, BN)
@@ -78,7 +85,7 @@ def _act_fwd_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, R, H, fmax, KIND: tl.cons
         out = y_ptr + rows[:, None] * H + cols[None, :]
         if FP8_OUT:
             acc = tl.maximum(acc, abs_bits(y))
-            tl.store(out, saturating_cast(y * scale, fmax, y_ptr.dtype.element_ty), mask=mask)
+            tl.store(out, saturating_cast(y * scale, fmax, y_ptr.dtype.element_ty, CLAMP), mask=mask)
         else:
             tl.store(out, y.to(y_ptr.dtype.element_ty), mask=mask)
     if FP8_OUT:
@@ -105,7 +112,8 @@ def _act_bwd_kernel(dy_ptr, x_ptr, dx_ptr, R, H, KIND: tl.constexpr, GATED: tl.c
 
 @triton.jit
 def _dbias_ct_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr, M, N, fmax, groups,
-                     ACT: tl.constexpr, KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                     ACT: tl.constexpr, KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     CLAMP: tl.constexpr):
     """Cast-transpose of a gradient with its column sums (dbias). ACT: the gradient is
     dx = g * act'(x) (non-gated), rounded to x's dtype as the unfused ops do; else it is g.
 
@@ -128,7 +136,7 @@ def _dbias_ct_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr
             v = (g.to(tl.float32) * _dact(x.to(tl.float32), KIND)).to(x.dtype).to(tl.float32)
         else:
             v = g.to(tl.float32)
-        _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN)
+        _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN, CLAMP)
         colsum += v
         acc = tl.maximum(acc, abs_bits(v))
     tl.store(dbias_ptr + (pid % groups) * N + cols, tl.sum(colsum, axis=0), mask=cols < N)
@@ -150,7 +158,8 @@ def _dbias_cast_transpose(g, x, kind, scale, fp8_dtype, cfg: Config, amax_out):
     if src.numel():
         _dbias_ct_kernel[(groups * n_tn,)](
             g, src, y, yt, scale, amax_buf, partial, M, N, fmax, groups, ACT=x is not None,
-            KIND=KIND_IDS.get(kind, 0), BM=cfg.block_m, BN=cfg.block_n, num_warps=cfg.num_warps)
+            KIND=KIND_IDS.get(kind, 0), BM=cfg.block_m, BN=cfg.block_n, CLAMP=not cfg.hw_saturate,
+            num_warps=cfg.num_warps)
     dbias = partial.sum(dim=0) if M else torch.zeros(N, dtype=torch.float32, device=src.device)
     return y, yt, dbias.to(src.dtype), amax_from_buffer(amax_buf, amax_out)
 
@@ -185,7 +194,7 @@ def activation_fwd(x, kind, *, fp8_scale=None, fp8_dtype=None, cfg: Config = ELE
     if y.numel():
         _act_fwd_kernel[_grid(R, H, cfg)](
             x, y, fp8_scale if fp8_out else amax_buf, amax_buf, R, H, fmax, KIND=KIND_IDS[kind], GATED=gated,
-            FP8_OUT=fp8_out, BM=cfg.block_m, BN=cfg.block_n, num_warps=cfg.num_warps)
+            FP8_OUT=fp8_out, BM=cfg.block_m, BN=cfg.block_n, CLAMP=not cfg.hw_saturate, num_warps=cfg.num_warps)
     return y, amax_from_buffer(amax_buf, amax_out) if fp8_out else None
 
 

@@ -30,7 +30,8 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, n, fmax, BLOCK: tl.constexpr, STORE: tl.constexpr):
+def _quantize_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, n, fmax, BLOCK: tl.constexpr, STORE: tl.constexpr,
+                     CLAMP: tl.constexpr):
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
     scale = tl.load(scale_ptr)
@@ -41,17 +42,18 @@ def _quantize_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, n, fmax, BLOCK: tl.const
         v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, abs_bits(v))
         if STORE:
-            tl.store(y_ptr + offs, saturating_cast(v * scale, fmax, y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_ptr + offs, saturating_cast(v * scale, fmax, y_ptr.dtype.element_ty, CLAMP), mask=mask)
     tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
 
 
 @triton.jit
-def _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM: tl.constexpr, BN: tl.constexpr):
+def _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM: tl.constexpr, BN: tl.constexpr,
+                         CLAMP: tl.constexpr):
     """Store one (BM, BN) tile v (float32) cast to FP8, row-wise and column-wise."""
     rows = tm * BM + tl.arange(0, BM)
     cols = tn * BN + tl.arange(0, BN)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
-    q = saturating_cast(v * scale, fmax, y_ptr.dtype.element_ty)
+    q = saturating_cast(v * scale, fmax, y_ptr.dtype.element_ty, CLAMP)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], q, mask=mask)
     mask_t = (cols[:, None] < N) & (rows[None, :] < M)
     tl.store(yt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
@@ -59,7 +61,7 @@ def _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM: tl.con
 
 @triton.jit
 def _cast_transpose_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, M, N, fmax,
-                           BM: tl.constexpr, BN: tl.constexpr):
+                           BM: tl.constexpr, BN: tl.constexpr, CLAMP: tl.constexpr):
     pid = tl.program_id(0)
     n_tn = tl.cdiv(N, BN)
     n_tiles = tl.cdiv(M, BM) * n_tn
@@ -72,7 +74,7 @@ def _cast_transpose_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, M, N, fmax
         cols = tn * BN + tl.arange(0, BN)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         v = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN)
+        _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN, CLAMP)
         acc = tl.maximum(acc, tl.max(tl.max(abs_bits(v), axis=1), axis=0))
     tl.atomic_max(amax_ptr, acc)
 
@@ -101,7 +103,8 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, c
     n = x.numel()
     grid = (grid_size(triton.cdiv(n, cfg.block), cfg),)
     if n:
-        _quantize_kernel[grid](x, y, scale, amax, n, fmax, BLOCK=cfg.block, STORE=True, num_warps=cfg.num_warps)
+        _quantize_kernel[grid](x, y, scale, amax, n, fmax, BLOCK=cfg.block, STORE=True,
+                               CLAMP=not cfg.hw_saturate, num_warps=cfg.num_warps)
     return y, amax_from_buffer(amax, amax_out)
 
 
@@ -112,7 +115,8 @@ def amax(x: torch.Tensor, cfg: Config = QUANTIZE_DEFAULT) -> torch.Tensor:
     n = x.numel()
     grid = (grid_size(triton.cdiv(n, cfg.block), cfg),)
     if n:
-        _quantize_kernel[grid](x, x, buf, buf, n, 1.0, BLOCK=cfg.block, STORE=False, num_warps=cfg.num_warps)
+        _quantize_kernel[grid](x, x, buf, buf, n, 1.0, BLOCK=cfg.block, STORE=False,
+                               CLAMP=True, num_warps=cfg.num_warps)
     return amax_from_buffer(buf)
 
 
@@ -128,7 +132,8 @@ def cast_transpose_fp8(x, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFAULT
     n_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     if x.numel():
         _cast_transpose_kernel[(grid_size(n_tiles, cfg),)](
-            x, y, yt, scale, amax_buf, M, N, fmax, BM=cfg.block_m, BN=cfg.block_n, num_warps=cfg.num_warps)
+            x, y, yt, scale, amax_buf, M, N, fmax, BM=cfg.block_m, BN=cfg.block_n, CLAMP=not cfg.hw_saturate,
+            num_warps=cfg.num_warps)
     return y, yt, amax_from_buffer(amax_buf, amax_out)
 
 

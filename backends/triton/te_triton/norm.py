@@ -25,7 +25,7 @@ TILE_AMAX_ELEMENTS_PER_THREAD = 32  # beyond this, a per-element running amax co
 @triton.jit
 def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, amax_ptr, M, N, eps, fmax,
                      BLOCK_N: tl.constexpr, ROWS: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                     FP8_OUT: tl.constexpr, TILE_AMAX: tl.constexpr):
+                     FP8_OUT: tl.constexpr, TILE_AMAX: tl.constexpr, CLAMP: tl.constexpr):
     """ROWS rows per step. TILE_AMAX keeps the running amax per element (one reduction at the
     end instead of one per row, which costs a block-wide barrier) when the tile fits registers."""
     cols = tl.arange(0, BLOCK_N)
@@ -63,7 +63,7 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, 
                 acc = tl.maximum(acc, bits)
             else:
                 acc = tl.maximum(acc, tl.max(tl.max(bits, axis=1), axis=0))
-            tl.store(y_ptr + offs, saturating_cast(y * scale, fmax, y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_ptr + offs, saturating_cast(y * scale, fmax, y_ptr.dtype.element_ty, CLAMP), mask=mask)
         else:
             tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
     if FP8_OUT:
@@ -141,7 +141,8 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, zero_centered_gamma=False, fp8_
             x, weight, weight if bias is None else bias, y, rstd if mean is None else mean, rstd, scale, amax_buf,
             M, N, float(eps), fmax, BLOCK_N=block_n, ROWS=rows, RMS=rms,
             ZERO_CENTERED=bool(zero_centered_gamma), FP8_OUT=fp8_out,
-            TILE_AMAX=rows * block_n <= TILE_AMAX_ELEMENTS_PER_THREAD * 32 * cfg.num_warps, num_warps=cfg.num_warps)
+            TILE_AMAX=rows * block_n <= TILE_AMAX_ELEMENTS_PER_THREAD * 32 * cfg.num_warps, CLAMP=not cfg.hw_saturate,
+            num_warps=cfg.num_warps)
     return y, mean, rstd, amax_from_buffer(amax_buf, amax_out) if fp8_out else None
 
 

@@ -109,7 +109,7 @@ def planned(amax_histories, scales, fp8_maxes) -> bool:
     return plan_key(amax_histories, scales, fp8_maxes) in _PLANS
 
 
-def _plan(amax_histories, scales, fp8_maxes, device):
+def plan(amax_histories, scales, fp8_maxes, device):
     """Checked inputs and the device table of (history, scale, columns, length) rows, cached per
     set of tensors: histories are long-lived buffers and a model updates hundreds of them per
     step, so checking and tabulating each on every call cost more host time than the kernel.
@@ -146,7 +146,7 @@ def delayed_scaling_update(amax_histories: List[torch.Tensor], scales: List[torc
                          "they must pair up one to one")
     if not amax_histories:
         return
-    _, _, table, fmaxes, max_cols, max_len = _plan(amax_histories, scales, fp8_maxes, amax_histories[0].device)
+    _, _, table, fmaxes, max_cols, max_len = plan(amax_histories, scales, fp8_maxes, amax_histories[0].device)
     most_recent = amax_compute_algo == "most_recent"
     block_l = triton.next_power_of_2(max_len)
     block_n = min(triton.next_power_of_2(max_cols), TILE_COLUMNS)

@@ -1,0 +1,55 @@
+"""The delayed-scaling update replayed as a captured CUDA graph, per set of tensors.
+
+The update is one small kernel, yet launching it through Triton's Python launcher costs about
+40 us of host time on the H200 machine, against about 6 us to replay a graph of the same launch
+(benchmarks/host_overhead.py). At the end of each autocast the same histories and scales are
+updated again (te_triton.scaling keeps a plan per set of them, by identity and address, and that
+plan holds the tensors and the device table the kernel reads), so the second update of a set
+captures its launch and later ones replay it. Inside someone else's capture (a graphed step) the
+launch goes into their graph instead.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Tuple
+
+import torch
+
+MAX_GRAPHS = 64
+_GRAPHS: Dict[tuple, Tuple[object, object]] = {}  # key -> (graph or None for "seen once", plan)
+
+
+def _capture(launch: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            launch()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph
+
+
+def run(key: tuple, plan: Callable[[], object], launch: Callable[[], None]) -> None:
+    """Run `launch` once on the current stream: the update of the tensors `key` names, whose
+    te_triton plan `plan()` returns (kept alive with the graph: the graph reads its table)."""
+    graph, _ = _GRAPHS.get(key, (None, None))
+    if graph is not None:
+        graph.replay()
+    elif torch.cuda.is_current_stream_capturing():
+        launch()
+    elif key not in _GRAPHS:  # the first launch compiles the kernel and builds the plan
+        launch()
+        if len(_GRAPHS) >= MAX_GRAPHS:
+            _GRAPHS.clear()
+        _GRAPHS[key] = (None, plan())
+    else:
+        graph = _capture(launch)
+        _GRAPHS[key] = (graph, plan())
+        graph.replay()
+
+
+def clear() -> None:
+    _GRAPHS.clear()
