@@ -26,6 +26,9 @@ NORM_BWD = Config(num_warps=16, max_programs=SMS * 2)  # LayerNorm bwd: 2571 GB/
 ELEMENTWISE = Config(block_m=8, block_n=256, num_warps=4)  # gelu bwd: 4179 GB/s
 # gelu fwd + FP8 out at 16384x16384: 2434 GB/s (this config's previous one, ELEMENTWISE: 2225)
 ACTIVATION_FWD = Config(block_m=8, block_n=512, num_warps=8, max_programs=SMS * 8, hw_saturate=True)
+# swiglu fwd + FP8 out, 16384x(2x8192) (probe-gated-2026-11-30-session9.log): 3866 GB/s, against
+# 3294 with ACTIVATION_FWD's tiles
+ACTIVATION_FWD_GATED = Config(block_m=8, block_n=256, num_warps=4, max_programs=SMS * 8, hw_saturate=True)
 SCALING = Config(block_m=8, block_n=128, num_warps=4)
 SOFTMAX = Config(num_warps=4)
 ROPE = Config(num_warps=4)

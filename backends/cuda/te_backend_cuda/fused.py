@@ -250,8 +250,8 @@ def _rmsnorm_bwd_ok(dy, x, rstd, weight, **_):
 
 # --- activation ---------------------------------------------------------------------------
 def activation_fwd(x, kind, *, fp8_scale=None, fp8_dtype=None, amax_out=None):
-    return activation.activation_fwd(x, kind, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=configs.ACTIVATION_FWD,
-                                     amax_out=amax_out)
+    cfg = configs.ACTIVATION_FWD_GATED if kind in activation.GATED else configs.ACTIVATION_FWD
+    return activation.activation_fwd(x, kind, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=cfg, amax_out=amax_out)
 
 
 def activation_bwd(dy, x, kind):

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ._common import MAX_NUMEL, Config, abs_bits, amax_from_buffer, fp8_max, grid_size, new_amax_buffer, saturating_cast
-from .cast import _cast_transpose_tile, _check_input
+from .cast import _cast_transpose_tile, _check_input, transpose_clamps
 
 ELEMENTWISE_DEFAULT = Config(block_m=16, block_n=256, num_warps=8, max_programs=0)
 KIND_IDS = {"gelu": 0, "relu": 1, "silu": 2, "qgelu": 3, "srelu": 4, "geglu": 0, "reglu": 1, "swiglu": 2}
@@ -158,7 +158,7 @@ def _dbias_cast_transpose(g, x, kind, scale, fp8_dtype, cfg: Config, amax_out):
     if src.numel():
         _dbias_ct_kernel[(groups * n_tn,)](
             g, src, y, yt, scale, amax_buf, partial, M, N, fmax, groups, ACT=x is not None,
-            KIND=KIND_IDS.get(kind, 0), BM=cfg.block_m, BN=cfg.block_n, CLAMP=not cfg.hw_saturate,
+            KIND=KIND_IDS.get(kind, 0), BM=cfg.block_m, BN=cfg.block_n, CLAMP=transpose_clamps(cfg, src),
             num_warps=cfg.num_warps)
     dbias = partial.sum(dim=0) if M else torch.zeros(N, dtype=torch.float32, device=src.device)
     return y, yt, dbias.to(src.dtype), amax_from_buffer(amax_buf, amax_out)

@@ -46,6 +46,14 @@ def _quantize_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, n, fmax, BLOCK: tl.const
     tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
 
 
+def transpose_clamps(cfg: Config, x: torch.Tensor) -> bool:
+    """Whether a cast-transpose kernel clamps before its FP8 convert. float32 input keeps the
+    clamp even where the hardware saturates: on the H200 (triton 3.6) the column-wise copy of a
+    float32 tile, left to the convert, held NaN where values beyond the FP8 max should have
+    saturated (bf16 and fp16 input saturated correctly)."""
+    return not cfg.hw_saturate or x.dtype == torch.float32
+
+
 @triton.jit
 def _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM: tl.constexpr, BN: tl.constexpr,
                          CLAMP: tl.constexpr):
@@ -132,7 +140,7 @@ def cast_transpose_fp8(x, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFAULT
     n_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     if x.numel():
         _cast_transpose_kernel[(grid_size(n_tiles, cfg),)](
-            x, y, yt, scale, amax_buf, M, N, fmax, BM=cfg.block_m, BN=cfg.block_n, CLAMP=not cfg.hw_saturate,
+            x, y, yt, scale, amax_buf, M, N, fmax, BM=cfg.block_m, BN=cfg.block_n, CLAMP=transpose_clamps(cfg, x),
             num_warps=cfg.num_warps)
     return y, yt, amax_from_buffer(amax_buf, amax_out)
 
