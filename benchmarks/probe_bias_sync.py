@@ -412,6 +412,47 @@ def quantize_sweep():
               flush=True)
 
 
+@triton.jit
+def _quantize_hint_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, n, BLOCK: tl.constexpr, HINT: tl.constexpr):
+    """te_triton's delayed-scaling quantize (hardware saturation) with cache hints on the stream."""
+    scale = tl.load(scale_ptr)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        if HINT == 1:
+            v = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        elif HINT == 2:
+            v = tl.load(x_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        else:
+            v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, abs_bits(v))
+        q = (v * scale).to(y_ptr.dtype.element_ty)
+        if HINT == 3:
+            tl.store(y_ptr + offs, q, mask=mask, cache_modifier=".cs")
+        elif HINT == 1:
+            tl.store(y_ptr + offs, q, mask=mask, eviction_policy="evict_first")
+        else:
+            tl.store(y_ptr + offs, q, mask=mask)
+    tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
+
+
+def hints_probe():
+    """Cache hints on quantize's streaming loads and stores (16384x8192 bf16, 8192-element blocks,
+    8 warps, 4 programs per SM as configs.QUANTIZE): 0 none, 1 evict_first, 2 .cg loads, 3 .cs stores."""
+    x = torch.randn(16384, 8192, device="cuda", dtype=torch.bfloat16) * 3
+    s = torch.full((1,), 16.0, device="cuda")
+    want = (x.float() * 16.0).clamp(-448, 448).to(E4M3).view(torch.uint8)
+    for hint in (0, 1, 2, 3, 0):
+        y = torch.empty(x.shape, dtype=E4M3, device="cuda")
+        amax = torch.zeros(1, dtype=torch.int32, device="cuda")
+        fn = lambda: _quantize_hint_kernel[(528,)](x, y, s, amax, x.numel(), BLOCK=8192, HINT=hint, num_warps=8)
+        fn()
+        ok = torch.equal(y.view(torch.uint8), want)
+        t = do_bench(fn, warmup=5, rep=40)
+        print(f"quantize hint {hint}: {3 * x.numel() / t / 1e6:.0f} GB/s ({'ok' if ok else 'WRONG'})", flush=True)
+
+
 def gated_sweep():
     """swiglu forward with FP8 out (hardware saturation) at the layer's fc1 output shape, per
     config: it reads two halves of each row, gelu reads one."""
@@ -484,6 +525,7 @@ if __name__ == "__main__":
               "norm": norm_sweep, "dbias": dbias_sweep,
               "dbias_tiles": dbias_tiles_sweep, "act_ct": act_ct_probe,
               "dbias_layout": dbias_layout_sweep, "fast_accum": fast_accum_probe,
-              "blockwise": blockwise_sweep, "quantize": quantize_sweep, "gated": gated_sweep}
+              "blockwise": blockwise_sweep, "quantize": quantize_sweep, "gated": gated_sweep,
+              "hints": hints_probe}
     for name in sys.argv[1:] or probes:
         probes[name]()

@@ -74,6 +74,11 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, 
 
 
 @triton.jit
+def _add_pair(a1, b1, a2, b2):
+    return a1 + a2, b1 + b2
+
+
+@triton.jit
 def _norm_bwd_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, dx_ptr, dw_part_ptr, db_part_ptr, M, N,
                      BLOCK_N: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr):
     pid = tl.program_id(0)
@@ -93,11 +98,13 @@ def _norm_bwd_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, dx_ptr, dw_part_p
         else:
             xhat = tl.where(cmask, (x - tl.load(mean_ptr + row)) * rstd, 0.0)
         wdy = dy * g
-        c1 = tl.sum(xhat * wdy, axis=0) / N
         if RMS:
+            c1 = tl.sum(xhat * wdy, axis=0) / N
             dx = (wdy - xhat * c1) * rstd
-        else:
-            c2 = tl.sum(wdy, axis=0) / N
+        else:  # both row sums in one reduction: one round of block-wide barriers, not two
+            s1, s2 = tl.reduce((xhat * wdy, wdy), 0, _add_pair)
+            c1 = s1 / N
+            c2 = s2 / N
             dx = (wdy - (xhat * c1 + c2)) * rstd
             db += dy
         dw += dy * xhat
