@@ -127,20 +127,23 @@ def layernorm_fwd_pipelined(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scal
     tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
 
 
+PIPELINE_TOO = False  # measured slower (probe-norm-fwd-2026-11-30-session9.log)
 PIPELINED = [  # (rows, warps, programs per SM, CHUNK)
     (1, 8, 4, 8), (1, 4, 8, 8), (2, 4, 8, 8), (1, 8, 2, 8), (2, 8, 4, 8), (1, 16, 2, 8), (1, 4, 16, 8), (1, 8, 8, 8),
     (1, 16, 1, 8), (2, 16, 2, 8), (1, 32, 1, 8), (2, 16, 1, 8),
 ]
 
 VARIANTS = [  # (rows, warps, programs per SM, HOIST, AMAX, CHUNK, SAT); production: rows 4 (2 at N=8192), 8 warps,
-    # 4 programs per SM, gamma/beta hoisted, per-step amax reduction (N=4096) or tile amax
+    # 4 programs per SM, gamma/beta hoisted, per-step amax reduction (rows x N > 8192) or tile amax
     (4, 8, 4, True, 0, 1, False),
+    (4, 8, 4, True, 2, 8, False),
     (2, 8, 4, True, 0, 1, False),
-    (1, 8, 4, False, 2, 8, False),
+    (2, 8, 4, True, 2, 8, False),
     (2, 4, 8, False, 2, 8, False),
-    (1, 4, 8, False, 2, 8, False),
-    (1, 16, 2, False, 2, 8, False),
-    (2, 16, 2, False, 2, 8, False),
+    (2, 4, 8, True, 2, 8, False),
+    (4, 8, 4, False, 2, 8, False),
+    (4, 4, 8, True, 2, 8, False),
+    (2, 4, 8, True, 0, 1, False),
 ]
 
 
@@ -188,7 +191,7 @@ def main():
                     print(f"{name} rows{rows} w{warps} amax={amax_mode}: FAILED {str(exc)[:160]}", flush=True)
             if rms:
                 continue
-            for rows, warps, per_sm, chunk in PIPELINED:
+            for rows, warps, per_sm, chunk in PIPELINED if PIPELINE_TOO else ():
                 for sat in (False,):
                     y = torch.full((M, N), 0x7F, dtype=torch.uint8, device="cuda").view(e4m3)
                     mean = torch.empty(M, device="cuda")

@@ -34,6 +34,20 @@ def _input(dtype, fp8_dtype, M=96, N=256, seed=0):
     return x.to(dtype)
 
 
+def _saturated_within_a_step(got, want, fmax, what):
+    """Norm and activation outputs come out of float32 math whose last bits differ from the
+    reference's (reduction order, exp2), so a value may round to the neighbouring FP8 code; the
+    saturated ones must be exactly +-fmax and NaN must stay NaN."""
+    got, want = got.cpu(), want.cpu()
+    nan = got.float().isnan()
+    assert torch.equal(nan, want.float().isnan()), f"{what}: NaN at different places"
+    sat = want.float().abs() == fmax
+    assert sat.any(), f"{what}: the input does not reach the FP8 max (the test needs saturated values)"
+    assert torch.equal(got.float()[sat], want.float()[sat]), f"{what}: saturated values differ"
+    steps = (got.view(torch.uint8)[~nan].int() - want.view(torch.uint8)[~nan].int()).abs()
+    assert steps.max().item() <= 1, f"{what}: {int((steps > 1).sum())} values more than one FP8 step off"
+
+
 def _same_bytes(got, want, what):
     """Byte for byte, except that any NaN encoding matches any other (the GPU's convert writes
     the canonical NaN; torch's CPU cast keeps the sign of the NaN it is given)."""
@@ -66,8 +80,8 @@ def test_fp8_outputs_saturate_and_keep_nan(fp8_dtype, dtype):
         want = ref[name](*args, **kw)[0]
         got = ops[name](*(a.cuda() if isinstance(a, torch.Tensor) else a for a in args),
                         fp8_scale=big.cuda(), fp8_dtype=fp8_dtype)[0]
-        _same_bytes(got, want, name)
+        _saturated_within_a_step(got, want, FMAX[fp8_dtype], name)
     for kind in ("gelu", "swiglu"):
         want = ref["activation_fwd"](x, kind, fp8_scale=big, fp8_dtype=fp8_dtype)[0]
         got = ops["activation_fwd"](x.cuda(), kind, fp8_scale=big.cuda(), fp8_dtype=fp8_dtype)[0]
-        _same_bytes(got, want, f"activation_fwd {kind}")
+        _saturated_within_a_step(got, want, FMAX[fp8_dtype], f"activation_fwd {kind}")
