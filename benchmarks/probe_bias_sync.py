@@ -111,7 +111,7 @@ def activation_sweep():
     want = ref["activation_fwd"](x, "gelu", fp8_scale=s, fp8_dtype=E4M3)[0].view(torch.uint8)
     for bm, bn, w, mp in [(8, 256, 4, 0), (8, 256, 4, 132 * 8), (8, 256, 4, 132 * 16), (16, 256, 8, 132 * 8),
                           (16, 512, 8, 132 * 4), (32, 256, 8, 132 * 4), (4, 1024, 8, 132 * 8), (8, 512, 8, 132 * 8)]:
-        cfg = Config(block_m=bm, block_n=bn, num_warps=w, max_programs=mp)
+        cfg = Config(block_m=bm, block_n=bn, num_warps=w, max_programs=mp, hw_saturate=True)
         fn = lambda: activation.activation_fwd(x, "gelu", fp8_scale=s, fp8_dtype=E4M3, cfg=cfg)
         ok = torch.equal(fn()[0].view(torch.uint8), want)
         t = do_bench(fn, warmup=3, rep=20)
@@ -119,7 +119,7 @@ def activation_sweep():
     want = ref["activation_bwd_dbias_cast_transpose"](dy, x, "gelu", s, E4M3)
     for bm, bn, w, mp in [(64, 128, 4, 0), (64, 128, 4, 132 * 4), (64, 128, 4, 132 * 8), (32, 128, 4, 132 * 8),
                           (64, 64, 4, 132 * 8), (128, 64, 8, 132 * 4)]:
-        cfg = Config(block_m=bm, block_n=bn, num_warps=w, max_programs=mp)
+        cfg = Config(block_m=bm, block_n=bn, num_warps=w, max_programs=mp, hw_saturate=True)
         fn = lambda: activation.activation_bwd_dbias_cast_transpose(dy, x, "gelu", s, E4M3, cfg)
         got = fn()
         off = (got[0].view(torch.uint8) != want[0].view(torch.uint8)).sum().item()

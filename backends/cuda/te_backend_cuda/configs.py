@@ -20,6 +20,10 @@ DBIAS_CAST_TRANSPOSE = Config(block_m=32, block_n=64, num_warps=4, max_programs=
 CAST_TRANSPOSE = Config(block_m=64, block_n=128, num_warps=4, hw_saturate=True)  # 3525 GB/s (64x128 with 8 warps: 2177)
 TRANSPOSE = Config(block_m=64, block_n=128, num_warps=4)  # FP8 byte transpose: not measured yet
 NORM = Config(num_warps=8, max_programs=SMS * 4, rows=4, hw_saturate=True)  # LayerNorm fwd + FP8 out 16384x4096: 2508 GB/s (1 row: 1754)
+# LayerNorm + FP8 out on rows longer than 4096 (16384x8192, probe-norm-fwd-2026-11-30-session9.log):
+# 2852 GB/s, against 2115 with NORM (RMSNorm keeps NORM there: 3484 against 3385)
+NORM_LAYERNORM_LONG_ROWS = Config(num_warps=4, max_programs=SMS * 8, rows=2, hoist_params=False, amax_chunk=8,
+                                  hw_saturate=True)
 # bf16/fp16 output: one row per step (16384x8192: 3209 GB/s against 2725 with 2 rows)
 NORM_HIGH_PRECISION = Config(num_warps=8, max_programs=SMS * 4)
 NORM_BWD = Config(num_warps=16, max_programs=SMS * 2)  # LayerNorm bwd: 2571 GB/s

@@ -198,8 +198,11 @@ def _norm_cfg(fp8_dtype):
 
 
 def layernorm_fwd(x, weight, bias, eps, *, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, amax_out=None):
+    cfg = _norm_cfg(fp8_dtype)
+    if fp8_dtype is not None and x.shape[-1] > 4096:
+        cfg = configs.NORM_LAYERNORM_LONG_ROWS
     return norm.norm_fwd(x, weight, bias, eps, rms=False, zero_centered_gamma=zero_centered_gamma,
-                         fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=_norm_cfg(fp8_dtype), amax_out=amax_out)
+                         fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=cfg, amax_out=amax_out)
 
 
 def rmsnorm_fwd(x, weight, eps, *, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, amax_out=None):

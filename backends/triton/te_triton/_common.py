@@ -19,7 +19,11 @@ class Config:
     block: elements per program per step (1-D kernels); block_m/block_n: tile shape (2-D kernels);
     num_warps; max_programs: cap on the grid (0 = one program per block/tile/row), programs then
     loop over the work, which keeps the number of amax atomics small; rows: rows a row kernel
-    (norms) handles per step, for more loads in flight when rows are short; hw_saturate: the
+    (norms) handles per step, for more loads in flight when rows are short; hoist_params (norm
+    forward): gamma/beta stay in registers for the whole program, else they are reloaded each
+    step (cache hits) to free registers when rows are long; amax_chunk (norm forward with FP8
+    out): 0 keeps a running amax per element (when it fits) or reduces each step's tile, c > 0
+    keeps one per c-element chunk (a thread-local reduction, few registers); hw_saturate: the
     target's float32 -> FP8 convert already saturates finite values to the format's max and
     keeps NaN (NVIDIA's cvt.rn.satfinite, which Triton emits from sm_89 on), so the kernels skip
     their clamp. False keeps the clamp, which the CPU interpreter (a plain numpy cast) needs.
@@ -31,6 +35,8 @@ class Config:
     num_warps: int = 4
     max_programs: int = 0
     rows: int = 1
+    hoist_params: bool = True
+    amax_chunk: int = 0
     hw_saturate: bool = False
 
 

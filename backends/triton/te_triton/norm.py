@@ -1,7 +1,8 @@
 """LayerNorm / RMSNorm over the last dimension: forward (optionally FP8 out + amax) and backward.
 
 Forward: a program owns whole rows (the rows live in registers, BLOCK_N >= N), `cfg.rows` of
-them per step, and loops over rows, so gamma/beta are loaded once per program and amax costs
+them per step, and loops over rows, so gamma/beta are loaded once per program (unless the config
+asks to reload them each step) and amax costs
 one atomic per program.
 Backward: the same row loop computes dx and keeps float32 partial dgamma/dbeta per program;
 the launcher sums the (programs, N) partials.
@@ -25,19 +26,22 @@ TILE_AMAX_ELEMENTS_PER_THREAD = 32  # beyond this, a per-element running amax co
 @triton.jit
 def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, amax_ptr, M, N, eps, fmax,
                      BLOCK_N: tl.constexpr, ROWS: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                     FP8_OUT: tl.constexpr, TILE_AMAX: tl.constexpr, CLAMP: tl.constexpr):
-    """ROWS rows per step. TILE_AMAX keeps the running amax per element (one reduction at the
-    end instead of one per row, which costs a block-wide barrier) when the tile fits registers."""
+                     FP8_OUT: tl.constexpr, AMAX_MODE: tl.constexpr, CHUNK: tl.constexpr, HOIST: tl.constexpr,
+                     CLAMP: tl.constexpr):
+    """ROWS rows per step. The running amax (AMAX_MODE): 0, one block reduction per step (a
+    block-wide barrier); 1, per element (one reduction at the end) when the tile fits registers;
+    2, per CHUNK-element chunk (a thread-local max each step). HOIST keeps gamma/beta in
+    registers across steps; else they are reloaded each step (cache hits), which frees
+    registers for long rows."""
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
-    g = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        g = g + 1.0
-    if not RMS:
-        beta = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    if HOIST:
+        g0, beta0 = _params(w_ptr, b_ptr, cols, cmask, RMS, ZERO_CENTERED)
     scale = tl.load(scale_ptr)
-    if TILE_AMAX:
+    if AMAX_MODE == 1:
         acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.int32)
+    elif AMAX_MODE == 2:
+        acc = tl.zeros([ROWS * BLOCK_N // CHUNK], dtype=tl.int32)
     else:
         acc = tl.zeros([], dtype=tl.int32)
     for first in range(tl.program_id(0) * ROWS, M, tl.num_programs(0) * ROWS):
@@ -54,23 +58,43 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, 
             tl.store(mean_ptr + rows, mean, mask=rmask)
         rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
         tl.store(rstd_ptr + rows, rstd, mask=rmask)
+        if HOIST:
+            g, beta = g0, beta0
+        else:
+            g, beta = _params(w_ptr, b_ptr, cols, cmask, RMS, ZERO_CENTERED)
         y = xc * rstd[:, None] * g[None, :]
         if not RMS:
             y = y + beta[None, :]
         if FP8_OUT:
             bits = tl.where(mask, abs_bits(y), 0)  # a padding row would otherwise contribute beta
-            if TILE_AMAX:
+            if AMAX_MODE == 1:
                 acc = tl.maximum(acc, bits)
+            elif AMAX_MODE == 2:
+                chunks = tl.reshape(bits, [ROWS * BLOCK_N // CHUNK, CHUNK], can_reorder=True)
+                acc = tl.maximum(acc, tl.max(chunks, axis=1))
             else:
                 acc = tl.maximum(acc, tl.max(tl.max(bits, axis=1), axis=0))
             tl.store(y_ptr + offs, saturating_cast(y * scale, fmax, y_ptr.dtype.element_ty, CLAMP), mask=mask)
         else:
             tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
     if FP8_OUT:
-        if TILE_AMAX:
+        if AMAX_MODE == 1:
             tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
+        elif AMAX_MODE == 2:
+            tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
         else:
             tl.atomic_max(amax_ptr, acc)
+
+
+@triton.jit
+def _params(w_ptr, b_ptr, cols, cmask, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    """gamma (+1 when zero-centred) and beta (gamma again for RMSNorm, unused) as float32."""
+    g = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        g = g + 1.0
+    if RMS:
+        return g, g
+    return g, tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -144,12 +168,16 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, zero_centered_gamma=False, fp8_
     if M:
         block_n = triton.next_power_of_2(N)
         rows = max(1, min(cfg.rows, MAX_TILE // block_n))
+        chunk = min(cfg.amax_chunk, rows * block_n)
+        if chunk:
+            amax_mode = 2
+        else:
+            amax_mode = 1 if rows * block_n <= TILE_AMAX_ELEMENTS_PER_THREAD * 32 * cfg.num_warps else 0
         _norm_fwd_kernel[(grid_size(triton.cdiv(M, rows), cfg),)](
             x, weight, weight if bias is None else bias, y, rstd if mean is None else mean, rstd, scale, amax_buf,
             M, N, float(eps), fmax, BLOCK_N=block_n, ROWS=rows, RMS=rms,
-            ZERO_CENTERED=bool(zero_centered_gamma), FP8_OUT=fp8_out,
-            TILE_AMAX=rows * block_n <= TILE_AMAX_ELEMENTS_PER_THREAD * 32 * cfg.num_warps, CLAMP=not cfg.hw_saturate,
-            num_warps=cfg.num_warps)
+            ZERO_CENTERED=bool(zero_centered_gamma), FP8_OUT=fp8_out, AMAX_MODE=amax_mode, CHUNK=max(chunk, 1),
+            HOIST=cfg.hoist_params, CLAMP=not cfg.hw_saturate, num_warps=cfg.num_warps)
     return y, mean, rstd, amax_from_buffer(amax_buf, amax_out) if fp8_out else None
 
 

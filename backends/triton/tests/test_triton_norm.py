@@ -54,14 +54,19 @@ def test_rmsnorm(dtype, zc):
 
 
 # SMALL: one row per step; ROWS4: 4 rows per step over 9 rows (a padded step); WIDE: rows too
-# wide for a per-element running amax (the per-row reduction path)
+# wide for a per-element running amax (the per-row reduction path); RELOAD / RELOAD_WIDE: gamma
+# and beta reloaded each step, amax kept per 8-element chunk (one chunk bigger than a tiny row)
 ROWS4 = Config(num_warps=1, max_programs=2, rows=4)
 WIDE = Config(num_warps=1, max_programs=2, rows=2)
+RELOAD = Config(num_warps=1, max_programs=2, rows=4, hoist_params=False, amax_chunk=8)
+RELOAD_WIDE = Config(num_warps=2, max_programs=3, rows=2, hoist_params=False, amax_chunk=8)
+RELOAD_ONE = Config(num_warps=1, max_programs=2, rows=1, hoist_params=False, amax_chunk=8)
 
 
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("cfg,shape", [(SMALL, (9, 48)), (ROWS4, (9, 48)), (WIDE, (5, 1500))])
+@pytest.mark.parametrize("cfg,shape", [(SMALL, (9, 48)), (ROWS4, (9, 48)), (WIDE, (5, 1500)), (RELOAD, (9, 48)),
+                                       (RELOAD_WIDE, (7, 1500))])
 def test_fp8_output(rms, fp8_dtype, cfg, shape):
     x, w, b, _ = _inputs(shape, torch.float32, 3)
     # column 0: every real row's output is below beta[0], a padding row's output would equal it
@@ -78,6 +83,24 @@ def test_fp8_output(rms, fp8_dtype, cfg, shape):
     if not rms:
         torch.testing.assert_close(mean, x.mean(dim=-1), rtol=1.3e-6, atol=1e-5)
     assert rstd.shape == shape[:-1]
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_amax_chunk_wider_than_the_tile(rms):
+    """A row of 3 (a 4-wide tile) with amax_chunk=8: the chunk shrinks to the tile. (Only the
+    amax and statistics are compared: at this width the interpreter's float32 -> FP8 cast
+    mis-rounds whole columns, see triton_fp8_compare.)"""
+    x, w, b, _ = _inputs((6, 3), torch.float32, 5)
+    scale = torch.tensor([4.0])
+    y, mean, rstd, amax = norm.norm_fwd(x, w, None if rms else b, 1e-5, rms=rms, fp8_scale=scale,
+                                        fp8_dtype=torch.float8_e4m3fn, cfg=RELOAD_ONE)
+    if rms:
+        _, wrstd, wamax = ref.rmsnorm_fwd(x, w, 1e-5, fp8_scale=scale, fp8_dtype=torch.float8_e4m3fn)
+    else:
+        _, wmean, wrstd, wamax = ref.layernorm_fwd(x, w, b, 1e-5, fp8_scale=scale, fp8_dtype=torch.float8_e4m3fn)
+        torch.testing.assert_close(mean, wmean, rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(amax, wamax, rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(rstd, wrstd, rtol=1.3e-6, atol=1e-5)
 
 
 def test_bad_inputs_name_the_problem():
