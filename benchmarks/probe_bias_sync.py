@@ -123,7 +123,8 @@ def activation_sweep():
         fn = lambda: activation.activation_bwd_dbias_cast_transpose(dy, x, "gelu", s, E4M3, cfg)
         got = fn()
         off = (got[0].view(torch.uint8) != want[0].view(torch.uint8)).sum().item()
-        dbias_ok = torch.allclose(got[2].float(), want[2].float(), rtol=1.6e-2, atol=1e-2)
+        # column sums of 16384 rows in bf16: an absolute tolerance relative to the largest sum
+        dbias_ok = torch.allclose(got[2].float(), want[2].float(), rtol=1.6e-2, atol=1.6e-2 * want[2].float().abs().max().item())
         t = do_bench(fn, warmup=3, rep=20)
         print(f"gelu bwd dbias ct {bm}x{bn} w{w} mp{mp}: {6 * M * N / t / 1e6:.0f} GB/s ({off} bytes off, "
               f"dbias {'ok' if dbias_ok else 'WRONG'})", flush=True)
