@@ -6,13 +6,11 @@ module under te.autocast, then the top Python functions (cProfile) of the module
 """
 from __future__ import annotations
 
-import cProfile
-import pstats
 
 import torch
 import triton
 import triton.language as tl
-from _timing import wall_us
+from _timing import python_profile, wall_us
 
 import te_core as te
 from te_core import ops, recipe
@@ -93,20 +91,8 @@ def main():
     with torch.no_grad():
         for name, fn in rows.items():
             results[name] = wall_us(fn, 500, 30)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(300):
-        te_fwd()
-    torch.cuda.synchronize()
-    profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(300):
-        graphed_fwd()
-    torch.cuda.synchronize()
-    profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    python_profile(te_fwd, 300, 30)
+    python_profile(graphed_fwd, 300, 25)
     print("host cost per call (wall us, 500 calls after warm-up):")
     for name, us in results.items():
         print(f"  {name:<42} {us:8.1f}")

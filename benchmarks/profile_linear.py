@@ -6,12 +6,10 @@ torch.profiler table and the top Python functions (cProfile) for the FP8 step.
 """
 from __future__ import annotations
 
-import cProfile
-import pstats
 import sys
 
 import torch
-from _timing import host_and_total_ms
+from _timing import host_and_total_ms, python_profile
 
 import te_core as te
 from te_core import recipe
@@ -55,14 +53,8 @@ def main():
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     # backward on this thread, so cProfile sees its Python too (autograd runs CUDA backward on its own thread)
     torch.autograd.set_multithreading_enabled(False)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(20):
-        step()
-    torch.cuda.synchronize()
-    profiler.disable()
+    python_profile(step, 20, 30)
     torch.autograd.set_multithreading_enabled(True)
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":

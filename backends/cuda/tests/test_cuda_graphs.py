@@ -53,18 +53,24 @@ def _histories(seed):
     return hist, scales
 
 
+def _update_setup(seed):
+    """The reference update, CPU histories and scales, their GPU copies; no cached update graphs."""
+    from te_backend_cuda import update_graph
+    from te_core.reference.plugin import implementations
+
+    hist, scales = _histories(seed)
+    update_graph.clear()
+    return (implementations()["delayed_scaling_update"], hist, scales, [h.cuda() for h in hist],
+            [s.cuda() for s in scales])
+
+
 def test_scaling_update_replays_its_captured_graph_exactly():
     """From the second update of a set of tensors on, the backend replays a captured graph of the
     launch: every step must still match the reference update, histories and scales."""
     from te_backend_cuda import fused, update_graph
-    from te_core.reference.plugin import implementations
 
-    ref_update = implementations()["delayed_scaling_update"]
-    hist, scales = _histories(0)
-    dev_hist = [h.cuda() for h in hist]
-    dev_scales = [s.cuda() for s in scales]
+    ref_update, hist, scales, dev_hist, dev_scales = _update_setup(0)
     fmaxes = [448.0, 57344.0, 448.0]
-    update_graph.clear()
     g = torch.Generator().manual_seed(1)
     for step in range(5):
         for h, d in zip(hist, dev_hist):  # this step's amaxes in row 0, in place
@@ -81,14 +87,9 @@ def test_scaling_update_replays_its_captured_graph_exactly():
 
 def test_scaling_update_inside_a_user_capture_launches_into_it():
     from te_backend_cuda import fused, update_graph
-    from te_core.reference.plugin import implementations
 
-    ref_update = implementations()["delayed_scaling_update"]
-    hist, scales = _histories(2)
-    dev_hist = [h.cuda() for h in hist]
-    dev_scales = [s.cuda() for s in scales]
+    ref_update, hist, scales, dev_hist, dev_scales = _update_setup(2)
     fmaxes = [448.0, 448.0, 448.0]
-    update_graph.clear()
     fused.delayed_scaling_update(dev_hist, dev_scales, fmaxes)  # compiles; the next call would capture
     ref_update(hist, scales, fmaxes)
     user_graph = torch.cuda.CUDAGraph()
