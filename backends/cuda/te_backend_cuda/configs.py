@@ -40,7 +40,5 @@ ROPE = Config(num_warps=4)
 # (4: 1976, 16: 1981); 1x128 blocks + transpose, two scale sets per 128x128 tile, 1728 GB/s with 4
 # warps (8: 1332, 16: 1106)
 BLOCKWISE = Config(block_m=64, num_warps=8)
-# 1x128 blocks + transpose, the two-pass kernel (session 9): block_m is its slice height. With the
-# whole tile in registers the old kernel spilled (sm_90 cubin: 4.3 KB of stack per thread)
-BLOCKWISE_1D_TRANSPOSE = Config(block_m=32, num_warps=8)
+BLOCKWISE_1D_TRANSPOSE = Config(block_m=64, num_warps=4)
 LOSS = Config(block=4096, num_warps=8)  # not measured yet

@@ -2,9 +2,8 @@
 
 A program owns one (BM, 128) tile: the row-wise amax of each 1x128 run (or the whole tile's,
 for 2-D blocks) gives its scale, computed on the device exactly as current scaling does.
-With a transpose, the tile is 128 rows tall so that its columns are the 1x128 runs of x.T. For
-128x128 blocks one read of x gives both quantizations; for 1x128 blocks both ways the tile is
-read twice, in slices (_blockwise_1d_transpose_kernel).
+With a transpose, the tile is 128 rows tall so that its columns are the 1x128 runs of x.T:
+one read of x gives both the row-wise and the column-wise quantization.
 """
 from __future__ import annotations
 
@@ -65,38 +64,6 @@ def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, MB, KB, fmax, e
             tl.store(st_ptr + cols * MB + pm, tl.math.div_rn(tl.zeros_like(scale_t) + 1.0, scale_t), mask=cols < K)
 
 
-@triton.jit
-def _blockwise_1d_transpose_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, MB, KB, fmax, eps,
-                                   SUB: tl.constexpr, POW2: tl.constexpr):
-    """1x128 blocks both ways from one 128x128 tile, in two passes of SUB-row slices, so that a
-    slice, not the whole tile, lives in registers: the first quantizes each row's run and keeps
-    each column's running amax; the second reads the tile again (an L2 hit, mostly) and
-    quantizes the columns, the 1x128 runs of x.T, with their scales."""
-    pm = tl.program_id(0)
-    pk = tl.program_id(1)
-    cols = pk * 128 + tl.arange(0, 128)
-    cmask = cols < K
-    col_bits = tl.zeros([128], dtype=tl.int32)
-    for r in range(0, 128, SUB):
-        rows = pm * 128 + r + tl.arange(0, SUB)
-        mask = (rows[:, None] < M) & cmask[None, :]
-        v = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        bits = abs_bits(v)
-        col_bits = tl.maximum(col_bits, tl.max(bits, axis=0))
-        scale = _block_scale(tl.max(bits, axis=1).to(tl.float32, bitcast=True), fmax, eps, POW2)
-        tl.store(y_ptr + rows[:, None] * K + cols[None, :],
-                 saturating_cast(v * scale[:, None], fmax, y_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + rows * KB + pk, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=rows < M)
-    scale_t = _block_scale(col_bits.to(tl.float32, bitcast=True), fmax, eps, POW2)
-    tl.store(st_ptr + cols * MB + pm, tl.math.div_rn(tl.zeros_like(scale_t) + 1.0, scale_t), mask=cmask)
-    for r in range(0, 128, SUB):
-        rows = pm * 128 + r + tl.arange(0, SUB)
-        mask = (rows[:, None] < M) & cmask[None, :]
-        v = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        qt = saturating_cast(v * scale_t[None, :], fmax, yt_ptr.dtype.element_ty)
-        tl.store(yt_ptr + cols[:, None] * M + rows[None, :], tl.trans(qt), mask=cmask[:, None] & (rows[None, :] < M))
-
-
 def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, force_pow2_scales=True,
                        amax_epsilon=0.0, cfg: Config = BLOCKWISE_DEFAULT):
     """(data, scale_inv, data_t, scale_inv_t) as te_core.ops.quantize_blockwise."""
@@ -117,11 +84,7 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
     scale_inv_t = None
     if with_transpose:
         scale_inv_t = torch.empty((KB, MB) if block_2d else (K, MB), dtype=torch.float32, device=dev)
-    if x.numel() and with_transpose and not block_2d:
-        _blockwise_1d_transpose_kernel[(MB, KB)](
-            x, data, scale_inv, data_t, scale_inv_t, M, K, MB, KB, fmax, float(amax_epsilon),
-            SUB=min(cfg.block_m, BLOCK), POW2=bool(force_pow2_scales), num_warps=cfg.num_warps)
-    elif x.numel():
+    if x.numel():
         _blockwise_kernel[(triton.cdiv(M, BM), KB)](
             x, data, scale_inv, data if data_t is None else data_t, scale_inv if scale_inv_t is None else scale_inv_t,
             M, K, MB, KB, fmax, float(amax_epsilon), BM=BM, BLOCK_2D=bool(block_2d), TRANSPOSE=bool(with_transpose),
