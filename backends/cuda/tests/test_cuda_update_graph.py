@@ -1,0 +1,53 @@
+"""The update-graph cache's decisions, with capture and replay faked (runs on the CPU; the real
+capture and replay are checked on the GPU in test_cuda_graphs.py)."""
+import torch
+from te_backend_cuda import update_graph
+
+
+class _FakeGraph:
+    def __init__(self, launch):
+        self.launch, self.replays = launch, 0
+
+    def replay(self):
+        self.replays += 1
+        self.launch()
+
+
+def _setup(monkeypatch, capturing=False):
+    captured = []
+
+    def capture(launch):
+        captured.append(_FakeGraph(launch))
+        return captured[-1]
+
+    monkeypatch.setattr(update_graph, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    update_graph.clear()
+    return captured
+
+
+def test_first_call_launches_second_captures_then_replays(monkeypatch):
+    captured = _setup(monkeypatch)
+    launches = []
+    for _ in range(4):
+        update_graph.run(("k",), lambda: "plan", lambda: launches.append(1))
+    assert len(launches) == 4  # exactly one update per call, whichever way it ran
+    assert len(captured) == 1 and captured[0].replays == 3  # captured on call 2, replayed on 2, 3, 4
+    assert update_graph._GRAPHS[("k",)] == (captured[0], "plan")  # the plan is kept with its graph
+    update_graph.clear()
+
+
+def test_inside_a_capture_it_only_launches(monkeypatch):
+    captured = _setup(monkeypatch, capturing=True)
+    launches = []
+    for _ in range(3):
+        update_graph.run(("k",), lambda: "plan", lambda: launches.append(1))
+    assert len(launches) == 3 and not captured and ("k",) not in update_graph._GRAPHS
+
+
+def test_cache_is_bounded(monkeypatch):
+    _setup(monkeypatch)
+    for i in range(update_graph.MAX_GRAPHS + 5):
+        update_graph.run(("k", i), lambda: "plan", lambda: None)
+    assert len(update_graph._GRAPHS) <= update_graph.MAX_GRAPHS
+    update_graph.clear()
