@@ -14,3 +14,8 @@ timeout "${MODULES_TIMEOUT:-300}" python3 benchmarks/bench_modules.py > "$OUT/mo
 timeout "${KERNELS_TIMEOUT:-100}" python3 benchmarks/bench_kernels.py --quick --no-compile > "$OUT/kernels.txt" 2>&1
 tail -n 12 "$OUT/modules.txt"
 tail -n 30 "$OUT/kernels.txt"
+# the targets table (docs/performance.md's generated section), from this run's JSON
+kernels_json=$(ls -t "$OUT"/kernels-*.json 2>/dev/null | head -n 1)
+if [ -f "$OUT/modules.json" ] && [ -n "$kernels_json" ]; then
+  python3 benchmarks/report.py "$OUT/modules.json" "$kernels_json" --print
+fi

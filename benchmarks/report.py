@@ -1,0 +1,142 @@
+"""The targets table of docs/performance.md, generated from one GPU run's JSON.
+
+    python benchmarks/report.py MODULES_JSON KERNELS_JSON [--doc docs/performance.md] [--print]
+
+Reads what `bash benchmarks/gpu_run.sh` writes (bench_modules.py's and bench_kernels.py's JSON),
+checks every target of ../shared/PERFORMANCE.md against it, and replaces the text between the
+markers below in the doc (or prints the table). A missing measurement is reported as such.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from typing import Callable, Dict, List, Optional, Tuple
+
+BEGIN, END = "<!-- report:begin -->", "<!-- report:end -->"
+
+# (benchmark, target text, kernel op names, minimum GB/s); several ops: each must meet it
+KERNEL_TARGETS = [
+    ("Quantize + amax (into a history slot, as modules call it)", "≥ 3.9 TB/s",
+     ["quantize_fp8 into history slot"], 3900.0),
+    ("Quantize + amax (own amax buffer)", "≥ 3.9 TB/s", ["quantize_fp8 (amax+cast)"], 3900.0),
+    ("Quantize + amax + transpose (into a history slot)", "≥ 3.6 TB/s", ["cast_transpose_fp8 into history slot"], 3600.0),
+    ("Quantize + amax + transpose (own amax buffer)", "≥ 3.6 TB/s", ["cast_transpose_fp8"], 3600.0),
+    ("LayerNorm / RMSNorm forward, FP8 out", "≥ 3.6 TB/s", ["layernorm_fwd fp8 out", "rmsnorm_fwd fp8 out"], 3600.0),
+    ("LayerNorm / RMSNorm backward", "≥ 3.2 TB/s", ["layernorm_bwd", "rmsnorm_bwd"], 3200.0),
+    ("gelu / swiglu forward, FP8 out", "≥ 3.4 TB/s", ["gelu fwd fp8 out", "swiglu fwd fp8 out"], 3400.0),
+    ("gelu / swiglu backward", "≥ 3.4 TB/s", ["gelu bwd", "swiglu bwd"], 3400.0),
+]
+LINEAR_TARGETS = {"M16384 K8192 N8192": 1.65, "M8192 K4096 N4096": 1.35}  # plus >= torchao on every shape
+LAYER_MS, LAYER_OVER_TORCH, LAYER_OVER_TORCHAO, TINY_RATIO = 20.0, 1.74, 1.2, 3.0
+
+
+def _verdict(ok: bool, shortfall: str) -> str:
+    return "met" if ok else f"**missed** {shortfall}".rstrip()
+
+
+def _pct(measured: float, target: float) -> str:
+    short = 100 * (target - measured) / target
+    return f"by {short:.1f}%" if short < 1 else f"by {short:.0f}%"
+
+
+def kernel_rows(kernels: dict) -> List[Tuple[str, str, str, str]]:
+    gbps: Dict[str, float] = {t["op"]: t["GBps"] for t in kernels.get("timings", []) if t.get("GBps")}
+    rows = []
+    for name, target, ops, need in KERNEL_TARGETS:
+        values = [gbps.get(op) for op in ops]
+        if any(v is None for v in values):
+            rows.append((name, target, "not measured in this run", "–"))
+            continue
+        worst = min(values)
+        rows.append((name, target, " / ".join(f"{v:.0f} GB/s" for v in values), _verdict(worst >= need, _pct(worst, need))))
+    return rows
+
+
+def _speedups(row: dict) -> Dict[str, float]:
+    base = row["bf16_ms"]
+    return {k[:-3]: base / v for k, v in row.items() if k.endswith("_ms") and k != "bf16_ms" and v}
+
+
+def module_rows(modules: dict) -> List[Tuple[str, str, str, str]]:
+    rows = []
+    for row in modules.get("linear", []):
+        x = _speedups(row)
+        best = max(x.get("te_delayed", 0.0), x.get("te_delayed_graphed", 0.0))
+        peer = x.get("torchao_tensorwise")
+        need = LINEAR_TARGETS.get(row["shape"])
+        target = " ".join(filter(None, [f"≥ {need}x," if need else "", "≥ torchao"]))
+        eager = x.get("te_delayed", 0.0)
+        ok = (need is None or best >= need) and (peer is None or best >= peer)
+        measured = (f"eager {eager:.2f}x, graphed {x.get('te_delayed_graphed', 0):.2f}x"
+                    + (f", torchao {peer:.2f}x" if peer else ", torchao not run"))
+        verdict = _verdict(ok, _pct(best, need) if need and best < need else "")
+        if ok and ((need and eager < need) or (peer and eager < peer)):
+            verdict = "met with graphs only (eager is host-bound)"
+        rows.append((f"te.Linear {row['shape']} (over bf16)", target, measured, verdict))
+    layer = {r["variant"]: r for r in modules.get("layer", [])}
+    te, torch_row = layer.get("te fp8 delayed"), layer.get("torch bf16 eager + SDPA")
+    if te and te.get("ms") and torch_row and torch_row.get("ms"):
+        ao = layer.get("torchao tensorwise + compile", {}).get("ms")
+        over_torch = torch_row["ms"] / te["ms"]
+        over_ao = ao / te["ms"] if ao else None
+        ok = te["ms"] <= LAYER_MS and over_torch >= LAYER_OVER_TORCH and (over_ao is None or over_ao >= LAYER_OVER_TORCHAO)
+        measured = (f"{te['ms']:.2f} ms: {over_torch:.2f}x over torch ({torch_row['ms']:.2f} ms)"
+                    + (f", {over_ao:.2f}x over torchao ({ao:.2f} ms)" if over_ao else ""))
+        rows.append(("TransformerLayer FP8 delayed", f"≤ {LAYER_MS:g} ms, ≥ {LAYER_OVER_TORCH}x torch, "
+                     f"≥ {LAYER_OVER_TORCHAO}x torchao", measured,
+                     _verdict(ok, f"by {te['ms'] - LAYER_MS:.2f} ms" if te["ms"] > LAYER_MS else "")))
+        bf16 = [r.get("peak_mib") for r in (torch_row, layer.get("te bf16", {})) if r.get("peak_mib")]
+        if te.get("peak_mib") and bf16:
+            ok = te["peak_mib"] <= max(bf16)
+            rows.append(("Peak memory, FP8 layer step", "≤ the bf16 step's",
+                         f"{te['peak_mib']:.0f} MiB against bf16 " + " / ".join(f"{b:.0f}" for b in bf16) + " MiB",
+                         _verdict(ok, "")))
+    for tiny in modules.get("tiny", []):
+        ref = tiny.get("nn.Linear bf16 us")
+        graphed, eager = tiny.get("te.Linear fp8 graphed us"), tiny.get("te.Linear fp8 us")
+        if ref and graphed:
+            ratio = graphed / ref
+            rows.append(("Tiny te.Linear FP8 forward (graphed)", f"≤ {TINY_RATIO:g}x nn.Linear",
+                         f"{graphed:.1f} µs against {ref:.1f} µs ({ratio:.2f}x); eager {eager:.0f} µs",
+                         _verdict(ratio <= TINY_RATIO, f"({ratio:.2f}x)")))
+    return rows
+
+
+def table(modules: dict, kernels: dict) -> str:
+    meta = modules.get("meta") or kernels.get("meta") or {}
+    checks = kernels.get("checks", [])
+    lines = [f"Generated by `benchmarks/report.py` from one run on {meta.get('gpu', '?')} (torch {meta.get('torch', '?')}, "
+             f"triton {meta.get('triton', '?')}, {meta.get('date', '?')}); kernel correctness checks: "
+             f"{sum(c['ok'] for c in checks)}/{len(checks)} OK.", "",
+             "| Benchmark | Target | Measured | Verdict |", "| --- | --- | --- | --- |"]
+    for row in module_rows(modules) + kernel_rows(kernels):
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def replace_section(doc: str, body: str) -> str:
+    if BEGIN not in doc or END not in doc:
+        raise ValueError(f"the doc has no {BEGIN} ... {END} section to replace; add the two markers where the table goes")
+    return re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: f"{BEGIN}\n{body}\n{END}", doc, flags=re.S)
+
+
+def main(argv: Optional[List[str]] = None, read: Callable[[str], str] = lambda p: open(p).read()) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("modules_json")
+    ap.add_argument("kernels_json")
+    ap.add_argument("--doc", default="docs/performance.md")
+    ap.add_argument("--print", action="store_true", help="print the table instead of writing the doc")
+    args = ap.parse_args(argv)
+    body = table(json.loads(read(args.modules_json)), json.loads(read(args.kernels_json)))
+    if args.print:
+        print(body)
+        return
+    doc = replace_section(read(args.doc), body)
+    with open(args.doc, "w") as f:
+        f.write(doc)
+    print(f"wrote the targets table into {args.doc}")
+
+
+if __name__ == "__main__":
+    main()
