@@ -144,13 +144,20 @@ def _scale_ok(scale, x, name="scale"):
         return False, f"{name} is not a 1-element float32 tensor"
     if scale.device != x.device:
         return False, f"{name} is not on x's device"
+    return True, ""
+
+
+def _fp8_out_device_ok(x):
     return _fp8_convert_ok(x.get_device()) if x.is_cuda else (True, "")
 
 
 def _fp8_out_ok(x, fp8_scale, fp8_dtype):
     if (fp8_scale is None) != (fp8_dtype is None):
         return False, "fp8_scale and fp8_dtype go together (the reference explains)"
-    return (True, "") if fp8_scale is None else _scale_ok(fp8_scale, x, "fp8_scale")
+    if fp8_scale is None:
+        return True, ""
+    ok, why = _scale_ok(fp8_scale, x, "fp8_scale")
+    return _fp8_out_device_ok(x) if ok else (ok, why)
 
 
 def _fp8_amax_out_ok(amax_out, x, fp8_dtype):
@@ -161,7 +168,7 @@ def _fp8_amax_out_ok(amax_out, x, fp8_dtype):
 
 
 def _cast_ok(x, scale, *args, amax_out=None, **kwargs):
-    for ok, why in (_scale_ok(scale, x), amax_out_ok(amax_out, x)):
+    for ok, why in (_scale_ok(scale, x), amax_out_ok(amax_out, x), _fp8_out_device_ok(x)):
         if not ok:
             return ok, why
     return _tensor_ok(x)
@@ -181,7 +188,7 @@ def _self_scaled_2d_ok(x, *args, **kwargs):
 
 def _current_ok(x, fp8_dtype, *, with_transpose=False, **_):
     ok, why = _self_scaled_2d_ok(x) if with_transpose else _tensor_ok(x)
-    return _fp8_convert_ok(x.get_device()) if ok else (ok, why)
+    return _fp8_out_device_ok(x) if ok else (ok, why)
 
 
 def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, force_pow2_scales=True,
@@ -311,7 +318,7 @@ def _dbias_ct_ok(dy, scale, fp8_dtype, *, amax_out=None):
 def _act_bwd_dbias_ct_ok(dy, x, kind, scale, fp8_dtype, *, amax_out=None):
     if x.dim() != 2:
         return False, "x is not 2-D"
-    for ok, why in (_scale_ok(scale, x), amax_out_ok(amax_out, x)):
+    for ok, why in (_scale_ok(scale, x), amax_out_ok(amax_out, x), _fp8_out_device_ok(x)):
         if not ok:
             return ok, why
     return _act_bwd_ok(dy, x, kind)

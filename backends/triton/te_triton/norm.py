@@ -2,8 +2,7 @@
 
 Forward: a program owns whole rows (the rows live in registers, BLOCK_N >= N), `cfg.rows` of
 them per step, and loops over rows, so gamma/beta are loaded once per program (unless the config
-asks to reload them each step) and amax costs
-one atomic per program.
+asks to reload them each step) and amax costs one atomic per program.
 Backward: the same row loop computes dx and keeps float32 partial dgamma/dbeta per program;
 the launcher sums the (programs, N) partials.
 """
