@@ -10,12 +10,14 @@ launch goes into their graph instead.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Dict, Tuple
 
 import torch
 
 MAX_GRAPHS = 64
-_GRAPHS: Dict[tuple, Tuple[object, object]] = {}  # key -> (graph or None for "seen once", plan)
+DIRECT = "direct"  # a set whose capture failed: its updates launch directly
+_GRAPHS: Dict[tuple, Tuple[object, object]] = {}  # key -> (graph, DIRECT or None for "seen once", plan)
 
 
 def _capture(launch: Callable[[], None]) -> torch.cuda.CUDAGraph:
@@ -36,17 +38,24 @@ def run(key: tuple, plan: Callable[[], object], launch: Callable[[], None]) -> N
     """Run `launch` once on the current stream: the update of the tensors `key` names, whose
     te_triton plan `plan()` returns (kept alive with the graph: the graph reads its table)."""
     graph, _ = _GRAPHS.get(key, (None, None))
-    if graph is not None:
-        graph.replay()
-    elif torch.cuda.is_current_stream_capturing():
+    if graph is DIRECT or (graph is None and torch.cuda.is_current_stream_capturing()):
         launch()
+    elif graph is not None:
+        graph.replay()
     elif key not in _GRAPHS:  # the first launch compiles the kernel and builds the plan
         launch()
         if len(_GRAPHS) >= MAX_GRAPHS:
             _GRAPHS.clear()
         _GRAPHS[key] = (None, plan())
     else:
-        graph = _capture(launch)
+        try:
+            graph = _capture(launch)
+        except RuntimeError as exc:  # nothing ran: the capture only records
+            warnings.warn(f"te-backend-cuda: the delayed-scaling update could not be captured into a CUDA graph "
+                          f"({exc}); it launches directly", RuntimeWarning, stacklevel=2)
+            _GRAPHS[key] = (DIRECT, plan())
+            launch()
+            return
         _GRAPHS[key] = (graph, plan())
         graph.replay()
 

@@ -1,5 +1,6 @@
 """The update-graph cache's decisions, with capture and replay faked (runs on the CPU; the real
 capture and replay are checked on the GPU in test_cuda_graphs.py)."""
+import pytest
 import torch
 from te_backend_cuda import update_graph
 
@@ -50,4 +51,20 @@ def test_cache_is_bounded(monkeypatch):
     for i in range(update_graph.MAX_GRAPHS + 5):
         update_graph.run(("k", i), lambda: "plan", lambda: None)
     assert len(update_graph._GRAPHS) <= update_graph.MAX_GRAPHS
+    update_graph.clear()
+
+
+def test_a_failed_capture_falls_back_to_direct_launches(monkeypatch):
+    _setup(monkeypatch)
+
+    def failing_capture(launch):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(update_graph, "_capture", failing_capture)
+    launches = []
+    update_graph.run(("k",), lambda: "plan", lambda: launches.append(1))
+    with pytest.warns(RuntimeWarning, match="could not be captured.*launches directly"):
+        update_graph.run(("k",), lambda: "plan", lambda: launches.append(1))
+    update_graph.run(("k",), lambda: "plan", lambda: launches.append(1))  # no second attempt, no warning
+    assert len(launches) == 3 and update_graph._GRAPHS[("k",)][0] == update_graph.DIRECT
     update_graph.clear()
