@@ -60,7 +60,7 @@ def _same_bytes(got, want, what):
 
 
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fp8_outputs_saturate_and_keep_nan(fp8_dtype, dtype):
     ops, ref = _ops(), implementations()
     x = _input(dtype, fp8_dtype)
