@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 BEGIN, END = "<!-- report:begin -->", "<!-- report:end -->"
 
@@ -121,18 +121,23 @@ def replace_section(doc: str, body: str) -> str:
     return re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: f"{BEGIN}\n{body}\n{END}", doc, flags=re.S)
 
 
-def main(argv: Optional[List[str]] = None, read: Callable[[str], str] = lambda p: open(p).read()) -> None:
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("modules_json")
     ap.add_argument("kernels_json")
     ap.add_argument("--doc", default="docs/performance.md")
     ap.add_argument("--print", action="store_true", help="print the table instead of writing the doc")
     args = ap.parse_args(argv)
-    body = table(json.loads(read(args.modules_json)), json.loads(read(args.kernels_json)))
+    body = table(json.loads(_read(args.modules_json)), json.loads(_read(args.kernels_json)))
     if args.print:
         print(body)
         return
-    doc = replace_section(read(args.doc), body)
+    doc = replace_section(_read(args.doc), body)
     with open(args.doc, "w") as f:
         f.write(doc)
     print(f"wrote the targets table into {args.doc}")

@@ -37,12 +37,13 @@ def _capture(launch: Callable[[], None]) -> torch.cuda.CUDAGraph:
 def run(key: tuple, plan: Callable[[], object], launch: Callable[[], None]) -> None:
     """Run `launch` once on the current stream: the update of the tensors `key` names, whose
     te_triton plan `plan()` returns (kept alive with the graph: the graph reads its table)."""
-    graph, _ = _GRAPHS.get(key, (None, None))
+    entry = _GRAPHS.get(key)
+    graph = entry[0] if entry else None
     if graph is DIRECT or (graph is None and torch.cuda.is_current_stream_capturing()):
         launch()
     elif graph is not None:
         graph.replay()
-    elif key not in _GRAPHS:  # the first launch compiles the kernel and builds the plan
+    elif entry is None:  # the first launch compiles the kernel and builds the plan
         launch()
         if len(_GRAPHS) >= MAX_GRAPHS:
             _GRAPHS.clear()
