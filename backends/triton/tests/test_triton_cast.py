@@ -184,3 +184,15 @@ def test_dequantize_fp8_names_bad_input():
         cast.dequantize_fp8(torch.zeros(4, 6).to(torch.float8_e4m3fn).t(), torch.ones(1), torch.float32)
     with pytest.raises(TypeError, match="data must be float8"):
         cast.dequantize_fp8(torch.zeros(4), torch.ones(1), torch.float32)
+
+
+def test_only_bf16_cast_transposes_leave_saturation_to_the_hardware():
+    """Config.hw_saturate drops the clamp for bf16 input only (float32 failed on the H200; fp16 untested there)."""
+    from te_triton import Config
+    from te_triton.cast import transpose_clamps
+
+    hw, plain = Config(hw_saturate=True), Config()
+    assert not transpose_clamps(hw, torch.empty(2, 2, dtype=torch.bfloat16))
+    assert transpose_clamps(hw, torch.empty(2, 2, dtype=torch.float32))
+    assert transpose_clamps(hw, torch.empty(2, 2, dtype=torch.float16))
+    assert all(transpose_clamps(plain, torch.empty(2, 2, dtype=d)) for d in (torch.bfloat16, torch.float32))
