@@ -2,11 +2,7 @@
 
 Forward: a program owns whole rows (the rows live in registers, BLOCK_N >= N), `cfg.rows` of
 them per step, and loops over rows, so gamma/beta are loaded once per program (unless the config
-asks to reload them each step) and amax costs one atomic per program. LayerNorm takes its mean and variance from ONE reduction of
-(x, s, s^2), s = x - (the row's first element), rather than two dependent ones: by Samuelson's
-inequality no element lies more than sqrt(N-1) standard deviations from its row's mean, so
-E[s^2] <= N * var and float32 cancellation leaves var at most about N * 2^-24 off, relatively
-(5e-4 at N = 8192: below bf16's resolution; a shift near the mean makes it far smaller).
+asks to reload them each step) and amax costs one atomic per program.
 Backward: the same row loop computes dx and keeps float32 partial dgamma/dbeta per program;
 the launcher sums the (programs, N) partials.
 """
@@ -27,24 +23,10 @@ TILE_AMAX_ELEMENTS_PER_THREAD = 32  # beyond this, a per-element running amax co
 
 
 @triton.jit
-def _add_pair(a1, b1, a2, b2):
-    return a1 + a2, b1 + b2
-
-
-@triton.jit
-def _chan_merge(n_a, m_a, s_a, n_b, m_b, s_b):
-    """Merge (count, mean, centred sum of squares) of two parts (Chan et al.)."""
-    n = n_a + n_b
-    w = tl.where(n > 0, n_b / tl.maximum(n, 1.0), 0.0)
-    delta = m_b - m_a
-    return n, m_a + delta * w, s_a + s_b + delta * delta * n_a * w
-
-
-@triton.jit
 def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, amax_ptr, M, N, eps, fmax,
                      BLOCK_N: tl.constexpr, ROWS: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                      FP8_OUT: tl.constexpr, AMAX_MODE: tl.constexpr, CHUNK: tl.constexpr, HOIST: tl.constexpr,
-                     CLAMP: tl.constexpr, ONE_PASS: tl.constexpr):
+                     CLAMP: tl.constexpr):
     """ROWS rows per step. The running amax (AMAX_MODE): 0, one block reduction per step (a
     block-wide barrier); 1, per element (one reduction at the end) when the tile fits registers;
     2, per CHUNK-element chunk (a thread-local max each step). HOIST keeps gamma/beta in
@@ -69,28 +51,11 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, 
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if RMS:
             xc = x
-            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
-        elif ONE_PASS:
-            # Count, mean and centred sum of squares per 8-element chunk (thread-local when a
-            # thread loads 8 contiguous elements), merged pairwise (Chan et al.) in ONE
-            # reduction; of x shifted by the row's first element, so that a mean far from zero
-            # does not cost the chunk means their precision.
-            shift = tl.load(x_ptr + rows * N, mask=rmask, other=0.0).to(tl.float32)
-            xr = tl.reshape(tl.where(mask, x - shift[:, None], 0.0), [ROWS, BLOCK_N // 8, 8])
-            mr = tl.reshape(mask.to(tl.float32), [ROWS, BLOCK_N // 8, 8])
-            n_c = tl.sum(mr, axis=2)
-            m_c = tl.sum(xr, axis=2) / tl.maximum(n_c, 1.0)
-            dev = (xr - m_c[:, :, None]) * mr
-            _, m_s, m2 = tl.reduce((n_c, m_c, tl.sum(dev * dev, axis=2)), 1, _chan_merge)
-            mean = shift + m_s
-            xc = tl.where(mask, x - mean[:, None], 0.0)
-            rstd = 1.0 / tl.sqrt(m2 / N + eps)
-            tl.store(mean_ptr + rows, mean, mask=rmask)
         else:
             mean = tl.sum(x, axis=1) / N
             xc = tl.where(mask, x - mean[:, None], 0.0)
             tl.store(mean_ptr + rows, mean, mask=rmask)
-            rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
         tl.store(rstd_ptr + rows, rstd, mask=rmask)
         if HOIST:
             g, beta = g0, beta0
@@ -129,6 +94,11 @@ def _params(w_ptr, b_ptr, cols, cmask, RMS: tl.constexpr, ZERO_CENTERED: tl.cons
     if RMS:
         return g, g
     return g, tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _add_pair(a1, b1, a2, b2):
+    return a1 + a2, b1 + b2
 
 
 @triton.jit
@@ -179,9 +149,8 @@ def _rows(x: torch.Tensor, weight: torch.Tensor):
 
 
 def norm_fwd(x, weight, bias, eps, *, rms: bool, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None,
-             cfg: Config = NORM_DEFAULT, amax_out=None, one_pass: bool = False):
-    """(y, mean or None, rstd, amax or None) as te_core.ops.layernorm_fwd / rmsnorm_fwd.
-    one_pass=True takes LayerNorm's statistics in one reduction (see the module docstring)."""
+             cfg: Config = NORM_DEFAULT, amax_out=None):
+    """(y, mean or None, rstd, amax or None) as te_core.ops.layernorm_fwd / rmsnorm_fwd."""
     M, N = _rows(x, weight)
     fp8_out = fp8_dtype is not None
     if fp8_out and (fp8_scale is None or fp8_scale.numel() != 1):
@@ -207,7 +176,7 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, zero_centered_gamma=False, fp8_
             x, weight, weight if bias is None else bias, y, rstd if mean is None else mean, rstd, scale, amax_buf,
             M, N, float(eps), fmax, BLOCK_N=block_n, ROWS=rows, RMS=rms,
             ZERO_CENTERED=bool(zero_centered_gamma), FP8_OUT=fp8_out, AMAX_MODE=amax_mode, CHUNK=max(chunk, 1),
-            HOIST=cfg.hoist_params, CLAMP=not cfg.hw_saturate, ONE_PASS=one_pass, num_warps=cfg.num_warps)
+            HOIST=cfg.hoist_params, CLAMP=not cfg.hw_saturate, num_warps=cfg.num_warps)
     return y, mean, rstd, amax_from_buffer(amax_buf, amax_out) if fp8_out else None
 
 
