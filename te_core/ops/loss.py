@@ -5,6 +5,10 @@ log-sum-exp trick; `label_smoothing` mixes the one-hot target with the uniform d
 as torch.nn.functional.cross_entropy does; targets equal to ignore_index contribute nothing
 (and "mean" divides by the number of non-ignored targets). reduction "mean", "sum" or
 "none" ((N,) float32). The gradient w.r.t. logits has the logits' dtype.
+
+A target outside [0, V) that is not ignore_index is an error, never a finite wrong loss:
+the reference raises ValueError; a backend that cannot check without synchronizing with
+the device makes that row's loss and gradient NaN instead (so "mean" and "sum" are NaN).
 """
 from __future__ import annotations
 

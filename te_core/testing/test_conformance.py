@@ -28,6 +28,29 @@ def test_op_matches_reference(case, te_backend, te_device, reference_impls):
     run_case(case, impl.fn, reference_impls[case.op], te_device)
 
 
+def test_cross_entropy_target_outside_the_vocabulary(te_backend, te_device):
+    """The contract's one allowed difference: a class outside [0, V) raises ValueError (the
+    reference) or makes that row's loss NaN, never a finite loss."""
+    impl = te_backend.ops.get("cross_entropy")
+    if impl is None:
+        pytest.skip(f"fallback to reference: not declared by backend {te_backend.name!r} (cross_entropy)")
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(5, 40, generator=gen).to(te_device)
+    target = torch.randint(0, 40, (5,), generator=gen)
+    target[1] = 40
+    target = target.to(te_device)
+    if impl.supports is not None and not impl.supports(logits, target, reduction="none")[0]:
+        pytest.skip("declined by supports()")
+    try:
+        rows = impl.fn(logits, target, reduction="none")
+    except ValueError as exc:
+        assert "40" in str(exc), f"the error should name the bad class: {exc}"
+        return
+    rows = rows.cpu()
+    assert torch.isnan(rows[1]), f"a target outside the vocabulary gave the finite loss {rows[1].item()}"
+    assert not torch.isnan(rows[[0, 2, 3, 4]]).any()
+
+
 @pytest.fixture
 def te_selected(te_backend_name, monkeypatch):
     """The backend under test selected as a user would, without overrides or strict mode."""

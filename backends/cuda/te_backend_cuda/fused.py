@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Dict
 
 import torch
@@ -19,8 +18,6 @@ from . import configs, update_graph
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NO_GUARD = contextlib.nullcontext()
-EXPERIMENTAL_ENV = "TE_CUDA_EXPERIMENTAL_OPS"
-"""=1 also registers the kernels in EXPERIMENTAL below (see there why each is opt-in)."""
 
 
 def _tensor_ok(x: torch.Tensor, name: str = "x"):
@@ -414,13 +411,6 @@ def _cross_entropy_ok(logits, target, **_):
     return True, ""
 
 
-# cross_entropy passes the conformance kit on the H200, but its kernel does not check that
-# targets lie in [0, V) (the reference does, at the cost of a sync): opt-in until it does.
-EXPERIMENTAL = {
-    "cross_entropy": (cross_entropy, _cross_entropy_ok),
-}
-
-
 def ops() -> Dict[str, OpImpl]:
     table = {
         "quantize_fp8": (quantize_fp8, _cast_ok),
@@ -443,9 +433,8 @@ def ops() -> Dict[str, OpImpl]:
         "softmax_bwd": (softmax_bwd, _softmax_bwd_ok),
         "rope_fwd": (rope_fwd, _rope_ok),
         "rope_bwd": (rope_bwd, _rope_ok),
+        "cross_entropy": (cross_entropy, _cross_entropy_ok),
     }
-    if os.environ.get(EXPERIMENTAL_ENV) == "1":
-        table.update(EXPERIMENTAL)
     impls = {name: OpImpl(_on_device(fn), supports) for name, (fn, supports) in table.items()}
     impls["delayed_scaling_update"] = OpImpl(delayed_scaling_update, _scaling_ok)
     return impls

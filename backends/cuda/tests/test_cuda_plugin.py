@@ -132,13 +132,8 @@ def test_registry_lists_cuda_with_reason():
         backend.reset()
 
 
-def test_experimental_ops_need_the_switch(monkeypatch):
-    from te_backend_cuda import fused
-
-    monkeypatch.delenv(fused.EXPERIMENTAL_ENV, raising=False)
-    assert "cross_entropy" not in plugin.te_backend_ops() and "quantize_blockwise" in plugin.te_backend_ops()
-    monkeypatch.setenv(fused.EXPERIMENTAL_ENV, "1")
-    assert "cross_entropy" in plugin.te_backend_ops()
+def test_cross_entropy_is_native():
+    assert "cross_entropy" in plugin.te_backend_ops() and "quantize_blockwise" in plugin.te_backend_ops()
 
 
 def test_supports_decline_what_the_kernels_do_not_take(monkeypatch):

@@ -1,6 +1,7 @@
 """Cross-entropy over a vocabulary, chunked: a program walks its row of logits in BLOCK_V
 chunks with an online log-sum-exp, so any vocabulary size fits. The backward recomputes the
-softmax from the saved per-row log-sum-exp; no (N, V) float32 intermediate is kept."""
+softmax from the saved per-row log-sum-exp; no (N, V) float32 intermediate is kept.
+A target outside the vocabulary gives NaN in its row (see cross_entropy)."""
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,10 @@ def _ce_fwd_kernel(x_ptr, t_ptr, loss_ptr, lse_ptr, V, ignore_index, smoothing, 
     lse = row_max + tl.log(tl.sum(s * tl.exp(tl.where(m == float("-inf"), float("-inf"), m - row_max)), axis=0))
     t = tl.load(t_ptr + row)
     valid = t != ignore_index
-    picked = tl.load(base + t, mask=valid & (t >= 0) & (t < V), other=0.0).to(tl.float32)
+    in_range = (t >= 0) & (t < V)
+    picked = tl.load(base + t, mask=valid & in_range, other=0.0).to(tl.float32)
     loss = (1.0 - smoothing) * (lse - picked) + smoothing * (lse - tl.sum(total, axis=0) / V)
+    loss = tl.where(in_range, loss, float("nan"))  # a class outside the vocabulary: NaN, not a wrong loss
     tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
     tl.store(lse_ptr + row, lse)
 
@@ -42,7 +45,8 @@ def _ce_bwd_kernel(x_ptr, t_ptr, lse_ptr, g_ptr, dx_ptr, V, ignore_index, smooth
     row = tl.program_id(0)
     base = row.to(tl.int64) * V
     t = tl.load(t_ptr + row)
-    g = tl.where(t != ignore_index, tl.load(g_ptr + row * G_STRIDE), 0.0)
+    g = tl.where((t >= 0) & (t < V), tl.load(g_ptr + row * G_STRIDE), float("nan"))
+    g = tl.where(t != ignore_index, g, 0.0)
     lse = tl.load(lse_ptr + row)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
@@ -87,8 +91,9 @@ class _CrossEntropy(torch.autograd.Function):
 
 def cross_entropy(logits, target, *, ignore_index=-100, label_smoothing=0.0, reduction="mean",
                   cfg: Config = LOSS_DEFAULT):
-    """Loss as te_core.ops.cross_entropy, differentiable w.r.t. logits. Targets outside
-    [0, V) that are not ignore_index are not detected (they read as logit 0)."""
+    """Loss as te_core.ops.cross_entropy, differentiable w.r.t. logits. A target outside
+    [0, V) that is not ignore_index makes its row's loss and gradient NaN: checking on the
+    host would synchronize with the device on every call."""
     if logits.dim() != 2 or not logits.is_contiguous() or logits.numel() > MAX_NUMEL * 8:
         raise ValueError(f"logits must be a contiguous 2-D (N, V) tensor, got shape {tuple(logits.shape)}")
     if target.shape != (logits.shape[0],) or target.dtype.is_floating_point:

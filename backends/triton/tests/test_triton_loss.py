@@ -33,3 +33,23 @@ def test_bad_inputs_name_the_problem():
         loss.cross_entropy(torch.randn(3, 4), torch.zeros(3))
     with pytest.raises(ValueError, match="reduction must be"):
         loss.cross_entropy(torch.randn(3, 4), torch.zeros(3, dtype=torch.long), reduction="avg")
+
+
+@pytest.mark.parametrize("bad", [-1, 300, 10**6])
+def test_target_outside_the_vocabulary_is_nan_in_its_row(bad):
+    """A class outside [0, V) (not ignore_index): that row's loss and gradient are NaN, the
+    other rows match the reference, and the mean is NaN (never a finite wrong loss)."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(6, 300, generator=g) * 4
+    target = torch.randint(0, 300, (6,), generator=g)
+    target[3] = bad
+    a = logits.clone().requires_grad_()
+    rows = loss.cross_entropy(a, target, reduction="none", cfg=Config(block=128))
+    assert torch.isnan(rows[3]) and not torch.isnan(rows[torch.arange(6) != 3]).any()
+    good = target.clone()
+    good[3] = -100
+    torch.testing.assert_close(rows[torch.arange(6) != 3], ref.cross_entropy(logits, good, reduction="none")[
+        torch.arange(6) != 3], rtol=1.3e-6, atol=1e-5)
+    rows.sum().backward()
+    assert torch.isnan(a.grad[3]).all() and not torch.isnan(a.grad[torch.arange(6) != 3]).any()
+    assert torch.isnan(loss.cross_entropy(logits, target, cfg=Config(block=128)))
