@@ -26,7 +26,12 @@ NORM_LAYERNORM_LONG_ROWS = Config(num_warps=4, max_programs=SMS * 8, rows=2, hoi
                                   hw_saturate=True)
 # bf16/fp16 output: one row per step (16384x8192: 3209 GB/s against 2725 with 2 rows)
 NORM_HIGH_PRECISION = Config(num_warps=8, max_programs=SMS * 4)
-NORM_BWD = Config(num_warps=16, max_programs=SMS * 2)  # LayerNorm bwd: 2571 GB/s
+# norm backward (probe-norm-bwd-2026-11-30-session10.log, the kernel that loads the next row
+# early): 16384x4096 LayerNorm 3390 / RMSNorm 3547 GB/s (16 warps x2/SM: 2408 / 3395), 16384x8192
+# LayerNorm 3013. RMSNorm on rows longer than 4096: 3909 at 16384x8192 (NORM_BWD: 3524).
+# fused.py raises the warps on longer rows: at 64 elements per thread the kernel spilled (253 GB/s).
+NORM_BWD = Config(num_warps=8, max_programs=SMS * 2)
+RMSNORM_BWD_LONG_ROWS = Config(num_warps=32, max_programs=SMS)
 ELEMENTWISE = Config(block_m=8, block_n=256, num_warps=4)  # gelu bwd: 4179 GB/s
 # gelu fwd + FP8 out at 16384x16384: 2434 GB/s (this config's previous one, ELEMENTWISE: 2225)
 ACTIVATION_FWD = Config(block_m=8, block_n=512, num_warps=8, max_programs=SMS * 8, hw_saturate=True)

@@ -6,10 +6,12 @@ not take: tensors off the GPU, non-contiguous inputs, int32-overflowing sizes, h
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from typing import Dict
 
 import torch
+import triton
 from te_core.backend.types import OpImpl
 from te_triton import activation, blockwise, cast, loss, norm, rope, scaling, softmax
 from te_triton._common import MAX_NUMEL, amax_out_ok
@@ -216,14 +218,23 @@ def rmsnorm_fwd(x, weight, eps, *, zero_centered_gamma=False, fp8_scale=None, fp
     return y, rstd, amax
 
 
+def _norm_bwd_cfg(x, rms: bool):
+    """The backward holds two rows of x and dy per program: at most 32 elements per thread
+    (warps >= padded row / 1024), beyond which the H200 run spilled."""
+    n = x.shape[-1]
+    cfg = configs.RMSNORM_BWD_LONG_ROWS if rms and n > 4096 else configs.NORM_BWD
+    warps = min(32, max(cfg.num_warps, triton.next_power_of_2(n) // 1024))
+    return cfg if warps == cfg.num_warps else dataclasses.replace(cfg, num_warps=warps)
+
+
 def layernorm_bwd(dy, x, mean, rstd, weight, *, zero_centered_gamma=False):
     return norm.norm_bwd(dy, x, mean, rstd, weight, rms=False, zero_centered_gamma=zero_centered_gamma,
-                         cfg=configs.NORM_BWD)
+                         cfg=_norm_bwd_cfg(x, rms=False))
 
 
 def rmsnorm_bwd(dy, x, rstd, weight, *, zero_centered_gamma=False):
     dx, dw, _ = norm.norm_bwd(dy, x, None, rstd, weight, rms=True, zero_centered_gamma=zero_centered_gamma,
-                              cfg=configs.NORM_BWD)
+                              cfg=_norm_bwd_cfg(x, rms=True))
     return dx, dw
 
 

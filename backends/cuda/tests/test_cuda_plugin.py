@@ -192,3 +192,12 @@ def test_dbias_is_a_float32_column_sum(shape, dtype):
     assert got.dtype == dtype and got.shape == (shape[-1],)
     tol = dict(rtol=1.3e-6, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-5)
     torch.testing.assert_close(got.double(), want, **tol)
+
+
+@pytest.mark.parametrize("n,rms,warps", [(4096, False, 8), (8192, False, 8), (8192, True, 32), (16384, False, 16),
+                                         (65536, False, 32), (100, True, 8)])
+def test_norm_backward_warps_keep_32_elements_per_thread(n, rms, warps):
+    from te_backend_cuda import fused
+
+    cfg = fused._norm_bwd_cfg(torch.empty(2, n), rms=rms)
+    assert cfg.num_warps == warps
