@@ -27,6 +27,8 @@ class Config:
     target's float32 -> FP8 convert already saturates finite values to the format's max and
     keeps NaN (NVIDIA's cvt.rn.satfinite, which Triton emits from sm_89 on), so the kernels skip
     their clamp. False keeps the clamp, which the CPU interpreter (a plain numpy cast) needs.
+    prefetch (kernels that loop over tiles: the dbias cast-transpose): load the next tile before
+    working on the current one.
     """
 
     block: int = 4096
@@ -38,6 +40,7 @@ class Config:
     hoist_params: bool = True
     amax_chunk: int = 0
     hw_saturate: bool = False
+    prefetch: bool = False
 
 
 def fp8_max(dtype: torch.dtype) -> float:

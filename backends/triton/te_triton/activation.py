@@ -111,28 +111,43 @@ def _act_bwd_kernel(dy_ptr, x_ptr, dx_ptr, R, H, KIND: tl.constexpr, GATED: tl.c
 
 
 @triton.jit
+def _dbias_ct_load(g_ptr, x_ptr, tm, cols, M, N, BM: tl.constexpr, ACT: tl.constexpr):
+    """Row tile tm of g (and of x when ACT), in their dtype; zeros beyond M."""
+    rows = tm * BM + tl.arange(0, BM)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    off = rows[:, None] * N + cols[None, :]
+    g = tl.load(g_ptr + off, mask=mask, other=0.0)
+    if ACT:
+        return g, tl.load(x_ptr + off, mask=mask, other=0.0)
+    return g, g
+
+
+@triton.jit
 def _dbias_ct_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr, M, N, fmax, groups,
                      ACT: tl.constexpr, KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     CLAMP: tl.constexpr):
+                     CLAMP: tl.constexpr, PREFETCH: tl.constexpr):
     """Cast-transpose of a gradient with its column sums (dbias). ACT: the gradient is
     dx = g * act'(x) (non-gated), rounded to x's dtype as the unfused ops do; else it is g.
 
     A program owns one column strip and every `groups`-th row tile of it, so column sums and
     the amax build up element-wise in registers: one reduction and one atomic per program, and
-    a (groups, N) partial-sum buffer, instead of a reduction per tile."""
+    a (groups, N) partial-sum buffer, instead of a reduction per tile. PREFETCH loads the next
+    tile before working on the current one."""
     pid = tl.program_id(0)
     tn = pid // groups
     cols = tn * BN + tl.arange(0, BN)
     scale = tl.load(scale_ptr)
     colsum = tl.zeros([BM, BN], dtype=tl.float32)
     acc = tl.zeros([BM, BN], dtype=tl.int32)
+    if PREFETCH:
+        g_next, x_next = _dbias_ct_load(g_ptr, x_ptr, pid % groups, cols, M, N, BM, ACT)
     for tm in range(pid % groups, tl.cdiv(M, BM), groups):
-        rows = tm * BM + tl.arange(0, BM)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        off = rows[:, None] * N + cols[None, :]
-        g = tl.load(g_ptr + off, mask=mask, other=0.0)
+        if PREFETCH:
+            g, x = g_next, x_next
+            g_next, x_next = _dbias_ct_load(g_ptr, x_ptr, tm + groups, cols, M, N, BM, ACT)
+        else:
+            g, x = _dbias_ct_load(g_ptr, x_ptr, tm, cols, M, N, BM, ACT)
         if ACT:
-            x = tl.load(x_ptr + off, mask=mask, other=0.0)
             v = (g.to(tl.float32) * _dact(x.to(tl.float32), KIND)).to(x.dtype).to(tl.float32)
         else:
             v = g.to(tl.float32)
@@ -159,7 +174,7 @@ def _dbias_cast_transpose(g, x, kind, scale, fp8_dtype, cfg: Config, amax_out):
         _dbias_ct_kernel[(groups * n_tn,)](
             g, src, y, yt, scale, amax_buf, partial, M, N, fmax, groups, ACT=x is not None,
             KIND=KIND_IDS.get(kind, 0), BM=cfg.block_m, BN=cfg.block_n, CLAMP=transpose_clamps(cfg, src),
-            num_warps=cfg.num_warps)
+            PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)
     dbias = partial.sum(dim=0) if M else torch.zeros(N, dtype=torch.float32, device=src.device)
     return y, yt, dbias.to(src.dtype), amax_from_buffer(amax_buf, amax_out)
 

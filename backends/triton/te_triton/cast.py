@@ -31,15 +31,23 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 @triton.jit
 def _quantize_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, n, fmax, BLOCK: tl.constexpr, STORE: tl.constexpr,
-                     CLAMP: tl.constexpr):
+                     CLAMP: tl.constexpr, PREFETCH: tl.constexpr):
+    """PREFETCH loads each program's next block before converting the current one."""
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
     scale = tl.load(scale_ptr)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
+    if PREFETCH:
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        x_next = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
     for start in range(pid * BLOCK, n, step):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
-        v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if PREFETCH:
+            v = x_next.to(tl.float32)
+            x_next = tl.load(x_ptr + offs + step, mask=offs < n - step, other=0.0)  # no int32 overflow
+        else:
+            v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, abs_bits(v))
         if STORE:
             tl.store(y_ptr + offs, saturating_cast(v * scale, fmax, y_ptr.dtype.element_ty, CLAMP), mask=mask)
@@ -112,7 +120,7 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, c
     grid = (grid_size(triton.cdiv(n, cfg.block), cfg),)
     if n:
         _quantize_kernel[grid](x, y, scale, amax, n, fmax, BLOCK=cfg.block, STORE=True,
-                               CLAMP=not cfg.hw_saturate, num_warps=cfg.num_warps)
+                               CLAMP=not cfg.hw_saturate, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)
     return y, amax_from_buffer(amax, amax_out)
 
 
@@ -124,7 +132,7 @@ def amax(x: torch.Tensor, cfg: Config = QUANTIZE_DEFAULT) -> torch.Tensor:
     grid = (grid_size(triton.cdiv(n, cfg.block), cfg),)
     if n:
         _quantize_kernel[grid](x, x, buf, buf, n, 1.0, BLOCK=cfg.block, STORE=False,
-                               CLAMP=True, num_warps=cfg.num_warps)
+                               CLAMP=True, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)
     return amax_from_buffer(buf)
 
 

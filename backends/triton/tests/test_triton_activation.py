@@ -38,10 +38,12 @@ def test_fp8_output(kind):
     assert_fp8_matches(y, wy)
 
 
-def test_dbias_cast_transpose():
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_dbias_cast_transpose(prefetch):
     dy = _x((37, 50), torch.bfloat16, 4)
     scale = torch.tensor([10.0])
-    got = activation.dbias_cast_transpose(dy, scale, torch.float8_e5m2, Config(block_m=16, block_n=16, max_programs=4))
+    got = activation.dbias_cast_transpose(dy, scale, torch.float8_e5m2,
+                                          Config(block_m=16, block_n=16, max_programs=4, prefetch=prefetch))
     want = ref.dbias_cast_transpose(dy, scale, torch.float8_e5m2)
     assert_fp8_matches(got[0], want[0])
     assert torch.equal(got[1].float(), got[0].float().t())
@@ -49,15 +51,16 @@ def test_dbias_cast_transpose():
     assert torch.equal(got[3], want[3])
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("max_programs", [3, 12])  # one row group per column strip, or one per row tile
 @pytest.mark.parametrize("kind", ["gelu", "srelu", "swiglu"])
-def test_activation_bwd_dbias_cast_transpose(kind, max_programs):
+def test_activation_bwd_dbias_cast_transpose(kind, max_programs, prefetch):
     x = _x((33, 48), torch.bfloat16, 5)
     dy = _x((33, 24 if kind == "swiglu" else 48), torch.bfloat16, 6)
     scale = torch.tensor([8.0])
     got = activation.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, torch.float8_e4m3fn,
-                                                         Config(block_m=16, block_n=16, max_programs=max_programs),
-                                                         SMALL)
+                                                         Config(block_m=16, block_n=16, max_programs=max_programs,
+                                                                prefetch=prefetch), SMALL)
     want = ref.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, torch.float8_e4m3fn)
     assert_fp8_matches(got[0], want[0])
     assert torch.equal(got[1].float(), got[0].float().t())
