@@ -13,10 +13,14 @@ from te_triton import Config
 SMS = 132  # H200
 
 QUANTIZE = Config(block=8192, num_warps=8, max_programs=SMS * 4, hw_saturate=True)  # 3749 GB/s (one block per program: 3220)
-# a column strip per program, every `groups`-th row tile of it (probe-dbias-2026-11-30.log, 16384x16384):
-# dbias + cast-transpose 2848 GB/s, gelu bwd + dbias + cast-transpose 2418 GB/s (one tile per
-# program before: 2256 / 1878 at 16384x8192)
-DBIAS_CAST_TRANSPOSE = Config(block_m=32, block_n=64, num_warps=4, max_programs=SMS * 16, hw_saturate=True)
+# a column strip per program, every `groups`-th row tile of it, the next tile loaded before the
+# current one is worked on (probe-prefetch-2026-11-30-session10.log, at the layer's gradients):
+# dbias + cast-transpose 2621 GB/s at 16384x4096 and 2944 at 16384x12288, gelu bwd + dbias +
+# cast-transpose 3180 at 16384x16384; the previous config (32x64, 4 warps, x16/SM, no prefetch)
+# 2015 / 2939 / 2871 in the same run
+DBIAS_CAST_TRANSPOSE = Config(block_m=32, block_n=64, num_warps=8, max_programs=SMS * 8, hw_saturate=True,
+                              prefetch=True)
+CAST_TRANSPOSE = Config(block_m=32, block_n=64, num_warps=4, max_programs=SMS * 16, hw_saturate=True)
 CAST_TRANSPOSE = Config(block_m=64, block_n=128, num_warps=4, hw_saturate=True)  # 3525 GB/s (64x128 with 8 warps: 2177)
 TRANSPOSE = Config(block_m=64, block_n=128, num_warps=4)  # FP8 byte transpose: not measured yet
 NORM = Config(num_warps=8, max_programs=SMS * 4, rows=4, hw_saturate=True)  # LayerNorm fwd + FP8 out 16384x4096: 2508 GB/s (1 row: 1754)
