@@ -20,7 +20,6 @@ QUANTIZE = Config(block=8192, num_warps=8, max_programs=SMS * 4, hw_saturate=Tru
 # 2015 / 2939 / 2871 in the same run
 DBIAS_CAST_TRANSPOSE = Config(block_m=32, block_n=64, num_warps=8, max_programs=SMS * 8, hw_saturate=True,
                               prefetch=True)
-CAST_TRANSPOSE = Config(block_m=32, block_n=64, num_warps=4, max_programs=SMS * 16, hw_saturate=True)
 CAST_TRANSPOSE = Config(block_m=64, block_n=128, num_warps=4, hw_saturate=True)  # 3525 GB/s (64x128 with 8 warps: 2177)
 TRANSPOSE = Config(block_m=64, block_n=128, num_warps=4)  # FP8 byte transpose: not measured yet
 NORM = Config(num_warps=8, max_programs=SMS * 4, rows=4, hw_saturate=True)  # LayerNorm fwd + FP8 out 16384x4096: 2508 GB/s (1 row: 1754)
