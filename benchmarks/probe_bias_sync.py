@@ -363,7 +363,9 @@ def fast_accum_probe():
 
 def blockwise_sweep():
     """1x128 block quantization with its transpose (row- and column-wise 1x128 scales from one
-    128x128 tile) per warp count, against the reference bytes and scales."""
+    128x128 tile, in block_m-row / block_m-column slices) per slice height and warp count, and
+    128x128 blocks per warp count, against the reference bytes and scales; then fp16 and fp32
+    input at a ragged shape."""
     from te_core.reference.plugin import implementations
     from te_triton import Config, blockwise
 
@@ -371,15 +373,26 @@ def blockwise_sweep():
     x = torch.randn(16384, 8192, device="cuda", dtype=torch.bfloat16)
     for block_2d in (False, True):
         want = ref["quantize_blockwise"](x, E4M3, block_2d=block_2d, with_transpose=True)
-        for w in (4, 8, 16, 32):
-            cfg = Config(block_m=64, num_warps=w)
+        sweep = [(64, w) for w in (4, 8, 16)] if block_2d else [(bm, w) for bm in (16, 32, 64) for w in (4, 8, 16)]
+        for bm, w in sweep:
+            cfg = Config(block_m=bm, num_warps=w)
             got = blockwise.quantize_blockwise(x, E4M3, block_2d=block_2d, with_transpose=True, cfg=cfg)
             bad = [int((got[i].view(torch.uint8) != want[i].view(torch.uint8)).sum().item()) for i in (0, 2)]
             same = all(torch.equal(got[i], want[i]) for i in (1, 3))
             t = do_bench(lambda: blockwise.quantize_blockwise(x, E4M3, block_2d=block_2d, with_transpose=True,
                                                               cfg=cfg), warmup=3, rep=30)
-            print(f"blockwise 2d={block_2d} +transpose w{w}: {4 * x.numel() / t / 1e6:.0f} GB/s "
+            print(f"blockwise 2d={block_2d} +transpose block_m{bm} w{w}: {4 * x.numel() / t / 1e6:.0f} GB/s "
                   f"(bytes off {bad}, scales equal {same})", flush=True)
+    for dtype in (torch.float16, torch.float32):
+        xs = (torch.randn(333, 1000, device="cuda") * 50).to(dtype)
+        xs[7, 9] = float("nan")
+        for cfg in (Config(block_m=32, num_warps=8), Config(block_m=64, num_warps=8)):
+            got = blockwise.quantize_blockwise(xs, E4M3, with_transpose=True, cfg=cfg)
+            want = ref["quantize_blockwise"](xs, E4M3, with_transpose=True)
+            bad = [int((got[i].view(torch.uint8) != want[i].view(torch.uint8)).sum().item()) for i in (0, 2)]
+            same = all(torch.equal(got[i], want[i]) for i in (1, 3))
+            print(f"blockwise 1x128 +transpose {dtype} (333, 1000) block_m{cfg.block_m}: bytes off {bad}, "
+                  f"scales equal {same}", flush=True)
 
 
 def quantize_sweep():

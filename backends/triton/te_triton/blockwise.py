@@ -3,7 +3,8 @@
 A program owns one (BM, 128) tile: the row-wise amax of each 1x128 run (or the whole tile's,
 for 2-D blocks) gives its scale, computed on the device exactly as current scaling does.
 With a transpose, the tile is 128 rows tall so that its columns are the 1x128 runs of x.T:
-one read of x gives both the row-wise and the column-wise quantization.
+one program gives both the row-wise and the column-wise quantization (1x128 runs: in
+cfg.block_m-row, then cfg.block_m-column slices of the tile).
 """
 from __future__ import annotations
 
@@ -33,35 +34,76 @@ def _block_scale(amax, fmax, eps, POW2: tl.constexpr):
 
 
 @triton.jit
+def _amax_of_bits(bits, IN_DTYPE: tl.constexpr):
+    """A max of _abs_bits_of as float32 (NaN above inf)."""
+    if IN_DTYPE == tl.bfloat16:
+        amax = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    elif IN_DTYPE == tl.float16:
+        amax = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)  # a max may widen the int
+    else:
+        amax = bits.to(tl.float32, bitcast=True)
+    return amax
+
+
+@triton.jit
+def _abs_bits_of(v, IN_DTYPE: tl.constexpr):
+    """|v| (of dtype IN_DTYPE) as integer bits of its own width (NaN above inf)."""
+    if IN_DTYPE == tl.float32:
+        bits = abs_bits(v)
+    else:
+        bits = v.to(tl.int16, bitcast=True) & 0x7FFF
+    return bits
+
+
+@triton.jit
 def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, MB, KB, fmax, eps, BM: tl.constexpr,
-                      BLOCK_2D: tl.constexpr, TRANSPOSE: tl.constexpr, POW2: tl.constexpr):
+                      BLOCK_2D: tl.constexpr, TRANSPOSE: tl.constexpr, POW2: tl.constexpr, SUB: tl.constexpr):
     pm = tl.program_id(0)
     pk = tl.program_id(1)
     rows = pm * BM + tl.arange(0, BM)
     cols = pk * 128 + tl.arange(0, 128)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    v = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    bits = abs_bits(v)
     mask_t = (cols[:, None] < K) & (rows[None, :] < M)
-    if BLOCK_2D:
-        # the max over integer bits keeps a NaN (a float max might drop it)
-        scale = _block_scale(tl.max(tl.max(bits, axis=1), axis=0).to(tl.float32, bitcast=True), fmax, eps, POW2)
-        q = saturating_cast(v * scale, fmax, y_ptr.dtype.element_ty)
-        tl.store(y_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
-        tl.store(s_ptr + pm * KB + pk, tl.math.div_rn(1.0, scale))
-        if TRANSPOSE:
-            tl.store(yt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
-            tl.store(st_ptr + pk * MB + pm, tl.math.div_rn(1.0, scale))
+    if not BLOCK_2D and TRANSPOSE:
+        # 1x128 runs both ways from a 128x128 tile, SUB rows then SUB columns at a time: the whole
+        # tile held at once (with its float32 copy) spilled. Each element is read twice; the
+        # second read comes from cache.
+        for h in tl.static_range(BM // SUB):
+            r = pm * BM + h * SUB + tl.arange(0, SUB)
+            m = (r[:, None] < M) & (cols[None, :] < K)
+            v = tl.load(x_ptr + r[:, None] * K + cols[None, :], mask=m, other=0.0)
+            scale = _block_scale(_amax_of_bits(tl.max(_abs_bits_of(v, x_ptr.dtype.element_ty), axis=1),
+                                                x_ptr.dtype.element_ty), fmax, eps, POW2)
+            q = saturating_cast(v.to(tl.float32) * scale[:, None], fmax, y_ptr.dtype.element_ty)
+            tl.store(y_ptr + r[:, None] * K + cols[None, :], q, mask=m)
+            tl.store(s_ptr + r * KB + pk, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=r < M)
+        for h in tl.static_range(128 // SUB):
+            c = pk * 128 + h * SUB + tl.arange(0, SUB)
+            m = (rows[:, None] < M) & (c[None, :] < K)
+            v = tl.load(x_ptr + rows[:, None] * K + c[None, :], mask=m, other=0.0)
+            scale_t = _block_scale(_amax_of_bits(tl.max(_abs_bits_of(v, x_ptr.dtype.element_ty), axis=0),
+                                                  x_ptr.dtype.element_ty), fmax, eps, POW2)
+            qt = saturating_cast(v.to(tl.float32) * scale_t[None, :], fmax, yt_ptr.dtype.element_ty)
+            mt = (c[:, None] < K) & (rows[None, :] < M)
+            tl.store(yt_ptr + c[:, None] * M + rows[None, :], tl.trans(qt), mask=mt)
+            tl.store(st_ptr + c * MB + pm, tl.math.div_rn(tl.zeros_like(scale_t) + 1.0, scale_t), mask=c < K)
     else:
-        scale = _block_scale(tl.max(bits, axis=1).to(tl.float32, bitcast=True), fmax, eps, POW2)
-        q = saturating_cast(v * scale[:, None], fmax, y_ptr.dtype.element_ty)
-        tl.store(y_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
-        tl.store(s_ptr + rows * KB + pk, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=rows < M)
-        if TRANSPOSE:  # BM == 128: each column of the tile is one 1x128 run of x.T
-            scale_t = _block_scale(tl.max(bits, axis=0).to(tl.float32, bitcast=True), fmax, eps, POW2)
-            qt = saturating_cast(v * scale_t[None, :], fmax, yt_ptr.dtype.element_ty)
-            tl.store(yt_ptr + cols[:, None] * M + rows[None, :], tl.trans(qt), mask=mask_t)
-            tl.store(st_ptr + cols * MB + pm, tl.math.div_rn(tl.zeros_like(scale_t) + 1.0, scale_t), mask=cols < K)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        v = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        bits = abs_bits(v)
+        if BLOCK_2D:
+            # the max over integer bits keeps a NaN (a float max might drop it)
+            scale = _block_scale(tl.max(tl.max(bits, axis=1), axis=0).to(tl.float32, bitcast=True), fmax, eps, POW2)
+            q = saturating_cast(v * scale, fmax, y_ptr.dtype.element_ty)
+            tl.store(y_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+            tl.store(s_ptr + pm * KB + pk, tl.math.div_rn(1.0, scale))
+            if TRANSPOSE:
+                tl.store(yt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
+                tl.store(st_ptr + pk * MB + pm, tl.math.div_rn(1.0, scale))
+        else:
+            scale = _block_scale(tl.max(bits, axis=1).to(tl.float32, bitcast=True), fmax, eps, POW2)
+            q = saturating_cast(v * scale[:, None], fmax, y_ptr.dtype.element_ty)
+            tl.store(y_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+            tl.store(s_ptr + rows * KB + pk, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=rows < M)
 
 
 def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, force_pow2_scales=True,
@@ -88,7 +130,7 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
         _blockwise_kernel[(triton.cdiv(M, BM), KB)](
             x, data, scale_inv, data if data_t is None else data_t, scale_inv if scale_inv_t is None else scale_inv_t,
             M, K, MB, KB, fmax, float(amax_epsilon), BM=BM, BLOCK_2D=bool(block_2d), TRANSPOSE=bool(with_transpose),
-            POW2=bool(force_pow2_scales), num_warps=cfg.num_warps)
+            POW2=bool(force_pow2_scales), SUB=min(cfg.block_m, BLOCK), num_warps=cfg.num_warps)
     return data, scale_inv, data_t, scale_inv_t
 
 

@@ -6,18 +6,19 @@ from te_core.reference import cast as ref
 from te_triton import Config, blockwise
 
 
-def _x(shape, seed):
+def _x(shape, seed, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
     # rows of very different magnitudes, so that each block gets its own scale
-    return (torch.randn(shape, generator=g) * torch.logspace(-2, 3, shape[0])[:, None]).to(torch.bfloat16)
+    return (torch.randn(shape, generator=g) * torch.logspace(-2, 3, shape[0])[:, None]).to(dtype)
 
 
 @pytest.mark.parametrize("block_2d", [False, True])
 @pytest.mark.parametrize("with_transpose", [False, True])
 @pytest.mark.parametrize("shape", [(130, 300), (64, 128)])
 @pytest.mark.parametrize("pow2", [True, False])
-def test_matches_reference(block_2d, with_transpose, shape, pow2):
-    x = _x(shape, 1)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_matches_reference(block_2d, with_transpose, shape, pow2, dtype):
+    x = _x(shape, 1, dtype)
     got = blockwise.quantize_blockwise(x, torch.float8_e4m3fn, block_2d=block_2d, with_transpose=with_transpose,
                                        force_pow2_scales=pow2, cfg=Config(block_m=16, num_warps=4))
     want = ref.quantize_blockwise(x, torch.float8_e4m3fn, block_2d=block_2d, with_transpose=with_transpose,
@@ -40,6 +41,20 @@ def test_nan_and_zero_blocks_keep_scale_one():
     _, s, _, _ = blockwise.quantize_blockwise(x, torch.float8_e4m3fn, block_2d=True)
     _, ws, _, _ = ref.quantize_blockwise(x, torch.float8_e4m3fn, block_2d=True)
     assert torch.equal(s, ws) and s.tolist() == [[1.0, 1.0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_1x128_with_transpose_nan_and_inf(dtype):
+    """The 16-bit inputs take their amaxes from 16-bit bits: a NaN or an inf in a run still
+    gives that run (row-wise and column-wise) scale 1, as the reference does."""
+    x = _x((130, 300), 3, dtype)
+    x[5, 7], x[9, 200] = float("nan"), float("inf")
+    x[100, 150] = float("-inf")
+    got = blockwise.quantize_blockwise(x, torch.float8_e4m3fn, with_transpose=True, cfg=Config(block_m=16, num_warps=4))
+    want = ref.quantize_blockwise(x, torch.float8_e4m3fn, with_transpose=True)
+    for i in (1, 3):
+        assert torch.equal(got[i], want[i])
+    assert got[1][5, 0] == 1.0 and got[3][7, 0] == 1.0 and got[3][150, 0] == 1.0
 
 
 def test_bad_inputs_name_the_problem():
