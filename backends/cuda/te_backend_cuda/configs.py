@@ -45,8 +45,9 @@ SCALING = Config(block_m=8, block_n=128, num_warps=4)
 SOFTMAX = Config(num_warps=4)
 ROPE = Config(num_warps=4)
 # 16384x8192 bf16 (probe-blockwise-2026-11-30.log): 128x128 blocks + transpose 3339 GB/s with 8 warps
-# (4: 1976, 16: 1981); 1x128 blocks + transpose, two scale sets per 128x128 tile, 1728 GB/s with 4
-# warps (8: 1332, 16: 1106)
+# (4: 1976, 16: 1981). 1x128 blocks + transpose, two scale sets per 128x128 tile taken in 64-row
+# then 64-column slices (probe-blockwise-slices-2026-11-30-session10.log): 2243 GB/s with 4 warps
+# (8: 1809; 32-row slices: 1872; the whole tile at once, before: 1730)
 BLOCKWISE = Config(block_m=64, num_warps=8)
 BLOCKWISE_1D_TRANSPOSE = Config(block_m=64, num_warps=4)
 LOSS = Config(block=4096, num_warps=8)  # not measured yet
