@@ -4,15 +4,44 @@ cast-transposes (plain, and fused with the gelu backward) at the TransformerLaye
 shapes, per configuration, with and without. Outputs are checked against the production
 configuration's (FP8 bytes and amax equal; dbias within float32 summation order).
 
-    python benchmarks/probe_prefetch.py      # on the GPU
+    python benchmarks/probe_prefetch.py [ct]     # on the GPU (ct: the cast-transpose sweep only)
 """
 from __future__ import annotations
 
 import itertools
 
 
-def main():
+def cast_transpose(sms):
+    """cast_transpose_fp8 at 16384x8192 bf16: one tile per program (production) against programs
+    looping over tiles, with and without prefetch."""
     import torch
+    from te_backend_cuda import configs
+    from te_triton import Config, cast
+    from triton.testing import do_bench
+
+    e4m3 = torch.float8_e4m3fn
+    scale = torch.full((1,), 8.0, device="cuda")
+    x = torch.randn(16384, 8192, device="cuda", dtype=torch.bfloat16) * 3
+    want = cast.cast_transpose_fp8(x, scale, e4m3, configs.CAST_TRANSPOSE)
+    runs = [(64, 128, 4, 0, False)] + [(bm, bn, w, per_sm, pf) for bm, bn, w, per_sm in
+                                       [(64, 128, 4, 8), (64, 128, 4, 4), (32, 128, 4, 16), (64, 64, 4, 16),
+                                        (128, 128, 8, 2), (64, 128, 8, 4)] for pf in (False, True)]
+    for bm, bn, w, per_sm, pf in runs:
+        cfg = Config(block_m=bm, block_n=bn, num_warps=w, max_programs=sms * per_sm, hw_saturate=True, prefetch=pf)
+        got = cast.cast_transpose_fp8(x, scale, e4m3, cfg)
+        ok = all(torch.equal(got[i].view(torch.uint8), want[i].view(torch.uint8)) for i in (0, 1))
+        ok = ok and torch.equal(got[2], want[2])
+        t = do_bench(lambda: cast.cast_transpose_fp8(x, scale, e4m3, cfg), warmup=5, rep=40)
+        print(f"cast_transpose 16384x8192 {bm}x{bn} w{w} x{per_sm}/SM prefetch={int(pf)}: "
+              f"{4 * x.numel() / t / 1e6:.0f} GB/s ({'ok' if ok else 'WRONG'})", flush=True)
+
+
+def main():
+    import sys
+
+    import torch
+    if sys.argv[1:] == ["ct"]:
+        return cast_transpose(torch.cuda.get_device_properties(0).multi_processor_count)
     from te_backend_cuda import configs
     from te_triton import Config, activation, cast
     from triton.testing import do_bench

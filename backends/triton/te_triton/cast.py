@@ -76,20 +76,33 @@ def _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM: tl.con
 
 
 @triton.jit
+def _ct_load(x_ptr, t, n_tn, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """Tile t (row-major over (M/BM, N/BN)) of x in its dtype; zeros outside x."""
+    rows = (t // n_tn) * BM + tl.arange(0, BM)
+    cols = (t % n_tn) * BN + tl.arange(0, BN)
+    return tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=(rows[:, None] < M) & (cols[None, :] < N), other=0.0)
+
+
+@triton.jit
 def _cast_transpose_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, M, N, fmax,
-                           BM: tl.constexpr, BN: tl.constexpr, CLAMP: tl.constexpr):
+                           BM: tl.constexpr, BN: tl.constexpr, CLAMP: tl.constexpr, PREFETCH: tl.constexpr):
+    """PREFETCH (with programs that loop over tiles) loads the next tile before storing this one."""
     pid = tl.program_id(0)
+    step = tl.num_programs(0)
     n_tn = tl.cdiv(N, BN)
     n_tiles = tl.cdiv(M, BM) * n_tn
     scale = tl.load(scale_ptr)
     acc = tl.zeros([], dtype=tl.int32)
-    for t in range(pid, n_tiles, tl.num_programs(0)):
+    if PREFETCH:
+        x_next = _ct_load(x_ptr, pid, n_tn, M, N, BM, BN)
+    for t in range(pid, n_tiles, step):
         tm = t // n_tn
         tn = t % n_tn
-        rows = tm * BM + tl.arange(0, BM)
-        cols = tn * BN + tl.arange(0, BN)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        v = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if PREFETCH:
+            v = x_next.to(tl.float32)
+            x_next = _ct_load(x_ptr, t + step, n_tn, M, N, BM, BN)  # past the last tile: masked off
+        else:
+            v = _ct_load(x_ptr, t, n_tn, M, N, BM, BN).to(tl.float32)
         _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN, CLAMP)
         acc = tl.maximum(acc, tl.max(tl.max(abs_bits(v), axis=1), axis=0))
     tl.atomic_max(amax_ptr, acc)
@@ -149,7 +162,7 @@ def cast_transpose_fp8(x, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFAULT
     if x.numel():
         _cast_transpose_kernel[(grid_size(n_tiles, cfg),)](
             x, y, yt, scale, amax_buf, M, N, fmax, BM=cfg.block_m, BN=cfg.block_n, CLAMP=transpose_clamps(cfg, x),
-            num_warps=cfg.num_warps)
+            PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)
     return y, yt, amax_from_buffer(amax_buf, amax_out)
 
 

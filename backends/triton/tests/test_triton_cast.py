@@ -39,10 +39,11 @@ def test_quantize_saturates_and_keeps_nan():
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
 @pytest.mark.parametrize("shape", [(64, 96), (33, 70), (1, 5)])
-def test_cast_transpose(fp8_dtype, shape):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_cast_transpose(fp8_dtype, shape, prefetch):
     x = _x(shape, torch.bfloat16, 2)
     scale = torch.tensor([3.0])
-    data, data_t, amax = cast.cast_transpose_fp8(x, scale, fp8_dtype, SMALL)
+    data, data_t, amax = cast.cast_transpose_fp8(x, scale, fp8_dtype, dataclasses.replace(SMALL, prefetch=prefetch))
     want, want_t, want_amax = ref.cast_transpose_fp8(x, scale, fp8_dtype)
     assert torch.equal(amax, want_amax)
     assert_fp8_matches(data, want)
