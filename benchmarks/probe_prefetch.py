@@ -1,65 +1,26 @@
-"""Probe: Config.prefetch (a program loads its next block / row tile before working on the
-current one) in the kernels that loop: quantize with amax at 16384x8192, and the dbias
-cast-transposes (plain, and fused with the gelu backward) at the TransformerLayer's gradient
-shapes, per configuration, with and without. Outputs are checked against the production
-configuration's (FP8 bytes and amax equal; dbias within float32 summation order).
+"""Probe: Config.prefetch (a program loads its next row tile before working on the current
+one) in the dbias cast-transposes (plain, and fused with the gelu backward) at the
+TransformerLayer's gradient shapes, per configuration, with and without. Outputs are checked
+against the production configuration's (FP8 bytes equal; dbias within float32 summation order).
+The same option in quantize and cast-transpose (session 10, probe-prefetch*-session10.log)
+was no faster and was removed.
 
-    python benchmarks/probe_prefetch.py [ct]     # on the GPU (ct: the cast-transpose sweep only)
+    python benchmarks/probe_prefetch.py      # on the GPU
 """
 from __future__ import annotations
 
 import itertools
 
 
-def cast_transpose(sms):
-    """cast_transpose_fp8 at 16384x8192 bf16: one tile per program (production) against programs
-    looping over tiles, with and without prefetch."""
-    import torch
-    from te_backend_cuda import configs
-    from te_triton import Config, cast
-    from triton.testing import do_bench
-
-    e4m3 = torch.float8_e4m3fn
-    scale = torch.full((1,), 8.0, device="cuda")
-    x = torch.randn(16384, 8192, device="cuda", dtype=torch.bfloat16) * 3
-    want = cast.cast_transpose_fp8(x, scale, e4m3, configs.CAST_TRANSPOSE)
-    runs = [(64, 128, 4, 0, False)] + [(bm, bn, w, per_sm, pf) for bm, bn, w, per_sm in
-                                       [(64, 128, 4, 8), (64, 128, 4, 4), (32, 128, 4, 16), (64, 64, 4, 16),
-                                        (128, 128, 8, 2), (64, 128, 8, 4)] for pf in (False, True)]
-    for bm, bn, w, per_sm, pf in runs:
-        cfg = Config(block_m=bm, block_n=bn, num_warps=w, max_programs=sms * per_sm, hw_saturate=True, prefetch=pf)
-        got = cast.cast_transpose_fp8(x, scale, e4m3, cfg)
-        ok = all(torch.equal(got[i].view(torch.uint8), want[i].view(torch.uint8)) for i in (0, 1))
-        ok = ok and torch.equal(got[2], want[2])
-        t = do_bench(lambda: cast.cast_transpose_fp8(x, scale, e4m3, cfg), warmup=5, rep=40)
-        print(f"cast_transpose 16384x8192 {bm}x{bn} w{w} x{per_sm}/SM prefetch={int(pf)}: "
-              f"{4 * x.numel() / t / 1e6:.0f} GB/s ({'ok' if ok else 'WRONG'})", flush=True)
-
-
 def main():
-    import sys
-
     import torch
-    if sys.argv[1:] == ["ct"]:
-        return cast_transpose(torch.cuda.get_device_properties(0).multi_processor_count)
     from te_backend_cuda import configs
-    from te_triton import Config, activation, cast
+    from te_triton import Config, activation
     from triton.testing import do_bench
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     e4m3 = torch.float8_e4m3fn
     scale = torch.full((1,), 8.0, device="cuda")
-    x = torch.randn(16384, 8192, device="cuda", dtype=torch.bfloat16) * 3
-    want, want_amax = cast.quantize_fp8(x, scale, e4m3, configs.QUANTIZE)
-    blocks = [(8192, 8, 4), (8192, 8, 2), (8192, 8, 8), (4096, 8, 4), (4096, 8, 8), (4096, 4, 8), (2048, 4, 8),
-              (16384, 16, 2)]  # block, warps, programs per SM
-    for (block, warps, per_sm), prefetch in itertools.product(blocks, (False, True)):
-        cfg = Config(block=block, num_warps=warps, max_programs=sms * per_sm, hw_saturate=True, prefetch=prefetch)
-        y, amax = cast.quantize_fp8(x, scale, e4m3, cfg)
-        ok = torch.equal(y.view(torch.uint8), want.view(torch.uint8)) and torch.equal(amax, want_amax)
-        t = do_bench(lambda: cast.quantize_fp8(x, scale, e4m3, cfg), warmup=5, rep=40)
-        print(f"quantize 16384x8192 block{block} w{warps} x{per_sm}/SM prefetch={int(prefetch)}: "
-              f"{3 * x.numel() / t / 1e6:.0f} GB/s ({'ok' if ok else 'WRONG'})", flush=True)
     tiles = [(32, 64, 4, 16), (32, 64, 4, 8), (64, 64, 4, 8), (32, 128, 4, 8), (64, 64, 8, 8), (32, 64, 8, 8),
              (64, 128, 8, 4), (16, 64, 4, 16)]  # block_m, block_n, warps, programs per SM
     cases = [("dbias_ct", 16384, 4096), ("dbias_ct", 16384, 12288), ("gelu_bwd_dbias_ct", 16384, 16384)]

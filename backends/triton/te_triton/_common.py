@@ -27,8 +27,8 @@ class Config:
     target's float32 -> FP8 convert already saturates finite values to the format's max and
     keeps NaN (NVIDIA's cvt.rn.satfinite, which Triton emits from sm_89 on), so the kernels skip
     their clamp. False keeps the clamp, which the CPU interpreter (a plain numpy cast) needs.
-    prefetch (kernels that loop over tiles: the dbias cast-transpose): load the next tile before
-    working on the current one.
+    prefetch (the dbias cast-transpose, whose programs loop over row tiles): load the next tile
+    before working on the current one.
     """
 
     block: int = 4096

@@ -31,23 +31,15 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 @triton.jit
 def _quantize_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, n, fmax, BLOCK: tl.constexpr, STORE: tl.constexpr,
-                     CLAMP: tl.constexpr, PREFETCH: tl.constexpr):
-    """PREFETCH loads each program's next block before converting the current one."""
+                     CLAMP: tl.constexpr):
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
     scale = tl.load(scale_ptr)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
-    if PREFETCH:
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        x_next = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
     for start in range(pid * BLOCK, n, step):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
-        if PREFETCH:
-            v = x_next.to(tl.float32)
-            x_next = tl.load(x_ptr + offs + step, mask=offs < n - step, other=0.0)  # no int32 overflow
-        else:
-            v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, abs_bits(v))
         if STORE:
             tl.store(y_ptr + offs, saturating_cast(v * scale, fmax, y_ptr.dtype.element_ty, CLAMP), mask=mask)
@@ -76,33 +68,20 @@ def _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM: tl.con
 
 
 @triton.jit
-def _ct_load(x_ptr, t, n_tn, M, N, BM: tl.constexpr, BN: tl.constexpr):
-    """Tile t (row-major over (M/BM, N/BN)) of x in its dtype; zeros outside x."""
-    rows = (t // n_tn) * BM + tl.arange(0, BM)
-    cols = (t % n_tn) * BN + tl.arange(0, BN)
-    return tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=(rows[:, None] < M) & (cols[None, :] < N), other=0.0)
-
-
-@triton.jit
 def _cast_transpose_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, M, N, fmax,
-                           BM: tl.constexpr, BN: tl.constexpr, CLAMP: tl.constexpr, PREFETCH: tl.constexpr):
-    """PREFETCH (with programs that loop over tiles) loads the next tile before storing this one."""
+                           BM: tl.constexpr, BN: tl.constexpr, CLAMP: tl.constexpr):
     pid = tl.program_id(0)
-    step = tl.num_programs(0)
     n_tn = tl.cdiv(N, BN)
     n_tiles = tl.cdiv(M, BM) * n_tn
     scale = tl.load(scale_ptr)
     acc = tl.zeros([], dtype=tl.int32)
-    if PREFETCH:
-        x_next = _ct_load(x_ptr, pid, n_tn, M, N, BM, BN)
-    for t in range(pid, n_tiles, step):
+    for t in range(pid, n_tiles, tl.num_programs(0)):
         tm = t // n_tn
         tn = t % n_tn
-        if PREFETCH:
-            v = x_next.to(tl.float32)
-            x_next = _ct_load(x_ptr, t + step, n_tn, M, N, BM, BN)  # past the last tile: masked off
-        else:
-            v = _ct_load(x_ptr, t, n_tn, M, N, BM, BN).to(tl.float32)
+        rows = tm * BM + tl.arange(0, BM)
+        cols = tn * BN + tl.arange(0, BN)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        v = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN, CLAMP)
         acc = tl.maximum(acc, tl.max(tl.max(abs_bits(v), axis=1), axis=0))
     tl.atomic_max(amax_ptr, acc)
@@ -133,7 +112,7 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, c
     grid = (grid_size(triton.cdiv(n, cfg.block), cfg),)
     if n:
         _quantize_kernel[grid](x, y, scale, amax, n, fmax, BLOCK=cfg.block, STORE=True,
-                               CLAMP=not cfg.hw_saturate, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)
+                               CLAMP=not cfg.hw_saturate, num_warps=cfg.num_warps)
     return y, amax_from_buffer(amax, amax_out)
 
 
@@ -145,7 +124,7 @@ def amax(x: torch.Tensor, cfg: Config = QUANTIZE_DEFAULT) -> torch.Tensor:
     grid = (grid_size(triton.cdiv(n, cfg.block), cfg),)
     if n:
         _quantize_kernel[grid](x, x, buf, buf, n, 1.0, BLOCK=cfg.block, STORE=False,
-                               CLAMP=True, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)
+                               CLAMP=True, num_warps=cfg.num_warps)
     return amax_from_buffer(buf)
 
 
@@ -162,7 +141,7 @@ def cast_transpose_fp8(x, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFAULT
     if x.numel():
         _cast_transpose_kernel[(grid_size(n_tiles, cfg),)](
             x, y, yt, scale, amax_buf, M, N, fmax, BM=cfg.block_m, BN=cfg.block_n, CLAMP=transpose_clamps(cfg, x),
-            PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)
+            num_warps=cfg.num_warps)
     return y, yt, amax_from_buffer(amax_buf, amax_out)
 
 
