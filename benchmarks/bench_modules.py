@@ -69,7 +69,8 @@ def torchao_linear(lin, recipe_name, compile_it=True):
 
 def linear_rows(quick):
     rows = []
-    recipes = {"delayed": te_recipe.DelayedScaling, "current": te_recipe.Float8CurrentScaling}
+    recipes = {"delayed": te_recipe.DelayedScaling, "current": te_recipe.Float8CurrentScaling,
+               "block": te_recipe.Float8BlockScaling}
     for M, K, N in LINEAR_SHAPES[-1:] if quick else LINEAR_SHAPES:
         x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
