@@ -198,8 +198,11 @@ def norm_bwd(dy, x, mean: Optional[torch.Tensor], rstd, weight, *, rms: bool, ze
         raise ValueError(f"dy must be contiguous with x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
     dx = torch.empty_like(x)
     programs = grid_size(M, cfg)
-    dw_part = torch.zeros((programs, N), dtype=torch.float32, device=x.device)
-    db_part = None if rms else torch.zeros((programs, N), dtype=torch.float32, device=x.device)
+    # every program (at most M of them) writes its whole partial row: nothing to zero first,
+    # unless there are no rows (then no program runs and the sums must be 0)
+    alloc = torch.empty if M else torch.zeros
+    dw_part = alloc((programs, N), dtype=torch.float32, device=x.device)
+    db_part = None if rms else alloc((programs, N), dtype=torch.float32, device=x.device)
     if M:
         _norm_bwd_kernel[(programs,)](
             dy, x, rstd if mean is None else mean, rstd, weight, dx, dw_part, dw_part if db_part is None else db_part,

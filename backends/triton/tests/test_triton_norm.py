@@ -144,3 +144,12 @@ def test_layernorm_statistics_hard_rows(case, cfg):
     if case != "offset":  # there a float32 mean's rounding alone moves y by ~5e-4
         want_y = (x64 - want_mean[:, None]) * want_rstd[:, None] * w.double() + b.double()
         torch.testing.assert_close(y.double(), want_y, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_backward_of_no_rows_gives_zero_parameter_grads(rms):
+    x, w, b, dy = _inputs((0, 40), torch.float32, 9)
+    _, mean, rstd, _ = norm.norm_fwd(x, w, None if rms else b, 1e-5, rms=rms, cfg=SMALL)
+    dx, dw, db = norm.norm_bwd(dy, x, mean, rstd, w, rms=rms, cfg=SMALL)
+    assert dx.shape == (0, 40) and torch.equal(dw, torch.zeros(40))
+    assert rms or torch.equal(db, torch.zeros(40))
