@@ -26,12 +26,13 @@ TILE_AMAX_ELEMENTS_PER_THREAD = 32  # beyond this, a per-element running amax co
 def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, amax_ptr, M, N, eps, fmax,
                      BLOCK_N: tl.constexpr, ROWS: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                      FP8_OUT: tl.constexpr, AMAX_MODE: tl.constexpr, CHUNK: tl.constexpr, HOIST: tl.constexpr,
-                     CLAMP: tl.constexpr):
+                     CLAMP: tl.constexpr, EVEN: tl.constexpr):
     """ROWS rows per step. The running amax (AMAX_MODE): 0, one block reduction per step (a
     block-wide barrier); 1, per element (one reduction at the end) when the tile fits registers;
     2, per CHUNK-element chunk (a thread-local max each step). HOIST keeps gamma/beta in
     registers across steps; else they are reloaded each step (cache hits), which frees
-    registers for long rows."""
+    registers for long rows. EVEN (N == BLOCK_N and M a multiple of ROWS): every step is a
+    full tile, so loads, stores and the amax go without per-element masks."""
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HOIST:
@@ -48,12 +49,18 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, 
         rmask = rows < M
         mask = rmask[:, None] & cmask[None, :]
         offs = rows[:, None] * N + cols[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if EVEN:
+            x = tl.load(x_ptr + offs).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if RMS:
             xc = x
         else:
             mean = tl.sum(x, axis=1) / N
-            xc = tl.where(mask, x - mean[:, None], 0.0)
+            if EVEN:
+                xc = x - mean[:, None]
+            else:
+                xc = tl.where(mask, x - mean[:, None], 0.0)
             tl.store(mean_ptr + rows, mean, mask=rmask)
         rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
         tl.store(rstd_ptr + rows, rstd, mask=rmask)
@@ -65,7 +72,10 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, 
         if not RMS:
             y = y + beta[None, :]
         if FP8_OUT:
-            bits = tl.where(mask, abs_bits(y), 0)  # a padding row would otherwise contribute beta
+            if EVEN:
+                bits = abs_bits(y)
+            else:
+                bits = tl.where(mask, abs_bits(y), 0)  # a padding row would otherwise contribute beta
             if AMAX_MODE == 1:
                 acc = tl.maximum(acc, bits)
             elif AMAX_MODE == 2:
@@ -73,9 +83,13 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, 
                 acc = tl.maximum(acc, tl.max(chunks, axis=1))
             else:
                 acc = tl.maximum(acc, tl.max(tl.max(bits, axis=1), axis=0))
-            tl.store(y_ptr + offs, saturating_cast(y * scale, fmax, y_ptr.dtype.element_ty, CLAMP), mask=mask)
+            out = saturating_cast(y * scale, fmax, y_ptr.dtype.element_ty, CLAMP)
         else:
-            tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+            out = y.to(y_ptr.dtype.element_ty)
+        if EVEN:
+            tl.store(y_ptr + offs, out)
+        else:
+            tl.store(y_ptr + offs, out, mask=mask)
     if FP8_OUT:
         if AMAX_MODE == 1:
             tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
@@ -186,7 +200,8 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, zero_centered_gamma=False, fp8_
             x, weight, weight if bias is None else bias, y, rstd if mean is None else mean, rstd, scale, amax_buf,
             M, N, float(eps), fmax, BLOCK_N=block_n, ROWS=rows, RMS=rms,
             ZERO_CENTERED=bool(zero_centered_gamma), FP8_OUT=fp8_out, AMAX_MODE=amax_mode, CHUNK=max(chunk, 1),
-            HOIST=cfg.hoist_params, CLAMP=not cfg.hw_saturate, num_warps=cfg.num_warps)
+            HOIST=cfg.hoist_params, CLAMP=not cfg.hw_saturate, EVEN=block_n == N and M % rows == 0,
+            num_warps=cfg.num_warps)
     return y, mean, rstd, amax_from_buffer(amax_buf, amax_out) if fp8_out else None
 
 

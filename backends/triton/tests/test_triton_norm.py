@@ -53,6 +53,7 @@ def test_rmsnorm(dtype, zc):
     torch.testing.assert_close(dw, wdw, **{**TOL[dtype], "atol": 1e-4})
 
 
+# (8, 64) / (12, 64) with 4 rows per step: full tiles, the kernel's unmasked path (EVEN)
 # SMALL: one row per step; ROWS4: 4 rows per step over 9 rows (a padded step); WIDE: rows too
 # wide for a per-element running amax (the per-row reduction path); RELOAD / RELOAD_WIDE: gamma
 # and beta reloaded each step, amax kept per 8-element chunk (one chunk bigger than a tiny row)
@@ -66,7 +67,7 @@ RELOAD_ONE = Config(num_warps=1, max_programs=2, rows=1, hoist_params=False, ama
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("cfg,shape", [(SMALL, (9, 48)), (ROWS4, (9, 48)), (WIDE, (5, 1500)), (RELOAD, (9, 48)),
-                                       (RELOAD_WIDE, (7, 1500))])
+                                       (RELOAD_WIDE, (7, 1500)), (ROWS4, (8, 64)), (RELOAD, (12, 64))])
 def test_fp8_output(rms, fp8_dtype, cfg, shape):
     x, w, b, _ = _inputs(shape, torch.float32, 3)
     # column 0: every real row's output is below beta[0], a padding row's output would equal it
