@@ -395,26 +395,6 @@ def blockwise_sweep():
                   f"scales equal {same}", flush=True)
 
 
-def even_sweep():
-    """quantize_fp8 and cast_transpose_fp8 with the production configs, on sizes that tile
-    exactly (the unmasked path, EVEN) against ones 16 elements / 16 rows short (masked; still
-    multiples of 16, so Triton's alignment specialization is the same)."""
-    from te_backend_cuda import configs
-    from te_triton import cast
-
-    s = torch.full((1,), 16.0, device="cuda")
-    for n in (16384 * 8192, 16384 * 8192 - 16):
-        x = torch.randn(n, device="cuda", dtype=torch.bfloat16) * 3
-        t = do_bench(lambda: cast.quantize_fp8(x, s, E4M3, configs.QUANTIZE), warmup=5, rep=40)
-        print(f"quantize {n} elements (whole blocks: {n % configs.QUANTIZE.block == 0}): "
-              f"{3 * n / t / 1e6:.0f} GB/s", flush=True)
-    for m in (16384, 16384 - 16):
-        x = torch.randn(m, 8192, device="cuda", dtype=torch.bfloat16) * 3
-        t = do_bench(lambda: cast.cast_transpose_fp8(x, s, E4M3, configs.CAST_TRANSPOSE), warmup=5, rep=40)
-        print(f"cast_transpose {m}x8192 (whole tiles: {m % configs.CAST_TRANSPOSE.block_m == 0}): "
-              f"{4 * x.numel() / t / 1e6:.0f} GB/s", flush=True)
-
-
 def quantize_sweep():
     """quantize_fp8 (delayed: cast with a given scale + amax) and cast_transpose_fp8 per config at
     16384x8192 bf16, checked against the reference bytes and amax."""
@@ -559,7 +539,7 @@ if __name__ == "__main__":
               "norm": norm_sweep, "dbias": dbias_sweep,
               "dbias_tiles": dbias_tiles_sweep, "act_ct": act_ct_probe,
               "dbias_layout": dbias_layout_sweep, "fast_accum": fast_accum_probe,
-              "blockwise": blockwise_sweep, "even": even_sweep, "quantize": quantize_sweep, "gated": gated_sweep,
+              "blockwise": blockwise_sweep, "quantize": quantize_sweep, "gated": gated_sweep,
               "hints": hints_probe}
     for name in sys.argv[1:] or probes:
         probes[name]()

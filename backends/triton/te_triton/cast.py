@@ -31,8 +31,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 @triton.jit
 def _quantize_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, n, fmax, BLOCK: tl.constexpr, STORE: tl.constexpr,
-                     CLAMP: tl.constexpr, EVEN: tl.constexpr):
-    """EVEN (n a multiple of BLOCK): every block is whole, so no per-element masks."""
+                     CLAMP: tl.constexpr):
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
     scale = tl.load(scale_ptr)
@@ -40,17 +39,10 @@ def _quantize_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, n, fmax, BLOCK: tl.const
     for start in range(pid * BLOCK, n, step):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
-        if EVEN:
-            v = tl.load(x_ptr + offs).to(tl.float32)
-        else:
-            v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, abs_bits(v))
         if STORE:
-            q = saturating_cast(v * scale, fmax, y_ptr.dtype.element_ty, CLAMP)
-            if EVEN:
-                tl.store(y_ptr + offs, q)
-            else:
-                tl.store(y_ptr + offs, q, mask=mask)
+            tl.store(y_ptr + offs, saturating_cast(v * scale, fmax, y_ptr.dtype.element_ty, CLAMP), mask=mask)
     tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
 
 
@@ -64,24 +56,20 @@ def transpose_clamps(cfg: Config, x: torch.Tensor) -> bool:
 
 @triton.jit
 def _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM: tl.constexpr, BN: tl.constexpr,
-                         CLAMP: tl.constexpr, EVEN: tl.constexpr = False):
-    """Store one (BM, BN) tile v (float32) cast to FP8, row-wise and column-wise (EVEN: the
-    tile lies wholly inside x, no masks)."""
+                         CLAMP: tl.constexpr):
+    """Store one (BM, BN) tile v (float32) cast to FP8, row-wise and column-wise."""
     rows = tm * BM + tl.arange(0, BM)
     cols = tn * BN + tl.arange(0, BN)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
     q = saturating_cast(v * scale, fmax, y_ptr.dtype.element_ty, CLAMP)
-    if EVEN:
-        tl.store(y_ptr + rows[:, None] * N + cols[None, :], q)
-        tl.store(yt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q))
-    else:
-        tl.store(y_ptr + rows[:, None] * N + cols[None, :], q, mask=(rows[:, None] < M) & (cols[None, :] < N))
-        tl.store(yt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=(cols[:, None] < N) & (rows[None, :] < M))
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], q, mask=mask)
+    mask_t = (cols[:, None] < N) & (rows[None, :] < M)
+    tl.store(yt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
 
 
 @triton.jit
 def _cast_transpose_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, M, N, fmax,
-                           BM: tl.constexpr, BN: tl.constexpr, CLAMP: tl.constexpr, EVEN: tl.constexpr):
-    """EVEN (M a multiple of BM, N of BN): every tile is whole, so no per-element masks."""
+                           BM: tl.constexpr, BN: tl.constexpr, CLAMP: tl.constexpr):
     pid = tl.program_id(0)
     n_tn = tl.cdiv(N, BN)
     n_tiles = tl.cdiv(M, BM) * n_tn
@@ -92,12 +80,9 @@ def _cast_transpose_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, M, N, fmax
         tn = t % n_tn
         rows = tm * BM + tl.arange(0, BM)
         cols = tn * BN + tl.arange(0, BN)
-        if EVEN:
-            v = tl.load(x_ptr + rows[:, None] * N + cols[None, :]).to(tl.float32)
-        else:
-            mask = (rows[:, None] < M) & (cols[None, :] < N)
-            v = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN, CLAMP, EVEN)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        v = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN, CLAMP)
         acc = tl.maximum(acc, tl.max(tl.max(abs_bits(v), axis=1), axis=0))
     tl.atomic_max(amax_ptr, acc)
 
@@ -127,7 +112,7 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, c
     grid = (grid_size(triton.cdiv(n, cfg.block), cfg),)
     if n:
         _quantize_kernel[grid](x, y, scale, amax, n, fmax, BLOCK=cfg.block, STORE=True,
-                               CLAMP=not cfg.hw_saturate, EVEN=n % cfg.block == 0, num_warps=cfg.num_warps)
+                               CLAMP=not cfg.hw_saturate, num_warps=cfg.num_warps)
     return y, amax_from_buffer(amax, amax_out)
 
 
@@ -139,7 +124,7 @@ def amax(x: torch.Tensor, cfg: Config = QUANTIZE_DEFAULT) -> torch.Tensor:
     grid = (grid_size(triton.cdiv(n, cfg.block), cfg),)
     if n:
         _quantize_kernel[grid](x, x, buf, buf, n, 1.0, BLOCK=cfg.block, STORE=False,
-                               CLAMP=True, EVEN=n % cfg.block == 0, num_warps=cfg.num_warps)
+                               CLAMP=True, num_warps=cfg.num_warps)
     return amax_from_buffer(buf)
 
 
@@ -156,7 +141,7 @@ def cast_transpose_fp8(x, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFAULT
     if x.numel():
         _cast_transpose_kernel[(grid_size(n_tiles, cfg),)](
             x, y, yt, scale, amax_buf, M, N, fmax, BM=cfg.block_m, BN=cfg.block_n, CLAMP=transpose_clamps(cfg, x),
-            EVEN=M % cfg.block_m == 0 and N % cfg.block_n == 0, num_warps=cfg.num_warps)
+            num_warps=cfg.num_warps)
     return y, yt, amax_from_buffer(amax_buf, amax_out)
 
 

@@ -17,8 +17,7 @@ def _x(shape, dtype, seed, spread=20.0):
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
-@pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (37, 129)), (torch.float32, (3, 5, 7)), (torch.float16, (1000,)),
-                                         (torch.bfloat16, (8, 96))])  # the last: whole blocks (unmasked path)
+@pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (37, 129)), (torch.float32, (3, 5, 7)), (torch.float16, (1000,))])
 def test_quantize_fp8(fp8_dtype, dtype, shape):
     x = _x(shape, dtype, 1)
     scale = torch.tensor([7.5])
