@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 from te_triton._common import abs_bits
-from te_triton.activation import _act, _dact
+from te_triton.activation import _act, _dact, _dbias_ct_load
 from te_triton.cast import _cast_transpose_tile
 from triton.testing import do_bench
 
@@ -190,6 +190,16 @@ def dbias_sweep():
 
 
 @triton.jit
+def _gradient_tile(g_ptr, x_ptr, tm, cols, M, N, BM: tl.constexpr, ACT: tl.constexpr):
+    """Row tile tm of the gradient as te_triton's dbias kernel forms it (ACT: g * gelu'(x),
+    rounded to x's dtype), in float32."""
+    g, x = _dbias_ct_load(g_ptr, x_ptr, tm, cols, M, N, BM, ACT)
+    if ACT:
+        return (g.to(tl.float32) * _dact(x.to(tl.float32), 0)).to(x.dtype).to(tl.float32)
+    return g.to(tl.float32)
+
+
+@triton.jit
 def _dbias_tiles_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr, M, N, fmax, ACT: tl.constexpr,
            BM: tl.constexpr, BN: tl.constexpr, TPP: tl.constexpr):
     pid = tl.program_id(0)
@@ -201,16 +211,8 @@ def _dbias_tiles_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_
     acc = tl.zeros([BM, BN], dtype=tl.int32)
     for i in tl.static_range(TPP):
         tm = tg * TPP + i
-        rows = tm * BM + tl.arange(0, BM)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        off = rows[:, None] * N + cols[None, :]
-        g = tl.load(g_ptr + off, mask=mask, other=0.0)
-        if ACT:
-            x = tl.load(x_ptr + off, mask=mask, other=0.0)
-            v = (g.to(tl.float32) * _dact(x.to(tl.float32), 0)).to(x.dtype).to(tl.float32)
-        else:
-            v = g.to(tl.float32)
-        _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN)
+        v = _gradient_tile(g_ptr, x_ptr, tm, cols, M, N, BM, ACT)
+        _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN, True)
         colsum += v
         acc = tl.maximum(acc, abs_bits(v))
     tl.store(dbias_ptr + tg * N + cols, tl.sum(colsum, axis=0), mask=cols < N)
@@ -227,7 +229,7 @@ def _act_ct_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, M, N, fmax, BM: tl
     cols = tn * BN + tl.arange(0, BN)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     v = _act(tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32), 0)
-    _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, tl.load(scale_ptr), fmax, BM, BN)
+    _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, tl.load(scale_ptr), fmax, BM, BN, True)
     tl.atomic_max(amax_ptr, tl.max(tl.max(abs_bits(v), axis=1), axis=0))
 
 
@@ -278,17 +280,9 @@ def _dbias_chunks_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias
     colsum = tl.zeros([BM, BN], dtype=tl.float32)
     acc = tl.zeros([BM, BN], dtype=tl.int32)
     for tm in range(g * per, tl.minimum(g * per + per, n_tm)):
-        rows = tm * BM + tl.arange(0, BM)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        off = rows[:, None] * N + cols[None, :]
-        gv = tl.load(g_ptr + off, mask=mask, other=0.0)
-        if ACT:
-            x = tl.load(x_ptr + off, mask=mask, other=0.0)
-            v = (gv.to(tl.float32) * _dact(x.to(tl.float32), 0)).to(x.dtype).to(tl.float32)
-        else:
-            v = gv.to(tl.float32)
+        v = _gradient_tile(g_ptr, x_ptr, tm, cols, M, N, BM, ACT)
         colsum += v
-        _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN)
+        _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN, True)
         acc = tl.maximum(acc, abs_bits(v))
     tl.store(dbias_ptr + g * N + cols, tl.sum(colsum, axis=0), mask=cols < N)
     tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
@@ -323,7 +317,7 @@ def dbias_layout_sweep():
                 if walk == "strided":
                     _dbias_ct_kernel[(groups * n_tn,)](dy, dy if xx is None else xx, y, yt, s, amax, part, M, N, 448.0,
                                                        groups, ACT=xx is not None, KIND=0, BM=bm, BN=bn,
-                                                       num_warps=w, **extra)
+                                                       CLAMP=True, PREFETCH=False, num_warps=w, **extra)
                 else:
                     _dbias_chunks_kernel[(groups * n_tn,)](dy, dy if xx is None else xx, y, yt, s, amax, part, M, N,
                                                            448.0, groups, ACT=xx is not None, BM=bm, BN=bn,

@@ -62,7 +62,6 @@ def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, MB, KB, fmax, e
     pk = tl.program_id(1)
     rows = pm * BM + tl.arange(0, BM)
     cols = pk * 128 + tl.arange(0, 128)
-    mask_t = (cols[:, None] < K) & (rows[None, :] < M)
     if not BLOCK_2D and TRANSPOSE:
         # 1x128 runs both ways from a 128x128 tile, SUB rows then SUB columns at a time: the whole
         # tile held at once (with its float32 copy) spilled. Each element is read twice; the
@@ -97,6 +96,7 @@ def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, MB, KB, fmax, e
             tl.store(y_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
             tl.store(s_ptr + pm * KB + pk, tl.math.div_rn(1.0, scale))
             if TRANSPOSE:
+                mask_t = (cols[:, None] < K) & (rows[None, :] < M)
                 tl.store(yt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
                 tl.store(st_ptr + pk * MB + pm, tl.math.div_rn(1.0, scale))
         else:
