@@ -316,8 +316,9 @@ def dbias_layout_sweep():
                 part = torch.empty((groups, N), dtype=torch.float32, device="cuda")
                 if walk == "strided":
                     _dbias_ct_kernel[(groups * n_tn,)](dy, dy if xx is None else xx, y, yt, s, amax, part, M, N, 448.0,
-                                                       groups, ACT=xx is not None, KIND=0, BM=bm, BN=bn,
-                                                       CLAMP=True, PREFETCH=False, num_warps=w, **extra)
+                                                       groups, dy, dy, N, N, ACT=xx is not None, KIND=0, BM=bm,
+                                                       BN=bn, CLAMP=True, PREFETCH=False, PARTS=1, num_warps=w,
+                                                       **extra)
                 else:
                     _dbias_chunks_kernel[(groups * n_tn,)](dy, dy if xx is None else xx, y, yt, s, amax, part, M, N,
                                                            448.0, groups, ACT=xx is not None, BM=bm, BN=bn,

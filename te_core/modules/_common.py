@@ -197,3 +197,13 @@ def normalized_size(normalized_shape: Union[int, Sequence[int]], module: str) ->
             f"{module}: normalized_shape must be a positive int or a tuple of them, got {normalized_shape!r}"
         )
     return shape, math.prod(shape)
+
+
+def check_split_sizes(split_sizes, total: int, module: str) -> Tuple[int, ...]:
+    """split_sizes as a tuple of positive ints summing to `total` (the output features)."""
+    sizes = tuple(split_sizes)
+    if not sizes or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
+        raise ValueError(f"{module}: split_sizes must be positive integers, got {split_sizes!r}")
+    if sum(sizes) != total:
+        raise ValueError(f"{module}: split_sizes {list(sizes)} sum to {sum(sizes)}, not out_features={total}")
+    return sizes

@@ -7,7 +7,7 @@ kept for the backward GEMMs; dgrad flows into the norm's backward.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +20,7 @@ from ._common import (
     check_input,
     check_normalization,
     check_positive,
+    check_split_sizes,
     compute_dtype,
     default_init_method,
     hp_weight,
@@ -55,10 +56,15 @@ def norm_settings(module: QuantizedModule) -> dict:
     return dict(eps=module.eps, normalization=module.normalization, zero_centered_gamma=module.zero_centered_gamma)
 
 
-def fused_outputs(y: Tensor, inp: Tensor, out_features: int, bias: Optional[Tensor], ln_out: Optional[Tensor]):
-    """y shaped like inp (last dim out_features), then the bias when it is returned unapplied,
-    then the norm's output when it is returned: a tensor alone, else a tuple (TE's order)."""
-    result = (y.view(*inp.shape[:-1], out_features),)
+def fused_outputs(y, inp: Tensor, out_features: int, bias: Optional[Tensor], ln_out: Optional[Tensor]):
+    """y shaped like inp (last dim out_features; a tuple of split views each shaped so), then
+    the bias when it is returned unapplied, then the norm's output when it is returned: a
+    tensor alone, else a tuple (TE's order)."""
+    lead = inp.shape[:-1]
+    if isinstance(y, tuple):
+        result = (tuple(part.view(*lead, part.shape[-1]) for part in y),)
+    else:
+        result = (y.view(*lead, out_features),)
     if bias is not None:
         result += (bias,)
     if ln_out is not None:
@@ -111,7 +117,7 @@ def normalized_operand(
 
 class _LayerNormLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ln_weight, ln_bias, weight, bias, step, norm, return_ln_out):
+    def forward(ctx, x, ln_weight, ln_bias, weight, bias, step, norm, return_ln_out, split_sizes):
         ln_out_q, stats, ln_out = normalized_operand(
             step, "input", x, ln_weight, ln_bias, norm, columnwise=weight.requires_grad, keep_hp=return_ln_out
         )
@@ -126,17 +132,21 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.needs = (x.requires_grad, weight.requires_grad)
         ctx.needs_norm = needs_norm_grad(x, ln_weight, ln_bias)
-        if return_ln_out:
-            return y, ln_out
-        return y
+        ctx.parts = 1 if split_sizes is None else len(split_sizes)
+        # split: the views' gradients arrive one by one and the gradient cast reads them in
+        # place, where autograd would first concatenate them (q, k, v: 3 x 128 MiB at s2048 b8)
+        outs = (y,) if split_sizes is None else y.split(split_sizes, dim=-1)
+        return (*outs, ln_out) if return_ln_out else (outs[0] if split_sizes is None else outs)
 
     @staticmethod
-    def backward(ctx, dy, d_ln_out=None):
+    def backward(ctx, *grads):
         x, ln_weight, ln_out_q, w_q, *stats = ctx.saved_tensors
         step = ctx.step
         needs_dx, needs_dw = ctx.needs
+        dys = [g.to(x.dtype) for g in grads[: ctx.parts]]
+        d_ln_out = grads[ctx.parts] if len(grads) > ctx.parts else None
         dy_q, dbias = step.grad_operand(
-            "grad_output", dy.to(x.dtype), columnwise=needs_dw, with_dbias=ctx.bias_dtype is not None
+            "grad_output", dys[0] if ctx.parts == 1 else dys, columnwise=needs_dw, with_dbias=ctx.bias_dtype is not None
         )
         dw = wgrad_gemm(dy_q, ln_out_q, out_dtype=ctx.weight_dtype) if needs_dw else None
         d_ln = norm_input_grad(ctx, dy_q, w_q, d_ln_out, x.dtype)
@@ -144,7 +154,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         dx, d_ln_w, d_ln_b = norm_grads(ctx, d_ln, x, stats, ln_weight)
         step.backward_done()
         dbias = None if dbias is None else dbias.to(ctx.bias_dtype)
-        return dx if needs_dx else None, d_ln_w, d_ln_b, dw, dbias, None, None, None
+        return dx if needs_dx else None, d_ln_w, d_ln_b, dw, dbias, None, None, None, None
 
 
 class LayerNormLinear(QuantizedModule):
@@ -203,8 +213,14 @@ class LayerNormLinear(QuantizedModule):
             if self.bias is not None:
                 nn.init.zeros_(self.bias)
 
-    def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False):
+    def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False, *,
+                split_sizes: Optional[Sequence[int]] = None):
+        """`split_sizes` (te-core): return the output as a tuple of views split along its last
+        dimension, as torch.split would; the backward then takes their gradients without
+        concatenating them (a fused QKV projection feeding attention)."""
         check_input(inp, self.in_features, module="LayerNormLinear", device=self.weight.device)
+        if split_sizes is not None:
+            split_sizes = check_split_sizes(split_sizes, self.out_features, "LayerNormLinear")
         dtype = compute_dtype(inp)
         x = inp.reshape(-1, self.in_features).to(dtype)
         step = self.quantization_step(is_first_microbatch)
@@ -221,6 +237,10 @@ class LayerNormLinear(QuantizedModule):
                 step,
                 norm,
                 self.return_layernorm_output,
+                split_sizes,
             )
-        y, ln_out = out if self.return_layernorm_output else (out, None)
+        if self.return_layernorm_output:
+            y, ln_out = (out[0] if split_sizes is None else out[:-1]), out[-1]
+        else:
+            y, ln_out = out, None
         return fused_outputs(y, inp, self.out_features, self.bias if self.return_bias else None, ln_out)

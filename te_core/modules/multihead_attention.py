@@ -104,7 +104,12 @@ class MultiheadAttention(QuantizedContainer):
                 f"{name}: hidden_states must be 3-D ({self.qkv_format}), got shape {tuple(hidden_states.shape)}"
             )
         proj_in = getattr(self, _input_proj_name(self.attention_type, self.input_layernorm))
-        projected = proj_in(hidden_states, is_first_microbatch=is_first_microbatch)
+        h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
+        if self.attention_type == "self" and self.input_layernorm:
+            # q, k and v as views whose gradients the projection's backward reads in place
+            projected = proj_in(hidden_states, is_first_microbatch=is_first_microbatch, split_sizes=(h * d, g * d, g * d))
+        else:
+            projected = proj_in(hidden_states, is_first_microbatch=is_first_microbatch)
         ln_out = None
         if self.input_layernorm and self.return_layernorm_output:
             projected, ln_out = projected
@@ -130,9 +135,9 @@ class MultiheadAttention(QuantizedContainer):
         self, projected: Tensor, encoder_output: Optional[Tensor], is_first_microbatch
     ) -> Tuple[Tensor, Tensor, Tensor]:
         h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
-        lead = projected.shape[:2]
+        lead = (projected[0] if isinstance(projected, tuple) else projected).shape[:2]
         if self.attention_type == "self":
-            q, k, v = projected.split([h * d, g * d, g * d], dim=-1)
+            q, k, v = projected if isinstance(projected, tuple) else projected.split([h * d, g * d, g * d], dim=-1)
         else:
             if encoder_output is None:
                 raise ValueError("MultiheadAttention: attention_type='cross' needs encoder_output")

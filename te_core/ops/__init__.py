@@ -13,6 +13,7 @@ from .activation import (
     activation_fwd,
     dbias,
     dbias_cast_transpose,
+    dbias_cast_transpose_parts,
 )
 from .attention import ATTN_MASK_TYPES, attention
 from .cast import (

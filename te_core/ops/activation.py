@@ -11,7 +11,7 @@ x's dtype and amax None.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -60,6 +60,16 @@ def dbias_cast_transpose(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """For a 2-D gradient dy (M, N): (data, data_t, dbias, amax) = cast_transpose_fp8(dy) and
     dbias(dy), in one pass (`amax_out` as for cast_transpose_fp8)."""
+
+
+@contract_op("activation", _fp8_arg_caps)
+def dbias_cast_transpose_parts(
+    parts: Sequence[Tensor], scale: Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[Tensor] = None
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dbias_cast_transpose of dy = torch.cat(parts, dim=1) without materializing dy: `parts` are
+    2-D gradients of one dtype and device with the same number of rows, dy's column blocks in
+    order (the gradients of q, k and v reach a fused QKV projection this way). Returns the
+    same (data, data_t, dbias, amax) as dbias_cast_transpose(dy)."""
 
 
 @contract_op("activation", _fp8_arg_caps)

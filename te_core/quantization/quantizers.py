@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from ..backend.dispatch import fallback_reason
 from .block_tensor import Float8BlockwiseTensor, MXFP8Tensor
 from .float8_tensor import Float8Tensor
 from .roles import Role
@@ -31,6 +32,11 @@ def _as_2d(x: Tensor, what: str) -> Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+def joined(dy) -> Tensor:
+    """A gradient given as a list of its column blocks, concatenated; a tensor as it is."""
+    return torch.cat(dy, dim=-1) if isinstance(dy, (list, tuple)) else dy
+
+
 class Quantizer:
     """Base: casts tensors of one role to one FP8 format."""
 
@@ -46,7 +52,9 @@ class Quantizer:
         raise NotImplementedError
 
     def quantize_with_dbias(self, dy: Tensor, *, columnwise: bool = True) -> Tuple[QuantizedTensor, Tensor]:
-        """A 2-D gradient quantized, with its bias gradient (sum over rows)."""
+        """A 2-D gradient quantized, with its bias gradient (sum over rows). dy may be a list
+        of the gradient's column blocks (see QuantizationStep.grad_operand)."""
+        dy = joined(dy)
         return self.quantize(dy, columnwise=columnwise), ops.dbias(dy)
 
     def quantize_primary(self, x: Tensor) -> QuantizedTensor:
@@ -99,8 +107,12 @@ class Float8Quantizer(Quantizer):
             (data, _), data_t = ops.quantize_fp8(x, scale, self.fp8_dtype, amax_out=slot), None
         return self._wrap(data, data_t, x.dtype)
 
-    def quantize_with_dbias(self, dy: Tensor, *, columnwise: bool = True):
+    def quantize_with_dbias(self, dy, *, columnwise: bool = True):
         slot = self.scaling_group.amax_slot(self.column)
+        if isinstance(dy, (list, tuple)) and fallback_reason("dbias_cast_transpose_parts") is None:
+            data, data_t, dbias, _ = ops.dbias_cast_transpose_parts(dy, self.scale, self.fp8_dtype, amax_out=slot)
+            return self._wrap(data, data_t, dy[0].dtype), dbias
+        dy = joined(dy)  # a backend without the parts op still has its one-tensor kernel
         data, data_t, dbias, _ = ops.dbias_cast_transpose(dy, self.scale, self.fp8_dtype, amax_out=slot)
         return self._wrap(data, data_t, dy.dtype), dbias
 

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .. import ops
 from .gemm import check_gemm_dims
+from .quantizers import joined
 from .scaling import schedule_backward_update
 from .tensor import QuantizedTensor
 
@@ -35,6 +36,9 @@ class HighPrecisionStep:
 
     def grad_operand(self, slot: str, dy: Tensor, *, columnwise: bool = False,
                      with_dbias: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        """(operand, dbias or None). dy may be a list of the gradient's column blocks (a fused
+        QKV projection's q, k and v gradients): the FP8 cast then reads them in place."""
+        dy = joined(dy)
         return dy, (ops.dbias(dy) if with_dbias else None)
 
     def fused_cast_args(self, slot: str) -> Optional[dict]:
@@ -92,6 +96,7 @@ class CalibrationStep(HighPrecisionStep):
         return weight
 
     def grad_operand(self, slot, dy, *, columnwise=False, with_dbias=False):
+        dy = joined(dy)
         self._observe(slot, dy)
         return super().grad_operand(slot, dy, with_dbias=with_dbias)
 
@@ -141,7 +146,7 @@ class QuantizationStep(CalibrationStep):
         if with_dbias:
             result, dbias = quantizer.quantize_with_dbias(dy, columnwise=columnwise)
         else:
-            result, dbias = quantizer.quantize(dy, columnwise=columnwise), None
+            result, dbias = quantizer.quantize(joined(dy), columnwise=columnwise), None
         self._used(quantizer)
         return result, dbias
 

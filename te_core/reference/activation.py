@@ -149,6 +149,30 @@ def dbias_cast_transpose(
     return data, data_t, dbias(dy), amax
 
 
+def dbias_cast_transpose_parts(
+    parts, scale: Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[Tensor] = None
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    return dbias_cast_transpose(join_column_parts(parts), scale, fp8_dtype, amax_out=amax_out)
+
+
+def join_column_parts(parts) -> Tensor:
+    """torch.cat(parts, dim=1) after checking that the parts are column blocks of one gradient."""
+    if not isinstance(parts, (list, tuple)) or not parts:
+        raise TypeError(f"parts must be a non-empty list or tuple of 2-D tensors, got {type(parts).__name__}")
+    for i, part in enumerate(parts):
+        check_float(f"parts[{i}]", part)
+        check_ndim(f"parts[{i}]", part, 2)
+    first = parts[0]
+    for i, part in enumerate(parts[1:], start=1):
+        if part.shape[0] != first.shape[0]:
+            raise ValueError(f"parts[{i}] has {part.shape[0]} rows but parts[0] has {first.shape[0]}; "
+                             "the parts must be column blocks of one gradient")
+        if part.dtype != first.dtype or part.device != first.device:
+            raise ValueError(f"parts[{i}] is {part.dtype} on {part.device} but parts[0] is {first.dtype} on "
+                             f"{first.device}; the parts must share one dtype and device")
+    return torch.cat(parts, dim=1)
+
+
 def activation_bwd_dbias_cast_transpose(
     dy: Tensor, x: Tensor, kind: str, scale: Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[Tensor] = None
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -294,6 +294,12 @@ def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out=None):
     return activation.dbias_cast_transpose(dy, scale, fp8_dtype, configs.DBIAS_CAST_TRANSPOSE, amax_out=amax_out)
 
 
+def dbias_cast_transpose_parts(parts, scale, fp8_dtype, *, amax_out=None):
+    with _guard(parts[0]):
+        return activation.dbias_cast_transpose_parts(parts, scale, fp8_dtype, configs.DBIAS_CAST_TRANSPOSE,
+                                                     amax_out=amax_out)
+
+
 def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, *, amax_out=None):
     return activation.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, configs.DBIAS_CAST_TRANSPOSE,
                                                           configs.ELEMENTWISE, amax_out=amax_out)
@@ -321,6 +327,26 @@ def _act_bwd_ok(dy, x, kind):
 
 def _dbias_ct_ok(dy, scale, fp8_dtype, *, amax_out=None):
     return _cast_2d_ok(dy, scale, amax_out=amax_out)
+
+
+def _dbias_ct_parts_ok(parts, scale, fp8_dtype, *, amax_out=None):
+    """Parts that are column blocks of one CUDA gradient; the launcher concatenates those it
+    cannot read in place, so only what the reference must explain is declined."""
+    if not isinstance(parts, (list, tuple)) or not parts or not all(isinstance(p, torch.Tensor) for p in parts):
+        return False, "parts is not a non-empty list of tensors"
+    first = parts[0]
+    for p in parts:
+        if p.dim() != 2 or p.shape[0] != first.shape[0] or p.dtype != first.dtype or p.device != first.device:
+            return False, "the parts are not 2-D column blocks of one dtype, row count and device"
+        ok, why = _tensor_ok(p if p.is_contiguous() else first, "a part")
+        if not ok:
+            return ok, why
+    if first.shape[0] * sum(p.shape[1] for p in parts) > MAX_NUMEL:
+        return False, "the parts hold more than 2^31 elements"
+    for ok, why in (_scale_ok(scale, first), amax_out_ok(amax_out, first), _fp8_out_device_ok(first)):
+        if not ok:
+            return ok, why
+    return True, ""
 
 
 def _act_bwd_dbias_ct_ok(dy, x, kind, scale, fp8_dtype, *, amax_out=None):
@@ -448,4 +474,5 @@ def ops() -> Dict[str, OpImpl]:
     }
     impls = {name: OpImpl(_on_device(fn), supports) for name, (fn, supports) in table.items()}
     impls["delayed_scaling_update"] = OpImpl(delayed_scaling_update, _scaling_ok)
+    impls["dbias_cast_transpose_parts"] = OpImpl(dbias_cast_transpose_parts, _dbias_ct_parts_ok)  # guards itself
     return impls

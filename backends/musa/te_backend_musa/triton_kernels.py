@@ -32,6 +32,7 @@ LAUNCHERS: Dict[str, Tuple[str, str, dict, Dict[str, str]]] = {
     "activation_fwd": ("activation", "activation_fwd", {}, {"cfg": "elementwise"}),
     "activation_bwd": ("activation", "activation_bwd", {}, {"cfg": "elementwise"}),
     "dbias_cast_transpose": ("activation", "dbias_cast_transpose", {}, {"cfg": "cast_transpose"}),
+    "dbias_cast_transpose_parts": ("activation", "dbias_cast_transpose_parts", {}, {"cfg": "cast_transpose"}),
     "activation_bwd_dbias_cast_transpose": (
         "activation", "activation_bwd_dbias_cast_transpose", {}, {"cfg": "cast_transpose", "act_cfg": "elementwise"},
     ),

@@ -124,29 +124,41 @@ def _dbias_ct_load(g_ptr, x_ptr, tm, cols, M, N, BM: tl.constexpr, ACT: tl.const
 
 @triton.jit
 def _dbias_ct_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr, M, N, fmax, groups,
+                     g1_ptr, g2_ptr, B1, B2,
                      ACT: tl.constexpr, KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     CLAMP: tl.constexpr, PREFETCH: tl.constexpr):
+                     CLAMP: tl.constexpr, PREFETCH: tl.constexpr, PARTS: tl.constexpr):
     """Cast-transpose of a gradient with its column sums (dbias). ACT: the gradient is
     dx = g * act'(x) (non-gated), rounded to x's dtype as the unfused ops do; else it is g.
 
     A program owns one column strip and every `groups`-th row tile of it, so column sums and
     the amax build up element-wise in registers: one reduction and one atomic per program, and
     a (groups, N) partial-sum buffer, instead of a reduction per tile. PREFETCH loads the next
-    tile before working on the current one."""
+    tile before working on the current one.
+
+    PARTS > 1: g is not one tensor but the column blocks g_ptr | g1_ptr | g2_ptr, starting at
+    columns 0, B1 and B2, each a whole number of strips wide; a strip reads from its block."""
     pid = tl.program_id(0)
     tn = pid // groups
     cols = tn * BN + tl.arange(0, BN)
+    src, src_cols, src_n = g_ptr, cols, N
+    if PARTS > 1:
+        if tn * BN >= B2:
+            src, src_cols, src_n = g2_ptr, cols - B2, N - B2
+        elif tn * BN >= B1:
+            src, src_cols, src_n = g1_ptr, cols - B1, B2 - B1
+        else:
+            src_n = B1
     scale = tl.load(scale_ptr)
     colsum = tl.zeros([BM, BN], dtype=tl.float32)
     acc = tl.zeros([BM, BN], dtype=tl.int32)
     if PREFETCH:
-        g_next, x_next = _dbias_ct_load(g_ptr, x_ptr, pid % groups, cols, M, N, BM, ACT)
+        g_next, x_next = _dbias_ct_load(src, x_ptr, pid % groups, src_cols, M, src_n, BM, ACT)
     for tm in range(pid % groups, tl.cdiv(M, BM), groups):
         if PREFETCH:
             g, x = g_next, x_next
-            g_next, x_next = _dbias_ct_load(g_ptr, x_ptr, tm + groups, cols, M, N, BM, ACT)
+            g_next, x_next = _dbias_ct_load(src, x_ptr, tm + groups, src_cols, M, src_n, BM, ACT)
         else:
-            g, x = _dbias_ct_load(g_ptr, x_ptr, tm, cols, M, N, BM, ACT)
+            g, x = _dbias_ct_load(src, x_ptr, tm, src_cols, M, src_n, BM, ACT)
         if ACT:
             v = (g.to(tl.float32) * _dact(x.to(tl.float32), KIND)).to(x.dtype).to(tl.float32)
         else:
@@ -158,11 +170,17 @@ def _dbias_ct_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr
     tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
 
 
-def _dbias_cast_transpose(g, x, kind, scale, fp8_dtype, cfg: Config, amax_out):
-    """(data, data_t, dbias in x's dtype, amax) of g (x is None) or of activation_bwd(g, x, kind)."""
+def _dbias_cast_transpose(g, x, kind, scale, fp8_dtype, cfg: Config, amax_out, parts=None):
+    """(data, data_t, dbias in x's dtype, amax) of g (x is None) or of activation_bwd(g, x, kind),
+    or of the column blocks `parts` of g (at most three, each a whole number of block_n wide)."""
     fmax = fp8_max(fp8_dtype)
+    blocks = [g] if parts is None else list(parts)
+    g = blocks[0]
     src = g if x is None else x
-    M, N = src.shape
+    widths = [b.shape[1] for b in blocks]
+    M, N = src.shape[0], sum(widths)
+    starts = [min(sum(widths[:i]), N) for i in (1, 2)]  # where blocks 1 and 2 begin (N: no such block)
+    blocks += [blocks[-1]] * (3 - len(blocks))
     y = torch.empty((M, N), dtype=fp8_dtype, device=src.device)
     yt = torch.empty((N, M), dtype=fp8_dtype, device=src.device)
     amax_buf = new_amax_buffer(src.device, amax_out)
@@ -170,11 +188,12 @@ def _dbias_cast_transpose(g, x, kind, scale, fp8_dtype, cfg: Config, amax_out):
     # row groups per column strip: enough programs to fill the GPU (cfg.max_programs), no more
     groups = max(1, min(n_tm, cfg.max_programs // n_tn)) if cfg.max_programs > 0 else n_tm
     partial = torch.empty((groups, N), dtype=torch.float32, device=src.device)
-    if src.numel():
+    if M * N:
         _dbias_ct_kernel[(groups * n_tn,)](
-            g, src, y, yt, scale, amax_buf, partial, M, N, fmax, groups, ACT=x is not None,
-            KIND=KIND_IDS.get(kind, 0), BM=cfg.block_m, BN=cfg.block_n, CLAMP=transpose_clamps(cfg, src),
-            PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)
+            g, src, y, yt, scale, amax_buf, partial, M, N, fmax, groups, blocks[1], blocks[2], starts[0], starts[1],
+            ACT=x is not None, KIND=KIND_IDS.get(kind, 0), BM=cfg.block_m, BN=cfg.block_n,
+            CLAMP=transpose_clamps(cfg, src), PREFETCH=cfg.prefetch, PARTS=1 if parts is None else len(parts),
+            num_warps=cfg.num_warps)
     dbias = partial.sum(dim=0) if M else torch.zeros(N, dtype=torch.float32, device=src.device)
     return y, yt, dbias.to(src.dtype), amax_from_buffer(amax_buf, amax_out)
 
@@ -232,6 +251,37 @@ def dbias_cast_transpose(dy, scale, fp8_dtype, cfg: Config = DBIAS_CAST_TRANSPOS
     """(data, data_t, dbias, amax) as te_core.ops.dbias_cast_transpose."""
     _check_input(dy, scale, two_d=True)
     return _dbias_cast_transpose(dy, None, None, scale, fp8_dtype, cfg, amax_out)
+
+
+def dbias_cast_transpose_parts(parts, scale, fp8_dtype, cfg: Config = DBIAS_CAST_TRANSPOSE_DEFAULT, *,
+                               amax_out=None):
+    """(data, data_t, dbias, amax) as te_core.ops.dbias_cast_transpose_parts. The kernel reads
+    up to three contiguous parts in place when each is a whole number of cfg.block_n columns
+    wide (a strip then lies in one part); other parts are concatenated first."""
+    parts = list(parts) if isinstance(parts, (list, tuple)) else parts
+    if not isinstance(parts, list) or not parts or not all(isinstance(p, torch.Tensor) for p in parts):
+        raise TypeError("parts must be a non-empty list or tuple of 2-D tensors")
+    for i, p in enumerate(parts):
+        if p.dim() != 2 or p.shape[0] != parts[0].shape[0] or p.dtype != parts[0].dtype or p.device != parts[0].device:
+            raise ValueError(f"parts[{i}] ({p.dtype}, shape {tuple(p.shape)}, {p.device}) is not a column block "
+                             f"matching parts[0] ({parts[0].dtype}, {parts[0].shape[0]} rows, {parts[0].device})")
+    direct = 1 < len(parts) <= 3 and all(p.is_contiguous() and p.shape[1] % cfg.block_n == 0 for p in parts)
+    if not direct:
+        dy = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return dbias_cast_transpose(dy, scale, fp8_dtype, cfg, amax_out=amax_out)
+    for p in parts:
+        _check_input(p, scale, two_d=True)
+    if parts[0].shape[0] * sum(p.shape[1] for p in parts) > MAX_NUMEL:
+        raise ValueError(f"the parts hold more than {MAX_NUMEL} elements; these kernels index with int32")
+    return _dbias_cast_transpose(None, None, None, scale, fp8_dtype, cfg, amax_out, parts=parts)
+
+
+def dbias_cast_transpose_parts_supports(parts, *args, **kwargs):
+    """For backends binding the launcher generically: the parts' first tensor decides."""
+    first = parts[0] if isinstance(parts, (list, tuple)) and parts else None
+    if not isinstance(first, torch.Tensor) or first.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False, "parts must be a non-empty list of float32, bfloat16 or float16 tensors"
+    return True, ""
 
 
 def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, cfg: Config = DBIAS_CAST_TRANSPOSE_DEFAULT,

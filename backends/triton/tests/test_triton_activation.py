@@ -52,6 +52,45 @@ def test_dbias_cast_transpose(prefetch):
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("widths", [(32, 16, 16), (16, 48), (16, 0, 32), (20, 12), (16, 16, 16, 16), (48,)])
+def test_dbias_cast_transpose_parts(widths, prefetch):
+    """In place when every part is a whole number of 16-wide strips (the first three), else
+    concatenated first; either way equal to the reference on the concatenation."""
+    parts = [_x((37, w), torch.bfloat16, 10 + i) for i, w in enumerate(widths)]
+    dy = torch.cat(parts, dim=1)
+    scale = torch.tensor([10.0])
+    cfg = Config(block_m=16, block_n=16, max_programs=4, prefetch=prefetch)
+    amax_slot = torch.tensor([0.5])
+    got = activation.dbias_cast_transpose_parts(parts, scale, torch.float8_e5m2, cfg, amax_out=amax_slot)
+    want = ref.dbias_cast_transpose(dy, scale, torch.float8_e5m2, amax_out=torch.tensor([0.5]))
+    assert_fp8_matches(got[0], want[0])
+    assert torch.equal(got[1].float(), got[0].float().t())
+    torch.testing.assert_close(got[2], want[2], **TOL[torch.bfloat16])
+    assert got[3] is amax_slot and torch.equal(got[3], want[3])
+
+
+def test_dbias_cast_transpose_parts_strided_part_is_copied():
+    base = _x((24, 64), torch.bfloat16, 20)
+    parts = [base[:, :32], base[:, 32:]]  # column slices: not contiguous
+    got = activation.dbias_cast_transpose_parts(parts, torch.tensor([4.0]), torch.float8_e4m3fn,
+                                                Config(block_m=16, block_n=16, max_programs=4))
+    want = ref.dbias_cast_transpose(base, torch.tensor([4.0]), torch.float8_e4m3fn)
+    assert_fp8_matches(got[0], want[0])
+    torch.testing.assert_close(got[2], want[2], **TOL[torch.bfloat16])
+
+
+def test_dbias_cast_transpose_parts_bad_inputs():
+    scale = torch.tensor([1.0])
+    with pytest.raises(ValueError, match=r"parts\[1\].*not a column block"):
+        activation.dbias_cast_transpose_parts([torch.randn(4, 16), torch.randn(5, 16)], scale, torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"parts\[1\]"):
+        activation.dbias_cast_transpose_parts([torch.randn(4, 16), torch.randn(4, 16).half()], scale,
+                                              torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="non-empty list or tuple"):
+        activation.dbias_cast_transpose_parts([], scale, torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("max_programs", [3, 12])  # one row group per column strip, or one per row tile
 @pytest.mark.parametrize("kind", ["gelu", "srelu", "swiglu"])
 def test_activation_bwd_dbias_cast_transpose(kind, max_programs, prefetch):

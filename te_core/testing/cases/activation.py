@@ -79,6 +79,24 @@ def _(gen):
     return (x, scale, E4M3), dict(amax_out=amax_slot(uniform(gen, 1, low=0.5, high=1.0).item()))
 
 
+def _parts(widths, rows, dtype, fp8, exponent, amax_start=None, name_extra=""):
+    """Column blocks of one gradient; the first block carries the format's special values."""
+    name = f"{short(dtype)}-{short(fp8)}{name_extra}-{rows}x" + "+".join(map(str, widths))
+
+    @case("dbias_cast_transpose_parts", name)
+    def make(gen):
+        scale = pow2(exponent)
+        parts = tuple(to_cast(gen, (rows, w), dtype, fp8, scale, specials=i == 0) for i, w in enumerate(widths))
+        kwargs = {} if amax_start is None else dict(amax_out=amax_slot(amax_start))
+        return (parts, scale, fp8), kwargs
+
+
+_parts((128, 64, 64), 48, torch.bfloat16, E4M3, 0)  # QKV-like: each block a whole number of tiles
+_parts((5, 12), 17, torch.float32, E5M2, -1)  # ragged widths: no block aligns with a tile
+_parts((32,), 16, torch.float16, E4M3, 2)
+_parts((32, 64), 40, torch.bfloat16, E4M3, 1, amax_start=0.5, name_extra="-amax-out")
+
+
 def _bwd_epilogue(kind, m, h, dtype, fp8):
     cols = 2 * h if kind in GATED_ACTIVATIONS else h
 

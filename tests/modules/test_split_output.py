@@ -1,0 +1,86 @@
+"""LayerNormLinear(split_sizes=...): the output as views whose gradients the backward reads in
+place. Same numbers as splitting the unsplit output, with every recipe; the delayed recipe's
+gradient cast takes the parts without concatenating them."""
+
+import copy
+
+import pytest
+import torch
+
+import te_core.modules as tm
+from te_core import ops, recipe
+from te_core.quantization import autocast, quantizers
+
+from ._compare import randomize_
+
+RECIPES = {
+    "none": lambda: None,
+    "delayed": lambda: recipe.DelayedScaling(amax_history_len=4),
+    "current": recipe.Float8CurrentScaling,
+    "block": recipe.Float8BlockScaling,
+}
+SPLIT = (32, 16, 16)
+
+
+def _step(module, x, rec, split, dys):
+    """Two fwd+bwd steps (delayed scaling calibrates on the first); the outputs and grads of the last."""
+    for _ in range(2):
+        module.zero_grad()
+        x_in = x.clone().requires_grad_(True)
+        with autocast(enabled=rec is not None, recipe=rec):
+            out = module(x_in, split_sizes=split) if split else module(x_in)
+        parts = out if split else out.split(SPLIT, dim=-1)
+        sum((p * dy).sum() for p, dy in zip(parts, dys)).backward()
+    return [p.detach() for p in parts], x_in.grad, {n: p.grad for n, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("rec", list(RECIPES))
+@pytest.mark.parametrize("used", [(0, 1, 2), (1,)])
+def test_split_output_equals_split_of_the_output(rec, used):
+    torch.manual_seed(0)
+    module = tm.LayerNormLinear(48, sum(SPLIT))
+    randomize_(module, seed=3, std=0.2)
+    twin = copy.deepcopy(module)
+    x = torch.randn(4, 8, 48)
+    g = torch.Generator().manual_seed(5)
+    # an unused part's gradient is zeros (autograd materializes it for the Function)
+    dys = [torch.randn(4, 8, n, generator=g) * (i in used) for i, n in enumerate(SPLIT)]
+    got = _step(module, x, RECIPES[rec](), SPLIT, dys)
+    want = _step(twin, x, RECIPES[rec](), None, dys)
+    for a, b in zip(got[0], want[0]):
+        assert a.shape == b.shape and torch.equal(a, b)
+    assert torch.equal(got[1], want[1])
+    for name, grad in want[2].items():
+        assert torch.equal(got[2][name], grad), name
+    assert got[1].abs().sum() > 0
+
+
+def test_delayed_gradient_cast_reads_the_parts(monkeypatch):
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            op = getattr(ops, name)
+            return lambda *a, **k: (calls.append(name), op(*a, **k))[1]
+
+    monkeypatch.setattr(quantizers, "ops", Spy())
+    module = tm.LayerNormLinear(48, sum(SPLIT))
+    x = torch.randn(16, 48, requires_grad=True)
+    with autocast(recipe=recipe.DelayedScaling()):
+        q, k, v = module(x, split_sizes=SPLIT)
+    (q.sum() + 2 * k.sum() + 3 * v.sum()).backward()
+    assert "dbias_cast_transpose_parts" in calls and "dbias_cast_transpose" not in calls
+
+
+def test_split_with_layernorm_output():
+    module = tm.LayerNormLinear(16, 24, return_layernorm_output=True)
+    (q, k), ln_out = module(torch.randn(3, 16), split_sizes=(8, 16))
+    assert q.shape == (3, 8) and k.shape == (3, 16) and ln_out.shape == (3, 16)
+
+
+@pytest.mark.parametrize("sizes, match", [((8, 8), "sum to 16, not out_features=24"), ((24, 0), "positive integers"),
+                                          ((12.0, 12), "positive integers"), ((), "positive integers")])
+def test_bad_split_sizes(sizes, match):
+    module = tm.LayerNormLinear(16, 24)
+    with pytest.raises(ValueError, match=match):
+        module(torch.randn(2, 16), split_sizes=sizes)
