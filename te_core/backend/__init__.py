@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from .dispatch import BackendFallbackWarning
+from .dispatch import BackendFallbackWarning, resolution
 from .hookspecs import ENTRY_POINT_GROUP, hookimpl
 from .plugin import Backend, BackendError, BrokenPlugin
 from .registry import REGISTRY
@@ -15,7 +15,7 @@ from .types import API_VERSION, BackendInfo, Capabilities, OpImpl
 
 __all__ = [
     "API_VERSION", "Backend", "BackendError", "BackendFallbackWarning", "BackendInfo", "BrokenPlugin",
-    "Capabilities", "ENTRY_POINT_GROUP", "OpImpl", "broken_plugins", "get_backend", "hookimpl",
+    "Capabilities", "ENTRY_POINT_GROUP", "OpImpl", "broken_plugins", "declares", "get_backend", "hookimpl",
     "is_fp8_available", "list_backends", "reset", "selection_reason", "set_backend",
 ]
 
@@ -25,6 +25,15 @@ def get_backend(name: Optional[str] = None) -> Backend:
     if name is None:
         return REGISTRY.selection().backend
     return REGISTRY.get(name)
+
+
+def declares(op_name: str) -> bool:
+    """Whether the selected backend implements `op_name` itself (it may still decline a call).
+    Callers with a composite of other ops at hand use it to pick the fused op only where it
+    is native, rather than take the reference's on an accelerator."""
+    from ..ops import CONTRACT
+
+    return resolution(CONTRACT[op_name]).fn is not None
 
 
 def set_backend(name: str) -> Backend:

@@ -54,12 +54,18 @@ def resolve(op) -> Resolution:
     )
 
 
-def call(op, args, kwargs):
+def resolution(op) -> Resolution:
+    """resolve(op), cached on the op until the registry changes (a plain attribute read on the
+    hot path, which torch.compile traces through)."""
     cached = op._cache
     if cached is None or cached[0] != REGISTRY.generation:
         generation = REGISTRY.generation
         cached = op._cache = (generation, resolve(op))
-    res: Resolution = cached[1]
+    return cached[1]
+
+
+def call(op, args, kwargs):
+    res = resolution(op)
     if res.fn is None:
         return _fallback(op, res, f"{op.name} is not implemented by backend {res.backend!r}", args, kwargs)
     if res.capabilities is not None:

@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import ops
+from .. import backend, ops
 
 
 def norm_fwd(
@@ -37,15 +37,27 @@ def norm_fwd(
 
 
 def norm_bwd(
-    dy: Tensor, x: Tensor, stats: Tuple[Tensor, ...], weight: Tensor, normalization: str, zero_centered_gamma: bool
+    dy: Tensor, x: Tensor, stats: Tuple[Tensor, ...], weight: Tensor, normalization: str, zero_centered_gamma: bool,
+    add: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """Returns (dx, dweight, dbias or None for RMSNorm)."""
-    if normalization == "LayerNorm":
+    """Returns (dx, dweight, dbias or None for RMSNorm). `add` (x's shape): a gradient that
+    reaches x by another path (a residual connection), summed into dx — inside the norm's
+    kernel where the backend has the fused op, else by one more add."""
+    layernorm = normalization == "LayerNorm"
+    fused = add is not None and backend.declares("layernorm_bwd_add" if layernorm else "rmsnorm_bwd_add")
+    extra = (add.reshape(x.shape).to(x.dtype),) if fused else ()
+    kwargs = dict(zero_centered_gamma=zero_centered_gamma)
+    if layernorm:
         mean, rstd = stats
-        return ops.layernorm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma=zero_centered_gamma)
-    (rstd,) = stats
-    dx, dw = ops.rmsnorm_bwd(dy, x, rstd, weight, zero_centered_gamma=zero_centered_gamma)
-    return dx, dw, None
+        op = ops.layernorm_bwd_add if fused else ops.layernorm_bwd
+        dx, dw, db = op(dy, x, mean, rstd, weight, *extra, **kwargs)
+    else:
+        (rstd,) = stats
+        op = ops.rmsnorm_bwd_add if fused else ops.rmsnorm_bwd
+        (dx, dw), db = op(dy, x, rstd, weight, *extra, **kwargs), None
+    if add is not None and not fused:
+        dx = dx + add.reshape(x.shape)
+    return dx, dw, db
 
 
 class NormFunction(torch.autograd.Function):

@@ -56,10 +56,11 @@ def norm_settings(module: QuantizedModule) -> dict:
     return dict(eps=module.eps, normalization=module.normalization, zero_centered_gamma=module.zero_centered_gamma)
 
 
-def fused_outputs(y, inp: Tensor, out_features: int, bias: Optional[Tensor], ln_out: Optional[Tensor]):
+def fused_outputs(y, inp: Tensor, out_features: int, bias: Optional[Tensor], ln_out: Optional[Tensor],
+                  residual: Optional[Tensor] = None):
     """y shaped like inp (last dim out_features; a tuple of split views each shaped so), then
-    the bias when it is returned unapplied, then the norm's output when it is returned: a
-    tensor alone, else a tuple (TE's order)."""
+    the bias when it is returned unapplied, then the norm's output when it is returned (TE's
+    order), then the residual when asked for: a tensor alone, else a tuple."""
     lead = inp.shape[:-1]
     if isinstance(y, tuple):
         result = (tuple(part.view(*lead, part.shape[-1]) for part in y),)
@@ -69,7 +70,29 @@ def fused_outputs(y, inp: Tensor, out_features: int, bias: Optional[Tensor], ln_
         result += (bias,)
     if ln_out is not None:
         result += (ln_out.view(inp.shape),)
+    if residual is not None:
+        result += (residual.view(inp.shape),)
     return result[0] if len(result) == 1 else result
+
+
+def residual_view(x: Tensor, return_residual: bool) -> tuple:
+    """The norm's input as one more output of a fused Function (a view, no copy): used as the
+    block's residual, its gradient comes back into the same backward and is summed into dx
+    by the norm's backward kernel (see norm_grads), not by autograd in a separate pass."""
+    return (x.view_as(x),) if return_residual else ()
+
+
+def fuse_residual(inp: Tensor, x: Tensor, return_residual: bool) -> bool:
+    """Whether the Function returns the residual: only when x (what it normalizes) holds inp's
+    values in inp's dtype; a cast input keeps the residual in the caller's precision (inp)."""
+    return return_residual and x.dtype == inp.dtype
+
+
+def split_grads(ctx, grads, parts: int):
+    """(output gradients, d_ln_out or None, d_residual or None) from a fused Function's grads."""
+    rest = list(grads[parts:])
+    d_res = rest.pop() if ctx.return_residual else None
+    return grads[:parts], (rest[0] if rest else None), d_res
 
 
 def needs_norm_grad(x: Tensor, ln_weight: Tensor, ln_bias: Optional[Tensor]) -> bool:
@@ -86,11 +109,13 @@ def norm_input_grad(ctx, dy_q, w_q, d_ln_out, dtype):
     return d_ln if d_ln_out is None else d_ln + d_ln_out
 
 
-def norm_grads(ctx, d_ln, x, stats, ln_weight):
-    """The norm's backward: (dx, dweight, dbias), all None when nothing needs them."""
+def norm_grads(ctx, d_ln, x, stats, ln_weight, d_residual=None):
+    """The norm's backward: (dx, dweight, dbias), all None when nothing needs them; the
+    residual's gradient, when the Function returned one, is added into dx."""
     if d_ln is None:
         return None, None, None
-    return norm_bwd(d_ln, x, tuple(stats), ln_weight, ctx.norm["normalization"], ctx.norm["zero_centered_gamma"])
+    return norm_bwd(d_ln, x, tuple(stats), ln_weight, ctx.norm["normalization"], ctx.norm["zero_centered_gamma"],
+                    add=d_residual)
 
 
 def normalized_operand(
@@ -117,7 +142,7 @@ def normalized_operand(
 
 class _LayerNormLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ln_weight, ln_bias, weight, bias, step, norm, return_ln_out, split_sizes):
+    def forward(ctx, x, ln_weight, ln_bias, weight, bias, step, norm, return_ln_out, split_sizes, return_residual):
         ln_out_q, stats, ln_out = normalized_operand(
             step, "input", x, ln_weight, ln_bias, norm, columnwise=weight.requires_grad, keep_hp=return_ln_out
         )
@@ -135,26 +160,28 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         ctx.parts = 1 if split_sizes is None else len(split_sizes)
         # split: the views' gradients arrive one by one and the gradient cast reads them in
         # place, where autograd would first concatenate them (q, k, v: 3 x 128 MiB at s2048 b8)
+        ctx.return_residual = return_residual
         outs = (y,) if split_sizes is None else y.split(split_sizes, dim=-1)
-        return (*outs, ln_out) if return_ln_out else (outs[0] if split_sizes is None else outs)
+        outs += ((ln_out,) if return_ln_out else ()) + residual_view(x, return_residual)
+        return outs[0] if len(outs) == 1 else outs
 
     @staticmethod
     def backward(ctx, *grads):
         x, ln_weight, ln_out_q, w_q, *stats = ctx.saved_tensors
         step = ctx.step
         needs_dx, needs_dw = ctx.needs
-        dys = [g.to(x.dtype) for g in grads[: ctx.parts]]
-        d_ln_out = grads[ctx.parts] if len(grads) > ctx.parts else None
+        dys, d_ln_out, d_res = split_grads(ctx, grads, ctx.parts)
+        dys = [g.to(x.dtype) for g in dys]
         dy_q, dbias = step.grad_operand(
             "grad_output", dys[0] if ctx.parts == 1 else dys, columnwise=needs_dw, with_dbias=ctx.bias_dtype is not None
         )
         dw = wgrad_gemm(dy_q, ln_out_q, out_dtype=ctx.weight_dtype) if needs_dw else None
         d_ln = norm_input_grad(ctx, dy_q, w_q, d_ln_out, x.dtype)
         del dy_q  # freed before the norm backward allocates dx
-        dx, d_ln_w, d_ln_b = norm_grads(ctx, d_ln, x, stats, ln_weight)
+        dx, d_ln_w, d_ln_b = norm_grads(ctx, d_ln, x, stats, ln_weight, d_res)
         step.backward_done()
         dbias = None if dbias is None else dbias.to(ctx.bias_dtype)
-        return dx if needs_dx else None, d_ln_w, d_ln_b, dw, dbias, None, None, None, None
+        return dx if needs_dx else None, d_ln_w, d_ln_b, dw, dbias, None, None, None, None, None
 
 
 class LayerNormLinear(QuantizedModule):
@@ -214,10 +241,12 @@ class LayerNormLinear(QuantizedModule):
                 nn.init.zeros_(self.bias)
 
     def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False, *,
-                split_sizes: Optional[Sequence[int]] = None):
-        """`split_sizes` (te-core): return the output as a tuple of views split along its last
-        dimension, as torch.split would; the backward then takes their gradients without
-        concatenating them (a fused QKV projection feeding attention)."""
+                split_sizes: Optional[Sequence[int]] = None, return_residual: bool = False):
+        """te-core extensions: `split_sizes` returns the output as a tuple of views split along
+        its last dimension, as torch.split would; the backward then takes their gradients
+        without concatenating them (a fused QKV projection feeding attention).
+        `return_residual` also returns `inp` itself (last), to be the block's residual: its
+        gradient is then summed into the input's inside the norm's backward."""
         check_input(inp, self.in_features, module="LayerNormLinear", device=self.weight.device)
         if split_sizes is not None:
             split_sizes = check_split_sizes(split_sizes, self.out_features, "LayerNormLinear")
@@ -238,9 +267,10 @@ class LayerNormLinear(QuantizedModule):
                 norm,
                 self.return_layernorm_output,
                 split_sizes,
+                fuse_residual(inp, x, return_residual),
             )
-        if self.return_layernorm_output:
-            y, ln_out = (out[0] if split_sizes is None else out[:-1]), out[-1]
-        else:
-            y, ln_out = out, None
-        return fused_outputs(y, inp, self.out_features, self.bias if self.return_bias else None, ln_out)
+        out = list(out) if isinstance(out, tuple) else [out]
+        residual = out.pop() if fuse_residual(inp, x, return_residual) else (inp if return_residual else None)
+        ln_out = out.pop() if self.return_layernorm_output else None
+        y = out[0] if split_sizes is None else tuple(out)
+        return fused_outputs(y, inp, self.out_features, self.bias if self.return_bias else None, ln_out, residual)

@@ -33,6 +33,7 @@ from ._common import (
 )
 from .layernorm_linear import (
     add_norm_parameters,
+    fuse_residual,
     fused_outputs,
     needs_norm_grad,
     norm_grads,
@@ -40,6 +41,8 @@ from .layernorm_linear import (
     norm_settings,
     normalized_operand,
     reset_norm_parameters,
+    residual_view,
+    split_grads,
 )
 
 SLOTS = gemm_slots("fc1_") + gemm_slots("fc2_")
@@ -74,7 +77,8 @@ def activation_grad_operand(step, slot: str, d_act: Tensor, h: Tensor, kind: str
 class _LayerNormMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, step, norm, activation, return_ln_out
+        ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, step, norm, activation, return_ln_out,
+        return_residual,
     ):
         ln_out_q, stats, ln_out = normalized_operand(
             step, "fc1_input", x, ln_weight, ln_bias, norm, columnwise=fc1_weight.requires_grad, keep_hp=return_ln_out
@@ -98,10 +102,13 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         ctx.weight_dtypes = (fc1_weight.dtype, fc2_weight.dtype)
         ctx.needs = (x.requires_grad, fc1_weight.requires_grad, fc2_weight.requires_grad)
         ctx.needs_norm = needs_norm_grad(x, ln_weight, ln_bias)
-        return (y, ln_out) if return_ln_out else y
+        ctx.return_residual = return_residual
+        outs = (y,) + ((ln_out,) if return_ln_out else ()) + residual_view(x, return_residual)
+        return outs[0] if len(outs) == 1 else outs
 
     @staticmethod
-    def backward(ctx, dy, d_ln_out=None):
+    def backward(ctx, *grads):
+        (dy,), d_ln_out, d_res = split_grads(ctx, grads, 1)
         (x, ln_weight, *stats), held = _saved.restore(ctx, "LayerNormMLP")
         ln_out_q, fc1_w_q, h, act_q, fc2_w_q = held
         del held  # from here on the locals below are the only references: each `del` frees memory
@@ -122,10 +129,11 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         del ln_out_q
         d_ln = norm_input_grad(ctx, dh_q, fc1_w_q, d_ln_out, x.dtype)
         del dh_q, fc1_w_q
-        dx, d_ln_w, d_ln_b = norm_grads(ctx, d_ln, x, stats, ln_weight)
+        dx, d_ln_w, d_ln_b = norm_grads(ctx, d_ln, x, stats, ln_weight, d_res)
         step.backward_done()
         d_fc1_b, d_fc2_b = (None if d is None else d.to(t) for d, t in zip((d_fc1_b, d_fc2_b), ctx.bias_dtypes))
-        return dx if needs_dx else None, d_ln_w, d_ln_b, d_fc1_w, d_fc1_b, d_fc2_w, d_fc2_b, None, None, None, None
+        return (dx if needs_dx else None, d_ln_w, d_ln_b, d_fc1_w, d_fc1_b, d_fc2_w, d_fc2_b,
+                None, None, None, None, None)
 
 
 class LayerNormMLP(QuantizedModule):
@@ -192,7 +200,9 @@ class LayerNormMLP(QuantizedModule):
             self.init_method(self.fc1_weight)
             self.output_layer_init_method(self.fc2_weight)
 
-    def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None):
+    def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None, *, return_residual: bool = False):
+        """`return_residual` (te-core): also return `inp` itself (last), to be the block's
+        residual: its gradient is then summed into the input's inside the norm's backward."""
         check_input(inp, self.hidden_size, module="LayerNormMLP", device=self.fc1_weight.device)
         dtype = compute_dtype(inp)
         x = inp.reshape(-1, self.hidden_size).to(dtype)
@@ -219,6 +229,10 @@ class LayerNormMLP(QuantizedModule):
                 norm,
                 self.activation,
                 self.return_layernorm_output,
+                fuse_residual(inp, x, return_residual),
             )
-        y, ln_out = out if self.return_layernorm_output else (out, None)
-        return fused_outputs(y, inp, self.hidden_size, self.fc2_bias if self.return_bias else None, ln_out)
+        out = list(out) if isinstance(out, tuple) else [out]
+        residual = out.pop() if fuse_residual(inp, x, return_residual) else (inp if return_residual else None)
+        ln_out = out.pop() if self.return_layernorm_output else None
+        return fused_outputs(out[0], inp, self.hidden_size, self.fc2_bias if self.return_bias else None, ln_out,
+                             residual)

@@ -95,8 +95,13 @@ class MultiheadAttention(QuantizedContainer):
         is_first_microbatch: Optional[bool] = None,
         checkpoint_core_attention: bool = False,
         rotary_pos_emb: Union[None, Tensor, Tuple[Tensor, Tensor]] = None,
+        *,
+        return_residual: bool = False,
         **kwargs,
     ):
+        """`return_residual` (te-core): also return `hidden_states` itself (last), to be the
+        block's residual; with input_layernorm its gradient is summed into the input's inside
+        the norm's backward (see LayerNormLinear)."""
         name = "MultiheadAttention"
         check_input(hidden_states, self.hidden_size, name="hidden_states", module=name)
         if hidden_states.dim() != 3:
@@ -105,9 +110,15 @@ class MultiheadAttention(QuantizedContainer):
             )
         proj_in = getattr(self, _input_proj_name(self.attention_type, self.input_layernorm))
         h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
-        if self.attention_type == "self" and self.input_layernorm:
+        residual = hidden_states if return_residual else None
+        if self.input_layernorm:
             # q, k and v as views whose gradients the projection's backward reads in place
-            projected = proj_in(hidden_states, is_first_microbatch=is_first_microbatch, split_sizes=(h * d, g * d, g * d))
+            split = dict(split_sizes=(h * d, g * d, g * d)) if self.attention_type == "self" else {}
+            projected = proj_in(hidden_states, is_first_microbatch=is_first_microbatch, return_residual=return_residual,
+                                **split)
+            if return_residual:
+                *projected, residual = projected
+                projected = projected[0] if len(projected) == 1 else tuple(projected)
         else:
             projected = proj_in(hidden_states, is_first_microbatch=is_first_microbatch)
         ln_out = None
@@ -129,7 +140,8 @@ class MultiheadAttention(QuantizedContainer):
             checkpoint_core_attention=checkpoint_core_attention,
         )
         out = self.proj(context, is_first_microbatch=is_first_microbatch)
-        return (out, ln_out) if ln_out is not None else out
+        result = (out,) + ((ln_out,) if ln_out is not None else ()) + ((residual,) if return_residual else ())
+        return result[0] if len(result) == 1 else result
 
     def _split_heads(
         self, projected: Tensor, encoder_output: Optional[Tensor], is_first_microbatch

@@ -122,6 +122,9 @@ class TransformerLayer(QuantizedContainer):
             )
         if self.layer_type == "decoder" and encoder_output is None:
             raise ValueError(f"{name}: layer_type='decoder' needs encoder_output")
+        # the residuals come back from the blocks that normalize them (return_residual), so that
+        # their gradients are summed inside the norms' backward kernels, not by separate adds
+        fuse = not self.apply_residual_connection_post_layernorm and not self.parallel_attention_mlp
         attn = self.self_attention(
             hidden_states,
             attention_mask=attention_mask,
@@ -129,8 +132,9 @@ class TransformerLayer(QuantizedContainer):
             is_first_microbatch=is_first_microbatch,
             checkpoint_core_attention=checkpoint_core_attention,
             rotary_pos_emb=rotary_pos_emb,
+            return_residual=fuse,
         )
-        attn, residual = self._residual_source(attn, hidden_states)
+        attn, residual = attn if fuse else self._residual_source(attn, hidden_states)
         if self.parallel_attention_mlp:
             mlp, _ = self._residual_source(
                 self.layernorm_mlp(hidden_states, is_first_microbatch=is_first_microbatch), hidden_states
@@ -146,12 +150,12 @@ class TransformerLayer(QuantizedContainer):
                 attn_mask_type=enc_dec_attn_mask_type or self.enc_dec_attn_mask_type,
                 is_first_microbatch=is_first_microbatch,
                 checkpoint_core_attention=checkpoint_core_attention,
+                return_residual=fuse,
             )
-            cross, residual = self._residual_source(cross, hidden)
+            cross, residual = cross if fuse else self._residual_source(cross, hidden)
             hidden = residual + self._dropout(cross)
-        mlp, residual = self._residual_source(
-            self.layernorm_mlp(hidden, is_first_microbatch=is_first_microbatch), hidden
-        )
+        mlp = self.layernorm_mlp(hidden, is_first_microbatch=is_first_microbatch, return_residual=fuse)
+        mlp, residual = mlp if fuse else self._residual_source(mlp, hidden)
         out = residual + self._dropout(mlp)
         return self.layernorm(out) if self.layernorm is not None else out
 

@@ -29,7 +29,7 @@ from .cast import (
 )
 from .gemm import gemm, gemm_fp8
 from .loss import cross_entropy
-from .norm import layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd
+from .norm import layernorm_bwd, layernorm_bwd_add, layernorm_fwd, rmsnorm_bwd, rmsnorm_bwd_add, rmsnorm_fwd
 from .optimizer import multi_tensor_adam
 from .rope import rope_bwd, rope_fwd
 from .scaling import delayed_scaling_update

@@ -44,6 +44,15 @@ def layernorm_bwd(
     """Returns (dx, dweight, dbias). dy has x's shape and dtype (high precision)."""
 
 
+@contract_op("norm")
+def layernorm_bwd_add(
+    dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, add: Tensor, *, zero_centered_gamma: bool = False
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """layernorm_bwd with `add` (x's shape and dtype) added to dx in float32 before dx is
+    rounded to x's dtype: the gradient that reaches x by another path, as through a residual
+    connection, summed without another pass over dx."""
+
+
 @contract_op("norm", _fp8_out_caps)
 def rmsnorm_fwd(
     x: Tensor,
@@ -63,3 +72,10 @@ def rmsnorm_bwd(
     dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor, *, zero_centered_gamma: bool = False
 ) -> Tuple[Tensor, Tensor]:
     """Returns (dx, dweight)."""
+
+
+@contract_op("norm")
+def rmsnorm_bwd_add(
+    dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor, add: Tensor, *, zero_centered_gamma: bool = False
+) -> Tuple[Tensor, Tensor]:
+    """rmsnorm_bwd with `add` added to dx, as layernorm_bwd_add."""

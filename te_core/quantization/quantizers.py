@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from ..backend.dispatch import fallback_reason
+from ..backend import declares
 from .block_tensor import Float8BlockwiseTensor, MXFP8Tensor
 from .float8_tensor import Float8Tensor
 from .roles import Role
@@ -109,7 +109,7 @@ class Float8Quantizer(Quantizer):
 
     def quantize_with_dbias(self, dy, *, columnwise: bool = True):
         slot = self.scaling_group.amax_slot(self.column)
-        if isinstance(dy, (list, tuple)) and fallback_reason("dbias_cast_transpose_parts") is None:
+        if isinstance(dy, (list, tuple)) and declares("dbias_cast_transpose_parts"):
             data, data_t, dbias, _ = ops.dbias_cast_transpose_parts(dy, self.scale, self.fp8_dtype, amax_out=slot)
             return self._wrap(data, data_t, dy[0].dtype), dbias
         dy = joined(dy)  # a backend without the parts op still has its one-tensor kernel

@@ -71,6 +71,27 @@ def layernorm_fwd(
 def layernorm_bwd(
     dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, *, zero_centered_gamma: bool = False
 ) -> Tuple[Tensor, Tensor, Tensor]:
+    return _layernorm_bwd(dy, x, mean, rstd, weight, None, zero_centered_gamma)
+
+
+def layernorm_bwd_add(
+    dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, add: Tensor, *, zero_centered_gamma: bool = False
+) -> Tuple[Tensor, Tensor, Tensor]:
+    return _layernorm_bwd(dy, x, mean, rstd, weight, _check_add(add, x), zero_centered_gamma)
+
+
+def _check_add(add: Tensor, x: Tensor) -> Tensor:
+    check_float("add", add)
+    if add.shape != x.shape or add.dtype != x.dtype:
+        raise ValueError(f"add is {add.dtype} {tuple(add.shape)}; it must match x ({x.dtype} {tuple(x.shape)})")
+    return add
+
+
+def _plus(dx32: Tensor, add: Optional[Tensor]) -> Tensor:
+    return dx32 if add is None else dx32 + add.float()
+
+
+def _layernorm_bwd(dy, x, mean, rstd, weight, add, zero_centered_gamma):
     _check_norm_args(x, [("weight", weight)])
     _check_grad(dy, x)
     rstd32 = _check_stat("rstd", rstd, x)
@@ -80,7 +101,7 @@ def layernorm_bwd(
     dx = rstd32 * (g - g.mean(dim=-1, keepdim=True) - xhat * (g * xhat).mean(dim=-1, keepdim=True))
     dweight = _rows_sum(dy32 * xhat).to(weight.dtype)
     dbias = _rows_sum(dy32).to(weight.dtype)
-    return dx.to(x.dtype), dweight, dbias
+    return _plus(dx, add).to(x.dtype), dweight, dbias
 
 
 def rmsnorm_fwd(
@@ -104,6 +125,16 @@ def rmsnorm_fwd(
 def rmsnorm_bwd(
     dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor, *, zero_centered_gamma: bool = False
 ) -> Tuple[Tensor, Tensor]:
+    return _rmsnorm_bwd(dy, x, rstd, weight, None, zero_centered_gamma)
+
+
+def rmsnorm_bwd_add(
+    dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor, add: Tensor, *, zero_centered_gamma: bool = False
+) -> Tuple[Tensor, Tensor]:
+    return _rmsnorm_bwd(dy, x, rstd, weight, _check_add(add, x), zero_centered_gamma)
+
+
+def _rmsnorm_bwd(dy, x, rstd, weight, add, zero_centered_gamma):
     _check_norm_args(x, [("weight", weight)])
     _check_grad(dy, x)
     rstd32 = _check_stat("rstd", rstd, x)
@@ -111,4 +142,4 @@ def rmsnorm_bwd(
     dy32 = dy.float()
     g = dy32 * _gamma(weight, zero_centered_gamma)
     dx = rstd32 * (g - xhat * (g * xhat).mean(dim=-1, keepdim=True))
-    return dx.to(x.dtype), _rows_sum(dy32 * xhat).to(weight.dtype)
+    return _plus(dx, add).to(x.dtype), _rows_sum(dy32 * xhat).to(weight.dtype)

@@ -238,6 +238,17 @@ def rmsnorm_bwd(dy, x, rstd, weight, *, zero_centered_gamma=False):
     return dx, dw
 
 
+def layernorm_bwd_add(dy, x, mean, rstd, weight, add, *, zero_centered_gamma=False):
+    return norm.norm_bwd_add(dy, x, mean, rstd, weight, add.contiguous(), rms=False,
+                             zero_centered_gamma=zero_centered_gamma, cfg=_norm_bwd_cfg(x, rms=False))
+
+
+def rmsnorm_bwd_add(dy, x, rstd, weight, add, *, zero_centered_gamma=False):
+    dx, dw, _ = norm.norm_bwd_add(dy, x, None, rstd, weight, add.contiguous(), rms=True,
+                                  zero_centered_gamma=zero_centered_gamma, cfg=_norm_bwd_cfg(x, rms=True))
+    return dx, dw
+
+
 def _rows_ok(x, weight):
     if x.dim() == 0 or x.shape[-1] > norm.MAX_N:
         return False, f"rows longer than {norm.MAX_N} elements do not fit the one-row-per-program kernel"
@@ -264,6 +275,21 @@ def _layernorm_bwd_ok(dy, x, mean, rstd, weight, **_):
 
 def _rmsnorm_bwd_ok(dy, x, rstd, weight, **_):
     return _layernorm_bwd_ok(dy, x, None, rstd, weight)
+
+
+def _add_ok(add, x):
+    if not isinstance(add, torch.Tensor) or add.shape != x.shape or add.dtype != x.dtype or add.device != x.device:
+        return False, "add is not a tensor of x's shape, dtype and device"
+    return True, ""
+
+
+def _layernorm_bwd_add_ok(dy, x, mean, rstd, weight, add, **_):
+    ok, why = _add_ok(add, x)
+    return _layernorm_bwd_ok(dy, x, mean, rstd, weight) if ok else (ok, why)
+
+
+def _rmsnorm_bwd_add_ok(dy, x, rstd, weight, add, **_):
+    return _layernorm_bwd_add_ok(dy, x, None, rstd, weight, add)
 
 
 # --- activation ---------------------------------------------------------------------------
@@ -461,6 +487,8 @@ def ops() -> Dict[str, OpImpl]:
         "rmsnorm_fwd": (rmsnorm_fwd, _norm_fwd_ok),
         "layernorm_bwd": (layernorm_bwd, _layernorm_bwd_ok),
         "rmsnorm_bwd": (rmsnorm_bwd, _rmsnorm_bwd_ok),
+        "layernorm_bwd_add": (layernorm_bwd_add, _layernorm_bwd_add_ok),
+        "rmsnorm_bwd_add": (rmsnorm_bwd_add, _rmsnorm_bwd_add_ok),
         "activation_fwd": (activation_fwd, _act_fwd_ok),
         "activation_bwd": (activation_bwd, _act_bwd_ok),
         "dbias": (dbias, _dbias_ok),

@@ -38,6 +38,7 @@ LAUNCHERS: Dict[str, Tuple[str, str, dict, Dict[str, str]]] = {
     ),
     "layernorm_fwd": ("norm", "norm_fwd", {"rms": False}, {"cfg": "norm"}),
     "layernorm_bwd": ("norm", "norm_bwd", {"rms": False}, {"cfg": "norm"}),
+    "layernorm_bwd_add": ("norm", "norm_bwd_add", {"rms": False}, {"cfg": "norm"}),
 }
 
 

@@ -116,11 +116,12 @@ def _add_pair(a1, b1, a2, b2):
 
 
 @triton.jit
-def _norm_bwd_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, dx_ptr, dw_part_ptr, db_part_ptr, M, N,
-                     BLOCK_N: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+def _norm_bwd_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, dx_ptr, dw_part_ptr, db_part_ptr, add_ptr, M, N,
+                     BLOCK_N: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr, ADD: tl.constexpr):
     """Rows pid, pid + programs, ...; the launch has at most M programs. Each step loads the
     NEXT row's x and dy before reducing the current one, so a program's loads overlap its own
-    block reduction (on the H200: LayerNorm 2599 -> 3390 GB/s at 16384x4096)."""
+    block reduction (on the H200: LayerNorm 2599 -> 3390 GB/s at 16384x4096). ADD: the row of
+    `add` is added to dx in float32 (loaded before the reduction, which hides its latency)."""
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
@@ -139,6 +140,8 @@ def _norm_bwd_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, dx_ptr, dw_part_p
         fmask = cmask & (cols * 0 + following < M)
         x_next = tl.load(x_ptr + following * N + cols, mask=fmask, other=0.0)
         dy_next = tl.load(dy_ptr + following * N + cols, mask=fmask, other=0.0)
+        if ADD:
+            extra = tl.load(add_ptr + row * N + cols, mask=cmask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + row)
         if RMS:
             xhat = x * rstd
@@ -155,6 +158,8 @@ def _norm_bwd_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, dx_ptr, dw_part_p
             dx = (wdy - (xhat * c1 + c2)) * rstd
             db += dy
         dw += dy * xhat
+        if ADD:
+            dx += extra
         tl.store(dx_ptr + row * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=cmask)
     tl.store(dw_part_ptr + pid * N + cols, dw, mask=cmask)
     if not RMS:
@@ -205,9 +210,18 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, zero_centered_gamma=False, fp8_
     return y, mean, rstd, amax_from_buffer(amax_buf, amax_out) if fp8_out else None
 
 
+def norm_bwd_add(dy, x, mean: Optional[torch.Tensor], rstd, weight, add, *, rms: bool, zero_centered_gamma=False,
+                 cfg: Config = NORM_DEFAULT):
+    """(dx, dweight, dbias or None) as te_core.ops.layernorm_bwd_add / rmsnorm_bwd_add."""
+    if add.shape != x.shape or add.dtype != x.dtype or not add.is_contiguous():
+        raise ValueError(f"add must be contiguous {x.dtype} with x's shape {tuple(x.shape)}, "
+                         f"got {add.dtype} {tuple(add.shape)}")
+    return norm_bwd(dy, x, mean, rstd, weight, rms=rms, zero_centered_gamma=zero_centered_gamma, cfg=cfg, add=add)
+
+
 def norm_bwd(dy, x, mean: Optional[torch.Tensor], rstd, weight, *, rms: bool, zero_centered_gamma=False,
-             cfg: Config = NORM_DEFAULT):
-    """(dx, dweight, dbias or None) as te_core.ops.layernorm_bwd / rmsnorm_bwd."""
+             cfg: Config = NORM_DEFAULT, add=None):
+    """(dx, dweight, dbias or None) as te_core.ops.layernorm_bwd / rmsnorm_bwd (plus `add`, see norm_bwd_add)."""
     M, N = _rows(x, weight)
     if dy.shape != x.shape or not dy.is_contiguous():
         raise ValueError(f"dy must be contiguous with x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
@@ -221,8 +235,8 @@ def norm_bwd(dy, x, mean: Optional[torch.Tensor], rstd, weight, *, rms: bool, ze
     if M:
         _norm_bwd_kernel[(programs,)](
             dy, x, rstd if mean is None else mean, rstd, weight, dx, dw_part, dw_part if db_part is None else db_part,
-            M, N, BLOCK_N=triton.next_power_of_2(N), RMS=rms, ZERO_CENTERED=bool(zero_centered_gamma),
-            num_warps=cfg.num_warps)
+            x if add is None else add, M, N, BLOCK_N=triton.next_power_of_2(N), RMS=rms,
+            ZERO_CENTERED=bool(zero_centered_gamma), ADD=add is not None, num_warps=cfg.num_warps)
     dweight = dw_part.sum(dim=0).to(weight.dtype)
     dbias = None if rms else db_part.sum(dim=0).to(weight.dtype)
     return dx, dweight, dbias

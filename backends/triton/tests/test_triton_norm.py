@@ -154,3 +154,26 @@ def test_backward_of_no_rows_gives_zero_parameter_grads(rms):
     dx, dw, db = norm.norm_bwd(dy, x, mean, rstd, w, rms=rms, cfg=SMALL)
     assert dx.shape == (0, 40) and torch.equal(dw, torch.zeros(40))
     assert rms or torch.equal(db, torch.zeros(40))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rms", [False, True])
+def test_backward_with_add(dtype, rms):
+    """norm_bwd_add: dx + add summed in float32 before the one rounding, as the reference."""
+    x, w, b, dy = _inputs((9, 72), dtype, 5)
+    add = (torch.randn(x.shape, generator=torch.Generator().manual_seed(6)) * 3).to(dtype)
+    if rms:
+        _, rstd, _ = ref.rmsnorm_fwd(x, w, 1e-5)
+        dx, dw, db = norm.norm_bwd_add(dy, x, None, rstd, w, add, rms=True, cfg=SMALL)
+        want = (*ref.rmsnorm_bwd_add(dy, x, rstd, w, add), None)
+    else:
+        _, mean, rstd, _ = ref.layernorm_fwd(x, w, b, 1e-5)
+        dx, dw, db = norm.norm_bwd_add(dy, x, mean, rstd, w, add, rms=False, cfg=SMALL)
+        want = ref.layernorm_bwd_add(dy, x, mean, rstd, w, add)
+    torch.testing.assert_close(dx, want[0], **TOL[dtype])
+    assert not torch.equal(dx, norm.norm_bwd(dy, x, mean if not rms else None, rstd, w, rms=rms, cfg=SMALL)[0])
+    torch.testing.assert_close(dw, want[1], **{**TOL[dtype], "atol": 1e-4})
+    if not rms:
+        torch.testing.assert_close(db, want[2], **{**TOL[dtype], "atol": 1e-4})
+    with pytest.raises(ValueError, match="add must be contiguous"):
+        norm.norm_bwd_add(dy, x, None, rstd, w, add[:, :-1], rms=True, cfg=SMALL)

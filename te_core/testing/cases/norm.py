@@ -53,21 +53,23 @@ def _rmsnorm_fwd(name, shape, dtype, zero_centered=False, fp8=None, amax_start=N
         return (x, weight, EPS), kwargs
 
 
-def _layernorm_bwd(name, shape, dtype, zero_centered=False):
-    @case("layernorm_bwd", name)
+def _layernorm_bwd(name, shape, dtype, zero_centered=False, add=False):
+    @case("layernorm_bwd_add" if add else "layernorm_bwd", name)
     def make(gen):
         x, weight = _x_weight(gen, shape, dtype, zero_centered)
         mean, rstd = _layernorm_stats(x)
         dy = randn(gen, *shape, dtype=dtype)
-        return (dy, x, mean, rstd, weight), dict(zero_centered_gamma=zero_centered)
+        extra = (randn(gen, *shape, dtype=dtype, std=3.0),) if add else ()
+        return (dy, x, mean, rstd, weight, *extra), dict(zero_centered_gamma=zero_centered)
 
 
-def _rmsnorm_bwd(name, shape, dtype, zero_centered=False):
-    @case("rmsnorm_bwd", name)
+def _rmsnorm_bwd(name, shape, dtype, zero_centered=False, add=False):
+    @case("rmsnorm_bwd_add" if add else "rmsnorm_bwd", name)
     def make(gen):
         x, weight = _x_weight(gen, shape, dtype, zero_centered)
         dy = randn(gen, *shape, dtype=dtype)
-        return (dy, x, _rms_rstd(x), weight), dict(zero_centered_gamma=zero_centered)
+        extra = (randn(gen, *shape, dtype=dtype, std=3.0),) if add else ()
+        return (dy, x, _rms_rstd(x), weight, *extra), dict(zero_centered_gamma=zero_centered)
 
 
 _layernorm_fwd("fp32-4x7x96", (4, 7, 96), torch.float32)
@@ -84,3 +86,7 @@ _layernorm_bwd("bf16-zero-centered-33x64", (33, 64), torch.bfloat16, zero_center
 _layernorm_bwd("fp16-17x40", (17, 40), torch.float16)
 _rmsnorm_bwd("fp32-6x5x48", (6, 5, 48), torch.float32)
 _rmsnorm_bwd("bf16-zero-centered-33x64", (33, 64), torch.bfloat16, zero_centered=True)
+_layernorm_bwd("fp32-6x5x48", (6, 5, 48), torch.float32, add=True)
+_layernorm_bwd("bf16-33x64", (33, 64), torch.bfloat16, add=True)
+_rmsnorm_bwd("bf16-zero-centered-17x40", (17, 40), torch.bfloat16, zero_centered=True, add=True)
+_rmsnorm_bwd("fp16-4x96", (4, 96), torch.float16, add=True)
