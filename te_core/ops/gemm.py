@@ -48,6 +48,7 @@ def gemm_fp8(
     bias: Optional[Tensor] = None,
     out: Optional[Tensor] = None,
     accumulate: bool = False,
+    fast_accumulation: bool = False,
 ) -> Tensor:
     """FP8 a @ b.T, accumulated in float32: dequant(a) @ dequant(b).T (+ bias), cast to out_dtype.
 
@@ -56,4 +57,8 @@ def gemm_fp8(
     "block_1x128_128x128" a (M, ceil(K/128)), b (ceil(N/128), ceil(K/128));
     "block_1x128_1x128" a (M, ceil(K/128)), b (N, ceil(K/128)); "mxfp8" uint8 E8M0
     a (M, K/32), b (N, K/32). bias has N elements (out_dtype or float32). `out`/`accumulate`
-    as for gemm. Backends may require M, N, K to be multiples of 16 and decline otherwise."""
+    as for gemm. Backends may require M, N, K to be multiples of 16 and decline otherwise.
+    fast_accumulation=True lets the backend keep the tensor cores' own accumulator for the whole
+    K loop instead of promoting partial sums to float32 (Hopper's fast FP8 accumulation, which
+    Transformer Engine and torchao use for forward GEMMs; error grows with K); a backend without
+    such a mode, and the reference, accumulate in float32 regardless."""

@@ -27,8 +27,9 @@ _MODES = {
 
 
 def fprop_gemm(x: Operand, w: Operand, *, out_dtype: torch.dtype, bias: Optional[Tensor] = None) -> Tensor:
-    """y = x @ w.T: x (M, K), w (N, K) -> (M, N)."""
-    return quantized_gemm(x, w, out_dtype=out_dtype, bias=bias)
+    """y = x @ w.T: x (M, K), w (N, K) -> (M, N). In FP8 with fast accumulation allowed, as
+    Transformer Engine and torchao run forward GEMMs; gradients keep float32 accumulation."""
+    return quantized_gemm(x, w, out_dtype=out_dtype, bias=bias, fast_accumulation=True)
 
 
 def dgrad_gemm(dy: Operand, w: Operand, *, out_dtype: torch.dtype) -> Tensor:
@@ -52,8 +53,9 @@ def keep_columnwise(t: Operand) -> Operand:
 
 def quantized_gemm(a: Operand, b: Operand, *, a_columnwise: bool = False, b_columnwise: bool = False,
                    out_dtype: torch.dtype, bias: Optional[Tensor] = None, out: Optional[Tensor] = None,
-                   accumulate: bool = False) -> Tensor:
-    """op(a) @ op(b).T where op transposes an operand whose `*_columnwise` flag is set."""
+                   accumulate: bool = False, fast_accumulation: bool = False) -> Tensor:
+    """op(a) @ op(b).T where op transposes an operand whose `*_columnwise` flag is set;
+    `fast_accumulation` as ops.gemm_fp8 (FP8 operands only)."""
     if out is not None:
         out_dtype = out.dtype
     if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
@@ -64,7 +66,7 @@ def quantized_gemm(a: Operand, b: Operand, *, a_columnwise: bool = False, b_colu
         if bias is not None and bias.dtype not in (out_dtype, torch.float32):
             bias = bias.to(out_dtype)
         return ops.gemm_fp8(qa.data, qb.data, qa.scale_inv, qb.scale_inv, out_dtype=out_dtype, scaling=mode,
-                            bias=bias, out=out, accumulate=accumulate)
+                            bias=bias, out=out, accumulate=accumulate, fast_accumulation=fast_accumulation)
     a_hp, b_hp = _high_precision(a, a_columnwise), _high_precision(b, b_columnwise)
     if bias is not None and bias.dtype != out_dtype:
         bias = bias.to(out_dtype)

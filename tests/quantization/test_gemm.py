@@ -62,3 +62,20 @@ def test_mismatched_operand_kinds_are_rejected(gen):
     b = delayed.quantizer("weight").quantize(randn(gen, 16, 128))
     with pytest.raises(ValueError, match="no FP8 GEMM scaling mode for operands quantized as 1x128 .a. and tensor .b."):
         quantized_gemm(a, b, out_dtype=torch.float32)
+
+
+def test_only_forward_gemms_allow_fast_accumulation(gen, monkeypatch):
+    """As Transformer Engine: fprop may use the tensor cores' fast accumulation; dgrad and
+    wgrad (gradients, accumulated over the tokens) keep float32 accumulation."""
+    seen = []
+    real = ops.gemm_fp8
+    monkeypatch.setattr(ops, "gemm_fp8", lambda *a, **k: (seen.append(k.get("fast_accumulation")), real(*a, **k))[1])
+    state = DelayedScaling().make_state(gemm_slots(), torch.device("cpu"))
+    x, w, dy = randn(gen, 64, 96), randn(gen, 32, 96), randn(gen, 64, 32)
+    xq = state.quantizer("input").quantize(x, columnwise=True)
+    wq = state.quantizer("weight").quantize(w, columnwise=True)
+    dyq = state.quantizer("grad_output").quantize(dy, columnwise=True)
+    fprop_gemm(xq, wq, out_dtype=torch.float32)
+    dgrad_gemm(dyq, wq, out_dtype=torch.float32)
+    wgrad_gemm(dyq, xq, out_dtype=torch.float32)
+    assert seen == [True, False, False]

@@ -120,6 +120,25 @@ def test_gemm_fp8_glue_on_cpu_scaled_mm(mode, out_kind, out_dtype, bias_dtype):
     torch.testing.assert_close(got, want, **tol)
 
 
+@pytest.mark.parametrize("mode,fast", [(TENSORWISE, True), (ROWWISE, True), (BLOCK_1x128_128x128, False)])
+def test_fast_accumulation_reaches_scaled_mm_for_tensor_and_row_scales(monkeypatch, mode, fast):
+    """fast_accumulation=True becomes use_fast_accum for tensor-wise and row-wise scales only;
+    block scales keep float32 accumulation (as Transformer Engine's block recipe)."""
+    seen = []
+
+    def fake_scaled_mm(a, b, sa, sb, **kwargs):
+        seen.append(kwargs["use_fast_accum"])
+        return torch.zeros(a.shape[0], b.shape[1], dtype=kwargs["out_dtype"])
+
+    monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
+    M, N, K = 32, 128, 256
+    a, b = _fp8((M, K), seed=1), _fp8((N, K), seed=2)
+    sa, sb = _scales(mode, M, N, K, seed=3)
+    for flag in (False, True):
+        scaled_mm.gemm_fp8(a, b, sa, sb, out_dtype=torch.bfloat16, scaling=mode, fast_accumulation=flag)
+    assert seen == [False, fast]
+
+
 def test_tensorwise_scales_are_passed_16_byte_aligned():
     """A module's per-slot scale_inv is a 1-element slice of a vector; cuBLASLt refused one at
     an unaligned address on the H200, so the backend hands it an aligned copy of the value."""

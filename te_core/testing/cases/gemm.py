@@ -77,13 +77,15 @@ def _fp8_gemm_inputs(gen, m, n, k, a_dtype, b_dtype, scaling):
 
 
 def _fp8_case(name, m, n, k, a_dtype=E4M3, b_dtype=E4M3, scaling="tensorwise", out_dtype=torch.bfloat16,
-              bias=False, out=None, accumulate=False):
+              bias=False, out=None, accumulate=False, fast=False):
     """Registers a gemm_fp8 case; `out` is None, "poisoned" (NaN) or "random" (accumulate into)."""
 
     @case("gemm_fp8", name, tol=fp8_tolerance(a_dtype, b_dtype), returns_out=out is not None)
     def make(gen):
         args = _fp8_gemm_inputs(gen, m, n, k, a_dtype, b_dtype, scaling)
         kwargs = dict(out_dtype=out_dtype, scaling=scaling)
+        if fast:
+            kwargs["fast_accumulation"] = True
         if bias:  # large enough that a dropped bias is far outside the FP8 tolerance
             kwargs["bias"] = randn(gen, n, dtype=out_dtype, std=8.0)
         if out == "poisoned":
@@ -105,3 +107,7 @@ _fp8_case("mxfp8-32x64x96", 32, 64, 96, scaling="mxfp8")
 _fp8_case("tensorwise-odd-dims-33x40x24", 33, 40, 24)
 _fp8_case("tensorwise-out-poisoned-bias-16x48x32", 16, 48, 32, bias=True, out="poisoned")
 _fp8_case("tensorwise-accumulate-fp32-32x32x64", 32, 32, 64, out_dtype=torch.float32, out="random", accumulate=True)
+# fast accumulation: within the FP8 tolerance at these K (its error grows with K)
+_fp8_case("tensorwise-fast-accumulation-bias-64x48x512", 64, 48, 512, bias=True, fast=True)
+_fp8_case("rowwise-fast-accumulation-32x64x256", 32, 64, 256, scaling="rowwise", fast=True)
+_fp8_case("block-1x128-128x128-fast-accumulation-64x144x256", 64, 144, 256, scaling="block_1x128_128x128", fast=True)

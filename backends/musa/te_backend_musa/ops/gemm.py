@@ -64,6 +64,7 @@ def gemm_fp8(
     bias: Optional[Tensor] = None,
     out: Optional[Tensor] = None,
     accumulate: bool = False,
+    fast_accumulation: bool = False,  # not passed on: float32 accumulation, as the contract allows
 ) -> Tensor:
     m, n = a.shape[0], b.shape[0]
     scale_a, scale_b = scaled_mm_scales(a_scale_inv, b_scale_inv, scaling, m, n)
@@ -76,7 +77,8 @@ def gemm_fp8(
     return finish(result, out_dtype, out, accumulate)
 
 
-def gemm_fp8_supports(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, bias=None, out=None, accumulate=False) -> Verdict:
+def gemm_fp8_supports(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, bias=None, out=None,
+                      accumulate=False, fast_accumulation=False) -> Verdict:
     if scaling not in (TENSORWISE, ROWWISE):
         return False, f"scaling {scaling!r}: torch._scaled_mm on MUSA takes only per-tensor or per-row scales"
     arch = arch_of(a.device)
