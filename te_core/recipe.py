@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Union
 import torch
 
 __all__ = [
-    "Format", "QParams", "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
+    "Format", "MMParams", "QParams", "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
     "MXFP8BlockScaling", "recipe_from_config",
 ]
 
@@ -61,8 +61,39 @@ class QParams:
             raise ValueError(f"QParams.amax_epsilon must be a float >= 0, got {self.amax_epsilon!r}")
 
 
+@dataclass(frozen=True)
+class MMParams:
+    """How an FP8 GEMM accumulates (Transformer Engine's MMParams). use_split_accumulator=False
+    lets the backend keep the tensor cores' own accumulator for the whole K loop (Hopper's fast
+    FP8 accumulation: quicker, less exact as K grows); True promotes partial sums to float32."""
+
+    use_split_accumulator: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.use_split_accumulator, bool):
+            raise TypeError(f"MMParams.use_split_accumulator must be a bool, got {self.use_split_accumulator!r}")
+
+
+GEMMS = ("fprop", "dgrad", "wgrad")
+# Transformer Engine's choice for recipes without fp8_gemm_* fields (its constants for delayed
+# scaling): forward GEMMs fast, gradient GEMMs (summed over every token) split
+_DEFAULT_SPLIT = {"fprop": False, "dgrad": True, "wgrad": True}
+
+
+def default_split_accumulator(gemm: str) -> bool:
+    return _DEFAULT_SPLIT[gemm]
+
+
 class Recipe:
     """Base of every recipe. Subclasses are frozen dataclasses."""
+
+    def split_accumulator(self, gemm: str) -> bool:
+        """Whether this recipe's `gemm` ("fprop", "dgrad" or "wgrad") accumulates in float32: its
+        fp8_gemm_<gemm> field where it has one, else Transformer Engine's fixed choice."""
+        if gemm not in GEMMS:
+            raise ValueError(f"gemm must be one of {', '.join(GEMMS)}, got {gemm!r}")
+        params = getattr(self, f"fp8_gemm_{gemm}", None)
+        return default_split_accumulator(gemm) if params is None else params.use_split_accumulator
 
     def make_state(self, slots: Sequence, device: torch.device):
         """The scaling state and quantizers of a module's `slots` (te_core.quantization.QuantizerSlot).
@@ -88,6 +119,8 @@ class Recipe:
                 value = value.name
             elif isinstance(value, QParams):
                 value = {"power_2_scale": value.power_2_scale, "amax_epsilon": float(value.amax_epsilon)}
+            elif isinstance(value, MMParams):
+                value = {"use_split_accumulator": value.use_split_accumulator}
             elif callable(value):
                 value = f"<callable {getattr(value, '__qualname__', type(value).__name__)}>"
             config[f.name] = value
@@ -165,6 +198,14 @@ class DelayedScaling(Recipe):
         return (*super().compatible_key(), self.amax_history_len)
 
 
+def _check_mm_params(recipe) -> None:
+    for gemm in GEMMS:
+        value = getattr(recipe, f"fp8_gemm_{gemm}")
+        if not isinstance(value, MMParams):
+            raise TypeError(f"{type(recipe).__name__}: fp8_gemm_{gemm} must be a te_core.recipe.MMParams, "
+                            f"got {value!r}")
+
+
 def _check_block_recipe_flags(recipe) -> None:
     if recipe.fp8_dpa or recipe.fp8_mha:
         raise NotImplementedError(f"{type(recipe).__name__}: fp8_dpa / fp8_mha (FP8 attention) are not "
@@ -179,12 +220,16 @@ class Float8CurrentScaling(Recipe):
     fp8_quant_fwd_inp: QParams = field(default_factory=QParams)
     fp8_quant_fwd_weight: QParams = field(default_factory=QParams)
     fp8_quant_bwd_grad: QParams = field(default_factory=QParams)
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
+    fp8_gemm_dgrad: MMParams = MMParams()
+    fp8_gemm_wgrad: MMParams = MMParams()
     fp8_dpa: bool = False
     fp8_mha: bool = False
 
     def __post_init__(self):
         _check_format(self)
         _check_block_recipe_flags(self)
+        _check_mm_params(self)
 
     def quantizer_for(self, role):
         from .quantization.quantizers import Float8CurrentScalingQuantizer
@@ -213,12 +258,20 @@ class Float8BlockScaling(Recipe):
     x_block_scaling_dim: int = 1
     w_block_scaling_dim: int = 2
     grad_block_scaling_dim: int = 1
+    fp8_gemm_fprop: MMParams = MMParams()
+    fp8_gemm_dgrad: MMParams = MMParams()
+    fp8_gemm_wgrad: MMParams = MMParams()
     fp8_dpa: bool = False
     fp8_mha: bool = False
 
     def __post_init__(self):
         _check_format(self)
         _check_block_recipe_flags(self)
+        _check_mm_params(self)
+        for gemm in GEMMS:
+            if not self.split_accumulator(gemm):
+                raise ValueError(f"Float8BlockScaling: block-scaled GEMMs accumulate in float32; leave "
+                                 f"fp8_gemm_{gemm} at MMParams(use_split_accumulator=True)")
         for name in ("x_block_scaling_dim", "grad_block_scaling_dim"):
             if getattr(self, name) != 1:
                 raise ValueError(f"Float8BlockScaling: {name}={getattr(self, name)!r} is not supported; activations "
@@ -274,7 +327,7 @@ def recipe_from_config(config: Dict[str, Any]) -> Recipe:
         if f.name == "fp8_format":
             value = Format[value]
         elif isinstance(value, dict):
-            value = QParams(**value)
+            value = (MMParams if f.name.startswith("fp8_gemm_") else QParams)(**value)
         elif isinstance(value, str) and value.startswith("<callable"):
             continue
         kwargs[f.name] = value

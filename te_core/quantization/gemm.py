@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .. import ops
 from ..backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, MXFP8, TENSORWISE
+from ..recipe import default_split_accumulator
 from .tensor import BLOCK_1x128, BLOCK_128x128, MX_1x32, TENSOR, GemmOperand, QuantizedTensor
 
 Operand = Union[Tensor, QuantizedTensor]
@@ -27,14 +28,13 @@ _MODES = {
 
 
 def fprop_gemm(x: Operand, w: Operand, *, out_dtype: torch.dtype, bias: Optional[Tensor] = None) -> Tensor:
-    """y = x @ w.T: x (M, K), w (N, K) -> (M, N). In FP8 with fast accumulation allowed, as
-    Transformer Engine and torchao run forward GEMMs; gradients keep float32 accumulation."""
-    return quantized_gemm(x, w, out_dtype=out_dtype, bias=bias, fast_accumulation=True)
+    """y = x @ w.T: x (M, K), w (N, K) -> (M, N)."""
+    return quantized_gemm(x, w, out_dtype=out_dtype, bias=bias, gemm="fprop")
 
 
 def dgrad_gemm(dy: Operand, w: Operand, *, out_dtype: torch.dtype) -> Tensor:
     """dx = dy @ w: dy (M, N), w (N, K) -> (M, K); reads w's column-wise copy (K, N)."""
-    return quantized_gemm(dy, w, b_columnwise=True, out_dtype=out_dtype)
+    return quantized_gemm(dy, w, b_columnwise=True, out_dtype=out_dtype, gemm="dgrad")
 
 
 def wgrad_gemm(dy: Operand, x: Operand, *, out_dtype: torch.dtype, out: Optional[Tensor] = None,
@@ -42,7 +42,7 @@ def wgrad_gemm(dy: Operand, x: Operand, *, out_dtype: torch.dtype, out: Optional
     """dw = dy.T @ x: dy (M, N), x (M, K) -> (N, K); reads both column-wise copies. With `out`
     and accumulate=True the product is added into `out` (fused main_grad accumulation)."""
     return quantized_gemm(dy, x, a_columnwise=True, b_columnwise=True, out_dtype=out_dtype, out=out,
-                          accumulate=accumulate)
+                          accumulate=accumulate, gemm="wgrad")
 
 
 def keep_columnwise(t: Operand) -> Operand:
@@ -53,9 +53,11 @@ def keep_columnwise(t: Operand) -> Operand:
 
 def quantized_gemm(a: Operand, b: Operand, *, a_columnwise: bool = False, b_columnwise: bool = False,
                    out_dtype: torch.dtype, bias: Optional[Tensor] = None, out: Optional[Tensor] = None,
-                   accumulate: bool = False, fast_accumulation: bool = False) -> Tensor:
-    """op(a) @ op(b).T where op transposes an operand whose `*_columnwise` flag is set;
-    `fast_accumulation` as ops.gemm_fp8 (FP8 operands only)."""
+                   accumulate: bool = False, gemm: Optional[str] = None) -> Tensor:
+    """op(a) @ op(b).T where op transposes an operand whose `*_columnwise` flag is set. `gemm`
+    ("fprop", "dgrad", "wgrad"): which GEMM of a linear layer this is, so that FP8 operands
+    accumulate as their recipe says (Recipe.split_accumulator; TE's default: forward GEMMs fast,
+    gradient GEMMs in float32); None: float32 accumulation."""
     if out is not None:
         out_dtype = out.dtype
     if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
@@ -66,11 +68,19 @@ def quantized_gemm(a: Operand, b: Operand, *, a_columnwise: bool = False, b_colu
         if bias is not None and bias.dtype not in (out_dtype, torch.float32):
             bias = bias.to(out_dtype)
         return ops.gemm_fp8(qa.data, qb.data, qa.scale_inv, qb.scale_inv, out_dtype=out_dtype, scaling=mode,
-                            bias=bias, out=out, accumulate=accumulate, fast_accumulation=fast_accumulation)
+                            bias=bias, out=out, accumulate=accumulate,
+                            fast_accumulation=gemm is not None and not _split_accumulator(a, b, gemm))
     a_hp, b_hp = _high_precision(a, a_columnwise), _high_precision(b, b_columnwise)
     if bias is not None and bias.dtype != out_dtype:
         bias = bias.to(out_dtype)
     return ops.gemm(a_hp, b_hp, bias=bias, out=out, accumulate=accumulate, out_dtype=out_dtype)
+
+
+def _split_accumulator(a: QuantizedTensor, b: QuantizedTensor, gemm: str) -> bool:
+    """The recipe's choice, through the quantizer it made for the first operand (a primary weight
+    may have none: then the second's, then TE's default)."""
+    quantizer = a.quantizer if a.quantizer is not None else b.quantizer
+    return (quantizer.split_accumulator if quantizer is not None else default_split_accumulator)(gemm)
 
 
 def _high_precision(t: Operand, columnwise: bool) -> Tensor:

@@ -5,13 +5,14 @@ the backward GEMMs read (fused cast-transpose where the kind allows it).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .. import ops
 from ..backend import declares
+from ..recipe import default_split_accumulator
 from .block_tensor import Float8BlockwiseTensor, MXFP8Tensor
 from .float8_tensor import Float8Tensor
 from .roles import Role
@@ -47,6 +48,10 @@ class Quantizer:
         self.fp8_dtype = fp8_dtype
 
     scaling_group: Optional[ScalingGroup] = None  # delayed scaling: the state this quantizer updates
+
+    # gemm ("fprop", "dgrad", "wgrad") -> whether it accumulates in float32. The state holding the
+    # quantizer sets its recipe's choice (Recipe.split_accumulator); elsewhere TE's fixed choice.
+    split_accumulator: Callable[[str], bool] = staticmethod(default_split_accumulator)
 
     def quantize(self, x: Tensor, *, columnwise: bool = False) -> QuantizedTensor:
         raise NotImplementedError

@@ -36,6 +36,11 @@ class RecipeState:
         """Use `recipe` (compatible with the current one) from now on, keeping the state."""
         self.recipe = recipe
 
+    def _adopt_gemm_choices(self) -> None:
+        """Each quantizer's GEMMs accumulate as this state's recipe says (fp8_gemm_* fields)."""
+        for quantizer in self.quantizers.values():
+            quantizer.split_accumulator = self.recipe.split_accumulator
+
     def follow_device(self, device: torch.device) -> None:
         """Keep persistent state on the module's device (it is not a parameter or buffer, so
         module.to(...) does not move it; the module calls this on each step instead)."""
@@ -48,11 +53,13 @@ class StatelessState(RecipeState):
         super().__init__(recipe, slots)
         for slot in self.slots:
             self.quantizers[slot.name] = recipe.quantizer_for(slot.role)
+        self._adopt_gemm_choices()
 
     def rebind(self, recipe) -> None:
         super().rebind(recipe)
         for slot in self.slots:
             self.quantizers[slot.name] = recipe.quantizer_for(slot.role)
+        self._adopt_gemm_choices()
 
 
 class DelayedScalingState(RecipeState):
@@ -70,6 +77,7 @@ class DelayedScalingState(RecipeState):
             self.groups[role] = group
             for column, name in enumerate(names):
                 self.quantizers[name] = Float8Quantizer(role, group, column)
+        self._adopt_gemm_choices()
 
     def follow_device(self, device: torch.device) -> None:
         for group in self.groups.values():
@@ -96,6 +104,7 @@ class DelayedScalingState(RecipeState):
         super().rebind(recipe)
         for group in self.groups.values():
             group.recipe = recipe
+        self._adopt_gemm_choices()
 
 
 def _copy_checked(dst: Tensor, src, what: str) -> None:

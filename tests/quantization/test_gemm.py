@@ -6,7 +6,7 @@ import torch
 
 from te_core import ops
 from te_core.quantization import dgrad_gemm, fprop_gemm, gemm_slots, quantized_gemm, wgrad_gemm
-from te_core.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from te_core.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MMParams, MXFP8BlockScaling
 
 from .conftest import randn
 
@@ -64,18 +64,36 @@ def test_mismatched_operand_kinds_are_rejected(gen):
         quantized_gemm(a, b, out_dtype=torch.float32)
 
 
-def test_only_forward_gemms_allow_fast_accumulation(gen, monkeypatch):
-    """As Transformer Engine: fprop may use the tensor cores' fast accumulation; dgrad and
-    wgrad (gradients, accumulated over the tokens) keep float32 accumulation."""
+@pytest.mark.parametrize("recipe,expected", [
+    (DelayedScaling(), [True, False, False]),  # TE's fixed choice for delayed scaling
+    (Float8CurrentScaling(), [True, False, False]),  # TE's fp8_gemm_* defaults
+    (Float8CurrentScaling(fp8_gemm_fprop=MMParams(use_split_accumulator=True)), [False, False, False]),
+    (Float8CurrentScaling(fp8_gemm_wgrad=MMParams(use_split_accumulator=False)), [True, False, True]),
+    (Float8BlockScaling(), [False, False, False]),
+], ids=["delayed", "current", "current-fprop-split", "current-wgrad-fast", "block"])
+def test_recipe_decides_which_gemms_may_accumulate_fast(gen, monkeypatch, recipe, expected):
+    """fast_accumulation reaches ops.gemm_fp8 per GEMM as the recipe's fp8_gemm_* say (TE: forward
+    fast, gradients split; block scaling split everywhere)."""
     seen = []
     real = ops.gemm_fp8
     monkeypatch.setattr(ops, "gemm_fp8", lambda *a, **k: (seen.append(k.get("fast_accumulation")), real(*a, **k))[1])
-    state = DelayedScaling().make_state(gemm_slots(), torch.device("cpu"))
-    x, w, dy = randn(gen, 64, 96), randn(gen, 32, 96), randn(gen, 64, 32)
+    state = recipe.make_state(gemm_slots(), torch.device("cpu"))
+    x, w, dy = randn(gen, 64, 128), randn(gen, 128, 128), randn(gen, 64, 128)
     xq = state.quantizer("input").quantize(x, columnwise=True)
     wq = state.quantizer("weight").quantize(w, columnwise=True)
     dyq = state.quantizer("grad_output").quantize(dy, columnwise=True)
     fprop_gemm(xq, wq, out_dtype=torch.float32)
     dgrad_gemm(dyq, wq, out_dtype=torch.float32)
     wgrad_gemm(dyq, xq, out_dtype=torch.float32)
-    assert seen == [True, False, False]
+    assert seen == expected
+
+
+def test_plain_quantized_gemm_accumulates_in_float32(gen, monkeypatch):
+    seen = []
+    real = ops.gemm_fp8
+    monkeypatch.setattr(ops, "gemm_fp8", lambda *a, **k: (seen.append(k.get("fast_accumulation")), real(*a, **k))[1])
+    state = DelayedScaling().make_state(gemm_slots(), torch.device("cpu"))
+    xq = state.quantizer("input").quantize(randn(gen, 32, 64))
+    wq = state.quantizer("weight").quantize(randn(gen, 16, 64))
+    quantized_gemm(xq, wq, out_dtype=torch.float32)
+    assert seen == [False]

@@ -10,6 +10,7 @@ from te_core.recipe import (
     Float8BlockScaling,
     Float8CurrentScaling,
     Format,
+    MMParams,
     MXFP8BlockScaling,
     QParams,
     recipe_from_config,
@@ -59,9 +60,28 @@ def test_block_scaling_validation():
         QParams(amax_epsilon=-1.0)
 
 
+def test_gemm_accumulation_follows_transformer_engine():
+    """MMParams: current scaling's fp8_gemm_* fields default to TE's (forward fast, gradients
+    split); delayed and MXFP8 recipes have none and take TE's fixed choice; block scaling
+    accumulates in float32 and refuses otherwise."""
+    assert [Float8CurrentScaling().split_accumulator(g) for g in ("fprop", "dgrad", "wgrad")] == [False, True, True]
+    assert [DelayedScaling().split_accumulator(g) for g in ("fprop", "dgrad", "wgrad")] == [False, True, True]
+    assert Float8CurrentScaling(fp8_gemm_fprop=MMParams()).split_accumulator("fprop") is True
+    assert all(Float8BlockScaling().split_accumulator(g) for g in ("fprop", "dgrad", "wgrad"))
+    with pytest.raises(ValueError, match="block-scaled GEMMs accumulate in float32"):
+        Float8BlockScaling(fp8_gemm_dgrad=MMParams(use_split_accumulator=False))
+    with pytest.raises(TypeError, match="must be a bool"):
+        MMParams(use_split_accumulator="yes")
+    with pytest.raises(TypeError, match="fp8_gemm_wgrad must be a te_core.recipe.MMParams"):
+        Float8CurrentScaling(fp8_gemm_wgrad=True)
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        DelayedScaling().split_accumulator("forward")
+
+
 @pytest.mark.parametrize("recipe", [
     DelayedScaling(margin=1, amax_history_len=16, amax_compute_algo="most_recent"),
     Float8CurrentScaling(fp8_quant_fwd_weight=QParams(power_2_scale=True, amax_epsilon=1e-6)),
+    Float8CurrentScaling(fp8_gemm_fprop=MMParams(use_split_accumulator=True)),
     Float8BlockScaling(w_block_scaling_dim=1),
     MXFP8BlockScaling(),
 ])
