@@ -6,7 +6,7 @@ column-wise copies for the backward GEMMs, then dgrad, wgrad and the fused dbias
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -14,7 +14,15 @@ from torch import Tensor, nn
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_gemm
 from ..quantization.roles import gemm_slots
 from ._base import QuantizedModule
-from ._common import check_input, check_positive, compute_dtype, default_init_method, no_torch_autocast, reject_unsupported
+from ._common import (
+    check_input,
+    check_positive,
+    check_split_sizes,
+    compute_dtype,
+    default_init_method,
+    no_torch_autocast,
+    reject_unsupported,
+)
 
 _default_init = default_init_method()
 
@@ -44,7 +52,7 @@ def _output(y: Tensor, inp: Tensor) -> Tensor:
 
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp: Tensor, weight: Tensor, bias: Optional[Tensor], step, options: _Options) -> Tensor:
+    def forward(ctx, inp: Tensor, weight: Tensor, bias: Optional[Tensor], step, options: _Options, split_sizes=None):
         need_dgrad = options.grad_enabled and inp.requires_grad
         need_wgrad = options.grad_enabled and weight.requires_grad
         y, x_op, w_op = _fprop(inp, weight, bias, step, options, need_dgrad, need_wgrad)
@@ -56,14 +64,16 @@ class _LinearFunction(torch.autograd.Function):
         ctx.inp_shape, ctx.inp_dtype = inp.shape, inp.dtype
         ctx.need_dgrad, ctx.need_wgrad = need_dgrad, need_wgrad
         ctx.bias_dtype = None if bias is None or not bias.requires_grad else bias.dtype
-        return _output(y, inp)
+        ctx.split = split_sizes is not None
+        return _output(y, inp) if split_sizes is None else _split_output(y, inp, split_sizes)
 
     @staticmethod
-    def backward(ctx, dy: Tensor):
+    def backward(ctx, *dys: Tensor):
         x_op, w_op = ctx.saved_tensors
         step, weight = ctx.step, ctx.weight
-        dy2d = (dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).contiguous()
-        dy_op, dbias = step.grad_operand("grad_output", dy2d, columnwise=ctx.need_wgrad,
+        # split outputs: their gradients go to the cast as column blocks, not concatenated (LayerNormLinear)
+        parts = [(dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).contiguous() for dy in dys]
+        dy_op, dbias = step.grad_operand("grad_output", parts if ctx.split else parts[0], columnwise=ctx.need_wgrad,
                                          with_dbias=ctx.bias_dtype is not None)
         dx = dw = None
         if ctx.need_dgrad:
@@ -74,7 +84,11 @@ class _LinearFunction(torch.autograd.Function):
         step.backward_done()
         if dbias is not None:
             dbias = dbias.to(ctx.bias_dtype)
-        return dx, dw, dbias, None, None
+        return dx, dw, dbias, None, None, None
+
+
+def _split_output(y: Tensor, inp: Tensor, split_sizes) -> tuple:
+    return tuple(_output(part, inp) for part in y.split(split_sizes, dim=-1))
 
 
 def _wgrad(dy_op, x_op, weight: Tensor, fuse_accumulation: bool) -> Optional[Tensor]:
@@ -139,17 +153,23 @@ class Linear(QuantizedModule):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None):
+    def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None, *,
+                split_sizes: Optional[Sequence[int]] = None):
+        """`split_sizes` (te-core): the output as a tuple of views split along its last dimension,
+        as torch.split would; the backward takes their gradients without concatenating them."""
         check_input(inp, self.in_features, module="Linear", last_dim_name="in_features", device=self.weight.device)
+        if split_sizes is not None:
+            split_sizes = check_split_sizes(split_sizes, self.out_features, "Linear")
         step = self.quantization_step(is_first_microbatch)
         options = _Options(compute_dtype(inp), self.fuse_wgrad_accumulation, torch.is_grad_enabled())
         fused_bias = None if self.return_bias else self.bias
         with no_torch_autocast(inp.device.type):  # operands are cast here, not by torch.autocast
             if options.grad_enabled and (inp.requires_grad or self.weight.requires_grad
                                          or (fused_bias is not None and fused_bias.requires_grad)):
-                out = _LinearFunction.apply(inp, self.weight, fused_bias, step, options)
+                out = _LinearFunction.apply(inp, self.weight, fused_bias, step, options, split_sizes)
             else:  # nothing to differentiate: skip the autograd Function's bookkeeping (inference)
-                out = _output(_fprop(inp, self.weight, fused_bias, step, options)[0], inp)
+                y = _fprop(inp, self.weight, fused_bias, step, options)[0]
+                out = _output(y, inp) if split_sizes is None else _split_output(y, inp, split_sizes)
         if self.return_bias:
             return out, self.bias
         return out

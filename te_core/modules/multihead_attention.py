@@ -111,16 +111,16 @@ class MultiheadAttention(QuantizedContainer):
         proj_in = getattr(self, _input_proj_name(self.attention_type, self.input_layernorm))
         h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
         residual = hidden_states if return_residual else None
+        # q, k and v as views whose gradients the projection's backward reads in place
+        split = dict(split_sizes=(h * d, g * d, g * d)) if self.attention_type == "self" else {}
         if self.input_layernorm:
-            # q, k and v as views whose gradients the projection's backward reads in place
-            split = dict(split_sizes=(h * d, g * d, g * d)) if self.attention_type == "self" else {}
             projected = proj_in(hidden_states, is_first_microbatch=is_first_microbatch, return_residual=return_residual,
                                 **split)
             if return_residual:
                 *projected, residual = projected
                 projected = projected[0] if len(projected) == 1 else tuple(projected)
         else:
-            projected = proj_in(hidden_states, is_first_microbatch=is_first_microbatch)
+            projected = proj_in(hidden_states, is_first_microbatch=is_first_microbatch, **split)
         ln_out = None
         if self.input_layernorm and self.return_layernorm_output:
             projected, ln_out = projected

@@ -1,5 +1,5 @@
-"""LayerNormLinear(split_sizes=...): the output as views whose gradients the backward reads in
-place. Same numbers as splitting the unsplit output, with every recipe; the delayed recipe's
+"""LayerNormLinear / Linear(split_sizes=...): the output as views whose gradients the backward
+reads in place. Same numbers as splitting the unsplit output, with every recipe; the delayed recipe's
 gradient cast takes the parts without concatenating them."""
 
 import copy
@@ -36,9 +36,10 @@ def _step(module, x, rec, split, dys):
 
 @pytest.mark.parametrize("rec", list(RECIPES))
 @pytest.mark.parametrize("used", [(0, 1, 2), (1,)])
-def test_split_output_equals_split_of_the_output(rec, used):
+@pytest.mark.parametrize("cls", [tm.LayerNormLinear, tm.Linear])
+def test_split_output_equals_split_of_the_output(cls, rec, used):
     torch.manual_seed(0)
-    module = tm.LayerNormLinear(48, sum(SPLIT))
+    module = cls(48, sum(SPLIT))
     randomize_(module, seed=3, std=0.2)
     twin = copy.deepcopy(module)
     x = torch.randn(4, 8, 48)
@@ -72,6 +73,15 @@ def test_delayed_gradient_cast_reads_the_parts(monkeypatch):
     assert "dbias_cast_transpose_parts" in calls and "dbias_cast_transpose" not in calls
 
 
+def test_linear_split_without_grad_and_with_bias_returned():
+    module = tm.Linear(16, 24, return_bias=True)
+    x = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        (q, k), bias = module(x, split_sizes=(8, 16))
+        whole, _ = module(x)
+    assert torch.equal(torch.cat([q, k], dim=-1), whole) and bias is module.bias and q.shape == (2, 3, 8)
+
+
 def test_split_with_layernorm_output():
     module = tm.LayerNormLinear(16, 24, return_layernorm_output=True)
     (q, k), ln_out = module(torch.randn(3, 16), split_sizes=(8, 16))
@@ -80,7 +90,32 @@ def test_split_with_layernorm_output():
 
 @pytest.mark.parametrize("sizes, match", [((8, 8), "sum to 16, not out_features=24"), ((24, 0), "positive integers"),
                                           ((12.0, 12), "positive integers"), ((), "positive integers")])
-def test_bad_split_sizes(sizes, match):
-    module = tm.LayerNormLinear(16, 24)
+@pytest.mark.parametrize("cls", [tm.LayerNormLinear, tm.Linear])
+def test_bad_split_sizes(cls, sizes, match):
+    module = cls(16, 24)
     with pytest.raises(ValueError, match=match):
         module(torch.randn(2, 16), split_sizes=sizes)
+
+
+def test_multihead_attention_without_input_layernorm_matches_plain():
+    """MultiheadAttention's plain QKV Linear now returns q, k, v split: its gradients match the
+    unfused computation done in float64 (fp32 tolerances, relative to the largest value)."""
+    torch.manual_seed(0)
+    s, b, h, heads = 6, 2, 32, 4
+    mha = tm.MultiheadAttention(h, heads, attention_dropout=0.0, attn_mask_type="causal")
+    randomize_(mha, seed=7, std=0.2)
+    x = torch.randn(s, b, h, requires_grad=True)
+    mha(x).pow(2).sum().backward()
+    got = (x.grad, mha.qkv.weight.grad, mha.qkv.bias.grad)
+
+    f64 = [t.detach().double().requires_grad_(True) for t in (x, mha.qkv.weight, mha.qkv.bias)]
+    qkv = torch.nn.functional.linear(*f64)
+    q, k, v = (t.reshape(s, b, heads, h // heads).permute(1, 2, 0, 3) for t in qkv.split(h, dim=-1))
+    ctx = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    proj = [p.detach().double() for p in (mha.proj.weight, mha.proj.bias)]
+    out = torch.nn.functional.linear(ctx.permute(2, 0, 1, 3).reshape(s, b, h), *proj)
+    want = torch.autograd.grad(out.pow(2).sum(), f64)
+    for g, ref in zip(got, want):
+        scale = ref.abs().max()
+        assert g.abs().sum() > 0
+        torch.testing.assert_close(g.double() / scale, ref / scale, rtol=1.3e-6, atol=1e-5)
