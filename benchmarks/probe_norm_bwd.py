@@ -12,30 +12,22 @@ from __future__ import annotations
 
 def main():
     import torch
-    from te_backend_cuda import fused
+    from _norm_bwd import norm_bwd_cases
     from te_triton import Config, norm
     from triton.testing import do_bench
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for M, N in [(16384, 4096), (16384, 8192)]:
-        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 3 + 1
-        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        for rms in (False, True):
-            name = "rmsnorm" if rms else "layernorm"
-            _, mean, rstd, _ = norm.norm_fwd(x, w, None if rms else b, 1e-5, rms=rms)
-            chosen = fused._norm_bwd_cfg(x, rms=rms)
-            want = norm.norm_bwd(dy, x, mean, rstd, w, rms=rms, cfg=chosen)
-            for warps, per_sm in [(8, 2), (16, 2), (8, 4), (16, 1), (32, 1), (4, 8)]:
-                cfg = Config(num_warps=warps, max_programs=sms * per_sm)
-                got = norm.norm_bwd(dy, x, mean, rstd, w, rms=rms, cfg=cfg)
-                same = torch.equal(got[0], want[0])
-                t = do_bench(lambda: norm.norm_bwd(dy, x, mean, rstd, w, rms=rms, cfg=cfg), warmup=5, rep=30)
-                mark = " (the backend's choice)" if (warps, sms * per_sm) == (chosen.num_warps, chosen.max_programs) else ""
-                # x and dy read, dx written (bf16), as bench_kernels counts
-                print(f"{name} bwd w{warps} x{per_sm}/SM {M}x{N}: {6 * M * N / t / 1e6:.0f} GB/s "
-                      f"(dx equal to the backend's {same}){mark}", flush=True)
+    for name, M, N, rms, x, dy, w, mean, rstd, chosen in norm_bwd_cases():
+        want = norm.norm_bwd(dy, x, mean, rstd, w, rms=rms, cfg=chosen)
+        for warps, per_sm in [(8, 2), (16, 2), (8, 4), (16, 1), (32, 1), (4, 8)]:
+            cfg = Config(num_warps=warps, max_programs=sms * per_sm)
+            got = norm.norm_bwd(dy, x, mean, rstd, w, rms=rms, cfg=cfg)
+            same = torch.equal(got[0], want[0])
+            t = do_bench(lambda: norm.norm_bwd(dy, x, mean, rstd, w, rms=rms, cfg=cfg), warmup=5, rep=30)
+            mark = " (the backend's choice)" if (warps, sms * per_sm) == (chosen.num_warps, chosen.max_programs) else ""
+            # x and dy read, dx written (bf16), as bench_kernels counts
+            print(f"{name} bwd w{warps} x{per_sm}/SM {M}x{N}: {6 * M * N / t / 1e6:.0f} GB/s "
+                  f"(dx equal to the backend's {same}){mark}", flush=True)
 
 
 if __name__ == "__main__":

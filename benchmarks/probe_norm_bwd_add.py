@@ -69,46 +69,38 @@ def _add_pair(a1, b1, a2, b2):
 
 def main():
     import torch
-    from te_backend_cuda import fused
+    from _norm_bwd import norm_bwd_cases
     from te_triton import norm
     from triton.testing import do_bench
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for M, N in [(16384, 4096), (16384, 8192)]:
-        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 3 + 1
-        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        add = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        for rms in (False, True):
-            name = "rmsnorm" if rms else "layernorm"
-            _, mean, rstd, _ = norm.norm_fwd(x, w, None if rms else b, 1e-5, rms=rms)
-            cfg = fused._norm_bwd_cfg(x, rms=rms)
-            want = norm.norm_bwd_add(dy, x, mean, rstd, w, add, rms=rms, cfg=cfg)
-            gb = lambda t, tensors: tensors * 2 * M * N / t / 1e6  # noqa: E731  bf16 rows read + written
-            t = do_bench(lambda: norm.norm_bwd(dy, x, mean, rstd, w, rms=rms, cfg=cfg), warmup=5, rep=40)
-            print(f"{name} {M}x{N} plain bwd: {t * 1e3:.0f} us ({gb(t, 3):.0f} GB/s)", flush=True)
-            t = do_bench(lambda: norm.norm_bwd(dy, x, mean, rstd, w, rms=rms, cfg=cfg)[0].add_(add), warmup=5, rep=40)
-            print(f"{name} {M}x{N} bwd then add_: {t * 1e3:.0f} us", flush=True)
-            t = do_bench(lambda: norm.norm_bwd_add(dy, x, mean, rstd, w, add, rms=rms, cfg=cfg), warmup=5, rep=40)
-            print(f"{name} {M}x{N} te_triton norm_bwd_add: {t * 1e3:.0f} us ({gb(t, 4):.0f} GB/s)", flush=True)
-            for at in (0, 1, 2):
-                for warps, per_sm in [(cfg.num_warps, cfg.max_programs // sms), (16, 1), (16, 2), (4, 4)]:
-                    programs = min(M, sms * per_sm)
-                    dx = torch.empty_like(x)
-                    dw = torch.empty((programs, N), device="cuda", dtype=torch.float32)
-                    db = torch.empty_like(dw)
+    for name, M, N, rms, x, dy, w, mean, rstd, cfg in norm_bwd_cases():
+        add = torch.randn_like(dy)
+        want = norm.norm_bwd_add(dy, x, mean, rstd, w, add, rms=rms, cfg=cfg)
+        gb = lambda t, tensors: tensors * 2 * M * N / t / 1e6  # noqa: E731  bf16 rows read + written
+        t = do_bench(lambda: norm.norm_bwd(dy, x, mean, rstd, w, rms=rms, cfg=cfg), warmup=5, rep=40)
+        print(f"{name} {M}x{N} plain bwd: {t * 1e3:.0f} us ({gb(t, 3):.0f} GB/s)", flush=True)
+        t = do_bench(lambda: norm.norm_bwd(dy, x, mean, rstd, w, rms=rms, cfg=cfg)[0].add_(add), warmup=5, rep=40)
+        print(f"{name} {M}x{N} bwd then add_: {t * 1e3:.0f} us", flush=True)
+        t = do_bench(lambda: norm.norm_bwd_add(dy, x, mean, rstd, w, add, rms=rms, cfg=cfg), warmup=5, rep=40)
+        print(f"{name} {M}x{N} te_triton norm_bwd_add: {t * 1e3:.0f} us ({gb(t, 4):.0f} GB/s)", flush=True)
+        for at in (0, 1, 2):
+            for warps, per_sm in [(cfg.num_warps, cfg.max_programs // sms), (16, 1), (16, 2), (4, 4)]:
+                programs = min(M, sms * per_sm)
+                dx = torch.empty_like(x)
+                dw = torch.empty((programs, N), device="cuda", dtype=torch.float32)
+                db = torch.empty_like(dw)
 
-                    def run():
-                        _variant_kernel[(programs,)](dy, x, rstd if rms else mean, rstd, w, dx, dw, db, add, M, N,
-                                                     BLOCK_N=triton.next_power_of_2(N), RMS=rms, ADD_AT=at,
-                                                     num_warps=warps)
+                def run():
+                    _variant_kernel[(programs,)](dy, x, rstd if rms else mean, rstd, w, dx, dw, db, add, M, N,
+                                                 BLOCK_N=triton.next_power_of_2(N), RMS=rms, ADD_AT=at,
+                                                 num_warps=warps)
 
-                    run()
-                    same = torch.equal(dx, want[0])
-                    t = do_bench(run, warmup=5, rep=40)
-                    print(f"{name} {M}x{N} ADD_AT={at} w{warps} x{per_sm}/SM: {t * 1e3:.0f} us ({gb(t, 4):.0f} GB/s)"
-                          f" dx equal {same}", flush=True)
+                run()
+                same = torch.equal(dx, want[0])
+                t = do_bench(run, warmup=5, rep=40)
+                print(f"{name} {M}x{N} ADD_AT={at} w{warps} x{per_sm}/SM: {t * 1e3:.0f} us ({gb(t, 4):.0f} GB/s)"
+                      f" dx equal {same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -118,48 +118,40 @@ def _pair_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, dx_ptr, dw_part_ptr, 
 
 def main():
     import torch
-    from te_backend_cuda import fused
+    from _norm_bwd import norm_bwd_cases
     from te_triton import Config, norm
     from triton.testing import do_bench
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for M, N in [(16384, 4096), (16384, 8192)]:
-        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 3 + 1
-        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        for rms in (False, True):
-            name = "rmsnorm" if rms else "layernorm"
-            _, mean, rstd, _ = norm.norm_fwd(x, w, None if rms else b, 1e-5, rms=rms)
-            chosen = fused._norm_bwd_cfg(x, rms=rms)
-            want = norm.norm_bwd(dy, x, mean, rstd, w, rms=rms, cfg=chosen)
-            gbs = lambda t: 6 * M * N / t / 1e6  # noqa: E731  x and dy read, dx written (bf16)
-            t = do_bench(lambda: norm.norm_bwd(dy, x, mean, rstd, w, rms=rms, cfg=chosen), warmup=5, rep=40)
-            print(f"{name} {M}x{N} te_triton w{chosen.num_warps} x{chosen.max_programs // sms}/SM: "
-                  f"{gbs(t):.0f} GB/s", flush=True)
-            for warps, per_sm in [(8, 2), (16, 1), (16, 2), (32, 1)]:
-                cfg = Config(num_warps=warps, max_programs=sms * per_sm)
-                t = do_bench(lambda: norm.norm_bwd(dy, x, mean, rstd, w, rms=rms, cfg=cfg), warmup=5, rep=40)
-                print(f"{name} {M}x{N} te_triton w{warps} x{per_sm}/SM: {gbs(t):.0f} GB/s", flush=True)
-                for label, kernel in (("DEPTH2", _depth2_kernel), ("PAIR", _pair_kernel)):
-                    programs = min(M, sms * per_sm)
-                    dx = torch.empty_like(x)
-                    dwp = torch.empty((programs, N), device="cuda", dtype=torch.float32)
-                    dbp = torch.empty_like(dwp)
+    for name, M, N, rms, x, dy, w, mean, rstd, chosen in norm_bwd_cases():
+        want = norm.norm_bwd(dy, x, mean, rstd, w, rms=rms, cfg=chosen)
+        gbs = lambda t: 6 * M * N / t / 1e6  # noqa: E731  x and dy read, dx written (bf16)
+        t = do_bench(lambda: norm.norm_bwd(dy, x, mean, rstd, w, rms=rms, cfg=chosen), warmup=5, rep=40)
+        print(f"{name} {M}x{N} te_triton w{chosen.num_warps} x{chosen.max_programs // sms}/SM: "
+              f"{gbs(t):.0f} GB/s", flush=True)
+        for warps, per_sm in [(8, 2), (16, 1), (16, 2), (32, 1)]:
+            cfg = Config(num_warps=warps, max_programs=sms * per_sm)
+            t = do_bench(lambda: norm.norm_bwd(dy, x, mean, rstd, w, rms=rms, cfg=cfg), warmup=5, rep=40)
+            print(f"{name} {M}x{N} te_triton w{warps} x{per_sm}/SM: {gbs(t):.0f} GB/s", flush=True)
+            for label, kernel in (("DEPTH2", _depth2_kernel), ("PAIR", _pair_kernel)):
+                programs = min(M, sms * per_sm)
+                dx = torch.empty_like(x)
+                dwp = torch.empty((programs, N), device="cuda", dtype=torch.float32)
+                dbp = torch.empty_like(dwp)
 
-                    def run():
-                        kernel[(programs,)](dy, x, rstd if rms else mean, rstd, w, dx, dwp, dbp, M, N, BLOCK_N=N,
-                                            RMS=rms, num_warps=warps)
+                def run():
+                    kernel[(programs,)](dy, x, rstd if rms else mean, rstd, w, dx, dwp, dbp, M, N, BLOCK_N=N,
+                                        RMS=rms, num_warps=warps)
 
-                    try:
-                        run()
-                        err = (dx.float() - want[0].float()).abs().max().item()
-                        dw_err = (dwp.sum(0).to(w.dtype).float() - want[1].float()).abs().max().item()
-                        t = do_bench(run, warmup=5, rep=40)
-                        print(f"{name} {M}x{N} {label} w{warps} x{per_sm}/SM: {gbs(t):.0f} GB/s "
-                              f"(max |dx - te_triton| {err:.3g}, |dw - te_triton| {dw_err:.3g})", flush=True)
-                    except Exception as exc:  # a variant that does not compile is a result too
-                        print(f"{name} {M}x{N} {label} w{warps}: failed {type(exc).__name__}: {str(exc)[:120]}")
+                try:
+                    run()
+                    err = (dx.float() - want[0].float()).abs().max().item()
+                    dw_err = (dwp.sum(0).to(w.dtype).float() - want[1].float()).abs().max().item()
+                    t = do_bench(run, warmup=5, rep=40)
+                    print(f"{name} {M}x{N} {label} w{warps} x{per_sm}/SM: {gbs(t):.0f} GB/s "
+                          f"(max |dx - te_triton| {err:.3g}, |dw - te_triton| {dw_err:.3g})", flush=True)
+                except Exception as exc:  # a variant that does not compile is a result too
+                    print(f"{name} {M}x{N} {label} w{warps}: failed {type(exc).__name__}: {str(exc)[:120]}")
 
 
 if __name__ == "__main__":
