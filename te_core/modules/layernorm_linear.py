@@ -88,6 +88,15 @@ def fuse_residual(inp: Tensor, x: Tensor, return_residual: bool) -> bool:
     return return_residual and x.dtype == inp.dtype
 
 
+def unpack_outputs(out, inp: Tensor, *, return_ln_out: bool, return_residual: bool, residual_fused: bool):
+    """A fused Function's outputs as (its GEMM outputs, a list; the norm output or None; the
+    residual or None), the residual being inp itself where the Function did not return one."""
+    out = list(out) if isinstance(out, tuple) else [out]
+    residual = out.pop() if residual_fused else (inp if return_residual else None)
+    ln_out = out.pop() if return_ln_out else None
+    return out, ln_out, residual
+
+
 def split_grads(ctx, grads, parts: int):
     """(output gradients, d_ln_out or None, d_residual or None) from a fused Function's grads."""
     rest = list(grads[parts:])
@@ -256,6 +265,7 @@ class LayerNormLinear(QuantizedModule):
         check_fp8_gemms(step, "LayerNormLinear", (x.shape[0], self.out_features, self.in_features))
         bias = None if self.return_bias else self.bias
         norm = norm_settings(self)
+        residual_fused = fuse_residual(inp, x, return_residual)
         with no_torch_autocast(inp.device.type):
             out = _LayerNormLinearFunction.apply(
                 x,
@@ -267,10 +277,9 @@ class LayerNormLinear(QuantizedModule):
                 norm,
                 self.return_layernorm_output,
                 split_sizes,
-                fuse_residual(inp, x, return_residual),
+                residual_fused,
             )
-        out = list(out) if isinstance(out, tuple) else [out]
-        residual = out.pop() if fuse_residual(inp, x, return_residual) else (inp if return_residual else None)
-        ln_out = out.pop() if self.return_layernorm_output else None
+        out, ln_out, residual = unpack_outputs(out, inp, return_ln_out=self.return_layernorm_output,
+                                               return_residual=return_residual, residual_fused=residual_fused)
         y = out[0] if split_sizes is None else tuple(out)
         return fused_outputs(y, inp, self.out_features, self.bias if self.return_bias else None, ln_out, residual)

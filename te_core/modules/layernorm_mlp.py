@@ -43,6 +43,7 @@ from .layernorm_linear import (
     reset_norm_parameters,
     residual_view,
     split_grads,
+    unpack_outputs,
 )
 
 SLOTS = gemm_slots("fc1_") + gemm_slots("fc2_")
@@ -216,6 +217,7 @@ class LayerNormMLP(QuantizedModule):
         )
         fc2_bias = None if self.return_bias else self.fc2_bias
         norm = norm_settings(self)
+        residual_fused = fuse_residual(inp, x, return_residual)
         with no_torch_autocast(inp.device.type):
             out = _LayerNormMLPFunction.apply(
                 x,
@@ -229,10 +231,9 @@ class LayerNormMLP(QuantizedModule):
                 norm,
                 self.activation,
                 self.return_layernorm_output,
-                fuse_residual(inp, x, return_residual),
+                residual_fused,
             )
-        out = list(out) if isinstance(out, tuple) else [out]
-        residual = out.pop() if fuse_residual(inp, x, return_residual) else (inp if return_residual else None)
-        ln_out = out.pop() if self.return_layernorm_output else None
+        out, ln_out, residual = unpack_outputs(out, inp, return_ln_out=self.return_layernorm_output,
+                                               return_residual=return_residual, residual_fused=residual_fused)
         return fused_outputs(out[0], inp, self.hidden_size, self.fc2_bias if self.return_bias else None, ln_out,
                              residual)
