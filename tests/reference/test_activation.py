@@ -97,3 +97,15 @@ def test_bad_inputs():
         activation.dbias_cast_transpose(torch.randn(2, 3, 4), torch.ones(1), E4M3)
     with pytest.raises(TypeError, match=r"x has dtype torch.int64"):
         activation.activation_fwd(torch.ones(3, dtype=torch.long), "relu")
+
+
+def test_dbias_cast_transpose_parts_names_bad_parts():
+    scale = torch.ones(1)
+    with pytest.raises(TypeError, match=r"parts must be a non-empty list or tuple of 2-D tensors, got Tensor"):
+        activation.dbias_cast_transpose_parts(torch.randn(4, 8), scale, E4M3)
+    with pytest.raises(ValueError, match=r"parts\[1\] has 5 rows but parts\[0\] has 4"):
+        activation.dbias_cast_transpose_parts([torch.randn(4, 8), torch.randn(5, 8)], scale, E4M3)
+    with pytest.raises(ValueError, match=r"parts\[1\] is torch.float16 on cpu but parts\[0\] is torch.float32"):
+        activation.dbias_cast_transpose_parts([torch.randn(4, 8), torch.randn(4, 8).half()], scale, E4M3)
+    with pytest.raises(ValueError, match=r"parts\[0\] must be 2-D"):
+        activation.dbias_cast_transpose_parts([torch.randn(2, 4, 8)], scale, E4M3)

@@ -100,3 +100,20 @@ def test_bad_inputs():
         norm.rmsnorm_bwd(torch.randn(4, 7), x, torch.ones(4), torch.ones(8))
     with pytest.raises(ValueError, match=r"rstd has shape \(5,\); expected x.shape\[:-1\] = \(4,\)"):
         norm.layernorm_bwd(x, x, torch.ones(4), torch.ones(5), torch.ones(8))
+
+
+def test_bwd_add_sums_in_float32_and_names_a_bad_add():
+    g = torch.Generator().manual_seed(11)
+    x, dy = torch.randn(6, 16, generator=g).bfloat16(), torch.randn(6, 16, generator=g).bfloat16()
+    add = (torch.randn(6, 16, generator=g) * 3).bfloat16()
+    w = torch.rand(16, generator=g).bfloat16() + 0.5
+    _, mean, rstd, _ = norm.layernorm_fwd(x, w, torch.zeros(16).bfloat16(), EPS)
+    xhat = (x.double() - mean.double()[:, None]) * rstd.double()[:, None]
+    gy = dy.double() * w.double()
+    dx64 = rstd.double()[:, None] * (gy - gy.mean(-1, keepdim=True) - xhat * (gy * xhat).mean(-1, keepdim=True))
+    got = norm.layernorm_bwd_add(dy, x, mean, rstd, w, add)[0]
+    torch.testing.assert_close(got.double(), dx64 + add.double(), rtol=1.6e-2, atol=1e-5)
+    with pytest.raises(ValueError, match=r"add is torch.float32 \(6, 16\); it must match x \(torch.bfloat16 \(6, 16\)\)"):
+        norm.layernorm_bwd_add(dy, x, mean, rstd, w, add.float())
+    with pytest.raises(ValueError, match=r"add is torch.bfloat16 \(6, 8\); it must match x"):
+        norm.rmsnorm_bwd_add(dy, x, rstd, w, add[:, :8])
