@@ -35,6 +35,28 @@ NORM_HIGH_PRECISION = Config(num_warps=8, max_programs=SMS * 4)
 # fused.py raises the warps on longer rows: at 64 elements per thread the kernel spilled (253 GB/s).
 NORM_BWD = Config(num_warps=8, max_programs=SMS * 2)
 RMSNORM_BWD_LONG_ROWS = Config(num_warps=32, max_programs=SMS)
+# Kernels whose rows / tiles arrive through TMA descriptors, software-pipelined tma_stages deep
+# (compute capability 9.0 and up; fused.py picks them there for tensors of TMA_MIN_NUMEL
+# elements or more). benchmarks/probe_tma.py at 16384 rows, GB/s against the pointer kernels'
+# configs above in the same run (probe-tma-2026-11-30-session12-b.log):
+TMA_MIN_NUMEL = 1 << 20  # smaller tensors keep the pointer kernels (measured at 16384 rows only)
+NORM_TMA = {  # (RMSNorm, rows longer than 4096) -> norm forward with FP8 out
+    (False, False): Config(num_warps=8, max_programs=SMS * 4, rows=2, hw_saturate=True, tma_stages=4),  # 2971 / 2471
+    (True, False): Config(num_warps=16, max_programs=SMS * 2, rows=2, hw_saturate=True, tma_stages=3),  # 3342 / 2363
+    (False, True): Config(num_warps=8, max_programs=SMS * 4, rows=1, hw_saturate=True, tma_stages=4),  # 3454 / 2925
+    (True, True): Config(num_warps=16, max_programs=SMS, rows=2, hw_saturate=True, tma_stages=4),  # 3744 / 3559
+}
+# norm backward: LayerNorm / RMSNorm 3549 / 3566 at 4096 wide (pointer: 3100 / 3466); on longer
+# rows one program per SM, 3801 / 3934 at 8192 wide (probe-tma-2026-11-30-session12.log; pointer
+# 2927 / 3848)
+NORM_BWD_TMA = Config(num_warps=8, max_programs=SMS * 2, tma_stages=3)
+NORM_BWD_TMA_LONG_ROWS = Config(num_warps=8, max_programs=SMS, tma_stages=3)
+# dbias + cast-transpose: 3061 at 16384x4096 and 3355 at 16384x12288 (pointer: 1526 / 2947);
+# after the gelu backward, 3428 at 16384x16384 (pointer: 3185)
+DBIAS_CAST_TRANSPOSE_TMA = Config(block_m=64, block_n=64, num_warps=4, max_programs=SMS * 4, hw_saturate=True,
+                                  tma_stages=3)
+ACT_BWD_DBIAS_CAST_TRANSPOSE_TMA = Config(block_m=64, block_n=64, num_warps=4, max_programs=SMS * 8,
+                                          hw_saturate=True, tma_stages=4)
 ELEMENTWISE = Config(block_m=8, block_n=256, num_warps=4)  # gelu bwd: 4179 GB/s
 # gelu fwd + FP8 out at 16384x16384: 2434 GB/s (this config's previous one, ELEMENTWISE: 2225)
 ACTIVATION_FWD = Config(block_m=8, block_n=512, num_warps=8, max_programs=SMS * 8, hw_saturate=True)

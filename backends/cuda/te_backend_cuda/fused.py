@@ -14,6 +14,7 @@ import torch
 import triton
 from te_core.backend.types import OpImpl
 from te_triton import activation, blockwise, cast, loss, norm, rope, scaling, softmax
+from te_triton import dbias as dbias_ct
 from te_triton._common import MAX_NUMEL, amax_out_ok
 
 from . import configs, update_graph
@@ -199,30 +200,45 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
 
 
 # --- norm ---------------------------------------------------------------------------------
-def _norm_cfg(fp8_dtype):
-    return configs.NORM if fp8_dtype is not None else configs.NORM_HIGH_PRECISION
+@functools.lru_cache(maxsize=None)
+def _tma_capable(index: int) -> bool:
+    """TMA (the descriptor kernels' bulk copies) arrived with compute capability 9.0."""
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def _tma(x, cfg, tma_cfg):
+    """tma_cfg for a large enough tensor on a GPU with TMA, else cfg. The launchers still
+    fall back to the pointer kernels where the tensors do not allow descriptors."""
+    return tma_cfg if x.numel() >= configs.TMA_MIN_NUMEL and _tma_capable(x.get_device()) else cfg
+
+
+def _norm_fwd_cfg(x, fp8_dtype, rms: bool):
+    if fp8_dtype is None:
+        return configs.NORM_HIGH_PRECISION
+    long_rows = x.shape[-1] > 4096
+    cfg = configs.NORM_LAYERNORM_LONG_ROWS if long_rows and not rms else configs.NORM
+    return _tma(x, cfg, configs.NORM_TMA[rms, long_rows])
 
 
 def layernorm_fwd(x, weight, bias, eps, *, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, amax_out=None):
-    cfg = _norm_cfg(fp8_dtype)
-    if fp8_dtype is not None and x.shape[-1] > 4096:
-        cfg = configs.NORM_LAYERNORM_LONG_ROWS
     return norm.norm_fwd(x, weight, bias, eps, rms=False, zero_centered_gamma=zero_centered_gamma,
-                         fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=cfg, amax_out=amax_out)
+                         fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=_norm_fwd_cfg(x, fp8_dtype, rms=False),
+                         amax_out=amax_out)
 
 
 def rmsnorm_fwd(x, weight, eps, *, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, amax_out=None):
     y, _, rstd, amax = norm.norm_fwd(x, weight, None, eps, rms=True, zero_centered_gamma=zero_centered_gamma,
-                                     fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=_norm_cfg(fp8_dtype),
-                                     amax_out=amax_out)
+                                     fp8_scale=fp8_scale, fp8_dtype=fp8_dtype,
+                                     cfg=_norm_fwd_cfg(x, fp8_dtype, rms=True), amax_out=amax_out)
     return y, rstd, amax
 
 
 def _norm_bwd_cfg(x, rms: bool):
-    """The backward holds two rows of x and dy per program: at most 32 elements per thread
-    (warps >= padded row / 1024), beyond which the H200 run spilled."""
+    """The pointer backward holds two rows of x and dy per program: at most 32 elements per
+    thread (warps >= padded row / 1024), beyond which the H200 run spilled."""
     n = x.shape[-1]
     cfg = configs.RMSNORM_BWD_LONG_ROWS if rms and n > 4096 else configs.NORM_BWD
+    cfg = _tma(x, cfg, configs.NORM_BWD_TMA_LONG_ROWS if n > 4096 else configs.NORM_BWD_TMA)
     warps = min(32, max(cfg.num_warps, triton.next_power_of_2(n) // 1024))
     return cfg if warps == cfg.num_warps else dataclasses.replace(cfg, num_warps=warps)
 
@@ -316,19 +332,26 @@ def _dbias_ok(dy):
     return _tensor_ok(dy, "dy")
 
 
+def _dbias_ct_cfg(x):
+    return _tma(x, configs.DBIAS_CAST_TRANSPOSE, configs.DBIAS_CAST_TRANSPOSE_TMA)
+
+
 def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out=None):
-    return activation.dbias_cast_transpose(dy, scale, fp8_dtype, configs.DBIAS_CAST_TRANSPOSE, amax_out=amax_out)
+    return dbias_ct.dbias_cast_transpose(dy, scale, fp8_dtype, _dbias_ct_cfg(dy), amax_out=amax_out)
 
 
 def dbias_cast_transpose_parts(parts, scale, fp8_dtype, *, amax_out=None):
     with _guard(parts[0]):
-        return activation.dbias_cast_transpose_parts(parts, scale, fp8_dtype, configs.DBIAS_CAST_TRANSPOSE,
-                                                     amax_out=amax_out)
+        cfg = _tma(parts[0], configs.DBIAS_CAST_TRANSPOSE, configs.DBIAS_CAST_TRANSPOSE_TMA)
+        return dbias_ct.dbias_cast_transpose_parts(parts, scale, fp8_dtype, cfg, amax_out=amax_out)
 
 
 def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, *, amax_out=None):
-    return activation.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, configs.DBIAS_CAST_TRANSPOSE,
-                                                          configs.ELEMENTWISE, amax_out=amax_out)
+    cfg = _tma(x, configs.DBIAS_CAST_TRANSPOSE, configs.ACT_BWD_DBIAS_CAST_TRANSPOSE_TMA)
+    if kind in activation.GATED:  # activation_bwd, then a plain dbias cast-transpose of its dx
+        cfg = _dbias_ct_cfg(x)
+    return dbias_ct.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, cfg, configs.ELEMENTWISE,
+                                                        amax_out=amax_out)
 
 
 def _act_fwd_ok(x, kind, *, fp8_scale=None, fp8_dtype=None, amax_out=None):
@@ -364,9 +387,11 @@ def _dbias_ct_parts_ok(parts, scale, fp8_dtype, *, amax_out=None):
     for p in parts:
         if p.dim() != 2 or p.shape[0] != first.shape[0] or p.dtype != first.dtype or p.device != first.device:
             return False, "the parts are not 2-D column blocks of one dtype, row count and device"
-        ok, why = _tensor_ok(p if p.is_contiguous() else first, "a part")
-        if not ok:
-            return ok, why
+    # the launcher concatenates non-contiguous parts: only their device and dtype matter here
+    if not first.is_cuda:
+        return False, "the parts are not on a CUDA device"
+    if first.dtype not in FLOAT_DTYPES:
+        return False, f"the parts' dtype {first.dtype} is not float32/bfloat16/float16"
     if first.shape[0] * sum(p.shape[1] for p in parts) > MAX_NUMEL:
         return False, "the parts hold more than 2^31 elements"
     for ok, why in (_scale_ok(scale, first), amax_out_ok(amax_out, first), _fp8_out_device_ok(first)):

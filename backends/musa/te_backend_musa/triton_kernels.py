@@ -31,10 +31,10 @@ LAUNCHERS: Dict[str, Tuple[str, str, dict, Dict[str, str]]] = {
     "quantize_fp8_current": ("cast", "quantize_fp8_current", {}, {"cfg": "quantize", "ct_cfg": "cast_transpose"}),
     "activation_fwd": ("activation", "activation_fwd", {}, {"cfg": "elementwise"}),
     "activation_bwd": ("activation", "activation_bwd", {}, {"cfg": "elementwise"}),
-    "dbias_cast_transpose": ("activation", "dbias_cast_transpose", {}, {"cfg": "cast_transpose"}),
-    "dbias_cast_transpose_parts": ("activation", "dbias_cast_transpose_parts", {}, {"cfg": "cast_transpose"}),
+    "dbias_cast_transpose": ("dbias", "dbias_cast_transpose", {}, {"cfg": "cast_transpose"}),
+    "dbias_cast_transpose_parts": ("dbias", "dbias_cast_transpose_parts", {}, {"cfg": "cast_transpose"}),
     "activation_bwd_dbias_cast_transpose": (
-        "activation", "activation_bwd_dbias_cast_transpose", {}, {"cfg": "cast_transpose", "act_cfg": "elementwise"},
+        "dbias", "activation_bwd_dbias_cast_transpose", {}, {"cfg": "cast_transpose", "act_cfg": "elementwise"},
     ),
     "layernorm_fwd": ("norm", "norm_fwd", {"rms": False}, {"cfg": "norm"}),
     "layernorm_bwd": ("norm", "norm_bwd", {"rms": False}, {"cfg": "norm"}),

@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import triton
 import triton.language as tl
+
+try:  # host-side TMA descriptors: triton 3.4 and later
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton keeps the pointer kernels
+    TensorDescriptor = None
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 MAX_NUMEL = 2**31 - 1  # kernels index with int32 offsets
@@ -29,6 +34,10 @@ class Config:
     their clamp. False keeps the clamp, which the CPU interpreter (a plain numpy cast) needs.
     prefetch (the dbias cast-transpose, whose programs loop over row tiles): load the next tile
     before working on the current one.
+    tma_stages (norm forward with FP8 out, norm backward, dbias cast-transpose): 0 keeps plain
+    pointer loads; s >= 2 loads rows / tiles through TMA descriptors in a loop Triton
+    software-pipelines s stages deep (NVIDIA sm_90 and later only: the backend sets it there),
+    when the tensors allow it (tma_ready).
     """
 
     block: int = 4096
@@ -41,6 +50,7 @@ class Config:
     amax_chunk: int = 0
     hw_saturate: bool = False
     prefetch: bool = False
+    tma_stages: int = 0
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -97,3 +107,36 @@ def saturating_cast(v, fmax, out_dtype: tl.constexpr, CLAMP: tl.constexpr = True
 def abs_bits(v):
     """|v| as int32 bits; max over these is max |v| with NaN winning."""
     return tl.abs(v).to(tl.int32, bitcast=True)
+
+
+def tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether each tensor can be read or written through a TMA descriptor as the 2-D array it
+    is: triton provides descriptors, the tensor is 2-D and contiguous, its base 16-byte
+    aligned and its rows a multiple of 16 bytes long."""
+    if TensorDescriptor is None:
+        return False
+    return all(t.dim() == 2 and t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[1] * t.element_size() % 16 == 0
+               for t in tensors)
+
+
+def descriptor(t: torch.Tensor, block: Sequence[int]):
+    """A TMA descriptor of 2-D `t` that loads and stores (block[0], block[1]) boxes; boxes
+    reaching past the tensor read zeros and store only what lies inside."""
+    return TensorDescriptor.from_tensor(t, list(block))
+
+
+@triton.jit
+def add_pair(a1, b1, a2, b2):
+    """Combine function of a two-sum tl.reduce."""
+    return a1 + a2, b1 + b2
+
+
+@triton.jit
+def norm_params(w_ptr, b_ptr, cols, cmask, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    """gamma (+1 when zero-centred) and beta (gamma again for RMSNorm, unused) as float32."""
+    g = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        g = g + 1.0
+    if RMS:
+        return g, g
+    return g, tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)

@@ -1,5 +1,5 @@
-"""Activations: forward (optionally FP8 out + amax), backward, and the fused backward epilogues
-(dbias + cast-transpose, activation backward + dbias + cast-transpose).
+"""Activations: forward (optionally FP8 out + amax) and backward. The fused backward epilogues
+(activation backward + dbias + cast-transpose) are in dbias.py.
 
 Elementwise kernels work on a 2-D view (rows, cols) of x with the last dimension as cols, in
 (block_m, block_n) tiles; gated kinds read a = x[:, :h] and b = x[:, h:] of a (rows, 2h) view.
@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 
 from ._common import MAX_NUMEL, Config, abs_bits, amax_from_buffer, fp8_max, grid_size, new_amax_buffer, saturating_cast
-from .cast import _cast_transpose_tile, _check_input, transpose_clamps
 
 ELEMENTWISE_DEFAULT = Config(block_m=16, block_n=256, num_warps=8, max_programs=0)
 KIND_IDS = {"gelu": 0, "relu": 1, "silu": 2, "qgelu": 3, "srelu": 4, "geglu": 0, "reglu": 1, "swiglu": 2}
@@ -110,94 +109,6 @@ def _act_bwd_kernel(dy_ptr, x_ptr, dx_ptr, R, H, KIND: tl.constexpr, GATED: tl.c
             tl.store(dx_ptr + a_off, (dy * _dact(a, KIND)).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _dbias_ct_load(g_ptr, x_ptr, tm, cols, M, N, BM: tl.constexpr, ACT: tl.constexpr):
-    """Row tile tm of g (and of x when ACT), in their dtype; zeros beyond M."""
-    rows = tm * BM + tl.arange(0, BM)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    off = rows[:, None] * N + cols[None, :]
-    g = tl.load(g_ptr + off, mask=mask, other=0.0)
-    if ACT:
-        return g, tl.load(x_ptr + off, mask=mask, other=0.0)
-    return g, g
-
-
-@triton.jit
-def _dbias_ct_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr, M, N, fmax, groups,
-                     g1_ptr, g2_ptr, B1, B2,
-                     ACT: tl.constexpr, KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     CLAMP: tl.constexpr, PREFETCH: tl.constexpr, PARTS: tl.constexpr):
-    """Cast-transpose of a gradient with its column sums (dbias). ACT: the gradient is
-    dx = g * act'(x) (non-gated), rounded to x's dtype as the unfused ops do; else it is g.
-
-    A program owns one column strip and every `groups`-th row tile of it, so column sums and
-    the amax build up element-wise in registers: one reduction and one atomic per program, and
-    a (groups, N) partial-sum buffer, instead of a reduction per tile. PREFETCH loads the next
-    tile before working on the current one.
-
-    PARTS > 1: g is not one tensor but the column blocks g_ptr | g1_ptr | g2_ptr, starting at
-    columns 0, B1 and B2, each a whole number of strips wide; a strip reads from its block."""
-    pid = tl.program_id(0)
-    tn = pid // groups
-    cols = tn * BN + tl.arange(0, BN)
-    src, src_cols, src_n = g_ptr, cols, N
-    if PARTS > 1:
-        if tn * BN >= B2:
-            src, src_cols, src_n = g2_ptr, cols - B2, N - B2
-        elif tn * BN >= B1:
-            src, src_cols, src_n = g1_ptr, cols - B1, B2 - B1
-        else:
-            src_n = B1
-    scale = tl.load(scale_ptr)
-    colsum = tl.zeros([BM, BN], dtype=tl.float32)
-    acc = tl.zeros([BM, BN], dtype=tl.int32)
-    if PREFETCH:
-        g_next, x_next = _dbias_ct_load(src, x_ptr, pid % groups, src_cols, M, src_n, BM, ACT)
-    for tm in range(pid % groups, tl.cdiv(M, BM), groups):
-        if PREFETCH:
-            g, x = g_next, x_next
-            g_next, x_next = _dbias_ct_load(src, x_ptr, tm + groups, src_cols, M, src_n, BM, ACT)
-        else:
-            g, x = _dbias_ct_load(src, x_ptr, tm, src_cols, M, src_n, BM, ACT)
-        if ACT:
-            v = (g.to(tl.float32) * _dact(x.to(tl.float32), KIND)).to(x.dtype).to(tl.float32)
-        else:
-            v = g.to(tl.float32)
-        _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN, CLAMP)
-        colsum += v
-        acc = tl.maximum(acc, abs_bits(v))
-    tl.store(dbias_ptr + (pid % groups) * N + cols, tl.sum(colsum, axis=0), mask=cols < N)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
-
-
-def _dbias_cast_transpose(g, x, kind, scale, fp8_dtype, cfg: Config, amax_out, parts=None):
-    """(data, data_t, dbias in x's dtype, amax) of g (x is None) or of activation_bwd(g, x, kind),
-    or of the column blocks `parts` of g (at most three, each a whole number of block_n wide)."""
-    fmax = fp8_max(fp8_dtype)
-    blocks = [g] if parts is None else list(parts)
-    g = blocks[0]
-    src = g if x is None else x
-    widths = [b.shape[1] for b in blocks]
-    M, N = src.shape[0], sum(widths)
-    starts = [min(sum(widths[:i]), N) for i in (1, 2)]  # where blocks 1 and 2 begin (N: no such block)
-    blocks += [blocks[-1]] * (3 - len(blocks))
-    y = torch.empty((M, N), dtype=fp8_dtype, device=src.device)
-    yt = torch.empty((N, M), dtype=fp8_dtype, device=src.device)
-    amax_buf = new_amax_buffer(src.device, amax_out)
-    n_tm, n_tn = triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n)
-    # row groups per column strip: enough programs to fill the GPU (cfg.max_programs), no more
-    groups = max(1, min(n_tm, cfg.max_programs // n_tn)) if cfg.max_programs > 0 else n_tm
-    partial = torch.empty((groups, N), dtype=torch.float32, device=src.device)
-    if M * N:
-        _dbias_ct_kernel[(groups * n_tn,)](
-            g, src, y, yt, scale, amax_buf, partial, M, N, fmax, groups, blocks[1], blocks[2], starts[0], starts[1],
-            ACT=x is not None, KIND=KIND_IDS.get(kind, 0), BM=cfg.block_m, BN=cfg.block_n,
-            CLAMP=transpose_clamps(cfg, src), PREFETCH=cfg.prefetch, PARTS=1 if parts is None else len(parts),
-            num_warps=cfg.num_warps)
-    dbias = partial.sum(dim=0) if M else torch.zeros(N, dtype=torch.float32, device=src.device)
-    return y, yt, dbias.to(src.dtype), amax_from_buffer(amax_buf, amax_out)
-
-
 def _check(x: torch.Tensor, kind: str):
     if kind not in KIND_IDS:
         raise ValueError(f"unknown activation kind {kind!r}; use one of {', '.join(KIND_IDS)}")
@@ -242,59 +153,3 @@ def activation_bwd(dy, x, kind, cfg: Config = ELEMENTWISE_DEFAULT):
         _act_bwd_kernel[_grid(R, H, cfg)](dy, x, dx, R, H, KIND=KIND_IDS[kind], GATED=gated, BM=cfg.block_m,
                                           BN=cfg.block_n, num_warps=cfg.num_warps)
     return dx
-
-
-DBIAS_CAST_TRANSPOSE_DEFAULT = Config(block_m=32, block_n=128, num_warps=4, max_programs=1024)
-
-
-def dbias_cast_transpose(dy, scale, fp8_dtype, cfg: Config = DBIAS_CAST_TRANSPOSE_DEFAULT, *, amax_out=None):
-    """(data, data_t, dbias, amax) as te_core.ops.dbias_cast_transpose."""
-    _check_input(dy, scale, two_d=True)
-    return _dbias_cast_transpose(dy, None, None, scale, fp8_dtype, cfg, amax_out)
-
-
-def dbias_cast_transpose_parts(parts, scale, fp8_dtype, cfg: Config = DBIAS_CAST_TRANSPOSE_DEFAULT, *,
-                               amax_out=None):
-    """(data, data_t, dbias, amax) as te_core.ops.dbias_cast_transpose_parts. The kernel reads
-    up to three contiguous parts in place when each is a whole number of cfg.block_n columns
-    wide (a strip then lies in one part); other parts are concatenated first."""
-    parts = list(parts) if isinstance(parts, (list, tuple)) else parts
-    if not isinstance(parts, list) or not parts or not all(isinstance(p, torch.Tensor) for p in parts):
-        raise TypeError("parts must be a non-empty list or tuple of 2-D tensors")
-    for i, p in enumerate(parts):
-        if p.dim() != 2 or p.shape[0] != parts[0].shape[0] or p.dtype != parts[0].dtype or p.device != parts[0].device:
-            raise ValueError(f"parts[{i}] ({p.dtype}, shape {tuple(p.shape)}, {p.device}) is not a column block "
-                             f"matching parts[0] ({parts[0].dtype}, {parts[0].shape[0]} rows, {parts[0].device})")
-    direct = 1 < len(parts) <= 3 and all(p.is_contiguous() and p.shape[1] % cfg.block_n == 0 for p in parts)
-    if not direct:
-        dy = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        return dbias_cast_transpose(dy, scale, fp8_dtype, cfg, amax_out=amax_out)
-    for p in parts:
-        _check_input(p, scale, two_d=True)
-    if parts[0].shape[0] * sum(p.shape[1] for p in parts) > MAX_NUMEL:
-        raise ValueError(f"the parts hold more than {MAX_NUMEL} elements; these kernels index with int32")
-    return _dbias_cast_transpose(None, None, None, scale, fp8_dtype, cfg, amax_out, parts=parts)
-
-
-def dbias_cast_transpose_parts_supports(parts, *args, **kwargs):
-    """For backends binding the launcher generically: the parts' first tensor decides."""
-    first = parts[0] if isinstance(parts, (list, tuple)) and parts else None
-    if not isinstance(first, torch.Tensor) or first.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False, "parts must be a non-empty list of float32, bfloat16 or float16 tensors"
-    return True, ""
-
-
-def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, cfg: Config = DBIAS_CAST_TRANSPOSE_DEFAULT,
-                                        act_cfg: Config = ELEMENTWISE_DEFAULT, *, amax_out=None):
-    """(data, data_t, dbias, amax) of dx = activation_bwd(dy, x, kind); one pass for
-    non-gated kinds, activation_bwd then dbias_cast_transpose for gated ones."""
-    gated, _, _ = _check(x, kind)
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D, got shape {tuple(x.shape)}")
-    if gated:
-        return dbias_cast_transpose(activation_bwd(dy, x, kind, act_cfg), scale, fp8_dtype, cfg, amax_out=amax_out)
-    if dy.shape != x.shape or not dy.is_contiguous():
-        raise ValueError(f"dy must be contiguous with x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
-    _check_input(dy, scale, two_d=True)
-    return _dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, cfg, amax_out)
-

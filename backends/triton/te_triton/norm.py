@@ -5,6 +5,8 @@ them per step, and loops over rows, so gamma/beta are loaded once per program (u
 asks to reload them each step) and amax costs one atomic per program.
 Backward: a row loop, loading each next row while it reduces the current one, computes dx
 and keeps float32 partial dgamma/dbeta per program; the launcher sums the (programs, N) partials.
+With Config.tma_stages the launchers run norm_tma's kernels instead (rows through TMA
+descriptors, software-pipelined) where the tensors allow.
 """
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MAX_NUMEL, Config, abs_bits, amax_from_buffer, fp8_max, grid_size, new_amax_buffer, saturating_cast
+from . import norm_tma
+from ._common import (MAX_NUMEL, Config, abs_bits, add_pair, amax_from_buffer, fp8_max, grid_size, new_amax_buffer,
+                      norm_params, saturating_cast)
 
 NORM_DEFAULT = Config(num_warps=8, max_programs=1024)
 MAX_N = 65536  # one row must fit in a program's registers
@@ -36,7 +40,7 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, 
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HOIST:
-        g0, beta0 = _params(w_ptr, b_ptr, cols, cmask, RMS, ZERO_CENTERED)
+        g0, beta0 = norm_params(w_ptr, b_ptr, cols, cmask, RMS, ZERO_CENTERED)
     scale = tl.load(scale_ptr)
     if AMAX_MODE == 1:
         acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.int32)
@@ -67,7 +71,7 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, 
         if HOIST:
             g, beta = g0, beta0
         else:
-            g, beta = _params(w_ptr, b_ptr, cols, cmask, RMS, ZERO_CENTERED)
+            g, beta = norm_params(w_ptr, b_ptr, cols, cmask, RMS, ZERO_CENTERED)
         y = xc * rstd[:, None] * g[None, :]
         if not RMS:
             y = y + beta[None, :]
@@ -97,22 +101,6 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, 
             tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
         else:
             tl.atomic_max(amax_ptr, acc)
-
-
-@triton.jit
-def _params(w_ptr, b_ptr, cols, cmask, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr):
-    """gamma (+1 when zero-centred) and beta (gamma again for RMSNorm, unused) as float32."""
-    g = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        g = g + 1.0
-    if RMS:
-        return g, g
-    return g, tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _add_pair(a1, b1, a2, b2):
-    return a1 + a2, b1 + b2
 
 
 @triton.jit
@@ -155,7 +143,7 @@ def _norm_bwd_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, dx_ptr, dw_part_p
             c1 = tl.sum(xhat * wdy, axis=0) / N
             dx = (wdy - xhat * c1) * rstd
         else:  # both row sums in one reduction: one round of block-wide barriers, not two
-            s1, s2 = tl.reduce((xhat * wdy, wdy), 0, _add_pair)
+            s1, s2 = tl.reduce((xhat * wdy, wdy), 0, add_pair)
             c1 = s1 / N
             c2 = s2 / N
             dx = (wdy - (xhat * c1 + c2)) * rstd
@@ -198,7 +186,9 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, zero_centered_gamma=False, fp8_
         raise ValueError("amax_out records the amax of an FP8 output: pass fp8_scale and fp8_dtype too")
     amax_buf = new_amax_buffer(x.device, amax_out)
     scale = fp8_scale if fp8_out else amax_buf
-    if M:
+    tma = M and fp8_out and norm_tma.forward(x.view(M, N), y.view(M, N), weight, bias, mean, rstd, scale, amax_buf,
+                                             eps, fmax, rms=rms, zero_centered_gamma=zero_centered_gamma, cfg=cfg)
+    if M and not tma:
         block_n = triton.next_power_of_2(N)
         rows = max(1, min(cfg.rows, MAX_TILE // block_n))
         chunk = min(cfg.amax_chunk, rows * block_n)
@@ -237,7 +227,9 @@ def norm_bwd(dy, x, mean: Optional[torch.Tensor], rstd, weight, *, rms: bool, ze
     alloc = torch.empty if M else torch.zeros
     dw_part = alloc((programs, N), dtype=torch.float32, device=x.device)
     db_part = None if rms else alloc((programs, N), dtype=torch.float32, device=x.device)
-    if M:
+    tma = M and norm_tma.backward(dy.view(M, N), x.view(M, N), mean, rstd, weight, dx, dw_part, db_part, add, rms=rms,
+                                  zero_centered_gamma=zero_centered_gamma, cfg=cfg)
+    if M and not tma:
         _norm_bwd_kernel[(programs,)](
             dy, x, rstd if mean is None else mean, rstd, weight, dx, dw_part, dw_part if db_part is None else db_part,
             x if add is None else add, M, N, BLOCK_N=triton.next_power_of_2(N), RMS=rms,

@@ -3,7 +3,7 @@ import pytest
 import torch
 from triton_fp8_compare import assert_fp8_matches
 from te_core.reference import activation as ref
-from te_triton import Config, activation
+from te_triton import Config, activation, dbias
 
 KINDS = ("gelu", "relu", "silu", "qgelu", "srelu", "swiglu", "geglu", "reglu")
 SMALL = Config(block_m=4, block_n=32, num_warps=4, max_programs=5)
@@ -42,7 +42,7 @@ def test_fp8_output(kind):
 def test_dbias_cast_transpose(prefetch):
     dy = _x((37, 50), torch.bfloat16, 4)
     scale = torch.tensor([10.0])
-    got = activation.dbias_cast_transpose(dy, scale, torch.float8_e5m2,
+    got = dbias.dbias_cast_transpose(dy, scale, torch.float8_e5m2,
                                           Config(block_m=16, block_n=16, max_programs=4, prefetch=prefetch))
     want = ref.dbias_cast_transpose(dy, scale, torch.float8_e5m2)
     assert_fp8_matches(got[0], want[0])
@@ -61,7 +61,7 @@ def test_dbias_cast_transpose_parts(widths, prefetch):
     scale = torch.tensor([10.0])
     cfg = Config(block_m=16, block_n=16, max_programs=4, prefetch=prefetch)
     amax_slot = torch.tensor([0.5])
-    got = activation.dbias_cast_transpose_parts(parts, scale, torch.float8_e5m2, cfg, amax_out=amax_slot)
+    got = dbias.dbias_cast_transpose_parts(parts, scale, torch.float8_e5m2, cfg, amax_out=amax_slot)
     want = ref.dbias_cast_transpose(dy, scale, torch.float8_e5m2, amax_out=torch.tensor([0.5]))
     assert_fp8_matches(got[0], want[0])
     assert torch.equal(got[1].float(), got[0].float().t())
@@ -72,7 +72,7 @@ def test_dbias_cast_transpose_parts(widths, prefetch):
 def test_dbias_cast_transpose_parts_strided_part_is_copied():
     base = _x((24, 64), torch.bfloat16, 20)
     parts = [base[:, :32], base[:, 32:]]  # column slices: not contiguous
-    got = activation.dbias_cast_transpose_parts(parts, torch.tensor([4.0]), torch.float8_e4m3fn,
+    got = dbias.dbias_cast_transpose_parts(parts, torch.tensor([4.0]), torch.float8_e4m3fn,
                                                 Config(block_m=16, block_n=16, max_programs=4))
     want = ref.dbias_cast_transpose(base, torch.tensor([4.0]), torch.float8_e4m3fn)
     assert_fp8_matches(got[0], want[0])
@@ -82,12 +82,12 @@ def test_dbias_cast_transpose_parts_strided_part_is_copied():
 def test_dbias_cast_transpose_parts_bad_inputs():
     scale = torch.tensor([1.0])
     with pytest.raises(ValueError, match=r"parts\[1\].*not a column block"):
-        activation.dbias_cast_transpose_parts([torch.randn(4, 16), torch.randn(5, 16)], scale, torch.float8_e4m3fn)
+        dbias.dbias_cast_transpose_parts([torch.randn(4, 16), torch.randn(5, 16)], scale, torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"parts\[1\]"):
-        activation.dbias_cast_transpose_parts([torch.randn(4, 16), torch.randn(4, 16).half()], scale,
+        dbias.dbias_cast_transpose_parts([torch.randn(4, 16), torch.randn(4, 16).half()], scale,
                                               torch.float8_e4m3fn)
     with pytest.raises(TypeError, match="non-empty list or tuple"):
-        activation.dbias_cast_transpose_parts([], scale, torch.float8_e4m3fn)
+        dbias.dbias_cast_transpose_parts([], scale, torch.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
@@ -97,7 +97,7 @@ def test_activation_bwd_dbias_cast_transpose(kind, max_programs, prefetch):
     x = _x((33, 48), torch.bfloat16, 5)
     dy = _x((33, 24 if kind == "swiglu" else 48), torch.bfloat16, 6)
     scale = torch.tensor([8.0])
-    got = activation.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, torch.float8_e4m3fn,
+    got = dbias.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, torch.float8_e4m3fn,
                                                          Config(block_m=16, block_n=16, max_programs=max_programs,
                                                                 prefetch=prefetch), SMALL)
     want = ref.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, torch.float8_e4m3fn)
@@ -118,6 +118,6 @@ def test_bad_inputs_name_the_problem():
     with pytest.raises(ValueError, match=r"dy must be contiguous with shape \(4, 2\)"):
         activation.activation_bwd(torch.randn(4, 4), torch.randn(4, 4), "geglu", SMALL)
     with pytest.raises(ValueError, match="must be 2-D"):
-        activation.activation_bwd_dbias_cast_transpose(torch.randn(2, 2, 2), torch.randn(2, 2, 2), "gelu",
+        dbias.activation_bwd_dbias_cast_transpose(torch.randn(2, 2, 2), torch.randn(2, 2, 2), "gelu",
                                                        torch.tensor([1.0]), torch.float8_e4m3fn)
 

@@ -76,11 +76,11 @@ def test_current_scale_edge_cases(special, expected_scale):
 @pytest.mark.parametrize("max_programs", [0, 3, 7, 64])
 def test_dbias_cast_transpose_partials(max_programs):
     """Row groups per column strip (1, a few, one per tile) all sum to the float64 column sums."""
-    from te_triton import activation
+    from te_triton import dbias as dbias_ct
 
     x = _x((50, 40), torch.float32, 4)
     cfg = Config(block_m=8, block_n=16, num_warps=1, max_programs=max_programs)
-    data, data_t, dbias, amax = activation.dbias_cast_transpose(x, torch.tensor([1.0]), torch.float8_e4m3fn, cfg)
+    data, data_t, dbias, amax = dbias_ct.dbias_cast_transpose(x, torch.tensor([1.0]), torch.float8_e4m3fn, cfg)
     torch.testing.assert_close(dbias, x.double().sum(0).float(), rtol=1.3e-6, atol=1e-4)
     assert amax.item() == x.abs().max().item()
     want, want_t, _ = ref.cast_transpose_fp8(x, torch.tensor([1.0]), torch.float8_e4m3fn)

@@ -1,0 +1,135 @@
+"""On a GPU with TMA (compute capability 9.0+) only: the ops that take te_triton's descriptor
+kernels for large tensors (norm forward with FP8 out, norm backward, dbias cast-transposes) pick
+them, and their results match the reference (TE's tolerances) and the pointer kernels (the same
+FP8 bytes for the casts, which round no reduction first). The pointer kernels are replaced by
+failing stand-ins, so a test passes only if the descriptor kernel ran."""
+import pytest
+import torch
+
+from te_core.reference.plugin import implementations
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                                reason="needs a CUDA GPU with TMA (compute capability 9.0 or later)")
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_TOL = dict(rtol=0.125, atol=0.0675)
+BF16_TOL = dict(rtol=1.6e-2, atol=1e-5)
+
+
+class _Fails:
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            raise AssertionError("the pointer kernel ran")
+        return launch
+
+
+def _tma_only(monkeypatch, fn):
+    """fn() with te_triton's pointer kernels (norm, dbias) replaced by failing stand-ins."""
+    from te_triton import dbias, norm
+    with monkeypatch.context() as m:
+        for mod, name in ((norm, "_norm_fwd_kernel"), (norm, "_norm_bwd_kernel"), (dbias, "_dbias_ct_kernel")):
+            m.setattr(mod, name, _Fails())
+        return fn()
+
+
+def test_configs_pick_descriptors_for_large_tensors_only():
+    from te_backend_cuda import configs, fused
+    big = torch.empty(1024, 4096, device="cuda", dtype=torch.bfloat16)
+    small = torch.empty(16, 64, device="cuda", dtype=torch.bfloat16)
+    assert fused._norm_fwd_cfg(big, E4M3, rms=False) is configs.NORM_TMA[False, False]
+    assert fused._norm_fwd_cfg(small, E4M3, rms=False) is configs.NORM
+    assert fused._norm_fwd_cfg(big, None, rms=False) is configs.NORM_HIGH_PRECISION  # bf16 out: pointer kernel
+    assert fused._norm_bwd_cfg(big, rms=True).tma_stages == configs.NORM_BWD_TMA.tma_stages
+    assert fused._dbias_ct_cfg(small).tma_stages == 0
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("shape", [(4, 512, 4096), (999, 8192)])  # 999 rows: a last step past the end (2 rows a step)
+def test_norm_forward_fp8(monkeypatch, rms, shape):
+    from te_backend_cuda import fused
+    ref = implementations()
+    torch.manual_seed(0)
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 3 + 1
+    w = torch.randn(shape[-1], device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(shape[-1], device="cuda", dtype=torch.bfloat16)
+    s = torch.tensor([16.0], device="cuda")
+    if rms:
+        got = _tma_only(monkeypatch, lambda: fused.rmsnorm_fwd(x, w, 1e-5, fp8_scale=s, fp8_dtype=E4M3,
+                                                               zero_centered_gamma=True))
+        want = ref["rmsnorm_fwd"](x, w, 1e-5, fp8_scale=s, fp8_dtype=E4M3, zero_centered_gamma=True)
+    else:
+        got = _tma_only(monkeypatch, lambda: fused.layernorm_fwd(x, w, b, 1e-5, fp8_scale=s, fp8_dtype=E4M3))
+        want = ref["layernorm_fwd"](x, w, b, 1e-5, fp8_scale=s, fp8_dtype=E4M3)
+    torch.testing.assert_close(got[0].float(), want[0].float(), **FP8_TOL)
+    for g, w_ in zip(got[1:], want[1:]):  # mean, rstd, amax
+        torch.testing.assert_close(g, w_, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("with_add", [False, True])
+@pytest.mark.parametrize("n", [4096, 8192])
+def test_norm_backward(monkeypatch, rms, with_add, n):
+    from te_backend_cuda import fused
+    ref = implementations()
+    torch.manual_seed(1)
+    x = torch.randn(2048, n, device="cuda", dtype=torch.bfloat16) * 3 + 1
+    dy = torch.randn_like(x)
+    add = torch.randn_like(x)
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    name = "rmsnorm" if rms else "layernorm"
+    stats = ref[f"{name}_fwd"](x, w, 1e-5) if rms else ref[f"{name}_fwd"](x, w, w, 1e-5)
+    stats = stats[1:2] if rms else stats[1:3]  # (rstd,) or (mean, rstd)
+    args = (dy, x, *stats, w, *((add,) if with_add else ()))
+    op = f"{name}_bwd_add" if with_add else f"{name}_bwd"
+    got, want = _tma_only(monkeypatch, lambda: getattr(fused, op)(*args)), ref[op](*args)
+    torch.testing.assert_close(got[0], want[0], **BF16_TOL)
+    for g, w_ in zip(got[1:], want[1:]):  # parameter gradients: sums of 2048 rows
+        torch.testing.assert_close(g.float(), w_.float(), rtol=1.6e-2, atol=1e-1)
+
+
+def _same_cast(got, want):
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
+    torch.testing.assert_close(got[2].float(), want[2].float(), rtol=1.6e-2, atol=0.5)  # bf16 sums of 2048+ rows
+    assert got[3].item() == want[3].item()
+
+
+def test_dbias_cast_transpose(monkeypatch):
+    from te_triton import dbias
+
+    from te_backend_cuda import configs, fused
+    torch.manual_seed(2)
+    g = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    s = torch.tensor([64.0], device="cuda")
+    got = _tma_only(monkeypatch, lambda: fused.dbias_cast_transpose(g, s, E5M2))
+    _same_cast(got, dbias.dbias_cast_transpose(g, s, E5M2, configs.DBIAS_CAST_TRANSPOSE))
+
+
+@pytest.mark.parametrize("first_contiguous", [True, False])
+def test_dbias_cast_transpose_parts(monkeypatch, first_contiguous):
+    """q, k, v gradients as column blocks, one launch each; a non-contiguous first part is
+    concatenated by the launcher (the backend takes the call, it does not go to the reference)."""
+    from te_triton import dbias
+
+    from te_backend_cuda import configs, fused
+    torch.manual_seed(3)
+    parts = [torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    if not first_contiguous:
+        parts[0] = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16).t()
+    s = torch.tensor([64.0], device="cuda")
+    assert fused._dbias_ct_parts_ok(parts, s, E5M2) == (True, "")
+    got = _tma_only(monkeypatch, lambda: fused.dbias_cast_transpose_parts(parts, s, E5M2))
+    whole = torch.cat([p.contiguous() for p in parts], dim=1)
+    _same_cast(got, dbias.dbias_cast_transpose(whole, s, E5M2, configs.DBIAS_CAST_TRANSPOSE))
+
+
+def test_activation_bwd_dbias_cast_transpose(monkeypatch):
+    from te_triton import dbias
+
+    from te_backend_cuda import configs, fused
+    torch.manual_seed(4)
+    dy = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn_like(dy)
+    s = torch.tensor([64.0], device="cuda")
+    got = _tma_only(monkeypatch, lambda: fused.activation_bwd_dbias_cast_transpose(dy, x, "gelu", s, E5M2))
+    _same_cast(got, dbias.activation_bwd_dbias_cast_transpose(dy, x, "gelu", s, E5M2, configs.DBIAS_CAST_TRANSPOSE))

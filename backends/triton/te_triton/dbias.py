@@ -1,0 +1,235 @@
+"""The fused backward epilogues: dbias + cast-transpose of a gradient, optionally of the
+activation backward's dx (dx = g * act'(x), never stored), or of a gradient handed over as its
+column blocks.
+
+A program owns one column strip and every `groups`-th row tile of it, so the column sums and
+the amax build up element-wise in registers: one reduction and one atomic per program and a
+(groups, N) partial-sum buffer, instead of a reduction per tile. Two kernels walk it: one with
+pointer loads (optionally loading the next tile before working on the current one), and, when
+the config asks (Config.tma_stages) and the tensors allow (tma_ready), one whose tiles go
+through TMA descriptors in a loop Triton software-pipelines (NVIDIA sm_90 and later). On the
+H200 the descriptor kernel took 16384x4096 from 1526-2621 to 3061 GB/s and 16384x12288 from
+2947 to 3385 (benchmarks/probe_tma.py, probe-tma-2026-11-30-session12-b.log).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from ._common import MAX_NUMEL, Config, abs_bits, amax_from_buffer, descriptor, fp8_max, new_amax_buffer, \
+    saturating_cast, tma_ready
+from .activation import ELEMENTWISE_DEFAULT, KIND_IDS, _check, _dact, activation_bwd
+from .cast import _cast_transpose_tile, _check_input, transpose_clamps
+
+
+@triton.jit
+def _dbias_ct_load(g_ptr, x_ptr, tm, cols, M, N, BM: tl.constexpr, ACT: tl.constexpr):
+    """Row tile tm of g (and of x when ACT), in their dtype; zeros beyond M."""
+    rows = tm * BM + tl.arange(0, BM)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    off = rows[:, None] * N + cols[None, :]
+    g = tl.load(g_ptr + off, mask=mask, other=0.0)
+    if ACT:
+        return g, tl.load(x_ptr + off, mask=mask, other=0.0)
+    return g, g
+
+
+@triton.jit
+def _dbias_ct_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr, M, N, fmax, groups,
+                     g1_ptr, g2_ptr, B1, B2,
+                     ACT: tl.constexpr, KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     CLAMP: tl.constexpr, PREFETCH: tl.constexpr, PARTS: tl.constexpr):
+    """Cast-transpose of a gradient with its column sums (dbias). ACT: the gradient is
+    dx = g * act'(x) (non-gated), rounded to x's dtype as the unfused ops do; else it is g.
+    PREFETCH loads the next tile before working on the current one.
+
+    PARTS > 1: g is not one tensor but the column blocks g_ptr | g1_ptr | g2_ptr, starting at
+    columns 0, B1 and B2, each a whole number of strips wide; a strip reads from its block."""
+    pid = tl.program_id(0)
+    tn = pid // groups
+    cols = tn * BN + tl.arange(0, BN)
+    src, src_cols, src_n = g_ptr, cols, N
+    if PARTS > 1:
+        if tn * BN >= B2:
+            src, src_cols, src_n = g2_ptr, cols - B2, N - B2
+        elif tn * BN >= B1:
+            src, src_cols, src_n = g1_ptr, cols - B1, B2 - B1
+        else:
+            src_n = B1
+    scale = tl.load(scale_ptr)
+    colsum = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = tl.zeros([BM, BN], dtype=tl.int32)
+    if PREFETCH:
+        g_next, x_next = _dbias_ct_load(src, x_ptr, pid % groups, src_cols, M, src_n, BM, ACT)
+    for tm in range(pid % groups, tl.cdiv(M, BM), groups):
+        if PREFETCH:
+            g, x = g_next, x_next
+            g_next, x_next = _dbias_ct_load(src, x_ptr, tm + groups, src_cols, M, src_n, BM, ACT)
+        else:
+            g, x = _dbias_ct_load(src, x_ptr, tm, src_cols, M, src_n, BM, ACT)
+        if ACT:
+            v = (g.to(tl.float32) * _dact(x.to(tl.float32), KIND)).to(x.dtype).to(tl.float32)
+        else:
+            v = g.to(tl.float32)
+        _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN, CLAMP)
+        colsum += v
+        acc = tl.maximum(acc, abs_bits(v))
+    tl.store(dbias_ptr + (pid % groups) * N + cols, tl.sum(colsum, axis=0), mask=cols < N)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
+
+
+def _groups(M: int, strips: int, cfg: Config) -> int:
+    """Row groups per column strip: enough programs to fill the GPU (cfg.max_programs), no more."""
+    row_tiles = triton.cdiv(M, cfg.block_m)
+    return max(1, min(row_tiles, cfg.max_programs // strips)) if cfg.max_programs > 0 else row_tiles
+
+
+def _dbias_cast_transpose(g, x, kind, scale, fp8_dtype, cfg: Config, amax_out, parts=None):
+    """(data, data_t, dbias in x's dtype, amax) of g (x is None) or of activation_bwd(g, x, kind),
+    or of the column blocks `parts` of g (at most three, each a whole number of block_n wide)."""
+    fmax = fp8_max(fp8_dtype)
+    blocks = [g] if parts is None else list(parts)
+    g = blocks[0]
+    src = g if x is None else x
+    widths = [b.shape[1] for b in blocks]
+    M, N = src.shape[0], sum(widths)
+    starts = [min(sum(widths[:i]), N) for i in (1, 2)]  # where blocks 1 and 2 begin (N: no such block)
+    blocks += [blocks[-1]] * (3 - len(blocks))
+    y = torch.empty((M, N), dtype=fp8_dtype, device=src.device)
+    yt = torch.empty((N, M), dtype=fp8_dtype, device=src.device)
+    amax_buf = new_amax_buffer(src.device, amax_out)
+    partial = _tma_launch(blocks[:len(parts) if parts else 1], x, y, yt, scale, amax_buf, fmax, kind, cfg) \
+        if M * N else None
+    if partial is None:
+        n_tn = triton.cdiv(N, cfg.block_n)
+        groups = _groups(M, n_tn, cfg)
+        partial = torch.empty((groups, N), dtype=torch.float32, device=src.device)
+        if M * N:
+            _dbias_ct_kernel[(groups * n_tn,)](
+                g, src, y, yt, scale, amax_buf, partial, M, N, fmax, groups, blocks[1], blocks[2], starts[0],
+                starts[1], ACT=x is not None, KIND=KIND_IDS.get(kind, 0), BM=cfg.block_m, BN=cfg.block_n,
+                CLAMP=transpose_clamps(cfg, src), PREFETCH=cfg.prefetch, PARTS=1 if parts is None else len(parts),
+                num_warps=cfg.num_warps)
+    dbias = partial.sum(dim=0) if M else torch.zeros(N, dtype=torch.float32, device=src.device)
+    return y, yt, dbias.to(src.dtype), amax_from_buffer(amax_buf, amax_out)
+
+
+@triton.jit
+def _dbias_ct_tma_kernel(g_desc, x_desc, y_desc, yt_desc, scale_ptr, amax_ptr, dbias_ptr, M, N, col0, width, fmax,
+                         groups, ACT: tl.constexpr, KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                         CLAMP: tl.constexpr, STAGES: tl.constexpr):
+    """_dbias_ct_kernel's walk over one column block of the output: g_desc (and x_desc when
+    ACT) hold that block, `width` columns wide, which starts at column col0 of the (M, N)
+    outputs. Tiles past the block's edge read zeros, which add nothing to the sums or amax."""
+    pid = tl.program_id(0)
+    c = (pid // groups) * BN
+    scale = tl.load(scale_ptr)
+    colsum = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = tl.zeros([BM, BN], dtype=tl.int32)
+    for tm in tl.range(pid % groups, tl.cdiv(M, BM), groups, num_stages=STAGES):
+        g = g_desc.load([tm * BM, c])
+        if ACT:
+            x = x_desc.load([tm * BM, c])
+            v = (g.to(tl.float32) * _dact(x.to(tl.float32), KIND)).to(x.dtype).to(tl.float32)
+        else:
+            v = g.to(tl.float32)
+        q = saturating_cast(v * scale, fmax, y_desc.dtype, CLAMP)
+        y_desc.store([tm * BM, col0 + c], q)
+        yt_desc.store([col0 + c, tm * BM], tl.trans(q))
+        colsum += v
+        acc = tl.maximum(acc, abs_bits(v))
+    cols = c + tl.arange(0, BN)
+    tl.store(dbias_ptr + (pid % groups) * N + col0 + cols, tl.sum(colsum, axis=0), mask=cols < width)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
+
+
+def _tma_launch(blocks, x, y, yt, scale, amax_buf, fmax, kind, cfg: Config):
+    """The (groups, N) partial column sums after one launch of the descriptor kernel per column
+    block, each with as many row groups as fill the GPU for its strips. None, before anything
+    is written, when the tensors do not allow descriptors, a block other than the last is not
+    a whole number of strips wide (its last strip's stores would reach into the next block),
+    or the stages do not fit the GPU's shared memory."""
+    bm, bn = cfg.block_m, cfg.block_n
+    if cfg.tma_stages < 2 or min(bm, bn) < 16 or any(b.shape[1] % bn for b in blocks[:-1]):
+        return None  # (a box's rows must be at least 16 bytes: both tile sides hold FP8 rows)
+    if not tma_ready(y, yt, *blocks, *(() if x is None else (x,))):
+        return None
+    M, N = y.shape
+    groups = [_groups(M, triton.cdiv(b.shape[1], bn), cfg) for b in blocks]
+    # a block with fewer groups than the buffer's rows leaves the rest of its columns alone
+    alloc = torch.empty if len(set(groups)) == 1 else torch.zeros
+    partial = alloc((max(groups), N), dtype=torch.float32, device=y.device)
+    y_desc, yt_desc = descriptor(y, (bm, bn)), descriptor(yt, (bn, bm))
+    col0 = 0
+    for g, block_groups in zip(blocks, groups):
+        width = g.shape[1]
+        g_desc = descriptor(g, (bm, bn))
+        try:
+            _dbias_ct_tma_kernel[(block_groups * triton.cdiv(width, bn),)](
+                g_desc, g_desc if x is None else descriptor(x, (bm, bn)), y_desc, yt_desc, scale, amax_buf, partial,
+                M, N, col0, width, fmax, block_groups, ACT=x is not None, KIND=KIND_IDS.get(kind, 0), BM=bm, BN=bn,
+                CLAMP=transpose_clamps(cfg, g), STAGES=cfg.tma_stages, num_warps=cfg.num_warps)
+        except OutOfResources:
+            if col0:  # every block runs the same compiled kernel: only the first launch can fail
+                raise
+            return None
+        col0 += width
+    return partial
+
+
+DBIAS_CAST_TRANSPOSE_DEFAULT = Config(block_m=32, block_n=128, num_warps=4, max_programs=1024)
+
+
+def dbias_cast_transpose(dy, scale, fp8_dtype, cfg: Config = DBIAS_CAST_TRANSPOSE_DEFAULT, *, amax_out=None):
+    """(data, data_t, dbias, amax) as te_core.ops.dbias_cast_transpose."""
+    _check_input(dy, scale, two_d=True)
+    return _dbias_cast_transpose(dy, None, None, scale, fp8_dtype, cfg, amax_out)
+
+
+def dbias_cast_transpose_parts(parts, scale, fp8_dtype, cfg: Config = DBIAS_CAST_TRANSPOSE_DEFAULT, *,
+                               amax_out=None):
+    """(data, data_t, dbias, amax) as te_core.ops.dbias_cast_transpose_parts. The kernel reads
+    up to three contiguous parts in place when each is a whole number of cfg.block_n columns
+    wide (a strip then lies in one part); other parts are concatenated first."""
+    parts = list(parts) if isinstance(parts, (list, tuple)) else parts
+    if not isinstance(parts, list) or not parts or not all(isinstance(p, torch.Tensor) for p in parts):
+        raise TypeError("parts must be a non-empty list or tuple of 2-D tensors")
+    for i, p in enumerate(parts):
+        if p.dim() != 2 or p.shape[0] != parts[0].shape[0] or p.dtype != parts[0].dtype or p.device != parts[0].device:
+            raise ValueError(f"parts[{i}] ({p.dtype}, shape {tuple(p.shape)}, {p.device}) is not a column block "
+                             f"matching parts[0] ({parts[0].dtype}, {parts[0].shape[0]} rows, {parts[0].device})")
+    direct = 1 < len(parts) <= 3 and all(p.is_contiguous() and p.shape[1] % cfg.block_n == 0 for p in parts)
+    if not direct:
+        dy = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return dbias_cast_transpose(dy, scale, fp8_dtype, cfg, amax_out=amax_out)
+    for p in parts:
+        _check_input(p, scale, two_d=True)
+    if parts[0].shape[0] * sum(p.shape[1] for p in parts) > MAX_NUMEL:
+        raise ValueError(f"the parts hold more than {MAX_NUMEL} elements; these kernels index with int32")
+    return _dbias_cast_transpose(None, None, None, scale, fp8_dtype, cfg, amax_out, parts=parts)
+
+
+def dbias_cast_transpose_parts_supports(parts, *args, **kwargs):
+    """For backends binding the launcher generically: the parts' first tensor decides."""
+    first = parts[0] if isinstance(parts, (list, tuple)) and parts else None
+    if not isinstance(first, torch.Tensor) or first.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False, "parts must be a non-empty list of float32, bfloat16 or float16 tensors"
+    return True, ""
+
+
+def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, cfg: Config = DBIAS_CAST_TRANSPOSE_DEFAULT,
+                                        act_cfg: Config = ELEMENTWISE_DEFAULT, *, amax_out=None):
+    """(data, data_t, dbias, amax) of dx = activation_bwd(dy, x, kind); one pass for
+    non-gated kinds, activation_bwd then dbias_cast_transpose for gated ones."""
+    gated, _, _ = _check(x, kind)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D, got shape {tuple(x.shape)}")
+    if gated:
+        return dbias_cast_transpose(activation_bwd(dy, x, kind, act_cfg), scale, fp8_dtype, cfg, amax_out=amax_out)
+    if dy.shape != x.shape or not dy.is_contiguous():
+        raise ValueError(f"dy must be contiguous with x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
+    _check_input(dy, scale, two_d=True)
+    return _dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, cfg, amax_out)
+
