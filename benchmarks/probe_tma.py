@@ -26,6 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from te_triton._common import abs_bits
 from te_triton.activation import _dact
+from te_triton.cast import _cast_transpose_tile
 
 
 @triton.jit
@@ -141,6 +142,22 @@ def cast_transpose_tma(x_desc, y_desc, yt_desc, scale_ptr, amax_ptr, M, N, BM: t
 
 
 @triton.jit
+def cast_transpose_tma_load(x_desc, y_ptr, yt_ptr, scale_ptr, amax_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr,
+                            STAGES: tl.constexpr):
+    """Tiles in through a descriptor, out through pointers (the production kernel's stores)."""
+    scale = tl.load(scale_ptr)
+    tiles_n = tl.cdiv(N, BN)
+    acc = tl.zeros([BM, BN], dtype=tl.int32)
+    for t in tl.range(tl.program_id(0), tl.cdiv(M, BM) * tiles_n, tl.num_programs(0), num_stages=STAGES):
+        tm = t // tiles_n
+        tn = t % tiles_n
+        x = x_desc.load([tm * BM, tn * BN]).to(tl.float32)
+        acc = tl.maximum(acc, abs_bits(x))
+        _cast_transpose_tile(y_ptr, yt_ptr, x, tm, tn, M, N, scale, 448.0, BM, BN, False)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
+
+
+@triton.jit
 def dbias_ct_tma(g_desc, x_desc, y_desc, yt_desc, scale_ptr, amax_ptr, dbias_ptr, M, N, groups,
                  BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr, ACT: tl.constexpr):
     """The production dbias cast-transpose's walk (a column strip per program, every groups-th
@@ -213,7 +230,16 @@ def _amax_verdict(buf, want):
     return "amax ok" if got == want.item() else f"amax {got} vs {want.item()}"
 
 
-def norm_forward(pr, sms):
+def layernorm_forward_wide(pr, sms):
+    """LayerNorm only (RMSNorm meets its target): more warps / rows / programs per SM."""
+    norm_forward(pr, sms, norms=(False,), variants=[
+        (rows, warps, stages, hoist, per_sm)
+        for rows, warps in ((1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 8), (4, 16))
+        for stages in (3, 4) for hoist in (True, False) for per_sm in (1, 2, 3, 4, 8)
+        if warps * per_sm <= 64])
+
+
+def norm_forward(pr, sms, norms=(False, True), variants=None):
     from te_triton import norm
 
     from te_backend_cuda import configs
@@ -223,7 +249,7 @@ def norm_forward(pr, sms):
         w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
         s = torch.full((1,), 16.0, device="cuda")
-        for rms in (False, True):
+        for rms in norms:
             group = f"{'rmsnorm' if rms else 'layernorm'} fwd {M}x{N}"
             cfg = configs.NORM_LAYERNORM_LONG_ROWS if (not rms and N > 4096) else configs.NORM
 
@@ -232,10 +258,11 @@ def norm_forward(pr, sms):
 
             want = prod()
             pr.production(group, 3 * M * N, prod)
-            for rows, warps, stages, hoist, per_sm in itertools.product((1, 2), (8, 16), (3, 4, 5), (True, False),
-                                                                       (1, 2, 4)):
-                if (warps == 16) == (per_sm == 4):
-                    continue  # 8 warps: 2 or 4 programs per SM; 16 warps: 1 or 2
+            default = [c for c in itertools.product((1, 2), (8, 16), (3, 4, 5), (True, False), (1, 2, 4))
+                       if (c[1] == 16) != (c[4] == 4)]  # 8 warps: 2 or 4 programs per SM; 16 warps: 1 or 2
+            for rows, warps, stages, hoist, per_sm in variants or default:
+                if rows * N > 16384:
+                    continue
                 y = torch.empty(M, N, device="cuda", dtype=e4m3)
                 mean, rstd = torch.empty(M, device="cuda"), torch.empty(M, device="cuda")
                 amax = torch.zeros(1, device="cuda", dtype=torch.int32)
@@ -293,8 +320,7 @@ def quantize(pr, sms):
     group = f"quantize {M}x{N}"
     want = quantize_fp8(x, s, e4m3, cfg=configs.QUANTIZE)
     pr.production(group, 3 * M * N, lambda: quantize_fp8(x, s, e4m3, cfg=configs.QUANTIZE))
-    for (bm, bn), warps, per_sm, stages in itertools.product(((4, 1024), (8, 512), (2, 2048), (16, 256)), (4, 8),
-                                                            (4, 8), (3, 4, 5)):
+    for (bm, bn), warps, per_sm, stages in itertools.product(((4, 1024), (8, 512)), (4,), (4, 8), (3, 4)):
         y = torch.empty(M, N, device="cuda", dtype=e4m3)
         amax = torch.zeros(1, device="cuda", dtype=torch.int32)
         xd, yd = TensorDescriptor.from_tensor(x, [bm, bn]), TensorDescriptor.from_tensor(y, [bm, bn])
@@ -305,6 +331,22 @@ def quantize(pr, sms):
             quantize_tma[grid](xd, yd, s, amax, M, N, BM=bm, BN=bn, STAGES=stages, CHUNK=8, num_warps=warps)
 
         pr.variant(group, f"{bm}x{bn} w{warps} x{per_sm}/SM st{stages}", 3 * M * N, run,
+                   lambda: f"{_bytes_off(y, want[0])} bytes off, {_amax_verdict(amax, want[1])}")
+    # the same data seen flat, as (numel / C, C) rows: a quantize does not care about the shape
+    for (bm, c), warps, per_sm, stages in itertools.product(((4, 1024), (8, 1024), (2, 2048), (8, 512)), (4, 8),
+                                                           (4, 8), (3, 4)):
+        y = torch.empty(M, N, device="cuda", dtype=e4m3)
+        amax = torch.zeros(1, device="cuda", dtype=torch.int32)
+        rows = M * N // c
+        xd = TensorDescriptor.from_tensor(x.view(rows, c), [bm, c])
+        yd = TensorDescriptor.from_tensor(y.view(rows, c), [bm, c])
+        grid = (min(triton.cdiv(rows, bm), sms * per_sm),)
+
+        def run_flat():
+            amax.zero_()
+            quantize_tma[grid](xd, yd, s, amax, rows, c, BM=bm, BN=c, STAGES=stages, CHUNK=8, num_warps=warps)
+
+        pr.variant(group, f"flat {bm}x{c} w{warps} x{per_sm}/SM st{stages}", 3 * M * N, run_flat,
                    lambda: f"{_bytes_off(y, want[0])} bytes off, {_amax_verdict(amax, want[1])}")
 
 
@@ -319,8 +361,8 @@ def cast_transpose(pr, sms):
     group = f"cast-transpose {M}x{N}"
     want = cast_transpose_fp8(x, s, e4m3, cfg=configs.CAST_TRANSPOSE)
     pr.production(group, 4 * M * N, lambda: cast_transpose_fp8(x, s, e4m3, cfg=configs.CAST_TRANSPOSE))
-    for (bm, bn), warps, per_sm, stages in itertools.product(((64, 64), (64, 128), (128, 64), (128, 128), (32, 128)),
-                                                            (4, 8), (2, 4, 8), (2, 3, 4)):
+    for (bm, bn), warps, per_sm, stages in itertools.product(((64, 64), (64, 128), (32, 128)), (4, 8), (4, 8),
+                                                            (3, 4)):
         y = torch.empty(M, N, device="cuda", dtype=e4m3)
         yt = torch.empty(N, M, device="cuda", dtype=e4m3)
         amax = torch.zeros(1, device="cuda", dtype=torch.int32)
@@ -333,6 +375,13 @@ def cast_transpose(pr, sms):
             cast_transpose_tma[grid](xd, yd, ytd, s, amax, M, N, BM=bm, BN=bn, STAGES=stages, num_warps=warps)
 
         pr.variant(group, f"{bm}x{bn} w{warps} x{per_sm}/SM st{stages}", 4 * M * N, run,
+                   lambda: f"{_bytes_off(y, want[0]) + _bytes_off(yt, want[1])} bytes off, {_amax_verdict(amax, want[2])}")
+
+        def run_load_only():
+            amax.zero_()
+            cast_transpose_tma_load[grid](xd, y, yt, s, amax, M, N, BM=bm, BN=bn, STAGES=stages, num_warps=warps)
+
+        pr.variant(group, f"{bm}x{bn} w{warps} x{per_sm}/SM st{stages} pointer stores", 4 * M * N, run_load_only,
                    lambda: f"{_bytes_off(y, want[0]) + _bytes_off(yt, want[1])} bytes off, {_amax_verdict(amax, want[2])}")
 
 
@@ -376,7 +425,7 @@ def dbias_cast_transpose(pr, sms):
                                f"{(part.sum(0) - want[2].float()).abs().max().item():.3g}, {_amax_verdict(amax, want[3])}")
 
 
-SECTIONS = {"dbias_ct": dbias_cast_transpose, "norm_fwd": norm_forward, "cast_transpose": cast_transpose,
+SECTIONS = {"dbias_ct": dbias_cast_transpose, "norm_fwd": norm_forward, "layernorm_fwd_wide": layernorm_forward_wide, "cast_transpose": cast_transpose,
             "norm_bwd": norm_backward, "quantize": quantize}
 
 
@@ -384,7 +433,8 @@ def main():
     import argparse
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("sections", nargs="*", default=list(SECTIONS), help=f"any of {list(SECTIONS)}")
+    parser.add_argument("sections", nargs="*", default=[s for s in SECTIONS if s != "layernorm_fwd_wide"],
+                        help=f"any of {list(SECTIONS)}")
     args = parser.parse_args()
     triton.set_allocator(_alloc)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -40,10 +40,11 @@ RMSNORM_BWD_LONG_ROWS = Config(num_warps=32, max_programs=SMS)
 # elements or more). benchmarks/probe_tma.py at 16384 rows, GB/s against the pointer kernels'
 # configs above in the same run (probe-tma-2026-11-30-session12-b.log):
 TMA_MIN_NUMEL = 1 << 20  # smaller tensors keep the pointer kernels (measured at 16384 rows only)
-NORM_TMA = {  # (RMSNorm, rows longer than 4096) -> norm forward with FP8 out
-    (False, False): Config(num_warps=8, max_programs=SMS * 4, rows=2, hw_saturate=True, tma_stages=4),  # 2971 / 2471
+NORM_TMA = {  # (RMSNorm, rows longer than 4096) -> norm forward with FP8 out; *: from a wider LayerNorm sweep
+    # (probe_tma.py layernorm_fwd_wide, probe-tma-2026-11-30-session12-c.log)
+    (False, False): Config(num_warps=4, max_programs=SMS * 4, rows=1, hw_saturate=True, tma_stages=3),  # 3356 / 2773 *
     (True, False): Config(num_warps=16, max_programs=SMS * 2, rows=2, hw_saturate=True, tma_stages=3),  # 3342 / 2363
-    (False, True): Config(num_warps=8, max_programs=SMS * 4, rows=1, hw_saturate=True, tma_stages=4),  # 3454 / 2925
+    (False, True): Config(num_warps=4, max_programs=SMS * 2, rows=1, hw_saturate=True, tma_stages=4),  # 3698 / 2907 *
     (True, True): Config(num_warps=16, max_programs=SMS, rows=2, hw_saturate=True, tma_stages=4),  # 3744 / 3559
 }
 # norm backward: LayerNorm / RMSNorm 3549 / 3566 at 4096 wide (pointer: 3100 / 3466); on longer
