@@ -1,18 +1,24 @@
-"""Probe: row kernels whose loads go through TMA descriptors in a software-pipelined loop.
+"""Probe: kernels whose loads go through TMA descriptors in a software-pipelined loop.
 
 Triton pipelines only descriptor loads (and loads feeding a dot): compiled for sm_90, a plain
-`tl.load` in a `tl.range(..., num_stages=3)` row loop stays a synchronous ld.global, while a
-descriptor load becomes cp.async.bulk.tensor into shared memory, issued STAGES-1 rows ahead.
+`tl.load` in a `tl.range(..., num_stages=3)` loop stays a synchronous ld.global, while a
+descriptor load becomes cp.async.bulk.tensor into shared memory, issued STAGES-1 steps ahead.
 The rows in flight then sit in shared memory, not in registers, which is what limited the
-norm forward (LayerNorm 2906 GB/s at 16384x8192 against a 3600 target) and its earlier
-register-held prefetch. Variants here, each checked byte for byte against the production kernel:
+norm kernels and their earlier register-held prefetch.
 
-  norm forward (LayerNorm / RMSNorm, FP8 out + amax): rows per step, warps, programs per SM,
-  stages, output stored by pointer or through a descriptor (TMA store);
-  quantize + amax, tiles (BM, BN) walked by persistent programs;
-  norm backward: x and dy through descriptors.
+Sections, each variant checked against the production kernel and timed beside it:
 
-    python benchmarks/probe_tma.py      # on the GPU
+  norm_fwd, layernorm_fwd_wide, norm_bwd, dbias_ct: te_triton's descriptor kernels (norm_tma,
+    dbias) through their launchers, over configs (rows per step, warps, programs per SM,
+    stages); the pointer kernels are replaced by failing stand-ins meanwhile, so a variant that
+    would fall back fails instead of timing the pointer kernel;
+  quantize, cast_transpose: descriptor prototypes kept here (not adopted).
+
+Session 12's first two logs (probe-tma-2026-11-30-session12{,-b}.log) were taken with this
+file's prototypes of the norm and dbias kernels, before they moved into te_triton, with
+outputs allocated once outside the timed call (commit 379f789).
+
+    python benchmarks/probe_tma.py [sections]      # on the GPU
 """
 from __future__ import annotations
 
@@ -24,50 +30,9 @@ import triton.language as tl
 from triton.testing import do_bench
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from te_triton import Config
 from te_triton._common import abs_bits
-from te_triton.activation import _dact
 from te_triton.cast import _cast_transpose_tile
-
-
-@triton.jit
-def norm_fwd_tma(x_desc, y_desc, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, amax_ptr, M, N, eps,
-                 BLOCK_N: tl.constexpr, ROWS: tl.constexpr, RMS: tl.constexpr, STAGES: tl.constexpr,
-                 CHUNK: tl.constexpr, TMA_STORE: tl.constexpr, HOIST: tl.constexpr):
-    cols = tl.arange(0, BLOCK_N)
-    cmask = cols < N
-    if HOIST:
-        g0 = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        b0 = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    scale = tl.load(scale_ptr)
-    acc = tl.zeros([ROWS * BLOCK_N // CHUNK], dtype=tl.int32)
-    for first in tl.range(tl.program_id(0) * ROWS, M, tl.num_programs(0) * ROWS, num_stages=STAGES):
-        x = x_desc.load([first, 0]).to(tl.float32)
-        rows = first + tl.arange(0, ROWS)
-        rmask = rows < M
-        if RMS:
-            xc = x
-        else:
-            mean = tl.sum(x, axis=1) / N
-            xc = tl.where(cmask[None, :], x - mean[:, None], 0.0)
-            tl.store(mean_ptr + rows, mean, mask=rmask)
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-        tl.store(rstd_ptr + rows, rstd, mask=rmask)
-        if HOIST:
-            g, bb = g0, b0
-        else:
-            g = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-            bb = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        y = xc * rstd[:, None] * g[None, :]
-        if not RMS:
-            y = y + bb[None, :]
-        bits = tl.where(rmask[:, None] & cmask[None, :], abs_bits(y), 0)
-        acc = tl.maximum(acc, tl.max(tl.reshape(bits, [ROWS * BLOCK_N // CHUNK, CHUNK], can_reorder=True), axis=1))
-        out = (y * scale).to(y_ptr.dtype.element_ty)
-        if TMA_STORE:
-            y_desc.store([first, 0], out)
-        else:
-            tl.store(y_ptr + rows[:, None] * N + cols[None, :], out, mask=rmask[:, None] & cmask[None, :])
-    tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
 
 
 @triton.jit
@@ -83,45 +48,6 @@ def quantize_tma(x_desc, y_desc, scale_ptr, amax_ptr, M, N, BM: tl.constexpr, BN
         acc = tl.maximum(acc, tl.max(tl.reshape(abs_bits(x), [BM * BN // CHUNK, CHUNK], can_reorder=True), axis=1))
         y_desc.store([r, c], (x * scale).to(y_desc.dtype))
     tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
-
-
-@triton.jit
-def _add_pair(a1, b1, a2, b2):
-    return a1 + a2, b1 + b2
-
-
-@triton.jit
-def norm_bwd_tma(dy_desc, x_desc, mean_ptr, rstd_ptr, w_ptr, dx_ptr, dw_part_ptr, db_part_ptr, M, N,
-                 BLOCK_N: tl.constexpr, RMS: tl.constexpr, STAGES: tl.constexpr):
-    """Rows kept as [1, BLOCK_N] tiles, as the descriptor loads them (a reshape to 1-D made
-    the compiler shuffle them through shared memory and spill)."""
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)[None, :]
-    cmask = cols < N
-    g = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    dw = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-    db = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-    for row in tl.range(pid, M, tl.num_programs(0), num_stages=STAGES):
-        x = x_desc.load([row, 0]).to(tl.float32)
-        dy = dy_desc.load([row, 0]).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row)
-        if RMS:
-            xhat = x * rstd
-        else:
-            xhat = tl.where(cmask, (x - tl.load(mean_ptr + row)) * rstd, 0.0)
-        wdy = dy * g
-        if RMS:
-            c1 = tl.sum(xhat * wdy, axis=1)[:, None] / N
-            dx = (wdy - xhat * c1) * rstd
-        else:
-            s1, s2 = tl.reduce((xhat * wdy, wdy), 1, _add_pair)
-            dx = (wdy - (xhat * (s1[:, None] / N) + s2[:, None] / N)) * rstd
-            db += dy
-        dw += dy * xhat
-        tl.store(dx_ptr + row * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=cmask)
-    tl.store(dw_part_ptr + pid * N + cols, dw, mask=cmask)
-    if not RMS:
-        tl.store(db_part_ptr + pid * N + cols, db, mask=cmask)
 
 
 @triton.jit
@@ -157,37 +83,6 @@ def cast_transpose_tma_load(x_desc, y_ptr, yt_ptr, scale_ptr, amax_ptr, M, N, BM
     tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
 
 
-@triton.jit
-def dbias_ct_tma(g_desc, x_desc, y_desc, yt_desc, scale_ptr, amax_ptr, dbias_ptr, M, N, groups,
-                 BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr, ACT: tl.constexpr):
-    """The production dbias cast-transpose's walk (a column strip per program, every groups-th
-    row tile of it), its loads and stores through descriptors. ACT: gelu backward first."""
-    pid = tl.program_id(0)
-    c = (pid // groups) * BN
-    scale = tl.load(scale_ptr)
-    colsum = tl.zeros([BM, BN], dtype=tl.float32)
-    acc = tl.zeros([BM, BN], dtype=tl.int32)
-    for tm in tl.range(pid % groups, tl.cdiv(M, BM), groups, num_stages=STAGES):
-        g = g_desc.load([tm * BM, c])
-        if ACT:
-            x = x_desc.load([tm * BM, c])
-            v = (g.to(tl.float32) * _dact(x.to(tl.float32), 0)).to(x.dtype).to(tl.float32)
-        else:
-            v = g.to(tl.float32)
-        q = (v * scale).to(y_desc.dtype)
-        y_desc.store([tm * BM, c], q)
-        yt_desc.store([c, tm * BM], tl.trans(q))
-        colsum += v
-        acc = tl.maximum(acc, abs_bits(v))
-    cols = c + tl.arange(0, BN)
-    tl.store(dbias_ptr + (pid % groups) * N + cols, tl.sum(colsum, axis=0), mask=cols < N)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
-
-
-def _alloc(size: int, alignment: int, stream):
-    return torch.empty(size, device="cuda", dtype=torch.int8)
-
-
 def gbps(nbytes, ms):
     return nbytes / ms / 1e6
 
@@ -221,6 +116,36 @@ class Probe:
             print(f"{group}: production {prod:.0f}, best tma {v:.0f} GB/s ({v / max(prod, 1):.3f}x)  [{label}]")
 
 
+class _Fails:
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            raise RuntimeError("fell back to the pointer kernel")
+        return launch
+
+
+class _PointerKernelsFail:
+    """Within: te_triton's pointer kernels named here fail when launched."""
+
+    def __init__(self, *where):
+        self.where = where
+
+    def __enter__(self):
+        self.saved = [(mod, name, getattr(mod, name)) for mod, name in self.where]
+        for mod, name in self.where:
+            setattr(mod, name, _Fails())
+
+    def __exit__(self, *exc):
+        for mod, name, kernel in self.saved:
+            setattr(mod, name, kernel)
+
+
+def _keeping(fn):
+    """fn wrapped to keep its last result in .last, for the check after the first call."""
+    def run():
+        run.last = fn()
+    return run
+
+
 def _bytes_off(got, want):
     return (got.view(torch.uint8) != want.view(torch.uint8)).sum().item()
 
@@ -251,32 +176,26 @@ def norm_forward(pr, sms, norms=(False, True), variants=None):
         s = torch.full((1,), 16.0, device="cuda")
         for rms in norms:
             group = f"{'rmsnorm' if rms else 'layernorm'} fwd {M}x{N}"
-            cfg = configs.NORM_LAYERNORM_LONG_ROWS if (not rms and N > 4096) else configs.NORM
 
-            def prod():
+            def run(cfg):
                 return norm.norm_fwd(x, w, None if rms else b, 1e-5, rms=rms, fp8_scale=s, fp8_dtype=e4m3, cfg=cfg)
 
-            want = prod()
-            pr.production(group, 3 * M * N, prod)
+            pointer = configs.NORM_LAYERNORM_LONG_ROWS if (not rms and N > 4096) else configs.NORM
+            want = run(pointer)
+            pr.production(group, 3 * M * N, lambda: run(pointer))
             default = [c for c in itertools.product((1, 2), (8, 16), (3, 4, 5), (True, False), (1, 2, 4))
                        if (c[1] == 16) != (c[4] == 4)]  # 8 warps: 2 or 4 programs per SM; 16 warps: 1 or 2
-            for rows, warps, stages, hoist, per_sm in variants or default:
-                if rows * N > 16384:
-                    continue
-                y = torch.empty(M, N, device="cuda", dtype=e4m3)
-                mean, rstd = torch.empty(M, device="cuda"), torch.empty(M, device="cuda")
-                amax = torch.zeros(1, device="cuda", dtype=torch.int32)
-                xd, yd = TensorDescriptor.from_tensor(x, [rows, N]), TensorDescriptor.from_tensor(y, [rows, N])
-                grid = (min(triton.cdiv(M, rows), sms * per_sm),)
-
-                def run():
-                    amax.zero_()
-                    norm_fwd_tma[grid](xd, yd, w, b, y, mean, rstd, s, amax, M, N, 1e-5, BLOCK_N=N, ROWS=rows,
-                                       RMS=rms, STAGES=stages, CHUNK=8, TMA_STORE=True, HOIST=hoist, num_warps=warps)
-
-                pr.variant(group, f"rows{rows} w{warps} x{per_sm}/SM st{stages} hoist={int(hoist)}", 3 * M * N, run,
-                           lambda: f"{_bytes_off(y, want[0])} bytes off, rstd max diff "
-                                   f"{(rstd - want[2]).abs().max().item():.2g}, {_amax_verdict(amax, want[3])}")
+            with _PointerKernelsFail((norm, "_norm_fwd_kernel")):
+                for rows, warps, stages, hoist, per_sm in variants or default:
+                    if rows * N > 16384:
+                        continue
+                    cfg = Config(num_warps=warps, max_programs=sms * per_sm, rows=rows, hoist_params=hoist,
+                                 hw_saturate=True, tma_stages=stages)
+                    got = _keeping(lambda cfg=cfg: run(cfg))
+                    pr.variant(group, f"rows{rows} w{warps} x{per_sm}/SM st{stages} hoist={int(hoist)}", 3 * M * N,
+                               got, lambda: f"{_bytes_off(got.last[0], want[0])} bytes off, rstd max diff "
+                                            f"{(got.last[2] - want[2]).abs().max().item():.2g}, "
+                                            f"amax {'ok' if got.last[3].item() == want[3].item() else 'WRONG'}")
 
 
 def norm_backward(pr, sms):
@@ -290,23 +209,20 @@ def norm_backward(pr, sms):
         for rms in (False, True):
             group = f"{'rmsnorm' if rms else 'layernorm'} bwd {M}x{N}"
             _, mean, rstd, _ = norm.norm_fwd(x, w, None if rms else w, 1e-5, rms=rms)
-            cfg = configs.RMSNORM_BWD_LONG_ROWS if rms and N > 4096 else configs.NORM_BWD
-            want = norm.norm_bwd(dy, x, mean, rstd, w, rms=rms, cfg=cfg)
-            pr.production(group, 6 * M * N, lambda: norm.norm_bwd(dy, x, mean, rstd, w, rms=rms, cfg=cfg))
-            for warps, per_sm, stages in itertools.product((8, 16), (1, 2), (3, 4, 5)):
-                dx = torch.empty_like(x)
-                grid = (min(M, sms * per_sm),)
-                dwp, dbp = torch.empty(grid[0], N, device="cuda"), torch.empty(grid[0], N, device="cuda")
-                xd, dyd = TensorDescriptor.from_tensor(x, [1, N]), TensorDescriptor.from_tensor(dy, [1, N])
 
-                def run():
-                    norm_bwd_tma[grid](dyd, xd, rstd if mean is None else mean, rstd, w, dx, dwp, dbp, M, N,
-                                       BLOCK_N=N, RMS=rms, STAGES=stages, num_warps=warps)
-                    return dwp.sum(0)
+            def run(cfg):
+                return norm.norm_bwd(dy, x, mean, rstd, w, rms=rms, cfg=cfg)
 
-                pr.variant(group, f"w{warps} x{per_sm}/SM st{stages}", 6 * M * N, run,
-                           lambda: f"max |dx diff| {(dx.float() - want[0].float()).abs().max().item():.3g}, max |dw diff| "
-                                   f"{(dwp.sum(0) - want[1].float()).abs().max().item():.3g}")
+            pointer = configs.RMSNORM_BWD_LONG_ROWS if rms and N > 4096 else configs.NORM_BWD
+            want = run(pointer)
+            pr.production(group, 6 * M * N, lambda: run(pointer))
+            with _PointerKernelsFail((norm, "_norm_bwd_kernel")):
+                for warps, per_sm, stages in itertools.product((8, 16), (1, 2), (3, 4, 5)):
+                    cfg = Config(num_warps=warps, max_programs=sms * per_sm, tma_stages=stages)
+                    got = _keeping(lambda cfg=cfg: run(cfg))
+                    pr.variant(group, f"w{warps} x{per_sm}/SM st{stages}", 6 * M * N, got,
+                               lambda: f"max |dx diff| {(got.last[0].float() - want[0].float()).abs().max().item():.3g}, "
+                                       f"max |dw diff| {(got.last[1].float() - want[1].float()).abs().max().item():.3g}")
 
 
 def quantize(pr, sms):
@@ -386,43 +302,34 @@ def cast_transpose(pr, sms):
 
 
 def dbias_cast_transpose(pr, sms):
-    from te_triton.activation import activation_bwd_dbias_cast_transpose, dbias_cast_transpose as prod_dbias_ct
+    from te_triton import dbias
 
     from te_backend_cuda import configs
     e4m3 = torch.float8_e4m3fn
     s = torch.full((1,), 16.0, device="cuda")
-    cfg = configs.DBIAS_CAST_TRANSPOSE
     for M, N, act in ((16384, 4096, False), (16384, 12288, False), (16384, 16384, True)):
         g = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) if act else g
         nbytes = (6 if act else 4) * M * N
         group = f"{'gelu bwd + ' if act else ''}dbias cast-transpose {M}x{N}"
-        if act:
-            prod = lambda: activation_bwd_dbias_cast_transpose(g, x, "gelu", s, e4m3, cfg=cfg)  # noqa: E731
-        else:
-            prod = lambda: prod_dbias_ct(g, s, e4m3, cfg=cfg)  # noqa: E731
-        want = prod()
-        pr.production(group, nbytes, prod)
-        for (bm, bn), warps, per_sm, stages in itertools.product(((32, 64), (64, 64), (32, 128), (64, 128)), (4, 8),
-                                                                (4, 8), (3, 4)):
-            y = torch.empty(M, N, device="cuda", dtype=e4m3)
-            yt = torch.empty(N, M, device="cuda", dtype=e4m3)
-            amax = torch.zeros(1, device="cuda", dtype=torch.int32)
-            n_tm, n_tn = triton.cdiv(M, bm), triton.cdiv(N, bn)
-            groups = max(1, min(n_tm, sms * per_sm // n_tn))
-            part = torch.empty(groups, N, device="cuda")
-            gd, xd = TensorDescriptor.from_tensor(g, [bm, bn]), TensorDescriptor.from_tensor(x, [bm, bn])
-            yd, ytd = TensorDescriptor.from_tensor(y, [bm, bn]), TensorDescriptor.from_tensor(yt, [bn, bm])
 
-            def run():
-                amax.zero_()
-                dbias_ct_tma[(groups * n_tn,)](gd, xd, yd, ytd, s, amax, part, M, N, groups, BM=bm, BN=bn,
-                                               STAGES=stages, ACT=act, num_warps=warps)
-                return part.sum(0)
+        def run(cfg):
+            if act:
+                return dbias.activation_bwd_dbias_cast_transpose(g, x, "gelu", s, e4m3, cfg)
+            return dbias.dbias_cast_transpose(g, s, e4m3, cfg)
 
-            pr.variant(group, f"{bm}x{bn} w{warps} x{per_sm}/SM st{stages}", nbytes, run,
-                       lambda: f"{_bytes_off(y, want[0]) + _bytes_off(yt, want[1])} bytes off, dbias max diff "
-                               f"{(part.sum(0) - want[2].float()).abs().max().item():.3g}, {_amax_verdict(amax, want[3])}")
+        want = run(configs.DBIAS_CAST_TRANSPOSE)
+        pr.production(group, nbytes, lambda: run(configs.DBIAS_CAST_TRANSPOSE))
+        with _PointerKernelsFail((dbias, "_dbias_ct_kernel")):
+            for (bm, bn), warps, per_sm, stages in itertools.product(((32, 64), (64, 64), (32, 128), (64, 128)),
+                                                                    (4, 8), (4, 8), (3, 4)):
+                cfg = Config(block_m=bm, block_n=bn, num_warps=warps, max_programs=sms * per_sm, hw_saturate=True,
+                             tma_stages=stages)
+                got = _keeping(lambda cfg=cfg: run(cfg))
+                pr.variant(group, f"{bm}x{bn} w{warps} x{per_sm}/SM st{stages}", nbytes, got,
+                           lambda: f"{_bytes_off(got.last[0], want[0]) + _bytes_off(got.last[1], want[1])} bytes off, "
+                                   f"dbias max diff {(got.last[2].float() - want[2].float()).abs().max().item():.3g}, "
+                                   f"amax {'ok' if got.last[3].item() == want[3].item() else 'WRONG'}")
 
 
 SECTIONS = {"dbias_ct": dbias_cast_transpose, "norm_fwd": norm_forward, "layernorm_fwd_wide": layernorm_forward_wide, "cast_transpose": cast_transpose,
@@ -436,7 +343,6 @@ def main():
     parser.add_argument("sections", nargs="*", default=[s for s in SECTIONS if s != "layernorm_fwd_wide"],
                         help=f"any of {list(SECTIONS)}")
     args = parser.parse_args()
-    triton.set_allocator(_alloc)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     pr = Probe()
     try:

@@ -123,20 +123,3 @@ def descriptor(t: torch.Tensor, block: Sequence[int]):
     """A TMA descriptor of 2-D `t` that loads and stores (block[0], block[1]) boxes; boxes
     reaching past the tensor read zeros and store only what lies inside."""
     return TensorDescriptor.from_tensor(t, list(block))
-
-
-@triton.jit
-def add_pair(a1, b1, a2, b2):
-    """Combine function of a two-sum tl.reduce."""
-    return a1 + a2, b1 + b2
-
-
-@triton.jit
-def norm_params(w_ptr, b_ptr, cols, cmask, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr):
-    """gamma (+1 when zero-centred) and beta (gamma again for RMSNorm, unused) as float32."""
-    g = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        g = g + 1.0
-    if RMS:
-        return g, g
-    return g, tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from . import norm_tma
-from ._common import (MAX_NUMEL, Config, abs_bits, add_pair, amax_from_buffer, fp8_max, grid_size, new_amax_buffer,
-                      norm_params, saturating_cast)
+from ._common import MAX_NUMEL, Config, abs_bits, amax_from_buffer, fp8_max, grid_size, new_amax_buffer, saturating_cast
+from ._norm_math import backward_step, centred, inverse_std, norm_params, scale_shift
 
 NORM_DEFAULT = Config(num_warps=8, max_programs=1024)
 MAX_N = 65536  # one row must fit in a program's registers
@@ -61,20 +61,15 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, 
             xc = x
         else:
             mean = tl.sum(x, axis=1) / N
-            if EVEN:
-                xc = x - mean[:, None]
-            else:
-                xc = tl.where(mask, x - mean[:, None], 0.0)
+            xc = centred(x, mean, mask, not EVEN)
             tl.store(mean_ptr + rows, mean, mask=rmask)
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        rstd = inverse_std(xc, N, eps)
         tl.store(rstd_ptr + rows, rstd, mask=rmask)
         if HOIST:
             g, beta = g0, beta0
         else:
             g, beta = norm_params(w_ptr, b_ptr, cols, cmask, RMS, ZERO_CENTERED)
-        y = xc * rstd[:, None] * g[None, :]
-        if not RMS:
-            y = y + beta[None, :]
+        y = scale_shift(xc, rstd, g, beta, RMS)
         if FP8_OUT:
             if EVEN:
                 bits = abs_bits(y)
@@ -109,10 +104,7 @@ def _norm_bwd_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, dx_ptr, dw_part_p
     """Rows pid, pid + programs, ...; the launch has at most M programs. Each step loads the
     NEXT row's x and dy before reducing the current one, so a program's loads overlap its own
     block reduction (on the H200: LayerNorm 2599 -> 3390 GB/s at 16384x4096). ADD: the row of
-    `add` is added to dx in float32. RMSNorm loads it before its reduction, which hides the
-    load; LayerNorm after its two-sum reduction, across which the row cost 36 registers (239
-    against 203 at 4096 wide, 8 warps) and the kernel ran at 2342 against 3684 GB/s
-    (benchmarks/probe_norm_bwd_add.py; RMSNorm: 4062 before, 3366 after)."""
+    `add` is added to dx in float32 (_norm_math.backward_step)."""
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
@@ -131,29 +123,7 @@ def _norm_bwd_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, dx_ptr, dw_part_p
         fmask = cmask & (cols * 0 + following < M)
         x_next = tl.load(x_ptr + following * N + cols, mask=fmask, other=0.0)
         dy_next = tl.load(dy_ptr + following * N + cols, mask=fmask, other=0.0)
-        if ADD and RMS:
-            extra = tl.load(add_ptr + row * N + cols, mask=cmask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row)
-        if RMS:
-            xhat = x * rstd
-        else:
-            xhat = tl.where(cmask, (x - tl.load(mean_ptr + row)) * rstd, 0.0)
-        wdy = dy * g
-        if RMS:
-            c1 = tl.sum(xhat * wdy, axis=0) / N
-            dx = (wdy - xhat * c1) * rstd
-        else:  # both row sums in one reduction: one round of block-wide barriers, not two
-            s1, s2 = tl.reduce((xhat * wdy, wdy), 0, add_pair)
-            c1 = s1 / N
-            c2 = s2 / N
-            dx = (wdy - (xhat * c1 + c2)) * rstd
-            db += dy
-        dw += dy * xhat
-        if ADD and not RMS:
-            extra = tl.load(add_ptr + row * N + cols, mask=cmask, other=0.0).to(tl.float32)
-        if ADD:
-            dx += extra
-        tl.store(dx_ptr + row * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=cmask)
+        dw, db = backward_step(x, dy, g, row, mean_ptr, rstd_ptr, add_ptr, dx_ptr, cols, cmask, N, dw, db, RMS, ADD, 0)
     tl.store(dw_part_ptr + pid * N + cols, dw, mask=cmask)
     if not RMS:
         tl.store(db_part_ptr + pid * N + cols, db, mask=cmask)

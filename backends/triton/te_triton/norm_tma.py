@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ._common import Config, abs_bits, add_pair, descriptor, grid_size, norm_params, saturating_cast, tma_ready
+from ._common import Config, abs_bits, descriptor, grid_size, saturating_cast, tma_ready
+from ._norm_math import backward_step, centred, inverse_std, norm_params, scale_shift
 
 MAX_TILE = 16384  # elements of a step's rows, as norm.py's kernels
 
@@ -43,17 +44,15 @@ def _fwd_kernel(x_desc, y_desc, w_ptr, b_ptr, mean_ptr, rstd_ptr, scale_ptr, ama
             xc = x
         else:
             mean = tl.sum(x, axis=1) / N
-            xc = tl.where(cmask[None, :], x - mean[:, None], 0.0)
+            xc = centred(x, mean, cmask[None, :], True)
             tl.store(mean_ptr + rows, mean, mask=rmask)
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        rstd = inverse_std(xc, N, eps)
         tl.store(rstd_ptr + rows, rstd, mask=rmask)
         if HOIST:
             g, beta = g0, beta0
         else:
             g, beta = norm_params(w_ptr, b_ptr, cols, cmask, RMS, ZERO_CENTERED)
-        y = xc * rstd[:, None] * g[None, :]
-        if not RMS:
-            y = y + beta[None, :]
+        y = scale_shift(xc, rstd, g, beta, RMS)
         bits = tl.where(rmask[:, None] & cmask[None, :], abs_bits(y), 0)  # rows past M would give beta
         acc = tl.maximum(acc, tl.max(tl.reshape(bits, [ROWS * BLOCK_N // CHUNK, CHUNK], can_reorder=True), axis=1))
         y_desc.store([first, 0], saturating_cast(y * scale, fmax, y_desc.dtype, CLAMP))
@@ -66,7 +65,7 @@ def _bwd_kernel(dy_desc, x_desc, mean_ptr, rstd_ptr, w_ptr, dx_ptr, dw_part_ptr,
                 STAGES: tl.constexpr):
     """Rows pid, pid + programs, ...; at most M programs. Rows stay [1, BLOCK_N] tiles as the
     descriptor loads them (a reshape to 1-D made the compiler shuffle them through shared
-    memory and spill). `add` is read with plain loads, placed as in norm.py's kernel."""
+    memory and spill). `add` is read with plain loads (_norm_math.backward_step)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     cmask = cols < N
@@ -78,27 +77,7 @@ def _bwd_kernel(dy_desc, x_desc, mean_ptr, rstd_ptr, w_ptr, dx_ptr, dw_part_ptr,
     for row in tl.range(pid, M, tl.num_programs(0), num_stages=STAGES):
         x = x_desc.load([row, 0]).to(tl.float32)
         dy = dy_desc.load([row, 0]).to(tl.float32)
-        if ADD and RMS:
-            extra = tl.load(add_ptr + row * N + cols, mask=cmask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row)
-        if RMS:
-            xhat = x * rstd
-        else:
-            xhat = tl.where(cmask, (x - tl.load(mean_ptr + row)) * rstd, 0.0)
-        wdy = dy * g
-        if RMS:
-            c1 = tl.sum(xhat * wdy, axis=1)[:, None] / N
-            dx = (wdy - xhat * c1) * rstd
-        else:
-            s1, s2 = tl.reduce((xhat * wdy, wdy), 1, add_pair)
-            dx = (wdy - (xhat * (s1[:, None] / N) + s2[:, None] / N)) * rstd
-            db += dy
-        dw += dy * xhat
-        if ADD and not RMS:
-            extra = tl.load(add_ptr + row * N + cols, mask=cmask, other=0.0).to(tl.float32)
-        if ADD:
-            dx += extra
-        tl.store(dx_ptr + row * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=cmask)
+        dw, db = backward_step(x, dy, g, row, mean_ptr, rstd_ptr, add_ptr, dx_ptr, cols, cmask, N, dw, db, RMS, ADD, 1)
     tl.store(dw_part_ptr + pid * N + cols, dw, mask=cmask)
     if not RMS:
         tl.store(db_part_ptr + pid * N + cols, db, mask=cmask)
