@@ -37,9 +37,18 @@ NORM_BWD = Config(num_warps=8, max_programs=SMS * 2)
 RMSNORM_BWD_LONG_ROWS = Config(num_warps=32, max_programs=SMS)
 # Kernels whose rows / tiles arrive through TMA descriptors, software-pipelined tma_stages deep
 # (compute capability 9.0 and up; fused.py picks them there for tensors of TMA_MIN_NUMEL
-# elements or more). benchmarks/probe_tma.py at 16384 rows, GB/s against the pointer kernels'
-# configs above in the same run (probe-tma-2026-11-30-session12-b.log):
-TMA_MIN_NUMEL = 1 << 20  # smaller tensors keep the pointer kernels (measured at 16384 rows only)
+# elements or more).
+# Building and encoding the descriptors costs host time on every call: on a slow host of the
+# H200 machine a 16384x8192 LayerNorm forward took 39 us more host per call than the pointer
+# kernel (132 / 186 against 93 / 147 us in two processes), for about 100 us of GPU time
+# (benchmarks/descriptor_host_cost.py, descriptor-host-cost-2026-11-30-session12.txt). The GPU
+# time saved is 13 us at 16384x4096 and 30 us at 16384x8192 (LayerNorm forward, below): a gain
+# where the GPU is the bottleneck (the layer), a loss where the host is. The threshold keeps
+# the descriptors to tensors of the layer's size (2^26 elements, 16384x4096) and up; smaller
+# ones, in steps more likely host-bound, keep the pointer kernels.
+TMA_MIN_NUMEL = 1 << 26
+# GB/s from benchmarks/probe_tma.py at 16384 rows, against the pointer kernels' configs above in
+# the same run (probe-tma-2026-11-30-session12-b.log):
 NORM_TMA = {  # (RMSNorm, rows longer than 4096) -> norm forward with FP8 out; *: from a wider LayerNorm sweep
     # (probe_tma.py layernorm_fwd_wide, probe-tma-2026-11-30-session12-c.log)
     (False, False): Config(num_warps=4, max_programs=SMS * 4, rows=1, hw_saturate=True, tma_stages=3),  # 3356 / 2773 *

@@ -23,6 +23,15 @@ class _Fails:
         return launch
 
 
+@pytest.fixture(autouse=True)
+def _small_tensors_take_descriptors(monkeypatch, request):
+    """The tests' tensors (2^22-2^24 elements) are below the production size threshold: lower it,
+    except for the test of the threshold itself."""
+    if request.node.originalname != "test_configs_pick_descriptors_for_large_tensors_only":
+        from te_backend_cuda import configs
+        monkeypatch.setattr(configs, "TMA_MIN_NUMEL", 1 << 20)
+
+
 def _tma_only(monkeypatch, fn):
     """fn() with te_triton's pointer kernels (norm, dbias) replaced by failing stand-ins."""
     from te_triton import dbias, norm
@@ -34,8 +43,8 @@ def _tma_only(monkeypatch, fn):
 
 def test_configs_pick_descriptors_for_large_tensors_only():
     from te_backend_cuda import configs, fused
-    big = torch.empty(1024, 4096, device="cuda", dtype=torch.bfloat16)
-    small = torch.empty(16, 64, device="cuda", dtype=torch.bfloat16)
+    big = torch.empty(16384, 4096, device="cuda", dtype=torch.bfloat16)  # 2^26 elements: the threshold
+    small = torch.empty(16383, 4096, device="cuda", dtype=torch.bfloat16)
     assert fused._norm_fwd_cfg(big, E4M3, rms=False) is configs.NORM_TMA[False, False]
     assert fused._norm_fwd_cfg(small, E4M3, rms=False) is configs.NORM
     assert fused._norm_fwd_cfg(big, None, rms=False) is configs.NORM_HIGH_PRECISION  # bf16 out: pointer kernel
