@@ -142,3 +142,42 @@ def test_activation_bwd_dbias_cast_transpose(monkeypatch):
     s = torch.tensor([64.0], device="cuda")
     got = _tma_only(monkeypatch, lambda: fused.activation_bwd_dbias_cast_transpose(dy, x, "gelu", s, E5M2))
     _same_cast(got, dbias.activation_bwd_dbias_cast_transpose(dy, x, "gelu", s, E5M2, configs.DBIAS_CAST_TRANSPOSE))
+
+
+def _captured(fn, monkeypatch):
+    """fn captured as a CUDA graph (after a warm-up on a side stream), with the pointer kernels failing."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _tma_only(monkeypatch, fn)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _tma_only(monkeypatch, fn)
+    return graph, out
+
+
+def test_descriptor_kernels_replay_in_cuda_graphs(monkeypatch):
+    """The descriptors travel as kernel parameters, so a captured launch replays on whatever the
+    captured tensors hold then: the replay equals an eager call on the new values, byte for byte."""
+    from te_backend_cuda import fused
+    torch.manual_seed(5)
+    x = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    parts = [torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    s = torch.tensor([8.0], device="cuda")
+    norm_graph, norm_out = _captured(lambda: fused.layernorm_fwd(x, w, b, 1e-5, fp8_scale=s, fp8_dtype=E4M3),
+                                     monkeypatch)
+    dbias_graph, dbias_out = _captured(lambda: fused.dbias_cast_transpose_parts(parts, s, E5M2), monkeypatch)
+    x.copy_(torch.randn_like(x) * 2 - 1)
+    for p in parts:
+        p.copy_(torch.randn_like(p) * 3)
+    norm_graph.replay()
+    dbias_graph.replay()
+    torch.cuda.synchronize()
+    want = fused.layernorm_fwd(x, w, b, 1e-5, fp8_scale=s, fp8_dtype=E4M3)
+    assert torch.equal(norm_out[0].view(torch.uint8), want[0].view(torch.uint8))
+    for got, ref in zip(norm_out[1:], want[1:]):  # mean, rstd, amax
+        assert torch.equal(got, ref)
+    _same_cast(dbias_out, fused.dbias_cast_transpose_parts(parts, s, E5M2))
