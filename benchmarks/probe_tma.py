@@ -236,34 +236,28 @@ def quantize(pr, sms):
     group = f"quantize {M}x{N}"
     want = quantize_fp8(x, s, e4m3, cfg=configs.QUANTIZE)
     pr.production(group, 3 * M * N, lambda: quantize_fp8(x, s, e4m3, cfg=configs.QUANTIZE))
-    for (bm, bn), warps, per_sm, stages in itertools.product(((4, 1024), (8, 512)), (4,), (4, 8), (3, 4)):
+
+    def variant(label, rows, cols, bm, bn, warps, per_sm, stages):
+        """x and y seen as (rows, cols), walked in (bm, bn) tiles."""
         y = torch.empty(M, N, device="cuda", dtype=e4m3)
         amax = torch.zeros(1, device="cuda", dtype=torch.int32)
-        xd, yd = TensorDescriptor.from_tensor(x, [bm, bn]), TensorDescriptor.from_tensor(y, [bm, bn])
-        grid = (min(triton.cdiv(M, bm) * triton.cdiv(N, bn), sms * per_sm),)
+        xd = TensorDescriptor.from_tensor(x.view(rows, cols), [bm, bn])
+        yd = TensorDescriptor.from_tensor(y.view(rows, cols), [bm, bn])
+        grid = (min(triton.cdiv(rows, bm) * triton.cdiv(cols, bn), sms * per_sm),)
 
         def run():
             amax.zero_()
-            quantize_tma[grid](xd, yd, s, amax, M, N, BM=bm, BN=bn, STAGES=stages, CHUNK=8, num_warps=warps)
+            quantize_tma[grid](xd, yd, s, amax, rows, cols, BM=bm, BN=bn, STAGES=stages, CHUNK=8, num_warps=warps)
 
-        pr.variant(group, f"{bm}x{bn} w{warps} x{per_sm}/SM st{stages}", 3 * M * N, run,
+        pr.variant(group, f"{label}{bm}x{bn} w{warps} x{per_sm}/SM st{stages}", 3 * M * N, run,
                    lambda: f"{_bytes_off(y, want[0])} bytes off, {_amax_verdict(amax, want[1])}")
+
+    for (bm, bn), warps, per_sm, stages in itertools.product(((4, 1024), (8, 512)), (4,), (4, 8), (3, 4)):
+        variant("", M, N, bm, bn, warps, per_sm, stages)
     # the same data seen flat, as (numel / C, C) rows: a quantize does not care about the shape
     for (bm, c), warps, per_sm, stages in itertools.product(((4, 1024), (8, 1024), (2, 2048), (8, 512)), (4, 8),
                                                            (4, 8), (3, 4)):
-        y = torch.empty(M, N, device="cuda", dtype=e4m3)
-        amax = torch.zeros(1, device="cuda", dtype=torch.int32)
-        rows = M * N // c
-        xd = TensorDescriptor.from_tensor(x.view(rows, c), [bm, c])
-        yd = TensorDescriptor.from_tensor(y.view(rows, c), [bm, c])
-        grid = (min(triton.cdiv(rows, bm), sms * per_sm),)
-
-        def run_flat():
-            amax.zero_()
-            quantize_tma[grid](xd, yd, s, amax, rows, c, BM=bm, BN=c, STAGES=stages, CHUNK=8, num_warps=warps)
-
-        pr.variant(group, f"flat {bm}x{c} w{warps} x{per_sm}/SM st{stages}", 3 * M * N, run_flat,
-                   lambda: f"{_bytes_off(y, want[0])} bytes off, {_amax_verdict(amax, want[1])}")
+        variant("flat ", M * N // c, c, bm, c, warps, per_sm, stages)
 
 
 def cast_transpose(pr, sms):
@@ -332,8 +326,8 @@ def dbias_cast_transpose(pr, sms):
                                    f"amax {'ok' if got.last[3].item() == want[3].item() else 'WRONG'}")
 
 
-SECTIONS = {"dbias_ct": dbias_cast_transpose, "norm_fwd": norm_forward, "layernorm_fwd_wide": layernorm_forward_wide, "cast_transpose": cast_transpose,
-            "norm_bwd": norm_backward, "quantize": quantize}
+SECTIONS = {"dbias_ct": dbias_cast_transpose, "norm_fwd": norm_forward, "layernorm_fwd_wide": layernorm_forward_wide,
+            "cast_transpose": cast_transpose, "norm_bwd": norm_backward, "quantize": quantize}
 
 
 def main():

@@ -342,14 +342,14 @@ def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out=None):
 
 def dbias_cast_transpose_parts(parts, scale, fp8_dtype, *, amax_out=None):
     with _guard(parts[0]):
-        cfg = _tma(parts[0], configs.DBIAS_CAST_TRANSPOSE, configs.DBIAS_CAST_TRANSPOSE_TMA)
-        return dbias_ct.dbias_cast_transpose_parts(parts, scale, fp8_dtype, cfg, amax_out=amax_out)
+        return dbias_ct.dbias_cast_transpose_parts(parts, scale, fp8_dtype, _dbias_ct_cfg(parts[0]), amax_out=amax_out)
 
 
 def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, *, amax_out=None):
-    cfg = _tma(x, configs.DBIAS_CAST_TRANSPOSE, configs.ACT_BWD_DBIAS_CAST_TRANSPOSE_TMA)
     if kind in activation.GATED:  # activation_bwd, then a plain dbias cast-transpose of its dx
         cfg = _dbias_ct_cfg(x)
+    else:
+        cfg = _tma(x, configs.DBIAS_CAST_TRANSPOSE, configs.ACT_BWD_DBIAS_CAST_TRANSPOSE_TMA)
     return dbias_ct.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, cfg, configs.ELEMENTWISE,
                                                         amax_out=amax_out)
 

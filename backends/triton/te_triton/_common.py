@@ -7,6 +7,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 try:  # host-side TMA descriptors: triton 3.4 and later
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -123,3 +124,13 @@ def descriptor(t: torch.Tensor, block: Sequence[int]):
     """A TMA descriptor of 2-D `t` that loads and stores (block[0], block[1]) boxes; boxes
     reaching past the tensor read zeros and store only what lies inside."""
     return TensorDescriptor.from_tensor(t, list(block))
+
+
+def launched(kernel, grid, *args, **kwargs) -> bool:
+    """Launch; False when the kernel does not fit the GPU's shared memory (a descriptor kernel
+    with too many stages of too large tiles), which Triton reports before running anything."""
+    try:
+        kernel[grid](*args, **kwargs)
+    except OutOfResources:
+        return False
+    return True

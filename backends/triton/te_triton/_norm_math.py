@@ -25,7 +25,23 @@ def norm_params(w_ptr, b_ptr, cols, cmask, RMS: tl.constexpr, ZERO_CENTERED: tl.
 
 
 @triton.jit
-def centred(x, mean, mask, MASKED: tl.constexpr):
+def row_statistics(x, mask, rows, rmask, mean_ptr, rstd_ptr, N, eps, RMS: tl.constexpr, MASKED: tl.constexpr):
+    """(x centred, rstd) of the rows of a (rows, BLOCK_N) float32 tile whose padding reads as 0
+    (RMSNorm: x itself), storing each row's mean (LayerNorm) and rstd for the backward. MASKED:
+    `mask` marks the real elements, and the padding stays 0 once centred."""
+    if RMS:
+        xc = x
+    else:
+        mean = tl.sum(x, axis=1) / N
+        xc = _centred(x, mean, mask, MASKED)
+        tl.store(mean_ptr + rows, mean, mask=rmask)
+    rstd = _inverse_std(xc, N, eps)
+    tl.store(rstd_ptr + rows, rstd, mask=rmask)
+    return xc, rstd
+
+
+@triton.jit
+def _centred(x, mean, mask, MASKED: tl.constexpr):
     """LayerNorm's rows minus their means; MASKED: the padding (outside `mask`) stays 0."""
     if MASKED:
         return tl.where(mask, x - mean[:, None], 0.0)
@@ -33,7 +49,7 @@ def centred(x, mean, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
-def inverse_std(xc, N, eps):
+def _inverse_std(xc, N, eps):
     """1 / sqrt(mean square + eps) of each row of a tile whose padding is 0."""
     return 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
 

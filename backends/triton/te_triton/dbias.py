@@ -16,10 +16,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
-from ._common import MAX_NUMEL, Config, abs_bits, amax_from_buffer, descriptor, fp8_max, new_amax_buffer, \
-    saturating_cast, tma_ready
+from ._common import MAX_NUMEL, Config, abs_bits, amax_from_buffer, descriptor, fp8_max, launched, \
+    new_amax_buffer, saturating_cast, tma_ready
 from .activation import ELEMENTWISE_DEFAULT, KIND_IDS, _check, _dact, activation_bwd
 from .cast import _cast_transpose_tile, _check_input, transpose_clamps
 
@@ -95,14 +94,13 @@ def _dbias_cast_transpose(g, x, kind, scale, fp8_dtype, cfg: Config, amax_out, p
     src = g if x is None else x
     widths = [b.shape[1] for b in blocks]
     M, N = src.shape[0], sum(widths)
-    starts = [min(sum(widths[:i]), N) for i in (1, 2)]  # where blocks 1 and 2 begin (N: no such block)
-    blocks += [blocks[-1]] * (3 - len(blocks))
     y = torch.empty((M, N), dtype=fp8_dtype, device=src.device)
     yt = torch.empty((N, M), dtype=fp8_dtype, device=src.device)
     amax_buf = new_amax_buffer(src.device, amax_out)
-    partial = _tma_launch(blocks[:len(parts) if parts else 1], x, y, yt, scale, amax_buf, fmax, kind, cfg) \
-        if M * N else None
+    partial = _tma_launch(blocks, x, y, yt, scale, amax_buf, fmax, kind, cfg) if M * N else None
     if partial is None:
+        starts = [min(sum(widths[:i]), N) for i in (1, 2)]  # where blocks 1 and 2 begin (N: no such block)
+        blocks += [blocks[-1]] * (3 - len(blocks))
         n_tn = triton.cdiv(N, cfg.block_n)
         groups = _groups(M, n_tn, cfg)
         partial = torch.empty((groups, N), dtype=torch.float32, device=src.device)
@@ -166,14 +164,13 @@ def _tma_launch(blocks, x, y, yt, scale, amax_buf, fmax, kind, cfg: Config):
     for g, block_groups in zip(blocks, groups):
         width = g.shape[1]
         g_desc = descriptor(g, (bm, bn))
-        try:
-            _dbias_ct_tma_kernel[(block_groups * triton.cdiv(width, bn),)](
-                g_desc, g_desc if x is None else descriptor(x, (bm, bn)), y_desc, yt_desc, scale, amax_buf, partial,
-                M, N, col0, width, fmax, block_groups, ACT=x is not None, KIND=KIND_IDS.get(kind, 0), BM=bm, BN=bn,
-                CLAMP=transpose_clamps(cfg, g), STAGES=cfg.tma_stages, num_warps=cfg.num_warps)
-        except OutOfResources:
+        if not launched(_dbias_ct_tma_kernel, (block_groups * triton.cdiv(width, bn),),
+                        g_desc, g_desc if x is None else descriptor(x, (bm, bn)), y_desc, yt_desc, scale, amax_buf,
+                        partial, M, N, col0, width, fmax, block_groups, ACT=x is not None, KIND=KIND_IDS.get(kind, 0),
+                        BM=bm, BN=bn, CLAMP=transpose_clamps(cfg, g), STAGES=cfg.tma_stages,
+                        num_warps=cfg.num_warps):
             if col0:  # every block runs the same compiled kernel: only the first launch can fail
-                raise
+                raise RuntimeError("dbias cast-transpose: a later column block's launch ran out of shared memory")
             return None
         col0 += width
     return partial

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from . import norm_tma
 from ._common import MAX_NUMEL, Config, abs_bits, amax_from_buffer, fp8_max, grid_size, new_amax_buffer, saturating_cast
-from ._norm_math import backward_step, centred, inverse_std, norm_params, scale_shift
+from ._norm_math import backward_step, norm_params, row_statistics, scale_shift
 
 NORM_DEFAULT = Config(num_warps=8, max_programs=1024)
 MAX_N = 65536  # one row must fit in a program's registers
@@ -57,14 +57,7 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, 
             x = tl.load(x_ptr + offs).to(tl.float32)
         else:
             x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if RMS:
-            xc = x
-        else:
-            mean = tl.sum(x, axis=1) / N
-            xc = centred(x, mean, mask, not EVEN)
-            tl.store(mean_ptr + rows, mean, mask=rmask)
-        rstd = inverse_std(xc, N, eps)
-        tl.store(rstd_ptr + rows, rstd, mask=rmask)
+        xc, rstd = row_statistics(x, mask, rows, rmask, mean_ptr, rstd_ptr, N, eps, RMS, not EVEN)
         if HOIST:
             g, beta = g0, beta0
         else:
@@ -156,8 +149,10 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, zero_centered_gamma=False, fp8_
         raise ValueError("amax_out records the amax of an FP8 output: pass fp8_scale and fp8_dtype too")
     amax_buf = new_amax_buffer(x.device, amax_out)
     scale = fp8_scale if fp8_out else amax_buf
-    tma = M and fp8_out and norm_tma.forward(x.view(M, N), y.view(M, N), weight, bias, mean, rstd, scale, amax_buf,
-                                             eps, fmax, rms=rms, zero_centered_gamma=zero_centered_gamma, cfg=cfg)
+    # the views and descriptor checks only where the config asks for descriptors (a hot path)
+    tma = M and fp8_out and cfg.tma_stages and norm_tma.forward(
+        x.view(M, N), y.view(M, N), weight, bias, mean, rstd, scale, amax_buf, eps, fmax, rms=rms,
+        zero_centered_gamma=zero_centered_gamma, cfg=cfg)
     if M and not tma:
         block_n = triton.next_power_of_2(N)
         rows = max(1, min(cfg.rows, MAX_TILE // block_n))
@@ -197,8 +192,9 @@ def norm_bwd(dy, x, mean: Optional[torch.Tensor], rstd, weight, *, rms: bool, ze
     alloc = torch.empty if M else torch.zeros
     dw_part = alloc((programs, N), dtype=torch.float32, device=x.device)
     db_part = None if rms else alloc((programs, N), dtype=torch.float32, device=x.device)
-    tma = M and norm_tma.backward(dy.view(M, N), x.view(M, N), mean, rstd, weight, dx, dw_part, db_part, add, rms=rms,
-                                  zero_centered_gamma=zero_centered_gamma, cfg=cfg)
+    tma = M and cfg.tma_stages and norm_tma.backward(
+        dy.view(M, N), x.view(M, N), mean, rstd, weight, dx, dw_part, db_part, add, rms=rms,
+        zero_centered_gamma=zero_centered_gamma, cfg=cfg)
     if M and not tma:
         _norm_bwd_kernel[(programs,)](
             dy, x, rstd if mean is None else mean, rstd, weight, dx, dw_part, dw_part if db_part is None else db_part,

@@ -17,10 +17,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
-from ._common import Config, abs_bits, descriptor, grid_size, saturating_cast, tma_ready
-from ._norm_math import backward_step, centred, inverse_std, norm_params, scale_shift
+from ._common import Config, abs_bits, descriptor, grid_size, launched, saturating_cast, tma_ready
+from ._norm_math import backward_step, norm_params, row_statistics, scale_shift
 
 MAX_TILE = 16384  # elements of a step's rows, as norm.py's kernels
 
@@ -40,14 +39,7 @@ def _fwd_kernel(x_desc, y_desc, w_ptr, b_ptr, mean_ptr, rstd_ptr, scale_ptr, ama
         x = x_desc.load([first, 0]).to(tl.float32)
         rows = first + tl.arange(0, ROWS)
         rmask = rows < M
-        if RMS:
-            xc = x
-        else:
-            mean = tl.sum(x, axis=1) / N
-            xc = centred(x, mean, cmask[None, :], True)
-            tl.store(mean_ptr + rows, mean, mask=rmask)
-        rstd = inverse_std(xc, N, eps)
-        tl.store(rstd_ptr + rows, rstd, mask=rmask)
+        xc, rstd = row_statistics(x, cmask[None, :], rows, rmask, mean_ptr, rstd_ptr, N, eps, RMS, True)
         if HOIST:
             g, beta = g0, beta0
         else:
@@ -92,7 +84,7 @@ def forward(x2, y2, weight, bias, mean, rstd, scale, amax_buf, eps, fmax, *, rms
     rows = max(1, cfg.rows)
     if not _usable(cfg, rows * block_n, x2, y2):
         return False
-    return _launch(_fwd_kernel, (grid_size(triton.cdiv(M, rows), cfg),),
+    return launched(_fwd_kernel, (grid_size(triton.cdiv(M, rows), cfg),),
                    descriptor(x2, (rows, block_n)), descriptor(y2, (rows, block_n)), weight,
                    weight if bias is None else bias, rstd if mean is None else mean, rstd, scale, amax_buf, M, N,
                    float(eps), fmax, BLOCK_N=block_n, ROWS=rows, RMS=rms, ZERO_CENTERED=bool(zero_centered_gamma),
@@ -108,7 +100,7 @@ def backward(dy2, x2, mean, rstd, weight, dx, dw_part, db_part, add, *, rms: boo
     block_n = triton.next_power_of_2(N)
     if not _usable(cfg, block_n, dy2, x2):
         return False
-    return _launch(_bwd_kernel, (dw_part.shape[0],),
+    return launched(_bwd_kernel, (dw_part.shape[0],),
                    descriptor(dy2, (1, block_n)), descriptor(x2, (1, block_n)), rstd if mean is None else mean, rstd,
                    weight, dx, dw_part, dw_part if db_part is None else db_part, x2 if add is None else add, M, N,
                    BLOCK_N=block_n, RMS=rms, ZERO_CENTERED=bool(zero_centered_gamma), ADD=add is not None,
@@ -119,13 +111,3 @@ def _usable(cfg: Config, tile: int, *tensors: torch.Tensor) -> bool:
     """The config asks for descriptor loads, a step's tile is one the pointer kernels would
     take too, and the tensors allow descriptors."""
     return cfg.tma_stages >= 2 and tile <= MAX_TILE and tma_ready(*tensors)
-
-
-def _launch(kernel, grid, *args, **kwargs) -> bool:
-    """Launch; False when the staged rows do not fit the GPU's shared memory (too many stages
-    of too long rows), which Triton reports before running anything."""
-    try:
-        kernel[grid](*args, **kwargs)
-    except OutOfResources:
-        return False
-    return True
