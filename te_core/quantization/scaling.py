@@ -54,20 +54,28 @@ class ScalingGroup:
         n = len(self.names)
         self.amax_history = torch.zeros(recipe.amax_history_len, n, dtype=torch.float32, device=device)
         self.scale = torch.ones(n, dtype=torch.float32, device=device)
-        self._scale_inv = torch.ones(n, dtype=torch.float32, device=device)
-        self._scale_inv_version = self.scale._version
         # Per-column views, made once: slicing on every cast costs host time on a hot path.
         self._column_views: Optional[Tuple[List[Tensor], List[Tensor]]] = None
-        self._scale_inv_views: Tuple[Optional[Tensor], List[Tensor]] = (None, [])
+        self._new_snapshot(torch.ones(n, _FLOATS_PER_16_BYTES, dtype=torch.float32, device=device))
+        self._scale_inv_version = self.scale._version
 
     def scale_inv(self) -> Tensor:
-        """1 / scale, recomputed (as a NEW tensor) only after `scale` changed in place, so tensors
-        quantized earlier keep their snapshot and a step costs one reciprocal per group, not per cast."""
+        """1 / scale (n,), recomputed (as a NEW tensor) only after `scale` changed in place, so
+        tensors quantized earlier keep their snapshot and a step costs one reciprocal per group,
+        not per cast."""
         version = self.scale._version
         if version != self._scale_inv_version or _CAPTURE.active:
-            self._scale_inv = torch.reciprocal(self.scale)
+            # (n, 4), 1 / scale[i] in every float of row i: one kernel puts each column's value at
+            # the start of a 16-byte slot of its own (FP8 GEMM libraries read scales with vector
+            # loads; cuBLASLt refused a scale at an offset of 4 bytes)
+            self._new_snapshot(torch.reciprocal(self.scale[:, None].expand(len(self.names), _FLOATS_PER_16_BYTES)))
             self._scale_inv_version = version
         return self._scale_inv
+
+    def _new_snapshot(self, slots: Tensor) -> None:
+        self._scale_inv_slots = slots
+        self._scale_inv = slots[:, 0]
+        self._scale_inv_views: List[Tensor] = []
 
     @property
     def device(self) -> torch.device:
@@ -96,19 +104,11 @@ class ScalingGroup:
         return self._views()[1][column]
 
     def scale_inv_of(self, column: int) -> Tensor:
-        """The (1,) view of `column` in the current scale_inv snapshot, at a 16-byte aligned
-        address: FP8 GEMM libraries read scales with vector loads (cuBLASLt refused a scale at
-        an offset of 4 bytes), so the snapshot is copied into one 16-byte slot per column."""
-        snapshot = self.scale_inv()
-        if self._scale_inv_views[0] is not snapshot:
-            if len(self.names) == 1:  # a fresh (1,) tensor is aligned already
-                views = [snapshot]
-            else:
-                slots = torch.empty(len(self.names), _FLOATS_PER_16_BYTES, dtype=torch.float32, device=snapshot.device)
-                slots[:, 0] = snapshot
-                views = [slot[:1] for slot in slots.unbind(0)]
-            self._scale_inv_views = (snapshot, views)
-        return self._scale_inv_views[1][column]
+        """The (1,) view of `column` in the current scale_inv snapshot, 16-byte aligned."""
+        self.scale_inv()
+        if not self._scale_inv_views:
+            self._scale_inv_views.extend(slot[:1] for slot in self._scale_inv_slots.unbind(0))
+        return self._scale_inv_views[column]
 
     def scale_changed(self) -> None:
         """Call after writing `scale` through a kernel (which does not bump torch's version counter)."""

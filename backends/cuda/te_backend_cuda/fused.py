@@ -18,6 +18,7 @@ from te_triton import dbias as dbias_ct
 from te_triton._common import MAX_NUMEL, amax_out_ok
 
 from . import configs, update_graph
+from .amax_slots import fresh
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NO_GUARD = contextlib.nullcontext()
@@ -60,16 +61,17 @@ def _on_device(fn):
 
 # --- cast ---------------------------------------------------------------------------------
 def quantize_fp8(x, scale, fp8_dtype, *, amax_out=None):
-    return cast.quantize_fp8(x, scale, fp8_dtype, configs.QUANTIZE, amax_out=amax_out)
+    return cast.quantize_fp8(x, scale, fp8_dtype, configs.QUANTIZE, amax_out=fresh(amax_out, x))
 
 
 def cast_transpose_fp8(x, scale, fp8_dtype, *, amax_out=None):
-    return cast.cast_transpose_fp8(x, scale, fp8_dtype, configs.CAST_TRANSPOSE, amax_out=amax_out)
+    return cast.cast_transpose_fp8(x, scale, fp8_dtype, configs.CAST_TRANSPOSE, amax_out=fresh(amax_out, x))
 
 
 def quantize_fp8_current(x, fp8_dtype, *, with_transpose=False, force_pow2_scales=False, amax_epsilon=0.0):
     return cast.quantize_fp8_current(x, fp8_dtype, with_transpose=with_transpose, force_pow2_scales=force_pow2_scales,
-                                     amax_epsilon=amax_epsilon, cfg=configs.QUANTIZE, ct_cfg=configs.CAST_TRANSPOSE)
+                                     amax_epsilon=amax_epsilon, cfg=configs.QUANTIZE, ct_cfg=configs.CAST_TRANSPOSE,
+                                     amax_out=fresh(None, x))
 
 
 def transpose_fp8(data):
@@ -212,6 +214,11 @@ def _tma(x, cfg, tma_cfg):
     return tma_cfg if x.numel() >= configs.TMA_MIN_NUMEL and _tma_capable(x.get_device()) else cfg
 
 
+def _fp8_amax(amax_out, x, fp8_dtype):
+    """A pooled zero for the amax of an FP8 output (amax_slots); none without FP8 output."""
+    return amax_out if fp8_dtype is None else fresh(amax_out, x)
+
+
 def _norm_fwd_cfg(x, fp8_dtype, rms: bool):
     if fp8_dtype is None:
         return configs.NORM_HIGH_PRECISION
@@ -223,13 +230,14 @@ def _norm_fwd_cfg(x, fp8_dtype, rms: bool):
 def layernorm_fwd(x, weight, bias, eps, *, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, amax_out=None):
     return norm.norm_fwd(x, weight, bias, eps, rms=False, zero_centered_gamma=zero_centered_gamma,
                          fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=_norm_fwd_cfg(x, fp8_dtype, rms=False),
-                         amax_out=amax_out)
+                         amax_out=_fp8_amax(amax_out, x, fp8_dtype))
 
 
 def rmsnorm_fwd(x, weight, eps, *, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, amax_out=None):
     y, _, rstd, amax = norm.norm_fwd(x, weight, None, eps, rms=True, zero_centered_gamma=zero_centered_gamma,
                                      fp8_scale=fp8_scale, fp8_dtype=fp8_dtype,
-                                     cfg=_norm_fwd_cfg(x, fp8_dtype, rms=True), amax_out=amax_out)
+                                     cfg=_norm_fwd_cfg(x, fp8_dtype, rms=True),
+                                     amax_out=_fp8_amax(amax_out, x, fp8_dtype))
     return y, rstd, amax
 
 
@@ -311,7 +319,8 @@ def _rmsnorm_bwd_add_ok(dy, x, rstd, weight, add, **_):
 # --- activation ---------------------------------------------------------------------------
 def activation_fwd(x, kind, *, fp8_scale=None, fp8_dtype=None, amax_out=None):
     cfg = configs.ACTIVATION_FWD_GATED if kind in activation.GATED else configs.ACTIVATION_FWD
-    return activation.activation_fwd(x, kind, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=cfg, amax_out=amax_out)
+    return activation.activation_fwd(x, kind, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=cfg,
+                                     amax_out=_fp8_amax(amax_out, x, fp8_dtype))
 
 
 def activation_bwd(dy, x, kind):
@@ -337,12 +346,13 @@ def _dbias_ct_cfg(x):
 
 
 def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out=None):
-    return dbias_ct.dbias_cast_transpose(dy, scale, fp8_dtype, _dbias_ct_cfg(dy), amax_out=amax_out)
+    return dbias_ct.dbias_cast_transpose(dy, scale, fp8_dtype, _dbias_ct_cfg(dy), amax_out=fresh(amax_out, dy))
 
 
 def dbias_cast_transpose_parts(parts, scale, fp8_dtype, *, amax_out=None):
     with _guard(parts[0]):
-        return dbias_ct.dbias_cast_transpose_parts(parts, scale, fp8_dtype, _dbias_ct_cfg(parts[0]), amax_out=amax_out)
+        return dbias_ct.dbias_cast_transpose_parts(parts, scale, fp8_dtype, _dbias_ct_cfg(parts[0]),
+                                                   amax_out=fresh(amax_out, parts[0]))
 
 
 def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, *, amax_out=None):
@@ -351,7 +361,7 @@ def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, *, amax_o
     else:
         cfg = _tma(x, configs.DBIAS_CAST_TRANSPOSE, configs.ACT_BWD_DBIAS_CAST_TRANSPOSE_TMA)
     return dbias_ct.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, cfg, configs.ELEMENTWISE,
-                                                        amax_out=amax_out)
+                                                        amax_out=fresh(amax_out, x))
 
 
 def _act_fwd_ok(x, kind, *, fp8_scale=None, fp8_dtype=None, amax_out=None):

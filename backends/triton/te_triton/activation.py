@@ -135,7 +135,8 @@ def activation_fwd(x, kind, *, fp8_scale=None, fp8_dtype=None, cfg: Config = ELE
         raise ValueError("amax_out records the amax of an FP8 output: pass fp8_scale and fp8_dtype too")
     fmax = fp8_max(fp8_dtype) if fp8_out else 1.0
     y = torch.empty((*x.shape[:-1], H), dtype=fp8_dtype if fp8_out else x.dtype, device=x.device)
-    amax_buf = new_amax_buffer(x.device, amax_out)
+    # without FP8 out the kernel only reads a scale it then ignores: x stands in, no buffer is zeroed
+    amax_buf = new_amax_buffer(x.device, amax_out) if fp8_out else x
     if y.numel():
         _act_fwd_kernel[_grid(R, H, cfg)](
             x, y, fp8_scale if fp8_out else amax_buf, amax_buf, R, H, fmax, KIND=KIND_IDS[kind], GATED=gated,

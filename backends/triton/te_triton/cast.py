@@ -116,16 +116,17 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, c
     return y, amax_from_buffer(amax, amax_out)
 
 
-def amax(x: torch.Tensor, cfg: Config = QUANTIZE_DEFAULT) -> torch.Tensor:
-    """max|x| as a 0-dim float32 tensor (NaN if x has one), one pass."""
+def amax(x: torch.Tensor, cfg: Config = QUANTIZE_DEFAULT, *, amax_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """max|x| as a 0-dim float32 tensor (NaN if x has one), one pass; maxed into `amax_out`
+    when given (then returned as the amax)."""
     _check_input(x, None, two_d=False)
-    buf = new_amax_buffer(x.device)
+    buf = new_amax_buffer(x.device, amax_out)
     n = x.numel()
     grid = (grid_size(triton.cdiv(n, cfg.block), cfg),)
     if n:
         _quantize_kernel[grid](x, x, buf, buf, n, 1.0, BLOCK=cfg.block, STORE=False,
                                CLAMP=True, num_warps=cfg.num_warps)
-    return amax_from_buffer(buf)
+    return amax_from_buffer(buf, amax_out)
 
 
 def cast_transpose_fp8(x, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFAULT, *,
@@ -171,15 +172,18 @@ def current_scale(amax_t: torch.Tensor, fp8_dtype, force_pow2_scales=False, amax
 
 def quantize_fp8_current(
     x, fp8_dtype, *, with_transpose=False, force_pow2_scales=False, amax_epsilon=0.0,
-    cfg: Config = QUANTIZE_DEFAULT, ct_cfg: Config = CAST_TRANSPOSE_DEFAULT,
+    cfg: Config = QUANTIZE_DEFAULT, ct_cfg: Config = CAST_TRANSPOSE_DEFAULT, amax_out: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(data, data_t or None, scale, scale_inv, amax): amax pass, scale on device, cast pass."""
-    amax_t = amax(x, cfg)
+    """(data, data_t or None, scale, scale_inv, amax): amax pass, scale on device, cast pass.
+    `amax_out` as for amax()."""
+    amax_t = amax(x, cfg, amax_out=amax_out)
     scale, scale_inv = current_scale(amax_t, fp8_dtype, force_pow2_scales, amax_epsilon)
+    # the cast pass records the same amax again: maxing it into amax_t changes nothing and
+    # needs no second buffer zeroed
     if with_transpose:
-        data, data_t, _ = cast_transpose_fp8(x, scale, fp8_dtype, ct_cfg)
+        data, data_t, _ = cast_transpose_fp8(x, scale, fp8_dtype, ct_cfg, amax_out=amax_t)
     else:
-        data, _ = quantize_fp8(x, scale, fp8_dtype, cfg)
+        data, _ = quantize_fp8(x, scale, fp8_dtype, cfg, amax_out=amax_t)
         data_t = None
     return data, data_t, scale, scale_inv, amax_t
 

@@ -122,6 +122,22 @@ def test_amax_out_is_maxed_in_place(start):
         assert history[0, 0] == 0 and history[1:].eq(0).all()
 
 
+@pytest.mark.parametrize("with_transpose", [False, True])
+def test_current_scaling_maxes_into_amax_out(with_transpose):
+    """A backend hands current scaling a zero it keeps (te-backend-cuda's pooled slots): the amax
+    lands there, once (the cast pass maxes the same value into it), and the scale follows it."""
+    x = _x((30, 48), torch.bfloat16, 12)
+    x[3, 4] = -75.0
+    zero = torch.zeros(4)[2]  # a 0-dim slot inside a larger buffer, as the pool hands out
+    got = cast.quantize_fp8_current(x, torch.float8_e4m3fn, with_transpose=with_transpose, cfg=SMALL, ct_cfg=SMALL,
+                                    amax_out=zero)
+    assert got[4] is zero and zero.item() == 75.0
+    want = ref.quantize_fp8_current(x, torch.float8_e4m3fn, with_transpose=with_transpose)
+    torch.testing.assert_close(got[2], want[2], rtol=2e-7, atol=0)
+    assert_fp8_matches(got[0], want[0])
+    assert cast.amax(x, SMALL, amax_out=torch.full((1,), 80.0)).item() == 80.0  # maxed, not overwritten
+
+
 def test_fused_fp8_outputs_max_into_amax_out():
     """The norm and activation kernels with FP8 output max their amax into amax_out too."""
     from te_triton import activation, norm
