@@ -2,10 +2,11 @@
 
 A cast that is not given an `amax_out` maxes its amax into a new zeroed float32. Zeroing it
 with torch.zeros is a fill kernel per cast: about 2% of quantize's time at 16384x8192 on the
-H200 (3806 GB/s against 3891 into an already-zeroed slot), and a torch op's host time on a
-path that is often host-bound. Instead, one fill zeroes CHUNK slots, and each cast takes the
-next unused one. A slot is handed out once and never reused, so nothing a caller keeps can be
-overwritten; a chunk is freed once every slot of it is gone.
+H200 (3803 GB/s against 3859 with a pooled zero, benchmarks/probe_amax_slots.py), and a torch
+op's host time on a path that is often host-bound. Instead, one fill zeroes CHUNK slots, and
+each cast takes the next unused one, 16-byte aligned like a buffer of its own. A slot is handed
+out once and never reused, so nothing a caller keeps can be overwritten; a chunk is freed once
+every slot of it is gone.
 
 Chunks are kept per (device, stream): the fill is ordered before the kernels of its own stream
 only. Inside a CUDA graph capture no slot is handed out: a replayed kernel would max into the
@@ -19,6 +20,7 @@ from typing import Callable, Dict, Hashable, List, Optional
 import torch
 
 CHUNK = 1024
+_FLOATS_PER_SLOT = 4  # 16 bytes
 
 
 class ZeroedSlots:
@@ -42,8 +44,11 @@ class ZeroedSlots:
         with self._lock:
             free = self._free.get(key)
             if not free:
-                # reversed: slots go out in address order, one chunk at a time
-                free = list(torch.zeros(self._chunk, dtype=torch.float32, device=device).unbind(0))[::-1]
+                # One slot per 16 bytes: Triton specializes a kernel on whether each pointer is
+                # 16-byte aligned, and slots 4 bytes apart compiled a second variant mid-run (a
+                # ~300 ms stall). Reversed: slots go out in address order.
+                chunk = torch.zeros(self._chunk * _FLOATS_PER_SLOT, dtype=torch.float32, device=device)
+                free = list(chunk[::_FLOATS_PER_SLOT].unbind(0))[::-1]
                 self._free[key] = free
             return free.pop()
 
