@@ -41,15 +41,24 @@ def _pct(measured: float, target: float) -> str:
 
 
 def kernel_rows(kernels: dict) -> List[Tuple[str, str, str, str]]:
-    gbps: Dict[str, float] = {t["op"]: t["GBps"] for t in kernels.get("timings", []) if t.get("GBps")}
+    """Verdicts on the eager timings (do_bench, as the peers are timed); where a run also timed
+    the kernels as CUDA graph replays (GPU time alone), those figures follow, and a miss that
+    the replays meet says the eager calls were host-bound."""
+    timings = {t["op"]: t for t in kernels.get("timings", []) if t.get("GBps")}
     rows = []
     for name, target, ops, need in KERNEL_TARGETS:
-        values = [gbps.get(op) for op in ops]
-        if any(v is None for v in values):
+        if any(op not in timings for op in ops):
             rows.append((name, target, "not measured in this run", "–"))
             continue
-        worst = min(values)
-        rows.append((name, target, " / ".join(f"{v:.0f} GB/s" for v in values), _verdict(worst >= need, _pct(worst, need))))
+        eager = [timings[op]["GBps"] for op in ops]
+        graphed = [timings[op].get("graphed_GBps") for op in ops]
+        measured = " / ".join(f"{v:.0f} GB/s" for v in eager)
+        verdict = _verdict(min(eager) >= need, _pct(min(eager), need))
+        if all(graphed):
+            measured += "; graphed " + " / ".join(f"{v:.0f}" for v in graphed)
+            if min(eager) < need <= min(graphed):
+                verdict += "; the kernels meet it (graphed): the eager calls were host-bound"
+        rows.append((name, target, measured, verdict))
     return rows
 
 
