@@ -56,26 +56,31 @@ class ScalingGroup:
         self.scale = torch.ones(n, dtype=torch.float32, device=device)
         # Per-column views, made once: slicing on every cast costs host time on a hot path.
         self._column_views: Optional[Tuple[List[Tensor], List[Tensor]]] = None
-        self._new_snapshot(torch.ones(n, _FLOATS_PER_16_BYTES, dtype=torch.float32, device=device))
-        self._scale_inv_version = self.scale._version
+        self._scale_inv_snapshot: Tuple[Tensor, List[Tensor]] = (self.scale, [])
+        self._scale_inv_version = None  # the first cast takes the first snapshot
 
     def scale_inv(self) -> Tensor:
         """1 / scale (n,), recomputed (as a NEW tensor) only after `scale` changed in place, so
         tensors quantized earlier keep their snapshot and a step costs one reciprocal per group,
         not per cast."""
+        return self._snapshot()[0]
+
+    def _snapshot(self) -> Tuple[Tensor, List[Tensor]]:
+        """(scale_inv, its per-column (1,) views), each view at a 16-byte aligned address: FP8
+        GEMM libraries read scales with vector loads (cuBLASLt refused a scale at an offset of
+        4 bytes). One kernel per snapshot, and few torch calls: this runs once per group per step
+        on a host-bound path."""
         version = self.scale._version
         if version != self._scale_inv_version or _CAPTURE.active:
-            # (n, 4), 1 / scale[i] in every float of row i: one kernel puts each column's value at
-            # the start of a 16-byte slot of its own (FP8 GEMM libraries read scales with vector
-            # loads; cuBLASLt refused a scale at an offset of 4 bytes)
-            self._new_snapshot(torch.reciprocal(self.scale[:, None].expand(len(self.names), _FLOATS_PER_16_BYTES)))
+            n = len(self.names)
+            if n == 1:  # a fresh (1,) tensor is aligned already
+                inv = torch.reciprocal(self.scale)
+                self._scale_inv_snapshot = (inv, [inv])
+            else:  # 1 / scale[i] in every float of row i of an (n, 4) tensor: one 16-byte slot each
+                slots = torch.reciprocal(self.scale.unsqueeze(1).expand(n, _FLOATS_PER_16_BYTES))
+                self._scale_inv_snapshot = (slots.select(1, 0), list(slots.narrow(1, 0, 1).unbind(0)))
             self._scale_inv_version = version
-        return self._scale_inv
-
-    def _new_snapshot(self, slots: Tensor) -> None:
-        self._scale_inv_slots = slots
-        self._scale_inv = slots[:, 0]
-        self._scale_inv_views: List[Tensor] = []
+        return self._scale_inv_snapshot
 
     @property
     def device(self) -> torch.device:
@@ -105,10 +110,7 @@ class ScalingGroup:
 
     def scale_inv_of(self, column: int) -> Tensor:
         """The (1,) view of `column` in the current scale_inv snapshot, 16-byte aligned."""
-        self.scale_inv()
-        if not self._scale_inv_views:
-            self._scale_inv_views.extend(slot[:1] for slot in self._scale_inv_slots.unbind(0))
-        return self._scale_inv_views[column]
+        return self._snapshot()[1][column]
 
     def scale_changed(self) -> None:
         """Call after writing `scale` through a kernel (which does not bump torch's version counter)."""

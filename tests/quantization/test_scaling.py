@@ -264,3 +264,20 @@ def test_per_column_views_are_live_aligned_and_snapshotted():
     group.record(1, torch.tensor(3.0))
     group.record(1, torch.tensor(2.0))
     assert group.amax_history[0].tolist() == [0.0, 3.0, 0.0]
+    after = [group.scale_inv_of(i) for i in range(3)]
+    # one snapshot tensor (one kernel) holds every column's slot, 16 bytes apart
+    assert len({v.untyped_storage().data_ptr() for v in after}) == 1
+    assert [b.data_ptr() - a.data_ptr() for a, b in zip(after, after[1:])] == [16, 16]
+    torch.testing.assert_close(group.scale_inv(), torch.tensor([0.25, 0.125, 0.0625]), rtol=0, atol=0)
+
+
+def test_single_column_snapshot_is_the_reciprocal_itself():
+    """A one-column group's scale_inv needs no slot layout: the view handed to casts is the
+    snapshot tensor itself, recomputed only when the scale changed."""
+    group = ScalingGroup(["x"], torch.float8_e4m3fn, DelayedScaling(), torch.device("cpu"))
+    group.scale.fill_(8.0)
+    view = group.scale_inv_of(0)
+    assert view is group.scale_inv() and view.shape == (1,) and view.item() == 0.125
+    assert group.scale_inv_of(0) is view  # no change to the scale, no new snapshot
+    group.scale_changed()
+    assert group.scale_inv_of(0) is not view
