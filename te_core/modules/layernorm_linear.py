@@ -171,7 +171,9 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         # place, where autograd would first concatenate them (q, k, v: 3 x 128 MiB at s2048 b8)
         ctx.return_residual = return_residual
         outs = (y,) if split_sizes is None else y.split(split_sizes, dim=-1)
-        outs += ((ln_out,) if return_ln_out else ()) + residual_view(x, return_residual)
+        # a view, not ln_out itself: under torch.compile (torch 2.11) an output that is also
+        # saved for backward (the GEMM operand) got a zero gradient
+        outs += ((ln_out.view_as(ln_out),) if return_ln_out else ()) + residual_view(x, return_residual)
         return outs[0] if len(outs) == 1 else outs
 
     @staticmethod

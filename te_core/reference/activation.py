@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..ops.activation import ACTIVATIONS
-from .cast import cast_transpose_fp8, check_choice, check_float, check_ndim, fp8_output
+from .cast import as_dtype, cast_transpose_fp8, check_choice, check_float, check_ndim, fp8_output
 
 _GELU_K = math.sqrt(2.0 / math.pi)
 _GELU_C = 0.044715
@@ -128,7 +128,7 @@ def activation_bwd(dy: Tensor, x: Tensor, kind: str) -> Tensor:
         dx = torch.cat([dy32 * b * df(a), dy32 * f(a)], dim=-1)
     else:
         dx = dy32 * _ELEMENTWISE[kind][1](x.float())
-    return dx.to(x.dtype)
+    return as_dtype(dx, x.dtype)
 
 
 def dbias(dy: Tensor) -> Tensor:
@@ -137,7 +137,7 @@ def dbias(dy: Tensor) -> Tensor:
         raise ValueError("dy must have at least 1 dimension (dbias sums all but the last)")
     # accumulate in float32 inside the reduction instead of materializing a float32 copy of dy
     # (for an FFN gradient of 16384 x 16384 that copy alone is 1 GiB)
-    return dy.reshape(-1, dy.shape[-1]).sum(dim=0, dtype=torch.float32).to(dy.dtype)
+    return as_dtype(dy.reshape(-1, dy.shape[-1]).sum(dim=0, dtype=torch.float32), dy.dtype)
 
 
 def dbias_cast_transpose(

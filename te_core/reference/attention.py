@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..ops.attention import ATTN_MASK_TYPES
-from .cast import check_choice, check_float, check_ndim
+from .cast import as_dtype, check_choice, check_float, check_ndim
 from .softmax import causal_mask, check_bool_mask, masked_softmax
 
 _NEEDS_MASK = ("padding", "padding_causal", "arbitrary")
@@ -83,4 +83,4 @@ def attention(
     probs = masked_softmax((q.float() @ k32.transpose(-2, -1)) * scale, masked)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p, training=True)
-    return (probs @ v32).to(q.dtype)
+    return as_dtype(probs @ v32, q.dtype)

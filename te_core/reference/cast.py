@@ -24,6 +24,13 @@ HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # ---------------------------------------------------------------- argument checks
 
 
+def as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t in `dtype`, without calling .to() when it already is: under torch.compile (torch 2.11)
+    an autograd.Function output made by such a no-op .to() got zero gradients, so the reference
+    ops return their results through this."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def check_float(name: str, x: Tensor) -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -117,7 +124,7 @@ def fp8_output(
     if fp8_dtype is None:
         if amax_out is not None:
             raise ValueError("amax_out records the amax of an FP8 output: pass fp8_scale and fp8_dtype too")
-        return y32.to(hp_dtype), None
+        return as_dtype(y32, hp_dtype), None
     check_fp8_dtype("fp8_dtype", fp8_dtype)
     scale = check_one_element("fp8_scale", fp8_scale)
     return saturating_cast(y32 * scale, fp8_dtype), merge_amax(amax_of(y32), amax_out)
@@ -186,7 +193,7 @@ def transpose_fp8(data: Tensor) -> Tensor:
 
 def dequantize_fp8(data: Tensor, scale_inv: Tensor, out_dtype: torch.dtype) -> Tensor:
     check_fp8_tensor("data", data)
-    return (data.float() * check_one_element("scale_inv", scale_inv)).to(out_dtype)
+    return as_dtype(data.float() * check_one_element("scale_inv", scale_inv), out_dtype)
 
 
 # ---------------------------------------------------------------- block-wise (128)
@@ -254,7 +261,7 @@ def dequantize_blockwise(data: Tensor, scale_inv: Tensor, block_2d: bool, out_dt
     s = scale_inv.float().repeat_interleave(BLOCK, dim=1)[:, :k]
     if block_2d:
         s = s.repeat_interleave(BLOCK, dim=0)[:m]
-    return (data.float() * s).to(out_dtype)
+    return as_dtype(data.float() * s, out_dtype)
 
 
 # ---------------------------------------------------------------- MXFP8 (32, E8M0)
@@ -314,4 +321,4 @@ def dequantize_mxfp8(data: Tensor, scales: Tensor, out_dtype: torch.dtype) -> Te
         )
     s = exact_pow2(scales.to(torch.int32) - E8M0_BIAS)
     s = torch.where(scales == E8M0_NAN, torch.full_like(s, float("nan")), s).repeat_interleave(MX_BLOCK, dim=1)
-    return (data.float() * s).to(out_dtype)
+    return as_dtype(data.float() * s, out_dtype)

@@ -15,6 +15,7 @@ from ..backend.types import (
 )
 from .cast import (
     MX_BLOCK,
+    as_dtype,
     blockwise_scale_shape,
     check_choice,
     check_float,
@@ -46,7 +47,7 @@ def _finish(acc: Tensor, bias: Optional[Tensor], out: Optional[Tensor], accumula
     if out is None:
         if accumulate:
             raise ValueError("accumulate=True needs `out` (the tensor to add the product into)")
-        return acc.to(out_dtype)
+        return as_dtype(acc, out_dtype)
     if tuple(out.shape) != tuple(acc.shape):
         raise ValueError(f"out has shape {tuple(out.shape)}; the product is {tuple(acc.shape)}")
     if out_dtype is not None and out.dtype != out_dtype:

@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .cast import check_float, fp8_output
+from .cast import as_dtype, check_float, fp8_output
 
 
 def _check_norm_args(x: Tensor, params) -> int:
@@ -99,9 +99,9 @@ def _layernorm_bwd(dy, x, mean, rstd, weight, add, zero_centered_gamma):
     dy32 = dy.float()
     g = dy32 * _gamma(weight, zero_centered_gamma)
     dx = rstd32 * (g - g.mean(dim=-1, keepdim=True) - xhat * (g * xhat).mean(dim=-1, keepdim=True))
-    dweight = _rows_sum(dy32 * xhat).to(weight.dtype)
-    dbias = _rows_sum(dy32).to(weight.dtype)
-    return _plus(dx, add).to(x.dtype), dweight, dbias
+    dweight = as_dtype(_rows_sum(dy32 * xhat), weight.dtype)
+    dbias = as_dtype(_rows_sum(dy32), weight.dtype)
+    return as_dtype(_plus(dx, add), x.dtype), dweight, dbias
 
 
 def rmsnorm_fwd(
@@ -142,4 +142,4 @@ def _rmsnorm_bwd(dy, x, rstd, weight, add, zero_centered_gamma):
     dy32 = dy.float()
     g = dy32 * _gamma(weight, zero_centered_gamma)
     dx = rstd32 * (g - xhat * (g * xhat).mean(dim=-1, keepdim=True))
-    return _plus(dx, add).to(x.dtype), _rows_sum(dy32 * xhat).to(weight.dtype)
+    return as_dtype(_plus(dx, add), x.dtype), as_dtype(_rows_sum(dy32 * xhat), weight.dtype)

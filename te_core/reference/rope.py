@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .cast import check_choice, check_float, check_ndim
+from .cast import as_dtype, check_choice, check_float, check_ndim
 
 TENSOR_FORMATS = ("sbhd", "bshd")
 
@@ -45,7 +45,7 @@ def _rotate(x: Tensor, angles: Tensor, sign: float, interleaved: bool) -> Tensor
     else:
         x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
         rotated = rot * torch.cos(angles) + torch.cat([-x2, x1], dim=-1) * (sign * torch.sin(angles))
-    return torch.cat([rotated, rest], dim=-1).to(x.dtype)
+    return as_dtype(torch.cat([rotated, rest], dim=-1), x.dtype)
 
 
 def rope_fwd(x: Tensor, freqs: Tensor, *, tensor_format: str = "sbhd", interleaved: bool = False) -> Tensor:

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .cast import check_float, check_ndim
+from .cast import as_dtype, check_float, check_ndim
 
 
 def causal_mask(sq: int, sk: int, device, bottom_right: bool) -> Tensor:
@@ -53,7 +53,7 @@ def softmax_fwd(x: Tensor, scale: float, *, mask: Optional[Tensor] = None, causa
     if causal:
         tri = causal_mask(x.shape[-2], x.shape[-1], x.device, bottom_right=True)
         masked = tri if masked is None else masked | tri
-    return masked_softmax(x.float() * scale, masked).to(x.dtype)
+    return as_dtype(masked_softmax(x.float() * scale, masked), x.dtype)
 
 
 def softmax_bwd(dy: Tensor, y: Tensor, scale: float) -> Tensor:
@@ -63,4 +63,4 @@ def softmax_bwd(dy: Tensor, y: Tensor, scale: float) -> Tensor:
         raise ValueError(f"dy has shape {tuple(dy.shape)}; it must match y {tuple(y.shape)}")
     dy32, y32 = dy.float(), y.float()
     dx = scale * y32 * (dy32 - (dy32 * y32).sum(dim=-1, keepdim=True))
-    return dx.to(dy.dtype)
+    return as_dtype(dx, dy.dtype)

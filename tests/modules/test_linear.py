@@ -23,13 +23,6 @@ RECIPES = [DelayedScaling(amax_history_len=4), Float8CurrentScaling(), Float8Blo
 FPROP_REL, GRAD_REL = 0.0675, 0.125
 
 
-@pytest.fixture(autouse=True)
-def reference_backend(monkeypatch):
-    for var in ("TE_BACKEND", "TE_BACKEND_STRICT", "TE_BACKEND_OVERRIDES"):
-        monkeypatch.delenv(var, raising=False)
-    backend.set_backend("reference")
-
-
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(7)
