@@ -1,6 +1,6 @@
 """A/B of two source trees on the host-bound rows: te.Linear M8192 K4096 N4096 fwd+bwd (FP8
-delayed and current, eager) and the tiny forward, each beside torch's bf16 nn.Linear in the same
-process, for whichever te_core is first on sys.path. Host speed differs between machines and
+delayed and current, eager) and the tiny forward (eager and graphed, bench_modules' row), each
+beside torch's bf16 nn.Linear in the same process, for whichever te_core is first on sys.path. Host speed differs between machines and
 drifts within a session, so alternate the trees in separate processes, as for ab_layer.py:
 
     for i in 1 2 3; do
@@ -18,7 +18,8 @@ from triton.testing import do_bench
 
 import te_core as te
 from te_core import recipe
-from _timing import host_and_total_ms, wall_us
+from _timing import host_and_total_ms
+from bench_modules import tiny_rows
 
 
 def fwd_bwd(module, x, dy, rcp=None):
@@ -42,18 +43,9 @@ def main():
         ms = do_bench(step, warmup=25, rep=200)
         host_ms, _ = host_and_total_ms(step, n=30)
         cells.append(f"{name} {ms:.3f} ms (host {host_ms:.3f})")
-    tiny_x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
-    tiny_ref = nn.Linear(64, 64, device="cuda", dtype=torch.bfloat16)
-    tiny = te.Linear(64, 64, params_dtype=torch.bfloat16)
-    rcp = recipe.DelayedScaling()
-
-    def tiny_fwd():
-        with torch.no_grad(), te.autocast(recipe=rcp):
-            tiny(tiny_x)
-
-    with torch.no_grad():
-        ref_us = wall_us(lambda: tiny_ref(tiny_x))
-    cells.append(f"tiny {wall_us(tiny_fwd):.1f} us vs nn.Linear {ref_us:.1f}")
+    tiny = tiny_rows()[0]  # bench_modules' tiny forward: nn.Linear, te eager, te graphed
+    cells.append(f"tiny {tiny['te.Linear fp8 us']:.1f} us, graphed {tiny['te.Linear fp8 graphed us']:.1f} us "
+                 f"vs nn.Linear {tiny['nn.Linear bf16 us']:.1f}")
     import te_backend_cuda
 
     print(f"{label}: " + " | ".join(cells) + f"  ({te.__file__}, {te_backend_cuda.__file__})", flush=True)
