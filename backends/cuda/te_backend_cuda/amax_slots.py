@@ -20,6 +20,7 @@ from typing import Callable, Dict, Hashable, List, Optional
 import torch
 
 CHUNK = 1024
+MAX_STREAMS = 64  # chunks kept at once; torch hands out streams from a small pool, so few recur
 _FLOATS_PER_SLOT = 4  # 16 bytes
 
 
@@ -49,6 +50,8 @@ class ZeroedSlots:
                 # ~300 ms stall). Reversed: slots go out in address order.
                 chunk = torch.zeros(self._chunk * _FLOATS_PER_SLOT, dtype=torch.float32, device=device)
                 free = list(chunk[::_FLOATS_PER_SLOT].unbind(0))[::-1]
+                if len(self._free) >= MAX_STREAMS:  # slots already out keep their chunk alive
+                    self._free.clear()
                 self._free[key] = free
             return free.pop()
 

@@ -56,6 +56,19 @@ def test_fresh_keeps_a_given_amax_out(monkeypatch):
     assert taken is not None and taken.item() == 0.0
 
 
+def test_chunks_kept_for_at_most_max_streams(monkeypatch):
+    monkeypatch.setattr(amax_slots, "MAX_STREAMS", 3)
+    pool, state = _pool(chunk=4)
+    kept = []
+    for i in range(5):
+        state["stream"] = f"s{i}"
+        kept.append(pool.take(CPU))
+    assert len(pool._free) <= 3
+    assert all(s.item() == 0.0 for s in kept)  # slots handed out stay valid after their chunk is dropped
+    state["stream"] = "s4"
+    assert pool.take(CPU).data_ptr() == kept[4].data_ptr() + 16  # the newest stream's chunk is kept
+
+
 def test_clear_drops_the_chunks():
     pool, _ = _pool(chunk=8)
     first = pool.take(CPU)
