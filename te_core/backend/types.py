@@ -36,6 +36,13 @@ def fp8_max(dtype: torch.dtype) -> float:
     return FP8_FORMATS[dtype][1]
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype`, without calling .to() when it already is. Ops return their results through
+    this: under torch.compile (torch 2.11) an autograd.Function output made by a no-op .to() got
+    zero gradients."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 @dataclass(frozen=True)
 class BackendInfo:
     """Who a backend is. `vendor_versions` maps library name -> version string (or None)."""

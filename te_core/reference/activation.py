@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from ..ops.activation import ACTIVATIONS
-from .cast import as_dtype, cast_transpose_fp8, check_choice, check_float, check_ndim, fp8_output
+from ..backend.types import as_dtype
+from .cast import cast_transpose_fp8, check_choice, check_float, check_ndim, fp8_output
 
 _GELU_K = math.sqrt(2.0 / math.pi)
 _GELU_C = 0.044715

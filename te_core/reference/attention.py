@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..ops.attention import ATTN_MASK_TYPES
-from .cast import as_dtype, check_choice, check_float, check_ndim
+from ..backend.types import as_dtype
+from .cast import check_choice, check_float, check_ndim
 from .softmax import causal_mask, check_bool_mask, masked_softmax
 
 _NEEDS_MASK = ("padding", "padding_causal", "arbitrary")

@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backend.types import FP8_FORMATS, fp8_max
+from ..backend.types import FP8_FORMATS, as_dtype, fp8_max
 
 BLOCK = 128  # elements per block of quantize_blockwise
 MX_BLOCK = 32  # elements per block of quantize_mxfp8
@@ -22,13 +22,6 @@ HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 # ---------------------------------------------------------------- argument checks
-
-
-def as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """t in `dtype`, without calling .to() when it already is: under torch.compile (torch 2.11)
-    an autograd.Function output made by such a no-op .to() got zero gradients, so the reference
-    ops return their results through this."""
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def check_float(name: str, x: Tensor) -> None:

@@ -12,10 +12,10 @@ from ..backend.types import (
     ROWWISE,
     SCALING_MODES,
     TENSORWISE,
+    as_dtype,
 )
 from .cast import (
     MX_BLOCK,
-    as_dtype,
     blockwise_scale_shape,
     check_choice,
     check_float,

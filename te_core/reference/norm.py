@@ -10,7 +10,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .cast import as_dtype, check_float, fp8_output
+from ..backend.types import as_dtype
+from .cast import check_float, fp8_output
 
 
 def _check_norm_args(x: Tensor, params) -> int:

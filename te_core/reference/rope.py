@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .cast import as_dtype, check_choice, check_float, check_ndim
+from ..backend.types import as_dtype
+from .cast import check_choice, check_float, check_ndim
 
 TENSOR_FORMATS = ("sbhd", "bshd")
 

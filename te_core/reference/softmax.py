@@ -10,7 +10,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .cast import as_dtype, check_float, check_ndim
+from ..backend.types import as_dtype
+from .cast import check_float, check_ndim
 
 
 def causal_mask(sq: int, sk: int, device, bottom_right: bool) -> Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-from te_core.backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, MXFP8, ROWWISE, TENSORWISE
+from te_core.backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, MXFP8, ROWWISE, TENSORWISE, as_dtype
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -36,17 +36,11 @@ def _scale_args(a, b, a_si, b_si, scaling: str):
     raise ValueError(f"scaling {scaling!r} is not run by torch._scaled_mm here")
 
 
-def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t in `dtype` without a no-op .to(): under torch.compile (torch 2.11) an autograd.Function
-    output made by one got zero gradients (see te_core.reference.cast.as_dtype)."""
-    return t if t.dtype == dtype else t.to(dtype)
-
-
 def _add_bias(result, bias):
     """The bias for outputs cuBLASLt's epilogue does not take (float32 output, a bias of another dtype)."""
     if bias.dtype == result.dtype:
         return result.add_(bias)
-    return _as_dtype(result.float() + bias.float(), result.dtype)
+    return as_dtype(result.float() + bias.float(), result.dtype)
 
 
 def _epilogue_bias(bias, out_dtype, scaling) -> bool:
@@ -145,7 +139,7 @@ def _mm_out_dtype(a, b_t, out_dtype: torch.dtype) -> torch.Tensor:
             return torch.mm(a, b_t, out_dtype=torch.float32)
         except (TypeError, NotImplementedError, RuntimeError):  # older torch, or a device without it
             pass
-    return _as_dtype(torch.mm(a.float(), b_t.float()), out_dtype)
+    return as_dtype(torch.mm(a.float(), b_t.float()), out_dtype)
 
 
 def gemm(a, b, *, bias: Optional[torch.Tensor] = None, out=None, accumulate=False, out_dtype=None):
@@ -158,7 +152,7 @@ def gemm(a, b, *, bias: Optional[torch.Tensor] = None, out=None, accumulate=Fals
     else:
         result = _mm_out_dtype(a, b.t(), out_dtype)
         if bias is not None:
-            result = _as_dtype(result.float() + bias.float(), out_dtype)
+            result = as_dtype(result.float() + bias.float(), out_dtype)
     if out is None:
         return result
     return out.add_(result) if accumulate else out.copy_(result)

@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from te_core.backend.types import ROWWISE, TENSORWISE
+from te_core.backend.types import ROWWISE, TENSORWISE, as_dtype
 from torch import Tensor
 
 from ..capabilities import FP8_MIN_ARCH
@@ -47,7 +47,7 @@ def scaled_mm_plan(bias: Optional[Tensor], out_dtype: torch.dtype, accumulate: b
 def finish(result: Tensor, out_dtype: torch.dtype, out: Optional[Tensor], accumulate: bool) -> Tensor:
     """Write `result` as the contract says: returned, copied into `out`, or added to it."""
     if out is None:
-        return result.to(out_dtype)
+        return as_dtype(result, out_dtype)
     if accumulate:
         return out.add_(result)
     return out.copy_(result)
