@@ -247,7 +247,12 @@ def _norm_bwd_cfg(x, rms: bool):
     n = x.shape[-1]
     cfg = configs.RMSNORM_BWD_LONG_ROWS if rms and n > 4096 else configs.NORM_BWD
     cfg = _tma(x, cfg, configs.NORM_BWD_TMA_LONG_ROWS if n > 4096 else configs.NORM_BWD_TMA)
-    warps = min(32, max(cfg.num_warps, triton.next_power_of_2(n) // 1024))
+    return _with_warps(cfg, min(32, max(cfg.num_warps, triton.next_power_of_2(n) // 1024)))
+
+
+@functools.lru_cache(maxsize=None)
+def _with_warps(cfg, warps: int):
+    """cfg with `warps` warps, made once per pair: the backward is on a host-bound path."""
     return cfg if warps == cfg.num_warps else dataclasses.replace(cfg, num_warps=warps)
 
 
