@@ -1,9 +1,8 @@
 """Fresh amax accumulators that need no memset launch each.
 
 A cast that is not given an `amax_out` maxes its amax into a new zeroed float32. Zeroing it
-with torch.zeros is a fill kernel per cast: about 2% of quantize's time at 16384x8192 on the
-H200 (3803 GB/s against 3859 with a pooled zero, benchmarks/probe_amax_slots.py), and a torch
-op's host time on a path that is often host-bound. Instead, one fill zeroes CHUNK slots, and
+with torch.zeros is a fill kernel per cast, whose launch costs GPU time and, on a path that
+is often host-bound, a torch op's host time. Instead, one fill zeroes CHUNK slots, and
 each cast takes the next unused one, 16-byte aligned like a buffer of its own. A slot is handed
 out once and never reused, so nothing a caller keeps can be overwritten; a chunk is freed once
 every slot of it is gone.
@@ -46,8 +45,8 @@ class ZeroedSlots:
             free = self._free.get(key)
             if not free:
                 # One slot per 16 bytes: Triton specializes a kernel on whether each pointer is
-                # 16-byte aligned, and slots 4 bytes apart compiled a second variant mid-run (a
-                # ~300 ms stall). Reversed: slots go out in address order.
+                # 16-byte aligned, so slots 4 bytes apart would compile a second variant of every
+                # cast in the middle of training. Reversed: slots go out in address order.
                 chunk = torch.zeros(self._chunk * _FLOATS_PER_SLOT, dtype=torch.float32, device=device)
                 free = list(chunk[::_FLOATS_PER_SLOT].unbind(0))[::-1]
                 if len(self._free) >= MAX_STREAMS:  # slots already out keep their chunk alive

@@ -1,85 +1,159 @@
-"""Triton tuning configs for NVIDIA GPUs, by kernel family.
+"""Triton tuning configs for NVIDIA GPUs, one `Tuning` per device, by kernel family.
 
-Chosen on an H200 (132 SMs) by `benchmarks/bench_kernels.py --sweep` at 16384x8192 bf16, each
-config checked against the reference in the same run (benchmarks/results/kernels-2026-11-30.json).
-Program caps are multiples of the SM count; other GPUs use these until measured.
-hw_saturate: the FP8-output kernels leave saturation to the convert instruction (fused.py
-sends GPUs without it, below compute capability 8.9, to the reference).
+`for_device(index)` builds a device's Tuning the first time the device runs a kernel and keeps
+it: the table of the device's architecture (TUNED, keyed by compute capability (major, minor))
+at the device's SM count. Program caps are multiples of the SM count, so every SM gets the
+same share of the work whatever the GPU's size. An architecture without a table of its own
+takes DEFAULT, sm_90's choices at its own SM count, until someone tunes it. Importing this
+module touches no GPU.
+
+The sm_90 table holds the fastest correct config of each family at the layer's shapes
+(16384 rows, 4096 to 16384 columns, bf16), found with `benchmarks/bench_kernels.py --sweep`,
+which checks each candidate against the reference as it times it. A new architecture's table
+is found the same way and added to TUNED.
+
+hw_saturate: the FP8-output kernels leave saturation to the convert instruction, which
+saturates from compute capability 8.9 on (ops.checks sends older GPUs to the reference).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Callable, Dict, Mapping, Tuple
+
+import torch
 from te_triton import Config
 
-SMS = 132  # H200
-
-QUANTIZE = Config(block=8192, num_warps=8, max_programs=SMS * 4, hw_saturate=True)  # 3749 GB/s (one block per program: 3220)
-# a column strip per program, every `groups`-th row tile of it, the next tile loaded before the
-# current one is worked on (probe-prefetch-2026-11-30-session10.log, at the layer's gradients):
-# dbias + cast-transpose 2621 GB/s at 16384x4096 and 2944 at 16384x12288, gelu bwd + dbias +
-# cast-transpose 3180 at 16384x16384; the previous config (32x64, 4 warps, x16/SM, no prefetch)
-# 2015 / 2939 / 2871 in the same run
-DBIAS_CAST_TRANSPOSE = Config(block_m=32, block_n=64, num_warps=8, max_programs=SMS * 8, hw_saturate=True,
-                              prefetch=True)
-CAST_TRANSPOSE = Config(block_m=64, block_n=128, num_warps=4, hw_saturate=True)  # 3525 GB/s (64x128 with 8 warps: 2177)
-TRANSPOSE = Config(block_m=64, block_n=128, num_warps=4)  # FP8 byte transpose: not measured yet
-NORM = Config(num_warps=8, max_programs=SMS * 4, rows=4, hw_saturate=True)  # LayerNorm fwd + FP8 out 16384x4096: 2508 GB/s (1 row: 1754)
-# LayerNorm + FP8 out on rows longer than 4096 (16384x8192, probe-norm-fwd-2026-11-30-session9.log):
-# 2852 GB/s, against 2115 with NORM (RMSNorm keeps NORM there: 3484 against 3385)
-NORM_LAYERNORM_LONG_ROWS = Config(num_warps=4, max_programs=SMS * 8, rows=2, hoist_params=False, amax_chunk=8,
-                                  hw_saturate=True)
-# bf16/fp16 output: one row per step (16384x8192: 3209 GB/s against 2725 with 2 rows)
-NORM_HIGH_PRECISION = Config(num_warps=8, max_programs=SMS * 4)
-# norm backward (probe-norm-bwd-2026-11-30-session10.log, the kernel that loads the next row
-# early): 16384x4096 LayerNorm 3390 / RMSNorm 3547 GB/s (16 warps x2/SM: 2408 / 3395), 16384x8192
-# LayerNorm 3013. RMSNorm on rows longer than 4096: 3909 at 16384x8192 (NORM_BWD: 3524).
-# fused.py raises the warps on longer rows: at 64 elements per thread the kernel spilled (253 GB/s).
-NORM_BWD = Config(num_warps=8, max_programs=SMS * 2)
-RMSNORM_BWD_LONG_ROWS = Config(num_warps=32, max_programs=SMS)
-# Kernels whose rows / tiles arrive through TMA descriptors, software-pipelined tma_stages deep
-# (compute capability 9.0 and up; fused.py picks them there for tensors of TMA_MIN_NUMEL
-# elements or more).
-# Building and encoding the descriptors costs host time on every call: on a slow host of the
-# H200 machine a 16384x8192 LayerNorm forward took 39 us more host per call than the pointer
-# kernel (132 / 186 against 93 / 147 us in two processes), for about 100 us of GPU time
-# (benchmarks/descriptor_host_cost.py, descriptor-host-cost-2026-11-30-session12.txt). The GPU
-# time saved is 13 us at 16384x4096 and 30 us at 16384x8192 (LayerNorm forward, below): a gain
-# where the GPU is the bottleneck (the layer), a loss where the host is. The threshold keeps
-# the descriptors to tensors of the layer's size (2^26 elements, 16384x4096) and up; smaller
-# ones, in steps more likely host-bound, keep the pointer kernels.
+# Descriptor (TMA) kernels only for tensors of at least this many elements (2^26, the layer's
+# 16384x4096). Building and encoding the descriptors costs host time on every call, which
+# the GPU time they save repays only on large tensors: smaller ones, in steps that are more
+# likely host-bound, keep the pointer kernels.
 TMA_MIN_NUMEL = 1 << 26
-# GB/s from benchmarks/probe_tma.py at 16384 rows, against the pointer kernels' configs above in
-# the same run (probe-tma-2026-11-30-session12-b.log):
-NORM_TMA = {  # (RMSNorm, rows longer than 4096) -> norm forward with FP8 out; *: from a wider LayerNorm sweep
-    # (probe_tma.py layernorm_fwd_wide, probe-tma-2026-11-30-session12-c.log)
-    (False, False): Config(num_warps=4, max_programs=SMS * 4, rows=1, hw_saturate=True, tma_stages=3),  # 3356 / 2773 *
-    (True, False): Config(num_warps=16, max_programs=SMS * 2, rows=2, hw_saturate=True, tma_stages=3),  # 3342 / 2363
-    (False, True): Config(num_warps=4, max_programs=SMS * 2, rows=1, hw_saturate=True, tma_stages=4),  # 3698 / 2907 *
-    (True, True): Config(num_warps=16, max_programs=SMS, rows=2, hw_saturate=True, tma_stages=4),  # 3744 / 3559
-}
-# norm backward: LayerNorm / RMSNorm 3549 / 3566 at 4096 wide (pointer: 3100 / 3466); on longer
-# rows one program per SM, 3801 / 3934 at 8192 wide (probe-tma-2026-11-30-session12.log; pointer
-# 2927 / 3848)
-NORM_BWD_TMA = Config(num_warps=8, max_programs=SMS * 2, tma_stages=3)
-NORM_BWD_TMA_LONG_ROWS = Config(num_warps=8, max_programs=SMS, tma_stages=3)
-# dbias + cast-transpose: 3061 at 16384x4096 and 3355 at 16384x12288 (pointer: 1526 / 2947);
-# after the gelu backward, 3428 at 16384x16384 (pointer: 3185)
-DBIAS_CAST_TRANSPOSE_TMA = Config(block_m=64, block_n=64, num_warps=4, max_programs=SMS * 4, hw_saturate=True,
-                                  tma_stages=3)
-ACT_BWD_DBIAS_CAST_TRANSPOSE_TMA = Config(block_m=64, block_n=64, num_warps=4, max_programs=SMS * 8,
-                                          hw_saturate=True, tma_stages=4)
-ELEMENTWISE = Config(block_m=8, block_n=256, num_warps=4)  # gelu bwd: 4179 GB/s
-# gelu fwd + FP8 out at 16384x16384: 2434 GB/s (this config's previous one, ELEMENTWISE: 2225)
-ACTIVATION_FWD = Config(block_m=8, block_n=512, num_warps=8, max_programs=SMS * 8, hw_saturate=True)
-# swiglu fwd + FP8 out, 16384x(2x8192) (probe-gated-2026-11-30-session9.log): 3866 GB/s, against
-# 3294 with ACTIVATION_FWD's tiles
-ACTIVATION_FWD_GATED = Config(block_m=8, block_n=256, num_warps=4, max_programs=SMS * 8, hw_saturate=True)
-SCALING = Config(block_m=8, block_n=128, num_warps=4)
-SOFTMAX = Config(num_warps=4)
-ROPE = Config(num_warps=4)
-# 16384x8192 bf16 (probe-blockwise-2026-11-30.log): 128x128 blocks + transpose 3339 GB/s with 8 warps
-# (4: 1976, 16: 1981). 1x128 blocks + transpose, two scale sets per 128x128 tile taken in 64-row
-# then 64-column slices (probe-blockwise-slices-2026-11-30-session10.log): 2243 GB/s with 4 warps
-# (8: 1809; 32-row slices: 1872; the whole tile at once, before: 1730)
-BLOCKWISE = Config(block_m=64, num_warps=8)
-BLOCKWISE_1D_TRANSPOSE = Config(block_m=64, num_warps=4)
-LOSS = Config(block=4096, num_warps=8)  # not measured yet
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """The te_triton Config of each launch role on one device.
+
+    norm_tma maps (RMSNorm, rows longer than 4096) to the norm forward's descriptor config;
+    the *_tma configs apply on compute capability 9.0 and up, for tensors of TMA_MIN_NUMEL
+    elements or more (ops.launch.tma_or picks them)."""
+
+    quantize: Config
+    cast_transpose: Config
+    transpose: Config
+    blockwise: Config
+    blockwise_1d_transpose: Config
+    norm: Config
+    norm_layernorm_long_rows: Config
+    norm_high_precision: Config
+    norm_bwd: Config
+    rmsnorm_bwd_long_rows: Config
+    norm_tma: Mapping[Tuple[bool, bool], Config]
+    norm_bwd_tma: Config
+    norm_bwd_tma_long_rows: Config
+    elementwise: Config
+    activation_fwd: Config
+    activation_fwd_gated: Config
+    dbias_cast_transpose: Config
+    dbias_cast_transpose_tma: Config
+    act_bwd_dbias_cast_transpose_tma: Config
+    scaling: Config
+    softmax: Config
+    rope: Config
+    loss: Config
+
+
+def _sm90_casts(sms: int) -> dict:
+    return dict(
+        # programs loop over 8192-element blocks, at most 4 per SM (a cap keeps the amax atomics
+        # few; one block per program is slower)
+        quantize=Config(block=8192, num_warps=8, max_programs=sms * 4, hw_saturate=True),
+        # 64x128 tiles with 4 warps (8 warps on this tile are slower)
+        cast_transpose=Config(block_m=64, block_n=128, num_warps=4, hw_saturate=True),
+        transpose=Config(block_m=64, block_n=128, num_warps=4),  # the cast-transpose's tiles, untuned
+        # 128x128 blocks: 8 warps (4 or 16 are slower). 1x128 blocks + transpose: each 128x128
+        # tile taken in 64-row then 64-column slices with 4 warps (8 warps, 32-row slices or the
+        # whole tile at once are slower)
+        blockwise=Config(block_m=64, num_warps=8),
+        blockwise_1d_transpose=Config(block_m=64, num_warps=4),
+    )
+
+
+def _sm90_norms(sms: int) -> dict:
+    return dict(
+        # FP8 out: 4 rows per step keep more loads in flight on short rows than one
+        norm=Config(num_warps=8, max_programs=sms * 4, rows=4, hw_saturate=True),
+        # LayerNorm with FP8 out on rows longer than 4096: 2 rows per step and gamma/beta
+        # reloaded each step (cache hits) leave registers for the row; the amax is kept per
+        # 8-element chunk. RMSNorm keeps `norm`, which is faster for it there.
+        norm_layernorm_long_rows=Config(num_warps=4, max_programs=sms * 8, rows=2, hoist_params=False,
+                                        amax_chunk=8, hw_saturate=True),
+        # bf16/fp16 out: one row per step (2 rows are slower)
+        norm_high_precision=Config(num_warps=8, max_programs=sms * 4),
+        # backward: each program loads the next row while reducing the current one. ops.norm
+        # raises the warps on long rows so that a thread holds at most 32 elements of a row:
+        # beyond that the kernel spills registers
+        norm_bwd=Config(num_warps=8, max_programs=sms * 2),
+        rmsnorm_bwd_long_rows=Config(num_warps=32, max_programs=sms),
+        # descriptor kernels, software-pipelined tma_stages deep; keyed (RMSNorm, long rows)
+        norm_tma={
+            (False, False): Config(num_warps=4, max_programs=sms * 4, rows=1, hw_saturate=True, tma_stages=3),
+            (True, False): Config(num_warps=16, max_programs=sms * 2, rows=2, hw_saturate=True, tma_stages=3),
+            (False, True): Config(num_warps=4, max_programs=sms * 2, rows=1, hw_saturate=True, tma_stages=4),
+            (True, True): Config(num_warps=16, max_programs=sms, rows=2, hw_saturate=True, tma_stages=4),
+        },
+        norm_bwd_tma=Config(num_warps=8, max_programs=sms * 2, tma_stages=3),
+        # rows longer than 4096: one program per SM
+        norm_bwd_tma_long_rows=Config(num_warps=8, max_programs=sms, tma_stages=3),
+    )
+
+
+def _sm90_elementwise(sms: int) -> dict:
+    return dict(
+        elementwise=Config(block_m=8, block_n=256, num_warps=4),
+        # FP8 out: wider tiles and looping programs (at most 8 per SM) keep the amax atomics few
+        activation_fwd=Config(block_m=8, block_n=512, num_warps=8, max_programs=sms * 8, hw_saturate=True),
+        # gated: 256-wide tiles with 4 warps, faster there than activation_fwd's
+        activation_fwd_gated=Config(block_m=8, block_n=256, num_warps=4, max_programs=sms * 8, hw_saturate=True),
+        # a column strip per program, every `groups`-th row tile of it, the next tile loaded
+        # before the current one is worked on
+        dbias_cast_transpose=Config(block_m=32, block_n=64, num_warps=8, max_programs=sms * 8, hw_saturate=True,
+                                    prefetch=True),
+        dbias_cast_transpose_tma=Config(block_m=64, block_n=64, num_warps=4, max_programs=sms * 4, hw_saturate=True,
+                                        tma_stages=3),
+        act_bwd_dbias_cast_transpose_tma=Config(block_m=64, block_n=64, num_warps=4, max_programs=sms * 8,
+                                                hw_saturate=True, tma_stages=4),
+        scaling=Config(block_m=8, block_n=128, num_warps=4),
+        softmax=Config(num_warps=4),
+        rope=Config(num_warps=4),
+        loss=Config(block=4096, num_warps=8),  # untuned
+    )
+
+
+def sm90(sms: int) -> Tuning:
+    """Hopper (H100, H200): the tuned table."""
+    return Tuning(**_sm90_casts(sms), **_sm90_norms(sms), **_sm90_elementwise(sms))
+
+
+TUNED: Dict[Tuple[int, int], Callable[[int], Tuning]] = {(9, 0): sm90}
+DEFAULT: Callable[[int], Tuning] = sm90
+
+
+def tuning(capability: Tuple[int, int], sms: int) -> Tuning:
+    """The Tuning of a GPU of this compute capability with `sms` SMs."""
+    if sms < 1:
+        raise ValueError(f"a GPU has at least one SM, got sms={sms}")
+    return TUNED.get(tuple(capability), DEFAULT)(sms)
+
+
+@functools.lru_cache(maxsize=None)
+def for_device(index: int) -> Tuning:
+    """The Tuning of CUDA device `index`, read from its properties once."""
+    props = torch.cuda.get_device_properties(index)
+    return tuning((props.major, props.minor), props.multi_processor_count)
+
+
+def for_tensor(x: torch.Tensor) -> Tuning:
+    """The Tuning of the CUDA device x is on."""
+    return for_device(x.get_device())

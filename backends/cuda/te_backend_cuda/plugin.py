@@ -1,7 +1,8 @@
 """The te-core backend plugin for NVIDIA GPUs (entry point `cuda` in `te_core.backends`).
 
 Imports only torch at module level; te_triton (and so Triton) loads when the ops are asked
-for, which happens only once the backend is available.
+for, which happens only once the backend is available. Every native op is registered in one
+table, te_backend_cuda.ops.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Optional
 
 import torch
 from te_core.backend.hookspecs import hookimpl
-from te_core.backend.types import BackendInfo, OpImpl
+from te_core.backend.types import BackendInfo
 
 NAME = "cuda"
 
@@ -65,14 +66,9 @@ def te_backend_capabilities(device):
 
 @hookimpl
 def te_backend_ops():
-    from . import attention, fused, optimizer, scaled_mm
+    from .ops import native_ops
 
-    impls = fused.ops()
-    impls["gemm_fp8"] = OpImpl(scaled_mm.gemm_fp8, scaled_mm.supports_gemm_fp8)
-    impls["gemm"] = OpImpl(scaled_mm.gemm, scaled_mm.supports_gemm)
-    impls["attention"] = OpImpl(attention.attention, attention.supports_attention)
-    impls["multi_tensor_adam"] = OpImpl(optimizer.multi_tensor_adam, optimizer.supports_multi_tensor_adam)
-    return impls
+    return native_ops()
 
 
 @hookimpl

@@ -16,8 +16,9 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _aligned_scalar(scale):
-    """A 0-dim float32 scale at a 16-byte aligned address: a scale sliced out of a module's
-    scale vector at an offset made cuBLASLt answer CUBLAS_STATUS_NOT_SUPPORTED on the H200."""
+    """A 0-dim float32 scale at a 16-byte aligned address: cuBLASLt can answer
+    CUBLAS_STATUS_NOT_SUPPORTED for a scale sliced out of a module's scale vector at an
+    unaligned offset."""
     scale = scale.reshape(()).float()
     return scale.clone() if scale.data_ptr() % 16 else scale
 
@@ -45,10 +46,9 @@ def _add_bias(result, bias):
 
 def _epilogue_bias(bias, out_dtype, scaling) -> bool:
     """cuBLASLt adds a bias of the output's dtype (bf16/fp16) in the GEMM's epilogue, in float32
-    before the output is rounded: on the H200 that was 0.18-0.86 ms faster per GEMM than a separate
-    add at the layer's shapes (benchmarks/results/probe-bias-2026-11-30.log). It once answered
-    CUBLAS_STATUS_NOT_SUPPORTED here, most likely because of the misaligned scale _aligned_scalar now
-    prevents (the same shape ran in the probe). Tensor-wise scaling only: the probe measured no other mode."""
+    before the output is rounded: that saves a separate add, which reads and writes the whole
+    output once more. Tensor-wise scaling only: the epilogue bias has been checked and timed
+    only with tensor-wise scales."""
     return (bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
             and scaling == TENSORWISE)
 
@@ -57,8 +57,8 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, b
              accumulate=False, fast_accumulation=False):
     """te_core.ops.gemm_fp8 on cuBLASLt. fast_accumulation applies to tensor-wise and row-wise
     scales (block scales always accumulate in float32 here, as Transformer Engine's block
-    recipe does): on the H200 the FP8 layer step, forward GEMMs fast, ran 20.69-20.77 ms
-    against 21.29-21.34 (benchmarks/results/ab-layer-fast-accum-2026-11-30-session11.log)."""
+    recipe does). Fast accumulation shortens the FP8 GEMMs; the recipe decides whether to ask
+    for it (Transformer Engine asks for it in the forward GEMMs)."""
     sa, sb = _scale_args(a, b, a_scale_inv, b_scale_inv, scaling)
     kwargs = dict(out_dtype=out_dtype, use_fast_accum=bool(fast_accumulation) and scaling in (TENSORWISE, ROWWISE))
     if _epilogue_bias(bias, out_dtype, scaling):
@@ -124,7 +124,8 @@ def _expand(scale, rows, cols, mode, is_b):
 
 
 def emulate(a, b, a_scale_inv, b_scale_inv, scaling: str) -> torch.Tensor:
-    """float32 dequant(a) @ dequant(b).T: the math gemm_fp8 must match (used by the probes)."""
+    """float32 dequant(a) @ dequant(b).T: the math gemm_fp8 must match (the capability probes
+    compare against it)."""
     (M, K), N = a.shape, b.shape[0]
     da = a.float() * _expand(a_scale_inv, M, K, scaling, False)
     db = b.float() * _expand(b_scale_inv, N, K, scaling, True)

@@ -1,12 +1,11 @@
 """The delayed-scaling update replayed as a captured CUDA graph, per set of tensors.
 
-The update is one small kernel, yet launching it through Triton's Python launcher costs about
-40 us of host time on the H200 machine, against about 6 us to replay a graph of the same launch
-(benchmarks/host_overhead.py). At the end of each autocast the same histories and scales are
-updated again (te_triton.scaling keeps a plan per set of them, by identity and address, and that
-plan holds the tensors and the device table the kernel reads), so the second update of a set
-captures its launch and later ones replay it. Inside someone else's capture (a graphed step) the
-launch goes into their graph instead.
+The update is one small kernel, yet launching it through Triton's Python launcher costs
+several times the host time of replaying a graph of the same launch. At the end of each
+autocast the same histories and scales are updated again (te_triton.scaling keeps a plan per
+set of them, by identity and address, and that plan holds the tensors and the device table
+the kernel reads), so the second update of a set captures its launch and later ones replay it.
+Inside someone else's capture (a graphed step) the launch goes into their graph instead.
 """
 from __future__ import annotations
 

@@ -93,13 +93,13 @@ def _rand(seed, shape=(256, 512)):
 
 @gpu
 def test_gpu_casts_keep_their_own_amax():
-    from te_backend_cuda import fused
+    from te_backend_cuda import ops
 
     scale = torch.tensor([2.0], device="cuda")
     xs = [_rand(i) for i in range(3)]
-    amaxes = [fused.quantize_fp8(x, scale, torch.float8_e4m3fn)[1] for x in xs]
-    amaxes.append(fused.cast_transpose_fp8(xs[0] * 3, scale, torch.float8_e4m3fn)[2])
-    amaxes.append(fused.quantize_fp8_current(xs[1] * 7, torch.float8_e4m3fn)[4])
+    amaxes = [ops.quantize_fp8(x, scale, torch.float8_e4m3fn)[1] for x in xs]
+    amaxes.append(ops.cast_transpose_fp8(xs[0] * 3, scale, torch.float8_e4m3fn)[2])
+    amaxes.append(ops.quantize_fp8_current(xs[1] * 7, torch.float8_e4m3fn)[4])
     want = [x.abs().max().float() for x in xs] + [(xs[0] * 3).abs().max().float(), (xs[1] * 7).abs().max().float()]
     for got, w in zip(amaxes, want):
         assert got.dim() == 0 and torch.equal(got, w)
@@ -108,30 +108,30 @@ def test_gpu_casts_keep_their_own_amax():
 
 @gpu
 def test_gpu_on_a_side_stream():
-    from te_backend_cuda import fused
+    from te_backend_cuda import ops
 
     x = _rand(5)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        amax = fused.quantize_fp8(x, torch.tensor([1.0], device="cuda"), torch.float8_e4m3fn)[1]
+        amax = ops.quantize_fp8(x, torch.tensor([1.0], device="cuda"), torch.float8_e4m3fn)[1]
     torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(amax, x.abs().max().float())
 
 
 @gpu
 def test_gpu_captured_cast_zeroes_its_amax_on_each_replay():
-    from te_backend_cuda import fused
+    from te_backend_cuda import ops
 
     scale = torch.tensor([1.0], device="cuda")
     x = _rand(7)
-    fused.quantize_fp8(x, scale, torch.float8_e4m3fn)  # compile outside the capture
+    ops.quantize_fp8(x, scale, torch.float8_e4m3fn)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         graph.capture_begin()
-        _, amax = fused.quantize_fp8(x, scale, torch.float8_e4m3fn)
+        _, amax = ops.quantize_fp8(x, scale, torch.float8_e4m3fn)
         graph.capture_end()
     torch.cuda.current_stream().wait_stream(side)
     for factor in (4.0, 0.5):  # a smaller max after a larger one: the slot must start from zero

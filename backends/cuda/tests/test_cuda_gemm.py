@@ -140,8 +140,8 @@ def test_fast_accumulation_reaches_scaled_mm_for_tensor_and_row_scales(monkeypat
 
 
 def test_tensorwise_scales_are_passed_16_byte_aligned():
-    """A module's per-slot scale_inv is a 1-element slice of a vector; cuBLASLt refused one at
-    an unaligned address on the H200, so the backend hands it an aligned copy of the value."""
+    """A module's per-slot scale_inv is a 1-element slice of a vector; cuBLASLt can refuse one
+    at an unaligned address, so the backend hands it an aligned copy of the value."""
     from te_backend_cuda import scaled_mm
 
     g = torch.Generator().manual_seed(3)
@@ -155,12 +155,12 @@ def test_tensorwise_scales_are_passed_16_byte_aligned():
 
 
 def test_casts_decline_an_amax_out_the_kernels_cannot_take():
-    from te_backend_cuda import fused
+    from te_backend_cuda.ops import activation, cast
 
     x, scale = torch.randn(4, 8), torch.tensor([1.0])
-    assert fused._cast_ok(x, scale, torch.float8_e4m3fn, amax_out=torch.zeros(2)) == (
+    assert cast.cast_ok(x, scale, torch.float8_e4m3fn, amax_out=torch.zeros(2)) == (
         False, "amax_out is not a 1-element float32 tensor")
-    assert fused._dbias_ct_ok(x, scale, torch.float8_e4m3fn, amax_out=torch.zeros(1, device="meta")) == (
+    assert activation.dbias_ct_ok(x, scale, torch.float8_e4m3fn, amax_out=torch.zeros(1, device="meta")) == (
         False, "amax_out is not on x's device")
-    ok, why = fused._cast_ok(x, scale, torch.float8_e4m3fn, amax_out=torch.zeros(1))
+    ok, why = cast.cast_ok(x, scale, torch.float8_e4m3fn, amax_out=torch.zeros(1))
     assert not ok and why == "x is not on a CUDA device"  # the amax_out itself was acceptable

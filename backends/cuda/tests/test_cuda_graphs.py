@@ -67,7 +67,7 @@ def _update_setup(seed):
 def test_scaling_update_replays_its_captured_graph_exactly():
     """From the second update of a set of tensors on, the backend replays a captured graph of the
     launch: every step must still match the reference update, histories and scales."""
-    from te_backend_cuda import fused, update_graph
+    from te_backend_cuda import ops, update_graph
 
     ref_update, hist, scales, dev_hist, dev_scales = _update_setup(0)
     fmaxes = [448.0, 57344.0, 448.0]
@@ -78,7 +78,7 @@ def test_scaling_update_replays_its_captured_graph_exactly():
             h[0] = row
             d[0] = row.cuda()
         ref_update(hist, scales, fmaxes, margin=1.0)
-        fused.delayed_scaling_update(dev_hist, dev_scales, fmaxes, margin=1.0)
+        ops.delayed_scaling_update(dev_hist, dev_scales, fmaxes, margin=1.0)
         for want, got in zip(hist + scales, dev_hist + dev_scales):
             assert torch.equal(got.cpu(), want), f"step {step}"
     graphs = [entry[0] for entry in update_graph._GRAPHS.values()]
@@ -86,15 +86,15 @@ def test_scaling_update_replays_its_captured_graph_exactly():
 
 
 def test_scaling_update_inside_a_user_capture_launches_into_it():
-    from te_backend_cuda import fused, update_graph
+    from te_backend_cuda import ops, update_graph
 
     ref_update, hist, scales, dev_hist, dev_scales = _update_setup(2)
     fmaxes = [448.0, 448.0, 448.0]
-    fused.delayed_scaling_update(dev_hist, dev_scales, fmaxes)  # compiles; the next call would capture
+    ops.delayed_scaling_update(dev_hist, dev_scales, fmaxes)  # compiles; the next call would capture
     ref_update(hist, scales, fmaxes)
     user_graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(user_graph):
-        fused.delayed_scaling_update(dev_hist, dev_scales, fmaxes)
+        ops.delayed_scaling_update(dev_hist, dev_scales, fmaxes)
     assert all(entry[0] is None for entry in update_graph._GRAPHS.values())
     for _ in range(2):
         user_graph.replay()

@@ -138,56 +138,58 @@ def test_cross_entropy_is_native():
 
 def test_supports_decline_what_the_kernels_do_not_take(monkeypatch):
     """Argument checks that run before the device check, on CPU tensors."""
-    from te_backend_cuda import fused
+    from te_backend_cuda.ops import activation, cast, norm, scaling
 
     x = torch.randn(4, 6)
-    assert "1-element float32" in fused._cast_ok(x, torch.ones(2))[1]
-    assert "1-element float32" in fused._cast_ok(x, torch.ones(1, dtype=torch.float64))[1]
-    assert "go together" in fused._norm_fwd_ok(x, torch.ones(6), torch.ones(6), 1e-5, fp8_dtype=torch.float8_e4m3fn)[1]
-    assert "weight does not match" in fused._rows_ok(x, torch.ones(5))[1]
-    assert "has no kernel" in fused._act_fwd_ok(x, "tanh")[1]
-    assert "even last dimension" in fused._act_fwd_ok(torch.randn(4, 5), "swiglu")[1]
-    assert "output shape" in fused._act_bwd_ok(torch.randn(4, 6), x, "swiglu")[1]
-    assert "do not match" in fused._layernorm_bwd_ok(torch.randn(4, 5), x, None, torch.ones(4), torch.ones(6))[1]
-    assert "is not 2-D" in fused._act_bwd_dbias_ct_ok(torch.randn(2, 2, 2), torch.randn(2, 2, 2), "gelu",
-                                                         torch.ones(1), torch.float8_e4m3fn)[1]
-    assert "callable" in fused._scaling_ok([], [], [], amax_compute_algo=lambda h: h[0])[1]
-    assert "is 0-dim" in fused._dbias_ok(torch.tensor(1.0))[1]
-    assert "not contiguous" in fused._dequantize_ok(torch.zeros(4, 6).to(torch.float8_e4m3fn).t(), torch.ones(1),
-                                                    torch.float32)[1]
+    assert "1-element float32" in cast.cast_ok(x, torch.ones(2))[1]
+    assert "1-element float32" in cast.cast_ok(x, torch.ones(1, dtype=torch.float64))[1]
+    assert "go together" in norm.norm_fwd_ok(x, torch.ones(6), torch.ones(6), 1e-5, fp8_dtype=torch.float8_e4m3fn)[1]
+    assert "weight does not match" in norm._rows_ok(x, torch.ones(5))[1]
+    assert "has no kernel" in activation.act_fwd_ok(x, "tanh")[1]
+    assert "even last dimension" in activation.act_fwd_ok(torch.randn(4, 5), "swiglu")[1]
+    assert "output shape" in activation.act_bwd_ok(torch.randn(4, 6), x, "swiglu")[1]
+    assert "do not match" in norm.layernorm_bwd_ok(torch.randn(4, 5), x, None, torch.ones(4), torch.ones(6))[1]
+    assert "is not 2-D" in activation.act_bwd_dbias_ct_ok(torch.randn(2, 2, 2), torch.randn(2, 2, 2), "gelu",
+                                                           torch.ones(1), torch.float8_e4m3fn)[1]
+    assert "callable" in scaling.scaling_ok([], [], [], amax_compute_algo=lambda h: h[0])[1]
+    assert "is 0-dim" in activation.dbias_ok(torch.tensor(1.0))[1]
+    assert "not contiguous" in cast.dequantize_ok(torch.zeros(4, 6).to(torch.float8_e4m3fn).t(), torch.ones(1),
+                                                  torch.float32)[1]
     data = torch.zeros(4, 256).to(torch.float8_e4m3fn)
-    assert "is not (4, 2)" in fused._dequantize_blockwise_ok(data, torch.ones(1, 2), False, torch.float32)[1]
-    assert "is not FP8" in fused._dequantize_ok(torch.zeros(4), torch.ones(1), torch.float32)[1]
+    assert "is not (4, 2)" in cast.dequantize_blockwise_ok(data, torch.ones(1, 2), False, torch.float32)[1]
+    assert "is not FP8" in cast.dequantize_ok(torch.zeros(4), torch.ones(1), torch.float32)[1]
 
 
 def test_fp8_output_kernels_need_sm89(fake_gpu):
     """They leave saturation to the hardware convert (configs' hw_saturate), which sm_89 brings."""
-    from te_backend_cuda import configs, fused
+    from te_backend_cuda import configs
+    from te_backend_cuda.ops.checks import fp8_convert_ok
 
-    fused._fp8_convert_ok.cache_clear()
+    fp8_convert_ok.cache_clear()
     try:
         fake_gpu["cc"] = (8, 0)
-        ok, why = fused._fp8_convert_ok(0)
+        ok, why = fp8_convert_ok(0)
         assert not ok and "compute capability >= 8.9" in why and "8.0" in why
-        fused._fp8_convert_ok.cache_clear()
+        fp8_convert_ok.cache_clear()
         fake_gpu["cc"] = (9, 0)
-        assert fused._fp8_convert_ok(0) == (True, "")
+        assert fp8_convert_ok(0) == (True, "")
     finally:
-        fused._fp8_convert_ok.cache_clear()
-    assert configs.QUANTIZE.hw_saturate and configs.NORM.hw_saturate and configs.ACTIVATION_FWD.hw_saturate
-    assert not configs.BLOCKWISE.hw_saturate  # block scales keep values in range; its kernel keeps the clamp
+        fp8_convert_ok.cache_clear()
+    tuned = configs.tuning((9, 0), 132)
+    assert tuned.quantize.hw_saturate and tuned.norm.hw_saturate and tuned.activation_fwd.hw_saturate
+    assert not tuned.blockwise.hw_saturate  # block scales keep values in range; its kernel keeps the clamp
 
 
 @pytest.mark.parametrize("shape", [(37, 50), (3, 5, 40)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dbias_is_a_float32_column_sum(shape, dtype):
-    """cuda's dbias is torch's reduction (faster on the H200 than the Triton kernel that was
-    tried): float32 accumulation, dy's dtype out, every leading dimension summed."""
-    from te_backend_cuda import fused
+    """cuda's dbias is torch's column reduction: float32 accumulation, dy's dtype out, every
+    leading dimension summed."""
+    from te_backend_cuda import ops
 
     g = torch.Generator().manual_seed(1)
     dy = (torch.randn(shape, generator=g) * 3).to(dtype)
-    got = fused.dbias(dy)
+    got = ops.dbias(dy)
     want = dy.double().reshape(-1, shape[-1]).sum(0)
     assert got.dtype == dtype and got.shape == (shape[-1],)
     tol = dict(rtol=1.3e-6, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-5)
@@ -196,8 +198,10 @@ def test_dbias_is_a_float32_column_sum(shape, dtype):
 
 @pytest.mark.parametrize("n,rms,warps", [(4096, False, 8), (8192, False, 8), (8192, True, 32), (16384, False, 16),
                                          (65536, False, 32), (100, True, 8)])
-def test_norm_backward_warps_keep_32_elements_per_thread(n, rms, warps):
-    from te_backend_cuda import fused
+def test_norm_backward_warps_keep_32_elements_per_thread(monkeypatch, n, rms, warps):
+    from te_backend_cuda import configs
+    from te_backend_cuda.ops import norm
 
-    cfg = fused._norm_bwd_cfg(torch.empty(2, n), rms=rms)
+    monkeypatch.setattr(configs, "for_tensor", lambda x: configs.tuning((9, 0), 132))
+    cfg = norm._norm_bwd_cfg(torch.empty(2, n), rms=rms)
     assert cfg.num_warps == warps

@@ -13,9 +13,9 @@ FMAX = {E4M3: 448.0, E5M2: 57344.0}
 
 def _ops():
     """The kernels themselves (fn), after checking that supports() takes these inputs."""
-    from te_backend_cuda import fused
+    from te_backend_cuda import ops
 
-    impls = fused.ops()
+    impls = ops.native_ops()
 
     def call(name, *args, **kwargs):
         ok, why = impls[name].supports(*args, **kwargs)

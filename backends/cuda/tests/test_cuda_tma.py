@@ -42,20 +42,21 @@ def _tma_only(monkeypatch, fn):
 
 
 def test_configs_pick_descriptors_for_large_tensors_only():
-    from te_backend_cuda import configs, fused
+    from te_backend_cuda import configs, ops
     big = torch.empty(16384, 4096, device="cuda", dtype=torch.bfloat16)  # 2^26 elements: the threshold
     small = torch.empty(16383, 4096, device="cuda", dtype=torch.bfloat16)
-    assert fused._norm_fwd_cfg(big, E4M3, rms=False) is configs.NORM_TMA[False, False]
-    assert fused._norm_fwd_cfg(small, E4M3, rms=False) is configs.NORM
-    assert fused._norm_fwd_cfg(big, None, rms=False) is configs.NORM_HIGH_PRECISION  # bf16 out: pointer kernel
-    assert fused._norm_bwd_cfg(big, rms=True).tma_stages == configs.NORM_BWD_TMA.tma_stages
-    assert fused._dbias_ct_cfg(small).tma_stages == 0
+    tuned = configs.for_tensor(big)
+    assert ops.norm._norm_fwd_cfg(big, E4M3, rms=False) is tuned.norm_tma[False, False]
+    assert ops.norm._norm_fwd_cfg(small, E4M3, rms=False) is tuned.norm
+    assert ops.norm._norm_fwd_cfg(big, None, rms=False) is tuned.norm_high_precision  # bf16 out: pointer kernel
+    assert ops.norm._norm_bwd_cfg(big, rms=True).tma_stages == tuned.norm_bwd_tma.tma_stages
+    assert ops.activation._dbias_ct_cfg(small).tma_stages == 0
 
 
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("shape", [(4, 512, 4096), (999, 8192)])  # 999 rows: a last step past the end (2 rows a step)
 def test_norm_forward_fp8(monkeypatch, rms, shape):
-    from te_backend_cuda import fused
+    from te_backend_cuda import ops
     ref = implementations()
     torch.manual_seed(0)
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 3 + 1
@@ -63,11 +64,11 @@ def test_norm_forward_fp8(monkeypatch, rms, shape):
     b = torch.randn(shape[-1], device="cuda", dtype=torch.bfloat16)
     s = torch.tensor([16.0], device="cuda")
     if rms:
-        got = _tma_only(monkeypatch, lambda: fused.rmsnorm_fwd(x, w, 1e-5, fp8_scale=s, fp8_dtype=E4M3,
-                                                               zero_centered_gamma=True))
+        got = _tma_only(monkeypatch, lambda: ops.rmsnorm_fwd(x, w, 1e-5, fp8_scale=s, fp8_dtype=E4M3,
+                                                             zero_centered_gamma=True))
         want = ref["rmsnorm_fwd"](x, w, 1e-5, fp8_scale=s, fp8_dtype=E4M3, zero_centered_gamma=True)
     else:
-        got = _tma_only(monkeypatch, lambda: fused.layernorm_fwd(x, w, b, 1e-5, fp8_scale=s, fp8_dtype=E4M3))
+        got = _tma_only(monkeypatch, lambda: ops.layernorm_fwd(x, w, b, 1e-5, fp8_scale=s, fp8_dtype=E4M3))
         want = ref["layernorm_fwd"](x, w, b, 1e-5, fp8_scale=s, fp8_dtype=E4M3)
     torch.testing.assert_close(got[0].float(), want[0].float(), **FP8_TOL)
     for g, w_ in zip(got[1:], want[1:]):  # mean, rstd, amax
@@ -78,7 +79,7 @@ def test_norm_forward_fp8(monkeypatch, rms, shape):
 @pytest.mark.parametrize("with_add", [False, True])
 @pytest.mark.parametrize("n", [4096, 8192])
 def test_norm_backward(monkeypatch, rms, with_add, n):
-    from te_backend_cuda import fused
+    from te_backend_cuda import ops
     ref = implementations()
     torch.manual_seed(1)
     x = torch.randn(2048, n, device="cuda", dtype=torch.bfloat16) * 3 + 1
@@ -90,7 +91,7 @@ def test_norm_backward(monkeypatch, rms, with_add, n):
     stats = stats[1:2] if rms else stats[1:3]  # (rstd,) or (mean, rstd)
     args = (dy, x, *stats, w, *((add,) if with_add else ()))
     op = f"{name}_bwd_add" if with_add else f"{name}_bwd"
-    got, want = _tma_only(monkeypatch, lambda: getattr(fused, op)(*args)), ref[op](*args)
+    got, want = _tma_only(monkeypatch, lambda: getattr(ops, op)(*args)), ref[op](*args)
     torch.testing.assert_close(got[0], want[0], **BF16_TOL)
     for g, w_ in zip(got[1:], want[1:]):  # parameter gradients: sums of 2048 rows
         torch.testing.assert_close(g.float(), w_.float(), rtol=1.6e-2, atol=1e-1)
@@ -106,12 +107,12 @@ def _same_cast(got, want):
 def test_dbias_cast_transpose(monkeypatch):
     from te_triton import dbias
 
-    from te_backend_cuda import configs, fused
+    from te_backend_cuda import configs, ops
     torch.manual_seed(2)
     g = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     s = torch.tensor([64.0], device="cuda")
-    got = _tma_only(monkeypatch, lambda: fused.dbias_cast_transpose(g, s, E5M2))
-    _same_cast(got, dbias.dbias_cast_transpose(g, s, E5M2, configs.DBIAS_CAST_TRANSPOSE))
+    got = _tma_only(monkeypatch, lambda: ops.dbias_cast_transpose(g, s, E5M2))
+    _same_cast(got, dbias.dbias_cast_transpose(g, s, E5M2, configs.for_tensor(g).dbias_cast_transpose))
 
 
 @pytest.mark.parametrize("first_contiguous", [True, False])
@@ -120,28 +121,29 @@ def test_dbias_cast_transpose_parts(monkeypatch, first_contiguous):
     concatenated by the launcher (the backend takes the call, it does not go to the reference)."""
     from te_triton import dbias
 
-    from te_backend_cuda import configs, fused
+    from te_backend_cuda import configs, ops
     torch.manual_seed(3)
     parts = [torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     if not first_contiguous:
         parts[0] = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16).t()
     s = torch.tensor([64.0], device="cuda")
-    assert fused._dbias_ct_parts_ok(parts, s, E5M2) == (True, "")
-    got = _tma_only(monkeypatch, lambda: fused.dbias_cast_transpose_parts(parts, s, E5M2))
+    assert ops.activation.dbias_ct_parts_ok(parts, s, E5M2) == (True, "")
+    got = _tma_only(monkeypatch, lambda: ops.dbias_cast_transpose_parts(parts, s, E5M2))
     whole = torch.cat([p.contiguous() for p in parts], dim=1)
-    _same_cast(got, dbias.dbias_cast_transpose(whole, s, E5M2, configs.DBIAS_CAST_TRANSPOSE))
+    _same_cast(got, dbias.dbias_cast_transpose(whole, s, E5M2, configs.for_tensor(whole).dbias_cast_transpose))
 
 
 def test_activation_bwd_dbias_cast_transpose(monkeypatch):
     from te_triton import dbias
 
-    from te_backend_cuda import configs, fused
+    from te_backend_cuda import configs, ops
     torch.manual_seed(4)
     dy = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
     x = torch.randn_like(dy)
     s = torch.tensor([64.0], device="cuda")
-    got = _tma_only(monkeypatch, lambda: fused.activation_bwd_dbias_cast_transpose(dy, x, "gelu", s, E5M2))
-    _same_cast(got, dbias.activation_bwd_dbias_cast_transpose(dy, x, "gelu", s, E5M2, configs.DBIAS_CAST_TRANSPOSE))
+    got = _tma_only(monkeypatch, lambda: ops.activation_bwd_dbias_cast_transpose(dy, x, "gelu", s, E5M2))
+    _same_cast(got, dbias.activation_bwd_dbias_cast_transpose(dy, x, "gelu", s, E5M2,
+                                                          configs.for_tensor(x).dbias_cast_transpose))
 
 
 def _captured(fn, monkeypatch):
@@ -160,24 +162,24 @@ def _captured(fn, monkeypatch):
 def test_descriptor_kernels_replay_in_cuda_graphs(monkeypatch):
     """The descriptors travel as kernel parameters, so a captured launch replays on whatever the
     captured tensors hold then: the replay equals an eager call on the new values, byte for byte."""
-    from te_backend_cuda import fused
+    from te_backend_cuda import ops
     torch.manual_seed(5)
     x = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     parts = [torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     s = torch.tensor([8.0], device="cuda")
-    norm_graph, norm_out = _captured(lambda: fused.layernorm_fwd(x, w, b, 1e-5, fp8_scale=s, fp8_dtype=E4M3),
+    norm_graph, norm_out = _captured(lambda: ops.layernorm_fwd(x, w, b, 1e-5, fp8_scale=s, fp8_dtype=E4M3),
                                      monkeypatch)
-    dbias_graph, dbias_out = _captured(lambda: fused.dbias_cast_transpose_parts(parts, s, E5M2), monkeypatch)
+    dbias_graph, dbias_out = _captured(lambda: ops.dbias_cast_transpose_parts(parts, s, E5M2), monkeypatch)
     x.copy_(torch.randn_like(x) * 2 - 1)
     for p in parts:
         p.copy_(torch.randn_like(p) * 3)
     norm_graph.replay()
     dbias_graph.replay()
     torch.cuda.synchronize()
-    want = fused.layernorm_fwd(x, w, b, 1e-5, fp8_scale=s, fp8_dtype=E4M3)
+    want = ops.layernorm_fwd(x, w, b, 1e-5, fp8_scale=s, fp8_dtype=E4M3)
     assert torch.equal(norm_out[0].view(torch.uint8), want[0].view(torch.uint8))
     for got, ref in zip(norm_out[1:], want[1:]):  # mean, rstd, amax
         assert torch.equal(got, ref)
-    _same_cast(dbias_out, fused.dbias_cast_transpose_parts(parts, s, E5M2))
+    _same_cast(dbias_out, ops.dbias_cast_transpose_parts(parts, s, E5M2))

@@ -4,9 +4,10 @@ They are declared only when a Moore Threads Triton backend is importable — Moo
 own triton 3.2 (`triton.backends.mtgpu`) or FlagTree >= 3.6 (`triton.backends.mthreads`) —
 and te_triton is installed. Upstream triton cannot target MUSA.
 
-Tuning (MUSA.md; unverified on hardware): a warp is 32 threads on arch 3.1 and 128 on
-arch <= 2.2, so num_warps is scaled to keep ~256 threads per program; arch 2.2 has 72 KiB
-of shared memory per block (192 KiB on 3.1), so its 2-D tiles are halved.
+Tuning (from the architectures' documented warp size and shared memory; not yet checked on
+hardware): a warp is 32 threads on arch 3.1 and 128 on arch <= 2.2, so num_warps is scaled
+to keep ~256 threads per program; arch 2.2 has 72 KiB of shared memory per block (192 KiB
+on 3.1), so its 2-D tiles are halved.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""A fake torch_musa for CPU-only machines: just enough of torch.musa's API (MUSA.md) to drive
-availability, capabilities and supports() decisions. Nothing here runs a MUSA kernel."""
+"""A fake torch_musa for CPU-only machines: just enough of torch.musa's API (the calls this
+backend makes) to drive availability, capabilities and supports() decisions. Nothing here
+runs a MUSA kernel."""
 from __future__ import annotations
 
 import os

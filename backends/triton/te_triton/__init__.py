@@ -1,10 +1,17 @@
 """Triton kernels shared by te-core backends (any vendor whose Triton compiles them).
 
-One module per op family. Every launcher takes its tuning parameters (block sizes, warps,
-program caps) from the caller as a `Config`, so each backend picks configs for its hardware.
-Launchers take and return torch tensors on the kernel's device and follow the te_core op
-contract (te_core/ops) for the op of the same name.
-"""
-from ._common import Config
+One module per op family (cast, blockwise, norm, activation, dbias, softmax, rope, loss,
+scaling). Every launcher takes its tuning parameters (block sizes, warps, program caps) from
+the caller as a `Config`, so each backend picks configs for its hardware. Launchers take and
+return torch tensors on the kernel's device and follow the te_core op contract (te_core/ops)
+for the op of the same name.
 
-__all__ = ["Config"]
+The names below are what a backend needs besides the family modules: `Config`; `MAX_NUMEL`,
+the most elements a kernel indexes (int32 offsets); `amax_out_ok(amax_out, x)`, whether the
+kernels can max an amax straight into a caller's slot; `fp8_max(dtype)`; `tma_ready(*tensors)`,
+whether tensors can go through TMA descriptors. Modules and names with a leading underscore
+are internal and may change.
+"""
+from ._common import MAX_NUMEL, Config, amax_out_ok, fp8_max, tma_ready
+
+__all__ = ["Config", "MAX_NUMEL", "amax_out_ok", "fp8_max", "tma_ready"]

@@ -104,9 +104,9 @@ def backward_step(x, dy, g, row, mean_ptr, rstd_ptr, add_ptr, dx_ptr, cols, cmas
                   ADD: tl.constexpr, AXIS: tl.constexpr):
     """One row of the norm backward, x and dy loaded (float32): stores dx (+ the row of `add`
     when ADD) and returns the running dgamma, dbeta partials. RMSNorm loads the added row before
-    its reduction, which hides the load; LayerNorm after its two-sum reduction, across which the
-    row cost 36 registers (239 against 203 at 4096 wide, 8 warps) and the pointer kernel ran at
-    2342 against 3684 GB/s (benchmarks/probe_norm_bwd_add.py; RMSNorm: 4062 before, 3366 after)."""
+    its reduction, which hides the load; LayerNorm loads it after its two-sum reduction, because
+    holding the row across that reduction costs the pointer kernel so many registers that it
+    runs slower than with the load exposed."""
     if ADD and RMS:
         extra = tl.load(add_ptr + row * N + cols, mask=cmask, other=0.0).to(tl.float32)
     rstd = tl.load(rstd_ptr + row)

@@ -63,9 +63,9 @@ def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, MB, KB, fmax, e
     rows = pm * BM + tl.arange(0, BM)
     cols = pk * 128 + tl.arange(0, 128)
     if not BLOCK_2D and TRANSPOSE:
-        # 1x128 runs both ways from a 128x128 tile, SUB rows then SUB columns at a time: the whole
-        # tile held at once (with its float32 copy) spilled. Each element is read twice; the
-        # second read comes from cache.
+        # 1x128 runs both ways from a 128x128 tile, SUB rows then SUB columns at a time: holding
+        # the whole tile at once (with its float32 copy) spills registers. Each element is read
+        # twice; the second read comes from cache.
         for h in tl.static_range(BM // SUB):
             r = pm * BM + h * SUB + tl.arange(0, SUB)
             m = (r[:, None] < M) & (cols[None, :] < K)

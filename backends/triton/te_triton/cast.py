@@ -48,9 +48,9 @@ def _quantize_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, n, fmax, BLOCK: tl.const
 
 def transpose_clamps(cfg: Config, x: torch.Tensor) -> bool:
     """Whether a cast-transpose kernel clamps before its FP8 convert. Only bf16 input leaves it
-    to the hardware: on the H200 (triton 3.6) the column-wise copy of a float32 tile, left to the
-    convert, held NaN where values beyond the FP8 max should have saturated; bf16 input saturated
-    correctly, and fp16 input was not tested there, so it keeps the clamp."""
+    to the hardware: for a float32 tile, Triton's code for the column-wise copy can give NaN
+    where values beyond the FP8 max should saturate; bf16 input saturates correctly, and fp16
+    input keeps the clamp until a GPU test checks it."""
     return not cfg.hw_saturate or x.dtype != torch.bfloat16
 
 

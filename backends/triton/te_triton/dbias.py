@@ -7,9 +7,8 @@ the amax build up element-wise in registers: one reduction and one atomic per pr
 (groups, N) partial-sum buffer, instead of a reduction per tile. Two kernels walk it: one with
 pointer loads (optionally loading the next tile before working on the current one), and, when
 the config asks (Config.tma_stages) and the tensors allow (tma_ready), one whose tiles go
-through TMA descriptors in a loop Triton software-pipelines (NVIDIA sm_90 and later). On the
-H200 the descriptor kernel took 16384x4096 from 1526-2621 to 3061 GB/s and 16384x12288 from
-2947 to 3385 (benchmarks/probe_tma.py, probe-tma-2026-11-30-session12-b.log).
+through TMA descriptors in a loop Triton software-pipelines (NVIDIA sm_90 and later), which
+keeps more tiles in flight than the pointer kernel can hold in registers.
 """
 from __future__ import annotations
 

@@ -4,9 +4,8 @@ Triton software-pipelines descriptor loads but not plain ones: in a `tl.range(..
 row loop a descriptor load becomes a bulk asynchronous copy into shared memory, issued s - 1
 steps ahead, while a pointer load stays a synchronous ld.global (checked in the PTX for
 sm_90). The rows in flight then wait in shared memory instead of registers, which is what
-held back the pointer kernels of norm.py and their register-held prefetch. On the H200 at
-16384x8192 (benchmarks/probe_tma.py): LayerNorm forward with FP8 out 2907 -> 3698 GB/s
-(probe-tma-2026-11-30-session12-c.log), its backward 2950 -> 3955 at best (…-b.log).
+limits the pointer kernels of norm.py and their register-held prefetch, so long rows keep
+more bytes in flight.
 
 norm.py's launchers call these when the config asks (Config.tma_stages) and tma_ready() holds
 for the tensors; the math is theirs, step for step. A box reaching past the last row or column

@@ -1,7 +1,7 @@
 """Run the Triton kernels on the CPU through Triton's interpreter (set before triton loads).
 
-te_triton's kernels loop with `range(tl.program_id(0), n, tl.num_programs(0))`. The interpreter
-of triton 3.6 (the GPU machine's) cannot run that loop: it fails to turn program_id into a
+te_triton's kernels loop with `range(tl.program_id(0), n, tl.num_programs(0))`. Some triton
+versions' interpreters (3.6's) cannot run that loop: they fail to turn program_id into a
 Python int. Where the installed interpreter cannot, these tests are skipped with that reason;
 the kernels are then tested on the GPU (backends/cuda/tests, the conformance kit).
 """

@@ -203,7 +203,7 @@ def test_dequantize_fp8_names_bad_input():
 
 
 def test_only_bf16_cast_transposes_leave_saturation_to_the_hardware():
-    """Config.hw_saturate drops the clamp for bf16 input only (float32 failed on the H200; fp16 untested there)."""
+    """Config.hw_saturate drops the clamp for bf16 input only (transpose_clamps says why)."""
     from te_triton import Config
     from te_triton.cast import transpose_clamps
 
