@@ -1,27 +1,74 @@
-"""Wall-clock timing for host-bound work (tiny layers, launch-bound steps), shared by the scripts."""
+"""Timing shared by the benchmarks: median GPU time (triton's do_bench), wall time for host-bound
+work (tiny layers, launch-bound steps), peak memory of a step, and a Python profile.
+
+Every function takes the device the work runs on; on a CPU (the sweep's --smoke mode) the
+GPU-only measurements fall back to plain wall-clock loops and peak memory is not measured.
+"""
 from __future__ import annotations
 
+import statistics
 import time
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
 
-def host_and_total_ms(step, n: int = 30, warmup: int = 5) -> Tuple[float, float]:
-    """(host ms to enqueue one step, wall ms per step after the GPU finished): equal when the
+def synchronize(device: str = "cuda") -> None:
+    """Wait for the device's queued work (nothing to wait for on a CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_ms(fn, device: str = "cuda", warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median milliseconds per call of `fn`: triton.testing.do_bench on a GPU (it flushes L2 and
+    times each call with CUDA events); on a CPU, a timed loop of about `rep_ms`."""
+    if torch.device(device).type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    fn()
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1e3
+    while not times or (time.perf_counter() < deadline and len(times) < 1000):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def host_and_total_ms(step, n: int = 30, warmup: int = 5, device: str = "cuda") -> Tuple[float, float]:
+    """(host ms to enqueue one step, wall ms per step after the device finished): equal when the
     step is host-bound."""
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
+    synchronize(device)
     t0 = time.perf_counter()
     for _ in range(n):
         step()
     host = (time.perf_counter() - t0) / n
-    torch.cuda.synchronize()
+    synchronize(device)
     return host * 1e3, (time.perf_counter() - t0) / n * 1e3
 
 
-def python_profile(fn, n: int, rows: int) -> None:
+def wall_us(fn, n: int = 300, warmup: int = 20, device: str = "cuda") -> float:
+    """Microseconds per call of `fn`, device work included."""
+    return host_and_total_ms(fn, n, warmup, device)[1] * 1e3
+
+
+def peak_mib(fn, device: str = "cuda") -> Optional[float]:
+    """MiB allocated at the peak of one call of `fn`, above what was allocated before it;
+    None on a device whose allocator keeps no statistics (CPU)."""
+    if torch.device(device).type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def python_profile(fn, n: int, rows: int, device: str = "cuda") -> None:
     """Print the top `rows` Python functions by own time over `n` calls of `fn` (cProfile)."""
     import cProfile
     import pstats
@@ -30,11 +77,6 @@ def python_profile(fn, n: int, rows: int) -> None:
     profiler.enable()
     for _ in range(n):
         fn()
-    torch.cuda.synchronize()
+    synchronize(device)
     profiler.disable()
     pstats.Stats(profiler).sort_stats("tottime").print_stats(rows)
-
-
-def wall_us(fn, n: int = 300, warmup: int = 20) -> float:
-    """Microseconds per call of `fn`, GPU work included."""
-    return host_and_total_ms(fn, n, warmup)[1] * 1e3

@@ -1,21 +1,27 @@
-"""Module-level GPU benchmark: te.Linear and te.TransformerLayer in FP8 against bf16 torch and
-torchao's Float8Linear, measured side by side in one process (PERFORMANCE.md's method).
+"""Module benchmark on a GPU: te.Linear and te.TransformerLayer in FP8 against bf16 torch and
+torchao's Float8Linear, side by side in one process, fwd+bwd timed with triton's do_bench.
 
-Run on the GPU machine:  python benchmarks/bench_modules.py [--quick]
-Writes benchmarks/results/modules-<date>.json (and $OUT/modules.json when $OUT is set) and
-prints a table last. torchao is optional (its rows are skipped when it is not importable).
+Rows: te.Linear over bf16 nn.Linear at three GEMM shapes (delayed, current and block scaling
+eager, delayed captured with te.make_graphed_callables, torchao tensorwise + torch.compile);
+the TransformerLayer h4096 ffn16384 32 heads s2048 b8 (time and peak memory: plain-torch bf16,
+torchao, te bf16, te FP8); the tiny FP8 forward (te.Linear(64, 64), 16 tokens, wall time).
+torchao is optional: without it its rows record why.
+
+    python benchmarks/bench_modules.py [--quick] [--skip-layer] [--layer-only] [--skip-torchao] [--results DIR]
+
+Writes RESULTS/<gpu>/modules.json (see _results.py) and prints a summary last;
+`python benchmarks/report.py` turns it into the targets table of docs/performance.md.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _timing import wall_us
+from _results import add_results_argument, meta, write_json
+from _timing import median_ms, peak_mib, wall_us
 
 import te_core as te
 from te_core import recipe as te_recipe
@@ -23,23 +29,12 @@ from te_core import recipe as te_recipe
 DEV = "cuda"
 LINEAR_SHAPES = [(16384, 8192, 8192), (16384, 8192, 28672), (8192, 4096, 4096)]
 SKIP_TORCHAO = False
-LAYER = dict(h=4096, ffn=16384, heads=32, s=2048, b=8)  # PERFORMANCE.md's layer
+LAYER = dict(h=4096, ffn=16384, heads=32, s=2048, b=8)
 LAYER_REPS = (100, 400)  # do_bench warm-up / measuring time in ms: ~15 measured steps of the layer
 
 
 def bench(fn, warmup=25, rep=200):
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-
-
-def peak_mib(fn):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+    return median_ms(fn, DEV, warmup, rep)
 
 
 def fwd_bwd(module, x, dy, ctx=None):
@@ -55,16 +50,23 @@ def fwd_bwd(module, x, dy, ctx=None):
     return step
 
 
-def torchao_linear(lin, recipe_name, compile_it=True):
+def torchao_float8(module, recipe_name="tensorwise"):
+    """`module` with its nn.Linear layers swapped for torchao's Float8Linear (in place). torchao
+    is an optional peer: raises RuntimeError saying why when it cannot be used."""
+    if SKIP_TORCHAO:
+        raise RuntimeError("skipped (--skip-torchao)")
     try:
-        if SKIP_TORCHAO:
-            raise RuntimeError("skipped (--skip-torchao)")
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except Exception as exc:  # torchao is an optional peer
-        return None, f"torchao unavailable: {exc}"
-    model = nn.Sequential(lin)
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe_name))
-    return (torch.compile(model) if compile_it else model), ""
+    except ImportError as exc:
+        raise RuntimeError(f"torchao not importable ({exc}); install its wheel to measure it") from exc
+    convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name(recipe_name))
+    return module
+
+
+def te_layer(h, ffn, heads, device=DEV):
+    """te.TransformerLayer as the benchmarks run it: bf16 parameters, causal, no dropout."""
+    return te.TransformerLayer(h, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0,
+                               self_attn_mask_type="causal", params_dtype=torch.bfloat16, device=device)
 
 
 def linear_rows(quick):
@@ -77,10 +79,12 @@ def linear_rows(quick):
         ref = nn.Linear(K, N, bias=False, device=DEV, dtype=torch.bfloat16)
         t_bf16 = bench(fwd_bwd(ref, x, dy))
         row = {"shape": f"M{M} K{K} N{N}", "bf16_ms": t_bf16}
-        for name in ("tensorwise",):  # the peer the targets name; rowwise costs another compile
-            lin = nn.Linear(K, N, bias=False, device=DEV, dtype=torch.bfloat16)
-            model, why = torchao_linear(lin, name)
-            row[f"torchao_{name}_ms"] = bench(fwd_bwd(model, x, dy)) if model is not None else None
+        try:  # tensorwise: the peer the targets name (rowwise costs another compile)
+            model = torchao_float8(nn.Sequential(nn.Linear(K, N, bias=False, device=DEV, dtype=torch.bfloat16)))
+            row["torchao_tensorwise_ms"] = bench(fwd_bwd(torch.compile(model), x, dy))
+        except RuntimeError as exc:
+            row["torchao_tensorwise_ms"] = None
+            print(f"torchao row skipped: {exc}", flush=True)
         for name, make in recipes.items():
             lin = te.Linear(K, N, bias=False, params_dtype=torch.bfloat16)
             rcp = make()
@@ -133,29 +137,21 @@ def layer_rows(quick):
     rows = []
     torch_layer = TorchLayer(h, ffn, heads).to(DEV, torch.bfloat16)
     step = fwd_bwd(torch_layer, x, dy)
-    _row(rows, {"variant": "torch bf16 eager + SDPA", "ms": bench(step, *LAYER_REPS), "peak_mib": peak_mib(step)})
+    _row(rows, {"variant": "torch bf16 eager + SDPA", "ms": bench(step, *LAYER_REPS), "peak_mib": peak_mib(step, DEV)})
     try:
-        if SKIP_TORCHAO:
-            raise RuntimeError("skipped (--skip-torchao)")
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-        ao_layer = TorchLayer(h, ffn, heads).to(DEV, torch.bfloat16)
-        convert_to_float8_training(ao_layer, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+        ao_layer = torchao_float8(TorchLayer(h, ffn, heads).to(DEV, torch.bfloat16))
         step = fwd_bwd(torch.compile(ao_layer), x, dy)
-        _row(rows, {"variant": "torchao tensorwise + compile", "ms": bench(step, *LAYER_REPS), "peak_mib": peak_mib(step)})
-    except Exception as exc:
+        _row(rows, {"variant": "torchao tensorwise + compile", "ms": bench(step, *LAYER_REPS), "peak_mib": peak_mib(step, DEV)})
+    except Exception as exc:  # report, keep benchmarking the rest
         _row(rows, {"variant": "torchao tensorwise + compile", "ms": None, "peak_mib": None, "error": str(exc)[:200]})
-    layer = te.TransformerLayer(h, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0,
-                                self_attn_mask_type="causal", params_dtype=torch.bfloat16)
+    layer = te_layer(h, ffn, heads)
     step = fwd_bwd(layer, x, dy)
-    _row(rows, {"variant": "te bf16", "ms": bench(step, *LAYER_REPS), "peak_mib": peak_mib(step)})
+    _row(rows, {"variant": "te bf16", "ms": bench(step, *LAYER_REPS), "peak_mib": peak_mib(step, DEV)})
     for name, rcp in (("delayed", te_recipe.DelayedScaling()), ("current", te_recipe.Float8CurrentScaling())):
         step = fwd_bwd(layer, x, dy, lambda rcp=rcp: te.autocast(recipe=rcp))
-        _row(rows, {"variant": f"te fp8 {name}", "ms": bench(step, *LAYER_REPS), "peak_mib": peak_mib(step)})
-    graphed_layer = te.TransformerLayer(h, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0,
-                                        self_attn_mask_type="causal", params_dtype=torch.bfloat16)
+        _row(rows, {"variant": f"te fp8 {name}", "ms": bench(step, *LAYER_REPS), "peak_mib": peak_mib(step, DEV)})
     _row(rows, {"variant": "te fp8 delayed + make_graphed_callables",
-                "ms": _graphed_ms(graphed_layer, x, dy, LAYER_REPS), "peak_mib": None})
+                "ms": _graphed_ms(te_layer(h, ffn, heads), x, dy, LAYER_REPS), "peak_mib": None})
     return rows
 
 
@@ -190,23 +186,15 @@ def main():
     parser.add_argument("--skip-layer", action="store_true")
     parser.add_argument("--layer-only", action="store_true", help="the layer and tiny rows only")
     parser.add_argument("--skip-torchao", action="store_true")
+    add_results_argument(parser)
     args = parser.parse_args()
     global SKIP_TORCHAO
     SKIP_TORCHAO = args.skip_torchao
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat()}
-    try:
-        import triton
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
-    result = {"meta": meta, "linear": [] if args.layer_only else linear_rows(args.quick), "tiny": tiny_rows()}
+    result = {"meta": meta(DEV), "linear": [] if args.layer_only else linear_rows(args.quick), "tiny": tiny_rows()}
     if not args.skip_layer:
         result["layer"] = layer_rows(args.quick)
-    path = os.path.join(os.path.dirname(__file__), "results", f"modules-{meta['date']}.json")
-    for p in filter(None, [path, os.environ.get("OUT") and os.path.join(os.environ["OUT"], "modules.json")]):
-        with open(p, "w") as f:
-            json.dump(result, f, indent=2)
-    print(json.dumps(meta))
+    print(f"wrote {write_json('modules', result, args.results)}")
+    print(json.dumps(result["meta"]))
     for row in result["linear"]:
         base = row["bf16_ms"]
         cells = "  ".join(f"{k[:-3]} {v:.2f}ms ({base / v:.2f}x)" for k, v in row.items() if k.endswith("_ms") and v)

@@ -1,21 +1,41 @@
 #!/usr/bin/env bash
-# One GPU-machine session: install, module benchmark (te vs bf16 torch vs torchao), kernel
-# benchmark. Results land in $OUT (and benchmarks/results/ on that machine). torchao travels as a
-# wheel in .whl/ (see PERFORMANCE.md); without it its rows are skipped.
+# Runs the benchmark suite on a GPU machine, from the repository root:
+#   bash benchmarks/gpu_run.sh [modules] [kernels] [sweep] [conformance]    (no argument: all four)
+# Installs te-core, te_triton and te-backend-cuda (editable, no dependencies: torch and triton
+# come with the machine); torchao, an optional peer, is installed from a wheel in .whl/ when one
+# is there (copy it into .whl/ beforehand; without it the torchao cells say why they are empty).
+# Results land in RESULTS/<gpu>/ (RESULTS: $OUT/results when $OUT is set, else benchmarks/results),
+# with the generated tables in RESULTS/<gpu>/table.md. Each part has its own time limit
+# (MODULES_TIMEOUT, KERNELS_TIMEOUT, SWEEP_TIMEOUT, CONFORMANCE_TIMEOUT, in seconds).
 set -u
 export PYTHONUNBUFFERED=1
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(modules kernels sweep conformance)
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/triton -e backends/cuda >/dev/null 2>&1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1 \
     && export PYTHONPATH=/tmp/site
 fi
-OUT="${OUT:-benchmarks/results}"
-timeout "${MODULES_TIMEOUT:-300}" python3 benchmarks/bench_modules.py > "$OUT/modules.txt" 2>&1
-timeout "${KERNELS_TIMEOUT:-100}" python3 benchmarks/bench_kernels.py --quick --no-compile > "$OUT/kernels.txt" 2>&1
-tail -n 12 "$OUT/modules.txt"
-tail -n 30 "$OUT/kernels.txt"
-# the targets table (docs/performance.md's generated section), from this run's JSON
-kernels_json=$(ls -t "$OUT"/kernels-*.json 2>/dev/null | head -n 1)
-if [ -f "$OUT/modules.json" ] && [ -n "$kernels_json" ]; then
-  python3 benchmarks/report.py "$OUT/modules.json" "$kernels_json" --print
-fi
+RESULTS="${OUT:+$OUT/results}"
+RESULTS="${RESULTS:-benchmarks/results}"
+mkdir -p "$RESULTS"
+gpu=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import _results; print(_results.gpu_slug(_results.device_name()))")
+mkdir -p "$RESULTS/$gpu"
+for part in "${parts[@]}"; do
+  echo "=== $part"
+  case "$part" in
+    modules) timeout "${MODULES_TIMEOUT:-300}" python3 benchmarks/bench_modules.py --results "$RESULTS" 2>&1 | tail -n 12 ;;
+    kernels) timeout "${KERNELS_TIMEOUT:-150}" python3 benchmarks/bench_kernels.py --quick --no-compile --results "$RESULTS" 2>&1 | tail -n 30 ;;
+    sweep) timeout "${SWEEP_TIMEOUT:-480}" python3 benchmarks/bench_sweep.py --results "$RESULTS" 2>&1 | tail -n 60 ;;
+    conformance)
+      { echo "# $(python3 -c 'import torch, triton; print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)'), $(date -u +%F)"
+        echo "## python3 -m pytest -q -rs backends/cuda/tests"
+        timeout "${CONFORMANCE_TIMEOUT:-300}" python3 -m pytest -q -rs backends/cuda/tests 2>&1 | tail -n 40
+        echo "## python3 -m pytest -q -rs --pyargs te_core.testing --te-backend cuda"
+        timeout "${CONFORMANCE_TIMEOUT:-300}" python3 -m pytest -q -rs --pyargs te_core.testing --te-backend cuda 2>&1 | tail -n 40
+      } > "$RESULTS/$gpu/conformance-cuda.txt"
+      tail -n 25 "$RESULTS/$gpu/conformance-cuda.txt" ;;
+    *) echo "unknown part '$part': choose from modules, kernels, sweep, conformance" >&2; exit 2 ;;
+  esac
+done
+python3 benchmarks/report.py "$RESULTS/$gpu" --print

@@ -1,19 +1,27 @@
-"""The targets table of docs/performance.md, generated from one GPU run's JSON.
+"""The generated tables of docs/performance.md, from one GPU's latest results.
 
-    python benchmarks/report.py MODULES_JSON KERNELS_JSON [--doc docs/performance.md] [--print]
+    python benchmarks/report.py [RESULTS_DIR] [--doc docs/performance.md] [--print]
 
-Reads what `bash benchmarks/gpu_run.sh` writes (bench_modules.py's and bench_kernels.py's JSON),
-checks every target of ../shared/PERFORMANCE.md against it, and replaces the text between the
-markers below in the doc (or prints the table). A missing measurement is reported as such.
+RESULTS_DIR is one GPU's folder, e.g. benchmarks/results/h200 (the default when it is the only
+one). From its modules.json and kernels.json (bench_modules.py, bench_kernels.py) come the
+targets table, each target checked against the measurement, and the FP8 GEMM table; from its
+sweep.json (bench_sweep.py) the sweep tables. They replace the text between their markers in the
+doc (or are printed); RESULTS_DIR/table.md gets them and every kernel's figures. A missing file
+or measurement is reported as such.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from typing import Dict, List, Optional, Tuple
 
+from _sweep_table import render as render_sweep
+
 BEGIN, END = "<!-- report:begin -->", "<!-- report:end -->"
+SWEEP_BEGIN, SWEEP_END = "<!-- sweep:begin -->", "<!-- sweep:end -->"
+RESULTS_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 # (benchmark, target text, kernel op names, minimum GB/s); several ops: each must meet it
 KERNEL_TARGETS = [
@@ -121,35 +129,101 @@ def table(modules: dict, kernels: dict) -> str:
              "| Benchmark | Target | Measured | Verdict |", "| --- | --- | --- | --- |"]
     for row in module_rows(modules) + kernel_rows(kernels):
         lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + gemm_table(kernels))
 
 
-def replace_section(doc: str, body: str) -> str:
-    if BEGIN not in doc or END not in doc:
-        raise ValueError(f"the doc has no {BEGIN} ... {END} section to replace; add the two markers where the table goes")
-    return re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: f"{BEGIN}\n{body}\n{END}", doc, flags=re.S)
+def _num(value, fmt="{:.0f}") -> str:
+    return fmt.format(value) if isinstance(value, (int, float)) else "–"
 
 
-def _read(path: str) -> str:
+def kernel_table(kernels: dict) -> List[str]:
+    """Every timed kernel: GB/s eager (do_bench) and as a graph replay, beside the reference op
+    run eagerly by torch (the peer a backend without the kernel gets)."""
+    rows = [t for t in kernels.get("timings", []) if t.get("GBps")]
+    if not rows:
+        return []
+    lines = ["", "All kernels of this run (GB/s; 16384x8192 bf16 unless named; each input read and each output "
+             "written once):", "", "| Kernel | te-backend-cuda | graphed | reference op in torch eager |",
+             "| --- | --- | --- | --- |"]
+    for t in rows:
+        peer = t.get("eager_GBps") or t.get("torch_F.layer_norm_GBps")
+        lines.append(f"| {t['op']} | {_num(t['GBps'])} | {_num(t.get('graphed_GBps'))} | {_num(peer)} |")
+    other = [t for t in kernels.get("timings", []) if not t.get("GBps") and t.get("ms")]
+    for t in other:
+        peers = ", ".join(f"{k[:-3]} {v:.3f} ms" for k, v in t.items() if k.endswith("_ms") and k != "ms" and v)
+        lines.append(f"| {t['op']} | {t['ms']:.3f} ms | – | {peers or '–'} |")
+    return lines
+
+
+def gemm_table(kernels: dict) -> List[str]:
+    gemms = kernels.get("gemm", [])
+    if not gemms:
+        return []
+    modes = sorted({k[:-7] for g in gemms for k in g if k.endswith("_TFLOPs") and k != "bf16_TFLOPs"})
+    lines = ["", "FP8 GEMMs through torch._scaled_mm (TFLOP/s, float32 accumulation), bf16 torch.mm beside them:", "",
+             "| M K N | bf16 | " + " | ".join(modes) + " |", "| --- " * (len(modes) + 2) + "|"]
+    for g in gemms:
+        lines.append(f"| {g['M']} {g['K']} {g['N']} | {_num(g.get('bf16_TFLOPs'))} | "
+                     + " | ".join(_num(g.get(f"{m}_TFLOPs")) for m in modes) + " |")
+    return lines
+
+
+def replace_section(doc: str, body: str, begin: str = BEGIN, end: str = END) -> str:
+    if begin not in doc or end not in doc:
+        raise ValueError(f"the doc has no {begin} ... {end} section to replace; add the two markers where the table goes")
+    return re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: f"{begin}\n{body}\n{end}", doc, flags=re.S)
+
+
+def _load(folder: str, kind: str) -> Optional[dict]:
+    path = os.path.join(folder, f"{kind}.json")
+    if not os.path.exists(path):
+        return None
     with open(path) as f:
-        return f.read()
+        return json.load(f)
+
+
+def tables(folder: str) -> Tuple[str, str, str]:
+    """(targets and GEMM tables, sweep tables, every kernel's figures) of one GPU's results folder."""
+    modules, kernels, sweep = (_load(folder, k) for k in ("modules", "kernels", "sweep"))
+    name = os.path.basename(os.path.normpath(folder))
+    if modules is None and kernels is None:
+        targets = (f"No modules.json or kernels.json for {name} yet: run `bash benchmarks/gpu_run.sh modules kernels` "
+                   "on that GPU.")
+    else:
+        targets = table(modules or {}, kernels or {})
+    sweep_text = (render_sweep(sweep) if sweep is not None else
+                  f"No sweep.json for {name} yet: run `bash benchmarks/gpu_run.sh sweep` on that GPU.")
+    return targets, sweep_text, "\n".join(kernel_table(kernels or {})).strip()
+
+
+def default_folder(root: str = RESULTS_ROOT) -> str:
+    gpus = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))) if os.path.isdir(root) else []
+    if len(gpus) != 1:
+        raise SystemExit(f"name the results folder to report on: {root} holds {', '.join(gpus) or 'none'}")
+    return os.path.join(root, gpus[0])
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("modules_json")
-    ap.add_argument("kernels_json")
+    ap.add_argument("folder", nargs="?", help="one GPU's results, e.g. benchmarks/results/h200")
     ap.add_argument("--doc", default="docs/performance.md")
-    ap.add_argument("--print", action="store_true", help="print the table instead of writing the doc")
+    ap.add_argument("--print", action="store_true", help="print the tables instead of writing the doc")
     args = ap.parse_args(argv)
-    body = table(json.loads(_read(args.modules_json)), json.loads(_read(args.kernels_json)))
+    folder = args.folder or default_folder()
+    if not os.path.isdir(folder):
+        raise SystemExit(f"{folder} is not a results folder; the benchmarks write benchmarks/results/<gpu>/")
+    targets, sweep, kernels = tables(folder)
+    with open(os.path.join(folder, "table.md"), "w") as f:
+        f.write(f"# Targets\n\n{targets}\n\n# Sweep\n\n{sweep}\n\n# Kernels\n\n{kernels}\n")
     if args.print:
-        print(body)
+        print(f"{targets}\n\n{sweep}")
         return
-    doc = replace_section(_read(args.doc), body)
+    with open(args.doc) as f:
+        doc = f.read()
+    doc = replace_section(replace_section(doc, targets), sweep, SWEEP_BEGIN, SWEEP_END)
     with open(args.doc, "w") as f:
         f.write(doc)
-    print(f"wrote the targets table into {args.doc}")
+    print(f"wrote the tables into {args.doc} and {os.path.join(folder, 'table.md')}")
 
 
 if __name__ == "__main__":

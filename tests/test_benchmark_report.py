@@ -1,11 +1,17 @@
-"""benchmarks/report.py: targets checked against a run's JSON, and the doc section it rewrites."""
+"""benchmarks/: report.py's targets checked against a run's JSON, the sweep's cells and tables,
+and the doc sections report.py rewrites."""
 import json
 import os
+import subprocess
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+sys.path.insert(0, BENCHMARKS)
+import _sweep_table  # noqa: E402
+import _sweep_targets  # noqa: E402
+import bench_sweep  # noqa: E402
 import report  # noqa: E402
 
 MODULES = {
@@ -59,14 +65,138 @@ def test_graphed_kernel_timings_are_shown_but_eager_decides():
     assert bwd[3] == "**missed** by 6%"
 
 
-def test_doc_section_is_replaced_and_markers_are_required(tmp_path):
+def _doc(tmp_path):
     doc = tmp_path / "perf.md"
-    doc.write_text(f"intro\n{report.BEGIN}\nold table\n{report.END}\nafter\n")
-    (tmp_path / "m.json").write_text(json.dumps(MODULES))
-    (tmp_path / "k.json").write_text(json.dumps(KERNELS))
-    report.main([str(tmp_path / "m.json"), str(tmp_path / "k.json"), "--doc", str(doc)])
+    doc.write_text(f"intro\n{report.BEGIN}\nold table\n{report.END}\nmiddle\n"
+                   f"{report.SWEEP_BEGIN}\nold sweep\n{report.SWEEP_END}\nafter\n")
+    return doc
+
+
+def test_doc_sections_are_replaced_and_markers_are_required(tmp_path):
+    folder = tmp_path / "h200"
+    folder.mkdir()
+    (folder / "modules.json").write_text(json.dumps(MODULES))
+    (folder / "kernels.json").write_text(json.dumps(KERNELS))
+    doc = _doc(tmp_path)
+    report.main([str(folder), "--doc", str(doc)])
     text = doc.read_text()
-    assert "old table" not in text and text.startswith("intro\n") and text.endswith("after\n")
+    assert "old table" not in text and "old sweep" not in text
+    assert text.startswith("intro\n") and "\nmiddle\n" in text and text.endswith("after\n")
     assert "| TransformerLayer FP8 delayed |" in text
+    assert "No sweep.json for h200 yet" in text  # a missing run is said, not hidden
+    assert "| TransformerLayer FP8 delayed |" in (folder / "table.md").read_text()
     with pytest.raises(ValueError, match="add the two markers"):
         report.replace_section("no markers here", "x")
+
+
+def test_the_committed_results_are_where_report_reads_them():
+    folder = os.path.join(BENCHMARKS, "results")
+    for gpu in os.listdir(folder):
+        targets, _, kernels = report.tables(os.path.join(folder, gpu))
+        assert "kernel correctness checks" in targets, gpu  # modules.json and kernels.json were read
+        assert "| device copy (ceiling) |" in kernels, gpu
+
+
+SWEEP = {
+    "meta": {"gpu": "GPU", "torch": "t", "triton": "tr", "date": "d"},
+    "settings": {"compile": {"fullgraph": False}, "backend": "cuda", "seconds": 1.0},
+    "layer": {"h1024": {"torch bf16 eager": {"ms": 10.0}, "te bf16 eager": {"ms": 8.0},
+                        "te delayed eager": {"ms": 4.0}, "te delayed compiled": {"error": "InductorError: boom | x"}}},
+    "linear": {"M8 K8 N8": {"nn.Linear eager": {"ms": 2.0}, "nn.Linear compiled": {"ms": 1.0},
+                            "te current eager": {"ms": 4.0}, "torchao tensorwise compiled": {"ms": 0.5}}},
+    "tiny": {"tiny": {"te bf16 eager": {"us": 300.0}, "te block eager": {"us": 1200.0}}},
+    "big": {"h4096": {"torch bf16 eager": {"ms": 30.0, "peak_mib": 2000.0},
+                      "te delayed eager": {"ms": 20.0, "peak_mib": 2200.0}}},
+}
+
+
+def _table_rows(text):
+    return [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+
+
+def test_sweep_table_ratios_and_error_notes():
+    text = _sweep_table.render(SWEEP)
+    rows = _table_rows(text)
+    assert "| h1024 | eager | 10.00 ms | 8.00 ms | 4.00 ms (2.00x) | – | – |" in rows  # FP8 over te bf16
+    assert "| h1024 | compiled | – | – | error (1) | – | – |" in rows
+    assert "1. h1024, te delayed compiled: `InductorError: boom / x`" in text  # no "|" breaking the table
+    assert "| M8 K8 N8 | eager | 2.00 ms | – | 4.00 ms (0.50x) | – | – |" in rows  # over nn.Linear eager
+    assert "| M8 K8 N8 | compiled | 1.00 ms (2.00x) | – | – | – | 0.50 ms (4.00x) |" in rows
+    assert "| tiny | eager | – | 300 µs | – | – | 1200 µs (0.25x) |" in rows
+    assert "| h4096 | te delayed | 20.00 ms (1.50x) | 2200 MiB (1.10x) |" in rows
+
+
+def test_sweep_targets_follow_the_numbers():
+    sweep = {
+        "layer": {"h1024 ffn4096 nh8 s2048 b4": {"te bf16 eager": {"ms": 10.0}, "te delayed eager": {"ms": 12.0},
+                                                 "te bf16 compiled": {"ms": 8.0}, "te delayed compiled": {"ms": 7.0}},
+                  "h2048 ffn8192 nh16 s2048 b4": {"te bf16 eager": {"ms": 10.0}, "te delayed eager": {"ms": 8.0}}},
+        "linear": {"M8192 K4096 N4096": {"nn.Linear eager": {"ms": 1.2}, "te delayed eager": {"ms": 1.0},
+                                         "torchao tensorwise compiled": {"ms": 0.9}}},
+        "big": {"h4096 ffn16384 nh32 s2048 b8": {
+            "torch bf16 eager": {"ms": 34.0, "peak_mib": 2800.0}, "te delayed eager": {"ms": 18.5, "peak_mib": 2700.0},
+            "te current eager": {"error": "OutOfMemoryError"}, "te block eager": {"ms": 22.0, "peak_mib": 2900.0}}},
+        "tiny": {"te.Linear(1024, 1024), 128 tokens": {"te bf16 eager": {"us": 300.0}, "te delayed eager": {"us": 500.0},
+                                                       "te current eager": {"us": 700.0}}},
+    }
+    got = {target: (measured, verdict) for target, measured, verdict in _sweep_targets.rows(sweep)}
+    assert got["TransformerLayer h1024 ffn4096 nh8 s2048 b4: FP8 delayed over te bf16, best mode ≥ 1.0x"] == (
+        "1.14x (compiled)", "met")  # eager alone (0.83x) would miss
+    assert got["TransformerLayer h2048 ffn8192 nh16 s2048 b4: FP8 delayed over te bf16, best mode ≥ 1.3x"][1] == "**missed**"
+    assert got["te.Linear M8192 K4096 N4096 over bf16, best mode ≥ torchao compiled"] == (
+        "te 1.20x (eager), torchao 1.33x", "**missed**")
+    assert got["te.Linear M8192 K4096 N4096 FP8 delayed eager ≥ 1.2x"] == ("1.20x", "met")
+    big = "TransformerLayer h4096 ffn16384 nh32 s2048 b8 FP8"
+    assert got[f"{big} delayed ≤ 19 ms"][1] == "met" and got[f"{big} block ≤ 21 ms"][1] == "**missed**"
+    assert got[f"{big} current ≤ 20 ms"][1] == "not measured"  # an error cell is no measurement
+    assert got[f"{big} delayed: peak memory ≤ plain-torch bf16"][1] == "met"
+    assert got[f"{big} block: peak memory ≤ plain-torch bf16"][1] == "**missed**"
+    tiny = "te.Linear(1024, 1024), 128 tokens, FP8"
+    assert got[f"{tiny} delayed eager ≤ 2x te bf16's time"] == ("500 against 300 µs (1.67x)", "met")
+    assert got[f"{tiny} current eager ≤ 2x te bf16's time"][1] == "**missed**"
+    assert got[f"{tiny} block eager ≤ 2x te bf16's time"][1] == "not measured"
+    assert got["te compiled never slower than te eager, same recipe"] == ("2 of 2 pairs", "met")
+
+
+def test_sweep_cells_cover_every_section_mode_and_recipe():
+    sweep = bench_sweep.Sweep(bench_sweep.SMOKE, "cpu", {"backend": "eager"})
+    names = {s: {c.name for c in getattr(sweep, s)()} for s in bench_sweep.SECTIONS}
+    te_names = {f"te {r} {m}" for r in ("bf16", "delayed", "current", "block") for m in ("eager", "compiled")}
+    assert names["layer"] == te_names | {"torch bf16 eager", "torch bf16 compiled"}
+    assert names["tiny"] == te_names | {"nn.Linear eager", "nn.Linear compiled"}
+    assert names["linear"] == (te_names - {"te bf16 eager", "te bf16 compiled"}) | {
+        "nn.Linear eager", "nn.Linear compiled", "torchao tensorwise compiled"}
+    assert names["big"] == {"torch bf16 eager", "te bf16 eager", "te delayed eager", "te current eager", "te block eager"}
+    eager_only = bench_sweep.Sweep(bench_sweep.SMOKE, "cpu", None)
+    assert all(not c.name.endswith("compiled") for s in bench_sweep.SECTIONS for c in getattr(eager_only, s)())
+
+
+def test_a_failing_cell_and_a_spent_budget_are_recorded_not_raised():
+    def boom():
+        raise RuntimeError("compiled FP8 failed")
+
+    cells = [bench_sweep.Cell("tiny", "t", "te delayed compiled", boom),
+             bench_sweep.Cell("tiny", "t", "nn.Linear eager", lambda: {"us": 1.0})]
+    got = bench_sweep.run(cells, budget_s=60, device="cpu")["tiny"]["t"]
+    assert got == {"te delayed compiled": {"error": "RuntimeError: compiled FP8 failed"}, "nn.Linear eager": {"us": 1.0}}
+    late = bench_sweep.run(cells[1:], budget_s=-1, device="cpu")["tiny"]["t"]["nn.Linear eager"]
+    assert late["error"].startswith("skipped: the sweep's time budget")
+
+
+def test_smoke_sweep_writes_json_and_report_renders_it(tmp_path):
+    """The whole pipeline on the CPU: bench_sweep.py --smoke (reference backend, tiny sizes,
+    eager cells) writes RESULTS/cpu/sweep.json, report.py renders it into the doc."""
+    proc = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "bench_sweep.py"), "--smoke", "--no-compile",
+                           "--results", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((tmp_path / "cpu" / "sweep.json").read_text())
+    assert data["meta"]["gpu"] == "cpu" and data["settings"]["backend"] == "reference"
+    for section, unit in (("layer", "ms"), ("linear", "ms"), ("tiny", "us"), ("big", "ms")):
+        (cells,) = data[section].values()
+        assert cells and all(c.get(unit, 0) > 0 for c in cells.values()), (section, cells)
+    doc = _doc(tmp_path)
+    report.main([str(tmp_path / "cpu"), "--doc", str(doc)])
+    rows = _table_rows(doc.read_text())
+    assert any(r.startswith("| h64 ffn256 nh2 s16 b2 | eager |") and r.count(" ms") == 5 for r in rows), rows
+    assert any(r.startswith("| M64 K64 N32 | eager |") for r in rows), rows
+    assert "No modules.json or kernels.json for cpu yet" in doc.read_text()

@@ -1,0 +1,59 @@
+"""Where the benchmarks write: RESULTS/<gpu>/<kind>.json, one file per kind and GPU, each run
+replacing the last (git keeps the history). RESULTS is benchmarks/results unless a script's
+--results says otherwise (gpu_run.sh points it under $OUT on a GPU machine)."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+from typing import Optional
+
+import torch
+
+DEFAULT_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def device_name(device: str = "cuda") -> str:
+    """The GPU's marketing name ("NVIDIA H200"), or "cpu"."""
+    return torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu"
+
+
+def gpu_slug(name: str) -> str:
+    """The results folder of a device: "NVIDIA H200" -> "h200", "NVIDIA H100 80GB HBM3" -> "h100-80gb-hbm3"."""
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w and w not in ("nvidia", "geforce")]
+    if not words:
+        raise ValueError(f"cannot name a results folder after the device {name!r}")
+    return "-".join(words)
+
+
+def meta(device: str = "cuda") -> dict:
+    """What a result needs to be read later: device, versions, UTC time."""
+    info = {"gpu": device_name(device), "torch": torch.__version__, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.device(device).type == "cuda":
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def add_results_argument(parser) -> None:
+    parser.add_argument("--results", default=DEFAULT_ROOT,
+                        help="results root; the JSON goes to RESULTS/<gpu>/ (default: benchmarks/results)")
+
+
+def write_json(kind: str, data: dict, root: Optional[str] = None) -> str:
+    """Write `data` (with its "meta") to ROOT/<gpu slug>/<kind>.json; returns the path."""
+    folder = os.path.join(root or DEFAULT_ROOT, gpu_slug(data["meta"]["gpu"]))
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{kind}.json")
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+        f.write("\n")
+    return path

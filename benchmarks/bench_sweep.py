@@ -1,0 +1,259 @@
+"""The size sweep: te-core's modules against bf16 PyTorch and torchao, eager and torch.compile'd,
+every cell fwd+bwd in one process, so each ratio compares runs of the same machine state.
+
+Sections (--only picks some):
+  big     TransformerLayer h4096 ffn16384 32 heads s2048 b8: ms and peak memory, plain-torch bf16
+          layer and te bf16 / FP8 delayed / current / block, eager;
+  tiny    te.Linear(1024, 1024) on 128 tokens: wall microseconds per fwd+bwd call, nn.Linear,
+          te bf16 and te FP8 per recipe, eager and compiled (the host-bound case);
+  linear  te.Linear over bf16 nn.Linear at 4096^3, M8192 K4096 N4096, M16384 K8192 N8192 and
+          M16384 K8192 N28672: te FP8 per recipe eager and compiled, nn.Linear compiled, torchao
+          Float8Linear tensorwise + torch.compile (when torchao imports);
+  layer   te.TransformerLayer s2048 b4 at hidden 1024 / 2048 / 4096 (ffn 4x, heads hidden/128):
+          te bf16 and FP8 per recipe, plain-torch bf16 layer, eager and compiled.
+
+GPU times are triton's do_bench medians; "compiled" is torch.compile of the forward (te's under
+te.autocast), backward through AOTAutograd. The eager cells of every section run first, then
+the compiled ones; a cell that raises records the error and the sweep goes on; cells reached
+after --budget-s are recorded as skipped, so the sweep ends in bounded time. The JSON is
+rewritten after every cell: a run stopped from outside keeps what it measured.
+
+    python benchmarks/bench_sweep.py [--only big,tiny,linear,layer] [--quick] [--no-compile] [--results DIR]
+    python benchmarks/bench_sweep.py --smoke --results /tmp/r   # CPU, reference backend, tiny sizes
+
+Writes RESULTS/<gpu>/sweep.json; `python benchmarks/report.py` renders it into docs/performance.md.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from functools import partial
+from typing import Callable, Dict, List, NamedTuple, Optional
+
+import torch
+import torch.nn as nn
+from _results import add_results_argument, meta, write_json
+from _timing import median_ms, peak_mib, wall_us
+from bench_modules import TorchLayer, fwd_bwd, te_layer, torchao_float8
+
+import te_core as te
+from te_core import recipe
+
+SECTIONS = ("big", "tiny", "linear", "layer")
+RECIPES: Dict[str, Optional[Callable[[], recipe.Recipe]]] = {
+    "bf16": None, "delayed": recipe.DelayedScaling, "current": recipe.Float8CurrentScaling,
+    "block": recipe.Float8BlockScaling}
+FP8 = ("delayed", "current", "block")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    layer_hidden: tuple = (1024, 2048, 4096)
+    layer_seq_batch: tuple = (2048, 4)
+    head_dim: int = 128
+    linear: tuple = ((4096, 4096, 4096), (8192, 4096, 4096), (16384, 8192, 8192), (16384, 8192, 28672))
+    tiny: tuple = (1024, 1024, 128)  # in features, out features, tokens
+    big: tuple = (4096, 16384, 32, 2048, 8)  # hidden, ffn, heads, seq, batch
+    warmup_ms: float = 25
+    rep_ms: float = 150
+    tiny_calls: int = 200
+
+
+FULL = Sizes()
+QUICK = Sizes(layer_hidden=(1024,), linear=((8192, 4096, 4096),), big=(4096, 16384, 32, 2048, 2),
+              warmup_ms=10, rep_ms=40, tiny_calls=50)
+SMOKE = Sizes(layer_hidden=(64,), layer_seq_batch=(16, 2), head_dim=32, linear=((64, 64, 32),), tiny=(64, 64, 16),
+              big=(64, 256, 2, 16, 2), warmup_ms=1, rep_ms=5, tiny_calls=3)
+
+
+class Cell(NamedTuple):
+    section: str
+    size: str  # the row's label, e.g. "M8192 K4096 N4096"
+    name: str  # "<implementation> <eager|compiled>", e.g. "te delayed compiled"
+    measure: Callable[[], dict]
+
+
+def torch_layer(h, ffn, heads, device):
+    """The plain-PyTorch bf16 pre-LN layer (bench_modules.TorchLayer) on `device`."""
+    return TorchLayer(h, ffn, heads).to(device, torch.bfloat16)
+
+
+def torchao_linear(k, n, device):
+    """A bias-free bf16 nn.Linear converted to torchao's Float8Linear (tensorwise)."""
+    return torchao_float8(nn.Sequential(nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)))
+
+
+class Sweep:
+    """Builds the cells; each measures into {"ms": ...}, {"us": ...} or {"ms": ..., "peak_mib": ...}.
+    Modules are built inside the cell, fresh for each, so no cell inherits another's FP8 state."""
+
+    def __init__(self, sizes: Sizes, device: str, compile_kw: Optional[dict]):
+        self.sizes, self.device, self.compile_kw = sizes, device, compile_kw
+
+    def _randn(self, *shape, grad=False):
+        return torch.randn(*shape, device=self.device, dtype=torch.bfloat16, requires_grad=grad)
+
+    def _compile(self, fn, compiled: bool):
+        return torch.compile(fn, **self.compile_kw) if compiled else fn
+
+    def _modes(self):
+        return ("eager", "compiled") if self.compile_kw is not None else ("eager",)
+
+    def te_step(self, make_module, rcp_name, mode, x, dy):
+        make = RECIPES[rcp_name]
+        rcp, module = (make() if make else None), make_module()
+
+        def forward(inp):
+            with te.autocast(enabled=rcp is not None, recipe=rcp):
+                return module(inp)
+
+        return fwd_bwd(self._compile(forward, mode == "compiled"), x, dy)
+
+    def torch_step(self, make_module, mode, x, dy):
+        return fwd_bwd(self._compile(make_module(), mode == "compiled"), x, dy)
+
+    def _ms(self, make_step):
+        return {"ms": median_ms(make_step(), self.device, self.sizes.warmup_ms, self.sizes.rep_ms)}
+
+    def _ms_and_peak(self, make_step):
+        step = make_step()
+        ms = median_ms(step, self.device, self.sizes.warmup_ms, 2 * self.sizes.rep_ms)
+        return {"ms": ms, "peak_mib": peak_mib(step, self.device)}
+
+    def _us(self, make_step):
+        calls = self.sizes.tiny_calls
+        return {"us": wall_us(make_step(), calls, max(3, calls // 10), self.device)}
+
+    def _cells(self, section, label, measure, peer, te_module, recipes, x, dy, modes=None):
+        """Cells of one row: the peer `peer` = (name, module factory), then te per recipe, per mode."""
+        cells = []
+        for mode in modes or self._modes():
+            cells.append(Cell(section, label, f"{peer[0]} {mode}",
+                              partial(measure, partial(self.torch_step, peer[1], mode, x, dy))))
+            cells += [Cell(section, label, f"te {name} {mode}",
+                           partial(measure, partial(self.te_step, te_module, name, mode, x, dy)))
+                      for name in recipes]
+        return cells
+
+    def big(self) -> List[Cell]:
+        h, ffn, heads, s, b = self.sizes.big
+        x, dy = self._randn(s, b, h, grad=True), self._randn(s, b, h)
+        return self._cells("big", f"h{h} ffn{ffn} nh{heads} s{s} b{b}", self._ms_and_peak,
+                           ("torch bf16", partial(torch_layer, h, ffn, heads, self.device)),
+                           partial(te_layer, h, ffn, heads, self.device), RECIPES, x, dy, modes=("eager",))
+
+    def tiny(self) -> List[Cell]:
+        k, n, tokens = self.sizes.tiny
+        x, dy = self._randn(tokens, k, grad=True), self._randn(tokens, n)
+        ref = partial(nn.Linear, k, n, device=self.device, dtype=torch.bfloat16)
+        ours = partial(te.Linear, k, n, params_dtype=torch.bfloat16, device=self.device)
+        return self._cells("tiny", f"te.Linear({k}, {n}), {tokens} tokens", self._us, ("nn.Linear", ref), ours,
+                           RECIPES, x, dy)
+
+    def linear(self) -> List[Cell]:
+        cells = []
+        for m, k, n in self.sizes.linear:
+            x, dy = self._randn(m, k, grad=True), self._randn(m, n)
+            label = f"M{m} K{k} N{n}"
+            ref = partial(nn.Linear, k, n, bias=False, device=self.device, dtype=torch.bfloat16)
+            ours = partial(te.Linear, k, n, bias=False, params_dtype=torch.bfloat16, device=self.device)
+            cells += self._cells("linear", label, self._ms, ("nn.Linear", ref), ours, FP8, x, dy)
+            if self.compile_kw is not None:
+                ao = partial(torchao_linear, k, n, self.device)
+                cells.append(Cell("linear", label, "torchao tensorwise compiled",
+                                  partial(self._ms, partial(self.torch_step, ao, "compiled", x, dy))))
+        return cells
+
+    def layer(self) -> List[Cell]:
+        cells = []
+        s, b = self.sizes.layer_seq_batch
+        for h in self.sizes.layer_hidden:
+            heads = h // self.sizes.head_dim
+            x, dy = self._randn(s, b, h, grad=True), self._randn(s, b, h)
+            cells += self._cells("layer", f"h{h} ffn{4 * h} nh{heads} s{s} b{b}", self._ms,
+                                 ("torch bf16", partial(torch_layer, h, 4 * h, heads, self.device)),
+                                 partial(te_layer, h, 4 * h, heads, self.device), RECIPES, x, dy)
+        return cells
+
+
+def run_cell(cell: Cell, deadline: float, device: str) -> dict:
+    """The cell's measurement, or {"error": ...} when it raised or the time budget is spent."""
+    if time.monotonic() > deadline:
+        return {"error": "skipped: the sweep's time budget (--budget-s) was spent"}
+    try:
+        return cell.measure()
+    except Exception as exc:  # one failing cell must not hide the others: recorded, shown in the table
+        return {"error": f"{type(exc).__name__}: {exc}".strip()[:400]}
+    finally:
+        if cell.name.endswith("compiled"):
+            torch._dynamo.reset()  # frees the graphs; the next cell compiles afresh
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def run(cells: List[Cell], budget_s: float, device: str, save: Optional[Callable[[dict], None]] = None) -> dict:
+    """Eager cells first, then compiled: what the budget cuts is compile time, not the baselines.
+    `save(results)` after each cell, so a run killed at its time limit keeps what it measured."""
+    results: Dict[str, Dict[str, Dict[str, Optional[dict]]]] = {}
+    for cell in cells:  # rows and columns in the sections' order, whatever order they run in
+        results.setdefault(cell.section, {}).setdefault(cell.size, {})[cell.name] = None
+    deadline = time.monotonic() + budget_s
+    for cell in sorted(cells, key=lambda c: c.name.endswith("compiled")):
+        result = run_cell(cell, deadline, device)
+        results[cell.section][cell.size][cell.name] = result
+        print(json.dumps({"section": cell.section, "size": cell.size, "cell": cell.name, **result}), flush=True)
+        if save is not None:
+            save(results)
+    return results
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {', '.join(SECTIONS)}")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="one size per section, short timing: a GPU smoke run")
+    size.add_argument("--smoke", action="store_true", help="CPU, reference backend, tiny sizes (for the unit test)")
+    ap.add_argument("--no-compile", action="store_true", help="eager cells only")
+    ap.add_argument("--fullgraph", action="store_true", help="torch.compile(fullgraph=True): graph breaks are errors")
+    ap.add_argument("--budget-s", type=float, default=360.0, help="cells reached after this many seconds are skipped")
+    add_results_argument(ap)
+    args = ap.parse_args(argv)
+    unknown = set(args.only.split(",")) - set(SECTIONS)
+    if unknown:
+        ap.error(f"--only: unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.smoke:
+        te.set_backend("reference")
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_sweep.py needs a GPU; on a CPU-only machine run it with --smoke")
+    sizes = SMOKE if args.smoke else QUICK if args.quick else FULL
+    compile_kw = None if args.no_compile else {"fullgraph": args.fullgraph}
+    if args.smoke and compile_kw is not None:
+        compile_kw["backend"] = "eager"  # dynamo's tracing without inductor's code generation: fast on a CPU
+    torch.manual_seed(0)
+    sweep = Sweep(sizes, device, compile_kw)
+    only = args.only.split(",")
+    cells = [c for section in SECTIONS if section in only for c in getattr(sweep, section)()]
+    t0 = time.monotonic()
+    settings = {"sizes": dataclasses.asdict(sizes), "compile": compile_kw, "backend": te.get_backend().name,
+                "budget_s": args.budget_s}
+    head = {"meta": meta(device), "settings": settings}
+
+    def save(results):
+        settings["seconds"] = round(time.monotonic() - t0, 1)
+        return write_json("sweep", {**head, **results}, args.results)
+
+    results = run(cells, args.budget_s, device, save)
+    print(f"wrote {save(results)} in {settings['seconds']} s")
+    return {**head, **results}
+
+
+if __name__ == "__main__":
+    main()
