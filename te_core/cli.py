@@ -1,26 +1,85 @@
-"""The `te-core` command: `te-core info [--json]`, `te-core demo [...]`."""
+"""The `te-core` command: info, demo, new-backend, certify, --version.
+
+A configuration mistake (an unknown backend, a bad TE_BACKEND_* value) is printed as one
+message with a non-zero exit code, never as a traceback.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
 from typing import List, Optional
 
+EXIT_USAGE = 2
 
-def main(argv: Optional[List[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+
+def version_line() -> str:
+    import platform
+
+    import torch
+
+    from . import __version__
+
+    return f"te-core {__version__} (torch {torch.__version__}, python {platform.python_version()})"
+
+
+class _Version(argparse.Action):
+    """--version, computed only when asked (it imports torch)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print te-core's, torch's and python's versions")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="te-core", description="te-core: multi-vendor Transformer Engine for PyTorch")
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="installed backends, availability, capabilities, op coverage")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     sub.add_parser("demo", help="train a small GPT in BF16 then FP8 and compare (te-core demo --help)", add_help=False)
+    new = sub.add_parser("new-backend", help="write a renamed, installable copy of the backend template")
+    new.add_argument("name", help="backend name (lower case, e.g. acme): package te_backend_NAME, entry point NAME")
+    new.add_argument("--dest", metavar="DIR", help="directory to create (default: ./te-backend-NAME)")
+    new.add_argument("--template", metavar="DIR", help="template to copy (default: te-core's plugins/template)")
+    certify = sub.add_parser("certify", help="run the conformance kit against a backend and print its op coverage",
+                             description="Extra arguments after NAME go to pytest (e.g. -x, -k gemm).")
+    certify.add_argument("name", help="installed backend to certify")
+    return parser
+
+
+def _run(argv: List[str]) -> int:
     if argv[:1] == ["demo"]:
         from .demo import main as demo_main
 
         return demo_main(argv[1:])
-    args = parser.parse_args(argv)
+    args, extra = _parser().parse_known_args(argv)
+    if extra and args.command != "certify":
+        _parser().error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "new-backend":
+        from .commands import new_backend
+
+        return new_backend.main(args.name, args.dest, args.template)
+    if args.command == "certify":
+        from .commands import certify as certify_command
+
+        return certify_command.main(args.name, extra)
     from . import info as info_module
 
     return info_module.main(as_json=args.json)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from .backend.plugin import BackendError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(argv)
+    except BackendError as exc:
+        print(f"te-core: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

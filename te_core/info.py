@@ -9,7 +9,7 @@ import torch
 
 from . import __version__
 from .backend import dispatch
-from .backend.plugin import Backend, BackendError, PluginFailure
+from .backend.plugin import Backend, BackendError
 from .backend.registry import REGISTRY
 from .ops import CONTRACT
 
@@ -40,17 +40,17 @@ def _backend_entry(backend: Backend) -> Dict[str, Any]:
         "ops": [],
         "capabilities": None,
     }
-    if backend.available:
-        try:
-            entry["ops"] = sorted(backend.ops)
-            entry["capabilities"] = _capabilities(backend)
-        except (PluginFailure, BackendError) as exc:
-            entry["available"], entry["reason"] = False, f"failed while loading: {exc}"
+    if backend.available:  # verified by collect(): its device, ops and capabilities load
+        entry["ops"] = sorted(backend.ops)
+        entry["capabilities"] = _capabilities(backend)
     return entry
 
 
 def collect() -> Dict[str, Any]:
     """Everything `te-core info` shows, as one JSON-serialisable dict."""
+    for backend in list(REGISTRY.backends().values()):
+        if backend.available:
+            REGISTRY.verify(backend)  # one whose device or hooks fail moves to the broken list
     report: Dict[str, Any] = {
         "te_core": __version__,
         "torch": torch.__version__,

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
+import torch
+
+from . import devices
 from .dispatch import BackendFallbackWarning, resolution
 from .hookspecs import ENTRY_POINT_GROUP, hookimpl
 from .plugin import Backend, BackendError, BrokenPlugin
@@ -16,7 +19,7 @@ from .types import API_VERSION, BackendInfo, Capabilities, OpImpl
 __all__ = [
     "API_VERSION", "Backend", "BackendError", "BackendFallbackWarning", "BackendInfo", "BrokenPlugin",
     "Capabilities", "ENTRY_POINT_GROUP", "OpImpl", "broken_plugins", "declares", "get_backend", "hookimpl",
-    "is_fp8_available", "list_backends", "reset", "selection_reason", "set_backend",
+    "is_fp8_available", "list_backends", "require_device", "reset", "selection_reason", "set_backend",
 ]
 
 
@@ -34,6 +37,12 @@ def declares(op_name: str) -> bool:
     from ..ops import CONTRACT
 
     return resolution(CONTRACT[op_name]).fn is not None
+
+
+def require_device(device) -> torch.device:
+    """`device` as a torch.device, or a RuntimeError when this torch build cannot use it, naming
+    the device types the installed backends make usable here."""
+    return devices.require(device, REGISTRY.backends().values())
 
 
 def set_backend(name: str) -> Backend:

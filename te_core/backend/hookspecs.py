@@ -31,7 +31,9 @@ def te_backend_available():
     """Whether this backend can run on this machine now.
 
     :return: ``(available, reason)``; the reason says why not (no device, vendor library missing,
-        architecture too old) or, when available, what was found.
+        architecture too old) or, when available, what was found. te-core trusts ``True`` only
+        after torch confirmed that it can use the backend's device; a backend whose device torch
+        cannot use is recorded as broken.
     """
 
 

@@ -7,6 +7,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import pluggy
 import torch
 
+from . import devices
 from .hookspecs import REQUIRED_HOOKS
 from .types import API_VERSION, BackendInfo, Capabilities, OpImpl
 
@@ -82,10 +83,12 @@ class Backend:
         info = self._hook("te_backend_info")
         if not isinstance(info, BackendInfo):
             raise PluginFailure(f"te_backend_info returned {type(info).__name__}, expected BackendInfo")
+        if info.problems():
+            raise PluginFailure(f"te_backend_info returned a malformed BackendInfo: {'; '.join(info.problems())}")
         if _api_major(info.api_version) != _api_major(API_VERSION):
             raise PluginFailure(
                 f"backend {info.name!r} implements backend API {info.api_version}, but te-core "
-                f"{_te_core_version()} speaks API {API_VERSION}: install a {info.name} backend built "
+                f"{te_core_version()} speaks API {API_VERSION}: install a {info.name} backend built "
                 f"for te-core's API {_api_major(API_VERSION)}.x"
             )
         return info
@@ -139,6 +142,24 @@ class Backend:
             return torch.device("cpu")
         return torch.device(self.device_type, self.device_module.current_device())
 
+    def check_device(self) -> None:
+        """PluginFailure unless torch can use this backend's device: a plugin's claim to be
+        available is trusted only after that (a device type torch lacks, or was not built with,
+        would otherwise fail deep inside torch on the user's first module)."""
+        claim = f"claims to be available ({self.reason}), but"
+        try:
+            device = self.device
+        except PluginFailure:
+            raise
+        except Exception as exc:  # torch's own error for a device type it lacks is the reason
+            raise PluginFailure(
+                f"{claim} this torch build ({torch.__version__}) has no usable {self.device_type!r} device: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        reason = devices.backend_device_problem(device)
+        if reason is not None:
+            raise PluginFailure(f"{claim} torch {torch.__version__} cannot use {device}: {reason}")
+
     @property
     def capabilities(self) -> Capabilities:
         if self._capabilities is None:
@@ -148,6 +169,8 @@ class Backend:
                 caps = Capabilities()
             if not isinstance(caps, Capabilities):
                 raise PluginFailure(f"te_backend_capabilities returned {type(caps).__name__}, expected Capabilities")
+            if caps.problems():
+                raise PluginFailure(f"te_backend_capabilities returned malformed Capabilities: {'; '.join(caps.problems())}")
             self._capabilities = caps
         return self._capabilities
 
@@ -156,7 +179,8 @@ class Backend:
         return f"<te_core backend {self.name!r} ({self.device_type}, {state})>"
 
 
-def _te_core_version() -> str:
+def te_core_version() -> str:
+    """te-core's version (imported late: this module loads while te_core itself is importing)."""
     from .. import __version__
 
     return __version__

@@ -3,22 +3,25 @@
 Rule: TE_BACKEND (or set_backend) names a backend, or "auto" (default): the available
 accelerator backend (device type other than cpu), else "reference". Plugins come from the
 entry-point group `te_core.backends` (optionally limited by TE_BACKEND_PLUGINS), each loaded
-inside its own guard; the reference backend is built in.
+inside its own guard; the reference backend is built in. A backend is used only after torch
+confirmed its device and its hooks answered well formed: one that fails is listed as broken,
+auto moves on, and naming it is an error with the reason. Environment values are parsed in
+settings.py.
 """
 from __future__ import annotations
 
 import os
 import threading
+import warnings
 from importlib import metadata
 from typing import Dict, List, Optional, Tuple
 
 import pluggy
 
-from . import hookspecs
-from .plugin import Backend, BackendError, BrokenPlugin, PluginFailure, validate_hooks
+from . import hookspecs, settings, sources
+from .plugin import Backend, BackendError, BrokenPlugin, PluginFailure, te_core_version, validate_hooks
 
 REFERENCE = "reference"
-VENDOR_WHEELS = (("te-backend-cuda", "NVIDIA GPUs"), ("te-backend-musa", "Moore Threads GPUs"))
 
 
 class Selection:
@@ -36,6 +39,8 @@ class Registry:
         self._lock = threading.RLock()
         self._backends: Optional[Dict[str, Backend]] = None
         self._broken: List[BrokenPlugin] = []
+        self._config_error: Optional[str] = None  # a TE_BACKEND_PLUGINS value that names no plugin
+        self._verified: set = set()  # names of backends whose device and hooks passed verify()
         self._selection: Optional[Selection] = None
         self.generation = 0  # bumped on every (re)selection; dispatch caches key on it
 
@@ -56,8 +61,15 @@ class Registry:
         found: Dict[str, List[Tuple[Backend, str]]] = {}
         from ..reference import plugin as reference_plugin
 
-        self._load(pm, "reference", reference_plugin, "te-core (built in)", _te_core_version(), found)
-        for ep in _entry_points():
+        self._load(pm, "reference", reference_plugin, "te-core (built in)", te_core_version(), found)
+        entry_points = _entry_points()
+        try:
+            allowed = settings.plugin_allowlist([ep.name for ep in entry_points], REFERENCE)
+        except BackendError as exc:  # raised when selecting; `te-core info` still runs and shows it
+            self._config_error, allowed = str(exc), set()
+        for ep in entry_points:
+            if allowed is not None and ep.name not in allowed:
+                continue
             dist, version = _distribution(ep)
             try:
                 plugin = ep.load()
@@ -93,8 +105,29 @@ class Registry:
             return
         found.setdefault(backend.name, []).append((backend, dist))
 
+    # -- verification ----------------------------------------------------------------------
+    def verify(self, backend: Backend) -> Optional[str]:
+        """None when torch can use an available backend's device and its ops and capabilities
+        load well formed; else the reason, and the backend moves to the broken list."""
+        with self._lock:
+            if backend.name in self._verified:
+                return None
+            try:
+                backend.check_device()
+                backend.ops, backend.capabilities
+            except PluginFailure as exc:
+                if self._backends is not None and self._backends.get(backend.name) is backend:
+                    del self._backends[backend.name]
+                    self._broken.append(BrokenPlugin(backend.name, backend.distribution, str(exc)))
+                return str(exc)
+            self._verified.add(backend.name)
+            return None
+
     # -- selection -------------------------------------------------------------------------
     def selection(self) -> Selection:
+        selection = self._selection  # made once: read without the lock (torch.compile traces this read)
+        if selection is not None:
+            return selection
         with self._lock:
             if self._selection is None:
                 self.select(None)
@@ -105,61 +138,92 @@ class Registry:
         with self._lock:
             requested = name if name is not None else os.environ.get("TE_BACKEND", "auto").strip() or "auto"
             source = "set_backend()" if name is not None else ("TE_BACKEND" if "TE_BACKEND" in os.environ else "default")
+            self._raise_config_error()
             if requested == "auto":
                 backend, why = self._auto()
                 why = f"auto ({source}): {why}"
             else:
-                backend, why = self.get(requested), f"{source}={requested}"
-            strict = os.environ.get("TE_BACKEND_STRICT", "0").strip() not in ("", "0", "false", "False")
+                try:
+                    backend, why = self.get(requested), f"{source}={requested}"
+                except BackendError as exc:  # say which setting named it
+                    where = f"set_backend({requested!r})" if name is not None else f"TE_BACKEND={requested!r}"
+                    raise BackendError(f"{where}: {exc}") from None
+            strict = settings.env_switch("TE_BACKEND_STRICT")
             overrides = self._overrides(os.environ.get("TE_BACKEND_OVERRIDES", ""))
             self._selection = Selection(backend, why, strict, overrides)
             self.generation += 1
             return backend
 
+    def _raise_config_error(self) -> None:
+        self.backends()
+        if self._config_error:
+            raise BackendError(self._config_error)
+
     def get(self, name: str) -> Backend:
-        """A usable backend by name, its ops and capabilities loaded, or a BackendError saying why not."""
-        backends = self.backends()
-        if name not in backends:
-            claims = [b for b in self._broken if b.name == name]
-            if claims:
-                raise BackendError(f"backend {name!r} is installed but broken: " + "; ".join(f"{b.distribution}: {b.error}" for b in claims))
-            installed = ", ".join(sorted(backends)) or "none"
-            hints = "; ".join(f"pip install {wheel} ({what})" for wheel, what in VENDOR_WHEELS)
-            raise BackendError(f"unknown backend {name!r}. Installed backends: {installed}. To add one: {hints}; 'te-core info' lists what is installed and available.")
-        backend = backends[name]
-        if not backend.available:
-            raise BackendError(f"backend {name!r} is installed but not available on this machine: {backend.reason}")
-        try:
-            backend.ops, backend.capabilities
-        except PluginFailure as exc:
-            raise BackendError(f"backend {name!r} failed while loading: {exc}") from exc
-        return backend
+        """A usable backend by name, its device checked and its ops and capabilities loaded, or a
+        BackendError saying why not and what to do."""
+        with self._lock:
+            self._raise_config_error()
+            backend = self._backends.get(name)
+            if backend is None:
+                raise BackendError(self._missing(name))
+            if not backend.available:
+                raise BackendError(f"backend {name!r} is installed but not available on this machine: {backend.reason}")
+            if self.verify(backend) is not None:
+                raise BackendError(self._missing(name))
+            return backend
+
+    def _missing(self, name: str) -> str:
+        """Why `name` is not a usable backend: broken (with the error), or not installed (with
+        the installed ones and, for a backend of te-core's source tree, its install command)."""
+        claims = [b for b in self._broken if b.name == name]
+        if claims:
+            errors = "; ".join(f"{b.distribution}: {b.error}" for b in claims)
+            return f"backend {name!r} is installed but broken: {errors}. 'te-core info' lists every backend's state"
+        installed = ", ".join(sorted(self._backends)) or "none"
+        in_tree = sources.install_hints()
+        missing = {n: h for n, h in in_tree.items() if n not in self._backends}
+        if name in missing:
+            return (f"backend {name!r} is not installed; install it from te-core's repository: {missing[name]}. "
+                    f"Installed backends: {installed}")
+        message = (f"unknown backend {name!r}{settings.did_you_mean(name, self._backends)}. Installed backends: "
+                   f"{installed} ('te-core info' shows which are available here)")
+        if missing:
+            others = "; ".join(f"{n} ({h})" for n, h in sorted(missing.items()))
+            message += f". Not installed, from te-core's repository: {others}"
+        elif not in_tree:
+            message += f". {sources.GENERAL_HINT}"
+        return message
 
     def _auto(self) -> Tuple[Backend, str]:
         backends = self.backends()
         accelerators = [b for n, b in sorted(backends.items()) if n != REFERENCE and b.device_type != "cpu"]
-        usable = [b for b in accelerators if b.available]
-        for backend in usable:
-            try:
-                return self.get(backend.name), f"{backend.name} is available ({backend.reason})"
-            except BackendError:
+        skipped = []
+        for backend in accelerators:
+            if not backend.available:
+                skipped.append(f"{backend.name}: {backend.reason}")
                 continue
-        skipped = "; ".join(f"{b.name}: {b.reason}" for b in accelerators) or "no accelerator backend installed"
-        return self.get(REFERENCE), f"no accelerator backend available ({skipped}); using reference"
+            error = self.verify(backend)
+            if error is None:
+                return backend, f"{backend.name} is available ({backend.reason})"
+            skipped.append(f"{backend.name}: broken: {error}")
+            warnings.warn(f"te_core: backend {backend.name!r} is broken and is skipped: {error}", RuntimeWarning, stacklevel=4)
+        reasons = "; ".join(skipped) or "no accelerator backend installed"
+        return self.get(REFERENCE), f"no accelerator backend available ({reasons}); using reference"
 
     def _overrides(self, spec: str) -> Dict[str, Backend]:
         from ..ops import CONTRACT
 
         overrides = {}
-        for item in filter(None, (part.strip() for part in spec.split(";"))):
-            op, sep, backend_name = (s.strip() for s in item.partition("="))
-            if not sep or not op or not backend_name:
-                raise BackendError(f"TE_BACKEND_OVERRIDES entry {item!r} is not of the form op=backend")
-            if op not in CONTRACT:
-                raise BackendError(f"TE_BACKEND_OVERRIDES names unknown op {op!r}; contract ops: {', '.join(CONTRACT)}")
-            backend = self.get(backend_name)
+        for op, backend_name in settings.override_entries(spec, CONTRACT):
+            try:
+                backend = self.get(backend_name)
+            except BackendError as exc:
+                raise BackendError(f"TE_BACKEND_OVERRIDES entry '{op}={backend_name}': {exc}") from None
             if backend_name != REFERENCE and op not in backend.ops:
-                raise BackendError(f"TE_BACKEND_OVERRIDES pins {op!r} to backend {backend_name!r}, which does not implement it")
+                raise BackendError(
+                    f"TE_BACKEND_OVERRIDES pins {op!r} to backend {backend_name!r}, which does not implement it; "
+                    f"it implements: {', '.join(sorted(backend.ops)) or 'no op'}")
             overrides[op] = backend
         return overrides
 
@@ -167,14 +231,14 @@ class Registry:
         """Forget discovery and selection (after installing a plugin, or in tests)."""
         with self._lock:
             self._backends, self._broken, self._selection = None, [], None
+            self._config_error, self._verified = None, set()
             self.generation += 1
 
 
 def _entry_points():
-    allow = os.environ.get("TE_BACKEND_PLUGINS")
-    allowed = None if allow is None else {n.strip() for n in allow.split(",") if n.strip()}
+    """Every installed plugin's entry point, by name (TE_BACKEND_PLUGINS is applied by the registry)."""
     eps = metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP)
-    return [ep for ep in sorted(eps, key=lambda e: e.name) if allowed is None or ep.name in allowed]
+    return sorted(eps, key=lambda e: e.name)
 
 
 def _distribution(ep) -> Tuple[Optional[str], Optional[str]]:
@@ -182,12 +246,6 @@ def _distribution(ep) -> Tuple[Optional[str], Optional[str]]:
     if dist is None:
         return None, None
     return dist.metadata["Name"], dist.version
-
-
-def _te_core_version() -> str:
-    from .. import __version__
-
-    return __version__
 
 
 REGISTRY = Registry()

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -43,6 +43,10 @@ def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
 @dataclass(frozen=True)
 class BackendInfo:
     """Who a backend is. `vendor_versions` maps library name -> version string (or None)."""
@@ -52,6 +56,20 @@ class BackendInfo:
     api_version: str = API_VERSION
     description: str = ""
     vendor_versions: Mapping[str, Optional[str]] = field(default_factory=dict)
+
+    def problems(self) -> List[str]:
+        """What is malformed, checked when the plugin loads (empty when nothing is)."""
+        found = [f"{attr} must be a non-empty string, got {getattr(self, attr)!r}"
+                 for attr in ("name", "device_type", "api_version")
+                 if not (_is_text(getattr(self, attr)) and getattr(self, attr).strip())]
+        if not _is_text(self.description):
+            found.append(f"description must be a string, got {self.description!r}")
+        if not isinstance(self.vendor_versions, Mapping):
+            found.append(f"vendor_versions must be a mapping, got {type(self.vendor_versions).__name__}")
+        else:
+            found += [f"vendor_versions[{k!r}] must be a version string or None, got {v!r}"
+                      for k, v in self.vendor_versions.items() if not _is_text(k) or not (v is None or _is_text(v))]
+        return found
 
 
 @dataclass(frozen=True)
@@ -70,6 +88,31 @@ class Capabilities:
     device_name: str = ""
     distributed_backend: str = ""  # torch.distributed backend name for this device ("gloo", ...)
     notes: Tuple[str, ...] = ()
+
+    def problems(self) -> List[str]:
+        """What is malformed or contradicts te-core's formats, checked before the dispatcher
+        trusts these capabilities (empty when nothing is)."""
+        found = []
+        known = {name: fmax for name, fmax in FP8_FORMATS.values()}
+        if not isinstance(self.fp8_formats, Mapping):
+            found.append(f"fp8_formats must be a mapping of format name to max value, got {self.fp8_formats!r}")
+        else:
+            for name, fmax in self.fp8_formats.items():
+                if name not in known:
+                    found.append(f"fp8_formats names {name!r}; te-core's FP8 formats are {', '.join(known)}")
+                elif fmax != known[name]:
+                    found.append(f"fp8_formats gives {name} the max {fmax!r}; te-core's {name} has max {known[name]:g}")
+        modes = self.scaling_modes
+        if not isinstance(modes, (set, frozenset)) or not all(_is_text(m) for m in modes):
+            found.append(f"scaling_modes must be a frozenset of mode names, got {modes!r}")
+        elif set(modes) - set(SCALING_MODES):
+            found.append(f"scaling_modes names {sorted(set(modes) - set(SCALING_MODES))}; "
+                         f"te-core's modes are {', '.join(SCALING_MODES)}")
+        found += [f"{attr} must be a string, got {getattr(self, attr)!r}"
+                  for attr in ("arch", "device_name", "distributed_backend") if not _is_text(getattr(self, attr))]
+        if not isinstance(self.notes, (tuple, list)) or not all(_is_text(n) for n in self.notes):
+            found.append(f"notes must be a tuple of strings, got {self.notes!r}")
+        return found
 
     def check_fp8(self, dtype: torch.dtype) -> Optional[str]:
         """None when `dtype` is supported, else the reason it is not."""

@@ -46,3 +46,22 @@ def test_cli_reports_selection_error(plugins):
                          env={"TE_BACKEND": "nosuch", "PATH": ""})
     assert out.returncode == 1
     assert "unknown backend 'nosuch'" in out.stdout
+
+
+def test_readme_sample_matches_what_info_prints():
+    """README's sample output: the native-op counts and the table header are what `info` prints."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    sample = readme.split("```\nte-core ", 1)[1].split("```", 1)[0]
+    counts = dict(re.findall(r"^  (\w+) .*?(?:\n {13}.*)*?\n {13}native ops: (\d+)$", sample, re.M))
+    report = info.collect()
+    actual = {b["name"]: str(len(b["ops"])) for b in report["backends"] if b["available"]}
+    assert counts and counts["reference"] == str(len(CONTRACT)) == actual["reference"]
+    for name, count in counts.items():
+        if name in actual:
+            assert actual[name] == count, f"README says {name} has {count} native ops; info prints {actual[name]}"
+    rendered = info.render(report)
+    header = next(line for line in sample.splitlines() if line.strip().startswith("op "))
+    assert header in rendered.splitlines()

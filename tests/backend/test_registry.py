@@ -1,4 +1,5 @@
 """Discovery, selection and the errors a user sees (te_core.backend.registry)."""
+import pathlib
 import re
 
 import pytest
@@ -8,6 +9,8 @@ from te_core import backend
 from te_core.backend import BackendError
 
 from registry_fakes import FakeEntryPoint, make_plugin
+
+REPOSITORY = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_default_is_reference_when_no_accelerator(plugins):
@@ -38,15 +41,34 @@ def test_te_backend_env_selects(plugins, monkeypatch):
     assert backend.selection_reason() == "TE_BACKEND=reference"
 
 
-def test_unknown_backend_lists_installed_and_install_hint(plugins, monkeypatch):
-    plugins([FakeEntryPoint("fake", make_plugin("fake"))])
+def test_unknown_backend_lists_installed_without_a_hint_for_them(plugins, monkeypatch):
+    plugins([FakeEntryPoint("fake", make_plugin("fake")), FakeEntryPoint("cuda", make_plugin("cuda"))])
     monkeypatch.setenv("TE_BACKEND", "nope")
     with pytest.raises(BackendError) as err:
         backend.get_backend()
     msg = str(err.value)
-    assert "unknown backend 'nope'" in msg
-    assert "Installed backends: fake, reference" in msg
-    assert "pip install te-backend-cuda" in msg and "pip install te-backend-musa" in msg
+    assert msg.startswith("TE_BACKEND='nope': unknown backend 'nope'")
+    assert "Installed backends: cuda, fake, reference" in msg
+    assert "backends/cuda" not in msg  # installed: no install hint for it
+    assert "te-backend-cuda" not in msg  # no package index serves the vendor wheels
+
+
+def test_typo_in_backend_name_suggests_the_installed_one(plugins):
+    plugins([FakeEntryPoint("fake", make_plugin("fake"))])
+    with pytest.raises(BackendError, match=re.escape("unknown backend 'fak' (did you mean 'fake'?)")):
+        backend.set_backend("fak")
+
+
+def test_known_backend_not_installed_gives_the_repository_install_command(plugins, monkeypatch):
+    monkeypatch.chdir(REPOSITORY)
+    plugins([])
+    monkeypatch.setenv("TE_BACKEND", "cuda")
+    with pytest.raises(BackendError) as err:
+        backend.get_backend()
+    msg = str(err.value)
+    assert "backend 'cuda' is not installed" in msg
+    assert "pip install ./backends/triton ./backends/cuda" in msg
+    assert "Installed backends: reference" in msg
 
 
 def test_installed_but_unavailable_gives_reason(plugins):
@@ -133,7 +155,9 @@ def test_is_fp8_available_follows_capabilities(plugins):
     from te_core.backend.types import Capabilities
 
     plugins([FakeEntryPoint("nofp8", make_plugin("nofp8", caps=Capabilities(arch="old_7", device_name="Old")))])
-    ok, reason = te_core.is_fp8_available()
+    ok, reason = te_core.is_fp8_available(return_reason=True)
     assert not ok and "E4M3 not supported on Old old_7" in reason
+    assert te_core.is_fp8_available() is False
     backend.set_backend("reference")
-    assert te_core.is_fp8_available() == (True, "")
+    assert te_core.is_fp8_available(return_reason=True) == (True, "")
+    assert te_core.is_fp8_available() is True

@@ -1,3 +1,3 @@
-"""A template te-core backend. Copy this folder to start a vendor backend (see README.md)."""
+"""The template te-core backend: every op it declares delegates to the reference (see README.md)."""
 
 __version__ = "0.1.0"

@@ -24,7 +24,7 @@ def te_backend_info():
     return BackendInfo(
         name=NAME,
         device_type=DEVICE_TYPE,
-        description="template backend: delegates to the reference; copy it to start a vendor backend",
+        description="template backend: every op it declares delegates to te-core's reference implementation",
         vendor_versions={"te-backend-template": __version__, "torch": torch.__version__},
     )
 

@@ -1,6 +1,6 @@
 """The template backend through te-core's dispatcher: its ops run, its supports() declines
 with a reason (and the reference runs), and TE_BACKEND_STRICT=1 turns the decline into an error.
-The kit (`pytest --pyargs te_core.testing --te-backend template`) checks its numerics."""
+The kit (`te-core certify template`) checks its numerics."""
 from __future__ import annotations
 
 import pytest
@@ -18,7 +18,8 @@ def _fp8_operands(m, n, k):
 
 
 @pytest.fixture
-def template(monkeypatch):
+def selected(monkeypatch):
+    """This backend, selected as TE_BACKEND would select it."""
     monkeypatch.delenv("TE_BACKEND_STRICT", raising=False)
     monkeypatch.delenv("TE_BACKEND_OVERRIDES", raising=False)
     yield backend.set_backend("template")
@@ -26,10 +27,10 @@ def template(monkeypatch):
     backend.reset()
 
 
-def test_template_is_available_with_its_ops(template):
-    assert template.available and template.device_type == "cpu"
-    assert {"quantize_fp8", "gemm_fp8", "gemm", "layernorm_fwd"} <= set(template.ops)
-    assert template.ops["gemm_fp8"].supports is gemm_fp8_supports
+def test_backend_is_available_with_its_ops(selected):
+    assert selected.name == "template" and selected.available and selected.device_type == "cpu"
+    assert {"quantize_fp8", "gemm_fp8", "gemm", "layernorm_fwd"} <= set(selected.ops)
+    assert selected.ops["gemm_fp8"].supports is gemm_fp8_supports
 
 
 def test_supports_declines_unaligned_dims_with_reason():
@@ -38,7 +39,7 @@ def test_supports_declines_unaligned_dims_with_reason():
     assert gemm_fp8_supports(*_fp8_operands(32, 48, 64)) == (True, "")
 
 
-def test_declined_call_falls_back_with_a_warning(template):
+def test_declined_call_falls_back_with_a_warning(selected):
     a, b, a_si, b_si = _fp8_operands(17, 32, 48)
     with pytest.warns(backend.BackendFallbackWarning, match="M=17, N=32, K=48"):
         y = ops.gemm_fp8(a, b, a_si, b_si, out_dtype=torch.float32)
@@ -46,7 +47,7 @@ def test_declined_call_falls_back_with_a_warning(template):
     torch.testing.assert_close(y, expected, rtol=1.3e-6, atol=1e-5)
 
 
-def test_strict_mode_refuses_the_fallback(template, monkeypatch):
+def test_strict_mode_refuses_the_fallback(selected, monkeypatch):
     monkeypatch.setenv("TE_BACKEND_STRICT", "1")
     backend.set_backend("template")
     with pytest.raises(backend.BackendError, match="M=19, N=32, K=48.*TE_BACKEND_STRICT=1"):

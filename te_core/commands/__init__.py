@@ -1,0 +1,1 @@
+"""The `te-core` subcommands that work on backends: `new-backend` and `certify`."""
