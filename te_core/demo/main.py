@@ -3,25 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import sys
-from typing import List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import torch
 
+from . import threads
 from .data import load_corpus, split, stdlib_dir
-from .model import SIZES
-from .report import final_gap, output_paths, side_by_side, write_json, write_plot
+from .model import ACCELERATOR_DEFAULT, CPU_DEFAULT, GPT, SIZES
+from .report import final_gap, output_paths, side_by_side, speed, write_json, write_plot
 from .train import RECIPES, RunConfig, make_recipe, train
 
-DEFAULT_STEPS = {"tiny": 60, "small": 250, "medium": 600, "large": 2000}
+DEFAULT_STEPS = {"tiny": 60, "small": 250, "medium": 600, "large": 2000, "xl": 400}
+DEFAULT_LR = {"tiny": 2e-3, "small": 2e-3, "medium": 1e-3, "large": 1e-3, "xl": 5e-4}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="te-core demo",
         description="Train a small GPT (te-core modules) on the Python standard library's source, "
-        "in BF16 and then in FP8, and compare the loss curves.",
+        "in BF16 and then in FP8, and compare the loss curves and the speed.",
     )
     p.add_argument(
         "--recipe", choices=RECIPES, default="delayed", help="FP8 recipe of the second run (default: delayed)"
@@ -29,76 +32,168 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default: by --size)")
     p.add_argument(
         "--size",
-        choices=sorted(SIZES),
-        default="small",
-        help="model size (default: small, a few minutes on 2 CPU cores)",
+        choices=list(SIZES),
+        default=None,
+        help=f"model size (default: {CPU_DEFAULT} on a CPU, a few minutes on 2 cores; "
+        f"{ACCELERATOR_DEFAULT} on an accelerator, large enough for FP8 to pay)",
     )
     p.add_argument("--backend", default=None, help="te-core backend (default: TE_BACKEND or auto)")
     p.add_argument("--device", default=None, help="torch device to train on (default: the backend's device)")
     p.add_argument("--out", default="demo-out", help="directory for loss_curves.png and demo_run.json")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: by --size)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads when training on the CPU (default: the CPUs that other processes leave idle)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument(
+        "--verbose", action="store_true", help="also show `te-core info` (backends, op table) and the corpus"
+    )
     return p
+
+
+def synchronizer(be, device: torch.device) -> Callable[[], None]:
+    """A function that waits for the work queued on `device`: through the backend's device module
+    where it serves this device type, torch's device module otherwise; nothing to wait for on a CPU."""
+    if device.type == "cpu":
+        return lambda: None
+    module = be.device_module if device.type == be.device_type else torch.get_device_module(device.type)
+    return lambda: module.synchronize(device)
+
+
+def default_size(device: torch.device) -> str:
+    """The --size default: small on a CPU; on any other device (an accelerator) large enough for FP8 to pay."""
+    return CPU_DEFAULT if device.type == "cpu" else ACCELERATOR_DEFAULT
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """`te-core demo [options]`: returns the process exit status."""
     args = build_parser().parse_args(argv)
-    if args.steps is not None and args.steps < 2:
-        print("te-core demo: --steps must be at least 2", file=sys.stderr)
+    error = _check_args(args)
+    if error:
+        print(f"te-core demo: {error}", file=sys.stderr)
         return 2
     from .. import backend
 
     try:
         be = backend.set_backend(args.backend) if args.backend else backend.get_backend()
     except backend.BackendError as err:
-        print(f"te-core demo: --backend {args.backend}: {err}", file=sys.stderr)
+        print(f"te-core demo: {'--backend ' + args.backend if args.backend else 'backend'}: {err}", file=sys.stderr)
         return 2
-    device = torch.device(args.device) if args.device else be.device
-    fp8_recipe = make_recipe(args.recipe)
-    steps = args.steps or DEFAULT_STEPS[args.size]
-    lr = args.lr or (1e-3 if args.size in ("medium", "large") else 2e-3)
-    cfg = RunConfig(model=SIZES[args.size], steps=steps, lr=lr, seed=args.seed)
-    tokens_per_step = cfg.model.batch_size * cfg.model.seq_len
-    tokens, files = load_corpus(max_bytes=max(2_000_000, 40 * steps * tokens_per_step // 100))
-    train_tokens, val_tokens = split(tokens)
-    print(
-        f"te-core demo: backend {be.name} on {device}, size {args.size} {cfg.model.as_dict()}, {steps} steps, "
-        f"recipe {args.recipe}; corpus {tokens.numel() / 1e6:.1f} MB from {files} files under {stdlib_dir()}"
-    )
-    runs = []
-    for name, rec in (("bf16", None), ("fp8", fp8_recipe)):
-        run = train(name, cfg, train_tokens, val_tokens, device, fp8_recipe=rec, progress=not args.no_progress)
-        print(
-            f"{name}: {run.seconds:.1f}s, {run.tokens_per_s:,.0f} tokens/s, final loss {run.losses[-1]:.4f}, "
-            f"val loss {run.val_loss:.4f}"
-        )
-        runs.append(run)
-    report(
-        args, cfg, be.name, device, fp8_recipe, runs, corpus=dict(bytes=tokens.numel(), files=files, root=stdlib_dir())
-    )
+    device, error = _device(args.device, be)
+    if error:
+        print(f"te-core demo: {error}", file=sys.stderr)
+        return 2
+    args.size = args.size or default_size(device)
+    with _cpu_threads(args, device) as thread_choice:
+        run_both(args, be, device, thread_choice)
     return 0
 
 
-def report(args, cfg: RunConfig, backend_name: str, device, fp8_recipe, runs, corpus: dict) -> None:
-    """Print the curves side by side and the gap; write the PNG and the JSON of the run."""
+def run_both(args, be, device: torch.device, thread_choice) -> None:
+    """Train in BF16, then FP8, with the same model, data and steps; print and write the report."""
+    fp8_recipe = make_recipe(args.recipe)
+    steps = args.steps or DEFAULT_STEPS[args.size]
+    cfg = RunConfig(model=SIZES[args.size], steps=steps, lr=args.lr or DEFAULT_LR[args.size], seed=args.seed)
+    tokens, files = load_corpus(max_bytes=max(2_000_000, 40 * steps * cfg.model.tokens_per_step // 100))
+    corpus = dict(bytes=tokens.numel(), files=files, root=stdlib_dir())
+    _print_header(args, be.name, device, cfg, thread_choice, corpus)
+    train_tokens, val_tokens = split(tokens)
+    runs = []
+    for name, rec in (("bf16", None), ("fp8", fp8_recipe)):
+        run = train(name, cfg, train_tokens, val_tokens, device, rec, not args.no_progress, synchronizer(be, device))
+        print(f"{name}: {run.seconds:.1f}s, {run.tokens_per_s:,.0f} tokens/s, final loss {run.losses[-1]:.4f}, "
+              f"val loss {run.val_loss:.4f}")  # fmt: skip
+        runs.append(run)
+    report(args, cfg, be.name, device, fp8_recipe, runs, corpus, thread_choice)
+
+
+def _device(name: Optional[str], be):
+    """(device, None) for --device (default: the backend's device), or (None, what is wrong with it)."""
+    if name is None:
+        return be.device, None
+    try:
+        device = torch.device(name)
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as err:  # a malformed name, or a device this torch build cannot use
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return None, f"--device {name}: not usable here ({first}); leave it out to use the backend's device"
+    return device, None
+
+
+def _check_args(args) -> Optional[str]:
+    """What is wrong with the arguments argparse accepted, or None."""
+    if args.steps is not None and args.steps < 2:
+        return f"--steps must be at least 2, got {args.steps}"
+    if args.threads is not None and args.threads < 1:
+        return f"--threads must be at least 1, got {args.threads}"
+    if args.lr is not None and not args.lr > 0:
+        return f"--lr must be a positive number, got {args.lr}"
+    return None
+
+
+@contextlib.contextmanager
+def _cpu_threads(args, device: torch.device) -> Iterator[Optional[threads.ThreadChoice]]:
+    """On a CPU, torch's intra-op threads set for the demo (te_core.demo.threads says why) and
+    restored after it; None elsewhere."""
+    if device.type != "cpu":
+        yield None
+        return
+    before = torch.get_num_threads()
+    choice = threads.pick(args.threads)
+    torch.set_num_threads(choice.threads)
+    try:
+        yield choice
+    finally:
+        torch.set_num_threads(before)
+
+
+def _print_header(args, backend_name: str, device, cfg: RunConfig, thread_choice, corpus: dict) -> None:
+    """A few lines on what runs where; --verbose adds `te-core info` and the corpus."""
+    if args.verbose:
+        from .. import info
+
+        print(info.render(info.collect()), end="\n\n")
+    m = cfg.model
+    params = GPT(m, torch.device("meta")).num_parameters()
+    where = f"{device}" + (f", {thread_choice.describe()}" if thread_choice else "")
+    print(f"te-core demo: backend {backend_name} on {where}")
+    print(f"  model  {args.size}: {params / 1e6:.1f}M parameters, hidden {m.hidden_size}, layers {m.num_layers}, "
+          f"heads {m.num_heads}, seq {m.seq_len}, batch {m.batch_size} "
+          f"({m.tokens_per_step:,} tokens/step)")  # fmt: skip
+    print(f"  runs   bf16, then fp8 with recipe {args.recipe}; {cfg.steps} steps each, peak lr {cfg.lr:g}")
+    if thread_choice is not None and thread_choice.reduced:
+        print(f"  note   other processes keep CPUs busy, so fewer threads than torch's {thread_choice.default} "
+              "(--threads N to choose); speeds vary with the load")  # fmt: skip
+    if args.verbose:
+        print(f"  data   {corpus['bytes'] / 1e6:.1f} MB from {corpus['files']} files under {corpus['root']}")
+
+
+def report(args, cfg: RunConfig, backend_name: str, device, fp8_recipe, runs, corpus: dict, thread_choice) -> None:
+    """Print the curves side by side, the gap and the speeds; write the PNG and the JSON of the run."""
     hp, fp8 = runs
     gap = final_gap(hp.losses, fp8.losses)
     gap["val_gap"] = fp8.val_loss - hp.val_loss
+    rates = speed(hp.tokens_per_s, fp8.tokens_per_s)
     print(side_by_side(hp.losses, fp8.losses))
     print(
         f"loss over the last {gap['steps_averaged']} steps: bf16 {gap['bf16']:.4f}, fp8 {gap['fp8']:.4f}, "
         f"gap {gap['gap']:+.4f} ({100 * gap['relative_gap']:+.2f}%); val gap {gap['val_gap']:+.4f}"
     )
+    print(f"speed: bf16 {rates['bf16_tokens_per_s']:,.0f} tokens/s, fp8 {rates['fp8_tokens_per_s']:,.0f} tokens/s, "
+          f"fp8/bf16 {rates['fp8_over_bf16']:.2f}x")  # fmt: skip
     paths = output_paths(args.out)
-    drawn_by = write_plot(paths["png"], hp.losses, fp8.losses, args.recipe)
+    write_plot(paths["png"], hp.losses, fp8.losses, args.recipe)
     config = dict(size=args.size, model=cfg.model.as_dict(), steps=cfg.steps, lr=cfg.lr, seed=cfg.seed,
-                  recipe=args.recipe, recipe_repr=repr(fp8_recipe))  # fmt: skip
+                  recipe=args.recipe, recipe_repr=repr(fp8_recipe),
+                  threads=thread_choice.threads if thread_choice else None)  # fmt: skip
     record = dict(
         config=config, backend=backend_name, device=str(device), recipe=args.recipe,
         versions=dict(python=platform.python_version(), torch=torch.__version__), corpus=corpus,
-        runs={run.name: run.as_dict() for run in runs}, final_gap=gap, plot=dict(path=paths["png"], drawn_by=drawn_by),
+        runs={run.name: run.as_dict() for run in runs}, final_gap=gap, speed=rates, plot=dict(path=paths["png"]),
     )  # fmt: skip
     write_json(paths["json"], record)
     print(f"wrote {paths['png']} and {paths['json']}")

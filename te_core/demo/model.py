@@ -26,6 +26,10 @@ class GPTConfig:
     def ffn_hidden_size(self) -> int:
         return 4 * self.hidden_size
 
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
     def as_dict(self) -> dict:
         return dict(asdict(self), ffn_hidden_size=self.ffn_hidden_size)
 
@@ -37,7 +41,10 @@ SIZES = {
     "small": GPTConfig(hidden_size=128, num_layers=2, num_heads=4, seq_len=128, batch_size=8),
     "medium": GPTConfig(hidden_size=256, num_layers=4, num_heads=8, seq_len=256, batch_size=16),
     "large": GPTConfig(hidden_size=512, num_layers=6, num_heads=8, seq_len=256, batch_size=32),
+    # the accelerator default: GEMMs large enough (16k tokens x 2048 x 8192) for FP8 to pay
+    "xl": GPTConfig(hidden_size=2048, num_layers=4, num_heads=16, seq_len=1024, batch_size=16),
 }
+CPU_DEFAULT, ACCELERATOR_DEFAULT = "small", "xl"
 
 
 class GPT(nn.Module):

@@ -5,20 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Dict, List, Sequence
+from typing import Dict, Sequence
 
-from .png import plot_curves
-
-
-def smoothed(values: Sequence[float], window: int) -> List[float]:
-    """Trailing moving average (window >= 1)."""
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
+from .figure import ema, ema_alpha, loss_figure
 
 
 def final_gap(hp: Sequence[float], fp8: Sequence[float], fraction: float = 0.1) -> Dict[str, float]:
@@ -35,16 +24,17 @@ def final_gap(hp: Sequence[float], fp8: Sequence[float], fraction: float = 0.1) 
 
 
 def side_by_side(hp: Sequence[float], fp8: Sequence[float], rows: int = 10) -> str:
-    """A table of both (smoothed) loss curves at `rows` evenly spaced steps, with a bar per curve."""
-    window = max(1, len(hp) // 20)
-    hs, fs = smoothed(hp, window), smoothed(fp8, window)
+    """A table of both loss curves (EMA-smoothed as in the plot) at `rows` evenly spaced steps, with a bar per curve."""
+    alpha = ema_alpha(len(hp))
+    hs, fs = ema(hp, alpha), ema(fp8, alpha)
     lo, hi = min(hs + fs), max(hs + fs)
     span = (hi - lo) or 1.0
 
     def bar(v: float) -> str:
-        return "#" * (1 + int(20 * (v - lo) / span))
+        return "#" * (1 + int(19 * (v - lo) / span))
 
     lines = [f"{'step':>6} | {'bf16 loss':>9} {'':20} | {'fp8 loss':>9} {'':20} | {'fp8-bf16':>8}"]
+    rows = min(rows, len(hp))
     for r in range(rows):
         i = min(len(hp) - 1, round(r * (len(hp) - 1) / max(rows - 1, 1)))
         lines.append(
@@ -67,33 +57,22 @@ def write_json(path: str, record: dict) -> None:
         json.dump(clean(record), f, indent=1)
 
 
-def write_plot(path: str, hp: Sequence[float], fp8: Sequence[float], recipe: str) -> str:
-    """PNG of both loss curves; matplotlib when installed, the built-in rasterizer otherwise.
-    Returns which one drew it."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        data, _ = plot_curves({"bf16": hp, f"fp8 ({recipe})": fp8})
-        with open(path, "wb") as f:
-            f.write(data)
-        return "builtin (blue: bf16, red: fp8)"
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.plot(range(1, len(hp) + 1), hp, label="bf16", linewidth=1)
-    ax.plot(range(1, len(fp8) + 1), fp8, label=f"fp8 ({recipe})", linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats / byte)")
-    ax.set_title("te-core demo: GPT on Python stdlib source")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return "matplotlib"
+def write_plot(path: str, hp: Sequence[float], fp8: Sequence[float], recipe: str) -> None:
+    """PNG of both loss curves and their relative gap (te_core.demo.figure)."""
+    data = loss_figure(hp, fp8, recipe)
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def output_paths(out_dir: str) -> Dict[str, str]:
     os.makedirs(out_dir, exist_ok=True)
     return dict(json=os.path.join(out_dir, "demo_run.json"), png=os.path.join(out_dir, "loss_curves.png"))
+
+
+def speed(bf16_tokens_per_s: float, fp8_tokens_per_s: float) -> Dict[str, float]:
+    """Both runs' tokens/s and the FP8 / BF16 ratio (above 1: FP8 is faster)."""
+    return dict(
+        bf16_tokens_per_s=bf16_tokens_per_s,
+        fp8_tokens_per_s=fp8_tokens_per_s,
+        fp8_over_bf16=fp8_tokens_per_s / bf16_tokens_per_s if bf16_tokens_per_s > 0 else float("nan"),
+    )

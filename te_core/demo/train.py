@@ -7,7 +7,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import List
+from typing import Callable, List
 
 import torch
 
@@ -89,9 +89,17 @@ def loss_of(model: GPT, inputs: torch.Tensor, targets: torch.Tensor, device: tor
 
 
 def train(
-    name: str, cfg: RunConfig, train_tokens, val_tokens, device: torch.device, fp8_recipe=None, progress: bool = True
+    name: str,
+    cfg: RunConfig,
+    train_tokens,
+    val_tokens,
+    device: torch.device,
+    fp8_recipe=None,
+    progress: bool = True,
+    synchronize: Callable[[], None] = lambda: None,
 ) -> RunResult:
-    """Train a freshly initialized GPT for cfg.steps steps; returns per-step losses and speed."""
+    """Train a freshly initialized GPT for cfg.steps steps; returns per-step losses and speed.
+    `synchronize` waits for the device's queued work, so the timing covers all of it."""
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model, device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -102,7 +110,8 @@ def train(
     sampler = BatchSampler(train_tokens, cfg.model.batch_size, cfg.model.seq_len, seed=cfg.seed)
     result = RunResult(name)
     bar = ProgressBar(name, cfg.steps, enabled=progress)
-    tokens_per_step = cfg.model.batch_size * cfg.model.seq_len
+    losses = []  # device scalars, read back only when the bar draws: a read waits for the device
+    synchronize()
     start = time.perf_counter()
     for step in range(cfg.steps):
         for group in optimizer.param_groups:
@@ -113,12 +122,14 @@ def train(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
-        result.losses.append(float(loss.detach()))
-        elapsed = time.perf_counter() - start
-        bar.update(step + 1, loss=result.losses[-1], tok_s=f"{tokens_per_step * (step + 1) / elapsed:.0f}")
-    bar.close()
+        losses.append(loss.detach())
+        if bar.due(step + 1):
+            bar.update(step + 1, tokens_per_step=cfg.model.tokens_per_step, loss=float(losses[-1]))
+    synchronize()
     result.seconds = time.perf_counter() - start
-    result.tokens_per_s = tokens_per_step * cfg.steps / max(result.seconds, 1e-9)
+    bar.close()
+    result.losses = torch.stack(losses).float().tolist()
+    result.tokens_per_s = cfg.model.tokens_per_step * cfg.steps / max(result.seconds, 1e-9)
     result.val_loss = evaluate(model, cfg, val_tokens, device, fp8_recipe)
     return result
 

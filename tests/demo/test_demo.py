@@ -1,45 +1,95 @@
-"""The demo end to end with a tiny setting, and its pieces (data, PNG writer, report)."""
+"""The demo end to end with a tiny setting, its arguments, and its report helpers."""
 
 import json
 import math
-import struct
-import zlib
 
 import pytest
 import torch
 
 from te_core.demo import main
-from te_core.demo.data import BatchSampler, load_corpus, stdlib_sources, stdlib_dir
-from te_core.demo.png import plot_curves
-from te_core.demo.report import final_gap, side_by_side, smoothed
+from te_core.demo.data import BatchSampler, load_corpus, split, stdlib_dir, stdlib_sources
+from te_core.demo.figure import BF16_COLOR, FP8_COLOR, GAP_COLOR
+from te_core.demo.main import default_size
+from te_core.demo.model import SIZES
+from te_core.demo.report import final_gap, side_by_side, speed
+from te_core.demo.train import RunConfig, train
+
+from .pngdecode import count, decode
 
 
 def test_demo_tiny_run_writes_sensible_json_and_png(tmp_path, capsys):
+    threads_before = torch.get_num_threads()
     rc = main(["--size", "tiny", "--steps", "24", "--recipe", "current", "--out", str(tmp_path), "--no-progress"])
     assert rc == 0
+    assert torch.get_num_threads() == threads_before  # the demo's thread choice does not leak
     record = json.loads((tmp_path / "demo_run.json").read_text())
-    assert record["backend"] == "reference" and record["recipe"] == "current"
+    assert record["backend"] == "reference" and record["recipe"] == "current" and record["device"] == "cpu"
+    assert record["config"]["size"] == "tiny" and record["config"]["steps"] == 24
+    assert 1 <= record["config"]["threads"] <= threads_before
     bf16, fp8 = record["runs"]["bf16"]["losses"], record["runs"]["fp8"]["losses"]
     assert len(bf16) == len(fp8) == 24
     assert abs(bf16[0] - math.log(256)) < 0.5  # starts near a uniform guess over bytes
     assert sum(bf16[-4:]) / 4 < bf16[0] - 1.0 and sum(fp8[-4:]) / 4 < fp8[0] - 1.0  # both learn
     assert bf16 != fp8  # the FP8 run really quantized
     assert abs(record["final_gap"]["gap"]) < 0.25
-    assert record["runs"]["fp8"]["tokens_per_s"] > 0
-    png = (tmp_path / "loss_curves.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    rates = record["speed"]
+    assert rates["bf16_tokens_per_s"] == record["runs"]["bf16"]["tokens_per_s"] > 0
+    assert rates["fp8_tokens_per_s"] == record["runs"]["fp8"]["tokens_per_s"] > 0
+    assert rates["fp8_over_bf16"] == pytest.approx(rates["fp8_tokens_per_s"] / rates["bf16_tokens_per_s"])
+    _, _, rows = decode((tmp_path / "loss_curves.png").read_bytes())
+    assert all(count(rows, color) > 20 for color in (BF16_COLOR, FP8_COLOR, GAP_COLOR))
     out = capsys.readouterr().out
-    assert "bf16 loss" in out and "fp8 loss" in out and "tokens/s" in out
+    assert out.startswith("te-core demo: backend reference on cpu, ")
+    assert "model  tiny:" in out and "recipe current; 24 steps each" in out
+    assert "bf16 loss" in out and "fp8 loss" in out and "fp8/bf16" in out
+    assert "runs on" not in out and "Selected:" not in out  # the op table only with --verbose
+
+
+def test_verbose_adds_the_backend_report_and_the_corpus(tmp_path, capsys):
+    assert main(["--size", "tiny", "--steps", "2", "--out", str(tmp_path), "--no-progress", "--verbose"]) == 0
+    out = capsys.readouterr().out
+    assert "Selected: reference" in out and "runs on" in out and "data   " in out
 
 
 def test_demo_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["--recipe", "fp4"])
     assert "invalid choice: 'fp4'" in capsys.readouterr().err
-    assert main(["--steps", "1"]) == 2
-    assert "--steps must be at least 2" in capsys.readouterr().err
-    assert main(["--backend", "no-such-backend", "--steps", "2"]) == 2
-    assert "--backend no-such-backend" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--size", "huge"])
+    assert "invalid choice: 'huge'" in capsys.readouterr().err
+    for argv, message in (
+        (["--steps", "1"], "--steps must be at least 2, got 1"),
+        (["--threads", "0"], "--threads must be at least 1, got 0"),
+        (["--lr", "-0.1"], "--lr must be a positive number, got -0.1"),
+        (["--backend", "no-such-backend", "--steps", "2"], "--backend no-such-backend"),
+        (["--device", "no-such-device", "--steps", "2"], "--device no-such-device: not usable here"),
+    ):
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_default_size_is_small_on_a_cpu_and_larger_on_an_accelerator():
+    assert default_size(torch.device("cpu")) == "small"
+    accelerator = SIZES[default_size(torch.device("meta"))]  # any device type but "cpu"
+    small = SIZES["small"]
+    assert accelerator.hidden_size >= 2048 and accelerator.tokens_per_step >= 8 * small.tokens_per_step
+    for cfg in SIZES.values():  # every recipe, MXFP8's 32-element blocks included, can quantize every GEMM
+        assert cfg.hidden_size % 32 == 0 and (cfg.hidden_size // cfg.num_heads) % 32 == 0
+        assert cfg.tokens_per_step % 32 == 0
+
+
+def test_train_times_the_device_work_and_returns_every_loss():
+    tokens, _ = load_corpus(200_000)
+    train_tokens, val_tokens = split(tokens)
+    calls = []
+    cfg = RunConfig(model=SIZES["tiny"], steps=3, eval_batches=1)
+    run = train("bf16", cfg, train_tokens, val_tokens, torch.device("cpu"), progress=False,
+                synchronize=lambda: calls.append(1))  # fmt: skip
+    assert len(calls) == 2  # before the clock starts and before it stops
+    assert len(run.losses) == 3 and all(isinstance(v, float) and math.isfinite(v) for v in run.losses)
+    assert run.tokens_per_s == pytest.approx(3 * cfg.model.tokens_per_step / run.seconds)
+    assert math.isfinite(run.val_loss)
 
 
 def test_corpus_is_stdlib_source_and_batches_are_reproducible():
@@ -52,20 +102,12 @@ def test_corpus_is_stdlib_source_and_batches_are_reproducible():
     assert torch.equal(a[0], b[0]) and torch.equal(a[0][:, 1:], a[1][:, :-1])
 
 
-def test_png_writer_produces_a_valid_image_with_the_curves():
-    data, colors = plot_curves({"a": [3.0, 2.0, 1.5], "b": [3.1, 2.2, 1.4]}, width=120, height=80)
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    width, height = struct.unpack(">II", data[16:24])
-    assert (width, height) == (120, 80)
-    idat_len = struct.unpack(">I", data[33:37])[0]
-    raw = zlib.decompress(data[41 : 41 + idat_len])
-    assert len(raw) == height * (1 + 3 * width)
-    assert bytes(colors[0]) in raw and bytes(colors[1]) in raw  # both curves were drawn
-
-
 def test_report_helpers():
-    assert smoothed([1.0, 3.0, 5.0], 2) == [1.0, 2.0, 4.0]
     gap = final_gap([4.0] * 9 + [2.0], [4.0] * 9 + [2.5])
     assert gap["steps_averaged"] == 1 and gap["gap"] == pytest.approx(0.5)
-    table = side_by_side([5.0, 4.0, 3.0], [5.0, 4.1, 3.2], rows=3)
-    assert table.count("\n") == 3 and "+0.2000" in table
+    assert gap["relative_gap"] == pytest.approx(0.25)
+    table = side_by_side([5.0, 4.0, 3.0], [5.0, 4.1, 3.2], rows=10)  # rows capped at the step count
+    assert table.count("\n") == 3 and "+0.2000" in table  # 3 steps: the EMA is the raw curve
+    rates = speed(2000.0, 3000.0)
+    assert rates == dict(bf16_tokens_per_s=2000.0, fp8_tokens_per_s=3000.0, fp8_over_bf16=1.5)
+    assert math.isnan(speed(0.0, 10.0)["fp8_over_bf16"])
