@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 
 from . import ops, recipe
 from .backend import get_backend, list_backends, set_backend
+from .compat.transformer_engine import install_as_transformer_engine
 from .convert import convert_model
 from .graphs import make_graphed_callables
 from .modules import (
@@ -23,6 +24,7 @@ from .modules import (
     TransformerLayer,
     apply_rotary_pos_emb,
     checkpoint,
+    init_quantization_state,
 )
 from .quantization import (
     Float8BlockwiseTensor,
@@ -40,10 +42,10 @@ from .quantization import (
 
 __all__ = [
     "__version__", "ops", "recipe", "get_backend", "set_backend", "list_backends", "convert_model",
-    "make_graphed_callables",
+    "make_graphed_callables", "install_as_transformer_engine",
     "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "LayerNorm", "RMSNorm", "DotProductAttention",
     "MultiheadAttention", "TransformerLayer", "RotaryPositionEmbedding", "apply_rotary_pos_emb", "checkpoint",
-    "autocast", "fp8_autocast", "quantized_model_init", "fp8_model_init", "is_fp8_available",
+    "init_quantization_state", "autocast", "fp8_autocast", "quantized_model_init", "fp8_model_init", "is_fp8_available",
     "is_fp8_block_scaling_available", "is_mxfp8_available",
     "Float8Tensor", "Float8BlockwiseTensor", "MXFP8Tensor", "QuantizedTensor",
 ]

@@ -8,6 +8,8 @@ module's quantizer slots it produces the scaling state and one quantizer per slo
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, Optional, Sequence, Union
 
@@ -49,6 +51,23 @@ def _check_format(recipe: "Recipe") -> None:
         )
 
 
+def _check_number(owner: str, name: str, value, *, minimum: float, integer: bool = False) -> None:
+    """`value` must be a finite real number (an integer where `integer`) >= minimum; a bool is
+    not a number here (True would silently mean 1)."""
+    kind = "an int" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
+        raise TypeError(f"{owner}: {name} must be {kind} >= {minimum:g}, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or value < minimum:
+        raise ValueError(f"{owner}: {name} must be {kind} >= {minimum:g} and finite, got {value!r}")
+
+
+def _check_bools(owner: str, recipe, *names: str) -> None:
+    for name in names:
+        value = getattr(recipe, name)
+        if not isinstance(value, bool):
+            raise TypeError(f"{owner}: {name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
 @dataclass(frozen=True)
 class QParams:
     """Per-tensor-kind options of the current and block scaling recipes."""
@@ -57,8 +76,9 @@ class QParams:
     amax_epsilon: float = 0.0
 
     def __post_init__(self):
-        if not isinstance(self.amax_epsilon, (int, float)) or self.amax_epsilon < 0:
-            raise ValueError(f"QParams.amax_epsilon must be a float >= 0, got {self.amax_epsilon!r}")
+        # a NaN epsilon makes every scale NaN, an infinite one every scale 0
+        _check_number("QParams", "amax_epsilon", self.amax_epsilon, minimum=0.0)
+        _check_bools("QParams", self, "power_2_scale")
 
 
 @dataclass(frozen=True)
@@ -172,10 +192,10 @@ class DelayedScaling(Recipe):
 
     def __post_init__(self):
         _check_format(self)
-        if not isinstance(self.margin, (int, float)) or self.margin < 0:
-            raise ValueError(f"DelayedScaling: margin must be a number >= 0, got {self.margin!r}")
-        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
-            raise ValueError(f"DelayedScaling: amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
+        # scale = fp8_max / amax / 2^margin: a NaN margin makes every scale NaN, an infinite one 0
+        _check_number("DelayedScaling", "margin", self.margin, minimum=0)
+        _check_number("DelayedScaling", "amax_history_len", self.amax_history_len, minimum=1, integer=True)
+        _check_bools("DelayedScaling", self, "reduce_amax", "fp8_dpa", "fp8_mha")
         algo = self.amax_compute_algo
         if not callable(algo) and algo not in ("max", "most_recent"):
             raise ValueError(
@@ -206,7 +226,15 @@ def _check_mm_params(recipe) -> None:
                             f"got {value!r}")
 
 
+def _check_qparams(recipe) -> None:
+    for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+        value = getattr(recipe, name)
+        if not isinstance(value, QParams):
+            raise TypeError(f"{type(recipe).__name__}: {name} must be a te_core.recipe.QParams, got {value!r}")
+
+
 def _check_block_recipe_flags(recipe) -> None:
+    _check_bools(type(recipe).__name__, recipe, "fp8_dpa", "fp8_mha")
     if recipe.fp8_dpa or recipe.fp8_mha:
         raise NotImplementedError(f"{type(recipe).__name__}: fp8_dpa / fp8_mha (FP8 attention) are not "
                                   "supported by te-core yet; leave them False")
@@ -230,6 +258,7 @@ class Float8CurrentScaling(Recipe):
         _check_format(self)
         _check_block_recipe_flags(self)
         _check_mm_params(self)
+        _check_qparams(self)
 
     def quantizer_for(self, role):
         from .quantization.quantizers import Float8CurrentScalingQuantizer
@@ -268,6 +297,9 @@ class Float8BlockScaling(Recipe):
         _check_format(self)
         _check_block_recipe_flags(self)
         _check_mm_params(self)
+        _check_qparams(self)
+        for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
+            _check_number("Float8BlockScaling", name, getattr(self, name), minimum=1, integer=True)
         for gemm in GEMMS:
             if not self.split_accumulator(gemm):
                 raise ValueError(f"Float8BlockScaling: block-scaled GEMMs accumulate in float32; leave "
@@ -301,6 +333,12 @@ class MXFP8BlockScaling(Recipe):
     def __post_init__(self):
         _check_format(self)
         _check_block_recipe_flags(self)
+        _check_number("MXFP8BlockScaling", "margin", self.margin, minimum=0)
+        if self.margin != 0:  # Transformer Engine accepts it and ignores it: te-core says so instead
+            raise ValueError(
+                f"MXFP8BlockScaling: margin={self.margin!r} is not used: each 32-element block's E8M0 scale is "
+                "the power of two that fits the block's amax; leave margin at 0"
+            )
 
     def quantizer_for(self, role):
         from .quantization.quantizers import MXFP8Quantizer
@@ -325,6 +363,9 @@ def recipe_from_config(config: Dict[str, Any]) -> Recipe:
             continue
         value = config[f.name]
         if f.name == "fp8_format":
+            if value not in Format.__members__:
+                raise ValueError(f"unknown fp8_format {value!r} in the {name} checkpoint config; "
+                                 f"known: {', '.join(Format.__members__)}")
             value = Format[value]
         elif isinstance(value, dict):
             value = (MMParams if f.name.startswith("fp8_gemm_") else QParams)(**value)

@@ -12,6 +12,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
+from .._tracing import run_while_tracing
 from .plugin import BackendError
 from .registry import REFERENCE, REGISTRY
 from .types import Capabilities, Supports
@@ -57,11 +58,26 @@ def resolve(op) -> Resolution:
 def resolution(op) -> Resolution:
     """resolve(op), cached on the op until the registry changes (a plain attribute read on the
     hot path, which torch.compile traces through)."""
+    if torch.compiler.is_compiling():  # resolve outside the trace, before the trace reads the cache
+        _resolve_untraced(op.name)
     cached = op._cache
     if cached is None or cached[0] != REGISTRY.generation:
         generation = REGISTRY.generation
         cached = op._cache = (generation, resolve(op))
     return cached[1]
+
+
+@run_while_tracing
+def _resolve_untraced(op_name: str) -> bool:
+    """Fill the op's resolution cache; dynamo runs this at trace time instead of tracing it
+    (the registry takes locks and imports modules, which a graph cannot hold)."""
+    from ..ops import CONTRACT
+
+    op = CONTRACT[op_name]
+    if op._cache is None or op._cache[0] != REGISTRY.generation:
+        generation = REGISTRY.generation
+        op._cache = (generation, resolve(op))
+    return True
 
 
 def call(op, args, kwargs):

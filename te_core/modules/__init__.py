@@ -1,6 +1,7 @@
 """te-core modules: Transformer Engine's layers (class names, constructor arguments, parameter
 names and forward signatures as in Transformer Engine), built on the registry ops."""
 
+from ._base import init_quantization_state
 from .attention import DotProductAttention
 from .checkpoint import checkpoint
 from .grouped_linear import GroupedLinear
@@ -25,4 +26,5 @@ __all__ = [
     "RotaryPositionEmbedding",
     "apply_rotary_pos_emb",
     "checkpoint",
+    "init_quantization_state",
 ]

@@ -6,11 +6,13 @@ checkpoint-safe extra state (tensors and plain values only).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Dict, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from .._tracing import run_while_tracing
 from ..quantization.autocast import get_autocast_context, model_init_recipe
 from ..quantization.roles import QuantizerSlot
 from ..quantization.state import RecipeState, check_compatible, extra_state
@@ -18,6 +20,55 @@ from ..quantization.step import HIGH_PRECISION, CalibrationStep, QuantizationSte
 from ..quantization.tensor import QuantizedTensor
 from ..recipe import recipe_from_config
 from ._common import resolve_device, resolve_params_dtype
+
+_STATE_IN_GRAPH = (
+    "{module}: torch.compile is tracing the first use of {recipe}, whose amax histories and scales a compiled "
+    "graph updates in place (the backward's after the forward has returned), so they must exist before the graph "
+    "is built, and could not be made before tracing. Call te_core.init_quantization_state(model, recipe) before "
+    "the first compiled call.")
+
+
+_LIVE = weakref.WeakValueDictionary()  # id -> QuantizedModule, for _prepare_untraced
+_UNTRACED = [False]  # True while _prepare_untraced runs
+
+
+@run_while_tracing
+def _prepare_untraced(module_id: int, recipe_config: dict) -> bool:
+    """Create a module's state for the recipe described by `recipe_config` (or move it to the
+    module's device) unless it is ready. torch.compile runs this while tracing instead of
+    tracing it, so delayed scaling's histories exist before the graph (which updates them in
+    place) is built; the traced forward then rebinds the state to the autocast's recipe object."""
+    module = _LIVE.get(module_id)
+    recipe = recipe_from_config(recipe_config)
+    state = None if module is None else module._recipe_state
+    stale = state is None or not state.carries_over_to(recipe) or any(
+        group.device != module._state_device() for group in state.scaling_groups().values())
+    if module is not None and stale:
+        _UNTRACED[0] = True  # is_compiling() answers True in here too
+        try:
+            init_quantization_state(module, recipe)
+        finally:
+            _UNTRACED[0] = False
+    return True
+
+
+def init_quantization_state(model: nn.Module, recipe) -> None:
+    """Create the quantization state of every te_core module in `model` for `recipe` now, as
+    the first forward under te_core.autocast(recipe=recipe) would: what torch.compile needs
+    before its first trace with a recipe that keeps state (DelayedScaling); tracing does it by
+    itself (_prepare_untraced). The state's tensors are marked as static inputs, so CUDA graphs
+    capture their in-place updates."""
+    from torch._dynamo import mark_static_address
+
+    for module in model.modules():
+        if isinstance(module, QuantizedModule):
+            state = module._state_for(recipe)
+            state.follow_device(module._state_device())
+            for group in state.scaling_groups().values():
+                # fixed addresses: CUDA graphs (mode="reduce-overhead") replay their in-place updates
+                mark_static_address(group.amax_history)
+                mark_static_address(group.scale)
+
 
 class QuantizedModule(nn.Module):
     """Base for modules whose GEMMs follow te_core.autocast. Subclasses declare their quantizer
@@ -32,6 +83,11 @@ class QuantizedModule(nn.Module):
         self._recipe_state: Optional[RecipeState] = None
         self._state_from_checkpoint = False
         self._weight_cache: Dict[str, QuantizedTensor] = {}
+        _LIVE[id(self)] = self
+
+    def __setstate__(self, state) -> None:  # copies (deepcopy, pickle) bypass __init__
+        super().__setstate__(state)
+        _LIVE[id(self)] = self
 
     # ------------------------------------------------------------------ per forward
     def quantization_step(self, is_first_microbatch: Optional[bool] = None):
@@ -40,6 +96,8 @@ class QuantizedModule(nn.Module):
         context = get_autocast_context()
         if context is None or not (context.enabled or context.calibrating):
             return HIGH_PRECISION
+        if torch.compiler.is_compiling():
+            _prepare_untraced(id(self), context.recipe.to_config())
         state = self._state_for(context.recipe)
         state.follow_device(self._state_device())
         if context.enabled:
@@ -59,10 +117,14 @@ class QuantizedModule(nn.Module):
         if state is not None and self._state_from_checkpoint:
             check_compatible(recipe, state.recipe, where=type(self).__name__)
             state.rebind(recipe)
-        elif state is None or state.recipe != recipe:
+        elif state is None or not state.carries_over_to(recipe):
             state = recipe.make_state(self._quantizer_slots, self._state_device())
+            if state.scaling_groups() and torch.compiler.is_compiling() and not _UNTRACED[0]:
+                raise RuntimeError(_STATE_IN_GRAPH.format(module=type(self).__name__, recipe=type(recipe).__name__))
             self._weight_cache.clear()
         else:
+            if state.recipe != recipe:  # cached weights were cast under the other recipe
+                self._weight_cache.clear()
             state.rebind(recipe)
         self._recipe_state = state
         self._state_from_checkpoint = False
@@ -96,6 +158,10 @@ class QuantizedModule(nn.Module):
         return extra_state(self._recipe_state)
 
     def set_extra_state(self, state) -> None:
+        if isinstance(state, Tensor) and state.dtype == torch.uint8:  # Transformer Engine's serialized form
+            from ..compat.te_checkpoint import te_extra_state
+
+            state = te_extra_state(self, state)
         if state is None:
             return
         if not isinstance(state, dict) or "recipe" not in state or "quantization_state" not in state:

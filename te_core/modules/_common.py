@@ -16,42 +16,42 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-# Transformer Engine arguments te-core accepts only at these values (no tensor / sequence /
-# context parallelism, userbuffers or split parameters yet); anything else is an error.
-UNSUPPORTED_DEFAULTS = {
-    "sequence_parallel": (None, False),
-    "tp_group": (None,),
-    "tp_size": (1,),
-    "get_rng_state_tracker": (None,),
-    "rng_tracker_name": (None,),
-    "fuse_wgrad_accumulation": (False,),
-    "parallel_mode": (None, "column", "row"),
-    "set_parallel_mode": (False,),
-    "return_layernorm_output_gathered": (False,),
-    "parameters_split": (None,),
-    "seq_length": (None,),
-    "micro_batch_size": (None,),
-    "cp_group": (None,),
-    "cp_global_ranks": (None,),
-    "cp_stream": (None,),
-    "cp_comm_type": ("p2p",),
-    "fuse_qkv_params": (False, True),
-    "qkv_weight_interleaved": (True, False),
-    "ub_overlap_ag": (False,),
-    "ub_overlap_rs": (False,),
-    "ub_overlap_rs_dgrad": (False,),
-    "ub_bulk_dgrad": (False,),
-    "ub_bulk_wgrad": (False,),
-    "ub_name": (None,),
-    "name": (None,),
-    "delay_wgrad_compute": (False,),
-    "symmetric_ar_type": (None,),
-    "fp8_output": (False,),
-    "layer_number": (None,),
-    "attention_type": ("self",),
-    "bias_dropout_fusion": (True, False),
-    "fuse_qkv": (False,),
+# Transformer Engine arguments te-core accepts only at these values, grouped by why the others
+# are not implemented; any other value raises NotImplementedError naming the argument.
+_NOT_IMPLEMENTED = {
+    "tensor, sequence or context parallelism": {
+        "sequence_parallel": (None, False), "tp_group": (None,), "tp_size": (1,), "get_rng_state_tracker": (None,),
+        "rng_tracker_name": (None,), "parallel_mode": (None, "column", "row"), "set_parallel_mode": (False,),
+        "return_layernorm_output_gathered": (False,), "cp_group": (None,), "cp_global_ranks": (None,),
+        "cp_stream": (None,), "cp_comm_type": ("p2p",), "symmetric_ar_type": (None,),
+    },
+    "userbuffers communication overlap": {
+        "ub_tp_comm_overlap": (False,), "ub_overlap_ag": (False,), "ub_overlap_rs": (False,),
+        "ub_overlap_rs_dgrad": (False,), "ub_bulk_dgrad": (False,), "ub_bulk_wgrad": (False,), "ub_name": (None,),
+        "seq_length": (None,), "micro_batch_size": (None,),
+    },
+    "parameter and weight-gradient layouts": {
+        "parameters_split": (None,), "fuse_wgrad_accumulation": (False,), "delay_wgrad_compute": (False,),
+        "save_original_input": (False,), "single_grouped_weight": (False,), "single_grouped_bias": (False,),
+        "use_grouped_tensor": (None, False), "checkpoint": (False,), "activation_params": (None,),
+    },
+    "FP8 tensors passed between modules": {"fp8_output": (False,), "fp8_grad": (False,), "out": (None,),
+                                           "dgrad_out": (None,)},
+    "attention variants": {
+        "softmax_type": ("vanilla",), "return_max_logit": (False,), "qk_norm_type": (None,),
+        "qk_norm_eps": (1e-6,), "qk_norm_before_rope": (False,), "bf16_backward": (False,), "num_splits": (1,),
+        "score_mod": (None,), "score_mod_bprop": (None,), "score_mod_tensors": (None,),
+        "score_mod_bprop_tensors": (None,), "qkv_layer": (None,), "kv_layer": (None,), "qkv_interleave_dim": (-3,),
+        "inference_params": (None,), "pad_between_seqs": (None, False), "cu_seqlens_q_padded": (None,),
+        "cu_seqlens_kv_padded": (None,), "drop_path_rate": (0.0, 0), "return_bias": (False,),
+    },
+    "rotary embeddings for packed sequences, offsets or context parallelism": {
+        "start_positions": (None,), "cu_seqlens": (None,), "cp_size": (1,), "cp_rank": (0,),
+    },
+    "names for Transformer Engine's debug tools": {"name": (None,)},
 }
+UNSUPPORTED_DEFAULTS = {name: allowed for group in _NOT_IMPLEMENTED.values() for name, allowed in group.items()}
+_REASON = {name: reason for reason, group in _NOT_IMPLEMENTED.items() for name in group}
 
 
 def reject_unsupported(module: str, **kwargs) -> None:
@@ -63,17 +63,17 @@ def reject_unsupported(module: str, **kwargs) -> None:
         allowed = UNSUPPORTED_DEFAULTS[name]
         if not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
             raise NotImplementedError(
-                f"{module}: {name}={value!r} is not supported by te-core yet (no tensor, sequence or context "
-                f"parallelism, userbuffers or parameter splitting); leave it at {allowed[0]!r}"
+                f"{module}: {name}={value!r} is not supported by te-core yet ({_REASON[name]} are not "
+                f"implemented); leave it at {allowed[0]!r}"
             )
 
 
 def resolve_device(device: Union[None, str, torch.device]) -> torch.device:
     """`device`, or the selected backend's device when None (CPU under the reference backend)."""
-    if device is not None:
-        return torch.device(device)
     from .. import backend
 
+    if device is not None:  # a device this torch build cannot use is a clear error here
+        return backend.require_device(device)
     return backend.get_backend().device
 
 
@@ -207,3 +207,19 @@ def check_split_sizes(split_sizes, total: int, module: str) -> Tuple[int, ...]:
     if sum(sizes) != total:
         raise ValueError(f"{module}: split_sizes {list(sizes)} sum to {sum(sizes)}, not out_features={total}")
     return sizes
+
+
+def check_attention_heads(module: str, num_attention_heads: int, num_gqa_groups: Optional[int],
+                          hidden_size: Optional[int] = None, kv_channels: Optional[int] = None):
+    """(heads, kv groups, kv_channels), checked as every attention block needs them: positive
+    counts, heads a multiple of the groups (default: one group per head), and kv_channels
+    defaulting to hidden_size / heads, which must then divide."""
+    check_positive(num_attention_heads, name="num_attention_heads", module=module)
+    groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+    check_positive(groups, name="num_gqa_groups", module=module)
+    check_divisible(num_attention_heads, groups, what="num_attention_heads", by="num_gqa_groups", module=module)
+    if kv_channels is None and hidden_size is not None:
+        check_positive(hidden_size, name="hidden_size", module=module)
+        kv_channels = check_divisible(hidden_size, num_attention_heads, what="hidden_size", by="num_attention_heads",
+                                      module=module)
+    return num_attention_heads, groups, kv_channels

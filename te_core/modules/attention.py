@@ -3,24 +3,27 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from .. import ops
+from ..ops.attention import PADDING_MASK_TYPES
+from ._packed import PADDED_MASK_TYPE, Packing, packing, to_packed, to_padded
 from ._common import (
     HP_DTYPES,
     reject_unsupported,
+    check_attention_heads,
     check_choice,
-    check_divisible,
     check_positive,
     compute_dtype,
     no_torch_autocast,
 )
 
-QKV_FORMATS = ("sbhd", "bshd")
-PADDING_MASKS = ("padding", "padding_causal")
+PADDED_FORMATS = ("sbhd", "bshd")
+QKV_FORMATS = PADDED_FORMATS + ("thd",)
 
 
 class DotProductAttention(nn.Module):
@@ -29,6 +32,13 @@ class DotProductAttention(nn.Module):
     q is (s, b, h, d) for qkv_format "sbhd" or (b, s, h, d) for "bshd"; k and v have
     num_gqa_groups heads. Returns (s, b, h * dv) or (b, s, h * dv). Attention runs in the
     inputs' (or torch.autocast's) precision; it is not quantized to FP8.
+
+    Masks follow Transformer Engine: bool, True = masked out. Padding types take one
+    (b, 1, 1, s) mask for self-attention (queries and keys) or a (query mask, key mask) pair;
+    "arbitrary" takes a mask broadcastable to (b, h, sq, sk). window_size (left, right) is a
+    sliding window around each query's diagonal (-1 = unbounded), aligned per
+    bottom_right_diagonal for the mask types that leave it open; core_attention_bias_type
+    "pre_scale_bias" / "post_scale_bias" take core_attention_bias, "alibi" optional alibi_slopes.
     """
 
     def __init__(
@@ -40,44 +50,41 @@ class DotProductAttention(nn.Module):
         qkv_format: str = "sbhd",
         attn_mask_type: str = "causal",
         window_size: Optional[Tuple[int, int]] = None,
+        bottom_right_diagonal: Optional[bool] = None,
         sequence_parallel: bool = False,
         tp_size: int = 1,
         get_rng_state_tracker=None,
         tp_group=None,
         layer_number: Optional[int] = None,
         attention_type: str = "self",
+        *,
         softmax_scale: Optional[float] = None,
+        name: Optional[str] = None,
         **kwargs,
     ):
         super().__init__()
-        name = "DotProductAttention"
-        reject_unsupported(
-            name,
-            sequence_parallel=sequence_parallel,
-            tp_size=tp_size,
-            get_rng_state_tracker=get_rng_state_tracker,
-            tp_group=tp_group,
-            **kwargs,
-        )
-        self.num_attention_heads = check_positive(num_attention_heads, name="num_attention_heads", module=name)
-        self.num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
-        check_positive(self.num_gqa_groups, name="num_gqa_groups", module=name)
-        check_divisible(
-            num_attention_heads, self.num_gqa_groups, what="num_attention_heads", by="num_gqa_groups", module=name
-        )
+        module = "DotProductAttention"
+        reject_unsupported(module, sequence_parallel=sequence_parallel, tp_size=tp_size,
+                           get_rng_state_tracker=get_rng_state_tracker, tp_group=tp_group, **kwargs)
+        self.num_attention_heads, self.num_gqa_groups, _ = check_attention_heads(
+            module, num_attention_heads, num_gqa_groups)
         k_ch, v_ch = (kv_channels, kv_channels) if isinstance(kv_channels, int) else tuple(kv_channels)
-        self.hidden_size_per_attention_head_k = check_positive(k_ch, name="kv_channels", module=name)
-        self.hidden_size_per_attention_head_v = check_positive(v_ch, name="kv_channels", module=name)
+        self.hidden_size_per_attention_head_k = check_positive(k_ch, name="kv_channels", module=module)
+        self.hidden_size_per_attention_head_v = check_positive(v_ch, name="kv_channels", module=module)
         if not 0.0 <= attention_dropout < 1.0:
-            raise ValueError(f"{name}: attention_dropout must be in [0, 1), got {attention_dropout!r}")
-        if window_size not in (None, (-1, -1), (-1, 0)):
-            raise NotImplementedError(f"{name}: sliding window attention (window_size={window_size}) is not supported")
+            raise ValueError(f"{module}: attention_dropout must be in [0, 1), got {attention_dropout!r}")
+        if layer_number is not None:
+            check_positive(layer_number, name="layer_number", module=module)
         self.attention_dropout = float(attention_dropout)
-        self.qkv_format = check_choice(qkv_format, QKV_FORMATS, name="qkv_format", module=name)
-        self.attn_mask_type = check_choice(attn_mask_type, ops.ATTN_MASK_TYPES, name="attn_mask_type", module=name)
+        self.qkv_format = check_choice(qkv_format, QKV_FORMATS, name="qkv_format", module=module)
+        self.attn_mask_type = check_choice(attn_mask_type, ops.ATTN_MASK_TYPES, name="attn_mask_type", module=module)
+        self.window_size = _check_window(window_size, module)
+        self.bottom_right_diagonal = bottom_right_diagonal
         self.softmax_scale = 1.0 / math.sqrt(k_ch) if softmax_scale is None else float(softmax_scale)
-        self.layer_number = layer_number
-        self.attention_type = attention_type
+        # layer_number scales nothing here: Transformer Engine divides the logits by it and
+        # multiplies them back inside the softmax (fp16 range), an identity in exact math
+        self.layer_number, self.name = layer_number, name
+        self.attention_type = check_choice(attention_type, ("self", "cross"), name="attention_type", module=module)
 
     def forward(
         self,
@@ -86,42 +93,86 @@ class DotProductAttention(nn.Module):
         value_layer: Tensor,
         attention_mask: Union[None, Tensor, Tuple[Tensor, Tensor]] = None,
         qkv_format: Optional[str] = None,
+        cu_seqlens_q: Optional[Tensor] = None,
+        cu_seqlens_kv: Optional[Tensor] = None,
+        cu_seqlens_q_padded: Optional[Tensor] = None,
+        cu_seqlens_kv_padded: Optional[Tensor] = None,
+        max_seqlen_q: Optional[int] = None,
+        max_seqlen_kv: Optional[int] = None,
         attn_mask_type: Optional[str] = None,
+        window_size: Optional[Tuple[int, int]] = None,
+        bottom_right_diagonal: Optional[bool] = None,
         checkpoint_core_attention: bool = False,
         core_attention_bias_type: str = "no_bias",
         core_attention_bias: Optional[Tensor] = None,
+        alibi_slopes: Optional[Tensor] = None,
+        fast_zero_fill: bool = True,
         **kwargs,
     ) -> Tensor:
-        name = "DotProductAttention"
-        fmt = check_choice(qkv_format or self.qkv_format, QKV_FORMATS, name="qkv_format", module=name)
+        """fast_zero_fill only picks how Transformer Engine zeroes padded outputs; the values
+        are the same either way."""
+        module = "DotProductAttention"
+        reject_unsupported(f"{module}.forward", cu_seqlens_q_padded=cu_seqlens_q_padded,
+                           cu_seqlens_kv_padded=cu_seqlens_kv_padded, **kwargs)
+        fmt = check_choice(qkv_format or self.qkv_format, QKV_FORMATS, name="qkv_format", module=module)
         mask_type = check_choice(
-            attn_mask_type or self.attn_mask_type, ops.ATTN_MASK_TYPES, name="attn_mask_type", module=name
+            attn_mask_type or self.attn_mask_type, ops.ATTN_MASK_TYPES, name="attn_mask_type", module=module
         )
-        if core_attention_bias_type != "no_bias" or core_attention_bias is not None:
-            raise NotImplementedError(f"{name}: core_attention_bias_type={core_attention_bias_type!r} is not supported")
+        packed, mask_type, attention_mask = _sequence_layout(
+            fmt, query_layer, key_layer, mask_type, attention_mask, (cu_seqlens_q, cu_seqlens_kv),
+            (max_seqlen_q, max_seqlen_kv))
         q, k, v = (
-            self._to_bhsd(t, arg, fmt)
-            for t, arg in ((query_layer, "query_layer"), (key_layer, "key_layer"), (value_layer, "value_layer"))
+            self._to_bhsd(t, arg, fmt, where)
+            for t, arg, where in ((query_layer, "query_layer", packed and packed[0]),
+                                  (key_layer, "key_layer", packed and packed[1]),
+                                  (value_layer, "value_layer", packed and packed[1]))
         )
         self._check_heads(q, k, v)
-        mask = self._check_mask(attention_mask, mask_type, q, k)
+        options = dict(attn_mask_type=mask_type, softmax_scale=self.softmax_scale,
+                       dropout_p=self.attention_dropout if self.training else 0.0)
+        options.update(_mask_options(attention_mask, mask_type, q, k))
+        options.update(_extensions(
+            window_size=self.window_size if window_size is None else _check_window(window_size, module),
+            bottom_right_diagonal=(self.bottom_right_diagonal if bottom_right_diagonal is None
+                                   else bottom_right_diagonal),
+            core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
+            alibi_slopes=alibi_slopes,
+        ))
         dtype = compute_dtype(query_layer)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        dropout_p = self.attention_dropout if self.training else 0.0
         with no_torch_autocast(q.device.type):
-            out = _core_attention(q, k, v, mask_type, mask, self.softmax_scale, dropout_p, checkpoint_core_attention)
+            out = _core_attention(q, k, v, options, checkpoint_core_attention)
         b, h, s, dv = out.shape
+        if packed is not None:
+            return to_packed(out, packed[0])
         if fmt == "sbhd":
             return out.permute(2, 0, 1, 3).reshape(s, b, h * dv)
         return out.permute(0, 2, 1, 3).reshape(b, s, h * dv)
 
+    def get_extra_state(self) -> None:
+        """Nothing to keep (attention is not quantized); the key exists, as in Transformer
+        Engine's checkpoints, so state dicts load both ways."""
+        return None
+
+    def set_extra_state(self, state) -> None:
+        """Accepts Transformer Engine's extra state: empty, or FP8-attention scales, which
+        te-core has no use for (it computes attention in high precision), so it warns."""
+        if isinstance(state, Tensor) and state.dtype == torch.uint8 and state.numel():
+            warnings.warn("DotProductAttention: the checkpoint's FP8 attention state is not used; te-core "
+                          "computes attention in high precision", UserWarning, stacklevel=2)
+        elif state is not None and not (isinstance(state, Tensor) and state.dtype == torch.uint8):
+            raise ValueError(f"DotProductAttention: unrecognised extra state {type(state).__name__}")
+
     @staticmethod
-    def _to_bhsd(t: Tensor, arg: str, fmt: str) -> Tensor:
-        if not isinstance(t, Tensor) or t.dim() != 4:
+    def _to_bhsd(t: Tensor, arg: str, fmt: str, packed: Optional[Packing] = None) -> Tensor:
+        ndim = 3 if fmt == "thd" else 4
+        if not isinstance(t, Tensor) or t.dim() != ndim:
             shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"DotProductAttention: {arg} must be 4-D ({fmt}), got shape {shape}")
+            raise ValueError(f"DotProductAttention: {arg} must be {ndim}-D ({fmt}), got shape {shape}")
         if t.dtype not in HP_DTYPES:
             raise TypeError(f"DotProductAttention: {arg} has dtype {t.dtype}; expected float32, bfloat16 or float16")
+        if packed is not None:
+            return to_padded(t, packed)
         return t.permute(1, 2, 0, 3) if fmt == "sbhd" else t.permute(0, 2, 1, 3)
 
     def _check_heads(self, q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -144,31 +195,111 @@ class DotProductAttention(nn.Module):
         if k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3]:
             raise ValueError(f"{name}: batch / sequence sizes of query_layer, key_layer, value_layer do not agree")
 
-    @staticmethod
-    def _check_mask(mask, mask_type: str, q: Tensor, k: Tensor) -> Optional[Tensor]:
-        name = "DotProductAttention"
-        if isinstance(mask, (tuple, list)):  # (query mask, key/value mask): keys decide what is attended
-            mask = mask[1]
-        needs_mask = mask_type in PADDING_MASKS or mask_type == "arbitrary"
-        if not needs_mask:
-            return None
-        if mask is None:
-            raise ValueError(f"{name}: attn_mask_type={mask_type!r} needs attention_mask (bool, True = masked out)")
-        if mask.dtype != torch.bool:
-            raise TypeError(f"{name}: attention_mask must be a bool tensor (True = masked out), got {mask.dtype}")
-        b, sk = q.shape[0], k.shape[2]
-        if mask_type in PADDING_MASKS and tuple(mask.shape) != (b, 1, 1, sk):
-            raise ValueError(
-                f"{name}: a padding attention_mask must have shape {(b, 1, 1, sk)}, got {tuple(mask.shape)}"
-            )
-        return mask
+
+def _check_window(window_size, module: str):
+    if window_size is None:
+        return None
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)):
+        raise ValueError(f"{module}: window_size must be None or (left, right) ints >= -1 (-1 = unbounded), "
+                         f"got {window_size!r}")
+    return tuple(window_size)
 
 
-def _core_attention(q, k, v, mask_type, mask, scale, dropout_p, checkpoint) -> Tensor:
+def _sequence_layout(fmt, q, k, mask_type, attention_mask, cu_seqlens, max_seqlens):
+    """(the (query, key/value) Packing of thd inputs or None, mask type, attention mask): thd
+    takes its padding from cu_seqlens; sbhd/bshd may give padding masks as cu_seqlens."""
+    if fmt == "thd":
+        packed = _packings(q, k, *cu_seqlens, *max_seqlens, attention_mask, mask_type)
+        return packed, PADDED_MASK_TYPE[mask_type], (packed[0].padding, packed[1].padding)
+    for arg, t, given in (("max_seqlen_q", q, max_seqlens[0]), ("max_seqlen_kv", k, max_seqlens[1])):
+        s = t.shape[0 if fmt == "sbhd" else 1] if isinstance(t, Tensor) and t.dim() == 4 else None
+        if given is not None and given != s:
+            raise ValueError(f"DotProductAttention: {arg}={given} but the {fmt} tensor holds sequences of {s}")
+    if cu_seqlens[0] is not None or cu_seqlens[1] is not None:
+        attention_mask = _padding_from_lengths(q, k, fmt, *cu_seqlens, attention_mask, mask_type)
+    return None, mask_type, attention_mask
+
+
+def _packings(q, k, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, attention_mask, mask_type):
+    """(query, key/value) Packing of qkv_format="thd" inputs."""
+    name = "DotProductAttention"
+    if cu_seqlens_q is None or cu_seqlens_kv is None:
+        raise ValueError(f"{name}: qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv (the b + 1 offsets of "
+                         "the packed sequences)")
+    if attention_mask is not None or mask_type not in PADDED_MASK_TYPE:
+        raise ValueError(f"{name}: qkv_format='thd' takes its padding from cu_seqlens: no attention_mask, and "
+                         f"attn_mask_type one of {', '.join(PADDED_MASK_TYPE)} (got {mask_type!r})")
+    for arg, t in (("query_layer", q), ("key_layer", k)):
+        if not isinstance(t, Tensor) or t.dim() != 3:
+            raise ValueError(f"{name}: {arg} must be 3-D (thd), got {getattr(t, 'shape', type(t).__name__)}")
+    where_q = packing(cu_seqlens_q, max_seqlen_q, q.shape[0], "cu_seqlens_q", name)
+    where_kv = packing(cu_seqlens_kv, max_seqlen_kv, k.shape[0], "cu_seqlens_kv", name)
+    if where_q.padding.shape[0] != where_kv.padding.shape[0]:
+        raise ValueError(f"{name}: cu_seqlens_q and cu_seqlens_kv describe different numbers of sequences")
+    return where_q, where_kv
+
+
+def _padding_from_lengths(q, k, fmt, cu_seqlens_q, cu_seqlens_kv, attention_mask, mask_type):
+    """sbhd/bshd with cu_seqlens, as Transformer Engine allows for padding types: the padding
+    masks of sequences right-padded to the tensors' length."""
+    name = "DotProductAttention"
+    if attention_mask is not None or mask_type not in PADDING_MASK_TYPES or cu_seqlens_q is None \
+            or cu_seqlens_kv is None:
+        raise ValueError(f"{name}: with qkv_format={fmt!r}, cu_seqlens_q and cu_seqlens_kv stand for the "
+                         "attention_mask of a padding attn_mask_type; give both, with a padding type and no mask")
+    masks = []
+    for arg, t, cu in (("cu_seqlens_q", q, cu_seqlens_q), ("cu_seqlens_kv", k, cu_seqlens_kv)):
+        s = t.shape[0 if fmt == "sbhd" else 1]
+        lengths = cu.diff() if isinstance(cu, Tensor) and cu.dim() == 1 else None
+        if lengths is None or bool((lengths < 0).any()) or bool((lengths > s).any()):
+            raise ValueError(f"{name}: {arg} must be 1-D offsets of sequences no longer than {s}, got {cu!r}")
+        masks.append((torch.arange(s, device=t.device)[None, :] >= lengths[:, None]).view(-1, 1, 1, s))
+    return tuple(masks)
+
+
+def _mask_options(mask, mask_type: str, q: Tensor, k: Tensor) -> dict:
+    """attention_mask (and query_padding_mask) for ops.attention from Transformer Engine's
+    forms: a padding mask for both sides of self-attention, or a (query, key/value) pair."""
+    name = "DotProductAttention"
+    if mask_type not in PADDING_MASK_TYPES and mask_type != "arbitrary":
+        if mask is not None:
+            raise ValueError(f"{name}: attention_mask was given but attn_mask_type={mask_type!r} does not use it; "
+                             "use a padding type or 'arbitrary'")
+        return {}
+    if mask is None:
+        raise ValueError(f"{name}: attn_mask_type={mask_type!r} needs attention_mask (bool, True = masked out)")
+    if mask_type == "arbitrary":
+        return dict(attention_mask=mask)
+    b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
+    if isinstance(mask, (tuple, list)):
+        if len(mask) != 2:
+            raise ValueError(f"{name}: a padding attention_mask pair is (query mask, key/value mask), "
+                             f"got {len(mask)} tensors")
+        q_mask, kv_mask = mask
+    elif sq == sk:
+        q_mask = kv_mask = mask
+    else:
+        raise ValueError(f"{name}: query and key lengths differ ({sq} vs {sk}); give attn_mask_type={mask_type!r} "
+                         "a pair of padding masks (query mask (b, 1, 1, sq), key/value mask (b, 1, 1, sk))")
+    for arg, t, s in (("query", q_mask, sq), ("key/value", kv_mask, sk)):
+        if not isinstance(t, Tensor) or t.dtype != torch.bool or tuple(t.shape) != (b, 1, 1, s):
+            got = (tuple(t.shape), t.dtype) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name}: the {arg} padding mask must be a bool tensor of shape {(b, 1, 1, s)} "
+                             f"(True = padding), got {got}")
+    return dict(attention_mask=kv_mask, query_padding_mask=q_mask)
+
+
+def _extensions(**values) -> dict:
+    """The optional ops.attention arguments that differ from their defaults: a backend that
+    predates them still serves calls without them."""
+    return {k: v for k, v in values.items()
+            if v is not None and not (k == "core_attention_bias_type" and v == "no_bias")}
+
+
+def _core_attention(q, k, v, options: dict, checkpoint: bool) -> Tensor:
     def run(q, k, v):
-        return ops.attention(
-            q, k, v, attn_mask_type=mask_type, attention_mask=mask, softmax_scale=scale, dropout_p=dropout_p
-        )
+        return ops.attention(q, k, v, **options)
 
     if checkpoint and torch.is_grad_enabled():
         return torch.utils.checkpoint.checkpoint(run, q, k, v, use_reentrant=False)

@@ -111,8 +111,10 @@ class GroupedLinear(QuantizedModule):
     def _params(self, prefix: str) -> List[Tensor]:
         return [getattr(self, f"{prefix}{i}") for i in range(self.num_gemms)]
 
-    def forward(self, inp: Tensor, m_splits: Sequence[int], is_first_microbatch: Optional[bool] = None):
+    def forward(self, inp: Tensor, m_splits: Sequence[int], is_first_microbatch: Optional[bool] = None, **unsupported):
         name = "GroupedLinear"
+        if unsupported:  # out / dgrad_out (caller-provided output buffers) are not implemented
+            reject_unsupported(f"{name}.forward", **unsupported)
         check_input(inp, self.in_features, module=name, device=self.weight0.device)
         m_splits = [int(m) for m in m_splits]
         if len(m_splits) != self.num_gemms or any(m < 0 for m in m_splits):

@@ -7,6 +7,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from ..compat.te_checkpoint import accept_te_norm_extra_state
 from ._common import (
     reject_unsupported,
     check_input,
@@ -24,7 +25,7 @@ class _Norm(nn.Module):
 
     def __init__(
         self,
-        normalized_shape: Union[int, Sequence[int]],
+        normalized_shape: Union[None, int, Sequence[int]] = None,
         eps: float = 1e-5,
         sequence_parallel: Optional[bool] = None,
         params_dtype: Optional[torch.dtype] = None,
@@ -33,8 +34,13 @@ class _Norm(nn.Module):
         **kwargs,
     ):
         super().__init__()
+        self.register_load_state_dict_pre_hook(accept_te_norm_extra_state)  # Transformer Engine checkpoints
         if "hidden_size" in kwargs:  # Transformer Engine's older name for normalized_shape
-            normalized_shape = kwargs.pop("hidden_size")
+            hidden_size = kwargs.pop("hidden_size")
+            if normalized_shape is not None and hidden_size is not None:
+                raise ValueError(f"{type(self).__name__}: give normalized_shape or its older name hidden_size, "
+                                 "not both")
+            normalized_shape = hidden_size if normalized_shape is None else normalized_shape
         name = type(self).__name__
         reject_unsupported(name, sequence_parallel=sequence_parallel, **kwargs)
         self.normalized_shape, self._size = normalized_size(normalized_shape, name)

@@ -12,6 +12,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from ..distributed import tensor_parallel
 from ..quantization import gemm_slots
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_gemm
 from ._base import QuantizedModule
@@ -195,9 +196,13 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         return dx if needs_dx else None, d_ln_w, d_ln_b, dw, dbias, None, None, None, None, None
 
 
-class LayerNormLinear(QuantizedModule):
+class LayerNormLinear(tensor_parallel.TensorParallelMixin, QuantizedModule):
     """y = norm(x) @ weight.T + bias. Parameters layer_norm_weight, layer_norm_bias (LayerNorm
-    only), weight (out_features, in_features), bias."""
+    only), weight (out_features, in_features), bias.
+
+    parallel_mode="column" with tp_size > 1 splits out_features over the ranks of tp_group
+    (out_features then holds this rank's share); the norm runs on the whole input, replicated
+    or, under sequence_parallel, gathered along the sequence first."""
 
     def __init__(
         self,
@@ -221,20 +226,24 @@ class LayerNormLinear(QuantizedModule):
         **kwargs,
     ):
         name = "LayerNormLinear"
-        reject_unsupported(
-            name,
-            sequence_parallel=sequence_parallel,
-            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-            tp_group=tp_group,
-            tp_size=tp_size,
-            get_rng_state_tracker=get_rng_state_tracker,
-            parallel_mode=parallel_mode,
-            **kwargs,
-        )
+        reject_unsupported(name, fuse_wgrad_accumulation=fuse_wgrad_accumulation, **kwargs)
         super().__init__(SLOTS, device=device, params_dtype=params_dtype)
+        tensor_parallel.init_tensor_parallel(
+            self, name, tp_group=tp_group, tp_size=tp_size, parallel_mode=parallel_mode,
+            sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker,
+            rng_tracker_name=None)
+        if parallel_mode == "row" and self.tp_size > 1:
+            raise NotImplementedError(f"{name}: parallel_mode='row' with tp_size > 1 is not supported (the norm "
+                                      "would see only this rank's features); use LayerNorm and a row-parallel Linear")
+        if return_layernorm_output and self.tp_size > 1:
+            raise NotImplementedError(f"{name}: return_layernorm_output=True with tp_size > 1 is not supported yet")
         self.in_features = check_positive(in_features, name="in_features", module=name)
         self.out_features = check_positive(out_features, name="out_features", module=name)
+        if parallel_mode == "column":
+            self.out_features = tensor_parallel.split_size(out_features, self.tp_size, what="out_features", module=name)
+        out_features = self.out_features
         add_norm_parameters(self, in_features, normalization, eps, zero_centered_gamma, name)
+        tensor_parallel.mark_sequence_parallel(self, [self.layer_norm_weight, self.layer_norm_bias])
         self.return_bias, self.return_layernorm_output = return_bias, return_layernorm_output
         self.use_bias = bias
         factory = dict(device=self.device, dtype=self.params_dtype)
@@ -247,32 +256,41 @@ class LayerNormLinear(QuantizedModule):
     def reset_parameters(self) -> None:
         with torch.no_grad():
             reset_norm_parameters(self)
-            self.init_method(self.weight)
+            tensor_parallel.init_weight(self, self.init_method, self.weight)
             if self.bias is not None:
                 nn.init.zeros_(self.bias)
 
     def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False, *,
-                split_sizes: Optional[Sequence[int]] = None, return_residual: bool = False):
+                split_sizes: Optional[Sequence[int]] = None, return_residual: bool = False, **unsupported):
         """te-core extensions: `split_sizes` returns the output as a tuple of views split along
         its last dimension, as torch.split would; the backward then takes their gradients
         without concatenating them (a fused QKV projection feeding attention).
         `return_residual` also returns `inp` itself (last), to be the block's residual: its
         gradient is then summed into the input's inside the norm's backward."""
+        if fp8_output or unsupported:  # FP8 tensors between modules are not implemented
+            reject_unsupported("LayerNormLinear.forward", fp8_output=fp8_output, **unsupported)
         check_input(inp, self.in_features, module="LayerNormLinear", device=self.weight.device)
         if split_sizes is not None:
             split_sizes = check_split_sizes(split_sizes, self.out_features, "LayerNormLinear")
+        if self.sequence_parallel and return_residual:
+            raise NotImplementedError("LayerNormLinear: return_residual=True with sequence_parallel=True is not "
+                                      "supported yet; keep the residual from the module's input yourself")
         dtype = compute_dtype(inp)
-        x = inp.reshape(-1, self.in_features).to(dtype)
+        full_inp = inp
+        if self.parallel_mode == "column":  # cast first: the gather moves the compute dtype's bytes
+            full_inp = tensor_parallel.column_parallel_input(self, inp.to(dtype))
+        x = full_inp.reshape(-1, self.in_features).to(dtype)
         step = self.quantization_step(is_first_microbatch)
         check_fp8_gemms(step, "LayerNormLinear", (x.shape[0], self.out_features, self.in_features))
         bias = None if self.return_bias else self.bias
         norm = norm_settings(self)
-        residual_fused = fuse_residual(inp, x, return_residual)
+        # under tensor parallelism the residual's gradient must not join the input's before the sum
+        residual_fused = fuse_residual(inp, x, return_residual) and self.tp_size == 1
         with no_torch_autocast(inp.device.type):
             out = _LayerNormLinearFunction.apply(
                 x,
-                self.layer_norm_weight,
-                self.layer_norm_bias,
+                tensor_parallel.replicated_parameter(self, self.layer_norm_weight),
+                tensor_parallel.replicated_parameter(self, self.layer_norm_bias),
                 self.weight,
                 bias,
                 step,
@@ -284,4 +302,4 @@ class LayerNormLinear(QuantizedModule):
         out, ln_out, residual = unpack_outputs(out, inp, return_ln_out=self.return_layernorm_output,
                                                return_residual=return_residual, residual_fused=residual_fused)
         y = out[0] if split_sizes is None else tuple(out)
-        return fused_outputs(y, inp, self.out_features, self.bias if self.return_bias else None, ln_out, residual)
+        return fused_outputs(y, full_inp, self.out_features, self.bias if self.return_bias else None, ln_out, residual)

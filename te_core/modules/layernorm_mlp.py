@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
+from ..distributed import tensor_parallel
 from ..quantization import gemm_slots
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_gemm
 from . import _saved
@@ -139,10 +140,14 @@ class _LayerNormMLPFunction(torch.autograd.Function):
                 None, None, None, None, None)
 
 
-class LayerNormMLP(QuantizedModule):
+class LayerNormMLP(tensor_parallel.TensorParallelMixin, QuantizedModule):
     """y = fc2(act(fc1(norm(x)))). Parameters layer_norm_weight, layer_norm_bias (LayerNorm
     only), fc1_weight (ffn_hidden_size, or 2 * ffn_hidden_size for gated activations, x
-    hidden_size), fc1_bias, fc2_weight (hidden_size x ffn_hidden_size), fc2_bias."""
+    hidden_size), fc1_bias, fc2_weight (hidden_size x ffn_hidden_size), fc2_bias.
+
+    With tp_size > 1, fc1 is column-parallel and fc2 row-parallel, as in Transformer Engine:
+    each rank holds size_per_partition = ffn_hidden_size / tp_size of the FFN features (for a
+    gated activation, its block of each half of fc1), and fc2_bias whole, added after the sum."""
 
     def __init__(
         self,
@@ -167,27 +172,34 @@ class LayerNormMLP(QuantizedModule):
         **kwargs,
     ):
         name = "LayerNormMLP"
-        reject_unsupported(
-            name,
-            sequence_parallel=sequence_parallel,
-            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-            tp_group=tp_group,
-            tp_size=tp_size,
-            get_rng_state_tracker=get_rng_state_tracker,
-            **kwargs,
-        )
+        set_parallel_mode = kwargs.pop("set_parallel_mode", False)
+        reject_unsupported(name, fuse_wgrad_accumulation=fuse_wgrad_accumulation, **kwargs)
         super().__init__(SLOTS, device=device, params_dtype=params_dtype)
+        tensor_parallel.init_tensor_parallel(
+            self, name, tp_group=tp_group, tp_size=tp_size, parallel_mode=None,
+            sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker,
+            rng_tracker_name=None)
+        if self.tp_size > 1 and set_parallel_mode is not True:
+            raise ValueError(f"{name}: tp_size={self.tp_size} needs set_parallel_mode=True (fc1 column-parallel, fc2 "
+                             "row-parallel, as in Transformer Engine); without it TE splits the FFN weights but leaves "
+                             "the output a partial sum of the ranks'")
+        self.set_parallel_mode = set_parallel_mode
+        if return_layernorm_output and self.tp_size > 1:
+            raise NotImplementedError(f"{name}: return_layernorm_output=True with tp_size > 1 is not supported yet")
         self.hidden_size = check_positive(hidden_size, name="hidden_size", module=name)
         self.ffn_hidden_size = check_positive(ffn_hidden_size, name="ffn_hidden_size", module=name)
+        self.size_per_partition = tensor_parallel.split_size(ffn_hidden_size, self.tp_size, what="ffn_hidden_size",
+                                                             module=name)
         self.activation = check_activation(activation, name)
         add_norm_parameters(self, hidden_size, normalization, eps, zero_centered_gamma, name)
         self.return_bias, self.return_layernorm_output, self.use_bias = return_bias, return_layernorm_output, bias
         factory = dict(device=self.device, dtype=self.params_dtype)
-        fc1_out = 2 * ffn_hidden_size if is_gated(activation) else ffn_hidden_size
+        fc1_out = 2 * self.size_per_partition if is_gated(activation) else self.size_per_partition
         self.fc1_weight = nn.Parameter(torch.empty(fc1_out, hidden_size, **factory))
         self.fc1_bias = nn.Parameter(torch.empty(fc1_out, **factory)) if bias else None
-        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **factory))
+        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, self.size_per_partition, **factory))
         self.fc2_bias = nn.Parameter(torch.empty(hidden_size, **factory)) if bias else None
+        tensor_parallel.mark_sequence_parallel(self, [self.layer_norm_weight, self.layer_norm_bias, self.fc2_bias])
         self.init_method = init_method or default_init_method()
         self.output_layer_init_method = output_layer_init_method or default_init_method()
         self.reset_parameters()
@@ -200,31 +212,34 @@ class LayerNormMLP(QuantizedModule):
             for p in (self.fc1_bias, self.fc2_bias):
                 if p is not None:
                     nn.init.zeros_(p)
-            self.init_method(self.fc1_weight)
-            self.output_layer_init_method(self.fc2_weight)
+            tensor_parallel.init_weight(self, self.init_method, self.fc1_weight)
+            tensor_parallel.init_weight(self, self.output_layer_init_method, self.fc2_weight)
 
     def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None, *, return_residual: bool = False):
         """`return_residual` (te-core): also return `inp` itself (last), to be the block's
         residual: its gradient is then summed into the input's inside the norm's backward."""
         check_input(inp, self.hidden_size, module="LayerNormMLP", device=self.fc1_weight.device)
         dtype = compute_dtype(inp)
-        x = inp.reshape(-1, self.hidden_size).to(dtype)
+        # cast first: the gather under sequence parallelism moves the compute dtype's bytes
+        x = tensor_parallel.column_parallel_input(self, inp.to(dtype)).reshape(-1, self.hidden_size)
         step = self.quantization_step(is_first_microbatch)
         m = x.shape[0]
         check_fp8_gemms(
             step,
             "LayerNormMLP",
             (m, self.fc1_weight.shape[0], self.hidden_size),
-            (m, self.hidden_size, self.ffn_hidden_size),
+            (m, self.hidden_size, self.size_per_partition),
         )
-        fc2_bias = None if self.return_bias else self.fc2_bias
+        # with tp_size > 1 fc2_bias is added once, after the sum of the ranks' partial outputs
+        fc2_bias = None if self.return_bias or self.tp_size > 1 else self.fc2_bias
         norm = norm_settings(self)
-        residual_fused = fuse_residual(inp, x, return_residual)
+        # under tensor parallelism the residual's gradient must not join the input's before the sum
+        residual_fused = fuse_residual(inp, x, return_residual) and self.tp_size == 1
         with no_torch_autocast(inp.device.type):
             out = _LayerNormMLPFunction.apply(
                 x,
-                self.layer_norm_weight,
-                self.layer_norm_bias,
+                tensor_parallel.replicated_parameter(self, self.layer_norm_weight),
+                tensor_parallel.replicated_parameter(self, self.layer_norm_bias),
                 self.fc1_weight,
                 self.fc1_bias,
                 self.fc2_weight,
@@ -237,5 +252,7 @@ class LayerNormMLP(QuantizedModule):
             )
         out, ln_out, residual = unpack_outputs(out, inp, return_ln_out=self.return_layernorm_output,
                                                return_residual=return_residual, residual_fused=residual_fused)
+        if self.tp_size > 1:
+            out[0] = tensor_parallel.row_parallel_output(self, out[0], None if self.return_bias else self.fc2_bias)
         return fused_outputs(out[0], inp, self.hidden_size, self.fc2_bias if self.return_bias else None, ln_out,
                              residual)

@@ -11,6 +11,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from ..distributed import tensor_parallel
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_gemm
 from ..quantization.roles import gemm_slots
 from ._base import QuantizedModule
@@ -103,7 +104,7 @@ def _wgrad(dy_op, x_op, weight: Tensor, fuse_accumulation: bool) -> Optional[Ten
     return None
 
 
-class Linear(QuantizedModule):
+class Linear(tensor_parallel.TensorParallelMixin, QuantizedModule):
     """Applies y = x @ weight.T + bias. Runs in FP8 per the recipe under te_core.autocast,
     in high precision (ops.gemm) otherwise.
 
@@ -111,6 +112,10 @@ class Linear(QuantizedModule):
     out_features to be multiples of 16 (32 with MXFP8): otherwise a ValueError names the shape.
     With fuse_wgrad_accumulation=True the weight gradient is added into `weight.main_grad`
     (which you allocate) and weight.grad stays None.
+
+    Tensor parallelism (Transformer Engine's arguments, see te_core.distributed.tensor_parallel):
+    parallel_mode="column" splits out_features over the tp_size ranks of tp_group, "row" splits
+    in_features and sums the outputs; in_features / out_features then hold this rank's share.
     """
 
     def __init__(
@@ -126,24 +131,36 @@ class Linear(QuantizedModule):
         parallel_mode: Optional[str] = None,
         fuse_wgrad_accumulation: bool = False,
         name: Optional[str] = None,
+        sequence_parallel: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        get_rng_state_tracker=None,
+        rng_tracker_name: Optional[str] = None,
         **unsupported,
     ):
         reject_unsupported("Linear", **unsupported)
-        if parallel_mode not in (None, "column", "row"):
-            raise ValueError(f"Linear: parallel_mode={parallel_mode!r}; use None, 'column' or 'row' "
-                             "(the latter two are no-ops without tensor parallelism)")
         check_positive(in_features, name="in_features", module="Linear")
         check_positive(out_features, name="out_features", module="Linear")
         super().__init__(gemm_slots(), device=device, params_dtype=params_dtype)
+        tensor_parallel.init_tensor_parallel(
+            self, "Linear", tp_group=tp_group, tp_size=tp_size, parallel_mode=parallel_mode,
+            sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker,
+            rng_tracker_name=rng_tracker_name)
+        if parallel_mode == "column":
+            out_features = tensor_parallel.split_size(out_features, self.tp_size, what="out_features", module="Linear")
+        elif parallel_mode == "row":
+            in_features = tensor_parallel.split_size(in_features, self.tp_size, what="in_features", module="Linear")
         self.in_features, self.out_features = in_features, out_features
         self.return_bias, self.use_bias = return_bias, bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        self.parallel_mode, self.name = parallel_mode, name
+        self.name = name
         self._create_parameters(init_method or _default_init)
+        if parallel_mode == "row":
+            tensor_parallel.mark_sequence_parallel(self, [self.bias])
 
     def _create_parameters(self, init_method) -> None:
         weight = torch.empty(self.out_features, self.in_features, device=self.device, dtype=self.params_dtype)
-        init_method(weight)
+        tensor_parallel.init_weight(self, init_method, weight)
         quantizer = self.primary_weight_quantizer("weight")
         if quantizer is not None:
             weight = quantizer.quantize_primary(weight)
@@ -154,15 +171,23 @@ class Linear(QuantizedModule):
             self.register_parameter("bias", None)
 
     def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None, *,
-                split_sizes: Optional[Sequence[int]] = None):
+                split_sizes: Optional[Sequence[int]] = None, **unsupported):
         """`split_sizes` (te-core): the output as a tuple of views split along its last dimension,
         as torch.split would; the backward takes their gradients without concatenating them."""
+        if unsupported:  # fp8_output / fp8_grad: FP8 tensors between modules are not implemented
+            reject_unsupported("Linear.forward", **unsupported)
         check_input(inp, self.in_features, module="Linear", last_dim_name="in_features", device=self.weight.device)
+        reduce_output = self.parallel_mode == "row" and self.tp_size > 1  # then the bias goes after the sum
         if split_sizes is not None:
+            if reduce_output:
+                raise NotImplementedError("Linear: split_sizes with parallel_mode='row' and tp_size > 1 is not "
+                                          "supported; split the summed output yourself")
             split_sizes = check_split_sizes(split_sizes, self.out_features, "Linear")
+        if self.parallel_mode == "column":
+            inp = tensor_parallel.column_parallel_input(self, inp)
         step = self.quantization_step(is_first_microbatch)
         options = _Options(compute_dtype(inp), self.fuse_wgrad_accumulation, torch.is_grad_enabled())
-        fused_bias = None if self.return_bias else self.bias
+        fused_bias = None if self.return_bias or reduce_output else self.bias
         with no_torch_autocast(inp.device.type):  # operands are cast here, not by torch.autocast
             if options.grad_enabled and (inp.requires_grad or self.weight.requires_grad
                                          or (fused_bias is not None and fused_bias.requires_grad)):
@@ -170,6 +195,8 @@ class Linear(QuantizedModule):
             else:  # nothing to differentiate: skip the autograd Function's bookkeeping (inference)
                 y = _fprop(inp, self.weight, fused_bias, step, options)[0]
                 out = _output(y, inp) if split_sizes is None else _split_output(y, inp, split_sizes)
+        if reduce_output:
+            out = tensor_parallel.row_parallel_output(self, out, None if self.return_bias else self.bias)
         if self.return_bias:
             return out, self.bias
         return out
@@ -179,6 +206,6 @@ class Linear(QuantizedModule):
 
     def reset_parameters(self, init_method: Optional[Callable[[Tensor], None]] = None) -> None:
         with torch.no_grad():
-            (init_method or _default_init)(self.weight)
+            tensor_parallel.init_weight(self, init_method or _default_init, self.weight)
             if self.bias is not None:
                 self.bias.zero_()

@@ -7,9 +7,17 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from ..compat.te_checkpoint import load_split_qkv_names
 from ._base import QuantizedContainer
-from ._common import reject_unsupported, check_choice, check_divisible, check_input, check_normalization, check_positive
-from .attention import QKV_FORMATS, DotProductAttention
+from ._common import (
+    check_attention_heads,
+    check_choice,
+    check_input,
+    check_normalization,
+    check_positive,
+    reject_unsupported,
+)
+from .attention import PADDED_FORMATS, DotProductAttention
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 from .rope import apply_rotary_pos_emb
@@ -19,7 +27,10 @@ class MultiheadAttention(QuantizedContainer):
     """Self- or cross-attention block with Transformer Engine's constructor and submodule names
     (layernorm_qkv / qkv, layernorm_query / query_layer, key_value, core_attention, proj).
 
-    The fused QKV weight is laid out [q heads | k groups | v groups] along its output dimension.
+    The fused QKV weight is laid out [q heads | k groups | v groups] along its output dimension,
+    Transformer Engine's layout with fuse_qkv_params=False; with fuse_qkv_params=True and
+    qkv_weight_interleaved=True (TE's defaults for a fused weight) it is TE's interleaved
+    layout, per kv group [its q heads | k | v] (cross-attention's key_value: per group [k | v]).
     """
 
     def __init__(
@@ -33,39 +44,42 @@ class MultiheadAttention(QuantizedContainer):
         output_layer_init_method=None,
         layer_number: Optional[int] = None,
         attn_mask_type: str = "causal",
-        window_size=None,
+        window_size: Optional[Tuple[int, int]] = None,
+        bottom_right_diagonal: Optional[bool] = None,
+        *,
         num_gqa_groups: Optional[int] = None,
         params_dtype: Optional[torch.dtype] = None,
         return_layernorm_output: bool = False,
         input_layernorm: bool = False,
         attention_type: str = "self",
+        fuse_qkv_params: bool = False,
         zero_centered_gamma: bool = False,
+        qkv_weight_interleaved: bool = True,
+        rotary_pos_interleaved: bool = False,
         bias: bool = True,
         normalization: str = "LayerNorm",
         device: Union[None, str, torch.device] = None,
         qkv_format: str = "sbhd",
+        name: Optional[str] = None,
         **kwargs,
     ):
         super().__init__()
-        name = "MultiheadAttention"
-        reject_unsupported(name, **kwargs)
-        check_positive(hidden_size, name="hidden_size", module=name)
-        check_positive(num_attention_heads, name="num_attention_heads", module=name)
-        if kv_channels is None:
-            kv_channels = check_divisible(
-                hidden_size, num_attention_heads, what="hidden_size", by="num_attention_heads", module=name
-            )
-        self.num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
-        check_positive(self.num_gqa_groups, name="num_gqa_groups", module=name)
-        check_divisible(
-            num_attention_heads, self.num_gqa_groups, what="num_attention_heads", by="num_gqa_groups", module=name
-        )
-        check_normalization(normalization, name)
-        self.attention_type = check_choice(attention_type, ("self", "cross"), name="attention_type", module=name)
-        self.qkv_format = check_choice(qkv_format, QKV_FORMATS, name="qkv_format", module=name)
+        module = "MultiheadAttention"
+        reject_unsupported(module, **kwargs)
+        check_positive(hidden_size, name="hidden_size", module=module)
+        _, self.num_gqa_groups, kv_channels = check_attention_heads(
+            module, num_attention_heads, num_gqa_groups, hidden_size, kv_channels)
+        check_normalization(normalization, module)
+        self.attention_type = check_choice(attention_type, ("self", "cross"), name="attention_type", module=module)
+        # packed sequences ("thd") reach attention through DotProductAttention only, not this block
+        self.qkv_format = check_choice(qkv_format, PADDED_FORMATS, name="qkv_format", module=module)
         self.hidden_size, self.num_attention_heads, self.kv_channels = hidden_size, num_attention_heads, kv_channels
         self.input_layernorm, self.return_layernorm_output = input_layernorm, return_layernorm_output
-        self.layer_number = layer_number
+        self.layer_number, self.name = layer_number, name
+        self.fuse_qkv_params = bool(fuse_qkv_params)
+        # as in Transformer Engine: separate q, k, v weights are never interleaved
+        self.qkv_weight_interleaved = bool(qkv_weight_interleaved) and self.fuse_qkv_params
+        self.rotary_pos_interleaved = bool(rotary_pos_interleaved)
         q_size, kv_size = num_attention_heads * kv_channels, self.num_gqa_groups * kv_channels
         common = dict(params_dtype=params_dtype, device=device, bias=bias)
         # fmt: off
@@ -81,28 +95,38 @@ class MultiheadAttention(QuantizedContainer):
             self.key_value = Linear(hidden_size, 2 * kv_size, init_method=init_method, **common)
         self.core_attention = DotProductAttention(
             num_attention_heads, kv_channels, num_gqa_groups=self.num_gqa_groups, attention_dropout=attention_dropout,
-            qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window_size, layer_number=layer_number,
-            attention_type=attention_type)
+            qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window_size,
+            bottom_right_diagonal=bottom_right_diagonal, layer_number=layer_number, attention_type=attention_type)
         # fmt: on
         self.proj = Linear(q_size, hidden_size, init_method=output_layer_init_method, **common)
+        # Transformer Engine's checkpoints name separate q, k, v weights (its default); load them too
+        self.register_load_state_dict_pre_hook(load_split_qkv_names)
 
     def forward(
         self,
         hidden_states: Tensor,
-        attention_mask: Optional[Tensor] = None,
+        attention_mask: Union[None, Tensor, Tuple[Tensor, Tensor]] = None,
         encoder_output: Optional[Tensor] = None,
         attn_mask_type: Optional[str] = None,
+        window_size: Optional[Tuple[int, int]] = None,
+        bottom_right_diagonal: Optional[bool] = None,
         is_first_microbatch: Optional[bool] = None,
         checkpoint_core_attention: bool = False,
+        inference_params=None,
         rotary_pos_emb: Union[None, Tensor, Tuple[Tensor, Tensor]] = None,
+        core_attention_bias_type: str = "no_bias",
+        core_attention_bias: Optional[Tensor] = None,
+        alibi_slopes: Optional[Tensor] = None,
         *,
         return_residual: bool = False,
         **kwargs,
     ):
         """`return_residual` (te-core): also return `hidden_states` itself (last), to be the
         block's residual; with input_layernorm its gradient is summed into the input's inside
-        the norm's backward (see LayerNormLinear)."""
+        the norm's backward (see LayerNormLinear). Attention arguments (window_size,
+        core_attention_bias_type, cu_seqlens_*, ...) pass on to core_attention."""
         name = "MultiheadAttention"
+        reject_unsupported(f"{name}.forward", inference_params=inference_params)
         check_input(hidden_states, self.hidden_size, name="hidden_states", module=name)
         if hidden_states.dim() != 3:
             raise ValueError(
@@ -112,7 +136,8 @@ class MultiheadAttention(QuantizedContainer):
         h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
         residual = hidden_states if return_residual else None
         # q, k and v as views whose gradients the projection's backward reads in place
-        split = dict(split_sizes=(h * d, g * d, g * d)) if self.attention_type == "self" else {}
+        contiguous = self.attention_type == "self" and not self.qkv_weight_interleaved
+        split = dict(split_sizes=(h * d, g * d, g * d)) if contiguous else {}
         if self.input_layernorm:
             projected = proj_in(hidden_states, is_first_microbatch=is_first_microbatch, return_residual=return_residual,
                                 **split)
@@ -129,15 +154,13 @@ class MultiheadAttention(QuantizedContainer):
             q_freqs, k_freqs = (
                 rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list)) else (rotary_pos_emb, rotary_pos_emb)
             )
-            q = apply_rotary_pos_emb(q, q_freqs, tensor_format=self.qkv_format)
-            k = apply_rotary_pos_emb(k, k_freqs, tensor_format=self.qkv_format)
+            q = apply_rotary_pos_emb(q, q_freqs, tensor_format=self.qkv_format, interleaved=self.rotary_pos_interleaved)
+            k = apply_rotary_pos_emb(k, k_freqs, tensor_format=self.qkv_format, interleaved=self.rotary_pos_interleaved)
         context = self.core_attention(
-            q,
-            k,
-            v,
-            attention_mask=attention_mask,
-            attn_mask_type=attn_mask_type,
-            checkpoint_core_attention=checkpoint_core_attention,
+            q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type, window_size=window_size,
+            bottom_right_diagonal=bottom_right_diagonal, checkpoint_core_attention=checkpoint_core_attention,
+            core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
+            alibi_slopes=alibi_slopes, **kwargs,
         )
         out = self.proj(context, is_first_microbatch=is_first_microbatch)
         result = (out,) + ((ln_out,) if ln_out is not None else ()) + ((residual,) if return_residual else ())
@@ -149,16 +172,21 @@ class MultiheadAttention(QuantizedContainer):
         h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
         lead = (projected[0] if isinstance(projected, tuple) else projected).shape[:2]
         if self.attention_type == "self":
-            q, k, v = projected if isinstance(projected, tuple) else projected.split([h * d, g * d, g * d], dim=-1)
+            if self.qkv_weight_interleaved:  # per kv group: its h // g query heads, then k, then v
+                q, k, v = projected.view(*lead, g, h // g + 2, d).split([h // g, 1, 1], dim=-2)
+            else:
+                q, k, v = projected if isinstance(projected, tuple) else projected.split([h * d, g * d, g * d], dim=-1)
+            return q.reshape(*lead, h, d), k.reshape(*lead, g, d), v.reshape(*lead, g, d)
+        if encoder_output is None:
+            raise ValueError("MultiheadAttention: attention_type='cross' needs encoder_output")
+        check_input(encoder_output, self.hidden_size, name="encoder_output", module="MultiheadAttention")
+        kv = self.key_value(encoder_output, is_first_microbatch=is_first_microbatch)
+        kv_lead = kv.shape[:2]
+        if self.qkv_weight_interleaved:  # per kv group: k then v
+            k, v = kv.view(*kv_lead, g, 2 * d).split([d, d], dim=-1)
         else:
-            if encoder_output is None:
-                raise ValueError("MultiheadAttention: attention_type='cross' needs encoder_output")
-            check_input(encoder_output, self.hidden_size, name="encoder_output", module="MultiheadAttention")
-            q = projected
-            kv = self.key_value(encoder_output, is_first_microbatch=is_first_microbatch)
             k, v = kv.split([g * d, g * d], dim=-1)
-            return q.reshape(*lead, h, d), k.reshape(*kv.shape[:2], g, d), v.reshape(*kv.shape[:2], g, d)
-        return q.reshape(*lead, h, d), k.reshape(*lead, g, d), v.reshape(*lead, g, d)
+        return projected.reshape(*lead, h, d), k.reshape(*kv_lead, g, d), v.reshape(*kv_lead, g, d)
 
 
 def _input_proj_name(attention_type: str, input_layernorm: bool) -> str:

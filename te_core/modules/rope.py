@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
-from ._common import check_choice
+from ._common import check_choice, reject_unsupported
 
 
 class RotaryPositionEmbedding(nn.Module):
@@ -34,12 +34,16 @@ class RotaryPositionEmbedding(nn.Module):
         inv_freq = 1.0 / (rotary_base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        self.pretrained_max_position_embeddings = pretrained_max_position_embeddings
         self.interleaved = interleaved
 
     def forward(self, max_seq_len: int, offset: int = 0) -> Tensor:
         pos = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=torch.float32) + offset
-        if self.seq_len_interpolation_factor is not None:
-            pos = pos / self.seq_len_interpolation_factor
+        # Transformer Engine interpolates positions only when both are set: by the factor up to
+        # pretrained * factor positions, beyond that by max_seq_len / pretrained (dynamic)
+        factor, pretrained = self.seq_len_interpolation_factor, self.pretrained_max_position_embeddings
+        if factor is not None and pretrained is not None:
+            pos = pos * (pretrained / max_seq_len) if max_seq_len > pretrained * factor else pos / factor
         freqs = torch.outer(pos, self.inv_freq)
         emb = torch.stack((freqs, freqs), dim=-1).flatten(-2) if self.interleaved else torch.cat((freqs, freqs), dim=-1)
         return emb.reshape(max_seq_len, 1, 1, -1)
@@ -63,6 +67,8 @@ def apply_rotary_pos_emb(
     t: Tensor, freqs: Tensor, tensor_format: str = "sbhd", interleaved: bool = False, fused: bool = True, **kwargs
 ) -> Tensor:
     """Rotate t ((s, b, h, d) or (b, s, h, d)) by freqs ((s_max, 1, 1, r) float32, s_max >= s)."""
+    if kwargs:  # start_positions, cu_seqlens, cp_size, cp_rank
+        reject_unsupported("apply_rotary_pos_emb", **kwargs)
     check_choice(tensor_format, ("sbhd", "bshd"), name="tensor_format", module="apply_rotary_pos_emb")
     if t.dim() != 4:
         raise ValueError(f"apply_rotary_pos_emb: t must be 4-D ({tensor_format}), got shape {tuple(t.shape)}")

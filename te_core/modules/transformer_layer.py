@@ -4,7 +4,7 @@ residual connections, in Transformer Engine's layout and submodule names
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -14,12 +14,12 @@ from ._common import (
     reject_unsupported,
     check_activation,
     check_choice,
-    check_divisible,
+    check_attention_heads,
     check_input,
     check_normalization,
     check_positive,
 )
-from .attention import QKV_FORMATS
+from .attention import PADDED_FORMATS
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_mlp import LayerNormMLP
 from .multihead_attention import MultiheadAttention
@@ -40,37 +40,49 @@ class TransformerLayer(QuantizedContainer):
         layer_number: Optional[int] = None,
         kv_channels: Optional[int] = None,
         self_attn_mask_type: str = "causal",
-        window_size=None,
+        window_size: Optional[Tuple[int, int]] = None,
+        bottom_right_diagonal: Optional[bool] = None,
         enc_dec_attn_mask_type: str = "no_mask",
+        enc_dec_bottom_right_diagonal: Optional[bool] = None,
+        enc_dec_window_size: Optional[Tuple[int, int]] = None,
+        *,
         params_dtype: Optional[torch.dtype] = None,
         apply_residual_connection_post_layernorm: bool = False,
         output_layernorm: bool = False,
         parallel_attention_mlp: bool = False,
         layer_type: str = "encoder",
-        drop_path_rate: float = 0.0,
+        fuse_qkv_params: bool = False,
+        rotary_pos_interleaved: bool = False,
         zero_centered_gamma: bool = False,
+        qkv_weight_interleaved: bool = True,
+        ub_tp_comm_overlap: bool = False,
+        ub_overlap_ag: bool = True,
+        ub_overlap_rs: bool = True,
+        ub_overlap_rs_dgrad: bool = False,
+        ub_bulk_dgrad: bool = True,
+        ub_bulk_wgrad: bool = True,
         bias: bool = True,
         activation: str = "gelu",
         normalization: str = "LayerNorm",
         device: Union[None, str, torch.device] = None,
         attn_input_format: str = "sbhd",
+        name: Optional[str] = None,
         **kwargs,
     ):
+        """The ub_overlap_* / ub_bulk_* flags only choose overlaps inside userbuffers
+        communication, which ub_tp_comm_overlap=True would enable and te-core rejects; without
+        it they select nothing, in Transformer Engine as here."""
         super().__init__()
-        name = "TransformerLayer"
-        reject_unsupported(name, **kwargs)
+        debug_name, name = name, "TransformerLayer"
+        reject_unsupported(name, ub_tp_comm_overlap=ub_tp_comm_overlap, **kwargs)
         check_positive(hidden_size, name="hidden_size", module=name)
         check_positive(ffn_hidden_size, name="ffn_hidden_size", module=name)
-        check_positive(num_attention_heads, name="num_attention_heads", module=name)
-        if kv_channels is None:
-            check_divisible(hidden_size, num_attention_heads, what="hidden_size", by="num_attention_heads", module=name)
+        check_attention_heads(name, num_attention_heads, num_gqa_groups, hidden_size, kv_channels)
         check_activation(activation, name)
         check_normalization(normalization, name)
         self.layer_type = check_choice(layer_type, ("encoder", "decoder"), name="layer_type", module=name)
-        check_choice(attn_input_format, QKV_FORMATS, name="attn_input_format", module=name)
-        if drop_path_rate:
-            raise NotImplementedError(f"{name}: drop_path_rate={drop_path_rate} (stochastic depth) is not supported")
-        self.hidden_size = hidden_size
+        check_choice(attn_input_format, PADDED_FORMATS, name="attn_input_format", module=name)
+        self.hidden_size, self.name = hidden_size, debug_name
         self.hidden_dropout = hidden_dropout
         self.apply_residual_connection_post_layernorm = apply_residual_connection_post_layernorm
         self.parallel_attention_mlp = parallel_attention_mlp
@@ -82,13 +94,18 @@ class TransformerLayer(QuantizedContainer):
         attention = dict(num_gqa_groups=num_gqa_groups, kv_channels=kv_channels, attention_dropout=attention_dropout,
                          init_method=init_method, output_layer_init_method=output_layer_init_method,
                          layer_number=layer_number, input_layernorm=True, qkv_format=attn_input_format,
+                         fuse_qkv_params=fuse_qkv_params, qkv_weight_interleaved=qkv_weight_interleaved,
+                         rotary_pos_interleaved=rotary_pos_interleaved,
                          return_layernorm_output=apply_residual_connection_post_layernorm,
                          layernorm_epsilon=layernorm_epsilon, **common)
         self.self_attention = MultiheadAttention(hidden_size, num_attention_heads, attn_mask_type=self_attn_mask_type,
-                                                 window_size=window_size, attention_type="self", **attention)
+                                                 window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
+                                                 attention_type="self", **attention)
         if layer_type == "decoder":
             self.inter_attention = MultiheadAttention(hidden_size, num_attention_heads, attention_type="cross",
-                                                      attn_mask_type=enc_dec_attn_mask_type, **attention)
+                                                      attn_mask_type=enc_dec_attn_mask_type,
+                                                      window_size=enc_dec_window_size,
+                                                      bottom_right_diagonal=enc_dec_bottom_right_diagonal, **attention)
         self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, eps=layernorm_epsilon, init_method=init_method,
                                           output_layer_init_method=output_layer_init_method, activation=activation,
                                           return_layernorm_output=apply_residual_connection_post_layernorm, **common)
@@ -104,16 +121,26 @@ class TransformerLayer(QuantizedContainer):
     def forward(
         self,
         hidden_states: Tensor,
-        attention_mask: Optional[Tensor] = None,
+        attention_mask: Union[None, Tensor, Tuple[Tensor, Tensor]] = None,
         self_attn_mask_type: Optional[str] = None,
+        window_size: Optional[Tuple[int, int]] = None,
+        bottom_right_diagonal: Optional[bool] = None,
         encoder_output: Optional[Tensor] = None,
-        enc_dec_attn_mask: Optional[Tensor] = None,
+        enc_dec_attn_mask: Union[None, Tensor, Tuple[Tensor, Tensor]] = None,
         enc_dec_attn_mask_type: Optional[str] = None,
+        enc_dec_window_size: Optional[Tuple[int, int]] = None,
+        enc_dec_bottom_right_diagonal: Optional[bool] = None,
         is_first_microbatch: Optional[bool] = None,
         checkpoint_core_attention: bool = False,
+        inference_params=None,
         rotary_pos_emb=None,
+        core_attention_bias_type: str = "no_bias",
+        core_attention_bias: Optional[Tensor] = None,
+        alibi_slopes: Optional[Tensor] = None,
         **kwargs,
     ) -> Tensor:
+        """As Transformer Engine: the bias, rotary and sequence-length arguments (cu_seqlens_*,
+        max_seqlen_*, fast_zero_fill, ...) go to both attention blocks."""
         name = "TransformerLayer"
         check_input(hidden_states, self.hidden_size, name="hidden_states", module=name)
         if hidden_states.dim() != 3:
@@ -122,17 +149,22 @@ class TransformerLayer(QuantizedContainer):
             )
         if self.layer_type == "decoder" and encoder_output is None:
             raise ValueError(f"{name}: layer_type='decoder' needs encoder_output")
+        shared = dict(is_first_microbatch=is_first_microbatch, checkpoint_core_attention=checkpoint_core_attention,
+                      inference_params=inference_params, rotary_pos_emb=rotary_pos_emb,
+                      core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
+                      alibi_slopes=alibi_slopes)
+        # self-attention's keys are its queries: it takes the query-side lengths for both, as in TE
+        self_kwargs = {k: v for k, v in kwargs.items() if k not in ("cu_seqlens_kv", "max_seqlen_kv")}
+        for q_name, kv_name in (("cu_seqlens_q", "cu_seqlens_kv"), ("max_seqlen_q", "max_seqlen_kv")):
+            if kwargs.get(q_name) is not None:
+                self_kwargs[kv_name] = kwargs[q_name]
         # the residuals come back from the blocks that normalize them (return_residual), so that
         # their gradients are summed inside the norms' backward kernels, not by separate adds
         fuse = not self.apply_residual_connection_post_layernorm and not self.parallel_attention_mlp
         attn = self.self_attention(
-            hidden_states,
-            attention_mask=attention_mask,
-            attn_mask_type=self_attn_mask_type or self.self_attn_mask_type,
-            is_first_microbatch=is_first_microbatch,
-            checkpoint_core_attention=checkpoint_core_attention,
-            rotary_pos_emb=rotary_pos_emb,
-            return_residual=fuse,
+            hidden_states, attention_mask=attention_mask,
+            attn_mask_type=self_attn_mask_type or self.self_attn_mask_type, window_size=window_size, bottom_right_diagonal=bottom_right_diagonal, return_residual=fuse,
+            **shared, **self_kwargs,
         )
         attn, residual = attn if fuse else self._residual_source(attn, hidden_states)
         if self.parallel_attention_mlp:
@@ -144,13 +176,9 @@ class TransformerLayer(QuantizedContainer):
         hidden = residual + self._dropout(attn)
         if self.layer_type == "decoder":
             cross = self.inter_attention(
-                hidden,
-                attention_mask=enc_dec_attn_mask,
-                encoder_output=encoder_output,
-                attn_mask_type=enc_dec_attn_mask_type or self.enc_dec_attn_mask_type,
-                is_first_microbatch=is_first_microbatch,
-                checkpoint_core_attention=checkpoint_core_attention,
-                return_residual=fuse,
+                hidden, attention_mask=enc_dec_attn_mask, encoder_output=encoder_output,
+                attn_mask_type=enc_dec_attn_mask_type or self.enc_dec_attn_mask_type, window_size=enc_dec_window_size,
+                bottom_right_diagonal=enc_dec_bottom_right_diagonal, return_residual=fuse, **shared, **kwargs,
             )
             cross, residual = cross if fuse else self._residual_source(cross, hidden)
             hidden = residual + self._dropout(cross)
@@ -169,3 +197,4 @@ class TransformerLayer(QuantizedContainer):
 
     def _dropout(self, x: Tensor) -> Tensor:
         return nn.functional.dropout(x, p=self.hidden_dropout, training=self.training)
+

@@ -4,6 +4,7 @@ Calling an op (`te_core.ops.gemm_fp8(...)`) runs the selected backend's implemen
 the reference one where the backend lacks it or declines the call. Each op's signature and
 docstring in its family module is its specification; `CONTRACT` maps names to ops.
 """
+from ._library import register_all
 from ._spec import CONTRACT, Op
 from .activation import (
     ACTIVATIONS,
@@ -34,6 +35,8 @@ from .optimizer import multi_tensor_adam
 from .rope import rope_bwd, rope_fwd
 from .scaling import delayed_scaling_update
 from .softmax import softmax_bwd, softmax_fwd
+
+register_all(CONTRACT)  # the torch.library twins torch.compile records (te_core.ops._library)
 
 FAMILIES = ("cast", "gemm", "norm", "activation", "softmax", "rope", "attention", "loss", "optimizer", "scaling")
 

@@ -1,12 +1,15 @@
 """How a contract op is declared: a stub whose signature and docstring are the specification.
 
 `@contract_op(family)` turns the stub into an `Op`: calling it dispatches to the selected
-backend's implementation (see te_core.backend.dispatch). The stub body is never run.
+backend's implementation (see te_core.backend.dispatch). The stub body is never run. While
+torch.compile traces, the call records the op's torch.library twin instead (te_core.ops._library).
 """
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Sequence
+
+import torch
 
 from ..backend.types import Capabilities
 
@@ -19,13 +22,17 @@ CONTRACT: Dict[str, "Op"] = {}
 class Op:
     """A contract op: its specification plus a dispatching `__call__`."""
 
-    def __init__(self, stub: Callable[..., Any], family: str, capability_check: Optional[CapabilityCheck]):
+    def __init__(self, stub: Callable[..., Any], family: str, capability_check: Optional[CapabilityCheck],
+                 mutates: Sequence[str] = ()):
         self.name = stub.__name__
         self.family = family
         self.signature = inspect.signature(stub)
         self.__doc__ = stub.__doc__
         self.__wrapped__ = stub
         self.capability_check = capability_check
+        self.mutates = tuple(mutates)  # arguments written in place besides amax_out / out
+        self.n_outputs = None  # set by te_core.ops._library.register_all
+        self.untraceable: Optional[str] = None  # why register_all could not make its twin, if it could not
         self._cache = None  # (registry generation, Resolution); filled by dispatch
 
     def check_capabilities(self, caps: Capabilities, args, kwargs) -> Optional[str]:
@@ -35,6 +42,10 @@ class Op:
         return self.capability_check(caps, *args, **kwargs)
 
     def __call__(self, *args, **kwargs):
+        if _is_compiling():
+            from ._library import traced_call
+
+            return traced_call(self, args, kwargs)
         return _dispatch()(self, args, kwargs)
 
     def __repr__(self) -> str:
@@ -42,6 +53,7 @@ class Op:
 
 
 _DISPATCH = None
+_is_compiling = torch.compiler.is_compiling
 
 
 def _dispatch():
@@ -53,11 +65,14 @@ def _dispatch():
     return _DISPATCH
 
 
-def contract_op(family: str, capability_check: Optional[CapabilityCheck] = None):
+def contract_op(family: str, capability_check: Optional[CapabilityCheck] = None, *, mutates: Sequence[str] = ()):
+    """Declare an op of `family`. `mutates`: arguments the op writes in place other than
+    `amax_out` and `out` (which always are), declared as such to torch.library."""
+
     def declare(stub: Callable[..., Any]) -> Op:
         if stub.__name__ in CONTRACT:
             raise RuntimeError(f"contract op {stub.__name__!r} declared twice")
-        op = Op(stub, family, capability_check)
+        op = Op(stub, family, capability_check, mutates)
         CONTRACT[op.name] = op
         return op
 

@@ -8,7 +8,7 @@ from torch import Tensor
 from ._spec import contract_op
 
 
-@contract_op("optimizer")
+@contract_op("optimizer", mutates=("params", "exp_avgs", "exp_avg_sqs"))
 def multi_tensor_adam(
     params: List[Tensor],
     grads: List[Tensor],

@@ -9,8 +9,11 @@ import threading
 import warnings
 from contextlib import ContextDecorator, contextmanager
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
+import torch
+
+from .._tracing import run_while_tracing
 from ..recipe import DelayedScaling, Recipe
 from .scaling import PendingUpdates, ScalingGroup
 
@@ -61,6 +64,14 @@ def _check_recipe(recipe, where: str) -> Recipe:
     return recipe
 
 
+@run_while_tracing
+def _fp8_unavailable_reason() -> str:
+    """"" when the selected backend runs FP8, else why not. torch.compile runs this while tracing
+    and keeps the answer as a constant, rather than tracing (and guarding on) the registry."""
+    ok, reason = is_fp8_available(return_reason=True)
+    return "" if ok else (reason or "FP8 is not available")
+
+
 class autocast(ContextDecorator):
     """Run te_core modules in FP8 (`enabled`) per `recipe` (default DelayedScaling()).
 
@@ -79,8 +90,8 @@ class autocast(ContextDecorator):
     def __enter__(self):
         recipe = _check_recipe(self.recipe, "autocast")
         if self.enabled:
-            ok, reason = is_fp8_available()
-            if not ok:
+            reason = _fp8_unavailable_reason()
+            if reason:
                 raise RuntimeError(f"autocast(enabled=True): FP8 is not available on the selected backend: {reason}")
         stack = _STATE.stack
         updates = stack[0].forward_updates if stack else PendingUpdates()
@@ -108,8 +119,12 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Op
 
 
 @contextmanager
-def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None):
+def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
+                         preserve_high_precision_init_val: bool = False):
     """Modules created inside keep their weights only in quantized form (primary FP8 weights)."""
+    if preserve_high_precision_init_val:
+        raise NotImplementedError("quantized_model_init: preserve_high_precision_init_val=True (keeping the "
+                                  "high-precision initial weights on the side) is not implemented by te-core yet")
     _STATE.model_init.append(_check_recipe(recipe, "quantized_model_init") if enabled else None)
     try:
         yield
@@ -117,10 +132,11 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None):
         _STATE.model_init.pop()
 
 
-def fp8_model_init(enabled: bool = True, recipe: Optional[Recipe] = None):
+def fp8_model_init(enabled: bool = True, recipe: Optional[Recipe] = None, preserve_high_precision_init_val: bool = False):
     """Transformer Engine's older name for `quantized_model_init`."""
     warnings.warn("fp8_model_init is deprecated; use te_core.quantized_model_init", DeprecationWarning, stacklevel=2)
-    return quantized_model_init(enabled=enabled, recipe=recipe)
+    return quantized_model_init(enabled=enabled, recipe=recipe,
+                                preserve_high_precision_init_val=preserve_high_precision_init_val)
 
 
 def model_init_recipe() -> Optional[Recipe]:
@@ -129,28 +145,37 @@ def model_init_recipe() -> Optional[Recipe]:
     return stack[-1] if stack else None
 
 
-def is_fp8_available() -> Tuple[bool, str]:
-    """(True, "") when the selected backend runs FP8 (E4M3) on its device, else (False, reason)."""
+def _answer(ok: bool, reason: str, return_reason: bool) -> Union[bool, Tuple[bool, str]]:
+    """Transformer Engine's convention: a bool, or (bool, reason) when return_reason."""
+    return (ok, reason) if return_reason else ok
+
+
+def is_fp8_available(return_reason: bool = False) -> Union[bool, Tuple[bool, str]]:
+    """Whether the selected backend runs FP8 (E4M3) on its device: a bool, or (bool, reason)
+    with return_reason=True (reason is "" when available), as in Transformer Engine."""
     from .. import backend
 
-    return backend.is_fp8_available()
+    ok, reason = backend.is_fp8_available()
+    return _answer(ok, reason, return_reason)
 
 
 def _native_scaling(mode: str) -> Tuple[bool, str]:
     from .. import backend
 
-    ok, reason = is_fp8_available()
+    ok, reason = backend.is_fp8_available()
     if not ok:
         return ok, reason
     why = backend.get_backend().capabilities.check_scaling(mode)
     return (why is None), (why or "")
 
 
-def is_mxfp8_available() -> Tuple[bool, str]:
-    """Whether MXFP8 GEMMs run natively; if not, MXFP8BlockScaling still works, emulated."""
-    return _native_scaling("mxfp8")
+def is_mxfp8_available(return_reason: bool = False) -> Union[bool, Tuple[bool, str]]:
+    """Whether MXFP8 GEMMs run natively (bool, or (bool, reason) with return_reason=True); if
+    not, MXFP8BlockScaling still works, emulated."""
+    return _answer(*_native_scaling("mxfp8"), return_reason)
 
 
-def is_fp8_block_scaling_available() -> Tuple[bool, str]:
-    """Whether 1x128/128x128 block-scaled GEMMs run natively (emulated otherwise)."""
-    return _native_scaling("block_1x128_128x128")
+def is_fp8_block_scaling_available(return_reason: bool = False) -> Union[bool, Tuple[bool, str]]:
+    """Whether 1x128/128x128 block-scaled GEMMs run natively (bool, or (bool, reason) with
+    return_reason=True); emulated otherwise."""
+    return _answer(*_native_scaling("block_1x128_128x128"), return_reason)

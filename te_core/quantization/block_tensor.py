@@ -1,7 +1,8 @@
 """Block-scaled quantized tensors: 1x128 / 128x128 FP8 blocks, and MXFP8 (1x32, E8M0 scales).
 
 Unlike a Float8Tensor, the column-wise copy cannot be derived from the row-wise data (blocks
-run along the other dimension), so it is produced by the quantizer when asked for.
+run along the other dimension), so it is produced by the quantizer when asked for. Each
+format has a compile-time twin (the same methods on a plain object; see QuantizedOperand).
 """
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from .tensor import BLOCK_1x128, BLOCK_128x128, MX_1x32, GemmOperand, QuantizedTensor
+from .tensor import BLOCK_1x128, BLOCK_128x128, MX_1x32, GemmOperand, QuantizedOperand, QuantizedTensor
 
 
-class _TwoLayoutTensor(QuantizedTensor):
+class _TwoLayout:
     """2-D data (M, K) with scale_inv, and optionally the column-wise pair (K, M)."""
 
     _data: Tensor
@@ -24,7 +25,9 @@ class _TwoLayoutTensor(QuantizedTensor):
 
     @classmethod
     def make(cls, data, scale_inv, data_t, scale_inv_t, *, nominal_dtype, quantizer=None, **extra):
-        self = QuantizedTensor.__new__(cls, data.shape, nominal_dtype, data.device, quantizer)
+        if cls._traced_twin is not None and torch.compiler.is_compiling():
+            cls = cls._traced_twin
+        self = cls.__new__(cls, data.shape, nominal_dtype, data.device, quantizer)
         self._data, self._scale_inv, self._data_t, self._scale_inv_t = data, scale_inv, data_t, scale_inv_t
         for name, value in extra.items():
             setattr(self, name, value)
@@ -53,7 +56,7 @@ class _TwoLayoutTensor(QuantizedTensor):
         return {"_data": self._data, "_scale_inv": self._scale_inv, "_data_t": self._data_t,
                 "_scale_inv_t": self._scale_inv_t}
 
-    def columnwise_only(self) -> "_TwoLayoutTensor":
+    def columnwise_only(self) -> "_TwoLayout":
         self.columnwise()  # raises the clear error when there is no column-wise copy
         twin = self._same_kind()
         twin._data = twin._scale_inv = None
@@ -75,14 +78,10 @@ class _TwoLayoutTensor(QuantizedTensor):
         return GemmOperand(self._data, self._scale_inv, self._operand_kind(False))
 
 
-class Float8BlockwiseTensor(_TwoLayoutTensor):
+class _BlockwiseLayout(_TwoLayout):
     """FP8 with one float32 scale per 1x128 run (`_block_2d` False) or 128x128 tile (True)."""
 
     _block_2d: bool
-
-    @staticmethod
-    def __new__(cls, shape, nominal_dtype, device, quantizer=None):
-        return QuantizedTensor.__new__(cls, shape, nominal_dtype, device, quantizer)
 
     def _same_kind(self):
         twin = super()._same_kind()
@@ -96,15 +95,31 @@ class Float8BlockwiseTensor(_TwoLayoutTensor):
         return ops.dequantize_blockwise(data, scale_inv, self._block_2d, dtype)
 
 
-class MXFP8Tensor(_TwoLayoutTensor):
+class _MXLayout(_TwoLayout):
     """MXFP8: FP8 data with a uint8 E8M0 scale (2^(s-127)) per 1x32 run of a row."""
-
-    @staticmethod
-    def __new__(cls, shape, nominal_dtype, device, quantizer=None):
-        return QuantizedTensor.__new__(cls, shape, nominal_dtype, device, quantizer)
 
     def _operand_kind(self, columnwise: bool) -> str:
         return MX_1x32
 
     def _dequantize_layout(self, data, scale_inv, dtype) -> Tensor:
         return ops.dequantize_mxfp8(data, scale_inv, dtype)
+
+
+class Float8BlockwiseTensor(_BlockwiseLayout, QuantizedTensor):
+    __doc__ = _BlockwiseLayout.__doc__
+
+
+class MXFP8Tensor(_MXLayout, QuantizedTensor):
+    __doc__ = _MXLayout.__doc__
+
+
+class Float8BlockwiseOperand(_BlockwiseLayout, QuantizedOperand):
+    """Float8BlockwiseTensor's twin while torch.compile traces."""
+
+
+class MXFP8Operand(_MXLayout, QuantizedOperand):
+    """MXFP8Tensor's twin while torch.compile traces."""
+
+
+Float8BlockwiseTensor._traced_twin = Float8BlockwiseOperand
+MXFP8Tensor._traced_twin = MXFP8Operand

@@ -1,4 +1,5 @@
-"""Float8Tensor: per-tensor scaled FP8 data (delayed and current scaling)."""
+"""Float8Tensor: per-tensor scaled FP8 data (delayed and current scaling), and its compile-time
+twin Float8Operand (the same methods on a plain object; see QuantizedOperand)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,10 +8,10 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from .tensor import TENSOR, GemmOperand, QuantizedTensor
+from .tensor import TENSOR, GemmOperand, QuantizedOperand, QuantizedTensor
 
 
-class Float8Tensor(QuantizedTensor):
+class _Float8Layout:
     """x ~= _data * _scale_inv. `_data` has x's shape (FP8); `_transpose` is the column-wise
     copy (K, M) of a 2-D tensor, kept only when a backward GEMM needs it; `_scale_inv` is a
     1-element float32 snapshot taken at quantization (later scale updates don't change it)."""
@@ -19,13 +20,11 @@ class Float8Tensor(QuantizedTensor):
     _scale_inv: Tensor
     _transpose: Optional[Tensor]
 
-    @staticmethod
-    def __new__(cls, shape, nominal_dtype, device, quantizer=None):
-        return QuantizedTensor.__new__(cls, shape, nominal_dtype, device, quantizer)
-
     @classmethod
     def make(cls, data: Tensor, scale_inv: Tensor, transpose: Optional[Tensor], *, nominal_dtype: torch.dtype,
              quantizer=None) -> "Float8Tensor":
+        if cls._traced_twin is not None and torch.compiler.is_compiling():
+            cls = cls._traced_twin
         self = cls.__new__(cls, data.shape, nominal_dtype, data.device, quantizer)
         self._data, self._transpose = data, transpose
         self._scale_inv = scale_inv if scale_inv.dim() == 1 else scale_inv.reshape(1)
@@ -67,3 +66,14 @@ class Float8Tensor(QuantizedTensor):
 
     def _payload(self) -> dict:
         return {"_data": self._data, "_scale_inv": self._scale_inv, "_transpose": self._transpose}
+
+
+class Float8Tensor(_Float8Layout, QuantizedTensor):
+    __doc__ = _Float8Layout.__doc__
+
+
+class Float8Operand(_Float8Layout, QuantizedOperand):
+    """Float8Tensor's twin while torch.compile traces."""
+
+
+Float8Tensor._traced_twin = Float8Operand

@@ -13,9 +13,11 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from ..backend.dispatch import resolution
+from ..backend.plugin import BackendError
 from ..backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, MXFP8, TENSORWISE
 from ..recipe import default_split_accumulator
-from .tensor import BLOCK_1x128, BLOCK_128x128, MX_1x32, TENSOR, GemmOperand, QuantizedTensor
+from .tensor import BLOCK_1x128, BLOCK_128x128, MX_1x32, QUANTIZED, TENSOR, GemmOperand, QuantizedTensor
 
 Operand = Union[Tensor, QuantizedTensor]
 
@@ -48,7 +50,7 @@ def wgrad_gemm(dy: Operand, x: Operand, *, out_dtype: torch.dtype, out: Optional
 def keep_columnwise(t: Operand) -> Operand:
     """What to save for backward of an operand only a wgrad/dgrad will read: a QuantizedTensor's
     column-wise copy alone (half the bytes); a plain tensor as it is."""
-    return t.columnwise_only() if isinstance(t, QuantizedTensor) else t
+    return t.columnwise_only() if isinstance(t, QUANTIZED) else t
 
 
 def quantized_gemm(a: Operand, b: Operand, *, a_columnwise: bool = False, b_columnwise: bool = False,
@@ -60,20 +62,39 @@ def quantized_gemm(a: Operand, b: Operand, *, a_columnwise: bool = False, b_colu
     gradient GEMMs in float32); None: float32 accumulation."""
     if out is not None:
         out_dtype = out.dtype
-    if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
+    if isinstance(a, QUANTIZED) and isinstance(b, QUANTIZED):
         qa = a.columnwise() if a_columnwise else a.rowwise()
         qb = b.columnwise() if b_columnwise else b.rowwise()
         mode = _scaling_mode(qa, qb)
         check_gemm_dims(qa.data.shape[0], qb.data.shape[0], qa.data.shape[1], max(_align(a), _align(b)))
         if bias is not None and bias.dtype not in (out_dtype, torch.float32):
             bias = bias.to(out_dtype)
-        return ops.gemm_fp8(qa.data, qb.data, qa.scale_inv, qb.scale_inv, out_dtype=out_dtype, scaling=mode,
-                            bias=bias, out=out, accumulate=accumulate,
-                            fast_accumulation=gemm is not None and not _split_accumulator(a, b, gemm))
+        y = ops.gemm_fp8(qa.data, qb.data, qa.scale_inv, qb.scale_inv, out_dtype=out_dtype, scaling=mode,
+                         bias=bias, out=out, accumulate=accumulate,
+                         fast_accumulation=gemm is not None and not _split_accumulator(a, b, gemm))
+        return _checked_result("gemm_fp8", y, qa.data.shape[0], qb.data.shape[0], out_dtype)
     a_hp, b_hp = _high_precision(a, a_columnwise), _high_precision(b, b_columnwise)
     if bias is not None and bias.dtype != out_dtype:
         bias = bias.to(out_dtype)
-    return ops.gemm(a_hp, b_hp, bias=bias, out=out, accumulate=accumulate, out_dtype=out_dtype)
+    y = ops.gemm(a_hp, b_hp, bias=bias, out=out, accumulate=accumulate, out_dtype=out_dtype)
+    return _checked_result("gemm", y, a_hp.shape[0], b_hp.shape[0], out_dtype)
+
+
+def _checked_result(op: str, y, m: int, n: int, out_dtype: torch.dtype) -> Tensor:
+    """The GEMM's result, or a BackendError when it breaks the op contract ((M, N) in out_dtype):
+    the shapes were checked on the way in, so a wrong result is the backend's fault, and saying
+    so beats a reshape error that blames the caller's input, or a silently short output."""
+    if isinstance(y, Tensor) and tuple(y.shape) == (m, n) and y.dtype == out_dtype:
+        return y
+    got = f"shape {tuple(y.shape)} in {y.dtype}" if isinstance(y, Tensor) else type(y).__name__
+    backend = resolution(ops.CONTRACT[op]).backend
+    raise BackendError(
+        f"backend {backend!r} broke the contract of {op}: for an ({m}, K) x ({n}, K) product it returned "
+        f"{got}, where the contract requires shape ({m}, {n}) in {out_dtype}. This is a bug in the backend, "
+        f"not in your inputs: report it to the backend's authors, certify it with `te-core certify {backend}`, "
+        f"and meanwhile select another backend (TE_BACKEND=reference) or route this op elsewhere "
+        f"(TE_BACKEND_OVERRIDES='{op}=reference')."
+    )
 
 
 def _split_accumulator(a: QuantizedTensor, b: QuantizedTensor, gemm: str) -> bool:
@@ -86,7 +107,7 @@ def _split_accumulator(a: QuantizedTensor, b: QuantizedTensor, gemm: str) -> boo
 def _high_precision(t: Operand, columnwise: bool) -> Tensor:
     """The operand for ops.gemm: a transposed view, not a copy (BLAS libraries transpose for free;
     a copy of each activation and gradient cost the bf16 layer bandwidth and peak memory)."""
-    if isinstance(t, QuantizedTensor):
+    if isinstance(t, QUANTIZED):
         t = t.dequantize()
     return t.t() if columnwise else t
 

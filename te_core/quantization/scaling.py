@@ -8,6 +8,7 @@ then updates every scale through ops.delayed_scaling_update.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -16,8 +17,8 @@ from torch import Tensor
 
 from .. import ops
 from ..backend.types import fp8_max
+from ..reference.scaling import history_amax, roll_history, scale_from_amax
 
-FLOAT32_MAX = torch.finfo(torch.float32).max
 _FLOATS_PER_16_BYTES = 4
 
 
@@ -70,17 +71,24 @@ class ScalingGroup:
         GEMM libraries read scales with vector loads (cuBLASLt refused a scale at an offset of
         4 bytes). One kernel per snapshot, and few torch calls: this runs once per group per step
         on a host-bound path."""
+        if torch.compiler.is_compiling():
+            # Traced: computed in the graph at each cast, never cached, one fresh (1,) tensor per
+            # column (a view made inside an autograd Function cannot outlive it in a weight cache).
+            return torch.reciprocal(self.scale), [torch.reciprocal(s) for s in self._views()[0]]
         version = self.scale._version
         if version != self._scale_inv_version or _CAPTURE.active:
-            n = len(self.names)
-            if n == 1:  # a fresh (1,) tensor is aligned already
-                inv = torch.reciprocal(self.scale)
-                self._scale_inv_snapshot = (inv, [inv])
-            else:  # 1 / scale[i] in every float of row i of an (n, 4) tensor: one 16-byte slot each
-                slots = torch.reciprocal(self.scale.unsqueeze(1).expand(n, _FLOATS_PER_16_BYTES))
-                self._scale_inv_snapshot = (slots.select(1, 0), list(slots.narrow(1, 0, 1).unbind(0)))
+            self._scale_inv_snapshot = self._reciprocals()
             self._scale_inv_version = version
         return self._scale_inv_snapshot
+
+    def _reciprocals(self) -> Tuple[Tensor, List[Tensor]]:
+        n = len(self.names)
+        if n == 1:  # a fresh (1,) tensor is aligned already
+            inv = torch.reciprocal(self.scale)
+            return inv, [inv]
+        # 1 / scale[i] in every float of row i of an (n, 4) tensor: one 16-byte slot each
+        slots = torch.reciprocal(self.scale.unsqueeze(1).expand(n, _FLOATS_PER_16_BYTES))
+        return slots.select(1, 0), list(slots.narrow(1, 0, 1).unbind(0))
 
     @property
     def device(self) -> torch.device:
@@ -94,10 +102,13 @@ class ScalingGroup:
         self._column_views = None
 
     def _views(self) -> Tuple[List[Tensor], List[Tensor]]:
-        if self._column_views is None:
+        # Traced: sliced in the graph; cached views would enter it as inputs aliasing the state.
+        if self._column_views is None or torch.compiler.is_compiling():
             columns = range(len(self.names))
-            self._column_views = ([self.scale[i : i + 1] for i in columns],
-                                  [self.amax_history[0, i : i + 1] for i in columns])
+            views = ([self.scale[i : i + 1] for i in columns], [self.amax_history[0, i : i + 1] for i in columns])
+            if torch.compiler.is_compiling():
+                return views
+            self._column_views = views
         return self._column_views
 
     def scale_of(self, column: int) -> Tensor:
@@ -114,36 +125,66 @@ class ScalingGroup:
 
     def scale_changed(self) -> None:
         """Call after writing `scale` through a kernel (which does not bump torch's version counter)."""
-        self._scale_inv_version = None
+        if not torch.compiler.is_compiling():  # traced casts take no snapshot (see _snapshot)
+            self._scale_inv_version = None
+
+    def rebind(self, recipe, fp8_dtype: torch.dtype) -> None:
+        """Serve another DelayedScaling recipe, keeping the state, as Transformer Engine keeps a
+        module's across DelayedScaling recipes: scales as they are (the next update applies the
+        new format, margin and algorithm), the history resized to the new amax_history_len
+        keeping this step's row and the most recent entries (TE keeps the oldest)."""
+        self.recipe, self.fp8_dtype, self.fp8_max = recipe, fp8_dtype, fp8_max(fp8_dtype)
+        length = recipe.amax_history_len
+        old = self.amax_history
+        if length != old.shape[0]:
+            kept = old[1:][max(0, old.shape[0] - length):]  # rows oldest first: the newest are last
+            pad = old.new_zeros(length - 1 - kept.shape[0], old.shape[1])
+            self.amax_history = torch.cat([old[:1], pad, kept])
+            self._column_views = None
 
     def record(self, column: int, amax: Tensor) -> None:
-        """Keep the largest amax of the step (torch.maximum keeps a NaN, so the update skips it)."""
+        """Keep the largest amax of the step, as Transformer Engine's casts (fmaxf): a NaN amax
+        is ignored, so the step keeps what its other casts saw; an inf amax wins."""
         row = self.amax_slot(column)
-        torch.maximum(row, amax if amax.dtype == torch.float32 else amax.float(), out=row)
+        torch.fmax(row, amax if amax.dtype == torch.float32 else amax.float(), out=row)
 
 
 class PendingUpdates:
     """Groups used since the last update, each with the process group its amax is reduced over."""
 
-    def __init__(self):
+    def __init__(self, locked: bool = False):
+        """`locked`: for the one shared by every backward pass (autograd runs backwards on its
+        own threads); an autocast's forward updates are its forward thread's alone."""
         self._groups: Dict[int, Tuple[ScalingGroup, object]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock() if locked else None
+
+    def _locked(self):
+        """The lock, or none (dynamo cannot trace a lock; a traced step runs its updates in
+        program order on one thread)."""
+        if self._lock is None or torch.compiler.is_compiling():
+            return contextlib.nullcontext()
+        return self._lock
 
     def add(self, group: ScalingGroup, process_group) -> None:
-        with self._lock:
+        with self._locked():
             self._groups.setdefault(id(group), (group, process_group))
 
     def clear(self) -> None:
-        with self._lock:
+        with self._locked():
             self._groups.clear()
 
     def flush(self) -> None:
-        with self._lock:
+        with self._locked():
             entries = list(self._groups.values())
             self._groups.clear()
-        if entries:
-            reduce_amaxes(entries)
-            update_scales([group for group, _ in entries])
+        update_now(entries)
+
+
+def update_now(entries: Sequence[Tuple[ScalingGroup, object]]) -> None:
+    """Reduce the amaxes of (group, process group) `entries`, then update their scales."""
+    if entries:
+        reduce_amaxes(entries)
+        update_scales([group for group, _ in entries])
 
 
 def _distributed_ready() -> bool:
@@ -164,10 +205,19 @@ def reduce_amaxes(entries: Sequence[Tuple[ScalingGroup, object]]) -> None:
         if torch.distributed.get_world_size(group=process_group) == 1:
             continue  # as Transformer Engine: nothing to agree on
         rows = [g.amax_history[0] for g in groups]
-        flat = torch.cat(rows)
-        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, group=process_group)
+        flat = _all_reduce_fmax(torch.cat(rows), process_group)
         for row, reduced in zip(rows, torch.split(flat, [r.numel() for r in rows])):
             row.copy_(reduced)
+
+
+def _all_reduce_fmax(flat: Tensor, process_group) -> Tensor:
+    """all_reduce(MAX) with C's fmaxf semantics whatever the collective library does with NaN
+    (libraries differ, and some answer by rank order): a NaN amax travels as -inf, which any
+    real amax beats, and comes back as NaN only where every rank had NaN. So one rank's NaN
+    never hides the other ranks' amaxes, and all ranks agree on the result."""
+    flat = torch.where(torch.isnan(flat), float("-inf"), flat)
+    torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, group=process_group)
+    return torch.where(flat == float("-inf"), float("nan"), flat)
 
 
 def update_scales(groups: Sequence[ScalingGroup]) -> None:
@@ -189,35 +239,43 @@ def update_scales(groups: Sequence[ScalingGroup]) -> None:
 
 
 def _custom_update(group: ScalingGroup) -> None:
-    """The update with a user amax_compute_algo / scaling_factor_compute_algo (TE's callables)."""
+    """The update with a user amax_compute_algo / scaling_factor_compute_algo (TE's callables),
+    by the rules of ops.delayed_scaling_update: a column that recorded nothing this step keeps
+    its scale and history; the user's amax_compute_algo sees the history as it is (NaN
+    included); under the default scale formula an amax that is 0, inf or NaN keeps the old
+    scale, and a scale from scaling_factor_compute_algo that is not finite and positive does too."""
     recipe, history, scale = group.recipe, group.amax_history, group.scale
     algo = recipe.amax_compute_algo
     if callable(algo):
-        amax = algo(history).reshape(scale.shape).float()
-    elif algo == "max":
-        amax = history.amax(dim=0)
+        amax = _user_result(algo(history), scale, "amax_compute_algo", "the (L, n) amax history").float()
     else:
-        amax = history[0].clone()
+        amax = history_amax(history, algo).clone()
     if recipe.scaling_factor_compute_algo is not None:
-        new_scale = recipe.scaling_factor_compute_algo(amax, scale, group.fp8_max, recipe)
+        new_scale = _user_result(recipe.scaling_factor_compute_algo(amax, scale, group.fp8_max, recipe),
+                                 scale, "scaling_factor_compute_algo", "(amax, scale, fp8_max, recipe)").float()
+        new_scale = torch.where(torch.isfinite(new_scale) & (new_scale > 0), new_scale, scale)
     else:
-        new_scale = default_scale(amax, scale, group.fp8_max, recipe.margin)
-    scale.copy_(new_scale.reshape(scale.shape))
-    history.copy_(torch.roll(history, shifts=-1, dims=0))
-    history[0].zero_()
+        new_scale = scale_from_amax(amax, scale, group.fp8_max, recipe.margin)
+    stepped = history[0] != 0
+    scale.copy_(torch.where(stepped, new_scale, scale))
+    roll_history(history, stepped)
 
 
-def default_scale(amax: Tensor, scale: Tensor, fmax: float, margin: float) -> Tensor:
-    """fp8_max / amax / 2^margin; keeps `scale` where amax is 0/inf/NaN; inf -> float32 max."""
-    new = (fmax / amax) / (2.0 ** margin)
-    new = torch.where(torch.isinf(new), torch.full_like(new, FLOAT32_MAX), new)
-    usable = torch.isfinite(amax) & (amax > 0)
-    return torch.where(usable, new, scale)
+def _user_result(result, scale: Tensor, name: str, given: str) -> Tensor:
+    """A user callable's per-column result as an (n,) tensor, or a clear error."""
+    n = scale.numel()
+    if not isinstance(result, Tensor) or result.numel() != n:
+        got = f"a tensor of shape {tuple(result.shape)}" if isinstance(result, Tensor) else type(result).__name__
+        raise ValueError(
+            f"DelayedScaling.{name} must return a tensor with one value per scaled tensor of the group "
+            f"(shape ({n},)) when called with {given}; it returned {got}"
+        )
+    return result.reshape(scale.shape)
 
 
 # ------------------------------------------------------------- end-of-backward updates
 
-_BACKWARD_PENDING = PendingUpdates()
+_BACKWARD_PENDING = PendingUpdates(locked=True)
 
 
 def schedule_backward_update(group: ScalingGroup, process_group) -> None:

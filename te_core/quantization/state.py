@@ -29,12 +29,22 @@ class RecipeState:
     def quantization_state(self) -> Dict[str, Dict[str, Dict[str, Tensor]]]:
         return {FORWARD: {}, BACKWARD: {}}
 
+    def scaling_groups(self) -> Dict[Role, ScalingGroup]:
+        """The delayed-scaling group of each role (none for stateless recipes)."""
+        return {}
+
     def load_quantization_state(self, saved: dict) -> None:
         """Copy saved tensors in (the inverse of quantization_state)."""
 
     def rebind(self, recipe) -> None:
         """Use `recipe` (compatible with the current one) from now on, keeping the state."""
         self.recipe = recipe
+
+    def carries_over_to(self, recipe) -> bool:
+        """Whether this state serves `recipe` after rebind(recipe), rather than a fresh state: for
+        any recipe of the same class, as Transformer Engine keeps a module's recipe state (and so
+        its amax histories) across recipes of one kind, e.g. a nested autocast's."""
+        return type(recipe) is type(self.recipe)
 
     def _adopt_gemm_choices(self) -> None:
         """Each quantizer's GEMMs accumulate as this state's recipe says (fp8_gemm_* fields)."""
@@ -79,6 +89,9 @@ class DelayedScalingState(RecipeState):
                 self.quantizers[name] = Float8Quantizer(role, group, column)
         self._adopt_gemm_choices()
 
+    def scaling_groups(self) -> Dict[Role, ScalingGroup]:
+        return self.groups
+
     def follow_device(self, device: torch.device) -> None:
         for group in self.groups.values():
             if group.device != device:
@@ -91,28 +104,48 @@ class DelayedScalingState(RecipeState):
         return state
 
     def load_quantization_state(self, saved: dict) -> None:
+        """All entries are checked before any is copied, so a bad checkpoint leaves the state as it was."""
+        copies = []
         for role, group in self.groups.items():
             entries = saved.get(role.direction, {})
             for column, name in enumerate(group.names):
                 if name not in entries:
                     raise ValueError(f"checkpoint has no delayed-scaling state for slot {name!r} "
                                      f"({role.direction}); it has {', '.join(entries) or 'none'}")
-                _copy_checked(group.scale[column : column + 1], entries[name]["scale"], f"{name}.scale")
-                _copy_checked(group.amax_history[:, column], entries[name]["amax_history"], f"{name}.amax_history")
+                copies += [(group.scale[column : column + 1], entries[name]["scale"], f"{name}.scale"),
+                           (group.amax_history[:, column], entries[name]["amax_history"], f"{name}.amax_history")]
+        for dst, src, what in copies:
+            _check_entry(dst, src, what)
+        for dst, src, _ in copies:
+            dst.copy_(src)
 
     def rebind(self, recipe) -> None:
         super().rebind(recipe)
-        for group in self.groups.values():
-            group.recipe = recipe
+        for role, group in self.groups.items():
+            dtype = group.fp8_dtype
+            group.rebind(recipe, recipe.fp8_dtype(role))
+            if group.fp8_dtype != dtype:  # quantizers cast to their group's format
+                for column, name in enumerate(group.names):
+                    self.quantizers[name] = Float8Quantizer(role, group, column)
         self._adopt_gemm_choices()
 
 
-def _copy_checked(dst: Tensor, src, what: str) -> None:
+def _check_entry(dst: Tensor, src, what: str) -> None:
+    """Shape, and values the update could have produced: a scale is finite and > 0 (the update
+    never writes another; a NaN or 0 scale would make every cast NaN or 0), and an amax is >= 0,
+    inf or NaN (the update ignores NaN, as Transformer Engine)."""
     if not isinstance(src, Tensor) or tuple(src.shape) != tuple(dst.shape):
         shape = tuple(src.shape) if isinstance(src, Tensor) else type(src).__name__
         raise ValueError(f"checkpoint entry {what} has shape {shape}, expected {tuple(dst.shape)}; "
                          "was it saved with a different amax_history_len?")
-    dst.copy_(src)
+    values = src.detach().double()
+    bad = ~(values.isfinite() & (values > 0)) if what.endswith(".scale") else values < 0
+    if bad.any():
+        value = values[bad][0].item()
+        raise ValueError(f"checkpoint entry {what} holds {value!r}, which no scaling update writes "
+                         f"({'a scale must be finite and > 0' if what.endswith('.scale') else 'an amax is never negative'}); "
+                         "the checkpoint is corrupt. Drop the module's '_extra_state' entry from the state dict "
+                         "to start its scaling state afresh.")
 
 
 def check_compatible(current, saved, *, where: str) -> None:

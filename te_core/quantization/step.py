@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
+import torch
 from torch import Tensor
 
 from .. import ops
 from .gemm import check_gemm_dims
 from .quantizers import joined
-from .scaling import schedule_backward_update
-from .tensor import QuantizedTensor
+from .roles import Role
+from .scaling import schedule_backward_update, update_now
+from .tensor import QUANTIZED, QuantizedTensor
 
 
 class HighPrecisionStep:
@@ -66,6 +68,17 @@ class CalibrationStep(HighPrecisionStep):
         self._context = context
         self._weights_fresh = is_first_microbatch is not False
         self._backward_groups: Dict[int, object] = {}
+        self._traced = torch.compiler.is_compiling()
+        if self._traced:
+            self._schedule_traced_forward()
+
+    def _schedule_traced_forward(self) -> None:
+        """While torch.compile traces, the forward groups are scheduled here, before the
+        autograd Function runs (dynamo forbids a Function to mutate Python state): each group
+        this step records into, the weights' only when they are quantized afresh."""
+        for role, group in self._state.scaling_groups().items():
+            if role is Role.INPUT or (role is Role.WEIGHT and self._weights_fresh):
+                self._context.schedule_forward_update(group)
 
     def quantizer(self, slot: str):
         return self._state.quantizer(slot)
@@ -73,7 +86,7 @@ class CalibrationStep(HighPrecisionStep):
     def _used(self, quantizer) -> None:
         """Schedule the update of the scaling group `quantizer` recorded into (if it has one)."""
         group = quantizer.scaling_group
-        if group is None:
+        if group is None or self._traced:  # traced: scheduled by _schedule_traced_forward / backward_done
             return
         if quantizer.role.direction == "forward":
             self._context.schedule_forward_update(group)
@@ -101,8 +114,16 @@ class CalibrationStep(HighPrecisionStep):
         return super().grad_operand(slot, dy, with_dbias=with_dbias)
 
     def backward_done(self) -> None:
+        process_group = self._context.amax_reduction_group
+        if self._traced:
+            # A graph has no end-of-backward callback: while traced, a module's backward updates
+            # its own backward group at its end (each is used by that backward only).
+            group = self._state.scaling_groups().get(Role.GRAD_OUTPUT)
+            if group is not None:
+                update_now([(group, process_group)])
+            return
         for group in self._backward_groups.values():
-            schedule_backward_update(group, self._context.amax_reduction_group)
+            schedule_backward_update(group, process_group)
         self._backward_groups.clear()
 
 
@@ -127,7 +148,7 @@ class QuantizationStep(CalibrationStep):
         return self._quantize(slot, x, columnwise)
 
     def weight_operand(self, slot, weight, *, columnwise=False):
-        if isinstance(weight, QuantizedTensor):  # primary FP8 weight: already quantized
+        if isinstance(weight, QUANTIZED):  # primary FP8 weight: already quantized
             if weight.quantizer is not None:
                 self._used(weight.quantizer)
             return weight

@@ -35,6 +35,8 @@ class QuantizedTensor(Tensor):
     """Base of Float8Tensor, Float8BlockwiseTensor and MXFP8Tensor."""
 
     _quantizer: Any
+    # The QuantizedOperand class `make` builds instead while torch.compile traces (set per format).
+    _traced_twin: Optional[type] = None
 
     @staticmethod
     def __new__(cls, shape, nominal_dtype: torch.dtype, device: torch.device, quantizer=None):
@@ -129,6 +131,29 @@ class QuantizedTensor(Tensor):
         if func._schema.name.endswith("_") or func is aten.copy_.default:
             return _mutate(func, args, kwargs)
         return func(*tree_map(_dequantized, args), **tree_map(_dequantized, kwargs))
+
+
+class QuantizedOperand:
+    """A quantized value as plain tensors plus scales, without the torch.Tensor subclass: what
+    quantizers return while torch.compile traces, since dynamo cannot construct wrapper
+    subclasses in a graph. It has the GEMM-facing methods of its QuantizedTensor twin (shared
+    through a layout mixin); autograd Functions hold it on ctx rather than saving it."""
+
+    _traced_twin = None
+
+    def __new__(cls, shape, nominal_dtype: torch.dtype, device: torch.device, quantizer=None):
+        self = object.__new__(cls)
+        self.shape, self.dtype, self.device, self._quantizer = torch.Size(shape), nominal_dtype, device, quantizer
+        return self
+
+    quantizer = QuantizedTensor.quantizer
+    _same_kind = QuantizedTensor._same_kind
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+QUANTIZED = (QuantizedTensor, QuantizedOperand)  # what GEMM helpers read as quantized operands
 
 
 def _dequantized(value):

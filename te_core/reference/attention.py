@@ -1,22 +1,31 @@
 """Reference scaled dot-product attention: float32 math, differentiable through autograd.
 
-GQA/MQA repeats each kv head for its group of query heads; masks and fully-masked rows are
-handled by softmax.masked_softmax; dropout draws from the default generator of q's device.
+GQA/MQA repeats each kv head for its group of query heads; which keys a query sees (mask
+types, padding, sliding window) and the ALiBi bias come from te_core.ops.attention_masks;
+fully-masked rows are handled by softmax.masked_softmax; dropout draws from the default
+generator of q's device.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..ops.attention import ATTN_MASK_TYPES
 from ..backend.types import as_dtype
-from .cast import check_choice, check_float, check_ndim
-from .softmax import causal_mask, check_bool_mask, masked_softmax
-
-_NEEDS_MASK = ("padding", "padding_causal", "arbitrary")
+from ..ops.attention_masks import (
+    alibi_bias,
+    check_bias,
+    check_padding,
+    diagonal_bottom_right,
+    diagonal_shift,
+    masked_keys,
+    resolve_window,
+)
+from .cast import check_float, check_ndim
+from .softmax import masked_softmax
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> int:
@@ -37,31 +46,27 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> int:
     return hq // hkv
 
 
-def _build_mask(mask_type: str, attention_mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
-    """Bool mask broadcastable to (b, hq, sq, sk), True = masked out; None for no mask."""
-    check_choice("attn_mask_type", mask_type, ATTN_MASK_TYPES)
-    b, hq, sq, _ = q.shape
-    sk = k.shape[2]
-    if mask_type in _NEEDS_MASK and attention_mask is None:
-        raise ValueError(f"attn_mask_type={mask_type!r} needs attention_mask (bool, True = masked out)")
-    if mask_type not in _NEEDS_MASK and attention_mask is not None:
-        raise ValueError(
-            f"attention_mask was given but attn_mask_type={mask_type!r} ignores it; "
-            f"use one of {', '.join(map(repr, _NEEDS_MASK))}"
-        )
-    if attention_mask is not None:
-        check_bool_mask("attention_mask", attention_mask, (b, hq, sq, sk))
-    if mask_type in ("padding", "padding_causal"):
-        if tuple(attention_mask.shape) != (b, 1, 1, sk):
-            raise ValueError(
-                f"attn_mask_type={mask_type!r} needs attention_mask of shape {(b, 1, 1, sk)}, "
-                f"got {tuple(attention_mask.shape)}"
-            )
-    masked = attention_mask
-    if mask_type in ("causal", "causal_bottom_right", "padding_causal"):
-        tri = causal_mask(sq, sk, q.device, bottom_right=mask_type == "causal_bottom_right")
-        masked = tri if masked is None else masked | tri
-    return masked
+def _check_arbitrary(attn_mask_type: str, attention_mask: Optional[Tensor], shape) -> None:
+    if attn_mask_type != "arbitrary":
+        return
+    try:
+        ok = tuple(torch.broadcast_shapes(attention_mask.shape, shape)) == tuple(shape)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"attention_mask of shape {tuple(attention_mask.shape)} does not broadcast to {tuple(shape)}")
+
+
+def _scores(q32: Tensor, k32: Tensor, scale: float, bias_type: str, bias: Optional[Tensor],
+            alibi: Optional[Tensor]) -> Tensor:
+    """Attention logits per the contract's bias types."""
+    scores = q32 @ k32.transpose(-2, -1)
+    if bias_type == "pre_scale_bias":
+        return (scores + bias.float()) * scale
+    scores = scores * scale
+    if bias_type == "post_scale_bias":
+        return scores + bias.float()
+    return scores + alibi if alibi is not None else scores
 
 
 def attention(
@@ -73,15 +78,30 @@ def attention(
     attention_mask: Optional[Tensor] = None,
     softmax_scale: Optional[float] = None,
     dropout_p: float = 0.0,
+    query_padding_mask: Optional[Tensor] = None,
+    window_size: Optional[Tuple[int, int]] = None,
+    bottom_right_diagonal: Optional[bool] = None,
+    core_attention_bias_type: str = "no_bias",
+    core_attention_bias: Optional[Tensor] = None,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> Tensor:
     group = _check_qkv(q, k, v)
-    masked = _build_mask(attn_mask_type, attention_mask, q, k)
+    b, hq, sq, _ = q.shape
+    sk = k.shape[2]
+    padding = check_padding(attn_mask_type, attention_mask, query_padding_mask, b, sq, sk)
+    _check_arbitrary(attn_mask_type, attention_mask, (b, hq, sq, sk))
+    check_bias(core_attention_bias_type, core_attention_bias, alibi_slopes, (b, hq, sq, sk))
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
+    window = resolve_window(attn_mask_type, window_size)
+    shift = diagonal_shift(diagonal_bottom_right(attn_mask_type, bottom_right_diagonal), sq, sk, padding)
+    masked = masked_keys(attn_mask_type, attention_mask, padding, window, shift, sq, sk, q.device)
+    alibi = alibi_bias(alibi_slopes, b, hq, sq, sk, shift, q.device) if core_attention_bias_type == "alibi" else None
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     k32 = k.float().repeat_interleave(group, dim=1)
     v32 = v.float().repeat_interleave(group, dim=1)
-    probs = masked_softmax((q.float() @ k32.transpose(-2, -1)) * scale, masked)
+    scores = _scores(q.float(), k32, scale, core_attention_bias_type, core_attention_bias, alibi)
+    probs = masked_softmax(scores, masked)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p, training=True)
     return as_dtype(probs @ v32, q.dtype)

@@ -30,15 +30,39 @@ def _check(amax_histories, scales, fp8_maxes, amax_compute_algo: str) -> None:
             raise TypeError(f"amax_histories[{i}] and scales[{i}] must be float32, got {history.dtype} and {scale.dtype}")
 
 
-def _update_one(history: Tensor, scale: Tensor, fp8_max: float, margin: float, algo: str) -> None:
-    amax = history.amax(dim=0) if algo == "max" else history[0]
+def history_amax(history: Tensor, algo: str) -> Tensor:
+    """The amax each column's scale follows, as Transformer Engine's update kernel takes it:
+    "max" is C's fmaxf over the history from 0, so a NaN entry is ignored (it never freezes a
+    scale for the window) while an inf entry wins; "most_recent" is row 0 as it is."""
+    if algo == "most_recent":
+        return history[0]
+    return torch.where(torch.isnan(history), 0.0, history).amax(dim=0)
+
+
+def scale_from_amax(amax: Tensor, scale: Tensor, fp8_max: float, margin: float) -> Tensor:
+    """fp8_max / amax / 2^margin where amax is finite and positive, else the old scale (0, inf
+    and NaN carry no usable range); a scale that is inf (from a tiny amax, or an old inf scale)
+    becomes float32 max, as in Transformer Engine."""
     # full_like divisor: Python's scalar / tensor is reciprocal-then-multiply in torch, not a true quotient.
     new = torch.div(torch.full_like(amax, fp8_max), amax) / (2.0**margin)
-    new = torch.where(torch.isinf(new), torch.full_like(new, FLOAT32_MAX), new)
-    usable = torch.isfinite(amax) & (amax > 0)
-    scale.copy_(torch.where(usable, new, scale))
-    history.copy_(torch.roll(history, shifts=-1, dims=0))
-    history[0].zero_()
+    new = torch.where(torch.isfinite(amax) & (amax > 0), new, scale)
+    return torch.where(torch.isinf(new), torch.full_like(new, FLOAT32_MAX), new)
+
+
+def roll_history(history: Tensor, stepped: Tensor) -> None:
+    """Roll the columns that recorded an amax this step (row 0 != 0; NaN counts) up by one row,
+    the last row taking row 0, and zero row 0; a column whose row 0 is 0 (nothing recorded, an
+    empty or all-zero tensor) keeps its history, as Transformer Engine's update does."""
+    rolled = torch.roll(history, shifts=-1, dims=0)
+    rolled[0] = 0.0
+    history.copy_(torch.where(stepped, rolled, history))
+
+
+def _update_one(history: Tensor, scale: Tensor, fp8_max: float, margin: float, algo: str) -> None:
+    stepped = history[0] != 0
+    amax = torch.where(stepped, history_amax(history, algo), 0.0)  # amax 0 keeps the scale
+    scale.copy_(scale_from_amax(amax, scale, fp8_max, margin))
+    roll_history(history, stepped)
 
 
 def delayed_scaling_update(

@@ -34,6 +34,8 @@ def check_bool_mask(name: str, mask: Tensor, shape) -> None:
 
 def masked_softmax(scores32: Tensor, masked: Optional[Tensor]) -> Tensor:
     """softmax over the last dim of float32 scores, excluding positions where `masked` is True."""
+    if scores32.shape[-1] == 0:  # no keys (an empty sequence): empty rows, as fully masked ones are zero
+        return scores32.clone()
     if masked is not None:
         scores32 = scores32.masked_fill(masked, float("-inf"))
     row_max = scores32.detach().amax(dim=-1, keepdim=True)

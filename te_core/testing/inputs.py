@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..backend.types import fp8_max
-from .compare import Tol
+from .compare import ErrorBound, Tol
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -29,8 +29,11 @@ class Case:
     """One call of one contract op.
 
     make: builds (args, kwargs) on the CPU from a seeded generator.
-    exact_fp8: FP8 outputs must be bit-exact (pure casts); else within one FP8 step.
-    tol: a floor for float tolerances (e.g. the FP8 tolerance for FP8 GEMM outputs).
+    exact_fp8: FP8 outputs must be bit-exact (pure casts); else bit-exact but for a small budget
+        of values one FP8 step away (compare.FP8_STEP_BUDGET: FP8 after float32 math).
+    tol: a floor for float tolerances (e.g. attention's, whose kernels reorder a softmax).
+    bound: the output's own error model, bound(inputs, expected) -> ErrorBound, for results
+        whose computation allows a tolerance other than their dtype's (an FP8 GEMM).
     grad_of: positions of the args to differentiate w.r.t. (differentiable ops).
     returns_out: the op must return the `out` tensor it was given.
     """
@@ -40,6 +43,7 @@ class Case:
     make: MakeInputs
     exact_fp8: bool = True
     tol: Optional[Tol] = None
+    bound: Optional[Callable[[Inputs, Tensor], ErrorBound]] = None
     grad_of: Tuple[int, ...] = ()
     returns_out: bool = False
 

@@ -18,6 +18,8 @@ def plain_attention(q, k, v, mask_type, mask, scale):
     masked = masked.expand(q.shape[0], 1, sq, sk)
     if mask is not None:
         masked = masked | mask
+    if "padding" in mask_type:  # Transformer Engine: a self-attention padding mask pads queries too
+        masked = masked | mask.transpose(-1, -2)
     s = s.masked_fill(masked, float("-inf"))
     p = torch.softmax(s, -1).nan_to_num(0.0)
     return (p @ v.double()).to(q.dtype)
@@ -77,7 +79,7 @@ def test_dropout_only_in_training():
             None,
             r"num_attention_heads=6 is not divisible by num_gqa_groups=4",
         ),
-        (lambda: tm.DotProductAttention(2, 8, qkv_format="thd"), None, r"unknown qkv_format='thd'"),
+        (lambda: tm.DotProductAttention(2, 8, qkv_format="dhts"), None, r"unknown qkv_format='dhts'"),
         (lambda: tm.DotProductAttention(2, 8, attn_mask_type="weird"), None, r"unknown attn_mask_type='weird'"),
         (lambda: tm.DotProductAttention(2, 8), lambda m: m(*[torch.randn(4, 2, 16)] * 3), r"query_layer must be 4-D"),
         (
@@ -98,7 +100,7 @@ def test_dropout_only_in_training():
         (
             lambda: tm.DotProductAttention(2, 8, attn_mask_type="padding"),
             lambda m: m(*[torch.randn(4, 2, 2, 8)] * 3, attention_mask=torch.zeros(2, 1, 1, 5, dtype=torch.bool)),
-            r"padding attention_mask must have shape \(2, 1, 1, 4\)",
+            r"padding mask must be a bool tensor of shape \(2, 1, 1, 4\)",
         ),
     ],
 )
@@ -126,3 +128,420 @@ def test_rotary_embedding_matches_plain_formula_and_grads():
     )
     yb = tm.apply_rotary_pos_emb(x.detach().transpose(0, 1), freqs, tensor_format="bshd")
     torch.testing.assert_close(yb.transpose(0, 1), ref.detach(), rtol=1.3e-6, atol=1e-5)
+
+
+# ---- Transformer Engine's attention semantics against a float64 computation written from its
+# documentation: padding (queries and keys), causal top-left / bottom-right, sliding windows
+# (left, right) around a top-left or bottom-right diagonal, pre/post-scale bias and ALiBi, GQA.
+
+CAUSAL_TYPES = ("causal", "causal_bottom_right", "padding_causal", "padding_causal_bottom_right")
+
+
+def te_alibi_slopes(h):
+    """ALiBi's default slopes: 2^(-8 k / n) for the largest power of two n <= h, the rest
+    at odd multiples of 2^(-4 / n)."""
+    n = 2 ** int(math.log2(h))
+    slopes = [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+    slopes += [2.0 ** (-4.0 * (2 * i + 1) / n) for i in range(h - n)]
+    return torch.tensor(slopes, dtype=torch.float64)
+
+
+def te_attention64(q, k, v, scale, mask_type="no_mask", kv_pad=None, q_pad=None, arbitrary=None, window=None,
+                   bottom_right=None, bias_type="no_bias", bias=None, slopes=None):
+    """q (b, h, sq, d), k/v (b, g, sk, d): float64, one query-key pair at a time."""
+    b, h, sq, _ = q.shape
+    sk = k.shape[2]
+    rep = h // k.shape[1]
+    q64, k64, v64 = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    scores = q64 @ k64.transpose(-1, -2)
+    if bias_type == "pre_scale_bias":
+        scores = (scores + bias.double()) * scale
+    else:
+        scores = scores * scale + (bias.double() if bias_type == "post_scale_bias" else 0.0)
+    if mask_type in ("causal", "padding_causal"):
+        bottom_right = False
+    elif mask_type.endswith("bottom_right") or bottom_right is None:
+        bottom_right = True
+    left, right = window if window is not None else (-1, -1)
+    if mask_type in CAUSAL_TYPES:
+        right = 0
+    slopes = te_alibi_slopes(h) if slopes is None else slopes.double()
+    visible = torch.zeros(b, h, sq, sk, dtype=torch.bool)
+    for bi in range(b):
+        lq = sq if q_pad is None else int((~q_pad[bi]).sum())
+        lk = sk if kv_pad is None else int((~kv_pad[bi]).sum())
+        shift = ((lk - lq) if "padding" in mask_type else (sk - sq)) if bottom_right else 0
+        for i in range(sq):
+            for j in range(sk):
+                off = j - (i + shift)
+                ok = (left == -1 or off >= -left) and (right == -1 or off <= right)
+                if "padding" in mask_type:
+                    ok = ok and i < lq and j < lk
+                visible[bi, :, i, j] = ok
+                if bias_type == "alibi":
+                    slope = slopes[bi] if slopes.dim() == 2 else slopes
+                    scores[bi, :, i, j] -= slope * abs(off)
+    if arbitrary is not None:
+        visible &= ~arbitrary
+    p = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
+    return p @ v64
+
+
+ATTENTION_CASES = [
+    dict(mask_type="padding_causal_bottom_right", padded=True),
+    dict(mask_type="padding_causal_bottom_right", padded=True, window=(1, 0)),
+    dict(mask_type="padding_causal", padded=True, window=(2, 0)),
+    dict(mask_type="padding", padded=True, window=(1, 1)),
+    dict(mask_type="padding", padded=True, window=(1, 2), bottom_right=False),
+    dict(mask_type="causal", window=(2, 0)),
+    dict(mask_type="causal_bottom_right", window=(1, 0)),
+    dict(mask_type="no_mask", window=(1, 2)),
+    dict(mask_type="no_mask", window=(0, 1), bottom_right=False),
+    dict(mask_type="arbitrary", window=(2, 2)),
+    dict(mask_type="no_mask", bias_type="post_scale_bias"),
+    dict(mask_type="causal", bias_type="pre_scale_bias"),
+    dict(mask_type="padding_causal", padded=True, bias_type="post_scale_bias", window=(1, 0)),
+    dict(mask_type="no_mask", bias_type="alibi"),
+    dict(mask_type="causal", bias_type="alibi", window=(2, 0)),
+    dict(mask_type="padding_causal_bottom_right", padded=True, bias_type="alibi", slopes="per_batch"),
+    dict(mask_type="no_mask", bias_type="alibi", bottom_right=False, slopes="per_head"),
+]
+
+
+def _padding_masks(b, sq, sk):
+    kv = torch.arange(sk)[None, :] >= torch.tensor([sk, sk - 2])[:, None]
+    q = torch.arange(sq)[None, :] >= torch.tensor([sq - 1, sq])[:, None]
+    return q.view(b, 1, 1, sq), kv.view(b, 1, 1, sk)
+
+
+def _case_inputs(case, b, h, sq, sk, g):
+    """(DotProductAttention.forward kwargs, te_attention64 kwargs) for one case."""
+    fwd, ref = dict(attn_mask_type=case["mask_type"]), dict(mask_type=case["mask_type"])
+    if case.get("padded"):
+        q_pad, kv_pad = _padding_masks(b, sq, sk)
+        fwd["attention_mask"] = (q_pad, kv_pad) if sq != sk or case.get("pair") else kv_pad
+        if sq == sk and not case.get("pair"):
+            q_pad = kv_pad  # one mask pads both sides of self-attention
+        ref.update(q_pad=q_pad.view(b, sq), kv_pad=kv_pad.view(b, sk))
+    if case["mask_type"] == "arbitrary":
+        fwd["attention_mask"] = ref["arbitrary"] = torch.rand(b, h, sq, sk, generator=g) > 0.7
+    for key, ref_key in (("window", "window"), ("bottom_right", "bottom_right")):
+        if key in case:
+            fwd["window_size" if key == "window" else "bottom_right_diagonal"] = ref[ref_key] = case[key]
+    bias_type = case.get("bias_type", "no_bias")
+    fwd["core_attention_bias_type"] = ref["bias_type"] = bias_type
+    if bias_type.endswith("scale_bias"):
+        fwd["core_attention_bias"] = ref["bias"] = torch.randn(1, h, sq, sk, generator=g, requires_grad=True)
+    if case.get("slopes"):
+        shape = (b, h) if case["slopes"] == "per_batch" else (h,)
+        fwd["alibi_slopes"] = ref["slopes"] = torch.rand(*shape, generator=g) * 0.5
+    return fwd, ref
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
+@pytest.mark.parametrize("heads, groups, sq, sk", [(4, 4, 5, 5), (4, 2, 4, 6), (4, 1, 6, 4)])
+def test_dot_product_attention_matches_float64(case, heads, groups, sq, sk):
+    """Every mask type, sliding window, bias type and GQA grouping, forward and gradients
+    (q, k, v and a post/pre-scale bias), in bshd."""
+    g = torch.Generator().manual_seed(heads * 100 + groups * 10 + sq)
+    b, d, scale = 2, 8, 0.35
+    q = torch.randn(b, heads, sq, d, generator=g, requires_grad=True)
+    k = torch.randn(b, groups, sk, d, generator=g, requires_grad=True)
+    v = torch.randn(b, groups, sk, d, generator=g, requires_grad=True)
+    fwd, ref_kw = _case_inputs(case, b, heads, sq, sk, g)
+    dpa = tm.DotProductAttention(heads, d, num_gqa_groups=groups, qkv_format="bshd", softmax_scale=scale,
+                                 attention_type="self" if sq == sk else "cross")
+    out = dpa(query_layer=q.transpose(1, 2), key_layer=k.transpose(1, 2), value_layer=v.transpose(1, 2), **fwd)
+    ref = te_attention64(q, k, v, scale, **ref_kw).transpose(1, 2).reshape(out.shape)
+    torch.testing.assert_close(out.double(), ref, rtol=1.3e-6, atol=1e-5)
+    inputs = [q, k, v] + ([fwd["core_attention_bias"]] if "core_attention_bias" in fwd else [])
+    dy = torch.randn(out.shape, generator=g)
+    for name, got, want in zip("qkvb", torch.autograd.grad(out, inputs, dy),
+                               torch.autograd.grad(ref, inputs, dy.double())):
+        torch.testing.assert_close(got.double(), want.double(), rtol=1.3e-6, atol=1e-5, msg=lambda m: f"d{name}: {m}")
+
+
+def test_bf16_window_and_alibi_within_bf16_tolerance():
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(7, 2, 4, 16, generator=g) for _ in range(3))
+    dpa = tm.DotProductAttention(4, 16, attn_mask_type="causal", window_size=(3, 0))
+    out = dpa(q.bfloat16(), k.bfloat16(), v.bfloat16(), core_attention_bias_type="alibi")
+    assert out.dtype == torch.bfloat16
+    to_bhsd = lambda t: t.bfloat16().double().permute(1, 2, 0, 3)  # noqa: E731
+    ref = te_attention64(*(to_bhsd(t) for t in (q, k, v)), 0.25, "causal", window=(3, 0), bias_type="alibi")
+    torch.testing.assert_close(out.double(), ref.permute(2, 0, 1, 3).reshape(out.shape), rtol=1.6e-2, atol=1e-5)
+
+
+def test_window_set_in_the_constructor_and_overridden_in_forward():
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(6, 2, 2, 8, generator=g) for _ in range(3))
+    perm = lambda t: t.permute(1, 2, 0, 3)  # noqa: E731
+    dpa = tm.DotProductAttention(2, 8, attn_mask_type="no_mask", window_size=(1, 1), bottom_right_diagonal=False)
+    want = te_attention64(*map(perm, (q, k, v)), 8 ** -0.5, window=(1, 1), bottom_right=False)
+    torch.testing.assert_close(dpa(q, k, v).double(), want.permute(2, 0, 1, 3).reshape(6, 2, 16), rtol=1.3e-6,
+                               atol=1e-5)
+    want = te_attention64(*map(perm, (q, k, v)), 8 ** -0.5, window=(0, 2))
+    got = dpa(q, k, v, window_size=(0, 2), bottom_right_diagonal=True)
+    torch.testing.assert_close(got.double(), want.permute(2, 0, 1, 3).reshape(6, 2, 16), rtol=1.3e-6, atol=1e-5)
+
+
+def test_checkpoint_core_attention_gives_the_same_values_and_gradients():
+    g = torch.Generator().manual_seed(13)
+    qkv = [torch.randn(5, 2, 2, 8, generator=g, requires_grad=True) for _ in range(3)]
+    dpa = tm.DotProductAttention(2, 8, window_size=(2, 0))
+    plain = dpa(*qkv)
+    recomputed = dpa(*qkv, checkpoint_core_attention=True)
+    torch.testing.assert_close(recomputed, plain)
+    dy = torch.randn(plain.shape, generator=g)
+    for a, e in zip(torch.autograd.grad(recomputed, qkv, dy), torch.autograd.grad(plain, qkv, dy)):
+        torch.testing.assert_close(a, e)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(window_size=(2,)), ValueError, r"window_size must be None or \(left, right\)"),
+        (dict(core_attention_bias_type="post_scale_bias"), ValueError, r"needs core_attention_bias"),
+        (dict(core_attention_bias_type="alibi", core_attention_bias=torch.zeros(1, 2, 4, 4)), ValueError,
+         r"takes no core_attention_bias"),
+        (dict(alibi_slopes=torch.ones(2)), ValueError, r"alibi_slopes needs core_attention_bias_type='alibi'"),
+        (dict(core_attention_bias_type="alibi", alibi_slopes=torch.ones(3)), ValueError,
+         r"alibi_slopes must have shape \(2,\) or \(2, 2\)"),
+        (dict(attn_mask_type="causal", attention_mask=torch.zeros(2, 1, 1, 4, dtype=torch.bool)), ValueError,
+         r"attention_mask was given but attn_mask_type='causal' does not use it"),
+        (dict(cu_seqlens_q=torch.tensor([0, 4, 8])), ValueError, r"cu_seqlens_q and cu_seqlens_kv stand for"),
+        (dict(max_seqlen_q=5), ValueError, r"max_seqlen_q=5 but the sbhd tensor holds sequences of 4"),
+        (dict(inference_params=object()), NotImplementedError, r"inference_params"),
+    ],
+)
+def test_attention_arguments_are_checked(kwargs, exc, match):
+    qkv = [torch.randn(4, 2, 2, 8)] * 3
+    with pytest.raises(exc, match=match):
+        tm.DotProductAttention(2, 8)(*qkv, **kwargs)
+
+
+def test_causal_window_with_a_right_extent_warns_as_transformer_engine():
+    q = torch.randn(4, 1, 1, 8)
+    with pytest.warns(UserWarning, match=r"using \(1, 0\)"):
+        tm.DotProductAttention(1, 8, attn_mask_type="causal")(q, q, q, window_size=(1, 1))
+
+
+# ---- MultiheadAttention and TransformerLayer hand every attention argument to the core
+
+def mha64(mha, x, freqs=None, rope_interleaved=False, **ref_kw):
+    """A self-attention MultiheadAttention (no input norm) computed from its parameters in
+    float64, with Transformer Engine's two fused-QKV layouts. x is (s, b, hidden)."""
+    h, g, d = mha.num_attention_heads, mha.num_gqa_groups, mha.kv_channels
+    s, b, _ = x.shape
+    qkv = x.double() @ mha.qkv.weight.double().T + mha.qkv.bias.double()
+    if mha.qkv_weight_interleaved:
+        q, k, v = qkv.view(s, b, g, h // g + 2, d).split([h // g, 1, 1], dim=-2)
+    else:
+        q, k, v = qkv.split([h * d, g * d, g * d], dim=-1)
+    q, k, v = q.reshape(s, b, h, d), k.reshape(s, b, g, d), v.reshape(s, b, g, d)
+    if freqs is not None:
+        q, k = (tm.apply_rotary_pos_emb(t, freqs, interleaved=rope_interleaved) for t in (q, k))
+    out = te_attention64(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), d ** -0.5, **ref_kw)
+    out = out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+    return out @ mha.proj.weight.double().T + mha.proj.bias.double()
+
+
+def _mha(**kw):
+    torch.manual_seed(5)
+    mha = tm.MultiheadAttention(32, 4, num_gqa_groups=2, attention_dropout=0.0, **kw)
+    with torch.no_grad():
+        for p in mha.parameters():
+            p.add_(torch.randn(p.shape) * 0.2)
+    return mha
+
+
+@pytest.mark.parametrize("fuse_qkv_params, qkv_weight_interleaved", [(False, True), (True, True), (True, False)])
+def test_multihead_attention_window_bias_and_qkv_layouts(fuse_qkv_params, qkv_weight_interleaved):
+    mha = _mha(attn_mask_type="causal", window_size=(2, 0), fuse_qkv_params=fuse_qkv_params,
+               qkv_weight_interleaved=qkv_weight_interleaved)
+    assert mha.qkv_weight_interleaved == (fuse_qkv_params and qkv_weight_interleaved)
+    x = torch.randn(6, 2, 32, generator=torch.Generator().manual_seed(6))
+    want = mha64(mha, x, mask_type="causal", window=(2, 0))
+    torch.testing.assert_close(mha(x).double(), want, rtol=1.3e-6, atol=1e-5)
+    slopes = torch.rand(4, generator=torch.Generator().manual_seed(7))
+    got = mha(x, attn_mask_type="no_mask", window_size=(1, 1), bottom_right_diagonal=False,
+              core_attention_bias_type="alibi", alibi_slopes=slopes)
+    want = mha64(mha, x, window=(1, 1), bottom_right=False, bias_type="alibi", slopes=slopes)
+    torch.testing.assert_close(got.double(), want, rtol=1.3e-6, atol=1e-5)
+
+
+def test_multihead_attention_bias_padding_rope_and_checkpoint():
+    mha = _mha(attn_mask_type="padding", rotary_pos_interleaved=True)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(5, 2, 32, generator=g)
+    pad = (torch.arange(5)[None, :] >= torch.tensor([5, 3])[:, None]).view(2, 1, 1, 5)
+    bias = torch.randn(1, 4, 5, 5, generator=g)
+    freqs = tm.RotaryPositionEmbedding(8, interleaved=True)(5)
+    got = mha(x, attention_mask=pad, rotary_pos_emb=freqs, core_attention_bias_type="post_scale_bias",
+              core_attention_bias=bias, checkpoint_core_attention=True)
+    want = mha64(mha, x, freqs, True, mask_type="padding", q_pad=pad.view(2, 5), kv_pad=pad.view(2, 5),
+                 bias_type="post_scale_bias", bias=bias)
+    torch.testing.assert_close(got.double(), want, rtol=1.3e-6, atol=1e-5)
+    assert not torch.allclose(got, mha(x, attention_mask=pad, rotary_pos_emb=freqs))  # the bias is not ignored
+
+
+def test_multihead_attention_constructor_options_reach_their_parts():
+    calls = []
+    mha = tm.MultiheadAttention(
+        32, 4, kv_channels=16, attention_dropout=0.25, layernorm_epsilon=1e-3, num_gqa_groups=2,
+        init_method=lambda w: calls.append("qkv") or torch.nn.init.ones_(w),
+        output_layer_init_method=lambda w: calls.append("proj") or torch.nn.init.zeros_(w),
+        attn_mask_type="padding", window_size=(3, 3), bottom_right_diagonal=False, params_dtype=torch.bfloat16,
+        return_layernorm_output=True, input_layernorm=True, attention_type="self", zero_centered_gamma=True,
+        bias=False, normalization="RMSNorm", device="cpu", qkv_format="bshd",
+    )
+    qkv, core = mha.layernorm_qkv, mha.core_attention
+    assert calls == ["qkv", "proj"] and torch.all(qkv.weight == 1) and torch.all(mha.proj.weight == 0)
+    assert qkv.weight.shape == (4 * 16 + 2 * 2 * 16, 32) and qkv.weight.dtype == torch.bfloat16
+    assert qkv.weight.device == torch.device("cpu") and qkv.bias is None and mha.proj.bias is None
+    assert qkv.eps == 1e-3 and qkv.zero_centered_gamma and qkv.normalization == "RMSNorm"
+    assert (core.attention_dropout, core.attn_mask_type, core.window_size) == (0.25, "padding", (3, 3))
+    assert core.bottom_right_diagonal is False and core.qkv_format == "bshd" and core.num_gqa_groups == 2
+    out, ln_out = mha.eval()(torch.randn(2, 5, 32, dtype=torch.bfloat16),
+                             attention_mask=torch.zeros(2, 1, 1, 5, dtype=torch.bool))
+    assert out.shape == (2, 5, 32) and ln_out.shape == (2, 5, 32)
+
+
+def _decoder(**kw):
+    torch.manual_seed(9)
+    layer = tm.TransformerLayer(32, 64, 4, num_gqa_groups=2, hidden_dropout=0.0, attention_dropout=0.0,
+                                layer_type="decoder", **kw)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(torch.randn(p.shape) * 0.1)
+    return layer
+
+
+def test_transformer_layer_passes_attention_arguments_to_the_right_block():
+    """The decoder's output equals its blocks called one by one with the arguments
+    Transformer Engine gives each: self-attention the self_* ones, cross-attention the
+    enc_dec_* ones, both the bias type (and checkpointing changes nothing)."""
+    layer = _decoder(self_attn_mask_type="causal", enc_dec_attn_mask_type="padding")
+    g = torch.Generator().manual_seed(10)
+    x, enc = torch.randn(5, 2, 32, generator=g), torch.randn(6, 2, 32, generator=g)
+    q_pad = torch.zeros(2, 1, 1, 5, dtype=torch.bool)
+    kv_pad = (torch.arange(6)[None, :] >= torch.tensor([6, 4])[:, None]).view(2, 1, 1, 6)
+    got = layer(x, self_attn_mask_type="causal_bottom_right", window_size=(1, 0), encoder_output=enc,
+                enc_dec_attn_mask=(q_pad, kv_pad), enc_dec_attn_mask_type="padding", enc_dec_window_size=(2, 2),
+                enc_dec_bottom_right_diagonal=False, core_attention_bias_type="alibi", checkpoint_core_attention=True)
+    hidden = x + layer.self_attention(x, attn_mask_type="causal_bottom_right", window_size=(1, 0),
+                                      core_attention_bias_type="alibi")
+    hidden = hidden + layer.inter_attention(hidden, attention_mask=(q_pad, kv_pad), encoder_output=enc,
+                                            window_size=(2, 2), bottom_right_diagonal=False,
+                                            core_attention_bias_type="alibi")
+    torch.testing.assert_close(got, hidden + layer.layernorm_mlp(hidden), rtol=1.3e-6, atol=1e-5)
+
+
+def test_transformer_layer_bias_and_window_from_the_constructor():
+    torch.manual_seed(14)
+    layer = tm.TransformerLayer(32, 64, 4, hidden_dropout=0.0, attention_dropout=0.0, self_attn_mask_type="padding",
+                                window_size=(1, 1), bottom_right_diagonal=False)
+    g = torch.Generator().manual_seed(15)
+    x, bias = torch.randn(5, 2, 32, generator=g), torch.randn(1, 4, 5, 5, generator=g)
+    slopes = torch.rand(2, 4, generator=g)
+    pad = (torch.arange(5)[None, :] >= torch.tensor([5, 3])[:, None]).view(2, 1, 1, 5)
+    for extra in (dict(core_attention_bias_type="post_scale_bias", core_attention_bias=bias),
+                  dict(core_attention_bias_type="alibi", alibi_slopes=slopes)):
+        got = layer(x, attention_mask=pad, **extra)
+        hidden = x + layer.self_attention(x, attention_mask=pad, attn_mask_type="padding", window_size=(1, 1),
+                                          bottom_right_diagonal=False, **extra)
+        torch.testing.assert_close(got, hidden + layer.layernorm_mlp(hidden), rtol=1.3e-6, atol=1e-5)
+        assert not torch.allclose(got, layer(x, attention_mask=pad))  # not ignored
+
+
+def test_transformer_layer_constructor_attention_options_reach_the_blocks():
+    calls = []
+    layer = tm.TransformerLayer(
+        32, 64, 4, kv_channels=16, layernorm_epsilon=1e-3, attention_dropout=0.2, layer_type="decoder",
+        init_method=lambda w: calls.append("in") or torch.nn.init.ones_(w),
+        output_layer_init_method=lambda w: calls.append("out") or torch.nn.init.zeros_(w),
+        self_attn_mask_type="causal_bottom_right", window_size=(4, 0), bottom_right_diagonal=True,
+        enc_dec_attn_mask_type="padding", enc_dec_window_size=(2, 2), enc_dec_bottom_right_diagonal=False,
+        fuse_qkv_params=True, qkv_weight_interleaved=True, rotary_pos_interleaved=True, zero_centered_gamma=True,
+        bias=False, params_dtype=torch.bfloat16,
+    )
+    assert layer.layernorm_mlp.fc1_weight.dtype == torch.bfloat16
+    sa, ca = layer.self_attention, layer.inter_attention
+    assert "in" in calls and "out" in calls and torch.all(sa.proj.weight == 0)
+    assert sa.kv_channels == 16 and sa.layernorm_qkv.eps == 1e-3 and sa.layernorm_qkv.zero_centered_gamma
+    assert sa.qkv_weight_interleaved and sa.rotary_pos_interleaved and sa.layernorm_qkv.bias is None
+    assert (sa.core_attention.attn_mask_type, sa.core_attention.window_size) == ("causal_bottom_right", (4, 0))
+    assert sa.core_attention.bottom_right_diagonal is True and sa.core_attention.attention_dropout == 0.2
+    assert (ca.core_attention.attn_mask_type, ca.core_attention.window_size) == ("padding", (2, 2))
+    assert ca.core_attention.bottom_right_diagonal is False
+
+
+# ---- packed sequences: qkv_format="thd" with cu_seqlens, and cu_seqlens standing for padding masks
+
+
+def _packed_case(lengths_q, lengths_kv, heads, groups, d, g):
+    q = [torch.randn(n, heads, d, generator=g) for n in lengths_q]
+    k = [torch.randn(n, groups, d, generator=g) for n in lengths_kv]
+    v = [torch.randn(n, groups, d, generator=g) for n in lengths_kv]
+    cu = lambda ns: torch.tensor([0] + list(torch.tensor(ns).cumsum(0)))  # noqa: E731
+    return q, k, v, cu(lengths_q), cu(lengths_kv)
+
+
+@pytest.mark.parametrize("mask_type", ["padding", "padding_causal", "padding_causal_bottom_right", "causal",
+                                       "no_mask"])
+@pytest.mark.parametrize("heads, groups", [(4, 4), (4, 1)])
+def test_thd_packed_sequences_match_each_sequence_alone(mask_type, heads, groups):
+    """Each packed sequence attends only to itself: the packed result equals float64 attention
+    on every sequence separately (causal types on thd are their padding twins, as in TE)."""
+    g = torch.Generator().manual_seed(21 + heads + groups)
+    d, lq, lkv = 8, [3, 5, 1], [4, 5, 2]
+    q, k, v, cu_q, cu_kv = _packed_case(lq, lkv, heads, groups, d, g)
+    packed = [torch.cat(parts).requires_grad_() for parts in (q, k, v)]
+    dpa = tm.DotProductAttention(heads, d, num_gqa_groups=groups, qkv_format="thd", attn_mask_type=mask_type,
+                                 window_size=(2, 0) if "causal" in mask_type else None)
+    out = dpa(*packed, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=6, max_seqlen_kv=5)
+    assert out.shape == (sum(lq), heads * d)
+    kind = mask_type.replace("padding_", "").replace("padding", "no_mask")
+    want = torch.cat([
+        te_attention64(qi.permute(1, 0, 2)[None], ki.permute(1, 0, 2)[None], vi.permute(1, 0, 2)[None], d ** -0.5,
+                       kind, window=(2, 0) if "causal" in mask_type else None)[0].permute(1, 0, 2).flatten(1)
+        for qi, ki, vi in zip(packed[0].split(lq), packed[1].split(lkv), packed[2].split(lkv))])
+    torch.testing.assert_close(out.double(), want, rtol=1.3e-6, atol=1e-5)
+    dy = torch.randn(out.shape, generator=g)
+    for got, ref in zip(torch.autograd.grad(out, packed, dy), torch.autograd.grad(want, packed, dy.double())):
+        torch.testing.assert_close(got.double(), ref.double(), rtol=1.3e-6, atol=1e-5)
+
+
+def test_cu_seqlens_stand_for_padding_masks_in_bshd_and_through_the_layer():
+    g = torch.Generator().manual_seed(22)
+    q, k, v = (torch.randn(2, 5, 2, 8, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 5, 8])
+    pad = (torch.arange(5)[None, :] >= torch.tensor([5, 3])[:, None]).view(2, 1, 1, 5)
+    dpa = tm.DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="padding_causal")
+    torch.testing.assert_close(dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu), dpa(q, k, v, attention_mask=pad))
+    torch.manual_seed(23)
+    layer = tm.TransformerLayer(32, 64, 4, hidden_dropout=0.0, attention_dropout=0.0, self_attn_mask_type="padding")
+    x = torch.randn(5, 2, 32, generator=g)
+    torch.testing.assert_close(layer(x, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5),
+                               layer(x, attention_mask=pad))
+    mha = layer.self_attention
+    torch.testing.assert_close(mha(x, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5),
+                               mha(x, attention_mask=pad))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(), r"qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv"),
+        (dict(cu_seqlens_q=torch.tensor([0, 3, 6]), cu_seqlens_kv=torch.tensor([0, 3, 5])),
+         r"cu_seqlens_kv must start at 0, never decrease and end at the number of packed tokens \(6\)"),
+        (dict(cu_seqlens_q=torch.tensor([0, 3, 6]), cu_seqlens_kv=torch.tensor([0, 3, 6]), max_seqlen_q=2),
+         r"max_seqlen for cu_seqlens_q is 2, shorter than a sequence of 3"),
+        (dict(cu_seqlens_q=torch.tensor([0, 6]), cu_seqlens_kv=torch.tensor([0, 3, 6])),
+         r"different numbers of sequences"),
+    ],
+)
+def test_thd_inputs_are_checked(kwargs, match):
+    t = torch.randn(6, 2, 8)
+    with pytest.raises(ValueError, match=match):
+        tm.DotProductAttention(2, 8, qkv_format="thd", attn_mask_type="padding")(t, t, t, **kwargs)

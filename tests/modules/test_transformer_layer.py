@@ -265,11 +265,11 @@ def test_transformer_layer_fp8_within_fp8_tolerances(rec_name):
     "build, exc, match",
     [
         (
-            lambda: tm.LayerNormLinear(16, 16, tp_size=2),
+            lambda: tm.TransformerLayer(32, 64, 4, tp_size=2),
             NotImplementedError,
-            r"LayerNormLinear: tp_size=2 is not supported",
+            r"TransformerLayer: tp_size=2 is not supported",
         ),
-        (lambda: tm.LayerNormMLP(16, 16, sequence_parallel=True), NotImplementedError, r"sequence_parallel=True"),
+        (lambda: tm.MultiheadAttention(32, 4, sequence_parallel=True), NotImplementedError, r"sequence_parallel=True"),
         (
             lambda: tm.TransformerLayer(32, 64, 4, hiden_dropout=0.1),
             TypeError,

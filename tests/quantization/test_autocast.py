@@ -70,7 +70,8 @@ def test_bad_recipe_type():
 
 
 def test_fp8_available_on_reference():
-    assert is_fp8_available() == (True, "")
+    assert is_fp8_available() is True  # a bool, as in Transformer Engine
+    assert is_fp8_available(return_reason=True) == (True, "")
 
 
 def _plugin(name, caps):
@@ -121,8 +122,9 @@ def fake_backend(monkeypatch):
 
 def test_autocast_refuses_without_fp8(fake_backend):
     fake_backend("nofp8", Capabilities(fp8_formats={}, device_name="Old GPU", arch="arch_1"))
-    ok, reason = is_fp8_available()
+    ok, reason = is_fp8_available(return_reason=True)
     assert not ok and "E4M3" in reason
+    assert is_fp8_available() is False
     with pytest.raises(RuntimeError, match="FP8 is not available on the selected backend: .*E4M3"):
         with autocast():
             pass
@@ -134,8 +136,9 @@ def test_mxfp8_emulated_where_the_backend_lacks_it(gen, fake_backend):
     formats = {n: m for n, m in FP8_FORMATS.values()}
     fake_backend("nomx", Capabilities(fp8_formats=formats, scaling_modes=frozenset({"tensorwise"}),
                                       device_name="Fake GPU", arch="fake_9"))
-    ok, reason = is_mxfp8_available()
+    ok, reason = is_mxfp8_available(return_reason=True)
     assert not ok and "mxfp8" in reason
+    assert is_mxfp8_available() is False
     torch.manual_seed(0)
     layer = Linear(64, 32)
     x = randn(gen, 32, 64)
@@ -188,3 +191,65 @@ def test_fp8_model_init_alias():
     assert layer.weight._data.float().abs().max() == 448.0
     assert torch.equal(torch.reciprocal(layer.quantization_state()["forward"]["weight"]["scale"]),
                        layer.weight._scale_inv)
+
+
+def _input_entry(layer):
+    entry = layer.quantization_state()["forward"]["input"]
+    return entry["scale"].clone(), entry["amax_history"].clone()
+
+
+def test_nested_delayed_recipe_keeps_the_module_history(gen):
+    """As Transformer Engine: a module keeps its amax history and scales across DelayedScaling
+    recipes (an inner autocast with another margin or algorithm does not reset them); the update
+    at the outermost exit follows the recipe the module ran under last."""
+    layer = Linear(32, 16)
+    outer, inner = DelayedScaling(amax_history_len=4), DelayedScaling(amax_history_len=4, margin=1)
+    xs = [randn(gen, 16, 32, scale=1.0 + i) for i in range(3)]
+    for x in xs[:2]:
+        with autocast(recipe=outer):
+            layer(x)
+    scale_before, history_before = _input_entry(layer)
+    with autocast(recipe=outer):
+        with autocast(recipe=inner):
+            layer(xs[2])
+    scale, history = _input_entry(layer)
+    assert torch.equal(history[1:-1], history_before[2:])  # rolled on, not reset
+    assert history[-1] == xs[2].abs().max()
+    window = torch.stack([x.abs().max() for x in xs]).max()
+    assert scale.item() == pytest.approx(448.0 / window.item() / 2, rel=1.3e-6)  # inner's margin=1
+    with autocast(recipe=outer):
+        layer(xs[0])
+    assert _input_entry(layer)[1][-2] == xs[2].abs().max()  # back to the outer recipe: still kept
+
+
+@pytest.mark.parametrize("length", [2, 7])
+def test_other_history_length_keeps_the_most_recent_entries(gen, length):
+    layer = Linear(32, 16)
+    xs = [randn(gen, 16, 32, scale=1.0 + i) for i in range(4)]
+    for x in xs:
+        with autocast(recipe=DelayedScaling(amax_history_len=4)):
+            layer(x)
+    _, before = _input_entry(layer)
+    with autocast(recipe=DelayedScaling(amax_history_len=length)):
+        pass  # nothing runs: the state adapts on the module's next forward
+    y = randn(gen, 16, 32)
+    with autocast(recipe=DelayedScaling(amax_history_len=length)):
+        layer(y)
+    _, history = _input_entry(layer)
+    amaxes = [x.abs().max() for x in xs] + [y.abs().max()]
+    assert history.shape == (length,) and history[0] == 0
+    kept = min(length - 1, 4)
+    assert history[-kept:].tolist() == [a.item() for a in amaxes[-kept:]]
+    assert torch.all(history[1 : length - kept] == 0)
+
+
+def test_other_recipe_class_starts_afresh_as_transformer_engine(gen):
+    layer = Linear(32, 16)
+    with autocast(recipe=DelayedScaling(amax_history_len=4)):
+        layer(randn(gen, 16, 32))
+    with autocast(recipe=Float8CurrentScaling()):
+        layer(randn(gen, 16, 32))
+    assert layer.quantization_state() == {"forward": {}, "backward": {}}
+    with autocast(recipe=DelayedScaling(amax_history_len=4)):
+        layer(randn(gen, 16, 32))
+    assert torch.count_nonzero(_input_entry(layer)[1]) == 1

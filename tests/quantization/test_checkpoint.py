@@ -132,6 +132,51 @@ def test_bad_extra_state_is_rejected():
         layer.set_extra_state(torch.zeros(3))
 
 
+def _corrupted(saved, slot, key, index, value):
+    state = saved["_extra_state"]["quantization_state"]["forward"][slot][key]
+    state.view(-1)[index] = value
+    return saved
+
+
+@pytest.mark.parametrize("slot, key, index, value, message", [
+    ("input", "scale", 0, float("nan"), r"input.scale holds nan.*a scale must be finite and > 0"),
+    ("weight", "scale", 0, 0.0, r"weight.scale holds 0.0"),
+    ("input", "scale", 0, float("inf"), r"input.scale holds inf"),
+    ("weight", "scale", 0, -2.0, r"weight.scale holds -2.0"),
+    ("input", "amax_history", 1, -1.0, r"input.amax_history holds -1.0.*an amax is never negative"),
+])
+def test_corrupt_scaling_state_is_rejected_and_leaves_the_module_as_it_was(gen, slot, key, index, value, message):
+    saved = _corrupted(roundtrip(_trained_layer(gen, RECIPE).state_dict()), slot, key, index, value)
+    target = _trained_layer(gen, RECIPE)
+    before = {k: v.clone() for k, v in target.state_dict().items() if isinstance(v, torch.Tensor)}
+    state_before = [t.clone() for d in target.quantization_state().values() for e in d.values() for t in e.values()]
+    with pytest.raises(ValueError, match=message + r".*Drop the module's '_extra_state' entry"):
+        target.load_state_dict(saved)
+    state_after = [t for d in target.quantization_state().values() for e in d.values() for t in e.values()]
+    assert all(torch.equal(a, b) for a, b in zip(state_before, state_after))  # nothing half-loaded
+    assert before.keys() <= target.state_dict().keys()
+
+
+def test_nan_and_inf_in_a_saved_history_load(gen):
+    """The update ignores NaN and keeps the scale for inf (TE's semantics): both are states a
+    run can reach, so a checkpoint holding them loads and the next update stays finite."""
+    saved = _corrupted(roundtrip(_trained_layer(gen, RECIPE).state_dict()), "input", "amax_history", 1, float("nan"))
+    saved["_extra_state"]["quantization_state"]["forward"]["weight"]["amax_history"][2] = float("inf")
+    target = Linear(16, 16)
+    target.load_state_dict(saved)
+    with autocast(recipe=RECIPE):
+        target(randn(gen, 16, 16))
+    scales = [entry["scale"] for entry in target.quantization_state()["forward"].values()]
+    assert all(torch.isfinite(s).all() and (s > 0).all() for s in scales)
+
+
+def test_unknown_format_name_in_a_checkpoint_is_a_clear_error(gen):
+    saved = roundtrip(_trained_layer(gen, RECIPE).state_dict())
+    saved["_extra_state"]["recipe"]["fp8_format"] = "E4M3FNUZ"
+    with pytest.raises(ValueError, match=r"unknown fp8_format 'E4M3FNUZ'.*known: E4M3, E5M2, HYBRID"):
+        Linear(16, 16).load_state_dict(saved)
+
+
 def test_stateless_recipe_writes_no_state_and_loads_into_delayed(gen):
     saved = roundtrip(_trained_layer(gen, Float8CurrentScaling()).state_dict())
     assert saved["_extra_state"] is None

@@ -97,3 +97,55 @@ def test_plain_quantized_gemm_accumulates_in_float32(gen, monkeypatch):
     wq = state.quantizer("weight").quantize(randn(gen, 16, 64))
     quantized_gemm(xq, wq, out_dtype=torch.float32)
     assert seen == [False]
+
+
+@pytest.fixture
+def lying_backend(monkeypatch):
+    """Selects a backend whose gemm / gemm_fp8 run the reference, then let `lie` change the result."""
+    import types
+
+    from te_core import backend
+    from te_core.backend import hookimpl, registry
+    from te_core.backend.types import API_VERSION, BackendInfo, Capabilities, OpImpl
+    from te_core.reference.plugin import implementations
+
+    reference, lies = implementations(), {}
+
+    def op(name):
+        return OpImpl(lambda *args, **kwargs: lies.get(name, lambda y: y)(reference[name](*args, **kwargs)))
+
+    plugin = types.SimpleNamespace(
+        te_backend_info=hookimpl(lambda: BackendInfo(name="liar", device_type="cpu", api_version=API_VERSION)),
+        te_backend_available=hookimpl(lambda: (True, "test backend")),
+        te_backend_ops=hookimpl(lambda: {"gemm": op("gemm"), "gemm_fp8": op("gemm_fp8")}),
+        te_backend_capabilities=hookimpl(lambda device: Capabilities(
+            fp8_formats={"E4M3": 448.0, "E5M2": 57344.0}, scaling_modes=frozenset({"tensorwise"}),
+            device_name="test", arch="test")),
+    )
+    entry = types.SimpleNamespace(name="liar", load=lambda: plugin,
+                                  dist=types.SimpleNamespace(metadata={"Name": "te-backend-liar"}, version="1.0"))
+    monkeypatch.setattr(registry, "_entry_points", lambda: [entry])
+    registry.REGISTRY.reset()
+    backend.set_backend("liar")
+    yield lies
+    monkeypatch.undo()
+    registry.REGISTRY.reset()
+
+
+@pytest.mark.filterwarnings("ignore::te_core.backend.BackendFallbackWarning")
+@pytest.mark.parametrize("recipe", [None, DelayedScaling()], ids=["high-precision", "fp8"])
+@pytest.mark.parametrize("lie, got", [
+    (lambda y: y[:-1], r"shape \(15, 16\)"),  # one row short: silently short before, or a reshape error
+    (lambda y: y.double(), r"torch.float64"),
+], ids=["rows", "dtype"])
+def test_a_gemm_breaking_its_contract_is_named_as_the_backends_bug(gen, lying_backend, recipe, lie, got):
+    from te_core.backend import BackendError
+    from te_core.modules.linear import Linear
+    from te_core.quantization import autocast
+
+    layer = Linear(32, 16)
+    lying_backend.update(gemm=lie, gemm_fp8=lie)
+    with pytest.raises(BackendError, match=r"backend 'liar' broke the contract of gemm(_fp8)?: .*" + got
+                       + r".*requires shape \(16, 16\).*bug in the backend, not in your inputs"):
+        with autocast(enabled=recipe is not None, recipe=recipe):
+            layer(randn(gen, 4, 4, 32))

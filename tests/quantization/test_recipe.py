@@ -56,8 +56,47 @@ def test_block_scaling_validation():
         Float8BlockScaling(x_block_scaling_dim=2)
     with pytest.raises(ValueError, match="w_block_scaling_dim must be 1"):
         Float8BlockScaling(w_block_scaling_dim=3)
-    with pytest.raises(ValueError, match="amax_epsilon must be a float >= 0"):
+    with pytest.raises(ValueError, match="amax_epsilon must be a number >= 0"):
         QParams(amax_epsilon=-1.0)
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: DelayedScaling(margin=NAN), ValueError, r"margin must be a number >= 0 and finite, got nan"),
+    (lambda: DelayedScaling(margin=INF), ValueError, r"margin must be a number >= 0 and finite, got inf"),
+    (lambda: DelayedScaling(margin="1"), TypeError, r"margin must be a number >= 0, got '1' \(str\)"),
+    (lambda: DelayedScaling(margin=True), TypeError, r"margin must be a number"),
+    (lambda: DelayedScaling(amax_history_len=-3), ValueError, r"amax_history_len must be an int >= 1"),
+    (lambda: DelayedScaling(amax_history_len=16.0), TypeError, r"amax_history_len must be an int >= 1, got 16.0"),
+    (lambda: DelayedScaling(amax_history_len=True), TypeError, r"amax_history_len must be an int"),
+    (lambda: DelayedScaling(reduce_amax="no"), TypeError, r"reduce_amax must be True or False, got 'no'"),
+    (lambda: DelayedScaling(fp8_dpa=0), TypeError, r"fp8_dpa must be True or False"),
+    (lambda: DelayedScaling(scaling_factor_compute_algo="max"), TypeError, r"scaling_factor_compute_algo must be"),
+    (lambda: QParams(amax_epsilon=NAN), ValueError, r"amax_epsilon must be a number >= 0 and finite, got nan"),
+    (lambda: QParams(amax_epsilon=INF), ValueError, r"amax_epsilon must be a number >= 0 and finite, got inf"),
+    (lambda: QParams(amax_epsilon=None), TypeError, r"amax_epsilon must be a number"),
+    (lambda: QParams(power_2_scale="yes"), TypeError, r"power_2_scale must be True or False"),
+    (lambda: Float8CurrentScaling(fp8_quant_fwd_inp=1e-6), TypeError, r"fp8_quant_fwd_inp must be a te_core.recipe.QParams"),
+    (lambda: Float8CurrentScaling(fp8_mha="false"), TypeError, r"fp8_mha must be True or False"),
+    (lambda: Float8BlockScaling(w_block_scaling_dim=2.0), TypeError, r"w_block_scaling_dim must be an int"),
+    (lambda: Float8BlockScaling(fp8_quant_bwd_grad=None), TypeError, r"fp8_quant_bwd_grad must be a te_core.recipe.QParams"),
+    (lambda: MXFP8BlockScaling(margin=2), ValueError, r"margin=2 is not used"),
+    (lambda: MXFP8BlockScaling(margin=NAN), ValueError, r"margin must be a number >= 0 and finite"),
+])
+def test_malformed_configuration_is_rejected_clearly(make, error, message):
+    """Every recipe field with a value of the wrong type, out of range or non-finite, or given to
+    a recipe that would not use it: a clear error naming the field and the value."""
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_checkpoint_config_with_unknown_format_names_it():
+    config = DelayedScaling().to_config()
+    config["fp8_format"] = "E3M4"
+    with pytest.raises(ValueError, match=r"unknown fp8_format 'E3M4'.*known: E4M3, E5M2, HYBRID"):
+        recipe_from_config(config)
 
 
 def test_gemm_accumulation_follows_transformer_engine():

@@ -20,15 +20,18 @@ F32_MAX = torch.finfo(torch.float32).max
 
 
 def expected_update(history, scale, fmax, margin=0.0, algo="max"):
-    """The update rule in float64 on copies: (new scale, rolled history)."""
+    """Transformer Engine's update kernel in float64 on copies: (new scale, new history).
+    A column whose row 0 is 0 is left alone; "max" is fmaxf from 0 (NaN ignored, inf wins)."""
     h = history.double()
-    amax = h.max(dim=0).values if algo == "max" else h[0]
-    new = (fmax / amax / 2.0 ** margin).clamp(max=F32_MAX)  # a float32 scale that would be inf
-    keep = ~torch.isfinite(amax) | (amax == 0)
-    new = torch.where(keep, scale.double(), new).float()
+    stepped = h[0] != 0
+    amax = torch.nan_to_num(h, nan=0.0, posinf=math.inf).amax(dim=0) if algo == "max" else h[0]
+    amax = torch.where(stepped, amax, torch.zeros_like(amax))
+    new = fmax / amax / 2.0 ** margin
+    keep = ~torch.isfinite(amax) | (amax <= 0)
+    new = torch.where(keep, scale.double(), new).clamp(max=F32_MAX).float()  # inf -> float32 max
     rolled = torch.roll(history, -1, 0).clone()
     rolled[0] = 0
-    return new, rolled
+    return new, torch.where(stepped, rolled, history)
 
 
 def assert_scale(scale, fmax, amax):
@@ -49,25 +52,35 @@ def make_group(history, scale, recipe):
 @pytest.mark.parametrize("margin", [0, 2])
 def test_update_rule_matches_float64(gen, algo, margin):
     recipe = DelayedScaling(amax_history_len=5, amax_compute_algo=algo, margin=margin)
-    history = randn(gen, 5, 6).abs() * 3
-    # column 1: amax 0 everywhere; 2: NaN this step; 3: inf; 4: so small the scale overflows
+    history = randn(gen, 5, 8).abs() * 3
+    # column 1: amax 0 everywhere; 2: NaN this step; 3: inf; 4: so small the scale overflows;
+    # 5: NaN in an older row; 6: nothing recorded this step (row 0 is 0) over a non-zero history
     history[:, 1] = 0
     history[0, 2] = float("nan")
     history[0, 3] = float("inf")
     history[:, 4] = 0
     history[0, 4] = 1e-44
-    scale = randn(gen, 6).abs() + 0.5
+    history[2, 5] = float("nan")
+    history[0, 6] = 0
+    scale = randn(gen, 8).abs() + 0.5
     group = make_group(history, scale, recipe)
     update_scales([group])
     want_scale, want_history = expected_update(history, scale, E4M3_MAX, margin, algo)
     torch.testing.assert_close(group.scale, want_scale, rtol=1.3e-6, atol=0, equal_nan=True)
     torch.testing.assert_close(group.amax_history, want_history, rtol=0, atol=0, equal_nan=True)
-    assert group.scale[1] == scale[1] and group.scale[2] == scale[2] and group.scale[3] == scale[3]
+    assert group.scale[1] == scale[1] and group.scale[3] == scale[3] and group.scale[6] == scale[6]
     assert group.scale[4] == F32_MAX
+    if algo == "max":  # a NaN never freezes the scale: the other entries of the window decide
+        assert_scale(group.scale[2] * 2.0 ** margin, E4M3_MAX, history[1:, 2].max())
+        assert_scale(group.scale[5] * 2.0 ** margin, E4M3_MAX, history[torch.arange(5) != 2, 5].max())
+    else:
+        assert group.scale[2] == scale[2]
     # rolled up by one row (TE: torch.roll(h, -1, 0)), then row 0 zeroed: this step's amax is last
-    torch.testing.assert_close(group.amax_history[-1], history[0], rtol=0, atol=0, equal_nan=True)
-    assert torch.equal(group.amax_history[1:-1], history[2:])
-    assert torch.all(group.amax_history[0] == 0)
+    rolled = [c for c in range(8) if c != 6]
+    torch.testing.assert_close(group.amax_history[-1, rolled], history[0, rolled], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(group.amax_history[1:-1, rolled], history[2:, rolled], rtol=0, atol=0, equal_nan=True)
+    assert torch.all(group.amax_history[0, rolled] == 0)
+    assert torch.equal(group.amax_history[:, 6], history[:, 6])  # nothing recorded: not rolled
 
 
 def test_callable_algorithms(gen):
@@ -281,3 +294,26 @@ def test_single_column_snapshot_is_the_reciprocal_itself():
     assert group.scale_inv_of(0) is view  # no change to the scale, no new snapshot
     group.scale_changed()
     assert group.scale_inv_of(0) is not view
+
+
+@pytest.mark.parametrize("algo, returned", [
+    (lambda h: h, r"a tensor of shape \(4, 3\)"),  # the whole history, not one amax per column
+    (lambda h: h.max(), r"a tensor of shape \(\)"),
+    (lambda h: float(h.max()), r"returned float"),
+])
+def test_callable_amax_algo_with_a_wrong_result_is_a_clear_error(gen, algo, returned):
+    group = make_group(randn(gen, 4, 3).abs() + 0.1, torch.ones(3), DelayedScaling(amax_history_len=4,
+                                                                                   amax_compute_algo=algo))
+    with pytest.raises(ValueError, match=r"amax_compute_algo must return a tensor with one value per scaled tensor "
+                                         r"of the group \(shape \(3,\)\) .*" + returned):
+        update_scales([group])
+
+
+def test_callable_scale_that_is_not_finite_keeps_the_old_scale(gen):
+    def bad(amax, scale, fp8_max, recipe):
+        return torch.tensor([float("nan"), 0.0, 5.0])
+
+    group = make_group(randn(gen, 4, 3).abs() + 0.1, torch.tensor([2.0, 3.0, 4.0]),
+                       DelayedScaling(amax_history_len=4, scaling_factor_compute_algo=bad))
+    update_scales([group])
+    assert group.scale.tolist() == [2.0, 3.0, 5.0]

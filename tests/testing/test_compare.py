@@ -100,3 +100,48 @@ def test_fp8_tolerance_takes_loosest_and_rejects_non_fp8():
     assert fp8_tolerance(E4M3, E5M2) == Tol(0.25, 0.125)
     with pytest.raises(ValueError, match="is an FP8 dtype"):
         fp8_tolerance(torch.float32)
+
+
+def test_fp8_near_allows_a_small_budget_of_one_step_values_only():
+    from te_core.testing.compare import FP8_STEP_BUDGET, assert_fp8_near
+
+    expected = (_x(40, 50) * 10).to(E4M3)
+    bits = expected.view(torch.uint8).clone()
+    budget = int(FP8_STEP_BUDGET * expected.numel())
+    flat = bits.view(-1)
+    flat[:budget] ^= 1  # the last mantissa bit: the adjacent value of the same sign
+    assert_fp8_near(bits.view(E4M3), expected, where="y")
+    flat[budget] ^= 1
+    with pytest.raises(AssertionError, match=rf"{budget + 1} of 2000 FP8 values are one FP8 step"):
+        assert_fp8_near(bits.view(E4M3), expected, where="y")
+    two_steps = expected.view(torch.uint8).clone()
+    two_steps.view(-1)[7] ^= 2  # two codes away
+    with pytest.raises(AssertionError, match="more than one FP8 step"):
+        assert_fp8_near(two_steps.view(E4M3), expected, where="y")
+
+
+def test_fp8_near_counts_zero_and_its_neighbours_as_adjacent():
+    from te_core.testing.compare import assert_fp8_near
+
+    tiny = 2.0 ** -9  # E4M3's smallest subnormal
+    expected = torch.tensor([0.0, tiny, -tiny, 1.0]).to(E4M3)
+    assert_fp8_near(torch.tensor([-0.0, tiny, -tiny, 1.0]).to(E4M3), expected, where="y")  # +0 and -0: equal
+    assert_fp8_near(torch.tensor([tiny, tiny, -tiny, 1.0]).to(E4M3), expected, where="y")
+    with pytest.raises(AssertionError, match="more than one FP8 step"):
+        assert_fp8_near(torch.tensor([0.0, -tiny, -tiny, 1.0]).to(E4M3), expected, where="y")
+
+
+def test_within_bound_checks_each_element_and_the_norm():
+    from te_core.testing.compare import ErrorBound, assert_within
+
+    expected = _x(100)
+    loose = ErrorBound(per_element=torch.full((100,), 0.5, dtype=torch.float64), norm=0.2)
+    assert_within(expected + 0.01, expected, loose, where="y")  # norm 0.1
+    with pytest.raises(AssertionError, match="the error's norm 0.3 exceeds 0.2"):
+        assert_within(expected + 0.03, expected, loose, where="y")  # every element within 0.5, norm 0.3
+    wrong = expected.clone()
+    wrong[3] += 0.6
+    with pytest.raises(AssertionError, match=r"1 of 100 elements differ beyond the per-element error bound"):
+        assert_within(wrong, expected, ErrorBound(loose.per_element, norm=10.0), where="y")
+    with pytest.raises(AssertionError, match=r"shape \(99,\), expected \(100,\)"):
+        assert_within(expected[:99], expected, loose, where="y")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 from ..inputs import CASES, Case
-from . import activation, attention, cast, gemm, norm, training  # noqa: F401  (registers the cases)
+from . import activation, attention, cast, empty, gemm, norm, training  # noqa: F401  (registers the cases)
 
 
 def cases_by_op() -> Dict[str, List[Case]]:

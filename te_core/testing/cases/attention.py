@@ -63,9 +63,11 @@ for _op in ("rope_fwd", "rope_bwd"):
 
 
 def _attention(name, b, hq, hkv, sq, sk, d, dv=None, dtype=torch.float32, mask_type="no_mask", mask=None,
-               softmax_scale=None):
-    """mask: None, "padding" ((b, 1, 1, sk), a few keys of each batch masked) or "arbitrary"
-    ((b, 1, sq, sk) random, one query row fully masked)."""
+               softmax_scale=None, bias=None, **options):
+    """mask: None, "padding" ((b, 1, 1, sk), a few keys of each batch masked), "padding_both"
+    (queries padded too) or "arbitrary" ((b, 1, sq, sk) random, one query row fully masked).
+    bias: None or a core_attention_bias_type given a random (1, hq, sq, sk) bias; `options`
+    (window_size, bottom_right_diagonal, core_attention_bias_type="alibi") pass as they are."""
 
     @case("attention", f"{name}-{short(dtype)}", tol=ATTN_TOL[dtype], grad_of=(0, 1, 2))
     def make(gen):
@@ -73,14 +75,19 @@ def _attention(name, b, hq, hkv, sq, sk, d, dv=None, dtype=torch.float32, mask_t
         k = randn(gen, b, hkv, sk, d, dtype=dtype)
         v = randn(gen, b, hkv, sk, dv or d, dtype=dtype)
         kwargs = dict(attn_mask_type=mask_type, softmax_scale=softmax_scale)
-        if mask == "padding":
+        if mask in ("padding", "padding_both"):
             lengths = torch.randint(sk // 2, sk + 1, (b,), generator=gen)
             kwargs["attention_mask"] = (torch.arange(sk) >= lengths[:, None]).view(b, 1, 1, sk)
+        if mask == "padding_both":
+            lengths = torch.randint(sq // 2, sq + 1, (b,), generator=gen)
+            kwargs["query_padding_mask"] = (torch.arange(sq) >= lengths[:, None]).view(b, 1, 1, sq)
         elif mask == "arbitrary":
             full = torch.rand(b, 1, sq, sk, generator=gen) < 0.3
             full[0, 0, 1] = True
             kwargs["attention_mask"] = full
-        return (q, k, v), kwargs
+        if bias is not None:
+            kwargs.update(core_attention_bias_type=bias, core_attention_bias=randn(gen, 1, hq, sq, sk, dtype=dtype))
+        return (q, k, v), {**kwargs, **options}
 
 
 _attention("no-mask-2x4x8x16", 2, 4, 4, 8, 8, 16)
@@ -93,3 +100,11 @@ _attention("arbitrary-full-row-2x2x7x7", 2, 2, 2, 7, 7, 16, mask_type="arbitrary
 _attention("gqa-scale-2x4x2x7x7", 2, 4, 2, 7, 7, 16, softmax_scale=0.3)
 _attention("mqa-dv8-causal-2x4x1x7x7", 2, 4, 1, 7, 7, 16, dv=8, mask_type="causal")
 _attention("causal-1x2x16x16", 1, 2, 2, 16, 16, 32, dtype=torch.bfloat16, mask_type="causal")
+_attention("padding-causal-bottom-right-2x4x2x6x9", 2, 4, 2, 6, 9, 16, mask_type="padding_causal_bottom_right",
+           mask="padding_both")
+_attention("window-causal-2x2x9x9", 2, 2, 2, 9, 9, 16, mask_type="causal", window_size=(3, 0))
+_attention("window-top-left-1x2x6x9", 1, 2, 2, 6, 9, 16, window_size=(1, 2), bottom_right_diagonal=False)
+_attention("post-scale-bias-gqa-2x4x2x7x7", 2, 4, 2, 7, 7, 16, mask_type="causal", bias="post_scale_bias")
+_attention("pre-scale-bias-1x2x5x8", 1, 2, 2, 5, 8, 16, bias="pre_scale_bias")
+_attention("alibi-padding-window-2x4x4x8x8", 2, 4, 4, 8, 8, 16, mask_type="padding", mask="padding_both",
+           window_size=(2, 2), core_attention_bias_type="alibi")

@@ -58,6 +58,10 @@ def _scaling(name, margin, algo):
         h[:, 2] = float("nan")  # NaN amax: keep the old scale
         h[:, 3] = 1e-40  # 448 / 1e-40 overflows: float32 max
         histories[2][0, 4] = 3e4  # the newest amax is the largest
+        histories[2][3, 1] = float("nan")  # a NaN among finite amaxes: ignored by "max" (fmaxf)
+        histories[2][0, 2] = 0.0  # nothing recorded this step: history and scale left as they are
+        histories[2][2, 3] = float("nan")
+        histories[2][0, 3] = float("nan")  # a NaN step: rolls, keeps the scale under "most_recent"
         scales = [uniform(gen, c, low=0.5, high=8.0) for _, c in lengths_cols]
         return (histories, scales, [448.0, 57344.0, 448.0]), dict(margin=margin, amax_compute_algo=algo)
 

@@ -1,0 +1,136 @@
+"""Tensor and sequence parallelism of the GEMM modules, around their local computation.
+
+Column-parallel: each rank holds a block of the output features (weight rows, bias). The
+input is replicated; its gradient is summed over the ranks. Under sequence parallelism the
+input arrives split along the sequence (first) dimension and is all-gathered before the GEMM;
+its gradient is reduce-scattered.
+Row-parallel: each rank holds a block of the input features (weight columns); the partial
+outputs are all-reduced (reduce-scattered along the sequence under sequence parallelism), then
+the bias, whole on every rank, is added.
+
+The module's autograd Function computes on its shard exactly as without parallelism (FP8
+included); the functions here only decide which collective goes before and after it.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+from torch import Tensor
+
+from .collectives import copy_to_tp_region, gather_along_first_dim, reduce_from_tp_region, scatter_reduce_first_dim
+from .groups import check_ranks_agree, group_size
+from .random import MODEL_PARALLEL_RNG_TRACKER_NAME
+
+PARALLEL_MODES = (None, "column", "row")
+
+
+class TensorParallelMixin:
+    """Tensor-parallel settings of a module (set by init_tensor_parallel) and Transformer
+    Engine's set_tensor_parallel_group()."""
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """The process group of this module's tensor-parallel ranks (its size must be tp_size)."""
+        name = type(self).__name__
+        if tp_group is not None and group_size(tp_group, name) != self.tp_size:
+            raise ValueError(f"{name}: the tensor-parallel group has {group_size(tp_group, name)} ranks but the "
+                             f"module was built with tp_size={self.tp_size}; pass a group of {self.tp_size} ranks")
+        self.tp_group = tp_group
+        self.tp_group_initialized = tp_group is not None or self.tp_size == 1
+
+    def _tp_group(self):
+        """The group collectives run on; a clear error when the module still lacks one."""
+        if not self.tp_group_initialized:
+            raise RuntimeError(f"{type(self).__name__}: tp_size={self.tp_size} but no tensor-parallel group is set; "
+                               "pass tp_group= to the constructor or call module.set_tensor_parallel_group(group)")
+        return self.tp_group
+
+
+def init_tensor_parallel(module: TensorParallelMixin, name: str, *, tp_group, tp_size: int, parallel_mode,
+                         sequence_parallel: bool, get_rng_state_tracker, rng_tracker_name,
+                         modes: Sequence = PARALLEL_MODES) -> None:
+    """Check and store the tensor-parallel arguments (Transformer Engine's semantics: with a group,
+    tp_size defaults to the group's size; sequence parallelism needs tp_size > 1 to mean anything)."""
+    if parallel_mode not in modes:
+        raise ValueError(f"{name}: parallel_mode={parallel_mode!r}; use one of {', '.join(map(repr, modes))}")
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise ValueError(f"{name}: tp_size must be a positive integer, got {tp_size!r}")
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"{name}: sequence_parallel must be True or False, got {sequence_parallel!r}")
+    if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
+        raise TypeError(f"{name}: get_rng_state_tracker must be a function returning the tracker "
+                        f"(e.g. lambda: tracker), got {type(get_rng_state_tracker).__name__}")
+    if tp_group is not None and tp_size == 1:
+        tp_size = group_size(tp_group, name)
+    module.tp_size, module.parallel_mode = tp_size, parallel_mode
+    module.sequence_parallel = sequence_parallel and tp_size > 1
+    module.get_rng_state_tracker, module.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
+    module.tp_group, module.tp_group_initialized = None, tp_size == 1
+    module._tp_shapes_checked = False
+    if tp_group is not None:
+        module.set_tensor_parallel_group(tp_group)
+
+
+def split_size(size: int, tp_size: int, *, what: str, module: str) -> int:
+    """This rank's share of a dimension split over tp_size ranks."""
+    if size % tp_size:
+        raise ValueError(f"{module}: {what}={size} is not divisible by tp_size={tp_size}; each tensor-parallel "
+                         f"rank holds {what}/tp_size of it, so choose a multiple of {tp_size}")
+    return size // tp_size
+
+
+def init_weight(module, init_method: Callable[[Tensor], None], weight: Tensor) -> None:
+    """init_method(weight), inside the tracker's fork when the module has a get_rng_state_tracker
+    (so each rank draws its own shard)."""
+    tracker_fn = getattr(module, "get_rng_state_tracker", None)
+    if tracker_fn is None:
+        init_method(weight)
+        return
+    with tracker_fn().fork(module.rng_tracker_name or MODEL_PARALLEL_RNG_TRACKER_NAME):
+        init_method(weight)
+
+
+def mark_sequence_parallel(module, params: Sequence[Optional[Tensor]]) -> None:
+    """Parameters replicated on the ranks whose gradients, under sequence parallelism, each rank
+    holds only in part (its sequence shard's share): `param.sequence_parallel` is True, as in
+    Transformer Engine; the training loop all-reduces them over tp_group (Megatron-LM does)."""
+    for param in params:
+        if param is not None:
+            param.sequence_parallel = module.sequence_parallel
+
+
+def _agree_once(module, x: Tensor, group) -> None:
+    if not module._tp_shapes_checked:
+        check_ranks_agree(x, group, type(module).__name__)
+        module._tp_shapes_checked = True
+
+
+def column_parallel_input(module, x: Tensor) -> Tensor:
+    """The input of a column-parallel GEMM: gathered along the sequence under sequence
+    parallelism, else as is with its gradient summed over the ranks."""
+    if module.tp_size == 1:
+        return x
+    group = module._tp_group()
+    _agree_once(module, x, group)
+    return gather_along_first_dim(x, group) if module.sequence_parallel else copy_to_tp_region(x, group)
+
+
+def replicated_parameter(module, param: Optional[Tensor]) -> Optional[Tensor]:
+    """A parameter every rank holds whole and applies to the replicated (gathered) input, such
+    as the norm's weight in front of a column-parallel GEMM: each rank computes only part of
+    its gradient. Without sequence parallelism the parts are summed here, so every rank holds
+    the whole gradient (as in Transformer Engine); with it they are left to the training loop
+    (see mark_sequence_parallel)."""
+    if param is None or module.tp_size == 1 or module.sequence_parallel:
+        return param
+    return copy_to_tp_region(param, module._tp_group())
+
+
+def row_parallel_output(module, y: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """The output of a row-parallel GEMM: the ranks' partial sums reduced (reduce-scattered
+    along the sequence under sequence parallelism), then the bias added once."""
+    if module.tp_size > 1:
+        group = module._tp_group()
+        _agree_once(module, y, group)
+        y = scatter_reduce_first_dim(y, group) if module.sequence_parallel else reduce_from_tp_region(y, group)
+    return y if bias is None else y + bias.to(y.dtype)
+

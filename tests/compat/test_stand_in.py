@@ -1,0 +1,133 @@
+"""te_core.install_as_transformer_engine(): code written for Transformer Engine imports te-core,
+and gets TE's return types; a real Transformer Engine is never shadowed by accident."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import te_core
+from te_core.compat.transformer_engine import uninstall_transformer_engine
+
+
+@pytest.fixture
+def stand_in():
+    if "transformer_engine" not in sys.modules and importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("a real transformer_engine is installed here")
+    uninstall_transformer_engine()
+    yield te_core.install_as_transformer_engine()
+    uninstall_transformer_engine()
+
+
+def test_te_imports_resolve_to_te_core(stand_in):
+    import transformer_engine
+    import transformer_engine.common.recipe as te_recipe
+    import transformer_engine.pytorch as te
+    from transformer_engine.pytorch.distributed import checkpoint
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager, check_fp8_support, check_mxfp8_support
+
+    assert te is stand_in and transformer_engine.pytorch is te and transformer_engine.common.recipe is te_recipe
+    assert te.Linear is te_core.Linear and te.TransformerLayer is te_core.TransformerLayer
+    assert te_recipe.DelayedScaling is te_core.recipe.DelayedScaling and checkpoint is te_core.checkpoint
+    assert transformer_engine.__version__.startswith("2.")
+    assert importlib.util.find_spec("transformer_engine.pytorch") is not None
+    ok, reason = check_fp8_support()
+    assert ok is True and reason == ""
+    native, why = check_mxfp8_support()
+    assert isinstance(native, bool) and isinstance(why, str)
+    assert FP8GlobalStateManager.is_fp8_available() == (True, "")
+    assert te.is_fp8_available() is True  # a bool, so `if te.is_fp8_available():` means what it says
+    assert importlib.import_module("transformer_engine.pytorch.quantization").check_fp8_support() == (True, "")
+
+
+def test_global_state_queries_follow_autocast(stand_in):
+    from transformer_engine.common.recipe import DelayedScaling, Format
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+
+    te = stand_in
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=8)
+    assert not FP8GlobalStateManager.is_fp8_enabled()
+    assert isinstance(FP8GlobalStateManager.get_fp8_recipe(), DelayedScaling)
+    group = object()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=group):
+            assert FP8GlobalStateManager.is_fp8_enabled() and not FP8GlobalStateManager.is_fp8_calibration()
+            assert FP8GlobalStateManager.get_fp8_recipe() is recipe
+            assert FP8GlobalStateManager.get_fp8_group() is group
+    with te.autocast(enabled=False, calibrating=True):
+        assert FP8GlobalStateManager.is_fp8_calibration() and not FP8GlobalStateManager.is_fp8_enabled()
+    with te.quantized_model_init(recipe=recipe):
+        assert FP8GlobalStateManager.with_fp8_parameters()
+
+
+def _te_convert(model, te):
+    """What an integration such as Hugging Face Accelerate's convert_model does: swap
+    nn.Linear / nn.LayerNorm for TE's, copying the weights."""
+    for name, child in model.named_children():
+        if isinstance(child, nn.Linear):
+            new = te.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                            params_dtype=child.weight.dtype)
+            new.weight.copy_(child.weight)
+            new.bias.copy_(child.bias)
+            setattr(model, name, new)
+        elif isinstance(child, nn.LayerNorm):
+            new = te.LayerNorm(child.normalized_shape[0], eps=child.eps, params_dtype=child.weight.dtype)
+            new.weight.copy_(child.weight)
+            new.bias.copy_(child.bias)
+            setattr(model, name, new)
+        else:
+            _te_convert(child, te)
+
+
+def test_an_integration_converts_and_autowraps_a_model(stand_in):
+    """The flow of Accelerate's convert_model + apply_fp8_autowrap, written against the
+    transformer_engine names, runs on te-core: high precision matches the original model,
+    FP8 training steps stay within E4M3's tolerance of it."""
+    import transformer_engine.common.recipe as te_recipe
+    import transformer_engine.pytorch as te
+
+    torch.manual_seed(0)
+    original = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 32))
+    model = nn.Sequential(*(m for m in (nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 32))))
+    model.load_state_dict(original.state_dict())
+    with torch.no_grad():
+        _te_convert(model, te)
+    assert isinstance(model[0], te.Linear) and isinstance(model[2], te.LayerNorm)
+    recipe = te_recipe.DelayedScaling(fp8_format=getattr(te_recipe.Format, "HYBRID"), amax_history_len=16,
+                                      amax_compute_algo="max")
+    plain_forward = model.forward
+
+    def forward(*args):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            with te.fp8_autocast(enabled=model.training, fp8_recipe=recipe):
+                return plain_forward(*args)
+
+    model.forward = forward
+    x = torch.randn(32, 32)
+    torch.testing.assert_close(model.eval()(x), original(x), rtol=1.3e-6, atol=1e-5)
+    model.train()
+    for _ in range(2):  # delayed scaling calibrates on the first step
+        y = model(x)
+        y.sum().backward()
+    want = original(x)
+    scale = want.abs().max()
+    torch.testing.assert_close(y / scale, want / scale, rtol=0.125, atol=0.0675)
+
+
+def test_a_real_transformer_engine_is_not_shadowed(monkeypatch):
+    uninstall_transformer_engine()
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    with pytest.raises(RuntimeError, match="a real transformer_engine package is installed or imported"):
+        te_core.install_as_transformer_engine()
+    te = te_core.install_as_transformer_engine(replace=True)
+    assert sys.modules["transformer_engine.pytorch"] is te
+    uninstall_transformer_engine()
+    assert "transformer_engine.pytorch" not in sys.modules

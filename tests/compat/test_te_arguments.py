@@ -1,0 +1,153 @@
+"""Behaviour of Transformer Engine arguments that no other test exercises: each either changes
+what it should, or (labels, kernel choices) provably changes nothing, as in Transformer Engine."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import te_core as te
+from te_core.recipe import DelayedScaling
+
+
+def _x(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_name_is_kept_as_a_label():
+    assert te.Linear(4, 4, name="fc").name == "fc"
+    assert te.DotProductAttention(2, 4, name="core").name == "core"
+    assert te.MultiheadAttention(8, 2, name="attn").name == "attn"
+    assert te.TransformerLayer(8, 16, 2, name="block").name == "block"
+
+
+def test_layer_number_and_attention_type_leave_attention_unchanged():
+    """Transformer Engine divides the logits by layer_number and multiplies them back in the
+    softmax: the result is the same for every layer_number."""
+    q, k, v = _x(4, 2, 2, 8, seed=1), _x(4, 2, 2, 8, seed=2), _x(4, 2, 2, 8, seed=3)
+    base = te.DotProductAttention(2, 8)(q, k, v)
+    torch.testing.assert_close(te.DotProductAttention(2, 8, layer_number=7, attention_type="cross")(q, k, v), base)
+    with pytest.raises(ValueError, match="layer_number must be a positive integer"):
+        te.DotProductAttention(2, 8, layer_number=0)
+    assert te.MultiheadAttention(8, 2, layer_number=3).core_attention.layer_number == 3
+    assert te.TransformerLayer(8, 16, 2, layer_number=4).self_attention.layer_number == 4
+
+
+def test_fast_zero_fill_selects_no_different_values():
+    torch.manual_seed(0)
+    mha = te.MultiheadAttention(8, 2, attention_dropout=0.0)
+    layer = te.TransformerLayer(8, 16, 2, hidden_dropout=0.0, attention_dropout=0.0)
+    x = _x(4, 2, 8, seed=4)
+    torch.testing.assert_close(mha(x, fast_zero_fill=False), mha(x, fast_zero_fill=True))
+    torch.testing.assert_close(layer(x, fast_zero_fill=False), layer(x))
+    q = _x(4, 2, 2, 4, seed=5)
+    dpa = te.DotProductAttention(2, 4)
+    torch.testing.assert_close(dpa(q, q, q, fast_zero_fill=False), dpa(q, q, q))
+
+
+def test_userbuffer_flags_are_inert_without_ub_tp_comm_overlap():
+    torch.manual_seed(1)
+    a = te.TransformerLayer(8, 16, 2, hidden_dropout=0.0, attention_dropout=0.0)
+    b = te.TransformerLayer(8, 16, 2, hidden_dropout=0.0, attention_dropout=0.0, ub_overlap_ag=False,
+                            ub_overlap_rs=False, ub_overlap_rs_dgrad=True, ub_bulk_dgrad=False, ub_bulk_wgrad=False)
+    b.load_state_dict(a.state_dict())
+    x = _x(3, 2, 8, seed=6)
+    torch.testing.assert_close(a(x), b(x))
+    with pytest.raises(NotImplementedError, match="ub_tp_comm_overlap"):
+        te.TransformerLayer(8, 16, 2, ub_tp_comm_overlap=True)
+
+
+def test_norm_linear_eps_init_and_zero_centered_gamma():
+    seen = []
+    lnl = te.LayerNormLinear(8, 4, eps=0.5, zero_centered_gamma=True, init_method=lambda w: seen.append(w.shape)
+                             or torch.nn.init.ones_(w))
+    mlp = te.LayerNormMLP(8, 16, eps=0.5, zero_centered_gamma=True, init_method=torch.nn.init.ones_,
+                          output_layer_init_method=torch.nn.init.zeros_)
+    assert seen == [(4, 8)] and torch.all(lnl.weight == 1)
+    assert torch.all(mlp.fc1_weight == 1) and torch.all(mlp.fc2_weight == 0)
+    x = _x(3, 8, seed=7)
+    # zero-centered gamma starts at 0 and means weight 1 + gamma; eps=0.5 enters the variance
+    want_ln = (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + 0.5)
+    assert torch.all(lnl.layer_norm_weight == 0)
+    torch.testing.assert_close(lnl(x), want_ln @ lnl.weight.T + lnl.bias, rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(mlp(x), mlp.fc2_bias.expand(3, 8), rtol=1.3e-6, atol=1e-5)
+
+
+def test_grouped_linear_options():
+    seen = []
+    gl = te.GroupedLinear(2, 8, 4, bias=True, return_bias=True, params_dtype=torch.bfloat16, device="cpu",
+                          init_method=lambda w: seen.append(tuple(w.shape)) or torch.nn.init.ones_(w))
+    assert seen == [(4, 8), (4, 8)] and gl.weight0.dtype == torch.bfloat16 and gl.weight0.device.type == "cpu"
+    with torch.no_grad():
+        gl.bias0.fill_(3.0)
+        gl.bias1.fill_(4.0)
+    x = _x(5, 8, seed=8).bfloat16()
+    out, bias = gl(x, [2, 3], is_first_microbatch=True)
+    want = x.double().sum(-1, keepdim=True).expand(5, 4)  # the bias is returned, not added
+    torch.testing.assert_close(out.double(), want, rtol=1.6e-2, atol=1e-5)
+    assert bias is not None
+    assert te.GroupedLinear(2, 8, 4, bias=False).bias0 is None
+    # without tensor parallelism, parallel_mode="column" / "row" split nothing, in TE as here
+    torch.testing.assert_close(te.GroupedLinear(2, 8, 4, parallel_mode="column", init_method=torch.nn.init.ones_)(
+        x.float(), [2, 3]), te.GroupedLinear(2, 8, 4, init_method=torch.nn.init.ones_)(x.float(), [2, 3]))
+
+
+def test_layernorm_normalized_shape_and_hidden_size_alias():
+    x = _x(3, 8, seed=9)
+    for cls in (te.LayerNorm, te.RMSNorm):
+        a, b = cls(normalized_shape=8), cls(hidden_size=8)
+        assert a.normalized_shape == b.normalized_shape == (8,)
+        torch.testing.assert_close(a(x), b(x))
+
+
+def test_rotary_options_follow_transformer_engine():
+    dim, base = 8, 500.0
+    inv = 1.0 / base ** (torch.arange(0, 4, 2, dtype=torch.float64) / 4)  # rotary_percent=0.5 -> 4 dims
+    freqs = te.RotaryPositionEmbedding(dim, rotary_percent=0.5, rotary_base=base)(5, offset=2)
+    want = torch.outer(torch.arange(2, 7, dtype=torch.float64), inv)
+    torch.testing.assert_close(freqs.double().view(5, -1), torch.cat((want, want), -1))
+    # interpolation needs both numbers: by the factor up to pretrained * factor positions,
+    # by max_seq_len / pretrained beyond
+    fixed = te.RotaryPositionEmbedding(dim, seq_len_interpolation_factor=2, pretrained_max_position_embeddings=4)
+    torch.testing.assert_close(fixed(6)[0::2], te.RotaryPositionEmbedding(dim)(3))
+    dynamic = fixed(16)
+    torch.testing.assert_close(dynamic[4], te.RotaryPositionEmbedding(dim)(2)[1])  # 4 * 4 / 16 = 1
+    only_factor = te.RotaryPositionEmbedding(dim, seq_len_interpolation_factor=2)
+    torch.testing.assert_close(only_factor(6), te.RotaryPositionEmbedding(dim)(6))
+
+
+def test_apply_rotary_fused_flag_selects_no_different_values():
+    t, freqs = _x(5, 2, 2, 8, seed=10), te.RotaryPositionEmbedding(8)(5)
+    torch.testing.assert_close(te.apply_rotary_pos_emb(t, freqs, fused=False), te.apply_rotary_pos_emb(t, freqs))
+    with pytest.raises(NotImplementedError, match="cu_seqlens"):
+        te.apply_rotary_pos_emb(t, freqs, cu_seqlens=torch.tensor([0, 5]))
+
+
+def test_model_init_enabled_and_recipe():
+    with te.quantized_model_init(enabled=False):
+        assert te.Linear(16, 16).weight.dtype == torch.float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with te.fp8_model_init(enabled=True, recipe=DelayedScaling()):
+            w = te.Linear(16, 16).weight
+        with te.fp8_model_init(enabled=False):
+            assert type(te.Linear(16, 16).weight) is torch.nn.Parameter
+    assert isinstance(w, te.QuantizedTensor) or type(w.data) is not torch.Tensor
+
+
+def test_graphed_callables_fp8_group_is_the_amax_reduction_group(monkeypatch):
+    from te_core import graphs
+    from te_core.quantization import get_autocast_context
+
+    seen = []
+
+    def recording_graph_api(callables, sample_args, num_warmup_iters, allow_unused_input):
+        seen.append((get_autocast_context().amax_reduction_group, num_warmup_iters, allow_unused_input))
+        return callables
+
+    monkeypatch.setattr(graphs, "_graph_api", lambda device: recording_graph_api)
+    group = object()
+    te.make_graphed_callables(te.Linear(16, 16), (_x(16, 16).requires_grad_(),), num_warmup_iters=1,
+                              allow_unused_input=True, fp8_enabled=True, fp8_group=group)
+    assert seen == [(group, 1, True)]

@@ -1,0 +1,248 @@
+"""Nothing Transformer Engine accepts is silently ignored by te-core.
+
+For every argument of TE 2.x's public modules and functions (te_signatures.py): either te-core
+implements it, and a behavioural test names it (IMPLEMENTED: the test file whose test functions
+use the argument), or passing a value other than TE's default raises NotImplementedError whose
+message names the argument.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+from functools import lru_cache
+
+import pytest
+import torch
+
+import te_core as te
+
+from .te_signatures import REQUIRED, SIGNATURES
+
+TESTS = pathlib.Path(__file__).resolve().parents[1]
+MODULES, ATTN, COMPAT = "modules/", "modules/test_attention.py", "compat/test_te_arguments.py"
+DIST = "distributed/"
+TENSOR_PARALLEL = {"sequence_parallel": DIST + "test_errors.py", "tp_group": DIST + "test_errors.py",
+                   "tp_size": DIST + "test_errors.py", "get_rng_state_tracker": DIST + "test_rng_tracker.py"}
+
+# (callable, method) -> {argument: test file (under tests/) whose test functions exercise it}
+IMPLEMENTED = {
+    ("Linear", "__init__"): {
+        "init_method": MODULES + "test_linear.py", "bias": MODULES + "test_linear.py",
+        "return_bias": MODULES + "test_linear.py", "params_dtype": MODULES + "test_linear.py",
+        "parallel_mode": MODULES + "test_linear.py", "device": MODULES + "test_linear.py",
+        "fuse_wgrad_accumulation": MODULES + "test_linear.py", "name": COMPAT,
+        **TENSOR_PARALLEL, "rng_tracker_name": DIST + "test_rng_tracker.py",
+    },
+    ("Linear", "forward"): {"is_first_microbatch": MODULES + "test_fp8_modules.py"},
+    ("LayerNormLinear", "__init__"): {
+        "eps": COMPAT, "init_method": COMPAT, "bias": MODULES + "test_layernorm_linear.py",
+        "normalization": MODULES + "test_layernorm_linear.py", "return_bias": MODULES + "test_split_output.py",
+        "params_dtype": MODULES + "test_layernorm_linear.py", "device": MODULES + "test_layernorm_linear.py",
+        "return_layernorm_output": MODULES + "test_layernorm_linear.py", "zero_centered_gamma": COMPAT,
+        **TENSOR_PARALLEL, "parallel_mode": DIST + "test_errors.py",
+    },
+    ("LayerNormLinear", "forward"): {"is_first_microbatch": MODULES + "test_fp8_modules.py"},
+    ("LayerNormMLP", "__init__"): {
+        "eps": COMPAT, "init_method": COMPAT, "output_layer_init_method": COMPAT,
+        "bias": MODULES + "test_layernorm_linear.py", "normalization": MODULES + "test_layernorm_linear.py",
+        "activation": MODULES + "test_layernorm_linear.py", "return_bias": MODULES + "test_split_output.py",
+        "params_dtype": MODULES + "test_layernorm_linear.py", "device": MODULES + "test_layernorm_linear.py",
+        "return_layernorm_output": MODULES + "test_split_output.py", "zero_centered_gamma": COMPAT,
+        **TENSOR_PARALLEL, "set_parallel_mode": DIST + "test_errors.py",
+    },
+    ("LayerNormMLP", "forward"): {"is_first_microbatch": MODULES + "test_fp8_modules.py"},
+    ("GroupedLinear", "__init__"): {
+        "bias": COMPAT, "init_method": COMPAT, "return_bias": COMPAT, "params_dtype": COMPAT, "device": COMPAT,
+        "parallel_mode": COMPAT,
+    },
+    ("GroupedLinear", "forward"): {"is_first_microbatch": COMPAT},
+    ("LayerNorm", "__init__"): {
+        "eps": MODULES + "test_layernorm.py", "params_dtype": MODULES + "test_layernorm.py",
+        "zero_centered_gamma": MODULES + "test_layernorm.py", "normalized_shape": COMPAT,
+        "hidden_size": COMPAT,
+    },
+    ("RMSNorm", "__init__"): {
+        "eps": MODULES + "test_layernorm.py", "params_dtype": MODULES + "test_layernorm.py",
+        "zero_centered_gamma": MODULES + "test_layernorm.py", "normalized_shape": COMPAT,
+        "hidden_size": COMPAT,
+    },
+    ("DotProductAttention", "__init__"): {
+        "num_gqa_groups": ATTN, "attention_dropout": ATTN, "qkv_format": ATTN, "attn_mask_type": ATTN,
+        "window_size": ATTN, "bottom_right_diagonal": ATTN, "layer_number": COMPAT, "attention_type": COMPAT,
+        "softmax_scale": ATTN, "name": COMPAT,
+    },
+    ("DotProductAttention", "forward"): {
+        "query_layer": ATTN, "key_layer": ATTN, "value_layer": ATTN, "attention_mask": ATTN, "qkv_format": ATTN,
+        "attn_mask_type": ATTN, "window_size": ATTN, "bottom_right_diagonal": ATTN,
+        "checkpoint_core_attention": ATTN, "core_attention_bias_type": ATTN, "core_attention_bias": ATTN,
+        "alibi_slopes": ATTN, "fast_zero_fill": COMPAT, "cu_seqlens_q": ATTN, "cu_seqlens_kv": ATTN,
+        "max_seqlen_q": ATTN, "max_seqlen_kv": ATTN,
+    },
+    ("MultiheadAttention", "__init__"): {
+        "kv_channels": ATTN, "attention_dropout": ATTN, "layernorm_epsilon": ATTN, "init_method": ATTN,
+        "output_layer_init_method": ATTN, "layer_number": COMPAT, "attn_mask_type": ATTN, "window_size": ATTN,
+        "bottom_right_diagonal": ATTN, "num_gqa_groups": ATTN, "params_dtype": ATTN,
+        "return_layernorm_output": ATTN, "input_layernorm": ATTN, "attention_type": ATTN,
+        "fuse_qkv_params": ATTN, "zero_centered_gamma": ATTN, "qkv_weight_interleaved": ATTN, "bias": ATTN,
+        "normalization": ATTN, "device": ATTN, "qkv_format": ATTN, "name": COMPAT, "rotary_pos_interleaved": ATTN,
+    },
+    ("MultiheadAttention", "forward"): {
+        "attention_mask": ATTN, "encoder_output": ATTN, "attn_mask_type": ATTN, "window_size": ATTN,
+        "bottom_right_diagonal": ATTN, "is_first_microbatch": MODULES + "test_fp8_modules.py",
+        "checkpoint_core_attention": ATTN, "rotary_pos_emb": ATTN, "core_attention_bias_type": ATTN,
+        "core_attention_bias": ATTN, "alibi_slopes": ATTN, "fast_zero_fill": COMPAT, "cu_seqlens_q": ATTN,
+        "cu_seqlens_kv": ATTN, "max_seqlen_q": ATTN, "max_seqlen_kv": ATTN,
+    },
+    ("TransformerLayer", "__init__"): {
+        "num_gqa_groups": MODULES + "test_transformer_layer.py", "layernorm_epsilon": ATTN,
+        "hidden_dropout": MODULES + "test_transformer_layer.py", "attention_dropout": ATTN, "init_method": ATTN,
+        "output_layer_init_method": ATTN, "layer_number": COMPAT, "kv_channels": ATTN,
+        "self_attn_mask_type": ATTN, "window_size": ATTN, "bottom_right_diagonal": ATTN,
+        "enc_dec_attn_mask_type": ATTN, "enc_dec_bottom_right_diagonal": ATTN, "enc_dec_window_size": ATTN,
+        "params_dtype": ATTN, "ub_overlap_rs_dgrad": COMPAT,
+        "apply_residual_connection_post_layernorm": MODULES + "test_transformer_layer.py",
+        "output_layernorm": MODULES + "test_transformer_layer.py",
+        "parallel_attention_mlp": MODULES + "test_transformer_layer.py",
+        "layer_type": MODULES + "test_transformer_layer.py", "rotary_pos_interleaved": ATTN,
+        "fuse_qkv_params": ATTN, "zero_centered_gamma": ATTN, "qkv_weight_interleaved": ATTN,
+        "ub_overlap_ag": COMPAT, "ub_overlap_rs": COMPAT, "ub_bulk_dgrad": COMPAT, "ub_bulk_wgrad": COMPAT,
+        "bias": ATTN, "activation": MODULES + "test_transformer_layer.py",
+        "normalization": MODULES + "test_transformer_layer.py", "device": MODULES + "test_transformer_layer.py",
+        "attn_input_format": MODULES + "test_transformer_layer.py", "name": COMPAT,
+    },
+    ("TransformerLayer", "forward"): {
+        "attention_mask": ATTN, "self_attn_mask_type": ATTN, "window_size": ATTN, "bottom_right_diagonal": ATTN,
+        "encoder_output": MODULES + "test_transformer_layer.py", "enc_dec_attn_mask": ATTN,
+        "enc_dec_attn_mask_type": ATTN, "enc_dec_window_size": ATTN, "enc_dec_bottom_right_diagonal": ATTN,
+        "is_first_microbatch": MODULES + "test_fp8_modules.py", "checkpoint_core_attention": ATTN,
+        "rotary_pos_emb": MODULES + "test_transformer_layer.py", "core_attention_bias_type": ATTN,
+        "core_attention_bias": ATTN, "alibi_slopes": ATTN, "fast_zero_fill": COMPAT, "cu_seqlens_q": ATTN,
+        "cu_seqlens_kv": ATTN, "max_seqlen_q": ATTN, "max_seqlen_kv": ATTN,
+    },
+    ("RotaryPositionEmbedding", "__init__"): {
+        "rotary_percent": COMPAT, "seq_len_interpolation_factor": COMPAT, "rotary_base": COMPAT,
+        "pretrained_max_position_embeddings": COMPAT,
+        "interleaved": ATTN,
+    },
+    ("RotaryPositionEmbedding", "forward"): {"offset": COMPAT},
+    ("apply_rotary_pos_emb", "call"): {"tensor_format": ATTN, "interleaved": ATTN, "fused": COMPAT},
+    ("make_graphed_callables", "call"): {
+        "num_warmup_iters": MODULES + "test_graphs.py", "allow_unused_input": COMPAT,
+        "fp8_enabled": MODULES + "test_graphs.py", "fp8_recipe": MODULES + "test_graphs.py", "fp8_group": COMPAT,
+    },
+    ("autocast", "__init__"): {
+        "enabled": "quantization/test_autocast.py", "calibrating": "quantization/test_autocast.py",
+        "recipe": "quantization/test_autocast.py", "amax_reduction_group": "quantization/test_amax_reduction.py",
+    },
+    ("fp8_autocast", "call"): {
+        "enabled": "quantization/test_autocast.py", "calibrating": "quantization/test_autocast.py",
+        "fp8_recipe": "quantization/test_autocast.py", "fp8_group": "quantization/test_autocast.py",
+    },
+    ("quantized_model_init", "call"): {"enabled": COMPAT, "recipe": "modules/test_fp8_modules.py"},
+    ("fp8_model_init", "call"): {"enabled": COMPAT, "recipe": COMPAT},
+    ("is_fp8_available", "call"): {"return_reason": "compat/test_availability.py"},
+}
+
+# TE arguments that are not te-core's to implement nor to reject: checkpoint() passes **kwargs on
+# to the function it runs, as TE's does.
+NOT_CHECKED = {("checkpoint", "call")}
+
+# a value other than TE's default that TE accepts, for arguments where the generic choice
+# (default flipped / replaced) is not a valid TE value
+PROBES = {
+    "cp_comm_type": "a2a", "softmax_type": "off-by-one", "qk_norm_type": "RMSNorm", "parallel_mode": "column",
+    "symmetric_ar_type": "multimem_all_reduce", "activation_params": {"limit": 7.0}, "num_splits": 2,
+    "use_grouped_tensor": True,
+}
+
+
+def _probe(arg: str, default):
+    if arg in PROBES:
+        return PROBES[arg]
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, (int, float)):
+        return default + 1
+    return object() if default is None else default + "_other"
+
+
+def _x(*shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
+
+
+def _module_call(build, inputs):
+    """(construct(**kw), call(**kw)) for a module built by `build`."""
+    return build, lambda **kw: build()(*inputs(), **kw)
+
+
+CALLS = {
+    "Linear": _module_call(lambda **kw: te.Linear(8, 8, **kw), lambda: (_x(4, 8),)),
+    "LayerNormLinear": _module_call(lambda **kw: te.LayerNormLinear(8, 8, **kw), lambda: (_x(4, 8),)),
+    "LayerNormMLP": _module_call(lambda **kw: te.LayerNormMLP(8, 16, **kw), lambda: (_x(4, 8),)),
+    "GroupedLinear": _module_call(lambda **kw: te.GroupedLinear(2, 8, 8, **kw), lambda: (_x(4, 8), [2, 2])),
+    "LayerNorm": _module_call(lambda **kw: te.LayerNorm(8, **kw), lambda: (_x(4, 8),)),
+    "RMSNorm": _module_call(lambda **kw: te.RMSNorm(8, **kw), lambda: (_x(4, 8),)),
+    "DotProductAttention": _module_call(
+        lambda **kw: te.DotProductAttention(2, 4, **kw), lambda: (_x(3, 2, 2, 4), _x(3, 2, 2, 4), _x(3, 2, 2, 4))
+    ),
+    "MultiheadAttention": _module_call(lambda **kw: te.MultiheadAttention(8, 2, **kw), lambda: (_x(3, 2, 8),)),
+    "TransformerLayer": _module_call(lambda **kw: te.TransformerLayer(8, 16, 2, **kw), lambda: (_x(3, 2, 8),)),
+    "RotaryPositionEmbedding": _module_call(lambda **kw: te.RotaryPositionEmbedding(4, **kw), lambda: (3,)),
+    "apply_rotary_pos_emb": (None, lambda **kw: te.apply_rotary_pos_emb(
+        _x(3, 2, 2, 4), te.RotaryPositionEmbedding(4)(3), **kw)),
+    "make_graphed_callables": (None, lambda **kw: te.make_graphed_callables(
+        te.Linear(8, 8), (_x(4, 8).requires_grad_(),), **kw)),
+    "autocast": (lambda **kw: te.autocast(**kw).__enter__(), None),
+    "fp8_autocast": (None, lambda **kw: te.fp8_autocast(**kw).__enter__()),
+    "quantized_model_init": (None, lambda **kw: te.quantized_model_init(**kw).__enter__()),
+    "fp8_model_init": (None, lambda **kw: te.fp8_model_init(**kw).__enter__()),
+    "is_fp8_available": (None, lambda **kw: te.is_fp8_available(**kw)),
+}
+
+
+def _cases():
+    for (owner, method), args in SIGNATURES.items():
+        if (owner, method) in NOT_CHECKED:
+            continue
+        for arg, default in args.items():
+            if default is REQUIRED or arg.startswith("_"):
+                continue  # required arguments are used by every test; private ones are TE-internal
+            yield pytest.param(owner, method, arg, default, id=f"{owner}.{method}.{arg}")
+
+
+@lru_cache(maxsize=None)
+def _names_used_in_tests(path: str) -> frozenset:
+    """Every identifier, keyword-argument name and string constant inside test functions of `path`."""
+    tree = ast.parse((TESTS / path).read_text())
+    names = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test"):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Name):
+                    names.add(node.id)
+                elif isinstance(node, ast.keyword) and node.arg:
+                    names.add(node.arg)
+                elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    names.add(node.value)
+                elif isinstance(node, ast.Attribute):
+                    names.add(node.attr)
+    return frozenset(names)
+
+
+@pytest.mark.parametrize("owner, method, arg, default", list(_cases()))
+def test_argument_implemented_or_rejected(owner, method, arg, default):
+    implemented = IMPLEMENTED.get((owner, method), {})
+    if arg in implemented:
+        assert arg in _names_used_in_tests(implemented[arg]), (
+            f"{owner}.{method}({arg}) is listed as implemented but no test in tests/{implemented[arg]} uses it"
+        )
+        return
+    construct, call = CALLS[owner]
+    run = construct if method in ("__init__",) and construct is not None else call
+    value = _probe(arg, default)
+    with pytest.raises(NotImplementedError, match=arg):
+        run(**{arg: value})
+
+
+def test_every_owner_has_a_call():
+    assert {owner for owner, _ in SIGNATURES} - {o for o, _ in NOT_CHECKED} <= set(CALLS)

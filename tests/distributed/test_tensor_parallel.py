@@ -1,0 +1,84 @@
+"""Column-, row- and sequence-parallel Linear, LayerNormLinear and LayerNormMLP on 2 and 4
+gloo ranks: output and every gradient equal the single-process module with the same full
+weights (fp32 / bf16 at their tolerances, each FP8 recipe at its format's)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from te_core.modules import LayerNormMLP, Linear
+
+from ._parity import Case, check_parity, randomize, shard
+
+MODULES = [("Linear", "column"), ("Linear", "row"), ("LayerNormLinear", "column"), ("LayerNormMLP", None)]
+
+CASES = (
+    [Case(kind, tp, mode, sp) for kind, mode in MODULES for tp in (2, 4) for sp in (False, True)]
+    + [Case(kind, 2, mode, sp, dtype="bfloat16") for kind, mode in MODULES for sp in (False, True)]
+    + [Case(kind, 2, mode, True, torch_autocast=True) for kind, mode in MODULES]
+    + [Case("LayerNormMLP", 2, None, True, activation="swiglu"),
+       Case("LayerNormMLP", 4, None, False, activation="swiglu")]
+    + [Case(kind, 2, mode, True, recipe=recipe) for kind, mode in MODULES
+       for recipe in ("delayed", "current", "block", "mxfp8")]
+)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_parallel_module_matches_single_process(pool, case):
+    results = pool.run(check_parity, case)
+    assert results[:case.tp] == [str(case)] * case.tp  # every rank of the group compared its shard
+
+
+def _return_bias_and_inference(ctx):
+    """Row-parallel return_bias=True hands back the summed output without the bias, and the bias;
+    without autograd (inference) the same collectives run."""
+    if ctx.rank >= 2:
+        return None
+    group, rank = ctx.group(2), ctx.rank
+    full = Linear(64, 32, params_dtype=torch.float32)
+    randomize(full, seed=3)
+    part = Linear(64, 32, parallel_mode="row", tp_group=group, return_bias=True)
+    with torch.no_grad():
+        part.weight.copy_(full.weight.chunk(2, dim=1)[rank])
+        part.bias.copy_(full.bias)
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(5))
+        y, bias = part(x.chunk(2, dim=-1)[rank])
+        y_full = full(x)
+    assert bias is part.bias
+    torch.testing.assert_close(y + bias, y_full, rtol=1.3e-6, atol=1e-5)
+    return True
+
+
+def test_row_parallel_return_bias_without_autograd(pool):
+    assert pool.run(_return_bias_and_inference)[:2] == [True, True]
+
+
+def _mlp_residual(ctx, sequence_parallel: bool):
+    """LayerNormMLP(return_residual=True): the residual is this rank's input, and its gradient
+    joins the input's after the ranks' parts are summed, not before."""
+    if ctx.rank >= 2:
+        return None
+    group, rank = ctx.group(2), ctx.rank
+    full = LayerNormMLP(64, 128)
+    randomize(full, seed=4)
+    part = LayerNormMLP(64, 128, tp_group=group, set_parallel_mode=True, sequence_parallel=sequence_parallel)
+    with torch.no_grad():
+        for name, p in part.named_parameters():
+            p.copy_(shard(full.get_parameter(name), p.shape, rank, 2, gated=False))
+    gen = torch.Generator().manual_seed(6)
+    x, dy, d_res = (torch.randn(8, 2, 64, generator=gen) for _ in range(3))
+    local = (lambda t: t.chunk(2, dim=0)[rank]) if sequence_parallel else (lambda t: t)
+    x_full, x_part = x.clone().requires_grad_(), local(x).clone().requires_grad_()
+    y, residual = full(x_full, return_residual=True)
+    torch.autograd.backward((y, residual), (dy, d_res))
+    y_part, residual_part = part(x_part, return_residual=True)
+    torch.autograd.backward((y_part, residual_part), (local(dy), local(d_res)))
+    torch.testing.assert_close(residual_part, local(x), rtol=0, atol=0)
+    torch.testing.assert_close(y_part, local(y), rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(x_part.grad, local(x_full.grad), rtol=1.3e-6, atol=1e-5)
+    return True
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_mlp_residual_under_tensor_parallelism(pool, sequence_parallel):
+    assert pool.run(_mlp_residual, sequence_parallel)[:2] == [True, True]

@@ -1,0 +1,43 @@
+"""The tensor-parallel parity cases of test_tensor_parallel.py on real devices and their
+collective library (NCCL, MCCL), one process per device, launched with torchrun:
+
+    torchrun --nproc-per-node 2 -m tests.distributed.torchrun_parity
+
+Each process uses the selected backend (TE_BACKEND, default auto) on device LOCAL_RANK, and runs
+every case whose tensor-parallel size equals the number of processes. Exits non-zero, with the
+failing case named, on the first mismatch. The pytest suite runs the same cases on gloo CPU ranks.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from te_core import backend
+
+from ._parity import check_parity
+from ._pool import RankContext
+from .test_tensor_parallel import CASES
+
+
+def main() -> int:
+    selected = backend.get_backend()
+    if selected.device_type != "cpu":
+        selected.device_module.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ctx = RankContext(rank, world, {world: dist.group.WORLD})
+    try:
+        for case in (c for c in CASES if c.tp == world):
+            check_parity(ctx, case)
+            if rank == 0:
+                print(f"ok  {case}  (backend {selected.name}, collectives {dist.get_backend_config()})", flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""The kit proves its sensitivity: every case fails a known-good backend (the reference) once
+its results are perturbed as a plausible kernel bug would perturb them: every result scaled by
+1 + eps, one element shifted, and, where the op casts to FP8, the rounding mode swapped."""
+from __future__ import annotations
+
+from typing import Callable, List
+
+import pytest
+import torch
+from torch import Tensor
+
+from te_core.backend.types import fp8_max
+from te_core.reference import cast as reference_cast
+from te_core.reference.plugin import implementations
+from te_core.testing.cases import CASES
+from te_core.testing.compare import is_fp8
+from te_core.testing.runner import map_tensors, run_case
+
+REF = implementations()
+CPU = torch.device("cpu")
+EPS = 0.05  # below the 10% a wrong GEMM was off by; above bf16's tolerance (1.6e-2)
+
+
+def _tensors(tree) -> List[Tensor]:
+    found: List[Tensor] = []
+    map_tensors(tree, lambda t: found.append(t) or t)
+    return found
+
+
+def _perturbable(t: Tensor) -> bool:
+    return (t.is_floating_point() or is_fp8(t.dtype)) and t.numel() > 0
+
+
+def _scaled(t: Tensor) -> Tensor:
+    """A high-precision result scaled by 1 + EPS. An FP8 result is scaled before its cast
+    (_scaled_before_cast) where the op casts; scaling FP8 values after it can round back to the
+    same values (E5M2's half step is 6% to 12%), so FP8 data an op only moves (a transpose) is
+    scaled by one E5M2 step instead."""
+    if is_fp8(t.dtype):
+        fmax = fp8_max(t.dtype)
+        return (t.float() * 1.25).clamp(-fmax, fmax).to(t.dtype)
+    return t * (1 + EPS)
+
+
+def _shifted(t: Tensor) -> Tensor:
+    """The first element moved by the tensor's largest magnitude, toward zero (so an FP8 value
+    stays in range): a value written to the wrong place, or twice."""
+    first = t.detach().reshape(-1)[0].float()
+    step = t.detach().float().abs().max()
+    delta = torch.zeros(t.shape, dtype=torch.float32)
+    delta.view(-1)[0] = -step if first > 0 else step
+    if is_fp8(t.dtype):
+        return (t.float() + delta).to(t.dtype)
+    return t + delta.to(t.dtype)
+
+
+def _outputs_changed(fn, args, kwargs):
+    """Call fn; return its result and the inputs it wrote (in-place updates, `out`, amax slots)."""
+    inputs = _tensors((args, kwargs))
+    before = [t.detach().clone() for t in inputs]
+    result = fn(*args, **kwargs)
+    written = [t for t, old in zip(inputs, before)
+               if not torch.equal(t.detach().float().nan_to_num(7.0), old.float().nan_to_num(7.0))]
+    return result, written
+
+
+class NothingToPerturb(Exception):
+    """The op returned and wrote nothing non-zero (an empty batch: empty results, zero sums)."""
+
+
+def perturbed(fn: Callable, change: Callable[[Tensor], Tensor], only_first: bool) -> Callable:
+    """fn with `change` applied to each result (or, only_first, to the first result that can
+    take it): returned tensors are replaced, written inputs are changed in place."""
+
+    def wrapper(*args, **kwargs):
+        result, written = _outputs_changed(fn, args, kwargs)
+        done = []
+
+        def apply(t: Tensor) -> Tensor:
+            if not _perturbable(t) or (only_first and done) or not t.detach().float().abs().max() > 0:
+                return t
+            done.append(t)
+            if any(t is w for w in written):
+                with torch.no_grad():
+                    t.copy_(change(t.detach()))
+                return t
+            return change(t)
+
+        result = map_tensors(result, apply)
+        for t in written:
+            if not any(t is d for d in done):
+                apply(t)
+        if not done:
+            raise NothingToPerturb(f"{getattr(fn, '__name__', fn)} returned and wrote no non-zero floating-point tensor")
+        return result
+
+    return wrapper
+
+
+def _toward_zero(x32: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    """The reference's saturating cast with round-toward-zero instead of round-to-nearest-even."""
+    fmax = fp8_max(fp8_dtype)
+    y = torch.clamp(x32, -fmax, fmax).float()
+    drop = 23 - (3 if fp8_dtype == torch.float8_e4m3fn else 2)
+    truncated = (y.view(torch.int32) & ~((1 << drop) - 1)).view(torch.float32)
+    return torch.where(truncated.abs() < y.abs(), truncated, y).to(fp8_dtype)
+
+
+def _ids(cases):
+    return [c.id for c in cases]
+
+
+def assert_kit_fails(case, wrong: Callable) -> None:
+    """run_case must fail `wrong`; skipped where the case's results leave nothing to perturb."""
+    args, kwargs = case.inputs()
+    try:
+        wrong(*args, **kwargs)
+    except NothingToPerturb as exc:
+        pytest.skip(f"{exc}: a perturbation cannot change it")
+    with pytest.raises(AssertionError):
+        run_case(case, wrong, REF[case.op], CPU)
+
+
+def _cast_patched(monkeypatch, op: str, cast: Callable) -> Callable:
+    """REF[op] with the reference's one FP8 cast (saturating_cast) replaced by `cast` during the
+    call, or None where the op's cases never cast to FP8."""
+    real = reference_cast.saturating_cast
+    calls = []
+
+    def counted(x32, fp8_dtype):
+        calls.append(x32.numel())
+        return cast(x32, fp8_dtype)
+
+    def patched(*args, **kwargs):
+        monkeypatch.setattr(reference_cast, "saturating_cast", counted)
+        try:
+            return REF[op](*args, **kwargs)
+        finally:
+            monkeypatch.setattr(reference_cast, "saturating_cast", real)
+
+    return patched, calls
+
+
+def _scaled_before_cast(x32: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    fmax = fp8_max(fp8_dtype)
+    return torch.clamp(x32 * (1 + EPS), -fmax, fmax).to(fp8_dtype)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+def test_kit_fails_scaled_results(case, monkeypatch):
+    """Every high-precision result scaled by 1 + EPS, and every FP8 result cast from values
+    scaled by 1 + EPS."""
+    op, calls = _cast_patched(monkeypatch, case.op, _scaled_before_cast)
+    args, kwargs = case.inputs()
+    op(*args, **kwargs)
+    change = _scaled if not calls else (lambda t: t if is_fp8(t.dtype) else _scaled(t))
+    assert_kit_fails(case, perturbed(op, change, only_first=False))
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+def test_kit_fails_one_shifted_element(case):
+    assert_kit_fails(case, perturbed(REF[case.op], _shifted, only_first=True))
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+def test_kit_fails_swapped_rounding(case, monkeypatch):
+    """Where the op casts to FP8 (through the reference's one saturating cast), casting with
+    round-toward-zero instead must fail the case."""
+    truncating, calls = _cast_patched(monkeypatch, case.op, _toward_zero)
+    args, kwargs = case.inputs()
+    truncating(*args, **kwargs)
+    if not any(calls):
+        pytest.skip("the op casts no value to FP8 here: no rounding mode to swap")
+    with pytest.raises(AssertionError):
+        run_case(case, truncating, REF[case.op], CPU)
+
+
+def test_reference_passes_its_own_kit():
+    """The perturbations are what fails above, not the kit failing everything."""
+    for case in CASES:
+        run_case(case, REF[case.op], REF[case.op], CPU)
+
+
+def test_a_gemm_10_percent_too_large_fails():
+    """The fault the kit once certified: every gemm_fp8 case catches it."""
+    for case in (c for c in CASES if c.op == "gemm_fp8" and not c.name.startswith("empty")):
+        wrong = perturbed(REF["gemm_fp8"], lambda t: t * 1.1, only_first=False)
+        with pytest.raises(AssertionError, match="norm|beyond"):
+            run_case(case, wrong, REF["gemm_fp8"], CPU)
