@@ -2,17 +2,32 @@
 
 TE_CUDA_ATTENTION_BACKEND=cudnn|flash|efficient|math picks the preferred SDPA kernel (default
 cudnn); the others follow as fallbacks, so a call the preferred one cannot run (a mask flash
-does not take, a head size cuDNN lacks) still runs. Masks are turned into SDPA's boolean
-"True = attend" form; query rows with every key masked are computed unmasked and then
-zeroed, which keeps NaN out of both passes.
+does not take, a head size cuDNN lacks) still runs. Plain causal attention with sq == sk runs
+as SDPA's is_causal; every other mask (padding, bottom-right causal, sliding window, arbitrary)
+is built by te_core.ops.attention_masks, the same code the reference uses, and passed as an
+explicit mask. Bias types ride on SDPA's float mask, which SDPA adds after scaling: post-scale
+bias and ALiBi as they are, a pre-scale bias multiplied by the scale. Query rows with every
+key masked are computed unmasked and then zeroed, which keeps NaN out of both passes.
+supports() declines a bias that needs a gradient (not every SDPA kernel returns one).
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
+from te_core.ops.attention import ATTN_MASK_TYPES, BIAS_TYPES
+from te_core.ops.attention_masks import (
+    alibi_bias,
+    check_bias,
+    check_padding,
+    diagonal_bottom_right,
+    diagonal_shift,
+    masked_keys,
+    resolve_window,
+)
 
 ORDER = ("cudnn", "flash", "efficient", "math")
 ENV = "TE_CUDA_ATTENTION_BACKEND"
@@ -39,49 +54,65 @@ def _kernel_context():
         return sdpa_kernel(backends)
 
 
-def _keep_mask(attn_mask_type: str, attention_mask, b, hq, sq, sk, device) -> Optional[torch.Tensor]:
-    """Boolean mask, True where a query may attend a key, or None for no mask."""
-    keep = None
-    if attn_mask_type in ("causal", "padding_causal", "causal_bottom_right"):
-        shift = sk - sq if attn_mask_type == "causal_bottom_right" else 0
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=device).tril(diagonal=shift)
-    if attn_mask_type in ("padding", "padding_causal", "arbitrary"):
-        if attention_mask is None:
-            raise ValueError(f"attn_mask_type={attn_mask_type!r} needs attention_mask (bool, True = masked out)")
-        allowed = ~attention_mask.to(device=device, dtype=torch.bool)
-        keep = allowed if keep is None else keep & allowed
-    return keep
+def _float_bias(q, b, hq, sq, sk, scale, bias_type, bias, alibi_slopes, shift) -> Optional[torch.Tensor]:
+    """The bias SDPA adds after scaling, in q's dtype, or None."""
+    if bias_type == "post_scale_bias":
+        return bias.to(q.dtype)
+    if bias_type == "pre_scale_bias":
+        return (bias.float() * scale).to(q.dtype)
+    if bias_type == "alibi":
+        return alibi_bias(alibi_slopes, b, hq, sq, sk, shift, q.device).to(q.dtype)
+    return None
 
 
-def attention(q, k, v, *, attn_mask_type="no_mask", attention_mask=None, softmax_scale=None, dropout_p=0.0):
+def attention(q, k, v, *, attn_mask_type="no_mask", attention_mask=None, softmax_scale=None, dropout_p=0.0,
+              query_padding_mask=None, window_size=None, bottom_right_diagonal=None,
+              core_attention_bias_type="no_bias", core_attention_bias=None, alibi_slopes=None):
     """te_core.ops.attention; differentiable (SDPA's autograd)."""
-    b, hq, sq, _ = q.shape
+    b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    padding = check_padding(attn_mask_type, attention_mask, query_padding_mask, b, sq, sk)
+    check_bias(core_attention_bias_type, core_attention_bias, alibi_slopes, (b, hq, sq, sk))
     if hq != hkv:
         k = k.repeat_interleave(hq // hkv, dim=1)
         v = v.repeat_interleave(hq // hkv, dim=1)
+    window = resolve_window(attn_mask_type, window_size)
+    plain = core_attention_bias_type == "no_bias" and window[0] == math.inf and padding.kv is None
     # SDPA's is_causal is top-left aligned; where sq == sk both alignments agree
-    is_causal = attn_mask_type in ("causal", "causal_bottom_right") and sq == sk
-    keep = None if attn_mask_type == "no_mask" or is_causal else _keep_mask(
-        attn_mask_type, attention_mask, b, hq, sq, sk, q.device)
+    is_causal = plain and attn_mask_type in ("causal", "causal_bottom_right") and sq == sk
+    if plain and attn_mask_type == "no_mask" or is_causal:
+        with _kernel_context():
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal,
+                                                  scale=softmax_scale)
+    shift = diagonal_shift(diagonal_bottom_right(attn_mask_type, bottom_right_diagonal), sq, sk, padding)
+    masked = masked_keys(attn_mask_type, attention_mask, padding, window, shift, sq, sk, q.device)
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    bias = _float_bias(q, b, hq, sq, sk, scale, core_attention_bias_type, core_attention_bias, alibi_slopes, shift)
     dead = None
-    if keep is not None:
-        dead = ~keep.any(dim=-1, keepdim=True)
-        if bool(dead.any()):
-            keep = keep | dead
-        else:
+    if masked is not None:
+        dead = masked.all(dim=-1, keepdim=True)
+        masked = masked & ~dead  # a dead row attends everything, then is zeroed
+        if not bool(dead.any()):
             dead = None
+    if bias is None:
+        attn_mask = None if masked is None else ~masked
+    else:
+        attn_mask = bias if masked is None else torch.where(masked, float("-inf"), bias)
     with _kernel_context():
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=is_causal,
-                                             scale=softmax_scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=softmax_scale)
     return out if dead is None else out.masked_fill(dead, 0.0)
 
 
-def supports_attention(q, k, v, **_):
+def supports_attention(q, k, v, *, attn_mask_type="no_mask", core_attention_bias_type="no_bias",
+                       core_attention_bias=None, **_):
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return False, "tensors are not on a CUDA device"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return False, "q, k, v must be 4-D (b, h, s, d)"
+    if attn_mask_type not in ATTN_MASK_TYPES or core_attention_bias_type not in BIAS_TYPES:
+        return False, f"attn_mask_type={attn_mask_type!r} / core_attention_bias_type={core_attention_bias_type!r}"
+    if core_attention_bias is not None and core_attention_bias.requires_grad and torch.is_grad_enabled():
+        return False, "core_attention_bias needs a gradient, which not every SDPA kernel returns"
     return True, ""

@@ -66,3 +66,58 @@ def test_errors_name_the_problem():
     q, k, v = _qkv(1, 2, 2, 4, 4, 8, 4)
     with pytest.raises(ValueError, match="needs attention_mask"):
         attention.attention(q, k, v, attn_mask_type="padding")
+
+
+def _padding_pair(b, sq, sk):
+    """Right-padded keys and queries, a different length per sequence."""
+    kv = torch.arange(sk)[None, :] >= torch.tensor([sk, max(sk - 2, 1)])[:b, None]
+    q = torch.arange(sq)[None, :] >= torch.tensor([max(sq - 1, 1), sq])[:b, None]
+    return kv.view(b, 1, 1, sk), q.view(b, 1, 1, sq)
+
+
+EXTENDED = [
+    dict(attn_mask_type="padding_causal_bottom_right", padded=True),
+    dict(attn_mask_type="padding", padded=True, window_size=(1, 1)),
+    dict(attn_mask_type="causal", window_size=(2, 0)),
+    dict(attn_mask_type="causal_bottom_right", window_size=(1, 0)),
+    dict(attn_mask_type="no_mask", window_size=(1, 2), bottom_right_diagonal=False),
+    dict(attn_mask_type="no_mask", core_attention_bias_type="post_scale_bias"),
+    dict(attn_mask_type="causal", core_attention_bias_type="pre_scale_bias"),
+    dict(attn_mask_type="no_mask", core_attention_bias_type="alibi"),
+    dict(attn_mask_type="padding_causal", padded=True, core_attention_bias_type="alibi", window_size=(2, 0)),
+]
+
+
+@pytest.mark.parametrize("case", EXTENDED, ids=lambda c: "-".join(f"{v}" for v in c.values()))
+@pytest.mark.parametrize("sq,sk", [(5, 5), (4, 6)])
+def test_windows_padding_and_bias_match_reference(case, sq, sk):
+    """Explicit masks and float biases through SDPA give the reference's values and gradients
+    (the bias itself needs no gradient here: supports() declines one that does)."""
+    b, hq, hkv, d = 2, 4, 2, 8
+    case = dict(case)
+    q, k, v = _qkv(b, hq, hkv, sq, sk, d, 5)
+    if case.pop("padded", False):
+        case["attention_mask"], case["query_padding_mask"] = _padding_pair(b, sq, sk)
+    if case.get("core_attention_bias_type", "").endswith("scale_bias"):
+        case["core_attention_bias"] = torch.randn(1, hq, sq, sk, generator=torch.Generator().manual_seed(6))
+    got_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    want_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = attention.attention(*got_in, softmax_scale=0.3, **case)
+    want = ref.attention(*want_in, softmax_scale=0.3, **case)
+    torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-5)
+    dout = torch.randn(got.shape, generator=torch.Generator().manual_seed(7))
+    got.backward(dout)
+    want.backward(dout)
+    for g_t, w_t in zip(got_in, want_in):
+        torch.testing.assert_close(g_t.grad, w_t.grad, rtol=1.3e-6, atol=1e-5)
+
+
+def test_supports_declines_a_bias_that_needs_a_gradient(monkeypatch):
+    q, k, v = _qkv(1, 2, 2, 4, 4, 8, 8)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    bias = torch.zeros(1, 2, 4, 4, requires_grad=True)
+    ok, reason = attention.supports_attention(q, k, v, core_attention_bias_type="post_scale_bias",
+                                              core_attention_bias=bias)
+    assert not ok and "gradient" in reason
+    assert attention.supports_attention(q, k, v, core_attention_bias_type="post_scale_bias",
+                                        core_attention_bias=bias.detach()) == (True, "")

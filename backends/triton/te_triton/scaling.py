@@ -34,12 +34,20 @@ def _table_row(table_ptr, fmax_ptr, i):
 
 @triton.jit
 def _new_scale(scales, cols, cmask, amax, fmax, margin_scale):
-    """fp8_max / amax / 2^margin into `scales`, keeping the old scale where amax is 0, inf or NaN."""
+    """fp8_max / amax / 2^margin into `scales`, keeping the old scale where amax is 0, inf or NaN;
+    a scale that is inf (new or old) becomes float32 max."""
     old = tl.load(scales + cols, mask=cmask, other=1.0)
     new = tl.math.div_rn(tl.math.div_rn(fmax, amax), margin_scale)
-    new = tl.where(new == float("inf"), FLOAT32_MAX, new)
     keep = (amax == 0.0) | (amax == float("inf")) | (amax != amax)
-    tl.store(scales + cols, tl.where(keep, old, new), mask=cmask)
+    new = tl.where(keep, old, new)
+    tl.store(scales + cols, tl.where(new == float("inf"), FLOAT32_MAX, new), mask=cmask)
+
+
+@triton.jit
+def _amax_bits(h):
+    """The bits of |h| with NaN as 0, for a max over them (C's fmaxf from 0, as Transformer
+    Engine): non-negative floats order as their int32 bits, and a NaN would otherwise win."""
+    return tl.where(h != h, 0.0, tl.abs(h)).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -53,13 +61,16 @@ def _delayed_update_tile_kernel(table_ptr, fmax_ptr, margin_scale, MOST_RECENT: 
     # the rolled history: row i takes row i + 1 and the last row takes row 0, the current amax
     src = (rows + 1) % L
     rolled = tl.load(hist + src[:, None] * n + cols[None, :], mask=m, other=0.0)
+    row0 = tl.load(hist + cols, mask=cmask, other=0.0)
+    stepped = row0 != 0.0  # a column that recorded nothing this step keeps its scale and history
     if MOST_RECENT:
-        amax = tl.load(hist + cols, mask=cmask, other=0.0)
-    else:  # the max over a permutation of the rows is the max over the history; NaN bits win
-        amax = tl.max(tl.abs(rolled).to(tl.int32, bitcast=True), axis=0).to(tl.float32, bitcast=True)
-    _new_scale(scales, cols, cmask, amax, fmax, margin_scale)
+        amax = row0
+    else:  # the max over a permutation of the rows is the max over the history
+        amax = tl.max(_amax_bits(rolled), axis=0).to(tl.float32, bitcast=True)
+    _new_scale(scales, cols, cmask, tl.where(stepped, amax, 0.0), fmax, margin_scale)
     tl.debug_barrier()
-    tl.store(hist + rows[:, None] * n + cols[None, :], tl.where(rows[:, None] == 0, 0.0, rolled), mask=m)
+    tl.store(hist + rows[:, None] * n + cols[None, :], tl.where(rows[:, None] == 0, 0.0, rolled),
+             mask=m & stepped[None, :])
 
 
 @triton.jit
@@ -69,18 +80,20 @@ def _delayed_update_kernel(table_ptr, fmax_ptr, margin_scale, MOST_RECENT: tl.co
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     cmask = cols < n
     row0 = tl.load(hist + cols, mask=cmask, other=0.0)
+    stepped = row0 != 0.0  # a column that recorded nothing this step keeps its scale and history
     if MOST_RECENT:
         amax = row0
     else:
-        bits = tl.abs(row0).to(tl.int32, bitcast=True)
+        bits = tl.zeros([BN], dtype=tl.int32)
         for r in range(0, L, BR):
             rows = r + tl.arange(0, BR)
             m = (rows[:, None] < L) & cmask[None, :]
             h = tl.load(hist + rows[:, None] * n + cols[None, :], mask=m, other=0.0)
-            bits = tl.maximum(bits, tl.max(tl.abs(h).to(tl.int32, bitcast=True), axis=0))
+            bits = tl.maximum(bits, tl.max(_amax_bits(h), axis=0))
         amax = bits.to(tl.float32, bitcast=True)
-    _new_scale(scales, cols, cmask, amax, fmax, margin_scale)
+    _new_scale(scales, cols, cmask, tl.where(stepped, amax, 0.0), fmax, margin_scale)
     tl.debug_barrier()
+    cmask = cmask & stepped
     for r in range(0, L - 1, BR):  # row i takes row i + 1
         rows = r + tl.arange(0, BR)
         m = (rows[:, None] < L - 1) & cmask[None, :]

@@ -14,6 +14,8 @@ def _state(seed):
     hists[1][0, 2] = float("nan")  # NaN: keep
     hists[2][3, 5] = float("inf")  # inf: keep
     hists[2][0, 7] = 1e-39  # tiny amax: the scale overflows to float32 max
+    hists[2][6, 9] = float("nan")  # NaN in an older row: ignored by "max", as fmaxf
+    hists[2][0, 11] = 0.0  # nothing recorded this step: scale and history kept
     scales = [torch.rand(h.shape[1], generator=g) + 0.5 for h in hists]
     return hists, scales
 

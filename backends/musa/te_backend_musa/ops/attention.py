@@ -66,9 +66,15 @@ def attention(
     return out.masked_fill(dead_rows, 0.0)
 
 
-def attention_supports(q, k, v, *, attn_mask_type="no_mask", attention_mask=None, softmax_scale=None, dropout_p=0.0) -> Verdict:
+def attention_supports(q, k, v, *, attn_mask_type="no_mask", attention_mask=None, softmax_scale=None, dropout_p=0.0,
+                       **extensions) -> Verdict:
     if attn_mask_type not in ATTN_MASK_TYPES:
         return False, f"attn_mask_type {attn_mask_type!r} is not one of {ATTN_MASK_TYPES}"
+    if attn_mask_type == "padding_causal_bottom_right":
+        return False, f"attn_mask_type {attn_mask_type!r} is not implemented by the MUSA backend"
+    given = sorted(name for name, value in extensions.items() if value not in (None, "no_bias"))
+    if given:  # sliding window, query padding and attention bias are not implemented here
+        return False, f"{', '.join(given)} not implemented by the MUSA backend"
     if attn_mask_type in ("padding", "padding_causal", "arbitrary") and attention_mask is None:
         return False, f"attn_mask_type {attn_mask_type!r} needs attention_mask"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
