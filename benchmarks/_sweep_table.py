@@ -6,7 +6,7 @@ from typing import Dict, List, Optional
 
 from _sweep_targets import render as render_targets
 
-MODES = ("eager", "compiled")
+MODES = ("eager", "compiled", "graphed")  # graphed: torch.compile(mode="reduce-overhead")
 FP8 = ("te delayed", "te current", "te block")
 
 

@@ -12,7 +12,8 @@ Sections (--only picks some):
   layer   te.TransformerLayer s2048 b4 at hidden 1024 / 2048 / 4096 (ffn 4x, heads hidden/128):
           te bf16 and FP8 per recipe, plain-torch bf16 layer, eager and compiled.
 
-GPU times are triton's do_bench medians; "compiled" is torch.compile of the forward (te's under
+GPU times are triton's do_bench medians; "compiled" is torch.compile of the forward ("graphed" with
+--mode reduce-overhead: CUDA graphs; te's under
 te.autocast), backward through AOTAutograd. The eager cells of every section run first, then
 the compiled ones; a cell that raises records the error and the sweep goes on; cells reached
 after --budget-s are recorded as skipped, so the sweep ends in bounded time. The JSON is
@@ -20,6 +21,8 @@ rewritten after every cell: a run stopped from outside keeps what it measured.
 
     python benchmarks/bench_sweep.py [--only big,tiny,linear,layer] [--quick] [--no-compile] [--results DIR]
     python benchmarks/bench_sweep.py --smoke --results /tmp/r   # CPU, reference backend, tiny sizes
+    python benchmarks/bench_sweep.py --only tiny,layer --mode reduce-overhead --merge   # CUDA graphs,
+                                                    # into the existing sweep.json (split long sweeps)
 
 Writes RESULTS/<gpu>/sweep.json; `python benchmarks/report.py` renders it into docs/performance.md.
 """
@@ -28,13 +31,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 from functools import partial
 from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
-from _results import add_results_argument, meta, write_json
+from _results import DEFAULT_ROOT, add_results_argument, gpu_slug, meta, write_json
 from _timing import median_ms, peak_mib, wall_us
 from bench_modules import TorchLayer, fwd_bwd, te_layer, torchao_float8
 
@@ -85,6 +89,24 @@ def torchao_linear(k, n, device):
     return torchao_float8(nn.Sequential(nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)))
 
 
+def _graph_safe(step, mode, x, module):
+    """Under CUDA graphs (mode "graphed"), each call starts a new graph step and drops the previous
+    step's gradients: accumulating into a gradient that a replay produced reads memory the next
+    replay overwrites. (A training loop gets the same from optimizer.zero_grad(set_to_none=True).)"""
+    if mode != "graphed":
+        return step
+    params = list(module.parameters())
+
+    def graphed_step():
+        torch.compiler.cudagraph_mark_step_begin()
+        x.grad = None
+        for p in params:
+            p.grad = None
+        step()
+
+    return graphed_step
+
+
 class Sweep:
     """Builds the cells; each measures into {"ms": ...}, {"us": ...} or {"ms": ..., "peak_mib": ...}.
     Modules are built inside the cell, fresh for each, so no cell inherits another's FP8 state."""
@@ -99,7 +121,9 @@ class Sweep:
         return torch.compile(fn, **self.compile_kw) if compiled else fn
 
     def _modes(self):
-        return ("eager", "compiled") if self.compile_kw is not None else ("eager",)
+        if self.compile_kw is None:
+            return ("eager",)
+        return ("eager", "graphed" if self.compile_kw.get("mode") == "reduce-overhead" else "compiled")
 
     def te_step(self, make_module, rcp_name, mode, x, dy):
         make = RECIPES[rcp_name]
@@ -109,10 +133,11 @@ class Sweep:
             with te.autocast(enabled=rcp is not None, recipe=rcp):
                 return module(inp)
 
-        return fwd_bwd(self._compile(forward, mode == "compiled"), x, dy)
+        return _graph_safe(fwd_bwd(self._compile(forward, mode != "eager"), x, dy), mode, x, module)
 
     def torch_step(self, make_module, mode, x, dy):
-        return fwd_bwd(self._compile(make_module(), mode == "compiled"), x, dy)
+        module = make_module()
+        return _graph_safe(fwd_bwd(self._compile(module, mode != "eager"), x, dy), mode, x, module)
 
     def _ms(self, make_step):
         return {"ms": median_ms(make_step(), self.device, self.sizes.warmup_ms, self.sizes.rep_ms)}
@@ -187,7 +212,7 @@ def run_cell(cell: Cell, deadline: float, device: str) -> dict:
     except Exception as exc:  # one failing cell must not hide the others: recorded, shown in the table
         return {"error": f"{type(exc).__name__}: {exc}".strip()[:400]}
     finally:
-        if cell.name.endswith("compiled"):
+        if not cell.name.endswith("eager"):
             torch._dynamo.reset()  # frees the graphs; the next cell compiles afresh
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
@@ -200,13 +225,32 @@ def run(cells: List[Cell], budget_s: float, device: str, save: Optional[Callable
     for cell in cells:  # rows and columns in the sections' order, whatever order they run in
         results.setdefault(cell.section, {}).setdefault(cell.size, {})[cell.name] = None
     deadline = time.monotonic() + budget_s
-    for cell in sorted(cells, key=lambda c: c.name.endswith("compiled")):
+    for cell in sorted(cells, key=lambda c: not c.name.endswith("eager")):
         result = run_cell(cell, deadline, device)
         results[cell.section][cell.size][cell.name] = result
         print(json.dumps({"section": cell.section, "size": cell.size, "cell": cell.name, **result}), flush=True)
         if save is not None:
             save(results)
     return results
+
+
+def previous_results(meta_now: dict, root: Optional[str]) -> dict:
+    """The sections of this GPU's existing sweep.json ({} when there is none)."""
+    path = os.path.join(root or DEFAULT_ROOT, gpu_slug(meta_now["gpu"]), "sweep.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    return {k: v for k, v in data.items() if k in SECTIONS or k == "settings"}
+
+
+def merged(earlier: dict, results: dict) -> dict:
+    """earlier's cells, with every cell of `results` in place of its namesake."""
+    out = {section: {size: dict(row) for size, row in rows.items()} for section, rows in earlier.items()}
+    for section, rows in results.items():
+        for size, row in rows.items():
+            out.setdefault(section, {}).setdefault(size, {}).update(row)
+    return out
 
 
 def parse_args(argv=None):
@@ -217,6 +261,10 @@ def parse_args(argv=None):
     size.add_argument("--smoke", action="store_true", help="CPU, reference backend, tiny sizes (for the unit test)")
     ap.add_argument("--no-compile", action="store_true", help="eager cells only")
     ap.add_argument("--fullgraph", action="store_true", help="torch.compile(fullgraph=True): graph breaks are errors")
+    ap.add_argument("--mode", default=None, help="torch.compile mode of the compiled cells, e.g. reduce-overhead "
+                    "(CUDA graphs); default: inductor's default")
+    ap.add_argument("--merge", action="store_true", help="keep the cells of an existing sweep.json that this run "
+                    "does not measure (to split a sweep over several runs)")
     ap.add_argument("--budget-s", type=float, default=360.0, help="cells reached after this many seconds are skipped")
     add_results_argument(ap)
     args = ap.parse_args(argv)
@@ -235,6 +283,8 @@ def main(argv=None) -> dict:
         raise SystemExit("bench_sweep.py needs a GPU; on a CPU-only machine run it with --smoke")
     sizes = SMOKE if args.smoke else QUICK if args.quick else FULL
     compile_kw = None if args.no_compile else {"fullgraph": args.fullgraph}
+    if compile_kw is not None and args.mode:
+        compile_kw["mode"] = args.mode
     if args.smoke and compile_kw is not None:
         compile_kw["backend"] = "eager"  # dynamo's tracing without inductor's code generation: fast on a CPU
     torch.manual_seed(0)
@@ -245,10 +295,13 @@ def main(argv=None) -> dict:
     settings = {"sizes": dataclasses.asdict(sizes), "compile": compile_kw, "backend": te.get_backend().name,
                 "budget_s": args.budget_s}
     head = {"meta": meta(device), "settings": settings}
+    earlier = previous_results(head["meta"], args.results) if args.merge else {}
+    if earlier:
+        settings["merged_with"] = earlier.pop("settings", None)
 
     def save(results):
         settings["seconds"] = round(time.monotonic() - t0, 1)
-        return write_json("sweep", {**head, **results}, args.results)
+        return write_json("sweep", {**head, **merged(earlier, results)}, args.results)
 
     results = run(cells, args.budget_s, device, save)
     print(f"wrote {save(results)} in {settings['seconds']} s")

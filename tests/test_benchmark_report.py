@@ -155,7 +155,7 @@ def test_sweep_targets_follow_the_numbers():
     assert got[f"{tiny} delayed eager ≤ 2x te bf16's time"] == ("500 against 300 µs (1.67x)", "met")
     assert got[f"{tiny} current eager ≤ 2x te bf16's time"][1] == "**missed**"
     assert got[f"{tiny} block eager ≤ 2x te bf16's time"][1] == "not measured"
-    assert got["te compiled never slower than te eager, same recipe"] == ("2 of 2 pairs", "met")
+    assert got["te compiled (and graphed) never slower than te eager, same recipe"] == ("2 of 2 pairs", "met")
 
 
 def test_sweep_cells_cover_every_section_mode_and_recipe():
@@ -200,3 +200,13 @@ def test_smoke_sweep_writes_json_and_report_renders_it(tmp_path):
     assert any(r.startswith("| h64 ffn256 nh2 s16 b2 | eager |") and r.count(" ms") == 5 for r in rows), rows
     assert any(r.startswith("| M64 K64 N32 | eager |") for r in rows), rows
     assert "No modules.json or kernels.json for cpu yet" in doc.read_text()
+
+
+def test_merge_replaces_only_the_cells_measured_again():
+    earlier = {"tiny": {"t": {"a eager": {"us": 1.0}, "a compiled": {"error": "x"}}},
+               "layer": {"h1": {"b eager": {"ms": 2.0}}}}
+    now = {"tiny": {"t": {"a compiled": {"us": 3.0}}}, "linear": {"m": {"c eager": {"ms": 4.0}}}}
+    out = bench_sweep.merged(earlier, now)
+    assert out == {"tiny": {"t": {"a eager": {"us": 1.0}, "a compiled": {"us": 3.0}}},
+                   "layer": {"h1": {"b eager": {"ms": 2.0}}}, "linear": {"m": {"c eager": {"ms": 4.0}}}}
+    assert earlier["tiny"]["t"]["a compiled"] == {"error": "x"}  # the input is not modified

@@ -18,6 +18,8 @@ from typing import Callable, Dict, Hashable, List, Optional
 
 import torch
 
+from . import persistent
+
 CHUNK = 1024
 MAX_STREAMS = 64  # chunks kept at once; torch hands out streams from a small pool, so few recur
 _FLOATS_PER_SLOT = 4  # 16 bytes
@@ -30,9 +32,10 @@ class ZeroedSlots:
     that stream is being captured. Both are the CUDA runtime's unless a test fakes them."""
 
     def __init__(self, stream_key: Callable[[torch.device], Hashable], capturing: Callable[[], bool],
-                 chunk: int = CHUNK):
+                 chunk: int = CHUNK, zeros: Optional[Callable[[int, torch.device], torch.Tensor]] = None):
         self._stream_key = stream_key
         self._capturing = capturing
+        self._zeros = zeros or (lambda numel, device: torch.zeros(numel, dtype=torch.float32, device=device))
         self._chunk = chunk
         self._free: Dict[Hashable, List[torch.Tensor]] = {}
         self._lock = threading.Lock()  # autograd runs backward casts on its own thread
@@ -47,7 +50,7 @@ class ZeroedSlots:
                 # One slot per 16 bytes: Triton specializes a kernel on whether each pointer is
                 # 16-byte aligned, so slots 4 bytes apart would compile a second variant of every
                 # cast in the middle of training. Reversed: slots go out in address order.
-                chunk = torch.zeros(self._chunk * _FLOATS_PER_SLOT, dtype=torch.float32, device=device)
+                chunk = self._zeros(self._chunk * _FLOATS_PER_SLOT, device)
                 free = list(chunk[::_FLOATS_PER_SLOT].unbind(0))[::-1]
                 if len(self._free) >= MAX_STREAMS:  # slots already out keep their chunk alive
                     self._free.clear()
@@ -63,7 +66,9 @@ def _cuda_stream_key(device: torch.device) -> Hashable:
     return device.index, torch.cuda.current_stream(device).cuda_stream
 
 
-SLOTS = ZeroedSlots(_cuda_stream_key, lambda: torch.cuda.is_current_stream_capturing())
+# Chunks come from outside any CUDA-graph pool: a chunk made while torch.compile warms up a
+# graph would otherwise be a pool tensor outliving the graph's outputs (persistent.py).
+SLOTS = ZeroedSlots(_cuda_stream_key, lambda: torch.cuda.is_current_stream_capturing(), zeros=persistent.zeros)
 
 
 def fresh(amax_out: Optional[torch.Tensor], x: torch.Tensor) -> Optional[torch.Tensor]:

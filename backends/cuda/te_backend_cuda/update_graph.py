@@ -38,7 +38,7 @@ def run(key: tuple, plan: Callable[[], object], launch: Callable[[], None]) -> N
     te_triton plan `plan()` returns (kept alive with the graph: the graph reads its table)."""
     entry = _GRAPHS.get(key)
     graph = entry[0] if entry else None
-    if graph is DIRECT or (graph is None and torch.cuda.is_current_stream_capturing()):
+    if graph is DIRECT or torch.cuda.is_current_stream_capturing():  # a capture records the launch itself
         launch()
     elif graph is not None:
         graph.replay()

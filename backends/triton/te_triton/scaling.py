@@ -122,11 +122,13 @@ def planned(amax_histories, scales, fp8_maxes) -> bool:
     return plan_key(amax_histories, scales, fp8_maxes) in _PLANS
 
 
-def plan(amax_histories, scales, fp8_maxes, device):
+def plan(amax_histories, scales, fp8_maxes, device, place=None):
     """Checked inputs and the device table of (history, scale, columns, length) rows, cached per
     set of tensors: histories are long-lived buffers and a model updates hundreds of them per
     step, so checking and tabulating each on every call cost more host time than the kernel.
-    The plan keeps the tensors alive, so their ids and addresses cannot be reused meanwhile."""
+    The plan keeps the tensors alive, so their ids and addresses cannot be reused meanwhile.
+    `place` copies a host tensor to the device (default: .to(device)); a backend passes its own
+    where the tables must come from a particular memory pool."""
     key = plan_key(amax_histories, scales, fp8_maxes)
     plan = _PLANS.get(key)
     if plan is None:
@@ -140,8 +142,9 @@ def plan(amax_histories, scales, fp8_maxes, device):
         if len(_PLANS) > 64:
             _PLANS.clear()
         rows = [[h.data_ptr(), s.data_ptr(), h.shape[1], h.shape[0]] for h, s in zip(amax_histories, scales)]
-        table = torch.tensor(rows, dtype=torch.int64).to(device)
-        fmaxes = torch.tensor([float(f) for f in fp8_maxes], dtype=torch.float32).to(device)
+        place = place or (lambda host: host.to(device))
+        table = place(torch.tensor(rows, dtype=torch.int64))
+        fmaxes = place(torch.tensor([float(f) for f in fp8_maxes], dtype=torch.float32))
         max_cols = max(max(h.shape[1] for h in amax_histories), 1)
         max_len = max(h.shape[0] for h in amax_histories)
         plan = _PLANS[key] = (list(amax_histories), list(scales), table, fmaxes, max_cols, max_len)
@@ -150,8 +153,9 @@ def plan(amax_histories, scales, fp8_maxes, device):
 
 def delayed_scaling_update(amax_histories: List[torch.Tensor], scales: List[torch.Tensor],
                            fp8_maxes: Sequence[float], *, margin: float = 0.0, amax_compute_algo: str = "max",
-                           cfg: Config = SCALING_DEFAULT) -> None:
-    """In place, as te_core.ops.delayed_scaling_update, for all histories in one launch."""
+                           cfg: Config = SCALING_DEFAULT, place=None) -> None:
+    """In place, as te_core.ops.delayed_scaling_update, for all histories in one launch (`place`:
+    as plan())."""
     if amax_compute_algo not in ("max", "most_recent"):
         raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {amax_compute_algo!r}")
     if not (len(amax_histories) == len(scales) == len(fp8_maxes)):
@@ -159,7 +163,7 @@ def delayed_scaling_update(amax_histories: List[torch.Tensor], scales: List[torc
                          "they must pair up one to one")
     if not amax_histories:
         return
-    _, _, table, fmaxes, max_cols, max_len = plan(amax_histories, scales, fp8_maxes, amax_histories[0].device)
+    _, _, table, fmaxes, max_cols, max_len = plan(amax_histories, scales, fp8_maxes, amax_histories[0].device, place)
     most_recent = amax_compute_algo == "most_recent"
     block_l = triton.next_power_of_2(max_len)
     block_n = min(triton.next_power_of_2(max_cols), TILE_COLUMNS)

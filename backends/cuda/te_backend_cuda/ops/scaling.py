@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from te_triton import scaling
 
-from .. import configs, update_graph
+from .. import configs, persistent, update_graph
 from .checks import OK
 from .launch import guard
 
@@ -15,11 +15,13 @@ def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin=0.0, ama
         return None
     first = amax_histories[0]
     key = (scaling.plan_key(amax_histories, scales, fp8_maxes), float(margin), amax_compute_algo, first.get_device())
+    # The plan's device tables outlive this call: they come from outside any CUDA-graph pool.
+    place = persistent.placer(first.device)
     with guard(first):
-        update_graph.run(key, lambda: scaling.plan(amax_histories, scales, fp8_maxes, first.device),
+        update_graph.run(key, lambda: scaling.plan(amax_histories, scales, fp8_maxes, first.device, place),
                          lambda: scaling.delayed_scaling_update(amax_histories, scales, fp8_maxes, margin=margin,
                                                                 amax_compute_algo=amax_compute_algo,
-                                                                cfg=configs.for_tensor(first).scaling))
+                                                                cfg=configs.for_tensor(first).scaling, place=place))
     return None
 
 

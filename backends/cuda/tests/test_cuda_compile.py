@@ -1,0 +1,71 @@
+"""torch.compile of te_core modules on the cuda backend, on the GPU only: every recipe with
+fullgraph=True, and mode="reduce-overhead" (CUDA graphs), equal to eager steps of an identical
+module bit for bit (outputs, gradients, and the delayed-scaling state, whose history must keep
+advancing across replays)."""
+import copy
+
+import pytest
+import torch
+
+import te_core as te
+from te_core import recipe
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+RECIPES = {
+    "delayed": lambda: recipe.DelayedScaling(amax_history_len=4),
+    "current": recipe.Float8CurrentScaling,
+    "block": recipe.Float8BlockScaling,
+}
+
+
+def _step(rec):
+    def step(model, x):
+        with te.autocast(recipe=rec):
+            return model(x)
+    return step
+
+
+def _fwd_bwd(step, model, x, dy, graphs):
+    if graphs:
+        torch.compiler.cudagraph_mark_step_begin()
+    x = x.clone().requires_grad_(True)
+    y = step(model, x)
+    y.backward(dy)
+    out = [y.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _state(model):
+    return {(d, slot, k): v.clone() for d, slots in model.quantization_state().items()
+            for slot, entry in slots.items() for k, v in entry.items()}
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["inductor", "reduce-overhead"])
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_compiled_linear_equals_eager(name, mode):
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    rec = RECIPES[name]()
+    eager = te.Linear(256, 512, params_dtype=torch.bfloat16, device="cuda")
+    compiled_model = copy.deepcopy(eager)
+    step = _step(rec)
+    compiled = torch.compile(step, fullgraph=True, mode=mode)
+    graphs = mode == "reduce-overhead"
+    previous = None
+    for i in range(5):
+        x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16) * (i + 1)
+        dy = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16)
+        want = _fwd_bwd(step, eager, x, dy, False)
+        got = _fwd_bwd(compiled, compiled_model, x, dy, graphs)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        state = _state(compiled_model)
+        assert state.keys() == _state(eager).keys()
+        for key, value in _state(eager).items():
+            torch.testing.assert_close(state[key], value, rtol=0, atol=0)
+        if name == "delayed":  # the histories advance on every step, replays included
+            history = torch.cat([v.flatten() for (d, s, k), v in sorted(state.items()) if k == "amax_history"])
+            assert previous is None or not torch.equal(history, previous)
+            previous = history
