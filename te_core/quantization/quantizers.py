@@ -97,6 +97,17 @@ class Float8Quantizer(Quantizer):
     def _record(self, amax: Tensor) -> None:
         self.scaling_group.record(self.column, amax)
 
+    def _is_own_slot(self, amax: Tensor) -> bool:
+        """Whether `amax` is this quantizer's history slot, as a fused op given amax_out returns it.
+        Eager, the slot view is cached, so identity tells. Traced, amax_slot makes a fresh view per
+        call, so a view of the history counts (an op's own amax is a fresh tensor): recording the
+        slot into itself would be an out= write aliasing its input, which functionalization turns
+        into a copy of the whole history, a graph-made buffer that CUDA graphs (reduce-overhead)
+        then find alive after the graph."""
+        if amax is self.scaling_group.amax_slot(self.column):
+            return True
+        return torch.compiler.is_compiling() and amax._base is self.scaling_group.amax_history
+
     def _wrap(self, data, data_t, nominal_dtype) -> Float8Tensor:
         scale_inv = self.scaling_group.scale_inv_of(self.column)
         return Float8Tensor.make(data, scale_inv, data_t, nominal_dtype=nominal_dtype, quantizer=self)
@@ -135,7 +146,7 @@ class Float8Quantizer(Quantizer):
 
     def wrap_fused(self, data, amax, *, nominal_dtype, columnwise=False, data_t=None) -> Float8Tensor:
         """`data_t`: the column-wise copy when the fused op wrote one (else it is made here if needed)."""
-        if amax is not self.scaling_group.amax_slot(self.column):  # else the op maxed it in already
+        if not self._is_own_slot(amax):  # else the op maxed it in already
             self._record(amax)
         if not columnwise:
             data_t = None

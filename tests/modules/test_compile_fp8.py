@@ -76,6 +76,46 @@ def test_inductor_matches_eager(name):
     _check_against_eager(name, "Linear", "inductor")
 
 
+def _state_tensors(model):
+    """(name, tensor) of every amax history and scale of the model's scaling groups."""
+    return [(f"{path}.{role.name}.{attr}", getattr(group, attr)) for path, child in model.named_modules()
+            if getattr(child, "_recipe_state", None) is not None
+            for role, group in child._recipe_state.scaling_groups().items() for attr in ("amax_history", "scale")]
+
+
+def test_inductor_updates_histories_in_place():
+    """Every delayed-scaling write of a compiled TransformerLayer (norm and activation casts that
+    max their amax into the history, the scale update) lands in the module's own tensors, and
+    inductor allocates no buffer of a history's shape: such a buffer holds a functionalized copy
+    of a history, which CUDA graphs (mode="reduce-overhead") find alive after the graph. Values,
+    state included, equal eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    history_len = 7  # no other tensor of the layer has this dimension
+    rec = recipe.DelayedScaling(amax_history_len=history_len)
+    eager_model = MODULES["TransformerLayer"]()
+    compiled_model = copy.deepcopy(eager_model)
+    te.init_quantization_state(compiled_model, rec)
+    before = [(name, t, t.data_ptr()) for name, t in _state_tensors(compiled_model)]
+    assert {tuple(t.shape) for name, t, _ in before if name.endswith("amax_history")} == {(history_len, 1), (history_len, 2)}
+    step = _step_fn(rec)
+    compiled = torch.compile(step, fullgraph=True)
+    for i in range(2):
+        x = torch.randn(SEQ, BATCH, HIDDEN)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got, code = run_and_get_code(_run, compiled, compiled_model, x)
+        torch.testing.assert_close(got, _run(step, eager_model, x), rtol=0.125, atol=0.0675)
+        allocated = [line.strip() for src in code for line in src.splitlines()
+                     if "empty_strided" in line and f"(({history_len}, " in line]
+        assert not allocated, f"step {i}: the compiled graphs allocate history-shaped buffers: {allocated}"
+        for (name, t, ptr), (_, now) in zip(before, _state_tensors(compiled_model)):
+            assert now is t and now.data_ptr() == ptr, f"step {i}: {name} was replaced, not updated in place"
+    want, got = _scaling_state(eager_model), _scaling_state(compiled_model)
+    assert any(t.abs().sum() > 0 for (_, _, k), t in want.items() if k == "amax_history")
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def _check_against_eager(name, module, backend):
     torch.manual_seed(0)
     rec = RECIPES[name]()
