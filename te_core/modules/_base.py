@@ -49,6 +49,9 @@ def _prepare_untraced(module_id: int, recipe_config: dict) -> bool:
             init_quantization_state(module, recipe)
         finally:
             _UNTRACED[0] = False
+    if module is not None and module._recipe_state is not None:
+        for group in module._recipe_state.scaling_groups().values():
+            group._updated_in_graphs = True  # see ScalingGroup: eager casts stop trusting the version counter
     return True
 
 

@@ -59,6 +59,10 @@ class ScalingGroup:
         self._column_views: Optional[Tuple[List[Tensor], List[Tensor]]] = None
         self._scale_inv_snapshot: Tuple[Tensor, List[Tensor]] = (self.scale, [])
         self._scale_inv_version = None  # the first cast takes the first snapshot
+        # Set (by the module, when torch.compile traces it) once a compiled graph uses the group:
+        # in-graph updates write `scale` through kernels that torch's version counter does not
+        # see, so eager casts after it take a fresh snapshot each time instead of trusting it.
+        self._updated_in_graphs = False
 
     def scale_inv(self) -> Tensor:
         """1 / scale (n,), recomputed (as a NEW tensor) only after `scale` changed in place, so
@@ -76,7 +80,7 @@ class ScalingGroup:
             # column (a view made inside an autograd Function cannot outlive it in a weight cache).
             return torch.reciprocal(self.scale), [torch.reciprocal(s) for s in self._views()[0]]
         version = self.scale._version
-        if version != self._scale_inv_version or _CAPTURE.active:
+        if version != self._scale_inv_version or _CAPTURE.active or self._updated_in_graphs:
             self._scale_inv_snapshot = self._reciprocals()
             self._scale_inv_version = version
         return self._scale_inv_snapshot

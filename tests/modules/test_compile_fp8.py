@@ -209,3 +209,26 @@ def test_recipe_with_callables():
     assert compiled_model._recipe_state.recipe is rec
     want, got = _scaling_state(eager_model), _scaling_state(compiled_model)
     _assert_identical(list(got.values()), list(want.values()), "scaling state")
+
+
+def test_eager_casts_after_compiled_steps_see_scales_written_behind_torchs_back():
+    """A compiled graph's scale updates run in kernels that torch's version counter may not see
+    (on a GPU backend); eager casts after compiled steps must still use the live scale."""
+    torch.manual_seed(0)
+    rec = recipe.DelayedScaling(amax_history_len=4)
+    layer = tm.Linear(32, 32)
+    x = torch.randn(16, 32)
+
+    def step(inp):
+        with te.autocast(recipe=rec):
+            return layer(inp)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    compiled(x).sum().backward()
+    group = layer._recipe_state.groups[next(iter(layer._recipe_state.groups))]
+    with torch.no_grad():
+        step(x)
+        group.scale_inv_of(0)  # a snapshot of the scale as it is now
+        group.scale.data.mul_(0.5)  # a write torch's version counter of `scale` does not see
+        snapshot = group.scale_inv_of(0).clone()
+    torch.testing.assert_close(snapshot, torch.reciprocal(group.scale[0:1]), rtol=0, atol=0)
