@@ -7,7 +7,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 
@@ -97,9 +97,12 @@ def train(
     fp8_recipe=None,
     progress: bool = True,
     synchronize: Callable[[], None] = lambda: None,
+    compile_options: Optional[dict] = None,
 ) -> RunResult:
     """Train a freshly initialized GPT for cfg.steps steps; returns per-step losses and speed.
-    `synchronize` waits for the device's queued work, so the timing covers all of it."""
+    `synchronize` waits for the device's queued work, so the timing covers all of it.
+    `compile_options`: torch.compile's arguments for the loss step (None: eager); the timing
+    includes the compilation, as a user's run would."""
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model, device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -111,18 +114,24 @@ def train(
     result = RunResult(name)
     bar = ProgressBar(name, cfg.steps, enabled=progress)
     losses = []  # device scalars, read back only when the bar draws: a read waits for the device
+    step_loss = loss_of if compile_options is None else torch.compile(loss_of, **compile_options)
+    # CUDA graphs (mode="reduce-overhead") overwrite a step's outputs on the next replay: each
+    # step is marked, and the loss kept is a copy.
+    graphs = (compile_options or {}).get("mode") == "reduce-overhead"
     synchronize()
     start = time.perf_counter()
     for step in range(cfg.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         inputs, targets = sampler.next(device)
-        loss = loss_of(model, inputs, targets, device, fp8_recipe)
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = step_loss(model, inputs, targets, device, fp8_recipe)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
-        losses.append(loss.detach())
+        losses.append(loss.detach().clone() if graphs else loss.detach())
         if bar.due(step + 1):
             bar.update(step + 1, tokens_per_step=cfg.model.tokens_per_step, loss=float(losses[-1]))
     synchronize()

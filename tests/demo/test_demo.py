@@ -111,3 +111,22 @@ def test_report_helpers():
     rates = speed(2000.0, 3000.0)
     assert rates == dict(bf16_tokens_per_s=2000.0, fp8_tokens_per_s=3000.0, fp8_over_bf16=1.5)
     assert math.isnan(speed(0.0, 10.0)["fp8_over_bf16"])
+
+
+def test_compiled_training_step_gives_the_eager_losses():
+    """--compile runs the same loss step through torch.compile (here dynamo with the aot_eager
+    backend, fast on a CPU): the FP8 run's losses equal the eager run's."""
+    from te_core.demo.main import compile_options
+    from te_core.demo.train import make_recipe
+
+    assert compile_options(False, torch.device("cpu")) is None
+    assert compile_options(True, torch.device("cpu")) == {}
+    assert compile_options(True, torch.device("meta")) == {"mode": "reduce-overhead"}
+    tokens, _ = load_corpus(200_000)
+    train_tokens, val_tokens = split(tokens)
+    cfg = RunConfig(model=SIZES["tiny"], steps=3, eval_batches=1)
+    runs = [train("fp8", cfg, train_tokens, val_tokens, torch.device("cpu"), make_recipe("delayed"), progress=False,
+                  compile_options=options)
+            for options in (None, {"backend": "aot_eager"})]
+    assert runs[0].losses == pytest.approx(runs[1].losses, rel=1e-5, abs=1e-6)
+    assert runs[0].val_loss == pytest.approx(runs[1].val_loss, rel=1e-5, abs=1e-6)
