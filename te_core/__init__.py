@@ -6,13 +6,15 @@ in te_core.backend, and every computation runs through the op contract in te_cor
 """
 __version__ = "0.1.0"
 
-from . import ops, recipe
+from . import ops, optimizers, recipe
 from .backend import get_backend, list_backends, set_backend
 from .compat.transformer_engine import install_as_transformer_engine
 from .convert import convert_model
 from .graphs import make_graphed_callables
 from .modules import (
     DotProductAttention,
+    Fp8Padding,
+    Fp8Unpadding,
     GroupedLinear,
     LayerNorm,
     LayerNormLinear,
@@ -41,9 +43,9 @@ from .quantization import (
 )
 
 __all__ = [
-    "__version__", "ops", "recipe", "get_backend", "set_backend", "list_backends", "convert_model",
+    "__version__", "ops", "optimizers", "recipe", "get_backend", "set_backend", "list_backends", "convert_model",
     "make_graphed_callables", "install_as_transformer_engine",
-    "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "LayerNorm", "RMSNorm", "DotProductAttention",
+    "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "Fp8Padding", "Fp8Unpadding", "LayerNorm", "RMSNorm", "DotProductAttention",
     "MultiheadAttention", "TransformerLayer", "RotaryPositionEmbedding", "apply_rotary_pos_emb", "checkpoint",
     "init_quantization_state", "autocast", "fp8_autocast", "quantized_model_init", "fp8_model_init", "is_fp8_available",
     "is_fp8_block_scaling_available", "is_mxfp8_available",

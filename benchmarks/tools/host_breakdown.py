@@ -6,10 +6,17 @@ Traced: every contract op call, split into the backend's supports() and its impl
 Triton launches; the torch calls te_core and the backends make on the hot path; autocast
 enter/exit; the scale update; the autograd engine.
 
-It wraps te_core's private dispatch (te_core.ops._spec) and so follows its internals.
+--counts prints, per recipe, what one fwd+bwd step of te.Linear(1024, 1024) on 128 tokens
+does on the host: contract-op calls, supports() calls, capability checks, Triton launches, torch
+calls made from Python (a TorchFunctionMode) and the aten ops they run (a TorchDispatchMode; on
+the GPU, roughly the kernels torch launches).
+
+It wraps te_core's private dispatch (te_core.ops._spec, te_core.backend.dispatch) and so
+follows its internals.
 
     python benchmarks/tools/host_breakdown.py                # cuda backend, on the GPU
     python benchmarks/tools/host_breakdown.py --device cpu   # the reference backend on the CPU
+    python benchmarks/tools/host_breakdown.py --counts [--device cpu]
 """
 from __future__ import annotations
 
@@ -20,9 +27,12 @@ import time
 from collections import defaultdict
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import te_core as te
 from te_core import recipe
+from te_core.backend import dispatch as te_dispatch
 from te_core.ops import _spec
 from te_core.quantization import scaling
 
@@ -56,6 +66,13 @@ class Tracer:
         return traced
 
 
+class _OpView:
+    """What dispatch.runner reads of an op: its name and its capability check (here traced)."""
+
+    def __init__(self, name, capability_check):
+        self.name, self.capability_check = name, capability_check
+
+
 def install(tracer: Tracer) -> None:
     dispatch = _spec._dispatch()
 
@@ -75,7 +92,9 @@ def install(tracer: Tracer) -> None:
         replaced = res._replace(
             fn=None if res.fn is None else tracer.wrap(f"op {op.name}: implementation", res.fn),
             supports=None if res.supports is None else tracer.wrap(f"op {op.name}: supports()", res.supports))
-        op._cache = (cached[0], replaced)
+        view = _OpView(op.name, tracer.wrap(f"op {op.name}: capability check", op.capability_check)
+                       if op.capability_check is not None else None)
+        op._cache = (cached[0], replaced, te_dispatch.runner(view, replaced))
     for name in TORCH_CALLS:
         setattr(torch, name, tracer.wrap(f"torch.{name}", getattr(torch, name)))
     try:
@@ -130,12 +149,91 @@ def measure(name, step, tracer, n, device):
     print(f"  {traced - accounted:8.1f} us        untraced Python (te_core glue, module call, ...)")
 
 
+RECIPES = {"bf16": None, "delayed": recipe.DelayedScaling, "current": recipe.Float8CurrentScaling,
+           "block": recipe.Float8BlockScaling, "mxfp8": recipe.MXFP8BlockScaling}
+
+
+class _TorchCalls(TorchFunctionMode):
+    """Counts the torch functions and Tensor methods called from Python."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _AtenOps(TorchDispatchMode):
+    """Counts the aten ops run (on the GPU, about the kernels and allocations torch issues)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def linear_step(dev, rcp, m=128, k=1024, n_out=1024):
+    """One fwd+bwd of te.Linear(k, n_out) on m tokens under `rcp` (None: BF16)."""
+    lin = te.Linear(k, n_out, params_dtype=torch.bfloat16, device=dev)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n_out, device=dev, dtype=torch.bfloat16)
+
+    def train():
+        with te.autocast(enabled=rcp is not None, recipe=rcp):
+            y = lin(x)
+        y.backward(dy)
+
+    return train
+
+
+def _total(tracer, suffix):
+    return sum(n for key, n in tracer.calls.items() if key.endswith(suffix))
+
+
+def counts(dev):
+    """Print the host ops of one tiny Linear fwd+bwd per recipe (see the module docstring)."""
+    steps = {}
+    for name, cls in RECIPES.items():
+        step = linear_step(dev, cls() if cls is not None else None)
+        try:
+            step()
+            step()
+        except (RuntimeError, NotImplementedError, ValueError) as exc:
+            print(f"{name}: skipped ({type(exc).__name__}: {exc})")
+            continue
+        steps[name] = step
+    tracer = Tracer()
+    install(tracer)
+    print(f"# host ops per te.Linear(1024, 1024) fwd+bwd on 128 tokens, {dev}, torch {torch.__version__}")
+    print("recipe   contract-ops  supports()  capability-checks  triton-launches  torch-calls  aten-ops")
+    for name, step in steps.items():
+        tracer.calls.clear()
+        tracer.enabled = True
+        with _TorchCalls() as fn_mode, _AtenOps() as aten_mode:
+            step()
+        tracer.enabled = False
+        print(f"{name:8s} {_total(tracer, ': dispatch'):12d} {_total(tracer, 'supports()'):11d} "
+              f"{_total(tracer, 'capability check'):18d} {_total(tracer, 'JITFunction.run'):16d} "
+              f"{fn_mode.n:12d} {aten_mode.n:9d}")
+        ops_called = sorted((key[3:-10], n) for key, n in tracer.calls.items() if key.endswith(": dispatch"))
+        print("         " + ", ".join(f"{op} x{n}" for op, n in ops_called))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda")
     parser.add_argument("-n", type=int, default=300)
+    parser.add_argument("--counts", action="store_true", help="count host ops per recipe instead of timing")
     args = parser.parse_args()
     dev = args.device
+    if args.counts:
+        counts(dev)
+        return
     torch.manual_seed(0)
     rcp = recipe.DelayedScaling()
     cases = {}

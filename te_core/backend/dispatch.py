@@ -32,6 +32,7 @@ class Resolution(NamedTuple):
 
 
 _warned: set = set()
+_is_compiling = torch.compiler.is_compiling
 
 
 def resolve(op) -> Resolution:
@@ -62,9 +63,15 @@ def resolution(op) -> Resolution:
         _resolve_untraced(op.name)
     cached = op._cache
     if cached is None or cached[0] != REGISTRY.generation:
-        generation = REGISTRY.generation
-        cached = op._cache = (generation, resolve(op))
+        cached = _refresh(op)
     return cached[1]
+
+
+def _refresh(op):
+    """Resolve op and cache (registry generation, Resolution, runner) on it."""
+    res = resolve(op)
+    op._cache = cached = (REGISTRY.generation, res, runner(op, res))
+    return cached
 
 
 @run_while_tracing
@@ -75,13 +82,52 @@ def _resolve_untraced(op_name: str) -> bool:
 
     op = CONTRACT[op_name]
     if op._cache is None or op._cache[0] != REGISTRY.generation:
-        generation = REGISTRY.generation
-        op._cache = (generation, resolve(op))
+        _refresh(op)
     return True
 
 
+def runner(op, res: Resolution) -> Callable[[tuple, dict], Any]:
+    """run(args, kwargs) for op resolved to res: the checks res needs and nothing else, bound
+    once per resolution so that an eager call does no lookups. A backend without a capability
+    check or supports() for the op gets its implementation called directly."""
+    fn, supports, caps = res.fn, res.supports, res.capabilities
+    if fn is None:
+        missing = f"{op.name} is not implemented by backend {res.backend!r}"
+        return lambda args, kwargs: _fallback(op, res, missing, args, kwargs)
+    check = op.capability_check if caps is not None else None
+    if check is None and supports is None:
+        return lambda args, kwargs: fn(*args, **kwargs)
+
+    def run(args, kwargs):
+        if check is not None:
+            reason = check(caps, *args, **kwargs)
+            if reason:
+                return _fallback(op, res, reason, args, kwargs)
+        if supports is not None:
+            ok, reason = supports(*args, **kwargs)
+            if not ok:
+                return _fallback(op, res, reason or "declined by supports()", args, kwargs)
+        return fn(*args, **kwargs)
+
+    return run
+
+
 def call(op, args, kwargs):
-    res = resolution(op)
+    """Run op on the selected backend (or the reference, see the module docstring)."""
+    if _is_compiling():  # dynamo traces the checks with the resolution read at trace time
+        return _call_checked(resolution(op), op, args, kwargs)
+    return call_eager(op, args, kwargs)
+
+
+def call_eager(op, args, kwargs):
+    """call() outside a torch.compile trace: the op's cached runner."""
+    cached = op._cache
+    if cached is None or cached[0] != REGISTRY.generation:
+        cached = _refresh(op)
+    return cached[2](args, kwargs)
+
+
+def _call_checked(res: Resolution, op, args, kwargs):
     if res.fn is None:
         return _fallback(op, res, f"{op.name} is not implemented by backend {res.backend!r}", args, kwargs)
     if res.capabilities is not None:

@@ -116,7 +116,8 @@ class Capabilities:
 
     def check_fp8(self, dtype: torch.dtype) -> Optional[str]:
         """None when `dtype` is supported, else the reason it is not."""
-        return self.check_fp8_name(FP8_FORMATS.get(dtype, (str(dtype), 0.0))[0])
+        fmt = FP8_FORMATS.get(dtype)  # (no default: str(dtype) would be built on every call)
+        return self.check_fp8_name(fmt[0] if fmt is not None else str(dtype))
 
     def check_fp8_name(self, name: str) -> Optional[str]:
         if name in self.fp8_formats:

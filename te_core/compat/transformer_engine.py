@@ -154,7 +154,7 @@ def install_as_transformer_engine(replace: bool = False) -> types.ModuleType:
     root.common, root.pytorch, common.recipe = common, pytorch, recipe
     modules = {ROOT: root, f"{ROOT}.common": common, f"{ROOT}.common.recipe": recipe, f"{ROOT}.pytorch": pytorch,
                f"{ROOT}.pytorch.fp8": pytorch.fp8, f"{ROOT}.pytorch.quantization": pytorch.quantization,
-               f"{ROOT}.pytorch.distributed": pytorch.distributed}
+               f"{ROOT}.pytorch.distributed": pytorch.distributed, f"{ROOT}.pytorch.optimizers": pytorch.optimizers}
     for name in [n for n in sys.modules if n == ROOT or n.startswith(ROOT + ".")]:
         del sys.modules[name]  # a replaced real package: none of its submodules may linger
     sys.modules.update(modules)
@@ -163,8 +163,8 @@ def install_as_transformer_engine(replace: bool = False) -> types.ModuleType:
 
 def uninstall_transformer_engine() -> None:
     """Remove the stand-in from sys.modules (a no-op when it is not installed)."""
-    from .. import recipe
+    from .. import optimizers, recipe
 
     for name in [n for n in sys.modules if n == ROOT or n.startswith(ROOT + ".")]:
-        if _is_stand_in(name) or sys.modules[name] is recipe:
+        if _is_stand_in(name) or sys.modules[name] is recipe or sys.modules[name] is optimizers:
             del sys.modules[name]

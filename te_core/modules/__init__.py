@@ -4,6 +4,7 @@ names and forward signatures as in Transformer Engine), built on the registry op
 from ._base import init_quantization_state
 from .attention import DotProductAttention
 from .checkpoint import checkpoint
+from .fp8_padding import Fp8Padding, Fp8Unpadding
 from .grouped_linear import GroupedLinear
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_linear import LayerNormLinear
@@ -18,6 +19,8 @@ __all__ = [
     "LayerNormLinear",
     "LayerNormMLP",
     "GroupedLinear",
+    "Fp8Padding",
+    "Fp8Unpadding",
     "LayerNorm",
     "RMSNorm",
     "DotProductAttention",

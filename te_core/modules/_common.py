@@ -31,9 +31,9 @@ _NOT_IMPLEMENTED = {
         "seq_length": (None,), "micro_batch_size": (None,),
     },
     "parameter and weight-gradient layouts": {
-        "parameters_split": (None,), "fuse_wgrad_accumulation": (False,), "delay_wgrad_compute": (False,),
+        "delay_wgrad_compute": (False,),
         "save_original_input": (False,), "single_grouped_weight": (False,), "single_grouped_bias": (False,),
-        "use_grouped_tensor": (None, False), "checkpoint": (False,), "activation_params": (None,),
+        "use_grouped_tensor": (None, False), "checkpoint": (False,),
     },
     "FP8 tensors passed between modules": {"fp8_output": (False,), "fp8_grad": (False,), "out": (None,),
                                            "dgrad_out": (None,)},

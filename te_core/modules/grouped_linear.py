@@ -9,8 +9,9 @@ import torch
 from torch import Tensor, nn
 
 from ..quantization import gemm_slots
-from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_gemm
+from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise
 from ._base import QuantizedModule
+from ._wgrad import weight_grad
 from ._common import (
     check_fp8_gemms,
     check_input,
@@ -30,7 +31,7 @@ def _slot(i: int, role: str) -> str:
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, m_splits, step, num_gemms, *params):
+    def forward(ctx, x, m_splits, step, num_gemms, fuse_wgrad, *params):
         weights, biases = params[:num_gemms], params[num_gemms:]
         outs, saved = [], []
         for i, xi in enumerate(torch.split(x, m_splits)):
@@ -46,6 +47,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         ctx.step, ctx.m_splits, ctx.num_gemms = step, m_splits, num_gemms
         ctx.weight_meta = [(w.shape, w.dtype) for w in weights]
+        ctx.fused_weights = weights if fuse_wgrad else (None,) * num_gemms  # their main_grad takes the wgrad
         ctx.bias_dtypes = [b.dtype for b in biases]
         ctx.x_dtype, ctx.needs_dx = x.dtype, x.requires_grad
         return torch.cat(outs, dim=0)
@@ -59,7 +61,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
             shape, w_dtype = ctx.weight_meta[i]
             if dyi.shape[0] == 0:
                 dxs.append(dyi.new_zeros(0, shape[1]))
-                dws.append(torch.zeros(shape, dtype=w_dtype, device=dy.device))
+                # no tokens: a zero gradient, or nothing to add into main_grad
+                fused = ctx.fused_weights[i] is not None
+                dws.append(None if fused else torch.zeros(shape, dtype=w_dtype, device=dy.device))
                 dbs.append(torch.zeros(shape[0], dtype=w_dtype, device=dy.device) if ctx.bias_dtypes else None)
                 continue
             dy_q, db = step.grad_operand(
@@ -67,11 +71,11 @@ class _GroupedLinearFunction(torch.autograd.Function):
             )
             if ctx.needs_dx:
                 dxs.append(dgrad_gemm(dy_q, w_q, out_dtype=ctx.x_dtype))
-            dws.append(wgrad_gemm(dy_q, x_q, out_dtype=w_dtype))
+            dws.append(weight_grad(dy_q, x_q, w_dtype, ctx.fused_weights[i], "GroupedLinear"))
             dbs.append(None if db is None else db.to(ctx.bias_dtypes[i]))
         step.backward_done()
         dx = torch.cat(dxs, dim=0) if ctx.needs_dx else None
-        return (dx, None, None, None, *dws, *(dbs if ctx.bias_dtypes else ()))
+        return (dx, None, None, None, None, *dws, *(dbs if ctx.bias_dtypes else ()))
 
 
 class GroupedLinear(QuantizedModule):
@@ -88,6 +92,7 @@ class GroupedLinear(QuantizedModule):
         params_dtype: Optional[torch.dtype] = None,
         device: Union[None, str, torch.device] = None,
         return_bias: bool = False,
+        fuse_wgrad_accumulation: bool = False,
         **kwargs,
     ):
         name = "GroupedLinear"
@@ -95,7 +100,7 @@ class GroupedLinear(QuantizedModule):
         check_positive(num_gemms, name="num_gemms", module=name)
         slots = tuple(s for i in range(num_gemms) for s in gemm_slots(f"gemm{i}_"))
         super().__init__(slots, device=device, params_dtype=params_dtype)
-        self.num_gemms = num_gemms
+        self.num_gemms, self.fuse_wgrad_accumulation = num_gemms, fuse_wgrad_accumulation
         self.in_features = check_positive(in_features, name="in_features", module=name)
         self.out_features = check_positive(out_features, name="out_features", module=name)
         self.use_bias, self.return_bias = bias, return_bias
@@ -128,7 +133,8 @@ class GroupedLinear(QuantizedModule):
         check_fp8_gemms(step, name, *((m, self.out_features, self.in_features) for m in m_splits if m))
         biases = self._params("bias") if self.use_bias and not self.return_bias else []
         with no_torch_autocast(inp.device.type):
-            y = _GroupedLinearFunction.apply(x, m_splits, step, self.num_gemms, *self._params("weight"), *biases)
+            y = _GroupedLinearFunction.apply(x, m_splits, step, self.num_gemms, self.fuse_wgrad_accumulation,
+                                             *self._params("weight"), *biases)
         y = y.view(*inp.shape[:-1], self.out_features)
         if self.return_bias:
             return y, self._params("bias") if self.use_bias else None

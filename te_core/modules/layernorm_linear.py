@@ -14,8 +14,10 @@ from torch import Tensor, nn
 
 from ..distributed import tensor_parallel
 from ..quantization import gemm_slots
-from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_gemm
+from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise
 from ._base import QuantizedModule
+from ._param_split import ParameterSplitMixin
+from ._wgrad import weight_grad
 from ._common import (
     check_fp8_gemms,
     check_input,
@@ -152,7 +154,8 @@ def normalized_operand(
 
 class _LayerNormLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ln_weight, ln_bias, weight, bias, step, norm, return_ln_out, split_sizes, return_residual):
+    def forward(ctx, x, ln_weight, ln_bias, weight, bias, step, norm, return_ln_out, split_sizes, return_residual,
+                fuse_wgrad=False):
         ln_out_q, stats, ln_out = normalized_operand(
             step, "input", x, ln_weight, ln_bias, norm, columnwise=weight.requires_grad, keep_hp=return_ln_out
         )
@@ -164,6 +167,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x, ln_weight, keep_columnwise(ln_out_q) if weight.requires_grad else None,
                               keep_columnwise(w_q) if needs_norm_grad(x, ln_weight, ln_bias) else None, *stats)
         ctx.step, ctx.norm, ctx.weight_dtype = step, norm, weight.dtype
+        ctx.fused_weight = weight if fuse_wgrad else None  # its main_grad takes the wgrad
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.needs = (x.requires_grad, weight.requires_grad)
         ctx.needs_norm = needs_norm_grad(x, ln_weight, ln_bias)
@@ -187,16 +191,16 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         dy_q, dbias = step.grad_operand(
             "grad_output", dys[0] if ctx.parts == 1 else dys, columnwise=needs_dw, with_dbias=ctx.bias_dtype is not None
         )
-        dw = wgrad_gemm(dy_q, ln_out_q, out_dtype=ctx.weight_dtype) if needs_dw else None
+        dw = weight_grad(dy_q, ln_out_q, ctx.weight_dtype, ctx.fused_weight, "LayerNormLinear") if needs_dw else None
         d_ln = norm_input_grad(ctx, dy_q, w_q, d_ln_out, x.dtype)
         del dy_q  # freed before the norm backward allocates dx
         dx, d_ln_w, d_ln_b = norm_grads(ctx, d_ln, x, stats, ln_weight, d_res)
         step.backward_done()
         dbias = None if dbias is None else dbias.to(ctx.bias_dtype)
-        return dx if needs_dx else None, d_ln_w, d_ln_b, dw, dbias, None, None, None, None, None
+        return dx if needs_dx else None, d_ln_w, d_ln_b, dw, dbias, None, None, None, None, None, None
 
 
-class LayerNormLinear(tensor_parallel.TensorParallelMixin, QuantizedModule):
+class LayerNormLinear(ParameterSplitMixin, tensor_parallel.TensorParallelMixin, QuantizedModule):
     """y = norm(x) @ weight.T + bias. Parameters layer_norm_weight, layer_norm_bias (LayerNorm
     only), weight (out_features, in_features), bias.
 
@@ -226,8 +230,10 @@ class LayerNormLinear(tensor_parallel.TensorParallelMixin, QuantizedModule):
         **kwargs,
     ):
         name = "LayerNormLinear"
-        reject_unsupported(name, fuse_wgrad_accumulation=fuse_wgrad_accumulation, **kwargs)
+        parameters_split = kwargs.pop("parameters_split", None)
+        reject_unsupported(name, **kwargs)
         super().__init__(SLOTS, device=device, params_dtype=params_dtype)
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         tensor_parallel.init_tensor_parallel(
             self, name, tp_group=tp_group, tp_size=tp_size, parallel_mode=parallel_mode,
             sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker,
@@ -252,13 +258,16 @@ class LayerNormLinear(tensor_parallel.TensorParallelMixin, QuantizedModule):
         self.init_method = init_method or default_init_method()
         self.reset_parameters()
         self.weight = primary_weight(self, "weight", self.weight)
+        self.apply_parameters_split(parameters_split, name)
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
             reset_norm_parameters(self)
-            tensor_parallel.init_weight(self, self.init_method, self.weight)
-            if self.bias is not None:
-                nn.init.zeros_(self.bias)
+            weight, bias = self.weight, self.bias
+            tensor_parallel.init_weight(self, self.init_method, weight)
+            if bias is not None:
+                nn.init.zeros_(bias)
+            self.store_split(weight=weight, bias=bias)  # parameters_split: into the named parts
 
     def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False, *,
                 split_sizes: Optional[Sequence[int]] = None, return_residual: bool = False, **unsupported):
@@ -298,6 +307,7 @@ class LayerNormLinear(tensor_parallel.TensorParallelMixin, QuantizedModule):
                 self.return_layernorm_output,
                 split_sizes,
                 residual_fused,
+                self.fuse_wgrad_accumulation,
             )
         out, ln_out, residual = unpack_outputs(out, inp, return_ln_out=self.return_layernorm_output,
                                                return_residual=return_residual, residual_fused=residual_fused)

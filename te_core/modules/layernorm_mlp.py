@@ -16,11 +16,12 @@ from torch import Tensor, nn
 from .. import ops
 from ..distributed import tensor_parallel
 from ..quantization import gemm_slots
-from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_gemm
+from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise
 from . import _saved
+from ._activation import activation_op, split_activation
 from ._base import QuantizedModule
+from ._wgrad import weight_grad
 from ._common import (
-    check_activation,
     check_fp8_gemms,
     check_input,
     check_positive,
@@ -50,27 +51,36 @@ from .layernorm_linear import (
 SLOTS = gemm_slots("fc1_") + gemm_slots("fc2_")
 
 
-def activated_operand(step, slot: str, h: Tensor, kind: str, columnwise: bool):
-    """act(h) as the GEMM operand of `slot`, FP8 straight from the activation op where possible."""
+def activated_operand(step, slot: str, h: Tensor, act, columnwise: bool):
+    """act(h) as the GEMM operand of `slot`, FP8 straight from the activation op where possible.
+    `act`: an activation_op value (the kind, with its parameters if it has any)."""
+    kind, params = split_activation(act)
     fused = step.fused_cast_args(slot)
     if fused is not None:
-        data, amax = ops.activation_fwd(h, kind, **fused)
+        data, amax = ops.activation_fwd(h, kind, **fused, **params)
         return step.wrap_fused(slot, data, amax, nominal_dtype=h.dtype, columnwise=columnwise)
-    a, _ = ops.activation_fwd(h, kind)
+    a, _ = ops.activation_fwd(h, kind, **params)
     return step.operand(slot, a, columnwise=columnwise)
 
 
-def activation_grad_operand(step, slot: str, d_act: Tensor, h: Tensor, kind: str, *, columnwise: bool, with_dbias):
+def activation_grad_operand(step, slot: str, d_act_and_h: list, act, *, columnwise: bool, with_dbias):
     """d(act)/dh applied to d_act as the gradient operand of `slot`, with fc1's bias gradient.
+    `d_act_and_h`: [d_act, h], which this function empties, so that it holds their last references.
 
     One fused op (activation backward + dbias + FP8 cast) where the quantizer knows its scale up
-    front; otherwise the activation backward, then the recipe's gradient cast."""
+    front; otherwise the activation backward, then the recipe's gradient cast, which runs after
+    d_act and h are freed: its FP8 outputs then replace them instead of adding to the
+    high-precision d_h on top of them (the peak of a current- or block-scaled layer step)."""
+    d_act, h = d_act_and_h
+    d_act_and_h.clear()
+    kind, params = split_activation(act)
     fused = step.fused_cast_args(slot)
     if fused is None:
-        d_h = ops.activation_bwd(d_act, h, kind)
+        d_h = ops.activation_bwd(d_act, h, kind, **params)
+        del d_act, h
         return step.grad_operand(slot, d_h, columnwise=columnwise, with_dbias=bool(with_dbias))
     data, data_t, dbias, amax = ops.activation_bwd_dbias_cast_transpose(
-        d_act, h, kind, fused["fp8_scale"], fused["fp8_dtype"], amax_out=fused.get("amax_out")
+        d_act, h, kind, fused["fp8_scale"], fused["fp8_dtype"], amax_out=fused.get("amax_out"), **params
     )
     dh_q = step.wrap_fused(slot, data, amax, nominal_dtype=h.dtype, columnwise=columnwise, data_t=data_t)
     return dh_q, (dbias if with_dbias else None)
@@ -80,7 +90,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, step, norm, activation, return_ln_out,
-        return_residual,
+        return_residual, fuse_wgrad=False,
     ):
         ln_out_q, stats, ln_out = normalized_operand(
             step, "fc1_input", x, ln_weight, ln_bias, norm, columnwise=fc1_weight.requires_grad, keep_hp=return_ln_out
@@ -102,6 +112,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         ctx.step, ctx.norm, ctx.activation = step, norm, activation
         ctx.bias_dtypes = (None if fc1_bias is None else fc1_bias.dtype, None if fc2_bias is None else fc2_bias.dtype)
         ctx.weight_dtypes = (fc1_weight.dtype, fc2_weight.dtype)
+        ctx.fused_weights = (fc1_weight, fc2_weight) if fuse_wgrad else (None, None)  # main_grad takes the wgrad
         ctx.needs = (x.requires_grad, fc1_weight.requires_grad, fc2_weight.requires_grad)
         ctx.needs_norm = needs_norm_grad(x, ln_weight, ln_bias)
         ctx.return_residual = return_residual
@@ -121,15 +132,17 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         dy_q, d_fc2_b = step.grad_operand(
             "fc2_grad_output", dy.to(x.dtype), columnwise=needs_dw2, with_dbias=ctx.bias_dtypes[1] is not None
         )
-        d_fc2_w = wgrad_gemm(dy_q, act_q, out_dtype=ctx.weight_dtypes[1]) if needs_dw2 else None
+        fc1_fused, fc2_fused = ctx.fused_weights
+        d_fc2_w = weight_grad(dy_q, act_q, ctx.weight_dtypes[1], fc2_fused, "LayerNormMLP") if needs_dw2 else None
         del act_q
         d_act = dgrad_gemm(dy_q, fc2_w_q, out_dtype=x.dtype)
         del dy_q, fc2_w_q
+        d_act_and_h = [d_act, h]
+        del d_act, h  # activation_grad_operand frees them as soon as it has read them
         dh_q, d_fc1_b = activation_grad_operand(
-            step, "fc1_grad_output", d_act, h, ctx.activation, columnwise=needs_dw1, with_dbias=ctx.bias_dtypes[0]
+            step, "fc1_grad_output", d_act_and_h, ctx.activation, columnwise=needs_dw1, with_dbias=ctx.bias_dtypes[0]
         )
-        del d_act, h
-        d_fc1_w = wgrad_gemm(dh_q, ln_out_q, out_dtype=ctx.weight_dtypes[0]) if needs_dw1 else None
+        d_fc1_w = weight_grad(dh_q, ln_out_q, ctx.weight_dtypes[0], fc1_fused, "LayerNormMLP") if needs_dw1 else None
         del ln_out_q
         d_ln = norm_input_grad(ctx, dh_q, fc1_w_q, d_ln_out, x.dtype)
         del dh_q, fc1_w_q
@@ -137,7 +150,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         step.backward_done()
         d_fc1_b, d_fc2_b = (None if d is None else d.to(t) for d, t in zip((d_fc1_b, d_fc2_b), ctx.bias_dtypes))
         return (dx if needs_dx else None, d_ln_w, d_ln_b, d_fc1_w, d_fc1_b, d_fc2_w, d_fc2_b,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 class LayerNormMLP(tensor_parallel.TensorParallelMixin, QuantizedModule):
@@ -173,8 +186,10 @@ class LayerNormMLP(tensor_parallel.TensorParallelMixin, QuantizedModule):
     ):
         name = "LayerNormMLP"
         set_parallel_mode = kwargs.pop("set_parallel_mode", False)
-        reject_unsupported(name, fuse_wgrad_accumulation=fuse_wgrad_accumulation, **kwargs)
+        act = activation_op(activation, kwargs.pop("activation_params", None), name)
+        reject_unsupported(name, **kwargs)
         super().__init__(SLOTS, device=device, params_dtype=params_dtype)
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         tensor_parallel.init_tensor_parallel(
             self, name, tp_group=tp_group, tp_size=tp_size, parallel_mode=None,
             sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker,
@@ -190,7 +205,7 @@ class LayerNormMLP(tensor_parallel.TensorParallelMixin, QuantizedModule):
         self.ffn_hidden_size = check_positive(ffn_hidden_size, name="ffn_hidden_size", module=name)
         self.size_per_partition = tensor_parallel.split_size(ffn_hidden_size, self.tp_size, what="ffn_hidden_size",
                                                              module=name)
-        self.activation = check_activation(activation, name)
+        self.activation, self._activation_op = activation, act
         add_norm_parameters(self, hidden_size, normalization, eps, zero_centered_gamma, name)
         self.return_bias, self.return_layernorm_output, self.use_bias = return_bias, return_layernorm_output, bias
         factory = dict(device=self.device, dtype=self.params_dtype)
@@ -246,9 +261,10 @@ class LayerNormMLP(tensor_parallel.TensorParallelMixin, QuantizedModule):
                 fc2_bias,
                 step,
                 norm,
-                self.activation,
+                self._activation_op,
                 self.return_layernorm_output,
                 residual_fused,
+                self.fuse_wgrad_accumulation,
             )
         out, ln_out, residual = unpack_outputs(out, inp, return_ln_out=self.return_layernorm_output,
                                                return_residual=return_residual, residual_fused=residual_fused)

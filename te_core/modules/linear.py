@@ -12,9 +12,11 @@ import torch
 from torch import Tensor, nn
 
 from ..distributed import tensor_parallel
-from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_gemm
+from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise
 from ..quantization.roles import gemm_slots
 from ._base import QuantizedModule
+from ._param_split import ParameterSplitMixin
+from ._wgrad import weight_grad
 from ._common import (
     check_input,
     check_positive,
@@ -81,7 +83,8 @@ class _LinearFunction(torch.autograd.Function):
             dx = dgrad_gemm(dy_op, w_op, out_dtype=ctx.inp_dtype)
             dx = dx if dx.shape == ctx.inp_shape else dx.reshape(ctx.inp_shape)
         if ctx.need_wgrad:
-            dw = _wgrad(dy_op, x_op, weight, ctx.options.fuse_wgrad_accumulation)
+            fused = weight if ctx.options.fuse_wgrad_accumulation else None
+            dw = weight_grad(dy_op, x_op, weight.dtype, fused, "Linear")
         step.backward_done()
         if dbias is not None:
             dbias = dbias.to(ctx.bias_dtype)
@@ -92,19 +95,7 @@ def _split_output(y: Tensor, inp: Tensor, split_sizes) -> tuple:
     return tuple(_output(part, inp) for part in y.split(split_sizes, dim=-1))
 
 
-def _wgrad(dy_op, x_op, weight: Tensor, fuse_accumulation: bool) -> Optional[Tensor]:
-    """dw in the weight's dtype, or (fused) added into weight.main_grad with no .grad returned."""
-    if not fuse_accumulation:
-        return wgrad_gemm(dy_op, x_op, out_dtype=weight.dtype)
-    main_grad = getattr(weight, "main_grad", None)
-    if main_grad is None:
-        raise RuntimeError("Linear(fuse_wgrad_accumulation=True): weight.main_grad is not set; assign a float32 "
-                           f"buffer of shape {tuple(weight.shape)} to weight.main_grad before backward")
-    wgrad_gemm(dy_op, x_op, out_dtype=main_grad.dtype, out=main_grad, accumulate=True)
-    return None
-
-
-class Linear(tensor_parallel.TensorParallelMixin, QuantizedModule):
+class Linear(ParameterSplitMixin, tensor_parallel.TensorParallelMixin, QuantizedModule):
     """Applies y = x @ weight.T + bias. Runs in FP8 per the recipe under te_core.autocast,
     in high precision (ops.gemm) otherwise.
 
@@ -138,6 +129,7 @@ class Linear(tensor_parallel.TensorParallelMixin, QuantizedModule):
         rng_tracker_name: Optional[str] = None,
         **unsupported,
     ):
+        parameters_split = unsupported.pop("parameters_split", None)
         reject_unsupported("Linear", **unsupported)
         check_positive(in_features, name="in_features", module="Linear")
         check_positive(out_features, name="out_features", module="Linear")
@@ -155,6 +147,7 @@ class Linear(tensor_parallel.TensorParallelMixin, QuantizedModule):
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.name = name
         self._create_parameters(init_method or _default_init)
+        self.apply_parameters_split(parameters_split, "Linear")
         if parallel_mode == "row":
             tensor_parallel.mark_sequence_parallel(self, [self.bias])
 
@@ -206,6 +199,8 @@ class Linear(tensor_parallel.TensorParallelMixin, QuantizedModule):
 
     def reset_parameters(self, init_method: Optional[Callable[[Tensor], None]] = None) -> None:
         with torch.no_grad():
-            tensor_parallel.init_weight(self, init_method or _default_init, self.weight)
-            if self.bias is not None:
-                self.bias.zero_()
+            weight, bias = self.weight, self.bias
+            tensor_parallel.init_weight(self, init_method or _default_init, weight)
+            if bias is not None:
+                bias.zero_()
+            self.store_split(weight=weight, bias=bias)  # parameters_split: into the named parts

@@ -65,6 +65,7 @@ class MultiheadAttention(QuantizedContainer):
     ):
         super().__init__()
         module = "MultiheadAttention"
+        fuse_wgrad = kwargs.pop("fuse_wgrad_accumulation", False)  # passed on to every projection
         reject_unsupported(module, **kwargs)
         check_positive(hidden_size, name="hidden_size", module=module)
         _, self.num_gqa_groups, kv_channels = check_attention_heads(
@@ -81,7 +82,7 @@ class MultiheadAttention(QuantizedContainer):
         self.qkv_weight_interleaved = bool(qkv_weight_interleaved) and self.fuse_qkv_params
         self.rotary_pos_interleaved = bool(rotary_pos_interleaved)
         q_size, kv_size = num_attention_heads * kv_channels, self.num_gqa_groups * kv_channels
-        common = dict(params_dtype=params_dtype, device=device, bias=bias)
+        common = dict(params_dtype=params_dtype, device=device, bias=bias, fuse_wgrad_accumulation=fuse_wgrad)
         # fmt: off
         norm_args = dict(eps=layernorm_epsilon, normalization=normalization, zero_centered_gamma=zero_centered_gamma,
                          return_layernorm_output=return_layernorm_output)

@@ -74,6 +74,8 @@ class TransformerLayer(QuantizedContainer):
         it they select nothing, in Transformer Engine as here."""
         super().__init__()
         debug_name, name = name, "TransformerLayer"
+        activation_params = kwargs.pop("activation_params", None)  # checked by LayerNormMLP
+        fuse_wgrad = kwargs.pop("fuse_wgrad_accumulation", False)  # passed on to every weighted submodule
         reject_unsupported(name, ub_tp_comm_overlap=ub_tp_comm_overlap, **kwargs)
         check_positive(hidden_size, name="hidden_size", module=name)
         check_positive(ffn_hidden_size, name="ffn_hidden_size", module=name)
@@ -90,7 +92,7 @@ class TransformerLayer(QuantizedContainer):
         self.self_attn_mask_type, self.enc_dec_attn_mask_type = self_attn_mask_type, enc_dec_attn_mask_type
         # fmt: off
         common = dict(params_dtype=params_dtype, device=device, bias=bias, zero_centered_gamma=zero_centered_gamma,
-                      normalization=normalization)
+                      normalization=normalization, fuse_wgrad_accumulation=fuse_wgrad)
         attention = dict(num_gqa_groups=num_gqa_groups, kv_channels=kv_channels, attention_dropout=attention_dropout,
                          init_method=init_method, output_layer_init_method=output_layer_init_method,
                          layer_number=layer_number, input_layernorm=True, qkv_format=attn_input_format,
@@ -108,6 +110,7 @@ class TransformerLayer(QuantizedContainer):
                                                       bottom_right_diagonal=enc_dec_bottom_right_diagonal, **attention)
         self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, eps=layernorm_epsilon, init_method=init_method,
                                           output_layer_init_method=output_layer_init_method, activation=activation,
+                                          activation_params=activation_params,
                                           return_layernorm_output=apply_residual_connection_post_layernorm, **common)
         # fmt: on
         if output_layernorm:

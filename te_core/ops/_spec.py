@@ -33,7 +33,7 @@ class Op:
         self.mutates = tuple(mutates)  # arguments written in place besides amax_out / out
         self.n_outputs = None  # set by te_core.ops._library.register_all
         self.untraceable: Optional[str] = None  # why register_all could not make its twin, if it could not
-        self._cache = None  # (registry generation, Resolution); filled by dispatch
+        self._cache = None  # (registry generation, Resolution, runner); filled by dispatch
 
     def check_capabilities(self, caps: Capabilities, args, kwargs) -> Optional[str]:
         """None if `caps` can run this call, else why not."""
@@ -46,7 +46,7 @@ class Op:
             from ._library import traced_call
 
             return traced_call(self, args, kwargs)
-        return _dispatch()(self, args, kwargs)
+        return (_DISPATCH or _dispatch())(self, args, kwargs)
 
     def __repr__(self) -> str:
         return f"<te_core op {self.family}.{self.name}{self.signature}>"
@@ -59,9 +59,9 @@ _is_compiling = torch.compiler.is_compiling
 def _dispatch():
     global _DISPATCH
     if _DISPATCH is None:  # late: ops are declared before the registry module exists
-        from ..backend.dispatch import call
+        from ..backend.dispatch import call_eager
 
-        _DISPATCH = call
+        _DISPATCH = call_eager
     return _DISPATCH
 
 

@@ -4,7 +4,12 @@
 gelu = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (tanh approximation);
 relu; silu = x sigmoid(x); qgelu = x sigmoid(1.702 x); srelu = relu(x)^2.
 Gated kinds split the last dimension of x (2h) into a = x[..., :h] and b = x[..., h:] and
-return act(a) * b: swiglu (silu), geglu (gelu), reglu (relu); their output has h columns.
+return act(a) * b: swiglu (silu), geglu (gelu), reglu (relu), qgeglu (qgelu), sreglu (srelu);
+their output has h columns. clamped_swiglu (GPT-OSS's) clamps first, a' = min(a, limit) and
+b' = clamp(b, -limit, limit), then returns a' sigmoid(alpha a') (b' + 1); its derivative is zero
+where a clamp is active. `limit` (> 0) and `alpha` apply to clamped_swiglu only: any other kind
+with values other than the defaults is an error. Callers pass them only for clamped_swiglu, so
+a backend whose `supports` does not know them declines the kind by name.
 FP8 output works as in ops.norm: with fp8_scale and fp8_dtype, y is FP8 data of
 y * fp8_scale and amax = max|y| (maxed into `amax_out` when given, as in ops.cast); else y in
 x's dtype and amax None.
@@ -19,8 +24,11 @@ from torch import Tensor
 from ..backend.types import Capabilities
 from ._spec import contract_op
 
-ACTIVATIONS = ("gelu", "relu", "silu", "qgelu", "srelu", "swiglu", "geglu", "reglu")
-GATED_ACTIVATIONS = ("swiglu", "geglu", "reglu")
+ACTIVATIONS = ("gelu", "relu", "silu", "qgelu", "srelu", "swiglu", "geglu", "reglu", "qgeglu", "sreglu",
+               "clamped_swiglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu", "reglu", "qgeglu", "sreglu", "clamped_swiglu")
+CLAMPED_SWIGLU_DEFAULTS = {"limit": 7.0, "alpha": 1.702}
+"""Transformer Engine's defaults for clamped_swiglu's `limit` and `alpha`."""
 
 
 def _fp8_out_caps(caps: Capabilities, *args, fp8_dtype=None, **_):
@@ -40,12 +48,14 @@ def activation_fwd(
     fp8_scale: Optional[Tensor] = None,
     fp8_dtype: Optional[torch.dtype] = None,
     amax_out: Optional[Tensor] = None,
+    limit: float = 7.0,
+    alpha: float = 1.702,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Returns (y, amax)."""
 
 
 @contract_op("activation")
-def activation_bwd(dy: Tensor, x: Tensor, kind: str) -> Tensor:
+def activation_bwd(dy: Tensor, x: Tensor, kind: str, *, limit: float = 7.0, alpha: float = 1.702) -> Tensor:
     """d(act)/dx applied to dy; dx has x's shape and dtype (2h columns for gated kinds)."""
 
 
@@ -74,7 +84,8 @@ def dbias_cast_transpose_parts(
 
 @contract_op("activation", _fp8_arg_caps)
 def activation_bwd_dbias_cast_transpose(
-    dy: Tensor, x: Tensor, kind: str, scale: Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[Tensor] = None
+    dy: Tensor, x: Tensor, kind: str, scale: Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[Tensor] = None,
+    limit: float = 7.0, alpha: float = 1.702,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """dx = activation_bwd(dy, x, kind) for 2-D x, then (data, data_t, dbias, amax) of dx as
+    """dx = activation_bwd(dy, x, kind, limit=limit, alpha=alpha) for 2-D x, then (data, data_t, dbias, amax) of dx as
     dbias_cast_transpose does — the backward epilogue between fc2's dgrad and fc1's GEMMs."""

@@ -2,6 +2,7 @@
 
 Each kind is a pair (f, f') of float32 closed forms; gated kinds reuse the pair of their
 inner activation on the first half of the columns and multiply by the second half.
+clamped_swiglu clamps both halves first and has its own closed form (see ops.activation).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..ops.activation import ACTIVATIONS
+from ..ops.activation import ACTIVATIONS, CLAMPED_SWIGLU_DEFAULTS
 from ..backend.types import as_dtype
 from .cast import cast_transpose_fp8, check_choice, check_float, check_ndim, fp8_output
 
@@ -71,11 +72,12 @@ _ELEMENTWISE: Dict[str, Pair] = {
     "qgelu": (_qgelu, _dqgelu),
     "srelu": (_srelu, _dsrelu),
 }
-_GATED_INNER = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}
+_GATED_INNER = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu", "qgeglu": "qgelu", "sreglu": "srelu"}
+_CLAMPED = "clamped_swiglu"
 
 
 def _out_columns(x: Tensor, kind: str) -> int:
-    if kind not in _GATED_INNER:
+    if kind not in _GATED_INNER and kind != _CLAMPED:
         return x.shape[-1]
     if x.shape[-1] % 2 != 0:
         raise ValueError(
@@ -90,14 +92,42 @@ def _split_gated(x32: Tensor, kind: str) -> Tuple[Tensor, Tensor]:
     return x32[..., :h], x32[..., h:]
 
 
-def _check_kind_and_x(x: Tensor, kind: str) -> None:
+def _check_kind_and_x(x: Tensor, kind: str, limit: float, alpha: float) -> None:
     check_float("x", x)
     check_choice("kind", kind, ACTIVATIONS)
     if x.dim() < 1:
         raise ValueError("x must have at least 1 dimension")
+    if kind == _CLAMPED:
+        if not (isinstance(limit, (int, float)) and math.isfinite(limit) and limit > 0):
+            raise ValueError(f"clamped_swiglu needs a finite limit > 0, got {limit!r}")
+        if not (isinstance(alpha, (int, float)) and math.isfinite(alpha)):
+            raise ValueError(f"clamped_swiglu needs a finite alpha, got {alpha!r}")
+    elif {"limit": limit, "alpha": alpha} != CLAMPED_SWIGLU_DEFAULTS:
+        raise ValueError(f"limit and alpha apply to activation 'clamped_swiglu' only; activation {kind!r} "
+                         f"got limit={limit!r}, alpha={alpha!r}: leave them at their defaults")
 
 
-def _forward32(x: Tensor, kind: str) -> Tensor:
+def _clamped_parts(x32: Tensor, limit: float, alpha: float):
+    """(a', b' + 1, sigmoid(alpha a'), a' sigmoid(alpha a')) of clamped_swiglu's two halves."""
+    a, b = _split_gated(x32, _CLAMPED)
+    a_c, b_c = a.clamp(max=limit), b.clamp(min=-limit, max=limit)
+    s = torch.sigmoid(alpha * a_c)
+    return a_c, b_c + 1.0, s, a_c * s
+
+
+def _clamped_bwd(dy32: Tensor, x32: Tensor, limit: float, alpha: float) -> Tensor:
+    a, b = _split_gated(x32, _CLAMPED)
+    a_c, b_1, s, g = _clamped_parts(x32, limit, alpha)
+    # a clamp passes the gradient only where it is not active (as torch.clamp's backward does)
+    da = dy32 * b_1 * (s + alpha * a_c * s * (1.0 - s)) * (a <= limit)
+    db = dy32 * g * ((b >= -limit) & (b <= limit))
+    return torch.cat([da, db], dim=-1)
+
+
+def _forward32(x: Tensor, kind: str, limit: float, alpha: float) -> Tensor:
+    if kind == _CLAMPED:
+        _, b_1, _, g = _clamped_parts(x.float(), limit, alpha)
+        return g * b_1
     if kind in _GATED_INNER:
         a, b = _split_gated(x.float(), kind)
         return _ELEMENTWISE[_GATED_INNER[kind]][0](a) * b
@@ -111,19 +141,23 @@ def activation_fwd(
     fp8_scale: Optional[Tensor] = None,
     fp8_dtype: Optional[torch.dtype] = None,
     amax_out: Optional[Tensor] = None,
+    limit: float = 7.0,
+    alpha: float = 1.702,
 ) -> Tuple[Tensor, Optional[Tensor]]:
-    _check_kind_and_x(x, kind)
-    return fp8_output(_forward32(x, kind), x.dtype, fp8_scale, fp8_dtype, amax_out)
+    _check_kind_and_x(x, kind, limit, alpha)
+    return fp8_output(_forward32(x, kind, limit, alpha), x.dtype, fp8_scale, fp8_dtype, amax_out)
 
 
-def activation_bwd(dy: Tensor, x: Tensor, kind: str) -> Tensor:
-    _check_kind_and_x(x, kind)
+def activation_bwd(dy: Tensor, x: Tensor, kind: str, *, limit: float = 7.0, alpha: float = 1.702) -> Tensor:
+    _check_kind_and_x(x, kind, limit, alpha)
     check_float("dy", dy)
     expected = (*x.shape[:-1], _out_columns(x, kind))
     if tuple(dy.shape) != expected:
         raise ValueError(f"dy has shape {tuple(dy.shape)}; activation {kind!r} of x {tuple(x.shape)} needs {expected}")
     dy32 = dy.float()
-    if kind in _GATED_INNER:
+    if kind == _CLAMPED:
+        dx = _clamped_bwd(dy32, x.float(), limit, alpha)
+    elif kind in _GATED_INNER:
         f, df = _ELEMENTWISE[_GATED_INNER[kind]]
         a, b = _split_gated(x.float(), kind)
         dx = torch.cat([dy32 * b * df(a), dy32 * f(a)], dim=-1)
@@ -175,8 +209,10 @@ def join_column_parts(parts) -> Tensor:
 
 
 def activation_bwd_dbias_cast_transpose(
-    dy: Tensor, x: Tensor, kind: str, scale: Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[Tensor] = None
+    dy: Tensor, x: Tensor, kind: str, scale: Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[Tensor] = None,
+    limit: float = 7.0, alpha: float = 1.702,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     check_float("x", x)
     check_ndim("x", x, 2)
-    return dbias_cast_transpose(activation_bwd(dy, x, kind), scale, fp8_dtype, amax_out=amax_out)
+    dx = activation_bwd(dy, x, kind, limit=limit, alpha=alpha)
+    return dbias_cast_transpose(dx, scale, fp8_dtype, amax_out=amax_out)

@@ -167,4 +167,18 @@ SIGNATURES = {
     ('autocast', '__init__'): {
         'enabled': True, 'calibrating': False, 'recipe': None, 'amax_reduction_group': None, '_graph': False,
     },
+    ('Fp8Padding', '__init__'): {'num_gemms': REQUIRED, 'align_size': None},
+    ('Fp8Padding', 'forward'): {'inp': REQUIRED, 'm_splits': REQUIRED},
+    ('Fp8Unpadding', '__init__'): {'num_gemms': REQUIRED, 'align_size': None},
+    ('Fp8Unpadding', 'forward'): {'inp': REQUIRED, 'm_splits': REQUIRED},
+    ('FusedAdam', '__init__'): {
+        'params': REQUIRED, 'lr': 0.001, 'betas': (0.9, 0.999), 'eps': 1e-08, 'weight_decay': 0.0, 'amsgrad': False,
+        'bias_correction': True, 'adam_w_mode': True, 'capturable': False, 'master_weights': False,
+        'master_weight_dtype': 'torch.float32', 'exp_avg_dtype': 'torch.float32', 'exp_avg_sq_dtype': 'torch.float32',
+        'use_decoupled_grad': False, 'store_param_remainders': False, 'set_grad_none': None,
+    },
+    ('FusedSGD', '__init__'): {
+        'params': REQUIRED, 'lr': REQUIRED, 'momentum': 0.0, 'dampening': 0.0, 'weight_decay': 0.0, 'nesterov': False,
+        'wd_after_momentum': False, 'materialize_master_grads': True, 'set_grad_none': None,
+    },
 }

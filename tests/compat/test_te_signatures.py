@@ -21,6 +21,7 @@ from .te_signatures import REQUIRED, SIGNATURES
 TESTS = pathlib.Path(__file__).resolve().parents[1]
 MODULES, ATTN, COMPAT = "modules/", "modules/test_attention.py", "compat/test_te_arguments.py"
 DIST = "distributed/"
+OPTIMIZERS = "optimizers/test_fused_optimizers.py"
 TENSOR_PARALLEL = {"sequence_parallel": DIST + "test_errors.py", "tp_group": DIST + "test_errors.py",
                    "tp_size": DIST + "test_errors.py", "get_rng_state_tracker": DIST + "test_rng_tracker.py"}
 
@@ -31,6 +32,7 @@ IMPLEMENTED = {
         "return_bias": MODULES + "test_linear.py", "params_dtype": MODULES + "test_linear.py",
         "parallel_mode": MODULES + "test_linear.py", "device": MODULES + "test_linear.py",
         "fuse_wgrad_accumulation": MODULES + "test_linear.py", "name": COMPAT,
+        "parameters_split": MODULES + "test_parameters_split.py",
         **TENSOR_PARALLEL, "rng_tracker_name": DIST + "test_rng_tracker.py",
     },
     ("Linear", "forward"): {"is_first_microbatch": MODULES + "test_fp8_modules.py"},
@@ -40,6 +42,8 @@ IMPLEMENTED = {
         "params_dtype": MODULES + "test_layernorm_linear.py", "device": MODULES + "test_layernorm_linear.py",
         "return_layernorm_output": MODULES + "test_layernorm_linear.py", "zero_centered_gamma": COMPAT,
         **TENSOR_PARALLEL, "parallel_mode": DIST + "test_errors.py",
+        "fuse_wgrad_accumulation": MODULES + "test_fuse_wgrad.py",
+        "parameters_split": MODULES + "test_parameters_split.py",
     },
     ("LayerNormLinear", "forward"): {"is_first_microbatch": MODULES + "test_fp8_modules.py"},
     ("LayerNormMLP", "__init__"): {
@@ -49,11 +53,13 @@ IMPLEMENTED = {
         "params_dtype": MODULES + "test_layernorm_linear.py", "device": MODULES + "test_layernorm_linear.py",
         "return_layernorm_output": MODULES + "test_split_output.py", "zero_centered_gamma": COMPAT,
         **TENSOR_PARALLEL, "set_parallel_mode": DIST + "test_errors.py",
+        "activation_params": MODULES + "test_layernorm_linear.py",
+        "fuse_wgrad_accumulation": MODULES + "test_fuse_wgrad.py",
     },
     ("LayerNormMLP", "forward"): {"is_first_microbatch": MODULES + "test_fp8_modules.py"},
     ("GroupedLinear", "__init__"): {
         "bias": COMPAT, "init_method": COMPAT, "return_bias": COMPAT, "params_dtype": COMPAT, "device": COMPAT,
-        "parallel_mode": COMPAT,
+        "parallel_mode": COMPAT, "fuse_wgrad_accumulation": MODULES + "test_fuse_wgrad.py",
     },
     ("GroupedLinear", "forward"): {"is_first_microbatch": COMPAT},
     ("LayerNorm", "__init__"): {
@@ -85,6 +91,7 @@ IMPLEMENTED = {
         "return_layernorm_output": ATTN, "input_layernorm": ATTN, "attention_type": ATTN,
         "fuse_qkv_params": ATTN, "zero_centered_gamma": ATTN, "qkv_weight_interleaved": ATTN, "bias": ATTN,
         "normalization": ATTN, "device": ATTN, "qkv_format": ATTN, "name": COMPAT, "rotary_pos_interleaved": ATTN,
+        "fuse_wgrad_accumulation": MODULES + "test_fuse_wgrad.py",
     },
     ("MultiheadAttention", "forward"): {
         "attention_mask": ATTN, "encoder_output": ATTN, "attn_mask_type": ATTN, "window_size": ATTN,
@@ -109,6 +116,8 @@ IMPLEMENTED = {
         "bias": ATTN, "activation": MODULES + "test_transformer_layer.py",
         "normalization": MODULES + "test_transformer_layer.py", "device": MODULES + "test_transformer_layer.py",
         "attn_input_format": MODULES + "test_transformer_layer.py", "name": COMPAT,
+        "activation_params": MODULES + "test_layernorm_linear.py",
+        "fuse_wgrad_accumulation": MODULES + "test_fuse_wgrad.py",
     },
     ("TransformerLayer", "forward"): {
         "attention_mask": ATTN, "self_attn_mask_type": ATTN, "window_size": ATTN, "bottom_right_diagonal": ATTN,
@@ -141,6 +150,13 @@ IMPLEMENTED = {
     ("quantized_model_init", "call"): {"enabled": COMPAT, "recipe": "modules/test_fp8_modules.py"},
     ("fp8_model_init", "call"): {"enabled": COMPAT, "recipe": COMPAT},
     ("is_fp8_available", "call"): {"return_reason": "compat/test_availability.py"},
+    ("Fp8Padding", "__init__"): {"align_size": MODULES + "test_fp8_padding.py"},
+    ("Fp8Unpadding", "__init__"): {"align_size": MODULES + "test_fp8_padding.py"},
+    ("FusedAdam", "__init__"): {name: OPTIMIZERS for name in (
+        "lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "capturable", "master_weights",
+        "use_decoupled_grad", "set_grad_none")},
+    ("FusedSGD", "__init__"): {name: OPTIMIZERS for name in (
+        "momentum", "dampening", "weight_decay", "nesterov", "wd_after_momentum", "set_grad_none")},
 }
 
 # TE arguments that are not te-core's to implement nor to reject: checkpoint() passes **kwargs on
@@ -152,7 +168,8 @@ NOT_CHECKED = {("checkpoint", "call")}
 PROBES = {
     "cp_comm_type": "a2a", "softmax_type": "off-by-one", "qk_norm_type": "RMSNorm", "parallel_mode": "column",
     "symmetric_ar_type": "multimem_all_reduce", "activation_params": {"limit": 7.0}, "num_splits": 2,
-    "use_grouped_tensor": True,
+    "use_grouped_tensor": True, "master_weight_dtype": torch.float16, "exp_avg_dtype": torch.float16,
+    "exp_avg_sq_dtype": torch.float16,
 }
 
 
@@ -197,6 +214,10 @@ CALLS = {
     "quantized_model_init": (None, lambda **kw: te.quantized_model_init(**kw).__enter__()),
     "fp8_model_init": (None, lambda **kw: te.fp8_model_init(**kw).__enter__()),
     "is_fp8_available": (None, lambda **kw: te.is_fp8_available(**kw)),
+    "Fp8Padding": _module_call(lambda **kw: te.Fp8Padding(2, **kw), lambda: (_x(4, 8), [2, 2])),
+    "Fp8Unpadding": _module_call(lambda **kw: te.Fp8Unpadding(2, **kw), lambda: (_x(32, 8), [2, 2])),
+    "FusedAdam": (lambda **kw: te.optimizers.FusedAdam([torch.nn.Parameter(_x(4))], **kw), None),
+    "FusedSGD": (lambda **kw: te.optimizers.FusedSGD([torch.nn.Parameter(_x(4))], lr=0.1, **kw), None),
 }
 
 

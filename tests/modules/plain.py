@@ -30,12 +30,21 @@ ACTS = {
     "qgelu": lambda x: x * torch.sigmoid(1.702 * x),
     "srelu": lambda x: F.relu(x) ** 2,
 }
-GATED = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}
+GATED = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu", "qgeglu": "qgelu", "sreglu": "srelu",
+         "clamped_swiglu": None}
 
 
-def plain_activation(x, kind):
+def clamped_swiglu(a, b, limit=7.0, alpha=1.702):
+    """GPT-OSS's SwiGLU on Transformer Engine's [gate | linear] halves."""
+    a, b = a.clamp(max=limit), b.clamp(min=-limit, max=limit)
+    return a * torch.sigmoid(alpha * a) * (b + 1)
+
+
+def plain_activation(x, kind, params=None):
     """In float32, rounded once to x's dtype (as Transformer Engine's kernels do)."""
     xf = x.float()
+    if kind == "clamped_swiglu":
+        return clamped_swiglu(*xf.chunk(2, dim=-1), **(params or {})).to(x.dtype)
     if kind in GATED:
         a, b = xf.chunk(2, dim=-1)
         return (ACTS[GATED[kind]](a) * b).to(x.dtype)
@@ -59,7 +68,7 @@ class PlainNormLinear(nn.Module):
 
 
 class PlainNormMLP(nn.Module):
-    def __init__(self, hidden, ffn, activation, normalization, eps=1e-5, bias=True):
+    def __init__(self, hidden, ffn, activation, normalization, eps=1e-5, bias=True, activation_params=None):
         super().__init__()
         fc1_out = 2 * ffn if activation in GATED else ffn
         self.layer_norm_weight = nn.Parameter(torch.ones(hidden))
@@ -69,9 +78,10 @@ class PlainNormMLP(nn.Module):
         self.fc2_weight = nn.Parameter(torch.zeros(hidden, ffn))
         self.fc2_bias = nn.Parameter(torch.zeros(hidden)) if bias else None
         self.activation, self.normalization, self.eps = activation, normalization, eps
+        self.activation_params = activation_params
 
     def forward(self, x):
         ln = plain_norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.normalization)
         cast = lambda t: None if t is None else t.to(x.dtype)  # noqa: E731
         h = F.linear(ln, cast(self.fc1_weight), cast(self.fc1_bias))
-        return F.linear(plain_activation(h, self.activation), cast(self.fc2_weight), cast(self.fc2_bias))
+        return F.linear(plain_activation(h, self.activation, self.activation_params), cast(self.fc2_weight), cast(self.fc2_bias))

@@ -52,6 +52,58 @@ def test_layernorm_mlp_matches_plain(activation):
     run_pair(te_mod, ref, torch.randn(3, 7, 24), params_of(ref))
 
 
+@pytest.mark.parametrize("activation, params", [
+    ("qgeglu", None), ("sreglu", None), ("clamped_swiglu", None),
+    # a small limit makes both clamps active on part of fc1's output (zero gradient there)
+    ("clamped_swiglu", {"limit": 0.3, "alpha": 1.2}), ("clamped_swiglu", {"limit": 0.5}),
+])
+def test_layernorm_mlp_new_activations_match_float64(activation, params):
+    torch.manual_seed(0)
+    te_mod = tm.LayerNormMLP(24, 40, activation=activation, activation_params=params)
+    ref = PlainNormMLP(24, 40, activation, "LayerNorm", activation_params=params)
+    randomize_(te_mod, seed=6, std=0.15)
+    ref.load_state_dict(te_mod.state_dict(), strict=False)
+    ref.double()
+    x = torch.randn(3, 7, 24)
+    x_te, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
+    y_te, y64 = te_mod(x_te), ref(x64)
+    dy = torch.randn(y64.shape)
+    y_te.backward(dy)
+    y64.backward(dy.double())
+    tol = dict(rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(y_te, y64.float(), **tol)
+    torch.testing.assert_close(x_te.grad, x64.grad.float(), **tol)
+    ref_params = dict(ref.named_parameters())
+    for name, p in te_mod.named_parameters():
+        want = ref_params[name].grad.float()
+        # float32 GEMM rounding grows with the size of what is summed: the absolute tolerance is
+        # taken relative to the gradient's largest entry (the squared activations reach ~5 here)
+        atol = tol["atol"] * max(1.0, want.abs().max().item())
+        torch.testing.assert_close(p.grad, want, rtol=tol["rtol"], atol=atol, msg=lambda m: f"d{name}: {m}")
+
+
+def test_transformer_layer_passes_activation_params_to_its_mlp():
+    torch.manual_seed(0)
+    kw = dict(hidden_dropout=0.0, attention_dropout=0.0, activation="clamped_swiglu")
+    layer = tm.TransformerLayer(16, 32, 2, activation_params={"limit": 0.2, "alpha": 1.5}, **kw)
+    mlp = tm.LayerNormMLP(16, 32, activation="clamped_swiglu", activation_params={"limit": 0.2, "alpha": 1.5})
+    mlp.load_state_dict(layer.layernorm_mlp.state_dict())
+    x = torch.randn(5, 16)
+    torch.testing.assert_close(layer.layernorm_mlp(x), mlp(x), rtol=0, atol=0)
+    default = tm.LayerNormMLP(16, 32, activation="clamped_swiglu")
+    default.load_state_dict(mlp.state_dict())
+    assert not torch.allclose(default(x), mlp(x))
+
+
+def test_layernorm_mlp_activation_params_are_checked():
+    with pytest.raises(ValueError, match="takes none"):
+        tm.LayerNormMLP(8, 16, activation="swiglu", activation_params={"limit": 1.0})
+    with pytest.raises(ValueError, match="limit and alpha"):
+        tm.LayerNormMLP(8, 16, activation="clamped_swiglu", activation_params={"beta": 1.0})
+    with pytest.raises(ValueError, match="> 0"):
+        tm.LayerNormMLP(8, 16, activation="clamped_swiglu", activation_params={"limit": -1.0})
+
+
 def test_layernorm_mlp_bf16_within_te_tolerance():
     torch.manual_seed(0)
     te_mod = tm.LayerNormMLP(32, 64, activation="swiglu", params_dtype=torch.bfloat16)

@@ -15,7 +15,7 @@ PLAIN = {
     "qgelu": lambda x: x * torch.sigmoid(1.702 * x),
     "srelu": lambda x: F.relu(x) ** 2,
 }
-GATED = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}
+GATED = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu", "qgeglu": "qgelu", "sreglu": "srelu"}
 
 
 def act64(x, kind):
@@ -109,3 +109,41 @@ def test_dbias_cast_transpose_parts_names_bad_parts():
         activation.dbias_cast_transpose_parts([torch.randn(4, 8), torch.randn(4, 8).half()], scale, E4M3)
     with pytest.raises(ValueError, match=r"parts\[0\] must be 2-D"):
         activation.dbias_cast_transpose_parts([torch.randn(2, 4, 8)], scale, E4M3)
+
+
+def clamped_swiglu64(x, limit, alpha):
+    """GPT-OSS's clamped SwiGLU on TE's [gate | linear] halves, by torch autograd in float64."""
+    a, b = x.chunk(2, dim=-1)
+    a, b = a.clamp(max=limit), b.clamp(min=-limit, max=limit)
+    return a * torch.sigmoid(alpha * a) * (b + 1)
+
+
+@pytest.mark.parametrize("limit,alpha", [(7.0, 1.702), (2.5, 1.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clamped_swiglu_forward_and_backward(limit, alpha, dtype):
+    # std 4 puts many entries beyond both clamps, so the zero-gradient regions are exercised
+    x = (torch.randn(4, 3, 90) * 4).to(dtype)
+    dy = torch.randn(4, 3, 45).to(dtype)
+    kw = dict(limit=limit, alpha=alpha)
+    y, _ = activation.activation_fwd(x, "clamped_swiglu", **kw)
+    x64 = x.double().requires_grad_()
+    y64 = clamped_swiglu64(x64, limit, alpha)
+    assert (x.double().abs() > limit).any()
+    torch.testing.assert_close(y.double(), y64.to(dtype).double(), **TOLS[dtype])
+    y64.backward(dy.double())
+    dx = activation.activation_bwd(dy, x, "clamped_swiglu", **kw)
+    torch.testing.assert_close(dx.double(), x64.grad.to(dtype).double(), **TOLS[dtype])
+    data, _, db, _ = activation.activation_bwd_dbias_cast_transpose(
+        dy.reshape(12, 45), x.reshape(12, 90), "clamped_swiglu", torch.tensor([1.0]), E4M3, **kw)
+    # the fused epilogue's dbias is the column sum of the dx just checked
+    torch.testing.assert_close(db.double(), dx.double().reshape(12, 90).sum(0).to(dtype).double(), **TOLS[dtype])
+
+
+def test_clamped_swiglu_parameters_are_checked():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="limit > 0"):
+        activation.activation_fwd(x, "clamped_swiglu", limit=0.0)
+    with pytest.raises(ValueError, match="clamped_swiglu' only"):
+        activation.activation_fwd(x, "swiglu", limit=3.0)
+    with pytest.raises(ValueError, match="clamped_swiglu' only"):
+        activation.activation_bwd(torch.randn(4, 8), x, "gelu", alpha=2.0)

@@ -58,7 +58,8 @@ def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, *, amax_o
 
 
 # --- supports -------------------------------------------------------------------------------
-def act_fwd_ok(x, kind, *, fp8_scale=None, fp8_dtype=None, amax_out=None):
+def act_fwd_ok(x, kind, *, fp8_scale=None, fp8_dtype=None, amax_out=None, **params):
+    # params: clamped_swiglu's limit/alpha, passed only for that kind, which has no kernel here
     if kind not in activation.KIND_IDS:
         return False, f"activation {kind!r} has no kernel"
     if kind in activation.GATED and (x.dim() == 0 or x.shape[-1] % 2):
@@ -67,7 +68,7 @@ def act_fwd_ok(x, kind, *, fp8_scale=None, fp8_dtype=None, amax_out=None):
     return tensor_ok(x) if ok else (ok, why)
 
 
-def act_bwd_ok(dy, x, kind):
+def act_bwd_ok(dy, x, kind, **params):
     if kind in activation.KIND_IDS and x.dim() > 0:
         h = x.shape[-1] // 2 if kind in activation.GATED else x.shape[-1]
         if dy.shape != (*x.shape[:-1], h):
@@ -105,7 +106,7 @@ def dbias_ct_parts_ok(parts, scale, fp8_dtype, *, amax_out=None):
     return fp8_cast_args_ok(first, scale, amax_out)
 
 
-def act_bwd_dbias_ct_ok(dy, x, kind, scale, fp8_dtype, *, amax_out=None):
+def act_bwd_dbias_ct_ok(dy, x, kind, scale, fp8_dtype, *, amax_out=None, **params):
     if x.dim() != 2:
         return False, "x is not 2-D"
     ok, why = fp8_cast_args_ok(x, scale, amax_out)

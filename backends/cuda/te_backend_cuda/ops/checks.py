@@ -7,6 +7,7 @@ kernels have no path for, non-contiguous inputs, sizes that overflow int32 index
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 from te_triton import MAX_NUMEL, amax_out_ok
@@ -26,6 +27,11 @@ def first_failure(*checks):
 def tensor_ok(x: torch.Tensor, name: str = "x"):
     if not x.is_cuda:
         return False, f"{name} is not on a CUDA device"
+    return float_layout_ok(x, name)
+
+
+def float_layout_ok(x: torch.Tensor, name: str = "x"):
+    """tensor_ok of a tensor known to be on a CUDA device."""
     if x.dtype not in FLOAT_DTYPES:
         return False, f"{name} dtype {x.dtype} is not float32/bfloat16/float16"
     if not x.is_contiguous():
@@ -85,14 +91,36 @@ def fp8_amax_out_ok(amax_out, x, fp8_dtype):
     return amax_out_ok(amax_out, x)
 
 
+def _cast_args_why(scale, amax_out, device) -> Optional[str]:
+    """scale_ok then amax_out_ok for a cast on `device`, their reasons, inlined (every FP8 cast
+    of a training step runs this); None when both pass."""
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
+        return "scale is not a 1-element float32 tensor"
+    if scale.device != device:
+        return "scale is not on x's device"
+    if amax_out is not None:
+        if not isinstance(amax_out, torch.Tensor) or amax_out.dtype != torch.float32 or amax_out.numel() != 1:
+            return "amax_out is not a 1-element float32 tensor"
+        if amax_out.device != device:
+            return "amax_out is not on x's device"
+    return None
+
+
 def fp8_cast_args_ok(x, scale, amax_out):
     """The scale and amax_out of a cast of x to FP8, and a GPU that saturates."""
-    return first_failure(scale_ok(scale, x), amax_out_ok(amax_out, x), fp8_out_device_ok(x))
+    why = _cast_args_why(scale, amax_out, x.device)
+    return (False, why) if why is not None else fp8_out_device_ok(x)
 
 
 def fp8_cast_ok(x, scale, amax_out, *, two_d=False):
-    """A cast of x (2-D where two_d) to FP8 by `scale`, maxing its amax into `amax_out`."""
+    """A cast of x (2-D where two_d) to FP8 by `scale`, maxing its amax into `amax_out`:
+    fp8_cast_args_ok then tensor_ok, with x's device checked once."""
     if two_d and x.dim() != 2:
         return False, "x is not 2-D"
-    ok, why = fp8_cast_args_ok(x, scale, amax_out)
-    return tensor_ok(x) if ok else (ok, why)
+    why = _cast_args_why(scale, amax_out, x.device)
+    if why is not None:
+        return False, why
+    if not x.is_cuda:
+        return False, "x is not on a CUDA device"
+    ok, why = fp8_convert_ok(x.get_device())
+    return float_layout_ok(x) if ok else (ok, why)

@@ -60,7 +60,8 @@ def _verdict(x: Tensor, kind: str) -> Verdict:
     return True, ""
 
 
-def activation_fwd_supports(x, kind, *, fp8_scale=None, fp8_dtype=None, amax_out=None) -> Verdict:
+def activation_fwd_supports(x, kind, *, fp8_scale=None, fp8_dtype=None, amax_out=None, **params) -> Verdict:
+    # params: clamped_swiglu's limit/alpha, passed only for that kind, which _verdict declines
     if fp8_dtype is not None and fp8_scale is None:
         return False, "fp8_dtype given without fp8_scale"
     if amax_out is not None and fp8_dtype is None:
@@ -68,7 +69,7 @@ def activation_fwd_supports(x, kind, *, fp8_scale=None, fp8_dtype=None, amax_out
     return _verdict(x, kind)
 
 
-def activation_bwd_supports(dy, x, kind) -> Verdict:
+def activation_bwd_supports(dy, x, kind, **params) -> Verdict:
     if dy.dtype != x.dtype:
         return False, f"dy {dy.dtype} differs from x {x.dtype}"
     return _verdict(x, kind)

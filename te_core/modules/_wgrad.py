@@ -1,0 +1,32 @@
+"""The weight gradient of a module's GEMM, returned or accumulated into `weight.main_grad`.
+
+Transformer Engine's `fuse_wgrad_accumulation=True`: the wgrad GEMM adds its result straight
+into a float32 buffer the user allocated as `weight.main_grad` (Megatron-style gradient
+accumulation across micro-batches, without a low-precision `.grad` in between); autograd then
+gets no gradient for the weight, so `weight.grad` stays None.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..quantization.gemm import wgrad_gemm
+
+
+def weight_grad(dy_op, x_op, out_dtype: torch.dtype, fused_weight: Optional[Tensor], module: str) -> Optional[Tensor]:
+    """dy^T x in `out_dtype` (the weight's dtype); with `fused_weight` (the weight of a module
+    built with fuse_wgrad_accumulation=True) added into fused_weight.main_grad, returning None."""
+    if fused_weight is None:
+        return wgrad_gemm(dy_op, x_op, out_dtype=out_dtype)
+    main_grad = getattr(fused_weight, "main_grad", None)
+    if main_grad is None:
+        raise RuntimeError(f"{module}(fuse_wgrad_accumulation=True): weight.main_grad is not set; assign a float32 "
+                           f"buffer of shape {tuple(fused_weight.shape)} to weight.main_grad before backward")
+    if tuple(main_grad.shape) != tuple(fused_weight.shape) or main_grad.device != fused_weight.device:
+        raise RuntimeError(f"{module}(fuse_wgrad_accumulation=True): weight.main_grad has shape "
+                           f"{tuple(main_grad.shape)} on {main_grad.device}; it must match the weight "
+                           f"({tuple(fused_weight.shape)} on {fused_weight.device})")
+    wgrad_gemm(dy_op, x_op, out_dtype=main_grad.dtype, out=main_grad, accumulate=True)
+    return None

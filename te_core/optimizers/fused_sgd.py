@@ -1,0 +1,66 @@
+"""te.optimizers.FusedSGD: SGD with momentum, dampening, Nesterov and weight decay.
+
+No contract op covers SGD, so the update is plain torch, in float32 for low-precision
+parameters. Momentum follows torch.optim.SGD (the buffer starts as the first gradient);
+`wd_after_momentum=True` adds the weight decay term after the momentum instead of to the
+gradient, as Transformer Engine's kernel does.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.optim.optimizer import required
+
+from ._grads import GradResetMixin, grad_of, run_closure
+
+NAME = "FusedSGD"
+
+
+class FusedSGD(GradResetMixin, torch.optim.Optimizer):
+    def __init__(self, params, lr=required, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, *, wd_after_momentum: bool = False,
+                 materialize_master_grads: bool = True, set_grad_none: Optional[bool] = None):
+        if lr is not required and lr < 0.0:
+            raise ValueError(f"{NAME}: lr must be >= 0, got {lr}")
+        if momentum < 0.0 or weight_decay < 0.0:
+            raise ValueError(f"{NAME}: momentum and weight_decay must be >= 0, got {momentum}, {weight_decay}")
+        if nesterov and (momentum <= 0.0 or dampening != 0.0):
+            raise ValueError(f"{NAME}: nesterov=True needs momentum > 0 and dampening = 0")
+        if materialize_master_grads is not True:
+            raise NotImplementedError(f"{NAME}: materialize_master_grads={materialize_master_grads!r} applies to "
+                                      "apex amp's master parameters, which te-core does not have; leave it True")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
+        super().__init__(params, defaults)
+        self.wd_after_momentum = wd_after_momentum
+        self._init_set_grad_none(set_grad_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = run_closure(closure)
+        for group in self.param_groups:
+            if group["lr"] is required:
+                raise ValueError(f"{NAME}: parameter group without a learning rate; pass lr")
+            for p in group["params"]:
+                g = grad_of(p, False, NAME)
+                if g is not None:
+                    self._update(p, g.float(), group)
+        return loss
+
+    def _update(self, p: torch.Tensor, g: torch.Tensor, group: dict) -> None:
+        p32, wd, momentum = p.float(), group["weight_decay"], group["momentum"]
+        if wd != 0.0 and not self.wd_after_momentum:
+            g = g.add(p32, alpha=wd)
+        if momentum != 0.0:
+            state = self.state[p]
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = g.clone()
+            else:
+                buf.mul_(momentum).add_(g, alpha=1.0 - group["dampening"])
+            g = g.add(buf, alpha=momentum) if group["nesterov"] else buf
+        if wd != 0.0 and self.wd_after_momentum:
+            g = g.add(p32, alpha=wd)
+        p32.add_(g, alpha=-group["lr"])
+        if p32 is not p:
+            p.copy_(p32)

@@ -1,0 +1,108 @@
+"""fuse_wgrad_accumulation on LayerNormLinear, LayerNormMLP and GroupedLinear: the weight
+gradients of every micro-batch are added into the user's float32 `weight.main_grad`, weight.grad
+stays None, and every other gradient is unchanged (compared with the same module unfused)."""
+import copy
+
+import pytest
+import torch
+
+import te_core.modules as tm
+
+from ._compare import randomize_
+
+FP32 = dict(rtol=1.3e-6, atol=1e-5)
+BUILD = {
+    "LayerNormLinear": (lambda **kw: tm.LayerNormLinear(24, 40, **kw), ("weight",), lambda m, x: m(x)),
+    "LayerNormMLP": (lambda **kw: tm.LayerNormMLP(24, 40, activation="swiglu", **kw), ("fc1_weight", "fc2_weight"),
+                     lambda m, x: m(x)),
+    # the second expert gets no tokens: nothing is added into its main_grad
+    "GroupedLinear": (lambda **kw: tm.GroupedLinear(3, 24, 40, **kw), ("weight0", "weight1", "weight2"),
+                      lambda m, x: m(x, [5, 0, 7])),
+}
+
+
+@pytest.mark.parametrize("name", list(BUILD))
+def test_weight_gradients_accumulate_into_main_grad(name):
+    build, weights, run = BUILD[name]
+    torch.manual_seed(0)
+    plain = build()
+    randomize_(plain, seed=3, std=0.2)
+    fused = build(fuse_wgrad_accumulation=True)
+    fused.load_state_dict(plain.state_dict())
+    params = dict(fused.named_parameters())
+    start = {w: torch.randn(params[w].shape) for w in weights}
+    for w in weights:
+        params[w].main_grad = start[w].clone()
+    for step in range(2):  # two micro-batches: both land in main_grad
+        x = torch.randn(12, 24)
+        y_plain, y_fused = run(plain, x), run(fused, x)
+        dy = torch.randn(y_plain.shape)
+        y_plain.backward(dy)
+        y_fused.backward(dy)
+    for pname, p_plain in plain.named_parameters():
+        p = params[pname]
+        if pname in weights:
+            assert p.grad is None
+            torch.testing.assert_close(p.main_grad - start[pname], p_plain.grad, **FP32)
+        else:
+            torch.testing.assert_close(p.grad, p_plain.grad, **FP32)
+    assert (params[weights[-1]].main_grad != start[weights[-1]]).any()
+
+
+@pytest.mark.parametrize("name", list(BUILD))
+def test_missing_main_grad_is_an_error(name):
+    build, weights, run = BUILD[name]
+    mod = build(fuse_wgrad_accumulation=True)
+    y = run(mod, torch.randn(12, 24))
+    with pytest.raises(RuntimeError, match=rf"{name}\(fuse_wgrad_accumulation=True\): weight.main_grad is not set"):
+        y.backward(torch.randn(y.shape))
+
+
+def test_main_grad_of_the_wrong_shape_is_an_error():
+    mod = tm.LayerNormLinear(24, 40, fuse_wgrad_accumulation=True)
+    mod.weight.main_grad = torch.zeros(24, 40)
+    y = mod(torch.randn(12, 24))
+    with pytest.raises(RuntimeError, match=r"main_grad has shape \(24, 40\).*must match the weight \(\(40, 24\)"):
+        y.backward(torch.randn(12, 40))
+
+
+def test_bf16_weights_accumulate_in_float32():
+    """The point of main_grad: bf16 weights, float32 accumulation matching a float64 computation."""
+    torch.manual_seed(0)
+    mod = tm.LayerNormLinear(32, 16, normalization="RMSNorm", bias=False, params_dtype=torch.bfloat16,
+                             fuse_wgrad_accumulation=True)
+    mod.weight.main_grad = torch.zeros(16, 32)
+    ref = copy.deepcopy(mod)
+    total = torch.zeros(16, 32, dtype=torch.float64)
+    for _ in range(3):
+        x, dy = torch.randn(8, 32, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
+        mod(x).backward(dy)
+        ln = torch.nn.functional.rms_norm(x.float(), (32,), ref.layer_norm_weight.float(), 1e-5).bfloat16()
+        total += dy.double().T @ ln.double()
+    torch.testing.assert_close(mod.weight.main_grad.double(), total, rtol=1.6e-2, atol=1e-5)
+
+
+@pytest.mark.parametrize("build", [
+    lambda **kw: tm.MultiheadAttention(16, 2, attention_dropout=0.0, input_layernorm=True, **kw),
+    lambda **kw: tm.TransformerLayer(16, 32, 2, hidden_dropout=0.0, attention_dropout=0.0, **kw),
+], ids=["MultiheadAttention", "TransformerLayer"])
+def test_blocks_pass_fuse_wgrad_accumulation_to_every_weight(build):
+    torch.manual_seed(0)
+    plain = build()
+    fused = build(fuse_wgrad_accumulation=True)
+    fused.load_state_dict(plain.state_dict())
+    params = dict(fused.named_parameters())
+    weights = [n for n, p in params.items() if p.dim() == 2]
+    assert len(weights) >= 2
+    for n in weights:
+        params[n].main_grad = torch.zeros(params[n].shape)
+    x = torch.randn(5, 2, 16)
+    dy = torch.randn(5, 2, 16)
+    plain(x).backward(dy)
+    fused(x).backward(dy)
+    for n, p_plain in plain.named_parameters():
+        if n in weights:
+            assert params[n].grad is None
+            torch.testing.assert_close(params[n].main_grad, p_plain.grad, **FP32)
+        else:
+            torch.testing.assert_close(params[n].grad, p_plain.grad, **FP32)

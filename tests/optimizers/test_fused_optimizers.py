@@ -1,0 +1,184 @@
+"""te.optimizers.FusedAdam / FusedSGD against torch.optim on fresh random parameters."""
+import pytest
+import torch
+
+import te_core as te
+from te_core.optimizers import FusedAdam, FusedSGD
+
+FP32 = dict(rtol=1.3e-6, atol=1e-5)
+SHAPES = [(7, 13), (31,), (3, 5, 2)]
+
+
+def fresh(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in SHAPES]
+
+
+def run(opt_params, opt, steps=4, seed=1, decoupled=False):
+    """`steps` steps with the same random gradients for every optimizer given the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in opt_params:
+            grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            if decoupled:
+                p.decoupled_grad = grad
+            else:
+                p.grad = grad
+        opt.step()
+
+
+def groups(params, lrs=(1e-2, 3e-2)):
+    return [{"params": params[:2], "lr": lrs[0]}, {"params": params[2:], "lr": lrs[1]}]
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_fused_adam_matches_torch(adam_w_mode, capturable):
+    ours, theirs = fresh(), fresh()
+    hyper = dict(betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+    run(ours, FusedAdam(groups(ours), adam_w_mode=adam_w_mode, capturable=capturable, **hyper))
+    cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    run(theirs, cls(groups(theirs), foreach=False, **hyper))
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, **FP32)
+    assert not torch.equal(ours[0], fresh()[0])
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_fused_adam_master_weights_keep_float32_copies(capturable):
+    """bf16 parameters, float32 master copies stepped as torch.optim.AdamW steps float32 ones."""
+    ours = fresh(torch.bfloat16)
+    opt = FusedAdam(ours, lr=1e-3, weight_decay=0.01, master_weights=True, capturable=capturable)
+    run(ours, opt)
+    theirs = [p.detach().float().requires_grad_() for p in fresh(torch.bfloat16)]
+    ref = torch.optim.AdamW(theirs, lr=1e-3, weight_decay=0.01, foreach=False)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        for p in theirs:
+            p.grad = torch.randn(p.shape, generator=g).bfloat16().float()
+        ref.step()
+    for p, want in zip(ours, theirs):
+        master = opt.state[p]["master_param"]
+        assert master.dtype == torch.float32 and p.dtype == torch.bfloat16
+        torch.testing.assert_close(master, want, **FP32)
+        assert torch.equal(p, master.bfloat16())
+
+
+def test_fused_adam_without_bias_correction():
+    (p,) = fresh()[:1]
+    p0 = p.detach().clone()
+    opt = FusedAdam([p], lr=0.1, betas=(0.8, 0.9), eps=1e-6, bias_correction=False)
+    grad = torch.randn(p.shape)
+    p.grad = grad
+    opt.step()
+    g64 = grad.double()
+    m, v = 0.2 * g64, 0.1 * g64 * g64
+    torch.testing.assert_close(p.double(), p0.double() - 0.1 * m / (v.sqrt() + 1e-6), **FP32)
+
+
+def test_fused_adam_decoupled_grad_and_zero_grad():
+    ours, theirs = fresh(), fresh()
+    opt = FusedAdam(ours, lr=1e-2, use_decoupled_grad=True)
+    run(ours, opt, decoupled=True)
+    run(theirs, torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.0, foreach=False))
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, **FP32)
+    opt.zero_grad(set_to_none=False)
+    assert all(p.decoupled_grad is not None and not p.decoupled_grad.any() for p in ours)
+    opt.zero_grad()
+    assert all(p.decoupled_grad is None for p in ours)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(amsgrad=True), "amsgrad"), (dict(exp_avg_dtype=torch.float16), "exp_avg_dtype"),
+    (dict(master_weights=True, master_weight_dtype=torch.float16), "master_weight_dtype"),
+    (dict(store_param_remainders=True), "store_param_remainders"),
+])
+def test_fused_adam_rejects_what_it_does_not_implement(kwargs, match):
+    with pytest.raises(NotImplementedError, match=match):
+        FusedAdam(fresh(), **kwargs)
+
+
+def test_fused_adam_rejects_bad_hyperparameters():
+    with pytest.raises(ValueError, match="betas"):
+        FusedAdam(fresh(), betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="lr, eps and weight_decay"):
+        FusedAdam(fresh(), lr=-1.0)
+
+
+@pytest.mark.parametrize("hyper", [
+    dict(), dict(momentum=0.9), dict(momentum=0.9, dampening=0.3, weight_decay=0.01),
+    dict(momentum=0.8, nesterov=True, weight_decay=0.02),
+])
+def test_fused_sgd_matches_torch(hyper):
+    ours, theirs = fresh(), fresh()
+    run(ours, FusedSGD(groups(ours), lr=0.05, **hyper))
+    run(theirs, torch.optim.SGD(groups(theirs), lr=0.05, foreach=False, **hyper))
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, **FP32)
+
+
+def test_fused_sgd_weight_decay_after_momentum():
+    (p,) = fresh()[:1]
+    p64 = p.detach().double()
+    opt = FusedSGD([p], lr=0.1, momentum=0.9, weight_decay=0.1, wd_after_momentum=True)
+    g = torch.Generator().manual_seed(5)
+    buf = None
+    for _ in range(3):
+        grad = torch.randn(p.shape, generator=g)
+        p.grad = grad
+        opt.step()
+        buf = grad.double() if buf is None else 0.9 * buf + grad.double()
+        p64 = p64 - 0.1 * (buf + 0.1 * p64)
+    torch.testing.assert_close(p.double(), p64, **FP32)
+
+
+def test_fused_sgd_checks_its_arguments():
+    with pytest.raises(ValueError, match="nesterov"):
+        FusedSGD(fresh(), lr=0.1, nesterov=True)
+    with pytest.raises(NotImplementedError, match="materialize_master_grads"):
+        FusedSGD(fresh(), lr=0.1, materialize_master_grads=False)
+    with pytest.warns(DeprecationWarning, match="set_grad_none"):
+        opt = FusedSGD(fresh(), lr=0.1, set_grad_none=False)
+    with pytest.raises(ValueError, match="contradicts"):
+        opt.zero_grad(set_to_none=True)
+
+
+def test_exported_as_te_optimizers():
+    assert te.optimizers.FusedAdam is FusedAdam and te.optimizers.FusedSGD is FusedSGD
+
+
+def test_te_import_path_resolves_with_the_stand_in():
+    import importlib.util
+    import sys
+
+    from te_core.compat.transformer_engine import uninstall_transformer_engine
+
+    if "transformer_engine" not in sys.modules and importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("a real transformer_engine is installed here")
+    uninstall_transformer_engine()
+    te.install_as_transformer_engine()
+    try:
+        from transformer_engine.pytorch.optimizers import FusedAdam as TEFusedAdam
+        import transformer_engine.pytorch as te_pytorch
+
+        assert TEFusedAdam is FusedAdam and te_pytorch.optimizers.FusedSGD is FusedSGD
+    finally:
+        uninstall_transformer_engine()
+    assert "transformer_engine.pytorch.optimizers" not in sys.modules
+
+
+@pytest.mark.parametrize("make", [lambda ps: FusedAdam(ps, lr=1e-2), lambda ps: FusedSGD(ps, lr=0.1)])
+def test_step_with_a_closure_returns_its_loss(make):
+    params = fresh()
+    opt = make(params)
+
+    def closure():
+        opt.zero_grad()
+        loss = sum((p * p).sum() for p in params)
+        loss.backward()
+        return loss
+
+    before = closure().item()
+    loss = opt.step(closure)
+    assert loss.item() == pytest.approx(before) and sum((p * p).sum() for p in params).item() < before
