@@ -172,7 +172,7 @@ def load_split_qkv_names(mha, state_dict, prefix, *_):
             if not all(k in state_dict for k in keys):
                 continue  # te-core's own names, or an incomplete set that load_state_dict reports
             tensors = [state_dict.pop(k) for k in keys]
-            fused = _interleave(tensors, mha.num_gqa_groups) if mha.qkv_weight_interleaved else torch.cat(tensors)
+            fused = _interleave(tensors, mha.num_gqa_groups_per_partition) if mha.qkv_weight_interleaved else torch.cat(tensors)
             state_dict[f"{prefix}{sub}.{kind}"] = fused
 
 
@@ -205,7 +205,8 @@ def to_transformer_engine_state_dict(model) -> dict:
 
 
 def _split_qkv(mha, state: dict, prefix: str) -> None:
-    h, g, d = mha.num_attention_heads, mha.num_gqa_groups, mha.kv_channels
+    # the weights of this rank's heads (all of them without tensor parallelism)
+    h, g, d = mha.num_attention_heads_per_partition, mha.num_gqa_groups_per_partition, mha.kv_channels
     proj = next(name for name in ("layernorm_qkv", "qkv", "layernorm_query", "query_layer") if hasattr(mha, name))
     if mha.attention_type == "self":
         parts = {proj: (("query", "key", "value"), (h * d, g * d, g * d))}

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from ..compat.te_checkpoint import load_split_qkv_names
 from ._base import QuantizedContainer
+from ._tp_container import TensorParallelContainer
 from ._common import (
     check_attention_heads,
     check_choice,
@@ -17,13 +18,14 @@ from ._common import (
     check_positive,
     reject_unsupported,
 )
+from ..distributed import tensor_parallel
 from .attention import PADDED_FORMATS, DotProductAttention
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 from .rope import apply_rotary_pos_emb
 
 
-class MultiheadAttention(QuantizedContainer):
+class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
     """Self- or cross-attention block with Transformer Engine's constructor and submodule names
     (layernorm_qkv / qkv, layernorm_query / query_layer, key_value, core_attention, proj).
 
@@ -31,6 +33,13 @@ class MultiheadAttention(QuantizedContainer):
     Transformer Engine's layout with fuse_qkv_params=False; with fuse_qkv_params=True and
     qkv_weight_interleaved=True (TE's defaults for a fused weight) it is TE's interleaved
     layout, per kv group [its q heads | k | v] (cross-attention's key_value: per group [k | v]).
+
+    Tensor parallelism (tp_size > 1 with set_parallel_mode=True, as in Transformer Engine): each
+    rank holds num_attention_heads / tp_size heads and num_gqa_groups / tp_size kv groups. The
+    input projections are column-parallel (a rank's rows are its heads' q, k and v, in the layout
+    above over its own heads), attention runs on the local heads, and `proj` is row-parallel.
+    With sequence_parallel the input arrives split along the sequence (qkv_format "sbhd") and
+    the output leaves split the same way.
     """
 
     def __init__(
@@ -61,6 +70,11 @@ class MultiheadAttention(QuantizedContainer):
         device: Union[None, str, torch.device] = None,
         qkv_format: str = "sbhd",
         name: Optional[str] = None,
+        tp_group=None,
+        tp_size: int = 1,
+        sequence_parallel: bool = False,
+        get_rng_state_tracker=None,
+        set_parallel_mode: bool = False,
         **kwargs,
     ):
         super().__init__()
@@ -71,9 +85,14 @@ class MultiheadAttention(QuantizedContainer):
         _, self.num_gqa_groups, kv_channels = check_attention_heads(
             module, num_attention_heads, num_gqa_groups, hidden_size, kv_channels)
         check_normalization(normalization, module)
+        tp = self.init_container_parallel(module, tp_group=tp_group, tp_size=tp_size,
+                                          sequence_parallel=sequence_parallel,
+                                          get_rng_state_tracker=get_rng_state_tracker,
+                                          set_parallel_mode=set_parallel_mode)
         self.attention_type = check_choice(attention_type, ("self", "cross"), name="attention_type", module=module)
         # packed sequences ("thd") reach attention through DotProductAttention only, not this block
         self.qkv_format = check_choice(qkv_format, PADDED_FORMATS, name="qkv_format", module=module)
+        self._split_heads_across_ranks(num_attention_heads)
         self.hidden_size, self.num_attention_heads, self.kv_channels = hidden_size, num_attention_heads, kv_channels
         self.input_layernorm, self.return_layernorm_output = input_layernorm, return_layernorm_output
         self.layer_number, self.name = layer_number, name
@@ -82,26 +101,40 @@ class MultiheadAttention(QuantizedContainer):
         self.qkv_weight_interleaved = bool(qkv_weight_interleaved) and self.fuse_qkv_params
         self.rotary_pos_interleaved = bool(rotary_pos_interleaved)
         q_size, kv_size = num_attention_heads * kv_channels, self.num_gqa_groups * kv_channels
-        common = dict(params_dtype=params_dtype, device=device, bias=bias, fuse_wgrad_accumulation=fuse_wgrad)
+        common = dict(params_dtype=params_dtype, device=device, bias=bias, fuse_wgrad_accumulation=fuse_wgrad, **tp)
+        column = dict(parallel_mode="column") if self.tp_size > 1 else {}
+        row = dict(parallel_mode="row") if self.tp_size > 1 else {}
         # fmt: off
         norm_args = dict(eps=layernorm_epsilon, normalization=normalization, zero_centered_gamma=zero_centered_gamma,
                          return_layernorm_output=return_layernorm_output)
         q_out = q_size + 2 * kv_size if attention_type == "self" else q_size
         if input_layernorm:
-            proj = LayerNormLinear(hidden_size, q_out, init_method=init_method, **norm_args, **common)
+            proj = LayerNormLinear(hidden_size, q_out, init_method=init_method, **norm_args, **column, **common)
         else:
-            proj = Linear(hidden_size, q_out, init_method=init_method, **common)
+            proj = Linear(hidden_size, q_out, init_method=init_method, **column, **common)
         setattr(self, _input_proj_name(attention_type, input_layernorm), proj)
         if attention_type == "cross":
-            self.key_value = Linear(hidden_size, 2 * kv_size, init_method=init_method, **common)
-        self.core_attention = DotProductAttention(
-            num_attention_heads, kv_channels, num_gqa_groups=self.num_gqa_groups, attention_dropout=attention_dropout,
+            self.key_value = Linear(hidden_size, 2 * kv_size, init_method=init_method, **column, **common)
+        self.core_attention = DotProductAttention(  # on this rank's heads
+            self.num_attention_heads_per_partition, kv_channels, num_gqa_groups=self.num_gqa_groups_per_partition,
+            attention_dropout=attention_dropout,
             qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window_size,
             bottom_right_diagonal=bottom_right_diagonal, layer_number=layer_number, attention_type=attention_type)
         # fmt: on
-        self.proj = Linear(q_size, hidden_size, init_method=output_layer_init_method, **common)
+        self.proj = Linear(q_size, hidden_size, init_method=output_layer_init_method, **row, **common)
         # Transformer Engine's checkpoints name separate q, k, v weights (its default); load them too
         self.register_load_state_dict_pre_hook(load_split_qkv_names)
+
+    def _split_heads_across_ranks(self, num_attention_heads: int) -> None:
+        """This rank's share of the heads and kv groups (all of them without tensor parallelism)."""
+        module = "MultiheadAttention"
+        if self.sequence_parallel and self.qkv_format != "sbhd":
+            raise ValueError(f"{module}: sequence_parallel=True splits the first dimension, the sequence only with "
+                             f"qkv_format='sbhd' (got {self.qkv_format!r}); use 'sbhd' inputs")
+        self.num_attention_heads_per_partition = tensor_parallel.split_size(
+            num_attention_heads, self.tp_size, what="num_attention_heads", module=module)
+        self.num_gqa_groups_per_partition = tensor_parallel.split_size(
+            self.num_gqa_groups, self.tp_size, what="num_gqa_groups", module=module)
 
     def forward(
         self,
@@ -134,15 +167,17 @@ class MultiheadAttention(QuantizedContainer):
                 f"{name}: hidden_states must be 3-D ({self.qkv_format}), got shape {tuple(hidden_states.shape)}"
             )
         proj_in = getattr(self, _input_proj_name(self.attention_type, self.input_layernorm))
-        h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
+        h, g, d = self.num_attention_heads_per_partition, self.num_gqa_groups_per_partition, self.kv_channels
         residual = hidden_states if return_residual else None
+        # LayerNormLinear keeps no residual of a sequence shard: the shard itself is the residual
+        fused_residual = return_residual and not self.sequence_parallel
         # q, k and v as views whose gradients the projection's backward reads in place
         contiguous = self.attention_type == "self" and not self.qkv_weight_interleaved
         split = dict(split_sizes=(h * d, g * d, g * d)) if contiguous else {}
         if self.input_layernorm:
-            projected = proj_in(hidden_states, is_first_microbatch=is_first_microbatch, return_residual=return_residual,
+            projected = proj_in(hidden_states, is_first_microbatch=is_first_microbatch, return_residual=fused_residual,
                                 **split)
-            if return_residual:
+            if fused_residual:
                 *projected, residual = projected
                 projected = projected[0] if len(projected) == 1 else tuple(projected)
         else:
@@ -157,12 +192,13 @@ class MultiheadAttention(QuantizedContainer):
             )
             q = apply_rotary_pos_emb(q, q_freqs, tensor_format=self.qkv_format, interleaved=self.rotary_pos_interleaved)
             k = apply_rotary_pos_emb(k, k_freqs, tensor_format=self.qkv_format, interleaved=self.rotary_pos_interleaved)
-        context = self.core_attention(
-            q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type, window_size=window_size,
-            bottom_right_diagonal=bottom_right_diagonal, checkpoint_core_attention=checkpoint_core_attention,
-            core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
-            alibi_slopes=alibi_slopes, **kwargs,
-        )
+        with self.tracker_fork():
+            context = self.core_attention(
+                q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type, window_size=window_size,
+                bottom_right_diagonal=bottom_right_diagonal, checkpoint_core_attention=checkpoint_core_attention,
+                core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
+                alibi_slopes=alibi_slopes, **kwargs,
+            )
         out = self.proj(context, is_first_microbatch=is_first_microbatch)
         result = (out,) + ((ln_out,) if ln_out is not None else ()) + ((residual,) if return_residual else ())
         return result[0] if len(result) == 1 else result
@@ -170,7 +206,7 @@ class MultiheadAttention(QuantizedContainer):
     def _split_heads(
         self, projected: Tensor, encoder_output: Optional[Tensor], is_first_microbatch
     ) -> Tuple[Tensor, Tensor, Tensor]:
-        h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
+        h, g, d = self.num_attention_heads_per_partition, self.num_gqa_groups_per_partition, self.kv_channels
         lead = (projected[0] if isinstance(projected, tuple) else projected).shape[:2]
         if self.attention_type == "self":
             if self.qkv_weight_interleaved:  # per kv group: its h // g query heads, then k, then v

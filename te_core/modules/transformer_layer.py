@@ -9,7 +9,9 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from ..distributed import tensor_parallel
 from ._base import QuantizedContainer
+from ._tp_container import TensorParallelContainer
 from ._common import (
     reject_unsupported,
     check_activation,
@@ -25,7 +27,7 @@ from .layernorm_mlp import LayerNormMLP
 from .multihead_attention import MultiheadAttention
 
 
-class TransformerLayer(QuantizedContainer):
+class TransformerLayer(TensorParallelContainer, QuantizedContainer):
     def __init__(
         self,
         hidden_size: int,
@@ -67,11 +69,22 @@ class TransformerLayer(QuantizedContainer):
         device: Union[None, str, torch.device] = None,
         attn_input_format: str = "sbhd",
         name: Optional[str] = None,
+        tp_group=None,
+        tp_size: int = 1,
+        sequence_parallel: bool = False,
+        get_rng_state_tracker=None,
+        set_parallel_mode: bool = False,
         **kwargs,
     ):
         """The ub_overlap_* / ub_bulk_* flags only choose overlaps inside userbuffers
         communication, which ub_tp_comm_overlap=True would enable and te-core rejects; without
-        it they select nothing, in Transformer Engine as here."""
+        it they select nothing, in Transformer Engine as here.
+
+        Tensor parallelism (tp_size > 1, set_parallel_mode=True): the attention blocks split their
+        heads and LayerNormMLP its FFN features over the ranks of tp_group (see
+        MultiheadAttention); with sequence_parallel the layer's input and output are the rank's
+        shard of the sequence. Hidden dropout runs on the default generator, as in Transformer
+        Engine; attention dropout on the RNG tracker's fork when get_rng_state_tracker is given."""
         super().__init__()
         debug_name, name = name, "TransformerLayer"
         activation_params = kwargs.pop("activation_params", None)  # checked by LayerNormMLP
@@ -81,6 +94,10 @@ class TransformerLayer(QuantizedContainer):
         check_positive(ffn_hidden_size, name="ffn_hidden_size", module=name)
         check_attention_heads(name, num_attention_heads, num_gqa_groups, hidden_size, kv_channels)
         check_activation(activation, name)
+        tp = self.init_container_parallel(name, tp_group=tp_group, tp_size=tp_size, sequence_parallel=sequence_parallel,
+                                          get_rng_state_tracker=get_rng_state_tracker,
+                                          set_parallel_mode=set_parallel_mode)
+        tp["set_parallel_mode"] = set_parallel_mode
         check_normalization(normalization, name)
         self.layer_type = check_choice(layer_type, ("encoder", "decoder"), name="layer_type", module=name)
         check_choice(attn_input_format, PADDED_FORMATS, name="attn_input_format", module=name)
@@ -92,7 +109,7 @@ class TransformerLayer(QuantizedContainer):
         self.self_attn_mask_type, self.enc_dec_attn_mask_type = self_attn_mask_type, enc_dec_attn_mask_type
         # fmt: off
         common = dict(params_dtype=params_dtype, device=device, bias=bias, zero_centered_gamma=zero_centered_gamma,
-                      normalization=normalization, fuse_wgrad_accumulation=fuse_wgrad)
+                      normalization=normalization, fuse_wgrad_accumulation=fuse_wgrad, **tp)
         attention = dict(num_gqa_groups=num_gqa_groups, kv_channels=kv_channels, attention_dropout=attention_dropout,
                          init_method=init_method, output_layer_init_method=output_layer_init_method,
                          layer_number=layer_number, input_layernorm=True, qkv_format=attn_input_format,
@@ -118,6 +135,8 @@ class TransformerLayer(QuantizedContainer):
             self.layernorm = norm_cls(
                 hidden_size, eps=layernorm_epsilon, params_dtype=params_dtype, zero_centered_gamma=zero_centered_gamma, device=device
             )
+            # applied to the rank's sequence shard: its gradient is partial there (summed by the training loop)
+            tensor_parallel.mark_sequence_parallel(self, list(self.layernorm.parameters()))
         else:
             self.layernorm = None
 

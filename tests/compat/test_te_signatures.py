@@ -24,6 +24,8 @@ DIST = "distributed/"
 OPTIMIZERS = "optimizers/test_fused_optimizers.py"
 TENSOR_PARALLEL = {"sequence_parallel": DIST + "test_errors.py", "tp_group": DIST + "test_errors.py",
                    "tp_size": DIST + "test_errors.py", "get_rng_state_tracker": DIST + "test_rng_tracker.py"}
+ATTENTION_PARALLEL = {name: DIST + "test_attention_parallel.py" for name in (
+    "sequence_parallel", "tp_group", "tp_size", "get_rng_state_tracker", "set_parallel_mode")}
 
 # (callable, method) -> {argument: test file (under tests/) whose test functions exercise it}
 IMPLEMENTED = {
@@ -91,7 +93,7 @@ IMPLEMENTED = {
         "return_layernorm_output": ATTN, "input_layernorm": ATTN, "attention_type": ATTN,
         "fuse_qkv_params": ATTN, "zero_centered_gamma": ATTN, "qkv_weight_interleaved": ATTN, "bias": ATTN,
         "normalization": ATTN, "device": ATTN, "qkv_format": ATTN, "name": COMPAT, "rotary_pos_interleaved": ATTN,
-        "fuse_wgrad_accumulation": MODULES + "test_fuse_wgrad.py",
+        "fuse_wgrad_accumulation": MODULES + "test_fuse_wgrad.py", **ATTENTION_PARALLEL,
     },
     ("MultiheadAttention", "forward"): {
         "attention_mask": ATTN, "encoder_output": ATTN, "attn_mask_type": ATTN, "window_size": ATTN,
@@ -117,7 +119,7 @@ IMPLEMENTED = {
         "normalization": MODULES + "test_transformer_layer.py", "device": MODULES + "test_transformer_layer.py",
         "attn_input_format": MODULES + "test_transformer_layer.py", "name": COMPAT,
         "activation_params": MODULES + "test_layernorm_linear.py",
-        "fuse_wgrad_accumulation": MODULES + "test_fuse_wgrad.py",
+        "fuse_wgrad_accumulation": MODULES + "test_fuse_wgrad.py", **ATTENTION_PARALLEL,
     },
     ("TransformerLayer", "forward"): {
         "attention_mask": ATTN, "self_attn_mask_type": ATTN, "window_size": ATTN, "bottom_right_diagonal": ATTN,

@@ -153,11 +153,18 @@ def check_parity(ctx, case: Case) -> Optional[str]:
     scaled = fwd_tol is not FP32
     _compare(y, _output_slice(case, y_ref, rank), fwd_tol, f"{case} forward", scaled)
     _compare(dx, _input_slice(case, dx_ref, rank), bwd_tol, f"{case} dx", scaled)
+    compare_param_grads(part, grads, group, lambda name, p: shard(grads_ref[name], p.shape, rank, case.tp,
+                                                                  gated and "fc1" in name), bwd_tol, case, scaled)
+    return str(case)
+
+
+def compare_param_grads(part, grads, group, expected_of, tol, case, scaled: bool) -> None:
+    """Each parameter's gradient against expected_of(name, param), this rank's block of the
+    single-process gradient."""
     for name, p in part.named_parameters():
         grad = grads[name]
+        assert grad is not None, f"{case}: {name} got no gradient"
         if getattr(p, "sequence_parallel", False):  # each rank holds a part: the training loop sums them
             grad = grad.clone()
             dist.all_reduce(grad, group=group)
-        expected = shard(grads_ref[name], p.shape, rank, case.tp, gated and "fc1" in name)
-        _compare(grad, expected, bwd_tol, f"{case} d{name}", scaled)
-    return str(case)
+        _compare(grad, expected_of(name, p), tol, f"{case} d{name}", scaled)

@@ -1,5 +1,6 @@
-"""The tensor-parallel parity cases of test_tensor_parallel.py on real devices and their
-collective library (NCCL, MCCL), one process per device, launched with torchrun:
+"""The tensor-parallel parity cases of test_tensor_parallel.py and test_attention_parallel.py on
+real devices and their collective library (NCCL, MCCL), one process per device, launched with
+torchrun:
 
     torchrun --nproc-per-node 2 -m tests.distributed.torchrun_parity
 
@@ -17,8 +18,10 @@ import torch.distributed as dist
 
 from te_core import backend
 
+from ._attention_parity import check_attention_parity
 from ._parity import check_parity
 from ._pool import RankContext
+from .test_attention_parallel import CASES as ATTENTION_CASES
 from .test_tensor_parallel import CASES
 
 
@@ -30,8 +33,9 @@ def main() -> int:
     world, rank = dist.get_world_size(), dist.get_rank()
     ctx = RankContext(rank, world, {world: dist.group.WORLD})
     try:
-        for case in (c for c in CASES if c.tp == world):
-            check_parity(ctx, case)
+        runs = [(check_parity, c) for c in CASES] + [(check_attention_parity, c) for c in ATTENTION_CASES]
+        for check, case in ((f, c) for f, c in runs if c.tp == world):
+            check(ctx, case)
             if rank == 0:
                 print(f"ok  {case}  (backend {selected.name}, collectives {dist.get_backend_config()})", flush=True)
     finally:

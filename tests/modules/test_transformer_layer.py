@@ -266,10 +266,15 @@ def test_transformer_layer_fp8_within_fp8_tolerances(rec_name):
     [
         (
             lambda: tm.TransformerLayer(32, 64, 4, tp_size=2),
-            NotImplementedError,
-            r"TransformerLayer: tp_size=2 is not supported",
+            ValueError,
+            r"TransformerLayer: tp_size=2 needs set_parallel_mode=True",
         ),
-        (lambda: tm.MultiheadAttention(32, 4, sequence_parallel=True), NotImplementedError, r"sequence_parallel=True"),
+        (
+            lambda: tm.MultiheadAttention(32, 4, tp_size=2, set_parallel_mode=True, sequence_parallel=True,
+                                          qkv_format="bshd"),
+            ValueError,
+            r"sequence_parallel=True splits the first dimension",
+        ),
         (
             lambda: tm.TransformerLayer(32, 64, 4, hiden_dropout=0.1),
             TypeError,
