@@ -115,7 +115,7 @@ def runner(op, res: Resolution) -> Callable[[tuple, dict], Any]:
 def call(op, args, kwargs):
     """Run op on the selected backend (or the reference, see the module docstring)."""
     if _is_compiling():  # dynamo traces the checks with the resolution read at trace time
-        return _call_checked(resolution(op), op, args, kwargs)
+        return runner(op, resolution(op))(args, kwargs)
     return call_eager(op, args, kwargs)
 
 
@@ -125,20 +125,6 @@ def call_eager(op, args, kwargs):
     if cached is None or cached[0] != REGISTRY.generation:
         cached = _refresh(op)
     return cached[2](args, kwargs)
-
-
-def _call_checked(res: Resolution, op, args, kwargs):
-    if res.fn is None:
-        return _fallback(op, res, f"{op.name} is not implemented by backend {res.backend!r}", args, kwargs)
-    if res.capabilities is not None:
-        reason = op.check_capabilities(res.capabilities, args, kwargs)
-        if reason:
-            return _fallback(op, res, reason, args, kwargs)
-    if res.supports is not None:
-        ok, reason = res.supports(*args, **kwargs)
-        if not ok:
-            return _fallback(op, res, reason or "declined by supports()", args, kwargs)
-    return res.fn(*args, **kwargs)
 
 
 def _fallback(op, res: Resolution, reason: str, args, kwargs):

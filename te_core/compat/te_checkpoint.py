@@ -162,7 +162,9 @@ def load_split_qkv_names(mha, state_dict, prefix, *_):
     (fuse_qkv_params=False: query_weight, key_weight, value_weight and their biases) become
     te-core's fused weight, in the row order the module reads (interleaved per kv group when
     mha.qkv_weight_interleaved)."""
-    proj = next(name for name in ("layernorm_qkv", "qkv", "layernorm_query", "query_layer") if hasattr(mha, name))
+    from ..modules.multihead_attention import _input_proj_name
+
+    proj = _input_proj_name(mha.attention_type, mha.input_layernorm)
     parts = {proj: ("query", "key", "value")} if mha.attention_type == "self" else {
         proj: ("query",), "key_value": ("key", "value")}
     parts.pop("query_layer", None)  # TE's plain cross-attention query projection keeps "weight"
@@ -205,9 +207,11 @@ def to_transformer_engine_state_dict(model) -> dict:
 
 
 def _split_qkv(mha, state: dict, prefix: str) -> None:
+    from ..modules.multihead_attention import _input_proj_name
+
     # the weights of this rank's heads (all of them without tensor parallelism)
     h, g, d = mha.num_attention_heads_per_partition, mha.num_gqa_groups_per_partition, mha.kv_channels
-    proj = next(name for name in ("layernorm_qkv", "qkv", "layernorm_query", "query_layer") if hasattr(mha, name))
+    proj = _input_proj_name(mha.attention_type, mha.input_layernorm)
     if mha.attention_type == "self":
         parts = {proj: (("query", "key", "value"), (h * d, g * d, g * d))}
     else:

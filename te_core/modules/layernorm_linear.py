@@ -278,7 +278,9 @@ class LayerNormLinear(ParameterSplitMixin, tensor_parallel.TensorParallelMixin, 
         gradient is then summed into the input's inside the norm's backward."""
         if fp8_output or unsupported:  # FP8 tensors between modules are not implemented
             reject_unsupported("LayerNormLinear.forward", fp8_output=fp8_output, **unsupported)
-        check_input(inp, self.in_features, module="LayerNormLinear", device=self.weight.device)
+        # read once: under parameters_split each read concatenates the parts
+        weight, bias = self.weight, self.bias
+        check_input(inp, self.in_features, module="LayerNormLinear", device=weight.device)
         if split_sizes is not None:
             split_sizes = check_split_sizes(split_sizes, self.out_features, "LayerNormLinear")
         if self.sequence_parallel and return_residual:
@@ -291,7 +293,7 @@ class LayerNormLinear(ParameterSplitMixin, tensor_parallel.TensorParallelMixin, 
         x = full_inp.reshape(-1, self.in_features).to(dtype)
         step = self.quantization_step(is_first_microbatch)
         check_fp8_gemms(step, "LayerNormLinear", (x.shape[0], self.out_features, self.in_features))
-        bias = None if self.return_bias else self.bias
+        fused_bias = None if self.return_bias else bias
         norm = norm_settings(self)
         # under tensor parallelism the residual's gradient must not join the input's before the sum
         residual_fused = fuse_residual(inp, x, return_residual) and self.tp_size == 1
@@ -300,8 +302,8 @@ class LayerNormLinear(ParameterSplitMixin, tensor_parallel.TensorParallelMixin, 
                 x,
                 tensor_parallel.replicated_parameter(self, self.layer_norm_weight),
                 tensor_parallel.replicated_parameter(self, self.layer_norm_bias),
-                self.weight,
-                bias,
+                weight,
+                fused_bias,
                 step,
                 norm,
                 self.return_layernorm_output,
@@ -312,4 +314,4 @@ class LayerNormLinear(ParameterSplitMixin, tensor_parallel.TensorParallelMixin, 
         out, ln_out, residual = unpack_outputs(out, inp, return_ln_out=self.return_layernorm_output,
                                                return_residual=return_residual, residual_fused=residual_fused)
         y = out[0] if split_sizes is None else tuple(out)
-        return fused_outputs(y, full_inp, self.out_features, self.bias if self.return_bias else None, ln_out, residual)
+        return fused_outputs(y, full_inp, self.out_features, bias if self.return_bias else None, ln_out, residual)

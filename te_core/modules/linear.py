@@ -169,7 +169,9 @@ class Linear(ParameterSplitMixin, tensor_parallel.TensorParallelMixin, Quantized
         as torch.split would; the backward takes their gradients without concatenating them."""
         if unsupported:  # fp8_output / fp8_grad: FP8 tensors between modules are not implemented
             reject_unsupported("Linear.forward", **unsupported)
-        check_input(inp, self.in_features, module="Linear", last_dim_name="in_features", device=self.weight.device)
+        # read once: under parameters_split each read concatenates the parts
+        weight, bias = self.weight, self.bias
+        check_input(inp, self.in_features, module="Linear", last_dim_name="in_features", device=weight.device)
         reduce_output = self.parallel_mode == "row" and self.tp_size > 1  # then the bias goes after the sum
         if split_sizes is not None:
             if reduce_output:
@@ -180,18 +182,18 @@ class Linear(ParameterSplitMixin, tensor_parallel.TensorParallelMixin, Quantized
             inp = tensor_parallel.column_parallel_input(self, inp)
         step = self.quantization_step(is_first_microbatch)
         options = _Options(compute_dtype(inp), self.fuse_wgrad_accumulation, torch.is_grad_enabled())
-        fused_bias = None if self.return_bias or reduce_output else self.bias
+        fused_bias = None if self.return_bias or reduce_output else bias
         with no_torch_autocast(inp.device.type):  # operands are cast here, not by torch.autocast
-            if options.grad_enabled and (inp.requires_grad or self.weight.requires_grad
+            if options.grad_enabled and (inp.requires_grad or weight.requires_grad
                                          or (fused_bias is not None and fused_bias.requires_grad)):
-                out = _LinearFunction.apply(inp, self.weight, fused_bias, step, options, split_sizes)
+                out = _LinearFunction.apply(inp, weight, fused_bias, step, options, split_sizes)
             else:  # nothing to differentiate: skip the autograd Function's bookkeeping (inference)
-                y = _fprop(inp, self.weight, fused_bias, step, options)[0]
+                y = _fprop(inp, weight, fused_bias, step, options)[0]
                 out = _output(y, inp) if split_sizes is None else _split_output(y, inp, split_sizes)
         if reduce_output:
-            out = tensor_parallel.row_parallel_output(self, out, None if self.return_bias else self.bias)
+            out = tensor_parallel.row_parallel_output(self, out, None if self.return_bias else bias)
         if self.return_bias:
-            return out, self.bias
+            return out, bias
         return out
 
     def extra_repr(self) -> str:

@@ -185,7 +185,8 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         fuse = not self.apply_residual_connection_post_layernorm and not self.parallel_attention_mlp
         attn = self.self_attention(
             hidden_states, attention_mask=attention_mask,
-            attn_mask_type=self_attn_mask_type or self.self_attn_mask_type, window_size=window_size, bottom_right_diagonal=bottom_right_diagonal, return_residual=fuse,
+            attn_mask_type=self_attn_mask_type or self.self_attn_mask_type, window_size=window_size,
+            bottom_right_diagonal=bottom_right_diagonal, return_residual=fuse,
             **shared, **self_kwargs,
         )
         attn, residual = attn if fuse else self._residual_source(attn, hidden_states)
@@ -219,4 +220,3 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
 
     def _dropout(self, x: Tensor) -> Tensor:
         return nn.functional.dropout(x, p=self.hidden_dropout, training=self.training)
-

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from typing import Optional, Tuple
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -25,7 +24,7 @@ from ..ops.attention_masks import (
     resolve_window,
 )
 from .cast import check_float, check_ndim
-from .softmax import masked_softmax
+from .softmax import check_bool_mask, masked_softmax
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> int:
@@ -44,17 +43,6 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> int:
     if hq % hkv != 0:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv}) for GQA/MQA")
     return hq // hkv
-
-
-def _check_arbitrary(attn_mask_type: str, attention_mask: Optional[Tensor], shape) -> None:
-    if attn_mask_type != "arbitrary":
-        return
-    try:
-        ok = tuple(torch.broadcast_shapes(attention_mask.shape, shape)) == tuple(shape)
-    except RuntimeError:
-        ok = False
-    if not ok:
-        raise ValueError(f"attention_mask of shape {tuple(attention_mask.shape)} does not broadcast to {tuple(shape)}")
 
 
 def _scores(q32: Tensor, k32: Tensor, scale: float, bias_type: str, bias: Optional[Tensor],
@@ -89,7 +77,8 @@ def attention(
     b, hq, sq, _ = q.shape
     sk = k.shape[2]
     padding = check_padding(attn_mask_type, attention_mask, query_padding_mask, b, sq, sk)
-    _check_arbitrary(attn_mask_type, attention_mask, (b, hq, sq, sk))
+    if attn_mask_type == "arbitrary":
+        check_bool_mask("attention_mask", attention_mask, (b, hq, sq, sk))
     check_bias(core_attention_bias_type, core_attention_bias, alibi_slopes, (b, hq, sq, sk))
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")

@@ -26,10 +26,10 @@ def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin=0.0, ama
 
 
 def scaling_ok(amax_histories, scales, fp8_maxes, *, margin=0.0, amax_compute_algo="max"):
-    if not callable(amax_compute_algo) and amax_compute_algo not in ("max", "most_recent"):
-        return False, f"amax_compute_algo {amax_compute_algo!r} has no kernel"
     if callable(amax_compute_algo):
         return False, "a callable amax_compute_algo runs on the reference path"
+    if amax_compute_algo not in ("max", "most_recent"):
+        return False, f"amax_compute_algo {amax_compute_algo!r} has no kernel"
     if len(amax_histories) != len(scales):
         return False, "histories and scales do not pair up (the reference names the problem)"
     if scaling.planned(amax_histories, scales, fp8_maxes):  # checked when the kernel first ran on them
