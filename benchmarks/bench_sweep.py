@@ -186,9 +186,9 @@ class Sweep:
             ours = partial(te.Linear, k, n, bias=False, params_dtype=torch.bfloat16, device=self.device)
             cells += self._cells("linear", label, self._ms, ("nn.Linear", ref), ours, FP8, x, dy)
             if self.compile_kw is not None:
-                ao = partial(torchao_linear, k, n, self.device)
-                cells.append(Cell("linear", label, "torchao tensorwise compiled",
-                                  partial(self._ms, partial(self.torch_step, ao, "compiled", x, dy))))
+                ao, mode = partial(torchao_linear, k, n, self.device), self._modes()[-1]
+                cells.append(Cell("linear", label, f"torchao tensorwise {mode}",
+                                  partial(self._ms, partial(self.torch_step, ao, mode, x, dy))))
         return cells
 
     def layer(self) -> List[Cell]:

@@ -17,10 +17,14 @@ import os
 import re
 from typing import Dict, List, Optional, Tuple
 
+from _distributed_table import render as render_distributed
+from _hf_table import render as render_hf
 from _sweep_table import render as render_sweep
 
 BEGIN, END = "<!-- report:begin -->", "<!-- report:end -->"
 SWEEP_BEGIN, SWEEP_END = "<!-- sweep:begin -->", "<!-- sweep:end -->"
+HF_BEGIN, HF_END = "<!-- hf:begin -->", "<!-- hf:end -->"
+DIST_BEGIN, DIST_END = "<!-- distributed:begin -->", "<!-- distributed:end -->"
 RESULTS_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 # (benchmark, target text, kernel op names, minimum GB/s); several ops: each must meet it
@@ -196,6 +200,24 @@ def tables(folder: str) -> Tuple[str, str, str]:
     return targets, sweep_text, "\n".join(kernel_table(kernels or {})).strip()
 
 
+def hf_text(folder: str) -> str:
+    """The Hugging Face training table of one GPU's results folder (bench_hf.py's hf.json)."""
+    data = _load(folder, "hf")
+    if data is None:
+        name = os.path.basename(os.path.normpath(folder))
+        return f"No hf.json for {name} yet: run `python benchmarks/bench_hf.py` on that GPU."
+    return render_hf(data)
+
+
+def distributed_text(folder: str) -> str:
+    """The 1-GPU / 2-GPU training table of one GPU's results folder (bench_distributed.py's distributed.json)."""
+    data = _load(folder, "distributed")
+    if data is None:
+        name = os.path.basename(os.path.normpath(folder))
+        return f"No distributed.json for {name} yet: run `python benchmarks/bench_distributed.py` on a 2-GPU machine."
+    return render_distributed(data)
+
+
 def default_folder(root: str = RESULTS_ROOT) -> str:
     gpus = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))) if os.path.isdir(root) else []
     if len(gpus) != 1:
@@ -213,14 +235,19 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not os.path.isdir(folder):
         raise SystemExit(f"{folder} is not a results folder; the benchmarks write benchmarks/results/<gpu>/")
     targets, sweep, kernels = tables(folder)
+    hf = hf_text(folder)
+    distributed = distributed_text(folder)
     with open(os.path.join(folder, "table.md"), "w") as f:
-        f.write(f"# Targets\n\n{targets}\n\n# Sweep\n\n{sweep}\n\n# Kernels\n\n{kernels}\n")
+        f.write(f"# Targets\n\n{targets}\n\n# Sweep\n\n{sweep}\n\n# Hugging Face Llama training\n\n{hf}\n\n"
+                f"# Two GPUs: data and tensor parallelism\n\n{distributed}\n\n# Kernels\n\n{kernels}\n")
     if args.print:
-        print(f"{targets}\n\n{sweep}")
+        print(f"{targets}\n\n{sweep}\n\n{hf}\n\n{distributed}")
         return
     with open(args.doc) as f:
         doc = f.read()
     doc = replace_section(replace_section(doc, targets), sweep, SWEEP_BEGIN, SWEEP_END)
+    doc = replace_section(doc, hf, HF_BEGIN, HF_END)
+    doc = replace_section(doc, distributed, DIST_BEGIN, DIST_END)
     with open(args.doc, "w") as f:
         f.write(doc)
     print(f"wrote the tables into {args.doc} and {os.path.join(folder, 'table.md')}")

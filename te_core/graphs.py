@@ -9,16 +9,24 @@ histories, and scale_inv is recomputed from the scale on every replay. The scale
 are not captured: after each replay the graphed callable schedules them like an eager step does
 (forward groups at the exit of the enclosing te_core.autocast, backward groups at the end of the
 backward pass).
+
+Weight caching (cache_quantized_params=True) captures each module twice: as a first microbatch,
+whose graph quantizes the weights into the modules' weight caches (buffers at fixed addresses),
+and as a later microbatch, whose graph reads those buffers back. A call replays one of the two
+per its is_first_microbatch. Capture needs no device-side flag this way, at the price of a second
+pair of graphs (and their activation memory).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from ._graph_options import GraphOptions, graph_options
 from .modules._base import QuantizedModule
-from .quantization.autocast import _check_recipe, autocast, get_autocast_context
+from .modules._microbatch import forced_first_microbatch
+from .quantization.autocast import autocast, get_autocast_context
 from .quantization.roles import Role
 from .quantization.scaling import ScalingGroup, graph_capture, schedule_backward_update
 
@@ -75,26 +83,76 @@ class _BackwardUpdates(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def _wrap(graphed_forward, module: nn.Module, fp8_enabled: bool, recipe):
-    forward_groups, backward_groups = _scaling_groups(module) if fp8_enabled else ([], [])
-    name = type(module).__name__
+class _Variant(nn.Module):
+    """What one graph captures: `module`'s own forward, with FP8 on or off, and (with weight
+    caching) every te_core module inside told whether this is a step's first microbatch."""
+
+    def __init__(self, module: nn.Module, forward, enabled: bool, options: GraphOptions, first: Optional[bool]):
+        super().__init__()
+        self.module = module  # registered: its parameters are the graph's inputs
+        self.training = module.training  # (not .train(), which would recurse into the module)
+        self._module_forward = forward  # the module's own: its forward attribute becomes the replay
+        self._enabled, self._options, self._first = enabled, options, first
+
+    def forward(self, *args):
+        options = self._options
+        with autocast(enabled=self._enabled, recipe=options.recipe, amax_reduction_group=options.amax_reduction_group):
+            with forced_first_microbatch(self._first):
+                return self._module_forward(*args)
+
+
+def _microbatch_flag(kwargs: dict, caching: bool, name: str) -> Optional[bool]:
+    """The replay's is_first_microbatch: required (a bool) with weight caching, refused without."""
+    extra = sorted(set(kwargs) - {"is_first_microbatch"})
+    if extra:
+        raise TypeError(f"graphed {name} replays positional inputs only; got keyword arguments {', '.join(extra)}")
+    flag = kwargs.get("is_first_microbatch")
+    if caching and not isinstance(flag, bool):
+        raise ValueError(f"graphed {name} was captured with cache_quantized_params=True: pass is_first_microbatch=True "
+                         f"on the first microbatch of each step and False on the others (got {flag!r})")
+    if not caching and flag is not None:
+        raise TypeError(f"graphed {name} got is_first_microbatch={flag!r} but was captured without weight caching, so "
+                        "every replay quantizes the weights afresh; capture with cache_quantized_params=True to cache "
+                        "them across microbatches")
+    return flag
+
+
+def _check_autocast(name: str, enabled: bool, options: GraphOptions) -> None:
+    """A replay must run in the precision (and recipe) its graphs were captured in. A
+    high-precision module captured beside FP8 ones (enabled=(True, False, ...)) runs inside
+    their autocast: its graphs hold no FP8."""
+    context, recipe = get_autocast_context(), options.recipe
+    if enabled and (context is None or not context.enabled):
+        raise RuntimeError(f"graphed {name} was captured with enabled=True: call it inside "
+                           "te_core.autocast(enabled=True, recipe=...) so its scales keep updating")
+    if enabled and context.recipe is not recipe and context.recipe != recipe:
+        raise RuntimeError(f"graphed {name} was captured with {recipe} but is called under {context.recipe}: "
+                           "the graphs bake in the captured recipe; capture again with the new one")
+    if not any(options.enabled) and context is not None and context.enabled:
+        raise RuntimeError(f"graphed {name} was captured in high precision (enabled=False) but is called "
+                           "under te_core.autocast(enabled=True); capture it with enabled=True")
+
+
+def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: bool, options: GraphOptions):
+    """The module's new forward: checks, the replay of the right graph, then the scale updates
+    the graphs do not hold. In the other training mode than captured it runs eagerly (torch's rule)."""
+    forward_groups, backward_groups = _scaling_groups(module) if enabled else ([], [])
+    name, captured_training = type(module).__name__, module.training
+    cache_filled = [False]  # by a first-microbatch replay: capture only recorded the casts
 
     def forward(*args, **kwargs):
-        if kwargs:
-            raise TypeError(f"graphed {name} replays positional inputs only; got keyword arguments "
-                            f"{', '.join(sorted(kwargs))} (is_first_microbatch and other options are not graphed)")
+        first = _microbatch_flag(kwargs, options.cache_quantized_params, name)
+        if module.training != captured_training:
+            with forced_first_microbatch(first):
+                return eager_forward(*args)
+        _check_autocast(name, enabled, options)
+        if first is False and not cache_filled[0]:
+            raise RuntimeError(f"graphed {name}: call it with is_first_microbatch=True before any later microbatch; "
+                               "that replay fills the weight cache the later ones read")
+        cache_filled[0] = cache_filled[0] or first is True
+        out = replays[first](*args)
         context = get_autocast_context()
-        if fp8_enabled and (context is None or not context.enabled):
-            raise RuntimeError(f"graphed {name} was captured with fp8_enabled=True: call it inside "
-                               "te_core.autocast(enabled=True, recipe=...) so its scales keep updating")
-        if fp8_enabled and context.recipe is not recipe and context.recipe != recipe:
-            raise RuntimeError(f"graphed {name} was captured with {recipe} but is called under {context.recipe}: "
-                               "the graphs bake in the captured recipe; capture again with the new one")
-        if not fp8_enabled and context is not None and context.enabled:
-            raise RuntimeError(f"graphed {name} was captured in high precision (fp8_enabled=False) but is called "
-                               "under te_core.autocast(enabled=True); capture it with fp8_enabled=True")
-        out = graphed_forward(*args)
-        for group in forward_groups:
+        for group in forward_groups:  # a later microbatch's weight columns recorded nothing: kept as they are
             context.schedule_forward_update(group)
         if backward_groups and torch.is_grad_enabled():
             outs = out if isinstance(out, tuple) else (out,)
@@ -105,30 +163,8 @@ def _wrap(graphed_forward, module: nn.Module, fp8_enabled: bool, recipe):
     return forward
 
 
-def make_graphed_callables(
-    modules,
-    sample_args,
-    num_warmup_iters: int = 3,
-    allow_unused_input: bool = False,
-    *,
-    fp8_enabled: bool = False,
-    fp8_recipe=None,
-    fp8_group=None,
-    **unsupported,
-):
-    """Capture each module's forward and backward as graphs; returns the module(s) with forward
-    replaced by the replay (as torch's own make_graphed_callables does), in TE's signature.
-
-    `sample_args` are the positional inputs of one call (a tuple per module when `modules` is a
-    tuple); replays must get tensors of the same shapes, dtypes and requires_grad. With
-    fp8_enabled=True the capture runs under te_core.autocast(recipe=fp8_recipe) and every call
-    must run under an enabled te_core.autocast: the graphs bake in FP8, the scales keep
-    updating. Each module's warm-up iterations run real forward and backward steps (they also
-    update its delayed-scaling state).
-    """
-    if unsupported:
-        raise NotImplementedError(f"make_graphed_callables: {', '.join(sorted(unsupported))} not supported by "
-                                  "te-core yet (no weight caching, calibration or userbuffers in graphs)")
+def _checked_inputs(modules, sample_args) -> Tuple[Sequence[nn.Module], Sequence[tuple]]:
+    """(modules, their sample args), one tuple each, or a clear error."""
     single = not isinstance(modules, (tuple, list))
     mods: Sequence = (modules,) if single else tuple(modules)
     args: Sequence = (tuple(sample_args),) if single else tuple(tuple(a) for a in sample_args)
@@ -137,25 +173,65 @@ def make_graphed_callables(
     for module, sample in zip(mods, args):
         if not isinstance(module, nn.Module):
             raise TypeError(f"make_graphed_callables takes torch.nn.Module objects, got {type(module).__name__}")
+        if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
+            raise RuntimeError(f"make_graphed_callables: {type(module).__name__} has hooks registered; a replay would "
+                               "skip them. Register hooks after make_graphed_callables, as with torch's")
         if not sample or not all(isinstance(a, torch.Tensor) for a in sample):
             raise TypeError("make_graphed_callables: sample_args must be tensors (the positional inputs of one call)")
         for param in module.parameters():
             if param.device != sample[0].device:
                 raise ValueError(f"make_graphed_callables: {type(module).__name__} has a parameter on {param.device} "
                                  f"but its sample input is on {sample[0].device}; move one of them")
+    return mods, args
+
+
+def make_graphed_callables(
+    modules,
+    sample_args,
+    num_warmup_iters: int = 3,
+    allow_unused_input: bool = False,
+    *,
+    enabled=None,
+    recipe=None,
+    amax_reduction_group=None,
+    cache_quantized_params: Optional[bool] = None,
+    **te_arguments,
+):
+    """Capture each module's forward and backward as graphs; returns the module(s) with forward
+    replaced by the replay (as torch's own make_graphed_callables does), in TE's signature
+    (TE's older fp8_enabled, fp8_recipe, fp8_group and fp8_weight_caching names work too).
+
+    `modules` is one nn.Module (a whole model works: all its layers land in one graph per
+    direction) or a tuple of them called in that order; `sample_args` the positional inputs of
+    one call (a tuple per module). Replays must get tensors of the same shapes, dtypes and
+    requires_grad. `enabled` (one bool, or one per module): the graphs bake in FP8 per `recipe`
+    (default DelayedScaling()), and every call must then run under an enabled te_core.autocast
+    with that recipe; the scales keep updating. cache_quantized_params=True captures each module
+    twice, as a first microbatch (weights quantized into the weight cache) and as a later one
+    (the cache read back); each call then passes is_first_microbatch=True or False. Warm-up runs
+    real forward and backward steps; the scaling state is put back as it was afterwards.
+    """
+    mods, args = _checked_inputs(modules, sample_args)
+    options = graph_options(len(mods), te_arguments | dict(
+        enabled=enabled, recipe=recipe, amax_reduction_group=amax_reduction_group,
+        cache_quantized_params=cache_quantized_params))
     device = args[0][0].device
     graph_api = _graph_api(device)
     if graph_api is None:
         raise NotImplementedError(f"make_graphed_callables: torch has no graph capture for device type "
                                   f"{device.type!r}; run the modules eagerly")
+    flags = (True, False) if options.cache_quantized_params else (None,)
+    eager_forwards = [module.forward for module in mods]
+    variants = [_Variant(m, f, on, options, flag) for m, f, on in zip(mods, eager_forwards, options.enabled)
+                for flag in flags]
     saved = [_save_scaling_state(module) for module in mods]
-    recipe = _check_recipe(fp8_recipe, "make_graphed_callables")
-    with autocast(enabled=fp8_enabled, recipe=recipe, amax_reduction_group=fp8_group), graph_capture():
-        graphed = graph_api(tuple(mods), tuple(args), num_warmup_iters=num_warmup_iters,
-                            allow_unused_input=allow_unused_input)
+    with autocast(enabled=any(options.enabled), recipe=options.recipe,
+                  amax_reduction_group=options.amax_reduction_group), graph_capture():
+        graphed = graph_api(tuple(variants), tuple(a for a in args for _ in flags),
+                            num_warmup_iters=num_warmup_iters, allow_unused_input=allow_unused_input)
     for module, before in zip(mods, saved):
         _restore_scaling_state(module, before)
-    for module, graphed_module in zip(mods, graphed):
-        graphed_module.forward = _wrap(graphed_module.forward, module, fp8_enabled, recipe)
-    return graphed[0] if single else tuple(graphed)
-
+    replays = iter(graphed)
+    for module, forward, on in zip(mods, eager_forwards, options.enabled):
+        module.forward = _graphed_forward(module, forward, {flag: next(replays).forward for flag in flags}, on, options)
+    return mods if isinstance(modules, (tuple, list)) else mods[0]

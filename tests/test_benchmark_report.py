@@ -2,6 +2,7 @@
 and the doc sections report.py rewrites."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -9,8 +10,10 @@ import pytest
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
 sys.path.insert(0, BENCHMARKS)
+import _hf_table  # noqa: E402
 import _sweep_table  # noqa: E402
 import _sweep_targets  # noqa: E402
+import bench_hf  # noqa: E402
 import bench_sweep  # noqa: E402
 import report  # noqa: E402
 
@@ -68,7 +71,9 @@ def test_graphed_kernel_timings_are_shown_but_eager_decides():
 def _doc(tmp_path):
     doc = tmp_path / "perf.md"
     doc.write_text(f"intro\n{report.BEGIN}\nold table\n{report.END}\nmiddle\n"
-                   f"{report.SWEEP_BEGIN}\nold sweep\n{report.SWEEP_END}\nafter\n")
+                   f"{report.SWEEP_BEGIN}\nold sweep\n{report.SWEEP_END}\nafter\n"
+                   f"{report.HF_BEGIN}\nold hf\n{report.HF_END}\n"
+                   f"{report.DIST_BEGIN}\nold distributed\n{report.DIST_END}\nend\n")
     return doc
 
 
@@ -81,7 +86,9 @@ def test_doc_sections_are_replaced_and_markers_are_required(tmp_path):
     report.main([str(folder), "--doc", str(doc)])
     text = doc.read_text()
     assert "old table" not in text and "old sweep" not in text
-    assert text.startswith("intro\n") and "\nmiddle\n" in text and text.endswith("after\n")
+    assert "old hf" not in text and "No hf.json for h200 yet" in text
+    assert "old distributed" not in text and "No distributed.json for h200 yet" in text
+    assert text.startswith("intro\n") and "\nmiddle\n" in text and "\nafter\n" in text and text.endswith("end\n")
     assert "| TransformerLayer FP8 delayed |" in text
     assert "No sweep.json for h200 yet" in text  # a missing run is said, not hidden
     assert "| TransformerLayer FP8 delayed |" in (folder / "table.md").read_text()
@@ -132,7 +139,11 @@ def test_sweep_targets_follow_the_numbers():
                                                  "te bf16 compiled": {"ms": 8.0}, "te delayed compiled": {"ms": 7.0}},
                   "h2048 ffn8192 nh16 s2048 b4": {"te bf16 eager": {"ms": 10.0}, "te delayed eager": {"ms": 8.0}}},
         "linear": {"M8192 K4096 N4096": {"nn.Linear eager": {"ms": 1.2}, "te delayed eager": {"ms": 1.0},
-                                         "torchao tensorwise compiled": {"ms": 0.9}}},
+                                         "te block graphed": {"ms": 0.95},
+                                         "torchao tensorwise compiled": {"ms": 0.9}},
+                   "M4096 K4096 N4096": {"nn.Linear eager": {"ms": 1.2}, "te current graphed": {"ms": 0.8},
+                                         "torchao tensorwise compiled": {"ms": 1.0},
+                                         "torchao tensorwise graphed": {"ms": 0.9}}},
         "big": {"h4096 ffn16384 nh32 s2048 b8": {
             "torch bf16 eager": {"ms": 34.0, "peak_mib": 2800.0}, "te delayed eager": {"ms": 18.5, "peak_mib": 2700.0},
             "te current eager": {"error": "OutOfMemoryError"}, "te block eager": {"ms": 22.0, "peak_mib": 2900.0}}},
@@ -143,8 +154,10 @@ def test_sweep_targets_follow_the_numbers():
     assert got["TransformerLayer h1024 ffn4096 nh8 s2048 b4: FP8 delayed over te bf16, best mode ≥ 1.0x"] == (
         "1.14x (compiled)", "met")  # eager alone (0.83x) would miss
     assert got["TransformerLayer h2048 ffn8192 nh16 s2048 b4: FP8 delayed over te bf16, best mode ≥ 1.3x"][1] == "**missed**"
-    assert got["te.Linear M8192 K4096 N4096 over bf16, best mode ≥ torchao compiled"] == (
-        "te 1.20x (eager), torchao 1.33x", "**missed**")
+    linear = "over bf16, best recipe and mode ≥ torchao compiled"
+    assert got[f"te.Linear M8192 K4096 N4096 {linear}"] == ("te 1.26x (block graphed), torchao 1.33x", "**missed**")
+    # te's best recipe is compared with torchao's faster mode
+    assert got[f"te.Linear M4096 K4096 N4096 {linear}"] == ("te 1.50x (current graphed), torchao 1.33x", "met")
     assert got["te.Linear M8192 K4096 N4096 FP8 delayed eager ≥ 1.2x"] == ("1.20x", "met")
     big = "TransformerLayer h4096 ffn16384 nh32 s2048 b8 FP8"
     assert got[f"{big} delayed ≤ 19 ms"][1] == "met" and got[f"{big} block ≤ 21 ms"][1] == "**missed**"
@@ -210,3 +223,76 @@ def test_merge_replaces_only_the_cells_measured_again():
     assert out == {"tiny": {"t": {"a eager": {"us": 1.0}, "a compiled": {"us": 3.0}}},
                    "layer": {"h1": {"b eager": {"ms": 2.0}}}, "linear": {"m": {"c eager": {"ms": 4.0}}}}
     assert earlier["tiny"]["t"]["a compiled"] == {"error": "x"}  # the input is not modified
+
+
+HF = {
+    "meta": {"gpu": "GPU", "torch": "t", "date": "d"},
+    "settings": {"transformers": "5.0", "backend": "cuda", "attention": "sdpa", "seconds": 1.0,
+                 "sizes": {"layers": 4, "vocab": 32000, "warmup": 3, "steps": 8}},
+    "hf": {"h1024": {"torch bf16 eager": {"tokens_per_s": 400e3}, "te bf16 eager": {"tokens_per_s": 380e3},
+                     "te delayed eager": {"tokens_per_s": 500e3}, "te current eager": {"tokens_per_s": 360e3},
+                     "torch bf16 compiled": {"tokens_per_s": 450e3},
+                     "te delayed compiled": {"tokens_per_s": 600e3, "error": "loss is not finite: [nan]"},
+                     "te current compiled": {"error": "InductorError: boom | x"}},
+           "h2048": {"torch bf16 eager": {"tokens_per_s": 200e3}, "te delayed eager": {"tokens_per_s": 250e3}}},
+}
+
+
+def test_hf_table_ratios_verdicts_and_error_notes():
+    text = _hf_table.render(HF)
+    rows = _table_rows(text)
+    assert rows[0] == "| Model | Mode | torch bf16 | te bf16 | te delayed | te current | FP8 ≥ torch bf16 |"
+    assert ("| h1024 | eager | 400.0k | 380.0k (0.95x) | 500.0k (1.25x) | 360.0k (0.90x) | **missed** (current 0.90x) |"
+            in rows)  # tokens/s over plain-torch bf16: above 1 is faster
+    # a non-finite loss is an error even with a speed beside it; neither counts as a measurement
+    assert "| h1024 | compiled | 450.0k | – | error (1) | error (2) | not measured |" in rows
+    assert "1. h1024, te delayed compiled: `loss is not finite: [nan]`" in text
+    assert "2. h1024, te current compiled: `InductorError: boom / x`" in text  # no "|" breaking the table
+    assert "| h2048 | eager | 200.0k | – | 250.0k (1.25x) | – | met |" in rows  # a cell never run is no miss
+    assert "transformers 5.0" in text and "4 layers" in text
+
+
+def test_hf_cells_run_eager_first_and_cover_every_variant():
+    bench = bench_hf.Bench(None, bench_hf.FULL, "cpu", smoke=False)
+    variants = ["torch bf16", "te bf16", "te delayed"]
+    cells = bench.cells([1024, 4096], bench_hf.MODES, variants)
+    assert len(cells) == 2 * len(bench_hf.MODES) * len(variants)
+    assert [c.name.split()[-1] for c in cells[:6]] == ["eager"] * 6  # both sizes' baselines before any compile
+    assert {c.size for c in cells} == {"h1024 ffn3584 nh8 L4 s2048 b16", "h4096 ffn14336 nh32 L4 s2048 b4"}
+    assert bench_hf.intermediate_size(2048) == 7168 and bench_hf.intermediate_size(1000) % 64 == 0
+
+
+def test_bench_hf_arguments_and_a_missing_transformers_are_explained(monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        bench_hf.parse_args(["--modes", "eager,fast"])
+    assert "--modes: unknown fast; choose from eager, compiled, graphed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_hf.parse_args(["--smoke", "--modes", "graphed"])
+    assert "needs CUDA graphs" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    with pytest.raises(SystemExit, match="pip install transformers"):
+        bench_hf.main(["--smoke"])
+
+
+def test_hf_smoke_writes_json_and_report_renders_it(tmp_path):
+    """bench_hf.py --smoke: a tiny Llama trained on the CPU (reference backend) as plain torch and
+    converted; the converted bf16 model starts from the same loss, FP8 within E4M3's tolerance."""
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "bench_hf.py"), "--smoke", "--modes", "eager",
+                           "--results", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((tmp_path / "cpu" / "hf.json").read_text())
+    assert data["settings"]["backend"] == "reference"
+    (cells,) = data["hf"].values()
+    assert set(cells) == {"torch bf16 eager", "te bf16 eager", "te delayed eager", "te current eager"}
+    assert all(c["tokens_per_s"] > 0 and "error" not in c for c in cells.values()), cells
+    base = cells["torch bf16 eager"]["loss_first"]
+    assert base == pytest.approx(cells["te bf16 eager"]["loss_first"], rel=1.6e-2, abs=1e-5)
+    for fp8 in ("te delayed eager", "te current eager"):
+        assert base == pytest.approx(cells[fp8]["loss_first"], rel=0.125, abs=0.0675)
+    doc = _doc(tmp_path)
+    report.main([str(tmp_path / "cpu"), "--doc", str(doc)])
+    rows = _table_rows(doc.read_text())
+    (row,) = [r for r in rows if r.startswith("| h64 ffn256 nh2 L2 s32 b2 | eager |")]
+    cells = row.split(" | ")[2:6]  # torch bf16, then te bf16 / delayed / current with their ratios
+    assert all(re.fullmatch(r"[0-9.]+k?( \([0-9.]+x\))?", c) for c in cells) and "(" not in cells[0], row

@@ -29,6 +29,7 @@ class Resolution(NamedTuple):
     capabilities: Optional[Capabilities]  # None: no capability check needed (reference)
     reference: Callable[..., Any]
     strict: bool
+    traced: Optional[Callable[..., Any]] = None  # the backend's plain-torch twin (OpImpl.traced)
 
 
 _warned: set = set()
@@ -53,6 +54,7 @@ def resolve(op) -> Resolution:
         caps,
         reference,
         selection.strict,
+        impl.traced if impl is not None else None,
     )
 
 

@@ -143,7 +143,14 @@ class OpImpl:
     supports: optional; called with the same arguments before `fn`; returns (True, "") to run,
         or (False, reason) to decline, in which case the reference implementation runs (with one
         warning per op and reason). It must be cheap and must not raise for valid contract input.
+    traced: optional; the same op written in plain torch operations, which torch.compile traces
+        into the graph in place of the opaque op, so that its compiler fuses it with its
+        neighbours and launches it without the op's Python. Called while tracing with the
+        contract signature; returns NotImplemented for a call it does not take (the opaque op,
+        with `supports` and the fallback rules, is recorded then). Its results must equal `fn`'s
+        to the contract's tolerance.
     """
 
     fn: Callable[..., Any]
     supports: Optional[Supports] = None
+    traced: Optional[Callable[..., Any]] = None

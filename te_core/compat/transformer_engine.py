@@ -15,6 +15,8 @@ import sys
 import types
 from typing import Tuple
 
+from .te_metadata import install_metadata, uninstall_metadata
+
 ROOT = "transformer_engine"
 TE_API_VERSION = "2.20.0"  # the Transformer Engine release whose signatures te-core mirrors
 
@@ -158,6 +160,7 @@ def install_as_transformer_engine(replace: bool = False) -> types.ModuleType:
     for name in [n for n in sys.modules if n == ROOT or n.startswith(ROOT + ".")]:
         del sys.modules[name]  # a replaced real package: none of its submodules may linger
     sys.modules.update(modules)
+    install_metadata(pytorch.__version__)  # integrations check the distribution before importing
     return pytorch
 
 
@@ -165,6 +168,7 @@ def uninstall_transformer_engine() -> None:
     """Remove the stand-in from sys.modules (a no-op when it is not installed)."""
     from .. import optimizers, recipe
 
+    uninstall_metadata()
     for name in [n for n in sys.modules if n == ROOT or n.startswith(ROOT + ".")]:
         if _is_stand_in(name) or sys.modules[name] is recipe or sys.modules[name] is optimizers:
             del sys.modules[name]

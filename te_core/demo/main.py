@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import platform
 import sys
 from typing import Callable, Iterator, List, Optional
 
 import torch
 
-from . import threads
+from . import parallel, threads
 from .data import load_corpus, split, stdlib_dir
 from .model import ACCELERATOR_DEFAULT, CPU_DEFAULT, GPT, SIZES
 from .report import final_gap, output_paths, side_by_side, speed, write_json, write_plot
-from .train import RECIPES, RunConfig, make_recipe, train
+from .train import ONE_PROCESS, RECIPES, RunConfig, make_recipe, train
 
 DEFAULT_STEPS = {"tiny": 60, "small": 250, "medium": 600, "large": 2000, "xl": 400}
 DEFAULT_LR = {"tiny": 2e-3, "small": 2e-3, "medium": 1e-3, "large": 1e-3, "xl": 5e-4}
@@ -53,6 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="torch.compile each training step: with CUDA graphs (mode reduce-overhead) on an accelerator, "
         "inductor's default mode on a CPU; the tokens/s include the compilation",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks per model replica when launched with torchrun --nproc-per-node N "
+        "(N / tp data-parallel replicas; default 1: data parallelism only)",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: also split the sequence over the tensor-parallel ranks outside the GEMMs",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument(
@@ -97,17 +110,45 @@ def main(argv: Optional[List[str]] = None) -> int:
     except backend.BackendError as err:
         print(f"te-core demo: {'--backend ' + args.backend if args.backend else 'backend'}: {err}", file=sys.stderr)
         return 2
+    if parallel.launched_world() > 1:  # before anything touches the first device
+        parallel.use_local_device(be)
     device, error = _device(args.device, be)
     if error:
         print(f"te-core demo: {error}", file=sys.stderr)
         return 2
     args.size = args.size or default_size(device)
+    world = parallel.launched_world()
+    if world > 1 or args.tp > 1 or args.sequence_parallel:
+        return run_parallel(args, be, device, world)
     with _cpu_threads(args, device) as thread_choice:
         run_both(args, be, device, thread_choice)
     return 0
 
 
-def run_both(args, be, device: torch.device, thread_choice) -> None:
+def run_parallel(args, be, device: torch.device, world: int) -> int:
+    """This rank's part of a torchrun launch: the same two runs, with data and tensor parallelism;
+    only rank 0 prints and writes the report."""
+    error = parallel.check_layout(world, args.tp, args.sequence_parallel, args.size, SIZES[args.size])
+    if error is None and args.compile:
+        error = "--compile is not supported with several processes yet; leave it out under torchrun"
+    if error:
+        print(f"te-core demo: {error}", file=sys.stderr)
+        return 2
+    runner, device = parallel.start(be, device, args.tp, args.sequence_parallel)
+    if device.type == "cpu" and args.threads is None:  # the ranks share the CPUs
+        args.threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    try:
+        with contextlib.ExitStack() as stack:
+            if not runner.is_main:
+                stack.enter_context(contextlib.redirect_stdout(stack.enter_context(open(os.devnull, "w"))))
+            thread_choice = stack.enter_context(_cpu_threads(args, device))
+            run_both(args, be, device, thread_choice, runner)
+    finally:
+        runner.close()
+    return 0
+
+
+def run_both(args, be, device: torch.device, thread_choice, runner=ONE_PROCESS) -> None:
     """Train in BF16, then FP8, with the same model, data and steps; print and write the report."""
     fp8_recipe = make_recipe(args.recipe)
     steps = args.steps or DEFAULT_STEPS[args.size]
@@ -115,15 +156,20 @@ def run_both(args, be, device: torch.device, thread_choice) -> None:
     tokens, files = load_corpus(max_bytes=max(2_000_000, 40 * steps * cfg.model.tokens_per_step // 100))
     corpus = dict(bytes=tokens.numel(), files=files, root=stdlib_dir())
     _print_header(args, be.name, device, cfg, thread_choice, corpus)
+    layout = runner.layout
+    if layout is not None:
+        print(f"  ranks  {layout.describe()}; the global batch is the single-process run's")
     train_tokens, val_tokens = split(tokens)
     runs = []
     for name, rec in (("bf16", None), ("fp8", fp8_recipe)):
-        run = train(name, cfg, train_tokens, val_tokens, device, rec, not args.no_progress, synchronizer(be, device),
-                    compile_options(args.compile, device))
-        print(f"{name}: {run.seconds:.1f}s, {run.tokens_per_s:,.0f} tokens/s, final loss {run.losses[-1]:.4f}, "
+        run = train(name, cfg, train_tokens, val_tokens, device, rec, runner.is_main and not args.no_progress,
+                    synchronizer(be, device), compile_options(args.compile, device), runner)
+        ranks = "" if layout is None else f" ({layout.world} ranks, {run.tokens_per_s / layout.world:,.0f} per rank)"
+        print(f"{name}: {run.seconds:.1f}s, {run.tokens_per_s:,.0f} tokens/s{ranks}, final loss {run.losses[-1]:.4f}, "
               f"val loss {run.val_loss:.4f}")  # fmt: skip
         runs.append(run)
-    report(args, cfg, be.name, device, fp8_recipe, runs, corpus, thread_choice)
+    if runner.is_main:
+        report(args, cfg, be.name, device, fp8_recipe, runs, corpus, thread_choice, layout)
 
 
 def _device(name: Optional[str], be):
@@ -145,6 +191,8 @@ def _check_args(args) -> Optional[str]:
         return f"--steps must be at least 2, got {args.steps}"
     if args.threads is not None and args.threads < 1:
         return f"--threads must be at least 1, got {args.threads}"
+    if args.tp < 1:
+        return f"--tp must be at least 1, got {args.tp}"
     if args.lr is not None and not args.lr > 0:
         return f"--lr must be a positive number, got {args.lr}"
     return None
@@ -188,7 +236,8 @@ def _print_header(args, backend_name: str, device, cfg: RunConfig, thread_choice
         print(f"  data   {corpus['bytes'] / 1e6:.1f} MB from {corpus['files']} files under {corpus['root']}")
 
 
-def report(args, cfg: RunConfig, backend_name: str, device, fp8_recipe, runs, corpus: dict, thread_choice) -> None:
+def report(args, cfg: RunConfig, backend_name: str, device, fp8_recipe, runs, corpus: dict, thread_choice,
+           layout: Optional[parallel.Layout] = None) -> None:
     """Print the curves side by side, the gap and the speeds; write the PNG and the JSON of the run."""
     hp, fp8 = runs
     gap = final_gap(hp.losses, fp8.losses)
@@ -206,6 +255,8 @@ def report(args, cfg: RunConfig, backend_name: str, device, fp8_recipe, runs, co
     config = dict(size=args.size, model=cfg.model.as_dict(), steps=cfg.steps, lr=cfg.lr, seed=cfg.seed,
                   recipe=args.recipe, recipe_repr=repr(fp8_recipe),
                   threads=thread_choice.threads if thread_choice else None)  # fmt: skip
+    if layout is not None:  # tokens/s are then those of all ranks together
+        config["parallel"] = layout.as_dict()
     record = dict(
         config=config, backend=backend_name, device=str(device), recipe=args.recipe,
         versions=dict(python=platform.python_version(), torch=torch.__version__), corpus=corpus,

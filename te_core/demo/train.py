@@ -3,7 +3,6 @@ inside the same torch.autocast), with identical initialization and data order.""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -71,21 +70,37 @@ def lr_at(step: int, cfg: RunConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def fp8_context(fp8_recipe):
-    """te.autocast(recipe) for the FP8 run; nothing for the BF16 run."""
-    if fp8_recipe is None:
-        return contextlib.nullcontext()
-    from ..quantization import autocast
+class OneProcess:
+    """The single-process run; te_core.demo.parallel.ParallelRun does the same across torchrun's ranks."""
 
-    return autocast(enabled=True, recipe=fp8_recipe)
+    is_main = True
+    layout = None  # a parallel run's te_core.demo.parallel.Layout
+
+    def build(self, config: GPTConfig, device: torch.device) -> GPT:
+        return GPT(config, device)
+
+    def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
+        return inputs, targets
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def clip_grad_norm_(self, params, max_norm: float) -> None:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def mean_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+    def slowest(self, seconds: float) -> float:
+        return seconds
 
 
-def loss_of(model: GPT, inputs: torch.Tensor, targets: torch.Tensor, device: torch.device, fp8_recipe) -> torch.Tensor:
-    """Mean next-byte loss; the transformer body under te.autocast, everything under torch.autocast(bf16)."""
-    with torch.autocast(device.type, dtype=torch.bfloat16):
-        with fp8_context(fp8_recipe):
-            hidden = model.body(inputs)
-        return model.head_loss(hidden, targets)
+ONE_PROCESS = OneProcess()
+
+
+def loss_of(model, inputs: torch.Tensor, targets: torch.Tensor, device: torch.device, fp8_recipe) -> torch.Tensor:
+    """Mean next-byte loss (GPT.forward; `model` may be its DistributedDataParallel wrapper)."""
+    return model(inputs, targets, fp8_recipe)
 
 
 def train(
@@ -98,13 +113,15 @@ def train(
     progress: bool = True,
     synchronize: Callable[[], None] = lambda: None,
     compile_options: Optional[dict] = None,
+    runner: OneProcess = ONE_PROCESS,
 ) -> RunResult:
     """Train a freshly initialized GPT for cfg.steps steps; returns per-step losses and speed.
     `synchronize` waits for the device's queued work, so the timing covers all of it.
     `compile_options`: torch.compile's arguments for the loss step (None: eager); the timing
-    includes the compilation, as a user's run would."""
+    includes the compilation, as a user's run would. `runner`: one process, or this rank's part
+    of a parallel run (te_core.demo.parallel); losses and tokens/s are then those of all ranks."""
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model, device)
+    model = runner.build(cfg.model, device)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -123,31 +140,35 @@ def train(
     for step in range(cfg.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        inputs, targets = sampler.next(device)
+        inputs, targets = runner.local_batch(*sampler.next(device))
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
         loss = step_loss(model, inputs, targets, device, fp8_recipe)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        runner.backward(loss)
+        runner.clip_grad_norm_(params, 1.0)
         optimizer.step()
         losses.append(loss.detach().clone() if graphs else loss.detach())
         if bar.due(step + 1):
             bar.update(step + 1, tokens_per_step=cfg.model.tokens_per_step, loss=float(losses[-1]))
     synchronize()
-    result.seconds = time.perf_counter() - start
+    result.seconds = runner.slowest(time.perf_counter() - start)
     bar.close()
-    result.losses = torch.stack(losses).float().tolist()
+    result.losses = runner.mean_over_ranks(torch.stack(losses).float()).tolist()
+    # tokens_per_step is the global batch's: the tokens/s of all ranks together
     result.tokens_per_s = cfg.model.tokens_per_step * cfg.steps / max(result.seconds, 1e-9)
-    result.val_loss = evaluate(model, cfg, val_tokens, device, fp8_recipe)
+    result.val_loss = evaluate(model, cfg, val_tokens, device, fp8_recipe, runner)
     return result
 
 
 @torch.no_grad()
-def evaluate(model: GPT, cfg: RunConfig, val_tokens, device: torch.device, fp8_recipe) -> float:
+def evaluate(model: GPT, cfg: RunConfig, val_tokens, device: torch.device, fp8_recipe,
+             runner: OneProcess = ONE_PROCESS) -> float:
     """Mean loss on cfg.eval_batches held-out batches (the same batches for every run)."""
     if cfg.eval_batches <= 0 or val_tokens.numel() <= cfg.model.seq_len + 1:
         return float("nan")
     sampler = BatchSampler(val_tokens, cfg.model.batch_size, cfg.model.seq_len, seed=cfg.seed + 1)
-    losses = [float(loss_of(model, *sampler.next(device), device, fp8_recipe)) for _ in range(cfg.eval_batches)]
+    losses = [loss_of(model, *runner.local_batch(*sampler.next(device)), device, fp8_recipe).float()
+              for _ in range(cfg.eval_batches)]
+    losses = runner.mean_over_ranks(torch.stack(losses)).tolist()
     return sum(losses) / len(losses)

@@ -2,23 +2,29 @@
 
 Column-parallel: each rank holds a block of the output features (weight rows, bias). The
 input is replicated; its gradient is summed over the ranks. Under sequence parallelism the
-input arrives split along the sequence (first) dimension and is all-gathered before the GEMM;
-its gradient is reduce-scattered.
+input arrives split along the sequence (first) dimension and is all-gathered before the GEMM
+(in FP8 where the recipe allows, see te_core.distributed.fp8_gather); its gradient is
+reduce-scattered.
 Row-parallel: each rank holds a block of the input features (weight columns); the partial
 outputs are all-reduced (reduce-scattered along the sequence under sequence parallelism), then
 the bias, whole on every rank, is added.
 
 The module's autograd Function computes on its shard exactly as without parallelism (FP8
-included); the functions here only decide which collective goes before and after it.
+included); the functions here only decide which collective goes before and after it. The one
+collective inside: under sequence parallelism a norm fused with a column-parallel GEMM runs on
+the sequence shard, and its output is gathered by the step the Function is given (norm_input).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
+import torch
 from torch import Tensor
 
 from .collectives import copy_to_tp_region, gather_along_first_dim, reduce_from_tp_region, scatter_reduce_first_dim
+from .fp8_gather import gather_along_first_dim_fp8, gathers_fp8
 from .groups import check_ranks_agree, group_size
+from .norm_gather import SequenceGatherStep
 from .random import MODEL_PARALLEL_RNG_TRACKER_NAME
 
 PARALLEL_MODES = (None, "column", "row")
@@ -104,14 +110,35 @@ def _agree_once(module, x: Tensor, group) -> None:
         module._tp_shapes_checked = True
 
 
-def column_parallel_input(module, x: Tensor) -> Tensor:
+def column_parallel_input(module, x: Tensor, step=None) -> Tensor:
     """The input of a column-parallel GEMM: gathered along the sequence under sequence
-    parallelism, else as is with its gradient summed over the ranks."""
+    parallelism, else as is with its gradient summed over the ranks. With the module's
+    quantization `step`, the gather moves FP8 where the recipe allows, and returns the GEMM's
+    "input" operand already quantized."""
     if module.tp_size == 1:
         return x
     group = module._tp_group()
     _agree_once(module, x, group)
-    return gather_along_first_dim(x, group) if module.sequence_parallel else copy_to_tp_region(x, group)
+    if not module.sequence_parallel:
+        return copy_to_tp_region(x, group)
+    if step is not None and gathers_fp8(step, "input", group):
+        return gather_along_first_dim_fp8(x, step, "input", group)
+    return gather_along_first_dim(x, group)
+
+
+def norm_input(module, x: Tensor, step, slot: str) -> Tuple[Tensor, object, torch.Size]:
+    """For a norm feeding a column-parallel GEMM (the GEMM's operand `slot`): (the tensor the norm
+    runs on, the step the module's Function runs with, the shape of the GEMM's whole input).
+    Under sequence parallelism the norm runs on this rank's shard and the step gathers its output
+    (norm_gather.SequenceGatherStep, FP8 where the recipe allows); otherwise the input is
+    prepared by column_parallel_input. While torch.compile traces, the high-precision input is
+    gathered before the norm instead (the same values, with no collective inside the Function)."""
+    if module.tp_size == 1 or not module.sequence_parallel or torch.compiler.is_compiling():
+        x = column_parallel_input(module, x)
+        return x, step, x.shape
+    group = module._tp_group()
+    _agree_once(module, x, group)
+    return x, SequenceGatherStep(step, slot, group), torch.Size((x.shape[0] * module.tp_size, *x.shape[1:]))
 
 
 def replicated_parameter(module, param: Optional[Tensor]) -> Optional[Tensor]:

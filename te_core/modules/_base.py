@@ -20,6 +20,7 @@ from ..quantization.step import HIGH_PRECISION, CalibrationStep, QuantizationSte
 from ..quantization.tensor import QuantizedTensor
 from ..recipe import recipe_from_config
 from ._common import resolve_device, resolve_params_dtype
+from ._microbatch import first_microbatch
 
 _STATE_IN_GRAPH = (
     "{module}: torch.compile is tracing the first use of {recipe}, whose amax histories and scales a compiled "
@@ -30,6 +31,20 @@ _STATE_IN_GRAPH = (
 
 _LIVE = weakref.WeakValueDictionary()  # id -> QuantizedModule, for _prepare_untraced
 _UNTRACED = [False]  # True while _prepare_untraced runs
+
+
+def _refuse_traced_fp8_weight_training(module: nn.Module) -> None:
+    """A compiled graph reads an FP8 primary weight (te.quantized_model_init) through its data
+    and scale tensors, so the weight itself gets no gradient: training it that way would be
+    silently wrong."""
+    if not torch.is_grad_enabled():
+        return
+    for name, param in module._parameters.items():
+        if isinstance(param, QuantizedTensor) and param.requires_grad:
+            raise NotImplementedError(
+                f"torch.compile cannot train {type(module).__name__}.{name}, an FP8 primary weight made under "
+                "te.quantized_model_init: the compiled graph would give it no gradient. Train it eagerly or "
+                "graph-captured (te.make_graphed_callables), or compile under torch.no_grad() for inference")
 
 
 @run_while_tracing
@@ -99,7 +114,9 @@ class QuantizedModule(nn.Module):
         context = get_autocast_context()
         if context is None or not (context.enabled or context.calibrating):
             return HIGH_PRECISION
+        is_first_microbatch = first_microbatch(is_first_microbatch)  # a graph capture's, when forced
         if torch.compiler.is_compiling():
+            _refuse_traced_fp8_weight_training(self)
             _prepare_untraced(id(self), context.recipe.to_config())
         state = self._state_for(context.recipe)
         state.follow_device(self._state_device())

@@ -31,7 +31,6 @@ _NOT_IMPLEMENTED = {
         "seq_length": (None,), "micro_batch_size": (None,),
     },
     "parameter and weight-gradient layouts": {
-        "delay_wgrad_compute": (False,),
         "save_original_input": (False,), "single_grouped_weight": (False,), "single_grouped_bias": (False,),
         "use_grouped_tensor": (None, False), "checkpoint": (False,),
     },

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..ops.attention import PADDING_MASK_TYPES
-from ._packed import PADDED_MASK_TYPE, Packing, packing, to_packed, to_padded
+from ._packed import PADDED_MASK_TYPE, Packing, packing
 from ._common import (
     HP_DTYPES,
     reject_unsupported,
@@ -130,7 +130,8 @@ class DotProductAttention(nn.Module):
         self._check_heads(q, k, v)
         options = dict(attn_mask_type=mask_type, softmax_scale=self.softmax_scale,
                        dropout_p=self.attention_dropout if self.training else 0.0)
-        options.update(_mask_options(attention_mask, mask_type, q, k))
+        if packed is None:  # packed sequences take their padding from cu_seqlens
+            options.update(_mask_options(attention_mask, mask_type, q, k))
         options.update(_extensions(
             window_size=self.window_size if window_size is None else _check_window(window_size, module),
             bottom_right_diagonal=(self.bottom_right_diagonal if bottom_right_diagonal is None
@@ -141,10 +142,10 @@ class DotProductAttention(nn.Module):
         dtype = compute_dtype(query_layer)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         with no_torch_autocast(q.device.type):
-            out = _core_attention(q, k, v, options, checkpoint_core_attention)
-        b, h, s, dv = out.shape
+            out = _core_attention(q, k, v, options, checkpoint_core_attention, packed)
         if packed is not None:
-            return to_packed(out, packed[0])
+            return out.flatten(1)  # (t, h * dv)
+        b, h, s, dv = out.shape
         if fmt == "sbhd":
             return out.permute(2, 0, 1, 3).reshape(s, b, h * dv)
         return out.permute(0, 2, 1, 3).reshape(b, s, h * dv)
@@ -171,8 +172,8 @@ class DotProductAttention(nn.Module):
             raise ValueError(f"DotProductAttention: {arg} must be {ndim}-D ({fmt}), got shape {shape}")
         if t.dtype not in HP_DTYPES:
             raise TypeError(f"DotProductAttention: {arg} has dtype {t.dtype}; expected float32, bfloat16 or float16")
-        if packed is not None:
-            return to_padded(t, packed)
+        if packed is not None:  # one (1, h, t, d) view of the packed tokens, for the shape checks
+            return t.unsqueeze(0).transpose(1, 2)
         return t.permute(1, 2, 0, 3) if fmt == "sbhd" else t.permute(0, 2, 1, 3)
 
     def _check_heads(self, q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -211,7 +212,7 @@ def _sequence_layout(fmt, q, k, mask_type, attention_mask, cu_seqlens, max_seqle
     takes its padding from cu_seqlens; sbhd/bshd may give padding masks as cu_seqlens."""
     if fmt == "thd":
         packed = _packings(q, k, *cu_seqlens, *max_seqlens, attention_mask, mask_type)
-        return packed, PADDED_MASK_TYPE[mask_type], (packed[0].padding, packed[1].padding)
+        return packed, PADDED_MASK_TYPE[mask_type], None
     for arg, t, given in (("max_seqlen_q", q, max_seqlens[0]), ("max_seqlen_kv", k, max_seqlens[1])):
         s = t.shape[0 if fmt == "sbhd" else 1] if isinstance(t, Tensor) and t.dim() == 4 else None
         if given is not None and given != s:
@@ -235,7 +236,7 @@ def _packings(q, k, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, at
             raise ValueError(f"{name}: {arg} must be 3-D (thd), got {getattr(t, 'shape', type(t).__name__)}")
     where_q = packing(cu_seqlens_q, max_seqlen_q, q.shape[0], "cu_seqlens_q", name)
     where_kv = packing(cu_seqlens_kv, max_seqlen_kv, k.shape[0], "cu_seqlens_kv", name)
-    if where_q.padding.shape[0] != where_kv.padding.shape[0]:
+    if where_q.cu_seqlens.numel() != where_kv.cu_seqlens.numel():
         raise ValueError(f"{name}: cu_seqlens_q and cu_seqlens_kv describe different numbers of sequences")
     return where_q, where_kv
 
@@ -297,9 +298,15 @@ def _extensions(**values) -> dict:
             if v is not None and not (k == "core_attention_bias_type" and v == "no_bias")}
 
 
-def _core_attention(q, k, v, options: dict, checkpoint: bool) -> Tensor:
+def _core_attention(q, k, v, options: dict, checkpoint: bool, packed=None) -> Tensor:
+    """ops.attention on (b, h, s, d) tensors; with `packed` (the (query, key/value) Packing of
+    thd inputs, given as (1, h, t, d) views), ops.attention_varlen on the (t, h, d) tokens."""
     def run(q, k, v):
-        return ops.attention(q, k, v, **options)
+        if packed is None:
+            return ops.attention(q, k, v, **options)
+        (cu_q, s_q), (cu_kv, s_kv) = packed
+        q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))
+        return ops.attention_varlen(q, k, v, cu_q, cu_kv, s_q, s_kv, **options)
 
     if checkpoint and torch.is_grad_enabled():
         return torch.utils.checkpoint.checkpoint(run, q, k, v, use_reentrant=False)

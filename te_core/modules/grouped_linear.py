@@ -3,6 +3,7 @@ one input (the experts of a mixture-of-experts layer), in one autograd Function.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import List, Optional, Sequence, Union
 
 import torch
@@ -11,6 +12,7 @@ from torch import Tensor, nn
 from ..quantization import gemm_slots
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise
 from ._base import QuantizedModule
+from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._wgrad import weight_grad
 from ._common import (
     check_fp8_gemms,
@@ -31,7 +33,7 @@ def _slot(i: int, role: str) -> str:
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, m_splits, step, num_gemms, fuse_wgrad, *params):
+    def forward(ctx, x, m_splits, step, num_gemms, fuse_wgrad, wgrad_store, *params):
         weights, biases = params[:num_gemms], params[num_gemms:]
         outs, saved = [], []
         for i, xi in enumerate(torch.split(x, m_splits)):
@@ -48,6 +50,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         ctx.step, ctx.m_splits, ctx.num_gemms = step, m_splits, num_gemms
         ctx.weight_meta = [(w.shape, w.dtype) for w in weights]
         ctx.fused_weights = weights if fuse_wgrad else (None,) * num_gemms  # their main_grad takes the wgrad
+        ctx.wgrad_store = wgrad_store  # delay_wgrad_compute=True: the wgrads are left for backward_dw
         ctx.bias_dtypes = [b.dtype for b in biases]
         ctx.x_dtype, ctx.needs_dx = x.dtype, x.requires_grad
         return torch.cat(outs, dim=0)
@@ -56,6 +59,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         saved, step = ctx.saved_tensors, ctx.step
         dxs, dws, dbs = [], [], []
+        batch = new_batch(ctx.wgrad_store)
         for i, dyi in enumerate(torch.split(dy.to(ctx.x_dtype), ctx.m_splits)):
             x_q, w_q = saved[2 * i], saved[2 * i + 1]
             shape, w_dtype = ctx.weight_meta[i]
@@ -63,7 +67,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 dxs.append(dyi.new_zeros(0, shape[1]))
                 # no tokens: a zero gradient, or nothing to add into main_grad
                 fused = ctx.fused_weights[i] is not None
-                dws.append(None if fused else torch.zeros(shape, dtype=w_dtype, device=dy.device))
+                dws.append(None if fused else weight_grad_or_defer(batch, f"weight{i}", partial(
+                    torch.zeros, shape, dtype=w_dtype, device=dy.device)))
                 dbs.append(torch.zeros(shape[0], dtype=w_dtype, device=dy.device) if ctx.bias_dtypes else None)
                 continue
             dy_q, db = step.grad_operand(
@@ -71,14 +76,15 @@ class _GroupedLinearFunction(torch.autograd.Function):
             )
             if ctx.needs_dx:
                 dxs.append(dgrad_gemm(dy_q, w_q, out_dtype=ctx.x_dtype))
-            dws.append(weight_grad(dy_q, x_q, w_dtype, ctx.fused_weights[i], "GroupedLinear"))
+            dws.append(weight_grad_or_defer(batch, f"weight{i}", partial(
+                weight_grad, dy_q, x_q, w_dtype, ctx.fused_weights[i], "GroupedLinear")))
             dbs.append(None if db is None else db.to(ctx.bias_dtypes[i]))
         step.backward_done()
         dx = torch.cat(dxs, dim=0) if ctx.needs_dx else None
-        return (dx, None, None, None, None, *dws, *(dbs if ctx.bias_dtypes else ()))
+        return (dx, None, None, None, None, None, *dws, *(dbs if ctx.bias_dtypes else ()))
 
 
-class GroupedLinear(QuantizedModule):
+class GroupedLinear(DelayedWgradMixin, QuantizedModule):
     """Rows m_splits[0], m_splits[1], ... of the input go through weight0, weight1, ...;
     parameters weight{i} (out_features, in_features) and bias{i}, as in Transformer Engine."""
 
@@ -93,6 +99,7 @@ class GroupedLinear(QuantizedModule):
         device: Union[None, str, torch.device] = None,
         return_bias: bool = False,
         fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
         **kwargs,
     ):
         name = "GroupedLinear"
@@ -112,6 +119,7 @@ class GroupedLinear(QuantizedModule):
                 init(weight)
             self.register_parameter(f"weight{i}", primary_weight(self, f"gemm{i}_weight", weight))
             self.register_parameter(f"bias{i}", nn.Parameter(torch.zeros(out_features, **factory)) if bias else None)
+        self.init_delayed_wgrad(delay_wgrad_compute, name)
 
     def _params(self, prefix: str) -> List[Tensor]:
         return [getattr(self, f"{prefix}{i}") for i in range(self.num_gemms)]
@@ -134,7 +142,7 @@ class GroupedLinear(QuantizedModule):
         biases = self._params("bias") if self.use_bias and not self.return_bias else []
         with no_torch_autocast(inp.device.type):
             y = _GroupedLinearFunction.apply(x, m_splits, step, self.num_gemms, self.fuse_wgrad_accumulation,
-                                             *self._params("weight"), *biases)
+                                             self.delayed_wgrad_store(), *self._params("weight"), *biases)
         y = y.view(*inp.shape[:-1], self.out_features)
         if self.return_bias:
             return y, self._params("bias") if self.use_bias else None

@@ -7,15 +7,18 @@ kept for the backward GEMMs; dgrad flows into the norm's backward.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
 from ..distributed import tensor_parallel
+from ..distributed.norm_gather import shard_grad
 from ..quantization import gemm_slots
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise
 from ._base import QuantizedModule
+from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._param_split import ParameterSplitMixin
 from ._wgrad import weight_grad
 from ._common import (
@@ -59,12 +62,13 @@ def norm_settings(module: QuantizedModule) -> dict:
     return dict(eps=module.eps, normalization=module.normalization, zero_centered_gamma=module.zero_centered_gamma)
 
 
-def fused_outputs(y, inp: Tensor, out_features: int, bias: Optional[Tensor], ln_out: Optional[Tensor],
+def fused_outputs(y, shape: torch.Size, out_features: int, bias: Optional[Tensor], ln_out: Optional[Tensor],
                   residual: Optional[Tensor] = None):
-    """y shaped like inp (last dim out_features; a tuple of split views each shaped so), then
-    the bias when it is returned unapplied, then the norm's output when it is returned (TE's
-    order), then the residual when asked for: a tensor alone, else a tuple."""
-    lead = inp.shape[:-1]
+    """y shaped like the input of the GEMM, of shape `shape` (last dim out_features; a tuple of
+    split views each shaped so), then the bias when it is returned unapplied, then the norm's
+    output when it is returned (TE's order), then the residual when asked for: a tensor alone,
+    else a tuple."""
+    lead = shape[:-1]
     if isinstance(y, tuple):
         result = (tuple(part.view(*lead, part.shape[-1]) for part in y),)
     else:
@@ -72,9 +76,9 @@ def fused_outputs(y, inp: Tensor, out_features: int, bias: Optional[Tensor], ln_
     if bias is not None:
         result += (bias,)
     if ln_out is not None:
-        result += (ln_out.view(inp.shape),)
+        result += (ln_out.view(shape),)
     if residual is not None:
-        result += (residual.view(inp.shape),)
+        result += (residual.view(shape),)
     return result[0] if len(result) == 1 else result
 
 
@@ -118,7 +122,8 @@ def norm_input_grad(ctx, dy_q, w_q, d_ln_out, dtype):
     if not ctx.needs_norm:
         return None
     d_ln = dgrad_gemm(dy_q, w_q, out_dtype=dtype)
-    return d_ln if d_ln_out is None else d_ln + d_ln_out
+    d_ln = d_ln if d_ln_out is None else d_ln + d_ln_out
+    return shard_grad(ctx.step, d_ln)  # under sequence parallelism, the norm's shard of it
 
 
 def norm_grads(ctx, d_ln, x, stats, ln_weight, d_residual=None):
@@ -155,7 +160,7 @@ def normalized_operand(
 class _LayerNormLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, weight, bias, step, norm, return_ln_out, split_sizes, return_residual,
-                fuse_wgrad=False):
+                fuse_wgrad=False, wgrad_store=None):
         ln_out_q, stats, ln_out = normalized_operand(
             step, "input", x, ln_weight, ln_bias, norm, columnwise=weight.requires_grad, keep_hp=return_ln_out
         )
@@ -168,6 +173,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
                               keep_columnwise(w_q) if needs_norm_grad(x, ln_weight, ln_bias) else None, *stats)
         ctx.step, ctx.norm, ctx.weight_dtype = step, norm, weight.dtype
         ctx.fused_weight = weight if fuse_wgrad else None  # its main_grad takes the wgrad
+        ctx.wgrad_store = wgrad_store  # delay_wgrad_compute=True: the wgrad is left for backward_dw
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.needs = (x.requires_grad, weight.requires_grad)
         ctx.needs_norm = needs_norm_grad(x, ln_weight, ln_bias)
@@ -191,16 +197,17 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         dy_q, dbias = step.grad_operand(
             "grad_output", dys[0] if ctx.parts == 1 else dys, columnwise=needs_dw, with_dbias=ctx.bias_dtype is not None
         )
-        dw = weight_grad(dy_q, ln_out_q, ctx.weight_dtype, ctx.fused_weight, "LayerNormLinear") if needs_dw else None
+        dw = weight_grad_or_defer(new_batch(ctx.wgrad_store), "weight", partial(
+            weight_grad, dy_q, ln_out_q, ctx.weight_dtype, ctx.fused_weight, "LayerNormLinear")) if needs_dw else None
         d_ln = norm_input_grad(ctx, dy_q, w_q, d_ln_out, x.dtype)
         del dy_q  # freed before the norm backward allocates dx
         dx, d_ln_w, d_ln_b = norm_grads(ctx, d_ln, x, stats, ln_weight, d_res)
         step.backward_done()
         dbias = None if dbias is None else dbias.to(ctx.bias_dtype)
-        return dx if needs_dx else None, d_ln_w, d_ln_b, dw, dbias, None, None, None, None, None, None
+        return dx if needs_dx else None, d_ln_w, d_ln_b, dw, dbias, None, None, None, None, None, None, None
 
 
-class LayerNormLinear(ParameterSplitMixin, tensor_parallel.TensorParallelMixin, QuantizedModule):
+class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParallelMixin, QuantizedModule):
     """y = norm(x) @ weight.T + bias. Parameters layer_norm_weight, layer_norm_bias (LayerNorm
     only), weight (out_features, in_features), bias.
 
@@ -227,6 +234,7 @@ class LayerNormLinear(ParameterSplitMixin, tensor_parallel.TensorParallelMixin, 
         return_layernorm_output: bool = False,
         zero_centered_gamma: bool = False,
         device: Union[None, str, torch.device] = None,
+        delay_wgrad_compute: bool = False,
         **kwargs,
     ):
         name = "LayerNormLinear"
@@ -259,6 +267,7 @@ class LayerNormLinear(ParameterSplitMixin, tensor_parallel.TensorParallelMixin, 
         self.reset_parameters()
         self.weight = primary_weight(self, "weight", self.weight)
         self.apply_parameters_split(parameters_split, name)
+        self.init_delayed_wgrad(delay_wgrad_compute, name)
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -287,12 +296,13 @@ class LayerNormLinear(ParameterSplitMixin, tensor_parallel.TensorParallelMixin, 
             raise NotImplementedError("LayerNormLinear: return_residual=True with sequence_parallel=True is not "
                                       "supported yet; keep the residual from the module's input yourself")
         dtype = compute_dtype(inp)
-        full_inp = inp
-        if self.parallel_mode == "column":  # cast first: the gather moves the compute dtype's bytes
-            full_inp = tensor_parallel.column_parallel_input(self, inp.to(dtype))
-        x = full_inp.reshape(-1, self.in_features).to(dtype)
         step = self.quantization_step(is_first_microbatch)
-        check_fp8_gemms(step, "LayerNormLinear", (x.shape[0], self.out_features, self.in_features))
+        norm_inp, gemm_shape = inp, inp.shape
+        if self.parallel_mode == "column":  # cast first: a gather moves the compute dtype's bytes
+            norm_inp, step, gemm_shape = tensor_parallel.norm_input(self, inp.to(dtype), step, "input")
+        x = norm_inp.reshape(-1, self.in_features).to(dtype)
+        check_fp8_gemms(step, "LayerNormLinear", (gemm_shape.numel() // self.in_features, self.out_features,
+                                                  self.in_features))
         fused_bias = None if self.return_bias else bias
         norm = norm_settings(self)
         # under tensor parallelism the residual's gradient must not join the input's before the sum
@@ -310,8 +320,9 @@ class LayerNormLinear(ParameterSplitMixin, tensor_parallel.TensorParallelMixin, 
                 split_sizes,
                 residual_fused,
                 self.fuse_wgrad_accumulation,
+                self.delayed_wgrad_store(),
             )
         out, ln_out, residual = unpack_outputs(out, inp, return_ln_out=self.return_layernorm_output,
                                                return_residual=return_residual, residual_fused=residual_fused)
         y = out[0] if split_sizes is None else tuple(out)
-        return fused_outputs(y, full_inp, self.out_features, bias if self.return_bias else None, ln_out, residual)
+        return fused_outputs(y, gemm_shape, self.out_features, bias if self.return_bias else None, ln_out, residual)

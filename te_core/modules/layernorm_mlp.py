@@ -8,6 +8,7 @@ and the norm backward, with the bias gradients fused into the gradient casts.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional, Union
 
 import torch
@@ -20,6 +21,7 @@ from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise
 from . import _saved
 from ._activation import activation_op, split_activation
 from ._base import QuantizedModule
+from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._wgrad import weight_grad
 from ._common import (
     check_fp8_gemms,
@@ -90,7 +92,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, step, norm, activation, return_ln_out,
-        return_residual, fuse_wgrad=False,
+        return_residual, fuse_wgrad=False, wgrad_store=None,
     ):
         ln_out_q, stats, ln_out = normalized_operand(
             step, "fc1_input", x, ln_weight, ln_bias, norm, columnwise=fc1_weight.requires_grad, keep_hp=return_ln_out
@@ -113,6 +115,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         ctx.bias_dtypes = (None if fc1_bias is None else fc1_bias.dtype, None if fc2_bias is None else fc2_bias.dtype)
         ctx.weight_dtypes = (fc1_weight.dtype, fc2_weight.dtype)
         ctx.fused_weights = (fc1_weight, fc2_weight) if fuse_wgrad else (None, None)  # main_grad takes the wgrad
+        ctx.wgrad_store = wgrad_store  # delay_wgrad_compute=True: the wgrads are left for backward_dw
         ctx.needs = (x.requires_grad, fc1_weight.requires_grad, fc2_weight.requires_grad)
         ctx.needs_norm = needs_norm_grad(x, ln_weight, ln_bias)
         ctx.return_residual = return_residual
@@ -133,7 +136,9 @@ class _LayerNormMLPFunction(torch.autograd.Function):
             "fc2_grad_output", dy.to(x.dtype), columnwise=needs_dw2, with_dbias=ctx.bias_dtypes[1] is not None
         )
         fc1_fused, fc2_fused = ctx.fused_weights
-        d_fc2_w = weight_grad(dy_q, act_q, ctx.weight_dtypes[1], fc2_fused, "LayerNormMLP") if needs_dw2 else None
+        batch = new_batch(ctx.wgrad_store)
+        d_fc2_w = weight_grad_or_defer(batch, "fc2_weight", partial(
+            weight_grad, dy_q, act_q, ctx.weight_dtypes[1], fc2_fused, "LayerNormMLP")) if needs_dw2 else None
         del act_q
         d_act = dgrad_gemm(dy_q, fc2_w_q, out_dtype=x.dtype)
         del dy_q, fc2_w_q
@@ -142,7 +147,8 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         dh_q, d_fc1_b = activation_grad_operand(
             step, "fc1_grad_output", d_act_and_h, ctx.activation, columnwise=needs_dw1, with_dbias=ctx.bias_dtypes[0]
         )
-        d_fc1_w = weight_grad(dh_q, ln_out_q, ctx.weight_dtypes[0], fc1_fused, "LayerNormMLP") if needs_dw1 else None
+        d_fc1_w = weight_grad_or_defer(batch, "fc1_weight", partial(
+            weight_grad, dh_q, ln_out_q, ctx.weight_dtypes[0], fc1_fused, "LayerNormMLP")) if needs_dw1 else None
         del ln_out_q
         d_ln = norm_input_grad(ctx, dh_q, fc1_w_q, d_ln_out, x.dtype)
         del dh_q, fc1_w_q
@@ -150,10 +156,10 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         step.backward_done()
         d_fc1_b, d_fc2_b = (None if d is None else d.to(t) for d, t in zip((d_fc1_b, d_fc2_b), ctx.bias_dtypes))
         return (dx if needs_dx else None, d_ln_w, d_ln_b, d_fc1_w, d_fc1_b, d_fc2_w, d_fc2_b,
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
-class LayerNormMLP(tensor_parallel.TensorParallelMixin, QuantizedModule):
+class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, QuantizedModule):
     """y = fc2(act(fc1(norm(x)))). Parameters layer_norm_weight, layer_norm_bias (LayerNorm
     only), fc1_weight (ffn_hidden_size, or 2 * ffn_hidden_size for gated activations, x
     hidden_size), fc1_bias, fc2_weight (hidden_size x ffn_hidden_size), fc2_bias.
@@ -182,6 +188,7 @@ class LayerNormMLP(tensor_parallel.TensorParallelMixin, QuantizedModule):
         return_layernorm_output: bool = False,
         zero_centered_gamma: bool = False,
         device: Union[None, str, torch.device] = None,
+        delay_wgrad_compute: bool = False,
         **kwargs,
     ):
         name = "LayerNormMLP"
@@ -220,6 +227,7 @@ class LayerNormMLP(tensor_parallel.TensorParallelMixin, QuantizedModule):
         self.reset_parameters()
         self.fc1_weight = primary_weight(self, "fc1_weight", self.fc1_weight)
         self.fc2_weight = primary_weight(self, "fc2_weight", self.fc2_weight)
+        self.init_delayed_wgrad(delay_wgrad_compute, name)
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -235,10 +243,11 @@ class LayerNormMLP(tensor_parallel.TensorParallelMixin, QuantizedModule):
         residual: its gradient is then summed into the input's inside the norm's backward."""
         check_input(inp, self.hidden_size, module="LayerNormMLP", device=self.fc1_weight.device)
         dtype = compute_dtype(inp)
-        # cast first: the gather under sequence parallelism moves the compute dtype's bytes
-        x = tensor_parallel.column_parallel_input(self, inp.to(dtype)).reshape(-1, self.hidden_size)
         step = self.quantization_step(is_first_microbatch)
-        m = x.shape[0]
+        # cast first: a gather under tensor parallelism moves the compute dtype's bytes
+        x, step, fc1_shape = tensor_parallel.norm_input(self, inp.to(dtype), step, "fc1_input")
+        x = x.reshape(-1, self.hidden_size)
+        m = fc1_shape.numel() // self.hidden_size
         check_fp8_gemms(
             step,
             "LayerNormMLP",
@@ -265,10 +274,11 @@ class LayerNormMLP(tensor_parallel.TensorParallelMixin, QuantizedModule):
                 self.return_layernorm_output,
                 residual_fused,
                 self.fuse_wgrad_accumulation,
+                self.delayed_wgrad_store(),
             )
         out, ln_out, residual = unpack_outputs(out, inp, return_ln_out=self.return_layernorm_output,
                                                return_residual=return_residual, residual_fused=residual_fused)
         if self.tp_size > 1:
             out[0] = tensor_parallel.row_parallel_output(self, out[0], None if self.return_bias else self.fc2_bias)
-        return fused_outputs(out[0], inp, self.hidden_size, self.fc2_bias if self.return_bias else None, ln_out,
+        return fused_outputs(out[0], inp.shape, self.hidden_size, self.fc2_bias if self.return_bias else None, ln_out,
                              residual)

@@ -6,6 +6,7 @@ column-wise copies for the backward GEMMs, then dgrad, wgrad and the fused dbias
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -15,6 +16,7 @@ from ..distributed import tensor_parallel
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise
 from ..quantization.roles import gemm_slots
 from ._base import QuantizedModule
+from ._delayed_wgrad import DelayedWgradMixin, WeightGradStore, new_batch, weight_grad_or_defer
 from ._param_split import ParameterSplitMixin
 from ._wgrad import weight_grad
 from ._common import (
@@ -34,6 +36,7 @@ class _Options(NamedTuple):
     compute_dtype: torch.dtype
     fuse_wgrad_accumulation: bool
     grad_enabled: bool  # read outside the Function: inside forward, grad mode is always off
+    wgrad_store: Optional[WeightGradStore] = None  # delay_wgrad_compute=True: wgrad left for backward_dw
 
 
 def _fprop(inp: Tensor, weight: Tensor, bias: Optional[Tensor], step, options: _Options,
@@ -84,7 +87,8 @@ class _LinearFunction(torch.autograd.Function):
             dx = dx if dx.shape == ctx.inp_shape else dx.reshape(ctx.inp_shape)
         if ctx.need_wgrad:
             fused = weight if ctx.options.fuse_wgrad_accumulation else None
-            dw = weight_grad(dy_op, x_op, weight.dtype, fused, "Linear")
+            dw = weight_grad_or_defer(new_batch(ctx.options.wgrad_store), "weight",
+                                      partial(weight_grad, dy_op, x_op, weight.dtype, fused, "Linear"))
         step.backward_done()
         if dbias is not None:
             dbias = dbias.to(ctx.bias_dtype)
@@ -95,14 +99,15 @@ def _split_output(y: Tensor, inp: Tensor, split_sizes) -> tuple:
     return tuple(_output(part, inp) for part in y.split(split_sizes, dim=-1))
 
 
-class Linear(ParameterSplitMixin, tensor_parallel.TensorParallelMixin, QuantizedModule):
+class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParallelMixin, QuantizedModule):
     """Applies y = x @ weight.T + bias. Runs in FP8 per the recipe under te_core.autocast,
     in high precision (ops.gemm) otherwise.
 
     FP8 GEMMs need the tokens (product of the leading input dims), in_features and
     out_features to be multiples of 16 (32 with MXFP8): otherwise a ValueError names the shape.
     With fuse_wgrad_accumulation=True the weight gradient is added into `weight.main_grad`
-    (which you allocate) and weight.grad stays None.
+    (which you allocate) and weight.grad stays None. With delay_wgrad_compute=True the backward
+    leaves the weight gradient to `module.backward_dw()` (see te_core/modules/_delayed_wgrad.py).
 
     Tensor parallelism (Transformer Engine's arguments, see te_core.distributed.tensor_parallel):
     parallel_mode="column" splits out_features over the tp_size ranks of tp_group, "row" splits
@@ -121,6 +126,7 @@ class Linear(ParameterSplitMixin, tensor_parallel.TensorParallelMixin, Quantized
         init_method: Optional[Callable[[Tensor], None]] = None,
         parallel_mode: Optional[str] = None,
         fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
         name: Optional[str] = None,
         sequence_parallel: bool = False,
         tp_group=None,
@@ -148,6 +154,7 @@ class Linear(ParameterSplitMixin, tensor_parallel.TensorParallelMixin, Quantized
         self.name = name
         self._create_parameters(init_method or _default_init)
         self.apply_parameters_split(parameters_split, "Linear")
+        self.init_delayed_wgrad(delay_wgrad_compute, "Linear")
         if parallel_mode == "row":
             tensor_parallel.mark_sequence_parallel(self, [self.bias])
 
@@ -178,10 +185,11 @@ class Linear(ParameterSplitMixin, tensor_parallel.TensorParallelMixin, Quantized
                 raise NotImplementedError("Linear: split_sizes with parallel_mode='row' and tp_size > 1 is not "
                                           "supported; split the summed output yourself")
             split_sizes = check_split_sizes(split_sizes, self.out_features, "Linear")
-        if self.parallel_mode == "column":
-            inp = tensor_parallel.column_parallel_input(self, inp)
         step = self.quantization_step(is_first_microbatch)
-        options = _Options(compute_dtype(inp), self.fuse_wgrad_accumulation, torch.is_grad_enabled())
+        if self.parallel_mode == "column":  # under sequence parallelism, FP8 all-gather where the recipe allows
+            inp = tensor_parallel.column_parallel_input(self, inp, step)
+        options = _Options(compute_dtype(inp), self.fuse_wgrad_accumulation, torch.is_grad_enabled(),
+                           self.delayed_wgrad_store())
         fused_bias = None if self.return_bias or reduce_output else bias
         with no_torch_autocast(inp.device.type):  # operands are cast here, not by torch.autocast
             if options.grad_enabled and (inp.requires_grad or weight.requires_grad

@@ -16,7 +16,7 @@ from .activation import (
     dbias_cast_transpose,
     dbias_cast_transpose_parts,
 )
-from .attention import ATTN_MASK_TYPES, attention
+from .attention import ATTN_MASK_TYPES, attention, attention_varlen
 from .cast import (
     cast_transpose_fp8,
     dequantize_blockwise,

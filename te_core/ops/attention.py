@@ -21,6 +21,7 @@ core_attention_bias_type: "no_bias"; "pre_scale_bias" ((q k^T + bias) * scale);
 A query row with every key masked gives zeros. Implementations must support autograd
 (gradients for q, k, v and the bias); dropout_p > 0 draws from the backend's device RNG.
 Backends that cannot run a window, a bias or a mask type natively decline it in `supports`.
+attention_varlen (below) is the same over packed variable-length sequences (qkv_format "thd").
 """
 from __future__ import annotations
 
@@ -58,3 +59,34 @@ def attention(
 ) -> Tensor:
     """Returns out."""
 
+
+
+@contract_op("attention")
+def attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_kv: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    *,
+    attn_mask_type: str = "padding",
+    softmax_scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    window_size: Optional[Tuple[int, int]] = None,
+    bottom_right_diagonal: Optional[bool] = None,
+    core_attention_bias_type: str = "no_bias",
+    core_attention_bias: Optional[Tensor] = None,
+    alibi_slopes: Optional[Tensor] = None,
+) -> Tensor:
+    """Attention over packed variable-length sequences (qkv_format "thd"): q is (t_q, hq, d),
+    k and v (t_kv, hkv, d) / (t_kv, hkv, dv); sequence i holds rows cu_seqlens_q[i] ..
+    cu_seqlens_q[i + 1] - 1 of q and cu_seqlens_kv[i] .. cu_seqlens_kv[i + 1] - 1 of k and v
+    (1-D integer offsets on q's device, b + 1 each, starting at 0 and ending at t). Each sequence
+    attends only within itself, exactly as `attention` on the padded (b, h, max_seqlen, d)
+    batch with padding masks from the lengths: attn_mask_type is a padding type ("padding",
+    "padding_causal", "padding_causal_bottom_right"), window and diagonal per sequence's
+    lengths; core_attention_bias is (b|1, hq|1, max_seqlen_q|1, max_seqlen_kv) in the padded
+    coordinates. max_seqlen_* bound the lengths. Returns out (t_q, hq, dv) in q's dtype;
+    no padding is computed by an implementation with a variable-length kernel."""

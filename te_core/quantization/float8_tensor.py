@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from .float8_views import FLOAT8_VIEW_OPS
 from .tensor import TENSOR, GemmOperand, QuantizedOperand, QuantizedTensor
 
 
@@ -70,6 +71,21 @@ class _Float8Layout:
 
 class Float8Tensor(_Float8Layout, QuantizedTensor):
     __doc__ = _Float8Layout.__doc__
+
+    _view_ops = FLOAT8_VIEW_OPS
+
+    # FSDP2's all-gather extension points (torch.distributed.fsdp.fully_shard): a shard of an FP8
+    # primary weight is all-gathered as its FP8 bytes; see te_core.distributed.fsdp. Imported at
+    # the call: the distributed layer builds on this one, not the reverse.
+    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        from ..distributed.fsdp import pre_all_gather
+
+        return pre_all_gather(self, mesh, orig_size)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        from ..distributed.fsdp import post_all_gather
+
+        return post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
 
 
 class Float8Operand(_Float8Layout, QuantizedOperand):

@@ -145,6 +145,8 @@ class QuantizationStep(CalibrationStep):
         return result
 
     def operand(self, slot, x, *, columnwise=False):
+        if isinstance(x, QUANTIZED):  # quantized already: an FP8 all-gather under sequence parallelism
+            return x
         return self._quantize(slot, x, columnwise)
 
     def weight_operand(self, slot, weight, *, columnwise=False):

@@ -37,6 +37,9 @@ class QuantizedTensor(Tensor):
     _quantizer: Any
     # The QuantizedOperand class `make` builds instead while torch.compile traces (set per format).
     _traced_twin: Optional[type] = None
+    # aten op -> handler that keeps the quantized form (returns NotImplemented where it does not
+    # apply): a format's views (see float8_views), and the ops that refuse a format (below).
+    _view_ops: dict = {}
 
     @staticmethod
     def __new__(cls, shape, nominal_dtype: torch.dtype, device: torch.device, quantizer=None):
@@ -74,7 +77,10 @@ class QuantizedTensor(Tensor):
         return self._quantizer
 
     def _same_kind(self) -> "QuantizedTensor":
-        twin = type(self).__new__(type(self), self.shape, self.dtype, self.device, self._quantizer)
+        cls = type(self)
+        if cls._traced_twin is not None and torch.compiler.is_compiling():
+            cls = cls._traced_twin  # a primary FP8 weight inside a compiled graph: no subclass made there
+        twin = cls.__new__(cls, self.shape, self.dtype, self.device, self._quantizer)
         for name, value in self._payload().items():
             setattr(twin, name, value)
         return twin
@@ -87,7 +93,11 @@ class QuantizedTensor(Tensor):
         hp = hp.detach().reshape(self.shape).to(self.dtype)
         fresh = self._quantizer.quantize(hp, columnwise=self.has_columnwise)
         for name, value in fresh._payload().items():
-            setattr(self, name, value)
+            old = getattr(self, name)
+            if _same_layout(old, value):
+                old.copy_(value)  # in place: a captured graph keeps reading these buffers
+            else:
+                setattr(self, name, value)
         return self
 
     def __repr__(self, *, tensor_contents=None) -> str:
@@ -122,6 +132,11 @@ class QuantizedTensor(Tensor):
         kwargs = kwargs or {}
         if func in (aten.detach.default, aten.alias.default):
             return args[0]._same_kind()
+        handler = cls._view_ops.get(func)
+        if handler is not None:
+            out = handler(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         if func is aten.clone.default:
             return args[0]._with_payload(lambda t: t.clone())
         if func is aten._to_copy.default and kwargs.get("dtype") in (None, args[0].dtype):
@@ -154,6 +169,27 @@ class QuantizedOperand:
 
 
 QUANTIZED = (QuantizedTensor, QuantizedOperand)  # what GEMM helpers read as quantized operands
+
+
+def _refuse_sharding(t, *args, **kwargs):
+    """new_zeros is how FSDP2 (fully_shard) pads a parameter's shard: a format without views
+    (block and MXFP8 scales span rows) would be dequantized there, silently, into a
+    high-precision shard, so it is refused with the ways out."""
+    raise NotImplementedError(
+        f"new_zeros on a {type(t).__name__} (what FSDP2's fully_shard calls to shard a parameter): FSDP2 with "
+        "FP8 all-gather supports quantized_model_init with DelayedScaling or Float8CurrentScaling only. Build "
+        "the model without te.quantized_model_init (FSDP2 then all-gathers high-precision weights and the "
+        "recipe quantizes them in each forward), or use one of those recipes for the primary weights")
+
+
+QuantizedTensor._view_ops = {aten.new_zeros.default: _refuse_sharding}
+
+
+def _same_layout(old, new) -> bool:
+    """Whether quantized data `new` can be written into `old`'s buffer (eager only: a traced
+    graph must not mutate payloads behind dynamo's back)."""
+    return (isinstance(old, Tensor) and isinstance(new, Tensor) and old is not new and old.shape == new.shape
+            and old.dtype == new.dtype and old.device == new.device and not torch.compiler.is_compiling())
 
 
 def _dequantized(value):

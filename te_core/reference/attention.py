@@ -3,7 +3,8 @@
 GQA/MQA repeats each kv head for its group of query heads; which keys a query sees (mask
 types, padding, sliding window) and the ALiBi bias come from te_core.ops.attention_masks;
 fully-masked rows are handled by softmax.masked_softmax; dropout draws from the default
-generator of q's device.
+generator of q's device. attention_varlen pads the packed sequences, runs attention with the
+padding masks their lengths give, and packs the result (te_core.ops.packed_sequences).
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from ..ops.attention_masks import (
     masked_keys,
     resolve_window,
 )
+from ..ops.attention import PADDING_MASK_TYPES
+from ..ops.packed_sequences import check_cu_seqlens, padded_layout, to_packed, to_padded
 from .cast import check_float, check_ndim
 from .softmax import check_bool_mask, masked_softmax
 
@@ -94,3 +97,46 @@ def attention(
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p, training=True)
     return as_dtype(probs @ v32, q.dtype)
+
+
+def attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_kv: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    *,
+    attn_mask_type: str = "padding",
+    softmax_scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    window_size: Optional[Tuple[int, int]] = None,
+    bottom_right_diagonal: Optional[bool] = None,
+    core_attention_bias_type: str = "no_bias",
+    core_attention_bias: Optional[Tensor] = None,
+    alibi_slopes: Optional[Tensor] = None,
+) -> Tensor:
+    """The contract's definition itself: `attention` on the padded batch, packed again."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float(name, t)
+        check_ndim(name, t, 3)
+    if attn_mask_type not in PADDING_MASK_TYPES:
+        raise ValueError(f"attention_varlen: attn_mask_type={attn_mask_type!r} must be a padding type "
+                         f"({', '.join(PADDING_MASK_TYPES)}); packed sequences are always padded")
+    s_q = check_cu_seqlens(cu_seqlens_q, max_seqlen_q, q.shape[0], "cu_seqlens_q", "attention_varlen")
+    s_kv = check_cu_seqlens(cu_seqlens_kv, max_seqlen_kv, k.shape[0], "cu_seqlens_kv", "attention_varlen")
+    if cu_seqlens_q.numel() != cu_seqlens_kv.numel():
+        raise ValueError("attention_varlen: cu_seqlens_q and cu_seqlens_kv describe different numbers of sequences "
+                         f"({cu_seqlens_q.numel() - 1} and {cu_seqlens_kv.numel() - 1})")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"attention_varlen: k {tuple(k.shape)} and v {tuple(v.shape)} hold different token counts")
+    where_q = padded_layout(cu_seqlens_q, s_q, q.shape[0])
+    where_kv = padded_layout(cu_seqlens_kv, s_kv, k.shape[0])
+    out = attention(
+        to_padded(q, where_q), to_padded(k, where_kv), to_padded(v, where_kv), attn_mask_type=attn_mask_type,
+        attention_mask=where_kv.padding, query_padding_mask=where_q.padding, softmax_scale=softmax_scale,
+        dropout_p=dropout_p, window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
+        core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
+        alibi_slopes=alibi_slopes)
+    return to_packed(out, where_q)

@@ -46,6 +46,17 @@ def test_te_imports_resolve_to_te_core(stand_in):
     assert importlib.import_module("transformer_engine.pytorch.quantization").check_fp8_support() == (True, "")
 
 
+def test_distribution_metadata_follows_the_stand_in(stand_in):
+    """Integrations look up the distribution before importing (Accelerate reads its metadata)."""
+    import importlib.metadata
+
+    assert importlib.metadata.version("transformer-engine") == stand_in.__version__
+    assert importlib.metadata.metadata("transformer_engine")["Name"] == "transformer-engine"
+    uninstall_transformer_engine()
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("transformer-engine")
+
+
 def test_global_state_queries_follow_autocast(stand_in):
     from transformer_engine.common.recipe import DelayedScaling, Format
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager

@@ -36,6 +36,7 @@ IMPLEMENTED = {
         "fuse_wgrad_accumulation": MODULES + "test_linear.py", "name": COMPAT,
         "parameters_split": MODULES + "test_parameters_split.py",
         **TENSOR_PARALLEL, "rng_tracker_name": DIST + "test_rng_tracker.py",
+        "delay_wgrad_compute": MODULES + "test_delay_wgrad.py",
     },
     ("Linear", "forward"): {"is_first_microbatch": MODULES + "test_fp8_modules.py"},
     ("LayerNormLinear", "__init__"): {
@@ -46,6 +47,7 @@ IMPLEMENTED = {
         **TENSOR_PARALLEL, "parallel_mode": DIST + "test_errors.py",
         "fuse_wgrad_accumulation": MODULES + "test_fuse_wgrad.py",
         "parameters_split": MODULES + "test_parameters_split.py",
+        "delay_wgrad_compute": MODULES + "test_delay_wgrad.py",
     },
     ("LayerNormLinear", "forward"): {"is_first_microbatch": MODULES + "test_fp8_modules.py"},
     ("LayerNormMLP", "__init__"): {
@@ -57,11 +59,13 @@ IMPLEMENTED = {
         **TENSOR_PARALLEL, "set_parallel_mode": DIST + "test_errors.py",
         "activation_params": MODULES + "test_layernorm_linear.py",
         "fuse_wgrad_accumulation": MODULES + "test_fuse_wgrad.py",
+        "delay_wgrad_compute": MODULES + "test_delay_wgrad.py",
     },
     ("LayerNormMLP", "forward"): {"is_first_microbatch": MODULES + "test_fp8_modules.py"},
     ("GroupedLinear", "__init__"): {
         "bias": COMPAT, "init_method": COMPAT, "return_bias": COMPAT, "params_dtype": COMPAT, "device": COMPAT,
         "parallel_mode": COMPAT, "fuse_wgrad_accumulation": MODULES + "test_fuse_wgrad.py",
+        "delay_wgrad_compute": MODULES + "test_delay_wgrad.py",
     },
     ("GroupedLinear", "forward"): {"is_first_microbatch": COMPAT},
     ("LayerNorm", "__init__"): {
@@ -140,6 +144,9 @@ IMPLEMENTED = {
     ("make_graphed_callables", "call"): {
         "num_warmup_iters": MODULES + "test_graphs.py", "allow_unused_input": COMPAT,
         "fp8_enabled": MODULES + "test_graphs.py", "fp8_recipe": MODULES + "test_graphs.py", "fp8_group": COMPAT,
+        "fp8_weight_caching": MODULES + "test_graphs.py", "enabled": MODULES + "test_graphs_model.py",
+        "recipe": MODULES + "test_graphs_model.py", "amax_reduction_group": MODULES + "test_graphs.py",
+        "cache_quantized_params": MODULES + "test_graphs_model.py",
     },
     ("autocast", "__init__"): {
         "enabled": "quantization/test_autocast.py", "calibrating": "quantization/test_autocast.py",

@@ -2,7 +2,8 @@
 optimizer steps on 4 gloo ranks, each with its own data, the sharded model's parameters equal
 the DDP model's (BF16, and FP8 delayed scaling with the amaxes reduced over the ranks), also
 with tensor parallelism inside each data-parallel replica.
-FP8 all-gather of FSDP2 parameters is not implemented: the all-gather moves high precision."""
+These weights are high precision, and FSDP2 all-gathers them as they are; FP8 primary weights
+and their FP8 all-gather are tested in test_fsdp2_fp8.py."""
 from __future__ import annotations
 
 import pytest

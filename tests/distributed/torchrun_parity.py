@@ -1,5 +1,5 @@
-"""The tensor-parallel parity cases of test_tensor_parallel.py and test_attention_parallel.py on
-real devices and their collective library (NCCL, MCCL), one process per device, launched with
+"""The tensor-parallel parity cases of test_tensor_parallel.py and test_attention_parallel.py, and
+(with 2 processes) the FP8 all-gather checks of test_fp8_gather.py, on real devices and their collective library (NCCL, MCCL), one process per device, launched with
 torchrun:
 
     torchrun --nproc-per-node 2 -m tests.distributed.torchrun_parity
@@ -22,6 +22,7 @@ from ._attention_parity import check_attention_parity
 from ._parity import check_parity
 from ._pool import RankContext
 from .test_attention_parallel import CASES as ATTENTION_CASES
+from .test_fp8_gather import CHECKS as FP8_GATHER_CHECKS
 from .test_tensor_parallel import CASES
 
 
@@ -33,11 +34,14 @@ def main() -> int:
     world, rank = dist.get_world_size(), dist.get_rank()
     ctx = RankContext(rank, world, {world: dist.group.WORLD})
     try:
-        runs = [(check_parity, c) for c in CASES] + [(check_attention_parity, c) for c in ATTENTION_CASES]
-        for check, case in ((f, c) for f, c in runs if c.tp == world):
-            check(ctx, case)
+        runs = [(check_parity, (c,)) for c in CASES if c.tp == world]
+        runs += [(check_attention_parity, (c,)) for c in ATTENTION_CASES if c.tp == world]
+        runs += FP8_GATHER_CHECKS if world == 2 else []
+        for check, args in runs:
+            check(ctx, *args)
             if rank == 0:
-                print(f"ok  {case}  (backend {selected.name}, collectives {dist.get_backend_config()})", flush=True)
+                name = " ".join([check.__name__, *map(str, args)])
+                print(f"ok  {name}  (backend {selected.name}, collectives {dist.get_backend_config()})", flush=True)
     finally:
         dist.destroy_process_group()
     return 0

@@ -5,6 +5,8 @@ import torch
 
 import te_core.modules as tm
 
+from ._compare import seeded
+
 
 def plain_attention(q, k, v, mask_type, mask, scale):
     """q (b, hq, sq, d), k/v (b, hkv, sk, d); float64 math."""
@@ -29,7 +31,7 @@ def plain_attention(q, k, v, mask_type, mask, scale):
 @pytest.mark.parametrize("mask_type", ["causal", "no_mask", "padding", "padding_causal"])
 @pytest.mark.parametrize("heads, groups", [(4, 4), (6, 2), (3, 1)])
 def test_matches_plain_attention_forward_and_grads(fmt, mask_type, heads, groups):
-    g = torch.Generator().manual_seed(heads * 10 + groups)
+    g = seeded(heads * 10 + groups)
     b, s, d = 2, 7, 12
     q = torch.randn(b, heads, s, d, generator=g, requires_grad=True)
     k = torch.randn(b, groups, s, d, generator=g, requires_grad=True)
@@ -52,7 +54,7 @@ def test_matches_plain_attention_forward_and_grads(fmt, mask_type, heads, groups
 
 
 def test_softmax_scale_and_kv_channels_tuple():
-    g = torch.Generator().manual_seed(3)
+    g = seeded(3)
     q, k = torch.randn(5, 2, 2, 8, generator=g), torch.randn(5, 2, 2, 8, generator=g)
     v = torch.randn(5, 2, 2, 4, generator=g)
     dpa = tm.DotProductAttention(2, (8, 4), attn_mask_type="no_mask", softmax_scale=0.3)
@@ -115,7 +117,7 @@ def plain_rope(x, freqs):  # x (s, b, h, d), non-interleaved, full rotary dim
 
 
 def test_rotary_embedding_matches_plain_formula_and_grads():
-    g = torch.Generator().manual_seed(7)
+    g = seeded(7)
     freqs = tm.RotaryPositionEmbedding(16)(9)
     assert freqs.shape == (9, 1, 1, 16) and freqs.dtype == torch.float32
     x = torch.randn(5, 2, 3, 16, generator=g, requires_grad=True)
@@ -243,7 +245,7 @@ def _case_inputs(case, b, h, sq, sk, g):
 def test_dot_product_attention_matches_float64(case, heads, groups, sq, sk):
     """Every mask type, sliding window, bias type and GQA grouping, forward and gradients
     (q, k, v and a post/pre-scale bias), in bshd."""
-    g = torch.Generator().manual_seed(heads * 100 + groups * 10 + sq)
+    g = seeded(heads * 100 + groups * 10 + sq)
     b, d, scale = 2, 8, 0.35
     q = torch.randn(b, heads, sq, d, generator=g, requires_grad=True)
     k = torch.randn(b, groups, sk, d, generator=g, requires_grad=True)
@@ -262,7 +264,7 @@ def test_dot_product_attention_matches_float64(case, heads, groups, sq, sk):
 
 
 def test_bf16_window_and_alibi_within_bf16_tolerance():
-    g = torch.Generator().manual_seed(11)
+    g = seeded(11)
     q, k, v = (torch.randn(7, 2, 4, 16, generator=g) for _ in range(3))
     dpa = tm.DotProductAttention(4, 16, attn_mask_type="causal", window_size=(3, 0))
     out = dpa(q.bfloat16(), k.bfloat16(), v.bfloat16(), core_attention_bias_type="alibi")
@@ -273,7 +275,7 @@ def test_bf16_window_and_alibi_within_bf16_tolerance():
 
 
 def test_window_set_in_the_constructor_and_overridden_in_forward():
-    g = torch.Generator().manual_seed(12)
+    g = seeded(12)
     q, k, v = (torch.randn(6, 2, 2, 8, generator=g) for _ in range(3))
     perm = lambda t: t.permute(1, 2, 0, 3)  # noqa: E731
     dpa = tm.DotProductAttention(2, 8, attn_mask_type="no_mask", window_size=(1, 1), bottom_right_diagonal=False)
@@ -286,7 +288,7 @@ def test_window_set_in_the_constructor_and_overridden_in_forward():
 
 
 def test_checkpoint_core_attention_gives_the_same_values_and_gradients():
-    g = torch.Generator().manual_seed(13)
+    g = seeded(13)
     qkv = [torch.randn(5, 2, 2, 8, generator=g, requires_grad=True) for _ in range(3)]
     dpa = tm.DotProductAttention(2, 8, window_size=(2, 0))
     plain = dpa(*qkv)
@@ -360,10 +362,10 @@ def test_multihead_attention_window_bias_and_qkv_layouts(fuse_qkv_params, qkv_we
     mha = _mha(attn_mask_type="causal", window_size=(2, 0), fuse_qkv_params=fuse_qkv_params,
                qkv_weight_interleaved=qkv_weight_interleaved)
     assert mha.qkv_weight_interleaved == (fuse_qkv_params and qkv_weight_interleaved)
-    x = torch.randn(6, 2, 32, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(6, 2, 32, generator=seeded(6))
     want = mha64(mha, x, mask_type="causal", window=(2, 0))
     torch.testing.assert_close(mha(x).double(), want, rtol=1.3e-6, atol=1e-5)
-    slopes = torch.rand(4, generator=torch.Generator().manual_seed(7))
+    slopes = torch.rand(4, generator=seeded(7))
     got = mha(x, attn_mask_type="no_mask", window_size=(1, 1), bottom_right_diagonal=False,
               core_attention_bias_type="alibi", alibi_slopes=slopes)
     want = mha64(mha, x, window=(1, 1), bottom_right=False, bias_type="alibi", slopes=slopes)
@@ -372,7 +374,7 @@ def test_multihead_attention_window_bias_and_qkv_layouts(fuse_qkv_params, qkv_we
 
 def test_multihead_attention_bias_padding_rope_and_checkpoint():
     mha = _mha(attn_mask_type="padding", rotary_pos_interleaved=True)
-    g = torch.Generator().manual_seed(8)
+    g = seeded(8)
     x = torch.randn(5, 2, 32, generator=g)
     pad = (torch.arange(5)[None, :] >= torch.tensor([5, 3])[:, None]).view(2, 1, 1, 5)
     bias = torch.randn(1, 4, 5, 5, generator=g)
@@ -385,20 +387,20 @@ def test_multihead_attention_bias_padding_rope_and_checkpoint():
     assert not torch.allclose(got, mha(x, attention_mask=pad, rotary_pos_emb=freqs))  # the bias is not ignored
 
 
-def test_multihead_attention_constructor_options_reach_their_parts():
-    calls = []
+def test_multihead_attention_constructor_options_reach_their_parts(module_backend):
+    calls, device = [], module_backend.device
     mha = tm.MultiheadAttention(
         32, 4, kv_channels=16, attention_dropout=0.25, layernorm_epsilon=1e-3, num_gqa_groups=2,
         init_method=lambda w: calls.append("qkv") or torch.nn.init.ones_(w),
         output_layer_init_method=lambda w: calls.append("proj") or torch.nn.init.zeros_(w),
         attn_mask_type="padding", window_size=(3, 3), bottom_right_diagonal=False, params_dtype=torch.bfloat16,
         return_layernorm_output=True, input_layernorm=True, attention_type="self", zero_centered_gamma=True,
-        bias=False, normalization="RMSNorm", device="cpu", qkv_format="bshd",
+        bias=False, normalization="RMSNorm", device=device, qkv_format="bshd",
     )
     qkv, core = mha.layernorm_qkv, mha.core_attention
     assert calls == ["qkv", "proj"] and torch.all(qkv.weight == 1) and torch.all(mha.proj.weight == 0)
     assert qkv.weight.shape == (4 * 16 + 2 * 2 * 16, 32) and qkv.weight.dtype == torch.bfloat16
-    assert qkv.weight.device == torch.device("cpu") and qkv.bias is None and mha.proj.bias is None
+    assert qkv.weight.device == device and qkv.bias is None and mha.proj.bias is None
     assert qkv.eps == 1e-3 and qkv.zero_centered_gamma and qkv.normalization == "RMSNorm"
     assert (core.attention_dropout, core.attn_mask_type, core.window_size) == (0.25, "padding", (3, 3))
     assert core.bottom_right_diagonal is False and core.qkv_format == "bshd" and core.num_gqa_groups == 2
@@ -422,7 +424,7 @@ def test_transformer_layer_passes_attention_arguments_to_the_right_block():
     Transformer Engine gives each: self-attention the self_* ones, cross-attention the
     enc_dec_* ones, both the bias type (and checkpointing changes nothing)."""
     layer = _decoder(self_attn_mask_type="causal", enc_dec_attn_mask_type="padding")
-    g = torch.Generator().manual_seed(10)
+    g = seeded(10)
     x, enc = torch.randn(5, 2, 32, generator=g), torch.randn(6, 2, 32, generator=g)
     q_pad = torch.zeros(2, 1, 1, 5, dtype=torch.bool)
     kv_pad = (torch.arange(6)[None, :] >= torch.tensor([6, 4])[:, None]).view(2, 1, 1, 6)
@@ -441,7 +443,7 @@ def test_transformer_layer_bias_and_window_from_the_constructor():
     torch.manual_seed(14)
     layer = tm.TransformerLayer(32, 64, 4, hidden_dropout=0.0, attention_dropout=0.0, self_attn_mask_type="padding",
                                 window_size=(1, 1), bottom_right_diagonal=False)
-    g = torch.Generator().manual_seed(15)
+    g = seeded(15)
     x, bias = torch.randn(5, 2, 32, generator=g), torch.randn(1, 4, 5, 5, generator=g)
     slopes = torch.rand(2, 4, generator=g)
     pad = (torch.arange(5)[None, :] >= torch.tensor([5, 3])[:, None]).view(2, 1, 1, 5)
@@ -493,7 +495,7 @@ def _packed_case(lengths_q, lengths_kv, heads, groups, d, g):
 def test_thd_packed_sequences_match_each_sequence_alone(mask_type, heads, groups):
     """Each packed sequence attends only to itself: the packed result equals float64 attention
     on every sequence separately (causal types on thd are their padding twins, as in TE)."""
-    g = torch.Generator().manual_seed(21 + heads + groups)
+    g = seeded(21 + heads + groups)
     d, lq, lkv = 8, [3, 5, 1], [4, 5, 2]
     q, k, v, cu_q, cu_kv = _packed_case(lq, lkv, heads, groups, d, g)
     packed = [torch.cat(parts).requires_grad_() for parts in (q, k, v)]
@@ -513,7 +515,7 @@ def test_thd_packed_sequences_match_each_sequence_alone(mask_type, heads, groups
 
 
 def test_cu_seqlens_stand_for_padding_masks_in_bshd_and_through_the_layer():
-    g = torch.Generator().manual_seed(22)
+    g = seeded(22)
     q, k, v = (torch.randn(2, 5, 2, 8, generator=g) for _ in range(3))
     cu = torch.tensor([0, 5, 8])
     pad = (torch.arange(5)[None, :] >= torch.tensor([5, 3])[:, None]).view(2, 1, 1, 5)

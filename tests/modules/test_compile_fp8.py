@@ -1,7 +1,10 @@
 """torch.compile(fullgraph=True) of te_core modules under te_core.autocast, every recipe:
 forward and backward over several steps equal eager, and so does the delayed-scaling state
-(scales and amax histories) after the steps. The compiled graph runs the same op
-implementations as eager (the te_core custom ops), so results are compared bit for bit."""
+(scales and amax histories) after the steps. On the reference backend the compiled graph runs
+the same op implementations as eager (the te_core custom ops), so results are compared bit for
+bit. An accelerator backend's graph may run the plain-torch twins of its ops (OpImpl.traced):
+the same FP8 bytes, but GEMMs and sums the compiler schedules, which round differently in the
+last bits of a float32 output; there results are compared within bf16's tolerance."""
 
 import copy
 
@@ -60,8 +63,12 @@ def _scaling_state(model):
 
 def _assert_identical(got, want, what):
     assert len(got) == len(want)
+    exact = te.get_backend().name == "reference"
     for i, (g, w) in enumerate(zip(got, want)):
-        assert torch.equal(g, w), f"{what}[{i}]: compiled differs from eager by {(g - w).abs().max()}"
+        if exact:
+            assert torch.equal(g, w), f"{what}[{i}]: compiled differs from eager by {(g - w).abs().max()}"
+        else:
+            torch.testing.assert_close(g, w, rtol=1.6e-2, atol=1e-5, msg=lambda m: f"{what}[{i}]: {m}")
 
 
 @pytest.mark.parametrize("module", list(MODULES))
@@ -113,7 +120,7 @@ def test_inductor_updates_histories_in_place():
             assert now is t and now.data_ptr() == ptr, f"step {i}: {name} was replaced, not updated in place"
     want, got = _scaling_state(eager_model), _scaling_state(compiled_model)
     assert any(t.abs().sum() > 0 for (_, _, k), t in want.items() if k == "amax_history")
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    _assert_identical(list(got.values()), list(want.values()), "scaling state")
 
 
 def _check_against_eager(name, module, backend):

@@ -9,7 +9,7 @@ import te_core.modules as tm
 from te_core import recipe
 from te_core.quantization import autocast
 
-from ._compare import randomize_
+from ._compare import randomize_, seeded
 from .plain import PlainNormLinear, PlainNormMLP
 
 RECIPES = {
@@ -35,7 +35,7 @@ def fp8_vs_plain(te_mod, ref, x, rec, steps=2):
         x_te = x.clone().requires_grad_(True)
         with autocast(recipe=rec):
             y = te_mod(x_te)
-        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(9))
+        dy = torch.randn(y.shape, generator=seeded(9))
         y.backward(dy)
     x_ref = x.clone().requires_grad_(True)
     y_ref = ref(x_ref)

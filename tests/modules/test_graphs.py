@@ -1,7 +1,10 @@
 """te_core.make_graphed_callables on the CPU: the capture is emulated by a fake graph API that,
 like a real graph, replays constants without running any te_core Python, so these tests see
 what the graphed callable itself must do (schedule the scale updates of both directions).
-The real capture runs on the GPU in backends/cuda/tests/test_cuda_graphs.py."""
+The real capture runs on the GPU in backends/cuda/tests/test_cuda_graphs.py and test_graphs_model.py;
+whole models, weight caching and FP8 weights around an emulated capture: test_graphs_model.py."""
+import warnings
+
 import pytest
 import torch
 
@@ -63,7 +66,7 @@ def test_capture_queues_no_backward_update_and_restores_the_state(fake_graphs, m
     queued.clear()
     before = {role: (g.amax_history.clone(), g.scale.clone()) for role, g in lin._recipe_state.groups.items()}
     assert any(h.ne(0).any() for h, _ in before.values())
-    graphs.make_graphed_callables(lin, (x,), num_warmup_iters=2, fp8_enabled=True, fp8_recipe=RECIPE)
+    graphs.make_graphed_callables(lin, (x,), num_warmup_iters=2, enabled=True, recipe=RECIPE)
     assert queued == []  # an update queued while capturing would end up inside the backward graph
     for role, group in lin._recipe_state.groups.items():
         assert torch.equal(group.amax_history, before[role][0]) and torch.equal(group.scale, before[role][1])
@@ -86,14 +89,14 @@ def test_capture_flag_reaches_autograd_threads(fake_graphs, monkeypatch):
 
 def test_fresh_state_made_during_capture_starts_fresh(fake_graphs):
     lin, x = _linear()
-    graphs.make_graphed_callables(lin, (x,), fp8_enabled=True, fp8_recipe=RECIPE)
+    graphs.make_graphed_callables(lin, (x,), enabled=True, recipe=RECIPE)
     for group in lin._recipe_state.groups.values():
         assert group.amax_history.eq(0).all() and group.scale.eq(1).all()
 
 
 def test_replay_schedules_both_directions_updates(fake_graphs):
     lin, x = _linear()
-    graphed = graphs.make_graphed_callables(lin, (x,), fp8_enabled=True, fp8_recipe=RECIPE)
+    graphed = graphs.make_graphed_callables(lin, (x,), enabled=True, recipe=RECIPE)
     groups = graphed._recipe_state.groups
     for i, group in enumerate(groups.values()):  # the replay records nothing: seed the amaxes
         group.amax_history[0] = 2.0 + i
@@ -111,7 +114,7 @@ def test_replay_schedules_both_directions_updates(fake_graphs):
 
 def test_graphed_module_names_wrong_autocast(fake_graphs):
     lin, x = _linear()
-    graphed = graphs.make_graphed_callables(lin, (x,), fp8_enabled=True, fp8_recipe=RECIPE)
+    graphed = graphs.make_graphed_callables(lin, (x,), enabled=True, recipe=RECIPE)
     with pytest.raises(RuntimeError, match="inside te_core.autocast"):
         graphed(x)
     with pytest.raises(RuntimeError, match="bake in the captured recipe"):
@@ -131,8 +134,26 @@ def test_graphed_module_names_wrong_autocast(fake_graphs):
 
 def test_bad_arguments_name_the_problem(fake_graphs):
     lin, x = _linear()
-    with pytest.raises(NotImplementedError, match="fp8_weight_caching"):
-        graphs.make_graphed_callables(lin, (x,), fp8_weight_caching=True)
+    with pytest.raises(ValueError, match="cache_quantized_params=True caches FP8 weights, so it needs enabled"):
+        graphs.make_graphed_callables(lin, (x,), cache_quantized_params=True)
+    with pytest.raises(TypeError, match="cache_quantized_params must be a bool"):
+        graphs.make_graphed_callables(lin, (x,), enabled=True, cache_quantized_params="yes")
+    with pytest.raises(ValueError, match="enabled has 1 entries for 2 modules"):
+        graphs.make_graphed_callables((lin, _linear()[0]), ((x,), (x,)), enabled=(True,))
+    with pytest.raises(TypeError, match="enabled must be a bool or a tuple of bools"):
+        graphs.make_graphed_callables(lin, (x,), enabled=1)
+    with pytest.raises(TypeError, match="recipe must be a te_core.recipe recipe"):
+        graphs.make_graphed_callables(lin, (x,), enabled=True, recipe="delayed")
+    with pytest.raises(NotImplementedError, match="calibrating=True"):
+        graphs.make_graphed_callables(lin, (x,), calibrating=True)
+    with pytest.raises(NotImplementedError, match="retain_graph_in_backward .*; sample_kwargs"):
+        graphs.make_graphed_callables(lin, (x,), retain_graph_in_backward=True, sample_kwargs={"a": x})
+    with pytest.raises(TypeError, match="unexpected keyword arguments fp8_weights"):
+        graphs.make_graphed_callables(lin, (x,), fp8_weights=True)
+    lin.register_forward_hook(lambda *a: None)
+    with pytest.raises(RuntimeError, match="Linear has hooks registered"):
+        graphs.make_graphed_callables(lin, (x,))
+    lin, x = _linear()
     with pytest.raises(TypeError, match="nn.Module"):
         graphs.make_graphed_callables(lambda t: t, (x,))
     with pytest.raises(ValueError, match="2 modules but 1 sets"):
@@ -143,6 +164,31 @@ def test_bad_arguments_name_the_problem(fake_graphs):
         graphs.make_graphed_callables(lin, (torch.randn(16, 32, device="meta"),))
 
 
+def test_te_defaults_and_deprecated_names(fake_graphs):
+    """TE's defaults of the arguments te-core does not implement ask for nothing; the fp8_* names
+    warn, as in Transformer Engine, and giving both spellings of one argument is an error."""
+    lin, x = _linear()
+    graphs.make_graphed_callables(lin, (x,), sample_kwargs=None, pool=None, retain_graph_in_backward=False,
+                                  clone_param_grads_on_return=True, calibrating=False, capture_time_hooks=None)
+    group = object()
+    lin, x = _linear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = graphs.make_graphed_callables(lin, (x,), fp8_enabled=True, fp8_recipe=RECIPE, fp8_group=group,
+                                            fp8_weight_caching=True)
+    assert sorted(str(w.message) for w in caught if w.category is DeprecationWarning) == [
+        f"make_graphed_callables: {old_name} is deprecated; use {new_name}" for old_name, new_name in (
+            ("fp8_enabled", "enabled"), ("fp8_group", "amax_reduction_group"), ("fp8_recipe", "recipe"),
+            ("fp8_weight_caching", "cache_quantized_params"))]
+    with te.autocast(recipe=RECIPE, amax_reduction_group=group):
+        old(x, is_first_microbatch=True)  # captured with caching: the flag is taken
+    with pytest.raises(ValueError, match="fp8_recipe is the deprecated name of recipe; pass only recipe"):
+        graphs.make_graphed_callables(lin, (x,), enabled=True, fp8_recipe=RECIPE, recipe=RECIPE)
+    with pytest.raises(ValueError, match="fp8_weight_caching is the deprecated name of cache_quantized_params"):
+        graphs.make_graphed_callables(lin, (x,), enabled=True, fp8_weight_caching=True, cache_quantized_params=True)
+
+
+@pytest.mark.reference_only
 def test_no_graph_capture_on_the_cpu():
     lin, x = _linear()
     with pytest.raises(NotImplementedError, match="no graph capture for device type 'cpu'"):
@@ -150,9 +196,25 @@ def test_no_graph_capture_on_the_cpu():
 
 
 def test_scale_inv_is_recomputed_while_capturing():
-    group = ScalingGroup(["a", "b"], torch.float8_e4m3fn, RECIPE, torch.device("cpu"))
+    group = ScalingGroup(["a", "b"], torch.float8_e4m3fn, RECIPE, torch.get_default_device())
     assert group.scale_inv() is group.scale_inv()  # eager: one snapshot until the scale changes
     with graph_capture():
         first, second = group.scale_inv(), group.scale_inv()
         assert first is not second  # each capture records its own reciprocal of the live scale
         torch.testing.assert_close(second, 1 / group.scale)
+
+
+def test_amax_reduction_group_reaches_the_capture(monkeypatch):
+    from te_core.quantization import get_autocast_context
+
+    seen = []
+
+    def recording_graph_api(callables, sample_args, num_warmup_iters, allow_unused_input):
+        seen.append(get_autocast_context().amax_reduction_group)
+        return callables
+
+    monkeypatch.setattr(graphs, "_graph_api", lambda device: recording_graph_api)
+    group = object()
+    lin, x = _linear()
+    graphs.make_graphed_callables(lin, (x,), enabled=True, recipe=RECIPE, amax_reduction_group=group)
+    assert seen == [group]

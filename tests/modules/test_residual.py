@@ -12,7 +12,7 @@ from te_core import backend, ops, recipe
 from te_core.modules import _norm
 from te_core.quantization import autocast
 
-from ._compare import randomize_
+from ._compare import randomize_, seeded
 
 
 def _block(kind, normalization):
@@ -34,7 +34,7 @@ def _residual_step(module, x, fused, rec=None):
         else:
             y, residual = module(x), x
     out = residual + y
-    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(3)))
+    out.backward(torch.randn(out.shape, generator=seeded(3)))
     return out.detach(), x.grad, {n: p.grad for n, p in module.named_parameters()}
 
 
@@ -80,7 +80,7 @@ def test_cast_input_keeps_its_own_residual():
     """Under torch.autocast the block computes in bf16; the residual stays the fp32 input."""
     module = _block("linear", "LayerNorm")
     x = torch.randn(4, 32, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
         y, residual = module(x, return_residual=True)
     assert residual.dtype == torch.float32 and torch.equal(residual, x)
     (residual + y.float()).sum().backward()

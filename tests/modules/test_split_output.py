@@ -11,7 +11,7 @@ import te_core.modules as tm
 from te_core import ops, recipe
 from te_core.quantization import autocast, quantizers
 
-from ._compare import randomize_
+from ._compare import randomize_, seeded
 
 RECIPES = {
     "none": lambda: None,
@@ -43,7 +43,7 @@ def test_split_output_equals_split_of_the_output(cls, rec, used):
     randomize_(module, seed=3, std=0.2)
     twin = copy.deepcopy(module)
     x = torch.randn(4, 8, 48)
-    g = torch.Generator().manual_seed(5)
+    g = seeded(5)
     # an unused part's gradient is zeros (autograd materializes it for the Function)
     dys = [torch.randn(4, 8, n, generator=g) * (i in used) for i, n in enumerate(SPLIT)]
     got = _step(module, x, RECIPES[rec](), SPLIT, dys)

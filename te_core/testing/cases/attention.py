@@ -1,4 +1,4 @@
-"""Cases for ops.softmax, ops.rope and ops.attention (forward and the q, k, v gradients).
+"""Cases for ops.softmax, ops.rope, ops.attention and ops.attention_varlen (forward and the q, k, v gradients).
 
 Attention gets a slightly wider floor than TE's elementwise tolerances (fused kernels reorder
 the softmax reductions): 1e-5 relative in float32, 1.6e-2 absolute in 16-bit types.
@@ -108,3 +108,29 @@ _attention("post-scale-bias-gqa-2x4x2x7x7", 2, 4, 2, 7, 7, 16, mask_type="causal
 _attention("pre-scale-bias-1x2x5x8", 1, 2, 2, 5, 8, 16, bias="pre_scale_bias")
 _attention("alibi-padding-window-2x4x4x8x8", 2, 4, 4, 8, 8, 16, mask_type="padding", mask="padding_both",
            window_size=(2, 2), core_attention_bias_type="alibi")
+
+
+def _attention_varlen(name, lengths_q, lengths_kv, hq, hkv, d, dtype=torch.float32, mask_type="padding",
+                      **options):
+    """Packed sequences of the given lengths (a zero length is an empty sequence); `options`
+    (window_size, bottom_right_diagonal, softmax_scale) pass as they are."""
+
+    @case("attention_varlen", f"{name}-{short(dtype)}", tol=ATTN_TOL[dtype], grad_of=(0, 1, 2))
+    def make(gen):
+        q = randn(gen, sum(lengths_q), hq, d, dtype=dtype)
+        k = randn(gen, sum(lengths_kv), hkv, d, dtype=dtype)
+        v = randn(gen, sum(lengths_kv), hkv, d, dtype=dtype)
+        cu_q, cu_kv = (torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+                       for lengths in (lengths_q, lengths_kv))
+        args = (q, k, v, cu_q, cu_kv, max(lengths_q), max(lengths_kv))
+        return args, dict(attn_mask_type=mask_type, **options)
+
+
+_attention_varlen("self-4x2-d16", [5, 9, 3], [5, 9, 3], 4, 2, 16)
+_attention_varlen("causal-bottom-right-gqa-d32", [3, 8, 6], [7, 8, 9], 4, 1, 32, dtype=torch.bfloat16,
+                  mask_type="padding_causal_bottom_right")
+_attention_varlen("causal-self-empty-seq-d64", [6, 0, 11], [6, 0, 11], 2, 2, 64, dtype=torch.bfloat16,
+                  mask_type="padding_causal")
+_attention_varlen("window-scale-d16", [10, 4], [10, 4], 2, 2, 16, dtype=torch.float16, window_size=(2, 1),
+                  softmax_scale=0.2)
+_attention_varlen("causal-top-left-sq-lt-sk", [3, 5], [6, 5], 2, 2, 8, mask_type="padding_causal")

@@ -2,8 +2,11 @@
 
 Memory-bound families (cast, norm, activation, softmax, rope, loss, scaling) run te_triton
 kernels with this GPU's tuning configs (te_backend_cuda.configs); GEMMs run cuBLASLt/cuBLAS
-(scaled_mm), attention cuDNN through SDPA (attention), Adam torch's fused kernels (optimizer).
+(scaled_mm), attention cuDNN through SDPA (attention) and packed sequences FlashAttention-2's
+varlen kernels (attention_varlen), Adam torch's fused kernels (optimizer).
 Each op's supports() declines (so the reference runs) what its kernel does not take.
+Tensor-wise casts and GEMMs also have plain-torch twins (traced) that torch.compile traces
+instead of the opaque op.
 
 The op functions are importable by their contract names (`ops.quantize_fp8`, ...); they launch
 on the current device, while the registered ones launch on their tensors' device.
@@ -14,7 +17,8 @@ from typing import Dict
 
 from te_core.backend.types import OpImpl
 
-from .. import attention, optimizer, scaled_mm
+from .. import attention, attention_varlen, optimizer, scaled_mm
+from ..traced import TRACED
 from . import activation, cast, loss, norm, rope, scaling, softmax
 from .activation import (activation_bwd, activation_bwd_dbias_cast_transpose, activation_fwd, dbias,
                          dbias_cast_transpose, dbias_cast_transpose_parts)
@@ -67,12 +71,14 @@ _AS_THEY_ARE = {
     "gemm_fp8": (scaled_mm.gemm_fp8, scaled_mm.supports_gemm_fp8),
     "gemm": (scaled_mm.gemm, scaled_mm.supports_gemm),
     "attention": (attention.attention, attention.supports_attention),
+    "attention_varlen": (attention_varlen.attention_varlen, attention_varlen.supports_attention_varlen),
     "multi_tensor_adam": (optimizer.multi_tensor_adam, optimizer.supports_multi_tensor_adam),
 }
 
 
 def native_ops() -> Dict[str, OpImpl]:
     """op name -> OpImpl for every op this backend runs natively."""
-    impls = {name: OpImpl(on_device(fn), supports) for name, (fn, supports) in _ON_TENSOR_DEVICE.items()}
-    impls.update((name, OpImpl(fn, supports)) for name, (fn, supports) in _AS_THEY_ARE.items())
+    impls = {name: OpImpl(on_device(fn), supports, TRACED.get(name))
+             for name, (fn, supports) in _ON_TENSOR_DEVICE.items()}
+    impls.update((name, OpImpl(fn, supports, TRACED.get(name))) for name, (fn, supports) in _AS_THEY_ARE.items())
     return impls

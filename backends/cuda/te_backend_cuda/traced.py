@@ -1,0 +1,143 @@
+"""Tensor-wise FP8 casts and GEMMs in plain torch operations: the ops' twins for torch.compile
+(OpImpl.traced).
+
+Under torch.compile each opaque op costs a trip through torch.library and this backend's
+Python on every call, which on a host-bound step makes the compiled step slower than the eager
+one. Traced in plain operations instead, the casts become kernels the compiler writes and
+fuses (the cast, its amax and its transpose read x once), launched by its own launcher, and
+the GEMM is one extern call of torch._scaled_mm.
+
+The math is the Triton kernels': x times the float32 scale, clamped to the format's max (NaN
+stays NaN), cast round-to-nearest-even; amax max|x| with NaN winning. So the FP8 bytes are
+the eager ones; a bias gradient sums its rows in another order. Anything else (casts maxing
+into an amax history slot, block scales, FP8 output of norms and activations, outputs written
+into `out`) returns NotImplemented and stays the opaque op.
+"""
+from __future__ import annotations
+
+import torch
+from te_core.backend.types import TENSORWISE
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLOAT32_MAX = torch.finfo(torch.float32).max
+MAX_NUMEL = 1 << 26  # the Triton kernels' descriptor (TMA) threshold: configs.TMA_MIN_NUMEL
+
+
+def _takes(x, fp8_dtype, scale=None, amax_out=None) -> bool:
+    """Whether the twin takes the call. Not with `amax_out` (delayed scaling's history slot):
+    the compiler's code for maxing a reduction into a slice of a graph input is slower than
+    the opaque kernel, which maxes it in with one atomic. Not for tensors of MAX_NUMEL
+    elements or more: steps with such tensors are GPU-bound, and there the Triton
+    cast-transposes (one read, both layouts written) are faster than the compiler's cast,
+    transpose and reduction."""
+    if amax_out is not None or x.numel() >= MAX_NUMEL:
+        return False
+    if fp8_dtype not in FP8_MAX or x.dtype not in HP_DTYPES or not x.is_cuda or x.numel() == 0:
+        return False
+    return scale is None or (scale.numel() == 1 and scale.dtype == torch.float32)
+
+
+def _cast(x, scale, fp8_dtype):
+    fmax = FP8_MAX[fp8_dtype]
+    return torch.clamp(x.float() * scale.reshape(()), -fmax, fmax).to(fp8_dtype)
+
+
+def _amax(x):
+    """max|x|, NaN if x has one."""
+    return x.abs().amax().float()
+
+
+def quantize_fp8(x, scale, fp8_dtype, *, amax_out=None):
+    if not _takes(x, fp8_dtype, scale, amax_out):
+        return NotImplemented
+    return _cast(x, scale, fp8_dtype), _amax(x)
+
+
+def cast_transpose_fp8(x, scale, fp8_dtype, *, amax_out=None):
+    if not _takes(x, fp8_dtype, scale, amax_out) or x.dim() != 2:
+        return NotImplemented
+    data = _cast(x, scale, fp8_dtype)
+    return data, data.t().contiguous(), _amax(x)
+
+
+def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out=None):
+    if not _takes(dy, fp8_dtype, scale, amax_out) or dy.dim() != 2:
+        return NotImplemented
+    data = _cast(dy, scale, fp8_dtype)
+    return data, data.t().contiguous(), dy.float().sum(0).to(dy.dtype), _amax(dy)
+
+
+def _current_scale(amax, fmax, amax_epsilon, force_pow2_scales):
+    """The Triton current-scale kernel's rules: fmax / max(amax, eps); inf -> float32 max;
+    1 where amax is NaN or inf or the divisor 0; optionally rounded down to a power of two."""
+    amax_eff = torch.clamp_min(amax, float(amax_epsilon))
+    scale = torch.div(torch.full_like(amax_eff, fmax), amax_eff)
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLOAT32_MAX), scale)
+    bad = torch.isnan(amax) | torch.isinf(amax) | (amax_eff == 0)
+    scale = torch.where(bad, torch.ones_like(scale), scale)
+    if force_pow2_scales:
+        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
+    return scale
+
+
+def quantize_fp8_current(x, fp8_dtype, *, with_transpose=False, force_pow2_scales=False, amax_epsilon=0.0):
+    if not _takes(x, fp8_dtype) or (with_transpose and x.dim() != 2):
+        return NotImplemented
+    amax = _amax(x)
+    scale = _current_scale(amax.reshape(1), FP8_MAX[fp8_dtype], amax_epsilon, force_pow2_scales)
+    data = _cast(x, scale, fp8_dtype)
+    data_t = data.t().contiguous() if with_transpose else None
+    return data, data_t, scale, torch.div(torch.ones_like(scale), scale), amax
+
+
+def transpose_fp8(data):
+    if data.dtype not in FP8_MAX or data.dim() != 2 or not data.is_cuda:
+        return NotImplemented
+    return data.t().contiguous()
+
+
+def dequantize_fp8(data, scale_inv, out_dtype):
+    if data.dtype not in FP8_MAX or out_dtype not in HP_DTYPES or not data.is_cuda or scale_inv.numel() != 1:
+        return NotImplemented
+    return (data.float() * scale_inv.reshape(()).float()).to(out_dtype)
+
+
+def _gemm_takes(a, b, out_dtype) -> bool:
+    """fp8_gemm_decline_reason's rules that shapes and dtypes decide (a trace has no addresses:
+    the compiler allocates what it makes 16-byte aligned)."""
+    if a.dim() != 2 or b.dim() != 2 or a.dtype not in FP8_MAX or b.dtype not in FP8_MAX:
+        return False
+    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+        return False
+    (M, K), N = a.shape, b.shape[0]
+    return not (M % 16 or N % 16 or K % 16) and b.shape[1] == K and out_dtype in HP_DTYPES
+
+
+def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, bias=None, out=None,
+             accumulate=False, fast_accumulation=False):
+    if scaling != TENSORWISE or out is not None or accumulate or not (a.is_cuda and b.is_cuda):
+        return NotImplemented
+    if not _gemm_takes(a, b, out_dtype):
+        return NotImplemented
+    kwargs = dict(out_dtype=out_dtype, use_fast_accum=bool(fast_accumulation))
+    epilogue = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
+    if epilogue:
+        kwargs["bias"] = bias
+    # fresh 0-dim scales: cuBLASLt reads them with aligned loads
+    y = torch._scaled_mm(a.contiguous(), b.contiguous().t(), a_scale_inv.reshape(()).float().clone(),
+                         b_scale_inv.reshape(()).float().clone(), **kwargs)
+    if bias is not None and not epilogue:
+        y = (y.float() + bias.float()).to(out_dtype)
+    return y
+
+
+TRACED = {
+    "quantize_fp8": quantize_fp8,
+    "cast_transpose_fp8": cast_transpose_fp8,
+    "dbias_cast_transpose": dbias_cast_transpose,
+    "quantize_fp8_current": quantize_fp8_current,
+    "transpose_fp8": transpose_fp8,
+    "dequantize_fp8": dequantize_fp8,
+    "gemm_fp8": gemm_fp8,
+}

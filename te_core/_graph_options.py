@@ -1,0 +1,106 @@
+"""make_graphed_callables' arguments, in Transformer Engine 2.x's names and its older fp8_* ones,
+turned into one GraphOptions or a clear error.
+
+The fp8_* names (fp8_enabled, fp8_recipe, fp8_group, fp8_weight_caching, fp8_calibrating) still
+work and warn, as in Transformer Engine; giving both spellings of one argument is an error. TE
+arguments te-core does not implement raise NotImplementedError naming them, unless they hold
+TE's default value (which asks for nothing).
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from .quantization.autocast import _check_recipe
+from .recipe import Recipe
+
+# old name -> TE 2.x name
+_RENAMED = {
+    "fp8_enabled": "enabled", "fp8_calibrating": "calibrating", "fp8_recipe": "recipe",
+    "fp8_group": "amax_reduction_group", "fp8_weight_caching": "cache_quantized_params",
+}
+
+# TE arguments te-core does not implement -> (TE's default, why not)
+_NOT_IMPLEMENTED = {
+    "sample_kwargs": (None, "keyword arguments of the captured forward; pass tensors positionally"),
+    "_order": (None, "pipeline-parallel capture order"),
+    "_num_layers_per_chunk": (None, "pipeline-parallel capture order"),
+    "pool": (None, "a memory pool shared with other graphs"),
+    "retain_graph_in_backward": (False, "retain_graph in the backward capture"),
+    "_reuse_graph_input_output_buffers": (False, "pipeline-parallel buffer reuse"),
+    "clone_param_grads_on_return": (True, "returning parameter gradients that alias the graph's buffers"),
+    "pre_warmup_hook": (None, "warm-up hooks"),
+    "post_warmup_hook": (None, "warm-up hooks"),
+    "capture_time_hooks": (None, "capture-time hooks"),
+}
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """enabled: FP8 per module; recipe: the one the graphs bake in (None without FP8);
+    amax_reduction_group: as te_core.autocast's; cache_quantized_params: weight caching."""
+
+    enabled: Tuple[bool, ...]
+    recipe: Optional[Recipe]
+    amax_reduction_group: object
+    cache_quantized_params: bool
+
+
+def _pick(given: dict, old: str):
+    """The value of TE 2.x's name for `old`, taken from either spelling."""
+    new = _RENAMED[old]
+    old_value, new_value = given.pop(old, None), given.pop(new, None)
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise ValueError(f"make_graphed_callables: {old} is the deprecated name of {new}; pass only {new}")
+    warnings.warn(f"make_graphed_callables: {old} is deprecated; use {new}", DeprecationWarning, stacklevel=4)
+    return old_value
+
+
+def _enabled_per_module(enabled, n_modules: int) -> Tuple[bool, ...]:
+    if enabled is None:
+        return (False,) * n_modules
+    if isinstance(enabled, bool):
+        return (enabled,) * n_modules
+    if isinstance(enabled, tuple) and all(isinstance(e, bool) for e in enabled):
+        if len(enabled) != n_modules:
+            raise ValueError(f"make_graphed_callables: enabled has {len(enabled)} entries for {n_modules} modules; "
+                             "give one bool per module, or one bool for all")
+        return enabled
+    raise TypeError(f"make_graphed_callables: enabled must be a bool or a tuple of bools (one per module), "
+                    f"got {enabled!r}")
+
+
+def _reject_unimplemented(given: dict) -> None:
+    unknown = sorted(set(given) - set(_NOT_IMPLEMENTED))
+    if unknown:
+        raise TypeError(f"make_graphed_callables got unexpected keyword arguments {', '.join(unknown)}")
+    asked = sorted(name for name, value in given.items() if value != _NOT_IMPLEMENTED[name][0])
+    if asked:
+        why = "; ".join(f"{name} ({_NOT_IMPLEMENTED[name][1]})" for name in asked)
+        raise NotImplementedError(f"make_graphed_callables: not supported by te-core yet: {why}")
+
+
+def graph_options(n_modules: int, given: dict) -> GraphOptions:
+    """Options from make_graphed_callables' keyword arguments `given` (consumed)."""
+    given = dict(given)
+    enabled = _enabled_per_module(_pick(given, "fp8_enabled"), n_modules)
+    recipe = _pick(given, "fp8_recipe")
+    group = _pick(given, "fp8_group")
+    cache = _pick(given, "fp8_weight_caching")
+    for name in ("fp8_calibrating", "calibrating"):
+        if given.get(name):
+            raise NotImplementedError(f"make_graphed_callables: {name}=True (recording amaxes while computing in high "
+                                      "precision) is not supported in graphs by te-core yet; calibrate eagerly under "
+                                      "te_core.autocast(enabled=False, calibrating=True)")
+    _pick(given, "fp8_calibrating")
+    _reject_unimplemented(given)
+    if cache is not None and not isinstance(cache, bool):
+        raise TypeError(f"make_graphed_callables: cache_quantized_params must be a bool, got {cache!r}")
+    if cache and not any(enabled):
+        raise ValueError("make_graphed_callables: cache_quantized_params=True caches FP8 weights, so it needs "
+                         "enabled=True (for at least one module)")
+    recipe = _check_recipe(recipe, "make_graphed_callables")
+    return GraphOptions(enabled, recipe if any(enabled) else None, group, bool(cache))

@@ -1,0 +1,150 @@
+"""FSDP2 (torch.distributed.fsdp.fully_shard) with FP8 all-gather of FP8 primary weights.
+
+A weight made under `te.quantized_model_init` with DelayedScaling or Float8CurrentScaling is a
+Float8Tensor: FSDP2 shards it along dim 0 keeping it FP8 (see quantization/float8_views), and
+through torch's all-gather extension points (`fsdp_pre_all_gather` / `fsdp_post_all_gather` on
+the parameter's tensor class) each rank sends its shard's FP8 bytes, viewed as uint8 so that
+every process-group backend (gloo included) moves them. The gathered bytes become the full
+weight's Float8Tensor with the shards' common scale_inv, and its column-wise copy (a transpose
+of the bytes): what the module's GEMMs read, with no dequantization and no second cast.
+
+That needs one scale on every rank, the whole weight's. A shard is requantized (by the
+optimizer's in-place update, or a checkpoint load) through a ShardQuantizer, which all-reduces
+the shard's amax (MAX) over the FSDP group first:
+- delayed scaling: the whole weight's amax goes into the weight's amax history on every rank,
+  so the histories, and the scales made from them, stay identical; the cast uses that scale;
+- current scaling: the scale comes from the whole weight's amax, as the single-process cast of
+  the whole weight computes it.
+The first all-gather of a shard binds its ShardQuantizer to the FSDP group and requantizes the
+shard through it, so shards quantized before (at init from identical full weights, which
+leaves their FP8 bytes as they are, or by a load before the first forward) share a scale too.
+Each requantization costs one 4-byte all-reduce per weight.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import ops
+from ..backend.types import fp8_max
+from ..quantization.float8_tensor import Float8Tensor
+from ..quantization.quantizers import Float8CurrentScalingQuantizer, Float8Quantizer
+from ..reference.cast import amax_of, scale_from_amax
+
+__all__ = ["ShardQuantizer", "pre_all_gather", "post_all_gather"]
+
+SUPPORTED = (Float8Quantizer, Float8CurrentScalingQuantizer)
+
+
+class ShardQuantizer:
+    """Casts one FSDP2 shard of an FP8 primary weight with the scale of the whole weight (the
+    amax all-reduced over `group`), so every rank's shard has the same scale_inv. Wraps the
+    module's quantizer of that weight (`inner`), whose role, format and state it keeps."""
+
+    def __init__(self, inner, group):
+        if not isinstance(inner, SUPPORTED):
+            raise NotImplementedError(
+                f"FSDP2 FP8 all-gather: the weight's quantizer is a {type(inner).__name__}; supported are the "
+                "quantizers of DelayedScaling and Float8CurrentScaling (see te_core.distributed.fsdp)")
+        self.inner, self.group = inner, group
+
+    role = property(lambda self: self.inner.role)
+    fp8_dtype = property(lambda self: self.inner.fp8_dtype)
+    scaling_group = property(lambda self: self.inner.scaling_group)
+    split_accumulator = property(lambda self: self.inner.split_accumulator)
+    gemm_alignment = property(lambda self: self.inner.gemm_alignment)
+
+    def _scales(self, amax: Tensor) -> Tuple[Tensor, Tensor]:
+        """(scale, scale_inv) for the whole weight's amax."""
+        inner = self.inner
+        if isinstance(inner, Float8Quantizer):
+            inner.scaling_group.record(inner.column, amax)
+            return inner.scale, inner.scaling_group.scale_inv_of(inner.column)
+        scale = scale_from_amax(amax, fp8_max(inner.fp8_dtype), inner.amax_epsilon, inner.power_2_scale)
+        return scale.reshape(1), torch.reciprocal(scale).reshape(1)
+
+    def quantize(self, x: Tensor, *, columnwise: bool = False) -> Float8Tensor:
+        amax = amax_of(x).reshape(1)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        scale, scale_inv = self._scales(amax)
+        data, _ = ops.quantize_fp8(x, scale, self.fp8_dtype)
+        data_t = ops.transpose_fp8(data.reshape(-1, data.shape[-1])) if columnwise else None
+        return Float8Tensor.make(data, scale_inv, data_t, nominal_dtype=x.dtype, quantizer=self)
+
+    def __deepcopy__(self, memo):  # a copied model shares the process group, never copies it
+        return ShardQuantizer(copy.deepcopy(self.inner, memo), self.group)
+
+    def __repr__(self) -> str:
+        return f"ShardQuantizer({self.inner!r}, group size {dist.get_world_size(self.group)})"
+
+
+def _bind(shard: Float8Tensor, group) -> None:
+    """Make `shard` requantize through a ShardQuantizer of `group`, and requantize it now (see
+    the module docstring); every rank does this at the same all-gather, so the collective matches."""
+    quantizer = shard.quantizer
+    if isinstance(quantizer, ShardQuantizer):
+        if quantizer.group is group:
+            return
+        quantizer = quantizer.inner
+    if quantizer is None:
+        raise RuntimeError("FSDP2 FP8 all-gather: this Float8Tensor parameter has no quantizer, so its shards "
+                           "cannot be requantized after an update; create FP8 weights with te.quantized_model_init")
+    shard._quantizer = ShardQuantizer(quantizer, group)
+    shard.requantize_(shard.dequantize(torch.float32))
+
+
+def _check_shard(shard: Float8Tensor, orig_size: torch.Size) -> None:
+    if tuple(shard.shape[1:]) != tuple(orig_size[1:]):
+        raise NotImplementedError(
+            f"FSDP2 FP8 all-gather: a shard of shape {tuple(shard.shape)} of a weight of shape {tuple(orig_size)} "
+            "is not a block of rows; only FSDP2's default Shard(0) placement is supported (drop shard_placement_fn "
+            "for FP8 primary weights)")
+
+
+def pre_all_gather(shard: Float8Tensor, mesh, orig_size: torch.Size):
+    """(all-gather inputs, metadata): the shard's FP8 bytes as uint8, padded to FSDP2's padded
+    shard rows (ceil(rows / ranks)); the metadata is what post_all_gather needs."""
+    _check_shard(shard, orig_size)
+    _bind(shard, mesh.get_group())
+    data = shard._rowwise_data()
+    rows = -(-orig_size[0] // mesh.size())
+    if data.shape[0] != rows:  # uneven sharding: this rank's shard is short (or empty)
+        padded = data.new_zeros((rows, *data.shape[1:]))
+        padded[: data.shape[0]].copy_(data)
+        data = padded
+    data = data if data.is_contiguous() else data.contiguous()
+    return (data.view(torch.uint8),), (shard._scale_inv, shard.quantizer, shard.fp8_dtype, orig_size[0])
+
+
+def _fill_transpose(data_t: Optional[Tensor], data: Tensor) -> None:
+    if data_t is not None:
+        data_t.copy_(data.t())
+
+
+def post_all_gather(all_gather_outputs: Tuple[Tensor, ...], metadata, param_dtype: torch.dtype, *,
+                    out: Optional[Tensor] = None):
+    """The full weight as a Float8Tensor over the gathered bytes, with its column-wise copy (what
+    dgrad reads). FSDP2 owns the storage of both (the returned inner tensors): it frees them when
+    it reshards, as it frees a high-precision parameter, and allocates them again before the next
+    all-gather, which calls this with `out`, the tensor built the first time: its copy is filled
+    again and its scale_inv set to the new bytes'. A forward's saved column-wise copy is that
+    same storage, filled again by the backward's all-gather before dgrad reads it."""
+    (gathered,) = all_gather_outputs
+    scale_inv, quantizer, fp8_dtype, rows = metadata
+    data = gathered.view(fp8_dtype)[:rows]
+    if out is not None:
+        target = getattr(out, "_local_tensor", out)  # a DTensor under tensor parallelism
+        if not isinstance(target, Float8Tensor):
+            raise TypeError(f"FSDP2 FP8 all-gather: the unsharded parameter is a {type(target).__name__}, "
+                            "expected the Float8Tensor built at the first all-gather")
+        target._scale_inv, target._quantizer = scale_inv, quantizer
+        _fill_transpose(target._transpose, data)
+        return None
+    data_t = data.new_empty(data.shape[1], rows) if data.dim() == 2 else None
+    _fill_transpose(data_t, data)
+    weight = Float8Tensor.make(data, scale_inv, data_t, nominal_dtype=param_dtype, quantizer=quantizer)
+    return weight, (gathered,) if data_t is None else (gathered, data_t)

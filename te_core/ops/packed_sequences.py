@@ -1,0 +1,62 @@
+"""Packed variable-length sequences (qkv_format "thd", Transformer Engine's layout): sequence i
+holds rows cu_seqlens[i] .. cu_seqlens[i + 1] - 1 of a (t, h, d) tensor. The checks that
+ops.attention_varlen's callers and implementations share, and the padded view of a packed
+tensor that the reference computes on, written once in plain torch.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+
+def check_cu_seqlens(cu_seqlens, max_seqlen: Optional[int], total: int, name: str, where: str = "") -> int:
+    """The bound on the sequence lengths that cu_seqlens describes over `total` packed tokens:
+    max_seqlen, or the longest length when None. Reads the offsets on the host (a sync)."""
+    prefix = f"{where}: " if where else ""
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
+        got = tuple(cu_seqlens.shape) if isinstance(cu_seqlens, Tensor) else cu_seqlens
+        raise ValueError(f"{prefix}{name} must be a 1-D integer tensor of b + 1 offsets, got {got}")
+    cu = cu_seqlens.to(torch.long)
+    lengths = cu.diff()
+    if int(cu[0]) != 0 or bool((lengths < 0).any()) or int(cu[-1]) != total:
+        raise ValueError(f"{prefix}{name} must start at 0, never decrease and end at the number of packed "
+                         f"tokens ({total}); got {cu.tolist()}")
+    longest = int(lengths.max())
+    s_max = longest if max_seqlen is None else int(max_seqlen)
+    if s_max < longest:
+        raise ValueError(f"{prefix}the max_seqlen for {name} is {s_max}, shorter than a sequence of {longest}")
+    return s_max
+
+
+class Padded(NamedTuple):
+    """Where each packed token sits in the padded (b, s_max) batch."""
+
+    batch: Tensor  # (t,): the sequence of each token
+    position: Tensor  # (t,): its position in that sequence
+    padding: Tensor  # (b, 1, 1, s_max) bool, True = padding
+    s_max: int
+
+
+def padded_layout(cu_seqlens: Tensor, s_max: int, total: int) -> Padded:
+    """The padded layout of `total` tokens packed as cu_seqlens says (checked by check_cu_seqlens)."""
+    cu = cu_seqlens.to(torch.long)
+    tokens = torch.arange(total, device=cu.device)
+    batch = torch.searchsorted(cu[1:], tokens, right=True)  # empty sequences own no token
+    position = tokens - cu[:-1][batch]
+    padding = torch.arange(s_max, device=cu.device)[None, :] >= cu.diff()[:, None]
+    return Padded(batch, position, padding.view(-1, 1, 1, s_max), s_max)
+
+
+def to_padded(x: Tensor, where: Padded) -> Tensor:
+    """(t, h, d) packed -> (b, h, s_max, d), zeros where padded; differentiable."""
+    b = where.padding.shape[0]
+    padded = x.new_zeros(b, where.s_max, *x.shape[1:])
+    return padded.index_put((where.batch, where.position), x).transpose(1, 2)
+
+
+def to_packed(out: Tensor, where: Padded) -> Tensor:
+    """(b, h, s_max, d) padded -> (t, h, d) packed; differentiable."""
+    return out.transpose(1, 2)[where.batch, where.position]

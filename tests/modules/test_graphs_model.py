@@ -1,0 +1,297 @@
+"""te_core.make_graphed_callables over whole models, every recipe, without a device that captures.
+
+The graph API is replaced by `eager_graph_api`: torch's warm-up steps (backward on uninitialized
+gradients) and then, where torch would capture, nothing; each replay re-runs what a graph would
+have captured. So these tests check everything around the capture: the per-module autocast and
+weight-caching variants, the scale updates scheduled after replays, the scaling state restored
+after warm-up, the arguments. backends/cuda/tests/test_graphs_model.py runs the same models
+through real CUDA graphs. Also here: torch.compile(fullgraph=True) of a model whose weights were
+made by te.quantized_model_init.
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import te_core as te
+from te_core import graphs
+from te_core.modules._base import QuantizedModule
+
+from .test_compile_fp8 import RECIPES
+from .test_graphs import fake_graph_api
+
+HIDDEN, FFN, HEADS, SEQ, BATCH = 64, 128, 4, 16, 2
+STEPS = 3
+
+
+def eager_graph_api(callables, sample_args, num_warmup_iters=3, allow_unused_input=False):
+    """torch.<device>.make_graphed_callables' warm-up, then each callable kept as it is."""
+    for module, args in zip(callables, sample_args):
+        inputs = [a for a in args if a.requires_grad] + [p for p in module.parameters() if p.requires_grad]
+        for _ in range(num_warmup_iters):
+            outs = [o for o in torch.utils._pytree.tree_leaves(module(*args)) if o.requires_grad]
+            if outs:
+                torch.autograd.grad(outs, inputs, [torch.empty_like(o) for o in outs], allow_unused=allow_unused_input)
+    return tuple(callables)
+
+
+@pytest.fixture
+def eager_graphs(monkeypatch):
+    monkeypatch.setattr(graphs, "_graph_api", lambda device: eager_graph_api)
+
+
+class Stack(nn.Sequential):
+    """nn.Sequential that hands is_first_microbatch to each layer: the eager twin of a graphed
+    nn.Sequential (whose forward takes no keyword arguments)."""
+
+    def forward(self, x, is_first_microbatch=None):
+        for layer in self:
+            x = layer(x, is_first_microbatch=is_first_microbatch)
+        return x
+
+
+MODELS = {
+    "layers": lambda: Stack(*(te.TransformerLayer(HIDDEN, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0,
+                                                  params_dtype=torch.float32) for _ in range(2))),
+    "mlp": lambda: Stack(te.Linear(HIDDEN, FFN, params_dtype=torch.float32),
+                         te.LayerNormMLP(FFN, FFN, params_dtype=torch.float32),
+                         te.Linear(FFN, HIDDEN, params_dtype=torch.float32)),
+}
+
+
+def _input():
+    return torch.randn(SEQ, BATCH, HIDDEN)
+
+
+def _twins(build, seed=0):
+    """(a model, an identical eager copy as a Stack, a sample input)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(*build())
+    return model, Stack(*copy.deepcopy(list(model))), _input().requires_grad_()
+
+
+def _step(model, x, rec, dy, **kwargs):
+    x = x.detach().clone().requires_grad_()
+    with te.autocast(recipe=rec):
+        y = model(x, **kwargs)
+    y.backward(dy)
+    return [y.detach(), x.grad] + [p.grad.clone() for p in model.parameters()]
+
+
+def _scaling_state(model):
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedModule):
+            for direction, slots in module.quantization_state().items():
+                for slot, entry in slots.items():
+                    for key, t in entry.items():
+                        found[(name, direction, slot, key)] = t.clone()
+    return found
+
+
+def _assert_equal(got, want, what):
+    assert len(got) == len(want), what
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"{what}: tensor {i} differs by {(g.float() - w.float()).abs().max()}"
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("rec_name", list(RECIPES))
+def test_graphed_model_matches_eager_steps(eager_graphs, name, rec_name):
+    rec = RECIPES[rec_name]()
+    model, eager, x = _twins(MODELS[name])
+    graphed = te.make_graphed_callables(model, (x,), num_warmup_iters=2, enabled=True, recipe=rec)
+    assert graphed is model
+    for step in range(STEPS):
+        new_x, dy = _input() * (step + 1), torch.randn(SEQ, BATCH, HIDDEN)
+        _assert_equal(_step(graphed, new_x, rec, dy), _step(eager, new_x, rec, dy), f"step {step}")
+        graphed.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+    got, want = _scaling_state(graphed), _scaling_state(eager)
+    assert got.keys() == want.keys()
+    _assert_equal(list(got.values()), list(want.values()), "scaling state")
+    if rec_name == "delayed":  # the histories advanced once per step, from a fresh state
+        histories = [t for key, t in got.items() if key[-1] == "amax_history"]
+        assert histories and all(h[-STEPS:].gt(0).all() and h[:-STEPS].eq(0).all() for h in histories)
+
+
+@pytest.mark.parametrize("rec_name", list(RECIPES))
+def test_weight_cache_refreshed_on_first_microbatch_and_reused_after(eager_graphs, rec_name):
+    """Weights changed between microbatches: a later microbatch still computes with the weights
+    cached by the step's first one (as eager with is_first_microbatch=False does), the next first
+    microbatch with the new ones."""
+    rec = RECIPES[rec_name]()
+    model, eager, x = _twins(MODELS["mlp"])
+    fresh = copy.deepcopy(eager)  # quantizes every call (is_first_microbatch=None)
+    graphed = te.make_graphed_callables(model, (x,), enabled=True, recipe=rec, cache_quantized_params=True)
+    for step, first in enumerate((True, False, False, True, False)):
+        if step:
+            with torch.no_grad():
+                for m in (graphed, eager, fresh):
+                    for p in m.parameters():
+                        p.add_(torch.randn(p.shape, generator=torch.Generator(p.device).manual_seed(step)) * 0.1)
+        new_x, dy = _input(), torch.randn(SEQ, BATCH, HIDDEN)
+        got = _step(graphed, new_x, rec, dy, is_first_microbatch=first)
+        _assert_equal(got, _step(eager, new_x, rec, dy, is_first_microbatch=first), f"microbatch {step}")
+        with_new_weights = _step(fresh, new_x, rec, dy)[0]
+        if not first:  # the cached weights, not the changed ones
+            assert not torch.equal(got[0], with_new_weights), f"microbatch {step}"
+        elif rec_name != "delayed":  # (delayed: `fresh` updated its weight scales on every microbatch)
+            assert torch.equal(got[0], with_new_weights), f"microbatch {step}"
+        for m in (graphed, eager, fresh):
+            m.zero_grad(set_to_none=True)
+    _assert_equal(list(_scaling_state(graphed).values()), list(_scaling_state(eager).values()), "scaling state")
+
+
+def test_weight_caching_flag_is_required_and_checked(eager_graphs):
+    rec = RECIPES["current"]()
+    model, _, x = _twins(MODELS["mlp"])
+    graphed = te.make_graphed_callables(model, (x,), enabled=True, recipe=rec, cache_quantized_params=True)
+    with te.autocast(recipe=rec):
+        with pytest.raises(RuntimeError, match="with is_first_microbatch=True before any later microbatch"):
+            graphed(x, is_first_microbatch=False)  # the capture left the weight cache unfilled
+        graphed(x, is_first_microbatch=True)
+        graphed(x, is_first_microbatch=False)
+        with pytest.raises(ValueError, match="pass is_first_microbatch=True on the first microbatch"):
+            graphed(x)
+        with pytest.raises(ValueError, match=r"\(got 1\)"):
+            graphed(x, is_first_microbatch=1)
+        with pytest.raises(TypeError, match="keyword arguments checkpoint_core_attention"):
+            graphed(x, is_first_microbatch=True, checkpoint_core_attention=True)
+
+
+def test_other_training_mode_runs_eagerly(monkeypatch):
+    """torch's rule: a module captured in training mode runs its own forward in eval mode (the
+    constant replay of fake_graph_api would return the captured output)."""
+    monkeypatch.setattr(graphs, "_graph_api", lambda device: fake_graph_api)
+    rec = RECIPES["current"]()
+    model, eager, x = _twins(MODELS["mlp"])
+    graphed = te.make_graphed_callables(model, (x,), enabled=True, recipe=rec, cache_quantized_params=True)
+    graphed.eval()
+    eager.eval()
+    new_x = _input()
+    with te.autocast(recipe=rec):
+        assert torch.equal(graphed(new_x, is_first_microbatch=True), eager(new_x, is_first_microbatch=True))
+        assert torch.equal(graphed(new_x * 2, is_first_microbatch=False), eager(new_x * 2, is_first_microbatch=False))
+
+
+def test_tuple_of_modules_with_fp8_per_module(eager_graphs):
+    """enabled=(True, False): the second module's graphs are high precision, although it is called
+    inside the first one's autocast, as in Transformer Engine."""
+    rec = RECIPES["delayed"]()
+    torch.manual_seed(0)
+    first, second = te.Linear(HIDDEN, FFN, params_dtype=torch.float32), te.Linear(FFN, HIDDEN, params_dtype=torch.float32)
+    eager_first, eager_second = copy.deepcopy(first), copy.deepcopy(second)
+    x, h = _input().requires_grad_(), torch.randn(SEQ, BATCH, FFN, requires_grad=True)
+    graphed = te.make_graphed_callables((first, second), ((x,), (h,)), enabled=(True, False), recipe=rec)
+    assert graphed == (first, second)
+    for step in range(STEPS):
+        new_x = _input()
+        xs = [new_x.clone().requires_grad_() for _ in range(2)]
+        with te.autocast(recipe=rec):
+            y = graphed[1](graphed[0](xs[0]))
+            y_first = eager_first(xs[1])
+        y_eager = eager_second(y_first)  # outside autocast: high precision
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        y_eager.backward(dy)
+        _assert_equal([y, xs[0].grad, second.weight.grad], [y_eager, xs[1].grad, eager_second.weight.grad], f"{step}")
+        for m in (first, second, eager_first, eager_second):
+            m.zero_grad(set_to_none=True)
+    assert second._recipe_state is None  # never quantized
+    _assert_equal(list(_scaling_state(first).values()), list(_scaling_state(eager_first).values()), "scaling state")
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = te.Linear(HIDDEN, HIDDEN, params_dtype=torch.float32)
+
+    def forward(self, x, unused):
+        return self.linear(x)
+
+
+def test_allow_unused_input_reaches_the_capture(eager_graphs):
+    x, unused = _input().requires_grad_(), _input().requires_grad_()
+    with pytest.raises(RuntimeError, match="not have been used"):
+        te.make_graphed_callables(TwoInputs(), (x, unused), num_warmup_iters=1)
+    graphed = te.make_graphed_callables(TwoInputs(), (x, unused), num_warmup_iters=1, allow_unused_input=True)
+    graphed(x, unused).sum().backward()
+    assert x.grad is not None and unused.grad is None
+
+
+def _quantized_model(rec, seed=0):
+    torch.manual_seed(seed)
+    with te.quantized_model_init(recipe=rec):
+        return nn.Sequential(te.Linear(HIDDEN, FFN, params_dtype=torch.float32),
+                             te.LayerNormMLP(FFN, FFN, params_dtype=torch.float32))
+
+
+def _payload_buffers(model):
+    return [(id(t), t.data_ptr()) for p in model.parameters() if hasattr(p, "_payload")
+            for t in p._payload().values() if isinstance(t, torch.Tensor)]
+
+
+def _train(model, step_fn, rec, steps):
+    """Steps of forward, backward and an SGD update (FP8 weights are requantized in place)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, foreach=False)
+    results = []
+    for step in range(steps):
+        torch.manual_seed(100 + step)  # each run of _train sees the same inputs
+        x, dy = torch.randn(SEQ * BATCH, HIDDEN).requires_grad_(), torch.randn(SEQ * BATCH, FFN)
+        y = step_fn(x)
+        y.backward(dy)
+        results += [y.detach(), x.grad] + [p.grad.clone() for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return results + [p.detach().dequantize() if hasattr(p, "dequantize") else p.detach() for p in model.parameters()]
+
+
+def _autocast_call(model, rec):
+    def step(x):
+        with te.autocast(recipe=rec):
+            return model(x)
+
+    return step
+
+
+@pytest.mark.parametrize("rec_name", list(RECIPES))
+def test_quantized_model_init_weights_under_capture(eager_graphs, rec_name):
+    """FP8 primary weights are graph inputs read at fixed addresses: an optimizer step must
+    requantize them in place, and the graphed steps equal eager ones."""
+    rec = RECIPES[rec_name]()
+    model, eager = _quantized_model(rec), _quantized_model(rec)
+    assert any(isinstance(p, te.quantization.QuantizedTensor) for p in model.parameters())
+    sample = torch.randn(SEQ * BATCH, HIDDEN, requires_grad=True)
+    graphed = te.make_graphed_callables(model, (sample,), enabled=True, recipe=rec)
+    buffers = _payload_buffers(graphed)
+    _assert_equal(_train(graphed, _autocast_call(graphed, rec), rec, STEPS),
+                  _train(eager, _autocast_call(eager, rec), rec, STEPS), "graphed vs eager")
+    assert _payload_buffers(graphed) == buffers
+
+
+@pytest.mark.parametrize("rec_name", list(RECIPES))
+def test_quantized_model_init_weights_compile_fullgraph(rec_name):
+    """torch.compile(fullgraph=True) of a model whose weights are FP8 (quantized_model_init):
+    inference equals eager, also after the weights were updated in place; training is refused
+    (the compiled graph would give the FP8 weights no gradient)."""
+    torch._dynamo.reset()
+    rec = RECIPES[rec_name]()
+    model, eager = _quantized_model(rec), _quantized_model(rec)
+    compiled = torch.compile(_autocast_call(model, rec), fullgraph=True)
+    try:
+        with torch.no_grad():
+            for step in range(2):
+                x = torch.randn(SEQ * BATCH, HIDDEN)
+                _assert_equal([compiled(x)], [_autocast_call(eager, rec)(x)], f"step {step}")
+                for m in (model, eager):
+                    for p in m.parameters():
+                        p.mul_(1.5)  # an FP8 weight is requantized in place
+            if rec_name == "delayed":
+                _assert_equal(list(_scaling_state(model).values()), list(_scaling_state(eager).values()), "state")
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="torch.compile cannot train Linear.weight, an FP8 primary weight"):
+            compiled(torch.randn(SEQ * BATCH, HIDDEN, requires_grad=True))
+    finally:
+        torch._dynamo.reset()
