@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+import te_core as te
 import te_core.modules as tm
 
 from ._compare import seeded
@@ -271,7 +272,13 @@ def test_bf16_window_and_alibi_within_bf16_tolerance():
     assert out.dtype == torch.bfloat16
     to_bhsd = lambda t: t.bfloat16().double().permute(1, 2, 0, 3)  # noqa: E731
     ref = te_attention64(*(to_bhsd(t) for t in (q, k, v)), 0.25, "causal", window=(3, 0), bias_type="alibi")
-    torch.testing.assert_close(out.double(), ref.permute(2, 0, 1, 3).reshape(out.shape), rtol=1.6e-2, atol=1e-5)
+    ref = ref.permute(2, 0, 1, 3).reshape(out.shape)
+    # The reference computes in float32 from bf16 inputs: bf16's tolerance. An accelerator's
+    # fused kernel also rounds its softmax weights to bf16 before they multiply v, so its error
+    # is bounded relative to the output's scale (as the varlen kernel tests bound it): a lost
+    # window or bias still errs by far more.
+    atol = 1e-5 if te.get_backend().name == "reference" else 2e-2 * ref.abs().max().item()
+    torch.testing.assert_close(out.double(), ref, rtol=1.6e-2, atol=atol)
 
 
 def test_window_set_in_the_constructor_and_overridden_in_forward():
