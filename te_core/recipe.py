@@ -11,7 +11,7 @@ import enum
 import math
 import numbers
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -94,6 +94,14 @@ class MMParams:
             raise TypeError(f"MMParams.use_split_accumulator must be a bool, got {self.use_split_accumulator!r}")
 
 
+class _OverrideLinearPrecision(NamedTuple):
+    """Transformer Engine's per-GEMM switch to high precision under FP8 (fprop, dgrad, wgrad)."""
+
+    fprop: bool = False
+    dgrad: bool = False
+    wgrad: bool = False
+
+
 GEMMS = ("fprop", "dgrad", "wgrad")
 # Transformer Engine's choice for recipes without fp8_gemm_* fields (its constants for delayed
 # scaling): forward GEMMs fast, gradient GEMMs (summed over every token) split
@@ -141,6 +149,8 @@ class Recipe:
                 value = {"power_2_scale": value.power_2_scale, "amax_epsilon": float(value.amax_epsilon)}
             elif isinstance(value, MMParams):
                 value = {"use_split_accumulator": value.use_split_accumulator}
+            elif isinstance(value, _OverrideLinearPrecision):
+                value = value._asdict()
             elif callable(value):
                 value = f"<callable {getattr(value, '__qualname__', type(value).__name__)}>"
             config[f.name] = value
@@ -185,6 +195,7 @@ class DelayedScaling(Recipe):
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
     amax_compute_algo: AmaxAlgo = "max"
+    override_linear_precision: _OverrideLinearPrecision = _OverrideLinearPrecision()
     scaling_factor_compute_algo: Optional[Callable] = None
     reduce_amax: bool = True
     fp8_dpa: bool = False
@@ -192,6 +203,7 @@ class DelayedScaling(Recipe):
 
     def __post_init__(self):
         _check_format(self)
+        _check_override(self)
         # scale = fp8_max / amax / 2^margin: a NaN margin makes every scale NaN, an infinite one 0
         _check_number("DelayedScaling", "margin", self.margin, minimum=0)
         _check_number("DelayedScaling", "amax_history_len", self.amax_history_len, minimum=1, integer=True)
@@ -216,6 +228,20 @@ class DelayedScaling(Recipe):
 
     def compatible_key(self) -> tuple:
         return (*super().compatible_key(), self.amax_history_len)
+
+
+def _check_override(recipe) -> None:
+    """override_linear_precision as Transformer Engine's (fprop, dgrad, wgrad) triple of bools;
+    only all-False runs (every GEMM of an FP8 layer in FP8)."""
+    value = recipe.override_linear_precision
+    if not isinstance(value, tuple) or len(value) != 3 or not all(isinstance(v, bool) for v in value):
+        raise TypeError(f"DelayedScaling: override_linear_precision must be three bools (fprop, dgrad, wgrad), "
+                        f"got {value!r}")
+    object.__setattr__(recipe, "override_linear_precision", _OverrideLinearPrecision(*value))
+    if any(value):
+        raise NotImplementedError(
+            f"DelayedScaling: override_linear_precision={tuple(value)} (running a GEMM of an FP8 layer in high "
+            "precision) is not supported by te-core yet; leave it (False, False, False)")
 
 
 def _check_mm_params(recipe) -> None:
@@ -367,6 +393,8 @@ def recipe_from_config(config: Dict[str, Any]) -> Recipe:
                 raise ValueError(f"unknown fp8_format {value!r} in the {name} checkpoint config; "
                                  f"known: {', '.join(Format.__members__)}")
             value = Format[value]
+        elif f.name == "override_linear_precision":
+            value = _OverrideLinearPrecision(**value)
         elif isinstance(value, dict):
             value = (MMParams if f.name.startswith("fp8_gemm_") else QParams)(**value)
         elif isinstance(value, str) and value.startswith("<callable"):

@@ -28,6 +28,18 @@ def test_defaults_match_transformer_engine():
     assert MXFP8BlockScaling().fp8_format is Format.E4M3
 
 
+def test_override_linear_precision_as_transformer_engine_passes_it():
+    """Hugging Face Accelerate passes TE's field whenever a user sets it: the all-False triple
+    runs (a plain tuple or TE's named tuple), keeps TE's positional place, and round-trips
+    through a checkpoint config as plain values."""
+    d = DelayedScaling(override_linear_precision=(False, False, False))
+    assert d == DelayedScaling() and d.override_linear_precision.wgrad is False
+    assert DelayedScaling(0, Format.HYBRID, 16, "max", (False, False, False)).amax_history_len == 16
+    config = d.to_config()
+    assert config["override_linear_precision"] == {"fprop": False, "dgrad": False, "wgrad": False}
+    assert recipe_from_config(config) == d
+
+
 def test_recipes_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         DelayedScaling().margin = 1
@@ -45,6 +57,9 @@ def test_pure_e5m2_training_rejected(cls):
     (dict(margin=-1), "margin must be a number >= 0"),
     (dict(fp8_format="HYBRID"), "fp8_format must be a te_core.recipe.Format"),
     (dict(fp8_dpa=True), "fp8_dpa / fp8_mha"),
+    (dict(override_linear_precision=(False, False, True)), r"override_linear_precision=\(False, False, True\)"),
+    (dict(override_linear_precision=(0, 0, 0)), "must be three bools"),
+    (dict(override_linear_precision=(False, False)), "must be three bools"),
 ])
 def test_delayed_scaling_validation(kwargs, message):
     with pytest.raises((ValueError, TypeError, NotImplementedError), match=message):
