@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import te_core as te
+from registry_fakes import FakeEntryPoint, make_plugin
 from te_core import backend, recipe
-from te_core.backend import hookimpl, registry
-from te_core.backend.types import API_VERSION, BackendInfo, Capabilities, OpImpl
+from te_core.backend.types import OpImpl
 from te_core.reference import cast as ref_cast
 from te_core.reference.plugin import implementations
 
@@ -24,34 +24,16 @@ def _twin_cast_transpose(x, scale, fp8_dtype, *, amax_out=None):
 
 
 @pytest.fixture
-def twin_backend(monkeypatch):
+def twin_backend(plugins):
     """A CPU backend running the reference everywhere, with a traced twin of cast_transpose_fp8."""
     state = types.SimpleNamespace(decline=False)
-    reference = implementations()
-
-    def ops():
-        impls = {name: OpImpl(fn) for name, fn in reference.items()}
-        impls["cast_transpose_fp8"] = OpImpl(
-            reference["cast_transpose_fp8"], None,
-            lambda *a, **k: NotImplemented if state.decline else _twin_cast_transpose(*a, **k))
-        return impls
-
-    plugin = types.SimpleNamespace(
-        te_backend_info=hookimpl(lambda: BackendInfo(name="twin", device_type="cpu", api_version=API_VERSION)),
-        te_backend_available=hookimpl(lambda: (True, "test backend")),
-        te_backend_ops=hookimpl(ops),
-        te_backend_capabilities=hookimpl(lambda device: Capabilities(
-            fp8_formats={"E4M3": 448.0, "E5M2": 57344.0}, scaling_modes=frozenset({"tensorwise"}),
-            device_name="test", arch="test")),
-    )
-    entry = types.SimpleNamespace(name="twin", load=lambda: plugin,
-                                  dist=types.SimpleNamespace(metadata={"Name": "te-backend-twin"}, version="1.0"))
-    monkeypatch.setattr(registry, "_entry_points", lambda: [entry])
-    registry.REGISTRY.reset()
+    ops = {name: OpImpl(fn) for name, fn in implementations().items()}
+    ops["cast_transpose_fp8"] = OpImpl(
+        implementations()["cast_transpose_fp8"], None,
+        lambda *a, **k: NotImplemented if state.decline else _twin_cast_transpose(*a, **k))
+    plugins([FakeEntryPoint("twin", make_plugin("twin", device_type="cpu", ops=ops))])
     backend.set_backend("twin")
-    yield state
-    monkeypatch.undo()
-    registry.REGISTRY.reset()
+    return state
 
 
 def _run(step, model, x, dy):
