@@ -9,6 +9,11 @@ if ! python -c "import transformers, accelerate" 2>/dev/null; then
   PYTHONWARNINGS=ignore python -m pip install -q --retries 1 --no-build-isolation -e ".[hf]" 2>/dev/null ||
     echo "test: the hf extra is not installable here; tests/compat/test_hf_accelerate.py will be skipped" >&2
 fi
+# The `lightning` test extra (lightning-fabric) for tests/compat/test_lightning.py, the same way.
+if ! python -c "import lightning_fabric" 2>/dev/null && ! python -c "import lightning.fabric" 2>/dev/null; then
+  PYTHONWARNINGS=ignore python -m pip install -q --retries 1 --no-build-isolation -e ".[lightning]" 2>/dev/null ||
+    echo "test: the lightning extra is not installable here; tests/compat/test_lightning.py will be skipped" >&2
+fi
 export TE_BACKEND=auto
 paths=(tests)
 for d in backends/cuda/tests plugins/template/tests; do
