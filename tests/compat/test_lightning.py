@@ -3,10 +3,11 @@
 After te_core.install_as_transformer_engine(), Lightning's own TransformerEnginePrecision finds
 "transformer-engine" installed, swaps a model's nn.Linear / nn.LayerNorm layers for te-core's and
 runs its forward under TE's fp8_autocast (DelayedScaling); Fabric(precision="transformer-engine")
-trains with it. The plugin's fallback autocast is torch.autocast("cuda"), which torch disables
-(with a warning) on a machine without CUDA: the FP8 layers are what these tests check.
-Needs the test extra: `pip install 'te-core[lightning]'` (lightning-fabric; the full `lightning`
-package works too).
+and PyTorch Lightning's Trainer(precision="transformer-engine") train with it. The plugin's
+fallback autocast is torch.autocast("cuda"), which torch disables (with a warning) on a machine
+without CUDA: the FP8 layers are what these tests check.
+Needs the test extra: `pip install 'te-core[lightning]'` (lightning-fabric); the Trainer test
+needs the full `lightning` package.
 """
 from __future__ import annotations
 
@@ -121,9 +122,9 @@ def test_init_module_builds_te_core_layers(stand_in, fresh_availability):
 
 
 def fabric_losses(fabric):
-    """STEPS Adam steps on the fixed problem under Fabric; the losses. The optimizer is made after
-    setup_module, since the plugin's conversion replaces the layers (and their parameters).
-    Returns the losses and the set-up model."""
+    """STEPS Adam steps on the fixed problem under Fabric: the losses and the set-up model. The
+    optimizer is made after setup_module, since the plugin's conversion replaces the layers (and
+    their parameters)."""
     model = fabric.setup_module(small_model())
     optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
     x, y = problem()
@@ -141,7 +142,7 @@ def fabric_losses(fabric):
 @pytest.mark.parametrize("precision, te_precision", [
     ("bf16-true", "transformer-engine"),  # Fabric's own name: bf16 weights
     ("32-true", TransformerEnginePrecision),  # the plugin object, float32 weights
-])
+], ids=["precision=transformer-engine", "plugins=TransformerEnginePrecision"])
 def test_fabric_fp8_training_tracks_high_precision(stand_in, fresh_availability, precision, te_precision):
     """Fabric with the TE plugin trains the model under FP8; the loss falls, and each step's loss and
     the progress since the first step are within E4M3's tolerance of Fabric's run without FP8
@@ -154,9 +155,55 @@ def test_fabric_fp8_training_tracks_high_precision(stand_in, fresh_availability,
     assert isinstance(fabric._precision, TransformerEnginePrecision)
     losses, model = fabric_losses(fabric)
     assert_scaling_advanced(model)
+    assert_tracks(losses, baseline, precision)
+
+
+def assert_tracks(losses: torch.Tensor, baseline: torch.Tensor, precision: str) -> None:
+    """The FP8 loss fell, and each step's loss and the progress since the first step are within
+    E4M3's tolerance of the run at `precision`."""
     assert torch.isfinite(losses).all() and losses[-1] < losses[0] * 0.8, f"FP8 losses did not fall: {losses}"
     torch.testing.assert_close(losses, baseline, **E4M3, msg=lambda m: f"FP8 {losses} vs {precision} {baseline}: {m}")
     torch.testing.assert_close(losses[1:] - losses[0], baseline[1:] - baseline[0], **E4M3)
+
+
+def trainer_losses(pl, precision: str):
+    """The same training under PyTorch Lightning's Trainer: the losses and the trained model."""
+
+    class Regression(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model, self.losses = small_model(), []
+
+        def training_step(self, batch, batch_idx):
+            loss = nn.functional.mse_loss(self.model(batch[0]).float(), batch[1])
+            self.losses.append(loss.detach())
+            return loss
+
+        def configure_optimizers(self):  # called after the plugin converted the model
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    module = Regression()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, precision=precision, max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*problem()), batch_size=32, num_workers=0)
+    with expected_warnings(), warnings.catch_warnings():  # and Lightning's own advice, about itself
+        warnings.filterwarnings("ignore", message=".*does not have many workers", category=UserWarning)
+        warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
+        trainer.fit(module, loader)
+    return torch.stack(module.losses), module.model, trainer
+
+
+def test_trainer_fp8_training_tracks_bf16(stand_in, fresh_availability):
+    """PyTorch Lightning's Trainer(precision="transformer-engine") uses its TransformerEnginePrecision
+    (Fabric's, extended) and trains like Trainer(precision="bf16-true")."""
+    pl = pytest.importorskip("lightning.pytorch", reason="PyTorch Lightning's Trainer needs `pip install lightning`"
+                                                         " (the lightning test extra installs Fabric only)")
+    baseline, _, _ = trainer_losses(pl, "bf16-true")
+    losses, model, trainer = trainer_losses(pl, "transformer-engine")
+    assert isinstance(trainer.precision_plugin, pl.plugins.precision.TransformerEnginePrecision)
+    assert [type(m) for m in model] == [te_core.Linear, te_core.LayerNorm, nn.GELU, te_core.Linear]
+    assert_scaling_advanced(model)
+    assert_tracks(losses, baseline, "bf16-true")
 
 
 def test_uninstall_makes_the_plugin_unavailable_again(stand_in, fresh_availability, monkeypatch):
