@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Runs the benchmark suite on a GPU machine, from the repository root:
-#   bash benchmarks/gpu_run.sh [modules] [kernels] [sweep] [conformance]    (no argument: all four)
+#   bash benchmarks/gpu_run.sh [modules] [kernels] [sweep] [conformance] [hf] [module-tests]
+# (no argument: the first four; hf trains a converted Hugging Face Llama and needs transformers;
+# module-tests runs the module test suite on the cuda backend and keeps its summary)
 # Installs te-core, te_triton and te-backend-cuda (editable, no dependencies: torch and triton
 # come with the machine); torchao, an optional peer, is installed from a wheel in .whl/ when one
 # is there (copy it into .whl/ beforehand; without it the torchao cells say why they are empty).
 # Results land in RESULTS/<gpu>/ (RESULTS: $OUT/results when $OUT is set, else benchmarks/results),
 # with the generated tables in RESULTS/<gpu>/table.md. Each part has its own time limit
-# (MODULES_TIMEOUT, KERNELS_TIMEOUT, SWEEP_TIMEOUT, CONFORMANCE_TIMEOUT, in seconds).
+# (MODULES_TIMEOUT, KERNELS_TIMEOUT, SWEEP_TIMEOUT, CONFORMANCE_TIMEOUT, HF_TIMEOUT,
+# MODULE_TESTS_TIMEOUT, in seconds).
 set -u
 export PYTHONUNBUFFERED=1
 parts=("$@")
@@ -35,7 +38,14 @@ for part in "${parts[@]}"; do
         timeout "${CONFORMANCE_TIMEOUT:-300}" python3 -m pytest -q -rs --pyargs te_core.testing --te-backend cuda 2>&1 | tail -n 40
       } > "$RESULTS/$gpu/conformance-cuda.txt"
       tail -n 25 "$RESULTS/$gpu/conformance-cuda.txt" ;;
-    *) echo "unknown part '$part': choose from modules, kernels, sweep, conformance" >&2; exit 2 ;;
+    hf) timeout "${HF_TIMEOUT:-330}" python3 benchmarks/bench_hf.py --results "$RESULTS" 2>&1 | tail -n 20 ;;
+    module-tests)
+      { echo "# $(python3 -c 'import torch, triton; print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)'), $(date -u +%F)"
+        echo "## python3 -m pytest -q -rs tests/modules -k cuda"
+        timeout "${MODULE_TESTS_TIMEOUT:-420}" python3 -m pytest -q -rs --tb=line -p no:logging tests/modules -k cuda 2>&1 | tail -n 60
+      } > "$RESULTS/$gpu/modules-cuda.txt"
+      tail -n 25 "$RESULTS/$gpu/modules-cuda.txt" ;;
+    *) echo "unknown part '$part': choose from modules, kernels, sweep, conformance, hf, module-tests" >&2; exit 2 ;;
   esac
 done
 python3 benchmarks/report.py "$RESULTS/$gpu" --print
