@@ -18,12 +18,14 @@ the shard's amax (MAX) over the FSDP group first:
 The first all-gather of a shard binds its ShardQuantizer to the FSDP group and requantizes the
 shard through it, so shards quantized before (at init from identical full weights, which
 leaves their FP8 bytes as they are, or by a load before the first forward) share a scale too.
-Each requantization costs one 4-byte all-reduce per weight.
+A foreach optimizer step (one op over every parameter) requantizes all shards at once, with one
+all-reduce of their amaxes per process group; an optimizer that loops over parameters costs one
+4-byte all-reduce per weight.
 """
 from __future__ import annotations
 
 import copy
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -68,8 +70,25 @@ class ShardQuantizer:
         return scale.reshape(1), torch.reciprocal(scale).reshape(1)
 
     def quantize(self, x: Tensor, *, columnwise: bool = False) -> Float8Tensor:
-        amax = amax_of(x).reshape(1)
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        return ShardQuantizer.quantize_batch([(self, x, columnwise)])[0]
+
+    @staticmethod
+    def quantize_batch(items) -> List[Float8Tensor]:
+        """[(ShardQuantizer, x, columnwise)] -> their Float8Tensors, with the shards' amaxes
+        all-reduced (MAX) in one collective per process group (te_core.quantization.tensor's
+        requantize_all: a foreach optimizer step)."""
+        amaxes = [amax_of(x).reshape(1) for _, x, _ in items]
+        by_group: dict = {}
+        for i, (quantizer, _, _) in enumerate(items):
+            by_group.setdefault(id(quantizer.group), (quantizer.group, []))[1].append(i)
+        for group, index in by_group.values():
+            flat = torch.cat([amaxes[i] for i in index])
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+            for j, i in enumerate(index):
+                amaxes[i] = flat[j : j + 1]
+        return [quantizer._cast(x, amax, columnwise) for (quantizer, x, columnwise), amax in zip(items, amaxes)]
+
+    def _cast(self, x: Tensor, amax: Tensor, columnwise: bool) -> Float8Tensor:
         scale, scale_inv = self._scales(amax)
         data, _ = ops.quantize_fp8(x, scale, self.fp8_dtype)
         data_t = ops.transpose_fp8(data.reshape(-1, data.shape[-1])) if columnwise else None

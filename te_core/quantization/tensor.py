@@ -87,18 +87,16 @@ class QuantizedTensor(Tensor):
 
     def requantize_(self, hp: Tensor) -> "QuantizedTensor":
         """Replace the value with `hp`, quantized by this tensor's quantizer."""
-        if self._quantizer is None:
-            raise RuntimeError(f"{type(self).__name__} has no quantizer, so it cannot be updated in place; "
-                               "dequantize() it and work on the high-precision copy")
-        hp = hp.detach().reshape(self.shape).to(self.dtype)
-        fresh = self._quantizer.quantize(hp, columnwise=self.has_columnwise)
+        requantize_all([(self, hp)])
+        return self
+
+    def _take_payload(self, fresh: "QuantizedTensor") -> None:
         for name, value in fresh._payload().items():
             old = getattr(self, name)
             if _same_layout(old, value):
                 old.copy_(value)  # in place: a captured graph keeps reading these buffers
             else:
                 setattr(self, name, value)
-        return self
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return (f"{type(self).__name__}(shape={tuple(self.shape)}, nominal_dtype={self.dtype}, "
@@ -192,6 +190,28 @@ def _same_layout(old, new) -> bool:
             and old.dtype == new.dtype and old.device == new.device and not torch.compiler.is_compiling())
 
 
+def requantize_all(pairs) -> None:
+    """Replace the value of each (QuantizedTensor, hp) pair with hp quantized by the tensor's
+    quantizer. A quantizer class with a `quantize_batch([(quantizer, hp, columnwise)])`
+    staticmethod quantizes all of its tensors in one call: a foreach optimizer step updates
+    every parameter in one op, and the FSDP2 shard quantizer then reduces every shard's amax in
+    one collective instead of one per weight."""
+    by_kind: dict = {}
+    for t, hp in pairs:
+        if t._quantizer is None:
+            raise RuntimeError(f"{type(t).__name__} has no quantizer, so it cannot be updated in place; "
+                               "dequantize() it and work on the high-precision copy")
+        by_kind.setdefault(type(t._quantizer), []).append((t, hp.detach().reshape(t.shape).to(t.dtype)))
+    for kind, items in by_kind.items():
+        batch = getattr(kind, "quantize_batch", None)
+        if batch is not None:
+            fresh = batch([(t._quantizer, hp, t.has_columnwise) for t, hp in items])
+        else:
+            fresh = [t._quantizer.quantize(hp, columnwise=t.has_columnwise) for t, hp in items]
+        for (t, _), value in zip(items, fresh):
+            t._take_payload(value)
+
+
 def _dequantized(value):
     return value.dequantize() if isinstance(value, QuantizedTensor) else value
 
@@ -204,7 +224,6 @@ def _mutate(func, args, kwargs):
     hp_first = copies if isinstance(target, (list, tuple)) else copies[0]
     rest = tree_map(_dequantized, args[1:])
     func(hp_first, *rest, **tree_map(_dequantized, kwargs))
-    for t, hp in zip(targets, copies):
-        if isinstance(t, QuantizedTensor):
-            t.requantize_(hp)
-    return target
+    requantize_all([(t, hp) for t, hp in zip(targets, copies) if isinstance(t, QuantizedTensor)])
+    # in-place foreach ops (a foreach optimizer step) return nothing, and torch checks that
+    return target if func._schema.returns else None

@@ -127,6 +127,50 @@ def test_fsdp2_fp8_all_gather_matches_single_process(pool, recipe_name):
     assert pool.run(fsdp_fp8_matches_single_process, recipe_name) == [True] * 2
 
 
+class _AllReduces:
+    """Counts torch.distributed.all_reduce calls inside the block (collectives issued from
+    within a tensor subclass's dispatch are out of a dispatch mode's sight)."""
+
+    def __enter__(self):
+        self.calls, self._original = 0, dist.all_reduce
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self._original(*args, **kwargs)
+
+        dist.all_reduce = counted
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self._original
+
+
+def foreach_step_reduces_once(ctx, recipe_name):
+    """A foreach optimizer step requantizes every FP8 shard with one amax all-reduce (a looping
+    step: one per FP8 weight), to the same FP8 bytes and scales."""
+    results = {}
+    for foreach in (False, True):
+        model = _shard(_model(RECIPES[recipe_name](True)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, foreach=foreach)
+        with autocast(recipe=RECIPES[recipe_name](True), amax_reduction_group=dist.group.WORLD):
+            y = model(_batch(0, ctx.rank))
+        _loss(y).backward()
+        with _AllReduces() as counted:
+            optimizer.step()
+        shards = [p.to_local() for p in model.parameters() if isinstance(p.to_local(), Float8Tensor)]
+        results[foreach] = (counted.calls, [(s._data.view(torch.uint8).clone(), s._scale_inv.clone()) for s in shards])
+    (looped, looped_shards), (batched, batched_shards) = results[False], results[True]
+    assert looped == len(looped_shards) == 3 and batched == 1, (looped, batched)
+    for (data, scale_inv), (data_b, scale_inv_b) in zip(looped_shards, batched_shards):
+        assert torch.equal(data, data_b) and torch.equal(scale_inv, scale_inv_b)
+    return True
+
+
+@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+def test_fsdp2_fp8_foreach_step_reduces_amaxes_once(pool, recipe_name):
+    assert pool.run(foreach_step_reduces_once, recipe_name) == [True] * 2
+
+
 def all_gather_bytes_per_step(ctx, recipe_name):
     """(bytes sent by this rank in one forward and backward) for BF16 weights and FP8 ones."""
     sent = {}

@@ -181,6 +181,29 @@ def test_quantized_model_init_keeps_weights_in_fp8(gen):
     torch.testing.assert_close(other.weight.dequantize(), layer.weight.dequantize(), rtol=0.125, atol=0.0675)
 
 
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.Adam])
+def test_foreach_optimizers_update_fp8_weights_as_looping_ones(gen, optimizer):
+    """A foreach step (one op over every parameter: torch's default on GPUs) requantizes FP8
+    primary weights as a looping step does, bit for bit."""
+    x = randn(gen, 16, 32)
+    weights = {}
+    for foreach in (False, True):
+        torch.manual_seed(0)
+        with quantized_model_init(recipe=Float8CurrentScaling()):
+            model = torch.nn.Sequential(Linear(32, 16), Linear(16, 16))
+        opt = optimizer(model.parameters(), lr=0.1, foreach=foreach)
+        for _ in range(2):
+            with autocast(recipe=Float8CurrentScaling()):
+                y = model(x)
+            y.square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert all(isinstance(m.weight, Float8Tensor) for m in model)
+        weights[foreach] = [(m.weight._data.view(torch.uint8).clone(), m.weight._scale_inv.clone()) for m in model]
+    for (data, scale_inv), (data_f, scale_inv_f) in zip(weights[False], weights[True]):
+        assert torch.equal(data, data_f) and torch.equal(scale_inv, scale_inv_f)
+
+
 def test_fp8_model_init_alias():
     with pytest.warns(DeprecationWarning):
         context = fp8_model_init(recipe=DelayedScaling())
