@@ -200,22 +200,23 @@ def tables(folder: str) -> Tuple[str, str, str]:
     return targets, sweep_text, "\n".join(kernel_table(kernels or {})).strip()
 
 
+def _optional_text(folder: str, kind: str, render, command: str, where: str) -> str:
+    """render(kind.json) of one GPU's results folder, or how to get that file."""
+    data = _load(folder, kind)
+    if data is None:
+        return f"No {kind}.json for {os.path.basename(os.path.normpath(folder))} yet: run `{command}` {where}."
+    return render(data)
+
+
 def hf_text(folder: str) -> str:
     """The Hugging Face training table of one GPU's results folder (bench_hf.py's hf.json)."""
-    data = _load(folder, "hf")
-    if data is None:
-        name = os.path.basename(os.path.normpath(folder))
-        return f"No hf.json for {name} yet: run `python benchmarks/bench_hf.py` on that GPU."
-    return render_hf(data)
+    return _optional_text(folder, "hf", render_hf, "python benchmarks/bench_hf.py", "on that GPU")
 
 
 def distributed_text(folder: str) -> str:
     """The 1-GPU / 2-GPU training table of one GPU's results folder (bench_distributed.py's distributed.json)."""
-    data = _load(folder, "distributed")
-    if data is None:
-        name = os.path.basename(os.path.normpath(folder))
-        return f"No distributed.json for {name} yet: run `python benchmarks/bench_distributed.py` on a 2-GPU machine."
-    return render_distributed(data)
+    return _optional_text(folder, "distributed", render_distributed,
+                          "python benchmarks/bench_distributed.py", "on a 2-GPU machine")
 
 
 def default_folder(root: str = RESULTS_ROOT) -> str:

@@ -87,6 +87,15 @@ def supports_gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENS
 
 def fp8_gemm_decline_reason(a, b, out_dtype, scaling) -> Optional[str]:
     """Why cuBLASLt (through torch._scaled_mm) cannot take this call, or None."""
+    why = fp8_gemm_layout_reason(a, b, out_dtype, scaling)
+    if why is None and (a.data_ptr() % 16 or b.data_ptr() % 16):
+        return "operands must be 16-byte aligned"
+    return why
+
+
+def fp8_gemm_layout_reason(a, b, out_dtype, scaling) -> Optional[str]:
+    """fp8_gemm_decline_reason's rules that shapes, dtypes and strides decide: what a torch.compile
+    trace can check (it has no addresses; the compiler allocates 16-byte aligned buffers)."""
     if a.dim() != 2 or b.dim() != 2:
         return "operands must be 2-D"
     if a.dtype not in FP8_DTYPES or b.dtype not in FP8_DTYPES:
@@ -98,8 +107,6 @@ def fp8_gemm_decline_reason(a, b, out_dtype, scaling) -> Optional[str]:
         return f"cuBLASLt FP8 needs M, N, K multiples of 16, got M={M} N={N} K={K}"
     if not (a.is_contiguous() and b.is_contiguous()):
         return "operands must be contiguous row-major"
-    if a.data_ptr() % 16 or b.data_ptr() % 16:
-        return "operands must be 16-byte aligned"
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"out_dtype {out_dtype} is not produced by cuBLASLt FP8 GEMMs here"
     if scaling == MXFP8:

@@ -16,12 +16,13 @@ into `out`) returns NotImplemented and stays the opaque op.
 from __future__ import annotations
 
 import torch
-from te_core.backend.types import TENSORWISE
+from te_core.backend.types import FP8_FORMATS, TENSORWISE
 
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+from .configs import TMA_MIN_NUMEL as MAX_NUMEL  # where the Triton casts switch to descriptors
+from .scaled_mm import fp8_gemm_layout_reason
+
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FLOAT32_MAX = torch.finfo(torch.float32).max
-MAX_NUMEL = 1 << 26  # the Triton kernels' descriptor (TMA) threshold: configs.TMA_MIN_NUMEL
 
 
 def _takes(x, fp8_dtype, scale=None, amax_out=None) -> bool:
@@ -33,13 +34,13 @@ def _takes(x, fp8_dtype, scale=None, amax_out=None) -> bool:
     transpose and reduction."""
     if amax_out is not None or x.numel() >= MAX_NUMEL:
         return False
-    if fp8_dtype not in FP8_MAX or x.dtype not in HP_DTYPES or not x.is_cuda or x.numel() == 0:
+    if fp8_dtype not in FP8_FORMATS or x.dtype not in HP_DTYPES or not x.is_cuda or x.numel() == 0:
         return False
     return scale is None or (scale.numel() == 1 and scale.dtype == torch.float32)
 
 
 def _cast(x, scale, fp8_dtype):
-    fmax = FP8_MAX[fp8_dtype]
+    fmax = FP8_FORMATS[fp8_dtype][1]
     return torch.clamp(x.float() * scale.reshape(()), -fmax, fmax).to(fp8_dtype)
 
 
@@ -85,47 +86,37 @@ def quantize_fp8_current(x, fp8_dtype, *, with_transpose=False, force_pow2_scale
     if not _takes(x, fp8_dtype) or (with_transpose and x.dim() != 2):
         return NotImplemented
     amax = _amax(x)
-    scale = _current_scale(amax.reshape(1), FP8_MAX[fp8_dtype], amax_epsilon, force_pow2_scales)
+    scale = _current_scale(amax.reshape(1), FP8_FORMATS[fp8_dtype][1], amax_epsilon, force_pow2_scales)
     data = _cast(x, scale, fp8_dtype)
     data_t = data.t().contiguous() if with_transpose else None
     return data, data_t, scale, torch.div(torch.ones_like(scale), scale), amax
 
 
 def transpose_fp8(data):
-    if data.dtype not in FP8_MAX or data.dim() != 2 or not data.is_cuda:
+    if data.dtype not in FP8_FORMATS or data.dim() != 2 or not data.is_cuda:
         return NotImplemented
     return data.t().contiguous()
 
 
 def dequantize_fp8(data, scale_inv, out_dtype):
-    if data.dtype not in FP8_MAX or out_dtype not in HP_DTYPES or not data.is_cuda or scale_inv.numel() != 1:
+    if data.dtype not in FP8_FORMATS or out_dtype not in HP_DTYPES or not data.is_cuda or scale_inv.numel() != 1:
         return NotImplemented
     return (data.float() * scale_inv.reshape(()).float()).to(out_dtype)
-
-
-def _gemm_takes(a, b, out_dtype) -> bool:
-    """fp8_gemm_decline_reason's rules that shapes and dtypes decide (a trace has no addresses:
-    the compiler allocates what it makes 16-byte aligned)."""
-    if a.dim() != 2 or b.dim() != 2 or a.dtype not in FP8_MAX or b.dtype not in FP8_MAX:
-        return False
-    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
-        return False
-    (M, K), N = a.shape, b.shape[0]
-    return not (M % 16 or N % 16 or K % 16) and b.shape[1] == K and out_dtype in HP_DTYPES
 
 
 def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, bias=None, out=None,
              accumulate=False, fast_accumulation=False):
     if scaling != TENSORWISE or out is not None or accumulate or not (a.is_cuda and b.is_cuda):
         return NotImplemented
-    if not _gemm_takes(a, b, out_dtype):
-        return NotImplemented
+    a, b = a.contiguous(), b.contiguous()
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1] or fp8_gemm_layout_reason(a, b, out_dtype, scaling):
+        return NotImplemented  # (a K mismatch: the opaque op's reference names it)
     kwargs = dict(out_dtype=out_dtype, use_fast_accum=bool(fast_accumulation))
     epilogue = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
     if epilogue:
         kwargs["bias"] = bias
     # fresh 0-dim scales: cuBLASLt reads them with aligned loads
-    y = torch._scaled_mm(a.contiguous(), b.contiguous().t(), a_scale_inv.reshape(()).float().clone(),
+    y = torch._scaled_mm(a, b.t(), a_scale_inv.reshape(()).float().clone(),
                          b_scale_inv.reshape(()).float().clone(), **kwargs)
     if bias is not None and not epilogue:
         y = (y.float() + bias.float()).to(out_dtype)
