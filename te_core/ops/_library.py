@@ -103,8 +103,8 @@ def _encode(op, result, args, kwargs):
     if n == 0:
         return None
     outputs = [result] if n == -1 else list(result)
-    for name, position in ALIASED_OUTPUTS.items():
-        if kwargs.get(name) is not None and name in op.signature.parameters:
+    for name, position in op.aliased_outputs:
+        if kwargs.get(name) is not None:
             outputs[position] = None
     # A custom op's outputs may alias neither its inputs nor each other; an implementation may
     # hand back a view (a transpose that is already contiguous), which is copied here.
@@ -141,8 +141,8 @@ def _decode(op, outputs, kwargs):
     for i, value in enumerate(values):
         if value.dtype is _PLACEHOLDER:
             values[i] = None
-    for name, position in ALIASED_OUTPUTS.items():
-        if kwargs.get(name) is not None and name in op.signature.parameters:
+    for name, position in op.aliased_outputs:
+        if kwargs.get(name) is not None:
             values[position] = kwargs[name]
     return values[0] if n == -1 else tuple(values)
 
@@ -180,6 +180,8 @@ def register_all(contract: Dict[str, Any]) -> None:
     for op in contract.values():
         try:
             op.n_outputs = _returns(typing.get_type_hints(op.__wrapped__)["return"])[1]
+            # a plain tuple: dynamo refuses to read the signature's mapping proxy in some traces
+            op.aliased_outputs = tuple((n, p) for n, p in ALIASED_OUTPUTS.items() if n in op.signature.parameters)
             _register(lib, op)
         except (TypeError, RuntimeError) as err:  # import must not fail: the op then refuses tracing
             op.untraceable = f"{type(err).__name__}: {err}"

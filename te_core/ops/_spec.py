@@ -32,6 +32,7 @@ class Op:
         self.capability_check = capability_check
         self.mutates = tuple(mutates)  # arguments written in place besides amax_out / out
         self.n_outputs = None  # set by te_core.ops._library.register_all
+        self.aliased_outputs: tuple = ()  # (argument, output position) returned as written; ditto
         self.untraceable: Optional[str] = None  # why register_all could not make its twin, if it could not
         self._cache = None  # (registry generation, Resolution, runner); filled by dispatch
 

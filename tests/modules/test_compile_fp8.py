@@ -3,8 +3,10 @@ forward and backward over several steps equal eager, and so does the delayed-sca
 (scales and amax histories) after the steps. On the reference backend the compiled graph runs
 the same op implementations as eager (the te_core custom ops), so results are compared bit for
 bit. An accelerator backend's graph may run the plain-torch twins of its ops (OpImpl.traced):
-the same FP8 bytes, but GEMMs and sums the compiler schedules, which round differently in the
-last bits of a float32 output; there results are compared within bf16's tolerance."""
+GEMMs, sums and divisions the compiler schedules round differently in the last bits, and a
+last-bit change before an FP8 cast moves an odd element by one FP8 step, which the next GEMM
+spreads. There each tensor is compared as a whole: its relative error (L2) must stay below
+1e-2, where a wrong result (a lost gradient, a misread scale) is off by order 1."""
 
 import copy
 
@@ -61,6 +63,9 @@ def _scaling_state(model):
             for k, t in entry.items()}
 
 
+ACCELERATOR_RELATIVE_ERROR = 1e-2
+
+
 def _assert_identical(got, want, what):
     assert len(got) == len(want)
     exact = te.get_backend().name == "reference"
@@ -68,7 +73,15 @@ def _assert_identical(got, want, what):
         if exact:
             assert torch.equal(g, w), f"{what}[{i}]: compiled differs from eager by {(g - w).abs().max()}"
         else:
-            torch.testing.assert_close(g, w, rtol=1.6e-2, atol=1e-5, msg=lambda m: f"{what}[{i}]: {m}")
+            _assert_relative_error(g, w, f"{what}[{i}]")
+
+
+def _assert_relative_error(g, w, what):
+    assert g.shape == w.shape and g.dtype == w.dtype, f"{what}: {g.shape} {g.dtype} vs {w.shape} {w.dtype}"
+    g, w = g.double(), w.double()
+    error = (g - w).norm() / w.norm().clamp_min(1e-30)
+    assert error <= ACCELERATOR_RELATIVE_ERROR, (
+        f"{what}: compiled differs from eager by {error:.3g} (relative, L2), max |diff| {(g - w).abs().max():.3g}")
 
 
 @pytest.mark.parametrize("module", list(MODULES))
@@ -112,7 +125,12 @@ def test_inductor_updates_histories_in_place():
         x = torch.randn(SEQ, BATCH, HIDDEN)
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
             got, code = run_and_get_code(_run, compiled, compiled_model, x)
-        torch.testing.assert_close(got, _run(step, eager_model, x), rtol=0.125, atol=0.0675)
+        want = _run(step, eager_model, x)
+        if te.get_backend().name == "reference":
+            torch.testing.assert_close(got, want, rtol=0.125, atol=0.0675)
+        else:
+            for j, (g, w) in enumerate(zip(got, want)):
+                _assert_relative_error(g, w, f"step {i}[{j}]")
         allocated = [line.strip() for src in code for line in src.splitlines()
                      if "empty_strided" in line and f"(({history_len}, " in line]
         assert not allocated, f"step {i}: the compiled graphs allocate history-shaped buffers: {allocated}"

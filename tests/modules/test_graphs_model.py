@@ -284,7 +284,11 @@ def test_quantized_model_init_weights_compile_fullgraph(rec_name):
         with torch.no_grad():
             for step in range(2):
                 x = torch.randn(SEQ * BATCH, HIDDEN)
-                _assert_equal([compiled(x)], [_autocast_call(eager, rec)(x)], f"step {step}")
+                got, want = compiled(x), _autocast_call(eager, rec)(x)
+                if te.get_backend().name == "reference":
+                    _assert_equal([got], [want], f"step {step}")
+                else:  # inductor's twins of the casts and GEMMs round the last float32 bits their own way
+                    torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"step {step}: {m}")
                 for m in (model, eager):
                     for p in m.parameters():
                         p.mul_(1.5)  # an FP8 weight is requantized in place

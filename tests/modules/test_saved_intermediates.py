@@ -31,9 +31,10 @@ def _run(monkeypatch, fp8: bool, retain: bool):
     x = torch.randn(16, 32, requires_grad=True)
     dy = torch.randn(16, 32)
     rec = recipe.DelayedScaling() if fp8 else None
-    if fp8:  # one step first, so that the scales have settled: the same step then casts the same
-        with autocast(recipe=rec):
-            mlp(x).backward(dy)
+    if fp8:  # steps first, until the scales have settled: the same step then casts the same
+        for _ in range(3):  # (each gradient's amax depends on the scales the step before used)
+            with autocast(recipe=rec):
+                mlp(x).backward(dy)
         mlp.zero_grad()
         x.grad = None
     with autocast(enabled=fp8, recipe=rec):

@@ -41,12 +41,19 @@ def _takes(x, fp8_dtype, scale=None, amax_out=None) -> bool:
 
 def _cast(x, scale, fp8_dtype):
     fmax = FP8_FORMATS[fp8_dtype][1]
-    return torch.clamp(x.float() * scale.reshape(()), -fmax, fmax).to(fp8_dtype)
+    return torch.clamp(_as(x, torch.float32) * scale.reshape(()), -fmax, fmax).to(fp8_dtype)
+
+
+def _as(t, dtype):
+    """t in dtype, without a conversion that is a no-op: torch.compile records such a .to() as
+    an alias of its input, and an autograd Function whose output is one got a zero gradient
+    (torch 2.11)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _amax(x):
     """max|x|, NaN if x has one."""
-    return x.abs().amax().float()
+    return _as(x.abs().amax(), torch.float32)
 
 
 def quantize_fp8(x, scale, fp8_dtype, *, amax_out=None):
@@ -66,7 +73,7 @@ def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out=None):
     if not _takes(dy, fp8_dtype, scale, amax_out) or dy.dim() != 2:
         return NotImplemented
     data = _cast(dy, scale, fp8_dtype)
-    return data, data.t().contiguous(), dy.float().sum(0).to(dy.dtype), _amax(dy)
+    return data, data.t().contiguous(), _as(_as(dy, torch.float32).sum(0), dy.dtype), _amax(dy)
 
 
 def _current_scale(amax, fmax, amax_epsilon, force_pow2_scales):
@@ -101,7 +108,7 @@ def transpose_fp8(data):
 def dequantize_fp8(data, scale_inv, out_dtype):
     if data.dtype not in FP8_FORMATS or out_dtype not in HP_DTYPES or not data.is_cuda or scale_inv.numel() != 1:
         return NotImplemented
-    return (data.float() * scale_inv.reshape(()).float()).to(out_dtype)
+    return _as(data.float() * _as(scale_inv.reshape(()), torch.float32), out_dtype)
 
 
 def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, bias=None, out=None,
@@ -116,11 +123,16 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, b
     if epilogue:
         kwargs["bias"] = bias
     # fresh 0-dim scales: cuBLASLt reads them with aligned loads
-    y = torch._scaled_mm(a, b.t(), a_scale_inv.reshape(()).float().clone(),
-                         b_scale_inv.reshape(()).float().clone(), **kwargs)
+    y = torch._scaled_mm(a, b.t(), _as(a_scale_inv.reshape(()), torch.float32).clone(),
+                         _as(b_scale_inv.reshape(()), torch.float32).clone(), **kwargs)
     if bias is not None and not epilogue:
-        y = (y.float() + bias.float()).to(out_dtype)
+        y = _add_bias(y, bias, out_dtype)
     return y
+
+
+def _add_bias(y, bias, out_dtype):
+    """y + bias in float32, rounded once to out_dtype."""
+    return _as(torch.add(_as(y, torch.float32), _as(bias, torch.float32)), out_dtype)
 
 
 TRACED = {
