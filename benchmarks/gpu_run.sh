@@ -41,8 +41,8 @@ for part in "${parts[@]}"; do
     hf) timeout "${HF_TIMEOUT:-330}" python3 benchmarks/bench_hf.py --results "$RESULTS" 2>&1 | tail -n 20 ;;
     module-tests)
       { echo "# $(python3 -c 'import torch, triton; print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)'), $(date -u +%F)"
-        echo "## python3 -m pytest -q -rs tests/modules -k cuda"
-        timeout "${MODULE_TESTS_TIMEOUT:-420}" python3 -m pytest -q -rs --tb=line -p no:logging tests/modules -k cuda 2>&1 | tail -n 60
+        echo "## python3 -m pytest -q -rfs tests/modules -k cuda"
+        timeout "${MODULE_TESTS_TIMEOUT:-420}" python3 -m pytest -q -rfs --tb=line -p no:logging tests/modules -k cuda 2>&1 | tail -n 60
       } > "$RESULTS/$gpu/modules-cuda.txt"
       tail -n 25 "$RESULTS/$gpu/modules-cuda.txt" ;;
     *) echo "unknown part '$part': choose from modules, kernels, sweep, conformance, hf, module-tests" >&2; exit 2 ;;
