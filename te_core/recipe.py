@@ -123,6 +123,14 @@ class Recipe:
         params = getattr(self, f"fp8_gemm_{gemm}", None)
         return default_split_accumulator(gemm) if params is None else params.use_split_accumulator
 
+    def gemm_in_fp8(self, gemm: str) -> bool:
+        """Whether this recipe runs `gemm` ("fprop", "dgrad" or "wgrad") of an FP8 layer in FP8:
+        every GEMM does, except where DelayedScaling's override_linear_precision keeps the wgrad
+        in high precision."""
+        if gemm not in GEMMS:
+            raise ValueError(f"gemm must be one of {', '.join(GEMMS)}, got {gemm!r}")
+        return True
+
     def make_state(self, slots: Sequence, device: torch.device):
         """The scaling state and quantizers of a module's `slots` (te_core.quantization.QuantizerSlot).
         Default: no per-module state, each slot's quantizer from quantizer_for (DelayedScaling
@@ -188,7 +196,9 @@ class DelayedScaling(Recipe):
     ("max"), the latest step ("most_recent"), or `amax_compute_algo(history) -> amax` (per
     column of the (L, n) history). `scaling_factor_compute_algo(amax, scale, fp8_max, recipe)`
     replaces the scale formula. With `reduce_amax`, amaxes are all-reduced (MAX) over the
-    autocast's amax_reduction_group before each update.
+    autocast's amax_reduction_group before each update. `override_linear_precision=(False,
+    False, True)` runs each layer's weight-gradient GEMM in high precision (Transformer Engine's
+    wgrad override).
     """
 
     margin: int = 0
@@ -221,6 +231,9 @@ class DelayedScaling(Recipe):
             raise NotImplementedError("DelayedScaling: fp8_dpa / fp8_mha (FP8 attention) are not supported "
                                       "by te-core yet; leave them False (attention runs in high precision)")
 
+    def gemm_in_fp8(self, gemm: str) -> bool:
+        return super().gemm_in_fp8(gemm) and not getattr(self.override_linear_precision, gemm)
+
     def make_state(self, slots, device):
         from .quantization.state import DelayedScalingState
 
@@ -230,18 +243,24 @@ class DelayedScaling(Recipe):
         return (*super().compatible_key(), self.amax_history_len)
 
 
+_SUPPORTED_OVERRIDES = ((False, False, False), (False, False, True))
+
+
 def _check_override(recipe) -> None:
-    """override_linear_precision as Transformer Engine's (fprop, dgrad, wgrad) triple of bools;
-    only all-False runs (every GEMM of an FP8 layer in FP8)."""
+    """override_linear_precision as Transformer Engine's (fprop, dgrad, wgrad) triple of bools,
+    with TE's rule: all-False, or (False, False, True), the weight-gradient GEMM in high precision
+    (it reads the layer input and the output gradient in their high-precision dtype; the forward
+    and dgrad GEMMs stay FP8)."""
     value = recipe.override_linear_precision
     if not isinstance(value, tuple) or len(value) != 3 or not all(isinstance(v, bool) for v in value):
         raise TypeError(f"DelayedScaling: override_linear_precision must be three bools (fprop, dgrad, wgrad), "
                         f"got {value!r}")
     object.__setattr__(recipe, "override_linear_precision", _OverrideLinearPrecision(*value))
-    if any(value):
+    if tuple(value) not in _SUPPORTED_OVERRIDES:
         raise NotImplementedError(
-            f"DelayedScaling: override_linear_precision={tuple(value)} (running a GEMM of an FP8 layer in high "
-            "precision) is not supported by te-core yet; leave it (False, False, False)")
+            f"DelayedScaling: override_linear_precision={tuple(value)} is not supported: only the wgrad override "
+            "is, as in Transformer Engine. Use (False, False, True) to run the weight-gradient GEMM in high "
+            "precision, or (False, False, False) to run every GEMM of an FP8 layer in FP8")
 
 
 def _check_mm_params(recipe) -> None:

@@ -1,7 +1,9 @@
 """Tensor and sequence parallelism on torch.distributed (Transformer Engine's
 `transformer_engine.pytorch.distributed`): the communication steps as autograd Functions, the
 FP8 all-gather under sequence parallelism, the RNG-states tracker, and the checks on the user's
-process groups. The process group always comes from the user; the collectives are torch's."""
+process groups. The process group always comes from the user; the collectives are torch's.
+FSDP2 of FP8 primary weights: the FP8 all-gather in `te_core.distributed.fsdp`, and checkpoints
+through torch.distributed.checkpoint with the state dicts of `te_core.distributed.state_dict`."""
 
 from .collectives import copy_to_tp_region, gather_along_first_dim, reduce_from_tp_region, scatter_reduce_first_dim
 from .random import MODEL_PARALLEL_RNG_TRACKER_NAME, CudaRNGStatesTracker, RNGStatesTracker

@@ -18,6 +18,8 @@ the shard's amax (MAX) over the FSDP group first:
 The first all-gather of a shard binds its ShardQuantizer to the FSDP group and requantizes the
 shard through it, so shards quantized before (at init from identical full weights, which
 leaves their FP8 bytes as they are, or by a load before the first forward) share a scale too.
+A shard loaded from a checkpoint's FP8 bytes and scale_inv (te_core.distributed.state_dict)
+is bound as it is: its scale is the saved one on every rank already.
 A foreach optimizer step (one op over every parameter) requantizes all shards at once, with one
 all-reduce of their amaxes per process group; an optimizer that loops over parameters costs one
 4-byte all-reduce per weight.
@@ -37,7 +39,7 @@ from ..quantization.float8_tensor import Float8Tensor
 from ..quantization.quantizers import Float8CurrentScalingQuantizer, Float8Quantizer
 from ..reference.cast import amax_of, scale_from_amax
 
-__all__ = ["ShardQuantizer", "pre_all_gather", "post_all_gather"]
+__all__ = ["ShardQuantizer", "bind_shard", "pre_all_gather", "post_all_gather"]
 
 SUPPORTED = (Float8Quantizer, Float8CurrentScalingQuantizer)
 
@@ -97,23 +99,43 @@ class ShardQuantizer:
     def __deepcopy__(self, memo):  # a copied model shares the process group, never copies it
         return ShardQuantizer(copy.deepcopy(self.inner, memo), self.group)
 
+    def __copy__(self):  # copy.copy would otherwise go through __reduce_ex__
+        return ShardQuantizer(self.inner, self.group)
+
+    def __reduce_ex__(self, protocol):
+        # what torch.distributed.checkpoint's default planner reaches when it is handed torch's
+        # state dict of an FSDP2-sharded FP8 weight (a DTensor over its Float8Tensor shard)
+        raise TypeError(
+            "an FSDP2-sharded FP8 primary weight (te.quantized_model_init) cannot be pickled with its quantizer, "
+            "which holds the FSDP process group. To checkpoint it with torch.distributed.checkpoint, build the "
+            "model's state dict with te_core.distributed.state_dict.get_model_state_dict (and load it with its "
+            "set_model_state_dict): it saves each FP8 weight as its FP8 bytes and scale_inv, plain tensors")
+
     def __repr__(self) -> str:
         return f"ShardQuantizer({self.inner!r}, group size {dist.get_world_size(self.group)})"
 
 
-def _bind(shard: Float8Tensor, group) -> None:
-    """Make `shard` requantize through a ShardQuantizer of `group`, and requantize it now (see
-    the module docstring); every rank does this at the same all-gather, so the collective matches."""
+def bind_shard(shard: Float8Tensor, group) -> bool:
+    """Make `shard` requantize through a ShardQuantizer of `group` from now on; False when it
+    already does. Its bytes are left as they are: for a shard whose scale_inv is known to be the
+    same on every rank (a checkpoint's, see te_core.distributed.state_dict)."""
     quantizer = shard.quantizer
     if isinstance(quantizer, ShardQuantizer):
         if quantizer.group is group:
-            return
+            return False
         quantizer = quantizer.inner
     if quantizer is None:
         raise RuntimeError("FSDP2 FP8 all-gather: this Float8Tensor parameter has no quantizer, so its shards "
                            "cannot be requantized after an update; create FP8 weights with te.quantized_model_init")
     shard._quantizer = ShardQuantizer(quantizer, group)
-    shard.requantize_(shard.dequantize(torch.float32))
+    return True
+
+
+def _bind(shard: Float8Tensor, group) -> None:
+    """bind_shard, then requantize the shard so that its scale is the whole weight's (see the
+    module docstring); every rank does this at the same all-gather, so the collective matches."""
+    if bind_shard(shard, group):
+        shard.requantize_(shard.dequantize(torch.float32))
 
 
 def _check_shard(shard: Float8Tensor, orig_size: torch.Size) -> None:

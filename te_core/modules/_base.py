@@ -166,6 +166,26 @@ class QuantizedModule(nn.Module):
             if isinstance(param, QuantizedTensor) and prefix + name in destination:
                 destination[prefix + name] = param.dequantize().detach()
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        errors = len(error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if len(error_msgs) != errors:
+            return
+        # copy_ requantized each quantized primary weight with this module's scale; a delayed
+        # scale from a fresh init can saturate trained values, so such a quantizer redoes it
+        for name, param in self._parameters.items():
+            value = state_dict.get(prefix + name)
+            if not isinstance(param, QuantizedTensor) or param._quantizer is None or not isinstance(value, Tensor) \
+                    or isinstance(value, QuantizedTensor):
+                continue
+            with torch.no_grad():
+                fresh = param._quantizer.load_primary(value.detach().to(param.device, param.dtype).reshape(param.shape))
+            if fresh is not None:
+                param._take_payload(fresh)
+                self._weight_cache.clear()
+
     # ------------------------------------------------------------------ state and checkpoints
     def quantization_state(self) -> Dict[str, Dict[str, Dict[str, Tensor]]]:
         """{"forward"|"backward": {slot: {"scale": (1,), "amax_history": (L,)}}}: live views of the

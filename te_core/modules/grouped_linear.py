@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ..quantization import gemm_slots
-from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise
+from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_operand
 from ._base import QuantizedModule
 from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._wgrad import weight_grad
@@ -45,7 +45,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
             x_q = step.operand(_slot(i, "input"), xi, columnwise=w.requires_grad)
             w_q = step.weight_operand(_slot(i, "weight"), hp_weight(step, w, x.dtype), columnwise=x.requires_grad)
             outs.append(fprop_gemm(x_q, w_q, out_dtype=x.dtype, bias=biases[i] if biases else None))
-            saved += [x_q, keep_columnwise(w_q) if x.requires_grad else None]  # dgrad reads the column-wise copy
+            # wgrad reads x's column-wise copy (or x in high precision, per the recipe), dgrad the weight's
+            saved += [wgrad_operand(x_q, xi) if w.requires_grad else None,
+                      keep_columnwise(w_q) if x.requires_grad else None]
         ctx.save_for_backward(*saved)
         ctx.step, ctx.m_splits, ctx.num_gemms = step, m_splits, num_gemms
         ctx.weight_meta = [(w.shape, w.dtype) for w in weights]
@@ -61,7 +63,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         dxs, dws, dbs = [], [], []
         batch = new_batch(ctx.wgrad_store)
         for i, dyi in enumerate(torch.split(dy.to(ctx.x_dtype), ctx.m_splits)):
-            x_q, w_q = saved[2 * i], saved[2 * i + 1]
+            x_w, w_q = saved[2 * i], saved[2 * i + 1]
             shape, w_dtype = ctx.weight_meta[i]
             if dyi.shape[0] == 0:
                 dxs.append(dyi.new_zeros(0, shape[1]))
@@ -71,13 +73,13 @@ class _GroupedLinearFunction(torch.autograd.Function):
                     torch.zeros, shape, dtype=w_dtype, device=dy.device)))
                 dbs.append(torch.zeros(shape[0], dtype=w_dtype, device=dy.device) if ctx.bias_dtypes else None)
                 continue
-            dy_q, db = step.grad_operand(
-                _slot(i, "grad_output"), dyi.contiguous(), columnwise=True, with_dbias=bool(ctx.bias_dtypes)
-            )
+            dyi = dyi.contiguous()
+            dy_q, db = step.grad_operand(_slot(i, "grad_output"), dyi, columnwise=x_w is not None,
+                                         with_dbias=bool(ctx.bias_dtypes))
             if ctx.needs_dx:
                 dxs.append(dgrad_gemm(dy_q, w_q, out_dtype=ctx.x_dtype))
-            dws.append(weight_grad_or_defer(batch, f"weight{i}", partial(
-                weight_grad, dy_q, x_q, w_dtype, ctx.fused_weights[i], "GroupedLinear")))
+            dws.append(None if x_w is None else weight_grad_or_defer(batch, f"weight{i}", partial(
+                weight_grad, wgrad_operand(dy_q, dyi), x_w, w_dtype, ctx.fused_weights[i], "GroupedLinear")))
             dbs.append(None if db is None else db.to(ctx.bias_dtypes[i]))
         step.backward_done()
         dx = torch.cat(dxs, dim=0) if ctx.needs_dx else None

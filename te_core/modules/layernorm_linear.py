@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from ..distributed import tensor_parallel
 from ..distributed.norm_gather import shard_grad
 from ..quantization import gemm_slots
-from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise
+from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_operand
 from ._base import QuantizedModule
 from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._param_split import ParameterSplitMixin
@@ -145,31 +145,36 @@ def normalized_operand(
     columnwise: bool,
     keep_hp: bool,
 ):
-    """Norm of x2d as the GEMM operand of `slot`: (operand, stats, high-precision output or None).
+    """Norm of x2d as the GEMM operand of `slot`: (operand, what the wgrad reads of it, or None
+    without `columnwise`; stats; the high-precision output when `keep_hp`, else None).
 
     The norm op writes FP8 directly when the slot's quantizer knows its scale up front and the
-    high-precision output is not needed; otherwise the output is quantized afterwards."""
+    high-precision output is not needed (`keep_hp`, or a high-precision wgrad: the step then
+    offers no fused cast); otherwise the output is quantized afterwards."""
     fused = None if keep_hp else step.fused_cast_args(slot)
     if fused is not None:
         data, stats, amax = norm_fwd(x2d, ln_weight, ln_bias, **norm, **fused)
-        return step.wrap_fused(slot, data, amax, nominal_dtype=x2d.dtype, columnwise=columnwise), stats, None
-    y, stats, _ = norm_fwd(x2d, ln_weight, ln_bias, **norm)
-    return step.operand(slot, y, columnwise=columnwise), stats, (y if keep_hp else None)
+        y, operand = None, step.wrap_fused(slot, data, amax, nominal_dtype=x2d.dtype, columnwise=columnwise)
+    else:
+        y, stats, _ = norm_fwd(x2d, ln_weight, ln_bias, **norm)
+        operand = step.operand(slot, y, columnwise=columnwise)
+    return operand, (wgrad_operand(operand, y) if columnwise else None), stats, (y if keep_hp else None)
 
 
 class _LayerNormLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, weight, bias, step, norm, return_ln_out, split_sizes, return_residual,
                 fuse_wgrad=False, wgrad_store=None):
-        ln_out_q, stats, ln_out = normalized_operand(
+        ln_out_q, ln_out_w, stats, ln_out = normalized_operand(
             step, "input", x, ln_weight, ln_bias, norm, columnwise=weight.requires_grad, keep_hp=return_ln_out
         )
         w_q = step.weight_operand(
             "weight", hp_weight(step, weight, x.dtype), columnwise=needs_norm_grad(x, ln_weight, ln_bias)
         )
         y = fprop_gemm(ln_out_q, w_q, out_dtype=x.dtype, bias=bias)
-        # backward reads the column-wise copies only: ln_out for wgrad, the weight for dgrad
-        ctx.save_for_backward(x, ln_weight, keep_columnwise(ln_out_q) if weight.requires_grad else None,
+        # backward reads the column-wise copies only: ln_out for wgrad (or ln_out in high
+        # precision, per the recipe), the weight for dgrad
+        ctx.save_for_backward(x, ln_weight, ln_out_w,
                               keep_columnwise(w_q) if needs_norm_grad(x, ln_weight, ln_bias) else None, *stats)
         ctx.step, ctx.norm, ctx.weight_dtype = step, norm, weight.dtype
         ctx.fused_weight = weight if fuse_wgrad else None  # its main_grad takes the wgrad
@@ -190,16 +195,16 @@ class _LayerNormLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        x, ln_weight, ln_out_q, w_q, *stats = ctx.saved_tensors
+        x, ln_weight, ln_out_w, w_q, *stats = ctx.saved_tensors
         step = ctx.step
         needs_dx, needs_dw = ctx.needs
         dys, d_ln_out, d_res = split_grads(ctx, grads, ctx.parts)
         dys = [g.to(x.dtype) for g in dys]
-        dy_q, dbias = step.grad_operand(
-            "grad_output", dys[0] if ctx.parts == 1 else dys, columnwise=needs_dw, with_dbias=ctx.bias_dtype is not None
-        )
+        dy = dys[0] if ctx.parts == 1 else dys
+        dy_q, dbias = step.grad_operand("grad_output", dy, columnwise=needs_dw, with_dbias=ctx.bias_dtype is not None)
         dw = weight_grad_or_defer(new_batch(ctx.wgrad_store), "weight", partial(
-            weight_grad, dy_q, ln_out_q, ctx.weight_dtype, ctx.fused_weight, "LayerNormLinear")) if needs_dw else None
+            weight_grad, wgrad_operand(dy_q, dy), ln_out_w, ctx.weight_dtype, ctx.fused_weight,
+            "LayerNormLinear")) if needs_dw else None
         d_ln = norm_input_grad(ctx, dy_q, w_q, d_ln_out, x.dtype)
         del dy_q  # freed before the norm backward allocates dx
         dx, d_ln_w, d_ln_b = norm_grads(ctx, d_ln, x, stats, ln_weight, d_res)

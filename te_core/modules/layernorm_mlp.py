@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from .. import ops
 from ..distributed import tensor_parallel
 from ..quantization import gemm_slots
-from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise
+from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_operand
 from . import _saved
 from ._activation import activation_op, split_activation
 from ._base import QuantizedModule
@@ -54,20 +54,24 @@ SLOTS = gemm_slots("fc1_") + gemm_slots("fc2_")
 
 
 def activated_operand(step, slot: str, h: Tensor, act, columnwise: bool):
-    """act(h) as the GEMM operand of `slot`, FP8 straight from the activation op where possible.
-    `act`: an activation_op value (the kind, with its parameters if it has any)."""
+    """act(h) as the GEMM operand of `slot`, FP8 straight from the activation op where possible:
+    (operand, what the wgrad reads of it). `act`: an activation_op value (the kind, with its
+    parameters if it has any)."""
     kind, params = split_activation(act)
     fused = step.fused_cast_args(slot)
     if fused is not None:
         data, amax = ops.activation_fwd(h, kind, **fused, **params)
-        return step.wrap_fused(slot, data, amax, nominal_dtype=h.dtype, columnwise=columnwise)
-    a, _ = ops.activation_fwd(h, kind, **params)
-    return step.operand(slot, a, columnwise=columnwise)
+        a_q, a = step.wrap_fused(slot, data, amax, nominal_dtype=h.dtype, columnwise=columnwise), None
+    else:
+        a, _ = ops.activation_fwd(h, kind, **params)
+        a_q = step.operand(slot, a, columnwise=columnwise)
+    return a_q, (wgrad_operand(a_q, a) if columnwise else None)
 
 
 def activation_grad_operand(step, slot: str, d_act_and_h: list, act, *, columnwise: bool, with_dbias):
-    """d(act)/dh applied to d_act as the gradient operand of `slot`, with fc1's bias gradient.
-    `d_act_and_h`: [d_act, h], which this function empties, so that it holds their last references.
+    """d(act)/dh applied to d_act as the gradient operand of `slot`: (operand, fc1's bias gradient,
+    what fc1's wgrad reads of it). `d_act_and_h`: [d_act, h], which this function empties, so
+    that it holds their last references.
 
     One fused op (activation backward + dbias + FP8 cast) where the quantizer knows its scale up
     front; otherwise the activation backward, then the recipe's gradient cast, which runs after
@@ -80,12 +84,13 @@ def activation_grad_operand(step, slot: str, d_act_and_h: list, act, *, columnwi
     if fused is None:
         d_h = ops.activation_bwd(d_act, h, kind, **params)
         del d_act, h
-        return step.grad_operand(slot, d_h, columnwise=columnwise, with_dbias=bool(with_dbias))
+        dh_q, dbias = step.grad_operand(slot, d_h, columnwise=columnwise, with_dbias=bool(with_dbias))
+        return dh_q, dbias, (wgrad_operand(dh_q, d_h) if columnwise else None)
     data, data_t, dbias, amax = ops.activation_bwd_dbias_cast_transpose(
         d_act, h, kind, fused["fp8_scale"], fused["fp8_dtype"], amax_out=fused.get("amax_out"), **params
     )
     dh_q = step.wrap_fused(slot, data, amax, nominal_dtype=h.dtype, columnwise=columnwise, data_t=data_t)
-    return dh_q, (dbias if with_dbias else None)
+    return dh_q, (dbias if with_dbias else None), (wgrad_operand(dh_q, None) if columnwise else None)
 
 
 class _LayerNormMLPFunction(torch.autograd.Function):
@@ -94,22 +99,23 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, step, norm, activation, return_ln_out,
         return_residual, fuse_wgrad=False, wgrad_store=None,
     ):
-        ln_out_q, stats, ln_out = normalized_operand(
+        ln_out_q, ln_out_w, stats, ln_out = normalized_operand(
             step, "fc1_input", x, ln_weight, ln_bias, norm, columnwise=fc1_weight.requires_grad, keep_hp=return_ln_out
         )
         fc1_w_q = step.weight_operand(
             "fc1_weight", hp_weight(step, fc1_weight, x.dtype), columnwise=needs_norm_grad(x, ln_weight, ln_bias)
         )
         h = fprop_gemm(ln_out_q, fc1_w_q, out_dtype=x.dtype, bias=fc1_bias)
-        act_q = activated_operand(step, "fc2_input", h, activation, columnwise=fc2_weight.requires_grad)
+        act_q, act_wgrad = activated_operand(step, "fc2_input", h, activation, columnwise=fc2_weight.requires_grad)
         fc2_w_q = step.weight_operand("fc2_weight", hp_weight(step, fc2_weight, x.dtype), columnwise=True)
         y = fprop_gemm(act_q, fc2_w_q, out_dtype=x.dtype, bias=fc2_bias)
-        # backward reads the column-wise copies only (wgrad: ln_out, act; dgrad: the weights) and
-        # frees each intermediate once used (_saved): at its end only the gradients are alive
+        # backward reads the column-wise copies only (wgrad: ln_out, act, or both in high precision
+        # per the recipe; dgrad: the weights) and frees each intermediate once used (_saved): at
+        # its end only the gradients are alive
         _saved.save(ctx, (x, ln_weight, *stats), (
-            keep_columnwise(ln_out_q) if fc1_weight.requires_grad else None,
+            ln_out_w,
             keep_columnwise(fc1_w_q) if needs_norm_grad(x, ln_weight, ln_bias) else None, h,
-            keep_columnwise(act_q) if fc2_weight.requires_grad else None, keep_columnwise(fc2_w_q),
+            act_wgrad, keep_columnwise(fc2_w_q),
         ))
         ctx.step, ctx.norm, ctx.activation = step, norm, activation
         ctx.bias_dtypes = (None if fc1_bias is None else fc1_bias.dtype, None if fc2_bias is None else fc2_bias.dtype)
@@ -129,28 +135,31 @@ class _LayerNormMLPFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         (dy,), d_ln_out, d_res = split_grads(ctx, grads, 1)
         (x, ln_weight, *stats), held = _saved.restore(ctx, "LayerNormMLP")
-        ln_out_q, fc1_w_q, h, act_q, fc2_w_q = held
+        ln_out_w, fc1_w_q, h, act_w, fc2_w_q = held
         del held  # from here on the locals below are the only references: each `del` frees memory
         step = ctx.step
         needs_dx, needs_dw1, needs_dw2 = ctx.needs
+        dy = dy.to(x.dtype)
         dy_q, d_fc2_b = step.grad_operand(
-            "fc2_grad_output", dy.to(x.dtype), columnwise=needs_dw2, with_dbias=ctx.bias_dtypes[1] is not None
+            "fc2_grad_output", dy, columnwise=needs_dw2, with_dbias=ctx.bias_dtypes[1] is not None
         )
+        dy_w = wgrad_operand(dy_q, dy) if needs_dw2 else None
+        del dy
         fc1_fused, fc2_fused = ctx.fused_weights
         batch = new_batch(ctx.wgrad_store)
         d_fc2_w = weight_grad_or_defer(batch, "fc2_weight", partial(
-            weight_grad, dy_q, act_q, ctx.weight_dtypes[1], fc2_fused, "LayerNormMLP")) if needs_dw2 else None
-        del act_q
+            weight_grad, dy_w, act_w, ctx.weight_dtypes[1], fc2_fused, "LayerNormMLP")) if needs_dw2 else None
+        del act_w, dy_w
         d_act = dgrad_gemm(dy_q, fc2_w_q, out_dtype=x.dtype)
         del dy_q, fc2_w_q
         d_act_and_h = [d_act, h]
         del d_act, h  # activation_grad_operand frees them as soon as it has read them
-        dh_q, d_fc1_b = activation_grad_operand(
+        dh_q, d_fc1_b, dh_w = activation_grad_operand(
             step, "fc1_grad_output", d_act_and_h, ctx.activation, columnwise=needs_dw1, with_dbias=ctx.bias_dtypes[0]
         )
         d_fc1_w = weight_grad_or_defer(batch, "fc1_weight", partial(
-            weight_grad, dh_q, ln_out_q, ctx.weight_dtypes[0], fc1_fused, "LayerNormMLP")) if needs_dw1 else None
-        del ln_out_q
+            weight_grad, dh_w, ln_out_w, ctx.weight_dtypes[0], fc1_fused, "LayerNormMLP")) if needs_dw1 else None
+        del ln_out_w, dh_w
         d_ln = norm_input_grad(ctx, dh_q, fc1_w_q, d_ln_out, x.dtype)
         del dh_q, fc1_w_q
         dx, d_ln_w, d_ln_b = norm_grads(ctx, d_ln, x, stats, ln_weight, d_res)

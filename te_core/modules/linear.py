@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ..distributed import tensor_parallel
-from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise
+from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_operand
 from ..quantization.roles import gemm_slots
 from ._base import QuantizedModule
 from ._delayed_wgrad import DelayedWgradMixin, WeightGradStore, new_batch, weight_grad_or_defer
@@ -41,7 +41,8 @@ class _Options(NamedTuple):
 
 def _fprop(inp: Tensor, weight: Tensor, bias: Optional[Tensor], step, options: _Options,
            need_dgrad: bool = False, need_wgrad: bool = False):
-    """(y as a 2-D tensor, x operand, weight operand): the forward GEMM with its quantized operands."""
+    """(y as a 2-D tensor, what the wgrad reads of x or None, weight operand): the forward GEMM with
+    its quantized operands."""
     out_features, in_features = weight.shape
     dtype = options.compute_dtype
     x2d = inp if inp.dim() == 2 else inp.reshape(-1, in_features)
@@ -49,7 +50,8 @@ def _fprop(inp: Tensor, weight: Tensor, bias: Optional[Tensor], step, options: _
     x_op = step.operand("input", x2d if step.fp8 else x2d.to(dtype), columnwise=need_wgrad)
     w_hp = weight if step.fp8 else weight.to(dtype)
     w_op = step.weight_operand("weight", w_hp, columnwise=need_dgrad)
-    return fprop_gemm(x_op, w_op, out_dtype=dtype, bias=bias), x_op, w_op
+    x_wgrad = wgrad_operand(x_op, x2d, dtype) if need_wgrad else None
+    return fprop_gemm(x_op, w_op, out_dtype=dtype, bias=bias), x_wgrad, w_op
 
 
 def _output(y: Tensor, inp: Tensor) -> Tensor:
@@ -61,11 +63,11 @@ class _LinearFunction(torch.autograd.Function):
     def forward(ctx, inp: Tensor, weight: Tensor, bias: Optional[Tensor], step, options: _Options, split_sizes=None):
         need_dgrad = options.grad_enabled and inp.requires_grad
         need_wgrad = options.grad_enabled and weight.requires_grad
-        y, x_op, w_op = _fprop(inp, weight, bias, step, options, need_dgrad, need_wgrad)
-        # Backward reads only column-wise copies: x's for wgrad, the weight's for dgrad (a cached
-        # weight keeps both layouts in the module's cache; saving the twin costs nothing extra).
-        ctx.save_for_backward(keep_columnwise(x_op) if need_wgrad else None,
-                              keep_columnwise(w_op) if need_dgrad else None)
+        y, x_wgrad, w_op = _fprop(inp, weight, bias, step, options, need_dgrad, need_wgrad)
+        # Backward reads only column-wise copies: x's for wgrad (or x in high precision, per the
+        # recipe), the weight's for dgrad (a cached weight keeps both layouts in the module's
+        # cache; saving the twin costs nothing extra).
+        ctx.save_for_backward(x_wgrad, keep_columnwise(w_op) if need_dgrad else None)
         ctx.step, ctx.options, ctx.weight = step, options, weight
         ctx.inp_shape, ctx.inp_dtype = inp.shape, inp.dtype
         ctx.need_dgrad, ctx.need_wgrad = need_dgrad, need_wgrad
@@ -75,11 +77,12 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *dys: Tensor):
-        x_op, w_op = ctx.saved_tensors
+        x_wgrad, w_op = ctx.saved_tensors
         step, weight = ctx.step, ctx.weight
         # split outputs: their gradients go to the cast as column blocks, not concatenated (LayerNormLinear)
         parts = [(dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).contiguous() for dy in dys]
-        dy_op, dbias = step.grad_operand("grad_output", parts if ctx.split else parts[0], columnwise=ctx.need_wgrad,
+        dy = parts if ctx.split else parts[0]
+        dy_op, dbias = step.grad_operand("grad_output", dy, columnwise=ctx.need_wgrad,
                                          with_dbias=ctx.bias_dtype is not None)
         dx = dw = None
         if ctx.need_dgrad:
@@ -88,7 +91,8 @@ class _LinearFunction(torch.autograd.Function):
         if ctx.need_wgrad:
             fused = weight if ctx.options.fuse_wgrad_accumulation else None
             dw = weight_grad_or_defer(new_batch(ctx.options.wgrad_store), "weight",
-                                      partial(weight_grad, dy_op, x_op, weight.dtype, fused, "Linear"))
+                                      partial(weight_grad, wgrad_operand(dy_op, dy), x_wgrad, weight.dtype, fused,
+                                              "Linear"))
         step.backward_done()
         if dbias is not None:
             dbias = dbias.to(ctx.bias_dtype)

@@ -53,6 +53,27 @@ def keep_columnwise(t: Operand) -> Operand:
     return t.columnwise_only() if isinstance(t, QUANTIZED) else t
 
 
+def wgrad_operand(operand: Operand, hp, dtype: Optional[torch.dtype] = None) -> Operand:
+    """What the wgrad GEMM reads of an input or output-gradient operand, to keep for it:
+    `operand`'s column-wise copy alone (keep_columnwise) when its quantizer's recipe runs the
+    wgrad in FP8; else `hp`, the high-precision tensor the operand was cast from (a tensor, or
+    a list of its column blocks), in `dtype` when given (DelayedScaling's
+    override_linear_precision=(False, False, True), as Transformer Engine's wgrad override)."""
+    quantizer = operand.quantizer if isinstance(operand, QUANTIZED) else None
+    # a quantizer that wraps another (FSDP2's ShardQuantizer, for weights) has no wgrad to decide
+    if quantizer is None or getattr(quantizer, "wgrad_in_fp8", True):
+        return keep_columnwise(operand)
+    hp = torch.cat(hp, dim=-1) if isinstance(hp, (list, tuple)) else hp
+    if not isinstance(hp, Tensor) or isinstance(hp, QUANTIZED) or hp.shape != operand.shape:
+        # the GEMM's whole operand exists only in FP8, or in high precision only as this rank's
+        # shard (sequence parallelism gathers it after the norm or the cast)
+        raise NotImplementedError(
+            "override_linear_precision=(False, False, True) (the weight-gradient GEMM in high precision) is not "
+            "supported together with sequence parallelism, whose all-gathered GEMM input exists only in FP8 "
+            "or as this rank's shard; use override_linear_precision=(False, False, False) there")
+    return hp if dtype is None else hp.to(dtype)
+
+
 def quantized_gemm(a: Operand, b: Operand, *, a_columnwise: bool = False, b_columnwise: bool = False,
                    out_dtype: torch.dtype, bias: Optional[Tensor] = None, out: Optional[Tensor] = None,
                    accumulate: bool = False, gemm: Optional[str] = None) -> Tensor:

@@ -53,6 +53,12 @@ class Quantizer:
     # quantizer sets its recipe's choice (Recipe.split_accumulator); elsewhere TE's fixed choice.
     split_accumulator: Callable[[str], bool] = staticmethod(default_split_accumulator)
 
+    # Whether a weight-gradient GEMM reads this quantizer's FP8 output (its column-wise copy).
+    # False for the inputs and output gradients of a recipe that runs the wgrad in high precision
+    # (DelayedScaling's override_linear_precision): that GEMM reads the high-precision tensors
+    # instead (gemm.wgrad_operand). The state holding the quantizer sets it from its recipe.
+    wgrad_in_fp8: bool = True
+
     def quantize(self, x: Tensor, *, columnwise: bool = False) -> QuantizedTensor:
         raise NotImplementedError
 
@@ -65,6 +71,12 @@ class Quantizer:
     def quantize_primary(self, x: Tensor) -> QuantizedTensor:
         """A weight kept only in FP8 (quantized_model_init): both layouts."""
         return self.quantize(x, columnwise=x.dim() == 2)
+
+    def load_primary(self, x: Tensor) -> Optional[QuantizedTensor]:
+        """A primary weight's value loaded from a checkpoint, quantized without touching the
+        scaling state (the checkpoint's extra state restores that); None where copy_ does it
+        right because the quantizer takes its scales from the value itself."""
+        return None
 
     def fused_cast_args(self) -> Optional[dict]:
         """Arguments for a norm/activation op to emit this quantizer's FP8 directly, or None
@@ -138,6 +150,13 @@ class Float8Quantizer(Quantizer):
         data, data_t, scale, scale_inv, amax = ops.quantize_fp8_current(x2d, self.fp8_dtype, with_transpose=True)
         self.scale.copy_(scale)
         self._record(amax)
+        return Float8Tensor.make(_shaped_like(data, x), scale_inv, data_t, nominal_dtype=x.dtype, quantizer=self)
+
+    def load_primary(self, x: Tensor) -> Float8Tensor:
+        # The module's scale came from its fresh initialization and would saturate trained
+        # values far larger than those: scaled by the loaded value's own amax, as at init.
+        x2d = _as_2d(x, "a primary weight")
+        data, data_t, _scale, scale_inv, _amax = ops.quantize_fp8_current(x2d, self.fp8_dtype, with_transpose=True)
         return Float8Tensor.make(_shaped_like(data, x), scale_inv, data_t, nominal_dtype=x.dtype, quantizer=self)
 
     def fused_cast_args(self) -> Optional[dict]:

@@ -47,9 +47,14 @@ class RecipeState:
         return type(recipe) is type(self.recipe)
 
     def _adopt_gemm_choices(self) -> None:
-        """Each quantizer's GEMMs accumulate as this state's recipe says (fp8_gemm_* fields)."""
-        for quantizer in self.quantizers.values():
+        """Each quantizer's GEMMs accumulate as this state's recipe says (fp8_gemm_* fields), and
+        the inputs and output gradients feed the wgrad GEMM in FP8 or in high precision as it
+        says (override_linear_precision); a weight is no wgrad operand."""
+        wgrad_in_fp8 = self.recipe.gemm_in_fp8("wgrad")
+        for slot in self.slots:
+            quantizer = self.quantizers[slot.name]
             quantizer.split_accumulator = self.recipe.split_accumulator
+            quantizer.wgrad_in_fp8 = wgrad_in_fp8 or slot.role is Role.WEIGHT
 
     def follow_device(self, device: torch.device) -> None:
         """Keep persistent state on the module's device (it is not a parameter or buffer, so

@@ -5,6 +5,11 @@ which calls the same methods whatever the recipe: `operand` / `weight_operand` /
 `grad_operand` give FP8 operands under autocast and the plain tensors otherwise, so the
 Function has one code path. The step records amaxes and schedules the delayed-scaling
 updates (forward groups at the outermost autocast exit, backward groups at the end of backward).
+
+`columnwise=True` on an input or output-gradient operand says that the wgrad GEMM reads it: the
+column-wise copy is made only where that GEMM runs in FP8 (the quantizer's wgrad_in_fp8); else
+the module keeps the high-precision tensor for it (gemm.wgrad_operand), and no fused
+norm/activation cast (fused_cast_args) hides that tensor.
 """
 from __future__ import annotations
 
@@ -140,7 +145,7 @@ class QuantizationStep(CalibrationStep):
 
     def _quantize(self, slot: str, x: Tensor, columnwise: bool) -> QuantizedTensor:
         quantizer = self._state.quantizer(slot)
-        result = quantizer.quantize(x, columnwise=columnwise)
+        result = quantizer.quantize(x, columnwise=columnwise and quantizer.wgrad_in_fp8)
         self._used(quantizer)
         return result
 
@@ -166,6 +171,7 @@ class QuantizationStep(CalibrationStep):
 
     def grad_operand(self, slot, dy, *, columnwise=False, with_dbias=False):
         quantizer = self._state.quantizer(slot)
+        columnwise = columnwise and quantizer.wgrad_in_fp8
         if with_dbias:
             result, dbias = quantizer.quantize_with_dbias(dy, columnwise=columnwise)
         else:
@@ -174,7 +180,9 @@ class QuantizationStep(CalibrationStep):
         return result, dbias
 
     def fused_cast_args(self, slot: str) -> Optional[dict]:
-        return self._state.quantizer(slot).fused_cast_args()
+        quantizer = self._state.quantizer(slot)
+        # a high-precision wgrad reads the op's high-precision output, which a fused cast never writes
+        return quantizer.fused_cast_args() if quantizer.wgrad_in_fp8 else None
 
     def wrap_fused(self, slot, data, amax, *, nominal_dtype, columnwise=False, data_t=None):
         quantizer = self._state.quantizer(slot)

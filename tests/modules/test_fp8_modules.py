@@ -187,3 +187,35 @@ def test_fp8_keeps_fewer_bytes_for_backward_than_bf16(rec):
     bf16 = _saved_bytes(mlp, x)
     fp8 = _saved_bytes(mlp, x, RECIPES[rec]())
     assert fp8 < 0.8 * bf16, (fp8, bf16)
+
+
+@pytest.mark.parametrize("rec_name", ["delayed", "current"])
+def test_quantized_primary_weights_load_trained_values_without_saturating(rec_name):
+    """A checkpoint of trained FP8 primary weights (saved dequantized) loads into a freshly
+    initialized model: the fresh model's delayed scale, taken from its small init values, must
+    not clip the loaded ones; the scaling state comes from the checkpoint."""
+    from te_core.quantization import quantized_model_init
+
+    torch.manual_seed(0)
+    rec = RECIPES[rec_name]()
+    with quantized_model_init(recipe=rec):
+        trained, fresh = tm.Linear(32, 48), tm.Linear(32, 48)
+    big = torch.randn(48, 32) * 40  # far beyond a fresh init's range
+    x = torch.randn(16, 32)
+    for _ in range(2):  # (under delayed scaling the second copy uses the scale updated from the first's amax)
+        with torch.no_grad():
+            trained.weight.copy_(big)
+        with autocast(recipe=rec):
+            trained(x).sum().backward()  # scaling state worth restoring
+    saved = trained.state_dict()
+    fresh.load_state_dict(saved)
+    want = saved["weight"].float()
+    got = fresh.weight.dequantize().float()
+    assert want.abs().max() > 60
+    torch.testing.assert_close(got, want, rtol=0.125, atol=0.0675)
+    for direction, slots in trained.quantization_state().items():
+        for slot, entry in slots.items():
+            for key, t in entry.items():
+                assert torch.equal(fresh.quantization_state()[direction][slot][key], t), (direction, slot, key)
+    with autocast(recipe=rec):
+        assert_close_scaled(fresh(x), trained(x), E4M3, "forward after loading")

@@ -75,7 +75,16 @@ def _layer_and_data():
 
 
 def _tensors_alive() -> list:
-    return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and not isinstance(o, QuantizedTensor)]
+    """The plain tensors alive now (fake tensors a compiled graph left behind have no storage)."""
+    return [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter) and _has_storage(o)]
+
+
+def _has_storage(t) -> bool:
+    try:
+        t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 class _TorchLayer(torch.nn.Module):

@@ -40,6 +40,18 @@ def test_override_linear_precision_as_transformer_engine_passes_it():
     assert recipe_from_config(config) == d
 
 
+def test_wgrad_override_as_transformer_engine():
+    """(False, False, True) runs the weight-gradient GEMM in high precision, the other GEMMs in FP8;
+    it round-trips through a checkpoint config. Other recipes run every GEMM in FP8."""
+    d = DelayedScaling(override_linear_precision=(False, False, True))
+    assert [d.gemm_in_fp8(g) for g in ("fprop", "dgrad", "wgrad")] == [True, True, False]
+    assert recipe_from_config(d.to_config()) == d
+    assert all(r.gemm_in_fp8(g) for r in (DelayedScaling(), Float8CurrentScaling(), MXFP8BlockScaling())
+               for g in ("fprop", "dgrad", "wgrad"))
+    with pytest.raises(ValueError, match="gemm must be one of fprop, dgrad, wgrad, got 'bprop'"):
+        d.gemm_in_fp8("bprop")
+
+
 def test_recipes_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         DelayedScaling().margin = 1
@@ -57,7 +69,8 @@ def test_pure_e5m2_training_rejected(cls):
     (dict(margin=-1), "margin must be a number >= 0"),
     (dict(fp8_format="HYBRID"), "fp8_format must be a te_core.recipe.Format"),
     (dict(fp8_dpa=True), "fp8_dpa / fp8_mha"),
-    (dict(override_linear_precision=(False, False, True)), r"override_linear_precision=\(False, False, True\)"),
+    (dict(override_linear_precision=(True, False, False)), r"override_linear_precision=\(True, False, False\) is not "
+                                                           r"supported: only the wgrad override is"),
     (dict(override_linear_precision=(0, 0, 0)), "must be three bools"),
     (dict(override_linear_precision=(False, False)), "must be three bools"),
 ])

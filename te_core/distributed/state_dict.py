@@ -1,0 +1,273 @@
+"""State dicts for torch.distributed.checkpoint (DCP) of te-core models with FP8 primary weights
+(te.quantized_model_init), sharded by FSDP2 or not: `get_model_state_dict` and
+`set_model_state_dict`, called as torch.distributed.checkpoint.state_dict's functions are.
+
+torch's own functions cannot round-trip these weights. Its sharded state dict holds an FSDP2 shard
+as a DTensor over the shard's Float8Tensor, which DCP pickles together with its quantizer; its
+full state dict holds the dequantized value, which loading requantizes with the module's current
+scale (under delayed scaling a fresh model's scale saturates a trained weight).
+
+Here each Float8Tensor weight is one entry of plain values instead:
+
+    {"fp8_data": its FP8 bytes (a DTensor sharded as the weight, or a plain tensor),
+     "fp8_scale_inv": the one scale_inv of the whole weight, (1,) float32,
+     "fp8_format": the FP8 dtype's name, e.g. "float8_e4m3fn"}
+
+so DCP writes each rank's bytes and reads them back into any sharding (another world size, or an
+unsharded model in one process), a checkpoint made into a torch.save file loads with
+weights_only=True, and a loaded weight is the saved one bit for bit, with its saved scale. An
+FSDP2 weight's shards share one scale (te_core.distributed.fsdp), so a single scale_inv serves
+every sharding; saving checks that the ranks agree on it. Every other entry (high-precision
+parameters, buffers, the modules' extra state with the recipe and the delayed-scaling amax
+histories and scales) is torch's. The optimizer's functions are torch's, made to leave the FP8
+weights and scaling state as they are (torch may run a zero-learning-rate step, which requantizes).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.checkpoint import state_dict as torch_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.modules.module import _IncompatibleKeys
+
+from ..quantization.float8_tensor import Float8Tensor
+from ..quantization.tensor import QuantizedTensor
+from .fsdp import bind_shard
+
+__all__ = ["get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict",
+           "FP8_ENTRY_KEYS"]
+
+FP8_ENTRY_KEYS = ("fp8_data", "fp8_scale_inv", "fp8_format")
+
+
+def _local(param: Tensor) -> Tensor:
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
+def _format_name(dtype: torch.dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def _fp8_weights(model: nn.Module) -> Dict[str, Tensor]:
+    """{state-dict key: parameter} of the model's Float8Tensor weights (a DTensor over one when
+    FSDP2 shards it). Weights that this format cannot describe are refused here, before any
+    collective, on every rank alike."""
+    weights: Dict[str, Tensor] = {}
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            local = _local(param)
+            if not isinstance(local, QuantizedTensor):
+                continue
+            key = f"{module_name}.{name}" if module_name else name
+            if not isinstance(local, Float8Tensor):
+                raise NotImplementedError(
+                    f"{key} is a {type(local).__name__}: te_core.distributed.state_dict saves Float8Tensor weights "
+                    "(DelayedScaling and Float8CurrentScaling under te.quantized_model_init). Save this model with "
+                    "module.state_dict(), which holds its weights dequantized")
+            if getattr(module, "tp_size", 1) > 1:
+                raise NotImplementedError(
+                    f"{key} is a tensor-parallel partition (tp_size={module.tp_size}): every tensor-parallel rank "
+                    "holds a different weight under the same key, which DCP cannot tell apart. Checkpoint "
+                    "tensor-parallel FP8 models per rank (module.state_dict() and torch.save)")
+            if isinstance(param, DTensor) and param.device_mesh.ndim != 1:
+                raise NotImplementedError(
+                    f"{key} is sharded over a {param.device_mesh.ndim}-D device mesh; FP8 weights are checkpointed "
+                    "for FSDP2 over a 1-D mesh (fully_shard without HSDP)")
+            weights[key] = param
+    return weights
+
+
+def _check_scales_agree(weights: Dict[str, Tensor]) -> None:
+    """One all-reduce per FSDP process group: every rank's shard of a weight has the same
+    scale_inv, else the one scale_inv DCP writes would be wrong for the other ranks' bytes."""
+    by_group: Dict[int, Tuple[Any, list]] = {}
+    for key, param in weights.items():
+        if isinstance(param, DTensor):
+            group = param.device_mesh.get_group()
+            by_group.setdefault(id(group), (group, []))[1].append(key)
+    for group, keys in by_group.values():
+        scales = torch.cat([_local(weights[k])._scale_inv.detach().float().reshape(1) for k in keys])
+        bounds = torch.cat([scales, -scales])  # max and -min in one collective
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+        for key, high, low in zip(keys, bounds[: len(keys)].tolist(), (-bounds[len(keys):]).tolist()):
+            if high != low:
+                raise RuntimeError(
+                    f"{key}: the ranks' shards have different scale_inv ({low!r} to {high!r}), so no single scale "
+                    "describes the weight's FP8 bytes: they were requantized outside FSDP2's all-gather and the "
+                    "optimizer step. The next all-gather gives them one scale again: run a forward before saving")
+
+
+def _fp8_entry(param: Tensor, options: StateDictOptions) -> Dict[str, Any]:
+    """The plain-values entry of one FP8 weight (copies: loading fills them, then checks them
+    before the model is touched). A full state dict gathers the bytes (a collective)."""
+    local = _local(param)
+    data = local._rowwise_data().detach().clone()
+    if isinstance(param, DTensor):
+        data = DTensor.from_local(data.view(torch.uint8), param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+        data = data.full_tensor() if options.full_state_dict else data  # bytes: every backend moves uint8
+        data = data.view(local.fp8_dtype)
+    scale_inv = local._scale_inv.detach().float().reshape(1).clone()
+    if options.cpu_offload:
+        data, scale_inv = data.cpu(), scale_inv.cpu()
+    return {"fp8_data": data, "fp8_scale_inv": scale_inv, "fp8_format": _format_name(local.fp8_dtype)}
+
+
+def get_model_state_dict(model: nn.Module, *, options: Optional[StateDictOptions] = None) -> Dict[str, Any]:
+    """torch.distributed.checkpoint.state_dict.get_model_state_dict, with each FP8 primary weight
+    as its FP8 bytes and scale_inv (see the module docstring). Call it on every rank."""
+    options = options or StateDictOptions()
+    weights = _fp8_weights(model)
+    _check_scales_agree(weights)
+    state = torch_state_dict.get_model_state_dict(model, options=options)
+    entries = {key: _fp8_entry(param, options) for key, param in weights.items()}  # a full one gathers here
+    for key, entry in entries.items():
+        if key in state:
+            state[key] = entry
+        elif state:  # a gathered state dict (full_state_dict with cpu_offload) is empty off rank 0
+            raise KeyError(f"FP8 weight {key} is not a key of torch's state dict of this model (keys: "
+                           f"{', '.join(list(state)[:8])}, ...); wrapped models (torch.compile's _orig_mod) are "
+                           "not supported, pass the unwrapped model")
+    return state
+
+
+def _target_data(key: str, data: Tensor, param: Tensor) -> Tensor:
+    """The loaded bytes of this rank's part of the weight: a DTensor's local part, or this rank's
+    rows of a full (gathered) tensor."""
+    if isinstance(data, DTensor):
+        data = data.to_local()
+    elif isinstance(param, DTensor) and tuple(data.shape) == tuple(param.shape):
+        rows = distribute_tensor(data.view(torch.uint8), param.device_mesh, param.placements, src_data_rank=None)
+        data = rows.to_local().view(data.dtype)
+    local = _local(param)
+    if tuple(data.shape) != tuple(local.shape):
+        raise ValueError(f"{key}: the checkpoint's FP8 bytes have shape {tuple(data.shape)}, this rank's part of the "
+                         f"weight {tuple(local.shape)} (whole weight {tuple(param.shape)}); was the model built with "
+                         "other sizes?")
+    return data
+
+
+def _checked_entry(key: str, entry: Any, param: Tensor) -> Tuple[Tensor, Tensor]:
+    """(bytes, scale_inv) of a loaded entry, after every check, so that a bad entry raises
+    before any weight of the model is written."""
+    local = _local(param)
+    if isinstance(entry, Tensor):
+        raise ValueError(
+            f"{key}: the state dict holds a {entry.dtype} tensor for this FP8 weight, a dequantized value (torch's "
+            "get_model_state_dict or module.state_dict() writes that); requantizing it is not exact, and under delayed "
+            "scaling it can saturate. Save with te_core.distributed.state_dict.get_model_state_dict, or load this "
+            "state dict into a model built without te.quantized_model_init")
+    if not isinstance(entry, dict) or set(entry) != set(FP8_ENTRY_KEYS):
+        found = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+        raise ValueError(f"{key}: expected an FP8 weight entry with keys {FP8_ENTRY_KEYS}, found {found}")
+    if entry["fp8_format"] != _format_name(local.fp8_dtype):
+        raise ValueError(f"{key}: the checkpoint's weight is {entry['fp8_format']}, this model's is "
+                         f"{_format_name(local.fp8_dtype)}; build the model with the fp8_format of the recipe it "
+                         "was saved with")
+    if not isinstance(entry["fp8_data"], Tensor):
+        raise ValueError(f"{key}: fp8_data must be a tensor of FP8 bytes, found {type(entry['fp8_data']).__name__}")
+    scale_inv = entry["fp8_scale_inv"]
+    if not isinstance(scale_inv, Tensor) or scale_inv.numel() != 1:
+        raise ValueError(f"{key}: fp8_scale_inv must be a 1-element tensor, found {scale_inv!r}")
+    value = scale_inv.detach().double().reshape(())
+    if not (torch.isfinite(value) and value > 0):
+        raise ValueError(f"{key}: fp8_scale_inv is {value.item()!r}; a scale_inv is finite and > 0, the checkpoint is "
+                         "corrupt")
+    return _target_data(key, entry["fp8_data"], param), scale_inv
+
+
+def _write(param: Tensor, data: Tensor, scale_inv: Tensor) -> None:
+    """The weight's bytes and scale_inv become `data` and `scale_inv`, exactly."""
+    local = _local(param)
+    with torch.no_grad():
+        data = data.to(local.device)
+        if local._data is not None:
+            local._data.copy_(data)  # in place: FSDP2's padded shard storage is this buffer
+        if local._transpose is not None:
+            local._transpose.copy_(data.reshape(-1, data.shape[-1]).t())
+        # a new tensor, not a write into the old one: that may be a view of a scaling group's
+        # cached scale_inv, which other casts read
+        local._scale_inv = scale_inv.detach().to(device=local.device, dtype=torch.float32).reshape(1).clone()
+
+
+def set_model_state_dict(model: nn.Module, model_state_dict: Dict[str, Any], *,
+                         options: Optional[StateDictOptions] = None) -> _IncompatibleKeys:
+    """torch.distributed.checkpoint.state_dict.set_model_state_dict for a state dict made by
+    this module's get_model_state_dict (sharded, or full on every rank): torch loads every other
+    entry first (the extra state restores the scaling state), then each FP8 weight gets its saved
+    bytes and scale_inv. Call it on every rank."""
+    options = options or StateDictOptions()
+    weights = _fp8_weights(model)
+    if weights and options.broadcast_from_rank0:
+        raise NotImplementedError("broadcast_from_rank0 with FP8 weights: load the full state dict on every rank "
+                                  "(torch.load(..., weights_only=True)) and pass full_state_dict=True alone")
+    state = dict(model_state_dict)
+    loaded = {}
+    for key, param in weights.items():
+        if key in state:
+            loaded[key] = _checked_entry(key, state.pop(key), param)
+        elif options.strict:
+            raise RuntimeError(f"Missing key in the model state dict: {key} (an FP8 weight)")
+    result = torch_state_dict.set_model_state_dict(model, state, options=dataclasses.replace(options, strict=False))
+    missing = [k for k in result.missing_keys if k not in weights]
+    if options.strict and (missing or result.unexpected_keys):
+        raise RuntimeError(f"Error(s) in loading the state dict of {type(model).__name__}: missing keys {missing}, "
+                           f"unexpected keys {list(result.unexpected_keys)}")
+    for key, (data, scale_inv) in loaded.items():
+        param = weights[key]
+        _write(param, data, scale_inv)
+        if isinstance(param, DTensor):  # the scale is every rank's already: bound without requantization
+            bind_shard(_local(param), param.device_mesh.get_group())
+    return _IncompatibleKeys(missing, list(result.unexpected_keys))
+
+
+class _FP8StateKept:
+    """Puts the model's FP8 weights (bytes and scale_inv) and its modules' scaling state (amax
+    histories, scales) back as they were on entry. torch's optimizer state dict functions fill an
+    empty optimizer state (always empty for a stateless optimizer such as SGD without momentum)
+    with a step at learning rate zero: that requantizes every FP8 weight, which can change its
+    bytes and scale and, under delayed scaling, records its amax; saving must not change the
+    model, and loading must not undo a load."""
+
+    def __init__(self, model: nn.Module):
+        self.weights = [p for p in model.parameters() if isinstance(_local(p), Float8Tensor)]
+        groups = {}
+        for module in model.modules():
+            state = getattr(module, "_recipe_state", None)
+            for group in (state.scaling_groups().values() if state is not None else ()):
+                groups[id(group)] = group
+        self.groups = list(groups.values())
+
+    def __enter__(self) -> "_FP8StateKept":
+        self.payloads = [(_local(p)._rowwise_data().clone(), _local(p)._scale_inv.clone()) for p in self.weights]
+        self.scaling = [(group, group.amax_history.clone(), group.scale.clone()) for group in self.groups]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for param, (data, scale_inv) in zip(self.weights, self.payloads):
+            _write(param, data, scale_inv)
+        with torch.no_grad():
+            for group, history, scale in self.scaling:
+                group.amax_history.copy_(history)
+                group.scale.copy_(scale)
+
+
+def get_optimizer_state_dict(model: nn.Module, optimizers, *, options: Optional[StateDictOptions] = None):
+    """torch.distributed.checkpoint.state_dict.get_optimizer_state_dict, leaving the model's FP8
+    weights and scaling state unchanged (see _FP8StateKept)."""
+    with _FP8StateKept(model):
+        return torch_state_dict.get_optimizer_state_dict(model, optimizers, options=options)
+
+
+def set_optimizer_state_dict(model: nn.Module, optimizers, optim_state_dict, *,
+                             options: Optional[StateDictOptions] = None) -> None:
+    """torch.distributed.checkpoint.state_dict.set_optimizer_state_dict, leaving the model's FP8
+    weights and scaling state unchanged (see _FP8StateKept), so it may come before or after
+    set_model_state_dict."""
+    with _FP8StateKept(model):
+        torch_state_dict.set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)

@@ -1,0 +1,276 @@
+"""Checkpoints of FSDP2 models with FP8 primary weights through torch.distributed.checkpoint (DCP)
+and te_core.distributed.state_dict, on 2 gloo ranks: a loaded model has the saved FP8 bytes and
+scale_inv of every weight, the saved scaling state and optimizer state, and trains on exactly as the
+saved one does; the checkpoint loads into one process and as a full state dict (torch.save,
+weights_only=True); torch's own state dict and wrong entries fail with errors that say what to do."""
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict as torch_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+from te_core.distributed.state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+                                            set_optimizer_state_dict)
+from te_core.modules._base import QuantizedModule
+from te_core.quantization.float8_tensor import Float8Tensor
+
+from . import test_fsdp2_fp8 as fsdp_fp8
+from ._pool import pool_of
+
+pytestmark = pytest.mark.skipif(fsdp_fp8.fully_shard is None, reason="torch.distributed.fsdp.fully_shard is not available")
+
+RECIPES = fsdp_fp8.RECIPES
+
+
+@pytest.fixture(scope="module")
+def pool():
+    yield from pool_of(2)
+
+
+# Adam keeps state; SGD without momentum keeps none, so torch's optimizer state dict functions
+# run a zero-learning-rate step on it each time
+OPTIMIZERS = {"adam": lambda params: torch.optim.Adam(params, lr=1e-2),
+              "sgd": lambda params: torch.optim.SGD(params, lr=0.1)}
+
+
+def _trained(recipe_name: str, steps: int = 2, optimizer_name: str = "adam"):
+    """An FSDP2 FP8 model and its optimizer after `steps` steps."""
+    model = fsdp_fp8._shard(fsdp_fp8._model(RECIPES[recipe_name](True)))
+    optimizer = OPTIMIZERS[optimizer_name](model.parameters())
+    for step in range(steps):
+        _train_step(model, optimizer, recipe_name, step)
+    return model, optimizer
+
+
+def _train_step(model, optimizer, recipe_name: str, step: int) -> torch.Tensor:
+    x = fsdp_fp8._batch(step, dist.get_rank())
+    return fsdp_fp8._step(model, optimizer, x, RECIPES[recipe_name](True), dist.group.WORLD)
+
+
+def _snapshot(model) -> dict:
+    """Every parameter's local values (an FP8 one as its bytes and scale_inv) and every module's
+    scaling state, copied."""
+    values = {}
+    for name, param in model.named_parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if isinstance(local, Float8Tensor):
+            values[name] = (local._data.view(torch.uint8).clone(), local._scale_inv.clone())
+        else:
+            values[name] = (local.detach().clone(),)
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedModule):
+            for direction, slots in module.quantization_state().items():
+                for slot, state in slots.items():
+                    for what, tensor in state.items():
+                        values[f"{name}.{direction}.{slot}.{what}"] = (tensor.clone(),)
+    return values
+
+
+def _assert_same(mine: dict, theirs: dict, what: str) -> None:
+    assert mine.keys() == theirs.keys(), f"{what}: {sorted(mine.keys() ^ theirs.keys())}"
+    for key, tensors in mine.items():
+        for a, b in zip(tensors, theirs[key]):
+            assert torch.equal(a, b), f"{what}: {key} differs"
+
+
+def _optimizer_state(model, optimizer) -> dict:
+    state = get_optimizer_state_dict(model, optimizer)["state"]
+    return {f"{name}.{k}": ((v.to_local() if hasattr(v, "to_local") else v).clone(),)
+            for name, entries in state.items() for k, v in entries.items()}
+
+
+def round_trip(ctx, recipe_name: str, optimizer_name: str, path: str):
+    """Save a trained model and its optimizer, load both into a fresh model and optimizer: the
+    same bytes, scales, scaling and optimizer state; then one step of each gives the same output,
+    weights and scaling state. Saving leaves the model as it was."""
+    model, optimizer = _trained(recipe_name, optimizer_name=optimizer_name)
+    saved = _snapshot(model)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
+             checkpoint_id=path)
+    _assert_same(_snapshot(model), saved, "after saving")
+    fresh = fsdp_fp8._shard(fsdp_fp8._model(RECIPES[recipe_name](True)))
+    fresh_optimizer = OPTIMIZERS[optimizer_name](fresh.parameters())
+    assert any(not torch.equal(a[0], b[0]) for a, b in zip(saved.values(), _snapshot(fresh).values()))
+    state = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_optimizer)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(fresh, state["model"])
+    set_optimizer_state_dict(fresh, fresh_optimizer, state["optim"])
+    _assert_same(_snapshot(fresh), saved, "after loading")
+    _assert_same(_optimizer_state(fresh, fresh_optimizer), _optimizer_state(model, optimizer), "optimizer state")
+    for sharded in (model, fresh):
+        assert isinstance(sharded[0].fc1_weight.to_local(), Float8Tensor)
+    y, y_fresh = _train_step(model, optimizer, recipe_name, 5), _train_step(fresh, fresh_optimizer, recipe_name, 5)
+    assert torch.equal(y, y_fresh), "the first step after loading has another output"
+    _assert_same(_snapshot(fresh), _snapshot(model), "after one more step")
+    return True
+
+
+@pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+def test_fsdp2_fp8_checkpoint_round_trip(pool, recipe_name, optimizer_name, tmp_path):
+    assert pool.run(round_trip, recipe_name, optimizer_name, str(tmp_path / "ckpt")) == [True] * 2
+
+
+def _full_weights(model) -> dict:
+    """{name: (FP8 bytes, scale_inv)} of the whole weights, gathered by FSDP2 (every rank)."""
+    units = [m for m in model.modules() if hasattr(m, "unshard")]  # each fully_shard-ed module
+    for unit in units:
+        unit.unshard()
+    weights = {name: (p._data.view(torch.uint8).clone(), p._scale_inv.clone())
+               for name, p in model.named_parameters() if isinstance(p, Float8Tensor)}
+    for unit in units:
+        unit.reshard()
+    assert weights, "no FP8 weight was gathered"
+    return weights
+
+
+def _assert_weights(model, expected: dict, what: str) -> None:
+    for name, (data, scale_inv) in expected.items():
+        param = model.get_parameter(name)
+        local = param.to_local() if hasattr(param, "to_local") else param
+        full = data if local.shape == data.shape else data.chunk(dist.get_world_size())[dist.get_rank()]
+        assert torch.equal(local._data.view(torch.uint8), full), f"{what}: {name} FP8 bytes differ"
+        assert torch.equal(local._scale_inv, scale_inv), f"{what}: {name} scale_inv differs"
+
+
+def other_world_sizes(ctx, recipe_name: str, path: str):
+    """The 2-rank checkpoint loads into an unsharded model in one process (DCP without a process
+    group), and a full state dict saved by rank 0 with torch.save loads with weights_only=True
+    into an unsharded model and into a fresh 2-rank FSDP2 model, all bit for bit; the unsharded
+    model's forward equals the sharded one's."""
+    recipe = RECIPES[recipe_name](True)
+    model, _ = _trained(recipe_name)
+    dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(path, "dcp"))
+    expected = _full_weights(model)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    x = fsdp_fp8._batch(7, 0)
+    with fsdp_fp8.autocast(recipe=recipe):
+        y = model(x)
+    if ctx.rank == 0:
+        torch.save(full, os.path.join(path, "full.pt"))
+        single = fsdp_fp8._model(recipe)
+        state = get_model_state_dict(single)
+        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"), no_dist=True)
+        set_model_state_dict(single, state)
+        _assert_weights(single, expected, "DCP checkpoint in one process")
+        with fsdp_fp8.autocast(recipe=RECIPES[recipe_name](False)):  # one process: no amax reduction
+            assert torch.equal(single(x), y), "the unsharded model's forward differs from the sharded one's"
+        single = fsdp_fp8._model(recipe)
+        set_model_state_dict(single, torch.load(os.path.join(path, "full.pt"), weights_only=True))
+        _assert_weights(single, expected, "full state dict in one process")
+    else:
+        assert full == {}, "a full state dict with cpu_offload is rank 0's alone"
+    dist.barrier()
+    fresh = fsdp_fp8._shard(fsdp_fp8._model(recipe))
+    loaded = torch.load(os.path.join(path, "full.pt"), weights_only=True)
+    set_model_state_dict(fresh, loaded, options=StateDictOptions(full_state_dict=True))
+    _assert_weights(fresh, expected, "full state dict into FSDP2")
+    return True
+
+
+@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+def test_fsdp2_fp8_checkpoint_other_world_sizes(pool, recipe_name, tmp_path):
+    assert pool.run(other_world_sizes, recipe_name, str(tmp_path)) == [True] * 2
+
+
+def refused(ctx, path: str):
+    """torch's state dict of the sharded FP8 model, a dequantized state dict, and an entry of
+    another FP8 format fail with errors that name the way out; nothing is half loaded."""
+    model, _ = _trained("delayed", steps=1)
+    # DCP reports the ranks' errors in one CheckpointException (a BaseException)
+    with pytest.raises(CheckpointException, match="te_core.distributed.state_dict.get_model_state_dict"):
+        dcp.save(torch_state_dict.get_model_state_dict(model), checkpoint_id=path)
+    fresh = fsdp_fp8._shard(fsdp_fp8._model(RECIPES["delayed"](True)))
+    before = _snapshot(fresh)
+    dequantized = torch_state_dict.get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    with pytest.raises(ValueError, match="dequantized value"):
+        set_model_state_dict(fresh, dequantized, options=StateDictOptions(full_state_dict=True))
+    state = get_model_state_dict(model)
+    state["1.weight"] = dict(state["1.weight"], fp8_format="float8_e5m2")
+    with pytest.raises(ValueError, match="float8_e5m2, this model's is float8_e4m3fn"):
+        set_model_state_dict(fresh, state)
+    state = get_model_state_dict(model)
+    del state["0.fc2_weight"]
+    with pytest.raises(RuntimeError, match="Missing key.*0.fc2_weight"):
+        set_model_state_dict(fresh, state)
+    _assert_same(_snapshot(fresh), before, "after refused loads")
+    return True
+
+
+def test_fsdp2_fp8_checkpoint_refusals(pool, tmp_path):
+    assert pool.run(refused, str(tmp_path / "ckpt")) == [True] * 2
+
+
+def uneven_shards(ctx, path: str):
+    """A weight of 33 rows (17 and 16 per rank; FSDP2 pads the second shard) round-trips through
+    DCP and through a full state dict."""
+    def build():
+        torch.manual_seed(0)
+        with fsdp_fp8.quantized_model_init(recipe=RECIPES["delayed"](True)):
+            linear = fsdp_fp8.Linear(fsdp_fp8.HIDDEN, 33, params_dtype=torch.bfloat16, device=fsdp_fp8._device())
+        return fsdp_fp8._shard(torch.nn.Sequential(linear))
+
+    model = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    # in high precision (FP8 GEMMs need multiples of 16); the step requantizes the FP8 shards
+    fsdp_fp8._loss(model(fsdp_fp8._batch(0, ctx.rank))).backward()
+    optimizer.step()
+    expected = _full_weights(model)
+    dcp.save(get_model_state_dict(model), checkpoint_id=path)
+    fresh = build()
+    with pytest.raises(AssertionError):  # the step changed the weight
+        _assert_weights(fresh, expected, "before loading")
+    assert fresh[0].weight.to_local().shape[0] == (17, 16)[ctx.rank]
+    state = get_model_state_dict(fresh)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(fresh, state)
+    _assert_weights(fresh, expected, "uneven shards through DCP")
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    fresh = build()
+    set_model_state_dict(fresh, full, options=StateDictOptions(full_state_dict=True))
+    _assert_weights(fresh, expected, "uneven shards through a full state dict")
+    return True
+
+
+def test_fsdp2_fp8_checkpoint_uneven_shards(pool, tmp_path):
+    assert pool.run(uneven_shards, str(tmp_path / "ckpt")) == [True] * 2
+
+
+def main() -> None:
+    """The same checks with one process per GPU on NCCL (gloo on CPU without GPUs):
+    torchrun --nproc-per-node 2 -m tests.distributed.test_fsdp2_checkpoint"""
+    nccl = torch.cuda.is_available()
+    if nccl:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if nccl else "gloo", timeout=datetime.timedelta(seconds=120))
+    ctx = SimpleNamespace(rank=dist.get_rank(), world=dist.get_world_size())
+    root = [tempfile.mkdtemp(prefix="te_core_fsdp2_checkpoint_") if ctx.rank == 0 else None]
+    dist.broadcast_object_list(root)  # the ranks share one directory (one node)
+    cases = [(round_trip, (r, o)) for r in sorted(RECIPES) for o in sorted(OPTIMIZERS)]
+    cases += [(other_world_sizes, (r,)) for r in sorted(RECIPES)] + [(uneven_shards, ()), (refused, ())]
+    for number, (case, args) in enumerate(cases):
+        path = os.path.join(root[0], str(number))
+        if ctx.rank == 0:
+            os.makedirs(path)
+        dist.barrier()
+        case(ctx, *args, path)
+        if ctx.rank == 0:
+            print(f"{case.__name__}{args}: ok")
+    dist.barrier()
+    if ctx.rank == 0:
+        shutil.rmtree(root[0])
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
