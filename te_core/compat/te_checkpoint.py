@@ -29,6 +29,7 @@ class _Record:
     """An inert stand-in for one of TE's recipe objects: constructor arguments and state only."""
 
     te_name = ""
+    member = None  # an enum member pickled by name: getattr(cls, member)
 
     def __new__(cls, *args):  # pickle's NEWOBJ calls __new__ only, REDUCE calls the class
         record = super().__new__(cls)
@@ -57,6 +58,17 @@ def _reconstructor(cls, base, state):
     return record
 
 
+def _member(cls, name):
+    """getattr(cls, name) of a TE recipe class: how some Python versions (3.11's first releases)
+    pickle an enum member, by name. Only a member name of one of TE's recipe classes."""
+    if not (isinstance(cls, type) and issubclass(cls, _Record)) or not isinstance(name, str) \
+            or not name.isidentifier():
+        raise pickle.UnpicklingError(f"refusing getattr({cls!r}, {name!r}): only members of TE's recipe classes")
+    record = cls()
+    record.member = name
+    return record
+
+
 def _storage_from_bytes(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=True)
 
@@ -67,6 +79,7 @@ _ALLOWED = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("copyreg", "_reconstructor"): _reconstructor,
     ("builtins", "object"): object,
+    ("builtins", "getattr"): _member,
 }
 
 
@@ -91,7 +104,11 @@ def read_te_extra_state(data: bytes) -> dict:
 
 
 def _format_name(value) -> str:
-    """TE's Format enum member, from its (max_fwd, max_bwd) value."""
+    """TE's Format enum member, from its (max_fwd, max_bwd) value or its name."""
+    if isinstance(value, _Record) and value.member is not None:
+        if value.member not in _FORMAT_BY_MAX.values():
+            raise ValueError(f"unknown fp8_format {value.member!r}")
+        return value.member
     helper = value.args[0] if isinstance(value, _Record) and value.args else None
     limits = tuple(helper.args) if isinstance(helper, _Record) else tuple(getattr(helper, "_asdict", dict)().values())
     if tuple(int(x) for x in limits) not in _FORMAT_BY_MAX:

@@ -9,6 +9,7 @@ import io
 import pickle
 import sys
 import types
+import warnings
 from typing import NamedTuple
 
 import pytest
@@ -60,9 +61,24 @@ def te_recipe(monkeypatch):
     return mod
 
 
-def _te_extra_state(state) -> torch.Tensor:
+class _EnumPickler(pickle.Pickler):
+    """Pickles enum members by value, or by name (getattr(cls, name)), as Python versions differ."""
+
+    def __init__(self, file, enums: str):
+        super().__init__(file)
+        self.enums = enums
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return (getattr, (type(obj), obj.name)) if self.enums == "by name" else (type(obj), (obj.value,))
+        return NotImplemented
+
+
+def _te_extra_state(state, enums: str = "by value") -> torch.Tensor:
     """TE's serialization: the pickled dict as a uint8 tensor."""
-    return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+    buffer = io.BytesIO()
+    _EnumPickler(buffer, enums).dump(state)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
 
 def _delayed_state(te_recipe, num_gemms, history=4, seed=0):
@@ -78,12 +94,15 @@ def _delayed_state(te_recipe, num_gemms, history=4, seed=0):
     }
 
 
-def test_linear_restores_te_delayed_scaling_state(te_recipe):
+@pytest.mark.parametrize("enums", ["by value", "by name"])
+def test_linear_restores_te_delayed_scaling_state(te_recipe, enums):
     state = _delayed_state(te_recipe, 1)
     src = te.Linear(16, 16)
     layer = te.Linear(16, 16)
-    layer.load_state_dict({"weight": src.weight.detach(), "bias": src.bias.detach(),
-                           "_extra_state": _te_extra_state(state)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the state is read, not restarted with a warning
+        layer.load_state_dict({"weight": src.weight.detach(), "bias": src.bias.detach(),
+                               "_extra_state": _te_extra_state(state, enums)})
     got = layer.quantization_state()
     for slot, column in (("input", 0), ("weight", 1)):
         torch.testing.assert_close(got["forward"][slot]["scale"], state["scale_fwd"][column:column + 1])
