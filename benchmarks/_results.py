@@ -43,6 +43,19 @@ def meta(device: str = "cuda") -> dict:
     return info
 
 
+def select_device(smoke: bool, script: str) -> str:
+    """The device a benchmark runs on: "cpu" with the reference backend under --smoke, else
+    "cuda" (exiting with how to run the script on a CPU-only machine)."""
+    if smoke:
+        import te_core
+
+        te_core.set_backend("reference")
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a GPU; on a CPU-only machine run it with --smoke")
+    return "cuda"
+
+
 def add_results_argument(parser) -> None:
     parser.add_argument("--results", default=DEFAULT_ROOT,
                         help="results root; the JSON goes to RESULTS/<gpu>/ (default: benchmarks/results)")

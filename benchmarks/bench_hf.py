@@ -36,7 +36,7 @@ from functools import partial
 from typing import Callable, Dict, List, Optional
 
 import torch
-from _results import add_results_argument, gpu_slug, meta, write_json
+from _results import add_results_argument, gpu_slug, meta, select_device, write_json
 from _timing import synchronize
 from bench_sweep import Cell, merged, run
 
@@ -215,11 +215,7 @@ def main(argv=None) -> dict:
         import transformers
     except ImportError:
         raise SystemExit(MISSING_TRANSFORMERS) from None
-    if args.smoke:
-        te.set_backend("reference")
-    device = "cpu" if args.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench_hf.py needs a GPU; on a CPU-only machine run it with --smoke")
+    device = select_device(args.smoke, "bench_hf.py")
     variants = ["torch bf16", "te bf16"] + [f"te {r}" for r in args.recipes]
     bench = Bench(transformers, sizes, device, args.smoke)
     cells = bench.cells(args.hidden, args.modes, variants)

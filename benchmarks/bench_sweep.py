@@ -38,7 +38,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
-from _results import DEFAULT_ROOT, add_results_argument, gpu_slug, meta, write_json
+from _results import DEFAULT_ROOT, add_results_argument, gpu_slug, meta, select_device, write_json
 from _timing import median_ms, peak_mib, wall_us
 from bench_modules import TorchLayer, fwd_bwd, te_layer, torchao_float8
 
@@ -276,11 +276,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.smoke:
-        te.set_backend("reference")
-    device = "cpu" if args.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench_sweep.py needs a GPU; on a CPU-only machine run it with --smoke")
+    device = select_device(args.smoke, "bench_sweep.py")
     sizes = SMOKE if args.smoke else QUICK if args.quick else FULL
     compile_kw = None if args.no_compile else {"fullgraph": args.fullgraph}
     if compile_kw is not None and args.mode:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the benchmark suite on a GPU machine, from the repository root:
-#   bash benchmarks/gpu_run.sh [modules] [kernels] [sweep] [conformance] [hf] [module-tests]
+#   bash benchmarks/gpu_run.sh [modules] [kernels] [sweep] [conformance] [hf] [host] [module-tests]
 # (no argument: the first four; hf trains a converted Hugging Face Llama and needs transformers;
+# host counts a te.Linear step's torch ops, launches and Python calls;
 # module-tests runs the module test suite on the cuda backend and keeps its summary)
 # Installs te-core, te_triton and te-backend-cuda (editable, no dependencies: torch and triton
 # come with the machine); torchao, an optional peer, is installed from a wheel in .whl/ when one
@@ -9,7 +10,7 @@
 # Results land in RESULTS/<gpu>/ (RESULTS: $OUT/results when $OUT is set, else benchmarks/results),
 # with the generated tables in RESULTS/<gpu>/table.md. Each part has its own time limit
 # (MODULES_TIMEOUT, KERNELS_TIMEOUT, SWEEP_TIMEOUT, CONFORMANCE_TIMEOUT, HF_TIMEOUT,
-# MODULE_TESTS_TIMEOUT, in seconds).
+# HOST_TIMEOUT, MODULE_TESTS_TIMEOUT, in seconds).
 set -u
 export PYTHONUNBUFFERED=1
 parts=("$@")
@@ -39,13 +40,14 @@ for part in "${parts[@]}"; do
       } > "$RESULTS/$gpu/conformance-cuda.txt"
       tail -n 25 "$RESULTS/$gpu/conformance-cuda.txt" ;;
     hf) timeout "${HF_TIMEOUT:-330}" python3 benchmarks/bench_hf.py --results "$RESULTS" 2>&1 | tail -n 20 ;;
+    host) timeout "${HOST_TIMEOUT:-180}" python3 benchmarks/bench_host.py --results "$RESULTS" 2>&1 | tail -n 12 ;;
     module-tests)
       { echo "# $(python3 -c 'import torch, triton; print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)'), $(date -u +%F)"
         echo "## python3 -m pytest -q -rfs tests/modules -k cuda"
         timeout "${MODULE_TESTS_TIMEOUT:-420}" python3 -m pytest -q -rfs --tb=line -p no:logging tests/modules -k cuda 2>&1 | tail -n 60
       } > "$RESULTS/$gpu/modules-cuda.txt"
       tail -n 25 "$RESULTS/$gpu/modules-cuda.txt" ;;
-    *) echo "unknown part '$part': choose from modules, kernels, sweep, conformance, hf, module-tests" >&2; exit 2 ;;
+    *) echo "unknown part '$part': choose from modules, kernels, sweep, conformance, hf, host, module-tests" >&2; exit 2 ;;
   esac
 done
 python3 benchmarks/report.py "$RESULTS/$gpu" --print

@@ -19,11 +19,13 @@ from typing import Dict, List, Optional, Tuple
 
 from _distributed_table import render as render_distributed
 from _hf_table import render as render_hf
+from _host_table import render as render_host
 from _sweep_table import render as render_sweep
 
 BEGIN, END = "<!-- report:begin -->", "<!-- report:end -->"
 SWEEP_BEGIN, SWEEP_END = "<!-- sweep:begin -->", "<!-- sweep:end -->"
 HF_BEGIN, HF_END = "<!-- hf:begin -->", "<!-- hf:end -->"
+HOST_BEGIN, HOST_END = "<!-- host:begin -->", "<!-- host:end -->"
 DIST_BEGIN, DIST_END = "<!-- distributed:begin -->", "<!-- distributed:end -->"
 RESULTS_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -213,6 +215,11 @@ def hf_text(folder: str) -> str:
     return _optional_text(folder, "hf", render_hf, "python benchmarks/bench_hf.py", "on that GPU")
 
 
+def host_text(folder: str) -> str:
+    """The host-cost table of one GPU's results folder (bench_host.py's host.json)."""
+    return _optional_text(folder, "host", render_host, "python benchmarks/bench_host.py", "on that GPU")
+
+
 def distributed_text(folder: str) -> str:
     """The 1-GPU / 2-GPU training table of one GPU's results folder (bench_distributed.py's distributed.json)."""
     return _optional_text(folder, "distributed", render_distributed,
@@ -237,17 +244,20 @@ def main(argv: Optional[List[str]] = None) -> None:
         raise SystemExit(f"{folder} is not a results folder; the benchmarks write benchmarks/results/<gpu>/")
     targets, sweep, kernels = tables(folder)
     hf = hf_text(folder)
+    host = host_text(folder)
     distributed = distributed_text(folder)
     with open(os.path.join(folder, "table.md"), "w") as f:
-        f.write(f"# Targets\n\n{targets}\n\n# Sweep\n\n{sweep}\n\n# Hugging Face Llama training\n\n{hf}\n\n"
+        f.write(f"# Targets\n\n{targets}\n\n# Sweep\n\n{sweep}\n\n# Host cost of a te.Linear step\n\n{host}\n\n"
+                f"# Hugging Face Llama training\n\n{hf}\n\n"
                 f"# Two GPUs: data and tensor parallelism\n\n{distributed}\n\n# Kernels\n\n{kernels}\n")
     if args.print:
-        print(f"{targets}\n\n{sweep}\n\n{hf}\n\n{distributed}")
+        print(f"{targets}\n\n{sweep}\n\n{host}\n\n{hf}\n\n{distributed}")
         return
     with open(args.doc) as f:
         doc = f.read()
     doc = replace_section(replace_section(doc, targets), sweep, SWEEP_BEGIN, SWEEP_END)
     doc = replace_section(doc, hf, HF_BEGIN, HF_END)
+    doc = replace_section(doc, host, HOST_BEGIN, HOST_END)
     doc = replace_section(doc, distributed, DIST_BEGIN, DIST_END)
     with open(args.doc, "w") as f:
         f.write(doc)

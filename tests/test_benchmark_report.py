@@ -11,6 +11,7 @@ import pytest
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 import _hf_table  # noqa: E402
+import _host_table  # noqa: E402
 import _sweep_table  # noqa: E402
 import _sweep_targets  # noqa: E402
 import bench_hf  # noqa: E402
@@ -73,6 +74,7 @@ def _doc(tmp_path):
     doc.write_text(f"intro\n{report.BEGIN}\nold table\n{report.END}\nmiddle\n"
                    f"{report.SWEEP_BEGIN}\nold sweep\n{report.SWEEP_END}\nafter\n"
                    f"{report.HF_BEGIN}\nold hf\n{report.HF_END}\n"
+                   f"{report.HOST_BEGIN}\nold host\n{report.HOST_END}\n"
                    f"{report.DIST_BEGIN}\nold distributed\n{report.DIST_END}\nend\n")
     return doc
 
@@ -87,6 +89,7 @@ def test_doc_sections_are_replaced_and_markers_are_required(tmp_path):
     text = doc.read_text()
     assert "old table" not in text and "old sweep" not in text
     assert "old hf" not in text and "No hf.json for h200 yet" in text
+    assert "old host" not in text and "No host.json for h200 yet" in text
     assert "old distributed" not in text and "No distributed.json for h200 yet" in text
     assert text.startswith("intro\n") and "\nmiddle\n" in text and "\nafter\n" in text and text.endswith("end\n")
     assert "| TransformerLayer FP8 delayed |" in text
@@ -296,3 +299,45 @@ def test_hf_smoke_writes_json_and_report_renders_it(tmp_path):
     (row,) = [r for r in rows if r.startswith("| h64 ffn256 nh2 L2 s32 b2 | eager |")]
     cells = row.split(" | ")[2:6]  # torch bf16, then te bf16 / delayed / current with their ratios
     assert all(re.fullmatch(r"[0-9.]+k?( \([0-9.]+x\))?", c) for c in cells) and "(" not in cells[0], row
+
+
+HOST = {"meta": {"gpu": "GPU", "torch": "t", "date": "d"}, "settings": {"steps": 10, "backend": "cuda"},
+        "host": {"M128 K1024 N1024": {
+            "nn.Linear": {"us": 250.0, "torch_ops": 12, "launches": 8.0, "python_calls": 40.0, "own_python_calls": 0.0,
+                          "own_python_share": 0.0},
+            "te bf16": {"us": 500.0, "torch_ops": 20, "launches": 11.0, "python_calls": 200.0, "own_python_calls": 80.0,
+                        "own_python_share": 0.4},
+            "te delayed": {"us": 900.0, "torch_ops": 40, "launches": 18.0, "python_calls": 900.0,
+                           "own_python_calls": 330.0, "own_python_share": 0.5},
+            "te current": {"us": 1100.0, "torch_ops": 45, "launches": 20.0, "python_calls": 1100.0,
+                           "own_python_calls": 400.0, "own_python_share": 0.5},
+            "te block": {"error": "RuntimeError: boom | x"}}}}
+
+
+def test_host_table_targets_counts_and_error_notes():
+    rows = _table_rows(_host_table.render(HOST))
+    assert "| M128 K1024 N1024: te delayed step ≤ 2x te bf16's | 900 against 500 µs (1.80x) | met |" in rows
+    assert "| M128 K1024 N1024: te current step ≤ 2x te bf16's | 1100 against 500 µs (2.20x) | **missed** (2.20x) |" \
+        in rows
+    assert "| M128 K1024 N1024 | te delayed | 900 µs (1.80x) | 40 | 18.0 | 900 (330) | 50% |" in rows
+    assert any(r.startswith("| M128 K1024 N1024 | te block | error (1) |") for r in rows), rows
+    assert "boom / x" in _host_table.render(HOST)
+
+
+def test_host_smoke_writes_json_and_report_renders_it(tmp_path):
+    """bench_host.py --smoke on the CPU (reference backend): every variant measured, FP8 steps
+    doing more torch ops and Python calls than te bf16's, rendered by report.py."""
+    proc = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "bench_host.py"), "--smoke", "--steps", "2",
+                           "--results", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((tmp_path / "cpu" / "host.json").read_text())
+    (cells,) = data["host"].values()
+    assert set(cells) == set(_host_table.VARIANTS) and all("error" not in c for c in cells.values()), cells
+    assert all(c["us"] > 0 and c["launches"] is None for c in cells.values()), cells
+    for fp8 in ("te delayed", "te current", "te block"):
+        assert cells[fp8]["torch_ops"] > cells["te bf16"]["torch_ops"] > cells["nn.Linear"]["torch_ops"] > 0
+        assert cells[fp8]["own_python_calls"] > cells["te bf16"]["own_python_calls"] > 0
+    assert cells["nn.Linear"]["own_python_calls"] == 0
+    doc = _doc(tmp_path)
+    report.main([str(tmp_path / "cpu"), "--doc", str(doc)])
+    assert any(r.startswith("| M16 K128 N128 | te delayed | ") for r in _table_rows(doc.read_text()))

@@ -1,0 +1,190 @@
+"""Host cost of one te.Linear training step: what the CPU does per forward+backward, per recipe.
+
+Where a step is bound by the host (small layers, or any eager step on a slow CPU), FP8 pays
+only if its Python and launches cost little more than bf16's. Per variant (bf16 nn.Linear, te
+bf16, te FP8 per recipe) and shape, after warm-up, one forward+backward with the gradients
+dropped between steps:
+- wall time per step (the device synchronized at both ends of a timed run of steps);
+- torch operations per step (each call that reaches torch's dispatcher, counted by a dispatch mode);
+- kernel launches per step (on a GPU: the runtime's launch calls in torch.profiler's trace,
+  CUDA-graph launches included);
+- Python function calls per step, and those of te-core and its backends with their own time
+  (cProfile; the profiler itself slows the step, so its times are shares, not speeds).
+The target: the tiny layer's FP8 step costs at most twice te's own bf16 step.
+
+    python benchmarks/bench_host.py [--results DIR]            # on a GPU (cuda backend)
+    python benchmarks/bench_host.py --smoke --results /tmp/r   # CPU, reference backend, tiny
+
+Writes RESULTS/<gpu>/host.json; `python benchmarks/report.py` renders it into docs/performance.md.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import time
+from typing import Callable, Dict, Optional
+
+import torch
+from _results import add_results_argument, meta, select_device, write_json
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import te_core as te
+from te_core import recipe
+
+SECTION = "host"
+RECIPES = {"delayed": recipe.DelayedScaling, "current": recipe.Float8CurrentScaling,
+           "block": recipe.Float8BlockScaling}
+VARIANTS = ("nn.Linear", "te bf16", *(f"te {name}" for name in RECIPES))
+SHAPES = {"full": ((128, 1024, 1024), (8192, 4096, 4096)), "smoke": ((16, 128, 128),)}  # (M, K, N)
+OWN_CODE = ("te_core", "te_triton", "te_backend_")  # te-core's Python and its backends'
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def shape_label(shape) -> str:
+    m, k, n = shape
+    return f"M{m} K{k} N{n}"
+
+
+def make_step(variant: str, shape, device: str) -> Callable[[], None]:
+    """One forward+backward of `variant` at `shape`, gradients dropped between steps."""
+    m, k, n = shape
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    if variant == "nn.Linear":
+        module = torch.nn.Linear(k, n, device=device, dtype=torch.bfloat16)
+        rcp = None
+    else:
+        module = te.Linear(k, n, params_dtype=torch.bfloat16, device=device)
+        rcp = None if variant == "te bf16" else RECIPES[variant.split()[1]]()
+    params = list(module.parameters())
+
+    def step() -> None:
+        x.grad = None
+        for p in params:
+            p.grad = None
+        if rcp is None:
+            y = module(x)
+        else:
+            with te.autocast(recipe=rcp):
+                y = module(x)
+        y.sum().backward()
+
+    return step
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def wall_us(step, device: str, steps: int, repeats: int = 5) -> float:
+    """The median over `repeats` runs of `steps` steps of the wall time per step."""
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _sync(device)
+        times.append((time.perf_counter() - start) / steps * 1e6)
+    return statistics.median(times)
+
+
+def launches_per_step(step, device: str, steps: int) -> Optional[float]:
+    if torch.device(device).type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    return sum(e.count for e in prof.key_averages() if e.key in LAUNCH_EVENTS) / steps
+
+
+def python_calls(step, steps: int) -> Dict[str, float]:
+    """Python function calls per step, and te-core's (and its backends') calls and share of the
+    profiled time. Backward runs on the calling thread here, so that cProfile sees it too."""
+    previous = torch.autograd.is_multithreading_enabled()
+    torch.autograd.set_multithreading_enabled(False)
+    profiler = cProfile.Profile()
+    try:
+        profiler.enable()
+        for _ in range(steps):
+            step()
+        profiler.disable()
+    finally:
+        torch.autograd.set_multithreading_enabled(previous)
+    stats = pstats.Stats(profiler).stats
+    total_calls = sum(nc for (_, _, _), (_, nc, _, _, _) in stats.items())
+    total_time = sum(tt for (_, _, _), (_, _, tt, _, _) in stats.items()) or 1.0
+    own = [(nc, tt) for (path, _, _), (_, nc, tt, _, _) in stats.items() if _is_own(path)]
+    return {"python_calls": total_calls / steps, "own_python_calls": sum(nc for nc, _ in own) / steps,
+            "own_python_share": sum(tt for _, tt in own) / total_time}
+
+
+def _is_own(path: str) -> bool:
+    parts = path.replace("\\", "/").split("/")
+    return any(part.startswith(OWN_CODE) for part in parts[:-1])
+
+
+def measure(variant: str, shape, device: str, steps: int) -> dict:
+    step = make_step(variant, shape, device)
+    for _ in range(max(3, steps // 4)):  # warm-up: kernels compiled, scaling state made
+        step()
+    counter = _CountOps()
+    with counter:
+        step()
+    cell = {"us": round(wall_us(step, device, steps), 1), "torch_ops": counter.count,
+            "launches": launches_per_step(step, device, steps)}
+    cell.update({k: round(v, 3) for k, v in python_calls(step, steps).items()})
+    return cell
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU, reference backend, one tiny shape (for the unit test)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per timed run (default: 200; 5 with --smoke)")
+    add_results_argument(ap)
+    args = ap.parse_args(argv)
+    args.steps = args.steps or (5 if args.smoke else 200)
+    if args.steps < 1:
+        ap.error(f"--steps must be at least 1, got {args.steps}")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = select_device(args.smoke, "bench_host.py")
+    shapes = SHAPES["smoke" if args.smoke else "full"]
+    results: Dict[str, Dict[str, dict]] = {}
+    for shape in shapes:
+        row = results.setdefault(shape_label(shape), {})
+        for variant in VARIANTS:
+            try:
+                row[variant] = measure(variant, shape, device, args.steps)
+            except Exception as exc:  # a variant that fails is reported, the rest still measured
+                row[variant] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            print(shape_label(shape), variant, row[variant], flush=True)
+    data = {"meta": meta(device), "settings": {"steps": args.steps, "backend": te.get_backend().name,
+                                               "cpu_threads": torch.get_num_threads(), "cpus": os.cpu_count()},
+            SECTION: results}
+    print(f"wrote {write_json(SECTION, data, args.results)}")
+    return data
+
+
+if __name__ == "__main__":
+    main()
