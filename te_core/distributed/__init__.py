@@ -2,7 +2,8 @@
 `transformer_engine.pytorch.distributed`): the communication steps as autograd Functions, the
 FP8 all-gather under sequence parallelism, the RNG-states tracker, and the checks on the user's
 process groups. The process group always comes from the user; the collectives are torch's.
-FSDP2 of FP8 primary weights: the FP8 all-gather in `te_core.distributed.fsdp`, and checkpoints
+FSDP2 of FP8 primary weights: the FP8 all-gather in `te_core.distributed.fsdp` (per-tensor scales)
+and `te_core.distributed.fsdp_block` (128x128 tile scales), and checkpoints
 through torch.distributed.checkpoint with the state dicts of `te_core.distributed.state_dict`."""
 
 from .collectives import copy_to_tp_region, gather_along_first_dim, reduce_from_tp_region, scatter_reduce_first_dim

@@ -13,9 +13,10 @@ That needs one scale on every rank of the group, the whole input's:
 The FP8 bytes then equal those of the whole input quantized after a high-precision gather.
 
 Elsewhere (no FP8, block and MXFP8 scaling whose column-wise scales span the shards, delayed
-scales that no reduction keeps in step, a graph being traced by torch.compile) the input is
-gathered in high precision and quantized after the gather, as before. The backward's gradient
-reduce-scatter is in high precision in every case.
+scales that no reduction keeps in step, a Linear's input while torch.compile traces, see
+tensor_parallel.column_parallel_input) the input is gathered in high precision and quantized
+after the gather, as before. The backward's gradient reduce-scatter is in high precision in
+every case.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def _reduction_covers(amax_group, tp_group) -> bool:
 
 def gathers_fp8(step, slot: str, group) -> bool:
     """Whether the input of `slot` is all-gathered in FP8 under `step` (see the module docstring)."""
-    if not step.fp8 or torch.compiler.is_compiling():
+    if not step.fp8:
         return False
     quantizer = step.quantizer(slot)
     if isinstance(quantizer, Float8CurrentScalingQuantizer):

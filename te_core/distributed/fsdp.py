@@ -23,6 +23,8 @@ is bound as it is: its scale is the saved one on every rank already.
 A foreach optimizer step (one op over every parameter) requantizes all shards at once, with one
 all-reduce of their amaxes per process group; an optimizer that loops over parameters costs one
 4-byte all-reduce per weight.
+
+Block-scaled weights (Float8BlockScaling) need no shared scale: see te_core.distributed.fsdp_block.
 """
 from __future__ import annotations
 
@@ -138,7 +140,7 @@ def _bind(shard: Float8Tensor, group) -> None:
         shard.requantize_(shard.dequantize(torch.float32))
 
 
-def _check_shard(shard: Float8Tensor, orig_size: torch.Size) -> None:
+def check_row_shard(shard: Tensor, orig_size: torch.Size) -> None:
     if tuple(shard.shape[1:]) != tuple(orig_size[1:]):
         raise NotImplementedError(
             f"FSDP2 FP8 all-gather: a shard of shape {tuple(shard.shape)} of a weight of shape {tuple(orig_size)} "
@@ -149,7 +151,7 @@ def _check_shard(shard: Float8Tensor, orig_size: torch.Size) -> None:
 def pre_all_gather(shard: Float8Tensor, mesh, orig_size: torch.Size):
     """(all-gather inputs, metadata): the shard's FP8 bytes as uint8, padded to FSDP2's padded
     shard rows (ceil(rows / ranks)); the metadata is what post_all_gather needs."""
-    _check_shard(shard, orig_size)
+    check_row_shard(shard, orig_size)
     _bind(shard, mesh.get_group())
     data = shard._rowwise_data()
     rows = -(-orig_size[0] // mesh.size())

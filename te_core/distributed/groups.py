@@ -10,6 +10,9 @@ from .collectives import all_gather_first_dim
 
 _MAX_DIMS = 8
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_TRACED_DISAGREE = ("{module}: the tensor-parallel ranks disagree on the input's shape or dtype inside a graph "
+                    "compiled by torch.compile; every rank of tp_group must run the same module on a tensor of the "
+                    "same shape and dtype (run the step once without torch.compile to see each rank's shape)")
 
 
 def group_size(group, module: str) -> int:
@@ -43,6 +46,10 @@ def check_ranks_agree(x: Tensor, group, module: str) -> None:
     pass a tensor of the same shape and dtype (one small all-gather)."""
     mine = _signature(x)
     everyone = all_gather_first_dim(mine.unsqueeze(0), group)
+    if torch.compiler.is_compiling():
+        # a traced graph cannot branch on the gathered values: it asserts on them when it runs
+        torch._assert_async((everyone == mine).all(), _TRACED_DISAGREE.format(module=module))
+        return
     if bool((everyone == mine).all()):
         return
     listing = "; ".join(f"rank {r}: {_describe(s.tolist())}" for r, s in enumerate(everyone))

@@ -20,6 +20,14 @@ import torch
 from torch import Tensor
 
 MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
+# dynamo does not trace torch's generator-state calls: at a graph break (torch.compile without
+# fullgraph=True) the fork runs eagerly and the region draws from the tracker's state; a whole
+# graph cannot contain it
+_TRACED_FORK = ("RNGStatesTracker.fork({name!r}) inside a graph traced by torch.compile: swapping the generator "
+                "state cannot be traced, so dropout under a tensor-parallel RNG tracker (attention_dropout > 0 "
+                "with get_rng_state_tracker, without sequence_parallel) cannot be compiled with "
+                "fullgraph=True. Compile without fullgraph=True (the fork then runs eagerly, at a graph break, "
+                "and the dropout draws from the tracker's state), or use attention_dropout=0 in compiled steps")
 
 
 class _CpuGenerator:
@@ -104,6 +112,8 @@ class RNGStatesTracker:
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
         """Run the region from state `name`, keep the advanced state, restore the device's own."""
+        if torch.compiler.is_compiling():
+            raise RuntimeError(_TRACED_FORK.format(name=name))
         if name not in self.states_:
             known = ", ".join(map(repr, self.states_)) or "none"
             raise KeyError(f"RNGStatesTracker.fork: no state named {name!r} (added: {known}); call "

@@ -105,23 +105,29 @@ def mark_sequence_parallel(module, params: Sequence[Optional[Tensor]]) -> None:
 
 
 def _agree_once(module, x: Tensor, group) -> None:
+    """The ranks' shapes and dtypes checked at the module's first call. A graph traced by
+    torch.compile before any eager call checks on each of its runs: it leaves the flag alone, as
+    setting it would make dynamo retrace the step at its second call."""
     if not module._tp_shapes_checked:
         check_ranks_agree(x, group, type(module).__name__)
-        module._tp_shapes_checked = True
+        if not torch.compiler.is_compiling():
+            module._tp_shapes_checked = True
 
 
 def column_parallel_input(module, x: Tensor, step=None) -> Tensor:
     """The input of a column-parallel GEMM: gathered along the sequence under sequence
     parallelism, else as is with its gradient summed over the ranks. With the module's
     quantization `step`, the gather moves FP8 where the recipe allows, and returns the GEMM's
-    "input" operand already quantized."""
+    "input" operand already quantized. While torch.compile traces, it gathers in high precision:
+    a traced quantized operand is no tensor, so no autograd Function can hand it to the module's
+    (the GEMM's operand has the same bytes; the gather moves the compute dtype's)."""
     if module.tp_size == 1:
         return x
     group = module._tp_group()
     _agree_once(module, x, group)
     if not module.sequence_parallel:
         return copy_to_tp_region(x, group)
-    if step is not None and gathers_fp8(step, "input", group):
+    if step is not None and not torch.compiler.is_compiling() and gathers_fp8(step, "input", group):
         return gather_along_first_dim_fp8(x, step, "input", group)
     return gather_along_first_dim(x, group)
 
@@ -131,9 +137,9 @@ def norm_input(module, x: Tensor, step, slot: str) -> Tuple[Tensor, object, torc
     runs on, the step the module's Function runs with, the shape of the GEMM's whole input).
     Under sequence parallelism the norm runs on this rank's shard and the step gathers its output
     (norm_gather.SequenceGatherStep, FP8 where the recipe allows); otherwise the input is
-    prepared by column_parallel_input. While torch.compile traces, the high-precision input is
-    gathered before the norm instead (the same values, with no collective inside the Function)."""
-    if module.tp_size == 1 or not module.sequence_parallel or torch.compiler.is_compiling():
+    prepared by column_parallel_input. Traced by torch.compile, the gather inside the module's
+    Function is traced with it (the norm's parameters get this shard's gradient, as eager)."""
+    if module.tp_size == 1 or not module.sequence_parallel:
         x = column_parallel_input(module, x)
         return x, step, x.shape
     group = module._tp_group()

@@ -35,10 +35,11 @@ class TensorParallelContainer(tensor_parallel.TensorParallelMixin):
             if module is not self and isinstance(module, tensor_parallel.TensorParallelMixin):
                 tensor_parallel.TensorParallelMixin.set_tensor_parallel_group(module, tp_group)
 
-    def tracker_fork(self):
+    def tracker_fork(self, draws: bool = True):
         """The context of dropout on this rank's heads: the RNG tracker's fork when the block has a
         tracker, as Transformer Engine's attention does; under sequence parallelism TE runs it on
-        the default generator, and so does te-core."""
-        if self.get_rng_state_tracker is None or self.sequence_parallel:
+        the default generator, and so does te-core. `draws=False` (no dropout this call): no fork,
+        which would leave every state as it is (and which torch.compile cannot trace)."""
+        if self.get_rng_state_tracker is None or self.sequence_parallel or not draws:
             return contextlib.nullcontext()
         return self.get_rng_state_tracker().fork(tensor_parallel.MODEL_PARALLEL_RNG_TRACKER_NAME)

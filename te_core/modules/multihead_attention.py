@@ -192,7 +192,7 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
             )
             q = apply_rotary_pos_emb(q, q_freqs, tensor_format=self.qkv_format, interleaved=self.rotary_pos_interleaved)
             k = apply_rotary_pos_emb(k, k_freqs, tensor_format=self.qkv_format, interleaved=self.rotary_pos_interleaved)
-        with self.tracker_fork():
+        with self.tracker_fork(self.training and self.core_attention.attention_dropout > 0):
             context = self.core_attention(
                 q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type, window_size=window_size,
                 bottom_right_diagonal=bottom_right_diagonal, checkpoint_core_attention=checkpoint_core_attention,

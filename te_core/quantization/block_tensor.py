@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from .block_views import BLOCK_VIEW_OPS
 from .tensor import BLOCK_1x128, BLOCK_128x128, MX_1x32, GemmOperand, QuantizedOperand, QuantizedTensor
 
 
@@ -69,7 +70,8 @@ class _TwoLayout:
         dtype = dtype or self.dtype
         if self._data is None:  # column-wise only: dequantize x.T, then transpose back
             return self._dequantize_layout(self._data_t, self._scale_inv_t, dtype).t()
-        return self._dequantize_layout(self._data, self._scale_inv, dtype)
+        # a flattened view (block_views) keeps its 2-D payload under its own shape
+        return self._dequantize_layout(self._data, self._scale_inv, dtype).reshape(self.shape)
 
     def rowwise(self) -> GemmOperand:
         if self._data is None:
@@ -107,6 +109,21 @@ class _MXLayout(_TwoLayout):
 
 class Float8BlockwiseTensor(_BlockwiseLayout, QuantizedTensor):
     __doc__ = _BlockwiseLayout.__doc__
+
+    _view_ops = BLOCK_VIEW_OPS
+
+    # FSDP2's all-gather extension points: a shard of a block-scaled FP8 primary weight is
+    # all-gathered as its FP8 bytes and tile scales; see te_core.distributed.fsdp_block. Imported
+    # at the call: the distributed layer builds on this one, not the reverse.
+    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        from ..distributed.fsdp_block import pre_all_gather
+
+        return pre_all_gather(self, mesh, orig_size)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        from ..distributed.fsdp_block import post_all_gather
+
+        return post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
 
 
 class MXFP8Tensor(_MXLayout, QuantizedTensor):

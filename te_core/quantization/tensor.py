@@ -171,11 +171,12 @@ QUANTIZED = (QuantizedTensor, QuantizedOperand)  # what GEMM helpers read as qua
 
 def _refuse_sharding(t, *args, **kwargs):
     """new_zeros is how FSDP2 (fully_shard) pads a parameter's shard: a format without views
-    (block and MXFP8 scales span rows) would be dequantized there, silently, into a
-    high-precision shard, so it is refused with the ways out."""
+    (MXFP8) would be dequantized there, silently, into a high-precision shard, so it is refused
+    with the ways out."""
     raise NotImplementedError(
         f"new_zeros on a {type(t).__name__} (what FSDP2's fully_shard calls to shard a parameter): FSDP2 with "
-        "FP8 all-gather supports quantized_model_init with DelayedScaling or Float8CurrentScaling only. Build "
+        "FP8 all-gather supports quantized_model_init with DelayedScaling, Float8CurrentScaling or "
+        "Float8BlockScaling only. Build "
         "the model without te.quantized_model_init (FSDP2 then all-gathers high-precision weights and the "
         "recipe quantizes them in each forward), or use one of those recipes for the primary weights")
 

@@ -20,7 +20,7 @@ from te_core.quantization import autocast, quantized_model_init
 from te_core.quantization.float8_tensor import Float8Tensor
 from te_core.quantization.quantizers import Float8CurrentScalingQuantizer
 from te_core.quantization.roles import Role
-from te_core.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+from te_core.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
 
 from ._parity import E4M3, randomize
 from ._pool import pool_of
@@ -244,9 +244,10 @@ def test_float8_views_stay_fp8():
     torch.testing.assert_close(target.dequantize(), other.dequantize(), **E4M3)
 
 
-def block_scaled_weights_refused(ctx):
-    with pytest.raises(NotImplementedError, match="DelayedScaling or Float8CurrentScaling"):
-        _shard(_model(Float8BlockScaling()))
+def mxfp8_weights_refused(ctx):
+    """(Block-scaled weights: tests/distributed/test_fsdp2_block_fp8.py.)"""
+    with pytest.raises(NotImplementedError, match="DelayedScaling, Float8CurrentScaling or Float8BlockScaling"):
+        _shard(_model(MXFP8BlockScaling()))
     return True
 
 
@@ -257,8 +258,7 @@ def column_sharding_refused(ctx):
     return True
 
 
-@pytest.mark.parametrize("case", [block_scaled_weights_refused, column_sharding_refused],
-                         ids=["block-scaling", "shard-dim-1"])
+@pytest.mark.parametrize("case", [mxfp8_weights_refused, column_sharding_refused], ids=["mxfp8", "shard-dim-1"])
 def test_fsdp2_fp8_unsupported_combinations(pool, case):
     assert pool.run(case) == [True] * 2
 
@@ -280,7 +280,7 @@ def main() -> None:
         report(f"{recipe_name}: all-gather bytes sent per rank per step: FP8 {sent['fp8']:,}, BF16 {sent['bf16']:,} "
                f"({ratio:.1%})")
         assert ratio <= 0.55, f"FP8 all-gather bytes are {ratio:.1%} of BF16's"
-    for case in (gathered_weight_is_the_original, block_scaled_weights_refused, column_sharding_refused):
+    for case in (gathered_weight_is_the_original, mxfp8_weights_refused, column_sharding_refused):
         case(ctx)
         report(f"{case.__name__}: ok")
     dist.destroy_process_group()
