@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from .float8_views import fsdp_view_ops
+
 aten = torch.ops.aten
 
 BLOCK = 128  # elements along each side of a 128x128 tile, and per 1x128 run
@@ -156,19 +158,4 @@ def _copy(dst, src, non_blocking: bool = False):
     return dst
 
 
-def _pin_memory(t, device=None):
-    return t._with_payload(lambda d: d.pin_memory())
-
-
-BLOCK_VIEW_OPS = {
-    aten.split.Tensor: _split,
-    aten.split_with_sizes.default: _split,
-    aten.slice.Tensor: _slice,
-    aten.view.default: _reshaped,
-    aten._unsafe_view.default: _reshaped,
-    aten.as_strided.default: _as_strided,
-    aten.new_zeros.default: _new_zeros,
-    aten.new_empty.default: _new_zeros,
-    aten.copy_.default: _copy,
-    aten._pin_memory.default: _pin_memory,
-}
+BLOCK_VIEW_OPS = fsdp_view_ops(_split, _slice, _reshaped, _as_strided, _new_zeros, _copy)

@@ -70,19 +70,25 @@ def _copy(dst, src, non_blocking: bool = False):
     return dst
 
 
-def _pin_memory(t, device=None):
+def _pin_payload(t, device=None):
     return t._with_payload(lambda d: d.pin_memory())
 
 
-FLOAT8_VIEW_OPS = {
-    aten.split.Tensor: _split,
-    aten.split_with_sizes.default: _split,
-    aten.slice.Tensor: _slice,
-    aten.view.default: _reshaped,
-    aten._unsafe_view.default: _reshaped,
-    aten.as_strided.default: _as_strided,
-    aten.new_zeros.default: _new_zeros,
-    aten.new_empty.default: _new_zeros,  # FSDP2 makes a rank's empty shard with it
-    aten.copy_.default: _copy,
-    aten._pin_memory.default: _pin_memory,
-}
+def fsdp_view_ops(split, slice_, reshaped, as_strided, new_zeros, copy) -> dict:
+    """The aten ops FSDP2 shards, pads and refills a parameter with, each mapped to a quantized
+    tensor class's handler (the other ops dequantize)."""
+    return {
+        aten.split.Tensor: split,
+        aten.split_with_sizes.default: split,
+        aten.slice.Tensor: slice_,
+        aten.view.default: reshaped,
+        aten._unsafe_view.default: reshaped,
+        aten.as_strided.default: as_strided,
+        aten.new_zeros.default: new_zeros,
+        aten.new_empty.default: new_zeros,  # FSDP2 makes a rank's empty shard with it
+        aten.copy_.default: copy,
+        aten._pin_memory.default: _pin_payload,
+    }
+
+
+FLOAT8_VIEW_OPS = fsdp_view_ops(_split, _slice, _reshaped, _as_strided, _new_zeros, _copy)
