@@ -73,7 +73,8 @@ def pre_all_gather(shard: Float8BlockwiseTensor, mesh, orig_size: torch.Size):
     return (data, scale_inv), (shard.quantizer, shard.fp8_dtype, orig_size[0])
 
 
-def _fill_columnwise(target: Float8BlockwiseTensor) -> None:
+def fill_columnwise(target: Float8BlockwiseTensor) -> None:
+    """The column-wise copy of a 128x128-tiled tensor from its row-wise bytes and scales, in place."""
     target._data_t.copy_(target._data.t())
     target._scale_inv_t.copy_(target._scale_inv.t())
 
@@ -94,10 +95,10 @@ def post_all_gather(all_gather_outputs: Tuple[Tensor, ...], metadata, param_dtyp
             raise TypeError(f"FSDP2 FP8 all-gather: the unsharded parameter is a {type(target).__name__}, "
                             "expected the Float8BlockwiseTensor built at the first all-gather")
         target._quantizer = quantizer
-        _fill_columnwise(target)
+        fill_columnwise(target)
         return None
     data_t, scale_inv_t = data.new_empty(data.shape[::-1]), scale_inv.new_empty(scale_inv.shape[::-1])
     weight = Float8BlockwiseTensor.make(data, scale_inv, data_t, scale_inv_t, nominal_dtype=param_dtype,
                                         quantizer=quantizer, _block_2d=True)
-    _fill_columnwise(weight)
+    fill_columnwise(weight)
     return weight, (gathered, gathered_scale_inv, weight._data_t, weight._scale_inv_t)
