@@ -257,3 +257,22 @@ def test_eager_casts_after_compiled_steps_see_scales_written_behind_torchs_back(
         group.scale.data.mul_(0.5)  # a write torch's version counter of `scale` does not see
         snapshot = group.scale_inv_of(0).clone()
     torch.testing.assert_close(snapshot, torch.reciprocal(group.scale[0:1]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("module", ["Linear", "LayerNormMLP"])
+def test_wgrad_override_compiles_like_eager(module):
+    """DelayedScaling(override_linear_precision=(False, False, True)): the compiled step keeps
+    the high-precision input for its wgrad as eager does, with the same results."""
+    torch.manual_seed(0)
+    rec = recipe.DelayedScaling(amax_history_len=4, override_linear_precision=(False, False, True))
+    eager_model = MODULES[module]()
+    compiled_model = copy.deepcopy(eager_model)
+    step = _step_fn(rec)
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for i in range(STEPS):
+        x = torch.randn(SEQ, BATCH, HIDDEN)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = _run(compiled, compiled_model, x)
+        _assert_identical(got, _run(step, eager_model, x), f"step {i}")
+    _assert_identical(list(_scaling_state(compiled_model).values()), list(_scaling_state(eager_model).values()),
+                      "scaling state")
