@@ -13,17 +13,21 @@ Here each Float8Tensor weight is one entry of plain values instead:
      "fp8_scale_inv": the one scale_inv of the whole weight, (1,) float32,
      "fp8_format": the FP8 dtype's name, e.g. "float8_e4m3fn"}
 
-so DCP writes each rank's bytes and reads them back into any sharding (another world size, or an
+A block-scaled weight (Float8BlockScaling, 128x128 tiles: a Float8BlockwiseTensor) has the same
+entry with its tile scale_inv grid, sharded along dim 0 like its bytes (see state_dict_block).
+So DCP writes each rank's bytes and reads them back into any sharding (another world size, or an
 unsharded model in one process), a checkpoint made into a torch.save file loads with
-weights_only=True, and a loaded weight is the saved one bit for bit, with its saved scale. An
-FSDP2 weight's shards share one scale (te_core.distributed.fsdp), so a single scale_inv serves
-every sharding; saving checks that the ranks agree on it. Every other entry (high-precision
-parameters, buffers, the modules' extra state with the recipe and the delayed-scaling amax
-histories and scales) is torch's. The optimizer's functions are torch's, made to leave the FP8
+weights_only=True, and a loaded weight is the saved one bit for bit, with its saved scales. A
+per-tensor scaled FSDP2 weight's shards share one scale (te_core.distributed.fsdp), so a single
+scale_inv serves every sharding; saving checks that the ranks agree on it. A load that one rank
+refuses is refused on every rank. Every other entry (high-precision parameters, buffers, the
+modules' extra state with the recipe and the delayed-scaling amax histories and scales) is
+torch's. The optimizer's functions are torch's, made to leave the FP8
 weights and scaling state as they are (torch may run a zero-learning-rate step, which requantizes).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Dict, Optional, Tuple
 
@@ -38,6 +42,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from ..quantization.float8_tensor import Float8Tensor
 from ..quantization.tensor import QuantizedTensor
 from .fsdp import bind_shard
+from .state_dict_block import BlockScaled
 
 __all__ = ["get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict",
            "FP8_ENTRY_KEYS"]
@@ -53,10 +58,55 @@ def _format_name(dtype: torch.dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
+class _PerTensor:
+    """Entry format of Float8Tensor weights: one scale_inv for the whole weight, every shard's."""
+
+    kind = Float8Tensor
+    shared_scale = True
+
+    @staticmethod
+    def refusal(local: Float8Tensor) -> Optional[str]:
+        return None
+
+    @staticmethod
+    def data(local: Float8Tensor) -> Tensor:
+        return local._rowwise_data()
+
+    @staticmethod
+    def scale_inv(local: Float8Tensor) -> Tensor:
+        return local._scale_inv.detach().float().reshape(1)
+
+    @staticmethod
+    def write(local: Float8Tensor, data: Tensor, scale_inv: Tensor) -> None:
+        """The weight's bytes and scale_inv become `data` and `scale_inv`, exactly."""
+        with torch.no_grad():
+            data = data.to(local.device)
+            if local._data is not None:
+                local._data.copy_(data)  # in place: FSDP2's padded shard storage is this buffer
+            if local._transpose is not None:
+                local._transpose.copy_(data.reshape(-1, data.shape[-1]).t())
+            # a new tensor, not a write into the old one: that may be a view of a scaling group's
+            # cached scale_inv, which other casts read
+            local._scale_inv = scale_inv.detach().to(device=local.device, dtype=torch.float32).reshape(1).clone()
+
+    @staticmethod
+    def after_load(param: Tensor) -> None:
+        if isinstance(param, DTensor):  # the scale is every rank's already: bound without requantization
+            bind_shard(_local(param), param.device_mesh.get_group())
+
+
+_FORMATS = (_PerTensor, BlockScaled)
+
+
+def _format(local: Tensor):
+    """The entry format of a quantized weight, None for a kind no format describes."""
+    return next((f for f in _FORMATS if isinstance(local, f.kind)), None)
+
+
 def _fp8_weights(model: nn.Module) -> Dict[str, Tensor]:
-    """{state-dict key: parameter} of the model's Float8Tensor weights (a DTensor over one when
-    FSDP2 shards it). Weights that this format cannot describe are refused here, before any
-    collective, on every rank alike."""
+    """{state-dict key: parameter} of the model's FP8 weights (a DTensor over one when FSDP2
+    shards it). Weights that no entry format describes are refused here, before any collective,
+    on every rank alike."""
     weights: Dict[str, Tensor] = {}
     for module_name, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
@@ -64,11 +114,14 @@ def _fp8_weights(model: nn.Module) -> Dict[str, Tensor]:
             if not isinstance(local, QuantizedTensor):
                 continue
             key = f"{module_name}.{name}" if module_name else name
-            if not isinstance(local, Float8Tensor):
+            fmt = _format(local)
+            why = f"it is a {type(local).__name__}" if fmt is None else fmt.refusal(local)
+            if why is not None:
                 raise NotImplementedError(
-                    f"{key} is a {type(local).__name__}: te_core.distributed.state_dict saves Float8Tensor weights "
-                    "(DelayedScaling and Float8CurrentScaling under te.quantized_model_init). Save this model with "
-                    "module.state_dict(), which holds its weights dequantized")
+                    f"{key}: te_core.distributed.state_dict saves Float8Tensor weights (DelayedScaling, "
+                    "Float8CurrentScaling) and 128x128-tiled Float8BlockwiseTensor weights (Float8BlockScaling) made "
+                    f"under te.quantized_model_init, and {why}. Save this model with module.state_dict(), which holds "
+                    "its weights dequantized")
             if getattr(module, "tp_size", 1) > 1:
                 raise NotImplementedError(
                     f"{key} is a tensor-parallel partition (tp_size={module.tp_size}): every tensor-parallel rank "
@@ -83,15 +136,15 @@ def _fp8_weights(model: nn.Module) -> Dict[str, Tensor]:
 
 
 def _check_scales_agree(weights: Dict[str, Tensor]) -> None:
-    """One all-reduce per FSDP process group: every rank's shard of a weight has the same
-    scale_inv, else the one scale_inv DCP writes would be wrong for the other ranks' bytes."""
+    """One all-reduce per FSDP process group: every rank's shard of a per-tensor scaled weight has
+    the same scale_inv, else the one scale_inv DCP writes would be wrong for the other ranks' bytes."""
     by_group: Dict[int, Tuple[Any, list]] = {}
     for key, param in weights.items():
-        if isinstance(param, DTensor):
+        if isinstance(param, DTensor) and _format(_local(param)).shared_scale:
             group = param.device_mesh.get_group()
             by_group.setdefault(id(group), (group, []))[1].append(key)
     for group, keys in by_group.values():
-        scales = torch.cat([_local(weights[k])._scale_inv.detach().float().reshape(1) for k in keys])
+        scales = torch.cat([_PerTensor.scale_inv(_local(weights[k])) for k in keys])
         bounds = torch.cat([scales, -scales])  # max and -min in one collective
         dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
         for key, high, low in zip(keys, bounds[: len(keys)].tolist(), (-bounds[len(keys):]).tolist()):
@@ -102,17 +155,29 @@ def _check_scales_agree(weights: Dict[str, Tensor]) -> None:
                     "optimizer step. The next all-gather gives them one scale again: run a forward before saving")
 
 
+def _bytes(t: Tensor) -> Tensor:
+    """FP8 tensors as uint8, which every process-group backend moves; others as they are."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _sharded_like(local: Tensor, param: Tensor, shape: Tuple[int, ...], full: bool) -> Tensor:
+    """This rank's rows `local` of a tensor of `shape` sharded along dim 0 as the DTensor `param`
+    is: a DTensor, or with `full` the whole tensor (a collective)."""
+    whole = DTensor.from_local(_bytes(local), param.device_mesh, param.placements, run_check=False,
+                               shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+    return (whole.full_tensor() if full else whole).view(local.dtype)
+
+
 def _fp8_entry(param: Tensor, options: StateDictOptions) -> Dict[str, Any]:
     """The plain-values entry of one FP8 weight (copies: loading fills them, then checks them
     before the model is touched). A full state dict gathers the bytes (a collective)."""
     local = _local(param)
-    data = local._rowwise_data().detach().clone()
+    fmt = _format(local)
+    data, scale_inv = fmt.data(local).detach().clone(), fmt.scale_inv(local).detach().clone()
     if isinstance(param, DTensor):
-        data = DTensor.from_local(data.view(torch.uint8), param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
-        data = data.full_tensor() if options.full_state_dict else data  # bytes: every backend moves uint8
-        data = data.view(local.fp8_dtype)
-    scale_inv = local._scale_inv.detach().float().reshape(1).clone()
+        data = _sharded_like(data, param, tuple(param.shape), options.full_state_dict)
+        if not fmt.shared_scale:
+            scale_inv = _sharded_like(scale_inv, param, fmt.scale_shape(tuple(param.shape)), options.full_state_dict)
     if options.cpu_offload:
         data, scale_inv = data.cpu(), scale_inv.cpu()
     return {"fp8_data": data, "fp8_scale_inv": scale_inv, "fp8_format": _format_name(local.fp8_dtype)}
@@ -136,20 +201,40 @@ def get_model_state_dict(model: nn.Module, *, options: Optional[StateDictOptions
     return state
 
 
-def _target_data(key: str, data: Tensor, param: Tensor) -> Tensor:
-    """The loaded bytes of this rank's part of the weight: a DTensor's local part, or this rank's
-    rows of a full (gathered) tensor."""
-    if isinstance(data, DTensor):
-        data = data.to_local()
-    elif isinstance(param, DTensor) and tuple(data.shape) == tuple(param.shape):
-        rows = distribute_tensor(data.view(torch.uint8), param.device_mesh, param.placements, src_data_rank=None)
-        data = rows.to_local().view(data.dtype)
+def _this_rank(key: str, what: str, t: Tensor, param: Tensor, shape: Tuple[int, ...], local_shape) -> Tensor:
+    """The loaded `what` of this rank's part of the weight: a DTensor's local part, or this rank's
+    rows of a whole (gathered) tensor of `shape`, checked against this rank's `local_shape`."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    elif isinstance(param, DTensor) and tuple(t.shape) == tuple(shape):
+        rows = distribute_tensor(_bytes(t), param.device_mesh, param.placements, src_data_rank=None)
+        t = rows.to_local().view(t.dtype)
+    if tuple(t.shape) != tuple(local_shape):
+        raise ValueError(f"{key}: the checkpoint's {what} has shape {tuple(t.shape)}, this rank's part of the "
+                         f"weight's {tuple(local_shape)} (whole {tuple(shape)}); was the model built with other sizes "
+                         "or another recipe (one scale_inv per weight, or one per 128x128 tile)?")
+    return t
+
+
+def _checked_scale_inv(key: str, scale_inv: Any, param: Tensor, fmt) -> Tensor:
+    """The loaded scale_inv of this rank's part of the weight (the one scale, or its tile rows),
+    checked: of the weight's format, finite and > 0."""
     local = _local(param)
-    if tuple(data.shape) != tuple(local.shape):
-        raise ValueError(f"{key}: the checkpoint's FP8 bytes have shape {tuple(data.shape)}, this rank's part of the "
-                         f"weight {tuple(local.shape)} (whole weight {tuple(param.shape)}); was the model built with "
-                         "other sizes?")
-    return data
+    if not isinstance(scale_inv, Tensor):
+        raise ValueError(f"{key}: fp8_scale_inv must be a tensor, found {type(scale_inv).__name__}")
+    if fmt.shared_scale:
+        if scale_inv.numel() != 1:
+            raise ValueError(f"{key}: fp8_scale_inv must be a 1-element tensor for this per-tensor scaled weight, "
+                             f"found shape {tuple(scale_inv.shape)} (a block-scaled checkpoint? build the model "
+                             "with the recipe it was saved with)")
+    given = _local(scale_inv)  # all of it in a full state dict: every rank sees the same bad value
+    if not bool((torch.isfinite(given) & (given > 0)).all()):
+        raise ValueError(f"{key}: fp8_scale_inv holds {given.flatten()[:4].tolist()}...; a scale_inv is finite "
+                         "and > 0, the checkpoint is corrupt")
+    if not fmt.shared_scale:
+        scale_inv = _this_rank(key, "fp8_scale_inv", scale_inv, param, fmt.scale_shape(tuple(param.shape)),
+                               fmt.scale_inv(local).shape)
+    return scale_inv
 
 
 def _checked_entry(key: str, entry: Any, param: Tensor) -> Tuple[Tensor, Tensor]:
@@ -171,28 +256,42 @@ def _checked_entry(key: str, entry: Any, param: Tensor) -> Tuple[Tensor, Tensor]
                          "was saved with")
     if not isinstance(entry["fp8_data"], Tensor):
         raise ValueError(f"{key}: fp8_data must be a tensor of FP8 bytes, found {type(entry['fp8_data']).__name__}")
-    scale_inv = entry["fp8_scale_inv"]
-    if not isinstance(scale_inv, Tensor) or scale_inv.numel() != 1:
-        raise ValueError(f"{key}: fp8_scale_inv must be a 1-element tensor, found {scale_inv!r}")
-    value = scale_inv.detach().double().reshape(())
-    if not (torch.isfinite(value) and value > 0):
-        raise ValueError(f"{key}: fp8_scale_inv is {value.item()!r}; a scale_inv is finite and > 0, the checkpoint is "
-                         "corrupt")
-    return _target_data(key, entry["fp8_data"], param), scale_inv
+    fmt = _format(local)
+    scale_inv = _checked_scale_inv(key, entry["fp8_scale_inv"], param, fmt)
+    data = _this_rank(key, "fp8_data", entry["fp8_data"], param, tuple(param.shape), local.shape)
+    return data, scale_inv
 
 
-def _write(param: Tensor, data: Tensor, scale_inv: Tensor) -> None:
-    """The weight's bytes and scale_inv become `data` and `scale_inv`, exactly."""
-    local = _local(param)
-    with torch.no_grad():
-        data = data.to(local.device)
-        if local._data is not None:
-            local._data.copy_(data)  # in place: FSDP2's padded shard storage is this buffer
-        if local._transpose is not None:
-            local._transpose.copy_(data.reshape(-1, data.shape[-1]).t())
-        # a new tensor, not a write into the old one: that may be a view of a scaling group's
-        # cached scale_inv, which other casts read
-        local._scale_inv = scale_inv.detach().to(device=local.device, dtype=torch.float32).reshape(1).clone()
+def _checked_entries(weights: Dict[str, Tensor], state: Dict[str, Any], strict: bool) -> Dict[str, Tuple]:
+    """{key: (bytes, scale_inv)} of the FP8 weights' entries, popped from `state`, all checked."""
+    loaded = {}
+    for key, param in weights.items():
+        if key in state:
+            loaded[key] = _checked_entry(key, state.pop(key), param)
+        elif strict:
+            raise RuntimeError(f"Missing key in the model state dict: {key} (an FP8 weight)")
+    return loaded
+
+
+@contextlib.contextmanager
+def _refused_together(weights: Dict[str, Tensor]):
+    """Every rank of the FSDP groups raises when one rank's checks fail (a block-scaled weight's
+    tile scales are checked shard by shard, so one rank may see a bad value the others do not):
+    a rank that went on alone would wait forever in torch's collectives of the load."""
+    groups = {id(g): g for g in (p.device_mesh.get_group() for p in weights.values() if isinstance(p, DTensor))}
+    failed = None
+    try:
+        yield
+    except Exception as error:  # raised below, once the other ranks know
+        failed = error
+    for group in groups.values():
+        flag = torch.tensor([0.0 if failed is None else 1.0], device=_local(next(iter(weights.values()))).device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item() and failed is None:
+            failed = RuntimeError("another rank refused its part of the checkpoint (its error says why); the model "
+                                  "is left as it was")
+    if failed is not None:
+        raise failed
 
 
 def set_model_state_dict(model: nn.Module, model_state_dict: Dict[str, Any], *,
@@ -207,22 +306,17 @@ def set_model_state_dict(model: nn.Module, model_state_dict: Dict[str, Any], *,
         raise NotImplementedError("broadcast_from_rank0 with FP8 weights: load the full state dict on every rank "
                                   "(torch.load(..., weights_only=True)) and pass full_state_dict=True alone")
     state = dict(model_state_dict)
-    loaded = {}
-    for key, param in weights.items():
-        if key in state:
-            loaded[key] = _checked_entry(key, state.pop(key), param)
-        elif options.strict:
-            raise RuntimeError(f"Missing key in the model state dict: {key} (an FP8 weight)")
+    with _refused_together(weights):
+        loaded = _checked_entries(weights, state, options.strict)
     result = torch_state_dict.set_model_state_dict(model, state, options=dataclasses.replace(options, strict=False))
     missing = [k for k in result.missing_keys if k not in weights]
     if options.strict and (missing or result.unexpected_keys):
         raise RuntimeError(f"Error(s) in loading the state dict of {type(model).__name__}: missing keys {missing}, "
                            f"unexpected keys {list(result.unexpected_keys)}")
     for key, (data, scale_inv) in loaded.items():
-        param = weights[key]
-        _write(param, data, scale_inv)
-        if isinstance(param, DTensor):  # the scale is every rank's already: bound without requantization
-            bind_shard(_local(param), param.device_mesh.get_group())
+        fmt = _format(_local(weights[key]))
+        fmt.write(_local(weights[key]), data, scale_inv)
+        fmt.after_load(weights[key])
     return _IncompatibleKeys(missing, list(result.unexpected_keys))
 
 
@@ -235,7 +329,8 @@ class _FP8StateKept:
     model, and loading must not undo a load."""
 
     def __init__(self, model: nn.Module):
-        self.weights = [p for p in model.parameters() if isinstance(_local(p), Float8Tensor)]
+        self.weights = [(_local(p), fmt) for p in model.parameters()
+                        if (fmt := _format(_local(p))) is not None and fmt.refusal(_local(p)) is None]
         groups = {}
         for module in model.modules():
             state = getattr(module, "_recipe_state", None)
@@ -244,13 +339,13 @@ class _FP8StateKept:
         self.groups = list(groups.values())
 
     def __enter__(self) -> "_FP8StateKept":
-        self.payloads = [(_local(p)._rowwise_data().clone(), _local(p)._scale_inv.clone()) for p in self.weights]
+        self.payloads = [(fmt.data(local).clone(), fmt.scale_inv(local).clone()) for local, fmt in self.weights]
         self.scaling = [(group, group.amax_history.clone(), group.scale.clone()) for group in self.groups]
         return self
 
     def __exit__(self, *exc) -> None:
-        for param, (data, scale_inv) in zip(self.weights, self.payloads):
-            _write(param, data, scale_inv)
+        for (local, fmt), (data, scale_inv) in zip(self.weights, self.payloads):
+            fmt.write(local, data, scale_inv)
         with torch.no_grad():
             for group, history, scale in self.scaling:
                 group.amax_history.copy_(history)
