@@ -7,9 +7,6 @@ whole weight makes, and training matches the single-process run. Shards that wou
 128x128 tile raise errors that say what to do."""
 from __future__ import annotations
 
-import datetime
-import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +20,7 @@ from te_core.quantization.quantizers import Float8BlockQuantizer
 from te_core.quantization.roles import Role
 from te_core.recipe import Float8BlockScaling
 
+from . import _torchrun
 from ._parity import E4M3, randomize
 from ._pool import pool_of
 from .test_fsdp2_fp8 import _device, _loss, _shard, fully_shard
@@ -217,12 +215,7 @@ def test_block_views_stay_fp8():
 def main() -> None:
     """The same checks with one process per GPU on NCCL (gloo on CPU without GPUs), on the
     selected te-core backend:  torchrun --nproc-per-node 2 -m tests.distributed.test_fsdp2_block_fp8"""
-    nccl = torch.cuda.is_available()
-    if nccl:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if nccl else "gloo", timeout=datetime.timedelta(seconds=120))
-    ctx = SimpleNamespace(rank=dist.get_rank(), world=dist.get_world_size())
-    report = print if ctx.rank == 0 else (lambda *_: None)
+    ctx, report = _torchrun.start()
     for case in (gathered_weights_are_the_original, training_matches_single_process, tile_cutting_shards_refused):
         case(ctx)
         report(f"{case.__name__}: ok")

@@ -6,11 +6,9 @@ saved one does; the checkpoint loads into one process and as a full state dict (
 weights_only=True); torch's own state dict and wrong entries fail with errors that say what to do."""
 from __future__ import annotations
 
-import datetime
 import os
 import shutil
 import tempfile
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,6 +25,7 @@ from te_core.quantization.block_tensor import Float8BlockwiseTensor
 from te_core.quantization.float8_tensor import Float8Tensor
 from te_core.recipe import Float8BlockScaling, MXFP8BlockScaling
 
+from . import _torchrun
 from . import test_fsdp2_block_fp8 as fsdp_block
 from . import test_fsdp2_fp8 as fsdp_fp8
 from ._pool import pool_of
@@ -315,11 +314,7 @@ def test_fsdp2_fp8_checkpoint_uneven_shards(pool, tmp_path):
 def main() -> None:
     """The same checks with one process per GPU on NCCL (gloo on CPU without GPUs):
     torchrun --nproc-per-node 2 -m tests.distributed.test_fsdp2_checkpoint"""
-    nccl = torch.cuda.is_available()
-    if nccl:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if nccl else "gloo", timeout=datetime.timedelta(seconds=120))
-    ctx = SimpleNamespace(rank=dist.get_rank(), world=dist.get_world_size())
+    ctx, report = _torchrun.start()
     root = [tempfile.mkdtemp(prefix="te_core_fsdp2_checkpoint_") if ctx.rank == 0 else None]
     dist.broadcast_object_list(root)  # the ranks share one directory (one node)
     cases = [(round_trip, (r, o)) for r in sorted(RECIPES) for o in sorted(OPTIMIZERS)]
@@ -331,8 +326,7 @@ def main() -> None:
             os.makedirs(path)
         dist.barrier()
         case(ctx, *args, path)
-        if ctx.rank == 0:
-            print(f"{case.__name__}{args}: ok")
+        report(f"{case.__name__}{args}: ok")
     dist.barrier()
     if ctx.rank == 0:
         shutil.rmtree(root[0])

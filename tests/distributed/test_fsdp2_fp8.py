@@ -6,9 +6,6 @@ the recipe's tolerance. Formats and placements that cannot be gathered in FP8 ra
 that say what to do."""
 from __future__ import annotations
 
-import datetime
-import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,6 +19,7 @@ from te_core.quantization.quantizers import Float8CurrentScalingQuantizer
 from te_core.quantization.roles import Role
 from te_core.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
 
+from . import _torchrun
 from ._parity import E4M3, randomize
 from ._pool import pool_of
 
@@ -266,12 +264,7 @@ def test_fsdp2_fp8_unsupported_combinations(pool, case):
 def main() -> None:
     """The same checks with one process per GPU on NCCL (gloo on CPU without GPUs), on the
     selected te-core backend:  torchrun --nproc-per-node 2 -m tests.distributed.test_fsdp2_fp8"""
-    nccl = torch.cuda.is_available()
-    if nccl:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if nccl else "gloo", timeout=datetime.timedelta(seconds=120))
-    ctx = SimpleNamespace(rank=dist.get_rank(), world=dist.get_world_size())
-    report = print if ctx.rank == 0 else (lambda *_: None)
+    ctx, report = _torchrun.start()
     for recipe_name in sorted(RECIPES):
         fsdp_fp8_matches_single_process(ctx, recipe_name)
         report(f"{recipe_name}: FSDP2 FP8 all-gather training matches the single-process run")
