@@ -186,10 +186,9 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         # split: the views' gradients arrive one by one and the gradient cast reads them in
         # place, where autograd would first concatenate them (q, k, v: 3 x 128 MiB at s2048 b8)
         ctx.return_residual = return_residual
-        # views, not the tensors themselves: under torch.compile (torch 2.11) an output that is
-        # also saved for backward (ln_out, the GEMM operand), or that the graph records as an
-        # alias of an intermediate (a twin's no-op .to()), gets a zero gradient
-        outs = (y.view_as(y),) if split_sizes is None else y.split(split_sizes, dim=-1)
+        outs = (y,) if split_sizes is None else y.split(split_sizes, dim=-1)
+        # a view, not ln_out itself: under torch.compile (torch 2.11) an output that is also
+        # saved for backward (the GEMM operand) got a zero gradient
         outs += ((ln_out.view_as(ln_out),) if return_ln_out else ()) + residual_view(x, return_residual)
         return outs[0] if len(outs) == 1 else outs
 

@@ -125,10 +125,9 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         ctx.needs = (x.requires_grad, fc1_weight.requires_grad, fc2_weight.requires_grad)
         ctx.needs_norm = needs_norm_grad(x, ln_weight, ln_bias)
         ctx.return_residual = return_residual
-        # views, not the tensors themselves: under torch.compile (torch 2.11) an output that is
-        # also saved for backward (ln_out, the GEMM operand), or that the graph records as an
-        # alias of an intermediate (a twin's no-op .to()), gets a zero gradient
-        outs = (y.view_as(y),) + ((ln_out.view_as(ln_out),) if return_ln_out else ()) + residual_view(x, return_residual)
+        # a view, not ln_out itself: under torch.compile (torch 2.11) an output that is also
+        # saved for backward (the GEMM operand) got a zero gradient
+        outs = (y,) + ((ln_out.view_as(ln_out),) if return_ln_out else ()) + residual_view(x, return_residual)
         return outs[0] if len(outs) == 1 else outs
 
     @staticmethod

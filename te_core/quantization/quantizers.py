@@ -146,18 +146,22 @@ class Float8Quantizer(Quantizer):
 
     def quantize_primary(self, x: Tensor) -> Float8Tensor:
         # A fresh weight has no history yet: take its scale from its own amax, as current scaling does.
-        x2d = _as_2d(x, "a primary weight")
-        data, data_t, scale, scale_inv, amax = ops.quantize_fp8_current(x2d, self.fp8_dtype, with_transpose=True)
+        weight, scale, amax = self._by_own_amax(x)
         self.scale.copy_(scale)
         self._record(amax)
-        return Float8Tensor.make(_shaped_like(data, x), scale_inv, data_t, nominal_dtype=x.dtype, quantizer=self)
+        return weight
 
     def load_primary(self, x: Tensor) -> Float8Tensor:
         # The module's scale came from its fresh initialization and would saturate trained
         # values far larger than those: scaled by the loaded value's own amax, as at init.
+        return self._by_own_amax(x)[0]
+
+    def _by_own_amax(self, x: Tensor) -> Tuple[Float8Tensor, Tensor, Tensor]:
+        """(x cast with the scale of its own amax, both layouts; that scale; the amax)."""
         x2d = _as_2d(x, "a primary weight")
-        data, data_t, _scale, scale_inv, _amax = ops.quantize_fp8_current(x2d, self.fp8_dtype, with_transpose=True)
-        return Float8Tensor.make(_shaped_like(data, x), scale_inv, data_t, nominal_dtype=x.dtype, quantizer=self)
+        data, data_t, scale, scale_inv, amax = ops.quantize_fp8_current(x2d, self.fp8_dtype, with_transpose=True)
+        weight = Float8Tensor.make(_shaped_like(data, x), scale_inv, data_t, nominal_dtype=x.dtype, quantizer=self)
+        return weight, scale, amax
 
     def fused_cast_args(self) -> Optional[dict]:
         return {"fp8_scale": self.scale, "fp8_dtype": self.fp8_dtype,

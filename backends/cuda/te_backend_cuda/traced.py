@@ -39,16 +39,16 @@ def _takes(x, fp8_dtype, scale=None, amax_out=None) -> bool:
     return scale is None or (scale.numel() == 1 and scale.dtype == torch.float32)
 
 
-def _cast(x, scale, fp8_dtype):
-    fmax = FP8_FORMATS[fp8_dtype][1]
-    return torch.clamp(_as(x, torch.float32) * scale.reshape(()), -fmax, fmax).to(fp8_dtype)
-
-
 def _as(t, dtype):
     """t in dtype, without a conversion that is a no-op: torch.compile records such a .to() as
     an alias of its input, and an autograd Function whose output is one got a zero gradient
     (torch 2.11)."""
     return t if t.dtype == dtype else t.to(dtype)
+
+
+def _cast(x, scale, fp8_dtype):
+    fmax = FP8_FORMATS[fp8_dtype][1]
+    return torch.clamp(_as(x, torch.float32) * scale.reshape(()), -fmax, fmax).to(fp8_dtype)
 
 
 def _amax(x):
