@@ -3,6 +3,7 @@ names (fuse_qkv_params=False), its interleaved fused-QKV layout, and its pickled
 (read through an allow-list, never by unpickling arbitrary objects)."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import io
@@ -143,6 +144,21 @@ def test_unreadable_extra_state_restarts_the_scales_with_one_warning(te_recipe):
     with pytest.warns(UserWarning, match="could not be read .*restart") as record:
         layer.load_state_dict(sd)
     assert ran == [] and len([w for w in record if "could not be read" in str(w.message)]) == 1
+    assert layer.quantization_state() == {"forward": {}, "backward": {}}
+
+
+def test_getattr_in_extra_state_only_names_members_of_te_recipe_classes(te_recipe):
+    """getattr is allowed for enum members pickled by name, on TE's recipe classes only."""
+
+    class Lookup:
+        def __reduce__(self):
+            return (getattr, (collections.OrderedDict, "fromkeys"))
+
+    layer = te.Linear(16, 16)
+    sd = layer.state_dict()
+    sd["_extra_state"] = torch.frombuffer(bytearray(pickle.dumps({"recipe": Lookup()})), dtype=torch.uint8)
+    with pytest.warns(UserWarning, match="refusing getattr.*only members of TE's recipe classes"):
+        layer.load_state_dict(sd)
     assert layer.quantization_state() == {"forward": {}, "backward": {}}
 
 
