@@ -1,5 +1,5 @@
-"""Tensor-wise FP8 casts and GEMMs in plain torch operations: the ops' twins for torch.compile
-(OpImpl.traced).
+"""Tensor-wise FP8 casts, their GEMMs and the delayed-scaling update in plain torch operations:
+the ops' twins for torch.compile (OpImpl.traced).
 
 Under torch.compile each opaque op costs a trip through torch.library and this backend's
 Python on every call, which on a host-bound step makes the compiled step slower than the eager
@@ -8,10 +8,16 @@ fuses (the cast, its amax and its transpose read x once), launched by its own la
 the GEMM is one extern call of torch._scaled_mm.
 
 The math is the Triton kernels': x times the float32 scale, clamped to the format's max (NaN
-stays NaN), cast round-to-nearest-even; amax max|x| with NaN winning. So the FP8 bytes are
-the eager ones; a bias gradient sums its rows in another order. Anything else (casts maxing
-into an amax history slot, block scales, FP8 output of norms and activations, outputs written
-into `out`) returns NotImplemented and stays the opaque op.
+stays NaN), cast round-to-nearest-even; amax max|x| with NaN winning, maxed into `amax_out`
+(delayed scaling's history slot) in place where the caller gives one, which is then returned
+as the amax, as the contract says; divisions rounded once to float32 as eager CUDA and the
+kernels round them. So the FP8 bytes, amaxes and scales are the eager ones; a bias gradient
+sums its rows in another order. The delayed-scaling update reads and rolls every history of
+a length at once, stacked side by side. In-place writes are copy_ into the caller's tensors,
+which functionalization keeps as writes to the graph's inputs; a cast reads a delayed-scaling
+scale through hold_scale, so that the backward never re-reads a scale the step has updated
+since. Anything else (block scales, outputs written into `out`, tensors off this backend's
+device) returns NotImplemented and stays the opaque op.
 """
 from __future__ import annotations
 
@@ -19,24 +25,33 @@ import torch
 from te_core.backend.types import FP8_FORMATS, TENSORWISE
 
 from .configs import TMA_MIN_NUMEL as MAX_NUMEL  # where the Triton casts switch to descriptors
+from . import scaled_mm
 from .scaled_mm import fp8_gemm_layout_reason
 
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FLOAT32_MAX = torch.finfo(torch.float32).max
+DEVICE_TYPE = "cuda"  # the device whose tensors the twins take (the opaque op handles the rest)
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+
+
+def _here(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == DEVICE_TYPE
 
 
 def _takes(x, fp8_dtype, scale=None, amax_out=None) -> bool:
-    """Whether the twin takes the call. Not with `amax_out` (delayed scaling's history slot):
-    the compiler's code for maxing a reduction into a slice of a graph input is slower than
-    the opaque kernel, which maxes it in with one atomic. Not for tensors of MAX_NUMEL
-    elements or more: steps with such tensors are GPU-bound, and there the Triton
-    cast-transposes (one read, both layouts written) are faster than the compiler's cast,
-    transpose and reduction."""
-    if amax_out is not None or x.numel() >= MAX_NUMEL:
+    """Whether the twin takes the call. Not for tensors of MAX_NUMEL elements or more: steps
+    with such tensors are GPU-bound, and there the Triton cast-transposes (one read, both
+    layouts written, the amax maxed into its slot with one atomic) are faster than the
+    compiler's cast, transpose and reduction. `amax_out`, where given, must be the contract's
+    1-element float32 slot on x's device (else the opaque op names the problem)."""
+    if not _here(x) or x.numel() == 0 or x.numel() >= MAX_NUMEL:
         return False
-    if fp8_dtype not in FP8_FORMATS or x.dtype not in HP_DTYPES or not x.is_cuda or x.numel() == 0:
+    if fp8_dtype not in FP8_FORMATS or x.dtype not in HP_DTYPES:
         return False
-    return scale is None or (scale.numel() == 1 and scale.dtype == torch.float32)
+    if amax_out is not None and not (_here(amax_out) and amax_out.device == x.device
+                                     and amax_out.dtype == torch.float32 and amax_out.numel() == 1):
+        return False
+    return scale is None or (scale.device == x.device and scale.numel() == 1 and scale.dtype == torch.float32)
 
 
 def _as(t, dtype):
@@ -44,6 +59,18 @@ def _as(t, dtype):
     an alias of its input, and an autograd Function whose output is one got a zero gradient
     (torch 2.11)."""
     return t if t.dtype == dtype else t.to(dtype)
+
+
+def hold_scale(scale):
+    """The scale's value at the cast, as a value the backward must keep rather than read again;
+    for every twin that casts with a delayed-scaling scale. A compiled step may update the
+    scale in place after the cast (delayed scaling's update at the end of the forward), and
+    AOTAutograd's min-cut partitioner, which recomputes cheap forward values in the backward,
+    would re-read the scale there after the update: an FP8 copy the backward uses would then be
+    cast with the next step's scale. The partitioner never recomputes a reduction whose output
+    is much smaller than its input, so the scale goes through the max over copies of itself
+    (the same value, NaN kept), which it saves. Shape (1,)."""
+    return scale.reshape(1).expand(8).amax(0, keepdim=True)
 
 
 def _cast(x, scale, fp8_dtype):
@@ -56,31 +83,49 @@ def _amax(x):
     return _as(x.abs().amax(), torch.float32)
 
 
+def _amax_into(amax, amax_out):
+    """amax; with `amax_out`, max(amax_out, amax) written into it (NaN wins) and amax_out
+    itself returned, as the contract's delayed-scaling casts do."""
+    if amax_out is None:
+        return amax
+    amax_out.copy_(torch.maximum(amax_out, amax.reshape(amax_out.shape)))
+    return amax_out
+
+
+def _div_rn(a, b):
+    """a / b of float32 tensors rounded once to float32, as eager CUDA and the Triton kernels
+    (div_rn) divide; the compiler's float32 division is an approximate one. In float64: the
+    quotient of two float32 values rounded to float64 (53 bits >= 2 * 24 + 2) and then to
+    float32 is the correctly rounded float32 quotient."""
+    return (a.double() / b.double()).float()
+
+
 def quantize_fp8(x, scale, fp8_dtype, *, amax_out=None):
     if not _takes(x, fp8_dtype, scale, amax_out):
         return NotImplemented
-    return _cast(x, scale, fp8_dtype), _amax(x)
+    return _cast(x, hold_scale(scale), fp8_dtype), _amax_into(_amax(x), amax_out)
 
 
 def cast_transpose_fp8(x, scale, fp8_dtype, *, amax_out=None):
     if not _takes(x, fp8_dtype, scale, amax_out) or x.dim() != 2:
         return NotImplemented
-    data = _cast(x, scale, fp8_dtype)
-    return data, data.t().contiguous(), _amax(x)
+    data = _cast(x, hold_scale(scale), fp8_dtype)
+    return data, data.t().contiguous(), _amax_into(_amax(x), amax_out)
 
 
 def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out=None):
     if not _takes(dy, fp8_dtype, scale, amax_out) or dy.dim() != 2:
         return NotImplemented
-    data = _cast(dy, scale, fp8_dtype)
-    return data, data.t().contiguous(), _as(_as(dy, torch.float32).sum(0), dy.dtype), _amax(dy)
+    data = _cast(dy, hold_scale(scale), fp8_dtype)
+    dbias = _as(_as(dy, torch.float32).sum(0), dy.dtype)
+    return data, data.t().contiguous(), dbias, _amax_into(_amax(dy), amax_out)
 
 
 def _current_scale(amax, fmax, amax_epsilon, force_pow2_scales):
     """The Triton current-scale kernel's rules: fmax / max(amax, eps); inf -> float32 max;
     1 where amax is NaN or inf or the divisor 0; optionally rounded down to a power of two."""
     amax_eff = torch.clamp_min(amax, float(amax_epsilon))
-    scale = torch.div(torch.full_like(amax_eff, fmax), amax_eff)
+    scale = _div_rn(torch.full_like(amax_eff, fmax), amax_eff)
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLOAT32_MAX), scale)
     bad = torch.isnan(amax) | torch.isinf(amax) | (amax_eff == 0)
     scale = torch.where(bad, torch.ones_like(scale), scale)
@@ -100,20 +145,20 @@ def quantize_fp8_current(x, fp8_dtype, *, with_transpose=False, force_pow2_scale
 
 
 def transpose_fp8(data):
-    if data.dtype not in FP8_FORMATS or data.dim() != 2 or not data.is_cuda:
+    if data.dtype not in FP8_FORMATS or data.dim() != 2 or not _here(data):
         return NotImplemented
     return data.t().contiguous()
 
 
 def dequantize_fp8(data, scale_inv, out_dtype):
-    if data.dtype not in FP8_FORMATS or out_dtype not in HP_DTYPES or not data.is_cuda or scale_inv.numel() != 1:
+    if data.dtype not in FP8_FORMATS or out_dtype not in HP_DTYPES or not _here(data) or scale_inv.numel() != 1:
         return NotImplemented
     return _as(data.float() * _as(scale_inv.reshape(()), torch.float32), out_dtype)
 
 
 def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, bias=None, out=None,
              accumulate=False, fast_accumulation=False):
-    if scaling != TENSORWISE or out is not None or accumulate or not (a.is_cuda and b.is_cuda):
+    if scaling != TENSORWISE or out is not None or accumulate or not (_here(a) and _here(b)):
         return NotImplemented
     a, b = a.contiguous(), b.contiguous()
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1] or fp8_gemm_layout_reason(a, b, out_dtype, scaling):
@@ -130,9 +175,81 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, b
     return y
 
 
+def gemm(a, b, *, bias=None, out=None, accumulate=False, out_dtype=None):
+    """The high-precision GEMM as the eager op runs it (torch.mm / addmm, extern calls the
+    compiler keeps), for results in the operands' dtype. A result in another dtype (a float32
+    weight gradient of bf16 operands) or written into `out` stays the opaque op."""
+    if out is not None or accumulate or not (_here(a) and _here(b)) or a.dim() != 2 or b.dim() != 2:
+        return NotImplemented
+    if a.dtype != b.dtype or a.dtype not in HP_DTYPES or out_dtype not in (None, a.dtype) or a.shape[1] != b.shape[1]:
+        return NotImplemented
+    return scaled_mm.gemm(a, b, bias=bias)
+
+
 def _add_bias(y, bias, out_dtype):
     """y + bias in float32, rounded once to out_dtype."""
     return _as(torch.add(_as(y, torch.float32), _as(bias, torch.float32)), out_dtype)
+
+
+def _update_takes(histories, scales, fp8_maxes, margin, algo) -> bool:
+    """The calls the update twin matches: a known algo (a callable runs on the reference), one
+    float32 (L, n) history with an (n,) float32 scale per format max, all on one device of
+    this backend, and a margin whose 2^margin is a normal float32 (as the kernel reads it)."""
+    if not isinstance(algo, str) or algo not in AMAX_COMPUTE_ALGOS or not isinstance(margin, (int, float)):
+        return False
+    if not -126 <= margin < 128 or not len(histories) == len(scales) == len(fp8_maxes):
+        return False
+    if not all([isinstance(f, (int, float)) and not isinstance(f, bool) for f in fp8_maxes]):
+        return False
+    device = histories[0].device if histories and _here(histories[0]) else None
+    for h, s in zip(histories, scales):
+        if not (_here(h) and _here(s) and h.device == device and s.device == device):
+            return False
+        if h.dim() != 2 or h.shape[0] < 1 or tuple(s.shape) != (h.shape[1],):
+            return False
+        if h.dtype != torch.float32 or s.dtype != torch.float32:
+            return False
+    return True
+
+
+def _updated(history, scale, fp8_max, margin, algo):
+    """(new history, new scale) of (L, n) histories stacked side by side, per column as the
+    contract says: a column whose row 0 is 0 recorded nothing and keeps both; "max" ignores
+    NaN (C's fmaxf from 0), "most_recent" takes row 0 as it is; fp8_max / amax / 2^margin where
+    amax is finite and > 0, else the old scale; inf becomes float32 max; the history rolls up
+    one row (the last row takes row 0) and row 0 is zeroed. `fp8_max`: per column."""
+    row0 = history[0]
+    stepped = row0 != 0  # NaN counts
+    amax = row0 if algo == "most_recent" else torch.where(torch.isnan(history), 0.0, history).amax(0)
+    amax = torch.where(stepped, amax, 0.0)
+    new = _div_rn(_div_rn(fp8_max, amax), torch.full_like(amax, 2.0**margin))
+    new = torch.where(torch.isfinite(amax) & (amax > 0), new, scale)
+    new = torch.where(torch.isinf(new), torch.full_like(new, FLOAT32_MAX), new)
+    first = torch.arange(history.shape[0], device=history.device)[:, None] == 0
+    rolled = torch.where(first, 0.0, torch.roll(history, -1, 0))
+    return torch.where(stepped, rolled, history), new
+
+
+def _update(histories, scales, fp8_maxes, margin, algo) -> None:
+    """The update in place, the histories of each length read and rolled as one stacked tensor
+    (one set of kernels rather than one per history), written back with one foreach copy."""
+    by_length = {}
+    for i, h in enumerate(histories):
+        by_length.setdefault(h.shape[0], []).append(i)
+    for group in by_length.values():
+        hs, ss = [histories[i] for i in group], [scales[i] for i in group]
+        fmax = torch.cat([torch.full_like(scales[i], float(fp8_maxes[i])) for i in group])
+        new_h, new_s = _updated(torch.cat(hs, dim=1), torch.cat(ss), fmax, margin, algo)
+        widths = [s.numel() for s in ss]
+        torch._foreach_copy_(hs, list(torch.split(new_h, widths, dim=1)))
+        torch._foreach_copy_(ss, list(torch.split(new_s, widths)))
+
+
+def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin=0.0, amax_compute_algo="max"):
+    if not _update_takes(amax_histories, scales, fp8_maxes, margin, amax_compute_algo):
+        return NotImplemented
+    _update(amax_histories, scales, fp8_maxes, margin, amax_compute_algo)
+    return None
 
 
 TRACED = {
@@ -143,4 +260,6 @@ TRACED = {
     "transpose_fp8": transpose_fp8,
     "dequantize_fp8": dequantize_fp8,
     "gemm_fp8": gemm_fp8,
+    "gemm": gemm,
+    "delayed_scaling_update": delayed_scaling_update,
 }

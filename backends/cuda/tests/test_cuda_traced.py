@@ -1,12 +1,24 @@
 """The plain-torch twins torch.compile traces (te_backend_cuda.traced): their math against the
-reference on the CPU, each twin against the eager op on the GPU (FP8 bytes and amaxes equal),
-and under torch.compile on the GPU."""
+reference on the CPU (casts, casts maxing into an amax history slot, the delayed-scaling
+update), their in-place writes kept under torch.compile on the CPU, each twin against the
+eager op on the GPU (FP8 bytes, amaxes, histories and scales equal), and compiled modules with
+delayed scaling on the GPU (equal to eager, with no opaque cast or update left in the step)."""
+import copy
+import types
+
 import pytest
 import torch
+from torch._dynamo.backends.registry import lookup_backend
 
+import te_core as te
 from te_backend_cuda import traced
+from te_core import backend, recipe
+from te_core.backend import hookimpl, registry
+from te_core.backend.types import BackendInfo, OpImpl
 from te_core.reference import activation as ref_act
 from te_core.reference import cast as ref_cast
+from te_core.reference import plugin as ref_plugin
+from te_core.reference import scaling as ref_scaling
 
 F8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -52,11 +64,230 @@ def test_twins_decline_what_they_do_not_take():
     x = _x()  # on the CPU: the eager op's supports() sends it to the reference
     assert traced.quantize_fp8(x, torch.ones(1), torch.float8_e4m3fn) is NotImplemented
     assert traced.gemm_fp8(x, x, torch.ones(1), torch.ones(1), out_dtype=torch.bfloat16) is NotImplemented
-    if torch.cuda.is_available():  # a history slot keeps the opaque op
-        xc = x.cuda()
-        slot = torch.zeros(1, device="cuda")
-        assert traced.quantize_fp8(xc, torch.ones(1, device="cuda"), torch.float8_e4m3fn,
-                                   amax_out=slot) is NotImplemented
+    history, scale = torch.rand(4, 2) + 0.5, torch.ones(2)
+    assert traced.delayed_scaling_update([history], [scale], [448.0]) is NotImplemented
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """The twins take CPU tensors, so that their math and tracing can be checked without a GPU."""
+    monkeypatch.setattr(traced, "DEVICE_TYPE", "cpu")
+
+
+def test_twins_decline_bad_amax_out_and_update_arguments(on_cpu):
+    """What the opaque op must handle (and name, where wrong) stays with it."""
+    x, scale = _x(), torch.ones(1)
+    for slot in (torch.zeros(2), torch.zeros(1, dtype=torch.float64), torch.zeros(1, device="meta")):
+        assert traced.quantize_fp8(x, scale, F8[0], amax_out=slot) is NotImplemented
+    h, s = torch.rand(4, 2) + 0.5, torch.ones(2)
+    declined = [
+        ([h], [s], [448.0], {"amax_compute_algo": lambda hist: hist.amax(0)}),  # a callable: reference
+        ([h], [s], [448.0], {"amax_compute_algo": "mean"}),
+        ([h], [s, s], [448.0], {}),  # lists that do not pair up
+        ([h], [torch.ones(3)], [448.0], {}),
+        ([h.double()], [s], [448.0], {}),
+        ([h[0]], [s], [448.0], {}),
+        ([h], [torch.ones(2, device="meta")], [448.0], {}),  # mixed devices
+        ([h], [s], [448.0], {"margin": 200.0}),  # 2^margin is no float32
+    ]
+    for histories, scales, maxes, kwargs in declined:
+        assert traced.delayed_scaling_update(histories, scales, maxes, **kwargs) is NotImplemented, kwargs
+
+
+@pytest.mark.parametrize("before", [0.0, 2.5, 1e9, float("nan")])
+@pytest.mark.parametrize("nan_in_x", [False, True])
+def test_amax_into_a_history_slot_matches_reference(before, nan_in_x):
+    """max(slot, amax) written into the slot (a view of the history), NaN winning; the slot
+    itself comes back; the rest of the history is untouched."""
+    x = _x()
+    if nan_in_x:
+        x[5, 7] = float("nan")
+    history = torch.rand(4, 3) + 1
+    history[0, 1] = before
+    want = history.clone()
+    ref_cast.merge_amax(ref_cast.amax_of(x), want[0][1:2])
+    slot = history[0][1:2]
+    assert traced._amax_into(traced._amax(x), slot) is slot
+    assert torch.equal(history.isnan(), want.isnan())
+    assert torch.equal(history.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("fp8_dtype", F8)
+def test_cast_twins_with_amax_out_match_reference(on_cpu, fp8_dtype):
+    x, scale = _x(dtype=torch.float32), torch.tensor([0.37])
+    for name, ref in (("quantize_fp8", ref_cast.quantize_fp8), ("cast_transpose_fp8", ref_cast.cast_transpose_fp8),
+                      ("dbias_cast_transpose", ref_act.dbias_cast_transpose)):
+        slot_want, slot_got = torch.tensor([2.0]), torch.tensor([2.0])
+        want = ref(x, scale, fp8_dtype, amax_out=slot_want)
+        got = getattr(traced, name)(x, scale, fp8_dtype, amax_out=slot_got)
+        assert got[-1] is slot_got, f"{name}: the amax output must be amax_out itself"
+        assert torch.equal(slot_got, slot_want) and slot_got.item() > 2.0, name
+        for g, w in zip(got[:2], want[:2]):
+            _bytes_equal(g, w)
+        if name == "dbias_cast_transpose":  # rows summed in another order
+            torch.testing.assert_close(got[2], want[2], rtol=1.3e-6, atol=1e-5)
+
+
+def _histories(device="cpu"):
+    """Histories of two lengths, several widths and both formats, with every special case:
+    row 0 zero (nothing recorded) or -0.0, NaN and inf in row 0 and deeper, an all-NaN column,
+    an amax so small that the scale overflows, an old scale that is inf."""
+    shapes = [(4, 3), (4, 1), (7, 2), (1, 2), (4, 5)]
+    histories = [(torch.rand(L, n) * 10.0 ** torch.randint(-3, 4, (L, n))).to(device) for L, n in shapes]
+    scales = [(torch.rand(n) * 100 + 0.5).to(device) for _, n in shapes]
+    h = histories
+    h[0][0, 0], h[0][0, 1], h[0][2, 2] = 0.0, float("nan"), float("nan")
+    h[1][0, 0], h[2][3, 1], h[2][0, 0] = float("inf"), float("inf"), 1e-37
+    h[3][0, 0], h[4][0, 1], h[4][0, 3] = 0.0, 0.0, -0.0
+    h[4][:, 2] = float("nan")
+    scales[4][4] = float("inf")
+    return histories, scales, [448.0, 57344.0, 448.0, 57344.0, 448.0]
+
+
+def _assert_bits_equal(got, want):
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g.view(torch.int32), w.view(torch.int32)), f"[{i}]: {g} != {w}"
+
+
+@pytest.mark.parametrize("margin", [0.0, 1, 2.5])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_update_twin_matches_reference(on_cpu, algo, margin):
+    """Bit for bit: the scales are float32 quotients rounded once, as the reference's."""
+    torch.manual_seed(0)
+    histories, scales, maxes = _histories()
+    want_h, want_s = [h.clone() for h in histories], [s.clone() for s in scales]
+    ref_scaling.delayed_scaling_update(want_h, want_s, maxes, margin=margin, amax_compute_algo=algo)
+    kept = [(h, h.data_ptr()) for h in histories + scales]
+    assert traced.delayed_scaling_update(histories, scales, maxes, margin=margin, amax_compute_algo=algo) is None
+    _assert_bits_equal(histories + scales, want_h + want_s)
+    assert all(t.data_ptr() == ptr for t, ptr in kept)  # written in place
+    assert traced.delayed_scaling_update([], [], []) is None
+
+
+def test_twins_write_in_place_under_compile(on_cpu):
+    """Traced with fullgraph=True, the slot write of a cast and the update's history and scale
+    writes land in the caller's tensors (functionalization keeps the mutations), equal to an
+    eager run of the twins."""
+    torch.manual_seed(0)
+    histories, scales, maxes = _histories()
+    x = _x()
+
+    def step(x, histories, scales):
+        slot = histories[0][0][2:3]
+        data, data_t, amax = traced.cast_transpose_fp8(x, scales[0][:1], F8[0], amax_out=slot)
+        traced.delayed_scaling_update(histories, scales, maxes, margin=1.0)
+        return data, data_t, amax
+
+    want_h, want_s = [h.clone() for h in histories], [s.clone() for s in scales]
+    want = step(x, want_h, want_s)
+    torch._dynamo.reset()
+    got = torch.compile(step, backend="aot_eager", fullgraph=True)(x, histories, scales)
+    torch._dynamo.reset()
+    _bytes_equal(got[0], want[0])
+    _bytes_equal(got[1], want[1])
+    assert torch.equal(got[2], want[2]) and got[2].item() == 0.0  # the slot, rolled into row 3
+    _assert_bits_equal(histories + scales, want_h + want_s)
+    assert torch.equal(histories[0][3, 2:3], traced._amax(x).reshape(1))  # it held less
+
+
+# --- compiled modules with delayed scaling: the twins as a backend's, against eager -----------
+COVERED = ("quantize_fp8", "cast_transpose_fp8", "dbias_cast_transpose", "delayed_scaling_update", "transpose_fp8",
+           "dequantize_fp8", "quantize_fp8_current")  # every twin but the GEMM's (torch._scaled_mm: the GPU's)
+MODULES = {  # (device, params_dtype) -> module
+    "Linear": lambda *f: te.Linear(256, 512, device=f[0], params_dtype=f[1]),
+    "TransformerLayer": lambda *f: te.TransformerLayer(256, 1024, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                                                       device=f[0], params_dtype=f[1]),
+}
+SHAPES = {"Linear": ((128, 256), (128, 512)), "TransformerLayer": ((64, 2, 256), (64, 2, 256))}  # x, y
+
+
+@pytest.fixture
+def cpu_backend_with_twins(monkeypatch, on_cpu):
+    """A CPU backend running the reference ops eagerly and these twins when traced."""
+    for var in ("TE_BACKEND", "TE_BACKEND_STRICT", "TE_BACKEND_OVERRIDES", "TE_BACKEND_PLUGINS"):
+        monkeypatch.delenv(var, raising=False)
+    ops = {name: OpImpl(fn, None, traced.TRACED[name] if name in COVERED else None)
+           for name, fn in ref_plugin.implementations().items()}
+    plugin = types.SimpleNamespace(
+        te_backend_info=hookimpl(lambda: BackendInfo(name="cpu_cast_twins", device_type="cpu")),
+        te_backend_available=hookimpl(lambda: (True, "the CPU")),
+        te_backend_capabilities=hookimpl(lambda device: ref_plugin.te_backend_capabilities(device)),
+        te_backend_ops=hookimpl(lambda: ops))
+    entry_point = types.SimpleNamespace(name="cpu_cast_twins", dist=None, load=lambda: plugin)
+    monkeypatch.setattr(registry, "_entry_points", lambda: [entry_point])
+    registry.REGISTRY.reset()
+    backend.set_backend("cpu_cast_twins")
+    yield
+    monkeypatch.undo()
+    registry.REGISTRY.reset()
+
+
+def _fwd_bwd(step, model, x, dy):
+    x = x.clone().requires_grad_(True)
+    y = step(model, x)
+    y.backward(dy)
+    out = [y.detach(), x.grad] + [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _compiled_and_eager(module, device, dtype, inner_backend, steps=3):
+    """([(compiled results, eager results)] per fwd+bwd step with DelayedScaling, the compiled
+    step, its model, the eager model, and dynamo's graphs)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    rec = recipe.DelayedScaling(amax_history_len=4)
+    eager = MODULES[module](device, dtype)
+    compiled_model = copy.deepcopy(eager)
+    for model in (eager, compiled_model):
+        te.init_quantization_state(model, rec)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return lookup_backend(inner_backend)(gm, example_inputs)
+
+    def step(model, x):
+        with te.autocast(recipe=rec):
+            return model(x)
+
+    compiled = torch.compile(step, backend=capture, fullgraph=True)
+    results = []
+    for i in range(steps):  # growing inputs: the scales change at every update
+        x_shape, y_shape = SHAPES[module]
+        x = (torch.randn(x_shape, device=device) * (i + 1)).to(dtype)
+        dy = torch.randn(y_shape, device=device).to(dtype)
+        results.append((_fwd_bwd(compiled, compiled_model, x, dy), _fwd_bwd(step, eager, x, dy)))
+    return results, (compiled, compiled_model, eager, graphs)
+
+
+def _opaque_ops(graphs):
+    """The te_core custom ops left in dynamo's graphs (autograd.Function bodies included)."""
+    targets = {str(node.target) for gm in graphs for sub in gm.modules() if isinstance(sub, torch.fx.GraphModule)
+               for node in sub.graph.nodes}
+    return {t.split(".")[1].removesuffix("_into") for t in targets if t.startswith("te_core.")}
+
+
+def _state(model):
+    return {(d, slot, k): t.clone() for d, slots in model.quantization_state().items()
+            for slot, entry in slots.items() for k, t in entry.items()}
+
+
+@pytest.mark.parametrize("module", list(MODULES))
+def test_compiled_delayed_scaling_on_cpu_twins_equals_eager(cpu_backend_with_twins, module):
+    """Compiled (aot_eager: AOTAutograd's min-cut partitioner, as inductor's) with the twins for
+    every cast and the scale update, fwd+bwd over 3 steps equals the eager reference bit for
+    bit, delayed-scaling state included: the slot writes and the update land in the module's
+    tensors, and no FP8 copy the backward uses is recomputed with a scale updated meanwhile."""
+    results, (_, compiled_model, eager, graphs) = _compiled_and_eager(module, "cpu", torch.float32, "aot_eager")
+    assert not _opaque_ops(graphs) & set(COVERED), sorted(_opaque_ops(graphs))
+    for i, (got, want) in enumerate(results):
+        for j, (g, w) in enumerate(zip(got, want)):
+            assert torch.equal(g, w), f"step {i} tensor {j}: differs by {(g - w).abs().max()}"
+    want, got = _state(eager), _state(compiled_model)
+    assert want.keys() == got.keys()
+    assert any(t.abs().sum() > 0 for (_, _, k), t in want.items() if k == "amax_history")
+    _assert_bits_equal(list(got.values()), list(want.values()))
 
 
 @GPU
@@ -99,3 +330,82 @@ def test_compiled_twins_equal_eager_ops():
     want = scaled_mm.gemm_fp8(xq, wq, 1 / scale, 1 / scale, out_dtype=torch.bfloat16, fast_accumulation=True)
     got = torch.compile(step, fullgraph=True)(x, w)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@GPU
+@pytest.mark.parametrize("before", [0.0, 1e9])
+@pytest.mark.parametrize("fp8_dtype", F8)
+def test_cast_twins_with_amax_out_equal_eager_ops_on_gpu(fp8_dtype, before):
+    """Maxing into a history slot: FP8 bytes and the whole history equal the eager kernels'."""
+    from te_backend_cuda import ops
+
+    x, scale = _x("cuda", shape=(256, 384)), torch.tensor([0.37], device="cuda")
+    for name in ("quantize_fp8", "cast_transpose_fp8", "dbias_cast_transpose"):
+        history = torch.rand(4, 3, device="cuda") + 1
+        history[0, 1] = before
+        want_history = history.clone()
+        want = getattr(ops, name)(x, scale, fp8_dtype, amax_out=want_history[0][1:2])
+        slot = history[0][1:2]
+        got = getattr(traced, name)(x, scale, fp8_dtype, amax_out=slot)
+        assert got[-1] is slot, name
+        _bytes_equal(got[0], want[0])
+        if name != "quantize_fp8":
+            _bytes_equal(got[1], want[1])
+        assert torch.equal(history, want_history), (name, history, want_history)
+
+
+@GPU
+@pytest.mark.parametrize("margin", [0.0, 1, 2.5])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_update_twin_equals_eager_op_on_gpu(algo, margin):
+    """Run as it is and compiled by inductor (whose own float32 division is approximate), bit
+    for bit the Triton update kernel's histories and scales."""
+    from te_backend_cuda import ops
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    histories, scales, maxes = _histories("cuda")
+    kwargs = dict(margin=margin, amax_compute_algo=algo)
+    runs = [[h.clone() for h in histories + scales] for _ in range(3)]
+    n = len(histories)
+    ops.delayed_scaling_update(runs[0][:n], runs[0][n:], maxes, **kwargs)
+    assert traced.delayed_scaling_update(runs[1][:n], runs[1][n:], maxes, **kwargs) is None
+    torch.compile(traced.delayed_scaling_update, fullgraph=True)(runs[2][:n], runs[2][n:], maxes, **kwargs)
+    _assert_bits_equal(runs[1], runs[0])
+    _assert_bits_equal(runs[2], runs[0])
+
+
+OPAQUE_IN_PROFILE = {f"te_core::{name}{variant}" for name in COVERED for variant in ("", "_into")}
+
+
+def _relative_error(g, w):
+    g, w = g.double(), w.double()
+    return ((g - w).norm() / w.norm().clamp_min(1e-30)).item()
+
+
+@GPU
+@pytest.mark.parametrize("module", list(MODULES))
+def test_compiled_delayed_scaling_on_gpu_equals_eager(module):
+    """te.Linear and te.TransformerLayer with DelayedScaling compiled by inductor (fullgraph):
+    3 fwd+bwd steps within 1e-2 (relative, L2) of eager, the histories advancing alike and the
+    scales close; at these sizes no cast or scale update is left an opaque op, in the graphs
+    or in a profile of a further compiled step."""
+    results, (compiled, compiled_model, eager, graphs) = _compiled_and_eager(module, "cuda", torch.bfloat16,
+                                                                            "inductor")
+    for i, (got, want) in enumerate(results):
+        for j, (g, w) in enumerate(zip(got, want)):
+            assert _relative_error(g, w) <= 1e-2, f"step {i} tensor {j}: {_relative_error(g, w):.3g}"
+    want, got = _state(eager), _state(compiled_model)
+    assert want.keys() == got.keys()
+    for key, w in want.items():
+        assert _relative_error(got[key], w) <= 1e-2, f"{key}: {_relative_error(got[key], w):.3g}"
+        if key[2] == "amax_history":
+            assert torch.equal(got[key] != 0, w != 0), key
+    assert not _opaque_ops(graphs) & set(COVERED), sorted(_opaque_ops(graphs))
+    x_shape, y_shape = SHAPES[module]
+    x = torch.randn(x_shape, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(y_shape, device="cuda", dtype=torch.bfloat16)
+    with torch.profiler.profile() as prof:
+        _fwd_bwd(compiled, compiled_model, x, dy)
+    opaque = sorted({e.name for e in prof.events() if e.name in OPAQUE_IN_PROFILE})
+    assert not opaque, f"opaque casts or updates in the compiled step: {opaque}"
