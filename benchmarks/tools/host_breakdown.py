@@ -74,16 +74,8 @@ class _OpView:
 
 
 def install(tracer: Tracer) -> None:
-    dispatch = _spec._dispatch()
-
-    def call(op, args, kwargs):
-        return traced_ops[op.name](op, args, kwargs)
-
-    traced_ops = defaultdict(lambda: None)
-    for name in _spec.CONTRACT:
-        traced_ops[name] = tracer.wrap(f"op {name}: dispatch", dispatch)
-    _spec._DISPATCH = call
-    # the resolved backend functions, wrapped in each op's cache (resolved on first call)
+    # each op's cached runner (what an eager op call runs: checks, fallback, implementation),
+    # wrapped with the resolved backend functions inside it (ops resolve on their first call)
     for op in _spec.CONTRACT.values():
         cached = op._cache
         if cached is None:
@@ -94,7 +86,7 @@ def install(tracer: Tracer) -> None:
             supports=None if res.supports is None else tracer.wrap(f"op {op.name}: supports()", res.supports))
         view = _OpView(op.name, tracer.wrap(f"op {op.name}: capability check", op.capability_check)
                        if op.capability_check is not None else None)
-        op._cache = (cached[0], replaced, te_dispatch.runner(view, replaced))
+        op._cache = (cached[0], replaced, tracer.wrap(f"op {op.name}: dispatch", te_dispatch.runner(view, replaced)))
     for name in TORCH_CALLS:
         setattr(torch, name, tracer.wrap(f"torch.{name}", getattr(torch, name)))
     try:

@@ -65,11 +65,11 @@ def resolution(op) -> Resolution:
         _resolve_untraced(op.name)
     cached = op._cache
     if cached is None or cached[0] != REGISTRY.generation:
-        cached = _refresh(op)
+        cached = refresh(op)
     return cached[1]
 
 
-def _refresh(op):
+def refresh(op):
     """Resolve op and cache (registry generation, Resolution, runner) on it."""
     res = resolve(op)
     op._cache = cached = (REGISTRY.generation, res, runner(op, res))
@@ -84,23 +84,24 @@ def _resolve_untraced(op_name: str) -> bool:
 
     op = CONTRACT[op_name]
     if op._cache is None or op._cache[0] != REGISTRY.generation:
-        _refresh(op)
+        refresh(op)
     return True
 
 
-def runner(op, res: Resolution) -> Callable[[tuple, dict], Any]:
-    """run(args, kwargs) for op resolved to res: the checks res needs and nothing else, bound
+def runner(op, res: Resolution) -> Callable[..., Any]:
+    """run(*args, **kwargs) for op resolved to res: the checks res needs and nothing else, bound
     once per resolution so that an eager call does no lookups. A backend without a capability
-    check or supports() for the op gets its implementation called directly."""
+    check or supports() for the op gets its implementation itself: an eager call is then
+    Op.__call__ plus the implementation, with no frame in between."""
     fn, supports, caps = res.fn, res.supports, res.capabilities
     if fn is None:
         missing = f"{op.name} is not implemented by backend {res.backend!r}"
-        return lambda args, kwargs: _fallback(op, res, missing, args, kwargs)
+        return lambda *args, **kwargs: _fallback(op, res, missing, args, kwargs)
     check = op.capability_check if caps is not None else None
     if check is None and supports is None:
-        return lambda args, kwargs: fn(*args, **kwargs)
+        return fn
 
-    def run(args, kwargs):
+    def run(*args, **kwargs):
         if check is not None:
             reason = check(caps, *args, **kwargs)
             if reason:
@@ -117,16 +118,16 @@ def runner(op, res: Resolution) -> Callable[[tuple, dict], Any]:
 def call(op, args, kwargs):
     """Run op on the selected backend (or the reference, see the module docstring)."""
     if _is_compiling():  # dynamo traces the checks with the resolution read at trace time
-        return runner(op, resolution(op))(args, kwargs)
+        return runner(op, resolution(op))(*args, **kwargs)
     return call_eager(op, args, kwargs)
 
 
 def call_eager(op, args, kwargs):
-    """call() outside a torch.compile trace: the op's cached runner."""
+    """call() outside a torch.compile trace: the op's cached runner (what Op.__call__ runs inline)."""
     cached = op._cache
     if cached is None or cached[0] != REGISTRY.generation:
-        cached = _refresh(op)
-    return cached[2](args, kwargs)
+        cached = refresh(op)
+    return cached[2](*args, **kwargs)
 
 
 def _fallback(op, res: Resolution, reason: str, args, kwargs):

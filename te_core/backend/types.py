@@ -24,16 +24,19 @@ MXFP8 = "mxfp8"  # both operands 1x32 blocks, E8M0 (uint8) scales
 SCALING_MODES = (TENSORWISE, ROWWISE, BLOCK_1x128_128x128, BLOCK_1x128_1x128, MXFP8)
 
 
-def fp8_format_name(dtype: torch.dtype) -> str:
-    if dtype not in FP8_FORMATS:
+class _FormatTable(dict):
+    """dtype -> one property of its FP8 format; a dtype that is no FP8 format is a ValueError."""
+
+    def __missing__(self, dtype):
         allowed = ", ".join(str(d) for d in FP8_FORMATS)
         raise ValueError(f"{dtype} is not an FP8 dtype te-core knows; use one of {allowed}")
-    return FP8_FORMATS[dtype][0]
 
 
-def fp8_max(dtype: torch.dtype) -> float:
-    fp8_format_name(dtype)
-    return FP8_FORMATS[dtype][1]
+# fp8_format_name(dtype) / fp8_max(dtype): bound lookups of precomputed tables rather than Python
+# functions, since every cast of every backend asks them (several times per op) on a host-bound
+# path; an unknown dtype reaches __missing__ and its ValueError.
+fp8_format_name: Callable[[torch.dtype], str] = _FormatTable({d: f[0] for d, f in FP8_FORMATS.items()}).__getitem__
+fp8_max: Callable[[torch.dtype], float] = _FormatTable({d: f[1] for d, f in FP8_FORMATS.items()}).__getitem__
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -118,7 +118,9 @@ class QuantizedModule(nn.Module):
         if torch.compiler.is_compiling():
             _refuse_traced_fp8_weight_training(self)
             _prepare_untraced(id(self), context.recipe.to_config())
-        state = self._state_for(context.recipe)
+        state = self._recipe_state
+        if state is None or state.recipe is not context.recipe:  # (_state_for's own first test, inline)
+            state = self._state_for(context.recipe)
         state.follow_device(self._state_device())
         if context.enabled:
             return QuantizationStep(state, context, is_first_microbatch, self._weight_cache)

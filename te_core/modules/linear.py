@@ -16,7 +16,7 @@ from ..distributed import tensor_parallel
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_operand
 from ..quantization.roles import gemm_slots
 from ._base import QuantizedModule
-from ._delayed_wgrad import DelayedWgradMixin, WeightGradStore, new_batch, weight_grad_or_defer
+from ._delayed_wgrad import DelayedWgradMixin, WeightGradStore, weight_grad_or_defer
 from ._param_split import ParameterSplitMixin
 from ._wgrad import weight_grad
 from ._common import (
@@ -90,9 +90,13 @@ class _LinearFunction(torch.autograd.Function):
             dx = dx if dx.shape == ctx.inp_shape else dx.reshape(ctx.inp_shape)
         if ctx.need_wgrad:
             fused = weight if ctx.options.fuse_wgrad_accumulation else None
-            dw = weight_grad_or_defer(new_batch(ctx.options.wgrad_store), "weight",
-                                      partial(weight_grad, wgrad_operand(dy_op, dy), x_wgrad, weight.dtype, fused,
-                                              "Linear"))
+            store = ctx.options.wgrad_store
+            if store is None:  # the GEMM runs now, reading dy_op's column-wise copy in place
+                dw = weight_grad(wgrad_operand(dy_op, dy, now=True), x_wgrad, weight.dtype, fused, "Linear")
+            else:  # left for backward_dw, keeping only what it reads
+                dw = weight_grad_or_defer(store.new_batch(), "weight",
+                                          partial(weight_grad, wgrad_operand(dy_op, dy), x_wgrad, weight.dtype, fused,
+                                                  "Linear"))
         step.backward_done()
         if dbias is not None:
             dbias = dbias.to(ctx.bias_dtype)

@@ -47,23 +47,41 @@ class Op:
             from ._library import traced_call
 
             return traced_call(self, args, kwargs)
-        return (_DISPATCH or _dispatch())(self, args, kwargs)
+        # Eager: the runner cached on the op (te_core.backend.dispatch.runner: the implementation
+        # itself, or its checks around it), valid while the registry has not re-selected since.
+        # Inlined here rather than a call into the dispatcher, since every op of every step
+        # comes through.
+        cached = self._cache
+        if cached is None or cached[0] != _REGISTRY.generation:
+            cached = _refresh(self)
+        return cached[2](*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<te_core op {self.family}.{self.name}{self.signature}>"
 
 
-_DISPATCH = None
 _is_compiling = torch.compiler.is_compiling
 
 
-def _dispatch():
-    global _DISPATCH
-    if _DISPATCH is None:  # late: ops are declared before the registry module exists
-        from ..backend.dispatch import call_eager
+class _NoRegistryYet:
+    """Stands in for te_core.backend.registry.REGISTRY until the first op call binds it (ops are
+    declared before the registry module exists): its generation matches no cache, so that call
+    resolves."""
 
-        _DISPATCH = call_eager
-    return _DISPATCH
+    generation = -1
+
+
+_REGISTRY = _NoRegistryYet()
+
+
+def _refresh(op: Op):
+    """Resolve op and cache (registry generation, Resolution, runner) on it, binding the registry."""
+    global _REGISTRY
+    from ..backend import dispatch
+    from ..backend.registry import REGISTRY
+
+    _REGISTRY = REGISTRY
+    return dispatch.refresh(op)
 
 
 def contract_op(family: str, capability_check: Optional[CapabilityCheck] = None, *, mutates: Sequence[str] = ()):

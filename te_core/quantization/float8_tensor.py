@@ -50,9 +50,9 @@ class _Float8Layout:
         return GemmOperand(data if data.is_contiguous() else data.contiguous(), self._scale_inv, TENSOR)
 
     def columnwise_only(self) -> "Float8Tensor":
+        transpose = self._transpose if self._transpose is not None else self.columnwise().data
         twin = self._same_kind()
-        twin._transpose = self.columnwise().data
-        twin._data = None
+        twin._transpose, twin._data = transpose, None
         return twin
 
     def columnwise(self) -> GemmOperand:

@@ -7,7 +7,7 @@ module's autograd Function has one code path.
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import NoReturn, Optional, Union
 
 import torch
 from torch import Tensor
@@ -16,7 +16,7 @@ from .. import ops
 from ..backend.dispatch import resolution
 from ..backend.plugin import BackendError
 from ..backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, MXFP8, TENSORWISE
-from ..recipe import default_split_accumulator
+from ..recipe import GEMMS, default_split_accumulator
 from .tensor import BLOCK_1x128, BLOCK_128x128, MX_1x32, QUANTIZED, TENSOR, GemmOperand, QuantizedTensor
 
 Operand = Union[Tensor, QuantizedTensor]
@@ -53,16 +53,19 @@ def keep_columnwise(t: Operand) -> Operand:
     return t.columnwise_only() if isinstance(t, QUANTIZED) else t
 
 
-def wgrad_operand(operand: Operand, hp, dtype: Optional[torch.dtype] = None) -> Operand:
+def wgrad_operand(operand: Operand, hp, dtype: Optional[torch.dtype] = None, *, now: bool = False) -> Operand:
     """What the wgrad GEMM reads of an input or output-gradient operand, to keep for it:
     `operand`'s column-wise copy alone (keep_columnwise) when its quantizer's recipe runs the
     wgrad in FP8; else `hp`, the high-precision tensor the operand was cast from (a tensor, or
     a list of its column blocks), in `dtype` when given (DelayedScaling's
-    override_linear_precision=(False, False, True), as Transformer Engine's wgrad override)."""
-    quantizer = operand.quantizer if isinstance(operand, QUANTIZED) else None
+    override_linear_precision=(False, False, True), as Transformer Engine's wgrad override).
+    `now`: the wgrad GEMM runs at once, nothing keeps the operand, so an FP8 one is returned as
+    it is (the GEMM reads its column-wise copy in place; a twin would be made only to be dropped)."""
+    quantized = isinstance(operand, QUANTIZED)
+    quantizer = operand._quantizer if quantized else None
     # a quantizer that wraps another (FSDP2's ShardQuantizer, for weights) has no wgrad to decide
     if quantizer is None or getattr(quantizer, "wgrad_in_fp8", True):
-        return keep_columnwise(operand)
+        return operand.columnwise_only() if quantized and not now else operand
     hp = torch.cat(hp, dim=-1) if isinstance(hp, (list, tuple)) else hp
     if not isinstance(hp, Tensor) or isinstance(hp, QUANTIZED) or hp.shape != operand.shape:
         # the GEMM's whole operand exists only in FP8, or in high precision only as this rank's
@@ -80,36 +83,45 @@ def quantized_gemm(a: Operand, b: Operand, *, a_columnwise: bool = False, b_colu
     """op(a) @ op(b).T where op transposes an operand whose `*_columnwise` flag is set. `gemm`
     ("fprop", "dgrad", "wgrad"): which GEMM of a linear layer this is, so that FP8 operands
     accumulate as their recipe says (Recipe.split_accumulator; TE's default: forward GEMMs fast,
-    gradient GEMMs in float32); None: float32 accumulation."""
+    gradient GEMMs in float32); None: float32 accumulation.
+
+    Every layer's every GEMM comes through here, so the checks are inline, with a call only to
+    build an error."""
     if out is not None:
         out_dtype = out.dtype
     if isinstance(a, QUANTIZED) and isinstance(b, QUANTIZED):
         qa = a.columnwise() if a_columnwise else a.rowwise()
         qb = b.columnwise() if b_columnwise else b.rowwise()
-        mode = _scaling_mode(qa, qb)
-        check_gemm_dims(qa.data.shape[0], qb.data.shape[0], qa.data.shape[1], max(_align(a), _align(b)))
+        mode = _MODES.get((qa.kind, qb.kind)) or _no_scaling_mode(qa, qb)
+        m, k, n = qa.data.shape[0], qa.data.shape[1], qb.data.shape[0]
+        align = max(getattr(a._quantizer, "gemm_alignment", 16), getattr(b._quantizer, "gemm_alignment", 16))
+        if m % align or n % align or k % align:
+            check_gemm_dims(m, n, k, align)
         if bias is not None and bias.dtype not in (out_dtype, torch.float32):
             bias = bias.to(out_dtype)
         y = ops.gemm_fp8(qa.data, qb.data, qa.scale_inv, qb.scale_inv, out_dtype=out_dtype, scaling=mode,
                          bias=bias, out=out, accumulate=accumulate,
-                         fast_accumulation=gemm is not None and not _split_accumulator(a, b, gemm))
-        return _checked_result("gemm_fp8", y, qa.data.shape[0], qb.data.shape[0], out_dtype)
-    a_hp, b_hp = _high_precision(a, a_columnwise), _high_precision(b, b_columnwise)
-    if bias is not None and bias.dtype != out_dtype:
-        bias = bias.to(out_dtype)
-    y = ops.gemm(a_hp, b_hp, bias=bias, out=out, accumulate=accumulate, out_dtype=out_dtype)
-    return _checked_result("gemm", y, a_hp.shape[0], b_hp.shape[0], out_dtype)
-
-
-def _checked_result(op: str, y, m: int, n: int, out_dtype: torch.dtype) -> Tensor:
-    """The GEMM's result, or a BackendError when it breaks the op contract ((M, N) in out_dtype):
-    the shapes were checked on the way in, so a wrong result is the backend's fault, and saying
-    so beats a reshape error that blames the caller's input, or a silently short output."""
-    if isinstance(y, Tensor) and tuple(y.shape) == (m, n) and y.dtype == out_dtype:
+                         fast_accumulation=gemm is not None and _fast_accumulation(a, b, gemm))
+        op = "gemm_fp8"
+    else:
+        a_hp, b_hp = _high_precision(a, a_columnwise), _high_precision(b, b_columnwise)
+        if bias is not None and bias.dtype != out_dtype:
+            bias = bias.to(out_dtype)
+        y = ops.gemm(a_hp, b_hp, bias=bias, out=out, accumulate=accumulate, out_dtype=out_dtype)
+        m, n, op = a_hp.shape[0], b_hp.shape[0], "gemm"
+    # The op contract: (M, N) in out_dtype. The shapes were checked on the way in, so another
+    # result is the backend's fault, and saying so beats a reshape error that blames the
+    # caller's input, or a silently short output.
+    if isinstance(y, Tensor) and y.shape == (m, n) and y.dtype == out_dtype:
         return y
+    raise _broken_contract(op, y, m, n, out_dtype)
+
+
+def _broken_contract(op: str, y, m: int, n: int, out_dtype: torch.dtype) -> BackendError:
+    """The error for a GEMM result that is not (M, N) in out_dtype (see quantized_gemm)."""
     got = f"shape {tuple(y.shape)} in {y.dtype}" if isinstance(y, Tensor) else type(y).__name__
     backend = resolution(ops.CONTRACT[op]).backend
-    raise BackendError(
+    return BackendError(
         f"backend {backend!r} broke the contract of {op}: for an ({m}, K) x ({n}, K) product it returned "
         f"{got}, where the contract requires shape ({m}, {n}) in {out_dtype}. This is a bug in the backend, "
         f"not in your inputs: report it to the backend's authors, certify it with `te-core certify {backend}`, "
@@ -118,11 +130,21 @@ def _checked_result(op: str, y, m: int, n: int, out_dtype: torch.dtype) -> Tenso
     )
 
 
-def _split_accumulator(a: QuantizedTensor, b: QuantizedTensor, gemm: str) -> bool:
-    """The recipe's choice, through the quantizer it made for the first operand (a primary weight
-    may have none: then the second's, then TE's default)."""
-    quantizer = a.quantizer if a.quantizer is not None else b.quantizer
-    return (quantizer.split_accumulator if quantizer is not None else default_split_accumulator)(gemm)
+_DEFAULT_FAST = {gemm: not default_split_accumulator(gemm) for gemm in GEMMS}
+
+
+def _fast_accumulation(a: QuantizedTensor, b: QuantizedTensor, gemm: str) -> bool:
+    """Whether `gemm` keeps the tensor cores' accumulator: not the recipe's split_accumulator,
+    through the quantizer it made for the first operand (a primary weight may have none: then
+    the second's, then TE's default). A Quantizer holds the answer per GEMM, taken when its
+    recipe was set; another quantizer (a wrapper), or a name no table holds, asks the callable
+    (which names a wrong GEMM)."""
+    quantizer = a._quantizer if a._quantizer is not None else b._quantizer
+    table = _DEFAULT_FAST if quantizer is None else getattr(quantizer, "fast_accumulation", None)
+    fast = None if table is None else table.get(gemm)
+    if fast is None:
+        return not (quantizer.split_accumulator if quantizer is not None else default_split_accumulator)(gemm)
+    return fast
 
 
 def _high_precision(t: Operand, columnwise: bool) -> Tensor:
@@ -133,18 +155,11 @@ def _high_precision(t: Operand, columnwise: bool) -> Tensor:
     return t.t() if columnwise else t
 
 
-def _align(t: QuantizedTensor) -> int:
-    return getattr(t.quantizer, "gemm_alignment", 16)
-
-
-def _scaling_mode(a: GemmOperand, b: GemmOperand) -> str:
-    try:
-        return _MODES[(a.kind, b.kind)]
-    except KeyError:
-        raise ValueError(
-            f"no FP8 GEMM scaling mode for operands quantized as {a.kind} (a) and {b.kind} (b); quantize both "
-            "operands with the same recipe (a 128x128-block operand must be the second one, b)"
-        ) from None
+def _no_scaling_mode(a: GemmOperand, b: GemmOperand) -> NoReturn:
+    raise ValueError(
+        f"no FP8 GEMM scaling mode for operands quantized as {a.kind} (a) and {b.kind} (b); quantize both "
+        "operands with the same recipe (a 128x128-block operand must be the second one, b)"
+    )
 
 
 def check_gemm_dims(m: int, n: int, k: int, align: int = 16, *, what: str = "FP8 GEMM") -> None:

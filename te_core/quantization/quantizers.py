@@ -5,14 +5,14 @@ the backward GEMMs read (fused cast-transpose where the kind allows it).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .. import ops
 from ..backend import declares
-from ..recipe import default_split_accumulator
+from ..recipe import GEMMS, default_split_accumulator
 from .block_tensor import Float8BlockwiseTensor, MXFP8Tensor
 from .float8_tensor import Float8Tensor
 from .roles import Role
@@ -51,7 +51,19 @@ class Quantizer:
 
     # gemm ("fprop", "dgrad", "wgrad") -> whether it accumulates in float32. The state holding the
     # quantizer sets its recipe's choice (Recipe.split_accumulator); elsewhere TE's fixed choice.
-    split_accumulator: Callable[[str], bool] = staticmethod(default_split_accumulator)
+    _split_accumulator: Callable[[str], bool] = staticmethod(default_split_accumulator)
+    # gemm -> not split_accumulator(gemm): what every FP8 GEMM asks (quantization.gemm), so taken
+    # once, whenever split_accumulator is set, rather than asked of the recipe per GEMM.
+    fast_accumulation: Dict[str, bool] = {gemm: not default_split_accumulator(gemm) for gemm in GEMMS}
+
+    @property
+    def split_accumulator(self) -> Callable[[str], bool]:
+        return self._split_accumulator
+
+    @split_accumulator.setter
+    def split_accumulator(self, choice: Callable[[str], bool]) -> None:
+        self._split_accumulator = choice
+        self.fast_accumulation = {gemm: not choice(gemm) for gemm in GEMMS}
 
     # Whether a weight-gradient GEMM reads this quantizer's FP8 output (its column-wise copy).
     # False for the inputs and output gradients of a recipe that runs the wgrad in high precision
@@ -121,12 +133,14 @@ class Float8Quantizer(Quantizer):
         return torch.compiler.is_compiling() and amax._base is self.scaling_group.amax_history
 
     def _wrap(self, data, data_t, nominal_dtype) -> Float8Tensor:
-        scale_inv = self.scaling_group.scale_inv_of(self.column)
+        scale_inv = self.scaling_group.scale_inv_snapshot()[1][self.column]  # scale_inv_of, inline
         return Float8Tensor.make(data, scale_inv, data_t, nominal_dtype=nominal_dtype, quantizer=self)
 
     def quantize(self, x: Tensor, *, columnwise: bool = False) -> Float8Tensor:
-        # the op maxes this step's amax straight into the history slot (amax_out)
-        scale, slot = self.scale, self.scaling_group.amax_slot(self.column)
+        # the op maxes this step's amax straight into the history slot (amax_out); scale_of and
+        # amax_slot in one call, as every cast asks both
+        scales, slots = self.scaling_group.column_views()
+        scale, slot = scales[self.column], slots[self.column]
         if columnwise:
             x2d = _as_2d(x, "a column-wise quantization")
             data, data_t, _ = ops.cast_transpose_fp8(x2d, scale, self.fp8_dtype, amax_out=slot)
@@ -136,12 +150,13 @@ class Float8Quantizer(Quantizer):
         return self._wrap(data, data_t, x.dtype)
 
     def quantize_with_dbias(self, dy, *, columnwise: bool = True):
-        slot = self.scaling_group.amax_slot(self.column)
+        scales, slots = self.scaling_group.column_views()
+        scale, slot = scales[self.column], slots[self.column]
         if isinstance(dy, (list, tuple)) and declares("dbias_cast_transpose_parts"):
-            data, data_t, dbias, _ = ops.dbias_cast_transpose_parts(dy, self.scale, self.fp8_dtype, amax_out=slot)
+            data, data_t, dbias, _ = ops.dbias_cast_transpose_parts(dy, scale, self.fp8_dtype, amax_out=slot)
             return self._wrap(data, data_t, dy[0].dtype), dbias
         dy = joined(dy)  # a backend without the parts op still has its one-tensor kernel
-        data, data_t, dbias, _ = ops.dbias_cast_transpose(dy, self.scale, self.fp8_dtype, amax_out=slot)
+        data, data_t, dbias, _ = ops.dbias_cast_transpose(dy, scale, self.fp8_dtype, amax_out=slot)
         return self._wrap(data, data_t, dy.dtype), dbias
 
     def quantize_primary(self, x: Tensor) -> Float8Tensor:

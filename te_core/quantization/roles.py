@@ -13,11 +13,11 @@ class Role(enum.Enum):
     WEIGHT = "weight"
     GRAD_OUTPUT = "grad_output"
 
-    @property
-    def direction(self) -> str:
-        """The pass whose scales this role follows: forward scales update when the outermost
-        autocast exits, backward scales at the end of the backward pass."""
-        return BACKWARD if self is Role.GRAD_OUTPUT else FORWARD
+    def __init__(self, value: str):
+        # direction: the pass whose scales this role follows: forward scales update when the
+        # outermost autocast exits, backward scales at the end of the backward pass. A plain
+        # attribute, not a property: every cast asks it.
+        self.direction = BACKWARD if value == "grad_output" else FORWARD
 
 
 class QuantizerSlot(NamedTuple):

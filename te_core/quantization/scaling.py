@@ -68,9 +68,9 @@ class ScalingGroup:
         """1 / scale (n,), recomputed (as a NEW tensor) only after `scale` changed in place, so
         tensors quantized earlier keep their snapshot and a step costs one reciprocal per group,
         not per cast."""
-        return self._snapshot()[0]
+        return self.scale_inv_snapshot()[0]
 
-    def _snapshot(self) -> Tuple[Tensor, List[Tensor]]:
+    def scale_inv_snapshot(self) -> Tuple[Tensor, List[Tensor]]:
         """(scale_inv, its per-column (1,) views), each view at a 16-byte aligned address: FP8
         GEMM libraries read scales with vector loads (cuBLASLt refused a scale at an offset of
         4 bytes). One kernel per snapshot, and few torch calls: this runs once per group per step
@@ -78,21 +78,19 @@ class ScalingGroup:
         if torch.compiler.is_compiling():
             # Traced: computed in the graph at each cast, never cached, one fresh (1,) tensor per
             # column (a view made inside an autograd Function cannot outlive it in a weight cache).
-            return torch.reciprocal(self.scale), [torch.reciprocal(s) for s in self._views()[0]]
+            return torch.reciprocal(self.scale), [torch.reciprocal(s) for s in self.column_views()[0]]
         version = self.scale._version
-        if version != self._scale_inv_version or _CAPTURE.active or self._updated_in_graphs:
-            self._scale_inv_snapshot = self._reciprocals()
-            self._scale_inv_version = version
-        return self._scale_inv_snapshot
-
-    def _reciprocals(self) -> Tuple[Tensor, List[Tensor]]:
+        if version == self._scale_inv_version and not _CAPTURE.active and not self._updated_in_graphs:
+            return self._scale_inv_snapshot
         n = len(self.names)
         if n == 1:  # a fresh (1,) tensor is aligned already
             inv = torch.reciprocal(self.scale)
-            return inv, [inv]
-        # 1 / scale[i] in every float of row i of an (n, 4) tensor: one 16-byte slot each
-        slots = torch.reciprocal(self.scale.unsqueeze(1).expand(n, _FLOATS_PER_16_BYTES))
-        return slots.select(1, 0), list(slots.narrow(1, 0, 1).unbind(0))
+            snapshot = inv, [inv]
+        else:  # 1 / scale[i] in every float of row i of an (n, 4) tensor: one 16-byte slot each
+            slots = torch.reciprocal(self.scale.unsqueeze(1).expand(n, _FLOATS_PER_16_BYTES))
+            snapshot = slots.select(1, 0), list(slots.narrow(1, 0, 1).unbind(0))
+        self._scale_inv_snapshot, self._scale_inv_version = snapshot, version
+        return snapshot
 
     @property
     def device(self) -> torch.device:
@@ -105,7 +103,9 @@ class ScalingGroup:
         self._scale_inv_version = None
         self._column_views = None
 
-    def _views(self) -> Tuple[List[Tensor], List[Tensor]]:
+    def column_views(self) -> Tuple[List[Tensor], List[Tensor]]:
+        """([scale view of each column], [amax slot of each column]): what scale_of and amax_slot
+        index, for a cast that needs both in one call."""
         # Traced: sliced in the graph; cached views would enter it as inputs aliasing the state.
         if self._column_views is None or torch.compiler.is_compiling():
             columns = range(len(self.names))
@@ -117,19 +117,19 @@ class ScalingGroup:
 
     def scale_of(self, column: int) -> Tensor:
         """The (1,) view of `column`'s scale (live: updates show through)."""
-        return self._views()[0][column]
+        return self.column_views()[0][column]
 
     def amax_slot(self, column: int) -> Tensor:
         """The (1,) view of `column` in history row 0: where a cast maxes this step's amax."""
-        return self._views()[1][column]
+        return self.column_views()[1][column]
 
     def scale_inv_of(self, column: int) -> Tensor:
         """The (1,) view of `column` in the current scale_inv snapshot, 16-byte aligned."""
-        return self._snapshot()[1][column]
+        return self.scale_inv_snapshot()[1][column]
 
     def scale_changed(self) -> None:
         """Call after writing `scale` through a kernel (which does not bump torch's version counter)."""
-        if not torch.compiler.is_compiling():  # traced casts take no snapshot (see _snapshot)
+        if not torch.compiler.is_compiling():  # traced casts take no snapshot (see scale_inv_snapshot)
             self._scale_inv_version = None
 
     def rebind(self, recipe, fp8_dtype: torch.dtype) -> None:
@@ -170,6 +170,9 @@ class PendingUpdates:
         return self._lock
 
     def add(self, group: ScalingGroup, process_group) -> None:
+        if self._lock is None:  # (no context manager then: every cast's group comes through here)
+            self._groups.setdefault(id(group), (group, process_group))
+            return
         with self._locked():
             self._groups.setdefault(id(group), (group, process_group))
 
@@ -178,22 +181,29 @@ class PendingUpdates:
             self._groups.clear()
 
     def flush(self) -> None:
-        with self._locked():
+        if self._lock is None:  # (as in add)
             entries = list(self._groups.values())
             self._groups.clear()
+        else:
+            with self._locked():
+                entries = list(self._groups.values())
+                self._groups.clear()
         update_now(entries)
 
 
 def update_now(entries: Sequence[Tuple[ScalingGroup, object]]) -> None:
     """Reduce the amaxes of (group, process group) `entries`, then update their scales."""
     if entries:
-        reduce_amaxes(entries)
+        if _DISTRIBUTED and torch.distributed.is_initialized():  # (reduce_amaxes' own test, inline)
+            reduce_amaxes(entries)
         update_scales([group for group, _ in entries])
 
 
+_DISTRIBUTED = torch.distributed.is_available()
+
+
 def _distributed_ready() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized()
+    return _DISTRIBUTED and torch.distributed.is_initialized()
 
 
 def reduce_amaxes(entries: Sequence[Tuple[ScalingGroup, object]]) -> None:
@@ -238,8 +248,9 @@ def update_scales(groups: Sequence[ScalingGroup]) -> None:
             [g.amax_history for g in batch], [g.scale for g in batch], [g.fp8_max for g in batch],
             margin=margin, amax_compute_algo=algo,
         )
-    for group in groups:
-        group.scale_changed()
+    if not torch.compiler.is_compiling():  # each group's scale_changed(), inline
+        for group in groups:
+            group._scale_inv_version = None
 
 
 def _custom_update(group: ScalingGroup) -> None:

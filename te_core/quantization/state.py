@@ -19,6 +19,7 @@ class RecipeState:
         self.recipe = recipe
         self.slots = tuple(slots)
         self.quantizers: Dict[str, Quantizer] = {}
+        self.gemm_alignment = 16
 
     def quantizer(self, slot: str) -> Quantizer:
         try:
@@ -55,6 +56,10 @@ class RecipeState:
             quantizer = self.quantizers[slot.name]
             quantizer.split_accumulator = self.recipe.split_accumulator
             quantizer.wgrad_in_fp8 = wgrad_in_fp8 or slot.role is Role.WEIGHT
+        # what every GEMM dimension must be a multiple of (checked once per forward; see
+        # QuantizationStep.check_gemm_dims), taken whenever the quantizers change
+        if self.quantizers:
+            self.gemm_alignment = max(q.gemm_alignment for q in self.quantizers.values())
 
     def follow_device(self, device: torch.device) -> None:
         """Keep persistent state on the module's device (it is not a parameter or buffer, so
@@ -99,7 +104,7 @@ class DelayedScalingState(RecipeState):
 
     def follow_device(self, device: torch.device) -> None:
         for group in self.groups.values():
-            if group.device != device:
+            if group.scale.device != device:  # (group.device, inline: asked on every step)
                 group.to_device(device)
 
     def quantization_state(self):

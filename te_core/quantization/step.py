@@ -93,8 +93,9 @@ class CalibrationStep(HighPrecisionStep):
         group = quantizer.scaling_group
         if group is None or self._traced:  # traced: scheduled by _schedule_traced_forward / backward_done
             return
-        if quantizer.role.direction == "forward":
-            self._context.schedule_forward_update(group)
+        if quantizer.role.direction == "forward":  # the context's schedule_forward_update, inline
+            context = self._context
+            context.forward_updates.add(group, context.amax_reduction_group)
         else:
             self._backward_groups[id(group)] = group
 
@@ -191,5 +192,6 @@ class QuantizationStep(CalibrationStep):
         return result
 
     def check_gemm_dims(self, m: int, n: int, k: int) -> None:
-        align = max(q.gemm_alignment for q in self._state.quantizers.values())
-        check_gemm_dims(m, n, k, align, what=f"FP8 GEMM ({type(self._state.recipe).__name__})")
+        align = self._state.gemm_alignment
+        if m % align or n % align or k % align:  # (inline: the call below only builds the error)
+            check_gemm_dims(m, n, k, align, what=f"FP8 GEMM ({type(self._state.recipe).__name__})")
