@@ -24,19 +24,25 @@ MXFP8 = "mxfp8"  # both operands 1x32 blocks, E8M0 (uint8) scales
 SCALING_MODES = (TENSORWISE, ROWWISE, BLOCK_1x128_128x128, BLOCK_1x128_1x128, MXFP8)
 
 
-class _FormatTable(dict):
-    """dtype -> one property of its FP8 format; a dtype that is no FP8 format is a ValueError."""
-
-    def __missing__(self, dtype):
-        allowed = ", ".join(str(d) for d in FP8_FORMATS)
-        raise ValueError(f"{dtype} is not an FP8 dtype te-core knows; use one of {allowed}")
+_FORMAT_NAMES = {dtype: f[0] for dtype, f in FP8_FORMATS.items()}
+_FORMAT_MAXES = {dtype: f[1] for dtype, f in FP8_FORMATS.items()}
 
 
-# fp8_format_name(dtype) / fp8_max(dtype): bound lookups of precomputed tables rather than Python
-# functions, since every cast of every backend asks them (several times per op) on a host-bound
-# path; an unknown dtype reaches __missing__ and its ValueError.
-fp8_format_name: Callable[[torch.dtype], str] = _FormatTable({d: f[0] for d, f in FP8_FORMATS.items()}).__getitem__
-fp8_max: Callable[[torch.dtype], float] = _FormatTable({d: f[1] for d, f in FP8_FORMATS.items()}).__getitem__
+# Every cast of every backend asks these (several times per op, on a host-bound path): one dict
+# lookup each, and plain functions, which torch.compile traces in every supported torch.
+def fp8_format_name(dtype: torch.dtype) -> str:
+    name = _FORMAT_NAMES.get(dtype)
+    return _unknown_fp8(dtype) if name is None else name
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    value = _FORMAT_MAXES.get(dtype)
+    return _unknown_fp8(dtype) if value is None else value
+
+
+def _unknown_fp8(dtype):
+    allowed = ", ".join(str(d) for d in FP8_FORMATS)
+    raise ValueError(f"{dtype} is not an FP8 dtype te-core knows; use one of {allowed}")
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

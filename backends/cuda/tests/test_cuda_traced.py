@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.backends.registry import lookup_backend
 
 import te_core as te
-from te_backend_cuda import traced
+from te_backend_cuda import traced, traced_fused
 from te_core import backend, recipe
 from te_core.backend import hookimpl, registry
 from te_core.backend.types import BackendInfo, OpImpl
@@ -69,9 +69,26 @@ def test_twins_decline_what_they_do_not_take():
 
 
 @pytest.fixture
-def on_cpu(monkeypatch):
+def on_cpu(monkeypatch, writes_state):
     """The twins take CPU tensors, so that their math and tracing can be checked without a GPU."""
     monkeypatch.setattr(traced, "DEVICE_TYPE", "cpu")
+
+
+@pytest.fixture
+def writes_state(monkeypatch):
+    """The twins that write delayed-scaling state on (they are off by default: see the module)."""
+    monkeypatch.setattr(traced, "WRITES_STATE", True)
+
+
+def test_state_writing_twins_are_off_by_default(monkeypatch):
+    """Shipped default: a cast maxing into a history slot and the scale update stay the opaque
+    ops, which torch.compile(mode="reduce-overhead") takes; a cast without a slot is traced."""
+    monkeypatch.setattr(traced, "DEVICE_TYPE", "cpu")
+    x, scale = _x(), torch.ones(1)
+    assert traced.quantize_fp8(x, scale, F8[0], amax_out=torch.zeros(1)) is NotImplemented
+    assert traced.cast_transpose_fp8(x, scale, F8[0], amax_out=torch.zeros(1)) is NotImplemented
+    assert traced.quantize_fp8(x, scale, F8[0]) is not NotImplemented
+    assert traced.delayed_scaling_update([torch.rand(4, 2) + 0.5], [torch.ones(2)], [448.0]) is NotImplemented
 
 
 def test_twins_decline_bad_amax_out_and_update_arguments(on_cpu):
@@ -206,8 +223,8 @@ def cpu_backend_with_twins(monkeypatch, on_cpu):
     """A CPU backend running the reference ops eagerly and these twins when traced."""
     for var in ("TE_BACKEND", "TE_BACKEND_STRICT", "TE_BACKEND_OVERRIDES", "TE_BACKEND_PLUGINS"):
         monkeypatch.delenv(var, raising=False)
-    ops = {name: OpImpl(fn, None, traced.TRACED[name] if name in COVERED else None)
-           for name, fn in ref_plugin.implementations().items()}
+    twins = {**{name: traced.TRACED[name] for name in COVERED}, **traced_fused.twins("cpu")}
+    ops = {name: OpImpl(fn, None, twins.get(name)) for name, fn in ref_plugin.implementations().items()}
     plugin = types.SimpleNamespace(
         te_backend_info=hookimpl(lambda: BackendInfo(name="cpu_cast_twins", device_type="cpu")),
         te_backend_available=hookimpl(lambda: (True, "the CPU")),
@@ -280,7 +297,7 @@ def test_compiled_delayed_scaling_on_cpu_twins_equals_eager(cpu_backend_with_twi
     bit, delayed-scaling state included: the slot writes and the update land in the module's
     tensors, and no FP8 copy the backward uses is recomputed with a scale updated meanwhile."""
     results, (_, compiled_model, eager, graphs) = _compiled_and_eager(module, "cpu", torch.float32, "aot_eager")
-    assert not _opaque_ops(graphs) & set(COVERED), sorted(_opaque_ops(graphs))
+    assert not _opaque_ops(graphs) & (set(COVERED) | set(traced_fused.TRACED_FUSED)), sorted(_opaque_ops(graphs))
     for i, (got, want) in enumerate(results):
         for j, (g, w) in enumerate(zip(got, want)):
             assert torch.equal(g, w), f"step {i} tensor {j}: differs by {(g - w).abs().max()}"
@@ -335,7 +352,7 @@ def test_compiled_twins_equal_eager_ops():
 @GPU
 @pytest.mark.parametrize("before", [0.0, 1e9])
 @pytest.mark.parametrize("fp8_dtype", F8)
-def test_cast_twins_with_amax_out_equal_eager_ops_on_gpu(fp8_dtype, before):
+def test_cast_twins_with_amax_out_equal_eager_ops_on_gpu(writes_state, fp8_dtype, before):
     """Maxing into a history slot: FP8 bytes and the whole history equal the eager kernels'."""
     from te_backend_cuda import ops
 
@@ -357,7 +374,7 @@ def test_cast_twins_with_amax_out_equal_eager_ops_on_gpu(fp8_dtype, before):
 @GPU
 @pytest.mark.parametrize("margin", [0.0, 1, 2.5])
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
-def test_update_twin_equals_eager_op_on_gpu(algo, margin):
+def test_update_twin_equals_eager_op_on_gpu(writes_state, algo, margin):
     """Run as it is and compiled by inductor (whose own float32 division is approximate), bit
     for bit the Triton update kernel's histories and scales."""
     from te_backend_cuda import ops
@@ -385,7 +402,7 @@ def _relative_error(g, w):
 
 @GPU
 @pytest.mark.parametrize("module", list(MODULES))
-def test_compiled_delayed_scaling_on_gpu_equals_eager(module):
+def test_compiled_delayed_scaling_on_gpu_equals_eager(writes_state, module):
     """te.Linear and te.TransformerLayer with DelayedScaling compiled by inductor (fullgraph):
     3 fwd+bwd steps within 1e-2 (relative, L2) of eager, the histories advancing alike and the
     scales close; at these sizes no cast or scale update is left an opaque op, in the graphs
@@ -401,7 +418,7 @@ def test_compiled_delayed_scaling_on_gpu_equals_eager(module):
         assert _relative_error(got[key], w) <= 1e-2, f"{key}: {_relative_error(got[key], w):.3g}"
         if key[2] == "amax_history":
             assert torch.equal(got[key] != 0, w != 0), key
-    assert not _opaque_ops(graphs) & set(COVERED), sorted(_opaque_ops(graphs))
+    assert not _opaque_ops(graphs) & (set(COVERED) | set(traced_fused.TRACED_FUSED)), sorted(_opaque_ops(graphs))
     x_shape, y_shape = SHAPES[module]
     x = torch.randn(x_shape, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(y_shape, device="cuda", dtype=torch.bfloat16)

@@ -1,0 +1,196 @@
+"""Norms, activations, their backward epilogues and rotary embeddings in plain torch: the
+twins torch.compile traces in place of those opaque ops (OpImpl.traced), as traced.py does
+for the casts and the FP8 GEMM.
+
+Each twin is the reference implementation (te_core.reference), which is plain traceable
+torch: float32 math, checks on shapes and dtypes only (no host synchronisation, no branch on
+values), FP8 output (of the backward epilogues) as the casts' (x times the float32 scale,
+clamped to the format's max, NaN kept, rounded to nearest even; amax max|x| with NaN winning,
+maxed into `amax_out` in place). Its results are the contract's by definition, so the compiled step equals the eager
+one to the contract's tolerance (reductions sum in the compiler's order). A bad argument
+raises the reference's error while tracing, as the opaque op's fake implementation would.
+
+The compiler fuses a twin with its neighbours, and where it does it keeps bfloat16 values in
+float32; a twin reads and returns its bfloat16 tensors as stored (as_stored), so that an FP8
+cast on either side rounds what eager rounds and the FP8 bytes stay the eager ones.
+
+A twin takes a call only on the backend's device, in float32 or bfloat16 (float16 has no
+such rounding here and stays opaque), with fewer than MAX_NUMEL elements, and FP8 arguments
+of the kernels' form; anything else returns NotImplemented and stays the opaque op. With
+MAX_NUMEL elements or more a step is GPU-bound, and there the Triton kernels (one pass over
+the row, descriptor loads) beat the compiler's.
+
+The forward twins (norms, activation) cast FP8 output with the module's delayed-scaling
+scale, which the same compiled step updates in place after the forward; they read it through
+traced.hold_scale, so that the backward never rebuilds the FP8 data (the column-wise copy a
+wgrad reads) with the updated scale. The backward epilogues cast with the gradient's scale,
+which is updated only after the backward's GEMMs have read the data. A call that maxes its
+amax into `amax_out` (a delayed-scaling history slot) is taken only where traced.WRITES_STATE
+allows it.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Dict
+
+import torch
+from te_core.backend.types import FP8_FORMATS
+from te_core.reference import activation as ref_act
+from te_core.reference.plugin import implementations
+
+from . import traced
+from .traced import MAX_NUMEL, as_stored, hold_scale
+
+DEVICE_TYPE = "cuda"
+TAKEN_DTYPES = (torch.float32, torch.bfloat16)  # float16: see the module docstring
+
+
+def _on(t, where) -> bool:
+    """t is a tensor on `where`: a device type (the call's first tensor) or a device (the
+    others, which must share the first's)."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    return t.device == where if isinstance(where, torch.device) else t.device.type == where
+
+
+def _hp(t, where, *, sized: bool = True) -> bool:
+    """t is a high-precision tensor on `where`; `sized`: with 1 to MAX_NUMEL - 1 elements."""
+    if not _on(t, where) or t.dtype not in TAKEN_DTYPES:
+        return False
+    return not sized or 0 < t.numel() < MAX_NUMEL
+
+
+def _one_f32(t, where) -> bool:
+    return _on(t, where) and t.dtype == torch.float32 and t.numel() == 1
+
+
+def _fp8_cast_ok(scale, fp8_dtype, amax_out, where) -> bool:
+    """A tensor-wise FP8 output: a known format, a 1-element float32 scale, an optional
+    1-element float32 amax_out, both on `where`."""
+    return fp8_dtype in FP8_FORMATS and _one_f32(scale, where) and (
+        amax_out is None or (traced.WRITES_STATE and _one_f32(amax_out, where)))
+
+
+def _fp8_out_ok(fp8_scale, fp8_dtype, amax_out, where) -> bool:
+    """A norm or activation forward without FP8 output, or with a tensor-wise one."""
+    if fp8_scale is None and fp8_dtype is None and amax_out is None:
+        return True
+    return _fp8_cast_ok(fp8_scale, fp8_dtype, amax_out, where)
+
+
+# --- which calls each twin takes: (device type, the op's arguments) -> bool ------------------
+# The first tensor on a device of that type, the others on its device. (List comprehensions,
+# not generators, inside all(): dynamo traces those in every torch >= 2.7.)
+def _layernorm_fwd(dev, x, weight, bias, eps, *, fp8_scale=None, fp8_dtype=None, amax_out=None, **_):
+    return _rmsnorm_fwd(dev, x, weight, eps, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, amax_out=amax_out) \
+        and _hp(bias, x.device, sized=False)
+
+
+def _rmsnorm_fwd(dev, x, weight, eps, *, fp8_scale=None, fp8_dtype=None, amax_out=None, **_):
+    return _hp(x, dev) and x.dim() >= 1 and _hp(weight, x.device, sized=False) \
+        and _fp8_out_ok(fp8_scale, fp8_dtype, amax_out, x.device)
+
+
+def _norm_bwd_tensors(dev, dy, x, others) -> bool:
+    """dy and x small, the statistics, weight and `add` on their device (their shapes the
+    reference checks)."""
+    return _hp(dy, dev) and _hp(x, dy.device) and all([_hp(t, dy.device, sized=False) for t in others])
+
+
+def _layernorm_bwd(dev, dy, x, mean, rstd, weight, *, zero_centered_gamma=False):
+    return _norm_bwd_tensors(dev, dy, x, (mean, rstd, weight))
+
+
+def _layernorm_bwd_add(dev, dy, x, mean, rstd, weight, add, *, zero_centered_gamma=False):
+    return _norm_bwd_tensors(dev, dy, x, (mean, rstd, weight, add))
+
+
+def _rmsnorm_bwd(dev, dy, x, rstd, weight, *, zero_centered_gamma=False):
+    return _norm_bwd_tensors(dev, dy, x, (rstd, weight))
+
+
+def _rmsnorm_bwd_add(dev, dy, x, rstd, weight, add, *, zero_centered_gamma=False):
+    return _norm_bwd_tensors(dev, dy, x, (rstd, weight, add))
+
+
+def _act_fwd(dev, x, kind, *, fp8_scale=None, fp8_dtype=None, amax_out=None, **_):
+    return _hp(x, dev) and _fp8_out_ok(fp8_scale, fp8_dtype, amax_out, x.device)
+
+
+def _act_bwd(dev, dy, x, kind, **_):
+    return _hp(dy, dev) and _hp(x, dy.device)
+
+
+def _dbias(dev, dy):
+    return _hp(dy, dev)
+
+
+def _act_bwd_dbias_ct(dev, dy, x, kind, scale, fp8_dtype, *, amax_out=None, **_):
+    return _act_bwd(dev, dy, x, kind) and x.dim() == 2 and _fp8_cast_ok(scale, fp8_dtype, amax_out, dy.device)
+
+
+def _dbias_ct_parts(dev, parts, scale, fp8_dtype, *, amax_out=None):
+    if not isinstance(parts, (list, tuple)) or not parts or not _on(parts[0], dev):
+        return False
+    where = parts[0].device
+    if not all([_hp(p, where, sized=False) for p in parts]):
+        return False
+    return 0 < sum([p.numel() for p in parts]) < MAX_NUMEL and _fp8_cast_ok(scale, fp8_dtype, amax_out, where)
+
+
+def _rope_fwd(dev, x, freqs, *, tensor_format="sbhd", interleaved=False):
+    return _hp(x, dev) and _hp(freqs, x.device, sized=False)
+
+
+def _rope_bwd(dev, dy, freqs, *, tensor_format="sbhd", interleaved=False):
+    return _rope_fwd(dev, dy, freqs)
+
+
+_TAKES = {
+    "layernorm_fwd": _layernorm_fwd,
+    "rmsnorm_fwd": _rmsnorm_fwd,
+    "layernorm_bwd": _layernorm_bwd,
+    "rmsnorm_bwd": _rmsnorm_bwd,
+    "layernorm_bwd_add": _layernorm_bwd_add,
+    "rmsnorm_bwd_add": _rmsnorm_bwd_add,
+    "activation_fwd": _act_fwd,
+    "activation_bwd": _act_bwd,
+    "dbias": _dbias,
+    "activation_bwd_dbias_cast_transpose": _act_bwd_dbias_ct,
+    "dbias_cast_transpose_parts": _dbias_ct_parts,
+    "rope_fwd": _rope_fwd,
+    "rope_bwd": _rope_bwd,
+}
+
+
+def _act_bwd_dbias_ct_math(dy, x, kind, scale, fp8_dtype, *, amax_out=None, limit=7.0, alpha=1.702):
+    """The reference's composition (activation_bwd, then dbias_cast_transpose of dx), dx as
+    stored in x's dtype."""
+    dx = as_stored(ref_act.activation_bwd(dy, x, kind, limit=limit, alpha=alpha))
+    return ref_act.dbias_cast_transpose(dx, scale, fp8_dtype, amax_out=amax_out)
+
+
+def _math(name: str) -> Callable:
+    return _act_bwd_dbias_ct_math if name == "activation_bwd_dbias_cast_transpose" else implementations()[name]
+
+
+def _twin(takes: Callable, math: Callable, device_type: str) -> Callable:
+    """math as a twin: NotImplemented where `takes` declines; the bfloat16 tensors it reads (the
+    positional arguments) and returns as stored (as_stored)."""
+    def twin(*args, **kwargs):
+        if not takes(device_type, *args, **kwargs):
+            return NotImplemented
+        if kwargs.get("fp8_scale") is not None:  # see hold_scale
+            kwargs = {**kwargs, "fp8_scale": hold_scale(kwargs["fp8_scale"])}
+        result = math(*[as_stored(a) for a in args], **kwargs)
+        return tuple([as_stored(t) for t in result]) if isinstance(result, tuple) else as_stored(result)
+
+    return functools.wraps(math)(twin)
+
+
+def twins(device_type: str = DEVICE_TYPE) -> Dict[str, Callable]:
+    """op name -> twin taking calls on tensors of `device_type` (the tests build CPU ones)."""
+    return {name: _twin(takes, _math(name), device_type) for name, takes in _TAKES.items()}
+
+
+TRACED_FUSED = twins()
