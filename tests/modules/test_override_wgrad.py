@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import te_core.modules as tm
+from te_core import backend
 from te_core.quantization import autocast
 from te_core.quantization.gemm import wgrad_operand
 from te_core.recipe import DelayedScaling
@@ -166,8 +167,13 @@ def test_layernorm_mlp(activation):
     d_act = _fp8(dy, scales["fc2_grad_output"], e5m2) @ _fp8(module.fc2_weight.detach(), scales["fc2_weight"], e4m3)
     (dh,) = torch.autograd.grad(act, h, d_act)
     grads_o, grads_p = override[2], plain[2]
-    _check_wgrad(grads_o["fc2_weight"], grads_p["fc2_weight"], dy.double().t() @ act.detach(), FP32, "dfc2_weight")
-    _check_wgrad(grads_o["fc1_weight"], grads_p["fc1_weight"], dh.t() @ ln_out.detach().double(), FP32,
+    # An accelerator runs fc1's forward FP8 GEMM in the tensor cores' own accumulator (the
+    # recipe's fast accumulation, as Transformer Engine), which the float64 emulation of h does
+    # not round like: what the wgrads read then matches it at bf16's tolerance, still far
+    # tighter than the plain recipe's FP8 wgrad.
+    tol = FP32 if backend.get_backend().name == "reference" else TOL[torch.bfloat16]
+    _check_wgrad(grads_o["fc2_weight"], grads_p["fc2_weight"], dy.double().t() @ act.detach(), tol, "dfc2_weight")
+    _check_wgrad(grads_o["fc1_weight"], grads_p["fc1_weight"], dh.t() @ ln_out.detach().double(), tol,
                  "dfc1_weight")
 
 
