@@ -181,13 +181,9 @@ class PendingUpdates:
             self._groups.clear()
 
     def flush(self) -> None:
-        if self._lock is None:  # (as in add)
+        with self._locked():
             entries = list(self._groups.values())
             self._groups.clear()
-        else:
-            with self._locked():
-                entries = list(self._groups.values())
-                self._groups.clear()
         update_now(entries)
 
 
