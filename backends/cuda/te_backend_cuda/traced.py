@@ -9,7 +9,7 @@ the GEMM is one extern call of torch._scaled_mm.
 
 The math is the Triton kernels': x times the float32 scale, clamped to the format's max (NaN
 stays NaN), cast round-to-nearest-even; amax max|x| with NaN winning, maxed into `amax_out`
-(delayed scaling's history slot) in place where the caller gives one (and WRITES_STATE allows
+(delayed scaling's history slot) in place where the caller gives one (and WRITES_SLOTS allows
 it), which is then returned as the amax, as the contract says; divisions rounded once to float32 as eager CUDA and the
 kernels round them; a bfloat16 input read as stored (as_stored), since the compiler keeps a
 fused producer's bfloat16 result in float32. So the FP8 bytes, amaxes and scales are the
@@ -33,12 +33,15 @@ HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FLOAT32_MAX = torch.finfo(torch.float32).max
 DEVICE_TYPE = "cuda"  # the device whose tensors the twins take (the opaque op handles the rest)
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
-# Twins that write delayed-scaling state (an amax maxed into its history slot, the scale update)
-# are off: with them torch.compile(mode="reduce-overhead") fails on torch 2.11 (inductor's
-# scheduler asserts while it splits the graph for CUDA graphs, and CUDA graph trees find
-# functionalized copies of the histories alive after a replay). Those calls stay the opaque
-# ops, whose writes inductor keeps in place. The tests check the twins' math with this on.
-WRITES_STATE = False
+# Twins that write delayed-scaling state are off, and those calls stay the opaque ops. Written
+# as torch ops, the slot writes and the update break torch.compile(mode="reduce-overhead") on
+# torch 2.11 (inductor's scheduler asserts while splitting the graph for CUDA graphs; CUDA graph
+# trees find functionalized copies of the histories alive after a replay). The slot writes now
+# go through the max_into op below, which the compiled code calls on the history's own memory,
+# as it does the opaque ops; whether CUDA graph trees take that is still to be shown on a GPU.
+# The tests check the twins' math with these on.
+WRITES_SLOTS = False  # casts maxing their amax into a history slot (amax_out)
+WRITES_UPDATE = False  # the delayed-scaling update (reads, rolls and rewrites whole histories)
 
 
 def _here(t) -> bool:
@@ -55,7 +58,7 @@ def _takes(x, fp8_dtype, scale=None, amax_out=None) -> bool:
         return False
     if fp8_dtype not in FP8_FORMATS or x.dtype not in HP_DTYPES:
         return False
-    if amax_out is not None and not (WRITES_STATE and _here(amax_out) and amax_out.device == x.device
+    if amax_out is not None and not (WRITES_SLOTS and _here(amax_out) and amax_out.device == x.device
                                      and amax_out.dtype == torch.float32 and amax_out.numel() == 1):
         return False
     return scale is None or (scale.device == x.device and scale.numel() == 1 and scale.dtype == torch.float32)
@@ -107,12 +110,26 @@ def _amax(x):
     return _as(x.abs().amax(), torch.float32)
 
 
-def _amax_into(amax, amax_out):
+def _max_into(slot, amax) -> None:
+    torch.maximum(slot, amax.reshape(slot.shape), out=slot)
+
+
+# The slot write as a tiny op of its own: written with torch ops, a write into one slot of a
+# history becomes a functionalized copy of the whole history (the compiler does not write a
+# chain of such slices in place), while a custom op that mutates its argument is called by the
+# compiled code on the history's own memory.
+_LIB = torch.library.Library("te_backend_cuda", "FRAGMENT")
+_LIB.define("max_into(Tensor(a!) slot, Tensor amax) -> ()")
+_LIB.impl("max_into", _max_into, "CompositeExplicitAutograd")
+torch.library.register_fake("te_backend_cuda::max_into", lambda slot, amax: None, lib=_LIB)
+
+
+def amax_into(amax, amax_out):
     """amax; with `amax_out`, max(amax_out, amax) written into it (NaN wins) and amax_out
     itself returned, as the contract's delayed-scaling casts do."""
     if amax_out is None:
         return amax
-    amax_out.copy_(torch.maximum(amax_out, amax.reshape(amax_out.shape)))
+    torch.ops.te_backend_cuda.max_into(amax_out, amax)
     return amax_out
 
 
@@ -128,7 +145,7 @@ def quantize_fp8(x, scale, fp8_dtype, *, amax_out=None):
     if not _takes(x, fp8_dtype, scale, amax_out):
         return NotImplemented
     x = as_stored(x)
-    return _cast(x, hold_scale(scale), fp8_dtype), _amax_into(_amax(x), amax_out)
+    return _cast(x, hold_scale(scale), fp8_dtype), amax_into(_amax(x), amax_out)
 
 
 def cast_transpose_fp8(x, scale, fp8_dtype, *, amax_out=None):
@@ -136,7 +153,7 @@ def cast_transpose_fp8(x, scale, fp8_dtype, *, amax_out=None):
         return NotImplemented
     x = as_stored(x)
     data = _cast(x, hold_scale(scale), fp8_dtype)
-    return data, data.t().contiguous(), _amax_into(_amax(x), amax_out)
+    return data, data.t().contiguous(), amax_into(_amax(x), amax_out)
 
 
 def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out=None):
@@ -145,7 +162,7 @@ def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out=None):
     dy = as_stored(dy)
     data = _cast(dy, hold_scale(scale), fp8_dtype)
     dbias = _as(_as(dy, torch.float32).sum(0), dy.dtype)
-    return data, data.t().contiguous(), dbias, _amax_into(_amax(dy), amax_out)
+    return data, data.t().contiguous(), dbias, amax_into(_amax(dy), amax_out)
 
 
 def _current_scale(amax, fmax, amax_epsilon, force_pow2_scales):
@@ -274,7 +291,7 @@ def _update(histories, scales, fp8_maxes, margin, algo) -> None:
 
 
 def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin=0.0, amax_compute_algo="max"):
-    if not WRITES_STATE or not _update_takes(amax_histories, scales, fp8_maxes, margin, amax_compute_algo):
+    if not WRITES_UPDATE or not _update_takes(amax_histories, scales, fp8_maxes, margin, amax_compute_algo):
         return NotImplemented
     _update(amax_histories, scales, fp8_maxes, margin, amax_compute_algo)
     return None

@@ -25,7 +25,7 @@ scale, which the same compiled step updates in place after the forward; they rea
 traced.hold_scale, so that the backward never rebuilds the FP8 data (the column-wise copy a
 wgrad reads) with the updated scale. The backward epilogues cast with the gradient's scale,
 which is updated only after the backward's GEMMs have read the data. A call that maxes its
-amax into `amax_out` (a delayed-scaling history slot) is taken only where traced.WRITES_STATE
+amax into `amax_out` (a delayed-scaling history slot) is taken only where traced.WRITES_SLOTS
 allows it.
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _fp8_cast_ok(scale, fp8_dtype, amax_out, where) -> bool:
     """A tensor-wise FP8 output: a known format, a 1-element float32 scale, an optional
     1-element float32 amax_out, both on `where`."""
     return fp8_dtype in FP8_FORMATS and _one_f32(scale, where) and (
-        amax_out is None or (traced.WRITES_STATE and _one_f32(amax_out, where)))
+        amax_out is None or (traced.WRITES_SLOTS and _one_f32(amax_out, where)))
 
 
 def _fp8_out_ok(fp8_scale, fp8_dtype, amax_out, where) -> bool:
@@ -182,8 +182,14 @@ def _twin(takes: Callable, math: Callable, device_type: str) -> Callable:
             return NotImplemented
         if kwargs.get("fp8_scale") is not None:  # see hold_scale
             kwargs = {**kwargs, "fp8_scale": hold_scale(kwargs["fp8_scale"])}
+        amax_out = kwargs.pop("amax_out", None)  # written by traced's slot op, not by the math
         result = math(*[as_stored(a) for a in args], **kwargs)
-        return tuple([as_stored(t) for t in result]) if isinstance(result, tuple) else as_stored(result)
+        if not isinstance(result, tuple):
+            return as_stored(result)
+        result = [as_stored(t) for t in result]
+        if amax_out is not None:  # the amax is the last output (te_core.ops)
+            result[-1] = traced.amax_into(result[-1], amax_out)
+        return tuple(result)
 
     return functools.wraps(math)(twin)
 

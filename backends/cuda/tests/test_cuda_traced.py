@@ -4,7 +4,6 @@ update), their in-place writes kept under torch.compile on the CPU, each twin ag
 eager op on the GPU (FP8 bytes, amaxes, histories and scales equal), and compiled modules with
 delayed scaling on the GPU (equal to eager, with no opaque cast or update left in the step)."""
 import copy
-import types
 
 import pytest
 import torch
@@ -12,13 +11,11 @@ from torch._dynamo.backends.registry import lookup_backend
 
 import te_core as te
 from te_backend_cuda import traced, traced_fused
-from te_core import backend, recipe
-from te_core.backend import hookimpl, registry
-from te_core.backend.types import BackendInfo, OpImpl
+from te_core import recipe
 from te_core.reference import activation as ref_act
 from te_core.reference import cast as ref_cast
-from te_core.reference import plugin as ref_plugin
 from te_core.reference import scaling as ref_scaling
+from twin_backends import cpu_backend_with
 
 F8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -77,7 +74,8 @@ def on_cpu(monkeypatch, writes_state):
 @pytest.fixture
 def writes_state(monkeypatch):
     """The twins that write delayed-scaling state on (they are off by default: see the module)."""
-    monkeypatch.setattr(traced, "WRITES_STATE", True)
+    monkeypatch.setattr(traced, "WRITES_SLOTS", True)
+    monkeypatch.setattr(traced, "WRITES_UPDATE", True)
 
 
 def test_state_writing_twins_are_off_by_default(monkeypatch):
@@ -124,7 +122,7 @@ def test_amax_into_a_history_slot_matches_reference(before, nan_in_x):
     want = history.clone()
     ref_cast.merge_amax(ref_cast.amax_of(x), want[0][1:2])
     slot = history[0][1:2]
-    assert traced._amax_into(traced._amax(x), slot) is slot
+    assert traced.amax_into(traced._amax(x), slot) is slot
     assert torch.equal(history.isnan(), want.isnan())
     assert torch.equal(history.nan_to_num(), want.nan_to_num())
 
@@ -221,22 +219,9 @@ SHAPES = {"Linear": ((128, 256), (128, 512)), "TransformerLayer": ((64, 2, 256),
 @pytest.fixture
 def cpu_backend_with_twins(monkeypatch, on_cpu):
     """A CPU backend running the reference ops eagerly and these twins when traced."""
-    for var in ("TE_BACKEND", "TE_BACKEND_STRICT", "TE_BACKEND_OVERRIDES", "TE_BACKEND_PLUGINS"):
-        monkeypatch.delenv(var, raising=False)
     twins = {**{name: traced.TRACED[name] for name in COVERED}, **traced_fused.twins("cpu")}
-    ops = {name: OpImpl(fn, None, twins.get(name)) for name, fn in ref_plugin.implementations().items()}
-    plugin = types.SimpleNamespace(
-        te_backend_info=hookimpl(lambda: BackendInfo(name="cpu_cast_twins", device_type="cpu")),
-        te_backend_available=hookimpl(lambda: (True, "the CPU")),
-        te_backend_capabilities=hookimpl(lambda device: ref_plugin.te_backend_capabilities(device)),
-        te_backend_ops=hookimpl(lambda: ops))
-    entry_point = types.SimpleNamespace(name="cpu_cast_twins", dist=None, load=lambda: plugin)
-    monkeypatch.setattr(registry, "_entry_points", lambda: [entry_point])
-    registry.REGISTRY.reset()
-    backend.set_backend("cpu_cast_twins")
-    yield
-    monkeypatch.undo()
-    registry.REGISTRY.reset()
+    with cpu_backend_with(monkeypatch, "cpu_cast_twins", twins):
+        yield
 
 
 def _fwd_bwd(step, model, x, dy):

@@ -15,10 +15,9 @@ import te_core as te
 from te_backend_cuda import traced, traced_fused
 from te_backend_cuda.traced import MAX_NUMEL
 from te_core import backend, recipe
-from te_core.backend import hookimpl, registry
-from te_core.backend.types import BackendInfo, OpImpl
 from te_core.ops import CONTRACT
 from te_core.reference import plugin as ref_plugin
+from twin_backends import cpu_backend_with
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -27,9 +26,10 @@ COVERED = sorted(traced_fused.TRACED_FUSED)
 
 @pytest.fixture(autouse=True)
 def writes_state(monkeypatch):
-    """The twins' amax_out writes on (off by default, see te_backend_cuda.traced.WRITES_STATE):
+    """The twins' amax_out writes on (off by default, see te_backend_cuda.traced.WRITES_SLOTS / WRITES_UPDATE):
     these tests check their math; the reduce-overhead test turns them back off."""
-    monkeypatch.setattr(traced, "WRITES_STATE", True)
+    monkeypatch.setattr(traced, "WRITES_SLOTS", True)
+    monkeypatch.setattr(traced, "WRITES_UPDATE", True)
 
 
 def _traced_ops(rec: str) -> set:
@@ -293,54 +293,11 @@ def test_twin_traces_without_graph_breaks(case_id):
         assert torch.equal(compiled_kwargs["amax_out"], kwargs["amax_out"])
 
 
-def _cpu_twin_plugin():
-    """A CPU backend running the reference, with the twins (as twins("cpu")) as its traced."""
-    cpu_twins = traced_fused.twins("cpu")
-    ops = {name: OpImpl(fn, None, cpu_twins.get(name)) for name, fn in ref_plugin.implementations().items()}
-
-    class Plugin:
-        @staticmethod
-        @hookimpl
-        def te_backend_info():
-            return BackendInfo(name="cpu_twins", device_type="cpu")
-
-        @staticmethod
-        @hookimpl
-        def te_backend_available():
-            return True, "the CPU"
-
-        @staticmethod
-        @hookimpl
-        def te_backend_capabilities(device):
-            return ref_plugin.te_backend_capabilities(device)
-
-        @staticmethod
-        @hookimpl
-        def te_backend_ops():
-            return ops
-
-    class EntryPoint:
-        name, dist = "cpu_twins", None
-
-        @staticmethod
-        def load():
-            return Plugin
-
-    return EntryPoint
-
-
 @pytest.fixture
 def cpu_twins_backend(monkeypatch):
-    for var in ("TE_BACKEND", "TE_BACKEND_STRICT", "TE_BACKEND_OVERRIDES", "TE_BACKEND_PLUGINS"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(registry, "_entry_points", lambda: [_cpu_twin_plugin()])
-    registry.REGISTRY.reset()
-    backend.set_backend("cpu_twins")
-    torch._dynamo.reset()
-    yield
-    monkeypatch.undo()
-    registry.REGISTRY.reset()
-    torch._dynamo.reset()
+    """A CPU backend running the reference, with the twins (as twins("cpu")) as its traced."""
+    with cpu_backend_with(monkeypatch, "cpu_twins", traced_fused.twins("cpu")):
+        yield
 
 
 MODULES = {  # (device, params_dtype) -> module
@@ -513,12 +470,15 @@ def _scaling_state(model):
 
 
 @GPU
+@pytest.mark.parametrize("slots", [False, True], ids=["shipped", "slot-writes"])
 @pytest.mark.parametrize("module", ["LayerNormMLP", "TransformerLayer"])
-def test_reduce_overhead_keeps_the_histories_advancing(module, monkeypatch):
+def test_reduce_overhead_keeps_the_histories_advancing(module, slots, monkeypatch):
     """mode="reduce-overhead" (CUDA graphs) with the shipped twins (the history-slot writes left
-    to the opaque ops): every replay equals eager within 1e-2 relative (L2), and the histories
-    equal eager's after the replays (they kept advancing)."""
-    monkeypatch.setattr(traced, "WRITES_STATE", False)
+    to the opaque ops), and with the slot writes traced (WRITES_SLOTS, the check before it is
+    turned on): every replay equals eager within 1e-2 relative (L2), and the histories equal
+    eager's after the replays (they kept advancing)."""
+    monkeypatch.setattr(traced, "WRITES_SLOTS", slots)
+    monkeypatch.setattr(traced, "WRITES_UPDATE", False)
     backend.set_backend("cuda")
     try:
         torch._dynamo.reset()
