@@ -63,10 +63,7 @@ def resolution(op) -> Resolution:
     hot path, which torch.compile traces through)."""
     if torch.compiler.is_compiling():  # resolve outside the trace, before the trace reads the cache
         _resolve_untraced(op.name)
-    cached = op._cache
-    if cached is None or cached[0] != REGISTRY.generation:
-        cached = refresh(op)
-    return cached[1]
+    return _cached(op)[1]
 
 
 def refresh(op):
@@ -82,9 +79,7 @@ def _resolve_untraced(op_name: str) -> bool:
     (the registry takes locks and imports modules, which a graph cannot hold)."""
     from ..ops import CONTRACT
 
-    op = CONTRACT[op_name]
-    if op._cache is None or op._cache[0] != REGISTRY.generation:
-        refresh(op)
+    _cached(CONTRACT[op_name])
     return True
 
 
@@ -124,10 +119,15 @@ def call(op, args, kwargs):
 
 def call_eager(op, args, kwargs):
     """call() outside a torch.compile trace: the op's cached runner (what Op.__call__ runs inline)."""
+    return _cached(op)[2](*args, **kwargs)
+
+
+def _cached(op):
+    """(registry generation, Resolution, runner) of op, resolved again after the registry re-selected."""
     cached = op._cache
     if cached is None or cached[0] != REGISTRY.generation:
         cached = refresh(op)
-    return cached[2](*args, **kwargs)
+    return cached
 
 
 def _fallback(op, res: Resolution, reason: str, args, kwargs):

@@ -16,7 +16,8 @@ from .. import ops
 from ..backend.dispatch import resolution
 from ..backend.plugin import BackendError
 from ..backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, MXFP8, TENSORWISE
-from ..recipe import GEMMS, default_split_accumulator
+from ..recipe import default_split_accumulator
+from .quantizers import Quantizer
 from .tensor import BLOCK_1x128, BLOCK_128x128, MX_1x32, QUANTIZED, TENSOR, GemmOperand, QuantizedTensor
 
 Operand = Union[Tensor, QuantizedTensor]
@@ -130,9 +131,6 @@ def _broken_contract(op: str, y, m: int, n: int, out_dtype: torch.dtype) -> Back
     )
 
 
-_DEFAULT_FAST = {gemm: not default_split_accumulator(gemm) for gemm in GEMMS}
-
-
 def _fast_accumulation(a: QuantizedTensor, b: QuantizedTensor, gemm: str) -> bool:
     """Whether `gemm` keeps the tensor cores' accumulator: not the recipe's split_accumulator,
     through the quantizer it made for the first operand (a primary weight may have none: then
@@ -140,7 +138,7 @@ def _fast_accumulation(a: QuantizedTensor, b: QuantizedTensor, gemm: str) -> boo
     recipe was set; another quantizer (a wrapper), or a name no table holds, asks the callable
     (which names a wrong GEMM)."""
     quantizer = a._quantizer if a._quantizer is not None else b._quantizer
-    table = _DEFAULT_FAST if quantizer is None else getattr(quantizer, "fast_accumulation", None)
+    table = Quantizer.fast_accumulation if quantizer is None else getattr(quantizer, "fast_accumulation", None)
     fast = None if table is None else table.get(gemm)
     if fast is None:
         return not (quantizer.split_accumulator if quantizer is not None else default_split_accumulator)(gemm)

@@ -8,17 +8,19 @@ fuses (the cast, its amax and its transpose read x once), launched by its own la
 the GEMM is one extern call of torch._scaled_mm.
 
 The math is the Triton kernels': x times the float32 scale, clamped to the format's max (NaN
-stays NaN), cast round-to-nearest-even; amax max|x| with NaN winning, maxed into `amax_out`
-(delayed scaling's history slot) in place where the caller gives one (and WRITES_SLOTS allows
-it), which is then returned as the amax, as the contract says; divisions rounded once to float32 as eager CUDA and the
-kernels round them; a bfloat16 input read as stored (as_stored), since the compiler keeps a
-fused producer's bfloat16 result in float32. So the FP8 bytes, amaxes and scales are the
-eager ones; a bias gradient sums its rows in another order. The delayed-scaling update reads and rolls every history of
-a length at once, stacked side by side. In-place writes are copy_ into the caller's tensors,
-which functionalization keeps as writes to the graph's inputs; a cast reads a delayed-scaling
-scale through hold_scale, so that the backward never re-reads a scale the step has updated
-since. Anything else (block scales, outputs written into `out`, tensors off this backend's
-device) returns NotImplemented and stays the opaque op.
+stays NaN), cast round-to-nearest-even; amax max|x| with NaN winning; divisions rounded once
+to float32, as eager CUDA and the kernels round them; a bfloat16 input read as stored
+(as_stored), since the compiler keeps a fused producer's bfloat16 result in float32. So the
+FP8 bytes, amaxes and scales are the eager ones; a bias gradient sums its rows in another
+order. A cast reads a delayed-scaling scale through hold_scale, so that the backward never
+re-reads a scale the step has updated since.
+
+Delayed scaling's state writes are taken only where WRITES_SLOTS / WRITES_UPDATE allow (see
+there): a cast maxes its amax into `amax_out` (the history slot) through the max_into op and
+returns amax_out as its amax, as the contract says; the update reads and rolls every history
+of a length at once, stacked side by side, and copies the results back. Anything else (block
+scales, outputs written into `out`, tensors off this backend's device) returns NotImplemented
+and stays the opaque op.
 """
 from __future__ import annotations
 
