@@ -169,9 +169,10 @@ def test_layernorm_mlp(activation):
     grads_o, grads_p = override[2], plain[2]
     # An accelerator runs fc1's forward FP8 GEMM in the tensor cores' own accumulator (the
     # recipe's fast accumulation, as Transformer Engine), which the float64 emulation of h does
-    # not round like: what the wgrads read then matches it at bf16's tolerance, still far
-    # tighter than the plain recipe's FP8 wgrad.
-    tol = FP32 if backend.get_backend().name == "reference" else TOL[torch.bfloat16]
+    # not round like. The wgrads then match it to bf16's relative tolerance and, since they are
+    # compared relative to their largest element, to 1e-4 of that element: FP8's rounding
+    # (2^-4 relative for E4M3) leaves the plain recipe's wgrad far outside that.
+    tol = FP32 if backend.get_backend().name == "reference" else dict(rtol=TOL[torch.bfloat16]["rtol"], atol=1e-4)
     _check_wgrad(grads_o["fc2_weight"], grads_p["fc2_weight"], dy.double().t() @ act.detach(), tol, "dfc2_weight")
     _check_wgrad(grads_o["fc1_weight"], grads_p["fc1_weight"], dh.t() @ ln_out.detach().double(), tol,
                  "dfc1_weight")

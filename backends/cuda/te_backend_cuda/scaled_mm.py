@@ -37,6 +37,14 @@ def _scale_args(a, b, a_si, b_si, scaling: str):
     raise ValueError(f"scaling {scaling!r} is not run by torch._scaled_mm here")
 
 
+def block_scale_shapes(a, b, scaling: str):
+    """The (a, b) scale_inv shapes a block-scaled GEMM of a (M, K) and b (N, K) reads: 1x128
+    runs of a's rows; of b's rows too, or b's 128x128 tiles."""
+    (M, K), N = a.shape, b.shape[0]
+    kb = -(-K // 128)
+    return (M, kb), ((-(-N // 128), kb) if scaling == BLOCK_1x128_128x128 else (N, kb))
+
+
 def _add_bias(result, bias):
     """The bias for outputs cuBLASLt's epilogue does not take (float32 output, a bias of another dtype)."""
     if bias.dtype == result.dtype:

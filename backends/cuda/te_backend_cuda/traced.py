@@ -1,5 +1,5 @@
-"""Tensor-wise FP8 casts, their GEMMs and the delayed-scaling update in plain torch operations:
-the ops' twins for torch.compile (OpImpl.traced).
+"""Tensor-wise FP8 casts and their GEMMs in plain torch operations: the ops' twins for
+torch.compile (OpImpl.traced).
 
 Under torch.compile each opaque op costs a trip through torch.library and this backend's
 Python on every call, which on a host-bound step makes the compiled step slower than the eager
@@ -15,35 +15,34 @@ FP8 bytes, amaxes and scales are the eager ones; a bias gradient sums its rows i
 order. A cast reads a delayed-scaling scale through hold_scale, so that the backward never
 re-reads a scale the step has updated since.
 
-Delayed scaling's state writes are taken only where WRITES_SLOTS / WRITES_UPDATE allow (see
-there): a cast maxes its amax into `amax_out` (the history slot) through the max_into op and
-returns amax_out as its amax, as the contract says; the update reads and rolls every history
-of a length at once, stacked side by side, and copies the results back. Anything else (block
-scales, outputs written into `out`, tensors off this backend's device) returns NotImplemented
-and stays the opaque op.
+Delayed scaling's slot writes are taken only where WRITES_SLOTS allows (see there): a cast
+maxes its amax into `amax_out` (the history slot) through the max_into op and returns amax_out
+as its amax, as the contract says. The delayed-scaling update has no twin and stays the opaque
+op, one launch per step that mode="reduce-overhead" captures in its CUDA graphs: written in
+torch ops and compiled by inductor, it kept the old scales for a history holding NaN where the
+kernel, as Transformer Engine, ignores the NaN, and it made inductor's scheduler fail on a
+compiled TransformerLayer. Anything else (block scales, outputs written into `out`, tensors off
+this backend's device) returns NotImplemented and stays the opaque op.
 """
 from __future__ import annotations
 
 import torch
-from te_core.backend.types import FP8_FORMATS, TENSORWISE
+from te_core.backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, FP8_FORMATS, TENSORWISE
 
 from .configs import TMA_MIN_NUMEL as MAX_NUMEL  # where the Triton casts switch to descriptors
 from . import scaled_mm
 from .scaled_mm import fp8_gemm_layout_reason
 
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TRACED_SCALINGS = (TENSORWISE, BLOCK_1x128_128x128, BLOCK_1x128_1x128)  # the GEMMs torch._scaled_mm runs here
 FLOAT32_MAX = torch.finfo(torch.float32).max
 DEVICE_TYPE = "cuda"  # the device whose tensors the twins take (the opaque op handles the rest)
-AMAX_COMPUTE_ALGOS = ("max", "most_recent")
-# Twins that write delayed-scaling state are off, and those calls stay the opaque ops. Written
-# as torch ops, the slot writes and the update break torch.compile(mode="reduce-overhead") on
-# torch 2.11 (inductor's scheduler asserts while splitting the graph for CUDA graphs; CUDA graph
-# trees find functionalized copies of the histories alive after a replay). The slot writes now
-# go through the max_into op below, which the compiled code calls on the history's own memory,
-# as it does the opaque ops; whether CUDA graph trees take that is still to be shown on a GPU.
-# The tests check the twins' math with these on.
-WRITES_SLOTS = False  # casts maxing their amax into a history slot (amax_out)
-WRITES_UPDATE = False  # the delayed-scaling update (reads, rolls and rewrites whole histories)
+# Casts that max their amax into a delayed-scaling history slot (amax_out) stay the opaque ops
+# unless this is on. Traced, through max_into below, they compile and replay under
+# mode="reduce-overhead", but a compiled or graphed delayed-scaling step is no faster with them
+# (a TransformerLayer is slower), so the opaque ops keep them. The tests check the twins' math
+# with it on.
+WRITES_SLOTS = False
 
 
 def _here(t) -> bool:
@@ -203,13 +202,26 @@ def dequantize_fp8(data, scale_inv, out_dtype):
     return _as(data.float() * _as(scale_inv.reshape(()), torch.float32), out_dtype)
 
 
+def _block_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, scaling, bias):
+    """The block-scaled GEMM as the eager op runs it: one torch._scaled_mm with the block scales
+    laid out as cuBLASLt reads them (accumulating in float32), the bias added after."""
+    expected = scaled_mm.block_scale_shapes(a, b, scaling)
+    if (tuple(a_scale_inv.shape), tuple(b_scale_inv.shape)) != expected or not (_here(a_scale_inv) and _here(b_scale_inv)):
+        return NotImplemented  # (the opaque op names a bad scale)
+    sa, sb = scaled_mm._scale_args(a, b, a_scale_inv, b_scale_inv, scaling)
+    y = torch._scaled_mm(a, b.t(), sa, sb, out_dtype=out_dtype, use_fast_accum=False)
+    return y if bias is None else _add_bias(y, bias, out_dtype)
+
+
 def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, bias=None, out=None,
              accumulate=False, fast_accumulation=False):
-    if scaling != TENSORWISE or out is not None or accumulate or not (_here(a) and _here(b)):
+    if scaling not in TRACED_SCALINGS or out is not None or accumulate or not (_here(a) and _here(b)):
         return NotImplemented
     a, b = a.contiguous(), b.contiguous()
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1] or fp8_gemm_layout_reason(a, b, out_dtype, scaling):
         return NotImplemented  # (a K mismatch: the opaque op's reference names it)
+    if scaling != TENSORWISE:
+        return _block_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, scaling, bias)
     kwargs = dict(out_dtype=out_dtype, use_fast_accum=bool(fast_accumulation))
     epilogue = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
     if epilogue:
@@ -238,67 +250,6 @@ def _add_bias(y, bias, out_dtype):
     return _as(torch.add(_as(y, torch.float32), _as(bias, torch.float32)), out_dtype)
 
 
-def _update_takes(histories, scales, fp8_maxes, margin, algo) -> bool:
-    """The calls the update twin matches: a known algo (a callable runs on the reference), one
-    float32 (L, n) history with an (n,) float32 scale per format max, all on one device of
-    this backend, and a margin whose 2^margin is a normal float32 (as the kernel reads it)."""
-    if not isinstance(algo, str) or algo not in AMAX_COMPUTE_ALGOS or not isinstance(margin, (int, float)):
-        return False
-    if not -126 <= margin < 128 or not len(histories) == len(scales) == len(fp8_maxes):
-        return False
-    if not all([isinstance(f, (int, float)) and not isinstance(f, bool) for f in fp8_maxes]):
-        return False
-    device = histories[0].device if histories and _here(histories[0]) else None
-    for h, s in zip(histories, scales):
-        if not (_here(h) and _here(s) and h.device == device and s.device == device):
-            return False
-        if h.dim() != 2 or h.shape[0] < 1 or tuple(s.shape) != (h.shape[1],):
-            return False
-        if h.dtype != torch.float32 or s.dtype != torch.float32:
-            return False
-    return True
-
-
-def _updated(history, scale, fp8_max, margin, algo):
-    """(new history, new scale) of (L, n) histories stacked side by side, per column as the
-    contract says: a column whose row 0 is 0 recorded nothing and keeps both; "max" ignores
-    NaN (C's fmaxf from 0), "most_recent" takes row 0 as it is; fp8_max / amax / 2^margin where
-    amax is finite and > 0, else the old scale; inf becomes float32 max; the history rolls up
-    one row (the last row takes row 0) and row 0 is zeroed. `fp8_max`: per column."""
-    row0 = history[0]
-    stepped = row0 != 0  # NaN counts
-    amax = row0 if algo == "most_recent" else torch.where(torch.isnan(history), 0.0, history).amax(0)
-    amax = torch.where(stepped, amax, 0.0)
-    new = _div_rn(_div_rn(fp8_max, amax), torch.full_like(amax, 2.0**margin))
-    new = torch.where(torch.isfinite(amax) & (amax > 0), new, scale)
-    new = torch.where(torch.isinf(new), torch.full_like(new, FLOAT32_MAX), new)
-    first = torch.arange(history.shape[0], device=history.device)[:, None] == 0
-    rolled = torch.where(first, 0.0, torch.roll(history, -1, 0))
-    return torch.where(stepped, rolled, history), new
-
-
-def _update(histories, scales, fp8_maxes, margin, algo) -> None:
-    """The update in place, the histories of each length read and rolled as one stacked tensor
-    (one set of kernels rather than one per history), written back with one foreach copy."""
-    by_length = {}
-    for i, h in enumerate(histories):
-        by_length.setdefault(h.shape[0], []).append(i)
-    for group in by_length.values():
-        hs, ss = [histories[i] for i in group], [scales[i] for i in group]
-        fmax = torch.cat([torch.full_like(scales[i], float(fp8_maxes[i])) for i in group])
-        new_h, new_s = _updated(torch.cat(hs, dim=1), torch.cat(ss), fmax, margin, algo)
-        widths = [s.numel() for s in ss]
-        torch._foreach_copy_(hs, list(torch.split(new_h, widths, dim=1)))
-        torch._foreach_copy_(ss, list(torch.split(new_s, widths)))
-
-
-def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin=0.0, amax_compute_algo="max"):
-    if not WRITES_UPDATE or not _update_takes(amax_histories, scales, fp8_maxes, margin, amax_compute_algo):
-        return NotImplemented
-    _update(amax_histories, scales, fp8_maxes, margin, amax_compute_algo)
-    return None
-
-
 TRACED = {
     "quantize_fp8": quantize_fp8,
     "cast_transpose_fp8": cast_transpose_fp8,
@@ -308,5 +259,4 @@ TRACED = {
     "dequantize_fp8": dequantize_fp8,
     "gemm_fp8": gemm_fp8,
     "gemm": gemm,
-    "delayed_scaling_update": delayed_scaling_update,
 }

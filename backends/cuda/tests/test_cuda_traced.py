@@ -1,8 +1,8 @@
 """The plain-torch twins torch.compile traces (te_backend_cuda.traced): their math against the
-reference on the CPU (casts, casts maxing into an amax history slot, the delayed-scaling
-update), their in-place writes kept under torch.compile on the CPU, each twin against the
-eager op on the GPU (FP8 bytes, amaxes, histories and scales equal), and compiled modules with
-delayed scaling on the GPU (equal to eager, with no opaque cast or update left in the step)."""
+reference on the CPU (casts, casts maxing into an amax history slot), their slot writes kept
+under torch.compile on the CPU, each twin against the eager op on the GPU (FP8 bytes, amaxes
+and histories equal), and compiled modules with delayed scaling (equal to eager, with no
+opaque cast left in the step and the scale update left the opaque op, which has no twin)."""
 import copy
 
 import pytest
@@ -14,7 +14,6 @@ from te_backend_cuda import traced, traced_fused
 from te_core import recipe
 from te_core.reference import activation as ref_act
 from te_core.reference import cast as ref_cast
-from te_core.reference import scaling as ref_scaling
 from twin_backends import cpu_backend_with
 
 F8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -61,8 +60,6 @@ def test_twins_decline_what_they_do_not_take():
     x = _x()  # on the CPU: the eager op's supports() sends it to the reference
     assert traced.quantize_fp8(x, torch.ones(1), torch.float8_e4m3fn) is NotImplemented
     assert traced.gemm_fp8(x, x, torch.ones(1), torch.ones(1), out_dtype=torch.bfloat16) is NotImplemented
-    history, scale = torch.rand(4, 2) + 0.5, torch.ones(2)
-    assert traced.delayed_scaling_update([history], [scale], [448.0]) is NotImplemented
 
 
 @pytest.fixture
@@ -73,40 +70,26 @@ def on_cpu(monkeypatch, writes_state):
 
 @pytest.fixture
 def writes_state(monkeypatch):
-    """The twins that write delayed-scaling state on (they are off by default: see the module)."""
+    """The casts' history-slot writes traced (off by default: see traced.WRITES_SLOTS)."""
     monkeypatch.setattr(traced, "WRITES_SLOTS", True)
-    monkeypatch.setattr(traced, "WRITES_UPDATE", True)
 
 
 def test_state_writing_twins_are_off_by_default(monkeypatch):
-    """Shipped default: a cast maxing into a history slot and the scale update stay the opaque
-    ops, which torch.compile(mode="reduce-overhead") takes; a cast without a slot is traced."""
+    """Shipped default: a cast maxing into a history slot stays the opaque op; a cast without a
+    slot is traced. The scale update has no twin at all."""
     monkeypatch.setattr(traced, "DEVICE_TYPE", "cpu")
     x, scale = _x(), torch.ones(1)
     assert traced.quantize_fp8(x, scale, F8[0], amax_out=torch.zeros(1)) is NotImplemented
     assert traced.cast_transpose_fp8(x, scale, F8[0], amax_out=torch.zeros(1)) is NotImplemented
     assert traced.quantize_fp8(x, scale, F8[0]) is not NotImplemented
-    assert traced.delayed_scaling_update([torch.rand(4, 2) + 0.5], [torch.ones(2)], [448.0]) is NotImplemented
+    assert "delayed_scaling_update" not in traced.TRACED
 
 
-def test_twins_decline_bad_amax_out_and_update_arguments(on_cpu):
-    """What the opaque op must handle (and name, where wrong) stays with it."""
+def test_twins_decline_bad_amax_out(on_cpu):
+    """A slot other than the contract's stays with the opaque op, which names the problem."""
     x, scale = _x(), torch.ones(1)
     for slot in (torch.zeros(2), torch.zeros(1, dtype=torch.float64), torch.zeros(1, device="meta")):
         assert traced.quantize_fp8(x, scale, F8[0], amax_out=slot) is NotImplemented
-    h, s = torch.rand(4, 2) + 0.5, torch.ones(2)
-    declined = [
-        ([h], [s], [448.0], {"amax_compute_algo": lambda hist: hist.amax(0)}),  # a callable: reference
-        ([h], [s], [448.0], {"amax_compute_algo": "mean"}),
-        ([h], [s, s], [448.0], {}),  # lists that do not pair up
-        ([h], [torch.ones(3)], [448.0], {}),
-        ([h.double()], [s], [448.0], {}),
-        ([h[0]], [s], [448.0], {}),
-        ([h], [torch.ones(2, device="meta")], [448.0], {}),  # mixed devices
-        ([h], [s], [448.0], {"margin": 200.0}),  # 2^margin is no float32
-    ]
-    for histories, scales, maxes, kwargs in declined:
-        assert traced.delayed_scaling_update(histories, scales, maxes, **kwargs) is NotImplemented, kwargs
 
 
 @pytest.mark.parametrize("before", [0.0, 2.5, 1e9, float("nan")])
@@ -143,71 +126,40 @@ def test_cast_twins_with_amax_out_match_reference(on_cpu, fp8_dtype):
             torch.testing.assert_close(got[2], want[2], rtol=1.3e-6, atol=1e-5)
 
 
-def _histories(device="cpu"):
-    """Histories of two lengths, several widths and both formats, with every special case:
-    row 0 zero (nothing recorded) or -0.0, NaN and inf in row 0 and deeper, an all-NaN column,
-    an amax so small that the scale overflows, an old scale that is inf."""
-    shapes = [(4, 3), (4, 1), (7, 2), (1, 2), (4, 5)]
-    histories = [(torch.rand(L, n) * 10.0 ** torch.randint(-3, 4, (L, n))).to(device) for L, n in shapes]
-    scales = [(torch.rand(n) * 100 + 0.5).to(device) for _, n in shapes]
-    h = histories
-    h[0][0, 0], h[0][0, 1], h[0][2, 2] = 0.0, float("nan"), float("nan")
-    h[1][0, 0], h[2][3, 1], h[2][0, 0] = float("inf"), float("inf"), 1e-37
-    h[3][0, 0], h[4][0, 1], h[4][0, 3] = 0.0, 0.0, -0.0
-    h[4][:, 2] = float("nan")
-    scales[4][4] = float("inf")
-    return histories, scales, [448.0, 57344.0, 448.0, 57344.0, 448.0]
-
-
 def _assert_bits_equal(got, want):
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g.view(torch.int32), w.view(torch.int32)), f"[{i}]: {g} != {w}"
 
 
-@pytest.mark.parametrize("margin", [0.0, 1, 2.5])
-@pytest.mark.parametrize("algo", ["max", "most_recent"])
-def test_update_twin_matches_reference(on_cpu, algo, margin):
-    """Bit for bit: the scales are float32 quotients rounded once, as the reference's."""
+@pytest.mark.parametrize("before", [0.5, 1e9, float("nan")])
+def test_twins_write_in_place_under_compile(on_cpu, before):
+    """Traced with fullgraph=True, the slot write of a cast lands in the caller's history (a
+    view of one slot, through the max_into op), equal to an eager run of the twin; the rest of
+    the history is untouched."""
     torch.manual_seed(0)
-    histories, scales, maxes = _histories()
-    want_h, want_s = [h.clone() for h in histories], [s.clone() for s in scales]
-    ref_scaling.delayed_scaling_update(want_h, want_s, maxes, margin=margin, amax_compute_algo=algo)
-    kept = [(h, h.data_ptr()) for h in histories + scales]
-    assert traced.delayed_scaling_update(histories, scales, maxes, margin=margin, amax_compute_algo=algo) is None
-    _assert_bits_equal(histories + scales, want_h + want_s)
-    assert all(t.data_ptr() == ptr for t, ptr in kept)  # written in place
-    assert traced.delayed_scaling_update([], [], []) is None
-
-
-def test_twins_write_in_place_under_compile(on_cpu):
-    """Traced with fullgraph=True, the slot write of a cast and the update's history and scale
-    writes land in the caller's tensors (functionalization keeps the mutations), equal to an
-    eager run of the twins."""
-    torch.manual_seed(0)
-    histories, scales, maxes = _histories()
+    history, scale = torch.rand(4, 3) + 1, torch.tensor([0.37])
+    history[0, 2] = before
     x = _x()
 
-    def step(x, histories, scales):
-        slot = histories[0][0][2:3]
-        data, data_t, amax = traced.cast_transpose_fp8(x, scales[0][:1], F8[0], amax_out=slot)
-        traced.delayed_scaling_update(histories, scales, maxes, margin=1.0)
-        return data, data_t, amax
+    def step(x, history):
+        return traced.cast_transpose_fp8(x, scale, F8[0], amax_out=history[0][2:3])
 
-    want_h, want_s = [h.clone() for h in histories], [s.clone() for s in scales]
-    want = step(x, want_h, want_s)
+    want_h = history.clone()
+    want = step(x, want_h)
     torch._dynamo.reset()
-    got = torch.compile(step, backend="aot_eager", fullgraph=True)(x, histories, scales)
+    got = torch.compile(step, backend="aot_eager", fullgraph=True)(x, history)
     torch._dynamo.reset()
     _bytes_equal(got[0], want[0])
     _bytes_equal(got[1], want[1])
-    assert torch.equal(got[2], want[2]) and got[2].item() == 0.0  # the slot, rolled into row 3
-    _assert_bits_equal(histories + scales, want_h + want_s)
-    assert torch.equal(histories[0][3, 2:3], traced._amax(x).reshape(1))  # it held less
+    assert torch.equal(got[2].nan_to_num(), want[2].nan_to_num()) and torch.equal(got[2].isnan(), want[2].isnan())
+    assert torch.equal(history.nan_to_num(), want_h.nan_to_num()) and torch.equal(history.isnan(), want_h.isnan())
+    if before == 0.5:  # it held less: the slot now holds this cast's amax
+        assert torch.equal(history[0, 2:3], traced._amax(x).reshape(1))
 
 
 # --- compiled modules with delayed scaling: the twins as a backend's, against eager -----------
-COVERED = ("quantize_fp8", "cast_transpose_fp8", "dbias_cast_transpose", "delayed_scaling_update", "transpose_fp8",
-           "dequantize_fp8", "quantize_fp8_current")  # every twin but the GEMM's (torch._scaled_mm: the GPU's)
+COVERED = ("quantize_fp8", "cast_transpose_fp8", "dbias_cast_transpose", "transpose_fp8", "dequantize_fp8",
+           "quantize_fp8_current")  # every twin but the GEMMs' (torch._scaled_mm: the GPU's)
 MODULES = {  # (device, params_dtype) -> module
     "Linear": lambda *f: te.Linear(256, 512, device=f[0], params_dtype=f[1]),
     "TransformerLayer": lambda *f: te.TransformerLayer(256, 1024, 4, hidden_dropout=0.0, attention_dropout=0.0,
@@ -270,6 +222,13 @@ def _opaque_ops(graphs):
     return {t.split(".")[1].removesuffix("_into") for t in targets if t.startswith("te_core.")}
 
 
+def _assert_only_the_update_opaque(graphs):
+    """Every cast the twins cover traced; the delayed-scaling update, which has none, opaque."""
+    opaque = _opaque_ops(graphs)
+    assert not opaque & (set(COVERED) | set(traced_fused.TRACED_FUSED)), sorted(opaque)
+    assert "delayed_scaling_update" in opaque, sorted(opaque)
+
+
 def _state(model):
     return {(d, slot, k): t.clone() for d, slots in model.quantization_state().items()
             for slot, entry in slots.items() for k, t in entry.items()}
@@ -278,11 +237,12 @@ def _state(model):
 @pytest.mark.parametrize("module", list(MODULES))
 def test_compiled_delayed_scaling_on_cpu_twins_equals_eager(cpu_backend_with_twins, module):
     """Compiled (aot_eager: AOTAutograd's min-cut partitioner, as inductor's) with the twins for
-    every cast and the scale update, fwd+bwd over 3 steps equals the eager reference bit for
-    bit, delayed-scaling state included: the slot writes and the update land in the module's
-    tensors, and no FP8 copy the backward uses is recomputed with a scale updated meanwhile."""
+    every cast, the scale update left the opaque op, fwd+bwd over 3 steps equals the eager
+    reference bit for bit, delayed-scaling state included: the slot writes and the update land
+    in the module's tensors, and no FP8 copy the backward uses is recomputed with a scale
+    updated meanwhile."""
     results, (_, compiled_model, eager, graphs) = _compiled_and_eager(module, "cpu", torch.float32, "aot_eager")
-    assert not _opaque_ops(graphs) & (set(COVERED) | set(traced_fused.TRACED_FUSED)), sorted(_opaque_ops(graphs))
+    _assert_only_the_update_opaque(graphs)
     for i, (got, want) in enumerate(results):
         for j, (g, w) in enumerate(zip(got, want)):
             assert torch.equal(g, w), f"step {i} tensor {j}: differs by {(g - w).abs().max()}"
@@ -356,27 +316,6 @@ def test_cast_twins_with_amax_out_equal_eager_ops_on_gpu(writes_state, fp8_dtype
         assert torch.equal(history, want_history), (name, history, want_history)
 
 
-@GPU
-@pytest.mark.parametrize("margin", [0.0, 1, 2.5])
-@pytest.mark.parametrize("algo", ["max", "most_recent"])
-def test_update_twin_equals_eager_op_on_gpu(writes_state, algo, margin):
-    """Run as it is and compiled by inductor (whose own float32 division is approximate), bit
-    for bit the Triton update kernel's histories and scales."""
-    from te_backend_cuda import ops
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    histories, scales, maxes = _histories("cuda")
-    kwargs = dict(margin=margin, amax_compute_algo=algo)
-    runs = [[h.clone() for h in histories + scales] for _ in range(3)]
-    n = len(histories)
-    ops.delayed_scaling_update(runs[0][:n], runs[0][n:], maxes, **kwargs)
-    assert traced.delayed_scaling_update(runs[1][:n], runs[1][n:], maxes, **kwargs) is None
-    torch.compile(traced.delayed_scaling_update, fullgraph=True)(runs[2][:n], runs[2][n:], maxes, **kwargs)
-    _assert_bits_equal(runs[1], runs[0])
-    _assert_bits_equal(runs[2], runs[0])
-
-
 OPAQUE_IN_PROFILE = {f"te_core::{name}{variant}" for name in COVERED for variant in ("", "_into")}
 
 
@@ -390,8 +329,8 @@ def _relative_error(g, w):
 def test_compiled_delayed_scaling_on_gpu_equals_eager(writes_state, module):
     """te.Linear and te.TransformerLayer with DelayedScaling compiled by inductor (fullgraph):
     3 fwd+bwd steps within 1e-2 (relative, L2) of eager, the histories advancing alike and the
-    scales close; at these sizes no cast or scale update is left an opaque op, in the graphs
-    or in a profile of a further compiled step."""
+    scales close; at these sizes no cast is left an opaque op, in the graphs or in a profile of
+    a further compiled step, while the scale update stays one."""
     results, (compiled, compiled_model, eager, graphs) = _compiled_and_eager(module, "cuda", torch.bfloat16,
                                                                             "inductor")
     for i, (got, want) in enumerate(results):
@@ -403,11 +342,11 @@ def test_compiled_delayed_scaling_on_gpu_equals_eager(writes_state, module):
         assert _relative_error(got[key], w) <= 1e-2, f"{key}: {_relative_error(got[key], w):.3g}"
         if key[2] == "amax_history":
             assert torch.equal(got[key] != 0, w != 0), key
-    assert not _opaque_ops(graphs) & (set(COVERED) | set(traced_fused.TRACED_FUSED)), sorted(_opaque_ops(graphs))
+    _assert_only_the_update_opaque(graphs)
     x_shape, y_shape = SHAPES[module]
     x = torch.randn(x_shape, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(y_shape, device="cuda", dtype=torch.bfloat16)
     with torch.profiler.profile() as prof:
         _fwd_bwd(compiled, compiled_model, x, dy)
     opaque = sorted({e.name for e in prof.events() if e.name in OPAQUE_IN_PROFILE})
-    assert not opaque, f"opaque casts or updates in the compiled step: {opaque}"
+    assert not opaque, f"opaque casts in the compiled step: {opaque}"

@@ -26,10 +26,9 @@ COVERED = sorted(traced_fused.TRACED_FUSED)
 
 @pytest.fixture(autouse=True)
 def writes_state(monkeypatch):
-    """The twins' amax_out writes on (off by default, see te_backend_cuda.traced.WRITES_SLOTS / WRITES_UPDATE):
-    these tests check their math; the reduce-overhead test turns them back off."""
+    """The twins' amax_out writes on (off by default, see te_backend_cuda.traced.WRITES_SLOTS):
+    these tests check their math; the reduce-overhead test sets it per case."""
     monkeypatch.setattr(traced, "WRITES_SLOTS", True)
-    monkeypatch.setattr(traced, "WRITES_UPDATE", True)
 
 
 def _traced_ops(rec: str) -> set:
@@ -474,11 +473,10 @@ def _scaling_state(model):
 @pytest.mark.parametrize("module", ["LayerNormMLP", "TransformerLayer"])
 def test_reduce_overhead_keeps_the_histories_advancing(module, slots, monkeypatch):
     """mode="reduce-overhead" (CUDA graphs) with the shipped twins (the history-slot writes left
-    to the opaque ops), and with the slot writes traced (WRITES_SLOTS, the check before it is
-    turned on): every replay equals eager within 1e-2 relative (L2), and the histories equal
-    eager's after the replays (they kept advancing)."""
+    to the opaque ops), and with the slot writes traced (WRITES_SLOTS): every replay equals
+    eager within 1e-2 relative (L2), and the histories equal eager's after the replays (they
+    kept advancing)."""
     monkeypatch.setattr(traced, "WRITES_SLOTS", slots)
-    monkeypatch.setattr(traced, "WRITES_UPDATE", False)
     backend.set_backend("cuda")
     try:
         torch._dynamo.reset()

@@ -5,9 +5,9 @@ kernels with this GPU's tuning configs (te_backend_cuda.configs); GEMMs run cuBL
 (scaled_mm), attention cuDNN through SDPA (attention) and packed sequences FlashAttention-2's
 varlen kernels (attention_varlen), Adam torch's fused kernels (optimizer).
 Each op's supports() declines (so the reference runs) what its kernel does not take.
-Tensor-wise casts and GEMMs (traced), norms, activations, their backward epilogues and rotary
-embeddings (traced_fused) also have plain-torch twins that torch.compile traces instead of the
-opaque op.
+Tensor-wise casts and GEMMs (traced), block casts (traced_block), norms, activations, their
+backward epilogues and rotary embeddings (traced_fused) also have plain-torch twins that
+torch.compile traces instead of the opaque op.
 
 The op functions are importable by their contract names (`ops.quantize_fp8`, ...); they launch
 on the current device, while the registered ones launch on their tensors' device.
@@ -20,6 +20,7 @@ from te_core.backend.types import OpImpl
 
 from .. import attention, attention_varlen, optimizer, scaled_mm
 from ..traced import TRACED
+from ..traced_block import TRACED_BLOCK
 from ..traced_fused import TRACED_FUSED
 from . import activation, cast, loss, norm, rope, scaling, softmax
 from .activation import (activation_bwd, activation_bwd_dbias_cast_transpose, activation_fwd, dbias,
@@ -80,7 +81,7 @@ _AS_THEY_ARE = {
 
 def native_ops() -> Dict[str, OpImpl]:
     """op name -> OpImpl for every op this backend runs natively."""
-    twins = {**TRACED, **TRACED_FUSED}
+    twins = {**TRACED, **TRACED_FUSED, **TRACED_BLOCK}
     impls = {name: OpImpl(on_device(fn), supports, twins.get(name))
              for name, (fn, supports) in _ON_TENSOR_DEVICE.items()}
     impls.update((name, OpImpl(fn, supports, twins.get(name))) for name, (fn, supports) in _AS_THEY_ARE.items())
