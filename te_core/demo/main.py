@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import platform
 import sys
@@ -15,7 +16,7 @@ from . import parallel, threads
 from .data import load_corpus, split, stdlib_dir
 from .model import ACCELERATOR_DEFAULT, CPU_DEFAULT, GPT, SIZES
 from .report import final_gap, output_paths, side_by_side, speed, write_json, write_plot
-from .train import ONE_PROCESS, RECIPES, RunConfig, make_recipe, train
+from .train import ONE_PROCESS, RECIPES, SETTLE, RunConfig, make_recipe, train
 
 DEFAULT_STEPS = {"tiny": 60, "small": 250, "medium": 600, "large": 2000, "xl": 400}
 DEFAULT_LR = {"tiny": 2e-3, "small": 2e-3, "medium": 1e-3, "large": 1e-3, "xl": 5e-4}
@@ -53,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile",
         action="store_true",
         help="torch.compile each training step: with CUDA graphs (mode reduce-overhead) on an accelerator, "
-        "inductor's default mode on a CPU; the tokens/s include the compilation",
+        "inductor's default mode on a CPU; the whole-run tokens/s include the compilation, the steady-state "
+        f"tokens/s (after the first {SETTLE} steps) leave it out",
     )
     p.add_argument(
         "--tp",
@@ -165,11 +167,21 @@ def run_both(args, be, device: torch.device, thread_choice, runner=ONE_PROCESS) 
         run = train(name, cfg, train_tokens, val_tokens, device, rec, runner.is_main and not args.no_progress,
                     synchronizer(be, device), compile_options(args.compile, device), runner)
         ranks = "" if layout is None else f" ({layout.world} ranks, {run.tokens_per_s / layout.world:,.0f} per rank)"
-        print(f"{name}: {run.seconds:.1f}s, {run.tokens_per_s:,.0f} tokens/s{ranks}, final loss {run.losses[-1]:.4f}, "
+        print(f"{name}: {run.seconds:.1f}s, {run.tokens_per_s:,.0f} tokens/s ({_rate(run.steady_tokens_per_s)} after "
+              f"the first {SETTLE} steps){ranks}, final loss {run.losses[-1]:.4f}, "
               f"val loss {run.val_loss:.4f}")  # fmt: skip
         runs.append(run)
     if runner.is_main:
         report(args, cfg, be.name, device, fp8_recipe, runs, corpus, thread_choice, layout)
+
+
+def _rate(tokens_per_s: float) -> str:
+    """'12,345', or 'n/a' for a run too short to have a steady state (NaN)."""
+    return f"{tokens_per_s:,.0f}" if math.isfinite(tokens_per_s) else "n/a"
+
+
+def _times(ratio: float) -> str:
+    return f"{ratio:.2f}x" if math.isfinite(ratio) else "n/a"
 
 
 def _device(name: Optional[str], be):
@@ -242,14 +254,16 @@ def report(args, cfg: RunConfig, backend_name: str, device, fp8_recipe, runs, co
     hp, fp8 = runs
     gap = final_gap(hp.losses, fp8.losses)
     gap["val_gap"] = fp8.val_loss - hp.val_loss
-    rates = speed(hp.tokens_per_s, fp8.tokens_per_s)
+    rates = speed(hp.tokens_per_s, fp8.tokens_per_s, hp.steady_tokens_per_s, fp8.steady_tokens_per_s)
     print(side_by_side(hp.losses, fp8.losses))
     print(
         f"loss over the last {gap['steps_averaged']} steps: bf16 {gap['bf16']:.4f}, fp8 {gap['fp8']:.4f}, "
         f"gap {gap['gap']:+.4f} ({100 * gap['relative_gap']:+.2f}%); val gap {gap['val_gap']:+.4f}"
     )
     print(f"speed: bf16 {rates['bf16_tokens_per_s']:,.0f} tokens/s, fp8 {rates['fp8_tokens_per_s']:,.0f} tokens/s, "
-          f"fp8/bf16 {rates['fp8_over_bf16']:.2f}x")  # fmt: skip
+          f"fp8/bf16 {_times(rates['fp8_over_bf16'])}; after the first {SETTLE} steps (compilation, warm-up): "
+          f"bf16 {_rate(rates['bf16_steady_tokens_per_s'])}, fp8 {_rate(rates['fp8_steady_tokens_per_s'])}, "
+          f"{_times(rates['fp8_over_bf16_steady'])}")  # fmt: skip
     paths = output_paths(args.out)
     write_plot(paths["png"], hp.losses, fp8.losses, args.recipe)
     config = dict(size=args.size, model=cfg.model.as_dict(), steps=cfg.steps, lr=cfg.lr, seed=cfg.seed,

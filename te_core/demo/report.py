@@ -69,10 +69,19 @@ def output_paths(out_dir: str) -> Dict[str, str]:
     return dict(json=os.path.join(out_dir, "demo_run.json"), png=os.path.join(out_dir, "loss_curves.png"))
 
 
-def speed(bf16_tokens_per_s: float, fp8_tokens_per_s: float) -> Dict[str, float]:
-    """Both runs' tokens/s and the FP8 / BF16 ratio (above 1: FP8 is faster)."""
+def speed(bf16_tokens_per_s: float, fp8_tokens_per_s: float, bf16_steady_tokens_per_s: float,
+          fp8_steady_tokens_per_s: float) -> Dict[str, float]:
+    """Both runs' tokens/s and the FP8 / BF16 ratio (above 1: FP8 is faster), over the whole runs
+    and in the steady state (te_core.demo.train.SETTLE; NaN where a run has no steady steps)."""
     return dict(
         bf16_tokens_per_s=bf16_tokens_per_s,
         fp8_tokens_per_s=fp8_tokens_per_s,
-        fp8_over_bf16=fp8_tokens_per_s / bf16_tokens_per_s if bf16_tokens_per_s > 0 else float("nan"),
+        fp8_over_bf16=_ratio(fp8_tokens_per_s, bf16_tokens_per_s),
+        bf16_steady_tokens_per_s=bf16_steady_tokens_per_s,
+        fp8_steady_tokens_per_s=fp8_steady_tokens_per_s,
+        fp8_over_bf16_steady=_ratio(fp8_steady_tokens_per_s, bf16_steady_tokens_per_s),
     )
+
+
+def _ratio(fp8: float, bf16: float) -> float:
+    return fp8 / bf16 if bf16 > 0 else float("nan")  # NaN > 0 is False: NaN stays NaN

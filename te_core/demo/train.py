@@ -16,6 +16,11 @@ from .progress import ProgressBar
 
 RECIPES = ("delayed", "current", "block", "mxfp8")
 
+# Steps left out of the steady-state tokens/s: torch.compile compiles on the first call, CUDA
+# graphs (mode="reduce-overhead") warm up and record on the next two, and eager runs JIT-compile
+# and autotune their Triton kernels on the first calls. None of it recurs in a longer run.
+SETTLE = 3
+
 
 def make_recipe(name: str):
     """The te-core recipe object for a --recipe name."""
@@ -48,8 +53,10 @@ class RunResult:
     name: str
     losses: List[float] = field(default_factory=list)
     val_loss: float = float("nan")
-    seconds: float = 0.0
+    seconds: float = 0.0  # the whole run, first steps included
     tokens_per_s: float = 0.0
+    steady_seconds: float = float("nan")  # the steps after the first SETTLE; NaN when there are none
+    steady_tokens_per_s: float = float("nan")
 
     def as_dict(self) -> dict:
         return dict(
@@ -58,6 +65,8 @@ class RunResult:
             val_loss=self.val_loss,
             seconds=self.seconds,
             tokens_per_s=self.tokens_per_s,
+            steady_seconds=self.steady_seconds,
+            steady_tokens_per_s=self.steady_tokens_per_s,
         )
 
 
@@ -117,9 +126,11 @@ def train(
 ) -> RunResult:
     """Train a freshly initialized GPT for cfg.steps steps; returns per-step losses and speed.
     `synchronize` waits for the device's queued work, so the timing covers all of it.
-    `compile_options`: torch.compile's arguments for the loss step (None: eager); the timing
-    includes the compilation, as a user's run would. `runner`: one process, or this rank's part
-    of a parallel run (te_core.demo.parallel); losses and tokens/s are then those of all ranks."""
+    `compile_options`: torch.compile's arguments for the loss step (None: eager); `seconds` and
+    `tokens_per_s` include the compilation, as a user's run would, `steady_seconds` and
+    `steady_tokens_per_s` leave out the first SETTLE steps (NaN when no step is left).
+    `runner`: one process, or this rank's part of a parallel run (te_core.demo.parallel); losses
+    and tokens/s are then those of all ranks."""
     torch.manual_seed(cfg.seed)
     model = runner.build(cfg.model, device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -136,7 +147,7 @@ def train(
     # step is marked, and the loss kept is a copy.
     graphs = (compile_options or {}).get("mode") == "reduce-overhead"
     synchronize()
-    start = time.perf_counter()
+    start = settled = time.perf_counter()
     for step in range(cfg.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -151,8 +162,17 @@ def train(
         losses.append(loss.detach().clone() if graphs else loss.detach())
         if bar.due(step + 1):
             bar.update(step + 1, tokens_per_step=cfg.model.tokens_per_step, loss=float(losses[-1]))
+        if step + 1 == SETTLE and cfg.steps > SETTLE:
+            synchronize()
+            settled = time.perf_counter()
     synchronize()
-    result.seconds = runner.slowest(time.perf_counter() - start)
+    end = time.perf_counter()
+    result.seconds = runner.slowest(end - start)
+    steady_steps = cfg.steps - SETTLE
+    steady_seconds = runner.slowest(end - settled)  # on every rank: slowest is a collective
+    if steady_steps > 0:
+        result.steady_seconds = steady_seconds
+        result.steady_tokens_per_s = cfg.model.tokens_per_step * steady_steps / max(steady_seconds, 1e-9)
     bar.close()
     result.losses = runner.mean_over_ranks(torch.stack(losses).float()).tolist()
     # tokens_per_step is the global batch's: the tokens/s of all ranks together

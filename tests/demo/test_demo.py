@@ -2,6 +2,7 @@
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -11,8 +12,9 @@ from te_core.demo.data import BatchSampler, load_corpus, split, stdlib_dir, stdl
 from te_core.demo.figure import BF16_COLOR, FP8_COLOR, GAP_COLOR
 from te_core.demo.main import default_size
 from te_core.demo.model import SIZES
+from te_core.demo import train as train_module
 from te_core.demo.report import final_gap, side_by_side, speed
-from te_core.demo.train import RunConfig, train
+from te_core.demo.train import SETTLE, RunConfig, train
 
 from .pngdecode import count, decode
 
@@ -36,12 +38,24 @@ def test_demo_tiny_run_writes_sensible_json_and_png(tmp_path, capsys):
     assert rates["bf16_tokens_per_s"] == record["runs"]["bf16"]["tokens_per_s"] > 0
     assert rates["fp8_tokens_per_s"] == record["runs"]["fp8"]["tokens_per_s"] > 0
     assert rates["fp8_over_bf16"] == pytest.approx(rates["fp8_tokens_per_s"] / rates["bf16_tokens_per_s"])
+    tokens_per_step = SIZES["tiny"].tokens_per_step
+    for name in ("bf16", "fp8"):
+        run = record["runs"][name]
+        assert 0 < run["steady_seconds"] < run["seconds"]  # the first steps are left out
+        assert run["steady_tokens_per_s"] == pytest.approx(tokens_per_step * (24 - SETTLE) / run["steady_seconds"])
+        assert rates[f"{name}_steady_tokens_per_s"] == run["steady_tokens_per_s"]
+    assert rates["fp8_over_bf16_steady"] == pytest.approx(
+        rates["fp8_steady_tokens_per_s"] / rates["bf16_steady_tokens_per_s"])
     _, _, rows = decode((tmp_path / "loss_curves.png").read_bytes())
     assert all(count(rows, color) > 20 for color in (BF16_COLOR, FP8_COLOR, GAP_COLOR))
     out = capsys.readouterr().out
     assert out.startswith("te-core demo: backend reference on cpu, ")
     assert "model  tiny:" in out and "recipe current; 24 steps each" in out
     assert "bf16 loss" in out and "fp8 loss" in out and "fp8/bf16" in out
+    steady = f"{record['runs']['fp8']['steady_tokens_per_s']:,.0f} after the first 3 steps)"
+    assert f"fp8: {record['runs']['fp8']['seconds']:.1f}s, " in out and steady in out
+    assert f"after the first 3 steps (compilation, warm-up): bf16 {rates['bf16_steady_tokens_per_s']:,.0f}, " in out
+    assert f"{rates['fp8_over_bf16_steady']:.2f}x\n" in out
     assert "runs on" not in out and "Selected:" not in out  # the op table only with --verbose
 
 
@@ -49,6 +63,15 @@ def test_verbose_adds_the_backend_report_and_the_corpus(tmp_path, capsys):
     assert main(["--size", "tiny", "--steps", "2", "--out", str(tmp_path), "--no-progress", "--verbose"]) == 0
     out = capsys.readouterr().out
     assert "Selected: reference" in out and "runs on" in out and "data   " in out
+    # two steps leave no steady state: reported as n/a, stored as null
+    assert out.count("tokens/s (n/a after the first 3 steps)") == 2
+    assert "(compilation, warm-up): bf16 n/a, fp8 n/a, n/a\n" in out
+    record = json.loads((tmp_path / "demo_run.json").read_text())
+    assert record["runs"]["bf16"]["tokens_per_s"] > 0 and record["speed"]["fp8_over_bf16"] > 0
+    for name in ("bf16", "fp8"):
+        assert record["runs"][name]["steady_seconds"] is None and record["runs"][name]["steady_tokens_per_s"] is None
+        assert record["speed"][f"{name}_steady_tokens_per_s"] is None
+    assert record["speed"]["fp8_over_bf16_steady"] is None
 
 
 def test_demo_rejects_bad_arguments(capsys):
@@ -90,6 +113,34 @@ def test_train_times_the_device_work_and_returns_every_loss():
     assert len(run.losses) == 3 and all(isinstance(v, float) and math.isfinite(v) for v in run.losses)
     assert run.tokens_per_s == pytest.approx(3 * cfg.model.tokens_per_step / run.seconds)
     assert math.isfinite(run.val_loss)
+    assert SETTLE == 3 and math.isnan(run.steady_seconds) and math.isnan(run.steady_tokens_per_s)  # no step left
+
+
+def test_steady_state_timing_starts_after_the_settling_steps(monkeypatch):
+    """The steady-state clock starts at a synchronization after the first SETTLE loss steps and
+    stops with the whole-run clock."""
+    steps_done, loss_of = [], train_module.loss_of
+
+    def counted_loss(*args):
+        steps_done.append(1)
+        return loss_of(*args)
+
+    monkeypatch.setattr(train_module, "loss_of", counted_loss)
+    tokens, _ = load_corpus(200_000)
+    train_tokens, val_tokens = split(tokens)
+    syncs = []  # (loss steps run so far, time) at each synchronization
+    cfg = RunConfig(model=SIZES["tiny"], steps=SETTLE + 3, eval_batches=0)
+    run = train("bf16", cfg, train_tokens, val_tokens, torch.device("cpu"), progress=False,
+                synchronize=lambda: syncs.append((len(steps_done), time.perf_counter())))  # fmt: skip
+    assert [n for n, _ in syncs] == [0, SETTLE, cfg.steps]
+    (_, t_start), (_, t_settled), (_, t_end) = syncs
+    assert 0 < run.steady_seconds < run.seconds
+    # each clock reading follows its synchronization at once
+    assert run.seconds == pytest.approx(t_end - t_start, abs=0.05)
+    assert run.steady_seconds == pytest.approx(t_end - t_settled, abs=0.05)
+    assert run.steady_tokens_per_s == pytest.approx(3 * cfg.model.tokens_per_step / run.steady_seconds)
+    assert run.as_dict()["steady_tokens_per_s"] == run.steady_tokens_per_s
+    assert run.as_dict()["steady_seconds"] == run.steady_seconds
 
 
 def test_corpus_is_stdlib_source_and_batches_are_reproducible():
@@ -108,9 +159,12 @@ def test_report_helpers():
     assert gap["relative_gap"] == pytest.approx(0.25)
     table = side_by_side([5.0, 4.0, 3.0], [5.0, 4.1, 3.2], rows=10)  # rows capped at the step count
     assert table.count("\n") == 3 and "+0.2000" in table  # 3 steps: the EMA is the raw curve
-    rates = speed(2000.0, 3000.0)
-    assert rates == dict(bf16_tokens_per_s=2000.0, fp8_tokens_per_s=3000.0, fp8_over_bf16=1.5)
-    assert math.isnan(speed(0.0, 10.0)["fp8_over_bf16"])
+    rates = speed(2000.0, 3000.0, 4000.0, 5000.0)
+    assert rates == dict(bf16_tokens_per_s=2000.0, fp8_tokens_per_s=3000.0, fp8_over_bf16=1.5,
+                         bf16_steady_tokens_per_s=4000.0, fp8_steady_tokens_per_s=5000.0, fp8_over_bf16_steady=1.25)
+    assert math.isnan(speed(0.0, 10.0, 1.0, 1.0)["fp8_over_bf16"])
+    short = speed(2000.0, 3000.0, math.nan, math.nan)  # runs too short for a steady state
+    assert short["fp8_over_bf16"] == 1.5 and math.isnan(short["fp8_over_bf16_steady"])
 
 
 def test_compiled_training_step_gives_the_eager_losses():
