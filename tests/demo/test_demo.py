@@ -176,6 +176,7 @@ def test_compiled_training_step_gives_the_eager_losses():
     assert compile_options(False, torch.device("cpu")) is None
     assert compile_options(True, torch.device("cpu")) == {}
     assert compile_options(True, torch.device("meta")) == {"mode": "reduce-overhead"}
+    assert compile_options(True, torch.device("meta"), processes=2) == {}
     tokens, _ = load_corpus(200_000)
     train_tokens, val_tokens = split(tokens)
     cfg = RunConfig(model=SIZES["tiny"], steps=3, eval_batches=1)

@@ -1,6 +1,7 @@
 """The demo launched by torchrun on 2 gloo CPU processes: data parallel, tensor parallel, and
-tensor parallel with sequence parallelism each train on the single-process run's global batch
-and give its losses; only rank 0 prints and writes the report. Bad layouts fail with a message."""
+tensor parallel with sequence parallelism (eager, and compiled with --compile) each train on the
+single-process run's global batch and give its losses; only rank 0 prints and writes the
+report. Bad layouts fail with a message."""
 
 import json
 import os
@@ -57,7 +58,9 @@ def torchrun(extra, out, nproc: int = 2) -> subprocess.CompletedProcess:
     ([], "data parallel 2 x tensor parallel 1"),
     (["--tp", "2"], "data parallel 1 x tensor parallel 2"),
     (["--tp", "2", "--sequence-parallel"], "data parallel 1 x tensor parallel 2 with sequence parallelism"),
-], ids=["dp2", "tp2", "tp2-sp"])
+    (["--compile"], "data parallel 2 x tensor parallel 1"),
+    (["--tp", "2", "--sequence-parallel", "--compile"], "data parallel 1 x tensor parallel 2 with sequence parallelism"),
+], ids=["dp2", "tp2", "tp2-sp", "dp2-compiled", "tp2-sp-compiled"])
 def test_parallel_run_tracks_the_single_process_run(tmp_path, single_run, extra, layout):
     done = torchrun(extra, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -66,8 +69,8 @@ def test_parallel_run_tracks_the_single_process_run(tmp_path, single_run, extra,
     assert f"ranks  2 processes: {layout}" in out
     assert out.count("(2 ranks, ") == 2  # the tokens/s of both ranks together, and per rank
     record = json.loads((tmp_path / "demo_run.json").read_text())
-    assert record["config"]["parallel"] == dict(world=2, dp=1 if extra else 2, tp=2 if extra else 1,
-                                                sequence_parallel="--sequence-parallel" in extra)
+    tp = 2 if "--tp" in extra else 1
+    assert record["config"]["parallel"] == dict(world=2, dp=2 // tp, tp=tp, sequence_parallel="--sequence-parallel" in extra)
     for run, tol in (("bf16", BF16_LOSS), ("fp8", FP8_LOSS)):
         expected = single_run["runs"][run]["losses"]
         assert record["runs"][run]["losses"] == pytest.approx(expected, **tol), run
