@@ -7,8 +7,9 @@ as torch.nn.functional.cross_entropy does; targets equal to ignore_index contrib
 "none" ((N,) float32). The gradient w.r.t. logits has the logits' dtype.
 
 A target outside [0, V) that is not ignore_index is an error, never a finite wrong loss:
-the reference raises ValueError; a backend that cannot check without synchronizing with
-the device makes that row's loss and gradient NaN instead (so "mean" and "sum" are NaN).
+the reference raises ValueError (under torch.compile, where a graph cannot raise on values,
+it makes the row NaN as below); a backend that cannot check without synchronizing with the
+device makes that row's loss and gradient NaN instead (so "mean" and "sum" are NaN).
 """
 from __future__ import annotations
 

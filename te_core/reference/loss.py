@@ -33,16 +33,22 @@ def cross_entropy(
     _check_args(logits, target, label_smoothing, reduction)
     vocab = logits.shape[1]
     valid = target != ignore_index
-    if bool((valid & ((target < 0) | (target >= vocab))).any()):
-        bad = target[valid & ((target < 0) | (target >= vocab))][0].item()
+    outside = valid & ((target < 0) | (target >= vocab))
+    # A traced graph cannot branch on values (nor raise: inductor's CPU kernels abort the process
+    # on a failed device-side check), so under torch.compile a class outside the vocabulary makes
+    # its row's loss and gradient NaN, as the contract allows, instead of a finite wrong number.
+    if not torch.compiler.is_compiling() and bool(outside.any()):
+        bad = target[outside][0].item()
         raise ValueError(f"target holds class {bad}, outside [0, {vocab}) and not ignore_index={ignore_index}")
     lf = logits.float()
     lse = torch.logsumexp(lf, dim=-1)
-    picked = lf.gather(1, torch.where(valid, target, torch.zeros_like(target)).long().unsqueeze(1)).squeeze(1)
+    picked = lf.gather(1, torch.where(valid & ~outside, target, torch.zeros_like(target)).long().unsqueeze(1)).squeeze(1)
     loss = (1.0 - label_smoothing) * (lse - picked)
     if label_smoothing > 0.0:
         loss = loss + label_smoothing * (lse - lf.mean(dim=-1))
     loss = torch.where(valid, loss, torch.zeros_like(loss))
+    if torch.compiler.is_compiling():  # NaN times the row's loss: its gradient is NaN too
+        loss = loss * torch.where(outside, float("nan"), 1.0)
     if reduction == "none":
         return loss
     if reduction == "sum":

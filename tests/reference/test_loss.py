@@ -49,3 +49,35 @@ def test_bad_inputs():
         loss.cross_entropy(logits, torch.zeros(4, dtype=torch.long), label_smoothing=1.5)
     with pytest.raises(ValueError, match=r"logits must be 2-D"):
         loss.cross_entropy(logits[0], torch.zeros(4, dtype=torch.long))
+
+
+def test_compiled_fullgraph_matches_float64_and_keeps_the_class_check():
+    """torch.compile(fullgraph=True) traces the loss (no branch on the targets' values), equal to
+    float64 F.cross_entropy with its gradient; a class outside the vocabulary, which a graph
+    cannot raise on, makes its row's loss and gradient NaN (and so the mean) as the contract
+    allows, rather than a wrong number."""
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(lambda x, t: loss.cross_entropy(x, t, label_smoothing=0.1), fullgraph=True)
+        logits = (torch.randn(13, 101) * 4).requires_grad_()
+        target = torch.randint(0, 101, (13,))
+        target[5] = -100
+        out = compiled(logits, target)
+        out.backward()
+        l64 = logits.detach().double().requires_grad_()
+        want = F.cross_entropy(l64, target, label_smoothing=0.1)
+        want.backward()
+        torch.testing.assert_close(out.double(), want, rtol=1.3e-6, atol=1e-5)
+        torch.testing.assert_close(logits.grad.double(), l64.grad, rtol=1.3e-6, atol=1e-5)
+        target[3] = 101
+        assert torch.isnan(compiled(logits.detach(), target))
+        logits.grad = None
+        rows = torch.compile(lambda x, t: loss.cross_entropy(x, t, reduction="none"), fullgraph=True)(logits, target)
+        rows.backward(torch.ones_like(rows))
+        others = torch.arange(13) != 3
+        assert torch.isnan(rows[3]) and torch.isfinite(rows[others]).all()
+        assert torch.isnan(logits.grad[3]).all() and torch.isfinite(logits.grad[others]).all()
+        with pytest.raises(ValueError, match=r"target holds class 101, outside \[0, 101\)"):
+            loss.cross_entropy(logits, target)  # eagerly: the error
+    finally:
+        torch._dynamo.reset()
