@@ -1,5 +1,6 @@
-"""Tensor-wise FP8 casts and their GEMMs in plain torch operations: the ops' twins for
-torch.compile (OpImpl.traced).
+"""Tensor-wise FP8 casts, the FP8 GEMMs (tensor-wise and block-scaled) and the high-precision
+GEMM in plain torch operations: the ops' twins for torch.compile (OpImpl.traced). The block
+casts' twin is in traced_block.
 
 Under torch.compile each opaque op costs a trip through torch.library and this backend's
 Python on every call, which on a host-bound step makes the compiled step slower than the eager
@@ -21,8 +22,8 @@ as its amax, as the contract says. The delayed-scaling update has no twin and st
 op, one launch per step that mode="reduce-overhead" captures in its CUDA graphs: written in
 torch ops and compiled by inductor, it kept the old scales for a history holding NaN where the
 kernel, as Transformer Engine, ignores the NaN, and it made inductor's scheduler fail on a
-compiled TransformerLayer. Anything else (block scales, outputs written into `out`, tensors off
-this backend's device) returns NotImplemented and stays the opaque op.
+compiled TransformerLayer. Anything else (row-wise and MXFP8 scales, outputs written into
+`out`, tensors off this backend's device) returns NotImplemented and stays the opaque op.
 """
 from __future__ import annotations
 
