@@ -30,11 +30,17 @@ from __future__ import annotations
 import torch
 from te_core.backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, FP8_FORMATS, TENSORWISE
 
+from te_core._tracing import run_while_tracing
+
 from .configs import TMA_MIN_NUMEL as MAX_NUMEL  # where the Triton casts switch to descriptors
-from . import scaled_mm
+from . import capabilities, scaled_mm
 from .scaled_mm import fp8_gemm_layout_reason
 
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# A cast takes no float16 input: inductor keeps a fused float16 producer's result in float32,
+# and as_stored restores the stored values of bfloat16 only, so the FP8 bytes could differ
+# from eager's; float16 casts stay the opaque ops.
+CAST_DTYPES = (torch.float32, torch.bfloat16)
 TRACED_SCALINGS = (TENSORWISE, BLOCK_1x128_128x128, BLOCK_1x128_1x128)  # the GEMMs torch._scaled_mm runs here
 FLOAT32_MAX = torch.finfo(torch.float32).max
 DEVICE_TYPE = "cuda"  # the device whose tensors the twins take (the opaque op handles the rest)
@@ -58,7 +64,7 @@ def _takes(x, fp8_dtype, scale=None, amax_out=None) -> bool:
     1-element float32 slot on x's device (else the opaque op names the problem)."""
     if not _here(x) or x.numel() == 0 or x.numel() >= MAX_NUMEL:
         return False
-    if fp8_dtype not in FP8_FORMATS or x.dtype not in HP_DTYPES:
+    if fp8_dtype not in FP8_FORMATS or x.dtype not in CAST_DTYPES:
         return False
     if amax_out is not None and not (WRITES_SLOTS and _here(amax_out) and amax_out.device == x.device
                                      and amax_out.dtype == torch.float32 and amax_out.numel() == 1):
@@ -203,6 +209,14 @@ def dequantize_fp8(data, scale_inv, out_dtype):
     return _as(data.float() * _as(scale_inv.reshape(()), torch.float32), out_dtype)
 
 
+@run_while_tracing
+def _gpu_runs(index: int, scaling: str) -> bool:
+    """Whether GPU `index` runs FP8 GEMMs with `scaling` natively: the backend's capability
+    probe, which the dispatcher checks before an opaque call and a twin must check itself. The
+    probe launches kernels, so it runs while dynamo traces and its answer is a constant."""
+    return scaling in capabilities.capabilities_for(index).scaling_modes
+
+
 def _block_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, scaling, bias):
     """The block-scaled GEMM as the eager op runs it: one torch._scaled_mm with the block scales
     laid out as cuBLASLt reads them (accumulating in float32), the bias added after."""
@@ -221,6 +235,8 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, b
     a, b = a.contiguous(), b.contiguous()
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1] or fp8_gemm_layout_reason(a, b, out_dtype, scaling):
         return NotImplemented  # (a K mismatch: the opaque op's reference names it)
+    if a.device.type == "cuda" and not _gpu_runs(a.device.index, scaling):
+        return NotImplemented  # (the opaque op's dispatch sends it to the reference)
     if scaling != TENSORWISE:
         return _block_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, scaling, bias)
     kwargs = dict(out_dtype=out_dtype, use_fast_accum=bool(fast_accumulation))

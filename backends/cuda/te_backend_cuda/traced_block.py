@@ -14,7 +14,8 @@ scale_inv = 1 / scale rounded once. Partial edge blocks take their own elements 
 is zeros, which leave an amax alone). A 128x128 tile of x.T is the transpose of a tile of x,
 so the 2-D transposed copy shares its scales; 1x128 runs of x.T are runs along x's columns,
 with scales of their own. A bfloat16 input is read as stored (traced.as_stored), so that
-the FP8 bytes are eager's where the compiler fuses the cast with its producer.
+the FP8 bytes are eager's where the compiler fuses the cast with its producer; a float16 one
+stays the opaque op (traced.CAST_DTYPES).
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def _takes(x, fp8_dtype, block_2d, with_transpose, force_pow2_scales, amax_epsil
         and 0.0 <= amax_epsilon < float("inf")
     # Inductor's CPU code generation (torch 2.11) fails on the exact float64 reciprocal of
     # scales that are not powers of two when both 1x128 passes read a row with a partial block;
-    # that rare combination (Float8BlockScaling rounds its scales to powers of two) stays opaque.
+    # that rare combination (Float8BlockScaling rounds its scales to powers of two) stays opaque
+    # on every device, as a precaution: it has not been compiled on a GPU.
     odd = not force_pow2_scales and with_transpose and not block_2d and x.shape[1] % BLOCK != 0
     return flags and eps_ok and not odd
 

@@ -133,6 +133,24 @@ def test_block_gemm_twin_declines_scales_of_the_wrong_shape(on_cpu):
             assert got is NotImplemented, (scaling, a_si, b_si)
 
 
+def test_gemm_twin_follows_the_capability_probe(monkeypatch):
+    """A twin skips the dispatcher's capability check, so it asks the backend's probe itself: a
+    scaling mode the GPU does not run natively is left to the opaque op (and so the reference)."""
+    from te_backend_cuda import capabilities
+    from te_core.backend.types import TENSORWISE, Capabilities
+
+    seen = []
+
+    def probed(index):
+        seen.append(index)
+        return Capabilities({"E4M3": 448.0}, frozenset({TENSORWISE, BLOCK_1x128_1x128}))
+
+    monkeypatch.setattr(capabilities, "capabilities_for", probed)
+    assert traced._gpu_runs(0, TENSORWISE) and traced._gpu_runs(1, BLOCK_1x128_1x128)
+    assert not traced._gpu_runs(0, BLOCK_1x128_128x128)
+    assert seen == [0, 1, 0]
+
+
 def test_twin_declines_other_devices():
     """With the backend's own device type (cuda), a CPU tensor stays the opaque op."""
     assert traced_block.quantize_blockwise(_input((130, 300), torch.bfloat16), E4M3) is NotImplemented
@@ -206,14 +224,23 @@ def test_compiled_block_scaled_module_on_cuda(module):
         backend.reset()
 
 
+def _block_magnitudes(rows, cols, block_rows, g):
+    """2^k factors, k in [-6, 6], one per block of block_rows x 128: every block's scale differs
+    from its neighbours', so a scale read from the wrong block moves the GEMM's result."""
+    k = torch.randint(-6, 7, (-(-rows // block_rows), cols // 128), generator=g, device="cuda")
+    return (2.0 ** k).repeat_interleave(block_rows, 0)[:rows].repeat_interleave(128, 1)
+
+
 def _block_operands(scaling, seed=0):
     from te_backend_cuda import ops
 
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(256, 512, device="cuda", generator=g).to(torch.bfloat16)
-    w = torch.randn(384, 512, device="cuda", generator=g).to(torch.bfloat16)
+    w_rows = 128 if scaling == BLOCK_1x128_128x128 else 1
+    x = (torch.randn(256, 512, device="cuda", generator=g) * _block_magnitudes(256, 512, 1, g)).to(torch.bfloat16)
+    w = (torch.randn(384, 512, device="cuda", generator=g) * _block_magnitudes(384, 512, w_rows, g)).to(torch.bfloat16)
     a, a_si, _, _ = ops.quantize_blockwise(x, E4M3)
     b, b_si, _, _ = ops.quantize_blockwise(w, E4M3, block_2d=scaling == BLOCK_1x128_128x128)
+    assert a_si.unique().numel() > 4 and b_si.unique().numel() > 4  # the scales vary from block to block
     return a, b, a_si, b_si
 
 
@@ -222,7 +249,9 @@ def _block_operands(scaling, seed=0):
 @pytest.mark.parametrize("scaling", [BLOCK_1x128_128x128, BLOCK_1x128_1x128])
 def test_block_gemm_twin_equals_the_cuda_op(scaling, with_bias):
     """The twin runs the eager op's cuBLASLt call: the same bytes as it is; compiled (inductor
-    lays the scales out itself), within bfloat16's tolerance."""
+    lays the scales out itself), within bfloat16's tolerance of it; both within bfloat16's
+    tolerance of the float64 product of the dequantized operands. The scales differ from block
+    to block, so a scale read from another block fails the comparisons."""
     from te_backend_cuda import scaled_mm
 
     torch._dynamo.reset()
@@ -232,6 +261,9 @@ def test_block_gemm_twin_equals_the_cuda_op(scaling, with_bias):
     want = scaled_mm.gemm_fp8(a, b, a_si, b_si, **kwargs)
     got = traced.gemm_fp8(a, b, a_si, b_si, **kwargs)
     assert got is not NotImplemented and torch.equal(got, want)
+    exact = scaled_mm.emulate(a, b, a_si, b_si, scaling).double() + (0 if bias is None else bias.double())
+    scale = exact.abs().max()  # relative to the largest element: the terms' magnitudes set a GEMM's error
+    torch.testing.assert_close(want.double() / scale, exact / scale, rtol=1.6e-2, atol=1e-3)
     compiled = torch.compile(lambda *t: traced.gemm_fp8(*t, **kwargs), fullgraph=True)(a, b, a_si, b_si)
     torch.testing.assert_close(compiled, want, rtol=1.6e-2, atol=1e-5)
     torch._dynamo.reset()
@@ -248,6 +280,9 @@ def test_compiled_block_scaled_linear_on_cuda_traces_casts_and_gemms():
     try:
         torch.manual_seed(0)
         eager = te.Linear(512, 512, params_dtype=torch.bfloat16, device="cuda")  # every K a multiple of 512
+        g = torch.Generator(device="cuda").manual_seed(0)
+        with torch.no_grad():  # tile scales that differ, so that a misplaced scale shows
+            eager.weight.mul_(_block_magnitudes(512, 512, 128, g))
         rec = recipe.Float8BlockScaling()
 
         def step(model, x):
@@ -267,7 +302,7 @@ def test_compiled_block_scaled_linear_on_cuda_traces_casts_and_gemms():
             model = copy.deepcopy(eager)
             compiled = torch.compile(step, fullgraph=True, backend=backend_fn)
             for i in range(2):
-                x = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16) * (i + 1)
+                x = (torch.randn(512, 512, device="cuda") * _block_magnitudes(512, 512, 1, g) * (i + 1)).to(torch.bfloat16)
                 dy = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16)
                 got, want = fwd_bwd(compiled, model, x, dy), fwd_bwd(step, eager, x, dy)
                 if backend_fn == "inductor":
@@ -277,3 +312,15 @@ def test_compiled_block_scaled_linear_on_cuda_traces_casts_and_gemms():
     finally:
         torch._dynamo.reset()
         backend.reset()
+
+
+@GPU
+def test_block_gemm_twin_declines_a_mode_the_gpu_does_not_run(monkeypatch):
+    from te_backend_cuda import capabilities
+    from te_core.backend.types import TENSORWISE, Capabilities
+
+    monkeypatch.setattr(capabilities, "capabilities_for",
+                        lambda index: Capabilities({"E4M3": 448.0}, frozenset({TENSORWISE})))
+    a, b, a_si, b_si = _block_operands(BLOCK_1x128_128x128)
+    got = traced.gemm_fp8(a, b, a_si, b_si, out_dtype=torch.bfloat16, scaling=BLOCK_1x128_128x128)
+    assert got is NotImplemented
