@@ -28,9 +28,9 @@ compiled TransformerLayer. Anything else (row-wise and MXFP8 scales, outputs wri
 from __future__ import annotations
 
 import torch
-from te_core.backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, FP8_FORMATS, TENSORWISE
-
 from te_core._tracing import run_while_tracing
+from te_core.backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, FP8_FORMATS, TENSORWISE
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .configs import TMA_MIN_NUMEL as MAX_NUMEL  # where the Triton casts switch to descriptors
 from . import capabilities, scaled_mm
@@ -214,7 +214,8 @@ def _gpu_runs(index: int, scaling: str) -> bool:
     """Whether GPU `index` runs FP8 GEMMs with `scaling` natively: the backend's capability
     probe, which the dispatcher checks before an opaque call and a twin must check itself. The
     probe launches kernels, so it runs while dynamo traces and its answer is a constant."""
-    return scaling in capabilities.capabilities_for(index).scaling_modes
+    with unset_fake_temporarily():  # real kernels (and a real cached answer) even while tracing
+        return scaling in capabilities.capabilities_for(index).scaling_modes
 
 
 def _block_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, scaling, bias):

@@ -151,6 +151,34 @@ def test_gemm_twin_follows_the_capability_probe(monkeypatch):
     assert seen == [0, 1, 0]
 
 
+def test_the_capability_probe_runs_for_real_while_dynamo_traces(monkeypatch):
+    """The probe launches real GEMMs and reads their results: called while dynamo traces, it
+    still runs on real tensors (not the tracer's fake ones, which cannot be read back), and
+    the graph keeps its answer as a constant."""
+    from te_backend_cuda import capabilities
+    from te_core.backend.types import TENSORWISE, Capabilities
+
+    calls = []
+
+    def probed(index):
+        probe = torch.ones(4) * 2  # a fake tensor here would fail .item()
+        calls.append(probe.sum().item())
+        return Capabilities({"E4M3": 448.0}, frozenset({TENSORWISE}))
+
+    monkeypatch.setattr(capabilities, "capabilities_for", probed)
+    torch._dynamo.reset()
+    try:
+        @torch.compile(fullgraph=True, backend="aot_eager")
+        def step(x):
+            return x * (2.0 if traced._gpu_runs(0, BLOCK_1x128_128x128) else 3.0)
+
+        x = torch.randn(8)
+        assert torch.equal(step(x), x * 3.0) and torch.equal(step(x), x * 3.0)
+        assert calls and set(calls) == {8.0}
+    finally:
+        torch._dynamo.reset()
+
+
 def test_twin_declines_other_devices():
     """With the backend's own device type (cuda), a CPU tensor stays the opaque op."""
     assert traced_block.quantize_blockwise(_input((130, 300), torch.bfloat16), E4M3) is NotImplemented
