@@ -16,8 +16,10 @@ GPU times are triton's do_bench medians; "compiled" is torch.compile of the forw
 --mode reduce-overhead: CUDA graphs; te's under
 te.autocast), backward through AOTAutograd. The eager cells of every section run first, then
 the compiled ones; a cell that raises records the error and the sweep goes on; cells reached
-after --budget-s are recorded as skipped, so the sweep ends in bounded time. The JSON is
-rewritten after every cell: a run stopped from outside keeps what it measured.
+after --budget-s are recorded as skipped, so the sweep ends in bounded time. A compiled cell
+also records its graphs, graph breaks (the first one's reason) and the graphs CUDA graphs
+skipped. The JSON is rewritten after every cell: a run stopped from outside keeps what it
+measured.
 
     python benchmarks/bench_sweep.py [--only big,tiny,linear,layer] [--quick] [--no-compile] [--results DIR]
     python benchmarks/bench_sweep.py --smoke --results /tmp/r   # CPU, reference backend, tiny sizes
@@ -203,16 +205,36 @@ class Sweep:
         return cells
 
 
+def compile_stats() -> dict:
+    """What dynamo and inductor did since the counters were cleared: the graphs, the graph
+    breaks (with the first one's reason) and the graphs CUDA graphs skipped, so that a slow
+    compiled or graphed cell shows whether it compiled whole."""
+    counters = torch._dynamo.utils.counters
+    breaks = counters["graph_break"]
+    stats = {"graphs": counters["stats"].get("unique_graphs", 0), "graph_breaks": sum(breaks.values())}
+    if breaks:
+        stats["first_graph_break"] = " ".join(next(iter(breaks)).split())[:240]  # its reason and explanation
+    skips = counters["inductor"].get("cudagraph_skips", 0)
+    if skips:
+        stats["cudagraph_skips"] = skips
+    return stats
+
+
 def run_cell(cell: Cell, deadline: float, device: str) -> dict:
-    """The cell's measurement, or {"error": ...} when it raised or the time budget is spent."""
+    """The cell's measurement (a compiled cell's with compile_stats()), or {"error": ...} when
+    it raised or the time budget is spent."""
     if time.monotonic() > deadline:
         return {"error": "skipped: the sweep's time budget (--budget-s) was spent"}
+    compiled = not cell.name.endswith("eager")
     try:
-        return cell.measure()
+        if compiled:
+            torch._dynamo.utils.counters.clear()
+        result = cell.measure()
+        return {**result, **compile_stats()} if compiled else result
     except Exception as exc:  # one failing cell must not hide the others: recorded, shown in the table
         return {"error": f"{type(exc).__name__}: {exc}".strip()[:400]}
     finally:
-        if not cell.name.endswith("eager"):
+        if compiled:
             torch._dynamo.reset()  # frees the graphs; the next cell compiles afresh
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
 sys.path.insert(0, BENCHMARKS)
@@ -197,6 +198,30 @@ def test_a_failing_cell_and_a_spent_budget_are_recorded_not_raised():
     assert got == {"te delayed compiled": {"error": "RuntimeError: compiled FP8 failed"}, "nn.Linear eager": {"us": 1.0}}
     late = bench_sweep.run(cells[1:], budget_s=-1, device="cpu")["tiny"]["t"]["nn.Linear eager"]
     assert late["error"].startswith("skipped: the sweep's time budget")
+
+
+def test_a_compiled_cell_records_its_graphs_and_graph_breaks():
+    def with_a_break(x):
+        y = x * 2
+        print("a graph break")  # dynamo cannot trace print: the frame splits in two graphs
+        return y + 1
+
+    def measure():
+        compiled = torch.compile(with_a_break, backend="eager")
+        assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 3.0))
+        return {"us": 1.0}
+
+    def whole():
+        torch.compile(lambda x: x * 2 + 1, backend="eager", fullgraph=True)(torch.ones(3))
+        return {"us": 1.0}
+
+    cells = [bench_sweep.Cell("tiny", "t", "a compiled", measure), bench_sweep.Cell("tiny", "t", "b compiled", whole),
+             bench_sweep.Cell("tiny", "t", "c eager", lambda: {"us": 2.0})]
+    got = bench_sweep.run(cells, budget_s=60, device="cpu")["tiny"]["t"]
+    assert got["a compiled"]["graph_breaks"] == 1 and got["a compiled"]["graphs"] == 2
+    assert "print" in got["a compiled"]["first_graph_break"]
+    assert got["b compiled"] == {"us": 1.0, "graphs": 1, "graph_breaks": 0}  # the counters start afresh per cell
+    assert got["c eager"] == {"us": 2.0}
 
 
 def test_smoke_sweep_writes_json_and_report_renders_it(tmp_path):
