@@ -15,7 +15,8 @@ from te_core import backend, recipe
 from te_core.backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128
 from te_core.reference import cast as ref_cast
 
-from test_cuda_traced_fused import MODULES, _assert_relative_errors, _capture, _compare_compiled, _opaque_ops
+from test_cuda_traced_fused import (MODULES, _assert_relative_errors, _capture, _compare_compiled, _fwd_bwd,
+                                    _opaque_ops, _step)
 from twin_backends import cpu_backend_with
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -311,19 +312,7 @@ def test_compiled_block_scaled_linear_on_cuda_traces_casts_and_gemms():
         g = torch.Generator(device="cuda").manual_seed(0)
         with torch.no_grad():  # tile scales that differ, so that a misplaced scale shows
             eager.weight.mul_(_block_magnitudes(512, 512, 128, g))
-        rec = recipe.Float8BlockScaling()
-
-        def step(model, x):
-            with te.autocast(recipe=rec):
-                return model(x)
-
-        def fwd_bwd(run, model, x, dy):
-            x = x.clone().requires_grad_(True)
-            y = run(model, x)
-            y.backward(dy)
-            out = [y.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
-            model.zero_grad(set_to_none=True)
-            return out
+        step = _step(recipe.Float8BlockScaling(), None)
 
         for backend_fn in (_capture(graphs := []), "inductor"):
             torch._dynamo.reset()
@@ -332,7 +321,7 @@ def test_compiled_block_scaled_linear_on_cuda_traces_casts_and_gemms():
             for i in range(2):
                 x = (torch.randn(512, 512, device="cuda") * _block_magnitudes(512, 512, 1, g) * (i + 1)).to(torch.bfloat16)
                 dy = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16)
-                got, want = fwd_bwd(compiled, model, x, dy), fwd_bwd(step, eager, x, dy)
+                got, want = _fwd_bwd(compiled, model, x, dy), _fwd_bwd(step, eager, x, dy)
                 if backend_fn == "inductor":
                     _assert_relative_errors([(got, want)])
         left = _opaque_ops(graphs)
