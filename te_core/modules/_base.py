@@ -35,9 +35,9 @@ _UNTRACED = [False]  # True while _prepare_untraced runs
 
 def _refuse_traced_fp8_weight_training(module: nn.Module) -> None:
     """A compiled graph reads an FP8 primary weight (te.quantized_model_init) through its data
-    and scale tensors, so the weight itself gets no gradient: training it that way would be
-    silently wrong."""
-    if not torch.is_grad_enabled():
+    and scale tensors, so the weight gets a gradient only from modules that route it through a
+    stand-in (_grad_proxy); training it through any other module would be silently wrong."""
+    if type(module)._routes_fp8_weight_grads or not torch.is_grad_enabled():
         return
     for name, param in module._parameters.items():
         if isinstance(param, QuantizedTensor) and param.requires_grad:
@@ -92,6 +92,10 @@ class QuantizedModule(nn.Module):
     """Base for modules whose GEMMs follow te_core.autocast. Subclasses declare their quantizer
     slots, call `quantization_step(is_first_microbatch)` once per forward and pass the step to
     their autograd Function (see te_core/modules/linear.py)."""
+
+    # whether the module hands its FP8 primary weights' stand-ins (_grad_proxy) to its autograd
+    # Function, so that torch.compile can train them
+    _routes_fp8_weight_grads = False
 
     def __init__(self, slots: Sequence[QuantizerSlot], *, device=None, params_dtype=None):
         super().__init__()

@@ -13,6 +13,7 @@ from ..quantization import gemm_slots
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_operand
 from ._base import QuantizedModule
 from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
+from ._grad_proxy import grad_proxies
 from ._wgrad import weight_grad
 from ._common import (
     check_fp8_gemms,
@@ -33,8 +34,10 @@ def _slot(i: int, role: str) -> str:
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, m_splits, step, num_gemms, fuse_wgrad, wgrad_store, *params):
-        weights, biases = params[:num_gemms], params[num_gemms:]
+    def forward(ctx, x, m_splits, step, num_gemms, fuse_wgrad, wgrad_store, proxied, *params):
+        # params: the weights, the biases, then the stand-ins (_grad_proxy) of the FP8 primary
+        # weights numbered in `proxied` under torch.compile, which are given those weights' gradients
+        weights, biases = params[:num_gemms], params[num_gemms:len(params) - len(proxied)]
         outs, saved = [], []
         for i, xi in enumerate(torch.split(x, m_splits)):
             w = weights[i]
@@ -55,6 +58,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         ctx.wgrad_store = wgrad_store  # delay_wgrad_compute=True: the wgrads are left for backward_dw
         ctx.bias_dtypes = [b.dtype for b in biases]
         ctx.x_dtype, ctx.needs_dx = x.dtype, x.requires_grad
+        ctx.proxied = proxied
         return torch.cat(outs, dim=0)
 
     @staticmethod
@@ -83,12 +87,15 @@ class _GroupedLinearFunction(torch.autograd.Function):
             dbs.append(None if db is None else db.to(ctx.bias_dtypes[i]))
         step.backward_done()
         dx = torch.cat(dxs, dim=0) if ctx.needs_dx else None
-        return (dx, None, None, None, None, None, *dws, *(dbs if ctx.bias_dtypes else ()))
+        return (dx, None, None, None, None, None, None, *dws, *(dbs if ctx.bias_dtypes else ()),
+                *(dws[i] for i in ctx.proxied))
 
 
 class GroupedLinear(DelayedWgradMixin, QuantizedModule):
     """Rows m_splits[0], m_splits[1], ... of the input go through weight0, weight1, ...;
     parameters weight{i} (out_features, in_features) and bias{i}, as in Transformer Engine."""
+
+    _routes_fp8_weight_grads = True
 
     def __init__(
         self,
@@ -142,9 +149,12 @@ class GroupedLinear(DelayedWgradMixin, QuantizedModule):
         step = self.quantization_step(is_first_microbatch)
         check_fp8_gemms(step, name, *((m, self.out_features, self.in_features) for m in m_splits if m))
         biases = self._params("bias") if self.use_bias and not self.return_bias else []
+        proxies = grad_proxies(self, tuple(f"weight{i}" for i in range(self.num_gemms)))
+        proxied = tuple(i for i, proxy in enumerate(proxies) if proxy is not None)
         with no_torch_autocast(inp.device.type):
             y = _GroupedLinearFunction.apply(x, m_splits, step, self.num_gemms, self.fuse_wgrad_accumulation,
-                                             self.delayed_wgrad_store(), *self._params("weight"), *biases)
+                                             self.delayed_wgrad_store(), proxied, *self._params("weight"), *biases,
+                                             *(proxies[i] for i in proxied))
         y = y.view(*inp.shape[:-1], self.out_features)
         if self.return_bias:
             return y, self._params("bias") if self.use_bias else None

@@ -19,6 +19,7 @@ from ..quantization import gemm_slots
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_operand
 from ._base import QuantizedModule
 from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
+from ._grad_proxy import grad_proxies
 from ._param_split import ParameterSplitMixin
 from ._wgrad import weight_grad
 from ._common import (
@@ -164,7 +165,8 @@ def normalized_operand(
 class _LayerNormLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, weight, bias, step, norm, return_ln_out, split_sizes, return_residual,
-                fuse_wgrad=False, wgrad_store=None):
+                fuse_wgrad=False, wgrad_store=None, weight_proxy=None):
+        # weight_proxy: an FP8 primary weight's stand-in under torch.compile (_grad_proxy), given its gradient
         ln_out_q, ln_out_w, stats, ln_out = normalized_operand(
             step, "input", x, ln_weight, ln_bias, norm, columnwise=weight.requires_grad, keep_hp=return_ln_out
         )
@@ -180,6 +182,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         ctx.fused_weight = weight if fuse_wgrad else None  # its main_grad takes the wgrad
         ctx.wgrad_store = wgrad_store  # delay_wgrad_compute=True: the wgrad is left for backward_dw
         ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.proxied = weight_proxy is not None
         ctx.needs = (x.requires_grad, weight.requires_grad)
         ctx.needs_norm = needs_norm_grad(x, ln_weight, ln_bias)
         ctx.parts = 1 if split_sizes is None else len(split_sizes)
@@ -209,7 +212,8 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         dx, d_ln_w, d_ln_b = norm_grads(ctx, d_ln, x, stats, ln_weight, d_res)
         step.backward_done()
         dbias = None if dbias is None else dbias.to(ctx.bias_dtype)
-        return dx if needs_dx else None, d_ln_w, d_ln_b, dw, dbias, None, None, None, None, None, None, None
+        return (dx if needs_dx else None, d_ln_w, d_ln_b, dw, dbias, None, None, None, None, None, None, None,
+                dw if ctx.proxied else None)
 
 
 class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParallelMixin, QuantizedModule):
@@ -219,6 +223,8 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
     parallel_mode="column" with tp_size > 1 splits out_features over the ranks of tp_group
     (out_features then holds this rank's share); the norm runs on the whole input, replicated
     or, under sequence_parallel, gathered along the sequence first."""
+
+    _routes_fp8_weight_grads = True
 
     def __init__(
         self,
@@ -326,6 +332,7 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
                 residual_fused,
                 self.fuse_wgrad_accumulation,
                 self.delayed_wgrad_store(),
+                grad_proxies(self, ("weight",))[0],
             )
         out, ln_out, residual = unpack_outputs(out, inp, return_ln_out=self.return_layernorm_output,
                                                return_residual=return_residual, residual_fused=residual_fused)

@@ -22,6 +22,7 @@ from . import _saved
 from ._activation import activation_op, split_activation
 from ._base import QuantizedModule
 from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
+from ._grad_proxy import grad_proxies
 from ._wgrad import weight_grad
 from ._common import (
     check_fp8_gemms,
@@ -97,8 +98,9 @@ class _LayerNormMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, step, norm, activation, return_ln_out,
-        return_residual, fuse_wgrad=False, wgrad_store=None,
+        return_residual, fuse_wgrad=False, wgrad_store=None, fc1_weight_proxy=None, fc2_weight_proxy=None,
     ):
+        # *_proxy: FP8 primary weights' stand-ins under torch.compile (_grad_proxy), given their gradients
         ln_out_q, ln_out_w, stats, ln_out = normalized_operand(
             step, "fc1_input", x, ln_weight, ln_bias, norm, columnwise=fc1_weight.requires_grad, keep_hp=return_ln_out
         )
@@ -125,6 +127,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         ctx.needs = (x.requires_grad, fc1_weight.requires_grad, fc2_weight.requires_grad)
         ctx.needs_norm = needs_norm_grad(x, ln_weight, ln_bias)
         ctx.return_residual = return_residual
+        ctx.proxied = (fc1_weight_proxy is not None, fc2_weight_proxy is not None)
         # a view, not ln_out itself: under torch.compile (torch 2.11) an output that is also
         # saved for backward (the GEMM operand) got a zero gradient
         outs = (y,) + ((ln_out.view_as(ln_out),) if return_ln_out else ()) + residual_view(x, return_residual)
@@ -165,7 +168,8 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         step.backward_done()
         d_fc1_b, d_fc2_b = (None if d is None else d.to(t) for d, t in zip((d_fc1_b, d_fc2_b), ctx.bias_dtypes))
         return (dx if needs_dx else None, d_ln_w, d_ln_b, d_fc1_w, d_fc1_b, d_fc2_w, d_fc2_b,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None,
+                d_fc1_w if ctx.proxied[0] else None, d_fc2_w if ctx.proxied[1] else None)
 
 
 class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, QuantizedModule):
@@ -176,6 +180,8 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
     With tp_size > 1, fc1 is column-parallel and fc2 row-parallel, as in Transformer Engine:
     each rank holds size_per_partition = ffn_hidden_size / tp_size of the FFN features (for a
     gated activation, its block of each half of fc1), and fc2_bias whole, added after the sum."""
+
+    _routes_fp8_weight_grads = True
 
     def __init__(
         self,
@@ -284,6 +290,7 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
                 residual_fused,
                 self.fuse_wgrad_accumulation,
                 self.delayed_wgrad_store(),
+                *grad_proxies(self, ("fc1_weight", "fc2_weight")),
             )
         out, ln_out, residual = unpack_outputs(out, inp, return_ln_out=self.return_layernorm_output,
                                                return_residual=return_residual, residual_fused=residual_fused)

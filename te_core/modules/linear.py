@@ -17,6 +17,7 @@ from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_o
 from ..quantization.roles import gemm_slots
 from ._base import QuantizedModule
 from ._delayed_wgrad import DelayedWgradMixin, WeightGradStore, weight_grad_or_defer
+from ._grad_proxy import grad_proxies
 from ._param_split import ParameterSplitMixin
 from ._wgrad import weight_grad
 from ._common import (
@@ -60,7 +61,9 @@ def _output(y: Tensor, inp: Tensor) -> Tensor:
 
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp: Tensor, weight: Tensor, bias: Optional[Tensor], step, options: _Options, split_sizes=None):
+    def forward(ctx, inp: Tensor, weight: Tensor, bias: Optional[Tensor], step, options: _Options, split_sizes=None,
+                weight_proxy: Optional[Tensor] = None):
+        # weight_proxy: an FP8 primary weight's stand-in under torch.compile (_grad_proxy), given its gradient
         need_dgrad = options.grad_enabled and inp.requires_grad
         need_wgrad = options.grad_enabled and weight.requires_grad
         y, x_wgrad, w_op = _fprop(inp, weight, bias, step, options, need_dgrad, need_wgrad)
@@ -73,6 +76,7 @@ class _LinearFunction(torch.autograd.Function):
         ctx.need_dgrad, ctx.need_wgrad = need_dgrad, need_wgrad
         ctx.bias_dtype = None if bias is None or not bias.requires_grad else bias.dtype
         ctx.split = split_sizes is not None
+        ctx.proxied = weight_proxy is not None
         return _output(y, inp) if split_sizes is None else _split_output(y, inp, split_sizes)
 
     @staticmethod
@@ -100,7 +104,7 @@ class _LinearFunction(torch.autograd.Function):
         step.backward_done()
         if dbias is not None:
             dbias = dbias.to(ctx.bias_dtype)
-        return dx, dw, dbias, None, None, None
+        return dx, dw, dbias, None, None, None, (dw if ctx.proxied else None)
 
 
 def _split_output(y: Tensor, inp: Tensor, split_sizes) -> tuple:
@@ -121,6 +125,8 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
     parallel_mode="column" splits out_features over the tp_size ranks of tp_group, "row" splits
     in_features and sums the outputs; in_features / out_features then hold this rank's share.
     """
+
+    _routes_fp8_weight_grads = True
 
     def __init__(
         self,
@@ -202,7 +208,8 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
         with no_torch_autocast(inp.device.type):  # operands are cast here, not by torch.autocast
             if options.grad_enabled and (inp.requires_grad or weight.requires_grad
                                          or (fused_bias is not None and fused_bias.requires_grad)):
-                out = _LinearFunction.apply(inp, weight, fused_bias, step, options, split_sizes)
+                out = _LinearFunction.apply(inp, weight, fused_bias, step, options, split_sizes,
+                                            grad_proxies(self, ("weight",))[0])
             else:  # nothing to differentiate: skip the autograd Function's bookkeeping (inference)
                 y = _fprop(inp, weight, fused_bias, step, options)[0]
                 out = _output(y, inp) if split_sizes is None else _split_output(y, inp, split_sizes)

@@ -123,6 +123,13 @@ class QuantizedTensor(Tensor):
     def __deepcopy__(self, memo):
         twin = self._with_payload(lambda t: t.clone())
         twin._quantizer = copy.deepcopy(self._quantizer, memo)
+        # a copied model's FP8 primary weights must stay parameters that train (nn.Parameter's
+        # own __deepcopy__ does not run for a parameter of this class)
+        if getattr(self, "_is_param", False):
+            twin = torch.nn.Parameter(twin, requires_grad=self.requires_grad)
+        elif self.requires_grad:
+            twin.requires_grad_()
+        memo[id(self)] = twin
         return twin
 
     @classmethod

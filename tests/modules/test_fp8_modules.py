@@ -137,6 +137,35 @@ def test_quantized_model_init_layernorm_linear_and_grouped_linear():
     assert not isinstance(tm.LayerNormLinear(32, 32).weight, QuantizedTensor)
 
 
+@pytest.mark.parametrize("rec_name", sorted(RECIPES))
+def test_deepcopy_keeps_fp8_primary_weights_trainable(rec_name):
+    """A deep copy of a model with FP8 primary weights (an EMA or reference copy) keeps them
+    trainable parameters with their own quantizers: the copy's gradients equal the original's."""
+    import copy
+
+    from te_core.quantization import QuantizedTensor, quantized_model_init
+
+    torch.manual_seed(0)
+    rec = RECIPES[rec_name]()
+    with quantized_model_init(recipe=rec):
+        original = torch.nn.Sequential(tm.Linear(64, 64), tm.LayerNormMLP(64, 128))
+    twin = copy.deepcopy(original)
+    names = [name for name, p in original.named_parameters() if isinstance(p, QuantizedTensor)]
+    assert len(names) == 3 and [n for n, _ in twin.named_parameters()] == [n for n, _ in original.named_parameters()]
+    x = torch.randn(32, 64)
+    for model in (original, twin):
+        with autocast(recipe=rec):
+            y = model(x)
+        y.backward(torch.randn(y.shape, generator=seeded(3)))
+    copied = dict(twin.named_parameters())
+    for name, param in original.named_parameters():
+        got = copied[name]
+        assert got.requires_grad and isinstance(got, torch.nn.Parameter), name
+        assert got.grad is not None and torch.equal(got.grad, param.grad), name
+        if name in names:
+            assert got.quantizer is not param.quantizer, name  # the copy requantizes on its own
+
+
 @pytest.mark.parametrize("rec", ["block", "mxfp8"])
 def test_frozen_input_still_trains_norm_and_weights(rec):
     """x without requires_grad: the norm parameters still need the dgrad, so the weight keeps

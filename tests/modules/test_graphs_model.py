@@ -17,6 +17,8 @@ from torch import nn
 import te_core as te
 from te_core import graphs
 from te_core.modules._base import QuantizedModule
+from te_core.modules._common import primary_weight
+from te_core.quantization import gemm_slots
 
 from .test_compile_fp8 import RECIPES
 from .test_graphs import fake_graph_api
@@ -233,13 +235,13 @@ def _payload_buffers(model):
             for t in p._payload().values() if isinstance(t, torch.Tensor)]
 
 
-def _train(model, step_fn, rec, steps):
+def _train(model, step_fn, rec, steps, rows=SEQ * BATCH):
     """Steps of forward, backward and an SGD update (FP8 weights are requantized in place)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, foreach=False)
     results = []
     for step in range(steps):
         torch.manual_seed(100 + step)  # each run of _train sees the same inputs
-        x, dy = torch.randn(SEQ * BATCH, HIDDEN).requires_grad_(), torch.randn(SEQ * BATCH, FFN)
+        x, dy = torch.randn(rows, HIDDEN).requires_grad_(), torch.randn(rows, FFN)
         y = step_fn(x)
         y.backward(dy)
         results += [y.detach(), x.grad] + [p.grad.clone() for p in model.parameters()]
@@ -274,8 +276,7 @@ def test_quantized_model_init_weights_under_capture(eager_graphs, rec_name):
 @pytest.mark.parametrize("rec_name", list(RECIPES))
 def test_quantized_model_init_weights_compile_fullgraph(rec_name):
     """torch.compile(fullgraph=True) of a model whose weights are FP8 (quantized_model_init):
-    inference equals eager, also after the weights were updated in place; training is refused
-    (the compiled graph would give the FP8 weights no gradient)."""
+    inference equals eager, also after the weights were updated in place."""
     torch._dynamo.reset()
     rec = RECIPES[rec_name]()
     model, eager = _quantized_model(rec), _quantized_model(rec)
@@ -287,15 +288,104 @@ def test_quantized_model_init_weights_compile_fullgraph(rec_name):
                 got, want = compiled(x), _autocast_call(eager, rec)(x)
                 if te.get_backend().name == "reference":
                     _assert_equal([got], [want], f"step {step}")
-                else:  # inductor's twins of the casts and GEMMs round the last float32 bits their own way
-                    torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"step {step}: {m}")
+                else:  # inductor's twins (the norms' included) round the last float32 bits their own way,
+                    # which moves an FP8 element by one step now and then: the documented bound
+                    error = ((got - want).norm() / want.norm()).item()
+                    assert error <= 1e-2, f"step {step}: compiled output off by {error:.2e} (relative L2)"
                 for m in (model, eager):
                     for p in m.parameters():
                         p.mul_(1.5)  # an FP8 weight is requantized in place
             if rec_name == "delayed":
                 _assert_equal(list(_scaling_state(model).values()), list(_scaling_state(eager).values()), "state")
+    finally:
         torch._dynamo.reset()
-        with pytest.raises(Exception, match="torch.compile cannot train Linear.weight, an FP8 primary weight"):
-            compiled(torch.randn(SEQ * BATCH, HIDDEN, requires_grad=True))
+
+
+@pytest.mark.parametrize("rec_name", list(RECIPES))
+def test_quantized_model_init_weights_train_compiled(rec_name):
+    """Compiled training steps of FP8 primary weights (Linear, LayerNormMLP, LayerNormLinear)
+    equal eager ones: outputs, every gradient (the weights' through their stand-ins) and the
+    weights after each optimizer step requantized them."""
+    torch._dynamo.reset()
+    rec = RECIPES[rec_name]()
+
+    def build():
+        model = _quantized_model(rec)
+        with te.quantized_model_init(recipe=rec):
+            model.append(te.LayerNormLinear(FFN, FFN, params_dtype=torch.float32))
+        return model
+
+    model, eager = build(), build()
+    assert sum(isinstance(p, te.quantization.QuantizedTensor) for p in model.parameters()) == 4
+    try:
+        got = _train(model, torch.compile(_autocast_call(model, rec), fullgraph=True), rec, STEPS)
+        want = _train(eager, _autocast_call(eager, rec), rec, STEPS)
+    finally:
+        torch._dynamo.reset()
+    if te.get_backend().name == "reference":
+        _assert_equal(got, want, "compiled vs eager")
+    else:  # inductor's twins round the last bits their own way, which can move an FP8 weight by one step
+        for i, (g, w) in enumerate(zip(got, want)):
+            torch.testing.assert_close(g, w, rtol=0.125, atol=0.0675, msg=lambda m: f"tensor {i}: {m}")
+
+
+@pytest.mark.parametrize("rec_name", list(RECIPES))
+def test_grouped_linear_fp8_weights_train_compiled(rec_name):
+    """GroupedLinear's FP8 primary weights train compiled as eagerly, an expert without tokens included."""
+    torch._dynamo.reset()
+    rec = RECIPES[rec_name]()
+
+    def build():
+        torch.manual_seed(0)
+        with te.quantized_model_init(recipe=rec):
+            return te.GroupedLinear(3, HIDDEN, FFN, params_dtype=torch.float32)
+
+    def call(model):
+        def step(x):
+            with te.autocast(recipe=rec):
+                return model(x, [32, 0, 32])
+        return step
+
+    model, eager = build(), build()
+    try:
+        got = _train(model, torch.compile(call(model), fullgraph=True), rec, STEPS, rows=64)
+        want = _train(eager, call(eager), rec, STEPS, rows=64)
+    finally:
+        torch._dynamo.reset()
+    if te.get_backend().name == "reference":
+        _assert_equal(got, want, "compiled vs eager")
+    else:
+        for i, (g, w) in enumerate(zip(got, want)):
+            torch.testing.assert_close(g, w, rtol=0.125, atol=0.0675, msg=lambda m: f"tensor {i}: {m}")
+
+
+class _Unrouted(QuantizedModule):
+    """A module built on QuantizedModule (as a user's own may be) that does not route its FP8
+    primary weight's gradient through a compiled graph."""
+
+    def __init__(self):
+        super().__init__(gemm_slots(""), params_dtype=torch.float32)
+        self.weight = primary_weight(self, "weight", nn.Parameter(torch.randn(HIDDEN, HIDDEN)))
+
+    def forward(self, x):
+        self.quantization_step()
+        return x @ self.weight.dequantize().t()
+
+
+def test_compiled_training_refuses_fp8_weights_a_module_cannot_route():
+    """Training such a module's FP8 weight compiled is refused, naming the weight, rather than
+    leaving it untrained."""
+    torch._dynamo.reset()
+    rec = RECIPES["current"]()
+    with te.quantized_model_init(recipe=rec):
+        module = _Unrouted()
+
+    def step(x):
+        with te.autocast(recipe=rec):
+            return module(x)
+
+    try:
+        with pytest.raises(Exception, match="torch.compile cannot train _Unrouted.weight, an FP8 primary"):
+            torch.compile(step, fullgraph=True)(torch.randn(SEQ, HIDDEN, requires_grad=True))
     finally:
         torch._dynamo.reset()
