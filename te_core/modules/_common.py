@@ -4,6 +4,7 @@ and the input checks whose messages name the offending argument."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Callable, Optional, Sequence, Tuple, Union
 
@@ -85,12 +86,14 @@ def resolve_params_dtype(params_dtype: Optional[torch.dtype]) -> torch.dtype:
 
 
 def default_init_method(std: float = 0.023) -> Callable[[Tensor], None]:
-    """Transformer Engine's default weight init: normal(0, 0.023)."""
+    """Transformer Engine's default weight init: normal(0, 0.023). A partial of a module-level
+    function, not a closure: modules keep it as an attribute, and a closure would make them
+    unpicklable (torch.save(model), multiprocessing)."""
+    return functools.partial(_normal_init, std=std)
 
-    def init(weight: Tensor) -> None:
-        torch.nn.init.normal_(weight, mean=0.0, std=std)
 
-    return init
+def _normal_init(weight: Tensor, std: float) -> None:
+    torch.nn.init.normal_(weight, mean=0.0, std=std)
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
