@@ -44,6 +44,13 @@ class graph_capture:
         return False
 
 
+def persistent():
+    """Where tensors that outlive a step are made: outside inference mode even when the step
+    runs in it (torch.inference_mode, as evaluation loops use), since a later training step
+    could neither update an inference tensor in place nor save it for backward."""
+    return torch.inference_mode(False)
+
+
 class ScalingGroup:
     """History and scales of `names` (one column each); row 0 of the history is this step's amax."""
 
@@ -53,8 +60,9 @@ class ScalingGroup:
         self.fp8_max = fp8_max(fp8_dtype)
         self.recipe = recipe
         n = len(self.names)
-        self.amax_history = torch.zeros(recipe.amax_history_len, n, dtype=torch.float32, device=device)
-        self.scale = torch.ones(n, dtype=torch.float32, device=device)
+        with persistent():
+            self.amax_history = torch.zeros(recipe.amax_history_len, n, dtype=torch.float32, device=device)
+            self.scale = torch.ones(n, dtype=torch.float32, device=device)
         # Per-column views, made once: slicing on every cast costs host time on a hot path.
         self._column_views: Optional[Tuple[List[Tensor], List[Tensor]]] = None
         self._scale_inv_snapshot: Tuple[Tensor, List[Tensor]] = (self.scale, [])
@@ -82,15 +90,22 @@ class ScalingGroup:
         version = self.scale._version
         if version == self._scale_inv_version and not _CAPTURE.active and not self._updated_in_graphs:
             return self._scale_inv_snapshot
+        if torch.is_inference_mode_enabled():  # the snapshot is kept for later, training, steps
+            with persistent():
+                snapshot = self._new_snapshot()
+        else:
+            snapshot = self._new_snapshot()
+        self._scale_inv_snapshot, self._scale_inv_version = snapshot, version
+        return snapshot
+
+    def _new_snapshot(self) -> Tuple[Tensor, List[Tensor]]:
         n = len(self.names)
         if n == 1:  # a fresh (1,) tensor is aligned already
             inv = torch.reciprocal(self.scale)
-            snapshot = inv, [inv]
-        else:  # 1 / scale[i] in every float of row i of an (n, 4) tensor: one 16-byte slot each
-            slots = torch.reciprocal(self.scale.unsqueeze(1).expand(n, _FLOATS_PER_16_BYTES))
-            snapshot = slots.select(1, 0), list(slots.narrow(1, 0, 1).unbind(0))
-        self._scale_inv_snapshot, self._scale_inv_version = snapshot, version
-        return snapshot
+            return inv, [inv]
+        # 1 / scale[i] in every float of row i of an (n, 4) tensor: one 16-byte slot each
+        slots = torch.reciprocal(self.scale.unsqueeze(1).expand(n, _FLOATS_PER_16_BYTES))
+        return slots.select(1, 0), list(slots.narrow(1, 0, 1).unbind(0))
 
     @property
     def device(self) -> torch.device:
@@ -98,8 +113,9 @@ class ScalingGroup:
 
     def to_device(self, device: torch.device) -> None:
         """Move the state (e.g. after module.to(...)); values are kept bit for bit."""
-        self.amax_history = self.amax_history.to(device)
-        self.scale = self.scale.to(device)
+        with persistent():
+            self.amax_history = self.amax_history.to(device)
+            self.scale = self.scale.to(device)
         self._scale_inv_version = None
         self._column_views = None
 
@@ -142,8 +158,9 @@ class ScalingGroup:
         old = self.amax_history
         if length != old.shape[0]:
             kept = old[1:][max(0, old.shape[0] - length):]  # rows oldest first: the newest are last
-            pad = old.new_zeros(length - 1 - kept.shape[0], old.shape[1])
-            self.amax_history = torch.cat([old[:1], pad, kept])
+            with persistent():
+                pad = old.new_zeros(length - 1 - kept.shape[0], old.shape[1])
+                self.amax_history = torch.cat([old[:1], pad, kept])
             self._column_views = None
 
     def record(self, column: int, amax: Tensor) -> None:
