@@ -28,6 +28,12 @@ _STATE_IN_GRAPH = (
     "is built, and could not be made before tracing. Call te_core.init_quantization_state(model, recipe) before "
     "the first compiled call.")
 
+_RECOMPUTED_OUTSIDE_AUTOCAST = (
+    "{module} ran under te.autocast in its forward and is now run again inside the backward pass without it: "
+    "torch.utils.checkpoint (Hugging Face's gradient_checkpointing_enable() among its users) does not restore "
+    "te.autocast, so the recompute would run in high precision and the gradients would not belong to the FP8 "
+    "forward. Use te_core.checkpoint(function, *args) instead, which recomputes with the forward's FP8 state, or "
+    "enter te.autocast inside the checkpointed function.")
 
 _LIVE = weakref.WeakValueDictionary()  # id -> QuantizedModule, for _prepare_untraced
 _UNTRACED = [False]  # True while _prepare_untraced runs
@@ -105,6 +111,7 @@ class QuantizedModule(nn.Module):
         self._recipe_state: Optional[RecipeState] = None
         self._state_from_checkpoint = False
         self._weight_cache: Dict[str, QuantizedTensor] = {}
+        self._fp8_forward = False  # whether the last forward outside a backward pass ran under FP8 autocast
         _LIVE[id(self)] = self
 
     def __setstate__(self, state) -> None:  # copies (deepcopy, pickle) bypass __init__
@@ -117,7 +124,10 @@ class QuantizedModule(nn.Module):
         autocast(calibrating=True), plain high precision otherwise."""
         context = get_autocast_context()
         if context is None or not (context.enabled or context.calibrating):
+            if self._fp8_forward and not torch.compiler.is_compiling():
+                self._check_not_recomputed_outside_autocast()
             return HIGH_PRECISION
+        self._fp8_forward = True
         is_first_microbatch = first_microbatch(is_first_microbatch)  # a graph capture's, when forced
         if torch.compiler.is_compiling():
             _refuse_traced_fp8_weight_training(self)
@@ -129,6 +139,14 @@ class QuantizedModule(nn.Module):
         if context.enabled:
             return QuantizationStep(state, context, is_first_microbatch, self._weight_cache)
         return CalibrationStep(state, context, is_first_microbatch)
+
+    def _check_not_recomputed_outside_autocast(self) -> None:
+        """After a forward under te.autocast, a forward without it inside a backward pass is an
+        activation recompute that lost the autocast: an error. Outside a backward, the module
+        simply runs in high precision from now on."""
+        if torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(_RECOMPUTED_OUTSIDE_AUTOCAST.format(module=type(self).__name__))
+        self._fp8_forward = False
 
     def _state_device(self) -> torch.device:
         for param in self._parameters.values():  # (not self.parameters(): this runs every step)

@@ -74,3 +74,28 @@ def test_checkpoint_saves_memory_path_and_passes_kwargs():
 def test_checkpoint_rejects_tensor_parallel_options():
     with pytest.raises(NotImplementedError, match="distribute_saved_activations"):
         tm.checkpoint(torch.nn.Identity(), torch.randn(2, requires_grad=True), distribute_saved_activations=True)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_torch_checkpoint_under_fp8_autocast_is_refused(use_reentrant):
+    """torch.utils.checkpoint does not restore te.autocast: its recompute would run in high
+    precision while the loss came from the FP8 forward (gradients off by several percent).
+    That is an error naming te.checkpoint; without FP8, and after the module went back to
+    high precision, torch.utils.checkpoint works as usual."""
+    torch.manual_seed(0)
+    model = Block()
+    x = torch.randn(16, 32, requires_grad=True)
+    with autocast(recipe=recipe.DelayedScaling()):
+        y = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=use_reentrant)
+    with pytest.raises(RuntimeError, match="te_core.checkpoint"):
+        y.sum().backward()
+
+    model.zero_grad(set_to_none=True)
+    plain = copy.deepcopy(model)
+    model(x)  # a high-precision forward: no longer an FP8 module
+    x_ckpt, x_plain = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+    torch.utils.checkpoint.checkpoint(model, x_ckpt, use_reentrant=use_reentrant).sum().backward()
+    plain(x_plain).sum().backward()
+    assert torch.equal(x_ckpt.grad, x_plain.grad)
+    for got, want in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(got.grad, want.grad)
