@@ -3,7 +3,7 @@ names and forward signatures as in Transformer Engine), built on the registry op
 
 from ._base import init_quantization_state
 from .attention import DotProductAttention
-from .checkpoint import checkpoint
+from .checkpoint import checkpoint, checkpoint_context
 from .fp8_padding import Fp8Padding, Fp8Unpadding
 from .grouped_linear import GroupedLinear
 from .layernorm import LayerNorm, RMSNorm
@@ -29,5 +29,6 @@ __all__ = [
     "RotaryPositionEmbedding",
     "apply_rotary_pos_emb",
     "checkpoint",
+    "checkpoint_context",
     "init_quantization_state",
 ]

@@ -6,6 +6,7 @@ checkpoint-safe extra state (tensors and plain values only).
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Dict, Optional, Sequence
 
@@ -32,8 +33,16 @@ _RECOMPUTED_OUTSIDE_AUTOCAST = (
     "{module} ran under te.autocast in its forward and is now run again inside the backward pass without it: "
     "torch.utils.checkpoint (Hugging Face's gradient_checkpointing_enable() among its users) does not restore "
     "te.autocast, so the recompute would run in high precision and the gradients would not belong to the FP8 "
-    "forward. Use te_core.checkpoint(function, *args) instead, which recomputes with the forward's FP8 state, or "
-    "enter te.autocast inside the checkpointed function.")
+    "forward. Use te_core.checkpoint(function, *args) instead, or give torch.utils.checkpoint "
+    "use_reentrant=False and context_fn=te_core.checkpoint_context (Hugging Face: activation_checkpointing_kwargs="
+    "{{'use_reentrant': False, 'context_fn': te_core.checkpoint_context}}); both recompute with the forward's FP8 "
+    "state.")
+
+class _Recompute(threading.local):
+    log = None  # the innermost checkpoint log (te_core/modules/checkpoint.py) active on this thread
+
+
+RECOMPUTE = _Recompute()
 
 _LIVE = weakref.WeakValueDictionary()  # id -> QuantizedModule, for _prepare_untraced
 _UNTRACED = [False]  # True while _prepare_untraced runs
@@ -121,7 +130,16 @@ class QuantizedModule(nn.Module):
     # ------------------------------------------------------------------ per forward
     def quantization_step(self, is_first_microbatch: Optional[bool] = None):
         """The step this forward runs with: FP8 under autocast(enabled=True), calibration under
-        autocast(calibrating=True), plain high precision otherwise."""
+        autocast(calibrating=True), plain high precision otherwise; inside an activation
+        checkpoint (te_core.checkpoint_context), the step its log records or replays."""
+        if not torch.compiler.is_compiling():
+            log = RECOMPUTE.log
+            if log is not None:
+                return log.step(self, is_first_microbatch)
+        return self.new_quantization_step(is_first_microbatch)
+
+    def new_quantization_step(self, is_first_microbatch: Optional[bool] = None):
+        """quantization_step as the autocast context decides it, with no checkpoint log consulted."""
         context = get_autocast_context()
         if context is None or not (context.enabled or context.calibrating):
             if self._fp8_forward and not torch.compiler.is_compiling():

@@ -1,50 +1,26 @@
-"""te.checkpoint: activation recompute that reproduces the FP8 state of the original forward.
+"""te.checkpoint and checkpoint_context: activation recompute that reproduces the FP8 state of
+the original forward.
 
-Built on torch.utils.checkpoint (non-reentrant) with a context pair: during the original
-forward every QuantizedModule inside records the quantization step it used, with a copy of
-its forward scales; during the recompute it gets the same step back, its scales are set to
-those copies (delayed scaling has updated them since), and afterwards its forward scaling
-state is restored, so the recompute neither changes the quantization nor records amaxes twice.
+torch.utils.checkpoint (non-reentrant) takes a pair of contexts (`context_fn`), one around the
+original forward, one around the recompute; checkpoint_context gives that pair. During the
+original forward every QuantizedModule records the quantization step it used, with a copy of
+its forward scales; during the recompute each gets the same step back, its scales set to those
+copies (delayed scaling has updated them since), and afterwards the forward scaling state of
+every module is restored, so the recompute neither changes the quantization nor records amaxes
+twice. Modules find the active log through a thread-local (QuantizedModule.quantization_step):
+the recompute runs on whatever thread runs the backward, and enters its context there.
 torch.utils.checkpoint restores the RNG state (dropout) and torch.autocast itself.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections import defaultdict, deque
-from typing import Callable, Dict, Iterable, List
+from collections import deque
+from typing import Callable, Dict, Tuple
 
 import torch
-from torch import nn
 
-from ._base import QuantizedModule
-
-
-def _modules_reachable(function: Callable, args: Iterable, kwargs: dict) -> List[QuantizedModule]:
-    """QuantizedModules in `function` (a module, a bound method of one, a partial, or a closure
-    over modules) and in its arguments."""
-    roots = list(args) + list(kwargs.values())
-    fn = function
-    while isinstance(fn, functools.partial):
-        roots += list(fn.args) + list(fn.keywords.values())
-        fn = fn.func
-    roots.append(fn)
-    roots.append(getattr(fn, "__self__", None))
-    roots += [cell.cell_contents for cell in (getattr(fn, "__closure__", None) or ()) if _cell_filled(cell)]
-    found: Dict[int, QuantizedModule] = {}
-    for root in roots:
-        if isinstance(root, nn.Module):
-            found.update((id(m), m) for m in root.modules() if isinstance(m, QuantizedModule))
-    return list(found.values())
-
-
-def _cell_filled(cell) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
+from ._base import RECOMPUTE, QuantizedModule
 
 
 def _forward_state(module: QuantizedModule) -> Dict[str, Dict[str, torch.Tensor]]:
@@ -65,60 +41,48 @@ def _load_forward_state(
 
 
 class _StepLog:
-    """Per module, the (step, forward scales) of each quantization_step call, in call order."""
+    """Per module, the (step, forward scales) of each quantization_step call of one checkpointed
+    region, in call order; then, during the recompute, the same steps handed back."""
 
-    def __init__(self, modules: List[QuantizedModule]):
-        self.modules = modules
-        self.steps: Dict[int, deque] = defaultdict(deque)
+    def __init__(self):
+        self.modules: Dict[int, QuantizedModule] = {}
+        self.steps: Dict[int, deque] = {}
+        self.replaying = False
+
+    def step(self, module: QuantizedModule, is_first_microbatch):
+        key = id(module)
+        if not self.replaying:
+            step = module.new_quantization_step(is_first_microbatch)
+            self.modules[key] = module
+            self.steps.setdefault(key, deque()).append((step, _forward_state(module)))
+            return step
+        queue = self.steps.get(key)
+        if not queue:  # the recompute took a path the forward did not: quantize afresh
+            return module.new_quantization_step(is_first_microbatch)
+        step, scales = queue.popleft()
+        _load_forward_state(module, scales, keys=("scale",))
+        return step
 
     @contextlib.contextmanager
-    def recording(self):
-        def record(module):
-            def quantization_step(is_first_microbatch=None):
-                step = type(module).quantization_step(module, is_first_microbatch)
-                self.steps[id(module)].append((step, _forward_state(module)))
-                return step
-
-            return quantization_step
-
-        with _instance_override(self.modules, record):
-            yield
-
-    @contextlib.contextmanager
-    def replaying(self):
-        current = {id(m): _forward_state(m) for m in self.modules}
-        pending = {key: deque(entries) for key, entries in self.steps.items()}
-
-        def replay(module):
-            def quantization_step(is_first_microbatch=None):
-                queue = pending.get(id(module))
-                if not queue:  # the recompute took a path the forward did not: quantize afresh
-                    return type(module).quantization_step(module, is_first_microbatch)
-                step, scales = queue.popleft()
-                _load_forward_state(module, scales, keys=("scale",))
-                return step
-
-            return quantization_step
-
+    def active(self, replaying: bool):
+        outer, RECOMPUTE.log = RECOMPUTE.log, self
+        self.replaying = replaying
+        current = {key: _forward_state(m) for key, m in self.modules.items()} if replaying else {}
         try:
-            with _instance_override(self.modules, replay):
-                yield
+            yield
         finally:
-            for module in self.modules:
-                _load_forward_state(module, current[id(module)])
+            RECOMPUTE.log = outer
+            for key, saved in current.items():
+                _load_forward_state(self.modules[key], saved)
 
 
-@contextlib.contextmanager
-def _instance_override(modules: List[QuantizedModule], make: Callable):
-    """Give each module its own quantization_step for the duration (instance attribute; the
-    class is untouched)."""
-    for module in modules:
-        module.quantization_step = make(module)
-    try:
-        yield
-    finally:
-        for module in modules:
-            module.__dict__.pop("quantization_step", None)
+def checkpoint_context() -> Tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """The (forward, recompute) context pair that makes torch.utils.checkpoint's recompute of
+    te-core modules FP8-exact: pass it as `context_fn=te_core.checkpoint_context` with
+    `use_reentrant=False` (Hugging Face: `activation_checkpointing_kwargs={"use_reentrant":
+    False, "context_fn": te_core.checkpoint_context}`)."""
+    log = _StepLog()
+    return log.active(replaying=False), log.active(replaying=True)
 
 
 def checkpoint(
@@ -130,12 +94,9 @@ def checkpoint(
     use_reentrant: bool = True,
     **kwargs,
 ):
-    """Run function(*args, **kwargs) without keeping its activations; recompute them in backward.
-
-    FP8-exact for every recipe when the te-core modules it runs are reachable from `function`
-    (an nn.Module, a bound method of one, a functools.partial or a closure over modules) or
-    from its arguments. The recompute is always non-reentrant (use_reentrant is accepted for
-    Transformer Engine compatibility and ignored)."""
+    """Run function(*args, **kwargs) without keeping its activations; recompute them in backward,
+    FP8-exact for every recipe (checkpoint_context). The recompute is always non-reentrant
+    (use_reentrant is accepted for Transformer Engine compatibility and ignored)."""
     if distribute_saved_activations or tp_group is not None:
         raise NotImplementedError(
             "checkpoint: distribute_saved_activations / tp_group need tensor parallelism, "
@@ -143,7 +104,5 @@ def checkpoint(
         )
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
-    log = _StepLog(_modules_reachable(function, args, kwargs))
-    return torch.utils.checkpoint.checkpoint(
-        function, *args, use_reentrant=False, context_fn=lambda: (log.recording(), log.replaying()), **kwargs
-    )
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=checkpoint_context,
+                                             **kwargs)

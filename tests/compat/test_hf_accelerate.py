@@ -222,3 +222,43 @@ def fp8_in_bf16(recipe):
     """te_core.autocast(recipe) inside torch.autocast(bf16): what Accelerate's FP8 path runs."""
     with torch.autocast("cpu", dtype=torch.bfloat16), te_core.autocast(recipe=recipe):
         yield
+
+
+def _enable_checkpointing(model: nn.Module, kwargs=None) -> None:
+    """Hugging Face's activation checkpointing (named gradient checkpointing before transformers 5)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def test_activation_checkpointing_of_a_converted_model():
+    """Hugging Face's activation checkpointing runs torch.utils.checkpoint, which does not restore
+    te.autocast: given te_core.checkpoint_context it recomputes FP8-exactly (the same losses and
+    gradients as without checkpointing); without it, the backward raises instead of returning
+    the gradients of a high-precision recompute."""
+    recipe = te_core.recipe.DelayedScaling(amax_history_len=4)
+    plain = te_core.convert_model(hf_model())
+    checkpointed = copy.deepcopy(plain)
+    _enable_checkpointing(checkpointed, {"use_reentrant": False, "context_fn": te_core.checkpoint_context})
+    batch = tokens()
+    for step in range(3):
+        grads = []
+        for model in (plain, checkpointed):
+            model.train()
+            with te_core.autocast(recipe=recipe):
+                loss = model(batch, labels=batch).loss
+            loss.backward()
+            grads.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+        for i, (got, want) in enumerate(zip(grads[1], grads[0])):
+            assert torch.equal(got, want), f"step {step}, tensor {i}"
+
+    unwrapped = copy.deepcopy(plain)
+    _enable_checkpointing(unwrapped)
+    unwrapped.train()
+    with te_core.autocast(recipe=recipe):
+        loss = unwrapped(batch, labels=batch).loss
+    with pytest.raises(RuntimeError, match="checkpoint_context"):
+        loss.backward()

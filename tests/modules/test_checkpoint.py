@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+import te_core
 import te_core.modules as tm
 from te_core import recipe
 from te_core.quantization import autocast
@@ -22,13 +23,17 @@ class Block(torch.nn.Module):
         return self.proj(self.mlp(x))
 
 
-def run(model, x, rec, use_checkpoint, steps=3):
+def _torch_checkpoint(model, x):
+    return torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False, context_fn=te_core.checkpoint_context)
+
+
+def run(model, x, rec, use_checkpoint, steps=3, checkpoint_fn=None):
     grads = []
     for i in range(steps):
         model.zero_grad()
         with autocast(recipe=rec):
             xi = (x * (i + 1)).requires_grad_(True)  # amaxes change each step
-            y = tm.checkpoint(model, xi) if use_checkpoint else model(xi)
+            y = (checkpoint_fn or tm.checkpoint)(model, xi) if use_checkpoint else model(xi)
         y.pow(2).sum().backward()
         grads.append([xi.grad.clone()] + [p.grad.clone() for p in model.parameters()])
     return grads
@@ -41,13 +46,16 @@ def states(model):
 @pytest.mark.parametrize(
     "rec", [recipe.DelayedScaling(amax_history_len=3), recipe.Float8CurrentScaling()], ids=["delayed", "current"]
 )
-def test_checkpoint_reproduces_fp8_exactly(rec):
+@pytest.mark.parametrize("checkpoint_fn", [None, _torch_checkpoint], ids=["te.checkpoint", "torch-context_fn"])
+def test_checkpoint_reproduces_fp8_exactly(rec, checkpoint_fn):
+    """te.checkpoint, and torch.utils.checkpoint given te_core.checkpoint_context, recompute
+    with the forward's FP8 state: gradients and scaling state equal a run without recompute."""
     torch.manual_seed(0)
     plain = Block()
     ckpt = copy.deepcopy(plain)
     x = torch.randn(32, 32)
     ref = run(plain, x, rec, use_checkpoint=False)
-    got = run(ckpt, x, rec, use_checkpoint=True)
+    got = run(ckpt, x, rec, use_checkpoint=True, checkpoint_fn=checkpoint_fn)
     for step, (a, e) in enumerate(zip(got, ref)):
         for i, (ga, ge) in enumerate(zip(a, e)):
             torch.testing.assert_close(ga, ge, rtol=0, atol=0, msg=lambda m: f"step {step} grad {i}: {m}")
