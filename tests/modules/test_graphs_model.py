@@ -73,10 +73,15 @@ def _twins(build, seed=0):
     return model, Stack(*copy.deepcopy(list(model))), _input().requires_grad_()
 
 
-def _step(model, x, rec, dy, **kwargs):
+def _step(model, x, rec, dy, call=None, **kwargs):
+    """Outputs, input and parameter gradients of one step; `call(x)` (under its own autocast) in
+    place of the model's forward when given."""
     x = x.detach().clone().requires_grad_()
-    with te.autocast(recipe=rec):
-        y = model(x, **kwargs)
+    if call is not None:
+        y = call(x)
+    else:
+        with te.autocast(recipe=rec):
+            y = model(x, **kwargs)
     y.backward(dy)
     return [y.detach(), x.grad] + [p.grad.clone() for p in model.parameters()]
 
@@ -327,6 +332,39 @@ def test_quantized_model_init_weights_train_compiled(rec_name):
     else:  # inductor's twins round the last bits their own way, which can move an FP8 weight by one step
         for i, (g, w) in enumerate(zip(got, want)):
             torch.testing.assert_close(g, w, rtol=0.125, atol=0.0675, msg=lambda m: f"tensor {i}: {m}")
+
+
+@pytest.mark.parametrize("rec_name", list(RECIPES))
+def test_transformer_layer_fp8_weights_train_compiled(rec_name):
+    """A TransformerLayer (GQA) with FP8 primary weights: every gradient of compiled steps, the
+    weights' through their stand-ins, within float32 rounding of eager ones (inductor sums
+    bias gradients in another order), relative to each tensor's largest element."""
+    torch._dynamo.reset()
+    rec = RECIPES[rec_name]()
+
+    def build():
+        torch.manual_seed(0)
+        with te.quantized_model_init(recipe=rec):
+            return te.TransformerLayer(HIDDEN, FFN, HEADS, num_gqa_groups=2, hidden_dropout=0.0,
+                                       attention_dropout=0.0, params_dtype=torch.float32)
+
+    model, eager = build(), build()
+    assert sum(isinstance(p, te.quantization.QuantizedTensor) for p in model.parameters()) == 4
+    tol = dict(rtol=1.3e-6, atol=1e-5) if te.get_backend().name == "reference" else dict(rtol=0.125, atol=0.0675)
+    try:
+        compiled = torch.compile(_autocast_call(model, rec), fullgraph=True)
+        for step in range(2):
+            x = _input() * (step + 1)
+            dy = torch.randn(SEQ, BATCH, HIDDEN)
+            got = _step(model, x, rec, dy, call=compiled)
+            want = _step(eager, x, rec, dy)
+            for i, (g, w) in enumerate(zip(got, want)):
+                scale = w.abs().max().clamp_min(1e-12)
+                torch.testing.assert_close(g / scale, w / scale, **tol, msg=lambda m: f"step {step} tensor {i}: {m}")
+            model.zero_grad(set_to_none=True)
+            eager.zero_grad(set_to_none=True)
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("rec_name", list(RECIPES))
