@@ -142,14 +142,15 @@ class QuantizedModule(nn.Module):
         """quantization_step as the autocast context decides it, with no checkpoint log consulted."""
         context = get_autocast_context()
         if context is None or not (context.enabled or context.calibrating):
-            if self._fp8_forward and not torch.compiler.is_compiling():
+            if not torch.compiler.is_compiling() and self._fp8_forward:  # (a graph neither reads nor writes it)
                 self._check_not_recomputed_outside_autocast()
             return HIGH_PRECISION
-        self._fp8_forward = True
         is_first_microbatch = first_microbatch(is_first_microbatch)  # a graph capture's, when forced
         if torch.compiler.is_compiling():
             _refuse_traced_fp8_weight_training(self)
             _prepare_untraced(id(self), context.recipe.to_config())
+        else:
+            self._fp8_forward = True
         state = self._recipe_state
         if state is None or state.recipe is not context.recipe:  # (_state_for's own first test, inline)
             state = self._state_for(context.recipe)
