@@ -44,6 +44,8 @@ class _Recompute(threading.local):
 
 RECOMPUTE = _Recompute()
 
+GRAD_PROXIES = "_fp8_grad_proxies"  # the module attribute holding its FP8 weights' stand-ins (_grad_proxy)
+
 _LIVE = weakref.WeakValueDictionary()  # id -> QuantizedModule, for _prepare_untraced
 _UNTRACED = [False]  # True while _prepare_untraced runs
 
@@ -122,6 +124,13 @@ class QuantizedModule(nn.Module):
         self._weight_cache: Dict[str, QuantizedTensor] = {}
         self._fp8_forward = False  # whether the last forward outside a backward pass ran under FP8 autocast
         _LIVE[id(self)] = self
+
+    def __getstate__(self) -> dict:
+        # a copy (deepcopy, pickle) leaves out the FP8 weights' gradient stand-ins (_grad_proxy):
+        # their hooks feed this module's weights, and the copy makes its own when compiled
+        state = self.__dict__.copy()
+        state.pop(GRAD_PROXIES, None)
+        return state
 
     def __setstate__(self, state) -> None:  # copies (deepcopy, pickle) bypass __init__
         super().__setstate__(state)

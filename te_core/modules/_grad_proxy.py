@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from .._tracing import run_while_tracing
 from ..quantization.tensor import QuantizedTensor
-from ._base import _LIVE
+from ._base import _LIVE, GRAD_PROXIES as PROXIES
 
 def grad_proxies(module: nn.Module, names: Sequence[str]) -> Tuple[Optional[Tensor], ...]:
     """For each parameter name: its stand-in while torch.compile traces a step that trains it
@@ -30,7 +30,7 @@ def grad_proxies(module: nn.Module, names: Sequence[str]) -> Tuple[Optional[Tens
     if not wanted:
         return (None,) * len(names)
     _make_untraced(id(module), wanted)
-    proxies: Dict[str, Tensor] = module._fp8_grad_proxies
+    proxies: Dict[str, Tensor] = getattr(module, PROXIES)
     return tuple(proxies[name] if name in wanted else None for name in names)
 
 
@@ -45,11 +45,8 @@ def _make_untraced(module_id: int, names: Tuple[str, ...]) -> bool:
     module = _LIVE.get(module_id)
     if module is None:
         return False
-    if module.__dict__.get("_fp8_grad_proxies_owner", lambda: None)() is not module:
-        # none yet, or copied from another module (deepcopy): those would feed the original's weights
-        module.__dict__["_fp8_grad_proxies"] = {}
-        module.__dict__["_fp8_grad_proxies_owner"] = weakref.ref(module)
-    proxies = module.__dict__["_fp8_grad_proxies"]
+    # (QuantizedModule.__getstate__ leaves these out of copies: a copy's would feed this module's weights)
+    proxies = module.__dict__.setdefault(PROXIES, {})
     for name in names:
         param = module._parameters[name]
         proxy = proxies.get(name)

@@ -427,3 +427,29 @@ def test_compiled_training_refuses_fp8_weights_a_module_cannot_route():
             torch.compile(step, fullgraph=True)(torch.randn(SEQ, HIDDEN, requires_grad=True))
     finally:
         torch._dynamo.reset()
+
+
+def test_copies_of_a_compiled_fp8_weight_model_train_their_own_weights():
+    """After compiled training, a deep copy and a torch.save/torch.load copy carry no gradient
+    stand-ins of the original (whose hooks feed the original's weights): compiled, a copy trains
+    its own FP8 weights and leaves the original's alone."""
+    import io
+
+    torch._dynamo.reset()
+    rec = RECIPES["current"]()
+    model = _quantized_model(rec)
+    try:
+        compiled = torch.compile(_autocast_call(model, rec), fullgraph=True)
+        compiled(torch.randn(SEQ * BATCH, HIDDEN, requires_grad=True)).sum().backward()
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        for copy_ in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+            model.zero_grad(set_to_none=True)
+            torch._dynamo.reset()
+            step = torch.compile(_autocast_call(copy_, rec), fullgraph=True)
+            step(torch.randn(SEQ * BATCH, HIDDEN, requires_grad=True)).sum().backward()
+            assert all(p.grad is not None for p in copy_.parameters())
+            assert all(p.grad is None for p in model.parameters())
+    finally:
+        torch._dynamo.reset()
