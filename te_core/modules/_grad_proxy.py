@@ -19,7 +19,9 @@ from torch import Tensor, nn
 
 from .._tracing import run_while_tracing
 from ..quantization.tensor import QuantizedTensor
-from ._base import _LIVE, GRAD_PROXIES as PROXIES
+from ._base import _LIVE
+from ._base import GRAD_PROXIES as PROXIES
+
 
 def grad_proxies(module: nn.Module, names: Sequence[str]) -> Tuple[Optional[Tensor], ...]:
     """For each parameter name: its stand-in while torch.compile traces a step that trains it
