@@ -128,7 +128,7 @@ class QuantizedModule(nn.Module):
     def __getstate__(self) -> dict:
         # a copy (deepcopy, pickle) leaves out the FP8 weights' gradient stand-ins (_grad_proxy):
         # their hooks feed this module's weights, and the copy makes its own when compiled
-        state = self.__dict__.copy()
+        state = super().__getstate__()  # (a copy of __dict__: popping from it leaves the module alone)
         state.pop(GRAD_PROXIES, None)
         return state
 
