@@ -131,6 +131,10 @@ class Recipe:
             raise ValueError(f"gemm must be one of {', '.join(GEMMS)}, got {gemm!r}")
         return True
 
+    # Whether its forward casts write state that outlives the step (DelayedScaling's amax
+    # histories): a recompute must then replay the forward's scales, not re-run its casts.
+    keeps_state = False
+
     def make_state(self, slots: Sequence, device: torch.device):
         """The scaling state and quantizers of a module's `slots` (te_core.quantization.QuantizerSlot).
         Default: no per-module state, each slot's quantizer from quantizer_for (DelayedScaling
@@ -200,6 +204,8 @@ class DelayedScaling(Recipe):
     False, True)` runs each layer's weight-gradient GEMM in high precision (Transformer Engine's
     wgrad override).
     """
+
+    keeps_state = True
 
     margin: int = 0
     fp8_format: Format = Format.HYBRID

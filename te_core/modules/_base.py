@@ -69,7 +69,7 @@ def _prepare_untraced(module_id: int, recipe_config: dict) -> bool:
     """Create a module's state for the recipe described by `recipe_config` (or move it to the
     module's device) unless it is ready. torch.compile runs this while tracing instead of
     tracing it, so delayed scaling's histories exist before the graph (which updates them in
-    place) is built; the traced forward then rebinds the state to the autocast's recipe object."""
+    place) is built; the traced forward uses it as made for an equal recipe (new_quantization_step)."""
     module = _LIVE.get(module_id)
     recipe = recipe_from_config(recipe_config)
     state = None if module is None else module._recipe_state
@@ -162,7 +162,11 @@ class QuantizedModule(nn.Module):
             self._fp8_forward = True
         state = self._recipe_state
         if state is None or state.recipe is not context.recipe:  # (_state_for's own first test, inline)
-            state = self._state_for(context.recipe)
+            # Traced, a state made for an equal recipe (_prepare_untraced's) is kept as it is: binding
+            # it to this recipe object would mutate module state inside the graph, which a graph
+            # region (an activation checkpoint's) cannot hold.
+            if not (torch.compiler.is_compiling() and state is not None and state.recipe == context.recipe):
+                state = self._state_for(context.recipe)
         state.follow_device(self._state_device())
         if context.enabled:
             return QuantizationStep(state, context, is_first_microbatch, self._weight_cache)

@@ -20,6 +20,7 @@ from typing import Callable, Dict, Tuple
 
 import torch
 
+from ..quantization.autocast import get_autocast_context
 from ._base import RECOMPUTE, QuantizedModule
 
 
@@ -96,7 +97,8 @@ def checkpoint(
 ):
     """Run function(*args, **kwargs) without keeping its activations; recompute them in backward,
     FP8-exact for every recipe (checkpoint_context). The recompute is always non-reentrant
-    (use_reentrant is accepted for Transformer Engine compatibility and ignored)."""
+    (use_reentrant is accepted for Transformer Engine compatibility and ignored). Under
+    torch.compile, the compiler's own recompute: every recipe but delayed scaling."""
     if distribute_saved_activations or tp_group is not None:
         raise NotImplementedError(
             "checkpoint: distribute_saved_activations / tp_group need tensor parallelism, "
@@ -104,5 +106,17 @@ def checkpoint(
         )
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        # The compiler recomputes the region from the graph's own values: exact for recipes whose
+        # casts keep no state. Delayed scaling's casts write amax histories, which a recompute
+        # region cannot hold (and would write twice).
+        context = get_autocast_context()
+        if context is not None and (context.enabled or context.calibrating) and context.recipe.keeps_state:
+            raise NotImplementedError(
+                f"te_core.checkpoint under torch.compile with {type(context.recipe).__name__}: its casts write amax "
+                "histories, which a compiled recompute cannot replay. Compile without fullgraph=True (the region then "
+                "runs eagerly between graphs, FP8-exact), or use Float8CurrentScaling, Float8BlockScaling or "
+                "MXFP8BlockScaling")
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=checkpoint_context,
                                              **kwargs)
