@@ -1,7 +1,6 @@
 """bench_host.py's JSON as a markdown table: per shape and variant, the wall time of a step
 (with its ratio over te bf16), torch operations, kernel launches and Python calls per step,
-and the target on the smallest shape: each FP8 recipe's step at most twice te bf16's; then the
-host time per call of a step's pieces."""
+and the target on the smallest shape: each FP8 recipe's step at most twice te bf16's."""
 from __future__ import annotations
 
 from typing import List, Optional
@@ -70,20 +69,6 @@ def render(data: dict) -> str:
                          f"{_count(cell.get('launches'), '{:.1f}')} | {_count(cell.get('python_calls'))} "
                          f"({_count(cell.get('own_python_calls'))}) | "
                          f"{'–' if share is None else f'{100 * share:.0f}%'} |")
-    lines += piece_rows(data.get("ops", {}), notes)
     if notes.lines:
         lines += ["", "Errors:", ""] + notes.lines
     return "\n".join(lines).rstrip()
-
-
-def piece_rows(pieces: dict, notes: Notes) -> List[str]:
-    """Host microseconds per call of each piece of a step (calls queued back to back), per shape."""
-    if not pieces:
-        return []
-    lines = ["", "Host time per call of a step's pieces (calls issued back to back, the device synchronized "
-             "only at the ends):", "", "| Shape | Piece | Host time per call |", "| --- | --- | --- |"]
-    for shape, cells in pieces.items():
-        for name, cell in cells.items():
-            value = notes.add(f"{shape} {name}", cell["error"]) if "error" in cell else f"{_count(_us(cell), '{:.1f}')} µs"
-            lines.append(f"| {shape} | {name} | {value} |")
-    return lines

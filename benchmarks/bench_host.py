@@ -11,11 +11,6 @@ dropped between steps:
 - Python function calls per step, and those of te-core and its backends with their own time
   (cProfile; the profiler itself slows the step, so its times are shares, not speeds).
 The target: the tiny layer's FP8 step costs at most twice te's own bf16 step.
-Then, per piece of a step, the host time of one call at the smallest shape (calls queued back to
-back, the device synchronized only at the ends): a torch op and a GEMM as torch runs them,
-te-core's ops through its dispatch (the delayed-scaling casts into a history slot, current
-scaling's cast, the FP8 and high-precision GEMMs) and an empty te.autocast, so that a step's
-cost can be read against what its pieces cost.
 
     python benchmarks/bench_host.py [--results DIR]            # on a GPU (cuda backend)
     python benchmarks/bench_host.py --smoke --results /tmp/r   # CPU, reference backend, tiny
@@ -40,7 +35,6 @@ import te_core as te
 from te_core import recipe
 
 SECTION = "host"
-OPS_SECTION = "ops"
 RECIPES = {"delayed": recipe.DelayedScaling, "current": recipe.Float8CurrentScaling,
            "block": recipe.Float8BlockScaling}
 VARIANTS = ("nn.Linear", "te bf16", *(f"te {name}" for name in RECIPES))
@@ -160,50 +154,6 @@ def measure(variant: str, shape, device: str, steps: int) -> dict:
     return cell
 
 
-def host_us_per_call(fn: Callable[[], object], device: str, calls: int) -> float:
-    """Host microseconds per call of `fn`, calls queued back to back: the device is synchronized
-    before and after, not in between, so the figure is what the host spends to issue one."""
-    for _ in range(max(3, calls // 10)):
-        fn()
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - start) / calls * 1e6
-    _sync(device)
-    return round(host, 1)
-
-
-def op_pieces(shape, device: str) -> Dict[str, Callable[[], object]]:
-    """The pieces of an FP8 te.Linear step at `shape`, each a call that issues one of them."""
-    from te_core import ops
-
-    m, k, n = shape
-    torch.manual_seed(0)
-    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
-    e4m3 = torch.float8_e4m3fn
-    scale, one = torch.ones(1, device=device), torch.ones(1, device=device)
-    slot = torch.zeros(16, 1, device=device)[0]  # row 0 of an amax history
-    x8, w8 = ops.quantize_fp8(x, scale, e4m3)[0], ops.quantize_fp8(w, scale, e4m3)[0]
-    delayed = recipe.DelayedScaling()
-
-    def autocast_alone():
-        with te.autocast(recipe=delayed):
-            pass
-
-    return {
-        "torch add": lambda: x.add(x),
-        "torch mm (bf16)": lambda: torch.mm(x, w.t()),
-        "ops.gemm (bf16)": lambda: ops.gemm(x, w),
-        "ops.quantize_fp8 into a history slot": lambda: ops.quantize_fp8(x, scale, e4m3, amax_out=slot),
-        "ops.cast_transpose_fp8 into a history slot": lambda: ops.cast_transpose_fp8(x, scale, e4m3, amax_out=slot),
-        "ops.quantize_fp8_current with transpose": lambda: ops.quantize_fp8_current(x, e4m3, with_transpose=True),
-        "ops.gemm_fp8": lambda: ops.gemm_fp8(x8, w8, one, one, out_dtype=torch.bfloat16),
-        "te.autocast enter and exit (delayed, nothing run)": autocast_alone,
-    }
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, reference backend, one tiny shape (for the unit test)")
@@ -229,17 +179,9 @@ def main(argv=None) -> dict:
             except Exception as exc:  # a variant that fails is reported, the rest still measured
                 row[variant] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             print(shape_label(shape), variant, row[variant], flush=True)
-    pieces: Dict[str, dict] = {}
-    label = shape_label(shapes[0])
-    for name, fn in op_pieces(shapes[0], device).items():
-        try:
-            pieces[name] = {"us": host_us_per_call(fn, device, 20 * args.steps)}
-        except Exception as exc:  # a piece that fails is reported, the rest still measured
-            pieces[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-        print(label, name, pieces[name], flush=True)
     data = {"meta": meta(device), "settings": {"steps": args.steps, "backend": te.get_backend().name,
                                                "cpu_threads": torch.get_num_threads(), "cpus": os.cpu_count()},
-            SECTION: results, OPS_SECTION: {label: pieces}}
+            SECTION: results}
     print(f"wrote {write_json(SECTION, data, args.results)}")
     return data
 

@@ -336,9 +336,7 @@ HOST = {"meta": {"gpu": "GPU", "torch": "t", "date": "d"}, "settings": {"steps":
                            "own_python_calls": 330.0, "own_python_share": 0.5},
             "te current": {"us": 1100.0, "torch_ops": 45, "launches": 20.0, "python_calls": 1100.0,
                            "own_python_calls": 400.0, "own_python_share": 0.5},
-            "te block": {"error": "RuntimeError: boom | x"}}},
-        "ops": {"M128 K1024 N1024": {"torch add": {"us": 10.3}, "ops.gemm_fp8": {"us": 31.25},
-                                     "ops.quantize_fp8_current with transpose": {"error": "ValueError: no"}}}}
+            "te block": {"error": "RuntimeError: boom | x"}}}}
 
 
 def test_host_table_targets_counts_and_error_notes():
@@ -349,8 +347,6 @@ def test_host_table_targets_counts_and_error_notes():
     assert "| M128 K1024 N1024 | te delayed | 900 µs (1.80x) | 40 | 18.0 | 900 (330) | 50% |" in rows
     assert any(r.startswith("| M128 K1024 N1024 | te block | error (1) |") for r in rows), rows
     assert "boom / x" in _host_table.render(HOST)
-    assert "| M128 K1024 N1024 | torch add | 10.3 µs |" in rows and "| M128 K1024 N1024 | ops.gemm_fp8 | 31.2 µs |" in rows
-    assert any(r.startswith("| M128 K1024 N1024 | ops.quantize_fp8_current with transpose | error (") for r in rows)
 
 
 def test_host_smoke_writes_json_and_report_renders_it(tmp_path):
@@ -367,9 +363,6 @@ def test_host_smoke_writes_json_and_report_renders_it(tmp_path):
         assert cells[fp8]["torch_ops"] > cells["te bf16"]["torch_ops"] > cells["nn.Linear"]["torch_ops"] > 0
         assert cells[fp8]["own_python_calls"] > cells["te bf16"]["own_python_calls"] > 0
     assert cells["nn.Linear"]["own_python_calls"] == 0
-    (pieces,) = data["ops"].values()  # every piece measured, a te-core op costing more than a bare torch op
-    assert len(pieces) == 8 and all(p["us"] > 0 for p in pieces.values()), pieces
-    assert pieces["ops.cast_transpose_fp8 into a history slot"]["us"] > pieces["torch add"]["us"]
     doc = _doc(tmp_path)
     report.main([str(tmp_path / "cpu"), "--doc", str(doc)])
     assert any(r.startswith("| M16 K128 N128 | te delayed | ") for r in _table_rows(doc.read_text()))
