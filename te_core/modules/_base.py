@@ -38,6 +38,7 @@ _RECOMPUTED_OUTSIDE_AUTOCAST = (
     "{{'use_reentrant': False, 'context_fn': te_core.checkpoint_context}}); both recompute with the forward's FP8 "
     "state.")
 
+
 class _Recompute(threading.local):
     log = None  # the innermost checkpoint log (te_core/modules/checkpoint.py) active on this thread
 

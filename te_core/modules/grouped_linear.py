@@ -149,12 +149,15 @@ class GroupedLinear(DelayedWgradMixin, QuantizedModule):
         step = self.quantization_step(is_first_microbatch)
         check_fp8_gemms(step, name, *((m, self.out_features, self.in_features) for m in m_splits if m))
         biases = self._params("bias") if self.use_bias and not self.return_bias else []
-        proxies = grad_proxies(self, tuple(f"weight{i}" for i in range(self.num_gemms)))
-        proxied = tuple(i for i, proxy in enumerate(proxies) if proxy is not None)
+        proxied, proxies = (), ()
+        if torch.compiler.is_compiling():  # FP8 primary weights' gradient stand-ins (_grad_proxy); none eagerly
+            named = grad_proxies(self, tuple(f"weight{i}" for i in range(self.num_gemms)))
+            proxied = tuple(i for i, proxy in enumerate(named) if proxy is not None)
+            proxies = tuple(named[i] for i in proxied)
         with no_torch_autocast(inp.device.type):
             y = _GroupedLinearFunction.apply(x, m_splits, step, self.num_gemms, self.fuse_wgrad_accumulation,
                                              self.delayed_wgrad_store(), proxied, *self._params("weight"), *biases,
-                                             *(proxies[i] for i in proxied))
+                                             *proxies)
         y = y.view(*inp.shape[:-1], self.out_features)
         if self.return_bias:
             return y, self._params("bias") if self.use_bias else None
