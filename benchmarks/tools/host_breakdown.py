@@ -92,6 +92,8 @@ def install(tracer: Tracer) -> None:
     try:
         from triton.runtime.jit import JITFunction
         JITFunction.run = tracer.wrap("triton JITFunction.run", JITFunction.run)
+        from te_triton.launch import Launcher  # a launch from te_triton's cache skips JITFunction.run
+        Launcher.launch = tracer.wrap("te_triton Launcher.launch", Launcher.launch)
     except ImportError:
         pass
     cls = sys.modules["te_core.quantization.autocast"].autocast
@@ -187,6 +189,12 @@ def _total(tracer, suffix):
     return sum(n for key, n in tracer.calls.items() if key.endswith(suffix))
 
 
+def _launches(tracer) -> int:
+    """Triton launches: te_triton's own (Launcher.launch, which calls JITFunction.run only on a
+    cache miss), else Triton's."""
+    return _total(tracer, "Launcher.launch") or _total(tracer, "JITFunction.run")
+
+
 def counts(dev):
     """Print the host ops of one tiny Linear fwd+bwd per recipe (see the module docstring)."""
     steps = {}
@@ -210,7 +218,7 @@ def counts(dev):
             step()
         tracer.enabled = False
         print(f"{name:8s} {_total(tracer, ': dispatch'):12d} {_total(tracer, 'supports()'):11d} "
-              f"{_total(tracer, 'capability check'):18d} {_total(tracer, 'JITFunction.run'):16d} "
+              f"{_total(tracer, 'capability check'):18d} {_launches(tracer):16d} "
               f"{fn_mode.n:12d} {aten_mode.n:9d}")
         ops_called = sorted((key[3:-10], n) for key, n in tracer.calls.items() if key.endswith(": dispatch"))
         print("         " + ", ".join(f"{op} x{n}" for op, n in ops_called))

@@ -1,7 +1,8 @@
 """Triton kernels shared by te-core backends (any vendor whose Triton compiles them).
 
 One module per op family (cast, blockwise, norm, activation, dbias, softmax, rope, loss,
-scaling). Every launcher takes its tuning parameters (block sizes, warps, program caps) from
+scaling); every kernel launches through `launch`, which reuses a compiled kernel without
+Triton's per-call argument binding. Every launcher takes its tuning parameters (block sizes, warps, program caps) from
 the caller as a `Config`, so each backend picks configs for its hardware. Launchers take and
 return torch tensors on the kernel's device and follow the te_core op contract (te_core/ops)
 for the op of the same name.

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ._common import MAX_NUMEL, Config, abs_bits, amax_from_buffer, fp8_max, grid_size, new_amax_buffer, saturating_cast
+from .launch import launcher
 
 ELEMENTWISE_DEFAULT = Config(block_m=16, block_n=256, num_warps=8, max_programs=0)
 KIND_IDS = {"gelu": 0, "relu": 1, "silu": 2, "qgelu": 3, "srelu": 4, "geglu": 0, "reglu": 1, "swiglu": 2}
@@ -67,6 +68,7 @@ def _tile(t, R, C, BM: tl.constexpr, BN: tl.constexpr):
     return rows, cols, (rows[:, None] < R) & (cols[None, :] < C)
 
 
+@launcher
 @triton.jit
 def _act_fwd_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, R, H, fmax, KIND: tl.constexpr, GATED: tl.constexpr,
                     FP8_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CLAMP: tl.constexpr):
@@ -91,6 +93,7 @@ def _act_fwd_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, R, H, fmax, KIND: tl.cons
         tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
 
 
+@launcher
 @triton.jit
 def _act_bwd_kernel(dy_ptr, x_ptr, dx_ptr, R, H, KIND: tl.constexpr, GATED: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr):

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from ._common import MAX_NUMEL, Config, abs_bits, fp8_max, saturating_cast
 from .cast import check_dequantize_args
+from .launch import launcher
 
 BLOCK = 128
 BLOCKWISE_DEFAULT = Config(block_m=64, num_warps=8)
@@ -55,6 +56,7 @@ def _abs_bits_of(v, IN_DTYPE: tl.constexpr):
     return bits
 
 
+@launcher
 @triton.jit
 def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, MB, KB, fmax, eps, BM: tl.constexpr,
                       BLOCK_2D: tl.constexpr, TRANSPOSE: tl.constexpr, POW2: tl.constexpr, SUB: tl.constexpr):
@@ -134,6 +136,7 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
     return data, scale_inv, data_t, scale_inv_t
 
 
+@launcher
 @triton.jit
 def _dequantize_blockwise_kernel(x_ptr, s_ptr, y_ptr, M, K, KB, BM: tl.constexpr, BLOCK_2D: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)

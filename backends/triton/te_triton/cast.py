@@ -23,12 +23,14 @@ from ._common import (
     new_amax_buffer,
     saturating_cast,
 )
+from .launch import launcher
 
 QUANTIZE_DEFAULT = Config(block=4096, num_warps=8)
 CAST_TRANSPOSE_DEFAULT = Config(block_m=64, block_n=64, num_warps=4)
 FLOAT32_MAX = 3.4028234663852886e38
 
 
+@launcher
 @triton.jit
 def _quantize_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, n, fmax, BLOCK: tl.constexpr, STORE: tl.constexpr,
                      CLAMP: tl.constexpr):
@@ -67,6 +69,7 @@ def _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM: tl.con
     tl.store(yt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
 
 
+@launcher
 @triton.jit
 def _cast_transpose_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, M, N, fmax,
                            BM: tl.constexpr, BN: tl.constexpr, CLAMP: tl.constexpr):
@@ -146,6 +149,7 @@ def cast_transpose_fp8(x, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFAULT
     return y, yt, amax_from_buffer(amax_buf, amax_out)
 
 
+@launcher
 @triton.jit
 def _current_scale_kernel(amax_ptr, scale_ptr, scale_inv_ptr, fmax, eps, POW2: tl.constexpr):
     amax = tl.load(amax_ptr)
@@ -188,6 +192,7 @@ def quantize_fp8_current(
     return data, data_t, scale, scale_inv, amax_t
 
 
+@launcher
 @triton.jit
 def _dequantize_kernel(x_ptr, s_ptr, y_ptr, n, BLOCK: tl.constexpr):
     s = tl.load(s_ptr)
@@ -225,6 +230,7 @@ def dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch
 TRANSPOSE_DEFAULT = Config(block_m=64, block_n=128, num_warps=4)
 
 
+@launcher
 @triton.jit
 def _transpose_kernel(x_ptr, y_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
     pid = tl.program_id(0)

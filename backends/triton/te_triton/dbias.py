@@ -20,6 +20,7 @@ from ._common import MAX_NUMEL, Config, abs_bits, amax_from_buffer, descriptor, 
     new_amax_buffer, saturating_cast, tma_ready
 from .activation import ELEMENTWISE_DEFAULT, KIND_IDS, _check, _dact, activation_bwd
 from .cast import _cast_transpose_tile, _check_input, transpose_clamps
+from .launch import launcher
 
 
 @triton.jit
@@ -34,6 +35,7 @@ def _dbias_ct_load(g_ptr, x_ptr, tm, cols, M, N, BM: tl.constexpr, ACT: tl.const
     return g, g
 
 
+@launcher
 @triton.jit
 def _dbias_ct_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr, M, N, fmax, groups,
                      g1_ptr, g2_ptr, B1, B2,
@@ -78,9 +80,18 @@ def _dbias_ct_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr
     tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
 
 
+# At most this many elements, each column strip is one program: its sums are then the bias
+# gradient itself, stored in the output dtype by the kernel, and the two torch ops that reduce
+# the partial sums and cast them (host time that exceeds such a small kernel's) are not needed.
+ONE_GROUP_NUMEL = 1 << 18
+
+
 def _groups(M: int, strips: int, cfg: Config) -> int:
-    """Row groups per column strip: enough programs to fill the GPU (cfg.max_programs), no more."""
+    """Row groups per column strip: enough programs to fill the GPU (cfg.max_programs), no more;
+    one for a small gradient (ONE_GROUP_NUMEL)."""
     row_tiles = triton.cdiv(M, cfg.block_m)
+    if M * strips * cfg.block_n <= ONE_GROUP_NUMEL:
+        return 1
     return max(1, min(row_tiles, cfg.max_programs // strips)) if cfg.max_programs > 0 else row_tiles
 
 
@@ -97,22 +108,28 @@ def _dbias_cast_transpose(g, x, kind, scale, fp8_dtype, cfg: Config, amax_out, p
     yt = torch.empty((N, M), dtype=fp8_dtype, device=src.device)
     amax_buf = new_amax_buffer(src.device, amax_out)
     partial = _tma_launch(blocks, x, y, yt, scale, amax_buf, fmax, kind, cfg) if M * N else None
+    summed = False
     if partial is None:
         starts = [min(sum(widths[:i]), N) for i in (1, 2)]  # where blocks 1 and 2 begin (N: no such block)
         blocks += [blocks[-1]] * (3 - len(blocks))
         n_tn = triton.cdiv(N, cfg.block_n)
         groups = _groups(M, n_tn, cfg)
-        partial = torch.empty((groups, N), dtype=torch.float32, device=src.device)
+        summed = groups == 1 and M > 0
+        partial = torch.empty((groups, N), dtype=src.dtype if summed else torch.float32, device=src.device)
         if M * N:
             _dbias_ct_kernel[(groups * n_tn,)](
                 g, src, y, yt, scale, amax_buf, partial, M, N, fmax, groups, blocks[1], blocks[2], starts[0],
                 starts[1], ACT=x is not None, KIND=KIND_IDS.get(kind, 0), BM=cfg.block_m, BN=cfg.block_n,
                 CLAMP=transpose_clamps(cfg, src), PREFETCH=cfg.prefetch, PARTS=1 if parts is None else len(parts),
                 num_warps=cfg.num_warps)
-    dbias = partial.sum(dim=0) if M else torch.zeros(N, dtype=torch.float32, device=src.device)
-    return y, yt, dbias.to(src.dtype), amax_from_buffer(amax_buf, amax_out)
+    if summed:  # one group: the kernel wrote the bias gradient itself
+        dbias = partial[0]
+    else:
+        dbias = (partial.sum(dim=0) if M else torch.zeros(N, dtype=torch.float32, device=src.device)).to(src.dtype)
+    return y, yt, dbias, amax_from_buffer(amax_buf, amax_out)
 
 
+@launcher
 @triton.jit
 def _dbias_ct_tma_kernel(g_desc, x_desc, y_desc, yt_desc, scale_ptr, amax_ptr, dbias_ptr, M, N, col0, width, fmax,
                          groups, ACT: tl.constexpr, KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,

@@ -9,10 +9,12 @@ import triton
 import triton.language as tl
 
 from ._common import MAX_NUMEL, Config
+from .launch import launcher
 
 LOSS_DEFAULT = Config(block=4096, num_warps=8)
 
 
+@launcher
 @triton.jit
 def _ce_fwd_kernel(x_ptr, t_ptr, loss_ptr, lse_ptr, V, ignore_index, smoothing, BLOCK_V: tl.constexpr):
     row = tl.program_id(0)
@@ -39,6 +41,7 @@ def _ce_fwd_kernel(x_ptr, t_ptr, loss_ptr, lse_ptr, V, ignore_index, smoothing, 
     tl.store(lse_ptr + row, lse)
 
 
+@launcher
 @triton.jit
 def _ce_bwd_kernel(x_ptr, t_ptr, lse_ptr, g_ptr, dx_ptr, V, ignore_index, smoothing, G_STRIDE,
                    BLOCK_V: tl.constexpr):

@@ -19,6 +19,7 @@ import triton.language as tl
 from . import norm_tma
 from ._common import MAX_NUMEL, Config, abs_bits, amax_from_buffer, fp8_max, grid_size, new_amax_buffer, saturating_cast
 from ._norm_math import backward_step, norm_params, row_statistics, scale_shift
+from .launch import launcher
 
 NORM_DEFAULT = Config(num_warps=8, max_programs=1024)
 MAX_N = 65536  # one row must fit in a program's registers
@@ -26,6 +27,7 @@ MAX_TILE = 16384  # rows x padded columns per step, at most
 TILE_AMAX_ELEMENTS_PER_THREAD = 32  # beyond this, a per-element running amax costs too many registers
 
 
+@launcher
 @triton.jit
 def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, amax_ptr, M, N, eps, fmax,
                      BLOCK_N: tl.constexpr, ROWS: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
@@ -91,6 +93,7 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, 
             tl.atomic_max(amax_ptr, acc)
 
 
+@launcher
 @triton.jit
 def _norm_bwd_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, dx_ptr, dw_part_ptr, db_part_ptr, add_ptr, M, N,
                      BLOCK_N: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr, ADD: tl.constexpr):

@@ -19,10 +19,12 @@ import triton.language as tl
 
 from ._common import Config, abs_bits, descriptor, grid_size, launched, saturating_cast, tma_ready
 from ._norm_math import backward_step, norm_params, row_statistics, scale_shift
+from .launch import launcher
 
 MAX_TILE = 16384  # elements of a step's rows, as norm.py's kernels
 
 
+@launcher
 @triton.jit
 def _fwd_kernel(x_desc, y_desc, w_ptr, b_ptr, mean_ptr, rstd_ptr, scale_ptr, amax_ptr, M, N, eps, fmax,
                 BLOCK_N: tl.constexpr, ROWS: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
@@ -50,6 +52,7 @@ def _fwd_kernel(x_desc, y_desc, w_ptr, b_ptr, mean_ptr, rstd_ptr, scale_ptr, ama
     tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
 
 
+@launcher
 @triton.jit
 def _bwd_kernel(dy_desc, x_desc, mean_ptr, rstd_ptr, w_ptr, dx_ptr, dw_part_ptr, db_part_ptr, add_ptr, M, N,
                 BLOCK_N: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr, ADD: tl.constexpr,

@@ -12,10 +12,12 @@ import triton
 import triton.language as tl
 
 from ._common import MAX_NUMEL, Config, grid_size
+from .launch import launcher
 
 ROPE_DEFAULT = Config(num_warps=4, max_programs=0)
 
 
+@launcher
 @triton.jit
 def _rope_kernel(x_ptr, f_ptr, y_ptr, P, S, B, H, D, R, sign, SBHD: tl.constexpr, INTERLEAVED: tl.constexpr,
                  BH: tl.constexpr, BD: tl.constexpr):

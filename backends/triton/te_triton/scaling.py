@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ._common import Config
+from .launch import launcher
 
 SCALING_DEFAULT = Config(block_m=8, block_n=128, num_warps=4)
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
@@ -50,6 +51,7 @@ def _amax_bits(h):
     return tl.where(h != h, 0.0, tl.abs(h)).to(tl.int32, bitcast=True)
 
 
+@launcher
 @triton.jit
 def _delayed_update_tile_kernel(table_ptr, fmax_ptr, margin_scale, MOST_RECENT: tl.constexpr,
                                 BL: tl.constexpr, BN: tl.constexpr):
@@ -73,6 +75,7 @@ def _delayed_update_tile_kernel(table_ptr, fmax_ptr, margin_scale, MOST_RECENT: 
              mask=m & stepped[None, :])
 
 
+@launcher
 @triton.jit
 def _delayed_update_kernel(table_ptr, fmax_ptr, margin_scale, MOST_RECENT: tl.constexpr,
                            BR: tl.constexpr, BN: tl.constexpr):

@@ -13,11 +13,13 @@ import triton
 import triton.language as tl
 
 from ._common import MAX_NUMEL, Config, grid_size
+from .launch import launcher
 
 SOFTMAX_DEFAULT = Config(num_warps=4, max_programs=0)
 MAX_SK = 32768
 
 
+@launcher
 @triton.jit
 def _softmax_fwd_kernel(x_ptr, y_ptr, mask_ptr, R, H, SQ, SK, scale, msb, msh, msq, msk,
                         BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr):
@@ -42,6 +44,7 @@ def _softmax_fwd_kernel(x_ptr, y_ptr, mask_ptr, R, H, SQ, SK, scale, msb, msh, m
         tl.store(y_ptr + row * SK + cols, y.to(y_ptr.dtype.element_ty), mask=valid)
 
 
+@launcher
 @triton.jit
 def _softmax_bwd_kernel(dy_ptr, y_ptr, dx_ptr, R, SK, scale, BLOCK_N: tl.constexpr):
     cols = tl.arange(0, BLOCK_N)

@@ -73,11 +73,13 @@ def test_current_scale_edge_cases(special, expected_scale):
     assert torch.equal(scale, want[2]) and torch.equal(amax.nan_to_num(), want[4].nan_to_num())
 
 
+@pytest.mark.parametrize("one_group_numel", [0, 1 << 18])  # partial sums always; one group for small tensors
 @pytest.mark.parametrize("max_programs", [0, 3, 7, 64])
-def test_dbias_cast_transpose_partials(max_programs):
+def test_dbias_cast_transpose_partials(max_programs, one_group_numel, monkeypatch):
     """Row groups per column strip (1, a few, one per tile) all sum to the float64 column sums."""
     from te_triton import dbias as dbias_ct
 
+    monkeypatch.setattr(dbias_ct, "ONE_GROUP_NUMEL", one_group_numel)
     x = _x((50, 40), torch.float32, 4)
     cfg = Config(block_m=8, block_n=16, num_warps=1, max_programs=max_programs)
     data, data_t, dbias, amax = dbias_ct.dbias_cast_transpose(x, torch.tensor([1.0]), torch.float8_e4m3fn, cfg)
@@ -86,6 +88,27 @@ def test_dbias_cast_transpose_partials(max_programs):
     want, want_t, _ = ref.cast_transpose_fp8(x, torch.tensor([1.0]), torch.float8_e4m3fn)
     assert_fp8_matches(data, want)
     assert torch.equal(data_t.view(torch.uint8), data.view(torch.uint8).t())
+
+
+@pytest.mark.parametrize("one_group_numel", [0, 1 << 18])
+def test_dbias_in_bf16_is_the_rounded_float32_sum(one_group_numel, monkeypatch):
+    """One group stores the float32 column sums in bf16 from the kernel; partial sums are
+    reduced and cast after it: the same bf16 values either way."""
+    from te_triton import dbias as dbias_ct
+
+    monkeypatch.setattr(dbias_ct, "ONE_GROUP_NUMEL", one_group_numel)
+    x = _x((64, 48), torch.bfloat16, 7)
+    cfg = Config(block_m=16, block_n=16, num_warps=1, max_programs=64)
+    dbias = dbias_ct.dbias_cast_transpose(x, torch.tensor([1.0]), torch.float8_e4m3fn, cfg)[2]
+    assert dbias.dtype == torch.bfloat16 and dbias.shape == (48,)
+    torch.testing.assert_close(dbias, x.double().sum(0).to(torch.bfloat16), rtol=1.6e-2, atol=1e-5)
+
+
+def test_empty_gradient_has_zero_dbias():
+    from te_triton import dbias as dbias_ct
+
+    dbias = dbias_ct.dbias_cast_transpose(torch.empty(0, 32), torch.tensor([1.0]), torch.float8_e4m3fn, SMALL)[2]
+    assert torch.equal(dbias, torch.zeros(32))
 
 
 def test_bad_inputs_name_the_problem():

@@ -1,0 +1,154 @@
+"""te_triton.launch: which launches reuse a compiled kernel and what they pass it.
+
+A stand-in kernel records Triton's own launches (kernel[grid](...)) and the direct ones
+(compiled.run(...)); the key must send every change Triton specializes on back to Triton."""
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from te_triton import launch
+
+pytestmark = pytest.mark.skipif(launch._knobs is None, reason="this triton has no knobs module (before 3.4)")
+
+STREAM = 1234
+
+
+class _Compiled:
+    packed_metadata, function = "meta", "fn"
+
+    def __init__(self, log):
+        self.log = log
+
+    def launch_metadata(self, grid, stream, *values):
+        return None
+
+    def run(self, *args):
+        self.log.append(("direct", args))
+
+
+class _Kernel:
+    """Parameters (x, y, n, scale, BLOCK: constexpr, FLAG: constexpr = True) like a @triton.jit kernel's."""
+
+    def __init__(self):
+        self.log = []
+        self.pre_run_hooks = []
+        self.params = [SimpleNamespace(name=n, is_constexpr=c, default=d) for n, c, d in (
+            ("x", False, inspect.Parameter.empty), ("y", False, inspect.Parameter.empty),
+            ("n", False, inspect.Parameter.empty), ("scale", False, inspect.Parameter.empty),
+            ("BLOCK", True, inspect.Parameter.empty), ("FLAG", True, True))]
+
+    def __getitem__(self, grid):
+        def triton_launch(*args, **kwargs):
+            self.log.append(("triton", grid, args, kwargs))
+            return _Compiled(self.log)
+        return triton_launch
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    monkeypatch.setattr(launch, "ENABLED", True)
+    monkeypatch.setattr(launch, "_DRIVER", [(lambda: 0, lambda device: STREAM)])
+    raw = _Kernel()
+    return raw, launch.launcher(raw)
+
+
+def _kinds(raw):
+    return [entry[0] for entry in raw.log]
+
+
+def test_second_launch_of_a_specialization_goes_direct_with_bound_arguments(kernel):
+    raw, k = kernel
+    x, y = torch.randn(64), torch.empty(64)
+    k[(3,)](x, y, 64, 0.5, BLOCK=128, num_warps=4)
+    x2, y2 = torch.randn(32), torch.empty(32)
+    k[(5, 2)](x2, y2, 32, 2.0, BLOCK=128, num_warps=4)  # other tensors and values, same specialization
+    assert _kinds(raw) == ["triton", "direct"]
+    # grid padded to 3-D, the stream, the compiled function and metadata, no launch metadata,
+    # Triton's hooks, then every parameter in order with its default filled in
+    assert raw.log[1][1][:6] == (5, 2, 1, STREAM, "fn", "meta")
+    hooks = launch._knobs.runtime
+    assert raw.log[1][1][6:9] == (None, hooks.launch_enter_hook, hooks.launch_exit_hook)
+    assert raw.log[1][1][9:] == (x2, y2, 32, 2.0, 128, True)
+
+
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "int_divisible", "int_one", "int64", "constexpr",
+                                    "default_constexpr", "option", "device"])
+def test_what_triton_specializes_on_goes_back_to_triton(kernel, monkeypatch, change):
+    raw, k = kernel
+    x, y = torch.randn(65), torch.empty(64)
+    args = dict(x=x[:64], y=y, n=64, scale=0.5)
+    kwargs = dict(BLOCK=128, num_warps=4)
+    k[(1,)](*args.values(), **kwargs)
+    if change == "misaligned":
+        args["x"] = x[1:]  # 4 bytes past a 16-byte boundary
+    elif change == "dtype":
+        args["x"] = x[:64].double()
+    elif change == "int_divisible":
+        args["n"] = 63
+    elif change == "int_one":
+        args["n"] = 1
+    elif change == "int64":
+        args["n"] = 2**40
+    elif change == "constexpr":
+        kwargs["BLOCK"] = 256
+    elif change == "default_constexpr":
+        kwargs["FLAG"] = False
+    elif change == "option":
+        kwargs["num_warps"] = 8
+    else:
+        monkeypatch.setattr(launch, "_DRIVER", [(lambda: 1, lambda device: STREAM)])
+    k[(1,)](*args.values(), **kwargs)
+    assert _kinds(raw) == ["triton", "triton"]
+    k[(1,)](*args.values(), **kwargs)  # and that specialization is remembered in turn
+    assert _kinds(raw) == ["triton", "triton", "direct"]
+
+
+def test_argument_without_a_rule_always_takes_triton_path(kernel):
+    raw, k = kernel
+    for _ in range(3):
+        k[(1,)](torch.randn(4), torch.empty(4), 4, object(), BLOCK=16)
+    assert _kinds(raw) == ["triton"] * 3
+
+
+def test_callable_grid_gets_the_bound_arguments(kernel):
+    raw, k = kernel
+    seen = []
+
+    def grid(meta):
+        seen.append(meta)
+        return (meta["n"] // meta["BLOCK"],)
+
+    k[grid](torch.randn(64), torch.empty(64), 64, 1.0, BLOCK=16)
+    k[grid](torch.randn(64), torch.empty(64), 64, 1.0, BLOCK=16)
+    assert raw.log[1][1][:3] == (4, 1, 1)
+    assert seen[-1]["FLAG"] is True and seen[-1]["n"] == 64
+
+
+def test_disabled_or_hooked_kernels_take_triton_path(kernel, monkeypatch):
+    raw, k = kernel
+    raw.pre_run_hooks.append(lambda *a, **kw: None)
+    for _ in range(2):
+        k[(1,)](torch.randn(4), torch.empty(4), 4, 1.0, BLOCK=16)
+    monkeypatch.setattr(launch, "ENABLED", False)
+    off = launch.launcher(_Kernel())
+    for _ in range(2):
+        off[(1,)](torch.randn(4), torch.empty(4), 4, 1.0, BLOCK=16)
+    assert _kinds(raw) == ["triton", "triton"] and _kinds(off.kernel) == ["triton", "triton"]
+
+
+def test_the_kernels_own_attributes_show_through(kernel):
+    raw, k = kernel
+    assert k.params is raw.params and k.kernel is raw
+
+
+@pytest.mark.parametrize("value,on", [(None, True), ("", True), ("1", True), ("ON", True), (" yes ", True),
+                                      ("0", False), ("false", False), ("Off", False)])
+def test_switch_values(value, on):
+    assert launch.switched_on(value) is on
+
+
+def test_unknown_switch_value_is_an_error_naming_the_variable():
+    with pytest.raises(ValueError, match="TE_TRITON_FAST_LAUNCH='maybe'.*set it to 1"):
+        launch.switched_on("maybe")
