@@ -170,15 +170,23 @@ def test_fp8_step_saves_no_more_than_high_precision(name):
 @pytest.mark.parametrize("name", sorted(FP8_RECIPES))
 def test_fp8_step_peak_is_no_higher_than_high_precision(monkeypatch, name):
     """On the reference backend no higher than te's own high-precision step. On an accelerator
-    the bound is the plain-PyTorch bf16 layer's (what the FP8 layer replaces): there te's
-    high-precision step reaches its peak where the backend's attention backward holds its
-    gradients, and an FP8 step holds, besides, the FP8 copies of inputs that the bf16 step
-    saves by reference (the attention output before the projection)."""
+    the bound is the plain-PyTorch bf16 layer's (what the FP8 layer replaces) plus the FP8
+    column-wise copies of the weights, which the forward keeps for the dgrad GEMMs as
+    Transformer Engine does (casting them again in the backward would cost a cast per weight
+    per step): there te's high-precision step already peaks at the plain layer's level, where
+    the backend's attention backward holds its gradients. Keeping the row-wise weight copies
+    as well, or two GEMMs' high-precision inputs next to their FP8 copies, exceeds it. The peak
+    target itself is set at hidden 4096, measured by torch's allocator in
+    benchmarks/bench_modules.py."""
     fp8 = _peak_step_bytes(monkeypatch, FP8_RECIPES[name]())
     if te.get_backend().name == "reference":
         assert fp8 <= _peak_step_bytes(monkeypatch, None)
     else:
-        assert fp8 <= _peak_step_bytes(monkeypatch, None, plain_torch=True)
+        layer = _layer_and_data()[0]
+        weights = sum(p.numel() for p in layer.parameters() if p.dim() == 2)
+        fp8_weight_copies = weights + weights // 32  # one byte per element, plus MXFP8's scales (the most)
+        plain = _peak_step_bytes(monkeypatch, None, plain_torch=True)
+        assert fp8 <= plain + fp8_weight_copies, (fp8, plain, fp8_weight_copies)
 
 
 @pytest.mark.parametrize("name", ["current", "block", "mxfp8", None])

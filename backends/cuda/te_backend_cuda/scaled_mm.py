@@ -16,16 +16,21 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _aligned_scalar(scale):
-    """A 0-dim float32 scale at a 16-byte aligned address: cuBLASLt can answer
+    """A one-element float32 scale at a 16-byte aligned address: cuBLASLt can answer
     CUBLAS_STATUS_NOT_SUPPORTED for a scale sliced out of a module's scale vector at an
-    unaligned offset."""
-    scale = scale.reshape(()).float()
+    unaligned offset. Its shape stays as given: torch._scaled_mm takes any one-element float32
+    tensor as a tensor-wise scale, and a reshape would be one more torch call per GEMM."""
+    if scale.dtype != torch.float32:
+        scale = scale.float()
     return scale.clone() if scale.data_ptr() % 16 else scale
 
 
 def _scale_args(a, b, a_si, b_si, scaling: str):
     M, N = a.shape[0], b.shape[0]
     if scaling == TENSORWISE:
+        if a_si.numel() != 1 or b_si.numel() != 1:  # else torch._scaled_mm could read them as row-wise
+            raise ValueError(f"tensor-wise scaling takes one-element scale_inv tensors, got shapes "
+                             f"{tuple(a_si.shape)} and {tuple(b_si.shape)}")
         return _aligned_scalar(a_si), _aligned_scalar(b_si)
     if scaling == ROWWISE:
         return a_si.reshape(M, 1).float().contiguous(), b_si.reshape(1, N).float().contiguous()

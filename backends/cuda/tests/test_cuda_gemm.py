@@ -164,3 +164,16 @@ def test_casts_decline_an_amax_out_the_kernels_cannot_take():
         False, "amax_out is not on x's device")
     ok, why = cast.cast_ok(x, scale, torch.float8_e4m3fn, amax_out=torch.zeros(1))
     assert not ok and why == "x is not on a CUDA device"  # the amax_out itself was acceptable
+
+
+def test_tensorwise_scales_keep_their_shape_and_must_have_one_element():
+    """A (1,) scale goes to torch._scaled_mm as it is (no reshape per GEMM); more elements
+    under tensor-wise scaling are an error, not a row-wise product."""
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(16, 32, generator=g).to(torch.float8_e4m3fn)
+    b = torch.randn(16, 32, generator=g).to(torch.float8_e4m3fn)
+    one = torch.tensor([0.5])
+    sa, sb = scaled_mm._scale_args(a, b, one, one, TENSORWISE)
+    assert sa is one and sb is one
+    with pytest.raises(ValueError, match="one-element scale_inv"):
+        scaled_mm._scale_args(a, b, torch.ones(16, 1), one, TENSORWISE)
