@@ -16,6 +16,7 @@ takes Triton's own path. TE_TRITON_FAST_LAUNCH=0 turns the shortcut off (switche
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -83,7 +84,7 @@ class Launcher:
         return getattr(self.kernel, name)
 
     def __getitem__(self, grid) -> Callable[..., Any]:
-        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+        return functools.partial(self.launch, grid)  # (a C-level callable: no Python frame of its own)
 
     def _key(self, device: int, values: list, kwargs: dict) -> Optional[Tuple]:
         """(device, specialization, launch options), or None for an argument it has no rule for.
@@ -103,7 +104,7 @@ class Launcher:
         options = tuple(item for item in kwargs.items() if item[0] not in self._params)
         return device, tuple(spec), options
 
-    def launch(self, grid, args, kwargs):
+    def launch(self, grid, *args, **kwargs):
         if not self._ok or self.kernel.pre_run_hooks:
             return self.kernel[grid](*args, **kwargs)
         current_device, current_stream = _driver()
@@ -126,9 +127,10 @@ class Launcher:
             grid = grid(dict(zip(self._names, values)))
         n = len(grid)
         hooks = _knobs.runtime
+        enter = hooks.launch_enter_hook  # None: launch_metadata would return None (triton 3.6), skip the call
+        metadata = None if enter is None else compiled.launch_metadata(grid, stream, *values)
         compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
-                     compiled.packed_metadata, compiled.launch_metadata(grid, stream, *values),
-                     hooks.launch_enter_hook, hooks.launch_exit_hook, *values)
+                     compiled.packed_metadata, metadata, enter, hooks.launch_exit_hook, *values)
         return compiled
 
 

@@ -22,7 +22,8 @@ class _Compiled:
         self.log = log
 
     def launch_metadata(self, grid, stream, *values):
-        return None
+        self.log.append(("metadata", grid, stream))
+        return "launch-metadata"
 
     def run(self, *args):
         self.log.append(("direct", args))
@@ -55,7 +56,7 @@ def kernel(monkeypatch):
 
 
 def _kinds(raw):
-    return [entry[0] for entry in raw.log]
+    return [entry[0] for entry in raw.log if entry[0] != "metadata"]
 
 
 def test_second_launch_of_a_specialization_goes_direct_with_bound_arguments(kernel):
@@ -64,13 +65,16 @@ def test_second_launch_of_a_specialization_goes_direct_with_bound_arguments(kern
     k[(3,)](x, y, 64, 0.5, BLOCK=128, num_warps=4)
     x2, y2 = torch.randn(32), torch.empty(32)
     k[(5, 2)](x2, y2, 32, 2.0, BLOCK=128, num_warps=4)  # other tensors and values, same specialization
-    assert _kinds(raw) == ["triton", "direct"]
+    assert [k for k in _kinds(raw) if k != "metadata"] == ["triton", "direct"]
     # grid padded to 3-D, the stream, the compiled function and metadata, no launch metadata,
     # Triton's hooks, then every parameter in order with its default filled in
-    assert raw.log[1][1][:6] == (5, 2, 1, STREAM, "fn", "meta")
+    direct = [entry for entry in raw.log if entry[0] == "direct"]
+    assert direct[0][1][:6] == (5, 2, 1, STREAM, "fn", "meta")
     hooks = launch._knobs.runtime
-    assert raw.log[1][1][6:9] == (None, hooks.launch_enter_hook, hooks.launch_exit_hook)
-    assert raw.log[1][1][9:] == (x2, y2, 32, 2.0, 128, True)
+    metadata = None if hooks.launch_enter_hook is None else "launch-metadata"  # as Triton: none without a hook
+    direct = [entry for entry in raw.log if entry[0] == "direct"]
+    assert direct[0][1][6:9] == (metadata, hooks.launch_enter_hook, hooks.launch_exit_hook)
+    assert direct[0][1][9:] == (x2, y2, 32, 2.0, 128, True)
 
 
 @pytest.mark.parametrize("change", ["misaligned", "dtype", "int_divisible", "int_one", "int64", "constexpr",
@@ -122,7 +126,7 @@ def test_callable_grid_gets_the_bound_arguments(kernel):
 
     k[grid](torch.randn(64), torch.empty(64), 64, 1.0, BLOCK=16)
     k[grid](torch.randn(64), torch.empty(64), 64, 1.0, BLOCK=16)
-    assert raw.log[1][1][:3] == (4, 1, 1)
+    assert [entry for entry in raw.log if entry[0] == "direct"][0][1][:3] == (4, 1, 1)
     assert seen[-1]["FLAG"] is True and seen[-1]["n"] == 64
 
 
@@ -152,3 +156,16 @@ def test_switch_values(value, on):
 def test_unknown_switch_value_is_an_error_naming_the_variable():
     with pytest.raises(ValueError, match="TE_TRITON_FAST_LAUNCH='maybe'.*set it to 1"):
         launch.switched_on("maybe")
+
+
+def test_a_launch_hook_gets_the_kernels_launch_metadata(kernel, monkeypatch):
+    """With an enter hook set (a profiler's), the direct launch passes what launch_metadata
+    returns, as Triton's own launch does."""
+    raw, k = kernel
+    hook = lambda metadata: None  # noqa: E731
+    monkeypatch.setattr(launch._knobs.runtime, "launch_enter_hook", hook)
+    for _ in range(2):
+        k[(1,)](torch.randn(4), torch.empty(4), 4, 1.0, BLOCK=16)
+    direct = [entry for entry in raw.log if entry[0] == "direct"]
+    assert len(direct) == 1 and direct[0][1][6:8] == ("launch-metadata", hook)
+    assert ("metadata", (1,), STREAM) in raw.log
