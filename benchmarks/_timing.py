@@ -50,9 +50,13 @@ def host_and_total_ms(step, n: int = 30, warmup: int = 5, device: str = "cuda") 
     return host * 1e3, (time.perf_counter() - t0) / n * 1e3
 
 
-def wall_us(fn, n: int = 300, warmup: int = 20, device: str = "cuda") -> float:
-    """Microseconds per call of `fn`, device work included."""
-    return host_and_total_ms(fn, n, warmup, device)[1] * 1e3
+def wall_us(fn, n: int = 300, warmup: int = 20, device: str = "cuda", repeats: int = 1) -> float:
+    """Microseconds per call of `fn`, device work included: the median over `repeats` timed runs
+    of `n` calls each. Host-bound work varies with whatever else the CPU does; the median of a
+    few runs is steadier than one long run."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median(host_and_total_ms(fn, n, 0, device)[1] * 1e3 for _ in range(repeats))
 
 
 def peak_mib(fn, device: str = "cuda") -> Optional[float]:

@@ -23,12 +23,11 @@ import argparse
 import cProfile
 import os
 import pstats
-import statistics
-import time
 from typing import Callable, Dict, Optional
 
 import torch
 from _results import add_results_argument, meta, select_device, write_json
+from _timing import wall_us
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import te_core as te
@@ -90,19 +89,6 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def wall_us(step, device: str, steps: int, repeats: int = 5) -> float:
-    """The median over `repeats` runs of `steps` steps of the wall time per step."""
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        _sync(device)
-        times.append((time.perf_counter() - start) / steps * 1e6)
-    return statistics.median(times)
-
-
 def launches_per_step(step, device: str, steps: int) -> Optional[float]:
     if torch.device(device).type != "cuda":
         return None
@@ -148,7 +134,7 @@ def measure(variant: str, shape, device: str, steps: int) -> dict:
     counter = _CountOps()
     with counter:
         step()
-    cell = {"us": round(wall_us(step, device, steps), 1), "torch_ops": counter.count,
+    cell = {"us": round(wall_us(step, steps, 0, device, repeats=5), 1), "torch_ops": counter.count,
             "launches": launches_per_step(step, device, steps)}
     cell.update({k: round(v, 3) for k, v in python_calls(step, steps).items()})
     return cell
