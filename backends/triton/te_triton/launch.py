@@ -109,7 +109,9 @@ class Launcher:
     def launch(self, grid, *args, **kwargs):
         if not self._ok or self.kernel.pre_run_hooks:
             return self.kernel[grid](*args, **kwargs)
-        current_device, current_stream = _driver()
+        current_device, current_stream, specializes_as_cuda = _driver()
+        if not specializes_as_cuda:
+            return self.kernel[grid](*args, **kwargs)
         device = current_device()
         values = list(args)
         for name in self._names[len(args):]:
@@ -140,11 +142,18 @@ _DRIVER = []
 
 
 def _driver():
-    """(current device, current stream of a device): Triton's active driver's own functions,
-    bound at the first launch (not at import: a machine without a GPU imports this module too)."""
+    """(current device, current stream of a device, whether the key covers the target): Triton's
+    active driver's own functions, bound at the first launch (not at import: a machine without a
+    GPU imports this module too). The key follows what Triton specializes on for NVIDIA targets;
+    other targets specialize on more (AMD on whether a pointer's range fits 32 bits), so their
+    launches keep Triton's own path."""
     if not _DRIVER:
         active = triton.runtime.driver.active
-        _DRIVER.append((active.get_current_device, active.get_current_stream))
+        try:
+            backend = active.get_current_target().backend
+        except Exception:  # pragma: no cover - a driver without targets: stay on Triton's path
+            backend = None
+        _DRIVER.append((active.get_current_device, active.get_current_stream, backend == "cuda"))
     return _DRIVER[0]
 
 

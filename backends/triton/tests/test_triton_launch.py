@@ -50,7 +50,7 @@ class _Kernel:
 @pytest.fixture
 def kernel(monkeypatch):
     monkeypatch.setattr(launch, "ENABLED", True)
-    monkeypatch.setattr(launch, "_DRIVER", [(lambda: 0, lambda device: STREAM)])
+    monkeypatch.setattr(launch, "_DRIVER", [(lambda: 0, lambda device: STREAM, True)])
     raw = _Kernel()
     return raw, launch.launcher(raw)
 
@@ -102,7 +102,7 @@ def test_what_triton_specializes_on_goes_back_to_triton(kernel, monkeypatch, cha
     elif change == "option":
         kwargs["num_warps"] = 8
     else:
-        monkeypatch.setattr(launch, "_DRIVER", [(lambda: 1, lambda device: STREAM)])
+        monkeypatch.setattr(launch, "_DRIVER", [(lambda: 1, lambda device: STREAM, True)])
     k[(1,)](*args.values(), **kwargs)
     assert _kinds(raw) == ["triton", "triton"]
     k[(1,)](*args.values(), **kwargs)  # and that specialization is remembered in turn
@@ -169,3 +169,11 @@ def test_a_launch_hook_gets_the_kernels_launch_metadata(kernel, monkeypatch):
     direct = [entry for entry in raw.log if entry[0] == "direct"]
     assert len(direct) == 1 and direct[0][1][6:8] == ("launch-metadata", hook)
     assert ("metadata", (1,), STREAM) in raw.log
+
+
+def test_a_target_other_than_nvidias_keeps_tritons_path(kernel, monkeypatch):
+    raw, k = kernel
+    monkeypatch.setattr(launch, "_DRIVER", [(lambda: 0, lambda device: STREAM, False)])
+    for _ in range(3):
+        k[(1,)](torch.randn(4), torch.empty(4), 4, 1.0, BLOCK=16)
+    assert _kinds(raw) == ["triton"] * 3
