@@ -31,7 +31,7 @@ try:
 except ImportError:  # pragma: no cover - triton before 3.4 keeps its hooks elsewhere
     _knobs = None
 
-_INT32 = (-(2**31), 2**31)
+_I32_MIN, _I32_END = -(2**31), 2**31
 _LAUNCH_CALL = "kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata,"
 
 
@@ -50,7 +50,7 @@ def switched_on(value: Optional[str]) -> bool:
 def _supported() -> bool:
     """Whether this Triton launches a compiled kernel the way the shortcut repeats: its JIT
     passes every bound argument to `kernel.run` after the grid, stream, function, metadata and
-    hooks (triton 3.2 and later). Read from Triton's own source, so a change there turns the
+    hooks (triton 3.3 and later). Read from Triton's own source, so a change there turns the
     shortcut off instead of launching with the wrong arguments."""
     if not switched_on(os.environ.get("TE_TRITON_FAST_LAUNCH")) or _knobs is None:
         return False
@@ -98,7 +98,7 @@ class Launcher:
             elif isinstance(value, torch.Tensor):
                 spec.append((value.dtype, value.data_ptr() % 16 == 0))
             elif value.__class__ is int:
-                spec.append((value == 1, value % 16 == 0, _INT32[0] <= value < _INT32[1], value >= 2**63))
+                spec.append((value == 1, value % 16 == 0, _I32_MIN <= value < _I32_END, value >= 2**63))
             elif value.__class__ is float:
                 spec.append(float)
             else:
