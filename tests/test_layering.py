@@ -63,3 +63,25 @@ def test_nothing_points_outside_the_repository():
         if OUTSIDE.search(line)
     ]
     assert not offending, "references to files outside the repository:\n" + "\n".join(offending)
+
+
+# -- every setting a user can make is documented ----------------------------------------------------
+ENV_NAME = re.compile(r"[\"'](TE_[A-Z][A-Z0-9_]+)[\"']")
+SOURCE_DIRS = ("te_core", "backends", "plugins")
+
+
+def test_every_environment_variable_read_is_in_the_backends_doc():
+    """A TE_* variable named in the product's code (te_core, the backends, the template) has a
+    row in docs/backends.md's table of environment variables."""
+    named = {}
+    for top in SOURCE_DIRS:
+        for path in (ROOT / top).rglob("*.py"):
+            if "tests" in path.relative_to(ROOT).parts or "__pycache__" in path.parts:
+                continue
+            for name in ENV_NAME.findall(path.read_text(encoding="utf-8")):
+                named.setdefault(name, str(path.relative_to(ROOT)))
+    assert "TE_BACKEND" in named  # the scan finds what it should
+    table = (ROOT / "docs" / "backends.md").read_text(encoding="utf-8")
+    rows = set(re.findall(r"^\| `(TE_[A-Z0-9_]+)", table, re.M))
+    missing = {name: where for name, where in named.items() if name not in rows}
+    assert not missing, f"environment variables without a row in docs/backends.md: {missing}"
