@@ -59,6 +59,56 @@ def wall_us(fn, n: int = 300, warmup: int = 20, device: str = "cuda", repeats: i
     return statistics.median(host_and_total_ms(fn, n, 0, device)[1] * 1e3 for _ in range(repeats))
 
 
+class Interleaved:
+    """Host-bound cells measured together, so that the host's drift during the run falls on all
+    of them alike: every cell's step is built and warmed up, then timed in rounds that visit the
+    cells in turn; a cell's result is the median over its rounds of the wall microseconds per
+    call. cell(make_step) registers a step and returns its measurement (all cells are measured
+    at the first one's call); a step that raises fails its own cell only."""
+
+    def __init__(self, calls: int, device: str = "cuda", rounds: int = 5):
+        self.calls, self.device, self.rounds = calls, device, rounds
+        self._makers: list = []
+        self._results: Optional[list] = None
+
+    def cell(self, make_step):
+        index = len(self._makers)
+        self._makers.append(make_step)
+        return lambda: self._result(index)
+
+    def _result(self, index: int) -> dict:
+        if self._results is None:
+            self._results = self._measure()
+        outcome = self._results[index]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def _measure(self) -> list:
+        per_round, warmup = max(1, self.calls // self.rounds), max(3, self.calls // 10)
+        steps = [self._warm(make, warmup) for make in self._makers]
+        times: list = [[] for _ in steps]
+        for _ in range(self.rounds):
+            for i, step in enumerate(steps):
+                if isinstance(step, Exception):
+                    continue
+                try:
+                    times[i].append(host_and_total_ms(step, per_round, 0, self.device)[1] * 1e3)
+                except Exception as exc:  # noqa: BLE001 - recorded as that cell's error
+                    steps[i] = exc
+        return [step if isinstance(step, Exception) else {"us": statistics.median(t)} for step, t in zip(steps, times)]
+
+    @staticmethod
+    def _warm(make_step, warmup: int):
+        try:
+            step = make_step()
+            for _ in range(warmup):
+                step()
+            return step
+        except Exception as exc:  # noqa: BLE001 - recorded as that cell's error
+            return exc
+
+
 def peak_mib(fn, device: str = "cuda") -> Optional[float]:
     """MiB allocated at the peak of one call of `fn`, above what was allocated before it;
     None on a device whose allocator keeps no statistics (CPU)."""

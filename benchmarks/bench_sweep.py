@@ -5,7 +5,8 @@ Sections (--only picks some):
   big     TransformerLayer h4096 ffn16384 32 heads s2048 b8: ms and peak memory, plain-torch bf16
           layer and te bf16 / FP8 delayed / current / block, eager;
   tiny    te.Linear(1024, 1024) on 128 tokens: wall microseconds per fwd+bwd call, nn.Linear,
-          te bf16 and te FP8 per recipe, eager and compiled (the host-bound case);
+          te bf16 and te FP8 per recipe, eager and compiled (the host-bound case; the eager
+          cells are timed together in interleaved rounds, their medians compared);
   linear  te.Linear over bf16 nn.Linear at 4096^3, M8192 K4096 N4096, M16384 K8192 N8192 and
           M16384 K8192 N28672: te FP8 per recipe eager and compiled, nn.Linear compiled, torchao
           Float8Linear tensorwise + torch.compile (when torchao imports);
@@ -41,7 +42,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 import torch
 import torch.nn as nn
 from _results import DEFAULT_ROOT, add_results_argument, gpu_slug, meta, select_device, write_json
-from _timing import median_ms, peak_mib, wall_us
+from _timing import Interleaved, median_ms, peak_mib, wall_us
 from bench_modules import TorchLayer, fwd_bwd, te_layer, torchao_float8
 
 import te_core as te
@@ -176,8 +177,18 @@ class Sweep:
         x, dy = self._randn(tokens, k, grad=True), self._randn(tokens, n)
         ref = partial(nn.Linear, k, n, device=self.device, dtype=torch.bfloat16)
         ours = partial(te.Linear, k, n, params_dtype=torch.bfloat16, device=self.device)
-        return self._cells("tiny", f"te.Linear({k}, {n}), {tokens} tokens", self._us, ("nn.Linear", ref), ours,
-                           RECIPES, x, dy)
+        label = f"te.Linear({k}, {n}), {tokens} tokens"
+        cells = []
+        for mode in self._modes():
+            if mode != "eager":
+                cells += self._cells("tiny", label, self._us, ("nn.Linear", ref), ours, RECIPES, x, dy, modes=(mode,))
+                continue
+            # the eager cells, whose ratios are the host-cost target, in interleaved rounds
+            group = Interleaved(self.sizes.tiny_calls, self.device)
+            cells.append(Cell("tiny", label, "nn.Linear eager", group.cell(partial(self.torch_step, ref, mode, x, dy))))
+            cells += [Cell("tiny", label, f"te {name} eager", group.cell(partial(self.te_step, ours, name, mode, x, dy)))
+                      for name in RECIPES]
+        return cells
 
     def linear(self) -> List[Cell]:
         cells = []

@@ -366,3 +366,40 @@ def test_host_smoke_writes_json_and_report_renders_it(tmp_path):
     doc = _doc(tmp_path)
     report.main([str(tmp_path / "cpu"), "--doc", str(doc)])
     assert any(r.startswith("| M16 K128 N128 | te delayed | ") for r in _table_rows(doc.read_text()))
+
+
+def test_interleaved_cells_take_turns_and_fail_alone():
+    """The tiny row's eager cells: each round visits every cell once, in order; a cell whose
+    step cannot be built, or raises while timed, records its own error and the others go on."""
+    import _timing
+
+    order = []
+
+    def maker(name, fail_after=None):
+        def make():
+            calls = [0]
+
+            def step():
+                calls[0] += 1
+                if fail_after is not None and calls[0] > fail_after:
+                    raise RuntimeError(f"{name} broke")
+                order.append(name)
+            return step
+        return make
+
+    def unbuildable():
+        raise ValueError("no such recipe")
+
+    group = _timing.Interleaved(calls=10, device="cpu", rounds=5)  # 2 calls per round, 3 warm-up calls
+    a, b = group.cell(maker("a")), group.cell(maker("b"))
+    broken, late = group.cell(unbuildable), group.cell(maker("c", fail_after=3 + 2 * 2))
+    assert not order  # nothing runs before the first cell is measured
+    result = a()
+    assert set(result) == {"us"} and result["us"] > 0 and b()["us"] > 0
+    with pytest.raises(ValueError, match="no such recipe"):
+        broken()
+    with pytest.raises(RuntimeError, match="c broke"):
+        late()
+    timed = order[9:]  # after each cell's warm-up (a, b and c, three calls each)
+    assert timed[:6] == ["a", "a", "b", "b", "c", "c"]  # round 1 visits every cell
+    assert timed[6:] == ["a", "a", "b", "b", "c", "c"] + ["a", "a", "b", "b"] * 3  # c failed in round 3
