@@ -80,6 +80,8 @@ class Launcher:
             self._constexpr = [p.is_constexpr for p in params]
             self._defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
             self._params = frozenset(self._names)
+            # the names the first i positional arguments bind, per i: a keyword naming one of them too is an error
+            self._bound_by_position = [frozenset(self._names[:i]) for i in range(len(self._names) + 1)]
         self._compiled: Dict[Tuple, Any] = {}
 
     def __getattr__(self, name):  # everything else is the kernel's (warmup, fn, cache, ...)
@@ -113,9 +115,14 @@ class Launcher:
         if not specializes_as_cuda:
             return self.kernel[grid](*args, **kwargs)
         device = current_device()
+        if len(args) > len(self._names) or not self._bound_by_position[len(args)].isdisjoint(kwargs):
+            return self.kernel[grid](*args, **kwargs)  # too many or doubly given arguments: Triton's error
         values = list(args)
-        for name in self._names[len(args):]:
-            values.append(kwargs[name] if name in kwargs else self._defaults[name])
+        try:
+            for name in self._names[len(args):]:
+                values.append(kwargs[name] if name in kwargs else self._defaults[name])
+        except KeyError:  # a required argument is missing: Triton's path names it
+            return self.kernel[grid](*args, **kwargs)
         key = self._key(device, values, kwargs)
         try:
             compiled = self._compiled.get(key) if key is not None else None

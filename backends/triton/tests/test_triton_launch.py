@@ -177,3 +177,23 @@ def test_a_target_other_than_nvidias_keeps_tritons_path(kernel, monkeypatch):
     for _ in range(3):
         k[(1,)](torch.randn(4), torch.empty(4), 4, 1.0, BLOCK=16)
     assert _kinds(raw) == ["triton"] * 3
+
+
+def test_a_missing_argument_is_left_to_triton_to_name(kernel):
+    raw, k = kernel
+    k[(1,)](torch.randn(4), torch.empty(4), 4, BLOCK=16)  # no `scale`: Triton's binder raises for it
+    assert _kinds(raw) == ["triton"] and raw.log[0][2][-1] == 4
+
+
+@pytest.mark.parametrize("call", ["too_many", "twice"])
+def test_malformed_calls_never_take_a_cached_kernel(kernel, call):
+    """After a good call is cached, a call with an extra positional argument or one given both
+    by position and by keyword goes to Triton, whose binder rejects it."""
+    raw, k = kernel
+    good = (torch.randn(4), torch.empty(4), 4, 1.0)
+    k[(1,)](*good, BLOCK=16)
+    if call == "too_many":
+        k[(1,)](*good, 16, True, "extra")
+    else:
+        k[(1,)](*good, BLOCK=16, n=8)
+    assert _kinds(raw) == ["triton", "triton"]
