@@ -2,10 +2,10 @@
 
 One module per op family (cast, blockwise, norm, activation, dbias, softmax, rope, loss,
 scaling); every kernel launches through `launch`, which reuses a compiled kernel without
-Triton's per-call argument binding. Every launcher takes its tuning parameters (block sizes, warps, program caps) from
-the caller as a `Config`, so each backend picks configs for its hardware. Launchers take and
-return torch tensors on the kernel's device and follow the te_core op contract (te_core/ops)
-for the op of the same name.
+Triton's per-call argument binding. Every launcher takes its tuning parameters (block sizes,
+warps, program caps) from the caller as a `Config`, so each backend picks configs for its
+hardware. Launchers take and return torch tensors on the kernel's device and follow the te_core
+op contract (te_core/ops) for the op of the same name.
 
 The names below are what a backend needs besides the family modules: `Config`; `MAX_NUMEL`,
 the most elements a kernel indexes (int32 offsets); `amax_out_ok(amax_out, x)`, whether the

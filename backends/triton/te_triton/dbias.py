@@ -125,7 +125,7 @@ def _dbias_cast_transpose(g, x, kind, scale, fp8_dtype, cfg: Config, amax_out, p
     if summed:  # one group: the kernel wrote the bias gradient itself
         dbias = partial[0]
     else:
-        dbias = (partial.sum(dim=0) if M else torch.zeros(N, dtype=torch.float32, device=src.device)).to(src.dtype)
+        dbias = partial.sum(dim=0).to(src.dtype) if M else torch.zeros(N, dtype=src.dtype, device=src.device)
     return y, yt, dbias, amax_from_buffer(amax_buf, amax_out)
 
 

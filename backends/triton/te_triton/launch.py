@@ -12,9 +12,11 @@ The key is at least as fine as Triton's (constexpr values exactly, every other a
 properties Triton specializes on, the launch options exactly, the current device), so a hit
 always names the kernel Triton would have picked. Anything the key does not understand (an
 argument of another type, a kernel with pre-run hooks, the interpreter, a Triton whose launch
-call differs) takes Triton's own path; launch hooks (a profiler's) get what Triton gives them. Settings Triton reads when it compiles (TRITON_DEBUG and the like)
-apply as they were at a specialization's first launch: change them before the first step, or
-set TE_TRITON_FAST_LAUNCH=0, which turns the shortcut off (switched_on).
+call differs, a target other than NVIDIA's, a malformed call) takes Triton's own path; launch
+hooks (a profiler's) get what Triton gives them. Settings Triton reads when it compiles
+(TRITON_DEBUG and the like) apply as they were at a specialization's first launch: change them
+before the first step, or set TE_TRITON_FAST_LAUNCH=0, which turns the shortcut off
+(switched_on).
 """
 from __future__ import annotations
 
