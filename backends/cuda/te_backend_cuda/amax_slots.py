@@ -10,6 +10,9 @@ every slot of it is gone.
 Chunks are kept per (device, stream): the fill is ordered before the kernels of its own stream
 only. Inside a CUDA graph capture no slot is handed out: a replayed kernel would max into the
 same slot again, so the caller zeroes a buffer inside the capture instead.
+
+A current-scaling cast takes a wider slot (CURRENT_SLOTS): its amax, scale and scale_inv, so
+that the scale pair needs no allocation either.
 """
 from __future__ import annotations
 
@@ -25,18 +28,37 @@ MAX_STREAMS = 64  # chunks kept at once; torch hands out streams from a small po
 _FLOATS_PER_SLOT = 4  # 16 bytes
 
 
+def amax_slots(chunk: torch.Tensor, n: int) -> list:
+    """n slots of 16 bytes: a 0-dim float32 each. One per 16 bytes: Triton specializes a kernel
+    on whether each pointer is 16-byte aligned, so slots 4 bytes apart would compile a second
+    variant of every cast in the middle of training."""
+    return list(chunk[::_FLOATS_PER_SLOT].unbind(0))
+
+
+def current_slots(chunk: torch.Tensor, n: int) -> list:
+    """n slots of 32 bytes: (amax 0-dim at byte 0, scale (1,) at byte 4, scale_inv (1,) at byte 16),
+    scale_inv 16-byte aligned as the FP8 GEMMs read it (cuBLASLt needs aligned scales)."""
+    rows = chunk.view(n, 2 * _FLOATS_PER_SLOT)
+    return list(zip(rows[:, 0].unbind(0), rows[:, 1:2].unbind(0), rows[:, 4:5].unbind(0)))
+
+
 class ZeroedSlots:
-    """take(device) -> a 0-dim float32 zero on `device`, or None where none may be handed out.
+    """take(device) -> a fresh slot on `device` (by default a 0-dim float32 zero; `split` says
+    how a zeroed chunk is cut into `chunk` slots of `floats` floats each), or None where none
+    may be handed out.
 
     `stream_key(device)` names the stream the caller's kernels go to; `capturing()` says whether
     that stream is being captured. Both are the CUDA runtime's unless a test fakes them."""
 
     def __init__(self, stream_key: Callable[[torch.device], Hashable], capturing: Callable[[], bool],
-                 chunk: int = CHUNK, zeros: Optional[Callable[[int, torch.device], torch.Tensor]] = None):
+                 chunk: int = CHUNK, zeros: Optional[Callable[[int, torch.device], torch.Tensor]] = None,
+                 floats: int = _FLOATS_PER_SLOT, split: Callable[[torch.Tensor, int], list] = amax_slots):
         self._stream_key = stream_key
         self._capturing = capturing
         self._zeros = zeros or (lambda numel, device: torch.zeros(numel, dtype=torch.float32, device=device))
         self._chunk = chunk
+        self._floats = floats
+        self._split = split
         self._free: Dict[Hashable, List[torch.Tensor]] = {}
         self._lock = threading.Lock()  # autograd runs backward casts on its own thread
 
@@ -47,11 +69,8 @@ class ZeroedSlots:
         with self._lock:
             free = self._free.get(key)
             if not free:
-                # One slot per 16 bytes: Triton specializes a kernel on whether each pointer is
-                # 16-byte aligned, so slots 4 bytes apart would compile a second variant of every
-                # cast in the middle of training. Reversed: slots go out in address order.
-                chunk = self._zeros(self._chunk * _FLOATS_PER_SLOT, device)
-                free = list(chunk[::_FLOATS_PER_SLOT].unbind(0))[::-1]
+                # reversed: slots go out in address order
+                free = self._split(self._zeros(self._chunk * self._floats, device), self._chunk)[::-1]
                 if len(self._free) >= MAX_STREAMS:  # slots already out keep their chunk alive
                     self._free.clear()
                 self._free[key] = free
@@ -69,9 +88,20 @@ def _cuda_stream_key(device: torch.device) -> Hashable:
 # Chunks come from outside any CUDA-graph pool: a chunk made while torch.compile warms up a
 # graph would otherwise be a pool tensor outliving the graph's outputs (persistent.py).
 SLOTS = ZeroedSlots(_cuda_stream_key, lambda: torch.cuda.is_current_stream_capturing(), zeros=persistent.zeros)
+CURRENT_SLOTS = ZeroedSlots(_cuda_stream_key, lambda: torch.cuda.is_current_stream_capturing(), zeros=persistent.zeros,
+                            floats=2 * _FLOATS_PER_SLOT, split=current_slots)
 
 
 def fresh(amax_out: Optional[torch.Tensor], x: torch.Tensor) -> Optional[torch.Tensor]:
     """amax_out if the caller gave one, else a pooled zero on x's device (None under capture:
     the kernels then zero a buffer of their own)."""
     return amax_out if amax_out is not None else SLOTS.take(x.device)
+
+
+NO_SLOTS = (None, None, None)
+
+
+def fresh_current(x: torch.Tensor):
+    """(amax, scale, scale_inv) slots for a current-scaling cast of x (Nones under capture: the
+    kernels then allocate their own)."""
+    return CURRENT_SLOTS.take(x.device) or NO_SLOTS

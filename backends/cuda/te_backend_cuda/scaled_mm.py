@@ -34,12 +34,22 @@ def _scale_args(a, b, a_si, b_si, scaling: str):
         return _aligned_scalar(a_si), _aligned_scalar(b_si)
     if scaling == ROWWISE:
         return a_si.reshape(M, 1).float().contiguous(), b_si.reshape(1, N).float().contiguous()
-    sa = a_si.float().t().contiguous().t()
+    if scaling not in (BLOCK_1x128_128x128, BLOCK_1x128_1x128):
+        raise ValueError(f"scaling {scaling!r} is not run by torch._scaled_mm here")
+    sa = a_si if _outer_major(a_si) else a_si.float().t().contiguous().t()
     if scaling == BLOCK_1x128_128x128:
         return sa, b_si.float().contiguous().t()
-    if scaling == BLOCK_1x128_1x128:
-        return sa, b_si.float().t().contiguous()
-    raise ValueError(f"scaling {scaling!r} is not run by torch._scaled_mm here")
+    return sa, (b_si.t() if _outer_major(b_si) else b_si.float().t().contiguous())
+
+
+def _outer_major(scales) -> bool:
+    """Whether a (rows, K/128) float32 grid of 1x128 scales is laid out column by column, as
+    cuBLASLt reads it: then it goes to torch._scaled_mm as it is, where a row-major grid costs a
+    transposing copy per GEMM. te_triton's casts write them so on this backend (gemm_ready)."""
+    if scales.dtype != torch.float32:
+        return False
+    row_step, col_step = scales.stride()
+    return row_step == 1 and (col_step == scales.shape[0] or scales.shape[1] == 1)
 
 
 def block_scale_shapes(a, b, scaling: str):

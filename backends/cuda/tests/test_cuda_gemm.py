@@ -43,6 +43,27 @@ def test_scale_layouts_for_scaled_mm():
     assert sa.shape == (M, 1) and sb.shape == (1, N)
 
 
+@pytest.mark.parametrize("mode", [BLOCK_1x128_128x128, BLOCK_1x128_1x128])
+def test_column_by_column_1x128_scales_go_to_scaled_mm_without_a_copy(mode):
+    """1x128 grids the casts lay out column by column (gemm_ready) are passed as they are; the
+    same values laid out row by row are copied into that layout. Either way the same values."""
+    M, N, K = 256, 384, 1024
+    a, b = _fp8((M, K)), _fp8((N, K))
+    a_si, b_si = _scales(mode, M, N, K)
+    ready_a = a_si.t().contiguous().t()
+    ready_b = b_si.t().contiguous().t() if mode == BLOCK_1x128_1x128 else b_si
+    sa, sb = scaled_mm._scale_args(a, b, ready_a, ready_b, mode)
+    want_a, want_b = scaled_mm._scale_args(a, b, a_si, b_si, mode)
+    assert sa.data_ptr() == ready_a.data_ptr() and torch.equal(sa, want_a) and sa.stride() == want_a.stride()
+    assert torch.equal(sb, want_b) and sb.stride() == want_b.stride()
+    if mode == BLOCK_1x128_1x128:
+        assert sb.data_ptr() == ready_b.data_ptr()
+    # a slice of rows of such a grid (a view of some rows' blocks) is no longer column by column
+    sliced = ready_a[16:]
+    sa, _ = scaled_mm._scale_args(a[16:], b, sliced, ready_b, mode)
+    assert torch.equal(sa, a_si[16:]) and sa.stride() == (1, M - 16)
+
+
 @pytest.mark.parametrize("a_dtype,b_dtype,shape,out_dtype,mode,expect", [
     (E5M2, E5M2, (32, 32, 32), torch.bfloat16, TENSORWISE, "E5M2 x E5M2"),
     (E4M3, E4M3, (30, 32, 32), torch.bfloat16, TENSORWISE, "multiples of 16"),

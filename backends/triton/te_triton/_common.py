@@ -104,6 +104,25 @@ def saturating_cast(v, fmax, out_dtype: tl.constexpr, CLAMP: tl.constexpr = True
     return v.to(out_dtype)
 
 
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def scale_from_amax(amax, fmax, eps, POW2: tl.constexpr):
+    """Current scaling's scale of an amax (a scalar, or a block of them), as
+    te_core.ops.quantize_fp8_current defines it: fmax / max(amax, eps) rounded once; an infinite
+    quotient becomes float32's max; 1 where amax is NaN or inf or the divisor 0; with POW2,
+    rounded down to a power of two."""
+    amax_eff = tl.maximum(amax, eps)
+    scale = tl.math.div_rn(tl.zeros_like(amax_eff) + fmax, amax_eff)
+    scale = tl.where(scale == float("inf"), FLT_MAX, scale)
+    bad = (amax != amax) | (amax == float("inf")) | (amax_eff == 0.0)
+    scale = tl.where(bad, 1.0, scale)
+    if POW2:  # keep the exponent, drop the mantissa
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return scale
+
+
 @triton.jit
 def abs_bits(v):
     """|v| as int32 bits; max over these is max |v| with NaN winning."""

@@ -12,26 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MAX_NUMEL, Config, abs_bits, fp8_max, saturating_cast
+from ._common import MAX_NUMEL, Config, abs_bits, fp8_max, saturating_cast, scale_from_amax
 from .cast import check_dequantize_args
 from .launch import launcher
 
 BLOCK = 128
 BLOCKWISE_DEFAULT = Config(block_m=64, num_warps=8)
-FLT_MAX = tl.constexpr(3.4028234663852886e38)
-
-
-@triton.jit
-def _block_scale(amax, fmax, eps, POW2: tl.constexpr):
-    """Scales from block amaxes, as te_core.ops.quantize_fp8_current defines them."""
-    amax_eff = tl.maximum(amax, eps)
-    scale = tl.math.div_rn(tl.zeros_like(amax_eff) + fmax, amax_eff)
-    scale = tl.where(scale == float("inf"), FLT_MAX, scale)
-    bad = (amax != amax) | (amax == float("inf")) | (amax_eff == 0.0)
-    scale = tl.where(bad, 1.0, scale)
-    if POW2:
-        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    return scale
 
 
 @triton.jit
@@ -58,8 +44,9 @@ def _abs_bits_of(v, IN_DTYPE: tl.constexpr):
 
 @launcher
 @triton.jit
-def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, MB, KB, fmax, eps, BM: tl.constexpr,
-                      BLOCK_2D: tl.constexpr, TRANSPOSE: tl.constexpr, POW2: tl.constexpr, SUB: tl.constexpr):
+def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, MB, KB, s_row, s_col, st_row, st_col, fmax, eps,
+                      BM: tl.constexpr, BLOCK_2D: tl.constexpr, TRANSPOSE: tl.constexpr, POW2: tl.constexpr,
+                      SUB: tl.constexpr):
     pm = tl.program_id(0)
     pk = tl.program_id(1)
     rows = pm * BM + tl.arange(0, BM)
@@ -72,45 +59,54 @@ def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, MB, KB, fmax, e
             r = pm * BM + h * SUB + tl.arange(0, SUB)
             m = (r[:, None] < M) & (cols[None, :] < K)
             v = tl.load(x_ptr + r[:, None] * K + cols[None, :], mask=m, other=0.0)
-            scale = _block_scale(_amax_of_bits(tl.max(_abs_bits_of(v, x_ptr.dtype.element_ty), axis=1),
+            scale = scale_from_amax(_amax_of_bits(tl.max(_abs_bits_of(v, x_ptr.dtype.element_ty), axis=1),
                                                 x_ptr.dtype.element_ty), fmax, eps, POW2)
             q = saturating_cast(v.to(tl.float32) * scale[:, None], fmax, y_ptr.dtype.element_ty)
             tl.store(y_ptr + r[:, None] * K + cols[None, :], q, mask=m)
-            tl.store(s_ptr + r * KB + pk, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=r < M)
+            tl.store(s_ptr + r * s_row + pk * s_col, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=r < M)
         for h in tl.static_range(128 // SUB):
             c = pk * 128 + h * SUB + tl.arange(0, SUB)
             m = (rows[:, None] < M) & (c[None, :] < K)
             v = tl.load(x_ptr + rows[:, None] * K + c[None, :], mask=m, other=0.0)
-            scale_t = _block_scale(_amax_of_bits(tl.max(_abs_bits_of(v, x_ptr.dtype.element_ty), axis=0),
+            scale_t = scale_from_amax(_amax_of_bits(tl.max(_abs_bits_of(v, x_ptr.dtype.element_ty), axis=0),
                                                   x_ptr.dtype.element_ty), fmax, eps, POW2)
             qt = saturating_cast(v.to(tl.float32) * scale_t[None, :], fmax, yt_ptr.dtype.element_ty)
             mt = (c[:, None] < K) & (rows[None, :] < M)
             tl.store(yt_ptr + c[:, None] * M + rows[None, :], tl.trans(qt), mask=mt)
-            tl.store(st_ptr + c * MB + pm, tl.math.div_rn(tl.zeros_like(scale_t) + 1.0, scale_t), mask=c < K)
+            tl.store(st_ptr + c * st_row + pm * st_col, tl.math.div_rn(tl.zeros_like(scale_t) + 1.0, scale_t), mask=c < K)
     else:
         mask = (rows[:, None] < M) & (cols[None, :] < K)
         v = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         bits = abs_bits(v)
         if BLOCK_2D:
             # the max over integer bits keeps a NaN (a float max might drop it)
-            scale = _block_scale(tl.max(tl.max(bits, axis=1), axis=0).to(tl.float32, bitcast=True), fmax, eps, POW2)
+            scale = scale_from_amax(tl.max(tl.max(bits, axis=1), axis=0).to(tl.float32, bitcast=True), fmax, eps, POW2)
             q = saturating_cast(v * scale, fmax, y_ptr.dtype.element_ty)
             tl.store(y_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
-            tl.store(s_ptr + pm * KB + pk, tl.math.div_rn(1.0, scale))
+            tl.store(s_ptr + pm * s_row + pk * s_col, tl.math.div_rn(1.0, scale))
             if TRANSPOSE:
                 mask_t = (cols[:, None] < K) & (rows[None, :] < M)
                 tl.store(yt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
-                tl.store(st_ptr + pk * MB + pm, tl.math.div_rn(1.0, scale))
+                tl.store(st_ptr + pk * st_row + pm * st_col, tl.math.div_rn(1.0, scale))
         else:
-            scale = _block_scale(tl.max(bits, axis=1).to(tl.float32, bitcast=True), fmax, eps, POW2)
+            scale = scale_from_amax(tl.max(bits, axis=1).to(tl.float32, bitcast=True), fmax, eps, POW2)
             q = saturating_cast(v * scale[:, None], fmax, y_ptr.dtype.element_ty)
             tl.store(y_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
-            tl.store(s_ptr + rows * KB + pk, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=rows < M)
+            tl.store(s_ptr + rows * s_row + pk * s_col, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=rows < M)
+
+
+def _scales(rows: int, kb: int, outer_major: bool, device) -> torch.Tensor:
+    """A (rows, kb) float32 scale grid; `outer_major`: laid out column by column (strides (1, rows)),
+    the layout cuBLASLt's block-scaled GEMMs read 1x128 scales in, so they need no copy per GEMM."""
+    if outer_major:
+        return torch.empty((kb, rows), dtype=torch.float32, device=device).t()
+    return torch.empty((rows, kb), dtype=torch.float32, device=device)
 
 
 def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, force_pow2_scales=True,
-                       amax_epsilon=0.0, cfg: Config = BLOCKWISE_DEFAULT):
-    """(data, scale_inv, data_t, scale_inv_t) as te_core.ops.quantize_blockwise."""
+                       amax_epsilon=0.0, cfg: Config = BLOCKWISE_DEFAULT, gemm_ready: bool = False):
+    """(data, scale_inv, data_t, scale_inv_t) as te_core.ops.quantize_blockwise. `gemm_ready`: the
+    1x128 scale grids are laid out column by column (see _scales); same values, other strides."""
     fmax = fp8_max(fp8_dtype)
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D (M, K), got shape {tuple(x.shape)}")
@@ -122,29 +118,32 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
     MB, KB = triton.cdiv(M, BLOCK), triton.cdiv(K, BLOCK)
     BM = BLOCK if (block_2d or with_transpose) else cfg.block_m
     dev = x.device
+    outer = gemm_ready and not block_2d
     data = torch.empty((M, K), dtype=fp8_dtype, device=dev)
-    scale_inv = torch.empty((MB, KB) if block_2d else (M, KB), dtype=torch.float32, device=dev)
+    scale_inv = _scales(MB if block_2d else M, KB, outer, dev)
     data_t = torch.empty((K, M), dtype=fp8_dtype, device=dev) if with_transpose else None
     scale_inv_t = None
     if with_transpose:
-        scale_inv_t = torch.empty((KB, MB) if block_2d else (K, MB), dtype=torch.float32, device=dev)
+        scale_inv_t = _scales(KB if block_2d else K, MB, outer, dev)
     if x.numel():
+        st = scale_inv if scale_inv_t is None else scale_inv_t
         _blockwise_kernel[(triton.cdiv(M, BM), KB)](
-            x, data, scale_inv, data if data_t is None else data_t, scale_inv if scale_inv_t is None else scale_inv_t,
-            M, K, MB, KB, fmax, float(amax_epsilon), BM=BM, BLOCK_2D=bool(block_2d), TRANSPOSE=bool(with_transpose),
-            POW2=bool(force_pow2_scales), SUB=min(cfg.block_m, BLOCK), num_warps=cfg.num_warps)
+            x, data, scale_inv, data if data_t is None else data_t, st, M, K, MB, KB,
+            scale_inv.stride(0), scale_inv.stride(1), st.stride(0), st.stride(1), fmax, float(amax_epsilon),
+            BM=BM, BLOCK_2D=bool(block_2d), TRANSPOSE=bool(with_transpose), POW2=bool(force_pow2_scales),
+            SUB=min(cfg.block_m, BLOCK), num_warps=cfg.num_warps)
     return data, scale_inv, data_t, scale_inv_t
 
 
 @launcher
 @triton.jit
-def _dequantize_blockwise_kernel(x_ptr, s_ptr, y_ptr, M, K, KB, BM: tl.constexpr, BLOCK_2D: tl.constexpr):
+def _dequantize_blockwise_kernel(x_ptr, s_ptr, y_ptr, M, K, s_row, s_col, BM: tl.constexpr, BLOCK_2D: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     pk = tl.program_id(1)
     cols = pk * 128 + tl.arange(0, 128)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     scale_row = rows // 128 if BLOCK_2D else rows
-    s = tl.load(s_ptr + scale_row * KB + pk, mask=rows < M, other=0.0)
+    s = tl.load(s_ptr + scale_row * s_row + pk * s_col, mask=rows < M, other=0.0)
     v = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32) * s[:, None]
     tl.store(y_ptr + rows[:, None] * K + cols[None, :], v.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -158,12 +157,12 @@ def dequantize_blockwise(data, scale_inv, block_2d, out_dtype, cfg: Config = BLO
     M, K = data.shape
     MB, KB = triton.cdiv(M, BLOCK), triton.cdiv(K, BLOCK)
     expected = (MB, KB) if block_2d else (M, KB)
-    if tuple(scale_inv.shape) != expected or scale_inv.dtype != torch.float32 or not scale_inv.is_contiguous():
+    if tuple(scale_inv.shape) != expected or scale_inv.dtype != torch.float32:
         kind = "128x128" if block_2d else "1x128"
-        raise ValueError(f"scale_inv must be contiguous float32 of shape {expected} for {kind} blocks of data "
+        raise ValueError(f"scale_inv must be float32 of shape {expected} for {kind} blocks of data "
                          f"{(M, K)}, got {scale_inv.dtype} {tuple(scale_inv.shape)}")
     y = torch.empty((M, K), dtype=out_dtype, device=data.device)
     if data.numel():
         _dequantize_blockwise_kernel[(triton.cdiv(M, cfg.block_m), KB)](
-            data, scale_inv, y, M, K, KB, BM=cfg.block_m, BLOCK_2D=bool(block_2d), num_warps=cfg.num_warps)
+            data, scale_inv, y, M, K, scale_inv.stride(0), scale_inv.stride(1), BM=cfg.block_m, BLOCK_2D=bool(block_2d), num_warps=cfg.num_warps)
     return y

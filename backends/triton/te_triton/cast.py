@@ -2,8 +2,8 @@
 
 quantize_fp8 and cast_transpose_fp8 record amax in the same pass as the cast: each program
 keeps a running max of |x| bits and does one integer atomic max at the end (see
-_common.new_amax_buffer). Current scaling is an amax pass, a one-program scale kernel, and a
-cast pass that reads the scale from device memory: no host synchronisation.
+_common.new_amax_buffer). Current scaling is an amax pass and a cast pass whose programs make
+the scale from that amax on the device: two launches, no host synchronisation.
 """
 from __future__ import annotations
 
@@ -22,30 +22,50 @@ from ._common import (
     grid_size,
     new_amax_buffer,
     saturating_cast,
+    scale_from_amax,
 )
 from .launch import launcher
 
 QUANTIZE_DEFAULT = Config(block=4096, num_warps=8)
 CAST_TRANSPOSE_DEFAULT = Config(block_m=64, block_n=64, num_warps=4)
-FLOAT32_MAX = 3.4028234663852886e38
+
+
+@triton.jit
+def _cast_scale(scale_ptr, scale_inv_ptr, amax_ptr, fmax, eps, FROM_AMAX: tl.constexpr, POW2: tl.constexpr):
+    """The scale a cast multiplies by: read from scale_ptr, or (FROM_AMAX, current scaling) made
+    from the amax a previous pass left at amax_ptr, which program 0 then stores with its
+    inverse: the scale needs no kernel of its own."""
+    if FROM_AMAX:
+        scale = scale_from_amax(tl.load(amax_ptr), fmax, eps, POW2)
+        if tl.program_id(0) == 0:
+            tl.store(scale_ptr, scale)
+            tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
+    else:
+        scale = tl.load(scale_ptr)
+    return scale
 
 
 @launcher
 @triton.jit
-def _quantize_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, n, fmax, BLOCK: tl.constexpr, STORE: tl.constexpr,
-                     CLAMP: tl.constexpr):
+def _quantize_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, n, fmax, scale_inv_ptr, eps, BLOCK: tl.constexpr,
+                     STORE: tl.constexpr, CLAMP: tl.constexpr, FROM_AMAX: tl.constexpr = False,
+                     POW2: tl.constexpr = False):
+    """STORE: cast x with the scale (see _cast_scale) into y; without FROM_AMAX, max |x| into
+    amax_ptr (int32 bits), which is all the kernel does without STORE."""
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
-    scale = tl.load(scale_ptr)
+    scale = _cast_scale(scale_ptr, scale_inv_ptr, amax_ptr, fmax, eps, FROM_AMAX, POW2)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(pid * BLOCK, n, step):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
         v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, abs_bits(v))
+        if not FROM_AMAX:
+            acc = tl.maximum(acc, abs_bits(v))
         if STORE:
             tl.store(y_ptr + offs, saturating_cast(v * scale, fmax, y_ptr.dtype.element_ty, CLAMP), mask=mask)
-    tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
+    if not FROM_AMAX:
+        tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
 
 
 def transpose_clamps(cfg: Config, x: torch.Tensor) -> bool:
@@ -71,12 +91,14 @@ def _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM: tl.con
 
 @launcher
 @triton.jit
-def _cast_transpose_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, M, N, fmax,
-                           BM: tl.constexpr, BN: tl.constexpr, CLAMP: tl.constexpr):
+def _cast_transpose_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, M, N, fmax, scale_inv_ptr, eps,
+                           BM: tl.constexpr, BN: tl.constexpr, CLAMP: tl.constexpr, FROM_AMAX: tl.constexpr = False,
+                           POW2: tl.constexpr = False):
+    """Both layouts of x cast with the scale (see _cast_scale); max |x| as _quantize_kernel."""
     pid = tl.program_id(0)
     n_tn = tl.cdiv(N, BN)
     n_tiles = tl.cdiv(M, BM) * n_tn
-    scale = tl.load(scale_ptr)
+    scale = _cast_scale(scale_ptr, scale_inv_ptr, amax_ptr, fmax, eps, FROM_AMAX, POW2)
     acc = tl.zeros([], dtype=tl.int32)
     for t in range(pid, n_tiles, tl.num_programs(0)):
         tm = t // n_tn
@@ -86,8 +108,10 @@ def _cast_transpose_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, M, N, fmax
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         v = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN, CLAMP)
-        acc = tl.maximum(acc, tl.max(tl.max(abs_bits(v), axis=1), axis=0))
-    tl.atomic_max(amax_ptr, acc)
+        if not FROM_AMAX:
+            acc = tl.maximum(acc, tl.max(tl.max(abs_bits(v), axis=1), axis=0))
+    if not FROM_AMAX:
+        tl.atomic_max(amax_ptr, acc)
 
 
 def _check_input(x: torch.Tensor, scale: Optional[torch.Tensor], two_d: bool) -> None:
@@ -103,20 +127,47 @@ def _check_input(x: torch.Tensor, scale: Optional[torch.Tensor], two_d: bool) ->
         raise ValueError(f"scale must be a 1-element float32 tensor, got {scale.dtype} {tuple(scale.shape)}")
 
 
+# A cast pass's current-scaling arguments: (scale_inv to write, amax_epsilon, force_pow2_scales),
+# or NO_CURRENT for a cast with a given scale.
+NO_CURRENT = (None, 0.0, False)
+
+
+def _quantize(x, scale, amax_buf, fp8_dtype, cfg: Config, current=NO_CURRENT) -> torch.Tensor:
+    """The cast pass of quantize_fp8 (and of current scaling: see _cast_scale)."""
+    scale_inv, eps, pow2 = current
+    y = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    n = x.numel()
+    if n or scale_inv is not None:  # (current scaling: an empty x still gets its scale, 1)
+        _quantize_kernel[(grid_size(triton.cdiv(n, cfg.block), cfg),)](
+            x, y, scale, amax_buf, n, fp8_max(fp8_dtype), scale if scale_inv is None else scale_inv, eps,
+            BLOCK=cfg.block, STORE=True, CLAMP=not cfg.hw_saturate, FROM_AMAX=scale_inv is not None, POW2=pow2,
+            num_warps=cfg.num_warps)
+    return y
+
+
+def _cast_transpose(x, scale, amax_buf, fp8_dtype, cfg: Config, current=NO_CURRENT):
+    """The pass of cast_transpose_fp8 (and of current scaling: see _cast_scale): (data, data_t)."""
+    scale_inv, eps, pow2 = current
+    M, N = x.shape
+    y = torch.empty((M, N), dtype=fp8_dtype, device=x.device)
+    yt = torch.empty((N, M), dtype=fp8_dtype, device=x.device)
+    if x.numel() or scale_inv is not None:
+        n_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+        _cast_transpose_kernel[(grid_size(n_tiles, cfg),)](
+            x, y, yt, scale, amax_buf, M, N, fp8_max(fp8_dtype), scale if scale_inv is None else scale_inv, eps,
+            BM=cfg.block_m, BN=cfg.block_n, CLAMP=transpose_clamps(cfg, x), FROM_AMAX=scale_inv is not None,
+            POW2=pow2, num_warps=cfg.num_warps)
+    return y, yt
+
+
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, cfg: Config = QUANTIZE_DEFAULT, *,
                  amax_out: Optional[torch.Tensor] = None):
     """(data, amax): saturate(x * scale) cast to fp8_dtype, and max|x| (NaN if x has one),
     maxed into `amax_out` when given (then returned as the amax)."""
-    fmax = fp8_max(fp8_dtype)
+    fp8_max(fp8_dtype)  # (names a bad fp8_dtype before anything is allocated)
     _check_input(x, scale, two_d=False)
-    y = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     amax = new_amax_buffer(x.device, amax_out)
-    n = x.numel()
-    grid = (grid_size(triton.cdiv(n, cfg.block), cfg),)
-    if n:
-        _quantize_kernel[grid](x, y, scale, amax, n, fmax, BLOCK=cfg.block, STORE=True,
-                               CLAMP=not cfg.hw_saturate, num_warps=cfg.num_warps)
-    return y, amax_from_buffer(amax, amax_out)
+    return _quantize(x, scale, amax, fp8_dtype, cfg), amax_from_buffer(amax, amax_out)
 
 
 def amax(x: torch.Tensor, cfg: Config = QUANTIZE_DEFAULT, *, amax_out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -125,70 +176,43 @@ def amax(x: torch.Tensor, cfg: Config = QUANTIZE_DEFAULT, *, amax_out: Optional[
     _check_input(x, None, two_d=False)
     buf = new_amax_buffer(x.device, amax_out)
     n = x.numel()
-    grid = (grid_size(triton.cdiv(n, cfg.block), cfg),)
     if n:
-        _quantize_kernel[grid](x, x, buf, buf, n, 1.0, BLOCK=cfg.block, STORE=False,
-                               CLAMP=True, num_warps=cfg.num_warps)
+        _quantize_kernel[(grid_size(triton.cdiv(n, cfg.block), cfg),)](
+            x, x, buf, buf, n, 1.0, buf, 0.0, BLOCK=cfg.block, STORE=False, CLAMP=True, FROM_AMAX=False,
+            POW2=False, num_warps=cfg.num_warps)
     return amax_from_buffer(buf, amax_out)
 
 
 def cast_transpose_fp8(x, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFAULT, *,
                        amax_out: Optional[torch.Tensor] = None):
     """(data (M,K), data_t (K,M), amax) for a 2-D x, one pass over x."""
-    fmax = fp8_max(fp8_dtype)
+    fp8_max(fp8_dtype)
     _check_input(x, scale, two_d=True)
-    M, N = x.shape
-    y = torch.empty((M, N), dtype=fp8_dtype, device=x.device)
-    yt = torch.empty((N, M), dtype=fp8_dtype, device=x.device)
     amax_buf = new_amax_buffer(x.device, amax_out)
-    n_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    if x.numel():
-        _cast_transpose_kernel[(grid_size(n_tiles, cfg),)](
-            x, y, yt, scale, amax_buf, M, N, fmax, BM=cfg.block_m, BN=cfg.block_n, CLAMP=transpose_clamps(cfg, x),
-            num_warps=cfg.num_warps)
+    y, yt = _cast_transpose(x, scale, amax_buf, fp8_dtype, cfg)
     return y, yt, amax_from_buffer(amax_buf, amax_out)
-
-
-@launcher
-@triton.jit
-def _current_scale_kernel(amax_ptr, scale_ptr, scale_inv_ptr, fmax, eps, POW2: tl.constexpr):
-    amax = tl.load(amax_ptr)
-    amax_eff = tl.maximum(amax, eps)
-    scale = tl.math.div_rn(fmax, amax_eff)
-    scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)
-    bad = (amax != amax) | (amax == float("inf")) | (amax_eff == 0.0)
-    scale = tl.where(bad, 1.0, scale)
-    if POW2:
-        # keep the exponent, drop the mantissa: round down to a power of two
-        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    tl.store(scale_ptr, scale)
-    tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
-
-
-def current_scale(amax_t: torch.Tensor, fp8_dtype, force_pow2_scales=False, amax_epsilon=0.0):
-    """(scale, scale_inv), 1-element float32 each, from a 0-dim amax, on the device."""
-    scale = torch.empty(1, dtype=torch.float32, device=amax_t.device)
-    scale_inv = torch.empty_like(scale)
-    _current_scale_kernel[(1,)](amax_t, scale, scale_inv, fp8_max(fp8_dtype), float(amax_epsilon),
-                                POW2=bool(force_pow2_scales), num_warps=1)
-    return scale, scale_inv
 
 
 def quantize_fp8_current(
     x, fp8_dtype, *, with_transpose=False, force_pow2_scales=False, amax_epsilon=0.0,
     cfg: Config = QUANTIZE_DEFAULT, ct_cfg: Config = CAST_TRANSPOSE_DEFAULT, amax_out: Optional[torch.Tensor] = None,
+    scale_out: Optional[torch.Tensor] = None, scale_inv_out: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(data, data_t or None, scale, scale_inv, amax): amax pass, scale on device, cast pass.
-    `amax_out` as for amax()."""
+    """(data, data_t or None, scale, scale_inv, amax): an amax pass, then a cast pass whose
+    programs make the scale from that amax on the device (no host synchronisation, and no
+    kernel for the scale alone). `amax_out` as for amax(); `scale_out` / `scale_inv_out`:
+    1-element float32 tensors the scale and its inverse are written into (else new ones)."""
+    fp8_max(fp8_dtype)
+    if with_transpose and x.dim() != 2:
+        _check_input(x, None, two_d=True)
     amax_t = amax(x, cfg, amax_out=amax_out)
-    scale, scale_inv = current_scale(amax_t, fp8_dtype, force_pow2_scales, amax_epsilon)
-    # the cast pass records the same amax again: maxing it into amax_t changes nothing and
-    # needs no second buffer zeroed
+    scale = scale_out if scale_out is not None else torch.empty(1, dtype=torch.float32, device=x.device)
+    scale_inv = scale_inv_out if scale_inv_out is not None else torch.empty(1, dtype=torch.float32, device=x.device)
+    current = (scale_inv, float(amax_epsilon), bool(force_pow2_scales))
     if with_transpose:
-        data, data_t, _ = cast_transpose_fp8(x, scale, fp8_dtype, ct_cfg, amax_out=amax_t)
+        data, data_t = _cast_transpose(x, scale, amax_t, fp8_dtype, ct_cfg, current)
     else:
-        data, _ = quantize_fp8(x, scale, fp8_dtype, cfg, amax_out=amax_t)
-        data_t = None
+        data, data_t = _quantize(x, scale, amax_t, fp8_dtype, cfg, current), None
     return data, data_t, scale, scale_inv, amax_t
 
 

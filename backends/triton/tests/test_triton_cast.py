@@ -73,6 +73,30 @@ def test_current_scale_edge_cases(special, expected_scale):
     assert torch.equal(scale, want[2]) and torch.equal(amax.nan_to_num(), want[4].nan_to_num())
 
 
+@pytest.mark.parametrize("with_transpose", [False, True])
+def test_quantize_current_writes_scales_into_given_tensors(with_transpose):
+    """scale_out / scale_inv_out (the cuda backend's pooled slots) receive the scale and its
+    inverse from the cast pass and are what the call returns."""
+    x = _x((40, 24), torch.float32, 5)
+    scale_out, scale_inv_out = torch.full((1,), -1.0), torch.full((1,), -1.0)
+    got = cast.quantize_fp8_current(x, torch.float8_e5m2, with_transpose=with_transpose, cfg=SMALL, ct_cfg=SMALL,
+                                    scale_out=scale_out, scale_inv_out=scale_inv_out)
+    want = ref.quantize_fp8_current(x, torch.float8_e5m2, with_transpose=with_transpose)
+    assert got[2] is scale_out and got[3] is scale_inv_out
+    torch.testing.assert_close(got[2], want[2], rtol=2e-7, atol=0)
+    torch.testing.assert_close(got[3], want[3], rtol=2e-7, atol=0)
+    assert_fp8_matches(got[0], want[0])
+
+
+@pytest.mark.parametrize("with_transpose", [False, True])
+def test_quantize_current_of_an_empty_tensor_has_scale_one(with_transpose):
+    x = torch.empty(0, 16)
+    data, data_t, scale, scale_inv, amax = cast.quantize_fp8_current(
+        x, torch.float8_e4m3fn, with_transpose=with_transpose, cfg=SMALL, ct_cfg=SMALL)
+    assert scale.tolist() == [1.0] and scale_inv.tolist() == [1.0] and amax.item() == 0.0
+    assert data.shape == (0, 16) and (data_t is None or data_t.shape == (16, 0))
+
+
 @pytest.mark.parametrize("one_group_numel", [0, 1 << 18])  # partial sums always; one group for small tensors
 @pytest.mark.parametrize("max_programs", [0, 3, 7, 64])
 def test_dbias_cast_transpose_partials(max_programs, one_group_numel, monkeypatch):

@@ -6,7 +6,7 @@ import torch
 from te_triton import MAX_NUMEL, blockwise, cast
 
 from .. import configs
-from ..amax_slots import fresh
+from ..amax_slots import fresh, fresh_current
 from .checks import FLOAT_DTYPES, OK, fp8_cast_ok, fp8_out_device_ok, scale_ok, tensor_ok
 
 
@@ -21,9 +21,10 @@ def cast_transpose_fp8(x, scale, fp8_dtype, *, amax_out=None):
 
 def quantize_fp8_current(x, fp8_dtype, *, with_transpose=False, force_pow2_scales=False, amax_epsilon=0.0):
     t = configs.for_tensor(x)
+    amax_out, scale_out, scale_inv_out = fresh_current(x)
     return cast.quantize_fp8_current(x, fp8_dtype, with_transpose=with_transpose, force_pow2_scales=force_pow2_scales,
                                      amax_epsilon=amax_epsilon, cfg=t.quantize, ct_cfg=t.cast_transpose,
-                                     amax_out=fresh(None, x))
+                                     amax_out=amax_out, scale_out=scale_out, scale_inv_out=scale_inv_out)
 
 
 def transpose_fp8(data):
@@ -40,7 +41,7 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
     return blockwise.quantize_blockwise(x, fp8_dtype, block_2d=block_2d, with_transpose=with_transpose,
                                         force_pow2_scales=force_pow2_scales, amax_epsilon=amax_epsilon,
                                         cfg=t.blockwise_1d_transpose if with_transpose and not block_2d
-                                        else t.blockwise)
+                                        else t.blockwise, gemm_ready=True)
 
 
 def dequantize_blockwise(data, scale_inv, block_2d, out_dtype):
@@ -101,8 +102,8 @@ def dequantize_blockwise_ok(data, scale_inv, block_2d, out_dtype):
         return False, "data is not 2-D"
     if not isinstance(scale_inv, torch.Tensor) or scale_inv.device != data.device:
         return False, "scale_inv is not a tensor on data's device"
-    if scale_inv.dtype != torch.float32 or not scale_inv.is_contiguous():
-        return False, "scale_inv is not contiguous float32"
+    if scale_inv.dtype != torch.float32:  # (any strides: the kernel reads them)
+        return False, "scale_inv is not float32"
     m, k = data.shape
     expected = (-(-m // 128) if block_2d else m, -(-k // 128))
     if tuple(scale_inv.shape) != expected:
