@@ -84,7 +84,11 @@ def quantize_blockwise(
     Returns (data, scale_inv, data_t, scale_inv_t); the last two are None unless
     with_transpose, in which case they quantize x.T (K, M) with the same block shape (for 1-D
     blocks: 1x128 runs along M, scale_inv_t (K, ceil(M/128)); for 2-D: scale_inv_t = scale_inv.T).
-    scale_inv tensors are float32."""
+    scale_inv tensors are float32. A 1x128 grid (rows, ceil(cols/128)) is laid out column by
+    column (strides (1, rows)), as block-scaled FP8 GEMMs read it (cuBLASLt's layout), so a GEMM
+    takes it without a copy; a 128x128 grid is row-major (contiguous). Under torch.compile an
+    implementation's outputs must have these strides (the compiler checks them against the
+    reference's)."""
 
 
 @contract_op("cast", _self_scaled_cast_caps)

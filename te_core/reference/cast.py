@@ -229,11 +229,20 @@ def quantize_blockwise(
     _check_cast_input(x, fp8_dtype, ndim=2)
     data, scale_inv = _quantize_blocks(x, fp8_dtype, block_2d, force_pow2_scales, amax_epsilon)
     if not with_transpose:
-        return data, scale_inv, None, None
+        return data, scale_inv if block_2d else column_major(scale_inv), None, None
     if block_2d:  # a 128x128 tile of x.T is the transpose of a tile of x: same scale
         return data, scale_inv, data.t().contiguous(), scale_inv.t().contiguous()
     data_t, scale_inv_t = _quantize_blocks(x.t(), fp8_dtype, False, force_pow2_scales, amax_epsilon)
-    return data, scale_inv, data_t, scale_inv_t
+    return data, column_major(scale_inv), data_t, column_major(scale_inv_t)
+
+
+def column_major(scales: Tensor) -> Tensor:
+    """A 2-D grid laid out column by column (strides (1, rows)): the layout of 1x128 scale grids
+    (see te_core.ops.quantize_blockwise); (1, rows) even where a dimension has size 1, as the
+    backends allocate it."""
+    out = scales.new_empty((scales.shape[1], scales.shape[0])).t()
+    out.copy_(scales)
+    return out
 
 
 def blockwise_scale_shape(rows: int, cols: int, block_2d: bool) -> Tuple[int, int]:

@@ -45,7 +45,7 @@ def _scale_args(a, b, a_si, b_si, scaling: str):
 def _outer_major(scales) -> bool:
     """Whether a (rows, K/128) float32 grid of 1x128 scales is laid out column by column, as
     cuBLASLt reads it: then it goes to torch._scaled_mm as it is, where a row-major grid costs a
-    transposing copy per GEMM. te_triton's casts write them so on this backend (gemm_ready)."""
+    transposing copy per GEMM. quantize_blockwise lays them out so (te_core.ops)."""
     if scales.dtype != torch.float32:
         return False
     row_step, col_step = scales.stride()

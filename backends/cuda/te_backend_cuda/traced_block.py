@@ -67,12 +67,18 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
     x32 = traced._as(traced.as_stored(x), torch.float32)
     rows = BLOCK if block_2d else 1
     data, scale_inv = _blocks(x32, fp8_dtype, rows, force_pow2_scales, float(amax_epsilon))
-    if not with_transpose:
-        return data, scale_inv, None, None
     if block_2d:
-        return data, scale_inv, data.t().contiguous(), scale_inv.t().contiguous()
+        return (data, scale_inv, data.t().contiguous(), scale_inv.t().contiguous()) if with_transpose else \
+            (data, scale_inv, None, None)
+    # 1x128 grids column by column, as the contract lays them out (and the GEMM reads them)
+    if not with_transpose:
+        return data, _column_major(scale_inv), None, None
     data_t, scale_inv_t = _blocks(x32.t().contiguous(), fp8_dtype, 1, force_pow2_scales, float(amax_epsilon))
-    return data, scale_inv, data_t, scale_inv_t
+    return data, _column_major(scale_inv), data_t, _column_major(scale_inv_t)
+
+
+def _column_major(scales):
+    return scales.t().contiguous().t()
 
 
 TRACED_BLOCK = {"quantize_blockwise": quantize_blockwise}

@@ -18,7 +18,10 @@ A twin takes a call only on the backend's device, in float32 or bfloat16 (float1
 such rounding here and stays opaque), with fewer than MAX_NUMEL elements, and FP8 arguments
 of the kernels' form; anything else returns NotImplemented and stays the opaque op. With
 MAX_NUMEL elements or more a step is GPU-bound, and there the Triton kernels (one pass over
-the row, descriptor loads) beat the compiler's.
+the row, descriptor loads) beat the compiler's. The limit is half the casts' (traced.MAX_NUMEL):
+norms and activations run inside layers, whose steps are GPU-bound from smaller tensors on
+than a lone Linear's. A Linear step with tensors of 2^25 elements is still host-bound, and
+gains from traced casts; a layer step with such tensors is not, and loses with traced norms.
 
 The forward twins (norms, activation) cast FP8 output with the module's delayed-scaling
 scale, which the same compiled step updates in place after the forward; they read it through
@@ -39,7 +42,10 @@ from te_core.reference import activation as ref_act
 from te_core.reference.plugin import implementations
 
 from . import traced
-from .traced import MAX_NUMEL, as_stored, hold_scale
+from .traced import MAX_NUMEL as CAST_MAX_NUMEL
+from .traced import as_stored, hold_scale
+
+MAX_NUMEL = CAST_MAX_NUMEL // 2
 
 DEVICE_TYPE = "cuda"
 TAKEN_DTYPES = (torch.float32, torch.bfloat16)  # float16: see the module docstring

@@ -45,7 +45,7 @@ def test_scale_layouts_for_scaled_mm():
 
 @pytest.mark.parametrize("mode", [BLOCK_1x128_128x128, BLOCK_1x128_1x128])
 def test_column_by_column_1x128_scales_go_to_scaled_mm_without_a_copy(mode):
-    """1x128 grids the casts lay out column by column (gemm_ready) are passed as they are; the
+    """1x128 grids laid out column by column, as the casts give them, are passed as they are; the
     same values laid out row by row are copied into that layout. Either way the same values."""
     M, N, K = 256, 384, 1024
     a, b = _fp8((M, K)), _fp8((N, K))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import te_core as te
 from te_backend_cuda import traced, traced_fused
-from te_backend_cuda.traced import MAX_NUMEL
+from te_backend_cuda.traced_fused import MAX_NUMEL
 from te_core import backend, recipe
 from te_core.ops import CONTRACT
 from te_core.reference import plugin as ref_plugin

@@ -73,7 +73,8 @@ def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, MB, KB, s_row, 
             qt = saturating_cast(v.to(tl.float32) * scale_t[None, :], fmax, yt_ptr.dtype.element_ty)
             mt = (c[:, None] < K) & (rows[None, :] < M)
             tl.store(yt_ptr + c[:, None] * M + rows[None, :], tl.trans(qt), mask=mt)
-            tl.store(st_ptr + c * st_row + pm * st_col, tl.math.div_rn(tl.zeros_like(scale_t) + 1.0, scale_t), mask=c < K)
+            tl.store(st_ptr + c * st_row + pm * st_col, tl.math.div_rn(tl.zeros_like(scale_t) + 1.0, scale_t),
+                     mask=c < K)
     else:
         mask = (rows[:, None] < M) & (cols[None, :] < K)
         v = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -92,21 +93,22 @@ def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, MB, KB, s_row, 
             scale = scale_from_amax(tl.max(bits, axis=1).to(tl.float32, bitcast=True), fmax, eps, POW2)
             q = saturating_cast(v * scale[:, None], fmax, y_ptr.dtype.element_ty)
             tl.store(y_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
-            tl.store(s_ptr + rows * s_row + pk * s_col, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=rows < M)
+            tl.store(s_ptr + rows * s_row + pk * s_col, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale),
+                     mask=rows < M)
 
 
-def _scales(rows: int, kb: int, outer_major: bool, device) -> torch.Tensor:
-    """A (rows, kb) float32 scale grid; `outer_major`: laid out column by column (strides (1, rows)),
-    the layout cuBLASLt's block-scaled GEMMs read 1x128 scales in, so they need no copy per GEMM."""
-    if outer_major:
+def _scales(rows: int, kb: int, column_major: bool, device) -> torch.Tensor:
+    """A (rows, kb) float32 scale grid; `column_major` (1x128 grids, as te_core.ops.quantize_blockwise
+    lays them out): strides (1, rows), the layout block-scaled cuBLASLt GEMMs read."""
+    if column_major:
         return torch.empty((kb, rows), dtype=torch.float32, device=device).t()
     return torch.empty((rows, kb), dtype=torch.float32, device=device)
 
 
 def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, force_pow2_scales=True,
-                       amax_epsilon=0.0, cfg: Config = BLOCKWISE_DEFAULT, gemm_ready: bool = False):
-    """(data, scale_inv, data_t, scale_inv_t) as te_core.ops.quantize_blockwise. `gemm_ready`: the
-    1x128 scale grids are laid out column by column (see _scales); same values, other strides."""
+                       amax_epsilon=0.0, cfg: Config = BLOCKWISE_DEFAULT):
+    """(data, scale_inv, data_t, scale_inv_t) as te_core.ops.quantize_blockwise, 1x128 scale grids
+    laid out column by column as it says."""
     fmax = fp8_max(fp8_dtype)
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D (M, K), got shape {tuple(x.shape)}")
@@ -118,7 +120,7 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
     MB, KB = triton.cdiv(M, BLOCK), triton.cdiv(K, BLOCK)
     BM = BLOCK if (block_2d or with_transpose) else cfg.block_m
     dev = x.device
-    outer = gemm_ready and not block_2d
+    outer = not block_2d
     data = torch.empty((M, K), dtype=fp8_dtype, device=dev)
     scale_inv = _scales(MB if block_2d else M, KB, outer, dev)
     data_t = torch.empty((K, M), dtype=fp8_dtype, device=dev) if with_transpose else None
@@ -164,5 +166,6 @@ def dequantize_blockwise(data, scale_inv, block_2d, out_dtype, cfg: Config = BLO
     y = torch.empty((M, K), dtype=out_dtype, device=data.device)
     if data.numel():
         _dequantize_blockwise_kernel[(triton.cdiv(M, cfg.block_m), KB)](
-            data, scale_inv, y, M, K, scale_inv.stride(0), scale_inv.stride(1), BM=cfg.block_m, BLOCK_2D=bool(block_2d), num_warps=cfg.num_warps)
+            data, scale_inv, y, M, K, scale_inv.stride(0), scale_inv.stride(1), BM=cfg.block_m,
+            BLOCK_2D=bool(block_2d), num_warps=cfg.num_warps)
     return y

@@ -41,7 +41,7 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
     return blockwise.quantize_blockwise(x, fp8_dtype, block_2d=block_2d, with_transpose=with_transpose,
                                         force_pow2_scales=force_pow2_scales, amax_epsilon=amax_epsilon,
                                         cfg=t.blockwise_1d_transpose if with_transpose and not block_2d
-                                        else t.blockwise, gemm_ready=True)
+                                        else t.blockwise)
 
 
 def dequantize_blockwise(data, scale_inv, block_2d, out_dtype):
