@@ -36,6 +36,9 @@ class Case:
         whose computation allows a tolerance other than their dtype's (an FP8 GEMM).
     grad_of: positions of the args to differentiate w.r.t. (differentiable ops).
     returns_out: the op must return the `out` tensor it was given.
+    same_strides: the outputs must have the reference's strides, where the contract fixes a layout
+        (1x128 block scales column by column): torch.compile checks an opaque op's outputs
+        against the reference's strides, and fails a step whose outputs differ.
     """
 
     op: str
@@ -46,6 +49,7 @@ class Case:
     bound: Optional[Callable[[Inputs, Tensor], ErrorBound]] = None
     grad_of: Tuple[int, ...] = ()
     returns_out: bool = False
+    same_strides: bool = False
 
     @property
     def id(self) -> str:

@@ -59,6 +59,8 @@ def run_case(case: Case, fn: Callable[..., Any], reference: Callable[..., Any], 
         raise AssertionError(f"{case.id}: must return the `out` tensor it was given, returned another object")
     if case.bound is None:
         assert_same(actual, expected, where=f"{case.id} output", device_type=device.type, **opts)
+        if case.same_strides:
+            _assert_strides(actual, expected, where=f"{case.id} output")
     else:  # `out`, when given, is the output itself: checked here, by the case's error model
         bound = case.bound(case.inputs(), expected)
         assert_within(actual, expected, bound, where=f"{case.id} output", device_type=device.type)
@@ -67,6 +69,16 @@ def run_case(case: Case, fn: Callable[..., Any], reference: Callable[..., Any], 
     assert_same(_detached(kwargs), _detached(ref_kwargs), where=f"{case.id} keyword inputs after the call", **opts)
     if case.grad_of:
         _check_grads(case, actual, expected, args, ref_args, device)
+
+
+def _assert_strides(actual: Any, expected: Any, where: str) -> None:
+    if isinstance(expected, Tensor):
+        if actual.stride() != expected.stride():
+            raise AssertionError(f"{where}: strides {actual.stride()}, expected {expected.stride()} (the layout the "
+                                 "contract gives this output; a compiled graph checks an op's outputs against it)")
+    elif isinstance(expected, (tuple, list)):
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            _assert_strides(a, e, f"{where}[{i}]")
 
 
 def _require_grad(case: Case, args: tuple) -> None:

@@ -170,3 +170,20 @@ def test_case_inputs_are_seeded_fresh_and_nonzero():
                 assert x is not y and torch.equal(x.float().nan_to_num(), y.float().nan_to_num()), case.id
                 if x.is_floating_point() and x.numel() > 1:
                     assert x.float().ne(0).float().mean() > 0.5, f"{case.id}: an input is mostly zeros"
+
+
+def _blockwise_row_major_scales(*args, **kwargs):
+    """Right values, but 1x128 scale grids row-major: a compiled graph would reject them."""
+    return tuple(None if t is None else t.contiguous() for t in REF["quantize_blockwise"](*args, **kwargs))
+
+
+def test_block_scales_in_another_layout_fail_and_name_the_strides():
+    one_d = [c for c in CASES["quantize_blockwise"] if "-1d-" in c.name]
+    assert one_d
+    for case in one_d:
+        with pytest.raises(AssertionError, match="strides"):
+            run_case(case, _blockwise_row_major_scales, REF["quantize_blockwise"], CPU)
+        run_case(case, REF["quantize_blockwise"], REF["quantize_blockwise"], CPU)
+    two_d = [c for c in CASES["quantize_blockwise"] if "-2d-" in c.name]
+    for case in two_d:  # 128x128 grids are row-major in the contract: contiguous() changes nothing
+        run_case(case, _blockwise_row_major_scales, REF["quantize_blockwise"], CPU)

@@ -96,22 +96,22 @@ def _(gen):
     return (x, E4M3), dict(with_transpose=True, force_pow2_scales=True, amax_epsilon=0.5)
 
 
-@case("quantize_blockwise", "fp32-e4m3-1d-transpose-130x200")
+@case("quantize_blockwise", "fp32-e4m3-1d-transpose-130x200", same_strides=True)
 def _(gen):
     return (row_scaled(gen, 130, 200, torch.float32), E4M3), dict(with_transpose=True)
 
 
-@case("quantize_blockwise", "bf16-e4m3-2d-transpose-200x130")
+@case("quantize_blockwise", "bf16-e4m3-2d-transpose-200x130", same_strides=True)
 def _(gen):
     return (row_scaled(gen, 200, 130, torch.bfloat16), E4M3), dict(block_2d=True, with_transpose=True)
 
 
-@case("quantize_blockwise", "fp32-e5m2-1d-nonpow2-64x256")
+@case("quantize_blockwise", "fp32-e5m2-1d-nonpow2-64x256", same_strides=True)
 def _(gen):
     return (row_scaled(gen, 64, 256, torch.float32), E5M2), dict(force_pow2_scales=False)
 
 
-@case("quantize_blockwise", "fp16-e4m3-2d-epsilon-33x129")
+@case("quantize_blockwise", "fp16-e4m3-2d-epsilon-33x129", same_strides=True)
 def _(gen):
     x = row_scaled(gen, 33, 129, torch.float16)
     return (x, E4M3), dict(block_2d=True, force_pow2_scales=False, amax_epsilon=0.25)
