@@ -69,8 +69,11 @@ class ZeroedSlots:
         with self._lock:
             free = self._free.get(key)
             if not free:
-                # reversed: slots go out in address order
-                free = self._split(self._zeros(self._chunk * self._floats, device), self._chunk)[::-1]
+                # Reversed: slots go out in address order. Cut outside inference mode: a view made
+                # in it could not be written in place later, in training (an FP8 weight's
+                # scale_inv is refreshed in place when the optimizer requantizes it).
+                with torch.inference_mode(False):
+                    free = self._split(self._zeros(self._chunk * self._floats, device), self._chunk)[::-1]
                 if len(self._free) >= MAX_STREAMS:  # slots already out keep their chunk alive
                     self._free.clear()
                 self._free[key] = free

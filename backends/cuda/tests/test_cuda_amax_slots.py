@@ -168,3 +168,18 @@ def test_fresh_current_gives_nones_while_capturing(monkeypatch):
     state["capturing"] = False
     amax, scale, scale_inv = amax_slots.fresh_current(torch.ones(2))
     assert amax.item() == 0.0 and scale.shape == scale_inv.shape == (1,)
+
+
+def test_slots_cut_in_inference_mode_take_in_place_writes_in_training():
+    """An evaluation step under torch.inference_mode may cut the chunk whose slots training
+    steps take later; those slots are written in place there (an FP8 weight's scale_inv is
+    refreshed by copy_ when the optimizer requantizes it)."""
+    pool = ZeroedSlots(lambda device: "s0", lambda: False, 4, floats=8, split=amax_slots.current_slots)
+    with torch.inference_mode():
+        first = pool.take(CPU)
+    later = pool.take(CPU)
+    for slot in (*first, *later):
+        assert not slot.is_inference()
+    later[2].copy_(torch.tensor([0.5]))
+    first[1].add_(1.0)
+    assert later[2].item() == 0.5 and first[1].item() == 1.0

@@ -67,19 +67,16 @@ def grid_size(work_items: int, cfg: Config) -> int:
 
 
 def new_amax_buffer(device, amax_out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """int32 zero: the bits of a non-negative float32 order like the float (NaN above inf),
-    so an integer atomic max over |x| bits is a float max that keeps NaN. With `amax_out` (a
-    1-element float32 slot holding a non-negative amax or NaN, e.g. an amax history row) the
-    kernel maxes straight into it: no buffer to zero, no separate max afterwards."""
+    """The float32 the kernels max |x| into (see max_into): `amax_out` itself when given (a
+    1-element float32 slot holding a non-negative amax or NaN, e.g. an amax history row: no
+    buffer to zero, no separate max afterwards), else a fresh 0-dim zero."""
     if amax_out is not None:
-        return amax_out.view(torch.int32)
-    return torch.zeros(1, dtype=torch.int32, device=device)
+        return amax_out
+    return torch.zeros((), dtype=torch.float32, device=device)
 
 
 def amax_from_buffer(buf: torch.Tensor, amax_out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    if amax_out is not None:
-        return amax_out
-    return buf.view(torch.float32).reshape(())
+    return amax_out if amax_out is not None else buf
 
 
 def amax_out_ok(amax_out, x: torch.Tensor) -> Tuple[bool, str]:
@@ -121,6 +118,14 @@ def scale_from_amax(amax, fmax, eps, POW2: tl.constexpr):
     if POW2:  # keep the exponent, drop the mantissa
         scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
     return scale
+
+
+@triton.jit
+def max_into(amax_ptr, bits):
+    """Max `bits` (abs_bits of |x|) into the float32 at amax_ptr, as an int32 atomic max: the bits
+    of non-negative floats order like the floats (NaN above inf), so it is a float max that keeps
+    NaN. The pointer is reinterpreted here, so callers pass float32 buffers without a view."""
+    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32), bitcast=True), bits)
 
 
 @triton.jit

@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MAX_NUMEL, Config, abs_bits, amax_from_buffer, fp8_max, grid_size, new_amax_buffer, saturating_cast
+from ._common import (MAX_NUMEL, Config, abs_bits, amax_from_buffer, fp8_max, grid_size, max_into, new_amax_buffer,
+                      saturating_cast)
 from .launch import launcher
 
 ELEMENTWISE_DEFAULT = Config(block_m=16, block_n=256, num_warps=8, max_programs=0)
@@ -90,7 +91,7 @@ def _act_fwd_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, R, H, fmax, KIND: tl.cons
         else:
             tl.store(out, y.to(y_ptr.dtype.element_ty), mask=mask)
     if FP8_OUT:
-        tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
+        max_into(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
 
 
 @launcher

@@ -2,7 +2,7 @@
 
 quantize_fp8 and cast_transpose_fp8 record amax in the same pass as the cast: each program
 keeps a running max of |x| bits and does one integer atomic max at the end (see
-_common.new_amax_buffer). Current scaling is an amax pass and a cast pass whose programs make
+_common.max_into). Current scaling is an amax pass and a cast pass whose programs make
 the scale from that amax on the device: two launches, no host synchronisation.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from ._common import (
     MAX_NUMEL,
     Config,
     abs_bits,
+    max_into,
     amax_from_buffer,
     fp8_max,
     grid_size,
@@ -51,7 +52,7 @@ def _quantize_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, n, fmax, scale_inv_ptr, 
                      STORE: tl.constexpr, CLAMP: tl.constexpr, FROM_AMAX: tl.constexpr = False,
                      POW2: tl.constexpr = False):
     """STORE: cast x with the scale (see _cast_scale) into y; without FROM_AMAX, max |x| into
-    amax_ptr (int32 bits), which is all the kernel does without STORE."""
+    amax_ptr (see max_into), which is all the kernel does without STORE."""
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
     scale = _cast_scale(scale_ptr, scale_inv_ptr, amax_ptr, fmax, eps, FROM_AMAX, POW2)
@@ -65,7 +66,7 @@ def _quantize_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, n, fmax, scale_inv_ptr, 
         if STORE:
             tl.store(y_ptr + offs, saturating_cast(v * scale, fmax, y_ptr.dtype.element_ty, CLAMP), mask=mask)
     if not FROM_AMAX:
-        tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
+        max_into(amax_ptr, tl.max(acc, axis=0))
 
 
 def transpose_clamps(cfg: Config, x: torch.Tensor) -> bool:
@@ -111,7 +112,7 @@ def _cast_transpose_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, M, N, fmax
         if not FROM_AMAX:
             acc = tl.maximum(acc, tl.max(tl.max(abs_bits(v), axis=1), axis=0))
     if not FROM_AMAX:
-        tl.atomic_max(amax_ptr, acc)
+        max_into(amax_ptr, acc)
 
 
 def _check_input(x: torch.Tensor, scale: Optional[torch.Tensor], two_d: bool) -> None:

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ._common import MAX_NUMEL, Config, abs_bits, amax_from_buffer, descriptor, fp8_max, launched, \
-    new_amax_buffer, saturating_cast, tma_ready
+    max_into, new_amax_buffer, saturating_cast, tma_ready
 from .activation import ELEMENTWISE_DEFAULT, KIND_IDS, _check, _dact, activation_bwd
 from .cast import _cast_transpose_tile, _check_input, transpose_clamps
 from .launch import launcher
@@ -77,7 +77,7 @@ def _dbias_ct_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr
         colsum += v
         acc = tl.maximum(acc, abs_bits(v))
     tl.store(dbias_ptr + (pid % groups) * N + cols, tl.sum(colsum, axis=0), mask=cols < N)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
+    max_into(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
 
 
 # At most this many elements, each column strip is one program: its sums are then the bias
@@ -156,7 +156,7 @@ def _dbias_ct_tma_kernel(g_desc, x_desc, y_desc, yt_desc, scale_ptr, amax_ptr, d
         acc = tl.maximum(acc, abs_bits(v))
     cols = c + tl.arange(0, BN)
     tl.store(dbias_ptr + (pid % groups) * N + col0 + cols, tl.sum(colsum, axis=0), mask=cols < width)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
+    max_into(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
 
 
 def _tma_launch(blocks, x, y, yt, scale, amax_buf, fmax, kind, cfg: Config):

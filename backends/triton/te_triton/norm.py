@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from . import norm_tma
-from ._common import MAX_NUMEL, Config, abs_bits, amax_from_buffer, fp8_max, grid_size, new_amax_buffer, saturating_cast
+from ._common import (MAX_NUMEL, Config, abs_bits, amax_from_buffer, fp8_max, grid_size, max_into, new_amax_buffer,
+                      saturating_cast)
 from ._norm_math import backward_step, norm_params, row_statistics, scale_shift
 from .launch import launcher
 
@@ -86,11 +87,11 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, 
             tl.store(y_ptr + offs, out, mask=mask)
     if FP8_OUT:
         if AMAX_MODE == 1:
-            tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
+            max_into(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
         elif AMAX_MODE == 2:
-            tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
+            max_into(amax_ptr, tl.max(acc, axis=0))
         else:
-            tl.atomic_max(amax_ptr, acc)
+            max_into(amax_ptr, acc)
 
 
 @launcher

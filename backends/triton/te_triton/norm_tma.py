@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Config, abs_bits, descriptor, grid_size, launched, saturating_cast, tma_ready
+from ._common import Config, abs_bits, descriptor, grid_size, launched, max_into, saturating_cast, tma_ready
 from ._norm_math import backward_step, norm_params, row_statistics, scale_shift
 from .launch import launcher
 
@@ -49,7 +49,7 @@ def _fwd_kernel(x_desc, y_desc, w_ptr, b_ptr, mean_ptr, rstd_ptr, scale_ptr, ama
         bits = tl.where(rmask[:, None] & cmask[None, :], abs_bits(y), 0)  # rows past M would give beta
         acc = tl.maximum(acc, tl.max(tl.reshape(bits, [ROWS * BLOCK_N // CHUNK, CHUNK], can_reorder=True), axis=1))
         y_desc.store([first, 0], saturating_cast(y * scale, fmax, y_desc.dtype, CLAMP))
-    tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
+    max_into(amax_ptr, tl.max(acc, axis=0))
 
 
 @launcher
