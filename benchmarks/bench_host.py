@@ -10,6 +10,9 @@ dropped between steps:
   CUDA-graph launches included);
 - Python function calls per step, and those of te-core and its backends with their own time
   (cProfile; the profiler itself slows the step, so its times are shares, not speeds).
+A shape's variants are timed together in interleaved rounds (each variant's median over the
+rounds), so that the host's drift during the run falls on all of them alike and their ratios
+hold; counts come from a separate instance of each step.
 The target: the tiny layer's FP8 step costs at most twice te's own bf16 step.
 
     python benchmarks/bench_host.py [--results DIR]            # on a GPU (cuda backend)
@@ -23,11 +26,12 @@ import argparse
 import cProfile
 import os
 import pstats
+from functools import partial
 from typing import Callable, Dict, Optional
 
 import torch
 from _results import add_results_argument, meta, select_device, write_json
-from _timing import wall_us
+from _timing import Interleaved
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import te_core as te
@@ -127,17 +131,35 @@ def _is_own(path: str) -> bool:
     return any(part.startswith(OWN_CODE) for part in parts[:-1])
 
 
-def measure(variant: str, shape, device: str, steps: int) -> dict:
+ROUNDS = 5
+
+
+def counts(variant: str, shape, device: str, steps: int) -> dict:
+    """torch operations, launches and Python calls of one step of `variant`."""
     step = make_step(variant, shape, device)
     for _ in range(max(3, steps // 4)):  # warm-up: kernels compiled, scaling state made
         step()
     counter = _CountOps()
     with counter:
         step()
-    cell = {"us": round(wall_us(step, steps, 0, device, repeats=5), 1), "torch_ops": counter.count,
-            "launches": launches_per_step(step, device, steps)}
+    cell = {"torch_ops": counter.count, "launches": launches_per_step(step, device, steps)}
     cell.update({k: round(v, 3) for k, v in python_calls(step, steps).items()})
     return cell
+
+
+def measure_row(shape, device: str, steps: int) -> Dict[str, dict]:
+    """Every variant at `shape`: wall time (interleaved with the others, `steps` calls per round)
+    and counts; a variant that fails is reported, the rest still measured."""
+    group = Interleaved(steps * ROUNDS, device, rounds=ROUNDS)
+    walls = {variant: group.cell(partial(make_step, variant, shape, device)) for variant in VARIANTS}
+    row = {}
+    for variant in VARIANTS:
+        try:
+            row[variant] = {"us": round(walls[variant]()["us"], 1), **counts(variant, shape, device, steps)}
+        except Exception as exc:  # noqa: BLE001 - that variant's error, in its cell
+            row[variant] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        print(shape_label(shape), variant, row[variant], flush=True)
+    return row
 
 
 def parse_args(argv=None):
@@ -156,16 +178,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     device = select_device(args.smoke, "bench_host.py")
     shapes = SHAPES["smoke" if args.smoke else "full"]
-    results: Dict[str, Dict[str, dict]] = {}
-    for shape in shapes:
-        row = results.setdefault(shape_label(shape), {})
-        for variant in VARIANTS:
-            try:
-                row[variant] = measure(variant, shape, device, args.steps)
-            except Exception as exc:  # a variant that fails is reported, the rest still measured
-                row[variant] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-            print(shape_label(shape), variant, row[variant], flush=True)
-    data = {"meta": meta(device), "settings": {"steps": args.steps, "backend": te.get_backend().name,
+    results = {shape_label(shape): measure_row(shape, device, args.steps) for shape in shapes}
+    data = {"meta": meta(device), "settings": {"steps": args.steps, "rounds": ROUNDS, "backend": te.get_backend().name,
                                                "cpu_threads": torch.get_num_threads(), "cpus": os.cpu_count()},
             SECTION: results}
     print(f"wrote {write_json(SECTION, data, args.results)}")
