@@ -9,6 +9,12 @@ backward's locals are the only references and each tensor is freed as soon as th
 deletes its local. Under saved-tensor hooks (CPU offload, checkpointing by hooks) everything
 goes through save_for_backward as usual, so the hooks see every tensor; so it does under
 torch.compile.
+
+`save_holding_quantized` applies this to the quantized operands a GEMM's backward reads: they
+are the Function's own fresh copies, which nothing else writes, and autograd's saving and
+unpacking of a tensor subclass runs its Python dispatch, host time on every step. Plain tensors
+among them (an input in high precision) still go through save_for_backward, whose version check
+catches an in-place change of the input before the backward.
 """
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+
+from ..quantization.tensor import QUANTIZED
 
 _RELEASED = object()  # held intermediates a backward without retain_graph has taken
 
@@ -58,3 +66,17 @@ def restore(ctx, name: str) -> Tuple[Tuple[Optional[Tensor], ...], List[Optional
     if not _graph_kept():
         ctx.held_intermediates = _RELEASED
     return saved, list(held)
+
+
+def save_holding_quantized(ctx, tensors: Sequence[Optional[Tensor]]) -> None:
+    """`tensors` for the backward: quantized ones held on ctx (as `save`'s intermediates), the
+    others through save_for_backward; restore_held gives them back in order."""
+    quantized = [isinstance(t, QUANTIZED) for t in tensors]
+    save(ctx, [None if q else t for t, q in zip(tensors, quantized)],
+         [t if q else None for t, q in zip(tensors, quantized)])
+
+
+def restore_held(ctx, name: str) -> List[Optional[Tensor]]:
+    """The tensors given to save_holding_quantized, in order."""
+    plain, held = restore(ctx, name)
+    return [h if h is not None else p for p, h in zip(plain, held)]

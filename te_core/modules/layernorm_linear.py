@@ -21,6 +21,7 @@ from ._base import QuantizedModule
 from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
 from ._param_split import ParameterSplitMixin
+from ._saved import restore_held, save_holding_quantized
 from ._wgrad import weight_grad
 from ._common import (
     check_fp8_gemms,
@@ -176,8 +177,8 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         y = fprop_gemm(ln_out_q, w_q, out_dtype=x.dtype, bias=bias)
         # backward reads the column-wise copies only: ln_out for wgrad (or ln_out in high
         # precision, per the recipe), the weight for dgrad
-        ctx.save_for_backward(x, ln_weight, ln_out_w,
-                              keep_columnwise(w_q) if needs_norm_grad(x, ln_weight, ln_bias) else None, *stats)
+        save_holding_quantized(ctx, (x, ln_weight, ln_out_w,
+                                     keep_columnwise(w_q) if needs_norm_grad(x, ln_weight, ln_bias) else None, *stats))
         ctx.step, ctx.norm, ctx.weight_dtype = step, norm, weight.dtype
         ctx.fused_weight = weight if fuse_wgrad else None  # its main_grad takes the wgrad
         ctx.wgrad_store = wgrad_store  # delay_wgrad_compute=True: the wgrad is left for backward_dw
@@ -197,7 +198,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        x, ln_weight, ln_out_w, w_q, *stats = ctx.saved_tensors
+        x, ln_weight, ln_out_w, w_q, *stats = restore_held(ctx, "LayerNormLinear")
         step = ctx.step
         needs_dx, needs_dw = ctx.needs
         dys, d_ln_out, d_res = split_grads(ctx, grads, ctx.parts)

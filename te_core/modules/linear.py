@@ -19,6 +19,7 @@ from ._base import QuantizedModule
 from ._delayed_wgrad import DelayedWgradMixin, WeightGradStore, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
 from ._param_split import ParameterSplitMixin
+from ._saved import restore_held, save_holding_quantized
 from ._wgrad import weight_grad
 from ._common import (
     check_input,
@@ -70,7 +71,7 @@ class _LinearFunction(torch.autograd.Function):
         # Backward reads only column-wise copies: x's for wgrad (or x in high precision, per the
         # recipe), the weight's for dgrad (a cached weight keeps both layouts in the module's
         # cache; saving the twin costs nothing extra).
-        ctx.save_for_backward(x_wgrad, keep_columnwise(w_op) if need_dgrad else None)
+        save_holding_quantized(ctx, (x_wgrad, keep_columnwise(w_op) if need_dgrad else None))
         ctx.step, ctx.options, ctx.weight = step, options, weight
         ctx.inp_shape, ctx.inp_dtype = inp.shape, inp.dtype
         ctx.need_dgrad, ctx.need_wgrad = need_dgrad, need_wgrad
@@ -81,7 +82,7 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *dys: Tensor):
-        x_wgrad, w_op = ctx.saved_tensors
+        x_wgrad, w_op = restore_held(ctx, "Linear")
         step, weight = ctx.step, ctx.weight
         # split outputs: their gradients go to the cast as column blocks, not concatenated (LayerNormLinear)
         parts = [(dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).contiguous() for dy in dys]

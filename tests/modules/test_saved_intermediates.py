@@ -94,3 +94,61 @@ def test_fused_gradient_cast_is_not_transposed_again(monkeypatch):
     monkeypatch.setattr(ops, "transpose_fp8", lambda data: calls.append(data.shape) or real(data))
     y.backward(torch.randn(y.shape))
     assert calls == []
+
+
+def _linear_step(rec, hooks: bool, kind: str = "Linear"):
+    torch.manual_seed(0)
+    lin = getattr(tm, kind)(32, 48)
+    x = torch.randn(16, 32, requires_grad=True)
+    dy = torch.randn(16, 48)
+    packed = []
+
+    def pack(t):
+        packed.append(type(t).__name__)
+        return t
+
+    for _ in range(3):  # the scales settle first, as in _run
+        with autocast(enabled=rec is not None, recipe=rec):
+            lin(x).backward(dy)
+    lin.zero_grad()
+    x.grad = None
+    with autocast(enabled=rec is not None, recipe=rec):
+        if hooks:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = lin(x)
+        else:
+            y = lin(x)
+    node = _node_with_intermediates(y)
+    saved = [type(t).__name__ for t in node.saved_tensors if t is not None and "Float8" in type(t).__name__]
+    held = [type(t).__name__ for t in (node.held_intermediates or []) if t is not None]
+    y.backward(dy)
+    return saved, held, packed, [p.grad for p in (x, *lin.parameters())], node
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear"])
+@pytest.mark.parametrize("name", ["delayed", "current", "block"])
+def test_linear_holds_its_quantized_operands_on_ctx_and_lets_them_go(name, kind):
+    """A Linear's (LayerNormLinear's) FP8 operands are held on ctx (not through autograd's
+    saving of a tensor subclass), released by the backward; under saved-tensor hooks they go
+    through the hooks, which see every one. Same gradients either way."""
+    rec = {"delayed": recipe.DelayedScaling, "current": recipe.Float8CurrentScaling,
+           "block": recipe.Float8BlockScaling}[name]()
+    saved, held, packed, grads, node = _linear_step(rec, hooks=False, kind=kind)
+    assert saved == [] and len(held) == 2 and all("Float8" in h for h in held), (saved, held)
+    assert node.held_intermediates is not None and not isinstance(node.held_intermediates, list)  # released
+    saved_h, held_h, packed_h, grads_h, _ = _linear_step(rec, hooks=True, kind=kind)
+    assert held_h == [] and sum("Float8" in p for p in packed_h) == 2, packed_h
+    for got, want in zip(grads_h, grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_linear_in_high_precision_still_saves_its_input_for_the_version_check():
+    """x in high precision goes through save_for_backward: changing it in place before the
+    backward is an error, as for nn.Linear, not a silently wrong weight gradient."""
+    lin = tm.Linear(32, 32)
+    x = torch.randn(16, 32, requires_grad=True)
+    h = x * 1.0
+    y = lin(h)
+    h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
