@@ -15,6 +15,7 @@ from ._base import QuantizedModule
 from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
 from ._wgrad import weight_grad
+from ._saved import restore_held, save_holding_quantized
 from ._common import (
     check_fp8_gemms,
     check_input,
@@ -51,7 +52,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             # wgrad reads x's column-wise copy (or x in high precision, per the recipe), dgrad the weight's
             saved += [wgrad_operand(x_q, xi) if w.requires_grad else None,
                       keep_columnwise(w_q) if x.requires_grad else None]
-        ctx.save_for_backward(*saved)
+        save_holding_quantized(ctx, saved)
         ctx.step, ctx.m_splits, ctx.num_gemms = step, m_splits, num_gemms
         ctx.weight_meta = [(w.shape, w.dtype) for w in weights]
         ctx.fused_weights = weights if fuse_wgrad else (None,) * num_gemms  # their main_grad takes the wgrad
@@ -63,7 +64,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        saved, step = ctx.saved_tensors, ctx.step
+        saved, step = restore_held(ctx, "GroupedLinear"), ctx.step
         dxs, dws, dbs = [], [], []
         batch = new_batch(ctx.wgrad_store)
         for i, dyi in enumerate(torch.split(dy.to(ctx.x_dtype), ctx.m_splits)):
