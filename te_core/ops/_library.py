@@ -13,8 +13,9 @@ Rules the schema encodes, derived from each op's stub:
 - arguments named `amax_out` and `out`, and those an op declares with `mutates`, are written in
   place (declared mutable, so functionalization and CUDA-graph replays see the writes);
 - an output never aliases an input: where the contract returns `amax_out` (the last output) or
-  `out` (the only output) itself, the custom op returns a placeholder and the caller gets the
-  argument back here; a None output (an optional copy not asked for) is a placeholder too;
+  `out` (the only output) itself, the variant that takes them (`<op>_into`) leaves that output
+  out of its schema and the caller gets the argument back here (no tensor made for it on every
+  call); a None output (an optional copy not asked for) is a placeholder;
 - placeholders are 1-element bool tensors (no contract op returns bool data; empty tensors
   would all share the null data pointer, which the alias check of custom ops rejects);
 - the fake (meta) implementation is the reference implementation run on fake tensors, so
@@ -62,12 +63,16 @@ def _default(value) -> str:
     return repr(value)
 
 
-def _returns(hint) -> Tuple[str, int]:
-    """(schema returns, number of outputs; -1 for a single unparenthesized Tensor)."""
+def _returns(hint, dropped: int = 0) -> Tuple[str, int]:
+    """(schema returns, number of outputs; -1 for a single unparenthesized Tensor), with
+    `dropped` outputs left out (those a writing variant hands back as its arguments)."""
     if hint is type(None) or hint is None:
         return "()", 0
+    n = len(typing.get_args(hint)) if typing.get_origin(hint) is tuple else 1
+    if dropped:  # (a single output left is returned bare, as the custom op's `-> Tensor`)
+        kept = n - dropped
+        return ("Tensor" if kept == 1 else "(" + ", ".join(["Tensor"] * kept) + ")"), n
     if typing.get_origin(hint) is tuple:
-        n = len(typing.get_args(hint))
         return "(" + ", ".join(["Tensor"] * n) + ")", n
     return "Tensor", -1
 
@@ -90,32 +95,47 @@ def schema(op, writes: bool) -> str:
         if param.default is not param.empty:
             text += f"={_default(param.default)}"
         parts.append(text)
-    return f"({', '.join(parts)}) -> {_returns(hints['return'])[0]}"
+    dropped = len(op.aliased_outputs) if writes else 0
+    return f"({', '.join(parts)}) -> {_returns(hints['return'], dropped)[0]}"
 
 
 def _first_device(args, kwargs) -> torch.device:
     return next((t.device for t in _tensors(args, kwargs)), torch.device("cpu"))
 
 
+def _given_positions(op, kwargs) -> list:
+    """(position, argument name) of each output the call hands back as a given argument (the
+    writing variant's), positions counted from 0, in order."""
+    count = 1 if op.n_outputs == -1 else op.n_outputs
+    return sorted((position % count, name) for name, position in op.aliased_outputs if kwargs.get(name) is not None)
+
+
 def _encode(op, result, args, kwargs):
-    """The implementation's result as the custom op returns it (placeholders, no aliases)."""
+    """The implementation's result as the custom op returns it (placeholders, no aliases; the
+    writing variant without the outputs it hands back as its arguments)."""
     n = op.n_outputs
     if n == 0:
         return None
     outputs = [result] if n == -1 else list(result)
-    for name, position in op.aliased_outputs:
-        if kwargs.get(name) is not None:
-            outputs[position] = None
+    given = _given_positions(op, kwargs)
+    for position, _ in reversed(given):
+        del outputs[position]
     # A custom op's outputs may alias neither its inputs nor each other; an implementation may
     # hand back a view (a transpose that is already contiguous), which is copied here.
     seen = {_storage(v) for v in _tensors(args, kwargs)}
+    device = None
     for i, value in enumerate(outputs):
         if value is None:
-            outputs[i] = torch.empty(1, dtype=_PLACEHOLDER, device=_first_device(args, kwargs))
+            device = device or _first_device(args, kwargs)
+            outputs[i] = torch.empty(1, dtype=_PLACEHOLDER, device=device)
             continue
-        if _storage(value) in seen:
+        key = _storage(value)
+        if key in seen:
             outputs[i] = value = value.clone()
-        seen.add(_storage(value))
+            key = _storage(value)
+        seen.add(key)
+    if given:
+        return None if not outputs else outputs[0] if len(outputs) == 1 else tuple(outputs)
     return outputs[0] if n == -1 else tuple(outputs)
 
 
@@ -133,17 +153,19 @@ def _tensors(args, kwargs):
 
 
 def _decode(op, outputs, kwargs):
-    """The contract's result from the custom op's: placeholders back to None or the argument."""
+    """The contract's result from the custom op's: placeholders back to None, the outputs the
+    writing variant leaves out back as the arguments it wrote."""
     n = op.n_outputs
     if n == 0:
         return None
-    values = [outputs] if n == -1 else list(outputs)
-    for i, value in enumerate(values):
-        if value.dtype is _PLACEHOLDER:
-            values[i] = None
-    for name, position in op.aliased_outputs:
-        if kwargs.get(name) is not None:
-            values[position] = kwargs[name]
+    given = _given_positions(op, kwargs)
+    if given:
+        values = [] if outputs is None else [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+    else:
+        values = [outputs] if n == -1 else list(outputs)
+    values = [None if value.dtype is _PLACEHOLDER else value for value in values]
+    for position, name in given:
+        values.insert(position, kwargs[name])
     return values[0] if n == -1 else tuple(values)
 
 
