@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from te_core.backend.types import FP8_FORMATS
+from te_core.reference.cast import column_major
 
 from . import traced
 
@@ -72,13 +73,9 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
             (data, scale_inv, None, None)
     # 1x128 grids column by column, as the contract lays them out (and the GEMM reads them)
     if not with_transpose:
-        return data, _column_major(scale_inv), None, None
+        return data, column_major(scale_inv), None, None
     data_t, scale_inv_t = _blocks(x32.t().contiguous(), fp8_dtype, 1, force_pow2_scales, float(amax_epsilon))
-    return data, _column_major(scale_inv), data_t, _column_major(scale_inv_t)
-
-
-def _column_major(scales):
-    return scales.t().contiguous().t()
+    return data, column_major(scale_inv), data_t, column_major(scale_inv_t)
 
 
 TRACED_BLOCK = {"quantize_blockwise": quantize_blockwise}

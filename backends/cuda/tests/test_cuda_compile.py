@@ -56,21 +56,29 @@ def _state(model):
             for slot, entry in slots.items() for k, v in entry.items()}
 
 
+def _linear_pair(name, mode=None):
+    """(eager step, a Linear for it, the compiled step, an identical Linear for that)."""
+    torch._dynamo.reset()
+    step = _step(RECIPES[name]())
+    eager = te.Linear(256, 512, params_dtype=torch.bfloat16, device="cuda")
+    return step, eager, torch.compile(step, fullgraph=True, mode=mode), copy.deepcopy(eager)
+
+
+def _step_inputs(i):
+    """Fresh x and dy of step i (x grows with i, so each step's amaxes differ)."""
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16) * (i + 1)
+    return x, torch.randn(128, 512, device="cuda", dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["inductor", "reduce-overhead"])
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_compiled_linear_equals_eager(name, mode):
     torch.manual_seed(0)
-    torch._dynamo.reset()
-    rec = RECIPES[name]()
-    eager = te.Linear(256, 512, params_dtype=torch.bfloat16, device="cuda")
-    compiled_model = copy.deepcopy(eager)
-    step = _step(rec)
-    compiled = torch.compile(step, fullgraph=True, mode=mode)
+    step, eager, compiled, compiled_model = _linear_pair(name, mode)
     graphs = mode == "reduce-overhead"
     previous = None
     for i in range(5):
-        x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16) * (i + 1)
-        dy = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16)
+        x, dy = _step_inputs(i)
         want = _fwd_bwd(step, eager, x, dy, False)
         got = _fwd_bwd(compiled, compiled_model, x, dy, graphs)
         _assert_equal(got, want, name)
@@ -94,15 +102,9 @@ def test_compiled_linear_with_opaque_casts_equals_eager(name, monkeypatch):
     monkeypatch.setattr(traced, "MAX_NUMEL", 0)
     monkeypatch.setattr(traced_fused, "MAX_NUMEL", 0)
     torch.manual_seed(1)
-    torch._dynamo.reset()
-    rec = RECIPES[name]()
-    eager = te.Linear(256, 512, params_dtype=torch.bfloat16, device="cuda")
-    compiled_model = copy.deepcopy(eager)
-    step = _step(rec)
-    compiled = torch.compile(step, fullgraph=True)
+    step, eager, compiled, compiled_model = _linear_pair(name)
     for i in range(3):
-        x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16) * (i + 1)
-        dy = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16)
+        x, dy = _step_inputs(i)
         want = _fwd_bwd(step, eager, x, dy, False)
         got = _fwd_bwd(compiled, compiled_model, x, dy, False)
         for key, value in want.items():  # the same kernels run: bit for bit

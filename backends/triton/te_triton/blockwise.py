@@ -120,13 +120,12 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
     MB, KB = triton.cdiv(M, BLOCK), triton.cdiv(K, BLOCK)
     BM = BLOCK if (block_2d or with_transpose) else cfg.block_m
     dev = x.device
-    outer = not block_2d
     data = torch.empty((M, K), dtype=fp8_dtype, device=dev)
-    scale_inv = _scales(MB if block_2d else M, KB, outer, dev)
+    scale_inv = _scales(MB if block_2d else M, KB, not block_2d, dev)
     data_t = torch.empty((K, M), dtype=fp8_dtype, device=dev) if with_transpose else None
     scale_inv_t = None
     if with_transpose:
-        scale_inv_t = _scales(KB if block_2d else K, MB, outer, dev)
+        scale_inv_t = _scales(KB if block_2d else K, MB, not block_2d, dev)
     if x.numel():
         st = scale_inv if scale_inv_t is None else scale_inv_t
         _blockwise_kernel[(triton.cdiv(M, BM), KB)](

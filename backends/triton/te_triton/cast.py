@@ -133,20 +133,20 @@ def _check_input(x: torch.Tensor, scale: Optional[torch.Tensor], two_d: bool) ->
 NO_CURRENT = (None, 0.0, False)
 
 
-def _quantize(x, scale, amax_buf, fp8_dtype, cfg: Config, current=NO_CURRENT) -> torch.Tensor:
-    """The cast pass of quantize_fp8 (and of current scaling: see _cast_scale)."""
+def _quantize(x, scale, amax_buf, fp8_dtype, fmax, cfg: Config, current=NO_CURRENT) -> torch.Tensor:
+    """The cast pass of quantize_fp8 (and of current scaling: see _cast_scale); fmax: fp8_dtype's max."""
     scale_inv, eps, pow2 = current
     y = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     n = x.numel()
     if n or scale_inv is not None:  # (current scaling: an empty x still gets its scale, 1)
         _quantize_kernel[(grid_size(triton.cdiv(n, cfg.block), cfg),)](
-            x, y, scale, amax_buf, n, fp8_max(fp8_dtype), scale if scale_inv is None else scale_inv, eps,
+            x, y, scale, amax_buf, n, fmax, scale if scale_inv is None else scale_inv, eps,
             BLOCK=cfg.block, STORE=True, CLAMP=not cfg.hw_saturate, FROM_AMAX=scale_inv is not None, POW2=pow2,
             num_warps=cfg.num_warps)
     return y
 
 
-def _cast_transpose(x, scale, amax_buf, fp8_dtype, cfg: Config, current=NO_CURRENT):
+def _cast_transpose(x, scale, amax_buf, fp8_dtype, fmax, cfg: Config, current=NO_CURRENT):
     """The pass of cast_transpose_fp8 (and of current scaling: see _cast_scale): (data, data_t)."""
     scale_inv, eps, pow2 = current
     M, N = x.shape
@@ -155,7 +155,7 @@ def _cast_transpose(x, scale, amax_buf, fp8_dtype, cfg: Config, current=NO_CURRE
     if x.numel() or scale_inv is not None:
         n_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
         _cast_transpose_kernel[(grid_size(n_tiles, cfg),)](
-            x, y, yt, scale, amax_buf, M, N, fp8_max(fp8_dtype), scale if scale_inv is None else scale_inv, eps,
+            x, y, yt, scale, amax_buf, M, N, fmax, scale if scale_inv is None else scale_inv, eps,
             BM=cfg.block_m, BN=cfg.block_n, CLAMP=transpose_clamps(cfg, x), FROM_AMAX=scale_inv is not None,
             POW2=pow2, num_warps=cfg.num_warps)
     return y, yt
@@ -165,10 +165,10 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, c
                  amax_out: Optional[torch.Tensor] = None):
     """(data, amax): saturate(x * scale) cast to fp8_dtype, and max|x| (NaN if x has one),
     maxed into `amax_out` when given (then returned as the amax)."""
-    fp8_max(fp8_dtype)  # (names a bad fp8_dtype before anything is allocated)
+    fmax = fp8_max(fp8_dtype)
     _check_input(x, scale, two_d=False)
     amax = new_amax_buffer(x.device, amax_out)
-    return _quantize(x, scale, amax, fp8_dtype, cfg), amax_from_buffer(amax, amax_out)
+    return _quantize(x, scale, amax, fp8_dtype, fmax, cfg), amax_from_buffer(amax, amax_out)
 
 
 def amax(x: torch.Tensor, cfg: Config = QUANTIZE_DEFAULT, *, amax_out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -187,10 +187,10 @@ def amax(x: torch.Tensor, cfg: Config = QUANTIZE_DEFAULT, *, amax_out: Optional[
 def cast_transpose_fp8(x, scale, fp8_dtype, cfg: Config = CAST_TRANSPOSE_DEFAULT, *,
                        amax_out: Optional[torch.Tensor] = None):
     """(data (M,K), data_t (K,M), amax) for a 2-D x, one pass over x."""
-    fp8_max(fp8_dtype)
+    fmax = fp8_max(fp8_dtype)
     _check_input(x, scale, two_d=True)
     amax_buf = new_amax_buffer(x.device, amax_out)
-    y, yt = _cast_transpose(x, scale, amax_buf, fp8_dtype, cfg)
+    y, yt = _cast_transpose(x, scale, amax_buf, fp8_dtype, fmax, cfg)
     return y, yt, amax_from_buffer(amax_buf, amax_out)
 
 
@@ -203,7 +203,7 @@ def quantize_fp8_current(
     programs make the scale from that amax on the device (no host synchronisation, and no
     kernel for the scale alone). `amax_out` as for amax(); `scale_out` / `scale_inv_out`:
     1-element float32 tensors the scale and its inverse are written into (else new ones)."""
-    fp8_max(fp8_dtype)
+    fmax = fp8_max(fp8_dtype)
     if with_transpose and x.dim() != 2:
         _check_input(x, None, two_d=True)
     amax_t = amax(x, cfg, amax_out=amax_out)
@@ -211,9 +211,9 @@ def quantize_fp8_current(
     scale_inv = scale_inv_out if scale_inv_out is not None else torch.empty(1, dtype=torch.float32, device=x.device)
     current = (scale_inv, float(amax_epsilon), bool(force_pow2_scales))
     if with_transpose:
-        data, data_t = _cast_transpose(x, scale, amax_t, fp8_dtype, ct_cfg, current)
+        data, data_t = _cast_transpose(x, scale, amax_t, fp8_dtype, fmax, ct_cfg, current)
     else:
-        data, data_t = _quantize(x, scale, amax_t, fp8_dtype, cfg, current), None
+        data, data_t = _quantize(x, scale, amax_t, fp8_dtype, fmax, cfg, current), None
     return data, data_t, scale, scale_inv, amax_t
 
 
