@@ -4,7 +4,9 @@ Where a step is bound by the host (small layers, or any eager step on a slow CPU
 only if its Python and launches cost little more than bf16's. Per variant (bf16 nn.Linear, te
 bf16, te FP8 per recipe) and shape, after warm-up, one forward+backward with the gradients
 dropped between steps:
-- wall time per step (the device synchronized at both ends of a timed run of steps);
+- wall time per step (the device synchronized at both ends of a timed run of steps), with the
+  backward on autograd's device thread (torch's default) and on the calling thread
+  (`torch.autograd.set_multithreading_enabled(False)` around it);
 - torch operations per step (each call that reaches torch's dispatcher, counted by a dispatch mode);
 - kernel launches per step (on a GPU: the runtime's launch calls in torch.profiler's trace,
   CUDA-graph launches included);
@@ -61,8 +63,9 @@ def shape_label(shape) -> str:
     return f"M{m} K{k} N{n}"
 
 
-def make_step(variant: str, shape, device: str) -> Callable[[], None]:
-    """One forward+backward of `variant` at `shape`, gradients dropped between steps."""
+def make_step(variant: str, shape, device: str, calling_thread: bool = False) -> Callable[[], None]:
+    """One forward+backward of `variant` at `shape`, gradients dropped between steps; with
+    `calling_thread`, the backward runs on the calling thread instead of autograd's device thread."""
     m, k, n = shape
     torch.manual_seed(0)
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -83,7 +86,11 @@ def make_step(variant: str, shape, device: str) -> Callable[[], None]:
         else:
             with te.autocast(recipe=rcp):
                 y = module(x)
-        y.sum().backward()
+        if calling_thread:
+            with torch.autograd.set_multithreading_enabled(False):
+                y.sum().backward()
+        else:
+            y.sum().backward()
 
     return step
 
@@ -151,11 +158,14 @@ def measure_row(shape, device: str, steps: int) -> Dict[str, dict]:
     """Every variant at `shape`: wall time (interleaved with the others, `steps` calls per round)
     and counts; a variant that fails is reported, the rest still measured."""
     group = Interleaved(steps * ROUNDS, device, rounds=ROUNDS)
-    walls = {variant: group.cell(partial(make_step, variant, shape, device)) for variant in VARIANTS}
+    walls = {(variant, calling): group.cell(partial(make_step, variant, shape, device, calling))
+             for variant in VARIANTS for calling in (False, True)}
     row = {}
     for variant in VARIANTS:
         try:
-            row[variant] = {"us": round(walls[variant]()["us"], 1), **counts(variant, shape, device, steps)}
+            row[variant] = {"us": round(walls[(variant, False)]()["us"], 1),
+                            "us_calling_thread": round(walls[(variant, True)]()["us"], 1),
+                            **counts(variant, shape, device, steps)}
         except Exception as exc:  # noqa: BLE001 - that variant's error, in its cell
             row[variant] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         print(shape_label(shape), variant, row[variant], flush=True)

@@ -330,9 +330,9 @@ HOST = {"meta": {"gpu": "GPU", "torch": "t", "date": "d"}, "settings": {"steps":
         "host": {"M128 K1024 N1024": {
             "nn.Linear": {"us": 250.0, "torch_ops": 12, "launches": 8.0, "python_calls": 40.0, "own_python_calls": 0.0,
                           "own_python_share": 0.0},
-            "te bf16": {"us": 500.0, "torch_ops": 20, "launches": 11.0, "python_calls": 200.0, "own_python_calls": 80.0,
+            "te bf16": {"us": 500.0, "us_calling_thread": 250.0, "torch_ops": 20, "launches": 11.0, "python_calls": 200.0, "own_python_calls": 80.0,
                         "own_python_share": 0.4},
-            "te delayed": {"us": 900.0, "torch_ops": 40, "launches": 18.0, "python_calls": 900.0,
+            "te delayed": {"us": 900.0, "us_calling_thread": 600.0, "torch_ops": 40, "launches": 18.0, "python_calls": 900.0,
                            "own_python_calls": 330.0, "own_python_share": 0.5},
             "te current": {"us": 1100.0, "torch_ops": 45, "launches": 20.0, "python_calls": 1100.0,
                            "own_python_calls": 400.0, "own_python_share": 0.5},
@@ -344,7 +344,9 @@ def test_host_table_targets_counts_and_error_notes():
     assert "| M128 K1024 N1024: te delayed step ≤ 2x te bf16's | 900 against 500 µs (1.80x) | met |" in rows
     assert "| M128 K1024 N1024: te current step ≤ 2x te bf16's | 1100 against 500 µs (2.20x) | **missed** (2.20x) |" \
         in rows
-    assert "| M128 K1024 N1024 | te delayed | 900 µs (1.80x) | 40 | 18.0 | 900 (330) | 50% |" in rows
+    assert "| M128 K1024 N1024 | te delayed | 900 µs (1.80x) | 600 µs (2.40x) | 40 | 18.0 | 900 (330) | 50% |" in rows
+    # a cell without the calling-thread time (an older host.json, here te current) shows a dash
+    assert "| M128 K1024 N1024 | te current | 1100 µs (2.20x) | – | 45 | 20.0 | 1100 (400) | 50% |" in rows
     assert any(r.startswith("| M128 K1024 N1024 | te block | error (1) |") for r in rows), rows
     assert "boom / x" in _host_table.render(HOST)
 
@@ -358,7 +360,7 @@ def test_host_smoke_writes_json_and_report_renders_it(tmp_path):
     data = json.loads((tmp_path / "cpu" / "host.json").read_text())
     (cells,) = data["host"].values()
     assert set(cells) == set(_host_table.VARIANTS) and all("error" not in c for c in cells.values()), cells
-    assert all(c["us"] > 0 and c["launches"] is None for c in cells.values()), cells
+    assert all(c["us"] > 0 and c["us_calling_thread"] > 0 and c["launches"] is None for c in cells.values()), cells
     for fp8 in ("te delayed", "te current", "te block"):
         assert cells[fp8]["torch_ops"] > cells["te bf16"]["torch_ops"] > cells["nn.Linear"]["torch_ops"] > 0
         assert cells[fp8]["own_python_calls"] > cells["te bf16"]["own_python_calls"] > 0

@@ -85,8 +85,15 @@ class ZeroedSlots:
 
 
 def _cuda_stream_key(device: torch.device) -> Hashable:
-    return device.index, torch.cuda.current_stream(device).cuda_stream
+    """(device index, the raw handle of its current stream), without the torch.cuda.Stream object
+    that torch.cuda.current_stream builds on every call."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return index, _raw_stream(index)
 
+
+# (a CPU-only build of torch lacks the runtime's call; its stream objects say the same)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 # Chunks come from outside any CUDA-graph pool: a chunk made while torch.compile warms up a
 # graph would otherwise be a pool tensor outliving the graph's outputs (persistent.py).

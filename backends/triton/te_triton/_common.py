@@ -54,6 +54,18 @@ class Config:
     tma_stages: int = 0
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) on the host. triton.cdiv and triton.next_power_of_2 are constexpr functions
+    since triton 3.5, whose calls from Python cost microseconds each: on an eager FP8 step's
+    launch path, plain integer arithmetic instead."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= n (1 for n <= 1), on the host (see cdiv)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def fp8_max(dtype: torch.dtype) -> float:
     if dtype not in FP8_MAX:
         raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")

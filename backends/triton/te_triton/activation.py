@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (MAX_NUMEL, Config, abs_bits, amax_from_buffer, fp8_max, grid_size, max_into, new_amax_buffer,
-                      saturating_cast)
+from ._common import (MAX_NUMEL, Config, abs_bits, amax_from_buffer, cdiv, fp8_max, grid_size, max_into,
+                      new_amax_buffer, saturating_cast)
 from .launch import launcher
 
 ELEMENTWISE_DEFAULT = Config(block_m=16, block_n=256, num_warps=8, max_programs=0)
@@ -128,7 +128,7 @@ def _check(x: torch.Tensor, kind: str):
 
 
 def _grid(R, H, cfg):
-    return (grid_size(triton.cdiv(R, cfg.block_m) * triton.cdiv(H, cfg.block_n), cfg),)
+    return (grid_size(cdiv(R, cfg.block_m) * cdiv(H, cfg.block_n), cfg),)
 
 
 def activation_fwd(x, kind, *, fp8_scale=None, fp8_dtype=None, cfg: Config = ELEMENTWISE_DEFAULT, amax_out=None):

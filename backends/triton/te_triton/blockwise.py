@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MAX_NUMEL, Config, abs_bits, fp8_max, saturating_cast, scale_from_amax
+from ._common import MAX_NUMEL, Config, abs_bits, cdiv, fp8_max, saturating_cast, scale_from_amax
 from .cast import check_dequantize_args
 from .launch import launcher
 
@@ -117,7 +117,7 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
     if not x.is_contiguous() or x.numel() > MAX_NUMEL:
         raise ValueError("x must be contiguous with fewer than 2^31 elements; call .contiguous() first")
     M, K = x.shape
-    MB, KB = triton.cdiv(M, BLOCK), triton.cdiv(K, BLOCK)
+    MB, KB = cdiv(M, BLOCK), cdiv(K, BLOCK)
     BM = BLOCK if (block_2d or with_transpose) else cfg.block_m
     dev = x.device
     data = torch.empty((M, K), dtype=fp8_dtype, device=dev)
@@ -128,7 +128,7 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
         scale_inv_t = _scales(KB if block_2d else K, MB, not block_2d, dev)
     if x.numel():
         st = scale_inv if scale_inv_t is None else scale_inv_t
-        _blockwise_kernel[(triton.cdiv(M, BM), KB)](
+        _blockwise_kernel[(cdiv(M, BM), KB)](
             x, data, scale_inv, data if data_t is None else data_t, st, M, K, MB, KB,
             scale_inv.stride(0), scale_inv.stride(1), st.stride(0), st.stride(1), fmax, float(amax_epsilon),
             BM=BM, BLOCK_2D=bool(block_2d), TRANSPOSE=bool(with_transpose), POW2=bool(force_pow2_scales),
@@ -156,7 +156,7 @@ def dequantize_blockwise(data, scale_inv, block_2d, out_dtype, cfg: Config = BLO
     if data.dim() != 2:
         raise ValueError(f"data must be 2-D (M, K), got shape {tuple(data.shape)}")
     M, K = data.shape
-    MB, KB = triton.cdiv(M, BLOCK), triton.cdiv(K, BLOCK)
+    MB, KB = cdiv(M, BLOCK), cdiv(K, BLOCK)
     expected = (MB, KB) if block_2d else (M, KB)
     if tuple(scale_inv.shape) != expected or scale_inv.dtype != torch.float32:
         kind = "128x128" if block_2d else "1x128"
@@ -164,7 +164,7 @@ def dequantize_blockwise(data, scale_inv, block_2d, out_dtype, cfg: Config = BLO
                          f"{(M, K)}, got {scale_inv.dtype} {tuple(scale_inv.shape)}")
     y = torch.empty((M, K), dtype=out_dtype, device=data.device)
     if data.numel():
-        _dequantize_blockwise_kernel[(triton.cdiv(M, cfg.block_m), KB)](
+        _dequantize_blockwise_kernel[(cdiv(M, cfg.block_m), KB)](
             data, scale_inv, y, M, K, scale_inv.stride(0), scale_inv.stride(1), BM=cfg.block_m,
             BLOCK_2D=bool(block_2d), num_warps=cfg.num_warps)
     return y

@@ -13,18 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
-    MAX_NUMEL,
-    Config,
-    abs_bits,
-    max_into,
-    amax_from_buffer,
-    fp8_max,
-    grid_size,
-    new_amax_buffer,
-    saturating_cast,
-    scale_from_amax,
-)
+from ._common import (MAX_NUMEL, Config, abs_bits, amax_from_buffer, cdiv, fp8_max, grid_size, max_into,
+                      new_amax_buffer, saturating_cast, scale_from_amax)
 from .launch import launcher
 
 QUANTIZE_DEFAULT = Config(block=4096, num_warps=8)
@@ -139,7 +129,7 @@ def _quantize(x, scale, amax_buf, fp8_dtype, fmax, cfg: Config, current=NO_CURRE
     y = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     n = x.numel()
     if n or scale_inv is not None:  # (current scaling: an empty x still gets its scale, 1)
-        _quantize_kernel[(grid_size(triton.cdiv(n, cfg.block), cfg),)](
+        _quantize_kernel[(grid_size(cdiv(n, cfg.block), cfg),)](
             x, y, scale, amax_buf, n, fmax, scale if scale_inv is None else scale_inv, eps,
             BLOCK=cfg.block, STORE=True, CLAMP=not cfg.hw_saturate, FROM_AMAX=scale_inv is not None, POW2=pow2,
             num_warps=cfg.num_warps)
@@ -153,7 +143,7 @@ def _cast_transpose(x, scale, amax_buf, fp8_dtype, fmax, cfg: Config, current=NO
     y = torch.empty((M, N), dtype=fp8_dtype, device=x.device)
     yt = torch.empty((N, M), dtype=fp8_dtype, device=x.device)
     if x.numel() or scale_inv is not None:
-        n_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+        n_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
         _cast_transpose_kernel[(grid_size(n_tiles, cfg),)](
             x, y, yt, scale, amax_buf, M, N, fmax, scale if scale_inv is None else scale_inv, eps,
             BM=cfg.block_m, BN=cfg.block_n, CLAMP=transpose_clamps(cfg, x), FROM_AMAX=scale_inv is not None,
@@ -178,7 +168,7 @@ def amax(x: torch.Tensor, cfg: Config = QUANTIZE_DEFAULT, *, amax_out: Optional[
     buf = new_amax_buffer(x.device, amax_out)
     n = x.numel()
     if n:
-        _quantize_kernel[(grid_size(triton.cdiv(n, cfg.block), cfg),)](
+        _quantize_kernel[(grid_size(cdiv(n, cfg.block), cfg),)](
             x, x, buf, buf, n, 1.0, buf, 0.0, BLOCK=cfg.block, STORE=False, CLAMP=True, FROM_AMAX=False,
             POW2=False, num_warps=cfg.num_warps)
     return amax_from_buffer(buf, amax_out)
@@ -247,7 +237,7 @@ def dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch
     y = torch.empty(data.shape, dtype=out_dtype, device=data.device)
     n = data.numel()
     if n:
-        _dequantize_kernel[(grid_size(triton.cdiv(n, cfg.block), cfg),)](data, scale_inv, y, n, BLOCK=cfg.block,
+        _dequantize_kernel[(grid_size(cdiv(n, cfg.block), cfg),)](data, scale_inv, y, n, BLOCK=cfg.block,
                                                                           num_warps=cfg.num_warps)
     return y
 
@@ -278,7 +268,7 @@ def transpose_fp8(data: torch.Tensor, cfg: Config = TRANSPOSE_DEFAULT) -> torch.
     M, N = data.shape
     out = torch.empty((N, M), dtype=data.dtype, device=data.device)
     if data.numel():
-        grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+        grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n),)
         _transpose_kernel[grid](data.view(torch.uint8), out.view(torch.uint8), M, N,
                                 BM=cfg.block_m, BN=cfg.block_n, num_warps=cfg.num_warps)
     return out

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MAX_NUMEL, Config, abs_bits, amax_from_buffer, descriptor, fp8_max, launched, \
-    max_into, new_amax_buffer, saturating_cast, tma_ready
+from ._common import (MAX_NUMEL, Config, abs_bits, amax_from_buffer, cdiv, descriptor, fp8_max, launched, max_into,
+                      new_amax_buffer, saturating_cast, tma_ready)
 from .activation import ELEMENTWISE_DEFAULT, KIND_IDS, _check, _dact, activation_bwd
 from .cast import _cast_transpose_tile, _check_input, transpose_clamps
 from .launch import launcher
@@ -89,7 +89,7 @@ ONE_GROUP_NUMEL = 1 << 18
 def _groups(M: int, strips: int, cfg: Config) -> int:
     """Row groups per column strip: enough programs to fill the GPU (cfg.max_programs), no more;
     one for a small gradient (ONE_GROUP_NUMEL)."""
-    row_tiles = triton.cdiv(M, cfg.block_m)
+    row_tiles = cdiv(M, cfg.block_m)
     if M * strips * cfg.block_n <= ONE_GROUP_NUMEL:
         return 1
     return max(1, min(row_tiles, cfg.max_programs // strips)) if cfg.max_programs > 0 else row_tiles
@@ -112,7 +112,7 @@ def _dbias_cast_transpose(g, x, kind, scale, fp8_dtype, cfg: Config, amax_out, p
     if partial is None:
         starts = [min(sum(widths[:i]), N) for i in (1, 2)]  # where blocks 1 and 2 begin (N: no such block)
         blocks += [blocks[-1]] * (3 - len(blocks))
-        n_tn = triton.cdiv(N, cfg.block_n)
+        n_tn = cdiv(N, cfg.block_n)
         groups = _groups(M, n_tn, cfg)
         summed = groups == 1 and M > 0
         partial = torch.empty((groups, N), dtype=src.dtype if summed else torch.float32, device=src.device)
@@ -171,7 +171,7 @@ def _tma_launch(blocks, x, y, yt, scale, amax_buf, fmax, kind, cfg: Config):
     if not tma_ready(y, yt, *blocks, *(() if x is None else (x,))):
         return None
     M, N = y.shape
-    groups = [_groups(M, triton.cdiv(b.shape[1], bn), cfg) for b in blocks]
+    groups = [_groups(M, cdiv(b.shape[1], bn), cfg) for b in blocks]
     # a block with fewer groups than the buffer's rows leaves the rest of its columns alone
     alloc = torch.empty if len(set(groups)) == 1 else torch.zeros
     partial = alloc((max(groups), N), dtype=torch.float32, device=y.device)
@@ -180,7 +180,7 @@ def _tma_launch(blocks, x, y, yt, scale, amax_buf, fmax, kind, cfg: Config):
     for g, block_groups in zip(blocks, groups):
         width = g.shape[1]
         g_desc = descriptor(g, (bm, bn))
-        if not launched(_dbias_ct_tma_kernel, (block_groups * triton.cdiv(width, bn),),
+        if not launched(_dbias_ct_tma_kernel, (block_groups * cdiv(width, bn),),
                         g_desc, g_desc if x is None else descriptor(x, (bm, bn)), y_desc, yt_desc, scale, amax_buf,
                         partial, M, N, col0, width, fmax, block_groups, ACT=x is not None, KIND=KIND_IDS.get(kind, 0),
                         BM=bm, BN=bn, CLAMP=transpose_clamps(cfg, g), STAGES=cfg.tma_stages,

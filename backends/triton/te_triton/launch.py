@@ -34,6 +34,7 @@ except ImportError:  # pragma: no cover - triton before 3.4 keeps its hooks else
     _knobs = None
 
 _I32_MIN, _I32_END = -(2**31), 2**31
+_Tensor = torch.Tensor
 _LAUNCH_CALL = "kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata,"
 
 
@@ -96,18 +97,21 @@ class Launcher:
         """(device, specialization, launch options), or None for an argument it has no rule for.
         One loop without calls but data_ptr(): this runs on every launch."""
         spec = []
+        append = spec.append
         for value, constexpr in zip(values, self._constexpr):
-            if constexpr or value is None or value.__class__ is bool:
-                spec.append(value)
-            elif isinstance(value, torch.Tensor):
-                spec.append((value.dtype, value.data_ptr() % 16 == 0))
-            elif value.__class__ is int:
-                spec.append((value == 1, value % 16 == 0, _I32_MIN <= value < _I32_END, value >= 2**63))
-            elif value.__class__ is float:
-                spec.append(float)
+            cls = value.__class__
+            if constexpr or value is None or cls is bool:
+                append(value)
+            elif cls is _Tensor or isinstance(value, _Tensor):
+                append((value.dtype, value.data_ptr() % 16 == 0))
+            elif cls is int:
+                append((value == 1, value % 16 == 0, _I32_MIN <= value < _I32_END, value >= 2**63))
+            elif cls is float:
+                append(float)
             else:
                 return None
-        options = tuple(item for item in kwargs.items() if item[0] not in self._params)
+        params = self._params
+        options = tuple([item for item in kwargs.items() if item[0] not in params]) if kwargs else ()
         return device, tuple(spec), options
 
     def launch(self, grid, *args, **kwargs):
@@ -140,11 +144,19 @@ class Launcher:
             grid = grid(dict(zip(self._names, values)))
         n = len(grid)
         hooks = _knobs.runtime
-        enter = hooks.launch_enter_hook  # None: launch_metadata would return None (triton 3.6), skip the call
-        metadata = None if enter is None else compiled.launch_metadata(grid, stream, *values)
+        enter, exit_hook = _active(hooks.launch_enter_hook), _active(hooks.launch_exit_hook)
+        # the metadata is only for the hooks: without any, neither it nor empty hook calls
+        metadata = None if enter is None and exit_hook is None else compiled.launch_metadata(grid, stream, *values)
         compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
-                     compiled.packed_metadata, metadata, enter, hooks.launch_exit_hook, *values)
+                     compiled.packed_metadata, metadata, enter, exit_hook, *values)
         return compiled
+
+
+def _active(hook):
+    """A launch hook, or None where there is none to call: since triton 3.5 the knob is a chain
+    of hooks that is never None itself, and the compiled launcher calls whatever it is given."""
+    calls = getattr(hook, "calls", None)
+    return None if hook is None or (calls is not None and not calls) else hook
 
 
 _DRIVER = []

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MAX_NUMEL, Config
+from ._common import MAX_NUMEL, Config, next_power_of_2
 from .launch import launcher
 
 LOSS_DEFAULT = Config(block=4096, num_warps=8)
@@ -67,7 +67,7 @@ class _CrossEntropy(torch.autograd.Function):
         lse = torch.empty(N, dtype=torch.float32, device=logits.device)
         if N:
             _ce_fwd_kernel[(N,)](logits, target, loss, lse, V, ignore_index, float(smoothing),
-                                 BLOCK_V=min(cfg.block, triton.next_power_of_2(V)), num_warps=cfg.num_warps)
+                                 BLOCK_V=min(cfg.block, next_power_of_2(V)), num_warps=cfg.num_warps)
         valid = (target != ignore_index).sum()
         ctx.save_for_backward(logits, target, lse, valid)
         ctx.args = (ignore_index, float(smoothing), reduction, cfg)
@@ -88,7 +88,7 @@ class _CrossEntropy(torch.autograd.Function):
         dx = torch.empty_like(logits)
         if N:
             _ce_bwd_kernel[(N,)](logits, target, lse, g, dx, V, ignore_index, smoothing, 0 if g.numel() == 1 else 1,
-                                 BLOCK_V=min(cfg.block, triton.next_power_of_2(V)), num_warps=cfg.num_warps)
+                                 BLOCK_V=min(cfg.block, next_power_of_2(V)), num_warps=cfg.num_warps)
         return dx, None, None, None, None, None
 
 

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from . import norm_tma
-from ._common import (MAX_NUMEL, Config, abs_bits, amax_from_buffer, fp8_max, grid_size, max_into, new_amax_buffer,
-                      saturating_cast)
+from ._common import (MAX_NUMEL, Config, abs_bits, amax_from_buffer, cdiv, fp8_max, grid_size, max_into,
+                      new_amax_buffer, next_power_of_2, saturating_cast)
 from ._norm_math import backward_step, norm_params, row_statistics, scale_shift
 from .launch import launcher
 
@@ -159,14 +159,14 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, zero_centered_gamma=False, fp8_
         x.view(M, N), y.view(M, N), weight, bias, mean, rstd, scale, amax_buf, eps, fmax, rms=rms,
         zero_centered_gamma=zero_centered_gamma, cfg=cfg)
     if M and not tma:
-        block_n = triton.next_power_of_2(N)
+        block_n = next_power_of_2(N)
         rows = max(1, min(cfg.rows, MAX_TILE // block_n))
         chunk = min(cfg.amax_chunk, rows * block_n)
         if chunk:
             amax_mode = 2
         else:
             amax_mode = 1 if rows * block_n <= TILE_AMAX_ELEMENTS_PER_THREAD * 32 * cfg.num_warps else 0
-        _norm_fwd_kernel[(grid_size(triton.cdiv(M, rows), cfg),)](
+        _norm_fwd_kernel[(grid_size(cdiv(M, rows), cfg),)](
             x, weight, weight if bias is None else bias, y, rstd if mean is None else mean, rstd, scale, amax_buf,
             M, N, float(eps), fmax, BLOCK_N=block_n, ROWS=rows, RMS=rms,
             ZERO_CENTERED=bool(zero_centered_gamma), FP8_OUT=fp8_out, AMAX_MODE=amax_mode, CHUNK=max(chunk, 1),
@@ -203,7 +203,7 @@ def norm_bwd(dy, x, mean: Optional[torch.Tensor], rstd, weight, *, rms: bool, ze
     if M and not tma:
         _norm_bwd_kernel[(programs,)](
             dy, x, rstd if mean is None else mean, rstd, weight, dx, dw_part, dw_part if db_part is None else db_part,
-            x if add is None else add, M, N, BLOCK_N=triton.next_power_of_2(N), RMS=rms,
+            x if add is None else add, M, N, BLOCK_N=next_power_of_2(N), RMS=rms,
             ZERO_CENTERED=bool(zero_centered_gamma), ADD=add is not None, num_warps=cfg.num_warps)
     dweight = dw_part.sum(dim=0).to(weight.dtype)
     dbias = None if rms else db_part.sum(dim=0).to(weight.dtype)

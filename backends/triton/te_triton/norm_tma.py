@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Config, abs_bits, descriptor, grid_size, launched, max_into, saturating_cast, tma_ready
+from ._common import (Config, abs_bits, cdiv, descriptor, grid_size, launched, max_into, next_power_of_2,
+                      saturating_cast, tma_ready)
 from ._norm_math import backward_step, norm_params, row_statistics, scale_shift
 from .launch import launcher
 
@@ -82,11 +83,11 @@ def forward(x2, y2, weight, bias, mean, rstd, scale, amax_buf, eps, fmax, *, rms
     """Fills y2 (M, N FP8), mean (LayerNorm), rstd and the amax buffer from x2 (M, N). False
     (nothing written) when the tensors or config do not allow it: the caller runs norm.py's kernel."""
     M, N = x2.shape
-    block_n = triton.next_power_of_2(N)
+    block_n = next_power_of_2(N)
     rows = max(1, cfg.rows)
     if not _usable(cfg, rows * block_n, x2, y2):
         return False
-    return launched(_fwd_kernel, (grid_size(triton.cdiv(M, rows), cfg),),
+    return launched(_fwd_kernel, (grid_size(cdiv(M, rows), cfg),),
                    descriptor(x2, (rows, block_n)), descriptor(y2, (rows, block_n)), weight,
                    weight if bias is None else bias, rstd if mean is None else mean, rstd, scale, amax_buf, M, N,
                    float(eps), fmax, BLOCK_N=block_n, ROWS=rows, RMS=rms, ZERO_CENTERED=bool(zero_centered_gamma),
@@ -99,7 +100,7 @@ def backward(dy2, x2, mean, rstd, weight, dx, dw_part, db_part, add, *, rms: boo
     """Fills dx and the (programs, N) partial parameter gradients, programs = dw_part.shape[0].
     False (nothing written) as for forward."""
     M, N = x2.shape
-    block_n = triton.next_power_of_2(N)
+    block_n = next_power_of_2(N)
     if not _usable(cfg, block_n, dy2, x2):
         return False
     return launched(_bwd_kernel, (dw_part.shape[0],),

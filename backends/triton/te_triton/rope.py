@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MAX_NUMEL, Config, grid_size
+from ._common import MAX_NUMEL, Config, grid_size, next_power_of_2
 from .launch import launcher
 
 ROPE_DEFAULT = Config(num_warps=4, max_programs=0)
@@ -63,8 +63,8 @@ def _rope(x, freqs, tensor_format, interleaved, sign, cfg):
     P = S * B
     if x.numel():
         _rope_kernel[(grid_size(P, cfg),)](x, f, y, P, S, B, H, D, R, float(sign), SBHD=tensor_format == "sbhd",
-                                           INTERLEAVED=bool(interleaved), BH=triton.next_power_of_2(H),
-                                           BD=triton.next_power_of_2(D), num_warps=cfg.num_warps)
+                                           INTERLEAVED=bool(interleaved), BH=next_power_of_2(H),
+                                           BD=next_power_of_2(D), num_warps=cfg.num_warps)
     return y
 
 

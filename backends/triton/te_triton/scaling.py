@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Config
+from ._common import Config, cdiv, next_power_of_2
 from .launch import launcher
 
 SCALING_DEFAULT = Config(block_m=8, block_n=128, num_warps=4)
@@ -168,13 +168,13 @@ def delayed_scaling_update(amax_histories: List[torch.Tensor], scales: List[torc
         return
     _, _, table, fmaxes, max_cols, max_len = plan(amax_histories, scales, fp8_maxes, amax_histories[0].device, place)
     most_recent = amax_compute_algo == "most_recent"
-    block_l = triton.next_power_of_2(max_len)
-    block_n = min(triton.next_power_of_2(max_cols), TILE_COLUMNS)
+    block_l = next_power_of_2(max_len)
+    block_n = min(next_power_of_2(max_cols), TILE_COLUMNS)
     if block_l * block_n <= TILE_ELEMENTS:
-        grid = (len(amax_histories), triton.cdiv(max_cols, block_n))
+        grid = (len(amax_histories), cdiv(max_cols, block_n))
         _delayed_update_tile_kernel[grid](table, fmaxes, float(2.0 ** margin), MOST_RECENT=most_recent,
                                           BL=block_l, BN=block_n, num_warps=4 if block_l * block_n <= 4096 else 8)
         return
-    grid = (len(amax_histories), triton.cdiv(max_cols, cfg.block_n))
+    grid = (len(amax_histories), cdiv(max_cols, cfg.block_n))
     _delayed_update_kernel[grid](table, fmaxes, float(2.0 ** margin), MOST_RECENT=most_recent,
                                  BR=cfg.block_m, BN=cfg.block_n, num_warps=cfg.num_warps)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MAX_NUMEL, Config, grid_size
+from ._common import MAX_NUMEL, Config, grid_size, next_power_of_2
 from .launch import launcher
 
 SOFTMAX_DEFAULT = Config(num_warps=4, max_programs=0)
@@ -81,7 +81,7 @@ def softmax_fwd(x, scale: float, *, mask: Optional[torch.Tensor] = None, causal:
     if R:
         _softmax_fwd_kernel[(grid_size(R, cfg),)](
             x, y, y if mask is None else mask, R, h, sq, sk, float(scale), *strides,
-            BLOCK_N=triton.next_power_of_2(sk), HAS_MASK=mask is not None, CAUSAL=bool(causal), num_warps=cfg.num_warps)
+            BLOCK_N=next_power_of_2(sk), HAS_MASK=mask is not None, CAUSAL=bool(causal), num_warps=cfg.num_warps)
     return y
 
 
@@ -94,5 +94,5 @@ def softmax_bwd(dy, y, scale: float, cfg: Config = SOFTMAX_DEFAULT):
     R = dy.numel() // max(dy.shape[-1], 1)
     if R:
         _softmax_bwd_kernel[(grid_size(R, cfg),)](dy, y, dx, R, dy.shape[-1], float(scale),
-                                                  BLOCK_N=triton.next_power_of_2(dy.shape[-1]), num_warps=cfg.num_warps)
+                                                  BLOCK_N=next_power_of_2(dy.shape[-1]), num_warps=cfg.num_warps)
     return dx

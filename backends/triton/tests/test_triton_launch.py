@@ -66,15 +66,29 @@ def test_second_launch_of_a_specialization_goes_direct_with_bound_arguments(kern
     x2, y2 = torch.randn(32), torch.empty(32)
     k[(5, 2)](x2, y2, 32, 2.0, BLOCK=128, num_warps=4)  # other tensors and values, same specialization
     assert [k for k in _kinds(raw) if k != "metadata"] == ["triton", "direct"]
-    # grid padded to 3-D, the stream, the compiled function and metadata, no launch metadata,
-    # Triton's hooks, then every parameter in order with its default filled in
+    # grid padded to 3-D, the stream, the compiled function and metadata, then (no hook is set)
+    # no launch metadata and no hooks, then every parameter in order with its default filled in
     direct = [entry for entry in raw.log if entry[0] == "direct"]
     assert direct[0][1][:6] == (5, 2, 1, STREAM, "fn", "meta")
-    hooks = launch._knobs.runtime
-    metadata = None if hooks.launch_enter_hook is None else "launch-metadata"  # as Triton: none without a hook
-    direct = [entry for entry in raw.log if entry[0] == "direct"]
-    assert direct[0][1][6:9] == (metadata, hooks.launch_enter_hook, hooks.launch_exit_hook)
+    assert direct[0][1][6:9] == (None, None, None)
+    assert ("metadata", (5, 2), STREAM) not in raw.log
     assert direct[0][1][9:] == (x2, y2, 32, 2.0, 128, True)
+
+
+@pytest.mark.skipif(not hasattr(launch._knobs.runtime.launch_enter_hook, "calls"), reason="triton before hook chains")
+def test_a_hook_chain_is_passed_only_when_it_holds_a_hook(kernel, monkeypatch):
+    """Since triton 3.5 the hook knobs are chains, never None: an empty chain is passed as None
+    (nothing to call, no launch metadata to make), one holding a hook as it is."""
+    raw, k = kernel
+    chain = type(launch._knobs.runtime.launch_enter_hook)()
+    monkeypatch.setattr(launch._knobs.runtime, "launch_enter_hook", chain)
+    for _ in range(2):
+        k[(1,)](torch.randn(4), torch.empty(4), 4, 1.0, BLOCK=16)
+    seen = []
+    chain.add(seen.append)
+    k[(1,)](torch.randn(4), torch.empty(4), 4, 1.0, BLOCK=16)
+    direct = [entry for entry in raw.log if entry[0] == "direct"]
+    assert [entry[1][6:8] for entry in direct] == [(None, None), ("launch-metadata", chain)]
 
 
 @pytest.mark.parametrize("change", ["misaligned", "dtype", "int_divisible", "int_one", "int64", "constexpr",

@@ -7,8 +7,7 @@ import dataclasses
 import functools
 
 import torch
-import triton
-from te_triton import norm
+from te_triton import next_power_of_2, norm
 
 from .. import configs
 from .checks import OK, all_ok, first_failure, fp8_amax_out_ok, fp8_out_ok, tensor_ok
@@ -31,7 +30,7 @@ def _norm_bwd_cfg(x, rms: bool):
     n = x.shape[-1]
     cfg = t.rmsnorm_bwd_long_rows if rms and n > 4096 else t.norm_bwd
     cfg = tma_or(x, cfg, t.norm_bwd_tma_long_rows if n > 4096 else t.norm_bwd_tma)
-    return _with_warps(cfg, min(32, max(cfg.num_warps, triton.next_power_of_2(n) // 1024)))
+    return _with_warps(cfg, min(32, max(cfg.num_warps, next_power_of_2(n) // 1024)))
 
 
 @functools.lru_cache(maxsize=None)
