@@ -55,9 +55,9 @@ class Config:
 
 
 def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) on the host. triton.cdiv and triton.next_power_of_2 are constexpr functions
-    since triton 3.5, whose calls from Python cost microseconds each: on an eager FP8 step's
-    launch path, plain integer arithmetic instead."""
+    """ceil(a / b) on the host. In recent Triton releases triton.cdiv and triton.next_power_of_2
+    are constexpr functions, whose calls from Python cost microseconds each: on an eager FP8
+    step's launch path, plain integer arithmetic instead."""
     return -(-a // b)
 
 

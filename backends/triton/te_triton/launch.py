@@ -153,8 +153,8 @@ class Launcher:
 
 
 def _active(hook):
-    """A launch hook, or None where there is none to call: since triton 3.5 the knob is a chain
-    of hooks that is never None itself, and the compiled launcher calls whatever it is given."""
+    """A launch hook, or None where there is none to call: in recent Triton releases the knob is a
+    chain of hooks that is never None itself, and the compiled launcher calls whatever it is given."""
     calls = getattr(hook, "calls", None)
     return None if hook is None or (calls is not None and not calls) else hook
 

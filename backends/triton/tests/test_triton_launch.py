@@ -77,7 +77,7 @@ def test_second_launch_of_a_specialization_goes_direct_with_bound_arguments(kern
 
 @pytest.mark.skipif(not hasattr(launch._knobs.runtime.launch_enter_hook, "calls"), reason="triton before hook chains")
 def test_a_hook_chain_is_passed_only_when_it_holds_a_hook(kernel, monkeypatch):
-    """Since triton 3.5 the hook knobs are chains, never None: an empty chain is passed as None
+    """Recent Triton's hook knobs are chains, never None: an empty chain is passed as None
     (nothing to call, no launch metadata to make), one holding a hook as it is."""
     raw, k = kernel
     chain = type(launch._knobs.runtime.launch_enter_hook)()
@@ -211,3 +211,18 @@ def test_malformed_calls_never_take_a_cached_kernel(kernel, call):
     else:
         k[(1,)](*good, BLOCK=16, n=8)
     assert _kinds(raw) == ["triton", "triton"]
+
+
+def test_host_grid_arithmetic_matches_tritons():
+    """te_triton's host cdiv and next_power_of_2 (plain integer arithmetic) give Triton's own
+    results, so every grid and block size is what it was with Triton's functions."""
+    import triton
+
+    from te_triton import cdiv, next_power_of_2
+
+    for a in [0, 1, 2, 15, 16, 17, 127, 128, 129, 4095, 4096, 4097, 2**31 - 1, 2**33 + 5]:
+        for b in (1, 2, 3, 16, 64, 128, 4096):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+        if a >= 1:
+            assert next_power_of_2(a) == triton.next_power_of_2(a), a
+    assert next_power_of_2(0) == 1  # (Triton's gives 0, which no block size may be)
