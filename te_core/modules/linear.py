@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from ..distributed import tensor_parallel
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_operand
 from ..quantization.roles import gemm_slots
+from ..quantization.tensor import QUANTIZED
 from ._base import QuantizedModule
 from ._delayed_wgrad import DelayedWgradMixin, WeightGradStore, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
@@ -39,6 +40,7 @@ class _Options(NamedTuple):
     fuse_wgrad_accumulation: bool
     grad_enabled: bool  # read outside the Function: inside forward, grad mode is always off
     wgrad_store: Optional[WeightGradStore] = None  # delay_wgrad_compute=True: wgrad left for backward_dw
+    save_original_input: bool = False  # keep the input as given; the backward casts it for the wgrad
 
 
 def _fprop(inp: Tensor, weight: Tensor, bias: Optional[Tensor], step, options: _Options,
@@ -67,11 +69,20 @@ class _LinearFunction(torch.autograd.Function):
         # weight_proxy: an FP8 primary weight's stand-in under torch.compile (_grad_proxy), given its gradient
         need_dgrad = options.grad_enabled and inp.requires_grad
         need_wgrad = options.grad_enabled and weight.requires_grad
-        y, x_wgrad, w_op = _fprop(inp, weight, bias, step, options, need_dgrad, need_wgrad)
+        original = need_wgrad and options.save_original_input
+        if original and not step.reproducible("input"):
+            raise ValueError(
+                "Linear: save_original_input=True does not work with DelayedScaling (nor does it in Transformer "
+                "Engine): the backward would cast the saved input with a scale updated since the forward. Use "
+                "Float8CurrentScaling, Float8BlockScaling or MXFP8BlockScaling, or save_original_input=False")
+        y, x_wgrad, w_op = _fprop(inp, weight, bias, step, options, need_dgrad, need_wgrad and not original)
+        if original:  # the input as given (a view of it): the backward casts it for the wgrad
+            x_wgrad = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
         # Backward reads only column-wise copies: x's for wgrad (or x in high precision, per the
         # recipe), the weight's for dgrad (a cached weight keeps both layouts in the module's
         # cache; saving the twin costs nothing extra).
         save_holding_quantized(ctx, (x_wgrad, keep_columnwise(w_op) if need_dgrad else None))
+        ctx.original = original
         ctx.step, ctx.options, ctx.weight = step, options, weight
         ctx.inp_shape, ctx.inp_dtype = inp.shape, inp.dtype
         ctx.need_dgrad, ctx.need_wgrad = need_dgrad, need_wgrad
@@ -96,6 +107,8 @@ class _LinearFunction(torch.autograd.Function):
         if ctx.need_wgrad:
             fused = weight if ctx.options.fuse_wgrad_accumulation else None
             store = ctx.options.wgrad_store
+            if ctx.original:  # save_original_input: the input's wgrad operand, cast now
+                x_wgrad = _wgrad_input(step, x_wgrad, ctx.options.compute_dtype, now=store is None)
             if store is None:  # the GEMM runs now, reading dy_op's column-wise copy in place
                 dw = weight_grad(wgrad_operand(dy_op, dy, now=True), x_wgrad, weight.dtype, fused, "Linear")
             else:  # left for backward_dw, keeping only what it reads
@@ -106,6 +119,13 @@ class _LinearFunction(torch.autograd.Function):
         if dbias is not None:
             dbias = dbias.to(ctx.bias_dtype)
         return dx, dw, dbias, None, None, None, (dw if ctx.proxied else None)
+
+
+def _wgrad_input(step, x2d: Tensor, dtype: torch.dtype, *, now: bool):
+    """What the wgrad GEMM reads of an input kept as given (save_original_input): cast by the
+    step as the forward would have cast it, or the input in the compute dtype."""
+    op = step.wgrad_input("input", x2d)
+    return wgrad_operand(op, x2d, dtype, now=now) if isinstance(op, QUANTIZED) else op.to(dtype)
 
 
 def _split_output(y: Tensor, inp: Tensor, split_sizes) -> tuple:
@@ -121,6 +141,10 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
     With fuse_wgrad_accumulation=True the weight gradient is added into `weight.main_grad`
     (which you allocate) and weight.grad stays None. With delay_wgrad_compute=True the backward
     leaves the weight gradient to `module.backward_dw()` (see te_core/modules/_delayed_wgrad.py).
+    With save_original_input=True the backward keeps the input as given, not its FP8 column-wise
+    copy, and casts it for the wgrad GEMM then: less memory where the input is kept anyway (by
+    another module), the same gradients. Not with DelayedScaling (a ValueError), whose scale
+    changes between the forward and the backward.
 
     Tensor parallelism (Transformer Engine's arguments, see te_core.distributed.tensor_parallel):
     parallel_mode="column" splits out_features over the tp_size ranks of tp_group, "row" splits
@@ -148,10 +172,13 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
         tp_size: int = 1,
         get_rng_state_tracker=None,
         rng_tracker_name: Optional[str] = None,
+        save_original_input: bool = False,
         **unsupported,
     ):
         parameters_split = unsupported.pop("parameters_split", None)
         reject_unsupported("Linear", **unsupported)
+        if not isinstance(save_original_input, bool):
+            raise TypeError(f"Linear: save_original_input must be True or False, got {save_original_input!r}")
         check_positive(in_features, name="in_features", module="Linear")
         check_positive(out_features, name="out_features", module="Linear")
         super().__init__(gemm_slots(), device=device, params_dtype=params_dtype)
@@ -166,6 +193,7 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
         self.in_features, self.out_features = in_features, out_features
         self.return_bias, self.use_bias = return_bias, bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.save_original_input = save_original_input  # read at each forward: may be set later (Megatron-LM does)
         self.name = name
         self._create_parameters(init_method or _default_init)
         self.apply_parameters_split(parameters_split, "Linear")
@@ -204,7 +232,7 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
         if self.parallel_mode == "column":  # under sequence parallelism, FP8 all-gather where the recipe allows
             inp = tensor_parallel.column_parallel_input(self, inp, step)
         options = _Options(compute_dtype(inp), self.fuse_wgrad_accumulation, torch.is_grad_enabled(),
-                           self.delayed_wgrad_store())
+                           self.delayed_wgrad_store(), self._keeps_original_input())
         fused_bias = None if self.return_bias or reduce_output else bias
         with no_torch_autocast(inp.device.type):  # operands are cast here, not by torch.autocast
             if options.grad_enabled and (inp.requires_grad or weight.requires_grad
@@ -219,6 +247,16 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
         if self.return_bias:
             return out, bias
         return out
+
+    def _keeps_original_input(self) -> bool:
+        if not getattr(self, "save_original_input", False):
+            return False
+        if self.sequence_parallel and self.parallel_mode == "column":
+            raise NotImplementedError(
+                "Linear: save_original_input=True with sequence_parallel=True and parallel_mode='column' is not "
+                "supported (the GEMM's input is all-gathered, so the original is only this rank's shard); set "
+                "save_original_input=False")
+        return True
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}"

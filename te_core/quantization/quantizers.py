@@ -71,6 +71,11 @@ class Quantizer:
     # instead (gemm.wgrad_operand). The state holding the quantizer sets it from its recipe.
     wgrad_in_fp8: bool = True
 
+    # Whether quantizing the same tensor again later gives the same result: true where the scale
+    # comes from the tensor itself. A module's backward may then cast its saved high-precision
+    # input instead of keeping the forward's FP8 copy (save_original_input).
+    reproducible: bool = True
+
     def quantize(self, x: Tensor, *, columnwise: bool = False) -> QuantizedTensor:
         raise NotImplementedError
 
@@ -108,6 +113,8 @@ class Quantizer:
 
 class Float8Quantizer(Quantizer):
     """Delayed scaling: casts with the scale of earlier steps, records this step's amax."""
+
+    reproducible = False  # the scale is updated between the forward and its backward
 
     def __init__(self, role: Role, group: ScalingGroup, column: int):
         super().__init__(role, group.fp8_dtype)

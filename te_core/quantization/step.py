@@ -48,6 +48,15 @@ class HighPrecisionStep:
         dy = joined(dy)
         return dy, (ops.dbias(dy) if with_dbias else None)
 
+    def reproducible(self, slot: str) -> bool:
+        """Whether wgrad_input can cast the slot's tensor again in the backward."""
+        return True
+
+    def wgrad_input(self, slot: str, x: Tensor) -> Tensor:
+        """The wgrad GEMM's operand for an input the forward kept in high precision
+        (save_original_input), cast now: high precision passes it through."""
+        return x
+
     def fused_cast_args(self, slot: str) -> Optional[dict]:
         return None
 
@@ -169,6 +178,18 @@ class QuantizationStep(CalibrationStep):
         else:
             self._weight_cache[slot] = result
         return result
+
+    def reproducible(self, slot):
+        return self._state.quantizer(slot).reproducible
+
+    def wgrad_input(self, slot, x):
+        # The forward recorded nothing for this cast's sake and a reproducible quantizer has no
+        # state to update: the cast alone, column-wise where the wgrad runs in FP8.
+        quantizer = self._state.quantizer(slot)
+        if not quantizer.reproducible:
+            raise RuntimeError(f"wgrad_input: the {slot!r} quantizer ({type(quantizer).__name__}) cannot cast the "
+                               "saved input again; check reproducible() in the forward")
+        return quantizer.quantize(x, columnwise=quantizer.wgrad_in_fp8) if quantizer.wgrad_in_fp8 else x
 
     def grad_operand(self, slot, dy, *, columnwise=False, with_dbias=False):
         quantizer = self._state.quantizer(slot)

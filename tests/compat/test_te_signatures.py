@@ -37,6 +37,7 @@ IMPLEMENTED = {
         "parameters_split": MODULES + "test_parameters_split.py",
         **TENSOR_PARALLEL, "rng_tracker_name": DIST + "test_rng_tracker.py",
         "delay_wgrad_compute": MODULES + "test_delay_wgrad.py",
+        "save_original_input": MODULES + "test_save_original_input.py",
     },
     ("Linear", "forward"): {"is_first_microbatch": MODULES + "test_fp8_modules.py"},
     ("LayerNormLinear", "__init__"): {
