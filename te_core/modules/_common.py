@@ -32,7 +32,7 @@ _NOT_IMPLEMENTED = {
         "seq_length": (None,), "micro_batch_size": (None,),
     },
     "parameter and weight-gradient layouts": {
-        "save_original_input": (False,), "single_grouped_weight": (False,), "single_grouped_bias": (False,),
+        "single_grouped_weight": (False,), "single_grouped_bias": (False,),
         "use_grouped_tensor": (None, False), "checkpoint": (False,),
     },
     "FP8 tensors passed between modules": {"fp8_output": (False,), "fp8_grad": (False,), "out": (None,),

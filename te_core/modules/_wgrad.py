@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..quantization.gemm import wgrad_gemm
+from ..quantization.gemm import wgrad_gemm, wgrad_operand
+from ..quantization.tensor import QUANTIZED
 
 
 def weight_grad(dy_op, x_op, out_dtype: torch.dtype, fused_weight: Optional[Tensor], module: str) -> Optional[Tensor]:
@@ -30,3 +31,21 @@ def weight_grad(dy_op, x_op, out_dtype: torch.dtype, fused_weight: Optional[Tens
                            f"({tuple(fused_weight.shape)} on {fused_weight.device})")
     wgrad_gemm(dy_op, x_op, out_dtype=main_grad.dtype, out=main_grad, accumulate=True)
     return None
+
+
+def check_original_input(step, slot: str, module: str) -> None:
+    """save_original_input=True needs a quantizer that casts the kept input in the backward as
+    the forward would have: not delayed scaling's, whose scale is updated in between."""
+    if not step.reproducible(slot):
+        raise ValueError(
+            f"{module}: save_original_input=True does not work with DelayedScaling (nor does it in Transformer "
+            "Engine): the backward would cast the saved input with a scale updated since the forward. Use "
+            "Float8CurrentScaling, Float8BlockScaling or MXFP8BlockScaling, or save_original_input=False")
+
+
+def original_input_operand(step, slot: str, x2d: Tensor, dtype: torch.dtype, *, now: bool):
+    """What the wgrad GEMM reads of an input kept as given (save_original_input): cast by the
+    step as the forward would have cast it, or the input in the compute dtype. `now`: the GEMM
+    runs at once (see gemm.wgrad_operand)."""
+    op = step.wgrad_input(slot, x2d)
+    return wgrad_operand(op, x2d, dtype, now=now) if isinstance(op, QUANTIZED) else op.to(dtype)

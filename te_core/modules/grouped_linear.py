@@ -14,7 +14,7 @@ from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_o
 from ._base import QuantizedModule
 from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
-from ._wgrad import weight_grad
+from ._wgrad import check_original_input, original_input_operand, weight_grad
 from ._saved import restore_held, save_holding_quantized
 from ._common import (
     check_fp8_gemms,
@@ -35,7 +35,7 @@ def _slot(i: int, role: str) -> str:
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, m_splits, step, num_gemms, fuse_wgrad, wgrad_store, proxied, *params):
+    def forward(ctx, x, m_splits, step, num_gemms, fuse_wgrad, wgrad_store, proxied, keep_original, *params):
         # params: the weights, the biases, then the stand-ins (_grad_proxy) of the FP8 primary
         # weights numbered in `proxied` under torch.compile, which are given those weights' gradients
         weights, biases = params[:num_gemms], params[num_gemms:len(params) - len(proxied)]
@@ -46,13 +46,17 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 outs.append(xi.new_empty(0, w.shape[0]))
                 saved += [xi, w]
                 continue
-            x_q = step.operand(_slot(i, "input"), xi, columnwise=w.requires_grad)
+            original = keep_original and w.requires_grad  # save_original_input: the backward casts xi
+            if original:
+                check_original_input(step, _slot(i, "input"), "GroupedLinear")
+            x_q = step.operand(_slot(i, "input"), xi, columnwise=w.requires_grad and not original)
             w_q = step.weight_operand(_slot(i, "weight"), hp_weight(step, w, x.dtype), columnwise=x.requires_grad)
             outs.append(fprop_gemm(x_q, w_q, out_dtype=x.dtype, bias=biases[i] if biases else None))
             # wgrad reads x's column-wise copy (or x in high precision, per the recipe), dgrad the weight's
-            saved += [wgrad_operand(x_q, xi) if w.requires_grad else None,
+            saved += [xi if original else wgrad_operand(x_q, xi) if w.requires_grad else None,
                       keep_columnwise(w_q) if x.requires_grad else None]
         save_holding_quantized(ctx, saved)
+        ctx.keep_original = keep_original
         ctx.step, ctx.m_splits, ctx.num_gemms = step, m_splits, num_gemms
         ctx.weight_meta = [(w.shape, w.dtype) for w in weights]
         ctx.fused_weights = weights if fuse_wgrad else (None,) * num_gemms  # their main_grad takes the wgrad
@@ -83,18 +87,21 @@ class _GroupedLinearFunction(torch.autograd.Function):
                                          with_dbias=bool(ctx.bias_dtypes))
             if ctx.needs_dx:
                 dxs.append(dgrad_gemm(dy_q, w_q, out_dtype=ctx.x_dtype))
+            if ctx.keep_original and x_w is not None:
+                x_w = original_input_operand(step, _slot(i, "input"), x_w, ctx.x_dtype, now=ctx.wgrad_store is None)
             dws.append(None if x_w is None else weight_grad_or_defer(batch, f"weight{i}", partial(
                 weight_grad, wgrad_operand(dy_q, dyi), x_w, w_dtype, ctx.fused_weights[i], "GroupedLinear")))
             dbs.append(None if db is None else db.to(ctx.bias_dtypes[i]))
         step.backward_done()
         dx = torch.cat(dxs, dim=0) if ctx.needs_dx else None
-        return (dx, None, None, None, None, None, None, *dws, *(dbs if ctx.bias_dtypes else ()),
+        return (dx, None, None, None, None, None, None, None, *dws, *(dbs if ctx.bias_dtypes else ()),
                 *(dws[i] for i in ctx.proxied))
 
 
 class GroupedLinear(DelayedWgradMixin, QuantizedModule):
     """Rows m_splits[0], m_splits[1], ... of the input go through weight0, weight1, ...;
-    parameters weight{i} (out_features, in_features) and bias{i}, as in Transformer Engine."""
+    parameters weight{i} (out_features, in_features) and bias{i}, as in Transformer Engine.
+    save_original_input=True: as te.Linear's (the backward casts the kept input rows)."""
 
     _routes_fp8_weight_grads = True
 
@@ -110,10 +117,13 @@ class GroupedLinear(DelayedWgradMixin, QuantizedModule):
         return_bias: bool = False,
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
+        save_original_input: bool = False,
         **kwargs,
     ):
         name = "GroupedLinear"
         reject_unsupported(name, **kwargs)
+        if not isinstance(save_original_input, bool):
+            raise TypeError(f"{name}: save_original_input must be True or False, got {save_original_input!r}")
         check_positive(num_gemms, name="num_gemms", module=name)
         slots = tuple(s for i in range(num_gemms) for s in gemm_slots(f"gemm{i}_"))
         super().__init__(slots, device=device, params_dtype=params_dtype)
@@ -130,6 +140,7 @@ class GroupedLinear(DelayedWgradMixin, QuantizedModule):
             self.register_parameter(f"weight{i}", primary_weight(self, f"gemm{i}_weight", weight))
             self.register_parameter(f"bias{i}", nn.Parameter(torch.zeros(out_features, **factory)) if bias else None)
         self.init_delayed_wgrad(delay_wgrad_compute, name)
+        self.save_original_input = save_original_input  # read at each forward: may be set later (Megatron-LM does)
 
     def _params(self, prefix: str) -> List[Tensor]:
         return [getattr(self, f"{prefix}{i}") for i in range(self.num_gemms)]
@@ -157,8 +168,9 @@ class GroupedLinear(DelayedWgradMixin, QuantizedModule):
             proxies = tuple(named[i] for i in proxied)
         with no_torch_autocast(inp.device.type):
             y = _GroupedLinearFunction.apply(x, m_splits, step, self.num_gemms, self.fuse_wgrad_accumulation,
-                                             self.delayed_wgrad_store(), proxied, *self._params("weight"), *biases,
-                                             *proxies)
+                                             self.delayed_wgrad_store(), proxied,
+                                             bool(getattr(self, "save_original_input", False)),
+                                             *self._params("weight"), *biases, *proxies)
         y = y.view(*inp.shape[:-1], self.out_features)
         if self.return_bias:
             return y, self._params("bias") if self.use_bias else None

@@ -15,13 +15,12 @@ from torch import Tensor, nn
 from ..distributed import tensor_parallel
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_operand
 from ..quantization.roles import gemm_slots
-from ..quantization.tensor import QUANTIZED
 from ._base import QuantizedModule
 from ._delayed_wgrad import DelayedWgradMixin, WeightGradStore, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
 from ._param_split import ParameterSplitMixin
 from ._saved import restore_held, save_holding_quantized
-from ._wgrad import weight_grad
+from ._wgrad import check_original_input, original_input_operand, weight_grad
 from ._common import (
     check_input,
     check_positive,
@@ -70,11 +69,8 @@ class _LinearFunction(torch.autograd.Function):
         need_dgrad = options.grad_enabled and inp.requires_grad
         need_wgrad = options.grad_enabled and weight.requires_grad
         original = need_wgrad and options.save_original_input
-        if original and not step.reproducible("input"):
-            raise ValueError(
-                "Linear: save_original_input=True does not work with DelayedScaling (nor does it in Transformer "
-                "Engine): the backward would cast the saved input with a scale updated since the forward. Use "
-                "Float8CurrentScaling, Float8BlockScaling or MXFP8BlockScaling, or save_original_input=False")
+        if original:
+            check_original_input(step, "input", "Linear")
         y, x_wgrad, w_op = _fprop(inp, weight, bias, step, options, need_dgrad, need_wgrad and not original)
         if original:  # the input as given (a view of it): the backward casts it for the wgrad
             x_wgrad = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
@@ -108,7 +104,7 @@ class _LinearFunction(torch.autograd.Function):
             fused = weight if ctx.options.fuse_wgrad_accumulation else None
             store = ctx.options.wgrad_store
             if ctx.original:  # save_original_input: the input's wgrad operand, cast now
-                x_wgrad = _wgrad_input(step, x_wgrad, ctx.options.compute_dtype, now=store is None)
+                x_wgrad = original_input_operand(step, "input", x_wgrad, ctx.options.compute_dtype, now=store is None)
             if store is None:  # the GEMM runs now, reading dy_op's column-wise copy in place
                 dw = weight_grad(wgrad_operand(dy_op, dy, now=True), x_wgrad, weight.dtype, fused, "Linear")
             else:  # left for backward_dw, keeping only what it reads
@@ -119,13 +115,6 @@ class _LinearFunction(torch.autograd.Function):
         if dbias is not None:
             dbias = dbias.to(ctx.bias_dtype)
         return dx, dw, dbias, None, None, None, (dw if ctx.proxied else None)
-
-
-def _wgrad_input(step, x2d: Tensor, dtype: torch.dtype, *, now: bool):
-    """What the wgrad GEMM reads of an input kept as given (save_original_input): cast by the
-    step as the forward would have cast it, or the input in the compute dtype."""
-    op = step.wgrad_input("input", x2d)
-    return wgrad_operand(op, x2d, dtype, now=now) if isinstance(op, QUANTIZED) else op.to(dtype)
 
 
 def _split_output(y: Tensor, inp: Tensor, split_sizes) -> tuple:

@@ -67,6 +67,7 @@ IMPLEMENTED = {
         "bias": COMPAT, "init_method": COMPAT, "return_bias": COMPAT, "params_dtype": COMPAT, "device": COMPAT,
         "parallel_mode": COMPAT, "fuse_wgrad_accumulation": MODULES + "test_fuse_wgrad.py",
         "delay_wgrad_compute": MODULES + "test_delay_wgrad.py",
+        "save_original_input": MODULES + "test_save_original_input.py",
     },
     ("GroupedLinear", "forward"): {"is_first_microbatch": COMPAT},
     ("LayerNorm", "__init__"): {

@@ -1,5 +1,6 @@
-"""te.Linear(save_original_input=True): the backward keeps the input as given (no FP8 copy of it)
-and casts it for the weight-gradient GEMM then, with the same results as the default."""
+"""save_original_input=True on te.Linear and te.GroupedLinear: the backward keeps the input as
+given (no FP8 copy of it) and casts it for the weight-gradient GEMM then, with the same results
+as the default."""
 import pytest
 import torch
 
@@ -150,3 +151,54 @@ def test_compiled_equals_eager(name):
     compiled(b, xb).backward(dy)
     assert torch.equal(xa.grad, xb.grad) and torch.equal(a.weight.grad, b.weight.grad)
     assert torch.equal(a.bias.grad, b.bias.grad)
+
+
+def _grouped_pair(seed=6, **kwargs):
+    torch.manual_seed(seed)
+    a = te.GroupedLinear(3, 64, 96, params_dtype=torch.bfloat16, **kwargs)
+    b = te.GroupedLinear(3, 64, 96, params_dtype=torch.bfloat16, save_original_input=True, **kwargs)
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def _grouped_step(module, x, dy, m_splits, rcp):
+    x = x.detach().requires_grad_(True)
+    with te.autocast(enabled=rcp is not None, recipe=rcp):
+        y = module(x, m_splits)
+    y.backward(dy)
+    grads = [getattr(module, f"weight{i}").grad for i in range(3)] + [getattr(module, f"bias{i}").grad for i in range(3)]
+    return [y, x.grad, *grads]
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_grouped_linear_same_outputs_and_gradients_as_the_default(name):
+    """An expert with no tokens included: its weight gradient is zero either way."""
+    make = RECIPES[name]
+    a, b = _grouped_pair()
+    m_splits = [64, 0, 32]
+    x = torch.randn(96, 64, dtype=torch.bfloat16)
+    dy = torch.randn(96, 96, dtype=torch.bfloat16)
+    got = _grouped_step(b, x, dy, m_splits, make() if make else None)
+    want = _grouped_step(a, x, dy, m_splits, make() if make else None)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_grouped_linear_keeps_the_input_and_refuses_delayed_scaling():
+    _, b = _grouped_pair()
+    x = torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=True)
+    packed = []
+
+    def pack(t):
+        packed.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with te.autocast(recipe=recipe.Float8CurrentScaling()):
+            b(x, [32, 32, 0])
+    assert any(t.data_ptr() == x.data_ptr() for t in packed)  # the first expert's rows: x itself
+    with pytest.raises(ValueError, match="GroupedLinear: save_original_input=True does not work with DelayedScaling"):
+        with te.autocast(recipe=recipe.DelayedScaling()):
+            b(x, [32, 32, 0])
+    with pytest.raises(TypeError, match="save_original_input must be True or False"):
+        te.GroupedLinear(2, 64, 64, save_original_input=1)
