@@ -20,9 +20,41 @@ from ._common import (
 )
 from ..distributed import tensor_parallel
 from .attention import PADDED_FORMATS, DotProductAttention
+from .layernorm import LayerNorm, RMSNorm
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 from .rope import apply_rotary_pos_emb
+
+QK_NORM_TYPES = (None, "L2Normalization", "RMSNorm", "LayerNorm")
+
+
+class L2Normalization(torch.nn.Module):
+    """y = x / sqrt(sum(x^2) + eps) over the last dimension, computed in float32 (Transformer
+    Engine's parameter-free QK normalization)."""
+
+    def __init__(self, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.square().sum(dim=-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}"
+
+
+def _qk_norms(qk_norm_type, eps: float, head_dim: int, params_dtype, device, module: str):
+    """(q_norm, k_norm) over each head's features, as Transformer Engine names them: one shared
+    L2Normalization, or an RMSNorm / LayerNorm of its own each; (None, None) without."""
+    check_choice(qk_norm_type, QK_NORM_TYPES, name="qk_norm_type", module=module)
+    if qk_norm_type is None:
+        return None, None
+    if qk_norm_type == "L2Normalization":
+        norm = L2Normalization(eps)
+        return norm, norm
+    cls = RMSNorm if qk_norm_type == "RMSNorm" else LayerNorm
+    return tuple(cls(head_dim, eps=eps, params_dtype=params_dtype, device=device) for _ in range(2))
 
 
 class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
@@ -75,6 +107,9 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         sequence_parallel: bool = False,
         get_rng_state_tracker=None,
         set_parallel_mode: bool = False,
+        qk_norm_type: Optional[str] = None,
+        qk_norm_eps: float = 1e-6,
+        qk_norm_before_rope: bool = False,
         **kwargs,
     ):
         super().__init__()
@@ -122,6 +157,15 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
             bottom_right_diagonal=bottom_right_diagonal, layer_number=layer_number, attention_type=attention_type)
         # fmt: on
         self.proj = Linear(q_size, hidden_size, init_method=output_layer_init_method, **row, **common)
+        # QK normalization (Transformer Engine's qk_norm_*): on each head's q and k, after the rotary
+        # embedding (before it with qk_norm_before_rope), in high precision
+        if self.tp_size > 1 and qk_norm_type in ("RMSNorm", "LayerNorm"):
+            raise NotImplementedError(
+                f"{module}: qk_norm_type={qk_norm_type!r} with tp_size > 1 is not supported: the norms' weights are "
+                "shared by heads split over the ranks, so their gradients would need a sum over the tensor-parallel "
+                "group; use qk_norm_type='L2Normalization' (no weights) or tp_size=1")
+        self.q_norm, self.k_norm = _qk_norms(qk_norm_type, qk_norm_eps, kv_channels, params_dtype, device, module)
+        self.qk_norm_before_rope = bool(qk_norm_before_rope)
         # Transformer Engine's checkpoints name separate q, k, v weights (its default); load them too
         self.register_load_state_dict_pre_hook(load_split_qkv_names)
 
@@ -186,12 +230,16 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         if self.input_layernorm and self.return_layernorm_output:
             projected, ln_out = projected
         q, k, v = self._split_heads(projected, encoder_output, is_first_microbatch)
+        if self.q_norm is not None and self.qk_norm_before_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rotary_pos_emb is not None:
             q_freqs, k_freqs = (
                 rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list)) else (rotary_pos_emb, rotary_pos_emb)
             )
             q = apply_rotary_pos_emb(q, q_freqs, tensor_format=self.qkv_format, interleaved=self.rotary_pos_interleaved)
             k = apply_rotary_pos_emb(k, k_freqs, tensor_format=self.qkv_format, interleaved=self.rotary_pos_interleaved)
+        if self.q_norm is not None and not self.qk_norm_before_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
         with self.tracker_fork(self.training and self.core_attention.attention_dropout > 0):
             context = self.core_attention(
                 q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type, window_size=window_size,

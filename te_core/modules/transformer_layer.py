@@ -74,6 +74,9 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         sequence_parallel: bool = False,
         get_rng_state_tracker=None,
         set_parallel_mode: bool = False,
+        qk_norm_type: Optional[str] = None,
+        qk_norm_eps: float = 1e-6,
+        qk_norm_before_rope: bool = False,
         **kwargs,
     ):
         """The ub_overlap_* / ub_bulk_* flags only choose overlaps inside userbuffers
@@ -116,7 +119,8 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
                          fuse_qkv_params=fuse_qkv_params, qkv_weight_interleaved=qkv_weight_interleaved,
                          rotary_pos_interleaved=rotary_pos_interleaved,
                          return_layernorm_output=apply_residual_connection_post_layernorm,
-                         layernorm_epsilon=layernorm_epsilon, **common)
+                         layernorm_epsilon=layernorm_epsilon, qk_norm_type=qk_norm_type, qk_norm_eps=qk_norm_eps,
+                         qk_norm_before_rope=qk_norm_before_rope, **common)
         self.self_attention = MultiheadAttention(hidden_size, num_attention_heads, attn_mask_type=self_attn_mask_type,
                                                  window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
                                                  attention_type="self", **attention)

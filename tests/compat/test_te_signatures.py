@@ -93,6 +93,7 @@ IMPLEMENTED = {
         "max_seqlen_q": ATTN, "max_seqlen_kv": ATTN,
     },
     ("MultiheadAttention", "__init__"): {
+        "qk_norm_type": ATTN, "qk_norm_eps": ATTN, "qk_norm_before_rope": ATTN,
         "kv_channels": ATTN, "attention_dropout": ATTN, "layernorm_epsilon": ATTN, "init_method": ATTN,
         "output_layer_init_method": ATTN, "layer_number": COMPAT, "attn_mask_type": ATTN, "window_size": ATTN,
         "bottom_right_diagonal": ATTN, "num_gqa_groups": ATTN, "params_dtype": ATTN,
@@ -109,6 +110,7 @@ IMPLEMENTED = {
         "cu_seqlens_kv": ATTN, "max_seqlen_q": ATTN, "max_seqlen_kv": ATTN,
     },
     ("TransformerLayer", "__init__"): {
+        "qk_norm_type": ATTN, "qk_norm_eps": ATTN, "qk_norm_before_rope": ATTN,
         "num_gqa_groups": MODULES + "test_transformer_layer.py", "layernorm_epsilon": ATTN,
         "hidden_dropout": MODULES + "test_transformer_layer.py", "attention_dropout": ATTN, "init_method": ATTN,
         "output_layer_init_method": ATTN, "layer_number": COMPAT, "kv_channels": ATTN,

@@ -48,6 +48,14 @@ def test_sequence_parallel_needs_sbhd():
         MultiheadAttention(64, 4, tp_size=2, set_parallel_mode=True, sequence_parallel=True, qkv_format="bshd")
 
 
+@pytest.mark.parametrize("kind", ["RMSNorm", "LayerNorm"])
+def test_tp_refuses_qk_norms_with_weights(kind):
+    """Their weights are shared by heads split over the ranks: refused rather than left to diverge."""
+    with pytest.raises(NotImplementedError, match="gradients would need a sum over the tensor-parallel group"):
+        MultiheadAttention(64, 4, tp_size=2, set_parallel_mode=True, qk_norm_type=kind)
+    assert MultiheadAttention(64, 4, tp_size=2, set_parallel_mode=True, qk_norm_type="L2Normalization").q_norm
+
+
 def test_tp_without_group_names_the_fix():
     mha = MultiheadAttention(64, 4, tp_size=2, set_parallel_mode=True)
     with pytest.raises(RuntimeError, match="set_tensor_parallel_group"):

@@ -337,9 +337,22 @@ def test_causal_window_with_a_right_extent_warns_as_transformer_engine():
 
 # ---- MultiheadAttention and TransformerLayer hand every attention argument to the core
 
-def mha64(mha, x, freqs=None, rope_interleaved=False, **ref_kw):
+def qk_norm64(kind, norm, t, eps):
+    """Transformer Engine's QK normalization of t over its last dimension, in float64."""
+    t = t.double()
+    if kind == "L2Normalization":
+        return t / torch.sqrt(t.square().sum(-1, keepdim=True) + eps)
+    if kind == "RMSNorm":
+        return t / torch.sqrt(t.square().mean(-1, keepdim=True) + eps) * norm.weight.double()
+    centered = t - t.mean(-1, keepdim=True)
+    return centered / torch.sqrt(centered.square().mean(-1, keepdim=True) + eps) * norm.weight.double() \
+        + norm.bias.double()
+
+
+def mha64(mha, x, freqs=None, rope_interleaved=False, qk_norm=None, **ref_kw):
     """A self-attention MultiheadAttention (no input norm) computed from its parameters in
-    float64, with Transformer Engine's two fused-QKV layouts. x is (s, b, hidden)."""
+    float64, with Transformer Engine's two fused-QKV layouts. x is (s, b, hidden). qk_norm:
+    (kind, eps, before_rope) of the block's QK normalization."""
     h, g, d = mha.num_attention_heads, mha.num_gqa_groups, mha.kv_channels
     s, b, _ = x.shape
     qkv = x.double() @ mha.qkv.weight.double().T + mha.qkv.bias.double()
@@ -348,8 +361,13 @@ def mha64(mha, x, freqs=None, rope_interleaved=False, **ref_kw):
     else:
         q, k, v = qkv.split([h * d, g * d, g * d], dim=-1)
     q, k, v = q.reshape(s, b, h, d), k.reshape(s, b, g, d), v.reshape(s, b, g, d)
+    kind, eps, before = qk_norm or (None, None, None)
+    if kind is not None and before:
+        q, k = qk_norm64(kind, mha.q_norm, q, eps), qk_norm64(kind, mha.k_norm, k, eps)
     if freqs is not None:
         q, k = (tm.apply_rotary_pos_emb(t, freqs, interleaved=rope_interleaved) for t in (q, k))
+    if kind is not None and not before:
+        q, k = qk_norm64(kind, mha.q_norm, q, eps), qk_norm64(kind, mha.k_norm, k, eps)
     out = te_attention64(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), d ** -0.5, **ref_kw)
     out = out.permute(2, 0, 1, 3).reshape(s, b, h * d)
     return out @ mha.proj.weight.double().T + mha.proj.bias.double()
@@ -392,6 +410,52 @@ def test_multihead_attention_bias_padding_rope_and_checkpoint():
                  bias_type="post_scale_bias", bias=bias)
     torch.testing.assert_close(got.double(), want, rtol=1.3e-6, atol=1e-5)
     assert not torch.allclose(got, mha(x, attention_mask=pad, rotary_pos_emb=freqs))  # the bias is not ignored
+
+
+@pytest.mark.parametrize("kind", ["L2Normalization", "RMSNorm", "LayerNorm"])
+@pytest.mark.parametrize("before_rope", [False, True])
+def test_multihead_attention_qk_norm(kind, before_rope):
+    """QK normalization (Transformer Engine's qk_norm_type): outputs and the norms' parameter
+    gradients match a float64 computation; before and after the rotary embedding differ (but
+    for L2 normalization)."""
+    mha = _mha(attn_mask_type="causal", qk_norm_type=kind, qk_norm_eps=1e-5, qk_norm_before_rope=before_rope)
+    if kind != "L2Normalization":
+        with torch.no_grad():
+            for p in (*mha.q_norm.parameters(), *mha.k_norm.parameters()):
+                p.add_(torch.randn(p.shape, generator=seeded(11)) * 0.3)
+    else:
+        assert mha.q_norm is mha.k_norm and not list(mha.q_norm.parameters())
+    x = torch.randn(6, 2, 32, generator=seeded(12))
+    freqs = tm.RotaryPositionEmbedding(8)(6)
+    got = mha(x, rotary_pos_emb=freqs)
+    want = mha64(mha, x, freqs, qk_norm=(kind, 1e-5, before_rope), mask_type="causal")
+    torch.testing.assert_close(got.double(), want, rtol=1.3e-6, atol=1e-5)
+    if kind != "L2Normalization":  # (a rotation keeps a vector's L2 norm: there the order cannot matter)
+        other = mha64(mha, x, freqs, qk_norm=(kind, 1e-5, not before_rope), mask_type="causal")
+        assert not torch.allclose(want, other)  # the order relative to the rotary embedding matters
+    if kind != "L2Normalization":
+        dy = torch.randn(got.shape, generator=seeded(13))
+        got.backward(dy)
+        norms = (mha.q_norm, mha.k_norm)
+        grads = [p.grad.clone() for n in norms for p in n.parameters()]
+        for n in norms:
+            for p in n.parameters():
+                p.grad = None
+        want.backward(dy.double())  # mha64 reads the same parameters, through float64 copies
+        for g, n_p in zip(grads, [p for n in norms for p in n.parameters()]):
+            assert g.abs().sum() > 0
+            torch.testing.assert_close(g, n_p.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_qk_norm_names_and_errors():
+    layer = tm.TransformerLayer(32, 64, 4, layer_type="decoder", qk_norm_type="LayerNorm", qk_norm_eps=1e-4,
+                                qk_norm_before_rope=True, hidden_dropout=0.0, attention_dropout=0.0)
+    names = set(layer.state_dict())
+    for block in ("self_attention", "inter_attention"):  # as Transformer Engine: both attention blocks
+        assert {f"{block}.q_norm.weight", f"{block}.q_norm.bias", f"{block}.k_norm.weight"} <= names
+        assert getattr(layer, block).q_norm.eps == 1e-4 and getattr(layer, block).qk_norm_before_rope
+    with pytest.raises(ValueError, match="qk_norm_type"):
+        tm.MultiheadAttention(32, 4, qk_norm_type="rms")
 
 
 def test_multihead_attention_constructor_options_reach_their_parts(module_backend):
