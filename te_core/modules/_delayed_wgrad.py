@@ -22,6 +22,8 @@ from typing import Callable, Deque, Dict, List, Optional
 import torch
 from torch import Tensor
 
+from ._wgrad import main_grad_placeholder
+
 WgradWork = Callable[[], Optional[Tensor]]  # the weight gradient, or None once added into main_grad
 
 
@@ -53,11 +55,15 @@ def new_batch(store: Optional[WeightGradStore]) -> Optional[Dict[str, WgradWork]
     return None if store is None else store.new_batch()
 
 
-def weight_grad_or_defer(batch: Optional[Dict[str, WgradWork]], name: str, work: WgradWork) -> Optional[Tensor]:
+def weight_grad_or_defer(batch: Optional[Dict[str, WgradWork]], name: str, work: WgradWork,
+                         fused_weight: Optional[Tensor] = None) -> Optional[Tensor]:
     """`work()` now (batch None: the immediate path), or recorded in the backward's batch under
-    the parameter `name` for backward_dw, returning None for autograd."""
+    the parameter `name` for backward_dw, returning None for autograd. `fused_weight`: the
+    weight whose main_grad the work adds into, for the gradient autograd then gets on the
+    immediate path (_wgrad.main_grad_placeholder)."""
     if batch is None:
-        return work()
+        grad = work()
+        return main_grad_placeholder(fused_weight) if grad is None and fused_weight is not None else grad
     batch[name] = work
     return None
 

@@ -33,6 +33,24 @@ def weight_grad(dy_op, x_op, out_dtype: torch.dtype, fused_weight: Optional[Tens
     return None
 
 
+def main_grad_placeholder(weight: Tensor) -> Optional[Tensor]:
+    """The gradient autograd gets for a weight whose wgrad went into main_grad: None, except for
+    a weight that carries `grad_added_to_main_grad` (Megatron-LM's data-parallel wrapper sets it
+    to False each step). Then, as Transformer Engine does, the flag is set and a placeholder of
+    the weight's shape is returned, so that the wrapper's hook on the weight's gradient still
+    runs (it marks the weight's bucket ready for its all-reduce, and asserts a gradient under
+    overlap_grad_reduce) and, seeing the flag, does not add the placeholder into main_grad. The
+    placeholder is zeros where the weight asks for it (`zero_out_wgrad`, whose hook adds it) and
+    under torch.compile, where the flag cannot be set at run time (the hook then adds zeros)."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    compiled = torch.compiler.is_compiling()
+    if not compiled:
+        weight.grad_added_to_main_grad = True
+    make = torch.zeros if compiled or getattr(weight, "zero_out_wgrad", False) else torch.empty
+    return make(weight.shape, dtype=weight.dtype, device=weight.device)
+
+
 def check_original_input(step, slot: str, module: str) -> None:
     """save_original_input=True needs a quantizer that casts the kept input in the backward as
     the forward would have: not delayed scaling's, whose scale is updated in between."""

@@ -14,7 +14,7 @@ from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_o
 from ._base import QuantizedModule
 from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
-from ._wgrad import check_original_input, original_input_operand, weight_grad
+from ._wgrad import check_original_input, main_grad_placeholder, original_input_operand, weight_grad
 from ._saved import restore_held, save_holding_quantized
 from ._common import (
     check_fp8_gemms,
@@ -77,9 +77,12 @@ class _GroupedLinearFunction(torch.autograd.Function):
             if dyi.shape[0] == 0:
                 dxs.append(dyi.new_zeros(0, shape[1]))
                 # no tokens: a zero gradient, or nothing to add into main_grad
-                fused = ctx.fused_weights[i] is not None
-                dws.append(None if fused else weight_grad_or_defer(batch, f"weight{i}", partial(
-                    torch.zeros, shape, dtype=w_dtype, device=dy.device)))
+                fused = ctx.fused_weights[i]
+                if fused is not None:
+                    dws.append(main_grad_placeholder(fused) if batch is None else None)
+                else:
+                    dws.append(weight_grad_or_defer(batch, f"weight{i}", partial(
+                        torch.zeros, shape, dtype=w_dtype, device=dy.device)))
                 dbs.append(torch.zeros(shape[0], dtype=w_dtype, device=dy.device) if ctx.bias_dtypes else None)
                 continue
             dyi = dyi.contiguous()
@@ -90,7 +93,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
             if ctx.keep_original and x_w is not None:
                 x_w = original_input_operand(step, _slot(i, "input"), x_w, ctx.x_dtype, now=ctx.wgrad_store is None)
             dws.append(None if x_w is None else weight_grad_or_defer(batch, f"weight{i}", partial(
-                weight_grad, wgrad_operand(dy_q, dyi), x_w, w_dtype, ctx.fused_weights[i], "GroupedLinear")))
+                weight_grad, wgrad_operand(dy_q, dyi), x_w, w_dtype, ctx.fused_weights[i], "GroupedLinear"),
+                ctx.fused_weights[i]))
             dbs.append(None if db is None else db.to(ctx.bias_dtypes[i]))
         step.backward_done()
         dx = torch.cat(dxs, dim=0) if ctx.needs_dx else None

@@ -207,7 +207,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         dy_q, dbias = step.grad_operand("grad_output", dy, columnwise=needs_dw, with_dbias=ctx.bias_dtype is not None)
         dw = weight_grad_or_defer(new_batch(ctx.wgrad_store), "weight", partial(
             weight_grad, wgrad_operand(dy_q, dy), ln_out_w, ctx.weight_dtype, ctx.fused_weight,
-            "LayerNormLinear")) if needs_dw else None
+            "LayerNormLinear"), ctx.fused_weight) if needs_dw else None
         d_ln = norm_input_grad(ctx, dy_q, w_q, d_ln_out, x.dtype)
         del dy_q  # freed before the norm backward allocates dx
         dx, d_ln_w, d_ln_b = norm_grads(ctx, d_ln, x, stats, ln_weight, d_res)

@@ -150,7 +150,8 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         fc1_fused, fc2_fused = ctx.fused_weights
         batch = new_batch(ctx.wgrad_store)
         d_fc2_w = weight_grad_or_defer(batch, "fc2_weight", partial(
-            weight_grad, dy_w, act_w, ctx.weight_dtypes[1], fc2_fused, "LayerNormMLP")) if needs_dw2 else None
+            weight_grad, dy_w, act_w, ctx.weight_dtypes[1], fc2_fused, "LayerNormMLP"),
+            fc2_fused) if needs_dw2 else None
         del act_w, dy_w
         d_act = dgrad_gemm(dy_q, fc2_w_q, out_dtype=x.dtype)
         del dy_q, fc2_w_q
@@ -160,7 +161,8 @@ class _LayerNormMLPFunction(torch.autograd.Function):
             step, "fc1_grad_output", d_act_and_h, ctx.activation, columnwise=needs_dw1, with_dbias=ctx.bias_dtypes[0]
         )
         d_fc1_w = weight_grad_or_defer(batch, "fc1_weight", partial(
-            weight_grad, dh_w, ln_out_w, ctx.weight_dtypes[0], fc1_fused, "LayerNormMLP")) if needs_dw1 else None
+            weight_grad, dh_w, ln_out_w, ctx.weight_dtypes[0], fc1_fused, "LayerNormMLP"),
+            fc1_fused) if needs_dw1 else None
         del ln_out_w, dh_w
         d_ln = norm_input_grad(ctx, dh_q, fc1_w_q, d_ln_out, x.dtype)
         del dh_q, fc1_w_q

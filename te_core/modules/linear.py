@@ -20,7 +20,7 @@ from ._delayed_wgrad import DelayedWgradMixin, WeightGradStore, weight_grad_or_d
 from ._grad_proxy import grad_proxies
 from ._param_split import ParameterSplitMixin
 from ._saved import restore_held, save_holding_quantized
-from ._wgrad import check_original_input, original_input_operand, weight_grad
+from ._wgrad import check_original_input, main_grad_placeholder, original_input_operand, weight_grad
 from ._common import (
     check_input,
     check_positive,
@@ -107,6 +107,8 @@ class _LinearFunction(torch.autograd.Function):
                 x_wgrad = original_input_operand(step, "input", x_wgrad, ctx.options.compute_dtype, now=store is None)
             if store is None:  # the GEMM runs now, reading dy_op's column-wise copy in place
                 dw = weight_grad(wgrad_operand(dy_op, dy, now=True), x_wgrad, weight.dtype, fused, "Linear")
+                if fused is not None:
+                    dw = main_grad_placeholder(fused)
             else:  # left for backward_dw, keeping only what it reads
                 dw = weight_grad_or_defer(store.new_batch(), "weight",
                                           partial(weight_grad, wgrad_operand(dy_op, dy), x_wgrad, weight.dtype, fused,

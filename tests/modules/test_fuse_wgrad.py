@@ -21,14 +21,20 @@ BUILD = {
 }
 
 
-@pytest.mark.parametrize("name", list(BUILD))
-def test_weight_gradients_accumulate_into_main_grad(name):
-    build, weights, run = BUILD[name]
+def _plain_and_fused(build):
+    """The module without and with fuse_wgrad_accumulation, same (randomized) parameters."""
     torch.manual_seed(0)
     plain = build()
     randomize_(plain, seed=3, std=0.2)
     fused = build(fuse_wgrad_accumulation=True)
     fused.load_state_dict(plain.state_dict())
+    return plain, fused
+
+
+@pytest.mark.parametrize("name", list(BUILD))
+def test_weight_gradients_accumulate_into_main_grad(name):
+    build, weights, run = BUILD[name]
+    plain, fused = _plain_and_fused(build)
     params = dict(fused.named_parameters())
     start = {w: torch.randn(params[w].shape) for w in weights}
     for w in weights:
@@ -106,3 +112,78 @@ def test_blocks_pass_fuse_wgrad_accumulation_to_every_weight(build):
             torch.testing.assert_close(params[n].main_grad, p_plain.grad, **FP32)
         else:
             torch.testing.assert_close(params[n].grad, p_plain.grad, **FP32)
+
+
+BUILD_WITH_LINEAR = {**BUILD, "Linear": (lambda **kw: tm.Linear(24, 40, **kw), ("weight",), lambda m, x: m(x))}
+
+
+def _megatron_style(module, weights, zero_out=False):
+    """What Megatron-LM's data-parallel wrapper does to each weight: main_grad, the
+    grad_added_to_main_grad flag (False each step), and a hook after the gradient's accumulation
+    that adds .grad into main_grad unless the flag says it is there already, then drops .grad."""
+    fired = []
+    params = dict(module.named_parameters())
+    for name in weights:
+        p = params[name]
+        p.main_grad = torch.zeros(p.shape)
+        p.grad_added_to_main_grad = False
+        if zero_out:
+            p.zero_out_wgrad = True
+
+        def hook(param, name=name):
+            fired.append(name)
+            assert param.grad is not None and param.grad.shape == param.shape
+            if not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False):
+                param.main_grad.add_(param.grad)
+            param.grad = None
+
+        p.register_post_accumulate_grad_hook(hook)
+    return params, fired
+
+
+@pytest.mark.parametrize("zero_out", [False, True])
+@pytest.mark.parametrize("name", list(BUILD_WITH_LINEAR))
+def test_megatron_grad_added_to_main_grad_protocol(name, zero_out):
+    """A weight carrying grad_added_to_main_grad gets the flag set and a placeholder gradient, as
+    Transformer Engine hands it: the wrapper's hook runs once per weight and step (an expert
+    without tokens included) and main_grad holds exactly the weight gradients."""
+    build, weights, run = BUILD_WITH_LINEAR[name]
+    plain, fused = _plain_and_fused(build)
+    params, fired = _megatron_style(fused, weights, zero_out)
+    want = {w: torch.zeros(params[w].shape) for w in weights}
+    plain_params = dict(plain.named_parameters())
+    for step in range(2):
+        for w in weights:
+            params[w].grad_added_to_main_grad = False  # reset each step by the wrapper
+        x = torch.randn(12, 24)
+        y_plain, y_fused = run(plain, x), run(fused, x)
+        dy = torch.randn(y_plain.shape)
+        y_plain.backward(dy)
+        y_fused.backward(dy)
+        for w in weights:
+            want[w] += plain_params[w].grad
+            plain_params[w].grad = None
+            assert params[w].grad_added_to_main_grad and params[w].grad is None
+        assert sorted(fired) == sorted(list(weights) * (step + 1))
+    for w in weights:
+        torch.testing.assert_close(params[w].main_grad, want[w], **FP32)
+
+
+def test_megatron_protocol_under_torch_compile():
+    """Compiled, the flag cannot be set at run time: the placeholder is zeros, which the hook
+    adds harmlessly."""
+    torch.manual_seed(1)
+    plain, fused = tm.Linear(24, 40), tm.Linear(24, 40, fuse_wgrad_accumulation=True)
+    fused.load_state_dict(plain.state_dict())
+    params, fired = _megatron_style(fused, ("weight",))
+    compiled = torch.compile(lambda x: fused(x), fullgraph=True)
+    want = torch.zeros(40, 24)
+    for _ in range(2):
+        params["weight"].grad_added_to_main_grad = False
+        x, dy = torch.randn(12, 24), torch.randn(12, 40)
+        plain(x).backward(dy)
+        compiled(x).backward(dy)
+        want += plain.weight.grad
+        plain.weight.grad = None
+    assert fired == ["weight", "weight"]
+    torch.testing.assert_close(params["weight"].main_grad, want, **FP32)
