@@ -95,6 +95,28 @@ def init_weight(module, init_method: Callable[[Tensor], None], weight: Tensor) -
         init_method(weight)
 
 
+def mark_model_parallel(module) -> None:
+    """Transformer Engine's tensor-parallel attributes on a GEMM module's parameters, set whatever
+    its parallel mode: on each weight `tensor_model_parallel` True, `partition_dim` 1 for a
+    row-parallel weight (split along its input features) and 0 otherwise, `partition_stride` 1;
+    on a column-parallel module's biases the same with dim 0. Megatron-LM reads them: a parameter
+    without them counts as a copy on every tensor-parallel rank but the first (so gradient norms
+    would leave out the other ranks' shards), and its checkpoints shard along partition_dim."""
+    row = module.parallel_mode == "row"
+    for name, param in module.named_parameters(recurse=False):
+        if name.startswith("layer_norm_"):
+            continue
+        if name.endswith("weight"):
+            model_parallel_attributes(param, 1 if row else 0)
+        elif name.endswith("bias") and module.parallel_mode == "column":
+            model_parallel_attributes(param, 0)
+
+
+def model_parallel_attributes(param: Tensor, dim: int) -> None:
+    """`param` is split along `dim` over the tensor-parallel ranks (see mark_model_parallel)."""
+    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
+
+
 def mark_sequence_parallel(module, params: Sequence[Optional[Tensor]]) -> None:
     """Parameters replicated on the ranks whose gradients, under sequence parallelism, each rank
     holds only in part (its sequence shard's share): `param.sequence_parallel` is True, as in

@@ -9,6 +9,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from ..distributed import tensor_parallel
 from ..quantization import gemm_slots
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_operand
 from ._base import QuantizedModule
@@ -143,6 +144,8 @@ class GroupedLinear(DelayedWgradMixin, QuantizedModule):
                 init(weight)
             self.register_parameter(f"weight{i}", primary_weight(self, f"gemm{i}_weight", weight))
             self.register_parameter(f"bias{i}", nn.Parameter(torch.zeros(out_features, **factory)) if bias else None)
+        for i in range(num_gemms):  # Transformer Engine's tensor-parallel attributes (no parallel mode: dim 0)
+            tensor_parallel.model_parallel_attributes(getattr(self, f"weight{i}"), 0)
         self.init_delayed_wgrad(delay_wgrad_compute, name)
         self.save_original_input = save_original_input  # read at each forward: may be set later (Megatron-LM does)
 

@@ -279,6 +279,7 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
         self.reset_parameters()
         self.weight = primary_weight(self, "weight", self.weight)
         self.apply_parameters_split(parameters_split, name)
+        tensor_parallel.mark_model_parallel(self)
         self.init_delayed_wgrad(delay_wgrad_compute, name)
 
     def reset_parameters(self) -> None:

@@ -244,6 +244,11 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
         self.reset_parameters()
         self.fc1_weight = primary_weight(self, "fc1_weight", self.fc1_weight)
         self.fc2_weight = primary_weight(self, "fc2_weight", self.fc2_weight)
+        # Transformer Engine's tensor-parallel attributes: fc1 splits its outputs, fc2 its inputs
+        tensor_parallel.model_parallel_attributes(self.fc1_weight, 0)
+        tensor_parallel.model_parallel_attributes(self.fc2_weight, 1)
+        if self.fc1_bias is not None:
+            tensor_parallel.model_parallel_attributes(self.fc1_bias, 0)
         self.init_delayed_wgrad(delay_wgrad_compute, name)
 
     def reset_parameters(self) -> None:

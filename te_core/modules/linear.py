@@ -188,6 +188,7 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
         self.name = name
         self._create_parameters(init_method or _default_init)
         self.apply_parameters_split(parameters_split, "Linear")
+        tensor_parallel.mark_model_parallel(self)
         self.init_delayed_wgrad(delay_wgrad_compute, "Linear")
         if parallel_mode == "row":
             tensor_parallel.mark_sequence_parallel(self, [self.bias])
