@@ -447,6 +447,17 @@ def test_multihead_attention_qk_norm(kind, before_rope):
             torch.testing.assert_close(g, n_p.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_multihead_attention_qk_norm_with_the_interleaved_qkv_layout():
+    """QK normalization reads each head whatever the fused QKV layout (TE's interleaved one here)."""
+    mha = _mha(attn_mask_type="causal", fuse_qkv_params=True, qkv_weight_interleaved=True, qk_norm_type="RMSNorm")
+    with torch.no_grad():
+        for p in (mha.q_norm.weight, mha.k_norm.weight):
+            p.add_(torch.randn(p.shape, generator=seeded(14)) * 0.3)
+    x = torch.randn(6, 2, 32, generator=seeded(15))
+    want = mha64(mha, x, qk_norm=("RMSNorm", 1e-6, False), mask_type="causal")
+    torch.testing.assert_close(mha(x).double(), want, rtol=1.3e-6, atol=1e-5)
+
+
 def test_qk_norm_names_and_errors():
     layer = tm.TransformerLayer(32, 64, 4, layer_type="decoder", qk_norm_type="LayerNorm", qk_norm_eps=1e-4,
                                 qk_norm_before_rope=True, hidden_dropout=0.0, attention_dropout=0.0)
