@@ -178,6 +178,12 @@ def is_gated(activation: str) -> bool:
     return activation in GATED_ACTIVATIONS
 
 
+def check_bool(value, *, name: str, module: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{module}: {name} must be True or False, got {value!r}")
+    return value
+
+
 def check_positive(value: int, *, name: str, module: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{module}: {name} must be a positive integer, got {value!r}")

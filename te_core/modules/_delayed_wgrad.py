@@ -22,6 +22,7 @@ from typing import Callable, Deque, Dict, List, Optional
 import torch
 from torch import Tensor
 
+from ._common import check_bool
 from ._wgrad import main_grad_placeholder
 
 WgradWork = Callable[[], Optional[Tensor]]  # the weight gradient, or None once added into main_grad
@@ -74,8 +75,7 @@ class DelayedWgradMixin:
 
     def init_delayed_wgrad(self, delay_wgrad_compute: bool, module: str) -> None:
         """Call after the parameters exist."""
-        if not isinstance(delay_wgrad_compute, bool):
-            raise TypeError(f"{module}: delay_wgrad_compute must be True or False, got {delay_wgrad_compute!r}")
+        check_bool(delay_wgrad_compute, name="delay_wgrad_compute", module=module)
         self.wgrad_store = WeightGradStore(module) if delay_wgrad_compute else None
         self.wgrad_accumulation_and_reduce_hooks: List[Callable[[], None]] = []
         if delay_wgrad_compute:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 from ..distributed import tensor_parallel
+from ._common import check_bool
 
 
 class TensorParallelContainer(tensor_parallel.TensorParallelMixin):
@@ -19,8 +20,7 @@ class TensorParallelContainer(tensor_parallel.TensorParallelMixin):
         tensor_parallel.init_tensor_parallel(
             self, name, tp_group=tp_group, tp_size=tp_size, parallel_mode=None, sequence_parallel=sequence_parallel,
             get_rng_state_tracker=get_rng_state_tracker, rng_tracker_name=None)
-        if not isinstance(set_parallel_mode, bool):
-            raise TypeError(f"{name}: set_parallel_mode must be True or False, got {set_parallel_mode!r}")
+        check_bool(set_parallel_mode, name="set_parallel_mode", module=name)
         if self.tp_size > 1 and not set_parallel_mode:
             raise ValueError(f"{name}: tp_size={self.tp_size} needs set_parallel_mode=True (the input projections "
                              "column-parallel, the output projections row-parallel), as in Transformer Engine")

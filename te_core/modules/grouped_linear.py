@@ -15,9 +15,10 @@ from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_o
 from ._base import QuantizedModule
 from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
-from ._wgrad import check_original_input, main_grad_placeholder, original_input_operand, weight_grad
+from ._wgrad import check_original_input, original_input_operand, weight_grad
 from ._saved import restore_held, save_holding_quantized
 from ._common import (
+    check_bool,
     check_fp8_gemms,
     check_input,
     check_positive,
@@ -28,6 +29,11 @@ from ._common import (
     primary_weight,
     reject_unsupported,
 )
+
+
+def _nothing() -> None:
+    """An expert without tokens adds nothing into its weight's main_grad."""
+    return None
 
 
 def _slot(i: int, role: str) -> str:
@@ -79,11 +85,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 dxs.append(dyi.new_zeros(0, shape[1]))
                 # no tokens: a zero gradient, or nothing to add into main_grad
                 fused = ctx.fused_weights[i]
-                if fused is not None:
-                    dws.append(main_grad_placeholder(fused) if batch is None else None)
-                else:
-                    dws.append(weight_grad_or_defer(batch, f"weight{i}", partial(
-                        torch.zeros, shape, dtype=w_dtype, device=dy.device)))
+                zero = _nothing if fused is not None else partial(torch.zeros, shape, dtype=w_dtype, device=dy.device)
+                dws.append(weight_grad_or_defer(batch, f"weight{i}", zero, fused))
                 dbs.append(torch.zeros(shape[0], dtype=w_dtype, device=dy.device) if ctx.bias_dtypes else None)
                 continue
             dyi = dyi.contiguous()
@@ -127,8 +130,7 @@ class GroupedLinear(DelayedWgradMixin, QuantizedModule):
     ):
         name = "GroupedLinear"
         reject_unsupported(name, **kwargs)
-        if not isinstance(save_original_input, bool):
-            raise TypeError(f"{name}: save_original_input must be True or False, got {save_original_input!r}")
+        check_bool(save_original_input, name="save_original_input", module=name)
         check_positive(num_gemms, name="num_gemms", module=name)
         slots = tuple(s for i in range(num_gemms) for s in gemm_slots(f"gemm{i}_"))
         super().__init__(slots, device=device, params_dtype=params_dtype)

@@ -16,12 +16,13 @@ from ..distributed import tensor_parallel
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_operand
 from ..quantization.roles import gemm_slots
 from ._base import QuantizedModule
-from ._delayed_wgrad import DelayedWgradMixin, WeightGradStore, weight_grad_or_defer
+from ._delayed_wgrad import DelayedWgradMixin, WeightGradStore, new_batch, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
 from ._param_split import ParameterSplitMixin
 from ._saved import restore_held, save_holding_quantized
-from ._wgrad import check_original_input, main_grad_placeholder, original_input_operand, weight_grad
+from ._wgrad import check_original_input, original_input_operand, weight_grad
 from ._common import (
+    check_bool,
     check_input,
     check_positive,
     check_split_sizes,
@@ -103,16 +104,13 @@ class _LinearFunction(torch.autograd.Function):
         if ctx.need_wgrad:
             fused = weight if ctx.options.fuse_wgrad_accumulation else None
             store = ctx.options.wgrad_store
+            # now: the GEMM runs at once, reading dy_op's column-wise copy in place; else it is left
+            # for backward_dw, keeping only what it reads
+            now = store is None
             if ctx.original:  # save_original_input: the input's wgrad operand, cast now
-                x_wgrad = original_input_operand(step, "input", x_wgrad, ctx.options.compute_dtype, now=store is None)
-            if store is None:  # the GEMM runs now, reading dy_op's column-wise copy in place
-                dw = weight_grad(wgrad_operand(dy_op, dy, now=True), x_wgrad, weight.dtype, fused, "Linear")
-                if fused is not None:
-                    dw = main_grad_placeholder(fused)
-            else:  # left for backward_dw, keeping only what it reads
-                dw = weight_grad_or_defer(store.new_batch(), "weight",
-                                          partial(weight_grad, wgrad_operand(dy_op, dy), x_wgrad, weight.dtype, fused,
-                                                  "Linear"))
+                x_wgrad = original_input_operand(step, "input", x_wgrad, ctx.options.compute_dtype, now=now)
+            dw = weight_grad_or_defer(new_batch(store), "weight", partial(
+                weight_grad, wgrad_operand(dy_op, dy, now=now), x_wgrad, weight.dtype, fused, "Linear"), fused)
         step.backward_done()
         if dbias is not None:
             dbias = dbias.to(ctx.bias_dtype)
@@ -168,8 +166,7 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
     ):
         parameters_split = unsupported.pop("parameters_split", None)
         reject_unsupported("Linear", **unsupported)
-        if not isinstance(save_original_input, bool):
-            raise TypeError(f"Linear: save_original_input must be True or False, got {save_original_input!r}")
+        check_bool(save_original_input, name="save_original_input", module="Linear")
         check_positive(in_features, name="in_features", module="Linear")
         check_positive(out_features, name="out_features", module="Linear")
         super().__init__(gemm_slots(), device=device, params_dtype=params_dtype)
