@@ -217,11 +217,12 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
                 raise NotImplementedError("Linear: split_sizes with parallel_mode='row' and tp_size > 1 is not "
                                           "supported; split the summed output yourself")
             split_sizes = check_split_sizes(split_sizes, self.out_features, "Linear")
+        keep_original = self._keeps_original_input()  # (refused before any all-gather where it cannot apply)
         step = self.quantization_step(is_first_microbatch)
         if self.parallel_mode == "column":  # under sequence parallelism, FP8 all-gather where the recipe allows
             inp = tensor_parallel.column_parallel_input(self, inp, step)
         options = _Options(compute_dtype(inp), self.fuse_wgrad_accumulation, torch.is_grad_enabled(),
-                           self.delayed_wgrad_store(), self._keeps_original_input())
+                           self.delayed_wgrad_store(), keep_original)
         fused_bias = None if self.return_bias or reduce_output else bias
         with no_torch_autocast(inp.device.type):  # operands are cast here, not by torch.autocast
             if options.grad_enabled and (inp.requires_grad or weight.requires_grad

@@ -126,6 +126,15 @@ def test_delayed_wgrad_and_fused_accumulation():
     assert torch.equal(a.weight.main_grad, b.weight.main_grad) and a.weight.main_grad.abs().sum() > 0
 
 
+def test_column_parallel_sequence_parallel_is_refused_before_the_gather():
+    """Under sequence parallelism a column-parallel GEMM's input is all-gathered: the original is
+    only this rank's shard, so the option is refused (before any collective runs)."""
+    module = te.Linear(64, 64, parallel_mode="column", tp_size=2, sequence_parallel=True, save_original_input=True)
+    x = torch.randn(32, 64, dtype=torch.float32, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="save_original_input=True with sequence_parallel=True"):
+        module(x)
+
+
 def test_bad_value_is_a_type_error():
     with pytest.raises(TypeError, match="save_original_input must be True or False"):
         te.Linear(64, 64, save_original_input="yes")
