@@ -40,9 +40,25 @@ def target_rows(results: dict) -> List[str]:
     return rows
 
 
+def _timed(cell: dict, key: str, base: Optional[float]) -> str:
+    """"1234 µs (1.50x)": the cell's time under `key` and its ratio over the baseline's, or "–"."""
+    value = _us(cell, key)
+    if value is None:
+        return "–"
+    return f"{value:.0f} µs" + (f" ({value / base:.2f}x)" if base else "")
+
+
 def _rounds(settings: dict) -> str:
     rounds = settings.get("rounds")
     return f", a shape's variants timed in {rounds} interleaved rounds, the median of each" if rounds else ""
+
+
+def _pinned(settings: dict) -> str:
+    cpu = settings.get("pinned_cpu")
+    if cpu is None:
+        return ""
+    return (f"; the last runs it on the device thread with both threads pinned to CPU {cpu} "
+            "(`te.pin_host_threads`)")
 
 
 def render(data: dict) -> str:
@@ -54,29 +70,33 @@ def render(data: dict) -> str:
              f"steps per timed run{_rounds(s)}). One forward+backward per step; the ratio in brackets is the step's time "
              f"over {BASELINE}'s (below {TARGET:g}: the target met), with the backward on "
              "autograd's device thread (torch's default); the next column runs it on the calling thread "
-             "(`torch.autograd.set_multithreading_enabled(False)`). Python calls under cProfile, backward on the "
+             f"(`torch.autograd.set_multithreading_enabled(False)`){_pinned(s)}. Python calls under cProfile, backward on the "
              "calling thread; \"te-core's\" counts te-core's and its backends' own functions.", ""]
     targets = target_rows(results)
     if targets:
         lines += ["| Target | Measured | Verdict |", "| --- | --- | --- |", *targets, ""]
-    lines += ["| Shape | Variant | Wall time per step | Backward on the calling thread | torch ops | Kernel launches "
-              "| Python calls (te-core's) | te-core's share of Python time |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    pinned = any("us_pinned" in (cell or {}) for cells in results.values() for cell in cells.values())
+    extra = ["Threads pinned to one CPU"] if pinned else []
+    lines += ["| Shape | Variant | Wall time per step | Backward on the calling thread | " + "".join(
+              f"{name} | " for name in extra) + "torch ops | Kernel launches | Python calls (te-core's) | "
+              "te-core's share of Python time |", "| --- " * (8 + len(extra)) + "|"]
     for shape, cells in results.items():
         base, base_calling = _us(cells.get(BASELINE)), _us(cells.get(BASELINE), "us_calling_thread")
+        base_pinned = _us(cells.get(BASELINE), "us_pinned")
         for variant in VARIANTS:
             cell = cells.get(variant)
             if cell is None:
                 continue
             if "error" in cell:
-                lines.append(f"| {shape} | {variant} | {notes.add(f'{shape} {variant}', cell['error'])} | | | | | |")
+                lines.append(f"| {shape} | {variant} | {notes.add(f'{shape} {variant}', cell['error'])} |"
+                             + " |" * (7 + len(extra)))
                 continue
-            us, calling = _us(cell), _us(cell, "us_calling_thread")
+            us = _us(cell)
             ratio = f" ({us / base:.2f}x)" if us and base else ""
-            calling_ratio = f" ({calling / base_calling:.2f}x)" if calling and base_calling else ""
             share = cell.get("own_python_share")
+            more = _timed(cell, "us_pinned", base_pinned) + " | " if pinned else ""
             lines.append(f"| {shape} | {variant} | {_count(us)} µs{ratio} | "
-                         f"{'–' if calling is None else f'{calling:.0f} µs'}{calling_ratio} | {_count(cell.get('torch_ops'))} | "
+                         f"{_timed(cell, 'us_calling_thread', base_calling)} | {more}{_count(cell.get('torch_ops'))} | "
                          f"{_count(cell.get('launches'), '{:.1f}')} | {_count(cell.get('python_calls'))} "
                          f"({_count(cell.get('own_python_calls'))}) | "
                          f"{'–' if share is None else f'{100 * share:.0f}%'} |")

@@ -70,3 +70,26 @@ def write_json(kind: str, data: dict, root: Optional[str] = None) -> str:
         json.dump(data, f, indent=1, default=str)
         f.write("\n")
     return path
+
+
+def add_pin_argument(parser) -> None:
+    parser.add_argument("--pin-host-threads", action="store_true",
+                        help="run with the calling thread and autograd's backward thread on one CPU "
+                        "(te.pin_host_threads), as docs/performance.md advises for host-bound steps")
+
+
+def pin_host(args, device: str) -> Optional[int]:
+    """Per --pin-host-threads: the CPU the run's host threads are pinned to (for the whole run), or None."""
+    if not getattr(args, "pin_host_threads", False) or torch.device(device).type == "cpu":
+        return None
+    import te_core
+
+    return te_core.pin_host_threads(device=device).cpu
+
+
+def host_threads_note(settings: dict) -> str:
+    """How the run placed its host threads, for a table's header."""
+    cpu = settings.get("pinned_cpu")
+    if cpu is None:
+        return "host threads placed by the OS"
+    return f"host threads pinned to CPU {cpu} (`te.pin_host_threads`)"

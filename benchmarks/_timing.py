@@ -6,6 +6,7 @@ GPU-only measurements fall back to plain wall-clock loops and peak memory is not
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from typing import Optional, Tuple
@@ -63,17 +64,19 @@ class Interleaved:
     """Host-bound cells measured together, so that the host's drift during the run falls on all
     of them alike: every cell's step is built and warmed up, then timed in rounds that visit the
     cells in turn; a cell's result is the median over its rounds of the wall microseconds per
-    call. cell(make_step) registers a step and returns its measurement (all cells are measured
-    at the first one's call); a step that raises fails its own cell only."""
+    call. cell(make_step, around) registers a step and returns its measurement (all cells are
+    measured at the first one's call); `around()`, where given, is a context manager entered for
+    the cell's warm-up and each of its timed runs (a setting that holds for that cell alone); a
+    step that raises fails its own cell only."""
 
     def __init__(self, calls: int, device: str = "cuda", rounds: int = 5):
         self.calls, self.device, self.rounds = calls, device, rounds
         self._makers: list = []
         self._results: Optional[list] = None
 
-    def cell(self, make_step):
+    def cell(self, make_step, around=None):
         index = len(self._makers)
-        self._makers.append(make_step)
+        self._makers.append((make_step, around or contextlib.nullcontext))
         return lambda: self._result(index)
 
     def _result(self, index: int) -> dict:
@@ -86,24 +89,26 @@ class Interleaved:
 
     def _measure(self) -> list:
         per_round, warmup = max(1, self.calls // self.rounds), max(3, self.calls // 10)
-        steps = [self._warm(make, warmup) for make in self._makers]
+        steps = [self._warm(make, around, warmup) for make, around in self._makers]
         times: list = [[] for _ in steps]
         for _ in range(self.rounds):
             for i, step in enumerate(steps):
                 if isinstance(step, Exception):
                     continue
                 try:
-                    times[i].append(host_and_total_ms(step, per_round, 0, self.device)[1] * 1e3)
+                    with self._makers[i][1]():
+                        times[i].append(host_and_total_ms(step, per_round, 0, self.device)[1] * 1e3)
                 except Exception as exc:  # noqa: BLE001 - recorded as that cell's error
                     steps[i] = exc
         return [step if isinstance(step, Exception) else {"us": statistics.median(t)} for step, t in zip(steps, times)]
 
     @staticmethod
-    def _warm(make_step, warmup: int):
+    def _warm(make_step, around, warmup: int):
         try:
             step = make_step()
-            for _ in range(warmup):
-                step()
+            with around():
+                for _ in range(warmup):
+                    step()
             return step
         except Exception as exc:  # noqa: BLE001 - recorded as that cell's error
             return exc

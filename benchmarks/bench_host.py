@@ -5,8 +5,9 @@ only if its Python and launches cost little more than bf16's. Per variant (bf16 
 bf16, te FP8 per recipe) and shape, after warm-up, one forward+backward with the gradients
 dropped between steps:
 - wall time per step (the device synchronized at both ends of a timed run of steps), with the
-  backward on autograd's device thread (torch's default) and on the calling thread
-  (`torch.autograd.set_multithreading_enabled(False)` around it);
+  backward on autograd's device thread (torch's default), on the calling thread
+  (`torch.autograd.set_multithreading_enabled(False)` around it), and (on a GPU) on the device
+  thread with both threads pinned to one CPU (`te.pin_host_threads` around each timed run);
 - torch operations per step (each call that reaches torch's dispatcher, counted by a dispatch mode);
 - kernel launches per step (on a GPU: the runtime's launch calls in torch.profiler's trace,
   CUDA-graph launches included);
@@ -160,11 +161,16 @@ def measure_row(shape, device: str, steps: int) -> Dict[str, dict]:
     group = Interleaved(steps * ROUNDS, device, rounds=ROUNDS)
     walls = {(variant, calling): group.cell(partial(make_step, variant, shape, device, calling))
              for variant in VARIANTS for calling in (False, True)}
+    pinned = {}
+    if torch.device(device).type != "cpu":  # on a CPU the model's own threads need the cores
+        pinned = {variant: group.cell(partial(make_step, variant, shape, device),
+                                      around=partial(te.pin_host_threads, device=device)) for variant in VARIANTS}
     row = {}
     for variant in VARIANTS:
         try:
             row[variant] = {"us": round(walls[(variant, False)]()["us"], 1),
                             "us_calling_thread": round(walls[(variant, True)]()["us"], 1),
+                            **({"us_pinned": round(pinned[variant]()["us"], 1)} if pinned else {}),
                             **counts(variant, shape, device, steps)}
         except Exception as exc:  # noqa: BLE001 - that variant's error, in its cell
             row[variant] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
@@ -190,7 +196,8 @@ def main(argv=None) -> dict:
     shapes = SHAPES["smoke" if args.smoke else "full"]
     results = {shape_label(shape): measure_row(shape, device, args.steps) for shape in shapes}
     data = {"meta": meta(device), "settings": {"steps": args.steps, "rounds": ROUNDS, "backend": te.get_backend().name,
-                                               "cpu_threads": torch.get_num_threads(), "cpus": os.cpu_count()},
+                                               "cpu_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                                               "pinned_cpu": None if device == "cpu" else te.host_threads.default_cpu()},
             SECTION: results}
     print(f"wrote {write_json(SECTION, data, args.results)}")
     return data

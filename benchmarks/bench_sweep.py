@@ -41,7 +41,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
-from _results import DEFAULT_ROOT, add_results_argument, gpu_slug, meta, select_device, write_json
+from _results import (DEFAULT_ROOT, add_pin_argument, add_results_argument, gpu_slug, meta, pin_host,
+                      select_device, write_json)
 from _timing import Interleaved, median_ms, peak_mib, wall_us
 from bench_modules import TorchLayer, fwd_bwd, te_layer, torchao_float8
 
@@ -299,6 +300,7 @@ def parse_args(argv=None):
     ap.add_argument("--merge", action="store_true", help="keep the cells of an existing sweep.json that this run "
                     "does not measure (to split a sweep over several runs)")
     ap.add_argument("--budget-s", type=float, default=360.0, help="cells reached after this many seconds are skipped")
+    add_pin_argument(ap)
     add_results_argument(ap)
     args = ap.parse_args(argv)
     unknown = set(args.only.split(",")) - set(SECTIONS)
@@ -316,13 +318,14 @@ def main(argv=None) -> dict:
         compile_kw["mode"] = args.mode
     if args.smoke and compile_kw is not None:
         compile_kw["backend"] = "eager"  # dynamo's tracing without inductor's code generation: fast on a CPU
+    pinned = pin_host(args, device)
     torch.manual_seed(0)
     sweep = Sweep(sizes, device, compile_kw)
     only = args.only.split(",")
     cells = [c for section in SECTIONS if section in only for c in getattr(sweep, section)()]
     t0 = time.monotonic()
     settings = {"sizes": dataclasses.asdict(sizes), "compile": compile_kw, "backend": te.get_backend().name,
-                "budget_s": args.budget_s}
+                "budget_s": args.budget_s, "pinned_cpu": pinned}
     head = {"meta": meta(device), "settings": settings}
     earlier = previous_results(head["meta"], args.results) if args.merge else {}
     if earlier:

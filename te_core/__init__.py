@@ -11,6 +11,7 @@ from .backend import get_backend, list_backends, set_backend
 from .compat.transformer_engine import install_as_transformer_engine
 from .convert import convert_model
 from .graphs import make_graphed_callables
+from .host_threads import pin_host_threads
 from .modules import (
     DotProductAttention,
     Fp8Padding,
@@ -45,7 +46,7 @@ from .quantization import (
 
 __all__ = [
     "__version__", "ops", "optimizers", "recipe", "get_backend", "set_backend", "list_backends", "convert_model",
-    "make_graphed_callables", "install_as_transformer_engine",
+    "make_graphed_callables", "install_as_transformer_engine", "pin_host_threads",
     "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "Fp8Padding", "Fp8Unpadding", "LayerNorm", "RMSNorm", "DotProductAttention",
     "MultiheadAttention", "TransformerLayer", "RotaryPositionEmbedding", "apply_rotary_pos_emb", "checkpoint",
     "checkpoint_context", "init_quantization_state", "autocast", "fp8_autocast", "quantized_model_init", "fp8_model_init", "is_fp8_available",

@@ -405,3 +405,62 @@ def test_interleaved_cells_take_turns_and_fail_alone():
     timed = order[9:]  # after each cell's warm-up (a, b and c, three calls each)
     assert timed[:6] == ["a", "a", "b", "b", "c", "c"]  # round 1 visits every cell
     assert timed[6:] == ["a", "a", "b", "b", "c", "c"] + ["a", "a", "b", "b"] * 3  # c failed in round 3
+
+
+def test_headers_say_how_the_host_threads_were_placed():
+    settings = {"backend": "cuda", "compile": None, "seconds": 1}
+    assert "host threads placed by the OS" in _sweep_table.header({"settings": settings})
+    pinned = {**settings, "pinned_cpu": 3}
+    assert "host threads pinned to CPU 3 (`te.pin_host_threads`)" in _sweep_table.header({"settings": pinned})
+    merged = _sweep_table.header({"settings": {**pinned, "merged_with": {"pinned_cpu": None}}})
+    assert merged.endswith("(--merge), whose host threads placed by the OS; 1 s). fwd+bwd per call; the ratio in "
+                           "brackets is the named baseline's time over the cell's (above 1: faster).")
+    same = _sweep_table.header({"settings": {**pinned, "merged_with": {"pinned_cpu": 3}}})
+    assert "whose" not in same
+    assert "both threads pinned to CPU 7" in _host_table.render({"settings": {"pinned_cpu": 7}, "host": {}})
+    assert "pinned" not in _host_table.render({"settings": {}, "host": {}})
+
+
+def test_host_table_shows_the_pinned_column_only_when_measured():
+    cell = {"us": 200.0, "us_calling_thread": 150.0, "torch_ops": 9, "launches": 4.0, "python_calls": 90,
+            "own_python_calls": 30, "own_python_share": 0.5}
+    row = {"te bf16": cell, "te delayed": {**cell, "us": 300.0}}
+    plain = _host_table.render({"settings": {}, "host": {"M16 K16 N16": row}})
+    assert "Threads pinned" not in plain and "| M16 K16 N16 | te delayed | 300 µs (1.50x) | 150 µs (1.00x) | 9 |" in plain
+    row = {"te bf16": {**cell, "us_pinned": 100.0}, "te delayed": {**cell, "us": 300.0, "us_pinned": 160.0}}
+    pinned = _host_table.render({"settings": {"pinned_cpu": 3}, "host": {"M16 K16 N16": row}})
+    assert "| Threads pinned to one CPU |" in pinned
+    assert "| M16 K16 N16 | te delayed | 300 µs (1.50x) | 150 µs (1.00x) | 160 µs (1.60x) | 9 |" in pinned
+
+
+def test_pin_argument_is_off_by_default_and_never_pins_a_cpu_run():
+    import _results
+
+    args = bench_sweep.parse_args(["--smoke"])
+    assert args.pin_host_threads is False and _results.pin_host(args, "cpu") is None
+    args = bench_sweep.parse_args(["--smoke", "--pin-host-threads"])
+    assert args.pin_host_threads is True
+    assert _results.pin_host(args, "cpu") is None  # the reference backend's CPU run keeps its cores
+
+
+def test_an_interleaved_cell_runs_its_warm_up_and_rounds_inside_its_setting():
+    import contextlib
+
+    import _timing
+
+    log = []
+
+    @contextlib.contextmanager
+    def setting():
+        log.append("enter")
+        yield
+        log.append("exit")
+
+    def maker(name):
+        return lambda: (lambda: log.append(name))
+
+    group = _timing.Interleaved(calls=4, device="cpu", rounds=2)  # 2 calls per round, 3 warm-up calls
+    plain, inside = group.cell(maker("plain")), group.cell(maker("inside"), around=setting)
+    assert plain()["us"] > 0 and inside()["us"] > 0
+    assert log == (["plain"] * 3 + ["enter"] + ["inside"] * 3 + ["exit"]
+                   + (["plain"] * 2 + ["enter"] + ["inside"] * 2 + ["exit"]) * 2)

@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --tp: also split the sequence over the tensor-parallel ranks outside the GEMMs",
     )
+    p.add_argument(
+        "--pin-host-thread",
+        action="store_true",
+        help="keep the training thread and autograd's backward thread on one CPU (te_core.pin_host_threads; "
+        "on an accelerator, Linux only). Off by default: at the demo's sizes the GPU bounds the step",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument(
         "--verbose", action="store_true", help="also show `te-core info` (backends, op table) and the corpus"
@@ -120,11 +126,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     if error:
         print(f"te-core demo: {error}", file=sys.stderr)
         return 2
+    if args.pin_host_thread and device.type == "cpu":
+        print("te-core demo: --pin-host-thread is for training on an accelerator: on the CPU the model's own "
+              "threads need the cores", file=sys.stderr)
+        return 2
     args.size = args.size or default_size(device)
     world = parallel.launched_world()
     if world > 1 or args.tp > 1 or args.sequence_parallel:
         return run_parallel(args, be, device, world)
-    with _cpu_threads(args, device) as thread_choice:
+    with _cpu_threads(args, device) as thread_choice, _host_pinning(args, device):
         run_both(args, be, device, thread_choice)
     return 0
 
@@ -144,6 +154,7 @@ def run_parallel(args, be, device: torch.device, world: int) -> int:
             if not runner.is_main:
                 stack.enter_context(contextlib.redirect_stdout(stack.enter_context(open(os.devnull, "w"))))
             thread_choice = stack.enter_context(_cpu_threads(args, device))
+            stack.enter_context(_host_pinning(args, device))
             run_both(args, be, device, thread_choice, runner)
     finally:
         runner.close()
@@ -222,7 +233,25 @@ def _check_args(args) -> Optional[str]:
         return f"--tp must be at least 1, got {args.tp}"
     if args.lr is not None and not args.lr > 0:
         return f"--lr must be a positive number, got {args.lr}"
+    if args.pin_host_thread and not hasattr(os, "sched_setaffinity"):
+        return "--pin-host-thread needs CPU affinity (os.sched_setaffinity), which only Linux has"
     return None
+
+
+@contextlib.contextmanager
+def _host_pinning(args, device: torch.device) -> Iterator[None]:
+    """With --pin-host-thread, the training and backward threads pinned to one CPU while the demo
+    runs (te_core.host_threads says why; under torchrun, each rank to a CPU of its own share).
+    Sets args.pinned_cpu (None: not pinned)."""
+    args.pinned_cpu = None
+    if not args.pin_host_thread:
+        yield
+        return
+    from ..host_threads import pin_host_threads
+
+    with pin_host_threads(device=device) as pinning:
+        args.pinned_cpu = pinning.cpu
+        yield
 
 
 @contextlib.contextmanager
@@ -254,6 +283,8 @@ def _print_header(args, backend_name: str, device, cfg: RunConfig, thread_choice
     print(f"  model  {args.size}: {params / 1e6:.1f}M parameters, hidden {m.hidden_size}, layers {m.num_layers}, "
           f"heads {m.num_heads}, seq {m.seq_len}, batch {m.batch_size} "
           f"({m.tokens_per_step:,} tokens/step)")  # fmt: skip
+    if getattr(args, "pinned_cpu", None) is not None:
+        print(f"  host   training and backward threads pinned to CPU {args.pinned_cpu}")
     mode = ", compiled (torch.compile)" if args.compile else ""
     print(f"  runs   bf16, then fp8 with recipe {args.recipe}; {cfg.steps} steps each, peak lr {cfg.lr:g}{mode}")
     if thread_choice is not None and thread_choice.reduced:
@@ -280,7 +311,8 @@ def report(args, cfg: RunConfig, backend_name: str, device, fp8_recipe, runs, co
     write_plot(paths["png"], hp.losses, fp8.losses, args.recipe)
     config = dict(size=args.size, model=cfg.model.as_dict(), steps=cfg.steps, lr=cfg.lr, seed=cfg.seed,
                   recipe=args.recipe, recipe_repr=repr(fp8_recipe),
-                  threads=thread_choice.threads if thread_choice else None)  # fmt: skip
+                  threads=thread_choice.threads if thread_choice else None,
+                  pinned_cpu=getattr(args, "pinned_cpu", None))  # fmt: skip
     if layout is not None:  # tokens/s are then those of all ranks together
         config["parallel"] = layout.as_dict()
     record = dict(

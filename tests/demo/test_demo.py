@@ -28,6 +28,7 @@ def test_demo_tiny_run_writes_sensible_json_and_png(tmp_path, capsys):
     assert record["backend"] == "reference" and record["recipe"] == "current" and record["device"] == "cpu"
     assert record["config"]["size"] == "tiny" and record["config"]["steps"] == 24
     assert 1 <= record["config"]["threads"] <= threads_before
+    assert record["config"]["pinned_cpu"] is None  # a CPU run keeps all its cores
     bf16, fp8 = record["runs"]["bf16"]["losses"], record["runs"]["fp8"]["losses"]
     assert len(bf16) == len(fp8) == 24
     assert abs(bf16[0] - math.log(256)) < 0.5  # starts near a uniform guess over bytes
@@ -93,6 +94,7 @@ def test_demo_rejects_bad_arguments(capsys):
         (["--lr", "-0.1"], "--lr must be a positive number, got -0.1"),
         (["--backend", "no-such-backend", "--steps", "2"], "--backend no-such-backend"),
         (["--device", "no-such-device", "--steps", "2"], "--device no-such-device: not usable here"),
+        (["--pin-host-thread", "--steps", "2"], "--pin-host-thread is for training on an accelerator"),
     ):
         assert main(argv) == 2
         assert message in capsys.readouterr().err
@@ -191,3 +193,34 @@ def test_compiled_training_step_gives_the_eager_losses():
             for options in (None, {"backend": "aot_eager"})]
     assert runs[0].losses == pytest.approx(runs[1].losses, rel=1e-5, abs=1e-6)
     assert runs[0].val_loss == pytest.approx(runs[1].val_loss, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("flag, device, world, pinned", [
+    (False, "meta", 1, False),  # the default: the OS places the threads
+    (True, "meta", 1, True),  # any device type but "cpu" stands for an accelerator
+    (True, "meta", 2, True),  # under torchrun too: each rank to a CPU of its own share
+])
+def test_host_pinning_follows_the_flag(monkeypatch, flag, device, world, pinned):
+    import contextlib
+    from argparse import Namespace
+
+    import importlib
+
+    from te_core import host_threads
+
+    demo_main = importlib.import_module("te_core.demo.main")  # the module: the package exports main()
+
+    calls = []
+
+    @contextlib.contextmanager
+    def fake_pin(device):
+        calls.append(device)
+        yield Namespace(cpu=5)
+        calls.append("restored")
+
+    monkeypatch.setattr(host_threads, "pin_host_threads", fake_pin)
+    monkeypatch.setattr(demo_main.parallel, "launched_world", lambda: world)
+    args = Namespace(pin_host_thread=flag)
+    with demo_main._host_pinning(args, torch.device(device)):
+        assert args.pinned_cpu == (5 if pinned else None)
+    assert calls == ([torch.device(device), "restored"] if pinned else [])
