@@ -42,7 +42,7 @@ _NOT_IMPLEMENTED = {
         "score_mod": (None,), "score_mod_bprop": (None,), "score_mod_tensors": (None,),
         "score_mod_bprop_tensors": (None,), "qkv_layer": (None,), "kv_layer": (None,), "qkv_interleave_dim": (-3,),
         "inference_params": (None,), "pad_between_seqs": (None, False), "cu_seqlens_q_padded": (None,),
-        "cu_seqlens_kv_padded": (None,), "drop_path_rate": (0.0, 0), "return_bias": (False,),
+        "cu_seqlens_kv_padded": (None,),
     },
     "rotary embeddings for packed sequences, offsets or context parallelism": {
         "start_positions": (None,), "cu_seqlens": (None,), "cp_size": (1,), "cp_rank": (0,),

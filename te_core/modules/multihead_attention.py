@@ -12,6 +12,7 @@ from ._base import QuantizedContainer
 from ._tp_container import TensorParallelContainer
 from ._common import (
     check_attention_heads,
+    check_bool,
     check_choice,
     check_input,
     check_normalization,
@@ -110,10 +111,12 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         qk_norm_type: Optional[str] = None,
         qk_norm_eps: float = 1e-6,
         qk_norm_before_rope: bool = False,
+        return_bias: bool = False,
         **kwargs,
     ):
         super().__init__()
         module = "MultiheadAttention"
+        self.return_bias = check_bool(return_bias, name="return_bias", module=module)
         fuse_wgrad = kwargs.pop("fuse_wgrad_accumulation", False)  # passed on to every projection
         reject_unsupported(module, **kwargs)
         check_positive(hidden_size, name="hidden_size", module=module)
@@ -156,7 +159,8 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
             qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window_size,
             bottom_right_diagonal=bottom_right_diagonal, layer_number=layer_number, attention_type=attention_type)
         # fmt: on
-        self.proj = Linear(q_size, hidden_size, init_method=output_layer_init_method, **row, **common)
+        self.proj = Linear(q_size, hidden_size, init_method=output_layer_init_method, return_bias=self.return_bias,
+                           **row, **common)
         # QK normalization (Transformer Engine's qk_norm_*): on each head's q and k, after the rotary
         # embedding (before it with qk_norm_before_rope), in high precision
         if self.tp_size > 1 and qk_norm_type in ("RMSNorm", "LayerNorm"):
@@ -248,7 +252,9 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
                 alibi_slopes=alibi_slopes, **kwargs,
             )
         out = self.proj(context, is_first_microbatch=is_first_microbatch)
-        result = (out,) + ((ln_out,) if ln_out is not None else ()) + ((residual,) if return_residual else ())
+        # return_bias: (output without the projection's bias, that bias), as Transformer Engine returns them
+        out = out if self.return_bias else (out,)
+        result = out + ((ln_out,) if ln_out is not None else ()) + ((residual,) if return_residual else ())
         return result[0] if len(result) == 1 else result
 
     def _split_heads(

@@ -77,6 +77,7 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         qk_norm_type: Optional[str] = None,
         qk_norm_eps: float = 1e-6,
         qk_norm_before_rope: bool = False,
+        drop_path_rate: float = 0.0,
         **kwargs,
     ):
         """The ub_overlap_* / ub_bulk_* flags only choose overlaps inside userbuffers
@@ -87,7 +88,12 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         heads and LayerNormMLP its FFN features over the ranks of tp_group (see
         MultiheadAttention); with sequence_parallel the layer's input and output are the rank's
         shard of the sequence. Hidden dropout runs on the default generator, as in Transformer
-        Engine; attention dropout on the RNG tracker's fork when get_rng_state_tracker is given."""
+        Engine; attention dropout on the RNG tracker's fork when get_rng_state_tracker is given.
+
+        drop_path_rate > 0 (stochastic depth, training only): each slice of the input's first
+        dimension keeps the self-attention branch, and separately the MLP branch, with probability
+        1 - drop_path_rate, scaled by its inverse, as Transformer Engine does: per sample with
+        bshd inputs, per sequence position with sbhd ones. Cross-attention is never dropped."""
         super().__init__()
         debug_name, name = name, "TransformerLayer"
         activation_params = kwargs.pop("activation_params", None)  # checked by LayerNormMLP
@@ -106,6 +112,7 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         check_choice(attn_input_format, PADDED_FORMATS, name="attn_input_format", module=name)
         self.hidden_size, self.name = hidden_size, debug_name
         self.hidden_dropout = hidden_dropout
+        self.drop_path = DropPath(drop_path_rate) if check_drop_rate(drop_path_rate, name) > 0 else None
         self.apply_residual_connection_post_layernorm = apply_residual_connection_post_layernorm
         self.parallel_attention_mlp = parallel_attention_mlp
         self.attn_input_format = attn_input_format
@@ -198,9 +205,10 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
             mlp, _ = self._residual_source(
                 self.layernorm_mlp(hidden_states, is_first_microbatch=is_first_microbatch), hidden_states
             )
-            out = residual + self._dropout(attn) + self._dropout(mlp)
+            # one dropout mask on the sum of both branches, as in Transformer Engine
+            out = residual + self._drop_path(self._dropout(attn + mlp))
             return self.layernorm(out) if self.layernorm is not None else out
-        hidden = residual + self._dropout(attn)
+        hidden = residual + self._drop_path(self._dropout(attn))
         if self.layer_type == "decoder":
             cross = self.inter_attention(
                 hidden, attention_mask=enc_dec_attn_mask, encoder_output=encoder_output,
@@ -211,7 +219,7 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
             hidden = residual + self._dropout(cross)
         mlp = self.layernorm_mlp(hidden, is_first_microbatch=is_first_microbatch, return_residual=fuse)
         mlp, residual = mlp if fuse else self._residual_source(mlp, hidden)
-        out = residual + self._dropout(mlp)
+        out = residual + self._drop_path(self._dropout(mlp))
         return self.layernorm(out) if self.layernorm is not None else out
 
     def _residual_source(self, output, block_input: Tensor):
@@ -224,3 +232,37 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
 
     def _dropout(self, x: Tensor) -> Tensor:
         return nn.functional.dropout(x, p=self.hidden_dropout, training=self.training)
+
+    def _drop_path(self, x: Tensor) -> Tensor:
+        return x if self.drop_path is None else self.drop_path(x)
+
+
+def check_drop_rate(rate, module: str) -> float:
+    """drop_path_rate as a float in [0, 1), or a clear error."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)):
+        raise TypeError(f"{module}: drop_path_rate must be a number in [0, 1), got {type(rate).__name__}")
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"{module}: drop_path_rate must be in [0, 1) (the probability of dropping a residual "
+                         f"branch), got {rate}")
+    return float(rate)
+
+
+class DropPath(nn.Module):
+    """Stochastic depth on a residual branch (Transformer Engine's TransformerLayer.drop_path): in
+    training, each slice of the first dimension is kept with probability 1 - drop_prob and scaled by
+    1 / (1 - drop_prob), or zeroed. The draw is uniform in the input's dtype, floored after adding
+    the keep probability, as Transformer Engine draws it."""
+
+    def __init__(self, drop_prob: float = 0.0):
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.drop_prob == 0.0 or not self.training:
+            return x
+        keep = 1.0 - self.drop_prob
+        mask = (keep + torch.rand((x.shape[0],) + (1,) * (x.dim() - 1), dtype=x.dtype, device=x.device)).floor_()
+        return x.div(keep) * mask
+
+    def extra_repr(self) -> str:
+        return f"drop_prob={self.drop_prob}"

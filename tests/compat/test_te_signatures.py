@@ -99,7 +99,7 @@ IMPLEMENTED = {
         "bottom_right_diagonal": ATTN, "num_gqa_groups": ATTN, "params_dtype": ATTN,
         "return_layernorm_output": ATTN, "input_layernorm": ATTN, "attention_type": ATTN,
         "fuse_qkv_params": ATTN, "zero_centered_gamma": ATTN, "qkv_weight_interleaved": ATTN, "bias": ATTN,
-        "normalization": ATTN, "device": ATTN, "qkv_format": ATTN, "name": COMPAT, "rotary_pos_interleaved": ATTN,
+        "normalization": ATTN, "device": ATTN, "qkv_format": ATTN, "name": COMPAT, "rotary_pos_interleaved": ATTN, "return_bias": ATTN,
         "fuse_wgrad_accumulation": MODULES + "test_fuse_wgrad.py", **ATTENTION_PARALLEL,
     },
     ("MultiheadAttention", "forward"): {
@@ -128,6 +128,7 @@ IMPLEMENTED = {
         "attn_input_format": MODULES + "test_transformer_layer.py", "name": COMPAT,
         "activation_params": MODULES + "test_layernorm_linear.py",
         "fuse_wgrad_accumulation": MODULES + "test_fuse_wgrad.py", **ATTENTION_PARALLEL,
+        "drop_path_rate": MODULES + "test_transformer_layer.py",
     },
     ("TransformerLayer", "forward"): {
         "attention_mask": ATTN, "self_attn_mask_type": ATTN, "window_size": ATTN, "bottom_right_diagonal": ATTN,

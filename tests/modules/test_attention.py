@@ -629,3 +629,36 @@ def test_thd_inputs_are_checked(kwargs, match):
     t = torch.randn(6, 2, 8)
     with pytest.raises(ValueError, match=match):
         tm.DotProductAttention(2, 8, qkv_format="thd", attn_mask_type="padding")(t, t, t, **kwargs)
+
+
+@pytest.mark.parametrize("input_layernorm", [False, True])
+def test_multihead_attention_return_bias_leaves_the_projection_bias_out(input_layernorm):
+    """return_bias=True: (output without proj's bias, proj's bias[, layernorm output]), in
+    Transformer Engine's order; adding the bias back gives the default output and gradients."""
+    torch.manual_seed(0)
+    kw = dict(attention_dropout=0.0, input_layernorm=input_layernorm, return_layernorm_output=input_layernorm)
+    base = tm.MultiheadAttention(32, 4, **kw)
+    split = tm.MultiheadAttention(32, 4, return_bias=True, **kw)
+    split.load_state_dict(base.state_dict())
+    with torch.no_grad():
+        split.proj.bias.normal_()  # a bias that shows where it goes
+        base.proj.bias.copy_(split.proj.bias)
+    x = torch.randn(5, 2, 32)
+    want, got = base(x), split(x)
+    if input_layernorm:
+        (want, want_ln), (out, bias, ln_out) = want, got
+        torch.testing.assert_close(ln_out, want_ln, rtol=1.3e-6, atol=1e-5)
+    else:
+        out, bias = got
+    assert bias is split.proj.bias
+    torch.testing.assert_close(out, want - bias, rtol=1.3e-6, atol=1e-5)
+    dy = torch.randn_like(out)
+    (out + bias).backward(dy)
+    want.backward(dy)
+    for (name, p), q in zip(split.named_parameters(), base.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1.3e-6, atol=1e-5, msg=name)
+
+
+def test_multihead_attention_return_bias_must_be_a_bool():
+    with pytest.raises(TypeError, match="return_bias must be True or False"):
+        tm.MultiheadAttention(32, 4, return_bias=1)

@@ -336,3 +336,98 @@ def test_container_quantization_state_collects_submodules():
     # after one step the scale came from the recorded amax: fp8_max / amax of the weight
     amax = layer.layernorm_mlp.fc1_weight.detach().abs().max()
     torch.testing.assert_close(merged["scale"].reshape(()), (448.0 / amax).float(), rtol=1.3e-6, atol=0)
+
+
+def _pair(**kw):
+    """A layer with `kw` and one without, sharing parameters; no dropout."""
+    base = tm.TransformerLayer(32, 64, 4, hidden_dropout=0.0, attention_dropout=0.0)
+    layer = tm.TransformerLayer(32, 64, 4, hidden_dropout=0.0, attention_dropout=0.0, **kw)
+    layer.load_state_dict(base.state_dict())
+    return base, layer
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+def test_drop_path_drops_whole_slices_of_each_residual_branch(fmt):
+    """Stochastic depth as Transformer Engine draws it: one uniform per slice of the first
+    dimension (sequence positions with sbhd, samples with bshd), first for the attention branch,
+    then for the MLP branch; kept slices scaled by 1 / keep; nothing dropped in eval mode."""
+    torch.manual_seed(0)
+    base = tm.TransformerLayer(32, 64, 4, hidden_dropout=0.0, attention_dropout=0.0, attn_input_format=fmt)
+    layer = tm.TransformerLayer(32, 64, 4, hidden_dropout=0.0, attention_dropout=0.0, attn_input_format=fmt,
+                                drop_path_rate=0.4)
+    layer.load_state_dict(base.state_dict())
+    assert base.drop_path is None and layer.drop_path.drop_prob == 0.4
+    x = torch.randn(8, 8, 32, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    dy = torch.randn(8, 8, 32)
+    torch.manual_seed(7)
+    out = layer(x)
+    torch.manual_seed(7)
+    keep = 0.6
+    masks = [(keep + torch.rand(8, 1, 1)).floor() for _ in range(2)]
+    assert all(0 < m.sum() < 8 for m in masks) and not torch.equal(*masks)  # a real mix of kept and dropped
+    hidden = x_ref + base.self_attention(x_ref).div(keep) * masks[0]
+    expected = hidden + base.layernorm_mlp(hidden).div(keep) * masks[1]
+    torch.testing.assert_close(out, expected, rtol=1.3e-6, atol=1e-5)
+    out.backward(dy)
+    expected.backward(dy)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1.3e-6, atol=1e-5)
+    for (name, p), q in zip(layer.named_parameters(), base.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1.3e-6, atol=1e-5, msg=name)
+    layer.eval(), base.eval()
+    torch.testing.assert_close(layer(x), base(x), rtol=0, atol=0)
+
+
+def test_drop_path_leaves_cross_attention_alone():
+    torch.manual_seed(0)
+    kw = dict(hidden_dropout=0.0, attention_dropout=0.0, layer_type="decoder")
+    base = tm.TransformerLayer(32, 64, 4, **kw)
+    layer = tm.TransformerLayer(32, 64, 4, drop_path_rate=0.5, **kw)
+    layer.load_state_dict(base.state_dict())
+    x, enc = torch.randn(6, 2, 32), torch.randn(4, 2, 32)
+    torch.manual_seed(3)
+    out = layer(x, encoder_output=enc)
+    torch.manual_seed(3)
+    masks = [(0.5 + torch.rand(6, 1, 1)).floor() for _ in range(2)]
+    hidden = x + base.self_attention(x).div(0.5) * masks[0]
+    hidden = hidden + base.inter_attention(hidden, encoder_output=enc)
+    expected = hidden + base.layernorm_mlp(hidden).div(0.5) * masks[1]
+    torch.testing.assert_close(out, expected, rtol=1.3e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("rate, exc, match", [
+    (-0.1, ValueError, r"drop_path_rate must be in \[0, 1\)"),
+    (1.0, ValueError, r"drop_path_rate must be in \[0, 1\)"),
+    ("0.1", TypeError, r"drop_path_rate must be a number"),
+    (True, TypeError, r"drop_path_rate must be a number"),
+])
+def test_drop_path_rate_outside_zero_to_one_is_refused(rate, exc, match):
+    with pytest.raises(exc, match=match):
+        tm.TransformerLayer(32, 64, 4, drop_path_rate=rate)
+
+
+def test_parallel_attention_mlp_drops_out_the_sum_of_both_branches():
+    """One hidden-dropout mask on attention + MLP, as in Transformer Engine (not one per branch)."""
+    torch.manual_seed(0)
+    layer = tm.TransformerLayer(32, 64, 4, parallel_attention_mlp=True, hidden_dropout=0.5, attention_dropout=0.0)
+    x = torch.randn(5, 2, 32)
+    torch.manual_seed(11)
+    out = layer(x)
+    both = layer.self_attention(x) + layer.layernorm_mlp(x)
+    torch.manual_seed(11)
+    expected = x + F.dropout(both, p=0.5, training=True)
+    torch.testing.assert_close(out, expected, rtol=1.3e-6, atol=1e-5)
+    dropped = out == x  # where the one mask dropped both branches together
+    assert 0 < dropped.sum() < dropped.numel()
+
+
+@pytest.mark.reference_only
+def test_drop_path_compiles_whole_and_draws_as_eager():
+    torch.manual_seed(0)
+    layer = tm.TransformerLayer(32, 64, 4, hidden_dropout=0.0, attention_dropout=0.0, drop_path_rate=0.3)
+    x = torch.randn(6, 2, 32)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(5)
+    got = compiled(x)
+    torch.manual_seed(5)
+    torch.testing.assert_close(got, layer(x), rtol=1.3e-6, atol=1e-5)
