@@ -58,15 +58,15 @@ def on_autograd_thread(device: torch.device, fn: Callable[[], T]) -> T:
     accelerator (started here if it was not yet), the calling thread on a CPU. It runs as the hook
     of a one-element backward, the way a training step's backward reaches that thread."""
     result = []
-    leaf = torch.ones(1, device=device, requires_grad=True)
-    out = leaf * 2.0
 
     def hook(grad):
         result.append(fn())
         return grad
 
-    out.register_hook(hook)
-    with torch.autograd.set_multithreading_enabled(True):
+    # whatever grad mode the caller is in (no_grad, inference_mode), this backward must run
+    with torch.inference_mode(False), torch.enable_grad(), torch.autograd.set_multithreading_enabled(True):
+        out = torch.ones(1, device=device, requires_grad=True) * 2.0
+        out.register_hook(hook)
         out.sum().backward()
     return result[0]
 

@@ -82,9 +82,13 @@ def test_pinning_rejects_a_bad_cpu(cpu, error, match):
     assert os.sched_getaffinity(0) == in_thread(lambda: os.sched_getaffinity(0))  # nothing was pinned
 
 
-def test_on_autograd_thread_runs_on_the_calling_thread_on_a_cpu():
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
+def test_on_autograd_thread_runs_on_the_calling_thread_on_a_cpu(mode):
     marker = torch.randn(3)
-    seen = host_threads.on_autograd_thread(torch.device("cpu"), lambda: (threading.get_ident(), marker.sum()))
+    context = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    with context():  # the caller's grad mode does not keep the backward from running
+        seen = host_threads.on_autograd_thread(torch.device("cpu"), lambda: (threading.get_ident(), marker.sum()))
+        assert torch.is_grad_enabled() == (mode == "grad")  # and is left as it was
     assert seen[0] == threading.get_ident() and torch.equal(seen[1], marker.sum())
 
 

@@ -11,6 +11,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from ..backend.types import as_dtype
 from ..ops import ACTIVATIONS, GATED_ACTIVATIONS
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -101,6 +102,13 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return x.dtype
+
+
+def returned_bias(bias: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    """A bias returned unapplied (return_bias=True), in the module's compute dtype as Transformer
+    Engine returns it, so that adding it keeps the output's dtype; None stays None. The cast is
+    differentiable: the gradient reaches the parameter in its own dtype."""
+    return None if bias is None else as_dtype(bias, dtype)
 
 
 def no_torch_autocast(device_type: str):

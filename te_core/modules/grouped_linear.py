@@ -28,6 +28,7 @@ from ._common import (
     no_torch_autocast,
     primary_weight,
     reject_unsupported,
+    returned_bias,
 )
 
 
@@ -182,5 +183,5 @@ class GroupedLinear(DelayedWgradMixin, QuantizedModule):
                                              *self._params("weight"), *biases, *proxies)
         y = y.view(*inp.shape[:-1], self.out_features)
         if self.return_bias:
-            return y, self._params("bias") if self.use_bias else None
+            return y, [returned_bias(b, dtype) for b in self._params("bias")] if self.use_bias else None
         return y

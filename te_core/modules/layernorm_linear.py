@@ -35,6 +35,7 @@ from ._common import (
     no_torch_autocast,
     primary_weight,
     reject_unsupported,
+    returned_bias,
 )
 from ._norm import norm_bwd, norm_fwd
 
@@ -65,17 +66,17 @@ def norm_settings(module: QuantizedModule) -> dict:
 
 
 def fused_outputs(y, shape: torch.Size, out_features: int, bias: Optional[Tensor], ln_out: Optional[Tensor],
-                  residual: Optional[Tensor] = None):
+                  residual: Optional[Tensor] = None, *, return_bias: bool = False):
     """y shaped like the input of the GEMM, of shape `shape` (last dim out_features; a tuple of
-    split views each shaped so), then the bias when it is returned unapplied, then the norm's
-    output when it is returned (TE's order), then the residual when asked for: a tensor alone,
-    else a tuple."""
+    split views each shaped so), then, with return_bias, the bias left unapplied (None for a module
+    without one, as Transformer Engine returns it), then the norm's output when it is returned
+    (TE's order), then the residual when asked for: a tensor alone, else a tuple."""
     lead = shape[:-1]
     if isinstance(y, tuple):
         result = (tuple(part.view(*lead, part.shape[-1]) for part in y),)
     else:
         result = (y.view(*lead, out_features),)
-    if bias is not None:
+    if return_bias:
         result += (bias,)
     if ln_out is not None:
         result += (ln_out.view(shape),)
@@ -339,4 +340,5 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
         out, ln_out, residual = unpack_outputs(out, inp, return_ln_out=self.return_layernorm_output,
                                                return_residual=return_residual, residual_fused=residual_fused)
         y = out[0] if split_sizes is None else tuple(out)
-        return fused_outputs(y, gemm_shape, self.out_features, bias if self.return_bias else None, ln_out, residual)
+        return fused_outputs(y, gemm_shape, self.out_features, returned_bias(bias, dtype) if self.return_bias else None,
+                             ln_out, residual, return_bias=self.return_bias)

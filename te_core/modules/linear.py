@@ -30,6 +30,7 @@ from ._common import (
     default_init_method,
     no_torch_autocast,
     reject_unsupported,
+    returned_bias,
 )
 
 _default_init = default_init_method()
@@ -235,7 +236,7 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
         if reduce_output:
             out = tensor_parallel.row_parallel_output(self, out, None if self.return_bias else bias)
         if self.return_bias:
-            return out, bias
+            return out, returned_bias(bias, options.compute_dtype)
         return out
 
     def _keeps_original_input(self) -> bool:
