@@ -27,7 +27,21 @@ def _module(name: str, doc: str, package: bool = True) -> types.ModuleType:
     if package:
         module.__path__ = []  # a package: its submodules come from sys.modules, never from disk
     module.__te_core_stand_in__ = True
+    module.__getattr__ = _not_provided(name)
     return module
+
+
+def _not_provided(module_name: str):
+    """A stand-in module's __getattr__: a name Transformer Engine has and te-core does not is an
+    AttributeError (so hasattr() stays False for the integrations that probe) that says so."""
+    def __getattr__(attr: str):
+        if attr.startswith("__"):  # the interpreter's and tools' own probes stay plain
+            raise AttributeError(attr)
+        raise AttributeError(
+            f"module {module_name!r} has no attribute {attr!r}: te-core stands in for Transformer Engine here "
+            "and does not provide it (te-core's docs, 'Running Transformer Engine code on te-core', list "
+            "what it provides)")
+    return __getattr__
 
 
 def check_fp8_support() -> Tuple[bool, str]:

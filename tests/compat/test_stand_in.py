@@ -142,3 +142,17 @@ def test_a_real_transformer_engine_is_not_shadowed(monkeypatch):
     assert sys.modules["transformer_engine.pytorch"] is te
     uninstall_transformer_engine()
     assert "transformer_engine.pytorch" not in sys.modules
+
+
+def test_a_name_te_core_does_not_provide_is_a_clear_attribute_error(stand_in):
+    import transformer_engine.pytorch as te
+    import transformer_engine.pytorch.fp8 as te_fp8
+
+    for module, name in ((te, "parallel_cross_entropy"), (te_fp8, "no_such_query")):
+        with pytest.raises(AttributeError, match=f"has no attribute '{name}': te-core stands in for Transformer "
+                                                 "Engine here and does not provide it"):
+            getattr(module, name)
+        assert not hasattr(module, name)  # integrations probe with hasattr
+    with pytest.raises(ImportError):
+        from transformer_engine.pytorch import parallel_cross_entropy  # noqa: F401
+    assert not hasattr(te, "__wrapped__") and te.Linear is te_core.Linear
