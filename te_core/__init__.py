@@ -38,6 +38,8 @@ from .quantization import (
     autocast,
     fp8_autocast,
     fp8_model_init,
+    get_default_recipe,
+    is_bf16_available,
     is_fp8_available,
     is_fp8_block_scaling_available,
     is_mxfp8_available,
@@ -49,7 +51,8 @@ __all__ = [
     "make_graphed_callables", "install_as_transformer_engine", "pin_host_threads",
     "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "Fp8Padding", "Fp8Unpadding", "LayerNorm", "RMSNorm", "DotProductAttention",
     "MultiheadAttention", "TransformerLayer", "RotaryPositionEmbedding", "apply_rotary_pos_emb", "checkpoint",
-    "checkpoint_context", "init_quantization_state", "autocast", "fp8_autocast", "quantized_model_init", "fp8_model_init", "is_fp8_available",
+    "checkpoint_context", "init_quantization_state", "autocast", "fp8_autocast", "quantized_model_init", "fp8_model_init",
+    "get_default_recipe", "is_bf16_available", "is_fp8_available",
     "is_fp8_block_scaling_available", "is_mxfp8_available",
     "Float8Tensor", "Float8BlockwiseTensor", "MXFP8Tensor", "QuantizedTensor",
 ]

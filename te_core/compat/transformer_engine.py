@@ -121,7 +121,7 @@ def _fp8_module(name: str) -> types.ModuleType:
         setattr(module, attr, globals()[attr])
     module.FP8GlobalStateManager = FP8GlobalStateManager
     for attr in ("autocast", "fp8_autocast", "fp8_model_init", "quantized_model_init", "is_fp8_available",
-                 "is_mxfp8_available", "is_fp8_block_scaling_available"):
+                 "is_mxfp8_available", "is_fp8_block_scaling_available", "get_default_recipe"):
         setattr(module, attr, getattr(te_core, attr))
     for attr in ("Recipe", "DelayedScaling", "Format", "Float8CurrentScaling", "Float8BlockScaling",
                  "MXFP8BlockScaling"):

@@ -6,6 +6,8 @@ from .autocast import (
     fp8_autocast,
     fp8_model_init,
     get_autocast_context,
+    get_default_recipe,
+    is_bf16_available,
     is_fp8_available,
     is_fp8_block_scaling_available,
     is_mxfp8_available,
@@ -27,7 +29,8 @@ from .step import CalibrationStep, HighPrecisionStep, QuantizationStep
 from .tensor import GemmOperand, QuantizedTensor
 
 __all__ = [
-    "AutocastContext", "autocast", "fp8_autocast", "fp8_model_init", "get_autocast_context", "is_fp8_available",
+    "AutocastContext", "autocast", "fp8_autocast", "fp8_model_init", "get_autocast_context", "get_default_recipe",
+    "is_bf16_available", "is_fp8_available",
     "is_fp8_block_scaling_available", "is_mxfp8_available", "quantized_model_init",
     "Float8BlockwiseTensor", "MXFP8Tensor", "Float8Tensor", "QuantizedTensor", "GemmOperand",
     "check_gemm_dims", "keep_columnwise", "dgrad_gemm", "fprop_gemm", "quantized_gemm", "wgrad_gemm",

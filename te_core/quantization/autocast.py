@@ -151,6 +151,31 @@ def _answer(ok: bool, reason: str, return_reason: bool) -> Union[bool, Tuple[boo
     return (ok, reason) if return_reason else ok
 
 
+def get_default_recipe() -> Recipe:
+    """The recipe te.autocast uses when given none: DelayedScaling() with Transformer Engine's
+    defaults (Transformer Engine's get_default_recipe)."""
+    return _DEFAULT_RECIPE
+
+
+def is_bf16_available(return_reason: bool = False) -> Union[bool, Tuple[bool, str]]:
+    """Whether the selected backend's device computes in bfloat16: a bool, or (bool, reason) with
+    return_reason=True, as in Transformer Engine. The device's own answer where its torch device
+    module gives one (is_bf16_supported), else whether a bfloat16 matmul runs there."""
+    be = _backend.get_backend()
+    if be.device_type == "cpu":
+        return _answer(True, "", return_reason)
+    query = getattr(be.device_module, "is_bf16_supported", None)
+    if query is not None:
+        ok = bool(query())
+        return _answer(ok, "" if ok else f"the {be.name} backend's device does not support bfloat16", return_reason)
+    try:
+        probe = torch.ones(2, 2, dtype=torch.bfloat16, device=be.device)
+        (probe @ probe).sum().item()
+    except RuntimeError as err:
+        return _answer(False, f"a bfloat16 matmul fails on the {be.name} backend's device: {err}", return_reason)
+    return _answer(True, "", return_reason)
+
+
 def is_fp8_available(return_reason: bool = False) -> Union[bool, Tuple[bool, str]]:
     """Whether the selected backend runs FP8 (E4M3) on its device: a bool, or (bool, reason)
     with return_reason=True (reason is "" when available), as in Transformer Engine."""

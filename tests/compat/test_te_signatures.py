@@ -164,6 +164,7 @@ IMPLEMENTED = {
     ("quantized_model_init", "call"): {"enabled": COMPAT, "recipe": "modules/test_fp8_modules.py"},
     ("fp8_model_init", "call"): {"enabled": COMPAT, "recipe": COMPAT},
     ("is_fp8_available", "call"): {"return_reason": "compat/test_availability.py"},
+    ("is_bf16_available", "call"): {"return_reason": "compat/test_availability.py"},
     ("Fp8Padding", "__init__"): {"align_size": MODULES + "test_fp8_padding.py"},
     ("Fp8Unpadding", "__init__"): {"align_size": MODULES + "test_fp8_padding.py"},
     ("FusedAdam", "__init__"): {name: OPTIMIZERS for name in (
@@ -228,6 +229,8 @@ CALLS = {
     "quantized_model_init": (None, lambda **kw: te.quantized_model_init(**kw).__enter__()),
     "fp8_model_init": (None, lambda **kw: te.fp8_model_init(**kw).__enter__()),
     "is_fp8_available": (None, lambda **kw: te.is_fp8_available(**kw)),
+    "is_bf16_available": (None, lambda **kw: te.is_bf16_available(**kw)),
+    "get_default_recipe": (None, lambda **kw: te.get_default_recipe(**kw)),
     "Fp8Padding": _module_call(lambda **kw: te.Fp8Padding(2, **kw), lambda: (_x(4, 8), [2, 2])),
     "Fp8Unpadding": _module_call(lambda **kw: te.Fp8Unpadding(2, **kw), lambda: (_x(32, 8), [2, 2])),
     "FusedAdam": (lambda **kw: te.optimizers.FusedAdam([torch.nn.Parameter(_x(4))], **kw), None),
