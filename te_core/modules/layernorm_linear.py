@@ -68,16 +68,16 @@ def norm_settings(module: QuantizedModule) -> dict:
 def fused_outputs(y, shape: torch.Size, out_features: int, bias: Optional[Tensor], ln_out: Optional[Tensor],
                   residual: Optional[Tensor] = None, *, return_bias: bool = False):
     """y shaped like the input of the GEMM, of shape `shape` (last dim out_features; a tuple of
-    split views each shaped so), then, with return_bias, the bias left unapplied (None for a module
-    without one, as Transformer Engine returns it), then the norm's output when it is returned
-    (TE's order), then the residual when asked for: a tensor alone, else a tuple."""
+    split views each shaped so), then, with return_bias, the bias left unapplied in y's dtype (None
+    for a module without one, as Transformer Engine returns it), then the norm's output when it is
+    returned (TE's order), then the residual when asked for: a tensor alone, else a tuple."""
     lead = shape[:-1]
     if isinstance(y, tuple):
         result = (tuple(part.view(*lead, part.shape[-1]) for part in y),)
     else:
         result = (y.view(*lead, out_features),)
     if return_bias:
-        result += (bias,)
+        result += (returned_bias(bias, (y[0] if isinstance(y, tuple) else y).dtype),)
     if ln_out is not None:
         result += (ln_out.view(shape),)
     if residual is not None:
@@ -340,5 +340,4 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
         out, ln_out, residual = unpack_outputs(out, inp, return_ln_out=self.return_layernorm_output,
                                                return_residual=return_residual, residual_fused=residual_fused)
         y = out[0] if split_sizes is None else tuple(out)
-        return fused_outputs(y, gemm_shape, self.out_features, returned_bias(bias, dtype) if self.return_bias else None,
-                             ln_out, residual, return_bias=self.return_bias)
+        return fused_outputs(y, gemm_shape, self.out_features, bias, ln_out, residual, return_bias=self.return_bias)

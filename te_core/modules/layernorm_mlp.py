@@ -35,7 +35,6 @@ from ._common import (
     no_torch_autocast,
     primary_weight,
     reject_unsupported,
-    returned_bias,
 )
 from .layernorm_linear import (
     add_norm_parameters,
@@ -304,5 +303,5 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
                                                return_residual=return_residual, residual_fused=residual_fused)
         if self.tp_size > 1:
             out[0] = tensor_parallel.row_parallel_output(self, out[0], None if self.return_bias else self.fc2_bias)
-        bias = returned_bias(self.fc2_bias, dtype) if self.return_bias else None
-        return fused_outputs(out[0], inp.shape, self.hidden_size, bias, ln_out, residual, return_bias=self.return_bias)
+        return fused_outputs(out[0], inp.shape, self.hidden_size, self.fc2_bias, ln_out, residual,
+                             return_bias=self.return_bias)
