@@ -136,3 +136,10 @@ def test_pinning_moves_both_threads_and_restore_puts_them_back(which):
     assert chosen == (host_threads.default_cpu(mask) if cpu is None else cpu)
     assert during == (frozenset({chosen}), frozenset({chosen}))
     assert after == before
+
+
+def test_a_platform_without_cpu_affinity_is_told_so(monkeypatch):
+    monkeypatch.delattr(os, "sched_setaffinity")
+    for call in (lambda: te.pin_host_threads(device="cpu"), lambda: host_threads.default_cpu(frozenset({0}), {})):
+        with pytest.raises(NotImplementedError, match="needs os.sched_setaffinity, which only Linux has"):
+            call()

@@ -224,3 +224,11 @@ def test_host_pinning_follows_the_flag(monkeypatch, flag, device, world, pinned)
     with demo_main._host_pinning(args, torch.device(device)):
         assert args.pinned_cpu == (5 if pinned else None)
     assert calls == ([torch.device(device), "restored"] if pinned else [])
+
+
+def test_pin_host_thread_without_cpu_affinity_is_refused(monkeypatch, capsys):
+    import os
+
+    monkeypatch.delattr(os, "sched_setaffinity")
+    assert main(["--pin-host-thread", "--steps", "2"]) == 2
+    assert "--pin-host-thread needs CPU affinity (os.sched_setaffinity), which only Linux has" in capsys.readouterr().err
