@@ -54,10 +54,13 @@ def _save_scaling_state(module: nn.Module) -> Dict[int, Tuple[torch.Tensor, torc
 def _restore_scaling_state(module: nn.Module, saved: Dict[int, Tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Undo what warm-up and capture did to the scaling state (their backward passes run on
     uninitialized gradients), in place: the graphs keep pointing at these buffers. State the
-    warm-up created starts fresh (zero history, unit scale), as an eager module's would."""
+    warm-up created starts from zero history and unit scale, and no cast of a graph takes its
+    first scale from its own amax (a replay runs no Python to choose): a graphed module starts
+    from scale 1 as Transformer Engine's does (see QuantizationStep.first_scale)."""
     forward, backward = _scaling_groups(module)
     with torch.no_grad():
         for group in forward + backward:
+            group.settle()
             history, scale = saved.get(id(group), (None, None))
             if history is None:
                 group.amax_history.zero_()

@@ -10,15 +10,17 @@ from typing import Callable, List, Optional
 
 import torch
 
+from ..modules import init_quantization_state
 from .data import BatchSampler
 from .model import GPT, GPTConfig
 from .progress import ProgressBar
 
 RECIPES = ("delayed", "current", "block", "mxfp8")
 
-# Steps left out of the steady-state tokens/s: torch.compile compiles on the first call, CUDA
-# graphs (mode="reduce-overhead") warm up and record on the next two, and eager runs JIT-compile
-# and autotune their Triton kernels on the first calls. None of it recurs in a longer run.
+# Steps left out of the steady-state tokens/s: a compiled run's first step runs eagerly (below),
+# torch.compile compiles on the second, CUDA graphs (mode="reduce-overhead") warm up there and
+# record on the third, and eager runs JIT-compile and autotune their Triton kernels on the first
+# calls. None of it recurs in a longer run.
 SETTLE = 3
 
 
@@ -142,7 +144,7 @@ def train(
     result = RunResult(name)
     bar = ProgressBar(name, cfg.steps, enabled=progress)
     losses = []  # device scalars, read back only when the bar draws: a read waits for the device
-    step_loss = loss_of if compile_options is None else torch.compile(loss_of, **compile_options)
+    compiled = loss_of if compile_options is None else torch.compile(loss_of, **compile_options)
     # CUDA graphs (mode="reduce-overhead") overwrite a step's outputs on the next replay: each
     # step is marked, and the loss kept is a copy.
     graphs = (compile_options or {}).get("mode") == "reduce-overhead"
@@ -154,6 +156,12 @@ def train(
         inputs, targets = runner.local_batch(*sampler.next(device))
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
+        # A compiled run's first step runs eagerly, so that delayed scaling's first casts take
+        # their scales from their own tensors, which a graph cannot do (QuantizationStep.first_scale);
+        # init_quantization_state then marks the state's tensors static for CUDA graphs.
+        step_loss = loss_of if step == 0 else compiled
+        if step == 1 and compile_options is not None and fp8_recipe is not None:
+            init_quantization_state(model, fp8_recipe)
         loss = step_loss(model, inputs, targets, device, fp8_recipe)
         optimizer.zero_grad(set_to_none=True)
         runner.backward(loss)

@@ -7,7 +7,8 @@ That needs one scale on every rank of the group, the whole input's:
 - delayed scaling: the scale comes from the amax history, which the amax reduction keeps
   identical on every rank when it spans the tensor-parallel group (the recipe's reduce_amax with
   te.autocast's amax_reduction_group, the default group when None). Each rank records its shard's
-  amax; the reduction makes it the whole input's. No collective is added.
+  amax; the reduction makes it the whole input's. No collective is added. (A fresh state's first
+  cast takes its scale from its own amax, reduced over the same ranks: QuantizationStep.first_scale.)
 - current scaling: the shard's amax is all-reduced (MAX) over the group before the cast, so the
   scale is the one the cast of the whole input computes (te_core.distributed.fsdp.ShardQuantizer).
 The FP8 bytes then equal those of the whole input quantized after a high-precision gather.

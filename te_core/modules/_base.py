@@ -93,7 +93,9 @@ def init_quantization_state(model: nn.Module, recipe) -> None:
     the first forward under te_core.autocast(recipe=recipe) would: what torch.compile needs
     before its first trace with a recipe that keeps state (DelayedScaling); tracing does it by
     itself (_prepare_untraced). The state's tensors are marked as static inputs, so CUDA graphs
-    capture their in-place updates."""
+    capture their in-place updates. Unlike a state made by an eager forward, whose first casts
+    take their scales from their tensors (QuantizationStep.first_scale), a state made here starts
+    from scale 1, as Transformer Engine's and a compiled graph's do."""
     from torch._dynamo import mark_static_address
 
     for module in model.modules():
@@ -101,6 +103,9 @@ def init_quantization_state(model: nn.Module, recipe) -> None:
             state = module._state_for(recipe)
             state.follow_device(module._state_device())
             for group in state.scaling_groups().values():
+                # A graph cannot branch on which casts come first without recompiling: a state made
+                # here starts from scale 1 as Transformer Engine's does (see QuantizationStep.first_scale).
+                group.settle()
                 # fixed addresses: CUDA graphs (mode="reduce-overhead") replay their in-place updates
                 mark_static_address(group.amax_history)
                 mark_static_address(group.scale)

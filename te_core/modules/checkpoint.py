@@ -41,6 +41,12 @@ def _load_forward_state(
                 live[slot][key].copy_(entry[key])
 
 
+def _has_fresh_forward_scales(module: QuantizedModule) -> bool:
+    state = module._recipe_state
+    return state is not None and any(
+        bool(group.fresh) for role, group in state.scaling_groups().items() if role.direction == "forward")
+
+
 class _StepLog:
     """Per module, the (step, forward scales) of each quantization_step call of one checkpointed
     region, in call order; then, during the recompute, the same steps handed back."""
@@ -49,13 +55,21 @@ class _StepLog:
         self.modules: Dict[int, QuantizedModule] = {}
         self.steps: Dict[int, deque] = {}
         self.replaying = False
+        self.unfinished = []  # (module, entry) whose forward scales are taken when the forward ends
 
     def step(self, module: QuantizedModule, is_first_microbatch):
         key = id(module)
         if not self.replaying:
             step = module.new_quantization_step(is_first_microbatch)
             self.modules[key] = module
-            self.steps.setdefault(key, deque()).append((step, _forward_state(module)))
+            entry = [step, None]
+            if _has_fresh_forward_scales(module):
+                # its first casts set their scales from their own amaxes (QuantizationStep.first_scale):
+                # the scales to replay are those after the forward, taken at the region's end
+                self.unfinished.append((module, entry))
+            else:
+                entry[1] = _forward_state(module)
+            self.steps.setdefault(key, deque()).append(entry)
             return step
         queue = self.steps.get(key)
         if not queue:  # the recompute took a path the forward did not: quantize afresh
@@ -73,6 +87,9 @@ class _StepLog:
             yield
         finally:
             RECOMPUTE.log = outer
+            for module, entry in self.unfinished:
+                entry[1] = _forward_state(module)
+            self.unfinished.clear()
             for key, saved in current.items():
                 _load_forward_state(self.modules[key], saved)
 

@@ -171,6 +171,7 @@ class Float8Quantizer(Quantizer):
         weight, scale, amax = self._by_own_amax(x)
         self.scale.copy_(scale)
         self._record(amax)
+        self.scaling_group.fresh.discard(self.column)
         return weight
 
     def load_primary(self, x: Tensor) -> Float8Tensor:
@@ -201,6 +202,8 @@ class Float8Quantizer(Quantizer):
 
     def observe(self, x: Tensor) -> None:
         self._record(forward_amax_of(x))
+        if not torch.compiler.is_compiling():  # (a traced Function mutates no Python state)
+            self.scaling_group.fresh.discard(self.column)  # the update sets the scale from this amax
 
 
 class Float8CurrentScalingQuantizer(Quantizer):

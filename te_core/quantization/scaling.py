@@ -67,6 +67,10 @@ class ScalingGroup:
         self._column_views: Optional[Tuple[List[Tensor], List[Tensor]]] = None
         self._scale_inv_snapshot: Tuple[Tensor, List[Tensor]] = (self.scale, [])
         self._scale_inv_version = None  # the first cast takes the first snapshot
+        # The columns no cast has scaled from a real amax yet (see QuantizationStep.first_scale): a
+        # fresh state's scale is 1, which flushes the first step's output gradients (1e-7..1e-4
+        # in a model of any size) to zero in E5M2 and casts small weights to E4M3 subnormals.
+        self.fresh = set(range(n))
         # Set (by the module, when torch.compile traces it) once a compiled graph uses the group:
         # in-graph updates write `scale` through kernels that torch's version counter does not
         # see, so eager casts after it take a fresh snapshot each time instead of trusting it.
@@ -142,6 +146,27 @@ class ScalingGroup:
     def scale_inv_of(self, column: int) -> Tensor:
         """The (1,) view of `column` in the current scale_inv snapshot, 16-byte aligned."""
         return self.scale_inv_snapshot()[1][column]
+
+    def settle(self) -> None:
+        """Every column's scale is a real one from now on (loaded, calibrated or set by a cast)."""
+        self.fresh = set()
+
+    def take_first_scale(self, column: int, amax: Tensor) -> None:
+        """Set `column`'s scale from `amax` (a tensor's own, at its first cast): the scale the
+        recipe's update would compute from a history holding only that amax. An amax that is 0,
+        inf or NaN keeps the scale, as the update does. The caller takes `column` out of `fresh`."""
+        scale = self.scale_of(column)
+        amax = amax.reshape(1).float()
+        recipe = self.recipe
+        if recipe.scaling_factor_compute_algo is not None:
+            new = recipe.scaling_factor_compute_algo(amax, scale, self.fp8_max, recipe).reshape(1).float()
+            new = torch.where(torch.isfinite(new) & (new > 0), new, scale)
+        else:
+            new = torch.div(torch.full_like(amax, self.fp8_max), amax) / (2.0 ** recipe.margin)
+            new = torch.where(torch.isfinite(amax) & (amax > 0), new, scale)
+            new = torch.clamp(new, max=torch.finfo(torch.float32).max)  # a tiny amax: float32 max
+        scale.copy_(new)
+        self.scale_changed()
 
     def scale_changed(self) -> None:
         """Call after writing `scale` through a kernel (which does not bump torch's version counter)."""
@@ -237,6 +262,17 @@ def reduce_amaxes(entries: Sequence[Tuple[ScalingGroup, object]]) -> None:
             row.copy_(reduced)
 
 
+def reduce_first_amax(group: ScalingGroup, amax: Tensor, process_group) -> Tensor:
+    """A first cast's own amax (QuantizationStep.first_scale), all-reduced (MAX) over the ranks
+    that reduce `group`'s amaxes, so every rank casts with the same scale from the first step on,
+    as the updates keep them afterwards."""
+    if not group.recipe.reduce_amax or not _distributed_ready():
+        return amax
+    if torch.distributed.get_world_size(group=process_group) == 1:
+        return amax
+    return _all_reduce_fmax(amax.reshape(1), process_group)
+
+
 def _all_reduce_fmax(flat: Tensor, process_group) -> Tensor:
     """all_reduce(MAX) with C's fmaxf semantics whatever the collective library does with NaN
     (libraries differ, and some answer by rank order): a NaN amax travels as -inf, which any
@@ -326,6 +362,13 @@ def forward_amax_of(x: Tensor) -> Tensor:
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     return x.detach().abs().amax().float()
+
+
+def amax_of_parts(x) -> Tensor:
+    """max|x| as a float32 scalar; x may be a list of a gradient's column blocks."""
+    if isinstance(x, (list, tuple)):
+        return torch.stack([forward_amax_of(part) for part in x]).amax()
+    return forward_amax_of(x)
 
 
 def group_state(group: Optional[ScalingGroup]) -> Dict[str, Dict[str, Tensor]]:

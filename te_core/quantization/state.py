@@ -128,6 +128,8 @@ class DelayedScalingState(RecipeState):
             _check_entry(dst, src, what)
         for dst, src, _ in copies:
             dst.copy_(src)
+        for group in self.groups.values():
+            group.settle()
 
     def rebind(self, recipe) -> None:
         super().rebind(recipe)

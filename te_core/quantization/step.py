@@ -22,7 +22,7 @@ from .. import ops
 from .gemm import check_gemm_dims
 from .quantizers import joined
 from .roles import Role
-from .scaling import schedule_backward_update, update_now
+from .scaling import _CAPTURE, amax_of_parts, reduce_first_amax, schedule_backward_update, update_now
 from .tensor import QUANTIZED, QuantizedTensor
 
 
@@ -153,8 +153,36 @@ class QuantizationStep(CalibrationStep):
         self._is_first_microbatch = is_first_microbatch
         self._weight_cache = weight_cache
 
+    def first_scale(self, quantizer, x) -> None:
+        """Where `quantizer` casts for the first time since its state was made, set its scale from
+        x's own amax before the cast (all-reduced over the autocast's
+        amax_reduction_group where the recipe reduces amaxes, so the ranks agree). A fresh
+        delayed-scaling scale is 1 (Transformer Engine's too), which flushes most of the first
+        step's output gradients to zero in E5M2 and casts small weights to subnormals: that one
+        bad step set FP8 training back for hundreds of steps. Scaled by its own amax, the first
+        cast is a current-scaling cast; the history records that amax as usual, so the update
+        after the step sets the same scale. Not fresh: a state loaded from a checkpoint,
+        calibrated (autocast(calibrating=True)), or made by te_core.init_quantization_state (as
+        torch.compile makes it: a graph cannot branch on Python state without recompiling) or
+        captured by te_core.make_graphed_callables (a replay runs no Python)."""
+        if not self._is_fresh(quantizer):
+            return
+        group, column = quantizer.scaling_group, quantizer.column
+        group.fresh.discard(column)
+        amax = reduce_first_amax(group, amax_of_parts(x), self._context.amax_reduction_group)
+        group.take_first_scale(column, amax)
+
+    def _is_fresh(self, quantizer) -> bool:
+        group = quantizer.scaling_group
+        if self._traced or group is None or not group.fresh or _CAPTURE.active:
+            return False
+        # (a quantizer of an FSDP shard has no column, and is never fresh)
+        return getattr(quantizer, "column", None) in group.fresh
+
     def _quantize(self, slot: str, x: Tensor, columnwise: bool) -> QuantizedTensor:
         quantizer = self._state.quantizer(slot)
+        if not self._traced and quantizer.scaling_group is not None and quantizer.scaling_group.fresh:
+            self.first_scale(quantizer, x)
         result = quantizer.quantize(x, columnwise=columnwise and quantizer.wgrad_in_fp8)
         self._used(quantizer)
         return result
@@ -194,6 +222,8 @@ class QuantizationStep(CalibrationStep):
     def grad_operand(self, slot, dy, *, columnwise=False, with_dbias=False):
         quantizer = self._state.quantizer(slot)
         columnwise = columnwise and quantizer.wgrad_in_fp8
+        if not self._traced and quantizer.scaling_group is not None and quantizer.scaling_group.fresh:
+            self.first_scale(quantizer, dy)
         if with_dbias:
             result, dbias = quantizer.quantize_with_dbias(dy, columnwise=columnwise)
         else:
@@ -203,8 +233,11 @@ class QuantizationStep(CalibrationStep):
 
     def fused_cast_args(self, slot: str) -> Optional[dict]:
         quantizer = self._state.quantizer(slot)
-        # a high-precision wgrad reads the op's high-precision output, which a fused cast never writes
-        return quantizer.fused_cast_args() if quantizer.wgrad_in_fp8 else None
+        # a high-precision wgrad reads the op's high-precision output, which a fused cast never
+        # writes; a first cast needs the output's amax before its scale (operand() casts it then)
+        if not quantizer.wgrad_in_fp8 or self._is_fresh(quantizer):
+            return None
+        return quantizer.fused_cast_args()
 
     def wrap_fused(self, slot, data, amax, *, nominal_dtype, columnwise=False, data_t=None):
         quantizer = self._state.quantizer(slot)

@@ -51,6 +51,7 @@ def test_compiled_step_traces_the_twin(twin_backend, decline):
     torch.manual_seed(0)
     eager = te.Linear(64, 32, params_dtype=torch.float32, device="cpu")
     compiled_model = copy.deepcopy(eager)
+    te.init_quantization_state(eager, rec)  # as compiling makes the twin's: both start at scale 1
 
     def step(model, x):
         with te.autocast(recipe=rec):

@@ -110,6 +110,8 @@ def check_compiled_step(ctx, case: Case) -> str:
     rank = dist.get_rank(group)
     rec = RECIPES[case.recipe]() if case.recipe else None
     eager_model, compiled_model = _twins(case, group)
+    if rec is not None:  # the eager twin's state made ahead too: both start from scale 1 (test_first_scale)
+        te.init_quantization_state(eager_model, rec)
 
     def step(model, x):
         if rec is None:

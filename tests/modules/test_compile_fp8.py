@@ -40,6 +40,13 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+def _like_compiled(eager_model, rec):
+    """Make the eager twin's state ahead, as torch.compile makes the compiled one's: both then
+    start from scale 1 (a state made by an eager forward scales its first casts by their own
+    amaxes, which a graph does not; see test_first_scale)."""
+    te.init_quantization_state(eager_model, rec)
+
+
 def _step_fn(rec):
     def step(model, x):
         with te.autocast(recipe=rec):
@@ -116,6 +123,7 @@ def test_inductor_updates_histories_in_place():
     rec = recipe.DelayedScaling(amax_history_len=history_len)
     eager_model = MODULES["TransformerLayer"]()
     compiled_model = copy.deepcopy(eager_model)
+    _like_compiled(eager_model, rec)
     te.init_quantization_state(compiled_model, rec)
     before = [(name, t, t.data_ptr()) for name, t in _state_tensors(compiled_model)]
     assert {tuple(t.shape) for name, t, _ in before if name.endswith("amax_history")} == {(history_len, 1), (history_len, 2)}
@@ -146,6 +154,7 @@ def _check_against_eager(name, module, backend):
     rec = RECIPES[name]()
     eager_model = MODULES[module]()
     compiled_model = copy.deepcopy(eager_model)  # its scaling state is made when first traced
+    _like_compiled(eager_model, rec)
     step = _step_fn(rec)
     compiled = torch.compile(step, backend=backend, fullgraph=True)
     for i in range(STEPS):
@@ -169,6 +178,7 @@ def test_compiled_model_under_eager_autocast(name):
     rec = RECIPES[name]()
     eager_model = torch.nn.Sequential(MODULES["LayerNormMLP"](), tm.Linear(HIDDEN, HIDDEN))
     compiled_model = copy.deepcopy(eager_model)
+    _like_compiled(eager_model, rec)
     te.init_quantization_state(compiled_model, rec)
     compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
 
@@ -204,6 +214,7 @@ def test_weight_caching_matches_eager(name, module):
     rec = RECIPES[name]()
     eager_model = MODULES[module]()
     compiled_model = copy.deepcopy(eager_model)
+    _like_compiled(eager_model, rec)
     te.init_quantization_state(compiled_model, rec)
 
     def step(model, x, first):
@@ -226,6 +237,7 @@ def test_recipe_with_callables():
     torch.manual_seed(0)
     eager_model = MODULES["Linear"]()
     compiled_model = copy.deepcopy(eager_model)
+    _like_compiled(eager_model, rec)
     step = _step_fn(rec)
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     for i in range(STEPS):  # (the rebinding costs one retrace at the second step)
@@ -267,6 +279,7 @@ def test_wgrad_override_compiles_like_eager(module):
     rec = recipe.DelayedScaling(amax_history_len=4, override_linear_precision=(False, False, True))
     eager_model = MODULES[module]()
     compiled_model = copy.deepcopy(eager_model)
+    _like_compiled(eager_model, rec)
     step = _step_fn(rec)
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     for i in range(STEPS):

@@ -108,6 +108,7 @@ def _assert_equal(got, want, what):
 def test_graphed_model_matches_eager_steps(eager_graphs, name, rec_name):
     rec = RECIPES[rec_name]()
     model, eager, x = _twins(MODELS[name])
+    te.init_quantization_state(eager, rec)  # graphed modules start at scale 1, as a state made ahead does
     graphed = te.make_graphed_callables(model, (x,), num_warmup_iters=2, enabled=True, recipe=rec)
     assert graphed is model
     for step in range(STEPS):
@@ -131,6 +132,8 @@ def test_weight_cache_refreshed_on_first_microbatch_and_reused_after(eager_graph
     rec = RECIPES[rec_name]()
     model, eager, x = _twins(MODELS["mlp"])
     fresh = copy.deepcopy(eager)  # quantizes every call (is_first_microbatch=None)
+    for m in (eager, fresh):
+        te.init_quantization_state(m, rec)  # graphed modules start at scale 1, as a state made ahead does
     graphed = te.make_graphed_callables(model, (x,), enabled=True, recipe=rec, cache_quantized_params=True)
     for step, first in enumerate((True, False, False, True, False)):
         if step:
@@ -190,6 +193,7 @@ def test_tuple_of_modules_with_fp8_per_module(eager_graphs):
     torch.manual_seed(0)
     first, second = te.Linear(HIDDEN, FFN, params_dtype=torch.float32), te.Linear(FFN, HIDDEN, params_dtype=torch.float32)
     eager_first, eager_second = copy.deepcopy(first), copy.deepcopy(second)
+    te.init_quantization_state(eager_first, rec)  # graphed modules start at scale 1, as a state made ahead does
     x, h = _input().requires_grad_(), torch.randn(SEQ, BATCH, FFN, requires_grad=True)
     graphed = te.make_graphed_callables((first, second), ((x,), (h,)), enabled=(True, False), recipe=rec)
     assert graphed == (first, second)
@@ -269,6 +273,7 @@ def test_quantized_model_init_weights_under_capture(eager_graphs, rec_name):
     requantize them in place, and the graphed steps equal eager ones."""
     rec = RECIPES[rec_name]()
     model, eager = _quantized_model(rec), _quantized_model(rec)
+    te.init_quantization_state(eager, rec)  # graphed modules start at scale 1, as a state made ahead does
     assert any(isinstance(p, te.quantization.QuantizedTensor) for p in model.parameters())
     sample = torch.randn(SEQ * BATCH, HIDDEN, requires_grad=True)
     graphed = te.make_graphed_callables(model, (sample,), enabled=True, recipe=rec)
@@ -285,6 +290,7 @@ def test_quantized_model_init_weights_compile_fullgraph(rec_name):
     torch._dynamo.reset()
     rec = RECIPES[rec_name]()
     model, eager = _quantized_model(rec), _quantized_model(rec)
+    te.init_quantization_state(eager, rec)  # as compiling makes model's: both start at scale 1
     compiled = torch.compile(_autocast_call(model, rec), fullgraph=True)
     try:
         with torch.no_grad():
@@ -321,6 +327,8 @@ def test_quantized_model_init_weights_train_compiled(rec_name):
         return model
 
     model, eager = build(), build()
+
+    te.init_quantization_state(eager, rec)  # as compiling makes model's: both start at scale 1
     assert sum(isinstance(p, te.quantization.QuantizedTensor) for p in model.parameters()) == 4
     try:
         got = _train(model, torch.compile(_autocast_call(model, rec), fullgraph=True), rec, STEPS)
@@ -349,6 +357,8 @@ def test_transformer_layer_fp8_weights_train_compiled(rec_name):
                                        attention_dropout=0.0, params_dtype=torch.float32)
 
     model, eager = build(), build()
+
+    te.init_quantization_state(eager, rec)  # as compiling makes model's: both start at scale 1
     assert sum(isinstance(p, te.quantization.QuantizedTensor) for p in model.parameters()) == 4
     tol = dict(rtol=1.3e-6, atol=1e-5) if te.get_backend().name == "reference" else dict(rtol=0.125, atol=0.0675)
     try:
@@ -385,6 +395,8 @@ def test_grouped_linear_fp8_weights_train_compiled(rec_name):
         return step
 
     model, eager = build(), build()
+
+    te.init_quantization_state(eager, rec)  # as compiling makes model's: both start at scale 1
     try:
         got = _train(model, torch.compile(call(model), fullgraph=True), rec, STEPS, rows=64)
         want = _train(eager, call(eager), rec, STEPS, rows=64)

@@ -34,13 +34,20 @@ def test_one_coalesced_all_reduce_per_step(gen, counted_all_reduce):
     layers = [Linear(16, 16) for _ in range(3)]
     group = object()
     x = randn(gen, 16, 16).requires_grad_()
-    with autocast(recipe=DelayedScaling(amax_history_len=2), amax_reduction_group=group):
-        y = x
-        for layer in layers:
-            y = layer(y)
-    assert counted_all_reduce == [{"numel": 6, "op": dist.ReduceOp.MAX, "group": group}]  # 3 inputs + 3 weights
-    y.sum().backward()
-    assert len(counted_all_reduce) == 2 and counted_all_reduce[1]["numel"] == 3  # the 3 grad_outputs, once
+    reduction = {"op": dist.ReduceOp.MAX, "group": group}
+    for step in range(2):
+        counted_all_reduce.clear()
+        with autocast(recipe=DelayedScaling(amax_history_len=2), amax_reduction_group=group):
+            y = x
+            for layer in layers:
+                y = layer(y)
+        # the first step's first casts each reduce their own amax first (3 inputs, 3 weights)
+        first = [dict(reduction, numel=1)] * 6 if step == 0 else []
+        assert counted_all_reduce == first + [dict(reduction, numel=6)]  # then one for 3 inputs + 3 weights
+        counted_all_reduce.clear()
+        y.sum().backward()
+        first = [dict(reduction, numel=1)] * 3 if step == 0 else []
+        assert counted_all_reduce == first + [dict(reduction, numel=3)]  # the 3 grad_outputs, once
 
 
 def test_reduce_amax_false_or_one_rank_skips_the_reduction(gen, counted_all_reduce):

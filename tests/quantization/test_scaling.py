@@ -132,8 +132,9 @@ def test_each_step_casts_with_earlier_scale_and_records_amax(gen, monkeypatch):
             assert row0 == x.abs().max()
         amaxes.append(x.abs().max())
         x_q = seen[-1][0]
-        scale = scales_before[-1] if scales_before[-1] is not None else torch.ones(1)
-        assert x_q._scale_inv == torch.reciprocal(scale)  # the scale from earlier steps
+        # the scale from earlier steps; a fresh state's first cast: its own amax's
+        scale = scales_before[-1] if scales_before[-1] is not None else torch.full((1,), E4M3_MAX) / amaxes[0]
+        assert x_q._scale_inv == torch.reciprocal(scale)
         want_data, _ = ops.quantize_fp8(x, scale, torch.float8_e4m3fn)
         assert torch.equal(x_q._data.view(torch.uint8), want_data.view(torch.uint8))  # bit exact
         state = layer.quantization_state()["forward"]["input"]
@@ -146,6 +147,10 @@ def test_each_step_casts_with_earlier_scale_and_records_amax(gen, monkeypatch):
 
 def test_forward_update_at_outermost_exit_only(gen):
     layer = Linear(16, 16)
+    first = randn(gen, 16, 16)
+    with autocast(recipe=DelayedScaling(amax_history_len=2)):
+        layer(first)
+    before = layer.quantization_state()["forward"]["input"]["scale"].clone()
     x = randn(gen, 16, 16, scale=4.0)
     with autocast(recipe=DelayedScaling(amax_history_len=2)):
         with autocast(recipe=DelayedScaling(amax_history_len=2)):
@@ -153,7 +158,7 @@ def test_forward_update_at_outermost_exit_only(gen):
         inner_exit = layer.quantization_state()["forward"]["input"]["scale"].clone()
         with autocast(enabled=False):
             layer(x)  # high precision inside: still updates at the outermost exit
-    assert inner_exit == 1.0
+    assert inner_exit == before
     assert_scale(layer.quantization_state()["forward"]["input"]["scale"], E4M3_MAX, x.abs().max())
 
 
@@ -163,13 +168,17 @@ def test_backward_update_at_end_of_backward(gen):
     dy = randn(gen, 16, 16, scale=3.0)
     recipe = DelayedScaling(amax_history_len=2)
     with autocast(recipe=recipe):
+        layer(x).backward(dy / 8)  # a first step: its scale comes from that gradient's amax
+    before = layer.quantization_state()["backward"]["grad_output"]["scale"].clone()
+    assert_scale(before, E5M2_MAX, (dy / 8).abs().max())
+    with autocast(recipe=recipe):
         y = layer(x)
     seen_during = []
     x.register_hook(lambda g: seen_during.append(
         {k: v.clone() for k, v in layer.quantization_state()["backward"]["grad_output"].items()}))
     y.backward(dy)
     during = seen_during[0]
-    assert during["scale"] == 1.0 and during["amax_history"][0] == dy.abs().max()  # recorded, not yet updated
+    assert during["scale"] == before and during["amax_history"][0] == dy.abs().max()  # recorded, not yet updated
     after = layer.quantization_state()["backward"]["grad_output"]
     assert_scale(after["scale"], E5M2_MAX, dy.abs().max())  # HYBRID: gradients in E5M2
     assert after["amax_history"][0] == 0 and after["amax_history"][1] == dy.abs().max()

@@ -59,9 +59,12 @@ def _state(model):
 def _linear_pair(name, mode=None):
     """(eager step, a Linear for it, the compiled step, an identical Linear for that)."""
     torch._dynamo.reset()
-    step = _step(RECIPES[name]())
+    rec = RECIPES[name]()
+    step = _step(rec)
     eager = te.Linear(256, 512, params_dtype=torch.bfloat16, device="cuda")
-    return step, eager, torch.compile(step, fullgraph=True, mode=mode), copy.deepcopy(eager)
+    twin = copy.deepcopy(eager)
+    te.init_quantization_state(eager, rec)  # as compiling makes the twin's: both start at scale 1
+    return step, eager, torch.compile(step, fullgraph=True, mode=mode), twin
 
 
 def _step_inputs(i):

@@ -342,6 +342,8 @@ def _compare_compiled(make, rec, device, dtype, backend_fn, rope=None, mode=None
     torch.manual_seed(0)
     eager = make(device, dtype)
     compiled_model = copy.deepcopy(eager)
+    if rec is not None:  # as compiling makes the twin's: both start at scale 1
+        te.init_quantization_state(eager, rec)
     step = _step(rec, rope)
     compiled = torch.compile(step, fullgraph=True, backend=backend_fn, mode=mode)
     results = []
@@ -382,7 +384,8 @@ def test_inductor_writes_the_history_slots_in_place(cpu_twins_backend):
     rec = recipe.DelayedScaling(amax_history_len=4)
     eager = MODULES["LayerNormMLP"]("cpu", torch.float32)
     compiled_model = copy.deepcopy(eager)
-    te.init_quantization_state(compiled_model, rec)
+    for model in (eager, compiled_model):  # both start at scale 1, as compiling makes a state
+        te.init_quantization_state(model, rec)
     histories = [g.amax_history for g in compiled_model._recipe_state.scaling_groups().values()]
     step = _step(rec, None)
     compiled = torch.compile(step, fullgraph=True)

@@ -46,7 +46,8 @@ def test_slot_writes_stay_in_the_histories_under_inductor(cpu_backend_writing_sl
     rec = recipe.DelayedScaling(amax_history_len=HISTORY)
     eager = te.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0)
     compiled_model = copy.deepcopy(eager)
-    te.init_quantization_state(compiled_model, rec)
+    for model in (eager, compiled_model):  # both start at scale 1, as compiling makes a state
+        te.init_quantization_state(model, rec)
     before = _histories(compiled_model)
 
     def step(model, x):

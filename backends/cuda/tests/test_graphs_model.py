@@ -97,6 +97,7 @@ def _compare(got, want, what, exact=True):
 def test_graphed_model_matches_eager_steps(name, rec_name):
     rec = RECIPES[rec_name]()
     model, eager = _twins(MODELS[name])
+    te.init_quantization_state(eager, rec)  # graphed modules start at scale 1, as a state made ahead does
     sample = _data(0, SEQ, BATCH, HIDDEN).requires_grad_()
     graphed = te.make_graphed_callables(model, (sample,), num_warmup_iters=3, enabled=True, recipe=rec)
     exact = name == "mlp"
@@ -119,6 +120,7 @@ def test_weight_cache_across_microbatches(rec_name):
     weights cached by the step's first microbatch, as eager with is_first_microbatch=False."""
     rec = RECIPES[rec_name]()
     model, eager = _twins(_mlp)
+    te.init_quantization_state(eager, rec)  # graphed modules start at scale 1, as a state made ahead does
     sample = _data(0, SEQ, BATCH, HIDDEN).requires_grad_()
     graphed = te.make_graphed_callables(model, (sample,), enabled=True, recipe=rec, cache_quantized_params=True)
     fresh_outputs_differ = []
@@ -164,6 +166,7 @@ def _train(model, rec, steps):
 def test_quantized_model_init_weights_under_capture(rec_name):
     rec = RECIPES[rec_name]()
     model, eager = _quantized_model(rec), _quantized_model(rec)
+    te.init_quantization_state(eager, rec)  # graphed modules start at scale 1, as a state made ahead does
     for m in (model, eager):
         for p in m.parameters():
             p.grad = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
@@ -178,6 +181,7 @@ def test_tuple_of_modules_with_fp8_per_module():
     first = te.Linear(HIDDEN, FFN, params_dtype=DTYPE, device="cuda")
     second = te.Linear(FFN, HIDDEN, params_dtype=DTYPE, device="cuda")
     eager_first, eager_second = copy.deepcopy(first), copy.deepcopy(second)
+    te.init_quantization_state(eager_first, rec)  # graphed modules start at scale 1, as a state made ahead does
     for m in (first, second, eager_first, eager_second):
         for p in m.parameters():
             p.grad = torch.zeros_like(p)
