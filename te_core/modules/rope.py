@@ -64,22 +64,62 @@ class _RopeFunction(torch.autograd.Function):
 
 
 def apply_rotary_pos_emb(
-    t: Tensor, freqs: Tensor, tensor_format: str = "sbhd", interleaved: bool = False, fused: bool = True, **kwargs
+    t: Tensor,
+    freqs: Tensor,
+    tensor_format: str = "sbhd",
+    start_positions: Optional[Tensor] = None,
+    interleaved: bool = False,
+    fused: bool = True,
+    **kwargs,
 ) -> Tensor:
-    """Rotate t ((s, b, h, d) or (b, s, h, d)) by freqs ((s_max, 1, 1, r) float32, s_max >= s)."""
-    if kwargs:  # start_positions, cu_seqlens, cp_size, cp_rank
+    """Rotate t ((s, b, h, d) or (b, s, h, d)) by freqs ((s_max, 1, 1, r) float32, s_max >= s),
+    Transformer Engine's arguments in its order. `start_positions` (b,): sequence i is rotated
+    from position start_positions[i] on (a KV cache's next tokens), so s_max must reach the
+    largest start plus s."""
+    if kwargs:  # cu_seqlens, cp_size, cp_rank
         reject_unsupported("apply_rotary_pos_emb", **kwargs)
     check_choice(tensor_format, ("sbhd", "bshd"), name="tensor_format", module="apply_rotary_pos_emb")
     if t.dim() != 4:
         raise ValueError(f"apply_rotary_pos_emb: t must be 4-D ({tensor_format}), got shape {tuple(t.shape)}")
     seq = t.shape[0] if tensor_format == "sbhd" else t.shape[1]
+    if start_positions is not None:
+        return _rotate_from(t, freqs, tensor_format, start_positions, interleaved, seq)
     if freqs.dim() != 4 or freqs.shape[0] < seq or freqs.shape[-1] > t.shape[-1]:
         raise ValueError(
             f"apply_rotary_pos_emb: freqs of shape {tuple(freqs.shape)} do not fit t of shape {tuple(t.shape)} "
             f"(need (>= {seq}, 1, 1, <= {t.shape[-1]}))"
         )
+    # interleaved: the angles as Transformer Engine's RotaryPositionEmbedding lays them out,
+    # [f0, f0, f1, f1, ...], which the op contract reads as they are
     freqs = freqs[:seq].float()
-    if interleaved:  # the contract reads the first r/2 angles of an interleaved rotation
-        freqs = freqs[..., 0::2]
-        freqs = torch.cat((freqs, freqs), dim=-1)
     return _RopeFunction.apply(t.contiguous(), freqs.contiguous(), tensor_format, interleaved)
+
+
+def _rotate_from(t: Tensor, freqs: Tensor, tensor_format: str, start_positions, interleaved: bool,
+                 seq: int) -> Tensor:
+    """Each sequence of the batch rotated by the angles from its own start on: one rotation per
+    distinct start (the backend's kernel takes one set of angles for the whole batch). Reading
+    the starts waits for the device, as Transformer Engine's own check of them does."""
+    batch_dim = 1 if tensor_format == "sbhd" else 0
+    batch = t.shape[batch_dim]
+    if not isinstance(start_positions, Tensor) or start_positions.dim() != 1 or start_positions.numel() != batch \
+            or start_positions.is_floating_point() or start_positions.is_complex():
+        got = (f"a {start_positions.dtype} tensor of shape {tuple(start_positions.shape)}"
+               if isinstance(start_positions, Tensor) else type(start_positions).__name__)
+        raise ValueError(f"apply_rotary_pos_emb: start_positions must be an integer tensor of shape ({batch},), "
+                         f"one start per sequence of t {tuple(t.shape)}; got {got}")
+    starts = [int(v) for v in start_positions.tolist()]
+    if min(starts) < 0 or max(starts) + seq > freqs.shape[0]:
+        raise ValueError(
+            f"apply_rotary_pos_emb: start_positions reach position {max(starts) + seq - 1} (start {max(starts)} + "
+            f"{seq} tokens) and start at {min(starts)}, but freqs hold positions 0..{freqs.shape[0] - 1}: make the "
+            "rotary embedding for at least the longest sequence, e.g. RotaryPositionEmbedding(dim)(max_seq_len)")
+    out = [None] * batch
+    for start in sorted(set(starts)):
+        rows = [i for i, s in enumerate(starts) if s == start]
+        index = torch.tensor(rows, device=t.device)
+        part = apply_rotary_pos_emb(t.index_select(batch_dim, index), freqs[start:], tensor_format,
+                                    interleaved=interleaved)
+        for j, i in enumerate(rows):
+            out[i] = part.narrow(batch_dim, j, 1)
+    return torch.cat(out, dim=batch_dim)

@@ -1,0 +1,95 @@
+"""apply_rotary_pos_emb(start_positions=...): each sequence of the batch rotated from its own
+start position (Transformer Engine's argument, for a KV cache's next tokens), in Transformer
+Engine's argument order."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import te_core.modules as tm
+
+SEQ, BATCH, HEADS, DIM = 5, 4, 2, 16
+
+
+def _expected(t, starts, tensor_format, interleaved, base=10000.0):
+    """The rotation computed in float64 from the positions themselves."""
+    x = t.double() if tensor_format == "bshd" else t.double().transpose(0, 1)  # (b, s, h, d)
+    inv = 1.0 / base ** (torch.arange(0, DIM, 2, dtype=torch.float64) / DIM)
+    out = torch.empty_like(x)
+    for i, start in enumerate(starts):
+        angles = torch.outer(torch.arange(start, start + SEQ, dtype=torch.float64), inv)  # (s, d/2)
+        cos, sin = torch.cos(angles)[:, None, :], torch.sin(angles)[:, None, :]
+        if interleaved:
+            even, odd = x[i, ..., 0::2], x[i, ..., 1::2]
+            out[i, ..., 0::2], out[i, ..., 1::2] = even * cos - odd * sin, odd * cos + even * sin
+        else:
+            a, b = x[i, ..., : DIM // 2], x[i, ..., DIM // 2:]
+            out[i] = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    return out if tensor_format == "bshd" else out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_each_sequence_from_its_start(tensor_format, interleaved):
+    torch.manual_seed(0)
+    shape = (SEQ, BATCH, HEADS, DIM) if tensor_format == "sbhd" else (BATCH, SEQ, HEADS, DIM)
+    t = torch.randn(shape, requires_grad=True)
+    starts = [3, 0, 7, 3]  # repeated and distinct starts
+    freqs = tm.RotaryPositionEmbedding(DIM, interleaved=interleaved)(16)
+    y = tm.apply_rotary_pos_emb(t, freqs, tensor_format, start_positions=torch.tensor(starts),
+                                interleaved=interleaved)
+    want = _expected(t.detach(), starts, tensor_format, interleaved)
+    torch.testing.assert_close(y.double(), want, rtol=1.3e-6, atol=1e-5)
+    # the gradient is the inverse rotation of the output gradient (float64 autograd of the same)
+    dy = torch.randn(shape)
+    y.backward(dy)
+    t64 = t.detach().double().requires_grad_()
+    _expected(t64, starts, tensor_format, interleaved).backward(dy.double())
+    torch.testing.assert_close(t.grad.double(), t64.grad, rtol=1.3e-6, atol=1e-5)
+
+
+def test_starts_of_zero_equal_no_starts():
+    torch.manual_seed(1)
+    t = torch.randn(SEQ, BATCH, HEADS, DIM)
+    freqs = tm.RotaryPositionEmbedding(DIM)(SEQ)
+    got = tm.apply_rotary_pos_emb(t, freqs, start_positions=torch.zeros(BATCH, dtype=torch.int64))
+    assert torch.equal(got, tm.apply_rotary_pos_emb(t, freqs))
+
+
+def test_transformer_engine_argument_order():
+    """TE's order is (t, freqs, tensor_format, start_positions, interleaved, fused, ...): a fifth
+    positional argument is `interleaved`, a fourth the starts."""
+    torch.manual_seed(2)
+    t = torch.randn(SEQ, BATCH, HEADS, DIM)
+    freqs = tm.RotaryPositionEmbedding(DIM, interleaved=True)(8)
+    by_position = tm.apply_rotary_pos_emb(t, freqs, "sbhd", torch.tensor([1, 2, 3, 0]), True)
+    by_name = tm.apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=torch.tensor([1, 2, 3, 0]),
+                                      interleaved=True)
+    assert torch.equal(by_position, by_name)
+    torch.testing.assert_close(by_position.double(), _expected(t, [1, 2, 3, 0], "sbhd", True), rtol=1.3e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("starts, match", [
+    (torch.tensor([0, 1, 2]), r"shape \(4,\)"),  # one per sequence
+    (torch.tensor([0.0, 1.0, 2.0, 3.0]), "integer tensor"),
+    ([0, 1, 2, 3], "integer tensor"),
+    (torch.tensor([0, 1, 2, 12]), "reach position 16"),  # 12 + 5 tokens > the 16 positions of freqs
+    (torch.tensor([0, -1, 2, 3]), "start at -1"),
+])
+def test_bad_starts_say_what_is_wrong(starts, match):
+    t = torch.randn(SEQ, BATCH, HEADS, DIM)
+    freqs = tm.RotaryPositionEmbedding(DIM)(16)
+    with pytest.raises(ValueError, match=match):
+        tm.apply_rotary_pos_emb(t, freqs, start_positions=starts)
+
+
+@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd"])
+def test_interleaved_rotates_pairs_as_transformer_engine(tensor_format):
+    """Interleaved (GPT-J): channels (2k, 2k+1) rotate as a pair by angle f_k, with the angles in
+    RotaryPositionEmbedding(interleaved=True)'s layout [f0, f0, f1, f1, ...]."""
+    torch.manual_seed(3)
+    shape = (SEQ, BATCH, HEADS, DIM) if tensor_format == "sbhd" else (BATCH, SEQ, HEADS, DIM)
+    t = torch.randn(shape)
+    freqs = tm.RotaryPositionEmbedding(DIM, interleaved=True)(SEQ)
+    got = tm.apply_rotary_pos_emb(t, freqs, tensor_format, interleaved=True)
+    torch.testing.assert_close(got.double(), _expected(t, [0] * BATCH, tensor_format, True), rtol=1.3e-6, atol=1e-5)
