@@ -34,7 +34,7 @@ _NOT_IMPLEMENTED = {
     },
     "parameter and weight-gradient layouts": {
         "single_grouped_weight": (False,), "single_grouped_bias": (False,),
-        "use_grouped_tensor": (None, False), "checkpoint": (False,),
+        "use_grouped_tensor": (None, False),
     },
     "FP8 tensors passed between modules": {"fp8_output": (False,), "fp8_grad": (False,), "out": (None,),
                                            "dgrad_out": (None,)},

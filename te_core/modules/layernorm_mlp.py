@@ -21,6 +21,7 @@ from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_o
 from . import _saved
 from ._activation import activation_op, split_activation
 from ._base import QuantizedModule
+from .checkpoint import checkpoint as recompute
 from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
 from ._wgrad import weight_grad
@@ -211,7 +212,14 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
         name = "LayerNormMLP"
         set_parallel_mode = kwargs.pop("set_parallel_mode", False)
         act = activation_op(activation, kwargs.pop("activation_params", None), name)
+        checkpoint = kwargs.pop("checkpoint", False)
         reject_unsupported(name, **kwargs)
+        if not isinstance(checkpoint, bool):
+            raise TypeError(f"{name}: checkpoint must be a bool, got {type(checkpoint).__name__}")
+        if checkpoint and delay_wgrad_compute:
+            raise NotImplementedError(f"{name}: checkpoint=True with delay_wgrad_compute=True is not supported: "
+                                      "the recompute would run inside backward(), after which backward_dw() expects "
+                                      "the kept operands; use one of the two")
         super().__init__(SLOTS, device=device, params_dtype=params_dtype)
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         tensor_parallel.init_tensor_parallel(
@@ -250,6 +258,9 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
         if self.fc1_bias is not None:
             tensor_parallel.model_parallel_attributes(self.fc1_bias, 0)
         self.init_delayed_wgrad(delay_wgrad_compute, name)
+        # Transformer Engine's selective recompute: keep only the input for the backward and run
+        # the forward again there (te_core.checkpoint: FP8-exact, delayed scales of that forward)
+        self.checkpoint = checkpoint
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -262,7 +273,14 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
 
     def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None, *, return_residual: bool = False):
         """`return_residual` (te-core): also return `inp` itself (last), to be the block's
-        residual: its gradient is then summed into the input's inside the norm's backward."""
+        residual: its gradient is then summed into the input's inside the norm's backward.
+        With checkpoint=True the backward recomputes the whole forward (fc2 included, which
+        Transformer Engine skips) instead of keeping its activations."""
+        if self.checkpoint and torch.is_grad_enabled():
+            return recompute(self._forward, inp, is_first_microbatch, return_residual=return_residual)
+        return self._forward(inp, is_first_microbatch, return_residual=return_residual)
+
+    def _forward(self, inp: Tensor, is_first_microbatch: Optional[bool], *, return_residual: bool):
         check_input(inp, self.hidden_size, module="LayerNormMLP", device=self.fc1_weight.device)
         dtype = compute_dtype(inp)
         step = self.quantization_step(is_first_microbatch)

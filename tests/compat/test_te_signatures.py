@@ -60,7 +60,7 @@ IMPLEMENTED = {
         **TENSOR_PARALLEL, "set_parallel_mode": DIST + "test_errors.py",
         "activation_params": MODULES + "test_layernorm_linear.py",
         "fuse_wgrad_accumulation": MODULES + "test_fuse_wgrad.py",
-        "delay_wgrad_compute": MODULES + "test_delay_wgrad.py",
+        "delay_wgrad_compute": MODULES + "test_delay_wgrad.py", "checkpoint": MODULES + "test_mlp_checkpoint.py",
     },
     ("LayerNormMLP", "forward"): {"is_first_microbatch": MODULES + "test_fp8_modules.py"},
     ("GroupedLinear", "__init__"): {
