@@ -156,16 +156,7 @@ class ScalingGroup:
         recipe's update would compute from a history holding only that amax. An amax that is 0,
         inf or NaN keeps the scale, as the update does. The caller takes `column` out of `fresh`."""
         scale = self.scale_of(column)
-        amax = amax.reshape(1).float()
-        recipe = self.recipe
-        if recipe.scaling_factor_compute_algo is not None:
-            new = recipe.scaling_factor_compute_algo(amax, scale, self.fp8_max, recipe).reshape(1).float()
-            new = torch.where(torch.isfinite(new) & (new > 0), new, scale)
-        else:
-            new = torch.div(torch.full_like(amax, self.fp8_max), amax) / (2.0 ** recipe.margin)
-            new = torch.where(torch.isfinite(amax) & (amax > 0), new, scale)
-            new = torch.clamp(new, max=torch.finfo(torch.float32).max)  # a tiny amax: float32 max
-        scale.copy_(new)
+        scale.copy_(_scale_for(self, amax.reshape(1).float(), scale))
         self.scale_changed()
 
     def scale_changed(self) -> None:
@@ -314,15 +305,20 @@ def _custom_update(group: ScalingGroup) -> None:
         amax = _user_result(algo(history), scale, "amax_compute_algo", "the (L, n) amax history").float()
     else:
         amax = history_amax(history, algo).clone()
-    if recipe.scaling_factor_compute_algo is not None:
-        new_scale = _user_result(recipe.scaling_factor_compute_algo(amax, scale, group.fp8_max, recipe),
-                                 scale, "scaling_factor_compute_algo", "(amax, scale, fp8_max, recipe)").float()
-        new_scale = torch.where(torch.isfinite(new_scale) & (new_scale > 0), new_scale, scale)
-    else:
-        new_scale = scale_from_amax(amax, scale, group.fp8_max, recipe.margin)
     stepped = history[0] != 0
-    scale.copy_(torch.where(stepped, new_scale, scale))
+    scale.copy_(torch.where(stepped, _scale_for(group, amax, scale), scale))
     roll_history(history, stepped)
+
+
+def _scale_for(group: ScalingGroup, amax: Tensor, scale: Tensor) -> Tensor:
+    """The recipe's scale for `amax` (the default formula, or its scaling_factor_compute_algo),
+    `scale` kept where the result would not be finite and positive."""
+    recipe = group.recipe
+    if recipe.scaling_factor_compute_algo is None:
+        return scale_from_amax(amax, scale, group.fp8_max, recipe.margin)
+    new_scale = _user_result(recipe.scaling_factor_compute_algo(amax, scale, group.fp8_max, recipe),
+                             scale, "scaling_factor_compute_algo", "(amax, scale, fp8_max, recipe)").float()
+    return torch.where(torch.isfinite(new_scale) & (new_scale > 0), new_scale, scale)
 
 
 def _user_result(result, scale: Tensor, name: str, given: str) -> Tensor:

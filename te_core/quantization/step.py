@@ -154,8 +154,8 @@ class QuantizationStep(CalibrationStep):
         self._weight_cache = weight_cache
 
     def first_scale(self, quantizer, x) -> None:
-        """Where `quantizer` casts for the first time since its state was made, set its scale from
-        x's own amax before the cast (all-reduced over the autocast's
+        """For a quantizer that casts for the first time since its state was made (_is_fresh),
+        set its scale from x's own amax before the cast (all-reduced over the autocast's
         amax_reduction_group where the recipe reduces amaxes, so the ranks agree). A fresh
         delayed-scaling scale is 1 (Transformer Engine's too), which flushes most of the first
         step's output gradients to zero in E5M2 and casts small weights to subnormals: that one
@@ -165,14 +165,13 @@ class QuantizationStep(CalibrationStep):
         calibrated (autocast(calibrating=True)), or made by te_core.init_quantization_state (as
         torch.compile makes it: a graph cannot branch on Python state without recompiling) or
         captured by te_core.make_graphed_callables (a replay runs no Python)."""
-        if not self._is_fresh(quantizer):
-            return
         group, column = quantizer.scaling_group, quantizer.column
         group.fresh.discard(column)
         amax = reduce_first_amax(group, amax_of_parts(x), self._context.amax_reduction_group)
         group.take_first_scale(column, amax)
 
     def _is_fresh(self, quantizer) -> bool:
+        # cheap tests first: this runs on every cast (traced, dynamo never reads `fresh`)
         group = quantizer.scaling_group
         if self._traced or group is None or not group.fresh or _CAPTURE.active:
             return False
@@ -181,7 +180,7 @@ class QuantizationStep(CalibrationStep):
 
     def _quantize(self, slot: str, x: Tensor, columnwise: bool) -> QuantizedTensor:
         quantizer = self._state.quantizer(slot)
-        if not self._traced and quantizer.scaling_group is not None and quantizer.scaling_group.fresh:
+        if self._is_fresh(quantizer):
             self.first_scale(quantizer, x)
         result = quantizer.quantize(x, columnwise=columnwise and quantizer.wgrad_in_fp8)
         self._used(quantizer)
@@ -222,7 +221,7 @@ class QuantizationStep(CalibrationStep):
     def grad_operand(self, slot, dy, *, columnwise=False, with_dbias=False):
         quantizer = self._state.quantizer(slot)
         columnwise = columnwise and quantizer.wgrad_in_fp8
-        if not self._traced and quantizer.scaling_group is not None and quantizer.scaling_group.fresh:
+        if self._is_fresh(quantizer):
             self.first_scale(quantizer, dy)
         if with_dbias:
             result, dbias = quantizer.quantize_with_dbias(dy, columnwise=columnwise)
