@@ -158,8 +158,8 @@ class QuantizationStep(CalibrationStep):
         set its scale from x's own amax before the cast (all-reduced over the autocast's
         amax_reduction_group where the recipe reduces amaxes, so the ranks agree). A fresh
         delayed-scaling scale is 1 (Transformer Engine's too), which flushes most of the first
-        step's output gradients to zero in E5M2 and casts small weights to subnormals: that one
-        bad step set FP8 training back for hundreds of steps. Scaled by its own amax, the first
+        step's output gradients to zero in E5M2 and casts small weights to subnormals, and an update
+        from such gradients sets training back for many steps after it. Scaled by its own amax, the first
         cast is a current-scaling cast; the history records that amax as usual, so the update
         after the step sets the same scale. Not fresh: a state loaded from a checkpoint,
         calibrated (autocast(calibrating=True)), or made by te_core.init_quantization_state (as
