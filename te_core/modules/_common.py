@@ -45,9 +45,6 @@ _NOT_IMPLEMENTED = {
         "inference_params": (None,), "pad_between_seqs": (None, False), "cu_seqlens_q_padded": (None,),
         "cu_seqlens_kv_padded": (None,),
     },
-    "rotary embeddings for packed sequences or context parallelism": {
-        "cu_seqlens": (None,), "cp_size": (1,), "cp_rank": (0,),
-    },
     "names for Transformer Engine's debug tools": {"name": (None,)},
 }
 UNSUPPORTED_DEFAULTS = {name: allowed for group in _NOT_IMPLEMENTED.values() for name, allowed in group.items()}

@@ -26,6 +26,15 @@ PADDED_FORMATS = ("sbhd", "bshd")
 QKV_FORMATS = PADDED_FORMATS + ("thd",)
 
 
+def check_hidden_dims(x: Tensor, fmt: str, name: str, module: str) -> None:
+    """A block's hidden states: (s, b, hidden) or (b, s, hidden), or the (t, hidden) packed
+    tokens of "thd" (their sequences given by cu_seqlens_q / cu_seqlens_kv)."""
+    if fmt == "thd" and x.dim() != 2:
+        raise ValueError(f"{module}: {name} must be 2-D (thd: packed tokens, hidden), got shape {tuple(x.shape)}")
+    if fmt != "thd" and x.dim() != 3:
+        raise ValueError(f"{module}: {name} must be 3-D ({fmt}), got shape {tuple(x.shape)}")
+
+
 class DotProductAttention(nn.Module):
     """Attention core with Transformer Engine's constructor and forward signature.
 

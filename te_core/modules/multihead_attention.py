@@ -20,7 +20,7 @@ from ._common import (
     reject_unsupported,
 )
 from ..distributed import tensor_parallel
-from .attention import PADDED_FORMATS, DotProductAttention
+from .attention import QKV_FORMATS, DotProductAttention, check_hidden_dims
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
@@ -128,8 +128,7 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
                                           get_rng_state_tracker=get_rng_state_tracker,
                                           set_parallel_mode=set_parallel_mode)
         self.attention_type = check_choice(attention_type, ("self", "cross"), name="attention_type", module=module)
-        # packed sequences ("thd") reach attention through DotProductAttention only, not this block
-        self.qkv_format = check_choice(qkv_format, PADDED_FORMATS, name="qkv_format", module=module)
+        self.qkv_format = check_choice(qkv_format, QKV_FORMATS, name="qkv_format", module=module)
         self._split_heads_across_ranks(num_attention_heads)
         self.hidden_size, self.num_attention_heads, self.kv_channels = hidden_size, num_attention_heads, kv_channels
         self.input_layernorm, self.return_layernorm_output = input_layernorm, return_layernorm_output
@@ -210,10 +209,7 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         name = "MultiheadAttention"
         reject_unsupported(f"{name}.forward", inference_params=inference_params)
         check_input(hidden_states, self.hidden_size, name="hidden_states", module=name)
-        if hidden_states.dim() != 3:
-            raise ValueError(
-                f"{name}: hidden_states must be 3-D ({self.qkv_format}), got shape {tuple(hidden_states.shape)}"
-            )
+        check_hidden_dims(hidden_states, self.qkv_format, "hidden_states", name)
         proj_in = getattr(self, _input_proj_name(self.attention_type, self.input_layernorm))
         h, g, d = self.num_attention_heads_per_partition, self.num_gqa_groups_per_partition, self.kv_channels
         residual = hidden_states if return_residual else None
@@ -240,8 +236,13 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
             q_freqs, k_freqs = (
                 rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list)) else (rotary_pos_emb, rotary_pos_emb)
             )
-            q = apply_rotary_pos_emb(q, q_freqs, tensor_format=self.qkv_format, interleaved=self.rotary_pos_interleaved)
-            k = apply_rotary_pos_emb(k, k_freqs, tensor_format=self.qkv_format, interleaved=self.rotary_pos_interleaved)
+            # packed sequences: each token by its position in its own sequence, as attention reads them
+            packed = self.qkv_format == "thd"
+            q_cu, k_cu = (kwargs.get("cu_seqlens_q"), kwargs.get("cu_seqlens_kv")) if packed else (None, None)
+            q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format, interleaved=self.rotary_pos_interleaved,
+                                     cu_seqlens=q_cu)
+            k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format, interleaved=self.rotary_pos_interleaved,
+                                     cu_seqlens=k_cu)
         if self.q_norm is not None and not self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         with self.tracker_fork(self.training and self.core_attention.attention_dropout > 0):
@@ -261,7 +262,8 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         self, projected: Tensor, encoder_output: Optional[Tensor], is_first_microbatch
     ) -> Tuple[Tensor, Tensor, Tensor]:
         h, g, d = self.num_attention_heads_per_partition, self.num_gqa_groups_per_partition, self.kv_channels
-        lead = (projected[0] if isinstance(projected, tuple) else projected).shape[:2]
+        # (s, b) or (b, s), or the packed tokens (t,) of "thd"
+        lead = (projected[0] if isinstance(projected, tuple) else projected).shape[:-1]
         if self.attention_type == "self":
             if self.qkv_weight_interleaved:  # per kv group: its h // g query heads, then k, then v
                 q, k, v = projected.view(*lead, g, h // g + 2, d).split([h // g, 1, 1], dim=-2)
@@ -271,8 +273,9 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         if encoder_output is None:
             raise ValueError("MultiheadAttention: attention_type='cross' needs encoder_output")
         check_input(encoder_output, self.hidden_size, name="encoder_output", module="MultiheadAttention")
+        check_hidden_dims(encoder_output, self.qkv_format, "encoder_output", "MultiheadAttention")
         kv = self.key_value(encoder_output, is_first_microbatch=is_first_microbatch)
-        kv_lead = kv.shape[:2]
+        kv_lead = kv.shape[:-1]
         if self.qkv_weight_interleaved:  # per kv group: k then v
             k, v = kv.view(*kv_lead, g, 2 * d).split([d, d], dim=-1)
         else:

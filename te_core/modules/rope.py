@@ -8,7 +8,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
-from ._common import check_choice, reject_unsupported
+from ..ops.packed_sequences import check_cu_seqlens
+from ._common import check_choice
 
 
 class RotaryPositionEmbedding(nn.Module):
@@ -70,56 +71,133 @@ def apply_rotary_pos_emb(
     start_positions: Optional[Tensor] = None,
     interleaved: bool = False,
     fused: bool = True,
-    **kwargs,
+    cu_seqlens: Optional[Tensor] = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
 ) -> Tensor:
-    """Rotate t ((s, b, h, d) or (b, s, h, d)) by freqs ((s_max, 1, 1, r) float32, s_max >= s),
-    Transformer Engine's arguments in its order. `start_positions` (b,): sequence i is rotated
-    from position start_positions[i] on (a KV cache's next tokens), so s_max must reach the
-    largest start plus s."""
-    if kwargs:  # cu_seqlens, cp_size, cp_rank
-        reject_unsupported("apply_rotary_pos_emb", **kwargs)
-    check_choice(tensor_format, ("sbhd", "bshd"), name="tensor_format", module="apply_rotary_pos_emb")
+    """Rotate t ((s, b, h, d), (b, s, h, d), or (t, h, d) packed sequences with tensor_format
+    "thd") by freqs ((s_max, 1, 1, r) float32), Transformer Engine's arguments in its order.
+    `start_positions` (b,): sequence i is rotated from position start_positions[i] on (a KV
+    cache's next tokens). "thd": `cu_seqlens` (b + 1 offsets) delimits the sequences, each
+    rotated from its own start. `cp_size` > 1: t is context-parallel rank `cp_rank`'s share of
+    each sequence, Transformer Engine's load-balanced split (chunks cp_rank and
+    2 * cp_size - 1 - cp_rank of 2 * cp_size; for "thd", cu_seqlens are the whole sequences'
+    offsets). freqs must hold every position rotated. `fused` is accepted for Transformer
+    Engine's signature: the backend's op is always the one used."""
+    name = "apply_rotary_pos_emb"
+    check_choice(tensor_format, ("sbhd", "bshd", "thd"), name="tensor_format", module=name)
+    for arg, value in (("cp_size", cp_size), ("cp_rank", cp_rank)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name}: {arg} must be an int, got {type(value).__name__}")
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"{name}: need cp_size >= 1 and 0 <= cp_rank < cp_size, got cp_size={cp_size}, "
+                         f"cp_rank={cp_rank}")
+    if freqs.dim() != 4 or freqs.shape[1:3] != (1, 1) or freqs.shape[-1] > t.shape[-1]:
+        raise ValueError(f"{name}: freqs must be (positions, 1, 1, r) with r <= {t.shape[-1]} (t's last dimension), "
+                         f"got shape {tuple(freqs.shape)}")
+    if tensor_format == "thd":
+        return _rotate_packed(t, freqs, cu_seqlens, start_positions, interleaved, cp_size, cp_rank)
+    if cu_seqlens is not None:
+        raise ValueError(f"{name}: cu_seqlens is for tensor_format='thd' (packed sequences); {tensor_format!r} "
+                         "tensors hold their sequences along a dimension of their own")
     if t.dim() != 4:
-        raise ValueError(f"apply_rotary_pos_emb: t must be 4-D ({tensor_format}), got shape {tuple(t.shape)}")
+        raise ValueError(f"{name}: t must be 4-D ({tensor_format}), got shape {tuple(t.shape)}")
     seq = t.shape[0] if tensor_format == "sbhd" else t.shape[1]
     if start_positions is not None:
-        return _rotate_from(t, freqs, tensor_format, start_positions, interleaved, seq)
-    if freqs.dim() != 4 or freqs.shape[0] < seq or freqs.shape[-1] > t.shape[-1]:
-        raise ValueError(
-            f"apply_rotary_pos_emb: freqs of shape {tuple(freqs.shape)} do not fit t of shape {tuple(t.shape)} "
-            f"(need (>= {seq}, 1, 1, <= {t.shape[-1]}))"
-        )
+        return _rotate_from(t, freqs, tensor_format, start_positions, interleaved, seq, cp_size, cp_rank)
+    if freqs.shape[0] < seq * cp_size:
+        raise ValueError(f"{name}: freqs hold {freqs.shape[0]} positions, fewer than the {seq * cp_size} of t "
+                         f"{tuple(t.shape)}" + (f" across {cp_size} context-parallel ranks" if cp_size > 1 else "")
+                         + ": make the rotary embedding for the whole sequence")
+    if cp_size > 1:
+        if seq % 2:
+            raise ValueError(f"{name}: with cp_size > 1 each rank holds two equal chunks of the sequence, so its "
+                             f"length must be even; got {seq}")
+        offsets = torch.arange(seq, device=freqs.device)
+        freqs = freqs.index_select(0, _cp_positions(offsets, seq, cp_size, cp_rank))
     # interleaved: the angles as Transformer Engine's RotaryPositionEmbedding lays them out,
     # [f0, f0, f1, f1, ...], which the op contract reads as they are
     freqs = freqs[:seq].float()
     return _RopeFunction.apply(t.contiguous(), freqs.contiguous(), tensor_format, interleaved)
 
 
+def _cp_positions(offsets: Tensor, length, cp_size: int, cp_rank: int) -> Tensor:
+    """Positions in the whole sequence of a context-parallel rank's tokens at `offsets` in its
+    share of `length` tokens: the rank holds chunks cp_rank and 2 * cp_size - 1 - cp_rank of
+    the sequence's 2 * cp_size (Transformer Engine's split, which balances causal attention)."""
+    chunk = length // 2
+    return torch.where(offsets < chunk, cp_rank * chunk + offsets,
+                       length * cp_size - (cp_rank + 2) * chunk + offsets)
+
+
+def _rotate_packed(t: Tensor, freqs: Tensor, cu_seqlens, start_positions, interleaved: bool, cp_size: int,
+                   cp_rank: int) -> Tensor:
+    """tensor_format="thd": each token rotated by the angle of its position in its own sequence
+    (from its sequence's start position, across the context-parallel ranks), through the op as
+    one (t, 1, h, d) sequence whose angles are gathered per token. Checking cu_seqlens and the
+    starts reads them on the host, as Transformer Engine's attention does."""
+    name = "apply_rotary_pos_emb"
+    if t.dim() != 3:
+        raise ValueError(f"{name}: t must be 3-D (thd: tokens, heads, channels), got shape {tuple(t.shape)}")
+    if cu_seqlens is None:
+        raise ValueError(f"{name}: tensor_format='thd' needs cu_seqlens, the b + 1 offsets of the packed sequences")
+    check_cu_seqlens(cu_seqlens, None, t.shape[0] * cp_size, "cu_seqlens", name)
+    local = cu_seqlens.to(device=t.device, dtype=torch.long) // cp_size  # this rank's share of each sequence
+    lengths = local.diff()
+    if cp_size > 1 and bool((cu_seqlens.diff() % (2 * cp_size) != 0).any()):
+        raise ValueError(f"{name}: with cp_size={cp_size} every sequence's length in cu_seqlens must be a multiple "
+                         f"of 2 * cp_size = {2 * cp_size} (pad the sequences); got {cu_seqlens.tolist()}")
+    tokens = torch.arange(t.shape[0], device=t.device)
+    sequence = torch.searchsorted(local[1:], tokens, right=True)  # empty sequences own no token
+    offsets = tokens - local[:-1][sequence]
+    positions = offsets if cp_size == 1 else _cp_positions(offsets, lengths[sequence], cp_size, cp_rank)
+    last = lengths * cp_size - 1  # each sequence's last position, from its start
+    if start_positions is not None:
+        starts = _check_starts(start_positions, lengths.numel(), f"cu_seqlens' {lengths.numel()} sequences")
+        starts = starts.to(device=t.device, dtype=torch.long)
+        positions, last = positions + starts[sequence], last + starts
+    reach = int(last.max()) if last.numel() else -1
+    if reach >= freqs.shape[0]:
+        raise ValueError(f"{name}: the packed sequences reach position {reach}, but freqs hold positions "
+                         f"0..{freqs.shape[0] - 1}: make the rotary embedding for the longest sequence (plus its "
+                         "start position)")
+    angles = freqs.index_select(0, positions.to(freqs.device)).float().contiguous()  # (t, 1, 1, r)
+    out = _RopeFunction.apply(t.unsqueeze(1).contiguous(), angles, "sbhd", interleaved)
+    return out.squeeze(1)
+
+
+def _check_starts(start_positions, count: int, what: str) -> Tensor:
+    """start_positions, checked to be `count` non-negative integer starts."""
+    if not isinstance(start_positions, Tensor) or start_positions.dim() != 1 or start_positions.numel() != count \
+            or start_positions.is_floating_point() or start_positions.is_complex():
+        got = (f"a {start_positions.dtype} tensor of shape {tuple(start_positions.shape)}"
+               if isinstance(start_positions, Tensor) else type(start_positions).__name__)
+        raise ValueError(f"apply_rotary_pos_emb: start_positions must be an integer tensor of shape ({count},), "
+                         f"one start per sequence of {what}; got {got}")
+    if count and int(start_positions.min()) < 0:
+        raise ValueError(f"apply_rotary_pos_emb: start_positions must not be negative, got {start_positions.tolist()}")
+    return start_positions
+
+
 def _rotate_from(t: Tensor, freqs: Tensor, tensor_format: str, start_positions, interleaved: bool,
-                 seq: int) -> Tensor:
+                 seq: int, cp_size: int, cp_rank: int) -> Tensor:
     """Each sequence of the batch rotated by the angles from its own start on: one rotation per
     distinct start (the backend's kernel takes one set of angles for the whole batch). Reading
     the starts waits for the device, as Transformer Engine's own check of them does."""
     batch_dim = 1 if tensor_format == "sbhd" else 0
     batch = t.shape[batch_dim]
-    if not isinstance(start_positions, Tensor) or start_positions.dim() != 1 or start_positions.numel() != batch \
-            or start_positions.is_floating_point() or start_positions.is_complex():
-        got = (f"a {start_positions.dtype} tensor of shape {tuple(start_positions.shape)}"
-               if isinstance(start_positions, Tensor) else type(start_positions).__name__)
-        raise ValueError(f"apply_rotary_pos_emb: start_positions must be an integer tensor of shape ({batch},), "
-                         f"one start per sequence of t {tuple(t.shape)}; got {got}")
-    starts = [int(v) for v in start_positions.tolist()]
-    if min(starts) < 0 or max(starts) + seq > freqs.shape[0]:
+    starts = [int(v) for v in _check_starts(start_positions, batch, f"t {tuple(t.shape)}").tolist()]
+    if max(starts) + seq * cp_size > freqs.shape[0]:
         raise ValueError(
-            f"apply_rotary_pos_emb: start_positions reach position {max(starts) + seq - 1} (start {max(starts)} + "
-            f"{seq} tokens) and start at {min(starts)}, but freqs hold positions 0..{freqs.shape[0] - 1}: make the "
+            f"apply_rotary_pos_emb: start_positions reach position {max(starts) + seq * cp_size - 1} (start "
+            f"{max(starts)} + {seq * cp_size} tokens), but freqs hold positions 0..{freqs.shape[0] - 1}: make the "
             "rotary embedding for at least the longest sequence, e.g. RotaryPositionEmbedding(dim)(max_seq_len)")
     out = [None] * batch
     for start in sorted(set(starts)):
         rows = [i for i, s in enumerate(starts) if s == start]
         index = torch.tensor(rows, device=t.device)
         part = apply_rotary_pos_emb(t.index_select(batch_dim, index), freqs[start:], tensor_format,
-                                    interleaved=interleaved)
+                                    interleaved=interleaved, cp_size=cp_size, cp_rank=cp_rank)
         for j, i in enumerate(rows):
             out[i] = part.narrow(batch_dim, j, 1)
     return torch.cat(out, dim=batch_dim)

@@ -21,7 +21,7 @@ from ._common import (
     check_normalization,
     check_positive,
 )
-from .attention import PADDED_FORMATS
+from .attention import QKV_FORMATS, check_hidden_dims
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_mlp import LayerNormMLP
 from .multihead_attention import MultiheadAttention
@@ -109,7 +109,7 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         tp["set_parallel_mode"] = set_parallel_mode
         check_normalization(normalization, name)
         self.layer_type = check_choice(layer_type, ("encoder", "decoder"), name="layer_type", module=name)
-        check_choice(attn_input_format, PADDED_FORMATS, name="attn_input_format", module=name)
+        check_choice(attn_input_format, QKV_FORMATS, name="attn_input_format", module=name)
         self.hidden_size, self.name = hidden_size, debug_name
         self.hidden_dropout = hidden_dropout
         self.drop_path = DropPath(drop_path_rate) if check_drop_rate(drop_path_rate, name) > 0 else None
@@ -176,10 +176,7 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         max_seqlen_*, fast_zero_fill, ...) go to both attention blocks."""
         name = "TransformerLayer"
         check_input(hidden_states, self.hidden_size, name="hidden_states", module=name)
-        if hidden_states.dim() != 3:
-            raise ValueError(
-                f"{name}: hidden_states must be 3-D ({self.attn_input_format}), got shape {tuple(hidden_states.shape)}"
-            )
+        check_hidden_dims(hidden_states, self.attn_input_format, "hidden_states", name)
         if self.layer_type == "decoder" and encoder_output is None:
             raise ValueError(f"{name}: layer_type='decoder' needs encoder_output")
         shared = dict(is_first_microbatch=is_first_microbatch, checkpoint_core_attention=checkpoint_core_attention,

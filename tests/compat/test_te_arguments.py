@@ -120,7 +120,7 @@ def test_rotary_options_follow_transformer_engine():
 def test_apply_rotary_fused_flag_selects_no_different_values():
     t, freqs = _x(5, 2, 2, 8, seed=10), te.RotaryPositionEmbedding(8)(5)
     torch.testing.assert_close(te.apply_rotary_pos_emb(t, freqs, fused=False), te.apply_rotary_pos_emb(t, freqs))
-    with pytest.raises(NotImplementedError, match="cu_seqlens"):
+    with pytest.raises(ValueError, match="cu_seqlens is for tensor_format='thd'"):
         te.apply_rotary_pos_emb(t, freqs, cu_seqlens=torch.tensor([0, 5]))
 
 

@@ -146,7 +146,10 @@ IMPLEMENTED = {
     },
     ("RotaryPositionEmbedding", "forward"): {"offset": COMPAT},
     ("apply_rotary_pos_emb", "call"): {"tensor_format": ATTN, "interleaved": ATTN, "fused": COMPAT,
-                                        "start_positions": MODULES + "test_rope_offsets.py"},
+                                        "start_positions": MODULES + "test_rope_offsets.py",
+                                        "cu_seqlens": MODULES + "test_rope_packed.py",
+                                        "cp_size": MODULES + "test_rope_packed.py",
+                                        "cp_rank": MODULES + "test_rope_packed.py"},
     ("make_graphed_callables", "call"): {
         "num_warmup_iters": MODULES + "test_graphs.py", "allow_unused_input": COMPAT,
         "fp8_enabled": MODULES + "test_graphs.py", "fp8_recipe": MODULES + "test_graphs.py", "fp8_group": COMPAT,

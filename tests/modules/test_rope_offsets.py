@@ -74,7 +74,7 @@ def test_transformer_engine_argument_order():
     (torch.tensor([0.0, 1.0, 2.0, 3.0]), "integer tensor"),
     ([0, 1, 2, 3], "integer tensor"),
     (torch.tensor([0, 1, 2, 12]), "reach position 16"),  # 12 + 5 tokens > the 16 positions of freqs
-    (torch.tensor([0, -1, 2, 3]), "start at -1"),
+    (torch.tensor([0, -1, 2, 3]), "must not be negative"),
 ])
 def test_bad_starts_say_what_is_wrong(starts, match):
     t = torch.randn(SEQ, BATCH, HEADS, DIM)

@@ -1,0 +1,97 @@
+"""MultiheadAttention and TransformerLayer on packed sequences (qkv_format / attn_input_format
+"thd", Transformer Engine's layout): (t, hidden) tokens whose sequences cu_seqlens delimits, rotary
+embeddings included. Packed, every sequence's output, input gradient and the weights' gradients
+equal those of a twin module (the same weights) run on each sequence alone in "bshd"."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import te_core.modules as tm
+
+HIDDEN, HEADS = 32, 4
+LENGTHS = [3, 6, 1, 4]
+TOL = dict(rtol=1.3e-6, atol=1e-5)
+
+
+def _cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _compare(make, alone_kwargs, packed_kwargs, seed):
+    """make(format) builds the module; the bshd twin runs each sequence alone, the thd one all
+    of them packed."""
+    torch.manual_seed(seed)
+    alone_module = make("bshd")
+    packed_module = make("thd")
+    packed_module.load_state_dict(alone_module.state_dict())
+    xs = [torch.randn(n, HIDDEN) for n in LENGTHS]
+    dy = torch.randn(sum(LENGTHS), HIDDEN)
+    inputs = [x.clone().requires_grad_() for x in xs]
+    alone = torch.cat([alone_module(x[None], **alone_kwargs).squeeze(0) for x in inputs])
+    alone.backward(dy)
+    packed_input = torch.cat(xs).requires_grad_()
+    packed = packed_module(packed_input, **packed_kwargs)
+    assert packed.shape == (sum(LENGTHS), HIDDEN)
+    packed.backward(dy)
+    torch.testing.assert_close(packed, alone, **TOL)
+    torch.testing.assert_close(packed_input.grad, torch.cat([x.grad for x in inputs]), **TOL)
+    weights = dict(alone_module.named_parameters())
+    assert weights
+    for name, p in packed_module.named_parameters():
+        torch.testing.assert_close(p.grad, weights[name].grad, **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def _packed_args(lengths=LENGTHS):
+    cu, longest = _cu(lengths), max(lengths)
+    return dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("groups", [HEADS, 2])
+def test_multihead_attention_packed_with_rotary(interleaved, groups):
+    freqs = tm.RotaryPositionEmbedding(HIDDEN // HEADS, interleaved=interleaved)(8)
+    make = lambda fmt: tm.MultiheadAttention(  # noqa: E731
+        HIDDEN, HEADS, qkv_format=fmt, attention_dropout=0.0, num_gqa_groups=groups, input_layernorm=True,
+        rotary_pos_interleaved=interleaved, attn_mask_type="causal")
+    _compare(make, dict(rotary_pos_emb=freqs), dict(rotary_pos_emb=freqs, **_packed_args()), seed=11 + groups)
+
+
+@pytest.mark.parametrize("fuse_qkv_params", [False, True])
+def test_transformer_layer_packed_with_rotary(fuse_qkv_params):
+    freqs = tm.RotaryPositionEmbedding(HIDDEN // HEADS)(8)
+    make = lambda fmt: tm.TransformerLayer(  # noqa: E731
+        HIDDEN, 2 * HIDDEN, HEADS, attn_input_format=fmt, hidden_dropout=0.0, attention_dropout=0.0,
+        fuse_qkv_params=fuse_qkv_params, self_attn_mask_type="causal", normalization="RMSNorm")
+    # TransformerLayer's self-attention takes the query lengths for its keys
+    packed = dict(rotary_pos_emb=freqs, cu_seqlens_q=_cu(LENGTHS), max_seqlen_q=max(LENGTHS))
+    _compare(make, dict(rotary_pos_emb=freqs), packed, seed=21)
+
+
+def test_decoder_layer_packed_with_packed_encoder_output():
+    """Cross-attention on packed sequences: query sequence i attends to encoder sequence i."""
+    torch.manual_seed(31)
+    enc_lengths = [2, 5, 3, 1]
+    make = lambda fmt: tm.TransformerLayer(  # noqa: E731
+        HIDDEN, 2 * HIDDEN, HEADS, attn_input_format=fmt, layer_type="decoder", hidden_dropout=0.0,
+        attention_dropout=0.0, self_attn_mask_type="causal")
+    alone_module, packed_module = make("bshd"), make("thd")
+    packed_module.load_state_dict(alone_module.state_dict())
+    xs = [torch.randn(n, HIDDEN) for n in LENGTHS]
+    encs = [torch.randn(n, HIDDEN) for n in enc_lengths]
+    alone = torch.cat([alone_module(x[None], encoder_output=e[None]).squeeze(0) for x, e in zip(xs, encs)])
+    packed = packed_module(torch.cat(xs), encoder_output=torch.cat(encs), cu_seqlens_q=_cu(LENGTHS),
+                           cu_seqlens_kv=_cu(enc_lengths), max_seqlen_q=max(LENGTHS), max_seqlen_kv=max(enc_lengths))
+    torch.testing.assert_close(packed, alone, **TOL)
+
+
+def test_packed_layers_check_their_input():
+    shape, match = (3, 2, HIDDEN), r"hidden_states must be 2-D \(thd: packed tokens, hidden\), got shape \(3, 2, 32\)"
+    layer = tm.TransformerLayer(HIDDEN, 2 * HIDDEN, HEADS, attn_input_format="thd")
+    with pytest.raises(ValueError, match=match):
+        layer(torch.randn(shape), **_packed_args())
+    mha = tm.MultiheadAttention(HIDDEN, HEADS, qkv_format="thd")
+    with pytest.raises(ValueError, match=match):
+        mha(torch.randn(shape), **_packed_args())
+    with pytest.raises(ValueError, match="needs cu_seqlens"):
+        mha(torch.randn(sum(LENGTHS), HIDDEN), rotary_pos_emb=tm.RotaryPositionEmbedding(HIDDEN // HEADS)(8))
