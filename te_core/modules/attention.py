@@ -20,10 +20,12 @@ from ._common import (
     check_positive,
     compute_dtype,
     no_torch_autocast,
+    resolve_device,
 )
 
 PADDED_FORMATS = ("sbhd", "bshd")
 QKV_FORMATS = PADDED_FORMATS + ("thd",)
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
 def check_hidden_dims(x: Tensor, fmt: str, name: str, module: str) -> None:
@@ -48,6 +50,8 @@ class DotProductAttention(nn.Module):
     sliding window around each query's diagonal (-1 = unbounded), aligned per
     bottom_right_diagonal for the mask types that leave it open; core_attention_bias_type
     "pre_scale_bias" / "post_scale_bias" take core_attention_bias, "alibi" optional alibi_slopes.
+    softmax_type "off-by-one" / "learnable" add an attention sink to every query's softmax (a
+    logit of 0, or the learnable per-head parameter `softmax_offset`, initialized to 0).
     """
 
     def __init__(
@@ -68,6 +72,7 @@ class DotProductAttention(nn.Module):
         attention_type: str = "self",
         *,
         softmax_scale: Optional[float] = None,
+        softmax_type: str = "vanilla",
         name: Optional[str] = None,
         **kwargs,
     ):
@@ -94,6 +99,17 @@ class DotProductAttention(nn.Module):
         # multiplies them back inside the softmax (fp16 range), an identity in exact math
         self.layer_number, self.name = layer_number, name
         self.attention_type = check_choice(attention_type, ("self", "cross"), name="attention_type", module=module)
+        self.softmax_type = check_choice(softmax_type, SOFTMAX_TYPES, name="softmax_type", module=module)
+        # the sink logits, one per head, in float32 as the op takes them: a parameter when
+        # learnable; for "off-by-one" zeros that follow the module's device (not saved, as in TE)
+        heads, device = self.num_attention_heads, resolve_device(None)
+        if softmax_type == "learnable":
+            self.softmax_offset = nn.Parameter(torch.zeros(heads, dtype=torch.float32, device=device))
+        elif softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", torch.zeros(heads, dtype=torch.float32, device=device),
+                                 persistent=False)
+        else:
+            self.softmax_offset = None
 
     def forward(
         self,
@@ -147,6 +163,7 @@ class DotProductAttention(nn.Module):
                                    else bottom_right_diagonal),
             core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
             alibi_slopes=alibi_slopes,
+            softmax_offset=None if self.softmax_offset is None else self.softmax_offset.float(),
         ))
         dtype = compute_dtype(query_layer)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)

@@ -112,6 +112,7 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         qk_norm_eps: float = 1e-6,
         qk_norm_before_rope: bool = False,
         return_bias: bool = False,
+        softmax_type: str = "vanilla",
         **kwargs,
     ):
         super().__init__()
@@ -156,7 +157,8 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
             self.num_attention_heads_per_partition, kv_channels, num_gqa_groups=self.num_gqa_groups_per_partition,
             attention_dropout=attention_dropout,
             qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window_size,
-            bottom_right_diagonal=bottom_right_diagonal, layer_number=layer_number, attention_type=attention_type)
+            bottom_right_diagonal=bottom_right_diagonal, layer_number=layer_number, attention_type=attention_type,
+            softmax_type=softmax_type)
         # fmt: on
         self.proj = Linear(q_size, hidden_size, init_method=output_layer_init_method, return_bias=self.return_bias,
                            **row, **common)

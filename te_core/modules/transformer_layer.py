@@ -77,6 +77,7 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         qk_norm_type: Optional[str] = None,
         qk_norm_eps: float = 1e-6,
         qk_norm_before_rope: bool = False,
+        softmax_type: str = "vanilla",
         drop_path_rate: float = 0.0,
         **kwargs,
     ):
@@ -127,7 +128,7 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
                          rotary_pos_interleaved=rotary_pos_interleaved,
                          return_layernorm_output=apply_residual_connection_post_layernorm,
                          layernorm_epsilon=layernorm_epsilon, qk_norm_type=qk_norm_type, qk_norm_eps=qk_norm_eps,
-                         qk_norm_before_rope=qk_norm_before_rope, **common)
+                         qk_norm_before_rope=qk_norm_before_rope, softmax_type=softmax_type, **common)
         self.self_attention = MultiheadAttention(hidden_size, num_attention_heads, attn_mask_type=self_attn_mask_type,
                                                  window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
                                                  attention_type="self", **attention)

@@ -18,6 +18,11 @@ core_attention_bias_type: "no_bias"; "pre_scale_bias" ((q k^T + bias) * scale);
   slopes (hq,) or (b, hq) from alibi_slopes, else Transformer Engine's default slopes).
   core_attention_bias broadcasts to (b, hq, sq, sk) from (b|1, hq|1, sq|1, sk); it receives a
   gradient when it requires one.
+softmax_offset (hq,) float32, Transformer Engine's attention sink (its softmax_type
+  "off-by-one": zeros, "learnable": a parameter): each query row's softmax denominator also
+  holds exp(softmax_offset[h]), as if every query saw one more key, never masked, whose scaled
+  logit is that value and whose value vector is zero; it receives a gradient when it requires
+  one. Backends without it decline it in `supports`.
 A query row with every key masked gives zeros. Implementations must support autograd
 (gradients for q, k, v and the bias); dropout_p > 0 draws from the backend's device RNG.
 Backends that cannot run a window, a bias or a mask type natively decline it in `supports`.
@@ -56,6 +61,7 @@ def attention(
     core_attention_bias_type: str = "no_bias",
     core_attention_bias: Optional[Tensor] = None,
     alibi_slopes: Optional[Tensor] = None,
+    softmax_offset: Optional[Tensor] = None,
 ) -> Tensor:
     """Returns out."""
 
@@ -79,6 +85,7 @@ def attention_varlen(
     core_attention_bias_type: str = "no_bias",
     core_attention_bias: Optional[Tensor] = None,
     alibi_slopes: Optional[Tensor] = None,
+    softmax_offset: Optional[Tensor] = None,
 ) -> Tensor:
     """Attention over packed variable-length sequences (qkv_format "thd"): q is (t_q, hq, d),
     k and v (t_kv, hkv, d) / (t_kv, hkv, dv); sequence i holds rows cu_seqlens_q[i] ..

@@ -142,6 +142,18 @@ def alibi_bias(alibi_slopes: Optional[Tensor], b: int, h: int, sq: int, sk: int,
     return -slopes * _offsets(sq, sk, shift, device).abs().to(torch.float32)
 
 
+def check_softmax_offset(softmax_offset: Optional[Tensor], heads: int) -> None:
+    """softmax_offset: None, or one float32 sink logit per query head."""
+    if softmax_offset is None:
+        return
+    if not isinstance(softmax_offset, Tensor) or softmax_offset.shape != (heads,) \
+            or softmax_offset.dtype != torch.float32:
+        got = (f"{tuple(softmax_offset.shape)} {softmax_offset.dtype}" if isinstance(softmax_offset, Tensor)
+               else type(softmax_offset).__name__)
+        raise ValueError(f"softmax_offset must be a float32 tensor of shape ({heads},), one sink logit per query "
+                         f"head; got {got}")
+
+
 def check_bias(core_attention_bias_type: str, bias: Optional[Tensor], alibi_slopes: Optional[Tensor],
                shape: Tuple[int, int, int, int]) -> None:
     """core_attention_bias given exactly for the explicit bias types, broadcasting to `shape`

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Tuple
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -19,6 +20,7 @@ from ..ops.attention_masks import (
     alibi_bias,
     check_bias,
     check_padding,
+    check_softmax_offset,
     diagonal_bottom_right,
     diagonal_shift,
     masked_keys,
@@ -75,6 +77,7 @@ def attention(
     core_attention_bias_type: str = "no_bias",
     core_attention_bias: Optional[Tensor] = None,
     alibi_slopes: Optional[Tensor] = None,
+    softmax_offset: Optional[Tensor] = None,
 ) -> Tensor:
     group = _check_qkv(q, k, v)
     b, hq, sq, _ = q.shape
@@ -83,6 +86,7 @@ def attention(
     if attn_mask_type == "arbitrary":
         check_bool_mask("attention_mask", attention_mask, (b, hq, sq, sk))
     check_bias(core_attention_bias_type, core_attention_bias, alibi_slopes, (b, hq, sq, sk))
+    check_softmax_offset(softmax_offset, hq)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
     window = resolve_window(attn_mask_type, window_size)
@@ -93,7 +97,13 @@ def attention(
     k32 = k.float().repeat_interleave(group, dim=1)
     v32 = v.float().repeat_interleave(group, dim=1)
     scores = _scores(q.float(), k32, scale, core_attention_bias_type, core_attention_bias, alibi)
-    probs = masked_softmax(scores, masked)
+    if softmax_offset is None:
+        probs = masked_softmax(scores, masked)
+    else:  # the sink: one more logit per row that no mask hides, whose probability is dropped
+        sink = softmax_offset.view(1, hq, 1, 1).expand(b, hq, sq, 1)
+        if masked is not None:
+            masked = torch.cat([masked.expand(b, hq, sq, sk), masked.new_zeros(b, hq, sq, 1)], dim=-1)
+        probs = masked_softmax(torch.cat([scores, sink], dim=-1), masked)[..., :sk]
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p, training=True)
     return as_dtype(probs @ v32, q.dtype)
@@ -116,6 +126,7 @@ def attention_varlen(
     core_attention_bias_type: str = "no_bias",
     core_attention_bias: Optional[Tensor] = None,
     alibi_slopes: Optional[Tensor] = None,
+    softmax_offset: Optional[Tensor] = None,
 ) -> Tensor:
     """The contract's definition itself: `attention` on the padded batch, packed again."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -138,5 +149,5 @@ def attention_varlen(
         attention_mask=where_kv.padding, query_padding_mask=where_q.padding, softmax_scale=softmax_scale,
         dropout_p=dropout_p, window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
         core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
-        alibi_slopes=alibi_slopes)
+        alibi_slopes=alibi_slopes, softmax_offset=softmax_offset)
     return to_packed(out, where_q)

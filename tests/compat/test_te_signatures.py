@@ -83,7 +83,7 @@ IMPLEMENTED = {
     ("DotProductAttention", "__init__"): {
         "num_gqa_groups": ATTN, "attention_dropout": ATTN, "qkv_format": ATTN, "attn_mask_type": ATTN,
         "window_size": ATTN, "bottom_right_diagonal": ATTN, "layer_number": COMPAT, "attention_type": COMPAT,
-        "softmax_scale": ATTN, "name": COMPAT,
+        "softmax_scale": ATTN, "name": COMPAT, "softmax_type": MODULES + "test_attention_sinks.py",
     },
     ("DotProductAttention", "forward"): {
         "query_layer": ATTN, "key_layer": ATTN, "value_layer": ATTN, "attention_mask": ATTN, "qkv_format": ATTN,
@@ -93,7 +93,7 @@ IMPLEMENTED = {
         "max_seqlen_q": ATTN, "max_seqlen_kv": ATTN,
     },
     ("MultiheadAttention", "__init__"): {
-        "qk_norm_type": ATTN, "qk_norm_eps": ATTN, "qk_norm_before_rope": ATTN,
+        "softmax_type": MODULES + "test_attention_sinks.py", "qk_norm_type": ATTN, "qk_norm_eps": ATTN, "qk_norm_before_rope": ATTN,
         "kv_channels": ATTN, "attention_dropout": ATTN, "layernorm_epsilon": ATTN, "init_method": ATTN,
         "output_layer_init_method": ATTN, "layer_number": COMPAT, "attn_mask_type": ATTN, "window_size": ATTN,
         "bottom_right_diagonal": ATTN, "num_gqa_groups": ATTN, "params_dtype": ATTN,
@@ -125,7 +125,7 @@ IMPLEMENTED = {
         "ub_overlap_ag": COMPAT, "ub_overlap_rs": COMPAT, "ub_bulk_dgrad": COMPAT, "ub_bulk_wgrad": COMPAT,
         "bias": ATTN, "activation": MODULES + "test_transformer_layer.py",
         "normalization": MODULES + "test_transformer_layer.py", "device": MODULES + "test_transformer_layer.py",
-        "attn_input_format": MODULES + "test_transformer_layer.py", "name": COMPAT,
+        "attn_input_format": MODULES + "test_transformer_layer.py", "name": COMPAT, "softmax_type": MODULES + "test_attention_sinks.py",
         "activation_params": MODULES + "test_layernorm_linear.py",
         "fuse_wgrad_accumulation": MODULES + "test_fuse_wgrad.py", **ATTENTION_PARALLEL,
         "drop_path_rate": MODULES + "test_transformer_layer.py",

@@ -150,8 +150,10 @@ def te_alibi_slopes(h):
 
 
 def te_attention64(q, k, v, scale, mask_type="no_mask", kv_pad=None, q_pad=None, arbitrary=None, window=None,
-                   bottom_right=None, bias_type="no_bias", bias=None, slopes=None):
-    """q (b, h, sq, d), k/v (b, g, sk, d): float64, one query-key pair at a time."""
+                   bottom_right=None, bias_type="no_bias", bias=None, slopes=None, sink=None):
+    """q (b, h, sq, d), k/v (b, g, sk, d): float64, one query-key pair at a time. `sink` (h,):
+    Transformer Engine's attention sink, one more logit per row that no mask hides, dropped
+    after the softmax."""
     b, h, sq, _ = q.shape
     sk = k.shape[2]
     rep = h // k.shape[1]
@@ -186,8 +188,11 @@ def te_attention64(q, k, v, scale, mask_type="no_mask", kv_pad=None, q_pad=None,
                     scores[bi, :, i, j] -= slope * abs(off)
     if arbitrary is not None:
         visible &= ~arbitrary
-    p = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
-    return p @ v64
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sink is not None:
+        column = sink.double().view(1, h, 1, 1).expand(b, h, sq, 1)
+        return torch.softmax(torch.cat([scores, column], -1), -1)[..., :sk] @ v64
+    return torch.softmax(scores, -1).nan_to_num(0.0) @ v64
 
 
 ATTENTION_CASES = [
@@ -241,19 +246,27 @@ def _case_inputs(case, b, h, sq, sk, g):
     return fwd, ref
 
 
+def case_tensors(case, heads, groups, sq, sk, g, b=2, d=8, scale=0.35):
+    """(q, k, v) in (b, h, s, d), requiring gradients; the case's forward and te_attention64
+    kwargs; DotProductAttention's constructor kwargs (bshd)."""
+    q = torch.randn(b, heads, sq, d, generator=g, requires_grad=True)
+    k = torch.randn(b, groups, sk, d, generator=g, requires_grad=True)
+    v = torch.randn(b, groups, sk, d, generator=g, requires_grad=True)
+    fwd, ref_kw = _case_inputs(case, b, heads, sq, sk, g)
+    dpa_kw = dict(num_gqa_groups=groups, qkv_format="bshd", softmax_scale=scale,
+                  attention_type="self" if sq == sk else "cross")
+    return q, k, v, fwd, ref_kw, dpa_kw
+
+
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
 @pytest.mark.parametrize("heads, groups, sq, sk", [(4, 4, 5, 5), (4, 2, 4, 6), (4, 1, 6, 4)])
 def test_dot_product_attention_matches_float64(case, heads, groups, sq, sk):
     """Every mask type, sliding window, bias type and GQA grouping, forward and gradients
     (q, k, v and a post/pre-scale bias), in bshd."""
     g = seeded(heads * 100 + groups * 10 + sq)
-    b, d, scale = 2, 8, 0.35
-    q = torch.randn(b, heads, sq, d, generator=g, requires_grad=True)
-    k = torch.randn(b, groups, sk, d, generator=g, requires_grad=True)
-    v = torch.randn(b, groups, sk, d, generator=g, requires_grad=True)
-    fwd, ref_kw = _case_inputs(case, b, heads, sq, sk, g)
-    dpa = tm.DotProductAttention(heads, d, num_gqa_groups=groups, qkv_format="bshd", softmax_scale=scale,
-                                 attention_type="self" if sq == sk else "cross")
+    q, k, v, fwd, ref_kw, dpa_kw = case_tensors(case, heads, groups, sq, sk, g)
+    d, scale = q.shape[-1], dpa_kw["softmax_scale"]
+    dpa = tm.DotProductAttention(heads, d, **dpa_kw)
     out = dpa(query_layer=q.transpose(1, 2), key_layer=k.transpose(1, 2), value_layer=v.transpose(1, 2), **fwd)
     ref = te_attention64(q, k, v, scale, **ref_kw).transpose(1, 2).reshape(out.shape)
     torch.testing.assert_close(out.double(), ref, rtol=1.3e-6, atol=1e-5)

@@ -8,7 +8,8 @@ is built by te_core.ops.attention_masks, the same code the reference uses, and p
 explicit mask. Bias types ride on SDPA's float mask, which SDPA adds after scaling: post-scale
 bias and ALiBi as they are, a pre-scale bias multiplied by the scale. Query rows with every
 key masked are computed unmasked and then zeroed, which keeps NaN out of both passes.
-supports() declines a bias that needs a gradient (not every SDPA kernel returns one).
+supports() declines a bias that needs a gradient (not every SDPA kernel returns one) and
+attention sinks (softmax_offset).
 """
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def attention(q, k, v, *, attn_mask_type="no_mask", attention_mask=None, softmax
 
 
 def supports_attention(q, k, v, *, attn_mask_type="no_mask", core_attention_bias_type="no_bias",
-                       core_attention_bias=None, **_):
+                       core_attention_bias=None, softmax_offset=None, **_):
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return False, "tensors are not on a CUDA device"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -115,4 +116,6 @@ def supports_attention(q, k, v, *, attn_mask_type="no_mask", core_attention_bias
         return False, f"attn_mask_type={attn_mask_type!r} / core_attention_bias_type={core_attention_bias_type!r}"
     if core_attention_bias is not None and core_attention_bias.requires_grad and torch.is_grad_enabled():
         return False, "core_attention_bias needs a gradient, which not every SDPA kernel returns"
+    if softmax_offset is not None:
+        return False, "attention sinks (softmax_offset): SDPA has no softmax offset"
     return True, ""

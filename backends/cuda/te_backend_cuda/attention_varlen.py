@@ -125,7 +125,7 @@ def _lengths_reason(cu_seqlens_q, cu_seqlens_kv, diagonal: Optional[str]) -> str
 def supports_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None, *,
                               attn_mask_type="padding", softmax_scale=None, dropout_p=0.0, window_size=None,
                               bottom_right_diagonal=None, core_attention_bias_type="no_bias",
-                              core_attention_bias=None, alibi_slopes=None):
+                              core_attention_bias=None, alibi_slopes=None, softmax_offset=None):
     reason = _tensor_reason(q, k, v, cu_seqlens_q, cu_seqlens_kv)
     if reason:
         return False, reason
@@ -135,6 +135,8 @@ def supports_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q
         return False, f"core_attention_bias_type={core_attention_bias_type!r}: the varlen kernels take no bias"
     if dropout_p != 0.0:
         return False, "dropout_p > 0 (the varlen path runs without dropout)"
+    if softmax_offset is not None:
+        return False, "attention sinks (softmax_offset): the varlen kernels have no softmax offset"
     if max_seqlen_q is not None and int(max_seqlen_q) == 1 and q.shape[1] != k.shape[1]:
         # the kernel then regroups GQA queries as if every sequence held exactly one
         return False, "max_seqlen_q == 1 with GQA (the kernel's single-query regrouping assumes no empty sequence)"
