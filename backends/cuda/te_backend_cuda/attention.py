@@ -8,8 +8,9 @@ is built by te_core.ops.attention_masks, the same code the reference uses, and p
 explicit mask. Bias types ride on SDPA's float mask, which SDPA adds after scaling: post-scale
 bias and ALiBi as they are, a pre-scale bias multiplied by the scale. Query rows with every
 key masked are computed unmasked and then zeroed, which keeps NaN out of both passes.
-supports() declines a bias that needs a gradient (not every SDPA kernel returns one) and
-attention sinks (softmax_offset).
+Attention sinks (softmax_offset) are one more key and value of zeros whose float-mask column
+holds the offset. supports() declines a bias or an offset that needs a gradient (not every SDPA
+kernel returns one).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from te_core.ops.attention_masks import (
     alibi_bias,
     check_bias,
     check_padding,
+    check_softmax_offset,
     diagonal_bottom_right,
     diagonal_shift,
     masked_keys,
@@ -66,9 +68,23 @@ def _float_bias(q, b, hq, sq, sk, scale, bias_type, bias, alibi_slopes, shift) -
     return None
 
 
+def _sink_inputs(q, k, v, masked, bias, softmax_offset):
+    """Attention sinks as SDPA runs them: one more key and value of zeros, whose logit (its
+    column of the float mask) is the head's offset and which no query is masked from."""
+    b, hq, sq, _ = q.shape
+    sk = k.shape[2]
+    k = torch.cat([k, k.new_zeros(b, hq, 1, k.shape[3])], dim=2)
+    v = torch.cat([v, v.new_zeros(b, hq, 1, v.shape[3])], dim=2)
+    logits = q.new_zeros(1, 1, 1, sk) if bias is None else bias
+    if masked is not None:
+        logits = torch.where(masked, float("-inf"), logits)
+    column = softmax_offset.to(q.dtype).view(1, hq, 1, 1).expand(b, hq, sq, 1)
+    return k, v, torch.cat([logits.expand(b, hq, sq, sk), column], dim=-1)
+
+
 def attention(q, k, v, *, attn_mask_type="no_mask", attention_mask=None, softmax_scale=None, dropout_p=0.0,
               query_padding_mask=None, window_size=None, bottom_right_diagonal=None,
-              core_attention_bias_type="no_bias", core_attention_bias=None, alibi_slopes=None):
+              core_attention_bias_type="no_bias", core_attention_bias=None, alibi_slopes=None, softmax_offset=None):
     """te_core.ops.attention; differentiable (SDPA's autograd)."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
@@ -76,11 +92,13 @@ def attention(q, k, v, *, attn_mask_type="no_mask", attention_mask=None, softmax
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
     padding = check_padding(attn_mask_type, attention_mask, query_padding_mask, b, sq, sk)
     check_bias(core_attention_bias_type, core_attention_bias, alibi_slopes, (b, hq, sq, sk))
+    check_softmax_offset(softmax_offset, hq)
     if hq != hkv:
         k = k.repeat_interleave(hq // hkv, dim=1)
         v = v.repeat_interleave(hq // hkv, dim=1)
     window = resolve_window(attn_mask_type, window_size)
-    plain = core_attention_bias_type == "no_bias" and window[0] == math.inf and padding.kv is None
+    plain = core_attention_bias_type == "no_bias" and window[0] == math.inf and padding.kv is None \
+        and softmax_offset is None
     # SDPA's is_causal is top-left aligned; where sq == sk both alignments agree
     is_causal = plain and attn_mask_type in ("causal", "causal_bottom_right") and sq == sk
     if plain and attn_mask_type == "no_mask" or is_causal:
@@ -91,6 +109,11 @@ def attention(q, k, v, *, attn_mask_type="no_mask", attention_mask=None, softmax
     masked = masked_keys(attn_mask_type, attention_mask, padding, window, shift, sq, sk, q.device)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     bias = _float_bias(q, b, hq, sq, sk, scale, core_attention_bias_type, core_attention_bias, alibi_slopes, shift)
+    if softmax_offset is not None:  # no row is fully masked: a padded query's output is the sink's zeros
+        k, v, attn_mask = _sink_inputs(q, k, v, masked, bias, softmax_offset)
+        with _kernel_context():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                  scale=softmax_scale)
     dead = None
     if masked is not None:
         dead = masked.all(dim=-1, keepdim=True)
@@ -116,6 +139,6 @@ def supports_attention(q, k, v, *, attn_mask_type="no_mask", core_attention_bias
         return False, f"attn_mask_type={attn_mask_type!r} / core_attention_bias_type={core_attention_bias_type!r}"
     if core_attention_bias is not None and core_attention_bias.requires_grad and torch.is_grad_enabled():
         return False, "core_attention_bias needs a gradient, which not every SDPA kernel returns"
-    if softmax_offset is not None:
-        return False, "attention sinks (softmax_offset): SDPA has no softmax offset"
+    if softmax_offset is not None and softmax_offset.requires_grad and torch.is_grad_enabled():
+        return False, "a learnable softmax_offset needs a gradient, which SDPA's float mask does not return"
     return True, ""
