@@ -169,6 +169,29 @@ def norm_input(module, x: Tensor, step, slot: str) -> Tuple[Tensor, object, torc
     return x, SequenceGatherStep(step, slot, group), torch.Size((x.shape[0] * module.tp_size, *x.shape[1:]))
 
 
+class _GradScaled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy * ctx.scale, None
+
+
+def replicated_output(module, x: Optional[Tensor]) -> Optional[Tensor]:
+    """A tensor every rank computes whole in front of its column-parallel GEMM and hands back to
+    the caller (a norm's output, return_layernorm_output). The caller's gradient of it, the same
+    on every rank, flows back with the GEMM's partial input gradient and is summed over the
+    ranks with it (copy_to_tp_region, replicated_parameter), so it enters divided by tp_size to
+    count once. Under sequence parallelism the tensor is this rank's shard, whose gradient joins
+    after the reduce-scatter: as it is."""
+    if x is None or module.tp_size == 1 or module.sequence_parallel:
+        return x
+    return _GradScaled.apply(x, 1.0 / module.tp_size)
+
+
 def replicated_parameter(module, param: Optional[Tensor]) -> Optional[Tensor]:
     """A parameter every rank holds whole and applies to the replicated (gathered) input, such
     as the norm's weight in front of a column-parallel GEMM: each rank computes only part of

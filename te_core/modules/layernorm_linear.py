@@ -66,11 +66,15 @@ def norm_settings(module: QuantizedModule) -> dict:
 
 
 def fused_outputs(y, shape: torch.Size, out_features: int, bias: Optional[Tensor], ln_out: Optional[Tensor],
-                  residual: Optional[Tensor] = None, *, return_bias: bool = False):
+                  residual: Optional[Tensor] = None, *, return_bias: bool = False,
+                  in_shape: Optional[torch.Size] = None):
     """y shaped like the input of the GEMM, of shape `shape` (last dim out_features; a tuple of
     split views each shaped so), then, with return_bias, the bias left unapplied in y's dtype (None
     for a module without one, as Transformer Engine returns it), then the norm's output when it is
-    returned (TE's order), then the residual when asked for: a tensor alone, else a tuple."""
+    returned (TE's order), then the residual when asked for: a tensor alone, else a tuple. The
+    last two have the module input's shape `in_shape` (default `shape`; under sequence
+    parallelism the GEMM's input is the gathered sequence, the norm's output this rank's shard)."""
+    in_shape = shape if in_shape is None else in_shape
     lead = shape[:-1]
     if isinstance(y, tuple):
         result = (tuple(part.view(*lead, part.shape[-1]) for part in y),)
@@ -79,9 +83,9 @@ def fused_outputs(y, shape: torch.Size, out_features: int, bias: Optional[Tensor
     if return_bias:
         result += (returned_bias(bias, (y[0] if isinstance(y, tuple) else y).dtype),)
     if ln_out is not None:
-        result += (ln_out.view(shape),)
+        result += (ln_out.view(in_shape),)
     if residual is not None:
-        result += (residual.view(shape),)
+        result += (residual.view(in_shape),)
     return result[0] if len(result) == 1 else result
 
 
@@ -124,9 +128,10 @@ def norm_input_grad(ctx, dy_q, w_q, d_ln_out, dtype):
     of the returned norm output; None when nothing needs it."""
     if not ctx.needs_norm:
         return None
-    d_ln = dgrad_gemm(dy_q, w_q, out_dtype=dtype)
-    d_ln = d_ln if d_ln_out is None else d_ln + d_ln_out
-    return shard_grad(ctx.step, d_ln)  # under sequence parallelism, the norm's shard of it
+    # under sequence parallelism the norm's shard of the GEMM's gradient; the returned norm
+    # output is that shard too (tensor_parallel.replicated_output)
+    d_ln = shard_grad(ctx.step, dgrad_gemm(dy_q, w_q, out_dtype=dtype))
+    return d_ln if d_ln_out is None else d_ln + d_ln_out
 
 
 def norm_grads(ctx, d_ln, x, stats, ln_weight, d_residual=None):
@@ -262,8 +267,6 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
         if parallel_mode == "row" and self.tp_size > 1:
             raise NotImplementedError(f"{name}: parallel_mode='row' with tp_size > 1 is not supported (the norm "
                                       "would see only this rank's features); use LayerNorm and a row-parallel Linear")
-        if return_layernorm_output and self.tp_size > 1:
-            raise NotImplementedError(f"{name}: return_layernorm_output=True with tp_size > 1 is not supported yet")
         self.in_features = check_positive(in_features, name="in_features", module=name)
         self.out_features = check_positive(out_features, name="out_features", module=name)
         if parallel_mode == "column":
@@ -339,5 +342,7 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
             )
         out, ln_out, residual = unpack_outputs(out, inp, return_ln_out=self.return_layernorm_output,
                                                return_residual=return_residual, residual_fused=residual_fused)
+        ln_out = tensor_parallel.replicated_output(self, ln_out)
         y = out[0] if split_sizes is None else tuple(out)
-        return fused_outputs(y, gemm_shape, self.out_features, bias, ln_out, residual, return_bias=self.return_bias)
+        return fused_outputs(y, gemm_shape, self.out_features, bias, ln_out, residual, return_bias=self.return_bias,
+                             in_shape=inp.shape)

@@ -231,8 +231,6 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
                              "row-parallel, as in Transformer Engine); without it TE splits the FFN weights but leaves "
                              "the output a partial sum of the ranks'")
         self.set_parallel_mode = set_parallel_mode
-        if return_layernorm_output and self.tp_size > 1:
-            raise NotImplementedError(f"{name}: return_layernorm_output=True with tp_size > 1 is not supported yet")
         self.hidden_size = check_positive(hidden_size, name="hidden_size", module=name)
         self.ffn_hidden_size = check_positive(ffn_hidden_size, name="ffn_hidden_size", module=name)
         self.size_per_partition = tensor_parallel.split_size(ffn_hidden_size, self.tp_size, what="ffn_hidden_size",
@@ -319,6 +317,7 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
             )
         out, ln_out, residual = unpack_outputs(out, inp, return_ln_out=self.return_layernorm_output,
                                                return_residual=return_residual, residual_fused=residual_fused)
+        ln_out = tensor_parallel.replicated_output(self, ln_out)
         if self.tp_size > 1:
             out[0] = tensor_parallel.row_parallel_output(self, out[0], None if self.return_bias else self.fc2_bias)
         return fused_outputs(out[0], inp.shape, self.hidden_size, self.fc2_bias, ln_out, residual,

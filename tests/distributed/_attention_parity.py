@@ -26,10 +26,12 @@ class AttnCase:
     input_layernorm: bool = True  # MultiheadAttention only
     recipe: Optional[str] = None  # a key of _parity.RECIPES; None: fp32
     decoder: bool = False  # TransformerLayer only: layer_type="decoder", with cross-attention
+    post_ln_residual: bool = False  # TransformerLayer only: apply_residual_connection_post_layernorm
 
     def __str__(self) -> str:
         return (f"{self.kind}{'-decoder' if self.decoder else ''}-tp{self.tp}{'-sp' if self.sp else ''}{'-fused' if self.fuse_qkv else ''}"
-                f"{'' if self.input_layernorm else '-no_ln'}-{self.recipe or 'float32'}")
+                f"{'' if self.input_layernorm else '-no_ln'}{'-post_ln_residual' if self.post_ln_residual else ''}"
+                f"-{self.recipe or 'float32'}")
 
 
 def build(case: AttnCase, group=None):
@@ -40,7 +42,8 @@ def build(case: AttnCase, group=None):
                   params_dtype=torch.float32, **tp)
     if case.kind == "TransformerLayer":
         layer = TransformerLayer(HIDDEN, FFN, HEADS, hidden_dropout=0.0, self_attn_mask_type="causal",
-                                 layer_type="decoder" if case.decoder else "encoder", **common)
+                                 layer_type="decoder" if case.decoder else "encoder",
+                                 apply_residual_connection_post_layernorm=case.post_ln_residual, **common)
         return _WithEncoder(layer, case, group) if case.decoder else layer
     return MultiheadAttention(HIDDEN, HEADS, attn_mask_type="causal", input_layernorm=case.input_layernorm, **common)
 

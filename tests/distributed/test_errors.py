@@ -36,11 +36,6 @@ def test_bad_arguments_are_named(build, match):
 @pytest.mark.parametrize("build, match", [
     (lambda: LayerNormLinear(64, 64, parallel_mode="row", tp_size=2),
      r"parallel_mode='row' with tp_size > 1 is not supported"),
-    (lambda: LayerNormLinear(64, 64, parallel_mode="column", tp_size=2, return_layernorm_output=True),
-     r"return_layernorm_output=True with tp_size > 1"),
-    (lambda: te.TransformerLayer(32, 64, 4, tp_size=2, set_parallel_mode=True,
-                                 apply_residual_connection_post_layernorm=True),
-     r"return_layernorm_output=True with tp_size > 1"),
 ])
 def test_not_implemented_yet_says_so(build, match):
     with pytest.raises(NotImplementedError, match=match):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from te_core.modules import LayerNormMLP, Linear
+from te_core.modules import LayerNormLinear, LayerNormMLP, Linear
 
 from ._parity import Case, check_parity, randomize, shard
 
@@ -82,3 +82,46 @@ def _mlp_residual(ctx, sequence_parallel: bool):
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
 def test_mlp_residual_under_tensor_parallelism(pool, sequence_parallel):
     assert pool.run(_mlp_residual, sequence_parallel)[:2] == [True, True]
+
+
+def _norm_output(ctx, kind: str, sequence_parallel: bool):
+    """return_layernorm_output=True: the norm output (this rank's shard of it under sequence
+    parallelism, as Transformer Engine returns it) and the gradients of the input and of the
+    norm's weight, with a gradient flowing into that output too, equal the single process's."""
+    if ctx.rank >= 2:
+        return None
+    group, rank = ctx.group(2), ctx.rank
+    make = {"LayerNormLinear": lambda **kw: LayerNormLinear(64, 64, return_layernorm_output=True, **kw),
+            "LayerNormMLP": lambda **kw: LayerNormMLP(64, 128, return_layernorm_output=True, **kw)}[kind]
+    full = make()
+    randomize(full, seed=7)
+    parallel = dict(parallel_mode="column") if kind == "LayerNormLinear" else dict(set_parallel_mode=True)
+    part = make(tp_group=group, sequence_parallel=sequence_parallel, **parallel)
+    with torch.no_grad():
+        for name, p in part.named_parameters():
+            p.copy_(shard(full.get_parameter(name), p.shape, rank, 2, gated=False))
+    gen = torch.Generator().manual_seed(8)
+    x, dy, d_ln = (torch.randn(8, 2, 64, generator=gen) for _ in range(3))
+    local = (lambda t: t.chunk(2, dim=0)[rank]) if sequence_parallel else (lambda t: t)
+    # LayerNormLinear is column-parallel: its output holds this rank's features of the whole sequence
+    out_part = (lambda t: t.chunk(2, dim=-1)[rank]) if kind == "LayerNormLinear" else local
+    x_full, x_part = x.clone().requires_grad_(), local(x).clone().requires_grad_()
+    y, ln_out = full(x_full)
+    torch.autograd.backward((y, ln_out), (dy, d_ln))
+    y_part, ln_part = part(x_part)
+    torch.autograd.backward((y_part, ln_part), (out_part(dy), local(d_ln)))
+    tol = dict(rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(ln_part, local(ln_out), **tol)
+    torch.testing.assert_close(y_part, out_part(y), **tol)
+    torch.testing.assert_close(x_part.grad, local(x_full.grad), **tol)
+    weight_grad = part.layer_norm_weight.grad
+    if sequence_parallel:  # each rank holds its shard's part, summed by the training loop
+        torch.distributed.all_reduce(weight_grad, group=group)
+    torch.testing.assert_close(weight_grad, full.layer_norm_weight.grad, **tol)
+    return True
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+@pytest.mark.parametrize("kind", ["LayerNormLinear", "LayerNormMLP"])
+def test_norm_output_under_tensor_parallelism(pool, kind, sequence_parallel):
+    assert pool.run(_norm_output, kind, sequence_parallel)[:2] == [True, True]
