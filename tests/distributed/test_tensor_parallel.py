@@ -53,20 +53,27 @@ def test_row_parallel_return_bias_without_autograd(pool):
     assert pool.run(_return_bias_and_inference)[:2] == [True, True]
 
 
+def _full_and_part(ctx, make, parallel: dict, seed: int):
+    """(the module whole, this rank's tensor-parallel shard of it over 2 ranks with the same
+    weights, then three random (8, 2, 64) tensors: an input and two output gradients)."""
+    full = make()
+    randomize(full, seed=seed)
+    part = make(tp_group=ctx.group(2), **parallel)
+    with torch.no_grad():
+        for name, p in part.named_parameters():
+            p.copy_(shard(full.get_parameter(name), p.shape, ctx.rank, 2, gated=False))
+    gen = torch.Generator().manual_seed(seed + 1)
+    return (full, part, *(torch.randn(8, 2, 64, generator=gen) for _ in range(3)))
+
+
 def _mlp_residual(ctx, sequence_parallel: bool):
     """LayerNormMLP(return_residual=True): the residual is this rank's input, and its gradient
     joins the input's after the ranks' parts are summed, not before."""
     if ctx.rank >= 2:
         return None
-    group, rank = ctx.group(2), ctx.rank
-    full = LayerNormMLP(64, 128)
-    randomize(full, seed=4)
-    part = LayerNormMLP(64, 128, tp_group=group, set_parallel_mode=True, sequence_parallel=sequence_parallel)
-    with torch.no_grad():
-        for name, p in part.named_parameters():
-            p.copy_(shard(full.get_parameter(name), p.shape, rank, 2, gated=False))
-    gen = torch.Generator().manual_seed(6)
-    x, dy, d_res = (torch.randn(8, 2, 64, generator=gen) for _ in range(3))
+    rank = ctx.rank
+    full, part, x, dy, d_res = _full_and_part(ctx, lambda **kw: LayerNormMLP(64, 128, **kw),
+                                              dict(set_parallel_mode=True, sequence_parallel=sequence_parallel), 4)
     local = (lambda t: t.chunk(2, dim=0)[rank]) if sequence_parallel else (lambda t: t)
     x_full, x_part = x.clone().requires_grad_(), local(x).clone().requires_grad_()
     y, residual = full(x_full, return_residual=True)
@@ -93,15 +100,8 @@ def _norm_output(ctx, kind: str, sequence_parallel: bool):
     group, rank = ctx.group(2), ctx.rank
     make = {"LayerNormLinear": lambda **kw: LayerNormLinear(64, 64, return_layernorm_output=True, **kw),
             "LayerNormMLP": lambda **kw: LayerNormMLP(64, 128, return_layernorm_output=True, **kw)}[kind]
-    full = make()
-    randomize(full, seed=7)
     parallel = dict(parallel_mode="column") if kind == "LayerNormLinear" else dict(set_parallel_mode=True)
-    part = make(tp_group=group, sequence_parallel=sequence_parallel, **parallel)
-    with torch.no_grad():
-        for name, p in part.named_parameters():
-            p.copy_(shard(full.get_parameter(name), p.shape, rank, 2, gated=False))
-    gen = torch.Generator().manual_seed(8)
-    x, dy, d_ln = (torch.randn(8, 2, 64, generator=gen) for _ in range(3))
+    full, part, x, dy, d_ln = _full_and_part(ctx, make, dict(sequence_parallel=sequence_parallel, **parallel), 7)
     local = (lambda t: t.chunk(2, dim=0)[rank]) if sequence_parallel else (lambda t: t)
     # LayerNormLinear is column-parallel: its output holds this rank's features of the whole sequence
     out_part = (lambda t: t.chunk(2, dim=-1)[rank]) if kind == "LayerNormLinear" else local
