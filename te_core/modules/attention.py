@@ -132,11 +132,15 @@ class DotProductAttention(nn.Module):
         core_attention_bias: Optional[Tensor] = None,
         alibi_slopes: Optional[Tensor] = None,
         fast_zero_fill: bool = True,
+        num_splits: Optional[int] = 1,
         **kwargs,
     ) -> Tensor:
-        """fast_zero_fill only picks how Transformer Engine zeroes padded outputs; the values
-        are the same either way."""
+        """fast_zero_fill only picks how Transformer Engine zeroes padded outputs, num_splits how
+        its FlashAttention-3 kernel splits the keys; the values are the same either way."""
         module = "DotProductAttention"
+        if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                       or num_splits < 1):
+            raise ValueError(f"{module}: num_splits must be None or a positive int, got {num_splits!r}")
         reject_unsupported(f"{module}.forward", cu_seqlens_q_padded=cu_seqlens_q_padded,
                            cu_seqlens_kv_padded=cu_seqlens_kv_padded, **kwargs)
         fmt = check_choice(qkv_format or self.qkv_format, QKV_FORMATS, name="qkv_format", module=module)

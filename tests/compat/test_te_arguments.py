@@ -46,6 +46,19 @@ def test_fast_zero_fill_selects_no_different_values():
     torch.testing.assert_close(dpa(q, q, q, fast_zero_fill=False), dpa(q, q, q))
 
 
+def test_num_splits_selects_no_different_values():
+    torch.manual_seed(1)
+    layer = te.TransformerLayer(8, 16, 2, hidden_dropout=0.0, attention_dropout=0.0)
+    x = _x(4, 2, 8, seed=6)
+    torch.testing.assert_close(layer(x, num_splits=4), layer(x))
+    q = _x(4, 2, 2, 4, seed=7)
+    dpa = te.DotProductAttention(2, 4)
+    torch.testing.assert_close(dpa(q, q, q, num_splits=2), dpa(q, q, q))
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="num_splits must be None or a positive int"):
+            dpa(q, q, q, num_splits=bad)
+
+
 def test_userbuffer_flags_are_inert_without_ub_tp_comm_overlap():
     torch.manual_seed(1)
     a = te.TransformerLayer(8, 16, 2, hidden_dropout=0.0, attention_dropout=0.0)
