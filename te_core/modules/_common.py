@@ -42,8 +42,7 @@ _NOT_IMPLEMENTED = {
         "return_max_logit": (False,), "bf16_backward": (False,),
         "score_mod": (None,), "score_mod_bprop": (None,), "score_mod_tensors": (None,),
         "score_mod_bprop_tensors": (None,), "qkv_layer": (None,), "kv_layer": (None,), "qkv_interleave_dim": (-3,),
-        "inference_params": (None,), "pad_between_seqs": (None, False), "cu_seqlens_q_padded": (None,),
-        "cu_seqlens_kv_padded": (None,),
+        "inference_params": (None,),
     },
     "names for Transformer Engine's debug tools": {"name": (None,)},
 }

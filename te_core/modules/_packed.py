@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+import torch
 from torch import Tensor
 
 from ..ops.packed_sequences import check_cu_seqlens
@@ -26,3 +27,23 @@ class Packing(NamedTuple):
 def packing(cu_seqlens, max_seqlen: Optional[int], total: int, name: str, module: str) -> Packing:
     """`total` packed tokens as cu_seqlens describes them, checked."""
     return Packing(cu_seqlens, check_cu_seqlens(cu_seqlens, max_seqlen, total, name, module))
+
+
+def unpadded_rows(cu_seqlens, cu_seqlens_padded, total: int, name: str, module: str) -> Tensor:
+    """Transformer Engine's pad_between_seqs layout: sequence i holds cu_seqlens' i-th length of
+    tokens from row cu_seqlens_padded[i] of a (total, ...) tensor, and padding after them up to
+    the next sequence. Returns the rows of the sequences' tokens, in order (int64, on the offsets'
+    device); reading the offsets waits for the device, as checking cu_seqlens does."""
+    padded = f"{name}_padded"
+    check_cu_seqlens(cu_seqlens_padded, None, total, padded, module)
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+        raise ValueError(f"{module}: {name} must be a 1-D integer tensor of b + 1 offsets, got {cu_seqlens!r}")
+    cu, starts = cu_seqlens.to(torch.long), cu_seqlens_padded.to(device=cu_seqlens.device, dtype=torch.long)
+    lengths, room = cu.diff(), starts.diff()
+    if cu.numel() != starts.numel() or int(cu[0]) != 0 or bool((lengths < 0).any()) or bool((lengths > room).any()):
+        raise ValueError(f"{module}: {name} (the sequences' lengths) and {padded} (where they start) must describe "
+                         f"the same sequences, each no longer than the room {padded} leaves it; got {cu.tolist()} and "
+                         f"{starts.tolist()}")
+    tokens = torch.arange(int(cu[-1]), device=cu.device)
+    sequence = torch.searchsorted(cu[1:], tokens, right=True)
+    return starts[:-1][sequence] + tokens - cu[:-1][sequence]

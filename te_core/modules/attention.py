@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..ops.attention import PADDING_MASK_TYPES
-from ._packed import PADDED_MASK_TYPE, Packing, packing
+from ._packed import PADDED_MASK_TYPE, Packing, packing, unpadded_rows
 from ._common import (
     HP_DTYPES,
     reject_unsupported,
@@ -141,9 +141,17 @@ class DotProductAttention(nn.Module):
         if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                        or num_splits < 1):
             raise ValueError(f"{module}: num_splits must be None or a positive int, got {num_splits!r}")
-        reject_unsupported(f"{module}.forward", cu_seqlens_q_padded=cu_seqlens_q_padded,
-                           cu_seqlens_kv_padded=cu_seqlens_kv_padded, **kwargs)
+        pad_between_seqs = kwargs.pop("pad_between_seqs", None)
+        reject_unsupported(f"{module}.forward", **kwargs)
         fmt = check_choice(qkv_format or self.qkv_format, QKV_FORMATS, name="qkv_format", module=module)
+        rows_q = None  # pad_between_seqs: the query rows that hold tokens, where the output goes back
+        if pad_between_seqs or cu_seqlens_q_padded is not None or cu_seqlens_kv_padded is not None:
+            total_q = query_layer.shape[0]
+            rows_q, rows_kv = _between_seqs(fmt, (cu_seqlens_q, cu_seqlens_kv),
+                                            (cu_seqlens_q_padded, cu_seqlens_kv_padded),
+                                            (total_q, key_layer.shape[0]))
+            query_layer = query_layer.index_select(0, rows_q.to(query_layer.device))
+            key_layer, value_layer = (t.index_select(0, rows_kv.to(t.device)) for t in (key_layer, value_layer))
         mask_type = check_choice(
             attn_mask_type or self.attn_mask_type, ops.ATTN_MASK_TYPES, name="attn_mask_type", module=module
         )
@@ -174,7 +182,11 @@ class DotProductAttention(nn.Module):
         with no_torch_autocast(q.device.type):
             out = _core_attention(q, k, v, options, checkpoint_core_attention, packed)
         if packed is not None:
-            return out.flatten(1)  # (t, h * dv)
+            out = out.flatten(1)  # (t, h * dv)
+            if rows_q is None:
+                return out
+            # the padding between sequences comes back as zeros, as Transformer Engine fills it
+            return out.new_zeros(total_q, out.shape[1]).index_copy(0, rows_q.to(out.device), out)
         b, h, s, dv = out.shape
         if fmt == "sbhd":
             return out.permute(2, 0, 1, 3).reshape(s, b, h * dv)
@@ -250,6 +262,20 @@ def _sequence_layout(fmt, q, k, mask_type, attention_mask, cu_seqlens, max_seqle
     if cu_seqlens[0] is not None or cu_seqlens[1] is not None:
         attention_mask = _padding_from_lengths(q, k, fmt, *cu_seqlens, attention_mask, mask_type)
     return None, mask_type, attention_mask
+
+
+def _between_seqs(fmt: str, cu_seqlens, cu_seqlens_padded, totals):
+    """(query rows, key/value rows) of the sequences' tokens in Transformer Engine's
+    pad_between_seqs layout (thd with cu_seqlens_q_padded / cu_seqlens_kv_padded)."""
+    name = "DotProductAttention"
+    if fmt != "thd":
+        raise ValueError(f"{name}: cu_seqlens_q_padded / cu_seqlens_kv_padded (pad_between_seqs) describe packed "
+                         f"sequences, qkv_format='thd'; got {fmt!r}")
+    if any(c is None for c in (*cu_seqlens, *cu_seqlens_padded)):
+        raise ValueError(f"{name}: padding between packed sequences needs cu_seqlens_q and cu_seqlens_kv (the "
+                         "lengths) and cu_seqlens_q_padded and cu_seqlens_kv_padded (where the sequences start)")
+    return tuple(unpadded_rows(cu, padded, total, arg, name) for cu, padded, total, arg in
+                 zip(cu_seqlens, cu_seqlens_padded, totals, ("cu_seqlens_q", "cu_seqlens_kv")))
 
 
 def _packings(q, k, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, attention_mask, mask_type):

@@ -240,7 +240,10 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
             )
             # packed sequences: each token by its position in its own sequence, as attention reads them
             packed = self.qkv_format == "thd"
-            q_cu, k_cu = (kwargs.get("cu_seqlens_q"), kwargs.get("cu_seqlens_kv")) if packed else (None, None)
+            # (with padding between the sequences, their offsets in the padded layout, as in TE)
+            q_cu, k_cu = ((_or(kwargs.get("cu_seqlens_q_padded"), kwargs.get("cu_seqlens_q")),
+                           _or(kwargs.get("cu_seqlens_kv_padded"), kwargs.get("cu_seqlens_kv")))
+                          if packed else (None, None))
             q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format, interleaved=self.rotary_pos_interleaved,
                                      cu_seqlens=q_cu)
             k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format, interleaved=self.rotary_pos_interleaved,
@@ -289,3 +292,7 @@ def _input_proj_name(attention_type: str, input_layernorm: bool) -> str:
     if attention_type == "self":
         return "layernorm_qkv" if input_layernorm else "qkv"
     return "layernorm_query" if input_layernorm else "query_layer"
+
+
+def _or(first, second):
+    return second if first is None else first

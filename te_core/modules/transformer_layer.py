@@ -185,8 +185,10 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
                       core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
                       alibi_slopes=alibi_slopes)
         # self-attention's keys are its queries: it takes the query-side lengths for both, as in TE
-        self_kwargs = {k: v for k, v in kwargs.items() if k not in ("cu_seqlens_kv", "max_seqlen_kv")}
-        for q_name, kv_name in (("cu_seqlens_q", "cu_seqlens_kv"), ("max_seqlen_q", "max_seqlen_kv")):
+        pairs = (("cu_seqlens_q", "cu_seqlens_kv"), ("max_seqlen_q", "max_seqlen_kv"),
+                 ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"))
+        self_kwargs = {k: v for k, v in kwargs.items() if k not in {kv for _, kv in pairs}}
+        for q_name, kv_name in pairs:
             if kwargs.get(q_name) is not None:
                 self_kwargs[kv_name] = kwargs[q_name]
         # the residuals come back from the blocks that normalize them (return_residual), so that

@@ -95,3 +95,69 @@ def test_packed_layers_check_their_input():
         mha(torch.randn(shape), **_packed_args())
     with pytest.raises(ValueError, match="needs cu_seqlens"):
         mha(torch.randn(sum(LENGTHS), HIDDEN), rotary_pos_emb=tm.RotaryPositionEmbedding(HIDDEN // HEADS)(8))
+
+
+# ---- padding between the packed sequences (cu_seqlens_*_padded, Transformer Engine's pad_between_seqs)
+
+GAPS = [2, 0, 3, 1]  # padding rows after each sequence
+
+
+def _padded_layout(lengths=LENGTHS, gaps=GAPS):
+    """(cu_seqlens_padded, the rows of the sequences' tokens in the padded layout)."""
+    starts = torch.tensor([0, *torch.tensor([n + g for n, g in zip(lengths, gaps)]).cumsum(0).tolist()])
+    rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts[:-1].tolist(), lengths)])
+    return starts.to(torch.int32), rows
+
+
+def test_attention_with_padding_between_sequences_equals_packed():
+    torch.manual_seed(41)
+    cu_padded, rows = _padded_layout()
+    total = int(cu_padded[-1])
+    q, k, v = (torch.randn(total, HEADS, 8) for _ in range(3))  # the gap rows hold garbage
+    dpa = tm.DotProductAttention(HEADS, 8, qkv_format="thd", attn_mask_type="padding_causal")
+    args = _packed_args()
+    compact = [t[rows].clone().requires_grad_() for t in (q, k, v)]
+    padded = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = dpa(*compact, **args)
+    got = dpa(*padded, cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded, pad_between_seqs=True, **args)
+    assert got.shape == (total, HEADS * 8)
+    torch.testing.assert_close(got[rows], want, **TOL)
+    gaps = torch.ones(total, dtype=torch.bool)
+    gaps[rows] = False
+    assert torch.equal(got[gaps], torch.zeros_like(got[gaps]))
+    dy = torch.randn(total, HEADS * 8)
+    got.backward(dy)
+    want.backward(dy[rows])
+    for p_, c in zip(padded, compact):
+        torch.testing.assert_close(p_.grad[rows], c.grad, **TOL)
+        assert torch.equal(p_.grad[gaps], torch.zeros_like(p_.grad[gaps]))
+
+
+def test_transformer_layer_with_padding_between_sequences():
+    """Rotary positions count from each sequence's own start in the padded layout."""
+    torch.manual_seed(42)
+    cu_padded, rows = _padded_layout()
+    freqs = tm.RotaryPositionEmbedding(HIDDEN // HEADS)(8)
+    layer = tm.TransformerLayer(HIDDEN, 2 * HIDDEN, HEADS, attn_input_format="thd", hidden_dropout=0.0,
+                                attention_dropout=0.0, self_attn_mask_type="causal")
+    x = torch.randn(int(cu_padded[-1]), HIDDEN)
+    packed = dict(rotary_pos_emb=freqs, cu_seqlens_q=_cu(LENGTHS), max_seqlen_q=max(LENGTHS))
+    want = layer(x[rows], **packed)
+    got = layer(x, cu_seqlens_q_padded=cu_padded, **packed)
+    torch.testing.assert_close(got[rows], want, **TOL)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(pad_between_seqs=True), "needs cu_seqlens_q and cu_seqlens_kv .* and cu_seqlens_q_padded"),
+    (dict(cu_seqlens_q_padded="same"), "needs cu_seqlens_q and cu_seqlens_kv .* and cu_seqlens_q_padded"),
+    (dict(cu_seqlens_q_padded="short", cu_seqlens_kv_padded="short"), "each no longer than the room"),
+    (dict(cu_seqlens_q_padded="same", cu_seqlens_kv_padded="same", qkv_format="bshd"), "qkv_format='thd'"),
+])
+def test_padding_between_sequences_is_checked(kwargs, match):
+    cu_padded, _ = _padded_layout()
+    values = {"same": cu_padded, "short": torch.tensor([0, 2, 10, 15, 20])}  # 2 rows for a sequence of 3
+    kwargs = {k: values.get(v, v) if isinstance(v, str) and k != "qkv_format" else v for k, v in kwargs.items()}
+    t = torch.randn(int(cu_padded[-1]), HEADS, 8)
+    dpa = tm.DotProductAttention(HEADS, 8, qkv_format="thd", attn_mask_type="padding")
+    with pytest.raises(ValueError, match=match):
+        dpa(t, t, t, **_packed_args(), **kwargs)
