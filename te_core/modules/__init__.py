@@ -6,6 +6,7 @@ from .attention import DotProductAttention
 from .checkpoint import checkpoint, checkpoint_context
 from .fp8_padding import Fp8Padding, Fp8Unpadding
 from .grouped_linear import GroupedLinear
+from .inference import InferenceParams
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
@@ -24,6 +25,7 @@ __all__ = [
     "LayerNorm",
     "RMSNorm",
     "DotProductAttention",
+    "InferenceParams",
     "MultiheadAttention",
     "TransformerLayer",
     "RotaryPositionEmbedding",

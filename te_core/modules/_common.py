@@ -42,7 +42,6 @@ _NOT_IMPLEMENTED = {
         "return_max_logit": (False,), "bf16_backward": (False,),
         "score_mod": (None,), "score_mod_bprop": (None,), "score_mod_tensors": (None,),
         "score_mod_bprop_tensors": (None,), "qkv_layer": (None,), "kv_layer": (None,), "qkv_interleave_dim": (-3,),
-        "inference_params": (None,),
     },
     "names for Transformer Engine's debug tools": {"name": (None,)},
 }

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from .. import ops
 from ..ops.attention import PADDING_MASK_TYPES
 from ._packed import PADDED_MASK_TYPE, Packing, packing, unpadded_rows
+from .inference import InferenceParams
 from ._common import (
     HP_DTYPES,
     reject_unsupported,
@@ -26,6 +27,10 @@ from ._common import (
 PADDED_FORMATS = ("sbhd", "bshd")
 QKV_FORMATS = PADDED_FORMATS + ("thd",)
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+# with a KV cache the new queries are their sequences' last tokens: causal types align bottom-right
+CACHED_MASK_TYPE = {"no_mask": "padding", "padding": "padding", "causal": "padding_causal_bottom_right",
+                    "padding_causal": "padding_causal_bottom_right", "causal_bottom_right": "padding_causal_bottom_right",
+                    "padding_causal_bottom_right": "padding_causal_bottom_right"}
 
 
 def check_hidden_dims(x: Tensor, fmt: str, name: str, module: str) -> None:
@@ -132,6 +137,7 @@ class DotProductAttention(nn.Module):
         core_attention_bias: Optional[Tensor] = None,
         alibi_slopes: Optional[Tensor] = None,
         fast_zero_fill: bool = True,
+        inference_params=None,
         num_splits: Optional[int] = 1,
         **kwargs,
     ) -> Tensor:
@@ -145,7 +151,11 @@ class DotProductAttention(nn.Module):
         reject_unsupported(f"{module}.forward", **kwargs)
         fmt = check_choice(qkv_format or self.qkv_format, QKV_FORMATS, name="qkv_format", module=module)
         rows_q = None  # pad_between_seqs: the query rows that hold tokens, where the output goes back
-        if pad_between_seqs or cu_seqlens_q_padded is not None or cu_seqlens_kv_padded is not None:
+        padded_between = pad_between_seqs or cu_seqlens_q_padded is not None or cu_seqlens_kv_padded is not None
+        if inference_params is not None and padded_between:
+            raise ValueError(f"{module}: with inference_params the KV cache lays out the sequences; pass no "
+                             "cu_seqlens_*_padded / pad_between_seqs")
+        if padded_between:
             total_q = query_layer.shape[0]
             rows_q, rows_kv = _between_seqs(fmt, (cu_seqlens_q, cu_seqlens_kv),
                                             (cu_seqlens_q_padded, cu_seqlens_kv_padded),
@@ -155,9 +165,16 @@ class DotProductAttention(nn.Module):
         mask_type = check_choice(
             attn_mask_type or self.attn_mask_type, ops.ATTN_MASK_TYPES, name="attn_mask_type", module=module
         )
-        packed, mask_type, attention_mask = _sequence_layout(
-            fmt, query_layer, key_layer, mask_type, attention_mask, (cu_seqlens_q, cu_seqlens_kv),
-            (max_seqlen_q, max_seqlen_kv))
+        cached_format = None  # with inference_params: the new tokens' layout, which the output takes
+        if inference_params is not None:
+            cached_format, in_shape = fmt, query_layer.shape
+            query_layer, key_layer, value_layer, packed, mask_type = self._from_cache(
+                inference_params, fmt, mask_type, attention_mask, query_layer, key_layer, value_layer)
+            fmt, attention_mask = "thd", None
+        else:
+            packed, mask_type, attention_mask = _sequence_layout(
+                fmt, query_layer, key_layer, mask_type, attention_mask, (cu_seqlens_q, cu_seqlens_kv),
+                (max_seqlen_q, max_seqlen_kv))
         q, k, v = (
             self._to_bhsd(t, arg, fmt, where)
             for t, arg, where in ((query_layer, "query_layer", packed and packed[0]),
@@ -183,6 +200,8 @@ class DotProductAttention(nn.Module):
             out = _core_attention(q, k, v, options, checkpoint_core_attention, packed)
         if packed is not None:
             out = out.flatten(1)  # (t, h * dv)
+            if cached_format is not None:
+                return inference_params.unpacked(out, cached_format, in_shape)
             if rows_q is None:
                 return out
             # the padding between sequences comes back as zeros, as Transformer Engine fills it
@@ -191,6 +210,30 @@ class DotProductAttention(nn.Module):
         if fmt == "sbhd":
             return out.permute(2, 0, 1, 3).reshape(s, b, h * dv)
         return out.permute(0, 2, 1, 3).reshape(b, s, h * dv)
+
+    def _from_cache(self, params, fmt: str, mask_type: str, attention_mask, q: Tensor, k: Tensor, v: Tensor):
+        """Generation with a KV cache (te.InferenceParams): (the step's new queries, every cached
+        key and value of its sequences, all packed; their Packing; the mask type). The new tokens
+        are their sequences' last, so causal types align to the bottom right, as in Transformer
+        Engine, and the plain types become their padding twins."""
+        name = "DotProductAttention"
+        if not isinstance(params, InferenceParams):
+            raise TypeError(f"{name}: inference_params must be a te_core.InferenceParams, got {type(params).__name__}")
+        if self.layer_number is None:
+            raise ValueError(f"{name}: inference_params needs layer_number (each layer's key in the KV cache)")
+        if self.attention_type != "self":
+            raise NotImplementedError(f"{name}: inference_params with cross-attention is not supported by te-core yet")
+        if attention_mask is not None or mask_type == "arbitrary":
+            raise ValueError(f"{name}: with inference_params the KV cache gives the padding: no attention_mask, and "
+                             f"attn_mask_type one of {', '.join(CACHED_MASK_TYPE)} (got {mask_type!r})")
+        if not all(isinstance(t, Tensor) and t.dim() == (3 if fmt == "thd" else 4) for t in (q, k, v)):
+            raise ValueError(f"{name}: query_layer, key_layer and value_layer must be "
+                             f"{3 if fmt == 'thd' else 4}-D ({fmt})")
+        q, k, v = (params.packed_tokens(t, fmt) for t in (q, k, v))
+        k, v = params.cached_step(self.layer_number, k, v)
+        packed = (Packing(params.cu_seqlens_q, max(params.step_lens)),
+                  Packing(params.cu_seqlens_kv, max(params.sequences.values())))
+        return q, k, v, packed, CACHED_MASK_TYPE[mask_type]
 
     def get_extra_state(self) -> None:
         """Nothing to keep (attention is not quantized); the key exists, as in Transformer

@@ -209,7 +209,8 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         the norm's backward (see LayerNormLinear). Attention arguments (window_size,
         core_attention_bias_type, cu_seqlens_*, ...) pass on to core_attention."""
         name = "MultiheadAttention"
-        reject_unsupported(f"{name}.forward", inference_params=inference_params)
+        if inference_params is not None and self.attention_type != "self":
+            raise NotImplementedError(f"{name}: inference_params with cross-attention is not supported by te-core yet")
         check_input(hidden_states, self.hidden_size, name="hidden_states", module=name)
         check_hidden_dims(hidden_states, self.qkv_format, "hidden_states", name)
         proj_in = getattr(self, _input_proj_name(self.attention_type, self.input_layernorm))
@@ -244,15 +245,19 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
             q_cu, k_cu = ((_or(kwargs.get("cu_seqlens_q_padded"), kwargs.get("cu_seqlens_q")),
                            _or(kwargs.get("cu_seqlens_kv_padded"), kwargs.get("cu_seqlens_kv")))
                           if packed else (None, None))
-            q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format, interleaved=self.rotary_pos_interleaved,
+            starts = None
+            if inference_params is not None:  # the new tokens follow what each sequence has cached
+                starts = inference_params.get_seqlens_pre_step()
+                q_cu = k_cu = inference_params.cu_seqlens_q if packed else None
+            q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format, starts, interleaved=self.rotary_pos_interleaved,
                                      cu_seqlens=q_cu)
-            k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format, interleaved=self.rotary_pos_interleaved,
+            k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format, starts, interleaved=self.rotary_pos_interleaved,
                                      cu_seqlens=k_cu)
         if self.q_norm is not None and not self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         with self.tracker_fork(self.training and self.core_attention.attention_dropout > 0):
             context = self.core_attention(
-                q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type, window_size=window_size,
+                q, k, v, attention_mask=attention_mask, inference_params=inference_params, attn_mask_type=attn_mask_type, window_size=window_size,
                 bottom_right_diagonal=bottom_right_diagonal, checkpoint_core_attention=checkpoint_core_attention,
                 core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
                 alibi_slopes=alibi_slopes, **kwargs,

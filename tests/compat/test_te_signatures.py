@@ -28,8 +28,9 @@ ATTENTION_PARALLEL = {name: DIST + "test_attention_parallel.py" for name in (
     "sequence_parallel", "tp_group", "tp_size", "get_rng_state_tracker", "set_parallel_mode")}
 
 # (callable, method) -> {argument: test file (under tests/) whose test functions exercise it}
-PACKED_PADDING = {name: MODULES + "test_packed_layers.py"
-                  for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded", "pad_between_seqs")}
+PACKED_AND_CACHED = {**{name: MODULES + "test_packed_layers.py"
+                     for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded", "pad_between_seqs")},
+                  "inference_params": MODULES + "test_inference_cache.py"}
 IMPLEMENTED = {
     ("Linear", "__init__"): {
         "init_method": MODULES + "test_linear.py", "bias": MODULES + "test_linear.py",
@@ -91,7 +92,7 @@ IMPLEMENTED = {
         "query_layer": ATTN, "key_layer": ATTN, "value_layer": ATTN, "attention_mask": ATTN, "qkv_format": ATTN,
         "attn_mask_type": ATTN, "window_size": ATTN, "bottom_right_diagonal": ATTN,
         "checkpoint_core_attention": ATTN, "core_attention_bias_type": ATTN, "core_attention_bias": ATTN,
-        "alibi_slopes": ATTN, "fast_zero_fill": COMPAT, "num_splits": COMPAT, **PACKED_PADDING, "cu_seqlens_q": ATTN, "cu_seqlens_kv": ATTN,
+        "alibi_slopes": ATTN, "fast_zero_fill": COMPAT, "num_splits": COMPAT, **PACKED_AND_CACHED, "cu_seqlens_q": ATTN, "cu_seqlens_kv": ATTN,
         "max_seqlen_q": ATTN, "max_seqlen_kv": ATTN,
     },
     ("MultiheadAttention", "__init__"): {
@@ -108,7 +109,7 @@ IMPLEMENTED = {
         "attention_mask": ATTN, "encoder_output": ATTN, "attn_mask_type": ATTN, "window_size": ATTN,
         "bottom_right_diagonal": ATTN, "is_first_microbatch": MODULES + "test_fp8_modules.py",
         "checkpoint_core_attention": ATTN, "rotary_pos_emb": ATTN, "core_attention_bias_type": ATTN,
-        "core_attention_bias": ATTN, "alibi_slopes": ATTN, "fast_zero_fill": COMPAT, "num_splits": COMPAT, **PACKED_PADDING, "cu_seqlens_q": ATTN,
+        "core_attention_bias": ATTN, "alibi_slopes": ATTN, "fast_zero_fill": COMPAT, "num_splits": COMPAT, **PACKED_AND_CACHED, "cu_seqlens_q": ATTN,
         "cu_seqlens_kv": ATTN, "max_seqlen_q": ATTN, "max_seqlen_kv": ATTN,
     },
     ("TransformerLayer", "__init__"): {
@@ -138,7 +139,7 @@ IMPLEMENTED = {
         "enc_dec_attn_mask_type": ATTN, "enc_dec_window_size": ATTN, "enc_dec_bottom_right_diagonal": ATTN,
         "is_first_microbatch": MODULES + "test_fp8_modules.py", "checkpoint_core_attention": ATTN,
         "rotary_pos_emb": MODULES + "test_transformer_layer.py", "core_attention_bias_type": ATTN,
-        "core_attention_bias": ATTN, "alibi_slopes": ATTN, "fast_zero_fill": COMPAT, "num_splits": COMPAT, **PACKED_PADDING, "cu_seqlens_q": ATTN,
+        "core_attention_bias": ATTN, "alibi_slopes": ATTN, "fast_zero_fill": COMPAT, "num_splits": COMPAT, **PACKED_AND_CACHED, "cu_seqlens_q": ATTN,
         "cu_seqlens_kv": ATTN, "max_seqlen_q": ATTN, "max_seqlen_kv": ATTN,
     },
     ("RotaryPositionEmbedding", "__init__"): {

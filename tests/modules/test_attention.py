@@ -333,7 +333,7 @@ def test_checkpoint_core_attention_gives_the_same_values_and_gradients():
          r"attention_mask was given but attn_mask_type='causal' does not use it"),
         (dict(cu_seqlens_q=torch.tensor([0, 4, 8])), ValueError, r"cu_seqlens_q and cu_seqlens_kv stand for"),
         (dict(max_seqlen_q=5), ValueError, r"max_seqlen_q=5 but the sbhd tensor holds sequences of 4"),
-        (dict(inference_params=object()), NotImplementedError, r"inference_params"),
+        (dict(inference_params=object()), TypeError, r"inference_params must be a te_core.InferenceParams"),
     ],
 )
 def test_attention_arguments_are_checked(kwargs, exc, match):

@@ -1,0 +1,187 @@
+"""te.InferenceParams: Transformer Engine's KV cache for generation, non-paged.
+
+A model called with `inference_params` attends each step's new tokens to everything its
+sequences have seen: `pre_step({seq_id: new tokens})` says which sequences this step carries (in
+the batch's order) and how many tokens each brings; every attention layer (by its layer_number)
+then writes its new keys and values into its cache and attends the new queries to the cached
+ones, causal types aligned to the bottom right (the new tokens are the sequences' last). A
+sequence missing from a step has finished and frees its place for a new one.
+
+Each sequence keeps its slot of the (max_batch_size, max_sequence_length, heads, dim) caches
+for its lifetime, so no cache is reordered when others finish. No gradient flows through the
+caches (generation runs without autograd).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ._common import check_positive, resolve_device
+
+
+class InferenceParams:
+    """Transformer Engine's InferenceParams (non-paged). `qkv_format` is the new tokens' layout:
+    "bshd" / "sbhd" (sequence j's new tokens first in its row, the rest padding) or "thd" (packed,
+    with `max_ctx_len` the most tokens a sequence brings in one step)."""
+
+    def __init__(self, max_batch_size: int, max_sequence_length: int, num_heads_kv: Optional[int] = None,
+                 head_dim_k: Optional[int] = None, dtype: Optional[torch.dtype] = None,
+                 head_dim_v: Optional[int] = None, is_paged: bool = False, total_num_pages: Optional[int] = None,
+                 page_size: Optional[int] = None, max_ctx_len: Optional[int] = None, qkv_format: str = "bshd",
+                 custom_cache_manager=None):
+        name = "InferenceParams"
+        if is_paged or total_num_pages is not None or page_size is not None or custom_cache_manager is not None:
+            raise NotImplementedError(f"{name}: paged KV caches and custom cache managers are not supported by "
+                                      "te-core yet; use is_paged=False")
+        if num_heads_kv is None or head_dim_k is None or dtype is None:
+            raise ValueError(f"{name}: num_heads_kv, head_dim_k and dtype are required (as in Transformer Engine 2.2+)")
+        if qkv_format not in ("bshd", "sbhd", "thd"):
+            raise ValueError(f"{name}: qkv_format must be 'bshd', 'sbhd' or 'thd', got {qkv_format!r}")
+        if qkv_format == "thd" and max_ctx_len is None:
+            raise ValueError(f"{name}: qkv_format='thd' needs max_ctx_len (the most tokens a sequence brings per step)")
+        self.max_batch_size = check_positive(max_batch_size, name="max_batch_size", module=name)
+        self.max_sequence_length = check_positive(max_sequence_length, name="max_sequence_length", module=name)
+        self.num_heads_kv = check_positive(num_heads_kv, name="num_heads_kv", module=name)
+        self.head_dim_k = check_positive(head_dim_k, name="head_dim_k", module=name)
+        self.head_dim_v = self.head_dim_k if head_dim_v is None else check_positive(head_dim_v, name="head_dim_v",
+                                                                                     module=name)
+        self.dtype, self.is_paged, self.max_ctx_len = dtype, False, max_ctx_len
+        self.input_qkv_format = qkv_format
+        self.device = resolve_device(None)
+        self.cache: Dict[int, Tuple[Tensor, Tensor]] = {}  # layer_number -> (k_cache, v_cache)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every sequence (the caches' memory is kept)."""
+        self.sequences: "OrderedDict[object, int]" = OrderedDict()  # seq_id -> tokens cached after this step
+        self._slots: Dict[object, int] = {}
+        self.batch_size = 0
+        self.step_lens = []
+        self._empty = True
+
+    def allocate_memory(self, layer_number: int) -> None:
+        """The key and value caches of one attention layer, zeros."""
+        shape = (self.max_batch_size, self.max_sequence_length, self.num_heads_kv)
+        self.cache[layer_number] = (
+            torch.zeros(*shape, self.head_dim_k, dtype=self.dtype, device=self.device),
+            torch.zeros(*shape, self.head_dim_v, dtype=self.dtype, device=self.device),
+        )
+
+    def pre_step(self, step_dict: "OrderedDict[object, int]") -> None:
+        """The next step: {seq_id: new tokens} in the batch's order. A sequence seen before
+        continues, one missing has finished (its slot is freed), a new one takes a free slot."""
+        name = "InferenceParams.pre_step"
+        if not step_dict or len(step_dict) > self.max_batch_size:
+            raise ValueError(f"{name}: a step carries 1 to max_batch_size={self.max_batch_size} sequences, "
+                             f"got {len(step_dict)}")
+        for seq, n in step_dict.items():
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name}: sequence {seq!r} brings {n!r} tokens; give a positive int")
+        for seq in [s for s in self._slots if s not in step_dict]:
+            del self._slots[seq]
+        free = sorted(set(range(self.max_batch_size)) - set(self._slots.values()))
+        previous = self.sequences
+        self.sequences = OrderedDict()
+        for seq, n in step_dict.items():
+            if seq not in self._slots:
+                self._slots[seq] = free.pop(0)
+            total = previous.get(seq, 0) + n
+            if total > self.max_sequence_length:
+                raise ValueError(f"{name}: sequence {seq!r} would hold {total} tokens, more than "
+                                 f"max_sequence_length={self.max_sequence_length}")
+            self.sequences[seq] = total
+        self.batch_size, self.step_lens = len(step_dict), list(step_dict.values())
+        pre = [self.sequences[s] - n for s, n in step_dict.items()]
+        as_device = lambda values: torch.tensor(values, dtype=torch.int32, device=self.device)  # noqa: E731
+        self.pre_step_seqlens = as_device(pre)
+        self.cu_seqlens_q = as_device(_cumulative(self.step_lens))
+        self.cu_seqlens_kv = as_device(_cumulative(list(self.sequences.values())))
+        self._empty = False
+
+    def get_seqlens_pre_step(self) -> Tensor:
+        """Each sequence's cached tokens before this step (the rotary embedding's start positions)."""
+        self._check_stepped("get_seqlens_pre_step")
+        return self.pre_step_seqlens
+
+    def _check_stepped(self, what: str) -> None:
+        if self._empty:
+            raise RuntimeError(f"InferenceParams.{what}: call pre_step({{seq_id: new tokens}}) before the model")
+
+    def packed_tokens(self, x: Tensor, qkv_format: str) -> Tensor:
+        """This step's new tokens of `x` ((b, s, ...) / (s, b, ...) padded, or packed (t, ...)) as
+        one packed (t, ...) tensor, in the batch's order."""
+        if qkv_format == "thd":
+            if x.shape[0] != sum(self.step_lens):
+                raise ValueError(f"InferenceParams: the step's sequences bring {sum(self.step_lens)} tokens, but the "
+                                 f"packed input holds {x.shape[0]}")
+            return x
+        x = x.transpose(0, 1) if qkv_format == "sbhd" else x
+        if x.shape[0] != self.batch_size or x.shape[1] < max(self.step_lens):
+            raise ValueError(f"InferenceParams: pre_step gave {self.batch_size} sequences bringing up to "
+                             f"{max(self.step_lens)} tokens, but the {qkv_format} input has shape {tuple(x.shape)}")
+        batch, position = self._new_rows(x.device)
+        return x[batch, position]
+
+    def unpacked(self, out: Tensor, qkv_format: str, like_shape) -> Tensor:
+        """The packed `out` back in the input's layout (`like_shape`'s leading two dimensions),
+        zeros in the padding rows."""
+        if qkv_format == "thd":
+            return out
+        b, s = (like_shape[1], like_shape[0]) if qkv_format == "sbhd" else (like_shape[0], like_shape[1])
+        full = out.new_zeros(b, s, *out.shape[1:])
+        batch, position = self._new_rows(out.device)
+        full[batch, position] = out
+        return full.transpose(0, 1) if qkv_format == "sbhd" else full
+
+    def _new_rows(self, device) -> Tuple[Tensor, Tensor]:
+        batch = torch.repeat_interleave(torch.arange(self.batch_size), torch.tensor(self.step_lens))
+        position = torch.cat([torch.arange(n) for n in self.step_lens])
+        return batch.to(device), position.to(device)
+
+    def cached_step(self, layer_number: int, new_k: Tensor, new_v: Tensor) -> Tuple[Tensor, Tensor]:
+        """Write this step's packed new keys and values into the layer's cache; return every
+        cached token of the step's sequences, packed ((t_kv, heads, dim), cu_seqlens_kv's order)."""
+        self._check_stepped("step")
+        if layer_number not in self.cache:
+            self.allocate_memory(layer_number)
+        k_cache, v_cache = self.cache[layer_number]
+        for new, cache, what in ((new_k, k_cache, "keys"), (new_v, v_cache, "values")):
+            if new.shape[1:] != cache.shape[2:]:
+                raise ValueError(f"InferenceParams: the new {what} have shape {tuple(new.shape)}, but the cache holds "
+                                 f"(tokens, {', '.join(map(str, cache.shape[2:]))}); build InferenceParams with the "
+                                 "layer's num_heads_kv and head dims")
+        slots = [self._slots[s] for s in self.sequences]
+        totals, pre = list(self.sequences.values()), [t - n for t, n in zip(self.sequences.values(), self.step_lens)]
+        slot_new = torch.tensor([sl for sl, n in zip(slots, self.step_lens) for _ in range(n)], device=k_cache.device)
+        pos_new = torch.tensor([p + i for p, n in zip(pre, self.step_lens) for i in range(n)], device=k_cache.device)
+        k_cache[slot_new, pos_new] = new_k.detach().to(k_cache.dtype)
+        v_cache[slot_new, pos_new] = new_v.detach().to(v_cache.dtype)
+        slot_all = torch.tensor([sl for sl, t in zip(slots, totals) for _ in range(t)], device=k_cache.device)
+        pos_all = torch.tensor([i for t in totals for i in range(t)], device=k_cache.device)
+        return k_cache[slot_all, pos_all], v_cache[slot_all, pos_all]
+
+    def step(self, layer_number: int, new_k: Tensor, new_v: Tensor, qkv_format: str):
+        """Transformer Engine's step: write the new tokens; return (the step's sequences' key and
+        value caches (b, max_sequence_length, heads, dim), cu_seqlens_q, cu_seqlens_kv,
+        max_sequence_length, the attention's format)."""
+        self.cached_step(layer_number, self.packed_tokens(new_k, qkv_format), self.packed_tokens(new_v, qkv_format))
+        index = torch.tensor([self._slots[s] for s in self.sequences], device=self.device)
+        k_cache, v_cache = self.cache[layer_number]
+        out_format = "bshd" if qkv_format == "bshd" else f"{qkv_format}_2bshd"
+        return (k_cache.index_select(0, index), v_cache.index_select(0, index), self.cu_seqlens_q,
+                self.cu_seqlens_kv, self.max_sequence_length, out_format)
+
+    def __repr__(self) -> str:
+        return (f"InferenceParams(dtype={self.dtype}, is_paged=False, max_batch_size={self.max_batch_size}, "
+                f"max_seqlen={self.max_sequence_length}, num_heads={self.num_heads_kv}, "
+                f"head_dim_k={self.head_dim_k}, head_dim_v={self.head_dim_v})")
+
+
+def _cumulative(lengths) -> list:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out

@@ -1,0 +1,140 @@
+"""te.InferenceParams: generation with a KV cache. A prompt's prefill and then one token per
+step, through MultiheadAttention / TransformerLayer with rotary embeddings, give exactly the
+outputs the module gives each whole sequence without a cache (causal), in bshd, sbhd and thd;
+sequences finish and new ones take their place."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+
+import te_core as te
+import te_core.modules as tm
+
+HIDDEN, HEADS, GROUPS, LAYER = 32, 4, 2, 3
+TOL = dict(rtol=1.3e-6, atol=1e-5)
+
+
+def _layer():
+    torch.manual_seed(0)
+    return tm.TransformerLayer(HIDDEN, 2 * HIDDEN, HEADS, num_gqa_groups=GROUPS, hidden_dropout=0.0,
+                               attention_dropout=0.0, self_attn_mask_type="causal", layer_number=LAYER,
+                               attn_input_format="bshd")
+
+
+def _params(qkv_format="bshd", max_batch_size=2):
+    return te.InferenceParams(max_batch_size, 16, num_heads_kv=GROUPS, head_dim_k=HIDDEN // HEADS,
+                              dtype=torch.float32, qkv_format=qkv_format, max_ctx_len=8)
+
+
+def _alone(layer, x, freqs):
+    """Each position's output for the whole sequence x (s, hidden), without a cache."""
+    return layer(x[None], rotary_pos_emb=freqs)[0]
+
+
+def _to_format(rows, fmt):
+    """Per-sequence (n_i, hidden) rows as the step's input: padded bshd / sbhd, or packed thd."""
+    if fmt == "thd":
+        return torch.cat(rows)
+    padded = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    return padded.transpose(0, 1) if fmt == "sbhd" else padded
+
+
+def _from_format(out, lengths, fmt):
+    if fmt == "thd":
+        return list(out.split(lengths))
+    out = out.transpose(0, 1) if fmt == "sbhd" else out
+    return [out[i, :n] for i, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
+def test_prefill_then_decode_equals_the_whole_sequences(fmt):
+    layer = _layer()
+    layer.eval()
+    freqs = tm.RotaryPositionEmbedding(HIDDEN // HEADS)(16)
+    cached = tm.TransformerLayer(HIDDEN, 2 * HIDDEN, HEADS, num_gqa_groups=GROUPS, hidden_dropout=0.0,
+                                 attention_dropout=0.0, self_attn_mask_type="causal", layer_number=LAYER,
+                                 attn_input_format=fmt)
+    cached.load_state_dict(layer.state_dict())
+    cached.eval()
+    torch.manual_seed(1)
+    seqs = [torch.randn(9, HIDDEN), torch.randn(7, HIDDEN)]
+    want = [_alone(layer, s, freqs) for s in seqs]
+    params = _params(fmt)
+    prompt = [5, 3]
+    steps = [prompt] + [[1, 1]] * 4
+    done = [0, 0]
+    with torch.no_grad():
+        for lengths in steps:
+            params.pre_step(OrderedDict(zip(["a", "b"], lengths)))
+            rows = [s[d:d + n] for s, d, n in zip(seqs, done, lengths)]
+            extra = dict(cu_seqlens_q=params.cu_seqlens_q, cu_seqlens_kv=params.cu_seqlens_kv) if fmt == "thd" else {}
+            out = cached(_to_format(rows, fmt), rotary_pos_emb=freqs, inference_params=params, **extra)
+            for got, w, d, n in zip(_from_format(out, lengths, fmt), want, done, lengths):
+                torch.testing.assert_close(got, w[d:d + n], **TOL)
+            if fmt != "thd":  # the padding rows of a shorter sequence's step stay zero after attention's
+                assert out.shape[:2] == ((max(lengths), 2) if fmt == "sbhd" else (2, max(lengths)))
+            done = [d + n for d, n in zip(done, lengths)]
+
+
+def test_finished_sequences_free_their_place():
+    """Sequence a finishes after its prompt; c takes its slot while b goes on."""
+    layer = _layer()
+    freqs = tm.RotaryPositionEmbedding(HIDDEN // HEADS)(16)
+    torch.manual_seed(2)
+    seqs = {name: torch.randn(n, HIDDEN) for name, n in (("a", 4), ("b", 6), ("c", 6))}
+    want = {name: _alone(layer, s, freqs) for name, s in seqs.items()}
+    params = _params()
+    done = dict.fromkeys(seqs, 0)
+    with torch.no_grad():
+        for step in (OrderedDict(a=4, b=3), OrderedDict(b=1, c=4), OrderedDict(b=1, c=1), OrderedDict(c=1)):
+            params.pre_step(step)
+            rows = [seqs[name][done[name]:done[name] + n] for name, n in step.items()]
+            out = layer(_to_format(rows, "bshd"), rotary_pos_emb=freqs, inference_params=params)
+            for got, (name, n) in zip(_from_format(out, list(step.values()), "bshd"), step.items()):
+                torch.testing.assert_close(got, want[name][done[name]:done[name] + n], **TOL)
+                done[name] += n
+
+
+def test_multihead_attention_decode_and_the_te_step_api():
+    torch.manual_seed(3)
+    mha = tm.MultiheadAttention(HIDDEN, HEADS, num_gqa_groups=GROUPS, attention_dropout=0.0, layer_number=1,
+                                attn_mask_type="padding_causal", qkv_format="bshd")
+    x = torch.randn(1, 6, HIDDEN)
+    with torch.no_grad():
+        want = mha(x, attn_mask_type="causal")
+        params = _params(max_batch_size=1)
+        params.pre_step(OrderedDict(s=4))
+        got = [mha(x[:, :4], inference_params=params)]
+        for i in (4, 5):
+            params.pre_step(OrderedDict(s=1))
+            got.append(mha(x[:, i:i + 1], inference_params=params))
+    torch.testing.assert_close(torch.cat(got, dim=1), want, **TOL)
+    assert params.sequences == OrderedDict(s=6) and params.get_seqlens_pre_step().tolist() == [5]
+    # Transformer Engine's step(): the step's sequences' whole caches, in bshd
+    params.pre_step(OrderedDict(s=1))
+    k_new = torch.randn(1, 1, GROUPS, HIDDEN // HEADS)
+    k_cache, v_cache, cu_q, cu_kv, max_len, fmt = params.step(1, k_new, k_new.clone(), "bshd")
+    assert k_cache.shape == (1, 16, GROUPS, HIDDEN // HEADS) and fmt == "bshd" and max_len == 16
+    assert torch.equal(k_cache[0, 6], k_new[0, 0]) and cu_q.tolist() == [0, 1] and cu_kv.tolist() == [0, 7]
+
+
+def test_bad_uses_say_what_is_wrong():
+    with pytest.raises(NotImplementedError, match="paged KV caches"):
+        te.InferenceParams(2, 16, 2, 8, torch.float32, is_paged=True, page_size=4, total_num_pages=8)
+    with pytest.raises(ValueError, match="num_heads_kv, head_dim_k and dtype are required"):
+        te.InferenceParams(2, 16)
+    with pytest.raises(ValueError, match="needs max_ctx_len"):
+        te.InferenceParams(2, 16, 2, 8, torch.float32, qkv_format="thd")
+    params = _params()
+    with pytest.raises(ValueError, match="1 to max_batch_size=2 sequences"):
+        params.pre_step(OrderedDict(a=1, b=1, c=1))
+    with pytest.raises(ValueError, match="more than max_sequence_length=16"):
+        params.pre_step(OrderedDict(a=17))
+    layer = tm.MultiheadAttention(HIDDEN, HEADS, num_gqa_groups=GROUPS, qkv_format="bshd")  # no layer_number
+    params.pre_step(OrderedDict(a=2))
+    with pytest.raises(ValueError, match="needs layer_number"):
+        layer(torch.randn(1, 2, HIDDEN), inference_params=params)
+    with pytest.raises(RuntimeError, match="call pre_step"):
+        _params().get_seqlens_pre_step()
