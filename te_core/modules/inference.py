@@ -95,10 +95,21 @@ class InferenceParams:
             self.sequences[seq] = total
         self.batch_size, self.step_lens = len(step_dict), list(step_dict.values())
         pre = [self.sequences[s] - n for s, n in step_dict.items()]
-        as_device = lambda values: torch.tensor(values, dtype=torch.int32, device=self.device)  # noqa: E731
+        totals = list(self.sequences.values())
+        as_device = lambda values, dtype=torch.int32: torch.tensor(values, dtype=dtype, device=self.device)  # noqa: E731
         self.pre_step_seqlens = as_device(pre)
         self.cu_seqlens_q = as_device(_cumulative(self.step_lens))
-        self.cu_seqlens_kv = as_device(_cumulative(list(self.sequences.values())))
+        self.cu_seqlens_kv = as_device(_cumulative(totals))
+        # the step's indices, made once for every layer: where each new token sits in the padded
+        # input (batch, position), where it goes in the caches and where all cached tokens are
+        slots = [self._slots[s] for s in step_dict]
+        long = torch.long
+        self._new_rows = (as_device([j for j, n in enumerate(self.step_lens) for _ in range(n)], long),
+                          as_device([i for n in self.step_lens for i in range(n)], long))
+        self._writes = (as_device([sl for sl, n in zip(slots, self.step_lens) for _ in range(n)], long),
+                        as_device([p + i for p, n in zip(pre, self.step_lens) for i in range(n)], long))
+        self._reads = (as_device([sl for sl, t in zip(slots, totals) for _ in range(t)], long),
+                       as_device([i for t in totals for i in range(t)], long))
         self._empty = False
 
     def get_seqlens_pre_step(self) -> Tensor:
@@ -122,7 +133,7 @@ class InferenceParams:
         if x.shape[0] != self.batch_size or x.shape[1] < max(self.step_lens):
             raise ValueError(f"InferenceParams: pre_step gave {self.batch_size} sequences bringing up to "
                              f"{max(self.step_lens)} tokens, but the {qkv_format} input has shape {tuple(x.shape)}")
-        batch, position = self._new_rows(x.device)
+        batch, position = self._new_rows
         return x[batch, position]
 
     def unpacked(self, out: Tensor, qkv_format: str, like_shape) -> Tensor:
@@ -132,14 +143,8 @@ class InferenceParams:
             return out
         b, s = (like_shape[1], like_shape[0]) if qkv_format == "sbhd" else (like_shape[0], like_shape[1])
         full = out.new_zeros(b, s, *out.shape[1:])
-        batch, position = self._new_rows(out.device)
-        full[batch, position] = out
+        full[self._new_rows] = out
         return full.transpose(0, 1) if qkv_format == "sbhd" else full
-
-    def _new_rows(self, device) -> Tuple[Tensor, Tensor]:
-        batch = torch.repeat_interleave(torch.arange(self.batch_size), torch.tensor(self.step_lens))
-        position = torch.cat([torch.arange(n) for n in self.step_lens])
-        return batch.to(device), position.to(device)
 
     def cached_step(self, layer_number: int, new_k: Tensor, new_v: Tensor) -> Tuple[Tensor, Tensor]:
         """Write this step's packed new keys and values into the layer's cache; return every
@@ -153,15 +158,9 @@ class InferenceParams:
                 raise ValueError(f"InferenceParams: the new {what} have shape {tuple(new.shape)}, but the cache holds "
                                  f"(tokens, {', '.join(map(str, cache.shape[2:]))}); build InferenceParams with the "
                                  "layer's num_heads_kv and head dims")
-        slots = [self._slots[s] for s in self.sequences]
-        totals, pre = list(self.sequences.values()), [t - n for t, n in zip(self.sequences.values(), self.step_lens)]
-        slot_new = torch.tensor([sl for sl, n in zip(slots, self.step_lens) for _ in range(n)], device=k_cache.device)
-        pos_new = torch.tensor([p + i for p, n in zip(pre, self.step_lens) for i in range(n)], device=k_cache.device)
-        k_cache[slot_new, pos_new] = new_k.detach().to(k_cache.dtype)
-        v_cache[slot_new, pos_new] = new_v.detach().to(v_cache.dtype)
-        slot_all = torch.tensor([sl for sl, t in zip(slots, totals) for _ in range(t)], device=k_cache.device)
-        pos_all = torch.tensor([i for t in totals for i in range(t)], device=k_cache.device)
-        return k_cache[slot_all, pos_all], v_cache[slot_all, pos_all]
+        k_cache[self._writes] = new_k.detach().to(k_cache.dtype)
+        v_cache[self._writes] = new_v.detach().to(v_cache.dtype)
+        return k_cache[self._reads], v_cache[self._reads]
 
     def step(self, layer_number: int, new_k: Tensor, new_v: Tensor, qkv_format: str):
         """Transformer Engine's step: write the new tokens; return (the step's sequences' key and
