@@ -209,8 +209,6 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         the norm's backward (see LayerNormLinear). Attention arguments (window_size,
         core_attention_bias_type, cu_seqlens_*, ...) pass on to core_attention."""
         name = "MultiheadAttention"
-        if inference_params is not None and self.attention_type != "self":
-            raise NotImplementedError(f"{name}: inference_params with cross-attention is not supported by te-core yet")
         check_input(hidden_states, self.hidden_size, name="hidden_states", module=name)
         check_hidden_dims(hidden_states, self.qkv_format, "hidden_states", name)
         proj_in = getattr(self, _input_proj_name(self.attention_type, self.input_layernorm))
@@ -239,9 +237,9 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
             q_freqs, k_freqs = (
                 rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list)) else (rotary_pos_emb, rotary_pos_emb)
             )
-            # packed sequences: each token by its position in its own sequence, as attention reads them
+            # packed sequences: each token by its position in its own sequence, as attention reads
+            # them (with padding between the sequences, from their starts in the padded layout)
             packed = self.qkv_format == "thd"
-            # (with padding between the sequences, their offsets in the padded layout, as in TE)
             q_cu, k_cu = ((_or(kwargs.get("cu_seqlens_q_padded"), kwargs.get("cu_seqlens_q")),
                            _or(kwargs.get("cu_seqlens_kv_padded"), kwargs.get("cu_seqlens_kv")))
                           if packed else (None, None))
@@ -257,8 +255,8 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
             q, k = self.q_norm(q), self.k_norm(k)
         with self.tracker_fork(self.training and self.core_attention.attention_dropout > 0):
             context = self.core_attention(
-                q, k, v, attention_mask=attention_mask, inference_params=inference_params, attn_mask_type=attn_mask_type, window_size=window_size,
-                bottom_right_diagonal=bottom_right_diagonal, checkpoint_core_attention=checkpoint_core_attention,
+                q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type, window_size=window_size,
+                inference_params=inference_params, bottom_right_diagonal=bottom_right_diagonal, checkpoint_core_attention=checkpoint_core_attention,
                 core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
                 alibi_slopes=alibi_slopes, **kwargs,
             )
