@@ -63,11 +63,12 @@ for _op in ("rope_fwd", "rope_bwd"):
 
 
 def _attention(name, b, hq, hkv, sq, sk, d, dv=None, dtype=torch.float32, mask_type="no_mask", mask=None,
-               softmax_scale=None, bias=None, **options):
+               softmax_scale=None, bias=None, sink=False, **options):
     """mask: None, "padding" ((b, 1, 1, sk), a few keys of each batch masked), "padding_both"
     (queries padded too) or "arbitrary" ((b, 1, sq, sk) random, one query row fully masked).
-    bias: None or a core_attention_bias_type given a random (1, hq, sq, sk) bias; `options`
-    (window_size, bottom_right_diagonal, core_attention_bias_type="alibi") pass as they are."""
+    bias: None or a core_attention_bias_type given a random (1, hq, sq, sk) bias; sink: a random
+    float32 softmax_offset per head; `options` (window_size, bottom_right_diagonal,
+    core_attention_bias_type="alibi") pass as they are."""
 
     @case("attention", f"{name}-{short(dtype)}", tol=ATTN_TOL[dtype], grad_of=(0, 1, 2))
     def make(gen):
@@ -87,6 +88,8 @@ def _attention(name, b, hq, hkv, sq, sk, d, dv=None, dtype=torch.float32, mask_t
             kwargs["attention_mask"] = full
         if bias is not None:
             kwargs.update(core_attention_bias_type=bias, core_attention_bias=randn(gen, 1, hq, sq, sk, dtype=dtype))
+        if sink:
+            kwargs["softmax_offset"] = randn(gen, hq, dtype=torch.float32)
         return (q, k, v), {**kwargs, **options}
 
 
@@ -108,6 +111,10 @@ _attention("post-scale-bias-gqa-2x4x2x7x7", 2, 4, 2, 7, 7, 16, mask_type="causal
 _attention("pre-scale-bias-1x2x5x8", 1, 2, 2, 5, 8, 16, bias="pre_scale_bias")
 _attention("alibi-padding-window-2x4x4x8x8", 2, 4, 4, 8, 8, 16, mask_type="padding", mask="padding_both",
            window_size=(2, 2), core_attention_bias_type="alibi")
+_attention("sink-causal-gqa-2x4x2x7x7", 2, 4, 2, 7, 7, 16, mask_type="causal", sink=True)
+_attention("sink-padding-both-bias-2x2x6x9", 2, 2, 2, 6, 9, 16, mask_type="padding", mask="padding_both",
+           bias="post_scale_bias", sink=True)
+_attention("sink-no-mask-1x2x16x16", 1, 2, 2, 16, 16, 32, dtype=torch.bfloat16, sink=True)
 
 
 def _attention_varlen(name, lengths_q, lengths_kv, hq, hkv, d, dtype=torch.float32, mask_type="padding",
