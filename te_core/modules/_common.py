@@ -41,7 +41,7 @@ _NOT_IMPLEMENTED = {
     "attention variants": {
         "return_max_logit": (False,), "bf16_backward": (False,),
         "score_mod": (None,), "score_mod_bprop": (None,), "score_mod_tensors": (None,),
-        "score_mod_bprop_tensors": (None,), "qkv_layer": (None,), "kv_layer": (None,), "qkv_interleave_dim": (-3,),
+        "score_mod_bprop_tensors": (None,),
     },
     "names for Transformer Engine's debug tools": {"name": (None,)},
 }

@@ -118,9 +118,9 @@ class DotProductAttention(nn.Module):
 
     def forward(
         self,
-        query_layer: Tensor,
-        key_layer: Tensor,
-        value_layer: Tensor,
+        query_layer: Optional[Tensor] = None,
+        key_layer: Optional[Tensor] = None,
+        value_layer: Optional[Tensor] = None,
         attention_mask: Union[None, Tensor, Tuple[Tensor, Tensor]] = None,
         qkv_format: Optional[str] = None,
         cu_seqlens_q: Optional[Tensor] = None,
@@ -148,8 +148,12 @@ class DotProductAttention(nn.Module):
                                        or num_splits < 1):
             raise ValueError(f"{module}: num_splits must be None or a positive int, got {num_splits!r}")
         pad_between_seqs = kwargs.pop("pad_between_seqs", None)
+        qkv_layer, kv_layer = kwargs.pop("qkv_layer", None), kwargs.pop("kv_layer", None)
+        interleave_dim = kwargs.pop("qkv_interleave_dim", -3)
         reject_unsupported(f"{module}.forward", **kwargs)
         fmt = check_choice(qkv_format or self.qkv_format, QKV_FORMATS, name="qkv_format", module=module)
+        query_layer, key_layer, value_layer = _unpack_qkv(qkv_layer, kv_layer, query_layer, key_layer, value_layer,
+                                                          fmt, interleave_dim)
         rows_q = None  # pad_between_seqs: the query rows that hold tokens, where the output goes back
         padded_between = pad_between_seqs or cu_seqlens_q_padded is not None or cu_seqlens_kv_padded is not None
         if inference_params is not None and padded_between:
@@ -305,6 +309,36 @@ def _sequence_layout(fmt, q, k, mask_type, attention_mask, cu_seqlens, max_seqle
     if cu_seqlens[0] is not None or cu_seqlens[1] is not None:
         attention_mask = _padding_from_lengths(q, k, fmt, *cu_seqlens, attention_mask, mask_type)
     return None, mask_type, attention_mask
+
+
+def _unpack_qkv(qkv_layer, kv_layer, q, k, v, fmt: str, dim: int):
+    """(query, key, value): as given, or views of Transformer Engine's packed inputs: qkv_layer
+    ((b, s, 3, h, d) / (b, s, h, 3, d) in bshd, likewise sbhd, (t, 3, h, d) / (t, h, 3, d) in thd,
+    the 3 at qkv_interleave_dim -3 or -2), or query_layer with kv_layer (the 2 of k and v there)."""
+    name = "DotProductAttention"
+    if qkv_layer is None and kv_layer is None:
+        if q is None or k is None or v is None:
+            raise ValueError(f"{name}: give query_layer, key_layer and value_layer, or the packed qkv_layer, or "
+                             "query_layer with kv_layer")
+        return q, k, v
+    if qkv_layer is not None and kv_layer is not None:
+        raise ValueError(f"{name}: qkv_layer and kv_layer exclude each other")
+    if isinstance(dim, bool) or dim not in (-3, -2):
+        raise ValueError(f"{name}: qkv_interleave_dim must be -3 (e.g. bs3hd) or -2 (e.g. bsh3d), got {dim!r}")
+    packed, count, what = (qkv_layer, 3, "qkv_layer") if qkv_layer is not None else (kv_layer, 2, "kv_layer")
+    taken = (q, k, v) if qkv_layer is not None else (k, v)
+    if any(t is not None for t in taken):
+        raise ValueError(f"{name}: {what} already holds " + ("query, key and value: pass no query_layer, key_layer "
+                         "or value_layer" if count == 3 else "key and value: pass no key_layer or value_layer"))
+    if count == 2 and q is None:
+        raise ValueError(f"{name}: kv_layer holds only key and value: pass query_layer too")
+    rank = 4 if fmt == "thd" else 5
+    if not isinstance(packed, Tensor) or packed.dim() != rank or packed.shape[dim] != count:
+        shape = tuple(packed.shape) if isinstance(packed, Tensor) else type(packed).__name__
+        raise ValueError(f"{name}: {what} must be {rank}-D for qkv_format={fmt!r} with {count} at "
+                         f"qkv_interleave_dim={dim}, got {shape}")
+    views = [packed.select(dim, i) for i in range(count)]
+    return tuple(views) if count == 3 else (q, *views)
 
 
 def _between_seqs(fmt: str, cu_seqlens, cu_seqlens_padded, totals):

@@ -93,7 +93,8 @@ IMPLEMENTED = {
         "attn_mask_type": ATTN, "window_size": ATTN, "bottom_right_diagonal": ATTN,
         "checkpoint_core_attention": ATTN, "core_attention_bias_type": ATTN, "core_attention_bias": ATTN,
         "alibi_slopes": ATTN, "fast_zero_fill": COMPAT, "num_splits": COMPAT, **PACKED_AND_CACHED, "cu_seqlens_q": ATTN, "cu_seqlens_kv": ATTN,
-        "max_seqlen_q": ATTN, "max_seqlen_kv": ATTN,
+        "max_seqlen_q": ATTN, "max_seqlen_kv": ATTN, "qkv_layer": MODULES + "test_packed_layers.py",
+        "kv_layer": MODULES + "test_packed_layers.py", "qkv_interleave_dim": MODULES + "test_packed_layers.py",
     },
     ("MultiheadAttention", "__init__"): {
         "softmax_type": MODULES + "test_attention_sinks.py", "qk_norm_type": ATTN, "qk_norm_eps": ATTN, "qk_norm_before_rope": ATTN,

@@ -161,3 +161,37 @@ def test_padding_between_sequences_is_checked(kwargs, match):
     dpa = tm.DotProductAttention(HEADS, 8, qkv_format="thd", attn_mask_type="padding")
     with pytest.raises(ValueError, match=match):
         dpa(t, t, t, **_packed_args(), **kwargs)
+
+
+# ---- Transformer Engine's packed q/k/v inputs: qkv_layer, or query_layer with kv_layer
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
+@pytest.mark.parametrize("dim", [-3, -2])
+def test_packed_qkv_inputs_are_views_of_the_separate_ones(fmt, dim):
+    torch.manual_seed(51)
+    lead = {"bshd": (2, 5), "sbhd": (5, 2), "thd": (9,)}[fmt]
+    extra = _packed_args([4, 5]) if fmt == "thd" else {}
+    dpa = tm.DotProductAttention(HEADS, 8, qkv_format=fmt, attn_mask_type="causal")
+    qkv = torch.randn(*lead, *((3, HEADS) if dim == -3 else (HEADS, 3)), 8)
+    q, k, v = (qkv.select(dim, i) for i in range(3))
+    want = dpa(q, k, v, **extra)
+    torch.testing.assert_close(dpa(qkv_layer=qkv, qkv_interleave_dim=dim, **extra), want, rtol=0, atol=0)
+    kv = qkv.narrow(dim, 1, 2)
+    torch.testing.assert_close(dpa(q, kv_layer=kv, qkv_interleave_dim=dim, **extra), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(), "give query_layer, key_layer and value_layer"),
+    (dict(qkv_layer="qkv", kv_layer="kv"), "exclude each other"),
+    (dict(qkv_layer="qkv", query_layer="q"), "already holds query, key and value"),
+    (dict(kv_layer="kv"), "pass query_layer too"),
+    (dict(qkv_layer="qkv", qkv_interleave_dim=-1), "must be -3 .* or -2"),
+    (dict(qkv_layer="kv"), r"qkv_layer must be 5-D for qkv_format='bshd' with 3 at qkv_interleave_dim=-3"),
+])
+def test_packed_qkv_inputs_are_checked(kwargs, match):
+    values = {"qkv": torch.randn(2, 5, 3, HEADS, 8), "kv": torch.randn(2, 5, 2, HEADS, 8),
+              "q": torch.randn(2, 5, HEADS, 8)}
+    kwargs = {k: values.get(v, v) if isinstance(v, str) else v for k, v in kwargs.items()}
+    with pytest.raises(ValueError, match=match):
+        tm.DotProductAttention(HEADS, 8, qkv_format="bshd")(**kwargs)
