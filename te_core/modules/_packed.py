@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..ops.packed_sequences import check_cu_seqlens
+from ..ops.packed_sequences import check_cu_seqlens, host_values
 
 # Transformer Engine's thd attention is always a padding type: the plain types map onto them
 PADDED_MASK_TYPE = {"no_mask": "padding", "causal": "padding_causal",
@@ -38,12 +38,15 @@ def unpadded_rows(cu_seqlens, cu_seqlens_padded, total: int, name: str, module: 
     check_cu_seqlens(cu_seqlens_padded, None, total, padded, module)
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
         raise ValueError(f"{module}: {name} must be a 1-D integer tensor of b + 1 offsets, got {cu_seqlens!r}")
-    cu, starts = cu_seqlens.to(torch.long), cu_seqlens_padded.to(device=cu_seqlens.device, dtype=torch.long)
-    lengths, room = cu.diff(), starts.diff()
-    if cu.numel() != starts.numel() or int(cu[0]) != 0 or bool((lengths < 0).any()) or bool((lengths > room).any()):
+    cu_host, starts_host = host_values(cu_seqlens), host_values(cu_seqlens_padded)
+    lengths = [b - a for a, b in zip(cu_host, cu_host[1:])]
+    room = [b - a for a, b in zip(starts_host, starts_host[1:])]
+    if len(cu_host) < 2 or len(cu_host) != len(starts_host) or cu_host[0] != 0 \
+            or any(n < 0 or n > r for n, r in zip(lengths, room)):
         raise ValueError(f"{module}: {name} (the sequences' lengths) and {padded} (where they start) must describe "
-                         f"the same sequences, each no longer than the room {padded} leaves it; got {cu.tolist()} and "
-                         f"{starts.tolist()}")
-    tokens = torch.arange(int(cu[-1]), device=cu.device)
+                         f"the same sequences, each no longer than the room {padded} leaves it; got {cu_host} and "
+                         f"{starts_host}")
+    cu, starts = cu_seqlens.to(torch.long), cu_seqlens_padded.to(device=cu_seqlens.device, dtype=torch.long)
+    tokens = torch.arange(cu_host[-1], device=cu.device)
     sequence = torch.searchsorted(cu[1:], tokens, right=True)
     return starts[:-1][sequence] + tokens - cu[:-1][sequence]

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
-from ..ops.packed_sequences import check_cu_seqlens
+from ..ops.packed_sequences import check_cu_seqlens, host_values
 from ._common import check_choice
 
 
@@ -142,21 +142,21 @@ def _rotate_packed(t: Tensor, freqs: Tensor, cu_seqlens, start_positions, interl
     if cu_seqlens is None:
         raise ValueError(f"{name}: tensor_format='thd' needs cu_seqlens, the b + 1 offsets of the packed sequences")
     check_cu_seqlens(cu_seqlens, None, t.shape[0] * cp_size, "cu_seqlens", name)
-    local = cu_seqlens.to(device=t.device, dtype=torch.long) // cp_size  # this rank's share of each sequence
-    lengths = local.diff()
-    if cp_size > 1 and bool((cu_seqlens.diff() % (2 * cp_size) != 0).any()):
+    cu = host_values(cu_seqlens)  # (read once by the check)
+    whole = [b - a for a, b in zip(cu, cu[1:])]  # the whole sequences' lengths
+    if cp_size > 1 and any(n % (2 * cp_size) for n in whole):
         raise ValueError(f"{name}: with cp_size={cp_size} every sequence's length in cu_seqlens must be a multiple "
-                         f"of 2 * cp_size = {2 * cp_size} (pad the sequences); got {cu_seqlens.tolist()}")
+                         f"of 2 * cp_size = {2 * cp_size} (pad the sequences); got {cu}")
+    local = cu_seqlens.to(device=t.device, dtype=torch.long) // cp_size  # this rank's share of each sequence
     tokens = torch.arange(t.shape[0], device=t.device)
     sequence = torch.searchsorted(local[1:], tokens, right=True)  # empty sequences own no token
     offsets = tokens - local[:-1][sequence]
-    positions = offsets if cp_size == 1 else _cp_positions(offsets, lengths[sequence], cp_size, cp_rank)
-    last = lengths * cp_size - 1  # each sequence's last position, from its start
+    positions = offsets if cp_size == 1 else _cp_positions(offsets, local.diff()[sequence], cp_size, cp_rank)
+    starts = [0] * len(whole)
     if start_positions is not None:
-        starts = _check_starts(start_positions, lengths.numel(), f"cu_seqlens' {lengths.numel()} sequences")
-        starts = starts.to(device=t.device, dtype=torch.long)
-        positions, last = positions + starts[sequence], last + starts
-    reach = int(last.max()) if last.numel() else -1
+        starts = _check_starts(start_positions, len(whole), f"cu_seqlens' {len(whole)} sequences")
+        positions = positions + start_positions.to(device=t.device, dtype=torch.long)[sequence]
+    reach = max((s + n - 1 for s, n in zip(starts, whole)), default=-1)  # the last position rotated
     if reach >= freqs.shape[0]:
         raise ValueError(f"{name}: the packed sequences reach position {reach}, but freqs hold positions "
                          f"0..{freqs.shape[0] - 1}: make the rotary embedding for the longest sequence (plus its "
@@ -166,17 +166,18 @@ def _rotate_packed(t: Tensor, freqs: Tensor, cu_seqlens, start_positions, interl
     return out.squeeze(1)
 
 
-def _check_starts(start_positions, count: int, what: str) -> Tensor:
-    """start_positions, checked to be `count` non-negative integer starts."""
+def _check_starts(start_positions, count: int, what: str) -> list:
+    """start_positions' values (read on the host), checked to be `count` non-negative integers."""
     if not isinstance(start_positions, Tensor) or start_positions.dim() != 1 or start_positions.numel() != count \
             or start_positions.is_floating_point() or start_positions.is_complex():
         got = (f"a {start_positions.dtype} tensor of shape {tuple(start_positions.shape)}"
                if isinstance(start_positions, Tensor) else type(start_positions).__name__)
         raise ValueError(f"apply_rotary_pos_emb: start_positions must be an integer tensor of shape ({count},), "
                          f"one start per sequence of {what}; got {got}")
-    if count and int(start_positions.min()) < 0:
-        raise ValueError(f"apply_rotary_pos_emb: start_positions must not be negative, got {start_positions.tolist()}")
-    return start_positions
+    starts = host_values(start_positions)
+    if starts and min(starts) < 0:
+        raise ValueError(f"apply_rotary_pos_emb: start_positions must not be negative, got {starts}")
+    return starts
 
 
 def _rotate_from(t: Tensor, freqs: Tensor, tensor_format: str, start_positions, interleaved: bool,
@@ -186,7 +187,7 @@ def _rotate_from(t: Tensor, freqs: Tensor, tensor_format: str, start_positions, 
     the starts waits for the device, as Transformer Engine's own check of them does."""
     batch_dim = 1 if tensor_format == "sbhd" else 0
     batch = t.shape[batch_dim]
-    starts = [int(v) for v in _check_starts(start_positions, batch, f"t {tuple(t.shape)}").tolist()]
+    starts = _check_starts(start_positions, batch, f"t {tuple(t.shape)}")
     if max(starts) + seq * cp_size > freqs.shape[0]:
         raise ValueError(
             f"apply_rotary_pos_emb: start_positions reach position {max(starts) + seq * cp_size - 1} (start "
