@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from functools import partial
 from typing import Optional, Tuple, Union
 
 import torch
@@ -11,12 +12,15 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..ops.attention import PADDING_MASK_TYPES
+from ..ops.attention_masks import attention_logits
+from ..ops.packed_sequences import padded_layout, to_padded
 from ._packed import PADDED_MASK_TYPE, Packing, packing, unpadded_rows
 from .inference import InferenceParams
 from ._common import (
     HP_DTYPES,
     reject_unsupported,
     check_attention_heads,
+    check_bool,
     check_choice,
     check_positive,
     compute_dtype,
@@ -78,6 +82,7 @@ class DotProductAttention(nn.Module):
         *,
         softmax_scale: Optional[float] = None,
         softmax_type: str = "vanilla",
+        return_max_logit: bool = False,
         name: Optional[str] = None,
         **kwargs,
     ):
@@ -105,6 +110,7 @@ class DotProductAttention(nn.Module):
         self.layer_number, self.name = layer_number, name
         self.attention_type = check_choice(attention_type, ("self", "cross"), name="attention_type", module=module)
         self.softmax_type = check_choice(softmax_type, SOFTMAX_TYPES, name="softmax_type", module=module)
+        self.return_max_logit = check_bool(return_max_logit, name="return_max_logit", module=module)
         # the sink logits, one per head, in float32 as the op takes them: a parameter when
         # learnable; for "off-by-one" zeros that follow the module's device (not saved, as in TE)
         heads, device = self.num_attention_heads, resolve_device(None)
@@ -154,7 +160,10 @@ class DotProductAttention(nn.Module):
         fmt = check_choice(qkv_format or self.qkv_format, QKV_FORMATS, name="qkv_format", module=module)
         query_layer, key_layer, value_layer = _unpack_qkv(qkv_layer, kv_layer, query_layer, key_layer, value_layer,
                                                           fmt, interleave_dim)
-        rows_q = None  # pad_between_seqs: the query rows that hold tokens, where the output goes back
+        restore = None  # packed outputs back in the caller's layout (padding between sequences, KV cache)
+        if inference_params is not None and not isinstance(inference_params, InferenceParams):
+            raise TypeError(f"{module}: inference_params must be a te_core.InferenceParams, "
+                            f"got {type(inference_params).__name__}")
         padded_between = pad_between_seqs or cu_seqlens_q_padded is not None or cu_seqlens_kv_padded is not None
         if inference_params is not None and padded_between:
             raise ValueError(f"{module}: with inference_params the KV cache lays out the sequences; pass no "
@@ -164,14 +173,15 @@ class DotProductAttention(nn.Module):
             rows_q, rows_kv = _between_seqs(fmt, (cu_seqlens_q, cu_seqlens_kv),
                                             (cu_seqlens_q_padded, cu_seqlens_kv_padded),
                                             (total_q, key_layer.shape[0]))
+            # the padding between sequences comes back as zeros, as Transformer Engine fills it
+            restore = partial(_scatter_rows, rows=rows_q, total=total_q)
             query_layer = query_layer.index_select(0, rows_q.to(query_layer.device))
             key_layer, value_layer = (t.index_select(0, rows_kv.to(t.device)) for t in (key_layer, value_layer))
         mask_type = check_choice(
             attn_mask_type or self.attn_mask_type, ops.ATTN_MASK_TYPES, name="attn_mask_type", module=module
         )
-        cached_format = None  # with inference_params: the new tokens' layout, which the output takes
-        if inference_params is not None:
-            cached_format, in_shape = fmt, query_layer.shape
+        if inference_params is not None:  # the output takes the new tokens' layout
+            restore = partial(inference_params.unpacked, qkv_format=fmt, like_shape=query_layer.shape)
             query_layer, key_layer, value_layer, packed, mask_type = self._from_cache(
                 inference_params, fmt, mask_type, attention_mask, query_layer, key_layer, value_layer)
             fmt, attention_mask = "thd", None
@@ -202,18 +212,10 @@ class DotProductAttention(nn.Module):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         with no_torch_autocast(q.device.type):
             out = _core_attention(q, k, v, options, checkpoint_core_attention, packed)
-        if packed is not None:
-            out = out.flatten(1)  # (t, h * dv)
-            if cached_format is not None:
-                return inference_params.unpacked(out, cached_format, in_shape)
-            if rows_q is None:
-                return out
-            # the padding between sequences comes back as zeros, as Transformer Engine fills it
-            return out.new_zeros(total_q, out.shape[1]).index_copy(0, rows_q.to(out.device), out)
-        b, h, s, dv = out.shape
-        if fmt == "sbhd":
-            return out.permute(2, 0, 1, 3).reshape(s, b, h * dv)
-        return out.permute(0, 2, 1, 3).reshape(b, s, h * dv)
+        result = _shaped(out, fmt, packed, restore)
+        if self.return_max_logit:  # (out, max_logit), as Transformer Engine returns them
+            return result, max_logit(q, k, options, packed)
+        return result
 
     def _from_cache(self, params, fmt: str, mask_type: str, attention_mask, q: Tensor, k: Tensor, v: Tensor):
         """Generation with a KV cache (te.InferenceParams): (the step's new queries, every cached
@@ -221,8 +223,6 @@ class DotProductAttention(nn.Module):
         are their sequences' last, so causal types align to the bottom right, as in Transformer
         Engine, and the plain types become their padding twins."""
         name = "DotProductAttention"
-        if not isinstance(params, InferenceParams):
-            raise TypeError(f"{name}: inference_params must be a te_core.InferenceParams, got {type(params).__name__}")
         if self.layer_number is None:
             raise ValueError(f"{name}: inference_params needs layer_number (each layer's key in the KV cache)")
         if self.attention_type != "self":
@@ -309,6 +309,40 @@ def _sequence_layout(fmt, q, k, mask_type, attention_mask, cu_seqlens, max_seqle
     if cu_seqlens[0] is not None or cu_seqlens[1] is not None:
         attention_mask = _padding_from_lengths(q, k, fmt, *cu_seqlens, attention_mask, mask_type)
     return None, mask_type, attention_mask
+
+
+def _shaped(out: Tensor, fmt: str, packed, restore) -> Tensor:
+    """The op's (b, h, s, dv) output as (s, b, h * dv) / (b, s, h * dv), or packed (t, h * dv)
+    passed through `restore` where one is set."""
+    if packed is not None:
+        out = out.flatten(1)
+        return out if restore is None else restore(out)
+    b, h, s, dv = out.shape
+    if fmt == "sbhd":
+        return out.permute(2, 0, 1, 3).reshape(s, b, h * dv)
+    return out.permute(0, 2, 1, 3).reshape(b, s, h * dv)
+
+
+def _scatter_rows(out: Tensor, rows: Tensor, total: int) -> Tensor:
+    return out.new_zeros(total, out.shape[1]).index_copy(0, rows.to(out.device), out)
+
+
+@torch.no_grad()
+def max_logit(q: Tensor, k: Tensor, options: dict, packed=None) -> Tensor:
+    """Transformer Engine's max_logit (for QK-clip with Muon): per query head, the largest logit
+    any query gives a key it sees, S = mask(q k^T * scale + bias), over the whole batch; float32
+    (h,), -inf for a head that sees no key. It takes one float32 (b, h, sq, sk) score matrix
+    besides attention's (the padded batch for packed sequences)."""
+    if packed is not None:  # the (1, h, t, d) views of packed tokens, padded per sequence
+        (cu_q, s_q), (cu_kv, s_kv) = packed
+        q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)
+        where_q, where_kv = padded_layout(cu_q, s_q, q.shape[0]), padded_layout(cu_kv, s_kv, k.shape[0])
+        q, k = to_padded(q, where_q), to_padded(k, where_kv)
+        options = dict(options, attention_mask=where_kv.padding, query_padding_mask=where_q.padding)
+    scores, masked = attention_logits(q, k, **options)
+    if masked is not None:
+        scores = scores.masked_fill(masked, float("-inf"))
+    return scores.amax(dim=(0, 2, 3))
 
 
 def _unpack_qkv(qkv_layer, kv_layer, q, k, v, fmt: str, dim: int):

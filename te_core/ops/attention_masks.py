@@ -174,3 +174,30 @@ def check_bias(core_attention_bias_type: str, bias: Optional[Tensor], alibi_slop
         if not ok:
             raise ValueError(f"core_attention_bias must be a float tensor of shape (b|1, h|1, sq|1, sk) = "
                              f"({b}|1, {h}|1, {sq}|1, {sk}), got {tuple(bias.shape)} {bias.dtype}")
+
+
+def attention_logits(q: Tensor, k: Tensor, *, attn_mask_type: str = "no_mask", attention_mask=None,
+                     softmax_scale: Optional[float] = None, query_padding_mask=None, window_size=None,
+                     bottom_right_diagonal=None, core_attention_bias_type: str = "no_bias", core_attention_bias=None,
+                     alibi_slopes=None, **_) -> Tuple[Tensor, Optional[Tensor]]:
+    """ops.attention's logits as the contract defines them, float32 (b, hq, sq, sk): q k^T
+    scaled, with the bias types applied and each kv head repeated for its query heads; and
+    which of them no query sees (masked_keys, None when none). The other attention arguments
+    (dropout, sinks) do not enter the logits and are ignored."""
+    b, hq, sq, d = q.shape
+    sk = k.shape[2]
+    padding = check_padding(attn_mask_type, attention_mask, query_padding_mask, b, sq, sk)
+    check_bias(core_attention_bias_type, core_attention_bias, alibi_slopes, (b, hq, sq, sk))
+    window = resolve_window(attn_mask_type, window_size)
+    shift = diagonal_shift(diagonal_bottom_right(attn_mask_type, bottom_right_diagonal), sq, sk, padding)
+    masked = masked_keys(attn_mask_type, attention_mask, padding, window, shift, sq, sk, q.device)
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    scores = q.float() @ k.float().repeat_interleave(hq // k.shape[1], dim=1).transpose(-2, -1)
+    if core_attention_bias_type == "pre_scale_bias":
+        return (scores + core_attention_bias.float()) * scale, masked
+    scores = scores * scale
+    if core_attention_bias_type == "post_scale_bias":
+        scores = scores + core_attention_bias.float()
+    elif core_attention_bias_type == "alibi":
+        scores = scores + alibi_bias(alibi_slopes, b, hq, sq, sk, shift, q.device)
+    return scores, masked

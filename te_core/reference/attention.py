@@ -8,7 +8,6 @@ padding masks their lengths give, and packs the result (te_core.ops.packed_seque
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
@@ -16,16 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..backend.types import as_dtype
-from ..ops.attention_masks import (
-    alibi_bias,
-    check_bias,
-    check_padding,
-    check_softmax_offset,
-    diagonal_bottom_right,
-    diagonal_shift,
-    masked_keys,
-    resolve_window,
-)
+from ..ops.attention_masks import attention_logits, check_softmax_offset
 from ..ops.attention import PADDING_MASK_TYPES
 from ..ops.packed_sequences import check_cu_seqlens, padded_layout, to_packed, to_padded
 from .cast import check_float, check_ndim
@@ -50,18 +40,6 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> int:
     return hq // hkv
 
 
-def _scores(q32: Tensor, k32: Tensor, scale: float, bias_type: str, bias: Optional[Tensor],
-            alibi: Optional[Tensor]) -> Tensor:
-    """Attention logits per the contract's bias types."""
-    scores = q32 @ k32.transpose(-2, -1)
-    if bias_type == "pre_scale_bias":
-        return (scores + bias.float()) * scale
-    scores = scores * scale
-    if bias_type == "post_scale_bias":
-        return scores + bias.float()
-    return scores + alibi if alibi is not None else scores
-
-
 def attention(
     q: Tensor,
     k: Tensor,
@@ -82,21 +60,17 @@ def attention(
     group = _check_qkv(q, k, v)
     b, hq, sq, _ = q.shape
     sk = k.shape[2]
-    padding = check_padding(attn_mask_type, attention_mask, query_padding_mask, b, sq, sk)
     if attn_mask_type == "arbitrary":
         check_bool_mask("attention_mask", attention_mask, (b, hq, sq, sk))
-    check_bias(core_attention_bias_type, core_attention_bias, alibi_slopes, (b, hq, sq, sk))
     check_softmax_offset(softmax_offset, hq)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
-    window = resolve_window(attn_mask_type, window_size)
-    shift = diagonal_shift(diagonal_bottom_right(attn_mask_type, bottom_right_diagonal), sq, sk, padding)
-    masked = masked_keys(attn_mask_type, attention_mask, padding, window, shift, sq, sk, q.device)
-    alibi = alibi_bias(alibi_slopes, b, hq, sq, sk, shift, q.device) if core_attention_bias_type == "alibi" else None
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
-    k32 = k.float().repeat_interleave(group, dim=1)
+    scores, masked = attention_logits(
+        q, k, attn_mask_type=attn_mask_type, attention_mask=attention_mask, softmax_scale=softmax_scale,
+        query_padding_mask=query_padding_mask, window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
+        core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
+        alibi_slopes=alibi_slopes)
     v32 = v.float().repeat_interleave(group, dim=1)
-    scores = _scores(q.float(), k32, scale, core_attention_bias_type, core_attention_bias, alibi)
     if softmax_offset is None:
         probs = masked_softmax(scores, masked)
     else:  # the sink: one more logit per row that no mask hides, whose probability is dropped

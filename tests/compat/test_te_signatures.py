@@ -87,6 +87,7 @@ IMPLEMENTED = {
         "num_gqa_groups": ATTN, "attention_dropout": ATTN, "qkv_format": ATTN, "attn_mask_type": ATTN,
         "window_size": ATTN, "bottom_right_diagonal": ATTN, "layer_number": COMPAT, "attention_type": COMPAT,
         "softmax_scale": ATTN, "name": COMPAT, "softmax_type": MODULES + "test_attention_sinks.py",
+        "return_max_logit": MODULES + "test_max_logit.py",
     },
     ("DotProductAttention", "forward"): {
         "query_layer": ATTN, "key_layer": ATTN, "value_layer": ATTN, "attention_mask": ATTN, "qkv_format": ATTN,

@@ -150,10 +150,10 @@ def te_alibi_slopes(h):
 
 
 def te_attention64(q, k, v, scale, mask_type="no_mask", kv_pad=None, q_pad=None, arbitrary=None, window=None,
-                   bottom_right=None, bias_type="no_bias", bias=None, slopes=None, sink=None):
+                   bottom_right=None, bias_type="no_bias", bias=None, slopes=None, sink=None, max_logit=False):
     """q (b, h, sq, d), k/v (b, g, sk, d): float64, one query-key pair at a time. `sink` (h,):
     Transformer Engine's attention sink, one more logit per row that no mask hides, dropped
-    after the softmax."""
+    after the softmax. `max_logit`: return the largest visible logit of each head instead."""
     b, h, sq, _ = q.shape
     sk = k.shape[2]
     rep = h // k.shape[1]
@@ -189,6 +189,8 @@ def te_attention64(q, k, v, scale, mask_type="no_mask", kv_pad=None, q_pad=None,
     if arbitrary is not None:
         visible &= ~arbitrary
     scores = scores.masked_fill(~visible, float("-inf"))
+    if max_logit:
+        return scores.amax(dim=(0, 2, 3))
     if sink is not None:
         column = sink.double().view(1, h, 1, 1).expand(b, h, sq, 1)
         return torch.softmax(torch.cat([scores, column], -1), -1)[..., :sk] @ v64
