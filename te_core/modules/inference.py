@@ -1,4 +1,4 @@
-"""te.InferenceParams: Transformer Engine's KV cache for generation, non-paged.
+"""te.InferenceParams: Transformer Engine's KV cache for generation, non-paged or paged.
 
 A model called with `inference_params` attends each step's new tokens to everything its
 sequences have seen: `pre_step({seq_id: new tokens})` says which sequences this step carries (in
@@ -7,14 +7,16 @@ then writes its new keys and values into its cache and attends the new queries t
 ones, causal types aligned to the bottom right (the new tokens are the sequences' last). A
 sequence missing from a step has finished and frees its place for a new one.
 
-Each sequence keeps its slot of the (max_batch_size, max_sequence_length, heads, dim) caches
-for its lifetime, so no cache is reordered when others finish. No gradient flows through the
+Non-paged, each sequence keeps its row of the (max_batch_size, max_sequence_length, heads, dim)
+caches for its lifetime, so no cache is reordered when others finish; paged, it takes pages of
+the (total_num_pages, page_size, heads, dim) caches as it grows. The step's cache positions are
+computed once in pre_step, as index tensors every layer uses. No gradient flows through the
 caches (generation runs without autograd).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -23,9 +25,11 @@ from ._common import check_positive, resolve_device
 
 
 class InferenceParams:
-    """Transformer Engine's InferenceParams (non-paged). `qkv_format` is the new tokens' layout:
-    "bshd" / "sbhd" (sequence j's new tokens first in its row, the rest padding) or "thd" (packed,
-    with `max_ctx_len` the most tokens a sequence brings in one step)."""
+    """Transformer Engine's InferenceParams. `qkv_format` is the new tokens' layout: "bshd" /
+    "sbhd" (sequence j's new tokens first in its row, the rest padding) or "thd" (packed, with
+    `max_ctx_len` the most tokens a sequence brings in one step). `is_paged`: the caches are
+    (total_num_pages, page_size, heads, dim) pages that sequences take as they grow and give
+    back when they finish (`page_table` lists the step's sequences' pages)."""
 
     def __init__(self, max_batch_size: int, max_sequence_length: int, num_heads_kv: Optional[int] = None,
                  head_dim_k: Optional[int] = None, dtype: Optional[torch.dtype] = None,
@@ -33,9 +37,8 @@ class InferenceParams:
                  page_size: Optional[int] = None, max_ctx_len: Optional[int] = None, qkv_format: str = "bshd",
                  custom_cache_manager=None):
         name = "InferenceParams"
-        if is_paged or total_num_pages is not None or page_size is not None or custom_cache_manager is not None:
-            raise NotImplementedError(f"{name}: paged KV caches and custom cache managers are not supported by "
-                                      "te-core yet; use is_paged=False")
+        if custom_cache_manager is not None:
+            raise NotImplementedError(f"{name}: custom cache managers are not supported by te-core yet")
         if num_heads_kv is None or head_dim_k is None or dtype is None:
             raise ValueError(f"{name}: num_heads_kv, head_dim_k and dtype are required (as in Transformer Engine 2.2+)")
         if qkv_format not in ("bshd", "sbhd", "thd"):
@@ -48,7 +51,20 @@ class InferenceParams:
         self.head_dim_k = check_positive(head_dim_k, name="head_dim_k", module=name)
         self.head_dim_v = self.head_dim_k if head_dim_v is None else check_positive(head_dim_v, name="head_dim_v",
                                                                                      module=name)
-        self.dtype, self.is_paged, self.max_ctx_len = dtype, False, max_ctx_len
+        self.is_paged = bool(is_paged)
+        if self.is_paged:  # Transformer Engine's conditions on the pages
+            self.page_size = check_positive(page_size, name="page_size", module=name) if page_size else None
+            if self.page_size is None or max_sequence_length % self.page_size:
+                raise ValueError(f"{name}: a paged cache needs a page_size that divides max_sequence_length="
+                                 f"{max_sequence_length}, got {page_size!r}")
+            self.max_pages_per_seq = max_sequence_length // self.page_size
+            if total_num_pages != max_batch_size * self.max_pages_per_seq:
+                raise ValueError(f"{name}: a paged cache needs total_num_pages = max_batch_size * max_sequence_length "
+                                 f"/ page_size = {max_batch_size * self.max_pages_per_seq}, got {total_num_pages!r}")
+            self.total_num_pages = total_num_pages
+        elif total_num_pages is not None or page_size is not None:
+            raise ValueError(f"{name}: total_num_pages and page_size are for is_paged=True")
+        self.dtype, self.max_ctx_len = dtype, max_ctx_len
         self.input_qkv_format = qkv_format
         self.device = resolve_device(None)
         self.cache: Dict[int, Tuple[Tensor, Tensor]] = {}  # layer_number -> (k_cache, v_cache)
@@ -57,14 +73,19 @@ class InferenceParams:
     def reset(self) -> None:
         """Forget every sequence (the caches' memory is kept)."""
         self.sequences: "OrderedDict[object, int]" = OrderedDict()  # seq_id -> tokens cached after this step
-        self._slots: Dict[object, int] = {}
+        self._slots: Dict[object, int] = {}  # non-paged: seq_id -> its row of the caches
+        self._pages: Dict[object, List[int]] = {}  # paged: seq_id -> its pages, in order
+        self._free_pages = list(range(self.total_num_pages)) if self.is_paged else []
         self.batch_size = 0
         self.step_lens = []
         self._empty = True
 
     def allocate_memory(self, layer_number: int) -> None:
         """The key and value caches of one attention layer, zeros."""
-        shape = (self.max_batch_size, self.max_sequence_length, self.num_heads_kv)
+        if self.is_paged:
+            shape = (self.total_num_pages, self.page_size, self.num_heads_kv)
+        else:
+            shape = (self.max_batch_size, self.max_sequence_length, self.num_heads_kv)
         self.cache[layer_number] = (
             torch.zeros(*shape, self.head_dim_k, dtype=self.dtype, device=self.device),
             torch.zeros(*shape, self.head_dim_v, dtype=self.dtype, device=self.device),
@@ -72,7 +93,8 @@ class InferenceParams:
 
     def pre_step(self, step_dict: "OrderedDict[object, int]") -> None:
         """The next step: {seq_id: new tokens} in the batch's order. A sequence seen before
-        continues, one missing has finished (its slot is freed), a new one takes a free slot."""
+        continues, one missing has finished (its slot or pages are freed), a new one takes a
+        free slot (pages as it needs them)."""
         name = "InferenceParams.pre_step"
         if not step_dict or len(step_dict) > self.max_batch_size:
             raise ValueError(f"{name}: a step carries 1 to max_batch_size={self.max_batch_size} sequences, "
@@ -80,37 +102,51 @@ class InferenceParams:
         for seq, n in step_dict.items():
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name}: sequence {seq!r} brings {n!r} tokens; give a positive int")
-        for seq in [s for s in self._slots if s not in step_dict]:
-            del self._slots[seq]
-        free = sorted(set(range(self.max_batch_size)) - set(self._slots.values()))
-        previous = self.sequences
-        self.sequences = OrderedDict()
-        for seq, n in step_dict.items():
-            if seq not in self._slots:
-                self._slots[seq] = free.pop(0)
-            total = previous.get(seq, 0) + n
+        totals = {seq: (self.sequences.get(seq, 0) if seq in self._held() else 0) + n for seq, n in step_dict.items()}
+        for seq, total in totals.items():
             if total > self.max_sequence_length:
                 raise ValueError(f"{name}: sequence {seq!r} would hold {total} tokens, more than "
                                  f"max_sequence_length={self.max_sequence_length}")
-            self.sequences[seq] = total
+        for seq in [s for s in self._held() if s not in step_dict]:  # finished: give back its place
+            self._slots.pop(seq, None)
+            self._free_pages.extend(self._pages.pop(seq, []))
+        for seq, total in totals.items():
+            if self.is_paged:
+                pages = self._pages.setdefault(seq, [])
+                while len(pages) * self.page_size < total:
+                    pages.append(self._free_pages.pop(0))
+            elif seq not in self._slots:
+                self._slots[seq] = min(set(range(self.max_batch_size)) - set(self._slots.values()))
+        self.sequences = OrderedDict(totals)
         self.batch_size, self.step_lens = len(step_dict), list(step_dict.values())
-        pre = [self.sequences[s] - n for s, n in step_dict.items()]
-        totals = list(self.sequences.values())
+        pre = [totals[s] - n for s, n in step_dict.items()]
         as_device = lambda values, dtype=torch.int32: torch.tensor(values, dtype=dtype, device=self.device)  # noqa: E731
         self.pre_step_seqlens = as_device(pre)
         self.cu_seqlens_q = as_device(_cumulative(self.step_lens))
-        self.cu_seqlens_kv = as_device(_cumulative(totals))
+        self.cu_seqlens_kv = as_device(_cumulative(list(totals.values())))
+        if self.is_paged:
+            self.page_table = as_device([self._pages[s] + [0] * (self.max_pages_per_seq - len(self._pages[s]))
+                                         for s in step_dict])
         # the step's indices, made once for every layer: where each new token sits in the padded
         # input (batch, position), where it goes in the caches and where all cached tokens are
-        slots = [self._slots[s] for s in step_dict]
         long = torch.long
         self._new_rows = (as_device([j for j, n in enumerate(self.step_lens) for _ in range(n)], long),
                           as_device([i for n in self.step_lens for i in range(n)], long))
-        self._writes = (as_device([sl for sl, n in zip(slots, self.step_lens) for _ in range(n)], long),
-                        as_device([p + i for p, n in zip(pre, self.step_lens) for i in range(n)], long))
-        self._reads = (as_device([sl for sl, t in zip(slots, totals) for _ in range(t)], long),
-                       as_device([i for t in totals for i in range(t)], long))
+        writes = [self._address(s, p) for s, first, n in zip(step_dict, pre, self.step_lens)
+                  for p in range(first, first + n)]
+        reads = [self._address(s, p) for s, total in totals.items() for p in range(total)]
+        self._writes = tuple(as_device(list(column), long) for column in zip(*writes))
+        self._reads = tuple(as_device(list(column), long) for column in zip(*reads))
         self._empty = False
+
+    def _held(self):
+        return self._pages if self.is_paged else self._slots
+
+    def _address(self, seq, position: int) -> Tuple[int, int]:
+        """Where token `position` of sequence `seq` sits in the caches' first two dimensions."""
+        if self.is_paged:
+            return self._pages[seq][position // self.page_size], position % self.page_size
+        return self._slots[seq], position
 
     def get_seqlens_pre_step(self) -> Tensor:
         """Each sequence's cached tokens before this step (the rotary embedding's start positions)."""
@@ -163,19 +199,30 @@ class InferenceParams:
         return k_cache[self._reads], v_cache[self._reads]
 
     def step(self, layer_number: int, new_k: Tensor, new_v: Tensor, qkv_format: str):
-        """Transformer Engine's step: write the new tokens; return (the step's sequences' key and
-        value caches (b, max_sequence_length, heads, dim), cu_seqlens_q, cu_seqlens_kv,
-        max_sequence_length, the attention's format)."""
+        """Transformer Engine's step: write the new tokens; return (the key and value caches: the
+        step's sequences' rows (b, max_sequence_length, heads, dim), or every page when paged
+        (see page_table); cu_seqlens_q, cu_seqlens_kv, max_sequence_length, the attention's format)."""
         self.cached_step(layer_number, self.packed_tokens(new_k, qkv_format), self.packed_tokens(new_v, qkv_format))
-        index = torch.tensor([self._slots[s] for s in self.sequences], device=self.device)
         k_cache, v_cache = self.cache[layer_number]
+        if not self.is_paged:
+            index = torch.tensor([self._slots[s] for s in self.sequences], device=self.device)
+            k_cache, v_cache = k_cache.index_select(0, index), v_cache.index_select(0, index)
         out_format = "bshd" if qkv_format == "bshd" else f"{qkv_format}_2bshd"
-        return (k_cache.index_select(0, index), v_cache.index_select(0, index), self.cu_seqlens_q,
-                self.cu_seqlens_kv, self.max_sequence_length, out_format)
+        return k_cache, v_cache, self.cu_seqlens_q, self.cu_seqlens_kv, self.max_sequence_length, out_format
+
+    def convert_paged_to_nonpaged(self, layer_number: int) -> Tuple[Tensor, Tensor]:
+        """A paged layer's caches as the step's sequences' rows, (b, max_sequence_length, heads, dim)."""
+        if not self.is_paged:
+            raise ValueError("InferenceParams.convert_paged_to_nonpaged: this cache is not paged")
+        self._check_stepped("convert_paged_to_nonpaged")
+        pages = self.page_table.flatten().long()
+        return tuple(cache[pages].reshape(self.batch_size, self.max_sequence_length, *cache.shape[2:])
+                     for cache in self.cache[layer_number])
 
     def __repr__(self) -> str:
-        return (f"InferenceParams(dtype={self.dtype}, is_paged=False, max_batch_size={self.max_batch_size}, "
-                f"max_seqlen={self.max_sequence_length}, num_heads={self.num_heads_kv}, "
+        paged = (f"total_pages={self.total_num_pages}, page_size={self.page_size}" if self.is_paged else
+                 f"max_batch_size={self.max_batch_size}, max_seqlen={self.max_sequence_length}")
+        return (f"InferenceParams(dtype={self.dtype}, is_paged={self.is_paged}, {paged}, num_heads={self.num_heads_kv}, "
                 f"head_dim_k={self.head_dim_k}, head_dim_v={self.head_dim_v})")
 
 

@@ -23,9 +23,10 @@ def _layer():
                                attn_input_format="bshd")
 
 
-def _params(qkv_format="bshd", max_batch_size=2):
+def _params(qkv_format="bshd", max_batch_size=2, paged=False):
+    pages = dict(is_paged=True, page_size=4, total_num_pages=max_batch_size * 4) if paged else {}
     return te.InferenceParams(max_batch_size, 16, num_heads_kv=GROUPS, head_dim_k=HIDDEN // HEADS,
-                              dtype=torch.float32, qkv_format=qkv_format, max_ctx_len=8)
+                              dtype=torch.float32, qkv_format=qkv_format, max_ctx_len=8, **pages)
 
 
 def _alone(layer, x, freqs):
@@ -48,8 +49,9 @@ def _from_format(out, lengths, fmt):
     return [out[i, :n] for i, n in enumerate(lengths)]
 
 
-@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
-def test_prefill_then_decode_equals_the_whole_sequences(fmt):
+@pytest.mark.parametrize("fmt, paged", [("bshd", False), ("sbhd", False), ("thd", False), ("bshd", True),
+                                        ("thd", True)])
+def test_prefill_then_decode_equals_the_whole_sequences(fmt, paged):
     layer = _layer()
     layer.eval()
     freqs = tm.RotaryPositionEmbedding(HIDDEN // HEADS)(16)
@@ -61,7 +63,7 @@ def test_prefill_then_decode_equals_the_whole_sequences(fmt):
     torch.manual_seed(1)
     seqs = [torch.randn(9, HIDDEN), torch.randn(7, HIDDEN)]
     want = [_alone(layer, s, freqs) for s in seqs]
-    params = _params(fmt)
+    params = _params(fmt, paged=paged)
     prompt = [5, 3]
     steps = [prompt] + [[1, 1]] * 4
     done = [0, 0]
@@ -78,14 +80,16 @@ def test_prefill_then_decode_equals_the_whole_sequences(fmt):
             done = [d + n for d, n in zip(done, lengths)]
 
 
-def test_finished_sequences_free_their_place():
-    """Sequence a finishes after its prompt; c takes its slot while b goes on."""
+@pytest.mark.parametrize("paged", [False, True])
+def test_finished_sequences_free_their_place(paged):
+    """Sequence a finishes after its prompt; c takes its place (its slot, or its pages) while b
+    goes on."""
     layer = _layer()
     freqs = tm.RotaryPositionEmbedding(HIDDEN // HEADS)(16)
     torch.manual_seed(2)
     seqs = {name: torch.randn(n, HIDDEN) for name, n in (("a", 4), ("b", 6), ("c", 6))}
     want = {name: _alone(layer, s, freqs) for name, s in seqs.items()}
-    params = _params()
+    params = _params(paged=paged)
     done = dict.fromkeys(seqs, 0)
     with torch.no_grad():
         for step in (OrderedDict(a=4, b=3), OrderedDict(b=1, c=4), OrderedDict(b=1, c=1), OrderedDict(c=1)):
@@ -121,8 +125,14 @@ def test_multihead_attention_decode_and_the_te_step_api():
 
 
 def test_bad_uses_say_what_is_wrong():
-    with pytest.raises(NotImplementedError, match="paged KV caches"):
-        te.InferenceParams(2, 16, 2, 8, torch.float32, is_paged=True, page_size=4, total_num_pages=8)
+    with pytest.raises(NotImplementedError, match="custom cache managers"):
+        te.InferenceParams(2, 16, 2, 8, torch.float32, custom_cache_manager=object())
+    with pytest.raises(ValueError, match="page_size that divides max_sequence_length=16"):
+        te.InferenceParams(2, 16, 2, 8, torch.float32, is_paged=True, page_size=5, total_num_pages=8)
+    with pytest.raises(ValueError, match=r"total_num_pages = max_batch_size \* max_sequence_length / page_size = 8"):
+        te.InferenceParams(2, 16, 2, 8, torch.float32, is_paged=True, page_size=4, total_num_pages=6)
+    with pytest.raises(ValueError, match="are for is_paged=True"):
+        te.InferenceParams(2, 16, 2, 8, torch.float32, page_size=4)
     with pytest.raises(ValueError, match="num_heads_kv, head_dim_k and dtype are required"):
         te.InferenceParams(2, 16)
     with pytest.raises(ValueError, match="needs max_ctx_len"):
@@ -138,3 +148,24 @@ def test_bad_uses_say_what_is_wrong():
         layer(torch.randn(1, 2, HIDDEN), inference_params=params)
     with pytest.raises(RuntimeError, match="call pre_step"):
         _params().get_seqlens_pre_step()
+
+
+def test_paged_cache_holds_what_the_non_paged_one_holds():
+    """The same steps into a paged and a non-paged cache: the paged one, read through its page
+    table, holds the same keys and values; sequences never share a page."""
+    torch.manual_seed(4)
+    flat, paged = _params(), _params(paged=True)
+    shape = (GROUPS, HIDDEN // HEADS)
+    for step in (OrderedDict(a=6, b=3), OrderedDict(a=1, b=1), OrderedDict(b=2, c=5)):
+        k = torch.randn(1, sum(step.values()), *shape)
+        k = torch.nn.utils.rnn.pad_sequence(list(k[0].split(list(step.values()))), batch_first=True)
+        for params in (flat, paged):
+            params.pre_step(step)
+        k_flat, _, cu_q, cu_kv, _, _ = flat.step(1, k, k.clone(), "bshd")
+        k_pages, _, cu_q2, cu_kv2, _, _ = paged.step(1, k, k.clone(), "bshd")
+        assert k_pages.shape == (8, 4, *shape) and torch.equal(cu_q, cu_q2) and torch.equal(cu_kv, cu_kv2)
+        rows, _ = paged.convert_paged_to_nonpaged(1)
+        for j, total in enumerate(flat.sequences.values()):
+            torch.testing.assert_close(rows[j, :total], k_flat[j, :total], rtol=0, atol=0)
+    b_pages, c_pages = (set(row[:2]) for row in paged.page_table.tolist())
+    assert paged.page_table.shape == (2, 4) and not b_pages & c_pages
