@@ -14,7 +14,8 @@ from .. import ops
 from ..ops.attention import PADDING_MASK_TYPES
 from ..ops.attention_masks import attention_logits
 from ..ops.packed_sequences import padded_layout, to_padded
-from ._packed import PADDED_MASK_TYPE, Packing, packing, unpadded_rows
+from ._attention_inputs import between_seqs, sequence_layout, unpack_qkv
+from ._packed import Packing
 from .inference import InferenceParams
 from ._common import (
     HP_DTYPES,
@@ -158,7 +159,7 @@ class DotProductAttention(nn.Module):
         interleave_dim = kwargs.pop("qkv_interleave_dim", -3)
         reject_unsupported(f"{module}.forward", **kwargs)
         fmt = check_choice(qkv_format or self.qkv_format, QKV_FORMATS, name="qkv_format", module=module)
-        query_layer, key_layer, value_layer = _unpack_qkv(qkv_layer, kv_layer, query_layer, key_layer, value_layer,
+        query_layer, key_layer, value_layer = unpack_qkv(qkv_layer, kv_layer, query_layer, key_layer, value_layer,
                                                           fmt, interleave_dim)
         restore = None  # packed outputs back in the caller's layout (padding between sequences, KV cache)
         if inference_params is not None and not isinstance(inference_params, InferenceParams):
@@ -170,7 +171,7 @@ class DotProductAttention(nn.Module):
                              "cu_seqlens_*_padded / pad_between_seqs")
         if padded_between:
             total_q = query_layer.shape[0]
-            rows_q, rows_kv = _between_seqs(fmt, (cu_seqlens_q, cu_seqlens_kv),
+            rows_q, rows_kv = between_seqs(fmt, (cu_seqlens_q, cu_seqlens_kv),
                                             (cu_seqlens_q_padded, cu_seqlens_kv_padded),
                                             (total_q, key_layer.shape[0]))
             # the padding between sequences comes back as zeros, as Transformer Engine fills it
@@ -186,7 +187,7 @@ class DotProductAttention(nn.Module):
                 inference_params, fmt, mask_type, attention_mask, query_layer, key_layer, value_layer)
             fmt, attention_mask = "thd", None
         else:
-            packed, mask_type, attention_mask = _sequence_layout(
+            packed, mask_type, attention_mask = sequence_layout(
                 fmt, query_layer, key_layer, mask_type, attention_mask, (cu_seqlens_q, cu_seqlens_kv),
                 (max_seqlen_q, max_seqlen_kv))
         q, k, v = (
@@ -296,21 +297,6 @@ def _check_window(window_size, module: str):
     return tuple(window_size)
 
 
-def _sequence_layout(fmt, q, k, mask_type, attention_mask, cu_seqlens, max_seqlens):
-    """(the (query, key/value) Packing of thd inputs or None, mask type, attention mask): thd
-    takes its padding from cu_seqlens; sbhd/bshd may give padding masks as cu_seqlens."""
-    if fmt == "thd":
-        packed = _packings(q, k, *cu_seqlens, *max_seqlens, attention_mask, mask_type)
-        return packed, PADDED_MASK_TYPE[mask_type], None
-    for arg, t, given in (("max_seqlen_q", q, max_seqlens[0]), ("max_seqlen_kv", k, max_seqlens[1])):
-        s = t.shape[0 if fmt == "sbhd" else 1] if isinstance(t, Tensor) and t.dim() == 4 else None
-        if given is not None and given != s:
-            raise ValueError(f"DotProductAttention: {arg}={given} but the {fmt} tensor holds sequences of {s}")
-    if cu_seqlens[0] is not None or cu_seqlens[1] is not None:
-        attention_mask = _padding_from_lengths(q, k, fmt, *cu_seqlens, attention_mask, mask_type)
-    return None, mask_type, attention_mask
-
-
 def _shaped(out: Tensor, fmt: str, packed, restore) -> Tensor:
     """The op's (b, h, s, dv) output as (s, b, h * dv) / (b, s, h * dv), or packed (t, h * dv)
     passed through `restore` where one is set."""
@@ -343,87 +329,6 @@ def max_logit(q: Tensor, k: Tensor, options: dict, packed=None) -> Tensor:
     if masked is not None:
         scores = scores.masked_fill(masked, float("-inf"))
     return scores.amax(dim=(0, 2, 3))
-
-
-def _unpack_qkv(qkv_layer, kv_layer, q, k, v, fmt: str, dim: int):
-    """(query, key, value): as given, or views of Transformer Engine's packed inputs: qkv_layer
-    ((b, s, 3, h, d) / (b, s, h, 3, d) in bshd, likewise sbhd, (t, 3, h, d) / (t, h, 3, d) in thd,
-    the 3 at qkv_interleave_dim -3 or -2), or query_layer with kv_layer (the 2 of k and v there)."""
-    name = "DotProductAttention"
-    if qkv_layer is None and kv_layer is None:
-        if q is None or k is None or v is None:
-            raise ValueError(f"{name}: give query_layer, key_layer and value_layer, or the packed qkv_layer, or "
-                             "query_layer with kv_layer")
-        return q, k, v
-    if qkv_layer is not None and kv_layer is not None:
-        raise ValueError(f"{name}: qkv_layer and kv_layer exclude each other")
-    if isinstance(dim, bool) or dim not in (-3, -2):
-        raise ValueError(f"{name}: qkv_interleave_dim must be -3 (e.g. bs3hd) or -2 (e.g. bsh3d), got {dim!r}")
-    packed, count, what = (qkv_layer, 3, "qkv_layer") if qkv_layer is not None else (kv_layer, 2, "kv_layer")
-    taken = (q, k, v) if qkv_layer is not None else (k, v)
-    if any(t is not None for t in taken):
-        raise ValueError(f"{name}: {what} already holds " + ("query, key and value: pass no query_layer, key_layer "
-                         "or value_layer" if count == 3 else "key and value: pass no key_layer or value_layer"))
-    if count == 2 and q is None:
-        raise ValueError(f"{name}: kv_layer holds only key and value: pass query_layer too")
-    rank = 4 if fmt == "thd" else 5
-    if not isinstance(packed, Tensor) or packed.dim() != rank or packed.shape[dim] != count:
-        shape = tuple(packed.shape) if isinstance(packed, Tensor) else type(packed).__name__
-        raise ValueError(f"{name}: {what} must be {rank}-D for qkv_format={fmt!r} with {count} at "
-                         f"qkv_interleave_dim={dim}, got {shape}")
-    views = [packed.select(dim, i) for i in range(count)]
-    return tuple(views) if count == 3 else (q, *views)
-
-
-def _between_seqs(fmt: str, cu_seqlens, cu_seqlens_padded, totals):
-    """(query rows, key/value rows) of the sequences' tokens in Transformer Engine's
-    pad_between_seqs layout (thd with cu_seqlens_q_padded / cu_seqlens_kv_padded)."""
-    name = "DotProductAttention"
-    if fmt != "thd":
-        raise ValueError(f"{name}: cu_seqlens_q_padded / cu_seqlens_kv_padded (pad_between_seqs) describe packed "
-                         f"sequences, qkv_format='thd'; got {fmt!r}")
-    if any(c is None for c in (*cu_seqlens, *cu_seqlens_padded)):
-        raise ValueError(f"{name}: padding between packed sequences needs cu_seqlens_q and cu_seqlens_kv (the "
-                         "lengths) and cu_seqlens_q_padded and cu_seqlens_kv_padded (where the sequences start)")
-    return tuple(unpadded_rows(cu, padded, total, arg, name) for cu, padded, total, arg in
-                 zip(cu_seqlens, cu_seqlens_padded, totals, ("cu_seqlens_q", "cu_seqlens_kv")))
-
-
-def _packings(q, k, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, attention_mask, mask_type):
-    """(query, key/value) Packing of qkv_format="thd" inputs."""
-    name = "DotProductAttention"
-    if cu_seqlens_q is None or cu_seqlens_kv is None:
-        raise ValueError(f"{name}: qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv (the b + 1 offsets of "
-                         "the packed sequences)")
-    if attention_mask is not None or mask_type not in PADDED_MASK_TYPE:
-        raise ValueError(f"{name}: qkv_format='thd' takes its padding from cu_seqlens: no attention_mask, and "
-                         f"attn_mask_type one of {', '.join(PADDED_MASK_TYPE)} (got {mask_type!r})")
-    for arg, t in (("query_layer", q), ("key_layer", k)):
-        if not isinstance(t, Tensor) or t.dim() != 3:
-            raise ValueError(f"{name}: {arg} must be 3-D (thd), got {getattr(t, 'shape', type(t).__name__)}")
-    where_q = packing(cu_seqlens_q, max_seqlen_q, q.shape[0], "cu_seqlens_q", name)
-    where_kv = packing(cu_seqlens_kv, max_seqlen_kv, k.shape[0], "cu_seqlens_kv", name)
-    if where_q.cu_seqlens.numel() != where_kv.cu_seqlens.numel():
-        raise ValueError(f"{name}: cu_seqlens_q and cu_seqlens_kv describe different numbers of sequences")
-    return where_q, where_kv
-
-
-def _padding_from_lengths(q, k, fmt, cu_seqlens_q, cu_seqlens_kv, attention_mask, mask_type):
-    """sbhd/bshd with cu_seqlens, as Transformer Engine allows for padding types: the padding
-    masks of sequences right-padded to the tensors' length."""
-    name = "DotProductAttention"
-    if attention_mask is not None or mask_type not in PADDING_MASK_TYPES or cu_seqlens_q is None \
-            or cu_seqlens_kv is None:
-        raise ValueError(f"{name}: with qkv_format={fmt!r}, cu_seqlens_q and cu_seqlens_kv stand for the "
-                         "attention_mask of a padding attn_mask_type; give both, with a padding type and no mask")
-    masks = []
-    for arg, t, cu in (("cu_seqlens_q", q, cu_seqlens_q), ("cu_seqlens_kv", k, cu_seqlens_kv)):
-        s = t.shape[0 if fmt == "sbhd" else 1]
-        lengths = cu.diff() if isinstance(cu, Tensor) and cu.dim() == 1 else None
-        if lengths is None or bool((lengths < 0).any()) or bool((lengths > s).any()):
-            raise ValueError(f"{name}: {arg} must be 1-D offsets of sequences no longer than {s}, got {cu!r}")
-        masks.append((torch.arange(s, device=t.device)[None, :] >= lengths[:, None]).view(-1, 1, 1, s))
-    return tuple(masks)
 
 
 def _mask_options(mask, mask_type: str, q: Tensor, k: Tensor) -> dict:
