@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..ops.packed_sequences import check_cu_seqlens, host_values
+from ..ops.packed_sequences import check_cu_seqlens, checked_offsets
 
 # Transformer Engine's thd attention is always a padding type: the plain types map onto them
 PADDED_MASK_TYPE = {"no_mask": "padding", "causal": "padding_causal",
@@ -35,10 +35,10 @@ def unpadded_rows(cu_seqlens, cu_seqlens_padded, total: int, name: str, module: 
     the next sequence. Returns the rows of the sequences' tokens, in order (int64, on the offsets'
     device); reading the offsets waits for the device, as checking cu_seqlens does."""
     padded = f"{name}_padded"
-    check_cu_seqlens(cu_seqlens_padded, None, total, padded, module)
+    starts_host = checked_offsets(cu_seqlens_padded, total, padded, module)
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
         raise ValueError(f"{module}: {name} must be a 1-D integer tensor of b + 1 offsets, got {cu_seqlens!r}")
-    cu_host, starts_host = host_values(cu_seqlens), host_values(cu_seqlens_padded)
+    cu_host = cu_seqlens.tolist()
     lengths = [b - a for a, b in zip(cu_host, cu_host[1:])]
     room = [b - a for a, b in zip(starts_host, starts_host[1:])]
     if len(cu_host) < 2 or len(cu_host) != len(starts_host) or cu_host[0] != 0 \

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
-from ..ops.packed_sequences import check_cu_seqlens, host_values
+from ..ops.packed_sequences import checked_offsets
 from ._common import check_choice
 
 
@@ -141,8 +141,7 @@ def _rotate_packed(t: Tensor, freqs: Tensor, cu_seqlens, start_positions, interl
         raise ValueError(f"{name}: t must be 3-D (thd: tokens, heads, channels), got shape {tuple(t.shape)}")
     if cu_seqlens is None:
         raise ValueError(f"{name}: tensor_format='thd' needs cu_seqlens, the b + 1 offsets of the packed sequences")
-    check_cu_seqlens(cu_seqlens, None, t.shape[0] * cp_size, "cu_seqlens", name)
-    cu = host_values(cu_seqlens)  # (read once by the check)
+    cu = checked_offsets(cu_seqlens, t.shape[0] * cp_size, "cu_seqlens", name)
     whole = [b - a for a, b in zip(cu, cu[1:])]  # the whole sequences' lengths
     if cp_size > 1 and any(n % (2 * cp_size) for n in whole):
         raise ValueError(f"{name}: with cp_size={cp_size} every sequence's length in cu_seqlens must be a multiple "
@@ -174,7 +173,7 @@ def _check_starts(start_positions, count: int, what: str) -> list:
                if isinstance(start_positions, Tensor) else type(start_positions).__name__)
         raise ValueError(f"apply_rotary_pos_emb: start_positions must be an integer tensor of shape ({count},), "
                          f"one start per sequence of {what}; got {got}")
-    starts = host_values(start_positions)
+    starts = start_positions.tolist()
     if starts and min(starts) < 0:
         raise ValueError(f"apply_rotary_pos_emb: start_positions must not be negative, got {starts}")
     return starts

@@ -5,50 +5,37 @@ tensor that the reference computes on, written once in plain torch.
 """
 from __future__ import annotations
 
-import weakref
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 
-_HOST_VALUES: Dict[int, Tuple[object, int, int, List[int]]] = {}  # id -> (weakref, version, data_ptr, values)
-
-
-def host_values(values: Tensor) -> List[int]:
-    """A small integer tensor's values on the host (offsets, start positions). Reading them
-    waits for the device, and a step's offsets serve every layer (rotary embeddings and
-    attention alike): one read per tensor and version (an in-place write bumps torch's version
-    counter, so it is read again)."""
-    if torch.compiler.is_compiling():
-        return values.tolist()
-    key, version, address = id(values), values._version, values.data_ptr()
-    hit = _HOST_VALUES.get(key)
-    if hit is not None and hit[0]() is values and hit[1:3] == (version, address):
-        return hit[3]
-    read = values.tolist()
-    if len(_HOST_VALUES) >= 64:
-        _HOST_VALUES.clear()
-    _HOST_VALUES[key] = (weakref.ref(values), version, address, read)
-    return read
-
-
-def check_cu_seqlens(cu_seqlens, max_seqlen: Optional[int], total: int, name: str, where: str = "") -> int:
-    """The bound on the sequence lengths that cu_seqlens describes over `total` packed tokens:
-    max_seqlen, or the longest length when None. Reads the offsets on the host (host_values)."""
+def checked_offsets(cu_seqlens, total: int, name: str, where: str = "") -> List[int]:
+    """cu_seqlens' values, read on the host in one wait for the device and checked: b + 1
+    integer offsets from 0, never decreasing, ending at `total` packed tokens. Read at every
+    call, never remembered: a buffer refilled in place (a collective's broadcast, a host write)
+    does not always tell torch it changed."""
     prefix = f"{where}: " if where else ""
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
             or cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
         got = tuple(cu_seqlens.shape) if isinstance(cu_seqlens, Tensor) else cu_seqlens
         raise ValueError(f"{prefix}{name} must be a 1-D integer tensor of b + 1 offsets, got {got}")
-    cu = host_values(cu_seqlens)
-    lengths = [b - a for a, b in zip(cu, cu[1:])]
-    if cu[0] != 0 or min(lengths) < 0 or cu[-1] != total:
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] != total:
         raise ValueError(f"{prefix}{name} must start at 0, never decrease and end at the number of packed "
                          f"tokens ({total}); got {cu}")
-    longest = max(lengths)
+    return cu
+
+
+def check_cu_seqlens(cu_seqlens, max_seqlen: Optional[int], total: int, name: str, where: str = "") -> int:
+    """The bound on the sequence lengths that cu_seqlens describes over `total` packed tokens:
+    max_seqlen, or the longest length when None (checked_offsets reads the offsets)."""
+    cu = checked_offsets(cu_seqlens, total, name, where)
+    longest = max(b - a for a, b in zip(cu, cu[1:]))
     s_max = longest if max_seqlen is None else int(max_seqlen)
     if s_max < longest:
+        prefix = f"{where}: " if where else ""
         raise ValueError(f"{prefix}the max_seqlen for {name} is {s_max}, shorter than a sequence of {longest}")
     return s_max
 
