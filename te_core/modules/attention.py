@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
+from ..distributed import tensor_parallel
 from ..ops.attention import PADDING_MASK_TYPES
 from ..ops.attention_masks import attention_logits
 from ..ops.packed_sequences import padded_layout, to_padded
@@ -117,6 +118,8 @@ class DotProductAttention(nn.Module):
         heads, device = self.num_attention_heads, resolve_device(None)
         if softmax_type == "learnable":
             self.softmax_offset = nn.Parameter(torch.zeros(heads, dtype=torch.float32, device=device))
+            # one per head, so split with the heads over tensor-parallel ranks (read by Megatron-LM)
+            tensor_parallel.model_parallel_attributes(self.softmax_offset, 0)
         elif softmax_type == "off-by-one":
             self.register_buffer("softmax_offset", torch.zeros(heads, dtype=torch.float32, device=device),
                                  persistent=False)

@@ -94,6 +94,8 @@ def test_blocks_pass_the_sink_to_their_attention():
         outs[softmax_type] = tm.MultiheadAttention(32, 4, softmax_type=softmax_type, **kw)
     learnable = outs["learnable"]
     assert "core_attention.softmax_offset" in learnable.state_dict()
+    offset = learnable.core_attention.softmax_offset  # per head: split with the heads under TP
+    assert offset.tensor_model_parallel and offset.partition_dim == 0
     torch.testing.assert_close(learnable(x), outs["off-by-one"](x), **TOL)
     with torch.no_grad():
         learnable.core_attention.softmax_offset.fill_(-1e4)
