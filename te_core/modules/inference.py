@@ -124,29 +124,31 @@ class InferenceParams:
         self.pre_step_seqlens = as_device(pre)
         self.cu_seqlens_q = as_device(_cumulative(self.step_lens))
         self.cu_seqlens_kv = as_device(_cumulative(list(totals.values())))
+        # the step's indices, made once for every layer (vectorized: a long context is many
+        # tokens): where each new token sits in the padded input (batch row, position), where it
+        # goes in the caches, and where every cached token of the step's sequences is
+        order, none = list(step_dict), [0] * self.batch_size
         if self.is_paged:
-            self.page_table = as_device([self._pages[s] + [0] * (self.max_pages_per_seq - len(self._pages[s]))
-                                         for s in step_dict])
-        # the step's indices, made once for every layer: where each new token sits in the padded
-        # input (batch, position), where it goes in the caches and where all cached tokens are
-        long = torch.long
-        self._new_rows = (as_device([j for j, n in enumerate(self.step_lens) for _ in range(n)], long),
-                          as_device([i for n in self.step_lens for i in range(n)], long))
-        writes = [self._address(s, p) for s, first, n in zip(step_dict, pre, self.step_lens)
-                  for p in range(first, first + n)]
-        reads = [self._address(s, p) for s, total in totals.items() for p in range(total)]
-        self._writes = tuple(as_device(list(column), long) for column in zip(*writes))
-        self._reads = tuple(as_device(list(column), long) for column in zip(*reads))
+            table = torch.tensor([self._pages[s] + [0] * (self.max_pages_per_seq - len(self._pages[s]))
+                                  for s in order], dtype=torch.long)
+            self.page_table = table.to(device=self.device, dtype=torch.int32)
+        else:
+            table = torch.tensor([self._slots[s] for s in order], dtype=torch.long)
+        to_device = lambda pair: tuple(t.to(self.device) for t in pair)  # noqa: E731
+        self._new_rows = to_device(_token_rows(none, self.step_lens))
+        self._writes = to_device(self._in_cache(table, *_token_rows(pre, self.step_lens)))
+        self._reads = to_device(self._in_cache(table, *_token_rows(none, list(totals.values()))))
         self._empty = False
 
     def _held(self):
         return self._pages if self.is_paged else self._slots
 
-    def _address(self, seq, position: int) -> Tuple[int, int]:
-        """Where token `position` of sequence `seq` sits in the caches' first two dimensions."""
+    def _in_cache(self, table: Tensor, row: Tensor, position: Tensor) -> Tuple[Tensor, Tensor]:
+        """Where tokens (the step's sequence `row`, `position` in it) sit in the caches' first two
+        dimensions: (page, offset in it) through the page table, else (the sequence's row, position)."""
         if self.is_paged:
-            return self._pages[seq][position // self.page_size], position % self.page_size
-        return self._slots[seq], position
+            return table[row, position // self.page_size], position % self.page_size
+        return table[row], position
 
     def get_seqlens_pre_step(self) -> Tensor:
         """Each sequence's cached tokens before this step (the rotary embedding's start positions)."""
@@ -224,6 +226,15 @@ class InferenceParams:
                  f"max_batch_size={self.max_batch_size}, max_seqlen={self.max_sequence_length}")
         return (f"InferenceParams(dtype={self.dtype}, is_paged={self.is_paged}, {paged}, num_heads={self.num_heads_kv}, "
                 f"head_dim_k={self.head_dim_k}, head_dim_v={self.head_dim_v})")
+
+
+def _token_rows(starts, counts) -> Tuple[Tensor, Tensor]:
+    """(row j, position) of counts[j] tokens of each row j from position starts[j] on, in order."""
+    counts_t = torch.tensor(counts, dtype=torch.long)
+    row = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
+    first = torch.tensor(_cumulative(counts)[:-1], dtype=torch.long)
+    position = torch.arange(int(counts_t.sum())) - first[row] + torch.tensor(starts, dtype=torch.long)[row]
+    return row, position
 
 
 def _cumulative(lengths) -> list:
