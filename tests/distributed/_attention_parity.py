@@ -27,10 +27,12 @@ class AttnCase:
     recipe: Optional[str] = None  # a key of _parity.RECIPES; None: fp32
     decoder: bool = False  # TransformerLayer only: layer_type="decoder", with cross-attention
     post_ln_residual: bool = False  # TransformerLayer only: apply_residual_connection_post_layernorm
+    softmax_type: str = "vanilla"  # attention sinks: "off-by-one" or "learnable" (split with the heads)
 
     def __str__(self) -> str:
         return (f"{self.kind}{'-decoder' if self.decoder else ''}-tp{self.tp}{'-sp' if self.sp else ''}{'-fused' if self.fuse_qkv else ''}"
                 f"{'' if self.input_layernorm else '-no_ln'}{'-post_ln_residual' if self.post_ln_residual else ''}"
+                f"{'' if self.softmax_type == 'vanilla' else '-' + self.softmax_type}"
                 f"-{self.recipe or 'float32'}")
 
 
@@ -39,7 +41,7 @@ def build(case: AttnCase, group=None):
     tp = {} if group is None else dict(tp_group=group, tp_size=case.tp, sequence_parallel=case.sp,
                                        set_parallel_mode=True)
     common = dict(num_gqa_groups=GROUPS, fuse_qkv_params=case.fuse_qkv, attention_dropout=0.0,
-                  params_dtype=torch.float32, **tp)
+                  params_dtype=torch.float32, softmax_type=case.softmax_type, **tp)
     if case.kind == "TransformerLayer":
         layer = TransformerLayer(HIDDEN, FFN, HEADS, hidden_dropout=0.0, self_attn_mask_type="causal",
                                  layer_type="decoder" if case.decoder else "encoder",

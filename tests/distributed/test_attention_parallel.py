@@ -17,7 +17,8 @@ CASES = (
     + [AttnCase(MHA, 2, True, fuse_qkv=True), AttnCase(MHA, 2, False, input_layernorm=False),
        AttnCase(LAYER, 4, True, fuse_qkv=True), AttnCase(LAYER, 2, True, recipe="current"),
        AttnCase(LAYER, 2, False, decoder=True), AttnCase(LAYER, 2, True, fuse_qkv=True, decoder=True),
-       AttnCase(LAYER, 2, False, post_ln_residual=True), AttnCase(LAYER, 2, True, post_ln_residual=True)]
+       AttnCase(LAYER, 2, False, post_ln_residual=True), AttnCase(LAYER, 2, True, post_ln_residual=True),
+       AttnCase(MHA, 2, False, softmax_type="learnable"), AttnCase(LAYER, 2, True, softmax_type="off-by-one")]
 )
 
 
