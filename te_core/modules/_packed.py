@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..ops.packed_sequences import check_cu_seqlens, checked_offsets
+from ..ops.packed_sequences import check_cu_seqlens, checked_offsets, token_positions
 
 # Transformer Engine's thd attention is always a padding type: the plain types map onto them
 PADDED_MASK_TYPE = {"no_mask": "padding", "causal": "padding_causal",
@@ -46,7 +46,6 @@ def unpadded_rows(cu_seqlens, cu_seqlens_padded, total: int, name: str, module: 
         raise ValueError(f"{module}: {name} (the sequences' lengths) and {padded} (where they start) must describe "
                          f"the same sequences, each no longer than the room {padded} leaves it; got {cu_host} and "
                          f"{starts_host}")
-    cu, starts = cu_seqlens.to(torch.long), cu_seqlens_padded.to(device=cu_seqlens.device, dtype=torch.long)
-    tokens = torch.arange(cu_host[-1], device=cu.device)
-    sequence = torch.searchsorted(cu[1:], tokens, right=True)
-    return starts[:-1][sequence] + tokens - cu[:-1][sequence]
+    sequence, position = token_positions(cu_seqlens, cu_host[-1])
+    starts = cu_seqlens_padded.to(device=cu_seqlens.device, dtype=torch.long)
+    return starts[:-1][sequence] + position

@@ -34,9 +34,9 @@ PADDED_FORMATS = ("sbhd", "bshd")
 QKV_FORMATS = PADDED_FORMATS + ("thd",)
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 # with a KV cache the new queries are their sequences' last tokens: causal types align bottom-right
-CACHED_MASK_TYPE = {"no_mask": "padding", "padding": "padding", "causal": "padding_causal_bottom_right",
-                    "padding_causal": "padding_causal_bottom_right", "causal_bottom_right": "padding_causal_bottom_right",
-                    "padding_causal_bottom_right": "padding_causal_bottom_right"}
+CACHED_MASK_TYPE = {"no_mask": "padding", "padding": "padding",
+                    **dict.fromkeys(("causal", "padding_causal", "causal_bottom_right", "padding_causal_bottom_right"),
+                                    "padding_causal_bottom_right")}
 
 
 def check_hidden_dims(x: Tensor, fmt: str, name: str, module: str) -> None:

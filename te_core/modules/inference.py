@@ -16,11 +16,13 @@ caches (generation runs without autograd).
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import accumulate
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from ..ops.packed_sequences import token_positions
 from ._common import check_positive, resolve_device
 
 
@@ -120,7 +122,7 @@ class InferenceParams:
         self.sequences = OrderedDict(totals)
         self.batch_size, self.step_lens = len(step_dict), list(step_dict.values())
         pre = [totals[s] - n for s, n in step_dict.items()]
-        as_device = lambda values, dtype=torch.int32: torch.tensor(values, dtype=dtype, device=self.device)  # noqa: E731
+        as_device = lambda values: torch.tensor(values, dtype=torch.int32, device=self.device)  # noqa: E731
         self.pre_step_seqlens = as_device(pre)
         self.cu_seqlens_q = as_device(_cumulative(self.step_lens))
         self.cu_seqlens_kv = as_device(_cumulative(list(totals.values())))
@@ -224,21 +226,15 @@ class InferenceParams:
     def __repr__(self) -> str:
         paged = (f"total_pages={self.total_num_pages}, page_size={self.page_size}" if self.is_paged else
                  f"max_batch_size={self.max_batch_size}, max_seqlen={self.max_sequence_length}")
-        return (f"InferenceParams(dtype={self.dtype}, is_paged={self.is_paged}, {paged}, num_heads={self.num_heads_kv}, "
-                f"head_dim_k={self.head_dim_k}, head_dim_v={self.head_dim_v})")
+        return (f"InferenceParams(dtype={self.dtype}, is_paged={self.is_paged}, {paged}, "
+                f"num_heads={self.num_heads_kv}, head_dim_k={self.head_dim_k}, head_dim_v={self.head_dim_v})")
 
 
 def _token_rows(starts, counts) -> Tuple[Tensor, Tensor]:
     """(row j, position) of counts[j] tokens of each row j from position starts[j] on, in order."""
-    counts_t = torch.tensor(counts, dtype=torch.long)
-    row = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
-    first = torch.tensor(_cumulative(counts)[:-1], dtype=torch.long)
-    position = torch.arange(int(counts_t.sum())) - first[row] + torch.tensor(starts, dtype=torch.long)[row]
-    return row, position
+    row, position = token_positions(torch.tensor(_cumulative(counts)), sum(counts))
+    return row, position + torch.tensor(starts, dtype=torch.long)[row]
 
 
 def _cumulative(lengths) -> list:
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return out
+    return list(accumulate(lengths, initial=0))

@@ -256,9 +256,9 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         with self.tracker_fork(self.training and self.core_attention.attention_dropout > 0):
             context = self.core_attention(
                 q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type, window_size=window_size,
-                inference_params=inference_params, bottom_right_diagonal=bottom_right_diagonal, checkpoint_core_attention=checkpoint_core_attention,
-                core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
-                alibi_slopes=alibi_slopes, **kwargs,
+                inference_params=inference_params, bottom_right_diagonal=bottom_right_diagonal,
+                checkpoint_core_attention=checkpoint_core_attention, core_attention_bias_type=core_attention_bias_type,
+                core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes, **kwargs,
             )
         out = self.proj(context, is_first_microbatch=is_first_microbatch)
         # return_bias: (output without the projection's bias, that bias), as Transformer Engine returns them

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
-from ..ops.packed_sequences import checked_offsets
+from ..ops.packed_sequences import checked_offsets, token_positions
 from ._common import check_choice
 
 
@@ -147,9 +147,7 @@ def _rotate_packed(t: Tensor, freqs: Tensor, cu_seqlens, start_positions, interl
         raise ValueError(f"{name}: with cp_size={cp_size} every sequence's length in cu_seqlens must be a multiple "
                          f"of 2 * cp_size = {2 * cp_size} (pad the sequences); got {cu}")
     local = cu_seqlens.to(device=t.device, dtype=torch.long) // cp_size  # this rank's share of each sequence
-    tokens = torch.arange(t.shape[0], device=t.device)
-    sequence = torch.searchsorted(local[1:], tokens, right=True)  # empty sequences own no token
-    offsets = tokens - local[:-1][sequence]
+    sequence, offsets = token_positions(local, t.shape[0])
     positions = offsets if cp_size == 1 else _cp_positions(offsets, local.diff()[sequence], cp_size, cp_rank)
     starts = [0] * len(whole)
     if start_positions is not None:

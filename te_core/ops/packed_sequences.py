@@ -5,7 +5,7 @@ tensor that the reference computes on, written once in plain torch.
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -49,12 +49,19 @@ class Padded(NamedTuple):
     s_max: int
 
 
+def token_positions(cu_seqlens: Tensor, total: int, device=None) -> Tuple[Tensor, Tensor]:
+    """(the sequence of each of `total` packed tokens, its position in that sequence), int64 on
+    `device` (cu_seqlens' by default), computed on the device without reading the offsets."""
+    cu = cu_seqlens.to(device=device or cu_seqlens.device, dtype=torch.long)
+    tokens = torch.arange(total, device=cu.device)
+    sequence = torch.searchsorted(cu[1:], tokens, right=True)  # empty sequences own no token
+    return sequence, tokens - cu[:-1][sequence]
+
+
 def padded_layout(cu_seqlens: Tensor, s_max: int, total: int) -> Padded:
     """The padded layout of `total` tokens packed as cu_seqlens says (checked by check_cu_seqlens)."""
     cu = cu_seqlens.to(torch.long)
-    tokens = torch.arange(total, device=cu.device)
-    batch = torch.searchsorted(cu[1:], tokens, right=True)  # empty sequences own no token
-    position = tokens - cu[:-1][batch]
+    batch, position = token_positions(cu, total)
     padding = torch.arange(s_max, device=cu.device)[None, :] >= cu.diff()[:, None]
     return Padded(batch, position, padding.view(-1, 1, 1, s_max), s_max)
 

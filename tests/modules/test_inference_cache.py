@@ -169,3 +169,27 @@ def test_paged_cache_holds_what_the_non_paged_one_holds():
             torch.testing.assert_close(rows[j, :total], k_flat[j, :total], rtol=0, atol=0)
     b_pages, c_pages = (set(row[:2]) for row in paged.page_table.tolist())
     assert paged.page_table.shape == (2, 4) and not b_pages & c_pages
+
+
+def test_bad_steps_and_inputs_say_what_is_wrong():
+    params = _params()
+    with pytest.raises(ValueError, match="sequence 'a' brings 0 tokens; give a positive int"):
+        params.pre_step(OrderedDict(a=0))
+    params.pre_step(OrderedDict(a=3, b=2))
+    with pytest.raises(ValueError, match=r"2 sequences bringing up to 3 tokens, but the bshd input has shape \(2, 2"):
+        params.packed_tokens(torch.randn(2, 2, GROUPS, HIDDEN // HEADS), "bshd")
+    with pytest.raises(ValueError, match="the step's sequences bring 5 tokens, but the packed input holds 4"):
+        params.packed_tokens(torch.randn(4, GROUPS, HIDDEN // HEADS), "thd")
+    new = torch.randn(5, GROUPS + 1, HIDDEN // HEADS)
+    with pytest.raises(ValueError, match=r"the new keys have shape \(5, 3, 8\), but the cache holds \(tokens, 2, 8\)"):
+        params.cached_step(1, new, new)
+    with pytest.raises(ValueError, match="this cache is not paged"):
+        params.convert_paged_to_nonpaged(1)
+
+
+def test_a_refused_step_changes_nothing():
+    params = _params()
+    params.pre_step(OrderedDict(a=10))
+    with pytest.raises(ValueError, match="would hold 17 tokens"):
+        params.pre_step(OrderedDict(a=7, b=1))
+    assert params.sequences == OrderedDict(a=10) and params.get_seqlens_pre_step().tolist() == [0]
