@@ -1,6 +1,7 @@
 """bench_host.py's JSON as a markdown table: per shape and variant, the wall time of a step
 (with its ratio over te bf16) with the backward on autograd's device thread and on the calling
-thread, torch operations, kernel launches and Python calls per step,
+thread, te-core's own host time (the ops replayed), torch operations, kernel launches and
+Python calls per step,
 and the target on the smallest shape: each FP8 recipe's step at most twice te bf16's."""
 from __future__ import annotations
 
@@ -70,19 +71,23 @@ def render(data: dict) -> str:
              f"steps per timed run{_rounds(s)}). One forward+backward per step; the ratio in brackets is the step's time "
              f"over {BASELINE}'s (below {TARGET:g}: the target met), with the backward on "
              "autograd's device thread (torch's default); the next column runs it on the calling thread "
-             f"(`torch.autograd.set_multithreading_enabled(False)`){_pinned(s)}. Python calls under cProfile, backward on the "
+             f"(`torch.autograd.set_multithreading_enabled(False)`){_pinned(s)}. \"te-core alone\": the step on the "
+             "calling thread with every te-core op returning its recorded outputs, no backend work (the module layer, "
+             "its tensor bookkeeping and autograd). Python calls under cProfile, backward on the "
              "calling thread; \"te-core's\" counts te-core's and its backends' own functions.", ""]
     targets = target_rows(results)
     if targets:
         lines += ["| Target | Measured | Verdict |", "| --- | --- | --- |", *targets, ""]
     pinned = any("us_pinned" in (cell or {}) for cells in results.values() for cell in cells.values())
-    extra = ["Threads pinned to one CPU"] if pinned else []
+    replayed = any("us_ops_replayed" in (cell or {}) for cells in results.values() for cell in cells.values())
+    extra = ["Threads pinned to one CPU"] * pinned + ["te-core alone (ops replayed)"] * replayed
     lines += ["| Shape | Variant | Wall time per step | Backward on the calling thread | " + "".join(
               f"{name} | " for name in extra) + "torch ops | Kernel launches | Python calls (te-core's) | "
               "te-core's share of Python time |", "| --- " * (8 + len(extra)) + "|"]
     for shape, cells in results.items():
         base, base_calling = _us(cells.get(BASELINE)), _us(cells.get(BASELINE), "us_calling_thread")
         base_pinned = _us(cells.get(BASELINE), "us_pinned")
+        base_replayed = _us(cells.get(BASELINE), "us_ops_replayed")
         for variant in VARIANTS:
             cell = cells.get(variant)
             if cell is None:
@@ -94,7 +99,8 @@ def render(data: dict) -> str:
             us = _us(cell)
             ratio = f" ({us / base:.2f}x)" if us and base else ""
             share = cell.get("own_python_share")
-            more = _timed(cell, "us_pinned", base_pinned) + " | " if pinned else ""
+            more = (_timed(cell, "us_pinned", base_pinned) + " | ") * pinned
+            more += (_timed(cell, "us_ops_replayed", base_replayed) + " | ") * replayed
             lines.append(f"| {shape} | {variant} | {_count(us)} µs{ratio} | "
                          f"{_timed(cell, 'us_calling_thread', base_calling)} | {more}{_count(cell.get('torch_ops'))} | "
                          f"{_count(cell.get('launches'), '{:.1f}')} | {_count(cell.get('python_calls'))} "

@@ -12,7 +12,11 @@ dropped between steps:
 - kernel launches per step (on a GPU: the runtime's launch calls in torch.profiler's trace,
   CUDA-graph launches included);
 - Python function calls per step, and those of te-core and its backends with their own time
-  (cProfile; the profiler itself slows the step, so its times are shares, not speeds).
+  (cProfile; the profiler itself slows the step, so its times are shares, not speeds);
+- te-core's own host time (te variants): the step, backward on the calling thread, with every
+  contract op returning what it returned in one recorded step instead of running on the backend
+  (OpsReplayed): what remains is the module layer, its tensor bookkeeping and autograd. The step
+  time minus this is what the backend's ops cost the host (and the GPU, where it is the bound).
 A shape's variants are timed together in interleaved rounds (each variant's median over the
 rounds), so that the host's drift during the run falls on all of them alike and their ratios
 hold; counts come from a separate instance of each step.
@@ -26,6 +30,8 @@ Writes RESULTS/<gpu>/host.json; `python benchmarks/report.py` renders it into do
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import cProfile
 import os
 import pstats
@@ -39,6 +45,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import te_core as te
 from te_core import recipe
+from te_core.backend import dispatch
+from te_core.ops import CONTRACT
 
 SECTION = "host"
 RECIPES = {"delayed": recipe.DelayedScaling, "current": recipe.Float8CurrentScaling,
@@ -94,6 +102,66 @@ def make_step(variant: str, shape, device: str, calling_thread: bool = False) ->
             y.sum().backward()
 
     return step
+
+
+class OpsReplayed:
+    """A step whose contract ops replay their outputs: make() builds the step, warms it up and
+    records what each op returns in one more call; within active(), each op returns those
+    outputs again in the order it returned them, running nothing on the backend. The ops'
+    runners (the cached dispatch, te_core.backend.dispatch) are swapped for the recording and
+    the replay and restored after each."""
+
+    def __init__(self, make: Callable[[], Callable[[], None]]):
+        self._make = make
+        self._outputs: Dict[str, list] = collections.defaultdict(list)
+
+    def make(self) -> Callable[[], None]:
+        step = self._make()
+        for _ in range(3):  # scaling state made, kernels compiled
+            step()
+        outputs = self._outputs
+
+        def recording(op, run):
+            def record(*args, **kwargs):
+                out = run(*args, **kwargs)
+                outputs[op.name].append(out)
+                return out
+            return record
+
+        with _runners(recording):
+            step()
+        return step
+
+    @contextlib.contextmanager
+    def active(self):
+        calls: Dict[str, int] = collections.Counter()
+
+        def replaying(op, run):
+            outs = self._outputs.get(op.name)
+            if not outs:
+                return run
+
+            def replay(*args, **kwargs):
+                i = calls[op.name]
+                calls[op.name] = i + 1
+                return outs[i % len(outs)]
+            return replay
+
+        with _runners(replaying):
+            yield
+
+
+@contextlib.contextmanager
+def _runners(wrap):
+    """Every contract op's eager runner replaced by wrap(op, runner), restored on exit."""
+    saved = {op: dispatch._cached(op) for op in CONTRACT.values()}
+    try:
+        for op, (generation, resolution, run) in saved.items():
+            op._cache = (generation, resolution, wrap(op, run))
+        yield
+    finally:
+        for op, cached in saved.items():
+            op._cache = cached
 
 
 def _sync(device: str) -> None:
@@ -161,6 +229,10 @@ def measure_row(shape, device: str, steps: int) -> Dict[str, dict]:
     group = Interleaved(steps * ROUNDS, device, rounds=ROUNDS)
     walls = {(variant, calling): group.cell(partial(make_step, variant, shape, device, calling))
              for variant in VARIANTS for calling in (False, True)}
+    replayed = {}
+    for variant in VARIANTS[1:]:  # te's: nn.Linear calls no te-core op
+        ops = OpsReplayed(partial(make_step, variant, shape, device, True))
+        replayed[variant] = group.cell(ops.make, around=ops.active)
     pinned = {}
     if torch.device(device).type != "cpu":  # on a CPU the model's own threads need the cores
         pinned = {variant: group.cell(partial(make_step, variant, shape, device),
@@ -171,6 +243,7 @@ def measure_row(shape, device: str, steps: int) -> Dict[str, dict]:
             row[variant] = {"us": round(walls[(variant, False)]()["us"], 1),
                             "us_calling_thread": round(walls[(variant, True)]()["us"], 1),
                             **({"us_pinned": round(pinned[variant]()["us"], 1)} if pinned else {}),
+                            **({"us_ops_replayed": round(replayed[variant]()["us"], 1)} if variant in replayed else {}),
                             **counts(variant, shape, device, steps)}
         except Exception as exc:  # noqa: BLE001 - that variant's error, in its cell
             row[variant] = {"error": f"{type(exc).__name__}: {exc}"[:300]}

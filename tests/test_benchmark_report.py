@@ -365,9 +365,14 @@ def test_host_smoke_writes_json_and_report_renders_it(tmp_path):
         assert cells[fp8]["torch_ops"] > cells["te bf16"]["torch_ops"] > cells["nn.Linear"]["torch_ops"] > 0
         assert cells[fp8]["own_python_calls"] > cells["te bf16"]["own_python_calls"] > 0
     assert cells["nn.Linear"]["own_python_calls"] == 0
+    # te-core alone (ops replayed) leaves out the backend's work, which the reference does in torch
+    assert "us_ops_replayed" not in cells["nn.Linear"]
+    for variant in _host_table.VARIANTS[1:]:
+        assert 0 < cells[variant]["us_ops_replayed"] < cells[variant]["us_calling_thread"], cells[variant]
     doc = _doc(tmp_path)
     report.main([str(tmp_path / "cpu"), "--doc", str(doc)])
-    assert any(r.startswith("| M16 K128 N128 | te delayed | ") for r in _table_rows(doc.read_text()))
+    rows = [r for r in _table_rows(doc.read_text()) if r.startswith("| M16 K128 N128 | te delayed | ")]
+    assert len(rows) == 1 and rows[0].count("|") == 10, rows  # the ops-replayed column included
 
 
 def test_interleaved_cells_take_turns_and_fail_alone():

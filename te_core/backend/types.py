@@ -126,6 +126,8 @@ class Capabilities:
     def check_fp8(self, dtype: torch.dtype) -> Optional[str]:
         """None when `dtype` is supported, else the reason it is not."""
         fmt = FP8_FORMATS.get(dtype)  # (no default: str(dtype) would be built on every call)
+        if fmt is not None and fmt[0] in self.fp8_formats:  # every cast and FP8 GEMM asks: no second call
+            return None
         return self.check_fp8_name(fmt[0] if fmt is not None else str(dtype))
 
     def check_fp8_name(self, name: str) -> Optional[str]:

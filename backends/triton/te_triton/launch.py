@@ -117,7 +117,7 @@ class Launcher:
     def launch(self, grid, *args, **kwargs):
         if not self._ok or self.kernel.pre_run_hooks:
             return self.kernel[grid](*args, **kwargs)
-        current_device, current_stream, specializes_as_cuda = _driver()
+        current_device, current_stream, specializes_as_cuda = _DRIVER[0] if _DRIVER else _driver()
         if not specializes_as_cuda:
             return self.kernel[grid](*args, **kwargs)
         device = current_device()
@@ -144,7 +144,9 @@ class Launcher:
             grid = grid(dict(zip(self._names, values)))
         n = len(grid)
         hooks = _knobs.runtime
-        enter, exit_hook = _active(hooks.launch_enter_hook), _active(hooks.launch_exit_hook)
+        enter, exit_hook = hooks.launch_enter_hook, hooks.launch_exit_hook
+        if enter is not None or exit_hook is not None:  # (a chain object in recent Triton: see _active)
+            enter, exit_hook = _active(enter), _active(exit_hook)
         # the metadata is only for the hooks: without any, neither it nor empty hook calls
         metadata = None if enter is None and exit_hook is None else compiled.launch_metadata(grid, stream, *values)
         compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
@@ -174,7 +176,13 @@ def _driver():
             backend = active.get_current_target().backend
         except Exception:  # pragma: no cover - a driver without targets: stay on Triton's path
             backend = None
-        _DRIVER.append((active.get_current_device, active.get_current_stream, backend == "cuda"))
+        current_device = active.get_current_device
+        if current_device is torch.cuda.current_device and hasattr(torch._C, "_cuda_getDevice"):
+            # torch.cuda.current_device() is Python around the runtime's call (a lazy-init check,
+            # done by now: a launch initializes CUDA first); the call alone costs no frame
+            current_device()
+            current_device = torch._C._cuda_getDevice
+        _DRIVER.append((current_device, active.get_current_stream, backend == "cuda"))
     return _DRIVER[0]
 
 

@@ -114,7 +114,9 @@ def fp8_cast_args_ok(x, scale, amax_out):
 
 def fp8_cast_ok(x, scale, amax_out, *, two_d=False):
     """A cast of x (2-D where two_d) to FP8 by `scale`, maxing its amax into `amax_out`:
-    fp8_cast_args_ok then tensor_ok, with x's device checked once."""
+    fp8_cast_args_ok then tensor_ok, with x's device checked once. Every FP8 cast of a training
+    step runs this, so the passing path calls as little as it can; a failure's reason comes from
+    the check that owns it."""
     if two_d and x.dim() != 2:
         return False, "x is not 2-D"
     why = _cast_args_why(scale, amax_out, x.device)
@@ -123,4 +125,8 @@ def fp8_cast_ok(x, scale, amax_out, *, two_d=False):
     if not x.is_cuda:
         return False, "x is not on a CUDA device"
     ok, why = fp8_convert_ok(x.get_device())
-    return float_layout_ok(x) if ok else (ok, why)
+    if not ok:
+        return ok, why
+    if x.dtype in FLOAT_DTYPES and x.is_contiguous() and x.numel() <= MAX_NUMEL:  # float_layout_ok's pass, inline
+        return OK
+    return float_layout_ok(x)
