@@ -291,6 +291,23 @@ def update_scales(groups: Sequence[ScalingGroup]) -> None:
     if not torch.compiler.is_compiling():  # each group's scale_changed(), inline
         for group in groups:
             group._scale_inv_version = None
+        _take_snapshots(groups)
+
+
+def _take_snapshots(groups: Sequence[ScalingGroup]) -> None:
+    """The next scale_inv snapshot of every updated one-column group, taken now in one foreach
+    launch rather than by each group's first cast in a launch of its own (a model of Linear
+    layers updates three such groups per layer, each step). Groups of several columns keep
+    their own aligned layout (ScalingGroup._new_snapshot), taken at their first cast as before;
+    so do all groups while a CUDA graph is captured, under inference mode, or once a compiled
+    graph updates them (scale_inv_snapshot trusts no cached snapshot then)."""
+    if _CAPTURE.active or torch.is_inference_mode_enabled():
+        return
+    singles = [g for g in groups if len(g.names) == 1 and not g._updated_in_graphs]
+    if len(singles) < 2:  # one reciprocal either way: left to the cast
+        return
+    for group, inv in zip(singles, torch._foreach_reciprocal([g.scale for g in singles])):
+        group._scale_inv_snapshot, group._scale_inv_version = (inv, [inv]), group.scale._version
 
 
 def _custom_update(group: ScalingGroup) -> None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import te_core as te
 from te_core import ops
 from te_core.backend.types import fp8_format_name, fp8_max
 from te_core.quantization import fprop_gemm, gemm_slots, quantized_gemm
-from te_core.quantization.scaling import update_scales
+from te_core.quantization.scaling import ScalingGroup, update_scales
 from te_core.recipe import DelayedScaling, Float8CurrentScaling, MMParams, MXFP8BlockScaling
 
 from .conftest import randn
@@ -130,6 +131,41 @@ def test_update_scales_invalidates_the_snapshot_of_every_group(gen, monkeypatch)
         fmax = fp8_max(quantizer.fp8_dtype)
         want = (x.abs().amax() / fmax).item()
         assert quantizer.quantize(x)._scale_inv.item() == pytest.approx(want, rel=1.3e-6)
+
+
+class _CountReciprocals(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "reciprocal" in func.__name__:
+            self.ops.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_update_takes_the_snapshots_of_one_column_groups_in_one_launch(gen):
+    """After an update, the one-column groups' scale_inv snapshots come from one foreach
+    reciprocal (not one reciprocal per group at its first cast), equal to 1 / scale bit for bit;
+    tensors cast before keep theirs; a group of several columns still takes its aligned
+    snapshot at its first cast."""
+    state = DelayedScaling(amax_history_len=2).make_state(gemm_slots(), torch.device("cpu"))
+    quantizers = [state.quantizer(name) for name in ("input", "weight", "grad_output")]
+    xs = [randn(gen, 32, 64, scale=s) for s in (1.0, 3.0, 0.5)]
+    before = [q.quantize(x) for q, x in zip(quantizers, xs)]
+    wide = ScalingGroup(["a", "b"], torch.float8_e4m3fn, DelayedScaling(amax_history_len=2), torch.device("cpu"))
+    wide.record(0, torch.tensor(2.0))
+    wide.record(1, torch.tensor(8.0))
+    with _CountReciprocals() as counted:
+        update_scales([*state.groups.values(), wide])
+        after = [q.quantize(x) for q, x in zip(quantizers, xs)]
+        wide_inv = wide.scale_inv_of(1)
+    assert counted.ops == ["_foreach_reciprocal", "reciprocal"], counted.ops  # the wide group's at its cast
+    for q, x, old, new in zip(quantizers, xs, before, after):
+        assert old._scale_inv.item() == 1.0  # kept
+        assert torch.equal(new._scale_inv, torch.reciprocal(q.scale))
+        assert new._scale_inv.item() == pytest.approx(x.abs().amax().item() / fp8_max(q.fp8_dtype), rel=1.3e-6)
+    assert wide_inv.data_ptr() % 16 == 0 and torch.equal(wide_inv, torch.reciprocal(wide.scale[1:2]))
 
 
 def test_history_resized_by_a_recipe_change_receives_the_next_amax(gen):
