@@ -79,7 +79,7 @@ class ScalingGroup:
     def scale_inv(self) -> Tensor:
         """1 / scale (n,), recomputed (as a NEW tensor) only after `scale` changed in place, so
         tensors quantized earlier keep their snapshot and a step costs one reciprocal per group,
-        not per cast."""
+        not per cast (an update takes its one-column groups' snapshots together: _take_snapshots)."""
         return self.scale_inv_snapshot()[0]
 
     def scale_inv_snapshot(self) -> Tuple[Tensor, List[Tensor]]:
