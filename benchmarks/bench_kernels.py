@@ -27,9 +27,10 @@ from te_backend_cuda import ops as cuda_ops
 from te_backend_cuda import scaled_mm
 from te_backend_cuda.capabilities import capabilities_for
 from te_triton import Config, activation, cast, norm
+from te_triton import mxfp8 as te_mxfp8
 
-from _kernel_checks import (BF16, CHECKS, DEV, E4M3, E5M2, REF, close, fp8_exact, fp8_ulp_off, gemm_scales, poison,
-                            rand, run_checks)
+from _kernel_checks import (BF16, CHECKS, DEV, E4M3, E5M2, REF, close, fp8_exact, fp8_ulp_off, gemm_scales,
+                            mxfp8_config, poison, rand, run_checks)
 from _results import add_results_argument, meta, write_json
 from report import KERNEL_TARGETS
 
@@ -105,6 +106,10 @@ def time_memory_bound(use_compile):
               {"eager": lambda: REF["quantize_blockwise"](x, E4M3, block_2d=block_2d, with_transpose=True)})
     timed("quantize_blockwise 1x128", 3 * n, lambda: cuda_ops.quantize_blockwise(x, E4M3),
           {"eager": lambda: REF["quantize_blockwise"](x, E4M3)})
+    mx_cfg = mxfp8_config()  # te_triton's MXFP8 kernels, not declared by te-backend-cuda until checked
+    timed("te_triton.mxfp8 quantize +transpose", 4 * n,
+          lambda: te_mxfp8.quantize_mxfp8(x, E4M3, with_transpose=True, cfg=mx_cfg),
+          {"eager": lambda: REF["quantize_mxfp8"](x, E4M3, with_transpose=True)})
     timed("layernorm_fwd bf16", 4 * n, lambda: cuda_ops.layernorm_fwd(x, w, b, 1e-5),
           {"torch_F.layer_norm": lambda: torch.nn.functional.layer_norm(x, (N,), w, b, 1e-5)})
     timed("layernorm_fwd fp8 out", 3 * n, lambda: cuda_ops.layernorm_fwd(x, w, b, 1e-5, fp8_scale=s, fp8_dtype=E4M3),
