@@ -72,6 +72,17 @@ def fp8_max(dtype: torch.dtype) -> float:
     return FP8_MAX[dtype]
 
 
+def check_2d_input(x: torch.Tensor) -> None:
+    """The input of a cast that scales 2-D blocks of itself (block, MXFP8): a contiguous 2-D
+    float32/bfloat16/float16 tensor that int32 offsets can index."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (M, K), got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    if not x.is_contiguous() or x.numel() > MAX_NUMEL:
+        raise ValueError("x must be contiguous with fewer than 2^31 elements; call .contiguous() first")
+
+
 def grid_size(work_items: int, cfg: Config) -> int:
     if cfg.max_programs > 0:
         return max(1, min(work_items, cfg.max_programs))

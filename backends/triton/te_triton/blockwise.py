@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MAX_NUMEL, Config, abs_bits, cdiv, fp8_max, saturating_cast, scale_from_amax
+from ._common import Config, abs_bits, cdiv, check_2d_input, fp8_max, saturating_cast, scale_from_amax
 from .cast import check_dequantize_args
 from .launch import launcher
 
@@ -110,12 +110,7 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
     """(data, scale_inv, data_t, scale_inv_t) as te_core.ops.quantize_blockwise, 1x128 scale grids
     laid out column by column as it says."""
     fmax = fp8_max(fp8_dtype)
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D (M, K), got shape {tuple(x.shape)}")
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
-    if not x.is_contiguous() or x.numel() > MAX_NUMEL:
-        raise ValueError("x must be contiguous with fewer than 2^31 elements; call .contiguous() first")
+    check_2d_input(x)
     M, K = x.shape
     MB, KB = cdiv(M, BLOCK), cdiv(K, BLOCK)
     BM = BLOCK if (block_2d or with_transpose) else cfg.block_m

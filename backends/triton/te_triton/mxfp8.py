@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MAX_NUMEL, Config, abs_bits, cdiv, fp8_max, saturating_cast
+from ._common import Config, abs_bits, cdiv, check_2d_input, fp8_max, saturating_cast
 from .launch import launcher
 
 MX = 32  # elements per scale
@@ -81,24 +81,23 @@ def _mxfp8_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, fmax, FMAX_EXP: tl.
                  mask=(cols[:, None] < K) & (mb[None, :] < M // 32))
 
 
+def _check_tile(cfg: Config) -> None:
+    if cfg.block_m % MX or cfg.block_n % MX:
+        raise ValueError(f"cfg.block_m and cfg.block_n must be multiples of {MX}, got {cfg.block_m}, {cfg.block_n}")
+
+
 def quantize_mxfp8(x: torch.Tensor, fp8_dtype: torch.dtype, *, with_transpose: bool = False,
                    cfg: Config = MXFP8_DEFAULT):
     """(data (M, K), scales (M, K/32) uint8, data_t (K, M) or None, scales_t (K, M/32) or None),
     as te_core.ops.quantize_mxfp8: K (and M with the transpose) must be multiples of 32.
     cfg.block_m and cfg.block_n (the tile) must be multiples of 32 and powers of two."""
     fmax = fp8_max(fp8_dtype)
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D (M, K), got shape {tuple(x.shape)}")
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
-    if not x.is_contiguous() or x.numel() > MAX_NUMEL:
-        raise ValueError("x must be contiguous with fewer than 2^31 elements; call .contiguous() first")
+    check_2d_input(x)
     M, K = x.shape
     if K % MX or (with_transpose and M % MX):
         raise ValueError(f"MXFP8 needs K{' and M' if with_transpose else ''} to be multiples of {MX}, "
                          f"got shape {(M, K)}")
-    if cfg.block_m % MX or cfg.block_n % MX:
-        raise ValueError(f"cfg.block_m and cfg.block_n must be multiples of {MX}, got {cfg.block_m}, {cfg.block_n}")
+    _check_tile(cfg)
     fmax_mantissa, fmax_exp = math.frexp(fmax)
     if fmax_mantissa != 0.875:  # (E4M3's 448 and E5M2's 57344 both are 0.875 * 2^n)
         raise ValueError(f"the block exponent rule here assumes an FP8 max of 0.875 * 2^n, got {fmax}")
@@ -140,8 +139,7 @@ def dequantize_mxfp8(data: torch.Tensor, scales: torch.Tensor, out_dtype: torch.
     if K % MX or scales.dtype != torch.uint8 or tuple(scales.shape) != (M, K // MX) or not scales.is_contiguous():
         raise ValueError(f"data (M, K) needs K a multiple of {MX} and contiguous uint8 scales of shape "
                          f"{(M, K // MX)}; got data {(M, K)}, scales {scales.dtype} {tuple(scales.shape)}")
-    if cfg.block_m % MX or cfg.block_n % MX:
-        raise ValueError(f"cfg.block_m and cfg.block_n must be multiples of {MX}, got {cfg.block_m}, {cfg.block_n}")
+    _check_tile(cfg)
     out = torch.empty((M, K), dtype=out_dtype, device=data.device)
     if data.numel():
         _dequantize_mxfp8_kernel[(cdiv(M, cfg.block_m), cdiv(K, cfg.block_n))](
