@@ -83,6 +83,13 @@ def test_rejects_what_it_cannot_cast():
         mxfp8.quantize_mxfp8(torch.randn(32, 64), torch.float8_e4m3fn, cfg=Config(block_m=16, block_n=64))
     with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
         mxfp8.quantize_mxfp8(torch.randn(32, 64).double(), torch.float8_e4m3fn)
+    data, scales, _, _ = mxfp8.quantize_mxfp8(torch.randn(32, 64), torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="block_m and cfg.block_n"):
+        mxfp8.dequantize_mxfp8(data, scales, torch.float32, cfg=Config(block_m=32, block_n=48))
+    with pytest.raises(ValueError, match="contiguous 2-D tensor"):
+        mxfp8.dequantize_mxfp8(data.t(), scales, torch.float32)
+    with pytest.raises(ValueError, match="uint8 scales of shape"):
+        mxfp8.dequantize_mxfp8(data, scales.float(), torch.float32)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
