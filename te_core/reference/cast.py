@@ -290,7 +290,9 @@ def _e8m0_exponent(amax: Tensor, fmax: float) -> Tensor:
 
 def _quantize_mx_rows(x: Tensor, fp8_dtype) -> Tuple[Tensor, Tensor]:
     m, k = x.shape
-    blocks = x.float().reshape(m, k // MX_BLOCK, MX_BLOCK)
+    # contiguous first: the blocks of a strided x (x.t() for data_t) would be views keeping its
+    # strides, and so would the data; the contract's outputs are contiguous, as a kernel writes them
+    blocks = x.float().contiguous().reshape(m, k // MX_BLOCK, MX_BLOCK)
     amax = blocks.abs().amax(dim=-1)
     e = _e8m0_exponent(amax, fp8_max(fp8_dtype))
     data = saturating_cast(blocks * exact_pow2(-e)[..., None], fp8_dtype).reshape(m, k)

@@ -183,6 +183,22 @@ def test_quantize_mxfp8(shape):
     torch.testing.assert_close(back, y, rtol=0.125, atol=0.0)
 
 
+@pytest.mark.parametrize("strided", [False, True])
+def test_transposed_copies_are_contiguous(strided):
+    """The contract's *_t outputs are contiguous (K, M) tensors, and so is an MXFP8 cast's data
+    whatever x's strides. torch.compile takes a backend's output layouts from the reference (its
+    fake implementation): a kernel writing contiguous outputs where the reference returned a
+    strided view failed inductor's stride assertion."""
+    x = torch.randn(96, 64) if strided else torch.randn(64, 96)
+    x = x.t() if strided else x  # (64, 96) either way
+    for out in (cast.cast_transpose_fp8(x.contiguous(), torch.tensor([1.0]), E4M3),
+                cast.quantize_fp8_current(x.contiguous(), E4M3, with_transpose=True),
+                cast.quantize_mxfp8(x, E4M3, with_transpose=True)):
+        assert all(t.is_contiguous() for t in out if isinstance(t, torch.Tensor) and t.dim() == 2)
+    data, scales, data_t, scales_t = cast.quantize_mxfp8(x, E4M3, with_transpose=True)
+    assert data_t.shape == (96, 64) and scales_t.shape == (96, 2) and data.shape == (64, 96)
+
+
 def test_mxfp8_extremes_and_errors():
     x = torch.tensor([[1e-44] * 32, [3e38] * 32, [float("inf")] + [1.0] * 31, [float("nan")] + [1.0] * 31])
     data, scales, _, _ = cast.quantize_mxfp8(x, E5M2)
