@@ -17,7 +17,7 @@ from te_backend_cuda import ops as cuda_ops
 from te_backend_cuda import scaled_mm
 from te_backend_cuda.capabilities import capabilities_for
 from te_core.reference.plugin import implementations
-from te_triton import Config, activation, mxfp8
+from te_triton import activation
 
 REF = implementations()
 E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
@@ -370,17 +370,10 @@ def check_cross_entropy_adam():
                          "; ".join(d for _, d in oks if d)[:200])
 
 
-def mxfp8_config() -> Config:
-    """te_triton.mxfp8's tile for the GPU, saturating in the convert where the GPU's does (as the
-    backend's other FP8-output kernels)."""
-    return Config(block_m=64, block_n=64, num_warps=4, hw_saturate=torch.cuda.get_device_capability() >= (8, 9))
-
-
 @guarded
-def check_mxfp8_candidates():
-    """te_triton's MXFP8 kernels, which te-backend-cuda declares only once these pass: bit for
-    bit against the reference, both formats and layouts, zero / subnormal / inf / NaN blocks."""
-    cfg = mxfp8_config()
+def check_mxfp8():
+    """The MXFP8 casts (te_triton's kernels at the backend's config): bit for bit against the
+    reference, both formats and layouts, zero / subnormal / inf / NaN blocks."""
     for shape in [(4096, 4096), (96, 160)]:
         x = rand(shape, BF16, 1.0, 14) * torch.logspace(-30, 12, shape[0], device=DEV)[:, None].to(BF16)
         x[0] = 0.0
@@ -389,20 +382,20 @@ def check_mxfp8_candidates():
         for fp8 in (E4M3, E5M2):
             for wt in (False, True):
                 poison()
-                got = mxfp8.quantize_mxfp8(x, fp8, with_transpose=wt, cfg=cfg)
+                got = cuda_ops.quantize_mxfp8(x, fp8, with_transpose=wt)
                 want = REF["quantize_mxfp8"](x, fp8, with_transpose=wt)
                 n = fp8_exact(got[0], want[0]) + (fp8_exact(got[2], want[2]) if wt else 0)
                 same = torch.equal(got[1], want[1]) and (not wt or torch.equal(got[3], want[3]))
-                record_check(f"te_triton.mxfp8 quantize {shape} {fp8} t={wt}", n == 0 and same,
+                record_check(f"quantize_mxfp8 {shape} {fp8} t={wt}", n == 0 and same,
                              f"{n} bytes differ, scales equal={same}")
                 poison()
-                back = mxfp8.dequantize_mxfp8(got[0], got[1], torch.float32, cfg=cfg)
-                record_check(f"te_triton.mxfp8 dequantize {shape} {fp8}",
+                back = cuda_ops.dequantize_mxfp8(got[0], got[1], torch.float32)
+                record_check(f"dequantize_mxfp8 {shape} {fp8}",
                              torch.equal(back.nan_to_num(), REF["dequantize_mxfp8"](got[0], got[1], torch.float32)
                                          .nan_to_num()), "bit for bit")
 
 
 def run_checks():
     for check in (check_casts, check_norms, check_activations, check_scaling, check_gemms, check_attention,
-                  check_softmax_rope, check_cross_entropy_adam, check_mxfp8_candidates):
+                  check_softmax_rope, check_cross_entropy_adam, check_mxfp8):
         check()

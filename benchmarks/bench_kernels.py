@@ -5,9 +5,10 @@ bit against the reference). Timing: triton.testing.do_bench medians; GB/s counts
 input read once and each output written once; peers (torch eager = the reference ops, and
 torch.compile of them) are timed in the same process. GEMMs in TFLOP/s against bf16 torch.mm.
 
-    python benchmarks/bench_kernels.py [--quick] [--no-compile] [--sweep] [--results DIR]
+    python benchmarks/bench_kernels.py [--quick] [--no-compile] [--sweep [FAMILY ...]] [--results DIR]
 
---sweep also tries tuning configs per kernel family (each checked against the reference); the
+--sweep also tries tuning configs per kernel family (all, or the families named: quantize,
+cast_transpose, norm_fwd, norm_bwd, elementwise, mxfp8), each checked against the reference; the
 best correct one is what te_backend_cuda/configs.py should hold. Prints a table last; writes
 RESULTS/<gpu>/kernels.json (see _results.py) after each stage, so a run stopped at its time
 limit keeps what it measured.
@@ -30,7 +31,7 @@ from te_triton import Config, activation, cast, norm
 from te_triton import mxfp8 as te_mxfp8
 
 from _kernel_checks import (BF16, CHECKS, DEV, E4M3, E5M2, REF, close, fp8_exact, fp8_ulp_off, gemm_scales,
-                            mxfp8_config, poison, rand, run_checks)
+                            poison, rand, run_checks)
 from _results import add_results_argument, meta, write_json
 from report import KERNEL_TARGETS
 
@@ -106,9 +107,7 @@ def time_memory_bound(use_compile):
               {"eager": lambda: REF["quantize_blockwise"](x, E4M3, block_2d=block_2d, with_transpose=True)})
     timed("quantize_blockwise 1x128", 3 * n, lambda: cuda_ops.quantize_blockwise(x, E4M3),
           {"eager": lambda: REF["quantize_blockwise"](x, E4M3)})
-    mx_cfg = mxfp8_config()  # te_triton's MXFP8 kernels, not declared by te-backend-cuda until checked
-    timed("te_triton.mxfp8 quantize +transpose", 4 * n,
-          lambda: te_mxfp8.quantize_mxfp8(x, E4M3, with_transpose=True, cfg=mx_cfg),
+    timed("quantize_mxfp8 +transpose", 4 * n, lambda: cuda_ops.quantize_mxfp8(x, E4M3, with_transpose=True),
           {"eager": lambda: REF["quantize_mxfp8"](x, E4M3, with_transpose=True)})
     timed("layernorm_fwd bf16", 4 * n, lambda: cuda_ops.layernorm_fwd(x, w, b, 1e-5),
           {"torch_F.layer_norm": lambda: torch.nn.functional.layer_norm(x, (N,), w, b, 1e-5)})
@@ -191,7 +190,10 @@ def time_scaling():
     print(f"[time] delayed_scaling_update 200 histories: {ms * 1e3:.0f} us vs eager {rms * 1e3:.0f} us", flush=True)
 
 
-def sweep(x, dy, s, w, b):
+SWEEP_FAMILIES = ("quantize", "cast_transpose", "norm_fwd", "norm_bwd", "elementwise", "mxfp8")
+
+
+def sweep(x, dy, s, w, b, families=()):
     """Try tuning configs per kernel family, each checked against the reference output; the
     best correct one goes into te_backend_cuda.configs."""
     n = x.numel()
@@ -212,6 +214,9 @@ def sweep(x, dy, s, w, b):
         "elementwise": [Config(block_m=bm, block_n=bn, num_warps=nw) for bm, bn, nw in
                         [(16, 256, 8), (8, 512, 8), (32, 256, 8), (4, 1024, 8), (16, 512, 16), (8, 256, 4),
                          (2, 2048, 8), (32, 512, 16)]],
+        "mxfp8": [Config(block_m=bm, block_n=bn, num_warps=nw, hw_saturate=True) for bm, bn, nw in
+                  [(64, 64, 4), (32, 64, 4), (64, 32, 4), (32, 128, 4), (64, 128, 4), (128, 64, 4), (64, 64, 8),
+                   (128, 128, 8), (32, 256, 4), (64, 128, 8)]],
     }
     _, mean, rstd, _ = norm.norm_fwd(x, w, b, 1e-5, rms=False)
     want = {
@@ -220,6 +225,7 @@ def sweep(x, dy, s, w, b):
         "norm_fwd": REF["layernorm_fwd"](x, w, b, 1e-5, fp8_scale=s, fp8_dtype=E4M3)[0],
         "norm_bwd": REF["layernorm_bwd"](dy, x, mean, rstd, w)[0],
         "elementwise": REF["activation_fwd"](x, "gelu", fp8_scale=s, fp8_dtype=E4M3)[0],
+        "mxfp8": REF["quantize_mxfp8"](x, E4M3, with_transpose=True),
     }
     checks = {
         "quantize": lambda out, w_: fp8_exact(out[0], w_) == 0,
@@ -227,6 +233,8 @@ def sweep(x, dy, s, w, b):
         "norm_fwd": lambda out, w_: fp8_ulp_off(out[0], w_)[0] == 0,
         "norm_bwd": lambda out, w_: close(out[0], w_, 1.6e-2, 1e-5)[0],
         "elementwise": lambda out, w_: fp8_ulp_off(out[0], w_)[0] == 0,
+        "mxfp8": lambda out, w_: (fp8_exact(out[0], w_[0]) + fp8_exact(out[2], w_[2]) == 0
+                                  and torch.equal(out[1], w_[1]) and torch.equal(out[3], w_[3])),
     }
     runs = {
         "quantize": (3 * n, lambda c: cast.quantize_fp8(x, s, E4M3, c)),
@@ -234,8 +242,11 @@ def sweep(x, dy, s, w, b):
         "norm_fwd": (3 * n, lambda c: norm.norm_fwd(x, w, b, 1e-5, rms=False, fp8_scale=s, fp8_dtype=E4M3, cfg=c)),
         "norm_bwd": (6 * n, lambda c: norm.norm_bwd(dy, x, mean, rstd, w, rms=False, cfg=c)),
         "elementwise": (3 * n, lambda c: activation.activation_fwd(x, "gelu", fp8_scale=s, fp8_dtype=E4M3, cfg=c)),
+        "mxfp8": (4 * n, lambda c: te_mxfp8.quantize_mxfp8(x, E4M3, with_transpose=True, cfg=c)),
     }
     for fam, configs_ in cands.items():
+        if families and fam not in families:
+            continue
         nbytes, fn = runs[fam]
         for c in configs_:
             try:
@@ -313,9 +324,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", nargs="*", default=None, metavar="FAMILY",
+                    help="try tuning configs: of every family, or of those named")
     add_results_argument(ap)
     args = ap.parse_args()
+    unknown = sorted(set(args.sweep or ()) - set(SWEEP_FAMILIES))
+    if unknown:
+        ap.error(f"--sweep: unknown families {unknown}; choose from {', '.join(SWEEP_FAMILIES)}")
     RESULTS_ROOT[0] = args.results
     RESULTS["meta"] = meta("cuda")
     run_checks()
@@ -325,8 +340,8 @@ def main():
                  lambda: time_gemms(args.quick), time_attention):
         try:
             tensors = step()
-            if args.sweep and isinstance(tensors, tuple):
-                sweep(*tensors)
+            if args.sweep is not None and isinstance(tensors, tuple):
+                sweep(*tensors, families=tuple(args.sweep))
             del tensors
         except Exception:
             traceback.print_exc()

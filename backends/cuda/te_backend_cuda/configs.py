@@ -44,6 +44,7 @@ class Tuning:
     transpose: Config
     blockwise: Config
     blockwise_1d_transpose: Config
+    mxfp8: Config
     norm: Config
     norm_layernorm_long_rows: Config
     norm_high_precision: Config
@@ -77,6 +78,9 @@ def _sm90_casts(sms: int) -> dict:
         # whole tile at once are slower)
         blockwise=Config(block_m=64, num_warps=8),
         blockwise_1d_transpose=Config(block_m=64, num_warps=4),
+        # MXFP8 (1x32 E8M0 scales), both layouts from one read of a tile: 32x256 tiles with 4
+        # warps (64x128 is about as fast; square tiles, 128 rows or 8 warps are slower)
+        mxfp8=Config(block_m=32, block_n=256, num_warps=4, hw_saturate=True),
     )
 
 

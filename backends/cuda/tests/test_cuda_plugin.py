@@ -133,7 +133,7 @@ def test_registry_lists_cuda_with_reason():
 
 
 def test_cross_entropy_is_native():
-    assert "cross_entropy" in plugin.te_backend_ops() and "quantize_blockwise" in plugin.te_backend_ops()
+    assert {"cross_entropy", "quantize_blockwise", "quantize_mxfp8", "dequantize_mxfp8"} <= set(plugin.te_backend_ops())
 
 
 def test_supports_decline_what_the_kernels_do_not_take(monkeypatch):
@@ -158,6 +158,17 @@ def test_supports_decline_what_the_kernels_do_not_take(monkeypatch):
     data = torch.zeros(4, 256).to(torch.float8_e4m3fn)
     assert "is not (4, 2)" in cast.dequantize_blockwise_ok(data, torch.ones(1, 2), False, torch.float32)[1]
     assert "is not FP8" in cast.dequantize_ok(torch.zeros(4), torch.ones(1), torch.float32)[1]
+    assert "1x32 blocks" in cast.mxfp8_ok(torch.randn(64, 48), torch.float8_e4m3fn)[1]
+    assert "1x32 blocks" in cast.mxfp8_ok(torch.randn(48, 64), torch.float8_e4m3fn, with_transpose=True)[1]
+    assert "not 2-D" in cast.mxfp8_ok(torch.randn(2, 32, 32), torch.float8_e4m3fn)[1]
+    assert "not on a CUDA device" in cast.mxfp8_ok(torch.randn(48, 64), torch.float8_e4m3fn)[1]
+    mx = torch.zeros(4, 64).to(torch.float8_e4m3fn)
+    assert "shape (4, 2)" in cast.dequantize_mxfp8_ok(mx, torch.zeros(4, 4, dtype=torch.uint8), torch.float32)[1]
+    assert "uint8" in cast.dequantize_mxfp8_ok(mx, torch.zeros(4, 2), torch.float32)[1]
+    assert "1x32 blocks" in cast.dequantize_mxfp8_ok(mx[:, :48], torch.zeros(4, 1, dtype=torch.uint8),
+                                                     torch.float32)[1]
+    assert "not on a CUDA device" in cast.dequantize_mxfp8_ok(mx, torch.zeros(4, 2, dtype=torch.uint8),
+                                                              torch.float32)[1]
 
 
 def test_fp8_output_kernels_need_sm89(fake_gpu):
@@ -177,6 +188,7 @@ def test_fp8_output_kernels_need_sm89(fake_gpu):
         fp8_convert_ok.cache_clear()
     tuned = configs.tuning((9, 0), 132)
     assert tuned.quantize.hw_saturate and tuned.norm.hw_saturate and tuned.activation_fwd.hw_saturate
+    assert tuned.mxfp8.hw_saturate
     assert not tuned.blockwise.hw_saturate  # block scales keep values in range; its kernel keeps the clamp
 
 

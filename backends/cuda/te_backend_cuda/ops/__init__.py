@@ -25,8 +25,8 @@ from ..traced_fused import TRACED_FUSED
 from . import activation, cast, loss, norm, rope, scaling, softmax
 from .activation import (activation_bwd, activation_bwd_dbias_cast_transpose, activation_fwd, dbias,
                          dbias_cast_transpose, dbias_cast_transpose_parts)
-from .cast import (cast_transpose_fp8, dequantize_blockwise, dequantize_fp8, quantize_blockwise, quantize_fp8,
-                   quantize_fp8_current, transpose_fp8)
+from .cast import (cast_transpose_fp8, dequantize_blockwise, dequantize_fp8, dequantize_mxfp8, quantize_blockwise,
+                   quantize_fp8, quantize_fp8_current, quantize_mxfp8, transpose_fp8)
 from .launch import on_device
 from .loss import cross_entropy
 from .norm import layernorm_bwd, layernorm_bwd_add, layernorm_fwd, rmsnorm_bwd, rmsnorm_bwd_add, rmsnorm_fwd
@@ -36,7 +36,8 @@ from .softmax import softmax_bwd, softmax_fwd
 
 __all__ = ["native_ops", "activation_bwd", "activation_bwd_dbias_cast_transpose", "activation_fwd", "dbias",
            "dbias_cast_transpose", "dbias_cast_transpose_parts", "cast_transpose_fp8", "dequantize_blockwise",
-           "dequantize_fp8", "quantize_blockwise", "quantize_fp8", "quantize_fp8_current", "transpose_fp8",
+           "dequantize_fp8", "dequantize_mxfp8", "quantize_blockwise", "quantize_fp8", "quantize_fp8_current",
+           "quantize_mxfp8", "transpose_fp8",
            "cross_entropy", "layernorm_bwd", "layernorm_bwd_add", "layernorm_fwd", "rmsnorm_bwd", "rmsnorm_bwd_add",
            "rmsnorm_fwd", "rope_bwd", "rope_fwd", "delayed_scaling_update", "softmax_bwd", "softmax_fwd"]
 
@@ -49,6 +50,8 @@ _ON_TENSOR_DEVICE = {
     "quantize_blockwise": (quantize_blockwise, cast.self_scaled_2d_ok),
     "dequantize_fp8": (dequantize_fp8, cast.dequantize_ok),
     "dequantize_blockwise": (dequantize_blockwise, cast.dequantize_blockwise_ok),
+    "quantize_mxfp8": (quantize_mxfp8, cast.mxfp8_ok),
+    "dequantize_mxfp8": (dequantize_mxfp8, cast.dequantize_mxfp8_ok),
     "layernorm_fwd": (layernorm_fwd, norm.norm_fwd_ok),
     "rmsnorm_fwd": (rmsnorm_fwd, norm.norm_fwd_ok),
     "layernorm_bwd": (layernorm_bwd, norm.layernorm_bwd_ok),

@@ -1,9 +1,10 @@
-"""FP8 casts on te_triton's cast and blockwise kernels: quantize (delayed and current scaling),
-cast-transpose, byte transpose, 1x128 / 128x128 block scales, dequantize."""
+"""FP8 casts on te_triton's cast, blockwise and MXFP8 kernels: quantize (delayed and current
+scaling), cast-transpose, byte transpose, 1x128 / 128x128 block scales, 1x32 E8M0 (MXFP8)
+scales, dequantize."""
 from __future__ import annotations
 
 import torch
-from te_triton import MAX_NUMEL, blockwise, cast
+from te_triton import MAX_NUMEL, blockwise, cast, mxfp8
 
 from .. import configs
 from ..amax_slots import fresh, fresh_current
@@ -46,6 +47,14 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
 
 def dequantize_blockwise(data, scale_inv, block_2d, out_dtype):
     return blockwise.dequantize_blockwise(data, scale_inv, block_2d, out_dtype, configs.for_tensor(data).blockwise)
+
+
+def quantize_mxfp8(x, fp8_dtype, *, with_transpose=False):
+    return mxfp8.quantize_mxfp8(x, fp8_dtype, with_transpose=with_transpose, cfg=configs.for_tensor(x).mxfp8)
+
+
+def dequantize_mxfp8(data, scales, out_dtype):
+    return mxfp8.dequantize_mxfp8(data, scales, out_dtype, configs.for_tensor(data).mxfp8)
 
 
 # --- supports -------------------------------------------------------------------------------
@@ -110,3 +119,27 @@ def dequantize_blockwise_ok(data, scale_inv, block_2d, out_dtype):
         return False, f"scale_inv shape {tuple(scale_inv.shape)} is not {expected} (the reference explains)"
     return _fp8_data_ok(data, out_dtype)
 
+
+
+def mxfp8_ok(x, fp8_dtype, *, with_transpose=False):
+    # the shape rules (K, and M with the transpose, multiples of 32) are the reference's to name
+    if x.dim() != 2:
+        return False, "x is not 2-D"
+    m, k = x.shape
+    if k % mxfp8.MX or (with_transpose and m % mxfp8.MX):
+        return False, f"x shape {(m, k)} does not split into 1x32 blocks (the reference explains)"
+    ok, why = tensor_ok(x)
+    return fp8_out_device_ok(x) if ok else (ok, why)
+
+
+def dequantize_mxfp8_ok(data, scales, out_dtype):
+    if data.dim() != 2:
+        return False, "data is not 2-D"
+    m, k = data.shape
+    if k % mxfp8.MX:
+        return False, f"data shape {(m, k)} does not split into 1x32 blocks (the reference explains)"
+    if not isinstance(scales, torch.Tensor) or scales.device != data.device:
+        return False, "scales is not a tensor on data's device"
+    if scales.dtype != torch.uint8 or tuple(scales.shape) != (m, k // mxfp8.MX) or not scales.is_contiguous():
+        return False, f"scales is not a contiguous uint8 tensor of shape {(m, k // mxfp8.MX)} (the reference explains)"
+    return _fp8_data_ok(data, out_dtype)
