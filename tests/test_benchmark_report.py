@@ -56,6 +56,12 @@ def test_verdicts_follow_the_numbers():
     assert "not measured" in rows["gelu / swiglu backward"]
 
 
+def test_the_header_names_both_dates_when_modules_and_kernels_ran_apart():
+    assert "from one run on GPU (torch t, triton tr, d)" in report.table(MODULES, {**KERNELS, "meta": {"date": "d"}})
+    text = report.table(MODULES, {**KERNELS, "meta": {"date": "2026-12-03T00:53:18+00:00"}})
+    assert "from two runs on GPU (torch t, triton tr, modules d; kernels 2026-12-03)" in text
+
+
 def test_graphed_kernel_timings_are_shown_but_eager_decides():
     kernels = {"checks": [], "timings": [
         {"op": "layernorm_fwd fp8 out", "GBps": 2400.0, "graphed_GBps": 3900.0},
