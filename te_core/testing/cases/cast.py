@@ -117,17 +117,17 @@ def _(gen):
     return (x, E4M3), dict(block_2d=True, force_pow2_scales=False, amax_epsilon=0.25)
 
 
-@case("quantize_mxfp8", "bf16-e4m3-33x64")
+@case("quantize_mxfp8", "bf16-e4m3-33x64", same_strides=True)
 def _(gen):
     return (row_scaled(gen, 33, 64, torch.bfloat16), E4M3), {}
 
 
-@case("quantize_mxfp8", "fp32-e5m2-transpose-64x96")
+@case("quantize_mxfp8", "fp32-e5m2-transpose-64x96", same_strides=True)
 def _(gen):
     return (row_scaled(gen, 64, 96, torch.float32), E5M2), dict(with_transpose=True)
 
 
-@case("quantize_mxfp8", "fp32-e4m3-transpose-zero-block-32x32")
+@case("quantize_mxfp8", "fp32-e4m3-transpose-zero-block-32x32", same_strides=True)
 def _(gen):
     x = row_scaled(gen, 32, 32, torch.float32)
     x[3, :] = 0.0  # a zero block must get e = -127 (the only zeros in the kit, on purpose)
@@ -161,13 +161,13 @@ def _(gen):
     return (fp8_data(gen, (200, 130), E5M2), scale_inv, True, torch.bfloat16), {}
 
 
-@case("dequantize_mxfp8", "e4m3-to-fp32-33x64")
+@case("dequantize_mxfp8", "e4m3-to-fp32-33x64", same_strides=True)
 def _(gen):
     scales = torch.randint(117, 138, (33, 2), generator=gen, dtype=torch.uint8)
     return (fp8_data(gen, (33, 64), E4M3), scales, torch.float32), {}
 
 
-@case("dequantize_mxfp8", "e5m2-to-bf16-16x96")
+@case("dequantize_mxfp8", "e5m2-to-bf16-16x96", same_strides=True)
 def _(gen):
     scales = torch.randint(120, 135, (16, 3), generator=gen, dtype=torch.uint8)
     return (fp8_data(gen, (16, 96), E5M2), scales, torch.bfloat16), {}
