@@ -11,7 +11,9 @@
 # Results land in RESULTS/<gpu>/ (RESULTS: $OUT/results when $OUT is set, else benchmarks/results),
 # with the generated tables in RESULTS/<gpu>/table.md. Each part has its own time limit
 # (MODULES_TIMEOUT, KERNELS_TIMEOUT, SWEEP_TIMEOUT, GRAPHED_TIMEOUT, CONFORMANCE_TIMEOUT, HF_TIMEOUT,
-# HOST_TIMEOUT, MODULE_TESTS_TIMEOUT, in seconds).
+# HOST_TIMEOUT, MODULE_TESTS_TIMEOUT, and CUDA_TESTS_TIMEOUT for the backend's own tests in the
+# conformance part, in seconds). A test run cut by its limit says so in its output file: pytest
+# killed mid-run prints no summary, and a file without one would read as a crash.
 set -u
 export PYTHONUNBUFFERED=1
 parts=("$@")
@@ -21,6 +23,14 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1 \
     && export PYTHONPATH=/tmp/site
 fi
+limited() {  # limited SECONDS CMD...: CMD under timeout, with a closing line when the limit cut it
+  local seconds=$1 rc
+  shift
+  timeout "$seconds" "$@"
+  rc=$?
+  [ $rc -eq 124 ] && echo "TIMED OUT: stopped after ${seconds} s (raise the part's *_TIMEOUT); the results above are partial"
+  return $rc
+}
 RESULTS="${OUT:+$OUT/results}"
 RESULTS="${RESULTS:-benchmarks/results}"
 mkdir -p "$RESULTS"
@@ -39,9 +49,9 @@ for part in "${parts[@]}"; do
     conformance)
       { echo "# $(python3 -c 'import torch, triton; print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)'), $(date -u +%F)"
         echo "## python3 -m pytest -q -rs backends/cuda/tests"
-        timeout "${CONFORMANCE_TIMEOUT:-300}" python3 -m pytest -q -rs backends/cuda/tests 2>&1 | tail -n 40
+        limited "${CUDA_TESTS_TIMEOUT:-540}" python3 -m pytest -q -rs backends/cuda/tests 2>&1 | tail -n 40
         echo "## python3 -m pytest -q -rs --pyargs te_core.testing --te-backend cuda"
-        timeout "${CONFORMANCE_TIMEOUT:-300}" python3 -m pytest -q -rs --pyargs te_core.testing --te-backend cuda 2>&1 | tail -n 40
+        limited "${CONFORMANCE_TIMEOUT:-300}" python3 -m pytest -q -rs --pyargs te_core.testing --te-backend cuda 2>&1 | tail -n 40
       } > "$RESULTS/$gpu/conformance-cuda.txt"
       tail -n 25 "$RESULTS/$gpu/conformance-cuda.txt" ;;
     hf) timeout "${HF_TIMEOUT:-330}" python3 benchmarks/bench_hf.py --results "$RESULTS" 2>&1 | tail -n 20 ;;
@@ -49,7 +59,7 @@ for part in "${parts[@]}"; do
     module-tests)
       { echo "# $(python3 -c 'import torch, triton; print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)'), $(date -u +%F)"
         echo "## python3 -m pytest -q -rfs tests/modules -k cuda"
-        timeout "${MODULE_TESTS_TIMEOUT:-420}" python3 -m pytest -q -rfs --tb=line -p no:logging tests/modules -k cuda 2>&1 | tail -n 60
+        limited "${MODULE_TESTS_TIMEOUT:-420}" python3 -m pytest -q -rfs --tb=line -p no:logging tests/modules -k cuda 2>&1 | tail -n 60
       } > "$RESULTS/$gpu/modules-cuda.txt"
       tail -n 25 "$RESULTS/$gpu/modules-cuda.txt" ;;
     *) echo "unknown part '$part': choose from modules, kernels, sweep, graphed, conformance, hf, host, module-tests" >&2; exit 2 ;;
