@@ -187,3 +187,23 @@ def test_a_gemm_10_percent_too_large_fails():
         wrong = perturbed(REF["gemm_fp8"], lambda t: t * 1.1, only_first=False)
         with pytest.raises(AssertionError, match="norm|beyond"):
             run_case(case, wrong, REF["gemm_fp8"], CPU)
+
+
+def _other_layout(t: Tensor) -> Tensor:
+    """The same values in the other order of a 2-D tensor's dimensions (row-major <-> column-major)."""
+    return t.t().contiguous().t() if t.is_contiguous() else t.contiguous()
+
+
+STRIDED = [c for c in CASES if c.same_strides]
+
+
+@pytest.mark.parametrize("case", STRIDED, ids=_ids(STRIDED))
+def test_kit_fails_another_layout(case):
+    """Where a case fixes the outputs' layout (same_strides), the same values laid out the other
+    way must fail it: a compiled graph asserts the reference's strides."""
+    def wrong(*args, **kwargs):
+        return map_tensors(REF[case.op](*args, **kwargs),
+                           lambda t: _other_layout(t) if t.dim() == 2 and min(t.shape) > 1 else t)
+
+    with pytest.raises(AssertionError, match="strides"):
+        run_case(case, wrong, REF[case.op], CPU)

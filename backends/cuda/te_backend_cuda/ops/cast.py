@@ -120,7 +120,6 @@ def dequantize_blockwise_ok(data, scale_inv, block_2d, out_dtype):
     return _fp8_data_ok(data, out_dtype)
 
 
-
 def mxfp8_ok(x, fp8_dtype, *, with_transpose=False):
     # the shape rules (K, and M with the transpose, multiples of 32) are the reference's to name
     if x.dim() != 2:
