@@ -109,6 +109,8 @@ def time_memory_bound(use_compile):
           {"eager": lambda: REF["quantize_blockwise"](x, E4M3)})
     timed("quantize_mxfp8 +transpose", 4 * n, lambda: cuda_ops.quantize_mxfp8(x, E4M3, with_transpose=True),
           {"eager": lambda: REF["quantize_mxfp8"](x, E4M3, with_transpose=True)})
+    timed("quantize_mxfp8", 3 * n, lambda: cuda_ops.quantize_mxfp8(x, E4M3),
+          {"eager": lambda: REF["quantize_mxfp8"](x, E4M3)})
     timed("layernorm_fwd bf16", 4 * n, lambda: cuda_ops.layernorm_fwd(x, w, b, 1e-5),
           {"torch_F.layer_norm": lambda: torch.nn.functional.layer_norm(x, (N,), w, b, 1e-5)})
     timed("layernorm_fwd fp8 out", 3 * n, lambda: cuda_ops.layernorm_fwd(x, w, b, 1e-5, fp8_scale=s, fp8_dtype=E4M3),
@@ -140,6 +142,9 @@ def time_memory_bound(use_compile):
     bq, bs, _, _ = cuda_ops.quantize_blockwise(x, E4M3)
     timed("dequantize_blockwise 1x128 to bf16", 3 * n, lambda: cuda_ops.dequantize_blockwise(bq, bs, False, BF16),
           {"eager": lambda: REF["dequantize_blockwise"](bq, bs, False, BF16)})
+    mq, ms, _, _ = cuda_ops.quantize_mxfp8(x, E4M3)
+    timed("dequantize_mxfp8 to bf16", 3 * n, lambda: cuda_ops.dequantize_mxfp8(mq, ms, BF16),
+          {"eager": lambda: REF["dequantize_mxfp8"](mq, ms, BF16)})
     copy_dst = torch.empty_like(x)
     timed("device copy (ceiling)", 4 * n, lambda: copy_dst.copy_(x), {})
     return x, dy, s, w, b
