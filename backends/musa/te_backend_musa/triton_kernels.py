@@ -73,11 +73,18 @@ def tuning_configs(arch: Arch) -> dict:
 
 
 def _generic_supports(*args, **kwargs) -> Tuple[bool, str]:
+    """For a launcher without a supports() of its own: a float first input that int32 offsets
+    index, and every tensor contiguous (the launchers raise on strided ones, where the reference
+    should take the call)."""
     x = args[0]
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False, f"Triton kernel input is {x.dtype}; float32, bfloat16 or float16 expected"
     if x.numel() >= 2**31:
         return False, f"{x.numel()} elements exceed the int32 indexing of the Triton kernels"
+    for value in (*args, *kwargs.values()):
+        for t in (value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(t, torch.Tensor) and not t.is_contiguous():
+                return False, "a tensor argument is not contiguous"
     return True, ""
 
 

@@ -94,3 +94,59 @@ def test_musa_ops_take_triton_for_what_mudnn_lacks(fake_musa, mt_triton):
     x = torch.randn(4, 8)
     ok, why = ops["activation_fwd"].supports(x, "gelu")  # no F.swish_glu here: Triton decides
     assert ok, why
+
+
+def _case_ids(cases):
+    return [c.id for c in cases]
+
+
+def _bound_cases():
+    from te_core.testing.cases import CASES
+
+    return [c for c in CASES if c.op in triton_kernels.LAUNCHERS]
+
+
+@pytest.mark.parametrize("case", _bound_cases(), ids=_case_ids(_bound_cases()))
+def test_bound_kernels_return_the_reference_layouts(mt_triton, case):
+    """Every te_triton kernel bound here returns outputs of the reference's shapes, dtypes and
+    strides on each conformance case it takes. Under torch.compile the reference is the ops' fake
+    implementation, and inductor asserts its strides on the kernel's outputs (the values are the
+    conformance kit's to check on the GPU: the CPU interpreter rounds some FP8 casts differently)."""
+    from te_core.reference.plugin import implementations
+    from te_core.testing.runner import map_tensors
+
+    impl = triton_kernels.triton_ops((3, 1))[0].get(case.op)
+    if impl is None:
+        pytest.skip(f"{case.op} is not bound (te_triton's launcher is missing or changed)")
+    args, kwargs = case.inputs()
+    ok, why = impl.supports(*args, **kwargs)
+    if not ok:
+        pytest.skip(f"declined by supports(): {why}")
+    got, want = [], []
+    map_tensors(impl.fn(*args, **kwargs), lambda t: got.append(t) or t)
+    args, kwargs = case.inputs()
+    map_tensors(implementations()[case.op](*args, **kwargs), lambda t: want.append(t) or t)
+    assert [(tuple(t.shape), t.dtype) for t in got] == [(tuple(t.shape), t.dtype) for t in want]
+    for i, (g, w) in enumerate(zip(got, want)):
+        # as inductor's stride assertion: dimensions of size 1, and empty tensors, have no stride to keep
+        kept = [d for d in range(g.dim()) if g.numel() and g.shape[d] > 1]
+        assert [g.stride(d) for d in kept] == [w.stride(d) for d in kept], (i, g.stride(), w.stride())
+
+
+def test_bound_kernels_decline_what_they_would_raise_on(mt_triton):
+    """A kind without a kernel, clamped_swiglu's parameters, a strided input: declined, so the
+    reference runs them, never the launcher's ValueError."""
+    ops = triton_kernels.triton_ops((3, 1))[0]
+    x = torch.randn(8, 32)
+    for kind, params in (("qgeglu", {}), ("clamped_swiglu", {"limit": 7.0, "alpha": 1.702}), ("tanh", {})):
+        ok, why = ops["activation_fwd"].supports(x, kind, **params)
+        assert not ok and kind in why
+        ok, why = ops["activation_bwd"].supports(torch.randn(8, 16), x, kind, **params)
+        assert not ok and kind in why
+    assert not ops["activation_fwd"].supports(x.t(), "gelu")[0]
+    assert "contiguous" in ops["activation_bwd"].supports(torch.randn(32, 8).t(), x, "gelu")[1]
+    assert not ops["activation_bwd_dbias_cast_transpose"].supports(x, x, "qgeglu", torch.ones(1), E4M3)[0]
+    assert ops["activation_bwd_dbias_cast_transpose"].supports(x, x, "gelu", torch.ones(1), E4M3) == (True, "")
+    assert "not contiguous" in ops["quantize_fp8"].supports(x.t(), torch.ones(1), E4M3)[1]
+    assert "not contiguous" in ops["layernorm_bwd_add"].supports(
+        x, x, torch.zeros(8), torch.ones(8), torch.ones(32), torch.randn(32, 8).t())[1]

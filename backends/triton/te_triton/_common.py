@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -70,6 +70,16 @@ def fp8_max(dtype: torch.dtype) -> float:
     if dtype not in FP8_MAX:
         raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
     return FP8_MAX[dtype]
+
+
+def answered(check: Callable[[], object]) -> Tuple[bool, str]:
+    """(True, "") when check() passes, else (False, its message): a launcher's own argument
+    checks, answered instead of raised, for a backend's supports()."""
+    try:
+        check()
+    except (TypeError, ValueError) as exc:
+        return False, str(exc)
+    return True, ""
 
 
 def check_2d_input(x: torch.Tensor) -> None:

@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (MAX_NUMEL, Config, abs_bits, amax_from_buffer, cdiv, descriptor, fp8_max, launched, max_into,
-                      new_amax_buffer, saturating_cast, tma_ready)
-from .activation import ELEMENTWISE_DEFAULT, KIND_IDS, _check, _dact, activation_bwd
+from ._common import (MAX_NUMEL, Config, abs_bits, amax_from_buffer, answered, cdiv, descriptor, fp8_max, launched,
+                      max_into, new_amax_buffer, saturating_cast, tma_ready)
+from .activation import ELEMENTWISE_DEFAULT, KIND_IDS, _check, _check_dy, _dact, _no_params, activation_bwd
 from .cast import _cast_transpose_tile, _check_input, transpose_clamps
 from .launch import launcher
 
@@ -230,6 +230,18 @@ def dbias_cast_transpose_parts_supports(parts, *args, **kwargs):
     if not isinstance(first, torch.Tensor) or first.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False, "parts must be a non-empty list of float32, bfloat16 or float16 tensors"
     return True, ""
+
+
+def activation_bwd_dbias_cast_transpose_supports(dy, x, kind, scale, fp8_dtype, *, amax_out=None, **params):
+    """For backends binding the launcher generically: its own checks, answered instead of raised."""
+    def check():
+        _no_params(kind, params)
+        if x.dim() != 2:
+            raise ValueError(f"x must be 2-D, got shape {tuple(x.shape)}")
+        _check_dy(dy, x, kind)
+        _check_input(dy, scale, two_d=True)
+
+    return answered(check)
 
 
 def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, cfg: Config = DBIAS_CAST_TRANSPOSE_DEFAULT,
