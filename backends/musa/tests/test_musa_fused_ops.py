@@ -197,3 +197,32 @@ def test_against_reference_backend(kernels):
     xr, fr = torch.randn(7, 2, 3, 32, generator=g), torch.rand(7, 1, 1, 32, generator=g)
     for inter in (False, True):
         _close(rope.rope_fwd(xr, fr, interleaved=inter), ref["rope_fwd"](xr, fr, interleaved=inter), torch.float32)
+
+
+def _fused_cases():
+    from te_core.testing.cases import CASES
+
+    return [c for c in CASES if c.op in FUSED]
+
+
+FUSED = {"rmsnorm_fwd": (norm.rmsnorm_fwd, norm.rmsnorm_fwd_supports),
+         "rmsnorm_bwd": (norm.rmsnorm_bwd, norm.rmsnorm_bwd_supports),
+         "activation_fwd": (activation.activation_fwd, activation.activation_fwd_supports),
+         "activation_bwd": (activation.activation_bwd, activation.activation_bwd_supports),
+         "rope_fwd": (rope.rope_fwd, rope.rope_supports), "rope_bwd": (rope.rope_bwd, rope.rope_supports)}
+
+
+@pytest.mark.parametrize("case", _fused_cases(), ids=[c.id for c in _fused_cases()])
+def test_conformance_cases_the_fused_ops_take(kernels, case):
+    """The conformance kit's cases, on the Python around the muDNN kernels (their CPU stand-ins):
+    every case supports() accepts matches the reference at the kit's tolerances. An FP8 output
+    computed in 16 bits and cast again rounds twice, which this catches."""
+    from te_core.reference.plugin import implementations
+    from te_core.testing.runner import run_case
+
+    fn, supports = FUSED[case.op]
+    args, kwargs = case.inputs()
+    ok, why = supports(*args, **kwargs)
+    if not ok:
+        pytest.skip(f"declined by supports(): {why}")
+    run_case(case, fn, implementations()[case.op], torch.device("cpu"))

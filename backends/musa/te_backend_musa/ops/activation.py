@@ -2,7 +2,8 @@
 
 F.swish_glu(x) = silu(x[..., :h]) * x[..., h:] for float32/float16/bfloat16 x, with an
 autograd backward (muDNN SwiGlu::RunBwd) — the contract's "swiglu". The other kinds have no
-muDNN kernel exposed by torch_musa and run on the reference. FP8 output: the op, then a cast.
+muDNN kernel exposed by torch_musa and run on the reference. FP8 output: the op in float32, then
+a cast.
 """
 from __future__ import annotations
 
@@ -33,10 +34,11 @@ def activation_fwd(
     fp8_dtype: Optional[torch.dtype] = None,
     amax_out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
-    y = _swish_glu(x)
     if fp8_dtype is None:
-        return y, None
-    return cast_with_amax(y, fp8_scale, fp8_dtype, amax_out)
+        return _swish_glu(x), None
+    # FP8 out: the activation in float32, cast once, as the contract computes it (a 16-bit result
+    # cast again to FP8 rounds twice, which moves more values by one FP8 step than the contract allows)
+    return cast_with_amax(_swish_glu(x.float()), fp8_scale, fp8_dtype, amax_out)
 
 
 def activation_bwd(dy: Tensor, x: Tensor, kind: str) -> Tensor:

@@ -4,7 +4,7 @@ torch_musa csrc/aten/ops/RMSNorm.cpp: forward(input, normalized_shape, eps, weig
 (out in input's dtype, invvar float32 of shape input.shape[:-len(normalized_shape)]), with
 input float32/float16/bfloat16 and weight of the same dtype; backward(grad_out, invvar, input,
 normalized_shape, eps, weight) -> (grad_input, grad_weight). invvar is the contract's rstd
-(MT-TransformerEngine passes its rsigma as invvar). FP8 output: the norm, then a cast.
+(MT-TransformerEngine passes its rsigma as invvar). FP8 output: the norm in float32, then a cast.
 """
 from __future__ import annotations
 
@@ -44,7 +44,12 @@ def rmsnorm_fwd(
     fp8_dtype: Optional[torch.dtype] = None,
     amax_out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    y, rstd = _forward_kernel()(x, [x.shape[-1]], eps, _gamma(weight, zero_centered_gamma))
+    gamma = _gamma(weight, zero_centered_gamma)
+    if fp8_dtype is not None and x.dtype != torch.float32:
+        # FP8 out: the norm in float32, cast once, as the contract computes it (a 16-bit result
+        # cast again to FP8 rounds twice); muDNN takes gamma in x's dtype
+        x, gamma = x.float(), gamma.float()
+    y, rstd = _forward_kernel()(x, [x.shape[-1]], eps, gamma)
     if fp8_dtype is None:
         return y, rstd, None
     data, amax = cast_with_amax(y, fp8_scale, fp8_dtype, amax_out)
