@@ -475,3 +475,10 @@ def test_an_interleaved_cell_runs_its_warm_up_and_rounds_inside_its_setting():
     assert plain()["us"] > 0 and inside()["us"] > 0
     assert log == (["plain"] * 3 + ["enter"] + ["inside"] * 3 + ["exit"]
                    + (["plain"] * 2 + ["enter"] + ["inside"] * 2 + ["exit"]) * 2)
+
+
+def test_bench_kernels_refuses_an_unknown_sweep_family():
+    run = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "bench_kernels.py"), "--sweep", "mxfp8", "nope"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2
+    assert "unknown families ['nope']; choose from quantize, cast_transpose" in run.stderr

@@ -16,6 +16,7 @@ except ImportError:  # pragma: no cover - older triton keeps the pointer kernels
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 MAX_NUMEL = 2**31 - 1  # kernels index with int32 offsets
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the high-precision dtypes the kernels read
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def check_2d_input(x: torch.Tensor) -> None:
     float32/bfloat16/float16 tensor that int32 offsets can index."""
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D (M, K), got shape {tuple(x.shape)}")
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
     if not x.is_contiguous() or x.numel() > MAX_NUMEL:
         raise ValueError("x must be contiguous with fewer than 2^31 elements; call .contiguous() first")

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (MAX_NUMEL, Config, abs_bits, amax_from_buffer, answered, cdiv, fp8_max, grid_size,
-                      max_into, new_amax_buffer, saturating_cast)
+from ._common import (FLOAT_DTYPES, MAX_NUMEL, Config, abs_bits, amax_from_buffer, answered, cdiv, fp8_max,
+                      grid_size, max_into, new_amax_buffer, saturating_cast)
 from .launch import launcher
 
 ELEMENTWISE_DEFAULT = Config(block_m=16, block_n=256, num_warps=8, max_programs=0)
@@ -127,11 +127,8 @@ def _check(x: torch.Tensor, kind: str):
     return gated, x.numel() // max(cols, 1), cols // 2 if gated else cols
 
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _check_float(x: torch.Tensor, kind: str):
-    if x.dtype not in _FLOATS:
+    if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
     return _check(x, kind)
 
@@ -150,11 +147,19 @@ def _no_params(kind: str, params: dict) -> None:
 # For backends that bind the launchers generically (the launcher's own checks, answered instead
 # of raised, so that the reference takes what these kernels do not: other kinds, strided inputs).
 def activation_fwd_supports(x, kind, *, fp8_scale=None, fp8_dtype=None, amax_out=None, **params):
-    return answered(lambda: (_no_params(kind, params), _check_float(x, kind)))
+    def check():
+        _no_params(kind, params)
+        _check_float(x, kind)
+
+    return answered(check)
 
 
 def activation_bwd_supports(dy, x, kind, **params):
-    return answered(lambda: (_no_params(kind, params), _check_dy(dy, x, kind)))
+    def check():
+        _no_params(kind, params)
+        _check_dy(dy, x, kind)
+
+    return answered(check)
 
 
 def _grid(R, H, cfg):

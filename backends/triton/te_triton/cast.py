@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (MAX_NUMEL, Config, abs_bits, amax_from_buffer, cdiv, fp8_max, grid_size, max_into,
-                      new_amax_buffer, saturating_cast, scale_from_amax)
+from ._common import (FLOAT_DTYPES, MAX_NUMEL, Config, abs_bits, amax_from_buffer, cdiv, fp8_max, grid_size,
+                      max_into, new_amax_buffer, saturating_cast, scale_from_amax)
 from .launch import launcher
 
 QUANTIZE_DEFAULT = Config(block=4096, num_warps=8)
@@ -106,7 +106,7 @@ def _cast_transpose_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, M, N, fmax
 
 
 def _check_input(x: torch.Tensor, scale: Optional[torch.Tensor], two_d: bool) -> None:
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
     if not x.is_contiguous():
         raise ValueError("x must be contiguous; call .contiguous() first")
@@ -220,7 +220,7 @@ def _dequantize_kernel(x_ptr, s_ptr, y_ptr, n, BLOCK: tl.constexpr):
 def check_dequantize_args(data: torch.Tensor, out_dtype: torch.dtype) -> None:
     if data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise TypeError(f"data must be float8_e4m3fn or float8_e5m2, got {data.dtype}")
-    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
     if not data.is_contiguous():
         raise ValueError("data must be contiguous; call .contiguous() first")

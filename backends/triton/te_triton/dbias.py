@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (MAX_NUMEL, Config, abs_bits, amax_from_buffer, answered, cdiv, descriptor, fp8_max, launched,
-                      max_into, new_amax_buffer, saturating_cast, tma_ready)
+from ._common import (FLOAT_DTYPES, MAX_NUMEL, Config, abs_bits, amax_from_buffer, answered, cdiv, descriptor,
+                      fp8_max, launched, max_into, new_amax_buffer, saturating_cast, tma_ready)
 from .activation import ELEMENTWISE_DEFAULT, KIND_IDS, _check, _check_dy, _dact, _no_params, activation_bwd
 from .cast import _cast_transpose_tile, _check_input, transpose_clamps
 from .launch import launcher
@@ -227,7 +227,7 @@ def dbias_cast_transpose_parts(parts, scale, fp8_dtype, cfg: Config = DBIAS_CAST
 def dbias_cast_transpose_parts_supports(parts, *args, **kwargs):
     """For backends binding the launcher generically: the parts' first tensor decides."""
     first = parts[0] if isinstance(parts, (list, tuple)) and parts else None
-    if not isinstance(first, torch.Tensor) or first.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if not isinstance(first, torch.Tensor) or first.dtype not in FLOAT_DTYPES:
         return False, "parts must be a non-empty list of float32, bfloat16 or float16 tensors"
     return True, ""
 
