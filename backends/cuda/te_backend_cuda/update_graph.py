@@ -48,15 +48,18 @@ def run(key: tuple, plan: Callable[[], object], launch: Callable[[], None]) -> N
             _GRAPHS.clear()
         _GRAPHS[key] = (None, plan())
     else:
+        # The plan first: te_triton's plan cache may have dropped it since the first launch (it
+        # is bounded too), and building one copies a table to the device, which a capture forbids.
+        kept = plan()
         try:
             graph = _capture(launch)
         except RuntimeError as exc:  # nothing ran: the capture only records
             warnings.warn(f"te-backend-cuda: the delayed-scaling update could not be captured into a CUDA graph "
                           f"({exc}); it launches directly", RuntimeWarning, stacklevel=2)
-            _GRAPHS[key] = (DIRECT, plan())
+            _GRAPHS[key] = (DIRECT, kept)
             launch()
             return
-        _GRAPHS[key] = (graph, plan())
+        _GRAPHS[key] = (graph, kept)
         graph.replay()
 
 

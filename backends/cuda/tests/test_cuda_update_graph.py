@@ -68,3 +68,26 @@ def test_a_failed_capture_falls_back_to_direct_launches(monkeypatch):
     update_graph.run(("k",), lambda: "plan", lambda: launches.append(1))  # no second attempt, no warning
     assert len(launches) == 3 and update_graph._GRAPHS[("k",)][0] == update_graph.DIRECT
     update_graph.clear()
+
+
+def test_the_plan_is_made_before_the_capture(monkeypatch):
+    # te_triton's plan cache is bounded: a plan dropped between the first launch and the capture
+    # would be rebuilt inside the capture, whose host-to-device copy of its table a capture refuses
+    _setup(monkeypatch)
+    events = []
+
+    def capture(launch):
+        events.append("capture")
+        return _FakeGraph(launch)
+
+    monkeypatch.setattr(update_graph, "_capture", capture)
+
+    def plan():
+        events.append("plan")
+        return "plan"
+
+    update_graph.run(("k",), plan, lambda: None)
+    events.clear()
+    update_graph.run(("k",), plan, lambda: None)
+    assert events[:2] == ["plan", "capture"]
+    update_graph.clear()
