@@ -30,6 +30,12 @@ from te_triton import Config
 # likely host-bound, keep the pointer kernels.
 TMA_MIN_NUMEL = 1 << 26
 
+# Tensor-wise FP8 GEMMs of at most this many multiply-adds (M * N * K) run te_triton's GEMM
+# (Tuning.small_gemm) instead of cuBLASLt: torch._scaled_mm asks cuBLASLt for a heuristic on
+# every call, which costs more host time than such a GEMM takes on the GPU, and a small layer's
+# eager step is bound by host time. Larger GEMMs are faster in cuBLASLt.
+SMALL_GEMM_MAX_MNK = 1 << 30
+
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
@@ -63,6 +69,7 @@ class Tuning:
     softmax: Config
     rope: Config
     loss: Config
+    small_gemm: Config
 
 
 def _sm90_casts(sms: int) -> dict:
@@ -132,6 +139,7 @@ def _sm90_elementwise(sms: int) -> dict:
         softmax=Config(num_warps=4),
         rope=Config(num_warps=4),
         loss=Config(block=4096, num_warps=8),  # untuned
+        small_gemm=Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3),
     )
 
 

@@ -11,8 +11,17 @@ from typing import Optional, Tuple
 
 import torch
 from te_core.backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, MXFP8, ROWWISE, TENSORWISE, as_dtype
+from te_triton import gemm as triton_gemm
+
+from . import configs
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _small(a, b, scaling, out) -> bool:
+    """Whether te_triton's GEMM takes this call instead of cuBLASLt (configs.SMALL_GEMM_MAX_MNK)."""
+    return (scaling == TENSORWISE and out is None
+            and a.shape[0] * b.shape[0] * a.shape[1] <= configs.SMALL_GEMM_MAX_MNK)
 
 
 def _aligned_scalar(scale):
@@ -83,7 +92,11 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, b
     """te_core.ops.gemm_fp8 on cuBLASLt. fast_accumulation applies to tensor-wise and row-wise
     scales (block scales always accumulate in float32 here, as Transformer Engine's block
     recipe does). Fast accumulation shortens the FP8 GEMMs; the recipe decides whether to ask
-    for it (Transformer Engine asks for it in the forward GEMMs)."""
+    for it (Transformer Engine asks for it in the forward GEMMs). Small tensor-wise GEMMs run
+    te_triton's kernel, whose launch costs the host less than cuBLASLt's (configs)."""
+    if _small(a, b, scaling, out) and (bias is None or bias.is_contiguous()):
+        return triton_gemm.gemm_fp8(a, b, a_scale_inv, b_scale_inv, out_dtype=out_dtype, bias=bias,
+                                    fast_accumulation=fast_accumulation, cfg=configs.for_tensor(a).small_gemm)
     sa, sb = _scale_args(a, b, a_scale_inv, b_scale_inv, scaling)
     kwargs = dict(out_dtype=out_dtype, use_fast_accum=bool(fast_accumulation) and scaling in (TENSORWISE, ROWWISE))
     if _epilogue_bias(bias, out_dtype, scaling):

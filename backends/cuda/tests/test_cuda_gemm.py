@@ -1,12 +1,20 @@
 """cuBLASLt GEMM glue that runs without a GPU: decline reasons, scale layouts for
-torch._scaled_mm, the probes' emulation against the reference, and the high-precision gemm."""
+torch._scaled_mm, the probes' emulation against the reference, the high-precision gemm, and
+which calls go to te_triton's small GEMM instead."""
 import pytest
 import torch
-from te_backend_cuda import scaled_mm
+from te_backend_cuda import configs, scaled_mm
 from te_core.backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, MXFP8, ROWWISE, TENSORWISE
 from te_core.reference import gemm as ref
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@pytest.fixture(autouse=True)
+def _cublaslt_for_every_size(monkeypatch):
+    """These tests check the cuBLASLt glue with small operands, which would otherwise go to
+    te_triton's GEMM (test_small_tensorwise_gemms_go_to_triton checks that routing)."""
+    monkeypatch.setattr(configs, "SMALL_GEMM_MAX_MNK", 0)
 
 
 def _fp8(shape, dtype=E4M3, seed=0):
@@ -198,3 +206,38 @@ def test_tensorwise_scales_keep_their_shape_and_must_have_one_element():
     assert sa is one and sb is one
     with pytest.raises(ValueError, match="one-element scale_inv"):
         scaled_mm._scale_args(a, b, torch.ones(16, 1), one, TENSORWISE)
+
+
+@pytest.mark.parametrize("mode,out_kind,mnk,expect", [
+    (TENSORWISE, "new", (32, 64, 48), True),
+    (TENSORWISE, "new", (64, 64, 64), True),  # exactly at the limit
+    (TENSORWISE, "new", (64, 64, 80), False),  # past it
+    (TENSORWISE, "out", (32, 64, 48), False),  # into a caller's buffer: cuBLASLt writes it in place
+    (TENSORWISE, "accumulate", (32, 64, 48), False),
+    (ROWWISE, "new", (32, 64, 48), False),
+])
+def test_small_tensorwise_gemms_go_to_triton(monkeypatch, mode, out_kind, mnk, expect):
+    monkeypatch.setattr(configs, "SMALL_GEMM_MAX_MNK", 64 ** 3)
+    monkeypatch.setattr(configs, "for_tensor", lambda x: configs.tuning((9, 0), 132))
+    taken = []
+
+    def fake_triton(a, b, sa, sb, *, out_dtype, bias, fast_accumulation, cfg):
+        taken.append((bias, fast_accumulation, cfg))
+        return torch.zeros(a.shape[0], b.shape[0], dtype=out_dtype)
+
+    monkeypatch.setattr(scaled_mm.triton_gemm, "gemm_fp8", fake_triton)
+    M, K, N = mnk
+    a, b = _fp8((M, K), seed=1), _fp8((N, K), seed=2)
+    sa, sb = _scales(mode, M, N, K, seed=3)
+    bias = torch.randn(N).to(torch.bfloat16)
+    out = None if out_kind == "new" else torch.zeros(M, N, dtype=torch.bfloat16)
+    got = scaled_mm.gemm_fp8(a, b, sa, sb, out_dtype=torch.bfloat16, scaling=mode, bias=bias, out=out,
+                             accumulate=out_kind == "accumulate", fast_accumulation=True)
+    assert bool(taken) == expect
+    if expect:
+        assert taken[0][0] is bias and taken[0][1] is True and taken[0][2] == configs.tuning((9, 0), 132).small_gemm
+    else:  # cuBLASLt's result (torch's CPU _scaled_mm here), not the fake's zeros
+        want = ref.gemm_fp8(a, b, sa, sb, out_dtype=torch.bfloat16, scaling=mode, bias=bias)
+        if out_kind == "accumulate":
+            want = want.float().to(torch.bfloat16)
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)

@@ -1,6 +1,6 @@
 """Triton kernels shared by te-core backends (any vendor whose Triton compiles them).
 
-One module per op family (cast, blockwise, norm, activation, dbias, softmax, rope, loss,
+One module per op family (cast, blockwise, norm, activation, dbias, softmax, rope, loss, gemm,
 scaling); every kernel launches through `launch`, which reuses a compiled kernel without
 Triton's per-call argument binding. Every launcher takes its tuning parameters (block sizes,
 warps, program caps) from the caller as a `Config`, so each backend picks configs for its

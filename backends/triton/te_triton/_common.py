@@ -40,6 +40,8 @@ class Config:
     pointer loads; s >= 2 loads rows / tiles through TMA descriptors in a loop Triton
     software-pipelines s stages deep (NVIDIA sm_90 and later only: the backend sets it there),
     when the tensors allow it (tma_ready).
+    block_k, num_stages (the GEMM): the K step of its loop, and how many steps Triton keeps in
+    flight.
     """
 
     block: int = 4096
@@ -53,6 +55,8 @@ class Config:
     hw_saturate: bool = False
     prefetch: bool = False
     tma_stages: int = 0
+    block_k: int = 64
+    num_stages: int = 3
 
 
 def cdiv(a: int, b: int) -> int:
