@@ -31,9 +31,10 @@ from te_triton import Config
 TMA_MIN_NUMEL = 1 << 26
 
 # Tensor-wise FP8 GEMMs of at most this many multiply-adds (M * N * K) run te_triton's GEMM
-# (Tuning.small_gemm) instead of cuBLASLt: torch._scaled_mm asks cuBLASLt for a heuristic on
-# every call, which costs more host time than such a GEMM takes on the GPU, and a small layer's
-# eager step is bound by host time. Larger GEMMs are faster in cuBLASLt.
+# (Tuning.small_gemm) instead of cuBLASLt through torch._scaled_mm. Up to 1024^3 both take the
+# same GPU time on an H200, and a small layer's eager FP8 step, bound by host time, ran faster
+# with them on te_triton (benchmarks/bench_host.py's tiny layer); from 2048^3 on cuBLASLt's
+# kernels are faster on the GPU.
 SMALL_GEMM_MAX_MNK = 1 << 30
 
 

@@ -1,10 +1,10 @@
 """A tensor-wise scaled FP8 GEMM for small problems, where host time is the cost.
 
-cuBLASLt's FP8 GEMM, as torch._scaled_mm calls it, asks the library for a heuristic on every
-call: tens of microseconds of host time, several times a bf16 torch.mm's. For a GEMM whose GPU
-time is a few microseconds (a small layer, a short sequence) that host time is the step's cost,
-and a Triton kernel launched through `launch` (no per-call argument binding, no heuristic) costs
-less. On large problems the library's kernels are faster: backends choose by size.
+For a GEMM whose GPU time is a few microseconds (a small layer, a short sequence) an eager
+step is bound by what the host does around it. A Triton kernel launched through `launch` takes
+the same GPU time as a vendor library's up to about 1024x1024x1024 on Hopper, and a backend can
+skip the library call's argument and scale-layout handling for it; on larger problems the
+library's kernels are faster, so backends choose by size.
 
 out = (a @ b.T) * a_scale_inv * b_scale_inv (+ bias), a (M, K) and b (N, K) row-major FP8,
 float32 accumulation, as te_core.ops.gemm_fp8 with tensor-wise scaling.
