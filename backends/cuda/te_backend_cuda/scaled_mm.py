@@ -92,8 +92,8 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, b
     """te_core.ops.gemm_fp8 on cuBLASLt. fast_accumulation applies to tensor-wise and row-wise
     scales (block scales always accumulate in float32 here, as Transformer Engine's block
     recipe does). Fast accumulation shortens the FP8 GEMMs; the recipe decides whether to ask
-    for it (Transformer Engine asks for it in the forward GEMMs). Small tensor-wise GEMMs run
-    te_triton's kernel, which makes a host-bound eager step faster (configs.SMALL_GEMM_MAX_MNK)."""
+    for it (Transformer Engine asks for it in the forward GEMMs). Small tensor-wise GEMMs can
+    run te_triton's kernel instead (configs.SMALL_GEMM_MAX_MNK: off by default)."""
     if _small(a, b, scaling, out) and (bias is None or bias.is_contiguous()):
         return triton_gemm.gemm_fp8(a, b, a_scale_inv, b_scale_inv, out_dtype=out_dtype, bias=bias,
                                     fast_accumulation=fast_accumulation, cfg=configs.for_tensor(a).small_gemm)
