@@ -18,10 +18,12 @@ from . import configs
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _small(a, b, scaling, out) -> bool:
-    """Whether te_triton's GEMM takes this call instead of cuBLASLt (configs.SMALL_GEMM_MAX_MNK)."""
-    return (scaling == TENSORWISE and out is None
-            and a.shape[0] * b.shape[0] * a.shape[1] <= configs.SMALL_GEMM_MAX_MNK)
+def _small(a, b, scaling, out, bias) -> bool:
+    """Whether te_triton's GEMM takes this call instead of cuBLASLt (configs.SMALL_GEMM_MAX_MNK;
+    the limit first, so that with the path off every FP8 GEMM pays one comparison)."""
+    limit = configs.SMALL_GEMM_MAX_MNK
+    return (limit > 0 and scaling == TENSORWISE and out is None and a.shape[0] * b.shape[0] * a.shape[1] <= limit
+            and (bias is None or bias.is_contiguous()))
 
 
 def _aligned_scalar(scale):
@@ -94,7 +96,7 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, b
     recipe does). Fast accumulation shortens the FP8 GEMMs; the recipe decides whether to ask
     for it (Transformer Engine asks for it in the forward GEMMs). Small tensor-wise GEMMs can
     run te_triton's kernel instead (configs.SMALL_GEMM_MAX_MNK: off by default)."""
-    if _small(a, b, scaling, out) and (bias is None or bias.is_contiguous()):
+    if _small(a, b, scaling, out, bias):
         return triton_gemm.gemm_fp8(a, b, a_scale_inv, b_scale_inv, out_dtype=out_dtype, bias=bias,
                                     fast_accumulation=fast_accumulation, cfg=configs.for_tensor(a).small_gemm)
     sa, sb = _scale_args(a, b, a_scale_inv, b_scale_inv, scaling)

@@ -17,6 +17,7 @@ except ImportError:  # pragma: no cover - older triton keeps the pointer kernels
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 MAX_NUMEL = 2**31 - 1  # kernels index with int32 offsets
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the high-precision dtypes the kernels read
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (FLOAT_DTYPES, MAX_NUMEL, Config, abs_bits, amax_from_buffer, cdiv, fp8_max, grid_size,
-                      max_into, new_amax_buffer, saturating_cast, scale_from_amax)
+from ._common import (FLOAT_DTYPES, FP8_DTYPES, MAX_NUMEL, Config, abs_bits, amax_from_buffer, cdiv, fp8_max,
+                      grid_size, max_into, new_amax_buffer, saturating_cast, scale_from_amax)
 from .launch import launcher
 
 QUANTIZE_DEFAULT = Config(block=4096, num_warps=8)
@@ -218,7 +218,7 @@ def _dequantize_kernel(x_ptr, s_ptr, y_ptr, n, BLOCK: tl.constexpr):
 
 
 def check_dequantize_args(data: torch.Tensor, out_dtype: torch.dtype) -> None:
-    if data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if data.dtype not in FP8_DTYPES:
         raise TypeError(f"data must be float8_e4m3fn or float8_e5m2, got {data.dtype}")
     if out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
@@ -258,7 +258,7 @@ def _transpose_kernel(x_ptr, y_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
 
 def transpose_fp8(data: torch.Tensor, cfg: Config = TRANSPOSE_DEFAULT) -> torch.Tensor:
     """data.t().contiguous() for a contiguous 2-D FP8 tensor, moved as bytes (bit for bit)."""
-    if data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if data.dtype not in FP8_DTYPES:
         raise TypeError(f"data must be float8_e4m3fn or float8_e5m2, got {data.dtype}")
     if data.dim() != 2 or not data.is_contiguous():
         raise ValueError(f"data must be a contiguous 2-D tensor, got shape {tuple(data.shape)} "

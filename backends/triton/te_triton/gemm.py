@@ -17,11 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Config, cdiv
+from ._common import FP8_DTYPES, Config, cdiv
 from .launch import launcher
 
 GEMM_DEFAULT = Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -81,6 +80,6 @@ def gemm_fp8(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scal
     (M, K), N = a.shape, b.shape[0]
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     grid = (cdiv(M, cfg.block_m), cdiv(N, cfg.block_n))
-    _gemm_kernel[grid](a, b, out, a_scale_inv, b_scale_inv, bias, M, N, K, bias is not None,
-                       bool(fast_accumulation), cfg.block_m, cfg.block_n, cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _gemm_kernel[grid](a, b, out, a_scale_inv, b_scale_inv, bias, M, N, K, bias is not None, bool(fast_accumulation),
+                       cfg.block_m, cfg.block_n, cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
