@@ -26,6 +26,7 @@ from . import persistent
 CHUNK = 1024
 MAX_STREAMS = 64  # chunks kept at once; torch hands out streams from a small pool, so few recur
 _FLOATS_PER_SLOT = 4  # 16 bytes
+CURRENT_FLOATS = 3 * _FLOATS_PER_SLOT  # amax, scale, scale_inv: 16 bytes each
 
 
 def amax_slots(chunk: torch.Tensor, n: int) -> list:
@@ -36,10 +37,13 @@ def amax_slots(chunk: torch.Tensor, n: int) -> list:
 
 
 def current_slots(chunk: torch.Tensor, n: int) -> list:
-    """n slots of 32 bytes: (amax 0-dim at byte 0, scale (1,) at byte 4, scale_inv (1,) at byte 16),
-    scale_inv 16-byte aligned as the FP8 GEMMs read it (cuBLASLt needs aligned scales)."""
-    rows = chunk.view(n, 2 * _FLOATS_PER_SLOT)
-    return list(zip(rows[:, 0].unbind(0), rows[:, 1:2].unbind(0), rows[:, 4:5].unbind(0)))
+    """n slots of 48 bytes: (amax 0-dim at byte 0, scale (1,) at byte 16, scale_inv (1,) at byte 32),
+    each 16-byte aligned: as the buffers a cast allocates for itself inside a CUDA-graph capture
+    (where no slot is handed out). A pointer aligned one way here and the other way there makes
+    Triton compile a second variant of the cast inside the capture, which a capture can refuse;
+    the FP8 GEMMs need an aligned scale_inv too (cuBLASLt)."""
+    rows = chunk.view(n, CURRENT_FLOATS)
+    return list(zip(rows[:, 0].unbind(0), rows[:, 4:5].unbind(0), rows[:, 8:9].unbind(0)))
 
 
 class ZeroedSlots:
@@ -99,7 +103,7 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 # graph would otherwise be a pool tensor outliving the graph's outputs (persistent.py).
 SLOTS = ZeroedSlots(_cuda_stream_key, lambda: torch.cuda.is_current_stream_capturing(), zeros=persistent.zeros)
 CURRENT_SLOTS = ZeroedSlots(_cuda_stream_key, lambda: torch.cuda.is_current_stream_capturing(), zeros=persistent.zeros,
-                            floats=2 * _FLOATS_PER_SLOT, split=current_slots)
+                            floats=CURRENT_FLOATS, split=current_slots)
 
 
 def fresh(amax_out: Optional[torch.Tensor], x: torch.Tensor) -> Optional[torch.Tensor]:

@@ -141,28 +141,31 @@ def test_gpu_captured_cast_zeroes_its_amax_on_each_replay():
         assert torch.equal(amax, x.abs().max().float())
 
 
-def test_current_slots_hold_amax_scale_and_an_aligned_scale_inv():
-    """A current-scaling cast's slot: a 0-dim amax zero, a (1,) scale and a (1,) scale_inv at a
-    16-byte aligned address, none shared with another slot."""
+def test_current_slots_hold_amax_scale_and_scale_inv_each_aligned():
+    """A current-scaling cast's slot: a 0-dim amax zero, a (1,) scale and a (1,) scale_inv, each at
+    a 16-byte aligned address as a buffer of its own would be (so a cast inside a CUDA-graph
+    capture, which allocates its own, runs the kernel variant compiled in eager steps), none
+    shared with another slot."""
     state = {"stream": "s0", "capturing": False}
     pool = ZeroedSlots(lambda device: (device.type, state["stream"]), lambda: state["capturing"], 3,
-                       floats=8, split=amax_slots.current_slots)
+                       floats=amax_slots.CURRENT_FLOATS, split=amax_slots.current_slots)
     taken = [pool.take(CPU) for _ in range(7)]  # spans three chunks
     for amax, scale, scale_inv in taken:
         assert amax.shape == () and scale.shape == (1,) and scale_inv.shape == (1,)
-        assert amax.item() == 0.0 and scale_inv.data_ptr() % 16 == amax.data_ptr() % 16
-        assert scale.data_ptr() == amax.data_ptr() + 4 and scale_inv.data_ptr() == amax.data_ptr() + 16
+        assert amax.item() == 0.0 and amax.data_ptr() % 16 == torch.empty(1).data_ptr() % 16
+        assert scale.data_ptr() == amax.data_ptr() + 16 and scale_inv.data_ptr() == amax.data_ptr() + 32
     for i, (amax, scale, scale_inv) in enumerate(taken):
         amax.fill_(i), scale.fill_(i + 0.5), scale_inv.fill_(-i)
     assert [(a.item(), s.item(), si.item()) for a, s, si in taken] == [(i, i + 0.5, -i) for i in range(7)]
-    assert taken[1][0].data_ptr() - taken[0][0].data_ptr() == 32
+    assert taken[1][0].data_ptr() - taken[0][0].data_ptr() == 48
     state["capturing"] = True
     assert pool.take(CPU) is None
 
 
 def test_fresh_current_gives_nones_while_capturing(monkeypatch):
     state = {"capturing": True}
-    pool = ZeroedSlots(lambda device: "s0", lambda: state["capturing"], 4, floats=8, split=amax_slots.current_slots)
+    pool = ZeroedSlots(lambda device: "s0", lambda: state["capturing"], 4, floats=amax_slots.CURRENT_FLOATS,
+                       split=amax_slots.current_slots)
     monkeypatch.setattr(amax_slots, "CURRENT_SLOTS", pool)
     assert amax_slots.fresh_current(torch.ones(2)) == (None, None, None)
     state["capturing"] = False
@@ -174,7 +177,8 @@ def test_slots_cut_in_inference_mode_take_in_place_writes_in_training():
     """An evaluation step under torch.inference_mode may cut the chunk whose slots training
     steps take later; those slots are written in place there (an FP8 weight's scale_inv is
     refreshed by copy_ when the optimizer requantizes it)."""
-    pool = ZeroedSlots(lambda device: "s0", lambda: False, 4, floats=8, split=amax_slots.current_slots)
+    pool = ZeroedSlots(lambda device: "s0", lambda: False, 4, floats=amax_slots.CURRENT_FLOATS,
+                       split=amax_slots.current_slots)
     with torch.inference_mode():
         first = pool.take(CPU)
     later = pool.take(CPU)
