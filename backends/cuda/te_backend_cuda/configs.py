@@ -30,15 +30,12 @@ from te_triton import Config
 # likely host-bound, keep the pointer kernels.
 TMA_MIN_NUMEL = 1 << 26
 
-# Tensor-wise FP8 GEMMs of at most this many multiply-adds (M * N * K) run te_triton's GEMM
-# (Tuning.small_gemm) instead of cuBLASLt through torch._scaled_mm. Up to 1024^3 both take the
-# same GPU time on an H200, and a small layer's eager FP8 step, bound by host time, ran faster
-# with them on te_triton (benchmarks/bench_host.py's tiny layer); from 2048^3 on cuBLASLt's
-# kernels are faster on the GPU. Off (0) by default: with it at 2^30, a Linear step captured by
-# te.make_graphed_callables under current scaling did not match its eager twin bit for bit
-# (backends/cuda/tests/test_cuda_graphs.py), and until that is understood the default keeps
-# every FP8 GEMM on cuBLASLt. Set it (e.g. to 1 << 30) to try the path.
-SMALL_GEMM_MAX_MNK = 0
+# Tensor-wise FP8 GEMMs of at most this many multiply-adds (M * N * K) that write a new output
+# run te_triton's GEMM (Tuning.small_gemm) instead of cuBLASLt through torch._scaled_mm. Up to
+# 1024^3 both take the same GPU time on an H200, and a small layer's eager FP8 step, bound by
+# host time, runs faster with them on te_triton (benchmarks/bench_host.py's tiny layer); from
+# 2048^3 on cuBLASLt's kernels are faster on the GPU. 0 keeps every FP8 GEMM on cuBLASLt.
+SMALL_GEMM_MAX_MNK = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)

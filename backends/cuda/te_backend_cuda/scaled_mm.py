@@ -95,7 +95,7 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, b
     scales (block scales always accumulate in float32 here, as Transformer Engine's block
     recipe does). Fast accumulation shortens the FP8 GEMMs; the recipe decides whether to ask
     for it (Transformer Engine asks for it in the forward GEMMs). Small tensor-wise GEMMs can
-    run te_triton's kernel instead (configs.SMALL_GEMM_MAX_MNK: off by default)."""
+    run te_triton's kernel instead (configs.SMALL_GEMM_MAX_MNK)."""
     if _small(a, b, scaling, out, bias):
         return triton_gemm.gemm_fp8(a, b, a_scale_inv, b_scale_inv, out_dtype=out_dtype, bias=bias,
                                     fast_accumulation=fast_accumulation, cfg=configs.for_tensor(a).small_gemm)
