@@ -1,6 +1,6 @@
 """cuBLASLt GEMM glue that runs without a GPU: decline reasons, scale layouts for
 torch._scaled_mm, the probes' emulation against the reference, the high-precision gemm, and
-which calls go to te_triton's small GEMM instead."""
+which calls go to te_triton's small GEMM instead; on a GPU, the bias of a block-scaled GEMM."""
 import pytest
 import torch
 from te_backend_cuda import configs, scaled_mm
@@ -242,3 +242,22 @@ def test_small_tensorwise_gemms_go_to_triton(monkeypatch, mode, out_kind, mnk, e
         if out_kind == "accumulate":
             want = want.float().to(torch.bfloat16)
         torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", [BLOCK_1x128_128x128, BLOCK_1x128_1x128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_block_scaled_gemm_bias_is_torchs_add_on_the_gpu(mode, dtype):
+    """The bias of a block-scaled GEMM (no cuBLASLt epilogue) is added by te_triton's add_bias_:
+    the bytes of torch's add_ of the bias to the same GEMM's output, on a shape off its tiles."""
+    M, K, N = 272, 512, 400
+    g = torch.Generator().manual_seed(3)
+    a, b = _fp8((M, K), seed=1).cuda(), _fp8((N, K), seed=2).cuda()
+    sa_shape, sb_shape = scaled_mm.block_scale_shapes(a, b, mode)
+    sa = (torch.rand(sa_shape[::-1], generator=g) + 0.5).t().cuda()  # 1x128 grids column by column
+    sb = torch.rand(sb_shape, generator=g) + 0.5
+    sb = (sb if mode == BLOCK_1x128_128x128 else sb.t().contiguous().t()).cuda()
+    bias = torch.randn(N, generator=g).to(dtype).cuda()
+    got = scaled_mm.gemm_fp8(a, b, sa, sb, out_dtype=dtype, scaling=mode, bias=bias)
+    want = scaled_mm.gemm_fp8(a, b, sa, sb, out_dtype=dtype, scaling=mode).add_(bias)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -8,6 +8,8 @@ library's kernels are faster, so backends choose by size.
 
 out = (a @ b.T) * a_scale_inv * b_scale_inv (+ bias), a (M, K) and b (N, K) row-major FP8,
 float32 accumulation, as te_core.ops.gemm_fp8 with tensor-wise scaling.
+
+add_bias_ adds a bias to a GEMM's output in place, for GEMMs whose library epilogue takes none.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from .launch import launcher
 
 GEMM_DEFAULT = Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ADD_BIAS_DEFAULT = Config(block_m=16, block_n=256, num_warps=4)
 
 
 @launcher
@@ -83,3 +86,34 @@ def gemm_fp8(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scal
     _gemm_kernel[grid](a, b, out, a_scale_inv, b_scale_inv, bias, M, N, K, bias is not None, bool(fast_accumulation),
                        cfg.block_m, cfg.block_n, cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+@launcher
+@triton.jit
+def _add_bias_kernel(y_ptr, bias_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    b = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    ptrs = y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
+    y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, (y + b[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def add_bias_(y: torch.Tensor, bias: torch.Tensor, cfg: Config = ADD_BIAS_DEFAULT) -> torch.Tensor:
+    """y += bias (broadcast over y's rows) in place, y a contiguous (M, N) bf16 or fp16 tensor and
+    bias (N,) of its dtype: the bytes torch's y.add_(bias) writes (the sum in float32, rounded
+    once), at the bandwidth of a copy. torch runs a row-broadcast add through its strided
+    elementwise kernel, well below that: this is the bias of a GEMM whose epilogue took none
+    (block-scaled FP8 GEMMs)."""
+    if y.dim() != 2 or not y.is_contiguous() or y.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"y must be a contiguous 2-D bf16 or fp16 tensor, got {y.dtype} {tuple(y.shape)} "
+                         f"(contiguous: {y.is_contiguous()})")
+    if bias.dtype != y.dtype or bias.dim() != 1 or bias.numel() != y.shape[1] or not bias.is_contiguous():
+        raise ValueError(f"bias must be a contiguous ({y.shape[1]},) tensor of y's dtype {y.dtype}, "
+                         f"got {bias.dtype} {tuple(bias.shape)}")
+    M, N = y.shape
+    if y.numel():
+        _add_bias_kernel[(cdiv(M, cfg.block_m), cdiv(N, cfg.block_n))](y, bias, M, N, BM=cfg.block_m,
+                                                                      BN=cfg.block_n, num_warps=cfg.num_warps)
+    return y

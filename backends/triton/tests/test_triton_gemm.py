@@ -61,3 +61,31 @@ def test_calls_it_cannot_take_are_named(change, match):
     args.update(change)
     with pytest.raises(ValueError, match=match):
         gemm.gemm_fp8(args["a"], args["b"], args["sa"], args["sb"], out_dtype=args["out_dtype"], bias=args["bias"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(37, 300), (16, 256), (1, 5)])
+def test_add_bias_matches_torchs_add(dtype, shape):
+    """In place, torch's broadcast add (the sum in float32, rounded once), on shapes off the tile
+    grid: fp16 bit for bit; bf16 within one unit in the last place, as the interpreter rounds
+    float32 to bf16 toward zero where the GPU rounds to nearest even (bit for bit there:
+    backends/cuda/tests/test_cuda_gemm.py)."""
+    g = torch.Generator().manual_seed(7)
+    y = (torch.randn(shape, generator=g) * 100).to(dtype)
+    bias = torch.randn(shape[1], generator=g).to(dtype)
+    want = y.clone().add_(bias)
+    got = gemm.add_bias_(y, bias, cfg=Config(block_m=16, block_n=128))
+    assert got is y
+    ulps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+    assert ulps.max() <= (0 if dtype == torch.float16 else 1)
+
+
+@pytest.mark.parametrize("y,bias,match", [
+    (torch.ones(4, 8, dtype=torch.float32), torch.ones(8), "contiguous 2-D bf16 or fp16"),
+    (torch.ones(8, 4, dtype=torch.bfloat16).t(), torch.ones(8, dtype=torch.bfloat16), "contiguous 2-D"),
+    (torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(8), r"bias must be a contiguous \(8,\) tensor of y's dtype"),
+    (torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(4, dtype=torch.bfloat16), r"\(8,\)"),
+])
+def test_add_bias_names_calls_it_cannot_take(y, bias, match):
+    with pytest.raises(ValueError, match=match):
+        gemm.add_bias_(y, bias)
