@@ -81,7 +81,7 @@ def _add_bias(result, bias):
     3.6-3.9 TB/s on a layer's GEMM outputs)."""
     if bias.dtype == result.dtype:
         if (result.dtype in (torch.float16, torch.bfloat16) and result.is_cuda and result.dim() == 2
-                and result.is_contiguous() and bias.is_contiguous()):
+                and result.is_contiguous() and bias.dim() == 1 and bias.is_contiguous()):
             return triton_gemm.add_bias_(result, bias, configs.for_tensor(result).add_bias)
         return result.add_(bias)
     return as_dtype(result.float() + bias.float(), result.dtype)

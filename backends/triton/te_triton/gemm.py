@@ -103,9 +103,9 @@ def _add_bias_kernel(y_ptr, bias_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
 def add_bias_(y: torch.Tensor, bias: torch.Tensor, cfg: Config = ADD_BIAS_DEFAULT) -> torch.Tensor:
     """y += bias (broadcast over y's rows) in place, y a contiguous (M, N) bf16 or fp16 tensor and
     bias (N,) of its dtype: the bytes torch's y.add_(bias) writes (the sum in float32, rounded
-    once), at the bandwidth of a copy. torch runs a row-broadcast add through its strided
+    once), near a copy's bandwidth. torch runs a row-broadcast add through its strided
     elementwise kernel, well below that: this is the bias of a GEMM whose epilogue took none
-    (block-scaled FP8 GEMMs)."""
+    (block-scaled FP8 GEMMs). A ValueError names a y or bias it cannot take."""
     if y.dim() != 2 or not y.is_contiguous() or y.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"y must be a contiguous 2-D bf16 or fp16 tensor, got {y.dtype} {tuple(y.shape)} "
                          f"(contiguous: {y.is_contiguous()})")
