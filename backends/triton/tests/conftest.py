@@ -37,11 +37,27 @@ def _interpreter_runs_program_loops() -> str:
     return ""
 
 
+def _refuse_gpu_tests_beside(items, here: str) -> None:
+    """Stop a run that collected tests from elsewhere on a machine with a GPU: the interpreter,
+    turned on above for the whole process, would run their kernels on GPU tensors."""
+    import torch
+
+    others = [item for item in items if not str(item.fspath).startswith(here)
+              and os.sep + os.path.join("musa", "tests") not in str(item.fspath)]
+    if others and torch.cuda.is_available():
+        raise pytest.UsageError(
+            f"backends/triton/tests turns on Triton's CPU interpreter (TRITON_INTERPRET=1) for the whole pytest "
+            f"process, which would run the GPU kernels of the other tests collected with it ({others[0].nodeid}, "
+            "...) through the interpreter. Run backends/triton/tests in a pytest process of its own, as "
+            "scripts/test.sh does")
+
+
 def pytest_collection_modifyitems(config, items):
     here = os.path.dirname(__file__)
     mine = [item for item in items if str(item.fspath).startswith(here)]
     if not mine:
         return
+    _refuse_gpu_tests_beside(items, here)
     why = _interpreter_runs_program_loops()
     if why:
         for item in mine:
