@@ -74,11 +74,11 @@ def block_scale_shapes(a, b, scaling: str):
 
 
 def _add_bias(result, bias):
-    """The bias for outputs cuBLASLt's epilogue does not take (block scales, float32 output, a
-    bias of another dtype). A bf16/fp16 output of the bias's dtype takes it through te_triton's
-    add_bias_: the same bytes as torch's add_, whose row-broadcast add runs its strided
-    elementwise kernel at well under half the bandwidth (on an H200, 1.4-1.5 TB/s against
-    3.6-3.9 TB/s on a layer's GEMM outputs)."""
+    """The bias for outputs not given to cuBLASLt's epilogue (_epilogue_bias: block scales, float32
+    output, a bias of another dtype). A bf16/fp16 output of the bias's dtype takes it through
+    te_triton's add_bias_: the same bytes as torch's add_, whose row-broadcast add runs its
+    strided elementwise kernel at well under half the bandwidth (on an H200, 1.4-1.5 TB/s
+    against 3.6-3.9 TB/s on a layer's GEMM outputs)."""
     if bias.dtype == result.dtype:
         if (result.dtype in (torch.float16, torch.bfloat16) and result.is_cuda and result.dim() == 2
                 and result.is_contiguous() and bias.dim() == 1 and bias.is_contiguous()):
