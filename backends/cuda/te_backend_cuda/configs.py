@@ -36,6 +36,11 @@ TMA_MIN_NUMEL = 1 << 26
 # host time, runs faster with them on te_triton (benchmarks/bench_host.py's tiny layer); from
 # 2048^3 on cuBLASLt's kernels are faster on the GPU. 0 keeps every FP8 GEMM on cuBLASLt.
 SMALL_GEMM_MAX_MNK = 1 << 30
+# ... and whose K is at most this. te_triton's GEMM gives each output tile one program that walks
+# all of K, where cuBLASLt can split a long K across the GPU: a narrow layer's weight gradient over
+# many tokens (K = tokens, e.g. 256 x 256 x 16384) would leave most SMs idle. The limit keeps
+# the path to the K the GPU measurements above cover (up to 1024).
+SMALL_GEMM_MAX_K = 1024
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,10 +19,13 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _small(a, b, scaling, out, bias) -> bool:
-    """Whether te_triton's GEMM takes this call instead of cuBLASLt (configs.SMALL_GEMM_MAX_MNK;
-    the limit first, so that with the path off every FP8 GEMM pays one comparison)."""
+    """Whether te_triton's GEMM takes this call instead of cuBLASLt (configs.SMALL_GEMM_MAX_MNK and
+    SMALL_GEMM_MAX_K; the limit first, so that with the path off every FP8 GEMM pays one comparison)."""
     limit = configs.SMALL_GEMM_MAX_MNK
-    return (limit > 0 and scaling == TENSORWISE and out is None and a.shape[0] * b.shape[0] * a.shape[1] <= limit
+    if limit <= 0 or scaling != TENSORWISE or out is not None:
+        return False
+    k = a.shape[1]
+    return (k <= configs.SMALL_GEMM_MAX_K and a.shape[0] * b.shape[0] * k <= limit
             and (bias is None or bias.is_contiguous()))
 
 

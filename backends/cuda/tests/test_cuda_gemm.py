@@ -212,6 +212,8 @@ def test_tensorwise_scales_keep_their_shape_and_must_have_one_element():
     (TENSORWISE, "new", (32, 64, 48), True),
     (TENSORWISE, "new", (64, 64, 64), True),  # exactly at the limit
     (TENSORWISE, "new", (64, 64, 80), False),  # past it
+    (TENSORWISE, "new", (16, 256, 16), True),  # K at its limit (monkeypatched to 256 below)
+    (TENSORWISE, "new", (16, 272, 16), False),  # a long K, small M and N: cuBLASLt splits K
     (TENSORWISE, "out", (32, 64, 48), False),  # into a caller's buffer: cuBLASLt writes it in place
     (TENSORWISE, "accumulate", (32, 64, 48), False),
     pytest.param(ROWWISE, "new", (32, 64, 48), False, marks=pytest.mark.skipif(
@@ -219,6 +221,7 @@ def test_tensorwise_scales_keep_their_shape_and_must_have_one_element():
 ])
 def test_small_tensorwise_gemms_go_to_triton(monkeypatch, mode, out_kind, mnk, expect):
     monkeypatch.setattr(configs, "SMALL_GEMM_MAX_MNK", 64 ** 3)
+    monkeypatch.setattr(configs, "SMALL_GEMM_MAX_K", 256)
     monkeypatch.setattr(configs, "for_tensor", lambda x: configs.tuning((9, 0), 132))
     taken = []
 
