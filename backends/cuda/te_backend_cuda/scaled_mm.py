@@ -83,8 +83,7 @@ def _add_bias(result, bias):
     strided elementwise kernel at well under half the bandwidth (on an H200, 1.4-1.5 TB/s
     against 3.6-3.9 TB/s on a layer's GEMM outputs)."""
     if bias.dtype == result.dtype:
-        if (result.dtype in (torch.float16, torch.bfloat16) and result.is_cuda and result.dim() == 2
-                and result.is_contiguous() and bias.dim() == 1 and bias.is_contiguous()):
+        if result.is_cuda and triton_gemm.add_bias_reason(result, bias) is None:
             return triton_gemm.add_bias_(result, bias, configs.for_tensor(result).add_bias)
         return result.add_(bias)
     return as_dtype(result.float() + bias.float(), result.dtype)

@@ -213,7 +213,7 @@ def test_tensorwise_scales_keep_their_shape_and_must_have_one_element():
     (TENSORWISE, "new", (64, 64, 64), True),  # exactly at the limit
     (TENSORWISE, "new", (64, 64, 80), False),  # past it
     (TENSORWISE, "new", (16, 256, 16), True),  # K at its limit (monkeypatched to 256 below)
-    (TENSORWISE, "new", (16, 272, 16), False),  # a long K, small M and N: cuBLASLt splits K
+    (TENSORWISE, "new", (16, 272, 16), False),  # a long K, small M and N: cuBLASLt can split K
     (TENSORWISE, "out", (32, 64, 48), False),  # into a caller's buffer: cuBLASLt writes it in place
     (TENSORWISE, "accumulate", (32, 64, 48), False),
     pytest.param(ROWWISE, "new", (32, 64, 48), False, marks=pytest.mark.skipif(

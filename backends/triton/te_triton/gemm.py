@@ -100,18 +100,26 @@ def _add_bias_kernel(y_ptr, bias_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
     tl.store(ptrs, (y + b[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def add_bias_reason(y: torch.Tensor, bias: torch.Tensor) -> Optional[str]:
+    """Why add_bias_ cannot take this y and bias, or None."""
+    if y.dim() != 2 or not y.is_contiguous() or y.dtype not in (torch.bfloat16, torch.float16):
+        return (f"y must be a contiguous 2-D bf16 or fp16 tensor, got {y.dtype} {tuple(y.shape)} "
+                f"(contiguous: {y.is_contiguous()})")
+    if bias.dtype != y.dtype or bias.dim() != 1 or bias.numel() != y.shape[1] or not bias.is_contiguous():
+        return (f"bias must be a contiguous ({y.shape[1]},) tensor of y's dtype {y.dtype}, "
+                f"got {bias.dtype} {tuple(bias.shape)}")
+    return None
+
+
 def add_bias_(y: torch.Tensor, bias: torch.Tensor, cfg: Config = ADD_BIAS_DEFAULT) -> torch.Tensor:
     """y += bias (broadcast over y's rows) in place, y a contiguous (M, N) bf16 or fp16 tensor and
     bias (N,) of its dtype: the bytes torch's y.add_(bias) writes (the sum in float32, rounded
     once), near a copy's bandwidth. torch runs a row-broadcast add through its strided
     elementwise kernel, well below that: this is the bias of a GEMM whose epilogue took none
-    (block-scaled FP8 GEMMs). A ValueError names a y or bias it cannot take."""
-    if y.dim() != 2 or not y.is_contiguous() or y.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"y must be a contiguous 2-D bf16 or fp16 tensor, got {y.dtype} {tuple(y.shape)} "
-                         f"(contiguous: {y.is_contiguous()})")
-    if bias.dtype != y.dtype or bias.dim() != 1 or bias.numel() != y.shape[1] or not bias.is_contiguous():
-        raise ValueError(f"bias must be a contiguous ({y.shape[1]},) tensor of y's dtype {y.dtype}, "
-                         f"got {bias.dtype} {tuple(bias.shape)}")
+    (block-scaled FP8 GEMMs). A ValueError names a y or bias it cannot take (add_bias_reason)."""
+    why = add_bias_reason(y, bias)
+    if why:
+        raise ValueError(why)
     M, N = y.shape
     if y.numel():
         _add_bias_kernel[(cdiv(M, cfg.block_m), cdiv(N, cfg.block_n))](y, bias, M, N, BM=cfg.block_m,
