@@ -99,13 +99,16 @@ def tiny_rows(tiny: Dict[str, dict]) -> List[Row]:
 
 
 def compiled_rows(sweep: dict) -> List[Row]:
-    """Compiled te never slower than eager te, same recipe, over every cell pair that both ran."""
+    """Compiled te never slower than eager te, same recipe, over every cell pair that both ran;
+    the eager time measured beside the compiled cell (in alternating rounds) where the cell has
+    one, else the eager cell's."""
     pairs, slower = 0, []
     for section, unit in (("layer", "ms"), ("linear", "ms"), ("tiny", "us")):
         for size, cells in sweep.get(section, {}).items():
             for name in ("bf16",) + FP8:
                 for mode in ("compiled", "graphed"):
-                    eager, comp = _v(cells, f"te {name} eager", unit), _v(cells, f"te {name} {mode}", unit)
+                    comp = _v(cells, f"te {name} {mode}", unit)
+                    eager = _v(cells, f"te {name} {mode}", f"eager_{unit}") or _v(cells, f"te {name} eager", unit)
                     if eager and comp:
                         pairs += 1
                         if comp > eager:

@@ -19,7 +19,9 @@ te.autocast), backward through AOTAutograd. The eager cells of every section run
 the compiled ones; a cell that raises records the error and the sweep goes on; cells reached
 after --budget-s are recorded as skipped, so the sweep ends in bounded time. A compiled cell
 also records its graphs, graph breaks (the first one's reason) and the graphs CUDA graphs
-skipped. The JSON is rewritten after every cell: a run stopped from outside keeps what it
+skipped; a compiled te cell is timed in alternating rounds with the same module's eager step
+(recorded as eager_ms / eager_us), whose ratio the compiled-never-slower target reads: host-bound
+cells follow the host's speed, which drifts between the eager and the compiled pass. The JSON is rewritten after every cell: a run stopped from outside keeps what it
 measured.
 
     python benchmarks/bench_sweep.py [--only big,tiny,linear,layer] [--quick] [--no-compile] [--results DIR]
@@ -35,6 +37,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import time
 from functools import partial
 from typing import Callable, Dict, List, NamedTuple, Optional
@@ -129,7 +132,9 @@ class Sweep:
             return ("eager",)
         return ("eager", "graphed" if self.compile_kw.get("mode") == "reduce-overhead" else "compiled")
 
-    def te_step(self, make_module, rcp_name, mode, x, dy):
+    def te_step(self, make_module, rcp_name, mode, x, dy, with_eager=False):
+        """The cell's step; with_eager: (it, the same module's eager step), for a compiled cell
+        timed beside its eager twin."""
         make = RECIPES[rcp_name]
         rcp, module = (make() if make else None), make_module()
 
@@ -137,7 +142,8 @@ class Sweep:
             with te.autocast(enabled=rcp is not None, recipe=rcp):
                 return module(inp)
 
-        return _graph_safe(fwd_bwd(self._compile(forward, mode != "eager"), x, dy), mode, x, module)
+        step = _graph_safe(fwd_bwd(self._compile(forward, mode != "eager"), x, dy), mode, x, module)
+        return (step, fwd_bwd(forward, x, dy)) if with_eager else step
 
     def torch_step(self, make_module, mode, x, dy):
         module = make_module()
@@ -155,15 +161,35 @@ class Sweep:
         calls = self.sizes.tiny_calls  # in five runs, their median: host-bound cells are noisy
         return {"us": wall_us(make_step(), max(1, calls // 5), max(3, calls // 10), self.device, repeats=5)}
 
+    def _paired(self, unit, make_pair, rounds=3):
+        """A compiled te cell and the same module's eager step, timed in alternating rounds (each
+        the median of its rounds): their ratio is the compiled-never-slower target's, so the host's
+        drift between the sweep's eager and compiled passes cannot decide it. {unit: compiled,
+        "eager_" + unit: eager}."""
+        compiled, eager = make_pair()
+        times = {"c": [], "e": []}
+        for r in range(rounds):
+            for key, step in (("c", compiled), ("e", eager)) if r % 2 == 0 else (("e", eager), ("c", compiled)):
+                if unit == "us":
+                    calls = self.sizes.tiny_calls
+                    times[key].append(wall_us(step, max(1, calls // 5), max(3, calls // 10), self.device))
+                else:
+                    times[key].append(median_ms(step, self.device, self.sizes.warmup_ms, self.sizes.rep_ms))
+        return {unit: statistics.median(times["c"]), f"eager_{unit}": statistics.median(times["e"])}
+
     def _cells(self, section, label, measure, peer, te_module, recipes, x, dy, modes=None):
         """Cells of one row: the peer `peer` = (name, module factory), then te per recipe, per mode."""
         cells = []
         for mode in modes or self._modes():
             cells.append(Cell(section, label, f"{peer[0]} {mode}",
                               partial(measure, partial(self.torch_step, peer[1], mode, x, dy))))
-            cells += [Cell(section, label, f"te {name} {mode}",
-                           partial(measure, partial(self.te_step, te_module, name, mode, x, dy)))
-                      for name in recipes]
+            for name in recipes:
+                if mode == "eager" or measure == self._ms_and_peak:
+                    how = partial(measure, partial(self.te_step, te_module, name, mode, x, dy))
+                else:  # beside the same module's eager step (the compiled-never-slower target)
+                    how = partial(self._paired, "us" if measure == self._us else "ms",
+                                  partial(self.te_step, te_module, name, mode, x, dy, with_eager=True))
+                cells.append(Cell(section, label, f"te {name} {mode}", how))
         return cells
 
     def big(self) -> List[Cell]:

@@ -181,6 +181,33 @@ def test_sweep_targets_follow_the_numbers():
     assert got["te compiled (and graphed) never slower than te eager, same recipe"] == ("2 of 2 pairs", "met")
 
 
+def test_compiled_never_slower_reads_the_eager_time_measured_beside_the_compiled_cell():
+    """A compiled cell timed in alternating rounds with its eager twin is judged against that
+    eager time, not the eager cell measured in another pass of the sweep (the host drifts)."""
+    row = {"te delayed eager": {"ms": 2.0},  # an earlier, faster host: alone it would say "slower"
+           "te delayed compiled": {"ms": 2.2, "eager_ms": 2.5},
+           "te current eager": {"ms": 3.0},  # alone it would say "faster"
+           "te current compiled": {"ms": 2.9, "eager_ms": 2.6},
+           "te block eager": {"ms": 2.0}, "te block compiled": {"ms": 2.2}}  # no twin: the eager cell
+    got = _sweep_targets.compiled_rows({"linear": {"M8192 K4096 N4096": row}})
+    (target, measured, verdict), = got
+    assert verdict == "**missed**" and measured.startswith("1 of 3 pairs")
+    assert "current compiled at M8192 K4096 N4096 (0.90x)" in measured
+    assert "block compiled at M8192 K4096 N4096 (0.91x)" in measured and "delayed" not in measured
+
+
+def test_a_compiled_te_cell_is_timed_beside_its_eager_twin():
+    """On the CPU (dynamo without inductor): the compiled te cells carry the same module's eager
+    time, measured in the same rounds; the peers' compiled cells and the eager cells do not."""
+    sweep = bench_sweep.Sweep(bench_sweep.SMOKE, "cpu", {"backend": "eager"})
+    cells = {c.name: c for c in sweep.linear() if c.name in ("te current compiled", "nn.Linear compiled",
+                                                             "te current eager")}
+    got = bench_sweep.run(list(cells.values()), budget_s=120, device="cpu")["linear"]
+    (row,) = got.values()
+    assert row["te current compiled"]["ms"] > 0 and row["te current compiled"]["eager_ms"] > 0
+    assert "eager_ms" not in row["nn.Linear compiled"] and "eager_ms" not in row["te current eager"]
+
+
 def test_sweep_cells_cover_every_section_mode_and_recipe():
     sweep = bench_sweep.Sweep(bench_sweep.SMOKE, "cpu", {"backend": "eager"})
     names = {s: {c.name for c in getattr(sweep, s)()} for s in bench_sweep.SECTIONS}
