@@ -262,7 +262,7 @@ def run_cell(cell: Cell, deadline: float, device: str) -> dict:
     """The cell's measurement (a compiled cell's with compile_stats()), or {"error": ...} when
     it raised or the time budget is spent."""
     if time.monotonic() > deadline:
-        return {"error": "skipped: the sweep's time budget (--budget-s) was spent"}
+        return {"error": SKIPPED}
     compiled = not cell.name.endswith("eager")
     try:
         if compiled:
@@ -304,12 +304,20 @@ def previous_results(meta_now: dict, root: Optional[str]) -> dict:
     return {k: v for k, v in data.items() if k in SECTIONS or k == "settings"}
 
 
+SKIPPED = "skipped: the sweep's time budget (--budget-s) was spent"
+
+
 def merged(earlier: dict, results: dict) -> dict:
-    """earlier's cells, with every cell of `results` in place of its namesake."""
+    """earlier's cells, with every cell of `results` in place of its namesake, except a cell this
+    run skipped for its time budget (or has not reached yet), which keeps its earlier measurement."""
     out = {section: {size: dict(row) for size, row in rows.items()} for section, rows in earlier.items()}
     for section, rows in results.items():
         for size, row in rows.items():
-            out.setdefault(section, {}).setdefault(size, {}).update(row)
+            kept = out.setdefault(section, {}).setdefault(size, {})
+            for name, result in row.items():
+                if name in kept and (result is None or (result.get("error") == SKIPPED)):
+                    continue
+                kept[name] = result
     return out
 
 
@@ -324,7 +332,7 @@ def parse_args(argv=None):
     ap.add_argument("--mode", default=None, help="torch.compile mode of the compiled cells, e.g. reduce-overhead "
                     "(CUDA graphs); default: inductor's default")
     ap.add_argument("--merge", action="store_true", help="keep the cells of an existing sweep.json that this run "
-                    "does not measure (to split a sweep over several runs)")
+                    "does not measure or skips for its budget (to split a sweep over several runs)")
     ap.add_argument("--budget-s", type=float, default=360.0, help="cells reached after this many seconds are skipped")
     add_pin_argument(ap)
     add_results_argument(ap)

@@ -286,6 +286,16 @@ def test_merge_replaces_only_the_cells_measured_again():
     assert earlier["tiny"]["t"]["a compiled"] == {"error": "x"}  # the input is not modified
 
 
+def test_merge_keeps_a_measurement_the_budget_skipped_this_time():
+    earlier = {"layer": {"h1": {"b compiled": {"ms": 2.0}, "c compiled": {"ms": 3.0}}}}
+    now = {"layer": {"h1": {"b compiled": {"error": bench_sweep.SKIPPED}, "c compiled": None,
+                            "d compiled": {"error": bench_sweep.SKIPPED}, "e compiled": {"error": "boom"}}}}
+    out = bench_sweep.merged(earlier, now)["layer"]["h1"]
+    assert out["b compiled"] == {"ms": 2.0} and out["c compiled"] == {"ms": 3.0}  # skipped / not reached: kept
+    assert out["d compiled"] == {"error": bench_sweep.SKIPPED}  # nothing earlier to keep
+    assert out["e compiled"] == {"error": "boom"}  # a failure is a result
+
+
 HF = {
     "meta": {"gpu": "GPU", "torch": "t", "date": "d"},
     "settings": {"transformers": "5.0", "backend": "cuda", "attention": "sdpa", "seconds": 1.0,
