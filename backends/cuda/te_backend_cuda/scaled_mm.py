@@ -77,10 +77,10 @@ def block_scale_shapes(a, b, scaling: str):
 
 
 def _add_bias(result, bias):
-    """The bias for outputs not given to cuBLASLt's epilogue (_epilogue_bias: block scales, float32
-    output, a bias of another dtype). A bf16/fp16 output of the bias's dtype takes it through
-    te_triton's add_bias_: the same bytes as torch's add_, whose row-broadcast add runs its
-    strided elementwise kernel at well under half the bandwidth (on an H200, 1.4-1.5 TB/s
+    """The bias for outputs not given to cuBLASLt's epilogue (_epilogue_bias: float32 output, a
+    bias of another dtype, row-wise scales). A bf16/fp16 output of the bias's dtype takes it
+    through te_triton's add_bias_: the same bytes as torch's add_, whose row-broadcast add runs
+    its strided elementwise kernel at well under half the bandwidth (on an H200, 1.4-1.5 TB/s
     against 3.6-3.9 TB/s on a layer's GEMM outputs)."""
     if bias.dtype == result.dtype:
         if result.is_cuda and triton_gemm.add_bias_reason(result, bias) is None:
@@ -89,13 +89,18 @@ def _add_bias(result, bias):
     return as_dtype(result.float() + bias.float(), result.dtype)
 
 
+# The scalings whose GEMMs take the bias in cuBLASLt's epilogue: tensor-wise, and both block
+# layouts (checked on the GPU against float64 over shapes on and off the 128 tiles). Row-wise
+# scales keep the separate add: their epilogue bias is untested.
+EPILOGUE_BIAS_SCALINGS = (TENSORWISE, BLOCK_1x128_128x128, BLOCK_1x128_1x128)
+
+
 def _epilogue_bias(bias, out_dtype, scaling) -> bool:
     """cuBLASLt adds a bias of the output's dtype (bf16/fp16) in the GEMM's epilogue, in float32
     before the output is rounded: that saves a separate add, which reads and writes the whole
-    output once more. Tensor-wise scaling only: the epilogue bias has been checked and timed
-    only with tensor-wise scales."""
+    output once more, and rounds the output once instead of twice."""
     return (bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
-            and scaling == TENSORWISE)
+            and scaling in EPILOGUE_BIAS_SCALINGS)
 
 
 def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, bias=None, out=None,

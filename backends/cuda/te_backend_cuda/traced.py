@@ -220,13 +220,16 @@ def _gpu_runs(index: int, scaling: str) -> bool:
 
 def _block_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, scaling, bias):
     """The block-scaled GEMM as the eager op runs it: one torch._scaled_mm with the block scales
-    laid out as cuBLASLt reads them (accumulating in float32), the bias added after."""
+    laid out as cuBLASLt reads them (accumulating in float32), the bias in its epilogue where the
+    eager op puts it there, else added after."""
     expected = scaled_mm.block_scale_shapes(a, b, scaling)
     if (tuple(a_scale_inv.shape), tuple(b_scale_inv.shape)) != expected or not (_here(a_scale_inv) and _here(b_scale_inv)):
         return NotImplemented  # (the opaque op names a bad scale)
     sa, sb = scaled_mm._scale_args(a, b, a_scale_inv, b_scale_inv, scaling)
-    y = torch._scaled_mm(a, b.t(), sa, sb, out_dtype=out_dtype, use_fast_accum=False)
-    return y if bias is None else _add_bias(y, bias, out_dtype)
+    epilogue = scaled_mm._epilogue_bias(bias, out_dtype, scaling)
+    kwargs = dict(bias=bias) if epilogue else {}
+    y = torch._scaled_mm(a, b.t(), sa, sb, out_dtype=out_dtype, use_fast_accum=False, **kwargs)
+    return y if bias is None or epilogue else _add_bias(y, bias, out_dtype)
 
 
 def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, bias=None, out=None,
@@ -241,7 +244,7 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, b
     if scaling != TENSORWISE:
         return _block_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, scaling, bias)
     kwargs = dict(out_dtype=out_dtype, use_fast_accum=bool(fast_accumulation))
-    epilogue = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
+    epilogue = scaled_mm._epilogue_bias(bias, out_dtype, scaling)
     if epilogue:
         kwargs["bias"] = bias
     # fresh 0-dim scales: cuBLASLt reads them with aligned loads

@@ -1,6 +1,7 @@
 """cuBLASLt GEMM glue that runs without a GPU: decline reasons, scale layouts for
 torch._scaled_mm, the probes' emulation against the reference, the high-precision gemm, and
-which calls go to te_triton's small GEMM instead; on a GPU, the bias of a block-scaled GEMM."""
+which calls go to te_triton's small GEMM instead; on a GPU, the bias of a block-scaled GEMM
+(cuBLASLt's epilogue)."""
 import pytest
 import torch
 from te_backend_cuda import configs, scaled_mm
@@ -247,20 +248,52 @@ def test_small_tensorwise_gemms_go_to_triton(monkeypatch, mode, out_kind, mnk, e
         torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
 
 
+def _block_operands(mode, M, K, N, seed):
+    """FP8 operands of a block-scaled GEMM on the GPU with their scales, laid out as the casts
+    write them (1x128 grids column by column)."""
+    g = torch.Generator().manual_seed(seed)
+    a, b = _fp8((M, K), seed=seed + 1).cuda(), _fp8((N, K), seed=seed + 2).cuda()
+    sa_shape, sb_shape = scaled_mm.block_scale_shapes(a, b, mode)
+    sa = (torch.rand(sa_shape[::-1], generator=g) + 0.5).t().cuda()
+    sb = torch.rand(sb_shape, generator=g) + 0.5
+    sb = (sb if mode == BLOCK_1x128_128x128 else sb.t().contiguous().t()).cuda()
+    return a, b, sa, sb, g
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", [BLOCK_1x128_128x128, BLOCK_1x128_1x128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_block_scaled_gemm_bias_is_torchs_add_on_the_gpu(mode, dtype):
-    """The bias of a block-scaled GEMM (no cuBLASLt epilogue) is added by te_triton's add_bias_:
-    the bytes of torch's add_ of the bias to the same GEMM's output, on a shape off its tiles."""
-    M, K, N = 272, 512, 400
-    g = torch.Generator().manual_seed(3)
-    a, b = _fp8((M, K), seed=1).cuda(), _fp8((N, K), seed=2).cuda()
-    sa_shape, sb_shape = scaled_mm.block_scale_shapes(a, b, mode)
-    sa = (torch.rand(sa_shape[::-1], generator=g) + 0.5).t().cuda()  # 1x128 grids column by column
-    sb = torch.rand(sb_shape, generator=g) + 0.5
-    sb = (sb if mode == BLOCK_1x128_128x128 else sb.t().contiguous().t()).cuda()
-    bias = torch.randn(N, generator=g).to(dtype).cuda()
+@pytest.mark.parametrize("M,K,N", [(272, 512, 400), (128, 128, 128), (2048, 1024, 3072), (4096, 4096, 12288)])
+def test_block_scaled_gemm_bias_goes_to_the_epilogue_on_the_gpu(monkeypatch, mode, dtype, M, K, N):
+    """The bias of a block-scaled GEMM goes to cuBLASLt's epilogue (no separate add), on shapes on
+    and off the 128 tiles: within the output format's tolerance of the float32 reference, and no
+    less accurate than the GEMM without a bias followed by the add (which rounds twice)."""
+    a, b, sa, sb, g = _block_operands(mode, M, K, N, seed=3)
+    bias = (torch.randn(N, generator=g) * 8).to(dtype).cuda()
+    want = ref.gemm_fp8(a, b, sa, sb, out_dtype=torch.float32, scaling=mode, bias=bias.float())
+    separate = scaled_mm.gemm_fp8(a, b, sa, sb, out_dtype=dtype, scaling=mode).float().add_(bias.float()).to(dtype)
+
+    def no_separate_add(*args, **kwargs):
+        raise AssertionError("the bias went to a separate add")
+
+    monkeypatch.setattr(scaled_mm.triton_gemm, "add_bias_", no_separate_add)
     got = scaled_mm.gemm_fp8(a, b, sa, sb, out_dtype=dtype, scaling=mode, bias=bias)
-    want = scaled_mm.gemm_fp8(a, b, sa, sb, out_dtype=dtype, scaling=mode).add_(bias)
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert got.dtype == dtype and got.shape == (M, N)
+    # atol: one ulp of the output format at the output's largest magnitude (a sum of K products
+    # that cancels keeps the float32 accumulation's absolute error, not a relative one)
+    ulp = torch.finfo(dtype).eps * want.abs().max().item()
+    torch.testing.assert_close(got.float(), want, rtol=1.6e-2 if dtype == torch.bfloat16 else 1e-3, atol=ulp)
+    assert (got.float() - want).abs().mean() <= (separate.float() - want).abs().mean() * 1.05
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", [BLOCK_1x128_128x128, BLOCK_1x128_1x128])
+def test_block_scaled_gemm_float32_output_adds_the_bias_after(mode):
+    """A float32 output takes no epilogue bias (cuBLASLt's bias is the output's dtype): the bias,
+    in bf16, is added to the float32 result."""
+    M, K, N = 272, 512, 400
+    a, b, sa, sb, g = _block_operands(mode, M, K, N, seed=4)
+    bias = torch.randn(N, generator=g).to(torch.bfloat16).cuda()
+    got = scaled_mm.gemm_fp8(a, b, sa, sb, out_dtype=torch.float32, scaling=mode, bias=bias)
+    want = scaled_mm.gemm_fp8(a, b, sa, sb, out_dtype=torch.float32, scaling=mode) + bias.float()
+    torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-5)
