@@ -127,10 +127,13 @@ class ScalingGroup:
         """([scale view of each column], [amax slot of each column]): what scale_of and amax_slot
         index, for a cast that needs both in one call."""
         # Traced: sliced in the graph; cached views would enter it as inputs aliasing the state.
-        if self._column_views is None or torch.compiler.is_compiling():
+        # (is_compiling() first: a trace then never reads the cache, so dynamo puts no guard on it
+        # and an eager step that fills the cache does not recompile the graph.)
+        traced = torch.compiler.is_compiling()
+        if traced or self._column_views is None:
             columns = range(len(self.names))
             views = ([self.scale[i : i + 1] for i in columns], [self.amax_history[0, i : i + 1] for i in columns])
-            if torch.compiler.is_compiling():
+            if traced:
                 return views
             self._column_views = views
         return self._column_views

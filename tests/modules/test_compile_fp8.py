@@ -271,6 +271,23 @@ def test_eager_casts_after_compiled_steps_see_scales_written_behind_torchs_back(
     torch.testing.assert_close(snapshot, torch.reciprocal(group.scale[0:1]), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_eager_steps_between_compiled_steps_do_not_recompile(name):
+    """A module stepped both eagerly and compiled (an evaluation loop beside a compiled training
+    step, a benchmark timing both) keeps one graph: what an eager step caches in the scaling state
+    is never read by the trace, so no guard depends on it."""
+    torch.manual_seed(0)
+    rec = RECIPES[name]()
+    layer = tm.Linear(32, 32)
+    x = torch.randn(32, 32, requires_grad=True)  # (MXFP8 GEMMs take multiples of 32)
+    step = _step_fn(rec)
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    for i in range(3):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            compiled(layer, x).sum().backward()
+        step(layer, x).sum().backward()
+
+
 @pytest.mark.parametrize("module", ["Linear", "LayerNormMLP"])
 def test_wgrad_override_compiles_like_eager(module):
     """DelayedScaling(override_linear_precision=(False, False, True)): the compiled step keeps
