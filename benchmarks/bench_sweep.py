@@ -20,9 +20,9 @@ the compiled ones; a cell that raises records the error and the sweep goes on; c
 after --budget-s are recorded as skipped, so the sweep ends in bounded time. A compiled cell
 also records its graphs, graph breaks (the first one's reason) and the graphs CUDA graphs
 skipped; a compiled te cell is timed in alternating rounds with the same module's eager step
-(recorded as eager_ms / eager_us), whose ratio the compiled-never-slower target reads: host-bound
-cells follow the host's speed, which drifts between the eager and the compiled pass. The JSON is rewritten after every cell: a run stopped from outside keeps what it
-measured.
+(recorded as eager_ms / eager_us), whose ratio the compiled-never-slower target reads:
+host-bound cells follow the host's speed, which drifts between the eager and the compiled pass.
+The JSON is rewritten after every cell: a run stopped from outside keeps what it measured.
 
     python benchmarks/bench_sweep.py [--only big,tiny,linear,layer] [--quick] [--no-compile] [--results DIR]
     python benchmarks/bench_sweep.py --smoke --results /tmp/r   # CPU, reference backend, tiny sizes
@@ -143,7 +143,20 @@ class Sweep:
                 return module(inp)
 
         step = _graph_safe(fwd_bwd(self._compile(forward, mode != "eager"), x, dy), mode, x, module)
-        return (step, fwd_bwd(forward, x, dy)) if with_eager else step
+        if not with_eager:
+            return step
+        eager = fwd_bwd(forward, x, dy)
+        if mode == "graphed":  # never accumulate into gradients a replay wrote
+            params, plain = list(module.parameters()), eager
+
+            def eager_step():
+                x.grad = None
+                for p in params:
+                    p.grad = None
+                plain()
+
+            eager = eager_step
+        return step, eager
 
     def torch_step(self, make_module, mode, x, dy):
         module = make_module()

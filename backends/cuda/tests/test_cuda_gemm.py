@@ -287,6 +287,19 @@ def test_block_scaled_gemm_bias_goes_to_the_epilogue_on_the_gpu(monkeypatch, mod
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_bias_the_epilogue_cannot_take_is_torchs_add_on_the_gpu(dtype):
+    """Where the bias cannot go to the epilogue (row-wise scales), te_triton's add_bias_ adds it:
+    the bytes of torch's add_, on an output shape off its tiles."""
+    g = torch.Generator().manual_seed(5)
+    result = torch.randn(272, 400, generator=g).to(dtype).cuda()
+    bias = torch.randn(400, generator=g).to(dtype).cuda()
+    want = result.clone().add_(bias)
+    got = scaled_mm._add_bias(result, bias)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", [BLOCK_1x128_128x128, BLOCK_1x128_1x128])
 def test_block_scaled_gemm_float32_output_adds_the_bias_after(mode):
     """A float32 output takes no epilogue bias (cuBLASLt's bias is the output's dtype): the bias,
