@@ -170,9 +170,12 @@ class Sweep:
         ms = median_ms(step, self.device, self.sizes.warmup_ms, 2 * self.sizes.rep_ms)
         return {"ms": ms, "peak_mib": peak_mib(step, self.device)}
 
+    def _wall_us(self, step, repeats=1):
+        calls = self.sizes.tiny_calls
+        return wall_us(step, max(1, calls // 5), max(3, calls // 10), self.device, repeats=repeats)
+
     def _us(self, make_step):
-        calls = self.sizes.tiny_calls  # in five runs, their median: host-bound cells are noisy
-        return {"us": wall_us(make_step(), max(1, calls // 5), max(3, calls // 10), self.device, repeats=5)}
+        return {"us": self._wall_us(make_step(), repeats=5)}  # the median of five runs: host-bound cells are noisy
 
     def _paired(self, unit, make_pair, rounds=3):
         """A compiled te cell and the same module's eager step, timed in alternating rounds (each
@@ -183,11 +186,8 @@ class Sweep:
         times = {"c": [], "e": []}
         for r in range(rounds):
             for key, step in (("c", compiled), ("e", eager)) if r % 2 == 0 else (("e", eager), ("c", compiled)):
-                if unit == "us":
-                    calls = self.sizes.tiny_calls
-                    times[key].append(wall_us(step, max(1, calls // 5), max(3, calls // 10), self.device))
-                else:
-                    times[key].append(median_ms(step, self.device, self.sizes.warmup_ms, self.sizes.rep_ms))
+                times[key].append(self._wall_us(step) if unit == "us" else
+                                  median_ms(step, self.device, self.sizes.warmup_ms, self.sizes.rep_ms))
         return {unit: statistics.median(times["c"]), f"eager_{unit}": statistics.median(times["e"])}
 
     def _cells(self, section, label, measure, peer, te_module, recipes, x, dy, modes=None):
@@ -197,7 +197,7 @@ class Sweep:
             cells.append(Cell(section, label, f"{peer[0]} {mode}",
                               partial(measure, partial(self.torch_step, peer[1], mode, x, dy))))
             for name in recipes:
-                if mode == "eager" or measure == self._ms_and_peak:
+                if mode == "eager":
                     how = partial(measure, partial(self.te_step, te_module, name, mode, x, dy))
                 else:  # beside the same module's eager step (the compiled-never-slower target)
                     how = partial(self._paired, "us" if measure == self._us else "ms",

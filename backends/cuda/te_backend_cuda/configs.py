@@ -147,8 +147,8 @@ def _sm90_elementwise(sms: int) -> dict:
         rope=Config(num_warps=4),
         loss=Config(block=4096, num_warps=8),  # untuned
         small_gemm=Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3),
-        # a GEMM output's bias (block scales): 16x256 tiles, 4 warps (up to 64-row, 1024-wide
-        # tiles and 8 warps run within 1% of it on the layer's outputs)
+        # a GEMM output's bias where cuBLASLt's epilogue takes none: 16x256 tiles, 4 warps (up to
+        # 64-row, 1024-wide tiles and 8 warps run within 1% of it on the layer's outputs)
         add_bias=Config(block_m=16, block_n=256, num_warps=4),
     )
 

@@ -90,8 +90,8 @@ def _add_bias(result, bias):
 
 
 # The scalings whose GEMMs take the bias in cuBLASLt's epilogue: tensor-wise, and both block
-# layouts (checked on the GPU against float64 over shapes on and off the 128 tiles). Row-wise
-# scales keep the separate add: their epilogue bias is untested.
+# layouts (checked on the GPU against the float32 reference over shapes on and off the 128
+# tiles). Row-wise scales keep the separate add: their epilogue bias is untested.
 EPILOGUE_BIAS_SCALINGS = (TENSORWISE, BLOCK_1x128_128x128, BLOCK_1x128_1x128)
 
 

@@ -115,8 +115,8 @@ def add_bias_(y: torch.Tensor, bias: torch.Tensor, cfg: Config = ADD_BIAS_DEFAUL
     """y += bias (broadcast over y's rows) in place, y a contiguous (M, N) bf16 or fp16 tensor and
     bias (N,) of its dtype: the bytes torch's y.add_(bias) writes (the sum in float32, rounded
     once), near a copy's bandwidth. torch runs a row-broadcast add through its strided
-    elementwise kernel, well below that: this is the bias of a GEMM whose epilogue took none
-    (block-scaled FP8 GEMMs). A ValueError names a y or bias it cannot take (add_bias_reason)."""
+    elementwise kernel, well below that: this is the bias of a GEMM whose library epilogue takes
+    none. A ValueError names a y or bias it cannot take (add_bias_reason)."""
     why = add_bias_reason(y, bias)
     if why:
         raise ValueError(why)
