@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import statistics
 import time
 from functools import partial
@@ -320,6 +321,24 @@ def previous_results(meta_now: dict, root: Optional[str]) -> dict:
 SKIPPED = "skipped: the sweep's time budget (--budget-s) was spent"
 
 
+def selected(cells: List[Cell], pattern: Optional[str]) -> List[Cell]:
+    """The cells whose "<size> <cell name>" matches `pattern` (re.search); all of them without one.
+    Raises ValueError when a pattern matches none: a run that measures nothing is a typo."""
+    if pattern is None:
+        return cells
+    chosen = [c for c in cells if re.search(pattern, f"{c.size} {c.name}")]
+    if not chosen:
+        raise ValueError(f"--cells {pattern!r} matches none of the {len(cells)} cells of the chosen sections "
+                         f"(each is matched as '<size> <cell>', e.g. {cells[0].size + ' ' + cells[0].name!r})")
+    return chosen
+
+
+def merged_settings(earlier: Optional[dict]) -> dict:
+    """The settings of the run merged into, without its own merge history: one level is what
+    the report reads, and a chain of merges would nest without end."""
+    return {k: v for k, v in (earlier or {}).items() if k != "merged_with"}
+
+
 def merged(earlier: dict, results: dict) -> dict:
     """earlier's cells, with every cell of `results` in place of its namesake, except a cell this
     run skipped for its time budget (or has not reached yet), which keeps its earlier measurement."""
@@ -346,10 +365,17 @@ def parse_args(argv=None):
                     "(CUDA graphs); default: inductor's default")
     ap.add_argument("--merge", action="store_true", help="keep the cells of an existing sweep.json that this run "
                     "does not measure or skips for its budget (to split a sweep over several runs)")
+    ap.add_argument("--cells", default=None, metavar="REGEX", help="only the cells whose '<size> <cell>' "
+                    "matches REGEX, e.g. 'M8192.*(current|block) compiled' (with --merge, to re-measure a few)")
     ap.add_argument("--budget-s", type=float, default=360.0, help="cells reached after this many seconds are skipped")
     add_pin_argument(ap)
     add_results_argument(ap)
     args = ap.parse_args(argv)
+    if args.cells is not None:
+        try:
+            re.compile(args.cells)
+        except re.error as exc:
+            ap.error(f"--cells: {args.cells!r} is not a regular expression ({exc})")
     unknown = set(args.only.split(",")) - set(SECTIONS)
     if unknown:
         ap.error(f"--only: unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
@@ -369,14 +395,17 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     sweep = Sweep(sizes, device, compile_kw)
     only = args.only.split(",")
-    cells = [c for section in SECTIONS if section in only for c in getattr(sweep, section)()]
+    try:
+        cells = selected([c for section in SECTIONS if section in only for c in getattr(sweep, section)()], args.cells)
+    except ValueError as exc:
+        raise SystemExit(f"bench_sweep.py: error: {exc}") from None
     t0 = time.monotonic()
     settings = {"sizes": dataclasses.asdict(sizes), "compile": compile_kw, "backend": te.get_backend().name,
                 "budget_s": args.budget_s, "pinned_cpu": pinned}
     head = {"meta": meta(device), "settings": settings}
     earlier = previous_results(head["meta"], args.results) if args.merge else {}
     if earlier:
-        settings["merged_with"] = earlier.pop("settings", None)
+        settings["merged_with"] = merged_settings(earlier.pop("settings", None))
 
     def save(results):
         settings["seconds"] = round(time.monotonic() - t0, 1)

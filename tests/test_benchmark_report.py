@@ -286,6 +286,23 @@ def test_merge_replaces_only_the_cells_measured_again():
     assert earlier["tiny"]["t"]["a compiled"] == {"error": "x"}  # the input is not modified
 
 
+def test_cells_pattern_picks_cells_by_size_and_name():
+    cells = [bench_sweep.Cell("linear", size, name, lambda: {}) for size in ("M4096 K4096 N4096", "M8192 K4096 N4096")
+             for name in ("te current eager", "te current compiled", "te block compiled")]
+    chosen = bench_sweep.selected(cells, "M8192.*(current|block) compiled")
+    assert [(c.size, c.name) for c in chosen] == [("M8192 K4096 N4096", "te current compiled"),
+                                                  ("M8192 K4096 N4096", "te block compiled")]
+    assert bench_sweep.selected(cells, None) == cells
+    with pytest.raises(ValueError, match="matches none of the 6 cells"):
+        bench_sweep.selected(cells, "M16384")
+
+
+def test_merge_records_the_earlier_runs_settings_one_level_deep():
+    earlier = {"backend": "cuda", "seconds": 12.5, "merged_with": {"backend": "cuda", "merged_with": {}}}
+    assert bench_sweep.merged_settings(earlier) == {"backend": "cuda", "seconds": 12.5}
+    assert bench_sweep.merged_settings(None) == {}
+
+
 def test_merge_keeps_a_measurement_the_budget_skipped_this_time():
     earlier = {"layer": {"h1": {"b compiled": {"ms": 2.0}, "c compiled": {"ms": 3.0}}}}
     now = {"layer": {"h1": {"b compiled": {"error": bench_sweep.SKIPPED}, "c compiled": None,

@@ -32,7 +32,11 @@ from te_core._tracing import run_while_tracing
 from te_core.backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, FP8_FORMATS, TENSORWISE
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from .configs import TMA_MIN_NUMEL as MAX_NUMEL  # where the Triton casts switch to descriptors
+# Casts of MAX_NUMEL elements or more stay the Triton kernels (where they switch to descriptors).
+# Below that, inductor's cast, amax and transpose take up to twice the Triton kernels' GPU time
+# (a 2^25-element cast), which a GPU-bound layer step feels by a few percent; a host-bound step,
+# a lone Linear of that size, gains far more from not paying an opaque op per cast.
+from .configs import TMA_MIN_NUMEL as MAX_NUMEL
 from . import capabilities, scaled_mm
 from .scaled_mm import fp8_gemm_layout_reason
 
