@@ -28,6 +28,7 @@ The JSON is rewritten after every cell: a run stopped from outside keeps what it
     python benchmarks/bench_sweep.py --smoke --results /tmp/r   # CPU, reference backend, tiny sizes
     python benchmarks/bench_sweep.py --only tiny,layer --mode reduce-overhead --merge   # CUDA graphs,
                                                     # into the existing sweep.json (split long sweeps)
+    python benchmarks/bench_sweep.py --only linear --cells "M8192 .*te current compiled" --merge   # re-measure one
 
 Writes RESULTS/<gpu>/sweep.json; `python benchmarks/report.py` renders it into docs/performance.md.
 """
@@ -328,8 +329,9 @@ def selected(cells: List[Cell], pattern: Optional[str]) -> List[Cell]:
         return cells
     chosen = [c for c in cells if re.search(pattern, f"{c.size} {c.name}")]
     if not chosen:
+        example = f", e.g. {cells[0].size + ' ' + cells[0].name!r}" if cells else ""
         raise ValueError(f"--cells {pattern!r} matches none of the {len(cells)} cells of the chosen sections "
-                         f"(each is matched as '<size> <cell>', e.g. {cells[0].size + ' ' + cells[0].name!r})")
+                         f"(each is matched as '<size> <cell>'{example})")
     return chosen
 
 

@@ -295,6 +295,8 @@ def test_cells_pattern_picks_cells_by_size_and_name():
     assert bench_sweep.selected(cells, None) == cells
     with pytest.raises(ValueError, match="matches none of the 6 cells"):
         bench_sweep.selected(cells, "M16384")
+    with pytest.raises(ValueError, match="matches none of the 0 cells"):
+        bench_sweep.selected([], "M8192")
 
 
 def test_merge_records_the_earlier_runs_settings_one_level_deep():
