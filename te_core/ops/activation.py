@@ -82,6 +82,22 @@ def dbias_cast_transpose_parts(
     same (data, data_t, dbias, amax) as dbias_cast_transpose(dy)."""
 
 
+def _current_caps(caps: Capabilities, parts, fp8_dtype, **_):
+    return caps.check_fp8(fp8_dtype)
+
+
+@contract_op("activation", _current_caps)
+def dbias_cast_transpose_current(
+    parts: Sequence[Tensor], fp8_dtype: torch.dtype, *, force_pow2_scales: bool = False, amax_epsilon: float = 0.0
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Current scaling's output-gradient epilogue: for dy = torch.cat(parts, dim=1) (`parts` as
+    for dbias_cast_transpose_parts; one tensor for a gradient given whole), returns
+    (data, data_t, dbias, scale, scale_inv, amax) where (data, data_t, scale, scale_inv, amax)
+    are quantize_fp8_current(dy, fp8_dtype, with_transpose=True, force_pow2_scales=...,
+    amax_epsilon=...)'s and dbias is dbias(dy): the cast, its transpose and the bias gradient
+    in one pass once the amax is known, without materializing dy."""
+
+
 @contract_op("activation", _fp8_arg_caps)
 def activation_bwd_dbias_cast_transpose(
     dy: Tensor, x: Tensor, kind: str, scale: Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[Tensor] = None,

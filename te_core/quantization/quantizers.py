@@ -222,6 +222,18 @@ class Float8CurrentScalingQuantizer(Quantizer):
         )
         return Float8Tensor.make(_shaped_like(data, x), scale_inv, data_t, nominal_dtype=x.dtype, quantizer=self)
 
+    def quantize_with_dbias(self, dy, *, columnwise: bool = True):
+        # One op where the backend fuses it: the amax pass, then the cast, its transpose and the
+        # bias gradient in one pass over dy, whose column blocks it reads in place (no join).
+        # Without a column-wise copy to make, the cast and torch's column sum do less.
+        if not columnwise or not declares("dbias_cast_transpose_current"):
+            return super().quantize_with_dbias(dy, columnwise=columnwise)
+        parts = list(dy) if isinstance(dy, (list, tuple)) else [_as_2d(dy, "a gradient with its bias gradient")]
+        data, data_t, dbias, _scale, scale_inv, _amax = ops.dbias_cast_transpose_current(
+            parts, self.fp8_dtype, force_pow2_scales=self.power_2_scale, amax_epsilon=self.amax_epsilon)
+        nominal = parts[0].dtype
+        return Float8Tensor.make(data, scale_inv, data_t, nominal_dtype=nominal, quantizer=self), dbias
+
 
 class Float8BlockQuantizer(Quantizer):
     """One float32 scale per 1x128 run of a row (block_2d=False) or per 128x128 tile."""

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..ops.activation import ACTIVATIONS, CLAMPED_SWIGLU_DEFAULTS
 from ..backend.types import as_dtype
-from .cast import cast_transpose_fp8, check_choice, check_float, check_ndim, fp8_output
+from .cast import cast_transpose_fp8, check_choice, check_float, check_ndim, fp8_output, quantize_fp8_current
 
 _GELU_K = math.sqrt(2.0 / math.pi)
 _GELU_C = 0.044715
@@ -188,6 +188,15 @@ def dbias_cast_transpose_parts(
     parts, scale: Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[Tensor] = None
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     return dbias_cast_transpose(join_column_parts(parts), scale, fp8_dtype, amax_out=amax_out)
+
+
+def dbias_cast_transpose_current(
+    parts, fp8_dtype: torch.dtype, *, force_pow2_scales: bool = False, amax_epsilon: float = 0.0
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dy = join_column_parts(parts)
+    data, data_t, scale, scale_inv, amax = quantize_fp8_current(
+        dy, fp8_dtype, with_transpose=True, force_pow2_scales=force_pow2_scales, amax_epsilon=amax_epsilon)
+    return data, data_t, dbias(dy), scale, scale_inv, amax
 
 
 def join_column_parts(parts) -> Tensor:

@@ -73,6 +73,47 @@ def test_delayed_gradient_cast_reads_the_parts(monkeypatch):
     assert "dbias_cast_transpose_parts" in calls and "dbias_cast_transpose" not in calls
 
 
+@pytest.mark.parametrize("split", [SPLIT, None])
+def test_current_gradient_cast_fuses_the_bias_gradient(monkeypatch, split):
+    """Current scaling casts the output gradient and sums its bias gradient in one op, reading a
+    split output's parts in place; the gradients equal those of the unfused path (cast, then
+    torch's sum) bit for bit, but the bias gradient, which a backend may sum in another order."""
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            op = getattr(ops, name)
+            return lambda *a, **k: (calls.append((name, a)), op(*a, **k))[1]
+
+    def grads(fused):
+        torch.manual_seed(0)
+        module = tm.LayerNormLinear(48, sum(SPLIT))
+        randomize_(module, seed=3, std=0.2)
+        x = torch.randn(16, 48, requires_grad=True)
+        with monkeypatch.context() as m:
+            m.setattr(quantizers, "ops", Spy())
+            if not fused:
+                m.setattr(quantizers, "declares", lambda name: name != "dbias_cast_transpose_current")
+            with autocast(recipe=recipe.Float8CurrentScaling()):
+                out = module(x, split_sizes=split) if split else module(x).split(SPLIT, dim=-1)
+            sum((i + 1) * p.square().sum() for i, p in enumerate(out)).backward()
+        return {"x": x.grad, **{name: p.grad for name, p in module.named_parameters()}}
+
+    unfused = grads(False)
+    assert not any(name == "dbias_cast_transpose_current" for name, _ in calls)
+    calls.clear()
+    fused = grads(True)
+    epilogues = [args for name, args in calls if name == "dbias_cast_transpose_current"]
+    assert len(epilogues) == 1 and len(epilogues[0][0]) == (3 if split else 1)
+    assert fused.keys() == unfused.keys()
+    for name, grad in unfused.items():
+        if name == "bias":
+            torch.testing.assert_close(fused[name], grad, rtol=1.3e-6, atol=1e-5)
+        else:
+            assert torch.equal(fused[name], grad), name
+    assert fused["bias"].abs().sum() > 0
+
+
 def test_linear_split_without_grad_and_with_bias_returned():
     module = tm.Linear(16, 24, return_bias=True)
     x = torch.randn(2, 3, 16)

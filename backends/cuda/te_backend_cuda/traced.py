@@ -201,6 +201,24 @@ def quantize_fp8_current(x, fp8_dtype, *, with_transpose=False, force_pow2_scale
     return data, data_t, scale, torch.div(torch.ones_like(scale), scale), amax
 
 
+def dbias_cast_transpose_current(parts, fp8_dtype, *, force_pow2_scales=False, amax_epsilon=0.0):
+    """quantize_fp8_current's twin on the joined column blocks (the compiler fuses the join
+    into the cast), plus their column sums."""
+    if not isinstance(parts, (list, tuple)) or not parts or not all(_here(p) and p.dim() == 2 for p in parts):
+        return NotImplemented
+    first = parts[0]
+    if any(p.dtype != first.dtype or p.shape[0] != first.shape[0] or p.device != first.device for p in parts):
+        return NotImplemented  # (the opaque op names the mismatch)
+    dy = torch.cat(list(parts), dim=1) if len(parts) > 1 else first
+    result = quantize_fp8_current(dy, fp8_dtype, with_transpose=True, force_pow2_scales=force_pow2_scales,
+                                  amax_epsilon=amax_epsilon)
+    if result is NotImplemented:
+        return result
+    data, data_t, scale, scale_inv, amax = result
+    dy = as_stored(dy)
+    return data, data_t, _as(_as(dy, torch.float32).sum(0), dy.dtype), scale, scale_inv, amax
+
+
 def transpose_fp8(data):
     if data.dtype not in FP8_FORMATS or data.dim() != 2 or not _here(data):
         return NotImplemented
@@ -280,6 +298,7 @@ TRACED = {
     "cast_transpose_fp8": cast_transpose_fp8,
     "dbias_cast_transpose": dbias_cast_transpose,
     "quantize_fp8_current": quantize_fp8_current,
+    "dbias_cast_transpose_current": dbias_cast_transpose_current,
     "transpose_fp8": transpose_fp8,
     "dequantize_fp8": dequantize_fp8,
     "gemm_fp8": gemm_fp8,

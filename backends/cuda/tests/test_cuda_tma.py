@@ -133,6 +133,23 @@ def test_dbias_cast_transpose_parts(monkeypatch, first_contiguous):
     _same_cast(got, dbias.dbias_cast_transpose(whole, s, E5M2, configs.for_tensor(whole).dbias_cast_transpose))
 
 
+@pytest.mark.parametrize("n_parts", [1, 3])
+def test_dbias_cast_transpose_current(monkeypatch, n_parts):
+    """Current scaling's epilogue through the descriptor kernel, its scale made on the device
+    from the amax pass: the FP8 bytes, scales and amax of the reference's quantize_fp8_current
+    of the joined gradient, its dbias within bf16's tolerance."""
+    from te_backend_cuda import ops
+    torch.manual_seed(5)
+    parts = [torch.randn(4096, 3072 // n_parts, device="cuda", dtype=torch.bfloat16) * (i + 1)
+             for i in range(n_parts)]
+    got = _tma_only(monkeypatch, lambda: ops.dbias_cast_transpose_current(parts, E5M2, force_pow2_scales=True))
+    whole = torch.cat(parts, dim=1)
+    ref = implementations()
+    want = ref["quantize_fp8_current"](whole, E5M2, with_transpose=True, force_pow2_scales=True)
+    _same_cast((got[0], got[1], got[2], got[5]), (want[0], want[1], ref["dbias"](whole), want[4]))
+    assert torch.equal(got[3], want[2]) and torch.equal(got[4], want[3])
+
+
 def test_activation_bwd_dbias_cast_transpose(monkeypatch):
     from te_triton import dbias
 

@@ -126,6 +126,23 @@ def test_cast_twins_with_amax_out_match_reference(on_cpu, fp8_dtype):
             torch.testing.assert_close(got[2], want[2], rtol=1.3e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("widths", [(160,), (64, 32, 64)])
+@pytest.mark.parametrize("pow2,eps", [(False, 0.0), (True, 4.0)])
+def test_current_epilogue_twin_matches_reference(on_cpu, widths, pow2, eps):
+    """Current scaling's output-gradient epilogue traced: the reference's FP8 bytes, scales and
+    amax; its bias gradient to bf16's tolerance (rows summed in another order)."""
+    parts = [_x(shape=(96, w)) for w in widths]
+    kwargs = dict(force_pow2_scales=pow2, amax_epsilon=eps)
+    got = traced.dbias_cast_transpose_current(parts, F8[1], **kwargs)
+    want = ref_act.dbias_cast_transpose_current(parts, F8[1], **kwargs)
+    _bytes_equal(got[0], want[0])
+    _bytes_equal(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2], rtol=1.6e-2, atol=1e-5)
+    _assert_bits_equal([t.reshape(-1) for t in got[3:]], [t.reshape(-1) for t in want[3:]])
+    bad_rows = [parts[0], _x(shape=(95, 32))]
+    assert traced.dbias_cast_transpose_current(bad_rows, F8[1]) is NotImplemented
+
+
 def _assert_bits_equal(got, want):
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g.view(torch.int32), w.view(torch.int32)), f"[{i}]: {g} != {w}"
@@ -159,7 +176,7 @@ def test_twins_write_in_place_under_compile(on_cpu, before):
 
 # --- compiled modules with delayed scaling: the twins as a backend's, against eager -----------
 COVERED = ("quantize_fp8", "cast_transpose_fp8", "dbias_cast_transpose", "transpose_fp8", "dequantize_fp8",
-           "quantize_fp8_current")  # every twin but the GEMMs' (torch._scaled_mm: the GPU's)
+           "quantize_fp8_current", "dbias_cast_transpose_current")  # every twin but the GEMMs' (torch._scaled_mm: the GPU's)
 MODULES = {  # (device, params_dtype) -> module
     "Linear": lambda *f: te.Linear(256, 512, device=f[0], params_dtype=f[1]),
     "TransformerLayer": lambda *f: te.TransformerLayer(256, 1024, 4, hidden_dropout=0.0, attention_dropout=0.0,
@@ -272,6 +289,12 @@ def test_twins_equal_eager_ops_on_gpu(fp8_dtype):
     got = traced.quantize_fp8_current(x, fp8_dtype, with_transpose=True)
     for g, w in zip(got, want):  # data, data_t, scale, scale_inv, amax
         assert torch.equal(g.flatten().view(torch.uint8), w.flatten().view(torch.uint8))
+    parts = [x[:, :128].contiguous(), x[:, 128:].contiguous()]
+    want = ops.dbias_cast_transpose_current(parts, fp8_dtype)
+    got = traced.dbias_cast_transpose_current(parts, fp8_dtype)
+    for i in (0, 1, 3, 4, 5):  # data, data_t, scale, scale_inv, amax
+        assert torch.equal(got[i].flatten().view(torch.uint8), want[i].flatten().view(torch.uint8)), i
+    torch.testing.assert_close(got[2], want[2], rtol=1.6e-2, atol=1e-5)
 
 
 @GPU

@@ -34,6 +34,9 @@ LAUNCHERS: Dict[str, Tuple[str, str, dict, Dict[str, str]]] = {
     "activation_bwd": ("activation", "activation_bwd", {}, {"cfg": "elementwise"}),
     "dbias_cast_transpose": ("dbias", "dbias_cast_transpose", {}, {"cfg": "cast_transpose"}),
     "dbias_cast_transpose_parts": ("dbias", "dbias_cast_transpose_parts", {}, {"cfg": "cast_transpose"}),
+    "dbias_cast_transpose_current": (
+        "dbias", "dbias_cast_transpose_current", {}, {"cfg": "cast_transpose", "amax_cfg": "quantize"},
+    ),
     "activation_bwd_dbias_cast_transpose": (
         "dbias", "activation_bwd_dbias_cast_transpose", {}, {"cfg": "cast_transpose", "act_cfg": "elementwise"},
     ),

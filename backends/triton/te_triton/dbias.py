@@ -19,7 +19,8 @@ import triton.language as tl
 from ._common import (FLOAT_DTYPES, MAX_NUMEL, Config, abs_bits, amax_from_buffer, answered, cdiv, descriptor,
                       fp8_max, launched, max_into, new_amax_buffer, saturating_cast, tma_ready)
 from .activation import ELEMENTWISE_DEFAULT, KIND_IDS, _check, _check_dy, _dact, _no_params, activation_bwd
-from .cast import _cast_transpose_tile, _check_input, transpose_clamps
+from .cast import (NO_CURRENT, QUANTIZE_DEFAULT, _cast_scale, _cast_transpose_tile, _check_input, _quantize, amax,
+                   transpose_clamps)
 from .launch import launcher
 
 
@@ -38,15 +39,19 @@ def _dbias_ct_load(g_ptr, x_ptr, tm, cols, M, N, BM: tl.constexpr, ACT: tl.const
 @launcher
 @triton.jit
 def _dbias_ct_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr, M, N, fmax, groups,
-                     g1_ptr, g2_ptr, B1, B2,
+                     g1_ptr, g2_ptr, B1, B2, scale_inv_ptr, eps,
                      ACT: tl.constexpr, KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     CLAMP: tl.constexpr, PREFETCH: tl.constexpr, PARTS: tl.constexpr):
+                     CLAMP: tl.constexpr, PREFETCH: tl.constexpr, PARTS: tl.constexpr,
+                     FROM_AMAX: tl.constexpr = False, POW2: tl.constexpr = False):
     """Cast-transpose of a gradient with its column sums (dbias). ACT: the gradient is
     dx = g * act'(x) (non-gated), rounded to x's dtype as the unfused ops do; else it is g.
     PREFETCH loads the next tile before working on the current one.
 
     PARTS > 1: g is not one tensor but the column blocks g_ptr | g1_ptr | g2_ptr, starting at
-    columns 0, B1 and B2, each a whole number of strips wide; a strip reads from its block."""
+    columns 0, B1 and B2, each a whole number of strips wide; a strip reads from its block.
+
+    FROM_AMAX (current scaling): the scale is made from the amax an earlier pass left at
+    amax_ptr (cast._cast_scale), and no amax is recorded."""
     pid = tl.program_id(0)
     tn = pid // groups
     cols = tn * BN + tl.arange(0, BN)
@@ -58,7 +63,7 @@ def _dbias_ct_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr
             src, src_cols, src_n = g1_ptr, cols - B1, B2 - B1
         else:
             src_n = B1
-    scale = tl.load(scale_ptr)
+    scale = _cast_scale(scale_ptr, scale_inv_ptr, amax_ptr, fmax, eps, FROM_AMAX, POW2)
     colsum = tl.zeros([BM, BN], dtype=tl.float32)
     acc = tl.zeros([BM, BN], dtype=tl.int32)
     if PREFETCH:
@@ -75,9 +80,11 @@ def _dbias_ct_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr
             v = g.to(tl.float32)
         _cast_transpose_tile(y_ptr, yt_ptr, v, tm, tn, M, N, scale, fmax, BM, BN, CLAMP)
         colsum += v
-        acc = tl.maximum(acc, abs_bits(v))
+        if not FROM_AMAX:
+            acc = tl.maximum(acc, abs_bits(v))
     tl.store(dbias_ptr + (pid % groups) * N + cols, tl.sum(colsum, axis=0), mask=cols < N)
-    max_into(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
+    if not FROM_AMAX:
+        max_into(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
 
 
 # At most this many elements, each column strip is one program: its sums are then the bias
@@ -95,9 +102,10 @@ def _groups(M: int, strips: int, cfg: Config) -> int:
     return max(1, min(row_tiles, cfg.max_programs // strips)) if cfg.max_programs > 0 else row_tiles
 
 
-def _dbias_cast_transpose(g, x, kind, scale, fp8_dtype, cfg: Config, amax_out, parts=None):
+def _dbias_cast_transpose(g, x, kind, scale, fp8_dtype, cfg: Config, amax_out, parts=None, current=NO_CURRENT):
     """(data, data_t, dbias in x's dtype, amax) of g (x is None) or of activation_bwd(g, x, kind),
-    or of the column blocks `parts` of g (at most three, each a whole number of block_n wide)."""
+    or of the column blocks `parts` of g (at most three, each a whole number of block_n wide).
+    `current` as for cast._quantize: then amax_out holds the amax already (see _dbias_ct_kernel)."""
     fmax = fp8_max(fp8_dtype)
     blocks = [g] if parts is None else list(parts)
     g = blocks[0]
@@ -107,7 +115,7 @@ def _dbias_cast_transpose(g, x, kind, scale, fp8_dtype, cfg: Config, amax_out, p
     y = torch.empty((M, N), dtype=fp8_dtype, device=src.device)
     yt = torch.empty((N, M), dtype=fp8_dtype, device=src.device)
     amax_buf = new_amax_buffer(src.device, amax_out)
-    partial = _tma_launch(blocks, x, y, yt, scale, amax_buf, fmax, kind, cfg) if M * N else None
+    partial = _tma_launch(blocks, x, y, yt, scale, amax_buf, fmax, kind, cfg, current) if M * N else None
     summed = False
     if partial is None:
         starts = [min(sum(widths[:i]), N) for i in (1, 2)]  # where blocks 1 and 2 begin (N: no such block)
@@ -116,12 +124,14 @@ def _dbias_cast_transpose(g, x, kind, scale, fp8_dtype, cfg: Config, amax_out, p
         groups = _groups(M, n_tn, cfg)
         summed = groups == 1 and M > 0
         partial = torch.empty((groups, N), dtype=src.dtype if summed else torch.float32, device=src.device)
+        scale_inv, eps, pow2 = current
         if M * N:
             _dbias_ct_kernel[(groups * n_tn,)](
                 g, src, y, yt, scale, amax_buf, partial, M, N, fmax, groups, blocks[1], blocks[2], starts[0],
-                starts[1], ACT=x is not None, KIND=KIND_IDS.get(kind, 0), BM=cfg.block_m, BN=cfg.block_n,
-                CLAMP=transpose_clamps(cfg, src), PREFETCH=cfg.prefetch, PARTS=1 if parts is None else len(parts),
-                num_warps=cfg.num_warps)
+                starts[1], scale if scale_inv is None else scale_inv, eps, ACT=x is not None,
+                KIND=KIND_IDS.get(kind, 0), BM=cfg.block_m, BN=cfg.block_n, CLAMP=transpose_clamps(cfg, src),
+                PREFETCH=cfg.prefetch, PARTS=1 if parts is None else len(parts), FROM_AMAX=scale_inv is not None,
+                POW2=pow2, num_warps=cfg.num_warps)
     if summed:  # one group: the kernel wrote the bias gradient itself
         dbias = partial[0]
     else:
@@ -132,14 +142,16 @@ def _dbias_cast_transpose(g, x, kind, scale, fp8_dtype, cfg: Config, amax_out, p
 @launcher
 @triton.jit
 def _dbias_ct_tma_kernel(g_desc, x_desc, y_desc, yt_desc, scale_ptr, amax_ptr, dbias_ptr, M, N, col0, width, fmax,
-                         groups, ACT: tl.constexpr, KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                         CLAMP: tl.constexpr, STAGES: tl.constexpr):
+                         groups, scale_inv_ptr, eps, ACT: tl.constexpr, KIND: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr, CLAMP: tl.constexpr, STAGES: tl.constexpr, FROM_AMAX: tl.constexpr = False,
+                         POW2: tl.constexpr = False):
     """_dbias_ct_kernel's walk over one column block of the output: g_desc (and x_desc when
     ACT) hold that block, `width` columns wide, which starts at column col0 of the (M, N)
-    outputs. Tiles past the block's edge read zeros, which add nothing to the sums or amax."""
+    outputs. Tiles past the block's edge read zeros, which add nothing to the sums or amax.
+    FROM_AMAX as in _dbias_ct_kernel."""
     pid = tl.program_id(0)
     c = (pid // groups) * BN
-    scale = tl.load(scale_ptr)
+    scale = _cast_scale(scale_ptr, scale_inv_ptr, amax_ptr, fmax, eps, FROM_AMAX, POW2)
     colsum = tl.zeros([BM, BN], dtype=tl.float32)
     acc = tl.zeros([BM, BN], dtype=tl.int32)
     for tm in tl.range(pid % groups, tl.cdiv(M, BM), groups, num_stages=STAGES):
@@ -153,13 +165,15 @@ def _dbias_ct_tma_kernel(g_desc, x_desc, y_desc, yt_desc, scale_ptr, amax_ptr, d
         y_desc.store([tm * BM, col0 + c], q)
         yt_desc.store([col0 + c, tm * BM], tl.trans(q))
         colsum += v
-        acc = tl.maximum(acc, abs_bits(v))
+        if not FROM_AMAX:
+            acc = tl.maximum(acc, abs_bits(v))
     cols = c + tl.arange(0, BN)
     tl.store(dbias_ptr + (pid % groups) * N + col0 + cols, tl.sum(colsum, axis=0), mask=cols < width)
-    max_into(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
+    if not FROM_AMAX:
+        max_into(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
 
 
-def _tma_launch(blocks, x, y, yt, scale, amax_buf, fmax, kind, cfg: Config):
+def _tma_launch(blocks, x, y, yt, scale, amax_buf, fmax, kind, cfg: Config, current=NO_CURRENT):
     """The (groups, N) partial column sums after one launch of the descriptor kernel per column
     block, each with as many row groups as fill the GPU for its strips. None, before anything
     is written, when the tensors do not allow descriptors, a block other than the last is not
@@ -176,14 +190,16 @@ def _tma_launch(blocks, x, y, yt, scale, amax_buf, fmax, kind, cfg: Config):
     alloc = torch.empty if len(set(groups)) == 1 else torch.zeros
     partial = alloc((max(groups), N), dtype=torch.float32, device=y.device)
     y_desc, yt_desc = descriptor(y, (bm, bn)), descriptor(yt, (bn, bm))
+    scale_inv, eps, pow2 = current
     col0 = 0
     for g, block_groups in zip(blocks, groups):
         width = g.shape[1]
         g_desc = descriptor(g, (bm, bn))
         if not launched(_dbias_ct_tma_kernel, (block_groups * cdiv(width, bn),),
                         g_desc, g_desc if x is None else descriptor(x, (bm, bn)), y_desc, yt_desc, scale, amax_buf,
-                        partial, M, N, col0, width, fmax, block_groups, ACT=x is not None, KIND=KIND_IDS.get(kind, 0),
-                        BM=bm, BN=bn, CLAMP=transpose_clamps(cfg, g), STAGES=cfg.tma_stages,
+                        partial, M, N, col0, width, fmax, block_groups, scale if scale_inv is None else scale_inv, eps,
+                        ACT=x is not None, KIND=KIND_IDS.get(kind, 0), BM=bm, BN=bn, CLAMP=transpose_clamps(cfg, g),
+                        STAGES=cfg.tma_stages, FROM_AMAX=scale_inv is not None, POW2=pow2,
                         num_warps=cfg.num_warps):
             if col0:  # every block runs the same compiled kernel: only the first launch can fail
                 raise RuntimeError("dbias cast-transpose: a later column block's launch ran out of shared memory")
@@ -206,15 +222,8 @@ def dbias_cast_transpose_parts(parts, scale, fp8_dtype, cfg: Config = DBIAS_CAST
     """(data, data_t, dbias, amax) as te_core.ops.dbias_cast_transpose_parts. The kernel reads
     up to three contiguous parts in place when each is a whole number of cfg.block_n columns
     wide (a strip then lies in one part); other parts are concatenated first."""
-    parts = list(parts) if isinstance(parts, (list, tuple)) else parts
-    if not isinstance(parts, list) or not parts or not all(isinstance(p, torch.Tensor) for p in parts):
-        raise TypeError("parts must be a non-empty list or tuple of 2-D tensors")
-    for i, p in enumerate(parts):
-        if p.dim() != 2 or p.shape[0] != parts[0].shape[0] or p.dtype != parts[0].dtype or p.device != parts[0].device:
-            raise ValueError(f"parts[{i}] ({p.dtype}, shape {tuple(p.shape)}, {p.device}) is not a column block "
-                             f"matching parts[0] ({parts[0].dtype}, {parts[0].shape[0]} rows, {parts[0].device})")
-    direct = 1 < len(parts) <= 3 and all(p.is_contiguous() and p.shape[1] % cfg.block_n == 0 for p in parts)
-    if not direct:
+    parts = _column_blocks(parts)
+    if not _direct(parts, cfg):
         dy = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return dbias_cast_transpose(dy, scale, fp8_dtype, cfg, amax_out=amax_out)
     for p in parts:
@@ -224,12 +233,61 @@ def dbias_cast_transpose_parts(parts, scale, fp8_dtype, cfg: Config = DBIAS_CAST
     return _dbias_cast_transpose(None, None, None, scale, fp8_dtype, cfg, amax_out, parts=parts)
 
 
+def _column_blocks(parts):
+    """parts as a list, after checking that they are 2-D column blocks of one gradient."""
+    parts = list(parts) if isinstance(parts, (list, tuple)) else parts
+    if not isinstance(parts, list) or not parts or not all(isinstance(p, torch.Tensor) for p in parts):
+        raise TypeError("parts must be a non-empty list or tuple of 2-D tensors")
+    for i, p in enumerate(parts):
+        if p.dim() != 2 or p.shape[0] != parts[0].shape[0] or p.dtype != parts[0].dtype or p.device != parts[0].device:
+            raise ValueError(f"parts[{i}] ({p.dtype}, shape {tuple(p.shape)}, {p.device}) is not a column block "
+                             f"matching parts[0] ({parts[0].dtype}, {parts[0].shape[0]} rows, {parts[0].device})")
+    return parts
+
+
+def _direct(parts, cfg: Config) -> bool:
+    """Whether the kernels read the parts in place (else they are concatenated first)."""
+    return 1 < len(parts) <= 3 and all(p.is_contiguous() and p.shape[1] % cfg.block_n == 0 for p in parts)
+
+
+def dbias_cast_transpose_current(parts, fp8_dtype, cfg: Config = DBIAS_CAST_TRANSPOSE_DEFAULT, *,
+                                 force_pow2_scales=False, amax_epsilon=0.0, amax_cfg: Config = QUANTIZE_DEFAULT,
+                                 amax_out=None, scale_out=None, scale_inv_out=None):
+    """(data, data_t, dbias, scale, scale_inv, amax) as te_core.ops.dbias_cast_transpose_current:
+    an amax pass over each part, then the dbias cast-transpose pass making its scale from that
+    amax on the device (cast._cast_scale). Parts as for dbias_cast_transpose_parts; `amax_out`,
+    `scale_out`, `scale_inv_out` as for cast.quantize_fp8_current (a zeroed 0-dim amax)."""
+    parts = _column_blocks(parts)
+    if not _direct(parts, cfg):
+        parts = [parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)]
+    for p in parts:
+        _check_input(p, None, two_d=True)
+    first = parts[0]
+    if first.shape[0] * sum(p.shape[1] for p in parts) > MAX_NUMEL:
+        raise ValueError(f"the parts hold more than {MAX_NUMEL} elements; these kernels index with int32")
+    device = first.device
+    amax_buf = new_amax_buffer(device, amax_out)
+    for p in parts:
+        amax(p, amax_cfg, amax_out=amax_buf)
+    scale = scale_out if scale_out is not None else torch.empty(1, dtype=torch.float32, device=device)
+    scale_inv = scale_inv_out if scale_inv_out is not None else torch.empty(1, dtype=torch.float32, device=device)
+    current = (scale_inv, float(amax_epsilon), bool(force_pow2_scales))
+    if first.numel() == 0:  # no dbias pass to make the scale: the empty cast pass makes it
+        _quantize(first, scale, amax_buf, fp8_dtype, fp8_max(fp8_dtype), amax_cfg, current)
+    y, yt, dbias, _ = _dbias_cast_transpose(first, None, None, scale, fp8_dtype, cfg, amax_buf,
+                                            parts=parts if len(parts) > 1 else None, current=current)
+    return y, yt, dbias, scale, scale_inv, amax_buf
+
+
 def dbias_cast_transpose_parts_supports(parts, *args, **kwargs):
     """For backends binding the launcher generically: the parts' first tensor decides."""
     first = parts[0] if isinstance(parts, (list, tuple)) and parts else None
     if not isinstance(first, torch.Tensor) or first.dtype not in FLOAT_DTYPES:
         return False, "parts must be a non-empty list of float32, bfloat16 or float16 tensors"
     return True, ""
+
+
+dbias_cast_transpose_current_supports = dbias_cast_transpose_parts_supports
 
 
 def activation_bwd_dbias_cast_transpose_supports(dy, x, kind, scale, fp8_dtype, *, amax_out=None, **params):

@@ -90,6 +90,32 @@ def test_dbias_cast_transpose_parts_bad_inputs():
         dbias.dbias_cast_transpose_parts([], scale, torch.float8_e4m3fn)
 
 
+@pytest.mark.parametrize("pow2,eps", [(False, 0.0), (True, 0.0), (False, 50.0)])
+@pytest.mark.parametrize("widths", [(32, 16, 16), (16, 48), (20, 12), (48,)])
+def test_dbias_cast_transpose_current(widths, pow2, eps):
+    """Current scaling's epilogue equals the reference's quantize_fp8_current + dbias of the
+    concatenation: in place for whole strips (the first two), concatenated otherwise."""
+    parts = [_x((37, w), torch.bfloat16, 30 + i) * (i + 1) for i, w in enumerate(widths)]
+    dy = torch.cat(parts, dim=1)
+    e5m2 = torch.float8_e5m2
+    got = dbias.dbias_cast_transpose_current(parts, e5m2, Config(block_m=16, block_n=16, max_programs=4),
+                                             force_pow2_scales=pow2, amax_epsilon=eps)
+    data, data_t, scale, scale_inv, amax = ref.quantize_fp8_current(dy, e5m2, with_transpose=True,
+                                                                    force_pow2_scales=pow2, amax_epsilon=eps)
+    assert_fp8_matches(got[0], data)
+    assert torch.equal(got[1].float(), got[0].float().t())
+    torch.testing.assert_close(got[2], ref.dbias(dy), **TOL[torch.bfloat16])
+    assert torch.equal(got[3], scale) and torch.equal(got[4], scale_inv) and torch.equal(got[5], amax)
+    assert got[3].shape == (1,) and got[5].shape == ()
+
+
+def test_dbias_cast_transpose_current_empty_gets_its_scale():
+    got = dbias.dbias_cast_transpose_current([torch.empty(0, 32)], torch.float8_e4m3fn, amax_epsilon=2.0)
+    want = ref.quantize_fp8_current(torch.empty(0, 32), torch.float8_e4m3fn, with_transpose=True, amax_epsilon=2.0)
+    assert got[0].shape == (0, 32) and got[1].shape == (32, 0)
+    assert torch.equal(got[2], torch.zeros(32)) and torch.equal(got[3], want[2]) and torch.equal(got[4], want[3])
+
+
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("max_programs", [3, 12])  # one row group per column strip, or one per row tile
 @pytest.mark.parametrize("kind", ["gelu", "srelu", "swiglu"])

@@ -98,6 +98,22 @@ _parts((32,), 16, torch.float16, E4M3, 2)
 _parts((32, 64), 40, torch.bfloat16, E4M3, 1, amax_start=0.5, name_extra="-amax-out")
 
 
+def _current(widths, rows, dtype, fp8, std, **kwargs):
+    """Column blocks of one gradient for current scaling's epilogue, of magnitude `std`."""
+    extra = "".join(f"-{k.split('_')[-1]}" for k in kwargs)
+    name = f"{short(dtype)}-{short(fp8)}{extra}-{rows}x" + "+".join(map(str, widths))
+
+    @case("dbias_cast_transpose_current", name)
+    def make(gen):
+        return (tuple(randn(gen, rows, w, dtype=dtype, std=std) for w in widths), fp8), dict(kwargs)
+
+
+_current((32,), 64, torch.bfloat16, E5M2, 3.0)
+_current((128, 64, 64), 48, torch.bfloat16, E4M3, 0.02)  # QKV-like: each block a whole number of tiles
+_current((5, 12), 17, torch.float32, E4M3, 50.0, force_pow2_scales=True)  # ragged widths
+_current((40,), 9, torch.float16, E4M3, 0.01, force_pow2_scales=True, amax_epsilon=0.5)
+
+
 def _bwd_epilogue(kind, m, h, dtype, fp8):
     cols = 2 * h if kind in GATED_ACTIVATIONS else h
 

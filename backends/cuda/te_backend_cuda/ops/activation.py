@@ -9,9 +9,9 @@ from te_triton import MAX_NUMEL, activation
 from te_triton import dbias as dbias_ct
 
 from .. import configs
-from ..amax_slots import fresh
-from .checks import (FLOAT_DTYPES, first_failure, fp8_amax_out_ok, fp8_cast_args_ok, fp8_cast_ok, fp8_out_ok,
-                     tensor_ok)
+from ..amax_slots import fresh, fresh_current
+from .checks import (FLOAT_DTYPES, OK, first_failure, fp8_amax_out_ok, fp8_cast_args_ok, fp8_cast_ok,
+                     fp8_out_device_ok, fp8_out_ok, tensor_ok)
 from .launch import fp8_amax, guard, tma_or
 
 
@@ -45,6 +45,16 @@ def dbias_cast_transpose_parts(parts, scale, fp8_dtype, *, amax_out=None):
     with guard(parts[0]):
         return dbias_ct.dbias_cast_transpose_parts(parts, scale, fp8_dtype, _dbias_ct_cfg(parts[0]),
                                                    amax_out=fresh(amax_out, parts[0]))
+
+
+def dbias_cast_transpose_current(parts, fp8_dtype, *, force_pow2_scales=False, amax_epsilon=0.0):
+    first = parts[0]
+    amax_out, scale_out, scale_inv_out = fresh_current(first)
+    with guard(first):
+        return dbias_ct.dbias_cast_transpose_current(
+            parts, fp8_dtype, _dbias_ct_cfg(first), force_pow2_scales=force_pow2_scales, amax_epsilon=amax_epsilon,
+            amax_cfg=configs.for_tensor(first).quantize, amax_out=amax_out, scale_out=scale_out,
+            scale_inv_out=scale_inv_out)
 
 
 def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, *, amax_out=None):
@@ -90,6 +100,16 @@ def dbias_ct_ok(dy, scale, fp8_dtype, *, amax_out=None):
 def dbias_ct_parts_ok(parts, scale, fp8_dtype, *, amax_out=None):
     """Parts that are column blocks of one CUDA gradient; the launcher concatenates those it
     cannot read in place, so only what the reference must explain is declined."""
+    ok, why = _parts_ok(parts)
+    return fp8_cast_args_ok(parts[0], scale, amax_out) if ok else (ok, why)
+
+
+def dbias_ct_current_ok(parts, fp8_dtype, *, force_pow2_scales=False, amax_epsilon=0.0):
+    ok, why = _parts_ok(parts)
+    return fp8_out_device_ok(parts[0]) if ok else (ok, why)
+
+
+def _parts_ok(parts):
     if not isinstance(parts, (list, tuple)) or not parts or not all(isinstance(p, torch.Tensor) for p in parts):
         return False, "parts is not a non-empty list of tensors"
     first = parts[0]
@@ -103,7 +123,7 @@ def dbias_ct_parts_ok(parts, scale, fp8_dtype, *, amax_out=None):
         return False, f"the parts' dtype {first.dtype} is not float32/bfloat16/float16"
     if first.shape[0] * sum(p.shape[1] for p in parts) > MAX_NUMEL:
         return False, "the parts hold more than 2^31 elements"
-    return fp8_cast_args_ok(first, scale, amax_out)
+    return OK
 
 
 def act_bwd_dbias_ct_ok(dy, x, kind, scale, fp8_dtype, *, amax_out=None, **params):
