@@ -7,6 +7,7 @@ from te_core.reference import activation
 
 TOLS = {torch.float32: dict(rtol=1.3e-6, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-5)}
 E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
 
 PLAIN = {
     "gelu": lambda x: F.gelu(x, approximate="tanh"),
@@ -109,6 +110,32 @@ def test_dbias_cast_transpose_parts_names_bad_parts():
         activation.dbias_cast_transpose_parts([torch.randn(4, 8), torch.randn(4, 8).half()], scale, E4M3)
     with pytest.raises(ValueError, match=r"parts\[0\] must be 2-D"):
         activation.dbias_cast_transpose_parts([torch.randn(2, 4, 8)], scale, E4M3)
+
+
+def test_dbias_cast_transpose_current_names_bad_inputs():
+    with pytest.raises(TypeError, match=r"parts must be a non-empty list or tuple of 2-D tensors, got Tensor"):
+        activation.dbias_cast_transpose_current(torch.randn(4, 8), E4M3)
+    with pytest.raises(ValueError, match=r"parts\[1\] has 5 rows but parts\[0\] has 4"):
+        activation.dbias_cast_transpose_current([torch.randn(4, 8), torch.randn(5, 8)], E4M3)
+    with pytest.raises((TypeError, ValueError), match=r"fp8_dtype"):
+        activation.dbias_cast_transpose_current([torch.randn(4, 8)], torch.bfloat16)
+
+
+def test_dbias_cast_transpose_current_equals_its_composition():
+    """The parts' join cast by its own amax (quantize_fp8_current) and its column sums, on fresh
+    random parts of very different magnitudes."""
+    g = torch.Generator().manual_seed(7)
+    parts = [torch.randn(24, w, generator=g) * 10.0 ** i for i, w in enumerate((16, 8, 40))]
+    got = activation.dbias_cast_transpose_current(parts, E5M2, force_pow2_scales=True, amax_epsilon=1e-3)
+    whole = torch.cat(parts, dim=1).double()
+    amax = whole.abs().max()
+    scale = 2.0 ** torch.floor(torch.log2(torch.finfo(E5M2).max / amax))
+    assert got[5].item() == amax.item() and got[3].item() == scale.item() and got[4].item() == 1 / scale.item()
+    torch.testing.assert_close(got[0].double() / scale, whole, rtol=0.25, atol=0.125 / scale.item())
+    assert torch.equal(got[1], got[0].t().contiguous())
+    # float32 sums of 24 rows, in any order: within the recursive-summation bound 23 u sum|x|
+    bound = 23 * 2.0 ** -24 * whole.abs().sum(0)
+    assert ((got[2].double() - whole.sum(0)).abs() <= bound).all()
 
 
 def clamped_swiglu64(x, limit, alpha):
