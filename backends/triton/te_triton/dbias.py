@@ -224,8 +224,7 @@ def dbias_cast_transpose_parts(parts, scale, fp8_dtype, cfg: Config = DBIAS_CAST
     wide (a strip then lies in one part); other parts are concatenated first."""
     parts = _column_blocks(parts)
     if not _direct(parts, cfg):
-        dy = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        return dbias_cast_transpose(dy, scale, fp8_dtype, cfg, amax_out=amax_out)
+        return dbias_cast_transpose(_joined(parts), scale, fp8_dtype, cfg, amax_out=amax_out)
     for p in parts:
         _check_input(p, scale, two_d=True)
     if parts[0].shape[0] * sum(p.shape[1] for p in parts) > MAX_NUMEL:
@@ -250,6 +249,11 @@ def _direct(parts, cfg: Config) -> bool:
     return 1 < len(parts) <= 3 and all(p.is_contiguous() and p.shape[1] % cfg.block_n == 0 for p in parts)
 
 
+def _joined(parts) -> torch.Tensor:
+    """The parts as one contiguous gradient, for the kernels that read one tensor."""
+    return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 def dbias_cast_transpose_current(parts, fp8_dtype, cfg: Config = DBIAS_CAST_TRANSPOSE_DEFAULT, *,
                                  force_pow2_scales=False, amax_epsilon=0.0, amax_cfg: Config = QUANTIZE_DEFAULT,
                                  amax_out=None, scale_out=None, scale_inv_out=None):
@@ -259,7 +263,7 @@ def dbias_cast_transpose_current(parts, fp8_dtype, cfg: Config = DBIAS_CAST_TRAN
     `scale_out`, `scale_inv_out` as for cast.quantize_fp8_current (a zeroed 0-dim amax)."""
     parts = _column_blocks(parts)
     if not _direct(parts, cfg):
-        parts = [parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)]
+        parts = [_joined(parts)]
     for p in parts:
         _check_input(p, None, two_d=True)
     first = parts[0]

@@ -109,6 +109,21 @@ def test_dbias_cast_transpose_current(widths, pow2, eps):
     assert got[3].shape == (1,) and got[5].shape == ()
 
 
+@pytest.mark.parametrize("op", ["parts", "current"])
+def test_dbias_cast_transpose_one_strided_part_is_copied(op):
+    """A lone part that is not contiguous (the gradient of a transposed output) is made so."""
+    dy = _x((48, 24), torch.bfloat16, 40).t()
+    cfg = Config(block_m=16, block_n=16, max_programs=4)
+    if op == "parts":
+        got = dbias.dbias_cast_transpose_parts([dy], torch.tensor([4.0]), torch.float8_e4m3fn, cfg)
+        want = ref.dbias_cast_transpose(dy, torch.tensor([4.0]), torch.float8_e4m3fn)
+    else:
+        got = dbias.dbias_cast_transpose_current([dy], torch.float8_e4m3fn, cfg)
+        want = ref.dbias_cast_transpose_current([dy], torch.float8_e4m3fn)
+    assert_fp8_matches(got[0], want[0])
+    torch.testing.assert_close(got[2], want[2], **TOL[torch.bfloat16])
+
+
 def test_dbias_cast_transpose_current_empty_gets_its_scale():
     got = dbias.dbias_cast_transpose_current([torch.empty(0, 32)], torch.float8_e4m3fn, amax_epsilon=2.0)
     want = ref.quantize_fp8_current(torch.empty(0, 32), torch.float8_e4m3fn, with_transpose=True, amax_epsilon=2.0)
