@@ -231,8 +231,9 @@ class Float8CurrentScalingQuantizer(Quantizer):
         parts = list(dy) if isinstance(dy, (list, tuple)) else [_as_2d(dy, "a gradient with its bias gradient")]
         data, data_t, dbias, _scale, scale_inv, _amax = ops.dbias_cast_transpose_current(
             parts, self.fp8_dtype, force_pow2_scales=self.power_2_scale, amax_epsilon=self.amax_epsilon)
-        nominal = parts[0].dtype
-        return Float8Tensor.make(data, scale_inv, data_t, nominal_dtype=nominal, quantizer=self), dbias
+        if isinstance(dy, Tensor):
+            data = _shaped_like(data, dy)
+        return Float8Tensor.make(data, scale_inv, data_t, nominal_dtype=parts[0].dtype, quantizer=self), dbias
 
 
 class Float8BlockQuantizer(Quantizer):

@@ -29,6 +29,23 @@ def quantizer(recipe, slot="input"):
     return recipe.make_state(gemm_slots(), torch.device("cpu")).quantizer(slot)
 
 
+@pytest.mark.parametrize("shape", [(48, 80), (3, 16, 80)])
+def test_current_scaling_gradient_with_its_bias_gradient(gen, shape):
+    """The output-gradient cast with the bias gradient: x's shape kept, the cast the plain
+    column-wise cast's bit for bit, the bias gradient the float64 sum over every leading
+    dimension (within float32 summation's bound)."""
+    dy = randn(gen, *shape, scale=5.0)
+    q = quantizer(Float8CurrentScaling(), "grad_output")
+    got, dbias = q.quantize_with_dbias(dy, columnwise=True)
+    want = q.quantize(dy, columnwise=True)
+    assert got.shape == dy.shape and got._data.shape == dy.shape
+    assert torch.equal(bits(got._data), bits(want._data)) and torch.equal(bits(got._transpose), bits(want._transpose))
+    assert torch.equal(got._scale_inv, want._scale_inv)
+    exact = dy.double().reshape(-1, shape[-1]).sum(0)
+    rows = dy.numel() // shape[-1]
+    assert ((dbias.double() - exact).abs() <= rows * 2.0 ** -24 * dy.double().abs().reshape(-1, shape[-1]).sum(0)).all()
+
+
 def test_current_scaling_scale_from_this_tensors_amax(gen):
     x = randn(gen, 48, 80, scale=7.0)
     q = quantizer(Float8CurrentScaling()).quantize(x, columnwise=True)
