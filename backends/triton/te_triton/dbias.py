@@ -1,6 +1,7 @@
 """The fused backward epilogues: dbias + cast-transpose of a gradient, optionally of the
 activation backward's dx (dx = g * act'(x), never stored), or of a gradient handed over as its
-column blocks.
+column blocks; with a given scale, or (current scaling) with the scale the kernel makes from
+an amax pass's result.
 
 A program owns one column strip and every `groups`-th row tile of it, so the column sums and
 the amax build up element-wise in registers: one reduction and one atomic per program and a
