@@ -226,10 +226,7 @@ def dbias_cast_transpose_parts(parts, scale, fp8_dtype, cfg: Config = DBIAS_CAST
     parts = _column_blocks(parts)
     if not _direct(parts, cfg):
         return dbias_cast_transpose(_joined(parts), scale, fp8_dtype, cfg, amax_out=amax_out)
-    for p in parts:
-        _check_input(p, scale, two_d=True)
-    if parts[0].shape[0] * sum(p.shape[1] for p in parts) > MAX_NUMEL:
-        raise ValueError(f"the parts hold more than {MAX_NUMEL} elements; these kernels index with int32")
+    _check_blocks(parts, scale)
     return _dbias_cast_transpose(None, None, None, scale, fp8_dtype, cfg, amax_out, parts=parts)
 
 
@@ -243,6 +240,15 @@ def _column_blocks(parts):
             raise ValueError(f"parts[{i}] ({p.dtype}, shape {tuple(p.shape)}, {p.device}) is not a column block "
                              f"matching parts[0] ({parts[0].dtype}, {parts[0].shape[0]} rows, {parts[0].device})")
     return parts
+
+
+def _check_blocks(parts, scale) -> None:
+    """Each part as the kernels take a tensor (and `scale`, if given), and all of them within
+    int32 indexing."""
+    for p in parts:
+        _check_input(p, scale, two_d=True)
+    if parts[0].shape[0] * sum(p.shape[1] for p in parts) > MAX_NUMEL:
+        raise ValueError(f"the parts hold more than {MAX_NUMEL} elements; these kernels index with int32")
 
 
 def _direct(parts, cfg: Config) -> bool:
@@ -265,11 +271,8 @@ def dbias_cast_transpose_current(parts, fp8_dtype, cfg: Config = DBIAS_CAST_TRAN
     parts = _column_blocks(parts)
     if not _direct(parts, cfg):
         parts = [_joined(parts)]
-    for p in parts:
-        _check_input(p, None, two_d=True)
+    _check_blocks(parts, None)
     first = parts[0]
-    if first.shape[0] * sum(p.shape[1] for p in parts) > MAX_NUMEL:
-        raise ValueError(f"the parts hold more than {MAX_NUMEL} elements; these kernels index with int32")
     device = first.device
     amax_buf = new_amax_buffer(device, amax_out)
     for p in parts:
