@@ -11,6 +11,7 @@ LINEAR_EAGER = ("M8192 K4096 N4096", 1.2)  # te delayed eager over nn.Linear eag
 BIG = ("h4096 ffn16384 nh32 s2048 b8", {"delayed": 19.0, "current": 20.0, "block": 21.0})
 TINY = ("te.Linear(1024, 1024), 128 tokens", 2.0)  # te FP8 eager time at most this many times te bf16 eager
 FP8 = ("delayed", "current", "block")
+MODES = ("eager", "compiled", "graphed", "captured")
 Row = Tuple[str, str, str]
 
 
@@ -25,7 +26,7 @@ def _verdict(ok: Optional[bool]) -> str:
 
 def _best_mode(cells: dict, ours: str, base_of) -> Optional[Tuple[float, str]]:
     """(best base/ours ratio over the modes, that mode), the base cell chosen per mode."""
-    ratios = [(_v(cells, base_of(mode)) / _v(cells, f"{ours} {mode}"), mode) for mode in ("eager", "compiled", "graphed")
+    ratios = [(_v(cells, base_of(mode)) / _v(cells, f"{ours} {mode}"), mode) for mode in MODES
               if _v(cells, base_of(mode)) and _v(cells, f"{ours} {mode}")]
     return max(ratios) if ratios else None
 
@@ -47,12 +48,12 @@ def layer_rows(layer: Dict[str, dict]) -> List[Row]:
 def linear_rows(linear: Dict[str, dict]) -> List[Row]:
     rows = []
     for size, cells in linear.items():
-        # te's best recipe and mode against torchao's best compiled mode (the stronger peer)
+        # te's best recipe and mode against torchao's best mode other than eager (the stronger peer)
         tried = [(r[0], f"{name} {r[1]}") for name in ("delayed", "current", "block")
                  if (r := _best_mode(cells, f"te {name}", lambda mode: "nn.Linear eager"))]
         best = max(tried) if tried else None
         base = _v(cells, "nn.Linear eager")
-        aos = [_v(cells, f"torchao tensorwise {mode}") for mode in ("compiled", "graphed")]
+        aos = [_v(cells, f"torchao tensorwise {mode}") for mode in MODES[1:]]
         ao = min((v for v in aos if v), default=None)
         peer = base / ao if ao and base else None
         ok = None if best is None or peer is None else best[0] >= peer

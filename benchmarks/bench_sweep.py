@@ -15,7 +15,9 @@ Sections (--only picks some):
 
 GPU times are triton's do_bench medians; "compiled" is torch.compile of the forward ("graphed" with
 --mode reduce-overhead: CUDA graphs; te's under
-te.autocast), backward through AOTAutograd. The eager cells of every section run first, then
+te.autocast), backward through AOTAutograd; "captured" (--mode captured) is te.make_graphed_callables
+for te's modules and torch.cuda.make_graphed_callables for the peers (torchao's Float8Linear
+uncompiled), one graph replay per direction. The eager cells of every section run first, then
 the compiled ones; a cell that raises records the error and the sweep goes on; cells reached
 after --budget-s are recorded as skipped, so the sweep ends in bounded time. A compiled cell
 also records its graphs, graph breaks (the first one's reason) and the graphs CUDA graphs
@@ -29,6 +31,7 @@ The JSON is rewritten after every cell: a run stopped from outside keeps what it
     python benchmarks/bench_sweep.py --only tiny,layer --mode reduce-overhead --merge   # CUDA graphs,
                                                     # into the existing sweep.json (split long sweeps)
     python benchmarks/bench_sweep.py --only linear --cells "M8192 .*te current compiled" --merge   # re-measure one
+    python benchmarks/bench_sweep.py --only tiny,linear,layer --mode captured --merge   # whole-step graph capture
 
 Writes RESULTS/<gpu>/sweep.json; `python benchmarks/report.py` renders it into docs/performance.md.
 """
@@ -38,6 +41,7 @@ import argparse
 import dataclasses
 import json
 import os
+import gc
 import re
 import statistics
 import time
@@ -116,12 +120,30 @@ def _graph_safe(step, mode, x, module):
     return graphed_step
 
 
+def _graph_api(device):
+    """torch.<device>.make_graphed_callables, or a clear error where the device has none."""
+    api = getattr(getattr(torch, torch.device(device).type, None), "make_graphed_callables", None)
+    if api is None:
+        raise RuntimeError(f"captured cells need graph capture, which torch has not for {device!r}; run them on a GPU")
+    return api
+
+
+def _zeroed_grads(module, x):
+    """Gradients that exist before capture: a replay's gradients live in the graph's buffers, and
+    a .grad that autograd first set to one of them would be overwritten by the next replay."""
+    for t in [x, *module.parameters()]:
+        if t.requires_grad and t.grad is None:
+            t.grad = torch.zeros_like(t)
+
+
 class Sweep:
     """Builds the cells; each measures into {"ms": ...}, {"us": ...} or {"ms": ..., "peak_mib": ...}.
     Modules are built inside the cell, fresh for each, so no cell inherits another's FP8 state."""
 
-    def __init__(self, sizes: Sizes, device: str, compile_kw: Optional[dict]):
-        self.sizes, self.device, self.compile_kw = sizes, device, compile_kw
+    def __init__(self, sizes: Sizes, device: str, compile_kw: Optional[dict], capture: bool = False):
+        """compile_kw: torch.compile's arguments for the second pass, None for eager cells only;
+        capture: the second pass captures whole steps as graphs instead of compiling."""
+        self.sizes, self.device, self.compile_kw, self.capture = sizes, device, compile_kw, capture
 
     def _randn(self, *shape, grad=False):
         return torch.randn(*shape, device=self.device, dtype=torch.bfloat16, requires_grad=grad)
@@ -132,6 +154,8 @@ class Sweep:
     def _modes(self):
         if self.compile_kw is None:
             return ("eager",)
+        if self.capture:
+            return ("eager", "captured")
         return ("eager", "graphed" if self.compile_kw.get("mode") == "reduce-overhead" else "compiled")
 
     def te_step(self, make_module, rcp_name, mode, x, dy, with_eager=False):
@@ -139,6 +163,10 @@ class Sweep:
         timed beside its eager twin."""
         make = RECIPES[rcp_name]
         rcp, module = (make() if make else None), make_module()
+        if mode == "captured":  # what docs/graphs.md recommends for host-bound steps of fixed shapes
+            _zeroed_grads(module, x)
+            module = te.make_graphed_callables(module, (x,), enabled=rcp is not None,
+                                               recipe=rcp or recipe.DelayedScaling())
 
         def forward(inp):
             with te.autocast(enabled=rcp is not None, recipe=rcp):
@@ -162,6 +190,9 @@ class Sweep:
 
     def torch_step(self, make_module, mode, x, dy):
         module = make_module()
+        if mode == "captured":
+            _zeroed_grads(module, x)
+            return fwd_bwd(_graph_api(self.device)(module, (x,)), x, dy)
         return _graph_safe(fwd_bwd(self._compile(module, mode != "eager"), x, dy), mode, x, module)
 
     def _ms(self, make_step):
@@ -199,7 +230,7 @@ class Sweep:
             cells.append(Cell(section, label, f"{peer[0]} {mode}",
                               partial(measure, partial(self.torch_step, peer[1], mode, x, dy))))
             for name in recipes:
-                if mode == "eager":
+                if mode in ("eager", "captured"):  # a captured module has no eager step left to pair with
                     how = partial(measure, partial(self.te_step, te_module, name, mode, x, dy))
                 else:  # beside the same module's eager step (the compiled-never-slower target)
                     how = partial(self._paired, "us" if measure == self._us else "ms",
@@ -278,7 +309,7 @@ def run_cell(cell: Cell, deadline: float, device: str) -> dict:
     it raised or the time budget is spent."""
     if time.monotonic() > deadline:
         return {"error": SKIPPED}
-    compiled = not cell.name.endswith("eager")
+    compiled = cell.name.endswith(("compiled", "graphed"))
     try:
         if compiled:
             torch._dynamo.utils.counters.clear()
@@ -289,6 +320,8 @@ def run_cell(cell: Cell, deadline: float, device: str) -> dict:
     finally:
         if compiled:
             torch._dynamo.reset()  # frees the graphs; the next cell compiles afresh
+        if not cell.name.endswith("eager"):
+            gc.collect()  # a captured module's forward refers to the module: its graphs go with the cycle
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
 
@@ -364,7 +397,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-compile", action="store_true", help="eager cells only")
     ap.add_argument("--fullgraph", action="store_true", help="torch.compile(fullgraph=True): graph breaks are errors")
     ap.add_argument("--mode", default=None, help="torch.compile mode of the compiled cells, e.g. reduce-overhead "
-                    "(CUDA graphs); default: inductor's default")
+                    "(CUDA graphs), or 'captured' for te.make_graphed_callables (the peers: "
+                    "torch.cuda.make_graphed_callables) instead of compiling; default: inductor's default")
     ap.add_argument("--merge", action="store_true", help="keep the cells of an existing sweep.json that this run "
                     "does not measure or skips for its budget (to split a sweep over several runs)")
     ap.add_argument("--cells", default=None, metavar="REGEX", help="only the cells whose '<size> <cell>' "
@@ -378,6 +412,8 @@ def parse_args(argv=None):
             re.compile(args.cells)
         except re.error as exc:
             ap.error(f"--cells: {args.cells!r} is not a regular expression ({exc})")
+    if args.mode == "captured" and args.no_compile:
+        ap.error("--mode captured measures captured cells beside the eager ones; drop --no-compile")
     unknown = set(args.only.split(",")) - set(SECTIONS)
     if unknown:
         ap.error(f"--only: unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
@@ -388,21 +424,23 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     device = select_device(args.smoke, "bench_sweep.py")
     sizes = SMOKE if args.smoke else QUICK if args.quick else FULL
+    capture = args.mode == "captured"
     compile_kw = None if args.no_compile else {"fullgraph": args.fullgraph}
-    if compile_kw is not None and args.mode:
+    if compile_kw is not None and args.mode and not capture:
         compile_kw["mode"] = args.mode
     if args.smoke and compile_kw is not None:
         compile_kw["backend"] = "eager"  # dynamo's tracing without inductor's code generation: fast on a CPU
     pinned = pin_host(args, device)
     torch.manual_seed(0)
-    sweep = Sweep(sizes, device, compile_kw)
+    sweep = Sweep(sizes, device, compile_kw, capture)
     only = args.only.split(",")
     try:
         cells = selected([c for section in SECTIONS if section in only for c in getattr(sweep, section)()], args.cells)
     except ValueError as exc:
         raise SystemExit(f"bench_sweep.py: error: {exc}") from None
     t0 = time.monotonic()
-    settings = {"sizes": dataclasses.asdict(sizes), "compile": compile_kw, "backend": te.get_backend().name,
+    settings = {"sizes": dataclasses.asdict(sizes), "compile": None if capture else compile_kw, "capture": capture,
+                "backend": te.get_backend().name,
                 "budget_s": args.budget_s, "pinned_cpu": pinned}
     head = {"meta": meta(device), "settings": settings}
     earlier = previous_results(head["meta"], args.results) if args.merge else {}

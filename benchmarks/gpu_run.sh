@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Runs the benchmark suite on a GPU machine, from the repository root:
-#   bash benchmarks/gpu_run.sh [modules] [kernels] [sweep] [graphed] [conformance] [hf] [host] [module-tests]
+#   bash benchmarks/gpu_run.sh [modules] [kernels] [sweep] [graphed] [captured] [conformance] [hf] [host] [module-tests]
 # (no argument: modules, kernels, sweep, conformance; graphed re-measures the sweep's layer and tiny
-# rows under CUDA graphs (mode reduce-overhead) into the same sweep.json; hf trains a converted Hugging Face Llama and needs transformers;
+# rows under CUDA graphs (mode reduce-overhead) into the same sweep.json; captured measures the tiny,
+# linear and layer rows captured whole with te.make_graphed_callables, beside their eager cells;
+# hf trains a converted Hugging Face Llama and needs transformers;
 # host counts a te.Linear step's torch ops, launches and Python calls;
 # module-tests runs the module test suite on the cuda backend and keeps its summary)
 # Installs te-core, te_triton and te-backend-cuda (editable, no dependencies: torch and triton
@@ -10,7 +12,7 @@
 # is there (copy it into .whl/ beforehand; without it the torchao cells say why they are empty).
 # Results land in RESULTS/<gpu>/ (RESULTS: $OUT/results when $OUT is set, else benchmarks/results),
 # with the generated tables in RESULTS/<gpu>/table.md. Each part has its own time limit
-# (MODULES_TIMEOUT, KERNELS_TIMEOUT, SWEEP_TIMEOUT, GRAPHED_TIMEOUT, CONFORMANCE_TIMEOUT, HF_TIMEOUT,
+# (MODULES_TIMEOUT, KERNELS_TIMEOUT, SWEEP_TIMEOUT, GRAPHED_TIMEOUT, CAPTURED_TIMEOUT, CONFORMANCE_TIMEOUT, HF_TIMEOUT,
 # HOST_TIMEOUT, MODULE_TESTS_TIMEOUT, and CUDA_TESTS_TIMEOUT for the backend's own tests in the
 # conformance part, in seconds). A test run cut by its limit says so in its output file: pytest
 # killed mid-run prints no summary, and a file without one would read as a crash.
@@ -46,6 +48,10 @@ for part in "${parts[@]}"; do
       [ -f "$RESULTS/$gpu/sweep.json" ] || cp "benchmarks/results/$gpu/sweep.json" "$RESULTS/$gpu/" 2>/dev/null
       timeout "${GRAPHED_TIMEOUT:-420}" python3 benchmarks/bench_sweep.py --only layer,tiny --mode reduce-overhead \
         --merge --budget-s 360 --results "$RESULTS" 2>&1 | tail -n 40 ;;
+    captured)  # likewise merged
+      [ -f "$RESULTS/$gpu/sweep.json" ] || cp "benchmarks/results/$gpu/sweep.json" "$RESULTS/$gpu/" 2>/dev/null
+      timeout "${CAPTURED_TIMEOUT:-300}" python3 benchmarks/bench_sweep.py --only tiny,linear,layer --mode captured \
+        --merge --budget-s 240 --results "$RESULTS" 2>&1 | tail -n 40 ;;
     conformance)
       { echo "# $(python3 -c 'import torch, triton; print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)'), $(date -u +%F)"
         echo "## python3 -m pytest -q -rs backends/cuda/tests"
@@ -62,7 +68,7 @@ for part in "${parts[@]}"; do
         limited "${MODULE_TESTS_TIMEOUT:-420}" python3 -m pytest -q -rfs --tb=line -p no:logging tests/modules -k cuda 2>&1 | tail -n 60
       } > "$RESULTS/$gpu/modules-cuda.txt"
       tail -n 25 "$RESULTS/$gpu/modules-cuda.txt" ;;
-    *) echo "unknown part '$part': choose from modules, kernels, sweep, graphed, conformance, hf, host, module-tests" >&2; exit 2 ;;
+    *) echo "unknown part '$part': choose from modules, kernels, sweep, graphed, captured, conformance, hf, host, module-tests" >&2; exit 2 ;;
   esac
 done
 python3 benchmarks/report.py "$RESULTS/$gpu" --print

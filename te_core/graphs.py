@@ -70,20 +70,17 @@ def _restore_scaling_state(module: nn.Module, saved: Dict[int, Tuple[torch.Tenso
                 group.scale.copy_(scale)
 
 
-class _BackwardUpdates(torch.autograd.Function):
-    """Identity on the outputs whose backward queues the backward groups' scale updates, which
-    then run at the end of the backward pass, after the backward graph's replay."""
+def _backward_updates_hook(groups: List[ScalingGroup], process_group):
+    """A hook on a replay's output whose call queues the backward groups' scale updates, which
+    then run at the end of the backward pass, after the backward graph's replay. (A tensor hook
+    costs the host less than an identity autograd Function around the outputs, on a path whose
+    whole cost is host time.)"""
 
-    @staticmethod
-    def forward(ctx, groups, process_group, *outputs):
-        ctx.groups, ctx.process_group = groups, process_group
-        return outputs if len(outputs) > 1 else outputs[0]
+    def hook(grad):
+        for group in groups:
+            schedule_backward_update(group, process_group)
 
-    @staticmethod
-    def backward(ctx, *grads):
-        for group in ctx.groups:
-            schedule_backward_update(group, ctx.process_group)
-        return (None, None, *grads)
+    return hook
 
 
 class _Variant(nn.Module):
@@ -158,9 +155,11 @@ def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: b
         for group in forward_groups:  # a later microbatch's weight columns recorded nothing: kept as they are
             context.schedule_forward_update(group)
         if backward_groups and torch.is_grad_enabled():
-            outs = out if isinstance(out, tuple) else (out,)
-            if any(o.requires_grad for o in outs):
-                return _BackwardUpdates.apply(backward_groups, context.amax_reduction_group, *outs)
+            hook = None
+            for o in out if isinstance(out, tuple) else (out,):
+                if isinstance(o, torch.Tensor) and o.requires_grad:  # whichever output the loss reaches
+                    hook = hook or _backward_updates_hook(backward_groups, context.amax_reduction_group)
+                    o.register_hook(hook)
         return out
 
     return forward
@@ -234,6 +233,8 @@ def make_graphed_callables(
                             num_warmup_iters=num_warmup_iters, allow_unused_input=allow_unused_input)
     for module, before in zip(mods, saved):
         _restore_scaling_state(module, before)
+        for group in sum(_scaling_groups(module), []):
+            group.captured = True  # the graphs take their own scale_inv: updates skip the snapshot
     replays = iter(graphed)
     for module, forward, on in zip(mods, eager_forwards, options.enabled):
         module.forward = _graphed_forward(module, forward, {flag: next(replays).forward for flag in flags}, on, options)

@@ -219,6 +219,42 @@ def test_sweep_cells_cover_every_section_mode_and_recipe():
     assert names["big"] == {"torch bf16 eager", "te bf16 eager", "te delayed eager", "te current eager", "te block eager"}
     eager_only = bench_sweep.Sweep(bench_sweep.SMOKE, "cpu", None)
     assert all(not c.name.endswith("compiled") for s in bench_sweep.SECTIONS for c in getattr(eager_only, s)())
+    captured = bench_sweep.Sweep(bench_sweep.SMOKE, "cpu", {}, capture=True)
+    got = {s: {c.name for c in getattr(captured, s)()} for s in bench_sweep.SECTIONS}
+    assert got["linear"] == {n.replace("compiled", "captured") for n in names["linear"]}
+    assert got["layer"] == {n.replace("compiled", "captured") for n in names["layer"]}
+    assert got["big"] == names["big"]  # eager only: the batch-8 step is GPU-bound
+
+
+def test_captured_cells_need_graph_capture_and_say_so():
+    """A captured cell on a device without graph capture records why instead of a time; the
+    eager cells of the run still measure."""
+    sweep = bench_sweep.Sweep(bench_sweep.SMOKE, "cpu", {}, capture=True)
+    cells = [c for c in sweep.linear() if c.name in ("te delayed captured", "nn.Linear captured", "te delayed eager")]
+    (row,) = bench_sweep.run(cells, budget_s=120, device="cpu")["linear"].values()
+    assert "no graph capture for device type 'cpu'" in row["te delayed captured"]["error"]
+    assert "need graph capture, which torch has not for 'cpu'" in row["nn.Linear captured"]["error"]
+    assert row["te delayed eager"]["ms"] > 0
+
+
+def test_captured_cells_count_as_a_mode_in_targets_and_tables():
+    cells = {"nn.Linear eager": {"ms": 1.2}, "te delayed eager": {"ms": 1.5}, "te delayed captured": {"ms": 0.6},
+             "torchao tensorwise compiled": {"ms": 1.0}, "torchao tensorwise captured": {"ms": 0.8}}
+    got = {t: (m, v) for t, m, v in _sweep_targets.linear_rows({"M4096 K4096 N4096": cells})}
+    # te's best mode is the capture; the peer's is its capture too (0.8 ms, not its compiled 1.0 ms)
+    assert got["te.Linear M4096 K4096 N4096 over bf16, best recipe and mode ≥ torchao compiled"] == (
+        "te 2.00x (delayed captured), torchao 1.50x", "met")
+    rows = _table_rows(_sweep_table.render({"linear": {"M4096 K4096 N4096": cells}}))
+    assert "| M4096 K4096 N4096 | captured | – | 0.60 ms (2.00x) | – | – | 0.80 ms (1.50x) |" in rows
+    # captured cells are not compiled ones: the compiled-never-slower target does not count them
+    assert _sweep_targets.compiled_rows({"linear": {"M4096 K4096 N4096": cells}})[0][1] == "–"
+    settings = {"capture": True, "compile": None, "merged_with": {"compile": {"fullgraph": False}}}
+    text = _sweep_table.header({"settings": settings})
+    assert "captured with te.make_graphed_callables" in text and "compiled with torch.compile(fullgraph=False)" in text
+    # the legend names every mode the tables show, whichever merged run measured it
+    assert _sweep_table.legend({"linear": {"M4096 K4096 N4096": cells}}).startswith("compiled: torch.compile")
+    assert "captured: te.make_graphed_callables" in _sweep_table.legend({"linear": {"M4096 K4096 N4096": cells}})
+    assert _sweep_table.legend({"tiny": {"t": {"te bf16 eager": {"us": 1.0}}}}) == ""
 
 
 def test_a_failing_cell_and_a_spent_budget_are_recorded_not_raised():

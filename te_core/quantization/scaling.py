@@ -75,6 +75,10 @@ class ScalingGroup:
         # in-graph updates write `scale` through kernels that torch's version counter does not
         # see, so eager casts after it take a fresh snapshot each time instead of trusting it.
         self._updated_in_graphs = False
+        # Set by make_graphed_callables once graphs cast with the group: a replay computes its
+        # scale_inv from `scale` itself, so an update takes no snapshot for it (an eager cast of
+        # the group still takes one of its own, as after any update).
+        self.captured = False
 
     def scale_inv(self) -> Tensor:
         """1 / scale (n,), recomputed (as a NEW tensor) only after `scale` changed in place, so
@@ -306,7 +310,7 @@ def _take_snapshots(groups: Sequence[ScalingGroup]) -> None:
     graph updates them (scale_inv_snapshot trusts no cached snapshot then)."""
     if _CAPTURE.active or torch.is_inference_mode_enabled():
         return
-    singles = [g for g in groups if len(g.names) == 1 and not g._updated_in_graphs]
+    singles = [g for g in groups if len(g.names) == 1 and not g._updated_in_graphs and not g.captured]
     if len(singles) < 2:  # one reciprocal either way: left to the cast
         return
     for group, inv in zip(singles, torch._foreach_reciprocal([g.scale for g in singles])):

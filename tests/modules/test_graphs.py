@@ -112,6 +112,28 @@ def test_replay_schedules_both_directions_updates(fake_graphs):
         torch.testing.assert_close(group.scale, group.fp8_max / before[role].amax(dim=0), rtol=1.3e-6, atol=0)
 
 
+def test_updates_of_captured_groups_leave_scale_inv_to_the_graphs(fake_graphs):
+    """A replay computes scale_inv from the live scale, so an update takes no snapshot for a
+    captured group; a cast outside the graphs still gets 1 / the updated scale."""
+    lin, x = _linear()
+    graphed = graphs.make_graphed_callables(lin, (x,), enabled=True, recipe=RECIPE)
+    groups = graphed._recipe_state.groups
+    assert all(g.captured for g in groups.values())
+    for i, group in enumerate(groups.values()):
+        group.amax_history[0] = 3.0 + i
+    with te.autocast(recipe=RECIPE):
+        y = graphed(x)
+    y.backward(torch.randn_like(y))
+    for group in groups.values():
+        assert group._scale_inv_version is None  # no snapshot taken at the update
+        assert not group.scale.eq(1).all()  # the update ran
+        torch.testing.assert_close(group.scale_inv(), 1 / group.scale, rtol=1.3e-6, atol=0)
+    eager_lin, _ = _linear()
+    with te.autocast(recipe=RECIPE):
+        eager_lin(x).sum().backward()
+    assert not any(g.captured for g in eager_lin._recipe_state.groups.values())
+
+
 def test_graphed_module_names_wrong_autocast(fake_graphs):
     lin, x = _linear()
     graphed = graphs.make_graphed_callables(lin, (x,), enabled=True, recipe=RECIPE)
