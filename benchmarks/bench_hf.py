@@ -10,12 +10,15 @@ an H200. te cells convert every nn.Linear and RMSNorm except the LM head, which 
 the forward and the loss under te.autocast(recipe=...). A cell times whole training steps
 (forward, loss, backward, AdamW) after a few warm-up steps that also compile: "compiled" is
 torch.compile of the loss step in inductor's default mode, "graphed" is mode="reduce-overhead"
-(CUDA graphs). Eager cells of every size run first, then compiled, then graphed; a cell that
+(CUDA graphs), "captured" is te.make_graphed_callables over the decoder layers (FP8 for te's
+recipes, high precision for the bf16 variants; the keyword arguments the model passes its
+layers given as sample_kwargs), the embedding, final norm, LM head, loss and optimizer eager.
+Eager cells of every size run first, then compiled, then graphed; a cell that
 raises records its error and the run goes on; cells reached after --budget-s are recorded as
 skipped; the JSON is rewritten after every cell. A loss that is not finite is recorded as the
 cell's error (beside its speed).
 
-    python benchmarks/bench_hf.py [--hidden 1024,2048,4096] [--modes eager,compiled,graphed]
+    python benchmarks/bench_hf.py [--hidden 1024,2048,4096] [--modes eager,compiled,graphed,captured]
                                   [--recipes delayed,current] [--budget-s 200] [--results DIR] [--merge]
     python benchmarks/bench_hf.py --smoke --results /tmp/r   # CPU, reference backend, a tiny Llama
 
@@ -44,8 +47,8 @@ import te_core as te
 from te_core import recipe
 
 SECTION = "hf"
-MODES = ("eager", "compiled", "graphed")
-COMPILE_KW = {"eager": None, "compiled": {}, "graphed": {"mode": "reduce-overhead"}}
+MODES = ("eager", "compiled", "graphed", "captured")
+COMPILE_KW = {"eager": None, "compiled": {}, "graphed": {"mode": "reduce-overhead"}, "captured": None}
 FP8_RECIPES: Dict[str, Callable[[], recipe.Recipe]] = {
     "delayed": recipe.DelayedScaling, "current": recipe.Float8CurrentScaling, "block": recipe.Float8BlockScaling}
 MISSING_TRANSFORMERS = ("bench_hf.py trains a Hugging Face Llama and needs the transformers package, which te-core "
@@ -83,6 +86,28 @@ def loss_of(model, input_ids: torch.Tensor, rcp: Optional[recipe.Recipe]) -> tor
         return model(input_ids=input_ids, labels=input_ids).loss
 
 
+def capture_layers(model, rcp: Optional[recipe.Recipe], input_ids: torch.Tensor) -> None:
+    """te.make_graphed_callables over the model's decoder layers, in FP8 under `rcp` (None: high
+    precision), with the keyword arguments the model passes them (rotary cos/sin, position ids,
+    the flags), recorded from one forward without gradients. The gradients are allocated
+    beforehand, so that autograd accumulates into them instead of keeping the graphs' buffers."""
+    layers = model.model.layers
+    seen = {}
+    hook = layers[0].register_forward_pre_hook(lambda module, args, kwargs: seen.update(args=args, kwargs=kwargs),
+                                               with_kwargs=True)
+    try:
+        with torch.no_grad():
+            loss_of(model, input_ids, rcp)
+    finally:
+        hook.remove()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    hidden = seen["args"][0]
+    samples = tuple((torch.randn_like(hidden).requires_grad_(),) for _ in layers)
+    te.make_graphed_callables(tuple(layers), samples, sample_kwargs=tuple(dict(seen["kwargs"]) for _ in layers),
+                              enabled=rcp is not None, recipe=rcp or recipe.DelayedScaling())
+
+
 class Bench:
     """Builds the cells; each trains a freshly built model (the same weights for every cell of
     one size), so no cell inherits another's optimizer or FP8 state."""
@@ -117,6 +142,8 @@ class Bench:
             kw = {**kw, "backend": "eager"}  # dynamo's tracing without inductor's code generation: fast on a CPU
         if kw is not None and rcp is not None:
             te.init_quantization_state(model, rcp)  # delayed scaling's state must exist before the first trace
+        if mode == "captured":
+            capture_layers(model, rcp, input_ids)
         loss_step = loss_of if kw is None else torch.compile(loss_of, **kw)
         fused = torch.device(self.device).type == "cuda"
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
@@ -125,7 +152,8 @@ class Bench:
             if mode == "graphed":  # a replay overwrites the previous step's outputs: mark each step
                 torch.compiler.cudagraph_mark_step_begin()
             loss = loss_step(model, input_ids, rcp)
-            optimizer.zero_grad(set_to_none=True)
+            # captured layers' gradients must not alias the graphs' buffers: zeroed, never dropped
+            optimizer.zero_grad(set_to_none=mode != "captured")
             loss.backward()
             optimizer.step()
             return loss.detach().clone()
@@ -182,8 +210,8 @@ def _csv(text: str) -> List[str]:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", default=None, help="comma-separated hidden sizes of 1024, 2048, 4096 (default: all)")
-    ap.add_argument("--modes", default=None, help="comma-separated of eager, compiled, graphed (default: all; "
-                    "eager,compiled with --smoke)")
+    ap.add_argument("--modes", default=None, help="comma-separated of eager, compiled, graphed, captured (default: "
+                    "all; eager,compiled with --smoke)")
     ap.add_argument("--recipes", default="delayed,current", help=f"FP8 recipes, of {', '.join(FP8_RECIPES)}")
     ap.add_argument("--smoke", action="store_true", help="CPU, reference backend, a tiny Llama (for the unit test)")
     ap.add_argument("--merge", action="store_true", help="keep the cells of an existing hf.json that this run does "
@@ -204,8 +232,9 @@ def parse_args(argv=None):
         unknown = [str(x) for x in got if x not in allowed]
         if unknown:
             ap.error(f"{what}: unknown {', '.join(unknown)}; choose from {', '.join(map(str, allowed))}")
-    if args.smoke and "graphed" in args.modes:
-        ap.error("--modes graphed needs CUDA graphs, so a GPU: leave it out with --smoke")
+    for mode in ("graphed", "captured"):
+        if args.smoke and mode in args.modes:
+            ap.error(f"--modes {mode} needs CUDA graphs, so a GPU: leave it out with --smoke")
     return args, sizes
 
 

@@ -23,7 +23,6 @@ _RENAMED = {
 
 # TE arguments te-core does not implement -> (TE's default, why not)
 _NOT_IMPLEMENTED = {
-    "sample_kwargs": (None, "keyword arguments of the captured forward; pass tensors positionally"),
     "_order": (None, "pipeline-parallel capture order"),
     "_num_layers_per_chunk": (None, "pipeline-parallel capture order"),
     "pool": (None, "a memory pool shared with other graphs"),

@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ._graph_inputs import KeywordInputs, keyword_inputs
 from ._graph_options import GraphOptions, graph_options
 from .modules._base import QuantizedModule
 from .modules._microbatch import forced_first_microbatch
@@ -87,26 +88,27 @@ class _Variant(nn.Module):
     """What one graph captures: `module`'s own forward, with FP8 on or off, and (with weight
     caching) every te_core module inside told whether this is a step's first microbatch."""
 
-    def __init__(self, module: nn.Module, forward, enabled: bool, options: GraphOptions, first: Optional[bool]):
+    def __init__(self, module: nn.Module, forward, enabled: bool, options: GraphOptions, first: Optional[bool],
+                 n_args: int, keywords: KeywordInputs):
         super().__init__()
         self.module = module  # registered: its parameters are the graph's inputs
         self.training = module.training  # (not .train(), which would recurse into the module)
         self._module_forward = forward  # the module's own: its forward attribute becomes the replay
         self._enabled, self._options, self._first = enabled, options, first
+        self._n_args, self._keywords = n_args, keywords  # the inputs after n_args are keyword tensors
 
-    def forward(self, *args):
-        options = self._options
+    def forward(self, *inputs):
+        options, n = self._options, self._n_args
+        kwargs = self._keywords.rebuild(inputs[n:])
         with autocast(enabled=self._enabled, recipe=options.recipe, amax_reduction_group=options.amax_reduction_group):
             with forced_first_microbatch(self._first):
-                return self._module_forward(*args)
+                return self._module_forward(*inputs[:n], **kwargs)
 
 
 def _microbatch_flag(kwargs: dict, caching: bool, name: str) -> Optional[bool]:
-    """The replay's is_first_microbatch: required (a bool) with weight caching, refused without."""
-    extra = sorted(set(kwargs) - {"is_first_microbatch"})
-    if extra:
-        raise TypeError(f"graphed {name} replays positional inputs only; got keyword arguments {', '.join(extra)}")
-    flag = kwargs.get("is_first_microbatch")
+    """The replay's is_first_microbatch (taken out of `kwargs`): required (a bool) with weight
+    caching, refused without."""
+    flag = kwargs.pop("is_first_microbatch", None)
     if caching and not isinstance(flag, bool):
         raise ValueError(f"graphed {name} was captured with cache_quantized_params=True: pass is_first_microbatch=True "
                          f"on the first microbatch of each step and False on the others (got {flag!r})")
@@ -133,7 +135,8 @@ def _check_autocast(name: str, enabled: bool, options: GraphOptions) -> None:
                            "under te_core.autocast(enabled=True); capture it with enabled=True")
 
 
-def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: bool, options: GraphOptions):
+def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: bool, options: GraphOptions,
+                     keywords: KeywordInputs):
     """The module's new forward: checks, the replay of the right graph, then the scale updates
     the graphs do not hold. In the other training mode than captured it runs eagerly (torch's rule)."""
     forward_groups, backward_groups = _scaling_groups(module) if enabled else ([], [])
@@ -144,13 +147,14 @@ def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: b
         first = _microbatch_flag(kwargs, options.cache_quantized_params, name)
         if module.training != captured_training:
             with forced_first_microbatch(first):
-                return eager_forward(*args)
+                return eager_forward(*args, **kwargs)
+        keyword_tensors = keywords.tensors_of(kwargs) if (kwargs or keywords.keys) else ()
         _check_autocast(name, enabled, options)
         if first is False and not cache_filled[0]:
             raise RuntimeError(f"graphed {name}: call it with is_first_microbatch=True before any later microbatch; "
                                "that replay fills the weight cache the later ones read")
         cache_filled[0] = cache_filled[0] or first is True
-        out = replays[first](*args)
+        out = replays[first](*args, *keyword_tensors)
         context = get_autocast_context()
         for group in forward_groups:  # a later microbatch's weight columns recorded nothing: kept as they are
             context.schedule_forward_update(group)
@@ -192,6 +196,7 @@ def make_graphed_callables(
     sample_args,
     num_warmup_iters: int = 3,
     allow_unused_input: bool = False,
+    sample_kwargs=None,
     *,
     enabled=None,
     recipe=None,
@@ -205,8 +210,9 @@ def make_graphed_callables(
 
     `modules` is one nn.Module (a whole model works: all its layers land in one graph per
     direction) or a tuple of them called in that order; `sample_args` the positional inputs of
-    one call (a tuple per module). Replays must get tensors of the same shapes, dtypes and
-    requires_grad. `enabled` (one bool, or one per module): the graphs bake in FP8 per `recipe`
+    one call (a tuple per module), `sample_kwargs` its keyword arguments (a dict, or one per
+    module): their tensors become graph inputs, their other values are baked in. Replays must
+    get tensors of the same shapes, dtypes and requires_grad, and the same keywords. `enabled` (one bool, or one per module): the graphs bake in FP8 per `recipe`
     (default DelayedScaling()), and every call must then run under an enabled te_core.autocast
     with that recipe; the scales keep updating. cache_quantized_params=True captures each module
     twice, as a first microbatch (weights quantized into the weight cache) and as a later one
@@ -222,20 +228,22 @@ def make_graphed_callables(
     if graph_api is None:
         raise NotImplementedError(f"make_graphed_callables: torch has no graph capture for device type "
                                   f"{device.type!r}; run the modules eagerly")
+    keywords = keyword_inputs(sample_kwargs, len(mods), [type(m).__name__ for m in mods])
     flags = (True, False) if options.cache_quantized_params else (None,)
     eager_forwards = [module.forward for module in mods]
-    variants = [_Variant(m, f, on, options, flag) for m, f, on in zip(mods, eager_forwards, options.enabled)
-                for flag in flags]
+    variants = [_Variant(m, f, on, options, flag, len(a), kw)
+                for m, f, on, a, kw in zip(mods, eager_forwards, options.enabled, args, keywords) for flag in flags]
     saved = [_save_scaling_state(module) for module in mods]
     with autocast(enabled=any(options.enabled), recipe=options.recipe,
                   amax_reduction_group=options.amax_reduction_group), graph_capture():
-        graphed = graph_api(tuple(variants), tuple(a for a in args for _ in flags),
+        graphed = graph_api(tuple(variants), tuple(a + kw.tensors for a, kw in zip(args, keywords) for _ in flags),
                             num_warmup_iters=num_warmup_iters, allow_unused_input=allow_unused_input)
     for module, before in zip(mods, saved):
         _restore_scaling_state(module, before)
         for group in sum(_scaling_groups(module), []):
             group.captured = True  # the graphs take their own scale_inv: updates skip the snapshot
     replays = iter(graphed)
-    for module, forward, on in zip(mods, eager_forwards, options.enabled):
-        module.forward = _graphed_forward(module, forward, {flag: next(replays).forward for flag in flags}, on, options)
+    for module, forward, on, kw in zip(mods, eager_forwards, options.enabled, keywords):
+        module.forward = _graphed_forward(module, forward, {flag: next(replays).forward for flag in flags}, on, options,
+                                          kw)
     return mods if isinstance(modules, (tuple, list)) else mods[0]

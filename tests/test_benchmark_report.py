@@ -1,10 +1,12 @@
 """benchmarks/: report.py's targets checked against a run's JSON, the sweep's cells and tables,
 and the doc sections report.py rewrites."""
+import copy
 import json
 import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -18,6 +20,8 @@ import _sweep_targets  # noqa: E402
 import bench_hf  # noqa: E402
 import bench_sweep  # noqa: E402
 import report  # noqa: E402
+
+import te_core as te  # noqa: E402
 
 MODULES = {
     "meta": {"gpu": "GPU", "torch": "t", "triton": "tr", "date": "d"},
@@ -388,13 +392,75 @@ def test_hf_cells_run_eager_first_and_cover_every_variant():
     assert bench_hf.intermediate_size(2048) == 7168 and bench_hf.intermediate_size(1000) % 64 == 0
 
 
+class _StandInLayer(torch.nn.Module):
+    """A decoder layer called as Hugging Face's are: hidden states, then keyword arguments."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.proj = te.Linear(hidden, hidden, params_dtype=torch.float32)
+
+    def forward(self, hidden_states, *, position_embeddings, attention_mask=None, use_cache=False):
+        cos, sin = position_embeddings
+        return hidden_states + self.proj(hidden_states) * cos + sin
+
+
+class _StandInLM(torch.nn.Module):
+    """model.model.layers, and a forward(input_ids, labels) whose result has .loss."""
+
+    def __init__(self, vocab=32, hidden=16, layers=2):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed = torch.nn.Embedding(vocab, hidden)
+        self.model.layers = torch.nn.ModuleList(_StandInLayer(hidden) for _ in range(layers))
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, input_ids, labels):
+        h = self.model.embed(input_ids)
+        pos = torch.arange(input_ids.shape[1], dtype=torch.float32)[:, None]
+        rotary = (torch.cos(pos * 0.1).expand_as(h[0]), torch.sin(pos * 0.1).expand_as(h[0]))
+        for layer in self.model.layers:
+            h = layer(h, position_embeddings=rotary, attention_mask=None, use_cache=False)
+        logits = self.head(h)
+        return types.SimpleNamespace(loss=torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+
+
+def test_hf_captured_layers_get_the_keywords_the_model_passes(monkeypatch):
+    """bench_hf's captured mode records the keyword arguments a model passes its decoder layers
+    and captures the layers with them: with the capture emulated (each replay runs the layer),
+    training steps equal an eager twin's, and a call with other keywords is refused."""
+    from te_core import graphs
+
+    monkeypatch.setattr(graphs, "_graph_api", lambda device: lambda callables, sample_args, num_warmup_iters=3,
+                        allow_unused_input=False: tuple(callables))
+    rcp = te.recipe.Float8CurrentScaling()
+    torch.manual_seed(0)
+    model = _StandInLM()
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 32, (2, 8))
+    bench_hf.capture_layers(model, rcp, ids)
+    for step in range(2):
+        losses = []
+        for m in (model, twin):
+            loss = bench_hf.loss_of(m, ids, rcp)
+            loss.backward()
+            losses.append(loss.detach())
+        assert torch.equal(losses[0], losses[1]), step
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    with pytest.raises(TypeError, match="unexpected output_attentions"):
+        with te.autocast(recipe=rcp):
+            model.model.layers[0](torch.randn(2, 8, 16), position_embeddings=(torch.ones(8, 16), torch.ones(8, 16)),
+                                  attention_mask=None, use_cache=False, output_attentions=False)
+
+
 def test_bench_hf_arguments_and_a_missing_transformers_are_explained(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench_hf.parse_args(["--modes", "eager,fast"])
-    assert "--modes: unknown fast; choose from eager, compiled, graphed" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        bench_hf.parse_args(["--smoke", "--modes", "graphed"])
-    assert "needs CUDA graphs" in capsys.readouterr().err
+    assert "--modes: unknown fast; choose from eager, compiled, graphed, captured" in capsys.readouterr().err
+    for mode in ("graphed", "captured"):
+        with pytest.raises(SystemExit):
+            bench_hf.parse_args(["--smoke", "--modes", mode])
+        assert f"--modes {mode} needs CUDA graphs" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
     with pytest.raises(SystemExit, match="pip install transformers"):
         bench_hf.main(["--smoke"])

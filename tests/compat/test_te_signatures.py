@@ -160,7 +160,7 @@ IMPLEMENTED = {
         "fp8_enabled": MODULES + "test_graphs.py", "fp8_recipe": MODULES + "test_graphs.py", "fp8_group": COMPAT,
         "fp8_weight_caching": MODULES + "test_graphs.py", "enabled": MODULES + "test_graphs_model.py",
         "recipe": MODULES + "test_graphs_model.py", "amax_reduction_group": MODULES + "test_graphs.py",
-        "cache_quantized_params": MODULES + "test_graphs_model.py",
+        "cache_quantized_params": MODULES + "test_graphs_model.py", "sample_kwargs": MODULES + "test_graphs_model.py",
     },
     ("autocast", "__init__"): {
         "enabled": "quantization/test_autocast.py", "calibrating": "quantization/test_autocast.py",

@@ -168,8 +168,8 @@ def test_bad_arguments_name_the_problem(fake_graphs):
         graphs.make_graphed_callables(lin, (x,), enabled=True, recipe="delayed")
     with pytest.raises(NotImplementedError, match="calibrating=True"):
         graphs.make_graphed_callables(lin, (x,), calibrating=True)
-    with pytest.raises(NotImplementedError, match="retain_graph_in_backward .*; sample_kwargs"):
-        graphs.make_graphed_callables(lin, (x,), retain_graph_in_backward=True, sample_kwargs={"a": x})
+    with pytest.raises(NotImplementedError, match="pool .*; retain_graph_in_backward"):
+        graphs.make_graphed_callables(lin, (x,), retain_graph_in_backward=True, pool=(0, 1))
     with pytest.raises(TypeError, match="unexpected keyword arguments fp8_weights"):
         graphs.make_graphed_callables(lin, (x,), fp8_weights=True)
     lin.register_forward_hook(lambda *a: None)

@@ -167,7 +167,7 @@ def test_weight_caching_flag_is_required_and_checked(eager_graphs):
             graphed(x)
         with pytest.raises(ValueError, match=r"\(got 1\)"):
             graphed(x, is_first_microbatch=1)
-        with pytest.raises(TypeError, match="keyword arguments checkpoint_core_attention"):
+        with pytest.raises(TypeError, match=r"keyword arguments \(none\).*unexpected checkpoint_core_attention"):
             graphed(x, is_first_microbatch=True, checkpoint_core_attention=True)
 
 
@@ -265,6 +265,89 @@ def _autocast_call(model, rec):
             return model(x)
 
     return step
+
+
+class KeywordBlock(nn.Module):
+    """A block whose forward takes keyword arguments: a tensor, a (tensor, tensor) pair, and
+    values that are no tensors (a captured graph bakes those in)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = te.Linear(HIDDEN, HIDDEN, params_dtype=torch.float32)
+
+    def forward(self, x, *, shift, pair=None, scale=1.0, mask=None):
+        y = self.proj(x) * scale + shift
+        if pair is not None:
+            y = y * pair[0] + pair[1]
+        return y if mask is None else y.masked_fill(mask, 0.0)
+
+
+def _keyword_call(block, x, shift, pair, rec, **extra):
+    with te.autocast(recipe=rec):
+        return block(x, shift=shift, pair=pair, scale=2.0, mask=None, **extra)
+
+
+@pytest.mark.parametrize("rec_name", ["delayed", "current"])
+def test_sample_kwargs_route_each_calls_keyword_tensors(eager_graphs, rec_name):
+    """Keyword tensors (nested ones too) are graph inputs, taken from each call, not the sample's;
+    the result and every gradient equal an eager twin's."""
+    rec = RECIPES[rec_name]()
+    torch.manual_seed(0)
+    block = KeywordBlock()
+    eager = copy.deepcopy(block)
+    te.init_quantization_state(eager, rec)
+    x = _input().requires_grad_()
+    sample = {"shift": torch.randn(HIDDEN, requires_grad=True), "pair": (torch.randn(HIDDEN), torch.randn(HIDDEN)),
+              "scale": 2.0, "mask": None}
+    graphed = te.make_graphed_callables(block, (x,), sample_kwargs=sample, enabled=True, recipe=rec)
+    for step in range(STEPS):
+        new_x, dy = _input() * (step + 1), torch.randn(SEQ, BATCH, HIDDEN)
+        shift, pair = torch.randn(HIDDEN) + step, (torch.rand(HIDDEN) + 0.5, torch.randn(HIDDEN))
+        got, want = [], []
+        for model, out in ((graphed, got), (eager, want)):
+            xs, ss = new_x.clone().requires_grad_(), shift.clone().requires_grad_()
+            y = _keyword_call(model, xs, ss, pair, rec)
+            y.backward(dy)
+            out += [y.detach(), xs.grad, ss.grad] + [p.grad.clone() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+        _assert_equal(got, want, f"step {step}")
+
+
+def test_sample_kwargs_mismatches_name_the_problem(eager_graphs):
+    torch.manual_seed(0)
+    rec = RECIPES["delayed"]()
+    block, x = KeywordBlock(), _input().requires_grad_()
+    shift, pair = torch.randn(HIDDEN), (torch.randn(HIDDEN), torch.randn(HIDDEN))
+    graphed = te.make_graphed_callables(block, (x,), sample_kwargs={"shift": shift, "pair": pair, "scale": 2.0,
+                                                                   "mask": None}, enabled=True, recipe=rec)
+    _keyword_call(graphed, x, shift, pair, rec)  # as captured: fine
+    with pytest.raises(TypeError, match=r"captured with keyword arguments \(shift, pair, scale, mask\).*missing mask"):
+        with te.autocast(recipe=rec):
+            graphed(x, shift=shift, pair=pair, scale=2.0)
+    with pytest.raises(TypeError, match="unexpected bias"):
+        _keyword_call(graphed, x, shift, pair, rec, bias=shift)
+    with pytest.raises(ValueError, match="baked in the keyword value 2.0 .* this call passes 3.0"):
+        with te.autocast(recipe=rec):
+            graphed(x, shift=shift, pair=pair, scale=3.0, mask=None)
+    with pytest.raises(TypeError, match="structure differs"):
+        _keyword_call(graphed, x, shift, None, rec)
+    with pytest.raises(TypeError, match="was a tensor at capture, got float"):
+        _keyword_call(graphed, x, 1.5, pair, rec)
+    block2 = KeywordBlock()
+    with pytest.raises(ValueError, match="is_first_microbatch is not a sample keyword argument"):
+        te.make_graphed_callables(block2, (x,), sample_kwargs={"shift": shift, "is_first_microbatch": True})
+    with pytest.raises(ValueError, match="2 modules but 1 sample_kwargs"):
+        te.make_graphed_callables((block2, KeywordBlock()), ((x,), (x,)), sample_kwargs=({"shift": shift},))
+    with pytest.raises(ValueError, match="one dict but 2 modules"):
+        te.make_graphed_callables((block2, KeywordBlock()), ((x,), (x,)), sample_kwargs={"shift": shift})
+    with pytest.raises(TypeError, match="must be a dict, or a tuple of dicts"):
+        te.make_graphed_callables(block2, (x,), sample_kwargs="shift")
+    with pytest.raises(TypeError, match="must be a dict of keyword arguments, got list"):
+        te.make_graphed_callables((block2,), ((x,),), sample_kwargs=([shift],))
+    block2.eval()  # the other training mode runs eagerly, with the call's own keywords
+    with te.autocast(recipe=rec):
+        assert torch.equal(block2(x, shift=shift, pair=pair, scale=3.0), KeywordBlock.forward(
+            block2, x, shift=shift, pair=pair, scale=3.0))
 
 
 @pytest.mark.parametrize("rec_name", list(RECIPES))
