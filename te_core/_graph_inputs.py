@@ -17,10 +17,6 @@ from torch.utils import _pytree as pytree
 _TENSOR = object()  # where a tensor leaf goes in `constants`
 
 
-def _leaves(values: List[Any]) -> Tuple[List[Any], Any]:
-    return pytree.tree_flatten(values)
-
-
 class KeywordInputs:
     """The keyword arguments of one module's sample call: their names, their structure, and the
     non-tensor values the graphs bake in."""
@@ -33,12 +29,9 @@ class KeywordInputs:
             raise ValueError(f"make_graphed_callables: is_first_microbatch is not a sample keyword argument of {name}; "
                              "capture with cache_quantized_params=True and pass it to each call")
         self.name, self.keys = name, tuple(sample)
-        leaves, self.spec = _leaves([sample[k] for k in self.keys])
+        leaves, self.spec = pytree.tree_flatten([sample[k] for k in self.keys])
         self.constants = [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         self.tensors = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
-
-    def __len__(self) -> int:
-        return len(self.tensors)
 
     def rebuild(self, tensors) -> Dict[str, Any]:
         """The keyword arguments with `tensors` (in flattened order) in the tensors' places."""
@@ -53,9 +46,10 @@ class KeywordInputs:
         if missing or extra:
             said = "; ".join(part for part in (f"missing {', '.join(missing)}" if missing else "",
                                                f"unexpected {', '.join(extra)}" if extra else "") if part)
-            raise TypeError(f"graphed {self.name} was captured with keyword arguments ({', '.join(self.keys) or 'none'}) "
-                            f"and each call must pass exactly those: {said}")
-        leaves, spec = _leaves([kwargs[k] for k in self.keys])
+            captured = ", ".join(self.keys) or "none"
+            raise TypeError(f"graphed {self.name} was captured with keyword arguments ({captured}) and each call "
+                            f"must pass exactly those: {said}")
+        leaves, spec = pytree.tree_flatten([kwargs[k] for k in self.keys])
         if spec != self.spec:
             raise TypeError(f"graphed {self.name}: the keyword arguments' structure differs from the sample's "
                             f"(a None, tuple or list where the capture had something else); capture again with "
@@ -64,13 +58,13 @@ class KeywordInputs:
         for position, (leaf, const) in enumerate(zip(leaves, self.constants)):
             if const is _TENSOR:
                 if not isinstance(leaf, torch.Tensor):
-                    raise TypeError(f"graphed {self.name}: keyword input {position} (flattened) was a tensor at capture, got "
-                                    f"{type(leaf).__name__}")
+                    raise TypeError(f"graphed {self.name}: keyword input {position} (flattened) was a tensor at "
+                                    f"capture, got {type(leaf).__name__}")
                 tensors.append(leaf)
             elif isinstance(leaf, torch.Tensor) or not _same(leaf, const):
                 raise ValueError(f"graphed {self.name}: the graphs baked in the keyword value {const!r} (flattened "
-                                 f"position {position}), but this call passes {_short(leaf)}; a replay cannot change it: "
-                                 "pass it as at capture, or capture again")
+                                 f"position {position}), but this call passes {_short(leaf)}; a replay cannot "
+                                 "change it: pass it as at capture, or capture again")
         return tuple(tensors)
 
 
