@@ -8,7 +8,8 @@ device buffers: inside the graphs, casts read the live scales and max their amax
 histories, and scale_inv is recomputed from the scale on every replay. The scale updates themselves
 are not captured: after each replay the graphed callable schedules them like an eager step does
 (forward groups at the exit of the enclosing te_core.autocast, backward groups at the end of the
-backward pass).
+backward pass). Keyword arguments of the captured call (sample_kwargs) are flattened into
+extra positional graph inputs (te_core._graph_inputs).
 
 Weight caching (cache_quantized_params=True) captures each module twice: as a first microbatch,
 whose graph quantizes the weights into the modules' weight caches (buffers at fixed addresses),
