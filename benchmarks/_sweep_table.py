@@ -5,11 +5,9 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 from _results import host_threads_note
+from _sweep_targets import MODES
 from _sweep_targets import render as render_targets
 
-# graphed: torch.compile(mode="reduce-overhead"); captured: te.make_graphed_callables (the peers:
-# torch.cuda.make_graphed_callables)
-MODES = ("eager", "compiled", "graphed", "captured")
 FP8 = ("te delayed", "te current", "te block")
 
 
@@ -127,7 +125,8 @@ def legend(sweep: dict) -> str:
 
 def render(sweep: dict) -> str:
     notes = Notes()
-    lines = [header(sweep) + (" Modes: " + legend(sweep) if legend(sweep) else ""), ""]
+    modes = legend(sweep)
+    lines = [header(sweep) + (" Modes: " + modes if modes else ""), ""]
     lines += render_targets(sweep)
     lines += big_table(sweep.get("big", {}), notes)
     lines += mode_table("**TransformerLayer** (ratios: FP8 over te bf16, same mode):", sweep.get("layer", {}),

@@ -11,6 +11,8 @@ LINEAR_EAGER = ("M8192 K4096 N4096", 1.2)  # te delayed eager over nn.Linear eag
 BIG = ("h4096 ffn16384 nh32 s2048 b8", {"delayed": 19.0, "current": 20.0, "block": 21.0})
 TINY = ("te.Linear(1024, 1024), 128 tokens", 2.0)  # te FP8 eager time at most this many times te bf16 eager
 FP8 = ("delayed", "current", "block")
+# graphed: torch.compile(mode="reduce-overhead"); captured: te.make_graphed_callables (the peers:
+# torch.cuda.make_graphed_callables)
 MODES = ("eager", "compiled", "graphed", "captured")
 Row = Tuple[str, str, str]
 

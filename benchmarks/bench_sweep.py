@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
-import gc
 import re
 import statistics
 import time
@@ -56,7 +56,7 @@ from _timing import Interleaved, median_ms, peak_mib, wall_us
 from bench_modules import TorchLayer, fwd_bwd, te_layer, torchao_float8
 
 import te_core as te
-from te_core import recipe
+from te_core import graphs, recipe
 
 SECTIONS = ("big", "tiny", "linear", "layer")
 RECIPES: Dict[str, Optional[Callable[[], recipe.Recipe]]] = {
@@ -121,8 +121,9 @@ def _graph_safe(step, mode, x, module):
 
 
 def _graph_api(device):
-    """torch.<device>.make_graphed_callables, or a clear error where the device has none."""
-    api = getattr(getattr(torch, torch.device(device).type, None), "make_graphed_callables", None)
+    """torch.<device>.make_graphed_callables (as te.make_graphed_callables finds it), or a clear
+    error where the device has none."""
+    api = graphs._graph_api(torch.device(device))
     if api is None:
         raise RuntimeError(f"captured cells need graph capture, which torch has not for {device!r}; run them on a GPU")
     return api
@@ -165,8 +166,7 @@ class Sweep:
         rcp, module = (make() if make else None), make_module()
         if mode == "captured":  # what docs/graphs.md recommends for host-bound steps of fixed shapes
             _zeroed_grads(module, x)
-            module = te.make_graphed_callables(module, (x,), enabled=rcp is not None,
-                                               recipe=rcp or recipe.DelayedScaling())
+            module = te.make_graphed_callables(module, (x,), enabled=rcp is not None, recipe=rcp)
 
         def forward(inp):
             with te.autocast(enabled=rcp is not None, recipe=rcp):

@@ -35,8 +35,8 @@ from .scaling import delayed_scaling_update
 from .softmax import softmax_bwd, softmax_fwd
 
 __all__ = ["native_ops", "activation_bwd", "activation_bwd_dbias_cast_transpose", "activation_fwd", "dbias",
-           "dbias_cast_transpose", "dbias_cast_transpose_current", "dbias_cast_transpose_parts", "cast_transpose_fp8", "dequantize_blockwise",
-           "dequantize_fp8", "dequantize_mxfp8", "quantize_blockwise", "quantize_fp8", "quantize_fp8_current",
+           "dbias_cast_transpose", "dbias_cast_transpose_current", "dbias_cast_transpose_parts", "cast_transpose_fp8",
+           "dequantize_blockwise", "dequantize_fp8", "dequantize_mxfp8", "quantize_blockwise", "quantize_fp8", "quantize_fp8_current",
            "quantize_mxfp8", "transpose_fp8",
            "cross_entropy", "layernorm_bwd", "layernorm_bwd_add", "layernorm_fwd", "rmsnorm_bwd", "rmsnorm_bwd_add",
            "rmsnorm_fwd", "rope_bwd", "rope_fwd", "delayed_scaling_update", "softmax_bwd", "softmax_fwd"]
