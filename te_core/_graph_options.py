@@ -25,7 +25,6 @@ _RENAMED = {
 _NOT_IMPLEMENTED = {
     "_order": (None, "pipeline-parallel capture order"),
     "_num_layers_per_chunk": (None, "pipeline-parallel capture order"),
-    "pool": (None, "a memory pool shared with other graphs"),
     "retain_graph_in_backward": (False, "retain_graph in the backward capture"),
     "_reuse_graph_input_output_buffers": (False, "pipeline-parallel buffer reuse"),
     "clone_param_grads_on_return": (True, "returning parameter gradients that alias the graph's buffers"),
@@ -44,6 +43,7 @@ class GraphOptions:
     recipe: Optional[Recipe]
     amax_reduction_group: object
     cache_quantized_params: bool
+    pool: object = None  # a graph memory pool handle to share with other graphs; None: a pool of their own
 
 
 def _pick(given: dict, old: str):
@@ -89,6 +89,7 @@ def graph_options(n_modules: int, given: dict) -> GraphOptions:
     recipe = _pick(given, "fp8_recipe")
     group = _pick(given, "fp8_group")
     cache = _pick(given, "fp8_weight_caching")
+    pool = given.pop("pool", None)
     for name in ("fp8_calibrating", "calibrating"):
         if given.get(name):
             raise NotImplementedError(f"make_graphed_callables: {name}=True (recording amaxes while computing in high "
@@ -102,4 +103,4 @@ def graph_options(n_modules: int, given: dict) -> GraphOptions:
         raise ValueError("make_graphed_callables: cache_quantized_params=True caches FP8 weights, so it needs "
                          "enabled=True (for at least one module)")
     recipe = _check_recipe(recipe, "make_graphed_callables")
-    return GraphOptions(enabled, recipe if any(enabled) else None, group, bool(cache))
+    return GraphOptions(enabled, recipe if any(enabled) else None, group, bool(cache), pool)

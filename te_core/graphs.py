@@ -19,6 +19,7 @@ pair of graphs (and their activation memory).
 """
 from __future__ import annotations
 
+import inspect
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -36,6 +37,21 @@ from .quantization.scaling import ScalingGroup, graph_capture, schedule_backward
 def _graph_api(device: torch.device):
     """The device's make_graphed_callables, or None where torch has no graph capture for it."""
     return getattr(getattr(torch, device.type, None), "make_graphed_callables", None)
+
+
+def _pool_argument(graph_api, pool) -> dict:
+    """The keyword that hands `pool` to the device's make_graphed_callables: none for None (the
+    graphs get a pool of their own); an error naming the problem where that function takes no pool."""
+    if pool is None:
+        return {}
+    try:
+        takes_pool = "pool" in inspect.signature(graph_api).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: let it answer for itself
+        takes_pool = True
+    if not takes_pool:
+        raise NotImplementedError(f"make_graphed_callables: this torch's {graph_api.__module__}.make_graphed_callables "
+                                  "takes no memory pool; leave pool=None (the graphs then share a pool of their own)")
+    return {"pool": pool}
 
 
 def _scaling_groups(module: nn.Module) -> Tuple[List[ScalingGroup], List[ScalingGroup]]:
@@ -218,7 +234,9 @@ def make_graphed_callables(
     (default DelayedScaling()), and every call must then run under an enabled te_core.autocast
     with that recipe; the scales keep updating. cache_quantized_params=True captures each module
     twice, as a first microbatch (weights quantized into the weight cache) and as a later one
-    (the cache read back); each call then passes is_first_microbatch=True or False. Warm-up runs
+    (the cache read back); each call then passes is_first_microbatch=True or False. `pool` (a
+    keyword, as in TE): a graph memory pool handle shared with other graphs, which must then be
+    replayed in the order they were captured. Warm-up runs
     real forward and backward steps; the scaling state is put back as it was afterwards.
     """
     mods, args = _checked_inputs(modules, sample_args)
@@ -239,7 +257,8 @@ def make_graphed_callables(
     with autocast(enabled=any(options.enabled), recipe=options.recipe,
                   amax_reduction_group=options.amax_reduction_group), graph_capture():
         graphed = graph_api(tuple(variants), tuple(a + kw.tensors for a, kw in zip(args, keywords) for _ in flags),
-                            num_warmup_iters=num_warmup_iters, allow_unused_input=allow_unused_input)
+                            num_warmup_iters=num_warmup_iters, allow_unused_input=allow_unused_input,
+                            **_pool_argument(graph_api, options.pool))
     for module, before in zip(mods, saved):
         _restore_scaling_state(module, before)
         for group in sum(_scaling_groups(module), []):

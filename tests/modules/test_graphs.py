@@ -168,8 +168,10 @@ def test_bad_arguments_name_the_problem(fake_graphs):
         graphs.make_graphed_callables(lin, (x,), enabled=True, recipe="delayed")
     with pytest.raises(NotImplementedError, match="calibrating=True"):
         graphs.make_graphed_callables(lin, (x,), calibrating=True)
-    with pytest.raises(NotImplementedError, match="pool .*; retain_graph_in_backward"):
-        graphs.make_graphed_callables(lin, (x,), retain_graph_in_backward=True, pool=(0, 1))
+    with pytest.raises(NotImplementedError, match="_order .*; retain_graph_in_backward"):
+        graphs.make_graphed_callables(lin, (x,), retain_graph_in_backward=True, _order=[1, -1])
+    with pytest.raises(NotImplementedError, match="takes no memory pool; leave pool=None"):
+        graphs.make_graphed_callables(lin, (x,), pool=(0, 1))  # (the fake API, like an old torch, takes none)
     with pytest.raises(TypeError, match="unexpected keyword arguments fp8_weights"):
         graphs.make_graphed_callables(lin, (x,), fp8_weights=True)
     lin.register_forward_hook(lambda *a: None)
@@ -184,6 +186,25 @@ def test_bad_arguments_name_the_problem(fake_graphs):
         graphs.make_graphed_callables(lin, (3,))
     with pytest.raises(ValueError, match="parameter on"):
         graphs.make_graphed_callables(lin, (torch.randn(16, 32, device="meta"),))
+
+
+def test_pool_goes_to_the_device_graph_api(monkeypatch):
+    """pool (TE's: graphs sharing memory with others) reaches the device's make_graphed_callables;
+    without one the call passes none, so the graphs get a pool of their own."""
+    seen = []
+
+    def api_with_pool(callables, sample_args, num_warmup_iters=3, allow_unused_input=False, pool=None):
+        seen.append(pool)
+        return fake_graph_api(callables, sample_args, num_warmup_iters, allow_unused_input)
+
+    monkeypatch.setattr(graphs, "_graph_api", lambda device: api_with_pool)
+    handle = (7, 11)
+    lin, x = _linear()
+    graphed = graphs.make_graphed_callables(lin, (x,), pool=handle)
+    lin2, _ = _linear()
+    graphs.make_graphed_callables(lin2, (x,))
+    assert seen == [handle, None]
+    torch.testing.assert_close(graphed(x), _linear()[0](x), rtol=1.3e-6, atol=1e-5)
 
 
 def test_te_defaults_and_deprecated_names(fake_graphs):
