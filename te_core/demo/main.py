@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"tokens/s (after the first {SETTLE} steps) leave it out",
     )
     p.add_argument(
+        "--capture",
+        action="store_true",
+        help="after the first step, capture each transformer layer's forward and backward as device graphs "
+        "(te_core.make_graphed_callables; the embedding, head, loss and optimizer stay eager): for steps bound by "
+        "host time. One process on an accelerator with graph capture",
+    )
+    p.add_argument(
         "--tp",
         type=int,
         default=1,
@@ -132,6 +139,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     args.size = args.size or default_size(device)
     world = parallel.launched_world()
+    error = _check_capture(args, device, world)
+    if error:
+        print(f"te-core demo: {error}", file=sys.stderr)
+        return 2
     if world > 1 or args.tp > 1 or args.sequence_parallel:
         return run_parallel(args, be, device, world)
     with _cpu_threads(args, device) as thread_choice, _host_pinning(args, device):
@@ -176,7 +187,8 @@ def run_both(args, be, device: torch.device, thread_choice, runner=ONE_PROCESS) 
     runs = []
     for name, rec in (("bf16", None), ("fp8", fp8_recipe)):
         run = train(name, cfg, train_tokens, val_tokens, device, rec, runner.is_main and not args.no_progress,
-                    synchronizer(be, device), compile_options(args.compile, device, parallel.launched_world()), runner)
+                    synchronizer(be, device), compile_options(args.compile, device, parallel.launched_world()), runner,
+                    capture=args.capture)
         ranks = "" if layout is None else f" ({layout.world} ranks, {run.tokens_per_s / layout.world:,.0f} per rank)"
         print(f"{name}: {run.seconds:.1f}s, {run.tokens_per_s:,.0f} tokens/s ({_rate(run.steady_tokens_per_s)} after "
               f"the first {SETTLE} steps){ranks}, final loss {run.losses[-1]:.4f}, "
@@ -233,8 +245,24 @@ def _check_args(args) -> Optional[str]:
         return f"--tp must be at least 1, got {args.tp}"
     if args.lr is not None and not args.lr > 0:
         return f"--lr must be a positive number, got {args.lr}"
+    if args.capture and args.compile:
+        return ("--capture and --compile are two ways to take the host out of the step (te_core.make_graphed_callables "
+                "over the layers, torch.compile with CUDA graphs over the whole step); choose one")
     if args.pin_host_thread and not hasattr(os, "sched_setaffinity"):
         return "--pin-host-thread needs CPU affinity (os.sched_setaffinity), which only Linux has"
+    return None
+
+
+def _check_capture(args, device: torch.device, world: int) -> Optional[str]:
+    """What keeps --capture from running here, or None."""
+    if not args.capture:
+        return None
+    if world > 1 or args.tp > 1 or args.sequence_parallel:
+        return "--capture runs in one process; under torchrun or with --tp, leave it out (or use --compile)"
+    module = getattr(torch, device.type, None)
+    if device.type == "cpu" or not hasattr(module, "make_graphed_callables"):
+        return (f"--capture needs an accelerator whose torch module captures graphs; {device} has none, so leave "
+                "--capture out there")
     return None
 
 
@@ -285,7 +313,8 @@ def _print_header(args, backend_name: str, device, cfg: RunConfig, thread_choice
           f"({m.tokens_per_step:,} tokens/step)")  # fmt: skip
     if getattr(args, "pinned_cpu", None) is not None:
         print(f"  host   training and backward threads pinned to CPU {args.pinned_cpu}")
-    mode = ", compiled (torch.compile)" if args.compile else ""
+    mode = (", compiled (torch.compile)" if args.compile else
+            ", layers captured as graphs after the first step (te_core.make_graphed_callables)" if args.capture else "")
     print(f"  runs   bf16, then fp8 with recipe {args.recipe}; {cfg.steps} steps each, peak lr {cfg.lr:g}{mode}")
     if thread_choice is not None and thread_choice.reduced:
         print(f"  note   other processes keep CPUs busy, so fewer threads than torch's {thread_choice.default} "
@@ -312,7 +341,8 @@ def report(args, cfg: RunConfig, backend_name: str, device, fp8_recipe, runs, co
     config = dict(size=args.size, model=cfg.model.as_dict(), steps=cfg.steps, lr=cfg.lr, seed=cfg.seed,
                   recipe=args.recipe, recipe_repr=repr(fp8_recipe),
                   threads=thread_choice.threads if thread_choice else None,
-                  pinned_cpu=getattr(args, "pinned_cpu", None))  # fmt: skip
+                  pinned_cpu=getattr(args, "pinned_cpu", None),
+                  mode="compiled" if args.compile else "captured" if args.capture else "eager")  # fmt: skip
     if layout is not None:  # tokens/s are then those of all ranks together
         config["parallel"] = layout.as_dict()
     record = dict(

@@ -11,6 +11,7 @@ from typing import Callable, List, Optional
 import torch
 
 from ..modules import init_quantization_state
+from .capture import LayerCalls, capture_layers
 from .data import BatchSampler
 from .model import GPT, GPTConfig
 from .progress import ProgressBar
@@ -125,6 +126,7 @@ def train(
     synchronize: Callable[[], None] = lambda: None,
     compile_options: Optional[dict] = None,
     runner: OneProcess = ONE_PROCESS,
+    capture: bool = False,
 ) -> RunResult:
     """Train a freshly initialized GPT for cfg.steps steps; returns per-step losses and speed.
     `synchronize` waits for the device's queued work, so the timing covers all of it.
@@ -132,7 +134,8 @@ def train(
     `tokens_per_s` include the compilation, as a user's run would, `steady_seconds` and
     `steady_tokens_per_s` leave out the first SETTLE steps (NaN when no step is left).
     `runner`: one process, or this rank's part of a parallel run (te_core.demo.parallel); losses
-    and tokens/s are then those of all ranks."""
+    and tokens/s are then those of all ranks. `capture`: after the first (eager) step, the
+    transformer layers are captured as device graphs (te_core.demo.capture) and replayed after it."""
     torch.manual_seed(cfg.seed)
     model = runner.build(cfg.model, device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -148,6 +151,7 @@ def train(
     # CUDA graphs (mode="reduce-overhead") overwrite a step's outputs on the next replay: each
     # step is marked, and the loss kept is a copy.
     graphs = (compile_options or {}).get("mode") == "reduce-overhead"
+    recording = LayerCalls(model.layers) if capture else None
     synchronize()
     start = settled = time.perf_counter()
     for step in range(cfg.steps):
@@ -168,6 +172,12 @@ def train(
         runner.clip_grad_norm_(params, 1.0)
         optimizer.step()
         losses.append(loss.detach().clone() if graphs else loss.detach())
+        if recording is not None:
+            # the step's autograd graph holds the parameters' gradient accumulators, made on the
+            # default stream; the capture must make its own on the capturing stream
+            loss = None
+            capture_layers(model.layers, recording, fp8_recipe, device)
+            recording = None
         if bar.due(step + 1):
             bar.update(step + 1, tokens_per_step=cfg.model.tokens_per_step, loss=float(losses[-1]))
         if step + 1 == SETTLE and cfg.steps > SETTLE:

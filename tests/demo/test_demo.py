@@ -95,6 +95,8 @@ def test_demo_rejects_bad_arguments(capsys):
         (["--backend", "no-such-backend", "--steps", "2"], "--backend no-such-backend"),
         (["--device", "no-such-device", "--steps", "2"], "--device no-such-device: not usable here"),
         (["--pin-host-thread", "--steps", "2"], "--pin-host-thread is for training on an accelerator"),
+        (["--capture", "--compile"], "--capture and --compile are two ways"),
+        (["--capture", "--steps", "2"], "--capture needs an accelerator whose torch module captures graphs; cpu"),
     ):
         assert main(argv) == 2
         assert message in capsys.readouterr().err
@@ -193,6 +195,52 @@ def test_compiled_training_step_gives_the_eager_losses():
             for options in (None, {"backend": "aot_eager"})]
     assert runs[0].losses == pytest.approx(runs[1].losses, rel=1e-5, abs=1e-6)
     assert runs[0].val_loss == pytest.approx(runs[1].val_loss, rel=1e-5, abs=1e-6)
+
+
+def _emulated_capture(callables, sample_args, num_warmup_iters=3, allow_unused_input=False):
+    """torch.<device>.make_graphed_callables stand-in: its warm-up steps, then each callable kept as
+    it is, so that a "replay" runs the layer through te_core's graphed forward."""
+    for module, args in zip(callables, sample_args):
+        inputs = [a for a in args if a.requires_grad] + [p for p in module.parameters() if p.requires_grad]
+        for _ in range(num_warmup_iters):
+            out = module(*args)
+            torch.autograd.grad(out, inputs, torch.randn_like(out))
+    return tuple(callables)
+
+
+@pytest.mark.parametrize("recipe", [None, "delayed", "current"])
+def test_captured_layers_give_the_eager_losses(monkeypatch, recipe):
+    """--capture records what the layers get in the first step, captures them with it and
+    replays them from the second: with the capture emulated (torch's warm-up, then the layer
+    itself), every loss and the validation loss equal the eager run's, and the capture leaves no
+    recording hook behind."""
+    from te_core import graphs
+    from te_core.demo import capture
+    from te_core.demo.train import make_recipe
+
+    captured = []
+    monkeypatch.setattr(graphs, "_graph_api", lambda device: _emulated_capture)
+    real = capture.make_graphed_callables
+
+    def spy(layers, samples, **kwargs):
+        captured.append((layers, samples, kwargs))
+        assert all(not layer._forward_pre_hooks for layer in layers)
+        assert not torch.is_autocast_cache_enabled()  # torch's capture refuses the cache
+        return real(layers, samples, **kwargs)
+
+    monkeypatch.setattr(capture, "make_graphed_callables", spy)
+    tokens, _ = load_corpus(200_000)
+    train_tokens, val_tokens = split(tokens)
+    cfg = RunConfig(model=SIZES["small"], steps=4, eval_batches=1)
+    rcp = None if recipe is None else make_recipe(recipe)
+    runs = [train("run", cfg, train_tokens, val_tokens, torch.device("cpu"), rcp, progress=False, capture=flag)
+            for flag in (False, True)]
+    assert runs[0].losses == runs[1].losses and runs[0].val_loss == runs[1].val_loss
+    (layers, samples, kwargs), = captured
+    m = cfg.model
+    assert len(layers) == m.num_layers and kwargs["enabled"] is (rcp is not None) and kwargs["recipe"] is rcp
+    assert all(s[0].shape == (m.batch_size, m.seq_len, m.hidden_size) and s[0].requires_grad for s in samples)
+    assert all(set(kw) == {"rotary_pos_emb"} for kw in kwargs["sample_kwargs"])
 
 
 @pytest.mark.parametrize("flag, device, world, pinned", [
