@@ -208,7 +208,7 @@ def _emulated_capture(callables, sample_args, num_warmup_iters=3, allow_unused_i
     return tuple(callables)
 
 
-@pytest.mark.parametrize("recipe", [None, "delayed", "current"])
+@pytest.mark.parametrize("recipe", [None, "delayed", "current", "block", "mxfp8"])
 def test_captured_layers_give_the_eager_losses(monkeypatch, recipe):
     """--capture records what the layers get in the first step, captures them with it and
     replays them from the second: with the capture emulated (torch's warm-up, then the layer
