@@ -7,6 +7,11 @@ models, and FP8's extra casts at any size the GPU does not hide them). Graphs re
 shapes, which the demo's batches have. The first step runs eagerly: delayed scaling's first
 casts take their scales from their own tensors there, which a replay cannot do, and the capture
 keeps the scaling state that step left.
+
+The demo sets gradients to None before each backward, so a replay's gradient buffers become
+`.grad` themselves: the clip and the optimizer read them before the next replay overwrites
+them. A loop that accumulates gradients over several backwards must give the parameters
+gradients of their own instead (docs/graphs.md).
 """
 from __future__ import annotations
 
