@@ -105,7 +105,7 @@ def capture_layers(model, rcp: Optional[recipe.Recipe], input_ids: torch.Tensor)
     hidden = seen["args"][0]
     samples = tuple((torch.randn_like(hidden).requires_grad_(),) for _ in layers)
     te.make_graphed_callables(tuple(layers), samples, sample_kwargs=tuple(dict(seen["kwargs"]) for _ in layers),
-                              enabled=rcp is not None, recipe=rcp)
+                              enabled=rcp is not None, recipe=rcp, clone_param_grads_on_return=False)
 
 
 class Bench:

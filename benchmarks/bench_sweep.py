@@ -166,7 +166,9 @@ class Sweep:
         rcp, module = (make() if make else None), make_module()
         if mode == "captured":  # what docs/graphs.md recommends for host-bound steps of fixed shapes
             _zeroed_grads(module, x)
-            module = te.make_graphed_callables(module, (x,), enabled=rcp is not None, recipe=rcp)
+            # (gradients allocated above: autograd adds the graphs' buffers into them, as the peers' do)
+            module = te.make_graphed_callables(module, (x,), enabled=rcp is not None, recipe=rcp,
+                                               clone_param_grads_on_return=False)
 
         def forward(inp):
             with te.autocast(enabled=rcp is not None, recipe=rcp):

@@ -27,7 +27,6 @@ _NOT_IMPLEMENTED = {
     "_num_layers_per_chunk": (None, "pipeline-parallel capture order"),
     "retain_graph_in_backward": (False, "retain_graph in the backward capture"),
     "_reuse_graph_input_output_buffers": (False, "pipeline-parallel buffer reuse"),
-    "clone_param_grads_on_return": (True, "returning parameter gradients that alias the graph's buffers"),
     "pre_warmup_hook": (None, "warm-up hooks"),
     "post_warmup_hook": (None, "warm-up hooks"),
     "capture_time_hooks": (None, "capture-time hooks"),
@@ -44,6 +43,7 @@ class GraphOptions:
     amax_reduction_group: object
     cache_quantized_params: bool
     pool: object = None  # a graph memory pool handle to share with other graphs; None: a pool of their own
+    clone_param_grads: bool = True  # replays hand autograd copies of the parameters' gradients
 
 
 def _pick(given: dict, old: str):
@@ -90,6 +90,9 @@ def graph_options(n_modules: int, given: dict) -> GraphOptions:
     group = _pick(given, "fp8_group")
     cache = _pick(given, "fp8_weight_caching")
     pool = given.pop("pool", None)
+    clone = given.pop("clone_param_grads_on_return", True)
+    if not isinstance(clone, bool):
+        raise TypeError(f"make_graphed_callables: clone_param_grads_on_return must be a bool, got {clone!r}")
     for name in ("fp8_calibrating", "calibrating"):
         if given.get(name):
             raise NotImplementedError(f"make_graphed_callables: {name}=True (recording amaxes while computing in high "
@@ -103,4 +106,4 @@ def graph_options(n_modules: int, given: dict) -> GraphOptions:
         raise ValueError("make_graphed_callables: cache_quantized_params=True caches FP8 weights, so it needs "
                          "enabled=True (for at least one module)")
     recipe = _check_recipe(recipe, "make_graphed_callables")
-    return GraphOptions(enabled, recipe if any(enabled) else None, group, bool(cache), pool)
+    return GraphOptions(enabled, recipe if any(enabled) else None, group, bool(cache), pool, clone)

@@ -181,9 +181,29 @@ def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: b
                 if isinstance(o, torch.Tensor) and o.requires_grad:  # whichever output the loss reaches
                     hook = hook or _backward_updates_hook(backward_groups, context.amax_reduction_group)
                     o.register_hook(hook)
+        if clone_grads is not None and torch.is_grad_enabled():
+            node = next((o.grad_fn for o in (out if isinstance(out, tuple) else (out,))
+                         if isinstance(o, torch.Tensor) and o.grad_fn is not None), None)
+            if node is not None:  # (one node per replay: the hook goes with it)
+                node.register_hook(clone_grads)
         return out
 
+    n_params = len(tuple(module.parameters()))
+    clone_grads = _param_grad_copies(n_params) if options.clone_param_grads and n_params else None
     return forward
+
+
+def _param_grad_copies(n_params: int):
+    """A hook on a replay's backward node that hands autograd copies of the parameters' gradients
+    (its last n_params results) instead of the graph's own buffers, which the next replay
+    overwrites: so `.grad` never aliases them, and gradients accumulated over several backward
+    passes add up, as in eager mode (Transformer Engine's clone_param_grads_on_return=True)."""
+
+    def hook(grad_inputs, grad_outputs):
+        start = len(grad_inputs) - n_params
+        return tuple(g.clone() if i >= start and g is not None else g for i, g in enumerate(grad_inputs))
+
+    return hook
 
 
 def _checked_inputs(modules, sample_args) -> Tuple[Sequence[nn.Module], Sequence[tuple]]:
@@ -236,7 +256,11 @@ def make_graphed_callables(
     twice, as a first microbatch (weights quantized into the weight cache) and as a later one
     (the cache read back); each call then passes is_first_microbatch=True or False. `pool` (a
     keyword, as in TE): a graph memory pool handle shared with other graphs, which must then be
-    replayed in the order they were captured. Warm-up runs
+    replayed in the order they were captured. `clone_param_grads_on_return` (a keyword, default
+    True as in TE): a replay's parameter gradients reach autograd as copies; False hands over the
+    graph's own buffers (one copy less per parameter and step), which the next replay overwrites:
+    only for loops that consume `.grad` before then, or that allocate `.grad` beforehand (autograd
+    then adds into it). Warm-up runs
     real forward and backward steps; the scaling state is put back as it was afterwards.
     """
     mods, args = _checked_inputs(modules, sample_args)

@@ -8,10 +8,11 @@ shapes, which the demo's batches have. The first step runs eagerly: delayed scal
 casts take their scales from their own tensors there, which a replay cannot do, and the capture
 keeps the scaling state that step left.
 
-The demo sets gradients to None before each backward, so a replay's gradient buffers become
-`.grad` themselves: the clip and the optimizer read them before the next replay overwrites
-them. A loop that accumulates gradients over several backwards must give the parameters
-gradients of their own instead (docs/graphs.md).
+The demo sets gradients to None before each backward and runs one backward per step, so it
+takes the replays' gradient buffers as `.grad` themselves (clone_param_grads_on_return=False,
+one copy less per parameter and step): the clip and the optimizer read them before the next
+replay overwrites them. A loop that accumulates gradients over several backwards keeps the
+default, which hands autograd copies.
 """
 from __future__ import annotations
 
@@ -57,4 +58,4 @@ def capture_layers(layers: Sequence[nn.Module], calls: LayerCalls, fp8_recipe, d
     keywords = tuple(kwargs for _, kwargs in calls.calls)
     with torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False):
         make_graphed_callables(tuple(layers), samples, sample_kwargs=keywords, enabled=fp8_recipe is not None,
-                               recipe=fp8_recipe)
+                               recipe=fp8_recipe, clone_param_grads_on_return=False)

@@ -239,6 +239,7 @@ def test_captured_layers_give_the_eager_losses(monkeypatch, recipe):
     (layers, samples, kwargs), = captured
     m = cfg.model
     assert len(layers) == m.num_layers and kwargs["enabled"] is (rcp is not None) and kwargs["recipe"] is rcp
+    assert kwargs["clone_param_grads_on_return"] is False  # one backward per step: .grad may be the buffers
     assert all(s[0].shape == (m.batch_size, m.seq_len, m.hidden_size) and s[0].requires_grad for s in samples)
     assert all(set(kw) == {"rotary_pos_emb"} for kw in kwargs["sample_kwargs"])
 

@@ -207,6 +207,61 @@ def test_pool_goes_to_the_device_graph_api(monkeypatch):
     torch.testing.assert_close(graphed(x), _linear()[0](x), rtol=1.3e-6, atol=1e-5)
 
 
+def aliasing_graph_api(callables, sample_args, num_warmup_iters=3, allow_unused_input=False):
+    """As torch's make_graphed_callables hands gradients back: the replay (here the module run
+    eagerly) returns its parameters' gradients in buffers of its own, the same ones every call."""
+    for module, args in zip(callables, sample_args):
+        params = tuple(module.parameters())
+        buffers = [torch.zeros_like(p) for p in params]
+        run = module.forward
+
+        class Replay(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *inputs):
+                ctx.inputs = [i.detach().requires_grad_() for i in inputs[:len(inputs) - len(params)]]
+                with torch.enable_grad():
+                    ctx.out = run(*ctx.inputs)
+                return ctx.out.detach()
+
+            @staticmethod
+            def backward(ctx, dy):
+                grads = torch.autograd.grad(ctx.out, ctx.inputs + list(params), dy)
+                for buffer, grad in zip(buffers, grads[len(ctx.inputs):]):
+                    buffer.copy_(grad)
+                return (*grads[:len(ctx.inputs)], *(b.detach() for b in buffers))
+
+        module.forward = lambda *a, _R=Replay, _p=params: _R.apply(*a, *_p)
+        module.grad_buffers = buffers
+    return tuple(callables)
+
+
+@pytest.mark.parametrize("clone", [True, False])
+def test_replayed_parameter_gradients_are_copies_unless_asked_otherwise(monkeypatch, clone):
+    """clone_param_grads_on_return (TE's, default True): gradients accumulated over two backward
+    passes into unallocated .grad add up as an eager module's do; with False, .grad is the
+    graph's own buffer, which the second replay overwrites, as Transformer Engine documents."""
+    seen = []
+    monkeypatch.setattr(graphs, "_graph_api", lambda device: lambda *a, **k: seen.extend(aliasing_graph_api(*a, **k))
+                        or tuple(seen))
+    lin, x = _linear()
+    eager = _linear()[0]
+    graphed = graphs.make_graphed_callables(lin, (x,), clone_param_grads_on_return=clone)
+    dys = [torch.randn(16, 16), torch.randn(16, 16)]
+    for dy in dys:
+        graphed(x.detach().requires_grad_()).backward(dy)
+        eager(x.detach().requires_grad_()).backward(dy)
+    buffers = seen[0].grad_buffers
+    if clone:
+        for p, q in zip(graphed.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1.3e-6, atol=1e-5)
+        assert all(p.grad.data_ptr() != b.data_ptr() for p, b in zip(graphed.parameters(), buffers))
+    else:  # the first backward's gradients were lost: .grad is the buffer, doubled by the second
+        assert graphed.weight.grad.data_ptr() == buffers[0].data_ptr()
+        assert not torch.allclose(graphed.weight.grad, eager.weight.grad, rtol=1e-3, atol=1e-3)
+    with pytest.raises(TypeError, match="clone_param_grads_on_return must be a bool"):
+        graphs.make_graphed_callables(_linear()[0], (x,), clone_param_grads_on_return="no")
+
+
 def test_te_defaults_and_deprecated_names(fake_graphs):
     """TE's defaults of the arguments te-core does not implement ask for nothing; the fp8_* names
     warn, as in Transformer Engine, and giving both spellings of one argument is an error."""

@@ -140,3 +140,31 @@ def test_graphs_sharing_a_pool_match_eager_steps(recipe):
             for slot, state in slots.items():
                 for key in ("scale", "amax_history"):
                     assert torch.equal(layer.quantization_state()[direction][slot][key], state[key]), (slot, key)
+
+
+@pytest.mark.parametrize("recipe", [te.recipe.DelayedScaling(amax_history_len=8), te.recipe.Float8CurrentScaling()])
+def test_replayed_gradients_accumulate_like_eager_ones(recipe):
+    """Two microbatches' backward passes into gradients set to None: the replays hand autograd
+    copies (clone_param_grads_on_return=True, TE's default), so .grad sums both microbatches as
+    an eager twin's does, and holds none of the graph's buffers."""
+    torch.manual_seed(0)
+    graphed = te.Linear(256, 128, params_dtype=torch.bfloat16, device="cuda")
+    eager = te.Linear(256, 128, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = te.make_graphed_callables(graphed, (x,), enabled=True, recipe=recipe)
+    eager.load_state_dict(graphed.state_dict())
+    for step in range(2):
+        for module in (graphed, eager):
+            for p in module.parameters():
+                p.grad = None
+        for micro in range(2):
+            new_x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16) * (step + micro + 1)
+            dy = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+            for module, inp in ((graphed, x), (eager, new_x.clone().requires_grad_())):
+                if module is graphed:
+                    x.data.copy_(new_x)
+                with te.autocast(recipe=recipe):
+                    y = module(inp)
+                y.backward(dy)
+        for p, q in zip(graphed.parameters(), eager.parameters()):
+            assert torch.equal(p.grad, q.grad), step
