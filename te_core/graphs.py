@@ -159,6 +159,8 @@ def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: b
     forward_groups, backward_groups = _scaling_groups(module) if enabled else ([], [])
     name, captured_training = type(module).__name__, module.training
     cache_filled = [False]  # by a first-microbatch replay: capture only recorded the casts
+    n_params = len(tuple(module.parameters()))  # the replay's last results: the parameters' gradients
+    clone_grads = _param_grad_copies(n_params) if options.clone_param_grads and n_params else None
 
     def forward(*args, **kwargs):
         first = _microbatch_flag(kwargs, options.cache_quantized_params, name)
@@ -188,8 +190,6 @@ def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: b
                 node.register_hook(clone_grads)
         return out
 
-    n_params = len(tuple(module.parameters()))
-    clone_grads = _param_grad_copies(n_params) if options.clone_param_grads and n_params else None
     return forward
 
 
