@@ -259,8 +259,9 @@ def _check_capture(args, device: torch.device, world: int) -> Optional[str]:
         return None
     if world > 1 or args.tp > 1 or args.sequence_parallel:
         return "--capture runs in one process; under torchrun or with --tp, leave it out (or use --compile)"
-    module = getattr(torch, device.type, None)
-    if device.type == "cpu" or not hasattr(module, "make_graphed_callables"):
+    from ..graphs import _graph_api  # the device's graph capture, as make_graphed_callables finds it
+
+    if _graph_api(device) is None:
         return (f"--capture needs an accelerator whose torch module captures graphs; {device} has none, so leave "
                 "--capture out there")
     return None

@@ -8,6 +8,23 @@ import te_core as te
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def _twin_step(graphed, eager, x, recipe, scale):
+    """One forward and backward of `graphed` (on its sample input `x`, refilled) and of `eager` on
+    the same fresh random input and output gradient: (y graphed, dx graphed, y eager, dx eager)."""
+    new_x = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16) * scale
+    dy = torch.randn(x.shape[0], eager.out_features, device="cuda", dtype=torch.bfloat16)
+    x.data.copy_(new_x)
+    x.grad = None
+    with te.autocast(recipe=recipe):
+        y_graphed = graphed(x)
+    y_graphed.backward(dy)
+    x_eager = new_x.clone().requires_grad_()
+    with te.autocast(recipe=recipe):
+        y_eager = eager(x_eager)
+    y_eager.backward(dy)
+    return y_graphed, x.grad, y_eager, x_eager.grad
+
+
 @pytest.mark.parametrize("recipe", [te.recipe.DelayedScaling(amax_history_len=8), te.recipe.Float8CurrentScaling()])
 def test_graphed_linear_matches_eager_steps(recipe):
     torch.manual_seed(0)
@@ -20,19 +37,9 @@ def test_graphed_linear_matches_eager_steps(recipe):
         for p in module.parameters():
             p.grad = torch.zeros_like(p)
     for step in range(4):
-        new_x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16) * (step + 1)
-        dy = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
-        x.data.copy_(new_x)
-        x.grad = None
-        with te.autocast(recipe=recipe):
-            y_graphed = graphed(x)
-        y_graphed.backward(dy)
-        x_eager = new_x.clone().requires_grad_()
-        with te.autocast(recipe=recipe):
-            y_eager = eager(x_eager)
-        y_eager.backward(dy)
+        y_graphed, dx_graphed, y_eager, dx_eager = _twin_step(graphed, eager, x, recipe, step + 1)
         assert torch.equal(y_graphed, y_eager), step
-        assert torch.equal(x.grad, x_eager.grad), step
+        assert torch.equal(dx_graphed, dx_eager), step
     assert torch.equal(graphed.weight.grad, eager.weight.grad)
     assert torch.equal(graphed.bias.grad, eager.bias.grad)
     wrong = []
@@ -121,19 +128,9 @@ def test_graphs_sharing_a_pool_match_eager_steps(recipe):
             p.grad = torch.zeros_like(p)
     for step in range(3):
         for i, (layer, twin, x) in enumerate(zip(graphed, twins, samples)):
-            new_x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16) * (step + i + 1)
-            dy = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
-            x.data.copy_(new_x)
-            x.grad = None
-            with te.autocast(recipe=recipe):
-                y = layer(x)
-            y.backward(dy)
-            x_eager = new_x.clone().requires_grad_()
-            with te.autocast(recipe=recipe):
-                y_eager = twin(x_eager)
-            y_eager.backward(dy)
+            y, dx, y_eager, dx_eager = _twin_step(layer, twin, x, recipe, step + i + 1)
             assert torch.equal(y, y_eager), (step, i)
-            assert torch.equal(x.grad, x_eager.grad), (step, i)
+            assert torch.equal(dx, dx_eager), (step, i)
     for layer, twin in zip(graphed, twins):
         assert torch.equal(layer.weight.grad, twin.weight.grad)
         for direction, slots in twin.quantization_state().items():
@@ -158,13 +155,6 @@ def test_replayed_gradients_accumulate_like_eager_ones(recipe):
             for p in module.parameters():
                 p.grad = None
         for micro in range(2):
-            new_x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16) * (step + micro + 1)
-            dy = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
-            for module, inp in ((graphed, x), (eager, new_x.clone().requires_grad_())):
-                if module is graphed:
-                    x.data.copy_(new_x)
-                with te.autocast(recipe=recipe):
-                    y = module(inp)
-                y.backward(dy)
+            _twin_step(graphed, eager, x, recipe, step + micro + 1)
         for p, q in zip(graphed.parameters(), eager.parameters()):
             assert torch.equal(p.grad, q.grad), step
