@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
+from ._graph_warmup import check_hook
 from .quantization.autocast import _check_recipe
 from .recipe import Recipe
 
@@ -27,8 +28,6 @@ _NOT_IMPLEMENTED = {
     "_num_layers_per_chunk": (None, "pipeline-parallel capture order"),
     "retain_graph_in_backward": (False, "retain_graph in the backward capture"),
     "_reuse_graph_input_output_buffers": (False, "pipeline-parallel buffer reuse"),
-    "pre_warmup_hook": (None, "warm-up hooks"),
-    "post_warmup_hook": (None, "warm-up hooks"),
     "capture_time_hooks": (None, "capture-time hooks"),
 }
 
@@ -44,6 +43,8 @@ class GraphOptions:
     cache_quantized_params: bool
     pool: object = None  # a graph memory pool handle to share with other graphs; None: a pool of their own
     clone_param_grads: bool = True  # replays hand autograd copies of the parameters' gradients
+    pre_warmup_hook: Optional[Callable[[], None]] = None  # called before the first warm-up step, as in TE
+    post_warmup_hook: Optional[Callable[[], None]] = None  # called after the last one
 
 
 def _pick(given: dict, old: str):
@@ -91,6 +92,7 @@ def graph_options(n_modules: int, given: dict) -> GraphOptions:
     cache = _pick(given, "fp8_weight_caching")
     pool = given.pop("pool", None)
     clone = given.pop("clone_param_grads_on_return", True)
+    hooks = [check_hook(name, given.pop(name, None)) for name in ("pre_warmup_hook", "post_warmup_hook")]
     if not isinstance(clone, bool):
         raise TypeError(f"make_graphed_callables: clone_param_grads_on_return must be a bool, got {clone!r}")
     for name in ("fp8_calibrating", "calibrating"):
@@ -106,4 +108,4 @@ def graph_options(n_modules: int, given: dict) -> GraphOptions:
         raise ValueError("make_graphed_callables: cache_quantized_params=True caches FP8 weights, so it needs "
                          "enabled=True (for at least one module)")
     recipe = _check_recipe(recipe, "make_graphed_callables")
-    return GraphOptions(enabled, recipe if any(enabled) else None, group, bool(cache), pool, clone)
+    return GraphOptions(enabled, recipe if any(enabled) else None, group, bool(cache), pool, clone, *hooks)

@@ -19,6 +19,8 @@ pair of graphs (and their activation memory).
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import inspect
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -27,6 +29,7 @@ from torch import nn
 
 from ._graph_inputs import KeywordInputs, keyword_inputs
 from ._graph_options import GraphOptions, graph_options
+from ._graph_warmup import check_iterations, warm_up
 from .modules._base import QuantizedModule
 from .modules._microbatch import forced_first_microbatch
 from .quantization.autocast import autocast, get_autocast_context
@@ -52,6 +55,21 @@ def _pool_argument(graph_api, pool) -> dict:
         raise NotImplementedError(f"make_graphed_callables: this torch's {graph_api.__module__}.make_graphed_callables "
                                   "takes no memory pool; leave pool=None (the graphs then share a pool of their own)")
     return {"pool": pool}
+
+
+@contextlib.contextmanager
+def _no_garbage_collection():
+    """Python's cyclic garbage collector paused while graphs are captured. A graphed module is a
+    reference cycle (its forward holds it), so one that is replaced or dropped is freed by a
+    collection; if that collection runs in the middle of another capture, freeing the old graphs
+    and their memory invalidates the capture. Transformer Engine pauses it for the same reason."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _scaling_groups(module: nn.Module) -> Tuple[List[ScalingGroup], List[ScalingGroup]]:
@@ -260,10 +278,13 @@ def make_graphed_callables(
     True as in TE): a replay's parameter gradients reach autograd as copies; False hands over the
     graph's own buffers (one copy less per parameter and step), which the next replay overwrites:
     only for loops that consume `.grad` before then, or that allocate `.grad` beforehand (autograd
-    then adds into it). Warm-up runs
-    real forward and backward steps; the scaling state is put back as it was afterwards.
+    then adds into it). `num_warmup_iters` warm-up steps run real forward and backward passes, as
+    in TE: on a side stream, every forward in order, then every backward in reverse order, after
+    `pre_warmup_hook()` and before `post_warmup_hook()` (keywords, as in TE); the scaling state is
+    put back as it was afterwards.
     """
     mods, args = _checked_inputs(modules, sample_args)
+    iterations = check_iterations(num_warmup_iters)
     options = graph_options(len(mods), te_arguments | dict(
         enabled=enabled, recipe=recipe, amax_reduction_group=amax_reduction_group,
         cache_quantized_params=cache_quantized_params))
@@ -277,12 +298,16 @@ def make_graphed_callables(
     eager_forwards = [module.forward for module in mods]
     variants = [_Variant(m, f, on, options, flag, len(a), kw)
                 for m, f, on, a, kw in zip(mods, eager_forwards, options.enabled, args, keywords) for flag in flags]
+    inputs = tuple(a + kw.tensors for a, kw in zip(args, keywords) for _ in flags)
+    pool = _pool_argument(graph_api, options.pool)
     saved = [_save_scaling_state(module) for module in mods]
     with autocast(enabled=any(options.enabled), recipe=options.recipe,
                   amax_reduction_group=options.amax_reduction_group), graph_capture():
-        graphed = graph_api(tuple(variants), tuple(a + kw.tensors for a, kw in zip(args, keywords) for _ in flags),
-                            num_warmup_iters=num_warmup_iters, allow_unused_input=allow_unused_input,
-                            **_pool_argument(graph_api, options.pool))
+        warm_up(device, variants, inputs, iterations, allow_unused_input, options.pre_warmup_hook,
+                options.post_warmup_hook)
+        with _no_garbage_collection():
+            graphed = graph_api(tuple(variants), inputs, num_warmup_iters=0, allow_unused_input=allow_unused_input,
+                                **pool)
     for module, before in zip(mods, saved):
         _restore_scaling_state(module, before)
         for group in sum(_scaling_groups(module), []):

@@ -162,6 +162,7 @@ IMPLEMENTED = {
         "recipe": MODULES + "test_graphs_model.py", "amax_reduction_group": MODULES + "test_graphs.py",
         "cache_quantized_params": MODULES + "test_graphs_model.py", "sample_kwargs": MODULES + "test_graphs_model.py",
         "pool": MODULES + "test_graphs.py", "clone_param_grads_on_return": MODULES + "test_graphs.py",
+        "pre_warmup_hook": MODULES + "test_graphs.py", "post_warmup_hook": MODULES + "test_graphs.py",
     },
     ("autocast", "__init__"): {
         "enabled": "quantization/test_autocast.py", "calibrating": "quantization/test_autocast.py",

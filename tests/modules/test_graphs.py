@@ -262,12 +262,106 @@ def test_replayed_parameter_gradients_are_copies_unless_asked_otherwise(monkeypa
         graphs.make_graphed_callables(_linear()[0], (x,), clone_param_grads_on_return="no")
 
 
+class _Logged(torch.nn.Module):
+    """A te.Linear that logs its forward and backward passes under `name`."""
+
+    def __init__(self, name, log):
+        super().__init__()
+        self.name, self.log, self.lin = name, log, _linear()[0]
+
+    def forward(self, x):
+        self.log.append(f"forward {self.name}")
+        return _LogBackward.apply(self.lin(x), self.log, self.name)
+
+
+class _LogBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, log, name):
+        ctx.log, ctx.name = log, name
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        ctx.log.append(f"backward {ctx.name}")
+        return dy, None, None
+
+
+def test_warmup_runs_in_te_order_between_the_hooks(monkeypatch):
+    """TE's warm-up: pre_warmup_hook, then per step every forward in order and every backward in
+    reverse, then post_warmup_hook; the device's make_graphed_callables then warms up nothing itself."""
+    log = []
+
+    def recording_graph_api(callables, sample_args, num_warmup_iters, allow_unused_input):
+        log.append(f"capture after {num_warmup_iters} warm-up steps of its own")
+        return callables
+
+    monkeypatch.setattr(graphs, "_graph_api", lambda device: recording_graph_api)
+    first, second = _Logged("a", log), _Logged("b", log)
+    xa, xb = torch.randn(16, 32, requires_grad=True), torch.randn(16, 32, requires_grad=True)
+    graphs.make_graphed_callables((first, second), ((xa,), (xb,)), num_warmup_iters=2, enabled=True, recipe=RECIPE,
+                                  pre_warmup_hook=lambda: log.append("pre"), post_warmup_hook=lambda: log.append("post"))
+    step = ["forward a", "forward b", "backward b", "backward a"]
+    assert log == ["pre", *step, *step, "post", "capture after 0 warm-up steps of its own"]
+    assert xa.grad is None and first.lin.weight.grad is None  # warm-up gradients go nowhere (autograd.grad)
+
+
+def test_warmup_without_hooks_or_steps(monkeypatch):
+    log = []
+    monkeypatch.setattr(graphs, "_graph_api", lambda device: lambda c, s, num_warmup_iters, allow_unused_input: c)
+    module = _Logged("a", log)
+    graphs.make_graphed_callables(module, (torch.randn(16, 32, requires_grad=True),), num_warmup_iters=0)
+    assert log == []
+    graphs.make_graphed_callables(_Logged("b", log), (torch.randn(16, 32),))  # no input needs grad: weights do
+    assert log == ["forward b", "backward b"] * 3  # TE's and torch's default: 3 steps
+
+
+def test_garbage_collection_paused_while_capturing(monkeypatch):
+    """As in TE: a collection during a capture could free an old graphed module's graphs (a
+    reference cycle) and end the capture; the collector is paused around it and restored after,
+    also when the capture fails."""
+    import gc
+
+    seen = []
+
+    def recording_graph_api(callables, sample_args, num_warmup_iters, allow_unused_input):
+        seen.append(gc.isenabled())
+        if len(seen) == 2:
+            raise RuntimeError("capture failed")
+        return callables
+
+    monkeypatch.setattr(graphs, "_graph_api", lambda device: recording_graph_api)
+    assert gc.isenabled()
+    graphs.make_graphed_callables(_linear()[0], (torch.randn(16, 32),), num_warmup_iters=0)
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(RuntimeError, match="capture failed"):
+        graphs.make_graphed_callables(_linear()[0], (torch.randn(16, 32),), num_warmup_iters=0)
+    assert gc.isenabled()
+    gc.disable()
+    try:  # a collector the caller turned off stays off
+        graphs.make_graphed_callables(_linear()[0], (torch.randn(16, 32),), num_warmup_iters=0)
+        assert seen[-1] is False and not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_warmup_arguments_name_the_problem(fake_graphs):
+    lin, x = _linear()
+    with pytest.raises(TypeError, match="pre_warmup_hook must be a callable taking no arguments"):
+        graphs.make_graphed_callables(lin, (x,), pre_warmup_hook="setup")
+    with pytest.raises(TypeError, match="post_warmup_hook must be a callable"):
+        graphs.make_graphed_callables(lin, (x,), post_warmup_hook=1)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="num_warmup_iters must be an int >= 0"):
+            graphs.make_graphed_callables(lin, (x,), num_warmup_iters=bad)
+
+
 def test_te_defaults_and_deprecated_names(fake_graphs):
     """TE's defaults of the arguments te-core does not implement ask for nothing; the fp8_* names
     warn, as in Transformer Engine, and giving both spellings of one argument is an error."""
     lin, x = _linear()
     graphs.make_graphed_callables(lin, (x,), sample_kwargs=None, pool=None, retain_graph_in_backward=False,
-                                  clone_param_grads_on_return=True, calibrating=False, capture_time_hooks=None)
+                                  clone_param_grads_on_return=True, calibrating=False, capture_time_hooks=None,
+                                  pre_warmup_hook=None, post_warmup_hook=None)
     group = object()
     lin, x = _linear()
     with warnings.catch_warnings(record=True) as caught:

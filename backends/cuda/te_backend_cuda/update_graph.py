@@ -9,6 +9,7 @@ Inside someone else's capture (a graphed step) the launch goes into their graph 
 """
 from __future__ import annotations
 
+import gc
 import warnings
 from typing import Callable, Dict, Tuple
 
@@ -23,12 +24,18 @@ def _capture(launch: Callable[[], None]) -> torch.cuda.CUDAGraph:
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            launch()
-        finally:
-            graph.capture_end()
+    collecting = gc.isenabled()
+    gc.disable()  # a collection here could free another graph's memory, which would end the capture
+    try:
+        with torch.cuda.stream(stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                launch()
+            finally:
+                graph.capture_end()
+    finally:
+        if collecting:
+            gc.enable()
     torch.cuda.current_stream().wait_stream(stream)
     return graph
 

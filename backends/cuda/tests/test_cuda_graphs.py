@@ -158,3 +158,23 @@ def test_replayed_gradients_accumulate_like_eager_ones(recipe):
             _twin_step(graphed, eager, x, recipe, step + micro + 1)
         for p, q in zip(graphed.parameters(), eager.parameters()):
             assert torch.equal(p.grad, q.grad), step
+
+
+def test_warmup_hooks_run_on_the_warmup_stream():
+    """TE's pre_warmup_hook and post_warmup_hook run once each, around the warm-up, on its side
+    stream; the capture that follows replays like an eager twin."""
+    torch.manual_seed(0)
+    recipe = te.recipe.DelayedScaling(amax_history_len=8)
+    graphed = te.Linear(256, 128, params_dtype=torch.bfloat16, device="cuda")
+    eager = te.Linear(256, 128, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    seen = []
+    graphed = te.make_graphed_callables(graphed, (x,), enabled=True, recipe=recipe, num_warmup_iters=2,
+                                        pre_warmup_hook=lambda: seen.append(("pre", torch.cuda.current_stream())),
+                                        post_warmup_hook=lambda: seen.append(("post", torch.cuda.current_stream())))
+    assert [tag for tag, _ in seen] == ["pre", "post"]
+    assert seen[0][1] == seen[1][1] and seen[0][1] != torch.cuda.current_stream()
+    eager.load_state_dict(graphed.state_dict())
+    for step in range(2):
+        y, dx, y_eager, dx_eager = _twin_step(graphed, eager, x, recipe, step + 1)
+        assert torch.equal(y, y_eager) and torch.equal(dx, dx_eager), step

@@ -1,0 +1,61 @@
+"""The warm-up before make_graphed_callables captures, run by te-core in Transformer Engine's
+order rather than left to the device's make_graphed_callables.
+
+Warm-up steps run real forward and backward passes before capture, so that lazy initialization
+(library handles, autotuning, allocator growth) happens outside the graphs. Transformer Engine
+runs them on a side stream, every forward in the given order and then every backward in reverse
+order, with the caller's pre_warmup_hook before the first and post_warmup_hook after the last
+(what a pipeline schedule uses to set up and tear down state around them). torch's own function
+takes no hooks and warms each callable up on its own, so te-core runs the warm-up here and asks
+the device's function for none.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+
+def check_iterations(num_warmup_iters) -> int:
+    if isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int) or num_warmup_iters < 0:
+        raise ValueError(f"make_graphed_callables: num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}")
+    return num_warmup_iters
+
+
+def check_hook(name: str, hook) -> Optional[Callable[[], None]]:
+    if hook is not None and not callable(hook):
+        raise TypeError(f"make_graphed_callables: {name} must be a callable taking no arguments (or None), "
+                        f"got {type(hook).__name__}")
+    return hook
+
+
+def _backward(callable_: nn.Module, inputs: tuple, outputs, allow_unused: bool) -> None:
+    """One backward pass from `outputs` to the inputs and parameters that require grad, with
+    uninitialized output gradients as torch's warm-up uses (values the restored scaling state
+    forgets)."""
+    needing = [o for o in tree_leaves(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+    if not needing:
+        return
+    surface = [t for t in (*inputs, *callable_.parameters()) if t.requires_grad]
+    torch.autograd.grad(needing, surface, grad_outputs=[torch.empty_like(o) for o in needing],
+                        only_inputs=True, allow_unused=allow_unused)
+
+
+def warm_up(device: torch.device, callables: Sequence[nn.Module], inputs: Sequence[tuple], iterations: int,
+            allow_unused: bool, pre_hook: Optional[Callable[[], None]], post_hook: Optional[Callable[[], None]]) -> None:
+    """`iterations` warm-up steps of `callables` (each called with its `inputs`) on a side stream
+    of `device`, in Transformer Engine's order, between the two hooks."""
+    api = getattr(torch, device.type)
+    api.synchronize()
+    with api.stream(api.Stream()):
+        if pre_hook is not None:
+            pre_hook()
+        for _ in range(iterations):
+            runs = [(c, args, c(*args)) for c, args in zip(callables, inputs)]
+            while runs:
+                _backward(*runs.pop(), allow_unused)
+        if post_hook is not None:
+            post_hook()
+    api.synchronize()
