@@ -31,6 +31,7 @@ from ._graph_inputs import KeywordInputs, keyword_inputs
 from ._graph_options import GraphOptions, graph_options
 from ._graph_warmup import check_iterations, warm_up
 from .modules._base import QuantizedModule
+from .modules._delayed_wgrad import DelayedWgradMixin
 from .modules._microbatch import forced_first_microbatch
 from .quantization.autocast import autocast, get_autocast_context
 from .quantization.roles import Role
@@ -237,6 +238,14 @@ def _checked_inputs(modules, sample_args) -> Tuple[Sequence[nn.Module], Sequence
         if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
             raise RuntimeError(f"make_graphed_callables: {type(module).__name__} has hooks registered; a replay would "
                                "skip them. Register hooks after make_graphed_callables, as with torch's")
+        delaying = next((m for m in module.modules() if isinstance(m, DelayedWgradMixin) and m.need_backward_dw()),
+                        None)
+        if delaying is not None:
+            raise NotImplementedError(
+                f"make_graphed_callables: {type(delaying).__name__} was built with delay_wgrad_compute=True, whose "
+                "backward leaves the weight gradients for backward_dw(); a replay would record none, and te-core "
+                "does not capture backward_dw graphs yet. Build it with delay_wgrad_compute=False to capture it, or "
+                "run it eagerly")
         if not sample or not all(isinstance(a, torch.Tensor) for a in sample):
             raise TypeError("make_graphed_callables: sample_args must be tensors (the positional inputs of one call)")
         for param in module.parameters():

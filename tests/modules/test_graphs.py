@@ -174,6 +174,9 @@ def test_bad_arguments_name_the_problem(fake_graphs):
         graphs.make_graphed_callables(lin, (x,), pool=(0, 1))  # (the fake API, like an old torch, takes none)
     with pytest.raises(TypeError, match="unexpected keyword arguments fp8_weights"):
         graphs.make_graphed_callables(lin, (x,), fp8_weights=True)
+    delaying = torch.nn.Sequential(te.Linear(32, 16, params_dtype=torch.float32, delay_wgrad_compute=True))
+    with pytest.raises(NotImplementedError, match="Linear was built with delay_wgrad_compute=True"):
+        graphs.make_graphed_callables(delaying, (x,), allow_unused_input=True)  # (a replay would record no wgrad)
     lin.register_forward_hook(lambda *a: None)
     with pytest.raises(RuntimeError, match="Linear has hooks registered"):
         graphs.make_graphed_callables(lin, (x,))
