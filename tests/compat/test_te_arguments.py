@@ -159,8 +159,13 @@ def test_graphed_callables_fp8_group_is_the_amax_reduction_group(monkeypatch):
         seen.append((get_autocast_context().amax_reduction_group, num_warmup_iters, allow_unused_input))
         return callables
 
+    def recording_warm_up(device, callables, inputs, iterations, allow_unused, pre_hook, post_hook):
+        seen.append(("warm-up", get_autocast_context().amax_reduction_group, iterations, allow_unused))
+
     monkeypatch.setattr(graphs, "_graph_api", lambda device: recording_graph_api)
+    monkeypatch.setattr(graphs, "warm_up", recording_warm_up)
     group = object()
     te.make_graphed_callables(te.Linear(16, 16), (_x(16, 16).requires_grad_(),), num_warmup_iters=1,
                               allow_unused_input=True, fp8_enabled=True, fp8_group=group)
-    assert seen == [(group, 1, True)]
+    # te-core runs the warm-up itself (TE's order and hooks), so the device's capture gets none
+    assert seen == [("warm-up", group, 1, True), (group, 0, True)]
