@@ -209,7 +209,15 @@ def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: b
                 node.register_hook(clone_grads)
         return out
 
+    forward.te_eager_forward = eager_forward
     return forward
+
+
+def _eager_forward(module: nn.Module):
+    """The module's own forward, also where an earlier make_graphed_callables replaced it with
+    its replay: capturing a graphed module again (for another recipe, or other shapes) captures
+    the module, not the old replay, which would refuse the new recipe or sizes."""
+    return getattr(module.forward, "te_eager_forward", module.forward)
 
 
 def _param_grad_copies(n_params: int):
@@ -304,7 +312,7 @@ def make_graphed_callables(
                                   f"{device.type!r}; run the modules eagerly")
     keywords = keyword_inputs(sample_kwargs, len(mods), [type(m).__name__ for m in mods])
     flags = (True, False) if options.cache_quantized_params else (None,)
-    eager_forwards = [module.forward for module in mods]
+    eager_forwards = [_eager_forward(module) for module in mods]
     variants = [_Variant(m, f, on, options, flag, len(a), kw)
                 for m, f, on, a, kw in zip(mods, eager_forwards, options.enabled, args, keywords) for flag in flags]
     inputs = tuple(a + kw.tensors for a, kw in zip(args, keywords) for _ in flags)

@@ -347,6 +347,24 @@ def test_garbage_collection_paused_while_capturing(monkeypatch):
         gc.enable()
 
 
+def test_a_graphed_module_captured_again_captures_the_module(fake_graphs):
+    """The error for a replay under another recipe says to capture again: doing so captures the
+    module's own forward (not the old replay, which would refuse the new recipe while warming up)."""
+    lin, x = _linear()
+    twin = te.Linear(32, 16, params_dtype=torch.float32)
+    twin.load_state_dict(lin.state_dict())
+    current = te.recipe.Float8CurrentScaling()
+    graphed = graphs.make_graphed_callables(lin, (x,), enabled=True, recipe=RECIPE)
+    with pytest.raises(RuntimeError, match="capture again with the new one"), te.autocast(recipe=current):
+        graphed(x)
+    again = graphs.make_graphed_callables(graphed, (x,), enabled=True, recipe=current)
+    with te.autocast(recipe=current):
+        y, want = again(x), twin(x)
+    assert torch.equal(y, want)
+    with pytest.raises(RuntimeError, match="captured with Float8CurrentScaling"), te.autocast(recipe=RECIPE):
+        again(x)
+
+
 def test_warmup_arguments_name_the_problem(fake_graphs):
     lin, x = _linear()
     with pytest.raises(TypeError, match="pre_warmup_hook must be a callable taking no arguments"):
