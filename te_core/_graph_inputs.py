@@ -6,6 +6,10 @@ graphs take as extra positional inputs after the call's own, and everything else
 numbers, strings), which the graphs bake in. A replay must pass the same keywords with the same
 structure and the same baked-in values; its tensors are copied into the graphs' input buffers,
 as positional inputs are.
+
+That copy would broadcast a smaller tensor or convert another dtype without a word, and an input
+that did not require grad at capture gets no gradient from the backward graph; so every replay's
+tensors are checked against the sample's (InputSignature).
 """
 from __future__ import annotations
 
@@ -66,6 +70,40 @@ class KeywordInputs:
                                  f"position {position}), but this call passes {_short(leaf)}; a replay cannot "
                                  "change it: pass it as at capture, or capture again")
         return tuple(tensors)
+
+
+class InputSignature:
+    """Shape, dtype, device and requires_grad of each tensor a module was captured with
+    (positional inputs, then keyword tensors in flattened order): what a replay's must match."""
+
+    def __init__(self, tensors, name: str):
+        self.name = name
+        self.expected = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors)
+
+    def check(self, tensors) -> None:
+        """Nothing where `tensors` match, else an error naming the input and the fix."""
+        expected = self.expected
+        if len(tensors) != len(expected):
+            raise TypeError(f"graphed {self.name} was captured with {len(expected)} tensor inputs (positional, then "
+                            f"keyword tensors), but this call passes {len(tensors)}")
+        grad = torch.is_grad_enabled()
+        for position, (t, (shape, dtype, device, needs_grad)) in enumerate(zip(tensors, expected)):
+            if (t.__class__ is not torch.Tensor and not isinstance(t, torch.Tensor)) or t.shape != shape \
+                    or t.dtype != dtype or t.device != device or (grad and t.requires_grad and not needs_grad):
+                raise self._mismatch(position, t)
+
+    def _mismatch(self, position: int, t) -> Exception:
+        shape, dtype, device, needs_grad = self.expected[position]
+        where = f"graphed {self.name}: input {position}"
+        if not isinstance(t, torch.Tensor):
+            return TypeError(f"{where} was a tensor at capture, got {type(t).__name__}")
+        if t.shape != shape or t.dtype != dtype or t.device != device:
+            return ValueError(f"{where} is a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}, but the graphs "
+                              f"were captured for {dtype} of shape {tuple(shape)} on {device}; a replay copies its "
+                              "inputs into the captured buffers (which would broadcast or convert it): pass the "
+                              "sample's shape and dtype, or capture again for these")
+        return ValueError(f"{where} requires grad, but the sample it was captured with did not, so the backward graph "
+                          "computes no gradient for it; capture with a sample that requires grad")
 
 
 def _same(a, b) -> bool:

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._graph_inputs import KeywordInputs, keyword_inputs
+from ._graph_inputs import InputSignature, KeywordInputs, keyword_inputs
 from ._graph_options import GraphOptions, graph_options
 from ._graph_warmup import check_iterations, warm_up
 from .modules._base import QuantizedModule
@@ -172,7 +172,7 @@ def _check_autocast(name: str, enabled: bool, options: GraphOptions) -> None:
 
 
 def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: bool, options: GraphOptions,
-                     keywords: KeywordInputs):
+                     keywords: KeywordInputs, signature: InputSignature):
     """The module's new forward: checks, the replay of the right graph, then the scale updates
     the graphs do not hold. In the other training mode than captured it runs eagerly (torch's rule)."""
     forward_groups, backward_groups = _scaling_groups(module) if enabled else ([], [])
@@ -187,6 +187,7 @@ def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: b
             with forced_first_microbatch(first):
                 return eager_forward(*args, **kwargs)
         keyword_tensors = keywords.tensors_of(kwargs) if (kwargs or keywords.keys) else ()
+        signature.check((*args, *keyword_tensors))
         _check_autocast(name, enabled, options)
         if first is False and not cache_filled[0]:
             raise RuntimeError(f"graphed {name}: call it with is_first_microbatch=True before any later microbatch; "
@@ -330,7 +331,7 @@ def make_graphed_callables(
         for group in sum(_scaling_groups(module), []):
             group.captured = True  # the graphs take their own scale_inv: updates skip the snapshot
     replays = iter(graphed)
-    for module, forward, on, kw in zip(mods, eager_forwards, options.enabled, keywords):
+    for module, forward, on, sample, kw in zip(mods, eager_forwards, options.enabled, args, keywords):
         module.forward = _graphed_forward(module, forward, {flag: next(replays).forward for flag in flags}, on, options,
-                                          kw)
+                                          kw, InputSignature((*sample, *kw.tensors), type(module).__name__))
     return mods if isinstance(modules, (tuple, list)) else mods[0]

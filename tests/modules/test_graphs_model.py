@@ -313,6 +313,35 @@ def test_sample_kwargs_route_each_calls_keyword_tensors(eager_graphs, rec_name):
         _assert_equal(got, want, f"step {step}")
 
 
+def test_replay_inputs_must_match_the_sample(eager_graphs):
+    """A replay copies its inputs into the captured buffers, which would broadcast a smaller
+    tensor or convert another dtype, and returns no gradient for an input that did not require
+    grad at capture: each such call is refused by name, keyword tensors included."""
+    torch.manual_seed(0)
+    rec = RECIPES["delayed"]()
+    block, x = KeywordBlock(), _input().requires_grad_()
+    shift, pair = torch.randn(HIDDEN), (torch.randn(HIDDEN), torch.randn(HIDDEN))
+    graphed = te.make_graphed_callables(block, (x,), sample_kwargs={"shift": shift, "pair": pair, "scale": 2.0,
+                                                                   "mask": None}, enabled=True, recipe=rec)
+    _keyword_call(graphed, _input().requires_grad_(), torch.randn(HIDDEN), pair, rec)  # other values: fine
+    with pytest.raises(ValueError, match=r"input 0 is a torch.float32 tensor of shape \(1, 2, 64\).*captured for "
+                                         r"torch.float32 of shape \(16, 2, 64\).*capture again for these"):
+        _keyword_call(graphed, x[:1], shift, pair, rec)  # would broadcast into the (16, 2, 64) buffer
+    with pytest.raises(ValueError, match="input 0 is a torch.float64 tensor"):
+        _keyword_call(graphed, x.double(), shift, pair, rec)
+    with pytest.raises(ValueError, match="input 1 is a torch.float32 tensor of shape \\(1,\\)"):
+        _keyword_call(graphed, x, shift[:1], pair, rec)  # a keyword tensor, in flattened order after x
+    with pytest.raises(ValueError, match="input 1 requires grad, but the sample it was captured with did not"):
+        _keyword_call(graphed, x, shift.clone().requires_grad_(), pair, rec)  # its gradient would be lost
+    with torch.no_grad():  # no gradient to lose
+        _keyword_call(graphed, x, shift.clone().requires_grad_(), pair, rec)
+    with pytest.raises(TypeError, match="input 0 was a tensor at capture, got float"):
+        _keyword_call(graphed, 1.0, shift, pair, rec)
+    with pytest.raises(TypeError, match="captured with 4 tensor inputs .* but this call passes 5"):
+        with te.autocast(recipe=rec):
+            graphed(x, x, shift=shift, pair=pair, scale=2.0, mask=None)
+
+
 def test_sample_kwargs_mismatches_name_the_problem(eager_graphs):
     torch.manual_seed(0)
     rec = RECIPES["delayed"]()
