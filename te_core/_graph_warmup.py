@@ -19,8 +19,10 @@ from torch.utils._pytree import tree_leaves
 
 
 def check_iterations(num_warmup_iters) -> int:
-    if isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int) or num_warmup_iters < 0:
-        raise ValueError(f"make_graphed_callables: num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}")
+    if isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int):
+        raise TypeError(f"make_graphed_callables: num_warmup_iters must be an int, got {num_warmup_iters!r}")
+    if num_warmup_iters < 0:
+        raise ValueError(f"make_graphed_callables: num_warmup_iters must be >= 0, got {num_warmup_iters}")
     return num_warmup_iters
 
 

@@ -371,8 +371,10 @@ def test_warmup_arguments_name_the_problem(fake_graphs):
         graphs.make_graphed_callables(lin, (x,), pre_warmup_hook="setup")
     with pytest.raises(TypeError, match="post_warmup_hook must be a callable"):
         graphs.make_graphed_callables(lin, (x,), post_warmup_hook=1)
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="num_warmup_iters must be an int >= 0"):
+    with pytest.raises(ValueError, match="num_warmup_iters must be >= 0, got -1"):
+        graphs.make_graphed_callables(lin, (x,), num_warmup_iters=-1)
+    for bad in (1.5, True):
+        with pytest.raises(TypeError, match="num_warmup_iters must be an int"):
             graphs.make_graphed_callables(lin, (x,), num_warmup_iters=bad)
 
 
