@@ -178,3 +178,21 @@ def test_warmup_hooks_run_on_the_warmup_stream():
     for step in range(2):
         y, dx, y_eager, dx_eager = _twin_step(graphed, eager, x, recipe, step + 1)
         assert torch.equal(y, y_eager) and torch.equal(dx, dx_eager), step
+
+
+def test_a_graphed_linear_captured_again_for_another_recipe():
+    """Capturing a graphed module again (another recipe) captures its own forward: the new graphs
+    replay like an eager twin, and a replay's inputs must match the new sample."""
+    torch.manual_seed(0)
+    delayed, current = te.recipe.DelayedScaling(amax_history_len=8), te.recipe.Float8CurrentScaling()
+    graphed = te.Linear(256, 128, params_dtype=torch.bfloat16, device="cuda")
+    eager = te.Linear(256, 128, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = te.make_graphed_callables(graphed, (x,), enabled=True, recipe=delayed)
+    graphed = te.make_graphed_callables(graphed, (x,), enabled=True, recipe=current)
+    eager.load_state_dict(graphed.state_dict())
+    for step in range(2):
+        y, dx, y_eager, dx_eager = _twin_step(graphed, eager, x, current, step + 1)
+        assert torch.equal(y, y_eager) and torch.equal(dx, dx_eager), step
+    with pytest.raises(ValueError, match="captured for torch.bfloat16 of shape"), te.autocast(recipe=current):
+        graphed(x[:1])  # the replay's copy would have broadcast it
