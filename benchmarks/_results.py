@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import re
+import time
 from typing import Optional
 
 import torch
@@ -40,7 +41,54 @@ def meta(device: str = "cuda") -> dict:
         info["triton"] = None
     if torch.device(device).type == "cuda":
         info["cuda"] = torch.version.cuda
+    info["host"] = host_probe(device)
     return info
+
+
+def host_probe(device: str = "cuda", calls: int = 2000) -> dict:
+    """How fast this machine's CPU drives the device: microseconds per call of a small torch op
+    (an add of two 8-element tensors into a third, `calls` of them, the device synchronized once
+    after) and nanoseconds per call of an empty Python function; the best of three runs each.
+    Host-bound results (tiny layers, eager steps of small models) scale with these, which differ
+    between machines of the same kind, so results whose probes differ compare only as ratios
+    measured within each run."""
+    dev = torch.device(device)
+    synchronize = getattr(getattr(torch, dev.type, None), "synchronize", None) or (lambda: None)
+    a = torch.ones(8, device=dev)
+    out = torch.empty_like(a)
+
+    def nothing():
+        pass
+
+    def best(run, n):
+        times = []
+        for _ in range(3):
+            synchronize()
+            start = time.perf_counter()
+            run(n)
+            synchronize()
+            times.append((time.perf_counter() - start) / n)
+        return min(times)
+
+    def ops(n):
+        for _ in range(n):
+            torch.add(a, a, out=out)
+
+    def python_calls(n):
+        for _ in range(n):
+            nothing()
+
+    ops(calls // 10)  # (first calls: lazy initialization)
+    return {"torch_op_us": round(best(ops, calls) * 1e6, 2), "python_call_ns": round(best(python_calls, 50 * calls) * 1e9)}
+
+
+def host_note(meta: dict) -> str:
+    """"; host: ..." for a results header where the results carry host_probe's figures, else ""."""
+    host = meta.get("host") or {}
+    if "torch_op_us" not in host:
+        return ""
+    return (f"; host: {host['torch_op_us']:g} µs per small torch op, {host.get('python_call_ns', '?')} ns per "
+            "Python call")
 
 
 def select_device(smoke: bool, script: str) -> str:

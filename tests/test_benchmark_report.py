@@ -640,3 +640,22 @@ def test_bench_kernels_refuses_an_unknown_sweep_family():
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2
     assert "unknown families ['nope']; choose from quantize, cast_transpose" in run.stderr
+
+
+def test_results_carry_the_host_speed_and_headers_name_it():
+    """Every results file's meta measures how fast the host drives the device (host-bound cells
+    scale with it); each generated header names it, and a file without it reads as before."""
+    import _distributed_table
+    import _hf_table
+    import _results
+
+    host = _results.meta("cpu")["host"]
+    assert host["torch_op_us"] > 0 and host["python_call_ns"] > 0
+    meta = {"gpu": "NVIDIA H200", "host": {"torch_op_us": 4.25, "python_call_ns": 38}}
+    note = "; host: 4.25 µs per small torch op, 38 ns per Python call)"
+    settings = {"backend": "cuda", "compile": None, "seconds": 1}
+    assert note in _sweep_table.header({"meta": meta, "settings": settings})
+    assert note in _hf_table.header({"meta": meta, "settings": settings})
+    assert note in _host_table.render({"meta": meta, "settings": {}, "host": {}})
+    assert note in _distributed_table.header({"meta": meta, "settings": {}})
+    assert "host:" not in _sweep_table.header({"meta": {"gpu": "NVIDIA H200"}, "settings": settings})
