@@ -313,16 +313,22 @@ def test_sample_kwargs_route_each_calls_keyword_tensors(eager_graphs, rec_name):
         _assert_equal(got, want, f"step {step}")
 
 
-def test_replay_inputs_must_match_the_sample(eager_graphs):
-    """A replay copies its inputs into the captured buffers, which would broadcast a smaller
-    tensor or convert another dtype, and returns no gradient for an input that did not require
-    grad at capture: each such call is refused by name, keyword tensors included."""
+def _graphed_keyword_block():
+    """(recipe, a KeywordBlock captured with delayed scaling, its sample input, shift and pair)."""
     torch.manual_seed(0)
     rec = RECIPES["delayed"]()
     block, x = KeywordBlock(), _input().requires_grad_()
     shift, pair = torch.randn(HIDDEN), (torch.randn(HIDDEN), torch.randn(HIDDEN))
     graphed = te.make_graphed_callables(block, (x,), sample_kwargs={"shift": shift, "pair": pair, "scale": 2.0,
                                                                    "mask": None}, enabled=True, recipe=rec)
+    return rec, graphed, x, shift, pair
+
+
+def test_replay_inputs_must_match_the_sample(eager_graphs):
+    """A replay copies its inputs into the captured buffers, which would broadcast a smaller
+    tensor or convert another dtype, and returns no gradient for an input that did not require
+    grad at capture: each such call is refused by name, keyword tensors included."""
+    rec, graphed, x, shift, pair = _graphed_keyword_block()
     _keyword_call(graphed, _input().requires_grad_(), torch.randn(HIDDEN), pair, rec)  # other values: fine
     with pytest.raises(ValueError, match=r"input 0 is a torch.float32 tensor of shape \(1, 2, 64\).*captured for "
                                          r"torch.float32 of shape \(16, 2, 64\).*capture again for these"):
@@ -343,12 +349,7 @@ def test_replay_inputs_must_match_the_sample(eager_graphs):
 
 
 def test_sample_kwargs_mismatches_name_the_problem(eager_graphs):
-    torch.manual_seed(0)
-    rec = RECIPES["delayed"]()
-    block, x = KeywordBlock(), _input().requires_grad_()
-    shift, pair = torch.randn(HIDDEN), (torch.randn(HIDDEN), torch.randn(HIDDEN))
-    graphed = te.make_graphed_callables(block, (x,), sample_kwargs={"shift": shift, "pair": pair, "scale": 2.0,
-                                                                   "mask": None}, enabled=True, recipe=rec)
+    rec, graphed, x, shift, pair = _graphed_keyword_block()
     _keyword_call(graphed, x, shift, pair, rec)  # as captured: fine
     with pytest.raises(TypeError, match=r"captured with keyword arguments \(shift, pair, scale, mask\).*missing mask"):
         with te.autocast(recipe=rec):
