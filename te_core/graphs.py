@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from ._graph_inputs import InputSignature, KeywordInputs, keyword_inputs
 from ._graph_options import GraphOptions, graph_options
@@ -197,21 +198,26 @@ def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: b
         context = get_autocast_context()
         for group in forward_groups:  # a later microbatch's weight columns recorded nothing: kept as they are
             context.schedule_forward_update(group)
-        if backward_groups and torch.is_grad_enabled():
+        if (backward_groups or clone_grads is not None) and torch.is_grad_enabled():
+            tensors = (out,) if isinstance(out, torch.Tensor) else _tensors_in(out)
             hook = None
-            for o in out if isinstance(out, tuple) else (out,):
-                if isinstance(o, torch.Tensor) and o.requires_grad:  # whichever output the loss reaches
+            for o in tensors if backward_groups else ():
+                if o.requires_grad:  # whichever output the loss reaches
                     hook = hook or _backward_updates_hook(backward_groups, context.amax_reduction_group)
                     o.register_hook(hook)
-        if clone_grads is not None and torch.is_grad_enabled():
-            node = next((o.grad_fn for o in (out if isinstance(out, tuple) else (out,))
-                         if isinstance(o, torch.Tensor) and o.grad_fn is not None), None)
+            node = next((o.grad_fn for o in tensors if o.grad_fn is not None), None) if clone_grads else None
             if node is not None:  # (one node per replay: the hook goes with it)
                 node.register_hook(clone_grads)
         return out
 
     forward.te_eager_forward = eager_forward
     return forward
+
+
+def _tensors_in(out) -> Tuple[torch.Tensor, ...]:
+    """The tensors of a replay's output: a tuple, list or dict of them, nested, or a model's own
+    output class (whatever torch's pytree flattens, as the capture did)."""
+    return tuple(o for o in tree_leaves(out) if isinstance(o, torch.Tensor))
 
 
 def _eager_forward(module: nn.Module):

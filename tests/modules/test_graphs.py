@@ -112,6 +112,69 @@ def test_replay_schedules_both_directions_updates(fake_graphs):
         torch.testing.assert_close(group.scale, group.fp8_max / before[role].amax(dim=0), rtol=1.3e-6, atol=0)
 
 
+class _DictOut(torch.nn.Module):
+    """A te.Linear whose forward returns a dict, as model classes return their own output types."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = _linear()[0]
+
+    def forward(self, x):
+        y = self.lin(x)
+        return {"y": y, "mean": y.mean()}
+
+
+def pytree_graph_api(callables, sample_args, num_warmup_iters=3, allow_unused_input=False):
+    """fake_graph_api for outputs of any pytree structure: replays the captured step's outputs and
+    gradients, handing autograd the same parameter-gradient buffers every time (as torch's does)."""
+    for module, args in zip(callables, sample_args):
+        sample_inputs = [a for a in args if a.requires_grad]
+        params = [p for p in module.parameters() if p.requires_grad]
+        leaves, spec = torch.utils._pytree.tree_flatten(module(*args))
+        grads = torch.autograd.grad(leaves, sample_inputs + params, [torch.ones_like(t) for t in leaves])
+        static = [t.detach() for t in leaves]
+        module.grad_buffers = [g.detach() for g in grads[len(sample_inputs):]]
+
+        class Replay(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *tensors):
+                return tuple(t.clone() for t in static)
+
+            @staticmethod
+            def backward(ctx, *dys):
+                return (*grads[:len(sample_inputs)], *(b.detach() for b in module.grad_buffers))
+
+        module.forward = lambda *a, _i=sample_inputs + params, _R=Replay, _s=spec: torch.utils._pytree.tree_unflatten(
+            list(_R.apply(*_i)), _s)
+    return tuple(callables)
+
+
+def test_a_replay_returning_a_dict_schedules_its_updates_and_copies_gradients(monkeypatch):
+    """The backward-update hook and the gradient copies find the tensors of any output structure
+    (a model's dict-like output), not only a tensor or a tuple: else the gradient scales would
+    never update, and `.grad` would be the graphs' buffer, which the next backward overwrites."""
+    seen = []
+    monkeypatch.setattr(graphs, "_graph_api", lambda device: lambda *a, **k: seen.extend(pytree_graph_api(*a, **k))
+                        or tuple(seen))
+    module = _DictOut()
+    x = torch.randn(16, 32, requires_grad=True)
+    graphed = graphs.make_graphed_callables(module, (x,), enabled=True, recipe=RECIPE)
+    groups = module.lin._recipe_state.groups
+    buffer = seen[0].grad_buffers[0]
+    captured = buffer.clone()
+    for step in range(2):
+        for i, group in enumerate(groups.values()):  # the replay records nothing: seed the amaxes
+            group.amax_history[0] = 2.0 + i + step
+        before = {role: g.amax_history.clone() for role, g in groups.items()}
+        with te.autocast(recipe=RECIPE):
+            out = graphed(x)
+        out["y"].sum().backward()
+        for role, group in groups.items():  # both directions updated once per step
+            assert torch.equal(group.amax_history, _rolled(before[role])), (step, role)
+    assert module.lin.weight.grad.data_ptr() != buffer.data_ptr() and torch.equal(buffer, captured)
+    torch.testing.assert_close(module.lin.weight.grad, 2 * captured, rtol=1.3e-6, atol=1e-5)
+
+
 def test_updates_of_captured_groups_leave_scale_inv_to_the_graphs(fake_graphs):
     """A replay computes scale_inv from the live scale, so an update takes no snapshot for a
     captured group; a cast outside the graphs still gets 1 / the updated scale."""
