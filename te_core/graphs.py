@@ -181,6 +181,7 @@ def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: b
     cache_filled = [False]  # by a first-microbatch replay: capture only recorded the casts
     n_params = len(tuple(module.parameters()))  # the replay's last results: the parameters' gradients
     clone_grads = _param_grad_copies(n_params) if options.clone_param_grads and n_params else None
+    calls: Dict[Optional[bool], int] = {}  # forward replays so far, per graph (is_first_microbatch)
 
     def forward(*args, **kwargs):
         first = _microbatch_flag(kwargs, options.cache_quantized_params, name)
@@ -195,23 +196,42 @@ def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: b
                                "that replay fills the weight cache the later ones read")
         cache_filled[0] = cache_filled[0] or first is True
         out = replays[first](*args, *keyword_tensors)
+        calls[first] = call = calls.get(first, 0) + 1
         context = get_autocast_context()
         for group in forward_groups:  # a later microbatch's weight columns recorded nothing: kept as they are
             context.schedule_forward_update(group)
-        if (backward_groups or clone_grads is not None) and torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             tensors = (out,) if isinstance(out, torch.Tensor) else _tensors_in(out)
             hook = None
             for o in tensors if backward_groups else ():
                 if o.requires_grad:  # whichever output the loss reaches
                     hook = hook or _backward_updates_hook(backward_groups, context.amax_reduction_group)
                     o.register_hook(hook)
-            node = next((o.grad_fn for o in tensors if o.grad_fn is not None), None) if clone_grads else None
-            if node is not None:  # (one node per replay: the hook goes with it)
-                node.register_hook(clone_grads)
+            node = next((o.grad_fn for o in tensors if o.grad_fn is not None), None)
+            if node is not None:  # (one node per replay: the hooks go with it)
+                node.register_prehook(_latest_call_only(name, calls, first, call))
+                if clone_grads is not None:
+                    node.register_hook(clone_grads)
         return out
 
     forward.te_eager_forward = eager_forward
     return forward
+
+
+def _latest_call_only(name: str, calls: Dict, first: Optional[bool], call: int):
+    """A pre-hook on a replay's backward node that refuses to run it once a later forward replay
+    of the same graph has run: that replay overwrote the activations this backward reads (and the
+    outputs it returned), so its gradients would be the later call's."""
+
+    def hook(grad_outputs):
+        later = calls[first] - call
+        if later:
+            raise RuntimeError(f"graphed {name}: this backward belongs to a call whose saved activations and outputs "
+                               f"the {later} later call(s) of the same graphs overwrote, so its gradients would be "
+                               "wrong; run each call's backward before the next forward (graphs hold one call's "
+                               "tensors), or capture a separate copy of the module per microbatch in flight")
+
+    return hook
 
 
 def _tensors_in(out) -> Tuple[torch.Tensor, ...]:
