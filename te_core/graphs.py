@@ -26,8 +26,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
+from ._graph_hooks import backward_updates_hook, latest_call_only, param_grad_copies, tensors_in
 from ._graph_inputs import InputSignature, KeywordInputs, keyword_inputs
 from ._graph_options import GraphOptions, graph_options
 from ._graph_warmup import check_iterations, warm_up
@@ -36,7 +36,7 @@ from .modules._delayed_wgrad import DelayedWgradMixin
 from .modules._microbatch import forced_first_microbatch
 from .quantization.autocast import autocast, get_autocast_context
 from .quantization.roles import Role
-from .quantization.scaling import ScalingGroup, graph_capture, schedule_backward_update
+from .quantization.scaling import ScalingGroup, graph_capture
 
 
 def _graph_api(device: torch.device):
@@ -108,19 +108,6 @@ def _restore_scaling_state(module: nn.Module, saved: Dict[int, Tuple[torch.Tenso
                 group.scale.copy_(scale)
 
 
-def _backward_updates_hook(groups: List[ScalingGroup], process_group):
-    """A hook on a replay's output whose call queues the backward groups' scale updates, which
-    then run at the end of the backward pass, after the backward graph's replay. (A tensor hook
-    costs the host less than an identity autograd Function around the outputs, on a path whose
-    whole cost is host time.)"""
-
-    def hook(grad):
-        for group in groups:
-            schedule_backward_update(group, process_group)
-
-    return hook
-
-
 class _Variant(nn.Module):
     """What one graph captures: `module`'s own forward, with FP8 on or off, and (with weight
     caching) every te_core module inside told whether this is a step's first microbatch."""
@@ -174,13 +161,15 @@ def _check_autocast(name: str, enabled: bool, options: GraphOptions) -> None:
 
 def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: bool, options: GraphOptions,
                      keywords: KeywordInputs, signature: InputSignature):
-    """The module's new forward: checks, the replay of the right graph, then the scale updates
-    the graphs do not hold. In the other training mode than captured it runs eagerly (torch's rule)."""
+    """The module's new forward: checks (the inputs against the sample, the autocast, the weight
+    cache's order), the replay of the right graph, the scale updates the graphs do not hold, and
+    the replay's autograd hooks (te_core._graph_hooks). In the other training mode than captured
+    it runs eagerly (torch's rule)."""
     forward_groups, backward_groups = _scaling_groups(module) if enabled else ([], [])
     name, captured_training = type(module).__name__, module.training
     cache_filled = [False]  # by a first-microbatch replay: capture only recorded the casts
     n_params = len(tuple(module.parameters()))  # the replay's last results: the parameters' gradients
-    clone_grads = _param_grad_copies(n_params) if options.clone_param_grads and n_params else None
+    clone_grads = param_grad_copies(n_params) if options.clone_param_grads and n_params else None
     calls: Dict[Optional[bool], int] = {}  # forward replays so far, per graph (is_first_microbatch)
 
     def forward(*args, **kwargs):
@@ -201,15 +190,15 @@ def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: b
         for group in forward_groups:  # a later microbatch's weight columns recorded nothing: kept as they are
             context.schedule_forward_update(group)
         if torch.is_grad_enabled():
-            tensors = (out,) if isinstance(out, torch.Tensor) else _tensors_in(out)
+            tensors = (out,) if isinstance(out, torch.Tensor) else tensors_in(out)
             hook = None
             for o in tensors if backward_groups else ():
                 if o.requires_grad:  # whichever output the loss reaches
-                    hook = hook or _backward_updates_hook(backward_groups, context.amax_reduction_group)
+                    hook = hook or backward_updates_hook(backward_groups, context.amax_reduction_group)
                     o.register_hook(hook)
             node = next((o.grad_fn for o in tensors if o.grad_fn is not None), None)
             if node is not None:  # (one node per replay: the hooks go with it)
-                node.register_prehook(_latest_call_only(name, calls, first, call))
+                node.register_prehook(latest_call_only(name, calls, first, call))
                 if clone_grads is not None:
                     node.register_hook(clone_grads)
         return out
@@ -218,46 +207,11 @@ def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: b
     return forward
 
 
-def _latest_call_only(name: str, calls: Dict, first: Optional[bool], call: int):
-    """A pre-hook on a replay's backward node that refuses to run it once a later forward replay
-    of the same graph has run: that replay overwrote the activations this backward reads (and the
-    outputs it returned), so its gradients would be the later call's."""
-
-    def hook(grad_outputs):
-        later = calls[first] - call
-        if later:
-            raise RuntimeError(f"graphed {name}: this backward belongs to a call whose saved activations and outputs "
-                               f"the {later} later call(s) of the same graphs overwrote, so its gradients would be "
-                               "wrong; run each call's backward before the next forward (graphs hold one call's "
-                               "tensors), or capture a separate copy of the module per microbatch in flight")
-
-    return hook
-
-
-def _tensors_in(out) -> Tuple[torch.Tensor, ...]:
-    """The tensors of a replay's output: a tuple, list or dict of them, nested, or a model's own
-    output class (whatever torch's pytree flattens, as the capture did)."""
-    return tuple(o for o in tree_leaves(out) if isinstance(o, torch.Tensor))
-
-
 def _eager_forward(module: nn.Module):
     """The module's own forward, also where an earlier make_graphed_callables replaced it with
     its replay: capturing a graphed module again (for another recipe, or other shapes) captures
     the module, not the old replay, which would refuse the new recipe or sizes."""
     return getattr(module.forward, "te_eager_forward", module.forward)
-
-
-def _param_grad_copies(n_params: int):
-    """A hook on a replay's backward node that hands autograd copies of the parameters' gradients
-    (its last n_params results) instead of the graph's own buffers, which the next replay
-    overwrites: so `.grad` never aliases them, and gradients accumulated over several backward
-    passes add up, as in eager mode (Transformer Engine's clone_param_grads_on_return=True)."""
-
-    def hook(grad_inputs, grad_outputs):
-        start = len(grad_inputs) - n_params
-        return tuple(g.clone() if i >= start and g is not None else g for i, g in enumerate(grad_inputs))
-
-    return hook
 
 
 def _checked_inputs(modules, sample_args) -> Tuple[Sequence[nn.Module], Sequence[tuple]]:
