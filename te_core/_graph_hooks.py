@@ -3,7 +3,7 @@ backward replay, what the graphs themselves cannot (they run no Python).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -24,17 +24,18 @@ def backward_updates_hook(groups: List[ScalingGroup], process_group):
     return hook
 
 
-def latest_call_only(name: str, calls: Dict, first: Optional[bool], call: int):
+def latest_call_only(name: str, calls: List[int], call: int):
     """A pre-hook on a replay's backward node that refuses to run it once a later forward replay
-    of the same graph has run: that replay overwrote the activations this backward reads (and the
-    outputs it returned), so its gradients would be the later call's."""
+    of the module has run (`calls[0]` counts them): that replay overwrote the activations this
+    backward reads and the outputs it returned, so its gradients would be the later call's. With
+    weight caching the two graph pairs share one memory pool, so either pair's forward counts."""
 
     def hook(grad_outputs):
-        later = calls[first] - call
+        later = calls[0] - call
         if later:
             raise RuntimeError(f"graphed {name}: this backward belongs to a call whose saved activations and outputs "
-                               f"the {later} later call(s) of the same graphs overwrote, so its gradients would be "
-                               "wrong; run each call's backward before the next forward (graphs hold one call's "
+                               f"the {later} later call(s) of the module overwrote, so its gradients would be wrong; "
+                               "run each call's backward before the next forward (its graphs hold one call's "
                                "tensors), or capture a separate copy of the module per microbatch in flight")
 
     return hook

@@ -170,7 +170,7 @@ def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: b
     cache_filled = [False]  # by a first-microbatch replay: capture only recorded the casts
     n_params = len(tuple(module.parameters()))  # the replay's last results: the parameters' gradients
     clone_grads = param_grad_copies(n_params) if options.clone_param_grads and n_params else None
-    calls: Dict[Optional[bool], int] = {}  # forward replays so far, per graph (is_first_microbatch)
+    calls = [0]  # forward replays so far, of either graph pair (with weight caching): they share memory
 
     def forward(*args, **kwargs):
         first = _microbatch_flag(kwargs, options.cache_quantized_params, name)
@@ -185,7 +185,7 @@ def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: b
                                "that replay fills the weight cache the later ones read")
         cache_filled[0] = cache_filled[0] or first is True
         out = replays[first](*args, *keyword_tensors)
-        calls[first] = call = calls.get(first, 0) + 1
+        calls[0] = call = calls[0] + 1
         context = get_autocast_context()
         for group in forward_groups:  # a later microbatch's weight columns recorded nothing: kept as they are
             context.schedule_forward_update(group)
@@ -198,7 +198,7 @@ def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: b
                     o.register_hook(hook)
             node = next((o.grad_fn for o in tensors if o.grad_fn is not None), None)
             if node is not None:  # (one node per replay: the hooks go with it)
-                node.register_prehook(latest_call_only(name, calls, first, call))
+                node.register_prehook(latest_call_only(name, calls, call))
                 if clone_grads is not None:
                     node.register_hook(clone_grads)
         return out

@@ -328,24 +328,37 @@ def test_replayed_parameter_gradients_are_copies_unless_asked_otherwise(monkeypa
         graphs.make_graphed_callables(_linear()[0], (x,), clone_param_grads_on_return="no")
 
 
-def test_a_backward_after_a_later_forward_of_the_same_graphs_is_refused(monkeypatch):
+def test_a_backward_after_a_later_forward_of_the_module_is_refused(monkeypatch):
     """Graphs hold one call's activations and outputs: a second forward replay overwrites the
     first's, so the first call's backward would compute the second's gradients. It is refused by
-    name; each call's own backward before the next forward works, also after an abandoned one."""
+    name; each call's own backward before the next forward works, also after an abandoned one.
+    With weight caching the two graph pairs share memory, so a later microbatch counts too."""
     monkeypatch.setattr(graphs, "_graph_api", lambda device: aliasing_graph_api)
+    later_call = r"belongs to a call whose saved activations and outputs the 1 later call\(s\) of the module"
     lin, x = _linear()
     graphed = graphs.make_graphed_callables(lin, (x,))
     first, second = graphed(x), graphed(torch.randn_like(x))
-    with pytest.raises(RuntimeError, match="belongs to a call whose saved activations and outputs the 1 later call"):
+    with pytest.raises(RuntimeError, match=later_call):
         first.sum().backward()
     second.sum().backward()  # the latest call's own backward
     abandoned = graphed(x)  # (never backpropagated)
     with torch.no_grad():
         graphed(x)  # a replay without gradients overwrites them too
-    with pytest.raises(RuntimeError, match="the 1 later call"):
+    with pytest.raises(RuntimeError, match=later_call):
         abandoned.sum().backward()
     for _ in range(2):
         graphed(x).sum().backward()
+    lin, x = _linear()
+    cached = graphs.make_graphed_callables(lin, (x,), enabled=True, recipe=RECIPE, cache_quantized_params=True)
+    with te.autocast(recipe=RECIPE):
+        first = cached(x, is_first_microbatch=True)
+        second = cached(x, is_first_microbatch=False)
+    with pytest.raises(RuntimeError, match=later_call):
+        first.sum().backward()
+    for flag in (True, False):  # one microbatch at a time
+        with te.autocast(recipe=RECIPE):
+            y = cached(x, is_first_microbatch=flag)
+        y.sum().backward()
 
 
 class _Logged(torch.nn.Module):
