@@ -265,7 +265,9 @@ def make_graphed_callables(
     direction) or a tuple of them called in that order; `sample_args` the positional inputs of
     one call (a tuple per module), `sample_kwargs` its keyword arguments (a dict, or one per
     module): their tensors become graph inputs, their other values are baked in. Replays must
-    get tensors of the same shapes, dtypes and requires_grad, and the same keywords. `enabled`
+    get tensors of the same shapes, dtypes and devices (an input requiring grad needs a sample that
+    did) and the same keywords, and run each call's backward before the module's next forward;
+    errors say where a call does not. `enabled`
     (one bool, or one per module): the graphs bake in FP8 per `recipe`
     (default DelayedScaling()), and every call must then run under an enabled te_core.autocast
     with that recipe; the scales keep updating. cache_quantized_params=True captures each module
