@@ -24,32 +24,30 @@ def backward_updates_hook(groups: List[ScalingGroup], process_group):
     return hook
 
 
-def latest_call_only(name: str, calls: List[int], call: int):
-    """A pre-hook on a replay's backward node that refuses to run it once a later forward replay
-    of the module has run (`calls[0]` counts them): that replay overwrote the activations this
-    backward reads and the outputs it returned, so its gradients would be the later call's. With
-    weight caching the two graph pairs share one memory pool, so either pair's forward counts."""
+def backward_hook(name: str, calls: List[int], call: int, copied_params: int):
+    """The hook on a replay's backward node, run after the backward graph's replay and before its
+    gradients go anywhere:
+    - it refuses a backward whose call is no longer the module's latest (`calls[0]` counts the
+      forward replays; this one was number `call`): a later replay overwrote the activations this
+      backward read and the outputs it returned, so its gradients are the later call's. With
+      weight caching the two graph pairs share one memory pool, so either pair's forward counts;
+    - with `copied_params`, it hands autograd copies of the parameters' gradients (the node's last
+      `copied_params` results) instead of the graph's own buffers, which the next replay
+      overwrites: so `.grad` never aliases them, and gradients accumulated over several backward
+      passes add up as in eager mode (Transformer Engine's clone_param_grads_on_return=True).
+    One hook for both: each registration costs the host time on every replay."""
 
-    def hook(grad_outputs):
+    def hook(grad_inputs, grad_outputs):
         later = calls[0] - call
         if later:
             raise RuntimeError(f"graphed {name}: this backward belongs to a call whose saved activations and outputs "
                                f"the {later} later call(s) of the module overwrote, so its gradients would be wrong; "
                                "run each call's backward before the next forward (its graphs hold one call's "
                                "tensors), or capture a separate copy of the module per microbatch in flight")
-
-    return hook
-
-
-def param_grad_copies(n_params: int):
-    """A hook on a replay's backward node that hands autograd copies of the parameters' gradients
-    (its last n_params results) instead of the graph's own buffers, which the next replay
-    overwrites: so `.grad` never aliases them, and gradients accumulated over several backward
-    passes add up, as in eager mode (Transformer Engine's clone_param_grads_on_return=True)."""
-
-    def hook(grad_inputs, grad_outputs):
-        start = len(grad_inputs) - n_params
-        return tuple(g.clone() if i >= start and g is not None else g for i, g in enumerate(grad_inputs))
+        if copied_params:
+            start = len(grad_inputs) - copied_params
+            return tuple(g.clone() if i >= start and g is not None else g for i, g in enumerate(grad_inputs))
+        return None
 
     return hook
 

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._graph_hooks import backward_updates_hook, latest_call_only, param_grad_copies, tensors_in
+from ._graph_hooks import backward_hook, backward_updates_hook, tensors_in
 from ._graph_inputs import InputSignature, KeywordInputs, keyword_inputs
 from ._graph_options import GraphOptions, graph_options
 from ._graph_warmup import check_iterations, warm_up
@@ -169,7 +169,7 @@ def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: b
     name, captured_training = type(module).__name__, module.training
     cache_filled = [False]  # by a first-microbatch replay: capture only recorded the casts
     n_params = len(tuple(module.parameters()))  # the replay's last results: the parameters' gradients
-    clone_grads = param_grad_copies(n_params) if options.clone_param_grads and n_params else None
+    copied_params = n_params if options.clone_param_grads else 0
     calls = [0]  # forward replays so far, of either graph pair (with weight caching): they share memory
 
     def forward(*args, **kwargs):
@@ -197,10 +197,8 @@ def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: b
                     hook = hook or backward_updates_hook(backward_groups, context.amax_reduction_group)
                     o.register_hook(hook)
             node = next((o.grad_fn for o in tensors if o.grad_fn is not None), None)
-            if node is not None:  # (one node per replay: the hooks go with it)
-                node.register_prehook(latest_call_only(name, calls, call))
-                if clone_grads is not None:
-                    node.register_hook(clone_grads)
+            if node is not None:  # (one node per replay: the hook goes with it)
+                node.register_hook(backward_hook(name, calls, call, copied_params))
         return out
 
     forward.te_eager_forward = eager_forward

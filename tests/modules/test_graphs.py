@@ -328,7 +328,8 @@ def test_replayed_parameter_gradients_are_copies_unless_asked_otherwise(monkeypa
         graphs.make_graphed_callables(_linear()[0], (x,), clone_param_grads_on_return="no")
 
 
-def test_a_backward_after_a_later_forward_of_the_module_is_refused(monkeypatch):
+@pytest.mark.parametrize("clone", [True, False])
+def test_a_backward_after_a_later_forward_of_the_module_is_refused(monkeypatch, clone):
     """Graphs hold one call's activations and outputs: a second forward replay overwrites the
     first's, so the first call's backward would compute the second's gradients. It is refused by
     name; each call's own backward before the next forward works, also after an abandoned one.
@@ -336,7 +337,7 @@ def test_a_backward_after_a_later_forward_of_the_module_is_refused(monkeypatch):
     monkeypatch.setattr(graphs, "_graph_api", lambda device: aliasing_graph_api)
     later_call = r"belongs to a call whose saved activations and outputs the 1 later call\(s\) of the module"
     lin, x = _linear()
-    graphed = graphs.make_graphed_callables(lin, (x,))
+    graphed = graphs.make_graphed_callables(lin, (x,), clone_param_grads_on_return=clone)
     first, second = graphed(x), graphed(torch.randn_like(x))
     with pytest.raises(RuntimeError, match=later_call):
         first.sum().backward()
@@ -349,7 +350,8 @@ def test_a_backward_after_a_later_forward_of_the_module_is_refused(monkeypatch):
     for _ in range(2):
         graphed(x).sum().backward()
     lin, x = _linear()
-    cached = graphs.make_graphed_callables(lin, (x,), enabled=True, recipe=RECIPE, cache_quantized_params=True)
+    cached = graphs.make_graphed_callables(lin, (x,), enabled=True, recipe=RECIPE, cache_quantized_params=True,
+                                           clone_param_grads_on_return=clone)
     with te.autocast(recipe=RECIPE):
         first = cached(x, is_first_microbatch=True)
         second = cached(x, is_first_microbatch=False)
