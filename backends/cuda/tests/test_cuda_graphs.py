@@ -196,3 +196,58 @@ def test_a_graphed_linear_captured_again_for_another_recipe():
         assert torch.equal(y, y_eager) and torch.equal(dx, dx_eager), step
     with pytest.raises(ValueError, match="captured for torch.bfloat16 of shape"), te.autocast(recipe=current):
         graphed(x[:1])  # the replay's copy would have broadcast it
+
+
+class _DictOutput(torch.nn.Module):
+    """A te.Linear whose forward returns a dict, as model classes return their own output types."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = te.Linear(256, 128, params_dtype=torch.bfloat16, device="cuda")
+        self.out_features = self.lin.out_features
+
+    def forward(self, x):
+        return {"y": self.lin(x)}
+
+
+def test_a_graphed_module_returning_a_dict_updates_like_an_eager_twin():
+    """A replay whose output is a dict still schedules delayed scaling's backward update and hands
+    autograd gradient copies: outputs, gradients and scaling state equal an eager twin's."""
+    torch.manual_seed(0)
+    recipe = te.recipe.DelayedScaling(amax_history_len=8)
+    graphed, eager = _DictOutput(), _DictOutput()
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = te.make_graphed_callables(graphed, (x,), enabled=True, recipe=recipe)
+    eager.load_state_dict(graphed.state_dict())
+    for step in range(3):
+        new_x = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16) * (step + 1)
+        dy = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+        x.data.copy_(new_x)
+        with te.autocast(recipe=recipe):
+            y = graphed(x)["y"]
+        y.backward(dy)
+        with te.autocast(recipe=recipe):
+            y_eager = eager(new_x)["y"]
+        y_eager.backward(dy)
+        assert torch.equal(y, y_eager), step
+    assert torch.equal(graphed.lin.weight.grad, eager.lin.weight.grad)
+    for direction, slots in eager.lin.quantization_state().items():
+        for slot, state in slots.items():
+            for key in ("scale", "amax_history"):
+                assert torch.equal(graphed.lin.quantization_state()[direction][slot][key], state[key]), (slot, key)
+
+
+def test_the_backward_of_an_overwritten_call_is_refused():
+    """Two forward replays, then the first call's backward: its activations were overwritten, so
+    it raises; the latest call's own backward runs."""
+    torch.manual_seed(0)
+    recipe = te.recipe.DelayedScaling(amax_history_len=8)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = te.make_graphed_callables(te.Linear(256, 128, params_dtype=torch.bfloat16, device="cuda"), (x,),
+                                        enabled=True, recipe=recipe)
+    with te.autocast(recipe=recipe):
+        first, second = graphed(x), graphed(x)
+    with pytest.raises(RuntimeError, match="later call"):
+        first.sum().backward()
+    second.sum().backward()
+    assert graphed.weight.grad is not None and torch.isfinite(graphed.weight.grad.float()).all()
