@@ -8,7 +8,6 @@ import json
 import os
 import platform
 import re
-import time
 from typing import Optional
 
 import torch
@@ -48,38 +47,17 @@ def meta(device: str = "cuda") -> dict:
 def host_probe(device: str = "cuda", calls: int = 2000) -> dict:
     """How fast this machine's CPU drives the device: microseconds per call of a small torch op
     (an add of two 8-element tensors into a third, `calls` of them, the device synchronized once
-    after) and nanoseconds per call of an empty Python function; the best of three runs each.
+    after) and nanoseconds per call of an empty Python function; the median of three runs each.
     Host-bound results (tiny layers, eager steps of small models) scale with these, which differ
     between machines of the same kind, so results whose probes differ compare only as ratios
     measured within each run."""
-    dev = torch.device(device)
-    synchronize = getattr(getattr(torch, dev.type, None), "synchronize", None) or (lambda: None)
-    a = torch.ones(8, device=dev)
+    from _timing import wall_us
+
+    a = torch.ones(8, device=torch.device(device))
     out = torch.empty_like(a)
-
-    def nothing():
-        pass
-
-    def best(run, n):
-        times = []
-        for _ in range(3):
-            synchronize()
-            start = time.perf_counter()
-            run(n)
-            synchronize()
-            times.append((time.perf_counter() - start) / n)
-        return min(times)
-
-    def ops(n):
-        for _ in range(n):
-            torch.add(a, a, out=out)
-
-    def python_calls(n):
-        for _ in range(n):
-            nothing()
-
-    ops(calls // 10)  # (first calls: lazy initialization)
-    return {"torch_op_us": round(best(ops, calls) * 1e6, 2), "python_call_ns": round(best(python_calls, 50 * calls) * 1e9)}
+    op_us = wall_us(lambda: torch.add(a, a, out=out), n=calls, warmup=calls // 10, device=device, repeats=3)
+    call_us = wall_us(lambda: None, n=50 * calls, warmup=0, device=device, repeats=3)
+    return {"torch_op_us": round(op_us, 2), "python_call_ns": round(call_us * 1e3)}
 
 
 def host_note(meta: dict) -> str:

@@ -88,8 +88,8 @@ class InputSignature:
                             f"keyword tensors), but this call passes {len(tensors)}")
         grad = torch.is_grad_enabled()
         for position, (t, (shape, dtype, device, needs_grad)) in enumerate(zip(tensors, expected)):
-            if (t.__class__ is not torch.Tensor and not isinstance(t, torch.Tensor)) or t.shape != shape \
-                    or t.dtype != dtype or t.device != device or (grad and t.requires_grad and not needs_grad):
+            if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or t.device != device \
+                    or (grad and t.requires_grad and not needs_grad):
                 raise self._mismatch(position, t)
 
     def _mismatch(self, position: int, t) -> Exception:
