@@ -12,8 +12,10 @@ The key is at least as fine as Triton's (constexpr values exactly, every other a
 properties Triton specializes on, the launch options exactly, the current device), so a hit
 always names the kernel Triton would have picked. Anything the key does not understand (an
 argument of another type, a kernel with pre-run hooks, the interpreter, a Triton whose launch
-call differs, a target other than NVIDIA's, a malformed call) takes Triton's own path; launch
-hooks (a profiler's) get what Triton gives them. Settings Triton reads when it compiles
+call differs, a target other than NVIDIA's) takes Triton's own path; launch hooks (a
+profiler's) get what Triton gives them. The launch is a function generated per kernel with the
+kernel's parameters as its own, so Python binds each call in C, and a call with missing, extra
+or doubly given arguments raises Python's TypeError, naming the kernel, before anything runs. Settings Triton reads when it compiles
 (TRITON_DEBUG and the like) apply as they were at a specialization's first launch: change them
 before the first step, or set TE_TRITON_FAST_LAUNCH=0, which turns the shortcut off
 (switched_on).
@@ -71,87 +73,116 @@ def _supported() -> bool:
 ENABLED = _supported()
 
 
+class _NoRule(Exception):
+    """An argument of a type the key has no rule for: the launch takes Triton's own path."""
+
+
+def _spec(value):
+    """The key's entry for a non-constexpr argument that is neither a plain tensor nor an int
+    (those two are spelled out in the generated launch)."""
+    if value is None or value.__class__ is bool:
+        return value
+    if isinstance(value, _Tensor):  # a subclass (a Parameter)
+        return value.dtype, value.data_ptr() % 16 == 0
+    if value.__class__ is float:
+        return float
+    raise _NoRule
+
+
+# The launch, generated per kernel with the kernel's own parameters as its parameters, so that
+# Python binds the call in C and the key is one tuple expression (no per-argument loop, list or
+# call on the hot path). Each non-constexpr argument enters the key by what Triton specializes
+# on: a tensor's dtype and 16-byte alignment; an int's equality to 1, divisibility by 16 and
+# width; a float's type; None and bools as they are. A constexpr enters by its value.
+_TEMPLATE = """
+def {name}(_te_grid, _te_device_of, _te_stream_of, {signature}, **_te_options):
+    _te_device = _te_device_of()
+    try:
+        _te_key = (_te_device, {key}, tuple(_te_options.items()) if _te_options else ())
+        _te_compiled = _te_cache.get(_te_key)
+    except (_te_NoRule, TypeError):  # an argument without a rule, an unhashable constexpr: never cached
+        return _te_kernel[_te_grid]({values}, **_te_options)
+    if _te_compiled is None:  # Triton binds, compiles or finds the kernel, and launches it
+        _te_compiled = _te_kernel[_te_grid]({values}, **_te_options)
+        if hasattr(_te_compiled, "packed_metadata"):
+            _te_cache[_te_key] = _te_compiled
+        return _te_compiled
+    _te_stream = _te_stream_of(_te_device)
+    if _te_grid.__class__ is not tuple and callable(_te_grid):
+        _te_grid = _te_grid({{{named}}})
+    _te_n = len(_te_grid)
+    _te_hooks = _te_knobs.runtime
+    _te_enter, _te_exit = _te_hooks.launch_enter_hook, _te_hooks.launch_exit_hook
+    if _te_enter is not None or _te_exit is not None:  # (a chain object in recent Triton: see _active)
+        _te_enter, _te_exit = _te_active(_te_enter), _te_active(_te_exit)
+    # the metadata is only for the hooks: without any, neither it nor empty hook calls
+    _te_metadata = (None if _te_enter is None and _te_exit is None
+                    else _te_compiled.launch_metadata(_te_grid, _te_stream, {values}))
+    _te_compiled.run(_te_grid[0], _te_grid[1] if _te_n > 1 else 1, _te_grid[2] if _te_n > 2 else 1, _te_stream,
+                     _te_compiled.function, _te_compiled.packed_metadata, _te_metadata, _te_enter, _te_exit,
+                     {values})
+    return _te_compiled
+"""
+
+
+def _key_entry(name: str, constexpr: bool) -> str:
+    if constexpr:
+        return name
+    return (f"(({name}.dtype, {name}.data_ptr() % 16 == 0) if {name}.__class__ is _te_Tensor else "
+            f"({name} == 1, {name} % 16 == 0, {_I32_MIN} <= {name} < {_I32_END}, {name} >= {2**63}) "
+            f"if {name}.__class__ is int else _te_spec({name}))")
+
+
+def _generate(kernel, names, constexpr, defaults, cache):
+    """The kernel's launch function (see _TEMPLATE), or None where its parameter names would
+    clash with the generated code's own."""
+    if any(name.startswith("_te_") for name in names):
+        return None
+    env = {"_te_kernel": kernel, "_te_cache": cache, "_te_NoRule": _NoRule, "_te_spec": _spec,
+           "_te_Tensor": _Tensor, "_te_knobs": _knobs, "_te_active": _active}
+    signature = []
+    for name in names:
+        if name in defaults:
+            env["_te_default_" + name] = defaults[name]
+            signature.append(f"{name}=_te_default_{name}")
+        else:
+            signature.append(name)
+    # named after the kernel: Python's error for a malformed call names the function
+    name = getattr(kernel, "__name__", "")
+    name = name if name.isidentifier() and name not in names and not name.startswith("_te_") else "launch"
+    source = _TEMPLATE.format(name=name, signature=", ".join(signature),
+                              key=", ".join(_key_entry(n, c) for n, c in zip(names, constexpr)),
+                              values=", ".join(names), named=", ".join(f"{n!r}: {n}" for n in names))
+    exec(compile(source, f"<te_triton launch of {name}>", "exec"), env)
+    return env[name]
+
+
 class Launcher:
     """A @triton.jit kernel whose `[grid](...)` launches through the specialization cache."""
 
     def __init__(self, kernel):
         self.kernel = kernel
         params = getattr(kernel, "params", None)
-        self._ok = ENABLED and params is not None
-        if self._ok:
-            self._names = [p.name for p in params]
-            self._constexpr = [p.is_constexpr for p in params]
-            self._defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
-            self._params = frozenset(self._names)
-            # the names the first i positional arguments bind, per i: a keyword naming one of them too is an error
-            self._bound_by_position = [frozenset(self._names[:i]) for i in range(len(self._names) + 1)]
         self._compiled: Dict[Tuple, Any] = {}
+        self._fast = None
+        if ENABLED and params is not None:
+            names = [p.name for p in params]
+            defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+            self._fast = _generate(kernel, names, [p.is_constexpr for p in params], defaults, self._compiled)
+        self._ok = self._fast is not None
 
     def __getattr__(self, name):  # everything else is the kernel's (warmup, fn, cache, ...)
         return getattr(self.kernel, name)
 
     def __getitem__(self, grid) -> Callable[..., Any]:
-        return functools.partial(self.launch, grid)  # (a C-level callable: no Python frame of its own)
-
-    def _key(self, device: int, values: list, kwargs: dict) -> Optional[Tuple]:
-        """(device, specialization, launch options), or None for an argument it has no rule for.
-        One loop without calls but data_ptr(): this runs on every launch."""
-        spec = []
-        append = spec.append
-        for value, constexpr in zip(values, self._constexpr):
-            cls = value.__class__
-            if constexpr or value is None or cls is bool:
-                append(value)
-            elif cls is _Tensor or isinstance(value, _Tensor):
-                append((value.dtype, value.data_ptr() % 16 == 0))
-            elif cls is int:
-                append((value == 1, value % 16 == 0, _I32_MIN <= value < _I32_END, value >= 2**63))
-            elif cls is float:
-                append(float)
-            else:
-                return None
-        params = self._params
-        options = tuple([item for item in kwargs.items() if item[0] not in params]) if kwargs else ()
-        return device, tuple(spec), options
-
-    def launch(self, grid, *args, **kwargs):
+        # Python binds the call to the generated launch's parameters: a call with too many,
+        # doubly given or missing arguments raises its TypeError before anything launches.
         if not self._ok or self.kernel.pre_run_hooks:
-            return self.kernel[grid](*args, **kwargs)
+            return self.kernel[grid]
         current_device, current_stream, specializes_as_cuda = _DRIVER[0] if _DRIVER else _driver()
         if not specializes_as_cuda:
-            return self.kernel[grid](*args, **kwargs)
-        device = current_device()
-        if len(args) > len(self._names) or not self._bound_by_position[len(args)].isdisjoint(kwargs):
-            return self.kernel[grid](*args, **kwargs)  # too many or doubly given arguments: Triton's error
-        values = list(args)
-        try:
-            for name in self._names[len(args):]:
-                values.append(kwargs[name] if name in kwargs else self._defaults[name])
-        except KeyError:  # a required argument is missing: Triton's path names it
-            return self.kernel[grid](*args, **kwargs)
-        key = self._key(device, values, kwargs)
-        try:
-            compiled = self._compiled.get(key) if key is not None else None
-        except TypeError:  # an unhashable constexpr value
-            compiled = key = None
-        if compiled is None:  # Triton binds, compiles or finds the kernel, and launches it
-            compiled = self.kernel[grid](*args, **kwargs)
-            if key is not None and hasattr(compiled, "packed_metadata"):
-                self._compiled[key] = compiled
-            return compiled
-        stream = current_stream(device)
-        if callable(grid):
-            grid = grid(dict(zip(self._names, values)))
-        n = len(grid)
-        hooks = _knobs.runtime
-        enter, exit_hook = hooks.launch_enter_hook, hooks.launch_exit_hook
-        if enter is not None or exit_hook is not None:  # (a chain object in recent Triton: see _active)
-            enter, exit_hook = _active(enter), _active(exit_hook)
-        # the metadata is only for the hooks: without any, neither it nor empty hook calls
-        metadata = None if enter is None and exit_hook is None else compiled.launch_metadata(grid, stream, *values)
-        compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
-                     compiled.packed_metadata, metadata, enter, exit_hook, *values)
-        return compiled
+            return self.kernel[grid]
+        return functools.partial(self._fast, grid, current_device, current_stream)  # (C-level: no frame of its own)
 
 
 def _active(hook):

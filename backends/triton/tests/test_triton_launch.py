@@ -123,6 +123,19 @@ def test_what_triton_specializes_on_goes_back_to_triton(kernel, monkeypatch, cha
     assert _kinds(raw) == ["triton", "triton", "direct"]
 
 
+def test_parameters_none_and_bools_key_like_tensors_and_values(kernel):
+    """A tensor subclass (a Parameter) keys by dtype and alignment like a tensor; None and a
+    bool by themselves: a second call goes direct, a misaligned Parameter goes back to Triton."""
+    raw, k = kernel
+    weight = torch.nn.Parameter(torch.randn(65))
+    k[(1,)](weight[:64].detach(), None, 64, 1.0, BLOCK=16)
+    k[(1,)](torch.nn.Parameter(torch.randn(64)), None, 64, 1.0, BLOCK=16)
+    assert _kinds(raw) == ["triton", "direct"]
+    k[(1,)](torch.nn.Parameter(torch.randn(64)), True, 64, 1.0, BLOCK=16)  # a bool where None was
+    k[(1,)](weight[1:].detach(), None, 64, 1.0, BLOCK=16)  # misaligned
+    assert _kinds(raw) == ["triton", "direct", "triton", "triton"]
+
+
 def test_argument_without_a_rule_always_takes_triton_path(kernel):
     raw, k = kernel
     for _ in range(3):
@@ -193,24 +206,26 @@ def test_a_target_other_than_nvidias_keeps_tritons_path(kernel, monkeypatch):
     assert _kinds(raw) == ["triton"] * 3
 
 
-def test_a_missing_argument_is_left_to_triton_to_name(kernel):
+def test_a_missing_argument_is_named_and_nothing_launches(kernel):
     raw, k = kernel
-    k[(1,)](torch.randn(4), torch.empty(4), 4, BLOCK=16)  # no `scale`: Triton's binder raises for it
-    assert _kinds(raw) == ["triton"] and raw.log[0][2][-1] == 4
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'scale'"):
+        k[(1,)](torch.randn(4), torch.empty(4), 4, BLOCK=16)
+    assert _kinds(raw) == []
 
 
 @pytest.mark.parametrize("call", ["too_many", "twice"])
 def test_malformed_calls_never_take_a_cached_kernel(kernel, call):
     """After a good call is cached, a call with an extra positional argument or one given both
-    by position and by keyword goes to Triton, whose binder rejects it."""
+    by position and by keyword is refused by name before anything launches."""
     raw, k = kernel
     good = (torch.randn(4), torch.empty(4), 4, 1.0)
     k[(1,)](*good, BLOCK=16)
-    if call == "too_many":
-        k[(1,)](*good, 16, True, "extra")
-    else:
-        k[(1,)](*good, BLOCK=16, n=8)
-    assert _kinds(raw) == ["triton", "triton"]
+    with pytest.raises(TypeError, match="positional argument|multiple values for argument 'n'"):
+        if call == "too_many":
+            k[(1,)](*good, 16, True, "extra")
+        else:
+            k[(1,)](*good, BLOCK=16, n=8)
+    assert _kinds(raw) == ["triton"]
 
 
 def test_host_grid_arithmetic_matches_tritons():
