@@ -11,12 +11,15 @@ from .. import configs
 from ..amax_slots import fresh
 
 _NO_GUARD = contextlib.nullcontext()
+# The runtime's own call: torch.cuda.current_device() is Python around it (a lazy-init check, done
+# by then: guard() only sees CUDA tensors), and every op of a step asks.
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 def guard(x):
     """The device guard for x's GPU, or none when that is the current one: entering a guard
     costs more host time than a small kernel's launch."""
-    return _NO_GUARD if x.get_device() == torch.cuda.current_device() else torch.cuda.device(x.device)
+    return _NO_GUARD if x.get_device() == _current_device() else torch.cuda.device(x.device)
 
 
 def on_device(fn):
