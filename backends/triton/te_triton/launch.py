@@ -15,10 +15,10 @@ argument of another type, a kernel with pre-run hooks, the interpreter, a Triton
 call differs, a target other than NVIDIA's) takes Triton's own path; launch hooks (a
 profiler's) get what Triton gives them. The launch is a function generated per kernel with the
 kernel's parameters as its own, so Python binds each call in C, and a call with missing, extra
-or doubly given arguments raises Python's TypeError, naming the kernel, before anything runs. Settings Triton reads when it compiles
-(TRITON_DEBUG and the like) apply as they were at a specialization's first launch: change them
-before the first step, or set TE_TRITON_FAST_LAUNCH=0, which turns the shortcut off
-(switched_on).
+or doubly given arguments raises Python's TypeError, naming the kernel, before anything runs.
+Settings Triton reads when it compiles (TRITON_DEBUG and the like) apply as they were at a
+specialization's first launch: change them before the first step, or set
+TE_TRITON_FAST_LAUNCH=0, which turns the shortcut off (switched_on).
 """
 from __future__ import annotations
 
