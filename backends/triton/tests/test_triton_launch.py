@@ -228,6 +228,27 @@ def test_malformed_calls_never_take_a_cached_kernel(kernel, call):
     assert _kinds(raw) == ["triton"]
 
 
+def test_a_malformed_call_names_the_kernel(monkeypatch):
+    monkeypatch.setattr(launch, "ENABLED", True)
+    monkeypatch.setattr(launch, "_DRIVER", [(lambda: 0, lambda device: STREAM, True)])
+    raw = _Kernel()
+    raw.__name__ = "_cast_kernel"
+    k = launch.launcher(raw)
+    with pytest.raises(TypeError, match=r"_cast_kernel\(\) missing 1 required positional argument: 'scale'"):
+        k[(1,)](torch.randn(4), torch.empty(4), 4, BLOCK=16)
+
+
+def test_parameter_names_that_clash_with_the_generated_code_keep_tritons_path(monkeypatch):
+    monkeypatch.setattr(launch, "ENABLED", True)
+    monkeypatch.setattr(launch, "_DRIVER", [(lambda: 0, lambda device: STREAM, True)])
+    raw = _Kernel()
+    raw.params[2] = SimpleNamespace(name="_te_grid", is_constexpr=False, default=inspect.Parameter.empty)
+    k = launch.launcher(raw)
+    for _ in range(2):
+        k[(1,)](torch.randn(4), torch.empty(4), 4, 1.0, BLOCK=16)
+    assert _kinds(raw) == ["triton", "triton"]
+
+
 def test_host_grid_arithmetic_matches_tritons():
     """te_triton's host cdiv and next_power_of_2 (plain integer arithmetic) give Triton's own
     results, so every grid and block size is what it was with Triton's functions."""
