@@ -13,6 +13,8 @@ from torch import Tensor
 
 from ..backend.types import as_dtype
 from ..ops import ACTIVATIONS, GATED_ACTIVATIONS
+from ..quantization import high_precision_init
+from ..quantization.autocast import model_init_preserves_high_precision
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -120,11 +122,15 @@ def cast_if_needed(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
 
 
 def primary_weight(module, slot: str, weight: torch.nn.Parameter) -> torch.nn.Parameter:
-    """Under te.quantized_model_init: the initialized weight stored only in FP8, else as is."""
+    """Under te.quantized_model_init: the initialized weight stored only in FP8 (carrying its value
+    from before quantization with preserve_high_precision_init_val=True), else as is."""
     quantizer = module.primary_weight_quantizer(slot)
     if quantizer is None:
         return weight
-    return torch.nn.Parameter(quantizer.quantize_primary(weight.detach()), requires_grad=weight.requires_grad)
+    stored = torch.nn.Parameter(quantizer.quantize_primary(weight.detach()), requires_grad=weight.requires_grad)
+    if model_init_preserves_high_precision():
+        high_precision_init.keep(stored, weight)
+    return stored
 
 
 def hp_weight(step, weight: Tensor, dtype: torch.dtype) -> Tensor:

@@ -29,6 +29,7 @@ from ._common import (
     compute_dtype,
     default_init_method,
     no_torch_autocast,
+    primary_weight,
     reject_unsupported,
     returned_bias,
 )
@@ -194,10 +195,7 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
     def _create_parameters(self, init_method) -> None:
         weight = torch.empty(self.out_features, self.in_features, device=self.device, dtype=self.params_dtype)
         tensor_parallel.init_weight(self, init_method, weight)
-        quantizer = self.primary_weight_quantizer("weight")
-        if quantizer is not None:
-            weight = quantizer.quantize_primary(weight)
-        self.weight = nn.Parameter(weight)
+        self.weight = primary_weight(self, "weight", nn.Parameter(weight))
         if self.use_bias:
             self.bias = nn.Parameter(torch.zeros(self.out_features, device=self.device, dtype=self.params_dtype))
         else:

@@ -20,8 +20,8 @@ from .scaling import PendingUpdates, ScalingGroup
 
 __all__ = [
     "AutocastContext", "autocast", "fp8_autocast", "get_autocast_context", "quantized_model_init",
-    "fp8_model_init", "model_init_recipe", "is_fp8_available", "is_mxfp8_available",
-    "is_fp8_block_scaling_available",
+    "fp8_model_init", "model_init_recipe", "model_init_preserves_high_precision", "is_fp8_available",
+    "is_mxfp8_available", "is_fp8_block_scaling_available",
 ]
 
 
@@ -41,7 +41,8 @@ class AutocastContext:
 class _ThreadState(threading.local):
     def __init__(self):
         self.stack: List[AutocastContext] = []
-        self.model_init: List[Optional[Recipe]] = []
+        # per quantized_model_init: (its recipe, or None where disabled; preserve_high_precision_init_val)
+        self.model_init: List[Tuple[Optional[Recipe], bool]] = []
 
 
 _STATE = _ThreadState()
@@ -122,11 +123,18 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Op
 @contextmanager
 def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
                          preserve_high_precision_init_val: bool = False):
-    """Modules created inside keep their weights only in quantized form (primary FP8 weights)."""
-    if preserve_high_precision_init_val:
-        raise NotImplementedError("quantized_model_init: preserve_high_precision_init_val=True (keeping the "
-                                  "high-precision initial weights on the side) is not implemented by te-core yet")
-    _STATE.model_init.append(_check_recipe(recipe, "quantized_model_init") if enabled else None)
+    """Modules created inside keep their weights only in quantized form (primary FP8 weights).
+
+    preserve_high_precision_init_val=True: each such weight also keeps its value from before
+    quantization, on the CPU, for master weights that should start from it rather than from the
+    FP8 value (Transformer Engine's contract, which Megatron-LM's distributed optimizer reads):
+    `weight.get_high_precision_init_val()` returns it, `weight.clear_high_precision_init_val()`
+    frees it (get then returns None). Only weights that have one carry the two methods."""
+    if not isinstance(preserve_high_precision_init_val, bool):
+        raise TypeError("quantized_model_init: preserve_high_precision_init_val must be True or False, got "
+                        f"{type(preserve_high_precision_init_val).__name__}")
+    recipe = _check_recipe(recipe, "quantized_model_init") if enabled else None
+    _STATE.model_init.append((recipe, preserve_high_precision_init_val and enabled))
     try:
         yield
     finally:
@@ -143,7 +151,14 @@ def fp8_model_init(enabled: bool = True, recipe: Optional[Recipe] = None, preser
 def model_init_recipe() -> Optional[Recipe]:
     """The recipe of the innermost enabled quantized_model_init, or None."""
     stack = _STATE.model_init
-    return stack[-1] if stack else None
+    return stack[-1][0] if stack else None
+
+
+def model_init_preserves_high_precision() -> bool:
+    """Whether the innermost quantized_model_init keeps each weight's value from before
+    quantization (preserve_high_precision_init_val)."""
+    stack = _STATE.model_init
+    return stack[-1][1] if stack else False
 
 
 def _answer(ok: bool, reason: str, return_reason: bool) -> Union[bool, Tuple[bool, str]]:

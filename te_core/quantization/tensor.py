@@ -14,6 +14,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
+from . import high_precision_init
+
 aten = torch.ops.aten
 
 # Operand kinds: how a GEMM operand's scale_inv is laid out.
@@ -76,6 +78,18 @@ class QuantizedTensor(Tensor):
     def quantizer(self):
         return self._quantizer
 
+    @property
+    def get_high_precision_init_val(self):
+        """Transformer Engine's method of an FP8 primary weight made under
+        quantized_model_init(preserve_high_precision_init_val=True): its value from before
+        quantization, on the CPU, or None once cleared. Other tensors have no such attribute."""
+        return high_precision_init.method(self, "get_high_precision_init_val")
+
+    @property
+    def clear_high_precision_init_val(self):
+        """Frees what get_high_precision_init_val returns (see there)."""
+        return high_precision_init.method(self, "clear_high_precision_init_val")
+
     def _same_kind(self) -> "QuantizedTensor":
         cls = type(self)
         if cls._traced_twin is not None and torch.compiler.is_compiling():
@@ -129,6 +143,7 @@ class QuantizedTensor(Tensor):
             twin = torch.nn.Parameter(twin, requires_grad=self.requires_grad)
         elif self.requires_grad:
             twin.requires_grad_()
+        high_precision_init.carry_over(self, twin)  # (quantized_model_init's preserved value)
         memo[id(self)] = twin
         return twin
 
