@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from .. import ops
+from ._float32_state import Float32StateMixin
 from ._grads import GradResetMixin, grad_of, run_closure
 
 NAME = "FusedAdam"
@@ -26,8 +27,10 @@ def _reject(name: str, value, default) -> None:
         raise NotImplementedError(f"{NAME}: {name}={value!r} is not supported by te-core; leave it at {default!r}")
 
 
-class FusedAdam(GradResetMixin, torch.optim.Optimizer):
+class FusedAdam(Float32StateMixin, GradResetMixin, torch.optim.Optimizer):
     """Adam with decoupled weight decay (AdamW) by default, Adam with L2 with adam_w_mode=False."""
+
+    FLOAT32_STATES = frozenset({"exp_avg", "exp_avg_sq", "master_param"})
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  amsgrad: bool = False, *, bias_correction: bool = True, adam_w_mode: bool = True,

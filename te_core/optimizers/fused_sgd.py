@@ -12,12 +12,15 @@ from typing import Optional
 import torch
 from torch.optim.optimizer import required
 
+from ._float32_state import Float32StateMixin
 from ._grads import GradResetMixin, grad_of, run_closure
 
 NAME = "FusedSGD"
 
 
-class FusedSGD(GradResetMixin, torch.optim.Optimizer):
+class FusedSGD(Float32StateMixin, GradResetMixin, torch.optim.Optimizer):
+    FLOAT32_STATES = frozenset({"momentum_buffer"})
+
     def __init__(self, params, lr=required, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, wd_after_momentum: bool = False,
                  materialize_master_grads: bool = True, set_grad_none: Optional[bool] = None):

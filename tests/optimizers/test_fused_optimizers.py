@@ -182,3 +182,39 @@ def test_step_with_a_closure_returns_its_loss(make):
     before = closure().item()
     loss = opt.step(closure)
     assert loss.item() == pytest.approx(before) and sum((p * p).sum() for p in params).item() < before
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: FusedAdam(groups(ps), master_weights=True, weight_decay=0.01),
+    lambda ps: FusedAdam(groups(ps), weight_decay=0.01),
+    lambda ps: FusedAdam(groups(ps), master_weights=True, capturable=True),
+    lambda ps: FusedSGD(groups(ps), momentum=0.9, nesterov=True),
+], ids=["adam-master-weights", "adam", "adam-capturable", "sgd-momentum"])
+def test_a_resumed_optimizer_keeps_float32_states_and_steps_as_the_original(make):
+    """torch's load_state_dict casts states to their bf16 parameters' dtype: a resumed optimizer
+    must keep the float32 master weights, moments and momentum it saved, and step bit for bit
+    as the one that never stopped."""
+    import io
+
+    params = fresh(torch.bfloat16)
+    original = make(params)
+    run(params, original, steps=2)
+    buffer = io.BytesIO()
+    torch.save(original.state_dict(), buffer)
+    buffer.seek(0)
+    resumed_params = [p.detach().clone().requires_grad_() for p in params]
+    resumed = make(resumed_params)
+    resumed.load_state_dict(torch.load(buffer))
+    for p, q in zip(params, resumed_params):
+        saved, loaded = original.state[p], resumed.state[q]
+        assert saved.keys() == loaded.keys() and saved
+        for name, value in saved.items():
+            if torch.is_tensor(value) and value.is_floating_point() and value.dim():
+                assert loaded[name].dtype == torch.float32 and torch.equal(loaded[name], value), name
+    run(params, original, steps=2, seed=3)
+    run(resumed_params, resumed, steps=2, seed=3)
+    for p, q in zip(params, resumed_params):
+        assert torch.equal(p, q)
+        for name, value in original.state[p].items():
+            if torch.is_tensor(value):
+                assert torch.equal(resumed.state[q][name], value), name
