@@ -32,7 +32,6 @@ _NOT_IMPLEMENTED = {
     "userbuffers communication overlap": {
         "ub_tp_comm_overlap": (False,), "ub_overlap_ag": (False,), "ub_overlap_rs": (False,),
         "ub_overlap_rs_dgrad": (False,), "ub_bulk_dgrad": (False,), "ub_bulk_wgrad": (False,), "ub_name": (None,),
-        "seq_length": (None,), "micro_batch_size": (None,),
     },
     "parameter and weight-gradient layouts": {
         "single_grouped_weight": (False,), "single_grouped_bias": (False,),
@@ -45,7 +44,6 @@ _NOT_IMPLEMENTED = {
         "score_mod": (None,), "score_mod_bprop": (None,), "score_mod_tensors": (None,),
         "score_mod_bprop_tensors": (None,),
     },
-    "names for Transformer Engine's debug tools": {"name": (None,)},
 }
 UNSUPPORTED_DEFAULTS = {name: allowed for group in _NOT_IMPLEMENTED.values() for name, allowed in group.items()}
 _REASON = {name: reason for reason, group in _NOT_IMPLEMENTED.items() for name in group}
@@ -63,6 +61,28 @@ def reject_unsupported(module: str, **kwargs) -> None:
                 f"{module}: {name}={value!r} is not supported by te-core yet ({_REASON[name]} are not "
                 f"implemented); leave it at {allowed[0]!r}"
             )
+
+
+def check_name(name, module: str) -> Optional[str]:
+    """A module's `name` (Transformer Engine's label for its debug tools, which te-core keeps as
+    the `name` attribute and hands on to submodules as TE does): None or a string."""
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"{module}: name must be a string or None, got {type(name).__name__}")
+    return name
+
+
+def sub_name(name: Optional[str], suffix: str) -> Optional[str]:
+    """A submodule's name under Transformer Engine's scheme: the parent's plus `.suffix`."""
+    return None if name is None else f"{name}.{suffix}"
+
+
+def check_warmup_sizes(module: str, seq_length, micro_batch_size) -> None:
+    """Transformer Engine's seq_length / micro_batch_size, which only size the warm-up of its
+    TorchScript fusions (and userbuffers, which te-core does not have): they change no result,
+    here or there. None or positive ints."""
+    for arg, value in (("seq_length", seq_length), ("micro_batch_size", micro_batch_size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{module}: {arg} must be a positive int or None, got {value!r}")
 
 
 def resolve_device(device: Union[None, str, torch.device]) -> torch.device:

@@ -24,6 +24,7 @@ from ._common import (
     check_attention_heads,
     check_bool,
     check_choice,
+    check_name,
     check_positive,
     compute_dtype,
     no_torch_autocast,
@@ -109,7 +110,7 @@ class DotProductAttention(nn.Module):
         self.softmax_scale = 1.0 / math.sqrt(k_ch) if softmax_scale is None else float(softmax_scale)
         # layer_number scales nothing here: Transformer Engine divides the logits by it and
         # multiplies them back inside the softmax (fp16 range), an identity in exact math
-        self.layer_number, self.name = layer_number, name
+        self.layer_number, self.name = layer_number, check_name(name, "DotProductAttention")
         self.attention_type = check_choice(attention_type, ("self", "cross"), name="attention_type", module=module)
         self.softmax_type = check_choice(softmax_type, SOFTMAX_TYPES, name="softmax_type", module=module)
         self.return_max_logit = check_bool(return_max_logit, name="return_max_logit", module=module)

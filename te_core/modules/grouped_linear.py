@@ -21,6 +21,7 @@ from ._common import (
     check_bool,
     check_fp8_gemms,
     check_input,
+    check_name,
     check_positive,
     compute_dtype,
     default_init_method,
@@ -130,11 +131,13 @@ class GroupedLinear(DelayedWgradMixin, QuantizedModule):
         **kwargs,
     ):
         name = "GroupedLinear"
+        label = check_name(kwargs.pop("name", None), name)
         reject_unsupported(name, **kwargs)
         check_bool(save_original_input, name="save_original_input", module=name)
         check_positive(num_gemms, name="num_gemms", module=name)
         slots = tuple(s for i in range(num_gemms) for s in gemm_slots(f"gemm{i}_"))
         super().__init__(slots, device=device, params_dtype=params_dtype)
+        self.name = label
         self.num_gemms, self.fuse_wgrad_accumulation = num_gemms, fuse_wgrad_accumulation
         self.in_features = check_positive(in_features, name="in_features", module=name)
         self.out_features = check_positive(out_features, name="out_features", module=name)

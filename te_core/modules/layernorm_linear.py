@@ -26,6 +26,7 @@ from ._wgrad import weight_grad
 from ._common import (
     check_fp8_gemms,
     check_input,
+    check_name,
     check_normalization,
     check_positive,
     check_split_sizes,
@@ -257,8 +258,10 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
     ):
         name = "LayerNormLinear"
         parameters_split = kwargs.pop("parameters_split", None)
+        label = check_name(kwargs.pop("name", None), name)
         reject_unsupported(name, **kwargs)
         super().__init__(SLOTS, device=device, params_dtype=params_dtype)
+        self.name = label
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         tensor_parallel.init_tensor_parallel(
             self, name, tp_group=tp_group, tp_size=tp_size, parallel_mode=parallel_mode,

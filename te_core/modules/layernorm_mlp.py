@@ -28,7 +28,9 @@ from ._wgrad import weight_grad
 from ._common import (
     check_fp8_gemms,
     check_input,
+    check_name,
     check_positive,
+    check_warmup_sizes,
     compute_dtype,
     default_init_method,
     hp_weight,
@@ -213,6 +215,8 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
         set_parallel_mode = kwargs.pop("set_parallel_mode", False)
         act = activation_op(activation, kwargs.pop("activation_params", None), name)
         checkpoint = kwargs.pop("checkpoint", False)
+        label = check_name(kwargs.pop("name", None), name)
+        check_warmup_sizes(name, kwargs.pop("seq_length", None), kwargs.pop("micro_batch_size", None))
         reject_unsupported(name, **kwargs)
         if not isinstance(checkpoint, bool):
             raise TypeError(f"{name}: checkpoint must be a bool, got {type(checkpoint).__name__}")
@@ -221,6 +225,7 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
                                       "the recompute would run inside backward(), after which backward_dw() expects "
                                       "the kept operands; use one of the two")
         super().__init__(SLOTS, device=device, params_dtype=params_dtype)
+        self.name = label
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         tensor_parallel.init_tensor_parallel(
             self, name, tp_group=tp_group, tp_size=tp_size, parallel_mode=None,

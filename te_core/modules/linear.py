@@ -24,6 +24,7 @@ from ._wgrad import check_original_input, original_input_operand, weight_grad
 from ._common import (
     check_bool,
     check_input,
+    check_name,
     check_positive,
     check_split_sizes,
     compute_dtype,
@@ -184,7 +185,7 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
         self.return_bias, self.use_bias = return_bias, bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.save_original_input = save_original_input  # read at each forward: may be set later (Megatron-LM does)
-        self.name = name
+        self.name = check_name(name, "Linear")
         self._create_parameters(init_method or _default_init)
         self.apply_parameters_split(parameters_split, "Linear")
         tensor_parallel.mark_model_parallel(self)

@@ -15,9 +15,12 @@ from ._common import (
     check_bool,
     check_choice,
     check_input,
+    check_name,
     check_normalization,
     check_positive,
+    check_warmup_sizes,
     reject_unsupported,
+    sub_name,
 )
 from ..distributed import tensor_parallel
 from .attention import QKV_FORMATS, DotProductAttention, check_hidden_dims
@@ -119,6 +122,7 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         module = "MultiheadAttention"
         self.return_bias = check_bool(return_bias, name="return_bias", module=module)
         fuse_wgrad = kwargs.pop("fuse_wgrad_accumulation", False)  # passed on to every projection
+        check_warmup_sizes(module, kwargs.pop("seq_length", None), kwargs.pop("micro_batch_size", None))
         reject_unsupported(module, **kwargs)
         check_positive(hidden_size, name="hidden_size", module=module)
         _, self.num_gqa_groups, kv_channels = check_attention_heads(
@@ -133,7 +137,7 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         self._split_heads_across_ranks(num_attention_heads)
         self.hidden_size, self.num_attention_heads, self.kv_channels = hidden_size, num_attention_heads, kv_channels
         self.input_layernorm, self.return_layernorm_output = input_layernorm, return_layernorm_output
-        self.layer_number, self.name = layer_number, name
+        self.layer_number, self.name = layer_number, check_name(name, module)
         self.fuse_qkv_params = bool(fuse_qkv_params)
         # as in Transformer Engine: separate q, k, v weights are never interleaved
         self.qkv_weight_interleaved = bool(qkv_weight_interleaved) and self.fuse_qkv_params
@@ -146,22 +150,28 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         norm_args = dict(eps=layernorm_epsilon, normalization=normalization, zero_centered_gamma=zero_centered_gamma,
                          return_layernorm_output=return_layernorm_output)
         q_out = q_size + 2 * kv_size if attention_type == "self" else q_size
+        # submodules named as Transformer Engine names them (a cross-attention's query Linear gets no name there)
+        proj_name = {("self", True): "layernorm_linear_qkv", ("self", False): "linear_qkv",
+                     ("cross", True): "layernorm_linear_q"}.get((attention_type, bool(input_layernorm)))
+        proj_name = sub_name(name, proj_name) if proj_name else None
         if input_layernorm:
-            proj = LayerNormLinear(hidden_size, q_out, init_method=init_method, **norm_args, **column, **common)
+            proj = LayerNormLinear(hidden_size, q_out, init_method=init_method, name=proj_name, **norm_args, **column,
+                                   **common)
         else:
-            proj = Linear(hidden_size, q_out, init_method=init_method, **column, **common)
+            proj = Linear(hidden_size, q_out, init_method=init_method, name=proj_name, **column, **common)
         setattr(self, _input_proj_name(attention_type, input_layernorm), proj)
         if attention_type == "cross":
-            self.key_value = Linear(hidden_size, 2 * kv_size, init_method=init_method, **column, **common)
+            self.key_value = Linear(hidden_size, 2 * kv_size, init_method=init_method, name=sub_name(name, "linear_kv"),
+                                    **column, **common)
         self.core_attention = DotProductAttention(  # on this rank's heads
             self.num_attention_heads_per_partition, kv_channels, num_gqa_groups=self.num_gqa_groups_per_partition,
             attention_dropout=attention_dropout,
             qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window_size,
             bottom_right_diagonal=bottom_right_diagonal, layer_number=layer_number, attention_type=attention_type,
-            softmax_type=softmax_type)
+            softmax_type=softmax_type, name=sub_name(name, "core_attention"))
         # fmt: on
         self.proj = Linear(q_size, hidden_size, init_method=output_layer_init_method, return_bias=self.return_bias,
-                           **row, **common)
+                           name=sub_name(name, "proj"), **row, **common)
         # QK normalization (Transformer Engine's qk_norm_*): on each head's q and k, after the rotary
         # embedding (before it with qk_norm_before_rope), in high precision
         if self.tp_size > 1 and qk_norm_type in ("RMSNorm", "LayerNorm"):

@@ -18,8 +18,11 @@ from ._common import (
     check_choice,
     check_attention_heads,
     check_input,
+    check_name,
     check_normalization,
     check_positive,
+    check_warmup_sizes,
+    sub_name,
 )
 from .attention import QKV_FORMATS, check_hidden_dims
 from .layernorm import LayerNorm, RMSNorm
@@ -99,6 +102,8 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         debug_name, name = name, "TransformerLayer"
         activation_params = kwargs.pop("activation_params", None)  # checked by LayerNormMLP
         fuse_wgrad = kwargs.pop("fuse_wgrad_accumulation", False)  # passed on to every weighted submodule
+        check_warmup_sizes(name, kwargs.pop("seq_length", None), kwargs.pop("micro_batch_size", None))
+        check_name(debug_name, name)
         reject_unsupported(name, ub_tp_comm_overlap=ub_tp_comm_overlap, **kwargs)
         check_positive(hidden_size, name="hidden_size", module=name)
         check_positive(ffn_hidden_size, name="ffn_hidden_size", module=name)
@@ -131,16 +136,19 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
                          qk_norm_before_rope=qk_norm_before_rope, softmax_type=softmax_type, **common)
         self.self_attention = MultiheadAttention(hidden_size, num_attention_heads, attn_mask_type=self_attn_mask_type,
                                                  window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
-                                                 attention_type="self", **attention)
+                                                 attention_type="self", name=sub_name(debug_name, "self_attention"),
+                                                 **attention)
         if layer_type == "decoder":
             self.inter_attention = MultiheadAttention(hidden_size, num_attention_heads, attention_type="cross",
                                                       attn_mask_type=enc_dec_attn_mask_type,
                                                       window_size=enc_dec_window_size,
-                                                      bottom_right_diagonal=enc_dec_bottom_right_diagonal, **attention)
+                                                      bottom_right_diagonal=enc_dec_bottom_right_diagonal,
+                                                      name=sub_name(debug_name, "inter_attention"), **attention)
         self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, eps=layernorm_epsilon, init_method=init_method,
                                           output_layer_init_method=output_layer_init_method, activation=activation,
                                           activation_params=activation_params,
-                                          return_layernorm_output=apply_residual_connection_post_layernorm, **common)
+                                          return_layernorm_output=apply_residual_connection_post_layernorm,
+                                          name=sub_name(debug_name, "layernorm_mlp"), **common)
         # fmt: on
         if output_layernorm:
             norm_cls = LayerNorm if normalization == "LayerNorm" else RMSNorm

@@ -17,9 +17,62 @@ def _x(*shape, seed=0):
 
 def test_name_is_kept_as_a_label():
     assert te.Linear(4, 4, name="fc").name == "fc"
+    assert te.LayerNormLinear(4, 4, name="ln_fc").name == "ln_fc"
+    assert te.LayerNormMLP(4, 8, name="mlp").name == "mlp"
+    assert te.GroupedLinear(2, 4, 4, name="experts").name == "experts"
     assert te.DotProductAttention(2, 4, name="core").name == "core"
     assert te.MultiheadAttention(8, 2, name="attn").name == "attn"
     assert te.TransformerLayer(8, 16, 2, name="block").name == "block"
+    with pytest.raises(TypeError, match="LayerNormMLP: name must be a string or None, got int"):
+        te.LayerNormMLP(4, 8, name=3)
+
+
+def test_submodules_are_named_as_transformer_engine_names_them():
+    layer = te.TransformerLayer(8, 16, 2, name="block", layer_type="decoder")
+    names = {path: module.name for path, module in layer.named_modules() if getattr(module, "name", None)}
+    assert names == {
+        "": "block",
+        "self_attention": "block.self_attention",
+        "self_attention.layernorm_qkv": "block.self_attention.layernorm_linear_qkv",
+        "self_attention.core_attention": "block.self_attention.core_attention",
+        "self_attention.proj": "block.self_attention.proj",
+        "inter_attention": "block.inter_attention",
+        "inter_attention.layernorm_query": "block.inter_attention.layernorm_linear_q",
+        "inter_attention.key_value": "block.inter_attention.linear_kv",
+        "inter_attention.core_attention": "block.inter_attention.core_attention",
+        "inter_attention.proj": "block.inter_attention.proj",
+        "layernorm_mlp": "block.layernorm_mlp",
+    }
+    attention = te.MultiheadAttention(8, 2, name="attn")
+    assert attention.qkv.name == "attn.linear_qkv"
+    assert all(getattr(m, "name", None) is None for m in te.TransformerLayer(8, 16, 2).modules())
+
+
+def test_seq_length_and_micro_batch_size_change_no_result():
+    """Transformer Engine sizes its fusions' warm-up with them; the layer computes the same."""
+    x = _x(6, 2, 8, seed=4)
+
+    def run(**sizes):
+        torch.manual_seed(0)
+        layer = te.TransformerLayer(8, 16, 2, hidden_dropout=0.0, attention_dropout=0.0, **sizes)
+        return layer(x)
+
+    torch.testing.assert_close(run(seq_length=6, micro_batch_size=2), run(), rtol=0, atol=0)
+    torch.manual_seed(0)
+    plain = te.LayerNormMLP(8, 16)(x)
+    torch.manual_seed(0)
+    sized = te.LayerNormMLP(8, 16, seq_length=6, micro_batch_size=2)(x)
+    torch.testing.assert_close(sized, plain, rtol=0, atol=0)
+    torch.manual_seed(0)
+    plain = te.MultiheadAttention(8, 2, attention_dropout=0.0)(x)
+    torch.manual_seed(0)
+    sized = te.MultiheadAttention(8, 2, attention_dropout=0.0, seq_length=6, micro_batch_size=2)(x)
+    torch.testing.assert_close(sized, plain, rtol=0, atol=0)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="seq_length must be a positive int or None"):
+            te.TransformerLayer(8, 16, 2, seq_length=bad)
+    with pytest.raises(ValueError, match="MultiheadAttention: micro_batch_size must be a positive int"):
+        te.MultiheadAttention(8, 2, micro_batch_size=0)
 
 
 def test_layer_number_and_attention_type_leave_attention_unchanged():

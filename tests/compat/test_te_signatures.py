@@ -44,6 +44,7 @@ IMPLEMENTED = {
     },
     ("Linear", "forward"): {"is_first_microbatch": MODULES + "test_fp8_modules.py"},
     ("LayerNormLinear", "__init__"): {
+        "name": COMPAT,
         "eps": COMPAT, "init_method": COMPAT, "bias": MODULES + "test_layernorm_linear.py",
         "normalization": MODULES + "test_layernorm_linear.py", "return_bias": MODULES + "test_split_output.py",
         "params_dtype": MODULES + "test_layernorm_linear.py", "device": MODULES + "test_layernorm_linear.py",
@@ -55,6 +56,7 @@ IMPLEMENTED = {
     },
     ("LayerNormLinear", "forward"): {"is_first_microbatch": MODULES + "test_fp8_modules.py"},
     ("LayerNormMLP", "__init__"): {
+        "name": COMPAT, "seq_length": COMPAT, "micro_batch_size": COMPAT,
         "eps": COMPAT, "init_method": COMPAT, "output_layer_init_method": COMPAT,
         "bias": MODULES + "test_layernorm_linear.py", "normalization": MODULES + "test_layernorm_linear.py",
         "activation": MODULES + "test_layernorm_linear.py", "return_bias": MODULES + "test_split_output.py",
@@ -67,6 +69,7 @@ IMPLEMENTED = {
     },
     ("LayerNormMLP", "forward"): {"is_first_microbatch": MODULES + "test_fp8_modules.py"},
     ("GroupedLinear", "__init__"): {
+        "name": COMPAT,
         "bias": COMPAT, "init_method": COMPAT, "return_bias": COMPAT, "params_dtype": COMPAT, "device": COMPAT,
         "parallel_mode": COMPAT, "fuse_wgrad_accumulation": MODULES + "test_fuse_wgrad.py",
         "delay_wgrad_compute": MODULES + "test_delay_wgrad.py",
@@ -98,6 +101,7 @@ IMPLEMENTED = {
         "kv_layer": MODULES + "test_packed_layers.py", "qkv_interleave_dim": MODULES + "test_packed_layers.py",
     },
     ("MultiheadAttention", "__init__"): {
+        "seq_length": COMPAT, "micro_batch_size": COMPAT,
         "softmax_type": MODULES + "test_attention_sinks.py", "qk_norm_type": ATTN, "qk_norm_eps": ATTN, "qk_norm_before_rope": ATTN,
         "kv_channels": ATTN, "attention_dropout": ATTN, "layernorm_epsilon": ATTN, "init_method": ATTN,
         "output_layer_init_method": ATTN, "layer_number": COMPAT, "attn_mask_type": ATTN, "window_size": ATTN,
@@ -115,6 +119,7 @@ IMPLEMENTED = {
         "cu_seqlens_kv": ATTN, "max_seqlen_q": ATTN, "max_seqlen_kv": ATTN,
     },
     ("TransformerLayer", "__init__"): {
+        "seq_length": COMPAT, "micro_batch_size": COMPAT,
         "qk_norm_type": ATTN, "qk_norm_eps": ATTN, "qk_norm_before_rope": ATTN,
         "num_gqa_groups": MODULES + "test_transformer_layer.py", "layernorm_epsilon": ATTN,
         "hidden_dropout": MODULES + "test_transformer_layer.py", "attention_dropout": ATTN, "init_method": ATTN,
