@@ -42,7 +42,10 @@ class _Norm(nn.Module):
                                  "not both")
             normalized_shape = hidden_size if normalized_shape is None else normalized_shape
         name = type(self).__name__
-        reject_unsupported(name, sequence_parallel=sequence_parallel, **kwargs)
+        reject_unsupported(name, **kwargs)
+        if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
+            raise TypeError(f"{name}: sequence_parallel must be True, False or None, got "
+                            f"{type(sequence_parallel).__name__}")
         self.normalized_shape, self._size = normalized_size(normalized_shape, name)
         if not eps > 0:
             raise ValueError(f"{name}: eps must be positive, got {eps!r}")
@@ -61,6 +64,13 @@ class _Norm(nn.Module):
         nn.init.constant_(self.weight, 0.0 if self.zero_centered_gamma else 1.0)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
+        # Transformer Engine's legacy sequence_parallel: only a flag on the parameters, which
+        # Megatron-LM reads to all-reduce their gradients over the tensor-parallel group (the
+        # norm itself computes the same on a shard of the sequence)
+        if self.sequence_parallel is not None:
+            for param in (self.weight, self.bias):
+                if param is not None:
+                    param.sequence_parallel = self.sequence_parallel
 
     def forward(self, inp: Tensor) -> Tensor:
         name = type(self).__name__

@@ -48,6 +48,21 @@ def test_submodules_are_named_as_transformer_engine_names_them():
     assert all(getattr(m, "name", None) is None for m in te.TransformerLayer(8, 16, 2).modules())
 
 
+def test_a_norms_sequence_parallel_flags_its_parameters_and_changes_no_result():
+    """Transformer Engine's legacy LayerNorm / RMSNorm(sequence_parallel=...): the flag set on the
+    weight (and bias), for Megatron-LM's gradient all-reduce; the norm computes the same."""
+    x = _x(6, 8, seed=5)
+    for cls in (te.LayerNorm, te.RMSNorm):
+        flagged, plain = cls(8, sequence_parallel=True), cls(8)
+        params = [p for p in (flagged.weight, getattr(flagged, "bias", None)) if p is not None]
+        assert params and all(p.sequence_parallel is True for p in params)
+        assert not hasattr(plain.weight, "sequence_parallel")
+        assert cls(8, sequence_parallel=False).weight.sequence_parallel is False
+        torch.testing.assert_close(flagged(x), plain(x), rtol=0, atol=0)
+        with pytest.raises(TypeError, match="sequence_parallel must be True, False or None"):
+            cls(8, sequence_parallel="yes")
+
+
 def test_seq_length_and_micro_batch_size_change_no_result():
     """Transformer Engine sizes its fusions' warm-up with them; the layer computes the same."""
     x = _x(6, 2, 8, seed=4)

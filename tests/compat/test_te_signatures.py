@@ -77,11 +77,13 @@ IMPLEMENTED = {
     },
     ("GroupedLinear", "forward"): {"is_first_microbatch": COMPAT},
     ("LayerNorm", "__init__"): {
+        "sequence_parallel": COMPAT,
         "eps": MODULES + "test_layernorm.py", "params_dtype": MODULES + "test_layernorm.py",
         "zero_centered_gamma": MODULES + "test_layernorm.py", "normalized_shape": COMPAT,
         "hidden_size": COMPAT,
     },
     ("RMSNorm", "__init__"): {
+        "sequence_parallel": COMPAT,
         "eps": MODULES + "test_layernorm.py", "params_dtype": MODULES + "test_layernorm.py",
         "zero_centered_gamma": MODULES + "test_layernorm.py", "normalized_shape": COMPAT,
         "hidden_size": COMPAT,
