@@ -103,7 +103,7 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         activation_params = kwargs.pop("activation_params", None)  # checked by LayerNormMLP
         fuse_wgrad = kwargs.pop("fuse_wgrad_accumulation", False)  # passed on to every weighted submodule
         check_warmup_sizes(name, kwargs.pop("seq_length", None), kwargs.pop("micro_batch_size", None))
-        check_name(debug_name, name)
+        debug_name = check_name(debug_name, name)
         reject_unsupported(name, ub_tp_comm_overlap=ub_tp_comm_overlap, **kwargs)
         check_positive(hidden_size, name="hidden_size", module=name)
         check_positive(ffn_hidden_size, name="ffn_hidden_size", module=name)
