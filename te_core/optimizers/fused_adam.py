@@ -5,8 +5,13 @@ parameter in the optimizer state ("master_param"): the step updates the copy and
 rounded, so small updates are not lost to the parameter's precision. `capturable=True` keeps the
 step count and the learning rate as tensors on the parameters' device and steps with tensor
 arithmetic only (no host synchronization), so the step can be captured in a device graph.
-Scaled low-precision states (exp_avg_dtype / exp_avg_sq_dtype / master_weight_dtype other than
-float32), param remainders and AMSGrad are not implemented and raise NotImplementedError.
+`exp_avg_dtype` / `exp_avg_sq_dtype` may be torch.bfloat16: the moments are kept in bf16 and
+updated in float32 (the parameter update reads the float32 values, which are rounded once when
+stored), as Transformer Engine's unscaled bf16 states. (A backend's fused Adam may take one
+dtype per parameter's tensors only: te-backend-cuda's does, so bf16 moments beside float32
+parameters or master weights run the reference update there, which warns once.) Transformer
+Engine's scaled states (float16, FP8 as torch.uint8, a float16 master_weight_dtype), param
+remainders and AMSGrad are not implemented and raise NotImplementedError.
 """
 from __future__ import annotations
 
@@ -16,10 +21,11 @@ from typing import Optional
 import torch
 
 from .. import ops
-from ._float32_state import Float32StateMixin
 from ._grads import GradResetMixin, grad_of, run_closure
+from ._state_dtypes import StateDtypesMixin
 
 NAME = "FusedAdam"
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _reject(name: str, value, default) -> None:
@@ -27,10 +33,13 @@ def _reject(name: str, value, default) -> None:
         raise NotImplementedError(f"{NAME}: {name}={value!r} is not supported by te-core; leave it at {default!r}")
 
 
-class FusedAdam(Float32StateMixin, GradResetMixin, torch.optim.Optimizer):
+class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
     """Adam with decoupled weight decay (AdamW) by default, Adam with L2 with adam_w_mode=False."""
 
-    FLOAT32_STATES = frozenset({"exp_avg", "exp_avg_sq", "master_param"})
+    def state_dtype(self, name: str):
+        """The dtype state `name` is kept in (and reloaded in: StateDtypesMixin)."""
+        return {"exp_avg": self.exp_avg_dtype, "exp_avg_sq": self.exp_avg_sq_dtype,
+                "master_param": torch.float32}.get(name)
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  amsgrad: bool = False, *, bias_correction: bool = True, adam_w_mode: bool = True,
@@ -39,9 +48,16 @@ class FusedAdam(Float32StateMixin, GradResetMixin, torch.optim.Optimizer):
                  store_param_remainders: bool = False, set_grad_none: Optional[bool] = None):
         if amsgrad:
             raise NotImplementedError(f"{NAME}: amsgrad=True is not supported (nor is it by Transformer Engine)")
-        for name, value in (("master_weight_dtype", master_weight_dtype), ("exp_avg_dtype", exp_avg_dtype),
-                            ("exp_avg_sq_dtype", exp_avg_sq_dtype), ("store_param_remainders", store_param_remainders)):
-            _reject(name, value, False if name == "store_param_remainders" else torch.float32)
+        _reject("master_weight_dtype", master_weight_dtype, torch.float32)
+        _reject("store_param_remainders", store_param_remainders, False)
+        for name, value in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
+            if value not in MOMENT_DTYPES:
+                raise NotImplementedError(
+                    f"{NAME}: {name}={value!r} is not supported by te-core (Transformer Engine's scaled float16 and "
+                    "FP8 states are not implemented); use torch.float32 or torch.bfloat16")
+        if capturable and exp_avg_dtype != exp_avg_sq_dtype:
+            raise ValueError(f"{NAME}: capturable=True needs exp_avg_dtype and exp_avg_sq_dtype alike (both float32 or "
+                             f"both bfloat16), as in Transformer Engine; got {exp_avg_dtype} and {exp_avg_sq_dtype}")
         if not 0.0 <= lr or not 0.0 <= eps or not 0.0 <= weight_decay:
             raise ValueError(f"{NAME}: lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
@@ -50,13 +66,14 @@ class FusedAdam(Float32StateMixin, GradResetMixin, torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.adam_w_mode, self.capturable, self.master_weights = bool(adam_w_mode), capturable, master_weights
         self.use_decoupled_grad = use_decoupled_grad
+        self.exp_avg_dtype, self.exp_avg_sq_dtype = exp_avg_dtype, exp_avg_sq_dtype
         self._init_set_grad_none(set_grad_none)
 
     def _state_of(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         if not state:
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(p, dtype=self.exp_avg_dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.exp_avg_sq_dtype, memory_format=torch.preserve_format)
             if self.master_weights and p.dtype != torch.float32:
                 state["master_param"] = p.detach().float()
         return state
@@ -110,7 +127,8 @@ class FusedAdam(Float32StateMixin, GradResetMixin, torch.optim.Optimizer):
         for p, g in live:
             state = self._state_of(p)
             target = state.get("master_param", p)
-            p32, g32, m, v = target.float(), g.float(), state["exp_avg"], state["exp_avg_sq"]
+            m_kept, v_kept = state["exp_avg"], state["exp_avg_sq"]
+            p32, g32, m, v = target.float(), g.float(), m_kept.float(), v_kept.float()
             if group["weight_decay"] != 0.0:
                 if self.adam_w_mode:
                     p32.mul_(1 - lr * group["weight_decay"])
@@ -119,6 +137,9 @@ class FusedAdam(Float32StateMixin, GradResetMixin, torch.optim.Optimizer):
             m.lerp_(g32, 1 - beta1)
             v.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
             p32.sub_(m / (v.sqrt() / bc2_sqrt + group["eps"]) * (lr / bc1))
+            for kept, value in ((m_kept, m), (v_kept, v)):
+                if kept is not value:  # bf16 moments: rounded once, after the update read them
+                    kept.copy_(value)
             if target is not p32:  # a low-precision parameter stepped through a float32 copy
                 target.copy_(p32)
             if p is not target:  # a master copy: the parameter gets its rounded value

@@ -12,14 +12,16 @@ from typing import Optional
 import torch
 from torch.optim.optimizer import required
 
-from ._float32_state import Float32StateMixin
 from ._grads import GradResetMixin, grad_of, run_closure
+from ._state_dtypes import StateDtypesMixin
 
 NAME = "FusedSGD"
 
 
-class FusedSGD(Float32StateMixin, GradResetMixin, torch.optim.Optimizer):
-    FLOAT32_STATES = frozenset({"momentum_buffer"})
+class FusedSGD(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
+    def state_dtype(self, name: str):
+        """The dtype state `name` is kept in (and reloaded in: StateDtypesMixin)."""
+        return torch.float32 if name == "momentum_buffer" else None
 
     def __init__(self, params, lr=required, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, wd_after_momentum: bool = False,

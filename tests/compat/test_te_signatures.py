@@ -189,7 +189,7 @@ IMPLEMENTED = {
     ("Fp8Unpadding", "__init__"): {"align_size": MODULES + "test_fp8_padding.py"},
     ("FusedAdam", "__init__"): {name: OPTIMIZERS for name in (
         "lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "capturable", "master_weights",
-        "use_decoupled_grad", "set_grad_none")},
+        "use_decoupled_grad", "set_grad_none", "exp_avg_dtype", "exp_avg_sq_dtype")},
     ("FusedSGD", "__init__"): {name: OPTIMIZERS for name in (
         "momentum", "dampening", "weight_decay", "nesterov", "wd_after_momentum", "set_grad_none")},
 }

@@ -91,12 +91,53 @@ def test_fused_adam_decoupled_grad_and_zero_grad():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(amsgrad=True), "amsgrad"), (dict(exp_avg_dtype=torch.float16), "exp_avg_dtype"),
+    (dict(exp_avg_sq_dtype=torch.uint8), "exp_avg_sq_dtype=torch.uint8 .*use torch.float32 or torch.bfloat16"),
     (dict(master_weights=True, master_weight_dtype=torch.float16), "master_weight_dtype"),
     (dict(store_param_remainders=True), "store_param_remainders"),
 ])
 def test_fused_adam_rejects_what_it_does_not_implement(kwargs, match):
     with pytest.raises(NotImplementedError, match=match):
         FusedAdam(fresh(), **kwargs)
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+@pytest.mark.parametrize("master_weights", [False, True])
+def test_fused_adam_keeps_bf16_moments_updated_in_float32(master_weights, capturable):
+    """exp_avg_dtype / exp_avg_sq_dtype=torch.bfloat16, as Transformer Engine's unscaled bf16
+    states: each step reads the bf16 moments as float32, updates them and the parameter in
+    float32 (the update reads the unrounded moments), then stores the moments rounded to bf16."""
+    dtype = torch.bfloat16 if master_weights else torch.float32
+    ours = fresh(dtype)
+    hyper = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+    opt = FusedAdam(ours, master_weights=master_weights, capturable=capturable, exp_avg_dtype=torch.bfloat16,
+                    exp_avg_sq_dtype=torch.bfloat16, **hyper)
+    run(ours, opt)
+    # the same steps written out in float64 from float32 values, moments rounded to bf16 after each
+    g = torch.Generator().manual_seed(1)
+    want = [p.detach().double() for p in fresh(dtype)]
+    m = [torch.zeros_like(p) for p in want]
+    v = [torch.zeros_like(p) for p in want]
+    for step in range(1, 5):
+        for i, p in enumerate(want):
+            grad = torch.randn(p.shape, generator=g).to(dtype).double()
+            p.mul_(1 - hyper["lr"] * hyper["weight_decay"])
+            m32 = m[i] * 0.9 + grad * 0.1
+            v32 = v[i] * 0.99 + grad * grad * 0.01
+            p.sub_(hyper["lr"] / (1 - 0.9**step) * m32 / ((v32 / (1 - 0.99**step)).sqrt() + hyper["eps"]))
+            m[i], v[i] = m32.bfloat16().double(), v32.bfloat16().double()
+    for p, want_p, want_m, want_v in zip(ours, want, m, v):
+        state = opt.state[p]
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+        stepped = state["master_param"] if master_weights else p
+        torch.testing.assert_close(stepped.double(), want_p, rtol=1e-5, atol=1e-6)
+        # a moment may round the other way where float32 and float64 straddle a bf16 midpoint
+        torch.testing.assert_close(state["exp_avg"].double(), want_m, rtol=1.6e-2, atol=1e-5)
+        torch.testing.assert_close(state["exp_avg_sq"].double(), want_v, rtol=1.6e-2, atol=1e-5)
+
+
+def test_fused_adam_capturable_needs_alike_moment_dtypes():
+    with pytest.raises(ValueError, match="capturable=True needs exp_avg_dtype and exp_avg_sq_dtype alike"):
+        FusedAdam(fresh(), capturable=True, exp_avg_dtype=torch.bfloat16)
 
 
 def test_fused_adam_rejects_bad_hyperparameters():
@@ -188,12 +229,14 @@ def test_step_with_a_closure_returns_its_loss(make):
     lambda ps: FusedAdam(groups(ps), master_weights=True, weight_decay=0.01),
     lambda ps: FusedAdam(groups(ps), weight_decay=0.01),
     lambda ps: FusedAdam(groups(ps), master_weights=True, capturable=True),
+    lambda ps: FusedAdam(groups(ps), master_weights=True, exp_avg_dtype=torch.bfloat16,
+                         exp_avg_sq_dtype=torch.bfloat16),
     lambda ps: FusedSGD(groups(ps), momentum=0.9, nesterov=True),
-], ids=["adam-master-weights", "adam", "adam-capturable", "sgd-momentum"])
+], ids=["adam-master-weights", "adam", "adam-capturable", "adam-bf16-moments", "sgd-momentum"])
 def test_a_resumed_optimizer_keeps_float32_states_and_steps_as_the_original(make):
     """torch's load_state_dict casts states to their bf16 parameters' dtype: a resumed optimizer
-    must keep the float32 master weights, moments and momentum it saved, and step bit for bit
-    as the one that never stopped."""
+    must keep the float32 master weights, moments and momentum it saved (the bf16 moments it was
+    asked for), and step bit for bit as the one that never stopped."""
     import io
 
     params = fresh(torch.bfloat16)
@@ -210,7 +253,8 @@ def test_a_resumed_optimizer_keeps_float32_states_and_steps_as_the_original(make
         assert saved.keys() == loaded.keys() and saved
         for name, value in saved.items():
             if torch.is_tensor(value) and value.is_floating_point() and value.dim():
-                assert loaded[name].dtype == torch.float32 and torch.equal(loaded[name], value), name
+                kept = original.state_dtype(name)  # float32, or the bf16 asked for the moments
+                assert value.dtype == kept and loaded[name].dtype == kept and torch.equal(loaded[name], value), name
     run(params, original, steps=2, seed=3)
     run(resumed_params, resumed, steps=2, seed=3)
     for p, q in zip(params, resumed_params):
