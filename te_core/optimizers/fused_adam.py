@@ -69,6 +69,23 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
         self.exp_avg_dtype, self.exp_avg_sq_dtype = exp_avg_dtype, exp_avg_sq_dtype
         self._init_set_grad_none(set_grad_none)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, the states in their own dtypes (StateDtypesMixin), and each group's step
+        count and learning rate in this optimizer's form: float32 tensors on the parameters'
+        device when capturable (a checkpoint loaded to the CPU would otherwise put host
+        arithmetic into every step, which a captured graph does not replay), plain numbers
+        otherwise (a capturable optimizer's checkpoint resumed without capturable=True)."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for key in ("step", "lr"):
+                value = group.get(key)
+                if not torch.is_tensor(value):
+                    continue
+                if self.capturable:
+                    group[key] = value.to(device=group["params"][0].device, dtype=torch.float32)
+                else:
+                    group[key] = int(value.item()) if key == "step" else value.item()
+
     def _state_of(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         if not state:

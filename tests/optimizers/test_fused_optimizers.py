@@ -262,3 +262,39 @@ def test_a_resumed_optimizer_keeps_float32_states_and_steps_as_the_original(make
         for name, value in original.state[p].items():
             if torch.is_tensor(value):
                 assert torch.equal(resumed.state[q][name], value), name
+
+
+def test_a_capturable_optimizers_step_and_lr_reload_in_the_form_each_optimizer_steps_with():
+    """A capturable FusedAdam keeps its step count and lr as float32 tensors on the parameters'
+    device: a checkpoint's (here float64, as a loader might hand them over) come back so, and a
+    non-capturable FusedAdam resuming the same checkpoint gets plain numbers."""
+    import io
+
+    params = fresh()
+    original = FusedAdam(params, lr=1e-2, capturable=True)
+    run(params, original, steps=2)
+    saved = original.state_dict()
+    for group in saved["param_groups"]:
+        group["step"], group["lr"] = group["step"].double(), group["lr"].double()
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    twin_params = [p.detach().clone().requires_grad_() for p in params]
+    resumed = FusedAdam(twin_params, lr=1e-2, capturable=True)
+    buffer.seek(0)
+    resumed.load_state_dict(torch.load(buffer))
+    group = resumed.param_groups[0]
+    for key, value in (("step", 2.0), ("lr", 1e-2)):
+        assert group[key].dtype == torch.float32 and group[key].device == twin_params[0].device
+        assert group[key].item() == pytest.approx(value)
+    run(params, original, steps=2, seed=3)
+    run(twin_params, resumed, steps=2, seed=3)
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p, q)
+    plain_params = [p.detach().clone().requires_grad_() for p in params]
+    plain = FusedAdam(plain_params, lr=1e-2)
+    buffer.seek(0)
+    plain.load_state_dict(torch.load(buffer))
+    assert plain.param_groups[0]["step"] == 2 and type(plain.param_groups[0]["step"]) is int
+    assert type(plain.param_groups[0]["lr"]) is float
+    run(plain_params, plain, steps=1, seed=5)
+    assert plain.param_groups[0]["step"] == 3
