@@ -36,11 +36,6 @@ def _reject(name: str, value, default) -> None:
 class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
     """Adam with decoupled weight decay (AdamW) by default, Adam with L2 with adam_w_mode=False."""
 
-    def state_dtype(self, name: str):
-        """The dtype state `name` is kept in (and reloaded in: StateDtypesMixin)."""
-        return {"exp_avg": self.exp_avg_dtype, "exp_avg_sq": self.exp_avg_sq_dtype,
-                "master_param": torch.float32}.get(name)
-
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  amsgrad: bool = False, *, bias_correction: bool = True, adam_w_mode: bool = True,
                  capturable: bool = False, master_weights: bool = False, master_weight_dtype=torch.float32,
@@ -68,6 +63,11 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
         self.use_decoupled_grad = use_decoupled_grad
         self.exp_avg_dtype, self.exp_avg_sq_dtype = exp_avg_dtype, exp_avg_sq_dtype
         self._init_set_grad_none(set_grad_none)
+
+    def state_dtype(self, name: str):
+        """The dtype state `name` is kept in (and reloaded in: StateDtypesMixin)."""
+        return {"exp_avg": self.exp_avg_dtype, "exp_avg_sq": self.exp_avg_sq_dtype,
+                "master_param": torch.float32}.get(name)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, the states in their own dtypes (StateDtypesMixin), and each group's step
