@@ -147,8 +147,14 @@ def primary_weight(module, slot: str, weight: torch.nn.Parameter) -> torch.nn.Pa
     quantizer = module.primary_weight_quantizer(slot)
     if quantizer is None:
         return weight
+    preserve = model_init_preserves_high_precision()
+    if preserve and weight.is_meta:
+        raise NotImplementedError(
+            f"{type(module).__name__}: quantized_model_init(preserve_high_precision_init_val=True) with "
+            "device='meta' is not supported yet: a weight made on the meta device has no value to keep until it is "
+            "initialized later. Build the module on its device, or leave preserve_high_precision_init_val=False")
     stored = torch.nn.Parameter(quantizer.quantize_primary(weight.detach()), requires_grad=weight.requires_grad)
-    if model_init_preserves_high_precision():
+    if preserve:
         high_precision_init.keep(stored, weight)
     return stored
 

@@ -104,3 +104,13 @@ def test_fp8_model_init_passes_it_on_and_a_non_bool_is_refused():
     with pytest.raises(TypeError, match="preserve_high_precision_init_val must be True or False"):
         with te.quantized_model_init(recipe=recipe.DelayedScaling(), preserve_high_precision_init_val="yes"):
             pass
+
+
+def test_a_meta_device_module_is_refused_by_name():
+    """A weight made on the meta device has no value yet; keeping nothing would leave a master
+    weight to start from whatever get returns, so the combination is refused."""
+    with te.quantized_model_init(recipe=recipe.DelayedScaling(), preserve_high_precision_init_val=True):
+        with pytest.raises(NotImplementedError, match="preserve_high_precision_init_val=True\\) with device='meta'"):
+            te.LayerNormMLP(64, 128, device="meta")
+    with te.quantized_model_init(recipe=recipe.DelayedScaling()):
+        assert isinstance(te.Linear(64, 32, device="meta").weight, QuantizedTensor)  # without it: as before
