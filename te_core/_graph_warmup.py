@@ -45,8 +45,11 @@ def _backward(callable_: nn.Module, inputs: tuple, outputs, allow_unused: bool) 
                         only_inputs=True, allow_unused=allow_unused)
 
 
+Hook = Optional[Callable[[], None]]
+
+
 def warm_up(device: torch.device, callables: Sequence[nn.Module], inputs: Sequence[tuple], iterations: int,
-            allow_unused: bool, pre_hook: Optional[Callable[[], None]], post_hook: Optional[Callable[[], None]]) -> None:
+            allow_unused: bool, pre_hook: Hook, post_hook: Hook) -> None:
     """`iterations` warm-up steps of `callables` (each called with its `inputs`) on a side stream
     of `device`, in Transformer Engine's order, between the two hooks."""
     api = getattr(torch, device.type)

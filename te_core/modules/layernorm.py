@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ..compat.te_checkpoint import accept_te_norm_extra_state
+from ..distributed.tensor_parallel import mark_sequence_parallel
 from ._common import (
     reject_unsupported,
     check_input,
@@ -68,9 +69,7 @@ class _Norm(nn.Module):
         # Megatron-LM reads to all-reduce their gradients over the tensor-parallel group (the
         # norm itself computes the same on a shard of the sequence)
         if self.sequence_parallel is not None:
-            for param in (self.weight, self.bias):
-                if param is not None:
-                    param.sequence_parallel = self.sequence_parallel
+            mark_sequence_parallel(self, [self.weight, self.bias])
 
     def forward(self, inp: Tensor) -> Tensor:
         name = type(self).__name__

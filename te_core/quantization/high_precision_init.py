@@ -35,13 +35,16 @@ def _clear(weight: torch.Tensor) -> None:
         weight.__dict__[_VALUE] = None
 
 
+_METHODS = {"get_high_precision_init_val": _get, "clear_high_precision_init_val": _clear}
+
+
 def method(weight: torch.Tensor, name: str) -> Callable:
     """weight.get_high_precision_init_val / weight.clear_high_precision_init_val, for a weight
     that kept its value; AttributeError for any other (so that hasattr answers False)."""
     if _VALUE not in weight.__dict__:
         raise AttributeError(f"{type(weight).__name__} has no attribute {name!r}: only FP8 primary weights made "
                              "under te.quantized_model_init(preserve_high_precision_init_val=True) have it")
-    return functools.partial(_get if name.startswith("get") else _clear, weight)
+    return functools.partial(_METHODS[name], weight)
 
 
 def carry_over(source: torch.Tensor, twin: torch.Tensor) -> torch.Tensor:
