@@ -93,7 +93,8 @@ def install(tracer: Tracer) -> None:
         from triton.runtime.jit import JITFunction
         JITFunction.run = tracer.wrap("triton JITFunction.run", JITFunction.run)
         from te_triton.launch import Launcher  # a launch from te_triton's cache skips JITFunction.run
-        Launcher.launch = tracer.wrap("te_triton Launcher.launch", Launcher.launch)
+        launch_of = Launcher.__getitem__
+        Launcher.__getitem__ = lambda self, grid: tracer.wrap("te_triton launch", launch_of(self, grid))
     except ImportError:
         pass
     cls = sys.modules["te_core.quantization.autocast"].autocast
@@ -190,9 +191,9 @@ def _total(tracer, suffix):
 
 
 def _launches(tracer) -> int:
-    """Triton launches: te_triton's own (Launcher.launch, which calls JITFunction.run only on a
-    cache miss), else Triton's."""
-    return _total(tracer, "Launcher.launch") or _total(tracer, "JITFunction.run")
+    """Triton launches: te_triton's own (which call JITFunction.run only on a cache miss), else
+    Triton's."""
+    return _total(tracer, "te_triton launch") or _total(tracer, "JITFunction.run")
 
 
 def counts(dev):
