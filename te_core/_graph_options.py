@@ -2,9 +2,7 @@
 turned into one GraphOptions or a clear error.
 
 The fp8_* names (fp8_enabled, fp8_recipe, fp8_group, fp8_weight_caching, fp8_calibrating) still
-work and warn, as in Transformer Engine; giving both spellings of one argument is an error. TE
-arguments te-core does not implement raise NotImplementedError naming them, unless they hold
-TE's default value (which asks for nothing).
+work and warn, as in Transformer Engine; giving both spellings of one argument is an error.
 """
 from __future__ import annotations
 
@@ -12,6 +10,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
+from ._graph_order import capture_time_hooks
 from ._graph_warmup import check_hook
 from .quantization.autocast import _check_recipe
 from .recipe import Recipe
@@ -22,14 +21,6 @@ _RENAMED = {
     "fp8_group": "amax_reduction_group", "fp8_weight_caching": "cache_quantized_params",
 }
 
-# TE arguments te-core does not implement -> (TE's default, why not)
-_NOT_IMPLEMENTED = {
-    "_order": (None, "pipeline-parallel capture order"),
-    "_num_layers_per_chunk": (None, "pipeline-parallel capture order"),
-    "retain_graph_in_backward": (False, "retain_graph in the backward capture"),
-    "_reuse_graph_input_output_buffers": (False, "pipeline-parallel buffer reuse"),
-    "capture_time_hooks": (None, "capture-time hooks"),
-}
 
 
 @dataclass(frozen=True)
@@ -45,6 +36,11 @@ class GraphOptions:
     clone_param_grads: bool = True  # replays hand autograd copies of the parameters' gradients
     pre_warmup_hook: Optional[Callable[[], None]] = None  # called before the first warm-up step, as in TE
     post_warmup_hook: Optional[Callable[[], None]] = None  # called after the last one
+    order: Optional[list] = None  # TE's _order: the pipeline schedule captured (te_core._graph_order)
+    layers_per_chunk: object = None  # TE's _num_layers_per_chunk
+    reuse_buffers: bool = False  # TE's _reuse_graph_input_output_buffers
+    retain_graph: bool = False  # TE's retain_graph_in_backward
+    capture_time_hooks: Optional[list] = None  # per module, {point: {name: hook(module)}}, run outside capture
 
 
 def _pick(given: dict, old: str):
@@ -73,16 +69,6 @@ def _enabled_per_module(enabled, n_modules: int) -> Tuple[bool, ...]:
                     f"got {enabled!r}")
 
 
-def _reject_unimplemented(given: dict) -> None:
-    unknown = sorted(set(given) - set(_NOT_IMPLEMENTED))
-    if unknown:
-        raise TypeError(f"make_graphed_callables got unexpected keyword arguments {', '.join(unknown)}")
-    asked = sorted(name for name, value in given.items() if value != _NOT_IMPLEMENTED[name][0])
-    if asked:
-        why = "; ".join(f"{name} ({_NOT_IMPLEMENTED[name][1]})" for name in asked)
-        raise NotImplementedError(f"make_graphed_callables: not supported by te-core yet: {why}")
-
-
 def graph_options(n_modules: int, given: dict) -> GraphOptions:
     """Options from make_graphed_callables' keyword arguments `given` (consumed)."""
     given = dict(given)
@@ -101,11 +87,25 @@ def graph_options(n_modules: int, given: dict) -> GraphOptions:
                                       "precision) is not supported in graphs by te-core yet; calibrate eagerly under "
                                       "te_core.autocast(enabled=False, calibrating=True)")
     _pick(given, "fp8_calibrating")
-    _reject_unimplemented(given)
+    order, layers = given.pop("_order", None), given.pop("_num_layers_per_chunk", None)
+    reuse, retain = given.pop("_reuse_graph_input_output_buffers", False), given.pop("retain_graph_in_backward", False)
+    capture_hooks = capture_time_hooks(given.pop("capture_time_hooks", None), n_modules)
+    if given:
+        raise TypeError(f"make_graphed_callables got unexpected keyword arguments {', '.join(sorted(given))}")
+    for name, value in (("_reuse_graph_input_output_buffers", reuse), ("retain_graph_in_backward", retain)):
+        if not isinstance(value, bool):
+            raise TypeError(f"make_graphed_callables: {name} must be a bool, got {value!r}")
+    if layers is not None and order is None:
+        raise ValueError("make_graphed_callables: _num_layers_per_chunk describes the pipeline schedule in _order; "
+                         "give _order too, or leave it out")
+    if reuse and order is None:
+        raise ValueError("make_graphed_callables: _reuse_graph_input_output_buffers shares input buffers between "
+                         "passes that the pipeline schedule keeps apart, so it needs _order")
     if cache is not None and not isinstance(cache, bool):
         raise TypeError(f"make_graphed_callables: cache_quantized_params must be a bool, got {cache!r}")
     if cache and not any(enabled):
         raise ValueError("make_graphed_callables: cache_quantized_params=True caches FP8 weights, so it needs "
                          "enabled=True (for at least one module)")
     recipe = _check_recipe(recipe, "make_graphed_callables")
-    return GraphOptions(enabled, recipe if any(enabled) else None, group, bool(cache), pool, clone, *hooks)
+    return GraphOptions(enabled, recipe if any(enabled) else None, group, bool(cache), pool, clone, *hooks,
+                        order, layers, reuse, retain, capture_hooks)

@@ -3,8 +3,8 @@ order rather than left to the device's make_graphed_callables.
 
 Warm-up steps run real forward and backward passes before capture, so that lazy initialization
 (library handles, autotuning, allocator growth) happens outside the graphs. Transformer Engine
-runs them on a side stream, every forward in the given order and then every backward in reverse
-order, with the caller's pre_warmup_hook before the first and post_warmup_hook after the last
+runs them on a side stream, in the order the graphs are then captured (by default every forward
+in the given order and then every backward in reverse order), with the caller's pre_warmup_hook before the first and post_warmup_hook after the last
 (what a pipeline schedule uses to set up and tear down state around them). torch's own function
 takes no hooks and warms each callable up on its own, so te-core runs the warm-up here and asks
 the device's function for none.
@@ -16,6 +16,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
+
+from ._graph_order import default_schedule
 
 
 def check_iterations(num_warmup_iters) -> int:
@@ -49,18 +51,29 @@ Hook = Optional[Callable[[], None]]
 
 
 def warm_up(device: torch.device, callables: Sequence[nn.Module], inputs: Sequence[tuple], iterations: int,
-            allow_unused: bool, pre_hook: Hook, post_hook: Hook) -> None:
+            allow_unused: bool, pre_hook: Hook, post_hook: Hook, *, steps=None,
+            hook: Optional[Callable[[str, int], None]] = None) -> None:
     """`iterations` warm-up steps of `callables` (each called with its `inputs`) on a side stream
-    of `device`, in Transformer Engine's order, between the two hooks."""
+    of `device`, between the two hooks, in the capture's order: `steps`, (forward?, index) pairs
+    (default: every forward in order, then every backward in reverse: Transformer Engine's).
+    `hook(point, index)` runs the capture-time hooks before and after each pass."""
+    steps = default_schedule(len(callables)).steps if steps is None else steps
     api = getattr(torch, device.type)
     api.synchronize()
     with api.stream(api.Stream()):
         if pre_hook is not None:
             pre_hook()
         for _ in range(iterations):
-            runs = [(c, args, c(*args)) for c, args in zip(callables, inputs)]
-            while runs:
-                _backward(*runs.pop(), allow_unused)
+            outputs = {}
+            for forward, i in steps:
+                if hook is not None:
+                    hook("forward_pre_hooks" if forward else "backward_pre_hooks", i)
+                if forward:
+                    outputs[i] = callables[i](*inputs[i])
+                else:
+                    _backward(callables[i], inputs[i], outputs.pop(i), allow_unused)
+                if hook is not None:
+                    hook("forward_hooks" if forward else "backward_hooks", i)
         if post_hook is not None:
             post_hook()
     api.synchronize()

@@ -20,16 +20,18 @@ pair of graphs (and their activation memory).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
-import inspect
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ._graph_hooks import backward_hook, backward_updates_hook, tensors_in
+from ._graph_capture import DeviceGraphs, make_graphed
 from ._graph_inputs import InputSignature, KeywordInputs, keyword_inputs
 from ._graph_options import GraphOptions, graph_options
+from ._graph_order import Schedule, default_schedule, pipeline_schedule, run_hooks, shared_samples
 from ._graph_warmup import check_iterations, warm_up
 from .modules._base import QuantizedModule
 from .modules._delayed_wgrad import DelayedWgradMixin
@@ -40,23 +42,10 @@ from .quantization.scaling import ScalingGroup, graph_capture
 
 
 def _graph_api(device: torch.device):
-    """The device's make_graphed_callables, or None where torch has no graph capture for it."""
-    return getattr(getattr(torch, device.type, None), "make_graphed_callables", None)
-
-
-def _pool_argument(graph_api, pool) -> dict:
-    """The keyword that hands `pool` to the device's make_graphed_callables: none for None (the
-    graphs get a pool of their own); an error naming the problem where that function takes no pool."""
-    if pool is None:
-        return {}
-    try:
-        takes_pool = "pool" in inspect.signature(graph_api).parameters
-    except (TypeError, ValueError):  # a builtin without a signature: let it answer for itself
-        takes_pool = True
-    if not takes_pool:
-        raise NotImplementedError(f"make_graphed_callables: this torch's {graph_api.__module__}.make_graphed_callables "
-                                  "takes no memory pool; leave pool=None (the graphs then share a pool of their own)")
-    return {"pool": pool}
+    """The capture for the device (te_core._graph_capture, make_graphed_callables' signature), or
+    None where its torch module has no graphs."""
+    graphs = DeviceGraphs.of(device.type)
+    return None if graphs is None else functools.partial(make_graphed, graphs)
 
 
 @contextlib.contextmanager
@@ -213,18 +202,17 @@ def _eager_forward(module: nn.Module):
 
 
 def _checked_inputs(modules, sample_args) -> Tuple[Sequence[nn.Module], Sequence[tuple]]:
-    """(modules, their sample args), one tuple each, or a clear error."""
+    """(modules, their sample args: one tuple per call captured), or a clear error."""
     single = not isinstance(modules, (tuple, list))
     mods: Sequence = (modules,) if single else tuple(modules)
     args: Sequence = (tuple(sample_args),) if single else tuple(tuple(a) for a in sample_args)
-    if len(args) != len(mods):
-        raise ValueError(f"make_graphed_callables: {len(mods)} modules but {len(args)} sets of sample_args")
-    for module, sample in zip(mods, args):
+    for module in mods:
         if not isinstance(module, nn.Module):
             raise TypeError(f"make_graphed_callables takes torch.nn.Module objects, got {type(module).__name__}")
         if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
             raise RuntimeError(f"make_graphed_callables: {type(module).__name__} has hooks registered; a replay would "
-                               "skip them. Register hooks after make_graphed_callables, as with torch's")
+                               "skip them. Register hooks after make_graphed_callables, as with torch's (hooks that "
+                               "must run while capturing go in capture_time_hooks)")
         delaying = next((m for m in module.modules() if isinstance(m, DelayedWgradMixin) and m.need_backward_dw()),
                         None)
         if delaying is not None:
@@ -233,13 +221,46 @@ def _checked_inputs(modules, sample_args) -> Tuple[Sequence[nn.Module], Sequence
                 "backward leaves the weight gradients for backward_dw(); a replay would record none, and te-core "
                 "does not capture backward_dw graphs yet. Build it with delay_wgrad_compute=False to capture it, or "
                 "run it eagerly")
+    for sample in args:
         if not sample or not all(isinstance(a, torch.Tensor) for a in sample):
             raise TypeError("make_graphed_callables: sample_args must be tensors (the positional inputs of one call)")
+    return mods, args
+
+
+def _schedule(options: GraphOptions, mods, args) -> Schedule:
+    if options.order is None:
+        if len(args) != len(mods):
+            raise ValueError(f"make_graphed_callables: {len(mods)} modules but {len(args)} sets of sample_args")
+        return default_schedule(len(mods))
+    return pipeline_schedule(options.order, options.layers_per_chunk, len(mods), len(args))
+
+
+def _check_devices(mods, args, schedule: Schedule) -> None:
+    for sample, index in zip(args, schedule.callable_of):
+        module = mods[index]
         for param in module.parameters():
             if param.device != sample[0].device:
                 raise ValueError(f"make_graphed_callables: {type(module).__name__} has a parameter on {param.device} "
                                  f"but its sample input is on {sample[0].device}; move one of them")
-    return mods, args
+
+
+def _share_inputs(args, keywords, schedule: Schedule):
+    """_reuse_graph_input_output_buffers: samples whose passes never overlap in the schedule
+    take the same input tensors (te_core._graph_order.shared_samples)."""
+    def key(sample, kw):
+        return (tuple((t.shape, t.dtype, t.layout, t.device, t.requires_grad) for t in (*sample, *kw.tensors)),
+                kw.keys, repr(kw.constants))
+
+    source = shared_samples(schedule, [key(a, kw) for a, kw in zip(args, keywords)])
+    return [args[i] for i in source], [keywords[i] for i in source]
+
+
+def _variant_steps(steps, copies: int):
+    """The schedule's steps over the variants: each sample's `copies` variants (weight caching's
+    first and later microbatch), forwards in order, backwards in reverse."""
+    for forward, sample in steps:
+        variants = range(sample * copies, (sample + 1) * copies)
+        yield from ((forward, v) for v in (variants if forward else reversed(variants)))
 
 
 def make_graphed_callables(
@@ -279,39 +300,63 @@ def make_graphed_callables(
     then adds into it). `num_warmup_iters` warm-up steps run real forward and backward passes, as
     in TE: on a side stream, every forward in order, then every backward in reverse order, after
     `pre_warmup_hook()` and before `post_warmup_hook()` (keywords, as in TE); the scaling state is
-    put back as it was afterwards.
+    put back as it was afterwards. TE's `retain_graph_in_backward` and `capture_time_hooks` (per
+    module, hooks run around each warm-up and captured pass, outside the capture) work as in TE.
+    With TE's `_order` (and `_num_layers_per_chunk`, `_reuse_graph_input_output_buffers`) the
+    modules are a pipeline stage's layers and `sample_args` holds one sample per chunk, microbatch
+    and layer: each sample gets graphs of its own, captured in the schedule's order, and a tuple
+    of one callable per sample comes back (te_core._graph_order; docs/graphs.md).
     """
     mods, args = _checked_inputs(modules, sample_args)
     iterations = check_iterations(num_warmup_iters)
     options = graph_options(len(mods), te_arguments | dict(
         enabled=enabled, recipe=recipe, amax_reduction_group=amax_reduction_group,
         cache_quantized_params=cache_quantized_params))
+    schedule = _schedule(options, mods, args)
+    _check_devices(mods, args, schedule)
     device = args[0][0].device
     graph_api = _graph_api(device)
     if graph_api is None:
         raise NotImplementedError(f"make_graphed_callables: torch has no graph capture for device type "
                                   f"{device.type!r}; run the modules eagerly")
-    keywords = keyword_inputs(sample_kwargs, len(mods), [type(m).__name__ for m in mods])
+    owner = schedule.callable_of  # per sample, its module
+    keywords = keyword_inputs(sample_kwargs, len(args), [type(mods[m]).__name__ for m in owner])
+    if options.reuse_buffers:
+        args, keywords = _share_inputs(args, keywords, schedule)
     flags = (True, False) if options.cache_quantized_params else (None,)
     eager_forwards = [_eager_forward(module) for module in mods]
-    variants = [_Variant(m, f, on, options, flag, len(a), kw)
-                for m, f, on, a, kw in zip(mods, eager_forwards, options.enabled, args, keywords) for flag in flags]
+    variants = [_Variant(mods[m], eager_forwards[m], options.enabled[m], options, flag, len(a), kw)
+                for m, a, kw in zip(owner, args, keywords) for flag in flags]
     inputs = tuple(a + kw.tensors for a, kw in zip(args, keywords) for _ in flags)
-    pool = _pool_argument(graph_api, options.pool)
+    steps = tuple(_variant_steps(schedule.steps, len(flags)))
+
+    def hook(point, variant):
+        module_index = owner[variant // len(flags)]
+        run_hooks(options.capture_time_hooks, module_index, point, mods[module_index])
+
+    # (only what a call asks for: a capture of another signature, a test's, then serves the rest)
+    extras = {name: value for name, value in (
+        ("pool", options.pool), ("steps", steps if schedule.pipelined else None),
+        ("retain_graph", options.retain_graph), ("hook", hook if options.capture_time_hooks else None),
+        ("share_grad_outputs", options.reuse_buffers)) if value is not None and value is not False}
     saved = [_save_scaling_state(module) for module in mods]
     with autocast(enabled=any(options.enabled), recipe=options.recipe,
                   amax_reduction_group=options.amax_reduction_group), graph_capture():
         warm_up(device, variants, inputs, iterations, allow_unused_input, options.pre_warmup_hook,
-                options.post_warmup_hook)
+                options.post_warmup_hook, steps=steps, hook=hook if options.capture_time_hooks else None)
         with _no_garbage_collection():
             graphed = graph_api(tuple(variants), inputs, num_warmup_iters=0, allow_unused_input=allow_unused_input,
-                                **pool)
+                                **extras)
     for module, before in zip(mods, saved):
         _restore_scaling_state(module, before)
         for group in sum(_scaling_groups(module), []):
             group.captured = True  # the graphs take their own scale_inv: updates skip the snapshot
     replays = iter(graphed)
-    for module, forward, on, sample, kw in zip(mods, eager_forwards, options.enabled, args, keywords):
-        module.forward = _graphed_forward(module, forward, {flag: next(replays).forward for flag in flags}, on, options,
-                                          kw, InputSignature((*sample, *kw.tensors), type(module).__name__))
+    forwards = [_graphed_forward(mods[m], eager_forwards[m], {flag: next(replays).forward for flag in flags},
+                                 options.enabled[m], options, kw, InputSignature((*a, *kw.tensors), type(mods[m]).__name__))
+                for m, a, kw in zip(owner, args, keywords)]
+    if schedule.pipelined:  # one callable per sample, the modules left as they were (Transformer Engine's)
+        return tuple(forwards)
+    for module, forward in zip(mods, forwards):
+        module.forward = forward
     return mods if isinstance(modules, (tuple, list)) else mods[0]

@@ -227,7 +227,7 @@ def test_graphed_callables_fp8_group_is_the_amax_reduction_group(monkeypatch):
         seen.append((get_autocast_context().amax_reduction_group, num_warmup_iters, allow_unused_input))
         return callables
 
-    def recording_warm_up(device, callables, inputs, iterations, allow_unused, pre_hook, post_hook):
+    def recording_warm_up(device, callables, inputs, iterations, allow_unused, pre_hook, post_hook, **order):
         seen.append(("warm-up", get_autocast_context().amax_reduction_group, iterations, allow_unused))
 
     monkeypatch.setattr(graphs, "_graph_api", lambda device: recording_graph_api)

@@ -170,6 +170,7 @@ IMPLEMENTED = {
         "cache_quantized_params": MODULES + "test_graphs_model.py", "sample_kwargs": MODULES + "test_graphs_model.py",
         "pool": MODULES + "test_graphs.py", "clone_param_grads_on_return": MODULES + "test_graphs.py",
         "pre_warmup_hook": MODULES + "test_graphs.py", "post_warmup_hook": MODULES + "test_graphs.py",
+        "retain_graph_in_backward": MODULES + "test_graph_order.py", "capture_time_hooks": MODULES + "test_graph_order.py",
     },
     ("autocast", "__init__"): {
         "enabled": "quantization/test_autocast.py", "calibrating": "quantization/test_autocast.py",

@@ -231,10 +231,20 @@ def test_bad_arguments_name_the_problem(fake_graphs):
         graphs.make_graphed_callables(lin, (x,), enabled=True, recipe="delayed")
     with pytest.raises(NotImplementedError, match="calibrating=True"):
         graphs.make_graphed_callables(lin, (x,), calibrating=True)
-    with pytest.raises(NotImplementedError, match="_order .*; retain_graph_in_backward"):
-        graphs.make_graphed_callables(lin, (x,), retain_graph_in_backward=True, _order=[1, -1])
-    with pytest.raises(NotImplementedError, match="takes no memory pool; leave pool=None"):
-        graphs.make_graphed_callables(lin, (x,), pool=(0, 1))  # (the fake API, like an old torch, takes none)
+    with pytest.raises(ValueError, match="2 forward and 0 backward pass"):
+        graphs.make_graphed_callables(lin, (x,), _order=[1, 1])
+    with pytest.raises(NotImplementedError, match="separate weight-gradient .backward_dw. graph"):
+        graphs.make_graphed_callables(lin, (x,), _order=[1, -1, -0.5])
+    with pytest.raises(ValueError, match="_num_layers_per_chunk describes the pipeline schedule in _order"):
+        graphs.make_graphed_callables(lin, (x,), _num_layers_per_chunk=1)
+    with pytest.raises(ValueError, match="_reuse_graph_input_output_buffers shares .* so it needs _order"):
+        graphs.make_graphed_callables(lin, (x,), _reuse_graph_input_output_buffers=True)
+    with pytest.raises(TypeError, match="retain_graph_in_backward must be a bool"):
+        graphs.make_graphed_callables(lin, (x,), retain_graph_in_backward="yes")
+    with pytest.raises(ValueError, match=r"capture_time_hooks\[0\] must be a dict with keys among forward_pre_hooks"):
+        graphs.make_graphed_callables(lin, (x,), capture_time_hooks=[{"pre_forward": {}}])
+    with pytest.raises(ValueError, match="one entry per module"):
+        graphs.make_graphed_callables(lin, (x,), capture_time_hooks=[None, None])
     with pytest.raises(TypeError, match="unexpected keyword arguments fp8_weights"):
         graphs.make_graphed_callables(lin, (x,), fp8_weights=True)
     delaying = torch.nn.Sequential(te.Linear(32, 16, params_dtype=torch.float32, delay_wgrad_compute=True))

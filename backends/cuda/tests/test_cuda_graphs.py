@@ -251,3 +251,77 @@ def test_the_backward_of_an_overwritten_call_is_refused():
         first.sum().backward()
     second.sum().backward()
     assert graphed.weight.grad is not None and torch.isfinite(graphed.weight.grad.float()).all()
+
+
+PIPELINE_ORDER = [1, 2, 1, -2, 2, -1, -2, -1]  # two model chunks, two microbatches, 1F1B-like
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+@pytest.mark.parametrize("recipe", [te.recipe.DelayedScaling(amax_history_len=8), te.recipe.Float8CurrentScaling()])
+def test_a_pipeline_schedule_captured_in_its_order_matches_eager_steps(recipe, reuse):
+    """Transformer Engine's _order: one pair of graphs per (chunk, microbatch), captured and
+    replayed in the schedule's order, each replay equal bit for bit to an eager twin run in the
+    same order; with _reuse_graph_input_output_buffers the passes that never overlap share
+    their input buffers."""
+    torch.manual_seed(0)
+    layers = (te.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda"),
+              te.Linear(256, 128, params_dtype=torch.bfloat16, device="cuda"))
+    twins = (te.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda"),
+             te.Linear(256, 128, params_dtype=torch.bfloat16, device="cuda"))
+    samples = tuple((torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True),)
+                    for _ in range(4))
+    graphed = te.make_graphed_callables(layers, samples, enabled=True, recipe=recipe, _order=PIPELINE_ORDER,
+                                        _reuse_graph_input_output_buffers=reuse)
+    for layer, twin in zip(layers, twins):
+        twin.load_state_dict(layer.state_dict())  # same weights and scaling state after the warm-up
+        for module in (layer, twin):
+            for p in module.parameters():
+                p.grad = torch.zeros_like(p)
+    done = {1: 0, 2: 0, -1: 0, -2: 0}
+    flight = {}  # (chunk, microbatch) -> (graphed x, graphed y, eager x, eager y)
+    for step in range(2):
+        for c in PIPELINE_ORDER:
+            chunk, mb = abs(c), done[c] % 2
+            done[c] += 1
+            if c > 0:
+                x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16) * (step + 1)
+                xg, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+                with te.autocast(recipe=recipe):
+                    yg = graphed[(chunk - 1) * 2 + mb](xg)
+                with te.autocast(recipe=recipe):
+                    ye = twins[chunk - 1](xe)
+                assert torch.equal(yg, ye), (step, c, mb)
+                flight[chunk, mb] = (xg, yg, xe, ye)
+            else:
+                xg, yg, xe, ye = flight.pop((chunk, mb))
+                dy = torch.randn(yg.shape, device="cuda", dtype=torch.bfloat16)
+                yg.backward(dy)
+                ye.backward(dy)
+                assert torch.equal(xg.grad, xe.grad), (step, c, mb)
+    for layer, twin in zip(layers, twins):
+        assert torch.equal(layer.weight.grad, twin.weight.grad)
+        for direction, slots in twin.quantization_state().items():
+            for slot, state in slots.items():
+                for key in ("scale", "amax_history"):
+                    assert torch.equal(layer.quantization_state()[direction][slot][key], state[key]), (slot, key)
+
+
+def test_capture_time_hooks_run_outside_the_capture_and_retain_graph_keeps_it():
+    """capture_time_hooks run (with the module) around every warm-up and captured pass, never
+    inside a capture; retain_graph_in_backward=True captures the backward with retain_graph."""
+    lin = te.Linear(128, 128, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    seen = []
+
+    def hook(point):
+        return lambda module: seen.append((point, module is lin, torch.cuda.is_current_stream_capturing()))
+
+    points = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
+    graphed = te.make_graphed_callables(lin, (x,), num_warmup_iters=2, retain_graph_in_backward=True,
+                                        capture_time_hooks=[{p: {"h": hook(p)} for p in points}])
+    assert seen == [(p, True, False) for p in points] * 3  # two warm-up steps, then the capture
+    eager = te.Linear(128, 128, params_dtype=torch.bfloat16, device="cuda")
+    eager.load_state_dict(graphed.state_dict())
+    new_x = torch.randn_like(x)
+    y = graphed(new_x.clone().requires_grad_())
+    torch.testing.assert_close(y, eager(new_x), rtol=0, atol=0)

@@ -1,0 +1,163 @@
+"""The order in which make_graphed_callables warms up and captures its graphs.
+
+By default each module gets one pair of graphs; every forward is warmed up and captured in the
+order the modules were given, then every backward in reverse order, as a training step runs them.
+
+With Transformer Engine's pipeline-parallel arguments the modules are the layers of a pipeline
+stage, grouped into model chunks (`_num_layers_per_chunk` layers each), and every microbatch's
+pass through a layer gets graphs of its own, with its own sample inputs. `_order` is the stage's
+schedule as Megatron-LM's interleaved pipeline runs it: chunk numbers from 1, positive for a
+forward pass of that chunk (all its layers in order), negative for a backward pass (its layers
+in reverse order), each chunk appearing once per microbatch in each direction. Graphs that share
+a memory pool must be replayed in the order they were captured, so capture follows that
+schedule. Samples (and the returned callables) are numbered chunk by chunk, within a chunk
+microbatch by microbatch, within a microbatch layer by layer: Transformer Engine's numbering.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from numbers import Integral
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+Step = Tuple[bool, int]  # (a forward pass?, the sample it runs on)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """callable_of[s]: the module sample s runs through; steps: (forward?, sample) in the order
+    of warm-up and capture; pipelined: whether _order gave it (one callable returned per sample)."""
+
+    callable_of: Tuple[int, ...]
+    steps: Tuple[Step, ...]
+    pipelined: bool = False
+
+
+def default_schedule(n_modules: int) -> Schedule:
+    forward = tuple((True, i) for i in range(n_modules))
+    return Schedule(tuple(range(n_modules)), forward + tuple((False, i) for i in reversed(range(n_modules))))
+
+
+def _checked_order(order) -> List[int]:
+    if not isinstance(order, (list, tuple)) or not order:
+        raise TypeError(f"make_graphed_callables: _order must be a non-empty list of chunk numbers (positive: a "
+                        f"forward pass, negative: a backward pass), got {order!r}")
+    for c in order:
+        if isinstance(c, float) and not c.is_integer():
+            raise NotImplementedError(
+                f"make_graphed_callables: _order entry {c} asks for a separate weight-gradient (backward_dw) graph, "
+                "which te-core does not capture yet; give whole chunk numbers and build the layers with "
+                "delay_wgrad_compute=False")
+        if isinstance(c, bool) or not isinstance(c, (Integral, float)) or c == 0:
+            raise ValueError(f"make_graphed_callables: _order entries are non-zero chunk numbers (from 1; negative "
+                             f"for a backward pass), got {c!r}")
+    return [int(c) for c in order]
+
+
+def _layers_per_chunk(layers, n_chunks: int, n_microbatches: int, n_samples: int) -> List[int]:
+    if layers is None:
+        per_chunk, left = divmod(n_samples, n_chunks * n_microbatches)
+        if left or not per_chunk:
+            raise ValueError(f"make_graphed_callables: {n_samples} sample_args do not split into {n_chunks} model "
+                             f"chunk(s) of {n_microbatches} microbatch(es) with the same number of layers; give "
+                             "_num_layers_per_chunk")
+        return [per_chunk] * n_chunks
+    if isinstance(layers, Integral) and not isinstance(layers, bool):
+        layers = [int(layers)] * n_chunks
+    if not isinstance(layers, (list, tuple)) or len(layers) != n_chunks \
+            or not all(isinstance(n, Integral) and not isinstance(n, bool) and n > 0 for n in layers):
+        raise ValueError(f"make_graphed_callables: _num_layers_per_chunk must be a positive int or a list of "
+                         f"{n_chunks} positive ints (one per model chunk in _order), got {layers!r}")
+    return [int(n) for n in layers]
+
+
+def pipeline_schedule(order, layers_per_chunk, n_modules: int, n_samples: int) -> Schedule:
+    """The schedule of `_order` over `n_modules` layers and `n_samples` samples, or a clear error."""
+    order = _checked_order(order)
+    n_chunks = max(abs(c) for c in order)
+    n_microbatches = len(order) // (2 * n_chunks)
+    for chunk in range(1, n_chunks + 1):
+        forwards, backwards = order.count(chunk), order.count(-chunk)
+        if forwards != n_microbatches or backwards != n_microbatches:
+            raise ValueError(f"make_graphed_callables: _order has {forwards} forward and {backwards} backward "
+                             f"pass(es) of chunk {chunk}; every chunk from 1 to {n_chunks} needs one of each per "
+                             f"microbatch ({n_microbatches} each for an order of {len(order)} entries)")
+    layers = _layers_per_chunk(layers_per_chunk, n_chunks, n_microbatches, n_samples)
+    if n_modules != sum(layers):
+        raise ValueError(f"make_graphed_callables: _num_layers_per_chunk {layers} makes {sum(layers)} layers, but "
+                         f"{n_modules} modules were given (one per layer of the pipeline stage)")
+    if n_samples != sum(layers) * n_microbatches:
+        raise ValueError(f"make_graphed_callables: {n_samples} sample_args given; {sum(layers)} layers over "
+                         f"{n_microbatches} microbatches need {sum(layers) * n_microbatches} (one per layer and "
+                         "microbatch, chunk by chunk, microbatch by microbatch)")
+    first_layer = [0]
+    for n in layers:
+        first_layer.append(first_layer[-1] + n)
+    callable_of = [first_layer[chunk] + layer for chunk, n in enumerate(layers)
+                   for _ in range(n_microbatches) for layer in range(n)]
+    done = {True: [0] * n_chunks, False: [0] * n_chunks}  # passes so far per chunk, per direction
+    steps: List[Step] = []
+    for c in order:
+        forward, chunk = c > 0, abs(c) - 1
+        microbatch = done[forward][chunk]
+        if not forward and microbatch >= done[True][chunk]:
+            raise ValueError(f"make_graphed_callables: _order runs backward pass {microbatch + 1} of chunk {chunk + 1} "
+                             "before its forward pass; each backward must follow the forward it differentiates")
+        done[forward][chunk] += 1
+        first = first_layer[chunk] * n_microbatches + microbatch * layers[chunk]
+        samples = range(first, first + layers[chunk])
+        steps.extend((forward, s) for s in (samples if forward else reversed(samples)))
+    return Schedule(tuple(callable_of), tuple(steps), True)
+
+
+def shared_samples(schedule: Schedule, keys: Sequence[object]) -> List[int]:
+    """For `_reuse_graph_input_output_buffers`: per sample, the sample whose input tensors its
+    graphs take. A forward pass takes over the inputs of an earlier sample with the same key
+    (shapes, dtypes and layouts of its tensors) whose backward pass has already run, so two
+    graphs share input buffers only where their passes never overlap in the schedule."""
+    source = list(range(len(keys)))
+    free: Dict[object, List[int]] = {}  # key -> samples whose backward has run
+    for forward, sample in schedule.steps:
+        if forward:
+            if free.get(keys[sample]):
+                source[sample] = source[free[keys[sample]].pop(0)]
+        else:
+            free.setdefault(keys[sample], []).append(sample)
+    return source
+
+
+HookPoint = str
+HOOK_POINTS = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
+
+
+def capture_time_hooks(hooks, n_modules: int) -> Optional[List[Dict[str, Dict[object, Callable]]]]:
+    """Transformer Engine's capture_time_hooks checked: None, or one entry per module, each None
+    or a dict from hook points (HOOK_POINTS) to {name: hook(module)} dicts."""
+    if hooks is None:
+        return None
+    if not isinstance(hooks, (list, tuple)) or len(hooks) != n_modules:
+        raise ValueError(f"make_graphed_callables: capture_time_hooks must be a list with one entry per module "
+                         f"({n_modules}), each None or a dict of hooks, got {hooks!r}")
+    checked = []
+    for i, entry in enumerate(hooks):
+        entry = {} if entry is None else entry
+        if not isinstance(entry, dict) or set(entry) - set(HOOK_POINTS):
+            raise ValueError(f"make_graphed_callables: capture_time_hooks[{i}] must be a dict with keys among "
+                             f"{', '.join(HOOK_POINTS)}, got {entry!r}")
+        for point, named in entry.items():
+            if not isinstance(named, dict) or not all(callable(h) for h in named.values()):
+                raise TypeError(f"make_graphed_callables: capture_time_hooks[{i}][{point!r}] must be a dict of "
+                                f"{{name: hook(module)}}, got {named!r}")
+        checked.append({point: dict(entry.get(point, {})) for point in HOOK_POINTS})
+    return checked
+
+
+def run_hooks(hooks: Optional[List[Dict[str, Dict[object, Callable]]]], module_index: int, point: HookPoint,
+              module) -> None:
+    """The capture-time hooks of one module at one point, outside any capture: called with the
+    module, each must return None (as in Transformer Engine, where a value is an error)."""
+    if hooks is None:
+        return
+    for name, hook in hooks[module_index][point].items():
+        if hook(module) is not None:
+            raise RuntimeError(f"make_graphed_callables: capture_time_hooks {point} {name!r} returned a value; "
+                               "capture-time hooks must return None")

@@ -1,0 +1,173 @@
+"""make_graphed_callables' capture order and Transformer Engine's capture options on the CPU:
+the pipeline schedule (_order, _num_layers_per_chunk), shared input buffers
+(_reuse_graph_input_output_buffers), retain_graph_in_backward and capture_time_hooks. The capture
+is te-core's own (te_core._graph_capture) over a fake device whose graphs record nothing and
+replay nothing, so a replay returns what its capture computed; the real capture, replayed in the
+schedule's order against an eager twin, runs on the GPU (backends/cuda/tests/test_cuda_graphs.py)."""
+import contextlib
+import functools
+import sys
+
+import pytest
+import torch
+
+import te_core as te
+from te_core import _graph_capture, graphs
+from te_core._graph_order import default_schedule, pipeline_schedule, shared_samples
+
+ORDER = [1, 2, 1, -2, 2, -1, -2, -1]  # two chunks, two microbatches, 1F1B-like
+
+
+class FakeGraph:
+    def replay(self):
+        pass
+
+
+class FakeDevice:
+    """torch.<device>'s graph functions, recording each capture."""
+    captures = []
+
+    @staticmethod
+    @contextlib.contextmanager
+    def graph(graph, pool=None):
+        FakeDevice.captures.append(pool)
+        yield
+
+    @staticmethod
+    def graph_pool_handle():
+        return ("pool",)
+
+    @staticmethod
+    def synchronize():
+        pass
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    FakeDevice.captures = []
+    calls = []
+
+    def api(device):
+        capture = functools.partial(_graph_capture.make_graphed, _graph_capture.DeviceGraphs(FakeDevice, FakeGraph))
+
+        def recorded(callables, sample_args, **kwargs):
+            calls.append((callables, sample_args, kwargs))
+            return capture(callables, sample_args, **kwargs)
+
+        return recorded
+
+    monkeypatch.setattr(graphs, "_graph_api", api)
+    return calls
+
+
+def test_the_schedule_numbers_samples_and_orders_passes_as_transformer_engine():
+    # chunk 1: layers 0 and 1; chunk 2: layer 2. Samples chunk by chunk, microbatch by microbatch.
+    schedule = pipeline_schedule(ORDER, [2, 1], 3, 6)
+    assert schedule.callable_of == (0, 1, 0, 1, 2, 2)
+    f, b = True, False
+    assert schedule.steps == ((f, 0), (f, 1), (f, 4), (f, 2), (f, 3), (b, 4), (f, 5), (b, 1), (b, 0), (b, 5),
+                              (b, 3), (b, 2))
+    assert pipeline_schedule([1, -1, 1, -1], None, 2, 4).callable_of == (0, 1, 0, 1)  # layers inferred
+    assert pipeline_schedule([1, -1, 1, -1], 2, 2, 4).steps == pipeline_schedule([1, -1, 1, -1], None, 2, 4).steps
+    assert default_schedule(2).steps == ((f, 0), (f, 1), (b, 1), (b, 0))
+
+
+@pytest.mark.parametrize("order, layers, n_modules, n_samples, error, match", [
+    ([-1, 1], None, 1, 1, ValueError, "backward pass 1 of chunk 1 before its forward pass"),
+    ([1, 2, -1, -2, 1], None, 2, 2, ValueError, "forward and .* backward pass.* of chunk"),
+    ([1, -1, 0], None, 1, 1, ValueError, "non-zero chunk numbers"),
+    ([True, -1], None, 1, 1, ValueError, "non-zero chunk numbers"),
+    ([], None, 1, 1, TypeError, "non-empty list"),
+    ([1, -1], [1, 1], 1, 1, ValueError, "a list of 1 positive ints"),
+    ([1, -1], 2, 1, 2, ValueError, "makes 2 layers, but 1 modules"),
+    ([1, -1, 1, -1], 1, 1, 3, ValueError, "3 sample_args given; 1 layers over 2 microbatches need 2"),
+    ([1, -1, 1, -1], None, 1, 3, ValueError, "do not split into 1 model chunk"),
+    ([1, -0.5, -1], 1, 1, 1, NotImplementedError, "backward_dw"),
+])
+def test_a_bad_schedule_is_refused_by_name(order, layers, n_modules, n_samples, error, match):
+    with pytest.raises(error, match=match):
+        pipeline_schedule(order, layers, n_modules, n_samples)
+
+
+def test_inputs_are_shared_only_between_passes_that_never_overlap():
+    alternating = pipeline_schedule([1, -1, 1, -1, 1, -1], 1, 1, 3)
+    assert shared_samples(alternating, ["k", "k", "k"]) == [0, 0, 0]
+    assert shared_samples(alternating, ["k", "other", "k"]) == [0, 1, 0]
+    overlapping = pipeline_schedule([1, 1, -1, -1], 1, 1, 2)
+    assert shared_samples(overlapping, ["k", "k"]) == [0, 1]
+
+
+def _layers():
+    torch.manual_seed(0)
+    return te.Linear(16, 16, params_dtype=torch.float32), te.Linear(16, 8, params_dtype=torch.float32)
+
+
+def _samples():
+    torch.manual_seed(1)
+    # per (chunk, microbatch): chunk 1's layer takes 16 features, chunk 2's too
+    return [(torch.randn(4, 16, requires_grad=True),) for _ in range(4)]
+
+
+def test_a_pipeline_capture_follows_the_order_and_returns_one_callable_per_sample(fake_device):
+    first, second = _layers()
+    samples = _samples()
+    seen = []
+
+    def record(point, index):
+        return {point: {"record": lambda module: seen.append((point, index, module))}}
+
+    hooks = [{**record("forward_pre_hooks", 0), **record("backward_hooks", 0)},
+             {**record("forward_pre_hooks", 1), **record("backward_hooks", 1)}]
+    graphed = te.make_graphed_callables((first, second), tuple(samples), num_warmup_iters=1, _order=ORDER,
+                                        capture_time_hooks=hooks)
+    assert len(graphed) == 4 and all(callable(g) for g in graphed)
+    assert "forward" not in vars(first) and "forward" not in vars(second)  # the modules are left as they were
+    # the schedule's passes, warm-up then capture, each with its module; hooks run outside any capture
+    modules = (first, second)
+    steps = [(f, s // 2) for f, s in pipeline_schedule(ORDER, 1, 2, 4).steps]
+    expected = [("forward_pre_hooks" if f else "backward_hooks", m, modules[m]) for f, m in steps]
+    assert [(p, i) for p, i, _ in seen] == [(p, i) for p, i, _ in expected] * 2
+    assert all(a is b for (_, _, a), (_, _, b) in zip(seen, expected * 2))
+    assert FakeDevice.captures == [("pool",)] * 8  # 4 forward and 4 backward graphs, one pool
+    (_, _, kwargs), = fake_device
+    assert kwargs["steps"] and "retain_graph" not in kwargs
+    # a replay hands back what its capture computed: each sample's own layer on that sample
+    for index, (sample, layer) in enumerate(zip(samples, (first, first, second, second))):
+        torch.testing.assert_close(graphed[index](sample[0]), layer(sample[0]), rtol=1.3e-6, atol=1e-5)
+
+
+def test_the_backward_capture_retains_its_graph_where_asked(fake_device, monkeypatch):
+    asked = []
+    grad = torch.autograd.grad
+
+    def spy(*args, **kwargs):
+        if sys._getframe(1).f_code.co_filename == _graph_capture.__file__:  # the capture's own call
+            asked.append(kwargs.get("retain_graph"))
+        return grad(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", spy)
+    for retain in (True, False):
+        asked.clear()
+        lin = _layers()[0]
+        te.make_graphed_callables(lin, (torch.randn(4, 16, requires_grad=True),), num_warmup_iters=0,
+                                  retain_graph_in_backward=retain)
+        assert asked == [retain], asked
+
+
+def test_reused_buffers_share_the_inputs_of_passes_that_never_overlap(fake_device):
+    lin = _layers()[0]
+    samples = [(torch.randn(4, 16, requires_grad=True),) for _ in range(3)]
+    graphed = te.make_graphed_callables((lin,), tuple(samples), num_warmup_iters=0, _order=[1, -1, 1, -1, 1, -1],
+                                        _reuse_graph_input_output_buffers=True)
+    (_, inputs, kwargs), = fake_device
+    assert inputs[1][0] is inputs[0][0] and inputs[2][0] is inputs[0][0] and kwargs["share_grad_outputs"]
+    x = torch.randn(4, 16, requires_grad=True)
+    graphed[2](x)  # a replay copies its input into the shared buffer
+    assert torch.equal(samples[0][0], x)
+
+
+def test_a_capture_time_hook_returning_a_value_is_an_error(fake_device):
+    lin = _layers()[0]
+    with pytest.raises(RuntimeError, match="capture_time_hooks forward_hooks 'bad' returned a value"):
+        te.make_graphed_callables(lin, (torch.randn(4, 16, requires_grad=True),), num_warmup_iters=0,
+                                  capture_time_hooks=[{"forward_hooks": {"bad": lambda module: 1}}])
