@@ -56,7 +56,7 @@ from _timing import Interleaved, median_ms, peak_mib, wall_us
 from bench_modules import TorchLayer, fwd_bwd, te_layer, torchao_float8
 
 import te_core as te
-from te_core import graphs, recipe
+from te_core import recipe
 
 SECTIONS = ("big", "tiny", "linear", "layer")
 RECIPES: Dict[str, Optional[Callable[[], recipe.Recipe]]] = {
@@ -121,9 +121,9 @@ def _graph_safe(step, mode, x, module):
 
 
 def _graph_api(device):
-    """torch.<device>.make_graphed_callables (as te.make_graphed_callables finds it), or a clear
-    error where the device has none."""
-    api = graphs._graph_api(torch.device(device))
+    """torch.<device>.make_graphed_callables (the peers' capture), or a clear error where the
+    device has none."""
+    api = getattr(getattr(torch, torch.device(device).type, None), "make_graphed_callables", None)
     if api is None:
         raise RuntimeError(f"captured cells need graph capture, which torch has not for {device!r}; run them on a GPU")
     return api
@@ -174,7 +174,8 @@ class Sweep:
             with te.autocast(enabled=rcp is not None, recipe=rcp):
                 return module(inp)
 
-        step = _graph_safe(fwd_bwd(self._compile(forward, mode != "eager"), x, dy), mode, x, module)
+        # (a captured cell is the capture alone: no compiler around its replays)
+        step = _graph_safe(fwd_bwd(self._compile(forward, mode in ("compiled", "graphed")), x, dy), mode, x, module)
         if not with_eager:
             return step
         eager = fwd_bwd(forward, x, dy)
@@ -195,7 +196,7 @@ class Sweep:
         if mode == "captured":
             _zeroed_grads(module, x)
             return fwd_bwd(_graph_api(self.device)(module, (x,)), x, dy)
-        return _graph_safe(fwd_bwd(self._compile(module, mode != "eager"), x, dy), mode, x, module)
+        return _graph_safe(fwd_bwd(self._compile(module, mode in ("compiled", "graphed")), x, dy), mode, x, module)
 
     def _ms(self, make_step):
         return {"ms": median_ms(make_step(), self.device, self.sizes.warmup_ms, self.sizes.rep_ms)}
