@@ -21,7 +21,8 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from ._graph_order import Step, default_schedule
+from ._graph_order import BACKWARD, FORWARD, HOOKS_OF, Step, default_schedule
+from ._graph_warmup import check_unused
 
 
 class DeviceGraphs(NamedTuple):
@@ -43,14 +44,18 @@ class DeviceGraphs(NamedTuple):
 def make_graphed(device: DeviceGraphs, callables: Sequence[torch.nn.Module], sample_args: Sequence[tuple],
                  num_warmup_iters: int = 0, allow_unused_input: bool = False, *, pool=None,
                  steps: Optional[Sequence[Step]] = None, retain_graph: bool = False,
-                 hook: Optional[Callable[[str, int], None]] = None, share_grad_outputs: bool = False):
+                 hook: Optional[Callable[[str, int], None]] = None, share_grad_outputs: bool = False,
+                 wgrad: Optional[Callable[[int], list]] = None):
     """Capture each callable (a module) in `steps` order (default: forwards in order, then
     backwards in reverse) and replace its forward with the replay; returns the callables.
     `hook(point, index)` runs outside the capture before and after each pass (capture-time
     hooks); `retain_graph` keeps the autograd graph of the backward capture (Transformer Engine's
     retain_graph_in_backward); `share_grad_outputs` gives backward graphs whose outputs match in
     shape, dtype and layout one set of output gradient buffers (they are only read inside the
-    backward replay). Warm-up is the caller's (te_core._graph_warmup)."""
+    backward replay). A weight-gradient step captures `wgrad(index)`, which computes the deferred
+    weight gradients and returns (parameter, gradient or None) pairs; the callable then gets
+    `replay_wgrad()`, which replays that graph and returns the pairs (the gradients in the
+    graph's buffers). Warm-up is the caller's (te_core._graph_warmup)."""
     if num_warmup_iters:
         raise ValueError("te-core warms up before capture (te_core._graph_warmup); capture with num_warmup_iters=0")
     n = len(callables)
@@ -62,16 +67,18 @@ def make_graphed(device: DeviceGraphs, callables: Sequence[torch.nn.Module], sam
     backward_graphs = [device.graph_type() for _ in range(n)]
     outputs, specs, grad_outputs, grad_inputs = [None] * n, [None] * n, [None] * n, [None] * n
     captured_backward = [False] * n
+    wgrads = {}  # index -> (its graph, its (parameter, gradient) pairs)
     shared = {}
     api.synchronize()
-    for forward, i in steps:
-        if hook is not None:
-            hook("forward_pre_hooks" if forward else "backward_pre_hooks", i)
-        if forward:
+    for kind, i in steps:
+        points = HOOKS_OF.get(kind) if hook is not None else None
+        if points:
+            hook(points[0], i)
+        if kind == FORWARD:
             with api.graph(forward_graphs[i], pool=pool):
                 out = callables[i](*sample_args[i])
             outputs[i], specs[i] = pytree.tree_flatten(out)
-        else:
+        elif kind == BACKWARD:
             needing = [o for o in outputs[i] if isinstance(o, torch.Tensor) and o.requires_grad]
             key = tuple((o.shape, o.dtype, o.layout, o.device) for o in needing)
             if share_grad_outputs and key in shared:
@@ -82,14 +89,22 @@ def make_graphed(device: DeviceGraphs, callables: Sequence[torch.nn.Module], sam
             inputs = [t for t in surfaces[i] if t.requires_grad]
             grads = ()
             if needing and inputs:
+                # a parameter may get no gradient (a deferred weight gradient); a sample input that
+                # gets none is an error unless allowed
                 with api.graph(backward_graphs[i], pool=pool):
                     grads = torch.autograd.grad(needing, inputs, grad_outputs=buffers, only_inputs=True,
-                                                allow_unused=allow_unused_input, retain_graph=retain_graph)
+                                                allow_unused=True, retain_graph=retain_graph)
+                check_unused(grads[:sum(t.requires_grad for t in sample_args[i])], allow_unused_input)
                 captured_backward[i] = True
             it = iter(grads)
             grad_inputs[i] = tuple(next(it) if t.requires_grad and grads else None for t in surfaces[i])
-        if hook is not None:
-            hook("forward_hooks" if forward else "backward_hooks", i)
+        else:
+            graph = device.graph_type()
+            with api.graph(graph, pool=pool):
+                pairs = wgrad(i)
+            wgrads[i] = (graph, pairs)
+        if points:
+            hook(points[1], i)
     missing = [i for i in range(n) if outputs[i] is None or grad_inputs[i] is None]
     if missing:
         raise ValueError(f"make_graphed_callables: the capture order runs no forward or no backward pass of "
@@ -98,7 +113,14 @@ def make_graphed(device: DeviceGraphs, callables: Sequence[torch.nn.Module], sam
         replay = _Replay(forward_graphs[i], backward_graphs[i] if captured_backward[i] else None, surfaces[i],
                          len(sample_args[i]), outputs[i], grad_outputs[i], grad_inputs[i])
         c.forward = functools.partial(_replayed, replay, specs[i], tuple(c.parameters()))
+        if i in wgrads:
+            c.replay_wgrad = functools.partial(_replayed_wgrad, *wgrads[i])
     return tuple(callables)
+
+
+def _replayed_wgrad(graph, pairs):
+    graph.replay()
+    return pairs
 
 
 class _Replay(NamedTuple):

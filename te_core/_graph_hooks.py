@@ -24,7 +24,7 @@ def backward_updates_hook(groups: List[ScalingGroup], process_group):
     return hook
 
 
-def backward_hook(name: str, calls: List[int], call: int, copied_params: int):
+def backward_hook(name: str, calls: List[int], call: int, copied_params: int, after=None):
     """The hook on a replay's backward node, run after the backward graph's replay and before its
     gradients go anywhere:
     - it refuses a backward whose call is no longer the module's latest (`calls[0]` counts the
@@ -35,7 +35,9 @@ def backward_hook(name: str, calls: List[int], call: int, copied_params: int):
       `copied_params` results) instead of the graph's own buffers, which the next replay
       overwrites: so `.grad` never aliases them, and gradients accumulated over several backward
       passes add up as in eager mode (Transformer Engine's clone_param_grads_on_return=True).
-    One hook for both: each registration costs the host time on every replay."""
+    - `after()`, where given, then runs (it queues the replay's weight-gradient graph for
+      backward_dw).
+    One hook for all: each registration costs the host time on every replay."""
 
     def hook(grad_inputs, grad_outputs):
         later = calls[0] - call
@@ -44,6 +46,8 @@ def backward_hook(name: str, calls: List[int], call: int, copied_params: int):
                                f"the {later} later call(s) of the module overwrote, so its gradients would be wrong; "
                                "run each call's backward before the next forward (its graphs hold one call's "
                                "tensors), or capture a separate copy of the module per microbatch in flight")
+        if after is not None:
+            after()
         if copied_params:
             start = len(grad_inputs) - copied_params
             return tuple(g.clone() if i >= start and g is not None else g for i, g in enumerate(grad_inputs))

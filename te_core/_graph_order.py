@@ -19,38 +19,50 @@ from dataclasses import dataclass
 from numbers import Integral
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-Step = Tuple[bool, int]  # (a forward pass?, the sample it runs on)
+FORWARD, BACKWARD, WGRAD = "forward", "backward", "wgrad"  # a pass; WGRAD: the deferred weight gradients
+Step = Tuple[str, int]  # (the pass, the sample it runs on)
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """callable_of[s]: the module sample s runs through; steps: (forward?, sample) in the order
-    of warm-up and capture; pipelined: whether _order gave it (one callable returned per sample)."""
+    """callable_of[s]: the module sample s runs through; steps: (pass, sample) in the order of
+    warm-up and capture; pipelined: whether _order gave it (one callable returned per sample)."""
 
     callable_of: Tuple[int, ...]
     steps: Tuple[Step, ...]
     pipelined: bool = False
 
 
-def default_schedule(n_modules: int) -> Schedule:
-    forward = tuple((True, i) for i in range(n_modules))
-    return Schedule(tuple(range(n_modules)), forward + tuple((False, i) for i in reversed(range(n_modules))))
+def default_schedule(n_modules: int, delays_wgrad: Sequence[bool] = ()) -> Schedule:
+    """Forwards in order, then backwards in reverse; a module that delays its weight gradients
+    (delay_wgrad_compute) has them right after its backward, as Transformer Engine captures them."""
+    steps = [(FORWARD, i) for i in range(n_modules)]
+    for i in reversed(range(n_modules)):
+        steps.append((BACKWARD, i))
+        if i < len(delays_wgrad) and delays_wgrad[i]:
+            steps.append((WGRAD, i))
+    return Schedule(tuple(range(n_modules)), tuple(steps))
 
 
-def _checked_order(order) -> List[int]:
+def _checked_order(order) -> List[Tuple[str, int]]:
+    """(pass, chunk index from 0) per _order entry: k forward, -k backward, -k - 0.5 the deferred
+    weight gradients of chunk k's latest backward (Transformer Engine's encoding)."""
     if not isinstance(order, (list, tuple)) or not order:
         raise TypeError(f"make_graphed_callables: _order must be a non-empty list of chunk numbers (positive: a "
                         f"forward pass, negative: a backward pass), got {order!r}")
+    passes = []
     for c in order:
-        if isinstance(c, float) and not c.is_integer():
-            raise NotImplementedError(
-                f"make_graphed_callables: _order entry {c} asks for a separate weight-gradient (backward_dw) graph, "
-                "which te-core does not capture yet; give whole chunk numbers and build the layers with "
-                "delay_wgrad_compute=False")
-        if isinstance(c, bool) or not isinstance(c, (Integral, float)) or c == 0:
+        if isinstance(c, bool) or not isinstance(c, (Integral, float)) or c == 0 or c != c:
             raise ValueError(f"make_graphed_callables: _order entries are non-zero chunk numbers (from 1; negative "
                              f"for a backward pass), got {c!r}")
-    return [int(c) for c in order]
+        if float(c).is_integer():
+            passes.append((FORWARD if c > 0 else BACKWARD, abs(int(c)) - 1))
+        elif c < 0 and float(c - 0.5).is_integer() and c <= -1.5:
+            passes.append((WGRAD, int(-c - 0.5) - 1))
+        else:
+            raise ValueError(f"make_graphed_callables: _order entry {c} is neither a chunk number nor -k-0.5 (the "
+                             "weight gradients of chunk k's latest backward)")
+    return passes
 
 
 def _layers_per_chunk(layers, n_chunks: int, n_microbatches: int, n_samples: int) -> List[int]:
@@ -70,17 +82,21 @@ def _layers_per_chunk(layers, n_chunks: int, n_microbatches: int, n_samples: int
     return [int(n) for n in layers]
 
 
-def pipeline_schedule(order, layers_per_chunk, n_modules: int, n_samples: int) -> Schedule:
-    """The schedule of `_order` over `n_modules` layers and `n_samples` samples, or a clear error."""
-    order = _checked_order(order)
-    n_chunks = max(abs(c) for c in order)
-    n_microbatches = len(order) // (2 * n_chunks)
-    for chunk in range(1, n_chunks + 1):
-        forwards, backwards = order.count(chunk), order.count(-chunk)
-        if forwards != n_microbatches or backwards != n_microbatches:
+def pipeline_schedule(order, layers_per_chunk, n_modules: int, n_samples: int,
+                      delays_wgrad: Sequence[bool] = ()) -> Schedule:
+    """The schedule of `_order` over `n_modules` layers and `n_samples` samples, or a clear error.
+    `delays_wgrad[m]`: whether layer m defers its weight gradients (delay_wgrad_compute), which
+    then need their own entries in the order."""
+    passes = _checked_order(order)
+    n_chunks = max(chunk for _, chunk in passes) + 1
+    n_microbatches = sum(kind == FORWARD for kind, _ in passes) // n_chunks
+    for chunk in range(n_chunks):
+        forwards = passes.count((FORWARD, chunk))
+        backwards = passes.count((BACKWARD, chunk))
+        if forwards != n_microbatches or backwards != n_microbatches or not forwards:
             raise ValueError(f"make_graphed_callables: _order has {forwards} forward and {backwards} backward "
-                             f"pass(es) of chunk {chunk}; every chunk from 1 to {n_chunks} needs one of each per "
-                             f"microbatch ({n_microbatches} each for an order of {len(order)} entries)")
+                             f"pass(es) of chunk {chunk + 1}; every chunk from 1 to {n_chunks} needs one of each per "
+                             f"microbatch (the same number for every chunk)")
     layers = _layers_per_chunk(layers_per_chunk, n_chunks, n_microbatches, n_samples)
     if n_modules != sum(layers):
         raise ValueError(f"make_graphed_callables: _num_layers_per_chunk {layers} makes {sum(layers)} layers, but "
@@ -94,18 +110,29 @@ def pipeline_schedule(order, layers_per_chunk, n_modules: int, n_samples: int) -
         first_layer.append(first_layer[-1] + n)
     callable_of = [first_layer[chunk] + layer for chunk, n in enumerate(layers)
                    for _ in range(n_microbatches) for layer in range(n)]
-    done = {True: [0] * n_chunks, False: [0] * n_chunks}  # passes so far per chunk, per direction
+    delays = [bool(delays_wgrad[m]) if m < len(delays_wgrad) else False for m in range(n_modules)]
+    done = {FORWARD: [0] * n_chunks, BACKWARD: [0] * n_chunks, WGRAD: [0] * n_chunks}
     steps: List[Step] = []
-    for c in order:
-        forward, chunk = c > 0, abs(c) - 1
-        microbatch = done[forward][chunk]
-        if not forward and microbatch >= done[True][chunk]:
-            raise ValueError(f"make_graphed_callables: _order runs backward pass {microbatch + 1} of chunk {chunk + 1} "
-                             "before its forward pass; each backward must follow the forward it differentiates")
-        done[forward][chunk] += 1
+    for kind, chunk in passes:
+        microbatch = done[kind][chunk]
+        before = FORWARD if kind == BACKWARD else BACKWARD if kind == WGRAD else None
+        if before is not None and microbatch >= done[before][chunk]:
+            what = "backward pass" if kind == BACKWARD else "weight-gradient pass (-k-0.5)"
+            raise ValueError(f"make_graphed_callables: _order runs {what} {microbatch + 1} of chunk {chunk + 1} "
+                             f"before its {before} pass; each must follow the pass it completes")
+        done[kind][chunk] += 1
         first = first_layer[chunk] * n_microbatches + microbatch * layers[chunk]
         samples = range(first, first + layers[chunk])
-        steps.extend((forward, s) for s in (samples if forward else reversed(samples)))
+        if kind == WGRAD and not any(delays[callable_of[s]] for s in samples):
+            raise ValueError(f"make_graphed_callables: _order has a weight-gradient pass of chunk {chunk + 1}, but "
+                             "none of its layers was built with delay_wgrad_compute=True")
+        steps.extend((kind, s) for s in (samples if kind == FORWARD else reversed(samples)))
+    for chunk in range(n_chunks):
+        delaying = any(delays[first_layer[chunk] + layer] for layer in range(layers[chunk]))
+        if delaying and done[WGRAD][chunk] != n_microbatches:
+            raise ValueError(f"make_graphed_callables: chunk {chunk + 1} has layers built with delay_wgrad_compute="
+                             f"True, whose weight gradients need an _order entry {-(chunk + 1) - 0.5} after each of "
+                             f"its backward passes ({done[WGRAD][chunk]} of {n_microbatches} given)")
     return Schedule(tuple(callable_of), tuple(steps), True)
 
 
@@ -116,17 +143,19 @@ def shared_samples(schedule: Schedule, keys: Sequence[object]) -> List[int]:
     graphs share input buffers only where their passes never overlap in the schedule."""
     source = list(range(len(keys)))
     free: Dict[object, List[int]] = {}  # key -> samples whose backward has run
-    for forward, sample in schedule.steps:
-        if forward:
+    for kind, sample in schedule.steps:
+        if kind == FORWARD:
             if free.get(keys[sample]):
                 source[sample] = source[free[keys[sample]].pop(0)]
-        else:
+        elif kind == BACKWARD:
             free.setdefault(keys[sample], []).append(sample)
     return source
 
 
 HookPoint = str
 HOOK_POINTS = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
+# the hook points around each pass (a weight-gradient pass has none, as in Transformer Engine)
+HOOKS_OF = {FORWARD: ("forward_pre_hooks", "forward_hooks"), BACKWARD: ("backward_pre_hooks", "backward_hooks")}
 
 
 def capture_time_hooks(hooks, n_modules: int) -> Optional[List[Dict[str, Dict[object, Callable]]]]:

@@ -19,6 +19,7 @@ pair of graphs (and their activation memory).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
@@ -31,10 +32,10 @@ from ._graph_hooks import backward_hook, backward_updates_hook, tensors_in
 from ._graph_capture import DeviceGraphs, make_graphed
 from ._graph_inputs import InputSignature, KeywordInputs, keyword_inputs
 from ._graph_options import GraphOptions, graph_options
-from ._graph_order import Schedule, default_schedule, pipeline_schedule, run_hooks, shared_samples
+from ._graph_order import FORWARD, Schedule, default_schedule, pipeline_schedule, run_hooks, shared_samples
 from ._graph_warmup import check_iterations, warm_up
 from .modules._base import QuantizedModule
-from .modules._delayed_wgrad import DelayedWgradMixin
+from .modules._delayed_wgrad import DelayedWgradMixin, accumulate
 from .modules._microbatch import forced_first_microbatch
 from .quantization.autocast import autocast, get_autocast_context
 from .quantization.roles import Role
@@ -149,7 +150,7 @@ def _check_autocast(name: str, enabled: bool, options: GraphOptions) -> None:
 
 
 def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: bool, options: GraphOptions,
-                     keywords: KeywordInputs, signature: InputSignature):
+                     keywords: KeywordInputs, signature: InputSignature, wgrad_replays: Dict, pending):
     """The module's new forward: checks (the inputs against the sample, the autocast, the weight
     cache's order), the replay of the right graph, the scale updates the graphs do not hold, and
     the replay's autograd hooks (te_core._graph_hooks). In the other training mode than captured
@@ -187,7 +188,9 @@ def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: b
                     o.register_hook(hook)
             node = next((o.grad_fn for o in tensors if o.grad_fn is not None), None)
             if node is not None:  # (one node per replay: the hook goes with it)
-                node.register_hook(backward_hook(name, calls, call, copied_params))
+                wgrad = wgrad_replays[first]
+                node.register_hook(backward_hook(name, calls, call, copied_params,
+                                                 None if wgrad is None else functools.partial(pending.append, wgrad)))
         return out
 
     forward.te_eager_forward = eager_forward
@@ -213,26 +216,24 @@ def _checked_inputs(modules, sample_args) -> Tuple[Sequence[nn.Module], Sequence
             raise RuntimeError(f"make_graphed_callables: {type(module).__name__} has hooks registered; a replay would "
                                "skip them. Register hooks after make_graphed_callables, as with torch's (hooks that "
                                "must run while capturing go in capture_time_hooks)")
-        delaying = next((m for m in module.modules() if isinstance(m, DelayedWgradMixin) and m.need_backward_dw()),
-                        None)
-        if delaying is not None:
-            raise NotImplementedError(
-                f"make_graphed_callables: {type(delaying).__name__} was built with delay_wgrad_compute=True, whose "
-                "backward leaves the weight gradients for backward_dw(); a replay would record none, and te-core "
-                "does not capture backward_dw graphs yet. Build it with delay_wgrad_compute=False to capture it, or "
-                "run it eagerly")
     for sample in args:
         if not sample or not all(isinstance(a, torch.Tensor) for a in sample):
             raise TypeError("make_graphed_callables: sample_args must be tensors (the positional inputs of one call)")
     return mods, args
 
 
-def _schedule(options: GraphOptions, mods, args) -> Schedule:
+def _delaying(module: nn.Module) -> List[nn.Module]:
+    """The modules inside `module` built with delay_wgrad_compute=True (their backward leaves the
+    weight gradients for backward_dw, which gets graphs of its own)."""
+    return [m for m in module.modules() if isinstance(m, DelayedWgradMixin) and m.need_backward_dw()]
+
+
+def _schedule(options: GraphOptions, mods, args, delays) -> Schedule:
     if options.order is None:
         if len(args) != len(mods):
             raise ValueError(f"make_graphed_callables: {len(mods)} modules but {len(args)} sets of sample_args")
-        return default_schedule(len(mods))
-    return pipeline_schedule(options.order, options.layers_per_chunk, len(mods), len(args))
+        return default_schedule(len(mods), delays)
+    return pipeline_schedule(options.order, options.layers_per_chunk, len(mods), len(args), delays)
 
 
 def _check_devices(mods, args, schedule: Schedule) -> None:
@@ -257,10 +258,27 @@ def _share_inputs(args, keywords, schedule: Schedule):
 
 def _variant_steps(steps, copies: int):
     """The schedule's steps over the variants: each sample's `copies` variants (weight caching's
-    first and later microbatch), forwards in order, backwards in reverse."""
-    for forward, sample in steps:
+    first and later microbatch), forwards in order, backwards (and weight gradients) in reverse."""
+    for kind, sample in steps:
         variants = range(sample * copies, (sample + 1) * copies)
-        yield from ((forward, v) for v in (variants if forward else reversed(variants)))
+        yield from ((kind, v) for v in (variants if kind == FORWARD else reversed(variants)))
+
+
+def _backward_dw(name: str, pending, delaying):
+    """The graphed callable's backward_dw: the weight-gradient graph of the oldest replayed
+    backward not yet processed (one call per backward, as the modules' own), its gradients
+    accumulated into .grad as the eager backward_dw does, then the modules' wgrad hooks."""
+    def backward_dw():
+        if not delaying:
+            return
+        if not pending:
+            raise RuntimeError(f"graphed {name}.backward_dw(): no weight gradient is pending; call it once after each "
+                               "backward of the graphed callable")
+        accumulate(pending.popleft()(), copy=True)
+        for module in delaying:
+            module.run_wgrad_hooks()
+
+    return backward_dw
 
 
 def make_graphed_callables(
@@ -312,7 +330,8 @@ def make_graphed_callables(
     options = graph_options(len(mods), te_arguments | dict(
         enabled=enabled, recipe=recipe, amax_reduction_group=amax_reduction_group,
         cache_quantized_params=cache_quantized_params))
-    schedule = _schedule(options, mods, args)
+    delaying = [_delaying(module) for module in mods]
+    schedule = _schedule(options, mods, args, [bool(d) for d in delaying])
     _check_devices(mods, args, schedule)
     device = args[0][0].device
     graph_api = _graph_api(device)
@@ -334,16 +353,25 @@ def make_graphed_callables(
         module_index = owner[variant // len(flags)]
         run_hooks(options.capture_time_hooks, module_index, point, mods[module_index])
 
+    def warm_up_wgrad(variant):  # the deferred work done and dropped (its output gradients were uninitialized)
+        for module in delaying[owner[variant // len(flags)]]:
+            module.pending_weight_grads()
+
+    def capture_wgrad(variant):
+        return [pair for module in delaying[owner[variant // len(flags)]] for pair in module.pending_weight_grads()]
+
     # (only what a call asks for: a capture of another signature, a test's, then serves the rest)
     extras = {name: value for name, value in (
-        ("pool", options.pool), ("steps", steps if schedule.pipelined else None),
+        ("pool", options.pool), ("steps", steps if schedule.pipelined or any(delaying) else None),
         ("retain_graph", options.retain_graph), ("hook", hook if options.capture_time_hooks else None),
-        ("share_grad_outputs", options.reuse_buffers)) if value is not None and value is not False}
+        ("share_grad_outputs", options.reuse_buffers), ("wgrad", capture_wgrad if any(delaying) else None))
+        if value is not None and value is not False}
     saved = [_save_scaling_state(module) for module in mods]
     with autocast(enabled=any(options.enabled), recipe=options.recipe,
                   amax_reduction_group=options.amax_reduction_group), graph_capture():
         warm_up(device, variants, inputs, iterations, allow_unused_input, options.pre_warmup_hook,
-                options.post_warmup_hook, steps=steps, hook=hook if options.capture_time_hooks else None)
+                options.post_warmup_hook, steps=steps, hook=hook if options.capture_time_hooks else None,
+                wgrad=warm_up_wgrad)
         with _no_garbage_collection():
             graphed = graph_api(tuple(variants), inputs, num_warmup_iters=0, allow_unused_input=allow_unused_input,
                                 **extras)
@@ -352,11 +380,19 @@ def make_graphed_callables(
         for group in sum(_scaling_groups(module), []):
             group.captured = True  # the graphs take their own scale_inv: updates skip the snapshot
     replays = iter(graphed)
-    forwards = [_graphed_forward(mods[m], eager_forwards[m], {flag: next(replays).forward for flag in flags},
-                                 options.enabled[m], options, kw, InputSignature((*a, *kw.tensors), type(mods[m]).__name__))
-                for m, a, kw in zip(owner, args, keywords)]
+    forwards = []
+    for m, a, kw in zip(owner, args, keywords):
+        variants_here = [next(replays) for _ in flags]
+        pending = collections.deque()  # the weight-gradient replays of backward passes run, oldest first
+        forward = _graphed_forward(mods[m], eager_forwards[m], {f: v.forward for f, v in zip(flags, variants_here)},
+                                   options.enabled[m], options, kw, InputSignature((*a, *kw.tensors), type(mods[m]).__name__),
+                                   {f: getattr(v, "replay_wgrad", None) for f, v in zip(flags, variants_here)}, pending)
+        forward.backward_dw = _backward_dw(type(mods[m]).__name__, pending, delaying[m])
+        forwards.append(forward)
     if schedule.pipelined:  # one callable per sample, the modules left as they were (Transformer Engine's)
         return tuple(forwards)
-    for module, forward in zip(mods, forwards):
+    for module, forward, delays in zip(mods, forwards, delaying):
         module.forward = forward
+        if delays:  # (as Transformer Engine's: the module's backward_dw now replays)
+            module.backward_dw = forward.backward_dw
     return mods if isinstance(modules, (tuple, list)) else mods[0]

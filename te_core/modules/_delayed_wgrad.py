@@ -17,7 +17,7 @@ backward itself and reach `bias.grad` through autograd then.
 from __future__ import annotations
 
 import collections
-from typing import Callable, Deque, Dict, List, Optional
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -112,28 +112,46 @@ class DelayedWgradMixin:
         without delay_wgrad_compute; a RuntimeError when no backward is pending."""
         if not self.need_backward_dw():
             return
-        for name, work in self.wgrad_store.pop().items():
-            grad = work()
-            if grad is not None:
-                _accumulate(self, name, grad)
-            del grad
+        accumulate(self.pending_weight_grads())
+        self.run_wgrad_hooks()
+
+    def pending_weight_grads(self) -> List[Tuple[Tensor, Optional[Tensor]]]:
+        """The weight gradients the oldest pending backward left, computed now, as (parameter,
+        gradient) pairs, not yet accumulated (a gradient added into main_grad already is None).
+        make_graphed_callables captures this as a graph of its own."""
+        pairs = []
+        with torch.no_grad():  # (the GEMMs may read tensors that require grad: no graph for them)
+            for name, work in self.wgrad_store.pop().items():
+                grad = work()
+                if grad is not None:
+                    pairs.extend(_split(self, name, grad))
+                del grad
+        return pairs
+
+    def run_wgrad_hooks(self) -> None:
         for hook in self.wgrad_accumulation_and_reduce_hooks:
             hook()
 
 
-def _accumulate(module: torch.nn.Module, name: str, grad: Tensor) -> None:
-    """Add `grad` into the parameter `name`'s .grad as autograd would; under parameters_split,
-    the named parts each take their rows."""
+def _split(module: torch.nn.Module, name: str, grad: Tensor) -> List[Tuple[Tensor, Tensor]]:
+    """(parameter, gradient) for the parameter `name`; under parameters_split, the named parts,
+    each with its rows."""
     param = module._parameters.get(name)
     if param is not None:
-        targets = [(param, grad)]
-    else:
-        splits = module.__dict__["_parameters_split"]
-        parts = grad.split([rows for _, rows in splits])
-        targets = [(module._parameters[f"{part}_{name}"], g.clone()) for (part, _), g in zip(splits, parts)]
+        return [(param, grad)]
+    splits = module.__dict__["_parameters_split"]
+    parts = grad.split([rows for _, rows in splits])
+    return [(module._parameters[f"{part}_{name}"], g.clone()) for (part, _), g in zip(splits, parts)]
+
+
+def accumulate(pairs, copy: bool = False) -> None:
+    """Add each gradient into its parameter's .grad as autograd would (set where None: a copy
+    with `copy`, for gradients in buffers that are written again, a graph's)."""
     with torch.no_grad():
-        for param, g in targets:
+        for param, g in pairs:
+            if g is None:
+                continue
             if param.grad is None:
-                param.grad = g
+                param.grad = g.clone() if copy else g
             else:
                 param.grad += g

@@ -64,7 +64,7 @@ def test_the_schedule_numbers_samples_and_orders_passes_as_transformer_engine():
     # chunk 1: layers 0 and 1; chunk 2: layer 2. Samples chunk by chunk, microbatch by microbatch.
     schedule = pipeline_schedule(ORDER, [2, 1], 3, 6)
     assert schedule.callable_of == (0, 1, 0, 1, 2, 2)
-    f, b = True, False
+    f, b = "forward", "backward"
     assert schedule.steps == ((f, 0), (f, 1), (f, 4), (f, 2), (f, 3), (b, 4), (f, 5), (b, 1), (b, 0), (b, 5),
                               (b, 3), (b, 2))
     assert pipeline_schedule([1, -1, 1, -1], None, 2, 4).callable_of == (0, 1, 0, 1)  # layers inferred
@@ -82,7 +82,8 @@ def test_the_schedule_numbers_samples_and_orders_passes_as_transformer_engine():
     ([1, -1], 2, 1, 2, ValueError, "makes 2 layers, but 1 modules"),
     ([1, -1, 1, -1], 1, 1, 3, ValueError, "3 sample_args given; 1 layers over 2 microbatches need 2"),
     ([1, -1, 1, -1], None, 1, 3, ValueError, "do not split into 1 model chunk"),
-    ([1, -0.5, -1], 1, 1, 1, NotImplementedError, "backward_dw"),
+    ([1, -1, -0.5], 1, 1, 1, ValueError, "-0.5 is neither a chunk number nor -k-0.5"),
+    ([1, -1, 1.5], 1, 1, 1, ValueError, "1.5 is neither a chunk number"),
 ])
 def test_a_bad_schedule_is_refused_by_name(order, layers, n_modules, n_samples, error, match):
     with pytest.raises(error, match=match):
@@ -124,8 +125,8 @@ def test_a_pipeline_capture_follows_the_order_and_returns_one_callable_per_sampl
     assert "forward" not in vars(first) and "forward" not in vars(second)  # the modules are left as they were
     # the schedule's passes, warm-up then capture, each with its module; hooks run outside any capture
     modules = (first, second)
-    steps = [(f, s // 2) for f, s in pipeline_schedule(ORDER, 1, 2, 4).steps]
-    expected = [("forward_pre_hooks" if f else "backward_hooks", m, modules[m]) for f, m in steps]
+    steps = [(kind, s // 2) for kind, s in pipeline_schedule(ORDER, 1, 2, 4).steps]
+    expected = [("forward_pre_hooks" if kind == "forward" else "backward_hooks", m, modules[m]) for kind, m in steps]
     assert [(p, i) for p, i, _ in seen] == [(p, i) for p, i, _ in expected] * 2
     assert all(a is b for (_, _, a), (_, _, b) in zip(seen, expected * 2))
     assert FakeDevice.captures == [("pool",)] * 8  # 4 forward and 4 backward graphs, one pool
@@ -171,3 +172,41 @@ def test_a_capture_time_hook_returning_a_value_is_an_error(fake_device):
     with pytest.raises(RuntimeError, match="capture_time_hooks forward_hooks 'bad' returned a value"):
         te.make_graphed_callables(lin, (torch.randn(4, 16, requires_grad=True),), num_warmup_iters=0,
                                   capture_time_hooks=[{"forward_hooks": {"bad": lambda module: 1}}])
+
+
+def test_deferred_weight_gradients_get_a_graph_that_backward_dw_replays(fake_device):
+    """A module built with delay_wgrad_compute=True: warm-up runs (and drops) its deferred work
+    after each backward, capture records the weight-gradient work as a graph of its own right after the
+    backward's, and the captured module's backward_dw replays it once per backward, adds the
+    gradients into .grad and runs the module's wgrad hooks."""
+    torch.manual_seed(0)
+    lin = te.Linear(16, 8, params_dtype=torch.float32, delay_wgrad_compute=True)
+    hooked = []
+    lin.register_wgrad_accumulation_and_reduce_hooks(lambda: hooked.append(1))
+    x = torch.randn(4, 16, requires_grad=True)
+    graphed = te.make_graphed_callables(lin, (x,), num_warmup_iters=2)
+    assert len(lin.wgrad_store) == 0 and lin.weight.grad is None and not hooked  # warm-up work done and dropped
+    assert FakeDevice.captures == [("pool",)] * 3  # forward, backward, weight gradients
+    (_, _, kwargs), = fake_device
+    assert callable(kwargs["wgrad"])
+    graphed(x).sum().backward()
+    assert lin.weight.grad is None  # deferred
+    graphed.backward_dw()
+    first = lin.weight.grad.clone()
+    assert len(hooked) == 1
+    graphed(x).sum().backward()
+    graphed.backward_dw()  # (the fake replays nothing: the same captured gradient again)
+    torch.testing.assert_close(lin.weight.grad, 2 * first)
+    with pytest.raises(RuntimeError, match="no weight gradient is pending"):
+        graphed.backward_dw()
+
+
+def test_a_pipeline_of_deferring_layers_needs_its_weight_gradient_entries():
+    with pytest.raises(ValueError, match=r"chunk 1 has layers built with delay_wgrad_compute=True, whose weight "
+                                         r"gradients need an _order entry -1.5"):
+        pipeline_schedule([1, -1], 1, 1, 1, [True])
+    with pytest.raises(ValueError, match="weight-gradient pass .* 1 of chunk 1 before its backward pass"):
+        pipeline_schedule([1, -1.5, -1], 1, 1, 1, [True])
+    schedule = pipeline_schedule([1, 2, -2, -2.5, -1, -1.5], 1, 2, 2, [True, True])
+    assert schedule.steps == (("forward", 0), ("forward", 1), ("backward", 1), ("wgrad", 1), ("backward", 0),
+                              ("wgrad", 0))

@@ -254,35 +254,39 @@ def test_the_backward_of_an_overwritten_call_is_refused():
 
 
 PIPELINE_ORDER = [1, 2, 1, -2, 2, -1, -2, -1]  # two model chunks, two microbatches, 1F1B-like
+# the same with deferred weight gradients (-k-0.5: chunk k's, after its backward)
+WGRAD_ORDER = [1, 2, -2, -2.5, 1, -1, -1.5, 2, -2, -2.5, -1, -1.5]
 
 
-@pytest.mark.parametrize("reuse", [False, True])
-@pytest.mark.parametrize("recipe", [te.recipe.DelayedScaling(amax_history_len=8), te.recipe.Float8CurrentScaling()])
-def test_a_pipeline_schedule_captured_in_its_order_matches_eager_steps(recipe, reuse):
-    """Transformer Engine's _order: one pair of graphs per (chunk, microbatch), captured and
-    replayed in the schedule's order, each replay equal bit for bit to an eager twin run in the
-    same order; with _reuse_graph_input_output_buffers the passes that never overlap share
-    their input buffers."""
+def _linear_pair(n_out, delay):
+    return tuple(te.Linear(256, n_out, params_dtype=torch.bfloat16, device="cuda", delay_wgrad_compute=delay)
+                 for _ in range(2))
+
+
+def _pipeline_matches_eager(recipe, order, reuse, delay):
     torch.manual_seed(0)
-    layers = (te.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda"),
-              te.Linear(256, 128, params_dtype=torch.bfloat16, device="cuda"))
-    twins = (te.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda"),
-             te.Linear(256, 128, params_dtype=torch.bfloat16, device="cuda"))
+    (first, first_twin), (second, second_twin) = _linear_pair(256, delay), _linear_pair(128, delay)
+    layers, twins = (first, second), (first_twin, second_twin)
     samples = tuple((torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True),)
                     for _ in range(4))
-    graphed = te.make_graphed_callables(layers, samples, enabled=True, recipe=recipe, _order=PIPELINE_ORDER,
+    graphed = te.make_graphed_callables(layers, samples, enabled=True, recipe=recipe, _order=order,
                                         _reuse_graph_input_output_buffers=reuse)
     for layer, twin in zip(layers, twins):
         twin.load_state_dict(layer.state_dict())  # same weights and scaling state after the warm-up
         for module in (layer, twin):
             for p in module.parameters():
                 p.grad = torch.zeros_like(p)
-    done = {1: 0, 2: 0, -1: 0, -2: 0}
-    flight = {}  # (chunk, microbatch) -> (graphed x, graphed y, eager x, eager y)
+    done = {}
+    flight, deferred = {}, {1: [], 2: []}  # (chunk, microbatch) -> tensors; chunk -> graphed callables to finish
     for step in range(2):
-        for c in PIPELINE_ORDER:
-            chunk, mb = abs(c), done[c] % 2
-            done[c] += 1
+        for c in order:
+            chunk = int(abs(c))
+            if c != int(c):  # the deferred weight gradients of the chunk's oldest backward
+                deferred[chunk].pop(0).backward_dw()
+                twins[chunk - 1].backward_dw()
+                continue
+            mb = done.get(c, 0) % 2
+            done[c] = done.get(c, 0) + 1
             if c > 0:
                 x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16) * (step + 1)
                 xg, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -298,12 +302,50 @@ def test_a_pipeline_schedule_captured_in_its_order_matches_eager_steps(recipe, r
                 yg.backward(dy)
                 ye.backward(dy)
                 assert torch.equal(xg.grad, xe.grad), (step, c, mb)
+                deferred[chunk].append(graphed[(chunk - 1) * 2 + mb])
     for layer, twin in zip(layers, twins):
         assert torch.equal(layer.weight.grad, twin.weight.grad)
+        assert torch.equal(layer.bias.grad, twin.bias.grad)
         for direction, slots in twin.quantization_state().items():
             for slot, state in slots.items():
                 for key in ("scale", "amax_history"):
                     assert torch.equal(layer.quantization_state()[direction][slot][key], state[key]), (slot, key)
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+@pytest.mark.parametrize("recipe", [te.recipe.DelayedScaling(amax_history_len=8), te.recipe.Float8CurrentScaling()])
+def test_a_pipeline_schedule_captured_in_its_order_matches_eager_steps(recipe, reuse):
+    """Transformer Engine's _order: one pair of graphs per (chunk, microbatch), captured and
+    replayed in the schedule's order, each replay equal bit for bit to an eager twin run in the
+    same order; with _reuse_graph_input_output_buffers the passes that never overlap share
+    their input buffers."""
+    _pipeline_matches_eager(recipe, PIPELINE_ORDER, reuse, delay=False)
+
+
+@pytest.mark.parametrize("recipe", [te.recipe.DelayedScaling(amax_history_len=8), te.recipe.Float8CurrentScaling()])
+def test_deferred_weight_gradients_in_a_pipeline_schedule_match_eager_steps(recipe):
+    """Layers built with delay_wgrad_compute=True in a schedule with weight-gradient entries
+    (-k-0.5): each gets a graph of its own, replayed by the returned callable's backward_dw."""
+    _pipeline_matches_eager(recipe, WGRAD_ORDER, False, delay=True)
+
+
+@pytest.mark.parametrize("recipe", [te.recipe.DelayedScaling(amax_history_len=8), te.recipe.Float8CurrentScaling()])
+def test_a_graphed_module_deferring_its_weight_gradients_matches_eager_steps(recipe):
+    """A captured module built with delay_wgrad_compute=True: its backward_dw replays the
+    weight-gradient graph captured after its backward, gradients and scales equal to an eager
+    twin's bit for bit."""
+    torch.manual_seed(0)
+    graphed, eager = _linear_pair(128, delay=True)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = te.make_graphed_callables(graphed, (x,), enabled=True, recipe=recipe)
+    eager.load_state_dict(graphed.state_dict())
+    for step in range(3):
+        y_graphed, dx_graphed, y_eager, dx_eager = _twin_step(graphed, eager, x, recipe, step + 1)
+        assert torch.equal(y_graphed, y_eager) and torch.equal(dx_graphed, dx_eager), step
+        graphed.backward_dw()
+        eager.backward_dw()
+        assert torch.equal(graphed.weight.grad, eager.weight.grad), step
+    assert torch.equal(graphed.bias.grad, eager.bias.grad)
 
 
 def test_capture_time_hooks_run_outside_the_capture_and_retain_graph_keeps_it():
