@@ -55,7 +55,9 @@ def make_graphed(device: DeviceGraphs, callables: Sequence[torch.nn.Module], sam
     backward replay). A weight-gradient step captures `wgrad(index)`, which computes the deferred
     weight gradients and returns (parameter, gradient or None) pairs; the callable then gets
     `replay_wgrad()`, which replays that graph and returns the pairs (the gradients in the
-    graph's buffers). Warm-up is the caller's (te_core._graph_warmup)."""
+    graph's buffers); every callable gets `reset_graphs()`, which frees its graphs. The new
+    forward takes the keywords `stream` and `event` (_replayed). Warm-up is the caller's
+    (te_core._graph_warmup)."""
     if num_warmup_iters:
         raise ValueError("te-core warms up before capture (te_core._graph_warmup); capture with num_warmup_iters=0")
     n = len(callables)
@@ -110,11 +112,14 @@ def make_graphed(device: DeviceGraphs, callables: Sequence[torch.nn.Module], sam
         raise ValueError(f"make_graphed_callables: the capture order runs no forward or no backward pass of "
                          f"callable(s) {missing}; each needs one of each")
     for i, c in enumerate(callables):
-        replay = _Replay(forward_graphs[i], backward_graphs[i] if captured_backward[i] else None, surfaces[i],
+        replay = _Replay(api, forward_graphs[i], backward_graphs[i] if captured_backward[i] else None, surfaces[i],
                          len(sample_args[i]), outputs[i], grad_outputs[i], grad_inputs[i])
         c.forward = functools.partial(_replayed, replay, specs[i], tuple(c.parameters()))
+        graphs = [forward_graphs[i], backward_graphs[i]]
         if i in wgrads:
             c.replay_wgrad = functools.partial(_replayed_wgrad, *wgrads[i])
+            graphs.append(wgrads[i][0])
+        c.reset_graphs = functools.partial(_reset, graphs)
     return tuple(callables)
 
 
@@ -123,7 +128,14 @@ def _replayed_wgrad(graph, pairs):
     return pairs
 
 
+def _reset(graphs) -> None:
+    """Free the graphs (Transformer Engine's reset())."""
+    for graph in graphs:
+        graph.reset()
+
+
 class _Replay(NamedTuple):
+    api: object  # torch.<device type>
     forward_graph: object
     backward_graph: object  # None where no output required grad at capture
     inputs: tuple  # the captured inputs, then the parameters
@@ -133,21 +145,39 @@ class _Replay(NamedTuple):
     grad_inputs: tuple  # per input, its captured gradient or None
 
 
-def _replayed(replay: _Replay, spec, params: tuple, *args):
-    tensors = _Graphed.apply(replay, *args, *params)
+def _replayed(replay: _Replay, spec, params: tuple, *args, stream=None, event=None):
+    """The replay as the callable's forward. `stream` (Transformer Engine's cuda_graph_stream):
+    replay the graphs (both directions) on that stream, after the current stream's work, which
+    then waits for `event` (cuda_graph_event: an event the graph records) or else the whole
+    replay."""
+    tensors = _Graphed.apply(replay, (stream, event), *args, *params)
     it = iter(tensors)
     leaves = [next(it) if isinstance(o, torch.Tensor) else o for o in replay.outputs]
     return pytree.tree_unflatten(leaves, spec)
 
 
+def _replay_on(api, graph, stream, event) -> None:
+    current = api.current_stream() if stream is not None else None
+    if stream is None or stream == current:
+        graph.replay()
+        return
+    stream.wait_stream(current)
+    with api.stream(stream):
+        graph.replay()
+    if event is not None:
+        current.wait_event(event)
+    else:
+        current.wait_stream(stream)
+
+
 class _Graphed(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, replay: _Replay, *inputs):
+    def forward(ctx, replay: _Replay, on, *inputs):
         for captured, given in zip(replay.inputs[:replay.n_args], inputs):
             if captured.data_ptr() != given.data_ptr():
                 captured.copy_(given)
-        replay.forward_graph.replay()
-        ctx.replay = replay
+        _replay_on(replay.api, replay.forward_graph, *on)
+        ctx.replay, ctx.on = replay, on
         outs = tuple(o.detach() for o in replay.outputs if isinstance(o, torch.Tensor))
         fixed = [o for o, captured in zip(outs, (o for o in replay.outputs if isinstance(o, torch.Tensor)))
                  if not captured.requires_grad]
@@ -165,5 +195,5 @@ class _Graphed(torch.autograd.Function):
             if buffer.data_ptr() != grad.data_ptr():
                 buffer.copy_(grad)
         if replay.backward_graph is not None:
-            replay.backward_graph.replay()
-        return (None, *(g.detach() if g is not None else None for g in replay.grad_inputs))
+            _replay_on(replay.api, replay.backward_graph, *ctx.on)
+        return (None, None, *(g.detach() if g is not None else None for g in replay.grad_inputs))

@@ -149,21 +149,42 @@ def _check_autocast(name: str, enabled: bool, options: GraphOptions) -> None:
                            "under te_core.autocast(enabled=True); capture it with enabled=True")
 
 
-def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: bool, options: GraphOptions,
-                     keywords: KeywordInputs, signature: InputSignature, wgrad_replays: Dict, pending):
-    """The module's new forward: checks (the inputs against the sample, the autocast, the weight
-    cache's order), the replay of the right graph, the scale updates the graphs do not hold, and
-    the replay's autograd hooks (te_core._graph_hooks). In the other training mode than captured
-    it runs eagerly (torch's rule)."""
+def _replay_stream(kwargs: dict, name: str) -> dict:
+    """Transformer Engine's replay keywords cuda_graph_stream / cuda_graph_event (taken out of
+    `kwargs`) as the replay's stream and event (te_core._graph_capture._replayed)."""
+    stream, event = kwargs.pop("cuda_graph_stream", None), kwargs.pop("cuda_graph_event", None)
+    if stream is None and event is None:
+        return {}
+    if stream is None:
+        raise ValueError(f"graphed {name}: cuda_graph_event is what the caller's stream waits for after a replay on "
+                         "cuda_graph_stream; give that stream too")
+    if not hasattr(stream, "wait_stream"):
+        raise TypeError(f"graphed {name}: cuda_graph_stream must be a device stream, got {type(stream).__name__}")
+    return {"stream": stream, "event": event}
+
+
+def _graphed_forward(module: nn.Module, eager_forward, variants: Dict, enabled: bool, options: GraphOptions,
+                     keywords: KeywordInputs, signature: InputSignature, delaying: List[nn.Module]):
+    """The module's new forward (a replay of `variants[is_first_microbatch]`): checks (the inputs
+    against the sample, the autocast, the weight cache's order), the replay of the right graph,
+    the scale updates the graphs do not hold, and the replay's autograd hooks
+    (te_core._graph_hooks). In the other training mode than captured it runs eagerly (torch's
+    rule). It carries Transformer Engine's `backward_dw()` (the replays of the deferred weight
+    gradients of `delaying` modules) and `reset()` (frees the graphs)."""
     forward_groups, backward_groups = _scaling_groups(module) if enabled else ([], [])
     name, captured_training = type(module).__name__, module.training
     cache_filled = [False]  # by a first-microbatch replay: capture only recorded the casts
     n_params = len(tuple(module.parameters()))  # the replay's last results: the parameters' gradients
     copied_params = n_params if options.clone_param_grads else 0
     calls = [0]  # forward replays so far, of either graph pair (with weight caching): they share memory
+    pending = collections.deque()  # the weight-gradient replays of the backward passes run, oldest first
+    reset = [False]
 
     def forward(*args, **kwargs):
+        if reset[0]:
+            raise RuntimeError(f"graphed {name}: its graphs were freed by reset(); capture it again")
         first = _microbatch_flag(kwargs, options.cache_quantized_params, name)
+        on = _replay_stream(kwargs, name)
         if module.training != captured_training:
             with forced_first_microbatch(first):
                 return eager_forward(*args, **kwargs)
@@ -174,7 +195,7 @@ def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: b
             raise RuntimeError(f"graphed {name}: call it with is_first_microbatch=True before any later microbatch; "
                                "that replay fills the weight cache the later ones read")
         cache_filled[0] = cache_filled[0] or first is True
-        out = replays[first](*args, *keyword_tensors)
+        out = variants[first].forward(*args, *keyword_tensors, **on)
         calls[0] = call = calls[0] + 1
         context = get_autocast_context()
         for group in forward_groups:  # a later microbatch's weight columns recorded nothing: kept as they are
@@ -188,12 +209,19 @@ def _graphed_forward(module: nn.Module, eager_forward, replays: Dict, enabled: b
                     o.register_hook(hook)
             node = next((o.grad_fn for o in tensors if o.grad_fn is not None), None)
             if node is not None:  # (one node per replay: the hook goes with it)
-                wgrad = wgrad_replays[first]
+                wgrad = getattr(variants[first], "replay_wgrad", None)
                 node.register_hook(backward_hook(name, calls, call, copied_params,
                                                  None if wgrad is None else functools.partial(pending.append, wgrad)))
         return out
 
+    def reset_graphs():
+        reset[0] = True
+        for variant in variants.values():
+            variant.reset_graphs()
+
     forward.te_eager_forward = eager_forward
+    forward.backward_dw = _backward_dw(name, pending, delaying)
+    forward.reset = reset_graphs
     return forward
 
 
@@ -380,19 +408,15 @@ def make_graphed_callables(
         for group in sum(_scaling_groups(module), []):
             group.captured = True  # the graphs take their own scale_inv: updates skip the snapshot
     replays = iter(graphed)
-    forwards = []
-    for m, a, kw in zip(owner, args, keywords):
-        variants_here = [next(replays) for _ in flags]
-        pending = collections.deque()  # the weight-gradient replays of backward passes run, oldest first
-        forward = _graphed_forward(mods[m], eager_forwards[m], {f: v.forward for f, v in zip(flags, variants_here)},
-                                   options.enabled[m], options, kw, InputSignature((*a, *kw.tensors), type(mods[m]).__name__),
-                                   {f: getattr(v, "replay_wgrad", None) for f, v in zip(flags, variants_here)}, pending)
-        forward.backward_dw = _backward_dw(type(mods[m]).__name__, pending, delaying[m])
-        forwards.append(forward)
+    forwards = [_graphed_forward(mods[m], eager_forwards[m], {flag: next(replays) for flag in flags}, options.enabled[m],
+                                 options, kw, InputSignature((*a, *kw.tensors), type(mods[m]).__name__), delaying[m])
+                for m, a, kw in zip(owner, args, keywords)]
     if schedule.pipelined:  # one callable per sample, the modules left as they were (Transformer Engine's)
         return tuple(forwards)
     for module, forward, delays in zip(mods, forwards, delaying):
         module.forward = forward
         if delays:  # (as Transformer Engine's: the module's backward_dw now replays)
             module.backward_dw = forward.backward_dw
+        if "reset" in vars(module) or not hasattr(module, "reset"):  # (never over a method of the module's own)
+            module.reset = forward.reset
     return mods if isinstance(modules, (tuple, list)) else mods[0]

@@ -19,8 +19,24 @@ ORDER = [1, 2, 1, -2, 2, -1, -2, -1]  # two chunks, two microbatches, 1F1B-like
 
 
 class FakeGraph:
+    resets = 0
+
     def replay(self):
         pass
+
+    def reset(self):
+        FakeGraph.resets += 1
+
+
+class FakeStream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append((self.name, "waits for", other.name))
+
+    def wait_event(self, event):
+        self.log.append((self.name, "waits for", event))
 
 
 class FakeDevice:
@@ -40,6 +56,19 @@ class FakeDevice:
     @staticmethod
     def synchronize():
         pass
+
+    log = []
+    main = FakeStream("main", log)
+
+    @staticmethod
+    def current_stream():
+        return FakeDevice.main
+
+    @staticmethod
+    @contextlib.contextmanager
+    def stream(stream):
+        FakeDevice.log.append(("replay on", stream.name))
+        yield
 
 
 @pytest.fixture
@@ -210,3 +239,31 @@ def test_a_pipeline_of_deferring_layers_needs_its_weight_gradient_entries():
     schedule = pipeline_schedule([1, 2, -2, -2.5, -1, -1.5], 1, 2, 2, [True, True])
     assert schedule.steps == (("forward", 0), ("forward", 1), ("backward", 1), ("wgrad", 1), ("backward", 0),
                               ("wgrad", 0))
+
+
+def test_a_replay_runs_on_the_stream_it_is_given_and_reset_frees_the_graphs(fake_device):
+    """Transformer Engine's cuda_graph_stream / cuda_graph_event: the replay (each direction) runs
+    on the given stream after the caller's work, and the caller's stream then waits for the event
+    or the stream; reset() frees every graph of the callable, which then refuses to run."""
+    FakeDevice.log.clear()
+    lin = _layers()[0]
+    x = torch.randn(4, 16, requires_grad=True)
+    graphed = te.make_graphed_callables(lin, (x,), num_warmup_iters=0)
+    side = FakeStream("side", FakeDevice.log)
+    graphed(x, cuda_graph_stream=side).sum().backward()
+    assert FakeDevice.log == [("side", "waits for", "main"), ("replay on", "side"), ("main", "waits for", "side")] * 2
+    FakeDevice.log.clear()
+    graphed(x, cuda_graph_stream=side, cuda_graph_event="event")
+    assert FakeDevice.log == [("side", "waits for", "main"), ("replay on", "side"), ("main", "waits for", "event")]
+    FakeDevice.log.clear()
+    graphed(x, cuda_graph_stream=FakeDevice.main)  # the current stream: a plain replay
+    assert FakeDevice.log == []
+    with pytest.raises(ValueError, match="cuda_graph_event is what the caller's stream waits for"):
+        graphed(x, cuda_graph_event="event")
+    with pytest.raises(TypeError, match="cuda_graph_stream must be a device stream"):
+        graphed(x, cuda_graph_stream="side")
+    FakeGraph.resets = 0
+    graphed.reset()
+    assert FakeGraph.resets == 2  # its forward and backward graphs
+    with pytest.raises(RuntimeError, match="its graphs were freed by reset"):
+        graphed(x)

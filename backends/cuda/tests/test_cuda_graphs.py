@@ -367,3 +367,30 @@ def test_capture_time_hooks_run_outside_the_capture_and_retain_graph_keeps_it():
     new_x = torch.randn_like(x)
     y = graphed(new_x.clone().requires_grad_())
     torch.testing.assert_close(y, eager(new_x), rtol=0, atol=0)
+
+
+def test_a_replay_on_a_side_stream_matches_eager_and_reset_frees_the_graphs():
+    """cuda_graph_stream (Transformer Engine's replay keyword): both directions replay on the
+    given stream, ordered after the caller's work and before what follows it; reset() frees the
+    graphs."""
+    recipe = te.recipe.DelayedScaling(amax_history_len=8)
+    torch.manual_seed(0)
+    graphed, eager = _linear_pair(128, delay=False)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = te.make_graphed_callables(graphed, (x,), enabled=True, recipe=recipe)
+    eager.load_state_dict(graphed.state_dict())
+    side = torch.cuda.Stream()
+    for step in range(3):
+        new_x = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16) * (step + 1)
+        dy = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+        xg, xe = new_x.clone().requires_grad_(), new_x.clone().requires_grad_()
+        with te.autocast(recipe=recipe):
+            yg = graphed(xg, cuda_graph_stream=side)
+        yg.backward(dy)
+        with te.autocast(recipe=recipe):
+            ye = eager(xe)
+        ye.backward(dy)
+        assert torch.equal(yg, ye) and torch.equal(xg.grad, xe.grad), step
+    graphed.reset()
+    with pytest.raises(RuntimeError, match="freed by reset"):
+        graphed(x)
