@@ -27,6 +27,11 @@ class StateDtypesMixin:
         params = chain.from_iterable(group["params"] for group in self.param_groups)
         for saved_id, param in zip(saved_ids, params):
             for name, value in state_dict["state"].get(saved_id, {}).items():
-                dtype = self.state_dtype(name)
-                if dtype is not None and torch.is_tensor(value) and value.is_floating_point():
-                    self.state[param][name] = value.to(device=param.device, dtype=dtype)
+                if torch.is_tensor(value):
+                    self._load_state(param, name, value)
+
+    def _load_state(self, param, name: str, value: torch.Tensor) -> None:
+        """Set state `name` of `param` from its saved value (a subclass's own forms override)."""
+        dtype = self.state_dtype(name)
+        if dtype is not None and value.is_floating_point():
+            self.state[param][name] = value.to(device=param.device, dtype=dtype)

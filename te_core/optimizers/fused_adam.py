@@ -9,9 +9,13 @@ arithmetic only (no host synchronization), so the step can be captured in a devi
 updated in float32 (the parameter update reads the float32 values, which are rounded once when
 stored), as Transformer Engine's unscaled bf16 states. (A backend's fused Adam may take one
 dtype per parameter's tensors only: te-backend-cuda's does, so bf16 moments beside float32
-parameters or master weights run the reference update there, which warns once.) Transformer
-Engine's scaled states (float16, FP8 as torch.uint8, a float16 master_weight_dtype), param
-remainders and AMSGrad are not implemented and raise NotImplementedError.
+parameters or master weights run the reference update there, which warns once.) As in
+Transformer Engine, the moments may also be torch.float16 or torch.uint8 (FP8) and the master
+weights torch.float16 (`master_weight_dtype`): scaled states, updated through float32 copies;
+and `store_param_remainders=True` keeps a bf16 parameter's float32 master weight as the
+parameter plus 16 bits (_scaled_states). `get_unscaled_state` / `set_scaled_state` read and
+write any state in float32, and `state_dict()` holds the scaled states unscaled (float32).
+AMSGrad raises NotImplementedError, as in Transformer Engine.
 """
 from __future__ import annotations
 
@@ -21,16 +25,14 @@ from typing import Optional
 import torch
 
 from .. import ops
+from . import _scaled_states as compact
 from ._grads import GradResetMixin, grad_of, run_closure
 from ._state_dtypes import StateDtypesMixin
 
 NAME = "FusedAdam"
-MOMENT_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _reject(name: str, value, default) -> None:
-    if not (value is default or value == default):
-        raise NotImplementedError(f"{NAME}: {name}={value!r} is not supported by te-core; leave it at {default!r}")
+MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)
+MASTER_DTYPES = (torch.float32, torch.float16)
+STATES = ("exp_avg", "exp_avg_sq", "master_param")
 
 
 class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
@@ -43,16 +45,20 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
                  store_param_remainders: bool = False, set_grad_none: Optional[bool] = None):
         if amsgrad:
             raise NotImplementedError(f"{NAME}: amsgrad=True is not supported (nor is it by Transformer Engine)")
-        _reject("master_weight_dtype", master_weight_dtype, torch.float32)
-        _reject("store_param_remainders", store_param_remainders, False)
-        for name, value in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
-            if value not in MOMENT_DTYPES:
-                raise NotImplementedError(
-                    f"{NAME}: {name}={value!r} is not supported by te-core (Transformer Engine's scaled float16 and "
-                    "FP8 states are not implemented); use torch.float32 or torch.bfloat16")
-        if capturable and exp_avg_dtype != exp_avg_sq_dtype:
-            raise ValueError(f"{NAME}: capturable=True needs exp_avg_dtype and exp_avg_sq_dtype alike (both float32 or "
-                             f"both bfloat16), as in Transformer Engine; got {exp_avg_dtype} and {exp_avg_sq_dtype}")
+        for name, value, allowed in (("exp_avg_dtype", exp_avg_dtype, MOMENT_DTYPES),
+                                     ("exp_avg_sq_dtype", exp_avg_sq_dtype, MOMENT_DTYPES),
+                                     ("master_weight_dtype", master_weight_dtype, MASTER_DTYPES)):
+            if value not in allowed:
+                raise ValueError(f"{NAME}: {name} must be one of {', '.join(map(str, allowed))} (torch.uint8: FP8), "
+                                 f"as in Transformer Engine; got {value!r}")
+        if capturable and exp_avg_dtype != exp_avg_sq_dtype or capturable and exp_avg_dtype in compact.SCALED:
+            raise ValueError(f"{NAME}: capturable=True needs exp_avg_dtype and exp_avg_sq_dtype alike and unscaled (both "
+                             f"float32 or both bfloat16), as in Transformer Engine; got {exp_avg_dtype} and "
+                             f"{exp_avg_sq_dtype}")
+        store_param_remainders = bool(store_param_remainders and master_weights and master_weight_dtype == torch.float32)
+        if capturable and (master_weights and master_weight_dtype != torch.float32 or store_param_remainders):
+            raise ValueError(f"{NAME}: capturable=True keeps float32 master weights (no float16 master_weight_dtype, "
+                             "no store_param_remainders), as in Transformer Engine")
         if not 0.0 <= lr or not 0.0 <= eps or not 0.0 <= weight_decay:
             raise ValueError(f"{NAME}: lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
@@ -62,12 +68,86 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
         self.adam_w_mode, self.capturable, self.master_weights = bool(adam_w_mode), capturable, master_weights
         self.use_decoupled_grad = use_decoupled_grad
         self.exp_avg_dtype, self.exp_avg_sq_dtype = exp_avg_dtype, exp_avg_sq_dtype
+        self.master_weight_dtype, self.store_param_remainders = master_weight_dtype, store_param_remainders
+        self.name_to_dtype_map = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype,
+                                  "master_param": master_weight_dtype}
+        self._scales = {}  # param -> {state name: its float32 scale}, for the scaled states
         self._init_set_grad_none(set_grad_none)
 
     def state_dtype(self, name: str):
-        """The dtype state `name` is kept in (and reloaded in: StateDtypesMixin)."""
-        return {"exp_avg": self.exp_avg_dtype, "exp_avg_sq": self.exp_avg_sq_dtype,
-                "master_param": torch.float32}.get(name)
+        """The dtype state `name` is kept in (and reloaded in: StateDtypesMixin); None for the
+        scaled states and remainders, which load_state_dict sets itself."""
+        dtype = self.name_to_dtype_map.get(name)
+        return None if dtype in compact.SCALED or name == "master_param" and self.store_param_remainders else dtype
+
+    def _remainders(self, p) -> bool:
+        return self.store_param_remainders and p.dtype == torch.bfloat16
+
+    def initialize_state(self, param, store_param_remainders: bool = False) -> None:
+        """The states of `param` as its first step makes them: zero moments; the master weight
+        from the parameter (zero remainders where `store_param_remainders`), as in Transformer
+        Engine."""
+        state = self.state[param]
+        for name in ("exp_avg", "exp_avg_sq"):
+            self.set_scaled_state(param, name, torch.zeros_like(param, dtype=torch.float32))
+        if not self.master_weights or param.dtype == torch.float32:
+            return
+        if store_param_remainders and param.dtype == torch.bfloat16:
+            state["master_param"] = torch.zeros_like(param, dtype=torch.int16)
+        else:
+            self.set_scaled_state(param, "master_param", param.detach().float())
+
+    def get_unscaled_state(self, param, state_name: str, skip_unscale: bool = False) -> torch.Tensor:
+        """State `state_name` of `param` in float32 (Transformer Engine's): a scaled state times
+        its scale, a bf16 one converted (kept bf16 with skip_unscale), the int16 remainders of
+        store_param_remainders as they are."""
+        value = self.state[param][state_name]
+        dtype = self.name_to_dtype_map[state_name]
+        if dtype in compact.SCALED:
+            return compact.unscaled(value, self._scales[param][state_name])
+        if value.dtype == torch.int16 or (skip_unscale and value.dtype == torch.bfloat16):
+            return value
+        return value.float()
+
+    def set_scaled_state(self, param, state_name: str, unscaled_state: torch.Tensor) -> None:
+        """Set state `state_name` of `param` from its float32 value, scaled into its dtype where
+        that is float16 or FP8 (int16 remainders are taken as they are)."""
+        state = self.state[param]
+        dtype = self.name_to_dtype_map[state_name]
+        if state_name == "master_param" and self._remainders(param):
+            if unscaled_state.dtype != torch.int16:
+                raise ValueError(f"{NAME}: with store_param_remainders the master weight of a bf16 parameter is its "
+                                 f"int16 remainder, got {unscaled_state.dtype}")
+            state[state_name] = unscaled_state.to(param.device).clone()
+            return
+        value = unscaled_state.to(device=param.device)
+        if dtype not in compact.SCALED:
+            state[state_name] = value.to(dtype, copy=True)
+            return
+        kept = state.get(state_name)
+        if kept is None or kept.dtype != compact.storage_dtype(dtype) or kept.shape != param.shape:
+            state[state_name] = torch.empty_like(param, dtype=compact.storage_dtype(dtype))
+        scale = self._scales.setdefault(param, {}).setdefault(
+            state_name, torch.ones(1, dtype=torch.float32, device=param.device))
+        compact.rescaled(value.float(), dtype, state[state_name], scale)
+
+    def state_dict(self) -> dict:
+        """torch's state dict with the scaled states in float32, as Transformer Engine saves them
+        (their scales are chosen again on load)."""
+        saved = super().state_dict()
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, states in saved["state"].items():
+            states = saved["state"][index] = dict(states)  # (torch's dict is the live state's own)
+            for name in states:
+                if self.name_to_dtype_map.get(name) in compact.SCALED:
+                    states[name] = self.get_unscaled_state(params[index], name)
+        return saved
+
+    def _load_state(self, param, name: str, value) -> None:
+        if self.name_to_dtype_map.get(name) in compact.SCALED or name == "master_param" and self._remainders(param):
+            self.set_scaled_state(param, name, value if value.dtype == torch.int16 else value.float())
+        else:
+            super()._load_state(param, name, value)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, the states in their own dtypes (StateDtypesMixin), and each group's step
@@ -89,11 +169,37 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
     def _state_of(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         if not state:
-            state["exp_avg"] = torch.zeros_like(p, dtype=self.exp_avg_dtype, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.exp_avg_sq_dtype, memory_format=torch.preserve_format)
-            if self.master_weights and p.dtype != torch.float32:
-                state["master_param"] = p.detach().float()
+            self.initialize_state(p, self._remainders(p))
         return state
+
+    def _working(self, p, state):
+        """(update target, exp_avg, exp_avg_sq) the update steps: the states themselves, or
+        float32 copies of scaled states and of a master weight kept as remainders."""
+        moments = [self.get_unscaled_state(p, name) if self.name_to_dtype_map[name] in compact.SCALED else state[name]
+                   for name in ("exp_avg", "exp_avg_sq")]
+        master = state.get("master_param")
+        if master is None:
+            return (p, *moments)
+        if master.dtype == torch.int16:
+            return (compact.join(p.detach(), master), *moments)
+        return (self.get_unscaled_state(p, "master_param") if master.dtype != torch.float32 else master, *moments)
+
+    def _store(self, p, state, target, exp_avg, exp_avg_sq) -> None:
+        """Write the stepped working tensors back into the states and the parameter."""
+        for name, value in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            if value is not state[name]:
+                self.set_scaled_state(p, name, value)
+        if target is p:
+            return
+        master = state["master_param"]
+        if master.dtype == torch.int16:  # the parameter is the master's upper half, rounded
+            high, low = compact.split(target)
+            p.copy_(high)
+            master.copy_(low)
+            return
+        if target is not master:
+            self.set_scaled_state(p, "master_param", target)
+        p.copy_(target)  # the parameter gets the master's value, rounded
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -116,16 +222,14 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
                      step=group["step"], adam_w_mode=self.adam_w_mode, bias_correction=group["bias_correction"])
         batches = defaultdict(lambda: ([], [], [], [], []))
         for p, g in live:
-            state = self._state_of(p)
-            target = state.get("master_param", p)
+            target, exp_avg, exp_avg_sq = self._working(p, self._state_of(p))
             lists = batches[(target.device, target.dtype, g.dtype)]
-            for lst, t in zip(lists, (target, g, state["exp_avg"], state["exp_avg_sq"], p)):
+            for lst, t in zip(lists, (target, g, exp_avg, exp_avg_sq, p)):
                 lst.append(t)
         for targets, grads, exp_avgs, exp_avg_sqs, owners in batches.values():
             ops.multi_tensor_adam(targets, grads, exp_avgs, exp_avg_sqs, **hyper)
-            for target, p in zip(targets, owners):
-                if target is not p:  # a master copy: the parameter gets its rounded value
-                    p.copy_(target)
+            for target, m, v, p in zip(targets, exp_avgs, exp_avg_sqs, owners):
+                self._store(p, self.state[p], target, m, v)
 
     def _capturable_step(self, group: dict, live) -> None:
         """The same update with lr and the step count as device tensors: no value leaves the device."""

@@ -22,6 +22,7 @@ TESTS = pathlib.Path(__file__).resolve().parents[1]
 MODULES, ATTN, COMPAT = "modules/", "modules/test_attention.py", "compat/test_te_arguments.py"
 DIST = "distributed/"
 OPTIMIZERS = "optimizers/test_fused_optimizers.py"
+COMPACT_STATES = "optimizers/test_fused_adam_compact_states.py"
 TENSOR_PARALLEL = {"sequence_parallel": DIST + "test_errors.py", "tp_group": DIST + "test_errors.py",
                    "tp_size": DIST + "test_errors.py", "get_rng_state_tracker": DIST + "test_rng_tracker.py"}
 ATTENTION_PARALLEL = {name: DIST + "test_attention_parallel.py" for name in (
@@ -190,7 +191,8 @@ IMPLEMENTED = {
     ("Fp8Unpadding", "__init__"): {"align_size": MODULES + "test_fp8_padding.py"},
     ("FusedAdam", "__init__"): {name: OPTIMIZERS for name in (
         "lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "capturable", "master_weights",
-        "use_decoupled_grad", "set_grad_none", "exp_avg_dtype", "exp_avg_sq_dtype")},
+        "use_decoupled_grad", "set_grad_none", "exp_avg_dtype", "exp_avg_sq_dtype")} | {
+        "master_weight_dtype": COMPACT_STATES, "store_param_remainders": COMPACT_STATES},
     ("FusedSGD", "__init__"): {name: OPTIMIZERS for name in (
         "momentum", "dampening", "weight_decay", "nesterov", "wd_after_momentum", "set_grad_none")},
 }
