@@ -13,6 +13,8 @@ from _sweep_table import Notes
 VARIANTS = ("nn.Linear", "te bf16", "te delayed", "te current", "te block")
 BASELINE = "te bf16"
 TARGET = 2.0  # FP8 step time over te bf16's, at most
+EXTRA_COLUMNS = (("Threads pinned to one CPU", "us_pinned"), ("te-core alone (ops replayed)", "us_ops_replayed"),
+                 ("Compiled", "us_compiled"), ("Compiled, backward on the calling thread", "us_compiled_calling_thread"))
 
 
 def _us(cell: Optional[dict], key: str = "us") -> Optional[float]:
@@ -75,21 +77,20 @@ def render(data: dict) -> str:
              "autograd's device thread (torch's default); the next column runs it on the calling thread "
              f"(`torch.autograd.set_multithreading_enabled(False)`){_pinned(s)}. \"te-core alone\": the step on the "
              "calling thread with every te-core op returning its recorded outputs, no backend work (the module layer, "
-             "its tensor bookkeeping and autograd). Python calls under cProfile, backward on the "
+             "its tensor bookkeeping and autograd). \"Compiled\": the forward (te.autocast included) under "
+             "`torch.compile` (inductor's default mode), the backward on either thread (smallest shape only). "
+             "Python calls under cProfile, backward on the "
              "calling thread; \"te-core's\" counts te-core's and its backends' own functions.", ""]
     targets = target_rows(results)
     if targets:
         lines += ["| Target | Measured | Verdict |", "| --- | --- | --- |", *targets, ""]
-    pinned = any("us_pinned" in (cell or {}) for cells in results.values() for cell in cells.values())
-    replayed = any("us_ops_replayed" in (cell or {}) for cells in results.values() for cell in cells.values())
-    extra = ["Threads pinned to one CPU"] * pinned + ["te-core alone (ops replayed)"] * replayed
+    present = {key for cells in results.values() for cell in cells.values() for key in (cell or {})}
+    extra = [(title, key) for title, key in EXTRA_COLUMNS if key in present]
     lines += ["| Shape | Variant | Wall time per step | Backward on the calling thread | " + "".join(
-              f"{name} | " for name in extra) + "torch ops | Kernel launches | Python calls (te-core's) | "
+              f"{title} | " for title, _ in extra) + "torch ops | Kernel launches | Python calls (te-core's) | "
               "te-core's share of Python time |", "| --- " * (8 + len(extra)) + "|"]
     for shape, cells in results.items():
         base, base_calling = _us(cells.get(BASELINE)), _us(cells.get(BASELINE), "us_calling_thread")
-        base_pinned = _us(cells.get(BASELINE), "us_pinned")
-        base_replayed = _us(cells.get(BASELINE), "us_ops_replayed")
         for variant in VARIANTS:
             cell = cells.get(variant)
             if cell is None:
@@ -101,8 +102,7 @@ def render(data: dict) -> str:
             us = _us(cell)
             ratio = f" ({us / base:.2f}x)" if us and base else ""
             share = cell.get("own_python_share")
-            more = (_timed(cell, "us_pinned", base_pinned) + " | ") * pinned
-            more += (_timed(cell, "us_ops_replayed", base_replayed) + " | ") * replayed
+            more = "".join(_timed(cell, key, _us(cells.get(BASELINE), key)) + " | " for _, key in extra)
             lines.append(f"| {shape} | {variant} | {_count(us)} µs{ratio} | "
                          f"{_timed(cell, 'us_calling_thread', base_calling)} | {more}{_count(cell.get('torch_ops'))} | "
                          f"{_count(cell.get('launches'), '{:.1f}')} | {_count(cell.get('python_calls'))} "

@@ -13,6 +13,8 @@ dropped between steps:
   CUDA-graph launches included);
 - Python function calls per step, and those of te-core and its backends with their own time
   (cProfile; the profiler itself slows the step, so its times are shares, not speeds);
+- on the smallest shape (not with --smoke), the same step with its forward (te.autocast
+  included) under torch.compile, the backward on either thread;
 - te-core's own host time (te variants): the step, backward on the calling thread, with every
   contract op returning what it returned in one recorded step instead of running on the backend
   (OpsReplayed): what remains is the module layer, its tensor bookkeeping and autograd. The step
@@ -72,9 +74,11 @@ def shape_label(shape) -> str:
     return f"M{m} K{k} N{n}"
 
 
-def make_step(variant: str, shape, device: str, calling_thread: bool = False) -> Callable[[], None]:
+def make_step(variant: str, shape, device: str, calling_thread: bool = False,
+              compiled: bool = False) -> Callable[[], None]:
     """One forward+backward of `variant` at `shape`, gradients dropped between steps; with
-    `calling_thread`, the backward runs on the calling thread instead of autograd's device thread."""
+    `calling_thread`, the backward runs on the calling thread instead of autograd's device thread;
+    with `compiled`, the forward (te.autocast included) is torch.compile'd."""
     m, k, n = shape
     torch.manual_seed(0)
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -86,15 +90,19 @@ def make_step(variant: str, shape, device: str, calling_thread: bool = False) ->
         rcp = None if variant == "te bf16" else RECIPES[variant.split()[1]]()
     params = list(module.parameters())
 
+    def forward(inp):
+        if rcp is None:
+            return module(inp)
+        with te.autocast(recipe=rcp):
+            return module(inp)
+
+    forward = torch.compile(forward) if compiled else forward
+
     def step() -> None:
         x.grad = None
         for p in params:
             p.grad = None
-        if rcp is None:
-            y = module(x)
-        else:
-            with te.autocast(recipe=rcp):
-                y = module(x)
+        y = forward(x)
         if calling_thread:
             with torch.autograd.set_multithreading_enabled(False):
                 y.sum().backward()
@@ -223,9 +231,22 @@ def counts(variant: str, shape, device: str, steps: int) -> dict:
     return cell
 
 
-def measure_row(shape, device: str, steps: int) -> Dict[str, dict]:
+def _once(make: Callable[[], Callable[[], None]]) -> Callable[[], Callable[[], None]]:
+    """`make`, called once: cells that time one step in two settings share it (one compile)."""
+    made = []
+
+    def get():
+        if not made:
+            made.append(make())
+        return made[0]
+
+    return get
+
+
+def measure_row(shape, device: str, steps: int, compiled: bool = False) -> Dict[str, dict]:
     """Every variant at `shape`: wall time (interleaved with the others, `steps` calls per round)
-    and counts; a variant that fails is reported, the rest still measured."""
+    and counts; with `compiled`, also the compiled step with the backward on either thread; a
+    variant that fails is reported, the rest still measured."""
     group = Interleaved(steps * ROUNDS, device, rounds=ROUNDS)
     walls = {(variant, calling): group.cell(partial(make_step, variant, shape, device, calling))
              for variant in VARIANTS for calling in (False, True)}
@@ -233,6 +254,11 @@ def measure_row(shape, device: str, steps: int) -> Dict[str, dict]:
     for variant in VARIANTS[1:]:  # te's: nn.Linear calls no te-core op
         ops = OpsReplayed(partial(make_step, variant, shape, device, True))
         replayed[variant] = group.cell(ops.make, around=ops.active)
+    compiled_cells = {}
+    for variant in VARIANTS if compiled else ():
+        make = _once(partial(make_step, variant, shape, device, False, True))
+        compiled_cells[variant] = (group.cell(make), group.cell(
+            make, around=partial(torch.autograd.set_multithreading_enabled, False)))
     pinned = {}
     if torch.device(device).type != "cpu":  # on a CPU the model's own threads need the cores
         pinned = {variant: group.cell(partial(make_step, variant, shape, device),
@@ -244,6 +270,9 @@ def measure_row(shape, device: str, steps: int) -> Dict[str, dict]:
                             "us_calling_thread": round(walls[(variant, True)]()["us"], 1),
                             **({"us_pinned": round(pinned[variant]()["us"], 1)} if pinned else {}),
                             **({"us_ops_replayed": round(replayed[variant]()["us"], 1)} if variant in replayed else {}),
+                            **({"us_compiled": round(compiled_cells[variant][0]()["us"], 1),
+                                "us_compiled_calling_thread": round(compiled_cells[variant][1]()["us"], 1)}
+                               if variant in compiled_cells else {}),
                             **counts(variant, shape, device, steps)}
         except Exception as exc:  # noqa: BLE001 - that variant's error, in its cell
             row[variant] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
@@ -255,6 +284,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, reference backend, one tiny shape (for the unit test)")
     ap.add_argument("--steps", type=int, default=None, help="steps per timed run (default: 200; 5 with --smoke)")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="leave out the compiled steps (measured on the smallest shape, not with --smoke)")
     add_results_argument(ap)
     args = ap.parse_args(argv)
     args.steps = args.steps or (5 if args.smoke else 200)
@@ -267,7 +298,10 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     device = select_device(args.smoke, "bench_host.py")
     shapes = SHAPES["smoke" if args.smoke else "full"]
-    results = {shape_label(shape): measure_row(shape, device, args.steps) for shape in shapes}
+    # the compiled steps on the smallest shape only: the host-bound one, and each compile takes time
+    results = {shape_label(shape): measure_row(shape, device, args.steps,
+                                               compiled=i == 0 and not (args.smoke or args.no_compile))
+               for i, shape in enumerate(shapes)}
     data = {"meta": meta(device), "settings": {"steps": args.steps, "rounds": ROUNDS, "backend": te.get_backend().name,
                                                "cpu_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                                                "pinned_cpu": None if device == "cpu" else te.host_threads.default_cpu()},

@@ -600,6 +600,13 @@ def test_host_table_shows_the_pinned_column_only_when_measured():
     pinned = _host_table.render({"settings": {"pinned_cpu": 3}, "host": {"M16 K16 N16": row}})
     assert "| Threads pinned to one CPU |" in pinned
     assert "| M16 K16 N16 | te delayed | 300 µs (1.50x) | 150 µs (1.00x) | 160 µs (1.60x) | 9 |" in pinned
+    # the compiled steps: their own columns, each over te bf16's compiled step in the same setting
+    row = {"te bf16": {**cell, "us_compiled": 400.0, "us_compiled_calling_thread": 200.0},
+           "te delayed": {**cell, "us": 300.0, "us_compiled": 900.0, "us_compiled_calling_thread": 500.0}}
+    compiled = _host_table.render({"settings": {}, "host": {"M16 K16 N16": row}})
+    assert "| Compiled | Compiled, backward on the calling thread |" in compiled
+    assert "| M16 K16 N16 | te delayed | 300 µs (1.50x) | 150 µs (1.00x) | 900 µs (2.25x) | 500 µs (2.50x) | 9 |" \
+        in compiled
 
 
 def test_pin_argument_is_off_by_default_and_never_pins_a_cpu_run():
