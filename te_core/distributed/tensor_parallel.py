@@ -106,9 +106,10 @@ def mark_model_parallel(module) -> None:
     for name, param in module.named_parameters(recurse=False):
         if name.startswith("layer_norm_"):
             continue
-        if name.endswith("weight"):
+        kind = name.rstrip("0123456789")  # (GroupedLinear's weight0, bias1, ...)
+        if kind.endswith("weight"):
             model_parallel_attributes(param, 1 if row else 0)
-        elif name.endswith("bias") and module.parallel_mode == "column":
+        elif kind.endswith("bias") and module.parallel_mode == "column":
             model_parallel_attributes(param, 0)
 
 

@@ -108,10 +108,16 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 *(dws[i] for i in ctx.proxied))
 
 
-class GroupedLinear(DelayedWgradMixin, QuantizedModule):
+class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, QuantizedModule):
     """Rows m_splits[0], m_splits[1], ... of the input go through weight0, weight1, ...;
     parameters weight{i} (out_features, in_features) and bias{i}, as in Transformer Engine.
-    save_original_input=True: as te.Linear's (the backward casts the kept input rows)."""
+    save_original_input=True: as te.Linear's (the backward casts the kept input rows).
+
+    Tensor parallelism as in Transformer Engine (expert tensor parallelism): parallel_mode
+    "column" keeps out_features / tp_size of each weight's rows, "row" in_features / tp_size of
+    its columns, and the module communicates nothing: the caller gathers and reduces around it
+    (Megatron-LM's expert layers do). No bias with tp_size > 1 (as there: the bias would go
+    after a reduction the module does not run)."""
 
     _routes_fp8_weight_grads = True
 
@@ -128,6 +134,12 @@ class GroupedLinear(DelayedWgradMixin, QuantizedModule):
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
         save_original_input: bool = False,
+        parallel_mode: Optional[str] = None,
+        sequence_parallel: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        get_rng_state_tracker=None,
+        rng_tracker_name: Optional[str] = None,
         **kwargs,
     ):
         name = "GroupedLinear"
@@ -135,23 +147,35 @@ class GroupedLinear(DelayedWgradMixin, QuantizedModule):
         reject_unsupported(name, **kwargs)
         check_bool(save_original_input, name="save_original_input", module=name)
         check_positive(num_gemms, name="num_gemms", module=name)
+        check_positive(in_features, name="in_features", module=name)
+        check_positive(out_features, name="out_features", module=name)
         slots = tuple(s for i in range(num_gemms) for s in gemm_slots(f"gemm{i}_"))
         super().__init__(slots, device=device, params_dtype=params_dtype)
+        tensor_parallel.init_tensor_parallel(
+            self, name, tp_group=tp_group, tp_size=tp_size, parallel_mode=parallel_mode,
+            sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker,
+            rng_tracker_name=rng_tracker_name)
+        if self.tp_size > 1 and bias:
+            raise ValueError(f"{name}: no bias with tp_size > 1 (as in Transformer Engine: the module runs no "
+                             "tensor-parallel communication, so a bias would go before the caller's reduction); "
+                             "build it with bias=False and add the bias after that reduction")
+        if parallel_mode == "column":
+            out_features = tensor_parallel.split_size(out_features, self.tp_size, what="out_features", module=name)
+        elif parallel_mode == "row":
+            in_features = tensor_parallel.split_size(in_features, self.tp_size, what="in_features", module=name)
         self.name = label
         self.num_gemms, self.fuse_wgrad_accumulation = num_gemms, fuse_wgrad_accumulation
-        self.in_features = check_positive(in_features, name="in_features", module=name)
-        self.out_features = check_positive(out_features, name="out_features", module=name)
+        self.in_features, self.out_features = in_features, out_features
         self.use_bias, self.return_bias = bias, return_bias
         init = init_method or default_init_method()
         factory = dict(device=self.device, dtype=self.params_dtype)
         for i in range(num_gemms):
             weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
             with torch.no_grad():
-                init(weight)
+                tensor_parallel.init_weight(self, init, weight)
             self.register_parameter(f"weight{i}", primary_weight(self, f"gemm{i}_weight", weight))
             self.register_parameter(f"bias{i}", nn.Parameter(torch.zeros(out_features, **factory)) if bias else None)
-        for i in range(num_gemms):  # Transformer Engine's tensor-parallel attributes (no parallel mode: dim 0)
-            tensor_parallel.model_parallel_attributes(getattr(self, f"weight{i}"), 0)
+        tensor_parallel.mark_model_parallel(self)  # Transformer Engine's tensor-parallel attributes
         self.init_delayed_wgrad(delay_wgrad_compute, name)
         self.save_original_input = save_original_input  # read at each forward: may be set later (Megatron-LM does)
 

@@ -75,6 +75,8 @@ IMPLEMENTED = {
         "parallel_mode": COMPAT, "fuse_wgrad_accumulation": MODULES + "test_fuse_wgrad.py",
         "delay_wgrad_compute": MODULES + "test_delay_wgrad.py",
         "save_original_input": MODULES + "test_save_original_input.py",
+        **{name: DIST + "test_grouped_linear_tp.py" for name in (
+            "sequence_parallel", "tp_size", "tp_group", "get_rng_state_tracker", "rng_tracker_name")},
     },
     ("GroupedLinear", "forward"): {"is_first_microbatch": COMPAT},
     ("LayerNorm", "__init__"): {
