@@ -244,10 +244,30 @@ def _checked_inputs(modules, sample_args) -> Tuple[Sequence[nn.Module], Sequence
             raise RuntimeError(f"make_graphed_callables: {type(module).__name__} has hooks registered; a replay would "
                                "skip them. Register hooks after make_graphed_callables, as with torch's (hooks that "
                                "must run while capturing go in capture_time_hooks)")
+        trainable = [name for name, buffer in module.named_buffers() if buffer.requires_grad]
+        if trainable:
+            raise RuntimeError(f"make_graphed_callables: {type(module).__name__} has buffers that require grad "
+                               f"({', '.join(trainable)}); a replay gives buffers no gradient, so only parameters "
+                               "may be trainable (as in torch's and Transformer Engine's): make them parameters")
     for sample in args:
         if not sample or not all(isinstance(a, torch.Tensor) for a in sample):
             raise TypeError("make_graphed_callables: sample_args must be tensors (the positional inputs of one call)")
+    _check_torch_autocast(args[0][0].device.type)
     return mods, args
+
+
+def _check_torch_autocast(device_type: str) -> None:
+    """torch.autocast with its cast cache on would capture casts cached before the capture (as
+    torch's and Transformer Engine's make_graphed_callables refuse it)."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except TypeError:  # a torch whose is_autocast_enabled takes no device type (CUDA's)
+        enabled = torch.is_autocast_enabled()
+    except RuntimeError:  # a device type autocast does not know: no autocast to be on
+        return
+    if enabled and torch.is_autocast_cache_enabled():
+        raise RuntimeError("make_graphed_callables: torch.autocast is on with its cast cache, which a capture cannot "
+                           "take; capture under torch.autocast(..., cache_enabled=False)")
 
 
 def _delaying(module: nn.Module) -> List[nn.Module]:

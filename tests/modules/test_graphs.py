@@ -261,6 +261,13 @@ def test_bad_arguments_name_the_problem(fake_graphs):
         graphs.make_graphed_callables(lin, (3,))
     with pytest.raises(ValueError, match="parameter on"):
         graphs.make_graphed_callables(lin, (torch.randn(16, 32, device="meta"),))
+    with_buffer = torch.nn.Sequential(_linear()[0])
+    with_buffer.register_buffer("running", torch.zeros(3, requires_grad=True))
+    with pytest.raises(RuntimeError, match=r"has buffers that require grad \(running\)"):
+        graphs.make_graphed_callables(with_buffer, (x,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError, match="torch.autocast is on with its cast cache"):
+            graphs.make_graphed_callables(lin, (x,))
 
 
 def test_pool_goes_to_the_device_graph_api(monkeypatch):
