@@ -25,8 +25,9 @@ _RENAMED = {
 
 @dataclass(frozen=True)
 class GraphOptions:
-    """enabled: FP8 per module; recipe: the one the graphs bake in (None without FP8);
-    amax_reduction_group: as te_core.autocast's; cache_quantized_params: weight caching."""
+    """enabled: FP8 per module; recipe: the one the graphs bake in (None without FP8 or
+    calibration); amax_reduction_group: as te_core.autocast's; cache_quantized_params: weight
+    caching."""
 
     enabled: Tuple[bool, ...]
     recipe: Optional[Recipe]
@@ -41,6 +42,7 @@ class GraphOptions:
     reuse_buffers: bool = False  # TE's _reuse_graph_input_output_buffers
     retain_graph: bool = False  # TE's retain_graph_in_backward
     capture_time_hooks: Optional[list] = None  # per module, {point: {name: hook(module)}}, run outside capture
+    calibrating: bool = False  # the graphs compute in high precision and record amaxes (te_core.autocast's)
 
 
 def _pick(given: dict, old: str):
@@ -81,12 +83,9 @@ def graph_options(n_modules: int, given: dict) -> GraphOptions:
     hooks = [check_hook(name, given.pop(name, None)) for name in ("pre_warmup_hook", "post_warmup_hook")]
     if not isinstance(clone, bool):
         raise TypeError(f"make_graphed_callables: clone_param_grads_on_return must be a bool, got {clone!r}")
-    for name in ("fp8_calibrating", "calibrating"):
-        if given.get(name):
-            raise NotImplementedError(f"make_graphed_callables: {name}=True (recording amaxes while computing in high "
-                                      "precision) is not supported in graphs by te-core yet; calibrate eagerly under "
-                                      "te_core.autocast(enabled=False, calibrating=True)")
-    _pick(given, "fp8_calibrating")
+    calibrating = _pick(given, "fp8_calibrating")
+    if calibrating is not None and not isinstance(calibrating, bool):
+        raise TypeError(f"make_graphed_callables: calibrating must be a bool, got {calibrating!r}")
     order, layers = given.pop("_order", None), given.pop("_num_layers_per_chunk", None)
     reuse, retain = given.pop("_reuse_graph_input_output_buffers", False), given.pop("retain_graph_in_backward", False)
     capture_hooks = capture_time_hooks(given.pop("capture_time_hooks", None), n_modules)
@@ -107,5 +106,5 @@ def graph_options(n_modules: int, given: dict) -> GraphOptions:
         raise ValueError("make_graphed_callables: cache_quantized_params=True caches FP8 weights, so it needs "
                          "enabled=True (for at least one module)")
     recipe = _check_recipe(recipe, "make_graphed_callables")
-    return GraphOptions(enabled, recipe if any(enabled) else None, group, bool(cache), pool, clone, *hooks,
-                        order, layers, reuse, retain, capture_hooks)
+    return GraphOptions(enabled, recipe if any(enabled) or calibrating else None, group, bool(cache), pool, clone,
+                        *hooks, order, layers, reuse, retain, capture_hooks, bool(calibrating))

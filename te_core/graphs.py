@@ -114,7 +114,8 @@ class _Variant(nn.Module):
     def forward(self, *inputs):
         options, n = self._options, self._n_args
         kwargs = self._keywords.rebuild(inputs[n:])
-        with autocast(enabled=self._enabled, recipe=options.recipe, amax_reduction_group=options.amax_reduction_group):
+        with autocast(enabled=self._enabled, calibrating=options.calibrating, recipe=options.recipe,
+                      amax_reduction_group=options.amax_reduction_group):
             with forced_first_microbatch(self._first):
                 return self._module_forward(*inputs[:n], **kwargs)
 
@@ -136,12 +137,18 @@ def _microbatch_flag(kwargs: dict, caching: bool, name: str) -> Optional[bool]:
 def _check_autocast(name: str, enabled: bool, options: GraphOptions) -> None:
     """A replay must run in the precision (and recipe) its graphs were captured in. A
     high-precision module captured beside FP8 ones (enabled=(True, False, ...)) runs inside
-    their autocast: its graphs hold no FP8."""
+    their autocast: its graphs hold no FP8. Graphs captured calibrating (high precision,
+    amaxes recorded) run under te_core.autocast(enabled=False, calibrating=True)."""
     context, recipe = get_autocast_context(), options.recipe
     if enabled and (context is None or not context.enabled):
         raise RuntimeError(f"graphed {name} was captured with enabled=True: call it inside "
                            "te_core.autocast(enabled=True, recipe=...) so its scales keep updating")
-    if enabled and context.recipe is not recipe and context.recipe != recipe:
+    calibrating = options.calibrating and not enabled
+    if calibrating and (context is None or context.enabled or not context.calibrating):
+        raise RuntimeError(f"graphed {name} was captured calibrating (calibrating=True, enabled=False): call it "
+                           "inside te_core.autocast(enabled=False, calibrating=True, recipe=...) so the amaxes it "
+                           "records keep updating the scales")
+    if (enabled or calibrating) and context.recipe is not recipe and context.recipe != recipe:
         raise RuntimeError(f"graphed {name} was captured with {recipe} but is called under {context.recipe}: "
                            "the graphs bake in the captured recipe; capture again with the new one")
     if not any(options.enabled) and context is not None and context.enabled:
@@ -171,7 +178,8 @@ def _graphed_forward(module: nn.Module, eager_forward, variants: Dict, enabled: 
     (te_core._graph_hooks). In the other training mode than captured it runs eagerly (torch's
     rule). It carries Transformer Engine's `backward_dw()` (the replays of the deferred weight
     gradients of `delaying` modules) and `reset()` (frees the graphs)."""
-    forward_groups, backward_groups = _scaling_groups(module) if enabled else ([], [])
+    # the scaling state the graphs record into: FP8's, or calibration's
+    forward_groups, backward_groups = _scaling_groups(module) if enabled or options.calibrating else ([], [])
     name, captured_training = type(module).__name__, module.training
     cache_filled = [False]  # by a first-microbatch replay: capture only recorded the casts
     n_params = len(tuple(module.parameters()))  # the replay's last results: the parameters' gradients
@@ -415,7 +423,7 @@ def make_graphed_callables(
         ("share_grad_outputs", options.reuse_buffers), ("wgrad", capture_wgrad if any(delaying) else None))
         if value is not None and value is not False}
     saved = [_save_scaling_state(module) for module in mods]
-    with autocast(enabled=any(options.enabled), recipe=options.recipe,
+    with autocast(enabled=any(options.enabled), calibrating=options.calibrating, recipe=options.recipe,
                   amax_reduction_group=options.amax_reduction_group), graph_capture():
         warm_up(device, variants, inputs, iterations, allow_unused_input, options.pre_warmup_hook,
                 options.post_warmup_hook, steps=steps, hook=hook if options.capture_time_hooks else None,

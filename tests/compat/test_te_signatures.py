@@ -174,6 +174,7 @@ IMPLEMENTED = {
         "pool": MODULES + "test_graphs.py", "clone_param_grads_on_return": MODULES + "test_graphs.py",
         "pre_warmup_hook": MODULES + "test_graphs.py", "post_warmup_hook": MODULES + "test_graphs.py",
         "retain_graph_in_backward": MODULES + "test_graph_order.py", "capture_time_hooks": MODULES + "test_graph_order.py",
+        "calibrating": MODULES + "test_graphs_model.py", "fp8_calibrating": MODULES + "test_graphs_model.py",
     },
     ("autocast", "__init__"): {
         "enabled": "quantization/test_autocast.py", "calibrating": "quantization/test_autocast.py",

@@ -578,3 +578,40 @@ def test_copies_of_a_compiled_fp8_weight_model_train_their_own_weights():
             assert all(p.grad is None for p in model.parameters())
     finally:
         torch._dynamo.reset()
+
+
+def test_a_calibrating_capture_records_amaxes_as_eager_calibration_does(eager_graphs):
+    """calibrating=True (Transformer Engine's): the graphs compute in high precision and record
+    amaxes; replayed under te_core.autocast(enabled=False, calibrating=True) they leave the same
+    outputs, gradients, amax histories and scales as eager calibration of a twin."""
+    recipe = te.recipe.DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
+    graphed = te.LayerNormMLP(HIDDEN, FFN, params_dtype=torch.float32)
+    eager = copy.deepcopy(graphed)
+    x = _input().requires_grad_()
+    graphed = te.make_graphed_callables(graphed, (x,), num_warmup_iters=1, calibrating=True, recipe=recipe)
+    for step in range(3):
+        new_x = _input() * (step + 1)
+        ys, dxs = [], []
+        for module in (graphed, eager):
+            xi = new_x.clone().requires_grad_()
+            with te.autocast(enabled=False, calibrating=True, recipe=recipe):
+                y = module(xi)
+            y.sum().backward()
+            ys.append(y)
+            dxs.append(xi.grad)
+        torch.testing.assert_close(ys[0], ys[1], rtol=0, atol=0)
+        torch.testing.assert_close(dxs[0], dxs[1], rtol=0, atol=0)
+    state, want = graphed.quantization_state(), eager.quantization_state()
+    for direction, slots in want.items():
+        for slot, values in slots.items():
+            for key in ("amax_history", "scale"):
+                torch.testing.assert_close(state[direction][slot][key], values[key], rtol=0, atol=0)
+    assert want["forward"]["fc1_input"]["amax_history"].abs().sum() > 0  # something was recorded
+    with pytest.raises(RuntimeError, match="captured calibrating"):
+        graphed(_input())
+    with pytest.raises(RuntimeError, match="captured calibrating"), te.autocast(recipe=recipe):
+        graphed(_input())
+    with pytest.warns(DeprecationWarning, match="fp8_calibrating is deprecated"):  # TE's older name
+        te.make_graphed_callables(te.Linear(HIDDEN, HIDDEN), (_input(),), num_warmup_iters=0, fp8_calibrating=True,
+                                  recipe=recipe)

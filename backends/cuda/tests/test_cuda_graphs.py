@@ -394,3 +394,31 @@ def test_a_replay_on_a_side_stream_matches_eager_and_reset_frees_the_graphs():
     graphed.reset()
     with pytest.raises(RuntimeError, match="freed by reset"):
         graphed(x)
+
+
+def test_a_calibrating_capture_matches_eager_calibration():
+    """calibrating=True: the captured graphs compute in bf16 and record amaxes into the live
+    histories; replays under te.autocast(enabled=False, calibrating=True) equal an eager twin's
+    calibration steps bit for bit, histories and scales included."""
+    recipe = te.recipe.DelayedScaling(amax_history_len=8)
+    torch.manual_seed(0)
+    graphed, eager = _linear_pair(128, delay=False)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = te.make_graphed_callables(graphed, (x,), calibrating=True, recipe=recipe)
+    eager.load_state_dict(graphed.state_dict())
+    for step in range(3):
+        new_x = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16) * (step + 1)
+        dy = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+        xg, xe = new_x.clone().requires_grad_(), new_x.clone().requires_grad_()
+        with te.autocast(enabled=False, calibrating=True, recipe=recipe):
+            yg = graphed(xg)
+        yg.backward(dy)
+        with te.autocast(enabled=False, calibrating=True, recipe=recipe):
+            ye = eager(xe)
+        ye.backward(dy)
+        assert torch.equal(yg, ye) and torch.equal(xg.grad, xe.grad), step
+    for direction, slots in eager.quantization_state().items():
+        for slot, state in slots.items():
+            for key in ("scale", "amax_history"):
+                assert torch.equal(graphed.quantization_state()[direction][slot][key], state[key]), (slot, key)
+    assert eager.quantization_state()["forward"]["input"]["amax_history"].abs().sum() > 0
