@@ -263,6 +263,24 @@ def _linear_pair(n_out, delay):
                  for _ in range(2))
 
 
+def _captured_pair(delay=False, **capture):
+    """(a te.Linear(256, 128) captured with `capture`, an eager twin with its weights and scaling
+    state, the sample input)."""
+    torch.manual_seed(0)
+    graphed, eager = _linear_pair(128, delay)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = te.make_graphed_callables(graphed, (x,), **capture)
+    eager.load_state_dict(graphed.state_dict())
+    return graphed, eager, x
+
+
+def _assert_same_scaling_state(module, twin):
+    for direction, slots in twin.quantization_state().items():
+        for slot, state in slots.items():
+            for key in ("scale", "amax_history"):
+                assert torch.equal(module.quantization_state()[direction][slot][key], state[key]), (slot, key)
+
+
 def _pipeline_matches_eager(recipe, order, reuse, delay):
     torch.manual_seed(0)
     (first, first_twin), (second, second_twin) = _linear_pair(256, delay), _linear_pair(128, delay)
@@ -306,10 +324,7 @@ def _pipeline_matches_eager(recipe, order, reuse, delay):
     for layer, twin in zip(layers, twins):
         assert torch.equal(layer.weight.grad, twin.weight.grad)
         assert torch.equal(layer.bias.grad, twin.bias.grad)
-        for direction, slots in twin.quantization_state().items():
-            for slot, state in slots.items():
-                for key in ("scale", "amax_history"):
-                    assert torch.equal(layer.quantization_state()[direction][slot][key], state[key]), (slot, key)
+        _assert_same_scaling_state(layer, twin)
 
 
 @pytest.mark.parametrize("reuse", [False, True])
@@ -334,11 +349,7 @@ def test_a_graphed_module_deferring_its_weight_gradients_matches_eager_steps(rec
     """A captured module built with delay_wgrad_compute=True: its backward_dw replays the
     weight-gradient graph captured after its backward, gradients and scales equal to an eager
     twin's bit for bit."""
-    torch.manual_seed(0)
-    graphed, eager = _linear_pair(128, delay=True)
-    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    graphed = te.make_graphed_callables(graphed, (x,), enabled=True, recipe=recipe)
-    eager.load_state_dict(graphed.state_dict())
+    graphed, eager, x = _captured_pair(delay=True, enabled=True, recipe=recipe)
     for step in range(3):
         y_graphed, dx_graphed, y_eager, dx_eager = _twin_step(graphed, eager, x, recipe, step + 1)
         assert torch.equal(y_graphed, y_eager) and torch.equal(dx_graphed, dx_eager), step
@@ -374,11 +385,7 @@ def test_a_replay_on_a_side_stream_matches_eager_and_reset_frees_the_graphs():
     given stream, ordered after the caller's work and before what follows it; reset() frees the
     graphs."""
     recipe = te.recipe.DelayedScaling(amax_history_len=8)
-    torch.manual_seed(0)
-    graphed, eager = _linear_pair(128, delay=False)
-    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    graphed = te.make_graphed_callables(graphed, (x,), enabled=True, recipe=recipe)
-    eager.load_state_dict(graphed.state_dict())
+    graphed, eager, x = _captured_pair(enabled=True, recipe=recipe)
     side = torch.cuda.Stream()
     for step in range(3):
         new_x = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16) * (step + 1)
@@ -401,11 +408,7 @@ def test_a_calibrating_capture_matches_eager_calibration():
     histories; replays under te.autocast(enabled=False, calibrating=True) equal an eager twin's
     calibration steps bit for bit, histories and scales included."""
     recipe = te.recipe.DelayedScaling(amax_history_len=8)
-    torch.manual_seed(0)
-    graphed, eager = _linear_pair(128, delay=False)
-    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    graphed = te.make_graphed_callables(graphed, (x,), calibrating=True, recipe=recipe)
-    eager.load_state_dict(graphed.state_dict())
+    graphed, eager, x = _captured_pair(calibrating=True, recipe=recipe)
     for step in range(3):
         new_x = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16) * (step + 1)
         dy = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
@@ -417,8 +420,5 @@ def test_a_calibrating_capture_matches_eager_calibration():
             ye = eager(xe)
         ye.backward(dy)
         assert torch.equal(yg, ye) and torch.equal(xg.grad, xe.grad), step
-    for direction, slots in eager.quantization_state().items():
-        for slot, state in slots.items():
-            for key in ("scale", "amax_history"):
-                assert torch.equal(graphed.quantization_state()[direction][slot][key], state[key]), (slot, key)
+    _assert_same_scaling_state(graphed, eager)
     assert eager.quantization_state()["forward"]["input"]["amax_history"].abs().sum() > 0
