@@ -14,7 +14,8 @@ VARIANTS = ("nn.Linear", "te bf16", "te delayed", "te current", "te block")
 BASELINE = "te bf16"
 TARGET = 2.0  # FP8 step time over te bf16's, at most
 EXTRA_COLUMNS = (("Threads pinned to one CPU", "us_pinned"), ("te-core alone (ops replayed)", "us_ops_replayed"),
-                 ("Compiled", "us_compiled"), ("Compiled, backward on the calling thread", "us_compiled_calling_thread"))
+                 ("Compiled", "us_compiled"),
+                 ("Compiled, backward on the calling thread", "us_compiled_calling_thread"))
 
 
 def _us(cell: Optional[dict], key: str = "us") -> Optional[float]:

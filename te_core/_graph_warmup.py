@@ -1,13 +1,12 @@
 """The warm-up before make_graphed_callables captures, run by te-core in Transformer Engine's
-order rather than left to the device's make_graphed_callables.
+order.
 
 Warm-up steps run real forward and backward passes before capture, so that lazy initialization
 (library handles, autotuning, allocator growth) happens outside the graphs. Transformer Engine
 runs them on a side stream, in the order the graphs are then captured (by default every forward
-in the given order and then every backward in reverse order), with the caller's pre_warmup_hook before the first and post_warmup_hook after the last
-(what a pipeline schedule uses to set up and tear down state around them). torch's own function
-takes no hooks and warms each callable up on its own, so te-core runs the warm-up here and asks
-the device's function for none.
+in the given order and then every backward in reverse order), with the caller's
+pre_warmup_hook before the first and post_warmup_hook after the last (what a pipeline schedule
+uses to set up and tear down state around them), and the capture-time hooks around each pass.
 """
 from __future__ import annotations
 

@@ -52,10 +52,12 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
                 raise ValueError(f"{NAME}: {name} must be one of {', '.join(map(str, allowed))} (torch.uint8: FP8), "
                                  f"as in Transformer Engine; got {value!r}")
         if capturable and exp_avg_dtype != exp_avg_sq_dtype or capturable and exp_avg_dtype in compact.SCALED:
-            raise ValueError(f"{NAME}: capturable=True needs exp_avg_dtype and exp_avg_sq_dtype alike and unscaled (both "
-                             f"float32 or both bfloat16), as in Transformer Engine; got {exp_avg_dtype} and "
-                             f"{exp_avg_sq_dtype}")
-        store_param_remainders = bool(store_param_remainders and master_weights and master_weight_dtype == torch.float32)
+            raise ValueError(f"{NAME}: capturable=True needs exp_avg_dtype and exp_avg_sq_dtype alike and "
+                             f"unscaled (both float32 or both bfloat16), as in Transformer Engine; got "
+                             f"{exp_avg_dtype} and {exp_avg_sq_dtype}")
+        # (as in Transformer Engine: remainders only stand in for float32 master weights)
+        store_param_remainders = bool(store_param_remainders and master_weights
+                                      and master_weight_dtype == torch.float32)
         if capturable and (master_weights and master_weight_dtype != torch.float32 or store_param_remainders):
             raise ValueError(f"{NAME}: capturable=True keeps float32 master weights (no float16 master_weight_dtype, "
                              "no store_param_remainders), as in Transformer Engine")
