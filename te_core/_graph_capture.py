@@ -115,7 +115,7 @@ def make_graphed(device: DeviceGraphs, callables: Sequence[torch.nn.Module], sam
         replay = _Replay(api, forward_graphs[i], backward_graphs[i] if captured_backward[i] else None, surfaces[i],
                          len(sample_args[i]), outputs[i], grad_outputs[i], grad_inputs[i])
         c.forward = functools.partial(_replayed, replay, specs[i], tuple(c.parameters()))
-        graphs = [forward_graphs[i], backward_graphs[i]]
+        graphs = [forward_graphs[i]] + [backward_graphs[i]] * captured_backward[i]  # (one never captured: no reset)
         if i in wgrads:
             c.replay_wgrad = functools.partial(_replayed_wgrad, *wgrads[i])
             graphs.append(wgrads[i][0])

@@ -267,3 +267,12 @@ def test_a_replay_runs_on_the_stream_it_is_given_and_reset_frees_the_graphs(fake
     assert FakeGraph.resets == 2  # its forward and backward graphs
     with pytest.raises(RuntimeError, match="its graphs were freed by reset"):
         graphed(x)
+
+
+def test_a_callable_without_a_backward_graph_resets_its_forward_graph_only(fake_device):
+    lin = _layers()[0].requires_grad_(False)  # frozen, and an input without grad: nothing to differentiate
+    graphed = te.make_graphed_callables(lin, (torch.randn(4, 16),), num_warmup_iters=0)
+    assert FakeDevice.captures == [("pool",)]  # the forward only
+    FakeGraph.resets = 0
+    graphed.reset()
+    assert FakeGraph.resets == 1
