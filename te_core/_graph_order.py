@@ -8,7 +8,9 @@ stage, grouped into model chunks (`_num_layers_per_chunk` layers each), and ever
 pass through a layer gets graphs of its own, with its own sample inputs. `_order` is the stage's
 schedule as Megatron-LM's interleaved pipeline runs it: chunk numbers from 1, positive for a
 forward pass of that chunk (all its layers in order), negative for a backward pass (its layers
-in reverse order), each chunk appearing once per microbatch in each direction. Graphs that share
+in reverse order), each chunk appearing once per microbatch in each direction; an entry -k - 0.5
+captures the weight gradients that layers built with delay_wgrad_compute=True left pending in a
+backward pass of chunk k. Graphs that share
 a memory pool must be replayed in the order they were captured, so capture follows that
 schedule. Samples (and the returned callables) are numbered chunk by chunk, within a chunk
 microbatch by microbatch, within a microbatch layer by layer: Transformer Engine's numbering.
@@ -46,7 +48,8 @@ def default_schedule(n_modules: int, delays_wgrad: Sequence[bool] = ()) -> Sched
 
 def _checked_order(order) -> List[Tuple[str, int]]:
     """(pass, chunk index from 0) per _order entry: k forward, -k backward, -k - 0.5 the deferred
-    weight gradients of chunk k's latest backward (Transformer Engine's encoding)."""
+    weight gradients of a backward of chunk k (Transformer Engine's encoding; the n-th such entry
+    belongs to the chunk's n-th backward, as the modules' own backward_dw queue takes them)."""
     if not isinstance(order, (list, tuple)) or not order:
         raise TypeError(f"make_graphed_callables: _order must be a non-empty list of chunk numbers (positive: a "
                         f"forward pass, negative: a backward pass), got {order!r}")
