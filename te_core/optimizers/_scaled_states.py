@@ -5,7 +5,8 @@ master_weight_dtype torch.float16): each state is stored in its low-precision dt
 float32 scale per tensor, chosen after every update so the tensor's largest magnitude lands at
 the format's range (half of float16's maximum, 448 for FP8 E4M3); its value is the stored one
 times the scale. The update itself reads and writes float32 copies. FP8 states are kept as
-torch.float8_e4m3fn tensors; an all-zero state keeps scale 0 and stays zero.
+torch.float8_e4m3fn tensors; an all-zero state keeps scale 0 and stays zero. A sharded
+parameter's (FSDP2's DTensor) states are scaled per shard, each rank its own.
 
 Param remainders (store_param_remainders=True, bf16 parameters with float32 master weights): the
 float32 master weight is not stored; its upper 16 bits are the bf16 parameter (rounded up in
@@ -28,11 +29,18 @@ def storage_dtype(dtype: torch.dtype) -> torch.dtype:
     return FP8 if dtype == torch.uint8 else dtype
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) state's own shard: each rank scales its shard, as Transformer Engine's
+    FusedAdam does (no collective in the optimizer step)."""
+    return getattr(t, "_local_tensor", t)
+
+
 def rescaled(unscaled: torch.Tensor, dtype: torch.dtype, out: torch.Tensor, scale: torch.Tensor) -> None:
     """Store float32 `unscaled` into `out` (dtype's storage) and its new scale into `scale`."""
+    unscaled, out = local(unscaled), local(out)
     absmax = unscaled.abs().amax().float() if unscaled.numel() else unscaled.new_zeros((), dtype=torch.float32)
     torch.div(absmax, RANGE[dtype], out=scale.view(()))
-    inverse = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
+    inverse = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale)).view(())
     scaled = unscaled.float() * inverse
     if dtype == torch.uint8:
         scaled = scaled.clamp_(-RANGE[dtype], RANGE[dtype])  # (the rounding of the inverse may pass 448 by an ulp)
@@ -41,12 +49,22 @@ def rescaled(unscaled: torch.Tensor, dtype: torch.dtype, out: torch.Tensor, scal
 
 def unscaled(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The float32 value of a scaled state."""
-    return stored.float() * scale
+    return stored.float() * scale.view(())  # (0-dim: a sharded state takes it as a scalar)
 
 
 def join(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    """The float32 master weight from a bf16 parameter and its int16 remainder."""
-    high = param.view(torch.int16).to(torch.int64) & _LOW16
+    """The float32 master weight from a bf16 parameter and its int16 remainder (of a sharded
+    parameter: built from this rank's shards, and sharded alike)."""
+    master = _join(local(param), local(remainder))
+    if not hasattr(param, "_local_tensor"):
+        return master
+    from torch.distributed.tensor import DTensor  # (a sharded parameter: torch.distributed is there)
+    return DTensor.from_local(master, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
+def _join(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    high = param.contiguous().view(torch.int16).to(torch.int64) & _LOW16
     low = remainder.to(torch.int64) & _LOW16
     high = (high - (low >= _SIGN16).to(torch.int64)) & _LOW16  # undo the rounding up
     bits = (high << 16) | low
@@ -54,8 +72,9 @@ def join(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
 
 
 def split(master: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(bf16 parameter, int16 remainder) of a float32 master weight (join's inverse)."""
-    bits = master.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    """(bf16 parameter, int16 remainder) of a float32 master weight (join's inverse; of a sharded
+    one, this rank's shards of them)."""
+    bits = local(master).contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     low = bits & _LOW16
     high = ((bits >> 16) + (low >= _SIGN16).to(torch.int64)) & _LOW16
 

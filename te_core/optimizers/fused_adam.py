@@ -196,8 +196,8 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
         master = state["master_param"]
         if master.dtype == torch.int16:  # the parameter is the master's upper half, rounded
             high, low = compact.split(target)
-            p.copy_(high)
-            master.copy_(low)
+            compact.local(p).copy_(high)
+            compact.local(master).copy_(low)
             return
         if target is not master:
             self.set_scaled_state(p, "master_param", target)
