@@ -276,3 +276,30 @@ def test_a_callable_without_a_backward_graph_resets_its_forward_graph_only(fake_
     FakeGraph.resets = 0
     graphed.reset()
     assert FakeGraph.resets == 1
+
+
+def test_a_pipeline_capture_with_weight_caching_and_keywords(fake_device):
+    """_order with cache_quantized_params=True captures each sample twice (first and later
+    microbatch, back to back in the schedule), and sample_kwargs take one dict per sample."""
+    torch.manual_seed(0)  # (FP8 GEMMs: every dimension a multiple of 16)
+    first, second = (te.Linear(16, 16, params_dtype=torch.float32) for _ in range(2))
+    samples = [(torch.randn(16, 16, requires_grad=True),) for _ in range(4)]
+    recipe = te.recipe.DelayedScaling()
+    graphed = te.make_graphed_callables((first, second), tuple(samples), num_warmup_iters=0, _order=ORDER,
+                                        enabled=True, recipe=recipe, cache_quantized_params=True,
+                                        sample_kwargs=tuple({} for _ in samples))
+    (variants, inputs, kwargs), = fake_device
+    assert len(variants) == 8 and len(FakeDevice.captures) == 16
+    # each sample's two variants: forwards first-then-later, backwards later-then-first
+    want = []
+    for kind, s in pipeline_schedule(ORDER, 1, 2, 4).steps:
+        pair = [2 * s, 2 * s + 1]
+        want += [(kind, v) for v in (pair if kind == "forward" else pair[::-1])]
+    assert list(kwargs["steps"]) == want
+    with te.autocast(recipe=recipe):
+        with pytest.raises(ValueError, match="is_first_microbatch=True"):
+            graphed[0](samples[0][0])
+        graphed[0](samples[0][0], is_first_microbatch=True)
+    with pytest.raises(ValueError, match="4 modules but 3 sample_kwargs|sample_kwargs"):
+        te.make_graphed_callables((first, second), tuple(samples), num_warmup_iters=0, _order=ORDER,
+                                  sample_kwargs=tuple({} for _ in range(3)))
