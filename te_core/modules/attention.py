@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from functools import partial
@@ -12,6 +13,8 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..distributed import tensor_parallel
+from ..distributed.groups import group_size
+from ..distributed.random import MODEL_PARALLEL_RNG_TRACKER_NAME
 from ..ops.attention import PADDING_MASK_TYPES
 from ..ops.attention_masks import attention_logits
 from ..ops.packed_sequences import padded_layout, to_padded
@@ -91,10 +94,10 @@ class DotProductAttention(nn.Module):
     ):
         super().__init__()
         module = "DotProductAttention"
-        reject_unsupported(module, sequence_parallel=sequence_parallel, tp_size=tp_size,
-                           get_rng_state_tracker=get_rng_state_tracker, tp_group=tp_group, **kwargs)
+        reject_unsupported(module, **kwargs)
         self.num_attention_heads, self.num_gqa_groups, _ = check_attention_heads(
             module, num_attention_heads, num_gqa_groups)
+        self._init_tensor_parallel(tp_group, tp_size, sequence_parallel, get_rng_state_tracker)
         k_ch, v_ch = (kv_channels, kv_channels) if isinstance(kv_channels, int) else tuple(kv_channels)
         self.hidden_size_per_attention_head_k = check_positive(k_ch, name="kv_channels", module=module)
         self.hidden_size_per_attention_head_v = check_positive(v_ch, name="kv_channels", module=module)
@@ -116,7 +119,7 @@ class DotProductAttention(nn.Module):
         self.return_max_logit = check_bool(return_max_logit, name="return_max_logit", module=module)
         # the sink logits, one per head, in float32 as the op takes them: a parameter when
         # learnable; for "off-by-one" zeros that follow the module's device (not saved, as in TE)
-        heads, device = self.num_attention_heads, resolve_device(None)
+        heads, device = self.num_attention_heads_per_partition, resolve_device(None)
         if softmax_type == "learnable":
             self.softmax_offset = nn.Parameter(torch.zeros(heads, dtype=torch.float32, device=device))
             # one per head, so split with the heads over tensor-parallel ranks (read by Megatron-LM)
@@ -126,6 +129,42 @@ class DotProductAttention(nn.Module):
                                  persistent=False)
         else:
             self.softmax_offset = None
+
+    def _init_tensor_parallel(self, tp_group, tp_size, sequence_parallel, get_rng_state_tracker) -> None:
+        """Transformer Engine's tensor-parallel arguments: the heads (and GQA groups) are split over
+        tp_size ranks (the group's size where a group is given), each rank's module takes its own
+        heads and communicates nothing; attention dropout draws from the tracker's fork where a
+        tracker is given, except under sequence parallelism (as Transformer Engine)."""
+        module = "DotProductAttention"
+        if tp_group is not None:
+            tp_size = group_size(tp_group, module)
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"{module}: tp_size must be a positive integer, got {tp_size!r}")
+        if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
+            raise TypeError(f"{module}: get_rng_state_tracker must be a function returning the tracker "
+                            f"(e.g. lambda: tracker), got {type(get_rng_state_tracker).__name__}")
+        self.tp_size, self.tp_group = tp_size, tp_group
+        self.sequence_parallel = check_bool(bool(sequence_parallel) if sequence_parallel is None else sequence_parallel,
+                                            name="sequence_parallel", module=module)
+        self.get_rng_state_tracker = get_rng_state_tracker
+        self.num_attention_heads_per_partition = tensor_parallel.split_size(
+            self.num_attention_heads, tp_size, what="num_attention_heads", module=module)
+        self.num_gqa_groups_per_partition = tensor_parallel.split_size(
+            self.num_gqa_groups, tp_size, what="num_gqa_groups", module=module)
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """Transformer Engine's: the group of this module's tensor-parallel ranks (its size must be
+        tp_size; the module itself communicates nothing)."""
+        if tp_group is not None and group_size(tp_group, "DotProductAttention") != self.tp_size:
+            raise ValueError(f"DotProductAttention: the tensor-parallel group has "
+                             f"{group_size(tp_group, 'DotProductAttention')} ranks but the module was built with "
+                             f"tp_size={self.tp_size}; pass a group of {self.tp_size} ranks")
+        self.tp_group = tp_group
+
+    def _dropout_context(self, dropout: bool):
+        if not dropout or self.get_rng_state_tracker is None or self.sequence_parallel:
+            return contextlib.nullcontext()
+        return self.get_rng_state_tracker().fork(MODEL_PARALLEL_RNG_TRACKER_NAME)
 
     def forward(
         self,
@@ -215,7 +254,7 @@ class DotProductAttention(nn.Module):
         ))
         dtype = compute_dtype(query_layer)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        with no_torch_autocast(q.device.type):
+        with no_torch_autocast(q.device.type), self._dropout_context(options["dropout_p"] > 0):
             out = _core_attention(q, k, v, options, checkpoint_core_attention, packed)
         result = _shaped(out, fmt, packed, restore)
         if self.return_max_logit:  # (out, max_logit), as Transformer Engine returns them
@@ -273,19 +312,20 @@ class DotProductAttention(nn.Module):
     def _check_heads(self, q: Tensor, k: Tensor, v: Tensor) -> None:
         name = "DotProductAttention"
         d_k = self.hidden_size_per_attention_head_k
-        if q.shape[1] != self.num_attention_heads or q.shape[3] != d_k:
+        per_rank = f" / tp_size={self.tp_size}" if self.tp_size > 1 else ""  # (each rank gets its share)
+        if q.shape[1] != self.num_attention_heads_per_partition or q.shape[3] != d_k:
             raise ValueError(
                 f"{name}: query_layer has {q.shape[1]} heads of size {q.shape[3]}; expected "
-                f"num_attention_heads={self.num_attention_heads} heads of kv_channels={d_k}"
+                f"num_attention_heads={self.num_attention_heads}{per_rank} heads of kv_channels={d_k}"
             )
         for t, arg, d in (
             (k, "key_layer", self.hidden_size_per_attention_head_k),
             (v, "value_layer", self.hidden_size_per_attention_head_v),
         ):
-            if t.shape[1] != self.num_gqa_groups or t.shape[3] != d:
+            if t.shape[1] != self.num_gqa_groups_per_partition or t.shape[3] != d:
                 raise ValueError(
                     f"{name}: {arg} has {t.shape[1]} heads of size {t.shape[3]}; expected "
-                    f"num_gqa_groups={self.num_gqa_groups} heads of size {d}"
+                    f"num_gqa_groups={self.num_gqa_groups}{per_rank} heads of size {d}"
                 )
         if k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3]:
             raise ValueError(f"{name}: batch / sequence sizes of query_layer, key_layer, value_layer do not agree")

@@ -96,6 +96,8 @@ IMPLEMENTED = {
         "window_size": ATTN, "bottom_right_diagonal": ATTN, "layer_number": COMPAT, "attention_type": COMPAT,
         "softmax_scale": ATTN, "name": COMPAT, "softmax_type": MODULES + "test_attention_sinks.py",
         "return_max_logit": MODULES + "test_max_logit.py",
+        **{name: DIST + "test_dpa_tp.py" for name in ("tp_size", "tp_group", "sequence_parallel",
+                                                       "get_rng_state_tracker")},
     },
     ("DotProductAttention", "forward"): {
         "query_layer": ATTN, "key_layer": ATTN, "value_layer": ATTN, "attention_mask": ATTN, "qkv_format": ATTN,
