@@ -18,6 +18,7 @@ from ..distributed.random import MODEL_PARALLEL_RNG_TRACKER_NAME
 from ..ops.attention import PADDING_MASK_TYPES
 from ..ops.attention_masks import attention_logits
 from ..ops.packed_sequences import padded_layout, to_padded
+from . import _context_parallel as context_parallel
 from ._attention_inputs import between_seqs, sequence_layout, unpack_qkv
 from ._packed import Packing
 from .inference import InferenceParams
@@ -94,10 +95,13 @@ class DotProductAttention(nn.Module):
     ):
         super().__init__()
         module = "DotProductAttention"
+        context_parallel = {name: kwargs.pop(name, default) for name, default in (
+            ("cp_group", None), ("cp_global_ranks", None), ("cp_stream", None), ("cp_comm_type", "p2p"))}
         reject_unsupported(module, **kwargs)
         self.num_attention_heads, self.num_gqa_groups, _ = check_attention_heads(
             module, num_attention_heads, num_gqa_groups)
         self._init_tensor_parallel(tp_group, tp_size, sequence_parallel, get_rng_state_tracker)
+        self.set_context_parallel_group(**context_parallel)
         k_ch, v_ch = (kv_channels, kv_channels) if isinstance(kv_channels, int) else tuple(kv_channels)
         self.hidden_size_per_attention_head_k = check_positive(k_ch, name="kv_channels", module=module)
         self.hidden_size_per_attention_head_v = check_positive(v_ch, name="kv_channels", module=module)
@@ -160,6 +164,36 @@ class DotProductAttention(nn.Module):
                              f"{group_size(tp_group, 'DotProductAttention')} ranks but the module was built with "
                              f"tp_size={self.tp_size}; pass a group of {self.tp_size} ranks")
         self.tp_group = tp_group
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None,
+                                   cp_comm_type: str = "p2p") -> None:
+        """Transformer Engine's: the context-parallel group whose ranks each hold a load-balanced
+        slice of every sequence (te_core.modules._context_parallel). cp_global_ranks and cp_stream
+        (the group's ranks, a stream to overlap Transformer Engine's ring steps on) change no value."""
+        module = "DotProductAttention"
+        self.cp_comm_type = context_parallel.check_comm_type(cp_comm_type, module)
+        self.cp_size = context_parallel.cp_size_of(cp_group, module)
+        self.cp_group, self.cp_global_ranks, self.cp_stream = cp_group, cp_global_ranks, cp_stream
+
+    def _context_parallel(self, fmt, mask_type, query_layer, key_layer, value_layer, attention_mask, window_size,
+                          core_attention_bias_type, alibi_slopes, inference_params, padded):
+        """(keys, values, mask type, mask) of a context-parallel call (the whole sequence's keys
+        and values, masked by global position), or a clear error for what it does not take."""
+        module = "DotProductAttention"
+        window = self.window_size if window_size is None else window_size
+        unsupported = [what for what, bad in (
+            ("the thd format", fmt == "thd"), ("inference_params", inference_params is not None),
+            ("padding between sequences", padded), ("an attention_mask", attention_mask is not None),
+            (f"attn_mask_type {mask_type!r}", mask_type not in context_parallel.MASK_TYPES),
+            ("a sliding window", window not in (None, (-1, -1), (-1, 0))),
+            ("an attention bias or alibi", core_attention_bias_type != "no_bias" or alibi_slopes is not None))
+            if bad]
+        if unsupported:
+            raise NotImplementedError(f"{module}: context parallelism (cp_group) is not supported by te-core with "
+                                      f"{', '.join(unsupported)}; it takes sbhd or bshd inputs with attn_mask_type "
+                                      "'causal' or 'no_mask'")
+        return context_parallel.gathered(query_layer, key_layer, value_layer, fmt, mask_type, self.cp_group,
+                                         self.cp_comm_type, module)
 
     def _dropout_context(self, dropout: bool):
         if not dropout or self.get_rng_state_tracker is None or self.sequence_parallel:
@@ -224,6 +258,10 @@ class DotProductAttention(nn.Module):
         mask_type = check_choice(
             attn_mask_type or self.attn_mask_type, ops.ATTN_MASK_TYPES, name="attn_mask_type", module=module
         )
+        if self.cp_size > 1:
+            key_layer, value_layer, mask_type, attention_mask = self._context_parallel(
+                fmt, mask_type, query_layer, key_layer, value_layer, attention_mask, window_size,
+                core_attention_bias_type, alibi_slopes, inference_params, padded_between)
         if inference_params is not None:  # the output takes the new tokens' layout
             restore = partial(inference_params.unpacked, qkv_format=fmt, like_shape=query_layer.shape)
             query_layer, key_layer, value_layer, packed, mask_type = self._from_cache(

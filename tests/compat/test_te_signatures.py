@@ -98,6 +98,8 @@ IMPLEMENTED = {
         "return_max_logit": MODULES + "test_max_logit.py",
         **{name: DIST + "test_dpa_tp.py" for name in ("tp_size", "tp_group", "sequence_parallel",
                                                        "get_rng_state_tracker")},
+        **{name: DIST + "test_context_parallel.py" for name in ("cp_group", "cp_global_ranks", "cp_stream",
+                                                                 "cp_comm_type")},
     },
     ("DotProductAttention", "forward"): {
         "query_layer": ATTN, "key_layer": ATTN, "value_layer": ATTN, "attention_mask": ATTN, "qkv_format": ATTN,

@@ -1,0 +1,91 @@
+"""te.DotProductAttention's context parallelism (Transformer Engine's cp_group / cp_comm_type), on 4
+gloo ranks: each rank holds its load-balanced slice of every sequence (chunks r and 2 x cp - 1 - r
+of 2 x cp), and its output and every gradient equal the rows of its tokens in one process's
+attention over the whole sequence, in float32 on fresh random inputs."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import te_core as te
+from te_core.modules._context_parallel import positions
+
+from ._pool import pool_of
+
+FP32 = dict(rtol=1.3e-6, atol=1e-5)
+CHUNK, B, H, G, D = 3, 2, 4, 2, 8
+
+
+@pytest.fixture(scope="module")
+def pool():
+    yield from pool_of(4)
+
+
+def _attention(ctx, fmt, mask_type, comm_type):
+    """Max |difference| of this rank's output and q/k/v gradients from the whole-sequence ones."""
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    seq = 2 * cp * CHUNK
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(seq, B, n, D, generator=g) for n in (H, G, G))
+    dy = torch.randn(seq, B, H * D, generator=g)
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    whole_out = te.DotProductAttention(H, D, num_gqa_groups=G, attn_mask_type=mask_type)(*whole)
+    whole_out.backward(dy)
+    mine = positions(rank, cp, 2 * CHUNK, "cpu")
+    local = [t[mine].clone().requires_grad_() for t in (q, k, v)]
+    if mask_type == "causal":
+        attention = te.DotProductAttention(H, D, num_gqa_groups=G, attn_mask_type=mask_type, qkv_format=fmt,
+                                           cp_group=dist.group.WORLD, cp_global_ranks=list(range(cp)),
+                                           cp_stream=None, cp_comm_type=comm_type)
+    else:  # the group set afterwards, as Megatron-LM's models do
+        attention = te.DotProductAttention(H, D, num_gqa_groups=G, attn_mask_type=mask_type, qkv_format=fmt)
+        attention.set_context_parallel_group(dist.group.WORLD, list(range(cp)), None, comm_type)
+    as_fmt = (lambda t: t) if fmt == "sbhd" else (lambda t: t.transpose(0, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the p2p warning: computed by all-gather)
+        out = as_fmt(attention(*(as_fmt(t) for t in local)))
+    out.backward(dy[mine])
+    return [(out - whole_out[mine]).abs().max().item(),
+            *((t.grad - w.grad[mine]).abs().max().item() for t, w in zip(local, whole))]
+
+
+@pytest.mark.parametrize("fmt, mask_type, comm_type", [("sbhd", "causal", "all_gather"), ("bshd", "causal", "p2p"),
+                                                       ("sbhd", "no_mask", "all_gather")])
+def test_each_rank_gets_its_share_of_the_whole_sequences_attention(pool, fmt, mask_type, comm_type):
+    for rank, diffs in enumerate(pool.run(_attention, fmt, mask_type, comm_type)):
+        assert max(diffs) <= FP32["atol"], (rank, diffs)
+
+
+def _errors(ctx):
+    group = dist.group.WORLD
+    messages = []
+    for build, call in (
+            (lambda: te.DotProductAttention(H, D, cp_group=group, cp_comm_type="ring"), None),
+            (lambda: te.DotProductAttention(H, D, cp_group=[group, group], cp_comm_type="a2a+p2p"), None),
+            (lambda: te.DotProductAttention(H, D, cp_group=group, attn_mask_type="padding"),
+             lambda m: m(*(torch.randn(6, B, H, D) for _ in range(3)))),
+            (lambda: te.DotProductAttention(H, D, cp_group=group),
+             lambda m: m(*(torch.randn(5, B, H, D) for _ in range(3))))):
+        try:
+            module = build()
+            call(module)
+            messages.append(None)
+        except (ValueError, NotImplementedError) as err:
+            messages.append(f"{type(err).__name__}: {err}")
+    return messages
+
+
+def test_what_context_parallelism_does_not_take_is_named(pool):
+    single = te.DotProductAttention(H, D, cp_group=None, cp_global_ranks=None, cp_stream=None,
+                                    cp_comm_type="all_gather")  # no group: no context parallelism
+    assert single.cp_size == 1 and single.cp_comm_type == "all_gather"
+    with pytest.raises(ValueError, match="cp_comm_type must be one of"):
+        te.DotProductAttention(H, D, cp_comm_type="ulysses")
+    for messages in pool.run(_errors):
+        assert "cp_comm_type must be one of" in messages[0]
+        assert "NotImplementedError" in messages[1] and "cp_comm_type 'a2a+p2p'" in messages[1]
+        assert "NotImplementedError" in messages[2] and "attn_mask_type 'padding'" in messages[2]
+        assert "the same, even, length" in messages[3]
