@@ -28,6 +28,16 @@ class TensorParallelContainer(tensor_parallel.TensorParallelMixin):
         return dict(tp_group=tp_group, tp_size=self.tp_size, sequence_parallel=self.sequence_parallel,
                     get_rng_state_tracker=get_rng_state_tracker)
 
+    def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None,
+                                   cp_comm_type: str = "p2p") -> None:
+        """Transformer Engine's: context parallelism for every attention core of the block (each
+        DotProductAttention inside; the rotary embedding then rotates this rank's positions)."""
+        from .attention import DotProductAttention  # (attention imports this module's package)
+
+        for module in self.modules():
+            if isinstance(module, DotProductAttention):
+                module.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
     def set_tensor_parallel_group(self, tp_group) -> None:
         """The group of the block and of every tensor-parallel submodule (each checks its size)."""
         super().set_tensor_parallel_group(tp_group)

@@ -173,6 +173,7 @@ class DotProductAttention(nn.Module):
         module = "DotProductAttention"
         self.cp_comm_type = context_parallel.check_comm_type(cp_comm_type, module)
         self.cp_size = context_parallel.cp_size_of(cp_group, module)
+        self.cp_rank = torch.distributed.get_rank(cp_group) if self.cp_size > 1 else 0
         self.cp_group, self.cp_global_ranks, self.cp_stream = cp_group, cp_global_ranks, cp_stream
 
     def _context_parallel(self, fmt, mask_type, query_layer, key_layer, value_layer, attention_mask, window_size,

@@ -257,10 +257,11 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
             if inference_params is not None:  # the new tokens follow what each sequence has cached
                 starts = inference_params.get_seqlens_pre_step()
                 q_cu = k_cu = inference_params.cu_seqlens_q if packed else None
+            cp = dict(cp_size=self.core_attention.cp_size, cp_rank=self.core_attention.cp_rank)  # this rank's positions
             q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format, starts, interleaved=self.rotary_pos_interleaved,
-                                     cu_seqlens=q_cu)
+                                     cu_seqlens=q_cu, **cp)
             k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format, starts, interleaved=self.rotary_pos_interleaved,
-                                     cu_seqlens=k_cu)
+                                     cu_seqlens=k_cu, **cp)
         if self.q_norm is not None and not self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         with self.tracker_fork(self.training and self.core_attention.attention_dropout > 0):

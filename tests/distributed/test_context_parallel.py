@@ -89,3 +89,43 @@ def test_what_context_parallelism_does_not_take_is_named(pool):
         assert "NotImplementedError" in messages[1] and "cp_comm_type 'a2a+p2p'" in messages[1]
         assert "NotImplementedError" in messages[2] and "attn_mask_type 'padding'" in messages[2]
         assert "the same, even, length" in messages[3]
+
+
+def _layer(ctx, kind):
+    """Max |difference| of this rank's rows of a context-parallel layer's output and input
+    gradient (rotary embedding included) from one process's layer over the whole sequence."""
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    hidden, seq = 32, 2 * cp * CHUNK
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(seq, B, hidden, generator=g)
+    dy = torch.randn(seq, B, hidden, generator=g)
+    rope = te.RotaryPositionEmbedding(hidden // H)(seq)
+
+    def build():
+        torch.manual_seed(2)
+        if kind == "MultiheadAttention":
+            return te.MultiheadAttention(hidden, H, attn_mask_type="causal", attention_dropout=0.0,
+                                         params_dtype=torch.float32)
+        return te.TransformerLayer(hidden, 64, H, self_attn_mask_type="causal", hidden_dropout=0.0,
+                                   attention_dropout=0.0, params_dtype=torch.float32)
+
+    whole, split = build(), build()
+    split.set_context_parallel_group(dist.group.WORLD, list(range(cp)), None, "all_gather")
+    xw = x.clone().requires_grad_()
+    out_w = whole(xw, rotary_pos_emb=rope)
+    out_w = out_w[0] if isinstance(out_w, tuple) else out_w
+    out_w.backward(dy)
+    mine = positions(rank, cp, 2 * CHUNK, "cpu")
+    xs = x[mine].clone().requires_grad_()
+    out_s = split(xs, rotary_pos_emb=rope)
+    out_s = out_s[0] if isinstance(out_s, tuple) else out_s
+    out_s.backward(dy[mine])
+    return (out_s - out_w[mine]).abs().max().item(), (xs.grad - xw.grad[mine]).abs().max().item()
+
+
+@pytest.mark.parametrize("kind", ["MultiheadAttention", "TransformerLayer"])
+def test_a_context_parallel_block_rotates_and_attends_as_the_whole_sequence(pool, kind):
+    """set_context_parallel_group on a block (Transformer Engine's): its attention core runs
+    context-parallel and its rotary embedding rotates this rank's positions."""
+    for rank, diffs in enumerate(pool.run(_layer, kind)):
+        assert max(diffs) <= FP32["atol"], (rank, diffs)
