@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 from functools import partial
@@ -13,12 +12,10 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..distributed import tensor_parallel
-from ..distributed.groups import group_size
-from ..distributed.random import MODEL_PARALLEL_RNG_TRACKER_NAME
 from ..ops.attention import PADDING_MASK_TYPES
 from ..ops.attention_masks import attention_logits
 from ..ops.packed_sequences import padded_layout, to_padded
-from . import _context_parallel as context_parallel
+from ._attention_parallel import AttentionParallelMixin
 from ._attention_inputs import between_seqs, sequence_layout, unpack_qkv
 from ._packed import Packing
 from .inference import InferenceParams
@@ -53,7 +50,7 @@ def check_hidden_dims(x: Tensor, fmt: str, name: str, module: str) -> None:
         raise ValueError(f"{module}: {name} must be 3-D ({fmt}), got shape {tuple(x.shape)}")
 
 
-class DotProductAttention(nn.Module):
+class DotProductAttention(AttentionParallelMixin, nn.Module):
     """Attention core with Transformer Engine's constructor and forward signature.
 
     q is (s, b, h, d) for qkv_format "sbhd" or (b, s, h, d) for "bshd"; k and v have
@@ -134,73 +131,6 @@ class DotProductAttention(nn.Module):
         else:
             self.softmax_offset = None
 
-    def _init_tensor_parallel(self, tp_group, tp_size, sequence_parallel, get_rng_state_tracker) -> None:
-        """Transformer Engine's tensor-parallel arguments: the heads (and GQA groups) are split over
-        tp_size ranks (the group's size where a group is given), each rank's module takes its own
-        heads and communicates nothing; attention dropout draws from the tracker's fork where a
-        tracker is given, except under sequence parallelism (as Transformer Engine)."""
-        module = "DotProductAttention"
-        if tp_group is not None:
-            tp_size = group_size(tp_group, module)
-        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-            raise ValueError(f"{module}: tp_size must be a positive integer, got {tp_size!r}")
-        if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
-            raise TypeError(f"{module}: get_rng_state_tracker must be a function returning the tracker "
-                            f"(e.g. lambda: tracker), got {type(get_rng_state_tracker).__name__}")
-        self.tp_size, self.tp_group = tp_size, tp_group
-        self.sequence_parallel = check_bool(bool(sequence_parallel) if sequence_parallel is None else sequence_parallel,
-                                            name="sequence_parallel", module=module)
-        self.get_rng_state_tracker = get_rng_state_tracker
-        self.num_attention_heads_per_partition = tensor_parallel.split_size(
-            self.num_attention_heads, tp_size, what="num_attention_heads", module=module)
-        self.num_gqa_groups_per_partition = tensor_parallel.split_size(
-            self.num_gqa_groups, tp_size, what="num_gqa_groups", module=module)
-
-    def set_tensor_parallel_group(self, tp_group) -> None:
-        """Transformer Engine's: the group of this module's tensor-parallel ranks (its size must be
-        tp_size; the module itself communicates nothing)."""
-        if tp_group is not None and group_size(tp_group, "DotProductAttention") != self.tp_size:
-            raise ValueError(f"DotProductAttention: the tensor-parallel group has "
-                             f"{group_size(tp_group, 'DotProductAttention')} ranks but the module was built with "
-                             f"tp_size={self.tp_size}; pass a group of {self.tp_size} ranks")
-        self.tp_group = tp_group
-
-    def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None,
-                                   cp_comm_type: str = "p2p") -> None:
-        """Transformer Engine's: the context-parallel group whose ranks each hold a load-balanced
-        slice of every sequence (te_core.modules._context_parallel). cp_global_ranks and cp_stream
-        (the group's ranks, a stream to overlap Transformer Engine's ring steps on) change no value."""
-        module = "DotProductAttention"
-        self.cp_comm_type = context_parallel.check_comm_type(cp_comm_type, module)
-        self.cp_size = context_parallel.cp_size_of(cp_group, module)
-        self.cp_rank = torch.distributed.get_rank(cp_group) if self.cp_size > 1 else 0
-        self.cp_group, self.cp_global_ranks, self.cp_stream = cp_group, cp_global_ranks, cp_stream
-
-    def _context_parallel(self, fmt, mask_type, query_layer, key_layer, value_layer, attention_mask, window_size,
-                          core_attention_bias_type, alibi_slopes, inference_params, padded):
-        """(keys, values, mask type, mask) of a context-parallel call (the whole sequence's keys
-        and values, masked by global position), or a clear error for what it does not take."""
-        module = "DotProductAttention"
-        window = self.window_size if window_size is None else window_size
-        unsupported = [what for what, bad in (
-            ("the thd format", fmt == "thd"), ("inference_params", inference_params is not None),
-            ("padding between sequences", padded), ("an attention_mask", attention_mask is not None),
-            (f"attn_mask_type {mask_type!r}", mask_type not in context_parallel.MASK_TYPES),
-            ("a sliding window", window not in (None, (-1, -1), (-1, 0))),
-            ("an attention bias or alibi", core_attention_bias_type != "no_bias" or alibi_slopes is not None))
-            if bad]
-        if unsupported:
-            raise NotImplementedError(f"{module}: context parallelism (cp_group) is not supported by te-core with "
-                                      f"{', '.join(unsupported)}; it takes sbhd or bshd inputs with attn_mask_type "
-                                      "'causal' or 'no_mask'")
-        return context_parallel.gathered(query_layer, key_layer, value_layer, fmt, mask_type, self.cp_group,
-                                         self.cp_comm_type, module)
-
-    def _dropout_context(self, dropout: bool):
-        if not dropout or self.get_rng_state_tracker is None or self.sequence_parallel:
-            return contextlib.nullcontext()
-        return self.get_rng_state_tracker().fork(MODEL_PARALLEL_RNG_TRACKER_NAME)
-
     def forward(
         self,
         query_layer: Optional[Tensor] = None,
@@ -262,7 +192,7 @@ class DotProductAttention(nn.Module):
         if self.cp_size > 1:
             key_layer, value_layer, mask_type, attention_mask = self._context_parallel(
                 fmt, mask_type, query_layer, key_layer, value_layer, attention_mask, window_size,
-                core_attention_bias_type, alibi_slopes, inference_params, padded_between)
+                core_attention_bias_type, alibi_slopes, inference_params, padded_between, _check_window)
         if inference_params is not None:  # the output takes the new tokens' layout
             restore = partial(inference_params.unpacked, qkv_format=fmt, like_shape=query_layer.shape)
             query_layer, key_layer, value_layer, packed, mask_type = self._from_cache(
