@@ -27,7 +27,7 @@ _NOT_IMPLEMENTED = {
         "sequence_parallel": (None, False), "tp_group": (None,), "tp_size": (1,), "get_rng_state_tracker": (None,),
         "rng_tracker_name": (None,), "parallel_mode": (None, "column", "row"), "set_parallel_mode": (False,),
         "return_layernorm_output_gathered": (False,), "cp_group": (None,), "cp_global_ranks": (None,),
-        "cp_stream": (None,), "cp_comm_type": ("p2p",), "symmetric_ar_type": (None,),
+        "cp_stream": (None,), "cp_comm_type": ("p2p",),
     },
     "userbuffers communication overlap": {
         "ub_tp_comm_overlap": (False,), "ub_overlap_ag": (False,), "ub_overlap_rs": (False,),
@@ -83,6 +83,19 @@ def check_warmup_sizes(module: str, seq_length, micro_batch_size) -> None:
     for arg, value in (("seq_length", seq_length), ("micro_batch_size", micro_batch_size)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{module}: {arg} must be a positive int or None, got {value!r}")
+
+
+SYMMETRIC_AR_TYPES = (None, "multimem_all_reduce", "two_shot", "one_shot")
+
+
+def check_symmetric_ar_type(value, module: str):
+    """Transformer Engine's symmetric_ar_type: which symmetric-memory kernel runs a row-parallel
+    forward all-reduce, a latency choice. te-core runs torch.distributed's all-reduce for every
+    value (the same sums; the order of the additions may differ)."""
+    if value not in SYMMETRIC_AR_TYPES:
+        raise ValueError(f"{module}: symmetric_ar_type must be one of {', '.join(map(repr, SYMMETRIC_AR_TYPES))}, "
+                         f"got {value!r}")
+    return value
 
 
 def resolve_device(device: Union[None, str, torch.device]) -> torch.device:

@@ -35,6 +35,7 @@ from ._common import (
     hp_weight,
     no_torch_autocast,
     primary_weight,
+    check_symmetric_ar_type,
     reject_unsupported,
     returned_bias,
 )
@@ -259,8 +260,10 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
         name = "LayerNormLinear"
         parameters_split = kwargs.pop("parameters_split", None)
         label = check_name(kwargs.pop("name", None), name)
+        symmetric_ar_type = check_symmetric_ar_type(kwargs.pop("symmetric_ar_type", None), name)
         reject_unsupported(name, **kwargs)
         super().__init__(SLOTS, device=device, params_dtype=params_dtype)
+        self.symmetric_ar_type = symmetric_ar_type  # (runs as torch.distributed's all-reduce: check_symmetric_ar_type)
         self.name = label
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         tensor_parallel.init_tensor_parallel(

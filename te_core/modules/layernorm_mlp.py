@@ -37,6 +37,7 @@ from ._common import (
     is_gated,
     no_torch_autocast,
     primary_weight,
+    check_symmetric_ar_type,
     reject_unsupported,
 )
 from .layernorm_linear import (
@@ -217,6 +218,7 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
         checkpoint = kwargs.pop("checkpoint", False)
         label = check_name(kwargs.pop("name", None), name)
         check_warmup_sizes(name, kwargs.pop("seq_length", None), kwargs.pop("micro_batch_size", None))
+        symmetric_ar_type = check_symmetric_ar_type(kwargs.pop("symmetric_ar_type", None), name)
         reject_unsupported(name, **kwargs)
         if not isinstance(checkpoint, bool):
             raise TypeError(f"{name}: checkpoint must be a bool, got {type(checkpoint).__name__}")
@@ -225,6 +227,7 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
                                       "the recompute would run inside backward(), after which backward_dw() expects "
                                       "the kept operands; use one of the two")
         super().__init__(SLOTS, device=device, params_dtype=params_dtype)
+        self.symmetric_ar_type = symmetric_ar_type  # (runs as torch.distributed's all-reduce: check_symmetric_ar_type)
         self.name = label
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         tensor_parallel.init_tensor_parallel(

@@ -31,6 +31,7 @@ from ._common import (
     default_init_method,
     no_torch_autocast,
     primary_weight,
+    check_symmetric_ar_type,
     reject_unsupported,
     returned_bias,
 )
@@ -168,11 +169,13 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
         **unsupported,
     ):
         parameters_split = unsupported.pop("parameters_split", None)
+        symmetric_ar_type = check_symmetric_ar_type(unsupported.pop("symmetric_ar_type", None), "Linear")
         reject_unsupported("Linear", **unsupported)
         check_bool(save_original_input, name="save_original_input", module="Linear")
         check_positive(in_features, name="in_features", module="Linear")
         check_positive(out_features, name="out_features", module="Linear")
         super().__init__(gemm_slots(), device=device, params_dtype=params_dtype)
+        self.symmetric_ar_type = symmetric_ar_type  # (runs as torch.distributed's all-reduce: check_symmetric_ar_type)
         tensor_parallel.init_tensor_parallel(
             self, "Linear", tp_group=tp_group, tp_size=tp_size, parallel_mode=parallel_mode,
             sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker,

@@ -237,3 +237,21 @@ def test_graphed_callables_fp8_group_is_the_amax_reduction_group(monkeypatch):
                               allow_unused_input=True, fp8_enabled=True, fp8_group=group)
     # te-core runs the warm-up itself (TE's order and hooks), so the device's capture gets none
     assert seen == [("warm-up", group, 1, True), (group, 0, True)]
+
+
+@pytest.mark.parametrize("build", [lambda **kw: te.Linear(32, 16, **kw), lambda **kw: te.LayerNormLinear(32, 16, **kw),
+                                   lambda **kw: te.LayerNormMLP(32, 64, **kw)])
+def test_symmetric_ar_type_is_kept_and_computes_as_the_standard_all_reduce(build):
+    """symmetric_ar_type (Transformer Engine's choice of symmetric-memory all-reduce kernel for a
+    row-parallel forward): accepted with TE's values, kept, and the module computes as without it
+    (te-core runs torch.distributed's all-reduce for every value); anything else is refused."""
+    x = _x(8, 32)
+    torch.manual_seed(0)
+    plain = build()
+    for kind in ("multimem_all_reduce", "two_shot", "one_shot"):
+        torch.manual_seed(0)
+        module = build(symmetric_ar_type=kind)
+        assert module.symmetric_ar_type == kind
+        torch.testing.assert_close(module(x), plain(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="symmetric_ar_type must be one of None, 'multimem_all_reduce'"):
+        build(symmetric_ar_type="three_shot")

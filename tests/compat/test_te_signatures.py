@@ -34,6 +34,7 @@ PACKED_AND_CACHED = {**{name: MODULES + "test_packed_layers.py"
                   "inference_params": MODULES + "test_inference_cache.py"}
 IMPLEMENTED = {
     ("Linear", "__init__"): {
+        "symmetric_ar_type": COMPAT,
         "init_method": MODULES + "test_linear.py", "bias": MODULES + "test_linear.py",
         "return_bias": MODULES + "test_linear.py", "params_dtype": MODULES + "test_linear.py",
         "parallel_mode": MODULES + "test_linear.py", "device": MODULES + "test_linear.py",
@@ -45,6 +46,7 @@ IMPLEMENTED = {
     },
     ("Linear", "forward"): {"is_first_microbatch": MODULES + "test_fp8_modules.py"},
     ("LayerNormLinear", "__init__"): {
+        "symmetric_ar_type": COMPAT,
         "name": COMPAT,
         "eps": COMPAT, "init_method": COMPAT, "bias": MODULES + "test_layernorm_linear.py",
         "normalization": MODULES + "test_layernorm_linear.py", "return_bias": MODULES + "test_split_output.py",
@@ -57,6 +59,7 @@ IMPLEMENTED = {
     },
     ("LayerNormLinear", "forward"): {"is_first_microbatch": MODULES + "test_fp8_modules.py"},
     ("LayerNormMLP", "__init__"): {
+        "symmetric_ar_type": COMPAT,
         "name": COMPAT, "seq_length": COMPAT, "micro_batch_size": COMPAT,
         "eps": COMPAT, "init_method": COMPAT, "output_layer_init_method": COMPAT,
         "bias": MODULES + "test_layernorm_linear.py", "normalization": MODULES + "test_layernorm_linear.py",
