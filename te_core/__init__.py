@@ -12,6 +12,14 @@ from .compat.transformer_engine import install_as_transformer_engine
 from .convert import convert_model
 from .graphs import make_graphed_callables
 from .host_threads import pin_host_threads
+from .permutation import (
+    moe_permute,
+    moe_permute_and_pad_with_probs,
+    moe_permute_with_probs,
+    moe_sort_chunks_by_index,
+    moe_sort_chunks_by_index_with_probs,
+    moe_unpermute,
+)
 from .modules import (
     DotProductAttention,
     Fp8Padding,
@@ -57,4 +65,6 @@ __all__ = [
     "get_default_recipe", "is_bf16_available", "is_fp8_available",
     "is_fp8_block_scaling_available", "is_mxfp8_available",
     "Float8Tensor", "Float8BlockwiseTensor", "MXFP8Tensor", "QuantizedTensor",
+    "moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
+    "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs",
 ]

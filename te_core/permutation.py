@@ -1,0 +1,181 @@
+"""Transformer Engine's token permutation for mixture-of-experts layers (`te.moe_permute`,
+`te.moe_unpermute`, `te.moe_sort_chunks_by_index` and their `_with_probs` / padding variants),
+in plain torch operations, so they run on every backend and autograd differentiates them.
+
+`moe_permute` groups the tokens by the expert they are routed to: every row of expert 0 (in
+token order), then expert 1's, and so on, a token routed to k experts appearing k times. The
+routing is a mask ([tokens, experts], nonzero: routed) or, with map_type="index", each token's
+expert indices ([tokens, top_k]). `moe_unpermute` takes the expert outputs back to token order,
+summing a token's rows, weighted by `merging_probs` where given. The `row_id_map` that
+moe_permute returns is what moe_unpermute needs, in te-core's own layout (Transformer Engine's
+is its kernels'; both are only handed from one call to the other): for a mask, the output row
+of each (token, expert) pair or -1, [tokens, experts]; for indices, the output row of each
+(token, k) pair or -1 (dropped), [tokens, top_k].
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+__all__ = ["moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
+           "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs"]
+
+
+def _check_tokens(inp: Tensor, name: str) -> None:
+    if not isinstance(inp, Tensor) or inp.dim() != 2:
+        raise ValueError(f"{name}: inp must be [num_tokens, hidden_size], got "
+                         f"{tuple(inp.shape) if isinstance(inp, Tensor) else type(inp).__name__}")
+
+
+def _mask_rows(routing_map: Tensor, num_tokens: int, name: str) -> Tuple[Tensor, Tensor]:
+    """(the token of each output row, grouped by expert; the [tokens, experts] output row of each
+    routed pair or -1)."""
+    if routing_map.dim() != 2 or routing_map.shape[0] != num_tokens:
+        raise ValueError(f"{name}: routing_map must be [num_tokens={num_tokens}, num_experts] for map_type 'mask', "
+                         f"got {tuple(routing_map.shape)}")
+    routed = routing_map.bool().T  # [experts, tokens]
+    tokens = torch.arange(num_tokens, device=routing_map.device).expand_as(routed).masked_select(routed)
+    rows = torch.full(routed.shape, -1, dtype=torch.long, device=routing_map.device)
+    rows[routed] = torch.arange(tokens.numel(), device=routing_map.device)
+    return tokens, rows.T.contiguous()
+
+
+def _rows_out(inp: Tensor, tokens: Tensor, num_out_tokens: Optional[int], name: str) -> Tensor:
+    """inp's rows `tokens`, in num_out_tokens rows (<= 0 or None: as many as routed; more: the
+    rest zeros, as a buffer of that size holds them)."""
+    routed = tokens.numel()
+    if num_out_tokens is None or num_out_tokens <= 0:
+        num_out_tokens = routed
+    if num_out_tokens < routed:
+        raise ValueError(f"{name}: num_out_tokens={num_out_tokens} but the routing map routes {routed} token rows; "
+                         "give at least that many (drop tokens by removing them from the routing map)")
+    out = inp.index_select(0, tokens)
+    if num_out_tokens > routed:
+        out = torch.cat([out, out.new_zeros(num_out_tokens - routed, inp.shape[1])])
+    return out
+
+
+def moe_permute(inp: Tensor, routing_map: Tensor, num_out_tokens: int = -1, max_token_num: int = -1,
+                map_type: str = "mask") -> Tuple[Tensor, Tensor]:
+    """(the tokens grouped by expert, row_id_map), Transformer Engine's arguments. With
+    map_type="index", num_out_tokens < num_tokens x top_k keeps the first rows (capacity dropping:
+    the rows of the highest expert indices are dropped first); max_token_num sizes Transformer
+    Engine's workspace and changes nothing here."""
+    name = "moe_permute"
+    _check_tokens(inp, name)
+    if map_type == "mask":
+        tokens, rows = _mask_rows(routing_map, inp.shape[0], name)
+        return _rows_out(inp, tokens, num_out_tokens, name), rows
+    if map_type == "index":
+        if routing_map.dim() == 1:
+            routing_map = routing_map[:, None]
+        if routing_map.dim() != 2 or routing_map.shape[0] != inp.shape[0]:
+            raise ValueError(f"{name}: routing_map must be [num_tokens, top_k] expert indices for map_type 'index', "
+                             f"got {tuple(routing_map.shape)}")
+        top_k = routing_map.shape[1]
+        order = torch.argsort(routing_map.reshape(-1), stable=True)  # (token, k) pairs by expert
+        kept = order.numel() if num_out_tokens is None or num_out_tokens <= 0 else min(num_out_tokens, order.numel())
+        rows = torch.full((order.numel(),), -1, dtype=torch.long, device=inp.device)
+        rows[order[:kept]] = torch.arange(kept, device=inp.device)
+        return inp.index_select(0, order[:kept] // top_k), rows.view(-1, top_k)
+    raise ValueError(f"{name}: map_type must be 'mask' or 'index', got {map_type!r}")
+
+
+def moe_permute_with_probs(inp: Tensor, probs: Tensor, routing_map: Tensor,
+                           num_out_tokens: int = -1) -> Tuple[Tensor, Tensor, Tensor]:
+    """(the tokens grouped by expert, their probabilities likewise, row_id_map): probs and
+    routing_map are [num_tokens, num_experts]."""
+    name = "moe_permute_with_probs"
+    _check_tokens(inp, name)
+    tokens, rows = _mask_rows(routing_map, inp.shape[0], name)
+    if probs.shape != routing_map.shape:
+        raise ValueError(f"{name}: probs must match routing_map's shape {tuple(routing_map.shape)}, "
+                         f"got {tuple(probs.shape)}")
+    permuted_probs = probs.T.masked_select(routing_map.bool().T)
+    out = _rows_out(inp, tokens, num_out_tokens, name)
+    if out.shape[0] > permuted_probs.numel():
+        permuted_probs = torch.cat([permuted_probs, permuted_probs.new_zeros(out.shape[0] - permuted_probs.numel())])
+    return out, permuted_probs, rows
+
+
+def moe_permute_and_pad_with_probs(inp: Tensor, probs: Tensor, routing_map: Tensor, tokens_per_expert: Tensor,
+                                   align_size: int):
+    """moe_permute_with_probs with each expert's rows padded with zero rows to a multiple of
+    align_size: (output, permuted probs, row_id_map, pad_offsets (each expert's padding before
+    its rows, or None without padding), the padded row counts per expert)."""
+    name = "moe_permute_and_pad_with_probs"
+    if tokens_per_expert is None:
+        raise ValueError(f"{name}: tokens_per_expert must be given (the routed rows per expert)")
+    if isinstance(align_size, bool) or not isinstance(align_size, int) or align_size <= 0:
+        raise ValueError(f"{name}: align_size must be a positive int, got {align_size!r}")
+    counts = tokens_per_expert.to(device=inp.device, dtype=torch.long)
+    routed = routing_map.bool().sum(0).to(counts.device)
+    if not torch.equal(counts, routed):
+        raise ValueError(f"{name}: tokens_per_expert {counts.tolist()} differs from the routing map's counts "
+                         f"{routed.tolist()}")
+    padded = (counts + align_size - 1) // align_size * align_size
+    out, permuted_probs, rows = moe_permute_with_probs(inp, probs, routing_map)
+    if torch.equal(padded, counts):
+        return out, permuted_probs, rows, None, padded
+    pad_offsets = torch.cumsum(padded - counts, 0) - (padded - counts)  # padding before each expert's rows
+    expert_of_row = torch.repeat_interleave(torch.arange(counts.numel(), device=inp.device), counts)
+    target = torch.arange(out.shape[0], device=inp.device) + pad_offsets[expert_of_row]
+    total = int(padded.sum())
+    padded_out = out.new_zeros(total, out.shape[1]).index_copy(0, target, out)
+    padded_probs = permuted_probs.new_zeros(total).index_copy(0, target, permuted_probs)
+    rows = torch.where(rows >= 0, rows + pad_offsets[None, :], rows)
+    return padded_out, padded_probs, rows, pad_offsets, padded
+
+
+def moe_unpermute(inp: Tensor, row_id_map: Tensor, merging_probs: Optional[Tensor] = None,
+                  restore_shape: Optional[Union[torch.Size, Sequence[int]]] = None, map_type: str = "mask",
+                  probs: Optional[Tensor] = None, pad_offsets: Optional[Tensor] = None) -> Tensor:
+    """The expert outputs back in token order: each token's rows summed, weighted by
+    merging_probs ([num_tokens, num_experts] for a mask, [num_tokens, top_k] for indices) where
+    given. `probs` is Transformer Engine's deprecated name of merging_probs; `pad_offsets` (from
+    moe_permute_and_pad_with_probs) is already in row_id_map here and only checked for presence."""
+    name = "moe_unpermute"
+    if probs is not None:
+        if merging_probs is not None:
+            raise ValueError(f"{name}: probs is the deprecated name of merging_probs; give only merging_probs")
+        merging_probs = probs
+    if map_type not in ("mask", "index"):
+        raise ValueError(f"{name}: map_type must be 'mask' or 'index', got {map_type!r}")
+    _check_tokens(inp, name)
+    num_tokens = row_id_map.shape[0]
+    if restore_shape is not None and tuple(restore_shape)[0] != num_tokens:
+        raise ValueError(f"{name}: restore_shape {tuple(restore_shape)} has not the row_id_map's {num_tokens} tokens")
+    if merging_probs is not None and merging_probs.shape != row_id_map.shape:
+        raise ValueError(f"{name}: merging_probs must be {tuple(row_id_map.shape)} (tokens x "
+                         f"{'experts' if map_type == 'mask' else 'top_k'}), got {tuple(merging_probs.shape)}")
+    taken = row_id_map >= 0
+    token = torch.arange(num_tokens, device=inp.device)[:, None].expand_as(row_id_map)[taken]
+    rows = inp.index_select(0, row_id_map[taken])
+    if merging_probs is not None:
+        rows = rows * merging_probs[taken][:, None].to(rows.dtype)
+    return inp.new_zeros(num_tokens, inp.shape[1]).index_add(0, token, rows)
+
+
+def _chunk_order(split_sizes, sorted_index, total: int, device, name: str) -> Tensor:
+    sizes = [int(s) for s in (split_sizes.tolist() if isinstance(split_sizes, Tensor) else split_sizes)]
+    order = [int(i) for i in (sorted_index.tolist() if isinstance(sorted_index, Tensor) else sorted_index)]
+    if sum(sizes) != total or sorted(order) != list(range(len(sizes))):
+        raise ValueError(f"{name}: split_sizes must sum to the {total} rows and sorted_index be a permutation of "
+                         f"the {len(sizes)} chunks; got {sizes} and {order}")
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return torch.cat([torch.arange(starts[i], starts[i] + sizes[i], device=device) for i in order]) if order \
+        else torch.zeros(0, dtype=torch.long, device=device)
+
+
+def moe_sort_chunks_by_index(inp: Tensor, split_sizes, sorted_index) -> Tensor:
+    """inp cut along dim 0 into chunks of split_sizes, then put in the order sorted_index gives."""
+    return inp.index_select(0, _chunk_order(split_sizes, sorted_index, inp.shape[0], inp.device,
+                                            "moe_sort_chunks_by_index"))
+
+
+def moe_sort_chunks_by_index_with_probs(inp: Tensor, probs: Tensor, split_sizes, sorted_index) -> Tuple[Tensor, Tensor]:
+    """moe_sort_chunks_by_index of inp and of its per-row probs alike."""
+    rows = _chunk_order(split_sizes, sorted_index, inp.shape[0], inp.device, "moe_sort_chunks_by_index_with_probs")
+    return inp.index_select(0, rows), probs.index_select(0, rows)
