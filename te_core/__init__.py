@@ -11,6 +11,7 @@ from .backend import get_backend, list_backends, set_backend
 from .compat.transformer_engine import install_as_transformer_engine
 from .convert import convert_model
 from .cross_entropy import parallel_cross_entropy
+from .distributed import CudaRNGStatesTracker
 from .graphs import make_graphed_callables
 from .host_threads import pin_host_threads
 from .permutation import (
@@ -68,4 +69,5 @@ __all__ = [
     "Float8Tensor", "Float8BlockwiseTensor", "MXFP8Tensor", "QuantizedTensor",
     "moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
     "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "parallel_cross_entropy",
+    "CudaRNGStatesTracker",
 ]

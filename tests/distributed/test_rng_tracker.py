@@ -64,6 +64,7 @@ def test_tracker_errors_name_the_problem():
 
 def test_te_name_is_the_same_class():
     assert CudaRNGStatesTracker is RNGStatesTracker and te.distributed.RNGStatesTracker is RNGStatesTracker
+    assert te.CudaRNGStatesTracker is RNGStatesTracker  # exported at the top, as Transformer Engine does
 
 
 def test_weights_are_initialized_in_the_trackers_region():
