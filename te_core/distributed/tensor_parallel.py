@@ -193,6 +193,20 @@ def replicated_output(module, x: Optional[Tensor]) -> Optional[Tensor]:
     return _GradScaled.apply(x, 1.0 / module.tp_size)
 
 
+def gathered_norm_output(module, x: Optional[Tensor], in_shape: torch.Size):
+    """(the norm's returned output, its shape): Transformer Engine's
+    return_layernorm_output_gathered under sequence parallelism gathers it along the sequence
+    (the first dimension of `in_shape`, this rank's input's), its gradient reduce-scattered back
+    to each rank's shard as the GEMM's own gathered input's is; otherwise it stays this rank's.
+    An all-gather of its own, in the norm output's dtype (the GEMM's input may have travelled in
+    FP8)."""
+    if x is None or not module.return_layernorm_output_gathered or module.tp_size == 1 \
+            or not module.sequence_parallel:
+        return x, in_shape
+    gathered = gather_along_first_dim(x.reshape(in_shape), module._tp_group())
+    return gathered, gathered.shape
+
+
 def replicated_parameter(module, param: Optional[Tensor]) -> Optional[Tensor]:
     """A parameter every rank holds whole and applies to the replicated (gathered) input, such
     as the norm's weight in front of a column-parallel GEMM: each rank computes only part of

@@ -26,7 +26,7 @@ _NOT_IMPLEMENTED = {
     "tensor, sequence or context parallelism": {
         "sequence_parallel": (None, False), "tp_group": (None,), "tp_size": (1,), "get_rng_state_tracker": (None,),
         "rng_tracker_name": (None,), "parallel_mode": (None, "column", "row"), "set_parallel_mode": (False,),
-        "return_layernorm_output_gathered": (False,), "cp_group": (None,), "cp_global_ranks": (None,),
+        "cp_group": (None,), "cp_global_ranks": (None,),
         "cp_stream": (None,), "cp_comm_type": ("p2p",),
     },
     "userbuffers communication overlap": {

@@ -24,6 +24,7 @@ from ._param_split import ParameterSplitMixin
 from ._saved import restore_held, save_holding_quantized
 from ._wgrad import weight_grad
 from ._common import (
+    check_bool,
     check_fp8_gemms,
     check_input,
     check_name,
@@ -69,14 +70,16 @@ def norm_settings(module: QuantizedModule) -> dict:
 
 def fused_outputs(y, shape: torch.Size, out_features: int, bias: Optional[Tensor], ln_out: Optional[Tensor],
                   residual: Optional[Tensor] = None, *, return_bias: bool = False,
-                  in_shape: Optional[torch.Size] = None):
+                  in_shape: Optional[torch.Size] = None, ln_shape: Optional[torch.Size] = None):
     """y shaped like the input of the GEMM, of shape `shape` (last dim out_features; a tuple of
     split views each shaped so), then, with return_bias, the bias left unapplied in y's dtype (None
     for a module without one, as Transformer Engine returns it), then the norm's output when it is
     returned (TE's order), then the residual when asked for: a tensor alone, else a tuple. The
     last two have the module input's shape `in_shape` (default `shape`; under sequence
-    parallelism the GEMM's input is the gathered sequence, the norm's output this rank's shard)."""
+    parallelism the GEMM's input is the gathered sequence, the norm's output this rank's shard),
+    the norm's output `ln_shape` where given (gathered: tensor_parallel.gathered_norm_output)."""
     in_shape = shape if in_shape is None else in_shape
+    ln_shape = in_shape if ln_shape is None else ln_shape
     lead = shape[:-1]
     if isinstance(y, tuple):
         result = (tuple(part.view(*lead, part.shape[-1]) for part in y),)
@@ -85,7 +88,7 @@ def fused_outputs(y, shape: torch.Size, out_features: int, bias: Optional[Tensor
     if return_bias:
         result += (returned_bias(bias, (y[0] if isinstance(y, tuple) else y).dtype),)
     if ln_out is not None:
-        result += (ln_out.view(in_shape),)
+        result += (ln_out.view(ln_shape),)
     if residual is not None:
         result += (residual.view(in_shape),)
     return result[0] if len(result) == 1 else result
@@ -259,6 +262,8 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
     ):
         name = "LayerNormLinear"
         parameters_split = kwargs.pop("parameters_split", None)
+        gathered = check_bool(kwargs.pop("return_layernorm_output_gathered", False),
+                              name="return_layernorm_output_gathered", module=name)
         label = check_name(kwargs.pop("name", None), name)
         symmetric_ar_type = check_symmetric_ar_type(kwargs.pop("symmetric_ar_type", None), name)
         reject_unsupported(name, **kwargs)
@@ -281,6 +286,7 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
         add_norm_parameters(self, in_features, normalization, eps, zero_centered_gamma, name)
         tensor_parallel.mark_sequence_parallel(self, [self.layer_norm_weight, self.layer_norm_bias])
         self.return_bias, self.return_layernorm_output = return_bias, return_layernorm_output
+        self.return_layernorm_output_gathered = gathered  # (tensor_parallel.gathered_norm_output)
         self.use_bias = bias
         factory = dict(device=self.device, dtype=self.params_dtype)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
@@ -348,7 +354,8 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
             )
         out, ln_out, residual = unpack_outputs(out, inp, return_ln_out=self.return_layernorm_output,
                                                return_residual=return_residual, residual_fused=residual_fused)
-        ln_out = tensor_parallel.replicated_output(self, ln_out)
+        ln_out, ln_shape = tensor_parallel.gathered_norm_output(
+            self, tensor_parallel.replicated_output(self, ln_out), inp.shape)
         y = out[0] if split_sizes is None else tuple(out)
         return fused_outputs(y, gemm_shape, self.out_features, bias, ln_out, residual, return_bias=self.return_bias,
-                             in_shape=inp.shape)
+                             in_shape=inp.shape, ln_shape=ln_shape)

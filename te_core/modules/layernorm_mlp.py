@@ -26,6 +26,7 @@ from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
 from ._wgrad import weight_grad
 from ._common import (
+    check_bool,
     check_fp8_gemms,
     check_input,
     check_name,
@@ -216,6 +217,8 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
         set_parallel_mode = kwargs.pop("set_parallel_mode", False)
         act = activation_op(activation, kwargs.pop("activation_params", None), name)
         checkpoint = kwargs.pop("checkpoint", False)
+        gathered = check_bool(kwargs.pop("return_layernorm_output_gathered", False),
+                              name="return_layernorm_output_gathered", module=name)
         label = check_name(kwargs.pop("name", None), name)
         check_warmup_sizes(name, kwargs.pop("seq_length", None), kwargs.pop("micro_batch_size", None))
         symmetric_ar_type = check_symmetric_ar_type(kwargs.pop("symmetric_ar_type", None), name)
@@ -246,6 +249,7 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
         self.activation, self._activation_op = activation, act
         add_norm_parameters(self, hidden_size, normalization, eps, zero_centered_gamma, name)
         self.return_bias, self.return_layernorm_output, self.use_bias = return_bias, return_layernorm_output, bias
+        self.return_layernorm_output_gathered = gathered  # (tensor_parallel.gathered_norm_output)
         factory = dict(device=self.device, dtype=self.params_dtype)
         fc1_out = 2 * self.size_per_partition if is_gated(activation) else self.size_per_partition
         self.fc1_weight = nn.Parameter(torch.empty(fc1_out, hidden_size, **factory))
@@ -325,8 +329,9 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
             )
         out, ln_out, residual = unpack_outputs(out, inp, return_ln_out=self.return_layernorm_output,
                                                return_residual=return_residual, residual_fused=residual_fused)
-        ln_out = tensor_parallel.replicated_output(self, ln_out)
+        ln_out, ln_shape = tensor_parallel.gathered_norm_output(
+            self, tensor_parallel.replicated_output(self, ln_out), inp.shape)
         if self.tp_size > 1:
             out[0] = tensor_parallel.row_parallel_output(self, out[0], None if self.return_bias else self.fc2_bias)
         return fused_outputs(out[0], inp.shape, self.hidden_size, self.fc2_bias, ln_out, residual,
-                             return_bias=self.return_bias)
+                             return_bias=self.return_bias, ln_shape=ln_shape)

@@ -46,6 +46,7 @@ IMPLEMENTED = {
     },
     ("Linear", "forward"): {"is_first_microbatch": MODULES + "test_fp8_modules.py"},
     ("LayerNormLinear", "__init__"): {
+        "return_layernorm_output_gathered": DIST + "test_tensor_parallel.py",
         "symmetric_ar_type": COMPAT,
         "name": COMPAT,
         "eps": COMPAT, "init_method": COMPAT, "bias": MODULES + "test_layernorm_linear.py",
@@ -59,6 +60,7 @@ IMPLEMENTED = {
     },
     ("LayerNormLinear", "forward"): {"is_first_microbatch": MODULES + "test_fp8_modules.py"},
     ("LayerNormMLP", "__init__"): {
+        "return_layernorm_output_gathered": DIST + "test_tensor_parallel.py",
         "symmetric_ar_type": COMPAT,
         "name": COMPAT, "seq_length": COMPAT, "micro_batch_size": COMPAT,
         "eps": COMPAT, "init_method": COMPAT, "output_layer_init_method": COMPAT,

@@ -125,3 +125,34 @@ def _norm_output(ctx, kind: str, sequence_parallel: bool):
 @pytest.mark.parametrize("kind", ["LayerNormLinear", "LayerNormMLP"])
 def test_norm_output_under_tensor_parallelism(pool, kind, sequence_parallel):
     assert pool.run(_norm_output, kind, sequence_parallel)[:2] == [True, True]
+
+
+def _gathered_norm_output(ctx, kind: str, gathered: dict):
+    """return_layernorm_output_gathered=True under sequence parallelism (Transformer Engine's):
+    the norm output comes back gathered, the whole sequence's, on every rank; the gradients each
+    rank gives it are summed over the ranks and join each rank's input shard's gradient."""
+    if ctx.rank >= 2:
+        return None
+    rank = ctx.rank
+    make = {"LayerNormLinear": lambda **kw: LayerNormLinear(64, 64, return_layernorm_output=True, **kw),
+            "LayerNormMLP": lambda **kw: LayerNormMLP(64, 128, return_layernorm_output=True, **kw)}[kind]
+    parallel = dict(parallel_mode="column") if kind == "LayerNormLinear" else dict(set_parallel_mode=True)
+    full, part, x, dy, d_ln = _full_and_part(
+        ctx, lambda **kw: make(**(gathered if kw else {}), **kw),
+        dict(sequence_parallel=True, **parallel), 9)
+    local = lambda t: t.chunk(2, dim=0)[rank]  # noqa: E731
+    out_part = (lambda t: t.chunk(2, dim=-1)[rank]) if kind == "LayerNormLinear" else local
+    x_full, x_part = x.clone().requires_grad_(), local(x).clone().requires_grad_()
+    y, ln_out = full(x_full)
+    torch.autograd.backward((y, ln_out), (dy, 3 * d_ln))  # the ranks' gradients below: d_ln and 2 * d_ln
+    y_part, ln_gathered = part(x_part)
+    torch.autograd.backward((y_part, ln_gathered), (out_part(dy), (rank + 1) * d_ln))
+    tol = dict(rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(ln_gathered, ln_out, **tol)
+    torch.testing.assert_close(x_part.grad, local(x_full.grad), **tol)
+    return True
+
+
+@pytest.mark.parametrize("kind", ["LayerNormLinear", "LayerNormMLP"])
+def test_gathered_norm_output_under_sequence_parallelism(pool, kind):
+    assert pool.run(_gathered_norm_output, kind, dict(return_layernorm_output_gathered=True))[:2] == [True, True]
