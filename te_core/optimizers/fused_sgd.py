@@ -32,12 +32,14 @@ class FusedSGD(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
             raise ValueError(f"{NAME}: momentum and weight_decay must be >= 0, got {momentum}, {weight_decay}")
         if nesterov and (momentum <= 0.0 or dampening != 0.0):
             raise ValueError(f"{NAME}: nesterov=True needs momentum > 0 and dampening = 0")
-        if materialize_master_grads is not True:
-            raise NotImplementedError(f"{NAME}: materialize_master_grads={materialize_master_grads!r} applies to "
-                                      "apex amp's master parameters, which te-core does not have; leave it True")
+        if not isinstance(materialize_master_grads, bool):
+            raise TypeError(f"{NAME}: materialize_master_grads must be a bool, got {materialize_master_grads!r}")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
         super().__init__(params, defaults)
         self.wd_after_momentum = wd_after_momentum
+        # (Transformer Engine reads it only for apex amp's master parameters, which neither it nor
+        # te-core has without apex: every value steps alike)
+        self.materialize_master_grads = materialize_master_grads
         self._init_set_grad_none(set_grad_none)
 
     @torch.no_grad()

@@ -206,7 +206,8 @@ IMPLEMENTED = {
         "use_decoupled_grad", "set_grad_none", "exp_avg_dtype", "exp_avg_sq_dtype")} | {
         "master_weight_dtype": COMPACT_STATES, "store_param_remainders": COMPACT_STATES},
     ("FusedSGD", "__init__"): {name: OPTIMIZERS for name in (
-        "momentum", "dampening", "weight_decay", "nesterov", "wd_after_momentum", "set_grad_none")},
+        "momentum", "dampening", "weight_decay", "nesterov", "wd_after_momentum", "set_grad_none",
+        "materialize_master_grads")},
 }
 
 # TE arguments that are not te-core's to implement nor to reject: checkpoint() passes **kwargs on

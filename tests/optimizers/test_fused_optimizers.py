@@ -146,8 +146,8 @@ def test_fused_sgd_weight_decay_after_momentum():
 def test_fused_sgd_checks_its_arguments():
     with pytest.raises(ValueError, match="nesterov"):
         FusedSGD(fresh(), lr=0.1, nesterov=True)
-    with pytest.raises(NotImplementedError, match="materialize_master_grads"):
-        FusedSGD(fresh(), lr=0.1, materialize_master_grads=False)
+    with pytest.raises(TypeError, match="materialize_master_grads must be a bool"):
+        FusedSGD(fresh(), lr=0.1, materialize_master_grads="no")
     with pytest.warns(DeprecationWarning, match="set_grad_none"):
         opt = FusedSGD(fresh(), lr=0.1, set_grad_none=False)
     with pytest.raises(ValueError, match="contradicts"):
@@ -267,3 +267,15 @@ def test_a_capturable_optimizers_step_and_lr_reload_in_the_form_each_optimizer_s
     assert type(plain.param_groups[0]["lr"]) is float
     run(plain_params, plain, steps=1, seed=5)
     assert plain.param_groups[0]["step"] == 3
+
+
+def test_fused_sgd_materialize_master_grads_steps_alike():
+    """materialize_master_grads (Transformer Engine's; it only matters with apex amp's master
+    parameters) is kept, and either value steps bit for bit as the other."""
+    ours, theirs = fresh(), fresh()
+    kept = FusedSGD(ours, lr=0.1, momentum=0.9, materialize_master_grads=False)
+    run(ours, kept)
+    run(theirs, FusedSGD(theirs, lr=0.1, momentum=0.9))
+    assert kept.materialize_master_grads is False
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
