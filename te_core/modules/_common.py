@@ -40,7 +40,6 @@ _NOT_IMPLEMENTED = {
     "FP8 tensors passed between modules": {"fp8_output": (False,), "fp8_grad": (False,), "out": (None,),
                                            "dgrad_out": (None,)},
     "attention variants": {
-        "bf16_backward": (False,),
         "score_mod": (None,), "score_mod_bprop": (None,), "score_mod_tensors": (None,),
         "score_mod_bprop_tensors": (None,),
     },

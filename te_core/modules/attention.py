@@ -165,6 +165,9 @@ class DotProductAttention(AttentionParallelMixin, nn.Module):
         pad_between_seqs = kwargs.pop("pad_between_seqs", None)
         qkv_layer, kv_layer = kwargs.pop("qkv_layer", None), kwargs.pop("kv_layer", None)
         interleave_dim = kwargs.pop("qkv_interleave_dim", -3)
+        # bf16_backward picks a high-precision backward for Transformer Engine's FP8 attention;
+        # te-core's attention is never FP8, so its backward always runs in the inputs' precision
+        check_bool(kwargs.pop("bf16_backward", False), name="bf16_backward", module=module)
         reject_unsupported(f"{module}.forward", **kwargs)
         fmt = check_choice(qkv_format or self.qkv_format, QKV_FORMATS, name="qkv_format", module=module)
         query_layer, key_layer, value_layer = unpack_qkv(qkv_layer, kv_layer, query_layer, key_layer, value_layer,

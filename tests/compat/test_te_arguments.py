@@ -255,3 +255,19 @@ def test_symmetric_ar_type_is_kept_and_computes_as_the_standard_all_reduce(build
         torch.testing.assert_close(module(x), plain(x), rtol=0, atol=0)
     with pytest.raises(ValueError, match="symmetric_ar_type must be one of None, 'multimem_all_reduce'"):
         build(symmetric_ar_type="three_shot")
+
+
+def test_bf16_backward_changes_nothing_as_attention_is_never_fp8():
+    """DotProductAttention.forward(bf16_backward=...) (Transformer Engine's high-precision backward
+    for FP8 attention): te-core's attention runs in the inputs' precision either way, so the
+    outputs and gradients are the same bit for bit; a non-bool is refused."""
+    attention = te.DotProductAttention(4, 8)
+    results = []
+    for flag in (False, True):
+        q, k, v = (_x(6, 2, 4, 8, seed=s).requires_grad_() for s in range(3))
+        out = attention(q, k, v, bf16_backward=flag)
+        out.sum().backward()
+        results.append((out, q.grad, k.grad, v.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    with pytest.raises(TypeError, match="bf16_backward"):
+        attention(*(_x(6, 2, 4, 8) for _ in range(3)), bf16_backward="yes")

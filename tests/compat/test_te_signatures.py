@@ -107,6 +107,7 @@ IMPLEMENTED = {
                                                                  "cp_comm_type")},
     },
     ("DotProductAttention", "forward"): {
+        "bf16_backward": COMPAT,
         "query_layer": ATTN, "key_layer": ATTN, "value_layer": ATTN, "attention_mask": ATTN, "qkv_format": ATTN,
         "attn_mask_type": ATTN, "window_size": ATTN, "bottom_right_diagonal": ATTN,
         "checkpoint_core_attention": ATTN, "core_attention_bias_type": ATTN, "core_attention_bias": ATTN,
