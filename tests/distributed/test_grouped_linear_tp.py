@@ -26,7 +26,8 @@ def _shards(whole, mode, tp=2):
             for i in range(3):
                 full = getattr(whole, f"weight{i}")
                 rows, cols = (full.shape[0] // tp, None) if mode == "column" else (None, full.shape[1] // tp)
-                part = full[rank * rows:(rank + 1) * rows] if mode == "column" else full[:, rank * cols:(rank + 1) * cols]
+                part = (full[rank * rows:(rank + 1) * rows] if mode == "column"
+                        else full[:, rank * cols:(rank + 1) * cols])
                 getattr(shard, f"weight{i}").copy_(part)
         shards.append(shard)
     return shards

@@ -61,7 +61,8 @@ def test_padding_aligns_each_experts_rows_and_unpermutes_through_it():
     for e in range(E):  # each expert's rows, then zero rows up to the multiple of 4
         rows = out[start:start + int(padded[e])]
         assert torch.equal(rows[:int(counts[e])], x[mask[:, e].bool()])
-        assert not rows[int(counts[e]):].any() and not permuted_probs[start + int(counts[e]):start + int(padded[e])].any()
+        assert not rows[int(counts[e]):].any()
+        assert not permuted_probs[start + int(counts[e]):start + int(padded[e])].any()
         start += int(padded[e])
     back = te.moe_unpermute(out, row_id_map, merging_probs=probs, pad_offsets=pad_offsets)
     torch.testing.assert_close(back, x * probs.sum(1, keepdim=True), rtol=1e-12, atol=1e-12)

@@ -161,8 +161,8 @@ def test_a_checkpoint_holds_float32_values_and_resumes_in_the_compact_forms(kwar
             if kept.dtype == torch.int16:
                 assert torch.equal(again, kept)
             else:
-                torch.testing.assert_close(resumed.get_unscaled_state(q, name), opt.get_unscaled_state(p, name),
-                                           **(E4M3 if kept.dtype == torch.float8_e4m3fn else dict(rtol=1e-3, atol=1e-6)))
+                tol = E4M3 if kept.dtype == torch.float8_e4m3fn else dict(rtol=1e-3, atol=1e-6)
+                torch.testing.assert_close(resumed.get_unscaled_state(q, name), opt.get_unscaled_state(p, name), **tol)
     run(params, opt, steps=1, seed=3)
     run(twins, resumed, steps=1, seed=3)
     for p, q in zip(params, twins):
