@@ -112,8 +112,10 @@ def make_graphed(device: DeviceGraphs, callables: Sequence[torch.nn.Module], sam
         raise ValueError(f"make_graphed_callables: the capture order runs no forward or no backward pass of "
                          f"callable(s) {missing}; each needs one of each")
     for i, c in enumerate(callables):
+        tensors = tuple(o for o in outputs[i] if isinstance(o, torch.Tensor))
         replay = _Replay(api, forward_graphs[i], backward_graphs[i] if captured_backward[i] else None, surfaces[i],
-                         len(sample_args[i]), outputs[i], grad_outputs[i], grad_inputs[i])
+                         len(sample_args[i]), outputs[i], tensors, tuple(o.requires_grad for o in tensors),
+                         grad_outputs[i], grad_inputs[i])
         c.forward = functools.partial(_replayed, replay, specs[i], tuple(c.parameters()))
         graphs = [forward_graphs[i]] + [backward_graphs[i]] * captured_backward[i]  # (one never captured: no reset)
         if i in wgrads:
@@ -141,6 +143,8 @@ class _Replay(NamedTuple):
     inputs: tuple  # the captured inputs, then the parameters
     n_args: int
     outputs: list  # the captured outputs' leaves (tensors and constants)
+    tensors: tuple  # their tensors, which a replay returns
+    differentiable: tuple  # per tensor, whether it required grad at capture
     grad_outputs: tuple  # buffers for the gradients of the outputs that required grad
     grad_inputs: tuple  # per input, its captured gradient or None
 
@@ -178,9 +182,8 @@ class _Graphed(torch.autograd.Function):
                 captured.copy_(given)
         _replay_on(replay.api, replay.forward_graph, *on)
         ctx.replay, ctx.on = replay, on
-        outs = tuple(o.detach() for o in replay.outputs if isinstance(o, torch.Tensor))
-        fixed = [o for o, captured in zip(outs, (o for o in replay.outputs if isinstance(o, torch.Tensor)))
-                 if not captured.requires_grad]
+        outs = tuple(o.detach() for o in replay.tensors)
+        fixed = [o for o, differentiable in zip(outs, replay.differentiable) if not differentiable]
         if fixed:
             ctx.mark_non_differentiable(*fixed)
         return outs
@@ -189,8 +192,7 @@ class _Graphed(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         replay = ctx.replay
-        wanted = [g for g, o in zip(grads, (o for o in replay.outputs if isinstance(o, torch.Tensor)))
-                  if o.requires_grad]
+        wanted = [g for g, differentiable in zip(grads, replay.differentiable) if differentiable]
         for buffer, grad in zip(replay.grad_outputs, wanted):
             if buffer.data_ptr() != grad.data_ptr():
                 buffer.copy_(grad)

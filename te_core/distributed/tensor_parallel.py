@@ -36,10 +36,7 @@ class TensorParallelMixin:
 
     def set_tensor_parallel_group(self, tp_group) -> None:
         """The process group of this module's tensor-parallel ranks (its size must be tp_size)."""
-        name = type(self).__name__
-        if tp_group is not None and group_size(tp_group, name) != self.tp_size:
-            raise ValueError(f"{name}: the tensor-parallel group has {group_size(tp_group, name)} ranks but the "
-                             f"module was built with tp_size={self.tp_size}; pass a group of {self.tp_size} ranks")
+        check_group_size(type(self).__name__, tp_group, self.tp_size)
         self.tp_group = tp_group
         self.tp_group_initialized = tp_group is not None or self.tp_size == 1
 
@@ -51,6 +48,22 @@ class TensorParallelMixin:
         return self.tp_group
 
 
+def check_group_size(name: str, tp_group, tp_size: int) -> None:
+    """A clear error where `tp_group` (None: none given) has not tp_size ranks."""
+    if tp_group is not None and group_size(tp_group, name) != tp_size:
+        raise ValueError(f"{name}: the tensor-parallel group has {group_size(tp_group, name)} ranks but the "
+                         f"module was built with tp_size={tp_size}; pass a group of {tp_size} ranks")
+
+
+def check_tp_arguments(name: str, tp_size, get_rng_state_tracker) -> None:
+    """A clear error for a tp_size that is no positive int, or a tracker getter that is no function."""
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise ValueError(f"{name}: tp_size must be a positive integer, got {tp_size!r}")
+    if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
+        raise TypeError(f"{name}: get_rng_state_tracker must be a function returning the tracker "
+                        f"(e.g. lambda: tracker), got {type(get_rng_state_tracker).__name__}")
+
+
 def init_tensor_parallel(module: TensorParallelMixin, name: str, *, tp_group, tp_size: int, parallel_mode,
                          sequence_parallel: bool, get_rng_state_tracker, rng_tracker_name,
                          modes: Sequence = PARALLEL_MODES) -> None:
@@ -58,13 +71,9 @@ def init_tensor_parallel(module: TensorParallelMixin, name: str, *, tp_group, tp
     tp_size defaults to the group's size; sequence parallelism needs tp_size > 1 to mean anything)."""
     if parallel_mode not in modes:
         raise ValueError(f"{name}: parallel_mode={parallel_mode!r}; use one of {', '.join(map(repr, modes))}")
-    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
-        raise ValueError(f"{name}: tp_size must be a positive integer, got {tp_size!r}")
+    check_tp_arguments(name, tp_size, get_rng_state_tracker)
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"{name}: sequence_parallel must be True or False, got {sequence_parallel!r}")
-    if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
-        raise TypeError(f"{name}: get_rng_state_tracker must be a function returning the tracker "
-                        f"(e.g. lambda: tracker), got {type(get_rng_state_tracker).__name__}")
     if tp_group is not None and tp_size == 1:
         tp_size = group_size(tp_group, name)
     module.tp_size, module.parallel_mode = tp_size, parallel_mode
@@ -82,6 +91,16 @@ def split_size(size: int, tp_size: int, *, what: str, module: str) -> int:
         raise ValueError(f"{module}: {what}={size} is not divisible by tp_size={tp_size}; each tensor-parallel "
                          f"rank holds {what}/tp_size of it, so choose a multiple of {tp_size}")
     return size // tp_size
+
+
+def local_features(module, in_features: int, out_features: int, name: str) -> Tuple[int, int]:
+    """(in_features, out_features) of this rank's shard of a GEMM module: out_features split in
+    the column mode, in_features in the row mode (module.parallel_mode, module.tp_size)."""
+    if module.parallel_mode == "column":
+        out_features = split_size(out_features, module.tp_size, what="out_features", module=name)
+    elif module.parallel_mode == "row":
+        in_features = split_size(in_features, module.tp_size, what="in_features", module=name)
+    return in_features, out_features
 
 
 def init_weight(module, init_method: Callable[[Tensor], None], weight: Tensor) -> None:

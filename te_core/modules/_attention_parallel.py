@@ -26,11 +26,7 @@ class AttentionParallelMixin:
         module = "DotProductAttention"
         if tp_group is not None:
             tp_size = group_size(tp_group, module)
-        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-            raise ValueError(f"{module}: tp_size must be a positive integer, got {tp_size!r}")
-        if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
-            raise TypeError(f"{module}: get_rng_state_tracker must be a function returning the tracker "
-                            f"(e.g. lambda: tracker), got {type(get_rng_state_tracker).__name__}")
+        tensor_parallel.check_tp_arguments(module, tp_size, get_rng_state_tracker)
         self.tp_size, self.tp_group = tp_size, tp_group
         self.sequence_parallel = check_bool(False if sequence_parallel is None else sequence_parallel,
                                             name="sequence_parallel", module=module)
@@ -43,10 +39,7 @@ class AttentionParallelMixin:
     def set_tensor_parallel_group(self, tp_group) -> None:
         """Transformer Engine's: the group of this module's tensor-parallel ranks (its size must be
         tp_size; the module itself communicates nothing)."""
-        if tp_group is not None and group_size(tp_group, "DotProductAttention") != self.tp_size:
-            raise ValueError(f"DotProductAttention: the tensor-parallel group has "
-                             f"{group_size(tp_group, 'DotProductAttention')} ranks but the module was built with "
-                             f"tp_size={self.tp_size}; pass a group of {self.tp_size} ranks")
+        tensor_parallel.check_group_size("DotProductAttention", tp_group, self.tp_size)
         self.tp_group = tp_group
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None,
@@ -78,7 +71,7 @@ class AttentionParallelMixin:
                                       f"{', '.join(unsupported)}; it takes sbhd or bshd inputs with attn_mask_type "
                                       "'causal' or 'no_mask'")
         return _context_parallel.gathered(query_layer, key_layer, value_layer, fmt, mask_type, self.cp_group,
-                                         self.cp_comm_type, module)
+                                          self.cp_size, self.cp_rank, self.cp_comm_type, module)
 
     def _dropout_context(self, dropout: bool):
         if not dropout or self.get_rng_state_tracker is None or self.sequence_parallel:

@@ -55,8 +55,8 @@ def positions(rank: int, cp_size: int, local: int, device) -> Tensor:
                       torch.arange(second, second + chunk, device=device)])
 
 
-def gathered(query: Tensor, key: Tensor, value: Tensor, fmt: str, mask_type: str, group,
-             comm_type: str, module: str) -> Tuple[Tensor, Tensor, str, Optional[Tensor]]:
+def gathered(query: Tensor, key: Tensor, value: Tensor, fmt: str, mask_type: str, group, cp_size: int,
+             rank: int, comm_type: str, module: str) -> Tuple[Tensor, Tensor, str, Optional[Tensor]]:
     """(every rank's keys, every rank's values, the mask type, the attention mask) for this rank's
     queries: the keys and values all-gathered along the sequence, and for a causal mask a bool
     mask (True: masked out) of the keys that come after each query in the whole sequence."""
@@ -80,7 +80,6 @@ def gathered(query: Tensor, key: Tensor, value: Tensor, fmt: str, mask_type: str
     key, value = gather(key), gather(value)
     if mask_type == "no_mask":
         return key, value, mask_type, None
-    cp_size, rank = group_size(group, module), torch.distributed.get_rank(group)
     q_pos = positions(rank, cp_size, local, query.device)
     k_pos = torch.cat([positions(r, cp_size, local, query.device) for r in range(cp_size)])
     return key, value, "arbitrary", (k_pos[None, :] > q_pos[:, None])[None, None]

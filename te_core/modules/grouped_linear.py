@@ -159,10 +159,7 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
             raise ValueError(f"{name}: no bias with tp_size > 1 (as in Transformer Engine: the module runs no "
                              "tensor-parallel communication, so a bias would go before the caller's reduction); "
                              "build it with bias=False and add the bias after that reduction")
-        if parallel_mode == "column":
-            out_features = tensor_parallel.split_size(out_features, self.tp_size, what="out_features", module=name)
-        elif parallel_mode == "row":
-            in_features = tensor_parallel.split_size(in_features, self.tp_size, what="in_features", module=name)
+        in_features, out_features = tensor_parallel.local_features(self, in_features, out_features, name)
         self.name = label
         self.num_gemms, self.fuse_wgrad_accumulation = num_gemms, fuse_wgrad_accumulation
         self.in_features, self.out_features = in_features, out_features

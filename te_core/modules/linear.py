@@ -180,11 +180,7 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
             self, "Linear", tp_group=tp_group, tp_size=tp_size, parallel_mode=parallel_mode,
             sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker,
             rng_tracker_name=rng_tracker_name)
-        if parallel_mode == "column":
-            out_features = tensor_parallel.split_size(out_features, self.tp_size, what="out_features", module="Linear")
-        elif parallel_mode == "row":
-            in_features = tensor_parallel.split_size(in_features, self.tp_size, what="in_features", module="Linear")
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features = tensor_parallel.local_features(self, in_features, out_features, "Linear")
         self.return_bias, self.use_bias = return_bias, bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.save_original_input = save_original_input  # read at each forward: may be set later (Megatron-LM does)
