@@ -66,6 +66,10 @@ def test_bad_tensor_parallel_arguments_name_the_problem():
         te.DotProductAttention(8, D, num_gqa_groups=2, tp_size=4)
     with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
         te.DotProductAttention(8, D, tp_group=object())
+    with pytest.raises(ValueError, match="tp_size must be a positive integer"):
+        te.DotProductAttention(8, D, tp_size=0)
+    with pytest.raises(TypeError, match="get_rng_state_tracker must be a function"):
+        te.DotProductAttention(8, D, get_rng_state_tracker=RNGStatesTracker())
     shard = te.DotProductAttention(8, D, tp_size=2)
     q, k, v = _qkv(8, 8)
     with pytest.raises(ValueError, match=r"query_layer has 8 heads .* num_attention_heads=8 / tp_size=2 heads"):

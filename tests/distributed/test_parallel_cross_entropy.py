@@ -81,3 +81,5 @@ def test_a_target_no_rank_holds_is_an_error(pool):
         assert message is not None and "a target outside [0, 16)" in message
     with pytest.raises(ValueError, match="inp must be"):
         te.parallel_cross_entropy(torch.randn(4, V), torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\]"):
+        te.parallel_cross_entropy(torch.randn(4, V), torch.zeros(4, dtype=torch.long), label_smoothing=1.5)

@@ -247,6 +247,10 @@ def test_bad_arguments_name_the_problem(fake_graphs):
         graphs.make_graphed_callables(lin, (x,), capture_time_hooks=[{"pre_forward": {}}])
     with pytest.raises(ValueError, match="one entry per module"):
         graphs.make_graphed_callables(lin, (x,), capture_time_hooks=[None, None])
+    with pytest.raises(TypeError, match=r"capture_time_hooks\[0\]\['forward_hooks'\] must be a dict of"):
+        graphs.make_graphed_callables(lin, (x,), capture_time_hooks=[{"forward_hooks": [print]}])
+    with pytest.raises(TypeError, match="_reuse_graph_input_output_buffers must be a bool"):
+        graphs.make_graphed_callables(lin, (x,), _order=[1, -1], _reuse_graph_input_output_buffers="yes")
     with pytest.raises(TypeError, match="unexpected keyword arguments fp8_weights"):
         graphs.make_graphed_callables(lin, (x,), fp8_weights=True)
     lin.register_forward_hook(lambda *a: None)
