@@ -10,16 +10,21 @@ import te_core as te
 T, E, K, H = 10, 4, 2, 6
 
 
+def _here(t):
+    """t (made on the CPU, from a seeded CPU generator) on the backend's device under test."""
+    return t.to(torch.get_default_device())
+
+
 def _routing(seed=0):
     g = torch.Generator().manual_seed(seed)
-    experts = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])  # [T, K], distinct per token
-    mask = torch.zeros(T, E, dtype=torch.int32).scatter_(1, experts, 1)
-    probs = torch.rand(T, E, generator=g, dtype=torch.float64) * mask
-    return experts, mask, probs
+    experts = torch.stack([torch.randperm(E, generator=g, device="cpu")[:K] for _ in range(T)])  # [T, K], distinct
+    mask = torch.zeros(T, E, dtype=torch.int32, device="cpu").scatter_(1, experts, 1)
+    probs = torch.rand(T, E, generator=g, dtype=torch.float64, device="cpu") * mask
+    return _here(experts), _here(mask), _here(probs)
 
 
 def _tokens(seed=1):
-    return torch.randn(T, H, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return _here(torch.randn(T, H, generator=torch.Generator().manual_seed(seed), dtype=torch.float64, device="cpu"))
 
 
 def test_a_mask_permutation_groups_tokens_by_expert_and_unpermutes_with_probabilities():
