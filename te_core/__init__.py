@@ -10,6 +10,7 @@ from . import ops, optimizers, recipe
 from .backend import get_backend, list_backends, set_backend
 from .compat.transformer_engine import install_as_transformer_engine
 from .convert import convert_model
+from .cpu_offload import ManualOffloadSynchronizer, get_cpu_offload_context, mark_not_offload
 from .cross_entropy import parallel_cross_entropy
 from .distributed import CudaRNGStatesTracker
 from .graphs import make_graphed_callables
@@ -69,5 +70,5 @@ __all__ = [
     "Float8Tensor", "Float8BlockwiseTensor", "MXFP8Tensor", "QuantizedTensor",
     "moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
     "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "parallel_cross_entropy",
-    "CudaRNGStatesTracker",
+    "CudaRNGStatesTracker", "get_cpu_offload_context", "mark_not_offload", "ManualOffloadSynchronizer",
 ]

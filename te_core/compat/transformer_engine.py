@@ -132,6 +132,7 @@ def _fp8_module(name: str) -> types.ModuleType:
 
 def _pytorch_module() -> types.ModuleType:
     import te_core
+    from te_core import cpu_offload
 
     module = _module(f"{ROOT}.pytorch", "te-core standing in for transformer_engine.pytorch")
     for attr in te_core.__all__:
@@ -142,6 +143,9 @@ def _pytorch_module() -> types.ModuleType:
     module.distributed = _module(f"{ROOT}.pytorch.distributed", "checkpoint() for activation recompute",
                                  package=False)
     module.distributed.checkpoint = te_core.checkpoint
+    module.cpu_offload = _module(f"{ROOT}.pytorch.cpu_offload", "activation offloading to host memory", package=False)
+    for attr in cpu_offload.__all__:
+        setattr(module.cpu_offload, attr, getattr(cpu_offload, attr))
     return module
 
 
@@ -170,7 +174,8 @@ def install_as_transformer_engine(replace: bool = False) -> types.ModuleType:
     root.common, root.pytorch, common.recipe = common, pytorch, recipe
     modules = {ROOT: root, f"{ROOT}.common": common, f"{ROOT}.common.recipe": recipe, f"{ROOT}.pytorch": pytorch,
                f"{ROOT}.pytorch.fp8": pytorch.fp8, f"{ROOT}.pytorch.quantization": pytorch.quantization,
-               f"{ROOT}.pytorch.distributed": pytorch.distributed, f"{ROOT}.pytorch.optimizers": pytorch.optimizers}
+               f"{ROOT}.pytorch.distributed": pytorch.distributed, f"{ROOT}.pytorch.optimizers": pytorch.optimizers,
+               f"{ROOT}.pytorch.cpu_offload": pytorch.cpu_offload}
     for name in [n for n in sys.modules if n == ROOT or n.startswith(ROOT + ".")]:
         del sys.modules[name]  # a replaced real package: none of its submodules may linger
     sys.modules.update(modules)

@@ -152,6 +152,11 @@ SIGNATURES = {
         'clone_param_grads_on_return': True, 'pre_warmup_hook': None, 'post_warmup_hook': None,
         'capture_time_hooks': None,
     },
+    ('get_cpu_offload_context', 'call'): {
+        'enabled': False, 'num_layers': 1, 'model_layers': 1, 'offload_activations': True, 'offload_weights': False,
+        'double_buffering': False, 'manual_synchronization': False, 'retain_pinned_cpu_buffers': False,
+        'offload_stream': None,
+    },
     ('is_fp8_available', 'call'): {
         'return_reason': False,
     },

@@ -29,12 +29,15 @@ def test_te_imports_resolve_to_te_core(stand_in):
     import transformer_engine
     import transformer_engine.common.recipe as te_recipe
     import transformer_engine.pytorch as te
+    from transformer_engine.pytorch.cpu_offload import get_cpu_offload_context, mark_not_offload
     from transformer_engine.pytorch.distributed import checkpoint
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager, check_fp8_support, check_mxfp8_support
 
     assert te is stand_in and transformer_engine.pytorch is te and transformer_engine.common.recipe is te_recipe
     assert te.Linear is te_core.Linear and te.TransformerLayer is te_core.TransformerLayer
     assert te_recipe.DelayedScaling is te_core.recipe.DelayedScaling and checkpoint is te_core.checkpoint
+    assert get_cpu_offload_context is te.get_cpu_offload_context is te_core.get_cpu_offload_context
+    assert mark_not_offload is te_core.mark_not_offload
     assert transformer_engine.__version__.startswith("2.")
     assert importlib.util.find_spec("transformer_engine.pytorch") is not None
     ok, reason = check_fp8_support()

@@ -186,6 +186,9 @@ IMPLEMENTED = {
         "retain_graph_in_backward": MODULES + "test_graph_order.py", "capture_time_hooks": MODULES + "test_graph_order.py",
         "calibrating": MODULES + "test_graphs_model.py", "fp8_calibrating": MODULES + "test_graphs_model.py",
     },
+    ("get_cpu_offload_context", "call"): {name: MODULES + "test_cpu_offload.py" for name in (
+        "enabled", "num_layers", "model_layers", "offload_activations", "offload_weights", "double_buffering",
+        "manual_synchronization", "retain_pinned_cpu_buffers", "offload_stream")},
     ("autocast", "__init__"): {
         "enabled": "quantization/test_autocast.py", "calibrating": "quantization/test_autocast.py",
         "recipe": "quantization/test_autocast.py", "amax_reduction_group": "quantization/test_amax_reduction.py",
@@ -261,6 +264,7 @@ CALLS = {
         _x(3, 2, 2, 4), te.RotaryPositionEmbedding(4)(3), **kw)),
     "make_graphed_callables": (None, lambda **kw: te.make_graphed_callables(
         te.Linear(8, 8), (_x(4, 8).requires_grad_(),), **kw)),
+    "get_cpu_offload_context": (None, lambda **kw: te.get_cpu_offload_context(**kw)),
     "autocast": (lambda **kw: te.autocast(**kw).__enter__(), None),
     "fp8_autocast": (None, lambda **kw: te.fp8_autocast(**kw).__enter__()),
     "quantized_model_init": (None, lambda **kw: te.quantized_model_init(**kw).__enter__()),
