@@ -24,6 +24,7 @@ from typing import Any, Dict, List, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from .quantization.roles import Role
 from .quantization.tensor import QuantizedTensor
 
 MIN_NUMEL = 256 * 1024  # smaller tensors are kept: their copies would cost more than they free
@@ -96,7 +97,10 @@ class LayerOffload:
                                f"started (state {self.state!r}); enter the offload context for each layer's forward "
                                "and call the synchronization function on its output before the next layer")
         if isinstance(t, QuantizedTensor):
-            if getattr(t, NOT_OFFLOADED, False):
+            # A weight's FP8 copy stays, as Transformer Engine keeps it: it is often cached across
+            # microbatches or a primary FP8 weight itself, whose copy would free nothing.
+            if (getattr(t, NOT_OFFLOADED, False) or isinstance(t, torch.nn.Parameter)
+                    or getattr(t._quantizer, "role", None) is Role.WEIGHT):
                 return t
             shell = t._same_kind()
             handles = {}

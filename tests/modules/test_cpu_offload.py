@@ -274,6 +274,32 @@ def test_retained_host_buffers_are_reused_and_marked_tensors_stay(runtime):
     assert layer0.device_tensors() == []
 
 
+def test_quantized_inputs_are_copied_by_their_data_and_weights_stay(runtime):
+    """An FP8 input is copied data tensor by data tensor and comes back as an FP8 tensor with the
+    same bytes; an FP8 weight copy (role weight, as Transformer Engine marks it) stays on the device."""
+    from te_core.quantization.quantizers import Float8CurrentScalingQuantizer
+    from te_core.quantization.roles import Role
+
+    value = torch.randn(TOKENS, HIDDEN, generator=seeded(9))
+    activation = Float8CurrentScalingQuantizer(Role.INPUT, torch.float8_e4m3fn).quantize(value, columnwise=True)
+    weight = Float8CurrentScalingQuantizer(Role.WEIGHT, torch.float8_e4m3fn).quantize(value, columnwise=True)
+    synchronizer = te.ManualOffloadSynchronizer(1)
+    synchronizer.fwd_step()
+    handles = [synchronizer.push_tensor(activation), synchronizer.push_tensor(weight)]
+    assert handles[1] is weight
+    state = synchronizer.layer_states[0]
+    assert len(state.device_tensors()) == 2  # the activation's row-wise and column-wise FP8 data
+    synchronizer.start_offload_layer(0)
+    synchronizer.release_activation_forward_gpu_memory(0)
+    synchronizer.start_reload_layer(0)
+    synchronizer.bwd_step(0)
+    back = synchronizer.pop_tensor(handles[0])
+    assert type(back) is type(activation) and back._data.data_ptr() != activation._data.data_ptr()
+    for name in ("_data", "_transpose"):
+        assert torch.equal(getattr(back, name).view(torch.uint8), getattr(activation, name).view(torch.uint8))
+    assert torch.equal(back.dequantize(), activation.dequantize())
+
+
 def test_disabled_context_does_nothing_and_bad_arguments_say_what_to_change():
     context, sync = te.get_cpu_offload_context(enabled=False)
     assert isinstance(context, contextlib.nullcontext) and sync(3) == 3
