@@ -57,7 +57,7 @@ def _fills_storage(t: Tensor) -> bool:
 
 
 class _View(NamedTuple):
-    """A saved view whose base is offloaded (start_offload(offload_base_tensor=True))."""
+    """A saved view rebuilt from the copy of its base (see LayerOffload.push)."""
 
     base: int
     size: tuple
@@ -88,6 +88,7 @@ class LayerOffload:
         self._back_events: List[Any] = []
         self._done = None  # the offload stream's event after the last copy to the host
         self._device: Optional[torch.device] = None
+        self._copies = 0  # tensors copied to the host this iteration
 
     # --- pack and unpack
     def push(self, t: Tensor):
@@ -169,6 +170,7 @@ class LayerOffload:
     def start_offload(self) -> None:
         self._expect("start_offload", KEPT)
         self.state = OFFLOADING
+        self._copies = len(self._saved)  # (retained buffers beyond these belong to no tensor this time)
         if not self._saved:
             return
         reuse = self._retain and len(self._host) == len(self._saved)
@@ -207,13 +209,13 @@ class LayerOffload:
     def start_reload(self) -> None:
         self._expect("start_reload", OFFLOADED)
         self.state = RELOADING
-        if not self._host:
+        if not self._copies:
             return
         device = self._device
         module, stream = self._runtime.module(device), self._stream_of(device)
         compute = module.current_stream(device)
         self._back, self._back_events = [], []
-        for host in self._host:
+        for host in self._host[:self._copies]:
             # allocated on the compute stream, whose pool the backward frees it into
             back = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
             stream.wait_stream(compute)
