@@ -8,8 +8,10 @@ module's quantizer slots it produces the scaling state and one quantizer per slo
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import numbers
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Union
 
@@ -152,7 +154,7 @@ class Recipe:
 
     def to_config(self) -> Dict[str, Any]:
         """Plain values only (checkpoint-safe); callables are recorded by name."""
-        config: Dict[str, Any] = {"recipe": type(self).__name__}
+        config: Dict[str, Any] = {"recipe": recipe_name(self)}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, Format):
@@ -170,7 +172,7 @@ class Recipe:
 
     def compatible_key(self) -> tuple:
         """What must agree for saved scaling state to be reused (checked on checkpoint load)."""
-        return (type(self).__name__, self.fp8_format.name)
+        return (recipe_name(self), self.fp8_format.name)
 
     # Transformer Engine's type queries, for user code ported from TE (te_core itself never calls them).
     def delayed(self) -> bool:
@@ -192,6 +194,37 @@ class Recipe:
 AmaxAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
 
 
+def _ignores_unknown_arguments(cls):
+    """Keyword arguments that are not the recipe's fields are left out with a warning naming them,
+    as Transformer Engine's recipes (pydantic dataclasses) ignore them: Megatron-LM's recipe
+    subclasses pass their module arguments (params_dtype, device) to the recipe too."""
+    init, known = cls.__init__, {f.name for f in fields(cls)}
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        unknown = [name for name in kwargs if name not in known]
+        if unknown:
+            warnings.warn(f"{cls.__name__}: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not an "
+                          f"argument of the recipe and {'is' if len(unknown) == 1 else 'are'} ignored (as Transformer "
+                          f"Engine ignores unknown recipe arguments); its arguments: {', '.join(sorted(known))}",
+                          stacklevel=2)
+            kwargs = {name: value for name, value in kwargs.items() if name in known}
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+def recipe_name(recipe: "Recipe") -> str:
+    """The te-core recipe a recipe is, by name: a subclass (Megatron-LM's TEDelayedScaling) is its
+    te-core base, so that checkpoints name a recipe te-core can rebuild."""
+    for cls in type(recipe).__mro__:
+        if RECIPES.get(cls.__name__) is cls:
+            return cls.__name__
+    return type(recipe).__name__
+
+
+@_ignores_unknown_arguments
 @dataclass(frozen=True)
 class DelayedScaling(Recipe):
     """Per-tensor scales from the amax history of earlier steps.
@@ -291,6 +324,7 @@ def _check_block_recipe_flags(recipe) -> None:
                                   "supported by te-core yet; leave them False")
 
 
+@_ignores_unknown_arguments
 @dataclass(frozen=True)
 class Float8CurrentScaling(Recipe):
     """Per-tensor scales from each tensor's own amax, computed in the same op as the cast."""
@@ -326,6 +360,7 @@ def _qparams_for(recipe, role) -> QParams:
 _POW2 = QParams(power_2_scale=True)
 
 
+@_ignores_unknown_arguments
 @dataclass(frozen=True)
 class Float8BlockScaling(Recipe):
     """One scale per block: 1x128 runs for activations and gradients, 128x128 tiles for weights
@@ -371,6 +406,7 @@ class Float8BlockScaling(Recipe):
         return Float8BlockQuantizer(role, self.fp8_dtype(role), block_2d, params.power_2_scale, params.amax_epsilon)
 
 
+@_ignores_unknown_arguments
 @dataclass(frozen=True)
 class MXFP8BlockScaling(Recipe):
     """OCP MXFP8: a power-of-two E8M0 scale per 32 consecutive elements (emulated GEMM where the

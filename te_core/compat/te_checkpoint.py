@@ -23,6 +23,10 @@ from ..quantization.roles import Role
 TE_RECIPE_MODULE = "transformer_engine.common.recipe"
 _FORMAT_BY_MAX = {(448, 448): "E4M3", (57344, 57344): "E5M2", (448, 57344): "HYBRID"}
 _DELAYED_FIELDS = ("margin", "amax_history_len", "amax_compute_algo", "reduce_amax")
+# Recipe subclasses that checkpoints of Transformer Engine models hold in place of TE's own class
+# (Megatron-LM's passes its config to DelayedScaling and adds nothing to its state): read as the
+# TE recipe they subclass.
+_SUBCLASSED_RECIPES = {("megatron.core.extensions.transformer_engine", "TEDelayedScaling"): "DelayedScaling"}
 
 
 class _Record:
@@ -89,6 +93,8 @@ class _AllowListUnpickler(pickle.Unpickler):
             return _ALLOWED[(module, name)]
         if module == TE_RECIPE_MODULE and name.isidentifier():
             return _record_class(name)
+        if (module, name) in _SUBCLASSED_RECIPES:  # a training framework's subclass of a TE recipe
+            return _record_class(_SUBCLASSED_RECIPES[module, name])
         raise pickle.UnpicklingError(f"{module}.{name} is not on the allow-list of Transformer Engine extra state")
 
     def persistent_load(self, pid):

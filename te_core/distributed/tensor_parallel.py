@@ -40,8 +40,10 @@ class TensorParallelMixin:
         self.tp_group = tp_group
         self.tp_group_initialized = tp_group is not None or self.tp_size == 1
 
-    def _tp_group(self):
-        """The group collectives run on; a clear error when the module still lacks one."""
+    def collective_group(self):
+        """The group collectives run on; a clear error when the module still lacks one. (Not
+        `_tp_group`: Megatron-LM's wrappers of Transformer Engine's modules store their process
+        group under that name.)"""
         if not self.tp_group_initialized:
             raise RuntimeError(f"{type(self).__name__}: tp_size={self.tp_size} but no tensor-parallel group is set; "
                                "pass tp_group= to the constructor or call module.set_tensor_parallel_group(group)")
@@ -165,7 +167,7 @@ def column_parallel_input(module, x: Tensor, step=None) -> Tensor:
     (the GEMM's operand has the same bytes; the gather moves the compute dtype's)."""
     if module.tp_size == 1:
         return x
-    group = module._tp_group()
+    group = module.collective_group()
     _agree_once(module, x, group)
     if not module.sequence_parallel:
         return copy_to_tp_region(x, group)
@@ -184,7 +186,7 @@ def norm_input(module, x: Tensor, step, slot: str) -> Tuple[Tensor, object, torc
     if module.tp_size == 1 or not module.sequence_parallel:
         x = column_parallel_input(module, x)
         return x, step, x.shape
-    group = module._tp_group()
+    group = module.collective_group()
     _agree_once(module, x, group)
     return x, SequenceGatherStep(step, slot, group), torch.Size((x.shape[0] * module.tp_size, *x.shape[1:]))
 
@@ -222,7 +224,7 @@ def gathered_norm_output(module, x: Optional[Tensor], in_shape: torch.Size):
     if x is None or not module.return_layernorm_output_gathered or module.tp_size == 1 \
             or not module.sequence_parallel:
         return x, in_shape
-    gathered = gather_along_first_dim(x.reshape(in_shape), module._tp_group())
+    gathered = gather_along_first_dim(x.reshape(in_shape), module.collective_group())
     return gathered, gathered.shape
 
 
@@ -234,14 +236,14 @@ def replicated_parameter(module, param: Optional[Tensor]) -> Optional[Tensor]:
     (see mark_sequence_parallel)."""
     if param is None or module.tp_size == 1 or module.sequence_parallel:
         return param
-    return copy_to_tp_region(param, module._tp_group())
+    return copy_to_tp_region(param, module.collective_group())
 
 
 def row_parallel_output(module, y: Tensor, bias: Optional[Tensor]) -> Tensor:
     """The output of a row-parallel GEMM: the ranks' partial sums reduced (reduce-scattered
     along the sequence under sequence parallelism), then the bias added once."""
     if module.tp_size > 1:
-        group = module._tp_group()
+        group = module.collective_group()
         _agree_once(module, y, group)
         y = scatter_reduce_first_dim(y, group) if module.sequence_parallel else reduce_from_tp_region(y, group)
     return y if bias is None else y + bias.to(y.dtype)

@@ -192,6 +192,7 @@ class DotProductAttention(AttentionParallelMixin, nn.Module):
         mask_type = check_choice(
             attn_mask_type or self.attn_mask_type, ops.ATTN_MASK_TYPES, name="attn_mask_type", module=module
         )
+        attention_mask = _read_mask(attention_mask, mask_type)
         if self.cp_size > 1:
             key_layer, value_layer, mask_type, attention_mask = self._context_parallel(
                 fmt, mask_type, query_layer, key_layer, value_layer, attention_mask, window_size,
@@ -347,14 +348,23 @@ def max_logit(q: Tensor, k: Tensor, options: dict, packed=None) -> Tensor:
     return scores.amax(dim=(0, 2, 3))
 
 
+def _read_mask(mask, mask_type: str):
+    """The attention_mask the mask type reads: None for the types that take none (causal,
+    no_mask, ...), as Transformer Engine reads the mask only for padding types and 'arbitrary'.
+    Megatron-LM passes its data loader's causal mask with attn_mask_type='causal'; a mask given
+    there is left out with a warning, since it might hold padding the type does not apply."""
+    if mask is None or mask_type in PADDING_MASK_TYPES or mask_type == "arbitrary":
+        return mask
+    warnings.warn(f"DotProductAttention: attention_mask is not read with attn_mask_type={mask_type!r} (as in "
+                  "Transformer Engine); pass a padding type or 'arbitrary' for the mask to apply", stacklevel=3)
+    return None
+
+
 def _mask_options(mask, mask_type: str, q: Tensor, k: Tensor) -> dict:
     """attention_mask (and query_padding_mask) for ops.attention from Transformer Engine's
     forms: a padding mask for both sides of self-attention, or a (query, key/value) pair."""
     name = "DotProductAttention"
     if mask_type not in PADDING_MASK_TYPES and mask_type != "arbitrary":
-        if mask is not None:
-            raise ValueError(f"{name}: attention_mask was given but attn_mask_type={mask_type!r} does not use it; "
-                             "use a padding type or 'arbitrary'")
         return {}
     if mask is None:
         raise ValueError(f"{name}: attn_mask_type={mask_type!r} needs attention_mask (bool, True = masked out)")

@@ -116,6 +116,31 @@ def test_linear_restores_te_delayed_scaling_state(te_recipe, enums):
     assert torch.isfinite(y).all()
 
 
+def test_megatron_recipe_subclass_is_read_as_delayed_scaling(te_recipe, monkeypatch):
+    """Megatron-LM's checkpoints of TE models pickle its TEDelayedScaling (a DelayedScaling
+    subclass): its state is read as TE's DelayedScaling."""
+    meg = "megatron.core.extensions.transformer_engine"
+    mod = types.ModuleType(meg)
+
+    class TEDelayedScaling(te_recipe.DelayedScaling):
+        pass
+
+    TEDelayedScaling.__module__, TEDelayedScaling.__qualname__ = meg, "TEDelayedScaling"
+    mod.TEDelayedScaling = TEDelayedScaling
+    for parent in ("megatron", "megatron.core", "megatron.core.extensions"):
+        monkeypatch.setitem(sys.modules, parent, types.ModuleType(parent))
+    monkeypatch.setitem(sys.modules, meg, mod)
+    state = _delayed_state(te_recipe, 1, seed=2)
+    state["recipe"] = TEDelayedScaling(margin=1, fp8_format=te_recipe.Format.E4M3, amax_history_len=4)
+    layer = te.Linear(16, 16)
+    sd = layer.state_dict()
+    sd["_extra_state"] = _te_extra_state(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer.load_state_dict(sd)
+    torch.testing.assert_close(layer.quantization_state()["forward"]["weight"]["scale"], state["scale_fwd"][1:2])
+
+
 def test_layernorm_mlp_maps_te_gemm_columns_to_fc1_and_fc2(te_recipe):
     state = _delayed_state(te_recipe, 2, seed=1)
     mlp = te.LayerNormMLP(16, 32)

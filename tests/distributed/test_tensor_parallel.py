@@ -31,13 +31,15 @@ def test_parallel_module_matches_single_process(pool, case):
 
 def _return_bias_and_inference(ctx):
     """Row-parallel return_bias=True hands back the summed output without the bias, and the bias;
-    without autograd (inference) the same collectives run."""
+    without autograd (inference) the same collectives run. The module carries a `_tp_group`
+    attribute, as Megatron-LM's wrappers set one."""
     if ctx.rank >= 2:
         return None
     group, rank = ctx.group(2), ctx.rank
     full = Linear(64, 32, params_dtype=torch.float32)
     randomize(full, seed=3)
     part = Linear(64, 32, parallel_mode="row", tp_group=group, return_bias=True)
+    part._tp_group = group  # as Megatron-LM's TE wrappers store their group: must not hide te-core's own
     with torch.no_grad():
         part.weight.copy_(full.weight.chunk(2, dim=1)[rank])
         part.bias.copy_(full.bias)

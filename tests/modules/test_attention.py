@@ -331,8 +331,6 @@ def test_checkpoint_core_attention_gives_the_same_values_and_gradients():
         (dict(alibi_slopes=torch.ones(2)), ValueError, r"alibi_slopes needs core_attention_bias_type='alibi'"),
         (dict(core_attention_bias_type="alibi", alibi_slopes=torch.ones(3)), ValueError,
          r"alibi_slopes must have shape \(2,\) or \(2, 2\)"),
-        (dict(attn_mask_type="causal", attention_mask=torch.zeros(2, 1, 1, 4, dtype=torch.bool)), ValueError,
-         r"attention_mask was given but attn_mask_type='causal' does not use it"),
         (dict(cu_seqlens_q=torch.tensor([0, 4, 8])), ValueError, r"cu_seqlens_q and cu_seqlens_kv stand for"),
         (dict(max_seqlen_q=5), ValueError, r"max_seqlen_q=5 but the sbhd tensor holds sequences of 4"),
         (dict(inference_params=object()), TypeError, r"inference_params must be a te_core.InferenceParams"),
@@ -677,3 +675,15 @@ def test_multihead_attention_return_bias_leaves_the_projection_bias_out(input_la
 def test_multihead_attention_return_bias_must_be_a_bool():
     with pytest.raises(TypeError, match="return_bias must be True or False"):
         tm.MultiheadAttention(32, 4, return_bias=1)
+
+
+def test_a_mask_the_mask_type_does_not_read_is_left_out_with_a_warning():
+    """As Transformer Engine: attn_mask_type='causal' reads no attention_mask (Megatron-LM passes its
+    data loader's causal mask with it); the output is the causal one, and a warning says so."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(4, 2, 2, 8) for _ in range(3))
+    dpa = tm.DotProductAttention(2, 8, attn_mask_type="causal")
+    mask = torch.triu(torch.ones(4, 4, dtype=torch.bool), diagonal=1).view(1, 1, 4, 4)
+    with pytest.warns(UserWarning, match="attention_mask is not read with attn_mask_type='causal'"):
+        out = dpa(q, k, v, attention_mask=mask)
+    torch.testing.assert_close(out, dpa(q, k, v), rtol=0, atol=0)

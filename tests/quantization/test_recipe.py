@@ -172,3 +172,25 @@ def test_te_type_queries():
     assert DelayedScaling().delayed() and not DelayedScaling().mxfp8()
     assert MXFP8BlockScaling().mxfp8() and Float8BlockScaling().float8_block_scaling()
     assert Float8CurrentScaling().float8_current_scaling() and Float8CurrentScaling().float8_per_tensor_scaling()
+
+
+def test_unknown_recipe_arguments_are_ignored_with_a_warning_and_subclasses_save_as_their_base():
+    """Megatron-LM's TEDelayedScaling subclasses DelayedScaling and passes its module arguments
+    (params_dtype, device) too, which Transformer Engine's recipes ignore: te-core leaves them out
+    with a warning naming them, and a checkpoint names the te-core recipe it is, so it loads."""
+    import torch
+
+    from te_core.recipe import DelayedScaling, Format, recipe_from_config
+
+    class TEDelayedScaling(DelayedScaling):
+        def __init__(self, history: int):
+            super().__init__(fp8_format=Format.E4M3, amax_history_len=history, params_dtype=torch.bfloat16,
+                             device="cpu")
+
+    with pytest.warns(UserWarning, match="params_dtype, device are not an argument of the recipe"):
+        rec = TEDelayedScaling(8)
+    assert rec.amax_history_len == 8 and rec.fp8_format is Format.E4M3
+    config = rec.to_config()
+    assert config["recipe"] == "DelayedScaling"
+    assert recipe_from_config(config) == DelayedScaling(fp8_format=Format.E4M3, amax_history_len=8)
+    assert rec.compatible_key() == DelayedScaling(fp8_format=Format.E4M3, amax_history_len=8).compatible_key()
