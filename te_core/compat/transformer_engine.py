@@ -15,6 +15,8 @@ import sys
 import types
 from typing import Tuple
 
+import torch
+
 from .te_metadata import install_metadata, uninstall_metadata
 
 ROOT = "transformer_engine"
@@ -130,23 +132,102 @@ def _fp8_module(name: str) -> types.ModuleType:
     return module
 
 
+# te_core names that are not Transformer Engine's under transformer_engine.pytorch: TE's `ops` is
+# its fusible-operation API, not te-core's op contract.
+_NOT_TE_NAMES = {"ops"}
+
+
+def _submodule(parent: types.ModuleType, name: str, doc: str, values: dict, package: bool = False) -> types.ModuleType:
+    module = _module(f"{parent.__name__}.{name}", doc, package=package)
+    for attr, value in values.items():
+        setattr(module, attr, value)
+    setattr(parent, name, module)
+    return module
+
+
+def _names(source, names) -> dict:
+    return {name: getattr(source, name) for name in names}
+
+
+def _dummy_wgrads():
+    cache = {}
+
+    def get_dummy_wgrad(shape, dtype, zero: bool = False):
+        """Transformer Engine's stand-in weight gradient for a weight whose gradient went into
+        main_grad: one cached tensor per (shape, dtype) on the selected backend's device, zeroed
+        when asked."""
+        from ..backend import get_backend
+
+        if len(shape) != 2:
+            raise ValueError(f"get_dummy_wgrad: shape must be 2-D (a weight's), got {tuple(shape)}")
+        key = (int(shape[0]), int(shape[1]), dtype)
+        if key not in cache:
+            cache[key] = torch.empty(key[:2], dtype=dtype, device=get_backend().device)
+        if zero:
+            cache[key].zero_()
+        return cache[key].detach()
+
+    return get_dummy_wgrad
+
+
+def _router_not_implemented(name: str):
+    def fused(*args, **kwargs):
+        raise NotImplementedError(
+            f"transformer_engine.pytorch.router.{name}: Transformer Engine's fused MoE router kernels are not "
+            "implemented by te-core; route in PyTorch instead (Megatron-LM: leave --moe-router-fusion off)")
+    fused.__name__ = name
+    return fused
+
+
 def _pytorch_module() -> types.ModuleType:
     import te_core
-    from te_core import cpu_offload
+    from te_core import cpu_offload, modules, permutation, quantization
+    from te_core.modules.checkpoint import activation_recompute_forward
 
     module = _module(f"{ROOT}.pytorch", "te-core standing in for transformer_engine.pytorch")
     for attr in te_core.__all__:
-        setattr(module, attr, getattr(te_core, attr))
+        if attr not in _NOT_TE_NAMES:
+            setattr(module, attr, getattr(te_core, attr))
     module.__version__ = f"{TE_API_VERSION}+tecore.{te_core.__version__}"
     module.fp8 = _fp8_module(f"{ROOT}.pytorch.fp8")
     module.quantization = _fp8_module(f"{ROOT}.pytorch.quantization")
-    module.distributed = _module(f"{ROOT}.pytorch.distributed", "checkpoint() for activation recompute",
-                                 package=False)
-    module.distributed.checkpoint = te_core.checkpoint
-    module.cpu_offload = _module(f"{ROOT}.pytorch.cpu_offload", "activation offloading to host memory", package=False)
-    for attr in cpu_offload.__all__:
-        setattr(module.cpu_offload, attr, getattr(cpu_offload, attr))
+    _submodule(module, "distributed", "checkpoint() for activation recompute, the RNG states tracker", dict(
+        checkpoint=te_core.checkpoint, CudaRNGStatesTracker=te_core.CudaRNGStatesTracker,
+        activation_recompute_forward=activation_recompute_forward))
+    _submodule(module, "cpu_offload", "activation offloading to host memory", _names(cpu_offload, cpu_offload.__all__))
+    tensors = dict(QuantizedTensor=quantization.QuantizedTensor, Float8Tensor=quantization.Float8Tensor,
+                   MXFP8Tensor=quantization.MXFP8Tensor, Float8BlockwiseQTensor=quantization.Float8BlockwiseTensor)
+    tensor = _submodule(module, "tensor", "te-core's quantized tensors under Transformer Engine's names", tensors,
+                        package=True)
+    for sub, cls in (("float8_tensor", "Float8Tensor"), ("mxfp8_tensor", "MXFP8Tensor"),
+                     ("float8_blockwise_tensor", "Float8BlockwiseQTensor")):
+        _submodule(tensor, sub, f"{cls}", {cls: tensors[cls]})
+    rope = dict(RotaryPositionEmbedding=te_core.RotaryPositionEmbedding, apply_rotary_pos_emb=te_core.apply_rotary_pos_emb)
+    attention = _submodule(module, "attention", "attention modules and rotary embeddings", dict(
+        rope, DotProductAttention=te_core.DotProductAttention, MultiheadAttention=te_core.MultiheadAttention,
+        InferenceParams=te_core.InferenceParams), package=True)
+    _submodule(attention, "rope", "rotary position embeddings", rope)
+    _submodule(module, "permutation", "MoE token permutation",
+               _names(permutation, [n for n in te_core.__all__ if n.startswith("moe_")]))
+    _submodule(module, "cross_entropy", "parallel_cross_entropy", dict(parallel_cross_entropy=te_core.parallel_cross_entropy))
+    _submodule(module, "router", "Transformer Engine's fused MoE router (not implemented: calls raise)", {
+        name: _router_not_implemented(name) for name in (
+            "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss")})
+    module_pkg = _submodule(module, "module", "the modules", _names(modules, [
+        "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "LayerNorm", "RMSNorm", "Fp8Padding",
+        "Fp8Unpadding"]), package=True)
+    _submodule(module_pkg, "base", "module helpers", dict(get_dummy_wgrad=_dummy_wgrads()))
     return module
+
+
+def _stand_in_modules(module: types.ModuleType) -> dict:
+    """name -> module for `module` and every stand-in submodule under it."""
+    found = {module.__name__: module}
+    for value in list(vars(module).values()):
+        if isinstance(value, types.ModuleType) and getattr(value, "__te_core_stand_in__", False) \
+                and value.__name__.startswith(module.__name__ + "."):
+            found.update(_stand_in_modules(value))
+    return found
 
 
 def _is_stand_in(name: str) -> bool:
@@ -172,10 +253,8 @@ def install_as_transformer_engine(replace: bool = False) -> types.ModuleType:
     pytorch = _pytorch_module()
     root.__version__ = pytorch.__version__
     root.common, root.pytorch, common.recipe = common, pytorch, recipe
-    modules = {ROOT: root, f"{ROOT}.common": common, f"{ROOT}.common.recipe": recipe, f"{ROOT}.pytorch": pytorch,
-               f"{ROOT}.pytorch.fp8": pytorch.fp8, f"{ROOT}.pytorch.quantization": pytorch.quantization,
-               f"{ROOT}.pytorch.distributed": pytorch.distributed, f"{ROOT}.pytorch.optimizers": pytorch.optimizers,
-               f"{ROOT}.pytorch.cpu_offload": pytorch.cpu_offload}
+    modules = {ROOT: root, f"{ROOT}.common": common, f"{ROOT}.common.recipe": recipe,
+               f"{ROOT}.pytorch.optimizers": pytorch.optimizers, **_stand_in_modules(pytorch)}
     for name in [n for n in sys.modules if n == ROOT or n.startswith(ROOT + ".")]:
         del sys.modules[name]  # a replaced real package: none of its submodules may linger
     sys.modules.update(modules)

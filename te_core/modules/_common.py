@@ -31,7 +31,7 @@ _NOT_IMPLEMENTED = {
     },
     "userbuffers communication overlap": {
         "ub_tp_comm_overlap": (False,), "ub_overlap_ag": (False,), "ub_overlap_rs": (False,),
-        "ub_overlap_rs_dgrad": (False,), "ub_bulk_dgrad": (False,), "ub_bulk_wgrad": (False,), "ub_name": (None,),
+        "ub_overlap_rs_dgrad": (False,), "ub_bulk_dgrad": (False,), "ub_bulk_wgrad": (False,),
     },
     "parameter and weight-gradient layouts": {
         "single_grouped_weight": (False,), "single_grouped_bias": (False,),
@@ -60,6 +60,15 @@ def reject_unsupported(module: str, **kwargs) -> None:
                 f"{module}: {name}={value!r} is not supported by te-core yet ({_REASON[name]} are not "
                 f"implemented); leave it at {allowed[0]!r}"
             )
+
+
+def check_ub_name(ub_name, module: str) -> Optional[str]:
+    """Transformer Engine's `ub_name`: the name of the module's userbuffers, read only with an
+    ub_overlap_* flag set (which te-core refuses). Megatron-LM passes one to every module it
+    builds, with the flags off; kept as the module's `ub_name` attribute, as TE keeps it."""
+    if ub_name is not None and not isinstance(ub_name, str):
+        raise TypeError(f"{module}: ub_name must be a string or None, got {type(ub_name).__name__}")
+    return ub_name
 
 
 def check_name(name, module: str) -> Optional[str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
+from functools import partial
 from typing import Callable, Dict, Tuple
 
 import torch
@@ -48,50 +49,68 @@ def _has_fresh_forward_scales(module: QuantizedModule) -> bool:
 
 
 class _StepLog:
-    """Per module, the (step, forward scales) of each quantization_step call of one checkpointed
-    region, in call order; then, during the recompute, the same steps handed back."""
+    """Per module, the (step, forward scales) of each quantization_step call of the forwards it
+    recorded, in call order; then, during a recompute, the same steps handed back (first in,
+    first out per module)."""
 
     def __init__(self):
-        self.modules: Dict[int, QuantizedModule] = {}
         self.steps: Dict[int, deque] = {}
-        self.replaying = False
         self.unfinished = []  # (module, entry) whose forward scales are taken when the forward ends
 
-    def step(self, module: QuantizedModule, is_first_microbatch):
+    def record(self, module: QuantizedModule, is_first_microbatch):
+        step = module.new_quantization_step(is_first_microbatch)
+        entry = [step, None]
+        if _has_fresh_forward_scales(module):
+            # its first casts set their scales from their own amaxes (QuantizationStep.first_scale):
+            # the scales to replay are those after the forward, taken at the region's end
+            self.unfinished.append((module, entry))
+        else:
+            entry[1] = _forward_state(module)
+        self.steps.setdefault(id(module), deque()).append(entry)
+        return step
+
+    def replay(self, module: QuantizedModule, is_first_microbatch, touched: dict):
+        """The recorded step, the module's forward scales set to those it cast with; `touched`
+        keeps each module's scaling state from before, put back when the recompute ends (so the
+        recompute changes no scale and records no amax twice)."""
         key = id(module)
-        if not self.replaying:
-            step = module.new_quantization_step(is_first_microbatch)
-            self.modules[key] = module
-            entry = [step, None]
-            if _has_fresh_forward_scales(module):
-                # its first casts set their scales from their own amaxes (QuantizationStep.first_scale):
-                # the scales to replay are those after the forward, taken at the region's end
-                self.unfinished.append((module, entry))
-            else:
-                entry[1] = _forward_state(module)
-            self.steps.setdefault(key, deque()).append(entry)
-            return step
+        if key not in touched:
+            touched[key] = (module, _forward_state(module))
         queue = self.steps.get(key)
         if not queue:  # the recompute took a path the forward did not: quantize afresh
             return module.new_quantization_step(is_first_microbatch)
         step, scales = queue.popleft()
+        if not queue:
+            del self.steps[key]
         _load_forward_state(module, scales, keys=("scale",))
         return step
 
     @contextlib.contextmanager
     def active(self, replaying: bool):
-        outer, RECOMPUTE.log = RECOMPUTE.log, self
-        self.replaying = replaying
-        current = {key: _forward_state(m) for key, m in self.modules.items()} if replaying else {}
+        phase = _Phase(self, replaying)
+        outer, RECOMPUTE.log = RECOMPUTE.log, phase
         try:
             yield
         finally:
             RECOMPUTE.log = outer
-            for module, entry in self.unfinished:
-                entry[1] = _forward_state(module)
-            self.unfinished.clear()
-            for key, saved in current.items():
-                _load_forward_state(self.modules[key], saved)
+            if not replaying:
+                for module, entry in self.unfinished:
+                    entry[1] = _forward_state(module)
+                self.unfinished.clear()
+            for module, saved in phase.touched.values():
+                _load_forward_state(module, saved)
+
+
+class _Phase:
+    """What a module's quantization_step consults while a log's forward or recompute runs."""
+
+    def __init__(self, log: _StepLog, replaying: bool):
+        self.log, self.replaying, self.touched = log, replaying, {}
+
+    def step(self, module: QuantizedModule, is_first_microbatch):
+        if self.replaying:
+            return self.log.replay(module, is_first_microbatch, self.touched)
+        return self.log.record(module, is_first_microbatch)
 
 
 def checkpoint_context() -> Tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
@@ -101,6 +120,25 @@ def checkpoint_context() -> Tuple[contextlib.AbstractContextManager, contextlib.
     False, "context_fn": te_core.checkpoint_context}`)."""
     log = _StepLog()
     return log.active(replaying=False), log.active(replaying=True)
+
+
+_FRAMEWORK_LOG = _StepLog()  # the queues of activation_recompute_forward, shared by every region
+
+
+@contextlib.contextmanager
+def activation_recompute_forward(activation_recompute: bool = False, recompute_phase: bool = False):
+    """Transformer Engine's context for activation recompute written outside te.checkpoint
+    (Megatron-LM's own checkpoint functions): around the original forward with
+    activation_recompute=True, te-core modules record the quantization step and forward scales
+    they use; around the recompute with recompute_phase=True as well, each gets them back, first
+    in first out per module, as Transformer Engine queues them (microbatches recompute in the
+    order they ran forward). A recorded forward that is never recomputed stays queued, as in
+    Transformer Engine. activation_recompute=False changes nothing."""
+    if not activation_recompute:
+        yield
+        return
+    with _FRAMEWORK_LOG.active(replaying=recompute_phase):
+        yield
 
 
 def checkpoint(
@@ -114,13 +152,18 @@ def checkpoint(
 ):
     """Run function(*args, **kwargs) without keeping its activations; recompute them in backward,
     FP8-exact for every recipe (checkpoint_context). The recompute is always non-reentrant
-    (use_reentrant is accepted for Transformer Engine compatibility and ignored). Under
+    (use_reentrant is accepted for Transformer Engine compatibility and ignored). With
+    `get_rng_state_tracker` (a callable returning the tracker), the recompute starts from the
+    tracker's states as the forward found them, so dropout inside `tracker.fork()` draws the same
+    masks. `tp_group` only serves distribute_saved_activations in Transformer Engine. Under
     torch.compile, the compiler's own recompute: every recipe but delayed scaling."""
-    if distribute_saved_activations or tp_group is not None:
+    if distribute_saved_activations:
         raise NotImplementedError(
-            "checkpoint: distribute_saved_activations / tp_group need tensor parallelism, "
-            "which te-core does not implement"
-        )
+            "checkpoint: distribute_saved_activations=True (the saved input split over the tensor-parallel ranks) "
+            "is not implemented by te-core; pass distribute_saved_activations=False (each rank keeps its input)")
+    if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
+        raise TypeError("checkpoint: get_rng_state_tracker must be a callable returning the RNG states tracker "
+                        f"(as Transformer Engine takes it), got {type(get_rng_state_tracker).__name__}")
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     if torch.compiler.is_compiling():
@@ -135,5 +178,31 @@ def checkpoint(
                 "runs eagerly between graphs, FP8-exact), or use Float8CurrentScaling, Float8BlockScaling or "
                 "MXFP8BlockScaling")
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=checkpoint_context,
-                                             **kwargs)
+    contexts = checkpoint_context if get_rng_state_tracker is None else partial(
+        _with_tracker_states, get_rng_state_tracker())
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
+def _with_tracker_states(tracker):
+    """checkpoint_context's pair, the recompute also run from the tracker states of the forward
+    (the states after the recompute are put back: the forward already advanced them)."""
+    forward, recompute = checkpoint_context()
+    found = {}
+
+    @contextlib.contextmanager
+    def forward_with_states():
+        found.update(tracker.get_states())
+        with forward:
+            yield
+
+    @contextlib.contextmanager
+    def recompute_with_states():
+        after = tracker.get_states()
+        tracker.set_states(dict(found))
+        try:
+            with recompute:
+                yield
+        finally:
+            tracker.set_states(after)
+
+    return forward_with_states(), recompute_with_states()

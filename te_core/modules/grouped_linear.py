@@ -22,6 +22,7 @@ from ._common import (
     check_fp8_gemms,
     check_input,
     check_name,
+    check_ub_name,
     check_positive,
     compute_dtype,
     default_init_method,
@@ -144,6 +145,7 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
     ):
         name = "GroupedLinear"
         label = check_name(kwargs.pop("name", None), name)
+        ub_name = check_ub_name(kwargs.pop("ub_name", None), name)
         reject_unsupported(name, **kwargs)
         check_bool(save_original_input, name="save_original_input", module=name)
         check_positive(num_gemms, name="num_gemms", module=name)
@@ -151,6 +153,7 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
         check_positive(out_features, name="out_features", module=name)
         slots = tuple(s for i in range(num_gemms) for s in gemm_slots(f"gemm{i}_"))
         super().__init__(slots, device=device, params_dtype=params_dtype)
+        self.ub_name = ub_name
         tensor_parallel.init_tensor_parallel(
             self, name, tp_group=tp_group, tp_size=tp_size, parallel_mode=parallel_mode,
             sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker,

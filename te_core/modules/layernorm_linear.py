@@ -28,6 +28,7 @@ from ._common import (
     check_fp8_gemms,
     check_input,
     check_name,
+    check_ub_name,
     check_normalization,
     check_positive,
     check_split_sizes,
@@ -266,8 +267,10 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
                               name="return_layernorm_output_gathered", module=name)
         label = check_name(kwargs.pop("name", None), name)
         symmetric_ar_type = check_symmetric_ar_type(kwargs.pop("symmetric_ar_type", None), name)
+        ub_name = check_ub_name(kwargs.pop("ub_name", None), name)
         reject_unsupported(name, **kwargs)
         super().__init__(SLOTS, device=device, params_dtype=params_dtype)
+        self.ub_name = ub_name
         self.symmetric_ar_type = symmetric_ar_type  # (runs as torch.distributed's all-reduce: check_symmetric_ar_type)
         self.name = label
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation

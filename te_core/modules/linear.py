@@ -25,6 +25,7 @@ from ._common import (
     check_bool,
     check_input,
     check_name,
+    check_ub_name,
     check_positive,
     check_split_sizes,
     compute_dtype,
@@ -170,11 +171,13 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
     ):
         parameters_split = unsupported.pop("parameters_split", None)
         symmetric_ar_type = check_symmetric_ar_type(unsupported.pop("symmetric_ar_type", None), "Linear")
+        ub_name = check_ub_name(unsupported.pop("ub_name", None), "Linear")
         reject_unsupported("Linear", **unsupported)
         check_bool(save_original_input, name="save_original_input", module="Linear")
         check_positive(in_features, name="in_features", module="Linear")
         check_positive(out_features, name="out_features", module="Linear")
         super().__init__(gemm_slots(), device=device, params_dtype=params_dtype)
+        self.ub_name = ub_name
         self.symmetric_ar_type = symmetric_ar_type  # (runs as torch.distributed's all-reduce: check_symmetric_ar_type)
         tensor_parallel.init_tensor_parallel(
             self, "Linear", tp_group=tp_group, tp_size=tp_size, parallel_mode=parallel_mode,

@@ -159,3 +159,41 @@ def test_a_name_te_core_does_not_provide_is_a_clear_attribute_error(stand_in):
     with pytest.raises(ImportError):
         from transformer_engine.pytorch import initialize_ub  # noqa: F401
     assert not hasattr(te, "__wrapped__") and te.Linear is te_core.Linear
+
+
+def test_the_submodules_megatron_imports_resolve(stand_in):
+    """The submodules Megatron-LM's Transformer Engine integration imports at load time or on its
+    default training path resolve to te-core's objects; TE's fusible-op API (`ops`) is not
+    te-core's op contract, so it is not provided; the fused router's functions say they are not."""
+    import torch
+
+    from transformer_engine.pytorch.attention import DotProductAttention
+    from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
+    from transformer_engine.pytorch.cross_entropy import parallel_cross_entropy
+    from transformer_engine.pytorch.distributed import CudaRNGStatesTracker, activation_recompute_forward
+    from transformer_engine.pytorch.module.base import get_dummy_wgrad
+    from transformer_engine.pytorch.permutation import moe_permute, moe_unpermute
+    from transformer_engine.pytorch.router import fused_topk_with_score_function
+    from transformer_engine.pytorch.tensor import QuantizedTensor
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
+    from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Tensor
+
+    from te_core.modules.checkpoint import activation_recompute_forward as own
+
+    assert DotProductAttention is te_core.DotProductAttention and apply_rotary_pos_emb is te_core.apply_rotary_pos_emb
+    assert parallel_cross_entropy is te_core.parallel_cross_entropy and moe_permute is te_core.moe_permute
+    assert moe_unpermute is te_core.moe_unpermute and CudaRNGStatesTracker is te_core.CudaRNGStatesTracker
+    assert activation_recompute_forward is own
+    assert QuantizedTensor is te_core.QuantizedTensor and Float8Tensor is te_core.Float8Tensor
+    assert MXFP8Tensor is te_core.MXFP8Tensor
+    dummy = get_dummy_wgrad([3, 5], torch.float32, zero=True)
+    assert dummy.shape == (3, 5) and not dummy.any() and get_dummy_wgrad([3, 5], torch.float32).shape == (3, 5)
+    with pytest.raises(NotImplementedError, match="leave --moe-router-fusion off"):
+        fused_topk_with_score_function(torch.zeros(2, 4), 2)
+    import transformer_engine.pytorch as te
+
+    assert not hasattr(te, "ops")
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("transformer_engine.pytorch.ops")
+    uninstall_transformer_engine()
+    assert not any(name.startswith("transformer_engine") for name in sys.modules)

@@ -27,6 +27,24 @@ def test_name_is_kept_as_a_label():
         te.LayerNormMLP(4, 8, name=3)
 
 
+def test_ub_name_is_kept_as_a_label_and_changes_no_result():
+    """ub_name names a module's userbuffers, read only with an ub_overlap_* flag (which te-core
+    refuses); Megatron-LM passes one to every module with the flags off."""
+    torch.manual_seed(0)
+    plain = te.Linear(16, 16)
+    named = te.Linear(16, 16, ub_name="qkv")
+    named.load_state_dict(plain.state_dict())
+    x = _x(16, 16)
+    assert named.ub_name == "qkv" and plain.ub_name is None
+    assert torch.equal(named(x), plain(x))
+    assert te.LayerNormLinear(16, 16, ub_name="fc1").ub_name == "fc1"
+    assert te.GroupedLinear(2, 16, 16, ub_name="fc2").ub_name == "fc2"
+    with pytest.raises(TypeError, match="Linear: ub_name must be a string or None, got int"):
+        te.Linear(16, 16, ub_name=1)
+    with pytest.raises(NotImplementedError, match="ub_overlap_ag"):
+        te.Linear(16, 16, ub_name="qkv", ub_overlap_ag=True)
+
+
 def test_submodules_are_named_as_transformer_engine_names_them():
     layer = te.TransformerLayer(8, 16, 2, name="block", layer_type="decoder")
     names = {path: module.name for path, module in layer.named_modules() if getattr(module, "name", None)}

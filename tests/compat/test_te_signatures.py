@@ -34,7 +34,7 @@ PACKED_AND_CACHED = {**{name: MODULES + "test_packed_layers.py"
                   "inference_params": MODULES + "test_inference_cache.py"}
 IMPLEMENTED = {
     ("Linear", "__init__"): {
-        "symmetric_ar_type": COMPAT,
+        "symmetric_ar_type": COMPAT, "ub_name": COMPAT,
         "init_method": MODULES + "test_linear.py", "bias": MODULES + "test_linear.py",
         "return_bias": MODULES + "test_linear.py", "params_dtype": MODULES + "test_linear.py",
         "parallel_mode": MODULES + "test_linear.py", "device": MODULES + "test_linear.py",
@@ -47,7 +47,7 @@ IMPLEMENTED = {
     ("Linear", "forward"): {"is_first_microbatch": MODULES + "test_fp8_modules.py"},
     ("LayerNormLinear", "__init__"): {
         "return_layernorm_output_gathered": DIST + "test_tensor_parallel.py",
-        "symmetric_ar_type": COMPAT,
+        "symmetric_ar_type": COMPAT, "ub_name": COMPAT,
         "name": COMPAT,
         "eps": COMPAT, "init_method": COMPAT, "bias": MODULES + "test_layernorm_linear.py",
         "normalization": MODULES + "test_layernorm_linear.py", "return_bias": MODULES + "test_split_output.py",
@@ -75,7 +75,7 @@ IMPLEMENTED = {
     },
     ("LayerNormMLP", "forward"): {"is_first_microbatch": MODULES + "test_fp8_modules.py"},
     ("GroupedLinear", "__init__"): {
-        "name": COMPAT,
+        "name": COMPAT, "ub_name": COMPAT,
         "bias": COMPAT, "init_method": COMPAT, "return_bias": COMPAT, "params_dtype": COMPAT, "device": COMPAT,
         "parallel_mode": COMPAT, "fuse_wgrad_accumulation": MODULES + "test_fuse_wgrad.py",
         "delay_wgrad_compute": MODULES + "test_delay_wgrad.py",

@@ -160,3 +160,83 @@ def test_checkpoint_under_torch_compile(name, fullgraph):
             plain.zero_grad(set_to_none=True)
     finally:
         torch._dynamo.reset()
+
+
+def test_checkpoint_replays_dropout_drawn_from_the_rng_tracker():
+    """te.checkpoint(get_rng_state_tracker=...) (Transformer Engine's and Megatron-LM's use): the
+    recompute draws the same dropout mask inside tracker.fork() as the forward did, so the
+    gradients equal a run without recompute; tp_group is accepted (TE reads it only to split the
+    saved input, distribute_saved_activations, which te-core refuses by name)."""
+    tracker = te_core.CudaRNGStatesTracker()
+    tracker.add("model-parallel-rng", 1234)
+    torch.manual_seed(0)
+    lin = tm.Linear(32, 32)
+
+    def region(x):
+        with tracker.fork("model-parallel-rng"):
+            return torch.nn.functional.dropout(lin(x), p=0.5)
+
+    x = torch.randn(32, 32)
+    states = tracker.get_states()
+    x_plain = x.clone().requires_grad_(True)
+    region(x_plain).pow(2).sum().backward()
+    want = (x_plain.grad, lin.weight.grad.clone())
+    lin.zero_grad()
+    tracker.set_states(states)
+    x_ckpt = x.clone().requires_grad_(True)
+    out = tm.checkpoint(region, x_ckpt, get_rng_state_tracker=lambda: tracker, tp_group=object())
+    out.pow(2).sum().backward()
+    assert torch.equal(x_ckpt.grad, want[0]) and torch.equal(lin.weight.grad, want[1])
+    with pytest.raises(NotImplementedError, match="distribute_saved_activations=True"):
+        tm.checkpoint(region, x_ckpt, distribute_saved_activations=True)
+    with pytest.raises(TypeError, match="get_rng_state_tracker must be a callable"):
+        tm.checkpoint(region, x_ckpt, get_rng_state_tracker=tracker)
+
+
+def _framework_recompute_run(rec, recompute: bool, microbatches: int = 2, steps: int = 2):
+    """Microbatches forward, then their backwards in the same order (a pipeline's pattern), for
+    `steps` steps; with `recompute`, each forward runs without autograd under
+    activation_recompute_forward(True, False) and is recomputed before its backward under
+    activation_recompute_forward(True, True) inside an autocast, as Megatron-LM's checkpoint
+    functions do. Returns the gradients and the final scaling state."""
+    from te_core.modules.checkpoint import activation_recompute_forward
+
+    torch.manual_seed(0)
+    model = Block()
+    xs = [torch.randn(32, 32, generator=torch.Generator().manual_seed(10 + i)) for i in range(microbatches)]
+    for step in range(steps):
+        model.zero_grad()
+        kept = []
+        for i, x in enumerate(xs):
+            x = x * (step + 1)
+            with autocast(recipe=rec):
+                if recompute:
+                    with torch.no_grad(), activation_recompute_forward(activation_recompute=True):
+                        model(x)
+                    kept.append(x)
+                else:
+                    kept.append(model(x.requires_grad_(True)))
+        for item in kept:
+            if recompute:
+                with torch.enable_grad(), autocast(recipe=rec), activation_recompute_forward(True, True):
+                    item = model(item.requires_grad_(True))
+            item.pow(2).sum().backward()
+    return [p.grad.clone() for p in model.parameters()], states(model)
+
+
+@pytest.mark.parametrize(
+    "rec", [recipe.DelayedScaling(amax_history_len=3), recipe.Float8CurrentScaling()], ids=["delayed", "current"]
+)
+def test_activation_recompute_forward_reproduces_fp8_exactly(rec):
+    """Transformer Engine's activation_recompute_forward (transformer_engine.pytorch.distributed):
+    two microbatches recorded, then recomputed first in first out, give the gradients and the
+    scaling state of the same steps without recompute."""
+    got_grads, got_state = _framework_recompute_run(rec, recompute=True)
+    want_grads, want_state = _framework_recompute_run(rec, recompute=False)
+    for g, w in zip(got_grads, want_grads):
+        assert torch.equal(g, w)
+    for g, w in zip(got_state, want_state):
+        for direction in ("forward", "backward"):
+            for slot, entry in w[direction].items():
+                for key, value in entry.items():
+                    assert torch.equal(g[direction][slot][key], value), (direction, slot, key)
