@@ -203,7 +203,8 @@ def _framework_recompute_run(rec, recompute: bool, microbatches: int = 2, steps:
 
     torch.manual_seed(0)
     model = Block()
-    xs = [torch.randn(32, 32, generator=torch.Generator().manual_seed(10 + i)) for i in range(microbatches)]
+    xs = [torch.randn(32, 32, device="cpu", generator=torch.Generator().manual_seed(10 + i)).to(
+        torch.get_default_device()) for i in range(microbatches)]  # (the device under test)
     for step in range(steps):
         model.zero_grad()
         kept = []
