@@ -44,7 +44,7 @@ _RUNTIME = Runtime()
 
 
 def _data_tensors(tensors):
-    """The tensors that hold data: a quantized tensor's data tensors in its place."""
+    """The tensors given, each quantized one followed by its data tensors."""
     for t in tensors:
         if isinstance(t, QuantizedTensor):
             yield t

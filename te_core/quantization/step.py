@@ -152,6 +152,8 @@ class QuantizationStep(CalibrationStep):
         super().__init__(state, context, is_first_microbatch)
         self._is_first_microbatch = is_first_microbatch
         self._weight_cache = weight_cache
+        # slots whose first cast quantized an op's output afterwards (see fused_cast_args)
+        self._cast_after: frozenset = frozenset()
 
     def first_scale(self, quantizer, x) -> None:
         """For a quantizer that casts for the first time since its state was made (_is_fresh),
@@ -233,8 +235,14 @@ class QuantizationStep(CalibrationStep):
     def fused_cast_args(self, slot: str) -> Optional[dict]:
         quantizer = self._state.quantizer(slot)
         # a high-precision wgrad reads the op's high-precision output, which a fused cast never
-        # writes; a first cast needs the output's amax before its scale (operand() casts it then)
-        if not quantizer.wgrad_in_fp8 or self._is_fresh(quantizer):
+        # writes; a first cast needs the output's amax before its scale (operand() casts it then).
+        # A recompute that replays this step (te.checkpoint) takes the path the forward took: a
+        # fused cast rounds the op's float32 result once where the forward rounded it to the
+        # output dtype first, which would move some FP8 values by one step.
+        if not quantizer.wgrad_in_fp8 or slot in self._cast_after:
+            return None
+        if self._is_fresh(quantizer):
+            self._cast_after = self._cast_after | {slot}
             return None
         return quantizer.fused_cast_args()
 

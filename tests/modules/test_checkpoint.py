@@ -241,3 +241,47 @@ def test_activation_recompute_forward_reproduces_fp8_exactly(rec):
             for slot, entry in w[direction].items():
                 for key, value in entry.items():
                     assert torch.equal(g[direction][slot][key], value), (direction, slot, key)
+
+
+class Bf16Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = tm.LayerNormLinear(64, 128, params_dtype=torch.bfloat16)
+        self.b = tm.Linear(128, 64, params_dtype=torch.bfloat16)
+
+    def forward(self, x):
+        return self.b(torch.nn.functional.gelu(self.a(x)))
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_checkpoint_recomputes_a_first_fp8_step_exactly_in_bfloat16(steps):
+    """A fresh delayed-scaling state's first cast scales by its own amax and quantizes the norm's
+    bfloat16 output afterwards; the recompute replaying that step must take the same path (a
+    fused norm-to-FP8 cast rounds once where the forward rounded twice), else the first step's
+    recomputed activations, its gradients and, through the amax history, later steps differ."""
+    def run(use_checkpoint):
+        torch.manual_seed(0)
+        blocks = [Bf16Block() for _ in range(2)]
+        x = torch.randn(32, 64, device="cpu", generator=torch.Generator().manual_seed(3)).to(
+            torch.get_default_device(), torch.bfloat16)
+        rec = recipe.DelayedScaling()
+        for _ in range(steps):
+            for blk in blocks:
+                blk.zero_grad()
+            xi = x.clone().requires_grad_(True)
+            with autocast(recipe=rec):
+                h = xi
+                for blk in blocks:
+                    h = tm.checkpoint(blk, h) if use_checkpoint else blk(h)
+            h.float().pow(2).mean().backward()
+        grads = [xi.grad] + [p.grad for blk in blocks for p in blk.parameters()]
+        return grads, [s for blk in blocks for s in states(blk)]
+
+    (got, got_state), (want, want_state) = run(True), run(False)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    for g, w in zip(got_state, want_state):
+        for direction in ("forward", "backward"):
+            for slot, entry in w[direction].items():
+                for key, value in entry.items():
+                    assert torch.equal(g[direction][slot][key], value), (direction, slot, key)
