@@ -170,18 +170,9 @@ def _dummy_wgrads():
     return get_dummy_wgrad
 
 
-def _router_not_implemented(name: str):
-    def fused(*args, **kwargs):
-        raise NotImplementedError(
-            f"transformer_engine.pytorch.router.{name}: Transformer Engine's fused MoE router kernels are not "
-            "implemented by te-core; route in PyTorch instead (Megatron-LM: leave --moe-router-fusion off)")
-    fused.__name__ = name
-    return fused
-
-
 def _pytorch_module() -> types.ModuleType:
     import te_core
-    from te_core import cpu_offload, modules, permutation, quantization
+    from te_core import cpu_offload, modules, permutation, quantization, router
     from te_core.modules.checkpoint import activation_recompute_forward
 
     module = _module(f"{ROOT}.pytorch", "te-core standing in for transformer_engine.pytorch")
@@ -210,9 +201,7 @@ def _pytorch_module() -> types.ModuleType:
     _submodule(module, "permutation", "MoE token permutation",
                _names(permutation, [n for n in te_core.__all__ if n.startswith("moe_")]))
     _submodule(module, "cross_entropy", "parallel_cross_entropy", dict(parallel_cross_entropy=te_core.parallel_cross_entropy))
-    _submodule(module, "router", "Transformer Engine's fused MoE router (not implemented: calls raise)", {
-        name: _router_not_implemented(name) for name in (
-            "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss")})
+    _submodule(module, "router", "the MoE router functions", _names(router, router.__all__))
     module_pkg = _submodule(module, "module", "the modules", _names(modules, [
         "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "LayerNorm", "RMSNorm", "Fp8Padding",
         "Fp8Unpadding"]), package=True)

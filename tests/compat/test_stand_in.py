@@ -164,7 +164,7 @@ def test_a_name_te_core_does_not_provide_is_a_clear_attribute_error(stand_in):
 def test_the_submodules_megatron_imports_resolve(stand_in):
     """The submodules Megatron-LM's Transformer Engine integration imports at load time or on its
     default training path resolve to te-core's objects; TE's fusible-op API (`ops`) is not
-    te-core's op contract, so it is not provided; the fused router's functions say they are not."""
+    te-core's op contract, so it is not provided."""
     import torch
 
     from transformer_engine.pytorch.attention import DotProductAttention
@@ -188,8 +188,9 @@ def test_the_submodules_megatron_imports_resolve(stand_in):
     assert MXFP8Tensor is te_core.MXFP8Tensor
     dummy = get_dummy_wgrad([3, 5], torch.float32, zero=True)
     assert dummy.shape == (3, 5) and not dummy.any() and get_dummy_wgrad([3, 5], torch.float32).shape == (3, 5)
-    with pytest.raises(NotImplementedError, match="leave --moe-router-fusion off"):
-        fused_topk_with_score_function(torch.zeros(2, 4), 2)
+    from te_core import router
+
+    assert fused_topk_with_score_function is router.fused_topk_with_score_function
     import transformer_engine.pytorch as te
 
     assert not hasattr(te, "ops")

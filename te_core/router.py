@@ -1,0 +1,127 @@
+"""Transformer Engine's MoE router functions (`transformer_engine.pytorch.router`): top-k expert
+selection with a score function, the scores behind the load-balancing loss, and that loss.
+
+Transformer Engine runs them as fused kernels; te-core computes them with torch operations, at
+Transformer Engine's precision (logits read in float32, scores and intermediate values in
+float32, the routing probabilities returned in the logits' dtype), so autograd differentiates
+them. The selection rules are those of the unfused router they replace (Megatron-LM's):
+- softmax: top-k of the logits then a softmax over the k chosen, or with `use_pre_softmax` a
+  softmax over all experts then its top-k;
+- sigmoid / sqrtsoftplus (sqrt(softplus(x))): top-k of the scores (plus `expert_bias` for the
+  choice only), the chosen scores normalized to sum to 1 when k > 1;
+- grouped: with `group_topk`, the experts are split into `num_groups` groups, each group scored
+  by the sum of its best topk / group_topk scores, and only the best `group_topk` groups compete;
+- `scaling_factor` multiplies the probabilities.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss"]
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+BYTEMAP = "bytemap"
+
+
+def _check(logits: Tensor, score_function: str, routing_map_format, name: str) -> None:
+    if not isinstance(logits, Tensor) or logits.dim() != 2:
+        raise ValueError(f"{name}: logits must be [num_tokens, num_experts], got "
+                         f"{tuple(getattr(logits, 'shape', ()))}")
+    if logits.dtype == torch.float64:
+        raise ValueError(f"{name}: float64 logits are not supported (as in Transformer Engine); pass float32, "
+                         "bfloat16 or float16")
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"{name}: score_function must be one of {', '.join(SCORE_FUNCTIONS)}, got {score_function!r}")
+    if routing_map_format not in (BYTEMAP, 0):
+        raise NotImplementedError(f"{name}: routing_map_format={routing_map_format!r} is not implemented by te-core; "
+                                  "use 'bytemap' (a bool [num_tokens, num_experts] map)")
+
+
+def _scores(logits32: Tensor, score_function: str) -> Tensor:
+    if score_function == "softmax":
+        return torch.softmax(logits32, dim=-1)
+    if score_function == "sigmoid":
+        return torch.sigmoid(logits32)
+    return F.softplus(logits32).sqrt()
+
+
+def _topk(scores: Tensor, topk: int, num_groups: Optional[int], group_topk: Optional[int]) -> Tuple[Tensor, Tensor]:
+    if not group_topk:
+        return torch.topk(scores, k=topk, dim=-1)
+    tokens, experts = scores.shape
+    if not num_groups or experts % num_groups or topk % group_topk:
+        raise ValueError(f"grouped top-k needs num_experts ({experts}) divisible by num_groups ({num_groups}) and "
+                         f"topk ({topk}) divisible by group_topk ({group_topk})")
+    group_scores = scores.view(tokens, num_groups, -1).topk(topk // group_topk, dim=-1)[0].sum(dim=-1)
+    chosen = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen, True)
+    expert_mask = group_mask.unsqueeze(-1).expand(tokens, num_groups, experts // num_groups).reshape(tokens, -1)
+    return torch.topk(scores.masked_fill(~expert_mask, float("-inf")), k=topk, dim=-1)
+
+
+def fused_topk_with_score_function(logits: Tensor, topk: int, use_pre_softmax: bool, num_groups: Optional[int],
+                                   group_topk: Optional[int], scaling_factor: Optional[float], score_function: str,
+                                   expert_bias: Optional[Tensor], routing_map_format=BYTEMAP,
+                                   topk_indices: Optional[Tensor] = None, qb_histogram: Optional[Tensor] = None,
+                                   qb_bin_bounds: Optional[Tensor] = None, qb_histogram_mode: Optional[str] = None):
+    """(routing probabilities [num_tokens, num_experts] in the logits' dtype, zero outside each
+    token's k experts; routing map, bool of the same shape), by the rules of the module docstring."""
+    name = "fused_topk_with_score_function"
+    _check(logits, score_function, routing_map_format, name)
+    if topk_indices is not None or any(v is not None for v in (qb_histogram, qb_bin_bounds, qb_histogram_mode)):
+        raise NotImplementedError(f"{name}: topk_indices and quantile balancing (qb_*) are not implemented by "
+                                  "te-core; leave them None")
+    if expert_bias is not None and score_function == "softmax":
+        raise ValueError(f"{name}: expert_bias goes with the sigmoid or sqrtsoftplus score function, not softmax")
+    x = logits.float()
+    if score_function == "softmax":
+        if use_pre_softmax:
+            probs, indices = _topk(_scores(x, "softmax"), topk, num_groups, group_topk)
+        else:
+            top, indices = _topk(x, topk, num_groups, group_topk)
+            probs = torch.softmax(top, dim=-1)
+    else:
+        scores = _scores(x, score_function)
+        if expert_bias is not None:
+            indices = _topk(scores + expert_bias.float(), topk, num_groups, group_topk)[1]
+            probs = scores.gather(1, indices)
+        else:
+            probs, indices = _topk(scores, topk, num_groups, group_topk)
+        if topk > 1:
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    if scaling_factor:
+        probs = probs * scaling_factor
+    routing_probs = torch.zeros_like(logits).scatter(1, indices, probs.to(logits.dtype))
+    routing_map = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter(1, indices, True)
+    return routing_probs, routing_map
+
+
+def fused_compute_score_for_moe_aux_loss(logits: Tensor, topk: int, score_function: str,
+                                         routing_map_format=BYTEMAP) -> Tuple[Tensor, Tensor]:
+    """(routing map of each token's top-k experts by score, bool; the scores in float32, softmax
+    or, for sigmoid / sqrtsoftplus, normalized to sum to 1 over all experts)."""
+    _check(logits, score_function, routing_map_format, "fused_compute_score_for_moe_aux_loss")
+    scores = _scores(logits.float(), score_function)
+    if score_function != "softmax":
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    indices = torch.topk(scores, k=topk, dim=-1)[1]
+    routing_map = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter(1, indices, True)
+    return routing_map, scores
+
+
+def fused_moe_aux_loss(probs: Tensor, tokens_per_expert: Tensor, total_num_tokens: Union[int, Tensor],
+                       num_experts: int, topk: int, coeff: float) -> Tensor:
+    """The switch load-balancing loss: sum over experts of (the expert's summed probability x its
+    token count) x num_experts x coeff / (topk x total_num_tokens^2), a scalar in probs' dtype
+    (`total_num_tokens` may be a device tensor: nothing is read back to the host)."""
+    if probs.dim() != 2 or tokens_per_expert.numel() != probs.shape[1]:
+        raise ValueError(f"fused_moe_aux_loss: probs must be [num_tokens, num_experts] and tokens_per_expert one count "
+                         f"per expert, got {tuple(probs.shape)} and {tuple(tokens_per_expert.shape)}")
+    acc = torch.promote_types(probs.dtype, torch.float32)  # float32 at least
+    total = total_num_tokens.to(acc) if isinstance(total_num_tokens, Tensor) else float(total_num_tokens)
+    weighted = (probs.to(acc).sum(dim=0) * tokens_per_expert.to(acc)).sum()
+    return (weighted * (num_experts * coeff / topk) / (total * total)).to(probs.dtype)

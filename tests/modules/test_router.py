@@ -1,0 +1,116 @@
+"""te_core.router (Transformer Engine's transformer_engine.pytorch.router, which Megatron-LM calls
+with --moe-router-fusion) against float64 computations of the rules it implements, on fresh random
+logits: the top-k choice with softmax (before or after the top-k), sigmoid and sqrtsoftplus scores,
+expert bias, grouped top-k, scaling; the aux-loss scores; the load-balancing loss and its gradient."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from te_core import router
+
+T, E, K = 24, 8, 2
+
+
+def _logits(seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, E, generator=g, dtype=torch.float64, device="cpu").to(torch.get_default_device(), dtype)
+
+
+def _reference(logits, topk, pre_softmax, groups, group_topk, scaling, fn, bias):
+    """Straight from the rules, in float64."""
+    x = logits.double()
+    if fn == "softmax":
+        ranked = torch.softmax(x, -1) if pre_softmax else x
+    else:
+        ranked = torch.sigmoid(x) if fn == "sigmoid" else torch.nn.functional.softplus(x).sqrt()
+    choose = ranked + (bias.double() if bias is not None else 0)
+    if group_topk:
+        best_in_group = choose.view(T, groups, -1).topk(topk // group_topk, -1)[0].sum(-1)
+        keep = torch.zeros(T, groups, dtype=torch.bool, device=x.device).scatter(
+            1, best_in_group.topk(group_topk, -1)[1], True)
+        choose = choose.masked_fill(~keep.repeat_interleave(E // groups, 1), float("-inf"))
+    idx = choose.topk(topk, -1)[1]
+    picked = ranked.gather(1, idx)
+    if fn == "softmax":
+        probs = picked if pre_softmax else torch.softmax(picked, -1)
+    else:
+        probs = picked / picked.sum(-1, keepdim=True) if topk > 1 else picked
+    probs = probs * (scaling or 1.0)
+    return torch.zeros_like(x).scatter(1, idx, probs), torch.zeros_like(x, dtype=torch.bool).scatter(1, idx, True)
+
+
+CASES = [
+    dict(pre_softmax=False, groups=None, group_topk=None, scaling=None, fn="softmax", bias=False),
+    dict(pre_softmax=True, groups=None, group_topk=None, scaling=2.5, fn="softmax", bias=False),
+    dict(pre_softmax=False, groups=None, group_topk=None, scaling=None, fn="sigmoid", bias=True),
+    dict(pre_softmax=False, groups=4, group_topk=2, scaling=None, fn="sigmoid", bias=True),
+    dict(pre_softmax=False, groups=None, group_topk=None, scaling=1.5, fn="sqrtsoftplus", bias=False),
+    dict(pre_softmax=True, groups=2, group_topk=1, scaling=None, fn="softmax", bias=False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_topk_with_score_function_follows_its_rules(case):
+    logits = _logits(0)
+    bias = _logits(1)[0] * 0.1 if case["bias"] else None
+    probs, routing_map = router.fused_topk_with_score_function(
+        logits, K, case["pre_softmax"], case["groups"], case["group_topk"], case["scaling"], case["fn"], bias)
+    want_probs, want_map = _reference(logits, K, case["pre_softmax"], case["groups"], case["group_topk"],
+                                      case["scaling"], case["fn"], bias)
+    assert torch.equal(routing_map, want_map) and probs.dtype == logits.dtype
+    torch.testing.assert_close(probs.double(), want_probs, rtol=1.3e-6, atol=1e-5)
+    assert int(routing_map.sum()) == T * K
+
+
+def test_probabilities_come_back_in_the_logits_dtype_and_differentiate():
+    logits = _logits(2, torch.bfloat16).requires_grad_(True)
+    probs, _ = router.fused_topk_with_score_function(logits, K, False, None, None, None, "softmax", None)
+    assert probs.dtype == torch.bfloat16
+    want, _ = _reference(logits.detach(), K, False, None, None, None, "softmax", None)
+    torch.testing.assert_close(probs.double(), want, rtol=1.6e-2, atol=1e-5)
+    probs.float().pow(2).sum().backward()
+    assert logits.grad is not None and torch.isfinite(logits.grad.float()).all()
+
+
+@pytest.mark.parametrize("fn", ["softmax", "sigmoid", "sqrtsoftplus"])
+def test_aux_loss_scores(fn):
+    logits = _logits(3)
+    routing_map, scores = router.fused_compute_score_for_moe_aux_loss(logits, K, fn)
+    x = logits.double()
+    want = torch.softmax(x, -1) if fn == "softmax" else (
+        torch.sigmoid(x) if fn == "sigmoid" else torch.nn.functional.softplus(x).sqrt())
+    if fn != "softmax":
+        want = want / want.sum(-1, keepdim=True)
+    assert scores.dtype == torch.float32
+    torch.testing.assert_close(scores.double(), want, rtol=1.3e-6, atol=1e-5)
+    assert torch.equal(routing_map, torch.zeros_like(x, dtype=torch.bool).scatter(1, want.topk(K, -1)[1], True))
+
+
+def test_load_balancing_loss_and_its_gradient():
+    probs = torch.softmax(_logits(4), -1).double().requires_grad_(True)
+    counts = torch.randint(0, 10, (E,), generator=torch.Generator().manual_seed(5), device="cpu").to(probs.device)
+    total = int(counts.sum())
+    loss = router.fused_moe_aux_loss(probs, counts, total, E, K, 0.01)
+    want = (probs.detach().sum(0) * counts.double()).sum() * E * 0.01 / (K * total * total)
+    torch.testing.assert_close(loss, want, rtol=1.3e-6, atol=1e-12)
+    tensor_total = router.fused_moe_aux_loss(probs, counts, torch.tensor(total, device=probs.device), E, K, 0.01)
+    torch.testing.assert_close(tensor_total, want, rtol=1.3e-6, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda p: router.fused_moe_aux_loss(p, counts, total, E, K, 0.01), (probs,))
+
+
+def test_bad_arguments_name_the_problem():
+    logits = _logits(6)
+    with pytest.raises(ValueError, match="score_function must be one of"):
+        router.fused_topk_with_score_function(logits, K, False, None, None, None, "relu", None)
+    with pytest.raises(ValueError, match="float64 logits are not supported"):
+        router.fused_compute_score_for_moe_aux_loss(logits.double(), K, "softmax")
+    with pytest.raises(NotImplementedError, match="routing_map_format='bitmap_u8'"):
+        router.fused_compute_score_for_moe_aux_loss(logits, K, "softmax", routing_map_format="bitmap_u8")
+    with pytest.raises(NotImplementedError, match="quantile balancing"):
+        router.fused_topk_with_score_function(logits, K, False, None, None, None, "sigmoid", None,
+                                              qb_histogram_mode="two_kernel")
+    with pytest.raises(ValueError, match="divisible by num_groups"):
+        router.fused_topk_with_score_function(logits, K, False, 3, 1, None, "sigmoid", None)
+    with pytest.raises(ValueError, match="expert_bias goes with the sigmoid"):
+        router.fused_topk_with_score_function(logits, K, False, None, None, None, "softmax", logits[0])
