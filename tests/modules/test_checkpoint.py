@@ -193,6 +193,17 @@ def test_checkpoint_replays_dropout_drawn_from_the_rng_tracker():
         tm.checkpoint(region, x_ckpt, get_rng_state_tracker=tracker)
 
 
+def _assert_same_run(got, want):
+    """(gradients, scaling states) of two runs: equal bit for bit."""
+    for g, w in zip(got[0], want[0]):
+        assert torch.equal(g, w)
+    for g, w in zip(got[1], want[1]):
+        for direction in ("forward", "backward"):
+            for slot, entry in w[direction].items():
+                for key, value in entry.items():
+                    assert torch.equal(g[direction][slot][key], value), (direction, slot, key)
+
+
 def _framework_recompute_run(rec, recompute: bool, microbatches: int = 2, steps: int = 2):
     """Microbatches forward, then their backwards in the same order (a pipeline's pattern), for
     `steps` steps; with `recompute`, each forward runs without autograd under
@@ -232,15 +243,7 @@ def test_activation_recompute_forward_reproduces_fp8_exactly(rec):
     """Transformer Engine's activation_recompute_forward (transformer_engine.pytorch.distributed):
     two microbatches recorded, then recomputed first in first out, give the gradients and the
     scaling state of the same steps without recompute."""
-    got_grads, got_state = _framework_recompute_run(rec, recompute=True)
-    want_grads, want_state = _framework_recompute_run(rec, recompute=False)
-    for g, w in zip(got_grads, want_grads):
-        assert torch.equal(g, w)
-    for g, w in zip(got_state, want_state):
-        for direction in ("forward", "backward"):
-            for slot, entry in w[direction].items():
-                for key, value in entry.items():
-                    assert torch.equal(g[direction][slot][key], value), (direction, slot, key)
+    _assert_same_run(_framework_recompute_run(rec, recompute=True), _framework_recompute_run(rec, recompute=False))
 
 
 class Bf16Block(torch.nn.Module):
@@ -277,11 +280,4 @@ def test_checkpoint_recomputes_a_first_fp8_step_exactly_in_bfloat16(steps):
         grads = [xi.grad] + [p.grad for blk in blocks for p in blk.parameters()]
         return grads, [s for blk in blocks for s in states(blk)]
 
-    (got, got_state), (want, want_state) = run(True), run(False)
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)
-    for g, w in zip(got_state, want_state):
-        for direction in ("forward", "backward"):
-            for slot, entry in w[direction].items():
-                for key, value in entry.items():
-                    assert torch.equal(g[direction][slot][key], value), (direction, slot, key)
+    _assert_same_run(run(True), run(False))
