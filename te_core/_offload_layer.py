@@ -151,7 +151,7 @@ class LayerOffload:
         if isinstance(handle, _Quantized):
             twin = handle.shell._same_kind()
             for name, value in handle.handles.items():
-                setattr(twin, name, self.pop(value) if isinstance(value, (int, _View, _Quantized, Tensor)) else value)
+                setattr(twin, name, None if value is None else self.pop(value))  # (a data tensor unset: None)
             return twin
         if isinstance(handle, _View):
             return self.pop(handle.base).as_strided(handle.size, handle.stride, handle.offset)

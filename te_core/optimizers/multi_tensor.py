@@ -10,7 +10,7 @@ float32 whatever the tensors' dtype.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Sequence
 
 import torch
 from torch import Tensor
@@ -33,16 +33,11 @@ def _flag_non_finite(noop_flag: Tensor, tensors: List[Tensor]) -> None:
     noop_flag.copy_(torch.maximum(noop_flag, bad.to(noop_flag.dtype)).reshape(noop_flag.shape))
 
 
-def _check_pairs(tensor_lists, name: str) -> Tuple[List[Tensor], List[Tensor]]:
+def _scaled_copy(name: str, noop_flag: Tensor, tensor_lists, scale) -> None:
     if len(tensor_lists) != 2 or len(tensor_lists[0]) != len(tensor_lists[1]):
         raise ValueError(f"{name}: tensor_lists must be [sources, destinations] of equal length, got "
                          f"{[len(t) for t in tensor_lists]} lists")
-    return list(tensor_lists[0]), list(tensor_lists[1])
-
-
-def multi_tensor_scale(chunk_size: int, noop_flag: Tensor, tensor_lists, scale: float) -> None:
-    """destinations[i] = sources[i] * scale (each in its own dtype; the product in the source's)."""
-    sources, destinations = _check_pairs(tensor_lists, "multi_tensor_scale")
+    sources, destinations = list(tensor_lists[0]), list(tensor_lists[1])
     if not sources:
         return
     scaled = torch._foreach_mul(sources, scale)
@@ -50,14 +45,14 @@ def multi_tensor_scale(chunk_size: int, noop_flag: Tensor, tensor_lists, scale: 
     torch._foreach_copy_(destinations, scaled)
 
 
+def multi_tensor_scale(chunk_size: int, noop_flag: Tensor, tensor_lists, scale: float) -> None:
+    """destinations[i] = sources[i] * scale (each in its own dtype; the product in the source's)."""
+    _scaled_copy("multi_tensor_scale", noop_flag, tensor_lists, scale)
+
+
 def multi_tensor_scale_tensor(chunk_size: int, noop_flag: Tensor, tensor_lists, scale: Tensor) -> None:
     """multi_tensor_scale with the scale a 1-element tensor on the device (no host read)."""
-    sources, destinations = _check_pairs(tensor_lists, "multi_tensor_scale_tensor")
-    if not sources:
-        return
-    scaled = torch._foreach_mul(sources, scale.reshape(()))
-    _flag_non_finite(noop_flag, scaled)
-    torch._foreach_copy_(destinations, scaled)
+    _scaled_copy("multi_tensor_scale_tensor", noop_flag, tensor_lists, scale.reshape(()))
 
 
 def multi_tensor_l2norm(chunk_size: int, noop_flag: Tensor, tensor_lists, per_tensor: bool = False, *args):
