@@ -88,10 +88,14 @@ def _sm90_casts(sms: int) -> dict:
         cast_transpose=Config(block_m=64, block_n=128, num_warps=4, hw_saturate=True),
         transpose=Config(block_m=64, block_n=128, num_warps=4),  # the cast-transpose's tiles, untuned
         # 128x128 blocks: 8 warps (4 or 16 are slower). 1x128 blocks + transpose: each 128x128
-        # tile taken in 64-row then 64-column slices with 4 warps (8 warps, 32-row slices or the
-        # whole tile at once are slower)
-        blockwise=Config(block_m=64, num_warps=8),
-        blockwise_1d_transpose=Config(block_m=64, num_warps=4),
+        # tile taken in 64-row then 64-column slices with 4 warps (8 warps, 32-row slices, the
+        # whole tile at once, or its column slices transposed in bf16 are slower). Both leave the
+        # saturation to the hardware convert (with a transpose, for bf16 input only:
+        # te_triton.cast.transpose_clamps); with the tile held in the input's dtype that ran
+        # 128x128 blocks at 1.6x and 1x128 blocks with a transpose at 1.15x the bandwidth of a
+        # clamped float32 tile
+        blockwise=Config(block_m=64, num_warps=8, hw_saturate=True),
+        blockwise_1d_transpose=Config(block_m=64, num_warps=4, hw_saturate=True),
         # MXFP8 (1x32 E8M0 scales), both layouts from one read of a tile: 32x256 tiles with 4
         # warps (64x128 is about as fast; square tiles, 128 rows or 8 warps are slower)
         mxfp8=Config(block_m=32, block_n=256, num_warps=4, hw_saturate=True),

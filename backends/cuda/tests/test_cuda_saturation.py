@@ -85,3 +85,26 @@ def test_fp8_outputs_saturate_and_keep_nan(fp8_dtype, dtype):
         want = ref["activation_fwd"](x, kind, fp8_scale=big, fp8_dtype=fp8_dtype)[0]
         got = ops["activation_fwd"](x.cuda(), kind, fp8_scale=big.cuda(), fp8_dtype=fp8_dtype)[0]
         _saturated_within_a_step(got, want, FMAX[fp8_dtype], f"activation_fwd {kind}")
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_2d,with_transpose", [(False, False), (False, True), (True, False), (True, True)])
+def test_block_casts_saturate_and_keep_nan(fp8_dtype, dtype, block_2d, with_transpose):
+    """Block scales come from each block's own amax, so only a block holding inf (scale 1) has
+    finite values past the FP8 max: they saturate, the inf to the max as well, NaN stays NaN."""
+    ops, ref = _ops(), implementations()
+    x = _input(dtype, fp8_dtype, M=200, N=384).float()
+    x[130, 200] = float("inf")  # the blocks around it keep their big finite values at scale 1
+    x[5, 300] = float("-inf")
+    x = x.to(dtype)
+    args, kw = (x, fp8_dtype), dict(block_2d=block_2d, with_transpose=with_transpose)
+    want = ref["quantize_blockwise"](*args, **kw)
+    got = ops["quantize_blockwise"](x.cuda(), fp8_dtype, **kw)
+    for i, what in ((0, "data"), (2, "data_t")):
+        if want[i] is not None:
+            assert (want[i].float().abs() == FMAX[fp8_dtype]).any(), f"{what}: the test needs saturated values"
+            _same_bytes(got[i], want[i], f"quantize_blockwise {what}")
+    for i, what in ((1, "scale_inv"), (3, "scale_inv_t")):
+        if want[i] is not None:
+            assert torch.equal(got[i].cpu(), want[i]), f"quantize_blockwise {what} differs"

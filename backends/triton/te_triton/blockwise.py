@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ._common import Config, abs_bits, cdiv, check_2d_input, fp8_max, saturating_cast, scale_from_amax
-from .cast import check_dequantize_args
+from .cast import check_dequantize_args, transpose_clamps
 from .launch import launcher
 
 BLOCK = 128
@@ -46,9 +46,10 @@ def _abs_bits_of(v, IN_DTYPE: tl.constexpr):
 @triton.jit
 def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, MB, KB, s_row, s_col, st_row, st_col, fmax, eps,
                       BM: tl.constexpr, BLOCK_2D: tl.constexpr, TRANSPOSE: tl.constexpr, POW2: tl.constexpr,
-                      SUB: tl.constexpr):
+                      SUB: tl.constexpr, CLAMP: tl.constexpr):
     pm = tl.program_id(0)
     pk = tl.program_id(1)
+    DT: tl.constexpr = x_ptr.dtype.element_ty
     rows = pm * BM + tl.arange(0, BM)
     cols = pk * 128 + tl.arange(0, 128)
     if not BLOCK_2D and TRANSPOSE:
@@ -59,30 +60,30 @@ def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, MB, KB, s_row, 
             r = pm * BM + h * SUB + tl.arange(0, SUB)
             m = (r[:, None] < M) & (cols[None, :] < K)
             v = tl.load(x_ptr + r[:, None] * K + cols[None, :], mask=m, other=0.0)
-            scale = scale_from_amax(_amax_of_bits(tl.max(_abs_bits_of(v, x_ptr.dtype.element_ty), axis=1),
-                                                x_ptr.dtype.element_ty), fmax, eps, POW2)
-            q = saturating_cast(v.to(tl.float32) * scale[:, None], fmax, y_ptr.dtype.element_ty)
+            scale = scale_from_amax(_amax_of_bits(tl.max(_abs_bits_of(v, DT), axis=1), DT), fmax, eps, POW2)
+            q = saturating_cast(v.to(tl.float32) * scale[:, None], fmax, y_ptr.dtype.element_ty, CLAMP)
             tl.store(y_ptr + r[:, None] * K + cols[None, :], q, mask=m)
             tl.store(s_ptr + r * s_row + pk * s_col, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=r < M)
         for h in tl.static_range(128 // SUB):
             c = pk * 128 + h * SUB + tl.arange(0, SUB)
             m = (rows[:, None] < M) & (c[None, :] < K)
             v = tl.load(x_ptr + rows[:, None] * K + c[None, :], mask=m, other=0.0)
-            scale_t = scale_from_amax(_amax_of_bits(tl.max(_abs_bits_of(v, x_ptr.dtype.element_ty), axis=0),
-                                                  x_ptr.dtype.element_ty), fmax, eps, POW2)
-            qt = saturating_cast(v.to(tl.float32) * scale_t[None, :], fmax, yt_ptr.dtype.element_ty)
+            scale_t = scale_from_amax(_amax_of_bits(tl.max(_abs_bits_of(v, DT), axis=0), DT), fmax, eps, POW2)
+            qt = saturating_cast(v.to(tl.float32) * scale_t[None, :], fmax, yt_ptr.dtype.element_ty, CLAMP)
             mt = (c[:, None] < K) & (rows[None, :] < M)
             tl.store(yt_ptr + c[:, None] * M + rows[None, :], tl.trans(qt), mask=mt)
             tl.store(st_ptr + c * st_row + pm * st_col, tl.math.div_rn(tl.zeros_like(scale_t) + 1.0, scale_t),
                      mask=c < K)
     else:
+        # the input's own dtype in registers (its bits give the amax), float32 only for the
+        # product: a float32 copy of the whole tile held from the load halves the bandwidth
         mask = (rows[:, None] < M) & (cols[None, :] < K)
-        v = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        bits = abs_bits(v)
+        v = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0)
+        bits = _abs_bits_of(v, DT)
         if BLOCK_2D:
             # the max over integer bits keeps a NaN (a float max might drop it)
-            scale = scale_from_amax(tl.max(tl.max(bits, axis=1), axis=0).to(tl.float32, bitcast=True), fmax, eps, POW2)
-            q = saturating_cast(v * scale, fmax, y_ptr.dtype.element_ty)
+            scale = scale_from_amax(_amax_of_bits(tl.max(tl.max(bits, axis=1), axis=0), DT), fmax, eps, POW2)
+            q = saturating_cast(v.to(tl.float32) * scale, fmax, y_ptr.dtype.element_ty, CLAMP)
             tl.store(y_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
             tl.store(s_ptr + pm * s_row + pk * s_col, tl.math.div_rn(1.0, scale))
             if TRANSPOSE:
@@ -90,8 +91,8 @@ def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, MB, KB, s_row, 
                 tl.store(yt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
                 tl.store(st_ptr + pk * st_row + pm * st_col, tl.math.div_rn(1.0, scale))
         else:
-            scale = scale_from_amax(tl.max(bits, axis=1).to(tl.float32, bitcast=True), fmax, eps, POW2)
-            q = saturating_cast(v * scale[:, None], fmax, y_ptr.dtype.element_ty)
+            scale = scale_from_amax(_amax_of_bits(tl.max(bits, axis=1), DT), fmax, eps, POW2)
+            q = saturating_cast(v.to(tl.float32) * scale[:, None], fmax, y_ptr.dtype.element_ty, CLAMP)
             tl.store(y_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
             tl.store(s_ptr + rows * s_row + pk * s_col, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale),
                      mask=rows < M)
@@ -127,7 +128,8 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
             x, data, scale_inv, data if data_t is None else data_t, st, M, K, MB, KB,
             scale_inv.stride(0), scale_inv.stride(1), st.stride(0), st.stride(1), fmax, float(amax_epsilon),
             BM=BM, BLOCK_2D=bool(block_2d), TRANSPOSE=bool(with_transpose), POW2=bool(force_pow2_scales),
-            SUB=min(cfg.block_m, BLOCK), num_warps=cfg.num_warps)
+            SUB=min(cfg.block_m, BLOCK), num_warps=cfg.num_warps,
+            CLAMP=transpose_clamps(cfg, x) if with_transpose else not cfg.hw_saturate)
     return data, scale_inv, data_t, scale_inv_t
 
 

@@ -47,7 +47,7 @@ _ON_TENSOR_DEVICE = {
     "cast_transpose_fp8": (cast_transpose_fp8, cast.cast_2d_ok),
     "quantize_fp8_current": (quantize_fp8_current, cast.current_ok),
     "transpose_fp8": (transpose_fp8, cast.transpose_ok),
-    "quantize_blockwise": (quantize_blockwise, cast.self_scaled_2d_ok),
+    "quantize_blockwise": (quantize_blockwise, cast.blockwise_ok),
     "dequantize_fp8": (dequantize_fp8, cast.dequantize_ok),
     "dequantize_blockwise": (dequantize_blockwise, cast.dequantize_blockwise_ok),
     "quantize_mxfp8": (quantize_mxfp8, cast.mxfp8_ok),
