@@ -14,6 +14,7 @@ from .activation import (
     activation_fwd,
     dbias,
     dbias_cast_transpose,
+    dbias_cast_transpose_blockwise,
     dbias_cast_transpose_current,
     dbias_cast_transpose_parts,
 )

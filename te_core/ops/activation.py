@@ -98,6 +98,19 @@ def dbias_cast_transpose_current(
     in one pass once the amax is known, without materializing dy."""
 
 
+@contract_op("activation", _current_caps)
+def dbias_cast_transpose_blockwise(
+    parts: Sequence[Tensor], fp8_dtype: torch.dtype, *, force_pow2_scales: bool = True, amax_epsilon: float = 0.0
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Block scaling's output-gradient epilogue: for dy = torch.cat(parts, dim=1) (`parts` as
+    for dbias_cast_transpose_parts; one tensor for a gradient given whole), returns
+    (data, scale_inv, data_t, scale_inv_t, dbias) where the first four are
+    quantize_blockwise(dy, fp8_dtype, block_2d=False, with_transpose=True,
+    force_pow2_scales=..., amax_epsilon=...)'s (1x128 blocks, scale grids laid out column by
+    column) and dbias is dbias(dy) (its float32 column sums may add in another order): the
+    casts and the bias gradient from one read of dy, without materializing it."""
+
+
 @contract_op("activation", _fp8_arg_caps)
 def activation_bwd_dbias_cast_transpose(
     dy: Tensor, x: Tensor, kind: str, scale: Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[Tensor] = None,

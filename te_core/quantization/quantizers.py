@@ -253,6 +253,19 @@ class Float8BlockQuantizer(Quantizer):
         return Float8BlockwiseTensor.make(data, scale_inv, data_t, scale_inv_t, nominal_dtype=x.dtype,
                                           quantizer=self, _block_2d=self.block_2d)
 
+    def quantize_with_dbias(self, dy, *, columnwise: bool = True):
+        # One op where the backend fuses it: both 1x128 casts and the bias gradient from one read
+        # of dy, whose column blocks it casts in place (no join). A compiled step keeps the cast
+        # and the column sum, which the compiler traces and fuses with their neighbours.
+        if (not columnwise or self.block_2d or torch.compiler.is_compiling()
+                or not declares("dbias_cast_transpose_blockwise")):
+            return super().quantize_with_dbias(dy, columnwise=columnwise)
+        parts = list(dy) if isinstance(dy, (list, tuple)) else [_as_2d(dy, "a gradient with its bias gradient")]
+        data, scale_inv, data_t, scale_inv_t, dbias = ops.dbias_cast_transpose_blockwise(
+            parts, self.fp8_dtype, force_pow2_scales=self.power_2_scale, amax_epsilon=self.amax_epsilon)
+        return Float8BlockwiseTensor.make(data, scale_inv, data_t, scale_inv_t, nominal_dtype=parts[0].dtype,
+                                          quantizer=self, _block_2d=False), dbias
+
 
 class MXFP8Quantizer(Quantizer):
     """MXFP8: an E8M0 power-of-two scale per 32 consecutive elements."""

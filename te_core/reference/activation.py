@@ -14,7 +14,8 @@ from torch import Tensor
 
 from ..ops.activation import ACTIVATIONS, CLAMPED_SWIGLU_DEFAULTS
 from ..backend.types import as_dtype
-from .cast import cast_transpose_fp8, check_choice, check_float, check_ndim, fp8_output, quantize_fp8_current
+from .cast import (cast_transpose_fp8, check_choice, check_float, check_ndim, fp8_output, quantize_blockwise,
+                   quantize_fp8_current)
 
 _GELU_K = math.sqrt(2.0 / math.pi)
 _GELU_C = 0.044715
@@ -197,6 +198,15 @@ def dbias_cast_transpose_current(
     data, data_t, scale, scale_inv, amax = quantize_fp8_current(
         dy, fp8_dtype, with_transpose=True, force_pow2_scales=force_pow2_scales, amax_epsilon=amax_epsilon)
     return data, data_t, dbias(dy), scale, scale_inv, amax
+
+
+def dbias_cast_transpose_blockwise(
+    parts, fp8_dtype: torch.dtype, *, force_pow2_scales: bool = True, amax_epsilon: float = 0.0
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dy = join_column_parts(parts)
+    data, scale_inv, data_t, scale_inv_t = quantize_blockwise(
+        dy, fp8_dtype, with_transpose=True, force_pow2_scales=force_pow2_scales, amax_epsilon=amax_epsilon)
+    return data, scale_inv, data_t, scale_inv_t, dbias(dy)
 
 
 def join_column_parts(parts) -> Tensor:

@@ -73,11 +73,14 @@ def test_delayed_gradient_cast_reads_the_parts(monkeypatch):
     assert "dbias_cast_transpose_parts" in calls and "dbias_cast_transpose" not in calls
 
 
+@pytest.mark.parametrize("kind,epilogue", [("current", "dbias_cast_transpose_current"),
+                                            ("block", "dbias_cast_transpose_blockwise")])
 @pytest.mark.parametrize("split", [SPLIT, None])
-def test_current_gradient_cast_fuses_the_bias_gradient(monkeypatch, split):
-    """Current scaling casts the output gradient and sums its bias gradient in one op, reading a
-    split output's parts in place; the gradients equal those of the unfused path (cast, then
-    torch's sum) bit for bit, but the bias gradient, which a backend may sum in another order."""
+def test_gradient_cast_fuses_the_bias_gradient(monkeypatch, split, kind, epilogue):
+    """Current and block scaling cast the output gradient and sum its bias gradient in one op,
+    reading a split output's parts in place; the gradients equal those of the unfused path
+    (cast, then torch's sum) bit for bit, but the bias gradient, which a backend may sum in
+    another order."""
     calls = []
 
     class Spy:
@@ -93,17 +96,17 @@ def test_current_gradient_cast_fuses_the_bias_gradient(monkeypatch, split):
         with monkeypatch.context() as m:
             m.setattr(quantizers, "ops", Spy())
             if not fused:
-                m.setattr(quantizers, "declares", lambda name: name != "dbias_cast_transpose_current")
-            with autocast(recipe=recipe.Float8CurrentScaling()):
+                m.setattr(quantizers, "declares", lambda name: name != epilogue)
+            with autocast(recipe=RECIPES[kind]()):
                 out = module(x, split_sizes=split) if split else module(x).split(SPLIT, dim=-1)
             sum((i + 1) * p.square().sum() for i, p in enumerate(out)).backward()
         return {"x": x.grad, **{name: p.grad for name, p in module.named_parameters()}}
 
     unfused = grads(False)
-    assert not any(name == "dbias_cast_transpose_current" for name, _ in calls)
+    assert not any(name == epilogue for name, _ in calls)
     calls.clear()
     fused = grads(True)
-    epilogues = [args for name, args in calls if name == "dbias_cast_transpose_current"]
+    epilogues = [args for name, args in calls if name == epilogue]
     assert len(epilogues) == 1 and len(epilogues[0][0]) == (3 if split else 1)
     assert fused.keys() == unfused.keys()
     for name, grad in unfused.items():

@@ -108,3 +108,25 @@ def test_block_casts_saturate_and_keep_nan(fp8_dtype, dtype, block_2d, with_tran
     for i, what in ((1, "scale_inv"), (3, "scale_inv_t")):
         if want[i] is not None:
             assert torch.equal(got[i].cpu(), want[i]), f"quantize_blockwise {what} differs"
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_transpose", [False, True])
+def test_mxfp8_casts_saturate_and_keep_nan(fp8_dtype, dtype, with_transpose):
+    """MXFP8's power-of-two scales keep finite blocks within the FP8 max; a block holding inf
+    gets the largest exponent, and its inf saturates to the max; NaN stays NaN."""
+    ops, ref = _ops(), implementations()
+    x = _input(dtype, fp8_dtype, M=192, N=256).float()
+    x[130, 200] = float("inf")
+    x[5, 100] = float("-inf")
+    x = x.to(dtype)
+    want = ref["quantize_mxfp8"](x, fp8_dtype, with_transpose=with_transpose)
+    got = ops["quantize_mxfp8"](x.cuda(), fp8_dtype, with_transpose=with_transpose)
+    for i, what in ((0, "data"), (2, "data_t")):
+        if want[i] is not None:
+            assert (want[i].float().abs() == FMAX[fp8_dtype]).any(), f"{what}: the test needs saturated values"
+            _same_bytes(got[i], want[i], f"quantize_mxfp8 {what}")
+    for i, what in ((1, "scales"), (3, "scales_t")):
+        if want[i] is not None:
+            assert torch.equal(got[i].cpu(), want[i]), f"quantize_mxfp8 {what} differs"

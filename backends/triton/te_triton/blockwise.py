@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Config, abs_bits, cdiv, check_2d_input, fp8_max, saturating_cast, scale_from_amax
+from ._common import MAX_NUMEL, Config, abs_bits, cdiv, check_2d_input, fp8_max, saturating_cast, scale_from_amax
 from .cast import check_dequantize_args, transpose_clamps
 from .launch import launcher
 
@@ -44,9 +44,12 @@ def _abs_bits_of(v, IN_DTYPE: tl.constexpr):
 
 @launcher
 @triton.jit
-def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, MB, KB, s_row, s_col, st_row, st_col, fmax, eps,
-                      BM: tl.constexpr, BLOCK_2D: tl.constexpr, TRANSPOSE: tl.constexpr, POW2: tl.constexpr,
-                      SUB: tl.constexpr, CLAMP: tl.constexpr):
+def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, db_ptr, M, K, MB, KB, y_row, s_row, s_col, st_row, st_col,
+                      db_row, fmax, eps, BM: tl.constexpr, BLOCK_2D: tl.constexpr, TRANSPOSE: tl.constexpr,
+                      POW2: tl.constexpr, SUB: tl.constexpr, CLAMP: tl.constexpr, DBIAS: tl.constexpr):
+    # y_row: the row stride of y, which may be a column block of a wider array (the parts of a
+    # gradient, each cast into its place); DBIAS (1x128 with the transpose): each program's
+    # column sums over its rows into row pm of db (float32), summed over the programs after.
     pm = tl.program_id(0)
     pk = tl.program_id(1)
     DT: tl.constexpr = x_ptr.dtype.element_ty
@@ -62,7 +65,7 @@ def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, MB, KB, s_row, 
             v = tl.load(x_ptr + r[:, None] * K + cols[None, :], mask=m, other=0.0)
             scale = scale_from_amax(_amax_of_bits(tl.max(_abs_bits_of(v, DT), axis=1), DT), fmax, eps, POW2)
             q = saturating_cast(v.to(tl.float32) * scale[:, None], fmax, y_ptr.dtype.element_ty, CLAMP)
-            tl.store(y_ptr + r[:, None] * K + cols[None, :], q, mask=m)
+            tl.store(y_ptr + r[:, None] * y_row + cols[None, :], q, mask=m)
             tl.store(s_ptr + r * s_row + pk * s_col, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=r < M)
         for h in tl.static_range(128 // SUB):
             c = pk * 128 + h * SUB + tl.arange(0, SUB)
@@ -74,6 +77,8 @@ def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, MB, KB, s_row, 
             tl.store(yt_ptr + c[:, None] * M + rows[None, :], tl.trans(qt), mask=mt)
             tl.store(st_ptr + c * st_row + pm * st_col, tl.math.div_rn(tl.zeros_like(scale_t) + 1.0, scale_t),
                      mask=c < K)
+            if DBIAS:
+                tl.store(db_ptr + pm * db_row + c, tl.sum(v.to(tl.float32), axis=0), mask=c < K)
     else:
         # the input's own dtype in registers (its bits give the amax), float32 only for the
         # product: a float32 copy of the whole tile held from the load halves the bandwidth
@@ -84,7 +89,7 @@ def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, MB, KB, s_row, 
             # the max over integer bits keeps a NaN (a float max might drop it)
             scale = scale_from_amax(_amax_of_bits(tl.max(tl.max(bits, axis=1), axis=0), DT), fmax, eps, POW2)
             q = saturating_cast(v.to(tl.float32) * scale, fmax, y_ptr.dtype.element_ty, CLAMP)
-            tl.store(y_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+            tl.store(y_ptr + rows[:, None] * y_row + cols[None, :], q, mask=mask)
             tl.store(s_ptr + pm * s_row + pk * s_col, tl.math.div_rn(1.0, scale))
             if TRANSPOSE:
                 mask_t = (cols[:, None] < K) & (rows[None, :] < M)
@@ -93,7 +98,7 @@ def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, M, K, MB, KB, s_row, 
         else:
             scale = scale_from_amax(_amax_of_bits(tl.max(bits, axis=1), DT), fmax, eps, POW2)
             q = saturating_cast(v.to(tl.float32) * scale[:, None], fmax, y_ptr.dtype.element_ty, CLAMP)
-            tl.store(y_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+            tl.store(y_ptr + rows[:, None] * y_row + cols[None, :], q, mask=mask)
             tl.store(s_ptr + rows * s_row + pk * s_col, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale),
                      mask=rows < M)
 
@@ -125,12 +130,51 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
     if x.numel():
         st = scale_inv if scale_inv_t is None else scale_inv_t
         _blockwise_kernel[(cdiv(M, BM), KB)](
-            x, data, scale_inv, data if data_t is None else data_t, st, M, K, MB, KB,
-            scale_inv.stride(0), scale_inv.stride(1), st.stride(0), st.stride(1), fmax, float(amax_epsilon),
+            x, data, scale_inv, data if data_t is None else data_t, st, st, M, K, MB, KB, K,
+            scale_inv.stride(0), scale_inv.stride(1), st.stride(0), st.stride(1), 0, fmax, float(amax_epsilon),
             BM=BM, BLOCK_2D=bool(block_2d), TRANSPOSE=bool(with_transpose), POW2=bool(force_pow2_scales),
             SUB=min(cfg.block_m, BLOCK), num_warps=cfg.num_warps,
-            CLAMP=transpose_clamps(cfg, x) if with_transpose else not cfg.hw_saturate)
+            CLAMP=transpose_clamps(cfg, x) if with_transpose else not cfg.hw_saturate, DBIAS=False)
     return data, scale_inv, data_t, scale_inv_t
+
+
+def dbias_cast_transpose_blockwise(parts, fp8_dtype, *, force_pow2_scales=True, amax_epsilon=0.0,
+                                   cfg: Config = BLOCKWISE_DEFAULT):
+    """(data, scale_inv, data_t, scale_inv_t, dbias) as te_core.ops.dbias_cast_transpose_blockwise:
+    1x128 blocks both ways and the column sums, each part cast into its columns of the outputs
+    (one launch per part). A part whose width is not a multiple of 128 but the last would share
+    a block with the next: such parts are joined first."""
+    parts = list(parts)
+    if any(p.shape[1] % BLOCK for p in parts[:-1]) or not all(p.is_contiguous() for p in parts):
+        parts = [torch.cat(parts, dim=1)]
+    for part in parts:
+        check_2d_input(part)
+    first = parts[0]
+    fmax = fp8_max(fp8_dtype)
+    M, K = first.shape[0], sum(p.shape[1] for p in parts)
+    if M * K > MAX_NUMEL:
+        raise ValueError(f"the parts hold {M * K} elements; these kernels index with int32 (at most {MAX_NUMEL})")
+    MB, KB = cdiv(M, BLOCK), cdiv(K, BLOCK)
+    dev = first.device
+    data = torch.empty((M, K), dtype=fp8_dtype, device=dev)
+    data_t = torch.empty((K, M), dtype=fp8_dtype, device=dev)
+    scale_inv, scale_inv_t = _scales(M, KB, True, dev), _scales(K, MB, True, dev)
+    partial = torch.empty((MB, K), dtype=torch.float32, device=dev)  # every element written
+    if M:
+        off = 0
+        for part in parts:
+            k = part.shape[1]
+            if k:
+                s, st = scale_inv[:, off // BLOCK:], scale_inv_t[off:]
+                _blockwise_kernel[(MB, cdiv(k, BLOCK))](
+                    part, data[:, off:], s, data_t[off:], st, partial[:, off:], M, k, MB, cdiv(k, BLOCK), K,
+                    s.stride(0), s.stride(1), st.stride(0), st.stride(1), K, fmax, float(amax_epsilon),
+                    BM=BLOCK, BLOCK_2D=False, TRANSPOSE=True, POW2=bool(force_pow2_scales),
+                    SUB=min(cfg.block_m, BLOCK), num_warps=cfg.num_warps, CLAMP=transpose_clamps(cfg, part),
+                    DBIAS=True)
+            off += k
+    dbias = partial.sum(dim=0).to(first.dtype)
+    return data, scale_inv, data_t, scale_inv_t, dbias
 
 
 @launcher

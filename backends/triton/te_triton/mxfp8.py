@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ._common import Config, abs_bits, cdiv, check_2d_input, fp8_max, saturating_cast
+from .cast import transpose_clamps
 from .launch import launcher
 
 MX = 32  # elements per scale
@@ -110,7 +111,8 @@ def quantize_mxfp8(x: torch.Tensor, fp8_dtype: torch.dtype, *, with_transpose: b
         _mxfp8_kernel[(cdiv(M, cfg.block_m), cdiv(K, cfg.block_n))](
             x, data, scales, data if data_t is None else data_t, scales if scales_t is None else scales_t,
             M, K, fmax, FMAX_EXP=fmax_exp, BM=cfg.block_m, BK=cfg.block_n,
-            TRANSPOSE=bool(with_transpose), CLAMP=not cfg.hw_saturate, num_warps=cfg.num_warps)
+            TRANSPOSE=bool(with_transpose), num_warps=cfg.num_warps,
+            CLAMP=transpose_clamps(cfg, x) if with_transpose else not cfg.hw_saturate)
     return data, scales, data_t, scales_t
 
 

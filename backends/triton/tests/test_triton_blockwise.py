@@ -93,3 +93,37 @@ def test_dequantize_names_bad_input():
         blockwise.dequantize_blockwise(data, torch.ones(4, 2), False, torch.int8)
     with pytest.raises(TypeError, match="data must be float8"):
         blockwise.dequantize_blockwise(torch.zeros(4, 256), torch.ones(4, 2), False, torch.float32)
+
+
+@pytest.mark.parametrize("widths", [(384,), (256, 128, 128), (128, 72), (200, 40), (128, 0, 128)],
+                         ids=["whole", "qkv", "partial-last", "run-across-parts", "empty-part"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dbias_cast_transpose_blockwise_matches_reference(widths, dtype):
+    """Each part cast into its columns of the outputs, the column sums from the same read: the
+    reference's quantize_blockwise of the joined gradient (1x128 both ways) and its dbias."""
+    g = torch.Generator().manual_seed(len(widths))
+    rows = 130
+    parts = [(torch.randn(rows, w, generator=g) * torch.logspace(-2, 2, rows)[:, None]).to(dtype) for w in widths]
+    got = blockwise.dbias_cast_transpose_blockwise(parts, torch.float8_e4m3fn, cfg=Config(block_m=16, num_warps=4))
+    from te_core.reference import activation as ref_act
+
+    want = ref_act.dbias_cast_transpose_blockwise(parts, torch.float8_e4m3fn)
+    assert_fp8_matches(got[0], want[0])
+    assert_fp8_matches(got[2], want[2])
+    for i in (1, 3):
+        assert got[i].stride() == want[i].stride() and torch.equal(got[i], want[i])
+    # against float64: float32 accumulation in any order is within rows * 2^-24 * sum|dy| of the
+    # exact column sum (the rows cancel, so a relative bound alone would not hold), plus the
+    # rounding of the result to dy's dtype
+    dy = torch.cat(parts, dim=1).double()
+    exact = dy.sum(0)
+    rounding = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24
+    bound = rows * 2.0 ** -24 * dy.abs().sum(0) + rounding * exact.abs() + 1e-30
+    assert got[4].dtype == dtype and ((got[4].double() - exact).abs() <= bound).all()
+
+
+def test_dbias_cast_transpose_blockwise_of_no_rows():
+    parts = [torch.empty(0, 256), torch.empty(0, 128)]
+    data, s, data_t, st, dbias = blockwise.dbias_cast_transpose_blockwise(parts, torch.float8_e4m3fn)
+    assert data.shape == (0, 384) and data_t.shape == (384, 0) and s.shape == (0, 3) and st.shape == (384, 0)
+    assert torch.equal(dbias, torch.zeros(384))

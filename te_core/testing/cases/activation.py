@@ -114,6 +114,22 @@ _current((5, 12), 17, torch.float32, E4M3, 50.0, force_pow2_scales=True)  # ragg
 _current((40,), 9, torch.float16, E4M3, 0.01, force_pow2_scales=True, amax_epsilon=0.5)
 
 
+def _blockwise(widths, rows, dtype, fp8, std, **kwargs):
+    """Column blocks of one gradient for block scaling's epilogue (1x128 blocks both ways)."""
+    extra = "".join(f"-{k.split('_')[-1]}" for k in kwargs)
+    name = f"{short(dtype)}-{short(fp8)}{extra}-{rows}x" + "+".join(map(str, widths))
+
+    @case("dbias_cast_transpose_blockwise", name)
+    def make(gen):
+        return (tuple(randn(gen, rows, w, dtype=dtype, std=std) for w in widths), fp8), dict(kwargs)
+
+
+_blockwise((384,), 200, torch.bfloat16, E4M3, 3.0)  # partial row block
+_blockwise((256, 128, 128), 130, torch.bfloat16, E4M3, 0.02)  # QKV-like: each block a whole number of 1x128 runs
+_blockwise((128, 72), 33, torch.float32, E5M2, 1.0)  # the last part a partial run
+_blockwise((200, 40), 9, torch.float16, E4M3, 0.01, force_pow2_scales=False, amax_epsilon=0.5)  # a run across parts
+
+
 def _bwd_epilogue(kind, m, h, dtype, fp8):
     cols = 2 * h if kind in GATED_ACTIVATIONS else h
 

@@ -24,7 +24,8 @@ from ..traced_block import TRACED_BLOCK
 from ..traced_fused import TRACED_FUSED
 from . import activation, cast, loss, norm, rope, scaling, softmax
 from .activation import (activation_bwd, activation_bwd_dbias_cast_transpose, activation_fwd, dbias,
-                         dbias_cast_transpose, dbias_cast_transpose_current, dbias_cast_transpose_parts)
+                         dbias_cast_transpose, dbias_cast_transpose_blockwise, dbias_cast_transpose_current,
+                         dbias_cast_transpose_parts)
 from .cast import (cast_transpose_fp8, dequantize_blockwise, dequantize_fp8, dequantize_mxfp8, quantize_blockwise,
                    quantize_fp8, quantize_fp8_current, quantize_mxfp8, transpose_fp8)
 from .launch import on_device
@@ -35,7 +36,8 @@ from .scaling import delayed_scaling_update
 from .softmax import softmax_bwd, softmax_fwd
 
 __all__ = ["native_ops", "activation_bwd", "activation_bwd_dbias_cast_transpose", "activation_fwd", "dbias",
-           "dbias_cast_transpose", "dbias_cast_transpose_current", "dbias_cast_transpose_parts", "cast_transpose_fp8",
+           "dbias_cast_transpose", "dbias_cast_transpose_blockwise", "dbias_cast_transpose_current",
+           "dbias_cast_transpose_parts", "cast_transpose_fp8",
            "dequantize_blockwise", "dequantize_fp8", "dequantize_mxfp8", "quantize_blockwise", "quantize_fp8", "quantize_fp8_current",
            "quantize_mxfp8", "transpose_fp8",
            "cross_entropy", "layernorm_bwd", "layernorm_bwd_add", "layernorm_fwd", "rmsnorm_bwd", "rmsnorm_bwd_add",
@@ -75,6 +77,7 @@ _AS_THEY_ARE = {
     "delayed_scaling_update": (delayed_scaling_update, scaling.scaling_ok),
     "dbias_cast_transpose_parts": (dbias_cast_transpose_parts, activation.dbias_ct_parts_ok),
     "dbias_cast_transpose_current": (dbias_cast_transpose_current, activation.dbias_ct_current_ok),
+    "dbias_cast_transpose_blockwise": (dbias_cast_transpose_blockwise, activation.dbias_ct_blockwise_ok),
     "gemm_fp8": (scaled_mm.gemm_fp8, scaled_mm.supports_gemm_fp8),
     "gemm": (scaled_mm.gemm, scaled_mm.supports_gemm),
     "attention": (attention.attention, attention.supports_attention),

@@ -5,7 +5,7 @@ dbias kernels."""
 from __future__ import annotations
 
 import torch
-from te_triton import MAX_NUMEL, activation
+from te_triton import MAX_NUMEL, activation, blockwise
 from te_triton import dbias as dbias_ct
 
 from .. import configs
@@ -55,6 +55,13 @@ def dbias_cast_transpose_current(parts, fp8_dtype, *, force_pow2_scales=False, a
             parts, fp8_dtype, _dbias_ct_cfg(first), force_pow2_scales=force_pow2_scales, amax_epsilon=amax_epsilon,
             amax_cfg=configs.for_tensor(first).quantize, amax_out=amax_out, scale_out=scale_out,
             scale_inv_out=scale_inv_out)
+
+
+def dbias_cast_transpose_blockwise(parts, fp8_dtype, *, force_pow2_scales=True, amax_epsilon=0.0):
+    with guard(parts[0]):
+        return blockwise.dbias_cast_transpose_blockwise(
+            parts, fp8_dtype, force_pow2_scales=force_pow2_scales, amax_epsilon=amax_epsilon,
+            cfg=configs.for_tensor(parts[0]).blockwise_1d_transpose)
 
 
 def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, *, amax_out=None):
@@ -107,6 +114,10 @@ def dbias_ct_parts_ok(parts, scale, fp8_dtype, *, amax_out=None):
 def dbias_ct_current_ok(parts, fp8_dtype, *, force_pow2_scales=False, amax_epsilon=0.0):
     ok, why = _parts_ok(parts)
     return fp8_out_device_ok(parts[0]) if ok else (ok, why)
+
+
+def dbias_ct_blockwise_ok(parts, fp8_dtype, *, force_pow2_scales=True, amax_epsilon=0.0):
+    return dbias_ct_current_ok(parts, fp8_dtype)
 
 
 def _parts_ok(parts):
