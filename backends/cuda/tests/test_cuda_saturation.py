@@ -99,15 +99,20 @@ def test_block_casts_saturate_and_keep_nan(fp8_dtype, dtype, block_2d, with_tran
     x[5, 300] = float("-inf")
     x = x.to(dtype)
     args, kw = (x, fp8_dtype), dict(block_2d=block_2d, with_transpose=with_transpose)
-    want = ref["quantize_blockwise"](*args, **kw)
-    got = ops["quantize_blockwise"](x.cuda(), fp8_dtype, **kw)
+    _same_self_scaled_cast(ops["quantize_blockwise"](x.cuda(), fp8_dtype, **kw), ref["quantize_blockwise"](*args, **kw),
+                           fp8_dtype, "quantize_blockwise")
+
+
+def _same_self_scaled_cast(got, want, fp8_dtype, name):
+    """(data, scales, data_t, scales_t) of a cast whose scales come from its blocks: the data
+    byte for byte (saturated values among them), the scales equal; None where not asked for."""
     for i, what in ((0, "data"), (2, "data_t")):
         if want[i] is not None:
             assert (want[i].float().abs() == FMAX[fp8_dtype]).any(), f"{what}: the test needs saturated values"
-            _same_bytes(got[i], want[i], f"quantize_blockwise {what}")
-    for i, what in ((1, "scale_inv"), (3, "scale_inv_t")):
+            _same_bytes(got[i], want[i], f"{name} {what}")
+    for i, what in ((1, "scales"), (3, "scales_t")):
         if want[i] is not None:
-            assert torch.equal(got[i].cpu(), want[i]), f"quantize_blockwise {what} differs"
+            assert torch.equal(got[i].cpu(), want[i]), f"{name} {what} differ"
 
 
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
@@ -121,12 +126,5 @@ def test_mxfp8_casts_saturate_and_keep_nan(fp8_dtype, dtype, with_transpose):
     x[130, 200] = float("inf")
     x[5, 100] = float("-inf")
     x = x.to(dtype)
-    want = ref["quantize_mxfp8"](x, fp8_dtype, with_transpose=with_transpose)
-    got = ops["quantize_mxfp8"](x.cuda(), fp8_dtype, with_transpose=with_transpose)
-    for i, what in ((0, "data"), (2, "data_t")):
-        if want[i] is not None:
-            assert (want[i].float().abs() == FMAX[fp8_dtype]).any(), f"{what}: the test needs saturated values"
-            _same_bytes(got[i], want[i], f"quantize_mxfp8 {what}")
-    for i, what in ((1, "scales"), (3, "scales_t")):
-        if want[i] is not None:
-            assert torch.equal(got[i].cpu(), want[i]), f"quantize_mxfp8 {what} differs"
+    _same_self_scaled_cast(ops["quantize_mxfp8"](x.cuda(), fp8_dtype, with_transpose=with_transpose),
+                           ref["quantize_mxfp8"](x, fp8_dtype, with_transpose=with_transpose), fp8_dtype, "quantize_mxfp8")

@@ -98,36 +98,27 @@ _parts((32,), 16, torch.float16, E4M3, 2)
 _parts((32, 64), 40, torch.bfloat16, E4M3, 1, amax_start=0.5, name_extra="-amax-out")
 
 
-def _current(widths, rows, dtype, fp8, std, **kwargs):
-    """Column blocks of one gradient for current scaling's epilogue, of magnitude `std`."""
+def _self_scaled(op, widths, rows, dtype, fp8, std, **kwargs):
+    """Column blocks of one gradient, of magnitude `std`, for an epilogue whose scales come from
+    the gradient itself (`op`: current scaling's, or block scaling's 1x128 casts both ways)."""
     extra = "".join(f"-{k.split('_')[-1]}" for k in kwargs)
     name = f"{short(dtype)}-{short(fp8)}{extra}-{rows}x" + "+".join(map(str, widths))
 
-    @case("dbias_cast_transpose_current", name)
+    @case(op, name)
     def make(gen):
         return (tuple(randn(gen, rows, w, dtype=dtype, std=std) for w in widths), fp8), dict(kwargs)
 
 
-_current((32,), 64, torch.bfloat16, E5M2, 3.0)
-_current((128, 64, 64), 48, torch.bfloat16, E4M3, 0.02)  # QKV-like: each block a whole number of tiles
-_current((5, 12), 17, torch.float32, E4M3, 50.0, force_pow2_scales=True)  # ragged widths
-_current((40,), 9, torch.float16, E4M3, 0.01, force_pow2_scales=True, amax_epsilon=0.5)
-
-
-def _blockwise(widths, rows, dtype, fp8, std, **kwargs):
-    """Column blocks of one gradient for block scaling's epilogue (1x128 blocks both ways)."""
-    extra = "".join(f"-{k.split('_')[-1]}" for k in kwargs)
-    name = f"{short(dtype)}-{short(fp8)}{extra}-{rows}x" + "+".join(map(str, widths))
-
-    @case("dbias_cast_transpose_blockwise", name)
-    def make(gen):
-        return (tuple(randn(gen, rows, w, dtype=dtype, std=std) for w in widths), fp8), dict(kwargs)
-
-
-_blockwise((384,), 200, torch.bfloat16, E4M3, 3.0)  # partial row block
-_blockwise((256, 128, 128), 130, torch.bfloat16, E4M3, 0.02)  # QKV-like: each block a whole number of 1x128 runs
-_blockwise((128, 72), 33, torch.float32, E5M2, 1.0)  # the last part a partial run
-_blockwise((200, 40), 9, torch.float16, E4M3, 0.01, force_pow2_scales=False, amax_epsilon=0.5)  # a run across parts
+_CURRENT, _BLOCKWISE = "dbias_cast_transpose_current", "dbias_cast_transpose_blockwise"
+_self_scaled(_CURRENT, (32,), 64, torch.bfloat16, E5M2, 3.0)
+_self_scaled(_CURRENT, (128, 64, 64), 48, torch.bfloat16, E4M3, 0.02)  # QKV-like: each block a whole number of tiles
+_self_scaled(_CURRENT, (5, 12), 17, torch.float32, E4M3, 50.0, force_pow2_scales=True)  # ragged widths
+_self_scaled(_CURRENT, (40,), 9, torch.float16, E4M3, 0.01, force_pow2_scales=True, amax_epsilon=0.5)
+_self_scaled(_BLOCKWISE, (384,), 200, torch.bfloat16, E4M3, 3.0)  # a partial row block
+_self_scaled(_BLOCKWISE, (256, 128, 128), 130, torch.bfloat16, E4M3, 0.02)  # QKV-like: whole 1x128 runs per part
+_self_scaled(_BLOCKWISE, (128, 72), 33, torch.float32, E5M2, 1.0)  # the last part a partial run
+_self_scaled(_BLOCKWISE, (200, 40), 9, torch.float16, E4M3, 0.01, force_pow2_scales=False,
+             amax_epsilon=0.5)  # a run across parts
 
 
 def _bwd_epilogue(kind, m, h, dtype, fp8):
