@@ -193,7 +193,8 @@ def _pytorch_module() -> types.ModuleType:
     for sub, cls in (("float8_tensor", "Float8Tensor"), ("mxfp8_tensor", "MXFP8Tensor"),
                      ("float8_blockwise_tensor", "Float8BlockwiseQTensor")):
         _submodule(tensor, sub, f"{cls}", {cls: tensors[cls]})
-    rope = dict(RotaryPositionEmbedding=te_core.RotaryPositionEmbedding, apply_rotary_pos_emb=te_core.apply_rotary_pos_emb)
+    rope = dict(RotaryPositionEmbedding=te_core.RotaryPositionEmbedding, apply_rotary_pos_emb=te_core.apply_rotary_pos_emb,
+                apply_fused_qkv_rotary_pos_emb=te_core.apply_fused_qkv_rotary_pos_emb)
     attention = _submodule(module, "attention", "attention modules and rotary embeddings", dict(
         rope, DotProductAttention=te_core.DotProductAttention, MultiheadAttention=te_core.MultiheadAttention,
         InferenceParams=te_core.InferenceParams), package=True)

@@ -12,7 +12,7 @@ from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
 from .multihead_attention import MultiheadAttention
-from .rope import RotaryPositionEmbedding, apply_rotary_pos_emb
+from .rope import RotaryPositionEmbedding, apply_fused_qkv_rotary_pos_emb, apply_rotary_pos_emb
 from .transformer_layer import TransformerLayer
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "TransformerLayer",
     "RotaryPositionEmbedding",
     "apply_rotary_pos_emb",
+    "apply_fused_qkv_rotary_pos_emb",
     "checkpoint",
     "checkpoint_context",
     "init_quantization_state",

@@ -121,6 +121,47 @@ def apply_rotary_pos_emb(
     return _RopeFunction.apply(t.contiguous(), freqs.contiguous(), tensor_format, interleaved)
 
 
+def apply_fused_qkv_rotary_pos_emb(
+    qkv: Tensor,
+    q_freqs: Tensor,
+    k_freqs: Tensor,
+    qkv_split_arg_list,
+    tensor_format: str = "sbhd",
+    start_positions: Optional[Tensor] = None,
+    interleaved: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+):
+    """Transformer Engine's rotary embedding of a fused QKV projection's output: qkv (s, b, g, c)
+    ("sbhd"; (b, s, g, c) for "bshd") holds, per kv group, its query heads, its key head and its
+    value head along the last dimension, sized qkv_split_arg_list = [q, k, v] (q a multiple of k,
+    the head size). Returns (query (s, b, g * q / k, k) rotated by q_freqs, key (s, b, g, k)
+    rotated by k_freqs, value (s, b, g, v)), each a tensor of its own, the rotation as
+    apply_rotary_pos_emb's (start_positions, interleaved, cp_size, cp_rank alike). Packed
+    sequences ("thd") are not taken, as in Transformer Engine; cu_seqlens is accepted for its
+    signature and not read."""
+    name = "apply_fused_qkv_rotary_pos_emb"
+    check_choice(tensor_format, ("sbhd", "bshd"), name="tensor_format", module=name)
+    if qkv.dim() != 4:
+        raise ValueError(f"{name}: qkv must be 4-D ({tensor_format}), got shape {tuple(qkv.shape)}")
+    split = list(qkv_split_arg_list) if isinstance(qkv_split_arg_list, (list, tuple)) else None
+    if (split is None or len(split) != 3 or not all(isinstance(n, int) and n > 0 for n in split)
+            or sum(split) != qkv.shape[-1] or split[0] % split[1]):
+        raise ValueError(f"{name}: qkv_split_arg_list must be three positive sizes [q, k, v] that add up to qkv's "
+                         f"last dimension ({qkv.shape[-1]}), q a multiple of k (the head size); got "
+                         f"{qkv_split_arg_list!r}")
+    if cp_size > 1 and start_positions is not None:
+        raise ValueError(f"{name}: start_positions (inference) and cp_size > 1 (context-parallel training) do not "
+                         "go together, as in Transformer Engine")
+    query, key, value = qkv.split(split, dim=-1)
+    query = query.reshape(*query.shape[:2], -1, split[1])  # the group's query heads, one after another
+    kwargs = dict(tensor_format=tensor_format, start_positions=start_positions, interleaved=interleaved,
+                  cp_size=cp_size, cp_rank=cp_rank)
+    return (apply_rotary_pos_emb(query, q_freqs, **kwargs), apply_rotary_pos_emb(key, k_freqs, **kwargs),
+            value.contiguous())
+
+
 def _cp_positions(offsets: Tensor, length, cp_size: int, cp_rank: int) -> Tensor:
     """Positions in the whole sequence of a context-parallel rank's tokens at `offsets` in its
     share of `length` tokens: the rank holds chunks cp_rank and 2 * cp_size - 1 - cp_rank of

@@ -140,6 +140,11 @@ SIGNATURES = {
         't': REQUIRED, 'freqs': REQUIRED, 'tensor_format': 'sbhd', 'start_positions': None, 'interleaved': False,
         'fused': False, 'cu_seqlens': None, 'cp_size': 1, 'cp_rank': 0,
     },
+    ('apply_fused_qkv_rotary_pos_emb', 'call'): {
+        'qkv': REQUIRED, 'q_freqs': REQUIRED, 'k_freqs': REQUIRED, 'qkv_split_arg_list': REQUIRED,
+        'tensor_format': 'sbhd', 'start_positions': None, 'interleaved': False, 'cu_seqlens': None, 'cp_size': 1,
+        'cp_rank': 0,
+    },
     ('checkpoint', 'call'): {
         'function': REQUIRED,
     },

@@ -175,6 +175,8 @@ IMPLEMENTED = {
                                         "cu_seqlens": MODULES + "test_rope_packed.py",
                                         "cp_size": MODULES + "test_rope_packed.py",
                                         "cp_rank": MODULES + "test_rope_packed.py"},
+    ("apply_fused_qkv_rotary_pos_emb", "call"): {name: MODULES + "test_rope_fused_qkv.py" for name in (
+        "tensor_format", "start_positions", "interleaved", "cu_seqlens", "cp_size", "cp_rank")},
     ("make_graphed_callables", "call"): {
         "num_warmup_iters": MODULES + "test_graphs.py", "allow_unused_input": COMPAT,
         "fp8_enabled": MODULES + "test_graphs.py", "fp8_recipe": MODULES + "test_graphs.py", "fp8_group": COMPAT,
@@ -262,6 +264,8 @@ CALLS = {
     "RotaryPositionEmbedding": _module_call(lambda **kw: te.RotaryPositionEmbedding(4, **kw), lambda: (3,)),
     "apply_rotary_pos_emb": (None, lambda **kw: te.apply_rotary_pos_emb(
         _x(3, 2, 2, 4), te.RotaryPositionEmbedding(4)(3), **kw)),
+    "apply_fused_qkv_rotary_pos_emb": (None, lambda **kw: te.apply_fused_qkv_rotary_pos_emb(
+        _x(3, 2, 1, 12), te.RotaryPositionEmbedding(4)(3), te.RotaryPositionEmbedding(4)(3), [4, 4, 4], **kw)),
     "make_graphed_callables": (None, lambda **kw: te.make_graphed_callables(
         te.Linear(8, 8), (_x(4, 8).requires_grad_(),), **kw)),
     "get_cpu_offload_context": (None, lambda **kw: te.get_cpu_offload_context(**kw)),
