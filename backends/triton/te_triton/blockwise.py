@@ -5,6 +5,10 @@ for 2-D blocks) gives its scale, computed on the device exactly as current scali
 With a transpose, the tile is 128 rows tall so that its columns are the 1x128 runs of x.T:
 one program gives both the row-wise and the column-wise quantization (1x128 runs: in
 cfg.block_m-row, then cfg.block_m-column slices of the tile).
+
+A gradient's epilogue (dbias_cast_transpose_blockwise) runs the 1x128 cast with the transpose
+on each of its column blocks into that block's columns of the outputs, and sums the columns of
+each tile as it reads them; the per-tile sums add up to the bias gradient afterwards.
 """
 from __future__ import annotations
 
