@@ -91,9 +91,8 @@ def _sm90_casts(sms: int) -> dict:
         # tile taken in 64-row then 64-column slices with 4 warps (8 warps, 32-row slices, the
         # whole tile at once, or its column slices transposed in bf16 are slower). Both leave the
         # saturation to the hardware convert (with a transpose, for bf16 input only:
-        # te_triton.cast.transpose_clamps); with the tile held in the input's dtype that ran
-        # 128x128 blocks at 1.6x and 1x128 blocks with a transpose at 1.15x the bandwidth of a
-        # clamped float32 tile
+        # te_triton.cast.transpose_clamps): the block scales keep finite values within the FP8
+        # max, and a clamp per element costs bandwidth
         blockwise=Config(block_m=64, num_warps=8, hw_saturate=True),
         blockwise_1d_transpose=Config(block_m=64, num_warps=4, hw_saturate=True),
         # MXFP8 (1x32 E8M0 scales), both layouts from one read of a tile: 32x256 tiles with 4

@@ -138,7 +138,7 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
             scale_inv.stride(0), scale_inv.stride(1), st.stride(0), st.stride(1), 0, fmax, float(amax_epsilon),
             BM=BM, BLOCK_2D=bool(block_2d), TRANSPOSE=bool(with_transpose), POW2=bool(force_pow2_scales),
             SUB=min(cfg.block_m, BLOCK), num_warps=cfg.num_warps,
-            CLAMP=transpose_clamps(cfg, x) if with_transpose else not cfg.hw_saturate, DBIAS=False)
+            CLAMP=transpose_clamps(cfg, x, with_transpose), DBIAS=False)
     return data, scale_inv, data_t, scale_inv_t
 
 

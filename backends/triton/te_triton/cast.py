@@ -59,12 +59,14 @@ def _quantize_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, n, fmax, scale_inv_ptr, 
         max_into(amax_ptr, tl.max(acc, axis=0))
 
 
-def transpose_clamps(cfg: Config, x: torch.Tensor) -> bool:
-    """Whether a cast-transpose kernel clamps before its FP8 convert. Only bf16 input leaves it
-    to the hardware: for a float32 tile, Triton's code for the column-wise copy can give NaN
-    where values beyond the FP8 max should saturate; bf16 input saturates correctly, and fp16
-    input keeps the clamp until a GPU test checks it."""
-    return not cfg.hw_saturate or x.dtype != torch.bfloat16
+def transpose_clamps(cfg: Config, x: torch.Tensor, transpose: bool = True) -> bool:
+    """Whether a cast kernel of x clamps before its FP8 convert (`transpose`: it also writes the
+    column-wise copy). Without cfg.hw_saturate it always does. With it, a cast without the copy
+    leaves saturation to the hardware; one with the copy only for bf16 input: for a float32
+    tile, Triton's code for the column-wise copy can give NaN where values beyond the FP8 max
+    should saturate; bf16 input saturates correctly, and fp16 input keeps the clamp until a GPU
+    test checks it."""
+    return not cfg.hw_saturate or (transpose and x.dtype != torch.bfloat16)
 
 
 @triton.jit

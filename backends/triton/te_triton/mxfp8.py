@@ -112,7 +112,7 @@ def quantize_mxfp8(x: torch.Tensor, fp8_dtype: torch.dtype, *, with_transpose: b
             x, data, scales, data if data_t is None else data_t, scales if scales_t is None else scales_t,
             M, K, fmax, FMAX_EXP=fmax_exp, BM=cfg.block_m, BK=cfg.block_n,
             TRANSPOSE=bool(with_transpose), num_warps=cfg.num_warps,
-            CLAMP=transpose_clamps(cfg, x) if with_transpose else not cfg.hw_saturate)
+            CLAMP=transpose_clamps(cfg, x, with_transpose))
     return data, scales, data_t, scales_t
 
 

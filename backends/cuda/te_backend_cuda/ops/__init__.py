@@ -76,8 +76,8 @@ _ON_TENSOR_DEVICE = {
 _AS_THEY_ARE = {
     "delayed_scaling_update": (delayed_scaling_update, scaling.scaling_ok),
     "dbias_cast_transpose_parts": (dbias_cast_transpose_parts, activation.dbias_ct_parts_ok),
-    "dbias_cast_transpose_current": (dbias_cast_transpose_current, activation.dbias_ct_current_ok),
-    "dbias_cast_transpose_blockwise": (dbias_cast_transpose_blockwise, activation.dbias_ct_blockwise_ok),
+    "dbias_cast_transpose_current": (dbias_cast_transpose_current, activation.dbias_ct_self_scaled_ok),
+    "dbias_cast_transpose_blockwise": (dbias_cast_transpose_blockwise, activation.dbias_ct_self_scaled_ok),
     "gemm_fp8": (scaled_mm.gemm_fp8, scaled_mm.supports_gemm_fp8),
     "gemm": (scaled_mm.gemm, scaled_mm.supports_gemm),
     "attention": (attention.attention, attention.supports_attention),

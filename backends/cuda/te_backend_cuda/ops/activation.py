@@ -111,13 +111,11 @@ def dbias_ct_parts_ok(parts, scale, fp8_dtype, *, amax_out=None):
     return fp8_cast_args_ok(parts[0], scale, amax_out) if ok else (ok, why)
 
 
-def dbias_ct_current_ok(parts, fp8_dtype, *, force_pow2_scales=False, amax_epsilon=0.0):
+def dbias_ct_self_scaled_ok(parts, fp8_dtype, **_):
+    """The epilogues whose scales come from the gradient (current scaling's, block scaling's):
+    column blocks of one CUDA gradient, on a GPU whose convert saturates."""
     ok, why = _parts_ok(parts)
     return fp8_out_device_ok(parts[0]) if ok else (ok, why)
-
-
-def dbias_ct_blockwise_ok(parts, fp8_dtype, *, force_pow2_scales=True, amax_epsilon=0.0):
-    return dbias_ct_current_ok(parts, fp8_dtype)
 
 
 def _parts_ok(parts):
