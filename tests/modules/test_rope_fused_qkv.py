@@ -99,12 +99,12 @@ def test_cu_seqlens_is_accepted_and_not_read():
     (dict(qkv_split_arg_list=[DIM + 1, DIM, 3 * DIM - 1]), "a multiple of k"),
     (dict(tensor_format="thd"), "tensor_format"),
     (dict(start_positions=torch.tensor([0, 0]), cp_size=2), "do not go together"),
+    (dict(qkv=torch.randn(4, 2, 5 * DIM)), r"qkv must be 4-D \(sbhd\), got shape \(4, 2, 80\)"),
 ])
 def test_bad_arguments_say_what_is_wrong(kwargs, match):
-    qkv = _qkv(4, 2, "sbhd", 3).detach()
     freqs = tm.RotaryPositionEmbedding(DIM)(8)
-    kwargs = {"qkv_split_arg_list": SPLIT, **kwargs}
-    split = kwargs.pop("qkv_split_arg_list")
+    kwargs = {"qkv": _qkv(4, 2, "sbhd", 3).detach(), "qkv_split_arg_list": SPLIT, **kwargs}
+    qkv, split = kwargs.pop("qkv"), kwargs.pop("qkv_split_arg_list")
     with pytest.raises(ValueError, match=match):
         tm.apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split, **kwargs)
 
