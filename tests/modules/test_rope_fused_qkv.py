@@ -8,6 +8,7 @@ import torch
 
 import te_core.modules as tm
 
+from ._compare import seeded
 from ._rope import DIM, rank_share, rotated
 
 GROUPS, Q_PER_GROUP = 2, 3
@@ -23,9 +24,8 @@ def _rotated_heads(x, positions, interleaved, base, seq_dim):
 
 
 def _qkv(seq, batch, fmt, seed):
-    g = torch.Generator().manual_seed(seed)
     shape = (seq, batch) if fmt == "sbhd" else (batch, seq)
-    return torch.randn(*shape, GROUPS, sum(SPLIT), generator=g).requires_grad_()
+    return torch.randn(*shape, GROUPS, sum(SPLIT), generator=seeded(seed)).requires_grad_()
 
 
 @pytest.mark.parametrize("tensor_format", ["sbhd", "bshd"])
