@@ -53,7 +53,8 @@ def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, db_ptr, M, K, MB, KB,
                       POW2: tl.constexpr, SUB: tl.constexpr, CLAMP: tl.constexpr, DBIAS: tl.constexpr):
     # y_row: the row stride of y, which may be a column block of a wider array (the parts of a
     # gradient, each cast into its place); DBIAS (1x128 with the transpose): each program's
-    # column sums over its rows into row pm of db (float32), summed over the programs after.
+    # column sums over its rows into row pm of db (float32, or the bias gradient's dtype where
+    # a single row block makes the sums the gradient itself), summed over the programs after.
     pm = tl.program_id(0)
     pk = tl.program_id(1)
     DT: tl.constexpr = x_ptr.dtype.element_ty
@@ -163,7 +164,12 @@ def dbias_cast_transpose_blockwise(parts, fp8_dtype, *, force_pow2_scales=True, 
     data = torch.empty((M, K), dtype=fp8_dtype, device=dev)
     data_t = torch.empty((K, M), dtype=fp8_dtype, device=dev)
     scale_inv, scale_inv_t = _scales(M, KB, True, dev), _scales(K, MB, True, dev)
-    partial = torch.empty((MB, K), dtype=torch.float32, device=dev)  # every element written
+    # Each program sums its rows of a column into row pm of `partial` (float32), summed over the
+    # programs after. With one row block the sums are the bias gradient itself: stored in its
+    # dtype by the kernel, which saves the two torch ops (and their launches) that would reduce
+    # and cast them, on a step whose host time exceeds such a small kernel's.
+    one = MB == 1
+    partial = torch.empty((MB, K), dtype=first.dtype if one else torch.float32, device=dev)  # all written
     if M:
         off = 0
         for part in parts:
@@ -177,7 +183,7 @@ def dbias_cast_transpose_blockwise(parts, fp8_dtype, *, force_pow2_scales=True, 
                     SUB=min(cfg.block_m, BLOCK), num_warps=cfg.num_warps, CLAMP=transpose_clamps(cfg, part),
                     DBIAS=True)
             off += k
-    dbias = partial.sum(dim=0).to(first.dtype)
+    dbias = partial[0] if one else partial.sum(dim=0).to(first.dtype)
     return data, scale_inv, data_t, scale_inv_t, dbias
 
 
