@@ -99,6 +99,18 @@ def check_2d_input(x: torch.Tensor) -> None:
         raise ValueError("x must be contiguous with fewer than 2^31 elements; call .contiguous() first")
 
 
+def column_blocks(parts) -> list:
+    """parts as a list, after checking that they are 2-D column blocks of one gradient."""
+    parts = list(parts) if isinstance(parts, (list, tuple)) else parts
+    if not isinstance(parts, list) or not parts or not all(isinstance(p, torch.Tensor) for p in parts):
+        raise TypeError("parts must be a non-empty list or tuple of 2-D tensors")
+    for i, p in enumerate(parts):
+        if p.dim() != 2 or p.shape[0] != parts[0].shape[0] or p.dtype != parts[0].dtype or p.device != parts[0].device:
+            raise ValueError(f"parts[{i}] ({p.dtype}, shape {tuple(p.shape)}, {p.device}) is not a column block "
+                             f"matching parts[0] ({parts[0].dtype}, {parts[0].shape[0]} rows, {parts[0].device})")
+    return parts
+
+
 def grid_size(work_items: int, cfg: Config) -> int:
     if cfg.max_programs > 0:
         return max(1, min(work_items, cfg.max_programs))

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MAX_NUMEL, Config, abs_bits, cdiv, check_2d_input, fp8_max, saturating_cast, scale_from_amax
+from ._common import (MAX_NUMEL, Config, abs_bits, cdiv, check_2d_input, column_blocks, fp8_max, saturating_cast,
+                      scale_from_amax)
 from .cast import check_dequantize_args, transpose_clamps
 from .launch import launcher
 
@@ -149,7 +150,7 @@ def dbias_cast_transpose_blockwise(parts, fp8_dtype, *, force_pow2_scales=True, 
     1x128 blocks both ways and the column sums, each part cast into its columns of the outputs
     (one launch per part). A part whose width is not a multiple of 128 but the last would share
     a block with the next: such parts are joined first."""
-    parts = list(parts)
+    parts = column_blocks(parts)
     if any(p.shape[1] % BLOCK for p in parts[:-1]) or not all(p.is_contiguous() for p in parts):
         parts = [torch.cat(parts, dim=1)]
     for part in parts:

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (FLOAT_DTYPES, MAX_NUMEL, Config, abs_bits, amax_from_buffer, answered, cdiv, descriptor,
+from ._common import (FLOAT_DTYPES, MAX_NUMEL, Config, abs_bits, amax_from_buffer, answered, cdiv, column_blocks,
+                      descriptor,
                       fp8_max, launched, max_into, new_amax_buffer, saturating_cast, tma_ready)
 from .activation import ELEMENTWISE_DEFAULT, KIND_IDS, _check, _check_dy, _dact, _no_params, activation_bwd
 from .cast import (NO_CURRENT, QUANTIZE_DEFAULT, _cast_scale, _cast_transpose_tile, _check_input, _quantize, amax,
@@ -223,23 +224,11 @@ def dbias_cast_transpose_parts(parts, scale, fp8_dtype, cfg: Config = DBIAS_CAST
     """(data, data_t, dbias, amax) as te_core.ops.dbias_cast_transpose_parts. The kernel reads
     up to three contiguous parts in place when each is a whole number of cfg.block_n columns
     wide (a strip then lies in one part); other parts are concatenated first."""
-    parts = _column_blocks(parts)
+    parts = column_blocks(parts)
     if not _direct(parts, cfg):
         return dbias_cast_transpose(_joined(parts), scale, fp8_dtype, cfg, amax_out=amax_out)
     _check_blocks(parts, scale)
     return _dbias_cast_transpose(None, None, None, scale, fp8_dtype, cfg, amax_out, parts=parts)
-
-
-def _column_blocks(parts):
-    """parts as a list, after checking that they are 2-D column blocks of one gradient."""
-    parts = list(parts) if isinstance(parts, (list, tuple)) else parts
-    if not isinstance(parts, list) or not parts or not all(isinstance(p, torch.Tensor) for p in parts):
-        raise TypeError("parts must be a non-empty list or tuple of 2-D tensors")
-    for i, p in enumerate(parts):
-        if p.dim() != 2 or p.shape[0] != parts[0].shape[0] or p.dtype != parts[0].dtype or p.device != parts[0].device:
-            raise ValueError(f"parts[{i}] ({p.dtype}, shape {tuple(p.shape)}, {p.device}) is not a column block "
-                             f"matching parts[0] ({parts[0].dtype}, {parts[0].shape[0]} rows, {parts[0].device})")
-    return parts
 
 
 def _check_blocks(parts, scale) -> None:
@@ -268,7 +257,7 @@ def dbias_cast_transpose_current(parts, fp8_dtype, cfg: Config = DBIAS_CAST_TRAN
     an amax pass over each part, then the dbias cast-transpose pass making its scale from that
     amax on the device (cast._cast_scale). Parts as for dbias_cast_transpose_parts; `amax_out`,
     `scale_out`, `scale_inv_out` as for cast.quantize_fp8_current (a zeroed 0-dim amax)."""
-    parts = _column_blocks(parts)
+    parts = column_blocks(parts)
     if not _direct(parts, cfg):
         parts = [_joined(parts)]
     _check_blocks(parts, None)

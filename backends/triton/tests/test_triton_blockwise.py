@@ -130,3 +130,14 @@ def test_dbias_cast_transpose_blockwise_of_no_rows():
     data, s, data_t, st, dbias = blockwise.dbias_cast_transpose_blockwise(parts, torch.float8_e4m3fn)
     assert data.shape == (0, 384) and data_t.shape == (384, 0) and s.shape == (0, 3) and st.shape == (384, 0)
     assert torch.equal(dbias, torch.zeros(384))
+
+
+def test_dbias_cast_transpose_blockwise_names_parts_that_are_not_column_blocks():
+    """Parts of different row counts or dtypes would be read out of bounds: refused, by name."""
+    with pytest.raises(ValueError, match=r"parts\[1\] .* is not a column block matching parts\[0\]"):
+        blockwise.dbias_cast_transpose_blockwise([torch.randn(8, 128), torch.randn(4, 128)], torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"parts\[1\] \(torch.bfloat16"):
+        blockwise.dbias_cast_transpose_blockwise([torch.randn(8, 128), torch.randn(8, 128).bfloat16()],
+                                                 torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="non-empty list or tuple"):
+        blockwise.dbias_cast_transpose_blockwise([], torch.float8_e4m3fn)
