@@ -17,6 +17,9 @@ except ImportError:  # pragma: no cover - older triton keeps the pointer kernels
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 MAX_NUMEL = 2**31 - 1  # kernels index with int32 offsets
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the high-precision dtypes the kernels read
+# the contract's high-precision dtypes, which the elementwise, norm, softmax and rope kernels read
+# and write back (float64 too: their math is float32 anyway)
+HP_DTYPES = FLOAT_DTYPES + (torch.float64,)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -99,6 +102,42 @@ def check_2d_input(x: torch.Tensor) -> None:
         raise ValueError("x must be contiguous with fewer than 2^31 elements; call .contiguous() first")
 
 
+def check_hp_input(x: torch.Tensor, name: str = "x") -> None:
+    """x in a dtype these kernels compute on: an integer or FP8 x would be truncated or cast silently."""
+    if x.dtype not in HP_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {x.dtype}")
+
+
+def check_device(t: torch.Tensor, x: torch.Tensor, name: str, x_name: str = "x") -> None:
+    """t on x's device: the kernel dereferences every pointer on the device it runs on (x's)."""
+    if t.device != x.device:
+        raise ValueError(f"{name} is on {t.device} but {x_name} is on {x.device}; move it to {x_name}'s device")
+
+
+def check_scalar(t, device, name: str) -> None:
+    """t is a 1-element float32 tensor on `device`: a scale the kernels read or a slot they
+    write (amax, scale, scale_inv). They access one float32 there (the amax as an int32 atomic),
+    so another dtype or size reads or writes bytes that are not the tensor's."""
+    if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.dtype != torch.float32:
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a 1-element float32 tensor, got {got}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the input is on {device}; move it to the input's device")
+
+
+def fp8_out_args(x: torch.Tensor, fp8_scale, fp8_dtype) -> bool:
+    """Whether a norm or activation writes FP8: fp8_scale and fp8_dtype given together (a scale
+    alone would be ignored), the scale one element on x's device."""
+    if fp8_dtype is None:
+        if fp8_scale is not None:
+            raise ValueError("fp8_scale and fp8_dtype go together: pass fp8_dtype for FP8 output, or no fp8_scale")
+        return False
+    if not isinstance(fp8_scale, torch.Tensor) or fp8_scale.numel() != 1:
+        raise ValueError("fp8_dtype needs fp8_scale, a 1-element float32 tensor")
+    check_device(fp8_scale, x, "fp8_scale")
+    return True
+
+
 def column_blocks(parts) -> list:
     """parts as a list, after checking that they are 2-D column blocks of one gradient."""
     parts = list(parts) if isinstance(parts, (list, tuple)) else parts
@@ -122,6 +161,7 @@ def new_amax_buffer(device, amax_out: Optional[torch.Tensor] = None) -> torch.Te
     1-element float32 slot holding a non-negative amax or NaN, e.g. an amax history row: no
     buffer to zero, no separate max afterwards), else a fresh 0-dim zero."""
     if amax_out is not None:
+        check_scalar(amax_out, device, "amax_out")
         return amax_out
     return torch.zeros((), dtype=torch.float32, device=device)
 

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (FLOAT_DTYPES, MAX_NUMEL, Config, abs_bits, amax_from_buffer, answered, cdiv, fp8_max,
-                      grid_size, max_into, new_amax_buffer, saturating_cast)
+from ._common import (FLOAT_DTYPES, MAX_NUMEL, Config, abs_bits, amax_from_buffer, answered, cdiv, check_device,
+                      check_hp_input, fp8_max, fp8_out_args, grid_size, max_into, new_amax_buffer, saturating_cast)
 from .launch import launcher
 
 ELEMENTWISE_DEFAULT = Config(block_m=16, block_n=256, num_warps=8, max_programs=0)
@@ -116,6 +116,7 @@ def _act_bwd_kernel(dy_ptr, x_ptr, dx_ptr, R, H, KIND: tl.constexpr, GATED: tl.c
 def _check(x: torch.Tensor, kind: str):
     if kind not in KIND_IDS:
         raise ValueError(f"unknown activation kind {kind!r}; use one of {', '.join(KIND_IDS)}")
+    check_hp_input(x)
     if not x.is_contiguous():
         raise ValueError("x must be contiguous; call .contiguous() first")
     if x.numel() > MAX_NUMEL:
@@ -137,6 +138,7 @@ def _check_dy(dy: torch.Tensor, x: torch.Tensor, kind: str) -> None:
     _, _, h = _check_float(x, kind)
     if dy.shape != (*x.shape[:-1], h) or not dy.is_contiguous():
         raise ValueError(f"dy must be contiguous with shape {(*x.shape[:-1], h)}, got {tuple(dy.shape)}")
+    check_device(dy, x, "dy")
 
 
 def _no_params(kind: str, params: dict) -> None:
@@ -169,7 +171,7 @@ def _grid(R, H, cfg):
 def activation_fwd(x, kind, *, fp8_scale=None, fp8_dtype=None, cfg: Config = ELEMENTWISE_DEFAULT, amax_out=None):
     """(y, amax or None) as te_core.ops.activation_fwd."""
     gated, R, H = _check(x, kind)
-    fp8_out = fp8_dtype is not None
+    fp8_out = fp8_out_args(x, fp8_scale, fp8_dtype)
     if amax_out is not None and not fp8_out:
         raise ValueError("amax_out records the amax of an FP8 output: pass fp8_scale and fp8_dtype too")
     fmax = fp8_max(fp8_dtype) if fp8_out else 1.0
@@ -188,6 +190,7 @@ def activation_bwd(dy, x, kind, cfg: Config = ELEMENTWISE_DEFAULT):
     gated, R, H = _check(x, kind)
     if dy.shape != (*x.shape[:-1], H) or not dy.is_contiguous():
         raise ValueError(f"dy must be contiguous with shape {(*x.shape[:-1], H)}, got {tuple(dy.shape)}")
+    check_device(dy, x, "dy")
     dx = torch.empty_like(x)
     if dy.numel():
         _act_bwd_kernel[_grid(R, H, cfg)](dy, x, dx, R, H, KIND=KIND_IDS[kind], GATED=gated, BM=cfg.block_m,

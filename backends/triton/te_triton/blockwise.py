@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (MAX_NUMEL, Config, abs_bits, cdiv, check_2d_input, column_blocks, fp8_max, saturating_cast,
-                      scale_from_amax)
+from ._common import (MAX_NUMEL, Config, abs_bits, cdiv, check_2d_input, check_device, column_blocks, fp8_max,
+                      saturating_cast, scale_from_amax)
 from .cast import check_dequantize_args, transpose_clamps
 from .launch import launcher
 
@@ -165,10 +165,8 @@ def dbias_cast_transpose_blockwise(parts, fp8_dtype, *, force_pow2_scales=True, 
     data = torch.empty((M, K), dtype=fp8_dtype, device=dev)
     data_t = torch.empty((K, M), dtype=fp8_dtype, device=dev)
     scale_inv, scale_inv_t = _scales(M, KB, True, dev), _scales(K, MB, True, dev)
-    # Each program sums its rows of a column into row pm of `partial` (float32), summed over the
-    # programs after. With one row block the sums are the bias gradient itself: stored in its
-    # dtype by the kernel, which saves the two torch ops (and their launches) that would reduce
-    # and cast them, on a step whose host time exceeds such a small kernel's.
+    # one row block: the kernel's sums are the bias gradient, stored in its dtype (no reduction
+    # and cast after it: two launches less on a step whose host time exceeds the kernel's)
     one = MB == 1
     partial = torch.empty((MB, K), dtype=first.dtype if one else torch.float32, device=dev)  # all written
     if M:
@@ -214,6 +212,7 @@ def dequantize_blockwise(data, scale_inv, block_2d, out_dtype, cfg: Config = BLO
         kind = "128x128" if block_2d else "1x128"
         raise ValueError(f"scale_inv must be float32 of shape {expected} for {kind} blocks of data "
                          f"{(M, K)}, got {scale_inv.dtype} {tuple(scale_inv.shape)}")
+    check_device(scale_inv, data, "scale_inv", "data")
     y = torch.empty((M, K), dtype=out_dtype, device=data.device)
     if data.numel():
         _dequantize_blockwise_kernel[(cdiv(M, cfg.block_m), KB)](

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (FLOAT_DTYPES, FP8_DTYPES, MAX_NUMEL, Config, abs_bits, amax_from_buffer, cdiv, fp8_max,
-                      grid_size, max_into, new_amax_buffer, saturating_cast, scale_from_amax)
+from ._common import (FLOAT_DTYPES, FP8_DTYPES, MAX_NUMEL, Config, abs_bits, amax_from_buffer, cdiv, check_scalar,
+                      fp8_max, grid_size, max_into, new_amax_buffer, saturating_cast, scale_from_amax)
 from .launch import launcher
 
 QUANTIZE_DEFAULT = Config(block=4096, num_warps=8)
@@ -107,7 +107,8 @@ def _cast_transpose_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, M, N, fmax
         max_into(amax_ptr, acc)
 
 
-def _check_input(x: torch.Tensor, scale: Optional[torch.Tensor], two_d: bool) -> None:
+def _check_x(x: torch.Tensor, two_d: bool) -> None:
+    """x as the cast kernels index it (2-D where two_d)."""
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
     if not x.is_contiguous():
@@ -116,8 +117,25 @@ def _check_input(x: torch.Tensor, scale: Optional[torch.Tensor], two_d: bool) ->
         raise ValueError(f"x has {x.numel()} elements; these kernels index with int32 (at most {MAX_NUMEL})")
     if two_d and x.dim() != 2:
         raise ValueError(f"x must be 2-D (M, K) for a transposed output, got shape {tuple(x.shape)}")
-    if scale is not None and (scale.numel() != 1 or scale.dtype != torch.float32):
-        raise ValueError(f"scale must be a 1-element float32 tensor, got {scale.dtype} {tuple(scale.shape)}")
+
+
+def _check_input(x: torch.Tensor, scale: torch.Tensor, two_d: bool) -> None:
+    """x (see _check_x) and the scale a cast of it multiplies by."""
+    _check_x(x, two_d)
+    check_scalar(scale, x.device, "scale")
+
+
+def current_slots(device, scale_out: Optional[torch.Tensor], scale_inv_out: Optional[torch.Tensor]):
+    """(scale, scale_inv) that current scaling's cast pass writes: the caller's, else new ones."""
+    if scale_out is not None:
+        check_scalar(scale_out, device, "scale_out")
+    else:
+        scale_out = torch.empty(1, dtype=torch.float32, device=device)
+    if scale_inv_out is not None:
+        check_scalar(scale_inv_out, device, "scale_inv_out")
+    else:
+        scale_inv_out = torch.empty(1, dtype=torch.float32, device=device)
+    return scale_out, scale_inv_out
 
 
 # A cast pass's current-scaling arguments: (scale_inv to write, amax_epsilon, force_pow2_scales),
@@ -166,7 +184,7 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, c
 def amax(x: torch.Tensor, cfg: Config = QUANTIZE_DEFAULT, *, amax_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """max|x| as a 0-dim float32 tensor (NaN if x has one), one pass; maxed into `amax_out`
     when given (then returned as the amax)."""
-    _check_input(x, None, two_d=False)
+    _check_x(x, two_d=False)
     buf = new_amax_buffer(x.device, amax_out)
     n = x.numel()
     if n:
@@ -197,10 +215,9 @@ def quantize_fp8_current(
     1-element float32 tensors the scale and its inverse are written into (else new ones)."""
     fmax = fp8_max(fp8_dtype)
     if with_transpose and x.dim() != 2:
-        _check_input(x, None, two_d=True)
+        _check_x(x, two_d=True)
+    scale, scale_inv = current_slots(x.device, scale_out, scale_inv_out)
     amax_t = amax(x, cfg, amax_out=amax_out)
-    scale = scale_out if scale_out is not None else torch.empty(1, dtype=torch.float32, device=x.device)
-    scale_inv = scale_inv_out if scale_inv_out is not None else torch.empty(1, dtype=torch.float32, device=x.device)
     current = (scale_inv, float(amax_epsilon), bool(force_pow2_scales))
     if with_transpose:
         data, data_t = _cast_transpose(x, scale, amax_t, fp8_dtype, fmax, ct_cfg, current)
@@ -234,8 +251,7 @@ def dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch
                    cfg: Config = QUANTIZE_DEFAULT) -> torch.Tensor:
     """data * scale_inv in float32, cast to out_dtype (as te_core.ops.dequantize_fp8): one pass."""
     check_dequantize_args(data, out_dtype)
-    if not isinstance(scale_inv, torch.Tensor) or scale_inv.numel() != 1 or scale_inv.dtype != torch.float32:
-        raise ValueError(f"scale_inv must be a 1-element float32 tensor, got {getattr(scale_inv, 'dtype', scale_inv)}")
+    check_scalar(scale_inv, data.device, "scale_inv")
     y = torch.empty(data.shape, dtype=out_dtype, device=data.device)
     n = data.numel()
     if n:

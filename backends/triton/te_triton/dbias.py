@@ -17,12 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (FLOAT_DTYPES, MAX_NUMEL, Config, abs_bits, amax_from_buffer, answered, cdiv, column_blocks,
-                      descriptor,
-                      fp8_max, launched, max_into, new_amax_buffer, saturating_cast, tma_ready)
+from ._common import (FLOAT_DTYPES, MAX_NUMEL, Config, abs_bits, amax_from_buffer, answered, cdiv, check_device,
+                      check_scalar, column_blocks, descriptor, fp8_max, launched, max_into, new_amax_buffer,
+                      saturating_cast, tma_ready)
 from .activation import ELEMENTWISE_DEFAULT, KIND_IDS, _check, _check_dy, _dact, _no_params, activation_bwd
-from .cast import (NO_CURRENT, QUANTIZE_DEFAULT, _cast_scale, _cast_transpose_tile, _check_input, _quantize, amax,
-                   transpose_clamps)
+from .cast import (NO_CURRENT, QUANTIZE_DEFAULT, _cast_scale, _cast_transpose_tile, _check_input, _check_x, _quantize,
+                   amax, current_slots, transpose_clamps)
 from .launch import launcher
 
 
@@ -227,15 +227,15 @@ def dbias_cast_transpose_parts(parts, scale, fp8_dtype, cfg: Config = DBIAS_CAST
     parts = column_blocks(parts)
     if not _direct(parts, cfg):
         return dbias_cast_transpose(_joined(parts), scale, fp8_dtype, cfg, amax_out=amax_out)
-    _check_blocks(parts, scale)
+    _check_blocks(parts)
+    check_scalar(scale, parts[0].device, "scale")
     return _dbias_cast_transpose(None, None, None, scale, fp8_dtype, cfg, amax_out, parts=parts)
 
 
-def _check_blocks(parts, scale) -> None:
-    """Each part as the kernels take a tensor (and `scale`, if given), and all of them within
-    int32 indexing."""
+def _check_blocks(parts) -> None:
+    """Each part as the kernels take a tensor, and all of them within int32 indexing."""
     for p in parts:
-        _check_input(p, scale, two_d=True)
+        _check_x(p, two_d=True)
     if parts[0].shape[0] * sum(p.shape[1] for p in parts) > MAX_NUMEL:
         raise ValueError(f"the parts hold more than {MAX_NUMEL} elements; these kernels index with int32")
 
@@ -260,14 +260,13 @@ def dbias_cast_transpose_current(parts, fp8_dtype, cfg: Config = DBIAS_CAST_TRAN
     parts = column_blocks(parts)
     if not _direct(parts, cfg):
         parts = [_joined(parts)]
-    _check_blocks(parts, None)
+    _check_blocks(parts)
     first = parts[0]
     device = first.device
+    scale, scale_inv = current_slots(device, scale_out, scale_inv_out)
     amax_buf = new_amax_buffer(device, amax_out)
     for p in parts:
         amax(p, amax_cfg, amax_out=amax_buf)
-    scale = scale_out if scale_out is not None else torch.empty(1, dtype=torch.float32, device=device)
-    scale_inv = scale_inv_out if scale_inv_out is not None else torch.empty(1, dtype=torch.float32, device=device)
     current = (scale_inv, float(amax_epsilon), bool(force_pow2_scales))
     if first.numel() == 0:  # no dbias pass to make the scale: the empty cast pass makes it
         _quantize(first, scale, amax_buf, fp8_dtype, fp8_max(fp8_dtype), amax_cfg, current)
@@ -311,5 +310,6 @@ def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, cfg: Conf
     if dy.shape != x.shape or not dy.is_contiguous():
         raise ValueError(f"dy must be contiguous with x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
     _check_input(dy, scale, two_d=True)
+    check_device(dy, x, "dy")
     return _dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, cfg, amax_out)
 

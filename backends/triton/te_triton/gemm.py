@@ -69,6 +69,10 @@ def check_args(a, b, a_scale_inv, b_scale_inv, out_dtype, bias) -> Optional[str]
         return f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}"
     if bias is not None and (bias.dim() != 1 or bias.numel() != b.shape[0] or not bias.is_contiguous()):
         return f"bias must be a contiguous ({b.shape[0]},) tensor, got {tuple(bias.shape)}"
+    device = a.device  # (the kernel reads every operand on a's device)
+    if b.device != device or a_scale_inv.device != device or b_scale_inv.device != device or (
+            bias is not None and bias.device != device):
+        return f"b, the scale_inv tensors and bias must be on a's device {device}"
     return None
 
 
@@ -108,6 +112,8 @@ def add_bias_reason(y: torch.Tensor, bias: torch.Tensor) -> Optional[str]:
     if bias.dtype != y.dtype or bias.dim() != 1 or bias.numel() != y.shape[1] or not bias.is_contiguous():
         return (f"bias must be a contiguous ({y.shape[1]},) tensor of y's dtype {y.dtype}, "
                 f"got {bias.dtype} {tuple(bias.shape)}")
+    if bias.device != y.device:
+        return f"bias is on {bias.device} but y is on {y.device}; move it to y's device"
     return None
 
 

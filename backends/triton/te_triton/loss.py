@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MAX_NUMEL, Config, next_power_of_2
+from ._common import MAX_NUMEL, Config, check_device, next_power_of_2
 from .launch import launcher
 
 LOSS_DEFAULT = Config(block=4096, num_warps=8)
@@ -102,6 +102,7 @@ def cross_entropy(logits, target, *, ignore_index=-100, label_smoothing=0.0, red
     if target.shape != (logits.shape[0],) or target.dtype.is_floating_point:
         raise ValueError(f"target must be an integer tensor of shape ({logits.shape[0]},), got {target.dtype} "
                          f"{tuple(target.shape)}")
+    check_device(target, logits, "target", "logits")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     return _CrossEntropy.apply(logits, target.contiguous(), int(ignore_index), float(label_smoothing), reduction, cfg)

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Config, abs_bits, cdiv, check_2d_input, fp8_max, saturating_cast
-from .cast import transpose_clamps
+from ._common import Config, abs_bits, cdiv, check_2d_input, check_device, fp8_max, saturating_cast
+from .cast import check_dequantize_args, transpose_clamps
 from .launch import launcher
 
 MX = 32  # elements per scale
@@ -137,10 +137,12 @@ def dequantize_mxfp8(data: torch.Tensor, scales: torch.Tensor, out_dtype: torch.
     as te_core.ops.dequantize_mxfp8."""
     if data.dim() != 2 or not data.is_contiguous():
         raise ValueError(f"data must be a contiguous 2-D tensor, got shape {tuple(data.shape)}")
+    check_dequantize_args(data, out_dtype)  # (uint8 bytes or floats would be read as numbers, not FP8 codes)
     M, K = data.shape
     if K % MX or scales.dtype != torch.uint8 or tuple(scales.shape) != (M, K // MX) or not scales.is_contiguous():
         raise ValueError(f"data (M, K) needs K a multiple of {MX} and contiguous uint8 scales of shape "
                          f"{(M, K // MX)}; got data {(M, K)}, scales {scales.dtype} {tuple(scales.shape)}")
+    check_device(scales, data, "scales", "data")
     _check_tile(cfg)
     out = torch.empty((M, K), dtype=out_dtype, device=data.device)
     if data.numel():

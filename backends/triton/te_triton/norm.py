@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from . import norm_tma
-from ._common import (MAX_NUMEL, Config, abs_bits, amax_from_buffer, cdiv, fp8_max, grid_size, max_into,
-                      new_amax_buffer, next_power_of_2, saturating_cast)
+from ._common import (MAX_NUMEL, Config, abs_bits, amax_from_buffer, cdiv, check_device, check_hp_input, fp8_max,
+                      fp8_out_args, grid_size, max_into, new_amax_buffer, next_power_of_2, saturating_cast)
 from ._norm_math import backward_step, norm_params, row_statistics, scale_shift
 from .launch import launcher
 
@@ -127,23 +127,42 @@ def _norm_bwd_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, dx_ptr, dw_part_p
 
 
 def _rows(x: torch.Tensor, weight: torch.Tensor):
+    check_hp_input(x)
     if not x.is_contiguous():
         raise ValueError("x must be contiguous; call .contiguous() first")
     N = x.shape[-1] if x.dim() else 0
-    if weight.numel() != N:
-        raise ValueError(f"weight has {weight.numel()} elements but x's last dimension is {N}")
+    _check_param(weight, N, x, "weight")
     if N > MAX_N or x.numel() > MAX_NUMEL:
         raise ValueError(f"rows of {N} elements (or {x.numel()} in all) are too large for this kernel (max {MAX_N})")
     return x.numel() // max(N, 1), N
+
+
+def _check_param(p: torch.Tensor, N: int, x: torch.Tensor, name: str) -> None:
+    """weight or bias: the kernels read N consecutive elements of it on x's device."""
+    if p.numel() != N:
+        raise ValueError(f"{name} has {p.numel()} elements but x's last dimension is {N}")
+    if not p.is_contiguous():
+        raise ValueError(f"{name} must be contiguous; call .contiguous() first")
+    check_device(p, x, name)
+
+
+def _check_stat(stat, x: torch.Tensor, name: str) -> None:
+    """mean or rstd of the forward: the kernels read one float per row of x, in row order."""
+    if stat is None or stat.shape != x.shape[:-1] or not stat.is_contiguous():
+        got = "None" if stat is None else f"shape {tuple(stat.shape)}{'' if stat.is_contiguous() else ', strided'}"
+        raise ValueError(f"{name} must be the forward's contiguous {name} of shape {tuple(x.shape[:-1])}, got {got}")
+    check_device(stat, x, name)
 
 
 def norm_fwd(x, weight, bias, eps, *, rms: bool, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None,
              cfg: Config = NORM_DEFAULT, amax_out=None):
     """(y, mean or None, rstd, amax or None) as te_core.ops.layernorm_fwd / rmsnorm_fwd."""
     M, N = _rows(x, weight)
-    fp8_out = fp8_dtype is not None
-    if fp8_out and (fp8_scale is None or fp8_scale.numel() != 1):
-        raise ValueError("fp8_dtype needs fp8_scale, a 1-element float32 tensor")
+    if not rms:  # (LayerNorm's kernel would read weight in bias's place)
+        if bias is None:
+            raise ValueError("LayerNorm needs a bias (rms=False); pass zeros for none")
+        _check_param(bias, N, x, "bias")
+    fp8_out = fp8_out_args(x, fp8_scale, fp8_dtype)
     fmax = fp8_max(fp8_dtype) if fp8_out else 1.0
     y = torch.empty(x.shape, dtype=fp8_dtype if fp8_out else x.dtype, device=x.device)
     stats_shape = x.shape[:-1]
@@ -178,9 +197,8 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, zero_centered_gamma=False, fp8_
 def norm_bwd_add(dy, x, mean: Optional[torch.Tensor], rstd, weight, add, *, rms: bool, zero_centered_gamma=False,
                  cfg: Config = NORM_DEFAULT):
     """(dx, dweight, dbias or None) as te_core.ops.layernorm_bwd_add / rmsnorm_bwd_add."""
-    if add.shape != x.shape or add.dtype != x.dtype or not add.is_contiguous():
-        raise ValueError(f"add must be contiguous {x.dtype} with x's shape {tuple(x.shape)}, "
-                         f"got {add.dtype} {tuple(add.shape)}")
+    if add is None:  # (norm_bwd checks a given one)
+        raise TypeError(f"add must be a tensor of x's shape {tuple(x.shape)} and dtype {x.dtype}, got None")
     return norm_bwd(dy, x, mean, rstd, weight, rms=rms, zero_centered_gamma=zero_centered_gamma, cfg=cfg, add=add)
 
 
@@ -190,6 +208,15 @@ def norm_bwd(dy, x, mean: Optional[torch.Tensor], rstd, weight, *, rms: bool, ze
     M, N = _rows(x, weight)
     if dy.shape != x.shape or not dy.is_contiguous():
         raise ValueError(f"dy must be contiguous with x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
+    check_device(dy, x, "dy")
+    _check_stat(rstd, x, "rstd")
+    if not rms:  # (without mean the kernel would read rstd in its place)
+        _check_stat(mean, x, "mean")
+    if add is not None:  # (the kernels read a row of it per row of x)
+        if add.shape != x.shape or add.dtype != x.dtype or not add.is_contiguous():
+            raise ValueError(f"add must be contiguous {x.dtype} with x's shape {tuple(x.shape)}, "
+                             f"got {add.dtype} {tuple(add.shape)}")
+        check_device(add, x, "add")
     dx = torch.empty_like(x)
     programs = grid_size(M, cfg)
     # every program (at most M of them) writes its whole partial row: nothing to zero first,

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MAX_NUMEL, Config, grid_size, next_power_of_2
+from ._common import MAX_NUMEL, Config, check_device, check_hp_input, grid_size, next_power_of_2
 from .launch import launcher
 
 ROPE_DEFAULT = Config(num_warps=4, max_programs=0)
@@ -51,10 +51,12 @@ def _rope(x, freqs, tensor_format, interleaved, sign, cfg):
         raise ValueError(f"tensor_format must be 'sbhd' or 'bshd', got {tensor_format!r}")
     if x.dim() != 4 or not x.is_contiguous() or x.numel() > MAX_NUMEL:
         raise ValueError(f"x must be a contiguous 4-D tensor of under 2^31 elements, got shape {tuple(x.shape)}")
+    check_hp_input(x)
     S, B = (x.shape[0], x.shape[1]) if tensor_format == "sbhd" else (x.shape[1], x.shape[0])
     H, D = x.shape[2], x.shape[3]
     if freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1 or freqs.shape[0] < S:
         raise ValueError(f"freqs must be (s, 1, 1, r) with s >= {S}, got {tuple(freqs.shape)}")
+    check_device(freqs, x, "freqs")
     R = freqs.shape[-1]
     if R % 2 or R > D:
         raise ValueError(f"freqs rotates r={R} channels; r must be even and <= the head dim {D}")

@@ -135,10 +135,14 @@ def plan(amax_histories, scales, fp8_maxes, device, place=None):
     key = plan_key(amax_histories, scales, fp8_maxes)
     plan = _PLANS.get(key)
     if plan is None:
+        first = amax_histories[0].device  # (the kernel reads the table's addresses on this device)
         for h, s in zip(amax_histories, scales):
-            if h.dim() != 2 or h.dtype != torch.float32 or not h.is_contiguous():
-                raise ValueError(f"each amax history must be a contiguous float32 (L, n) tensor, got {h.dtype} "
-                                 f"{tuple(h.shape)}")
+            if h.dim() != 2 or h.dtype != torch.float32 or not h.is_contiguous() or h.shape[0] < 1:
+                raise ValueError(f"each amax history must be a contiguous float32 (L, n) tensor with L >= 1, got "
+                                 f"{h.dtype} {tuple(h.shape)}")
+            if h.device != first or s.device != first:
+                raise ValueError(f"every history and scale must be on one device, got {h.device} and {s.device} "
+                                 f"beside {first}")
             if s.dtype != torch.float32 or s.numel() != h.shape[1] or not s.is_contiguous():
                 raise ValueError(f"scales must be contiguous float32 with {h.shape[1]} elements (one per history "
                                  f"column), got {s.dtype} {tuple(s.shape)}")

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MAX_NUMEL, Config, grid_size, next_power_of_2
+from ._common import MAX_NUMEL, Config, check_device, check_hp_input, grid_size, next_power_of_2
 from .launch import launcher
 
 SOFTMAX_DEFAULT = Config(num_warps=4, max_programs=0)
@@ -59,6 +59,7 @@ def _softmax_bwd_kernel(dy_ptr, y_ptr, dx_ptr, R, SK, scale, BLOCK_N: tl.constex
 def _check(x: torch.Tensor, name: str = "x"):
     if x.dim() != 4:
         raise ValueError(f"{name} must be 4-D (b, h, sq, sk), got shape {tuple(x.shape)}")
+    check_hp_input(x, name)
     if not x.is_contiguous():
         raise ValueError(f"{name} must be contiguous; call .contiguous() first")
     if x.shape[-1] > MAX_SK or x.numel() > MAX_NUMEL:
@@ -75,7 +76,12 @@ def softmax_fwd(x, scale: float, *, mask: Optional[torch.Tensor] = None, causal:
     if mask is not None:
         if mask.dtype != torch.bool:
             raise TypeError(f"mask must be a bool tensor (True = masked out), got {mask.dtype}")
-        mask = mask.expand(b, h, sq, sk).view(torch.uint8)  # a view: broadcast dimensions get stride 0
+        check_device(mask, x, "mask")
+        try:
+            mask = mask.expand(b, h, sq, sk).view(torch.uint8)  # a view: broadcast dimensions get stride 0
+        except RuntimeError:
+            raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to x's shape "
+                             f"{(b, h, sq, sk)}") from None
         strides = mask.stride()
     R = b * h * sq
     if R:
@@ -90,6 +96,7 @@ def softmax_bwd(dy, y, scale: float, cfg: Config = SOFTMAX_DEFAULT):
     _check(dy, "dy")
     if y.shape != dy.shape or not y.is_contiguous():
         raise ValueError(f"y must be contiguous with dy's shape {tuple(dy.shape)}, got {tuple(y.shape)}")
+    check_device(y, dy, "y", "dy")
     dx = torch.empty_like(dy)
     R = dy.numel() // max(dy.shape[-1], 1)
     if R:

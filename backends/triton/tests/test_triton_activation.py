@@ -162,3 +162,58 @@ def test_bad_inputs_name_the_problem():
         dbias.activation_bwd_dbias_cast_transpose(torch.randn(2, 2, 2), torch.randn(2, 2, 2), "gelu",
                                                        torch.tensor([1.0]), torch.float8_e4m3fn)
 
+
+
+def test_fp8_output_arguments_are_checked():
+    """fp8_dtype without a scale reached the kernel as a None pointer; an empty scale was read
+    through a null pointer; a scale without fp8_dtype was ignored; a 16-bit amax_out took the
+    kernel's 4-byte atomic (and its neighbour's bytes)."""
+    x, e4m3 = torch.randn(4, 32), torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="fp8_dtype needs fp8_scale, a 1-element"):
+        activation.activation_fwd(x, "gelu", fp8_dtype=e4m3, cfg=SMALL)
+    with pytest.raises(ValueError, match="fp8_dtype needs fp8_scale, a 1-element"):
+        activation.activation_fwd(x, "gelu", fp8_scale=torch.ones(0), fp8_dtype=e4m3, cfg=SMALL)
+    with pytest.raises(ValueError, match="fp8_scale and fp8_dtype go together"):
+        activation.activation_fwd(x, "gelu", fp8_scale=torch.ones(1), cfg=SMALL)
+    with pytest.raises(ValueError, match="fp8_scale is on meta but x is on cpu"):
+        activation.activation_fwd(x, "gelu", fp8_scale=torch.ones(1, device="meta"), fp8_dtype=e4m3, cfg=SMALL)
+    with pytest.raises(ValueError, match="amax_out must be a 1-element float32 tensor, got torch.float16"):
+        activation.activation_fwd(x, "relu", fp8_scale=torch.ones(1), fp8_dtype=e4m3, cfg=SMALL,
+                                  amax_out=torch.zeros(1, dtype=torch.float16))
+
+
+def test_integer_input_and_a_gradient_on_another_device_are_refused():
+    """An integer x was computed on and written back truncated (gelu of ints gave 0s and 1s)."""
+    xi, x = torch.randint(-3, 3, (4, 16)), torch.randn(4, 16)
+    with pytest.raises(TypeError, match="x must be float32, bfloat16, float16 or float64, got torch.int64"):
+        activation.activation_fwd(xi, "gelu", cfg=SMALL)
+    with pytest.raises(TypeError, match="x must be float32, bfloat16, float16 or float64"):
+        activation.activation_bwd(torch.randn(4, 16), xi, "gelu", SMALL)
+    with pytest.raises(TypeError, match="x must be float32, bfloat16, float16 or float64"):
+        dbias.activation_bwd_dbias_cast_transpose(torch.randn(4, 16), xi, "gelu", torch.ones(1), torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="dy is on meta but x is on cpu"):
+        activation.activation_bwd(torch.randn(4, 16, device="meta"), x, "gelu", SMALL)
+    meta_scale = torch.ones(1, device="meta")
+    with pytest.raises(ValueError, match="dy is on meta but x is on cpu"):
+        dbias.activation_bwd_dbias_cast_transpose(torch.randn(4, 16, device="meta"), x, "gelu", meta_scale,
+                                                  torch.float8_e4m3fn)
+    ok, why = dbias.activation_bwd_dbias_cast_transpose_supports(torch.randn(4, 16, device="meta"), x, "gelu",
+                                                                  meta_scale, torch.float8_e4m3fn)
+    assert not ok and "dy is on meta" in why
+
+
+def test_dbias_epilogues_refuse_a_missing_scale_and_bad_amax_out():
+    """A None scale reached the kernel as a None pointer; an empty amax_out was a null pointer."""
+    x, e4m3 = torch.randn(4, 32), torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="scale must be a 1-element float32 tensor, got NoneType"):
+        dbias.activation_bwd_dbias_cast_transpose(torch.randn(4, 32), x, "gelu", None, e4m3)
+    with pytest.raises(ValueError, match="scale must be a 1-element float32 tensor, got NoneType"):
+        dbias.dbias_cast_transpose(x, None, e4m3)
+    parts = [torch.randn(4, 128), torch.randn(4, 128)]
+    with pytest.raises(ValueError, match="scale must be a 1-element float32 tensor, got NoneType"):
+        dbias.dbias_cast_transpose_parts(parts, None, e4m3)
+    with pytest.raises(ValueError, match=r"amax_out must be a 1-element float32 tensor, got torch.float32 \(0,\)"):
+        dbias.dbias_cast_transpose_parts(parts, torch.ones(1), e4m3, amax_out=torch.zeros(0))
+    with pytest.raises(ValueError, match="amax_out must be a 1-element float32 tensor, got torch.float16"):
+        dbias.activation_bwd_dbias_cast_transpose(torch.randn(4, 16), torch.randn(4, 32), "swiglu", torch.ones(1),
+                                                  e4m3, amax_out=torch.zeros(1, dtype=torch.float16))

@@ -93,6 +93,8 @@ def test_dequantize_names_bad_input():
         blockwise.dequantize_blockwise(data, torch.ones(4, 2), False, torch.int8)
     with pytest.raises(TypeError, match="data must be float8"):
         blockwise.dequantize_blockwise(torch.zeros(4, 256), torch.ones(4, 2), False, torch.float32)
+    with pytest.raises(ValueError, match="scale_inv is on meta but data is on cpu"):
+        blockwise.dequantize_blockwise(data, torch.ones(4, 2, device="meta"), False, torch.float32)
 
 
 @pytest.mark.parametrize("widths", [(384,), (256, 128, 128), (128, 72), (200, 40), (128, 0, 128)],

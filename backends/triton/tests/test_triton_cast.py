@@ -249,6 +249,66 @@ def test_dequantize_fp8_names_bad_input():
         cast.dequantize_fp8(torch.zeros(4), torch.ones(1), torch.float32)
 
 
+def test_dequantize_fp8_refuses_a_scale_inv_on_another_device():
+    data = torch.zeros(4, 4).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="scale_inv is on meta but the input is on cpu"):
+        cast.dequantize_fp8(data, torch.ones(1, device="meta"), torch.float32)
+
+
+@pytest.mark.parametrize("slot,match", [
+    (torch.zeros(1, dtype=torch.float16), r"amax_out must be a 1-element float32 tensor, got torch.float16 \(1,\)"),
+    (torch.zeros(1, dtype=torch.float64), "amax_out must be a 1-element float32 tensor"),
+    (torch.zeros(0), r"amax_out must be a 1-element float32 tensor, got torch.float32 \(0,\)"),
+    (torch.zeros(2), "amax_out must be a 1-element float32 tensor"),
+    (torch.zeros(1, device="meta"), "amax_out is on meta but the input is on cpu"),
+], ids=["float16", "float64", "empty", "two-elements", "other-device"])
+def test_amax_out_the_kernels_cannot_max_into_is_refused(slot, match):
+    """The kernels max an int32 into amax_out's address: a 16-bit slot took 4 bytes (its
+    neighbour's too), a float64 one half its bytes, an empty one a null pointer (a crash)."""
+    x = _x((8, 16), torch.float32, 1)
+    for call in (lambda: cast.quantize_fp8(x, torch.ones(1), torch.float8_e4m3fn, SMALL, amax_out=slot),
+                 lambda: cast.amax(x, SMALL, amax_out=slot),
+                 lambda: cast.cast_transpose_fp8(x, torch.ones(1), torch.float8_e4m3fn, SMALL, amax_out=slot),
+                 lambda: cast.quantize_fp8_current(x, torch.float8_e4m3fn, cfg=SMALL, amax_out=slot)):
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+@pytest.mark.parametrize("scale,match", [
+    (None, "scale must be a 1-element float32 tensor, got NoneType"),
+    (2.0, "scale must be a 1-element float32 tensor, got float"),
+    (torch.ones(1, device="meta"), "scale is on meta but the input is on cpu"),
+], ids=["none", "python-float", "other-device"])
+def test_scale_missing_or_on_another_device_is_refused(scale, match):
+    x = _x((8, 16), torch.float32, 1)
+    with pytest.raises(ValueError, match=match):
+        cast.quantize_fp8(x, scale, torch.float8_e4m3fn, SMALL)
+    with pytest.raises(ValueError, match=match):
+        cast.cast_transpose_fp8(x, scale, torch.float8_e4m3fn, SMALL)
+
+
+@pytest.mark.parametrize("name", ["scale_out", "scale_inv_out"])
+@pytest.mark.parametrize("slot,match", [
+    (torch.zeros(1, dtype=torch.int32), "must be a 1-element float32 tensor, got torch.int32"),
+    (torch.zeros(1, dtype=torch.float16), "must be a 1-element float32 tensor, got torch.float16"),
+    (torch.zeros(0), r"must be a 1-element float32 tensor, got torch.float32 \(0,\)"),
+    (torch.zeros(2), r"must be a 1-element float32 tensor, got torch.float32 \(2,\)"),
+    (torch.zeros(1, device="meta"), "is on meta but the input is on cpu"),
+], ids=["int32", "float16", "empty", "two-elements", "other-device"])
+def test_current_scaling_slots_of_another_dtype_size_or_device_are_refused(name, slot, match):
+    """The cast pass stores one float32 scale and its inverse there: an int32 slot kept a
+    truncated scale beside data cast with the exact one, an empty one was a null pointer."""
+    from te_triton import dbias as dbias_ct
+
+    x = _x((8, 16), torch.float32, 1)
+    amax_out = torch.zeros(1)
+    with pytest.raises(ValueError, match=f"{name} {match}"):
+        cast.quantize_fp8_current(x, torch.float8_e4m3fn, cfg=SMALL, amax_out=amax_out, **{name: slot})
+    assert amax_out.item() == 0  # refused before the amax pass
+    with pytest.raises(ValueError, match=f"{name} {match}"):
+        dbias_ct.dbias_cast_transpose_current([x], torch.float8_e4m3fn, amax_cfg=SMALL, **{name: slot})
+
+
 def test_only_bf16_cast_transposes_leave_saturation_to_the_hardware():
     """Config.hw_saturate drops the clamp for bf16 input only (transpose_clamps says why)."""
     from te_triton import Config

@@ -54,6 +54,9 @@ def test_scales_multiply_the_product():
     (dict(sb=torch.ones(1, dtype=torch.float64)), "must be float32"),
     (dict(out_dtype=torch.float8_e4m3fn), "out_dtype must be one of"),
     (dict(bias=torch.ones(8)), r"bias must be a contiguous \(16,\) tensor"),
+    (dict(b=torch.ones(16, 32, device="meta").to(E4M3)), "must be on a's device cpu"),
+    (dict(sb=torch.ones(1, device="meta")), "must be on a's device cpu"),
+    (dict(bias=torch.ones(16, device="meta")), "must be on a's device cpu"),
 ])
 def test_calls_it_cannot_take_are_named(change, match):
     args = dict(a=torch.ones(16, 32).to(E4M3), b=torch.ones(16, 32).to(E4M3), sa=torch.ones(1), sb=torch.ones(1),
@@ -85,6 +88,8 @@ def test_add_bias_matches_torchs_add(dtype, shape):
     (torch.ones(8, 4, dtype=torch.bfloat16).t(), torch.ones(8, dtype=torch.bfloat16), "contiguous 2-D"),
     (torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(8), r"bias must be a contiguous \(8,\) tensor of y's dtype"),
     (torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(4, dtype=torch.bfloat16), r"\(8,\)"),
+    (torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16, device="meta"),
+     "bias is on meta but y is on cpu"),
 ])
 def test_add_bias_names_calls_it_cannot_take(y, bias, match):
     with pytest.raises(ValueError, match=match):

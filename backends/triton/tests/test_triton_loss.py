@@ -33,6 +33,8 @@ def test_bad_inputs_name_the_problem():
         loss.cross_entropy(torch.randn(3, 4), torch.zeros(3))
     with pytest.raises(ValueError, match="reduction must be"):
         loss.cross_entropy(torch.randn(3, 4), torch.zeros(3, dtype=torch.long), reduction="avg")
+    with pytest.raises(ValueError, match="target is on meta but logits is on cpu"):
+        loss.cross_entropy(torch.randn(3, 4), torch.zeros(3, dtype=torch.long, device="meta"))
 
 
 @pytest.mark.parametrize("bad", [-1, 300, 10**6])

@@ -95,6 +95,20 @@ def test_rejects_what_it_cannot_cast():
         mxfp8.dequantize_mxfp8(data, scales.float(), torch.float32)
 
 
+def test_dequantize_refuses_data_that_is_not_fp8_and_other_out_dtypes():
+    """Before: the codes as raw uint8 bytes (or float data) were read as numbers, not decoded;
+    an integer or FP8 out_dtype took a truncating cast."""
+    data, scales, _, _ = mxfp8.quantize_mxfp8(torch.randn(32, 64), torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="data must be float8_e4m3fn or float8_e5m2, got torch.uint8"):
+        mxfp8.dequantize_mxfp8(data.view(torch.uint8), scales, torch.float32)
+    with pytest.raises(TypeError, match="data must be float8_e4m3fn or float8_e5m2, got torch.float32"):
+        mxfp8.dequantize_mxfp8(data.float(), scales, torch.float32)
+    with pytest.raises(TypeError, match="out_dtype must be float32, bfloat16 or float16, got torch.int8"):
+        mxfp8.dequantize_mxfp8(data, scales, torch.int8)
+    with pytest.raises(ValueError, match="scales is on meta but data is on cpu"):
+        mxfp8.dequantize_mxfp8(data, scales.to("meta"), torch.float32)
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_dequantize_matches_reference(out_dtype, fp8_dtype):

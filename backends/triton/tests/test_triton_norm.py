@@ -116,6 +116,61 @@ def test_bad_inputs_name_the_problem():
         norm.norm_bwd(torch.randn(4, 9), x, None, torch.ones(4), w, rms=True, cfg=SMALL)
 
 
+def test_forward_parameters_and_fp8_arguments_are_checked():
+    """Before these checks: LayerNorm without a bias read weight as beta; a short bias was read
+    past its end; a strided weight was read as if contiguous (wrong values); a scale without
+    fp8_dtype was ignored; a 16-bit amax_out took the kernel's 4-byte atomic."""
+    x, w, b, _ = _inputs((4, 8), torch.float32, 4)
+    with pytest.raises(ValueError, match=r"LayerNorm needs a bias \(rms=False\)"):
+        norm.norm_fwd(x, w, None, 1e-5, rms=False, cfg=SMALL)
+    with pytest.raises(ValueError, match="bias has 4 elements but x's last dimension is 8"):
+        norm.norm_fwd(x, w, b[:4], 1e-5, rms=False, cfg=SMALL)
+    with pytest.raises(ValueError, match="bias must be contiguous"):
+        norm.norm_fwd(x, w, torch.randn(8, 2)[:, 0], 1e-5, rms=False, cfg=SMALL)
+    with pytest.raises(ValueError, match="weight must be contiguous"):
+        norm.norm_fwd(x, torch.randn(8, 2)[:, 0], b, 1e-5, rms=False, cfg=SMALL)
+    with pytest.raises(ValueError, match="bias is on meta but x is on cpu"):
+        norm.norm_fwd(x, w, b.to("meta"), 1e-5, rms=False, cfg=SMALL)
+    with pytest.raises(ValueError, match="weight is on meta but x is on cpu"):
+        norm.norm_fwd(x, w.to("meta"), None, 1e-5, rms=True, cfg=SMALL)
+    with pytest.raises(ValueError, match="fp8_scale and fp8_dtype go together"):
+        norm.norm_fwd(x, w, None, 1e-5, rms=True, fp8_scale=torch.ones(1), cfg=SMALL)
+    with pytest.raises(ValueError, match="fp8_scale is on meta but x is on cpu"):
+        norm.norm_fwd(x, w, None, 1e-5, rms=True, fp8_scale=torch.ones(1, device="meta"),
+                      fp8_dtype=torch.float8_e4m3fn, cfg=SMALL)
+    with pytest.raises(ValueError, match="amax_out must be a 1-element float32 tensor, got torch.float16"):
+        norm.norm_fwd(x, w, None, 1e-5, rms=True, fp8_scale=torch.ones(1), fp8_dtype=torch.float8_e4m3fn,
+                      cfg=SMALL, amax_out=torch.zeros(1, dtype=torch.float16))
+    with pytest.raises(TypeError, match="x must be float32, bfloat16, float16 or float64, got torch.int64"):
+        norm.norm_fwd(torch.randint(0, 5, (4, 8)), w, None, 1e-5, rms=True, cfg=SMALL)
+
+
+def test_backward_statistics_and_gradients_are_checked():
+    """Before these checks: LayerNorm's backward without mean read rstd in its place; a short
+    rstd was read past its end; a strided one out of order; an `add` given to norm_bwd of
+    another shape was read past its end; norm_bwd_add without `add` gave an AttributeError."""
+    x, w, b, dy = _inputs((4, 8), torch.float32, 4)
+    _, mean, rstd, _ = norm.norm_fwd(x, w, b, 1e-5, rms=False, cfg=SMALL)
+    with pytest.raises(ValueError, match=r"mean must be the forward's contiguous mean of shape \(4,\), got None"):
+        norm.norm_bwd(dy, x, None, rstd, w, rms=False, cfg=SMALL)
+    with pytest.raises(ValueError, match=r"rstd must be the forward's contiguous rstd of shape \(4,\), got shape \(2"):
+        norm.norm_bwd(dy, x, None, rstd[:2], w, rms=True, cfg=SMALL)
+    with pytest.raises(ValueError, match=r"contiguous rstd of shape \(4,\), got shape \(4,\), strided"):
+        norm.norm_bwd(dy, x, mean, torch.ones(4, 2)[:, 0], w, rms=False, cfg=SMALL)
+    with pytest.raises(ValueError, match="rstd is on meta but x is on cpu"):
+        norm.norm_bwd(dy, x, None, rstd.to("meta"), w, rms=True, cfg=SMALL)
+    with pytest.raises(ValueError, match="weight must be contiguous"):
+        norm.norm_bwd(dy, x, None, rstd, torch.randn(8, 2)[:, 0], rms=True, cfg=SMALL)
+    with pytest.raises(ValueError, match="dy is on meta but x is on cpu"):
+        norm.norm_bwd(dy.to("meta"), x, None, rstd, w, rms=True, cfg=SMALL)
+    with pytest.raises(ValueError, match=r"add must be contiguous torch.float32 with x's shape \(4, 8\)"):
+        norm.norm_bwd(dy, x, None, rstd, w, rms=True, cfg=SMALL, add=torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="add is on meta but x is on cpu"):
+        norm.norm_bwd_add(dy, x, None, rstd, w, torch.zeros(4, 8, device="meta"), rms=True, cfg=SMALL)
+    with pytest.raises(TypeError, match="add must be a tensor of x's shape"):
+        norm.norm_bwd_add(dy, x, None, rstd, w, None, rms=True, cfg=SMALL)
+
+
 @pytest.mark.parametrize("case", ["randn", "offset", "outlier_first", "outlier_last"])
 @pytest.mark.parametrize("cfg", [SMALL, RELOAD_WIDE])
 def test_layernorm_statistics_hard_rows(case, cfg):

@@ -46,6 +46,18 @@ def test_bad_inputs_name_the_problem():
         scaling.delayed_scaling_update([h.double()], [s], [448.0])
 
 
+def test_empty_histories_and_tensors_on_another_device_are_refused():
+    """A history of no rows (L = 0, a null address) was read, and written past its end, by the
+    kernels (a crash); the table's addresses are read on the first history's device."""
+    h, s = torch.rand(4, 3), torch.rand(3)
+    with pytest.raises(ValueError, match=r"with L >= 1, got torch.float32 \(0, 3\)"):
+        scaling.delayed_scaling_update([h, torch.zeros(0, 3)], [s, s.clone()], [448.0, 448.0])
+    with pytest.raises(ValueError, match="every history and scale must be on one device, got cpu and meta"):
+        scaling.delayed_scaling_update([h], [s.to("meta")], [448.0])
+    with pytest.raises(ValueError, match="every history and scale must be on one device, got meta and meta"):
+        scaling.delayed_scaling_update([h, h.to("meta")], [s, s.to("meta")], [448.0, 448.0])
+
+
 @pytest.mark.parametrize("length, cols", [(1024, 3), (37, 2), (300, 9)])
 def test_long_history_few_columns(length, cols):
     """The shape modules have: a long history with a handful of columns (narrow, tall tiles)."""

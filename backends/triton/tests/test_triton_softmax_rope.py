@@ -53,3 +53,25 @@ def test_bad_inputs_name_the_problem():
         rope.rope_fwd(torch.randn(4, 1, 2, 8), torch.randn(4, 1, 1, 5))
     with pytest.raises(ValueError, match="tensor_format must be"):
         rope.rope_fwd(torch.randn(4, 1, 2, 8), torch.randn(4, 1, 1, 8), tensor_format="bhsd")
+
+
+def test_integer_inputs_other_devices_and_unbroadcastable_masks_are_refused():
+    """Before: integer scores gave a softmax of zeros and integer rope input truncated values;
+    a mask that does not broadcast gave expand's RuntimeError."""
+    with pytest.raises(TypeError, match="x must be float32, bfloat16, float16 or float64, got torch.int64"):
+        softmax.softmax_fwd(torch.randint(-3, 3, (1, 1, 2, 8)), 1.0)
+    with pytest.raises(TypeError, match="dy must be float32, bfloat16, float16 or float64"):
+        softmax.softmax_bwd(torch.randint(-3, 3, (1, 1, 2, 8)), torch.rand(1, 1, 2, 8), 1.0)
+    with pytest.raises(ValueError, match=r"mask of shape \(1, 1, 2, 5\) does not broadcast to x's shape \(1, 1, 2, 8\)"):
+        softmax.softmax_fwd(torch.randn(1, 1, 2, 8), 1.0, mask=torch.zeros(1, 1, 2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        softmax.softmax_fwd(torch.randn(1, 1, 2, 8), 1.0, mask=torch.zeros(1, 1, 1, 2, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="mask is on meta but x is on cpu"):
+        softmax.softmax_fwd(torch.randn(1, 1, 2, 8), 1.0,
+                            mask=torch.zeros(1, 1, 2, 8, dtype=torch.bool, device="meta"))
+    with pytest.raises(ValueError, match="y is on meta but dy is on cpu"):
+        softmax.softmax_bwd(torch.randn(1, 1, 2, 8), torch.rand(1, 1, 2, 8, device="meta"), 1.0)
+    with pytest.raises(TypeError, match="x must be float32, bfloat16, float16 or float64, got torch.int64"):
+        rope.rope_fwd(torch.randint(-3, 3, (2, 1, 2, 8)), torch.randn(2, 1, 1, 8))
+    with pytest.raises(ValueError, match="freqs is on meta but x is on cpu"):
+        rope.rope_fwd(torch.randn(2, 1, 2, 8), torch.randn(2, 1, 1, 8, device="meta"))
