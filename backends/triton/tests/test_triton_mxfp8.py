@@ -96,8 +96,8 @@ def test_rejects_what_it_cannot_cast():
 
 
 def test_dequantize_refuses_data_that_is_not_fp8_and_other_out_dtypes():
-    """Before: the codes as raw uint8 bytes (or float data) were read as numbers, not decoded;
-    an integer or FP8 out_dtype took a truncating cast."""
+    """Unchecked, the codes as raw uint8 bytes (or float data) would be read as numbers, not decoded;
+    an integer or FP8 out_dtype would take a truncating cast."""
     data, scales, _, _ = mxfp8.quantize_mxfp8(torch.randn(32, 64), torch.float8_e4m3fn)
     with pytest.raises(TypeError, match="data must be float8_e4m3fn or float8_e5m2, got torch.uint8"):
         mxfp8.dequantize_mxfp8(data.view(torch.uint8), scales, torch.float32)

@@ -117,9 +117,9 @@ def test_bad_inputs_name_the_problem():
 
 
 def test_forward_parameters_and_fp8_arguments_are_checked():
-    """Before these checks: LayerNorm without a bias read weight as beta; a short bias was read
-    past its end; a strided weight was read as if contiguous (wrong values); a scale without
-    fp8_dtype was ignored; a 16-bit amax_out took the kernel's 4-byte atomic."""
+    """Unchecked, LayerNorm without a bias would read weight as beta; a short bias would be read
+    past its end; a strided weight as if contiguous (wrong values); a scale without fp8_dtype
+    would be ignored; a 16-bit amax_out would take the kernel's 4-byte atomic."""
     x, w, b, _ = _inputs((4, 8), torch.float32, 4)
     with pytest.raises(ValueError, match=r"LayerNorm needs a bias \(rms=False\)"):
         norm.norm_fwd(x, w, None, 1e-5, rms=False, cfg=SMALL)
@@ -146,9 +146,9 @@ def test_forward_parameters_and_fp8_arguments_are_checked():
 
 
 def test_backward_statistics_and_gradients_are_checked():
-    """Before these checks: LayerNorm's backward without mean read rstd in its place; a short
-    rstd was read past its end; a strided one out of order; an `add` given to norm_bwd of
-    another shape was read past its end; norm_bwd_add without `add` gave an AttributeError."""
+    """Unchecked, LayerNorm's backward without mean would read rstd in its place; a short rstd
+    past its end, a strided one out of order; an `add` of another shape given to norm_bwd would
+    be read past its end; norm_bwd_add without `add` would fail with an AttributeError."""
     x, w, b, dy = _inputs((4, 8), torch.float32, 4)
     _, mean, rstd, _ = norm.norm_fwd(x, w, b, 1e-5, rms=False, cfg=SMALL)
     with pytest.raises(ValueError, match=r"mean must be the forward's contiguous mean of shape \(4,\), got None"):

@@ -56,8 +56,8 @@ def test_bad_inputs_name_the_problem():
 
 
 def test_integer_inputs_other_devices_and_unbroadcastable_masks_are_refused():
-    """Before: integer scores gave a softmax of zeros and integer rope input truncated values;
-    a mask that does not broadcast gave expand's RuntimeError."""
+    """Unchecked, integer scores would give a softmax of zeros and integer rope input truncated values;
+    a mask that does not broadcast would fail in expand with a RuntimeError."""
     with pytest.raises(TypeError, match="x must be float32, bfloat16, float16 or float64, got torch.int64"):
         softmax.softmax_fwd(torch.randint(-3, 3, (1, 1, 2, 8)), 1.0)
     with pytest.raises(TypeError, match="dy must be float32, bfloat16, float16 or float64"):
