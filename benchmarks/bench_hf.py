@@ -36,7 +36,7 @@ import math
 import os
 import time
 from functools import partial
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from _results import add_results_argument, gpu_slug, meta, select_device, write_json
@@ -194,13 +194,14 @@ class Bench:
                 for mode in modes for h, b in self.sizes.models if h in hidden_sizes for name in variants]
 
 
-def previous_rows(meta_now: dict, root: str) -> dict:
-    """The rows of this GPU's existing hf.json ({} when there is none)."""
+def previous_rows(meta_now: dict, root: str) -> Tuple[dict, Optional[str]]:
+    """The rows of this GPU's existing hf.json and the date of its run ({}, None when there is none)."""
     path = os.path.join(root, gpu_slug(meta_now["gpu"]), f"{SECTION}.json")
     if not os.path.exists(path):
-        return {}
+        return {}, None
     with open(path) as f:
-        return {SECTION: json.load(f).get(SECTION, {})}
+        data = json.load(f)
+    return {SECTION: data.get(SECTION, {})}, data.get("meta", {}).get("date")
 
 
 def _csv(text: str) -> List[str]:
@@ -253,7 +254,9 @@ def main(argv=None) -> dict:
                 "backend": te.get_backend().name, "transformers": transformers.__version__,
                 "budget_s": args.budget_s}
     head = {"meta": meta(device), "settings": settings}
-    earlier = previous_rows(head["meta"], args.results) if args.merge else {}
+    earlier, earlier_date = previous_rows(head["meta"], args.results) if args.merge else ({}, None)
+    if earlier:  # the report says which cells may come from another run
+        settings["merged_with"] = earlier_date
 
     def save(results):
         settings["seconds"] = round(time.monotonic() - t0, 1)

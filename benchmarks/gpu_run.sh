@@ -7,7 +7,7 @@
 # hf trains a converted Hugging Face Llama and needs transformers;
 # host counts a te.Linear step's torch ops, launches and Python calls;
 # module-tests runs the module test suite on the cuda backend and keeps its summary; MODULE_TESTS_FILES
-# names a share of its files)
+# names some of its files; the test parts split their files into TEST_JOBS (4) processes side by side)
 # Installs te-core, te_triton and te-backend-cuda (editable, no dependencies: torch and triton
 # come with the machine); torchao, an optional peer, is installed from a wheel in .whl/ when one
 # is there (copy it into .whl/ beforehand; without it the torchao cells say why they are empty).
@@ -55,8 +55,9 @@ for part in "${parts[@]}"; do
         --merge --budget-s 240 --results "$RESULTS" 2>&1 | tail -n 40 ;;
     conformance)
       { echo "# $(python3 -c 'import torch, triton; print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)'), $(date -u +%F)"
-        echo "## python3 -m pytest -q -rs backends/cuda/tests"
-        limited "${CUDA_TESTS_TIMEOUT:-540}" python3 -m pytest -q -rs backends/cuda/tests 2>&1 | tail -n 40
+        echo "## backends/cuda/tests in ${TEST_JOBS:-4} shares side by side (benchmarks/tools/sharded_pytest.py)"
+        python3 benchmarks/tools/sharded_pytest.py --jobs "${TEST_JOBS:-4}" --timeout "${CUDA_TESTS_TIMEOUT:-420}" \
+          backends/cuda/tests/test_*.py -- -rs 2>&1 | tail -n 60
         echo "## python3 -m pytest -q -rs --pyargs te_core.testing --te-backend cuda"
         limited "${CONFORMANCE_TIMEOUT:-300}" python3 -m pytest -q -rs --pyargs te_core.testing --te-backend cuda 2>&1 | tail -n 40
       } > "$RESULTS/$gpu/conformance-cuda.txt"
@@ -65,10 +66,11 @@ for part in "${parts[@]}"; do
     host) timeout "${HOST_TIMEOUT:-180}" python3 benchmarks/bench_host.py --results "$RESULTS" 2>&1 | tail -n 12 ;;
     module-tests)
       { echo "# $(python3 -c 'import torch, triton; print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)'), $(date -u +%F)"
-        echo "## python3 -m pytest -q -rfs ${MODULE_TESTS_FILES:-tests/modules} -k cuda"
-        # (MODULE_TESTS_FILES: a share of the suite's files, where one command may not run it all)
-        limited "${MODULE_TESTS_TIMEOUT:-900}" python3 -m pytest -q -rfs --tb=line -p no:logging \
-          ${MODULE_TESTS_FILES:-tests/modules} -k cuda 2>&1 | tail -n 60
+        echo "## pytest -k cuda over ${MODULE_TESTS_FILES:-tests/modules/test_*.py}, in ${TEST_JOBS:-4} shares side by side"
+        # shares run as parallel processes (the suite is bound by the host, not the GPU), so it fits
+        # one command; MODULE_TESTS_FILES narrows it to some files
+        python3 benchmarks/tools/sharded_pytest.py --jobs "${TEST_JOBS:-4}" --timeout "${MODULE_TESTS_TIMEOUT:-480}" \
+          ${MODULE_TESTS_FILES:-tests/modules/test_*.py} -- -rfs --tb=line -p no:logging -k cuda 2>&1 | tail -n 80
       } > "$RESULTS/$gpu/modules-cuda.txt"
       tail -n 25 "$RESULTS/$gpu/modules-cuda.txt" ;;
     *) echo "unknown part '$part': choose from modules, kernels, sweep, graphed, captured, conformance, hf, host, module-tests" >&2; exit 2 ;;

@@ -380,6 +380,18 @@ def test_hf_table_ratios_verdicts_and_error_notes():
     assert "2. h1024, te current compiled: `InductorError: boom / x`" in text  # no "|" breaking the table
     assert "| h2048 | eager | 200.0k | – | 250.0k (1.25x) | – | met |" in rows  # a cell never run is no miss
     assert "transformers 5.0" in text and "4 layers" in text
+    assert "--merge" not in text  # one run: nothing kept from another
+
+
+def test_hf_table_says_when_cells_come_from_an_earlier_run(tmp_path):
+    merged = {**HF, "settings": {**HF["settings"], "merged_with": "2026-01-02"}}
+    assert "kept from the run of 2026-01-02 (--merge)" in _hf_table.header(merged)
+    gpu = tmp_path / "gpu"
+    gpu.mkdir()
+    (gpu / "hf.json").write_text(json.dumps(HF))
+    rows, date = bench_hf.previous_rows({"gpu": "GPU"}, str(tmp_path))
+    assert rows == {"hf": HF["hf"]} and date == "d"
+    assert bench_hf.previous_rows({"gpu": "GPU"}, str(tmp_path / "none")) == ({}, None)
 
 
 def test_hf_cells_run_eager_first_and_cover_every_variant():

@@ -1,0 +1,81 @@
+"""Run pytest over test files split into shares, one process per share, side by side on one GPU.
+
+    python benchmarks/tools/sharded_pytest.py --jobs 4 --timeout 540 [--logs DIR] FILES... [-- PYTEST ARGS...]
+
+The GPU test suites are bound by the host (Triton compiles, small launches), not by the GPU, so
+processes sharing one GPU finish together in about the time of the largest share. Shares are
+balanced by file size. Each share's full output goes to DIR/share-<i>.txt; this prints one line
+per share (its files and pytest's summary line, or why it has none) and exits non-zero when any
+share failed, was cut by the time limit or crashed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import List
+
+
+def shares(files: List[str], jobs: int) -> List[List[str]]:
+    """files split into at most `jobs` shares of about equal total size, largest files first."""
+    parts: List[List[str]] = [[] for _ in range(max(1, min(jobs, len(files))))]
+    sizes = [0] * len(parts)
+    for f in sorted(files, key=lambda f: (-os.path.getsize(f), f)):
+        k = sizes.index(min(sizes))
+        parts[k].append(f)
+        sizes[k] += os.path.getsize(f)
+    return [sorted(p) for p in parts if p]
+
+
+def summary(log: str, rc: int, timeout: int) -> str:
+    """pytest's closing summary line, or what stopped the share before it printed one."""
+    if rc == 124:
+        return f"TIMED OUT after {timeout} s: partial (raise --timeout)"
+    lines = [line.strip("= \n") for line in open(log, errors="replace")]
+    done = [line for line in lines if " in " in line and any(w in line for w in ("passed", "failed", "error", "skipped", "deselected"))]
+    return done[-1] if done else f"no pytest summary (exit {rc}): see {log}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=4, help="processes (shares), default 4")
+    ap.add_argument("--timeout", type=int, default=540, help="seconds per share before it is stopped")
+    ap.add_argument("--logs", default=None, help="folder for each share's output (default: a new temporary one)")
+    ap.add_argument("files", nargs="+", help="test files; pytest's own arguments go after --")
+    argv = sys.argv[1:] if argv is None else argv
+    pytest_args: List[str] = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, pytest_args = argv[:at], argv[at + 1:]
+    args = ap.parse_args(argv)
+    if args.jobs < 1 or args.timeout < 1:
+        ap.error(f"--jobs and --timeout must be at least 1, got {args.jobs} and {args.timeout}")
+    missing = [f for f in args.files if not os.path.isfile(f)]
+    if missing:
+        ap.error(f"not a file: {', '.join(missing)} (pass test files, not folders: e.g. tests/modules/test_*.py)")
+    logs = args.logs or tempfile.mkdtemp(prefix="sharded-pytest-")
+    os.makedirs(logs, exist_ok=True)
+    started, t0 = [], time.monotonic()
+    for i, part in enumerate(shares(args.files, args.jobs)):
+        log = os.path.join(logs, f"share-{i}.txt")
+        with open(log, "w") as out:
+            cmd = ["timeout", str(args.timeout), sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                   *pytest_args, *part]
+            started.append((part, log, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)))
+    worst = 0
+    for part, log, proc in started:
+        rc = proc.wait()
+        worst = max(worst, 0 if rc in (0, 5) else 1)  # 5: every test of the share deselected
+        names = " ".join(os.path.basename(f) for f in part)
+        print(f"## {names}\n{summary(log, rc, args.timeout)}  [share done at {time.monotonic() - t0:.0f} s]")
+        if rc not in (0, 5, 124):
+            failed = [line.rstrip() for line in open(log, errors="replace") if line.startswith(("FAILED", "ERROR"))]
+            print("\n".join(failed[:40]))
+    return worst
+
+
+if __name__ == "__main__":
+    sys.exit(main())
