@@ -16,7 +16,9 @@ from torch import nn
 
 from .modules.layernorm import LayerNorm, RMSNorm
 from .modules.layernorm_linear import LayerNormLinear
+from .modules._common import check_bool, check_callable
 from .modules.linear import Linear
+from .quantization.autocast import _check_recipe
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -115,6 +117,19 @@ def _alignment(recipe) -> int:
     return max(state.quantizer(slot.name).gemm_alignment for slot in gemm_slots())
 
 
+def _skipped_names(skip) -> frozenset:
+    """skip as a set of names: a single string is one name (`in` on a string would match its
+    substrings)."""
+    names = (skip,) if isinstance(skip, str) else skip
+    try:
+        names = frozenset(names)
+    except TypeError:  # not iterable, or holding unhashable entries
+        names = None
+    if names is None or not all(isinstance(name, str) for name in names):
+        raise TypeError(f"convert_model: skip must be a module name or a sequence of names (str), got {skip!r}")
+    return names
+
+
 def convert_model(
     model: nn.Module,
     recipe=None,
@@ -125,13 +140,17 @@ def convert_model(
 ) -> nn.Module:
     """Replace nn.Linear, nn.LayerNorm and RMSNorm layers of `model` (in place; returned).
 
-    skip: qualified names (or their last component, e.g. "lm_head") to leave alone.
+    skip: qualified names (or their last component, e.g. "lm_head") to leave alone; one string is one name.
     module_filter_fn(module, fqn) -> bool: False leaves that module alone.
     recipe: when given, Linears whose in/out features cannot be quantized by it (not multiples
     of its GEMM alignment, 16 or 32) are left in high precision, with one warning naming them.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_model: model must be a torch.nn.Module, got {type(model).__name__}")
+    recipe = None if recipe is None else _check_recipe(recipe, "convert_model")
+    check_callable(module_filter_fn, name="module_filter_fn", module="convert_model")
+    fuse_norm_linear = check_bool(fuse_norm_linear, name="fuse_norm_linear", module="convert_model")
+    skip = _skipped_names(skip)
     align = _alignment(recipe)
     left_out: List[str] = []
 

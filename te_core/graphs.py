@@ -121,6 +121,11 @@ def _checked_inputs(modules, sample_args) -> Tuple[Sequence[nn.Module], Sequence
     """(modules, their sample args: one tuple per call captured), or a clear error."""
     single = not isinstance(modules, (tuple, list))
     mods: Sequence = (modules,) if single else tuple(modules)
+    # tuple() of a bare tensor would split it into its rows, one positional input each
+    _check_tuple(sample_args, "sample_args", _ONE_CALL if single else
+                 "a tuple with one tuple of tensors per module or sample (e.g. ((x,), (y,)))")
+    for i, sample in enumerate(() if single else sample_args):
+        _check_tuple(sample, f"sample_args[{i}]", _ONE_CALL)
     args: Sequence = (tuple(sample_args),) if single else tuple(tuple(a) for a in sample_args)
     for module in mods:
         if not isinstance(module, nn.Module):
@@ -139,6 +144,15 @@ def _checked_inputs(modules, sample_args) -> Tuple[Sequence[nn.Module], Sequence
             raise TypeError("make_graphed_callables: sample_args must be tensors (the positional inputs of one call)")
     _check_torch_autocast(args[0][0].device.type)
     return mods, args
+
+
+_ONE_CALL = "a tuple of tensors, the positional inputs of one call (e.g. (x,))"
+
+
+def _check_tuple(sample, where: str, what: str) -> None:
+    if not isinstance(sample, (tuple, list)):
+        got = "a bare tensor" if isinstance(sample, torch.Tensor) else type(sample).__name__
+        raise TypeError(f"make_graphed_callables: {where} must be {what}, got {got}")
 
 
 def _check_torch_autocast(device_type: str) -> None:
@@ -249,13 +263,13 @@ def make_graphed_callables(
     delaying = [_delaying(module) for module in mods]
     schedule = _schedule(options, mods, args, [bool(d) for d in delaying])
     _check_devices(mods, args, schedule)
+    owner = schedule.callable_of  # per sample, its module
+    keywords = keyword_inputs(sample_kwargs, len(args), [type(mods[m]).__name__ for m in owner])
     device = args[0][0].device
     graph_api = _graph_api(device)
     if graph_api is None:
         raise NotImplementedError(f"make_graphed_callables: torch has no graph capture for device type "
                                   f"{device.type!r}; run the modules eagerly")
-    owner = schedule.callable_of  # per sample, its module
-    keywords = keyword_inputs(sample_kwargs, len(args), [type(mods[m]).__name__ for m in owner])
     if options.reuse_buffers:
         args, keywords = _share_inputs(args, keywords, schedule)
     flags = (True, False) if options.cache_quantized_params else (None,)

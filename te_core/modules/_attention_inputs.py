@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from ..ops.attention import PADDING_MASK_TYPES
+from ._common import check_not_meta
 from ._packed import PADDED_MASK_TYPE, packing, unpadded_rows
 
 
@@ -53,6 +54,23 @@ def unpack_qkv(qkv_layer, kv_layer, q, k, v, fmt: str, dim: int):
                          f"qkv_interleave_dim={dim}, got {shape}")
     views = [packed.select(dim, i) for i in range(count)]
     return tuple(views) if count == 3 else (q, *views)
+
+
+def check_qkv(q, k, v) -> None:
+    """Query, key and value as the attention ops read them together: tensors of one dtype on one
+    real device (check_not_meta)."""
+    name = "DotProductAttention"
+    for arg, t in (("query_layer", q), ("key_layer", k), ("value_layer", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    check_not_meta(q, name="query_layer", module=name)
+    for arg, t in (("key_layer", k), ("value_layer", v)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: {arg} is on {t.device} but query_layer is on {q.device}; query, key and "
+                             f"value must be on one device ({arg}.to(query_layer.device))")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: {arg} has dtype {t.dtype} but query_layer has {q.dtype}; query, key and "
+                            f"value must share one dtype ({arg}.to(query_layer.dtype))")
 
 
 def between_seqs(fmt: str, cu_seqlens, cu_seqlens_padded, totals):

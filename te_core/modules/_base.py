@@ -20,7 +20,7 @@ from ..quantization.state import RecipeState, check_compatible, extra_state
 from ..quantization.step import HIGH_PRECISION, CalibrationStep, QuantizationStep
 from ..quantization.tensor import QuantizedTensor
 from ..recipe import recipe_from_config
-from ._common import resolve_device, resolve_params_dtype
+from ._common import check_optional_bool, resolve_device, resolve_params_dtype
 from ._microbatch import first_microbatch
 
 _STATE_IN_GRAPH = (
@@ -147,6 +147,10 @@ class QuantizedModule(nn.Module):
         """The step this forward runs with: FP8 under autocast(enabled=True), calibration under
         autocast(calibrating=True), plain high precision otherwise; inside an activation
         checkpoint (te_core.checkpoint_context), the step its log records or replays."""
+        # every forward passes here: identity tests first, the full check only for a value that fails them
+        if is_first_microbatch is not None and is_first_microbatch is not True and is_first_microbatch is not False:
+            is_first_microbatch = check_optional_bool(is_first_microbatch, name="is_first_microbatch",
+                                                      module=type(self).__name__)
         if not torch.compiler.is_compiling():
             log = RECOMPUTE.log
             if log is not None:

@@ -6,11 +6,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Callable, Optional, Sequence, Tuple, Union
+import numbers
+import operator
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
+from .._flags import flag, optional_flag
 from ..backend.types import as_dtype
 from ..ops import ACTIVATIONS, GATED_ACTIVATIONS
 from ..quantization import high_precision_init
@@ -214,6 +217,16 @@ def check_input(x: Tensor, last_dim: int, *, name: str = "inp", module: str = "m
             f"{module}: {name} is on {x.device} but the weight is on {device}; move one of them "
             f"({name}.to({str(device)!r}) or module.to(...))"
         )
+    check_not_meta(x, name=name, module=module)
+
+
+def check_not_meta(x: Tensor, *, name: str, module: str) -> None:
+    """A meta tensor has a shape but no data: computing on it fails deep inside torch, or gives
+    memory never written."""
+    if x.is_meta:
+        raise ValueError(f"{module}: {name} is on the meta device, which holds no data to compute on; pass tensors "
+                         "on the model's device (a model built on meta needs module.to_empty(device=...) and its "
+                         "weights initialized first)")
 
 
 def check_choice(value: str, allowed: Sequence[str], *, name: str, module: str) -> str:
@@ -235,9 +248,49 @@ def is_gated(activation: str) -> bool:
 
 
 def check_bool(value, *, name: str, module: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{module}: {name} must be True or False, got {value!r}")
-    return value
+    """A flag as a Python bool (te_core._flags: bool, numpy's bool, 0 or 1), else a TypeError."""
+    return flag(value, name, module)
+
+
+def check_optional_bool(value, *, name: str, module: str) -> Optional[bool]:
+    """A flag documented as Optional[bool]: None, or check_bool's values."""
+    return optional_flag(value, name, module)
+
+
+def check_bools(module: str, **flags) -> Tuple[bool, ...]:
+    """check_bool of each keyword, as a tuple in the order given."""
+    return tuple(flag(value, name, module) for name, value in flags.items())
+
+
+def check_callable(value, *, name: str, module: str, optional: bool = True):
+    """A callable (or None, where `optional`): an object called later fails there, far from its cause."""
+    if (value is None and optional) or callable(value):
+        return value
+    what = "a callable or None" if optional else "a callable"
+    raise TypeError(f"{module}: {name} must be {what}, got {value!r} ({type(value).__name__})")
+
+
+def _check_real(value, *, name: str, module: str, what: str) -> float:
+    # (bool is a numbers.Real, but True is no epsilon or probability)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{module}: {name} must be {what}, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def check_eps(value, *, name: str = "eps", module: str) -> float:
+    """A norm's epsilon: a positive finite real (it is added to the variance)."""
+    eps = _check_real(value, name=name, module=module, what="a positive finite number")
+    if not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"{module}: {name} must be positive and finite, got {value!r}")
+    return eps
+
+
+def check_probability(value, *, name: str, module: str) -> float:
+    """A dropout probability: a real in [0, 1) (1 would drop everything and scale by 1/0)."""
+    p = _check_real(value, name=name, module=module, what="a number in [0, 1)")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{module}: {name} must be in [0, 1), got {value!r}")
+    return p
 
 
 def check_positive(value: int, *, name: str, module: str) -> int:
@@ -272,6 +325,27 @@ def check_split_sizes(split_sizes, total: int, module: str) -> Tuple[int, ...]:
     return sizes
 
 
+def _row_count(value) -> int:
+    if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool:  # (operator.index takes True as 1)
+        raise TypeError
+    return operator.index(value)  # ints, numpy's and integer tensors' elements; not floats
+
+
+def check_m_splits(m_splits, count: int, rows: Optional[int], module: str, what: str = "inp") -> List[int]:
+    """A grouped GEMM's m_splits as `count` non-negative ints (rows per GEMM) summing to `rows`,
+    the rows of `what` (any sum where None)."""
+    try:
+        splits = [_row_count(m) for m in m_splits]
+    except TypeError:
+        raise TypeError(f"{module}: m_splits must be a list of {count} non-negative ints (the rows of each GEMM, "
+                        f"num_gemms={count}), got {m_splits!r}") from None
+    if len(splits) != count or any(m < 0 for m in splits):
+        raise ValueError(f"{module}: m_splits must be {count} non-negative row counts (num_gemms), got {splits}")
+    if rows is not None and sum(splits) != rows:
+        raise ValueError(f"{module}: m_splits sum to {sum(splits)} but {what} has {rows} rows (tokens)")
+    return splits
+
+
 def check_attention_heads(module: str, num_attention_heads: int, num_gqa_groups: Optional[int],
                           hidden_size: Optional[int] = None, kv_channels: Optional[int] = None):
     """(heads, kv groups, kv_channels), checked as every attention block needs them: positive
@@ -281,7 +355,9 @@ def check_attention_heads(module: str, num_attention_heads: int, num_gqa_groups:
     groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
     check_positive(groups, name="num_gqa_groups", module=module)
     check_divisible(num_attention_heads, groups, what="num_attention_heads", by="num_gqa_groups", module=module)
-    if kv_channels is None and hidden_size is not None:
+    if kv_channels is not None:
+        check_positive(kv_channels, name="kv_channels", module=module)
+    elif hidden_size is not None:
         check_positive(hidden_size, name="hidden_size", module=module)
         kv_channels = check_divisible(hidden_size, num_attention_heads, what="hidden_size", by="num_attention_heads",
                                       module=module)

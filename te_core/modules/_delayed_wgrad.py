@@ -75,7 +75,7 @@ class DelayedWgradMixin:
 
     def init_delayed_wgrad(self, delay_wgrad_compute: bool, module: str) -> None:
         """Call after the parameters exist."""
-        check_bool(delay_wgrad_compute, name="delay_wgrad_compute", module=module)
+        delay_wgrad_compute = check_bool(delay_wgrad_compute, name="delay_wgrad_compute", module=module)
         self.wgrad_store = WeightGradStore(module) if delay_wgrad_compute else None
         self.wgrad_accumulation_and_reduce_hooks: List[Callable[[], None]] = []
         if delay_wgrad_compute:

@@ -20,7 +20,7 @@ class TensorParallelContainer(tensor_parallel.TensorParallelMixin):
         tensor_parallel.init_tensor_parallel(
             self, name, tp_group=tp_group, tp_size=tp_size, parallel_mode=None, sequence_parallel=sequence_parallel,
             get_rng_state_tracker=get_rng_state_tracker, rng_tracker_name=None)
-        check_bool(set_parallel_mode, name="set_parallel_mode", module=name)
+        set_parallel_mode = check_bool(set_parallel_mode, name="set_parallel_mode", module=name)
         if self.tp_size > 1 and not set_parallel_mode:
             raise ValueError(f"{name}: tp_size={self.tp_size} needs set_parallel_mode=True (the input projections "
                              "column-parallel, the output projections row-parallel), as in Transformer Engine")

@@ -16,7 +16,7 @@ from ..ops.attention import PADDING_MASK_TYPES
 from ..ops.attention_masks import attention_logits
 from ..ops.packed_sequences import padded_layout, to_padded
 from ._attention_parallel import AttentionParallelMixin
-from ._attention_inputs import between_seqs, sequence_layout, unpack_qkv
+from ._attention_inputs import between_seqs, check_qkv, sequence_layout, unpack_qkv
 from ._packed import Packing
 from .inference import InferenceParams
 from ._common import (
@@ -26,7 +26,9 @@ from ._common import (
     check_bool,
     check_choice,
     check_name,
+    check_optional_bool,
     check_positive,
+    check_probability,
     compute_dtype,
     no_torch_autocast,
     resolve_device,
@@ -99,18 +101,16 @@ class DotProductAttention(AttentionParallelMixin, nn.Module):
             module, num_attention_heads, num_gqa_groups)
         self._init_tensor_parallel(tp_group, tp_size, sequence_parallel, get_rng_state_tracker)
         self.set_context_parallel_group(**context_parallel)
-        k_ch, v_ch = (kv_channels, kv_channels) if isinstance(kv_channels, int) else tuple(kv_channels)
-        self.hidden_size_per_attention_head_k = check_positive(k_ch, name="kv_channels", module=module)
-        self.hidden_size_per_attention_head_v = check_positive(v_ch, name="kv_channels", module=module)
-        if not 0.0 <= attention_dropout < 1.0:
-            raise ValueError(f"{module}: attention_dropout must be in [0, 1), got {attention_dropout!r}")
+        k_ch, v_ch = _kv_channels(kv_channels, module)
+        self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v = k_ch, v_ch
         if layer_number is not None:
             check_positive(layer_number, name="layer_number", module=module)
-        self.attention_dropout = float(attention_dropout)
+        self.attention_dropout = check_probability(attention_dropout, name="attention_dropout", module=module)
         self.qkv_format = check_choice(qkv_format, QKV_FORMATS, name="qkv_format", module=module)
         self.attn_mask_type = check_choice(attn_mask_type, ops.ATTN_MASK_TYPES, name="attn_mask_type", module=module)
         self.window_size = _check_window(window_size, module)
-        self.bottom_right_diagonal = bottom_right_diagonal
+        self.bottom_right_diagonal = check_optional_bool(bottom_right_diagonal, name="bottom_right_diagonal",
+                                                         module=module)
         self.softmax_scale = 1.0 / math.sqrt(k_ch) if softmax_scale is None else float(softmax_scale)
         # layer_number scales nothing here: Transformer Engine divides the logits by it and
         # multiplies them back inside the softmax (fp16 range), an identity in exact math
@@ -172,6 +172,7 @@ class DotProductAttention(AttentionParallelMixin, nn.Module):
         fmt = check_choice(qkv_format or self.qkv_format, QKV_FORMATS, name="qkv_format", module=module)
         query_layer, key_layer, value_layer = unpack_qkv(qkv_layer, kv_layer, query_layer, key_layer, value_layer,
                                                           fmt, interleave_dim)
+        check_qkv(query_layer, key_layer, value_layer)
         restore = None  # packed outputs back in the caller's layout (padding between sequences, KV cache)
         if inference_params is not None and not isinstance(inference_params, InferenceParams):
             raise TypeError(f"{module}: inference_params must be a te_core.InferenceParams, "
@@ -302,6 +303,15 @@ class DotProductAttention(AttentionParallelMixin, nn.Module):
                 )
         if k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3]:
             raise ValueError(f"{name}: batch / sequence sizes of query_layer, key_layer, value_layer do not agree")
+
+
+def _kv_channels(kv_channels, module: str) -> Tuple[int, int]:
+    """(key, value) head sizes from kv_channels: one positive int for both, or a pair of them."""
+    pair = tuple(kv_channels) if isinstance(kv_channels, (tuple, list)) else (kv_channels, kv_channels)
+    if len(pair) != 2 or not all(isinstance(c, int) and not isinstance(c, bool) for c in pair):
+        raise TypeError(f"{module}: kv_channels must be a positive int, or a (key, value) pair of them, got "
+                        f"{kv_channels!r} ({type(kv_channels).__name__})")
+    return tuple(check_positive(c, name="kv_channels", module=module) for c in pair)
 
 
 def _check_window(window_size, module: str):

@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from ._common import check_positive
+from ._common import check_m_splits, check_positive
 
 
 def _align_size(align_size: Optional[int], module: str) -> int:
@@ -26,15 +26,6 @@ def _align_size(align_size: Optional[int], module: str) -> int:
     context = get_autocast_context()
     mxfp8 = context is not None and context.recipe is not None and context.recipe.mxfp8()
     return 32 if mxfp8 else 16
-
-
-def _check_splits(m_splits: Sequence[int], num_gemms: int, rows: int, module: str) -> List[int]:
-    splits = [int(m) for m in m_splits]
-    if len(splits) != num_gemms or any(m < 0 for m in splits):
-        raise ValueError(f"{module}: m_splits must be {num_gemms} non-negative row counts (num_gemms), got {splits}")
-    if sum(splits) != rows:
-        raise ValueError(f"{module}: m_splits sum to {sum(splits)} but the input has {rows} rows")
-    return splits
 
 
 def _rows(inp: Tensor, module: str) -> Tensor:
@@ -62,7 +53,7 @@ class Fp8Padding(_Padding):
 
     def forward(self, inp: Tensor, m_splits: Sequence[int]) -> Tuple[Tensor, List[int]]:
         x = _rows(inp, "Fp8Padding")
-        splits = _check_splits(m_splits, self.num_gemms, x.shape[0], "Fp8Padding")
+        splits = check_m_splits(m_splits, self.num_gemms, x.shape[0], "Fp8Padding", "the input")
         padded = self.padded(splits)
         if padded == splits:  # already aligned: the input itself, as in Transformer Engine
             return inp, splits
@@ -78,9 +69,8 @@ class Fp8Unpadding(_Padding):
 
     def forward(self, inp: Tensor, m_splits: Sequence[int]) -> Tensor:
         x = _rows(inp, "Fp8Unpadding")
-        splits = [int(m) for m in m_splits]
-        padded = self.padded(splits)
-        _check_splits(padded, self.num_gemms, x.shape[0], "Fp8Unpadding")
+        splits = check_m_splits(m_splits, self.num_gemms, None, "Fp8Unpadding")
+        padded = check_m_splits(self.padded(splits), self.num_gemms, x.shape[0], "Fp8Unpadding", "the input")
         if padded == splits:
             return inp
         return torch.cat([part[:m] for part, m in zip(x.split(padded), splits)])

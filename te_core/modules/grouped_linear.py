@@ -18,9 +18,10 @@ from ._grad_proxy import grad_proxies
 from ._wgrad import check_original_input, original_input_operand, weight_grad
 from ._saved import restore_held, save_holding_quantized
 from ._common import (
-    check_bool,
+    check_bools,
     check_fp8_gemms,
     check_input,
+    check_m_splits,
     check_name,
     check_ub_name,
     check_positive,
@@ -147,7 +148,9 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
         label = check_name(kwargs.pop("name", None), name)
         ub_name = check_ub_name(kwargs.pop("ub_name", None), name)
         reject_unsupported(name, **kwargs)
-        check_bool(save_original_input, name="save_original_input", module=name)
+        bias, return_bias, fuse_wgrad_accumulation, save_original_input, sequence_parallel = check_bools(
+            name, bias=bias, return_bias=return_bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            save_original_input=save_original_input, sequence_parallel=sequence_parallel)
         check_positive(num_gemms, name="num_gemms", module=name)
         check_positive(in_features, name="in_features", module=name)
         check_positive(out_features, name="out_features", module=name)
@@ -187,12 +190,7 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
         if unsupported:  # out / dgrad_out (caller-provided output buffers) are not implemented
             reject_unsupported(f"{name}.forward", **unsupported)
         check_input(inp, self.in_features, module=name, device=self.weight0.device)
-        m_splits = [int(m) for m in m_splits]
-        if len(m_splits) != self.num_gemms or any(m < 0 for m in m_splits):
-            raise ValueError(f"{name}: m_splits must be {self.num_gemms} non-negative row counts, got {m_splits}")
-        rows = inp.numel() // self.in_features
-        if sum(m_splits) != rows:
-            raise ValueError(f"{name}: m_splits sum to {sum(m_splits)} but inp has {rows} rows (tokens)")
+        m_splits = check_m_splits(m_splits, self.num_gemms, inp.numel() // self.in_features, name)
         dtype = compute_dtype(inp)
         x = inp.reshape(-1, self.in_features).to(dtype)
         step = self.quantization_step(is_first_microbatch)

@@ -11,6 +11,9 @@ from ..compat.te_checkpoint import accept_te_norm_extra_state
 from ..distributed.tensor_parallel import mark_sequence_parallel
 from ._common import (
     reject_unsupported,
+    check_bool,
+    check_eps,
+    check_optional_bool,
     check_input,
     compute_dtype,
     no_torch_autocast,
@@ -44,15 +47,11 @@ class _Norm(nn.Module):
             normalized_shape = hidden_size if normalized_shape is None else normalized_shape
         name = type(self).__name__
         reject_unsupported(name, **kwargs)
-        if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
-            raise TypeError(f"{name}: sequence_parallel must be True, False or None, got "
-                            f"{type(sequence_parallel).__name__}")
         self.normalized_shape, self._size = normalized_size(normalized_shape, name)
-        if not eps > 0:
-            raise ValueError(f"{name}: eps must be positive, got {eps!r}")
-        self.eps = float(eps)
-        self.zero_centered_gamma = zero_centered_gamma
-        self.sequence_parallel = sequence_parallel
+        self.eps = check_eps(eps, module=name)
+        self.zero_centered_gamma = check_bool(zero_centered_gamma, name="zero_centered_gamma", module=name)
+        # (None, Transformer Engine's default, leaves the parameters unflagged: reset_parameters)
+        self.sequence_parallel = check_optional_bool(sequence_parallel, name="sequence_parallel", module=name)
         factory = dict(device=resolve_device(device), dtype=resolve_params_dtype(params_dtype))
         self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory))
         if self.normalization == "LayerNorm":

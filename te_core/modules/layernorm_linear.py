@@ -25,6 +25,8 @@ from ._saved import restore_held, save_holding_quantized
 from ._wgrad import weight_grad
 from ._common import (
     check_bool,
+    check_bools,
+    check_eps,
     check_fp8_gemms,
     check_input,
     check_name,
@@ -51,9 +53,8 @@ def add_norm_parameters(module: QuantizedModule, size: int, normalization: str, 
     """The norm settings and parameters (layer_norm_weight, LayerNorm's layer_norm_bias) of a
     fused norm + GEMM module, registered before its GEMM weights."""
     module.normalization = check_normalization(normalization, name)
-    if not eps > 0:
-        raise ValueError(f"{name}: eps must be positive, got {eps!r}")
-    module.eps, module.zero_centered_gamma = float(eps), zero_centered_gamma
+    module.eps = check_eps(eps, module=name)
+    module.zero_centered_gamma = check_bool(zero_centered_gamma, name="zero_centered_gamma", module=name)
     factory = dict(device=module.device, dtype=module.params_dtype)
     module.layer_norm_weight = nn.Parameter(torch.empty(size, **factory))
     module.layer_norm_bias = nn.Parameter(torch.empty(size, **factory)) if normalization == "LayerNorm" else None
@@ -269,6 +270,9 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
         symmetric_ar_type = check_symmetric_ar_type(kwargs.pop("symmetric_ar_type", None), name)
         ub_name = check_ub_name(kwargs.pop("ub_name", None), name)
         reject_unsupported(name, **kwargs)
+        sequence_parallel, fuse_wgrad_accumulation, bias, return_bias, return_layernorm_output = check_bools(
+            name, sequence_parallel=sequence_parallel, fuse_wgrad_accumulation=fuse_wgrad_accumulation, bias=bias,
+            return_bias=return_bias, return_layernorm_output=return_layernorm_output)
         super().__init__(SLOTS, device=device, params_dtype=params_dtype)
         self.ub_name = ub_name
         self.symmetric_ar_type = symmetric_ar_type  # (runs as torch.distributed's all-reduce: check_symmetric_ar_type)

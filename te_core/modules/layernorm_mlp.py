@@ -27,6 +27,7 @@ from ._grad_proxy import grad_proxies
 from ._wgrad import weight_grad
 from ._common import (
     check_bool,
+    check_bools,
     check_fp8_gemms,
     check_input,
     check_name,
@@ -223,8 +224,11 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
         check_warmup_sizes(name, kwargs.pop("seq_length", None), kwargs.pop("micro_batch_size", None))
         symmetric_ar_type = check_symmetric_ar_type(kwargs.pop("symmetric_ar_type", None), name)
         reject_unsupported(name, **kwargs)
-        if not isinstance(checkpoint, bool):
-            raise TypeError(f"{name}: checkpoint must be a bool, got {type(checkpoint).__name__}")
+        sequence_parallel, return_bias, bias, fuse_wgrad_accumulation, return_layernorm_output, checkpoint, \
+            delay_wgrad_compute, set_parallel_mode = check_bools(
+                name, sequence_parallel=sequence_parallel, return_bias=return_bias, bias=bias,
+                fuse_wgrad_accumulation=fuse_wgrad_accumulation, return_layernorm_output=return_layernorm_output,
+                checkpoint=checkpoint, delay_wgrad_compute=delay_wgrad_compute, set_parallel_mode=set_parallel_mode)
         if checkpoint and delay_wgrad_compute:
             raise NotImplementedError(f"{name}: checkpoint=True with delay_wgrad_compute=True is not supported: "
                                       "the recompute would run inside backward(), after which backward_dw() expects "

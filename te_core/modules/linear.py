@@ -22,7 +22,7 @@ from ._param_split import ParameterSplitMixin
 from ._saved import restore_held, save_holding_quantized
 from ._wgrad import check_original_input, original_input_operand, weight_grad
 from ._common import (
-    check_bool,
+    check_bools,
     check_input,
     check_name,
     check_ub_name,
@@ -173,7 +173,9 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
         symmetric_ar_type = check_symmetric_ar_type(unsupported.pop("symmetric_ar_type", None), "Linear")
         ub_name = check_ub_name(unsupported.pop("ub_name", None), "Linear")
         reject_unsupported("Linear", **unsupported)
-        check_bool(save_original_input, name="save_original_input", module="Linear")
+        bias, return_bias, fuse_wgrad_accumulation, sequence_parallel, save_original_input = check_bools(
+            "Linear", bias=bias, return_bias=return_bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            sequence_parallel=sequence_parallel, save_original_input=save_original_input)
         check_positive(in_features, name="in_features", module="Linear")
         check_positive(out_features, name="out_features", module="Linear")
         super().__init__(gemm_slots(), device=device, params_dtype=params_dtype)

@@ -12,12 +12,14 @@ from ._base import QuantizedContainer
 from ._tp_container import TensorParallelContainer
 from ._common import (
     check_attention_heads,
-    check_bool,
+    check_bools,
+    check_eps,
     check_choice,
     check_input,
     check_name,
     check_normalization,
     check_positive,
+    check_probability,
     check_warmup_sizes,
     reject_unsupported,
     sub_name,
@@ -54,6 +56,7 @@ def _qk_norms(qk_norm_type, eps: float, head_dim: int, params_dtype, device, mod
     check_choice(qk_norm_type, QK_NORM_TYPES, name="qk_norm_type", module=module)
     if qk_norm_type is None:
         return None, None
+    eps = check_eps(eps, name="qk_norm_eps", module=module)
     if qk_norm_type == "L2Normalization":
         norm = L2Normalization(eps)
         return norm, norm
@@ -120,10 +123,19 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
     ):
         super().__init__()
         module = "MultiheadAttention"
-        self.return_bias = check_bool(return_bias, name="return_bias", module=module)
         fuse_wgrad = kwargs.pop("fuse_wgrad_accumulation", False)  # passed on to every projection
         check_warmup_sizes(module, kwargs.pop("seq_length", None), kwargs.pop("micro_batch_size", None))
         reject_unsupported(module, **kwargs)
+        (self.return_bias, fuse_wgrad, return_layernorm_output, input_layernorm, fuse_qkv_params, zero_centered_gamma,
+         qkv_weight_interleaved, rotary_pos_interleaved, bias, sequence_parallel, qk_norm_before_rope) = check_bools(
+            module, return_bias=return_bias, fuse_wgrad_accumulation=fuse_wgrad,
+            return_layernorm_output=return_layernorm_output, input_layernorm=input_layernorm,
+            fuse_qkv_params=fuse_qkv_params, zero_centered_gamma=zero_centered_gamma,
+            qkv_weight_interleaved=qkv_weight_interleaved, rotary_pos_interleaved=rotary_pos_interleaved, bias=bias,
+            sequence_parallel=sequence_parallel, qk_norm_before_rope=qk_norm_before_rope)
+        check_probability(attention_dropout, name="attention_dropout", module=module)
+        if input_layernorm:  # (read only then, as in Transformer Engine)
+            check_eps(layernorm_epsilon, name="layernorm_epsilon", module=module)
         check_positive(hidden_size, name="hidden_size", module=module)
         _, self.num_gqa_groups, kv_channels = check_attention_heads(
             module, num_attention_heads, num_gqa_groups, hidden_size, kv_channels)
@@ -138,10 +150,10 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         self.hidden_size, self.num_attention_heads, self.kv_channels = hidden_size, num_attention_heads, kv_channels
         self.input_layernorm, self.return_layernorm_output = input_layernorm, return_layernorm_output
         self.layer_number, self.name = layer_number, check_name(name, module)
-        self.fuse_qkv_params = bool(fuse_qkv_params)
+        self.fuse_qkv_params = fuse_qkv_params
         # as in Transformer Engine: separate q, k, v weights are never interleaved
-        self.qkv_weight_interleaved = bool(qkv_weight_interleaved) and self.fuse_qkv_params
-        self.rotary_pos_interleaved = bool(rotary_pos_interleaved)
+        self.qkv_weight_interleaved = qkv_weight_interleaved and fuse_qkv_params
+        self.rotary_pos_interleaved = rotary_pos_interleaved
         q_size, kv_size = num_attention_heads * kv_channels, self.num_gqa_groups * kv_channels
         common = dict(params_dtype=params_dtype, device=device, bias=bias, fuse_wgrad_accumulation=fuse_wgrad, **tp)
         column = dict(parallel_mode="column") if self.tp_size > 1 else {}
@@ -180,7 +192,7 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
                 "shared by heads split over the ranks, so their gradients would need a sum over the tensor-parallel "
                 "group; use qk_norm_type='L2Normalization' (no weights) or tp_size=1")
         self.q_norm, self.k_norm = _qk_norms(qk_norm_type, qk_norm_eps, kv_channels, params_dtype, device, module)
-        self.qk_norm_before_rope = bool(qk_norm_before_rope)
+        self.qk_norm_before_rope = qk_norm_before_rope
         # Transformer Engine's checkpoints name separate q, k, v weights (its default); load them too
         self.register_load_state_dict_pre_hook(load_split_qkv_names)
 

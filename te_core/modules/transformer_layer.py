@@ -17,10 +17,14 @@ from ._common import (
     check_activation,
     check_choice,
     check_attention_heads,
+    check_bools,
+    check_eps,
     check_input,
     check_name,
     check_normalization,
+    check_optional_bool,
     check_positive,
+    check_probability,
     check_warmup_sizes,
     sub_name,
 )
@@ -105,6 +109,22 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         check_warmup_sizes(name, kwargs.pop("seq_length", None), kwargs.pop("micro_batch_size", None))
         debug_name = check_name(debug_name, name)
         reject_unsupported(name, ub_tp_comm_overlap=ub_tp_comm_overlap, **kwargs)
+        (apply_residual_connection_post_layernorm, output_layernorm, parallel_attention_mlp, fuse_qkv_params,
+         rotary_pos_interleaved, zero_centered_gamma, qkv_weight_interleaved, bias, sequence_parallel,
+         qk_norm_before_rope, fuse_wgrad, *_) = check_bools(
+            name, apply_residual_connection_post_layernorm=apply_residual_connection_post_layernorm,
+            output_layernorm=output_layernorm, parallel_attention_mlp=parallel_attention_mlp,
+            fuse_qkv_params=fuse_qkv_params, rotary_pos_interleaved=rotary_pos_interleaved,
+            zero_centered_gamma=zero_centered_gamma, qkv_weight_interleaved=qkv_weight_interleaved, bias=bias,
+            sequence_parallel=sequence_parallel, qk_norm_before_rope=qk_norm_before_rope,
+            fuse_wgrad_accumulation=fuse_wgrad, ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+            ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad)
+        for arg, value in (("bottom_right_diagonal", bottom_right_diagonal),
+                           ("enc_dec_bottom_right_diagonal", enc_dec_bottom_right_diagonal)):
+            check_optional_bool(value, name=arg, module=name)
+        layernorm_epsilon = check_eps(layernorm_epsilon, name="layernorm_epsilon", module=name)
+        hidden_dropout = check_probability(hidden_dropout, name="hidden_dropout", module=name)
+        check_probability(attention_dropout, name="attention_dropout", module=name)
         check_positive(hidden_size, name="hidden_size", module=name)
         check_positive(ffn_hidden_size, name="ffn_hidden_size", module=name)
         check_attention_heads(name, num_attention_heads, num_gqa_groups, hidden_size, kv_channels)
@@ -118,7 +138,8 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         check_choice(attn_input_format, QKV_FORMATS, name="attn_input_format", module=name)
         self.hidden_size, self.name = hidden_size, debug_name
         self.hidden_dropout = hidden_dropout
-        self.drop_path = DropPath(drop_path_rate) if check_drop_rate(drop_path_rate, name) > 0 else None
+        drop_path_rate = check_probability(drop_path_rate, name="drop_path_rate", module=name)
+        self.drop_path = DropPath(drop_path_rate) if drop_path_rate > 0 else None
         self.apply_residual_connection_post_layernorm = apply_residual_connection_post_layernorm
         self.parallel_attention_mlp = parallel_attention_mlp
         self.attn_input_format = attn_input_format
@@ -243,16 +264,6 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
 
     def _drop_path(self, x: Tensor) -> Tensor:
         return x if self.drop_path is None else self.drop_path(x)
-
-
-def check_drop_rate(rate, module: str) -> float:
-    """drop_path_rate as a float in [0, 1), or a clear error."""
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)):
-        raise TypeError(f"{module}: drop_path_rate must be a number in [0, 1), got {type(rate).__name__}")
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"{module}: drop_path_rate must be in [0, 1) (the probability of dropping a residual "
-                         f"branch), got {rate}")
-    return float(rate)
 
 
 class DropPath(nn.Module):

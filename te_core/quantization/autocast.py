@@ -14,6 +14,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 
 from .. import backend as _backend
+from .._flags import flag
 from .._tracing import run_while_tracing
 from ..recipe import DelayedScaling, Recipe
 from .scaling import PendingUpdates, ScalingGroup
@@ -60,6 +61,9 @@ _DEFAULT_RECIPE = DelayedScaling()  # recipes are frozen: one default serves eve
 def _check_recipe(recipe, where: str) -> Recipe:
     if recipe is None:
         return _DEFAULT_RECIPE
+    if isinstance(recipe, type) and issubclass(recipe, Recipe):  # (a class carries no settings to run with)
+        raise TypeError(f"{where}: recipe must be a recipe instance, got the class {recipe.__name__}; pass "
+                        f"{recipe.__name__}() instead")
     if not isinstance(recipe, Recipe):
         raise TypeError(f"{where}: recipe must be a te_core.recipe recipe (DelayedScaling, Float8CurrentScaling, "
                         f"Float8BlockScaling, MXFP8BlockScaling), got {type(recipe).__name__}")
@@ -86,7 +90,8 @@ class autocast(ContextDecorator):
     # around every forward, and the generator machinery was a measurable part of a small step.
     def __init__(self, enabled: bool = True, calibrating: bool = False, recipe: Optional[Recipe] = None,
                  amax_reduction_group=None):
-        self.enabled, self.calibrating = bool(enabled), bool(calibrating)
+        self.enabled = flag(enabled, "enabled", "autocast")
+        self.calibrating = flag(calibrating, "calibrating", "autocast")
         self.recipe, self.amax_reduction_group = recipe, amax_reduction_group
 
     def __enter__(self):
@@ -130,9 +135,9 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
     FP8 value (Transformer Engine's contract, which Megatron-LM's distributed optimizer reads):
     `weight.get_high_precision_init_val()` returns it, `weight.clear_high_precision_init_val()`
     frees it (get then returns None). Only weights that have one carry the two methods."""
-    if not isinstance(preserve_high_precision_init_val, bool):
-        raise TypeError("quantized_model_init: preserve_high_precision_init_val must be True or False, got "
-                        f"{type(preserve_high_precision_init_val).__name__}")
+    enabled = flag(enabled, "enabled", "quantized_model_init")
+    preserve_high_precision_init_val = flag(preserve_high_precision_init_val, "preserve_high_precision_init_val",
+                                            "quantized_model_init")
     recipe = _check_recipe(recipe, "quantized_model_init") if enabled else None
     _STATE.model_init.append((recipe, preserve_high_precision_init_val and enabled))
     try:

@@ -24,7 +24,7 @@ from ._pool import pool_of
     (lambda: LayerNormMLP(64, 32, tp_size=2), r"tp_size=2 needs set_parallel_mode=True"),
     (lambda: Linear(64, 64, tp_size=0), r"tp_size must be a positive integer, got 0"),
     (lambda: Linear(64, 64, parallel_mode="diagonal"), r"parallel_mode='diagonal'"),
-    (lambda: Linear(64, 64, sequence_parallel=1), r"sequence_parallel must be True or False"),
+    (lambda: Linear(64, 64, sequence_parallel=2), r"sequence_parallel must be True or False"),
     (lambda: Linear(64, 64, get_rng_state_tracker=te.distributed.RNGStatesTracker()),
      r"get_rng_state_tracker must be a function returning the tracker"),
 ])

@@ -342,6 +342,73 @@ def test_attention_arguments_are_checked(kwargs, exc, match):
         tm.DotProductAttention(2, 8)(*qkv, **kwargs)
 
 
+def test_query_key_value_on_meta_or_another_device_or_dtype_are_refused():
+    # these used to run: meta tensors gave memory never written, other dtypes were cast silently
+    dpa = tm.DotProductAttention(2, 8)
+    q = torch.randn(4, 2, 2, 8)
+    with pytest.raises(ValueError, match=r"DotProductAttention: query_layer is on the meta device, which holds no data"):
+        dpa(*[q.to("meta")] * 3)
+    with pytest.raises(ValueError, match=r"DotProductAttention: query_layer is on the meta device"):
+        dpa(qkv_layer=torch.empty(4, 2, 3, 2, 8, device="meta"))
+    with pytest.raises(ValueError, match=r"DotProductAttention: key_layer is on meta but query_layer is on \w+"):
+        dpa(q, q.to("meta"), q)
+    with pytest.raises(ValueError, match=r"DotProductAttention: value_layer is on meta but query_layer is on \w+"):
+        dpa(q, q, q.to("meta"))
+    with pytest.raises(TypeError, match=r"DotProductAttention: key_layer has dtype torch.float16 but query_layer has "
+                                        r"torch.float32; .*\(key_layer.to\(query_layer.dtype\)\)"):
+        dpa(q, q.half(), q)
+    with pytest.raises(TypeError, match=r"value_layer has dtype torch.bfloat16 but query_layer has torch.float32"):
+        dpa(q, q, q.bfloat16())
+    with pytest.raises(TypeError, match=r"DotProductAttention: key_layer must be a torch.Tensor, got list"):
+        dpa(q, [[0.0]], q)
+    # through the blocks that forward to it
+    on_meta = tm.MultiheadAttention(16, 2, device="meta")
+    with pytest.raises(ValueError, match=r"MultiheadAttention: hidden_states is on the meta device"):
+        on_meta(torch.empty(4, 2, 16, device="meta"))
+    cross = tm.MultiheadAttention(16, 2, attention_type="cross", attn_mask_type="no_mask")
+    with pytest.raises(TypeError, match=r"key_layer has dtype torch.bfloat16 but query_layer has torch.float32"):
+        cross(torch.randn(4, 2, 16), encoder_output=torch.randn(4, 2, 16, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(kv_channels=8.0), TypeError, r"kv_channels must be a positive int, or a \(key, value\) pair of them, got 8.0"),
+    (dict(kv_channels="8"), TypeError, r"kv_channels must be a positive int, or a \(key, value\) pair .* got '8'"),
+    (dict(kv_channels=(8, 8, 8)), TypeError, r"kv_channels must be a positive int, or a \(key, value\) pair"),
+    (dict(kv_channels=(8, 0)), ValueError, r"kv_channels must be a positive integer, got 0"),
+    (dict(attention_dropout="0.1"), TypeError, r"attention_dropout must be a number in \[0, 1\), got '0.1'"),
+    (dict(attention_dropout=None), TypeError, r"attention_dropout must be a number in \[0, 1\), got None"),
+    (dict(attention_dropout=float("nan")), ValueError, r"attention_dropout must be in \[0, 1\), got nan"),
+    (dict(attention_dropout=1.0), ValueError, r"attention_dropout must be in \[0, 1\), got 1.0"),
+    (dict(bottom_right_diagonal="yes"), TypeError, r"bottom_right_diagonal must be True, False or None, got 'yes'"),
+    (dict(sequence_parallel="no"), TypeError, r"sequence_parallel must be True or False, got 'no'"),
+])
+def test_dot_product_attention_constructor_arguments_are_checked(kwargs, exc, match):
+    kwargs = {"kv_channels": 8, **kwargs}
+    with pytest.raises(exc, match=rf"DotProductAttention: {match}"):
+        tm.DotProductAttention(2, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(bias="no"), TypeError, r"bias must be True or False, got 'no'"),
+    (dict(fuse_qkv_params="yes"), TypeError, r"fuse_qkv_params must be True or False, got 'yes'"),
+    (dict(input_layernorm=2), TypeError, r"input_layernorm must be True or False, got 2"),
+    (dict(qk_norm_before_rope=None), TypeError, r"qk_norm_before_rope must be True or False, got None"),
+    (dict(fuse_wgrad_accumulation="no"), TypeError, r"fuse_wgrad_accumulation must be True or False, got 'no'"),
+    (dict(kv_channels="8"), ValueError, r"kv_channels must be a positive integer, got '8'"),
+    (dict(attention_dropout=1.5), ValueError, r"attention_dropout must be in \[0, 1\), got 1.5"),
+    (dict(input_layernorm=True, layernorm_epsilon=0.0), ValueError, r"layernorm_epsilon must be positive and finite"),
+    (dict(qk_norm_type="RMSNorm", qk_norm_eps="1e-6"), TypeError, r"qk_norm_eps must be a positive finite number"),
+])
+def test_multihead_attention_constructor_arguments_are_checked(kwargs, exc, match):
+    with pytest.raises(exc, match=rf"MultiheadAttention: {match}"):
+        tm.MultiheadAttention(32, 4, **kwargs)
+
+
+def test_multihead_attention_flags_take_0_and_1():
+    block = tm.MultiheadAttention(32, 4, bias=0, fuse_qkv_params=1, layernorm_epsilon=None)  # (eps unread here)
+    assert block.fuse_qkv_params is True and block.qkv.bias is None
+
+
 def test_causal_window_with_a_right_extent_warns_as_transformer_engine():
     q = torch.randn(4, 1, 1, 8)
     with pytest.warns(UserWarning, match=r"using \(1, 0\)"):
@@ -674,7 +741,7 @@ def test_multihead_attention_return_bias_leaves_the_projection_bias_out(input_la
 
 def test_multihead_attention_return_bias_must_be_a_bool():
     with pytest.raises(TypeError, match="return_bias must be True or False"):
-        tm.MultiheadAttention(32, 4, return_bias=1)
+        tm.MultiheadAttention(32, 4, return_bias=2)
 
 
 def test_a_mask_the_mask_type_does_not_read_is_left_out_with_a_warning():

@@ -108,6 +108,30 @@ def test_bad_model_argument():
         convert_model("llama")
 
 
+def test_skip_as_one_string_is_one_name():
+    # `in` on the string used to match substrings: "l" and "head" were skipped with skip="lm_head"
+    model = nn.ModuleDict({"lm_head": nn.Linear(16, 16), "l": nn.Linear(16, 16), "head": nn.Linear(16, 16)})
+    convert_model(model, skip="lm_head")
+    assert type(model["lm_head"]) is nn.Linear
+    assert isinstance(model["l"], tm.Linear) and isinstance(model["head"], tm.Linear)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(skip=["lm_head", 3]), r"skip must be a module name or a sequence of names \(str\), got \['lm_head', 3\]"),
+    (dict(skip=None), r"skip must be a module name or a sequence of names \(str\), got None"),
+    (dict(module_filter_fn="lm_head"), r"module_filter_fn must be a callable or None, got 'lm_head'"),
+    (dict(fuse_norm_linear="no"), r"fuse_norm_linear must be True or False, got 'no'"),
+    (dict(recipe=recipe.DelayedScaling), r"recipe must be a recipe instance, got the class DelayedScaling; pass "
+                                         r"DelayedScaling\(\) instead"),
+    (dict(recipe=16), r"recipe must be a te_core.recipe recipe .*got int"),
+])
+def test_bad_arguments_name_the_problem(kwargs, match):
+    model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16))
+    with pytest.raises(TypeError, match=rf"convert_model: {match}"):
+        convert_model(model, **kwargs)
+    assert type(model[1]) is nn.Linear  # refused before anything was converted
+
+
 def test_hugging_face_llama_from_config():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(

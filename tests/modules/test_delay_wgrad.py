@@ -169,4 +169,4 @@ def test_hooks_run_after_the_gradients_exist():
 @pytest.mark.parametrize("name", list(BUILD))
 def test_non_bool_is_rejected(name):
     with pytest.raises(TypeError, match=rf"{name}: delay_wgrad_compute must be True or False"):
-        BUILD[name][0](delay_wgrad_compute=1)
+        BUILD[name][0](delay_wgrad_compute=2)

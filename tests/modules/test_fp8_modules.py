@@ -2,6 +2,9 @@
 within the E4M3 tolerance forward and the E5M2 tolerance for gradients (HYBRID), measured
 relative to the largest reference value."""
 
+import re
+
+import numpy as np
 import pytest
 import torch
 
@@ -108,6 +111,39 @@ def test_weights_cached_across_microbatches():
         y3 = te_mod(x, is_first_microbatch=None)
     torch.testing.assert_close(y1, y2, rtol=0, atol=0)
     assert not torch.allclose(y2, y3)
+
+
+BUILD_AND_CALL = {
+    "Linear": (lambda: tm.Linear(32, 32), lambda m, x, flag: m(x, is_first_microbatch=flag)),
+    "LayerNormLinear": (lambda: tm.LayerNormLinear(32, 32), lambda m, x, flag: m(x, is_first_microbatch=flag)),
+    "LayerNormMLP": (lambda: tm.LayerNormMLP(32, 32), lambda m, x, flag: m(x, is_first_microbatch=flag)),
+    "GroupedLinear": (lambda: tm.GroupedLinear(2, 32, 32), lambda m, x, flag: m(x, [16, 0], is_first_microbatch=flag)),
+    "TransformerLayer": (lambda: tm.TransformerLayer(32, 32, 2, hidden_dropout=0.0, attention_dropout=0.0),
+                         lambda m, x, flag: m(x.view(16, 1, 32), is_first_microbatch=flag)),
+}
+
+
+@pytest.mark.parametrize("name", list(BUILD_AND_CALL))
+@pytest.mark.parametrize("value", [1.0, "yes", 2, [True]])
+def test_is_first_microbatch_refuses_values_read_by_truthiness(name, value):
+    # the weight cache tests `is False` / `is None`: 1.0 or "yes" used to run as neither True nor False
+    build, call = BUILD_AND_CALL[name]
+    module, x = build(), torch.randn(16, 32)
+    where = "LayerNormLinear" if name == "TransformerLayer" else name  # (its first quantized submodule)
+    for context in (autocast(recipe=recipe.Float8CurrentScaling()), autocast(enabled=False)):
+        with context, pytest.raises(TypeError, match=rf"{where}: is_first_microbatch must be True, False or None, "
+                                                    rf"got {re.escape(repr(value))}"):
+            call(module, x, value)
+
+
+def test_is_first_microbatch_takes_numpy_bools_as_bools():
+    module, x = tm.Linear(32, 32), torch.randn(16, 32)
+    with autocast(recipe=recipe.Float8CurrentScaling()):
+        y1 = module(x, is_first_microbatch=np.bool_(True))
+        with torch.no_grad():
+            module.weight.mul_(2.0)  # the cached weight is read back, as with False
+        y2 = module(x, is_first_microbatch=np.bool_(False))
+    torch.testing.assert_close(y1, y2, rtol=0, atol=0)
 
 
 def test_quantized_model_init_keeps_fp8_primary_weights():

@@ -68,3 +68,6 @@ def test_bad_splits_are_errors():
         te.Fp8Unpadding(2)(torch.randn(8, 4), [3, 4])
     with pytest.raises(ValueError, match="align_size must be a positive integer"):
         te.Fp8Padding(2, align_size=0)
+    for module in (te.Fp8Padding(2), te.Fp8Unpadding(2)):  # floats used to pass through int()
+        with pytest.raises(TypeError, match=rf"{type(module).__name__}: m_splits must be a list of 2 non-negative ints"):
+            module(torch.randn(8, 4), [4.0, 4.0])

@@ -274,6 +274,28 @@ def test_bad_arguments_name_the_problem(fake_graphs):
             graphs.make_graphed_callables(lin, (x,))
 
 
+def test_sample_args_must_be_tuples_and_sample_kwargs_a_dict(fake_graphs):
+    lin, x = _linear()
+    # a bare tensor used to be split into its rows, one positional input each
+    with pytest.raises(TypeError, match=r"sample_args must be a tuple of tensors, the positional inputs of one call "
+                                        r"\(e.g. \(x,\)\), got a bare tensor"):
+        graphs.make_graphed_callables(lin, x)
+    with pytest.raises(TypeError, match=r"sample_args\[1\] must be a tuple of tensors.*got a bare tensor"):
+        graphs.make_graphed_callables((lin, _linear()[0]), ((x,), x))
+    with pytest.raises(TypeError, match=r"sample_args must be a tuple with one tuple of tensors per module or sample "
+                                        r"\(e.g. \(\(x,\), \(y,\)\)\), got a bare tensor"):
+        graphs.make_graphed_callables((lin, _linear()[0]), x)
+    with pytest.raises(TypeError, match=r"sample_kwargs must be a dict, or a tuple of dicts \(one per module\), got int"):
+        graphs.make_graphed_callables(lin, (x,), sample_kwargs=3)
+    assert graphs.make_graphed_callables(lin, [x]) is lin  # a list of tensors is a tuple's equal
+
+
+def test_sample_arguments_are_checked_before_the_device_graph_api():
+    lin, x = _linear()
+    with pytest.raises(TypeError, match=r"sample_kwargs must be a dict"):  # not the CPU's missing graph capture
+        graphs.make_graphed_callables(lin, (x,), sample_kwargs="scale")
+
+
 def test_pool_goes_to_the_device_graph_api(monkeypatch):
     """pool (TE's: graphs sharing memory with others) reaches the device's make_graphed_callables;
     without one the call passes none, so the graphs get a pool of their own."""

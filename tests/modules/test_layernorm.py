@@ -1,3 +1,6 @@
+import re
+
+import numpy as np
 import pytest
 import torch
 
@@ -101,3 +104,20 @@ def test_bad_input_messages(build, call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         mod = build()
         call(mod)
+
+
+@pytest.mark.parametrize("cls", [tm.LayerNorm, tm.RMSNorm])
+def test_flags_and_eps_refuse_what_they_cannot_mean(cls):
+    name = cls.__name__
+    with pytest.raises(TypeError, match=rf"{name}: zero_centered_gamma must be True or False, got 'no'"):
+        cls(8, zero_centered_gamma="no")  # (truthy: it used to start gamma at 0)
+    with pytest.raises(TypeError, match=rf"{name}: sequence_parallel must be True, False or None, got 2"):
+        cls(8, sequence_parallel=2)
+    for eps in (float("inf"), float("nan"), -1e-5):
+        with pytest.raises(ValueError, match=rf"{name}: eps must be positive and finite, got {re.escape(repr(eps))}"):
+            cls(8, eps=eps)
+    for eps in ("1e-5", True, None):
+        with pytest.raises(TypeError, match=rf"{name}: eps must be a positive finite number, got {re.escape(repr(eps))}"):
+            cls(8, eps=eps)
+    norm = cls(8, eps=np.float32(1e-6), zero_centered_gamma=np.bool_(True), sequence_parallel=0)
+    assert type(norm.eps) is float and norm.zero_centered_gamma is True and norm.sequence_parallel is False

@@ -148,3 +148,25 @@ def test_torch_autocast_bf16_compute_fp32_grads():
 def test_bad_input_messages(build, match):
     with pytest.raises((ValueError, TypeError), match=match):
         build()
+
+
+@pytest.mark.parametrize("cls", [tm.LayerNormLinear, tm.LayerNormMLP])
+@pytest.mark.parametrize("arg", ["bias", "return_bias", "fuse_wgrad_accumulation", "sequence_parallel",
+                                 "return_layernorm_output", "zero_centered_gamma", "delay_wgrad_compute"])
+def test_flags_refuse_values_read_by_truthiness(cls, arg):
+    with pytest.raises(TypeError, match=rf"{cls.__name__}: {arg} must be True or False, got 'no' \(str\)"):
+        cls(16, 32, **{arg: "no"})
+
+
+def test_flags_take_0_and_1_and_eps_must_be_a_positive_finite_number():
+    assert tm.LayerNormLinear(16, 32, bias=0).bias is None and tm.LayerNormMLP(16, 32, bias=0).fc1_bias is None
+    assert tm.LayerNormMLP(16, 32, checkpoint=1).checkpoint is True
+    with pytest.raises(TypeError, match=r"LayerNormMLP: checkpoint must be True or False, got 'yes'"):
+        tm.LayerNormMLP(16, 32, checkpoint="yes")
+    with pytest.raises(TypeError, match=r"LayerNormMLP: set_parallel_mode must be True or False, got None"):
+        tm.LayerNormMLP(16, 32, set_parallel_mode=None)
+    for cls in (tm.LayerNormLinear, tm.LayerNormMLP):
+        with pytest.raises(ValueError, match=rf"{cls.__name__}: eps must be positive and finite, got inf"):
+            cls(16, 32, eps=float("inf"))
+        with pytest.raises(TypeError, match=rf"{cls.__name__}: eps must be a positive finite number, got '1e-5'"):
+            cls(16, 32, eps="1e-5")

@@ -1,6 +1,9 @@
 """te_core Linear: high-precision numerics, each FP8 recipe end to end, options and bad input."""
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -138,6 +141,23 @@ def test_bad_constructor_arguments():
         Linear(0, 16)
     with pytest.raises(TypeError, match="params_dtype=torch.int32 is not supported"):
         Linear(16, 16, params_dtype=torch.int32)
+
+
+@pytest.mark.parametrize("arg", ["bias", "return_bias", "fuse_wgrad_accumulation", "sequence_parallel",
+                                 "save_original_input"])
+@pytest.mark.parametrize("value", ["no", None, 2, 1.0])
+def test_flags_refuse_values_read_by_truthiness(arg, value):
+    # bias="no" used to build a bias: a non-empty string is truthy
+    with pytest.raises(TypeError, match=rf"Linear: {arg} must be True or False, got {re.escape(repr(value))}"):
+        Linear(16, 16, **{arg: value})
+
+
+@pytest.mark.parametrize("value, want", [(False, False), (True, True), (np.bool_(False), False),
+                                         (np.bool_(True), True), (0, False), (1, True)])
+def test_flags_take_bools_numpy_bools_and_0_or_1(value, want):
+    layer = Linear(16, 16, bias=value, return_bias=value, fuse_wgrad_accumulation=value)
+    assert (layer.bias is not None) is want and layer.use_bias is want
+    assert layer.return_bias is want and layer.fuse_wgrad_accumulation is want  # stored as Python bools
 
 
 def test_fp8_dims_not_multiple_of_16_name_the_shape(gen):

@@ -45,4 +45,4 @@ def test_max_logit_of_packed_sequences():
 
 def test_return_max_logit_must_be_a_bool():
     with pytest.raises(TypeError, match="return_max_logit"):
-        tm.DotProductAttention(4, 8, return_max_logit=1)
+        tm.DotProductAttention(4, 8, return_max_logit=2)

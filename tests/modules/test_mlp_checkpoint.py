@@ -80,7 +80,7 @@ def test_keeps_only_the_input_for_the_backward():
 
 
 def test_bad_arguments():
-    with pytest.raises(TypeError, match="checkpoint must be a bool"):
+    with pytest.raises(TypeError, match="checkpoint must be True or False"):
         tm.LayerNormMLP(64, 128, checkpoint="yes")
     with pytest.raises(NotImplementedError, match="delay_wgrad_compute"):
         tm.LayerNormMLP(64, 128, checkpoint=True, delay_wgrad_compute=True)

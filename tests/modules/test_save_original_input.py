@@ -210,4 +210,4 @@ def test_grouped_linear_keeps_the_input_and_refuses_delayed_scaling():
         with te.autocast(recipe=recipe.DelayedScaling()):
             b(x, [32, 32, 0])
     with pytest.raises(TypeError, match="save_original_input must be True or False"):
-        te.GroupedLinear(2, 64, 64, save_original_input=1)
+        te.GroupedLinear(2, 64, 64, save_original_input=2)

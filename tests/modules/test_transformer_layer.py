@@ -3,6 +3,7 @@ parameters (fp32, forward and every gradient), GroupedLinear against per-group F
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -176,6 +177,64 @@ def test_decoder_layer_runs_cross_attention():
 def test_bad_input_messages(build, match):
     with pytest.raises((ValueError, TypeError), match=match):
         build()
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(bias="no"), TypeError, r"bias must be True or False, got 'no' \(str\)"),
+    (dict(output_layernorm="yes"), TypeError, r"output_layernorm must be True or False, got 'yes'"),
+    (dict(apply_residual_connection_post_layernorm=2), TypeError,
+     r"apply_residual_connection_post_layernorm must be True or False, got 2"),
+    (dict(parallel_attention_mlp=None), TypeError, r"parallel_attention_mlp must be True or False, got None"),
+    (dict(ub_overlap_ag="no"), TypeError, r"ub_overlap_ag must be True or False, got 'no'"),
+    (dict(bottom_right_diagonal="no"), TypeError, r"bottom_right_diagonal must be True, False or None, got 'no'"),
+    (dict(hidden_dropout=1.5), ValueError, r"hidden_dropout must be in \[0, 1\), got 1.5"),
+    (dict(hidden_dropout="0.1"), TypeError, r"hidden_dropout must be a number in \[0, 1\), got '0.1'"),
+    (dict(attention_dropout=-0.1), ValueError, r"attention_dropout must be in \[0, 1\), got -0.1"),
+    (dict(layernorm_epsilon=0), ValueError, r"layernorm_epsilon must be positive and finite, got 0"),
+    (dict(layernorm_epsilon=float("inf")), ValueError, r"layernorm_epsilon must be positive and finite, got inf"),
+    (dict(layernorm_epsilon=None), TypeError, r"layernorm_epsilon must be a positive finite number, got None"),
+    (dict(kv_channels=8.5), ValueError, r"kv_channels must be a positive integer, got 8.5"),
+])
+def test_transformer_layer_constructor_arguments_are_checked(kwargs, exc, match):
+    # hidden_dropout=1.5 and kv_channels=8.5 used to fail later, or inside a submodule named otherwise
+    with pytest.raises(exc, match=rf"TransformerLayer: {match}"):
+        tm.TransformerLayer(32, 64, 4, **kwargs)
+
+
+def test_transformer_layer_flags_take_0_1_and_numpy_bools():
+    layer = tm.TransformerLayer(32, 64, 4, bias=0, output_layernorm=np.bool_(True), hidden_dropout=np.float64(0.0))
+    assert layer.layernorm is not None and layer.layernorm_mlp.fc1_bias is None and layer.hidden_dropout == 0.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(bias="no"), r"bias must be True or False, got 'no'"),
+    (dict(return_bias=[]), r"return_bias must be True or False, got \[\]"),
+    (dict(fuse_wgrad_accumulation=2), r"fuse_wgrad_accumulation must be True or False, got 2"),
+    (dict(sequence_parallel="no"), r"sequence_parallel must be True or False, got 'no'"),
+])
+def test_grouped_linear_flags_refuse_values_read_by_truthiness(kwargs, match):
+    with pytest.raises(TypeError, match=rf"GroupedLinear: {match}"):
+        tm.GroupedLinear(2, 16, 16, **kwargs)
+    assert tm.GroupedLinear(2, 16, 16, bias=0).bias0 is None
+
+
+@pytest.mark.parametrize("m_splits, exc, match", [
+    ([7.0, 7.0], TypeError, r"m_splits must be a list of 2 non-negative ints .* got \[7.0, 7.0\]"),
+    ([True, 13], TypeError, r"m_splits must be a list of 2 non-negative ints"),
+    (14, TypeError, r"m_splits must be a list of 2 non-negative ints .* got 14"),
+    ("77", TypeError, r"m_splits must be a list of 2 non-negative ints"),
+    (torch.tensor([7.0, 7.0]), TypeError, r"m_splits must be a list of 2 non-negative ints"),
+    ([15, -1], ValueError, r"m_splits must be 2 non-negative row counts \(num_gemms\), got \[15, -1\]"),
+    ([7, 6], ValueError, r"m_splits sum to 13 but inp has 14 rows"),
+])
+def test_grouped_linear_m_splits_are_checked(m_splits, exc, match):
+    # floats and bools used to pass through int(): [7.0, 7.0] ran, [True, 13] split 1 + 13 rows
+    mod = tm.GroupedLinear(2, 16, 8)
+    x = torch.randn(14, 16)
+    with pytest.raises(exc, match=rf"GroupedLinear: {match}"):
+        mod(x, m_splits)
+    for valid in ([7, 7], (np.int64(7), 7), torch.tensor([7, 7])):  # ints of numpy and integer tensors still pass
+        assert mod(x, valid).shape == (14, 8)
 
 
 def test_grouped_linear_matches_per_group_linear():

@@ -5,6 +5,7 @@ import io
 import re
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -67,6 +68,33 @@ def test_fp8_autocast_alias(gen):
 def test_bad_recipe_type():
     with pytest.raises(TypeError, match="recipe must be a te_core.recipe recipe.*got str"):
         with autocast(recipe="delayed"):
+            pass
+
+
+@pytest.mark.parametrize("arg", ["enabled", "calibrating"])
+@pytest.mark.parametrize("value", ["no", None, 2, 0.0])
+def test_flags_refuse_values_read_by_truthiness(arg, value):
+    # enabled="no" used to turn FP8 on
+    with pytest.raises(TypeError, match=rf"autocast: {arg} must be True or False, got {re.escape(repr(value))}"):
+        autocast(**{arg: value})
+    with pytest.raises(TypeError, match=rf"quantized_model_init: enabled must be True or False, got "
+                                        rf"{re.escape(repr(value))}"):
+        with quantized_model_init(enabled=value):
+            pass
+    assert get_autocast_context() is None
+
+
+@pytest.mark.parametrize("value, want", [(np.bool_(False), False), (0, False), (1, True), (np.bool_(True), True)])
+def test_flags_take_numpy_bools_and_0_or_1(value, want):
+    with autocast(enabled=value, calibrating=value):
+        context = get_autocast_context()
+        assert context.enabled is want and context.calibrating is want
+
+
+def test_a_recipe_class_instead_of_an_instance_says_so():
+    with pytest.raises(TypeError, match=r"autocast: recipe must be a recipe instance, got the class "
+                                        r"Float8CurrentScaling; pass Float8CurrentScaling\(\) instead"):
+        with autocast(recipe=Float8CurrentScaling):
             pass
 
 
