@@ -14,6 +14,7 @@ from ._base import QuantizedContainer
 from ._tp_container import TensorParallelContainer
 from ._common import (
     reject_unsupported,
+    cast_if_needed,
     check_activation,
     check_choice,
     check_attention_heads,
@@ -25,6 +26,7 @@ from ._common import (
     check_optional_bool,
     check_positive,
     check_probability,
+    compute_dtype,
     check_warmup_sizes,
     sub_name,
 )
@@ -209,6 +211,10 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         check_hidden_dims(hidden_states, self.attn_input_format, "hidden_states", name)
         if self.layer_type == "decoder" and encoder_output is None:
             raise ValueError(f"{name}: layer_type='decoder' needs encoder_output")
+        # Under torch.autocast the residual stream runs in the autocast dtype, as in Transformer
+        # Engine: the blocks compute in it anyway, and the residual adds and the output would
+        # otherwise stay in the input's float32.
+        hidden_states = cast_if_needed(hidden_states, compute_dtype(hidden_states))
         shared = dict(is_first_microbatch=is_first_microbatch, checkpoint_core_attention=checkpoint_core_attention,
                       inference_params=inference_params, rotary_pos_emb=rotary_pos_emb,
                       core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,

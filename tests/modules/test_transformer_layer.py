@@ -490,3 +490,21 @@ def test_drop_path_compiles_whole_and_draws_as_eager():
     got = compiled(x)
     torch.manual_seed(5)
     torch.testing.assert_close(got, layer(x), rtol=1.3e-6, atol=1e-5)
+
+
+def test_torch_autocast_runs_the_residual_stream_in_its_dtype():
+    """As in Transformer Engine: under torch.autocast the layer takes its input in the autocast
+    dtype, so the output (residual adds included) is in that dtype and equals the layer run on
+    the input cast beforehand; the float32 input still gets its gradient, in float32."""
+    torch.manual_seed(0)
+    layer = tm.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0)
+    x = torch.randn(16, 2, 64, generator=seeded(0)).requires_grad_()
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        y = layer(x)
+        y_cast = layer(x.detach().to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, y_cast, rtol=0, atol=0)
+    y.float().square().sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.float32 and x.grad.abs().sum() > 0
+    # outside torch.autocast the input's dtype is kept
+    assert layer(x.detach()).dtype == torch.float32
