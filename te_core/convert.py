@@ -108,13 +108,17 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def _alignment(recipe) -> int:
-    """The multiple every FP8 GEMM dimension must have under `recipe` (1 without a recipe)."""
+    """The multiple a Linear's features must have to be converted under `recipe` (1 without a
+    recipe): the recipe's GEMM alignment, and at least 16, since tensor-wise FP8 GEMMs of other
+    features would pad the weight on every step; such layers stay in high precision, as
+    Transformer Engine's conversion in Accelerate leaves them."""
     if recipe is None:
         return 1
+    from .quantization.gemm import PAD_TO
     from .quantization.roles import gemm_slots
 
     state = recipe.make_state(gemm_slots(), torch.device("cpu"))
-    return max(state.quantizer(slot.name).gemm_alignment for slot in gemm_slots())
+    return max(PAD_TO, *(state.quantizer(slot.name).gemm_alignment for slot in gemm_slots()))
 
 
 def _skipped_names(skip) -> frozenset:

@@ -57,7 +57,8 @@ def gemm_fp8(
     "block_1x128_128x128" a (M, ceil(K/128)), b (ceil(N/128), ceil(K/128));
     "block_1x128_1x128" a (M, ceil(K/128)), b (N, ceil(K/128)); "mxfp8" uint8 E8M0
     a (M, K/32), b (N, K/32). bias has N elements (out_dtype or float32). `out`/`accumulate`
-    as for gemm. Backends may require M, N, K to be multiples of 16 and decline otherwise.
+    as for gemm. Backends may require M, N, K to be multiples of 16 and decline otherwise
+    (te-core's modules pad tensor-wise GEMMs to such shapes before calling).
     fast_accumulation=True lets the backend keep the tensor cores' own accumulator for the whole
     K loop instead of promoting partial sums to float32 (Hopper's fast FP8 accumulation, which
     Transformer Engine and torchao use for forward GEMMs; error grows with K); a backend without

@@ -100,9 +100,13 @@ def quantized_gemm(a: Operand, b: Operand, *, a_columnwise: bool = False, b_colu
             check_gemm_dims(m, n, k, align)
         if bias is not None and bias.dtype not in (out_dtype, torch.float32):
             bias = bias.to(out_dtype)
-        y = ops.gemm_fp8(qa.data, qb.data, qa.scale_inv, qb.scale_inv, out_dtype=out_dtype, scaling=mode,
-                         bias=bias, out=out, accumulate=accumulate,
-                         fast_accumulation=gemm is not None and _fast_accumulation(a, b, gemm))
+        fast = gemm is not None and _fast_accumulation(a, b, gemm)
+        if (m | n | k) % PAD_TO and mode == TENSORWISE:
+            y = _padded_gemm_fp8(qa, qb, m, n, k, out_dtype=out_dtype, bias=bias, out=out, accumulate=accumulate,
+                                 fast_accumulation=fast)
+        else:
+            y = ops.gemm_fp8(qa.data, qb.data, qa.scale_inv, qb.scale_inv, out_dtype=out_dtype, scaling=mode,
+                             bias=bias, out=out, accumulate=accumulate, fast_accumulation=fast)
         op = "gemm_fp8"
     else:
         a_hp, b_hp = _high_precision(a, a_columnwise), _high_precision(b, b_columnwise)
@@ -129,6 +133,45 @@ def _broken_contract(op: str, y, m: int, n: int, out_dtype: torch.dtype) -> Back
         f"and meanwhile select another backend (TE_BACKEND=reference) or route this op elsewhere "
         f"(TE_BACKEND_OVERRIDES='{op}=reference')."
     )
+
+
+# Tensor-wise FP8 GEMMs take any shape (as Transformer Engine's take a batch of 1000 tokens):
+# where M, N or K is not a multiple of this, what FP8 tensor cores (and backends' gemm_fp8)
+# need, the operands are zero-padded to it. Exact: the padded products are zeros, and the
+# result's padded rows and columns are dropped. Block and MXFP8 scales cover blocks of the
+# operands, so those recipes keep their alignment rule (Quantizer.gemm_alignment).
+PAD_TO = 16
+
+
+def _round_up(v: int) -> int:
+    return -(-v // PAD_TO) * PAD_TO
+
+
+def _pad_fp8(data: Tensor, rows: int, cols: int) -> Tensor:
+    """FP8 `data` zero-padded to (rows, cols): zero is the zero byte in both FP8 formats."""
+    r, c = data.shape
+    if (r, c) == (rows, cols):
+        return data
+    padded = torch.zeros((rows, cols), dtype=torch.uint8, device=data.device)
+    padded[:r, :c] = data.view(torch.uint8)
+    return padded.view(data.dtype)
+
+
+def _padded_gemm_fp8(qa: GemmOperand, qb: GemmOperand, m: int, n: int, k: int, *, out_dtype: torch.dtype,
+                     bias: Optional[Tensor], out: Optional[Tensor], accumulate: bool,
+                     fast_accumulation: bool) -> Tensor:
+    """A tensor-wise FP8 GEMM whose M, N or K is not a multiple of PAD_TO, on padded operands."""
+    rows, cols = _round_up(m), _round_up(n)
+    a, b = _pad_fp8(qa.data, rows, _round_up(k)), _pad_fp8(qb.data, cols, _round_up(k))
+    if bias is not None and cols != n:
+        bias = torch.nn.functional.pad(bias, (0, cols - n))
+    kwargs = dict(out_dtype=out_dtype, scaling=TENSORWISE, fast_accumulation=fast_accumulation)
+    if out is not None and (rows, cols) == (m, n):  # only K padded: the product has out's shape
+        return ops.gemm_fp8(a, b, qa.scale_inv, qb.scale_inv, bias=bias, out=out, accumulate=accumulate, **kwargs)
+    y = ops.gemm_fp8(a, b, qa.scale_inv, qb.scale_inv, bias=bias, **kwargs)[:m, :n]
+    if out is None:
+        return y.contiguous()
+    return out.add_(y) if accumulate else out.copy_(y)
 
 
 def _fast_accumulation(a: QuantizedTensor, b: QuantizedTensor, gemm: str) -> bool:
@@ -162,7 +205,8 @@ def _no_scaling_mode(a: GemmOperand, b: GemmOperand) -> NoReturn:
 
 def check_gemm_dims(m: int, n: int, k: int, align: int = 16, *, what: str = "FP8 GEMM") -> None:
     """Raise a ValueError naming the shape when an FP8 GEMM dimension is not a multiple of `align`
-    (FP8 tensor cores need aligned operands; te-core does not pad behind your back)."""
+    (block-scaled and MXFP8 GEMMs: their scales cover blocks of aligned operands; tensor-wise
+    GEMMs are padded instead, see PAD_TO)."""
     bad = [f"{name}={value}" for name, value in (("M", m), ("N", n), ("K", k)) if value % align]
     if bad:
         raise ValueError(

@@ -41,7 +41,7 @@ def joined(dy) -> Tensor:
 class Quantizer:
     """Base: casts tensors of one role to one FP8 format."""
 
-    gemm_alignment = 16  # FP8 GEMM dims must be multiples of this
+    gemm_alignment = 16  # what every dimension of its FP8 GEMMs must be a multiple of
 
     def __init__(self, role: Role, fp8_dtype: torch.dtype):
         self.role = role
@@ -115,6 +115,7 @@ class Float8Quantizer(Quantizer):
     """Delayed scaling: casts with the scale of earlier steps, records this step's amax."""
 
     reproducible = False  # the scale is updated between the forward and its backward
+    gemm_alignment = 1  # tensor-wise: any shape (quantized_gemm pads the GEMM's operands)
 
     def __init__(self, role: Role, group: ScalingGroup, column: int):
         super().__init__(role, group.fp8_dtype)
@@ -208,6 +209,8 @@ class Float8Quantizer(Quantizer):
 
 class Float8CurrentScalingQuantizer(Quantizer):
     """Current scaling: the scale comes from this tensor's amax, in the same op as the cast."""
+
+    gemm_alignment = 1  # tensor-wise: any shape (quantized_gemm pads the GEMM's operands)
 
     def __init__(self, role: Role, fp8_dtype: torch.dtype, power_2_scale: bool = False, amax_epsilon: float = 0.0):
         super().__init__(role, fp8_dtype)

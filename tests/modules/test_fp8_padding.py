@@ -41,17 +41,22 @@ def test_alignment_follows_the_recipe_or_align_size():
 
 
 def test_grouped_fp8_gemm_with_unaligned_groups():
-    """GroupedLinear under FP8 needs aligned groups: padded, it runs and matches float64 within E4M3."""
+    """GroupedLinear with groups of rows that are not multiples of 16: block scaling refuses them,
+    padded with Fp8Padding they run and match float64 within E4M3, and tensor-wise scaling runs
+    them unpadded (its GEMMs pad), to the padded result."""
     torch.manual_seed(0)
     splits = [7, 20, 3]
     x = torch.randn(30, 32, requires_grad=True)
     grouped = te.GroupedLinear(3, 32, 16, bias=False)
     pad, unpad = te.Fp8Padding(3), te.Fp8Unpadding(3)
-    with autocast(recipe=recipe.Float8CurrentScaling()):
-        with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="multiple of 16"):
+        with autocast(recipe=recipe.Float8BlockScaling()):
             grouped(x, splits)
+    with autocast(recipe=recipe.Float8CurrentScaling()):
         xp, padded = pad(x, splits)
         y = unpad(grouped(xp, padded), splits)
+        y_unpadded = grouped(x.detach(), splits)
+    torch.testing.assert_close(y_unpadded, y.detach(), rtol=1.3e-6, atol=1e-5)
     ws = [getattr(grouped, f"weight{i}").detach().double() for i in range(3)]
     want = torch.cat([part @ w.T for part, w in zip(x.detach().double().split(splits), ws)])
     torch.testing.assert_close(y.double(), want, rtol=0.125, atol=0.0675)

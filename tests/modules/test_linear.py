@@ -160,16 +160,52 @@ def test_flags_take_bools_numpy_bools_and_0_or_1(value, want):
     assert layer.return_bias is want and layer.fuse_wgrad_accumulation is want  # stored as Python bools
 
 
-def test_fp8_dims_not_multiple_of_16_name_the_shape(gen):
-    layer = Linear(32, 16)
-    with autocast(recipe=DelayedScaling()):
+@pytest.mark.parametrize("rec", [DelayedScaling(), Float8CurrentScaling()], ids=["delayed", "current"])
+def test_tensorwise_fp8_takes_any_shape_as_if_padded_with_zeros(gen, rec):
+    """Tensor-wise FP8 GEMMs of dims that are not multiples of 16 (M=30 tokens, K=40, N=24) run
+    on zero-padded operands: the output and every gradient equal those of the layer padded by
+    hand (zeros add nothing to the amaxes, so both cast to the same scales and bytes)."""
+    m, k, n, pad_m, pad_k, pad_n = 30, 40, 24, 32, 48, 32
+    odd = Linear(k, n)
+    padded = Linear(pad_k, pad_n)
+    with torch.no_grad():
+        padded.weight.zero_()
+        padded.weight[:n, :k] = odd.weight
+        padded.bias.zero_()
+        padded.bias[:n] = odd.bias
+    x = randn(gen, m, k).requires_grad_()
+    x_pad = torch.zeros(pad_m, pad_k)
+    x_pad[:m, :k] = x.detach()
+    x_pad.requires_grad_()
+    dy = randn(gen, m, n)
+    dy_pad = torch.zeros(pad_m, pad_n)
+    dy_pad[:m, :n] = dy
+    with autocast(recipe=rec):
+        y = odd(x)
+        y_pad = padded(x_pad)
+    y.backward(dy)
+    y_pad.backward(dy_pad)
+    close = dict(rtol=1.3e-6, atol=1e-5)  # fp32: the same FP8 bytes, summed in another blocking
+    torch.testing.assert_close(y, y_pad[:m, :n], **close)
+    torch.testing.assert_close(x.grad, x_pad.grad[:m, :k], **close)
+    torch.testing.assert_close(odd.weight.grad, padded.weight.grad[:n, :k], **close)
+    torch.testing.assert_close(odd.bias.grad, padded.bias.grad[:n], **close)
+    want = x.detach().double() @ odd.weight.detach().double().T + odd.bias.detach().double()
+    assert ((y.detach().double() - want).norm() / want.norm()) < 0.0675  # and it is an FP8 result
+    assert not torch.equal(y.double(), want)
+
+
+def test_block_scaled_fp8_dims_not_multiples_name_the_shape(gen):
+    """Block and MXFP8 scales cover blocks of aligned operands: no padding, a clear error."""
+    block = Linear(32, 16)
+    with autocast(recipe=Float8BlockScaling()):
         with pytest.raises(ValueError, match=r"multiple of 16; got M=10, N=16, K=32 \(M=10 not\)"):
-            layer(randn(gen, 10, 32))
+            block(randn(gen, 10, 32))
     mx = Linear(48, 32)
     with autocast(recipe=MXFP8BlockScaling()):
         with pytest.raises(ValueError, match=r"multiple of 32; got M=32, N=32, K=48"):
             mx(randn(gen, 32, 48))
-    assert layer(randn(gen, 10, 32)).shape == (10, 16)  # fine in high precision
+    assert block(randn(gen, 10, 32)).shape == (10, 16)  # fine in high precision
 
 
 def test_bad_inputs_have_clear_errors(gen):
