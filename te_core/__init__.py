@@ -7,6 +7,7 @@ in te_core.backend, and every computation runs through the op contract in te_cor
 __version__ = "0.1.0"
 
 from . import ops, optimizers, recipe
+from .recipe import is_nvfp4_available
 from .backend import get_backend, list_backends, set_backend
 from .compat.transformer_engine import install_as_transformer_engine
 from .convert import convert_model
@@ -68,7 +69,7 @@ __all__ = [
     "apply_fused_qkv_rotary_pos_emb", "checkpoint",
     "checkpoint_context", "init_quantization_state", "autocast", "fp8_autocast", "quantized_model_init", "fp8_model_init",
     "get_default_recipe", "is_bf16_available", "is_fp8_available",
-    "is_fp8_block_scaling_available", "is_mxfp8_available",
+    "is_fp8_block_scaling_available", "is_mxfp8_available", "is_nvfp4_available",
     "Float8Tensor", "Float8BlockwiseTensor", "MXFP8Tensor", "QuantizedTensor",
     "moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
     "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "parallel_cross_entropy",

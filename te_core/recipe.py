@@ -7,45 +7,72 @@ module's quantizer slots it produces the scaling state and one quantizer per slo
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import math
 import numbers
+import os
 import warnings
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
 __all__ = [
     "Format", "MMParams", "QParams", "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
-    "MXFP8BlockScaling", "recipe_from_config",
+    "MXFP8BlockScaling", "NVFP4BlockScaling", "recipe_from_config", "is_nvfp4_available",
 ]
 
 
-class Format(enum.Enum):
-    """FP8 formats of a recipe: forward (activations, weights) and backward (gradients)."""
+class _FormatHelper(NamedTuple):
+    """A Format's value, as Transformer Engine's: the largest finite magnitude of its forward
+    (activations, weights) and backward (gradients) data type."""
 
-    E4M3 = ("E4M3", "E4M3")
-    E5M2 = ("E5M2", "E5M2")
-    HYBRID = ("E4M3", "E5M2")  # E4M3 forward, E5M2 backward: TE's default for training
+    max_fwd: float
+    max_bwd: float
+
+
+class Format(enum.Enum):
+    """Data formats of a recipe: forward (activations, weights) and backward (gradients).
+    `Format.HYBRID.value.max_fwd` is the forward type's largest finite value, as in Transformer
+    Engine. E2M1 (FP4) is NVFP4BlockScaling's fp4_format only; te-core does not run it."""
+
+    E2M1 = _FormatHelper(max_fwd=6, max_bwd=6)
+    E4M3 = _FormatHelper(max_fwd=448, max_bwd=448)
+    E5M2 = _FormatHelper(max_fwd=57344, max_bwd=57344)
+    HYBRID = _FormatHelper(max_fwd=448, max_bwd=57344)  # E4M3 forward, E5M2 backward: TE's default for training
 
     @property
     def forward_dtype(self) -> torch.dtype:
-        return _DTYPES[self.value[0]]
+        return _dtypes(self)[0]
 
     @property
     def backward_dtype(self) -> torch.dtype:
-        return _DTYPES[self.value[1]]
+        return _dtypes(self)[1]
 
 
-_DTYPES = {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2}
+# (forward, backward) torch dtype of each FP8 format, by member name (E2M1 has none in te-core)
+_FORMAT_DTYPES = {
+    "E4M3": (torch.float8_e4m3fn, torch.float8_e4m3fn),
+    "E5M2": (torch.float8_e5m2, torch.float8_e5m2),
+    "HYBRID": (torch.float8_e4m3fn, torch.float8_e5m2),
+}
+
+
+def _dtypes(fmt: Format) -> Tuple[torch.dtype, torch.dtype]:
+    if fmt.name not in _FORMAT_DTYPES:
+        raise NotImplementedError(f"Format.{fmt.name} has no te-core data type: {NVFP4_UNSUPPORTED}")
+    return _FORMAT_DTYPES[fmt.name]
 
 
 def _check_format(recipe: "Recipe") -> None:
     fmt = recipe.fp8_format
     if not isinstance(fmt, Format):
         raise TypeError(f"{type(recipe).__name__}: fp8_format must be a te_core.recipe.Format, got {fmt!r}")
+    if fmt is Format.E2M1:
+        raise ValueError(f"{type(recipe).__name__}: fp8_format=Format.E2M1 is an FP4 format (NVFP4BlockScaling's "
+                         "fp4_format), not an FP8 one; use Format.HYBRID or Format.E4M3")
     if fmt is Format.E5M2:
         raise ValueError(
             f"{type(recipe).__name__}: pure E5M2 training is not supported (E5M2 has too few mantissa bits "
@@ -76,11 +103,19 @@ class QParams:
 
     power_2_scale: bool = False
     amax_epsilon: float = 0.0
+    # Transformer Engine's NVFP4 options (its FP8 recipes do not read them): te-core's FP8 recipes
+    # refuse True, NVFP4BlockScaling records them
+    random_hadamard_transform: bool = False
+    stochastic_rounding: bool = False
+    fp4_2d_quantization: bool = False
 
     def __post_init__(self):
         # a NaN epsilon makes every scale NaN, an infinite one every scale 0
         _check_number("QParams", "amax_epsilon", self.amax_epsilon, minimum=0.0)
-        _check_bools("QParams", self, "power_2_scale")
+        _check_bools("QParams", self, "power_2_scale", *_FP4_QPARAMS)
+
+
+_FP4_QPARAMS = ("random_hadamard_transform", "stochastic_rounding", "fp4_2d_quantization")
 
 
 @dataclass(frozen=True)
@@ -174,21 +209,37 @@ class Recipe:
         """What must agree for saved scaling state to be reused (checked on checkpoint load)."""
         return (recipe_name(self), self.fp8_format.name)
 
-    # Transformer Engine's type queries, for user code ported from TE (te_core itself never calls them).
-    def delayed(self) -> bool:
-        return isinstance(self, DelayedScaling)
+    # Transformer Engine's type queries, for user code ported from TE (te_core itself never calls
+    # them): class methods as in TE, so `recipe.mxfp8()` and `MXFP8BlockScaling.mxfp8()` both work.
+    @classmethod
+    def delayed(cls) -> bool:
+        return issubclass(cls, DelayedScaling)
 
-    def float8_current_scaling(self) -> bool:
-        return isinstance(self, Float8CurrentScaling)
+    @classmethod
+    def float8_current_scaling(cls) -> bool:
+        return issubclass(cls, Float8CurrentScaling)
 
-    def float8_block_scaling(self) -> bool:
-        return isinstance(self, Float8BlockScaling)
+    @classmethod
+    def float8_block_scaling(cls) -> bool:
+        return issubclass(cls, Float8BlockScaling)
 
-    def mxfp8(self) -> bool:
-        return isinstance(self, MXFP8BlockScaling)
+    @classmethod
+    def mxfp8(cls) -> bool:
+        return issubclass(cls, MXFP8BlockScaling)
 
-    def float8_per_tensor_scaling(self) -> bool:
-        return isinstance(self, (DelayedScaling, Float8CurrentScaling))
+    @classmethod
+    def float8_per_tensor_scaling(cls) -> bool:
+        return issubclass(cls, (DelayedScaling, Float8CurrentScaling))
+
+    @classmethod
+    def nvfp4(cls) -> bool:
+        return issubclass(cls, NVFP4BlockScaling)
+
+    @classmethod
+    def custom(cls) -> bool:
+        """Transformer Engine's CustomRecipe (user-supplied quantizer factories): te-core has none,
+        so no te-core recipe is one."""
+        return False
 
 
 AmaxAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
@@ -196,23 +247,56 @@ AmaxAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
 
 def _ignores_unknown_arguments(cls):
     """Keyword arguments that are not the recipe's fields are left out with a warning naming them,
-    as Transformer Engine's recipes (pydantic dataclasses) ignore them: Megatron-LM's recipe
-    subclasses pass their module arguments (params_dtype, device) to the recipe too."""
+    as Transformer Engine's recipes (pydantic dataclasses) ignore arguments they do not define:
+    Megatron-LM's recipe subclasses pass their module arguments (params_dtype, device) to the
+    recipe too. Every field Transformer Engine's recipe defines is a field here (so never
+    ignored): it works, or its unsupported values raise."""
     init, known = cls.__init__, {f.name for f in fields(cls)}
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         unknown = [name for name in kwargs if name not in known]
         if unknown:
-            warnings.warn(f"{cls.__name__}: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not an "
-                          f"argument of the recipe and {'is' if len(unknown) == 1 else 'are'} ignored (as Transformer "
-                          f"Engine ignores unknown recipe arguments); its arguments: {', '.join(sorted(known))}",
-                          stacklevel=2)
+            one = len(unknown) == 1
+            warnings.warn(f"{cls.__name__}: {', '.join(unknown)} {'is not an argument' if one else 'are not arguments'} "
+                          f"of the recipe, in te-core or in Transformer Engine, and {'is' if one else 'are'} ignored "
+                          f"(Transformer Engine's recipes ignore arguments they do not define); its arguments: "
+                          f"{', '.join(sorted(known))}", stacklevel=2)
             kwargs = {name: value for name, value in kwargs.items() if name in known}
         init(self, *args, **kwargs)
 
     cls.__init__ = __init__
     return cls
+
+
+def _env_flag(name: str) -> Callable[[], bool]:
+    """A field default read from Transformer Engine's environment variable `name` ("1": True), as
+    TE's recipes read it (te-core reads it when the recipe is built, TE when it is imported)."""
+    return lambda: os.getenv(name, "0") == "1"
+
+
+def _env_str(name: str, default: Optional[str]) -> Callable[[], Optional[str]]:
+    return lambda: os.getenv(name, default)
+
+
+_BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+
+
+def _check_backward_override(recipe) -> None:
+    """Transformer Engine's backward_override (default from NVTE_BACKWARD_OVERRIDE): None runs the
+    backward GEMMs in FP8 as the recipe says; "high_precision" (keep the layer's original inputs
+    for the backward) and "dequantized" (run the backward on dequantized saved operands) change
+    what the backward computes, which te-core's modules do not implement."""
+    owner, value = type(recipe).__name__, recipe.backward_override
+    if value not in _BACKWARD_OVERRIDES:
+        raise ValueError(f"{owner}: backward_override must be None, 'high_precision' or 'dequantized' (as in "
+                         f"Transformer Engine; NVTE_BACKWARD_OVERRIDE sets its default), got {value!r}")
+    if value is not None:
+        raise NotImplementedError(
+            f"{owner}: backward_override={value!r} is not supported by te-core yet: its backward GEMMs run on the "
+            "forward's quantized operands (backward_override=None, the default). Leave backward_override at None "
+            "(and NVTE_BACKWARD_OVERRIDE unset); for DelayedScaling, override_linear_precision=(False, False, True) "
+            "runs the weight-gradient GEMM in high precision")
 
 
 def recipe_name(recipe: "Recipe") -> str:
@@ -249,10 +333,18 @@ class DelayedScaling(Recipe):
     reduce_amax: bool = True
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    # Transformer Engine allows None only for delayed scaling (and so never reads
+    # NVTE_BACKWARD_OVERRIDE here: te-core's default recipe builds with it set)
+    backward_override: Optional[str] = None
 
     def __post_init__(self):
         _check_format(self)
         _check_override(self)
+        if self.backward_override is not None:
+            if self.backward_override in _BACKWARD_OVERRIDES:
+                raise ValueError(f"DelayedScaling: backward_override={self.backward_override!r}: delayed scaling "
+                                 "supports only backward_override=None, as in Transformer Engine")
+            _check_backward_override(self)
         # scale = fp8_max / amax / 2^margin: a NaN margin makes every scale NaN, an infinite one 0
         _check_number("DelayedScaling", "margin", self.margin, minimum=0)
         _check_number("DelayedScaling", "amax_history_len", self.amax_history_len, minimum=1, integer=True)
@@ -310,11 +402,29 @@ def _check_mm_params(recipe) -> None:
                             f"got {value!r}")
 
 
+_FP8_QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
+
+
 def _check_qparams(recipe) -> None:
-    for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+    for name in _FP8_QPARAMS:
         value = getattr(recipe, name)
         if not isinstance(value, QParams):
             raise TypeError(f"{type(recipe).__name__}: {name} must be a te_core.recipe.QParams, got {value!r}")
+        for option in _FP4_QPARAMS:
+            if getattr(value, option):
+                raise NotImplementedError(
+                    f"{type(recipe).__name__}: {name}.{option}=True is not supported: it is an NVFP4 option "
+                    "(Transformer Engine's FP8 recipes do not read it) and te-core's FP8 casts round to nearest "
+                    f"without transforms; leave {option} False")
+
+
+def _force_power_2(recipe, power_2_scale: bool) -> None:
+    """Every fp8_quant_* QParams of `recipe` with power_2_scale set to `power_2_scale` (its
+    amax_epsilon kept)."""
+    for name in _FP8_QPARAMS:
+        value = getattr(recipe, name)
+        if value.power_2_scale is not power_2_scale:
+            object.__setattr__(recipe, name, dataclasses.replace(value, power_2_scale=power_2_scale))
 
 
 def _check_block_recipe_flags(recipe) -> None:
@@ -338,12 +448,21 @@ class Float8CurrentScaling(Recipe):
     fp8_gemm_wgrad: MMParams = MMParams()
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    # Transformer Engine's switch for power-of-2 scales (default from
+    # NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1): True rounds every tensor's scale down to a power
+    # of 2, whatever the fp8_quant_* QParams say (TE's current-scaling quantizers read this flag only)
+    use_power_2_scales: bool = field(default_factory=_env_flag("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"))
+    backward_override: Optional[str] = field(default_factory=_env_str("NVTE_BACKWARD_OVERRIDE", None))
 
     def __post_init__(self):
         _check_format(self)
         _check_block_recipe_flags(self)
         _check_mm_params(self)
         _check_qparams(self)
+        _check_bools("Float8CurrentScaling", self, "use_power_2_scales")
+        _check_backward_override(self)
+        if self.use_power_2_scales:
+            _force_power_2(self, True)
 
     def quantizer_for(self, role):
         from .quantization.quantizers import Float8CurrentScalingQuantizer
@@ -378,12 +497,21 @@ class Float8BlockScaling(Recipe):
     fp8_gemm_wgrad: MMParams = MMParams()
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    # Transformer Engine's switch off power-of-2 scales (default from
+    # NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1): True gives every block the exact float32 scale
+    # fp8_max / amax (every fp8_quant_* QParams' power_2_scale becomes False)
+    use_f32_scales: bool = field(default_factory=_env_flag("NVTE_FP8_BLOCK_SCALING_FP32_SCALES"))
+    backward_override: Optional[str] = field(default_factory=_env_str("NVTE_BACKWARD_OVERRIDE", None))
 
     def __post_init__(self):
         _check_format(self)
         _check_block_recipe_flags(self)
         _check_mm_params(self)
         _check_qparams(self)
+        _check_bools("Float8BlockScaling", self, "use_f32_scales")
+        _check_backward_override(self)
+        if self.use_f32_scales:
+            _force_power_2(self, False)
         for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             _check_number("Float8BlockScaling", name, getattr(self, name), minimum=1, integer=True)
         for gemm in GEMMS:
@@ -416,10 +544,19 @@ class MXFP8BlockScaling(Recipe):
     margin: int = 0
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    backward_override: Optional[str] = field(default_factory=_env_str("NVTE_BACKWARD_OVERRIDE", None))
+    enable_2d_quantization: bool = False
 
     def __post_init__(self):
         _check_format(self)
         _check_block_recipe_flags(self)
+        _check_bools("MXFP8BlockScaling", self, "enable_2d_quantization")
+        _check_backward_override(self)
+        if self.enable_2d_quantization:
+            raise NotImplementedError(
+                "MXFP8BlockScaling: enable_2d_quantization=True (one E8M0 scale per 32x32 weight tile) is not "
+                "supported by te-core yet: every tensor, weights included, gets one scale per 32 consecutive "
+                "elements (enable_2d_quantization=False, the default)")
         _check_number("MXFP8BlockScaling", "margin", self.margin, minimum=0)
         if self.margin != 0:  # Transformer Engine accepts it and ignores it: te-core says so instead
             raise ValueError(
@@ -431,6 +568,84 @@ class MXFP8BlockScaling(Recipe):
         from .quantization.quantizers import MXFP8Quantizer
 
         return MXFP8Quantizer(role, self.fp8_dtype(role))
+
+
+# Why te-core refuses NVFP4: raised by every use of NVFP4BlockScaling, is_nvfp4_available's reason
+NVFP4_UNSUPPORTED = ("NVFP4 (FP4 E2M1 block scaling) is not supported by te-core yet; te-core runs the recipes "
+                     "DelayedScaling, Float8CurrentScaling, Float8BlockScaling and MXFP8BlockScaling")
+
+_NVFP4_4OVER6_SCOPES = ("none", "weights", "activations", "all")
+_NVFP4_4OVER6_ERR_MODES = ("MAE", "MSE")
+
+
+@_ignores_unknown_arguments
+@dataclass(frozen=True)
+class NVFP4BlockScaling(Recipe):
+    """Transformer Engine's NVFP4 recipe (E2M1 values, an E4M3 scale per 16 elements and a float32
+    scale per tensor), with its fields, defaults (read from the same NVTE_NVFP4_* environment
+    variables) and checks, so that code importing it runs. te-core does not implement NVFP4:
+    building the recipe works, using it (a module forward under te.autocast, quantized_model_init,
+    te.convert_model) raises NotImplementedError; te.is_nvfp4_available() is False."""
+
+    disable_rht: bool = field(default_factory=_env_flag("NVTE_NVFP4_DISABLE_RHT"))
+    disable_stochastic_rounding: bool = field(default_factory=_env_flag("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"))
+    disable_2d_quantization: bool = field(default_factory=_env_flag("NVTE_NVFP4_DISABLE_2D_QUANTIZATION"))
+    row_scaled_activation: bool = field(default_factory=_env_flag("NVTE_NVFP4_ROW_SCALED_ACTIVATION"))
+    nvfp4_4over6: str = field(default_factory=_env_str("NVTE_NVFP4_4OVER6", "none"))
+    nvfp4_4over6_e4m3_use_256: str = field(default_factory=_env_str("NVTE_NVFP4_4OVER6_E4M3_USE_256", "all"))
+    nvfp4_4over6_err_mode: str = field(
+        default_factory=lambda: os.getenv("NVTE_NVFP4_4OVER6_ERR_MODE", "MAE").upper())
+    fp4_format: Format = Format.E2M1
+    fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = field(default_factory=_env_str("NVTE_BACKWARD_OVERRIDE", None))
+
+    def __post_init__(self):
+        owner = "NVFP4BlockScaling"
+        _check_bools(owner, self, "disable_rht", "disable_stochastic_rounding", "disable_2d_quantization",
+                     "row_scaled_activation", "fp8_dpa", "fp8_mha")
+        if self.fp4_format is not Format.E2M1:
+            raise ValueError(f"{owner}: fp4_format must be Format.E2M1, got {self.fp4_format!r}")
+        if self.fp8_format is not Format.E4M3:
+            raise ValueError(f"{owner}: fp8_format (the block scales' format) must be Format.E4M3, "
+                             f"got {self.fp8_format!r}")
+        if self.backward_override not in _BACKWARD_OVERRIDES:
+            raise ValueError(f"{owner}: backward_override must be None, 'high_precision' or 'dequantized', "
+                             f"got {self.backward_override!r}")
+        for name, allowed in (("nvfp4_4over6", _NVFP4_4OVER6_SCOPES),
+                              ("nvfp4_4over6_e4m3_use_256", _NVFP4_4OVER6_SCOPES),
+                              ("nvfp4_4over6_err_mode", _NVFP4_4OVER6_ERR_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{owner}: {name} must be one of {', '.join(map(repr, allowed))}, "
+                                 f"got {getattr(self, name)!r}")
+        # Transformer Engine's per-tensor-kind options, derived from the switches above
+        object.__setattr__(self, "fp4_quant_fwd_inp", QParams(random_hadamard_transform=not self.disable_rht))
+        object.__setattr__(self, "fp4_quant_fwd_weight",
+                           QParams(fp4_2d_quantization=not self.disable_2d_quantization))
+        object.__setattr__(self, "fp4_quant_bwd_grad", QParams(
+            random_hadamard_transform=not self.disable_rht,
+            stochastic_rounding=not self.disable_stochastic_rounding))
+
+    # The one place te-core turns a recipe into quantizers (modules, quantized_model_init and
+    # convert_model all build their state here): NVFP4 stops at it.
+    def make_state(self, slots, device):
+        raise NotImplementedError(f"NVFP4BlockScaling: {NVFP4_UNSUPPORTED}")
+
+    def quantizer_for(self, role):
+        raise NotImplementedError(f"NVFP4BlockScaling: {NVFP4_UNSUPPORTED}")
+
+    def fp8_dtype(self, role) -> torch.dtype:
+        raise NotImplementedError(f"NVFP4BlockScaling: {NVFP4_UNSUPPORTED}")
+
+    def split_accumulator(self, gemm: str) -> bool:
+        raise NotImplementedError(f"NVFP4BlockScaling: {NVFP4_UNSUPPORTED}")
+
+
+def is_nvfp4_available(return_reason: bool = False) -> Union[bool, Tuple[bool, str]]:
+    """Whether te-core runs the NVFP4 recipe: False on every backend (te-core does not implement
+    NVFP4). A bool, or (False, reason) with return_reason=True, as Transformer Engine's."""
+    return (False, NVFP4_UNSUPPORTED) if return_reason else False
 
 
 RECIPES = {cls.__name__: cls for cls in (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling)}
@@ -450,9 +665,9 @@ def recipe_from_config(config: Dict[str, Any]) -> Recipe:
             continue
         value = config[f.name]
         if f.name == "fp8_format":
-            if value not in Format.__members__:
+            if value not in _FORMAT_DTYPES:  # (the FP8 formats: E2M1 is no recipe's fp8_format)
                 raise ValueError(f"unknown fp8_format {value!r} in the {name} checkpoint config; "
-                                 f"known: {', '.join(Format.__members__)}")
+                                 f"known: {', '.join(_FORMAT_DTYPES)}")
             value = Format[value]
         elif f.name == "override_linear_precision":
             value = _OverrideLinearPrecision(**value)

@@ -6,14 +6,20 @@ submodules integrations reach into (`transformer_engine.pytorch.fp8` / `.quantiz
 check_fp8_support, check_mxfp8_support, FP8GlobalStateManager; `.distributed.checkpoint`).
 Nothing is installed on disk: the modules live in sys.modules of this process only. A real
 Transformer Engine found on the path is never shadowed unless asked for (replace=True).
+
+Every stand-in module is a package whose submodules come from sys.modules only; while the
+stand-in is installed, a finder at the end of sys.meta_path answers an import of any other
+`transformer_engine.*` module (or `from <stand-in> import <name it lacks>`) with an error that
+says what te-core provides, in place of Python's bare "No module named" / "(unknown location)".
 """
 from __future__ import annotations
 
+import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
 import types
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -23,14 +29,74 @@ ROOT = "transformer_engine"
 TE_API_VERSION = "2.20.0"  # the Transformer Engine release whose signatures te-core mirrors
 
 
-def _module(name: str, doc: str, package: bool = True) -> types.ModuleType:
+def _module(name: str, doc: str) -> types.ModuleType:
+    """A stand-in module. Each is a package (with no directory: its submodules come from
+    sys.modules, never from disk), so that `from <it> import <missing name>` reaches the
+    not-provided finder, which explains, rather than ending in Python's '(unknown location)'."""
     module = types.ModuleType(name, doc)
-    module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None, is_package=package)
-    if package:
-        module.__path__ = []  # a package: its submodules come from sys.modules, never from disk
+    module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None, is_package=True)
+    module.__path__ = []
     module.__te_core_stand_in__ = True
     module.__getattr__ = _not_provided(name)
     return module
+
+
+_NVFP4_HINT = "NVFP4 is not supported by te-core yet: transformer_engine.pytorch.is_nvfp4_available() is False"
+_TENSORS_HINT = ("te-core's quantized tensors are transformer_engine.pytorch.QuantizedTensor and its subclasses "
+                 "Float8Tensor, MXFP8Tensor and Float8BlockwiseQTensor (te_core.quantization); it has no "
+                 "separate storage classes")
+_QUANTIZERS_HINT = ("te-core's quantizers are te_core.quantization.Float8Quantizer, Float8CurrentScalingQuantizer, "
+                    "Float8BlockQuantizer and MXFP8Quantizer, built by a recipe (te_core.recipe) for a module's "
+                    "tensors, with constructors other than Transformer Engine's")
+_KERNELS_HINT = "Transformer Engine's kernels and bindings; te-core's backends implement its op contract (te_core.ops)"
+# The nearest te-core counterpart of Transformer Engine names te-core does not provide, by the
+# name's path under transformer_engine.pytorch (or its last part, for names found in several places)
+_NEAREST = {
+    "NVFP4Quantizer": _NVFP4_HINT, "NVFP4Tensor": _NVFP4_HINT, "NVFP4TensorStorage": _NVFP4_HINT,
+    "tensor.nvfp4_tensor": _NVFP4_HINT,
+    "QuantizedTensorStorage": _TENSORS_HINT, "Float8TensorStorage": _TENSORS_HINT,
+    "MXFP8TensorStorage": _TENSORS_HINT, "Float8BlockwiseQTensorStorage": _TENSORS_HINT,
+    "tensor.storage": _TENSORS_HINT, "prepare_for_saving": _TENSORS_HINT, "restore_from_saved": _TENSORS_HINT,
+    "Float8Quantizer": _QUANTIZERS_HINT, "Float8CurrentScalingQuantizer": _QUANTIZERS_HINT,
+    "MXFP8Quantizer": _QUANTIZERS_HINT, "Float8BlockQuantizer": _QUANTIZERS_HINT,
+    "utils": "the names of Transformer Engine's utils that te-core has are top-level: "
+             "transformer_engine.pytorch.is_bf16_available",
+    "graph": "te-core's CUDA-graph capture is transformer_engine.pytorch.make_graphed_callables",
+    "ops": "that is Transformer Engine's fusible-operation API; te-core's modules (transformer_engine.pytorch."
+           "Linear, LayerNormMLP, ...) are the layers it provides",
+    "initialize_ub": "userbuffers (communication overlap) are not supported by te-core",
+    "destroy_ub": "userbuffers (communication overlap) are not supported by te-core",
+    "UserBufferQuantizationMode": "userbuffers (communication overlap) are not supported by te-core",
+    "export": "ONNX export is not provided", "onnx_export": "ONNX export is not provided",
+    "cpp_extensions": _KERNELS_HINT, "jit": _KERNELS_HINT, "triton": _KERNELS_HINT,
+    "attention.dot_product_attention": "DotProductAttention is transformer_engine.pytorch.attention.DotProductAttention",
+    "attention.multi_head_attention": "MultiheadAttention is transformer_engine.pytorch.attention.MultiheadAttention",
+}
+
+
+_PROVIDED: list = []  # set by install_as_transformer_engine: what the stand-in provides, for the messages
+
+
+def _describe_provided(names) -> str:
+    """The stand-in's modules `names`, short: TE's one-module files under `module` as one entry."""
+    pytorch = f"{ROOT}.pytorch."
+    files = {f"{pytorch}module.{sub}" for sub in _MODULE_FILES}
+    subs = [n[len(pytorch):] for n in sorted(names) if n.startswith(pytorch) and n not in files]
+    return (f"{ROOT}.common.recipe, and {ROOT}.pytorch with its submodules {', '.join(subs)} and "
+            f"module.<file> for each module class ({', '.join(sorted(_MODULE_FILES))})")
+
+
+def _not_provided_message(module_name: str, name: str) -> str:
+    """Why `name` of stand-in module `module_name` (an attribute or a submodule) is missing, and
+    te-core's nearest counterpart where it has one."""
+    full = f"{module_name}.{name}"
+    relative = full[len(ROOT) + len(".pytorch."):] if full.startswith(ROOT + ".pytorch.") else full
+    hint = _NEAREST.get(relative) or _NEAREST.get(name)
+    return (f"te-core stands in for Transformer Engine here and does not provide {full!r}"
+            + (f" ({hint})" if hint else "")
+            + ". It provides Transformer Engine's public API: the top-level names of transformer_engine.pytorch "
+            f"and the modules {_describe_provided(_PROVIDED)}; te-core's docs, 'Running Transformer Engine code "
+            "on te-core', list them")
 
 
 def _not_provided(module_name: str):
@@ -39,11 +105,49 @@ def _not_provided(module_name: str):
     def __getattr__(attr: str):
         if attr.startswith("__"):  # the interpreter's and tools' own probes stay plain
             raise AttributeError(attr)
-        raise AttributeError(
-            f"module {module_name!r} has no attribute {attr!r}: te-core stands in for Transformer Engine here "
-            "and does not provide it (te-core's docs, 'Running Transformer Engine code on te-core', list "
-            "what it provides)")
+        raise AttributeError(f"module {module_name!r} has no attribute {attr!r}: "
+                             + _not_provided_message(module_name, attr))
     return __getattr__
+
+
+_BOOTSTRAP = ("<frozen importlib._bootstrap>", "importlib/_bootstrap.py", "importlib\\_bootstrap.py")
+
+
+def _import_statement_context() -> Optional[str]:
+    """How the import machinery is asking the finder: "fromlist" for `from <package> import
+    <name>` (Python tries the name as a submodule before giving up), "import" for an import of
+    the module itself (`import`, importlib.import_module), None for anything else (a probe
+    such as importlib.util.find_spec, which must keep answering None)."""
+    frame = sys._getframe(2)  # above this helper and find_spec: importlib's _find_spec
+    seen = None
+    while frame is not None and frame.f_code.co_filename.endswith(_BOOTSTRAP):
+        if frame.f_code.co_name == "_find_and_load_unlocked":
+            seen = "import"
+        elif frame.f_code.co_name == "_handle_fromlist" and seen:
+            return "fromlist"
+        frame = frame.f_back
+    return seen
+
+
+class _NotProvidedFinder(importlib.abc.MetaPathFinder):
+    """Last on sys.meta_path while the stand-in is installed: an import of a transformer_engine
+    module under a stand-in package that te-core does not provide raises an error that says so
+    (every other finder has found nothing by then: the stand-ins have no directory)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        parent, _, name = fullname.rpartition(".")
+        if not fullname.startswith(ROOT + ".") or not _is_stand_in(parent):
+            return None
+        context = _import_statement_context()
+        if context is None:
+            return None
+        message = _not_provided_message(parent, name)
+        if context == "fromlist":  # what Python raises for a missing name, with the reason
+            raise ImportError(f"cannot import name {name!r} from {parent!r}: {message}", name=parent)
+        raise ModuleNotFoundError(f"No module named {fullname!r}: {message}", name=fullname)
+
+
+_FINDER = _NotProvidedFinder()
 
 
 def check_fp8_support() -> Tuple[bool, str]:
@@ -67,6 +171,13 @@ def check_fp8_block_scaling_support() -> Tuple[bool, str]:
     return is_fp8_block_scaling_available(return_reason=True)
 
 
+def check_nvfp4_support() -> Tuple[bool, str]:
+    """(False, reason): te-core does not run NVFP4, as TE's check_nvfp4_support answers."""
+    from ..recipe import is_nvfp4_available
+
+    return is_nvfp4_available(return_reason=True)
+
+
 class FP8GlobalStateManager:
     """The queries callers make of Transformer Engine's global FP8 state, answered from
     te-core's autocast context (te-core keeps no global state to reset or mutate)."""
@@ -74,6 +185,7 @@ class FP8GlobalStateManager:
     is_fp8_available = staticmethod(check_fp8_support)
     is_mxfp8_available = staticmethod(check_mxfp8_support)
     is_fp8_block_scaling_available = staticmethod(check_fp8_block_scaling_support)
+    is_nvfp4_available = staticmethod(check_nvfp4_support)
 
     @staticmethod
     def is_fp8_enabled() -> bool:
@@ -118,15 +230,16 @@ def _fp8_module(name: str) -> types.ModuleType:
 
     from .. import recipe
 
-    module = _module(name, "te-core's answers to transformer_engine.pytorch's FP8 queries", package=False)
-    for attr in ("check_fp8_support", "check_mxfp8_support", "check_fp8_block_scaling_support"):
+    module = _module(name, "te-core's answers to transformer_engine.pytorch's FP8 queries")
+    for attr in ("check_fp8_support", "check_mxfp8_support", "check_fp8_block_scaling_support",
+                 "check_nvfp4_support"):
         setattr(module, attr, globals()[attr])
     module.FP8GlobalStateManager = FP8GlobalStateManager
     for attr in ("autocast", "fp8_autocast", "fp8_model_init", "quantized_model_init", "is_fp8_available",
-                 "is_mxfp8_available", "is_fp8_block_scaling_available", "get_default_recipe"):
+                 "is_mxfp8_available", "is_fp8_block_scaling_available", "is_nvfp4_available", "get_default_recipe"):
         setattr(module, attr, getattr(te_core, attr))
     for attr in ("Recipe", "DelayedScaling", "Format", "Float8CurrentScaling", "Float8BlockScaling",
-                 "MXFP8BlockScaling"):
+                 "MXFP8BlockScaling", "NVFP4BlockScaling"):
         setattr(module, attr, getattr(recipe, attr))
     module.get_default_fp8_recipe = recipe.DelayedScaling
     return module
@@ -137,8 +250,8 @@ def _fp8_module(name: str) -> types.ModuleType:
 _NOT_TE_NAMES = {"ops"}
 
 
-def _submodule(parent: types.ModuleType, name: str, doc: str, values: dict, package: bool = False) -> types.ModuleType:
-    module = _module(f"{parent.__name__}.{name}", doc, package=package)
+def _submodule(parent: types.ModuleType, name: str, doc: str, values: dict) -> types.ModuleType:
+    module = _module(f"{parent.__name__}.{name}", doc)
     for attr, value in values.items():
         setattr(module, attr, value)
     setattr(parent, name, module)
@@ -188,8 +301,7 @@ def _pytorch_module() -> types.ModuleType:
     _submodule(module, "cpu_offload", "activation offloading to host memory", _names(cpu_offload, cpu_offload.__all__))
     tensors = dict(QuantizedTensor=quantization.QuantizedTensor, Float8Tensor=quantization.Float8Tensor,
                    MXFP8Tensor=quantization.MXFP8Tensor, Float8BlockwiseQTensor=quantization.Float8BlockwiseTensor)
-    tensor = _submodule(module, "tensor", "te-core's quantized tensors under Transformer Engine's names", tensors,
-                        package=True)
+    tensor = _submodule(module, "tensor", "te-core's quantized tensors under Transformer Engine's names", tensors)
     for sub, cls in (("float8_tensor", "Float8Tensor"), ("mxfp8_tensor", "MXFP8Tensor"),
                      ("float8_blockwise_tensor", "Float8BlockwiseQTensor")):
         _submodule(tensor, sub, f"{cls}", {cls: tensors[cls]})
@@ -197,7 +309,7 @@ def _pytorch_module() -> types.ModuleType:
                 apply_fused_qkv_rotary_pos_emb=te_core.apply_fused_qkv_rotary_pos_emb)
     attention = _submodule(module, "attention", "attention modules and rotary embeddings", dict(
         rope, DotProductAttention=te_core.DotProductAttention, MultiheadAttention=te_core.MultiheadAttention,
-        InferenceParams=te_core.InferenceParams), package=True)
+        InferenceParams=te_core.InferenceParams))
     _submodule(attention, "rope", "rotary position embeddings", rope)
     _submodule(module, "permutation", "MoE token permutation",
                _names(permutation, [n for n in te_core.__all__ if n.startswith("moe_")]))
@@ -205,9 +317,23 @@ def _pytorch_module() -> types.ModuleType:
     _submodule(module, "router", "the MoE router functions", _names(router, router.__all__))
     module_pkg = _submodule(module, "module", "the modules", _names(modules, [
         "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "LayerNorm", "RMSNorm", "Fp8Padding",
-        "Fp8Unpadding"]), package=True)
+        "Fp8Unpadding"]))
     _submodule(module_pkg, "base", "module helpers", dict(get_dummy_wgrad=_dummy_wgrads()))
+    # Transformer Engine's one-module files, where code imports a module class from its own file
+    for sub, cls in _MODULE_FILES.items():
+        _submodule(module_pkg, sub, cls, {cls: getattr(modules, cls)})
+    _submodule(module, "transformer", "TransformerLayer", dict(TransformerLayer=te_core.TransformerLayer))
+    # TE's base classes of quantized tensors and quantizers (its other names there are not provided)
+    _submodule(module, "quantized_tensor", "QuantizedTensor and Quantizer", dict(
+        QuantizedTensor=quantization.QuantizedTensor, Quantizer=quantization.Quantizer))
+    # TE's deprecated path to Float8Tensor (TE warns on import; the stand-in does not)
+    _submodule(module, "float8_tensor", "Float8Tensor", dict(Float8Tensor=quantization.Float8Tensor))
     return module
+
+
+_MODULE_FILES = {"linear": "Linear", "layernorm_linear": "LayerNormLinear", "layernorm_mlp": "LayerNormMLP",
+                 "grouped_linear": "GroupedLinear", "layernorm": "LayerNorm", "rmsnorm": "RMSNorm",
+                 "fp8_padding": "Fp8Padding", "fp8_unpadding": "Fp8Unpadding"}
 
 
 def _stand_in_modules(module: types.ModuleType) -> dict:
@@ -248,6 +374,9 @@ def install_as_transformer_engine(replace: bool = False) -> types.ModuleType:
     for name in [n for n in sys.modules if n == ROOT or n.startswith(ROOT + ".")]:
         del sys.modules[name]  # a replaced real package: none of its submodules may linger
     sys.modules.update(modules)
+    _PROVIDED[:] = sorted(modules)
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.append(_FINDER)
     install_metadata(pytorch.__version__)  # integrations check the distribution before importing
     return pytorch
 
@@ -257,6 +386,8 @@ def uninstall_transformer_engine() -> None:
     from .. import optimizers, recipe
 
     uninstall_metadata()
+    while _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
     for name in [n for n in sys.modules if n == ROOT or n.startswith(ROOT + ".")]:
         if _is_stand_in(name) or sys.modules[name] is recipe or sys.modules[name] is optimizers:
             del sys.modules[name]

@@ -168,6 +168,9 @@ SIGNATURES = {
     ('is_bf16_available', 'call'): {
         'return_reason': False,
     },
+    ('is_nvfp4_available', 'call'): {
+        'return_reason': False,
+    },
     ('get_default_recipe', 'call'): {},
     ('fp8_model_init', 'call'): {
         'enabled': True, 'recipe': None, 'preserve_high_precision_init_val': False,

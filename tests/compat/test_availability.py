@@ -6,7 +6,8 @@ import pytest
 
 import te_core as te
 
-QUERIES = [te.is_fp8_available, te.is_mxfp8_available, te.is_fp8_block_scaling_available, te.is_bf16_available]
+QUERIES = [te.is_fp8_available, te.is_mxfp8_available, te.is_fp8_block_scaling_available, te.is_bf16_available,
+           te.is_nvfp4_available]
 
 
 @pytest.mark.parametrize("query", QUERIES, ids=lambda q: q.__name__)
@@ -57,3 +58,16 @@ def test_default_recipe_is_the_one_autocast_uses():
     assert isinstance(te.get_default_recipe(), te.recipe.DelayedScaling)
     with te.autocast():
         assert get_autocast_context().recipe is te.get_default_recipe()
+
+
+def test_nvfp4_is_not_available_and_says_why():
+    """TE's is_nvfp4_available(return_reason=False): te-core does not run NVFP4 on any backend."""
+    import inspect
+
+    assert te.is_nvfp4_available() is False
+    ok, reason = te.is_nvfp4_available(return_reason=True)
+    assert ok is False and "NVFP4 (FP4 E2M1 block scaling) is not supported by te-core" in reason
+    assert "MXFP8BlockScaling" in reason
+    assert list(inspect.signature(te.is_nvfp4_available).parameters) == ["return_reason"]
+    assert inspect.signature(te.is_nvfp4_available).parameters["return_reason"].default is False
+    assert te.quantization.is_nvfp4_available is te.is_nvfp4_available and "is_nvfp4_available" in te.__all__

@@ -153,10 +153,12 @@ def test_a_name_te_core_does_not_provide_is_a_clear_attribute_error(stand_in):
 
     for module, name in ((te, "initialize_ub"), (te_fp8, "no_such_query")):
         with pytest.raises(AttributeError, match=f"has no attribute '{name}': te-core stands in for Transformer "
-                                                 "Engine here and does not provide it"):
+                                                 f"Engine here and does not provide '{module.__name__}.{name}'"):
             getattr(module, name)
         assert not hasattr(module, name)  # integrations probe with hasattr
-    with pytest.raises(ImportError):
+    with pytest.raises(AttributeError, match=r"\(userbuffers \(communication overlap\) are not supported"):
+        te.initialize_ub
+    with pytest.raises(ImportError, match="userbuffers"):
         from transformer_engine.pytorch import initialize_ub  # noqa: F401
     assert not hasattr(te, "__wrapped__") and te.Linear is te_core.Linear
 
@@ -198,3 +200,120 @@ def test_the_submodules_megatron_imports_resolve(stand_in):
         importlib.import_module("transformer_engine.pytorch.ops")
     uninstall_transformer_engine()
     assert not any(name.startswith("transformer_engine") for name in sys.modules)
+
+
+# ---------------------------------------------------------------- NVFP4 names, missing submodules
+
+def test_nvfp4_names_import_as_in_transformer_engine(stand_in):
+    """TE code imports NVFP4BlockScaling unconditionally (TE's FSDP example does) and asks
+    is_nvfp4_available: both work, the recipe builds with TE's defaults."""
+    from transformer_engine.common.recipe import Format, NVFP4BlockScaling, Recipe
+    from transformer_engine.pytorch import is_nvfp4_available
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager, check_nvfp4_support
+    from transformer_engine.pytorch.quantization import NVFP4BlockScaling as via_quantization
+
+    from te_core.recipe import NVFP4BlockScaling as own
+
+    assert NVFP4BlockScaling is own is via_quantization
+    recipe = NVFP4BlockScaling()
+    assert recipe.nvfp4() and Recipe.nvfp4() is False and recipe.fp4_format is Format.E2M1
+    assert is_nvfp4_available() is False and stand_in.is_nvfp4_available(return_reason=True)[0] is False
+    assert check_nvfp4_support() == FP8GlobalStateManager.is_nvfp4_available() == is_nvfp4_available(True)
+
+
+NVFP4_REFUSAL = (r"NVFP4 \(FP4 E2M1 block scaling\) is not supported by te-core yet; te-core runs the recipes "
+                 "DelayedScaling, Float8CurrentScaling, Float8BlockScaling and MXFP8BlockScaling")
+
+
+def test_nvfp4_recipe_is_refused_on_use(stand_in):
+    """Using it (a module forward under autocast, quantized_model_init) raises NotImplementedError
+    that says so; with FP8 off, the recipe is never used and the forward runs."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import NVFP4BlockScaling
+
+    layer, x = te.Linear(32, 32), torch.randn(4, 32)
+    with pytest.raises(NotImplementedError, match=NVFP4_REFUSAL):
+        with te.autocast(recipe=NVFP4BlockScaling()):
+            layer(x)
+    with pytest.raises(NotImplementedError, match=NVFP4_REFUSAL):
+        with te.quantized_model_init(recipe=NVFP4BlockScaling()):
+            te.LayerNormMLP(32, 64)
+    with pytest.raises(NotImplementedError, match=NVFP4_REFUSAL):
+        te_core.convert_model(nn.Sequential(nn.Linear(32, 32)), recipe=NVFP4BlockScaling())
+    with te.autocast(enabled=False, recipe=NVFP4BlockScaling()):
+        assert layer(x).shape == (4, 32)
+
+
+PROVIDES = "It provides Transformer Engine's public API: the top-level names of transformer_engine.pytorch"
+
+
+@pytest.mark.parametrize("name, hint", [
+    ("transformer_engine.pytorch.utils", "transformer_engine.pytorch.is_bf16_available"),
+    ("transformer_engine.pytorch.tensor.nvfp4_tensor", "NVFP4 is not supported by te-core yet"),
+    ("transformer_engine.pytorch.graph", "transformer_engine.pytorch.make_graphed_callables"),
+    ("transformer_engine.pytorch.module.no_such_file", None),
+])
+def test_a_missing_submodule_says_what_te_core_provides(stand_in, name, hint):
+    with pytest.raises(ModuleNotFoundError) as info:
+        importlib.import_module(name)
+    message = str(info.value)
+    assert message.startswith(f"No module named '{name}': te-core stands in for Transformer Engine here and does not "
+                              f"provide '{name}'")
+    assert info.value.name == name and PROVIDES in message
+    assert "attention.rope" in message and "quantized_tensor" in message and "transformer_engine.common.recipe" in message
+    assert hint is None or hint in message
+    with pytest.raises(ModuleNotFoundError, match=f"No module named '{name}': te-core"):
+        exec(f"import {name}")
+
+
+def test_from_import_of_a_missing_name_keeps_the_explanation(stand_in):
+    """`from transformer_engine.pytorch import X` for an X te-core lacks used to end in Python's
+    '(unknown location)'; it now says what is missing and the nearest te-core counterpart."""
+    with pytest.raises(ImportError, match="cannot import name 'missing_name' from 'transformer_engine.pytorch': "
+                                          "te-core stands in for Transformer Engine here") as info:
+        from transformer_engine.pytorch import missing_name  # noqa: F401
+    assert PROVIDES in str(info.value) and "unknown location" not in str(info.value)
+    with pytest.raises(ImportError, match=r"'transformer_engine.pytorch.Float8TensorStorage' \(te-core's quantized "
+                                          "tensors are transformer_engine.pytorch.QuantizedTensor"):
+        from transformer_engine.pytorch import Linear, Float8TensorStorage  # noqa: F401
+    with pytest.raises(ImportError, match="NVFP4 is not supported by te-core yet"):
+        from transformer_engine.pytorch import NVFP4Quantizer  # noqa: F401
+    with pytest.raises(ImportError, match="cannot import name 'nope' from 'transformer_engine.pytorch.fp8': te-core"):
+        from transformer_engine.pytorch.fp8 import nope  # noqa: F401
+
+
+def test_probes_for_missing_submodules_still_answer_none(stand_in):
+    """importlib.util.find_spec is how integrations probe: it keeps answering None (no error)."""
+    assert importlib.util.find_spec("transformer_engine.pytorch.utils") is None
+    assert importlib.util.find_spec("transformer_engine.pytorch.module.linear") is not None
+
+
+def test_te_submodules_with_a_te_core_counterpart_are_aliases(stand_in):
+    from transformer_engine.pytorch.float8_tensor import Float8Tensor
+    from transformer_engine.pytorch.module.grouped_linear import GroupedLinear
+    from transformer_engine.pytorch.module.layernorm_mlp import LayerNormMLP
+    from transformer_engine.pytorch.module.linear import Linear
+    from transformer_engine.pytorch.module.rmsnorm import RMSNorm
+    from transformer_engine.pytorch.quantized_tensor import QuantizedTensor, Quantizer
+    from transformer_engine.pytorch.transformer import TransformerLayer
+
+    from te_core.quantization import Quantizer as own_quantizer
+
+    assert (Linear, LayerNormMLP, GroupedLinear, RMSNorm) == (te_core.Linear, te_core.LayerNormMLP,
+                                                              te_core.GroupedLinear, te_core.RMSNorm)
+    assert TransformerLayer is te_core.TransformerLayer and Float8Tensor is te_core.Float8Tensor
+    assert QuantizedTensor is te_core.QuantizedTensor and Quantizer is own_quantizer
+    with pytest.raises(ImportError, match="'transformer_engine.pytorch.quantized_tensor.prepare_for_saving'"):
+        from transformer_engine.pytorch.quantized_tensor import prepare_for_saving  # noqa: F401
+
+
+def test_the_not_provided_finder_leaves_with_the_stand_in(stand_in):
+    from te_core.compat.transformer_engine import _FINDER
+
+    assert sys.meta_path.count(_FINDER) == 1
+    te_core.install_as_transformer_engine()  # again: harmless, one finder
+    assert sys.meta_path.count(_FINDER) == 1
+    uninstall_transformer_engine()
+    assert _FINDER not in sys.meta_path
+    with pytest.raises(ModuleNotFoundError, match="^No module named 'transformer_engine'$"):
+        importlib.import_module("transformer_engine.pytorch.utils")

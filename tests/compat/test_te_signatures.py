@@ -205,6 +205,7 @@ IMPLEMENTED = {
                                  "preserve_high_precision_init_val": MODULES + "test_high_precision_init.py"},
     ("is_fp8_available", "call"): {"return_reason": "compat/test_availability.py"},
     ("is_bf16_available", "call"): {"return_reason": "compat/test_availability.py"},
+    ("is_nvfp4_available", "call"): {"return_reason": "compat/test_availability.py"},
     ("Fp8Padding", "__init__"): {"align_size": MODULES + "test_fp8_padding.py"},
     ("Fp8Unpadding", "__init__"): {"align_size": MODULES + "test_fp8_padding.py"},
     ("FusedAdam", "__init__"): {name: OPTIMIZERS for name in (
@@ -275,6 +276,7 @@ CALLS = {
     "fp8_model_init": (None, lambda **kw: te.fp8_model_init(**kw).__enter__()),
     "is_fp8_available": (None, lambda **kw: te.is_fp8_available(**kw)),
     "is_bf16_available": (None, lambda **kw: te.is_bf16_available(**kw)),
+    "is_nvfp4_available": (None, lambda **kw: te.is_nvfp4_available(**kw)),
     "get_default_recipe": (None, lambda **kw: te.get_default_recipe(**kw)),
     "Fp8Padding": _module_call(lambda **kw: te.Fp8Padding(2, **kw), lambda: (_x(4, 8), [2, 2])),
     "Fp8Unpadding": _module_call(lambda **kw: te.Fp8Unpadding(2, **kw), lambda: (_x(32, 8), [2, 2])),

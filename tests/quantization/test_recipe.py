@@ -5,6 +5,8 @@ import dataclasses
 
 import pytest
 
+import torch
+
 from te_core.recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -12,7 +14,9 @@ from te_core.recipe import (
     Format,
     MMParams,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
     QParams,
+    Recipe,
     recipe_from_config,
 )
 
@@ -174,6 +178,16 @@ def test_te_type_queries():
     assert Float8CurrentScaling().float8_current_scaling() and Float8CurrentScaling().float8_per_tensor_scaling()
 
 
+def test_te_type_queries_are_class_methods_with_nvfp4_and_custom():
+    """Transformer Engine's queries are class methods (TE code asks the class: `recipe.mxfp8()`
+    and `type(recipe).mxfp8()` alike); nvfp4() and custom() exist too."""
+    assert DelayedScaling.delayed() and MXFP8BlockScaling.mxfp8() and not Recipe.delayed()
+    assert NVFP4BlockScaling.nvfp4() and NVFP4BlockScaling().nvfp4() and not NVFP4BlockScaling.mxfp8()
+    assert not any(cls.nvfp4() for cls in (DelayedScaling, Float8CurrentScaling, Float8BlockScaling,
+                                           MXFP8BlockScaling))
+    assert not any(cls.custom() for cls in (Recipe, DelayedScaling, MXFP8BlockScaling, NVFP4BlockScaling))
+
+
 def test_unknown_recipe_arguments_are_ignored_with_a_warning_and_subclasses_save_as_their_base():
     """Megatron-LM's TEDelayedScaling subclasses DelayedScaling and passes its module arguments
     (params_dtype, device) too, which Transformer Engine's recipes ignore: te-core leaves them out
@@ -187,10 +201,219 @@ def test_unknown_recipe_arguments_are_ignored_with_a_warning_and_subclasses_save
             super().__init__(fp8_format=Format.E4M3, amax_history_len=history, params_dtype=torch.bfloat16,
                              device="cpu")
 
-    with pytest.warns(UserWarning, match="params_dtype, device are not an argument of the recipe"):
+    with pytest.warns(UserWarning, match="params_dtype, device are not arguments of the recipe, in te-core or in "
+                                         "Transformer Engine, and are ignored"):
         rec = TEDelayedScaling(8)
     assert rec.amax_history_len == 8 and rec.fp8_format is Format.E4M3
     config = rec.to_config()
     assert config["recipe"] == "DelayedScaling"
     assert recipe_from_config(config) == DelayedScaling(fp8_format=Format.E4M3, amax_history_len=8)
     assert rec.compatible_key() == DelayedScaling(fp8_format=Format.E4M3, amax_history_len=8).compatible_key()
+
+
+# ---------------------------------------------------------------- Transformer Engine's other fields
+
+def test_format_values_carry_te_max_fwd_and_max_bwd():
+    """TE code reads the FP8 maxima from the format (`Format.HYBRID.value.max_fwd`); te-core's own
+    dtype lookups keep working."""
+    assert (Format.HYBRID.value.max_fwd, Format.HYBRID.value.max_bwd) == (448, 57344)
+    assert (Format.E4M3.value.max_fwd, Format.E4M3.value.max_bwd) == (448, 448)
+    assert (Format.E5M2.value.max_fwd, Format.E5M2.value.max_bwd) == (57344, 57344)
+    assert (Format.E2M1.value.max_fwd, Format.E2M1.value.max_bwd) == (6, 6)
+    assert Format.HYBRID.value == (448, 57344)  # TE's value: a (max_fwd, max_bwd) named tuple
+    for fmt in (Format.E4M3, Format.E5M2, Format.HYBRID):
+        assert fmt.value.max_fwd == torch.finfo(fmt.forward_dtype).max
+        assert fmt.value.max_bwd == torch.finfo(fmt.backward_dtype).max
+    assert (Format.HYBRID.forward_dtype, Format.HYBRID.backward_dtype) == (torch.float8_e4m3fn, torch.float8_e5m2)
+    assert len(Format) == 4  # no member is an alias of another
+    with pytest.raises(ValueError, match="fp8_format=Format.E2M1 is an FP4 format"):
+        Float8CurrentScaling(fp8_format=Format.E2M1)
+    with pytest.raises(NotImplementedError, match="Format.E2M1 has no te-core data type: NVFP4"):
+        Format.E2M1.forward_dtype
+
+
+ALL_FP8_RECIPES = [DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling]
+
+
+def _te_fields():
+    """TE's recipe fields (its recipe module, transformer_engine/common/recipe/__init__.py),
+    that te-core must define rather than drop as unknown arguments."""
+    common = {"fp8_format", "fp8_dpa", "fp8_mha", "backward_override"}
+    gemms = {"fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"}
+    return {
+        DelayedScaling: common | {"margin", "amax_history_len", "amax_compute_algo", "scaling_factor_compute_algo",
+                                  "reduce_amax"},
+        Float8CurrentScaling: common | gemms | {"use_power_2_scales"},
+        MXFP8BlockScaling: common | {"margin", "enable_2d_quantization"},
+        Float8BlockScaling: common | gemms | {"use_f32_scales", "x_block_scaling_dim", "w_block_scaling_dim",
+                                              "grad_block_scaling_dim"},
+        NVFP4BlockScaling: {"disable_rht", "disable_stochastic_rounding", "disable_2d_quantization",
+                            "row_scaled_activation", "nvfp4_4over6", "nvfp4_4over6_e4m3_use_256",
+                            "nvfp4_4over6_err_mode", "fp4_format", "fp8_format", "fp8_dpa", "fp8_mha",
+                            "backward_override"},
+        QParams: {"power_2_scale", "amax_epsilon", "random_hadamard_transform", "stochastic_rounding",
+                  "fp4_2d_quantization"},
+        MMParams: {"use_split_accumulator"},
+    }
+
+
+def test_every_te_recipe_field_is_a_field():
+    for cls, names in _te_fields().items():
+        missing = names - {f.name for f in dataclasses.fields(cls)}
+        assert not missing, f"{cls.__name__} lacks Transformer Engine's {sorted(missing)}"
+
+
+@pytest.mark.parametrize("cls", ALL_FP8_RECIPES + [NVFP4BlockScaling])
+def test_te_fields_are_taken_not_dropped_with_a_warning(cls):
+    """backward_override=None (TE's default) is a real argument: no 'ignored' warning."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        recipe = cls(backward_override=None)
+    assert recipe.backward_override is None and recipe == cls()
+
+
+def test_te_defaults_of_the_new_fields(monkeypatch):
+    for name in ("NVTE_BACKWARD_OVERRIDE", "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES",
+                 "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"):
+        monkeypatch.delenv(name, raising=False)
+    assert all(cls().backward_override is None for cls in ALL_FP8_RECIPES)
+    assert Float8CurrentScaling().use_power_2_scales is False
+    assert Float8BlockScaling().use_f32_scales is False
+    assert MXFP8BlockScaling().enable_2d_quantization is False
+    q = QParams()
+    assert not (q.random_hadamard_transform or q.stochastic_rounding or q.fp4_2d_quantization)
+
+
+@pytest.mark.parametrize("cls", [Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling])
+@pytest.mark.parametrize("value", ["high_precision", "dequantized"])
+def test_backward_override_te_modes_are_refused_naming_field_and_value(cls, value):
+    with pytest.raises(NotImplementedError, match=f"backward_override='{value}' is not supported by te-core yet.*"
+                                                  "backward_override=None"):
+        cls(backward_override=value)
+
+
+def test_backward_override_validation_as_transformer_engine(monkeypatch):
+    with pytest.raises(ValueError, match="delayed scaling supports only backward_override=None"):
+        DelayedScaling(backward_override="high_precision")
+    for cls in ALL_FP8_RECIPES + [NVFP4BlockScaling]:
+        with pytest.raises(ValueError, match="backward_override must be None, 'high_precision' or 'dequantized'"):
+            cls(backward_override="fp32")
+    # TE's environment default: a recipe that would run differently in TE refuses, DelayedScaling
+    # (which supports only None in TE) and so te-core's default recipe keep building
+    monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", "dequantized")
+    with pytest.raises(NotImplementedError, match="backward_override='dequantized'"):
+        Float8CurrentScaling()
+    assert DelayedScaling().backward_override is None
+    assert NVFP4BlockScaling().backward_override == "dequantized"
+
+
+def test_current_scaling_use_power_2_scales_rounds_every_scale_to_a_power_of_2(monkeypatch):
+    """TE's current-scaling quantizers read use_power_2_scales (not the QParams): True gives every
+    tensor kind power-of-2 scales, amax_epsilon kept; the quantizers te-core builds follow."""
+    from te_core.quantization.roles import gemm_slots
+
+    monkeypatch.delenv("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES", raising=False)
+    recipe = Float8CurrentScaling(use_power_2_scales=True, fp8_quant_fwd_inp=QParams(amax_epsilon=1e-6))
+    assert all(getattr(recipe, n).power_2_scale for n in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight",
+                                                           "fp8_quant_bwd_grad"))
+    assert recipe.fp8_quant_fwd_inp.amax_epsilon == 1e-6
+    state = recipe.make_state(gemm_slots(), torch.device("cpu"))
+    quantizers = [state.quantizer(slot.name) for slot in gemm_slots()]
+    assert quantizers and all(q.power_2_scale for q in quantizers)
+    x = torch.tensor([[3.0, -1.5, 0.25, 2.0]])  # amax 3: scale 448 / 3, rounded down to 128
+    role = gemm_slots()[0].role
+    assert recipe.quantizer_for(role).quantize(x).rowwise().scale_inv.item() == 1 / 128
+    assert Float8CurrentScaling().quantizer_for(role).quantize(x).rowwise().scale_inv.item() == pytest.approx(3 / 448)
+    assert not Float8CurrentScaling().fp8_quant_fwd_inp.power_2_scale
+    assert recipe_from_config(recipe.to_config()) == recipe
+    monkeypatch.setenv("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES", "1")  # TE's environment default
+    assert Float8CurrentScaling().use_power_2_scales and Float8CurrentScaling().fp8_quant_fwd_weight.power_2_scale
+
+
+def test_block_scaling_use_f32_scales_turns_power_of_2_scales_off(monkeypatch):
+    """TE's recipe defaults take power_2_scale = not use_f32_scales: True gives each block the
+    float32 scale fp8_max / amax (not rounded down to a power of 2)."""
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
+    default, f32 = Float8BlockScaling(), Float8BlockScaling(use_f32_scales=True)
+    assert default.fp8_quant_fwd_inp.power_2_scale and not default.use_f32_scales
+    assert not any(getattr(f32, n).power_2_scale for n in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight",
+                                                           "fp8_quant_bwd_grad"))
+    from te_core.quantization.roles import gemm_slots
+
+    role = gemm_slots()[0].role
+    x = torch.full((1, 128), 3.0)
+    x[0, 0] = 5.0  # block amax 5: scale 448 / 5 = 89.6, rounded down to a power of 2: 64
+    assert f32.quantizer_for(role).quantize(x).rowwise().scale_inv.item() == pytest.approx(5 / 448)
+    assert default.quantizer_for(role).quantize(x).rowwise().scale_inv.item() == 1 / 64
+    assert recipe_from_config(f32.to_config()) == f32
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")  # TE's environment default
+    assert Float8BlockScaling().use_f32_scales and not Float8BlockScaling().fp8_quant_bwd_grad.power_2_scale
+
+
+def test_mxfp8_2d_quantization_is_refused_naming_field_and_value():
+    assert MXFP8BlockScaling(enable_2d_quantization=False) == MXFP8BlockScaling()
+    with pytest.raises(NotImplementedError, match=r"enable_2d_quantization=True \(one E8M0 scale per 32x32 weight "
+                                                  r"tile\) is not supported by te-core yet"):
+        MXFP8BlockScaling(enable_2d_quantization=True)
+    with pytest.raises(TypeError, match="enable_2d_quantization must be True or False"):
+        MXFP8BlockScaling(enable_2d_quantization="yes")
+
+
+@pytest.mark.parametrize("option", ["random_hadamard_transform", "stochastic_rounding", "fp4_2d_quantization"])
+def test_nvfp4_qparams_options_are_refused_by_fp8_recipes(option):
+    params = QParams(**{option: True})  # constructible: NVFP4BlockScaling's own options
+    with pytest.raises(NotImplementedError, match=f"fp8_quant_bwd_grad.{option}=True is not supported: it is an "
+                                                  "NVFP4 option"):
+        Float8CurrentScaling(fp8_quant_bwd_grad=params)
+    with pytest.raises(NotImplementedError, match=f"{option}=True"):
+        Float8BlockScaling(fp8_quant_fwd_inp=params)
+    with pytest.raises(TypeError, match=f"QParams: {option} must be True or False"):
+        QParams(**{option: 1})
+
+
+def test_unknown_names_still_warn_and_name_te_fields_in_the_list():
+    with pytest.warns(UserWarning, match=r"MXFP8BlockScaling: device is not an argument of the recipe, in te-core "
+                                         r"or in Transformer Engine, and is ignored \(Transformer Engine's recipes "
+                                         r"ignore arguments they do not define\); its arguments: backward_override, "
+                                         r"enable_2d_quantization, fp8_dpa"):
+        MXFP8BlockScaling(device="cpu")
+
+
+# ---------------------------------------------------------------- NVFP4 (importable, refused on use)
+
+def test_nvfp4_recipe_has_te_fields_defaults_and_checks(monkeypatch):
+    for name in ("NVTE_NVFP4_DISABLE_RHT", "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING", "NVTE_NVFP4_DISABLE_2D_QUANTIZATION",
+                 "NVTE_NVFP4_ROW_SCALED_ACTIVATION", "NVTE_NVFP4_4OVER6", "NVTE_NVFP4_4OVER6_E4M3_USE_256",
+                 "NVTE_NVFP4_4OVER6_ERR_MODE", "NVTE_BACKWARD_OVERRIDE"):
+        monkeypatch.delenv(name, raising=False)
+    r = NVFP4BlockScaling()
+    assert (r.fp4_format, r.fp8_format) == (Format.E2M1, Format.E4M3)
+    assert not (r.disable_rht or r.disable_stochastic_rounding or r.disable_2d_quantization or r.row_scaled_activation)
+    assert (r.nvfp4_4over6, r.nvfp4_4over6_e4m3_use_256, r.nvfp4_4over6_err_mode) == ("none", "all", "MAE")
+    assert not (r.fp8_dpa or r.fp8_mha) and r.backward_override is None
+    # TE's derived per-tensor options: RHT on inputs and gradients, 2D weights, stochastic rounding for gradients
+    assert r.fp4_quant_fwd_inp == QParams(random_hadamard_transform=True)
+    assert r.fp4_quant_fwd_weight == QParams(fp4_2d_quantization=True)
+    assert r.fp4_quant_bwd_grad == QParams(random_hadamard_transform=True, stochastic_rounding=True)
+    assert NVFP4BlockScaling(disable_rht=True).fp4_quant_bwd_grad == QParams(stochastic_rounding=True)
+    monkeypatch.setenv("NVTE_NVFP4_4OVER6_ERR_MODE", "mse")
+    assert NVFP4BlockScaling().nvfp4_4over6_err_mode == "MSE"
+    for kwargs, message in [(dict(fp4_format=Format.E4M3), "fp4_format must be Format.E2M1"),
+                            (dict(fp8_format=Format.HYBRID), "fp8_format .* must be Format.E4M3"),
+                            (dict(nvfp4_4over6="some"), "nvfp4_4over6 must be one of 'none', 'weights'"),
+                            (dict(nvfp4_4over6_err_mode="L1"), "nvfp4_4over6_err_mode must be one of 'MAE', 'MSE'")]:
+        with pytest.raises(ValueError, match=message):
+            NVFP4BlockScaling(**kwargs)
+
+
+def test_nvfp4_recipe_is_refused_where_te_core_builds_quantizers():
+    from te_core.quantization.roles import gemm_slots
+
+    r = NVFP4BlockScaling()
+    for use in (lambda: r.make_state(gemm_slots(), torch.device("cpu")), lambda: r.quantizer_for(gemm_slots()[0].role)):
+        with pytest.raises(NotImplementedError, match=r"NVFP4 \(FP4 E2M1 block scaling\) is not supported by te-core "
+                                                      "yet; te-core runs the recipes DelayedScaling, "
+                                                      "Float8CurrentScaling, Float8BlockScaling and MXFP8BlockScaling"):
+            use()
