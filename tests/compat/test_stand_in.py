@@ -236,6 +236,9 @@ def test_nvfp4_recipe_is_refused_on_use(stand_in):
         with te.autocast(recipe=NVFP4BlockScaling()):
             layer(x)
     with pytest.raises(NotImplementedError, match=NVFP4_REFUSAL):
+        with te.autocast(recipe=NVFP4BlockScaling()):  # on entry, before any forward
+            pass
+    with pytest.raises(NotImplementedError, match=NVFP4_REFUSAL):
         with te.quantized_model_init(recipe=NVFP4BlockScaling()):
             te.LayerNormMLP(32, 64)
     with pytest.raises(NotImplementedError, match=NVFP4_REFUSAL):
