@@ -14,7 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from .._tracing import run_while_tracing
-from ..quantization.autocast import get_autocast_context, model_init_recipe
+from ..quantization import high_precision_init
+from ..quantization.autocast import get_autocast_context, model_init_preserves_high_precision, model_init_recipe
 from ..quantization.roles import QuantizerSlot
 from ..quantization.state import RecipeState, check_compatible, extra_state
 from ..quantization.step import HIGH_PRECISION, CalibrationStep, QuantizationStep
@@ -129,6 +130,10 @@ class QuantizedModule(nn.Module):
         self._state_from_checkpoint = False
         self._weight_cache: Dict[str, QuantizedTensor] = {}
         self._fp8_forward = False  # whether the last forward outside a backward pass ran under FP8 autocast
+        # quantized_model_init: {parameter name: quantizer slot} of the FP8 primary weights, and
+        # (its recipe, preserve_high_precision_init_val), which reset_parameters quantizes them by again
+        self._fp8_primary: Dict[str, str] = {}
+        self._fp8_init = None
         _LIVE[id(self)] = self
 
     def __getstate__(self) -> dict:
@@ -141,6 +146,22 @@ class QuantizedModule(nn.Module):
     def __setstate__(self, state) -> None:  # copies (deepcopy, pickle) bypass __init__
         super().__setstate__(state)
         _LIVE[id(self)] = self
+
+    def _apply(self, fn, recurse=True):
+        # module.to(device) / to_empty(device=...) put a quantized parameter moved to another
+        # device in a new Parameter (torch cannot swap a wrapper subclass's data in place): it
+        # keeps the attributes set on the old one (Transformer Engine's and Megatron-LM's
+        # tensor-parallel ones, the preserved high-precision value)
+        before = dict(self._parameters)
+        module = super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._parameters.get(name)
+            if old is not None and new is not None and new is not old:
+                for key, value in old.__dict__.items():
+                    if not key.startswith("_"):
+                        new.__dict__.setdefault(key, value)
+                high_precision_init.carry_over(old, new)
+        return module
 
     # ------------------------------------------------------------------ per forward
     def quantization_step(self, is_first_microbatch: Optional[bool] = None):
@@ -223,6 +244,39 @@ class QuantizedModule(nn.Module):
         if recipe is None:
             return None
         return self._state_for(recipe).quantizer(slot)
+
+    def note_primary_weights(self, **slots: str) -> bool:
+        """Under quantized_model_init: record parameters (name=slot) as FP8 primary weights, which
+        the module's initialization (_reset.resetting) then quantizes, now and at each
+        reset_parameters(); False (nothing recorded) outside it."""
+        recipe = model_init_recipe()
+        if recipe is None:
+            return False
+        self._fp8_init = (recipe, model_init_preserves_high_precision())
+        self.__dict__.setdefault("_fp8_primary", {}).update(slots)
+        return True
+
+    def preserves_high_precision_init_val(self) -> bool:
+        init = self.__dict__.get("_fp8_init")
+        return bool(init and init[1])
+
+    def quantize_primary_weight(self, name: str, value: Tensor, current=None) -> QuantizedTensor:
+        """`value` (the initial value of FP8 primary weight `name`) quantized as construction
+        quantizes it: by the quantizer of its slot in the state of the quantized_model_init recipe,
+        that state on value's device (a state made on meta starts afresh there: ScalingGroup.to_device).
+        `current`: the parameter's present quantized tensor, whose quantizer serves a module that
+        recorded no slot (one unpickled from an older te-core)."""
+        slot = self.__dict__.get("_fp8_primary", {}).get(name)
+        init = self.__dict__.get("_fp8_init")
+        if slot is None or init is None:
+            quantizer = getattr(current, "_quantizer", None)
+            quantizer = getattr(quantizer, "inner", quantizer)  # an FSDP2 shard's (te_core.distributed.fsdp)
+            if quantizer is None:
+                raise RuntimeError(f"{type(self).__name__}.{name}: no quantizer to quantize this FP8 weight with")
+            return quantizer.quantize_primary(value)
+        state = self._state_for(init[0])
+        state.follow_device(value.device)
+        return state.quantizer(slot).quantize_primary(value)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)

@@ -17,7 +17,6 @@ from .._flags import flag, optional_flag
 from ..backend.types import as_dtype
 from ..ops import ACTIVATIONS, GATED_ACTIVATIONS
 from ..quantization import high_precision_init
-from ..quantization.autocast import model_init_preserves_high_precision
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -165,20 +164,16 @@ def cast_if_needed(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     return t.to(dtype)
 
 
-def primary_weight(module, slot: str, weight: torch.nn.Parameter) -> torch.nn.Parameter:
+def primary_weight(module, slot: str, weight: torch.nn.Parameter, name: Optional[str] = None) -> torch.nn.Parameter:
     """Under te.quantized_model_init: the initialized weight stored only in FP8 (carrying its value
-    from before quantization with preserve_high_precision_init_val=True), else as is."""
-    quantizer = module.primary_weight_quantizer(slot)
-    if quantizer is None:
+    from before quantization with preserve_high_precision_init_val=True), else as is. For a
+    QuantizedModule of one's own: the weight is recorded as parameter `name` (default: `slot`), so
+    that reset_parameters quantizes it again (te-core's modules record theirs themselves)."""
+    if not module.note_primary_weights(**{name or slot: slot}):
         return weight
-    preserve = model_init_preserves_high_precision()
-    if preserve and weight.is_meta:
-        raise NotImplementedError(
-            f"{type(module).__name__}: quantized_model_init(preserve_high_precision_init_val=True) with "
-            "device='meta' is not supported yet: a weight made on the meta device has no value to keep until it is "
-            "initialized later. Build the module on its device, or leave preserve_high_precision_init_val=False")
-    stored = torch.nn.Parameter(quantizer.quantize_primary(weight.detach()), requires_grad=weight.requires_grad)
-    if preserve:
+    stored = torch.nn.Parameter(module.quantize_primary_weight(name or slot, weight.detach()),
+                                requires_grad=weight.requires_grad)
+    if module.preserves_high_precision_init_val() and not weight.is_meta:  # (on meta: at reset_parameters)
         high_precision_init.keep(stored, weight)
     return stored
 
@@ -212,6 +207,12 @@ def check_input(x: Tensor, last_dim: int, *, name: str = "inp", module: str = "m
     if x.dim() == 0 or x.shape[-1] != last_dim:
         what = f"{last_dim_name}={last_dim}" if last_dim_name else f"{last_dim} (the module's input features / hidden size)"
         raise ValueError(f"{module}: {name} has shape {tuple(x.shape)}; its last dimension must be {what}")
+    if device is not None and device.type == "meta":
+        raise RuntimeError(
+            f"{module}: its parameters are on the meta device (built with device='meta'), which holds no values to "
+            "compute with; materialize and initialize them first: module.to_empty(device=...) then "
+            "module.reset_parameters() (reset_parameters() alone materializes them on te-core's device), or build "
+            "the module on a device")
     if device is not None and x.device != device:
         raise ValueError(
             f"{module}: {name} is on {x.device} but the weight is on {device}; move one of them "

@@ -9,7 +9,7 @@ concatenation of the parts, and the GEMM's gradient flows back into each part.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -70,9 +70,21 @@ class ParameterSplitMixin:
                 self.register_parameter(f"{name}_{suffix}", nn.Parameter(part.clone(), whole.requires_grad))
         self._parameters_split = splits
 
-    def store_split(self, **wholes: Optional[Tensor]) -> None:
+    def whole_of(self, params: Dict[str, Tensor], suffix: str) -> Optional[Tensor]:
+        """What reset_parameters writes the whole `suffix` ("weight" / "bias") into: its tensor in
+        `params` (_reset.resetting's), or with parameters_split a new one to split into the parts
+        (store_split); None for a module without it."""
+        splits = self.__dict__.get("_parameters_split")
+        if splits is None:
+            return params.get(suffix)
+        part = params.get(f"{splits[0][0]}_{suffix}")
+        if part is None:
+            return None
+        return part.new_empty((sum(rows for _, rows in splits), *part.shape[1:]))
+
+    def store_split(self, params: Dict[str, Tensor], **wholes: Optional[Tensor]) -> None:
         """After writing into the concatenated `weight=` / `bias=` (reset_parameters), copy the
-        rows back into the named parts; nothing to do without parameters_split."""
+        rows into the named parts' tensors in `params`; nothing to do without parameters_split."""
         splits = self.__dict__.get("_parameters_split")
         if splits is None:
             return
@@ -80,7 +92,7 @@ class ParameterSplitMixin:
             for suffix, whole in wholes.items():
                 if whole is not None:
                     for (name, _), part in zip(splits, whole.split([rows for _, rows in splits])):
-                        self._parameters[f"{name}_{suffix}"].copy_(part)
+                        params[f"{name}_{suffix}"].copy_(part)
 
     def __getattr__(self, name: str):
         splits = self.__dict__.get("_parameters_split")

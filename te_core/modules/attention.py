@@ -18,6 +18,7 @@ from ..ops.packed_sequences import padded_layout, to_padded
 from ._attention_parallel import AttentionParallelMixin
 from ._attention_inputs import between_seqs, check_qkv, sequence_layout, unpack_qkv
 from ._packed import Packing
+from ._reset import resetting
 from .inference import InferenceParams
 from ._common import (
     HP_DTYPES,
@@ -130,6 +131,16 @@ class DotProductAttention(AttentionParallelMixin, nn.Module):
                                  persistent=False)
         else:
             self.softmax_offset = None
+
+    def reset_parameters(self, defer_init: bool = False) -> None:
+        """The learnable softmax_offset (softmax_type="learnable") back to zeros, materialized on
+        te-core's device if on the meta device (see te_core/modules/_reset.py); nothing else
+        here is a parameter. `defer_init=True` (Transformer Engine's) does nothing."""
+        if defer_init:
+            return
+        with resetting(self) as params:
+            if "softmax_offset" in params:
+                params["softmax_offset"].zero_()
 
     def forward(
         self,

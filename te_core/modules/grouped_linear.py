@@ -17,6 +17,7 @@ from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
 from ._wgrad import check_original_input, original_input_operand, weight_grad
 from ._saved import restore_held, save_holding_quantized
+from ._reset import resetting
 from ._common import (
     check_bools,
     check_fp8_gemms,
@@ -29,7 +30,6 @@ from ._common import (
     default_init_method,
     hp_weight,
     no_torch_autocast,
-    primary_weight,
     reject_unsupported,
     returned_bias,
 )
@@ -170,17 +170,30 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
         self.num_gemms, self.fuse_wgrad_accumulation = num_gemms, fuse_wgrad_accumulation
         self.in_features, self.out_features = in_features, out_features
         self.use_bias, self.return_bias = bias, return_bias
-        init = init_method or default_init_method()
+        self.init_method = init_method or default_init_method()
         factory = dict(device=self.device, dtype=self.params_dtype)
         for i in range(num_gemms):
-            weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
-            with torch.no_grad():
-                tensor_parallel.init_weight(self, init, weight)
-            self.register_parameter(f"weight{i}", primary_weight(self, f"gemm{i}_weight", weight))
-            self.register_parameter(f"bias{i}", nn.Parameter(torch.zeros(out_features, **factory)) if bias else None)
+            self.register_parameter(f"weight{i}", nn.Parameter(torch.empty(out_features, in_features, **factory)))
+            self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(out_features, **factory)) if bias else None)
+        self.note_primary_weights(**{f"weight{i}": f"gemm{i}_weight" for i in range(num_gemms)})
+        self._initialize(materialize=False)
         tensor_parallel.mark_model_parallel(self)  # Transformer Engine's tensor-parallel attributes
         self.init_delayed_wgrad(delay_wgrad_compute, name)
         self.save_original_input = save_original_input  # read at each forward: may be set later (Megatron-LM does)
+
+    def reset_parameters(self, defer_init: bool = False) -> None:
+        """Initialize the parameters as construction does, materializing those on the meta device
+        on te-core's device, and quantizing FP8 primary weights (quantized_model_init) again;
+        see te_core/modules/_reset.py. `defer_init=True` (Transformer Engine's) does nothing."""
+        if not defer_init:
+            self._initialize()
+
+    def _initialize(self, *, materialize: bool = True) -> None:
+        with resetting(self, materialize=materialize) as params:
+            for i in range(self.num_gemms):
+                tensor_parallel.init_weight(self, self.init_method, params[f"weight{i}"])
+                if f"bias{i}" in params:
+                    params[f"bias{i}"].zero_()
 
     def _params(self, prefix: str) -> List[Tensor]:
         return [getattr(self, f"{prefix}{i}") for i in range(self.num_gemms)]

@@ -22,6 +22,7 @@ from ._common import (
     resolve_params_dtype,
 )
 from ._norm import NormFunction
+from ._reset import resetting
 
 
 class _Norm(nn.Module):
@@ -58,12 +59,20 @@ class _Norm(nn.Module):
             self.bias = nn.Parameter(torch.empty(self.normalized_shape, **factory))
         else:
             self.register_parameter("bias", None)
-        self.reset_parameters()
+        self._initialize(materialize=False)
 
-    def reset_parameters(self) -> None:
-        nn.init.constant_(self.weight, 0.0 if self.zero_centered_gamma else 1.0)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
+    def reset_parameters(self, defer_init: Optional[bool] = None) -> None:
+        """Initialize the parameters as construction does, materializing those on the meta device
+        on te-core's device (see te_core/modules/_reset.py). `defer_init=True` (Transformer
+        Engine's) does nothing."""
+        if not defer_init:
+            self._initialize()
+
+    def _initialize(self, *, materialize: bool = True) -> None:
+        with resetting(self, materialize=materialize) as params:
+            nn.init.constant_(params["weight"], 0.0 if self.zero_centered_gamma else 1.0)
+            if "bias" in params:
+                nn.init.zeros_(params["bias"])
         # Transformer Engine's legacy sequence_parallel: only a flag on the parameters, which
         # Megatron-LM reads to all-reduce their gradients over the tensor-parallel group (the
         # norm itself computes the same on a shard of the sequence)

@@ -23,6 +23,7 @@ from ._grad_proxy import grad_proxies
 from ._param_split import ParameterSplitMixin
 from ._saved import restore_held, save_holding_quantized
 from ._wgrad import weight_grad
+from ._reset import resetting
 from ._common import (
     check_bool,
     check_bools,
@@ -38,7 +39,6 @@ from ._common import (
     default_init_method,
     hp_weight,
     no_torch_autocast,
-    primary_weight,
     check_symmetric_ar_type,
     reject_unsupported,
     returned_bias,
@@ -60,10 +60,11 @@ def add_norm_parameters(module: QuantizedModule, size: int, normalization: str, 
     module.layer_norm_bias = nn.Parameter(torch.empty(size, **factory)) if normalization == "LayerNorm" else None
 
 
-def reset_norm_parameters(module: QuantizedModule) -> None:
-    nn.init.constant_(module.layer_norm_weight, 0.0 if module.zero_centered_gamma else 1.0)
-    if module.layer_norm_bias is not None:
-        nn.init.zeros_(module.layer_norm_bias)
+def reset_norm_parameters(module: QuantizedModule, params) -> None:
+    """The norm's initial values, into `params` (_reset.resetting's)."""
+    nn.init.constant_(params["layer_norm_weight"], 0.0 if module.zero_centered_gamma else 1.0)
+    if "layer_norm_bias" in params:
+        nn.init.zeros_(params["layer_norm_bias"])
 
 
 def norm_settings(module: QuantizedModule) -> dict:
@@ -299,20 +300,27 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.init_method = init_method or default_init_method()
-        self.reset_parameters()
-        self.weight = primary_weight(self, "weight", self.weight)
+        self.note_primary_weights(weight="weight")
+        self._initialize(materialize=False)
         self.apply_parameters_split(parameters_split, name)
         tensor_parallel.mark_model_parallel(self)
         self.init_delayed_wgrad(delay_wgrad_compute, name)
 
-    def reset_parameters(self) -> None:
-        with torch.no_grad():
-            reset_norm_parameters(self)
-            weight, bias = self.weight, self.bias
+    def reset_parameters(self, defer_init: bool = False) -> None:
+        """Initialize the parameters as construction does, materializing those on the meta device
+        on te-core's device, and quantizing an FP8 primary weight (quantized_model_init) again;
+        see te_core/modules/_reset.py. `defer_init=True` (Transformer Engine's) does nothing."""
+        if not defer_init:
+            self._initialize()
+
+    def _initialize(self, *, materialize: bool = True) -> None:
+        with resetting(self, materialize=materialize) as params:
+            reset_norm_parameters(self, params)
+            weight, bias = self.whole_of(params, "weight"), self.whole_of(params, "bias")
             tensor_parallel.init_weight(self, self.init_method, weight)
             if bias is not None:
                 nn.init.zeros_(bias)
-            self.store_split(weight=weight, bias=bias)  # parameters_split: into the named parts
+            self.store_split(params, weight=weight, bias=bias)  # parameters_split: into the named parts
 
     def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False, *,
                 split_sizes: Optional[Sequence[int]] = None, return_residual: bool = False, **unsupported):

@@ -25,6 +25,7 @@ from .checkpoint import checkpoint as recompute
 from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
 from ._wgrad import weight_grad
+from ._reset import resetting
 from ._common import (
     check_bool,
     check_bools,
@@ -38,7 +39,6 @@ from ._common import (
     hp_weight,
     is_gated,
     no_torch_autocast,
-    primary_weight,
     check_symmetric_ar_type,
     reject_unsupported,
 )
@@ -263,9 +263,8 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
         tensor_parallel.mark_sequence_parallel(self, [self.layer_norm_weight, self.layer_norm_bias, self.fc2_bias])
         self.init_method = init_method or default_init_method()
         self.output_layer_init_method = output_layer_init_method or default_init_method()
-        self.reset_parameters()
-        self.fc1_weight = primary_weight(self, "fc1_weight", self.fc1_weight)
-        self.fc2_weight = primary_weight(self, "fc2_weight", self.fc2_weight)
+        self.note_primary_weights(fc1_weight="fc1_weight", fc2_weight="fc2_weight")
+        self._initialize(materialize=False)
         # Transformer Engine's tensor-parallel attributes: fc1 splits its outputs, fc2 its inputs
         tensor_parallel.model_parallel_attributes(self.fc1_weight, 0)
         tensor_parallel.model_parallel_attributes(self.fc2_weight, 1)
@@ -276,14 +275,21 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
         # the forward again there (te_core.checkpoint: FP8-exact, delayed scales of that forward)
         self.checkpoint = checkpoint
 
-    def reset_parameters(self) -> None:
-        with torch.no_grad():
-            reset_norm_parameters(self)
-            for p in (self.fc1_bias, self.fc2_bias):
-                if p is not None:
-                    nn.init.zeros_(p)
-            tensor_parallel.init_weight(self, self.init_method, self.fc1_weight)
-            tensor_parallel.init_weight(self, self.output_layer_init_method, self.fc2_weight)
+    def reset_parameters(self, defer_init: bool = False) -> None:
+        """Initialize the parameters as construction does, materializing those on the meta device
+        on te-core's device, and quantizing FP8 primary weights (quantized_model_init) again;
+        see te_core/modules/_reset.py. `defer_init=True` (Transformer Engine's) does nothing."""
+        if not defer_init:
+            self._initialize()
+
+    def _initialize(self, *, materialize: bool = True) -> None:
+        with resetting(self, materialize=materialize) as params:
+            reset_norm_parameters(self, params)
+            for name in ("fc1_bias", "fc2_bias"):
+                if name in params:
+                    nn.init.zeros_(params[name])
+            tensor_parallel.init_weight(self, self.init_method, params["fc1_weight"])
+            tensor_parallel.init_weight(self, self.output_layer_init_method, params["fc2_weight"])
 
     def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None, *, return_residual: bool = False):
         """`return_residual` (te-core): also return `inp` itself (last), to be the block's

@@ -21,6 +21,7 @@ from ._grad_proxy import grad_proxies
 from ._param_split import ParameterSplitMixin
 from ._saved import restore_held, save_holding_quantized
 from ._wgrad import check_original_input, original_input_operand, weight_grad
+from ._reset import resetting
 from ._common import (
     check_bools,
     check_input,
@@ -31,7 +32,6 @@ from ._common import (
     compute_dtype,
     default_init_method,
     no_torch_autocast,
-    primary_weight,
     check_symmetric_ar_type,
     reject_unsupported,
     returned_bias,
@@ -198,13 +198,13 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
             tensor_parallel.mark_sequence_parallel(self, [self.bias])
 
     def _create_parameters(self, init_method) -> None:
-        weight = torch.empty(self.out_features, self.in_features, device=self.device, dtype=self.params_dtype)
-        tensor_parallel.init_weight(self, init_method, weight)
-        self.weight = primary_weight(self, "weight", nn.Parameter(weight))
-        if self.use_bias:
-            self.bias = nn.Parameter(torch.zeros(self.out_features, device=self.device, dtype=self.params_dtype))
-        else:
-            self.register_parameter("bias", None)
+        factory = dict(device=self.device, dtype=self.params_dtype)
+        self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, **factory))
+        bias = nn.Parameter(torch.empty(self.out_features, **factory)) if self.use_bias else None
+        self.register_parameter("bias", bias)
+        self.init_method = init_method
+        self.note_primary_weights(weight="weight")
+        self._initialize(init_method, materialize=False)
 
     def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None, *,
                 split_sizes: Optional[Sequence[int]] = None, **unsupported):
@@ -255,10 +255,21 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}"
 
-    def reset_parameters(self, init_method: Optional[Callable[[Tensor], None]] = None) -> None:
-        with torch.no_grad():
-            weight, bias = self.weight, self.bias
-            tensor_parallel.init_weight(self, init_method or _default_init, weight)
+    def reset_parameters(self, defer_init: bool = False, *, init_method: Optional[Callable[[Tensor], None]] = None
+                         ) -> None:
+        """Initialize the parameters as construction does (init_method: the constructor's unless
+        given), materializing those on the meta device on te-core's device, and quantizing an
+        FP8 primary weight (quantized_model_init) again; see te_core/modules/_reset.py.
+        `defer_init=True` (Transformer Engine's) does nothing."""
+        if callable(defer_init):  # te-core's earlier form, reset_parameters(init_method)
+            init_method, defer_init = defer_init, False
+        if not defer_init:
+            self._initialize(init_method or getattr(self, "init_method", _default_init))
+
+    def _initialize(self, init_method, *, materialize: bool = True) -> None:
+        with resetting(self, materialize=materialize) as params:
+            weight, bias = self.whole_of(params, "weight"), self.whole_of(params, "bias")
+            tensor_parallel.init_weight(self, init_method, weight)
             if bias is not None:
                 bias.zero_()
-            self.store_split(weight=weight, bias=bias)  # parameters_split: into the named parts
+            self.store_split(params, weight=weight, bias=bias)  # parameters_split: into the named parts

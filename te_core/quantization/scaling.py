@@ -120,10 +120,17 @@ class ScalingGroup:
         return self.scale.device
 
     def to_device(self, device: torch.device) -> None:
-        """Move the state (e.g. after module.to(...)); values are kept bit for bit."""
+        """Move the state (e.g. after module.to(...)); values are kept bit for bit. A state made
+        on the meta device (a module built there) holds no values: it starts on `device` as a
+        new state does, every column fresh."""
         with persistent():
-            self.amax_history = self.amax_history.to(device)
-            self.scale = self.scale.to(device)
+            if self.scale.is_meta and torch.device(device).type != "meta":
+                self.amax_history = torch.zeros(self.amax_history.shape, dtype=torch.float32, device=device)
+                self.scale = torch.ones(self.scale.shape, dtype=torch.float32, device=device)
+                self.fresh = set(range(len(self.names)))
+            else:
+                self.amax_history = self.amax_history.to(device)
+                self.scale = self.scale.to(device)
         self._scale_inv_version = None
         self._column_views = None
 

@@ -129,8 +129,8 @@ class QuantizedTensor(Tensor):
             setattr(twin, name, value)
         if device is not None and device != self.device:  # the wrapper's own device must follow
             moved = type(self).__new__(type(self), self.shape, self.dtype, device, self._quantizer)
-            for name, value in twin._payload().items():
-                setattr(moved, name, value)
+            for name, value in twin.__dict__.items():  # the payload, and a format's own settings (_block_2d)
+                moved.__dict__.setdefault(name, value)
             twin = moved
         return twin
 
@@ -163,6 +163,11 @@ class QuantizedTensor(Tensor):
             # a move (module.to(device)) keeps the quantized form; a dtype change dequantizes below
             device = kwargs.get("device") or args[0].device
             return args[0]._with_payload(lambda t: t.to(device, non_blocking=kwargs.get("non_blocking", False)))
+        if func is aten.empty_like.default and kwargs.get("dtype") in (None, args[0].dtype) \
+                and kwargs.get("layout") in (None, torch.strided):
+            # module.to_empty(device=...): a quantized tensor of the same kind, uninitialized
+            device = kwargs.get("device") or args[0].device
+            return args[0]._with_payload(lambda t: torch.empty_like(t, device=device))
         if func._schema.name.endswith("_") or func is aten.copy_.default:
             return _mutate(func, args, kwargs)
         return func(*tree_map(_dequantized, args), **tree_map(_dequantized, kwargs))

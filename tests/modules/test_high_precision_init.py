@@ -106,11 +106,17 @@ def test_fp8_model_init_passes_it_on_and_a_non_bool_is_refused():
             pass
 
 
-def test_a_meta_device_module_is_refused_by_name():
-    """A weight made on the meta device has no value yet; keeping nothing would leave a master
-    weight to start from whatever get returns, so the combination is refused."""
+def test_a_meta_device_module_keeps_its_value_at_reset_parameters():
+    """A weight made on the meta device has no value yet: it gets the methods when
+    reset_parameters() initializes it (Transformer Engine's deferred initialization), keeping the
+    value a module built directly under the same seed keeps (tests/modules/test_meta_init.py)."""
     with te.quantized_model_init(recipe=recipe.DelayedScaling(), preserve_high_precision_init_val=True):
-        with pytest.raises(NotImplementedError, match="preserve_high_precision_init_val=True\\) with device='meta'"):
-            te.LayerNormMLP(64, 128, device="meta")
-    with te.quantized_model_init(recipe=recipe.DelayedScaling()):
-        assert isinstance(te.Linear(64, 32, device="meta").weight, QuantizedTensor)  # without it: as before
+        module = te.LayerNormMLP(64, 128, device="meta")
+    assert isinstance(module.fc1_weight, QuantizedTensor) and not hasattr(module.fc1_weight,
+                                                                          "get_high_precision_init_val")
+    torch.manual_seed(0)
+    module.reset_parameters()
+    direct = _built("LayerNormMLP", recipe.DelayedScaling())
+    for name in ("fc1_weight", "fc2_weight"):
+        kept = getattr(module, name).get_high_precision_init_val()
+        assert kept.device.type == "cpu" and torch.equal(kept, getattr(direct, name).get_high_precision_init_val())
