@@ -136,6 +136,14 @@ class QuantizedModule(nn.Module):
         self._fp8_init = None
         _LIVE[id(self)] = self
 
+    def reset_parameters(self, defer_init: bool = False) -> None:
+        """Initialize the parameters as construction does (the subclass's `_initialize`),
+        materializing those on the meta device on te-core's device, and quantizing FP8 primary
+        weights (quantized_model_init) again; see te_core/modules/_reset.py. `defer_init=True`
+        (Transformer Engine's) does nothing."""
+        if not defer_init:
+            self._initialize()
+
     def __getstate__(self) -> dict:
         # a copy (deepcopy, pickle) leaves out the FP8 weights' gradient stand-ins (_grad_proxy):
         # their hooks feed this module's weights, and the copy makes its own when compiled

@@ -181,13 +181,6 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
         self.init_delayed_wgrad(delay_wgrad_compute, name)
         self.save_original_input = save_original_input  # read at each forward: may be set later (Megatron-LM does)
 
-    def reset_parameters(self, defer_init: bool = False) -> None:
-        """Initialize the parameters as construction does, materializing those on the meta device
-        on te-core's device, and quantizing FP8 primary weights (quantized_model_init) again;
-        see te_core/modules/_reset.py. `defer_init=True` (Transformer Engine's) does nothing."""
-        if not defer_init:
-            self._initialize()
-
     def _initialize(self, *, materialize: bool = True) -> None:
         with resetting(self, materialize=materialize) as params:
             for i in range(self.num_gemms):

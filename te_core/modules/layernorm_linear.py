@@ -306,13 +306,6 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
         tensor_parallel.mark_model_parallel(self)
         self.init_delayed_wgrad(delay_wgrad_compute, name)
 
-    def reset_parameters(self, defer_init: bool = False) -> None:
-        """Initialize the parameters as construction does, materializing those on the meta device
-        on te-core's device, and quantizing an FP8 primary weight (quantized_model_init) again;
-        see te_core/modules/_reset.py. `defer_init=True` (Transformer Engine's) does nothing."""
-        if not defer_init:
-            self._initialize()
-
     def _initialize(self, *, materialize: bool = True) -> None:
         with resetting(self, materialize=materialize) as params:
             reset_norm_parameters(self, params)

@@ -275,13 +275,6 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
         # the forward again there (te_core.checkpoint: FP8-exact, delayed scales of that forward)
         self.checkpoint = checkpoint
 
-    def reset_parameters(self, defer_init: bool = False) -> None:
-        """Initialize the parameters as construction does, materializing those on the meta device
-        on te-core's device, and quantizing FP8 primary weights (quantized_model_init) again;
-        see te_core/modules/_reset.py. `defer_init=True` (Transformer Engine's) does nothing."""
-        if not defer_init:
-            self._initialize()
-
     def _initialize(self, *, materialize: bool = True) -> None:
         with resetting(self, materialize=materialize) as params:
             reset_norm_parameters(self, params)
