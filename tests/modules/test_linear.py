@@ -283,3 +283,25 @@ def test_fp8_inference_without_grad_matches_the_training_forward(gen):
         assert torch.equal(inferred.quantization_state()["forward"][slot]["amax_history"], state["amax_history"])
     y64 = F.linear(x.double(), trained.weight.detach().double(), trained.bias.detach().double())
     assert rel_err(y_infer, y64) < FPROP_REL
+
+
+@pytest.mark.parametrize("k, n", [(40, 24), (48, 32)], ids=["k40-n24", "k48-n32"])
+def test_padded_fp8_weight_gradients_accumulate_into_main_grad(gen, k, n):
+    """fuse_wgrad_accumulation with 30 tokens, which the weight-gradient GEMM sums over: with
+    K=40 and N=24 its result is padded too (computed aside, then added), with K=48 and N=32
+    only the tokens are (added in place). main_grad gains what a plain layer's weight.grad
+    holds, micro-batch after micro-batch."""
+    fused, plain = Linear(k, n, fuse_wgrad_accumulation=True), Linear(k, n)
+    with torch.no_grad():
+        plain.weight.copy_(fused.weight)
+        plain.bias.copy_(fused.bias)
+    start = randn(gen, n, k)
+    fused.weight.main_grad = start.clone()
+    rec = Float8CurrentScaling()
+    for _ in range(2):
+        x, dy = randn(gen, 30, k), randn(gen, 30, n)
+        with autocast(recipe=rec):
+            fused(x).backward(dy)
+            plain(x).backward(dy)
+    assert fused.weight.grad is None
+    torch.testing.assert_close(fused.weight.main_grad - start, plain.weight.grad, rtol=1.3e-6, atol=1e-5)
