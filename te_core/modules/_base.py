@@ -335,6 +335,11 @@ class QuantizedModule(nn.Module):
         if not isinstance(state, dict) or "recipe" not in state or "quantization_state" not in state:
             raise ValueError(f"{type(self).__name__}: unrecognised extra state {type(state).__name__}; expected the "
                              "dict written by te_core (keys 'recipe' and 'quantization_state')")
+        for key in ("recipe", "quantization_state"):
+            if not isinstance(state[key], dict):
+                raise ValueError(f"{type(self).__name__}: extra state entry {key!r} is a {type(state[key]).__name__}, "
+                                 "expected the dict te_core writes; the checkpoint is corrupt. Drop the module's "
+                                 "'_extra_state' entry from the state dict to start its scaling state afresh.")
         saved_recipe = recipe_from_config(state["recipe"])
         if self._recipe_state is not None:
             check_compatible(self._recipe_state.recipe, saved_recipe, where=f"loading {type(self).__name__}")

@@ -26,6 +26,7 @@ import torch
 
 from .. import ops
 from . import _scaled_states as compact
+from ._checks import check_group, check_loadable
 from ._grads import GradResetMixin, grad_of, run_closure
 from ._state_dtypes import StateDtypesMixin
 
@@ -33,6 +34,7 @@ NAME = "FusedAdam"
 MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)
 MASTER_DTYPES = (torch.float32, torch.float16)
 STATES = ("exp_avg", "exp_avg_sq", "master_param")
+RANGES = {"lr": (0.0, None, False), "eps": (0.0, None, False), "weight_decay": (0.0, None, False)}
 
 
 class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
@@ -61,10 +63,7 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
         if capturable and (master_weights and master_weight_dtype != torch.float32 or store_param_remainders):
             raise ValueError(f"{NAME}: capturable=True keeps float32 master weights (no float16 master_weight_dtype, "
                              "no store_param_remainders), as in Transformer Engine")
-        if not 0.0 <= lr or not 0.0 <= eps or not 0.0 <= weight_decay:
-            raise ValueError(f"{NAME}: lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"{NAME}: betas must be two values in [0, 1), got {betas}")
+        check_group(NAME, dict(params=[], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), RANGES)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.adam_w_mode, self.capturable, self.master_weights = bool(adam_w_mode), capturable, master_weights
@@ -75,6 +74,11 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
                                   "master_param": master_weight_dtype}
         self._scales = {}  # param -> {state name: its float32 scale}, for the scaled states
         self._init_set_grad_none(set_grad_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, with the group's hyperparameters and parameters checked first (_checks)."""
+        check_group(NAME, {**self.defaults, **param_group}, RANGES, len(self.param_groups))
+        super().add_param_group(param_group)
 
     def state_dtype(self, name: str):
         """The dtype state `name` is kept in (and reloaded in: StateDtypesMixin); None for the
@@ -156,7 +160,9 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
         count and learning rate in this optimizer's form: float32 tensors on the parameters'
         device when capturable (a checkpoint loaded to the CPU would otherwise put host
         arithmetic into every step, which a captured graph does not replay), plain numbers
-        otherwise (a capturable optimizer's checkpoint resumed without capturable=True)."""
+        otherwise (a capturable optimizer's checkpoint resumed without capturable=True). A state
+        dict of another optimizer or of other parameters is refused before anything loads."""
+        check_loadable(self, state_dict, allowed=(*STATES, "step"), required=STATES[:2], shaped=STATES)
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             for key in ("step", "lr"):

@@ -7,15 +7,19 @@ gradient, as Transformer Engine's kernel does.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 from torch.optim.optimizer import required
 
+from ._checks import check_group, check_loadable
 from ._grads import GradResetMixin, grad_of, run_closure
 from ._state_dtypes import StateDtypesMixin
 
 NAME = "FusedSGD"
+RANGES = {"lr": (0.0, None, False), "momentum": (0.0, None, False), "dampening": (-math.inf, None, False),
+          "weight_decay": (0.0, None, False)}
 
 
 class FusedSGD(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
@@ -26,10 +30,8 @@ class FusedSGD(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
     def __init__(self, params, lr=required, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, wd_after_momentum: bool = False,
                  materialize_master_grads: bool = True, set_grad_none: Optional[bool] = None):
-        if lr is not required and lr < 0.0:
-            raise ValueError(f"{NAME}: lr must be >= 0, got {lr}")
-        if momentum < 0.0 or weight_decay < 0.0:
-            raise ValueError(f"{NAME}: momentum and weight_decay must be >= 0, got {momentum}, {weight_decay}")
+        check_group(NAME, dict(params=[], lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay),
+                    RANGES)
         if nesterov and (momentum <= 0.0 or dampening != 0.0):
             raise ValueError(f"{NAME}: nesterov=True needs momentum > 0 and dampening = 0")
         if not isinstance(materialize_master_grads, bool):
@@ -41,6 +43,16 @@ class FusedSGD(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
         # te-core has without apex: every value steps alike)
         self.materialize_master_grads = materialize_master_grads
         self._init_set_grad_none(set_grad_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, with the group's hyperparameters and parameters checked first (_checks)."""
+        check_group(NAME, {**self.defaults, **param_group}, RANGES, len(self.param_groups))
+        super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """StateDtypesMixin's, refusing a state dict of another optimizer or other parameters first."""
+        check_loadable(self, state_dict, allowed=("momentum_buffer",), required=(), shaped=("momentum_buffer",))
+        super().load_state_dict(state_dict)
 
     @torch.no_grad()
     def step(self, closure=None):

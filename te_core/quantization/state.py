@@ -116,12 +116,31 @@ class DelayedScalingState(RecipeState):
     def load_quantization_state(self, saved: dict) -> None:
         """All entries are checked before any is copied, so a bad checkpoint leaves the state as it was."""
         copies = []
+        known = {}
+        for role, group in self.groups.items():
+            known.setdefault(role.direction, set()).update(group.names)
+        for direction, names in known.items():
+            entries = saved.get(direction, {})
+            if not isinstance(entries, dict):
+                raise ValueError(f"checkpoint's {direction} delayed-scaling state is a {type(entries).__name__}, "
+                                 "expected a dict of slots; the checkpoint is corrupt")
+            extra = sorted(set(entries) - names)
+            if extra:  # (another module type's slots: loading ours alone would drop its state unseen)
+                raise ValueError(f"checkpoint has delayed-scaling state for slot(s) {', '.join(map(repr, extra))} "
+                                 f"({direction}) that this module does not have (it has {', '.join(sorted(names))}); "
+                                 "was it saved from another module type? Drop the module's '_extra_state' entry "
+                                 "from the state dict to start its scaling state afresh.")
         for role, group in self.groups.items():
             entries = saved.get(role.direction, {})
             for column, name in enumerate(group.names):
                 if name not in entries:
                     raise ValueError(f"checkpoint has no delayed-scaling state for slot {name!r} "
                                      f"({role.direction}); it has {', '.join(entries) or 'none'}")
+                missing = [k for k in ("scale", "amax_history") if not isinstance(entries[name], dict)
+                           or k not in entries[name]]
+                if missing:
+                    raise ValueError(f"checkpoint's delayed-scaling state for slot {name!r} ({role.direction}) "
+                                     f"lacks {' and '.join(missing)}; the checkpoint is corrupt")
                 copies += [(group.scale[column : column + 1], entries[name]["scale"], f"{name}.scale"),
                            (group.amax_history[:, column], entries[name]["amax_history"], f"{name}.amax_history")]
         for dst, src, what in copies:

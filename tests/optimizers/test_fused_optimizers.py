@@ -112,7 +112,7 @@ def test_fused_adam_capturable_needs_alike_moment_dtypes():
 def test_fused_adam_rejects_bad_hyperparameters():
     with pytest.raises(ValueError, match="betas"):
         FusedAdam(fresh(), betas=(0.9, 1.0))
-    with pytest.raises(ValueError, match="lr, eps and weight_decay"):
+    with pytest.raises(ValueError, match="lr must be >= 0.0, got -1.0"):
         FusedAdam(fresh(), lr=-1.0)
 
 
@@ -279,3 +279,114 @@ def test_fused_sgd_materialize_master_grads_steps_alike():
     assert kept.materialize_master_grads is False
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)
+
+
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(lr=NAN), ValueError, r"FusedAdam: lr must be >= 0.0, got nan"),
+    (dict(eps=NAN), ValueError, r"FusedAdam: eps must be >= 0.0, got nan"),
+    (dict(eps=-1e-8), ValueError, r"FusedAdam: eps must be >= 0.0, got -1e-08"),
+    (dict(weight_decay=NAN), ValueError, r"FusedAdam: weight_decay must be >= 0.0, got nan"),
+    (dict(betas=(NAN, 0.9)), ValueError, r"FusedAdam: betas\[0\] must be >= 0.0 and < 1.0, got nan"),
+    (dict(betas=(0.9, -0.1)), ValueError, r"FusedAdam: betas\[1\] must be >= 0.0 and < 1.0, got -0.1"),
+    (dict(betas=0.9), ValueError, r"FusedAdam: betas must be a pair \(beta1, beta2\) in \[0, 1\), got 0.9"),
+    (dict(betas=(0.9, 0.99, 0.999)), ValueError, r"betas must be a pair"),
+    (dict(lr="0.1"), TypeError, r"FusedAdam: lr must be a real number, got str '0.1'"),
+])
+def test_fused_adam_names_the_bad_hyperparameter(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        FusedAdam(fresh(), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(lr=NAN), ValueError, r"FusedSGD: lr must be >= 0.0, got nan"),
+    (dict(lr=0.1, momentum=NAN), ValueError, r"FusedSGD: momentum must be >= 0.0, got nan"),
+    (dict(lr=0.1, weight_decay=NAN), ValueError, r"FusedSGD: weight_decay must be >= 0.0, got nan"),
+    (dict(lr=0.1, dampening=NAN), ValueError, r"FusedSGD: dampening must be a number, got nan"),
+    (dict(lr="a"), TypeError, r"FusedSGD: lr must be a real number, got str 'a'"),
+])
+def test_fused_sgd_names_the_bad_hyperparameter(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        FusedSGD(fresh(), **kwargs)
+
+
+@pytest.mark.parametrize("make", [lambda ps: FusedAdam(ps), lambda ps: FusedSGD(ps, lr=0.1)])
+def test_parameter_group_hyperparameters_are_checked_as_the_constructors(make):
+    """torch.optim takes any value in a group dict or add_param_group; these are checked alike."""
+    params = fresh()
+    name = "FusedAdam" if isinstance(make(fresh()), FusedAdam) else "FusedSGD"
+    with pytest.raises(ValueError, match=rf"{name}: lr \(parameter group 1\) must be >= 0.0, got -1.0"):
+        make([{"params": params[:1]}, {"params": params[1:], "lr": -1.0}])
+    opt = make(params[:1])
+    with pytest.raises(ValueError, match=rf"{name}: weight_decay \(parameter group 1\) must be >= 0.0, got nan"):
+        opt.add_param_group({"params": params[1:], "weight_decay": NAN})
+    assert len(opt.param_groups) == 1  # nothing half-added
+    if name == "FusedAdam":
+        with pytest.raises(ValueError, match=r"betas\[0\] \(parameter group 1\) must be >= 0.0 and < 1.0, got 1.5"):
+            opt.add_param_group({"params": params[1:], "betas": (1.5, 0.9)})
+    opt.add_param_group({"params": params[1:], "lr": 0.5})  # a valid group still goes in
+    assert opt.param_groups[1]["lr"] == 0.5
+
+
+@pytest.mark.parametrize("make", [lambda ps: FusedAdam(ps), lambda ps: FusedSGD(ps, lr=0.1)])
+def test_a_parameter_listed_twice_is_refused(make):
+    """Each occurrence would be stepped: two updates per step (torch only warns)."""
+    params = fresh()
+    with pytest.raises(ValueError, match=r"parameter group 0 holds a parameter \(shape \(7, 13\)\) more than once"):
+        make([params[0], params[1], params[0]])
+
+
+def _saved(make, seed=0):
+    params = fresh(seed=seed)
+    opt = make(params)
+    run(params, opt, steps=2)
+    return opt.state_dict()
+
+
+ADAM, SGD = (lambda ps: FusedAdam(ps, lr=1e-2)), (lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9))
+
+
+@pytest.mark.parametrize("make, edit, message", [
+    (ADAM, lambda sd: sd["state"][1].__setitem__("exp_avg", torch.zeros(5)),
+     r"FusedAdam.load_state_dict: state exp_avg of parameter 1 has shape \(5,\) but the parameter has \(31,\)"),
+    (ADAM, lambda sd: sd["state"][0].pop("exp_avg_sq"),
+     r"FusedAdam.load_state_dict: the state of parameter 0 lacks exp_avg_sq"),
+    (ADAM, lambda sd: sd["state"].__setitem__(0, {"momentum_buffer": torch.zeros(7, 13)}),
+     r"parameter 0 holds momentum_buffer, which FusedAdam does not keep.*another optimizer"),
+    (SGD, lambda sd: sd["state"][2].__setitem__("momentum_buffer", torch.zeros(3, 5)),
+     r"FusedSGD.load_state_dict: state momentum_buffer of parameter 2 has shape \(3, 5\) but the parameter has "
+     r"\(3, 5, 2\)"),
+    (SGD, lambda sd: sd["state"].__setitem__(0, {"exp_avg": torch.zeros(7, 13), "exp_avg_sq": torch.zeros(7, 13)}),
+     r"parameter 0 holds exp_avg, exp_avg_sq, which FusedSGD does not keep"),
+    (ADAM, lambda sd: sd.pop("param_groups"),
+     r"FusedAdam.load_state_dict: expected an optimizer state dict \(keys 'state' and 'param_groups'"),
+])
+def test_a_mismatched_optimizer_state_is_refused_before_anything_loads(make, edit, message):
+    """torch loads these and fails at the next step with a KeyError or a shape error, or not at all."""
+    saved = _saved(make)
+    edit(saved)
+    params = fresh(seed=3)
+    opt = make(params)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(saved)
+    assert not opt.state  # nothing loaded
+
+
+def test_a_model_state_dict_given_to_the_optimizer_is_named():
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"got \['bias', 'weight'\]; a model's state dict goes to "
+                                         r"model.load_state_dict"):
+        FusedAdam(model.parameters()).load_state_dict(model.state_dict())
+
+
+def test_torch_adam_state_dict_loads_into_fused_adam():
+    """torch.optim.Adam's per-parameter 'step' is accepted (valid checkpoints keep loading)."""
+    params = fresh()
+    torch_adam = torch.optim.Adam(params, lr=1e-2)
+    run(params, torch_adam, steps=1)
+    opt = FusedAdam(fresh(seed=4), lr=1e-2)
+    opt.load_state_dict(torch_adam.state_dict())
+    assert torch.equal(opt.state[opt.param_groups[0]["params"][0]]["exp_avg"],
+                       torch_adam.state[params[0]]["exp_avg"])

@@ -197,3 +197,31 @@ def test_state_follows_the_module_device(gen):
         layer.quantization_step()  # ... inside, the state follows the parameters
     moved = layer.quantization_state()["forward"]["input"]
     assert moved["scale"].device.type == "meta" and moved["amax_history"].shape == before["amax_history"].shape
+
+
+def test_extra_state_of_another_module_type_is_refused(gen):
+    """A Linear's slots loaded into a LayerNormMLP (and the reverse), or a stray slot, name the
+    slots instead of loading some and dropping the rest unseen."""
+    from te_core.modules.layernorm_mlp import LayerNormMLP
+
+    linear_state = roundtrip(_trained_layer(gen, RECIPE).state_dict())["_extra_state"]
+    with pytest.raises(ValueError, match=r"slot\(s\) 'input', 'weight' \(forward\) that this module does not have "
+                                         r"\(it has fc1_input, fc1_weight, fc2_input, fc2_weight\).*another module type"):
+        LayerNormMLP(16, 32).set_extra_state(linear_state)
+    linear_state["quantization_state"]["backward"]["stray"] = {"scale": torch.ones(1), "amax_history": torch.zeros(4)}
+    with pytest.raises(ValueError, match=r"slot\(s\) 'stray' \(backward\) that this module does not have"):
+        Linear(16, 16).set_extra_state(linear_state)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.__setitem__("recipe", "DelayedScaling"), r"Linear: extra state entry 'recipe' is a str"),
+    (lambda s: s.__setitem__("quantization_state", "x"), r"Linear: extra state entry 'quantization_state' is a str"),
+    (lambda s: s["quantization_state"]["forward"]["input"].pop("amax_history"),
+     r"state for slot 'input' \(forward\) lacks amax_history; the checkpoint is corrupt"),
+    (lambda s: s["quantization_state"].__setitem__("backward", [1]), r"backward delayed-scaling state is a list"),
+])
+def test_malformed_extra_state_is_named(gen, edit, message):
+    saved = roundtrip(_trained_layer(gen, RECIPE).state_dict())
+    edit(saved["_extra_state"])
+    with pytest.raises(ValueError, match=message):
+        Linear(16, 16).load_state_dict(saved)
