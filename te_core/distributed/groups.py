@@ -15,15 +15,25 @@ _TRACED_DISAGREE = ("{module}: the tensor-parallel ranks disagree on the input's
                     "same shape and dtype (run the step once without torch.compile to see each rank's shape)")
 
 
-def group_size(group, module: str) -> int:
-    """The number of ranks of `group`, a torch.distributed process group."""
+def group_size(group, module: str, arg: str = "tp_group") -> int:
+    """The number of ranks of `group`, a torch.distributed process group (the argument `arg`)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"{module}: a tensor-parallel group was given but torch.distributed is not initialized; "
                            "call torch.distributed.init_process_group() first (torchrun sets up its environment)")
+    check_member(group, f"{module}: {arg}")
     if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{module}: tp_group must be a torch.distributed ProcessGroup (e.g. from "
+        raise TypeError(f"{module}: {arg} must be a torch.distributed ProcessGroup (e.g. from "
                         f"torch.distributed.new_group), got {type(group).__name__}")
     return dist.get_world_size(group)
+
+
+def check_member(group, what: str) -> None:
+    """A clear error for the placeholder torch.distributed.new_group returns on the ranks it leaves
+    out: the calling rank is not in that group, and a collective on it would do nothing."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"{what} does not contain this rank ({dist.get_rank()}): torch.distributed.new_group "
+                         "returned its placeholder for the ranks it leaves out; pass each rank a group it belongs to "
+                         "(every rank calls new_group for every group, and keeps the one holding its own rank)")
 
 
 def _signature(x: Tensor) -> Tensor:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -183,9 +183,16 @@ def _fp8_entry(param: Tensor, options: StateDictOptions) -> Dict[str, Any]:
     return {"fp8_data": data, "fp8_scale_inv": scale_inv, "fp8_format": _format_name(local.fp8_dtype)}
 
 
+def _check_model(model, function: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"te_core.distributed.state_dict.{function}: model must be a torch.nn.Module (the model "
+                        f"itself, FSDP2-sharded or not), got {type(model).__name__}")
+
+
 def get_model_state_dict(model: nn.Module, *, options: Optional[StateDictOptions] = None) -> Dict[str, Any]:
     """torch.distributed.checkpoint.state_dict.get_model_state_dict, with each FP8 primary weight
     as its FP8 bytes and scale_inv (see the module docstring). Call it on every rank."""
+    _check_model(model, "get_model_state_dict")
     options = options or StateDictOptions()
     weights = _fp8_weights(model)
     _check_scales_agree(weights)
@@ -300,6 +307,11 @@ def set_model_state_dict(model: nn.Module, model_state_dict: Dict[str, Any], *,
     this module's get_model_state_dict (sharded, or full on every rank): torch loads every other
     entry first (the extra state restores the scaling state), then each FP8 weight gets its saved
     bytes and scale_inv. Call it on every rank."""
+    _check_model(model, "set_model_state_dict")
+    if not isinstance(model_state_dict, Mapping):
+        raise TypeError("te_core.distributed.state_dict.set_model_state_dict: model_state_dict must be a dict of "
+                        "state-dict key -> value (as get_model_state_dict returns, or DCP loads into), got "
+                        f"{type(model_state_dict).__name__}")
     options = options or StateDictOptions()
     weights = _fp8_weights(model)
     if weights and options.broadcast_from_rank0:
@@ -355,6 +367,7 @@ class _FP8StateKept:
 def get_optimizer_state_dict(model: nn.Module, optimizers, *, options: Optional[StateDictOptions] = None):
     """torch.distributed.checkpoint.state_dict.get_optimizer_state_dict, leaving the model's FP8
     weights and scaling state unchanged (see _FP8StateKept)."""
+    _check_model(model, "get_optimizer_state_dict")
     with _FP8StateKept(model):
         return torch_state_dict.get_optimizer_state_dict(model, optimizers, options=options)
 
@@ -364,5 +377,6 @@ def set_optimizer_state_dict(model: nn.Module, optimizers, optim_state_dict, *,
     """torch.distributed.checkpoint.state_dict.set_optimizer_state_dict, leaving the model's FP8
     weights and scaling state unchanged (see _FP8StateKept), so it may come before or after
     set_model_state_dict."""
+    _check_model(model, "set_optimizer_state_dict")
     with _FP8StateKept(model):
         torch_state_dict.set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)

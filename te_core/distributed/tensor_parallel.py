@@ -76,6 +76,9 @@ def init_tensor_parallel(module: TensorParallelMixin, name: str, *, tp_group, tp
     check_tp_arguments(name, tp_size, get_rng_state_tracker)
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"{name}: sequence_parallel must be True or False, got {sequence_parallel!r}")
+    if rng_tracker_name is not None and not isinstance(rng_tracker_name, str):
+        raise TypeError(f"{name}: rng_tracker_name must be a string (the name of a state added to the RNG tracker) "
+                        f"or None, got {rng_tracker_name!r}")
     if tp_group is not None and tp_size == 1:
         tp_size = group_size(tp_group, name)
     module.tp_size, module.parallel_mode = tp_size, parallel_mode
@@ -112,8 +115,20 @@ def init_weight(module, init_method: Callable[[Tensor], None], weight: Tensor) -
     if tracker_fn is None:
         init_method(weight)
         return
-    with tracker_fn().fork(module.rng_tracker_name or MODEL_PARALLEL_RNG_TRACKER_NAME):
+    tracker = tracker_of(tracker_fn, type(module).__name__)
+    with tracker.fork(module.rng_tracker_name or MODEL_PARALLEL_RNG_TRACKER_NAME):
         init_method(weight)
+
+
+def tracker_of(get_rng_state_tracker: Callable, module: str):
+    """get_rng_state_tracker(), checked: a tracker (an object with fork(name)), not what a getter
+    that forgot to return one gives (None) or the tracker's class."""
+    tracker = get_rng_state_tracker()
+    if isinstance(tracker, type) or not callable(getattr(tracker, "fork", None)):
+        raise TypeError(f"{module}: get_rng_state_tracker() returned {tracker!r}, not an RNG states tracker (an object "
+                        "with fork(name), e.g. te_core.distributed.RNGStatesTracker()); make the function return "
+                        "the tracker instance")
+    return tracker
 
 
 def mark_model_parallel(module) -> None:

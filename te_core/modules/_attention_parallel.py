@@ -76,4 +76,5 @@ class AttentionParallelMixin:
     def _dropout_context(self, dropout: bool):
         if not dropout or self.get_rng_state_tracker is None or self.sequence_parallel:
             return contextlib.nullcontext()
-        return self.get_rng_state_tracker().fork(MODEL_PARALLEL_RNG_TRACKER_NAME)
+        return tensor_parallel.tracker_of(self.get_rng_state_tracker, type(self).__name__).fork(
+            MODEL_PARALLEL_RNG_TRACKER_NAME)

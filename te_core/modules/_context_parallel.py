@@ -34,7 +34,7 @@ def cp_size_of(cp_group, module: str) -> int:
     if isinstance(cp_group, (list, tuple)):
         raise NotImplementedError(f"{module}: a list of context-parallel groups (cp_comm_type 'a2a+p2p') is not "
                                   "supported by te-core; give one group with cp_comm_type 'all_gather'")
-    return group_size(cp_group, module)
+    return group_size(cp_group, module, arg="cp_group")
 
 
 def check_comm_type(cp_comm_type, module: str) -> str:

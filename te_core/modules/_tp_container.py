@@ -52,4 +52,5 @@ class TensorParallelContainer(tensor_parallel.TensorParallelMixin):
         which would leave every state as it is (and which torch.compile cannot trace)."""
         if self.get_rng_state_tracker is None or self.sequence_parallel or not draws:
             return contextlib.nullcontext()
-        return self.get_rng_state_tracker().fork(tensor_parallel.MODEL_PARALLEL_RNG_TRACKER_NAME)
+        return tensor_parallel.tracker_of(self.get_rng_state_tracker, type(self).__name__).fork(
+            tensor_parallel.MODEL_PARALLEL_RNG_TRACKER_NAME)

@@ -17,7 +17,7 @@ from .. import backend as _backend
 from .._flags import flag
 from .._tracing import run_while_tracing
 from ..recipe import NVFP4_UNSUPPORTED, DelayedScaling, Recipe
-from .scaling import PendingUpdates, ScalingGroup
+from .scaling import PendingUpdates, ScalingGroup, check_reduction_member
 
 __all__ = [
     "AutocastContext", "autocast", "fp8_autocast", "get_autocast_context", "quantized_model_init",
@@ -96,6 +96,8 @@ class autocast(ContextDecorator):
 
     def __enter__(self):
         recipe = _check_recipe(self.recipe, "autocast")
+        if self.amax_reduction_group is not None:
+            check_reduction_member(self.amax_reduction_group)
         if (self.enabled or self.calibrating) and recipe.nvfp4():  # (importable, as TE code names it; not run)
             raise NotImplementedError(f"autocast: {NVFP4_UNSUPPORTED}")
         if self.enabled:

@@ -259,7 +259,7 @@ def reduce_amaxes(entries: Sequence[Tuple[ScalingGroup, object]]) -> None:
         if group.recipe.reduce_amax:
             by_process_group.setdefault(id(process_group), (process_group, []))[1].append(group)
     for process_group, groups in by_process_group.values():
-        if torch.distributed.get_world_size(group=process_group) == 1:
+        if _reduction_group_size(process_group) == 1:
             continue  # as Transformer Engine: nothing to agree on
         rows = [g.amax_history[0] for g in groups]
         flat = _all_reduce_fmax(torch.cat(rows), process_group)
@@ -273,9 +273,32 @@ def reduce_first_amax(group: ScalingGroup, amax: Tensor, process_group) -> Tenso
     as the updates keep them afterwards."""
     if not group.recipe.reduce_amax or not _distributed_ready():
         return amax
-    if torch.distributed.get_world_size(group=process_group) == 1:
+    if _reduction_group_size(process_group) == 1:
         return amax
     return _all_reduce_fmax(amax.reshape(1), process_group)
+
+
+def check_reduction_member(process_group) -> None:
+    """A clear error where te.autocast's amax_reduction_group is the placeholder that
+    torch.distributed.new_group returns on the ranks it leaves out: this rank's amaxes would
+    silently never be reduced (torch skips a collective on a group the rank is not in)."""
+    dist = torch.distributed
+    if dist.is_available() and process_group is dist.GroupMember.NON_GROUP_MEMBER:
+        rank = dist.get_rank() if dist.is_initialized() else "?"
+        raise ValueError(f"autocast: amax_reduction_group does not contain this rank ({rank}): "
+                         "torch.distributed.new_group returned its placeholder for the ranks it leaves out; pass each "
+                         "rank a group it belongs to (or None, the default group)")
+
+
+def _reduction_group_size(process_group) -> int:
+    """The number of ranks of the amax_reduction_group, or a clear error for what is no group."""
+    check_reduction_member(process_group)
+    try:
+        return torch.distributed.get_world_size(group=process_group)
+    except AttributeError:  # (torch reads group.size() of whatever it is given)
+        raise TypeError("autocast: amax_reduction_group must be a torch.distributed ProcessGroup (e.g. from "
+                        "torch.distributed.new_group) or None for the default group, got "
+                        f"{type(process_group).__name__}") from None
 
 
 def _all_reduce_fmax(flat: Tensor, process_group) -> Tensor:

@@ -27,6 +27,7 @@ from ._pool import pool_of
     (lambda: Linear(64, 64, sequence_parallel=2), r"sequence_parallel must be True or False"),
     (lambda: Linear(64, 64, get_rng_state_tracker=te.distributed.RNGStatesTracker()),
      r"get_rng_state_tracker must be a function returning the tracker"),
+    (lambda: Linear(64, 64, rng_tracker_name=5), r"Linear: rng_tracker_name must be a string .* or None, got 5"),
 ])
 def test_bad_arguments_are_named(build, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -56,6 +57,29 @@ def test_shapes_per_rank_and_defaults():
     assert LayerNormLinear(64, 64, parallel_mode="row").weight.shape == (64, 64)  # no-op without parallelism
     x = torch.randn(4, 64)
     torch.testing.assert_close(plain(x), x @ plain.weight.T + plain.bias, rtol=1.3e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("getter", [lambda: None, lambda: te.distributed.RNGStatesTracker])
+def test_tracker_getter_returning_no_tracker_is_named(getter):
+    """A get_rng_state_tracker that returns None (or the class) failed with "'NoneType' object has
+    no attribute 'fork'"; now the message says what the function must return."""
+    with pytest.raises(TypeError, match=r"Linear: get_rng_state_tracker\(\) returned .*not an RNG states tracker"):
+        Linear(64, 64, parallel_mode="column", get_rng_state_tracker=getter)
+    with pytest.raises(TypeError, match=r"get_rng_state_tracker\(\) returned None"):
+        te.MultiheadAttention(32, 2, attention_dropout=0.5, get_rng_state_tracker=lambda: None)
+
+
+def test_state_dict_helpers_name_a_wrong_model_or_state_dict():
+    from te_core.distributed import state_dict
+
+    with pytest.raises(TypeError, match=r"get_model_state_dict: model must be a torch.nn.Module.*got dict"):
+        state_dict.get_model_state_dict({"weight": torch.zeros(2)})
+    with pytest.raises(TypeError, match=r"set_model_state_dict: model_state_dict must be a dict.*got list"):
+        state_dict.set_model_state_dict(Linear(16, 16), [("weight", torch.zeros(16, 16))])
+    with pytest.raises(TypeError, match=r"get_optimizer_state_dict: model must be a torch.nn.Module"):
+        state_dict.get_optimizer_state_dict(None, [])
+    plain = torch.nn.Linear(4, 4)  # a model without FP8 weights, not sharded: torch's state dict, as is
+    assert state_dict.get_model_state_dict(plain).keys() == plain.state_dict().keys()
 
 
 def test_forward_without_a_group_says_how_to_set_one():
@@ -89,6 +113,40 @@ def test_wrong_group_is_named(pool):
         assert "tp_group must be a torch.distributed ProcessGroup" in messages[0]
         assert "has 4 ranks but the module was built with tp_size=2" in messages[1]
         assert "has 4 ranks but the module was built with tp_size=2" in messages[2]
+
+
+def _group_without_this_rank(ctx):
+    """Errors on each rank for the placeholder new_group gives the ranks it leaves out (ranks 2
+    and 3 for the group of ranks 0 and 1), and for an amax_reduction_group that is no group."""
+    pair = dist.new_group([0, 1])  # every rank creates it; ranks 2 and 3 get a placeholder
+    messages = []
+    builds = [lambda: Linear(64, 64, parallel_mode="column", tp_group=pair),
+              lambda: te.DotProductAttention(2, 16, cp_group=pair, cp_comm_type="all_gather")]
+    for group in (pair, object()):
+        def step(group=group):
+            with te.autocast(amax_reduction_group=group):
+                Linear(16, 16)(torch.randn(16, 16))
+        builds.append(step)
+    for build in builds:
+        try:
+            build()
+            messages.append(None)
+        except (TypeError, ValueError) as err:
+            messages.append(str(err))
+    return messages
+
+
+def test_group_without_this_rank_is_named(pool):
+    """Such a group was refused as "got int" (tp_group) or silently skipped the amax reduction."""
+    results = pool.run(_group_without_this_rank)
+    for rank, (linear, attention, amax, not_a_group) in enumerate(results):
+        assert "amax_reduction_group must be a torch.distributed ProcessGroup" in not_a_group
+        if rank < 2:
+            assert linear is None and attention is None and amax is None
+            continue
+        assert f"Linear: tp_group does not contain this rank ({rank})" in linear
+        assert f"DotProductAttention: cp_group does not contain this rank ({rank})" in attention
+        assert f"autocast: amax_reduction_group does not contain this rank ({rank})" in amax
 
 
 def _disagreeing_shapes(ctx, sequence_parallel: bool):
