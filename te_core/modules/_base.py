@@ -23,6 +23,7 @@ from ..quantization.tensor import QuantizedTensor
 from ..recipe import recipe_from_config
 from ._common import check_optional_bool, resolve_device, resolve_params_dtype
 from ._microbatch import first_microbatch
+from ._reset import DeferredInit
 
 _STATE_IN_GRAPH = (
     "{module}: torch.compile is tracing the first use of {recipe}, whose amax histories and scales a compiled "
@@ -112,7 +113,7 @@ def init_quantization_state(model: nn.Module, recipe) -> None:
                 mark_static_address(group.scale)
 
 
-class QuantizedModule(nn.Module):
+class QuantizedModule(DeferredInit, nn.Module):
     """Base for modules whose GEMMs follow te_core.autocast. Subclasses declare their quantizer
     slots, call `quantization_step(is_first_microbatch)` once per forward and pass the step to
     their autograd Function (see te_core/modules/linear.py)."""
@@ -135,14 +136,6 @@ class QuantizedModule(nn.Module):
         self._fp8_primary: Dict[str, str] = {}
         self._fp8_init = None
         _LIVE[id(self)] = self
-
-    def reset_parameters(self, defer_init: bool = False) -> None:
-        """Initialize the parameters as construction does (the subclass's `_initialize`),
-        materializing those on the meta device on te-core's device, and quantizing FP8 primary
-        weights (quantized_model_init) again; see te_core/modules/_reset.py. `defer_init=True`
-        (Transformer Engine's) does nothing."""
-        if not defer_init:
-            self._initialize()
 
     def __getstate__(self) -> dict:
         # a copy (deepcopy, pickle) leaves out the FP8 weights' gradient stand-ins (_grad_proxy):

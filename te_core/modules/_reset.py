@@ -27,6 +27,18 @@ from ..quantization.tensor import QuantizedTensor
 from ._common import resolve_device
 
 
+class DeferredInit:
+    """Transformer Engine's reset_parameters(defer_init=False) for a module whose `_initialize()`
+    writes its parameters' initial values through `resetting`: `defer_init=True` does nothing."""
+
+    def reset_parameters(self, defer_init: bool = False) -> None:
+        """Initialize the parameters as construction does, materializing those on the meta device
+        on te-core's device and quantizing FP8 primary weights (quantized_model_init) again, as the
+        module docstring says. `defer_init=True` (Transformer Engine's) does nothing."""
+        if not defer_init:
+            self._initialize()
+
+
 def local_tensor(param: Tensor) -> Tensor:
     """A DTensor's (FSDP2's sharded parameter's) local shard; any other tensor as it is."""
     return param._local_tensor if hasattr(param, "_local_tensor") else param

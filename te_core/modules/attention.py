@@ -18,7 +18,7 @@ from ..ops.packed_sequences import padded_layout, to_padded
 from ._attention_parallel import AttentionParallelMixin
 from ._attention_inputs import between_seqs, check_qkv, sequence_layout, unpack_qkv
 from ._packed import Packing
-from ._reset import resetting
+from ._reset import DeferredInit, resetting
 from .inference import InferenceParams
 from ._common import (
     HP_DTYPES,
@@ -53,7 +53,7 @@ def check_hidden_dims(x: Tensor, fmt: str, name: str, module: str) -> None:
         raise ValueError(f"{module}: {name} must be 3-D ({fmt}), got shape {tuple(x.shape)}")
 
 
-class DotProductAttention(AttentionParallelMixin, nn.Module):
+class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
     """Attention core with Transformer Engine's constructor and forward signature.
 
     q is (s, b, h, d) for qkv_format "sbhd" or (b, s, h, d) for "bshd"; k and v have
@@ -132,12 +132,9 @@ class DotProductAttention(AttentionParallelMixin, nn.Module):
         else:
             self.softmax_offset = None
 
-    def reset_parameters(self, defer_init: bool = False) -> None:
-        """The learnable softmax_offset (softmax_type="learnable") back to zeros, materialized on
-        te-core's device if on the meta device (see te_core/modules/_reset.py); nothing else
-        here is a parameter. `defer_init=True` (Transformer Engine's) does nothing."""
-        if defer_init:
-            return
+    def _initialize(self) -> None:
+        """reset_parameters' work (DeferredInit): the learnable softmax_offset
+        (softmax_type="learnable") back to zeros; nothing else here is a parameter."""
         with resetting(self) as params:
             if "softmax_offset" in params:
                 params["softmax_offset"].zero_()

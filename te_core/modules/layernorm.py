@@ -22,10 +22,10 @@ from ._common import (
     resolve_params_dtype,
 )
 from ._norm import NormFunction
-from ._reset import resetting
+from ._reset import DeferredInit, resetting
 
 
-class _Norm(nn.Module):
+class _Norm(DeferredInit, nn.Module):
     normalization = ""
 
     def __init__(
@@ -60,13 +60,6 @@ class _Norm(nn.Module):
         else:
             self.register_parameter("bias", None)
         self._initialize(materialize=False)
-
-    def reset_parameters(self, defer_init: Optional[bool] = None) -> None:
-        """Initialize the parameters as construction does, materializing those on the meta device
-        on te-core's device (see te_core/modules/_reset.py). `defer_init=True` (Transformer
-        Engine's) does nothing."""
-        if not defer_init:
-            self._initialize()
 
     def _initialize(self, *, materialize: bool = True) -> None:
         with resetting(self, materialize=materialize) as params:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import NoReturn, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import ops
@@ -148,13 +149,12 @@ def _round_up(v: int) -> int:
 
 
 def _pad_fp8(data: Tensor, rows: int, cols: int) -> Tensor:
-    """FP8 `data` zero-padded to (rows, cols): zero is the zero byte in both FP8 formats."""
+    """FP8 `data` zero-padded to (rows, cols): zero is the zero byte in both FP8 formats (padded
+    as bytes, since torch pads no FP8 dtype)."""
     r, c = data.shape
     if (r, c) == (rows, cols):
         return data
-    padded = torch.zeros((rows, cols), dtype=torch.uint8, device=data.device)
-    padded[:r, :c] = data.view(torch.uint8)
-    return padded.view(data.dtype)
+    return F.pad(data.view(torch.uint8), (0, cols - c, 0, rows - r)).view(data.dtype)
 
 
 def _padded_gemm_fp8(qa: GemmOperand, qb: GemmOperand, m: int, n: int, k: int, *, out_dtype: torch.dtype,
@@ -164,7 +164,7 @@ def _padded_gemm_fp8(qa: GemmOperand, qb: GemmOperand, m: int, n: int, k: int, *
     rows, cols = _round_up(m), _round_up(n)
     a, b = _pad_fp8(qa.data, rows, _round_up(k)), _pad_fp8(qb.data, cols, _round_up(k))
     if bias is not None and cols != n:
-        bias = torch.nn.functional.pad(bias, (0, cols - n))
+        bias = F.pad(bias, (0, cols - n))
     kwargs = dict(out_dtype=out_dtype, scaling=TENSORWISE, fast_accumulation=fast_accumulation)
     if out is not None and (rows, cols) == (m, n):  # only K padded: the product has out's shape
         return ops.gemm_fp8(a, b, qa.scale_inv, qb.scale_inv, bias=bias, out=out, accumulate=accumulate, **kwargs)

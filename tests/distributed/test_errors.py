@@ -94,18 +94,24 @@ def test_group_without_torch_distributed():
         Linear(64, 64, parallel_mode="column", tp_group=object())
 
 
-def _group_errors(ctx):
-    """The errors a rank sees for a group of the wrong kind or size."""
+def _messages(builds):
+    """Each build's TypeError / ValueError message, or None where it raised nothing."""
     messages = []
-    for build in (lambda: Linear(64, 64, parallel_mode="column", tp_group=object()),
-                  lambda: Linear(64, 64, parallel_mode="column", tp_group=ctx.group(4), tp_size=2),
-                  lambda: Linear(64, 64, parallel_mode="column", tp_size=2).set_tensor_parallel_group(ctx.group(4))):
+    for build in builds:
         try:
             build()
             messages.append(None)
         except (TypeError, ValueError) as err:
             messages.append(str(err))
     return messages
+
+
+def _group_errors(ctx):
+    """The errors a rank sees for a group of the wrong kind or size."""
+    return _messages([lambda: Linear(64, 64, parallel_mode="column", tp_group=object()),
+                      lambda: Linear(64, 64, parallel_mode="column", tp_group=ctx.group(4), tp_size=2),
+                      lambda: Linear(64, 64, parallel_mode="column", tp_size=2).set_tensor_parallel_group(
+                          ctx.group(4))])
 
 
 def test_wrong_group_is_named(pool):
@@ -119,7 +125,6 @@ def _group_without_this_rank(ctx):
     """Errors on each rank for the placeholder new_group gives the ranks it leaves out (ranks 2
     and 3 for the group of ranks 0 and 1), and for an amax_reduction_group that is no group."""
     pair = dist.new_group([0, 1])  # every rank creates it; ranks 2 and 3 get a placeholder
-    messages = []
     builds = [lambda: Linear(64, 64, parallel_mode="column", tp_group=pair),
               lambda: te.DotProductAttention(2, 16, cp_group=pair, cp_comm_type="all_gather")]
     for group in (pair, object()):
@@ -127,13 +132,7 @@ def _group_without_this_rank(ctx):
             with te.autocast(amax_reduction_group=group):
                 Linear(16, 16)(torch.randn(16, 16))
         builds.append(step)
-    for build in builds:
-        try:
-            build()
-            messages.append(None)
-        except (TypeError, ValueError) as err:
-            messages.append(str(err))
-    return messages
+    return _messages(builds)
 
 
 def test_group_without_this_rank_is_named(pool):
