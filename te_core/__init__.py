@@ -9,10 +9,13 @@ __version__ = "0.1.0"
 from . import ops, optimizers, recipe
 from .recipe import is_nvfp4_available
 from .backend import get_backend, list_backends, set_backend
+from .dtype import DType
 from .compat.transformer_engine import install_as_transformer_engine
 from .convert import convert_model
 from .cpu_offload import ManualOffloadSynchronizer, get_cpu_offload_context, mark_not_offload
 from .cross_entropy import parallel_cross_entropy
+from .device_queries import get_cudnn_version, get_device_compute_capability
+from .export import onnx_export
 from .distributed import CudaRNGStatesTracker
 from .graphs import make_graphed_callables
 from .host_threads import pin_host_threads
@@ -59,6 +62,15 @@ from .quantization import (
     is_mxfp8_available,
     quantized_model_init,
 )
+from .quantization.custom import QuantizerRole
+# Transformer Engine's quantizer classes and constructors (te_core.quantization's classes of these
+# names are te-core's role-based ones, which recipes build)
+from .quantization.te_quantizers import (
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    MXFP8Quantizer,
+)
 
 __all__ = [
     "__version__", "ops", "optimizers", "recipe", "get_backend", "set_backend", "list_backends", "convert_model",
@@ -74,4 +86,7 @@ __all__ = [
     "moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
     "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "parallel_cross_entropy",
     "CudaRNGStatesTracker", "get_cpu_offload_context", "mark_not_offload", "ManualOffloadSynchronizer",
+    "DType", "Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8BlockQuantizer", "MXFP8Quantizer",
+    "QuantizerRole",
+    "get_device_compute_capability", "get_cudnn_version", "onnx_export",
 ]

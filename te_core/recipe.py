@@ -21,7 +21,7 @@ import torch
 
 __all__ = [
     "Format", "MMParams", "QParams", "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
-    "MXFP8BlockScaling", "NVFP4BlockScaling", "recipe_from_config", "is_nvfp4_available",
+    "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe", "recipe_from_config", "is_nvfp4_available",
 ]
 
 
@@ -206,7 +206,8 @@ class Recipe:
         return config
 
     def compatible_key(self) -> tuple:
-        """What must agree for saved scaling state to be reused (checked on checkpoint load)."""
+        """What must agree for saved scaling state to be reused (checked on checkpoint load); an
+        amax_history_len does not need to (the history is fitted to the recipe's)."""
         return (recipe_name(self), self.fp8_format.name)
 
     # Transformer Engine's type queries, for user code ported from TE (te_core itself never calls
@@ -237,9 +238,8 @@ class Recipe:
 
     @classmethod
     def custom(cls) -> bool:
-        """Transformer Engine's CustomRecipe (user-supplied quantizer factories): te-core has none,
-        so no te-core recipe is one."""
-        return False
+        """Whether this is a CustomRecipe (user-supplied quantizer factories)."""
+        return issubclass(cls, CustomRecipe)
 
 
 AmaxAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
@@ -369,9 +369,6 @@ class DelayedScaling(Recipe):
         from .quantization.state import DelayedScalingState
 
         return DelayedScalingState(self, slots, device)
-
-    def compatible_key(self) -> tuple:
-        return (*super().compatible_key(), self.amax_history_len)
 
 
 _SUPPORTED_OVERRIDES = ((False, False, False), (False, False, True))
@@ -677,3 +674,7 @@ def recipe_from_config(config: Dict[str, Any]) -> Recipe:
             continue
         kwargs[f.name] = value
     return cls(**kwargs)
+
+
+# Its own module (it builds on the helpers above); a name of this one, as in Transformer Engine
+from .custom_recipe import CustomRecipe  # noqa: E402

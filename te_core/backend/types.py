@@ -56,6 +56,12 @@ def _is_text(value: Any) -> bool:
     return isinstance(value, str)
 
 
+def _is_version(value: Any, length: int) -> bool:
+    """A tuple of `length` ints >= 0 (bool excluded: True is no version number)."""
+    return (isinstance(value, tuple) and len(value) == length
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value))
+
+
 @dataclass(frozen=True)
 class BackendInfo:
     """Who a backend is. `vendor_versions` maps library name -> version string (or None)."""
@@ -89,6 +95,12 @@ class Capabilities:
     scaling_modes: the FP8 GEMM scaling modes (see SCALING_MODES) the device runs natively.
     arch: the device architecture as the vendor names it (e.g. "sm_90"), "" when not applicable.
     notes: anything a user should know (e.g. why a mode is missing), shown by `te-core info`.
+    compute_capability: the device's (major, minor) as its vendor numbers it (the numbers `arch`
+        spells), or () for a device that has none (a CPU): Transformer Engine's
+        get_device_compute_capability() answers with it.
+    library_versions: library name -> (major, minor, patch) of the vendor libraries the
+        backend's kernels run through on this device, as the running process loaded them (e.g.
+        {"cudnn": (9, 1, 0)}); Transformer Engine's get_cudnn_version() reads "cudnn".
     """
 
     fp8_formats: Mapping[str, float] = field(default_factory=dict)
@@ -97,6 +109,8 @@ class Capabilities:
     device_name: str = ""
     distributed_backend: str = ""  # torch.distributed backend name for this device ("gloo", ...)
     notes: Tuple[str, ...] = ()
+    compute_capability: Tuple[int, ...] = ()
+    library_versions: Mapping[str, Tuple[int, ...]] = field(default_factory=dict)
 
     def problems(self) -> List[str]:
         """What is malformed or contradicts te-core's formats, checked before the dispatcher
@@ -121,6 +135,15 @@ class Capabilities:
                   for attr in ("arch", "device_name", "distributed_backend") if not _is_text(getattr(self, attr))]
         if not isinstance(self.notes, (tuple, list)) or not all(_is_text(n) for n in self.notes):
             found.append(f"notes must be a tuple of strings, got {self.notes!r}")
+        if self.compute_capability != () and not _is_version(self.compute_capability, 2):
+            found.append(f"compute_capability must be a (major, minor) tuple of ints >= 0, or () for a device "
+                         f"without one, got {self.compute_capability!r}")
+        if not isinstance(self.library_versions, Mapping):
+            found.append(f"library_versions must be a mapping of library name to version tuple, "
+                         f"got {self.library_versions!r}")
+        else:
+            found += [f"library_versions[{k!r}] must be a (major, minor, patch) tuple of ints >= 0, got {v!r}"
+                      for k, v in self.library_versions.items() if not (_is_text(k) and _is_version(v, 3))]
         return found
 
     def check_fp8(self, dtype: torch.dtype) -> Optional[str]:

@@ -185,13 +185,7 @@ def load_split_qkv_names(mha, state_dict, prefix, *_):
     (fuse_qkv_params=False: query_weight, key_weight, value_weight and their biases) become
     te-core's fused weight, in the row order the module reads (interleaved per kv group when
     mha.qkv_weight_interleaved)."""
-    from ..modules.multihead_attention import _input_proj_name
-
-    proj = _input_proj_name(mha.attention_type, mha.input_layernorm)
-    parts = {proj: ("query", "key", "value")} if mha.attention_type == "self" else {
-        proj: ("query",), "key_value": ("key", "value")}
-    parts.pop("query_layer", None)  # TE's plain cross-attention query projection keeps "weight"
-    for sub, names in parts.items():
+    for sub, (names, _) in _qkv_parts(mha).items():
         for kind in ("weight", "bias"):
             keys = [f"{prefix}{sub}.{n}_{kind}" for n in names]
             if not all(k in state_dict for k in keys):
@@ -229,22 +223,57 @@ def to_transformer_engine_state_dict(model) -> dict:
     return state
 
 
-def _split_qkv(mha, state: dict, prefix: str) -> None:
+def _qkv_parts(mha) -> dict:
+    """{input projection's name: ((part names), (rows))} of a non-interleaved MultiheadAttention:
+    the row blocks Transformer Engine keeps as separate parameters with fuse_qkv_params=False,
+    for this rank's heads (all of them without tensor parallelism)."""
     from ..modules.multihead_attention import _input_proj_name
 
-    # the weights of this rank's heads (all of them without tensor parallelism)
     h, g, d = mha.num_attention_heads_per_partition, mha.num_gqa_groups_per_partition, mha.kv_channels
     proj = _input_proj_name(mha.attention_type, mha.input_layernorm)
     if mha.attention_type == "self":
-        parts = {proj: (("query", "key", "value"), (h * d, g * d, g * d))}
-    else:
-        parts = {proj: (("query",), (h * d,)), "key_value": (("key", "value"), (g * d, g * d))}
-    for sub, (names, sizes) in parts.items():
-        if sub == "query_layer":
-            continue  # TE's plain cross-attention query projection keeps the name "weight"
+        return {proj: (("query", "key", "value"), (h * d, g * d, g * d))}
+    parts = {"key_value": (("key", "value"), (g * d, g * d))}
+    if proj != "query_layer":  # TE's plain cross-attention query projection keeps the name "weight"
+        parts[proj] = (("query",), (h * d,))
+    return parts
+
+
+def _split_qkv(mha, state: dict, prefix: str, plain_only: bool = False) -> None:
+    """Replace `state`'s fused q/k/v entries of `mha` by TE's per-part names, in place and in
+    order; the parts are views of the fused tensor. `plain_only`: only plain tensors (see
+    save_split_qkv_names)."""
+    splits = {}
+    for sub, (names, sizes) in _qkv_parts(mha).items():
         for kind in ("weight", "bias"):
-            fused = state.pop(f"{prefix}{sub}.{kind}", None)
-            if fused is None:
+            key = f"{prefix}{sub}.{kind}"
+            fused = state.get(key)
+            if fused is None or (plain_only and type(fused) is not torch.Tensor):
                 continue
-            for name, part in zip(names, fused.split(sizes)):
-                state[f"{prefix}{sub}.{name}_{kind}"] = part
+            splits[key] = [(f"{prefix}{sub}.{name}_{kind}", part) for name, part in zip(names, fused.split(sizes))]
+    if not splits:
+        return
+    items = list(state.items())
+    state.clear()
+    for key, value in items:
+        state.update(splits.get(key, ((key, value),)))
+
+
+def expose_split_qkv_names(mha) -> None:
+    """Give `mha`'s fused projections Transformer Engine's part names (fuse_qkv_params=False):
+    `layernorm_qkv.query_weight` and the like read as row views of the fused weight, as the
+    state dict names them (save_split_qkv_names), so code and tools that look a state dict's
+    names up as attributes (torch.distributed.checkpoint's state-dict functions) find them."""
+    for sub, (names, sizes) in _qkv_parts(mha).items():
+        getattr(mha, sub).expose_row_views(tuple(zip(names, sizes)))
+
+
+def save_split_qkv_names(mha, state_dict, prefix, local_metadata) -> None:
+    """state_dict post-hook of MultiheadAttention with fuse_qkv_params=False: the q, k and v
+    weights and biases under Transformer Engine's names (query_weight, key_weight, value_weight,
+    query_bias, ...), as views of te-core's fused parameter, so that code written for TE's state
+    dict (its Hugging Face loading recipes write `state_dict()[...query_weight].data[:]`) reads
+    and writes the module's weights. Only plain tensors are split: `keep_vars=True` (the
+    Parameters themselves), FP8 primary weights and sharded (DTensor) weights keep the fused
+    name, as `named_parameters()` does. load_split_qkv_names reads both forms back."""
+    _split_qkv(mha, state_dict, prefix, plain_only=True)

@@ -23,6 +23,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .fp8_state import GlobalStateControls
+from .te_extension import EXTENSION, EXTENSION_HINT, constants, tensor_quantizers
 from .te_metadata import install_metadata, uninstall_metadata
 
 ROOT = "transformer_engine"
@@ -45,9 +47,6 @@ _NVFP4_HINT = "NVFP4 is not supported by te-core yet: transformer_engine.pytorch
 _TENSORS_HINT = ("te-core's quantized tensors are transformer_engine.pytorch.QuantizedTensor and its subclasses "
                  "Float8Tensor, MXFP8Tensor and Float8BlockwiseQTensor (te_core.quantization); it has no "
                  "separate storage classes")
-_QUANTIZERS_HINT = ("te-core's quantizers are te_core.quantization.Float8Quantizer, Float8CurrentScalingQuantizer, "
-                    "Float8BlockQuantizer and MXFP8Quantizer, built by a recipe (te_core.recipe) for a module's "
-                    "tensors, with constructors other than Transformer Engine's")
 _KERNELS_HINT = "Transformer Engine's kernels and bindings; te-core's backends implement its op contract (te_core.ops)"
 # The nearest te-core counterpart of Transformer Engine names te-core does not provide, by the
 # name's path under transformer_engine.pytorch (or its last part, for names found in several places)
@@ -57,17 +56,13 @@ _NEAREST = {
     "QuantizedTensorStorage": _TENSORS_HINT, "Float8TensorStorage": _TENSORS_HINT,
     "MXFP8TensorStorage": _TENSORS_HINT, "Float8BlockwiseQTensorStorage": _TENSORS_HINT,
     "tensor.storage": _TENSORS_HINT, "prepare_for_saving": _TENSORS_HINT, "restore_from_saved": _TENSORS_HINT,
-    "Float8Quantizer": _QUANTIZERS_HINT, "Float8CurrentScalingQuantizer": _QUANTIZERS_HINT,
-    "MXFP8Quantizer": _QUANTIZERS_HINT, "Float8BlockQuantizer": _QUANTIZERS_HINT,
-    "utils": "the names of Transformer Engine's utils that te-core has are top-level: "
-             "transformer_engine.pytorch.is_bf16_available",
     "graph": "te-core's CUDA-graph capture is transformer_engine.pytorch.make_graphed_callables",
     "ops": "that is Transformer Engine's fusible-operation API; te-core's modules (transformer_engine.pytorch."
            "Linear, LayerNormMLP, ...) are the layers it provides",
     "initialize_ub": "userbuffers (communication overlap) are not supported by te-core",
     "destroy_ub": "userbuffers (communication overlap) are not supported by te-core",
     "UserBufferQuantizationMode": "userbuffers (communication overlap) are not supported by te-core",
-    "export": "ONNX export is not provided", "onnx_export": "ONNX export is not provided",
+    "te_translation_table": "te-core does not export ONNX graphs of its FP8 modules; see onnx_export",
     "cpp_extensions": _KERNELS_HINT, "jit": _KERNELS_HINT, "triton": _KERNELS_HINT,
     "attention.dot_product_attention": "DotProductAttention is transformer_engine.pytorch.attention.DotProductAttention",
     "attention.multi_head_attention": "MultiheadAttention is transformer_engine.pytorch.attention.MultiheadAttention",
@@ -91,7 +86,7 @@ def _not_provided_message(module_name: str, name: str) -> str:
     te-core's nearest counterpart where it has one."""
     full = f"{module_name}.{name}"
     relative = full[len(ROOT) + len(".pytorch."):] if full.startswith(ROOT + ".pytorch.") else full
-    hint = _NEAREST.get(relative) or _NEAREST.get(name)
+    hint = EXTENSION_HINT if full.startswith(EXTENSION + ".") else _NEAREST.get(relative) or _NEAREST.get(name)
     return (f"te-core stands in for Transformer Engine here and does not provide {full!r}"
             + (f" ({hint})" if hint else "")
             + ". It provides Transformer Engine's public API: the top-level names of transformer_engine.pytorch "
@@ -136,7 +131,7 @@ class _NotProvidedFinder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname, path=None, target=None):
         parent, _, name = fullname.rpartition(".")
-        if not fullname.startswith(ROOT + ".") or not _is_stand_in(parent):
+        if not _is_te_name(parent) or not _is_stand_in(parent):
             return None
         context = _import_statement_context()
         if context is None:
@@ -178,9 +173,10 @@ def check_nvfp4_support() -> Tuple[bool, str]:
     return is_nvfp4_available(return_reason=True)
 
 
-class FP8GlobalStateManager:
+class FP8GlobalStateManager(GlobalStateControls):
     """The queries callers make of Transformer Engine's global FP8 state, answered from
-    te-core's autocast context (te-core keeps no global state to reset or mutate)."""
+    te-core's autocast context; te-core keeps no global state (reset and the calls that would
+    mutate it: te_core.compat.fp8_state)."""
 
     is_fp8_available = staticmethod(check_fp8_support)
     is_mxfp8_available = staticmethod(check_mxfp8_support)
@@ -236,10 +232,11 @@ def _fp8_module(name: str) -> types.ModuleType:
         setattr(module, attr, globals()[attr])
     module.FP8GlobalStateManager = FP8GlobalStateManager
     for attr in ("autocast", "fp8_autocast", "fp8_model_init", "quantized_model_init", "is_fp8_available",
-                 "is_mxfp8_available", "is_fp8_block_scaling_available", "is_nvfp4_available", "get_default_recipe"):
+                 "is_mxfp8_available", "is_fp8_block_scaling_available", "is_nvfp4_available", "get_default_recipe",
+                 "QuantizerRole"):
         setattr(module, attr, getattr(te_core, attr))
     for attr in ("Recipe", "DelayedScaling", "Format", "Float8CurrentScaling", "Float8BlockScaling",
-                 "MXFP8BlockScaling", "NVFP4BlockScaling"):
+                 "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe"):
         setattr(module, attr, getattr(recipe, attr))
     module.get_default_fp8_recipe = recipe.DelayedScaling
     return module
@@ -285,7 +282,7 @@ def _dummy_wgrads():
 
 def _pytorch_module() -> types.ModuleType:
     import te_core
-    from te_core import cpu_offload, modules, permutation, quantization, router
+    from te_core import cpu_offload, export, modules, permutation, quantization, router
     from te_core.modules.checkpoint import activation_recompute_forward
 
     module = _module(f"{ROOT}.pytorch", "te-core standing in for transformer_engine.pytorch")
@@ -297,14 +294,22 @@ def _pytorch_module() -> types.ModuleType:
     module.quantization = _fp8_module(f"{ROOT}.pytorch.quantization")
     _submodule(module, "distributed", "checkpoint() for activation recompute, the RNG states tracker", dict(
         checkpoint=te_core.checkpoint, CudaRNGStatesTracker=te_core.CudaRNGStatesTracker,
-        activation_recompute_forward=activation_recompute_forward))
+        activation_recompute_forward=activation_recompute_forward,
+        prepare_te_modules_for_fsdp=te_core.distributed.prepare_te_modules_for_fsdp))
+    _submodule(module, "utils", "device queries", _names(te_core, [
+        "get_device_compute_capability", "get_cudnn_version", "is_bf16_available"]))
+    _submodule(module, "export", "the ONNX-export switch", _names(export, export.__all__))
     _submodule(module, "cpu_offload", "activation offloading to host memory", _names(cpu_offload, cpu_offload.__all__))
     tensors = dict(QuantizedTensor=quantization.QuantizedTensor, Float8Tensor=quantization.Float8Tensor,
                    MXFP8Tensor=quantization.MXFP8Tensor, Float8BlockwiseQTensor=quantization.Float8BlockwiseTensor)
     tensor = _submodule(module, "tensor", "te-core's quantized tensors under Transformer Engine's names", tensors)
+    quantizers = tensor_quantizers()
     for sub, cls in (("float8_tensor", "Float8Tensor"), ("mxfp8_tensor", "MXFP8Tensor"),
                      ("float8_blockwise_tensor", "Float8BlockwiseQTensor")):
-        _submodule(tensor, sub, f"{cls}", {cls: tensors[cls]})
+        _submodule(tensor, sub, f"{cls} and its quantizers", {cls: tensors[cls], **quantizers[sub]})
+        for name, quantizer in quantizers[sub].items():
+            setattr(tensor, name, quantizer)
+    _submodule(module, "constants", "DType and its torch dtype tables", constants())
     rope = dict(RotaryPositionEmbedding=te_core.RotaryPositionEmbedding, apply_rotary_pos_emb=te_core.apply_rotary_pos_emb,
                 apply_fused_qkv_rotary_pos_emb=te_core.apply_fused_qkv_rotary_pos_emb)
     attention = _submodule(module, "attention", "attention modules and rotary embeddings", dict(
@@ -346,6 +351,11 @@ def _stand_in_modules(module: types.ModuleType) -> dict:
     return found
 
 
+def _is_te_name(name: str) -> bool:
+    """Whether `name` is a module of Transformer Engine's (its package or its extension)."""
+    return any(name == top or name.startswith(top + ".") for top in (ROOT, EXTENSION))
+
+
 def _is_stand_in(name: str) -> bool:
     return getattr(sys.modules.get(name), "__te_core_stand_in__", False)
 
@@ -369,9 +379,11 @@ def install_as_transformer_engine(replace: bool = False) -> types.ModuleType:
     pytorch = _pytorch_module()
     root.__version__ = pytorch.__version__
     root.common, root.pytorch, common.recipe = common, pytorch, recipe
+    extension = _module(EXTENSION, "te-core standing in for Transformer Engine's compiled extension: DType only")
+    extension.DType = pytorch.DType
     modules = {ROOT: root, f"{ROOT}.common": common, f"{ROOT}.common.recipe": recipe,
-               f"{ROOT}.pytorch.optimizers": pytorch.optimizers, **_stand_in_modules(pytorch)}
-    for name in [n for n in sys.modules if n == ROOT or n.startswith(ROOT + ".")]:
+               f"{ROOT}.pytorch.optimizers": pytorch.optimizers, **_stand_in_modules(pytorch), EXTENSION: extension}
+    for name in [n for n in sys.modules if _is_te_name(n)]:
         del sys.modules[name]  # a replaced real package: none of its submodules may linger
     sys.modules.update(modules)
     _PROVIDED[:] = sorted(modules)
@@ -388,6 +400,6 @@ def uninstall_transformer_engine() -> None:
     uninstall_metadata()
     while _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
-    for name in [n for n in sys.modules if n == ROOT or n.startswith(ROOT + ".")]:
+    for name in [n for n in sys.modules if _is_te_name(n)]:
         if _is_stand_in(name) or sys.modules[name] is recipe or sys.modules[name] is optimizers:
             del sys.modules[name]

@@ -22,7 +22,8 @@ per-tensor scaled FSDP2 weight's shards share one scale (te_core.distributed.fsd
 scale_inv serves every sharding; saving checks that the ranks agree on it. A load that one rank
 refuses is refused on every rank. Every other entry (high-precision parameters, buffers, the
 modules' extra state with the recipe and the delayed-scaling amax histories and scales) is
-torch's. The optimizer's functions are torch's, made to leave the FP8
+torch's, the extra state as te-core's checkpoint dict rather than its uint8 tensor (DCP restores
+an object whole, where it would load a tensor in place into one of the same size). The optimizer's functions are torch's, made to leave the FP8
 weights and scaling state as they are (torch may run a zero-learning-rate step, which requantizes).
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.modules.module import _IncompatibleKeys
 
+from ..quantization import extra_state as extra_state_bytes
 from ..quantization.float8_tensor import Float8Tensor
 from ..quantization.tensor import QuantizedTensor
 from .fsdp import bind_shard
@@ -197,6 +199,7 @@ def get_model_state_dict(model: nn.Module, *, options: Optional[StateDictOptions
     weights = _fp8_weights(model)
     _check_scales_agree(weights)
     state = torch_state_dict.get_model_state_dict(model, options=options)
+    _extra_state_as_objects(state)
     entries = {key: _fp8_entry(param, options) for key, param in weights.items()}  # a full one gathers here
     for key, entry in entries.items():
         if key in state:
@@ -206,6 +209,16 @@ def get_model_state_dict(model: nn.Module, *, options: Optional[StateDictOptions
                            f"{', '.join(list(state)[:8])}, ...); wrapped models (torch.compile's _orig_mod) are "
                            "not supported, pass the unwrapped model")
     return state
+
+
+def _extra_state_as_objects(state: Dict[str, Any]) -> None:
+    """Modules' extra state as te-core's checkpoint dict (None where empty) instead of its uint8
+    tensor: DCP loads a tensor in place, into the destination's tensor of the same size, which a
+    model whose scaling state is not made yet (or another history length) does not have; an
+    object it saves and restores whole. set_extra_state takes either form."""
+    for key, value in state.items():
+        if key.endswith("_extra_state") and extra_state_bytes.is_encoded(value):
+            state[key] = extra_state_bytes.decode(value, key)
 
 
 def _this_rank(key: str, what: str, t: Tensor, param: Tensor, shape: Tuple[int, ...], local_shape) -> Tensor:

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .._tracing import run_while_tracing
+from ..quantization import extra_state as extra_state_bytes
 from ..quantization import high_precision_init
 from ..quantization.autocast import get_autocast_context, model_init_preserves_high_precision, model_init_recipe
 from ..quantization.roles import QuantizerSlot
@@ -257,6 +258,10 @@ class QuantizedModule(DeferredInit, nn.Module):
         self.__dict__.setdefault("_fp8_primary", {}).update(slots)
         return True
 
+    def holds_primary_fp8_weights(self) -> bool:
+        """Whether weights were made under quantized_model_init (kept only in quantized form)."""
+        return bool(self.__dict__.get("_fp8_primary"))
+
     def preserves_high_precision_init_val(self) -> bool:
         init = self.__dict__.get("_fp8_init")
         return bool(init and init[1])
@@ -315,11 +320,14 @@ class QuantizedModule(DeferredInit, nn.Module):
             return {"forward": {}, "backward": {}}
         return self._recipe_state.quantization_state()
 
-    def get_extra_state(self) -> Optional[dict]:
-        return extra_state(self._recipe_state)
+    def get_extra_state(self) -> Tensor:
+        """Transformer Engine's form: a uint8 tensor, empty without scaling state (extra_state.py)."""
+        return extra_state_bytes.encode(extra_state(self._recipe_state))
 
     def set_extra_state(self, state) -> None:
-        if isinstance(state, Tensor) and state.dtype == torch.uint8:  # Transformer Engine's serialized form
+        if extra_state_bytes.is_encoded(state):
+            state = extra_state_bytes.decode(state, type(self).__name__)
+        elif isinstance(state, Tensor) and state.dtype == torch.uint8:  # Transformer Engine's serialized form
             from ..compat.te_checkpoint import te_extra_state
 
             state = te_extra_state(self, state)

@@ -6,6 +6,10 @@ value_weight (and query_bias, ...) in place of weight (and bias); a list or tupl
 the rows equally. Trailing underscores of the names are dropped, as in Transformer Engine, so
 its checkpoints load under the same keys. `module.weight` / `module.bias` then read the
 concatenation of the parts, and the GEMM's gradient flows back into each part.
+
+The reverse, for a module that keeps one fused parameter but is addressed by Transformer
+Engine's part names (MultiheadAttention with fuse_qkv_params=False: `layernorm_qkv.query_weight`):
+`expose_row_views` makes those names read as row views of the fused weight and bias.
 """
 from __future__ import annotations
 
@@ -94,9 +98,26 @@ class ParameterSplitMixin:
                     for (name, _), part in zip(splits, whole.split([rows for _, rows in splits])):
                         params[f"{name}_{suffix}"].copy_(part)
 
+    def expose_row_views(self, splits: Splits) -> None:
+        """`{name}_weight` / `{name}_bias` of each (name, rows) of `splits` read as views of those
+        rows of the fused weight and bias (writes through them write the parameter)."""
+        views, start = {}, 0
+        for name, rows in splits:
+            for suffix in ("weight", "bias"):
+                views[f"{name}_{suffix}"] = (suffix, start, rows)
+            start += rows
+        self._row_views = views
+
     def __getattr__(self, name: str):
         splits = self.__dict__.get("_parameters_split")
         if splits is not None and name in ("weight", "bias"):
             parts = [self._parameters.get(f"{n}_{name}") for n, _ in splits]
             return None if parts[0] is None else torch.cat(parts)
-        return super().__getattr__(name)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # (looked up only then: every parameter read comes through here)
+            view = self.__dict__.get("_row_views", {}).get(name)
+            if view is None:
+                raise
+        whole = getattr(self, view[0])
+        return None if whole is None else whole.narrow(0, view[1], view[2])

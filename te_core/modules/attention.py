@@ -265,10 +265,10 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
                   Packing(params.cu_seqlens_kv, max(params.sequences.values())))
         return q, k, v, packed, CACHED_MASK_TYPE[mask_type]
 
-    def get_extra_state(self) -> None:
-        """Nothing to keep (attention is not quantized); the key exists, as in Transformer
-        Engine's checkpoints, so state dicts load both ways."""
-        return None
+    def get_extra_state(self) -> Tensor:
+        """Nothing to keep (attention is not quantized): Transformer Engine's empty uint8 tensor;
+        the key exists, as in Transformer Engine's checkpoints, so state dicts load both ways."""
+        return torch.empty(0, dtype=torch.uint8)
 
     def set_extra_state(self, state) -> None:
         """Accepts Transformer Engine's extra state: empty, or FP8-attention scales, which
@@ -399,11 +399,15 @@ def _mask_options(mask, mask_type: str, q: Tensor, k: Tensor) -> dict:
     else:
         raise ValueError(f"{name}: query and key lengths differ ({sq} vs {sk}); give attn_mask_type={mask_type!r} "
                          "a pair of padding masks (query mask (b, 1, 1, sq), key/value mask (b, 1, 1, sk))")
+    # (b, s) is the (b, 1, 1, s) mask unsqueezed: Transformer Engine squeezes a padding mask to
+    # (b, s) before counting its tokens, so tutorials pass `input_ids == pad_id` as it is
+    q_mask, kv_mask = (t.reshape(b, 1, 1, s) if isinstance(t, Tensor) and tuple(t.shape) == (b, s) else t
+                       for t, s in ((q_mask, sq), (kv_mask, sk)))
     for arg, t, s in (("query", q_mask, sq), ("key/value", kv_mask, sk)):
         if not isinstance(t, Tensor) or t.dtype != torch.bool or tuple(t.shape) != (b, 1, 1, s):
             got = (tuple(t.shape), t.dtype) if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(f"{name}: the {arg} padding mask must be a bool tensor of shape {(b, 1, 1, s)} "
-                             f"(True = padding), got {got}")
+                             f"or {(b, s)} (True = padding), got {got}")
     return dict(attention_mask=kv_mask, query_padding_mask=q_mask)
 
 

@@ -64,8 +64,8 @@ class InferenceParams:
                 raise ValueError(f"{name}: a paged cache needs total_num_pages = max_batch_size * max_sequence_length "
                                  f"/ page_size = {max_batch_size * self.max_pages_per_seq}, got {total_num_pages!r}")
             self.total_num_pages = total_num_pages
-        elif total_num_pages is not None or page_size is not None:
-            raise ValueError(f"{name}: total_num_pages and page_size are for is_paged=True")
+        # not paged: total_num_pages and page_size are not read, as in Transformer Engine (whose
+        # Gemma tutorial passes them whether or not it pages)
         self.dtype, self.max_ctx_len = dtype, max_ctx_len
         self.input_qkv_format = qkv_format
         self.device = resolve_device(None)

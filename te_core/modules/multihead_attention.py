@@ -7,7 +7,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..compat.te_checkpoint import load_split_qkv_names
+from ..compat.te_checkpoint import expose_split_qkv_names, load_split_qkv_names, save_split_qkv_names
 from ._base import QuantizedContainer
 from ._tp_container import TensorParallelContainer
 from ._common import (
@@ -193,8 +193,12 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
                 "group; use qk_norm_type='L2Normalization' (no weights) or tp_size=1")
         self.q_norm, self.k_norm = _qk_norms(qk_norm_type, qk_norm_eps, kv_channels, params_dtype, device, module)
         self.qk_norm_before_rope = qk_norm_before_rope
-        # Transformer Engine's checkpoints name separate q, k, v weights (its default); load them too
+        # Transformer Engine names separate q, k, v weights (its default, fuse_qkv_params=False): its
+        # checkpoints load, and the state dict of such a module names them as TE's does
         self.register_load_state_dict_pre_hook(load_split_qkv_names)
+        if not fuse_qkv_params:
+            self.register_state_dict_post_hook(save_split_qkv_names)
+            expose_split_qkv_names(self)
 
     def _split_heads_across_ranks(self, num_attention_heads: int) -> None:
         """This rank's share of the heads and kv groups (all of them without tensor parallelism)."""

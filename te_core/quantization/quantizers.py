@@ -5,13 +5,14 @@ the backward GEMMs read (fused cast-transpose where the kind allows it).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from .. import ops
 from ..backend import declares
+from ..dtype import DType, fp8_torch_dtype
 from ..recipe import GEMMS, default_split_accumulator
 from .block_tensor import Float8BlockwiseTensor, MXFP8Tensor
 from .float8_tensor import Float8Tensor
@@ -43,9 +44,9 @@ class Quantizer:
 
     gemm_alignment = 16  # what every dimension of its FP8 GEMMs must be a multiple of
 
-    def __init__(self, role: Role, fp8_dtype: torch.dtype):
+    def __init__(self, role: Role, fp8_dtype: Union[torch.dtype, DType]):
         self.role = role
-        self.fp8_dtype = fp8_dtype
+        self.fp8_dtype = fp8_torch_dtype(fp8_dtype, owner=type(self).__name__)
 
     scaling_group: Optional[ScalingGroup] = None  # delayed scaling: the state this quantizer updates
 

@@ -44,6 +44,11 @@ class graph_capture:
         return False
 
 
+def graph_capture_active() -> bool:
+    """Whether te_core.make_graphed_callables is warming up or capturing now."""
+    return _CAPTURE.active
+
+
 def persistent():
     """Where tensors that outlive a step are made: outside inference mode even when the step
     runs in it (torch.inference_mode, as evaluation loops use), since a later training step
@@ -184,13 +189,9 @@ class ScalingGroup:
         new format, margin and algorithm), the history resized to the new amax_history_len
         keeping this step's row and the most recent entries (TE keeps the oldest)."""
         self.recipe, self.fp8_dtype, self.fp8_max = recipe, fp8_dtype, fp8_max(fp8_dtype)
-        length = recipe.amax_history_len
-        old = self.amax_history
-        if length != old.shape[0]:
-            kept = old[1:][max(0, old.shape[0] - length):]  # rows oldest first: the newest are last
+        if recipe.amax_history_len != self.amax_history.shape[0]:
             with persistent():
-                pad = old.new_zeros(length - 1 - kept.shape[0], old.shape[1])
-                self.amax_history = torch.cat([old[:1], pad, kept])
+                self.amax_history = fit_history(self.amax_history, recipe.amax_history_len)
             self._column_views = None
 
     def record(self, column: int, amax: Tensor) -> None:
@@ -198,6 +199,16 @@ class ScalingGroup:
         is ignored, so the step keeps what its other casts saw; an inf amax wins."""
         row = self.amax_slot(column)
         torch.fmax(row, amax if amax.dtype == torch.float32 else amax.float(), out=row)
+
+
+def fit_history(history: Tensor, length: int) -> Tensor:
+    """`history` (L, n) as a new (length, n) amax history: row 0 (this step's amax) kept, then
+    its most recent length - 1 entries (rows 1.. run oldest to newest), zeros (no amax
+    recorded) in front where it has fewer. The rule for every change of amax_history_len: a
+    recipe with another length, a checkpoint saved with another."""
+    kept = history[1:][max(0, history.shape[0] - length):]
+    pad = history.new_zeros(length - 1 - kept.shape[0], *history.shape[1:])
+    return torch.cat([history[:1], pad, kept])
 
 
 class PendingUpdates:

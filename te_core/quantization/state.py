@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .quantizers import Float8Quantizer, Quantizer
 from .roles import BACKWARD, FORWARD, QuantizerSlot, Role
-from .scaling import ScalingGroup, group_state
+from .scaling import ScalingGroup, fit_history, group_state
 
 
 class RecipeState:
@@ -114,7 +114,9 @@ class DelayedScalingState(RecipeState):
         return state
 
     def load_quantization_state(self, saved: dict) -> None:
-        """All entries are checked before any is copied, so a bad checkpoint leaves the state as it was."""
+        """All entries are checked before any is copied, so a bad checkpoint leaves the state as it was.
+        Scales load as saved; a history saved with another amax_history_len is fitted to this
+        state's (scaling.fit_history: this step's row and the most recent entries)."""
         copies = []
         known = {}
         for role, group in self.groups.items():
@@ -145,7 +147,9 @@ class DelayedScalingState(RecipeState):
                            (group.amax_history[:, column], entries[name]["amax_history"], f"{name}.amax_history")]
         for dst, src, what in copies:
             _check_entry(dst, src, what)
-        for dst, src, _ in copies:
+        for dst, src, what in copies:
+            if what.endswith(".amax_history"):
+                src = fit_history(src.detach().reshape(-1, 1), dst.shape[0]).reshape(dst.shape)
             dst.copy_(src)
         for group in self.groups.values():
             group.settle()
@@ -164,11 +168,15 @@ class DelayedScalingState(RecipeState):
 def _check_entry(dst: Tensor, src, what: str) -> None:
     """Shape, and values the update could have produced: a scale is finite and > 0 (the update
     never writes another; a NaN or 0 scale would make every cast NaN or 0), and an amax is >= 0,
-    inf or NaN (the update ignores NaN, as Transformer Engine)."""
-    if not isinstance(src, Tensor) or tuple(src.shape) != tuple(dst.shape):
+    inf or NaN (the update ignores NaN, as Transformer Engine). A history may have any length
+    (it is fitted to the recipe's on load)."""
+    history = what.endswith(".amax_history")
+    fits = isinstance(src, Tensor) and (src.dim() == 1 and src.numel() > 0 if history
+                                        else tuple(src.shape) == tuple(dst.shape))
+    if not fits:
         shape = tuple(src.shape) if isinstance(src, Tensor) else type(src).__name__
-        raise ValueError(f"checkpoint entry {what} has shape {shape}, expected {tuple(dst.shape)}; "
-                         "was it saved with a different amax_history_len?")
+        expected = "(length,) with length >= 1 (one amax per step)" if history else str(tuple(dst.shape))
+        raise ValueError(f"checkpoint entry {what} has shape {shape}, expected {expected}; the checkpoint is corrupt")
     values = src.detach().double()
     bad = ~(values.isfinite() & (values > 0)) if what.endswith(".scale") else values < 0
     if bad.any():
@@ -184,16 +192,16 @@ def check_compatible(current, saved, *, where: str) -> None:
     if current.compatible_key() != saved.compatible_key():
         raise ValueError(
             f"{where}: the quantization state was made with {_describe(saved)} but the recipe is now "
-            f"{_describe(current)}; scales and amax histories do not carry over between recipes, formats "
-            "or history lengths. Use the checkpoint's recipe, or drop the module's '_extra_state' entry "
-            "from the state dict to start the scaling state afresh."
+            f"{_describe(current)}; scales and amax histories do not carry over between recipe classes or "
+            "formats (another amax_history_len is fine: the history is fitted to it). Use the checkpoint's "
+            "recipe, or drop the module's '_extra_state' entry from the state dict to start the scaling "
+            "state afresh."
         )
 
 
 def _describe(recipe) -> str:
     key = recipe.compatible_key()
-    extra = f", amax_history_len={key[2]}" if len(key) > 2 else ""
-    return f"{key[0]}(fp8_format={key[1]}{extra})"
+    return f"{key[0]}(fp8_format={key[1]})"
 
 
 def extra_state(state: Optional[RecipeState]) -> Optional[dict]:

@@ -262,3 +262,32 @@ def test_activation_checkpointing_of_a_converted_model():
         loss = unwrapped(batch, labels=batch).loss
     with pytest.raises(RuntimeError, match="checkpoint_context"):
         loss.backward()
+
+
+def test_save_pretrained_of_a_converted_model_keeps_weights_and_scaling_state(tmp_path):
+    """save_pretrained writes safetensors, which hold tensors only: te-core's extra state is a
+    uint8 tensor (as Transformer Engine's), so a converted model saves after FP8 training, and
+    the file restores its weights and delayed-scaling state exactly."""
+    from safetensors.torch import load_file
+
+    model = te_core.convert_model(hf_model())
+    recipe = te_core.recipe.DelayedScaling(amax_history_len=4)
+    train(model, torch.optim.AdamW(model.parameters(), lr=1e-3), lambda: te_core.autocast(recipe=recipe))
+    model.save_pretrained(tmp_path)
+    files = list(tmp_path.glob("*.safetensors"))
+    assert files
+    saved = {k: v for f in files for k, v in load_file(f).items()}
+    restored = te_core.convert_model(hf_model(seed=5))
+    restored.load_state_dict(saved, strict=False)
+    for (name, a), (_, b) in zip(model.named_parameters(), restored.named_parameters()):
+        assert torch.equal(a, b), name
+    linears = [n for n, m in model.named_modules() if isinstance(m, te_core.Linear)]
+    assert linears
+    for name in linears:
+        want = dict(model.named_modules())[name].quantization_state()
+        got = dict(restored.named_modules())[name].quantization_state()
+        assert want["forward"] and got.keys() == want.keys()
+        for direction in want:
+            for slot, entry in want[direction].items():
+                for key, value in entry.items():
+                    assert torch.equal(got[direction][slot][key], value), (name, direction, slot, key)

@@ -251,7 +251,7 @@ PROVIDES = "It provides Transformer Engine's public API: the top-level names of 
 
 
 @pytest.mark.parametrize("name, hint", [
-    ("transformer_engine.pytorch.utils", "transformer_engine.pytorch.is_bf16_available"),
+    ("transformer_engine.pytorch.jit", "Transformer Engine's kernels and bindings"),
     ("transformer_engine.pytorch.tensor.nvfp4_tensor", "NVFP4 is not supported by te-core yet"),
     ("transformer_engine.pytorch.graph", "transformer_engine.pytorch.make_graphed_callables"),
     ("transformer_engine.pytorch.module.no_such_file", None),
@@ -287,7 +287,7 @@ def test_from_import_of_a_missing_name_keeps_the_explanation(stand_in):
 
 def test_probes_for_missing_submodules_still_answer_none(stand_in):
     """importlib.util.find_spec is how integrations probe: it keeps answering None (no error)."""
-    assert importlib.util.find_spec("transformer_engine.pytorch.utils") is None
+    assert importlib.util.find_spec("transformer_engine.pytorch.jit") is None
     assert importlib.util.find_spec("transformer_engine.pytorch.module.linear") is not None
 
 

@@ -195,35 +195,63 @@ def test_empty_te_extra_state_loads_silently():
     assert layer.quantization_state() == {"forward": {}, "backward": {}}
 
 
-def _te_split_names(fused_sd, prefix, proj, names, sizes):
-    """TE's fuse_qkv_params=False form of te-core's fused weight: one tensor per name."""
-    sd = dict(fused_sd)
-    for kind in ("weight", "bias"):
-        fused = sd.pop(f"{prefix}{proj}.{kind}")
-        for name, part in zip(names, fused.split(sizes)):
-            sd[f"{prefix}{proj}.{name}_{kind}"] = part.clone()
-        sd[f"{prefix}{proj}._extra_state"] = torch.empty(0, dtype=torch.uint8)
-    return sd
+def _fused_names(module):
+    """te-core's own form of a state dict (one fused q/k/v weight), as checkpoints written before
+    its state dicts took Transformer Engine's names hold it."""
+    return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in module.state_dict(keep_vars=True).items()}
 
 
-def test_transformer_layer_loads_te_split_qkv_names_with_gqa():
+TE_SPLIT_NAMES = [f"{sub}.{part}_{kind}" for sub, parts in (
+    ("self_attention.layernorm_qkv", ("query", "key", "value")), ("inter_attention.layernorm_query", ("query",)),
+    ("inter_attention.key_value", ("key", "value"))) for kind in ("weight", "bias") for part in parts]
+
+
+def test_transformer_layer_state_dict_has_te_split_qkv_names_with_gqa():
     torch.manual_seed(0)
     h, g, d = 4, 2, 8
-    src = te.TransformerLayer(32, 64, h, num_gqa_groups=g, layer_type="decoder", hidden_dropout=0.0,
-                              attention_dropout=0.0)
-    sd = {k: v for k, v in src.state_dict().items() if not k.endswith("_extra_state")}
-    sd = _te_split_names(sd, "self_attention.", "layernorm_qkv", ("query", "key", "value"), (h * d, g * d, g * d))
-    sd = _te_split_names(sd, "inter_attention.", "key_value", ("key", "value"), (g * d, g * d))
-    sd = _te_split_names(sd, "inter_attention.", "layernorm_query", ("query",), (h * d,))
-    sd["self_attention.core_attention._extra_state"] = torch.empty(0, dtype=torch.uint8)
-    assert "self_attention.layernorm_qkv.query_weight" in sd and "self_attention.layernorm_qkv.weight" not in sd
-    dst = te.TransformerLayer(32, 64, h, num_gqa_groups=g, layer_type="decoder", hidden_dropout=0.0,
-                              attention_dropout=0.0)
-    dst.load_state_dict(sd, strict=False)
+    kw = dict(num_gqa_groups=g, layer_type="decoder", hidden_dropout=0.0, attention_dropout=0.0)
+    src = te.TransformerLayer(32, 64, h, **kw)
+    sd = src.state_dict()
+    assert set(TE_SPLIT_NAMES) <= set(sd)
+    assert not {"self_attention.layernorm_qkv.weight", "inter_attention.key_value.weight"} & set(sd)
+    assert sd["self_attention.layernorm_qkv.key_weight"].shape == (g * d, 32)
+    for part in ("query", "key", "value"):  # TE's parameter order: the weights, then the biases
+        assert list(sd).index(f"self_attention.layernorm_qkv.{part}_weight") < list(sd).index(
+            "self_attention.layernorm_qkv.query_bias")
     x, enc = torch.randn(5, 2, 32), torch.randn(6, 2, 32)
-    torch.testing.assert_close(dst(x, encoder_output=enc), src(x, encoder_output=enc), rtol=1.3e-6, atol=1e-5)
-    missing, unexpected = dst.load_state_dict(sd, strict=False)
-    assert not unexpected and all(k.endswith("_extra_state") for k in missing)
+    for given in (sd, _fused_names(src)):  # TE's names and te-core's earlier fused ones both load
+        dst = te.TransformerLayer(32, 64, h, **kw)
+        dst.load_state_dict(given)  # (strict: a missing or unexpected key raises)
+        torch.testing.assert_close(dst(x, encoder_output=enc), src(x, encoder_output=enc), rtol=1.3e-6, atol=1e-5)
+
+
+def test_writing_te_split_names_writes_the_weights():
+    """Transformer Engine's Hugging Face loading recipes copy q, k and v into the tensors of
+    `model.state_dict()`: those must be the module's own weights."""
+    torch.manual_seed(3)
+    h, g, d = 4, 2, 8
+    layer = te.TransformerLayer(32, 64, h, num_gqa_groups=g, hidden_dropout=0.0, attention_dropout=0.0)
+    q, k, v = torch.randn(h * d, 32), torch.randn(g * d, 32), torch.randn(g * d, 32)
+    kb = torch.randn(g * d)
+    sd = layer.state_dict()
+    sd["self_attention.layernorm_qkv.query_weight"].data[:] = q
+    sd["self_attention.layernorm_qkv.key_weight"].data.copy_(k)
+    sd["self_attention.layernorm_qkv.value_weight"].data[:] = v
+    sd["self_attention.layernorm_qkv.key_bias"].data[:] = kb
+    qkv = layer.self_attention.layernorm_qkv
+    assert torch.equal(qkv.weight.detach(), torch.cat([q, k, v]))
+    assert torch.equal(qkv.bias.detach()[h * d:h * d + g * d], kb)
+
+
+def test_state_dict_keeps_fused_names_where_the_parts_cannot_be_views():
+    """keep_vars=True returns the Parameters themselves, and fuse_qkv_params=True is TE's fused
+    (interleaved) weight: both keep the one fused name."""
+    layer = te.TransformerLayer(32, 64, 4)
+    assert "self_attention.layernorm_qkv.weight" in layer.state_dict(keep_vars=True)
+    assert isinstance(layer.state_dict(keep_vars=True)["self_attention.layernorm_qkv.weight"], torch.nn.Parameter)
+    fused = te.TransformerLayer(32, 64, 4, fuse_qkv_params=True)
+    sd = fused.state_dict()
+    assert "self_attention.layernorm_qkv.weight" in sd and "self_attention.layernorm_qkv.query_weight" not in sd
 
 
 def test_interleaved_fused_qkv_is_read_in_te_order():
@@ -247,8 +275,9 @@ def test_interleaved_fused_qkv_is_read_in_te_order():
     torch.testing.assert_close(fused(x), plain(x), rtol=1.3e-6, atol=1e-5)
     # the split names load into the interleaved module too, regrouped
     split = te.MultiheadAttention(32, h, num_gqa_groups=g, attention_dropout=0.0, fuse_qkv_params=True)
-    sd = _te_split_names(plain.state_dict(), "", "qkv", ("query", "key", "value"), (h * d, g * d, g * d))
-    split.load_state_dict(sd, strict=False)
+    sd = plain.state_dict()  # TE's names: query_weight, key_weight, ...
+    assert "qkv.query_weight" in sd
+    split.load_state_dict(sd)
     torch.testing.assert_close(split.qkv.weight, fused.qkv.weight)
     torch.testing.assert_close(split(x), plain(x), rtol=1.3e-6, atol=1e-5)
 
@@ -294,3 +323,33 @@ def test_te_norm_extra_state_is_accepted():
     sd["_extra_state"] = torch.ones(3, dtype=torch.uint8)
     with pytest.warns(UserWarning, match="extra state is not used"):
         norm.load_state_dict(sd)
+
+
+def test_te_part_names_read_as_views_and_dcp_state_dicts_round_trip(tmp_path):
+    """`layernorm_qkv.query_weight` reads (and writes) the fused weight's rows, as TE's attribute
+    does; torch.distributed.checkpoint's state-dict functions, which look every state-dict name
+    up as an attribute, save and load the layer."""
+    from torch.distributed.checkpoint import load, save
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    torch.manual_seed(4)
+    h, g, d = 4, 2, 8
+    src = te.TransformerLayer(32, 64, h, num_gqa_groups=g, hidden_dropout=0.0, attention_dropout=0.0)
+    qkv = src.self_attention.layernorm_qkv
+    assert torch.equal(qkv.key_weight, qkv.weight[h * d:(h + g) * d])
+    assert torch.equal(qkv.value_bias, qkv.bias[(h + g) * d:])
+    with torch.no_grad():
+        qkv.value_weight.copy_(torch.randn(g * d, 32))
+    assert torch.equal(qkv.weight[(h + g) * d:], qkv.value_weight)
+    with pytest.raises(AttributeError):
+        qkv.gate_weight  # noqa: B018 - not a part name
+    dst = te.TransformerLayer(32, 64, h, num_gqa_groups=g, hidden_dropout=0.0, attention_dropout=0.0)
+    set_model_state_dict(dst, get_model_state_dict(src))
+    assert all(torch.equal(a, b) for a, b in zip(src.parameters(), dst.parameters()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's note that no process group is initialized
+        save(get_model_state_dict(src), checkpoint_id=str(tmp_path))
+        fresh = te.TransformerLayer(32, 64, h, num_gqa_groups=g, hidden_dropout=0.0, attention_dropout=0.0)
+        state = get_model_state_dict(fresh)
+        load(state, checkpoint_id=str(tmp_path))  # into the views, i.e. the fused parameters
+    assert all(torch.equal(a, b) for a, b in zip(src.parameters(), fresh.parameters()))

@@ -131,8 +131,6 @@ def test_bad_uses_say_what_is_wrong():
         te.InferenceParams(2, 16, 2, 8, torch.float32, is_paged=True, page_size=5, total_num_pages=8)
     with pytest.raises(ValueError, match=r"total_num_pages = max_batch_size \* max_sequence_length / page_size = 8"):
         te.InferenceParams(2, 16, 2, 8, torch.float32, is_paged=True, page_size=4, total_num_pages=6)
-    with pytest.raises(ValueError, match="are for is_paged=True"):
-        te.InferenceParams(2, 16, 2, 8, torch.float32, page_size=4)
     with pytest.raises(ValueError, match="num_heads_kv, head_dim_k and dtype are required"):
         te.InferenceParams(2, 16)
     with pytest.raises(ValueError, match="needs max_ctx_len"):

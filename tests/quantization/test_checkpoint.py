@@ -8,6 +8,7 @@ import torch
 
 from te_core.modules.linear import Linear
 from te_core.quantization import autocast
+from te_core.quantization import extra_state as extra_state_bytes
 from te_core.recipe import DelayedScaling, Float8CurrentScaling, Format
 
 from .conftest import randn
@@ -37,10 +38,16 @@ def train(model, optimizer, batches, recipe):
 
 
 def roundtrip(obj):
+    """obj through torch.save / torch.load(weights_only=True), a state dict's extra state read
+    into te-core's checkpoint dict (which set_extra_state also takes), for the tests to inspect
+    and edit."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
+    loaded = torch.load(buffer, weights_only=True)
+    if isinstance(loaded, dict) and isinstance(loaded.get("_extra_state"), torch.Tensor):
+        loaded["_extra_state"] = extra_state_bytes.decode(loaded["_extra_state"], "test")
+    return loaded
 
 
 def make_batches(gen, n):
@@ -99,11 +106,15 @@ def _trained_layer(gen, recipe):
     return layer
 
 
-def test_loading_other_history_length_is_a_clear_error(gen):
-    saved = roundtrip(_trained_layer(gen, DelayedScaling(amax_history_len=4)).state_dict())
+def test_loading_other_history_length_fits_the_history(gen):
+    """The history takes the module's length, the scales load as saved (test_history_length.py)."""
+    source = _trained_layer(gen, DelayedScaling(amax_history_len=4))
     target = _trained_layer(gen, DelayedScaling(amax_history_len=8))
-    with pytest.raises(ValueError, match=r"amax_history_len=4.*amax_history_len=8"):
-        target.load_state_dict(saved)
+    target.load_state_dict(roundtrip(source.state_dict()))
+    got = target.quantization_state()["forward"]["input"]
+    want = source.quantization_state()["forward"]["input"]
+    assert torch.equal(got["scale"], want["scale"]) and got["amax_history"].shape == (8,)
+    assert torch.equal(got["amax_history"][-3:], want["amax_history"][1:]) and not got["amax_history"][1:5].any()
 
 
 def test_checkpoint_then_other_recipe_is_a_clear_error(gen):
@@ -225,3 +236,35 @@ def test_malformed_extra_state_is_named(gen, edit, message):
     edit(saved["_extra_state"])
     with pytest.raises(ValueError, match=message):
         Linear(16, 16).load_state_dict(saved)
+
+
+def test_extra_state_is_transformer_engines_uint8_tensor(gen):
+    """Empty without scaling state, else te-core's dict in bytes that torch.load(weights_only=True)
+    reads; the tensor itself round-trips through a state dict."""
+    fresh = Linear(16, 16).get_extra_state()
+    assert fresh.dtype == torch.uint8 and fresh.shape == (0,)
+    layer = _trained_layer(gen, RECIPE)
+    state = layer.get_extra_state()
+    assert state.dtype == torch.uint8 and state.dim() == 1 and state.numel() > 0
+    decoded = extra_state_bytes.decode(state, "Linear")
+    assert torch.equal(decoded["quantization_state"]["forward"]["input"]["scale"],
+                       layer.quantization_state()["forward"]["input"]["scale"])
+    buffer = io.BytesIO()
+    torch.save(layer.state_dict(), buffer)
+    buffer.seek(0)
+    target = Linear(16, 16)
+    target.load_state_dict(torch.load(buffer, weights_only=True))
+    for direction in ("forward", "backward"):
+        for slot, entry in layer.quantization_state()[direction].items():
+            for key, value in entry.items():
+                assert torch.equal(target.quantization_state()[direction][slot][key], value)
+
+
+def test_other_archive_as_extra_state_is_named():
+    buffer = io.BytesIO()
+    torch.save({"weights": torch.ones(2)}, buffer)
+    archive = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"Linear: the extra state is a torch.save archive of dict, not te-core's"):
+        Linear(16, 16).set_extra_state(archive)
+    with pytest.raises(ValueError, match=r"Linear: the extra state could not be read"):
+        Linear(16, 16).set_extra_state(archive[:40].clone())

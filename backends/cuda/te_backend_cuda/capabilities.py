@@ -66,16 +66,36 @@ def probe_scaling_mode(mode: str, device) -> Tuple[bool, str]:
         return False, f"torch._scaled_mm does not run {mode} here: {str(exc).splitlines()[0][:160]}"
 
 
+def decode_cudnn_version(encoded: int) -> Tuple[int, int, int]:
+    """cuDNN's version integer as (major, minor, patch): cuDNN 9 and later encode it as
+    major * 10000 + minor * 100 + patch (9.1.0 is 90100), earlier releases as
+    major * 1000 + minor * 100 + patch (8.9.7 is 8907)."""
+    major, rest = divmod(int(encoded), 10000 if encoded >= 90000 else 1000)
+    minor, patch = divmod(rest, 100)
+    return major, minor, patch
+
+
+def library_versions() -> Dict[str, Tuple[int, int, int]]:
+    """{"cudnn": (major, minor, patch)} of the cuDNN loaded at run time (what torch's SDPA runs
+    on this device), or {} where torch has none."""
+    try:
+        encoded = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    except (RuntimeError, AttributeError):  # a torch build without cuDNN answers one of these
+        encoded = None
+    return {} if encoded is None else {"cudnn": decode_cudnn_version(encoded)}
+
+
 @functools.lru_cache(maxsize=None)
 def capabilities_for(index: int, probe: Optional[Callable[[str, object], Tuple[bool, str]]] = None) -> Capabilities:
     probe = probe or probe_scaling_mode
-    major, minor = torch.cuda.get_device_capability(index)
+    major, minor = (int(v) for v in torch.cuda.get_device_capability(index))
     name = torch.cuda.get_device_name(index)
     arch = f"sm_{major}{minor}"
+    device_facts = dict(compute_capability=(major, minor), library_versions=library_versions())
     notes = []
     if (major, minor) < FP8_MIN_CAPABILITY:
         notes.append(f"FP8 needs compute capability >= 8.9; {name} is {major}.{minor}")
-        return Capabilities({}, frozenset(), arch, name, "nccl", tuple(notes))
+        return Capabilities({}, frozenset(), arch, name, "nccl", tuple(notes), **device_facts)
     modes = {TENSORWISE}
     device = torch.device("cuda", index)
     for mode in (ROWWISE, BLOCK_1x128_128x128, BLOCK_1x128_1x128):
@@ -88,4 +108,4 @@ def capabilities_for(index: int, probe: Optional[Callable[[str, object], Tuple[b
         modes.add(MXFP8)
         notes.append("mxfp8 GEMMs run on the reference path (scale swizzling not implemented yet)")
     formats: Dict[str, float] = {fname: fmax for fname, fmax in FP8_FORMATS.values()}
-    return Capabilities(formats, frozenset(modes), arch, name, "nccl", tuple(notes))
+    return Capabilities(formats, frozenset(modes), arch, name, "nccl", tuple(notes), **device_facts)

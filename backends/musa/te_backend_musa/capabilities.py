@@ -81,4 +81,8 @@ def capabilities_for(arch: Arch, device_name: str, dtypes_present: bool) -> Capa
         device_name=device_name,
         distributed_backend=backend,
         notes=notes + (NOTE_NO_BLOCKWISE, NOTE_NO_MXFP8) + dist_notes,
+        # torch.musa.get_device_capability's (major, minor): what TE's get_device_compute_capability
+        # answers here. No library_versions: there is no cuDNN on MUSA, and muDNN's version call and
+        # its encoding are not documented (BackendInfo.vendor_versions shows it where torch_musa has one).
+        compute_capability=(int(arch[0]), int(arch[1])),
     )

@@ -1,0 +1,47 @@
+"""The Transformer Engine import paths of the names added for ported code resolve to te-core's
+objects under the stand-in: utils' device queries, export's ONNX switch, distributed's
+prepare_te_modules_for_fsdp, and FP8GlobalStateManager.reset."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+import te_core
+from te_core.compat.transformer_engine import uninstall_transformer_engine
+
+
+@pytest.fixture
+def stand_in():
+    if "transformer_engine" not in sys.modules and importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("a real transformer_engine is installed here")
+    uninstall_transformer_engine()
+    yield te_core.install_as_transformer_engine()
+    uninstall_transformer_engine()
+
+
+def test_the_new_names_resolve(stand_in):
+    from transformer_engine.pytorch import get_cudnn_version, get_device_compute_capability, onnx_export
+    from transformer_engine.pytorch.distributed import prepare_te_modules_for_fsdp
+    from transformer_engine.pytorch.export import is_in_onnx_export_mode
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as via_quantization
+    from transformer_engine.pytorch.utils import is_bf16_available
+
+    from te_core.distributed import fsdp1
+
+    assert get_cudnn_version is te_core.get_cudnn_version and onnx_export is te_core.onnx_export
+    assert get_device_compute_capability is te_core.get_device_compute_capability
+    assert prepare_te_modules_for_fsdp is fsdp1.prepare_te_modules_for_fsdp and is_bf16_available is te_core.is_bf16_available
+    assert is_in_onnx_export_mode() is False and FP8GlobalStateManager is via_quantization
+    FP8GlobalStateManager.reset()  # outside any context: nothing to do, no error
+    with stand_in.autocast(enabled=False, calibrating=True):
+        with pytest.raises(RuntimeError, match="inside te.autocast"):
+            FP8GlobalStateManager.reset()
+
+
+def test_a_utils_name_te_core_lacks_says_so(stand_in):
+    with pytest.raises(ImportError, match="cannot import name 'cast_if_needed' from 'transformer_engine.pytorch.utils': "
+                                          "te-core stands in for Transformer Engine"):
+        from transformer_engine.pytorch.utils import cast_if_needed  # noqa: F401
