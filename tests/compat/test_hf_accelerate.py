@@ -21,7 +21,6 @@ from torch import nn
 import te_core
 from te_core.compat.transformer_engine import uninstall_transformer_engine
 
-from .test_stand_in import stand_in  # noqa: F401  (the fixture)
 
 HINT = "needs the test extra: pip install 'te-core[hf]'"
 transformers = pytest.importorskip("transformers", minversion="4.44", reason=f"transformers is not installed; {HINT}")

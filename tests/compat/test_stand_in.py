@@ -16,15 +16,6 @@ import te_core
 from te_core.compat.transformer_engine import uninstall_transformer_engine
 
 
-@pytest.fixture
-def stand_in():
-    if "transformer_engine" not in sys.modules and importlib.util.find_spec("transformer_engine") is not None:
-        pytest.skip("a real transformer_engine is installed here")
-    uninstall_transformer_engine()
-    yield te_core.install_as_transformer_engine()
-    uninstall_transformer_engine()
-
-
 def test_te_imports_resolve_to_te_core(stand_in):
     import transformer_engine
     import transformer_engine.common.recipe as te_recipe

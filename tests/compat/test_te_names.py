@@ -3,22 +3,9 @@ objects under the stand-in: utils' device queries, export's ONNX switch, distrib
 prepare_te_modules_for_fsdp, and FP8GlobalStateManager.reset."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
 import te_core
-from te_core.compat.transformer_engine import uninstall_transformer_engine
-
-
-@pytest.fixture
-def stand_in():
-    if "transformer_engine" not in sys.modules and importlib.util.find_spec("transformer_engine") is not None:
-        pytest.skip("a real transformer_engine is installed here")
-    uninstall_transformer_engine()
-    yield te_core.install_as_transformer_engine()
-    uninstall_transformer_engine()
 
 
 def test_the_new_names_resolve(stand_in):

@@ -23,7 +23,6 @@ from torch import nn
 
 import te_core
 
-from .test_stand_in import stand_in  # noqa: F401  (the fixture)
 
 FP32 = dict(rtol=1.3e-6, atol=1e-5)
 E4M3 = dict(rtol=0.125, atol=0.0675)
