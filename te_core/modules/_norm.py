@@ -65,7 +65,9 @@ class NormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, normalization, zero_centered_gamma):
-        x2d = x.reshape(-1, x.shape[-1])
+        # contiguous rows: a strided input (a transpose) would otherwise be summed in another
+        # order, and its result would depend on its memory layout
+        x2d = x.reshape(-1, x.shape[-1]).contiguous()
         y, stats, _ = norm_fwd(x2d, weight, bias, eps, normalization, zero_centered_gamma)
         ctx.save_for_backward(x2d, weight, *stats)
         ctx.normalization = normalization

@@ -4,7 +4,8 @@
 gelu = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (tanh approximation);
 relu; silu = x sigmoid(x); qgelu = x sigmoid(1.702 x); srelu = relu(x)^2.
 Gated kinds split the last dimension of x (2h) into a = x[..., :h] and b = x[..., h:] and
-return act(a) * b: swiglu (silu), geglu (gelu), reglu (relu), qgeglu (qgelu), sreglu (srelu);
+return act(a) * b: glu (sigmoid), swiglu (silu), geglu (gelu), reglu (relu), qgeglu (qgelu),
+sreglu (srelu);
 their output has h columns. clamped_swiglu (GPT-OSS's) clamps first, a' = min(a, limit) and
 b' = clamp(b, -limit, limit), then returns a' sigmoid(alpha a') (b' + 1); its derivative is zero
 where a clamp is active. `limit` (> 0) and `alpha` apply to clamped_swiglu only: any other kind
@@ -24,9 +25,9 @@ from torch import Tensor
 from ..backend.types import Capabilities
 from ._spec import contract_op
 
-ACTIVATIONS = ("gelu", "relu", "silu", "qgelu", "srelu", "swiglu", "geglu", "reglu", "qgeglu", "sreglu",
+ACTIVATIONS = ("gelu", "relu", "silu", "qgelu", "srelu", "glu", "swiglu", "geglu", "reglu", "qgeglu", "sreglu",
                "clamped_swiglu")
-GATED_ACTIVATIONS = ("swiglu", "geglu", "reglu", "qgeglu", "sreglu", "clamped_swiglu")
+GATED_ACTIVATIONS = ("glu", "swiglu", "geglu", "reglu", "qgeglu", "sreglu", "clamped_swiglu")
 CLAMPED_SWIGLU_DEFAULTS = {"limit": 7.0, "alpha": 1.702}
 """Transformer Engine's defaults for clamped_swiglu's `limit` and `alpha`."""
 

@@ -65,15 +65,27 @@ def _dsrelu(x: Tensor) -> Tensor:
     return 2.0 * torch.relu(x)
 
 
+def _sigmoid(x: Tensor) -> Tensor:
+    return torch.sigmoid(x)
+
+
+def _dsigmoid(x: Tensor) -> Tensor:
+    s = torch.sigmoid(x)
+    return s * (1.0 - s)
+
+
 Pair = Tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]
+# sigmoid is no activation kind of its own: only glu's gate (Transformer Engine has no plain one)
 _ELEMENTWISE: Dict[str, Pair] = {
+    "sigmoid": (_sigmoid, _dsigmoid),
     "gelu": (_gelu, _dgelu),
     "relu": (_relu, _drelu),
     "silu": (_silu, _dsilu),
     "qgelu": (_qgelu, _dqgelu),
     "srelu": (_srelu, _dsrelu),
 }
-_GATED_INNER = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu", "qgeglu": "qgelu", "sreglu": "srelu"}
+_GATED_INNER = {"glu": "sigmoid", "swiglu": "silu", "geglu": "gelu", "reglu": "relu", "qgeglu": "qgelu",
+                "sreglu": "srelu"}
 _CLAMPED = "clamped_swiglu"
 
 

@@ -29,8 +29,9 @@ ACTS = {
     "silu": F.silu,
     "qgelu": lambda x: x * torch.sigmoid(1.702 * x),
     "srelu": lambda x: F.relu(x) ** 2,
+    "sigmoid": torch.sigmoid,  # glu's gate (no activation kind of its own)
 }
-GATED = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu", "qgeglu": "qgelu", "sreglu": "srelu",
+GATED = {"glu": "sigmoid", "swiglu": "silu", "geglu": "gelu", "reglu": "relu", "qgeglu": "qgelu", "sreglu": "srelu",
          "clamped_swiglu": None}
 
 

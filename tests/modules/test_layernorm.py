@@ -49,6 +49,27 @@ def test_norm_matches_plain_pytorch(kind, zero_centered, shape):
     run_pair(te_mod, ref, torch.randn(shape) * 3 + 0.5, names)
 
 
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+def test_norm_of_a_transposed_input_equals_that_of_its_contiguous_copy(kind):
+    """A strided input (here a transpose) gives bit for bit the output and gradients of its
+    contiguous copy: the result does not depend on the input's memory layout."""
+    torch.manual_seed(0)
+    strided = (torch.randn(200, 96) * 3 + 0.5).t().requires_grad_()
+    assert not strided.is_contiguous()
+    dense = strided.detach().contiguous().requires_grad_()
+    mods = [getattr(tm, kind)(200) for _ in range(2)]
+    randomize_(mods[0], seed=3)
+    mods[1].load_state_dict(mods[0].state_dict())
+    dy = torch.randn(96, 200)
+    outs = []
+    for mod, x in zip(mods, (strided, dense)):
+        y = mod(x)
+        y.backward(dy)
+        outs.append([y, x.grad, *(p.grad for p in mod.parameters())])
+    for got, want in zip(*outs):
+        assert torch.equal(got, want)
+
+
 def test_layernorm_multi_dim_normalized_shape_matches_torch():
     torch.manual_seed(0)
     te_mod, ref = tm.LayerNorm((5, 7)), torch.nn.LayerNorm((5, 7))

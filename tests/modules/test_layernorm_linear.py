@@ -53,7 +53,7 @@ def test_layernorm_mlp_matches_plain(activation):
 
 
 @pytest.mark.parametrize("activation, params", [
-    ("qgeglu", None), ("sreglu", None), ("clamped_swiglu", None),
+    ("glu", None), ("qgeglu", None), ("sreglu", None), ("clamped_swiglu", None),
     # a small limit makes both clamps active on part of fc1's output (zero gradient there)
     ("clamped_swiglu", {"limit": 0.3, "alpha": 1.2}), ("clamped_swiglu", {"limit": 0.5}),
 ])

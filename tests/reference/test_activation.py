@@ -16,13 +16,13 @@ PLAIN = {
     "qgelu": lambda x: x * torch.sigmoid(1.702 * x),
     "srelu": lambda x: F.relu(x) ** 2,
 }
-GATED = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu", "qgeglu": "qgelu", "sreglu": "srelu"}
+GATED = {"glu": "sigmoid", "swiglu": "silu", "geglu": "gelu", "reglu": "relu", "qgeglu": "qgelu", "sreglu": "srelu"}
 
 
 def act64(x, kind):
     if kind in GATED:
         a, b = x.chunk(2, dim=-1)
-        return PLAIN[GATED[kind]](a) * b
+        return dict(PLAIN, sigmoid=torch.sigmoid)[GATED[kind]](a) * b
     return PLAIN[kind](x)
 
 

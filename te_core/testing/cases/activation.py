@@ -8,7 +8,7 @@ from ...ops.activation import ACTIVATIONS, GATED_ACTIVATIONS
 from ..inputs import E4M3, E5M2, amax_slot, case, dims, pow2, randn, short, to_cast, uniform
 
 _SHAPES = [(33, 64), (7, 48), (2, 9, 40), (5, 30), (64, 16), (3, 3, 24), (17, 8), (11, 66), (9, 34), (4, 2, 20),
-           (13, 56)]
+           (13, 56), (6, 2, 28)]
 
 
 def _out_shape(shape, kind):
