@@ -171,8 +171,10 @@ def primary_weight(module, slot: str, weight: torch.nn.Parameter, name: Optional
     that reset_parameters quantizes it again (te-core's modules record theirs themselves)."""
     if not module.note_primary_weights(**{name or slot: slot}):
         return weight
-    stored = torch.nn.Parameter(module.quantize_primary_weight(name or slot, weight.detach()),
-                                requires_grad=weight.requires_grad)
+    quantized = module.quantize_primary_weight(name or slot, weight.detach())
+    if not torch.is_grad_enabled():  # built for inference: no backward reads the column-wise copy
+        quantized.drop_columnwise()
+    stored = torch.nn.Parameter(quantized, requires_grad=weight.requires_grad)
     if module.preserves_high_precision_init_val() and not weight.is_meta:  # (on meta: at reset_parameters)
         high_precision_init.keep(stored, weight)
     return stored

@@ -51,6 +51,9 @@ def resetting(module: nn.Module, *, materialize: bool = True) -> Iterator[Dict[s
     tensors on the backend's device (reset_parameters); False at construction, where a module
     built on meta stays there."""
     target = resolve_device(None) if materialize else None
+    # FP8 primary weights constructed with gradients off are for inference: no backward reads
+    # their column-wise copy (Transformer Engine does not keep it either)
+    inference_only = not materialize and not torch.is_grad_enabled()
     values: Dict[str, Tensor] = {}
     for name, param in module._parameters.items():
         if param is None:
@@ -63,10 +66,10 @@ def resetting(module: nn.Module, *, materialize: bool = True) -> Iterator[Dict[s
             values[name] = local  # written in place
     with torch.no_grad():
         yield values
-        _commit(module, values)
+        _commit(module, values, inference_only)
 
 
-def _commit(module: nn.Module, values: Dict[str, Tensor]) -> None:
+def _commit(module: nn.Module, values: Dict[str, Tensor], inference_only: bool = False) -> None:
     primary = module.__dict__.get("_fp8_primary", {})
     preserve = getattr(module, "preserves_high_precision_init_val", lambda: False)()
     for name, value in values.items():
@@ -74,6 +77,8 @@ def _commit(module: nn.Module, values: Dict[str, Tensor]) -> None:
         local = local_tensor(param)
         if name in primary or isinstance(local, QuantizedTensor):
             quantized = module.quantize_primary_weight(name, value, local)
+            if inference_only:
+                quantized.drop_columnwise()
             if (isinstance(local, QuantizedTensor) and type(local) is type(quantized) and not local.is_meta
                     and local.device == quantized.device):
                 local._take_payload(quantized)  # (a ShardQuantizer binding is made again at the next all-gather)

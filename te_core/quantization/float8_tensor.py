@@ -65,6 +65,14 @@ class _Float8Layout:
     def has_columnwise(self) -> bool:
         return self._transpose is not None
 
+    def drop_columnwise(self) -> bool:
+        """Free the column-wise copy (an inference-only weight's: no backward reads it); a later
+        backward remakes it exactly from the row-wise data (columnwise()). True when dropped."""
+        if self._data is None:
+            return False
+        self._transpose = None
+        return True
+
     def _payload(self) -> dict:
         return {"_data": self._data, "_scale_inv": self._scale_inv, "_transpose": self._transpose}
 

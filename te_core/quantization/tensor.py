@@ -99,6 +99,11 @@ class QuantizedTensor(Tensor):
             setattr(twin, name, value)
         return twin
 
+    def drop_columnwise(self) -> bool:
+        """Free the column-wise copy where the row-wise data alone can remake it exactly; a format
+        whose column-wise copy has scales of its own (block, MXFP8) keeps it. True when dropped."""
+        return False
+
     def requantize_(self, hp: Tensor) -> "QuantizedTensor":
         """Replace the value with `hp`, quantized by this tensor's quantizer."""
         requantize_all([(self, hp)])

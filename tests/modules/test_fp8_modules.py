@@ -284,3 +284,38 @@ def test_quantized_primary_weights_load_trained_values_without_saturating(rec_na
                 assert torch.equal(fresh.quantization_state()[direction][slot][key], t), (direction, slot, key)
     with autocast(recipe=rec):
         assert_close_scaled(fresh(x), trained(x), E4M3, "forward after loading")
+
+
+@pytest.mark.parametrize("rec_name", sorted(RECIPES))
+def test_fp8_weights_built_for_inference_keep_no_column_wise_copy(rec_name):
+    """quantized_model_init under torch.no_grad (an inference model): tensor-wise FP8 weights keep
+    only their row-wise data (Transformer Engine keeps no column-wise copy either), inference gives
+    the same output, and training later remakes the copy exactly (the same gradients as weights
+    built with gradients on). Block and MXFP8 weights, whose column-wise copy has scales of its
+    own, keep it."""
+    from te_core.quantization import quantized_model_init
+
+    rec = RECIPES[rec_name]()
+    built = {}
+    for grad in (True, False):
+        torch.manual_seed(0)
+        with torch.set_grad_enabled(grad), quantized_model_init(recipe=rec):
+            built[grad] = tm.LayerNormMLP(32, 64)
+    trained, inference = built[True], built[False]
+    tensorwise = rec_name in ("delayed", "current")
+    for name in ("fc1_weight", "fc2_weight"):
+        assert getattr(trained, name).has_columnwise
+        assert getattr(inference, name).has_columnwise is not tensorwise, name
+        assert torch.equal(getattr(inference, name).dequantize(), getattr(trained, name).dequantize())
+    x = torch.randn(32, 32, generator=seeded(4))
+    with torch.no_grad(), autocast(recipe=rec):
+        assert torch.equal(inference(x), trained(x))
+    grads = {}
+    for key, module in built.items():
+        x_in = x.clone().requires_grad_(True)
+        with autocast(recipe=rec):
+            y = module(x_in)
+        y.backward(torch.randn(y.shape, generator=seeded(5)))
+        grads[key] = [x_in.grad] + [p.grad for p in module.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+    assert inference.fc1_weight.has_columnwise  # remade by the backward
