@@ -268,3 +268,33 @@ def test_other_archive_as_extra_state_is_named():
         Linear(16, 16).set_extra_state(archive)
     with pytest.raises(ValueError, match=r"Linear: the extra state could not be read"):
         Linear(16, 16).set_extra_state(archive[:40].clone())
+
+
+def test_torch_dcp_restores_scaling_state_into_an_initialized_model(gen, tmp_path):
+    """torch.distributed.checkpoint loads a tensor in place into the destination's tensor of the
+    same size: a model whose scaling state te.init_quantization_state made (or one that has run
+    a step of the recipe) takes the saved state exactly; a fresh model's empty extra state is
+    refused by DCP with a size mismatch, as Transformer Engine's is."""
+    import warnings
+
+    from torch.distributed.checkpoint import load, save
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from te_core.modules import init_quantization_state
+
+    source = _trained_layer(gen, RECIPE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's note that no process group is initialized
+        save(get_model_state_dict(source), checkpoint_id=str(tmp_path))
+        target = Linear(16, 16)
+        init_quantization_state(target, RECIPE)
+        state = get_model_state_dict(target)
+        load(state, checkpoint_id=str(tmp_path))
+        set_model_state_dict(target, state)
+        with pytest.raises(CheckpointException, match=r"(?s)Size mismatch.*\[0\]\) for _extra_state"):
+            load(get_model_state_dict(Linear(16, 16)), checkpoint_id=str(tmp_path))
+    for direction, slots in source.quantization_state().items():
+        for slot, entry in slots.items():
+            for key, value in entry.items():
+                assert torch.equal(target.quantization_state()[direction][slot][key], value), (direction, slot, key)
