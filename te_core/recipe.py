@@ -14,7 +14,7 @@ import math
 import numbers
 import os
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import FrozenInstanceError, dataclass, field, fields
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -266,7 +266,37 @@ def _ignores_unknown_arguments(cls):
         init(self, *args, **kwargs)
 
     cls.__init__ = __init__
+    _explain_frozen(cls)
     return cls
+
+
+class FrozenRecipeError(FrozenInstanceError):
+    """An assignment to a recipe's field (Transformer Engine's recipes take them, te-core's do not)."""
+
+
+def _explain_frozen(cls) -> None:
+    """The frozen dataclass's refusal of assignments, with a message that says what to do instead
+    (dataclasses' own names only the field). Same rule: fields, and any attribute of an instance
+    of the class itself, are refused; a subclass's own attributes are not."""
+    names = {f.name for f in fields(cls)}
+
+    def refuse(self, name):
+        raise FrozenRecipeError(
+            f"{type(self).__name__}.{name} cannot be changed: te-core's recipes are immutable (a module's "
+            f"scaling state follows the recipe object it was made with). Make a changed copy instead, "
+            f"dataclasses.replace(recipe, {name}=...), and pass that to te.autocast")
+
+    def __setattr__(self, name, value):
+        if type(self) is cls or name in names:
+            refuse(self, name)
+        super(cls, self).__setattr__(name, value)
+
+    def __delattr__(self, name):
+        if type(self) is cls or name in names:
+            refuse(self, name)
+        super(cls, self).__delattr__(name)
+
+    cls.__setattr__, cls.__delattr__ = __setattr__, __delattr__
 
 
 def _env_flag(name: str) -> Callable[[], bool]:

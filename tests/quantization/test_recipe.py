@@ -56,9 +56,31 @@ def test_wgrad_override_as_transformer_engine():
         d.gemm_in_fp8("bprop")
 
 
-def test_recipes_are_frozen():
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        DelayedScaling().margin = 1
+@pytest.mark.parametrize("cls", [DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling])
+def test_recipes_are_frozen_and_say_how_to_change_one(cls):
+    """Transformer Engine's recipes take assignments; te-core's refuse them with what to do instead."""
+    recipe = cls()
+    with pytest.raises(dataclasses.FrozenInstanceError,
+                       match=rf"{cls.__name__}\.fp8_format cannot be changed.*dataclasses\.replace\(recipe, fp8_format=\.\.\.\)"):
+        recipe.fp8_format = Format.E4M3
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot be changed"):
+        del recipe.fp8_format
+    other = Format.E4M3 if recipe.fp8_format is Format.HYBRID else Format.HYBRID
+    changed = dataclasses.replace(recipe, fp8_format=other)
+    assert changed.fp8_format is other and recipe.fp8_format is cls().fp8_format is not other
+
+
+def test_recipe_subclass_keeps_its_own_attributes():
+    """A subclass (Megatron-LM's TEDelayedScaling) may set attributes of its own, not the fields."""
+    class Sub(DelayedScaling):
+        def __init__(self, config=None, **kwargs):
+            super().__init__(**kwargs)
+            self.config = config
+
+    sub = Sub("cfg", margin=2)
+    assert sub.config == "cfg" and sub.margin == 2
+    with pytest.raises(dataclasses.FrozenInstanceError, match="Sub.margin cannot be changed"):
+        sub.margin = 3
 
 
 @pytest.mark.parametrize("cls", [DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling])
