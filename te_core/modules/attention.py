@@ -15,6 +15,7 @@ from ..distributed import tensor_parallel
 from ..ops.attention import PADDING_MASK_TYPES
 from ..ops.attention_masks import attention_logits
 from ..ops.packed_sequences import padded_layout, to_padded
+from ..quantization.scaling import graph_capture_active
 from ._attention_parallel import AttentionParallelMixin
 from ._attention_inputs import between_seqs, check_qkv, sequence_layout, unpack_qkv
 from ._packed import Packing
@@ -185,6 +186,11 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
         if inference_params is not None and not isinstance(inference_params, InferenceParams):
             raise TypeError(f"{module}: inference_params must be a te_core.InferenceParams, "
                             f"got {type(inference_params).__name__}")
+        if inference_params is not None and graph_capture_active():
+            raise NotImplementedError(
+                f"{module}: generation with a KV cache (inference_params) cannot be captured by "
+                "te.make_graphed_callables: te-core reads each step's sequence offsets on the host, which a CUDA "
+                "graph would replay unchanged. Run the generation step without capturing it.")
         padded_between = pad_between_seqs or cu_seqlens_q_padded is not None or cu_seqlens_kv_padded is not None
         if inference_params is not None and padded_between:
             raise ValueError(f"{module}: with inference_params the KV cache lays out the sequences; pass no "

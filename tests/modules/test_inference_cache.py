@@ -191,3 +191,22 @@ def test_a_refused_step_changes_nothing():
     with pytest.raises(ValueError, match="would hold 17 tokens"):
         params.pre_step(OrderedDict(a=7, b=1))
     assert params.sequences == OrderedDict(a=10) and params.get_seqlens_pre_step().tolist() == [0]
+
+
+def test_kv_cache_generation_inside_make_graphed_callables_is_refused_clearly():
+    """A captured graph would replay the step's host-computed cache offsets unchanged (wrong
+    tokens after the first step): inside te.make_graphed_callables' warm-up and capture, a KV-cache
+    step is refused with what to do, before anything runs."""
+    from te_core.quantization.scaling import graph_capture
+
+    mha = tm.MultiheadAttention(HIDDEN, HEADS, num_gqa_groups=GROUPS, attention_dropout=0.0, layer_number=1,
+                                attn_mask_type="padding_causal", qkv_format="bshd")
+    params = _params(max_batch_size=1)
+    params.pre_step(OrderedDict(s=4))
+    x = torch.randn(1, 4, HIDDEN)
+    with torch.no_grad(), graph_capture():
+        with pytest.raises(NotImplementedError, match=r"KV cache \(inference_params\) cannot be captured.*without"):
+            mha(x, inference_params=params)
+    assert params.sequences == OrderedDict(s=4)
+    with torch.no_grad():  # outside a capture the same step runs
+        assert mha(x, inference_params=params).shape == x.shape
