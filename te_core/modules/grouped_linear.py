@@ -198,7 +198,8 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
         check_input(inp, self.in_features, module=name, device=self.weight0.device)
         m_splits = check_m_splits(m_splits, self.num_gemms, inp.numel() // self.in_features, name)
         dtype = compute_dtype(inp)
-        x = inp.reshape(-1, self.in_features).to(dtype)
+        # contiguous rows: a GEMM may pick another kernel (and summation order) for a strided operand
+        x = inp.reshape(-1, self.in_features).to(dtype).contiguous()
         step = self.quantization_step(is_first_microbatch)
         check_fp8_gemms(step, name, *((m, self.out_features, self.in_features) for m in m_splits if m))
         biases = self._params("bias") if self.use_bias and not self.return_bias else []

@@ -216,7 +216,8 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         step = ctx.step
         needs_dx, needs_dw = ctx.needs
         dys, d_ln_out, d_res = split_grads(ctx, grads, ctx.parts)
-        dys = [g.to(x.dtype) for g in dys]
+        # contiguous, as Linear's: the fused dbias of a strided gradient would be summed in another order
+        dys = [g.to(x.dtype).contiguous() for g in dys]
         dy = dys[0] if ctx.parts == 1 else dys
         dy_q, dbias = step.grad_operand("grad_output", dy, columnwise=needs_dw, with_dbias=ctx.bias_dtype is not None)
         dw = weight_grad_or_defer(new_batch(ctx.wgrad_store), "weight", partial(
@@ -337,7 +338,9 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
         norm_inp, gemm_shape = inp, inp.shape
         if self.parallel_mode == "column":  # cast first: a gather moves the compute dtype's bytes
             norm_inp, step, gemm_shape = tensor_parallel.norm_input(self, inp.to(dtype), step, "input")
-        x = norm_inp.reshape(-1, self.in_features).to(dtype)
+        # contiguous rows: the norm of a strided input (a permuted view) would otherwise be
+        # summed in another order, and its result would depend on the input's memory layout
+        x = norm_inp.reshape(-1, self.in_features).to(dtype).contiguous()
         check_fp8_gemms(step, "LayerNormLinear", (gemm_shape.numel() // self.in_features, self.out_features,
                                                   self.in_features))
         fused_bias = None if self.return_bias else bias

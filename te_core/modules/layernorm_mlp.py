@@ -147,7 +147,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         del held  # from here on the locals below are the only references: each `del` frees memory
         step = ctx.step
         needs_dx, needs_dw1, needs_dw2 = ctx.needs
-        dy = dy.to(x.dtype)
+        dy = dy.to(x.dtype).contiguous()  # as Linear's: a strided gradient's dbias would be summed in another order
         dy_q, d_fc2_b = step.grad_operand(
             "fc2_grad_output", dy, columnwise=needs_dw2, with_dbias=ctx.bias_dtypes[1] is not None
         )
@@ -299,7 +299,8 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
         step = self.quantization_step(is_first_microbatch)
         # cast first: a gather under tensor parallelism moves the compute dtype's bytes
         x, step, fc1_shape = tensor_parallel.norm_input(self, inp.to(dtype), step, "fc1_input")
-        x = x.reshape(-1, self.hidden_size)
+        # contiguous rows, as LayerNormLinear's: the norm's result must not depend on the layout
+        x = x.reshape(-1, self.hidden_size).contiguous()
         m = fc1_shape.numel() // self.hidden_size
         check_fp8_gemms(
             step,

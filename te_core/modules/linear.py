@@ -54,7 +54,8 @@ def _fprop(inp: Tensor, weight: Tensor, bias: Optional[Tensor], step, options: _
     its quantized operands."""
     out_features, in_features = weight.shape
     dtype = options.compute_dtype
-    x2d = inp if inp.dim() == 2 else inp.reshape(-1, in_features)
+    # contiguous rows: a GEMM may pick another kernel (and summation order) for a strided operand
+    x2d = (inp if inp.dim() == 2 else inp.reshape(-1, in_features)).contiguous()
     step.check_gemm_dims(x2d.shape[0], out_features, in_features)
     x_op = step.operand("input", x2d if step.fp8 else x2d.to(dtype), columnwise=need_wgrad)
     w_hp = weight if step.fp8 else weight.to(dtype)
@@ -113,7 +114,9 @@ class _LinearFunction(torch.autograd.Function):
             # for backward_dw, keeping only what it reads
             now = store is None
             if ctx.original:  # save_original_input: the input's wgrad operand, cast now
-                x_wgrad = original_input_operand(step, "input", x_wgrad, ctx.options.compute_dtype, now=now)
+                # (contiguous here, not in the forward: a strided input is copied only while it is cast)
+                x_wgrad = original_input_operand(step, "input", x_wgrad.contiguous(), ctx.options.compute_dtype,
+                                                 now=now)
             dw = weight_grad_or_defer(new_batch(store), "weight", partial(
                 weight_grad, wgrad_operand(dy_op, dy, now=now), x_wgrad, weight.dtype, fused, "Linear"), fused)
         step.backward_done()

@@ -82,10 +82,22 @@ def _sink_inputs(q, k, v, masked, bias, softmax_offset):
     return k, v, torch.cat([logits.expand(b, hq, sq, sk), column], dim=-1)
 
 
+def _kernel_readable(t: torch.Tensor) -> torch.Tensor:
+    """t as it is where SDPA's kernels read it in place: unit-stride features, every other stride
+    and the offset 16-byte aligned (as q, k and v sliced from a fused QKV projection are); else its
+    contiguous copy. Other layouts make the kernels take other code, whose result then depends on
+    the layout, or find none (cutlassF has no kernel for a slice at an odd offset)."""
+    align = max(1, 16 // t.element_size())
+    if t.stride(-1) == 1 and t.storage_offset() % align == 0 and all(n % align == 0 for n in t.stride()[:-1]):
+        return t
+    return t.contiguous()
+
+
 def attention(q, k, v, *, attn_mask_type="no_mask", attention_mask=None, softmax_scale=None, dropout_p=0.0,
               query_padding_mask=None, window_size=None, bottom_right_diagonal=None,
               core_attention_bias_type="no_bias", core_attention_bias=None, alibi_slopes=None, softmax_offset=None):
     """te_core.ops.attention; differentiable (SDPA's autograd)."""
+    q, k, v = _kernel_readable(q), _kernel_readable(k), _kernel_readable(v)
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     if hq % hkv:
