@@ -270,6 +270,13 @@ def _ignores_unknown_arguments(cls):
     return cls
 
 
+def _same(current, value) -> bool:
+    try:
+        return current is value or (type(current) is type(value) and bool(current == value))
+    except Exception:  # noqa: BLE001 - a value that cannot be compared is a change
+        return False
+
+
 class FrozenRecipeError(FrozenInstanceError):
     """An assignment to a recipe's field (Transformer Engine's recipes take them, te-core's do not)."""
 
@@ -288,6 +295,8 @@ def _explain_frozen(cls) -> None:
 
     def __setattr__(self, name, value):
         if type(self) is cls or name in names:
+            if name in names and _same(getattr(self, name), value):
+                return  # (nothing changes: Transformer Engine code re-assigns fields their own values)
             refuse(self, name)
         super(cls, self).__setattr__(name, value)
 

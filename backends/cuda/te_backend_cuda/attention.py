@@ -127,11 +127,10 @@ def attention(q, k, v, *, attn_mask_type="no_mask", attention_mask=None, softmax
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                                   scale=softmax_scale)
     dead = None
-    if masked is not None:
+    if masked is not None:  # (no test of whether any row is dead: reading it would wait for the
+        # device, and a CUDA graph capture forbids that)
         dead = masked.all(dim=-1, keepdim=True)
         masked = masked & ~dead  # a dead row attends everything, then is zeroed
-        if not bool(dead.any()):
-            dead = None
     if bias is None:
         attn_mask = None if masked is None else ~masked
     else:
