@@ -213,15 +213,25 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
     def step(self, closure=None):
         loss = run_closure(closure)
         for group in self.param_groups:
+            # Every group counts the step, one without gradients (or without parameters: a group
+            # can be empty on one data-parallel rank and not on another) too, as Transformer
+            # Engine's: "step" is checkpointed per group, and a group that stopped counting would
+            # resume with a stale bias correction.
             live = [(p, g) for p in group["params"] if (g := grad_of(p, self.use_decoupled_grad, NAME)) is not None]
-            if not live:
-                continue
             if self.capturable:
                 self._capturable_step(group, live)
             else:
                 group["step"] = group.get("step", 0) + 1
-                self._fused_step(group, live)
+                if live:
+                    self._fused_step(group, live)
         return loss
+
+    def _step_device(self, live) -> torch.device:
+        """Where a capturable group's step count lives: its stepped tensors' device, else that of
+        any parameter of the optimizer (an empty group has none of its own)."""
+        if live:
+            return live[0][0].device
+        return next((p.device for group in self.param_groups for p in group["params"]), torch.device("cpu"))
 
     def _fused_step(self, group: dict, live) -> None:
         """One ops.multi_tensor_adam call per (device, dtype) of the stepped tensors."""
@@ -241,13 +251,15 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
 
     def _capturable_step(self, group: dict, live) -> None:
         """The same update with lr and the step count as device tensors: no value leaves the device."""
-        device = live[0][0].device
+        device = self._step_device(live)
         if not torch.is_tensor(group.get("step")):
             group["step"] = torch.zeros((), dtype=torch.float32, device=device)
         if not torch.is_tensor(group["lr"]):
             group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
         step, lr = group["step"], group["lr"]
         step.add_(1)
+        if not live:
+            return
         beta1, beta2 = group["betas"]
         if group["bias_correction"]:
             bc1, bc2_sqrt = 1 - beta1**step, (1 - beta2**step).sqrt()

@@ -390,3 +390,26 @@ def test_torch_adam_state_dict_loads_into_fused_adam():
     opt.load_state_dict(torch_adam.state_dict())
     assert torch.equal(opt.state[opt.param_groups[0]["params"][0]]["exp_avg"],
                        torch_adam.state[params[0]]["exp_avg"])
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_every_param_group_counts_the_step(capturable):
+    """An empty group, and one whose parameters got no gradient, advance "step" with the others
+    (Transformer Engine's rule: "step" is checkpointed per group, and a group can be empty on one
+    data-parallel rank only); the stepped group's update equals torch's AdamW."""
+    torch.manual_seed(0)
+    stepped, idle = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(4))
+    reference = torch.nn.Parameter(stepped.detach().clone())
+    opt = FusedAdam([{"params": [stepped]}, {"params": []}, {"params": [idle]}], lr=1e-2, weight_decay=0.01,
+                    capturable=capturable)
+    torch_opt = torch.optim.AdamW([reference], lr=1e-2, weight_decay=0.01)
+    idle_before = idle.detach().clone()
+    for _ in range(3):
+        grad = torch.randn(8)
+        stepped.grad, reference.grad = grad.clone(), grad.clone()
+        opt.step()
+        torch_opt.step()
+    assert [int(g["step"]) for g in opt.param_groups] == [3, 3, 3]
+    assert [int(g["step"]) for g in opt.state_dict()["param_groups"]] == [3, 3, 3]
+    assert torch.equal(idle.detach(), idle_before)
+    torch.testing.assert_close(stepped.detach(), reference.detach(), rtol=1.3e-6, atol=1e-5)
