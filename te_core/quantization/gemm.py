@@ -199,7 +199,9 @@ def _high_precision(t: Operand, columnwise: bool) -> Tensor:
 def _no_scaling_mode(a: GemmOperand, b: GemmOperand) -> NoReturn:
     raise ValueError(
         f"no FP8 GEMM scaling mode for operands quantized as {a.kind} (a) and {b.kind} (b); quantize both "
-        "operands with the same recipe (a 128x128-block operand must be the second one, b)"
+        "operands with the same recipe (a 128x128-block operand must be the second one, b). A weight kept "
+        "only in FP8 (te.quantized_model_init) stays in the format of the recipe it was made under: run "
+        "the module under a te.autocast recipe of that kind, or build it again under the new recipe"
     )
 
 

@@ -319,3 +319,17 @@ def test_fp8_weights_built_for_inference_keep_no_column_wise_copy(rec_name):
         grads[key] = [x_in.grad] + [p.grad for p in module.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
     assert inference.fc1_weight.has_columnwise  # remade by the backward
+
+
+@pytest.mark.parametrize("built, run", [("mxfp8", "delayed"), ("block", "current")])
+def test_fp8_weights_under_another_recipe_kind_say_why(built, run):
+    """A weight kept only in FP8 stays in its recipe's format: run under a recipe of another kind,
+    the error names that cause, not only the two scaling modes."""
+    from te_core.quantization import quantized_model_init
+
+    with quantized_model_init(recipe=RECIPES[built]()):
+        layer = tm.Linear(128, 128)
+    with pytest.raises(ValueError, match=r"no FP8 GEMM scaling mode.*kept only in FP8 \(te.quantized_model_init\) "
+                                         r"stays in the format of the recipe it was made under"):
+        with autocast(recipe=RECIPES[run]()):
+            layer(torch.randn(128, 128, generator=seeded(6)))
