@@ -15,7 +15,9 @@ weights torch.float16 (`master_weight_dtype`): scaled states, updated through fl
 and `store_param_remainders=True` keeps a bf16 parameter's float32 master weight as the
 parameter plus 16 bits (_scaled_states). `get_unscaled_state` / `set_scaled_state` read and
 write any state in float32, and `state_dict()` holds the scaled states unscaled (float32).
-AMSGrad raises NotImplementedError, as in Transformer Engine.
+Under torch.amp.GradScaler the update divides the gradients by its scale and a step with an
+inf gradient changes nothing (_amp_scaling), capturable or not. AMSGrad raises
+NotImplementedError, as in Transformer Engine.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch
 
 from .. import ops
 from . import _scaled_states as compact
+from ._amp_scaling import AmpScaling
 from ._checks import check_group, check_loadable
 from ._grads import GradResetMixin, grad_of, run_closure
 from ._state_dtypes import StateDtypesMixin
@@ -39,6 +42,10 @@ RANGES = {"lr": (0.0, None, False), "eps": (0.0, None, False), "weight_decay": (
 
 class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
     """Adam with decoupled weight decay (AdamW) by default, Adam with L2 with adam_w_mode=False."""
+
+    # torch.amp.GradScaler hands step() its scale and found-inf flag rather than unscaling the
+    # gradients in place (_amp_scaling); Transformer Engine's capturable FusedAdam does so too.
+    _step_supports_amp_scaling = True
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  amsgrad: bool = False, *, bias_correction: bool = True, adam_w_mode: bool = True,
@@ -210,8 +217,19 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
         p.copy_(target)  # the parameter gets the master's value, rounded
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, **kwargs):
+        """One step; under torch.amp.GradScaler the gradients are divided by its scale within
+        the update and a step with an inf or NaN gradient changes nothing, the step count
+        included (_amp_scaling). Transformer Engine's `grad_scaler=` keyword is taken, but
+        not declared, so that GradScaler.step sets the attributes torch keeps rather than
+        passing itself with a FutureWarning each step."""
+        grad_scaler = kwargs.pop("grad_scaler", None)
+        if kwargs:
+            raise TypeError(f"{NAME}.step() got unexpected keyword arguments {sorted(kwargs)}")
         loss = run_closure(closure)
+        scaling = AmpScaling.of(self, grad_scaler)
+        if not self.capturable and scaling.skips_on_host():
+            return loss
         for group in self.param_groups:
             # Every group counts the step, one without gradients (or without parameters: a group
             # can be empty on one data-parallel rank and not on another) too, as Transformer
@@ -219,11 +237,11 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
             # resume with a stale bias correction.
             live = [(p, g) for p in group["params"] if (g := grad_of(p, self.use_decoupled_grad, NAME)) is not None]
             if self.capturable:
-                self._capturable_step(group, live)
+                self._capturable_step(group, live, scaling)
             else:
                 group["step"] = group.get("step", 0) + 1
                 if live:
-                    self._fused_step(group, live)
+                    self._fused_step(group, live, scaling)
         return loss
 
     def _step_device(self, live) -> torch.device:
@@ -233,8 +251,9 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
             return live[0][0].device
         return next((p.device for group in self.param_groups for p in group["params"]), torch.device("cpu"))
 
-    def _fused_step(self, group: dict, live) -> None:
-        """One ops.multi_tensor_adam call per (device, dtype) of the stepped tensors."""
+    def _fused_step(self, group: dict, live, scaling: AmpScaling) -> None:
+        """One ops.multi_tensor_adam call per (device, dtype) of the stepped tensors, each with
+        its batch's gradients unscaled (new tensors, made batch by batch) where GradScaler's."""
         beta1, beta2 = group["betas"]
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                      step=group["step"], adam_w_mode=self.adam_w_mode, bias_correction=group["bias_correction"])
@@ -245,19 +264,23 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
             for lst, t in zip(lists, (target, g, exp_avg, exp_avg_sq, p)):
                 lst.append(t)
         for targets, grads, exp_avgs, exp_avg_sqs, owners in batches.values():
+            grads = [scaling.unscaled(g) for g in grads]
             ops.multi_tensor_adam(targets, grads, exp_avgs, exp_avg_sqs, **hyper)
             for target, m, v, p in zip(targets, exp_avgs, exp_avg_sqs, owners):
                 self._store(p, self.state[p], target, m, v)
 
-    def _capturable_step(self, group: dict, live) -> None:
-        """The same update with lr and the step count as device tensors: no value leaves the device."""
+    def _capturable_step(self, group: dict, live, scaling: AmpScaling) -> None:
+        """The same update with lr and the step count as device tensors: no value leaves the
+        device. With GradScaler's found_inf the update is computed on copies and the kept
+        values selected back (torch.where), the step count advanced by 0."""
         device = self._step_device(live)
         if not torch.is_tensor(group.get("step")):
             group["step"] = torch.zeros((), dtype=torch.float32, device=device)
         if not torch.is_tensor(group["lr"]):
             group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
         step, lr = group["step"], group["lr"]
-        step.add_(1)
+        _, skip = scaling.on(step.device)
+        step.add_(1 if skip is None else (~skip).float())
         if not live:
             return
         beta1, beta2 = group["betas"]
@@ -269,7 +292,10 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
             state = self._state_of(p)
             target = state.get("master_param", p)
             m_kept, v_kept = state["exp_avg"], state["exp_avg_sq"]
-            p32, g32, m, v = target.float(), g.float(), m_kept.float(), v_kept.float()
+            inv_scale, skip = scaling.on(p.device)
+            # (float32 tensors are their own .float(): copies where the kept values may be reselected)
+            p32, m, v = (t.to(torch.float32, copy=skip is not None) for t in (target, m_kept, v_kept))
+            g32 = g.float() if inv_scale is None else g.float() * inv_scale
             if group["weight_decay"] != 0.0:
                 if self.adam_w_mode:
                     p32.mul_(1 - lr * group["weight_decay"])
@@ -278,6 +304,8 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
             m.lerp_(g32, 1 - beta1)
             v.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
             p32.sub_(m / (v.sqrt() / bc2_sqrt + group["eps"]) * (lr / bc1))
+            if skip is not None:
+                p32, m, v = (torch.where(skip, kept, new) for kept, new in ((target, p32), (m_kept, m), (v_kept, v)))
             for kept, value in ((m_kept, m), (v_kept, v)):
                 if kept is not value:  # bf16 moments: rounded once, after the update read them
                     kept.copy_(value)
