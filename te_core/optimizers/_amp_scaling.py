@@ -79,3 +79,14 @@ class AmpScaling:
         if grad.dtype == torch.float16:
             return grad.float().mul_(inv_scale)
         return grad * inv_scale
+
+    def leave_unscaled(self, grads) -> None:
+        """After the step: the gradients divided by the scale in place, as GradScaler's own
+        unscale_ leaves them for an optimizer that does not unscale itself (and Transformer
+        Engine's capturable kernel writes them), so code reading param.grad after step() sees
+        the same values either way. The update itself read float32 copies (`unscaled`)."""
+        if self.inv_scale is None:
+            return
+        for grad in grads:  # (a power-of-two scale: exact in any dtype, as GradScaler's)
+            grad.mul_(self.on(grad.device)[0])
+

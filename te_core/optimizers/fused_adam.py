@@ -229,6 +229,7 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
         loss = run_closure(closure)
         scaling = AmpScaling.of(self, grad_scaler)
         if not self.capturable and scaling.skips_on_host():
+            scaling.leave_unscaled(self._grads())
             return loss
         for group in self.param_groups:
             # Every group counts the step, one without gradients (or without parameters: a group
@@ -242,7 +243,14 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
                 group["step"] = group.get("step", 0) + 1
                 if live:
                     self._fused_step(group, live, scaling)
+        if scaling.inv_scale is not None:
+            scaling.leave_unscaled(self._grads())
         return loss
+
+    def _grads(self):
+        """Every parameter's gradient (main_grad with use_decoupled_grad), None ones left out."""
+        return [g for group in self.param_groups for p in group["params"]
+                if (g := grad_of(p, self.use_decoupled_grad, NAME)) is not None]
 
     def _step_device(self, live) -> torch.device:
         """Where a capturable group's step count lives: its stepped tensors' device, else that of

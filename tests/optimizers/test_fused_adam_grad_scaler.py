@@ -46,10 +46,11 @@ class Pair:
             coefficients[1][3] = float("inf")
         loss = sum((p.float() * c).sum() for p, c in zip(self.params, coefficients))
         self.scaler.scale(loss).backward()
+        self.scaled = [p.grad.detach().clone() for p in self.params]  # (step leaves them unscaled)
 
     def reference_step(self, divide_by=SCALE):
-        for p, ours in zip(self.ref_params, self.params):
-            p.grad = ours.grad.float() / divide_by
+        for p, scaled in zip(self.ref_params, self.scaled):
+            p.grad = scaled.float() / divide_by
         self.ref.step()
 
     def stepped(self, p):
@@ -117,7 +118,8 @@ def test_scaled_gradients_step_as_adamw_on_unscaled_float32_ones(dtype, master_w
             warnings.simplefilter("error")  # no "Attempting to unscale FP16 gradients", no FutureWarning
             pair.scaler.step(pair.opt)
         pair.scaler.update()
-        assert all(torch.equal(p.grad, g) for p, g in zip(pair.params, scaled)), "param.grad was modified"
+        # left unscaled, as GradScaler's own unscale_ leaves them (TE's tests compare them so)
+        assert all(torch.equal(p.grad, g.mul_(1 / SCALE)) for p, g in zip(pair.params, scaled))
         pair.reference_step()
     assert pair.scaler.get_scale() == SCALE
     pair.assert_matches_reference()
@@ -191,7 +193,7 @@ def test_unscale_before_step_is_not_unscaled_again(dtype, capturable):
         pair.scaler.unscale_(pair.opt)
         pair.scaler.step(pair.opt)
         pair.scaler.update()
-        pair.reference_step(divide_by=1.0)
+        pair.reference_step()
     pair.assert_matches_reference()
     pair.backward(inf=True)
     before = snapshot(pair)
@@ -211,6 +213,6 @@ def test_grad_scaler_given_to_step_by_hand_as_in_transformer_engine(capturable):
         pair.opt.step(grad_scaler=pair.scaler)
         pair.scaler.update()
         if not inf:
-            pair.reference_step(divide_by=1.0 if unscale_first else scale)
+            pair.reference_step(divide_by=scale)
     assert pair.scaler.get_scale() == SCALE / 2
     pair.assert_matches_reference()
