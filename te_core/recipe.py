@@ -250,7 +250,8 @@ def _ignores_unknown_arguments(cls):
     as Transformer Engine's recipes (pydantic dataclasses) ignore arguments they do not define:
     Megatron-LM's recipe subclasses pass their module arguments (params_dtype, device) to the
     recipe too. Every field Transformer Engine's recipe defines is a field here (so never
-    ignored): it works, or its unsupported values raise."""
+    ignored): it works, or its unsupported values raise. Being every recipe class's decorator, it
+    also gives the class the frozen-field error that says what to do (_explain_frozen)."""
     init, known = cls.__init__, {f.name for f in fields(cls)}
 
     @functools.wraps(init)

@@ -15,6 +15,7 @@ from ..distributed import tensor_parallel
 from ..ops.attention import PADDING_MASK_TYPES
 from ..ops.attention_masks import attention_logits
 from ..ops.packed_sequences import padded_layout, to_padded
+from ..quantization import extra_state as extra_state_bytes
 from ..quantization.scaling import graph_capture_active
 from ._attention_parallel import AttentionParallelMixin
 from ._attention_inputs import between_seqs, check_qkv, sequence_layout, unpack_qkv
@@ -274,7 +275,7 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
     def get_extra_state(self) -> Tensor:
         """Nothing to keep (attention is not quantized): Transformer Engine's empty uint8 tensor;
         the key exists, as in Transformer Engine's checkpoints, so state dicts load both ways."""
-        return torch.empty(0, dtype=torch.uint8)
+        return extra_state_bytes.encode(None)
 
     def set_extra_state(self, state) -> None:
         """Accepts Transformer Engine's extra state: empty, or FP8-attention scales, which

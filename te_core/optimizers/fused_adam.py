@@ -228,29 +228,23 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
             raise TypeError(f"{NAME}.step() got unexpected keyword arguments {sorted(kwargs)}")
         loss = run_closure(closure)
         scaling = AmpScaling.of(self, grad_scaler)
-        if not self.capturable and scaling.skips_on_host():
-            scaling.leave_unscaled(self._grads())
-            return loss
-        for group in self.param_groups:
-            # Every group counts the step, one without gradients (or without parameters: a group
-            # can be empty on one data-parallel rank and not on another) too, as Transformer
-            # Engine's: "step" is checkpointed per group, and a group that stopped counting would
-            # resume with a stale bias correction.
-            live = [(p, g) for p in group["params"] if (g := grad_of(p, self.use_decoupled_grad, NAME)) is not None]
-            if self.capturable:
-                self._capturable_step(group, live, scaling)
-            else:
-                group["step"] = group.get("step", 0) + 1
-                if live:
-                    self._fused_step(group, live, scaling)
-        if scaling.inv_scale is not None:
-            scaling.leave_unscaled(self._grads())
+        # Every group counts the step, one without gradients (or without parameters: a group can
+        # be empty on one data-parallel rank and not on another) too, as Transformer Engine's:
+        # "step" is checkpointed per group, and a group that stopped counting would resume with a
+        # stale bias correction.
+        lives = [[(p, g) for p in group["params"] if (g := grad_of(p, self.use_decoupled_grad, NAME)) is not None]
+                 for group in self.param_groups]
+        # an inf step is skipped here, read on the host; a capturable step decides on the device
+        if self.capturable or not scaling.skips_on_host():
+            for group, live in zip(self.param_groups, lives):
+                if self.capturable:
+                    self._capturable_step(group, live, scaling)
+                else:
+                    group["step"] = group.get("step", 0) + 1
+                    if live:
+                        self._fused_step(group, live, scaling)
+        scaling.leave_unscaled(g for live in lives for _, g in live)
         return loss
-
-    def _grads(self):
-        """Every parameter's gradient (main_grad with use_decoupled_grad), None ones left out."""
-        return [g for group in self.param_groups for p in group["params"]
-                if (g := grad_of(p, self.use_decoupled_grad, NAME)) is not None]
 
     def _step_device(self, live) -> torch.device:
         """Where a capturable group's step count lives: its stepped tensors' device, else that of
