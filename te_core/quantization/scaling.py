@@ -70,7 +70,8 @@ class ScalingGroup:
             self.scale = torch.ones(n, dtype=torch.float32, device=device)
         # Per-column views, made once: slicing on every cast costs host time on a hot path.
         self._column_views: Optional[Tuple[List[Tensor], List[Tensor]]] = None
-        self._scale_inv_snapshot: Tuple[Tensor, List[Tensor]] = (self.scale, [])
+        # (1 / scale or None until asked for, [its per-column (1,) views]): see scale_inv_snapshot
+        self._scale_inv_snapshot: Tuple[Optional[Tensor], List[Tensor]] = (self.scale, [])
         self._scale_inv_version = None  # the first cast takes the first snapshot
         # The columns no cast has scaled from a real amax yet (see QuantizationStep.first_scale): a
         # fresh state's scale is 1, which flushes the first step's output gradients (1e-7..1e-4
@@ -88,11 +89,16 @@ class ScalingGroup:
     def scale_inv(self) -> Tensor:
         """1 / scale (n,), recomputed (as a NEW tensor) only after `scale` changed in place, so
         tensors quantized earlier keep their snapshot and a step costs one reciprocal per group,
-        not per cast (an update takes its one-column groups' snapshots together: _take_snapshots)."""
-        return self.scale_inv_snapshot()[0]
+        not per cast (an update takes its groups' snapshots together: _take_snapshots)."""
+        whole, views = self.scale_inv_snapshot()
+        if whole is None:  # a snapshot _take_aligned_snapshots took: its column views, joined
+            whole = views[0] if len(views) == 1 else torch.cat(views)
+            self._scale_inv_snapshot = (whole, views)
+        return whole
 
-    def scale_inv_snapshot(self) -> Tuple[Tensor, List[Tensor]]:
-        """(scale_inv, its per-column (1,) views), each view at a 16-byte aligned address: FP8
+    def scale_inv_snapshot(self) -> Tuple[Optional[Tensor], List[Tensor]]:
+        """(scale_inv or None, its per-column (1,) views; scale_inv() joins the views where the
+        snapshot holds None), each view at a 16-byte aligned address: FP8
         GEMM libraries read scales with vector loads (cuBLASLt refused a scale at an offset of
         4 bytes). One kernel per snapshot, and few torch calls: this runs once per group per step
         on a host-bound path."""
@@ -351,11 +357,33 @@ def _take_snapshots(groups: Sequence[ScalingGroup]) -> None:
     graph updates them (scale_inv_snapshot trusts no cached snapshot then)."""
     if _CAPTURE.active or torch.is_inference_mode_enabled():
         return
-    singles = [g for g in groups if len(g.names) == 1 and not g._updated_in_graphs and not g.captured]
-    if len(singles) < 2:  # one reciprocal either way: left to the cast
-        return
-    for group, inv in zip(singles, torch._foreach_reciprocal([g.scale for g in singles])):
-        group._scale_inv_snapshot, group._scale_inv_version = (inv, [inv]), group.scale._version
+    singles, multis = [], []
+    for g in groups:
+        if not g._updated_in_graphs and not g.captured:
+            (singles if len(g.names) == 1 else multis).append(g)
+    if multis:  # then every group's columns in one aligned layout, with one reciprocal
+        _take_aligned_snapshots(singles + multis)
+    elif len(singles) >= 2:  # (one group: one reciprocal either way, left to its cast)
+        for group, inv in zip(singles, torch._foreach_reciprocal([g.scale for g in singles])):
+            group._scale_inv_snapshot, group._scale_inv_version = (inv, [inv]), group.scale._version
+
+
+def _take_aligned_snapshots(groups: Sequence[ScalingGroup]) -> None:
+    """The next scale_inv snapshot of `groups` (some of several columns), in one (columns, 4)
+    float32 tensor: each column's 1 / scale in a 16-byte slot of its own, which its (1,) view
+    reads (the layout ScalingGroup._new_snapshot gives one group). A few torch calls for all
+    the groups of an update, where a group of several columns took six at its first cast."""
+    scales = [g.scale for g in groups]
+    flat = scales[0] if len(scales) == 1 else torch.cat(scales)
+    slots = torch.reciprocal(flat.unsqueeze(1).expand(flat.shape[0], _FLOATS_PER_16_BYTES))
+    views = slots.narrow(1, 0, 1).unbind(0)
+    start = 0
+    for group in groups:
+        n = len(group.names)
+        # the whole (n,) vector only on request (scale_inv()): casts read the column views
+        group._scale_inv_snapshot = (None, list(views[start:start + n]))
+        group._scale_inv_version = group.scale._version
+        start += n
 
 
 def _custom_update(group: ScalingGroup) -> None:

@@ -144,28 +144,58 @@ class _CountReciprocals(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_update_takes_the_snapshots_of_one_column_groups_in_one_launch(gen):
-    """After an update, the one-column groups' scale_inv snapshots come from one foreach
-    reciprocal (not one reciprocal per group at its first cast), equal to 1 / scale bit for bit;
-    tensors cast before keep theirs; a group of several columns still takes its aligned
-    snapshot at its first cast."""
+def _snapshot_setup(gen, wide_columns):
     state = DelayedScaling(amax_history_len=2).make_state(gemm_slots(), torch.device("cpu"))
     quantizers = [state.quantizer(name) for name in ("input", "weight", "grad_output")]
     xs = [randn(gen, 32, 64, scale=s) for s in (1.0, 3.0, 0.5)]
     before = [q.quantize(x) for q, x in zip(quantizers, xs)]
-    wide = ScalingGroup(["a", "b"], torch.float8_e4m3fn, DelayedScaling(amax_history_len=2), torch.device("cpu"))
-    wide.record(0, torch.tensor(2.0))
-    wide.record(1, torch.tensor(8.0))
-    with _CountReciprocals() as counted:
-        update_scales([*state.groups.values(), wide])
-        after = [q.quantize(x) for q, x in zip(quantizers, xs)]
-        wide_inv = wide.scale_inv_of(1)
-    assert counted.ops == ["_foreach_reciprocal", "reciprocal"], counted.ops  # the wide group's at its cast
+    wides = []
+    for n in wide_columns:
+        wide = ScalingGroup([f"c{i}" for i in range(n)], torch.float8_e4m3fn, DelayedScaling(amax_history_len=2),
+                            torch.device("cpu"))
+        for i in range(n):
+            wide.record(i, randn(gen, 1).abs().reshape(()) * 4 + 0.5)
+        wides.append(wide)
+    return state, quantizers, xs, before, wides
+
+
+def _check_snapshots(quantizers, xs, before, after, wides):
     for q, x, old, new in zip(quantizers, xs, before, after):
         assert old._scale_inv.item() == 1.0  # kept
         assert torch.equal(new._scale_inv, torch.reciprocal(q.scale))
         assert new._scale_inv.item() == pytest.approx(x.abs().amax().item() / fp8_max(q.fp8_dtype), rel=1.3e-6)
-    assert wide_inv.data_ptr() % 16 == 0 and torch.equal(wide_inv, torch.reciprocal(wide.scale[1:2]))
+    for wide in wides:
+        views = [wide.scale_inv_of(i) for i in range(len(wide.names))]
+        assert all(v.shape == (1,) and v.data_ptr() % 16 == 0 for v in views)
+        assert torch.equal(torch.cat(views), torch.reciprocal(wide.scale))
+        assert torch.equal(wide.scale_inv(), torch.reciprocal(wide.scale)) and wide.scale_inv() is wide.scale_inv()
+
+
+def test_update_takes_the_snapshots_of_one_column_groups_in_one_launch(gen):
+    """After an update of one-column groups only, their scale_inv snapshots come from one foreach
+    reciprocal (not one reciprocal per group at its first cast), equal to 1 / scale bit for bit;
+    tensors cast before keep theirs."""
+    state, quantizers, xs, before, wides = _snapshot_setup(gen, ())
+    with _CountReciprocals() as counted:
+        update_scales(list(state.groups.values()))
+        after = [q.quantize(x) for q, x in zip(quantizers, xs)]
+    assert counted.ops == ["_foreach_reciprocal"], counted.ops
+    _check_snapshots(quantizers, xs, before, after, wides)
+
+
+@pytest.mark.parametrize("wide_columns", [(2,), (2, 3)])
+def test_update_with_groups_of_several_columns_takes_every_snapshot_in_one_reciprocal(gen, wide_columns):
+    """With groups of several columns among them (a LayerNormMLP's), an update takes every
+    group's snapshot with one reciprocal into 16-byte slots (none at the groups' first casts):
+    each column's view aligned and equal to 1 / scale bit for bit, the whole vector on request."""
+    state, quantizers, xs, before, wides = _snapshot_setup(gen, wide_columns)
+    with _CountReciprocals() as counted:
+        update_scales([*state.groups.values(), *wides])
+        after = [q.quantize(x) for q, x in zip(quantizers, xs)]
+        views = [wide.scale_inv_of(i) for wide in wides for i in range(len(wide.names))]
+    assert counted.ops == ["reciprocal"], counted.ops
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1  # one tensor holds every slot
+    _check_snapshots(quantizers, xs, before, after, wides)
 
 
 def test_history_resized_by_a_recipe_change_receives_the_next_amax(gen):

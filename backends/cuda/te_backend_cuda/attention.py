@@ -88,6 +88,10 @@ def _kernel_readable(t: torch.Tensor) -> torch.Tensor:
     contiguous copy. Other layouts make the kernels take other code, whose result then depends on
     the layout, or find none (cutlassF has no kernel for a slice at an odd offset)."""
     align = max(1, 16 // t.element_size())
+    if torch.compiler.is_compiling():
+        # A trace cannot read a view's storage offset (dynamo refuses the call: fullgraph fails)
+        # and the compiler lays out the buffers it hands SDPA: only unit-stride features asked.
+        return t if t.stride(-1) == 1 else t.contiguous()
     if t.stride(-1) == 1 and t.storage_offset() % align == 0 and all(n % align == 0 for n in t.stride()[:-1]):
         return t
     return t.contiguous()

@@ -121,3 +121,21 @@ def test_supports_declines_a_bias_that_needs_a_gradient(monkeypatch):
     assert not ok and "gradient" in reason
     assert attention.supports_attention(q, k, v, core_attention_bias_type="post_scale_bias",
                                         core_attention_bias=bias.detach()) == (True, "")
+
+
+@pytest.mark.parametrize("kind", ["causal", "padding"])
+def test_compiles_whole_on_views_of_a_fused_projection(kind):
+    """Under torch.compile(fullgraph=True) the attention traces whole (a trace cannot read a
+    view's storage offset, so the layout rule asks nothing of it there) on q, k and v sliced from
+    one fused projection, as a layer hands them over, and gives the eager result."""
+    g = torch.Generator().manual_seed(7)
+    b, h, s, d = 2, 3, 8, 16
+    fused = torch.randn(b, s, 3 * h * d + 2, generator=g)
+    mask = _mask(kind, b, h, s, s, 7)
+
+    def run(x):
+        q, k, v = (x[..., 1 + i * h * d: 1 + (i + 1) * h * d].reshape(b, s, h, d).transpose(1, 2) for i in range(3))
+        return attention.attention(q, k, v, attn_mask_type=kind, attention_mask=mask)
+
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(run, fullgraph=True)(fused), run(fused), rtol=1.3e-6, atol=1e-5)

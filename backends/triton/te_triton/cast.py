@@ -266,6 +266,10 @@ TRANSPOSE_DEFAULT = Config(block_m=64, block_n=128, num_warps=4)
 @launcher
 @triton.jit
 def _transpose_kernel(x_ptr, y_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    # FP8 pointers moved as bytes: the kernel takes the FP8 tensors themselves (a uint8 view of
+    # each would be two more torch calls per transpose on the host) and copies their bits
+    x_ptr = x_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+    y_ptr = y_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
     pid = tl.program_id(0)
     n_tn = tl.cdiv(N, BN)
     rows = (pid // n_tn) * BM + tl.arange(0, BM)
@@ -287,6 +291,5 @@ def transpose_fp8(data: torch.Tensor, cfg: Config = TRANSPOSE_DEFAULT) -> torch.
     out = torch.empty((N, M), dtype=data.dtype, device=data.device)
     if data.numel():
         grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n),)
-        _transpose_kernel[grid](data.view(torch.uint8), out.view(torch.uint8), M, N,
-                                BM=cfg.block_m, BN=cfg.block_n, num_warps=cfg.num_warps)
+        _transpose_kernel[grid](data, out, M, N, BM=cfg.block_m, BN=cfg.block_n, num_warps=cfg.num_warps)
     return out
