@@ -349,27 +349,32 @@ def update_scales(groups: Sequence[ScalingGroup]) -> None:
 
 
 def _take_snapshots(groups: Sequence[ScalingGroup]) -> None:
-    """The next scale_inv snapshot of every updated one-column group, taken now in one foreach
-    launch rather than by each group's first cast in a launch of its own (a model of Linear
-    layers updates three such groups per layer, each step). Groups of several columns keep
-    their own aligned layout (ScalingGroup._new_snapshot), taken at their first cast as before;
-    so do all groups while a CUDA graph is captured, under inference mode, or once a compiled
-    graph updates them (scale_inv_snapshot trusts no cached snapshot then)."""
+    """The next scale_inv snapshot of every updated group, taken now rather than by each group's
+    first cast in a launch of its own (a model of Linear layers updates three one-column groups
+    per layer, each step): one-column groups alone in one foreach launch; with groups of several
+    columns among them (a LayerNormMLP's), all in one aligned layout per device
+    (_take_aligned_snapshots). Groups take their own snapshot at their first cast while a CUDA
+    graph is captured, under inference mode, or once a compiled graph updates them
+    (scale_inv_snapshot trusts no cached snapshot then)."""
     if _CAPTURE.active or torch.is_inference_mode_enabled():
         return
     singles, multis = [], []
     for g in groups:
         if not g._updated_in_graphs and not g.captured:
             (singles if len(g.names) == 1 else multis).append(g)
-    if multis:  # then every group's columns in one aligned layout, with one reciprocal
-        _take_aligned_snapshots(singles + multis)
+    if multis:  # then every group's columns in one aligned layout, one reciprocal per device
+        by_device: Dict[torch.device, List[ScalingGroup]] = {}
+        for g in singles + multis:
+            by_device.setdefault(g.scale.device, []).append(g)
+        for on_device in by_device.values():
+            _take_aligned_snapshots(on_device)
     elif len(singles) >= 2:  # (one group: one reciprocal either way, left to its cast)
         for group, inv in zip(singles, torch._foreach_reciprocal([g.scale for g in singles])):
             group._scale_inv_snapshot, group._scale_inv_version = (inv, [inv]), group.scale._version
 
 
 def _take_aligned_snapshots(groups: Sequence[ScalingGroup]) -> None:
-    """The next scale_inv snapshot of `groups` (some of several columns), in one (columns, 4)
+    """The next scale_inv snapshot of `groups` (on one device), in one (columns, 4)
     float32 tensor: each column's 1 / scale in a 16-byte slot of its own, which its (1,) view
     reads (the layout ScalingGroup._new_snapshot gives one group). A few torch calls for all
     the groups of an update, where a group of several columns took six at its first cast."""

@@ -198,6 +198,23 @@ def test_update_with_groups_of_several_columns_takes_every_snapshot_in_one_recip
     _check_snapshots(quantizers, xs, before, after, wides)
 
 
+def test_aligned_snapshots_of_groups_on_two_devices_stay_on_each_device(gen):
+    """Groups of one update on different devices (pipeline stages under one autocast) take
+    their snapshots per device: each view on its group's device, none joined across them."""
+    recipe = DelayedScaling(amax_history_len=2)
+    groups = [ScalingGroup(["a", "b"], torch.float8_e4m3fn, recipe, torch.device(d)) for d in ("cpu", "meta")]
+    groups.append(ScalingGroup(["c"], torch.float8_e4m3fn, recipe, torch.device("cpu")))
+    for g in groups:
+        for i in range(len(g.names)):
+            g.record(i, torch.tensor(4.0, device=g.scale.device))
+    update_scales(groups)
+    for g in groups:
+        views = [g.scale_inv_of(i) for i in range(len(g.names))]
+        assert all(v.device == g.scale.device and v.shape == (1,) for v in views)
+        if g.scale.device.type == "cpu":
+            assert torch.equal(torch.cat(views), torch.reciprocal(g.scale))
+
+
 def test_history_resized_by_a_recipe_change_receives_the_next_amax(gen):
     """A DelayedScaling recipe with another amax_history_len rebinds the module's state to a new
     history: the next casts must max their amax into it (not into a view of the old one)."""
