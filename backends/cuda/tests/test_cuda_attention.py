@@ -139,3 +139,33 @@ def test_compiles_whole_on_views_of_a_fused_projection(kind):
 
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(run, fullgraph=True)(fused), run(fused), rtol=1.3e-6, atol=1e-5)
+
+
+def test_a_layer_compiles_whole_with_this_attention(monkeypatch):
+    """A TransformerLayer under torch.compile(fullgraph=True) running this module's attention (on
+    a CPU backend built as twin_backends builds one, whose attention is this one): the trace,
+    which runs a differentiable op's implementation inline, takes the layout rule whole, and the
+    compiled step gives the eager output and gradients."""
+    import te_core as te
+    from te_core.reference import plugin as ref_plugin
+    from twin_backends import cpu_backend_with
+
+    reference_ops = ref_plugin.implementations
+    monkeypatch.setattr(ref_plugin, "implementations", lambda: {**reference_ops(), "attention": attention.attention})
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(8, 2, 64, generator=g, requires_grad=True)
+    dy = torch.randn(8, 2, 64, generator=g)
+    with cpu_backend_with(monkeypatch, "cpu_cuda_attention", {}):
+        torch.manual_seed(0)
+        layer = te.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                                    self_attn_mask_type="causal", params_dtype=torch.float32)
+        results = []
+        for run in (layer, torch.compile(layer, fullgraph=True)):
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+            y = run(x)
+            y.backward(dy)
+            results.append((y.detach(), x.grad.clone(), layer.self_attention.layernorm_qkv.weight.grad.clone()))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-5)
