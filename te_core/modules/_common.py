@@ -288,11 +288,13 @@ def check_eps(value, *, name: str = "eps", module: str) -> float:
     return eps
 
 
-def check_probability(value, *, name: str, module: str) -> float:
-    """A dropout probability: a real in [0, 1) (1 would drop everything and scale by 1/0)."""
-    p = _check_real(value, name=name, module=module, what="a number in [0, 1)")
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"{module}: {name} must be in [0, 1), got {value!r}")
+def check_probability(value, *, name: str, module: str, closed: bool = False) -> float:
+    """A dropout probability: a real in [0, 1) (1 would drop everything and scale by 1/0), or
+    in [0, 1] where `closed` (a drop that at 1 keeps nothing and scales nothing)."""
+    span = "[0, 1]" if closed else "[0, 1)"
+    p = _check_real(value, name=name, module=module, what=f"a number in {span}")
+    if not (0.0 <= p <= 1.0 if closed else 0.0 <= p < 1.0):
+        raise ValueError(f"{module}: {name} must be in {span}, got {value!r}")
     return p
 
 

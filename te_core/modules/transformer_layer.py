@@ -103,7 +103,10 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         drop_path_rate > 0 (stochastic depth, training only): each slice of the input's first
         dimension keeps the self-attention branch, and separately the MLP branch, with probability
         1 - drop_path_rate, scaled by its inverse, as Transformer Engine does: per sample with
-        bshd inputs, per sequence position with sbhd ones. Cross-attention is never dropped."""
+        bshd inputs, per sequence position with sbhd ones. Cross-attention is never dropped.
+        drop_path_rate=1.0 drops both branches always (Transformer Engine accepts it too, and
+        divides by the zero keep probability, which gives NaN): the layer's output is its input,
+        and the branches' parameters get zero gradients."""
         super().__init__()
         debug_name, name = name, "TransformerLayer"
         activation_params = kwargs.pop("activation_params", None)  # checked by LayerNormMLP
@@ -140,7 +143,7 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         check_choice(attn_input_format, QKV_FORMATS, name="attn_input_format", module=name)
         self.hidden_size, self.name = hidden_size, debug_name
         self.hidden_dropout = hidden_dropout
-        drop_path_rate = check_probability(drop_path_rate, name="drop_path_rate", module=name)
+        drop_path_rate = check_probability(drop_path_rate, name="drop_path_rate", module=name, closed=True)
         self.drop_path = DropPath(drop_path_rate) if drop_path_rate > 0 else None
         self.apply_residual_connection_post_layernorm = apply_residual_connection_post_layernorm
         self.parallel_attention_mlp = parallel_attention_mlp
@@ -276,7 +279,9 @@ class DropPath(nn.Module):
     """Stochastic depth on a residual branch (Transformer Engine's TransformerLayer.drop_path): in
     training, each slice of the first dimension is kept with probability 1 - drop_prob and scaled by
     1 / (1 - drop_prob), or zeroed. The draw is uniform in the input's dtype, floored after adding
-    the keep probability, as Transformer Engine draws it."""
+    the keep probability, as Transformer Engine draws it; at drop_prob 1 every slice is dropped
+    (the draw is still made, so the generator advances as Transformer Engine's does) and nothing
+    is scaled by 1 / 0."""
 
     def __init__(self, drop_prob: float = 0.0):
         super().__init__()
@@ -287,7 +292,7 @@ class DropPath(nn.Module):
             return x
         keep = 1.0 - self.drop_prob
         mask = (keep + torch.rand((x.shape[0],) + (1,) * (x.dim() - 1), dtype=x.dtype, device=x.device)).floor_()
-        return x.div(keep) * mask
+        return x.div(keep) * mask if keep > 0 else x * mask
 
     def extra_repr(self) -> str:
         return f"drop_prob={self.drop_prob}"

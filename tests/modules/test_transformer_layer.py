@@ -459,14 +459,42 @@ def test_drop_path_leaves_cross_attention_alone():
 
 
 @pytest.mark.parametrize("rate, exc, match", [
-    (-0.1, ValueError, r"drop_path_rate must be in \[0, 1\)"),
-    (1.0, ValueError, r"drop_path_rate must be in \[0, 1\)"),
+    (-0.1, ValueError, r"drop_path_rate must be in \[0, 1\]"),
+    (1.5, ValueError, r"drop_path_rate must be in \[0, 1\]"),
     ("0.1", TypeError, r"drop_path_rate must be a number"),
     (True, TypeError, r"drop_path_rate must be a number"),
 ])
 def test_drop_path_rate_outside_zero_to_one_is_refused(rate, exc, match):
     with pytest.raises(exc, match=match):
         tm.TransformerLayer(32, 64, 4, drop_path_rate=rate)
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+def test_drop_path_rate_one_drops_both_branches_without_nan(fmt):
+    """drop_path_rate=1.0 (Transformer Engine's sanity tests pass it): in training both residual
+    branches are dropped for every slice, so the output is the input and its gradient the output
+    gradient, every parameter's gradient is zero (not NaN from a division by the zero keep
+    probability, nor None); the generator advances as with a rate below 1; eval mode is the plain layer."""
+    torch.manual_seed(0)
+    kw = dict(hidden_dropout=0.0, attention_dropout=0.0, attn_input_format=fmt)
+    base = tm.TransformerLayer(32, 64, 4, **kw)
+    layer = tm.TransformerLayer(32, 64, 4, drop_path_rate=1.0, **kw)
+    layer.load_state_dict(base.state_dict())
+    x = torch.randn(6, 4, 32, requires_grad=True)
+    dy = torch.randn(6, 4, 32)
+    torch.manual_seed(5)
+    out = layer(x)
+    after = torch.rand(1)
+    torch.manual_seed(5)
+    torch.rand(6, 1, 1), torch.rand(6, 1, 1)  # one draw per branch, as at any rate
+    assert torch.equal(after, torch.rand(1))
+    torch.testing.assert_close(out, x, rtol=0, atol=0)
+    out.backward(dy)
+    torch.testing.assert_close(x.grad, dy, rtol=0, atol=0)
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and torch.count_nonzero(p.grad) == 0, name
+    layer.eval(), base.eval()
+    torch.testing.assert_close(layer(x), base(x), rtol=0, atol=0)
 
 
 def test_parallel_attention_mlp_drops_out_the_sum_of_both_branches():
