@@ -7,6 +7,7 @@ checkpoint-safe extra state (tensors and plain values only).
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from typing import Dict, Optional, Sequence
 
@@ -227,6 +228,8 @@ class QuantizedModule(DeferredInit, nn.Module):
             check_compatible(recipe, state.recipe, where=type(self).__name__)
             state.rebind(recipe)
         elif state is None or not state.carries_over_to(recipe):
+            if state is not None:
+                _warn_recipe_type_change(type(self).__name__, state.recipe, recipe)
             state = recipe.make_state(self._quantizer_slots, self._state_device())
             if state.scaling_groups() and torch.compiler.is_compiling() and not _UNTRACED[0]:
                 raise RuntimeError(_STATE_IN_GRAPH.format(module=type(self).__name__, recipe=type(recipe).__name__))
@@ -234,6 +237,9 @@ class QuantizedModule(DeferredInit, nn.Module):
         else:
             if state.recipe != recipe:  # cached weights were cast under the other recipe
                 self._weight_cache.clear()
+                if self.__dict__.get("_fp8_primary") and not torch.compiler.is_compiling():
+                    warnings.warn(_PRIMARY_QUANTIZER_UPDATED.format(module=type(self).__name__, old=state.recipe,
+                                                                    new=recipe), UserWarning, stacklevel=4)
             state.rebind(recipe)
         self._recipe_state = state
         self._state_from_checkpoint = False
@@ -367,3 +373,22 @@ class QuantizedContainer(nn.Module):
                 for slot, state in slots.items():
                     merged[direction][f"{path}.{slot}"] = state
         return merged
+
+
+# Transformer Engine warns on both changes with these words (its tests match them); te-core says
+# what the change does to the module.
+_PRIMARY_QUANTIZER_UPDATED = (
+    "Quantizer is being updated, this may affect model behavior: {module}'s FP8 primary weights were "
+    "quantized under {old!r} and now follow {new!r} (same kind of recipe: the scaling state is kept and "
+    "adapted, the stored FP8 values are not recomputed)")
+
+
+def _warn_recipe_type_change(module: str, old, new) -> None:
+    """Transformer Engine's warning when a module's recipe changes kind (neither class derives
+    from the other): the module's quantization state for the old recipe (amax histories,
+    scales) is dropped and a new one made."""
+    if torch.compiler.is_compiling() or isinstance(new, type(old)) or isinstance(old, type(new)):
+        return
+    warnings.warn(f"Recipe type changed from {type(old).__name__} to {type(new).__name__}. This may affect model "
+                  f"behavior: {module} drops its quantization state for {type(old).__name__} (amax histories, "
+                  f"scales) and starts a new one for {type(new).__name__}", UserWarning, stacklevel=5)

@@ -333,3 +333,53 @@ def test_fp8_weights_under_another_recipe_kind_say_why(built, run):
                                          r"stays in the format of the recipe it was made under"):
         with autocast(recipe=RECIPES[run]()):
             layer(torch.randn(128, 128, generator=seeded(6)))
+
+
+def test_a_recipe_of_another_kind_warns_once_as_transformer_engine_does():
+    """Switching a module to a recipe of another kind warns (Transformer Engine's words: "Recipe
+    type changed"), once: the module's scaling state for the old kind is dropped. Recipe objects
+    of the same kind, equal or not, never warn."""
+    import warnings
+
+    layer = tm.Linear(32, 32)
+    x = torch.randn(16, 32, generator=seeded(8))
+
+    def run(rcp):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with autocast(recipe=rcp):
+                layer(x).sum().backward()
+        return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+    assert run(recipe.DelayedScaling()) == []
+    assert run(recipe.DelayedScaling(amax_history_len=4)) == []  # same kind: the state carries over
+    first = run(RECIPES["current"]())
+    assert len(first) == 1 and first[0].startswith("Recipe type changed from DelayedScaling to "
+                                                   "Float8CurrentScaling. This may affect model behavior")
+    assert "drops its quantization state for DelayedScaling" in first[0]
+    assert run(RECIPES["current"]()) == []
+
+
+def test_fp8_primary_weights_under_a_changed_recipe_warn_as_transformer_engine_does():
+    """FP8 primary weights run under a recipe of their kind with other fields warn ("Quantizer is
+    being updated", Transformer Engine's words) once, naming both recipes; an equal recipe does not."""
+    import warnings
+
+    from te_core.quantization import quantized_model_init
+
+    with quantized_model_init(recipe=recipe.DelayedScaling(amax_history_len=1024)):
+        layer = tm.Linear(32, 32)
+    x = torch.randn(16, 32, generator=seeded(9))
+
+    def run(rcp):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with autocast(recipe=rcp):
+                layer(x)
+        return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+    assert run(recipe.DelayedScaling(amax_history_len=1024)) == []
+    changed = run(recipe.DelayedScaling(amax_history_len=1))
+    assert len(changed) == 1 and changed[0].startswith("Quantizer is being updated, this may affect model behavior")
+    assert "amax_history_len=1024" in changed[0] and "amax_history_len=1," in changed[0]
+    assert run(recipe.DelayedScaling(amax_history_len=1)) == []
