@@ -324,19 +324,14 @@ _BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 
 def _check_backward_override(recipe) -> None:
     """Transformer Engine's backward_override (default from NVTE_BACKWARD_OVERRIDE): None runs the
-    backward GEMMs in FP8 as the recipe says; "high_precision" (keep the layer's original inputs
-    for the backward) and "dequantized" (run the backward on dequantized saved operands) change
-    what the backward computes, which te-core's modules do not implement."""
+    backward GEMMs in FP8 as the recipe says; "high_precision" runs them in high precision on the
+    layer's original operands (its input and weight as given); "dequantized" runs them in high
+    precision on the forward's FP8 operands, dequantized. Either way the forward is the recipe's
+    and no output gradient is quantized (no column-wise copies are made in the forward)."""
     owner, value = type(recipe).__name__, recipe.backward_override
     if value not in _BACKWARD_OVERRIDES:
         raise ValueError(f"{owner}: backward_override must be None, 'high_precision' or 'dequantized' (as in "
                          f"Transformer Engine; NVTE_BACKWARD_OVERRIDE sets its default), got {value!r}")
-    if value is not None:
-        raise NotImplementedError(
-            f"{owner}: backward_override={value!r} is not supported by te-core yet: its backward GEMMs run on the "
-            "forward's quantized operands (backward_override=None, the default). Leave backward_override at None "
-            "(and NVTE_BACKWARD_OVERRIDE unset); for DelayedScaling, override_linear_precision=(False, False, True) "
-            "runs the weight-gradient GEMM in high precision")
 
 
 def recipe_name(recipe: "Recipe") -> str:

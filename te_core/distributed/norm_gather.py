@@ -61,6 +61,13 @@ class SequenceGatherStep:
     def grad_operand(self, slot: str, dy, *, columnwise: bool = False, with_dbias: bool = False):
         return self._step.grad_operand(slot, dy, columnwise=columnwise, with_dbias=with_dbias)
 
+    @property
+    def backward_override(self):
+        return self._step.backward_override
+
+    def dgrad_weight(self, weight_operand, weight: Tensor, dtype):
+        return self._step.dgrad_weight(weight_operand, weight, dtype)
+
     def check_gemm_dims(self, m: int, n: int, k: int) -> None:
         self._step.check_gemm_dims(m, n, k)
 

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from ..distributed import tensor_parallel
 from ..quantization import gemm_slots
-from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_operand
+from ..quantization.gemm import dgrad_gemm, fprop_gemm, wgrad_operand
 from ._base import QuantizedModule
 from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
@@ -47,6 +47,8 @@ def _slot(i: int, role: str) -> str:
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, m_splits, step, num_gemms, fuse_wgrad, wgrad_store, proxied, keep_original, *params):
+        # (backward_override="dequantized" reads the forward's FP8 inputs instead, as Transformer Engine)
+        keep_original = keep_original and step.backward_override != "dequantized"
         # params: the weights, the biases, then the stand-ins (_grad_proxy) of the FP8 primary
         # weights numbered in `proxied` under torch.compile, which are given those weights' gradients
         weights, biases = params[:num_gemms], params[num_gemms:len(params) - len(proxied)]
@@ -61,11 +63,12 @@ class _GroupedLinearFunction(torch.autograd.Function):
             if original:
                 check_original_input(step, _slot(i, "input"), "GroupedLinear")
             x_q = step.operand(_slot(i, "input"), xi, columnwise=w.requires_grad and not original)
-            w_q = step.weight_operand(_slot(i, "weight"), hp_weight(step, w, x.dtype), columnwise=x.requires_grad)
+            w_hp = hp_weight(step, w, x.dtype)
+            w_q = step.weight_operand(_slot(i, "weight"), w_hp, columnwise=x.requires_grad)
             outs.append(fprop_gemm(x_q, w_q, out_dtype=x.dtype, bias=biases[i] if biases else None))
             # wgrad reads x's column-wise copy (or x in high precision, per the recipe), dgrad the weight's
             saved += [xi if original else wgrad_operand(x_q, xi) if w.requires_grad else None,
-                      keep_columnwise(w_q) if x.requires_grad else None]
+                      step.dgrad_weight(w_q, w_hp, x.dtype) if x.requires_grad else None]
         save_holding_quantized(ctx, saved)
         ctx.keep_original = keep_original
         ctx.step, ctx.m_splits, ctx.num_gemms = step, m_splits, num_gemms

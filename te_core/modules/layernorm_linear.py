@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from ..distributed import tensor_parallel
 from ..distributed.norm_gather import shard_grad
 from ..quantization import gemm_slots
-from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_operand
+from ..quantization.gemm import dgrad_gemm, fprop_gemm, wgrad_operand
 from ._base import QuantizedModule
 from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
@@ -185,14 +185,13 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         ln_out_q, ln_out_w, stats, ln_out = normalized_operand(
             step, "input", x, ln_weight, ln_bias, norm, columnwise=weight.requires_grad, keep_hp=return_ln_out
         )
-        w_q = step.weight_operand(
-            "weight", hp_weight(step, weight, x.dtype), columnwise=needs_norm_grad(x, ln_weight, ln_bias)
-        )
+        w_hp = hp_weight(step, weight, x.dtype)
+        w_q = step.weight_operand("weight", w_hp, columnwise=needs_norm_grad(x, ln_weight, ln_bias))
         y = fprop_gemm(ln_out_q, w_q, out_dtype=x.dtype, bias=bias)
         # backward reads the column-wise copies only: ln_out for wgrad (or ln_out in high
-        # precision, per the recipe), the weight for dgrad
-        save_holding_quantized(ctx, (x, ln_weight, ln_out_w,
-                                     keep_columnwise(w_q) if needs_norm_grad(x, ln_weight, ln_bias) else None, *stats))
+        # precision, per the recipe), the weight for dgrad (or what a backward_override asks)
+        save_holding_quantized(ctx, (x, ln_weight, ln_out_w, step.dgrad_weight(w_q, w_hp, x.dtype)
+                                     if needs_norm_grad(x, ln_weight, ln_bias) else None, *stats))
         ctx.step, ctx.norm, ctx.weight_dtype = step, norm, weight.dtype
         ctx.fused_weight = weight if fuse_wgrad else None  # its main_grad takes the wgrad
         ctx.wgrad_store = wgrad_store  # delay_wgrad_compute=True: the wgrad is left for backward_dw

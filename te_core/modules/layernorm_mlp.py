@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from .. import ops
 from ..distributed import tensor_parallel
 from ..quantization import gemm_slots
-from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_operand
+from ..quantization.gemm import dgrad_gemm, fprop_gemm, wgrad_operand
 from . import _saved
 from ._activation import activation_op, split_activation
 from ._base import QuantizedModule
@@ -110,20 +110,19 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         ln_out_q, ln_out_w, stats, ln_out = normalized_operand(
             step, "fc1_input", x, ln_weight, ln_bias, norm, columnwise=fc1_weight.requires_grad, keep_hp=return_ln_out
         )
-        fc1_w_q = step.weight_operand(
-            "fc1_weight", hp_weight(step, fc1_weight, x.dtype), columnwise=needs_norm_grad(x, ln_weight, ln_bias)
-        )
+        fc1_w_hp, fc2_w_hp = hp_weight(step, fc1_weight, x.dtype), hp_weight(step, fc2_weight, x.dtype)
+        fc1_w_q = step.weight_operand("fc1_weight", fc1_w_hp, columnwise=needs_norm_grad(x, ln_weight, ln_bias))
         h = fprop_gemm(ln_out_q, fc1_w_q, out_dtype=x.dtype, bias=fc1_bias)
         act_q, act_wgrad = activated_operand(step, "fc2_input", h, activation, columnwise=fc2_weight.requires_grad)
-        fc2_w_q = step.weight_operand("fc2_weight", hp_weight(step, fc2_weight, x.dtype), columnwise=True)
+        fc2_w_q = step.weight_operand("fc2_weight", fc2_w_hp, columnwise=True)
         y = fprop_gemm(act_q, fc2_w_q, out_dtype=x.dtype, bias=fc2_bias)
         # backward reads the column-wise copies only (wgrad: ln_out, act, or both in high precision
         # per the recipe; dgrad: the weights) and frees each intermediate once used (_saved): at
         # its end only the gradients are alive
         _saved.save(ctx, (x, ln_weight, *stats), (
             ln_out_w,
-            keep_columnwise(fc1_w_q) if needs_norm_grad(x, ln_weight, ln_bias) else None, h,
-            act_wgrad, keep_columnwise(fc2_w_q),
+            step.dgrad_weight(fc1_w_q, fc1_w_hp, x.dtype) if needs_norm_grad(x, ln_weight, ln_bias) else None, h,
+            act_wgrad, step.dgrad_weight(fc2_w_q, fc2_w_hp, x.dtype),
         ))
         ctx.step, ctx.norm, ctx.activation = step, norm, activation
         ctx.bias_dtypes = (None if fc1_bias is None else fc1_bias.dtype, None if fc2_bias is None else fc2_bias.dtype)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ..distributed import tensor_parallel
-from ..quantization.gemm import dgrad_gemm, fprop_gemm, keep_columnwise, wgrad_operand
+from ..quantization.gemm import dgrad_gemm, fprop_gemm, wgrad_operand
 from ..quantization.roles import gemm_slots
 from ._base import QuantizedModule
 from ._delayed_wgrad import DelayedWgradMixin, WeightGradStore, new_batch, weight_grad_or_defer
@@ -50,8 +50,8 @@ class _Options(NamedTuple):
 
 def _fprop(inp: Tensor, weight: Tensor, bias: Optional[Tensor], step, options: _Options,
            need_dgrad: bool = False, need_wgrad: bool = False):
-    """(y as a 2-D tensor, what the wgrad reads of x or None, weight operand): the forward GEMM with
-    its quantized operands."""
+    """(y as a 2-D tensor, what the wgrad reads of x or None, what the dgrad reads of the weight
+    or None): the forward GEMM with its quantized operands."""
     out_features, in_features = weight.shape
     dtype = options.compute_dtype
     # contiguous rows: a GEMM may pick another kernel (and summation order) for a strided operand
@@ -61,7 +61,8 @@ def _fprop(inp: Tensor, weight: Tensor, bias: Optional[Tensor], step, options: _
     w_hp = weight if step.fp8 else weight.to(dtype)
     w_op = step.weight_operand("weight", w_hp, columnwise=need_dgrad)
     x_wgrad = wgrad_operand(x_op, x2d, dtype) if need_wgrad else None
-    return fprop_gemm(x_op, w_op, out_dtype=dtype, bias=bias), x_wgrad, w_op
+    w_dgrad = step.dgrad_weight(w_op, w_hp, dtype) if need_dgrad else None
+    return fprop_gemm(x_op, w_op, out_dtype=dtype, bias=bias), x_wgrad, w_dgrad
 
 
 def _output(y: Tensor, inp: Tensor) -> Tensor:
@@ -75,16 +76,18 @@ class _LinearFunction(torch.autograd.Function):
         # weight_proxy: an FP8 primary weight's stand-in under torch.compile (_grad_proxy), given its gradient
         need_dgrad = options.grad_enabled and inp.requires_grad
         need_wgrad = options.grad_enabled and weight.requires_grad
-        original = need_wgrad and options.save_original_input
+        # (backward_override="dequantized" reads the forward's FP8 input instead, as Transformer Engine)
+        original = need_wgrad and options.save_original_input and step.backward_override != "dequantized"
         if original:
             check_original_input(step, "input", "Linear")
-        y, x_wgrad, w_op = _fprop(inp, weight, bias, step, options, need_dgrad, need_wgrad and not original)
+        y, x_wgrad, w_dgrad = _fprop(inp, weight, bias, step, options, need_dgrad, need_wgrad and not original)
         if original:  # the input as given (a view of it): the backward casts it for the wgrad
             x_wgrad = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
         # Backward reads only column-wise copies: x's for wgrad (or x in high precision, per the
         # recipe), the weight's for dgrad (a cached weight keeps both layouts in the module's
-        # cache; saving the twin costs nothing extra).
-        save_holding_quantized(ctx, (x_wgrad, keep_columnwise(w_op) if need_dgrad else None))
+        # cache; saving the twin costs nothing extra); or, under a backward_override, what the
+        # step says (step.dgrad_weight).
+        save_holding_quantized(ctx, (x_wgrad, w_dgrad))
         ctx.original = original
         ctx.step, ctx.options, ctx.weight = step, options, weight
         ctx.inp_shape, ctx.inp_dtype = inp.shape, inp.dtype

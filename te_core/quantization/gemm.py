@@ -68,6 +68,8 @@ def wgrad_operand(operand: Operand, hp, dtype: Optional[torch.dtype] = None, *, 
     # a quantizer that wraps another (FSDP2's ShardQuantizer, for weights) has no wgrad to decide
     if quantizer is None or getattr(quantizer, "wgrad_in_fp8", True):
         return operand.columnwise_only() if quantized and not now else operand
+    if quantizer.backward_override == "dequantized":  # the FP8 operand itself, dequantized by the GEMM
+        return operand
     hp = torch.cat(hp, dim=-1) if isinstance(hp, (list, tuple)) else hp
     if not isinstance(hp, Tensor) or isinstance(hp, QUANTIZED) or hp.shape != operand.shape:
         # the GEMM's whole operand exists only in FP8, or in high precision only as this rank's
@@ -110,7 +112,9 @@ def quantized_gemm(a: Operand, b: Operand, *, a_columnwise: bool = False, b_colu
                              bias=bias, out=out, accumulate=accumulate, fast_accumulation=fast)
         op = "gemm_fp8"
     else:
-        a_hp, b_hp = _high_precision(a, a_columnwise), _high_precision(b, b_columnwise)
+        # a quantized operand beside a plain one (a backward_override's backward) in the plain one's dtype
+        like = a.dtype if not isinstance(a, QUANTIZED) else b.dtype if not isinstance(b, QUANTIZED) else None
+        a_hp, b_hp = _high_precision(a, a_columnwise, like), _high_precision(b, b_columnwise, like)
         if bias is not None and bias.dtype != out_dtype:
             bias = bias.to(out_dtype)
         y = ops.gemm(a_hp, b_hp, bias=bias, out=out, accumulate=accumulate, out_dtype=out_dtype)
@@ -188,11 +192,12 @@ def _fast_accumulation(a: QuantizedTensor, b: QuantizedTensor, gemm: str) -> boo
     return fast
 
 
-def _high_precision(t: Operand, columnwise: bool) -> Tensor:
+def _high_precision(t: Operand, columnwise: bool, dtype: Optional[torch.dtype] = None) -> Tensor:
     """The operand for ops.gemm: a transposed view, not a copy (BLAS libraries transpose for free;
-    a copy of each activation and gradient cost the bf16 layer bandwidth and peak memory)."""
+    a copy of each activation and gradient cost the bf16 layer bandwidth and peak memory). A
+    quantized operand is dequantized, to `dtype` where given."""
     if isinstance(t, QUANTIZED):
-        t = t.dequantize()
+        t = t.dequantize(dtype)
     return t.t() if columnwise else t
 
 

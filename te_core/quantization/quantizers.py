@@ -71,6 +71,8 @@ class Quantizer:
     # (DelayedScaling's override_linear_precision): that GEMM reads the high-precision tensors
     # instead (gemm.wgrad_operand). The state holding the quantizer sets it from its recipe.
     wgrad_in_fp8: bool = True
+    # the recipe's backward_override (None, "high_precision", "dequantized"); set with wgrad_in_fp8
+    backward_override: Optional[str] = None
 
     # Whether quantizing the same tensor again later gives the same result: true where the scale
     # comes from the tensor itself. A module's backward may then cast its saved high-precision

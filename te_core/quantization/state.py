@@ -52,10 +52,14 @@ class RecipeState:
         the inputs and output gradients feed the wgrad GEMM in FP8 or in high precision as it
         says (override_linear_precision); a weight is no wgrad operand."""
         wgrad_in_fp8 = self.recipe.gemm_in_fp8("wgrad")
+        # backward_override: the backward GEMMs run in high precision (on the original or the
+        # dequantized operands), so nothing feeds a wgrad GEMM in FP8
+        override = getattr(self.recipe, "backward_override", None)
         for slot in self.slots:
             quantizer = self.quantizers[slot.name]
             quantizer.split_accumulator = self.recipe.split_accumulator
-            quantizer.wgrad_in_fp8 = wgrad_in_fp8 or slot.role is Role.WEIGHT
+            quantizer.wgrad_in_fp8 = (wgrad_in_fp8 and override is None) or slot.role is Role.WEIGHT
+            quantizer.backward_override = override
         # what every GEMM dimension must be a multiple of (checked once per forward; see
         # QuantizationStep.check_gemm_dims), taken whenever the quantizers change
         if self.quantizers:

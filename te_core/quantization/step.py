@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from .gemm import check_gemm_dims
+from .gemm import check_gemm_dims, keep_columnwise
 from .quantizers import joined
 from .roles import Role
 from .scaling import _CAPTURE, amax_of_parts, reduce_first_amax, schedule_backward_update, update_now
@@ -30,6 +30,7 @@ class HighPrecisionStep:
     """No FP8: operands pass through (quantized primary weights are dequantized)."""
 
     fp8 = False
+    backward_override = None  # the recipe's (see QuantizationStep)
 
     def quantizer(self, slot: str):
         """The slot's Quantizer, or None without a recipe."""
@@ -47,6 +48,12 @@ class HighPrecisionStep:
         QKV projection's q, k and v gradients): the FP8 cast then reads them in place."""
         dy = joined(dy)
         return dy, (ops.dbias(dy) if with_dbias else None)
+
+    def dgrad_weight(self, weight_operand, weight: Tensor, dtype: torch.dtype):
+        """What the dgrad GEMM reads of a weight, to keep for the backward: the column-wise copy
+        of `weight_operand` (keep_columnwise), or what the recipe's backward_override asks for
+        (QuantizationStep). `weight`: the weight as given to weight_operand."""
+        return keep_columnwise(weight_operand)
 
     def reproducible(self, slot: str) -> bool:
         """Whether wgrad_input can cast the slot's tensor again in the backward."""
@@ -152,6 +159,10 @@ class QuantizationStep(CalibrationStep):
         super().__init__(state, context, is_first_microbatch)
         self._is_first_microbatch = is_first_microbatch
         self._weight_cache = weight_cache
+        # Transformer Engine's backward_override: the backward runs in high precision, on the
+        # layer's original operands ("high_precision") or the forward's FP8 ones dequantized
+        # ("dequantized"); the forward makes no column-wise copy and no output gradient is cast
+        self.backward_override = getattr(state.recipe, "backward_override", None)
         # slots whose first cast quantized an op's output afterwards (see fused_cast_args)
         self._cast_after: frozenset = frozenset()
 
@@ -201,7 +212,8 @@ class QuantizationStep(CalibrationStep):
         cached = self._weight_cache.get(slot)
         if self._is_first_microbatch is False and cached is not None:
             return cached  # amax not recorded, scale not updated: the weight did not change
-        result = self._quantize(slot, weight, columnwise=columnwise or self._is_first_microbatch is not None)
+        columnwise = self.backward_override is None and (columnwise or self._is_first_microbatch is not None)
+        result = self._quantize(slot, weight, columnwise=columnwise)
         if self._is_first_microbatch is None:
             self._weight_cache.pop(slot, None)
         else:
@@ -220,7 +232,18 @@ class QuantizationStep(CalibrationStep):
                                "saved input again; check reproducible() in the forward")
         return quantizer.quantize(x, columnwise=quantizer.wgrad_in_fp8) if quantizer.wgrad_in_fp8 else x
 
+    def dgrad_weight(self, weight_operand, weight, dtype):
+        override = self.backward_override
+        if override is None:
+            return keep_columnwise(weight_operand)
+        if override == "dequantized":  # the forward's FP8 weight, dequantized by the GEMM
+            return weight_operand
+        # high_precision: the weight as given (an FP8 primary weight is dequantized by the GEMM)
+        return weight if isinstance(weight, QUANTIZED) or weight.dtype == dtype else weight.to(dtype)
+
     def grad_operand(self, slot, dy, *, columnwise=False, with_dbias=False):
+        if self.backward_override is not None:  # the backward GEMMs run in high precision
+            return HighPrecisionStep.grad_operand(self, slot, dy, with_dbias=with_dbias)
         quantizer = self._state.quantizer(slot)
         columnwise = columnwise and quantizer.wgrad_in_fp8
         if self._is_fresh(quantizer):

@@ -314,10 +314,9 @@ def test_te_defaults_of_the_new_fields(monkeypatch):
 
 @pytest.mark.parametrize("cls", [Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling])
 @pytest.mark.parametrize("value", ["high_precision", "dequantized"])
-def test_backward_override_te_modes_are_refused_naming_field_and_value(cls, value):
-    with pytest.raises(NotImplementedError, match=f"backward_override='{value}' is not supported by te-core yet.*"
-                                                  "backward_override=None"):
-        cls(backward_override=value)
+def test_backward_override_te_modes_are_taken(cls, value):
+    """(What they do: tests/modules/test_backward_override.py.)"""
+    assert cls(backward_override=value).backward_override == value
 
 
 def test_backward_override_validation_as_transformer_engine(monkeypatch):
@@ -326,11 +325,10 @@ def test_backward_override_validation_as_transformer_engine(monkeypatch):
     for cls in ALL_FP8_RECIPES + [NVFP4BlockScaling]:
         with pytest.raises(ValueError, match="backward_override must be None, 'high_precision' or 'dequantized'"):
             cls(backward_override="fp32")
-    # TE's environment default: a recipe that would run differently in TE refuses, DelayedScaling
-    # (which supports only None in TE) and so te-core's default recipe keep building
+    # TE's environment default: the recipes that take it read it; DelayedScaling (which supports
+    # only None in TE) and so te-core's default recipe keep building
     monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", "dequantized")
-    with pytest.raises(NotImplementedError, match="backward_override='dequantized'"):
-        Float8CurrentScaling()
+    assert Float8CurrentScaling().backward_override == "dequantized"
     assert DelayedScaling().backward_override is None
     assert NVFP4BlockScaling().backward_override == "dequantized"
 
