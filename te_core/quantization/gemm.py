@@ -112,9 +112,7 @@ def quantized_gemm(a: Operand, b: Operand, *, a_columnwise: bool = False, b_colu
                              bias=bias, out=out, accumulate=accumulate, fast_accumulation=fast)
         op = "gemm_fp8"
     else:
-        # a quantized operand beside a plain one (a backward_override's backward) in the plain one's dtype
-        like = a.dtype if not isinstance(a, QUANTIZED) else b.dtype if not isinstance(b, QUANTIZED) else None
-        a_hp, b_hp = _high_precision(a, a_columnwise, like), _high_precision(b, b_columnwise, like)
+        a_hp, b_hp = _high_precision(a, a_columnwise, b), _high_precision(b, b_columnwise, a)
         if bias is not None and bias.dtype != out_dtype:
             bias = bias.to(out_dtype)
         y = ops.gemm(a_hp, b_hp, bias=bias, out=out, accumulate=accumulate, out_dtype=out_dtype)
@@ -192,12 +190,13 @@ def _fast_accumulation(a: QuantizedTensor, b: QuantizedTensor, gemm: str) -> boo
     return fast
 
 
-def _high_precision(t: Operand, columnwise: bool, dtype: Optional[torch.dtype] = None) -> Tensor:
+def _high_precision(t: Operand, columnwise: bool, other: Operand) -> Tensor:
     """The operand for ops.gemm: a transposed view, not a copy (BLAS libraries transpose for free;
     a copy of each activation and gradient cost the bf16 layer bandwidth and peak memory). A
-    quantized operand is dequantized, to `dtype` where given."""
+    quantized operand is dequantized, in the dtype of a plain `other` operand (a backward_override's
+    backward pairs an FP8 operand with a high-precision one)."""
     if isinstance(t, QUANTIZED):
-        t = t.dequantize(dtype)
+        t = t.dequantize(None if isinstance(other, QUANTIZED) else other.dtype)
     return t.t() if columnwise else t
 
 

@@ -122,9 +122,8 @@ class ScalingGroup:
         if n == 1:  # a fresh (1,) tensor is aligned already
             inv = torch.reciprocal(self.scale)
             return inv, [inv]
-        # 1 / scale[i] in every float of row i of an (n, 4) tensor: one 16-byte slot each
-        slots = torch.reciprocal(self.scale.unsqueeze(1).expand(n, _FLOATS_PER_16_BYTES))
-        return slots.select(1, 0), list(slots.narrow(1, 0, 1).unbind(0))
+        slots, views = _aligned_reciprocals(self.scale)
+        return slots.select(1, 0), list(views)
 
     @property
     def device(self) -> torch.device:
@@ -379,9 +378,7 @@ def _take_aligned_snapshots(groups: Sequence[ScalingGroup]) -> None:
     reads (the layout ScalingGroup._new_snapshot gives one group). A few torch calls for all
     the groups of an update, where a group of several columns took six at its first cast."""
     scales = [g.scale for g in groups]
-    flat = scales[0] if len(scales) == 1 else torch.cat(scales)
-    slots = torch.reciprocal(flat.unsqueeze(1).expand(flat.shape[0], _FLOATS_PER_16_BYTES))
-    views = slots.narrow(1, 0, 1).unbind(0)
+    views = _aligned_reciprocals(scales[0] if len(scales) == 1 else torch.cat(scales))[1]
     start = 0
     for group in groups:
         n = len(group.names)
@@ -389,6 +386,13 @@ def _take_aligned_snapshots(groups: Sequence[ScalingGroup]) -> None:
         group._scale_inv_snapshot = (None, list(views[start:start + n]))
         group._scale_inv_version = group.scale._version
         start += n
+
+
+def _aligned_reciprocals(scale: Tensor) -> Tuple[Tensor, Tuple[Tensor, ...]]:
+    """(slots, views): 1 / scale[i] in every float of row i of an (n, 4) tensor, one 16-byte slot
+    each, and the (1,) view of each slot's first float (what FP8 GEMM libraries read)."""
+    slots = torch.reciprocal(scale.unsqueeze(1).expand(scale.shape[0], _FLOATS_PER_16_BYTES))
+    return slots, slots.narrow(1, 0, 1).unbind(0)
 
 
 def _custom_update(group: ScalingGroup) -> None:

@@ -335,21 +335,26 @@ def test_fp8_weights_under_another_recipe_kind_say_why(built, run):
             layer(torch.randn(128, 128, generator=seeded(6)))
 
 
+def _user_warnings(call, rcp) -> list:
+    """The UserWarning messages `call()` raises under autocast(recipe=rcp)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with autocast(recipe=rcp):
+            call()
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
 def test_a_recipe_of_another_kind_warns_once_as_transformer_engine_does():
     """Switching a module to a recipe of another kind warns (Transformer Engine's words: "Recipe
     type changed"), once: the module's scaling state for the old kind is dropped. Recipe objects
     of the same kind, equal or not, never warn."""
-    import warnings
-
     layer = tm.Linear(32, 32)
     x = torch.randn(16, 32, generator=seeded(8))
 
     def run(rcp):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with autocast(recipe=rcp):
-                layer(x).sum().backward()
-        return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+        return _user_warnings(lambda: layer(x).sum().backward(), rcp)
 
     assert run(recipe.DelayedScaling()) == []
     assert run(recipe.DelayedScaling(amax_history_len=4)) == []  # same kind: the state carries over
@@ -363,8 +368,6 @@ def test_a_recipe_of_another_kind_warns_once_as_transformer_engine_does():
 def test_fp8_primary_weights_under_a_changed_recipe_warn_as_transformer_engine_does():
     """FP8 primary weights run under a recipe of their kind with other fields warn ("Quantizer is
     being updated", Transformer Engine's words) once, naming both recipes; an equal recipe does not."""
-    import warnings
-
     from te_core.quantization import quantized_model_init
 
     with quantized_model_init(recipe=recipe.DelayedScaling(amax_history_len=1024)):
@@ -372,11 +375,7 @@ def test_fp8_primary_weights_under_a_changed_recipe_warn_as_transformer_engine_d
     x = torch.randn(16, 32, generator=seeded(9))
 
     def run(rcp):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with autocast(recipe=rcp):
-                layer(x)
-        return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+        return _user_warnings(lambda: layer(x), rcp)
 
     assert run(recipe.DelayedScaling(amax_history_len=1024)) == []
     changed = run(recipe.DelayedScaling(amax_history_len=1))
