@@ -1,12 +1,15 @@
 """Quantization recipes: what to quantize to and how scales are chosen (Transformer Engine's names
 and defaults).
 
-A recipe is a frozen dataclass validated on construction. It never runs math itself: for a
-module's quantizer slots it produces the scaling state and one quantizer per slot
-(`make_state`), so modules never ask which recipe is active.
+A recipe is a dataclass validated on construction and on each assignment to a field. It never
+runs math itself: for a module's quantizer slots it produces the scaling state and one quantizer
+per slot (`make_state`), so modules never ask which recipe is active. Modules run with
+`in_use(recipe)`, a copy that never changes, so that changing a recipe between steps is a new
+recipe to them.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import functools
@@ -150,7 +153,8 @@ def default_split_accumulator(gemm: str) -> bool:
 
 
 class Recipe:
-    """Base of every recipe. Subclasses are frozen dataclasses."""
+    """Base of every recipe. Subclasses are dataclasses whose fields are set through
+    _assignable (checked assignments) and read by modules through in_use."""
 
     def split_accumulator(self, gemm: str) -> bool:
         """Whether this recipe's `gemm` ("fprop", "dgrad" or "wgrad") accumulates in float32: its
@@ -171,6 +175,9 @@ class Recipe:
     # Whether its forward casts write state that outlives the step (DelayedScaling's amax
     # histories): a recompute must then replay the forward's scales, not re-run its casts.
     keeps_state = False
+    # How many assignments to its fields the recipe has taken (_assign; a class default, so that
+    # a module's check per step is one attribute read, which torch.compile guards on)
+    _te_version = 0
 
     def make_state(self, slots: Sequence, device: torch.device):
         """The scaling state and quantizers of a module's `slots` (te_core.quantization.QuantizerSlot).
@@ -251,7 +258,7 @@ def _ignores_unknown_arguments(cls):
     Megatron-LM's recipe subclasses pass their module arguments (params_dtype, device) to the
     recipe too. Every field Transformer Engine's recipe defines is a field here (so never
     ignored): it works, or its unsupported values raise. Being every recipe class's decorator, it
-    also gives the class the frozen-field error that says what to do (_explain_frozen)."""
+    also gives the class its checked field assignments (_assignable)."""
     init, known = cls.__init__, {f.name for f in fields(cls)}
 
     @functools.wraps(init)
@@ -267,7 +274,7 @@ def _ignores_unknown_arguments(cls):
         init(self, *args, **kwargs)
 
     cls.__init__ = __init__
-    _explain_frozen(cls)
+    _assignable(cls)
     return cls
 
 
@@ -279,34 +286,85 @@ def _same(current, value) -> bool:
 
 
 class FrozenRecipeError(FrozenInstanceError):
-    """An assignment to a recipe's field (Transformer Engine's recipes take them, te-core's do not)."""
+    """An assignment te-core refuses: to the copy of a recipe that modules run with (in_use), or
+    to an attribute that is not one of the recipe's fields."""
 
 
-def _explain_frozen(cls) -> None:
-    """The frozen dataclass's refusal of assignments, with a message that says what to do instead
-    (dataclasses' own names only the field). Same rule: fields, and any attribute of an instance
-    of the class itself, are refused; a subclass's own attributes are not."""
+# Keys in a recipe's __dict__ (never dataclass fields): how many assignments it has taken
+# (Recipe._te_version), the copy in_use() made of it and at which count, the mark of such a copy.
+_VERSION, _IN_USE, _COPY = "_te_version", "_te_in_use", "_te_copy"
+
+
+def _assignable(cls) -> None:
+    """Assignments to a recipe's fields, as Transformer Engine's recipes take them (its tests and
+    tutorials set `recipe.backward_override = ...` on a copy): the value is checked as the
+    constructor checks it (an invalid one raises and leaves the recipe as it was), the recipe's
+    derived values follow, and the next te.autocast (or quantized_model_init,
+    make_graphed_callables) runs with it. Modules never see the object itself: they run with
+    in_use(recipe), a copy made once per change, so a change cannot alter a state in the middle
+    of a step. Attributes that are not fields are refused on te-core's own recipe classes (a
+    misspelt field would otherwise be set and never read); a subclass's own attributes
+    (Megatron-LM's) are its business."""
     names = {f.name for f in fields(cls)}
 
-    def refuse(self, name):
-        raise FrozenRecipeError(
-            f"{type(self).__name__}.{name} cannot be changed: te-core's recipes are immutable (a module's "
-            f"scaling state follows the recipe object it was made with). Make a changed copy instead, "
-            f"dataclasses.replace(recipe, {name}=...), and pass that to te.autocast")
-
     def __setattr__(self, name, value):
-        if type(self) is cls or name in names:
-            if name in names and _same(getattr(self, name), value):
-                return  # (nothing changes: Transformer Engine code re-assigns fields their own values)
-            refuse(self, name)
-        super(cls, self).__setattr__(name, value)
+        if self.__dict__.get(_COPY):
+            raise FrozenRecipeError(
+                f"{type(self).__name__}.{name}: this is te-core's copy of a recipe in use, which does not change; "
+                f"assign to the recipe you passed to te.autocast (or make a new one)")
+        if name in names:
+            if not _same(getattr(self, name), value):  # (TE code re-assigns fields their own values)
+                _assign(self, name, value)
+            return
+        if type(self) is cls and name not in self.__dict__:
+            raise FrozenRecipeError(f"{cls.__name__} has no field {name!r}; its fields: {', '.join(sorted(names))}")
+        object.__setattr__(self, name, value)
 
     def __delattr__(self, name):
-        if type(self) is cls or name in names:
-            refuse(self, name)
-        super(cls, self).__delattr__(name)
+        if name in names or type(self) is cls:
+            raise FrozenRecipeError(f"{type(self).__name__}.{name} cannot be deleted (a recipe's fields always "
+                                    "have a value); assign the value you want instead")
+        object.__delattr__(self, name)
 
     cls.__setattr__, cls.__delattr__ = __setattr__, __delattr__
+
+
+def _assign(recipe, name: str, value) -> None:
+    """recipe.name = value, checked by the recipe's own __post_init__ on a copy first."""
+    candidate = copy.copy(recipe)
+    object.__setattr__(candidate, name, value)
+    post_init = getattr(candidate, "__post_init__", None)
+    if post_init is not None:
+        post_init()
+    for key, new in candidate.__dict__.items():
+        if key not in (_VERSION, _IN_USE, _COPY):
+            object.__setattr__(recipe, key, new)
+    object.__setattr__(recipe, _VERSION, recipe._te_version + 1)
+
+
+def in_use(recipe: "Recipe") -> "Recipe":
+    """The recipe modules run with for `recipe`: a copy of its present fields that never changes
+    (assignments to it are refused), made at the first use after each change to `recipe` and
+    kept. Module states are bound to it, so a change to `recipe` reaches them at the next
+    te.autocast as a new recipe object of the same kind would: states carry over, cached FP8
+    weights are cast again. Traced by torch.compile, the recipe itself: a trace can neither copy
+    it nor read this bookkeeping without guarding on it (an eager step's copy would then
+    recompile the graph). A state bound to the recipe itself notices an assignment by its
+    _te_version (QuantizedModule.new_quantization_step), which dynamo guards on."""
+    if torch.compiler.is_compiling():
+        return recipe
+    state = recipe.__dict__
+    if state.get(_COPY):
+        return recipe
+    version = recipe._te_version
+    made = state.get(_IN_USE)
+    if made is not None and made[0] == version:
+        return made[1]
+    frozen = copy.copy(recipe)
+    frozen.__dict__.pop(_IN_USE, None)
+    frozen.__dict__[_COPY] = True
+    state[_IN_USE] = (version, frozen)
+    return frozen
 
 
 def _env_flag(name: str) -> Callable[[], bool]:

@@ -199,12 +199,15 @@ class FP8GlobalStateManager(GlobalStateControls):
 
     @staticmethod
     def get_fp8_recipe():
-        """The innermost autocast's recipe, else the default (DelayedScaling()), as TE."""
+        """The innermost autocast's recipe (the object passed to it), else the default
+        (DelayedScaling()), as TE."""
         from ..quantization.autocast import get_autocast_context
         from ..recipe import DelayedScaling
 
         context = get_autocast_context()
-        return context.recipe if context is not None else DelayedScaling()
+        if context is None:
+            return DelayedScaling()
+        return context.given if context.given is not None else DelayedScaling()
 
     @staticmethod
     def get_fp8_group():

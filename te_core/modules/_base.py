@@ -102,6 +102,9 @@ def init_quantization_state(model: nn.Module, recipe) -> None:
     from scale 1, as Transformer Engine's and a compiled graph's do."""
     from torch._dynamo import mark_static_address
 
+    from ..quantization.autocast import _check_recipe
+
+    recipe = _check_recipe(recipe, "init_quantization_state")
     for module in model.modules():
         if isinstance(module, QuantizedModule):
             state = module._state_for(recipe)
@@ -195,12 +198,14 @@ class QuantizedModule(DeferredInit, nn.Module):
         else:
             self._fp8_forward = True
         state = self._recipe_state
-        if state is None or state.recipe is not context.recipe:  # (_state_for's own first test, inline)
+        recipe = context.recipe
+        if state is None or state.recipe is not recipe or state.version != recipe._te_version:  # (_state_for's test)
             # Traced, a state made for an equal recipe (_prepare_untraced's) is kept as it is: binding
             # it to this recipe object would mutate module state inside the graph, which a graph
             # region (an activation checkpoint's) cannot hold.
-            if not (torch.compiler.is_compiling() and state is not None and state.recipe == context.recipe):
-                state = self._state_for(context.recipe)
+            if not (torch.compiler.is_compiling() and state is not None and state.recipe is not recipe
+                    and state.recipe == recipe):
+                state = self._state_for(recipe)
         state.follow_device(self._state_device())
         if context.enabled:
             return QuantizationStep(state, context, is_first_microbatch, self._weight_cache)
@@ -222,7 +227,7 @@ class QuantizedModule(DeferredInit, nn.Module):
 
     def _state_for(self, recipe) -> RecipeState:
         state = self._recipe_state
-        if state is not None and state.recipe is recipe:
+        if state is not None and state.recipe is recipe and state.version == recipe._te_version:
             return state
         if state is not None and self._state_from_checkpoint:
             check_compatible(recipe, state.recipe, where=type(self).__name__)
@@ -235,7 +240,7 @@ class QuantizedModule(DeferredInit, nn.Module):
                 raise RuntimeError(_STATE_IN_GRAPH.format(module=type(self).__name__, recipe=type(recipe).__name__))
             self._weight_cache.clear()
         else:
-            if state.recipe != recipe:  # cached weights were cast under the other recipe
+            if state.recipe != recipe or state.version != recipe._te_version:  # weights cached under another
                 self._weight_cache.clear()
                 if self.__dict__.get("_fp8_primary") and not torch.compiler.is_compiling():
                     warnings.warn(_PRIMARY_QUANTIZER_UPDATED.format(module=type(self).__name__, old=state.recipe,

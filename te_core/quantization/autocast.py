@@ -16,7 +16,7 @@ import torch
 from .. import backend as _backend
 from .._flags import flag
 from .._tracing import run_while_tracing
-from ..recipe import NVFP4_UNSUPPORTED, DelayedScaling, Recipe
+from ..recipe import NVFP4_UNSUPPORTED, DelayedScaling, Recipe, in_use
 from .scaling import PendingUpdates, ScalingGroup, check_reduction_member
 
 __all__ = [
@@ -33,6 +33,9 @@ class AutocastContext:
     recipe: Recipe
     amax_reduction_group: object = None
     forward_updates: PendingUpdates = field(default=None, compare=False, repr=False)
+    # the recipe object the user passed (what TE's get_fp8_recipe returns); modules run `recipe`,
+    # its in_use copy
+    given: Optional[Recipe] = field(default=None, compare=False, repr=False)
 
     def schedule_forward_update(self, group: ScalingGroup) -> None:
         """Update `group` when the outermost autocast exits (amax reduced over this context's group)."""
@@ -55,10 +58,11 @@ def get_autocast_context() -> Optional[AutocastContext]:
     return stack[-1] if stack else None
 
 
-_DEFAULT_RECIPE = DelayedScaling()  # recipes are frozen: one default serves every call
+_DEFAULT_RECIPE = in_use(DelayedScaling())  # a copy in use never changes: one default serves every call
 
 
 def _check_recipe(recipe, where: str) -> Recipe:
+    """The recipe modules run with for `recipe` (None: the default), checked."""
     if recipe is None:
         return _DEFAULT_RECIPE
     if isinstance(recipe, type) and issubclass(recipe, Recipe):  # (a class carries no settings to run with)
@@ -67,7 +71,7 @@ def _check_recipe(recipe, where: str) -> Recipe:
     if not isinstance(recipe, Recipe):
         raise TypeError(f"{where}: recipe must be a te_core.recipe recipe (DelayedScaling, Float8CurrentScaling, "
                         f"Float8BlockScaling, MXFP8BlockScaling), got {type(recipe).__name__}")
-    return recipe
+    return in_use(recipe)
 
 
 @run_while_tracing
@@ -106,7 +110,8 @@ class autocast(ContextDecorator):
                 raise RuntimeError(f"autocast(enabled=True): FP8 is not available on the selected backend: {reason}")
         stack = _STATE.stack
         updates = stack[0].forward_updates if stack else PendingUpdates()
-        stack.append(AutocastContext(self.enabled, self.calibrating, recipe, self.amax_reduction_group, updates))
+        stack.append(AutocastContext(self.enabled, self.calibrating, recipe, self.amax_reduction_group, updates,
+                                   self.recipe))
         return None
 
     def __exit__(self, exc_type, exc, tb) -> bool:

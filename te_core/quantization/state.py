@@ -15,8 +15,11 @@ from .scaling import ScalingGroup, fit_history, group_state
 class RecipeState:
     """Quantizers of a module's slots; subclasses add persistent scaling state."""
 
+    version = 0  # (a state pickled before recipes took assignments has none of its own)
+
     def __init__(self, recipe, slots: Sequence[QuantizerSlot]):
         self.recipe = recipe
+        self.version = recipe._te_version  # the recipe's fields as this state took them (see rebind)
         self.slots = tuple(slots)
         self.quantizers: Dict[str, Quantizer] = {}
         self.gemm_alignment = 16
@@ -38,8 +41,9 @@ class RecipeState:
         """Copy saved tensors in (the inverse of quantization_state)."""
 
     def rebind(self, recipe) -> None:
-        """Use `recipe` (compatible with the current one) from now on, keeping the state."""
-        self.recipe = recipe
+        """Use `recipe` (compatible with the current one) from now on, keeping the state: also
+        the same recipe object after an assignment to one of its fields."""
+        self.recipe, self.version = recipe, recipe._te_version
 
     def carries_over_to(self, recipe) -> bool:
         """Whether this state serves `recipe` after rebind(recipe), rather than a fresh state: for

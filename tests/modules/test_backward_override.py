@@ -54,6 +54,29 @@ def test_high_precision_backward_is_the_high_precision_modules(kind, name):
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
+def test_assigned_to_a_recipe_between_steps(name):
+    """As Transformer Engine's tests set it (`recipe = copy.deepcopy(recipe); recipe.backward_override
+    = ...`): the override assigned to the recipe object a module already ran with applies from the
+    next step, and assigning None again restores the FP8 backward, bit for bit."""
+    import copy
+
+    module, _ = _build("Linear", 7)
+    x = torch.randn(64, 128, generator=seeded(8))
+    dy = torch.randn(64, 64, generator=seeded(9))
+    rcp = copy.deepcopy(RECIPES[name]())
+    _, dx_fp8, dw_fp8 = _grads(module, x, dy, rcp)
+    rcp.backward_override = "high_precision"
+    y, dx, dw = _grads(module, x, dy, rcp)
+    _, dx_hp, dw_hp = _grads(module, x, dy, None)
+    torch.testing.assert_close(dx, dx_hp, rtol=0, atol=0)
+    torch.testing.assert_close(dw["weight"], dw_hp["weight"], rtol=0, atol=0)
+    assert not torch.equal(dx_fp8, dx_hp)
+    rcp.backward_override = None
+    _, dx_again, dw_again = _grads(module, x, dy, rcp)
+    assert torch.equal(dx_again, dx_fp8) and torch.equal(dw_again["weight"], dw_fp8["weight"])
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
 def test_dequantized_backward_reads_the_forwards_fp8_operands(name):
     """backward_override="dequantized": dgrad = dy @ dequantized FP8 weight, wgrad = dy^T @
     dequantized FP8 input (the row-wise copies the forward GEMM read), in float32; not the

@@ -306,3 +306,27 @@ def test_wgrad_override_compiles_like_eager(module):
         _assert_identical(got, _run(step, eager_model, x), f"step {i}")
     _assert_identical(list(_scaling_state(compiled_model).values()), list(_scaling_state(eager_model).values()),
                       "scaling state")
+
+
+@pytest.mark.parametrize("name", ["current", "block"])
+def test_recipe_assigned_between_compiled_steps(name):
+    """A recipe compiled before any eager use, then a field assigned between compiled steps, as
+    Transformer Engine's recipes take assignments: the next compiled step runs the new value
+    (dynamo guards on the recipe's fields and its count of assignments) and equals the eager
+    step of a twin given the changed recipe."""
+    torch.manual_seed(0)
+    rec = RECIPES[name]()
+    compiled_model = MODULES["Linear"]()
+    eager_model = copy.deepcopy(compiled_model)
+    compiled = torch.compile(_step_fn(rec), backend="eager", fullgraph=True)
+    x = torch.randn(SEQ, BATCH, HIDDEN)
+    _run(compiled, compiled_model, x)
+    rec.backward_override = "high_precision"
+    got = _run(compiled, compiled_model, x)
+    want = _run(_step_fn(rec), eager_model, x)
+    _assert_identical(got, want, "after the assignment")
+    unchanged = _run(_step_fn(RECIPES[name]()), copy.deepcopy(eager_model), x)
+    assert torch.equal(got[0], unchanged[0]) and not torch.equal(got[1], unchanged[1])  # FP8 forward, other dgrad
+    # traced, the module's state is now bound to `rec` itself; the next assignment still reaches it
+    rec.backward_override = None
+    _assert_identical(_run(compiled, compiled_model, x), unchanged, "after assigning None again")

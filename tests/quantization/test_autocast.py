@@ -23,20 +23,22 @@ from te_core.quantization import (
     is_mxfp8_available,
     quantized_model_init,
 )
-from te_core.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
+from te_core.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, in_use
 
 from .conftest import randn
 
 
 def test_nesting_innermost_wins_and_restores():
+    """Modules run with the recipe's copy in use (te_core.recipe.in_use); the context also keeps
+    the object passed, which Transformer Engine's get_fp8_recipe returns."""
     outer, inner = DelayedScaling(), Float8CurrentScaling()
     assert get_autocast_context() is None
     with autocast(recipe=outer):
-        assert get_autocast_context().recipe is outer
+        assert get_autocast_context().recipe is in_use(outer) and get_autocast_context().given is outer
         with autocast(enabled=False, recipe=inner):
             ctx = get_autocast_context()
-            assert ctx.recipe is inner and not ctx.enabled
-        assert get_autocast_context().recipe is outer and get_autocast_context().enabled
+            assert ctx.recipe is in_use(inner) and ctx.given is inner and not ctx.enabled
+        assert get_autocast_context().recipe is in_use(outer) and get_autocast_context().enabled
     assert get_autocast_context() is None
 
 
@@ -62,7 +64,7 @@ def test_fp8_autocast_alias(gen):
         context = fp8_autocast(fp8_recipe=recipe, fp8_group=group)
     with context:
         ctx = get_autocast_context()
-        assert ctx.recipe is recipe and ctx.amax_reduction_group is group and ctx.enabled
+        assert ctx.given is recipe and ctx.recipe == recipe and ctx.amax_reduction_group is group and ctx.enabled
 
 
 def test_bad_recipe_type():
@@ -272,6 +274,31 @@ def test_nested_delayed_recipe_keeps_the_module_history(gen):
     with autocast(recipe=outer):
         layer(xs[0])
     assert _input_entry(layer)[1][-2] == xs[2].abs().max()  # back to the outer recipe: still kept
+
+
+def test_assigned_margin_applies_from_the_next_autocast(gen):
+    """A field assigned to the recipe a module runs with (Transformer Engine's recipes take
+    assignments) reaches the module at the next te.autocast, as a new recipe of the same kind
+    would: the amax history carries over and the next update uses the new margin. Assigned inside
+    a step, it leaves that step's update alone (the step runs the copy in use at its start)."""
+    layer = Linear(32, 16)
+    rcp = DelayedScaling(amax_history_len=4)
+    xs = [randn(gen, 16, 32, scale=1.0 + i) for i in range(3)]
+    for x in xs[:2]:
+        with autocast(recipe=rcp):
+            layer(x)
+    _, history_before = _input_entry(layer)
+    rcp.margin = 1
+    with autocast(recipe=rcp):
+        layer(xs[2])
+        rcp.margin = 2  # from the next autocast on
+    scale, history = _input_entry(layer)
+    assert torch.equal(history[1:-1], history_before[2:]) and history[-1] == xs[2].abs().max()
+    window = torch.stack([x.abs().max() for x in xs]).max()
+    assert scale.item() == pytest.approx(448.0 / window.item() / 2, rel=1.3e-6)
+    with autocast(recipe=rcp):
+        layer(xs[0])
+    assert _input_entry(layer)[0].item() == pytest.approx(448.0 / window.item() / 4, rel=1.3e-6)
 
 
 @pytest.mark.parametrize("length", [2, 7])

@@ -57,25 +57,78 @@ def test_wgrad_override_as_transformer_engine():
 
 
 @pytest.mark.parametrize("cls", [DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling])
-def test_recipes_are_frozen_and_say_how_to_change_one(cls):
-    """Transformer Engine's recipes take assignments; te-core's refuse a change with what to do
-    instead, and take a field's own value (TE's tests re-assign fields so) as the no-op it is."""
+def test_fields_take_checked_assignments(cls):
+    """As Transformer Engine's recipes, te-core's take assignments to their fields; a value the
+    constructor would refuse is refused the same way and leaves the recipe as it was."""
     recipe = cls()
     other = Format.E4M3 if recipe.fp8_format is Format.HYBRID else Format.HYBRID
-    with pytest.raises(dataclasses.FrozenInstanceError,
-                       match=rf"{cls.__name__}\.fp8_format cannot be changed.*dataclasses\.replace\(recipe, fp8_format=\.\.\.\)"):
-        recipe.fp8_format = other
-    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot be changed"):
+    recipe.fp8_format = other
+    assert recipe.fp8_format is other and recipe == dataclasses.replace(cls(), fp8_format=other)
+    with pytest.raises(ValueError, match="pure E5M2 training is not supported"):
+        recipe.fp8_format = Format.E5M2
+    with pytest.raises(TypeError, match="fp8_format must be a te_core.recipe.Format"):
+        recipe.fp8_format = "HYBRID"
+    assert recipe.fp8_format is other
+    with pytest.raises(dataclasses.FrozenInstanceError, match=rf"{cls.__name__} has no field 'fp8_formt'; its fields: .*fp8_format"):
+        recipe.fp8_formt = Format.HYBRID
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot be deleted"):
         del recipe.fp8_format
-    recipe.fp8_format = recipe.fp8_format
-    recipe.backward_override = None
-    assert recipe == cls()
-    changed = dataclasses.replace(recipe, fp8_format=other)
-    assert changed.fp8_format is other and recipe.fp8_format is cls().fp8_format is not other
+    recipe.fp8_format = other  # (its own value: nothing changes)
+    assert recipe == dataclasses.replace(cls(), fp8_format=other)
+
+
+def test_assignments_keep_the_recipes_rules():
+    """What the constructor derives from a field follows an assignment to it; what it refuses, an
+    assignment refuses."""
+    d = DelayedScaling()
+    d.override_linear_precision = (False, False, True)
+    assert d.override_linear_precision.wgrad is True and not d.gemm_in_fp8("wgrad")
+    with pytest.raises(ValueError, match="delayed scaling supports only backward_override=None"):
+        d.backward_override = "high_precision"
+    assert d.backward_override is None
+    c = Float8CurrentScaling()
+    assert not c.fp8_quant_fwd_inp.power_2_scale
+    c.use_power_2_scales = True
+    assert all(getattr(c, f"fp8_quant_{k}").power_2_scale for k in ("fwd_inp", "fwd_weight", "bwd_grad"))
+    c.backward_override = "dequantized"
+    assert c.backward_override == "dequantized"
+    with pytest.raises(ValueError, match="backward_override must be None, 'high_precision' or 'dequantized'"):
+        c.backward_override = "fp32"
+    b = Float8BlockScaling()
+    with pytest.raises(ValueError, match="w_block_scaling_dim must be 1"):
+        b.w_block_scaling_dim = 3
+    assert b.w_block_scaling_dim == 2
+    with pytest.raises(NotImplementedError, match="enable_2d_quantization=True"):
+        MXFP8BlockScaling().enable_2d_quantization = True
+
+
+def test_in_use_is_an_unchanging_copy_per_change():
+    """Modules run with in_use(recipe): one copy per state of the recipe (the same object until
+    the recipe changes), equal to it, refusing assignments itself; a deep copy changes apart from
+    its original, as TE's tests use one."""
+    import copy
+
+    from te_core.recipe import in_use
+
+    r = Float8CurrentScaling()
+    first = in_use(r)
+    assert first is in_use(r) and first == r and first is not r and in_use(first) is first
+    with pytest.raises(dataclasses.FrozenInstanceError, match="te-core's copy of a recipe in use"):
+        first.backward_override = "high_precision"
+    r.backward_override = "high_precision"
+    second = in_use(r)
+    assert second is not first and second.backward_override == "high_precision" and first.backward_override is None
+    twin = copy.deepcopy(r)
+    twin.backward_override = "dequantized"
+    assert r.backward_override == "high_precision" and in_use(r) is second
+    assert in_use(twin).backward_override == "dequantized"
 
 
 def test_recipe_subclass_keeps_its_own_attributes():
-    """A subclass (Megatron-LM's TEDelayedScaling) may set attributes of its own, not the fields."""
+    """A subclass (Megatron-LM's TEDelayedScaling) may set attributes of its own; its fields take
+    checked assignments as the base's do, and its copy in use keeps its class and attributes."""
+    from te_core.recipe import in_use
+
     class Sub(DelayedScaling):
         def __init__(self, config=None, **kwargs):
             super().__init__(**kwargs)
@@ -83,8 +136,12 @@ def test_recipe_subclass_keeps_its_own_attributes():
 
     sub = Sub("cfg", margin=2)
     assert sub.config == "cfg" and sub.margin == 2
-    with pytest.raises(dataclasses.FrozenInstanceError, match="Sub.margin cannot be changed"):
-        sub.margin = 3
+    sub.margin = 3
+    sub.config = "other"
+    with pytest.raises(ValueError, match="margin must be a number >= 0"):
+        sub.margin = -1
+    used = in_use(sub)
+    assert type(used) is Sub and used.margin == 3 and used.config == "other"
 
 
 @pytest.mark.parametrize("cls", [DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling])
