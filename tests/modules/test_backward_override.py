@@ -120,7 +120,11 @@ def test_layernorm_mlp_backward_follows_the_override(name, mode):
     """LayerNormMLP under each override against a float64 reference that runs the same FP8
     forward (operands quantized by the module's own quantizers) and takes each GEMM's gradients
     on the original operands (high_precision) or the dequantized ones (dequantized): relative L2
-    error well below the gap between the two overrides."""
+    error well below the gap between the two overrides. On an accelerator the FP8 GEMMs themselves
+    differ from float64 (Hopper's tensor cores accumulate each K block of FP8 products in reduced
+    precision: about 1e-4 relative at K=128 whatever the split), which moves the first GEMM's
+    output and so some FP8 bytes of the second GEMM's input cast from it: there the bound is
+    looser and the gap need only be several times the error."""
     torch.manual_seed(7)
     mlp = tm.LayerNormMLP(128, 256, params_dtype=torch.float32)
     x = torch.randn(64, 128, generator=seeded(8))
@@ -153,4 +157,5 @@ def test_layernorm_mlp_backward_follows_the_override(name, mode):
     for got, ref, alt, what in [(dx, want_dx, other_dx, "input"),
                                 *((dw[n], want[n], other[n], n) for n in ("fc1_weight", "fc2_weight"))]:
         err, gap = rel(got, ref), rel(alt, ref)
-        assert err < 1e-4 and gap > 100 * err, (what, err, gap)
+        exact = x.device.type == "cpu"  # (the reference backend)
+        assert err < (1e-4 if exact else 1e-2) and gap > (100 if exact else 4) * err, (what, err, gap)
