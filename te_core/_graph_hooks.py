@@ -24,15 +24,24 @@ def backward_updates_hook(groups: List[ScalingGroup], process_group):
     return hook
 
 
-def backward_hook(name: str, calls: List[int], call: int, copied_params: int, after=None):
+def copied_param_grads(params, clone: bool) -> Tuple[bool, ...]:
+    """Which parameters' gradients a replay hands autograd as copies: all of them with `clone`
+    (clone_param_grads_on_return), except those marked `skip_backward_post_hook` (a module that
+    delays its weight gradients: their lifetime is its business, and with fused accumulation the
+    gradient returned is a stand-in), as Transformer Engine does; an empty tuple if none."""
+    copied = tuple(clone and not getattr(p, "skip_backward_post_hook", False) for p in params)
+    return copied if any(copied) else ()
+
+
+def backward_hook(name: str, calls: List[int], call: int, copied_params: Tuple[bool, ...], after=None):
     """The hook on a replay's backward node, run after the backward graph's replay and before its
     gradients go anywhere:
     - it refuses a backward whose call is no longer the module's latest (`calls[0]` counts the
       forward replays; this one was number `call`): a later replay overwrote the activations this
       backward read and the outputs it returned, so its gradients are the later call's. With
       weight caching the two graph pairs share one memory pool, so either pair's forward counts;
-    - with `copied_params`, it hands autograd copies of the parameters' gradients (the node's last
-      `copied_params` results) instead of the graph's own buffers, which the next replay
+    - it hands autograd copies of the parameters' gradients that `copied_params` marks (one flag
+      per parameter, the node's last results) instead of the graph's own buffers, which the next replay
       overwrites: so `.grad` never aliases them, and gradients accumulated over several backward
       passes add up as in eager mode (Transformer Engine's clone_param_grads_on_return=True).
     - `after()`, where given, then runs (it queues the replay's weight-gradient graph for
@@ -49,8 +58,9 @@ def backward_hook(name: str, calls: List[int], call: int, copied_params: int, af
         if after is not None:
             after()
         if copied_params:
-            start = len(grad_inputs) - copied_params
-            return tuple(g.clone() if i >= start and g is not None else g for i, g in enumerate(grad_inputs))
+            start = len(grad_inputs) - len(copied_params)
+            return tuple(g.clone() if i >= start and g is not None and copied_params[i - start] else g
+                         for i, g in enumerate(grad_inputs))
         return None
 
     return hook

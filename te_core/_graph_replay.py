@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ._graph_hooks import backward_hook, backward_updates_hook, tensors_in
+from ._graph_hooks import backward_hook, backward_updates_hook, copied_param_grads, tensors_in
 from ._graph_inputs import InputSignature, KeywordInputs
 from ._graph_options import GraphOptions
 from .modules._base import QuantizedModule
@@ -96,8 +96,8 @@ def graphed_forward(module: nn.Module, eager_forward, variants: Dict, enabled: b
     forward_groups, backward_groups = scaling_groups(module) if enabled or options.calibrating else ([], [])
     name, captured_training = type(module).__name__, module.training
     cache_filled = [False]  # by a first-microbatch replay: capture only recorded the casts
-    n_params = len(tuple(module.parameters()))  # the replay's last results: the parameters' gradients
-    copied_params = n_params if options.clone_param_grads else 0
+    # the replay's last results are the parameters' gradients: which of them autograd gets copies of
+    copied_params = copied_param_grads(tuple(module.parameters()), options.clone_param_grads)
     calls = [0]  # forward replays so far, of either graph pair (with weight caching): they share memory
     pending = collections.deque()  # the weight-gradient replays of the backward passes run, oldest first
     reset = [False]

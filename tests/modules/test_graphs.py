@@ -370,6 +370,24 @@ def test_replayed_parameter_gradients_are_copies_unless_asked_otherwise(monkeypa
         graphs.make_graphed_callables(_linear()[0], (x,), clone_param_grads_on_return="no")
 
 
+def test_a_parameter_whose_gradients_its_module_delays_gets_the_graphs_own_buffer(monkeypatch):
+    """A parameter marked skip_backward_post_hook (a module delaying its weight gradients manages
+    their lifetime) is left out of clone_param_grads_on_return, as in Transformer Engine: its
+    .grad is the graph's buffer, the same tensor at every replay; the others' are copies."""
+    seen = []
+    monkeypatch.setattr(graphs, "_graph_api", lambda device: lambda *a, **k: seen.extend(aliasing_graph_api(*a, **k))
+                        or tuple(seen))
+    lin, x = _linear()
+    lin.weight.skip_backward_post_hook = True
+    graphed = graphs.make_graphed_callables(lin, (x,))
+    buffers = seen[0].grad_buffers
+    for _ in range(2):
+        graphed(x.detach().requires_grad_()).backward(torch.randn(16, 16))
+        assert graphed.weight.grad.data_ptr() == buffers[0].data_ptr()
+        assert graphed.bias.grad.data_ptr() != buffers[1].data_ptr()
+        graphed.zero_grad(set_to_none=True)
+
+
 @pytest.mark.parametrize("clone", [True, False])
 def test_a_backward_after_a_later_forward_of_the_module_is_refused(monkeypatch, clone):
     """Graphs hold one call's activations and outputs: a second forward replay overwrites the
