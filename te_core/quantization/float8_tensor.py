@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from ..dtype import DType, from_torch_dtype
 from .float8_views import FLOAT8_VIEW_OPS
 from .tensor import TENSOR, GemmOperand, QuantizedOperand, QuantizedTensor
 
@@ -37,6 +38,25 @@ class _Float8Layout:
     @property
     def fp8_dtype(self) -> torch.dtype:
         return (self._data if self._data is not None else self._transpose).dtype
+
+    # Transformer Engine's Float8Tensor attributes for the same facts, which TE code (its tests,
+    # integrations handling FP8 parameters) reads
+    @property
+    def _fp8_dtype(self) -> DType:
+        """The data's format as Transformer Engine's DType."""
+        return from_torch_dtype(self.fp8_dtype)
+
+    @property
+    def _transpose_invalid(self) -> bool:
+        """Whether no column-wise copy is held (one is made from the row-wise data when a GEMM
+        needs it)."""
+        return self._transpose is None
+
+    @_transpose_invalid.setter
+    def _transpose_invalid(self, invalid: bool) -> None:
+        # TE code sets it after writing _data in place: the copy held no longer matches it
+        if invalid and self._data is not None:
+            self._transpose = None
 
     def _rowwise_data(self) -> Tensor:
         if self._data is None:  # kept column-wise only: the transpose of the transpose is exact

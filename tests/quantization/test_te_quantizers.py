@@ -188,6 +188,23 @@ def test_usage_flags_choose_the_layouts(gen):
         q.set_usage(rowwise=1)
 
 
+@pytest.mark.parametrize("fmt", [DType.kFloat8E4M3, DType.kFloat8E5M2])
+def test_float8_tensor_answers_transformer_engines_attribute_names(gen, fmt):
+    """TE code reads a Float8Tensor's _fp8_dtype (its DType) and _transpose_invalid (no
+    column-wise copy held), and sets _transpose_invalid after writing _data in place: the copy
+    is dropped and remade from the new row-wise data."""
+    q = te.Float8CurrentScalingQuantizer(fmt, "cpu", rowwise=True, columnwise=False)
+    t = q(randn(gen, 32, 64, scale=2.0))
+    assert t._fp8_dtype is fmt and t._transpose_invalid
+    stale = t.columnwise().data.clone()
+    assert not t._transpose_invalid
+    t._data.copy_(q(randn(gen, 32, 64, scale=2.0))._data)
+    t._transpose_invalid = True
+    assert t._transpose_invalid
+    fresh = t.columnwise().data
+    assert bits(fresh).equal(bits(t._data.t().contiguous())) and not bits(fresh).equal(bits(stale))
+
+
 @pytest.mark.parametrize("make", [
     lambda: te.Float8Quantizer(torch.tensor([8.0]), torch.zeros(1), DType.kFloat8E5M2),
     lambda: te.Float8CurrentScalingQuantizer(DType.kFloat8E4M3, "cpu"),
