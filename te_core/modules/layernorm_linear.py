@@ -126,9 +126,12 @@ def split_grads(ctx, grads, parts: int):
     return grads[:parts], (rest[0] if rest else None), d_res
 
 
-def needs_norm_grad(x: Tensor, ln_weight: Tensor, ln_bias: Optional[Tensor]) -> bool:
-    """Whether the backward must run dgrad into the norm: for dx, or for the norm's own parameters."""
-    return any(t is not None and t.requires_grad for t in (x, ln_weight, ln_bias))
+def needs_norm_grad(x: Tensor, ln_weight: Tensor, ln_bias: Optional[Tensor], grad: bool = True) -> bool:
+    """Whether the backward must run dgrad into the norm: for dx, or for the norm's own parameters.
+    grad: whether autograd records the call at all (the module's torch.is_grad_enabled(), which
+    inside an autograd Function's forward always reads False): under no_grad or inference_mode
+    no backward runs, whatever the parameters' requires_grad says."""
+    return grad and any(t is not None and t.requires_grad for t in (x, ln_weight, ln_bias))
 
 
 def norm_input_grad(ctx, dy_q, w_q, d_ln_out, dtype):
@@ -180,25 +183,27 @@ def normalized_operand(
 class _LayerNormLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, weight, bias, step, norm, return_ln_out, split_sizes, return_residual,
-                fuse_wgrad=False, wgrad_store=None, weight_proxy=None):
-        # weight_proxy: an FP8 primary weight's stand-in under torch.compile (_grad_proxy), given its gradient
+                fuse_wgrad=False, wgrad_store=None, weight_proxy=None, grad=True):
+        # weight_proxy: an FP8 primary weight's stand-in under torch.compile (_grad_proxy), given its gradient;
+        # grad: whether autograd records this call (see needs_norm_grad)
         ln_out_q, ln_out_w, stats, ln_out = normalized_operand(
-            step, "input", x, ln_weight, ln_bias, norm, columnwise=weight.requires_grad, keep_hp=return_ln_out
+            step, "input", x, ln_weight, ln_bias, norm, columnwise=grad and weight.requires_grad, keep_hp=return_ln_out
         )
         w_hp = hp_weight(step, weight, x.dtype)
-        w_q = step.weight_operand("weight", w_hp, columnwise=needs_norm_grad(x, ln_weight, ln_bias))
+        norm_grad = needs_norm_grad(x, ln_weight, ln_bias, grad)
+        w_q = step.weight_operand("weight", w_hp, columnwise=norm_grad)
         y = fprop_gemm(ln_out_q, w_q, out_dtype=x.dtype, bias=bias)
         # backward reads the column-wise copies only: ln_out for wgrad (or ln_out in high
         # precision, per the recipe), the weight for dgrad (or what a backward_override asks)
         save_holding_quantized(ctx, (x, ln_weight, ln_out_w, step.dgrad_weight(w_q, w_hp, x.dtype)
-                                     if needs_norm_grad(x, ln_weight, ln_bias) else None, *stats))
+                                     if norm_grad else None, *stats))
         ctx.step, ctx.norm, ctx.weight_dtype = step, norm, weight.dtype
         ctx.fused_weight = weight if fuse_wgrad else None  # its main_grad takes the wgrad
         ctx.wgrad_store = wgrad_store  # delay_wgrad_compute=True: the wgrad is left for backward_dw
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.proxied = weight_proxy is not None
         ctx.needs = (x.requires_grad, weight.requires_grad)
-        ctx.needs_norm = needs_norm_grad(x, ln_weight, ln_bias)
+        ctx.needs_norm = norm_grad
         ctx.parts = 1 if split_sizes is None else len(split_sizes)
         # split: the views' gradients arrive one by one and the gradient cast reads them in
         # place, where autograd would first concatenate them (q, k, v: 3 x 128 MiB at s2048 b8)
@@ -228,7 +233,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         step.backward_done()
         dbias = None if dbias is None else dbias.to(ctx.bias_dtype)
         return (dx if needs_dx else None, d_ln_w, d_ln_b, dw, dbias, None, None, None, None, None, None, None,
-                dw if ctx.proxied else None)
+                dw if ctx.proxied else None, None)
 
 
 class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParallelMixin, QuantizedModule):
@@ -361,6 +366,7 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
                 self.fuse_wgrad_accumulation,
                 self.delayed_wgrad_store(),
                 grad_proxies(self, ("weight",))[0],
+                torch.is_grad_enabled(),
             )
         out, ln_out, residual = unpack_outputs(out, inp, return_ln_out=self.return_layernorm_output,
                                                return_residual=return_residual, residual_fused=residual_fused)

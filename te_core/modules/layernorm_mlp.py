@@ -104,25 +104,29 @@ class _LayerNormMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, step, norm, activation, return_ln_out,
-        return_residual, fuse_wgrad=False, wgrad_store=None, fc1_weight_proxy=None, fc2_weight_proxy=None,
+        return_residual, fuse_wgrad=False, wgrad_store=None, fc1_weight_proxy=None, fc2_weight_proxy=None, grad=True,
     ):
-        # *_proxy: FP8 primary weights' stand-ins under torch.compile (_grad_proxy), given their gradients
+        # *_proxy: FP8 primary weights' stand-ins under torch.compile (_grad_proxy), given their gradients;
+        # grad: whether autograd records this call (see needs_norm_grad)
         ln_out_q, ln_out_w, stats, ln_out = normalized_operand(
-            step, "fc1_input", x, ln_weight, ln_bias, norm, columnwise=fc1_weight.requires_grad, keep_hp=return_ln_out
+            step, "fc1_input", x, ln_weight, ln_bias, norm, columnwise=grad and fc1_weight.requires_grad,
+            keep_hp=return_ln_out
         )
         fc1_w_hp, fc2_w_hp = hp_weight(step, fc1_weight, x.dtype), hp_weight(step, fc2_weight, x.dtype)
-        fc1_w_q = step.weight_operand("fc1_weight", fc1_w_hp, columnwise=needs_norm_grad(x, ln_weight, ln_bias))
+        norm_grad = needs_norm_grad(x, ln_weight, ln_bias, grad)
+        fc1_w_q = step.weight_operand("fc1_weight", fc1_w_hp, columnwise=norm_grad)
         h = fprop_gemm(ln_out_q, fc1_w_q, out_dtype=x.dtype, bias=fc1_bias)
-        act_q, act_wgrad = activated_operand(step, "fc2_input", h, activation, columnwise=fc2_weight.requires_grad)
-        fc2_w_q = step.weight_operand("fc2_weight", fc2_w_hp, columnwise=True)
+        act_q, act_wgrad = activated_operand(step, "fc2_input", h, activation,
+                                             columnwise=grad and fc2_weight.requires_grad)
+        fc2_w_q = step.weight_operand("fc2_weight", fc2_w_hp, columnwise=grad)
         y = fprop_gemm(act_q, fc2_w_q, out_dtype=x.dtype, bias=fc2_bias)
         # backward reads the column-wise copies only (wgrad: ln_out, act, or both in high precision
         # per the recipe; dgrad: the weights) and frees each intermediate once used (_saved): at
         # its end only the gradients are alive
         _saved.save(ctx, (x, ln_weight, *stats), (
             ln_out_w,
-            step.dgrad_weight(fc1_w_q, fc1_w_hp, x.dtype) if needs_norm_grad(x, ln_weight, ln_bias) else None, h,
-            act_wgrad, step.dgrad_weight(fc2_w_q, fc2_w_hp, x.dtype),
+            step.dgrad_weight(fc1_w_q, fc1_w_hp, x.dtype) if norm_grad else None, h,
+            act_wgrad, step.dgrad_weight(fc2_w_q, fc2_w_hp, x.dtype) if grad else None,
         ))
         ctx.step, ctx.norm, ctx.activation = step, norm, activation
         ctx.bias_dtypes = (None if fc1_bias is None else fc1_bias.dtype, None if fc2_bias is None else fc2_bias.dtype)
@@ -130,7 +134,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         ctx.fused_weights = (fc1_weight, fc2_weight) if fuse_wgrad else (None, None)  # main_grad takes the wgrad
         ctx.wgrad_store = wgrad_store  # delay_wgrad_compute=True: the wgrads are left for backward_dw
         ctx.needs = (x.requires_grad, fc1_weight.requires_grad, fc2_weight.requires_grad)
-        ctx.needs_norm = needs_norm_grad(x, ln_weight, ln_bias)
+        ctx.needs_norm = norm_grad
         ctx.return_residual = return_residual
         ctx.proxied = (fc1_weight_proxy is not None, fc2_weight_proxy is not None)
         # a view, not ln_out itself: under torch.compile (torch 2.11) an output that is also
@@ -176,7 +180,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         d_fc1_b, d_fc2_b = (None if d is None else d.to(t) for d, t in zip((d_fc1_b, d_fc2_b), ctx.bias_dtypes))
         return (dx if needs_dx else None, d_ln_w, d_ln_b, d_fc1_w, d_fc1_b, d_fc2_w, d_fc2_b,
                 None, None, None, None, None, None, None,
-                d_fc1_w if ctx.proxied[0] else None, d_fc2_w if ctx.proxied[1] else None)
+                d_fc1_w if ctx.proxied[0] else None, d_fc2_w if ctx.proxied[1] else None, None)
 
 
 class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, QuantizedModule):
@@ -329,6 +333,7 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
                 self.fuse_wgrad_accumulation,
                 self.delayed_wgrad_store(),
                 *grad_proxies(self, ("fc1_weight", "fc2_weight")),
+                torch.is_grad_enabled(),
             )
         out, ln_out, residual = unpack_outputs(out, inp, return_ln_out=self.return_layernorm_output,
                                                return_residual=return_residual, residual_fused=residual_fused)

@@ -10,7 +10,7 @@ import torch
 
 import te_core.modules as tm
 from te_core import recipe
-from te_core.quantization import autocast
+from te_core.quantization import QuantizedTensor, autocast
 
 from ._compare import randomize_, seeded
 from .plain import PlainNormLinear, PlainNormMLP
@@ -286,13 +286,14 @@ def test_quantized_primary_weights_load_trained_values_without_saturating(rec_na
         assert_close_scaled(fresh(x), trained(x), E4M3, "forward after loading")
 
 
+@pytest.mark.parametrize("kind", ["LayerNormMLP", "LayerNormLinear", "Linear"])
 @pytest.mark.parametrize("rec_name", sorted(RECIPES))
-def test_fp8_weights_built_for_inference_keep_no_column_wise_copy(rec_name):
+def test_fp8_weights_built_for_inference_keep_no_column_wise_copy(rec_name, kind):
     """quantized_model_init under torch.no_grad (an inference model): tensor-wise FP8 weights keep
-    only their row-wise data (Transformer Engine keeps no column-wise copy either), inference gives
-    the same output, and training later remakes the copy exactly (the same gradients as weights
-    built with gradients on). Block and MXFP8 weights, whose column-wise copy has scales of its
-    own, keep it."""
+    only their row-wise data (Transformer Engine keeps no column-wise copy either), forwards under
+    no_grad or inference_mode make none (TE's test_sanity test_inference_mode) and give the same
+    output, and training later remakes the copy exactly (the same gradients as weights built with
+    gradients on). Block and MXFP8 weights, whose column-wise copy has scales of its own, keep it."""
     from te_core.quantization import quantized_model_init
 
     rec = RECIPES[rec_name]()
@@ -300,16 +301,21 @@ def test_fp8_weights_built_for_inference_keep_no_column_wise_copy(rec_name):
     for grad in (True, False):
         torch.manual_seed(0)
         with torch.set_grad_enabled(grad), quantized_model_init(recipe=rec):
-            built[grad] = tm.LayerNormMLP(32, 64)
+            built[grad] = getattr(tm, kind)(32, 64) if kind != "Linear" else tm.Linear(32, 32)
     trained, inference = built[True], built[False]
     tensorwise = rec_name in ("delayed", "current")
-    for name in ("fc1_weight", "fc2_weight"):
+    names = [n for n, p in trained.named_parameters() if isinstance(p, QuantizedTensor)]
+    assert names
+    for name in names:
         assert getattr(trained, name).has_columnwise
         assert getattr(inference, name).has_columnwise is not tensorwise, name
         assert torch.equal(getattr(inference, name).dequantize(), getattr(trained, name).dequantize())
     x = torch.randn(32, 32, generator=seeded(4))
-    with torch.no_grad(), autocast(recipe=rec):
-        assert torch.equal(inference(x), trained(x))
+    for no_autograd in (torch.no_grad, torch.inference_mode):
+        with no_autograd(), autocast(recipe=rec):
+            assert torch.equal(inference(x), trained(x))
+        for name in names:
+            assert getattr(inference, name).has_columnwise is not tensorwise, (name, no_autograd)
     grads = {}
     for key, module in built.items():
         x_in = x.clone().requires_grad_(True)
@@ -318,7 +324,7 @@ def test_fp8_weights_built_for_inference_keep_no_column_wise_copy(rec_name):
         y.backward(torch.randn(y.shape, generator=seeded(5)))
         grads[key] = [x_in.grad] + [p.grad for p in module.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
-    assert inference.fc1_weight.has_columnwise  # remade by the backward
+    assert getattr(inference, names[0]).has_columnwise  # remade by the backward
 
 
 @pytest.mark.parametrize("built, run", [("mxfp8", "delayed"), ("block", "current")])
