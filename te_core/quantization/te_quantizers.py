@@ -29,7 +29,7 @@ from .float8_tensor import Float8Tensor
 from .tensor import QuantizedTensor
 
 __all__ = ["Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8BlockQuantizer", "MXFP8Quantizer",
-           "QUANTIZER_CLASSES"]
+           "QUANTIZER_CLASSES", "te_quantizer_of"]
 
 BLOCK = 128  # Float8BlockQuantizer's block edge (TE's block_len)
 MX_BLOCK = 32
@@ -346,3 +346,28 @@ class MXFP8Quantizer(_TEQuantizer, core.MXFP8Quantizer):
 
 
 QUANTIZER_CLASSES = (Float8Quantizer, Float8CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer)
+
+
+def te_quantizer_of(tensor: QuantizedTensor):
+    """Transformer Engine's quantizer of `tensor` (QuantizedTensor._get_quantizer): one of the
+    classes above that casts as the tensor's own quantizer does (a delayed-scaling one with its
+    module's scale, maxing into its amax history slot, as TE's quantizer of a module's weight
+    does), in the layouts the tensor holds; the tensor's own where it is one already (a
+    CustomRecipe factory's)."""
+    q = tensor._quantizer
+    if isinstance(q, _TEQuantizer) or q is None:
+        return q
+    usage = dict(rowwise=tensor._data is not None, columnwise=tensor.has_columnwise)
+    if isinstance(q, core.Float8Quantizer):
+        return Float8Quantizer(q.scale.reshape(1), q.scaling_group.amax_slot(q.column).reshape(1), q.fp8_dtype,
+                               **usage)
+    if isinstance(q, core.Float8CurrentScalingQuantizer):
+        return Float8CurrentScalingQuantizer(q.fp8_dtype, tensor.device, force_pow_2_scales=q.power_2_scale,
+                                             amax_epsilon=q.amax_epsilon, **usage)
+    if isinstance(q, core.Float8BlockQuantizer):
+        return Float8BlockQuantizer(q.fp8_dtype, force_pow_2_scales=q.power_2_scale, amax_epsilon=q.amax_epsilon,
+                                    block_scaling_dim=2 if q.block_2d else 1, **usage)
+    if isinstance(q, core.MXFP8Quantizer):
+        return MXFP8Quantizer(q.fp8_dtype, **usage)
+    raise NotImplementedError(f"{type(tensor).__name__}._get_quantizer: no Transformer Engine quantizer class "
+                              f"for te-core's {type(q).__name__}")

@@ -78,6 +78,14 @@ class QuantizedTensor(Tensor):
     def quantizer(self):
         return self._quantizer
 
+    def _get_quantizer(self):
+        """Transformer Engine's accessor: a quantizer with TE's interface (make_empty,
+        update_quantized, quantize) that casts as this tensor's own quantizer does (see
+        te_quantizers.te_quantizer_of)."""
+        from .te_quantizers import te_quantizer_of
+
+        return te_quantizer_of(self)
+
     @property
     def get_high_precision_init_val(self):
         """Transformer Engine's method of an FP8 primary weight made under

@@ -47,6 +47,28 @@ def test_each_fp8_weight_keeps_its_initial_value_on_the_cpu(name, rec_name):
         torch.testing.assert_close(weight.dequantize(kept.dtype).cpu(), kept, rtol=0.125, atol=0.0675)
 
 
+@pytest.mark.parametrize("rec_name", sorted(RECIPES) + ["mxfp8"])
+@pytest.mark.parametrize("name", ["Linear", "LayerNormMLP"])
+def test_transformer_engines_quantizer_of_a_weight_requantizes_it_exactly(name, rec_name):
+    """TE's test_sanity: weight._get_quantizer().make_empty(...), then update_quantized(the kept
+    high-precision value, that tensor) gives the weight's own FP8 values bit for bit; the
+    quantizer has TE's interface and the weight's layouts."""
+    rec = RECIPES[rec_name]() if rec_name != "mxfp8" else recipe.MXFP8BlockScaling()
+    module = _built(name, rec)
+    for weight_name in MODULES[name][1]:
+        weight = getattr(module, weight_name)
+        q = weight._get_quantizer()
+        assert q.get_usages() == {"rowwise": True, "columnwise": weight.has_columnwise}
+        fresh = q.make_empty(shape=weight.shape, dtype=weight.dtype, device=weight.device)
+        q.update_quantized(weight.get_high_precision_init_val().to(weight.device), fresh)
+        assert type(fresh) is type(weight)
+        assert torch.equal(fresh.dequantize(dtype=weight.dtype), weight.dequantize(dtype=weight.dtype)), weight_name
+        for key, t in weight._payload().items():
+            if t is not None:
+                assert torch.equal(getattr(fresh, key).view(torch.uint8) if t.element_size() == 1 else getattr(fresh, key),
+                                   t.view(torch.uint8) if t.element_size() == 1 else t), (weight_name, key)
+
+
 def test_clearing_frees_the_value_and_keeps_the_methods():
     module = _built("LayerNormMLP", recipe.DelayedScaling())
     first, second = module.fc1_weight, module.fc2_weight
