@@ -66,11 +66,6 @@ _FROM_TORCH = {dtype: member for member, dtype in _TO_TORCH.items()}
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def from_torch_dtype(dtype: torch.dtype) -> DType:
-    """The DType of a torch dtype TE's table holds (KeyError for the others)."""
-    return _FROM_TORCH[dtype]
-
-
 def to_torch_dtype(value: Union[DType, torch.dtype]) -> torch.dtype:
     """A torch dtype given as itself or as a DType (an int is refused: a bare 7 is more likely
     a mistake than a type)."""

@@ -302,9 +302,9 @@ def _assignable(cls) -> None:
     derived values follow, and the next te.autocast (or quantized_model_init,
     make_graphed_callables) runs with it. Eager modules never see the object itself: they run
     with in_use(recipe), a copy made once per change, so a change cannot alter a state in the
-    middle of a step (traced, see in_use). Attributes that are not fields are refused on te-core's own recipe classes (a
-    misspelt field would otherwise be set and never read); a subclass's own attributes
-    (Megatron-LM's) are its business."""
+    middle of a step (traced, see in_use). Attributes that are not fields are refused on
+    te-core's own recipe classes (a misspelt field would otherwise be set and never read); a
+    subclass's own attributes (Megatron-LM's) are its business."""
     names = {f.name for f in fields(cls)}
 
     def __setattr__(self, name, value):

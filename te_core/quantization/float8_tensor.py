@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from ..dtype import DType, from_torch_dtype
+from ..dtype import DType
 from .float8_views import FLOAT8_VIEW_OPS
 from .tensor import TENSOR, GemmOperand, QuantizedOperand, QuantizedTensor
 
@@ -44,7 +44,7 @@ class _Float8Layout:
     @property
     def _fp8_dtype(self) -> DType:
         """The data's format as Transformer Engine's DType."""
-        return from_torch_dtype(self.fp8_dtype)
+        return DType.cast(self.fp8_dtype)
 
     @property
     def _transpose_invalid(self) -> bool:
