@@ -46,9 +46,13 @@ def _slot(i: int, role: str) -> str:
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, m_splits, step, num_gemms, fuse_wgrad, wgrad_store, proxied, keep_original, *params):
+    def forward(ctx, x, m_splits, step, num_gemms, fuse_wgrad, wgrad_store, proxied, keep_original, grad, *params):
         # (backward_override="dequantized" reads the forward's FP8 inputs instead, as Transformer Engine)
         keep_original = keep_original and step.backward_override != "dequantized"
+        # grad: whether autograd records this call (the module's torch.is_grad_enabled(); inside
+        # this forward it always reads False, while requires_grad stays True under no_grad and
+        # inference_mode, where no backward runs and no column-wise copy or saved operand is needed)
+        dx_needed = grad and x.requires_grad
         # params: the weights, the biases, then the stand-ins (_grad_proxy) of the FP8 primary
         # weights numbered in `proxied` under torch.compile, which are given those weights' gradients
         weights, biases = params[:num_gemms], params[num_gemms:len(params) - len(proxied)]
@@ -59,16 +63,17 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 outs.append(xi.new_empty(0, w.shape[0]))
                 saved += [xi, w]
                 continue
-            original = keep_original and w.requires_grad  # save_original_input: the backward casts xi
+            dw_needed = grad and w.requires_grad
+            original = keep_original and dw_needed  # save_original_input: the backward casts xi
             if original:
                 check_original_input(step, _slot(i, "input"), "GroupedLinear")
-            x_q = step.operand(_slot(i, "input"), xi, columnwise=w.requires_grad and not original)
+            x_q = step.operand(_slot(i, "input"), xi, columnwise=dw_needed and not original)
             w_hp = hp_weight(step, w, x.dtype)
-            w_q = step.weight_operand(_slot(i, "weight"), w_hp, columnwise=x.requires_grad)
+            w_q = step.weight_operand(_slot(i, "weight"), w_hp, columnwise=dx_needed)
             outs.append(fprop_gemm(x_q, w_q, out_dtype=x.dtype, bias=biases[i] if biases else None))
             # wgrad reads x's column-wise copy (or x in high precision, per the recipe), dgrad the weight's
-            saved += [xi if original else wgrad_operand(x_q, xi) if w.requires_grad else None,
-                      step.dgrad_weight(w_q, w_hp, x.dtype) if x.requires_grad else None]
+            saved += [xi if original else wgrad_operand(x_q, xi) if dw_needed else None,
+                      step.dgrad_weight(w_q, w_hp, x.dtype) if dx_needed else None]
         save_holding_quantized(ctx, saved)
         ctx.keep_original = keep_original
         ctx.step, ctx.m_splits, ctx.num_gemms = step, m_splits, num_gemms
@@ -76,7 +81,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         ctx.fused_weights = weights if fuse_wgrad else (None,) * num_gemms  # their main_grad takes the wgrad
         ctx.wgrad_store = wgrad_store  # delay_wgrad_compute=True: the wgrads are left for backward_dw
         ctx.bias_dtypes = [b.dtype for b in biases]
-        ctx.x_dtype, ctx.needs_dx = x.dtype, x.requires_grad
+        ctx.x_dtype, ctx.needs_dx = x.dtype, dx_needed
         ctx.proxied = proxied
         return torch.cat(outs, dim=0)
 
@@ -109,7 +114,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             dbs.append(None if db is None else db.to(ctx.bias_dtypes[i]))
         step.backward_done()
         dx = torch.cat(dxs, dim=0) if ctx.needs_dx else None
-        return (dx, None, None, None, None, None, None, None, *dws, *(dbs if ctx.bias_dtypes else ()),
+        return (dx, None, None, None, None, None, None, None, None, *dws, *(dbs if ctx.bias_dtypes else ()),
                 *(dws[i] for i in ctx.proxied))
 
 
@@ -215,7 +220,7 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
             y = _GroupedLinearFunction.apply(x, m_splits, step, self.num_gemms, self.fuse_wgrad_accumulation,
                                              self.delayed_wgrad_store(), proxied,
                                              bool(getattr(self, "save_original_input", False)),
-                                             *self._params("weight"), *biases, *proxies)
+                                             torch.is_grad_enabled(), *self._params("weight"), *biases, *proxies)
         y = y.view(*inp.shape[:-1], self.out_features)
         if self.return_bias:
             return y, [returned_bias(b, dtype) for b in self._params("bias")] if self.use_bias else None
