@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..ops.packed_sequences import check_cu_seqlens, checked_offsets, token_positions
+from ..ops.packed_sequences import check_cu_seqlens, checked_offsets, host_readable, token_positions
 
 # Transformer Engine's thd attention is always a padding type: the plain types map onto them
 PADDED_MASK_TYPE = {"no_mask": "padding", "causal": "padding_causal",
@@ -35,6 +35,11 @@ def unpadded_rows(cu_seqlens, cu_seqlens_padded, total: int, name: str, module: 
     the next sequence. Returns the rows of the sequences' tokens, in order (int64, on the offsets'
     device); reading the offsets waits for the device, as checking cu_seqlens does."""
     padded = f"{name}_padded"
+    if isinstance(cu_seqlens_padded, Tensor) and not host_readable(cu_seqlens_padded):
+        raise ValueError(f"{module}: padding between packed sequences ({padded}) cannot run under torch.compile or "
+                         "graph capture: how many of the rows are tokens is read from the offsets on the host. Pack "
+                         f"the sequences without padding between them (cu_seqlens only), or run {module} eagerly "
+                         "(torch.compiler.disable)")
     starts_host = checked_offsets(cu_seqlens_padded, total, padded, module)
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
         raise ValueError(f"{module}: {name} must be a 1-D integer tensor of b + 1 offsets, got {cu_seqlens!r}")

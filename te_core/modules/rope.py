@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
-from ..ops.packed_sequences import checked_offsets, token_positions
+from ..ops.packed_sequences import check_on_device, checked_offsets, host_readable, token_positions
 from ._common import check_choice
 
 
@@ -176,42 +176,76 @@ def _rotate_packed(t: Tensor, freqs: Tensor, cu_seqlens, start_positions, interl
     """tensor_format="thd": each token rotated by the angle of its position in its own sequence
     (from its sequence's start position, across the context-parallel ranks), through the op as
     one (t, 1, h, d) sequence whose angles are gathered per token. Checking cu_seqlens and the
-    starts reads them on the host, as Transformer Engine's attention does."""
+    starts reads them on the host, as Transformer Engine's attention does, except where they
+    cannot be read (torch.compile, graph capture), where the device checks them."""
     name = "apply_rotary_pos_emb"
     if t.dim() != 3:
         raise ValueError(f"{name}: t must be 3-D (thd: tokens, heads, channels), got shape {tuple(t.shape)}")
     if cu_seqlens is None:
         raise ValueError(f"{name}: tensor_format='thd' needs cu_seqlens, the b + 1 offsets of the packed sequences")
     cu = checked_offsets(cu_seqlens, t.shape[0] * cp_size, "cu_seqlens", name)
-    whole = [b - a for a, b in zip(cu, cu[1:])]  # the whole sequences' lengths
-    if cp_size > 1 and any(n % (2 * cp_size) for n in whole):
-        raise ValueError(f"{name}: with cp_size={cp_size} every sequence's length in cu_seqlens must be a multiple "
-                         f"of 2 * cp_size = {2 * cp_size} (pad the sequences); got {cu}")
+    if cu is None:  # not readable now (torch.compile, graph capture): the device checks the same
+        _packed_checks_on_device(cu_seqlens, freqs, start_positions, cp_size)
+    else:
+        _packed_checks(cu, freqs, start_positions, cp_size)
     local = cu_seqlens.to(device=t.device, dtype=torch.long) // cp_size  # this rank's share of each sequence
     sequence, offsets = token_positions(local, t.shape[0])
     positions = offsets if cp_size == 1 else _cp_positions(offsets, local.diff()[sequence], cp_size, cp_rank)
-    starts = [0] * len(whole)
     if start_positions is not None:
-        starts = _check_starts(start_positions, len(whole), f"cu_seqlens' {len(whole)} sequences")
         positions = positions + start_positions.to(device=t.device, dtype=torch.long)[sequence]
-    reach = max((s + n - 1 for s, n in zip(starts, whole)), default=-1)  # the last position rotated
-    if reach >= freqs.shape[0]:
-        raise ValueError(f"{name}: the packed sequences reach position {reach}, but freqs hold positions "
-                         f"0..{freqs.shape[0] - 1}: make the rotary embedding for the longest sequence (plus its "
-                         "start position)")
     angles = freqs.index_select(0, positions.to(freqs.device)).float().contiguous()  # (t, 1, 1, r)
     out = _RopeFunction.apply(t.unsqueeze(1).contiguous(), angles, "sbhd", interleaved)
     return out.squeeze(1)
 
 
-def _check_starts(start_positions, count: int, what: str) -> list:
-    """start_positions' values (read on the host), checked to be `count` non-negative integers."""
+_CP_LENGTHS = ("with cp_size={cp} every sequence's length in cu_seqlens must be a multiple of 2 * cp_size = {two} "
+               "(pad the sequences)")
+_REACH = "but freqs hold positions 0..{last}: make the rotary embedding for the longest sequence (plus its start position)"
+
+
+def _packed_checks(cu: list, freqs: Tensor, start_positions, cp_size: int) -> None:
+    """The packed sequences' lengths (their offsets read on the host) and starts, checked against
+    the context-parallel split and the positions freqs hold."""
+    name = "apply_rotary_pos_emb"
+    whole = [b - a for a, b in zip(cu, cu[1:])]  # the whole sequences' lengths
+    if cp_size > 1 and any(n % (2 * cp_size) for n in whole):
+        raise ValueError(f"{name}: {_CP_LENGTHS.format(cp=cp_size, two=2 * cp_size)}; got {cu}")
+    starts = [0] * len(whole)
+    if start_positions is not None:
+        starts = _check_starts(start_positions, len(whole), f"cu_seqlens' {len(whole)} sequences")
+    reach = max((s + n - 1 for s, n in zip(starts, whole)), default=-1)  # the last position rotated
+    if reach >= freqs.shape[0]:
+        raise ValueError(f"{name}: the packed sequences reach position {reach}, {_REACH.format(last=freqs.shape[0] - 1)}")
+
+
+def _packed_checks_on_device(cu_seqlens: Tensor, freqs: Tensor, start_positions, cp_size: int) -> None:
+    """_packed_checks with nothing read on the host (check_on_device)."""
+    name = "apply_rotary_pos_emb"
+    whole = cu_seqlens.to(torch.long).diff()
+    if cp_size > 1:
+        check_on_device(whole % (2 * cp_size) == 0, f"{name}: {_CP_LENGTHS.format(cp=cp_size, two=2 * cp_size)}")
+    if start_positions is not None:
+        _check_starts_shape(start_positions, whole.numel(), f"cu_seqlens' {whole.numel()} sequences")
+        starts = start_positions.to(device=whole.device, dtype=torch.long)
+        check_on_device(starts >= 0, f"{name}: start_positions must not be negative")
+        whole = whole + starts  # one past the last position rotated, per sequence
+    check_on_device(whole <= freqs.shape[0], f"{name}: the packed sequences reach past their rotary positions, "
+                                             f"{_REACH.format(last=freqs.shape[0] - 1)}")
+
+
+def _check_starts_shape(start_positions, count: int, what: str) -> None:
+    """start_positions checked to be an integer tensor of `count` values, one per sequence."""
     if not isinstance(start_positions, Tensor) or start_positions.dim() != 1 or start_positions.numel() != count \
             or start_positions.is_floating_point() or start_positions.is_complex():
         got = (f"a {start_positions.dtype} tensor of shape {tuple(start_positions.shape)}"
                if isinstance(start_positions, Tensor) else type(start_positions).__name__)
         raise ValueError(f"apply_rotary_pos_emb: start_positions must be an integer tensor of shape ({count},), "
                          f"one start per sequence of {what}; got {got}")
+
+
+def _check_starts(start_positions, count: int, what: str) -> list:
+    """start_positions' values (read on the host), checked to be `count` non-negative integers."""
+    _check_starts_shape(start_positions, count, what)
     starts = start_positions.tolist()
     if starts and min(starts) < 0:
         raise ValueError(f"apply_rotary_pos_emb: start_positions must not be negative, got {starts}")
@@ -220,23 +254,35 @@ def _check_starts(start_positions, count: int, what: str) -> list:
 
 def _rotate_from(t: Tensor, freqs: Tensor, tensor_format: str, start_positions, interleaved: bool,
                  seq: int, cp_size: int, cp_rank: int) -> Tensor:
-    """Each sequence of the batch rotated by the angles from its own start on: one rotation per
-    distinct start (the backend's kernel takes one set of angles for the whole batch). Reading
-    the starts waits for the device, as Transformer Engine's own check of them does."""
+    """Each sequence of the batch rotated by the angles from its own start on, gathered per
+    token, in one call of the op (as _rotate_packed). Eagerly the starts are read and checked
+    on the host, as Transformer Engine's own check of them does; where they cannot be read
+    (torch.compile, graph capture: a KV-cache decode step) the device checks them."""
+    name = "apply_rotary_pos_emb"
     batch_dim = 1 if tensor_format == "sbhd" else 0
-    batch = t.shape[batch_dim]
-    starts = _check_starts(start_positions, batch, f"t {tuple(t.shape)}")
-    if max(starts) + seq * cp_size > freqs.shape[0]:
-        raise ValueError(
-            f"apply_rotary_pos_emb: start_positions reach position {max(starts) + seq * cp_size - 1} (start "
-            f"{max(starts)} + {seq * cp_size} tokens), but freqs hold positions 0..{freqs.shape[0] - 1}: make the "
-            "rotary embedding for at least the longest sequence, e.g. RotaryPositionEmbedding(dim)(max_seq_len)")
-    out = [None] * batch
-    for start in sorted(set(starts)):
-        rows = [i for i, s in enumerate(starts) if s == start]
-        index = torch.tensor(rows, device=t.device)
-        part = apply_rotary_pos_emb(t.index_select(batch_dim, index), freqs[start:], tensor_format,
-                                    interleaved=interleaved, cp_size=cp_size, cp_rank=cp_rank)
-        for j, i in enumerate(rows):
-            out[i] = part.narrow(batch_dim, j, 1)
-    return torch.cat(out, dim=batch_dim)
+    batch, reach = t.shape[batch_dim], seq * cp_size
+    if cp_size > 1 and seq % 2:
+        raise ValueError(f"{name}: with cp_size > 1 each rank holds two equal chunks of the sequence, so its "
+                         f"length must be even; got {seq}")
+    if host_readable(start_positions) if isinstance(start_positions, Tensor) else True:
+        starts = _check_starts(start_positions, batch, f"t {tuple(t.shape)}")
+        if max(starts) + reach > freqs.shape[0]:
+            raise ValueError(
+                f"{name}: start_positions reach position {max(starts) + reach - 1} (start {max(starts)} + {reach} "
+                f"tokens), but freqs hold positions 0..{freqs.shape[0] - 1}: make the rotary embedding for at least "
+                "the longest sequence, e.g. RotaryPositionEmbedding(dim)(max_seq_len)")
+    else:
+        _check_starts_shape(start_positions, batch, f"t {tuple(t.shape)}")
+        check_on_device((start_positions >= 0) & (start_positions + reach <= freqs.shape[0]),
+                        f"{name}: start_positions must not be negative, and a start plus the {reach} tokens must stay "
+                        f"within freqs' positions 0..{freqs.shape[0] - 1} (make the rotary embedding for at least the "
+                        "longest sequence)")
+    offsets = torch.arange(seq, device=freqs.device)
+    if cp_size > 1:
+        offsets = _cp_positions(offsets, seq, cp_size, cp_rank)
+    positions = start_positions.to(device=freqs.device, dtype=torch.long)[:, None] + offsets[None, :]  # (b, s)
+    if tensor_format == "sbhd":
+        positions = positions.t()
+    angles = freqs.index_select(0, positions.reshape(-1)).float().contiguous()  # (b * s, 1, 1, r)
+    flat = t.reshape(-1, 1, *t.shape[2:]).contiguous()  # one sequence of b * s tokens, as _rotate_packed
+    return _RopeFunction.apply(flat, angles, "sbhd", interleaved).view(t.shape)

@@ -11,31 +11,64 @@ import torch
 from torch import Tensor
 
 
-def checked_offsets(cu_seqlens, total: int, name: str, where: str = "") -> List[int]:
+def host_readable(t: Tensor) -> bool:
+    """Whether t's values can be read on the host now: not while torch.compile traces (a read
+    would end the graph, and fails under fullgraph) nor while t's device captures a graph (a
+    read cannot be captured, and a replay must check the values it is given, not the captured
+    ones). Where they cannot, the checks below run on the device (check_on_device)."""
+    if torch.compiler.is_compiling():
+        return False
+    capturing = getattr(getattr(torch, t.device.type, None), "is_current_stream_capturing", None)
+    return t.device.type in ("cpu", "meta") or not (callable(capturing) and capturing())
+
+
+def check_on_device(ok: Tensor, message: str) -> None:
+    """Raise `message` (a RuntimeError) where the bool tensor ok holds a False, checked by the
+    device in stream order: no host synchronisation, so it can be compiled and captured, but on
+    an accelerator the error arrives as a device-side assertion at a later synchronisation."""
+    torch._assert_async(ok.all(), message)
+
+
+def checked_offsets(cu_seqlens, total: int, name: str, where: str = "") -> Optional[List[int]]:
     """cu_seqlens' values, read on the host in one wait for the device and checked: b + 1
     integer offsets from 0, never decreasing, ending at `total` packed tokens. Read at every
     call, never remembered: a buffer refilled in place (a collective's broadcast, a host write)
-    does not always tell torch it changed."""
+    does not always tell torch it changed. None where they cannot be read now (host_readable):
+    they are then checked on the device."""
     prefix = f"{where}: " if where else ""
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
             or cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
         got = tuple(cu_seqlens.shape) if isinstance(cu_seqlens, Tensor) else cu_seqlens
         raise ValueError(f"{prefix}{name} must be a 1-D integer tensor of b + 1 offsets, got {got}")
+    rule = f"{prefix}{name} must start at 0, never decrease and end at the number of packed tokens ({total})"
+    if not host_readable(cu_seqlens):
+        cu = cu_seqlens.to(torch.long)
+        check_on_device(torch.cat([cu[:1] == 0, cu.diff() >= 0, cu[-1:] == total]), rule)
+        return None
     cu = cu_seqlens.tolist()
     if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] != total:
-        raise ValueError(f"{prefix}{name} must start at 0, never decrease and end at the number of packed "
-                         f"tokens ({total}); got {cu}")
+        raise ValueError(f"{rule}; got {cu}")
     return cu
 
 
 def check_cu_seqlens(cu_seqlens, max_seqlen: Optional[int], total: int, name: str, where: str = "") -> int:
     """The bound on the sequence lengths that cu_seqlens describes over `total` packed tokens:
-    max_seqlen, or the longest length when None (checked_offsets reads the offsets)."""
+    max_seqlen, or the longest length when None (checked_offsets reads the offsets; where they
+    cannot be read, max_seqlen must be given and the device checks it)."""
+    prefix = f"{where}: " if where else ""
     cu = checked_offsets(cu_seqlens, total, name, where)
+    if cu is None:  # not readable now: the bound must be given, and the device checks it
+        if max_seqlen is None:
+            raise ValueError(f"{prefix}pass {name.replace('cu_seqlens', 'max_seqlen')} (the longest sequence's "
+                             f"length) with {name} under torch.compile or graph capture: finding it would read "
+                             "the offsets on the host, which a compiled or captured graph cannot do")
+        s_max = int(max_seqlen)
+        check_on_device(cu_seqlens.diff() <= s_max, f"{prefix}the max_seqlen for {name} is {s_max}, shorter than "
+                                                    "one of its sequences")
+        return s_max
     longest = max(b - a for a, b in zip(cu, cu[1:]))
     s_max = longest if max_seqlen is None else int(max_seqlen)
     if s_max < longest:
-        prefix = f"{where}: " if where else ""
         raise ValueError(f"{prefix}the max_seqlen for {name} is {s_max}, shorter than a sequence of {longest}")
     return s_max
 

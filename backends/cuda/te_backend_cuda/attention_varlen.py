@@ -18,6 +18,7 @@ from typing import Optional, Tuple
 import torch
 from te_core.ops.attention import CAUSAL_MASK_TYPES, PADDING_MASK_TYPES
 from te_core.ops.attention_masks import diagonal_bottom_right, resolve_window
+from te_core.ops.packed_sequences import host_readable
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256  # FlashAttention-2's largest head size
@@ -110,6 +111,9 @@ def _lengths_reason(cu_seqlens_q, cu_seqlens_kv, diagonal: Optional[str]) -> str
     diagonal: None (no causal mask nor window), "bottom_right" or "top_left"."""
     if cu_seqlens_q is cu_seqlens_kv:  # self-attention: equal lengths, every query sees a key
         return ""
+    if not host_readable(cu_seqlens_q):
+        return ("query and key offsets given apart cannot be compared under torch.compile or graph capture (the "
+                "comparison reads them on the host); pass one tensor as both for self-attention")
     lengths_q, lengths_kv = cu_seqlens_q.diff(), cu_seqlens_kv.diff()
     if diagonal == "top_left":
         bad, reason = lengths_q != lengths_kv, ("a top-left diagonal over sequences whose query and key lengths "

@@ -308,3 +308,14 @@ def test_no_padding_is_computed():
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
     assert peak < 256 * 2 ** 20, f"peak {peak / 2 ** 20:.0f} MiB: padding was computed"
+
+
+def test_supports_declines_offsets_it_cannot_read(cuda_mocked, monkeypatch):
+    """Under torch.compile or graph capture the offsets cannot be read on the host: query and key
+    offsets given apart (whose lengths the kernel might get wrong) are declined, naming why, and
+    the reference computes them; one tensor given as both still runs on the kernel."""
+    monkeypatch.setattr(varlen, "host_readable", lambda t: False)
+    ok, why = varlen.supports_attention_varlen(*_call([3, 5], [3, 5]), attn_mask_type="padding_causal")
+    assert not ok and "torch.compile or graph capture" in why
+    same = varlen.supports_attention_varlen(*_call([3, 5], [3, 5], same_offsets=True), attn_mask_type="padding_causal")
+    assert same == (True, "")
