@@ -16,12 +16,11 @@ from ..ops.attention import PADDING_MASK_TYPES
 from ..ops.attention_masks import attention_logits
 from ..ops.packed_sequences import padded_layout, to_padded
 from ..quantization import extra_state as extra_state_bytes
-from ..quantization.scaling import graph_capture_active
 from ._attention_parallel import AttentionParallelMixin
 from ._attention_inputs import between_seqs, check_qkv, sequence_layout, unpack_qkv
 from ._packed import Packing
 from ._reset import DeferredInit, resetting
-from .inference import InferenceParams
+from .inference import InferenceParams, fixed_shapes
 from ._common import (
     HP_DTYPES,
     reject_unsupported,
@@ -187,11 +186,6 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
         if inference_params is not None and not isinstance(inference_params, InferenceParams):
             raise TypeError(f"{module}: inference_params must be a te_core.InferenceParams, "
                             f"got {type(inference_params).__name__}")
-        if inference_params is not None and graph_capture_active():
-            raise NotImplementedError(
-                f"{module}: generation with a KV cache (inference_params) cannot be captured by "
-                "te.make_graphed_callables: te-core reads each step's sequence offsets on the host, which a CUDA "
-                "graph would replay unchanged. Run the generation step without capturing it.")
         padded_between = pad_between_seqs or cu_seqlens_q_padded is not None or cu_seqlens_kv_padded is not None
         if inference_params is not None and padded_between:
             raise ValueError(f"{module}: with inference_params the KV cache lays out the sequences; pass no "
@@ -213,7 +207,11 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
             key_layer, value_layer, mask_type, attention_mask = self._context_parallel(
                 fmt, mask_type, query_layer, key_layer, value_layer, attention_mask, window_size,
                 core_attention_bias_type, alibi_slopes, inference_params, padded_between, _check_window)
-        if inference_params is not None:  # the output takes the new tokens' layout
+        if inference_params is not None and fixed_shapes(query_layer):  # compiled or captured: padded, fixed
+            key_layer, value_layer, attention_mask, mask_type = self._from_cache_fixed(
+                inference_params, fmt, mask_type, attention_mask, query_layer, key_layer, value_layer)
+            packed = None
+        elif inference_params is not None:  # the output takes the new tokens' layout
             restore = partial(inference_params.unpacked, qkv_format=fmt, like_shape=query_layer.shape)
             query_layer, key_layer, value_layer, packed, mask_type = self._from_cache(
                 inference_params, fmt, mask_type, attention_mask, query_layer, key_layer, value_layer)
@@ -250,11 +248,16 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
             return result, max_logit(q, k, options, packed)
         return result
 
-    def _from_cache(self, params, fmt: str, mask_type: str, attention_mask, q: Tensor, k: Tensor, v: Tensor):
-        """Generation with a KV cache (te.InferenceParams): (the step's new queries, every cached
-        key and value of its sequences, all packed; their Packing; the mask type). The new tokens
-        are their sequences' last, so causal types align to the bottom right, as in Transformer
-        Engine, and the plain types become their padding twins."""
+    def _from_cache_fixed(self, params, fmt: str, mask_type: str, attention_mask, q: Tensor, k: Tensor, v: Tensor):
+        """_from_cache at fixed shapes (InferenceParams.fixed_shape_step), for a step compiled
+        or captured: (every cached key and value of the input rows' sequences, in fmt; the
+        (query, key) padding masks; the mask type) for a padded attention whose padding rows
+        come back as zeros, as the eager step returns them."""
+        self._check_cached_call(mask_type, attention_mask, fmt, q, k, v)
+        k_all, v_all, padding_q, padding_kv = params.fixed_shape_step(self.layer_number, k, v, fmt)
+        return k_all, v_all, (padding_q, padding_kv), CACHED_MASK_TYPE[mask_type]
+
+    def _check_cached_call(self, mask_type: str, attention_mask, fmt: str, q: Tensor, k: Tensor, v: Tensor) -> None:
         name = "DotProductAttention"
         if self.layer_number is None:
             raise ValueError(f"{name}: inference_params needs layer_number (each layer's key in the KV cache)")
@@ -266,6 +269,13 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
         if not all(isinstance(t, Tensor) and t.dim() == (3 if fmt == "thd" else 4) for t in (q, k, v)):
             raise ValueError(f"{name}: query_layer, key_layer and value_layer must be "
                              f"{3 if fmt == 'thd' else 4}-D ({fmt})")
+
+    def _from_cache(self, params, fmt: str, mask_type: str, attention_mask, q: Tensor, k: Tensor, v: Tensor):
+        """Generation with a KV cache (te.InferenceParams): (the step's new queries, every cached
+        key and value of its sequences, all packed; their Packing; the mask type). The new tokens
+        are their sequences' last, so causal types align to the bottom right, as in Transformer
+        Engine, and the plain types become their padding twins."""
+        self._check_cached_call(mask_type, attention_mask, fmt, q, k, v)
         q, k, v = (params.packed_tokens(t, fmt) for t in (q, k, v))
         k, v = params.cached_step(self.layer_number, k, v)
         packed = (Packing(params.cu_seqlens_q, max(params.step_lens)),

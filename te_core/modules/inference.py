@@ -12,6 +12,10 @@ caches for its lifetime, so no cache is reordered when others finish; paged, it 
 the (total_num_pages, page_size, heads, dim) caches as it grows. The step's cache positions are
 computed once in pre_step, as index tensors every layer uses. No gradient flows through the
 caches (generation runs without autograd).
+
+A step that cannot read anything on the host (compiled, or captured into a graph that replays
+it) runs at fixed shapes instead (fixed_shape_step): pre_step also writes the step's layout into
+one device buffer, in place, which such a step reads, so one graph serves every step.
 """
 from __future__ import annotations
 
@@ -22,8 +26,16 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..ops.packed_sequences import token_positions
+from ..ops.packed_sequences import check_on_device, host_readable, token_positions
+from ..quantization.scaling import graph_capture_active
 from ._common import check_positive, resolve_device
+
+
+def fixed_shapes(t: Tensor) -> bool:
+    """Whether a KV-cache step with input t runs at fixed shapes (fixed_shape_step): inside
+    te.make_graphed_callables (its warm-up too, so that the capture finds the caches as the
+    warm-up left them) and wherever t's values cannot be read on the host (host_readable)."""
+    return graph_capture_active() or not host_readable(t)
 
 
 class InferenceParams:
@@ -70,6 +82,13 @@ class InferenceParams:
         self.input_qkv_format = qkv_format
         self.device = resolve_device(None)
         self.cache: Dict[int, Tuple[Tensor, Tensor]] = {}  # layer_number -> (k_cache, v_cache)
+        self._storage: Dict[int, Tuple[Tensor, Tensor]] = {}  # the caches with their spare row / page
+        # the step's layout at fixed shapes, refilled in place by pre_step, for steps that cannot
+        # read it on the host (fixed_shape_step): per batch row, its new tokens, its tokens cached
+        # before the step, and its cache row (or pages); rows past the step's batch bring nothing
+        # and point at the spare row (page), where fixed-shape writes of padding tokens land
+        self._layout = torch.zeros(self.max_batch_size, 2 + (self.max_pages_per_seq if self.is_paged else 1),
+                                   dtype=torch.long, device=self.device)
         self.reset()
 
     def reset(self) -> None:
@@ -82,16 +101,22 @@ class InferenceParams:
         self.step_lens = []
         self._empty = True
 
+    @property
+    def _spare(self) -> int:
+        """The caches' spare row (page), past Transformer Engine's shape: never a sequence's."""
+        return self.total_num_pages if self.is_paged else self.max_batch_size
+
     def allocate_memory(self, layer_number: int) -> None:
-        """The key and value caches of one attention layer, zeros."""
+        """The key and value caches of one attention layer, zeros: `cache[layer_number]` has
+        Transformer Engine's shape, a view of storage one row (page) longer."""
         if self.is_paged:
-            shape = (self.total_num_pages, self.page_size, self.num_heads_kv)
+            shape = (self.total_num_pages + 1, self.page_size, self.num_heads_kv)
         else:
-            shape = (self.max_batch_size, self.max_sequence_length, self.num_heads_kv)
-        self.cache[layer_number] = (
-            torch.zeros(*shape, self.head_dim_k, dtype=self.dtype, device=self.device),
-            torch.zeros(*shape, self.head_dim_v, dtype=self.dtype, device=self.device),
-        )
+            shape = (self.max_batch_size + 1, self.max_sequence_length, self.num_heads_kv)
+        storage = (torch.zeros(*shape, self.head_dim_k, dtype=self.dtype, device=self.device),
+                   torch.zeros(*shape, self.head_dim_v, dtype=self.dtype, device=self.device))
+        self._storage[layer_number] = storage
+        self.cache[layer_number] = tuple(t[:self._spare] for t in storage)
 
     def pre_step(self, step_dict: "OrderedDict[object, int]") -> None:
         """The next step: {seq_id: new tokens} in the batch's order. A sequence seen before
@@ -140,7 +165,86 @@ class InferenceParams:
         self._new_rows = to_device(_token_rows(none, self.step_lens))
         self._writes = to_device(self._in_cache(table, *_token_rows(pre, self.step_lens)))
         self._reads = to_device(self._in_cache(table, *_token_rows(none, list(totals.values()))))
+        self._fill_layout(step_dict, pre, table)
         self._empty = False
+
+    def _fill_layout(self, step_dict, pre: List[int], table: Tensor) -> None:
+        """The step's layout into the fixed-shape buffer, in place (one copy to the device)."""
+        layout = torch.zeros(self._layout.shape, dtype=torch.long)
+        layout[:, 2:] = self._spare
+        b = self.batch_size
+        layout[:b, 0] = torch.tensor(self.step_lens)
+        layout[:b, 1] = torch.tensor(pre)
+        if self.is_paged:
+            for row, seq in enumerate(step_dict):
+                layout[row, 2:2 + len(self._pages[seq])] = torch.tensor(self._pages[seq])
+        else:
+            layout[:b, 2] = table
+        self._layout.copy_(layout)
+
+    def fixed_shape_step(self, layer_number: int, new_k: Tensor, new_v: Tensor, qkv_format: str):
+        """cached_step for a step that cannot read the layout on the host (torch.compile, graph
+        capture): everything at shapes fixed by the inputs and the caches, the layout read from
+        the buffer pre_step refills, so one graph serves every step. new_k / new_v: the step's
+        (B, S, h, d) ("bshd") or (S, B, h, d) ("sbhd") inputs, B up to max_batch_size rows (rows
+        past the step's sequences are padding). Writes the new tokens into the layer's cache and
+        returns (every key and value of the rows' sequences, (B, max_sequence_length, h, d) in
+        the input's format; the query padding mask (B, 1, 1, S); the key padding mask (B, 1, 1,
+        max_sequence_length), True = padding) for a padded attention over them."""
+        self._check_stepped("step")
+        if qkv_format not in ("bshd", "sbhd"):
+            raise NotImplementedError(
+                f"InferenceParams: a {qkv_format} KV-cache step cannot be compiled or captured by te-core yet (its "
+                "packed tokens' offsets are read on the host); give the new tokens as bshd or sbhd, padded")
+        if layer_number not in self.cache:
+            if not host_readable(new_k):  # a graph would hold the new cache's zero fill, and clear it at every replay
+                raise RuntimeError(
+                    f"InferenceParams: layer {layer_number}'s KV cache does not exist yet, and a compiled or captured "
+                    "step cannot allocate it. Run one step eagerly (or warm up before capturing), or call "
+                    "allocate_memory(layer_number) for every attention layer first")
+            self.allocate_memory(layer_number)
+        new_k, new_v = ((t.transpose(0, 1) if qkv_format == "sbhd" else t) for t in (new_k, new_v))
+        rows, s = new_k.shape[:2]
+        if rows > self.max_batch_size:
+            raise ValueError(f"InferenceParams: the input holds {rows} sequences, more than max_batch_size="
+                             f"{self.max_batch_size}")
+        for new, cache, what in ((new_k, self.cache[layer_number][0], "keys"),
+                                 (new_v, self.cache[layer_number][1], "values")):
+            if new.shape[2:] != cache.shape[2:]:
+                raise ValueError(f"InferenceParams: the new {what} have shape {tuple(new.shape)}, but the cache holds "
+                                 f"(..., {', '.join(map(str, cache.shape[2:]))}); build InferenceParams with the "
+                                 "layer's num_heads_kv and head dims")
+        layout = self._layout
+        lens, pre, table = layout[:rows, 0], layout[:rows, 1], layout[:rows, 2:]
+        check_on_device(torch.cat([lens <= s, layout[rows:, 0] == 0]),
+                        f"InferenceParams: pre_step's sequences must fit the input: at most {rows} of them (its "
+                        f"rows), bringing at most {s} tokens each (its sequence length)")
+        positions = torch.arange(s, device=layout.device)
+        padding_q = positions[None, :] >= lens[:, None]  # (rows, s)
+        at = pre[:, None] + positions[None, :]  # each new token's position in its sequence
+        length = self.max_sequence_length
+        if self.is_paged:  # (page, offset in it); padding tokens to the spare page
+            page = table.gather(1, (at // self.page_size).clamp(max=self.max_pages_per_seq - 1))
+            where = (page.masked_fill(padding_q, self._spare), at % self.page_size)
+        else:  # (row, position); padding tokens to the spare row
+            where = (table[:, :1].expand(rows, s).masked_fill(padding_q, self._spare), at.clamp(max=length - 1))
+        storage = self._storage[layer_number]
+        for new, cache in zip((new_k, new_v), storage):
+            cache.index_put_(where, new.detach().to(cache.dtype))
+        if self.is_paged:
+            k_all, v_all = (cache[table].reshape(rows, length, *cache.shape[2:]) for cache in storage)
+        else:
+            k_all, v_all = (cache.index_select(0, table[:, 0]) for cache in storage)
+        padding_kv = torch.arange(length, device=layout.device)[None, :] >= (pre + lens)[:, None]
+        if qkv_format == "sbhd":
+            k_all, v_all = k_all.transpose(0, 1), v_all.transpose(0, 1)
+        return k_all, v_all, padding_q.view(rows, 1, 1, s), padding_kv.view(rows, 1, 1, length)
+
+    def fixed_shape_starts(self, rows: int) -> Tensor:
+        """Each of the input's `rows` sequences' cached tokens before this step, from the
+        fixed-shape buffer (0 for padding rows): the rotary embedding's starts in fixed_shape_step."""
+        self._check_stepped("get_seqlens_pre_step")
+        return self._layout[:rows, 1]
 
     def _held(self):
         return self._pages if self.is_paged else self._slots

@@ -26,6 +26,7 @@ from ._common import (
 )
 from ..distributed import tensor_parallel
 from .attention import QKV_FORMATS, DotProductAttention, check_hidden_dims
+from .inference import fixed_shapes
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
@@ -270,7 +271,9 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
                            _or(kwargs.get("cu_seqlens_kv_padded"), kwargs.get("cu_seqlens_kv")))
                           if packed else (None, None))
             starts = None
-            if inference_params is not None:  # the new tokens follow what each sequence has cached
+            if inference_params is not None and not packed and fixed_shapes(q):  # compiled or captured
+                starts = inference_params.fixed_shape_starts(q.shape[1 if self.qkv_format == "sbhd" else 0])
+            elif inference_params is not None:  # the new tokens follow what each sequence has cached
                 starts = inference_params.get_seqlens_pre_step()
                 q_cu = k_cu = inference_params.cu_seqlens_q if packed else None
             cp = dict(cp_size=self.core_attention.cp_size, cp_rank=self.core_attention.cp_rank)  # this rank's positions

@@ -193,20 +193,134 @@ def test_a_refused_step_changes_nothing():
     assert params.sequences == OrderedDict(a=10) and params.get_seqlens_pre_step().tolist() == [0]
 
 
-def test_kv_cache_generation_inside_make_graphed_callables_is_refused_clearly():
-    """A captured graph would replay the step's host-computed cache offsets unchanged (wrong
-    tokens after the first step): inside te.make_graphed_callables' warm-up and capture, a KV-cache
-    step is refused with what to do, before anything runs."""
+# sequences finish and join, prompts of other lengths come in the same padded step as decoding
+# sequences, rows past the step's sequences are padding: (sequence: tokens) per step
+SCHEDULE = [OrderedDict(a=3, b=4), OrderedDict(a=1, b=1), OrderedDict(a=1, b=1), OrderedDict(b=1, c=4),
+            OrderedDict(b=1, c=1), OrderedDict(b=1, c=1, d=1), OrderedDict(d=1)]
+PREFILL = 4  # the padded length of a step bringing a prompt (a decode step brings one token)
+
+
+def _fixed_shape_generation(step, fmt, paged, seqs, freqs):
+    """Run SCHEDULE through step(x, params, fixed) twice: eagerly (the step's sequences' rows, as
+    long as its longest) and at fixed shapes (max_batch_size rows, PREFILL or 1 tokens, the
+    padding random); returns each run's outputs of the sequences' tokens and caches."""
+    runs = {}
+    for mode in ("eager", "fixed"):
+        params, done, outs = _params(fmt, max_batch_size=3, paged=paged), dict.fromkeys(seqs, 0), []
+        for i, lengths in enumerate(SCHEDULE):
+            params.pre_step(lengths)
+            rows = [seqs[name][done[name]:done[name] + n] for name, n in lengths.items()]
+            if mode == "fixed":
+                s = PREFILL if max(lengths.values()) > 1 else 1
+                x = torch.randn(3, s, HIDDEN, generator=torch.Generator().manual_seed(i))  # padding: noise
+                for row, r in enumerate(rows):
+                    x[row, :len(r)] = r
+                x = x.transpose(0, 1) if fmt == "sbhd" else x
+            else:
+                x = _to_format(rows, fmt)
+            out = step(x, params, mode == "fixed")
+            outs += _from_format(out, list(lengths.values()), fmt)
+            for name, n in lengths.items():
+                done[name] += n
+        runs[mode] = outs, [t.clone() for t in params.cache[LAYER]]
+    return runs
+
+
+@pytest.mark.parametrize("fmt, paged", [("bshd", False), ("sbhd", False), ("bshd", True), ("sbhd", True)])
+def test_compiled_generation_steps_equal_eager(fmt, paged):
+    """A generation step under torch.compile(fullgraph=True): rows padded to max_batch_size, so
+    one graph per step length serves every step (no recompilation as sequences finish and join:
+    the layout is read from buffers pre_step refills), and the sequences' outputs and the KV
+    cache equal the eager steps'."""
+    layer = tm.TransformerLayer(HIDDEN, 2 * HIDDEN, HEADS, num_gqa_groups=GROUPS, hidden_dropout=0.0,
+                                attention_dropout=0.0, self_attn_mask_type="causal", layer_number=LAYER,
+                                attn_input_format=fmt)
+    layer.eval()
+    freqs = tm.RotaryPositionEmbedding(HIDDEN // HEADS)(16)
+    torch.manual_seed(4)
+    seqs = {name: torch.randn(10, HIDDEN) for name in "abcd"}
+    compiled = torch.compile(lambda x, params: layer(x, rotary_pos_emb=freqs, inference_params=params),
+                             backend="aot_eager", fullgraph=True, dynamic=False)
+    seen = set()
+
+    def step(x, params, fixed):
+        with torch.no_grad():
+            if not fixed:
+                return layer(x, rotary_pos_emb=freqs, inference_params=params)
+            if LAYER not in params.cache:  # a compiled step finds the caches made
+                params.allocate_memory(LAYER)
+            with torch._dynamo.config.patch(error_on_recompile=x.shape in seen):
+                seen.add(x.shape)
+                return compiled(x, params)
+
+    runs = _fixed_shape_generation(step, fmt, paged, seqs, freqs)
+    (got, got_cache), (want, want_cache) = runs["fixed"], runs["eager"]
+    assert len(seen) == 2 and len(got) == len(want) == sum(len(s) for s in SCHEDULE)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)
+    for g, w in zip(got_cache, want_cache):
+        torch.testing.assert_close(g, w, **TOL)
+
+
+@pytest.mark.parametrize("fmt, paged", [("bshd", False), ("sbhd", True)])
+def test_generation_steps_inside_a_capture_read_nothing_on_the_host(monkeypatch, fmt, paged):
+    """Inside te.make_graphed_callables (its warm-up and capture) a generation step takes the
+    fixed-shape path and reads no tensor value on the host, so a CUDA graph replays it with the
+    layout each pre_step writes into its buffers; its outputs and cache equal the eager steps'."""
+    from te_core.modules import inference, rope
     from te_core.quantization.scaling import graph_capture
 
-    mha = tm.MultiheadAttention(HIDDEN, HEADS, num_gqa_groups=GROUPS, attention_dropout=0.0, layer_number=1,
-                                attn_mask_type="padding_causal", qkv_format="bshd")
-    params = _params(max_batch_size=1)
-    params.pre_step(OrderedDict(s=4))
-    x = torch.randn(1, 4, HIDDEN)
+    layer = tm.TransformerLayer(HIDDEN, 2 * HIDDEN, HEADS, num_gqa_groups=GROUPS, hidden_dropout=0.0,
+                                attention_dropout=0.0, self_attn_mask_type="causal", layer_number=LAYER,
+                                attn_input_format=fmt)
+    layer.eval()
+    freqs = tm.RotaryPositionEmbedding(HIDDEN // HEADS)(16)
+    torch.manual_seed(5)
+    seqs = {name: torch.randn(10, HIDDEN) for name in "abcd"}
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("a tensor value was read on the host")
+
+    def step(x, params, fixed):
+        with torch.no_grad():
+            if not fixed:
+                return layer(x, rotary_pos_emb=freqs, inference_params=params)
+            if LAYER not in params.cache:  # as a warm-up before the capture makes it
+                params.allocate_memory(LAYER)
+            with monkeypatch.context() as patched, graph_capture():
+                for where in (rope, inference):  # as a capturing stream makes it answer
+                    patched.setattr(where, "host_readable", lambda t: False)
+                for method in ("tolist", "item", "__bool__", "__int__", "__index__", "__float__"):
+                    patched.setattr(torch.Tensor, method, host_read)
+                return layer(x, rotary_pos_emb=freqs, inference_params=params)
+
+    runs = _fixed_shape_generation(step, fmt, paged, seqs, freqs)
+    (got, got_cache), (want, want_cache) = runs["fixed"], runs["eager"]
+    for g, w in zip(got + got_cache, want + want_cache):
+        torch.testing.assert_close(g, w, **TOL)
+
+
+def test_fixed_shape_generation_steps_say_what_is_wrong():
+    """Where a compiled or captured step cannot run as asked, it says why and what to do: packed
+    (thd) new tokens, more rows than max_batch_size, a cache a compiled step would have to
+    allocate; and the device checks that the input holds the step's sequences."""
+    from te_core.quantization.scaling import graph_capture
+
+    mha = {fmt: tm.MultiheadAttention(HIDDEN, HEADS, num_gqa_groups=GROUPS, attention_dropout=0.0, layer_number=1,
+                                      attn_mask_type="padding_causal", qkv_format=fmt) for fmt in ("bshd", "thd")}
+    params = _params(max_batch_size=2)
+    params.pre_step(OrderedDict(a=3, b=2))
     with torch.no_grad(), graph_capture():
-        with pytest.raises(NotImplementedError, match=r"KV cache \(inference_params\) cannot be captured.*without"):
-            mha(x, inference_params=params)
-    assert params.sequences == OrderedDict(s=4)
-    with torch.no_grad():  # outside a capture the same step runs
-        assert mha(x, inference_params=params).shape == x.shape
+        with pytest.raises(NotImplementedError, match="a thd KV-cache step cannot be compiled or captured"):
+            mha["thd"](torch.randn(5, HIDDEN), inference_params=params)
+        with pytest.raises(ValueError, match="the input holds 3 sequences, more than max_batch_size=2"):
+            mha["bshd"](torch.randn(3, 4, HIDDEN), inference_params=params)
+        with pytest.raises(RuntimeError, match="pre_step's sequences must fit the input: at most 1 of them"):
+            mha["bshd"](torch.randn(1, 4, HIDDEN), inference_params=params)
+        with pytest.raises(RuntimeError, match="bringing at most 2 tokens each"):
+            mha["bshd"](torch.randn(2, 2, HIDDEN), inference_params=params)
+    fresh = _params(max_batch_size=2)
+    fresh.pre_step(OrderedDict(a=1))
+    compiled = torch.compile(lambda x: mha["bshd"](x, inference_params=fresh), backend="aot_eager", fullgraph=True)
+    with torch.no_grad(), pytest.raises(Exception, match=r"layer 1's KV cache does not exist yet, and a compiled or captured step cannot allocate it"):
+        compiled(torch.randn(2, 1, HIDDEN))
