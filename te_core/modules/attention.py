@@ -208,9 +208,14 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
                 fmt, mask_type, query_layer, key_layer, value_layer, attention_mask, window_size,
                 core_attention_bias_type, alibi_slopes, inference_params, padded_between, _check_window)
         if inference_params is not None and fixed_shapes(query_layer):  # compiled or captured: padded, fixed
-            key_layer, value_layer, attention_mask, mask_type = self._from_cache_fixed(
-                inference_params, fmt, mask_type, attention_mask, query_layer, key_layer, value_layer)
-            packed = None
+            self._check_cached_call(mask_type, attention_mask, fmt, query_layer, key_layer, value_layer)
+            if fmt == "thd":  # padded rows for the attention, packed again after it
+                restore = partial(inference_params.fixed_shape_packed, tokens=query_layer.shape[0])
+                query_layer, fmt = inference_params.fixed_shape_padded(query_layer), "bshd"
+                key_layer, value_layer = (inference_params.fixed_shape_padded(t) for t in (key_layer, value_layer))
+            key_layer, value_layer, padding_q, padding_kv = inference_params.fixed_shape_step(
+                self.layer_number, key_layer, value_layer, fmt)
+            attention_mask, mask_type, packed = (padding_q, padding_kv), CACHED_MASK_TYPE[mask_type], None
         elif inference_params is not None:  # the output takes the new tokens' layout
             restore = partial(inference_params.unpacked, qkv_format=fmt, like_shape=query_layer.shape)
             query_layer, key_layer, value_layer, packed, mask_type = self._from_cache(
@@ -247,15 +252,6 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
         if self.return_max_logit:  # (out, max_logit), as Transformer Engine returns them
             return result, max_logit(q, k, options, packed)
         return result
-
-    def _from_cache_fixed(self, params, fmt: str, mask_type: str, attention_mask, q: Tensor, k: Tensor, v: Tensor):
-        """_from_cache at fixed shapes (InferenceParams.fixed_shape_step), for a step compiled
-        or captured: (every cached key and value of the input rows' sequences, in fmt; the
-        (query, key) padding masks; the mask type) for a padded attention whose padding rows
-        come back as zeros, as the eager step returns them."""
-        self._check_cached_call(mask_type, attention_mask, fmt, q, k, v)
-        k_all, v_all, padding_q, padding_kv = params.fixed_shape_step(self.layer_number, k, v, fmt)
-        return k_all, v_all, (padding_q, padding_kv), CACHED_MASK_TYPE[mask_type]
 
     def _check_cached_call(self, mask_type: str, attention_mask, fmt: str, q: Tensor, k: Tensor, v: Tensor) -> None:
         name = "DotProductAttention"
@@ -350,15 +346,14 @@ def _check_window(window_size, module: str):
 
 
 def _shaped(out: Tensor, fmt: str, packed, restore) -> Tensor:
-    """The op's (b, h, s, dv) output as (s, b, h * dv) / (b, s, h * dv), or packed (t, h * dv)
+    """The op's (b, h, s, dv) output as (s, b, h * dv) / (b, s, h * dv), or packed (t, h * dv),
     passed through `restore` where one is set."""
     if packed is not None:
         out = out.flatten(1)
         return out if restore is None else restore(out)
     b, h, s, dv = out.shape
-    if fmt == "sbhd":
-        return out.permute(2, 0, 1, 3).reshape(s, b, h * dv)
-    return out.permute(0, 2, 1, 3).reshape(b, s, h * dv)
+    out = out.permute(2, 0, 1, 3).reshape(s, b, h * dv) if fmt == "sbhd" else out.permute(0, 2, 1, 3).reshape(b, s, h * dv)
+    return out if restore is None else restore(out)
 
 
 def _scatter_rows(out: Tensor, rows: Tensor, total: int) -> Tensor:

@@ -187,15 +187,16 @@ class InferenceParams:
         capture): everything at shapes fixed by the inputs and the caches, the layout read from
         the buffer pre_step refills, so one graph serves every step. new_k / new_v: the step's
         (B, S, h, d) ("bshd") or (S, B, h, d) ("sbhd") inputs, B up to max_batch_size rows (rows
-        past the step's sequences are padding). Writes the new tokens into the layer's cache and
+        past the step's sequences are padding), or (T, h, d) packed ("thd"; any T at least the
+        step's tokens, the rest padding), which is laid out as (max_batch_size, max_ctx_len)
+        rows first (fixed_shape_padded). Writes the new tokens into the layer's cache and
         returns (every key and value of the rows' sequences, (B, max_sequence_length, h, d) in
         the input's format; the query padding mask (B, 1, 1, S); the key padding mask (B, 1, 1,
         max_sequence_length), True = padding) for a padded attention over them."""
         self._check_stepped("step")
-        if qkv_format not in ("bshd", "sbhd"):
-            raise NotImplementedError(
-                f"InferenceParams: a {qkv_format} KV-cache step cannot be compiled or captured by te-core yet (its "
-                "packed tokens' offsets are read on the host); give the new tokens as bshd or sbhd, padded")
+        if qkv_format == "thd":  # packed tokens, padded to max_ctx_len per row (fixed_shape_padded)
+            new_k, new_v = self.fixed_shape_padded(new_k), self.fixed_shape_padded(new_v)
+            qkv_format = "bshd"
         if layer_number not in self.cache:
             if not host_readable(new_k):  # a graph would hold the new cache's zero fill, and clear it at every replay
                 raise RuntimeError(
@@ -239,6 +240,41 @@ class InferenceParams:
         if qkv_format == "sbhd":
             k_all, v_all = k_all.transpose(0, 1), v_all.transpose(0, 1)
         return k_all, v_all, padding_q.view(rows, 1, 1, s), padding_kv.view(rows, 1, 1, length)
+
+    def _packed_layout(self, tokens: int) -> Tuple[Tensor, Tensor, Tensor]:
+        """(row, position in the step, padding) of each of `tokens` packed new tokens, from the
+        fixed-shape buffer: the step's sequences' tokens in order, then padding up to `tokens`."""
+        lens = self._layout[:, 0]
+        ends = lens.cumsum(0)
+        index = torch.arange(tokens, device=lens.device)
+        row = torch.searchsorted(ends, index, right=True).clamp(max=self.max_batch_size - 1)
+        check_on_device(ends[-1:] <= tokens, f"InferenceParams: pre_step's sequences bring more tokens than the "
+                                             f"packed input holds ({tokens})")
+        return row, index - (ends - lens)[row], index >= ends[-1]
+
+    def fixed_shape_padded(self, x: Tensor) -> Tensor:
+        """Packed new tokens x (T, ...) of a fixed-shape step as (max_batch_size, max_ctx_len, ...)
+        rows, zeros past each sequence's tokens (tokens past the step's are padding, dropped)."""
+        row, position, padding = self._packed_layout(x.shape[0])
+        check_on_device(self._layout[:, 0] <= self.max_ctx_len, f"InferenceParams: a sequence brings more than "
+                                                                f"max_ctx_len={self.max_ctx_len} tokens")
+        padded = x.new_zeros(self.max_batch_size, self.max_ctx_len + 1, *x.shape[1:])  # the last column: padding
+        padded.index_put_((row, position.clamp(max=self.max_ctx_len).masked_fill(padding, self.max_ctx_len)), x)
+        return padded[:, :self.max_ctx_len]
+
+    def fixed_shape_packed(self, out: Tensor, tokens: int) -> Tensor:
+        """fixed_shape_padded's inverse for an output (max_batch_size, max_ctx_len, ...): the
+        `tokens` packed rows, zeros for the padding tokens."""
+        row, position, padding = self._packed_layout(tokens)
+        picked = out[row, position.clamp(max=self.max_ctx_len - 1)]
+        return picked.masked_fill(padding.view(-1, *([1] * (picked.dim() - 1))), 0)
+
+    def fixed_shape_positions(self, tokens: int) -> Tensor:
+        """Each of `tokens` packed new tokens' position in its sequence (0 for padding tokens):
+        the rotary embedding's positions in a fixed-shape thd step."""
+        self._check_stepped("get_seqlens_pre_step")
+        row, position, padding = self._packed_layout(tokens)
+        return (self._layout[:, 1][row] + position).masked_fill(padding, 0)
 
     def fixed_shape_starts(self, rows: int) -> Tensor:
         """Each of the input's `rows` sequences' cached tokens before this step, from the

@@ -30,7 +30,7 @@ from .inference import fixed_shapes
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
-from .rope import apply_rotary_pos_emb
+from .rope import apply_rotary_pos_emb, rotate_at
 
 QK_NORM_TYPES = (None, "L2Normalization", "RMSNorm", "LayerNorm")
 
@@ -271,16 +271,22 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
                            _or(kwargs.get("cu_seqlens_kv_padded"), kwargs.get("cu_seqlens_kv")))
                           if packed else (None, None))
             starts = None
-            if inference_params is not None and not packed and fixed_shapes(q):  # compiled or captured
+            fixed = inference_params is not None and fixed_shapes(q)  # a KV-cache step compiled or captured
+            if fixed and not packed:
                 starts = inference_params.fixed_shape_starts(q.shape[1 if self.qkv_format == "sbhd" else 0])
             elif inference_params is not None:  # the new tokens follow what each sequence has cached
                 starts = inference_params.get_seqlens_pre_step()
                 q_cu = k_cu = inference_params.cu_seqlens_q if packed else None
-            cp = dict(cp_size=self.core_attention.cp_size, cp_rank=self.core_attention.cp_rank)  # this rank's positions
-            q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format, starts, interleaved=self.rotary_pos_interleaved,
-                                     cu_seqlens=q_cu, **cp)
-            k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format, starts, interleaved=self.rotary_pos_interleaved,
-                                     cu_seqlens=k_cu, **cp)
+            if fixed and packed:  # each token at its position, as fixed_shape_step lays the tokens out
+                positions = inference_params.fixed_shape_positions(q.shape[0])
+                q, k = (rotate_at(t, f, positions, self.rotary_pos_interleaved) for t, f in ((q, q_freqs), (k, k_freqs)))
+            else:
+                # cp: this rank's positions
+                cp = dict(cp_size=self.core_attention.cp_size, cp_rank=self.core_attention.cp_rank)
+                q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format, starts, interleaved=self.rotary_pos_interleaved,
+                                         cu_seqlens=q_cu, **cp)
+                k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format, starts, interleaved=self.rotary_pos_interleaved,
+                                         cu_seqlens=k_cu, **cp)
         if self.q_norm is not None and not self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         with self.tracker_fork(self.training and self.core_attention.attention_dropout > 0):

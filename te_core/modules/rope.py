@@ -193,6 +193,12 @@ def _rotate_packed(t: Tensor, freqs: Tensor, cu_seqlens, start_positions, interl
     positions = offsets if cp_size == 1 else _cp_positions(offsets, local.diff()[sequence], cp_size, cp_rank)
     if start_positions is not None:
         positions = positions + start_positions.to(device=t.device, dtype=torch.long)[sequence]
+    return rotate_at(t, freqs, positions, interleaved)
+
+
+def rotate_at(t: Tensor, freqs: Tensor, positions: Tensor, interleaved: bool = False) -> Tensor:
+    """Packed tokens t (t, h, d), each rotated by the angle of its own position (positions:
+    (t,) integers, checked by the caller), through the op as one (t, 1, h, d) sequence."""
     angles = freqs.index_select(0, positions.to(freqs.device)).float().contiguous()  # (t, 1, 1, r)
     out = _RopeFunction.apply(t.unsqueeze(1).contiguous(), angles, "sbhd", interleaved)
     return out.squeeze(1)

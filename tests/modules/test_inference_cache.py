@@ -210,15 +210,19 @@ def _fixed_shape_generation(step, fmt, paged, seqs, freqs):
         for i, lengths in enumerate(SCHEDULE):
             params.pre_step(lengths)
             rows = [seqs[name][done[name]:done[name] + n] for name, n in lengths.items()]
-            if mode == "fixed":
-                s = PREFILL if max(lengths.values()) > 1 else 1
-                x = torch.randn(3, s, HIDDEN, generator=torch.Generator().manual_seed(i))  # padding: noise
-                for row, r in enumerate(rows):
-                    x[row, :len(r)] = r
-                x = x.transpose(0, 1) if fmt == "sbhd" else x
-            else:
+            s = PREFILL if max(lengths.values()) > 1 else 1
+            noise = torch.randn(3, s, HIDDEN, generator=torch.Generator().manual_seed(i))  # padding: noise
+            if mode == "eager":
                 x = _to_format(rows, fmt)
+            elif fmt == "thd":  # 3 * s packed tokens: the sequences' first, then padding
+                x = torch.cat(rows + [noise.flatten(0, 1)])[:3 * s]
+            else:
+                for row, r in enumerate(rows):
+                    noise[row, :len(r)] = r
+                x = noise.transpose(0, 1) if fmt == "sbhd" else noise
             out = step(x, params, mode == "fixed")
+            if fmt == "thd":
+                out = out[:sum(lengths.values())]
             outs += _from_format(out, list(lengths.values()), fmt)
             for name, n in lengths.items():
                 done[name] += n
@@ -226,7 +230,8 @@ def _fixed_shape_generation(step, fmt, paged, seqs, freqs):
     return runs
 
 
-@pytest.mark.parametrize("fmt, paged", [("bshd", False), ("sbhd", False), ("bshd", True), ("sbhd", True)])
+@pytest.mark.parametrize("fmt, paged", [("bshd", False), ("sbhd", False), ("thd", False), ("bshd", True),
+                                        ("sbhd", True), ("thd", True)])
 def test_compiled_generation_steps_equal_eager(fmt, paged):
     """A generation step under torch.compile(fullgraph=True): rows padded to max_batch_size, so
     one graph per step length serves every step (no recompilation as sequences finish and join:
@@ -239,6 +244,7 @@ def test_compiled_generation_steps_equal_eager(fmt, paged):
     freqs = tm.RotaryPositionEmbedding(HIDDEN // HEADS)(16)
     torch.manual_seed(4)
     seqs = {name: torch.randn(10, HIDDEN) for name in "abcd"}
+    torch._dynamo.reset()  # each case compiles its own step (the same code object)
     compiled = torch.compile(lambda x, params: layer(x, rotary_pos_emb=freqs, inference_params=params),
                              backend="aot_eager", fullgraph=True, dynamic=False)
     seen = set()
@@ -262,7 +268,7 @@ def test_compiled_generation_steps_equal_eager(fmt, paged):
         torch.testing.assert_close(g, w, **TOL)
 
 
-@pytest.mark.parametrize("fmt, paged", [("bshd", False), ("sbhd", True)])
+@pytest.mark.parametrize("fmt, paged", [("bshd", False), ("sbhd", True), ("thd", False)])
 def test_generation_steps_inside_a_capture_read_nothing_on_the_host(monkeypatch, fmt, paged):
     """Inside te.make_graphed_callables (its warm-up and capture) a generation step takes the
     fixed-shape path and reads no tensor value on the host, so a CUDA graph replays it with the
@@ -301,9 +307,9 @@ def test_generation_steps_inside_a_capture_read_nothing_on_the_host(monkeypatch,
 
 
 def test_fixed_shape_generation_steps_say_what_is_wrong():
-    """Where a compiled or captured step cannot run as asked, it says why and what to do: packed
-    (thd) new tokens, more rows than max_batch_size, a cache a compiled step would have to
-    allocate; and the device checks that the input holds the step's sequences."""
+    """Where a compiled or captured step cannot run as asked, it says why and what to do: more
+    rows than max_batch_size, a cache a compiled step would have to allocate; and the device
+    checks that the input (padded or packed) holds the step's sequences."""
     from te_core.quantization.scaling import graph_capture
 
     mha = {fmt: tm.MultiheadAttention(HIDDEN, HEADS, num_gqa_groups=GROUPS, attention_dropout=0.0, layer_number=1,
@@ -311,8 +317,9 @@ def test_fixed_shape_generation_steps_say_what_is_wrong():
     params = _params(max_batch_size=2)
     params.pre_step(OrderedDict(a=3, b=2))
     with torch.no_grad(), graph_capture():
-        with pytest.raises(NotImplementedError, match="a thd KV-cache step cannot be compiled or captured"):
-            mha["thd"](torch.randn(5, HIDDEN), inference_params=params)
+        with pytest.raises(RuntimeError, match=r"pre_step's sequences bring more tokens than the packed input holds "
+                                               r"\(4\)"):
+            mha["thd"](torch.randn(4, HIDDEN), inference_params=params)
         with pytest.raises(ValueError, match="the input holds 3 sequences, more than max_batch_size=2"):
             mha["bshd"](torch.randn(3, 4, HIDDEN), inference_params=params)
         with pytest.raises(RuntimeError, match="pre_step's sequences must fit the input: at most 1 of them"):
