@@ -352,7 +352,10 @@ def _shaped(out: Tensor, fmt: str, packed, restore) -> Tensor:
         out = out.flatten(1)
         return out if restore is None else restore(out)
     b, h, s, dv = out.shape
-    out = out.permute(2, 0, 1, 3).reshape(s, b, h * dv) if fmt == "sbhd" else out.permute(0, 2, 1, 3).reshape(b, s, h * dv)
+    if fmt == "sbhd":
+        out = out.permute(2, 0, 1, 3).reshape(s, b, h * dv)
+    else:
+        out = out.permute(0, 2, 1, 3).reshape(b, s, h * dv)
     return out if restore is None else restore(out)
 
 

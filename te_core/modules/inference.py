@@ -82,11 +82,12 @@ class InferenceParams:
         self.input_qkv_format = qkv_format
         self.device = resolve_device(None)
         self.cache: Dict[int, Tuple[Tensor, Tensor]] = {}  # layer_number -> (k_cache, v_cache)
-        self._storage: Dict[int, Tuple[Tensor, Tensor]] = {}  # the caches with their spare row / page
+        # the caches' tokens flat, (slots, heads, dim), with one spare slot past them, where
+        # fixed-shape writes of padding tokens land (fixed_shape_step)
+        self._storage: Dict[int, Tuple[Tensor, Tensor]] = {}
         # the step's layout at fixed shapes, refilled in place by pre_step, for steps that cannot
         # read it on the host (fixed_shape_step): per batch row, its new tokens, its tokens cached
         # before the step, and its cache row (or pages); rows past the step's batch bring nothing
-        # and point at the spare row (page), where fixed-shape writes of padding tokens land
         self._layout = torch.zeros(self.max_batch_size, 2 + (self.max_pages_per_seq if self.is_paged else 1),
                                    dtype=torch.long, device=self.device)
         self.reset()
@@ -101,22 +102,17 @@ class InferenceParams:
         self.step_lens = []
         self._empty = True
 
-    @property
-    def _spare(self) -> int:
-        """The caches' spare row (page), past Transformer Engine's shape: never a sequence's."""
-        return self.total_num_pages if self.is_paged else self.max_batch_size
-
     def allocate_memory(self, layer_number: int) -> None:
         """The key and value caches of one attention layer, zeros: `cache[layer_number]` has
-        Transformer Engine's shape, a view of storage one row (page) longer."""
+        Transformer Engine's shape, a view of flat storage one token longer (the spare slot)."""
         if self.is_paged:
-            shape = (self.total_num_pages + 1, self.page_size, self.num_heads_kv)
+            rows = (self.total_num_pages, self.page_size)
         else:
-            shape = (self.max_batch_size + 1, self.max_sequence_length, self.num_heads_kv)
-        storage = (torch.zeros(*shape, self.head_dim_k, dtype=self.dtype, device=self.device),
-                   torch.zeros(*shape, self.head_dim_v, dtype=self.dtype, device=self.device))
+            rows = (self.max_batch_size, self.max_sequence_length)
+        storage = tuple(torch.zeros(rows[0] * rows[1] + 1, self.num_heads_kv, dim, dtype=self.dtype,
+                                    device=self.device) for dim in (self.head_dim_k, self.head_dim_v))
         self._storage[layer_number] = storage
-        self.cache[layer_number] = tuple(t[:self._spare] for t in storage)
+        self.cache[layer_number] = tuple(t[:-1].view(*rows, *t.shape[1:]) for t in storage)
 
     def pre_step(self, step_dict: "OrderedDict[object, int]") -> None:
         """The next step: {seq_id: new tokens} in the batch's order. A sequence seen before
@@ -170,8 +166,7 @@ class InferenceParams:
 
     def _fill_layout(self, step_dict, pre: List[int], table: Tensor) -> None:
         """The step's layout into the fixed-shape buffer, in place (one copy to the device)."""
-        layout = torch.zeros(self._layout.shape, dtype=torch.long)
-        layout[:, 2:] = self._spare
+        layout = torch.zeros(self._layout.shape, dtype=torch.long)  # padding rows read row (page) 0, masked
         b = self.batch_size
         layout[:b, 0] = torch.tensor(self.step_lens)
         layout[:b, 1] = torch.tensor(pre)
@@ -224,18 +219,19 @@ class InferenceParams:
         padding_q = positions[None, :] >= lens[:, None]  # (rows, s)
         at = pre[:, None] + positions[None, :]  # each new token's position in its sequence
         length = self.max_sequence_length
-        if self.is_paged:  # (page, offset in it); padding tokens to the spare page
+        if self.is_paged:  # the token's page, and its offset there
             page = table.gather(1, (at // self.page_size).clamp(max=self.max_pages_per_seq - 1))
-            where = (page.masked_fill(padding_q, self._spare), at % self.page_size)
-        else:  # (row, position); padding tokens to the spare row
-            where = (table[:, :1].expand(rows, s).masked_fill(padding_q, self._spare), at.clamp(max=length - 1))
+            slot = page * self.page_size + at % self.page_size
+        else:  # the sequence's row, and its position there
+            slot = table[:, :1] * length + at.clamp(max=length - 1)
         storage = self._storage[layer_number]
-        for new, cache in zip((new_k, new_v), storage):
-            cache.index_put_(where, new.detach().to(cache.dtype))
+        slot = slot.masked_fill(padding_q, storage[0].shape[0] - 1)  # padding tokens: the spare slot
+        for new, flat in zip((new_k, new_v), storage):
+            flat.index_put_((slot,), new.detach().to(flat.dtype))
         if self.is_paged:
-            k_all, v_all = (cache[table].reshape(rows, length, *cache.shape[2:]) for cache in storage)
+            k_all, v_all = (cache[table].reshape(rows, length, *cache.shape[2:]) for cache in self.cache[layer_number])
         else:
-            k_all, v_all = (cache.index_select(0, table[:, 0]) for cache in storage)
+            k_all, v_all = (cache.index_select(0, table[:, 0]) for cache in self.cache[layer_number])
         padding_kv = torch.arange(length, device=layout.device)[None, :] >= (pre + lens)[:, None]
         if qkv_format == "sbhd":
             k_all, v_all = k_all.transpose(0, 1), v_all.transpose(0, 1)

@@ -279,7 +279,8 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
                 q_cu = k_cu = inference_params.cu_seqlens_q if packed else None
             if fixed and packed:  # each token at its position, as fixed_shape_step lays the tokens out
                 positions = inference_params.fixed_shape_positions(q.shape[0])
-                q, k = (rotate_at(t, f, positions, self.rotary_pos_interleaved) for t, f in ((q, q_freqs), (k, k_freqs)))
+                q = rotate_at(q, q_freqs, positions, self.rotary_pos_interleaved)
+                k = rotate_at(k, k_freqs, positions, self.rotary_pos_interleaved)
             else:
                 # cp: this rank's positions
                 cp = dict(cp_size=self.core_attention.cp_size, cp_rank=self.core_attention.cp_rank)

@@ -206,7 +206,8 @@ def rotate_at(t: Tensor, freqs: Tensor, positions: Tensor, interleaved: bool = F
 
 _CP_LENGTHS = ("with cp_size={cp} every sequence's length in cu_seqlens must be a multiple of 2 * cp_size = {two} "
                "(pad the sequences)")
-_REACH = "but freqs hold positions 0..{last}: make the rotary embedding for the longest sequence (plus its start position)"
+_REACH = ("but freqs hold positions 0..{last}: make the rotary embedding for the longest sequence (plus its start "
+          "position)")
 
 
 def _packed_checks(cu: list, freqs: Tensor, start_positions, cp_size: int) -> None:
@@ -221,7 +222,8 @@ def _packed_checks(cu: list, freqs: Tensor, start_positions, cp_size: int) -> No
         starts = _check_starts(start_positions, len(whole), f"cu_seqlens' {len(whole)} sequences")
     reach = max((s + n - 1 for s, n in zip(starts, whole)), default=-1)  # the last position rotated
     if reach >= freqs.shape[0]:
-        raise ValueError(f"{name}: the packed sequences reach position {reach}, {_REACH.format(last=freqs.shape[0] - 1)}")
+        last = freqs.shape[0] - 1
+        raise ValueError(f"{name}: the packed sequences reach position {reach}, {_REACH.format(last=last)}")
 
 
 def _packed_checks_on_device(cu_seqlens: Tensor, freqs: Tensor, start_positions, cp_size: int) -> None:

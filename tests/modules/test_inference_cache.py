@@ -330,5 +330,6 @@ def test_fixed_shape_generation_steps_say_what_is_wrong():
     fresh = _params(max_batch_size=2)
     fresh.pre_step(OrderedDict(a=1))
     compiled = torch.compile(lambda x: mha["bshd"](x, inference_params=fresh), backend="aot_eager", fullgraph=True)
-    with torch.no_grad(), pytest.raises(Exception, match=r"layer 1's KV cache does not exist yet, and a compiled or captured step cannot allocate it"):
+    with torch.no_grad(), pytest.raises(Exception, match=r"layer 1's KV cache does not exist yet, and a compiled or "
+                                                         r"captured step cannot allocate it"):
         compiled(torch.randn(2, 1, HIDDEN))
