@@ -78,7 +78,11 @@ def wgrad_operand(operand: Operand, hp, dtype: Optional[torch.dtype] = None, *, 
             "override_linear_precision=(False, False, True) (the weight-gradient GEMM in high precision) is not "
             "supported together with sequence parallelism, whose all-gathered GEMM input exists only in FP8 "
             "or as this rank's shard; use override_linear_precision=(False, False, False) there")
-    return hp if dtype is None else hp.to(dtype)
+    hp = hp if dtype is None else hp.to(dtype)
+    # Traced, a copy: hp may be the autograd Function's own input, and dynamo cannot keep an alias
+    # of a Function input for the backward of a forward that also writes Python state (the weight
+    # cache, under is_first_microbatch). The copy costs one activation's bandwidth in the graph.
+    return hp.clone() if torch.compiler.is_compiling() else hp
 
 
 def quantized_gemm(a: Operand, b: Operand, *, a_columnwise: bool = False, b_columnwise: bool = False,

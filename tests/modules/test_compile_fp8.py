@@ -206,12 +206,18 @@ def test_every_contract_op_has_a_library_twin():
 
 # dynamo inspects the cached operand's tensors when it stores them back on the module
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
-@pytest.mark.parametrize("name,module", [("delayed", "Linear"), ("delayed", "LayerNormMLP"), ("current", "Linear")])
+@pytest.mark.parametrize("name,module", [("delayed", "Linear"), ("delayed", "LayerNormMLP"), ("current", "Linear"),
+                                         ("current+high_precision", "Linear"), ("delayed+wgrad_hp", "Linear")])
 def test_weight_caching_matches_eager(name, module):
     """is_first_microbatch=True quantizes the weight and caches it; False reuses the cache (the
-    weight's delayed scale is then not updated): compiled steps do the same as eager ones."""
+    weight's delayed scale is then not updated): compiled steps do the same as eager ones, also
+    where the wgrad GEMM reads the input in high precision (a backward_override, DelayedScaling's
+    wgrad override), which the backward then keeps."""
     torch.manual_seed(0)
-    rec = RECIPES[name]()
+    rec = {"current+high_precision": lambda: recipe.Float8CurrentScaling(backward_override="high_precision"),
+           "delayed+wgrad_hp": lambda: recipe.DelayedScaling(amax_history_len=4,
+                                                             override_linear_precision=(False, False, True)),
+           }.get(name, RECIPES.get(name))()
     eager_model = MODULES[module]()
     compiled_model = copy.deepcopy(eager_model)
     _like_compiled(eager_model, rec)
