@@ -224,6 +224,16 @@ class PendingUpdates:
         own threads); an autocast's forward updates are its forward thread's alone."""
         self._groups: Dict[int, Tuple[ScalingGroup, object]] = {}
         self._lock = threading.Lock() if locked else None
+        self._backward_claimed: Dict[int, bool] = {}
+
+    def claim_backward_update(self, group: ScalingGroup) -> bool:
+        """For traced steps, which have no end-of-backward callback: whether this is the first
+        use of the backward group `group` under this autocast, whose backward (which autograd
+        runs after those of the later uses) then updates the group once, as an eager backward
+        pass does at its end."""
+        first = id(group) not in self._backward_claimed
+        self._backward_claimed[id(group)] = True
+        return first
 
     def _locked(self):
         """The lock, or none (dynamo cannot trace a lock; a traced step runs its updates in

@@ -100,6 +100,12 @@ class CalibrationStep(HighPrecisionStep):
         for role, group in self._state.scaling_groups().items():
             if role is Role.INPUT or (role is Role.WEIGHT and self._weights_fresh):
                 self._context.schedule_forward_update(group)
+        # the backward group: updated at the end of the backward of its first use under this
+        # autocast (backward_done), which runs after the later uses' backwards have recorded
+        # their amaxes; a forward without autograd has no backward to claim it
+        group = self._state.scaling_groups().get(Role.GRAD_OUTPUT)
+        self._updates_backward = (group is not None and torch.is_grad_enabled()
+                                  and self._context.forward_updates.claim_backward_update(group))
 
     def quantizer(self, slot: str):
         return self._state.quantizer(slot)
@@ -138,11 +144,11 @@ class CalibrationStep(HighPrecisionStep):
     def backward_done(self) -> None:
         process_group = self._context.amax_reduction_group
         if self._traced:
-            # A graph has no end-of-backward callback: while traced, a module's backward updates
-            # its own backward group at its end (each is used by that backward only).
-            group = self._state.scaling_groups().get(Role.GRAD_OUTPUT)
-            if group is not None:
-                update_now([(group, process_group)])
+            # A graph has no end-of-backward callback: while traced, the backward of the module's
+            # first use under the autocast updates its backward group at its end
+            # (_schedule_traced_forward), once however often the module ran.
+            if self._updates_backward:
+                update_now([(self._state.scaling_groups()[Role.GRAD_OUTPUT], process_group)])
             return
         for group in self._backward_groups.values():
             schedule_backward_update(group, process_group)

@@ -336,3 +336,31 @@ def test_recipe_assigned_between_compiled_steps(name):
     # traced, the module's state is now bound to `rec` itself; the next assignment still reaches it
     rec.backward_override = None
     _assert_identical(_run(compiled, compiled_model, x), unchanged, "after assigning None again")
+
+
+@pytest.mark.parametrize("module", ["Linear", "LayerNormMLP", "TransformerLayer"])
+@pytest.mark.parametrize("calibrating", [False, True])
+def test_module_used_twice_in_a_step_matches_eager(module, calibrating):
+    """A module applied twice in one step (shared weights): eagerly its gradient's scaling group
+    is updated once, when the backward pass ends, so both uses' backwards cast with the step's
+    scale. A traced graph has no end of backward: the backward of the first use, which runs
+    last, updates it, once. Compiled steps equal eager ones, the scaling state included."""
+    torch.manual_seed(0)
+    rec = RECIPES["delayed"]()
+    square = {"Linear": lambda: tm.Linear(HIDDEN, HIDDEN), "LayerNormMLP": lambda: tm.LayerNormMLP(HIDDEN, FFN),
+              "TransformerLayer": MODULES["TransformerLayer"]}[module]
+    eager_model = square()
+    compiled_model = copy.deepcopy(eager_model)
+    _like_compiled(eager_model, rec)
+    te.init_quantization_state(compiled_model, rec)
+
+    def step(model, x):
+        with te.autocast(enabled=not calibrating, calibrating=calibrating, recipe=rec):
+            return model(torch.relu(model(x)))
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for i in range(STEPS):
+        x = torch.randn(SEQ, BATCH, HIDDEN)
+        _assert_identical(_run(compiled, compiled_model, x), _run(step, eager_model, x), f"step {i}")
+    want, got = _scaling_state(eager_model), _scaling_state(compiled_model)
+    _assert_identical(list(got.values()), list(want.values()), "scaling state")
