@@ -524,18 +524,33 @@ def _check_block_recipe_flags(recipe) -> None:
                                   "supported by te-core yet; leave them False")
 
 
+# Object defaults come from functions: a recipe made inside a torch.compile'd function then
+# builds them in the trace (dynamo can wrap neither a shared default instance nor a class given
+# as the default factory, as it reaches them without a source).
+def _qparams() -> QParams:
+    return QParams()
+
+
+def _mm_params() -> MMParams:
+    return MMParams()
+
+
+def _fast_mm_params() -> MMParams:
+    return MMParams(use_split_accumulator=False)
+
+
 @_ignores_unknown_arguments
 @dataclass(frozen=True)
 class Float8CurrentScaling(Recipe):
     """Per-tensor scales from each tensor's own amax, computed in the same op as the cast."""
 
     fp8_format: Format = Format.HYBRID
-    fp8_quant_fwd_inp: QParams = field(default_factory=QParams)
-    fp8_quant_fwd_weight: QParams = field(default_factory=QParams)
-    fp8_quant_bwd_grad: QParams = field(default_factory=QParams)
-    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
-    fp8_gemm_dgrad: MMParams = MMParams()
-    fp8_gemm_wgrad: MMParams = MMParams()
+    fp8_quant_fwd_inp: QParams = field(default_factory=_qparams)
+    fp8_quant_fwd_weight: QParams = field(default_factory=_qparams)
+    fp8_quant_bwd_grad: QParams = field(default_factory=_qparams)
+    fp8_gemm_fprop: MMParams = field(default_factory=_fast_mm_params)
+    fp8_gemm_dgrad: MMParams = field(default_factory=_mm_params)
+    fp8_gemm_wgrad: MMParams = field(default_factory=_mm_params)
     fp8_dpa: bool = False
     fp8_mha: bool = False
     # Transformer Engine's switch for power-of-2 scales (default from
@@ -566,7 +581,8 @@ def _qparams_for(recipe, role) -> QParams:
             "grad_output": recipe.fp8_quant_bwd_grad}[role.value]
 
 
-_POW2 = QParams(power_2_scale=True)
+def _pow2_qparams() -> QParams:
+    return QParams(power_2_scale=True)
 
 
 @_ignores_unknown_arguments
@@ -576,15 +592,15 @@ class Float8BlockScaling(Recipe):
     (w_block_scaling_dim=2; 1 gives 1x128 runs), power-of-2 scales by default (DeepSeek-V3 style)."""
 
     fp8_format: Format = Format.E4M3
-    fp8_quant_fwd_inp: QParams = _POW2
-    fp8_quant_fwd_weight: QParams = _POW2
-    fp8_quant_bwd_grad: QParams = _POW2
+    fp8_quant_fwd_inp: QParams = field(default_factory=_pow2_qparams)
+    fp8_quant_fwd_weight: QParams = field(default_factory=_pow2_qparams)
+    fp8_quant_bwd_grad: QParams = field(default_factory=_pow2_qparams)
     x_block_scaling_dim: int = 1
     w_block_scaling_dim: int = 2
     grad_block_scaling_dim: int = 1
-    fp8_gemm_fprop: MMParams = MMParams()
-    fp8_gemm_dgrad: MMParams = MMParams()
-    fp8_gemm_wgrad: MMParams = MMParams()
+    fp8_gemm_fprop: MMParams = field(default_factory=_mm_params)
+    fp8_gemm_dgrad: MMParams = field(default_factory=_mm_params)
+    fp8_gemm_wgrad: MMParams = field(default_factory=_mm_params)
     fp8_dpa: bool = False
     fp8_mha: bool = False
     # Transformer Engine's switch off power-of-2 scales (default from

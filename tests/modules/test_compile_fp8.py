@@ -364,3 +364,24 @@ def test_module_used_twice_in_a_step_matches_eager(module, calibrating):
         _assert_identical(_run(compiled, compiled_model, x), _run(step, eager_model, x), f"step {i}")
     want, got = _scaling_state(eager_model), _scaling_state(compiled_model)
     _assert_identical(list(got.values()), list(want.values()), "scaling state")
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_recipe_made_inside_the_compiled_step(name):
+    """A training step that builds its recipe itself (`te.autocast(recipe=Float8CurrentScaling())`
+    inside the compiled function, as scripts written for eager mode do) compiles with
+    fullgraph=True (the recipes' object defaults come from functions dynamo traces) and equals
+    eager steps."""
+    torch.manual_seed(0)
+    eager_model = MODULES["Linear"]()
+    compiled_model = copy.deepcopy(eager_model)
+    _like_compiled(eager_model, RECIPES[name]())
+
+    def step(model, x):
+        with te.autocast(recipe=RECIPES[name]()):
+            return model(x)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for i in range(STEPS):
+        x = torch.randn(SEQ, BATCH, HIDDEN)
+        _assert_identical(_run(compiled, compiled_model, x), _run(step, eager_model, x), f"step {i}")
