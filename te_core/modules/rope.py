@@ -272,7 +272,7 @@ def _rotate_from(t: Tensor, freqs: Tensor, tensor_format: str, start_positions, 
     if cp_size > 1 and seq % 2:
         raise ValueError(f"{name}: with cp_size > 1 each rank holds two equal chunks of the sequence, so its "
                          f"length must be even; got {seq}")
-    if host_readable(start_positions) if isinstance(start_positions, Tensor) else True:
+    if not isinstance(start_positions, Tensor) or host_readable(start_positions):  # (a non-tensor: its error)
         starts = _check_starts(start_positions, batch, f"t {tuple(t.shape)}")
         if max(starts) + reach > freqs.shape[0]:
             raise ValueError(

@@ -16,11 +16,11 @@ HIDDEN, HEADS, GROUPS, LAYER = 32, 4, 2, 3
 TOL = dict(rtol=1.3e-6, atol=1e-5)
 
 
-def _layer():
+def _layer(fmt="bshd"):
     torch.manual_seed(0)
     return tm.TransformerLayer(HIDDEN, 2 * HIDDEN, HEADS, num_gqa_groups=GROUPS, hidden_dropout=0.0,
                                attention_dropout=0.0, self_attn_mask_type="causal", layer_number=LAYER,
-                               attn_input_format="bshd")
+                               attn_input_format=fmt)
 
 
 def _params(qkv_format="bshd", max_batch_size=2, paged=False):
@@ -200,6 +200,14 @@ SCHEDULE = [OrderedDict(a=3, b=4), OrderedDict(a=1, b=1), OrderedDict(a=1, b=1),
 PREFILL = 4  # the padded length of a step bringing a prompt (a decode step brings one token)
 
 
+def _generation_setup(fmt, seed):
+    """(a layer in eval mode, its rotary embedding, four sequences' tokens) for SCHEDULE."""
+    layer = _layer(fmt)
+    layer.eval()
+    torch.manual_seed(seed)
+    return layer, tm.RotaryPositionEmbedding(HIDDEN // HEADS)(16), {name: torch.randn(10, HIDDEN) for name in "abcd"}
+
+
 def _fixed_shape_generation(step, fmt, paged, seqs, freqs):
     """Run SCHEDULE through step(x, params, fixed) twice: eagerly (the step's sequences' rows, as
     long as its longest) and at fixed shapes (max_batch_size rows, PREFILL or 1 tokens, the
@@ -237,13 +245,7 @@ def test_compiled_generation_steps_equal_eager(fmt, paged):
     one graph per step length serves every step (no recompilation as sequences finish and join:
     the layout is read from buffers pre_step refills), and the sequences' outputs and the KV
     cache equal the eager steps'."""
-    layer = tm.TransformerLayer(HIDDEN, 2 * HIDDEN, HEADS, num_gqa_groups=GROUPS, hidden_dropout=0.0,
-                                attention_dropout=0.0, self_attn_mask_type="causal", layer_number=LAYER,
-                                attn_input_format=fmt)
-    layer.eval()
-    freqs = tm.RotaryPositionEmbedding(HIDDEN // HEADS)(16)
-    torch.manual_seed(4)
-    seqs = {name: torch.randn(10, HIDDEN) for name in "abcd"}
+    layer, freqs, seqs = _generation_setup(fmt, seed=4)
     torch._dynamo.reset()  # each case compiles its own step (the same code object)
     compiled = torch.compile(lambda x, params: layer(x, rotary_pos_emb=freqs, inference_params=params),
                              backend="aot_eager", fullgraph=True, dynamic=False)
@@ -276,13 +278,7 @@ def test_generation_steps_inside_a_capture_read_nothing_on_the_host(monkeypatch,
     from te_core.modules import inference, rope
     from te_core.quantization.scaling import graph_capture
 
-    layer = tm.TransformerLayer(HIDDEN, 2 * HIDDEN, HEADS, num_gqa_groups=GROUPS, hidden_dropout=0.0,
-                                attention_dropout=0.0, self_attn_mask_type="causal", layer_number=LAYER,
-                                attn_input_format=fmt)
-    layer.eval()
-    freqs = tm.RotaryPositionEmbedding(HIDDEN // HEADS)(16)
-    torch.manual_seed(5)
-    seqs = {name: torch.randn(10, HIDDEN) for name in "abcd"}
+    layer, freqs, seqs = _generation_setup(fmt, seed=5)
 
     def host_read(*args, **kwargs):
         raise AssertionError("a tensor value was read on the host")
