@@ -19,6 +19,7 @@ one device buffer, in place, which such a step reads, so one graph serves every 
 """
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from itertools import accumulate
 from typing import Dict, List, Optional, Tuple
@@ -113,6 +114,7 @@ class InferenceParams:
                                     device=self.device) for dim in (self.head_dim_k, self.head_dim_v))
         self._storage[layer_number] = storage
         self.cache[layer_number] = tuple(t[:-1].view(*rows, *t.shape[1:]) for t in storage)
+        self._mark_static()
 
     def pre_step(self, step_dict: "OrderedDict[object, int]") -> None:
         """The next step: {seq_id: new tokens} in the batch's order. A sequence seen before
@@ -162,7 +164,19 @@ class InferenceParams:
         self._writes = to_device(self._in_cache(table, *_token_rows(pre, self.step_lens)))
         self._reads = to_device(self._in_cache(table, *_token_rows(none, list(totals.values()))))
         self._fill_layout(step_dict, pre, table)
+        self._mark_static()
         self._empty = False
+
+    def _mark_static(self) -> None:
+        """Once torch.compile is in use (torch._dynamo imported: torch.compile imports it), the
+        tensors a compiled step writes or reads across steps are marked as static inputs, so
+        that CUDA graphs (mode="reduce-overhead") replay their in-place updates instead of
+        skipping the graph for its mutated inputs; te_core does not import dynamo itself."""
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is None:
+            return
+        for t in (self._layout, *(t for storage in self._storage.values() for t in storage)):
+            dynamo.mark_static_address(t)
 
     def _fill_layout(self, step_dict, pre: List[int], table: Tensor) -> None:
         """The step's layout into the fixed-shape buffer, in place (one copy to the device)."""

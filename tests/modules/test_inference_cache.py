@@ -329,3 +329,17 @@ def test_fixed_shape_generation_steps_say_what_is_wrong():
     with torch.no_grad(), pytest.raises(Exception, match=r"layer 1's KV cache does not exist yet, and a compiled or "
                                                          r"captured step cannot allocate it"):
         compiled(torch.randn(2, 1, HIDDEN))
+
+
+def test_caches_are_static_inputs_once_compile_is_in_use():
+    """Once torch.compile is in use, pre_step and allocate_memory mark the layout buffer and
+    the caches' storage as static inputs (torch._dynamo.mark_static_address), so that CUDA
+    graphs (mode="reduce-overhead") replay the step's in-place cache writes."""
+    import torch._dynamo  # what torch.compile imports
+
+    params = _params(max_batch_size=2)
+    params.allocate_memory(LAYER)
+    params.pre_step(OrderedDict(a=2))
+    params.allocate_memory(LAYER + 1)  # a layer made after the step
+    marked = [params._layout, *params._storage[LAYER], *params._storage[LAYER + 1]]
+    assert all(getattr(t, "_dynamo_static_input_type", None) is not None for t in marked)
