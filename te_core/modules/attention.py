@@ -26,7 +26,9 @@ from ._common import (
     reject_unsupported,
     check_attention_heads,
     check_bool,
+    check_bools,
     check_choice,
+    check_eps,
     check_name,
     check_optional_bool,
     check_positive,
@@ -113,7 +115,8 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
         self.window_size = _check_window(window_size, module)
         self.bottom_right_diagonal = check_optional_bool(bottom_right_diagonal, name="bottom_right_diagonal",
                                                          module=module)
-        self.softmax_scale = 1.0 / math.sqrt(k_ch) if softmax_scale is None else float(softmax_scale)
+        self.softmax_scale = (1.0 / math.sqrt(k_ch) if softmax_scale is None
+                              else check_eps(softmax_scale, name="softmax_scale", module=module))
         # layer_number scales nothing here: Transformer Engine divides the logits by it and
         # multiplies them back inside the softmax (fp16 range), an identity in exact math
         self.layer_number, self.name = layer_number, check_name(name, "DotProductAttention")
@@ -178,6 +181,10 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
         # te-core's attention is never FP8, so its backward always runs in the inputs' precision
         check_bool(kwargs.pop("bf16_backward", False), name="bf16_backward", module=module)
         reject_unsupported(f"{module}.forward", **kwargs)
+        check_bools(f"{module}.forward", checkpoint_core_attention=checkpoint_core_attention,
+                    fast_zero_fill=fast_zero_fill)
+        bottom_right_diagonal = check_optional_bool(bottom_right_diagonal, name="bottom_right_diagonal",
+                                                    module=f"{module}.forward")
         fmt = check_choice(qkv_format or self.qkv_format, QKV_FORMATS, name="qkv_format", module=module)
         query_layer, key_layer, value_layer = unpack_qkv(qkv_layer, kv_layer, query_layer, key_layer, value_layer,
                                                           fmt, interleave_dim)
@@ -272,6 +279,7 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
         are their sequences' last, so causal types align to the bottom right, as in Transformer
         Engine, and the plain types become their padding twins."""
         self._check_cached_call(mask_type, attention_mask, fmt, q, k, v)
+        params._check_stepped("step")
         q, k, v = (params.packed_tokens(t, fmt) for t in (q, k, v))
         k, v = params.cached_step(self.layer_number, k, v)
         packed = (Packing(params.cu_seqlens_q, max(params.step_lens)),

@@ -19,6 +19,7 @@ from ._wgrad import check_original_input, original_input_operand, weight_grad
 from ._saved import restore_held, save_holding_quantized
 from ._reset import resetting
 from ._common import (
+    check_callable,
     check_bools,
     check_fp8_gemms,
     check_input,
@@ -178,7 +179,8 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
         self.num_gemms, self.fuse_wgrad_accumulation = num_gemms, fuse_wgrad_accumulation
         self.in_features, self.out_features = in_features, out_features
         self.use_bias, self.return_bias = bias, return_bias
-        self.init_method = init_method or default_init_method()
+        init_method = check_callable(init_method, name="init_method", module="GroupedLinear")
+        self.init_method = default_init_method() if init_method is None else init_method
         factory = dict(device=self.device, dtype=self.params_dtype)
         for i in range(num_gemms):
             self.register_parameter(f"weight{i}", nn.Parameter(torch.empty(out_features, in_features, **factory)))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
+from collections.abc import Mapping
 from itertools import accumulate
 from typing import Dict, List, Optional, Tuple
 
@@ -29,7 +30,7 @@ from torch import Tensor
 
 from ..ops.packed_sequences import check_on_device, host_readable, token_positions
 from ..quantization.scaling import graph_capture_active
-from ._common import check_positive, resolve_device
+from ._common import check_bool, check_positive, resolve_device
 
 
 def fixed_shapes(t: Tensor) -> bool:
@@ -66,7 +67,14 @@ class InferenceParams:
         self.head_dim_k = check_positive(head_dim_k, name="head_dim_k", module=name)
         self.head_dim_v = self.head_dim_k if head_dim_v is None else check_positive(head_dim_v, name="head_dim_v",
                                                                                      module=name)
-        self.is_paged = bool(is_paged)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"{name}: dtype must be the caches' floating-point torch.dtype (the keys' and values'), "
+                            f"got {dtype!r}")
+        if max_ctx_len is not None and (check_positive(max_ctx_len, name="max_ctx_len", module=name)
+                                        > max_sequence_length):
+            raise ValueError(f"{name}: max_ctx_len={max_ctx_len} (the most tokens a sequence brings per step) exceeds "
+                             f"max_sequence_length={max_sequence_length}")
+        self.is_paged = check_bool(is_paged, name="is_paged", module=name)
         if self.is_paged:  # Transformer Engine's conditions on the pages
             self.page_size = check_positive(page_size, name="page_size", module=name) if page_size else None
             if self.page_size is None or max_sequence_length % self.page_size:
@@ -121,6 +129,9 @@ class InferenceParams:
         continues, one missing has finished (its slot or pages are freed), a new one takes a
         free slot (pages as it needs them)."""
         name = "InferenceParams.pre_step"
+        if not isinstance(step_dict, Mapping):
+            raise TypeError(f"{name}: give an OrderedDict {{seq_id: new tokens}} in the batch's order, got "
+                            f"{type(step_dict).__name__}")
         if not step_dict or len(step_dict) > self.max_batch_size:
             raise ValueError(f"{name}: a step carries 1 to max_batch_size={self.max_batch_size} sequences, "
                              f"got {len(step_dict)}")

@@ -25,6 +25,7 @@ from ._saved import restore_held, save_holding_quantized
 from ._wgrad import weight_grad
 from ._reset import resetting
 from ._common import (
+    check_callable,
     check_bool,
     check_bools,
     check_eps,
@@ -304,7 +305,8 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
         factory = dict(device=self.device, dtype=self.params_dtype)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
-        self.init_method = init_method or default_init_method()
+        init_method = check_callable(init_method, name="init_method", module="LayerNormLinear")
+        self.init_method = default_init_method() if init_method is None else init_method
         self.note_primary_weights(weight="weight")
         self._initialize(materialize=False)
         self.apply_parameters_split(parameters_split, name)

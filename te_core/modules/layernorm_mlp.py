@@ -27,6 +27,7 @@ from ._grad_proxy import grad_proxies
 from ._wgrad import weight_grad
 from ._reset import resetting
 from ._common import (
+    check_callable,
     check_bool,
     check_bools,
     check_fp8_gemms,
@@ -264,8 +265,12 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
         self.fc2_weight = nn.Parameter(torch.empty(hidden_size, self.size_per_partition, **factory))
         self.fc2_bias = nn.Parameter(torch.empty(hidden_size, **factory)) if bias else None
         tensor_parallel.mark_sequence_parallel(self, [self.layer_norm_weight, self.layer_norm_bias, self.fc2_bias])
-        self.init_method = init_method or default_init_method()
-        self.output_layer_init_method = output_layer_init_method or default_init_method()
+        init_method, output_layer_init_method = (
+            check_callable(m, name=n, module="LayerNormMLP")
+            for m, n in ((init_method, "init_method"), (output_layer_init_method, "output_layer_init_method")))
+        self.init_method = default_init_method() if init_method is None else init_method
+        self.output_layer_init_method = (default_init_method() if output_layer_init_method is None
+                                         else output_layer_init_method)
         self.note_primary_weights(fc1_weight="fc1_weight", fc2_weight="fc2_weight")
         self._initialize(materialize=False)
         # Transformer Engine's tensor-parallel attributes: fc1 splits its outputs, fc2 its inputs

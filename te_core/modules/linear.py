@@ -23,6 +23,7 @@ from ._saved import restore_held, save_holding_quantized
 from ._wgrad import check_original_input, original_input_operand, weight_grad
 from ._reset import resetting
 from ._common import (
+    check_callable,
     check_bools,
     check_input,
     check_name,
@@ -196,7 +197,8 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.save_original_input = save_original_input  # read at each forward: may be set later (Megatron-LM does)
         self.name = check_name(name, "Linear")
-        self._create_parameters(init_method or _default_init)
+        init_method = check_callable(init_method, name="init_method", module="Linear")
+        self._create_parameters(_default_init if init_method is None else init_method)
         self.apply_parameters_split(parameters_split, "Linear")
         tensor_parallel.mark_model_parallel(self)
         self.init_delayed_wgrad(delay_wgrad_compute, "Linear")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
@@ -9,7 +10,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..ops.packed_sequences import check_on_device, checked_offsets, host_readable, token_positions
-from ._common import check_choice
+from ._common import check_bool, check_choice, check_eps, check_positive
 
 
 class RotaryPositionEmbedding(nn.Module):
@@ -26,11 +27,23 @@ class RotaryPositionEmbedding(nn.Module):
         interleaved: bool = False,
     ):
         super().__init__()
-        rot_dim = int(dim * rotary_percent)
+        module = "RotaryPositionEmbedding"
+        check_positive(dim, name="dim", module=module)
+        percent = check_eps(rotary_percent, name="rotary_percent", module=module)
+        if percent > 1:
+            raise ValueError(f"{module}: rotary_percent must be in (0, 1] (the share of dim rotated), got "
+                             f"{rotary_percent!r}")
+        rot_dim = int(dim * percent)
         if rot_dim <= 0 or rot_dim % 2:
-            raise ValueError(
-                f"RotaryPositionEmbedding: dim * rotary_percent = {rot_dim} must be a positive even number"
-            )
+            raise ValueError(f"{module}: dim * rotary_percent = {rot_dim} must be a positive even number")
+        rotary_base = check_eps(rotary_base, name="rotary_base", module=module)
+        if seq_len_interpolation_factor is not None:
+            seq_len_interpolation_factor = check_eps(seq_len_interpolation_factor, name="seq_len_interpolation_factor",
+                                                     module=module)
+        if pretrained_max_position_embeddings is not None:
+            check_positive(pretrained_max_position_embeddings, name="pretrained_max_position_embeddings",
+                           module=module)
+        interleaved = check_bool(interleaved, name="interleaved", module=module)
         self.rotary_base = rotary_base
         inv_freq = 1.0 / (rotary_base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -39,6 +52,12 @@ class RotaryPositionEmbedding(nn.Module):
         self.interleaved = interleaved
 
     def forward(self, max_seq_len: int, offset: int = 0) -> Tensor:
+        module = "RotaryPositionEmbedding"
+        # (a SymInt where torch.compile traces dynamic shapes)
+        for arg, value, what in (("max_seq_len", max_seq_len, "the positions to make"), ("offset", offset,
+                                                                                       "the first position")):
+            if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)) or value < 0:
+                raise ValueError(f"{module}: {arg} must be a non-negative int ({what}), got {value!r}")
         pos = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=torch.float32) + offset
         # Transformer Engine interpolates positions only when both are set: by the factor up to
         # pretrained * factor positions, beyond that by max_seq_len / pretrained (dynamic)
@@ -47,7 +66,7 @@ class RotaryPositionEmbedding(nn.Module):
             pos = pos * (pretrained / max_seq_len) if max_seq_len > pretrained * factor else pos / factor
         freqs = torch.outer(pos, self.inv_freq)
         emb = torch.stack((freqs, freqs), dim=-1).flatten(-2) if self.interleaved else torch.cat((freqs, freqs), dim=-1)
-        return emb.reshape(max_seq_len, 1, 1, -1)
+        return emb.reshape(max_seq_len, 1, 1, emb.shape[-1])
 
 
 class _RopeFunction(torch.autograd.Function):
@@ -92,6 +111,11 @@ def apply_rotary_pos_emb(
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"{name}: need cp_size >= 1 and 0 <= cp_rank < cp_size, got cp_size={cp_size}, "
                          f"cp_rank={cp_rank}")
+    interleaved = check_bool(interleaved, name="interleaved", module=name)
+    check_bool(fused, name="fused", module=name)
+    for arg, value in (("t", t), ("freqs", freqs)):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(value).__name__}")
     if freqs.dim() != 4 or freqs.shape[1:3] != (1, 1) or freqs.shape[-1] > t.shape[-1]:
         raise ValueError(f"{name}: freqs must be (positions, 1, 1, r) with r <= {t.shape[-1]} (t's last dimension), "
                          f"got shape {tuple(freqs.shape)}")

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ..distributed import tensor_parallel
+from ..ops.attention import ATTN_MASK_TYPES
 from ._base import QuantizedContainer
 from ._tp_container import TensorParallelContainer
 from ._common import (
@@ -148,6 +149,8 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         self.apply_residual_connection_post_layernorm = apply_residual_connection_post_layernorm
         self.parallel_attention_mlp = parallel_attention_mlp
         self.attn_input_format = attn_input_format
+        # (an encoder has no inter-attention, but a bad value is still one: Transformer Engine checks it too)
+        check_choice(enc_dec_attn_mask_type, ATTN_MASK_TYPES, name="enc_dec_attn_mask_type", module=name)
         self.self_attn_mask_type, self.enc_dec_attn_mask_type = self_attn_mask_type, enc_dec_attn_mask_type
         # fmt: off
         common = dict(params_dtype=params_dtype, device=device, bias=bias, zero_centered_gamma=zero_centered_gamma,
@@ -214,6 +217,8 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         check_hidden_dims(hidden_states, self.attn_input_format, "hidden_states", name)
         if self.layer_type == "decoder" and encoder_output is None:
             raise ValueError(f"{name}: layer_type='decoder' needs encoder_output")
+        if enc_dec_attn_mask_type is not None:
+            check_choice(enc_dec_attn_mask_type, ATTN_MASK_TYPES, name="enc_dec_attn_mask_type", module=name)
         # Under torch.autocast the residual stream runs in the autocast dtype, as in Transformer
         # Engine: the blocks compute in it anyway, and the residual adds and the output would
         # otherwise stay in the input's float32.

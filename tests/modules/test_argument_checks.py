@@ -1,0 +1,77 @@
+"""Bad arguments to the modules' constructors and calls raise at once, naming the argument and
+what it must be, instead of being used (a NaN softmax scale, a zero rotary base, an int where an
+init method goes) or failing later inside torch with no context."""
+import math
+from collections import OrderedDict
+
+import pytest
+import torch
+
+import te_core as te
+import te_core.modules as tm
+from te_core.modules.rope import apply_rotary_pos_emb
+
+BAD_CONSTRUCTORS = [
+    (lambda: tm.Linear(8, 8, init_method=0), TypeError, "Linear: init_method must be a callable or None, got 0"),
+    (lambda: tm.LayerNormLinear(8, 8, init_method=3), TypeError, "LayerNormLinear: init_method must be a callable"),
+    (lambda: tm.LayerNormMLP(8, 16, output_layer_init_method=5), TypeError,
+     "LayerNormMLP: output_layer_init_method must be a callable"),
+    (lambda: tm.GroupedLinear(2, 8, 8, init_method="normal"), TypeError, "GroupedLinear: init_method must be a callable"),
+    (lambda: tm.DotProductAttention(2, 4, softmax_scale=math.nan), ValueError, "softmax_scale must be positive and finite"),
+    (lambda: tm.DotProductAttention(2, 4, softmax_scale=0.0), ValueError, "softmax_scale must be positive and finite"),
+    (lambda: tm.DotProductAttention(2, 4, softmax_scale=True), TypeError, "softmax_scale must be a positive finite number"),
+    (lambda: tm.RotaryPositionEmbedding(8.0), ValueError, "dim must be a positive integer"),
+    (lambda: tm.RotaryPositionEmbedding(8, rotary_percent=2.0), ValueError, r"rotary_percent must be in \(0, 1\]"),
+    (lambda: tm.RotaryPositionEmbedding(8, rotary_base=0), ValueError, "rotary_base must be positive and finite"),
+    (lambda: tm.RotaryPositionEmbedding(8, rotary_base=math.nan), ValueError, "rotary_base must be positive"),
+    (lambda: tm.RotaryPositionEmbedding(8, seq_len_interpolation_factor=0), ValueError,
+     "seq_len_interpolation_factor must be positive"),
+    (lambda: tm.RotaryPositionEmbedding(8, pretrained_max_position_embeddings=-1), ValueError,
+     "pretrained_max_position_embeddings must be a positive integer"),
+    (lambda: tm.RotaryPositionEmbedding(8, interleaved="yes"), TypeError, "interleaved must be True or False"),
+    (lambda: te.InferenceParams(2, 16, 2, 8, torch.int32), TypeError, "dtype must be the caches' floating-point"),
+    (lambda: te.InferenceParams(2, 16, 2, 8, "float32"), TypeError, "dtype must be the caches' floating-point"),
+    (lambda: te.InferenceParams(2, 16, 2, 8, torch.float32, is_paged="no"), TypeError, "is_paged must be True or False"),
+    (lambda: te.InferenceParams(2, 16, 2, 8, torch.float32, max_ctx_len=32), ValueError,
+     "max_ctx_len=32 .* exceeds max_sequence_length=16"),
+    (lambda: tm.TransformerLayer(16, 32, 2, enc_dec_attn_mask_type="bogus"), ValueError,
+     "unknown enc_dec_attn_mask_type='bogus'; choose one of"),
+]
+
+
+@pytest.mark.parametrize("make, error, message", BAD_CONSTRUCTORS)
+def test_bad_constructor_arguments_say_what_is_wrong(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_bad_call_arguments_say_what_is_wrong():
+    rope = tm.RotaryPositionEmbedding(8)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="max_seq_len must be a non-negative int"):
+            rope(bad)
+    with pytest.raises(ValueError, match="offset must be a non-negative int"):
+        rope(4, offset=math.nan)
+    freqs = rope(4)
+    t = torch.randn(4, 2, 2, 8)
+    with pytest.raises(TypeError, match="apply_rotary_pos_emb: interleaved must be True or False"):
+        apply_rotary_pos_emb(t, freqs, "sbhd", interleaved="yes")
+    with pytest.raises(TypeError, match="apply_rotary_pos_emb: freqs must be a torch.Tensor, got list"):
+        apply_rotary_pos_emb(t, [1.0], "sbhd")
+    dpa = tm.DotProductAttention(2, 8, attn_mask_type="causal", layer_number=1)
+    q = torch.randn(4, 1, 2, 8)
+    with pytest.raises(TypeError, match="checkpoint_core_attention must be True or False"):
+        dpa(q, q, q, checkpoint_core_attention="x")
+    with pytest.raises(TypeError, match="bottom_right_diagonal"):
+        dpa(q, q, q, bottom_right_diagonal="x")
+    params = te.InferenceParams(2, 16, 2, 8, torch.float32)
+    with pytest.raises(TypeError, match=r"pre_step: give an OrderedDict \{seq_id: new tokens\}.*got list"):
+        params.pre_step([1, 2])
+    with pytest.raises(RuntimeError, match=r"call pre_step\(\{seq_id: new tokens\}\) before the model"):
+        dpa(q, q, q, inference_params=params)
+    layer = tm.TransformerLayer(16, 32, 2, layer_type="decoder", hidden_dropout=0.0, attention_dropout=0.0)
+    x = torch.randn(4, 1, 16)
+    with pytest.raises(ValueError, match="unknown enc_dec_attn_mask_type='bogus'; choose one of"):
+        layer(x, encoder_output=x, enc_dec_attn_mask_type="bogus")
+    params.pre_step(OrderedDict(a=2))  # the checks leave a valid call alone
+    assert rope(0).shape == (0, 1, 1, 8) and rope(3, offset=2).shape == (3, 1, 1, 8)
