@@ -155,6 +155,11 @@ def convert_model(
     check_callable(module_filter_fn, name="module_filter_fn", module="convert_model")
     fuse_norm_linear = check_bool(fuse_norm_linear, name="fuse_norm_linear", module="convert_model")
     skip = _skipped_names(skip)
+    names = {part for fqn, _ in model.named_modules() for part in (fqn, fqn.rpartition(".")[2])}
+    unmatched = sorted(skip - names)
+    if unmatched:  # a misspelt name would convert the very layer meant to stay
+        warnings.warn(f"convert_model: skip names no module of the model: {', '.join(map(repr, unmatched))} "
+                      "(give qualified names, or their last component)", stacklevel=2)
     align = _alignment(recipe)
     left_out: List[str] = []
 

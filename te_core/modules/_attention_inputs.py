@@ -117,7 +117,7 @@ def _padding_from_lengths(q, k, fmt, cu_seqlens_q, cu_seqlens_kv, attention_mask
     masks = []
     for arg, t, cu in (("cu_seqlens_q", q, cu_seqlens_q), ("cu_seqlens_kv", k, cu_seqlens_kv)):
         s = t.shape[0 if fmt == "sbhd" else 1]
-        lengths = cu.diff() if isinstance(cu, Tensor) and cu.dim() == 1 else None
+        lengths = cu.diff() if isinstance(cu, Tensor) and cu.dim() == 1 and not cu.is_floating_point() else None
         if lengths is None or bool((lengths < 0).any()) or bool((lengths > s).any()):
             raise ValueError(f"{name}: {arg} must be 1-D offsets of sequences no longer than {s}, got {cu!r}")
         masks.append((torch.arange(s, device=t.device)[None, :] >= lengths[:, None]).view(-1, 1, 1, s))

@@ -312,8 +312,9 @@ def check_divisible(numerator: int, denominator: int, *, what: str, by: str, mod
 
 def normalized_size(normalized_shape: Union[int, Sequence[int]], module: str) -> Tuple[Tuple[int, ...], int]:
     """(shape tuple, number of elements normalized together)."""
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    if not shape or any(not isinstance(s, int) or s <= 0 for s in shape):
+    single = isinstance(normalized_shape, int) or not isinstance(normalized_shape, (tuple, list, torch.Size))
+    shape = (normalized_shape,) if single else tuple(normalized_shape)
+    if not shape or any(not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in shape):
         raise ValueError(
             f"{module}: normalized_shape must be a positive int or a tuple of them, got {normalized_shape!r}"
         )
@@ -322,6 +323,9 @@ def normalized_size(normalized_shape: Union[int, Sequence[int]], module: str) ->
 
 def check_split_sizes(split_sizes, total: int, module: str) -> Tuple[int, ...]:
     """split_sizes as a tuple of positive ints summing to `total` (the output features)."""
+    if not isinstance(split_sizes, (tuple, list)):
+        raise TypeError(f"{module}: split_sizes must be a list or tuple of positive integers summing to "
+                        f"out_features={total}, got {split_sizes!r}")
     sizes = tuple(split_sizes)
     if not sizes or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
         raise ValueError(f"{module}: split_sizes must be positive integers, got {split_sizes!r}")

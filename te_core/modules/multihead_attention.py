@@ -261,9 +261,12 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         if self.q_norm is not None and self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         if rotary_pos_emb is not None:
-            q_freqs, k_freqs = (
-                rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list)) else (rotary_pos_emb, rotary_pos_emb)
-            )
+            pair = rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list)) else (rotary_pos_emb, rotary_pos_emb)
+            if len(pair) != 2 or not all(isinstance(f, Tensor) for f in pair):
+                raise ValueError(f"{name}: rotary_pos_emb must be a tensor of angles (RotaryPositionEmbedding's "
+                                 f"output) or a (query, key) pair of them, got a {type(rotary_pos_emb).__name__} "
+                                 f"of {len(pair)} items")
+            q_freqs, k_freqs = pair
             # packed sequences: each token by its position in its own sequence, as attention reads
             # them (with padding between the sequences, from their starts in the padded layout)
             packed = self.qkv_format == "thd"

@@ -75,3 +75,22 @@ def test_bad_call_arguments_say_what_is_wrong():
         layer(x, encoder_output=x, enc_dec_attn_mask_type="bogus")
     params.pre_step(OrderedDict(a=2))  # the checks leave a valid call alone
     assert rope(0).shape == (0, 1, 1, 8) and rope(3, offset=2).shape == (3, 1, 1, 8)
+
+
+def test_more_bad_inputs_say_what_is_wrong():
+    """split_sizes not a sequence, a float or bool normalized_shape, float cu_seqlens standing
+    for padding masks, a rotary_pos_emb that is neither angles nor a pair of them."""
+    with pytest.raises(TypeError, match="Linear: split_sizes must be a list or tuple of positive integers"):
+        tm.Linear(8, 8)(torch.randn(4, 8), split_sizes=5)
+    for bad in (16.0, True, None):
+        with pytest.raises(ValueError, match="normalized_shape must be a positive int or a tuple of them"):
+            tm.LayerNorm(bad)
+    dpa = tm.DotProductAttention(2, 8, attn_mask_type="padding")
+    q = torch.randn(4, 2, 2, 8)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be 1-D offsets"):
+        dpa(q, q, q, cu_seqlens_q=torch.tensor([0.0, 2.5, 4.0]), cu_seqlens_kv=torch.tensor([0, 2, 4]))
+    mha = tm.MultiheadAttention(16, 2, attention_dropout=0.0)
+    freqs = tm.RotaryPositionEmbedding(8)(4)
+    for bad in ((freqs, freqs, freqs), [1.0]):
+        with pytest.raises(ValueError, match="rotary_pos_emb must be a tensor of angles"):
+            mha(torch.randn(4, 2, 16), rotary_pos_emb=bad)

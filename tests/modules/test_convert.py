@@ -116,6 +116,20 @@ def test_skip_as_one_string_is_one_name():
     assert isinstance(model["l"], tm.Linear) and isinstance(model["head"], tm.Linear)
 
 
+def test_skip_names_that_match_nothing_are_named():
+    """A misspelt skip name would convert the layer meant to stay: it is named in a warning,
+    and the names that match (qualified, or a last component) convert as asked."""
+    model = nn.ModuleDict({"lm_head": nn.Linear(16, 16), "block": nn.Sequential(nn.Linear(16, 16))})
+    with pytest.warns(UserWarning, match=r"skip names no module of the model: 'lm_haed'"):
+        convert_model(model, skip=["lm_haed", "block.0"])
+    assert isinstance(model["lm_head"], tm.Linear) and type(model["block"][0]) is nn.Linear
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert_model(nn.ModuleDict({"lm_head": nn.Linear(16, 16)}), skip="lm_head")
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(skip=["lm_head", 3]), r"skip must be a module name or a sequence of names \(str\), got \['lm_head', 3\]"),
     (dict(skip=None), r"skip must be a module name or a sequence of names \(str\), got None"),
