@@ -336,6 +336,7 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
         check_input(inp, self.in_features, module="LayerNormLinear", device=weight.device)
         if split_sizes is not None:
             split_sizes = check_split_sizes(split_sizes, self.out_features, "LayerNormLinear")
+        return_residual = check_bool(return_residual, name="return_residual", module="LayerNormLinear.forward")
         if self.sequence_parallel and return_residual:
             raise NotImplementedError("LayerNormLinear: return_residual=True with sequence_parallel=True is not "
                                       "supported yet; keep the residual from the module's input yourself")

@@ -297,6 +297,7 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
         residual: its gradient is then summed into the input's inside the norm's backward.
         With checkpoint=True the backward recomputes the whole forward (fc2 included, which
         Transformer Engine skips) instead of keeping its activations."""
+        return_residual = check_bool(return_residual, name="return_residual", module="LayerNormMLP.forward")
         if self.checkpoint and torch.is_grad_enabled():
             return recompute(self._forward, inp, is_first_microbatch, return_residual=return_residual)
         return self._forward(inp, is_first_microbatch, return_residual=return_residual)

@@ -12,6 +12,7 @@ from ._base import QuantizedContainer
 from ._tp_container import TensorParallelContainer
 from ._common import (
     check_attention_heads,
+    check_bool,
     check_bools,
     check_eps,
     check_choice,
@@ -238,6 +239,7 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         name = "MultiheadAttention"
         check_input(hidden_states, self.hidden_size, name="hidden_states", module=name)
         check_hidden_dims(hidden_states, self.qkv_format, "hidden_states", name)
+        return_residual = check_bool(return_residual, name="return_residual", module=f"{name}.forward")
         proj_in = getattr(self, _input_proj_name(self.attention_type, self.input_layernorm))
         h, g, d = self.num_attention_heads_per_partition, self.num_gqa_groups_per_partition, self.kv_channels
         residual = hidden_states if return_residual else None

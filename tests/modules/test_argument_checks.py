@@ -94,3 +94,11 @@ def test_more_bad_inputs_say_what_is_wrong():
     for bad in ((freqs, freqs, freqs), [1.0]):
         with pytest.raises(ValueError, match="rotary_pos_emb must be a tensor of angles"):
             mha(torch.randn(4, 2, 16), rotary_pos_emb=bad)
+
+
+@pytest.mark.parametrize("make", [lambda: tm.LayerNormLinear(16, 16), lambda: tm.LayerNormMLP(16, 32),
+                                  lambda: tm.MultiheadAttention(16, 2, attention_dropout=0.0)],
+                         ids=["LayerNormLinear", "LayerNormMLP", "MultiheadAttention"])
+def test_return_residual_is_a_bool(make):
+    with pytest.raises(TypeError, match=r"\.forward: return_residual must be True or False, got 'yes'"):
+        make()(torch.randn(4, 2, 16), return_residual="yes")
