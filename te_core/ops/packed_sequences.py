@@ -18,8 +18,10 @@ def host_readable(t: Tensor) -> bool:
     ones). Where they cannot, the checks below run on the device (check_on_device)."""
     if torch.compiler.is_compiling():
         return False
+    if t.device.type in ("cpu", "meta"):
+        return True
     capturing = getattr(getattr(torch, t.device.type, None), "is_current_stream_capturing", None)
-    return t.device.type in ("cpu", "meta") or not (callable(capturing) and capturing())
+    return not (callable(capturing) and capturing())
 
 
 def check_on_device(ok: Tensor, message: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -224,7 +224,7 @@ class PendingUpdates:
         own threads); an autocast's forward updates are its forward thread's alone."""
         self._groups: Dict[int, Tuple[ScalingGroup, object]] = {}
         self._lock = threading.Lock() if locked else None
-        self._backward_claimed: Dict[int, bool] = {}
+        self._backward_claimed: Set[int] = set()  # ids of the backward groups claimed (claim_backward_update)
 
     def claim_backward_update(self, group: ScalingGroup) -> bool:
         """For traced steps, which have no end-of-backward callback: whether this is the first
@@ -232,7 +232,7 @@ class PendingUpdates:
         runs after those of the later uses) then updates the group once, as an eager backward
         pass does at its end."""
         first = id(group) not in self._backward_claimed
-        self._backward_claimed[id(group)] = True
+        self._backward_claimed.add(id(group))
         return first
 
     def _locked(self):
