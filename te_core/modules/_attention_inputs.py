@@ -120,5 +120,9 @@ def _padding_from_lengths(q, k, fmt, cu_seqlens_q, cu_seqlens_kv, attention_mask
         lengths = cu.diff() if isinstance(cu, Tensor) and cu.dim() == 1 and not cu.is_floating_point() else None
         if lengths is None or bool((lengths < 0).any()) or bool((lengths > s).any()):
             raise ValueError(f"{name}: {arg} must be 1-D offsets of sequences no longer than {s}, got {cu!r}")
+        b = t.shape[1 if fmt == "sbhd" else 0]
+        if lengths.numel() != b:
+            raise ValueError(f"{name}: {arg} describes {lengths.numel()} sequences, but the {fmt} tensors hold {b} "
+                             f"(give b + 1 = {b + 1} offsets)")
         masks.append((torch.arange(s, device=t.device)[None, :] >= lengths[:, None]).view(-1, 1, 1, s))
     return tuple(masks)

@@ -324,6 +324,11 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
             raise ValueError("MultiheadAttention: attention_type='cross' needs encoder_output")
         check_input(encoder_output, self.hidden_size, name="encoder_output", module="MultiheadAttention")
         check_hidden_dims(encoder_output, self.qkv_format, "encoder_output", "MultiheadAttention")
+        batch = {"sbhd": 1, "bshd": 0}.get(self.qkv_format)  # (thd: packed, sequences given by cu_seqlens)
+        if batch is not None and encoder_output.shape[batch] != lead[batch]:
+            raise ValueError(f"MultiheadAttention: encoder_output holds {encoder_output.shape[batch]} sequences but "
+                             f"hidden_states {lead[batch]} ({self.qkv_format}: dimension {batch} is the batch); give "
+                             "each query sequence its encoder sequence")
         kv = self.key_value(encoder_output, is_first_microbatch=is_first_microbatch)
         kv_lead = kv.shape[:-1]
         if self.qkv_weight_interleaved:  # per kv group: k then v

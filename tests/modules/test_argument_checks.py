@@ -102,3 +102,17 @@ def test_more_bad_inputs_say_what_is_wrong():
 def test_return_residual_is_a_bool(make):
     with pytest.raises(TypeError, match=r"\.forward: return_residual must be True or False, got 'yes'"):
         make()(torch.randn(4, 2, 16), return_residual="yes")
+
+
+def test_batch_mismatches_name_their_cause():
+    """Padding given as cu_seqlens for another number of sequences than the batch, and a
+    cross-attention encoder_output with another batch than the queries, say so."""
+    dpa = tm.DotProductAttention(2, 8, attn_mask_type="padding")
+    q = torch.randn(5, 2, 2, 8)  # sbhd: 2 sequences
+    with pytest.raises(ValueError, match=r"cu_seqlens_q describes 3 sequences, but the sbhd tensors hold 2 "
+                                         r"\(give b \+ 1 = 3 offsets\)"):
+        dpa(q, q, q, cu_seqlens_q=torch.tensor([0, 2, 4, 5]), cu_seqlens_kv=torch.tensor([0, 2, 4, 5]))
+    cross = tm.MultiheadAttention(16, 2, attention_type="cross", attention_dropout=0.0)
+    with pytest.raises(ValueError, match="encoder_output holds 3 sequences but hidden_states 2"):
+        cross(torch.randn(4, 2, 16), encoder_output=torch.randn(6, 3, 16))
+    assert cross(torch.randn(4, 2, 16), encoder_output=torch.randn(6, 2, 16)).shape == (4, 2, 16)
