@@ -218,8 +218,9 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
             self._check_cached_call(mask_type, attention_mask, fmt, query_layer, key_layer, value_layer)
             if fmt == "thd":  # padded rows for the attention, packed again after it
                 restore = partial(inference_params.fixed_shape_packed, tokens=query_layer.shape[0])
-                query_layer, fmt = inference_params.fixed_shape_padded(query_layer), "bshd"
-                key_layer, value_layer = (inference_params.fixed_shape_padded(t) for t in (key_layer, value_layer))
+                query_layer, key_layer, value_layer = inference_params.fixed_shape_padded(query_layer, key_layer,
+                                                                                         value_layer)
+                fmt = "bshd"
             key_layer, value_layer, padding_q, padding_kv = inference_params.fixed_shape_step(
                 self.layer_number, key_layer, value_layer, fmt)
             attention_mask, mask_type, packed = (padding_q, padding_kv), CACHED_MASK_TYPE[mask_type], None

@@ -94,6 +94,7 @@ class InferenceParams:
         # the caches' tokens flat, (slots, heads, dim), with one spare slot past them, where
         # fixed-shape writes of padding tokens land (fixed_shape_step)
         self._storage: Dict[int, Tuple[Tensor, Tensor]] = {}
+        self._marked_static = False  # (_mark_static)
         # the step's layout at fixed shapes, refilled in place by pre_step, for steps that cannot
         # read it on the host (fixed_shape_step): per batch row, its new tokens, its tokens cached
         # before the step, and its cache row (or pages); rows past the step's batch bring nothing
@@ -122,6 +123,7 @@ class InferenceParams:
                                     device=self.device) for dim in (self.head_dim_k, self.head_dim_v))
         self._storage[layer_number] = storage
         self.cache[layer_number] = tuple(t[:-1].view(*rows, *t.shape[1:]) for t in storage)
+        self._marked_static = False
         self._mark_static()
 
     def pre_step(self, step_dict: "OrderedDict[object, int]") -> None:
@@ -184,10 +186,11 @@ class InferenceParams:
         that CUDA graphs (mode="reduce-overhead") replay their in-place updates instead of
         skipping the graph for its mutated inputs; te_core does not import dynamo itself."""
         dynamo = sys.modules.get("torch._dynamo")
-        if dynamo is None:
+        if dynamo is None or self._marked_static:  # (marked once; a new layer's caches unset it)
             return
         for t in (self._layout, *(t for storage in self._storage.values() for t in storage)):
             dynamo.mark_static_address(t)
+        self._marked_static = True
 
     def _fill_layout(self, step_dict, pre: List[int], table: Tensor) -> None:
         """The step's layout into the fixed-shape buffer, in place (one copy to the device)."""
@@ -207,16 +210,12 @@ class InferenceParams:
         capture): everything at shapes fixed by the inputs and the caches, the layout read from
         the buffer pre_step refills, so one graph serves every step. new_k / new_v: the step's
         (B, S, h, d) ("bshd") or (S, B, h, d) ("sbhd") inputs, B up to max_batch_size rows (rows
-        past the step's sequences are padding), or (T, h, d) packed ("thd"; any T at least the
-        step's tokens, the rest padding), which is laid out as (max_batch_size, max_ctx_len)
-        rows first (fixed_shape_padded). Writes the new tokens into the layer's cache and
+        past the step's sequences are padding); packed ("thd") tokens are laid out so first
+        (fixed_shape_padded). Writes the new tokens into the layer's cache and
         returns (every key and value of the rows' sequences, (B, max_sequence_length, h, d) in
         the input's format; the query padding mask (B, 1, 1, S); the key padding mask (B, 1, 1,
         max_sequence_length), True = padding) for a padded attention over them."""
         self._check_stepped("step")
-        if qkv_format == "thd":  # packed tokens, padded to max_ctx_len per row (fixed_shape_padded)
-            new_k, new_v = self.fixed_shape_padded(new_k), self.fixed_shape_padded(new_v)
-            qkv_format = "bshd"
         if layer_number not in self.cache:
             if not host_readable(new_k):  # a graph would hold the new cache's zero fill, and clear it at every replay
                 raise RuntimeError(
@@ -273,15 +272,19 @@ class InferenceParams:
                                              f"packed input holds ({tokens})")
         return row, index - (ends - lens)[row], index >= ends[-1]
 
-    def fixed_shape_padded(self, x: Tensor) -> Tensor:
-        """Packed new tokens x (T, ...) of a fixed-shape step as (max_batch_size, max_ctx_len, ...)
-        rows, zeros past each sequence's tokens (tokens past the step's are padding, dropped)."""
-        row, position, padding = self._packed_layout(x.shape[0])
+    def fixed_shape_padded(self, *xs: Tensor) -> Tuple[Tensor, ...]:
+        """Packed new tokens xs (T, ...) of a fixed-shape step (query, key, value: one layout for
+        all) as (max_batch_size, max_ctx_len, ...) rows, zeros past each sequence's tokens
+        (tokens past the step's are padding, dropped)."""
+        row, position, padding = self._packed_layout(xs[0].shape[0])
         check_on_device(self._layout[:, 0] <= self.max_ctx_len, f"InferenceParams: a sequence brings more than "
                                                                 f"max_ctx_len={self.max_ctx_len} tokens")
-        padded = x.new_zeros(self.max_batch_size, self.max_ctx_len + 1, *x.shape[1:])  # the last column: padding
-        padded.index_put_((row, position.clamp(max=self.max_ctx_len).masked_fill(padding, self.max_ctx_len)), x)
-        return padded[:, :self.max_ctx_len]
+        where = (row, position.clamp(max=self.max_ctx_len).masked_fill(padding, self.max_ctx_len))
+        padded = []
+        for x in xs:
+            full = x.new_zeros(self.max_batch_size, self.max_ctx_len + 1, *x.shape[1:])  # the last column: padding
+            padded.append(full.index_put_(where, x)[:, :self.max_ctx_len])
+        return tuple(padded)
 
     def fixed_shape_packed(self, out: Tensor, tokens: int) -> Tensor:
         """fixed_shape_padded's inverse for an output (max_batch_size, max_ctx_len, ...): the
