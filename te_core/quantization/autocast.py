@@ -18,6 +18,7 @@ from .._flags import flag
 from .._tracing import run_while_tracing
 from ..recipe import NVFP4_UNSUPPORTED, DelayedScaling, Recipe, in_use
 from .scaling import PendingUpdates, ScalingGroup, check_reduction_member
+from .shared_cast import SharedCast
 
 __all__ = [
     "AutocastContext", "autocast", "fp8_autocast", "get_autocast_context", "quantized_model_init",
@@ -36,6 +37,8 @@ class AutocastContext:
     # the recipe object the user passed (what TE's get_fp8_recipe returns); modules run `recipe`,
     # its in_use copy
     given: Optional[Recipe] = field(default=None, compare=False, repr=False)
+    # the outermost autocast's last shareable input cast, for sibling layers reading the same tensor
+    shared_cast: SharedCast = field(default=None, compare=False, repr=False)
 
     def schedule_forward_update(self, group: ScalingGroup) -> None:
         """Update `group` when the outermost autocast exits (amax reduced over this context's group)."""
@@ -109,15 +112,18 @@ class autocast(ContextDecorator):
             if reason:
                 raise RuntimeError(f"autocast(enabled=True): FP8 is not available on the selected backend: {reason}")
         stack = _STATE.stack
-        updates = stack[0].forward_updates if stack else PendingUpdates()
+        outer = stack[0] if stack else None
+        updates = outer.forward_updates if outer is not None else PendingUpdates()
+        shared = outer.shared_cast if outer is not None else SharedCast()
         stack.append(AutocastContext(self.enabled, self.calibrating, recipe, self.amax_reduction_group, updates,
-                                   self.recipe))
+                                   self.recipe, shared))
         return None
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         stack = _STATE.stack
         context = stack.pop()
         if not stack:
+            context.shared_cast.clear()  # (the steps saved for backward hold the context)
             if exc_type is None:
                 context.forward_updates.flush()
             else:

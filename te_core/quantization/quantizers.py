@@ -5,6 +5,7 @@ the backward GEMMs read (fused cast-transpose where the kind allows it).
 """
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
@@ -39,6 +40,12 @@ def joined(dy) -> Tensor:
     return torch.cat(dy, dim=-1) if isinstance(dy, (list, tuple)) else dy
 
 
+def sharing_fields(*names: str) -> Callable[["Quantizer"], tuple]:
+    """A quantizer class's _sharing_getter: its attributes `names`, with what every quantizer's
+    cast carries to the GEMMs and the backward (format, wgrad precision, accumulation)."""
+    return attrgetter("fp8_dtype", "wgrad_in_fp8", "backward_override", "_fast_accumulation_key", *names)
+
+
 class Quantizer:
     """Base: casts tensors of one role to one FP8 format."""
 
@@ -56,6 +63,7 @@ class Quantizer:
     # gemm -> not split_accumulator(gemm): what every FP8 GEMM asks (quantization.gemm), so taken
     # once, whenever split_accumulator is set, rather than asked of the recipe per GEMM.
     fast_accumulation: Dict[str, bool] = {gemm: not default_split_accumulator(gemm) for gemm in GEMMS}
+    _fast_accumulation_key: Tuple[bool, ...] = tuple(fast_accumulation.values())  # (for sharing_key)
 
     @property
     def split_accumulator(self) -> Callable[[str], bool]:
@@ -65,6 +73,7 @@ class Quantizer:
     def split_accumulator(self, choice: Callable[[str], bool]) -> None:
         self._split_accumulator = choice
         self.fast_accumulation = {gemm: not choice(gemm) for gemm in GEMMS}
+        self._fast_accumulation_key = tuple(self.fast_accumulation.values())
 
     # Whether a weight-gradient GEMM reads this quantizer's FP8 output (its column-wise copy).
     # False for the inputs and output gradients of a recipe that runs the wgrad in high precision
@@ -81,6 +90,19 @@ class Quantizer:
 
     def quantize(self, x: Tensor, *, columnwise: bool = False) -> QuantizedTensor:
         raise NotImplementedError
+
+    # What a cast's result depends on besides its input, in a quantizer whose cast depends on
+    # nothing else and records nothing: an attrgetter of them (sharing_fields), or None, where
+    # casts are never shared. Each class declares its own: a subclass (a user's, whose cast may
+    # draw random bits) shares only once it declares one.
+    _sharing_getter: Optional[Callable[["Quantizer"], tuple]] = None
+
+    def sharing_key(self) -> Optional[tuple]:
+        """Layers whose quantizers give equal keys may share one cast of the same tensor
+        (shared_cast); None: never shared (delayed scaling casts with a scale of its own and
+        records an amax)."""
+        getter = type(self).__dict__.get("_sharing_getter")
+        return None if getter is None else (type(self), getter(self))
 
     def quantize_with_dbias(self, dy: Tensor, *, columnwise: bool = True) -> Tuple[QuantizedTensor, Tensor]:
         """A 2-D gradient quantized, with its bias gradient (sum over rows). dy may be a list
@@ -215,6 +237,8 @@ class Float8CurrentScalingQuantizer(Quantizer):
 
     gemm_alignment = 1  # tensor-wise: any shape (quantized_gemm pads the GEMM's operands)
 
+    _sharing_getter = sharing_fields("power_2_scale", "amax_epsilon")
+
     def __init__(self, role: Role, fp8_dtype: torch.dtype, power_2_scale: bool = False, amax_epsilon: float = 0.0):
         super().__init__(role, fp8_dtype)
         self.power_2_scale = power_2_scale
@@ -244,6 +268,8 @@ class Float8CurrentScalingQuantizer(Quantizer):
 
 class Float8BlockQuantizer(Quantizer):
     """One float32 scale per 1x128 run of a row (block_2d=False) or per 128x128 tile."""
+
+    _sharing_getter = sharing_fields("block_2d", "power_2_scale", "amax_epsilon")
 
     def __init__(self, role, fp8_dtype, block_2d: bool, power_2_scale: bool = True, amax_epsilon: float = 0.0):
         super().__init__(role, fp8_dtype)
@@ -277,6 +303,8 @@ class MXFP8Quantizer(Quantizer):
     """MXFP8: an E8M0 power-of-two scale per 32 consecutive elements."""
 
     gemm_alignment = 32
+
+    _sharing_getter = sharing_fields()
 
     def quantize(self, x: Tensor, *, columnwise: bool = False) -> MXFP8Tensor:
         x2d = _as_2d(x, "MXFP8 quantization")

@@ -21,6 +21,7 @@ from torch import Tensor
 from .. import ops
 from .gemm import check_gemm_dims, keep_columnwise
 from .quantizers import joined
+from .autocast import get_autocast_context
 from .roles import Role
 from .scaling import _CAPTURE, amax_of_parts, reduce_first_amax, schedule_backward_update, update_now
 from .tensor import QUANTIZED, QuantizedTensor
@@ -208,7 +209,23 @@ class QuantizationStep(CalibrationStep):
     def operand(self, slot, x, *, columnwise=False):
         if isinstance(x, QUANTIZED):  # quantized already: an FP8 all-gather under sequence parallelism
             return x
-        return self._quantize(slot, x, columnwise)
+        # The cast of a tensor the layer before cast the same way is that layer's (shared_cast).
+        # Not traced (the compiler sees both casts), not in a capture (each graph keeps its own
+        # memory), and only in the forward of the autocast that made the step (a recompute in the
+        # backward, te.checkpoint's, runs outside it).
+        if self._traced or _CAPTURE.active or get_autocast_context() is not self._context:
+            return self._quantize(slot, x, columnwise)
+        quantizer = self._state.quantizer(slot)
+        key = quantizer.sharing_key()
+        if key is None:
+            return self._quantize(slot, x, columnwise)
+        columnwise = columnwise and quantizer.wgrad_in_fp8
+        shared = self._context.shared_cast
+        result = shared.get(x, key, columnwise)
+        if result is None:
+            result = quantizer.quantize(x, columnwise=columnwise)
+            shared.put(x, key, columnwise, result)
+        return result
 
     def weight_operand(self, slot, weight, *, columnwise=False):
         if isinstance(weight, QUANTIZED):  # primary FP8 weight: already quantized
