@@ -141,6 +141,15 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         tp["set_parallel_mode"] = set_parallel_mode
         check_normalization(normalization, name)
         self.layer_type = check_choice(layer_type, ("encoder", "decoder"), name="layer_type", module=name)
+        if parallel_attention_mlp:  # (Transformer Engine's rules: its parallel branch has none of these)
+            for clash, present in (("layer_type='decoder'", layer_type == "decoder"),
+                                   ("apply_residual_connection_post_layernorm=True",
+                                    apply_residual_connection_post_layernorm),
+                                   ("output_layernorm=True", output_layernorm)):
+                if present:
+                    raise ValueError(f"{name}: parallel_attention_mlp=True does not go with {clash}: the parallel "
+                                     "attention and MLP branches read the layer's input, have no cross-attention and "
+                                     "no normalized residual; drop one of the two")
         check_choice(attn_input_format, QKV_FORMATS, name="attn_input_format", module=name)
         self.hidden_size, self.name = hidden_size, debug_name
         self.hidden_dropout = hidden_dropout
@@ -157,22 +166,30 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
                       normalization=normalization, fuse_wgrad_accumulation=fuse_wgrad, **tp)
         attention = dict(num_gqa_groups=num_gqa_groups, kv_channels=kv_channels, attention_dropout=attention_dropout,
                          init_method=init_method, output_layer_init_method=output_layer_init_method,
-                         layer_number=layer_number, input_layernorm=True, qkv_format=attn_input_format,
+                         layer_number=layer_number, qkv_format=attn_input_format,
                          fuse_qkv_params=fuse_qkv_params, qkv_weight_interleaved=qkv_weight_interleaved,
                          rotary_pos_interleaved=rotary_pos_interleaved,
-                         return_layernorm_output=apply_residual_connection_post_layernorm,
                          layernorm_epsilon=layernorm_epsilon, qk_norm_type=qk_norm_type, qk_norm_eps=qk_norm_eps,
                          qk_norm_before_rope=qk_norm_before_rope, softmax_type=softmax_type, **common)
+        # output_layernorm (BERT's post-norm): the norm moves from the self-attention's input to the
+        # layer's output, so self-attention has no normalized input to be the residual either
+        self.output_layernorm = output_layernorm
         self.self_attention = MultiheadAttention(hidden_size, num_attention_heads, attn_mask_type=self_attn_mask_type,
                                                  window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
                                                  attention_type="self", name=sub_name(debug_name, "self_attention"),
+                                                 input_layernorm=not output_layernorm,
+                                                 return_layernorm_output=(apply_residual_connection_post_layernorm
+                                                                          and not output_layernorm),
                                                  **attention)
         if layer_type == "decoder":
             self.inter_attention = MultiheadAttention(hidden_size, num_attention_heads, attention_type="cross",
                                                       attn_mask_type=enc_dec_attn_mask_type,
                                                       window_size=enc_dec_window_size,
                                                       bottom_right_diagonal=enc_dec_bottom_right_diagonal,
-                                                      name=sub_name(debug_name, "inter_attention"), **attention)
+                                                      name=sub_name(debug_name, "inter_attention"),
+                                                      input_layernorm=True,
+                                                      return_layernorm_output=apply_residual_connection_post_layernorm,
+                                                      **attention)
         self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, eps=layernorm_epsilon, init_method=init_method,
                                           output_layer_init_method=output_layer_init_method, activation=activation,
                                           activation_params=activation_params,
@@ -237,13 +254,15 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         # the residuals come back from the blocks that normalize them (return_residual), so that
         # their gradients are summed inside the norms' backward kernels, not by separate adds
         fuse = not self.apply_residual_connection_post_layernorm and not self.parallel_attention_mlp
+        # (self-attention without an input norm: its residual is always its input)
+        fuse_self = fuse or self.output_layernorm
         attn = self.self_attention(
             hidden_states, attention_mask=attention_mask,
             attn_mask_type=self_attn_mask_type or self.self_attn_mask_type, window_size=window_size,
-            bottom_right_diagonal=bottom_right_diagonal, return_residual=fuse,
+            bottom_right_diagonal=bottom_right_diagonal, return_residual=fuse_self,
             **shared, **self_kwargs,
         )
-        attn, residual = attn if fuse else self._residual_source(attn, hidden_states)
+        attn, residual = attn if fuse_self else self._residual_source(attn, hidden_states)
         if self.parallel_attention_mlp:
             mlp, _ = self._residual_source(
                 self.layernorm_mlp(hidden_states, is_first_microbatch=is_first_microbatch), hidden_states

@@ -358,9 +358,19 @@ def test_layout_options_match_their_definitions():
     x = torch.randn(5, 2, 32)
     kw = dict(hidden_dropout=0.0, attention_dropout=0.0)
     base = tm.TransformerLayer(32, 64, 4, **kw)
+    # output_layernorm (Transformer Engine's BERT layout): the norm leaves self-attention's input
+    # for the layer's output; self-attention projects x itself, with TE's parameter names
     with_out_norm = tm.TransformerLayer(32, 64, 4, output_layernorm=True, **kw)
-    with_out_norm.load_state_dict(base.state_dict(), strict=False)
-    torch.testing.assert_close(with_out_norm(x), with_out_norm.layernorm(base(x)), rtol=1.3e-6, atol=1e-5)
+    assert "self_attention.qkv.query_weight" in with_out_norm.state_dict()
+    assert not any("layernorm_qkv" in name for name in with_out_norm.state_dict())
+    for post_norm_residual in (False, True):
+        layer = tm.TransformerLayer(32, 64, 4, output_layernorm=True,
+                                    apply_residual_connection_post_layernorm=post_norm_residual, **kw)
+        layer.load_state_dict(with_out_norm.state_dict())
+        hidden = x + layer.self_attention(x)  # (no normalized input: the residual is x either way)
+        mlp = layer.layernorm_mlp(hidden)
+        mlp = mlp[0] + mlp[1] if post_norm_residual else hidden + mlp
+        torch.testing.assert_close(layer(x), layer.layernorm(mlp), rtol=1.3e-6, atol=1e-5)
 
     post = tm.TransformerLayer(32, 64, 4, apply_residual_connection_post_layernorm=True, **kw)
     post.load_state_dict(base.state_dict())
@@ -373,6 +383,15 @@ def test_layout_options_match_their_definitions():
     par.load_state_dict(base.state_dict())
     expected = x + base.self_attention(x) + base.layernorm_mlp(x)
     torch.testing.assert_close(par(x), expected, rtol=1.3e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("clash", [dict(layer_type="decoder"), dict(apply_residual_connection_post_layernorm=True),
+                                   dict(output_layernorm=True)])
+def test_parallel_attention_mlp_refuses_what_its_branches_lack(clash):
+    # Transformer Engine refuses these too; a decoder's cross-attention was silently skipped
+    (name, value), = clash.items()
+    with pytest.raises(ValueError, match=f"parallel_attention_mlp=True does not go with {name}={value!r}"):
+        tm.TransformerLayer(32, 64, 4, parallel_attention_mlp=True, **clash)
 
 
 def test_container_quantization_state_collects_submodules():
