@@ -86,6 +86,15 @@ class ScalingGroup:
         # the group still takes one of its own, as after any update).
         self.captured = False
 
+    def __getstate__(self) -> dict:
+        # A copy (pickle, deepcopy) makes its own views of amax_history and scale: pickle copies
+        # each cached view's storage apart from the tensor it views, so the copy's casts would
+        # record amaxes into orphans its history never sees, and read a stale scale_inv.
+        state = self.__dict__.copy()
+        state["_column_views"] = None
+        state["_scale_inv_snapshot"], state["_scale_inv_version"] = (state["scale"], []), None
+        return state
+
     def scale_inv(self) -> Tensor:
         """1 / scale (n,), recomputed (as a NEW tensor) only after `scale` changed in place, so
         tensors quantized earlier keep their snapshot and a step costs one reciprocal per group,

@@ -17,6 +17,8 @@ from torch.utils._pytree import tree_map
 from . import high_precision_init
 
 aten = torch.ops.aten
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8_PAYLOAD = "_fp8_payload_dtypes"  # the pickled state's record of the payload's FP8 dtypes
 
 # Operand kinds: how a GEMM operand's scale_inv is laid out.
 TENSOR = "tensor"  # one float32 scale_inv
@@ -146,6 +148,29 @@ class QuantizedTensor(Tensor):
                 moved.__dict__.setdefault(name, value)
             twin = moved
         return twin
+
+    def __getstate__(self) -> dict:
+        # Plain pickle (multiprocessing's, not torch.save) cannot rebuild a float8 tensor's storage
+        # in torch: the FP8 payload travels as its bytes, viewed back by __setstate__.
+        state = dict(self.__dict__)
+        fp8 = {name: value.dtype for name, value in state.items()
+               if type(value) is Tensor and value.dtype in _FP8_DTYPES}
+        for name in fp8:
+            state[name] = state[name].view(torch.uint8)
+        if fp8:
+            state[_FP8_PAYLOAD] = fp8
+        return state
+
+    def __setstate__(self, state) -> None:
+        if isinstance(state, tuple):  # (dict, slots): torch's layout where a class has slots
+            state, slots = state
+            for name, value in slots.items():
+                setattr(self, name, value)
+        state = dict(state)
+        for name, dtype in state.pop(_FP8_PAYLOAD, {}).items():
+            state[name] = state[name].view(dtype)
+        for name, value in state.items():
+            setattr(self, name, value)
 
     def __deepcopy__(self, memo):
         twin = self._with_payload(lambda t: t.clone())
