@@ -165,6 +165,31 @@ def test_ranks_disagreeing_on_shapes_fail_on_every_rank(pool, sequence_parallel)
         assert "rank 0: shape (4, 2, 64)" in message and "rank 1: shape (8, 2, 64)" in message
 
 
+def _disagreeing_recipes(ctx, variant: str):
+    if ctx.rank >= 2:
+        return None
+    layer = LayerNormMLP(32, 64, tp_group=ctx.group(2), set_parallel_mode=True, sequence_parallel=True)
+    if variant == "fp8 on one rank":
+        autocast = te.autocast(enabled=ctx.rank == 0, recipe=te.recipe.DelayedScaling())
+    else:
+        autocast = te.autocast(recipe=te.recipe.DelayedScaling() if ctx.rank == 0 else te.recipe.Float8CurrentScaling())
+    with pytest.raises(ValueError) as err, autocast:
+        layer(torch.randn(16, 2, 32))
+    return str(err.value)
+
+
+@pytest.mark.parametrize("variant", ["fp8 on one rank", "two recipes"])
+def test_ranks_disagreeing_on_the_recipe_fail_on_every_rank(pool, variant):
+    # the collectives would move FP8 on one rank and bf16 (or other scales) on the other: a hang
+    # or an abort inside the collective library, where this names each rank's quantization
+    other = ("no FP8 (outside te.autocast or enabled=False)" if variant == "fp8 on one rank"
+             else "FP8 with Float8CurrentScaling HYBRID")
+    for message in pool.run(_disagreeing_recipes, variant)[:2]:
+        assert "the tensor-parallel ranks disagree on the input or its quantization" in message
+        assert "rank 0: shape (16, 2, 32) torch.float32, FP8 with DelayedScaling HYBRID" in message
+        assert f"rank 1: shape (16, 2, 32) torch.float32, {other}" in message
+
+
 def _indivisible_sequence(ctx):
     if ctx.rank >= 2:
         return None
