@@ -19,6 +19,7 @@ one device buffer, in place, which such a step reads, so one graph serves every 
 """
 from __future__ import annotations
 
+import numbers
 import sys
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -38,6 +39,17 @@ def fixed_shapes(t: Tensor) -> bool:
     te.make_graphed_callables (its warm-up too, so that the capture finds the caches as the
     warm-up left them) and wherever t's values cannot be read on the host (host_readable)."""
     return graph_capture_active() or not host_readable(t)
+
+
+def _token_count(n, seq, name: str) -> int:
+    """A step's number of new tokens for `seq`: any positive integer (Python's, numpy's, or a
+    0-d integer tensor's, as code that counts with tensors passes them)."""
+    count = n
+    if isinstance(n, torch.Tensor) and n.dim() == 0 and not n.is_floating_point() and n.dtype != torch.bool:
+        count = n.item()
+    if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
+        raise ValueError(f"{name}: sequence {seq!r} brings {n!r} tokens; give a positive integer")
+    return int(count)
 
 
 class InferenceParams:
@@ -137,9 +149,7 @@ class InferenceParams:
         if not step_dict or len(step_dict) > self.max_batch_size:
             raise ValueError(f"{name}: a step carries 1 to max_batch_size={self.max_batch_size} sequences, "
                              f"got {len(step_dict)}")
-        for seq, n in step_dict.items():
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name}: sequence {seq!r} brings {n!r} tokens; give a positive int")
+        step_dict = OrderedDict((seq, _token_count(n, seq, name)) for seq, n in step_dict.items())
         totals = {seq: (self.sequences.get(seq, 0) if seq in self._held() else 0) + n for seq, n in step_dict.items()}
         for seq, total in totals.items():
             if total > self.max_sequence_length:
@@ -300,11 +310,30 @@ class InferenceParams:
         row, position, padding = self._packed_layout(tokens)
         return (self._layout[:, 1][row] + position).masked_fill(padding, 0)
 
-    def fixed_shape_starts(self, rows: int) -> Tensor:
-        """Each of the input's `rows` sequences' cached tokens before this step, from the
-        fixed-shape buffer (0 for padding rows): the rotary embedding's starts in fixed_shape_step."""
+    def padded_positions(self, rows: int, seq: int) -> Tensor:
+        """(rows, seq): each token's position in its sequence for a padded (bshd) step input of
+        `rows` sequences of `seq` tokens: the sequence's cached tokens plus the token's place
+        among its new ones. A padding token takes its row's last new token's position (0 in a
+        padding row), so the rotary table needs only as many positions as the sequences hold
+        (a decoding row padded to a prompt's length would reach past them otherwise). From the
+        layout buffer: the same in eager, compiled and captured steps."""
         self._check_stepped("get_seqlens_pre_step")
-        return self._layout[:rows, 1]
+        lens, pre = self._layout[:rows, 0], self._layout[:rows, 1]
+        last = (lens - 1).clamp(min=0)
+        return pre[:, None] + torch.minimum(torch.arange(seq, device=pre.device)[None, :], last[:, None])
+
+    def check_rotary_reach(self, positions: int, on_device: bool) -> None:
+        """A clear error where a sequence of the step holds more tokens than the rotary table
+        `positions` has angles for (on the device where the step cannot read the host's count)."""
+        message = (f"apply_rotary_pos_emb: a sequence of this step reaches position {{}}, but freqs hold positions "
+                   f"0..{positions - 1}: make the rotary embedding for at least max_sequence_length="
+                   f"{self.max_sequence_length} positions, e.g. RotaryPositionEmbedding(dim)(max_sequence_length)")
+        if on_device:
+            check_on_device((self._layout[:, 0] + self._layout[:, 1] <= positions).all(), message.format("past them"))
+            return
+        longest = max(self.sequences.values(), default=0)
+        if longest > positions:
+            raise ValueError(message.format(longest - 1))
 
     def _held(self):
         return self._pages if self.is_paged else self._slots

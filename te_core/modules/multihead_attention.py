@@ -275,18 +275,20 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
             q_cu, k_cu = ((_or(kwargs.get("cu_seqlens_q_padded"), kwargs.get("cu_seqlens_q")),
                            _or(kwargs.get("cu_seqlens_kv_padded"), kwargs.get("cu_seqlens_kv")))
                           if packed else (None, None))
-            starts = None
             fixed = inference_params is not None and fixed_shapes(q)  # a KV-cache step compiled or captured
-            if fixed and not packed:
-                starts = inference_params.fixed_shape_starts(q.shape[1 if self.qkv_format == "sbhd" else 0])
-            elif inference_params is not None:  # the new tokens follow what each sequence has cached
-                starts = inference_params.get_seqlens_pre_step()
-                q_cu = k_cu = inference_params.cu_seqlens_q if packed else None
-            if fixed and packed:  # each token at its position, as fixed_shape_step lays the tokens out
+            starts = None
+            if inference_params is not None and not packed:  # each token at its place after the cached ones
+                q, k = (_rotate_padded_step(t, f, inference_params, self.qkv_format, self.rotary_pos_interleaved,
+                                            fixed) for t, f in ((q, q_freqs), (k, k_freqs)))
+            elif fixed:  # packed: each token at its position, as fixed_shape_step lays the tokens out
+                inference_params.check_rotary_reach(min(q_freqs.shape[0], k_freqs.shape[0]), on_device=True)
                 positions = inference_params.fixed_shape_positions(q.shape[0])
                 q = rotate_at(q, q_freqs, positions, self.rotary_pos_interleaved)
                 k = rotate_at(k, k_freqs, positions, self.rotary_pos_interleaved)
             else:
+                if inference_params is not None:  # packed: the new tokens follow what each sequence has cached
+                    starts = inference_params.get_seqlens_pre_step()
+                    q_cu = k_cu = inference_params.cu_seqlens_q
                 # cp: this rank's positions
                 cp = dict(cp_size=self.core_attention.cp_size, cp_rank=self.core_attention.cp_rank)
                 q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format, starts, interleaved=self.rotary_pos_interleaved,
@@ -336,6 +338,18 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         else:
             k, v = kv.split([g * d, g * d], dim=-1)
         return projected.reshape(*lead, h, d), k.reshape(*kv_lead, g, d), v.reshape(*kv_lead, g, d)
+
+
+def _rotate_padded_step(t: Tensor, freqs: Tensor, inference_params, qkv_format: str, interleaved: bool,
+                        fixed: bool) -> Tensor:
+    """A KV-cache step's padded (bshd / sbhd) query or key, each token rotated at its position
+    in its sequence (InferenceParams.padded_positions: padding tokens at their row's last)."""
+    rows, seq = (t.shape[1], t.shape[0]) if qkv_format == "sbhd" else (t.shape[0], t.shape[1])
+    inference_params.check_rotary_reach(freqs.shape[0], on_device=fixed)
+    positions = inference_params.padded_positions(rows, seq)
+    if qkv_format == "sbhd":
+        positions = positions.t()
+    return rotate_at(t.reshape(-1, *t.shape[2:]), freqs, positions.reshape(-1), interleaved).view(t.shape)
 
 
 def _input_proj_name(attention_type: str, input_layernorm: bool) -> str:

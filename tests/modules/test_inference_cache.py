@@ -101,6 +101,36 @@ def test_finished_sequences_free_their_place(paged):
                 done[name] += n
 
 
+@pytest.mark.parametrize("fmt, paged", [("bshd", False), ("sbhd", False), ("bshd", True)])
+def test_a_decoding_row_padded_to_a_prompt_needs_no_longer_rotary_table(fmt, paged):
+    """A step where sequence a decodes late in its life while b brings a prompt: a's row is
+    padded to the prompt's length, whose padding would sit past max_sequence_length. The rotary
+    table made for max_sequence_length positions serves it (padding tokens take their row's last
+    position), as Transformer Engine's fused rotary kernel serves it; a sequence that really
+    reaches past the table is an error naming it."""
+    layer, whole = _layer(fmt), _layer()  # (the same weights: the whole sequences run in bshd)
+    layer.eval()
+    freqs = tm.RotaryPositionEmbedding(HIDDEN // HEADS)(16)  # exactly max_sequence_length positions
+    torch.manual_seed(3)
+    seqs = {"a": torch.randn(14, HIDDEN), "b": torch.randn(6, HIDDEN)}
+    want = {name: _alone(whole.eval(), s, freqs) for name, s in seqs.items()}
+    params = _params(fmt, paged=paged)
+    done = dict.fromkeys(seqs, 0)
+    with torch.no_grad():
+        for step in (OrderedDict(a=8), OrderedDict(a=4), OrderedDict(a=1, b=5), OrderedDict(a=1, b=1)):
+            params.pre_step(step)
+            rows = [seqs[name][done[name]:done[name] + n] for name, n in step.items()]
+            out = layer(_to_format(rows, fmt), rotary_pos_emb=freqs, inference_params=params)
+            for got, (name, n) in zip(_from_format(out, list(step.values()), fmt), step.items()):
+                torch.testing.assert_close(got, want[name][done[name]:done[name] + n], **TOL)
+                done[name] += n
+        params.pre_step(OrderedDict(a=1))  # a holds 15 tokens: position 14 is past a 14-position table
+        with pytest.raises(ValueError, match=r"a sequence of this step reaches position 14, but freqs hold "
+                                             r"positions 0\.\.13: make the rotary embedding for at least "
+                                             r"max_sequence_length=16 positions"):
+            layer(_to_format([seqs["a"][:1]], fmt), rotary_pos_emb=freqs[:14], inference_params=params)
+
+
 def test_multihead_attention_decode_and_the_te_step_api():
     torch.manual_seed(3)
     mha = tm.MultiheadAttention(HIDDEN, HEADS, num_gqa_groups=GROUPS, attention_dropout=0.0, layer_number=1,
@@ -169,10 +199,28 @@ def test_paged_cache_holds_what_the_non_paged_one_holds():
     assert paged.page_table.shape == (2, 4) and not b_pages & c_pages
 
 
+def test_token_counts_of_any_integer_type():
+    """numpy's integers and 0-d integer tensors (what code counting with tensors passes, as
+    Transformer Engine's examples do) count as Python's ints."""
+    import numpy as np
+
+    layouts = []
+    for counts in ((3, 2), (np.int64(3), np.int32(2)), (torch.tensor(3), torch.tensor(2, dtype=torch.int32))):
+        params = _params()
+        params.pre_step(OrderedDict(zip("ab", counts)))
+        assert params.step_lens == [3, 2] and all(type(n) is int for n in params.step_lens)
+        layouts.append((params.cu_seqlens_q, params.cu_seqlens_kv, params.pre_step_seqlens))
+    for layout in layouts[1:]:
+        assert all(torch.equal(t, w) for t, w in zip(layout, layouts[0]))
+
+
 def test_bad_steps_and_inputs_say_what_is_wrong():
     params = _params()
-    with pytest.raises(ValueError, match="sequence 'a' brings 0 tokens; give a positive int"):
+    with pytest.raises(ValueError, match="sequence 'a' brings 0 tokens; give a positive integer"):
         params.pre_step(OrderedDict(a=0))
+    for bad in (2.0, torch.tensor(2.0), torch.tensor([2]), True):
+        with pytest.raises(ValueError, match="sequence 'a' brings .* tokens; give a positive integer"):
+            params.pre_step(OrderedDict(a=bad))
     params.pre_step(OrderedDict(a=3, b=2))
     with pytest.raises(ValueError, match=r"2 sequences bringing up to 3 tokens, but the bshd input has shape \(2, 2"):
         params.packed_tokens(torch.randn(2, 2, GROUPS, HIDDEN // HEADS), "bshd")
