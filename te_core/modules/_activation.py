@@ -1,9 +1,9 @@
 """LayerNormMLP's `activation` and `activation_params`, as Transformer Engine takes them.
 
 `activation_params` is a dict of extra parameters of the activation; as in Transformer Engine
-only clamped_swiglu has any (`limit`, `alpha`). The pair becomes one value handed to the
+only clamped_swiglu has any (`limit`, `alpha`, `glu_linear_offset`). The pair becomes one value handed to the
 autograd Function: the name alone, or (name, sorted parameter items) for clamped_swiglu, so the
-contract ops receive `limit`/`alpha` only for the kind that takes them.
+contract ops receive them only for the kind that takes them.
 """
 from __future__ import annotations
 
@@ -24,11 +24,12 @@ def activation_op(activation: str, activation_params: Optional[dict], module: st
     if kind != "clamped_swiglu":
         if params:
             raise ValueError(f"{module}: activation_params {params!r} given for activation={kind!r}, which takes "
-                             "none; only 'clamped_swiglu' has parameters (limit, alpha)")
+                             "none; only 'clamped_swiglu' has parameters (limit, alpha, glu_linear_offset)")
         return kind
     unknown = sorted(set(params) - set(CLAMPED_SWIGLU_DEFAULTS))
     if unknown:
-        raise ValueError(f"{module}: activation_params for 'clamped_swiglu' takes limit and alpha, got {unknown}")
+        raise ValueError(f"{module}: activation_params for 'clamped_swiglu' takes limit, alpha and "
+                         f"glu_linear_offset, got {unknown}")
     merged = {**CLAMPED_SWIGLU_DEFAULTS, **{k: float(v) for k, v in params.items()}}
     if not merged["limit"] > 0:
         raise ValueError(f"{module}: clamped_swiglu's limit must be > 0, got {merged['limit']}")

@@ -7,10 +7,11 @@ Gated kinds split the last dimension of x (2h) into a = x[..., :h] and b = x[...
 return act(a) * b: glu (sigmoid), swiglu (silu), geglu (gelu), reglu (relu), qgeglu (qgelu),
 sreglu (srelu);
 their output has h columns. clamped_swiglu (GPT-OSS's) clamps first, a' = min(a, limit) and
-b' = clamp(b, -limit, limit), then returns a' sigmoid(alpha a') (b' + 1); its derivative is zero
-where a clamp is active. `limit` (> 0) and `alpha` apply to clamped_swiglu only: any other kind
-with values other than the defaults is an error. Callers pass them only for clamped_swiglu, so
-a backend whose `supports` does not know them declines the kind by name.
+b' = clamp(b, -limit, limit), then returns a' sigmoid(alpha a') (b' + glu_linear_offset); its
+derivative is zero where a clamp is active. `limit` (> 0), `alpha` and `glu_linear_offset` apply
+to clamped_swiglu only: any other kind with values other than the defaults is an error. Callers
+pass them only for clamped_swiglu, so a backend whose `supports` does not know them declines the
+kind by name.
 FP8 output works as in ops.norm: with fp8_scale and fp8_dtype, y is FP8 data of
 y * fp8_scale and amax = max|y| (maxed into `amax_out` when given, as in ops.cast); else y in
 x's dtype and amax None.
@@ -28,8 +29,8 @@ from ._spec import contract_op
 ACTIVATIONS = ("gelu", "relu", "silu", "qgelu", "srelu", "glu", "swiglu", "geglu", "reglu", "qgeglu", "sreglu",
                "clamped_swiglu")
 GATED_ACTIVATIONS = ("glu", "swiglu", "geglu", "reglu", "qgeglu", "sreglu", "clamped_swiglu")
-CLAMPED_SWIGLU_DEFAULTS = {"limit": 7.0, "alpha": 1.702}
-"""Transformer Engine's defaults for clamped_swiglu's `limit` and `alpha`."""
+CLAMPED_SWIGLU_DEFAULTS = {"limit": 7.0, "alpha": 1.702, "glu_linear_offset": 1.0}
+"""Transformer Engine's defaults for clamped_swiglu's `limit`, `alpha` and `glu_linear_offset`."""
 
 
 def _fp8_out_caps(caps: Capabilities, *args, fp8_dtype=None, **_):
@@ -51,12 +52,14 @@ def activation_fwd(
     amax_out: Optional[Tensor] = None,
     limit: float = 7.0,
     alpha: float = 1.702,
+    glu_linear_offset: float = 1.0,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Returns (y, amax)."""
 
 
 @contract_op("activation")
-def activation_bwd(dy: Tensor, x: Tensor, kind: str, *, limit: float = 7.0, alpha: float = 1.702) -> Tensor:
+def activation_bwd(dy: Tensor, x: Tensor, kind: str, *, limit: float = 7.0, alpha: float = 1.702,
+                   glu_linear_offset: float = 1.0) -> Tensor:
     """d(act)/dx applied to dy; dx has x's shape and dtype (2h columns for gated kinds)."""
 
 
@@ -115,7 +118,8 @@ def dbias_cast_transpose_blockwise(
 @contract_op("activation", _fp8_arg_caps)
 def activation_bwd_dbias_cast_transpose(
     dy: Tensor, x: Tensor, kind: str, scale: Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[Tensor] = None,
-    limit: float = 7.0, alpha: float = 1.702,
+    limit: float = 7.0, alpha: float = 1.702, glu_linear_offset: float = 1.0,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """dx = activation_bwd(dy, x, kind, limit=limit, alpha=alpha) for 2-D x, then (data, data_t, dbias, amax) of dx as
-    dbias_cast_transpose does — the backward epilogue between fc2's dgrad and fc1's GEMMs."""
+    """dx = activation_bwd(dy, x, kind, limit=..., alpha=..., glu_linear_offset=...) for 2-D x, then
+    (data, data_t, dbias, amax) of dx as dbias_cast_transpose does — the backward epilogue between
+    fc2's dgrad and fc1's GEMMs."""

@@ -105,7 +105,7 @@ def _split_gated(x32: Tensor, kind: str) -> Tuple[Tensor, Tensor]:
     return x32[..., :h], x32[..., h:]
 
 
-def _check_kind_and_x(x: Tensor, kind: str, limit: float, alpha: float) -> None:
+def _check_kind_and_x(x: Tensor, kind: str, limit: float, alpha: float, offset: float) -> None:
     check_float("x", x)
     check_choice("kind", kind, ACTIVATIONS)
     if x.dim() < 1:
@@ -115,31 +115,34 @@ def _check_kind_and_x(x: Tensor, kind: str, limit: float, alpha: float) -> None:
             raise ValueError(f"clamped_swiglu needs a finite limit > 0, got {limit!r}")
         if not (isinstance(alpha, (int, float)) and math.isfinite(alpha)):
             raise ValueError(f"clamped_swiglu needs a finite alpha, got {alpha!r}")
-    elif {"limit": limit, "alpha": alpha} != CLAMPED_SWIGLU_DEFAULTS:
-        raise ValueError(f"limit and alpha apply to activation 'clamped_swiglu' only; activation {kind!r} "
-                         f"got limit={limit!r}, alpha={alpha!r}: leave them at their defaults")
+        if not (isinstance(offset, (int, float)) and math.isfinite(offset)):
+            raise ValueError(f"clamped_swiglu needs a finite glu_linear_offset, got {offset!r}")
+    elif {"limit": limit, "alpha": alpha, "glu_linear_offset": offset} != CLAMPED_SWIGLU_DEFAULTS:
+        raise ValueError(f"limit, alpha and glu_linear_offset apply to activation 'clamped_swiglu' only; activation "
+                         f"{kind!r} got limit={limit!r}, alpha={alpha!r}, glu_linear_offset={offset!r}: leave them at "
+                         "their defaults")
 
 
-def _clamped_parts(x32: Tensor, limit: float, alpha: float):
-    """(a', b' + 1, sigmoid(alpha a'), a' sigmoid(alpha a')) of clamped_swiglu's two halves."""
+def _clamped_parts(x32: Tensor, limit: float, alpha: float, offset: float):
+    """(a', b' + offset, sigmoid(alpha a'), a' sigmoid(alpha a')) of clamped_swiglu's two halves."""
     a, b = _split_gated(x32, _CLAMPED)
     a_c, b_c = a.clamp(max=limit), b.clamp(min=-limit, max=limit)
     s = torch.sigmoid(alpha * a_c)
-    return a_c, b_c + 1.0, s, a_c * s
+    return a_c, b_c + offset, s, a_c * s
 
 
-def _clamped_bwd(dy32: Tensor, x32: Tensor, limit: float, alpha: float) -> Tensor:
+def _clamped_bwd(dy32: Tensor, x32: Tensor, limit: float, alpha: float, offset: float) -> Tensor:
     a, b = _split_gated(x32, _CLAMPED)
-    a_c, b_1, s, g = _clamped_parts(x32, limit, alpha)
+    a_c, b_1, s, g = _clamped_parts(x32, limit, alpha, offset)
     # a clamp passes the gradient only where it is not active (as torch.clamp's backward does)
     da = dy32 * b_1 * (s + alpha * a_c * s * (1.0 - s)) * (a <= limit)
     db = dy32 * g * ((b >= -limit) & (b <= limit))
     return torch.cat([da, db], dim=-1)
 
 
-def _forward32(x: Tensor, kind: str, limit: float, alpha: float) -> Tensor:
+def _forward32(x: Tensor, kind: str, limit: float, alpha: float, offset: float) -> Tensor:
     if kind == _CLAMPED:
-        _, b_1, _, g = _clamped_parts(x.float(), limit, alpha)
+        _, b_1, _, g = _clamped_parts(x.float(), limit, alpha, offset)
         return g * b_1
     if kind in _GATED_INNER:
         a, b = _split_gated(x.float(), kind)
@@ -156,20 +159,22 @@ def activation_fwd(
     amax_out: Optional[Tensor] = None,
     limit: float = 7.0,
     alpha: float = 1.702,
+    glu_linear_offset: float = 1.0,
 ) -> Tuple[Tensor, Optional[Tensor]]:
-    _check_kind_and_x(x, kind, limit, alpha)
-    return fp8_output(_forward32(x, kind, limit, alpha), x.dtype, fp8_scale, fp8_dtype, amax_out)
+    _check_kind_and_x(x, kind, limit, alpha, glu_linear_offset)
+    return fp8_output(_forward32(x, kind, limit, alpha, glu_linear_offset), x.dtype, fp8_scale, fp8_dtype, amax_out)
 
 
-def activation_bwd(dy: Tensor, x: Tensor, kind: str, *, limit: float = 7.0, alpha: float = 1.702) -> Tensor:
-    _check_kind_and_x(x, kind, limit, alpha)
+def activation_bwd(dy: Tensor, x: Tensor, kind: str, *, limit: float = 7.0, alpha: float = 1.702,
+                   glu_linear_offset: float = 1.0) -> Tensor:
+    _check_kind_and_x(x, kind, limit, alpha, glu_linear_offset)
     check_float("dy", dy)
     expected = (*x.shape[:-1], _out_columns(x, kind))
     if tuple(dy.shape) != expected:
         raise ValueError(f"dy has shape {tuple(dy.shape)}; activation {kind!r} of x {tuple(x.shape)} needs {expected}")
     dy32 = dy.float()
     if kind == _CLAMPED:
-        dx = _clamped_bwd(dy32, x.float(), limit, alpha)
+        dx = _clamped_bwd(dy32, x.float(), limit, alpha, glu_linear_offset)
     elif kind in _GATED_INNER:
         f, df = _ELEMENTWISE[_GATED_INNER[kind]]
         a, b = _split_gated(x.float(), kind)
@@ -241,9 +246,9 @@ def join_column_parts(parts) -> Tensor:
 
 def activation_bwd_dbias_cast_transpose(
     dy: Tensor, x: Tensor, kind: str, scale: Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[Tensor] = None,
-    limit: float = 7.0, alpha: float = 1.702,
+    limit: float = 7.0, alpha: float = 1.702, glu_linear_offset: float = 1.0,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     check_float("x", x)
     check_ndim("x", x, 2)
-    dx = activation_bwd(dy, x, kind, limit=limit, alpha=alpha)
+    dx = activation_bwd(dy, x, kind, limit=limit, alpha=alpha, glu_linear_offset=glu_linear_offset)
     return dbias_cast_transpose(dx, scale, fp8_dtype, amax_out=amax_out)

@@ -35,10 +35,10 @@ GATED = {"glu": "sigmoid", "swiglu": "silu", "geglu": "gelu", "reglu": "relu", "
          "clamped_swiglu": None}
 
 
-def clamped_swiglu(a, b, limit=7.0, alpha=1.702):
+def clamped_swiglu(a, b, limit=7.0, alpha=1.702, glu_linear_offset=1.0):
     """GPT-OSS's SwiGLU on Transformer Engine's [gate | linear] halves."""
     a, b = a.clamp(max=limit), b.clamp(min=-limit, max=limit)
-    return a * torch.sigmoid(alpha * a) * (b + 1)
+    return a * torch.sigmoid(alpha * a) * (b + glu_linear_offset)
 
 
 def plain_activation(x, kind, params=None):

@@ -56,6 +56,7 @@ def test_layernorm_mlp_matches_plain(activation):
     ("glu", None), ("qgeglu", None), ("sreglu", None), ("clamped_swiglu", None),
     # a small limit makes both clamps active on part of fc1's output (zero gradient there)
     ("clamped_swiglu", {"limit": 0.3, "alpha": 1.2}), ("clamped_swiglu", {"limit": 0.5}),
+    ("clamped_swiglu", {"glu_linear_offset": 0.25}), ("clamped_swiglu", {"limit": 0.4, "glu_linear_offset": -0.5}),
 ])
 def test_layernorm_mlp_new_activations_match_float64(activation, params):
     torch.manual_seed(0)
@@ -98,7 +99,7 @@ def test_transformer_layer_passes_activation_params_to_its_mlp():
 def test_layernorm_mlp_activation_params_are_checked():
     with pytest.raises(ValueError, match="takes none"):
         tm.LayerNormMLP(8, 16, activation="swiglu", activation_params={"limit": 1.0})
-    with pytest.raises(ValueError, match="limit and alpha"):
+    with pytest.raises(ValueError, match="takes limit, alpha and glu_linear_offset, got \\['beta'\\]"):
         tm.LayerNormMLP(8, 16, activation="clamped_swiglu", activation_params={"beta": 1.0})
     with pytest.raises(ValueError, match="> 0"):
         tm.LayerNormMLP(8, 16, activation="clamped_swiglu", activation_params={"limit": -1.0})

@@ -169,10 +169,10 @@ _TAKES = {
 }
 
 
-def _act_bwd_dbias_ct_math(dy, x, kind, scale, fp8_dtype, *, amax_out=None, limit=7.0, alpha=1.702):
+def _act_bwd_dbias_ct_math(dy, x, kind, scale, fp8_dtype, *, amax_out=None, **params):
     """The reference's composition (activation_bwd, then dbias_cast_transpose of dx), dx as
-    stored in x's dtype."""
-    dx = as_stored(ref_act.activation_bwd(dy, x, kind, limit=limit, alpha=alpha))
+    stored in x's dtype; params: clamped_swiglu's."""
+    dx = as_stored(ref_act.activation_bwd(dy, x, kind, **params))
     return ref_act.dbias_cast_transpose(dx, scale, fp8_dtype, amax_out=amax_out)
 
 
