@@ -152,10 +152,13 @@ def moe_unpermute(inp: Tensor, row_id_map: Tensor, merging_probs: Optional[Tenso
                          f"{'experts' if map_type == 'mask' else 'top_k'}), got {tuple(merging_probs.shape)}")
     taken = row_id_map >= 0
     token = torch.arange(num_tokens, device=inp.device)[:, None].expand_as(row_id_map)[taken]
-    rows = inp.index_select(0, row_id_map[taken])
+    # weighted and summed in float32 (at least), rounded once to inp's dtype (Transformer Engine's kernel does
+    # the same): in bf16 two probabilities 1e-4 apart round alike, and their gradient loses ~3 digits
+    compute = torch.promote_types(inp.dtype, torch.float32)
+    rows = inp.index_select(0, row_id_map[taken]).to(compute)
     if merging_probs is not None:
-        rows = rows * merging_probs[taken][:, None].to(rows.dtype)
-    return inp.new_zeros(num_tokens, inp.shape[1]).index_add(0, token, rows)
+        rows = rows * merging_probs[taken][:, None].to(compute)
+    return rows.new_zeros(num_tokens, inp.shape[1]).index_add(0, token, rows).to(inp.dtype)
 
 
 def _chunk_order(split_sizes, sorted_index, total: int, device, name: str) -> Tensor:

@@ -28,9 +28,9 @@ BYTEMAP = "bytemap"
 
 
 def _check(logits: Tensor, score_function: str, routing_map_format, name: str) -> None:
-    if not isinstance(logits, Tensor) or logits.dim() != 2:
-        raise ValueError(f"{name}: logits must be [num_tokens, num_experts], got "
-                         f"{tuple(getattr(logits, 'shape', ()))}")
+    if not isinstance(logits, Tensor) or logits.dim() < 2:
+        raise ValueError(f"{name}: logits must be [num_tokens, num_experts] (or [..., num_experts]: the leading "
+                         f"dimensions are tokens), got {tuple(getattr(logits, 'shape', ()))}")
     if logits.dtype == torch.float64:
         raise ValueError(f"{name}: float64 logits are not supported (as in Transformer Engine); pass float32, "
                          "bfloat16 or float16")
@@ -56,10 +56,11 @@ def _topk(scores: Tensor, topk: int, num_groups: Optional[int], group_topk: Opti
     if not num_groups or experts % num_groups or topk % group_topk:
         raise ValueError(f"grouped top-k needs num_experts ({experts}) divisible by num_groups ({num_groups}) and "
                          f"topk ({topk}) divisible by group_topk ({group_topk})")
-    group_scores = scores.view(tokens, num_groups, -1).topk(topk // group_topk, dim=-1)[0].sum(dim=-1)
+    grouped = scores.view(tokens, num_groups, experts // num_groups)  # (experts // num_groups: no rows is fine)
+    group_scores = grouped.topk(topk // group_topk, dim=-1)[0].sum(dim=-1)
     chosen = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen, True)
-    expert_mask = group_mask.unsqueeze(-1).expand(tokens, num_groups, experts // num_groups).reshape(tokens, -1)
+    expert_mask = group_mask.unsqueeze(-1).expand(tokens, num_groups, experts // num_groups).reshape(tokens, experts)
     return torch.topk(scores.masked_fill(~expert_mask, float("-inf")), k=topk, dim=-1)
 
 
@@ -72,6 +73,7 @@ def fused_topk_with_score_function(logits: Tensor, topk: int, use_pre_softmax: b
     token's k experts; routing map, bool of the same shape), by the rules of the module docstring."""
     name = "fused_topk_with_score_function"
     _check(logits, score_function, routing_map_format, name)
+    shape, logits = logits.shape, logits.reshape(-1, logits.shape[-1])  # leading dimensions: tokens
     if topk_indices is not None or any(v is not None for v in (qb_histogram, qb_bin_bounds, qb_histogram_mode)):
         raise NotImplementedError(f"{name}: topk_indices and quantile balancing (qb_*) are not implemented by "
                                   "te-core; leave them None")
@@ -97,7 +99,7 @@ def fused_topk_with_score_function(logits: Tensor, topk: int, use_pre_softmax: b
         probs = probs * scaling_factor
     routing_probs = torch.zeros_like(logits).scatter(1, indices, probs.to(logits.dtype))
     routing_map = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter(1, indices, True)
-    return routing_probs, routing_map
+    return routing_probs.view(shape), routing_map.view(shape)
 
 
 def fused_compute_score_for_moe_aux_loss(logits: Tensor, topk: int, score_function: str,
@@ -105,12 +107,13 @@ def fused_compute_score_for_moe_aux_loss(logits: Tensor, topk: int, score_functi
     """(routing map of each token's top-k experts by score, bool; the scores in float32, softmax
     or, for sigmoid / sqrtsoftplus, normalized to sum to 1 over all experts)."""
     _check(logits, score_function, routing_map_format, "fused_compute_score_for_moe_aux_loss")
+    shape, logits = logits.shape, logits.reshape(-1, logits.shape[-1])  # leading dimensions: tokens
     scores = _scores(logits.float(), score_function)
     if score_function != "softmax":
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     indices = torch.topk(scores, k=topk, dim=-1)[1]
     routing_map = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter(1, indices, True)
-    return routing_map, scores
+    return routing_map.view(shape), scores.view(shape)
 
 
 def fused_moe_aux_loss(probs: Tensor, tokens_per_expert: Tensor, total_num_tokens: Union[int, Tensor],

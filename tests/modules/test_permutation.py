@@ -95,6 +95,44 @@ def test_gradients_flow_through_permute_and_unpermute():
     assert torch.autograd.gradcheck(roundtrip, (x, w))
 
 
+@pytest.mark.parametrize("map_type", ["mask", "index"])
+def test_bf16_rows_merge_in_float32(map_type):
+    """bf16 expert outputs merged with float32 probabilities: weighted and summed in float32 and
+    rounded once (as Transformer Engine's kernel), so probabilities 1e-4 apart stay apart and
+    their gradient keeps float32's precision."""
+    experts, mask, probs = _routing(3)
+    probs = probs.float()
+    x = _tokens(4).to(torch.bfloat16)
+    if map_type == "mask":
+        out, row_id_map = te.moe_permute(x, mask, map_type="mask")
+        merging = probs.clone().requires_grad_()
+    else:
+        out, row_id_map = te.moe_permute(x, experts.int(), map_type="index")
+        merging = probs.gather(1, experts).clone().requires_grad_()
+    # two experts of token 0 give opposite outputs with nearly equal probabilities
+    rows = out.detach().clone()
+    kept = row_id_map[0][row_id_map[0] >= 0]
+    rows[kept[0]], rows[kept[1]] = 1.0, -1.0
+    with torch.no_grad():
+        picks = [i for i in range(merging.shape[1]) if row_id_map[0, i] >= 0]
+        merging[0, picks[0]], merging[0, picks[1]] = 0.3, 0.2999
+    rows.requires_grad_()
+    y = te.moe_unpermute(rows, row_id_map, merging, map_type=map_type)
+    dy = torch.randn(y.shape, dtype=torch.float64, device=y.device)
+    y.backward(dy.to(y.dtype))
+    # float64 reference of the same definition: y[t] = sum over t's rows of prob * row
+    taken = row_id_map >= 0
+    token = torch.arange(T, device=y.device)[:, None].expand_as(row_id_map)[taken]
+    r64 = rows.detach().double()[row_id_map[taken]]
+    want = torch.zeros(T, H, dtype=torch.float64, device=y.device).index_add(
+        0, token, r64 * merging.detach().double()[taken][:, None])
+    torch.testing.assert_close(y, want.to(torch.bfloat16), rtol=1.6e-2, atol=1e-5)
+    assert y[0].abs().max() > 0  # (bf16 probabilities would cancel: both round to 0.30078125)
+    grad = torch.zeros_like(merging.detach(), dtype=torch.float64)
+    grad[taken] = (dy.to(torch.bfloat16).double()[token] * r64).sum(1)
+    torch.testing.assert_close(merging.grad.double(), grad, rtol=1.3e-6, atol=1e-5)
+
+
 def test_bad_arguments_name_the_problem():
     experts, mask, probs = _routing()
     x = _tokens()

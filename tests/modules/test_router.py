@@ -63,6 +63,24 @@ def test_topk_with_score_function_follows_its_rules(case):
     assert int(routing_map.sum()) == T * K
 
 
+@pytest.mark.parametrize("case", CASES[2:4], ids=["plain", "grouped"])
+def test_leading_dimensions_and_no_tokens(case):
+    """Logits [..., num_experts] (Transformer Engine's: the leading dimensions are tokens) give
+    outputs of their shape, equal to the flattened call's; a rank with no tokens gets empty
+    outputs, grouped or not."""
+    args = (K, case["pre_softmax"], case["groups"], case["group_topk"], case["scaling"], case["fn"], None)
+    logits = _logits(7)
+    probs, routing_map = router.fused_topk_with_score_function(logits.view(T // 2, 2, E), *args)
+    flat_probs, flat_map = router.fused_topk_with_score_function(logits, *args)
+    assert probs.shape == routing_map.shape == (T // 2, 2, E)
+    assert torch.equal(probs.reshape(T, E), flat_probs) and torch.equal(routing_map.reshape(T, E), flat_map)
+    scores_map, scores = router.fused_compute_score_for_moe_aux_loss(logits.view(2, T // 2, E), K, case["fn"])
+    want_map, want_scores = router.fused_compute_score_for_moe_aux_loss(logits, K, case["fn"])
+    assert torch.equal(scores_map.reshape(T, E), want_map) and torch.equal(scores.reshape(T, E), want_scores)
+    none, none_map = router.fused_topk_with_score_function(logits[:0], *args)
+    assert none.shape == none_map.shape == (0, E)
+
+
 def test_probabilities_come_back_in_the_logits_dtype_and_differentiate():
     logits = _logits(2, torch.bfloat16).requires_grad_(True)
     probs, _ = router.fused_topk_with_score_function(logits, K, False, None, None, None, "softmax", None)
