@@ -31,7 +31,9 @@ class StateDtypesMixin:
                     self._load_state(param, name, value)
 
     def _load_state(self, param, name: str, value: torch.Tensor) -> None:
-        """Set state `name` of `param` from its saved value (a subclass's own forms override)."""
+        """Set state `name` of `param` from its saved value (a subclass's own forms override): a
+        copy, never the saved tensor itself, so that an optimizer loaded from another's live
+        state_dict (in the same process) does not step that one's states too."""
         dtype = self.state_dtype(name)
         if dtype is not None and value.is_floating_point():
-            self.state[param][name] = value.to(device=param.device, dtype=dtype)
+            self.state[param][name] = value.to(device=param.device, dtype=dtype, copy=True)

@@ -392,6 +392,28 @@ def test_torch_adam_state_dict_loads_into_fused_adam():
                        torch_adam.state[params[0]]["exp_avg"])
 
 
+@pytest.mark.parametrize("make", [lambda ps: FusedAdam(ps, lr=1e-2), lambda ps: FusedAdam(ps, lr=1e-2, capturable=True),
+                                  lambda ps: FusedSGD(ps, lr=1e-2, momentum=0.9)], ids=["adam", "capturable", "sgd"])
+def test_an_optimizer_loaded_from_a_live_state_dict_owns_its_states(make):
+    """Loaded from another optimizer's state_dict in the same process, each keeps states of its
+    own (Transformer Engine's FusedAdam copies them): stepping one leaves the other alone, and
+    the same step on both gives the same parameters."""
+    first_params = fresh()
+    first = make(first_params)
+    run(first_params, first, steps=2)
+    second_params = [torch.nn.Parameter(p.detach().clone()) for p in first_params]
+    second = make(second_params)
+    second.load_state_dict(first.state_dict())
+    for p, q in zip(first_params, second_params):
+        for name, value in first.state[p].items():
+            if torch.is_tensor(value) and value.numel() > 1:
+                assert value.data_ptr() != second.state[q][name].data_ptr(), name
+    run(first_params, first, steps=1, seed=5)
+    run(second_params, second, steps=1, seed=5)
+    for p, q in zip(first_params, second_params):
+        assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize("capturable", [False, True])
 def test_every_param_group_counts_the_step(capturable):
     """An empty group, and one whose parameters got no gradient, advance "step" with the others
