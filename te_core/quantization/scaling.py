@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .. import ops
 from ..backend.types import fp8_max
-from ..reference.scaling import history_amax, roll_history, scale_from_amax
+from ..reference.scaling import roll_history, scale_from_amax
 
 _FLOATS_PER_16_BYTES = 4
 
@@ -416,19 +416,22 @@ def _aligned_reciprocals(scale: Tensor) -> Tuple[Tensor, Tuple[Tensor, ...]]:
 
 def _custom_update(group: ScalingGroup) -> None:
     """The update with a user amax_compute_algo / scaling_factor_compute_algo (TE's callables),
-    by the rules of ops.delayed_scaling_update: a column that recorded nothing this step keeps
-    its scale and history; the user's amax_compute_algo sees the history as it is (NaN
-    included); under the default scale formula an amax that is 0, inf or NaN keeps the old
-    scale, and a scale from scaling_factor_compute_algo that is not finite and positive does too."""
+    as Transformer Engine's own update for them (its unfused one, not the fused kernel of
+    ops.delayed_scaling_update): the amax from the history as it is, NaN included (the user's
+    algo, or "max" / "most_recent" over it); every column's history rolls each step, one that
+    recorded nothing (an all-zero tensor) too; under the default scale formula an amax that is
+    0, inf or NaN keeps the old scale, and a scale from scaling_factor_compute_algo that is not
+    finite and positive does too (te-core's guard: such a scale would make every cast NaN)."""
     recipe, history, scale = group.recipe, group.amax_history, group.scale
     algo = recipe.amax_compute_algo
     if callable(algo):
         amax = _user_result(algo(history), scale, "amax_compute_algo", "the (L, n) amax history").float()
+    elif algo == "max":
+        amax = history.max(dim=0).values  # (NaN wins, as torch.max in TE's update)
     else:
-        amax = history_amax(history, algo).clone()
-    stepped = history[0] != 0
-    scale.copy_(torch.where(stepped, _scale_for(group, amax, scale), scale))
-    roll_history(history, stepped)
+        amax = history[0].clone()
+    scale.copy_(_scale_for(group, amax, scale))
+    roll_history(history, torch.ones_like(scale, dtype=torch.bool))
 
 
 def _scale_for(group: ScalingGroup, amax: Tensor, scale: Tensor) -> Tensor:

@@ -103,6 +103,34 @@ def test_callable_algorithms(gen):
     assert torch.all(group.amax_history[0] == 0) and torch.equal(group.amax_history[-1], history[0])
 
 
+@pytest.mark.parametrize("algo", [lambda history: history.max(dim=0).values, "max", "most_recent"],
+                         ids=["callable", "max-with-callable-scale", "most_recent-with-callable-scale"])
+def test_callables_update_as_transformer_engine_updates_them(gen, algo):
+    """With a callable amax_compute_algo or scaling_factor_compute_algo, Transformer Engine runs
+    its unfused update: every column's history rolls each step, also one whose tensor was all
+    zeros (amax 0; its fused kernel for the string algorithms skips those), and the amax comes
+    from the history as it is, NaN included (torch.max)."""
+    sf = None if callable(algo) else (lambda amax, scale, fp8_max, recipe: fp8_max / amax)
+    recipe = DelayedScaling(amax_history_len=3, amax_compute_algo=algo, scaling_factor_compute_algo=sf)
+    group = make_group(torch.zeros(3, 2), torch.ones(2), recipe)
+    expected_history = torch.zeros(3, 2)
+    for amaxes in ([100.0, 5.0], [0.0, 6.0], [0.0, 0.0], [1.0, float("nan")]):
+        group.amax_history[0] = torch.tensor(amaxes)
+        expected_history[0] = torch.tensor(amaxes)
+        old = group.scale.clone()
+        if callable(algo) or algo == "max":
+            amax = expected_history.max(dim=0).values
+        else:
+            amax = expected_history[0].clone()
+        want = E4M3_MAX / amax
+        want = torch.where(torch.isfinite(amax) & (amax > 0) & torch.isfinite(want), want, old)
+        update_scales([group])
+        expected_history = torch.roll(expected_history, -1, 0)
+        expected_history[0] = 0.0
+        torch.testing.assert_close(group.amax_history, expected_history, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(group.scale, want, rtol=1.3e-6, atol=0)
+
+
 def _spy_fprop(monkeypatch):
     seen = []
     real = linear_module.fprop_gemm
