@@ -3,13 +3,17 @@ te-core modules in place, keeping their weights.
 
 A norm directly followed by a Linear inside an nn.Sequential becomes one LayerNormLinear (the
 Linear's slot becomes nn.Identity); elsewhere the data flow between modules is not known from
-the module tree, so norms and Linears are converted one by one.
+the module tree, so norms and Linears are converted one by one. The new modules hold the model's
+own parameters (the same Parameter objects), so parameters the model ties together (an LM head
+sharing the embedding's weight) stay tied, and optimizers or hooks holding them keep working.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Callable, List, Optional, Sequence, Tuple
+from collections import Counter
+from functools import partial
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -28,8 +32,8 @@ def _is_rmsnorm(module: nn.Module) -> bool:
     if isinstance(module, RMSNorm):
         return False
     rms_cls = getattr(nn, "RMSNorm", None)
-    if rms_cls is not None and isinstance(module, rms_cls):
-        return module.weight is not None
+    if rms_cls is not None and isinstance(module, rms_cls):  # (over one dimension, as nn.LayerNorm below)
+        return module.weight is not None and module.weight.dim() == 1
     weight = getattr(module, "weight", None)
     return (
         type(module).__name__.endswith("RMSNorm")
@@ -58,29 +62,29 @@ def _is_layernorm(module: nn.Module) -> bool:
     )
 
 
-def _convert_norm(module: nn.Module) -> nn.Module:
+def _convert_norm(module: nn.Module, take) -> nn.Module:
     w = module.weight
     if _is_layernorm(module):
         new = LayerNorm(module.normalized_shape, eps=module.eps, params_dtype=w.dtype, device=w.device)
-        _copy(new.bias, module.bias)
+        take(new, "bias", module.bias)
     else:
         new = RMSNorm(w.shape[0], eps=_norm_eps(module), params_dtype=w.dtype, device=w.device)
-    _copy(new.weight, w)
+    take(new, "weight", w)
     return new
 
 
-def _convert_linear(module: nn.Linear) -> Linear:
+def _convert_linear(module: nn.Linear, take) -> Linear:
     w = module.weight
     new = Linear(
         module.in_features, module.out_features, bias=module.bias is not None, params_dtype=w.dtype, device=w.device
     )
-    _copy(new.weight, w)
+    take(new, "weight", w)
     if module.bias is not None:
-        _copy(new.bias, module.bias)
+        take(new, "bias", module.bias)
     return new
 
 
-def _fuse(norm: nn.Module, linear: nn.Linear) -> LayerNormLinear:
+def _fuse(norm: nn.Module, linear: nn.Linear, take) -> LayerNormLinear:
     w = linear.weight
     kind = "LayerNorm" if _is_layernorm(norm) else "RMSNorm"
     new = LayerNormLinear(
@@ -92,19 +96,29 @@ def _fuse(norm: nn.Module, linear: nn.Linear) -> LayerNormLinear:
         params_dtype=w.dtype,
         device=w.device,
     )
-    _copy(new.layer_norm_weight, norm.weight)
+    take(new, "layer_norm_weight", norm.weight)
     if kind == "LayerNorm":
-        _copy(new.layer_norm_bias, norm.bias)
-    _copy(new.weight, w)
+        take(new, "layer_norm_bias", norm.bias)
+    take(new, "weight", w)
     if linear.bias is not None:
-        _copy(new.bias, linear.bias)
+        take(new, "bias", linear.bias)
     return new
 
 
 @torch.no_grad()
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+def _take(module: nn.Module, name: str, src: torch.Tensor) -> bool:
+    """module's parameter `name` becomes the model's own parameter `src` where both are plain
+    Parameters of one shape, dtype and device (see the module docstring): True. Otherwise `src`'s
+    value is copied in (an FP8 primary weight made under te.quantized_model_init quantizes it),
+    and the parameter stays apart from any `src` was tied to: False."""
+    dst = getattr(module, name)
+    if (type(dst) is nn.Parameter and type(src) is nn.Parameter
+            and (src.shape, src.dtype, src.device) == (dst.shape, dst.dtype, dst.device)):
+        setattr(module, name, src)
+        return True
     dst.copy_(src.detach())
     dst.requires_grad_(src.requires_grad)
+    return False
 
 
 def _alignment(recipe) -> int:
@@ -160,53 +174,89 @@ def convert_model(
     if unmatched:  # a misspelt name would convert the very layer meant to stay
         warnings.warn(f"convert_model: skip names no module of the model: {', '.join(map(repr, unmatched))} "
                       "(give qualified names, or their last component)", stacklevel=2)
-    align = _alignment(recipe)
-    left_out: List[str] = []
-
-    def wanted(module: nn.Module, fqn: str) -> bool:
-        parts = fqn.split(".")
-        if any(".".join(parts[: i + 1]) in skip or parts[i] in skip for i in range(len(parts))):
-            return False  # the module or a module containing it is skipped
-        return module_filter_fn is None or bool(module_filter_fn(module, fqn))
-
-    def linear_ok(module: nn.Linear, fqn: str) -> bool:
-        if module.in_features % align or module.out_features % align:
-            left_out.append(f"{fqn} ({module.in_features}->{module.out_features})")
-            return False
-        return True
-
+    walk = _Walk(model, skip, module_filter_fn, _alignment(recipe), fuse_norm_linear)
     for fqn, parent in list(model.named_modules()):
-        _convert_children(parent, fqn, wanted, linear_ok, fuse_norm_linear)
-    if left_out:
-        warnings.warn(
-            f"convert_model: left in high precision (features not multiples of {align}): {', '.join(left_out)}",
-            stacklevel=2,
-        )
+        walk.convert_children(parent, fqn)
+    walk.warn()
     return model
 
 
-def _convert_children(parent: nn.Module, prefix: str, wanted, linear_ok, fuse: bool) -> None:
-    names: List[Tuple[str, nn.Module]] = list(parent.named_children())
-    fused_into: set = set()
-    for i, (name, child) in enumerate(names):
-        fqn = f"{prefix}.{name}" if prefix else name
-        if name in fused_into or not wanted(child, fqn):
-            continue
-        is_norm = _is_layernorm(child) or _is_rmsnorm(child)
-        if is_norm and fuse and isinstance(parent, nn.Sequential) and i + 1 < len(names):
-            next_name, nxt = names[i + 1]
-            next_fqn = f"{prefix}.{next_name}" if prefix else next_name
-            if (
-                type(nxt) is nn.Linear
-                and nxt.in_features == child.weight.shape[0]
-                and wanted(nxt, next_fqn)
-                and linear_ok(nxt, next_fqn)
-            ):
-                setattr(parent, name, _fuse(child, nxt))
-                setattr(parent, next_name, nn.Identity())
-                fused_into.add(next_name)
+class _Walk:
+    """One conversion: which modules to convert, and what it had to leave as it was, to say so."""
+
+    def __init__(self, model: nn.Module, skip: frozenset, module_filter_fn: Optional[FilterFn], align: int,
+                 fuse: bool):
+        self.skip, self.module_filter_fn, self.align, self.fuse = skip, module_filter_fn, align, fuse
+        counts = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+        self.tied = {i for i, n in counts.items() if n > 1}  # parameters the model shares between modules
+        self.left_out: Dict[str, None] = {}  # (ordered, once each: a Linear is asked about when fusing too)
+        self.untied: List[str] = []
+        self.linear_like: List[str] = []
+
+    def wanted(self, module: nn.Module, fqn: str) -> bool:
+        parts = fqn.split(".")
+        if any(".".join(parts[: i + 1]) in self.skip or parts[i] in self.skip for i in range(len(parts))):
+            return False  # the module or a module containing it is skipped
+        return self.module_filter_fn is None or bool(self.module_filter_fn(module, fqn))
+
+    def linear_ok(self, module: nn.Linear, fqn: str) -> bool:
+        if module.in_features % self.align or module.out_features % self.align:
+            self.left_out[f"{fqn} ({module.in_features}->{module.out_features})"] = None
+            return False
+        return True
+
+    def taker(self, fqn: str) -> Callable[[nn.Module, str, torch.Tensor], None]:
+        def take(module: nn.Module, name: str, src: torch.Tensor) -> None:
+            if not _take(module, name, src) and id(src) in self.tied:
+                self.untied.append(f"{fqn}.{name}")
+        return take
+
+    def convert_children(self, parent: nn.Module, prefix: str) -> None:
+        names: List[Tuple[str, nn.Module]] = list(parent.named_children())
+        fused_into: set = set()
+        for i, (name, child) in enumerate(names):
+            fqn = f"{prefix}.{name}" if prefix else name
+            if name in fused_into or not self.wanted(child, fqn):
                 continue
-        if is_norm:
-            setattr(parent, name, _convert_norm(child))
-        elif type(child) is nn.Linear and linear_ok(child, fqn):
-            setattr(parent, name, _convert_linear(child))
+            is_norm = _is_layernorm(child) or _is_rmsnorm(child)
+            if is_norm and self.fuse and isinstance(parent, nn.Sequential) and i + 1 < len(names):
+                next_name, nxt = names[i + 1]
+                next_fqn = f"{prefix}.{next_name}" if prefix else next_name
+                if (type(nxt) is nn.Linear and nxt.in_features == child.weight.shape[0]
+                        and self.wanted(nxt, next_fqn) and self.linear_ok(nxt, next_fqn)):
+                    setattr(parent, name, _fuse(child, nxt, self.taker(fqn)))
+                    setattr(parent, next_name, nn.Identity())
+                    fused_into.add(next_name)
+                    continue
+            if is_norm:
+                setattr(parent, name, _convert_norm(child, self.taker(fqn)))
+            elif type(child) is nn.Linear:
+                if self.linear_ok(child, fqn):
+                    setattr(parent, name, _convert_linear(child, self.taker(fqn)))
+            elif _linear_like(child):
+                self.linear_like.append(f"{fqn} ({type(child).__name__})")
+
+    def warn(self) -> None:
+        if self.untied:  # only under te.quantized_model_init: an FP8 weight cannot be the tied parameter itself
+            warnings.warn(f"convert_model: {', '.join(self.untied)} shared a parameter with another part of the "
+                          "model (tied weights), but became FP8 primary weights (te.quantized_model_init) of their "
+                          "own: they train apart from now on; convert outside quantized_model_init, or skip them, to "
+                          "keep the tie", stacklevel=3)
+        if self.left_out:
+            warnings.warn(f"convert_model: left in high precision (features not multiples of {self.align}): "
+                          f"{', '.join(self.left_out)}", stacklevel=3)
+        if self.linear_like:
+            warnings.warn(f"convert_model: left as they are, in high precision: {', '.join(self.linear_like)}: "
+                          "linear layers that are not torch.nn.Linear itself (a subclass, whose forward may differ, "
+                          "or GPT-2's Conv1D, whose weight is transposed); replace them with te.Linear yourself, or "
+                          "skip them to silence this", stacklevel=3)
+
+
+def _linear_like(module: nn.Module) -> bool:
+    """A linear layer convert_model cannot take as nn.Linear: a subclass of it, or a Conv1D
+    (Hugging Face's GPT-2 projection: x @ weight + bias with weight (in, out))."""
+    if isinstance(module, nn.Linear):
+        # (torch's MultiheadAttention reads its out_proj's weight itself: no te.Linear could stand in)
+        return type(module) is not nn.modules.linear.NonDynamicallyQuantizableLinear
+    weight = getattr(module, "weight", None)
+    return type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+import te_core as te
 import te_core.modules as tm
 from te_core import recipe
 from te_core.convert import convert_model
@@ -165,3 +166,72 @@ def test_hugging_face_llama_from_config():
     assert isinstance(model.model.layers[0].self_attn.q_proj, tm.Linear)
     assert isinstance(model.model.layers[0].input_layernorm, tm.RMSNorm)
     torch.testing.assert_close(model(tokens).logits, before, rtol=1e-4, atol=1e-4)
+
+
+class _TiedLM(nn.Module):
+    """An embedding and an LM head sharing one weight, as tied Hugging Face models have them."""
+
+    def __init__(self, vocab=64, hidden=32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.norm = nn.RMSNorm(hidden, eps=1e-6)
+        self.proj = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(torch.relu(self.proj(self.norm(self.embed(tokens)))))
+
+
+def test_converted_layers_hold_the_models_own_parameters():
+    """The new modules hold the model's Parameter objects: weights the model ties stay tied (the
+    head's gradient reaches the embedding; parameters do not multiply), and an optimizer made
+    before the conversion trains the converted model."""
+    torch.manual_seed(0)
+    model = _TiedLM()
+    original = copy.deepcopy(model)
+    params = {name: p for name, p in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    convert_model(model)
+    assert isinstance(model.head, tm.Linear) and isinstance(model.norm, tm.RMSNorm)
+    assert model.head.weight is model.embed.weight
+    assert {name: p for name, p in model.named_parameters()} == params  # the same objects, the same names
+    original_opt = torch.optim.SGD(original.parameters(), lr=0.1)
+    tokens = torch.randint(0, 64, (4, 8))
+    for _ in range(3):
+        for m, o in ((model, opt), (original, original_opt)):
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(tokens).flatten(0, 1), tokens.flatten()).backward()
+            o.step()
+    for (name, p), q in zip(model.named_parameters(), original.parameters()):
+        torch.testing.assert_close(p, q, rtol=1.3e-6, atol=1e-5, msg=name)
+
+
+def test_a_tie_fp8_primary_weights_break_is_named():
+    with te.quantized_model_init(recipe=recipe.Float8CurrentScaling()):
+        model = _TiedLM()
+        with pytest.warns(UserWarning, match=r"head\.weight shared a parameter with another part of the model"):
+            convert_model(model)
+    assert model.head.weight is not model.embed.weight
+
+
+def test_what_stays_as_it_is_is_said_once():
+    class Projection(nn.Linear):  # a subclass: its forward may differ from nn.Linear's
+        pass
+
+    class Conv1D(nn.Module):  # Hugging Face GPT-2's: x @ weight + bias, weight (in, out)
+        def __init__(self, nf, nx):
+            super().__init__()
+            self.weight, self.bias = nn.Parameter(torch.randn(nx, nf)), nn.Parameter(torch.zeros(nf))
+
+    model = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 10), Projection(16, 16), Conv1D(16, 16),
+                          nn.RMSNorm((4, 16)), nn.MultiheadAttention(16, 2))
+    with pytest.warns(UserWarning) as caught:
+        convert_model(model, recipe=recipe.DelayedScaling())
+    messages = [str(w.message) for w in caught]
+    assert sum("1 (64->10)" in m for m in messages) == 1 and all(m.count("1 (64->10)") <= 1 for m in messages)
+    linear_like = [m for m in messages if "left as they are" in m]
+    assert len(linear_like) == 1 and "2 (Projection), 3 (Conv1D)" in linear_like[0]
+    assert "out_proj" not in linear_like[0]  # (torch's attention reads its own projection's weight)
+    assert type(model[2]) is Projection and type(model[3]) is Conv1D
+    assert type(model[4]) is nn.RMSNorm  # a norm over two dimensions stays, as nn.LayerNorm's would
