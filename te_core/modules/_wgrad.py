@@ -3,7 +3,9 @@
 Transformer Engine's `fuse_wgrad_accumulation=True`: the wgrad GEMM adds its result straight
 into a float32 buffer the user allocated as `weight.main_grad` (Megatron-style gradient
 accumulation across micro-batches, without a low-precision `.grad` in between); autograd then
-gets no gradient for the weight, so `weight.grad` stays None.
+gets no gradient for the weight, so `weight.grad` stays None. On a first micro-batch
+(`is_first_microbatch=True`) the GEMM writes main_grad instead, dropping what it held, as
+Transformer Engine's does (main_grad_mode).
 """
 from __future__ import annotations
 
@@ -14,11 +16,28 @@ from torch import Tensor
 
 from ..quantization.gemm import wgrad_gemm, wgrad_operand
 from ..quantization.tensor import QUANTIZED
+from ._microbatch import first_microbatch
 
 
-def weight_grad(dy_op, x_op, out_dtype: torch.dtype, fused_weight: Optional[Tensor], module: str) -> Optional[Tensor]:
+ACCUMULATE, OVERWRITE = 1, 2  # main_grad_mode's answers besides 0 (no fusion); both true
+
+
+def main_grad_mode(fuse_wgrad_accumulation: bool, is_first_microbatch: Optional[bool]) -> int:
+    """What a forward hands its autograd Function for the wgrad: 0 (no fusion: a gradient for
+    autograd), ACCUMULATE (added into main_grad) or OVERWRITE (written into main_grad: the first
+    micro-batch, is_first_microbatch=True)."""
+    if not fuse_wgrad_accumulation:
+        return 0
+    # (checked by the module's quantization_step: None or a bool-like; a graph capture may force it)
+    first = first_microbatch(is_first_microbatch)
+    return OVERWRITE if first is not None and bool(first) else ACCUMULATE
+
+
+def weight_grad(dy_op, x_op, out_dtype: torch.dtype, fused_weight: Optional[Tensor], module: str,
+                overwrite: bool = False) -> Optional[Tensor]:
     """dy^T x in `out_dtype` (the weight's dtype); with `fused_weight` (the weight of a module
-    built with fuse_wgrad_accumulation=True) added into fused_weight.main_grad, returning None."""
+    built with fuse_wgrad_accumulation=True) added into fused_weight.main_grad (written there
+    with `overwrite`), returning None."""
     if fused_weight is None:
         return wgrad_gemm(dy_op, x_op, out_dtype=out_dtype)
     main_grad = getattr(fused_weight, "main_grad", None)
@@ -29,7 +48,7 @@ def weight_grad(dy_op, x_op, out_dtype: torch.dtype, fused_weight: Optional[Tens
         raise RuntimeError(f"{module}(fuse_wgrad_accumulation=True): weight.main_grad has shape "
                            f"{tuple(main_grad.shape)} on {main_grad.device}; it must match the weight "
                            f"({tuple(fused_weight.shape)} on {fused_weight.device})")
-    wgrad_gemm(dy_op, x_op, out_dtype=main_grad.dtype, out=main_grad, accumulate=True)
+    wgrad_gemm(dy_op, x_op, out_dtype=main_grad.dtype, out=main_grad, accumulate=not overwrite)
     return None
 
 

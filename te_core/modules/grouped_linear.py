@@ -15,7 +15,7 @@ from ..quantization.gemm import dgrad_gemm, fprop_gemm, wgrad_operand
 from ._base import QuantizedModule
 from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
-from ._wgrad import check_original_input, original_input_operand, weight_grad
+from ._wgrad import OVERWRITE, check_original_input, main_grad_mode, original_input_operand, weight_grad
 from ._saved import restore_held, save_holding_quantized
 from ._reset import resetting
 from ._common import (
@@ -39,6 +39,11 @@ from ._common import (
 def _nothing() -> None:
     """An expert without tokens adds nothing into its weight's main_grad."""
     return None
+
+
+def _zero_main_grad(weight: Tensor) -> None:
+    """An expert without tokens on a first micro-batch: its main_grad is written, with zeros."""
+    weight.main_grad.zero_()
 
 
 def _slot(i: int, role: str) -> str:
@@ -80,6 +85,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         ctx.step, ctx.m_splits, ctx.num_gemms = step, m_splits, num_gemms
         ctx.weight_meta = [(w.shape, w.dtype) for w in weights]
         ctx.fused_weights = weights if fuse_wgrad else (None,) * num_gemms  # their main_grad takes the wgrad
+        ctx.overwrite_main_grad = fuse_wgrad == OVERWRITE
         ctx.wgrad_store = wgrad_store  # delay_wgrad_compute=True: the wgrads are left for backward_dw
         ctx.bias_dtypes = [b.dtype for b in biases]
         ctx.x_dtype, ctx.needs_dx = x.dtype, dx_needed
@@ -98,7 +104,10 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 dxs.append(dyi.new_zeros(0, shape[1]))
                 # no tokens: a zero gradient, or nothing to add into main_grad
                 fused = ctx.fused_weights[i]
-                zero = _nothing if fused is not None else partial(torch.zeros, shape, dtype=w_dtype, device=dy.device)
+                if fused is None:
+                    zero = partial(torch.zeros, shape, dtype=w_dtype, device=dy.device)
+                else:  # (written on a first micro-batch: zeros, as an empty GEMM writes them)
+                    zero = partial(_zero_main_grad, fused) if ctx.overwrite_main_grad else _nothing
                 dws.append(weight_grad_or_defer(batch, f"weight{i}", zero, fused))
                 dbs.append(torch.zeros(shape[0], dtype=w_dtype, device=dy.device) if ctx.bias_dtypes else None)
                 continue
@@ -110,7 +119,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
             if ctx.keep_original and x_w is not None:
                 x_w = original_input_operand(step, _slot(i, "input"), x_w, ctx.x_dtype, now=ctx.wgrad_store is None)
             dws.append(None if x_w is None else weight_grad_or_defer(batch, f"weight{i}", partial(
-                weight_grad, wgrad_operand(dy_q, dyi), x_w, w_dtype, ctx.fused_weights[i], "GroupedLinear"),
+                weight_grad, wgrad_operand(dy_q, dyi), x_w, w_dtype, ctx.fused_weights[i], "GroupedLinear",
+                ctx.overwrite_main_grad),
                 ctx.fused_weights[i]))
             dbs.append(None if db is None else db.to(ctx.bias_dtypes[i]))
         step.backward_done()
@@ -219,7 +229,8 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
             proxied = tuple(i for i, proxy in enumerate(named) if proxy is not None)
             proxies = tuple(named[i] for i in proxied)
         with no_torch_autocast(inp.device.type):
-            y = _GroupedLinearFunction.apply(x, m_splits, step, self.num_gemms, self.fuse_wgrad_accumulation,
+            y = _GroupedLinearFunction.apply(x, m_splits, step, self.num_gemms,
+                                             main_grad_mode(self.fuse_wgrad_accumulation, is_first_microbatch),
                                              self.delayed_wgrad_store(), proxied,
                                              bool(getattr(self, "save_original_input", False)),
                                              torch.is_grad_enabled(), *self._params("weight"), *biases, *proxies)

@@ -22,7 +22,7 @@ from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
 from ._param_split import ParameterSplitMixin
 from ._saved import restore_held, save_holding_quantized
-from ._wgrad import weight_grad
+from ._wgrad import OVERWRITE, main_grad_mode, weight_grad
 from ._reset import resetting
 from ._common import (
     check_callable,
@@ -200,6 +200,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
                                      if norm_grad else None, *stats))
         ctx.step, ctx.norm, ctx.weight_dtype = step, norm, weight.dtype
         ctx.fused_weight = weight if fuse_wgrad else None  # its main_grad takes the wgrad
+        ctx.overwrite_main_grad = fuse_wgrad == OVERWRITE
         ctx.wgrad_store = wgrad_store  # delay_wgrad_compute=True: the wgrad is left for backward_dw
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.proxied = weight_proxy is not None
@@ -227,7 +228,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         dy_q, dbias = step.grad_operand("grad_output", dy, columnwise=needs_dw, with_dbias=ctx.bias_dtype is not None)
         dw = weight_grad_or_defer(new_batch(ctx.wgrad_store), "weight", partial(
             weight_grad, wgrad_operand(dy_q, dy), ln_out_w, ctx.weight_dtype, ctx.fused_weight,
-            "LayerNormLinear"), ctx.fused_weight) if needs_dw else None
+            "LayerNormLinear", ctx.overwrite_main_grad), ctx.fused_weight) if needs_dw else None
         d_ln = norm_input_grad(ctx, dy_q, w_q, d_ln_out, x.dtype)
         del dy_q  # freed before the norm backward allocates dx
         dx, d_ln_w, d_ln_b = norm_grads(ctx, d_ln, x, stats, ln_weight, d_res)
@@ -366,7 +367,7 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
                 self.return_layernorm_output,
                 split_sizes,
                 residual_fused,
-                self.fuse_wgrad_accumulation,
+                main_grad_mode(self.fuse_wgrad_accumulation, is_first_microbatch),
                 self.delayed_wgrad_store(),
                 grad_proxies(self, ("weight",))[0],
                 torch.is_grad_enabled(),

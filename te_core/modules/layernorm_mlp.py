@@ -24,7 +24,7 @@ from ._base import QuantizedModule
 from .checkpoint import checkpoint as recompute
 from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
-from ._wgrad import weight_grad
+from ._wgrad import OVERWRITE, main_grad_mode, weight_grad
 from ._reset import resetting
 from ._common import (
     check_callable,
@@ -133,6 +133,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         ctx.bias_dtypes = (None if fc1_bias is None else fc1_bias.dtype, None if fc2_bias is None else fc2_bias.dtype)
         ctx.weight_dtypes = (fc1_weight.dtype, fc2_weight.dtype)
         ctx.fused_weights = (fc1_weight, fc2_weight) if fuse_wgrad else (None, None)  # main_grad takes the wgrad
+        ctx.overwrite_main_grad = fuse_wgrad == OVERWRITE
         ctx.wgrad_store = wgrad_store  # delay_wgrad_compute=True: the wgrads are left for backward_dw
         ctx.needs = (x.requires_grad, fc1_weight.requires_grad, fc2_weight.requires_grad)
         ctx.needs_norm = norm_grad
@@ -160,7 +161,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         fc1_fused, fc2_fused = ctx.fused_weights
         batch = new_batch(ctx.wgrad_store)
         d_fc2_w = weight_grad_or_defer(batch, "fc2_weight", partial(
-            weight_grad, dy_w, act_w, ctx.weight_dtypes[1], fc2_fused, "LayerNormMLP"),
+            weight_grad, dy_w, act_w, ctx.weight_dtypes[1], fc2_fused, "LayerNormMLP", ctx.overwrite_main_grad),
             fc2_fused) if needs_dw2 else None
         del act_w, dy_w
         d_act = dgrad_gemm(dy_q, fc2_w_q, out_dtype=x.dtype)
@@ -171,7 +172,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
             step, "fc1_grad_output", d_act_and_h, ctx.activation, columnwise=needs_dw1, with_dbias=ctx.bias_dtypes[0]
         )
         d_fc1_w = weight_grad_or_defer(batch, "fc1_weight", partial(
-            weight_grad, dh_w, ln_out_w, ctx.weight_dtypes[0], fc1_fused, "LayerNormMLP"),
+            weight_grad, dh_w, ln_out_w, ctx.weight_dtypes[0], fc1_fused, "LayerNormMLP", ctx.overwrite_main_grad),
             fc1_fused) if needs_dw1 else None
         del ln_out_w, dh_w
         d_ln = norm_input_grad(ctx, dh_q, fc1_w_q, d_ln_out, x.dtype)
@@ -336,7 +337,7 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
                 self._activation_op,
                 self.return_layernorm_output,
                 residual_fused,
-                self.fuse_wgrad_accumulation,
+                main_grad_mode(self.fuse_wgrad_accumulation, is_first_microbatch),
                 self.delayed_wgrad_store(),
                 *grad_proxies(self, ("fc1_weight", "fc2_weight")),
                 torch.is_grad_enabled(),

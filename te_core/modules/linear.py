@@ -20,7 +20,7 @@ from ._delayed_wgrad import DelayedWgradMixin, WeightGradStore, new_batch, weigh
 from ._grad_proxy import grad_proxies
 from ._param_split import ParameterSplitMixin
 from ._saved import restore_held, save_holding_quantized
-from ._wgrad import check_original_input, original_input_operand, weight_grad
+from ._wgrad import OVERWRITE, check_original_input, main_grad_mode, original_input_operand, weight_grad
 from ._reset import resetting
 from ._common import (
     check_callable,
@@ -43,7 +43,7 @@ _default_init = default_init_method()
 
 class _Options(NamedTuple):
     compute_dtype: torch.dtype
-    fuse_wgrad_accumulation: bool
+    fuse_wgrad_accumulation: int  # _wgrad.main_grad_mode: 0, or how the wgrad goes into main_grad
     grad_enabled: bool  # read outside the Function: inside forward, grad mode is always off
     wgrad_store: Optional[WeightGradStore] = None  # delay_wgrad_compute=True: wgrad left for backward_dw
     save_original_input: bool = False  # keep the input as given; the backward casts it for the wgrad
@@ -122,7 +122,8 @@ class _LinearFunction(torch.autograd.Function):
                 x_wgrad = original_input_operand(step, "input", x_wgrad.contiguous(), ctx.options.compute_dtype,
                                                  now=now)
             dw = weight_grad_or_defer(new_batch(store), "weight", partial(
-                weight_grad, wgrad_operand(dy_op, dy, now=now), x_wgrad, weight.dtype, fused, "Linear"), fused)
+                weight_grad, wgrad_operand(dy_op, dy, now=now), x_wgrad, weight.dtype, fused, "Linear",
+                ctx.options.fuse_wgrad_accumulation == OVERWRITE), fused)
         step.backward_done()
         if dbias is not None:
             dbias = dbias.to(ctx.bias_dtype)
@@ -233,8 +234,8 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
         step = self.quantization_step(is_first_microbatch)
         if self.parallel_mode == "column":  # under sequence parallelism, FP8 all-gather where the recipe allows
             inp = tensor_parallel.column_parallel_input(self, inp, step)
-        options = _Options(compute_dtype(inp), self.fuse_wgrad_accumulation, torch.is_grad_enabled(),
-                           self.delayed_wgrad_store(), keep_original)
+        options = _Options(compute_dtype(inp), main_grad_mode(self.fuse_wgrad_accumulation, is_first_microbatch),
+                           torch.is_grad_enabled(), self.delayed_wgrad_store(), keep_original)
         fused_bias = None if self.return_bias or reduce_output else bias
         with no_torch_autocast(inp.device.type):  # operands are cast here, not by torch.autocast
             if options.grad_enabled and (inp.requires_grad or weight.requires_grad

@@ -187,3 +187,30 @@ def test_megatron_protocol_under_torch_compile():
         plain.weight.grad = None
     assert fired == ["weight", "weight"]
     torch.testing.assert_close(params["weight"].main_grad, want, **FP32)
+
+
+@pytest.mark.parametrize("name", ["Linear", *BUILD])
+def test_a_first_micro_batch_writes_main_grad(name):
+    """is_first_microbatch=True: the wgrad GEMM writes main_grad, dropping what it held (as
+    Transformer Engine's does: its GEMM does not accumulate then); the later micro-batches
+    (False) and steps without the flag (None) add into it. An expert without tokens gets zeros
+    on a first micro-batch."""
+    build, weights, run = BUILD_WITH_LINEAR[name]
+    plain, fused = _plain_and_fused(build)
+    params = dict(fused.named_parameters())
+    for w in weights:
+        params[w].main_grad = torch.full(params[w].shape, 100.0)  # the previous step's, never zeroed
+    sums = {}
+    for flag in (True, False, None):
+        x = torch.randn(12, 24)
+        kw = {"is_first_microbatch": flag}
+        y_plain = plain(x, [5, 0, 7], **kw) if name == "GroupedLinear" else plain(x, **kw)
+        y_fused = fused(x, [5, 0, 7], **kw) if name == "GroupedLinear" else fused(x, **kw)
+        dy = torch.randn(y_plain.shape)
+        y_plain.backward(dy)
+        y_fused.backward(dy)
+        for pname in weights:
+            grad = dict(plain.named_parameters())[pname].grad
+            sums[pname] = grad.clone() if flag else sums[pname] + grad
+            torch.testing.assert_close(params[pname].main_grad, sums[pname], **FP32, msg=f"{pname} after {flag}")
+        plain.zero_grad(set_to_none=True)
