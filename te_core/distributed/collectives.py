@@ -29,6 +29,14 @@ def all_reduce_sum(x: Tensor, group) -> Tensor:
     return out
 
 
+def all_reduce_max(x: Tensor, group) -> Tensor:
+    """The elementwise max of x over the ranks of `group`, in a new tensor, without a gradient
+    (a statistic, such as attention's max logit)."""
+    out = x.detach().contiguous().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return out
+
+
 def all_gather_first_dim(x: Tensor, group) -> Tensor:
     """The ranks' x concatenated along dim 0, in rank order."""
     world = dist.get_world_size(group)

@@ -67,10 +67,11 @@ def gathered(query: Tensor, key: Tensor, value: Tensor, fmt: str, mask_type: str
                       UserWarning, stacklevel=3)
     seq = 0 if fmt == "sbhd" else 1
     local = query.shape[seq]
-    if local % 2 or key.shape[seq] != local:
-        raise ValueError(f"{module}: under context parallelism each rank holds two equal chunks of every sequence "
-                         f"(the load-balanced layout), so queries and keys need the same, even, length; got "
-                         f"{local} queries and {key.shape[seq]} keys")
+    # no_mask attends every query to every key, in any order: cross-attention's keys may be longer
+    if mask_type != "no_mask" and (local % 2 or key.shape[seq] != local):
+        raise ValueError(f"{module}: under context parallelism with a causal mask each rank holds two equal chunks "
+                         f"of every sequence (the load-balanced layout), so queries and keys need the same, even, "
+                         f"length; got {local} queries and {key.shape[seq]} keys")
 
     def gather(t: Tensor) -> Tensor:
         if seq == 0:

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..distributed import tensor_parallel
+from ..distributed.collectives import all_reduce_max
 from ..ops.attention import PADDING_MASK_TYPES
 from ..ops.attention_masks import attention_logits
 from ..ops.packed_sequences import padded_layout, to_padded
@@ -258,7 +259,10 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
             out = _core_attention(q, k, v, options, checkpoint_core_attention, packed)
         result = _shaped(out, fmt, packed, restore)
         if self.return_max_logit:  # (out, max_logit), as Transformer Engine returns them
-            return result, max_logit(q, k, options, packed)
+            logits = max_logit(q, k, options, packed)
+            if self.cp_size > 1:  # this rank's queries: the whole sequence's max over the ranks', as TE reduces it
+                logits = all_reduce_max(logits, self.cp_group)
+            return result, logits
         return result
 
     def _check_cached_call(self, mask_type: str, attention_mask, fmt: str, q: Tensor, k: Tensor, v: Tensor) -> None:

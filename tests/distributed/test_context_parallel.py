@@ -59,6 +59,40 @@ def test_each_rank_gets_its_share_of_the_whole_sequences_attention(pool, fmt, ma
         assert max(diffs) <= FP32["atol"], (rank, diffs)
 
 
+def _max_logit_and_longer_keys(ctx):
+    """(|max logit - the whole sequence's|, output and q/k/v gradient differences of a no_mask
+    cross-attention whose keys are twice as long as the queries)."""
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    seq = 2 * cp * CHUNK
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(n, B, h, D, generator=g) for n, h in ((seq, H), (2 * seq, G), (2 * seq, G)))
+    mine, mine_kv = positions(rank, cp, 2 * CHUNK, "cpu"), positions(rank, cp, 4 * CHUNK, "cpu")
+    build = dict(num_gqa_groups=G, return_max_logit=True)
+    _, whole_logit = te.DotProductAttention(H, D, attn_mask_type="causal", **build)(q, k[:seq], v[:seq])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, logit = te.DotProductAttention(H, D, attn_mask_type="causal", cp_group=dist.group.WORLD, **build)(
+            q[mine], k[mine], v[mine])
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    cross = dict(num_gqa_groups=G, attn_mask_type="no_mask", attention_type="cross")
+    whole_out = te.DotProductAttention(H, D, **cross)(*whole)
+    dy = torch.randn(whole_out.shape, generator=g)
+    whole_out.backward(dy)
+    local = [t[rows].clone().requires_grad_() for t, rows in ((q, mine), (k, mine_kv), (v, mine_kv))]
+    out = te.DotProductAttention(H, D, cp_group=dist.group.WORLD, cp_comm_type="all_gather", **cross)(*local)
+    out.backward(dy[mine])
+    return [(logit - whole_logit).abs().max().item(), (out - whole_out[mine]).abs().max().item(),
+            *((t.grad - w.grad[rows]).abs().max().item() for t, w, rows in zip(local, whole, (mine, mine_kv, mine_kv)))]
+
+
+def test_max_logit_and_cross_attention_keys_of_another_length(pool):
+    """return_max_logit gives every rank the whole sequence's max (Transformer Engine reduces it
+    over the group); no_mask cross-attention takes keys longer than the queries."""
+    for rank, diffs in enumerate(pool.run(_max_logit_and_longer_keys)):
+        assert diffs[0] == 0.0, (rank, diffs)
+        assert max(diffs[1:]) <= FP32["atol"], (rank, diffs)
+
+
 def _errors(ctx):
     group = dist.group.WORLD
     messages = []
