@@ -15,6 +15,7 @@ torch.utils.checkpoint restores the RNG state (dropout) and torch.autocast itsel
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import deque
 from functools import partial
 from typing import Callable, Dict, Tuple
@@ -156,7 +157,17 @@ def checkpoint(
     `get_rng_state_tracker` (a callable returning the tracker), the recompute starts from the
     tracker's states as the forward found them, so dropout inside `tracker.fork()` draws the same
     masks. `tp_group` only serves distribute_saved_activations in Transformer Engine. Under
-    torch.compile, the compiler's own recompute: every recipe but delayed scaling."""
+    torch.compile, the compiler's own recompute: every recipe but delayed scaling.
+    `context_fn` (torch's: a (forward, recompute) context pair) runs inside te-core's own pair;
+    the other options of torch.utils.checkpoint pass through. Transformer Engine's older form,
+    those three options given positionally before the tensors, is taken with its warning."""
+    if (len(args) > 3 and isinstance(args[0], bool) and callable(args[1])
+            and (args[2] is None or _is_process_group(args[2]))):
+        warnings.warn("checkpoint: passing distribute_saved_activations, get_rng_state_tracker and tp_group "
+                      "positionally is deprecated (as in Transformer Engine); pass them as keyword arguments",
+                      DeprecationWarning, stacklevel=2)
+        distribute_saved_activations, get_rng_state_tracker, tp_group = args[:3]
+        args = args[3:]
     if distribute_saved_activations:
         raise NotImplementedError(
             "checkpoint: distribute_saved_activations=True (the saved input split over the tensor-parallel ranks) "
@@ -180,7 +191,27 @@ def checkpoint(
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
     contexts = checkpoint_context if get_rng_state_tracker is None else partial(
         _with_tracker_states, get_rng_state_tracker())
+    user_contexts = kwargs.pop("context_fn", None)
+    if user_contexts is not None:
+        contexts = partial(_both, contexts, user_contexts)
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
+def _both(ours: Callable, theirs: Callable):
+    """The (forward, recompute) pair entering te-core's contexts, then the user's, in each phase."""
+    (forward, recompute), (user_forward, user_recompute) = ours(), theirs()
+
+    @contextlib.contextmanager
+    def stacked(first, second):
+        with first, second:
+            yield
+
+    return stacked(forward, user_forward), stacked(recompute, user_recompute)
+
+
+def _is_process_group(group) -> bool:
+    dist = torch.distributed
+    return dist.is_available() and isinstance(group, dist.ProcessGroup)
 
 
 def _with_tracker_states(tracker):

@@ -6,7 +6,8 @@ Fp8Padding appends zero rows to each of the m_splits groups and returns the padd
 after it, Fp8Unpadding drops those rows again. The padding is plain torch (zeros, split, cat),
 so autograd gives the exact gradients: the padded rows' gradients are dropped, and the dropped
 rows get zero gradient. As in Transformer Engine, align_size=None takes the alignment from the
-recipe of the enclosing autocast (DelayedScaling's 16 outside one) when the module is built.
+recipe of the autocast around the module's first forward (DelayedScaling's 16 outside one) and
+keeps it.
 """
 from __future__ import annotations
 
@@ -18,9 +19,8 @@ from torch import Tensor, nn
 from ._common import check_m_splits, check_positive
 
 
-def _align_size(align_size: Optional[int], module: str) -> int:
-    if align_size is not None:
-        return check_positive(align_size, name="align_size", module=module)
+def _recipe_align_size() -> int:
+    """The row alignment the running autocast's recipe needs (16 outside one)."""
     from ..quantization.autocast import get_autocast_context
 
     context = get_autocast_context()
@@ -39,9 +39,11 @@ class _Padding(nn.Module):
         super().__init__()
         name = type(self).__name__
         self.num_gemms = check_positive(num_gemms, name="num_gemms", module=name)
-        self.align_size = _align_size(align_size, name)
+        self.align_size = None if align_size is None else check_positive(align_size, name="align_size", module=name)
 
     def padded(self, m_splits: Sequence[int]) -> List[int]:
+        if self.align_size is None:  # the first forward's recipe decides, once (Transformer Engine's rule)
+            self.align_size = _recipe_align_size()
         return [-(-m // self.align_size) * self.align_size for m in m_splits]
 
     def extra_repr(self) -> str:

@@ -66,6 +66,48 @@ def test_checkpoint_reproduces_fp8_exactly(rec, checkpoint_fn):
                     torch.testing.assert_close(sa[direction][slot][key], t, rtol=0, atol=0)
 
 
+def _user_contexts(entered):
+    """A torch.utils.checkpoint context_fn recording which phase it was entered in."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def phase(name):
+        entered.append(name)
+        yield
+
+    return lambda: (phase("forward"), phase("recompute"))
+
+
+def _te_checkpoint_with_user_contexts(entered):
+    return lambda model, x: tm.checkpoint(model, x, context_fn=_user_contexts(entered))
+
+
+def _te_checkpoint_positionally(model, x):
+    """Transformer Engine's older form: distribute_saved_activations, get_rng_state_tracker and
+    tp_group before the tensors."""
+    tracker = te_core.distributed.RNGStatesTracker()
+    with pytest.warns(DeprecationWarning, match="positionally is deprecated"):
+        return tm.checkpoint(model, False, lambda: tracker, None, x)
+
+
+@pytest.mark.parametrize("rec", [recipe.DelayedScaling(), recipe.Float8CurrentScaling()], ids=["delayed", "current"])
+def test_checkpoint_takes_a_context_fn_and_the_older_positional_form(rec):
+    """A user's context_fn (torch's) runs in the forward and in the recompute, inside te-core's
+    own pair, still FP8-exact; the older positional form unpacks its three options with a
+    DeprecationWarning (the function gets only the tensors)."""
+    x = torch.randn(8, 32)
+    torch.manual_seed(0)
+    model = Block()
+    reference = run(copy.deepcopy(model), x, rec, use_checkpoint=False)
+    entered = []
+    with_contexts = run(copy.deepcopy(model), x, rec, True, checkpoint_fn=_te_checkpoint_with_user_contexts(entered))
+    assert entered == ["forward", "recompute"] * 3
+    positional = run(copy.deepcopy(model), x, rec, True, checkpoint_fn=_te_checkpoint_positionally)
+    for got in (with_contexts, positional):
+        for step_got, step_want in zip(got, reference):
+            assert all(torch.equal(g, w) for g, w in zip(step_got, step_want))
+
+
 def test_checkpoint_saves_memory_path_and_passes_kwargs():
     torch.manual_seed(0)
     layer = tm.LayerNormMLP(16, 32)

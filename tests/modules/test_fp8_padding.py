@@ -34,9 +34,18 @@ def test_aligned_splits_pass_through():
 
 
 def test_alignment_follows_the_recipe_or_align_size():
-    assert te.Fp8Padding(2).align_size == 16
+    """align_size=None: the recipe of the autocast around the first forward decides (16 outside
+    one, 32 for MXFP8), and the module keeps it, as Transformer Engine's; a module built outside
+    any autocast, as models build them, pads for the recipe it then runs under."""
+    pad, unpad = te.Fp8Padding(2), te.Fp8Unpadding(2)  # built outside any autocast
+    assert pad.align_size is None
+    x = torch.randn(25, 8)
     with autocast(recipe=recipe.MXFP8BlockScaling()):
-        assert te.Fp8Padding(2).align_size == 32 and te.Fp8Unpadding(2).align_size == 32
+        xp, padded = pad(x, [5, 20])
+        assert padded == [32, 32] and pad.align_size == 32 and torch.equal(unpad(xp, [5, 20]), x)
+    assert unpad.align_size == 32 and pad(x, [5, 20])[1] == [32, 32]  # kept after the autocast
+    outside = te.Fp8Padding(2)
+    assert outside(x, [5, 20])[1] == [16, 32] and outside.align_size == 16
     assert te.Fp8Unpadding(2, align_size=64).padded([1, 65]) == [64, 128]
 
 
