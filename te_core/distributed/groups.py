@@ -78,7 +78,7 @@ def _describe(signature) -> str:
     return f"shape {tuple(int(s) for s in signature[5:5 + dims])} {dtype}, {quantization}"
 
 
-def check_ranks_agree(x: Tensor, group, module: str) -> None:
+def check_ranks_agree(x: Tensor, group, module: str, what: str = "tensor-parallel") -> None:
     """ValueError on every rank, naming each rank's shape, dtype and quantization, unless all ranks
     of `group` pass a tensor of the same shape and dtype under the same te.autocast recipe (one
     small all-gather)."""
@@ -91,6 +91,7 @@ def check_ranks_agree(x: Tensor, group, module: str) -> None:
     if bool((everyone == mine).all()):
         return
     listing = "; ".join(f"rank {r}: {_describe(s.tolist())}" for r, s in enumerate(everyone))
-    raise ValueError(f"{module}: the tensor-parallel ranks disagree on the input or its quantization ({listing}); "
-                     "every rank of tp_group must run the same module on a tensor of the same shape and dtype, under "
+    group_arg = "cp_group" if what == "context-parallel" else "tp_group"
+    raise ValueError(f"{module}: the {what} ranks disagree on the input or its quantization ({listing}); every rank "
+                     f"of {group_arg} must run the same module on a tensor of the same shape and dtype, under "
                      "te.autocast with the same recipe")

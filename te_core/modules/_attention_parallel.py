@@ -8,7 +8,7 @@ import contextlib
 import torch
 
 from ..distributed import tensor_parallel
-from ..distributed.groups import group_size
+from ..distributed.groups import check_ranks_agree, group_size
 from ..distributed.random import MODEL_PARALLEL_RNG_TRACKER_NAME
 from . import _context_parallel
 from ._common import check_bool
@@ -52,6 +52,7 @@ class AttentionParallelMixin:
         self.cp_size = _context_parallel.cp_size_of(cp_group, module)
         self.cp_rank = torch.distributed.get_rank(cp_group) if self.cp_size > 1 else 0
         self.cp_group, self.cp_global_ranks, self.cp_stream = cp_group, cp_global_ranks, cp_stream
+        self._cp_shapes_checked = False  # (a new group: its ranks compare their shards at the next call)
 
     def _context_parallel(self, fmt, mask_type, query_layer, key_layer, value_layer, attention_mask, window_size,
                           core_attention_bias_type, alibi_slopes, inference_params, padded, check_window):
@@ -70,6 +71,12 @@ class AttentionParallelMixin:
             raise NotImplementedError(f"{module}: context parallelism (cp_group) is not supported by te-core with "
                                       f"{', '.join(unsupported)}; it takes sbhd or bshd inputs with attn_mask_type "
                                       "'causal' or 'no_mask'")
+        if not self.__dict__.get("_cp_shapes_checked", False):
+            # ranks whose shards differ would hang or abort inside the all-gather: at the first call
+            # (and in every run of a graph traced before one), one small all-gather compares them
+            check_ranks_agree(key_layer, self.cp_group, module, what="context-parallel")
+            if not torch.compiler.is_compiling():
+                self._cp_shapes_checked = True
         return _context_parallel.gathered(query_layer, key_layer, value_layer, fmt, mask_type, self.cp_group,
                                           self.cp_size, self.cp_rank, self.cp_comm_type, module)
 

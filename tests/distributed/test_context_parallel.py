@@ -93,6 +93,22 @@ def test_max_logit_and_cross_attention_keys_of_another_length(pool):
         assert max(diffs[1:]) <= FP32["atol"], (rank, diffs)
 
 
+def _uneven_shards(ctx):
+    rank = dist.get_rank()
+    attention = te.DotProductAttention(H, D, attn_mask_type="no_mask", cp_group=dist.group.WORLD,
+                                       cp_comm_type="all_gather")
+    with pytest.raises(ValueError) as err:
+        attention(*(torch.randn(4 + 2 * (rank % 2), B, H, D) for _ in range(3)))  # ranks 1, 3: 6 tokens
+    return str(err.value)
+
+
+def test_ranks_with_shards_of_other_lengths_are_named(pool):
+    # the all-gather of keys would hang or abort inside the collective library instead
+    for message in pool.run(_uneven_shards):
+        assert "the context-parallel ranks disagree on the input" in message
+        assert "rank 0: shape (4, 2, 4, 8)" in message and "rank 1: shape (6, 2, 4, 8)" in message
+
+
 def _errors(ctx):
     group = dist.group.WORLD
     messages = []
