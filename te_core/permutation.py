@@ -61,8 +61,9 @@ def moe_permute(inp: Tensor, routing_map: Tensor, num_out_tokens: int = -1, max_
                 map_type: str = "mask") -> Tuple[Tensor, Tensor]:
     """(the tokens grouped by expert, row_id_map), Transformer Engine's arguments. With
     map_type="index", num_out_tokens < num_tokens x top_k keeps the first rows (capacity dropping:
-    the rows of the highest expert indices are dropped first); max_token_num sizes Transformer
-    Engine's workspace and changes nothing here."""
+    the rows of the highest expert indices are dropped first); a larger num_out_tokens gives zero
+    rows after the routed ones, with either map type (Transformer Engine leaves them
+    uninitialized); max_token_num sizes Transformer Engine's workspace and changes nothing here."""
     name = "moe_permute"
     _check_tokens(inp, name)
     if map_type == "mask":
@@ -79,7 +80,10 @@ def moe_permute(inp: Tensor, routing_map: Tensor, num_out_tokens: int = -1, max_
         kept = order.numel() if num_out_tokens is None or num_out_tokens <= 0 else min(num_out_tokens, order.numel())
         rows = torch.full((order.numel(),), -1, dtype=torch.long, device=inp.device)
         rows[order[:kept]] = torch.arange(kept, device=inp.device)
-        return inp.index_select(0, order[:kept] // top_k), rows.view(-1, top_k)
+        out = inp.index_select(0, order[:kept] // top_k)
+        if num_out_tokens is not None and num_out_tokens > kept:  # (a larger buffer: zeros past the rows, as "mask")
+            out = torch.cat([out, out.new_zeros(num_out_tokens - kept, inp.shape[1])])
+        return out, rows.view(-1, top_k)
     raise ValueError(f"{name}: map_type must be 'mask' or 'index', got {map_type!r}")
 
 

@@ -53,6 +53,10 @@ def test_an_index_permutation_sorts_by_expert_and_drops_past_the_capacity():
     torch.testing.assert_close(back, x * weights.sum(1, keepdim=True), rtol=1e-12, atol=1e-12)
     kept, kept_map = te.moe_permute(x, experts, num_out_tokens=T * K - 3, map_type="index")
     assert torch.equal(kept, x[order[:T * K - 3] // K]) and int((kept_map < 0).sum()) == 3
+    # a buffer larger than the routed rows: zeros after them, as with a mask
+    roomy, roomy_map = te.moe_permute(x, experts, num_out_tokens=T * K + 5, map_type="index")
+    assert roomy.shape[0] == T * K + 5 and torch.equal(roomy[:T * K], out) and not roomy[T * K:].any()
+    assert torch.equal(roomy_map, row_id_map)
 
 
 def test_padding_aligns_each_experts_rows_and_unpermutes_through_it():
