@@ -215,6 +215,7 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
             key_layer, value_layer, mask_type, attention_mask = self._context_parallel(
                 fmt, mask_type, query_layer, key_layer, value_layer, attention_mask, window_size,
                 core_attention_bias_type, alibi_slopes, inference_params, padded_between, _check_window)
+            window_size = (-1, -1)  # (a causal window is the mask of global positions _context_parallel made)
         if inference_params is not None and fixed_shapes(query_layer):  # compiled or captured: padded, fixed
             self._check_cached_call(mask_type, attention_mask, fmt, query_layer, key_layer, value_layer)
             if fmt == "thd":  # padded rows for the attention, packed again after it
