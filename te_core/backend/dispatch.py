@@ -136,16 +136,19 @@ def _fallback(op, res: Resolution, reason: str, args, kwargs):
             f"op {op.name!r} cannot run on backend {res.backend!r} ({reason}) and TE_BACKEND_STRICT=1 "
             "forbids falling back to the reference backend; unset TE_BACKEND_STRICT to allow it"
         )
-    device = _device_of(args, kwargs)
-    key = (op.name, res.backend, device, reason)
+    _warn_fallback(op.name, res.backend, _device_of(args, kwargs), reason)
+    return res.reference(*args, **kwargs)
+
+
+@run_while_tracing
+def _warn_fallback(op_name: str, backend: str, device: str, reason: str) -> None:
+    """The fallback warning, once per (op, backend, device, reason); while torch.compile traces,
+    said at trace time (dynamo cannot trace warnings.warn: a fullgraph compile would fail)."""
+    key = (op_name, backend, device, reason)
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(
-            f"te_core: op {op.name!r} falls back from backend {res.backend!r} to reference on {device}: {reason}",
-            BackendFallbackWarning,
-            stacklevel=3,
-        )
-    return res.reference(*args, **kwargs)
+        warnings.warn(f"te_core: op {op_name!r} falls back from backend {backend!r} to reference on {device}: "
+                      f"{reason}", BackendFallbackWarning, stacklevel=4)
 
 
 def _device_of(args, kwargs) -> str:

@@ -50,6 +50,20 @@ def test_supports_decline_falls_back_with_reason(plugins, gen):
     assert _native_dbias.calls == 1
 
 
+def test_a_fallback_inside_a_fullgraph_compile_warns_at_trace_time(plugins, gen):
+    """dynamo cannot trace warnings.warn: the fallback warning is said while tracing, and the
+    compiled function (one graph) computes the reference's result."""
+    def supports(dy):
+        return (dy.shape[-1] % 16 == 0), "a reason only this test gives"
+
+    plugins([FakeEntryPoint("fake", make_plugin("fake", ops={"dbias": OpImpl(_native_dbias, supports)}))])
+    x = torch.randn(4, 17, generator=gen, requires_grad=True)  # (autograd: the op runs through dispatch)
+    compiled = torch.compile(lambda t: ops.dbias(t) * 2.0, fullgraph=True, backend="eager")
+    with pytest.warns(BackendFallbackWarning, match="a reason only this test gives"):
+        out = compiled(x)
+    torch.testing.assert_close(out, x.detach().sum(0) * 2.0, rtol=1.3e-6, atol=1e-5)
+
+
 def test_capabilities_are_enforced_before_the_call(plugins, gen):
     called = []
     caps = Capabilities(fp8_formats={"E5M2": 57344.0}, scaling_modes=frozenset({"tensorwise"}), arch="x", device_name="X")

@@ -267,7 +267,9 @@ def _fixed_shape_generation(step, fmt, paged, seqs, freqs):
             params.pre_step(lengths)
             rows = [seqs[name][done[name]:done[name] + n] for name, n in lengths.items()]
             s = PREFILL if max(lengths.values()) > 1 else 1
-            noise = torch.randn(3, s, HIDDEN, generator=torch.Generator().manual_seed(i))  # padding: noise
+            # padding: noise (drawn on the CPU from a seeded CPU generator, then put where the rows are)
+            noise = torch.randn(3, s, HIDDEN, generator=torch.Generator().manual_seed(i), device="cpu").to(
+                rows[0].device)
             if mode == "eager":
                 x = _to_format(rows, fmt)
             elif fmt == "thd":  # 3 * s packed tokens: the sequences' first, then padding

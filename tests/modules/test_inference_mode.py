@@ -88,7 +88,7 @@ def test_forward_without_autograd_casts_no_column_wise_copy(monkeypatch, name, k
 
     monkeypatch.setattr(where, "fprop_gemm", probe)
     module, rec = _module(kind), RECIPES[name]()
-    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(7), device="cpu").to(torch.get_default_device())
     args = ([32, 0, 32],) if kind == "GroupedLinear" else ()
     outputs = {}
     for mode in (torch.enable_grad, torch.no_grad, torch.inference_mode):
