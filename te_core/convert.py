@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from functools import partial
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch

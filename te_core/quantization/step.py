@@ -19,9 +19,9 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from .autocast import get_autocast_context
 from .gemm import check_gemm_dims, keep_columnwise
 from .quantizers import joined
-from .autocast import get_autocast_context
 from .roles import Role
 from .scaling import _CAPTURE, amax_of_parts, reduce_first_amax, schedule_backward_update, update_now
 from .tensor import QUANTIZED, QuantizedTensor
