@@ -237,7 +237,9 @@ class LayerOffload:
     def _expect(self, what: str, state: str) -> None:
         if self.state != state:
             raise RuntimeError(f"cpu offload: {what} needs a layer in state {state!r}, but this layer is "
-                               f"{self.state!r}; each layer goes offload -> release -> reload once per iteration")
+                               f"{self.state!r}; each layer goes offload -> release -> reload once per iteration "
+                               "(with get_cpu_offload_context's own synchronization, run exactly model_layers "
+                               "layers in its contexts per iteration, each once)")
 
     def host_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._host)
