@@ -277,14 +277,14 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
                           if packed else (None, None))
             fixed = inference_params is not None and fixed_shapes(q)  # a KV-cache step compiled or captured
             starts = None
-            if inference_params is not None and not packed:  # each token at its place after the cached ones
-                q, k = (_rotate_padded_step(t, f, inference_params, self.qkv_format, self.rotary_pos_interleaved,
-                                            fixed) for t, f in ((q, q_freqs), (k, k_freqs)))
-            elif fixed:  # packed: each token at its position, as fixed_shape_step lays the tokens out
-                inference_params.check_rotary_reach(min(q_freqs.shape[0], k_freqs.shape[0]), on_device=True)
-                positions = inference_params.fixed_shape_positions(q.shape[0])
-                q = rotate_at(q, q_freqs, positions, self.rotary_pos_interleaved)
-                k = rotate_at(k, k_freqs, positions, self.rotary_pos_interleaved)
+            if inference_params is not None and (fixed or not packed):
+                # each token at its place after the cached ones: padded rows (padding tokens at their
+                # row's last), or packed as fixed_shape_step lays the tokens out; one position each
+                inference_params.check_rotary_reach(min(q_freqs.shape[0], k_freqs.shape[0]), on_device=fixed)
+                positions = (inference_params.fixed_shape_positions(q.shape[0]) if packed
+                             else _padded_step_positions(inference_params, q, self.qkv_format))
+                q, k = (rotate_at(t.reshape(-1, *t.shape[-2:]), f, positions, self.rotary_pos_interleaved).view(t.shape)
+                        for t, f in ((q, q_freqs), (k, k_freqs)))
             else:
                 if inference_params is not None:  # packed: the new tokens follow what each sequence has cached
                     starts = inference_params.get_seqlens_pre_step()
@@ -340,16 +340,12 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         return projected.reshape(*lead, h, d), k.reshape(*kv_lead, g, d), v.reshape(*kv_lead, g, d)
 
 
-def _rotate_padded_step(t: Tensor, freqs: Tensor, inference_params, qkv_format: str, interleaved: bool,
-                        fixed: bool) -> Tensor:
-    """A KV-cache step's padded (bshd / sbhd) query or key, each token rotated at its position
-    in its sequence (InferenceParams.padded_positions: padding tokens at their row's last)."""
+def _padded_step_positions(inference_params, t: Tensor, qkv_format: str) -> Tensor:
+    """Each token's position in a KV-cache step's padded (bshd / sbhd) input t, flattened in t's
+    order (InferenceParams.padded_positions)."""
     rows, seq = (t.shape[1], t.shape[0]) if qkv_format == "sbhd" else (t.shape[0], t.shape[1])
-    inference_params.check_rotary_reach(freqs.shape[0], on_device=fixed)
     positions = inference_params.padded_positions(rows, seq)
-    if qkv_format == "sbhd":
-        positions = positions.t()
-    return rotate_at(t.reshape(-1, *t.shape[2:]), freqs, positions.reshape(-1), interleaved).view(t.shape)
+    return (positions.t() if qkv_format == "sbhd" else positions).reshape(-1)
 
 
 def _input_proj_name(attention_type: str, input_layernorm: bool) -> str:

@@ -198,8 +198,8 @@ class QuantizationStep(CalibrationStep):
         # (a quantizer of an FSDP shard has no column, and is never fresh)
         return getattr(quantizer, "column", None) in group.fresh
 
-    def _quantize(self, slot: str, x: Tensor, columnwise: bool) -> QuantizedTensor:
-        quantizer = self._state.quantizer(slot)
+    def _quantize(self, slot: str, x: Tensor, columnwise: bool, quantizer=None) -> QuantizedTensor:
+        quantizer = self._state.quantizer(slot) if quantizer is None else quantizer
         if self._is_fresh(quantizer):
             self.first_scale(quantizer, x)
         result = quantizer.quantize(x, columnwise=columnwise and quantizer.wgrad_in_fp8)
@@ -213,12 +213,12 @@ class QuantizationStep(CalibrationStep):
         # Not traced (the compiler sees both casts), not in a capture (each graph keeps its own
         # memory), and only in the forward of the autocast that made the step (a recompute in the
         # backward, te.checkpoint's, runs outside it).
-        if self._traced or _CAPTURE.active or get_autocast_context() is not self._context:
+        if self._traced or _CAPTURE.active:
             return self._quantize(slot, x, columnwise)
         quantizer = self._state.quantizer(slot)
-        key = quantizer.sharing_key()
-        if key is None:
-            return self._quantize(slot, x, columnwise)
+        key = quantizer.sharing_key()  # (None for delayed scaling, the default: nothing more to ask)
+        if key is None or get_autocast_context() is not self._context:
+            return self._quantize(slot, x, columnwise, quantizer)
         columnwise = columnwise and quantizer.wgrad_in_fp8
         shared = self._context.shared_cast
         result = shared.get(x, key, columnwise)
