@@ -159,7 +159,11 @@ def moe_unpermute(inp: Tensor, row_id_map: Tensor, merging_probs: Optional[Tenso
     # weighted and summed in float32 (at least), rounded once to inp's dtype (Transformer Engine's kernel does
     # the same): in bf16 two probabilities 1e-4 apart round alike, and their gradient loses ~3 digits
     compute = torch.promote_types(inp.dtype, torch.float32)
-    rows = inp.index_select(0, row_id_map[taken]).to(compute)
+    ids = row_id_map[taken]
+    if ids.numel() > inp.shape[0]:  # (free: the mask's size is known on the host; one id per routed row)
+        raise ValueError(f"{name}: row_id_map routes {ids.numel()} rows but inp has {inp.shape[0]}; pass the "
+                         "expert outputs of the moe_permute call that made this row_id_map")
+    rows = inp.index_select(0, ids).to(compute)
     if merging_probs is not None:
         rows = rows * merging_probs[taken][:, None].to(compute)
     return rows.new_zeros(num_tokens, inp.shape[1]).index_add(0, token, rows).to(inp.dtype)

@@ -152,3 +152,13 @@ def test_bad_arguments_name_the_problem():
         te.moe_sort_chunks_by_index(x, torch.tensor([3, 3]), torch.tensor([1, 0]))
     with pytest.raises(ValueError, match="tokens_per_expert"):
         te.moe_permute_and_pad_with_probs(x, probs, mask, mask.sum(0) + 1, align_size=4)
+
+
+@pytest.mark.parametrize("map_type", ["mask", "index"])
+def test_unpermuting_fewer_rows_than_the_map_routes_names_the_problem(map_type):
+    experts, mask, probs = _routing()
+    permuted, row_id_map = te.moe_permute(_tokens(), mask if map_type == "mask" else experts, map_type=map_type)
+    with pytest.raises(ValueError, match=f"row_id_map routes {T * K} rows but inp has {T * K - 1}"):
+        te.moe_unpermute(permuted[:-1], row_id_map, map_type=map_type)
+    back = te.moe_unpermute(permuted, row_id_map, map_type=map_type)  # the whole output still unpermutes
+    torch.testing.assert_close(back, _tokens() * K, rtol=1.3e-6, atol=1e-5)
