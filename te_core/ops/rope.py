@@ -7,8 +7,10 @@ y = x * cos(freqs) + rotate_half(x) * sin(freqs) with rotate_half(x) = cat(-x2, 
 halves of the first r dims. Interleaved (GPT-J), as Transformer Engine: channels (2i, 2i+1)
 rotate as a pair and channel d reads its own angle freqs[..., d], so freqs is built as
 [f0, f0, f1, f1, ...]: y[2i] = x[2i] cos(freqs[2i]) - x[2i+1] sin(freqs[2i]),
-y[2i+1] = x[2i+1] cos(freqs[2i+1]) + x[2i] sin(freqs[2i+1]) (backward assumes the two angles
-of a pair are equal, as they are when built that way). Math in float32, y in x's dtype.
+y[2i+1] = x[2i+1] cos(freqs[2i+1]) + x[2i] sin(freqs[2i+1]). The backward is the forward's exact
+transpose for any angles: dx[c] = dy[c] cos(freqs[c]) - s dy[p] sin(freqs[p]), p the channel
+paired with c and s the sign of p's term in y[c] (for a pair of equal angles, as built above,
+that is dy rotated by the negated angle). Math in float32, y in x's dtype.
 freqs may have more rows than the sequence; the first s are used.
 """
 from __future__ import annotations
@@ -25,4 +27,4 @@ def rope_fwd(x: Tensor, freqs: Tensor, *, tensor_format: str = "sbhd", interleav
 
 @contract_op("rope")
 def rope_bwd(dy: Tensor, freqs: Tensor, *, tensor_format: str = "sbhd", interleaved: bool = False) -> Tensor:
-    """Returns dx: dy rotated by -angle (the transpose of the forward rotation)."""
+    """Returns dx, the transpose of the forward rotation applied to dy."""

@@ -1,6 +1,8 @@
 """Reference rotary position embedding: both layouts, interleaved (GPT-J) or not (GPT-NeoX).
 
-The backward is the forward with the angles negated: a rotation's transpose is its inverse.
+The backward is the forward's transpose: each channel's own cosine, and its partner's term
+with the partner's angle. Where a pair's two angles are equal (freqs built as TE builds them)
+that is the rotation by the negated angle; freqs of any other values get the exact gradient too.
 """
 from __future__ import annotations
 
@@ -32,28 +34,34 @@ def _angles(x: Tensor, freqs: Tensor, tensor_format: str) -> Tensor:
     return angles if tensor_format == "sbhd" else angles.transpose(0, 1)
 
 
-def _rotate(x: Tensor, angles: Tensor, sign: float, interleaved: bool) -> Tensor:
+def _rotate(x: Tensor, angles: Tensor, backward: bool, interleaved: bool) -> Tensor:
+    """Forward: y[c] = x[c] cos(a[c]) + s[c] x[p(c)] sin(a[c]), with p(c) the channel paired with c
+    and s[c] = -1 for a pair's first channel, +1 for its second. Backward, its transpose:
+    dx[c] = dy[c] cos(a[c]) - s[c] dy[p(c)] sin(a[p(c)])."""
     r = angles.shape[-1]
     x32 = x.float()
     rot, rest = x32[..., :r], x32[..., r:]
+    sign = -1.0 if backward else 1.0
     if interleaved:
         # each channel reads its own angle (TE builds them [f0, f0, f1, f1, ...])
         theta_even, theta_odd = angles[..., 0::2], angles[..., 1::2]
+        sin_even, sin_odd = (theta_odd, theta_even) if backward else (theta_even, theta_odd)
         even, odd = rot[..., 0::2], rot[..., 1::2]
         rotated = torch.stack(
-            [even * torch.cos(theta_even) - odd * (sign * torch.sin(theta_even)),
-             odd * torch.cos(theta_odd) + even * (sign * torch.sin(theta_odd))], dim=-1).flatten(-2)
+            [even * torch.cos(theta_even) - odd * (sign * torch.sin(sin_even)),
+             odd * torch.cos(theta_odd) + even * (sign * torch.sin(sin_odd))], dim=-1).flatten(-2)
     else:
         x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
-        rotated = rot * torch.cos(angles) + torch.cat([-x2, x1], dim=-1) * (sign * torch.sin(angles))
+        sin_angles = torch.cat([angles[..., r // 2:], angles[..., : r // 2]], dim=-1) if backward else angles
+        rotated = rot * torch.cos(angles) + torch.cat([-x2, x1], dim=-1) * (sign * torch.sin(sin_angles))
     return as_dtype(torch.cat([rotated, rest], dim=-1), x.dtype)
 
 
 def rope_fwd(x: Tensor, freqs: Tensor, *, tensor_format: str = "sbhd", interleaved: bool = False) -> Tensor:
     check_float("x", x)
-    return _rotate(x, _angles(x, freqs, tensor_format), 1.0, interleaved)
+    return _rotate(x, _angles(x, freqs, tensor_format), False, interleaved)
 
 
 def rope_bwd(dy: Tensor, freqs: Tensor, *, tensor_format: str = "sbhd", interleaved: bool = False) -> Tensor:
     check_float("dy", dy)
-    return _rotate(dy, _angles(dy, freqs, tensor_format), -1.0, interleaved)
+    return _rotate(dy, _angles(dy, freqs, tensor_format), True, interleaved)

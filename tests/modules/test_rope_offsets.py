@@ -93,3 +93,36 @@ def test_interleaved_rotates_pairs_as_transformer_engine(tensor_format):
     freqs = tm.RotaryPositionEmbedding(DIM, interleaved=True)(SEQ)
     got = tm.apply_rotary_pos_emb(t, freqs, tensor_format, interleaved=True)
     torch.testing.assert_close(got.double(), _expected(t, [0] * BATCH, tensor_format, True), rtol=1.3e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_gradient_is_exact_for_freqs_whose_pairs_differ(fmt, interleaved):
+    """apply_rotary_pos_emb's input gradient is the forward's transpose for any float freqs of
+    shape (s, 1, 1, r), not only those built with equal angles per rotated pair (TE's contract):
+    checked against float64 autograd through the same forward formula."""
+    g = torch.Generator().manual_seed(11)
+    s, b, h, d, r = 6, 2, 2, 16, 12
+    shape = (s, b, h, d) if fmt == "sbhd" else (b, s, h, d)
+    x = torch.randn(shape, generator=g)
+    freqs = torch.rand(s, 1, 1, r, generator=g) * 6
+    dy = torch.randn(shape, generator=g)
+
+    def forward64(t):
+        t = t if fmt == "sbhd" else t.transpose(0, 1)
+        f = freqs.double()
+        part, rest = t[..., :r], t[..., r:]
+        if interleaved:
+            rot = torch.stack([-part[..., 1::2], part[..., 0::2]], -1).flatten(-2)
+        else:
+            rot = torch.cat([-part[..., r // 2:], part[..., : r // 2]], -1)
+        y = torch.cat([part * f.cos() + rot * f.sin(), rest], -1)
+        return y if fmt == "sbhd" else y.transpose(0, 1)
+
+    x64 = x.double().requires_grad_()
+    forward64(x64).backward(dy.double())
+    here = x.to(torch.get_default_device()).requires_grad_()
+    y = tm.apply_rotary_pos_emb(here, freqs.to(here.device), fmt, interleaved=interleaved)
+    y.backward(dy.to(here.device))
+    torch.testing.assert_close(y.double().cpu(), forward64(x.double()), rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(here.grad.double().cpu(), x64.grad, rtol=1.3e-6, atol=1e-5)

@@ -166,6 +166,11 @@ def test_rope_fwd_bwd(kernels, fmt, interleaved, rot):
     _rope64(xr, freqs, fmt, interleaved).backward(dy.double())
     dx = rope.rope_bwd(dy, freqs, tensor_format=fmt, interleaved=interleaved)
     _close(dx, xr.grad, torch.bfloat16, scale=10)
+    # angles of any values, not only pairs built alike: the backward is still the exact transpose
+    other = torch.rand(s + 3, 1, 1, rot, generator=g) * 6
+    xr = x.double().requires_grad_()
+    _rope64(xr, other, fmt, interleaved).backward(dy.double())
+    _close(rope.rope_bwd(dy, other, tensor_format=fmt, interleaved=interleaved), xr.grad, torch.bfloat16, scale=10)
 
 
 def test_rope_supports(kernels, fake_musa):

@@ -3,7 +3,8 @@
 A program owns one (position, batch) slice of all heads, a (heads, head_dim) tile: the angles
 of that position are loaded and their cos/sin computed once for every head. Each channel's
 rotation partner (the other half, or the neighbour when interleaved) is a second load of
-the same tile from cache.
+the same tile from cache. The backward is the forward's transpose: a channel's partner term
+takes the partner's angle (equal to the channel's own where freqs is built as TE builds it).
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ ROPE_DEFAULT = Config(num_warps=4, max_programs=0)
 
 @launcher
 @triton.jit
-def _rope_kernel(x_ptr, f_ptr, y_ptr, P, S, B, H, D, R, sign, SBHD: tl.constexpr, INTERLEAVED: tl.constexpr,
-                 BH: tl.constexpr, BD: tl.constexpr):
+def _rope_kernel(x_ptr, f_ptr, y_ptr, P, S, B, H, D, R, SBHD: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 BACKWARD: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
     heads = tl.arange(0, BH)
     cols = tl.arange(0, BD)
     rotated = cols < R
@@ -38,7 +39,10 @@ def _rope_kernel(x_ptr, f_ptr, y_ptr, P, S, B, H, D, R, sign, SBHD: tl.constexpr
         seq = p // B if SBHD else p % S
         theta = tl.load(f_ptr + seq * R + angle_idx, mask=rotated, other=0.0)
         cos = tl.cos(theta)
-        sin = tl.sin(theta) * sign * partner_sign
+        if BACKWARD:  # the transpose: the partner's term with the partner's angle, its sign flipped
+            sin = -tl.sin(tl.load(f_ptr + seq * R + partner, mask=rotated, other=0.0)) * partner_sign
+        else:
+            sin = tl.sin(theta) * partner_sign
         base = p * H * D + heads[:, None] * D
         x = tl.load(x_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         xp = tl.load(x_ptr + base + partner[None, :], mask=pmask, other=0.0).to(tl.float32)
@@ -46,7 +50,7 @@ def _rope_kernel(x_ptr, f_ptr, y_ptr, P, S, B, H, D, R, sign, SBHD: tl.constexpr
         tl.store(y_ptr + base + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _rope(x, freqs, tensor_format, interleaved, sign, cfg):
+def _rope(x, freqs, tensor_format, interleaved, backward, cfg):
     if tensor_format not in ("sbhd", "bshd"):
         raise ValueError(f"tensor_format must be 'sbhd' or 'bshd', got {tensor_format!r}")
     if x.dim() != 4 or not x.is_contiguous() or x.numel() > MAX_NUMEL:
@@ -64,17 +68,17 @@ def _rope(x, freqs, tensor_format, interleaved, sign, cfg):
     y = torch.empty_like(x)
     P = S * B
     if x.numel():
-        _rope_kernel[(grid_size(P, cfg),)](x, f, y, P, S, B, H, D, R, float(sign), SBHD=tensor_format == "sbhd",
-                                           INTERLEAVED=bool(interleaved), BH=next_power_of_2(H),
-                                           BD=next_power_of_2(D), num_warps=cfg.num_warps)
+        _rope_kernel[(grid_size(P, cfg),)](x, f, y, P, S, B, H, D, R, SBHD=tensor_format == "sbhd",
+                                           INTERLEAVED=bool(interleaved), BACKWARD=backward,
+                                           BH=next_power_of_2(H), BD=next_power_of_2(D), num_warps=cfg.num_warps)
     return y
 
 
 def rope_fwd(x, freqs, *, tensor_format="sbhd", interleaved=False, cfg: Config = ROPE_DEFAULT):
     """y as te_core.ops.rope_fwd."""
-    return _rope(x, freqs, tensor_format, interleaved, 1.0, cfg)
+    return _rope(x, freqs, tensor_format, interleaved, False, cfg)
 
 
 def rope_bwd(dy, freqs, *, tensor_format="sbhd", interleaved=False, cfg: Config = ROPE_DEFAULT):
-    """dx as te_core.ops.rope_bwd: dy rotated by -angle."""
-    return _rope(dy, freqs, tensor_format, interleaved, -1.0, cfg)
+    """dx as te_core.ops.rope_bwd: the forward's transpose applied to dy."""
+    return _rope(dy, freqs, tensor_format, interleaved, True, cfg)

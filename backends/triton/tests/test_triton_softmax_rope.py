@@ -44,6 +44,20 @@ def test_rope(fmt, interleaved, r):
     torch.testing.assert_close(dx, x, rtol=1e-5, atol=1e-5)  # the backward rotation undoes the forward
 
 
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_backward_is_the_exact_transpose_for_any_angles(fmt, interleaved):
+    """freqs whose paired channels have different angles: dx = J^T dy of the forward, checked
+    against float64 autograd through the reference forward."""
+    s, b, h, d, r = 5, 2, 2, 16, 12
+    shape = (s, b, h, d) if fmt == "sbhd" else (b, s, h, d)
+    freqs = _randn((s + 1, 1, 1, r), 6) * 3
+    x, dy = _randn(shape, 7).double().requires_grad_(), _randn(shape, 8)
+    ref_rope.rope_fwd(x, freqs.double(), tensor_format=fmt, interleaved=interleaved).backward(dy.double())
+    dx = rope.rope_bwd(dy, freqs, tensor_format=fmt, interleaved=interleaved, cfg=Config(num_warps=1, max_programs=3))
+    torch.testing.assert_close(dx, x.grad.float(), **TOL[torch.float32])
+
+
 def test_bad_inputs_name_the_problem():
     with pytest.raises(ValueError, match="must be 4-D"):
         softmax.softmax_fwd(torch.randn(3, 4), 1.0)

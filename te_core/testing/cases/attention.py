@@ -44,14 +44,20 @@ _softmax_bwd((2, 3, 8, 11), torch.float32, 0.125)
 _softmax_bwd((1, 2, 5, 16), torch.bfloat16, 1.0)
 
 
-def _rope(op, fmt, shape, rotary_dim, dtype, interleaved=False):
+def _rope(op, fmt, shape, rotary_dim, dtype, interleaved=False, paired=True):
+    """paired: freqs built as TE builds them (each rotated pair's two channels share an angle);
+    otherwise every channel has its own, which the backward must transpose exactly too."""
     seq = shape[0] if fmt == "sbhd" else shape[1]
-    name = f"{fmt}-{'interleaved-' if interleaved else ''}{short(dtype)}-{dims(shape)}-r{rotary_dim}"
+    name = (f"{fmt}-{'interleaved-' if interleaved else ''}{'' if paired else 'unpaired-'}{short(dtype)}-"
+            f"{dims(shape)}-r{rotary_dim}")
 
     @case(op, name)
     def make(gen):
-        angles = randn(gen, seq, 1, 1, rotary_dim // 2, std=3.0)
-        freqs = torch.cat([angles, angles], dim=-1)
+        if paired:
+            angles = randn(gen, seq, 1, 1, rotary_dim // 2, std=3.0)
+            freqs = torch.cat([angles, angles], dim=-1)
+        else:
+            freqs = randn(gen, seq, 1, 1, rotary_dim, std=3.0)
         return (randn(gen, *shape, dtype=dtype), freqs), dict(tensor_format=fmt, interleaved=interleaved)
 
 
@@ -60,6 +66,8 @@ for _op in ("rope_fwd", "rope_bwd"):
     _rope(_op, "bshd", (2, 7, 3, 32), 16, torch.bfloat16)
     _rope(_op, "sbhd", (5, 2, 2, 12), 8, torch.float32, interleaved=True)
     _rope(_op, "bshd", (2, 5, 2, 16), 16, torch.float16, interleaved=True)
+    _rope(_op, "sbhd", (6, 2, 3, 16), 12, torch.float32, paired=False)
+    _rope(_op, "bshd", (2, 6, 2, 16), 16, torch.float32, interleaved=True, paired=False)
 
 
 def _attention(name, b, hq, hkv, sq, sk, d, dv=None, dtype=torch.float32, mask_type="no_mask", mask=None,

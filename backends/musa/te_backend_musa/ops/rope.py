@@ -9,7 +9,9 @@ are reached by conversions in PyTorch around that one call, never by the unteste
 - interleaved (GPT-J): de-interleave the pairs into halves, rotate with cat(f, f) of the
   first r/2 angles, interleave back;
 - partial rotation (r < d): only x[..., :r] goes in, the rest is concatenated back;
-- backward: rotation by -angle is the transpose of rotation by +angle.
+- backward: the forward's transpose, in PyTorch ops: a channel's partner term takes the
+  partner's angle, which F.rope (one angle per output channel) cannot express where freqs
+  pairs differ.
 Math in float32 (x and freqs are upcast), y in x's dtype.
 """
 from __future__ import annotations
@@ -50,7 +52,19 @@ def rope_fwd(x: Tensor, freqs: Tensor, *, tensor_format: str = "sbhd", interleav
 
 
 def rope_bwd(dy: Tensor, freqs: Tensor, *, tensor_format: str = "sbhd", interleaved: bool = False) -> Tensor:
-    return _rotate(dy, -freqs, tensor_format, interleaved)
+    """dx[c] = dy[c] cos(a[c]) - s[c] dy[p(c)] sin(a[p(c)]): z = dy sin(a), each channel then adds its
+    partner's z with the sign flipped from the forward's."""
+    dy_sbhd = dy if tensor_format == "sbhd" else dy.transpose(0, 1)
+    seq, rot = dy_sbhd.shape[0], freqs.shape[-1]
+    angles = freqs[:seq].reshape(seq, 1, 1, rot).float()
+    part = dy_sbhd[..., :rot].float()
+    z = part * torch.sin(angles)
+    if interleaved:
+        partner = torch.stack((z[..., 1::2], -z[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        partner = torch.cat((z[..., rot // 2:], -z[..., : rot // 2]), dim=-1)
+    dx = torch.cat(((part * torch.cos(angles) + partner).to(dy.dtype), dy_sbhd[..., rot:]), dim=-1)
+    return dx if tensor_format == "sbhd" else dx.transpose(0, 1).contiguous()
 
 
 def rope_supports(x, freqs, *, tensor_format="sbhd", interleaved=False) -> Verdict:
