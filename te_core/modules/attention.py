@@ -38,6 +38,7 @@ from ._common import (
     no_torch_autocast,
     resolve_device,
 )
+from ._te_order import te_order
 
 PADDED_FORMATS = ("sbhd", "bshd")
 QKV_FORMATS = PADDED_FORMATS + ("thd",)
@@ -74,6 +75,10 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
     logit of 0, or the learnable per-head parameter `softmax_offset`, initialized to 0).
     """
 
+    @te_order("num_attention_heads", "kv_channels", "num_gqa_groups", "attention_dropout", "qkv_format",
+              "attn_mask_type", "window_size", "bottom_right_diagonal", "sequence_parallel", "tp_size",
+              "get_rng_state_tracker", "tp_group", "layer_number", "attention_type", "cp_group", "cp_global_ranks",
+              "cp_stream", "cp_comm_type", "softmax_scale", "softmax_type", "return_max_logit", "name")
     def __init__(
         self,
         num_attention_heads: int,

@@ -34,6 +34,7 @@ from ._common import (
     reject_unsupported,
     returned_bias,
 )
+from ._te_order import te_order
 
 
 def _nothing() -> None:
@@ -142,6 +143,11 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
 
     _routes_fp8_weight_grads = True
 
+    @te_order("num_gemms", "in_features", "out_features", "sequence_parallel", "fuse_wgrad_accumulation", "tp_group",
+              "tp_size", "get_rng_state_tracker", "rng_tracker_name", "init_method", "bias", "return_bias",
+              "params_dtype", "parallel_mode", "device", "ub_overlap_rs", "ub_overlap_ag", "ub_name",
+              "delay_wgrad_compute", "save_original_input", "single_grouped_weight", "single_grouped_bias", "name",
+              "use_grouped_tensor")
     def __init__(
         self,
         num_gemms: int,

@@ -23,11 +23,13 @@ from ._common import (
 )
 from ._norm import NormFunction
 from ._reset import DeferredInit, resetting
+from ._te_order import te_order
 
 
 class _Norm(DeferredInit, nn.Module):
     normalization = ""
 
+    @te_order("normalized_shape", "eps", "sequence_parallel", "params_dtype", "zero_centered_gamma", "hidden_size")
     def __init__(
         self,
         normalized_shape: Union[None, int, Sequence[int]] = None,

@@ -45,6 +45,7 @@ from ._common import (
     returned_bias,
 )
 from ._norm import norm_bwd, norm_fwd
+from ._te_order import te_order
 
 SLOTS = gemm_slots()
 
@@ -248,6 +249,11 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
 
     _routes_fp8_weight_grads = True
 
+    @te_order("in_features", "out_features", "eps", "sequence_parallel", "fuse_wgrad_accumulation", "tp_group",
+              "tp_size", "get_rng_state_tracker", "init_method", "bias", "normalization", "return_bias", "params_dtype",
+              "parallel_mode", "return_layernorm_output", "return_layernorm_output_gathered", "parameters_split",
+              "zero_centered_gamma", "device", "ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_wgrad",
+              "ub_bulk_dgrad", "ub_name", "delay_wgrad_compute", "symmetric_ar_type", "name")
     def __init__(
         self,
         in_features: int,

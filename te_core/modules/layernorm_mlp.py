@@ -57,6 +57,7 @@ from .layernorm_linear import (
     split_grads,
     unpack_outputs,
 )
+from ._te_order import te_order
 
 SLOTS = gemm_slots("fc1_") + gemm_slots("fc2_")
 
@@ -196,6 +197,12 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
 
     _routes_fp8_weight_grads = True
 
+    @te_order("hidden_size", "ffn_hidden_size", "eps", "sequence_parallel", "return_bias", "get_rng_state_tracker",
+              "tp_group", "tp_size", "init_method", "bias", "normalization", "activation", "activation_params",
+              "output_layer_init_method", "fuse_wgrad_accumulation", "params_dtype", "return_layernorm_output",
+              "return_layernorm_output_gathered", "seq_length", "micro_batch_size", "set_parallel_mode",
+              "zero_centered_gamma", "device", "ub_overlap_ag", "name", "ub_overlap_rs", "ub_overlap_rs_dgrad",
+              "ub_bulk_dgrad", "ub_bulk_wgrad", "delay_wgrad_compute", "symmetric_ar_type", "checkpoint")
     def __init__(
         self,
         hidden_size: int,

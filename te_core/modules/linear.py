@@ -37,6 +37,7 @@ from ._common import (
     reject_unsupported,
     returned_bias,
 )
+from ._te_order import te_order
 
 _default_init = default_init_method()
 
@@ -155,6 +156,11 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
 
     _routes_fp8_weight_grads = True
 
+    @te_order("in_features", "out_features", "sequence_parallel", "fuse_wgrad_accumulation", "tp_group", "tp_size",
+              "get_rng_state_tracker", "rng_tracker_name", "init_method", "bias", "return_bias", "params_dtype",
+              "parallel_mode", "parameters_split", "device", "ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad",
+              "ub_bulk_dgrad", "ub_bulk_wgrad", "ub_name", "delay_wgrad_compute", "symmetric_ar_type",
+              "save_original_input", "name")
     def __init__(
         self,
         in_features: int,

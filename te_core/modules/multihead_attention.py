@@ -32,6 +32,7 @@ from .layernorm import LayerNorm, RMSNorm
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 from .rope import apply_rotary_pos_emb, rotate_at
+from ._te_order import te_order
 
 QK_NORM_TYPES = (None, "L2Normalization", "RMSNorm", "LayerNorm")
 
@@ -83,6 +84,15 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
     the output leaves split the same way.
     """
 
+    @te_order("hidden_size", "num_attention_heads", "kv_channels", "attention_dropout", "layernorm_epsilon",
+              "init_method", "output_layer_init_method", "layer_number", "attn_mask_type", "window_size",
+              "bottom_right_diagonal", "tp_group", "tp_size", "num_gqa_groups", "fuse_wgrad_accumulation",
+              "get_rng_state_tracker", "sequence_parallel", "params_dtype", "return_bias", "return_layernorm_output",
+              "input_layernorm", "attention_type", "set_parallel_mode", "fuse_qkv_params", "zero_centered_gamma",
+              "qkv_weight_interleaved", "rotary_pos_interleaved", "ub_overlap_ag", "ub_overlap_rs",
+              "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad", "bias", "normalization", "device", "qkv_format",
+              "name", "qk_norm_type", "qk_norm_eps", "qk_norm_before_rope", "seq_length", "micro_batch_size",
+              "softmax_type")
     def __init__(
         self,
         hidden_size: int,

@@ -35,9 +35,20 @@ from .attention import QKV_FORMATS, check_hidden_dims
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_mlp import LayerNormMLP
 from .multihead_attention import MultiheadAttention
+from ._te_order import te_order
 
 
 class TransformerLayer(TensorParallelContainer, QuantizedContainer):
+    @te_order("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_gqa_groups", "layernorm_epsilon",
+              "hidden_dropout", "attention_dropout", "init_method", "output_layer_init_method", "layer_number",
+              "kv_channels", "self_attn_mask_type", "window_size", "bottom_right_diagonal", "enc_dec_attn_mask_type",
+              "enc_dec_bottom_right_diagonal", "enc_dec_window_size", "tp_group", "tp_size", "params_dtype",
+              "get_rng_state_tracker", "fuse_wgrad_accumulation", "seq_length", "micro_batch_size", "sequence_parallel",
+              "apply_residual_connection_post_layernorm", "output_layernorm", "parallel_attention_mlp", "layer_type",
+              "drop_path_rate", "set_parallel_mode", "fuse_qkv_params", "rotary_pos_interleaved", "zero_centered_gamma",
+              "qkv_weight_interleaved", "ub_tp_comm_overlap", "ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad",
+              "ub_bulk_dgrad", "ub_bulk_wgrad", "bias", "activation", "activation_params", "normalization", "device",
+              "attn_input_format", "name", "qk_norm_type", "qk_norm_eps", "qk_norm_before_rope", "softmax_type")
     def __init__(
         self,
         hidden_size: int,
