@@ -292,6 +292,8 @@ def _pytorch_module() -> types.ModuleType:
     for attr in te_core.__all__:
         if attr not in _NOT_TE_NAMES:
             setattr(module, attr, getattr(te_core, attr))
+    # TE's top-level names for te-core classes of other names
+    module.Quantizer, module.Float8BlockwiseQTensor = quantization.Quantizer, quantization.Float8BlockwiseTensor
     module.__version__ = f"{TE_API_VERSION}+tecore.{te_core.__version__}"
     module.fp8 = _fp8_module(f"{ROOT}.pytorch.fp8")
     module.quantization = _fp8_module(f"{ROOT}.pytorch.quantization")

@@ -11,6 +11,15 @@ from ._common import check_not_meta
 from ._packed import PADDED_MASK_TYPE, packing, unpadded_rows
 
 
+def mask_type_spelling(attn_mask_type):
+    """Transformer Engine's other spellings of a mask type, as it reads them: commas for
+    underscores, and "causal_padding" (so also "causal,padding") for "padding_causal"."""
+    if not isinstance(attn_mask_type, str):
+        return attn_mask_type  # (check_choice names what it is)
+    spelled = attn_mask_type.replace(",", "_")
+    return "padding_causal" if spelled == "causal_padding" else spelled
+
+
 def sequence_layout(fmt, q, k, mask_type, attention_mask, cu_seqlens, max_seqlens):
     """(the (query, key/value) Packing of thd inputs or None, mask type, attention mask): thd
     takes its padding from cu_seqlens; sbhd/bshd may give padding masks as cu_seqlens."""

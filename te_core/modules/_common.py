@@ -298,10 +298,22 @@ def check_probability(value, *, name: str, module: str, closed: bool = False) ->
     return p
 
 
+def _as_int(value) -> Optional[int]:
+    """value as a plain int where it is an integer (a numpy or 0-d torch integer included, as
+    torch.empty takes them in Transformer Engine's modules), else None; never a bool."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def check_positive(value: int, *, name: str, module: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    as_int = _as_int(value)
+    if as_int is None or as_int <= 0:
         raise ValueError(f"{module}: {name} must be a positive integer, got {value!r}")
-    return value
+    return as_int
 
 
 def check_divisible(numerator: int, denominator: int, *, what: str, by: str, module: str) -> int:
@@ -312,12 +324,13 @@ def check_divisible(numerator: int, denominator: int, *, what: str, by: str, mod
 
 def normalized_size(normalized_shape: Union[int, Sequence[int]], module: str) -> Tuple[Tuple[int, ...], int]:
     """(shape tuple, number of elements normalized together)."""
-    single = isinstance(normalized_shape, int) or not isinstance(normalized_shape, (tuple, list, torch.Size))
-    shape = (normalized_shape,) if single else tuple(normalized_shape)
-    if not shape or any(not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in shape):
+    single = not isinstance(normalized_shape, (tuple, list, torch.Size))
+    sizes = [_as_int(s) for s in ((normalized_shape,) if single else normalized_shape)]
+    if not sizes or any(s is None or s <= 0 for s in sizes):
         raise ValueError(
             f"{module}: normalized_shape must be a positive int or a tuple of them, got {normalized_shape!r}"
         )
+    shape = tuple(sizes)
     return shape, math.prod(shape)
 
 

@@ -176,9 +176,9 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
         bias, return_bias, fuse_wgrad_accumulation, save_original_input, sequence_parallel = check_bools(
             name, bias=bias, return_bias=return_bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
             save_original_input=save_original_input, sequence_parallel=sequence_parallel)
-        check_positive(num_gemms, name="num_gemms", module=name)
-        check_positive(in_features, name="in_features", module=name)
-        check_positive(out_features, name="out_features", module=name)
+        num_gemms = check_positive(num_gemms, name="num_gemms", module=name)
+        in_features = check_positive(in_features, name="in_features", module=name)
+        out_features = check_positive(out_features, name="out_features", module=name)
         slots = tuple(s for i in range(num_gemms) for s in gemm_slots(f"gemm{i}_"))
         super().__init__(slots, device=device, params_dtype=params_dtype)
         self.ub_name = ub_name

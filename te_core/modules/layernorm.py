@@ -49,6 +49,13 @@ class _Norm(DeferredInit, nn.Module):
                                  "not both")
             normalized_shape = hidden_size if normalized_shape is None else normalized_shape
         name = type(self).__name__
+        if "dtype" in kwargs:  # Transformer Engine's newer name for params_dtype
+            dtype = kwargs.pop("dtype")
+            if params_dtype is not None and dtype is not None and dtype != params_dtype:
+                raise ValueError(f"{name}: give dtype or its older name params_dtype, not both "
+                                 f"(got {dtype} and {params_dtype})")
+            params_dtype = dtype if params_dtype is None else params_dtype
+        _check_sm_margin(kwargs.pop("sm_margin", 0), name)
         reject_unsupported(name, **kwargs)
         self.normalized_shape, self._size = normalized_size(normalized_shape, name)
         self.eps = check_eps(eps, module=name)
@@ -82,7 +89,9 @@ class _Norm(DeferredInit, nn.Module):
             raise ValueError(f"{name}: inp has shape {shape}; its trailing dimensions must be {self.normalized_shape}")
         x = inp.reshape(*inp.shape[: inp.dim() - n], self._size)
         check_input(x, self._size, module=name, device=self.weight.device)
-        x = x.to(compute_dtype(x))
+        # as Transformer Engine's norms: torch.autocast's dtype where it is on, else the
+        # parameters' (a bf16 input to fp32 parameters is normalized, and returned, in fp32)
+        x = x.to(compute_dtype(x) if torch.is_autocast_enabled(x.device.type) else self.weight.dtype)
         with no_torch_autocast(x.device.type):
             w = self.weight.reshape(self._size)
             b = None if self.bias is None else self.bias.reshape(self._size)
@@ -91,6 +100,15 @@ class _Norm(DeferredInit, nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
+
+
+def _check_sm_margin(sm_margin, name: str) -> None:
+    """Transformer Engine's `sm_margin` (an int, or a dict of ints per pass): multiprocessors its
+    kernels leave free for overlapped communication. te-core's norm kernels take no such limit,
+    so it only has to be well formed."""
+    values = sm_margin.values() if isinstance(sm_margin, dict) else (sm_margin,)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise TypeError(f"{name}: sm_margin must be an int >= 0 or a dict of them (per pass), got {sm_margin!r}")
 
 
 class LayerNorm(_Norm):

@@ -190,8 +190,8 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
         bias, return_bias, fuse_wgrad_accumulation, sequence_parallel, save_original_input = check_bools(
             "Linear", bias=bias, return_bias=return_bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
             sequence_parallel=sequence_parallel, save_original_input=save_original_input)
-        check_positive(in_features, name="in_features", module="Linear")
-        check_positive(out_features, name="out_features", module="Linear")
+        in_features = check_positive(in_features, name="in_features", module="Linear")
+        out_features = check_positive(out_features, name="out_features", module="Linear")
         super().__init__(gemm_slots(), device=device, params_dtype=params_dtype)
         self.ub_name = ub_name
         self.symmetric_ar_type = symmetric_ar_type  # (runs as torch.distributed's all-reduce: check_symmetric_ar_type)

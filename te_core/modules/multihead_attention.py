@@ -148,7 +148,7 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         check_probability(attention_dropout, name="attention_dropout", module=module)
         if input_layernorm:  # (read only then, as in Transformer Engine)
             check_eps(layernorm_epsilon, name="layernorm_epsilon", module=module)
-        check_positive(hidden_size, name="hidden_size", module=module)
+        hidden_size = check_positive(hidden_size, name="hidden_size", module=module)
         _, self.num_gqa_groups, kv_channels = check_attention_heads(
             module, num_attention_heads, num_gqa_groups, hidden_size, kv_channels)
         check_normalization(normalization, module)

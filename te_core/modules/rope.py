@@ -33,9 +33,9 @@ class RotaryPositionEmbedding(nn.Module):
         if percent > 1:
             raise ValueError(f"{module}: rotary_percent must be in (0, 1] (the share of dim rotated), got "
                              f"{rotary_percent!r}")
-        rot_dim = int(dim * percent)
-        if rot_dim <= 0 or rot_dim % 2:
-            raise ValueError(f"{module}: dim * rotary_percent = {rot_dim} must be a positive even number")
+        rot_dim = int(dim * percent)  # (odd: ceil(rot_dim / 2) frequencies, as Transformer Engine makes them)
+        if rot_dim <= 0:
+            raise ValueError(f"{module}: dim * rotary_percent = {rot_dim} must be a positive number of channels")
         rotary_base = check_eps(rotary_base, name="rotary_base", module=module)
         if seq_len_interpolation_factor is not None:
             seq_len_interpolation_factor = check_eps(seq_len_interpolation_factor, name="seq_len_interpolation_factor",
@@ -46,10 +46,19 @@ class RotaryPositionEmbedding(nn.Module):
         interleaved = check_bool(interleaved, name="interleaved", module=module)
         self.rotary_base = rotary_base
         inv_freq = 1.0 / (rotary_base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", inv_freq)  # in the state dict, as Transformer Engine's
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         self.pretrained_max_position_embeddings = pretrained_max_position_embeddings
         self.interleaved = interleaved
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """A state dict without inv_freq (te-core's before it was saved) loads: the buffer keeps
+        the frequencies the constructor computed from the same arguments."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if prefix + "inv_freq" in missing_keys:
+            missing_keys.remove(prefix + "inv_freq")
 
     def forward(self, max_seq_len: int, offset: int = 0) -> Tensor:
         module = "RotaryPositionEmbedding"

@@ -311,3 +311,16 @@ def test_the_not_provided_finder_leaves_with_the_stand_in(stand_in):
     assert _FINDER not in sys.meta_path
     with pytest.raises(ModuleNotFoundError, match="^No module named 'transformer_engine'$"):
         importlib.import_module("transformer_engine.pytorch.utils")
+
+
+def test_top_level_quantized_tensor_names_match_their_submodules(stand_in):
+    """TE exports Quantizer and Float8BlockwiseQTensor at the top of transformer_engine.pytorch as
+    well as in its tensor submodules; both paths give te-core's classes."""
+    import transformer_engine.pytorch as te_pt
+    from transformer_engine.pytorch.quantized_tensor import Quantizer
+    from transformer_engine.pytorch.tensor import Float8BlockwiseQTensor
+
+    from te_core import quantization
+
+    assert te_pt.Quantizer is Quantizer is quantization.Quantizer
+    assert te_pt.Float8BlockwiseQTensor is Float8BlockwiseQTensor is quantization.Float8BlockwiseTensor

@@ -754,3 +754,21 @@ def test_a_mask_the_mask_type_does_not_read_is_left_out_with_a_warning():
     with pytest.warns(UserWarning, match="attention_mask is not read with attn_mask_type='causal'"):
         out = dpa(q, k, v, attention_mask=mask)
     torch.testing.assert_close(out, dpa(q, k, v), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spelling", ["padding,causal", "causal,padding", "causal_padding"])
+def test_transformer_engines_other_mask_type_spellings_mean_padding_causal(spelling):
+    """TE reads commas as underscores and "causal_padding" as "padding_causal", in the constructor
+    and in forward; the outputs equal those of the canonical spelling."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(5, 2, 2, 8, generator=g).to(torch.get_default_device()) for _ in range(3))
+    mask = torch.zeros(2, 1, 1, 5, dtype=torch.bool, device=q.device)
+    mask[1, ..., 3:] = True
+    want = tm.DotProductAttention(2, 8, attn_mask_type="padding_causal")(q, k, v, attention_mask=mask)
+    built = tm.DotProductAttention(2, 8, attn_mask_type=spelling)
+    assert built.attn_mask_type == "padding_causal"
+    torch.testing.assert_close(built(q, k, v, attention_mask=mask), want, rtol=0, atol=0)
+    given = tm.DotProductAttention(2, 8, attn_mask_type="no_mask")(q, k, v, attention_mask=mask, attn_mask_type=spelling)
+    torch.testing.assert_close(given, want, rtol=0, atol=0)
+    layer = tm.TransformerLayer(16, 32, 2, self_attn_mask_type=spelling, enc_dec_attn_mask_type=spelling)
+    assert layer.enc_dec_attn_mask_type == "padding_causal"

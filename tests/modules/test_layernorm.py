@@ -142,3 +142,34 @@ def test_flags_and_eps_refuse_what_they_cannot_mean(cls):
             cls(8, eps=eps)
     norm = cls(8, eps=np.float32(1e-6), zero_centered_gamma=np.bool_(True), sequence_parallel=0)
     assert type(norm.eps) is float and norm.zero_centered_gamma is True and norm.sequence_parallel is False
+
+
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("params_dtype,input_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_norm_computes_in_the_parameters_dtype_outside_torch_autocast(kind, params_dtype, input_dtype):
+    """As Transformer Engine's te.LayerNorm / te.RMSNorm: the input is cast to the parameters'
+    dtype, which the output keeps (fp32 parameters normalize a bf16 input in fp32)."""
+    g = torch.Generator().manual_seed(5)
+    norm = getattr(tm, kind)(48, dtype=params_dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(48, generator=g) + 0.5)
+    x = (torch.randn(6, 48, generator=g) * 3 + 1).to(input_dtype)
+    y = norm(x.to(norm.weight.device))
+    assert y.dtype == params_dtype
+    x64, w64 = x.to(params_dtype).double(), norm.weight.detach().double().cpu()
+    if kind == "LayerNorm":
+        want = torch.nn.functional.layer_norm(x64, (48,), w64, torch.zeros(48, dtype=torch.float64), 1e-5)
+    else:
+        want = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-5) * w64
+    tol = dict(rtol=1.3e-6, atol=1e-5) if params_dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-5)
+    torch.testing.assert_close(y.double().cpu(), want, **tol)
+
+
+@pytest.mark.parametrize("cls", [tm.LayerNorm, tm.RMSNorm])
+def test_transformer_engines_dtype_and_sm_margin_arguments(cls):
+    assert cls(16, dtype=torch.bfloat16).weight.dtype == torch.bfloat16
+    assert cls(16, sm_margin=0).weight.shape == (16,) and cls(16, sm_margin={"forward": 2, "backward": 0}).eps == 1e-5
+    with pytest.raises(ValueError, match="give dtype or its older name params_dtype, not both"):
+        cls(16, dtype=torch.bfloat16, params_dtype=torch.float32)
+    with pytest.raises(TypeError, match="sm_margin must be an int >= 0"):
+        cls(16, sm_margin=-1)

@@ -126,3 +126,27 @@ def test_rope_gradient_is_exact_for_freqs_whose_pairs_differ(fmt, interleaved):
     y.backward(dy.to(here.device))
     torch.testing.assert_close(y.double().cpu(), forward64(x.double()), rtol=1.3e-6, atol=1e-5)
     torch.testing.assert_close(here.grad.double().cpu(), x64.grad, rtol=1.3e-6, atol=1e-5)
+
+
+def test_rotary_embedding_state_dict_holds_inv_freq_as_transformer_engines():
+    """TE registers inv_freq as a persistent buffer: its checkpoints hold it, and a model holding a
+    RotaryPositionEmbedding loads them strictly; a state dict without it (te-core's earlier ones)
+    still loads, keeping the frequencies made from the same arguments."""
+    emb = tm.RotaryPositionEmbedding(32, rotary_base=500.0)
+    assert list(emb.state_dict()) == ["inv_freq"]
+    want = 1.0 / (500.0 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32))
+    torch.testing.assert_close(emb.inv_freq.double().cpu(), want, rtol=1.3e-6, atol=1e-5)
+    other = tm.RotaryPositionEmbedding(32)
+    other.load_state_dict(emb.state_dict())  # strict
+    assert torch.equal(other(8), emb(8))
+    fresh = tm.RotaryPositionEmbedding(32, rotary_base=500.0)
+    assert fresh.load_state_dict({}, strict=True).missing_keys == []
+    assert torch.equal(fresh(8), emb(8))
+
+
+def test_odd_rotary_width_makes_ceil_half_frequencies_as_transformer_engine():
+    emb = tm.RotaryPositionEmbedding(10, rotary_percent=0.5)  # 5 channels: frequencies of 0, 2, 4
+    freqs = emb(4)
+    assert freqs.shape == (4, 1, 1, 6)
+    want = torch.outer(torch.arange(4, dtype=torch.float64), 1.0 / (10000.0 ** (torch.arange(0, 5, 2) / 5)))
+    torch.testing.assert_close(freqs[:, 0, 0, :3].double().cpu(), want, rtol=1.3e-6, atol=1e-5)

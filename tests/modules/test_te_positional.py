@@ -52,3 +52,15 @@ def test_positional_mistakes_are_named():
         te.Linear(16, 8, in_features=4)
     with pytest.raises(TypeError, match=r"at most 25 positional arguments, in Transformer Engine's order"):
         te.Linear(16, 8, *([None] * 24))
+
+
+def test_sizes_may_be_numpy_or_0d_torch_integers_as_in_transformer_engine():
+    """TE hands sizes to torch.empty, which takes any integer: a config read through numpy works."""
+    np = pytest.importorskip("numpy")
+    layer = te.Linear(np.int64(16), np.int32(8))
+    assert layer.weight.shape == (8, 16) and type(layer.in_features) is int
+    assert te.LayerNormMLP(np.int64(16), torch.tensor(32)).fc1_weight.shape == (32, 16)
+    assert te.RMSNorm(np.int64(12)).normalized_shape == (12,)
+    for bad in (True, 0, 2.0, "8"):
+        with pytest.raises(ValueError, match="in_features must be a positive integer"):
+            te.Linear(bad, 8)
