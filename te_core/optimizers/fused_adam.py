@@ -1,10 +1,12 @@
 """te.optimizers.FusedAdam: Adam / AdamW over the contract's multi-tensor Adam op.
 
 Transformer Engine's arguments. `master_weights=True` keeps a float32 copy of each bf16/fp16
-parameter in the optimizer state ("master_param"): the step updates the copy and writes it back
-rounded, so small updates are not lost to the parameter's precision. `capturable=True` keeps the
-step count and the learning rate as tensors on the parameters' device and steps with tensor
-arithmetic only (no host synchronization), so the step can be captured in a device graph.
+parameter, and of each FP8 one (a QuantizedTensor, e.g. from te.quantized_model_init, whatever
+its nominal dtype), in the optimizer state ("master_param"): the step updates the copy and writes
+it back rounded (quantized), so small updates are not lost to the parameter's precision.
+`capturable=True` keeps the step count and the learning rate as tensors on the parameters'
+device and steps with tensor arithmetic only (no host synchronization), so the step can be
+captured in a device graph.
 `exp_avg_dtype` / `exp_avg_sq_dtype` may be torch.bfloat16: the moments are kept in bf16 and
 updated in float32 (the parameter update reads the float32 values, which are rounded once when
 stored), as Transformer Engine's unscaled bf16 states. (A backend's fused Adam may take one
@@ -27,6 +29,7 @@ from typing import Optional
 import torch
 
 from .. import ops
+from ..quantization.tensor import QuantizedTensor
 from . import _scaled_states as compact
 from ._amp_scaling import AmpScaling
 from ._checks import check_group, check_loadable
@@ -38,6 +41,11 @@ MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)
 MASTER_DTYPES = (torch.float32, torch.float16)
 STATES = ("exp_avg", "exp_avg_sq", "master_param")
 RANGES = {"lr": (0.0, None, False), "eps": (0.0, None, False), "weight_decay": (0.0, None, False)}
+
+
+class FusedAdamConfigError(ValueError, RuntimeError):
+    """An unsupported state dtype or capturable combination. Transformer Engine raises
+    RuntimeError for these, so code written for it (`except RuntimeError`) catches this too."""
 
 
 class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
@@ -54,22 +62,25 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
                  store_param_remainders: bool = False, set_grad_none: Optional[bool] = None):
         if amsgrad:
             raise NotImplementedError(f"{NAME}: amsgrad=True is not supported (nor is it by Transformer Engine)")
-        for name, value, allowed in (("exp_avg_dtype", exp_avg_dtype, MOMENT_DTYPES),
-                                     ("exp_avg_sq_dtype", exp_avg_sq_dtype, MOMENT_DTYPES),
-                                     ("master_weight_dtype", master_weight_dtype, MASTER_DTYPES)):
+        checked = [("exp_avg_dtype", exp_avg_dtype, MOMENT_DTYPES),
+                   ("exp_avg_sq_dtype", exp_avg_sq_dtype, MOMENT_DTYPES)]
+        if master_weights:  # (Transformer Engine ignores master_weight_dtype without master weights)
+            checked.append(("master_weight_dtype", master_weight_dtype, MASTER_DTYPES))
+        for name, value, allowed in checked:
             if value not in allowed:
-                raise ValueError(f"{NAME}: {name} must be one of {', '.join(map(str, allowed))} (torch.uint8: FP8), "
-                                 f"as in Transformer Engine; got {value!r}")
+                fp8 = " (torch.uint8: FP8)" if torch.uint8 in allowed else ""
+                raise FusedAdamConfigError(f"{NAME}: {name} must be one of {', '.join(map(str, allowed))}{fp8}, "
+                                           f"as in Transformer Engine; got {value!r}")
         if capturable and exp_avg_dtype != exp_avg_sq_dtype or capturable and exp_avg_dtype in compact.SCALED:
-            raise ValueError(f"{NAME}: capturable=True needs exp_avg_dtype and exp_avg_sq_dtype alike and "
-                             f"unscaled (both float32 or both bfloat16), as in Transformer Engine; got "
-                             f"{exp_avg_dtype} and {exp_avg_sq_dtype}")
+            raise FusedAdamConfigError(f"{NAME}: capturable=True needs exp_avg_dtype and exp_avg_sq_dtype alike "
+                                       f"and unscaled (both float32 or both bfloat16), as in Transformer Engine; "
+                                       f"got {exp_avg_dtype} and {exp_avg_sq_dtype}")
         # (as in Transformer Engine: remainders only stand in for float32 master weights)
         store_param_remainders = bool(store_param_remainders and master_weights
                                       and master_weight_dtype == torch.float32)
         if capturable and (master_weights and master_weight_dtype != torch.float32 or store_param_remainders):
-            raise ValueError(f"{NAME}: capturable=True keeps float32 master weights (no float16 master_weight_dtype, "
-                             "no store_param_remainders), as in Transformer Engine")
+            raise FusedAdamConfigError(f"{NAME}: capturable=True keeps float32 master weights (no float16 "
+                                       "master_weight_dtype, no store_param_remainders), as in Transformer Engine")
         check_group(NAME, dict(params=[], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), RANGES)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
@@ -77,8 +88,9 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
         self.use_decoupled_grad = use_decoupled_grad
         self.exp_avg_dtype, self.exp_avg_sq_dtype = exp_avg_dtype, exp_avg_sq_dtype
         self.master_weight_dtype, self.store_param_remainders = master_weight_dtype, store_param_remainders
+        # (an ignored master_weight_dtype must not decide how a loaded checkpoint's master weights are kept)
         self.name_to_dtype_map = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype,
-                                  "master_param": master_weight_dtype}
+                                  "master_param": master_weight_dtype if master_weights else torch.float32}
         self._scales = {}  # param -> {state name: its float32 scale}, for the scaled states
         self._init_set_grad_none(set_grad_none)
 
@@ -89,26 +101,37 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
 
     def state_dtype(self, name: str):
         """The dtype state `name` is kept in (and reloaded in: StateDtypesMixin); None for the
-        scaled states and remainders, which load_state_dict sets itself."""
+        scaled states, which load_state_dict sets itself, as it does remainders. (With
+        store_param_remainders an fp16 or FP8 parameter keeps a float32 master weight, which
+        torch's load alone would cast to the parameter's dtype.)"""
         dtype = self.name_to_dtype_map.get(name)
-        return None if dtype in compact.SCALED or name == "master_param" and self.store_param_remainders else dtype
+        return None if dtype in compact.SCALED else dtype
 
     def _remainders(self, p) -> bool:
-        return self.store_param_remainders and p.dtype == torch.bfloat16
+        # an FP8 parameter's bits are no bf16 upper half for the remainders to complete
+        return self.store_param_remainders and p.dtype == torch.bfloat16 and not _quantized(p)
+
+    def _needs_master(self, p) -> bool:
+        """Whether `p` steps through a master weight: any parameter whose values are not float32
+        ones. That includes an FP8 parameter of nominal dtype float32, whose small updates would
+        be lost rounding each step into FP8 (Transformer Engine gives every QuantizedTensor one)."""
+        return self.master_weights and (p.dtype != torch.float32 or _quantized(p))
 
     def initialize_state(self, param, store_param_remainders: bool = False) -> None:
         """The states of `param` as its first step makes them: zero moments; the master weight
-        from the parameter (zero remainders where `store_param_remainders`), as in Transformer
-        Engine."""
-        state = self.state[param]
+        from the parameter (dequantized from an FP8 one; zero remainders where
+        `store_param_remainders`), as in Transformer Engine."""
         for name in ("exp_avg", "exp_avg_sq"):
             self.set_scaled_state(param, name, torch.zeros_like(param, dtype=torch.float32))
-        if not self.master_weights or param.dtype == torch.float32:
-            return
-        if store_param_remainders and param.dtype == torch.bfloat16:
-            state["master_param"] = torch.zeros_like(param, dtype=torch.int16)
+        if self._needs_master(param):
+            self._init_master(param, store_param_remainders and param.dtype == torch.bfloat16
+                              and not _quantized(param))
+
+    def _init_master(self, param, remainders: bool) -> None:
+        if remainders:
+            self.state[param]["master_param"] = torch.zeros_like(param, dtype=torch.int16)
         else:
-            self.set_scaled_state(param, "master_param", param.detach().float())
+            self.set_scaled_state(param, "master_param", _float32_value(param))
 
     def get_unscaled_state(self, param, state_name: str, skip_unscale: bool = False) -> torch.Tensor:
         """State `state_name` of `param` in float32 (Transformer Engine's): a scaled state times
@@ -185,6 +208,10 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             self.initialize_state(p, self._remainders(p))
+        elif "master_param" not in state and self._needs_master(p):
+            # loaded from a checkpoint without one (saved with master_weights=False, or before FP8
+            # parameters of nominal dtype float32 had one): the parameter's value is all there is
+            self._init_master(p, self._remainders(p))
         return state
 
     def _working(self, p, state):
@@ -315,3 +342,22 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
                 target.copy_(p32)
             if p is not target:  # a master copy: the parameter gets its rounded value
                 p.copy_(target)
+
+
+def _quantized(p) -> bool:
+    return isinstance(compact.local(p), QuantizedTensor)
+
+
+def _float32_value(param) -> torch.Tensor:
+    """A new float32 tensor holding `param`'s value (of a sharded parameter: sharded alike). An
+    FP8 parameter is dequantized explicitly: .float() of one whose nominal dtype is already
+    float32 would return it unchanged, still quantized."""
+    shard = compact.local(param)
+    if not isinstance(shard, QuantizedTensor):
+        return param.detach().float()
+    value = shard.dequantize(dtype=torch.float32)
+    if shard is param:
+        return value
+    from torch.distributed.tensor import DTensor  # (a sharded parameter: torch.distributed is there)
+    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
