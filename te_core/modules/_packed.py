@@ -32,7 +32,7 @@ def packing(cu_seqlens, max_seqlen: Optional[int], total: int, name: str, module
 def unpadded_rows(cu_seqlens, cu_seqlens_padded, total: int, name: str, module: str) -> Tensor:
     """Transformer Engine's pad_between_seqs layout: sequence i holds cu_seqlens' i-th length of
     tokens from row cu_seqlens_padded[i] of a (total, ...) tensor, and padding after them up to
-    the next sequence. Returns the rows of the sequences' tokens, in order (int64, on the offsets'
+    the next sequence (after the last one, up to `total`). Returns the rows of the sequences' tokens, in order (int64, on the offsets'
     device); reading the offsets waits for the device, as checking cu_seqlens does."""
     padded = f"{name}_padded"
     if isinstance(cu_seqlens_padded, Tensor) and not host_readable(cu_seqlens_padded):
@@ -40,7 +40,7 @@ def unpadded_rows(cu_seqlens, cu_seqlens_padded, total: int, name: str, module: 
                          "graph capture: how many of the rows are tokens is read from the offsets on the host. Pack "
                          f"the sequences without padding between them (cu_seqlens only), or run {module} eagerly "
                          "(torch.compiler.disable)")
-    starts_host = checked_offsets(cu_seqlens_padded, total, padded, module)
+    starts_host = checked_offsets(cu_seqlens_padded, total, padded, module, tail=True)
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
         raise ValueError(f"{module}: {name} must be a 1-D integer tensor of b + 1 offsets, got {cu_seqlens!r}")
     cu_host = cu_seqlens.tolist()
@@ -54,3 +54,19 @@ def unpadded_rows(cu_seqlens, cu_seqlens_padded, total: int, name: str, module: 
     sequence, position = token_positions(cu_seqlens, cu_host[-1])
     starts = cu_seqlens_padded.to(device=cu_seqlens.device, dtype=torch.long)
     return starts[:-1][sequence] + position
+
+
+def tail_padding(cu_seqlens_q, cu_seqlens_kv, q, k):
+    """(cu_seqlens_q_padded, cu_seqlens_kv_padded) for thd tensors with rows after their last
+    sequence (Transformer Engine's tail padding, which its attention accepts and leaves zero in
+    the output): each sequence starts where cu_seqlens says, the rest of the rows are padding.
+    (None, None) where every row is a token, or where the offsets cannot be read on the host now
+    (they are then checked on the device, which wants them to end at the number of rows)."""
+    cu = (cu_seqlens_q, cu_seqlens_kv)
+    if not all(isinstance(c, Tensor) and c.dim() == 1 and c.numel() >= 2 and host_readable(c) for c in cu) \
+            or not all(isinstance(t, Tensor) and t.dim() == 3 for t in (q, k)):
+        return None, None
+    ends = torch.stack([cu_seqlens_q[-1].cpu(), cu_seqlens_kv[-1].to(cu_seqlens_q.device).cpu()]).tolist()
+    if ends[0] < q.shape[0] or ends[1] < k.shape[0]:
+        return cu
+    return None, None

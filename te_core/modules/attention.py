@@ -19,7 +19,7 @@ from ..ops.packed_sequences import padded_layout, to_padded
 from ..quantization import extra_state as extra_state_bytes
 from ._attention_parallel import AttentionParallelMixin
 from ._attention_inputs import between_seqs, check_qkv, mask_type_spelling, sequence_layout, unpack_qkv
-from ._packed import Packing
+from ._packed import Packing, tail_padding
 from ._reset import DeferredInit, resetting
 from .inference import InferenceParams, fixed_shapes
 from ._common import (
@@ -200,6 +200,10 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
         if inference_params is not None and not isinstance(inference_params, InferenceParams):
             raise TypeError(f"{module}: inference_params must be a te_core.InferenceParams, "
                             f"got {type(inference_params).__name__}")
+        if fmt == "thd" and not pad_between_seqs and inference_params is None and cu_seqlens_q_padded is None \
+                and cu_seqlens_kv_padded is None:
+            cu_seqlens_q_padded, cu_seqlens_kv_padded = tail_padding(cu_seqlens_q, cu_seqlens_kv, query_layer,
+                                                                     key_layer)
         padded_between = pad_between_seqs or cu_seqlens_q_padded is not None or cu_seqlens_kv_padded is not None
         if inference_params is not None and padded_between:
             raise ValueError(f"{module}: with inference_params the KV cache lays out the sequences; pass no "

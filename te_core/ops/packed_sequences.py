@@ -31,9 +31,10 @@ def check_on_device(ok: Tensor, message: str) -> None:
     torch._assert_async(ok.all(), message)
 
 
-def checked_offsets(cu_seqlens, total: int, name: str, where: str = "") -> Optional[List[int]]:
+def checked_offsets(cu_seqlens, total: int, name: str, where: str = "", tail: bool = False) -> Optional[List[int]]:
     """cu_seqlens' values, read on the host in one wait for the device and checked: b + 1
-    integer offsets from 0, never decreasing, ending at `total` packed tokens. Read at every
+    integer offsets from 0, never decreasing, ending at `total` packed tokens (at most `total`
+    with `tail`: rows after the last sequence, Transformer Engine's tail padding). Read at every
     call, never remembered: a buffer refilled in place (a collective's broadcast, a host write)
     does not always tell torch it changed. None where they cannot be read now (host_readable):
     they are then checked on the device."""
@@ -42,13 +43,14 @@ def checked_offsets(cu_seqlens, total: int, name: str, where: str = "") -> Optio
             or cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
         got = tuple(cu_seqlens.shape) if isinstance(cu_seqlens, Tensor) else cu_seqlens
         raise ValueError(f"{prefix}{name} must be a 1-D integer tensor of b + 1 offsets, got {got}")
-    rule = f"{prefix}{name} must start at 0, never decrease and end at the number of packed tokens ({total})"
+    end = f"at most the number of rows ({total})" if tail else f"at the number of packed tokens ({total})"
+    rule = f"{prefix}{name} must start at 0, never decrease and end {end}"
     if not host_readable(cu_seqlens):
         cu = cu_seqlens.to(torch.long)
-        check_on_device(torch.cat([cu[:1] == 0, cu.diff() >= 0, cu[-1:] == total]), rule)
+        check_on_device(torch.cat([cu[:1] == 0, cu.diff() >= 0, cu[-1:] <= total if tail else cu[-1:] == total]), rule)
         return None
     cu = cu_seqlens.tolist()
-    if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] != total:
+    if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or (cu[-1] > total if tail else cu[-1] != total):
         raise ValueError(f"{rule}; got {cu}")
     return cu
 

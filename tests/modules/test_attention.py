@@ -697,7 +697,7 @@ def test_cu_seqlens_stand_for_padding_masks_in_bshd_and_through_the_layer():
     "kwargs, match",
     [
         (dict(), r"qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv"),
-        (dict(cu_seqlens_q=torch.tensor([0, 3, 6]), cu_seqlens_kv=torch.tensor([0, 3, 5])),
+        (dict(cu_seqlens_q=torch.tensor([0, 3, 6]), cu_seqlens_kv=torch.tensor([0, 3, 7])),
          r"cu_seqlens_kv must start at 0, never decrease and end at the number of packed tokens \(6\)"),
         (dict(cu_seqlens_q=torch.tensor([0, 3, 6]), cu_seqlens_kv=torch.tensor([0, 3, 6]), max_seqlen_q=2),
          r"max_seqlen for cu_seqlens_q is 2, shorter than a sequence of 3"),
@@ -772,3 +772,30 @@ def test_transformer_engines_other_mask_type_spellings_mean_padding_causal(spell
     torch.testing.assert_close(given, want, rtol=0, atol=0)
     layer = tm.TransformerLayer(16, 32, 2, self_attn_mask_type=spelling, enc_dec_attn_mask_type=spelling)
     assert layer.enc_dec_attn_mask_type == "padding_causal"
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_thd_rows_after_the_last_sequence_are_tail_padding_as_in_transformer_engine(padded):
+    """TE takes thd tensors with rows after cu_seqlens[-1] (with or without cu_seqlens_*_padded
+    ending before them): the sequences attend as if the rows were not there, and the tail rows of
+    the output and of the gradients are zeros."""
+    g = torch.Generator().manual_seed(8)
+    dev = torch.get_default_device()
+    q, k, v = (torch.randn(13, 2, 8, generator=g).to(dev) for _ in range(3))
+    cu_q = torch.tensor([0, 4, 10], dtype=torch.int32, device=dev)
+    cu_kv = torch.tensor([0, 6, 11], dtype=torch.int32, device=dev)
+    extra = dict(cu_seqlens_q_padded=cu_q, cu_seqlens_kv_padded=cu_kv) if padded else {}
+    dpa = tm.DotProductAttention(2, 8, qkv_format="thd", attn_mask_type="padding_causal")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = dpa(*leaves, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **extra)
+    trimmed = [t[:n].clone().requires_grad_() for t, n in zip((q, k, v), (10, 11, 11))]
+    want = dpa(*trimmed, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
+    assert out.shape == (13, 16)
+    torch.testing.assert_close(out[:10], want, rtol=1.3e-6, atol=1e-5)
+    assert torch.count_nonzero(out[10:]) == 0
+    dy = torch.randn(13, 16, generator=g).to(dev)
+    out.backward(dy)
+    want.backward(dy[:10])
+    for leaf, ref, n in zip(leaves, trimmed, (10, 11, 11)):
+        torch.testing.assert_close(leaf.grad[:n], ref.grad, rtol=1.3e-6, atol=1e-5)
+        assert torch.count_nonzero(leaf.grad[n:]) == 0
