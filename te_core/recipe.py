@@ -417,11 +417,11 @@ class DelayedScaling(Recipe):
 
     keeps_state = True
 
+    # (fields in Transformer Engine's order, for positional arguments; te-core's own after them)
     margin: int = 0
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
     amax_compute_algo: AmaxAlgo = "max"
-    override_linear_precision: _OverrideLinearPrecision = _OverrideLinearPrecision()
     scaling_factor_compute_algo: Optional[Callable] = None
     reduce_amax: bool = True
     fp8_dpa: bool = False
@@ -429,6 +429,8 @@ class DelayedScaling(Recipe):
     # Transformer Engine allows None only for delayed scaling (and so never reads
     # NVTE_BACKWARD_OVERRIDE here: te-core's default recipe builds with it set)
     backward_override: Optional[str] = None
+    # TE 1.x's field (Megatron-LM and Accelerate still pass it); TE 2.x dropped it
+    override_linear_precision: _OverrideLinearPrecision = _OverrideLinearPrecision()
 
     def __post_init__(self):
         _check_format(self)
@@ -544,20 +546,21 @@ def _fast_mm_params() -> MMParams:
 class Float8CurrentScaling(Recipe):
     """Per-tensor scales from each tensor's own amax, computed in the same op as the cast."""
 
+    # (fields in Transformer Engine's order, for positional arguments; te-core's own after them)
+    # Transformer Engine's switch for power-of-2 scales (default from
+    # NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1): True rounds every tensor's scale down to a power
+    # of 2, whatever the fp8_quant_* QParams say (TE's current-scaling quantizers read this flag only)
+    use_power_2_scales: bool = field(default_factory=_env_flag("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"))
     fp8_format: Format = Format.HYBRID
-    fp8_quant_fwd_inp: QParams = field(default_factory=_qparams)
-    fp8_quant_fwd_weight: QParams = field(default_factory=_qparams)
-    fp8_quant_bwd_grad: QParams = field(default_factory=_qparams)
     fp8_gemm_fprop: MMParams = field(default_factory=_fast_mm_params)
     fp8_gemm_dgrad: MMParams = field(default_factory=_mm_params)
     fp8_gemm_wgrad: MMParams = field(default_factory=_mm_params)
     fp8_dpa: bool = False
     fp8_mha: bool = False
-    # Transformer Engine's switch for power-of-2 scales (default from
-    # NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1): True rounds every tensor's scale down to a power
-    # of 2, whatever the fp8_quant_* QParams say (TE's current-scaling quantizers read this flag only)
-    use_power_2_scales: bool = field(default_factory=_env_flag("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"))
     backward_override: Optional[str] = field(default_factory=_env_str("NVTE_BACKWARD_OVERRIDE", None))
+    fp8_quant_fwd_inp: QParams = field(default_factory=_qparams)
+    fp8_quant_fwd_weight: QParams = field(default_factory=_qparams)
+    fp8_quant_bwd_grad: QParams = field(default_factory=_qparams)
 
     def __post_init__(self):
         _check_format(self)
@@ -591,10 +594,12 @@ class Float8BlockScaling(Recipe):
     """One scale per block: 1x128 runs for activations and gradients, 128x128 tiles for weights
     (w_block_scaling_dim=2; 1 gives 1x128 runs), power-of-2 scales by default (DeepSeek-V3 style)."""
 
+    # (fields in Transformer Engine's order, for positional arguments; te-core's own after them)
+    # Transformer Engine's switch off power-of-2 scales (default from
+    # NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1): True gives every block the exact float32 scale
+    # fp8_max / amax (every fp8_quant_* QParams' power_2_scale becomes False)
+    use_f32_scales: bool = field(default_factory=_env_flag("NVTE_FP8_BLOCK_SCALING_FP32_SCALES"))
     fp8_format: Format = Format.E4M3
-    fp8_quant_fwd_inp: QParams = field(default_factory=_pow2_qparams)
-    fp8_quant_fwd_weight: QParams = field(default_factory=_pow2_qparams)
-    fp8_quant_bwd_grad: QParams = field(default_factory=_pow2_qparams)
     x_block_scaling_dim: int = 1
     w_block_scaling_dim: int = 2
     grad_block_scaling_dim: int = 1
@@ -603,11 +608,10 @@ class Float8BlockScaling(Recipe):
     fp8_gemm_wgrad: MMParams = field(default_factory=_mm_params)
     fp8_dpa: bool = False
     fp8_mha: bool = False
-    # Transformer Engine's switch off power-of-2 scales (default from
-    # NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1): True gives every block the exact float32 scale
-    # fp8_max / amax (every fp8_quant_* QParams' power_2_scale becomes False)
-    use_f32_scales: bool = field(default_factory=_env_flag("NVTE_FP8_BLOCK_SCALING_FP32_SCALES"))
     backward_override: Optional[str] = field(default_factory=_env_str("NVTE_BACKWARD_OVERRIDE", None))
+    fp8_quant_fwd_inp: QParams = field(default_factory=_pow2_qparams)
+    fp8_quant_fwd_weight: QParams = field(default_factory=_pow2_qparams)
+    fp8_quant_bwd_grad: QParams = field(default_factory=_pow2_qparams)
 
     def __post_init__(self):
         _check_format(self)
@@ -646,8 +650,8 @@ class MXFP8BlockScaling(Recipe):
     """OCP MXFP8: a power-of-two E8M0 scale per 32 consecutive elements (emulated GEMM where the
     backend lacks it: the capability check declines and the reference backend runs, with a warning)."""
 
+    margin: int = 0  # (fields in Transformer Engine's order, for positional arguments)
     fp8_format: Format = Format.E4M3
-    margin: int = 0
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: Optional[str] = field(default_factory=_env_str("NVTE_BACKWARD_OVERRIDE", None))

@@ -34,11 +34,10 @@ def test_defaults_match_transformer_engine():
 
 def test_override_linear_precision_as_transformer_engine_passes_it():
     """Hugging Face Accelerate passes TE's field whenever a user sets it: the all-False triple
-    runs (a plain tuple or TE's named tuple), keeps TE's positional place, and round-trips
-    through a checkpoint config as plain values."""
+    runs (a plain tuple or TE's named tuple) and round-trips through a checkpoint config as plain
+    values."""
     d = DelayedScaling(override_linear_precision=(False, False, False))
     assert d == DelayedScaling() and d.override_linear_precision.wgrad is False
-    assert DelayedScaling(0, Format.HYBRID, 16, "max", (False, False, False)).amax_history_len == 16
     config = d.to_config()
     assert config["override_linear_precision"] == {"fprop": False, "dgrad": False, "wgrad": False}
     assert recipe_from_config(config) == d
@@ -498,3 +497,18 @@ def test_nvfp4_recipe_is_refused_where_te_core_builds_quantizers():
                                                       "yet; te-core runs the recipes DelayedScaling, "
                                                       "Float8CurrentScaling, Float8BlockScaling and MXFP8BlockScaling"):
             use()
+
+
+def test_positional_fields_follow_transformer_engines_order():
+    """TE 2.x's dataclass fields, in order, for positional calls; te-core's own fields (TE 1.x's
+    override_linear_precision, the fp8_quant_* QParams) come after them."""
+    algo = lambda amaxes, scale, fp8_max, recipe: scale  # noqa: E731
+    d = DelayedScaling(1, Format.E4M3, 16, "most_recent", algo, False, False, False)
+    assert (d.margin, d.fp8_format, d.amax_history_len, d.amax_compute_algo) == (1, Format.E4M3, 16, "most_recent")
+    assert d.scaling_factor_compute_algo is algo and d.reduce_amax is False
+    c = Float8CurrentScaling(True, Format.E4M3)
+    assert c.use_power_2_scales and c.fp8_format is Format.E4M3 and c.fp8_quant_fwd_inp.power_2_scale
+    b = Float8BlockScaling(True, Format.E4M3, 1, 1)
+    assert b.use_f32_scales and b.w_block_scaling_dim == 1 and not b.fp8_quant_fwd_weight.power_2_scale
+    m = MXFP8BlockScaling(0, Format.E4M3)
+    assert m.margin == 0 and m.fp8_format is Format.E4M3
