@@ -27,7 +27,7 @@ def parallel_cross_entropy(inp: Tensor, target: Tensor, label_smoothing: float =
                            dist_process_group=None, ignore_idx: int = -100, is_cg_capturable: bool = False, *,
                            _input: Optional[Tensor] = None) -> Tensor:
     """The loss per token ((B, SQ) for inp (B, SQ, V) or (SQ, B, V), in float32), or with
-    reduce_loss its mean over the tokens whose target is not ignore_idx. With
+    reduce_loss its mean over the tokens whose target is not ignore_idx (shape (1,)). With
     dist_process_group, inp holds this rank's equal share of the vocabulary (rank r's logits
     r x V_r to (r + 1) x V_r) and target indexes the whole vocabulary. is_cg_capturable
     (Transformer Engine's switch to a capturable backward) changes nothing here: no step
@@ -48,9 +48,9 @@ def parallel_cross_entropy(inp: Tensor, target: Tensor, label_smoothing: float =
                                  reduction="none")
     else:
         loss = _vocab_parallel(logits, flat_target, label_smoothing, ignore_idx, dist_process_group, world, name)
-    if reduce_loss:
+    if reduce_loss:  # shape (1,), as Transformer Engine returns it
         counted = (flat_target != ignore_idx).sum().clamp(min=1)
-        return loss.sum() / counted
+        return (loss.sum() / counted).reshape(1)
     return loss.view(target.shape)
 
 
