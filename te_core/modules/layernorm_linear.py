@@ -329,15 +329,16 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
                 nn.init.zeros_(bias)
             self.store_split(params, weight=weight, bias=bias)  # parameters_split: into the named parts
 
-    def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False, *,
-                split_sizes: Optional[Sequence[int]] = None, return_residual: bool = False, **unsupported):
+    def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False,
+                fp8_grad: bool = False, *, split_sizes: Optional[Sequence[int]] = None, return_residual: bool = False,
+                **unsupported):
         """te-core extensions: `split_sizes` returns the output as a tuple of views split along
         its last dimension, as torch.split would; the backward then takes their gradients
         without concatenating them (a fused QKV projection feeding attention).
         `return_residual` also returns `inp` itself (last), to be the block's residual: its
         gradient is then summed into the input's inside the norm's backward."""
-        if fp8_output or unsupported:  # FP8 tensors between modules are not implemented
-            reject_unsupported("LayerNormLinear.forward", fp8_output=fp8_output, **unsupported)
+        if fp8_output or fp8_grad or unsupported:  # FP8 tensors between modules are not implemented
+            reject_unsupported("LayerNormLinear.forward", fp8_output=fp8_output, fp8_grad=fp8_grad, **unsupported)
         # read once: under parameters_split each read concatenates the parts
         weight, bias = self.weight, self.bias
         check_input(inp, self.in_features, module="LayerNormLinear", device=weight.device)

@@ -221,12 +221,12 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
         self.note_primary_weights(weight="weight")
         self._initialize(init_method, materialize=False)
 
-    def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None, *,
-                split_sizes: Optional[Sequence[int]] = None, **unsupported):
+    def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False,
+                fp8_grad: bool = False, *, split_sizes: Optional[Sequence[int]] = None, **unsupported):
         """`split_sizes` (te-core): the output as a tuple of views split along its last dimension,
         as torch.split would; the backward takes their gradients without concatenating them."""
-        if unsupported:  # fp8_output / fp8_grad: FP8 tensors between modules are not implemented
-            reject_unsupported("Linear.forward", **unsupported)
+        if fp8_output or fp8_grad or unsupported:  # FP8 tensors between modules are not implemented
+            reject_unsupported("Linear.forward", fp8_output=fp8_output, fp8_grad=fp8_grad, **unsupported)
         # read once: under parameters_split each read concatenates the parts
         weight, bias = self.weight, self.bias
         check_input(inp, self.in_features, module="Linear", last_dim_name="in_features", device=weight.device)

@@ -64,3 +64,13 @@ def test_sizes_may_be_numpy_or_0d_torch_integers_as_in_transformer_engine():
     for bad in (True, 0, 2.0, "8"):
         with pytest.raises(ValueError, match="in_features must be a positive integer"):
             te.Linear(bad, 8)
+
+
+def test_forward_takes_transformer_engines_positional_fp8_flags():
+    """TE's forward(inp, is_first_microbatch, fp8_output, fp8_grad): their defaults pass
+    positionally; True (FP8 tensors between modules) is refused by name."""
+    x = torch.randn(4, 16).to(torch.get_default_device())
+    for module in (te.Linear(16, 8), te.LayerNormLinear(16, 8)):
+        torch.testing.assert_close(module(x, None, False, False), module(x), rtol=0, atol=0)
+        with pytest.raises(NotImplementedError, match="fp8_grad=True is not supported"):
+            module(x, None, False, True)
