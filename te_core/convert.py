@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .modules.layernorm import LayerNorm, RMSNorm
 from .modules.layernorm_linear import LayerNormLinear
@@ -191,6 +192,7 @@ class _Walk:
         self.left_out: Dict[str, None] = {}  # (ordered, once each: a Linear is asked about when fusing too)
         self.untied: List[str] = []
         self.linear_like: List[str] = []
+        self.hooked: List[str] = []
 
     def wanted(self, module: nn.Module, fqn: str) -> bool:
         parts = fqn.split(".")
@@ -218,10 +220,13 @@ class _Walk:
             if name in fused_into or not self.wanted(child, fqn):
                 continue
             is_norm = _is_layernorm(child) or _is_rmsnorm(child)
+            if (is_norm or type(child) is nn.Linear) and _hooked(child):
+                self.hooked.append(f"{fqn} ({type(child).__name__})")
+                continue
             if is_norm and self.fuse and isinstance(parent, nn.Sequential) and i + 1 < len(names):
                 next_name, nxt = names[i + 1]
                 next_fqn = f"{prefix}.{next_name}" if prefix else next_name
-                if (type(nxt) is nn.Linear and nxt.in_features == child.weight.shape[0]
+                if (type(nxt) is nn.Linear and nxt.in_features == child.weight.shape[0] and not _hooked(nxt)
                         and self.wanted(nxt, next_fqn) and self.linear_ok(nxt, next_fqn)):
                     setattr(parent, name, _fuse(child, nxt, self.taker(fqn)))
                     setattr(parent, next_name, nn.Identity())
@@ -244,11 +249,24 @@ class _Walk:
         if self.left_out:
             warnings.warn(f"convert_model: left in high precision (features not multiples of {self.align}): "
                           f"{', '.join(self.left_out)}", stacklevel=3)
+        if self.hooked:
+            warnings.warn(f"convert_model: left as they are, in high precision: {', '.join(self.hooked)}: modules "
+                          "with hooks or parametrizations (weight_norm among them), which a te-core module in their "
+                          "place would drop; remove them before converting to convert these, or skip them to "
+                          "silence this", stacklevel=3)
         if self.linear_like:
             warnings.warn(f"convert_model: left as they are, in high precision: {', '.join(self.linear_like)}: "
                           "linear layers that are not torch.nn.Linear itself (a subclass, whose forward may differ, "
                           "or GPT-2's Conv1D, whose weight is transposed); replace them with te.Linear yourself, or "
                           "skip them to silence this", stacklevel=3)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether module has hooks of its own or parametrized tensors (torch.nn.utils.parametrize;
+    the older weight_norm is a forward pre-hook): what a replacement would silently lose."""
+    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+             "_state_dict_hooks", "_load_state_dict_pre_hooks")
+    return any(getattr(module, h, None) for h in hooks) or parametrize.is_parametrized(module)
 
 
 def _linear_like(module: nn.Module) -> bool:

@@ -243,13 +243,41 @@ def _check_args(args) -> Optional[str]:
         return f"--threads must be at least 1, got {args.threads}"
     if args.tp < 1:
         return f"--tp must be at least 1, got {args.tp}"
-    if args.lr is not None and not args.lr > 0:
-        return f"--lr must be a positive number, got {args.lr}"
+    if args.lr is not None and not (args.lr > 0 and math.isfinite(args.lr)):
+        return f"--lr must be a positive finite number, got {args.lr}"
+    out_problem = _check_out(args.out)
+    if out_problem:
+        return out_problem
     if args.capture and args.compile:
         return ("--capture and --compile are two ways to take the host out of the step (te_core.make_graphed_callables "
                 "over the layers, torch.compile with CUDA graphs over the whole step); choose one")
     if args.pin_host_thread and not hasattr(os, "sched_setaffinity"):
         return "--pin-host-thread needs CPU affinity (os.sched_setaffinity), which only Linux has"
+    return None
+
+
+def _check_out(out: str) -> Optional[str]:
+    """What would keep the demo from writing its results into `out` after training, found before
+    it trains (nothing is made here), or None."""
+    fix = "give a directory you can write to, for loss_curves.png and demo_run.json"
+    path = os.path.abspath(out)
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            return f"--out {out!r} is a file; {fix}"
+        return None if os.access(path, os.W_OK | os.X_OK) else f"--out {out!r} is not writable; {fix}"
+    made = []  # the directories the run would make, made and removed again: only trying tells (root, /proc)
+    try:
+        head = path
+        while not os.path.exists(head):
+            made.append(head)
+            head = os.path.dirname(head)
+        os.makedirs(path)
+    except OSError as error:
+        return f"--out {out!r} cannot be made ({error.strerror}); {fix}"
+    finally:
+        for directory in made:
+            if os.path.isdir(directory):
+                os.rmdir(directory)
     return None
 
 

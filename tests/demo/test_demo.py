@@ -91,7 +91,10 @@ def test_demo_rejects_bad_arguments(capsys):
     for argv, message in (
         (["--steps", "1"], "--steps must be at least 2, got 1"),
         (["--threads", "0"], "--threads must be at least 1, got 0"),
-        (["--lr", "-0.1"], "--lr must be a positive number, got -0.1"),
+        (["--lr", "-0.1"], "--lr must be a positive finite number, got -0.1"),
+        (["--lr", "inf"], "--lr must be a positive finite number, got inf"),
+        (["--out", __file__], "is a file; give a directory you can write to"),
+        (["--out", "/proc/te-core-demo/out"], "--out '/proc/te-core-demo/out' cannot be made"),
         (["--backend", "no-such-backend", "--steps", "2"], "--backend no-such-backend"),
         (["--device", "no-such-device", "--steps", "2"], "--device no-such-device: not usable here"),
         (["--pin-host-thread", "--steps", "2"], "--pin-host-thread is for training on an accelerator"),

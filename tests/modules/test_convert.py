@@ -235,3 +235,32 @@ def test_what_stays_as_it_is_is_said_once():
     assert "out_proj" not in linear_like[0]  # (torch's attention reads its own projection's weight)
     assert type(model[2]) is Projection and type(model[3]) is Conv1D
     assert type(model[4]) is nn.RMSNorm  # a norm over two dimensions stays, as nn.LayerNorm's would
+
+
+def test_modules_with_hooks_or_parametrizations_are_left_as_they_are():
+    """A te-core module in their place would drop a forward hook, a parametrization or an old-style
+    weight_norm silently (the output, or what trains, would change): they stay, named in a warning,
+    and the model computes what it computed before."""
+    import torch.nn.utils.parametrize as parametrize
+
+    class Softplus(nn.Module):
+        def forward(self, w):
+            return nn.functional.softplus(w)
+
+    g = torch.Generator().manual_seed(4)
+    hooked, plain = nn.Linear(32, 32), nn.Linear(32, 32)
+    hooked.register_forward_hook(lambda mod, inp, out: out * 3)
+    norm = nn.RMSNorm(32)  # (a parametrized one is still an nn.RMSNorm instance)
+    parametrize.register_parametrization(norm, "weight", Softplus())
+    normed = torch.nn.utils.weight_norm(nn.Linear(32, 16, bias=False))
+    model = nn.Sequential(hooked, nn.ReLU(), norm, plain, nn.ReLU(), normed)
+    x = torch.randn(8, 32, generator=g).to(torch.get_default_device())
+    model.to(x.device)
+    want = model(x)
+    original = norm.parametrizations.weight.original
+    with pytest.warns(UserWarning, match=r"0 \(Linear\), 2 \(ParametrizedRMSNorm\), 5 \(Linear\): modules with hooks"):
+        convert_model(model)
+    assert model[0] is hooked and model[2] is norm and model[5] is normed
+    assert isinstance(model[3], tm.Linear)  # the plain Linear (its norm stays: no fusion with it)
+    assert any(p is original for p in model.parameters())
+    torch.testing.assert_close(model(x), want, rtol=1.3e-6, atol=1e-5)
