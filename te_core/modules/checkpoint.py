@@ -59,7 +59,10 @@ class _StepLog:
         self.unfinished = []  # (module, entry) whose forward scales are taken when the forward ends
 
     def record(self, module: QuantizedModule, is_first_microbatch):
-        step = module.new_quantization_step(is_first_microbatch)
+        return self.add(module, module.new_quantization_step(is_first_microbatch))
+
+    def add(self, module: QuantizedModule, step):
+        """Record `step`, which `module` runs its forward with, and the scales it casts with."""
         entry = [step, None]
         if _has_fresh_forward_scales(module):
             # its first casts set their scales from their own amaxes (QuantizationStep.first_scale):
@@ -88,7 +91,7 @@ class _StepLog:
 
     @contextlib.contextmanager
     def active(self, replaying: bool):
-        phase = _Phase(self, replaying)
+        phase = _Phase(self, replaying, RECOMPUTE.log)
         outer, RECOMPUTE.log = RECOMPUTE.log, phase
         try:
             yield
@@ -103,14 +106,22 @@ class _StepLog:
 
 
 class _Phase:
-    """What a module's quantization_step consults while a log's forward or recompute runs."""
+    """What a module's quantization_step consults while a log's forward or recompute runs.
 
-    def __init__(self, log: _StepLog, replaying: bool):
-        self.log, self.replaying, self.touched = log, replaying, {}
+    Regions nest (a checkpointed block whose MLP checkpoints itself): a forward phase inside
+    another region's phase takes its steps from that one, and records them too. So the outer
+    region's forward records the inner modules' steps as well, and the outer recompute, which
+    runs the inner region's forward again (outside te.autocast, in the backward), hands them back;
+    the inner region then recomputes from what it recorded there."""
+
+    def __init__(self, log: _StepLog, replaying: bool, outer=None):
+        self.log, self.replaying, self.outer, self.touched = log, replaying, outer, {}
 
     def step(self, module: QuantizedModule, is_first_microbatch):
         if self.replaying:
             return self.log.replay(module, is_first_microbatch, self.touched)
+        if self.outer is not None:
+            return self.log.add(module, self.outer.step(module, is_first_microbatch))
         return self.log.record(module, is_first_microbatch)
 
 

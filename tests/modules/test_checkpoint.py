@@ -323,3 +323,31 @@ def test_checkpoint_recomputes_a_first_fp8_step_exactly_in_bfloat16(steps):
         return grads, [s for blk in blocks for s in states(blk)]
 
     _assert_same_run(run(True), run(False))
+
+
+@pytest.mark.parametrize("rec", [recipe.DelayedScaling, recipe.Float8CurrentScaling, recipe.Float8BlockScaling])
+def test_nested_checkpoints_recompute_fp8_exactly(rec):
+    """A checkpointed block whose MLP checkpoints itself (and a te.checkpoint inside that): the
+    outer recompute runs the inner regions' forwards again in the backward, outside te.autocast,
+    with the steps the original forward recorded; three steps bit-identical to no recompute."""
+    g = torch.Generator().manual_seed(9)
+    dev = torch.get_default_device()
+    plain_mlp, plain_lin = tm.LayerNormMLP(128, 256), tm.Linear(128, 128)
+    mlp, lin = copy.deepcopy(plain_mlp), copy.deepcopy(plain_lin)
+    mlp.checkpoint = True
+    x = torch.randn(32, 128, generator=g).to(dev)
+    recipe_ = rec()
+    results = []
+    for nested in (False, True):
+        inp = x.clone().requires_grad_()
+        for _ in range(3):
+            with te_core.autocast(recipe=recipe_):
+                if nested:
+                    y = te_core.checkpoint(lambda t: lin(te_core.checkpoint(mlp, t)), inp)
+                else:
+                    y = plain_lin(plain_mlp(inp))
+            y.sum().backward()
+        m = mlp if nested else plain_mlp
+        results.append([y.detach(), inp.grad, m.fc1_weight.grad, m.layer_norm_weight.grad])
+    for got, want in zip(results[1], results[0]):
+        assert torch.equal(got, want)
