@@ -13,6 +13,7 @@ from torch import Tensor
 
 from .. import ops
 from .block_views import BLOCK_VIEW_OPS
+from .dequantized_view import dequantized_select, dequantized_slice
 from .tensor import BLOCK_1x128, BLOCK_128x128, MX_1x32, GemmOperand, QuantizedOperand, QuantizedTensor
 
 
@@ -128,6 +129,10 @@ class Float8BlockwiseTensor(_BlockwiseLayout, QuantizedTensor):
 
 class MXFP8Tensor(_MXLayout, QuantizedTensor):
     __doc__ = _MXLayout.__doc__
+
+    # no view of it stays MXFP8; a select or slice writes back (dequantized_view)
+    _view_ops = {**QuantizedTensor._view_ops, torch.ops.aten.select.int: dequantized_select,
+                 torch.ops.aten.slice.Tensor: dequantized_slice}
 
 
 class Float8BlockwiseOperand(_BlockwiseLayout, QuantizedOperand):

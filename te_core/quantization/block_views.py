@@ -9,6 +9,11 @@ padded), so a cut that would split a tile is refused with what to do, instead of
 making high-precision shards. Views carry only the row-wise data and scales (the column-wise
 copy is another layout); an FSDP2 all-gather rebuilds it.
 
+Such a piece is linked to the tensor it was cut from (ViewLink): an in-place op on it writes its
+rows of that tensor's value, requantized whole, so that the column-wise copy the tensor holds
+follows (the piece holds none). A select (`w[1]`, `w[:, 3]`) or a slice along a row is no block
+tensor: it is a DequantizedView, which writes back in the same way.
+
 A flattening view (FSDP2 keeps one of each padded shard) is the same payload under the 1-D
 nominal shape: the row-major order of the elements is unchanged, so it dequantizes to the
 flattened value. It has no quantizer, since a requantization of it would not reach the tensor
@@ -17,13 +22,16 @@ it views: an in-place op on it raises. Other reshapes take QuantizedTensor's gen
 `copy_` between two block tensors of one layout copies the source's FP8 bytes and scales into
 the destination's buffers, which makes the destination's value the source's, exactly, and a
 write into a view reaches the tensor it views (FSDP2 pads a shard by copying it into a view of
-a zero tensor). Every other copy requantizes (QuantizedTensor).
+a zero tensor, which holds no column-wise copy). Every other copy requantizes (QuantizedTensor),
+as does a copy into a piece of a tensor holding a column-wise copy, which the bytes would miss.
 """
 from __future__ import annotations
 
 import torch
 
+from .dequantized_view import dequantized_select, dequantized_slice
 from .float8_views import fsdp_view_ops
+from .tensor import ViewLink
 
 aten = torch.ops.aten
 
@@ -48,8 +56,8 @@ def _rows(t, start: int, end: int):
     """Rows start:end of t (start on a block boundary) as a block tensor sharing t's buffers."""
     unit = _row_block(t)
     scale_inv = t._scale_inv[start // unit: _ceil_div(end, unit)]
-    return type(t).make(t._data[start:end], scale_inv, None, None, nominal_dtype=t.dtype,
-                        quantizer=t._quantizer, _block_2d=t._block_2d)
+    return type(t).make(t._data[start:end], scale_inv, None, None, nominal_dtype=t.dtype, quantizer=t._quantizer,
+                        _block_2d=t._block_2d, _view_of=ViewLink(t, lambda value, part: value[start:end].copy_(part)))
 
 
 def world_size_of(rows: int, piece: int) -> str:
@@ -98,8 +106,10 @@ def _split(t, split_size, dim: int = 0):
 
 
 def _slice(t, dim: int = 0, start=None, end=None, step: int = 1):
-    if not _is_plain_2d(t) or dim not in (0, -2) or step != 1:
+    if not _is_plain_2d(t):
         return NotImplemented
+    if dim not in (0, -2) or step != 1:  # cuts the blocks along a row
+        return dequantized_slice(t, dim, start, end, step)
     rows = t.shape[0]
     start, end = (0 if start is None else start), (rows if end is None else end)
     start, end = (min(max(0, i + rows if i < 0 else i), rows) for i in (start, end))
@@ -149,6 +159,8 @@ def _copy(dst, src, non_blocking: bool = False):
         return NotImplemented
     if dst._data_t is not None and src._data_t is None and not src._block_2d:
         return NotImplemented  # a 1x128 column-wise copy is another quantization: requantize
+    if _viewed_columnwise(dst):
+        return NotImplemented
     # each of dst's buffers written in place (a view's parent, or a captured graph, reads them)
     dst._data.copy_(src._data, non_blocking)
     dst._scale_inv.copy_(src._scale_inv, non_blocking)
@@ -158,4 +170,15 @@ def _copy(dst, src, non_blocking: bool = False):
     return dst
 
 
-BLOCK_VIEW_OPS = fsdp_view_ops(_split, _slice, _reshaped, _as_strided, _new_zeros, _copy)
+def _viewed_columnwise(t) -> bool:
+    """Whether t is a piece of a tensor holding a column-wise copy."""
+    link = t._view_link()
+    while link is not None:
+        t, link = link.parent, link.parent._view_link()
+        if t.has_columnwise:
+            return True
+    return False
+
+
+BLOCK_VIEW_OPS = {**fsdp_view_ops(_split, _slice, _reshaped, _as_strided, _new_zeros, _copy),
+                  aten.select.int: dequantized_select}

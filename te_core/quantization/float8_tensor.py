@@ -73,6 +73,7 @@ class _Float8Layout:
         transpose = self._transpose if self._transpose is not None else self.columnwise().data
         twin = self._same_kind()
         twin._transpose, twin._data = transpose, None
+        twin.__dict__.pop("_view_of", None)  # its bytes are a copy of its own (a view's transpose)
         return twin
 
     def columnwise(self) -> GemmOperand:
@@ -95,6 +96,19 @@ class _Float8Layout:
 
     def _payload(self) -> dict:
         return {"_data": self._data, "_scale_inv": self._scale_inv, "_transpose": self._transpose}
+
+    def _writable_value(self, value: Optional[Tensor] = None) -> Tensor:
+        # laid out as the row-wise FP8 data: a view's put addresses its bytes' strides and offset
+        data = self._rowwise_data()
+        out = torch.empty_strided(data.shape, data.stride(), dtype=self.dtype, device=self.device)
+        return out.copy_((self.dequantize() if value is None else value).reshape(data.shape))
+
+    def _follow_write(self, parent: "Float8Tensor") -> None:
+        # the bytes this view shares were requantized with the parent's new scale; a column-wise
+        # copy of its own was made from the old bytes (columnwise() makes it again, exactly)
+        self._scale_inv = parent._scale_inv
+        if self._data is not None:
+            self._transpose = None
 
 
 class Float8Tensor(_Float8Layout, QuantizedTensor):

@@ -1,10 +1,17 @@
-"""Views of a Float8Tensor that stay FP8: the torch ops FSDP2 shards a parameter with.
+"""Views of a Float8Tensor that stay FP8: the torch ops FSDP2 shards a parameter with, and the
+select that indexing makes (`w[1]`, `w[:, 3]`).
 
 With one scale for the whole tensor, any element-wise view of the FP8 data (a split, a slice, a
 reshape, as_strided) is that view of the tensor's value, with the same scale_inv, so it is kept
 quantized instead of being dequantized into a high-precision copy. The column-wise copy is not
 carried into a view (a view of it would be another layout); a GEMM that needs it makes it again
 from the row-wise data, exactly. An as_strided that is the identity keeps both layouts.
+
+A view carries a ViewLink to the tensor whose bytes it views (a view of a view, to that same
+tensor): an in-place op on it requantizes that tensor whole, since the view shares its one scale
+(QuantizedTensor). Where the FP8 bytes cannot be viewed in the asked shape (a reshape of a
+column slice: the wrapper reports contiguous strides, so torch's reshape asks for a view), the
+reshape is a copy, as torch's reshape of such a tensor is.
 
 `copy_` between two Float8Tensors with equal scale_inv copies the FP8 bytes into the
 destination's buffers (both layouts it has), so a write into a view reaches the tensor it views
@@ -19,12 +26,35 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .tensor import ViewLink
+
 aten = torch.ops.aten
 
 
 def _view(t, data: Tensor):
-    """A Float8Tensor of `data` (a view of t's FP8 data) with t's scale_inv and quantizer."""
-    return type(t).make(data, t._scale_inv, None, nominal_dtype=t.dtype, quantizer=t._quantizer)
+    """A Float8Tensor of `data` (a view of t's FP8 data) with t's scale_inv and quantizer, linked
+    to the tensor that holds those bytes."""
+    view = type(t).make(data, t._scale_inv, None, nominal_dtype=t.dtype, quantizer=t._quantizer)
+    link = t._view_link()
+    view._view_of = _region_link(t if link is None else link.parent, data)
+    return view
+
+
+def _region_link(base, data: Tensor) -> ViewLink:
+    """The link of a view whose FP8 bytes are `data`, inside base's row-wise data: the view's
+    value goes to the same elements of base's value, laid out as those bytes
+    (Float8Tensor._writable_value)."""
+    rows = base._rowwise_data()
+    size, stride, offset = data.size(), data.stride(), data.storage_offset() - rows.storage_offset()
+    layout = rows.stride()
+
+    def put(value: Tensor, part: Tensor) -> None:
+        if value.stride() != layout:
+            raise RuntimeError("a write through a view of a Float8Tensor whose data has since been replaced "
+                               "(it was requantized into another layout); take the view again")
+        value.as_strided(size, stride, value.storage_offset() + offset).copy_(part)
+
+    return ViewLink(base, put)
 
 
 def _split(t, split_size, dim: int = 0):
@@ -35,8 +65,18 @@ def _slice(t, dim: int = 0, start=None, end=None, step: int = 1):
     return _view(t, aten.slice.Tensor(t._rowwise_data(), dim, start, end, step))
 
 
+def _select(t, dim: int, index: int):
+    return _view(t, t._rowwise_data().select(dim, index))
+
+
 def _reshaped(t, size):
-    return _view(t, t._rowwise_data().view(size))
+    data = t._rowwise_data()
+    try:
+        viewed = data.view(size)
+    except RuntimeError:  # (a column slice) a copy, whose requantization must leave t's scale_inv alone
+        return type(t).make(data.reshape(size), t._scale_inv.clone(), None, nominal_dtype=t.dtype,
+                            quantizer=t._quantizer)
+    return _view(t, viewed)
 
 
 def _as_strided(t, size, stride, storage_offset=None):
@@ -53,13 +93,19 @@ def _new_zeros(t, size, *, dtype=None, layout=None, device=None, pin_memory=None
     if dtype not in (None, t.dtype) or layout not in (None, torch.strided) or device not in (None, t.device):
         return NotImplemented
     data = torch.zeros(size, dtype=t.fp8_dtype, device=t.device, pin_memory=bool(pin_memory))
-    return _view(t, data)
+    # a tensor of its own: requantizing it must not rewrite t's scale (equal values still let a
+    # copy_ between the two move bytes, as FSDP2's padding does)
+    scale_inv = t._scale_inv.clone()
+    if pin_memory:
+        scale_inv = scale_inv.pin_memory()
+    return type(t).make(data, scale_inv, None, nominal_dtype=t.dtype, quantizer=t._quantizer)
 
 
 def _copy(dst, src, non_blocking: bool = False):
     if type(dst) is not type(src) or dst.shape != src.shape or dst.fp8_dtype != src.fp8_dtype:
         return NotImplemented
-    if dst._scale_inv is not src._scale_inv and not torch.equal(dst._scale_inv, src._scale_inv):
+    same = dst._scale_inv is src._scale_inv or dst._scale_inv.is_meta or src._scale_inv.is_meta  # (meta: no values)
+    if not same and not torch.equal(dst._scale_inv, src._scale_inv):
         return NotImplemented
     # each of dst's buffers written in place (a view's parent, or a captured graph, reads them)
     if dst._data is not None:
@@ -67,6 +113,11 @@ def _copy(dst, src, non_blocking: bool = False):
     if dst._transpose is not None:
         src_t = src._transpose if src._transpose is not None else src._rowwise_data().t()
         dst._transpose.copy_(src_t, non_blocking)
+    link = dst._view_link()
+    if link is not None:  # the bytes went into a part of the viewed tensor: its column-wise copy follows
+        base = link.parent
+        if base._data is not None and base._transpose is not None:
+            base._transpose.copy_(base._data.reshape(-1, base._data.shape[-1]).t(), non_blocking)
     return dst
 
 
@@ -91,4 +142,5 @@ def fsdp_view_ops(split, slice_, reshaped, as_strided, new_zeros, copy) -> dict:
     }
 
 
-FLOAT8_VIEW_OPS = fsdp_view_ops(_split, _slice, _reshaped, _as_strided, _new_zeros, _copy)
+FLOAT8_VIEW_OPS = {**fsdp_view_ops(_split, _slice, _reshaped, _as_strided, _new_zeros, _copy),
+                   aten.select.int: _select}

@@ -26,7 +26,7 @@ from ..dtype import DType, fp8_torch_dtype
 from . import quantizers as core
 from .block_tensor import Float8BlockwiseTensor, MXFP8Tensor
 from .float8_tensor import Float8Tensor
-from .tensor import QuantizedTensor
+from .tensor import QuantizedTensor, requantize_with
 
 __all__ = ["Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8BlockQuantizer", "MXFP8Quantizer",
            "QUANTIZER_CLASSES", "te_quantizer_of"]
@@ -151,6 +151,9 @@ class _TEQuantizer:
                             f"got {type(dst).__name__}")
         if tuple(src.shape) != tuple(dst.shape):
             raise ValueError(f"{owner}.update_quantized: src has shape {tuple(src.shape)}, dst {tuple(dst.shape)}")
+        if dst._view_link() is not None:  # a view: the cast goes into the tensor it views, requantized whole
+            requantize_with([(dst, src.to(device=dst.device), self)])
+            return dst
         rowwise = dst._data is not None
         fresh = self._cast(src.detach().to(device=dst.device, dtype=dst.dtype), dst.has_columnwise)
         if not rowwise:

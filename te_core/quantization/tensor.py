@@ -8,7 +8,7 @@ tensor with the quantizer it was made by, so an FP8 parameter stays FP8.
 from __future__ import annotations
 
 import copy
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -35,8 +35,27 @@ class GemmOperand(NamedTuple):
     kind: str
 
 
+class ViewLink(NamedTuple):
+    """What a quantized view writes into: `parent`, the tensor whose data it views, and
+    `put(parent_value, value)`, which writes the view's new high-precision `value` into its
+    place in `parent_value` (a buffer from parent._writable_value())."""
+
+    parent: "QuantizedTensor"
+    put: Callable[[Tensor, Tensor], None]
+
+
+_TENSOR_DATA = torch._C.TensorBase.data  # torch's own `data` descriptor (QuantizedTensor's wraps it)
+
+
 class QuantizedTensor(Tensor):
-    """Base of Float8Tensor, Float8BlockwiseTensor and MXFP8Tensor."""
+    """Base of Float8Tensor, Float8BlockwiseTensor and MXFP8Tensor.
+
+    A view of one (a slice, a select, a split) that writes into its data carries a ViewLink
+    (`_view_of`): an in-place op on the view requantizes the tensor it views, whole, with the
+    view's part replaced, as an in-place op on that tensor would. Requantizing the view alone
+    would give it a scale of its own, which the bytes around it (sharing one per-tensor scale,
+    or a column-wise copy) do not follow.
+    """
 
     _quantizer: Any
     # The QuantizedOperand class `make` builds instead while torch.compile traces (set per format).
@@ -107,7 +126,33 @@ class QuantizedTensor(Tensor):
         twin = cls.__new__(cls, self.shape, self.dtype, self.device, self._quantizer)
         for name, value in self._payload().items():
             setattr(twin, name, value)
+        link = self.__dict__.get("_view_of")
+        if link is not None:  # a detached view (param.data of one) still writes the tensor it views
+            twin._view_of = link
         return twin
+
+    def _view_link(self) -> Optional[ViewLink]:
+        """The link this view writes through, while its bytes are still in its parent's data
+        (after `parent.data = x` they are not: the view then stands alone, as a plain view of
+        the parent's former storage would)."""
+        link = self.__dict__.get("_view_of")
+        data = self.__dict__.get("_data")
+        if link is None or data is None:
+            return link
+        ptr = data.untyped_storage().data_ptr()
+        held = (v for v in link.parent._payload().values() if isinstance(v, Tensor))
+        return link if any(v.untyped_storage().data_ptr() == ptr for v in held) else None
+
+    def _writable_value(self, value: Optional[Tensor] = None) -> Tensor:
+        """A new high-precision buffer holding `value` (by default this tensor's value), laid out
+        as the puts of views of this tensor (ViewLink) address it."""
+        if value is None:
+            return self.dequantize().contiguous()
+        return value.clone(memory_format=torch.contiguous_format)
+
+    def _follow_write(self, parent: "QuantizedTensor") -> None:
+        """After a write through this view requantized `parent`: make this view's own state
+        (what it does not share with the parent) match the parent's new data."""
 
     def drop_columnwise(self) -> bool:
         """Free the column-wise copy where the row-wise data alone can remake it exactly; a format
@@ -118,6 +163,75 @@ class QuantizedTensor(Tensor):
         """Replace the value with `hp`, quantized by this tensor's quantizer."""
         requantize_all([(self, hp)])
         return self
+
+    def quantize_(self, tensor: Tensor, *, noop_flag: Optional[Tensor] = None) -> "QuantizedTensor":
+        """Transformer Engine's in-place cast: `tensor` quantized into this tensor, as copy_ from
+        it does. `noop_flag`, a 1-element float32 tensor (an optimizer's overflow flag), skips
+        the cast when it holds 1, as TE's cast kernels do."""
+        if noop_flag is not None:
+            if noop_flag.numel() != 1 or noop_flag.dtype != torch.float32:
+                raise ValueError(f"{type(self).__name__}.quantize_: noop_flag must be a 1-element float32 tensor, "
+                                 f"got {noop_flag.numel()} elements of {noop_flag.dtype}")
+            # read on the host: te-core's casts are torch ops, which cannot skip on a device flag
+            if noop_flag.item() == 1.0:
+                return self
+        with torch.no_grad():  # TE's quantize_ is no autograd op: a trainable weight takes it too
+            self.copy_(tensor)
+        return self
+
+    # torch returns a tensor itself when asked for the dtype it has, which here would be the
+    # quantized tensor: a "float copy" (master weights) would then stay quantized, write into this
+    # tensor when updated in place, and have no numpy(). As Transformer Engine's, these dequantize.
+    def float(self, memory_format=torch.preserve_format) -> Tensor:
+        return _dequantized_copy(self, torch.float32, memory_format)
+
+    def half(self, memory_format=torch.preserve_format) -> Tensor:
+        return _dequantized_copy(self, torch.float16, memory_format)
+
+    def bfloat16(self, memory_format=torch.preserve_format) -> Tensor:
+        return _dequantized_copy(self, torch.bfloat16, memory_format)
+
+    @property
+    def data(self) -> Tensor:
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, value: Tensor) -> None:
+        # torch's setter swaps the wrapper's metadata only: the quantized data, held in Python
+        # attributes, would stay, so `param.data = x` (module.half(), a user's reload) would be
+        # silently ignored. As Transformer Engine's: a tensor of this kind lends its data (both
+        # then share it, as plain tensors do), anything else is quantized by this tensor's quantizer.
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{type(self).__name__}.data must be set to a tensor, got {type(value).__name__}")
+        with torch.no_grad():
+            source = value if type(value) is type(self) else self._quantized_like(value)
+        # (value's shape: a block format's payload is 2-D under any nominal shape)
+        if (value.shape, source.dtype, source.device) != (self.shape, self.dtype, self.device):
+            _TENSOR_DATA.__set__(self, type(self).__new__(type(self), value.shape, source.dtype, source.device))
+        self.__dict__.pop("_view_of", None)
+        self.__dict__.update(vars(source._same_kind()))
+
+    def _quantized_like(self, value: Tensor) -> "QuantizedTensor":
+        """`value` quantized by this tensor's quantizer, in the layouts this tensor holds."""
+        if self._quantizer is None:
+            raise RuntimeError(f"{type(self).__name__} has no quantizer, so it cannot take a new value; "
+                               "assign a tensor of the same kind instead")
+        hp = value.dequantize() if isinstance(value, QuantizedTensor) else value.detach()
+        if not hp.is_floating_point():
+            raise TypeError(f"{type(self).__name__}.data: a {hp.dtype} tensor cannot be quantized; "
+                            "assign a floating-point tensor")
+        columnwise = self.has_columnwise and hp.dim() >= 2
+        # a new value, as a load is: a delayed scale (from other values) could saturate it, so
+        # such a quantizer scales it by its own amax, as a checkpoint load does (load_primary)
+        load = getattr(self._quantizer, "load_primary", None)
+        fresh = None if load is None or hp.dim() == 0 else load(hp)
+        if fresh is None:
+            fresh = self._quantizer.quantize(hp, columnwise=columnwise)
+        elif not columnwise:
+            fresh.drop_columnwise()
+        if "_data" in self._payload() and self._data is None:  # column-wise only (saved for a backward GEMM)
+            fresh = fresh.columnwise_only()
+        return fresh
 
     def _take_payload(self, fresh: "QuantizedTensor") -> None:
         for name, value in fresh._payload().items():
@@ -137,6 +251,7 @@ class QuantizedTensor(Tensor):
         """A twin whose quantized data tensors are fn(tensor): a clone, or a move to a device."""
         device = None
         twin = self._same_kind()
+        twin.__dict__.pop("_view_of", None)  # new buffers: no longer a view
         for name, value in self._payload().items():
             if isinstance(value, Tensor):
                 value = fn(value)
@@ -153,6 +268,7 @@ class QuantizedTensor(Tensor):
         # Plain pickle (multiprocessing's, not torch.save) cannot rebuild a float8 tensor's storage
         # in torch: the FP8 payload travels as its bytes, viewed back by __setstate__.
         state = dict(self.__dict__)
+        state.pop("_view_of", None)  # (a closure): a view travels as the data it holds
         fp8 = {name: value.dtype for name, value in state.items()
                if type(value) is Tensor and value.dtype in _FP8_DTYPES}
         for name in fp8:
@@ -198,9 +314,11 @@ class QuantizedTensor(Tensor):
         if func is aten.clone.default:
             return args[0]._with_payload(lambda t: t.clone())
         if func is aten._to_copy.default and kwargs.get("dtype") in (None, args[0].dtype):
-            # a move (module.to(device)) keeps the quantized form; a dtype change dequantizes below
+            # a move (module.to(device)) keeps the quantized form; a dtype change dequantizes below.
+            # torch dispatches it only for a copy (a move, or copy=True): never t's own buffers
             device = kwargs.get("device") or args[0].device
-            return args[0]._with_payload(lambda t: t.to(device, non_blocking=kwargs.get("non_blocking", False)))
+            non_blocking = kwargs.get("non_blocking", False)
+            return args[0]._with_payload(lambda t: t.to(device, non_blocking=non_blocking, copy=True))
         if func is aten.empty_like.default and kwargs.get("dtype") in (None, args[0].dtype) \
                 and kwargs.get("layout") in (None, torch.strided):
             # module.to_empty(device=...): a quantized tensor of the same kind, uninitialized
@@ -262,24 +380,68 @@ def requantize_all(pairs) -> None:
     staticmethod quantizes all of its tensors in one call: a foreach optimizer step updates
     every parameter in one op, and the FSDP2 shard quantizer then reduces every shard's amax in
     one collective instead of one per weight."""
-    by_kind: dict = {}
-    for t, hp in pairs:
-        if t._quantizer is None:
+    requantize_with([(t, hp, t._quantizer) for t, hp in pairs])
+
+
+def requantize_with(items) -> None:
+    """requantize_all for (QuantizedTensor, hp, quantizer) triples. A view (ViewLink) is written
+    into the value of the tensor it views, which is requantized whole by the view's quantizer;
+    views of one tensor in one call write into one value, requantized once."""
+    values: dict = {}  # id -> [tensor, its new value, the quantizer to cast it with]
+    followers = []  # (view, parent) written through, each after its parent
+    for t, hp, quantizer in items:
+        if quantizer is None:
             raise RuntimeError(f"{type(t).__name__} has no quantizer, so it cannot be updated in place; "
                                "dequantize() it and work on the high-precision copy")
-        by_kind.setdefault(type(t._quantizer), []).append((t, hp.detach().reshape(t.shape).to(t.dtype)))
-    for kind, items in by_kind.items():
+        hp = hp.detach().reshape(t.shape).to(t.dtype)
+        chain = []
+        link = t._view_link()
+        while link is not None:
+            values[id(t)] = [t, hp, None]  # what a view of this view, later in `items`, writes into
+            parent = link.parent
+            pending = values.get(id(parent))
+            value = parent._writable_value(None if pending is None else pending[1])
+            link.put(value, hp)
+            chain.append((t, parent))
+            t, hp, link = parent, value, parent._view_link()
+        values[id(t)] = [t, hp, quantizer]
+        followers.extend(reversed(chain))
+    by_kind: dict = {}
+    for t, hp, quantizer in values.values():
+        if quantizer is not None:  # (None: a view's parent below the tensor holding the data)
+            by_kind.setdefault(type(quantizer), []).append((t, hp.contiguous(), quantizer))
+    for kind, group in by_kind.items():
         batch = getattr(kind, "quantize_batch", None)
         if batch is not None:
-            fresh = batch([(t._quantizer, hp, t.has_columnwise) for t, hp in items])
+            fresh = batch([(quantizer, hp, t.has_columnwise) for t, hp, quantizer in group])
         else:
-            fresh = [t._quantizer.quantize(hp, columnwise=t.has_columnwise) for t, hp in items]
-        for (t, _), value in zip(items, fresh):
+            fresh = [quantizer.quantize(hp, columnwise=t.has_columnwise) for t, hp, quantizer in group]
+        for (t, _, _), value in zip(group, fresh):
             t._take_payload(value)
+    for view, parent in followers:
+        view._follow_write(parent)
 
 
 def _dequantized(value):
     return value.dequantize() if isinstance(value, QuantizedTensor) else value
+
+
+class _Dequantize(torch.autograd.Function):
+    """dequantize() as an autograd node: the gradient reaches the quantized tensor unchanged."""
+
+    @staticmethod
+    def forward(ctx, t: QuantizedTensor, dtype: torch.dtype) -> Tensor:
+        ctx.dtype = t.dtype
+        return t.dequantize(dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad.to(ctx.dtype), None
+
+
+def _dequantized_copy(t: QuantizedTensor, dtype: torch.dtype, memory_format) -> Tensor:
+    out = _Dequantize.apply(t, dtype) if torch.is_grad_enabled() and t.requires_grad else t.dequantize(dtype)
+    return out if memory_format == torch.preserve_format else out.contiguous(memory_format=memory_format)
 
 
 def _mutate(func, args, kwargs):

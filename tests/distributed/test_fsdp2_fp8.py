@@ -230,7 +230,7 @@ def test_float8_views_stay_fp8():
     torch.testing.assert_close(torch.cat([p.dequantize() for p in parts]), value, rtol=0, atol=0)
     padded = parts[1].new_zeros((17, HIDDEN))
     padded.narrow(0, 0, 16).copy_(parts[1])  # writes through the view, as FSDP2's padding does
-    assert isinstance(padded, Float8Tensor) and padded._scale_inv is weight._scale_inv
+    assert isinstance(padded, Float8Tensor) and torch.equal(padded._scale_inv, weight._scale_inv)
     torch.testing.assert_close(padded.dequantize(), torch.cat([value[17:], value.new_zeros(1, HIDDEN)]), rtol=0, atol=0)
     flat = weight.view(-1)
     assert isinstance(flat, Float8Tensor) and torch.equal(flat.dequantize(), value.view(-1))

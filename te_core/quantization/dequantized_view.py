@@ -1,0 +1,87 @@
+"""DequantizedView: a view of a quantized tensor that its format cannot hold quantized.
+
+A row or column of a block-scaled or MXFP8 tensor (a select: `w[1]`, `w[:, 3]`), or a slice
+that cuts its blocks (`w[:, 0:64]`; any slice of an MXFP8 tensor), is no tensor of that format.
+A dequantized copy would read right but silently drop an in-place write through it (`w[1] = 0`,
+`w.select(1, 3).mul_(2)`), so these return a DequantizedView instead: it reads as that view of
+the tensor's dequantized value, and an in-place op on it writes its part of that value, which
+the tensor's quantizer then casts whole (its ViewLink, see QuantizedTensor). A select, slice or
+view of it is a DequantizedView of it in turn; any other op sees the dequantized value, as on
+every quantized tensor.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from .tensor import QuantizedTensor, ViewLink
+
+aten = torch.ops.aten
+
+
+class DequantizedView(QuantizedTensor):
+    """A view of a quantized tensor's value that writes back into it (see the module docstring)."""
+
+    _view_fn: Callable[[Tensor], Tensor]  # the parent's value -> this view of it
+
+    @classmethod
+    def of(cls, parent: QuantizedTensor, view_fn: Callable[[Tensor], Tensor]) -> "DequantizedView":
+        shape = view_fn(torch.empty(parent.shape, device="meta")).shape
+        self = cls.__new__(cls, shape, parent.dtype, parent.device, parent._quantizer)
+        self._view_fn = view_fn
+        self._view_of = ViewLink(parent, lambda value, part: view_fn(value).copy_(part))
+        return self
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
+        return self._view_fn(self._view_of.parent.dequantize(dtype)).contiguous()
+
+    @property
+    def has_columnwise(self) -> bool:
+        return False
+
+    def _payload(self) -> dict:
+        return {"_view_fn": self._view_fn}
+
+    @property
+    def data(self) -> Tensor:
+        return QuantizedTensor.data.fget(self)
+
+    @data.setter
+    def data(self, value: Tensor) -> None:
+        raise RuntimeError(f"a {type(self).__name__} (a view of a {type(self._view_of.parent).__name__}) holds no "
+                           "data of its own to replace; write into it (view.copy_(value)) or set the data of the "
+                           "tensor it views")
+
+    # a copy of a view is a plain tensor: it has no quantized data of its own to carry
+    def __deepcopy__(self, memo):
+        return self.dequantize()
+
+    def __reduce_ex__(self, protocol):
+        return self.dequantize().__reduce_ex__(protocol)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if args and type(args[0]) is cls and func in _VIEW_OPS:
+            return cls.of(args[0], lambda value: func(value, *args[1:], **kwargs))
+        if func in _COPIES:
+            return func(*[a.dequantize() if isinstance(a, cls) else a for a in args], **kwargs)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+_VIEW_OPS = (aten.select.int, aten.slice.Tensor, aten.view.default, aten._unsafe_view.default)
+# QuantizedTensor's handlers would copy the (empty) payload: these take the dequantized value
+_COPIES = (aten.clone.default, aten._to_copy.default, aten.empty_like.default, aten.new_zeros.default,
+           aten.new_empty.default, aten._pin_memory.default)
+
+
+def dequantized_select(t: QuantizedTensor, dim: int, index: int) -> DequantizedView:
+    """aten.select.int of a block-scaled or MXFP8 tensor."""
+    return DequantizedView.of(t, lambda value: value.select(dim, index))
+
+
+def dequantized_slice(t: QuantizedTensor, dim: int = 0, start=None, end=None, step: int = 1) -> DequantizedView:
+    """aten.slice.Tensor of a block-scaled or MXFP8 tensor where no block tensor can hold it."""
+    return DequantizedView.of(t, lambda value: aten.slice.Tensor(value, dim, start, end, step))
