@@ -73,7 +73,8 @@ class _Float8Layout:
         transpose = self._transpose if self._transpose is not None else self.columnwise().data
         twin = self._same_kind()
         twin._transpose, twin._data = transpose, None
-        twin.__dict__.pop("_view_of", None)  # its bytes are a copy of its own (a view's transpose)
+        if getattr(twin, "_view_of", None) is not None:  # (getattr: the traced Float8Operand shares this code)
+            twin._view_of = None  # its bytes are a copy of its own (a view's transpose)
         return twin
 
     def columnwise(self) -> GemmOperand:

@@ -58,6 +58,7 @@ class QuantizedTensor(Tensor):
     """
 
     _quantizer: Any
+    _view_of: Optional[ViewLink] = None  # set on a view that writes into the tensor it views
     # The QuantizedOperand class `make` builds instead while torch.compile traces (set per format).
     _traced_twin: Optional[type] = None
     # aten op -> handler that keeps the quantized form (returns NotImplemented where it does not

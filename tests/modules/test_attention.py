@@ -761,7 +761,7 @@ def test_transformer_engines_other_mask_type_spellings_mean_padding_causal(spell
     """TE reads commas as underscores and "causal_padding" as "padding_causal", in the constructor
     and in forward; the outputs equal those of the canonical spelling."""
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(5, 2, 2, 8, generator=g).to(torch.get_default_device()) for _ in range(3))
+    q, k, v = (torch.randn(5, 2, 2, 8, generator=g, device="cpu").to(torch.get_default_device()) for _ in range(3))
     mask = torch.zeros(2, 1, 1, 5, dtype=torch.bool, device=q.device)
     mask[1, ..., 3:] = True
     want = tm.DotProductAttention(2, 8, attn_mask_type="padding_causal")(q, k, v, attention_mask=mask)
@@ -781,7 +781,7 @@ def test_thd_rows_after_the_last_sequence_are_tail_padding_as_in_transformer_eng
     the output and of the gradients are zeros."""
     g = torch.Generator().manual_seed(8)
     dev = torch.get_default_device()
-    q, k, v = (torch.randn(13, 2, 8, generator=g).to(dev) for _ in range(3))
+    q, k, v = (torch.randn(13, 2, 8, generator=g, device="cpu").to(dev) for _ in range(3))
     cu_q = torch.tensor([0, 4, 10], dtype=torch.int32, device=dev)
     cu_kv = torch.tensor([0, 6, 11], dtype=torch.int32, device=dev)
     extra = dict(cu_seqlens_q_padded=cu_q, cu_seqlens_kv_padded=cu_kv) if padded else {}
@@ -793,7 +793,7 @@ def test_thd_rows_after_the_last_sequence_are_tail_padding_as_in_transformer_eng
     assert out.shape == (13, 16)
     torch.testing.assert_close(out[:10], want, rtol=1.3e-6, atol=1e-5)
     assert torch.count_nonzero(out[10:]) == 0
-    dy = torch.randn(13, 16, generator=g).to(dev)
+    dy = torch.randn(13, 16, generator=g, device="cpu").to(dev)
     out.backward(dy)
     want.backward(dy[:10])
     for leaf, ref, n in zip(leaves, trimmed, (10, 11, 11)):

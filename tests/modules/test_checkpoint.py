@@ -335,7 +335,7 @@ def test_nested_checkpoints_recompute_fp8_exactly(rec):
     plain_mlp, plain_lin = tm.LayerNormMLP(128, 256), tm.Linear(128, 128)
     mlp, lin = copy.deepcopy(plain_mlp), copy.deepcopy(plain_lin)
     mlp.checkpoint = True
-    x = torch.randn(32, 128, generator=g).to(dev)
+    x = torch.randn(32, 128, generator=g, device="cpu").to(dev)
     recipe_ = rec()
     results = []
     for nested in (False, True):

@@ -254,7 +254,7 @@ def test_modules_with_hooks_or_parametrizations_are_left_as_they_are():
     parametrize.register_parametrization(norm, "weight", Softplus())
     normed = torch.nn.utils.weight_norm(nn.Linear(32, 16, bias=False))
     model = nn.Sequential(hooked, nn.ReLU(), norm, plain, nn.ReLU(), normed)
-    x = torch.randn(8, 32, generator=g).to(torch.get_default_device())
+    x = torch.randn(8, 32, generator=g, device="cpu").to(torch.get_default_device())
     model.to(x.device)
     want = model(x)
     original = norm.parametrizations.weight.original

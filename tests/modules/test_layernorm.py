@@ -152,13 +152,13 @@ def test_norm_computes_in_the_parameters_dtype_outside_torch_autocast(kind, para
     g = torch.Generator().manual_seed(5)
     norm = getattr(tm, kind)(48, dtype=params_dtype)
     with torch.no_grad():
-        norm.weight.copy_(torch.rand(48, generator=g) + 0.5)
-    x = (torch.randn(6, 48, generator=g) * 3 + 1).to(input_dtype)
+        norm.weight.copy_(torch.rand(48, generator=g, device="cpu") + 0.5)
+    x = (torch.randn(6, 48, generator=g, device="cpu") * 3 + 1).to(input_dtype)
     y = norm(x.to(norm.weight.device))
     assert y.dtype == params_dtype
     x64, w64 = x.to(params_dtype).double(), norm.weight.detach().double().cpu()
     if kind == "LayerNorm":
-        want = torch.nn.functional.layer_norm(x64, (48,), w64, torch.zeros(48, dtype=torch.float64), 1e-5)
+        want = torch.nn.functional.layer_norm(x64, (48,), w64, torch.zeros(48, dtype=torch.float64, device="cpu"), 1e-5)
     else:
         want = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-5) * w64
     tol = dict(rtol=1.3e-6, atol=1e-5) if params_dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-5)

@@ -104,9 +104,9 @@ def test_rope_gradient_is_exact_for_freqs_whose_pairs_differ(fmt, interleaved):
     g = torch.Generator().manual_seed(11)
     s, b, h, d, r = 6, 2, 2, 16, 12
     shape = (s, b, h, d) if fmt == "sbhd" else (b, s, h, d)
-    x = torch.randn(shape, generator=g)
-    freqs = torch.rand(s, 1, 1, r, generator=g) * 6
-    dy = torch.randn(shape, generator=g)
+    x = torch.randn(shape, generator=g, device="cpu")
+    freqs = torch.rand(s, 1, 1, r, generator=g, device="cpu") * 6
+    dy = torch.randn(shape, generator=g, device="cpu")
 
     def forward64(t):
         t = t if fmt == "sbhd" else t.transpose(0, 1)
@@ -134,7 +134,7 @@ def test_rotary_embedding_state_dict_holds_inv_freq_as_transformer_engines():
     still loads, keeping the frequencies made from the same arguments."""
     emb = tm.RotaryPositionEmbedding(32, rotary_base=500.0)
     assert list(emb.state_dict()) == ["inv_freq"]
-    want = 1.0 / (500.0 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32))
+    want = 1.0 / (500.0 ** (torch.arange(0, 32, 2, dtype=torch.float64, device="cpu") / 32))
     torch.testing.assert_close(emb.inv_freq.double().cpu(), want, rtol=1.3e-6, atol=1e-5)
     other = tm.RotaryPositionEmbedding(32)
     other.load_state_dict(emb.state_dict())  # strict
@@ -148,5 +148,6 @@ def test_odd_rotary_width_makes_ceil_half_frequencies_as_transformer_engine():
     emb = tm.RotaryPositionEmbedding(10, rotary_percent=0.5)  # 5 channels: frequencies of 0, 2, 4
     freqs = emb(4)
     assert freqs.shape == (4, 1, 1, 6)
-    want = torch.outer(torch.arange(4, dtype=torch.float64), 1.0 / (10000.0 ** (torch.arange(0, 5, 2) / 5)))
+    want = torch.outer(torch.arange(4, dtype=torch.float64, device="cpu"),
+                       1.0 / (10000.0 ** (torch.arange(0, 5, 2, device="cpu") / 5)))
     torch.testing.assert_close(freqs[:, 0, 0, :3].double().cpu(), want, rtol=1.3e-6, atol=1e-5)
