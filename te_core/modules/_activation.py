@@ -7,6 +7,8 @@ contract ops receive them only for the kind that takes them.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Dict, Optional, Tuple, Union
 
 from ..ops.activation import CLAMPED_SWIGLU_DEFAULTS
@@ -30,6 +32,9 @@ def activation_op(activation: str, activation_params: Optional[dict], module: st
     if unknown:
         raise ValueError(f"{module}: activation_params for 'clamped_swiglu' takes limit, alpha and "
                          f"glu_linear_offset, got {unknown}")
+    for name, value in params.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"{module}: clamped_swiglu's {name} must be a finite number, got {value!r}")
     merged = {**CLAMPED_SWIGLU_DEFAULTS, **{k: float(v) for k, v in params.items()}}
     if not merged["limit"] > 0:
         raise ValueError(f"{module}: clamped_swiglu's limit must be > 0, got {merged['limit']}")
