@@ -32,8 +32,9 @@ def packing(cu_seqlens, max_seqlen: Optional[int], total: int, name: str, module
 def unpadded_rows(cu_seqlens, cu_seqlens_padded, total: int, name: str, module: str) -> Tensor:
     """Transformer Engine's pad_between_seqs layout: sequence i holds cu_seqlens' i-th length of
     tokens from row cu_seqlens_padded[i] of a (total, ...) tensor, and padding after them up to
-    the next sequence (after the last one, up to `total`). Returns the rows of the sequences' tokens, in order (int64, on the offsets'
-    device); reading the offsets waits for the device, as checking cu_seqlens does."""
+    the next sequence (after the last one, up to `total`). Returns the rows of the sequences'
+    tokens, in order (int64, on the offsets' device); reading the offsets waits for the device,
+    as checking cu_seqlens does."""
     padded = f"{name}_padded"
     if isinstance(cu_seqlens_padded, Tensor) and not host_readable(cu_seqlens_padded):
         raise ValueError(f"{module}: padding between packed sequences ({padded}) cannot run under torch.compile or "
@@ -66,7 +67,7 @@ def tail_padding(cu_seqlens_q, cu_seqlens_kv, q, k):
     if not all(isinstance(c, Tensor) and c.dim() == 1 and c.numel() >= 2 and host_readable(c) for c in cu) \
             or not all(isinstance(t, Tensor) and t.dim() == 3 for t in (q, k)):
         return None, None
-    ends = torch.stack([cu_seqlens_q[-1].cpu(), cu_seqlens_kv[-1].to(cu_seqlens_q.device).cpu()]).tolist()
+    ends = torch.stack([cu_seqlens_q[-1], cu_seqlens_kv[-1].to(cu_seqlens_q.device)]).tolist()  # (one wait)
     if ends[0] < q.shape[0] or ends[1] < k.shape[0]:
         return cu
     return None, None

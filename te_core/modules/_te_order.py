@@ -2,7 +2,7 @@
 
 Code written for Transformer Engine passes some constructor arguments by position, and TE's
 order is not the one a reader of te-core's keyword arguments would guess: `te.Linear(16, 16,
-False)` means `sequence_parallel=False` there, with `bias` ninth. A module's `__init__` wrapped
+False)` means `sequence_parallel=False` there, with `bias` tenth. A module's `__init__` wrapped
 by `te_order(...)` takes its positional arguments in TE's order and hands everything on by name,
 so a positional call means what it means in TE. Names te-core does not take explicitly (the
 userbuffers flags, say) reach the module's `**kwargs` and its usual checks."""

@@ -768,7 +768,8 @@ def test_transformer_engines_other_mask_type_spellings_mean_padding_causal(spell
     built = tm.DotProductAttention(2, 8, attn_mask_type=spelling)
     assert built.attn_mask_type == "padding_causal"
     torch.testing.assert_close(built(q, k, v, attention_mask=mask), want, rtol=0, atol=0)
-    given = tm.DotProductAttention(2, 8, attn_mask_type="no_mask")(q, k, v, attention_mask=mask, attn_mask_type=spelling)
+    given = tm.DotProductAttention(2, 8, attn_mask_type="no_mask")(q, k, v, attention_mask=mask,
+                                                                   attn_mask_type=spelling)
     torch.testing.assert_close(given, want, rtol=0, atol=0)
     layer = tm.TransformerLayer(16, 32, 2, self_attn_mask_type=spelling, enc_dec_attn_mask_type=spelling)
     assert layer.enc_dec_attn_mask_type == "padding_causal"
