@@ -37,10 +37,23 @@ from torch.autograd.graph import saved_tensors_hooks
 from ._offload_layer import BASE_OFFLOADED, NOT_OFFLOADED, READY_EVENT, LayerOffload, Runtime
 from .quantization.tensor import QuantizedTensor
 
-__all__ = ["get_cpu_offload_context", "mark_not_offload", "start_offload", "OffloadSynchronizer",
-           "DefaultOffloadSynchronizer", "ManualOffloadSynchronizer"]
+__all__ = ["get_cpu_offload_context", "mark_not_offload", "start_offload", "is_cpu_offload_enabled",
+           "mark_activation_offload", "OffloadSynchronizer", "DefaultOffloadSynchronizer", "ManualOffloadSynchronizer"]
 
 _RUNTIME = Runtime()
+_ACTIVE: List[Optional["OffloadSynchronizer"]] = [None]  # the synchronizer of the offload context entered now
+
+
+def is_cpu_offload_enabled() -> bool:
+    """Whether a forward runs inside an enabled offload context now (Transformer Engine's query:
+    its modules ask it to decide what to mark for offloading)."""
+    return _ACTIVE[0] is not None
+
+
+def mark_activation_offload(*tensors: Optional[Tensor]) -> None:
+    """Nothing to do: every tensor saved inside the context is offloaded unless marked by
+    mark_not_offload, as in Transformer Engine's current offloading (where this marking only
+    served its older, NVTE_CPU_OFFLOAD_V1 path)."""
 
 
 def _data_tensors(tensors):
@@ -194,6 +207,7 @@ class _OffloadContext(contextlib.ContextDecorator):
         self.current_layer: Optional[int] = None
         self.inside_context = False
         self._hooks = None
+        self._outer: Optional[OffloadSynchronizer] = None
 
     def __enter__(self):
         if self.inside_context:
@@ -202,12 +216,14 @@ class _OffloadContext(contextlib.ContextDecorator):
         self.inside_context = True
         self._hooks = saved_tensors_hooks(self.offload_synchronizer.push_tensor, self.offload_synchronizer.pop_tensor)
         self._hooks.__enter__()
+        self._outer, _ACTIVE[0] = _ACTIVE[0], self.offload_synchronizer
         self.current_layer = self.offload_synchronizer.fwd_step()
         return self
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
         self._hooks = None
+        _ACTIVE[0], self._outer = self._outer, None
         self.inside_context = False
         return False
 

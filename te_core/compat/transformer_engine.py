@@ -228,11 +228,13 @@ def _fp8_module(name: str) -> types.ModuleType:
     import te_core
 
     from .. import recipe
+    from . import te_helpers
 
     module = _module(name, "te-core's answers to transformer_engine.pytorch's FP8 queries")
     for attr in ("check_fp8_support", "check_mxfp8_support", "check_fp8_block_scaling_support",
                  "check_nvfp4_support"):
         setattr(module, attr, globals()[attr])
+    module.get_fp8_te_dtype, module.get_fp8_torch_dtype = te_helpers.get_fp8_te_dtype, te_helpers.get_fp8_torch_dtype
     module.FP8GlobalStateManager = FP8GlobalStateManager
     for attr in ("autocast", "fp8_autocast", "fp8_model_init", "quantized_model_init", "is_fp8_available",
                  "is_mxfp8_available", "is_fp8_block_scaling_available", "is_nvfp4_available", "get_default_recipe",
@@ -286,7 +288,11 @@ def _dummy_wgrads():
 def _pytorch_module() -> types.ModuleType:
     import te_core
     from te_core import cpu_offload, export, modules, permutation, quantization, router
-    from te_core.modules.checkpoint import activation_recompute_forward
+    from te_core.distributed import random, te_functions
+    from te_core.modules.checkpoint import activation_recompute_forward, in_fp8_activation_recompute_phase
+    from te_core.modules.checkpoint import is_fp8_activation_recompute_enabled
+
+    from . import te_helpers
 
     module = _module(f"{ROOT}.pytorch", "te-core standing in for transformer_engine.pytorch")
     for attr in te_core.__all__:
@@ -297,12 +303,18 @@ def _pytorch_module() -> types.ModuleType:
     module.__version__ = f"{TE_API_VERSION}+tecore.{te_core.__version__}"
     module.fp8 = _fp8_module(f"{ROOT}.pytorch.fp8")
     module.quantization = _fp8_module(f"{ROOT}.pytorch.quantization")
-    _submodule(module, "distributed", "checkpoint() for activation recompute, the RNG states tracker", dict(
+    _submodule(module, "distributed", "activation recompute, the RNG states tracker, collective helpers", dict(
         checkpoint=te_core.checkpoint, CudaRNGStatesTracker=te_core.CudaRNGStatesTracker,
+        prepare_te_modules_for_fsdp=te_core.distributed.prepare_te_modules_for_fsdp,
         activation_recompute_forward=activation_recompute_forward,
-        prepare_te_modules_for_fsdp=te_core.distributed.prepare_te_modules_for_fsdp))
-    _submodule(module, "utils", "device queries", _names(te_core, [
-        "get_device_compute_capability", "get_cudnn_version", "is_bf16_available"]))
+        is_fp8_activation_recompute_enabled=is_fp8_activation_recompute_enabled,
+        in_fp8_activation_recompute_phase=in_fp8_activation_recompute_phase,
+        **_names(random, ["get_all_rng_states", "graph_safe_rng_available"]),
+        **_names(te_functions, ["get_distributed_world_size", "gather_along_first_dim",
+                                "reduce_scatter_along_first_dim", "set_tensor_model_parallel_attributes"])))
+    _submodule(module, "utils", "device queries and small helpers", dict(
+        _names(te_core, ["get_device_compute_capability", "get_cudnn_version", "is_bf16_available"]),
+        **_names(te_helpers, ["is_bf16_compatible", "divide", "cast_if_needed", "get_default_init_method"])))
     _submodule(module, "export", "the ONNX-export switch", _names(export, export.__all__))
     _submodule(module, "cpu_offload", "activation offloading to host memory", _names(cpu_offload, cpu_offload.__all__))
     tensors = dict(QuantizedTensor=quantization.QuantizedTensor, Float8Tensor=quantization.Float8Tensor,
@@ -314,7 +326,8 @@ def _pytorch_module() -> types.ModuleType:
         _submodule(tensor, sub, f"{cls} and its quantizers", {cls: tensors[cls], **quantizers[sub]})
         for name, quantizer in quantizers[sub].items():
             setattr(tensor, name, quantizer)
-    _submodule(module, "constants", "DType and its torch dtype tables", constants())
+    _submodule(module, "constants", "DType and its torch dtype tables, the process group type", dict(
+        constants(), dist_group_type=getattr(torch.distributed, "ProcessGroup", None)))
     rope = dict(RotaryPositionEmbedding=te_core.RotaryPositionEmbedding, apply_rotary_pos_emb=te_core.apply_rotary_pos_emb,
                 apply_fused_qkv_rotary_pos_emb=te_core.apply_fused_qkv_rotary_pos_emb)
     attention = _submodule(module, "attention", "attention modules and rotary embeddings", dict(

@@ -28,6 +28,22 @@ _TRACED_FORK = ("RNGStatesTracker.fork({name!r}) inside a graph traced by torch.
                 "with get_rng_state_tracker, without sequence_parallel) cannot be compiled with "
                 "fullgraph=True. Compile without fullgraph=True (the fork then runs eagerly, at a graph break, "
                 "and the dropout draws from the tracker's state), or use attention_dropout=0 in compiled steps")
+# The name -> state dict of the tracker that last added or set states, as Transformer Engine
+# publishes it (the dict itself, so forks that advance a state show through it)
+_ALL_STATES: list = [{}]
+
+
+def get_all_rng_states() -> Dict[str, Tensor]:
+    """The states of the tracker that last called add() or set_states() (TE's process-wide view,
+    which graph capture code walks); {} before any."""
+    return _ALL_STATES[0]
+
+
+def graph_safe_rng_available() -> bool:
+    """False: te-core's trackers hold generator states as state tensors, swapped in and out by
+    fork(), never graph-safe generators registered with a captured graph; TE code asking this
+    takes its state-tensor path."""
+    return False
 
 
 class _CpuGenerator:
@@ -96,6 +112,7 @@ class RNGStatesTracker:
             raise TypeError(f"RNGStatesTracker.set_states: expected a dict of name -> state, got "
                             f"{type(states).__name__}")
         self.states_ = dict(states)
+        _ALL_STATES[0] = self.states_
 
     def add(self, name: str, seed: int) -> None:
         """A new state `name` seeded with `seed`; a name or seed used twice is an error (two
@@ -108,6 +125,7 @@ class RNGStatesTracker:
                              "first to re-seed it")
         self.seeds_.add(seed)
         self.states_[name] = _selected_generator().seeded_state(seed)
+        _ALL_STATES[0] = self.states_
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:

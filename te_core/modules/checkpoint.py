@@ -57,6 +57,9 @@ class _StepLog:
     def __init__(self):
         self.steps: Dict[int, deque] = {}
         self.unfinished = []  # (module, entry) whose forward scales are taken when the forward ends
+        # whether FP8 was on where the last forward region began: its recompute runs in the backward,
+        # outside that te.autocast, and still counts as FP8 for is_fp8_activation_recompute_enabled
+        self.fp8_at_forward = False
 
     def record(self, module: QuantizedModule, is_first_microbatch):
         return self.add(module, module.new_quantization_step(is_first_microbatch))
@@ -91,6 +94,8 @@ class _StepLog:
 
     @contextlib.contextmanager
     def active(self, replaying: bool):
+        if not replaying:
+            self.fp8_at_forward = _fp8_on()
         phase = _Phase(self, replaying, RECOMPUTE.log)
         outer, RECOMPUTE.log = RECOMPUTE.log, phase
         try:
@@ -151,6 +156,29 @@ def activation_recompute_forward(activation_recompute: bool = False, recompute_p
         return
     with _FRAMEWORK_LOG.active(replaying=recompute_phase):
         yield
+
+
+def _fp8_on() -> bool:
+    context = get_autocast_context()
+    return bool(context is not None and context.enabled)
+
+
+def is_fp8_activation_recompute_enabled() -> bool:
+    """Whether this thread runs inside an activation-recompute region (te.checkpoint, checkpoint_context,
+    activation_recompute_forward(activation_recompute=True)) with FP8 on: in its forward, under
+    te.autocast(enabled=True); in its recompute, also when its forward began under one (Transformer
+    Engine re-enters that autocast for the recompute). Transformer Engine's query of the same name."""
+    log = RECOMPUTE.log
+    if log is None:
+        return False
+    return _fp8_on() or (log.replaying and log.log.fp8_at_forward)
+
+
+def in_fp8_activation_recompute_phase() -> bool:
+    """Whether the innermost such region on this thread is running its recompute (in the backward),
+    FP8 on or not, as Transformer Engine's query answers."""
+    log = RECOMPUTE.log
+    return bool(log is not None and log.replaying)
 
 
 def checkpoint(

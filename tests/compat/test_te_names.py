@@ -29,6 +29,7 @@ def test_the_new_names_resolve(stand_in):
 
 
 def test_a_utils_name_te_core_lacks_says_so(stand_in):
-    with pytest.raises(ImportError, match="cannot import name 'cast_if_needed' from 'transformer_engine.pytorch.utils': "
-                                          "te-core stands in for Transformer Engine"):
-        from transformer_engine.pytorch.utils import cast_if_needed  # noqa: F401
+    with pytest.raises(ImportError, match="cannot import name 'clear_tensor_data' from "
+                                          "'transformer_engine.pytorch.utils': te-core stands in for "
+                                          "Transformer Engine"):
+        from transformer_engine.pytorch.utils import clear_tensor_data  # noqa: F401
