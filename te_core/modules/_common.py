@@ -381,6 +381,8 @@ def check_attention_heads(module: str, num_attention_heads: int, num_gqa_groups:
         check_positive(kv_channels, name="kv_channels", module=module)
     elif hidden_size is not None:
         check_positive(hidden_size, name="hidden_size", module=module)
-        kv_channels = check_divisible(hidden_size, num_attention_heads, what="hidden_size", by="num_attention_heads",
-                                      module=module)
+        if hidden_size % num_attention_heads:
+            raise ValueError(f"{module}: hidden_size={hidden_size} is not divisible by num_attention_heads="
+                             f"{num_attention_heads}; pass kv_channels (the size of each head) to choose it")
+        kv_channels = hidden_size // num_attention_heads
     return num_attention_heads, groups, kv_channels

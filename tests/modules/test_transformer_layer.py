@@ -156,7 +156,7 @@ def test_decoder_layer_runs_cross_attention():
     [
         (
             lambda: tm.TransformerLayer(30, 64, 4),
-            r"TransformerLayer: hidden_size=30 is not divisible by num_attention_heads=4",
+            r"TransformerLayer: hidden_size=30 is not divisible by num_attention_heads=4; pass kv_channels",
         ),
         (
             lambda: tm.TransformerLayer(32, 64, 4, num_gqa_groups=3),
