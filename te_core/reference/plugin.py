@@ -49,6 +49,9 @@ def te_backend_capabilities(device):
         scaling_modes=frozenset(SCALING_MODES),
         arch="",
         device_name=f"any ({device.type})",
+        # torch.distributed's CPU library; on another device the reference names none (the
+        # device's own backend plugin does)
+        distributed_backend="gloo" if device.type == "cpu" else "",
     )
 
 

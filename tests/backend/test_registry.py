@@ -161,3 +161,29 @@ def test_is_fp8_available_follows_capabilities(plugins):
     backend.set_backend("reference")
     assert te_core.is_fp8_available(return_reason=True) == (True, "")
     assert te_core.is_fp8_available() is True
+
+
+def test_reference_backend_names_gloo_as_its_cpu_collective_library():
+    """Code that picks torch.distributed's library from the backend (as the MUSA docs show) runs
+    on the reference backend on a CPU: a one-rank gloo group all-reduces."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from te_core.reference.plugin import te_backend_capabilities as te_capabilities
+
+    library = te_capabilities(torch.device("cpu")).distributed_backend
+    assert library == "gloo"
+    assert te_capabilities(torch.device("meta")).distributed_backend == ""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    dist.init_process_group(library, rank=0, world_size=1)
+    try:
+        x = torch.arange(4.0)
+        dist.all_reduce(x)
+        assert torch.equal(x, torch.arange(4.0))
+    finally:
+        dist.destroy_process_group()
