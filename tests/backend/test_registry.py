@@ -166,7 +166,7 @@ def test_is_fp8_available_follows_capabilities(plugins):
 def test_reference_backend_names_gloo_as_its_cpu_collective_library():
     """Code that picks torch.distributed's library from the backend (as the MUSA docs show) runs
     on the reference backend on a CPU: a one-rank gloo group all-reduces."""
-    import os
+    import socket
 
     import torch
     import torch.distributed as dist
@@ -178,9 +178,10 @@ def test_reference_backend_names_gloo_as_its_cpu_collective_library():
     assert te_capabilities(torch.device("meta")).distributed_backend == ""
     if dist.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
-    dist.init_process_group(library, rank=0, world_size=1)
+    with socket.socket() as s:  # a free port, so no other group's rendezvous is in the way
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(library, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         x = torch.arange(4.0)
         dist.all_reduce(x)
