@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..ops.attention import PADDING_MASK_TYPES
-from ._common import check_not_meta
+from ..ops.attention import ATTN_MASK_TYPES, PADDING_MASK_TYPES
+from ._common import check_choice, check_not_meta
 from ._packed import PADDED_MASK_TYPE, packing, unpadded_rows
 
 
@@ -18,6 +18,11 @@ def mask_type_spelling(attn_mask_type):
         return attn_mask_type  # (check_choice names what it is)
     spelled = attn_mask_type.replace(",", "_")
     return "padding_causal" if spelled == "causal_padding" else spelled
+
+
+def check_mask_type(attn_mask_type, *, name: str, module: str) -> str:
+    """attn_mask_type, one of ATTN_MASK_TYPES in any of Transformer Engine's spellings."""
+    return check_choice(mask_type_spelling(attn_mask_type), ATTN_MASK_TYPES, name=name, module=module)
 
 
 def sequence_layout(fmt, q, k, mask_type, attention_mask, cu_seqlens, max_seqlens):

@@ -18,7 +18,7 @@ from ..ops.attention_masks import attention_logits
 from ..ops.packed_sequences import padded_layout, to_padded
 from ..quantization import extra_state as extra_state_bytes
 from ._attention_parallel import AttentionParallelMixin
-from ._attention_inputs import between_seqs, check_qkv, mask_type_spelling, sequence_layout, unpack_qkv
+from ._attention_inputs import between_seqs, check_mask_type, check_qkv, sequence_layout, unpack_qkv
 from ._packed import Packing, tail_padding
 from ._reset import DeferredInit, resetting
 from .inference import InferenceParams, fixed_shapes
@@ -117,8 +117,7 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
             check_positive(layer_number, name="layer_number", module=module)
         self.attention_dropout = check_probability(attention_dropout, name="attention_dropout", module=module)
         self.qkv_format = check_choice(qkv_format, QKV_FORMATS, name="qkv_format", module=module)
-        self.attn_mask_type = check_choice(mask_type_spelling(attn_mask_type), ops.ATTN_MASK_TYPES,
-                                           name="attn_mask_type", module=module)
+        self.attn_mask_type = check_mask_type(attn_mask_type, name="attn_mask_type", module=module)
         self.window_size = _check_window(window_size, module)
         self.bottom_right_diagonal = check_optional_bool(bottom_right_diagonal, name="bottom_right_diagonal",
                                                          module=module)
@@ -217,9 +216,7 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
             restore = partial(_scatter_rows, rows=rows_q, total=total_q)
             query_layer = query_layer.index_select(0, rows_q.to(query_layer.device))
             key_layer, value_layer = (t.index_select(0, rows_kv.to(t.device)) for t in (key_layer, value_layer))
-        mask_type = check_choice(
-            mask_type_spelling(attn_mask_type or self.attn_mask_type), ops.ATTN_MASK_TYPES, name="attn_mask_type",
-            module=module)
+        mask_type = check_mask_type(attn_mask_type or self.attn_mask_type, name="attn_mask_type", module=module)
         attention_mask = _read_mask(attention_mask, mask_type)
         if self.cp_size > 1:
             key_layer, value_layer, mask_type, attention_mask = self._context_parallel(

@@ -15,7 +15,6 @@ from ._common import (
     check_eps,
     check_optional_bool,
     check_input,
-    compute_dtype,
     no_torch_autocast,
     normalized_size,
     resolve_device,
@@ -91,8 +90,9 @@ class _Norm(DeferredInit, nn.Module):
         check_input(x, self._size, module=name, device=self.weight.device)
         # as Transformer Engine's norms: torch.autocast's dtype where it is on, else the
         # parameters' (a bf16 input to fp32 parameters is normalized, and returned, in fp32)
-        x = x.to(compute_dtype(x) if torch.is_autocast_enabled(x.device.type) else self.weight.dtype)
-        with no_torch_autocast(x.device.type):
+        device_type = x.device.type
+        x = x.to(torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else self.weight.dtype)
+        with no_torch_autocast(device_type):
             w = self.weight.reshape(self._size)
             b = None if self.bias is None else self.bias.reshape(self._size)
             y = NormFunction.apply(x, w, b, self.eps, self.normalization, self.zero_centered_gamma)

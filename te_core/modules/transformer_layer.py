@@ -10,8 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ..distributed import tensor_parallel
-from ..ops.attention import ATTN_MASK_TYPES
-from ._attention_inputs import mask_type_spelling
+from ._attention_inputs import check_mask_type, mask_type_spelling
 from ._base import QuantizedContainer
 from ._tp_container import TensorParallelContainer
 from ._common import (
@@ -171,9 +170,8 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         self.parallel_attention_mlp = parallel_attention_mlp
         self.attn_input_format = attn_input_format
         # (an encoder has no inter-attention, but a bad value is still one: Transformer Engine checks it too)
-        enc_dec_attn_mask_type = check_choice(mask_type_spelling(enc_dec_attn_mask_type), ATTN_MASK_TYPES,
-                                              name="enc_dec_attn_mask_type", module=name)
-        self_attn_mask_type = mask_type_spelling(self_attn_mask_type)
+        enc_dec_attn_mask_type = check_mask_type(enc_dec_attn_mask_type, name="enc_dec_attn_mask_type", module=name)
+        self_attn_mask_type = mask_type_spelling(self_attn_mask_type)  # (checked by its attention)
         self.self_attn_mask_type, self.enc_dec_attn_mask_type = self_attn_mask_type, enc_dec_attn_mask_type
         # fmt: off
         common = dict(params_dtype=params_dtype, device=device, bias=bias, zero_centered_gamma=zero_centered_gamma,
@@ -249,8 +247,8 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         if self.layer_type == "decoder" and encoder_output is None:
             raise ValueError(f"{name}: layer_type='decoder' needs encoder_output")
         if enc_dec_attn_mask_type is not None:
-            enc_dec_attn_mask_type = check_choice(mask_type_spelling(enc_dec_attn_mask_type), ATTN_MASK_TYPES,
-                                                  name="enc_dec_attn_mask_type", module=name)
+            enc_dec_attn_mask_type = check_mask_type(enc_dec_attn_mask_type, name="enc_dec_attn_mask_type",
+                                                     module=name)
         # Under torch.autocast the residual stream runs in the autocast dtype, as in Transformer
         # Engine: the blocks compute in it anyway, and the residual adds and the output would
         # otherwise stay in the input's float32.

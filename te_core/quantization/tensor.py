@@ -127,7 +127,7 @@ class QuantizedTensor(Tensor):
         twin = cls.__new__(cls, self.shape, self.dtype, self.device, self._quantizer)
         for name, value in self._payload().items():
             setattr(twin, name, value)
-        link = self.__dict__.get("_view_of")
+        link = getattr(self, "_view_of", None)  # (getattr: the traced operands share this code)
         if link is not None:  # a detached view (param.data of one) still writes the tensor it views
             twin._view_of = link
         return twin
@@ -136,7 +136,7 @@ class QuantizedTensor(Tensor):
         """The link this view writes through, while its bytes are still in its parent's data
         (after `parent.data = x` they are not: the view then stands alone, as a plain view of
         the parent's former storage would)."""
-        link = self.__dict__.get("_view_of")
+        link = getattr(self, "_view_of", None)
         data = self.__dict__.get("_data")
         if link is None or data is None:
             return link
@@ -209,7 +209,7 @@ class QuantizedTensor(Tensor):
         # (value's shape: a block format's payload is 2-D under any nominal shape)
         if (value.shape, source.dtype, source.device) != (self.shape, self.dtype, self.device):
             _TENSOR_DATA.__set__(self, type(self).__new__(type(self), value.shape, source.dtype, source.device))
-        self.__dict__.pop("_view_of", None)
+        self._view_of = None
         self.__dict__.update(vars(source._same_kind()))
 
     def _quantized_like(self, value: Tensor) -> "QuantizedTensor":
@@ -252,7 +252,7 @@ class QuantizedTensor(Tensor):
         """A twin whose quantized data tensors are fn(tensor): a clone, or a move to a device."""
         device = None
         twin = self._same_kind()
-        twin.__dict__.pop("_view_of", None)  # new buffers: no longer a view
+        twin._view_of = None  # new buffers: no longer a view
         for name, value in self._payload().items():
             if isinstance(value, Tensor):
                 value = fn(value)

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from te_core.reference import rope as reference_rope
+
 from ..runtime import arch_name, arch_of
 from .activation import MUDNN_FUSED_MIN_ARCH
 from .gemm import HIGH_PRECISION, Verdict
@@ -51,20 +53,10 @@ def rope_fwd(x: Tensor, freqs: Tensor, *, tensor_format: str = "sbhd", interleav
     return _rotate(x, freqs, tensor_format, interleaved)
 
 
-def rope_bwd(dy: Tensor, freqs: Tensor, *, tensor_format: str = "sbhd", interleaved: bool = False) -> Tensor:
-    """dx[c] = dy[c] cos(a[c]) - s[c] dy[p(c)] sin(a[p(c)]): z = dy sin(a), each channel then adds its
-    partner's z with the sign flipped from the forward's."""
-    dy_sbhd = dy if tensor_format == "sbhd" else dy.transpose(0, 1)
-    seq, rot = dy_sbhd.shape[0], freqs.shape[-1]
-    angles = freqs[:seq].reshape(seq, 1, 1, rot).float()
-    part = dy_sbhd[..., :rot].float()
-    z = part * torch.sin(angles)
-    if interleaved:
-        partner = torch.stack((z[..., 1::2], -z[..., 0::2]), dim=-1).flatten(-2)
-    else:
-        partner = torch.cat((z[..., rot // 2:], -z[..., : rot // 2]), dim=-1)
-    dx = torch.cat(((part * torch.cos(angles) + partner).to(dy.dtype), dy_sbhd[..., rot:]), dim=-1)
-    return dx if tensor_format == "sbhd" else dx.transpose(0, 1).contiguous()
+# The forward's transpose: a channel's partner term takes the partner's angle, which F.rope (one
+# angle per output channel) cannot express where a pair's angles differ; the reference's PyTorch
+# ops compute it on the device.
+rope_bwd = reference_rope.rope_bwd
 
 
 def rope_supports(x, freqs, *, tensor_format="sbhd", interleaved=False) -> Verdict:
