@@ -288,7 +288,7 @@ def _dummy_wgrads():
 def _pytorch_module() -> types.ModuleType:
     import te_core
     from te_core import cpu_offload, export, modules, permutation, quantization, router
-    from te_core.distributed import random, te_functions
+    from te_core.distributed import master_weights, random, te_functions
     from te_core.modules.checkpoint import activation_recompute_forward, in_fp8_activation_recompute_phase
     from te_core.modules.checkpoint import is_fp8_activation_recompute_enabled
 
@@ -326,6 +326,8 @@ def _pytorch_module() -> types.ModuleType:
         _submodule(tensor, sub, f"{cls} and its quantizers", {cls: tensors[cls], **quantizers[sub]})
         for name, quantizer in quantizers[sub].items():
             setattr(tensor, name, quantizer)
+    _submodule(tensor, "utils", "the helpers of FP8 primary weights under a sharded optimizer",
+               _names(master_weights, master_weights.__all__))
     _submodule(module, "constants", "DType and its torch dtype tables, the process group type", dict(
         constants(), dist_group_type=getattr(torch.distributed, "ProcessGroup", None)))
     rope = dict(RotaryPositionEmbedding=te_core.RotaryPositionEmbedding, apply_rotary_pos_emb=te_core.apply_rotary_pos_emb,

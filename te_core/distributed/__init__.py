@@ -5,7 +5,8 @@ process groups. The process group always comes from the user; the collectives ar
 FSDP2 of FP8 primary weights: the FP8 all-gather in `te_core.distributed.fsdp` (per-tensor scales)
 and `te_core.distributed.fsdp_block` (128x128 tile scales), and checkpoints
 through torch.distributed.checkpoint with the state dicts of `te_core.distributed.state_dict`.
-FSDP1: `prepare_te_modules_for_fsdp` (te_core.distributed.fsdp1)."""
+FSDP1: `prepare_te_modules_for_fsdp` (te_core.distributed.fsdp1). FP8 primary weights under a
+ZeRO-style sharded optimizer (Megatron-LM's distributed optimizer): te_core.distributed.master_weights."""
 
 from .collectives import copy_to_tp_region, gather_along_first_dim, reduce_from_tp_region, scatter_reduce_first_dim
 from .fsdp1 import prepare_te_modules_for_fsdp

@@ -94,6 +94,16 @@ class _BlockwiseLayout(_TwoLayout):
     def _operand_kind(self, columnwise: bool) -> str:
         return BLOCK_128x128 if self._block_2d else BLOCK_1x128
 
+    def columnwise(self) -> GemmOperand:
+        if self._data_t is None and self._block_2d and self._data is not None:
+            # a 128x128 tile of x.T is the transpose of a tile of x, with its scale: exact (a weight
+            # whose copy was dropped when its row-wise bytes were rewritten, te_core.distributed.master_weights)
+            data_t, scale_inv_t = self._data.t().contiguous(), self._scale_inv.t().contiguous()
+            if torch.compiler.is_compiling():
+                return GemmOperand(data_t, scale_inv_t, BLOCK_128x128)
+            self._data_t, self._scale_inv_t = data_t, scale_inv_t
+        return super().columnwise()
+
     def _dequantize_layout(self, data, scale_inv, dtype) -> Tensor:
         return ops.dequantize_blockwise(data, scale_inv, self._block_2d, dtype)
 

@@ -62,6 +62,14 @@ def test_the_names_resolve_to_te_core(stand_in):
     assert cpu_offload.is_cpu_offload_enabled is offload.is_cpu_offload_enabled
     assert cpu_offload.mark_activation_offload is offload.mark_activation_offload
     assert dist_group_type is dist.ProcessGroup
+    # Megatron-LM's distributed optimizer with --fp8-param-gather (tests/distributed/test_master_weights.py)
+    from transformer_engine.pytorch.tensor import utils as tensor_utils
+
+    from te_core.distributed import master_weights
+
+    for name in ("replace_raw_data", "quantize_master_weights", "cast_master_weights_to_fp8",
+                 "post_all_gather_processing", "clear_columnwise_cache", "is_custom"):
+        assert getattr(tensor_utils, name) is getattr(master_weights, name)
 
 
 # ------------------------------------------------------------------ collectives on 2 gloo ranks
