@@ -3,7 +3,8 @@ te-core modules in place, keeping their weights.
 
 A norm directly followed by a Linear inside an nn.Sequential becomes one LayerNormLinear (the
 Linear's slot becomes nn.Identity); elsewhere the data flow between modules is not known from
-the module tree, so norms and Linears are converted one by one. The new modules hold the model's
+the module tree, so norms and Linears are converted one by one (a fused pair still loads a
+state dict saved before conversion: _UnfusedKeys). The new modules hold the model's
 own parameters (the same Parameter objects), so parameters the model ties together (an LM head
 sharing the embedding's weight) stay tied, and optimizers or hooks holding them keep working.
 """
@@ -103,6 +104,28 @@ def _fuse(norm: nn.Module, linear: nn.Linear, take) -> LayerNormLinear:
     if linear.bias is not None:
         take(new, "bias", linear.bias)
     return new
+
+
+class _UnfusedKeys:
+    """A fused norm + Linear loads a state dict of the model before conversion too: the norm's
+    `<norm>.weight` / `.bias` and the Linear's `<linear>.weight` / `.bias` (saved from the
+    unconverted model, or by code that never converted it) are read as the LayerNormLinear's
+    `layer_norm_weight` / `layer_norm_bias` / `weight` / `bias`. A class, not a closure: a
+    converted model still pickles and deep-copies. The converted model's own state dict keeps
+    the LayerNormLinear's (Transformer Engine's) names."""
+
+    def __init__(self, norm: str, linear: str):
+        self.norm, self.linear = norm, linear
+
+    def __call__(self, module, state_dict, prefix, *args) -> None:
+        norm, linear = f"{prefix}{self.norm}.", f"{prefix}{self.linear}."
+        if linear + "weight" not in state_dict:  # the converted layout (or no entry at all): nothing to map
+            return
+        moves = ((norm + "weight", norm + "layer_norm_weight"), (norm + "bias", norm + "layer_norm_bias"),
+                 (linear + "weight", norm + "weight"), (linear + "bias", norm + "bias"))
+        for old, new in moves:
+            if old in state_dict:
+                state_dict[new] = state_dict.pop(old)
 
 
 @torch.no_grad()
@@ -229,6 +252,8 @@ class _Walk:
                 if (type(nxt) is nn.Linear and nxt.in_features == child.weight.shape[0] and not _hooked(nxt)
                         and self.wanted(nxt, next_fqn) and self.linear_ok(nxt, next_fqn)):
                     setattr(parent, name, _fuse(child, nxt, self.taker(fqn)))
+                    # on the parent: torch hands each child only its own keys
+                    parent.register_load_state_dict_pre_hook(_UnfusedKeys(name, next_name))
                     setattr(parent, next_name, nn.Identity())
                     fused_into.add(next_name)
                     continue

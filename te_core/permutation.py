@@ -188,5 +188,10 @@ def moe_sort_chunks_by_index(inp: Tensor, split_sizes, sorted_index) -> Tensor:
 
 def moe_sort_chunks_by_index_with_probs(inp: Tensor, probs: Tensor, split_sizes, sorted_index) -> Tuple[Tensor, Tensor]:
     """moe_sort_chunks_by_index of inp and of its per-row probs alike."""
-    rows = _chunk_order(split_sizes, sorted_index, inp.shape[0], inp.device, "moe_sort_chunks_by_index_with_probs")
+    name = "moe_sort_chunks_by_index_with_probs"
+    if not isinstance(probs, Tensor) or probs.dim() == 0 or probs.shape[0] != inp.shape[0]:
+        got = f"shape {tuple(probs.shape)}" if isinstance(probs, Tensor) else f"a {type(probs).__name__}"
+        raise ValueError(f"{name}: probs must hold one probability per row of inp ([num_tokens] = [{inp.shape[0]}]), "
+                         f"got {got}")
+    rows = _chunk_order(split_sizes, sorted_index, inp.shape[0], inp.device, name)
     return inp.index_select(0, rows), probs.index_select(0, rows)

@@ -115,10 +115,14 @@ class QParams:
     def __post_init__(self):
         # a NaN epsilon makes every scale NaN, an infinite one every scale 0
         _check_number("QParams", "amax_epsilon", self.amax_epsilon, minimum=0.0)
+        if self.amax_epsilon > _FLOAT32_MAX:  # (casts take it as a float32, which cannot hold it)
+            raise ValueError(f"QParams: amax_epsilon={self.amax_epsilon!r} is above float32's largest value "
+                             f"({_FLOAT32_MAX!r}), and scales are float32; give an amax_epsilon <= {_FLOAT32_MAX!r}")
         _check_bools("QParams", self, "power_2_scale", *_FP4_QPARAMS)
 
 
 _FP4_QPARAMS = ("random_hadamard_transform", "stochastic_rounding", "fp4_2d_quantization")
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -406,7 +410,7 @@ def recipe_name(recipe: "Recipe") -> str:
 class DelayedScaling(Recipe):
     """Per-tensor scales from the amax history of earlier steps.
 
-    scale = fp8_max / amax / 2^margin, amax = max over the last `amax_history_len` steps
+    scale = fp8_max * 2^-margin / amax, amax = max over the last `amax_history_len` steps
     ("max"), the latest step ("most_recent"), or `amax_compute_algo(history) -> amax` (per
     column of the (L, n) history). `scaling_factor_compute_algo(amax, scale, fp8_max, recipe)`
     replaces the scale formula. With `reduce_amax`, amaxes are all-reduced (MAX) over the
@@ -440,8 +444,9 @@ class DelayedScaling(Recipe):
                 raise ValueError(f"DelayedScaling: backward_override={self.backward_override!r}: delayed scaling "
                                  "supports only backward_override=None, as in Transformer Engine")
             _check_backward_override(self)
-        # scale = fp8_max / amax / 2^margin: a NaN margin makes every scale NaN, an infinite one 0
+        # scale = fp8_max * 2^-margin / amax: a NaN margin makes every scale NaN, an infinite one 0
         _check_number("DelayedScaling", "margin", self.margin, minimum=0)
+        _check_margin(self)
         _check_number("DelayedScaling", "amax_history_len", self.amax_history_len, minimum=1, integer=True)
         _check_bools("DelayedScaling", self, "reduce_amax", "fp8_dpa", "fp8_mha")
         algo = self.amax_compute_algo
@@ -464,6 +469,19 @@ class DelayedScaling(Recipe):
         from .quantization.state import DelayedScalingState
 
         return DelayedScalingState(self, slots, device)
+
+
+def _check_margin(recipe) -> None:
+    """fp8_max * 2^-margin (the update's numerator, as in Transformer Engine) below float32's
+    smallest normal number leaves no normal scale: a subnormal or 0 one has an inf reciprocal."""
+    fmt, fp8_max = recipe.fp8_format, recipe.fp8_format.value.max_fwd
+    largest = 126 + math.log2(fp8_max)  # fp8_max * 2^-largest == 2^-126
+    if recipe.margin > largest:  # (compared, not computed: 2.0 ** -margin fails for a huge int margin)
+        raise ValueError(
+            f"DelayedScaling: margin={recipe.margin!r} is too large: fp8_max * 2**-margin (with Format.{fmt.name}'s "
+            f"forward maximum {fp8_max}) falls below float32's smallest normal number (2**-126), so every scale "
+            f"would underflow. The largest margin allowed is {math.floor(largest * 1000) / 1000} (126 + "
+            f"log2({fp8_max})); each unit of margin halves every scale")
 
 
 _SUPPORTED_OVERRIDES = ((False, False, False), (False, False, True))
@@ -510,13 +528,24 @@ def _check_qparams(recipe) -> None:
                     f"without transforms; leave {option} False")
 
 
-def _force_power_2(recipe, power_2_scale: bool) -> None:
-    """Every fp8_quant_* QParams of `recipe` with power_2_scale set to `power_2_scale` (its
-    amax_epsilon kept)."""
+# The attribute (outside its fields) of a QParams that a recipe's flag rewrote: the QParams given.
+_GIVEN = "_te_given"
+
+
+def _apply_power_2_flag(recipe, forced: Optional[bool]) -> None:
+    """Every fp8_quant_* QParams of `recipe` made from the one given: power_2_scale=`forced`
+    (amax_epsilon kept), or as given where `forced` is None. A rewritten QParams carries the one
+    given (outside its fields: equality and repr ignore it), so assigning the flag back, or
+    dataclasses.replace (which passes the fields as they read), gives what construction gives."""
     for name in _FP8_QPARAMS:
         value = getattr(recipe, name)
-        if value.power_2_scale is not power_2_scale:
-            object.__setattr__(recipe, name, dataclasses.replace(value, power_2_scale=power_2_scale))
+        given = value.__dict__.get(_GIVEN, value)
+        effective = given
+        if forced is not None and given.power_2_scale is not forced:
+            effective = dataclasses.replace(given, power_2_scale=forced)
+            object.__setattr__(effective, _GIVEN, given)
+        if effective is not value:
+            object.__setattr__(recipe, name, effective)
 
 
 def _check_block_recipe_flags(recipe) -> None:
@@ -569,8 +598,7 @@ class Float8CurrentScaling(Recipe):
         _check_qparams(self)
         _check_bools("Float8CurrentScaling", self, "use_power_2_scales")
         _check_backward_override(self)
-        if self.use_power_2_scales:
-            _force_power_2(self, True)
+        _apply_power_2_flag(self, True if self.use_power_2_scales else None)
 
     def quantizer_for(self, role):
         from .quantization.quantizers import Float8CurrentScalingQuantizer
@@ -620,8 +648,7 @@ class Float8BlockScaling(Recipe):
         _check_qparams(self)
         _check_bools("Float8BlockScaling", self, "use_f32_scales")
         _check_backward_override(self)
-        if self.use_f32_scales:
-            _force_power_2(self, False)
+        _apply_power_2_flag(self, False if self.use_f32_scales else None)
         for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             _check_number("Float8BlockScaling", name, getattr(self, name), minimum=1, integer=True)
         for gemm in GEMMS:

@@ -41,6 +41,30 @@ def _check(logits: Tensor, score_function: str, routing_map_format, name: str) -
                                   "use 'bytemap' (a bool [num_tokens, num_experts] map)")
 
 
+def _check_topk(topk: int, num_experts: int, name: str) -> None:
+    if not 1 <= topk <= num_experts:
+        raise ValueError(f"{name}: topk must be in [1, num_experts={num_experts}] (the experts each token is routed "
+                         f"to, out of the logits' last dimension), got topk={topk}")
+
+
+def _check_groups(num_experts: int, topk: int, num_groups: Optional[int], group_topk: Optional[int],
+                  name: str) -> None:
+    """Grouped top-k (group_topk given): the constraints of Transformer Engine's kernel."""
+    if not group_topk:
+        return
+    if not num_groups or num_experts % num_groups or topk % group_topk:
+        raise ValueError(f"{name}: grouped top-k needs num_experts ({num_experts}) divisible by num_groups "
+                         f"({num_groups}) and topk ({topk}) divisible by group_topk ({group_topk})")
+    if not 1 <= group_topk <= num_groups:
+        raise ValueError(f"{name}: group_topk must be in [1, num_groups={num_groups}] (the groups kept per token), "
+                         f"got group_topk={group_topk}")
+    if topk // group_topk > num_experts // num_groups:
+        raise ValueError(f"{name}: the per-group topk (topk // group_topk = {topk} // {group_topk} = "
+                         f"{topk // group_topk}) must be in [1, group size={num_experts // num_groups}] "
+                         f"(num_experts // num_groups = {num_experts} // {num_groups}); raise group_topk or "
+                         "lower topk")
+
+
 def _scores(logits32: Tensor, score_function: str) -> Tensor:
     if score_function == "softmax":
         return torch.softmax(logits32, dim=-1)
@@ -52,10 +76,7 @@ def _scores(logits32: Tensor, score_function: str) -> Tensor:
 def _topk(scores: Tensor, topk: int, num_groups: Optional[int], group_topk: Optional[int]) -> Tuple[Tensor, Tensor]:
     if not group_topk:
         return torch.topk(scores, k=topk, dim=-1)
-    tokens, experts = scores.shape
-    if not num_groups or experts % num_groups or topk % group_topk:
-        raise ValueError(f"grouped top-k needs num_experts ({experts}) divisible by num_groups ({num_groups}) and "
-                         f"topk ({topk}) divisible by group_topk ({group_topk})")
+    tokens, experts = scores.shape  # (the grouping checked by _check_groups)
     grouped = scores.view(tokens, num_groups, experts // num_groups)  # (experts // num_groups: no rows is fine)
     group_scores = grouped.topk(topk // group_topk, dim=-1)[0].sum(dim=-1)
     chosen = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
@@ -74,6 +95,8 @@ def fused_topk_with_score_function(logits: Tensor, topk: int, use_pre_softmax: b
     name = "fused_topk_with_score_function"
     _check(logits, score_function, routing_map_format, name)
     shape, logits = logits.shape, logits.reshape(-1, logits.shape[-1])  # leading dimensions: tokens
+    _check_topk(topk, shape[-1], name)
+    _check_groups(shape[-1], topk, num_groups, group_topk, name)
     if topk_indices is not None or any(v is not None for v in (qb_histogram, qb_bin_bounds, qb_histogram_mode)):
         raise NotImplementedError(f"{name}: topk_indices and quantile balancing (qb_*) are not implemented by "
                                   "te-core; leave them None")
@@ -95,7 +118,7 @@ def fused_topk_with_score_function(logits: Tensor, topk: int, use_pre_softmax: b
             probs, indices = _topk(scores, topk, num_groups, group_topk)
         if topk > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
-    if scaling_factor:
+    if scaling_factor is not None:  # (0.0 included: Transformer Engine multiplies by any value given)
         probs = probs * scaling_factor
     routing_probs = torch.zeros_like(logits).scatter(1, indices, probs.to(logits.dtype))
     routing_map = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter(1, indices, True)
@@ -106,7 +129,9 @@ def fused_compute_score_for_moe_aux_loss(logits: Tensor, topk: int, score_functi
                                          routing_map_format=BYTEMAP) -> Tuple[Tensor, Tensor]:
     """(routing map of each token's top-k experts by score, bool; the scores in float32, softmax
     or, for sigmoid / sqrtsoftplus, normalized to sum to 1 over all experts)."""
-    _check(logits, score_function, routing_map_format, "fused_compute_score_for_moe_aux_loss")
+    name = "fused_compute_score_for_moe_aux_loss"
+    _check(logits, score_function, routing_map_format, name)
+    _check_topk(topk, logits.shape[-1], name)
     shape, logits = logits.shape, logits.reshape(-1, logits.shape[-1])  # leading dimensions: tokens
     scores = _scores(logits.float(), score_function)
     if score_function != "softmax":
@@ -124,6 +149,13 @@ def fused_moe_aux_loss(probs: Tensor, tokens_per_expert: Tensor, total_num_token
     if probs.dim() != 2 or tokens_per_expert.numel() != probs.shape[1]:
         raise ValueError(f"fused_moe_aux_loss: probs must be [num_tokens, num_experts] and tokens_per_expert one count "
                          f"per expert, got {tuple(probs.shape)} and {tuple(tokens_per_expert.shape)}")
+    for what, value in (("topk", topk), ("num_experts", num_experts)):
+        if value <= 0:  # (as Transformer Engine's kernel checks)
+            raise ValueError(f"fused_moe_aux_loss: {what} must be a positive int, got {what}={value}")
+    # (a device tensor is not read back to check it, as Transformer Engine's graph-safe path does not)
+    if not isinstance(total_num_tokens, Tensor) and total_num_tokens <= 0:
+        raise ValueError(f"fused_moe_aux_loss: total_num_tokens must be positive (the tokens the loss averages "
+                         f"over), got total_num_tokens={total_num_tokens}")
     acc = torch.promote_types(probs.dtype, torch.float32)  # float32 at least
     total = total_num_tokens.to(acc) if isinstance(total_num_tokens, Tensor) else float(total_num_tokens)
     weighted = (probs.to(acc).sum(dim=0) * tokens_per_expert.to(acc)).sum()

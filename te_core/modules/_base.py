@@ -359,7 +359,7 @@ class QuantizedModule(DeferredInit, nn.Module):
         else:
             target = saved_recipe.make_state(self._quantizer_slots, self._state_device())
             self._state_from_checkpoint = True
-        target.load_quantization_state(state["quantization_state"])
+        target.load_quantization_state(state["quantization_state"], state.get("fresh"))
         self._recipe_state = target
         self._weight_cache.clear()
 

@@ -89,7 +89,8 @@ def sub_name(name: Optional[str], suffix: str) -> Optional[str]:
 def check_warmup_sizes(module: str, seq_length, micro_batch_size) -> None:
     """Transformer Engine's seq_length / micro_batch_size, which only size the warm-up of its
     TorchScript fusions (and userbuffers, which te-core does not have): they change no result,
-    here or there. None or positive ints."""
+    here or there (a TransformerLayer under sequence parallelism also checks its input's length
+    against seq_length, as TE's does). None or positive ints."""
     for arg, value in (("seq_length", seq_length), ("micro_batch_size", micro_batch_size)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{module}: {arg} must be a positive int or None, got {value!r}")

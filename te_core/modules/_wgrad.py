@@ -22,12 +22,16 @@ from ._microbatch import first_microbatch
 ACCUMULATE, OVERWRITE = 1, 2  # main_grad_mode's answers besides 0 (no fusion); both true
 
 
-def main_grad_mode(fuse_wgrad_accumulation: bool, is_first_microbatch: Optional[bool]) -> int:
+def main_grad_mode(fuse_wgrad_accumulation: bool, is_first_microbatch: Optional[bool],
+                   weight: Optional[Tensor] = None) -> int:
     """What a forward hands its autograd Function for the wgrad: 0 (no fusion: a gradient for
     autograd), ACCUMULATE (added into main_grad) or OVERWRITE (written into main_grad: the first
-    micro-batch, is_first_microbatch=True)."""
+    micro-batch, is_first_microbatch=True, or a `weight` that carries `overwrite_main_grad=True`,
+    which Megatron-FSDP sets and Transformer Engine's modules read at forward)."""
     if not fuse_wgrad_accumulation:
         return 0
+    if getattr(weight, "overwrite_main_grad", False):
+        return OVERWRITE
     # (checked by the module's quantization_step: None or a bool-like; a graph capture may force it)
     first = first_microbatch(is_first_microbatch)
     return OVERWRITE if first is not None and bool(first) else ACCUMULATE

@@ -47,6 +47,43 @@ def _zero_main_grad(weight: Tensor) -> None:
     weight.main_grad.zero_()
 
 
+def _whole_splits(m_splits, module: str):
+    """A floating-point tensor m_splits as int64, as Transformer Engine casts any tensor, where
+    every count is whole (a fraction, which the cast would truncate, is an error); anything else
+    as given."""
+    if not isinstance(m_splits, Tensor) or not m_splits.is_floating_point() or m_splits.dim() != 1:
+        return m_splits
+    counts = m_splits.tolist()
+    fractional = [c for c in counts if not float(c).is_integer()]
+    if fractional:
+        raise ValueError(f"{module}: m_splits must hold whole row counts, got {fractional[0]} in {counts}; round "
+                         "them (or pass an int64 tensor or a list of ints)")
+    return m_splits.long()
+
+
+def _split_grouped(state_dict, prefix: str, kind: str, num_gemms: int, member_shapes, error_msgs) -> None:
+    """A grouped `kind` of Transformer Engine's single_grouped_weight / single_grouped_bias
+    checkpoints (num_gemms tensors stacked, each of one of `member_shapes`) as kind0, kind1, ...,
+    the first shape each, as Transformer Engine's per-GEMM module loads it; next to a full set of
+    per-GEMM keys it is a redundant copy, dropped as there."""
+    grouped_key, keys = prefix + kind, [f"{prefix}{kind}{i}" for i in range(num_gemms)]
+    if grouped_key not in state_dict:
+        return
+    grouped = state_dict.pop(grouped_key)
+    if all(key in state_dict for key in keys):
+        return
+    shapes = [(num_gemms, *shape) for shape in member_shapes]
+    if not isinstance(grouped, Tensor) or tuple(grouped.shape) not in shapes:
+        got = f"shape {tuple(grouped.shape)}" if isinstance(grouped, Tensor) else f"a {type(grouped).__name__}"
+        error_msgs.append(f"{grouped_key}: Transformer Engine's grouped {kind} must be {' or '.join(map(str, shapes))} "
+                          f"(num_gemms={num_gemms} of this module's {kind}0 shape {member_shapes[0]}, stacked), got "
+                          f"{got}; load a checkpoint of a GroupedLinear of the same num_gemms, in_features and "
+                          "out_features")
+        return
+    for key, member in zip(keys, grouped.unbind(0)):
+        state_dict[key] = member.reshape(member_shapes[0])
+
+
 def _slot(i: int, role: str) -> str:
     return f"gemm{i}_{role}"
 
@@ -214,6 +251,17 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
                 if f"bias{i}" in params:
                     params[f"bias{i}"].zero_()
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """Also Transformer Engine's single-grouped-parameter checkpoints: `weight` [num_gemms,
+        out_features, in_features] and `bias` [num_gemms, out_features] load as weight{i} / bias{i}."""
+        shape = tuple(self.weight0.shape)
+        _split_grouped(state_dict, prefix, "weight", self.num_gemms, [shape], error_msgs)
+        if self.use_bias:  # (TE's grouped bias may keep a middle dimension of 1)
+            _split_grouped(state_dict, prefix, "bias", self.num_gemms, [shape[:1], (1, shape[0])], error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     def _params(self, prefix: str) -> List[Tensor]:
         return [getattr(self, f"{prefix}{i}") for i in range(self.num_gemms)]
 
@@ -222,7 +270,7 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
         if unsupported:  # out / dgrad_out (caller-provided output buffers) are not implemented
             reject_unsupported(f"{name}.forward", **unsupported)
         check_input(inp, self.in_features, module=name, device=self.weight0.device)
-        m_splits = check_m_splits(m_splits, self.num_gemms, inp.numel() // self.in_features, name)
+        m_splits = check_m_splits(_whole_splits(m_splits, name), self.num_gemms, inp.numel() // self.in_features, name)
         dtype = compute_dtype(inp)
         # contiguous rows: a GEMM may pick another kernel (and summation order) for a strided operand
         x = inp.reshape(-1, self.in_features).to(dtype).contiguous()
@@ -234,9 +282,11 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
             named = grad_proxies(self, tuple(f"weight{i}" for i in range(self.num_gemms)))
             proxied = tuple(i for i, proxy in enumerate(named) if proxy is not None)
             proxies = tuple(named[i] for i in proxied)
+        # weight0's overwrite_main_grad (Megatron-FSDP's flag) decides for every GEMM, as weights[0]'s does in TE
         with no_torch_autocast(inp.device.type):
             y = _GroupedLinearFunction.apply(x, m_splits, step, self.num_gemms,
-                                             main_grad_mode(self.fuse_wgrad_accumulation, is_first_microbatch),
+                                             main_grad_mode(self.fuse_wgrad_accumulation, is_first_microbatch,
+                                                            self.weight0),
                                              self.delayed_wgrad_store(), proxied,
                                              bool(getattr(self, "save_original_input", False)),
                                              torch.is_grad_enabled(), *self._params("weight"), *biases, *proxies)

@@ -374,7 +374,7 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
                 self.return_layernorm_output,
                 split_sizes,
                 residual_fused,
-                main_grad_mode(self.fuse_wgrad_accumulation, is_first_microbatch),
+                main_grad_mode(self.fuse_wgrad_accumulation, is_first_microbatch, weight),
                 self.delayed_wgrad_store(),
                 grad_proxies(self, ("weight",))[0],
                 torch.is_grad_enabled(),

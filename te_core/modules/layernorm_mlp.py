@@ -106,7 +106,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, step, norm, activation, return_ln_out,
-        return_residual, fuse_wgrad=False, wgrad_store=None, fc1_weight_proxy=None, fc2_weight_proxy=None, grad=True,
+        return_residual, fuse_wgrad=(0, 0), wgrad_store=None, fc1_weight_proxy=None, fc2_weight_proxy=None, grad=True,
     ):
         # *_proxy: FP8 primary weights' stand-ins under torch.compile (_grad_proxy), given their gradients;
         # grad: whether autograd records this call (see needs_norm_grad)
@@ -133,8 +133,9 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         ctx.step, ctx.norm, ctx.activation = step, norm, activation
         ctx.bias_dtypes = (None if fc1_bias is None else fc1_bias.dtype, None if fc2_bias is None else fc2_bias.dtype)
         ctx.weight_dtypes = (fc1_weight.dtype, fc2_weight.dtype)
-        ctx.fused_weights = (fc1_weight, fc2_weight) if fuse_wgrad else (None, None)  # main_grad takes the wgrad
-        ctx.overwrite_main_grad = fuse_wgrad == OVERWRITE
+        # fuse_wgrad: main_grad_mode of fc1's and of fc2's weight (each may carry overwrite_main_grad)
+        ctx.fused_weights = tuple(w if mode else None for w, mode in zip((fc1_weight, fc2_weight), fuse_wgrad))
+        ctx.overwrite_main_grad = tuple(mode == OVERWRITE for mode in fuse_wgrad)
         ctx.wgrad_store = wgrad_store  # delay_wgrad_compute=True: the wgrads are left for backward_dw
         ctx.needs = (x.requires_grad, fc1_weight.requires_grad, fc2_weight.requires_grad)
         ctx.needs_norm = norm_grad
@@ -162,7 +163,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         fc1_fused, fc2_fused = ctx.fused_weights
         batch = new_batch(ctx.wgrad_store)
         d_fc2_w = weight_grad_or_defer(batch, "fc2_weight", partial(
-            weight_grad, dy_w, act_w, ctx.weight_dtypes[1], fc2_fused, "LayerNormMLP", ctx.overwrite_main_grad),
+            weight_grad, dy_w, act_w, ctx.weight_dtypes[1], fc2_fused, "LayerNormMLP", ctx.overwrite_main_grad[1]),
             fc2_fused) if needs_dw2 else None
         del act_w, dy_w
         d_act = dgrad_gemm(dy_q, fc2_w_q, out_dtype=x.dtype)
@@ -173,7 +174,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
             step, "fc1_grad_output", d_act_and_h, ctx.activation, columnwise=needs_dw1, with_dbias=ctx.bias_dtypes[0]
         )
         d_fc1_w = weight_grad_or_defer(batch, "fc1_weight", partial(
-            weight_grad, dh_w, ln_out_w, ctx.weight_dtypes[0], fc1_fused, "LayerNormMLP", ctx.overwrite_main_grad),
+            weight_grad, dh_w, ln_out_w, ctx.weight_dtypes[0], fc1_fused, "LayerNormMLP", ctx.overwrite_main_grad[0]),
             fc1_fused) if needs_dw1 else None
         del ln_out_w, dh_w
         d_ln = norm_input_grad(ctx, dh_q, fc1_w_q, d_ln_out, x.dtype)
@@ -344,7 +345,8 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
                 self._activation_op,
                 self.return_layernorm_output,
                 residual_fused,
-                main_grad_mode(self.fuse_wgrad_accumulation, is_first_microbatch),
+                tuple(main_grad_mode(self.fuse_wgrad_accumulation, is_first_microbatch, w)
+                      for w in (self.fc1_weight, self.fc2_weight)),
                 self.delayed_wgrad_store(),
                 *grad_proxies(self, ("fc1_weight", "fc2_weight")),
                 torch.is_grad_enabled(),

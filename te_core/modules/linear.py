@@ -229,8 +229,12 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
             reject_unsupported("Linear.forward", fp8_output=fp8_output, fp8_grad=fp8_grad, **unsupported)
         # read once: under parameters_split each read concatenates the parts
         weight, bias = self.weight, self.bias
-        check_input(inp, self.in_features, module="Linear", last_dim_name="in_features", device=weight.device)
         reduce_output = self.parallel_mode == "row" and self.tp_size > 1  # then the bias goes after the sum
+        if reduce_output and isinstance(inp, torch.Tensor) and inp.dim() and inp.shape[-1] != self.in_features:
+            raise ValueError(f"Linear: inp has shape {tuple(inp.shape)}; a row-parallel Linear takes this rank's "
+                             f"share of the input features, in_features / tp_size = {self.in_features * self.tp_size} "
+                             f"/ {self.tp_size} = {self.in_features}: split the input along its last dimension")
+        check_input(inp, self.in_features, module="Linear", last_dim_name="in_features", device=weight.device)
         if split_sizes is not None:
             if reduce_output:
                 raise NotImplementedError("Linear: split_sizes with parallel_mode='row' and tp_size > 1 is not "
@@ -240,7 +244,7 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
         step = self.quantization_step(is_first_microbatch)
         if self.parallel_mode == "column":  # under sequence parallelism, FP8 all-gather where the recipe allows
             inp = tensor_parallel.column_parallel_input(self, inp, step)
-        options = _Options(compute_dtype(inp), main_grad_mode(self.fuse_wgrad_accumulation, is_first_microbatch),
+        options = _Options(compute_dtype(inp), main_grad_mode(self.fuse_wgrad_accumulation, is_first_microbatch, weight),
                            torch.is_grad_enabled(), self.delayed_wgrad_store(), keep_original)
         fused_bias = None if self.return_bias or reduce_output else bias
         with no_torch_autocast(inp.device.type):  # operands are cast here, not by torch.autocast

@@ -161,7 +161,8 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         self._split_heads_across_ranks(num_attention_heads)
         self.hidden_size, self.num_attention_heads, self.kv_channels = hidden_size, num_attention_heads, kv_channels
         self.input_layernorm, self.return_layernorm_output = input_layernorm, return_layernorm_output
-        self.layer_number, self.name = layer_number, check_name(name, module)
+        # as Transformer Engine: 1 when not given, so a single layer can use a KV cache
+        self.layer_number, self.name = 1 if layer_number is None else layer_number, check_name(name, module)
         self.fuse_qkv_params = fuse_qkv_params
         # as in Transformer Engine: separate q, k, v weights are never interleaved
         self.qkv_weight_interleaved = qkv_weight_interleaved and fuse_qkv_params
@@ -191,7 +192,7 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
             self.num_attention_heads_per_partition, kv_channels, num_gqa_groups=self.num_gqa_groups_per_partition,
             attention_dropout=attention_dropout,
             qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window_size,
-            bottom_right_diagonal=bottom_right_diagonal, layer_number=layer_number, attention_type=attention_type,
+            bottom_right_diagonal=bottom_right_diagonal, layer_number=self.layer_number, attention_type=attention_type,
             softmax_type=softmax_type, name=sub_name(name, "core_attention"))
         # fmt: on
         self.proj = Linear(q_size, hidden_size, init_method=output_layer_init_method, return_bias=self.return_bias,

@@ -123,7 +123,8 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         debug_name, name = name, "TransformerLayer"
         activation_params = kwargs.pop("activation_params", None)  # checked by LayerNormMLP
         fuse_wgrad = kwargs.pop("fuse_wgrad_accumulation", False)  # passed on to every weighted submodule
-        check_warmup_sizes(name, kwargs.pop("seq_length", None), kwargs.pop("micro_batch_size", None))
+        self.seq_length = kwargs.pop("seq_length", None)
+        check_warmup_sizes(name, self.seq_length, kwargs.pop("micro_batch_size", None))
         debug_name = check_name(debug_name, name)
         reject_unsupported(name, ub_tp_comm_overlap=ub_tp_comm_overlap, **kwargs)
         (apply_residual_connection_post_layernorm, output_layernorm, parallel_attention_mlp, fuse_qkv_params,
@@ -162,7 +163,7 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
                                      "attention and MLP branches read the layer's input, have no cross-attention and "
                                      "no normalized residual; drop one of the two")
         check_choice(attn_input_format, QKV_FORMATS, name="attn_input_format", module=name)
-        self.hidden_size, self.name = hidden_size, debug_name
+        self.hidden_size, self.name, self.layer_number = hidden_size, debug_name, layer_number
         self.hidden_dropout = hidden_dropout
         drop_path_rate = check_probability(drop_path_rate, name="drop_path_rate", module=name, closed=True)
         self.drop_path = DropPath(drop_path_rate) if drop_path_rate > 0 else None
@@ -246,6 +247,15 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         check_hidden_dims(hidden_states, self.attn_input_format, "hidden_states", name)
         if self.layer_type == "decoder" and encoder_output is None:
             raise ValueError(f"{name}: layer_type='decoder' needs encoder_output")
+        if self.sequence_parallel and self.seq_length is not None:
+            # as Transformer Engine: the one case where seq_length is checked, since an unsplit
+            # sequence would otherwise run as each rank's shard of a sequence tp_size times longer
+            expected = self.seq_length // self.tp_size
+            if hidden_states.shape[0] != expected:
+                raise ValueError(f"{name}: with sequence_parallel=True each rank passes its shard of the sequence: "
+                                 f"hidden_states.shape[0] must be seq_length // tp_size = {self.seq_length} // "
+                                 f"{self.tp_size} = {expected}, got {hidden_states.shape[0]}; split the sequence "
+                                 "dimension across the tensor-parallel ranks")
         if enc_dec_attn_mask_type is not None:
             enc_dec_attn_mask_type = check_mask_type(enc_dec_attn_mask_type, name="enc_dec_attn_mask_type",
                                                      module=name)

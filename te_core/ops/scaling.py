@@ -9,9 +9,11 @@ Per column, as Transformer Engine's update kernel:
 - amax = the max over the history ("max"), taken like C's fmaxf from 0: a NaN entry is ignored,
   so one NaN step never freezes a scale for the window, while an inf entry wins; or row 0 as it
   is ("most_recent").
-- new scale = fp8_max / amax / 2^margin where amax is finite and > 0; otherwise (0, inf, NaN)
-  the old scale is kept. A scale that is inf (a tiny amax, or an old inf scale) becomes float32
-  max.
+- new scale = (fp8_max * 2^-margin) / amax, in float32 and in that order (2^-margin rounded to
+  float32, times fp8_max, then the quotient), where amax is finite and > 0; otherwise (0, inf,
+  NaN) the old scale is kept. Then a scale that is inf (a tiny amax) becomes float32 max, and one
+  below float32's smallest normal number (a huge amax under a large margin) becomes 2^-126, so
+  that 1 / scale stays finite.
 - the history rolls up by one row (row i takes row i + 1, the last row takes row 0) and row 0
   is zeroed.
 All in place.

@@ -436,13 +436,15 @@ def _custom_update(group: ScalingGroup) -> None:
 
 def _scale_for(group: ScalingGroup, amax: Tensor, scale: Tensor) -> Tensor:
     """The recipe's scale for `amax` (the default formula, or its scaling_factor_compute_algo),
-    `scale` kept where the result would not be finite and positive."""
+    `scale` kept where the result would not be finite and positive; never below float32's
+    smallest normal number, whose reciprocal (the cast's scale_inv) is still finite."""
     recipe = group.recipe
     if recipe.scaling_factor_compute_algo is None:
         return scale_from_amax(amax, scale, group.fp8_max, recipe.margin)
     new_scale = _user_result(recipe.scaling_factor_compute_algo(amax, scale, group.fp8_max, recipe),
                              scale, "scaling_factor_compute_algo", "(amax, scale, fp8_max, recipe)").float()
-    return torch.where(torch.isfinite(new_scale) & (new_scale > 0), new_scale, scale)
+    kept = torch.where(torch.isfinite(new_scale) & (new_scale > 0), new_scale, scale)
+    return kept.clamp_min(torch.finfo(torch.float32).tiny)
 
 
 def _user_result(result, scale: Tensor, name: str, given: str) -> Tensor:

@@ -37,8 +37,16 @@ class RecipeState:
         """The delayed-scaling group of each role (none for stateless recipes)."""
         return {}
 
-    def load_quantization_state(self, saved: dict) -> None:
-        """Copy saved tensors in (the inverse of quantization_state)."""
+    def load_quantization_state(self, saved: dict, fresh: Optional[dict] = None) -> None:
+        """Copy saved tensors in (the inverse of quantization_state); `fresh`: fresh_slots() of
+        the saved state, where the checkpoint has it."""
+
+    def fresh_slots(self) -> Dict[str, Dict[str, bool]]:
+        """{direction: {slot: whether it has not cast yet}} of the delayed-scaling slots: a fresh
+        slot's first cast takes its scale from its own amax (QuantizationStep.first_scale). A
+        flag per slot, not a list of the fresh ones: the checkpoint's bytes then have one size
+        for a module type (torch.distributed.checkpoint loads into a buffer of the saved size)."""
+        return {}
 
     def rebind(self, recipe) -> None:
         """Use `recipe` (compatible with the current one) from now on, keeping the state: also
@@ -121,10 +129,19 @@ class DelayedScalingState(RecipeState):
             state[role.direction].update(group_state(group))
         return state
 
-    def load_quantization_state(self, saved: dict) -> None:
+    def fresh_slots(self) -> Dict[str, Dict[str, bool]]:
+        fresh: Dict[str, Dict[str, bool]] = {}
+        for role, group in self.groups.items():
+            fresh.setdefault(role.direction, {}).update((name, c in group.fresh) for c, name in enumerate(group.names))
+        return fresh
+
+    def load_quantization_state(self, saved: dict, fresh: Optional[dict] = None) -> None:
         """All entries are checked before any is copied, so a bad checkpoint leaves the state as it was.
         Scales load as saved; a history saved with another amax_history_len is fitted to this
-        state's (scaling.fit_history: this step's row and the most recent entries)."""
+        state's (scaling.fit_history: this step's row and the most recent entries). Slots that had
+        not cast when saved (`fresh`, te-core's checkpoints) stay fresh, so the resumed run casts
+        as the uninterrupted one; a checkpoint without that record (Transformer Engine's, older
+        te-core ones) starts every slot from its saved scale."""
         copies = []
         known = {}
         for role, group in self.groups.items():
@@ -159,8 +176,11 @@ class DelayedScalingState(RecipeState):
             if what.endswith(".amax_history"):
                 src = fit_history(src.detach().reshape(-1, 1), dst.shape[0]).reshape(dst.shape)
             dst.copy_(src)
-        for group in self.groups.values():
+        fresh = fresh if isinstance(fresh, dict) else {}
+        for role, group in self.groups.items():
             group.settle()
+            flags = fresh.get(role.direction, {})
+            group.fresh = {c for c, name in enumerate(group.names) if isinstance(flags, dict) and flags.get(name) is True}
 
     def rebind(self, recipe) -> None:
         super().rebind(recipe)
@@ -221,4 +241,4 @@ def extra_state(state: Optional[RecipeState]) -> Optional[dict]:
         return None  # stateless recipes: nothing to restore, so nothing that could conflict on load
     tensors = {d: {name: {k: v.detach().clone() for k, v in entry.items()} for name, entry in roles.items()}
                for d, roles in saved.items()}
-    return {"recipe": state.recipe.to_config(), "quantization_state": tensors}
+    return {"recipe": state.recipe.to_config(), "quantization_state": tensors, "fresh": state.fresh_slots()}

@@ -181,7 +181,8 @@ class QuantizationStep(CalibrationStep):
         step's output gradients to zero in E5M2 and casts small weights to subnormals, and an update
         from such gradients sets training back for many steps after it. Scaled by its own amax, the first
         cast is a current-scaling cast; the history records that amax as usual, so the update
-        after the step sets the same scale. Not fresh: a state loaded from a checkpoint,
+        after the step sets the same scale. Not fresh: a state loaded from a checkpoint (but for
+        the slots a te-core checkpoint records as not cast yet),
         calibrated (autocast(calibrating=True)), or made by te_core.init_quantization_state (as
         torch.compile makes it: a graph cannot branch on Python state without recompiling) or
         captured by te_core.make_graphed_callables (a replay runs no Python)."""

@@ -9,6 +9,7 @@ from torch import Tensor
 from .cast import FLOAT32_MAX, check_choice
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+FLOAT32_TINY = torch.finfo(torch.float32).tiny  # float32's smallest normal number, 2^-126
 
 
 def _check(amax_histories, scales, fp8_maxes, amax_compute_algo: str) -> None:
@@ -40,13 +41,17 @@ def history_amax(history: Tensor, algo: str) -> Tensor:
 
 
 def scale_from_amax(amax: Tensor, scale: Tensor, fp8_max: float, margin: float) -> Tensor:
-    """fp8_max / amax / 2^margin where amax is finite and positive, else the old scale (0, inf
-    and NaN carry no usable range); a scale that is inf (from a tiny amax, or an old inf scale)
-    becomes float32 max, as in Transformer Engine."""
-    # full_like divisor: Python's scalar / tensor is reciprocal-then-multiply in torch, not a true quotient.
-    new = torch.div(torch.full_like(amax, fp8_max), amax) / (2.0**margin)
-    new = torch.where(torch.isfinite(amax) & (amax > 0), new, scale)
-    return torch.where(torch.isinf(new), torch.full_like(new, FLOAT32_MAX), new)
+    """(fp8_max * 2^-margin) / amax where amax is finite and positive, else the old scale (0, inf
+    and NaN carry no usable range), in Transformer Engine's order: a tiny amax keeps its margin
+    where fp8_max / amax alone would overflow first. A scale that is inf (from a tiny amax, or an
+    old inf scale) becomes float32 max, as in Transformer Engine; one below float32's smallest
+    normal number (a huge amax under a large margin) becomes that number, so that 1 / scale stays
+    finite (an inf scale_inv makes every 0 of the FP8 data NaN)."""
+    # TE's float32 arithmetic: 2^-margin rounded to float32, times fp8_max, over amax (tensor
+    # operands: Python's scalar / tensor is reciprocal-then-multiply in torch, not a true quotient)
+    scaled_max = torch.full_like(amax, 2.0**-margin) * fp8_max
+    new = torch.where(torch.isfinite(amax) & (amax > 0), torch.div(scaled_max, amax), scale)
+    return new.clamp(min=FLOAT32_TINY, max=FLOAT32_MAX)
 
 
 def roll_history(history: Tensor, stepped: Tensor) -> None:

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import te_core as te
-from te_core.modules import LayerNormLinear, LayerNormMLP, Linear
+from te_core.modules import LayerNormLinear, LayerNormMLP, Linear, TransformerLayer
 
 from ._pool import pool_of
 
@@ -199,9 +199,40 @@ def _indivisible_sequence(ctx):
     return str(err.value)
 
 
+def _unsplit_row_input(ctx):
+    if ctx.rank >= 2:
+        return None
+    with pytest.raises(ValueError) as err:
+        Linear(64, 32, parallel_mode="row", tp_group=ctx.group(2))(torch.randn(4, 64))
+    return str(err.value)
+
+
+def test_row_parallel_input_not_split_is_named(pool):
+    for message in pool.run(_unsplit_row_input)[:2]:
+        assert "in_features / tp_size = 64 / 2 = 32: split the input along its last dimension" in message
+
+
 def test_sequence_not_divisible_by_tp_size(pool):
     for message in pool.run(_indivisible_sequence)[:2]:
         assert "its size 5 is not divisible by the tensor-parallel size 2" in message
+
+
+def _unsplit_sequence(ctx):
+    if ctx.rank >= 2:
+        return None
+    layer = TransformerLayer(32, 64, 4, tp_group=ctx.group(2), set_parallel_mode=True, sequence_parallel=True,
+                             seq_length=16, hidden_dropout=0.0, attention_dropout=0.0)
+    layer(torch.randn(8, 2, 32))  # this rank's shard: taken
+    with pytest.raises(ValueError) as err:
+        layer(torch.randn(16, 2, 32))  # the whole sequence, not split
+    return str(err.value)
+
+
+def test_transformer_layer_under_sequence_parallel_checks_seq_length(pool):
+    """As Transformer Engine's: with seq_length given, an input that holds the whole sequence
+    instead of the rank's shard is refused."""
+    for message in pool.run(_unsplit_sequence)[:2]:
+        assert "seq_length // tp_size = 16 // 2 = 8, got 16" in message
 
 
 def _late_group(ctx):

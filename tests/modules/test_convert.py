@@ -104,6 +104,31 @@ def test_sequential_norm_linear_pairs_fuse():
     torch.testing.assert_close(seq(x), before, rtol=1.3e-6, atol=1e-5)
 
 
+def test_fused_pairs_load_a_state_dict_saved_before_conversion():
+    """A state dict of the unconverted model (the norm's and the Linear's own keys) loads into the
+    converted one, strictly, to the same values; the converted model keeps Transformer Engine's
+    names in its own state dict, which loads back as well, and it still pickles."""
+    torch.manual_seed(0)
+
+    def build():
+        return nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.RMSNorm(32), nn.Linear(32, 8, bias=False))
+
+    original = build()
+    with torch.no_grad():
+        for p in original.parameters():
+            p.add_(torch.randn(p.shape) * 0.1)
+    x = torch.randn(5, 16)
+    converted = convert_model(build())
+    extra = {k: v for k, v in converted.state_dict().items() if k.endswith("_extra_state")}
+    converted.load_state_dict({**original.state_dict(), **extra})
+    torch.testing.assert_close(converted(x), original(x), rtol=1.3e-6, atol=1e-5)
+    assert "0.layer_norm_weight" in converted.state_dict() and "1.weight" not in converted.state_dict()
+    again = convert_model(build())
+    again.load_state_dict(converted.state_dict())
+    torch.testing.assert_close(again(x), original(x), rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(copy.deepcopy(converted)(x), original(x), rtol=1.3e-6, atol=1e-5)
+
+
 def test_bad_model_argument():
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         convert_model("llama")

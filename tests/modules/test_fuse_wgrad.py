@@ -214,3 +214,52 @@ def test_a_first_micro_batch_writes_main_grad(name):
             sums[pname] = grad.clone() if flag else sums[pname] + grad
             torch.testing.assert_close(params[pname].main_grad, sums[pname], **FP32, msg=f"{pname} after {flag}")
         plain.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["now", "delay_wgrad_compute"])
+def test_overwrite_main_grad_writes_main_grad_of_grouped_linear(delay):
+    """weight.overwrite_main_grad=True (Megatron-FSDP sets it): every micro-batch's wgrad GEMM
+    writes main_grad instead of adding into it, as Transformer Engine's GroupedLinear does (it
+    reads weight0's flag for every GEMM); an expert without tokens gets zeros. Compared with
+    dy_i^T x_i in float64."""
+    torch.manual_seed(0)
+    mod = tm.GroupedLinear(3, 24, 40, bias=False, fuse_wgrad_accumulation=True, delay_wgrad_compute=delay)
+    randomize_(mod, seed=3, std=0.2)
+    weights = mod._params("weight")
+    for w in weights:
+        w.main_grad = torch.full(w.shape, 100.0)  # what a plain accumulation would keep adding to
+    mod.weight0.overwrite_main_grad = True
+    splits = [5, 0, 7]
+    for _ in range(2):  # the second micro-batch overwrites the first's too
+        x, dy = torch.randn(12, 24), torch.randn(12, 40)
+        mod(x, splits).backward(dy)
+        if delay:
+            mod.backward_dw()
+        for w, x_i, dy_i in zip(weights, x.split(splits), dy.split(splits)):
+            assert w.grad is None
+            torch.testing.assert_close(w.main_grad.double(), dy_i.double().T @ x_i.double(), **FP32)
+
+
+def test_overwrite_main_grad_writes_main_grad_of_each_flagged_weight():
+    """Linear, LayerNormLinear and LayerNormMLP read each weight's overwrite_main_grad, as
+    Transformer Engine's modules do (LayerNormMLP fc1's and fc2's apart): a flagged weight's
+    main_grad takes the micro-batch's wgrad, an unflagged one adds it. Compared with the wgrads
+    of a copy of the module without fusion (the modules take no float64)."""
+    torch.manual_seed(1)
+    x, dy = torch.randn(12, 24), torch.randn(12, 24)
+    for module, flagged in ((tm.Linear(24, 24, bias=False, fuse_wgrad_accumulation=True), {"weight"}),
+                            (tm.LayerNormLinear(24, 24, bias=False, fuse_wgrad_accumulation=True), {"weight"}),
+                            (tm.LayerNormMLP(24, 40, bias=False, fuse_wgrad_accumulation=True), {"fc2_weight"})):
+        randomize_(module, seed=4, std=0.2)
+        twin = copy.deepcopy(module)
+        twin.fuse_wgrad_accumulation = False
+        twin(x).backward(dy)
+        weights = {n: p for n, p in module.named_parameters() if p.dim() == 2}
+        for name, w in weights.items():
+            w.main_grad = torch.full(w.shape, 100.0)
+            w.overwrite_main_grad = name in flagged
+        module(x).backward(dy)
+        expected = dict(twin.named_parameters())
+        for name, w in weights.items():
+            base = 0.0 if name in flagged else 100.0
+            torch.testing.assert_close(w.main_grad, expected[name].grad + base, **FP32, msg=name)

@@ -170,12 +170,35 @@ def test_bad_uses_say_what_is_wrong():
         params.pre_step(OrderedDict(a=1, b=1, c=1))
     with pytest.raises(ValueError, match="more than max_sequence_length=16"):
         params.pre_step(OrderedDict(a=17))
-    layer = tm.MultiheadAttention(HIDDEN, HEADS, num_gqa_groups=GROUPS, qkv_format="bshd")  # no layer_number
+    core = te.DotProductAttention(HEADS, HIDDEN // HEADS, num_gqa_groups=GROUPS, qkv_format="bshd")  # no layer_number
     params.pre_step(OrderedDict(a=2))
+    q, kv = torch.randn(1, 2, HEADS, HIDDEN // HEADS), torch.randn(1, 2, GROUPS, HIDDEN // HEADS)
     with pytest.raises(ValueError, match="needs layer_number"):
-        layer(torch.randn(1, 2, HIDDEN), inference_params=params)
+        core(q, kv, kv, inference_params=params)
     with pytest.raises(RuntimeError, match="call pre_step"):
         _params().get_seqlens_pre_step()
+
+
+def test_attention_blocks_without_layer_number_cache_as_layer_1():
+    """MultiheadAttention and TransformerLayer built without layer_number take the cache as
+    layer 1, as Transformer Engine's do: decoding step by step equals the causal forward."""
+    torch.manual_seed(5)
+    for block in (tm.MultiheadAttention(HIDDEN, HEADS, num_gqa_groups=GROUPS, qkv_format="bshd", attention_dropout=0.0,
+                                        attn_mask_type="causal"),
+                  te.TransformerLayer(HIDDEN, 2 * HIDDEN, HEADS, num_gqa_groups=GROUPS, hidden_dropout=0.0,
+                                      attention_dropout=0.0, attn_input_format="bshd", self_attn_mask_type="causal")):
+        assert block.layer_number is None if isinstance(block, te.TransformerLayer) else block.layer_number == 1
+        x = torch.randn(1, 5, HIDDEN)
+        full = block(x)
+        full = full[0] if isinstance(full, tuple) else full
+        params = _params()
+        steps = []
+        for lo, hi in ((0, 3), (3, 4), (4, 5)):
+            params.pre_step(OrderedDict(a=hi - lo))
+            mask = "self_attn_mask_type" if isinstance(block, te.TransformerLayer) else "attn_mask_type"
+            out = block(x[:, lo:hi], inference_params=params, **{mask: "padding_causal"})
+            steps.append(out[0] if isinstance(out, tuple) else out)
+        torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1.3e-6, atol=1e-5)
 
 
 def test_paged_cache_holds_what_the_non_paged_one_holds():

@@ -150,6 +150,9 @@ def test_bad_arguments_name_the_problem():
         te.moe_unpermute(x, mask, merging_probs=probs, probs=probs)
     with pytest.raises(ValueError, match="split_sizes must sum"):
         te.moe_sort_chunks_by_index(x, torch.tensor([3, 3]), torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match=rf"probs must hold one probability per row of inp "
+                                         rf"\(\[num_tokens\] = \[{T}\]\), got shape \({T - 1},\)"):
+        te.moe_sort_chunks_by_index_with_probs(x, torch.rand(T - 1), torch.tensor([3, T - 3]), torch.tensor([1, 0]))
     with pytest.raises(ValueError, match="tokens_per_expert"):
         te.moe_permute_and_pad_with_probs(x, probs, mask, mask.sum(0) + 1, align_size=4)
 

@@ -36,7 +36,7 @@ def _reference(logits, topk, pre_softmax, groups, group_topk, scaling, fn, bias)
         probs = picked if pre_softmax else torch.softmax(picked, -1)
     else:
         probs = picked / picked.sum(-1, keepdim=True) if topk > 1 else picked
-    probs = probs * (scaling or 1.0)
+    probs = probs * (1.0 if scaling is None else scaling)
     return torch.zeros_like(x).scatter(1, idx, probs), torch.zeros_like(x, dtype=torch.bool).scatter(1, idx, True)
 
 
@@ -47,6 +47,7 @@ CASES = [
     dict(pre_softmax=False, groups=4, group_topk=2, scaling=None, fn="sigmoid", bias=True),
     dict(pre_softmax=False, groups=None, group_topk=None, scaling=1.5, fn="sqrtsoftplus", bias=False),
     dict(pre_softmax=True, groups=2, group_topk=1, scaling=None, fn="softmax", bias=False),
+    dict(pre_softmax=False, groups=None, group_topk=None, scaling=0.0, fn="sigmoid", bias=False),
 ]
 
 
@@ -79,6 +80,23 @@ def test_leading_dimensions_and_no_tokens(case):
     assert torch.equal(scores_map.reshape(T, E), want_map) and torch.equal(scores.reshape(T, E), want_scores)
     none, none_map = router.fused_topk_with_score_function(logits[:0], *args)
     assert none.shape == none_map.shape == (0, E)
+
+
+@pytest.mark.parametrize("scaling", [0.0, 0.5])
+@pytest.mark.parametrize("fn", ["softmax", "sigmoid"])
+def test_scaling_factor_scales_probabilities_and_gradients(fn, scaling):
+    """Any scaling_factor given multiplies the probabilities, 0.0 included (as in Transformer
+    Engine, where only None means 1), and so their gradient; the routing map is unscaled."""
+    logits = _logits(8).requires_grad_(True)
+    weights = _logits(9)
+    probs, routing_map = router.fused_topk_with_score_function(logits, K, False, None, None, scaling, fn, None)
+    (probs * weights).sum().backward()
+    x = logits.detach().double().requires_grad_(True)
+    want, want_map = _reference(x, K, False, None, None, None, fn, None)
+    (want * scaling * weights.double()).sum().backward()
+    assert torch.equal(routing_map, want_map)
+    torch.testing.assert_close(probs.double(), want.detach() * scaling, rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(logits.grad.double(), x.grad, rtol=1.3e-6, atol=1e-5)
 
 
 def test_probabilities_come_back_in_the_logits_dtype_and_differentiate():
@@ -132,3 +150,32 @@ def test_bad_arguments_name_the_problem():
         router.fused_topk_with_score_function(logits, K, False, 3, 1, None, "sigmoid", None)
     with pytest.raises(ValueError, match="expert_bias goes with the sigmoid"):
         router.fused_topk_with_score_function(logits, K, False, None, None, None, "softmax", logits[0])
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x: router.fused_topk_with_score_function(x, E + 1, False, None, None, None, "softmax", None),
+     r"fused_topk_with_score_function: topk must be in \[1, num_experts=8\].*got topk=9"),
+    (lambda x: router.fused_topk_with_score_function(x, 0, False, None, None, None, "softmax", None),
+     r"fused_topk_with_score_function: topk must be in \[1, num_experts=8\].*got topk=0"),
+    (lambda x: router.fused_topk_with_score_function(x, 4, False, 2, 4, None, "sigmoid", None),
+     r"group_topk must be in \[1, num_groups=2\].*got group_topk=4"),
+    (lambda x: router.fused_topk_with_score_function(x, 6, False, 4, 2, None, "sigmoid", None),
+     r"per-group topk \(topk // group_topk = 6 // 2 = 3\) must be in \[1, group size=2\]"),
+    (lambda x: router.fused_compute_score_for_moe_aux_loss(x, E + 1, "softmax"),
+     r"fused_compute_score_for_moe_aux_loss: topk must be in \[1, num_experts=8\].*got topk=9"),
+    (lambda x: router.fused_compute_score_for_moe_aux_loss(x, 0, "softmax"),
+     r"fused_compute_score_for_moe_aux_loss: topk must be in \[1, num_experts=8\].*got topk=0"),
+    (lambda x: router.fused_moe_aux_loss(torch.softmax(x, -1), torch.ones(E), T, E, 0, 1.0),
+     r"fused_moe_aux_loss: topk must be a positive int, got topk=0"),
+    (lambda x: router.fused_moe_aux_loss(torch.softmax(x, -1), torch.ones(E), 0, E, K, 1.0),
+     r"fused_moe_aux_loss: total_num_tokens must be positive .*got total_num_tokens=0"),
+    (lambda x: router.fused_moe_aux_loss(torch.softmax(x, -1), torch.ones(E), -T, E, K, 1.0),
+     r"fused_moe_aux_loss: total_num_tokens must be positive .*got total_num_tokens=-24"),
+], ids=["topk_above_experts", "topk_0", "group_topk_above_groups", "per_group_topk_above_group_size",
+        "aux_scores_topk_above_experts", "aux_scores_topk_0", "aux_loss_topk_0", "aux_loss_no_tokens",
+        "aux_loss_negative_tokens"])
+def test_out_of_range_counts_name_the_argument_and_its_range(call, message):
+    """Transformer Engine's kernels refuse these (router.cpp, fused_topk_with_score_function.cu);
+    torch's topk would fail without naming the argument, or the loss divide by zero."""
+    with pytest.raises(ValueError, match=message):
+        call(_logits(10))

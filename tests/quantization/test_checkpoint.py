@@ -99,6 +99,41 @@ def test_resumed_training_matches_uninterrupted(gen):
                        resumed_model.fc2.quantization_state()["backward"]["grad_output"]["scale"])
 
 
+def test_slots_not_cast_yet_stay_fresh_through_a_checkpoint(gen):
+    """Saved after forward-only steps, the output-gradient slot has not cast yet: its first cast
+    still scales by its own amax after a reload, as in the uninterrupted run (the resumed step is
+    bit-identical), where with scale 1 a small gradient would flush to zero in E5M2. A checkpoint
+    without that record (Transformer Engine's, older te-core ones) starts every slot from its
+    saved scale."""
+    recipe = DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
+    layer = Linear(48, 32)
+    with torch.no_grad(), autocast(recipe=recipe):  # evaluation only: nothing cast in the backward yet
+        layer(randn(gen, 16, 48))
+    saved = roundtrip(layer.state_dict())
+    torch.manual_seed(1)
+    resumed = Linear(48, 32)
+    resumed.load_state_dict(saved)
+    x, dy = randn(gen, 16, 48), randn(gen, 16, 32) * 1e-6
+    grads = []
+    for module in (layer, resumed):
+        xi = x.clone().requires_grad_(True)
+        with autocast(recipe=recipe):
+            y = module(xi)
+        y.backward(dy)
+        grads.append((y, xi.grad, module.weight.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    assert torch.count_nonzero(grads[1][1]) > 0  # scaled by its own amax, not flushed to zero
+
+    state = dict(saved["_extra_state"])
+    assert state["fresh"] == {"forward": {"input": False, "weight": False}, "backward": {"grad_output": True}}
+    del state["fresh"]  # as a checkpoint written before the record was
+    older = Linear(48, 32)
+    older.set_extra_state(state)
+    assert not any(group.fresh for group in older._recipe_state.scaling_groups().values())
+
+
 def _trained_layer(gen, recipe):
     layer = Linear(16, 16)
     with autocast(recipe=recipe):

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 
 import pytest
 
@@ -204,6 +206,47 @@ def test_malformed_configuration_is_rejected_clearly(make, error, message):
     a recipe that would not use it: a clear error naming the field and the value."""
     with pytest.raises(error, match=message):
         make()
+
+
+@pytest.mark.parametrize("fmt", [Format.HYBRID, Format.E4M3])
+def test_margin_that_leaves_no_normal_scale_is_refused_with_the_largest_allowed(gen, fmt):
+    """fp8_max * 2**-margin (the forward format's) below float32's smallest normal number would
+    make every scale underflow (inf scale_inv, NaN outputs): refused, saying the largest margin."""
+    largest = 126 + math.log2(fmt.value.max_fwd)  # 134.807...: fp8_max * 2**-largest == 2**-126
+    too_large = [largest + 1e-3 + float(torch.rand((), generator=gen)) * 200,
+                 math.ceil(largest) + int(torch.randint(0, 1000, (), generator=gen))]
+    for margin in too_large:
+        assert fmt.value.max_fwd * 2.0 ** -margin < torch.finfo(torch.float32).tiny
+        message = (rf"margin={re.escape(repr(margin))} is too large: fp8_max \* 2\*\*-margin \(with "
+                   rf"Format.{fmt.name}'s forward maximum 448\) falls below float32's smallest normal number "
+                   r"\(2\*\*-126\).*The largest margin allowed is 134.807 \(126 \+ log2\(448\)\)")
+        with pytest.raises(ValueError, match=message):
+            DelayedScaling(margin=margin, fp8_format=fmt)
+    ok = float(torch.rand((), generator=gen)) * 134.807
+    for margin in (ok, 134, 134.807):
+        d = DelayedScaling(margin=margin, fp8_format=fmt)
+        assert d.margin == margin and fmt.value.max_fwd * 2.0 ** -margin >= torch.finfo(torch.float32).tiny
+    with pytest.raises(ValueError, match="The largest margin allowed is 134.807"):
+        d.margin = too_large[0]
+    assert d.margin == 134.807
+
+
+def test_amax_epsilon_above_float32_max_is_refused_naming_the_field(gen):
+    """Finite in Python but beyond float32 (the casts' type): refused when the QParams is made,
+    not at the first cast; float32's largest value itself casts."""
+    f32_max = torch.finfo(torch.float32).max
+    for epsilon in (f32_max * (1 + float(torch.rand((), generator=gen))), 1e39):
+        message = (rf"QParams: amax_epsilon={re.escape(repr(epsilon))} is above float32's largest value "
+                   r"\(3.4028234663852886e\+38\).*give an amax_epsilon <= ")
+        with pytest.raises(ValueError, match=message):
+            QParams(amax_epsilon=epsilon)
+    from te_core.quantization.roles import gemm_slots
+
+    x = torch.randn(4, 128, generator=gen) * 3
+    for cls in (Float8CurrentScaling, Float8BlockScaling):
+        recipe = cls(fp8_quant_fwd_inp=QParams(amax_epsilon=f32_max))
+        scale_inv = recipe.quantizer_for(gemm_slots()[0].role).quantize(x).rowwise().scale_inv
+        assert torch.isfinite(scale_inv).all() and (scale_inv > 1e35).all()
 
 
 def test_checkpoint_config_with_unknown_format_names_it():
@@ -430,6 +473,56 @@ def test_block_scaling_use_f32_scales_turns_power_of_2_scales_off(monkeypatch):
     assert recipe_from_config(f32.to_config()) == f32
     monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")  # TE's environment default
     assert Float8BlockScaling().use_f32_scales and not Float8BlockScaling().fp8_quant_bwd_grad.power_2_scale
+
+
+_FLAG_ENV = {"use_power_2_scales": "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES",
+             "use_f32_scales": "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"}
+
+
+@pytest.mark.parametrize("cls, flag", [(Float8CurrentScaling, "use_power_2_scales"),
+                                       (Float8BlockScaling, "use_f32_scales")])
+@pytest.mark.parametrize("qparams_given", [False, True], ids=["default-qparams", "qparams-given"])
+@pytest.mark.parametrize("from_env", [False, True], ids=["flag-passed", "flag-from-env"])
+def test_power_2_flag_assigned_or_replaced_is_the_recipe_built_with_it(monkeypatch, gen, cls, flag, qparams_given,
+                                                                        from_env):
+    """The fp8_quant_* QParams follow the flag and the QParams given, never an earlier value of the
+    flag: assigning it (either way, also over its environment default) or dataclasses.replace
+    with it changed gives the recipe built with the new value, QParams and quantizers alike."""
+    from te_core.quantization.roles import gemm_slots
+
+    names = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
+    epsilons = (torch.rand(3, generator=gen) * 1e-3).tolist()
+    given = {n: QParams(power_2_scale=bool(i % 2), amax_epsilon=e) for i, (n, e) in enumerate(zip(names, epsilons))}
+    kwargs = given if qparams_given else {}
+    x = torch.randn(4, 128, generator=gen) * (1 + 9 * torch.rand(4, 1, generator=gen))
+    role = gemm_slots()[0].role
+
+    def made(value):
+        if from_env:
+            monkeypatch.setenv(_FLAG_ENV[flag], "1" if value else "0")
+            return cls(**kwargs)
+        return cls(**{flag: value}, **kwargs)
+
+    for start in (True, False):
+        for end in (True, False):
+            want = cls(**{flag: end}, **kwargs)
+            assigned = made(start)
+            setattr(assigned, flag, end)
+            replaced = dataclasses.replace(made(start), **{flag: end})
+            for recipe in (assigned, replaced):
+                assert recipe == want, (start, end)
+                assert [getattr(recipe, n) for n in names] == [getattr(want, n) for n in names]
+                got = recipe.quantizer_for(role).quantize(x).rowwise().scale_inv
+                assert torch.equal(got, want.quantizer_for(role).quantize(x).rowwise().scale_inv)
+            setattr(assigned, flag, start)  # and back again
+            assert assigned == cls(**{flag: start}, **kwargs)
+    forcing = flag == "use_power_2_scales"  # the value of the flag that forces power_2_scale, and to what
+    r = cls(**{flag: True}, **kwargs)
+    assert all(getattr(r, n).power_2_scale is forcing for n in names)
+    r.fp8_quant_fwd_inp = QParams(power_2_scale=not forcing, amax_epsilon=epsilons[0])  # assigned under the flag
+    assert r.fp8_quant_fwd_inp == QParams(power_2_scale=forcing, amax_epsilon=epsilons[0])
+    setattr(r, flag, False)
+    assert r.fp8_quant_fwd_inp == QParams(power_2_scale=not forcing, amax_epsilon=epsilons[0])
 
 
 def test_mxfp8_2d_quantization_is_refused_naming_field_and_value():

@@ -16,7 +16,7 @@ from te_core.recipe import DelayedScaling, Format
 from .conftest import randn
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
-F32_MAX = torch.finfo(torch.float32).max
+F32_MAX, F32_TINY = torch.finfo(torch.float32).max, torch.finfo(torch.float32).tiny
 
 
 def expected_update(history, scale, fmax, margin=0.0, algo="max"):
@@ -26,9 +26,10 @@ def expected_update(history, scale, fmax, margin=0.0, algo="max"):
     stepped = h[0] != 0
     amax = torch.nan_to_num(h, nan=0.0, posinf=math.inf).amax(dim=0) if algo == "max" else h[0]
     amax = torch.where(stepped, amax, torch.zeros_like(amax))
-    new = fmax / amax / 2.0 ** margin
+    new = fmax * 2.0 ** -margin / amax
     keep = ~torch.isfinite(amax) | (amax <= 0)
-    new = torch.where(keep, scale.double(), new).clamp(max=F32_MAX).float()  # inf -> float32 max
+    # inf -> float32 max; below float32's smallest normal number -> that number (finite 1 / scale)
+    new = torch.where(keep, scale.double(), new).clamp(min=F32_TINY, max=F32_MAX).float()
     rolled = torch.roll(history, -1, 0).clone()
     rolled[0] = 0
     return new, torch.where(stepped, rolled, history)
@@ -81,6 +82,67 @@ def test_update_rule_matches_float64(gen, algo, margin):
     torch.testing.assert_close(group.amax_history[1:-1, rolled], history[2:, rolled], rtol=0, atol=0, equal_nan=True)
     assert torch.all(group.amax_history[0, rolled] == 0)
     assert torch.equal(group.amax_history[:, 6], history[:, 6])  # nothing recorded: not rolled
+
+
+@pytest.mark.parametrize("margin", [1, 3, 6])
+def test_tiny_amax_keeps_its_margin_as_transformer_engines_update(gen, margin):
+    """TE's fused update computes (fp8_max * 2^-margin) / amax: an amax so small that fp8_max /
+    amax alone overflows float32 still gets a finite scale that maps it to fp8_max * 2^-margin
+    (not float32 max, which would map it to fp8_max itself or beyond)."""
+    low, high = E4M3_MAX * 2.0 ** -margin / F32_MAX, E4M3_MAX / F32_MAX  # the amaxes where the order matters
+    amax = low + (high - low) * (0.05 + 0.9 * torch.rand(6, generator=gen, dtype=torch.float64))
+    history = torch.zeros(3, 6)
+    history[0] = amax.float()
+    group = make_group(history, torch.rand(6, generator=gen) + 0.5, DelayedScaling(amax_history_len=3, margin=margin))
+    update_scales([group])
+    want = torch.full((6,), E4M3_MAX * 2.0 ** -margin) / history[0]  # float32, as TE's kernel
+    assert torch.equal(group.scale, want) and (group.scale < F32_MAX).all()
+    torch.testing.assert_close(group.scale.double() * history[0].double(),
+                               torch.full((6,), E4M3_MAX * 2.0 ** -margin, dtype=torch.float64), rtol=1.3e-6, atol=0)
+
+
+def test_scale_never_falls_below_float32s_smallest_normal(gen):
+    """A huge amax under a large margin gives a scale below 2^-126 (a subnormal or 0, whose
+    reciprocal is inf): the update writes 2^-126 instead, as it writes float32 max for an inf
+    scale; the other columns follow the rule as always. A scaling_factor_compute_algo's positive
+    subnormal scale is lifted the same way."""
+    history = randn(gen, 4, 6).abs() + 0.5
+    history[:, :3] *= 1e37  # 448 * 2^-20 / ~1e37 ≈ 4e-41 < 2^-126
+    scale = randn(gen, 6).abs() + 0.5
+    group = make_group(history, scale, DelayedScaling(amax_history_len=4, margin=20))
+    update_scales([group])
+    want, _ = expected_update(history, scale, E4M3_MAX, margin=20)
+    assert torch.equal(group.scale[:3], torch.full((3,), F32_TINY))
+    torch.testing.assert_close(group.scale, want, rtol=1.3e-6, atol=0)
+    assert torch.isfinite(torch.reciprocal(group.scale)).all()
+
+    def subnormal(amax, scale, fp8_max, recipe):
+        return torch.rand(amax.shape, generator=gen) * F32_TINY  # in (0, 2^-126): subnormals
+
+    group = make_group(randn(gen, 4, 3).abs() + 0.1, torch.ones(3),
+                       DelayedScaling(amax_history_len=4, scaling_factor_compute_algo=subnormal))
+    update_scales([group])
+    assert torch.equal(group.scale, torch.full((3,), F32_TINY))
+
+
+def test_largest_margin_gives_finite_outputs_and_a_state_that_reloads(gen):
+    """DelayedScaling at its largest margin: an input's scale (amax > 1.75) would be below 2^-126,
+    in the first step (from the tensor's own amax) and after updates alike, and is 2^-126
+    instead, so 1 / scale stays finite, outputs have no NaN, and the saved state loads into a
+    fresh layer."""
+    recipe = DelayedScaling(margin=134, amax_history_len=2)
+    layer = Linear(32, 16)
+    for step in range(2):
+        x = randn(gen, 8, 32, scale=2.0 + step)
+        with autocast(recipe=recipe):
+            y = layer(x)
+        assert torch.isfinite(y).all(), step
+        state = layer.quantization_state()["forward"]
+        assert state["input"]["scale"].item() == F32_TINY
+        assert all(torch.isfinite(1 / state[name]["scale"]).all() for name in ("input", "weight"))
+    twin = Linear(32, 16)
+    twin.load_state_dict(layer.state_dict())
+    assert twin.quantization_state()["forward"]["input"]["scale"].item() == F32_TINY
 
 
 def test_callable_algorithms(gen):

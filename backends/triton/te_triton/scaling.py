@@ -21,27 +21,30 @@ from .launch import launcher
 
 SCALING_DEFAULT = Config(block_m=8, block_n=128, num_warps=4)
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
+FLOAT32_TINY = tl.constexpr(1.1754943508222875e-38)  # float32's smallest normal number, 2^-126
 TILE_ELEMENTS = 8192  # the largest (L, columns) block one program keeps in registers
 TILE_COLUMNS = 16
 
 
 @triton.jit
 def _table_row(table_ptr, fmax_ptr, i):
-    """History pointer, scale pointer, columns, length and fp8 max of table row i."""
+    """History pointer, scale pointer, columns, length and fp8 max * 2^-margin of table row i."""
     hist = tl.load(table_ptr + i * 4).to(tl.pointer_type(tl.float32))
     scales = tl.load(table_ptr + i * 4 + 1).to(tl.pointer_type(tl.float32))
     return hist, scales, tl.load(table_ptr + i * 4 + 2), tl.load(table_ptr + i * 4 + 3), tl.load(fmax_ptr + i)
 
 
 @triton.jit
-def _new_scale(scales, cols, cmask, amax, fmax, margin_scale):
-    """fp8_max / amax / 2^margin into `scales`, keeping the old scale where amax is 0, inf or NaN;
-    a scale that is inf (new or old) becomes float32 max."""
+def _new_scale(scales, cols, cmask, amax, scaled_max):
+    """(fp8_max * 2^-margin) / amax into `scales` (the margin applied first, as Transformer
+    Engine's update: a tiny amax keeps it), keeping the old scale where amax is 0, inf or NaN;
+    then clamped to [float32's smallest normal, float32 max], so that 1 / scale stays finite."""
     old = tl.load(scales + cols, mask=cmask, other=1.0)
-    new = tl.math.div_rn(tl.math.div_rn(fmax, amax), margin_scale)
+    new = tl.math.div_rn(scaled_max, amax)
     keep = (amax == 0.0) | (amax == float("inf")) | (amax != amax)
     new = tl.where(keep, old, new)
-    tl.store(scales + cols, tl.where(new == float("inf"), FLOAT32_MAX, new), mask=cmask)
+    new = tl.where(new == float("inf"), FLOAT32_MAX, new)
+    tl.store(scales + cols, tl.where(new < FLOAT32_TINY, FLOAT32_TINY, new), mask=cmask)
 
 
 @triton.jit
@@ -53,7 +56,7 @@ def _amax_bits(h):
 
 @launcher
 @triton.jit
-def _delayed_update_tile_kernel(table_ptr, fmax_ptr, margin_scale, MOST_RECENT: tl.constexpr,
+def _delayed_update_tile_kernel(table_ptr, fmax_ptr, MOST_RECENT: tl.constexpr,
                                 BL: tl.constexpr, BN: tl.constexpr):
     hist, scales, n, L, fmax = _table_row(table_ptr, fmax_ptr, tl.program_id(0))
     rows = tl.arange(0, BL)
@@ -69,7 +72,7 @@ def _delayed_update_tile_kernel(table_ptr, fmax_ptr, margin_scale, MOST_RECENT: 
         amax = row0
     else:  # the max over a permutation of the rows is the max over the history
         amax = tl.max(_amax_bits(rolled), axis=0).to(tl.float32, bitcast=True)
-    _new_scale(scales, cols, cmask, tl.where(stepped, amax, 0.0), fmax, margin_scale)
+    _new_scale(scales, cols, cmask, tl.where(stepped, amax, 0.0), fmax)
     tl.debug_barrier()
     tl.store(hist + rows[:, None] * n + cols[None, :], tl.where(rows[:, None] == 0, 0.0, rolled),
              mask=m & stepped[None, :])
@@ -77,7 +80,7 @@ def _delayed_update_tile_kernel(table_ptr, fmax_ptr, margin_scale, MOST_RECENT: 
 
 @launcher
 @triton.jit
-def _delayed_update_kernel(table_ptr, fmax_ptr, margin_scale, MOST_RECENT: tl.constexpr,
+def _delayed_update_kernel(table_ptr, fmax_ptr, MOST_RECENT: tl.constexpr,
                            BR: tl.constexpr, BN: tl.constexpr):
     hist, scales, n, L, fmax = _table_row(table_ptr, fmax_ptr, tl.program_id(0))
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -94,7 +97,7 @@ def _delayed_update_kernel(table_ptr, fmax_ptr, margin_scale, MOST_RECENT: tl.co
             h = tl.load(hist + rows[:, None] * n + cols[None, :], mask=m, other=0.0)
             bits = tl.maximum(bits, tl.max(_amax_bits(h), axis=0))
         amax = bits.to(tl.float32, bitcast=True)
-    _new_scale(scales, cols, cmask, tl.where(stepped, amax, 0.0), fmax, margin_scale)
+    _new_scale(scales, cols, cmask, tl.where(stepped, amax, 0.0), fmax)
     tl.debug_barrier()
     cmask = cmask & stepped
     for r in range(0, L - 1, BR):  # row i takes row i + 1
@@ -125,13 +128,14 @@ def planned(amax_histories, scales, fp8_maxes) -> bool:
     return plan_key(amax_histories, scales, fp8_maxes) in _PLANS
 
 
-def plan(amax_histories, scales, fp8_maxes, device, place=None):
+def plan(amax_histories, scales, fp8_maxes, device, place=None, margin: float = 0.0):
     """Checked inputs and the device table of (history, scale, columns, length) rows, cached per
     set of tensors: histories are long-lived buffers and a model updates hundreds of them per
     step, so checking and tabulating each on every call cost more host time than the kernel.
     The plan keeps the tensors alive, so their ids and addresses cannot be reused meanwhile.
     `place` copies a host tensor to the device (default: .to(device)); a backend passes its own
-    where the tables must come from a particular memory pool."""
+    where the tables must come from a particular memory pool. The row maxes scaled by 2^-margin
+    are made here too (_scaled_maxes), since a CUDA-graph capture forbids the copy."""
     key = plan_key(amax_histories, scales, fp8_maxes)
     plan = _PLANS.get(key)
     if plan is None:
@@ -154,8 +158,26 @@ def plan(amax_histories, scales, fp8_maxes, device, place=None):
         fmaxes = place(torch.tensor([float(f) for f in fp8_maxes], dtype=torch.float32))
         max_cols = max(max(h.shape[1] for h in amax_histories), 1)
         max_len = max(h.shape[0] for h in amax_histories)
-        plan = _PLANS[key] = (list(amax_histories), list(scales), table, fmaxes, max_cols, max_len)
+        # (the last entry: fp8_max * 2^-margin per margin seen, _scaled_maxes; kept with the plan,
+        # which a captured graph keeps alive while it reads them)
+        plan = _PLANS[key] = (list(amax_histories), list(scales), table, fmaxes, max_cols, max_len, {})
+    _scaled_maxes(fp8_maxes, plan[3], plan[6], margin, place)
     return plan
+
+
+def _scaled_maxes(fp8_maxes, fmaxes: torch.Tensor, scaled: dict, margin: float, place) -> torch.Tensor:
+    """fp8_max * 2^-margin per table row, in float32 as the reference computes it (2^-margin
+    rounded to float32, then the product), computed on the host: for margins above 126, 2^-margin
+    is a float32 subnormal, which a GPU's arithmetic may flush to zero. Cached in the plan's
+    `scaled`, per margin."""
+    if margin == 0:
+        return fmaxes
+    found = scaled.get(float(margin))
+    if found is None:
+        host = torch.full((len(fp8_maxes),), 2.0**-margin, dtype=torch.float32)
+        host = host * torch.tensor([float(f) for f in fp8_maxes], dtype=torch.float32)
+        found = scaled[float(margin)] = (place or (lambda t: t.to(fmaxes.device)))(host)
+    return found
 
 
 def delayed_scaling_update(amax_histories: List[torch.Tensor], scales: List[torch.Tensor],
@@ -170,15 +192,17 @@ def delayed_scaling_update(amax_histories: List[torch.Tensor], scales: List[torc
                          "they must pair up one to one")
     if not amax_histories:
         return
-    _, _, table, fmaxes, max_cols, max_len = plan(amax_histories, scales, fp8_maxes, amax_histories[0].device, place)
+    _, _, table, fmaxes, max_cols, max_len, scaled = plan(amax_histories, scales, fp8_maxes,
+                                                          amax_histories[0].device, place, margin)
+    fmaxes = _scaled_maxes(fp8_maxes, fmaxes, scaled, margin, place)  # (made by plan: a lookup)
     most_recent = amax_compute_algo == "most_recent"
     block_l = next_power_of_2(max_len)
     block_n = min(next_power_of_2(max_cols), TILE_COLUMNS)
     if block_l * block_n <= TILE_ELEMENTS:
         grid = (len(amax_histories), cdiv(max_cols, block_n))
-        _delayed_update_tile_kernel[grid](table, fmaxes, float(2.0 ** margin), MOST_RECENT=most_recent,
+        _delayed_update_tile_kernel[grid](table, fmaxes, MOST_RECENT=most_recent,
                                           BL=block_l, BN=block_n, num_warps=4 if block_l * block_n <= 4096 else 8)
         return
     grid = (len(amax_histories), cdiv(max_cols, cfg.block_n))
-    _delayed_update_kernel[grid](table, fmaxes, float(2.0 ** margin), MOST_RECENT=most_recent,
+    _delayed_update_kernel[grid](table, fmaxes, MOST_RECENT=most_recent,
                                  BR=cfg.block_m, BN=cfg.block_n, num_warps=cfg.num_warps)

@@ -34,6 +34,24 @@ def test_update_matches_reference(algo, margin):
         torch.testing.assert_close(s, ws, rtol=2.5e-7, atol=0)
 
 
+@pytest.mark.parametrize("margin", [3.0, 130.0])
+def test_margin_applies_first_and_scales_stay_normal(margin):
+    """(fp8_max * 2^-margin) / amax, as the reference and Transformer Engine: a tiny amax keeps its
+    margin (fp8_max / amax alone would overflow), and a scale that would fall below float32's
+    smallest normal (a huge amax, a margin above 126 whose 2^-margin is subnormal) becomes 2^-126."""
+    g = torch.Generator().manual_seed(2)
+    hist = torch.rand(4, 6, generator=g) + 0.5
+    hist[0, :3] = torch.tensor([5e-37, 2e-37, 1e-37])  # tiny: (448 / amax) overflows before the margin
+    hist[:, 3] = 3e38  # huge
+    scale = torch.rand(6, generator=g) + 0.5
+    want_h, want_s = hist.clone(), scale.clone()
+    scaling.delayed_scaling_update([hist], [scale], [448.0], margin=margin, cfg=SMALL)
+    ref.delayed_scaling_update([want_h], [want_s], [448.0], margin=margin)
+    assert torch.equal(hist, want_h)
+    torch.testing.assert_close(scale, want_s, rtol=2.5e-7, atol=0)
+    assert (scale >= torch.finfo(torch.float32).tiny).all() and torch.isfinite(torch.reciprocal(scale)).all()
+
+
 def test_bad_inputs_name_the_problem():
     h, s = torch.rand(4, 3), torch.rand(3)
     with pytest.raises(ValueError, match="amax_compute_algo must be"):

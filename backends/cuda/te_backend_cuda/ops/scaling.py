@@ -18,7 +18,7 @@ def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin=0.0, ama
     # The plan's device tables outlive this call: they come from outside any CUDA-graph pool.
     place = persistent.placer(first.device)
     with guard(first):
-        update_graph.run(key, lambda: scaling.plan(amax_histories, scales, fp8_maxes, first.device, place),
+        update_graph.run(key, lambda: scaling.plan(amax_histories, scales, fp8_maxes, first.device, place, margin),
                          lambda: scaling.delayed_scaling_update(amax_histories, scales, fp8_maxes, margin=margin,
                                                                 amax_compute_algo=amax_compute_algo,
                                                                 cfg=configs.for_tensor(first).scaling, place=place))
