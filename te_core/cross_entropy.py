@@ -58,15 +58,25 @@ def _vocab_parallel(logits: Tensor, target: Tensor, smoothing: float, ignore_idx
                     name: str) -> Tensor:
     shard = logits.shape[-1]
     first = dist.get_rank(group) * shard
-    ignored = target == ignore_idx
-    outside = ((target < 0) | (target >= shard * world)) & ~ignored
-    if bool(outside.any()):  # (a finite loss for a target no rank holds would be silently wrong)
-        raise ValueError(f"{name}: a target outside [0, {shard * world}) that is not ignore_idx={ignore_idx}: "
-                         f"{target[outside][:4].tolist()}")
     x = logits.float()
     with torch.no_grad():
-        peak = x.max(-1).values
+        # the shard sizes ride along (largest, and minus the smallest): every rank learns whether
+        # they differ from the same reduction, so all raise together instead of some waiting in
+        # the next collective (rank * shard would be the wrong offset on some of them)
+        peak = torch.cat([x.max(-1).values, x.new_tensor([shard, -shard])])
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        peak, sizes = peak[:-2], peak[-2:]
+    ignored = target == ignore_idx
+    outside = ((target < 0) | (target >= shard * world)) & ~ignored
+    uneven, any_outside = torch.stack([sizes[0] != -sizes[1], outside.any()]).tolist()  # (one host read)
+    if uneven:
+        raise ValueError(f"{name}: the ranks of dist_process_group hold vocabulary shards of different sizes "
+                         f"({int(-sizes[1])} to {int(sizes[0])} logits; this rank {shard}); each rank must hold an "
+                         "equal share, vocab_size / world_size logits (pad the vocabulary to a multiple of the "
+                         "group's size)")
+    if any_outside:  # (a finite loss for a target no rank holds would be silently wrong)
+        raise ValueError(f"{name}: a target outside [0, {shard * world}) that is not ignore_idx={ignore_idx}: "
+                         f"{target[outside][:4].tolist()}")
     shifted = x - peak[:, None]
     lse = reduce_from_tp_region(shifted.exp().sum(-1), group).log()
     mine = (target >= first) & (target < first + shard)

@@ -84,3 +84,20 @@ def test_a_target_no_rank_holds_is_an_error(pool):
         te.parallel_cross_entropy(torch.randn(4, V), torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\]"):
         te.parallel_cross_entropy(torch.randn(4, V), torch.zeros(4, dtype=torch.long), label_smoothing=1.5)
+
+
+def _unequal(ctx):
+    logits, target = _inputs()
+    mine = logits[..., :10] if ctx.rank == 0 else logits[..., 10:]  # shards of 10 and 6 logits
+    try:
+        te.parallel_cross_entropy(mine, target.clamp(0, 11), dist_process_group=dist.group.WORLD)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_unequal_vocabulary_shards_are_an_error_on_every_rank(pool):
+    """Rank r's logits start at r * shard, so shards of different sizes would count some logits
+    on two ranks (a silently wrong loss); every rank raises, none is left in a collective."""
+    for message in pool.run(_unequal):
+        assert message is not None and "vocabulary shards of different sizes (6 to 10 logits" in message
