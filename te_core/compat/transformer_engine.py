@@ -48,6 +48,9 @@ _TENSORS_HINT = ("te-core's quantized tensors are transformer_engine.pytorch.Qua
                  "Float8Tensor, MXFP8Tensor and Float8BlockwiseQTensor (te_core.quantization); it has no "
                  "separate storage classes")
 _KERNELS_HINT = "Transformer Engine's kernels and bindings; te-core's backends implement its op contract (te_core.ops)"
+_ADAM_KERNEL_HINT = ("a kernel of Transformer Engine's extension, which its FusedAdam launches: step with "
+                     "transformer_engine.pytorch.optimizers.FusedAdam, which runs the selected backend's multi-tensor "
+                     "Adam")
 # The nearest te-core counterpart of Transformer Engine names te-core does not provide, by the
 # name's path under transformer_engine.pytorch (or its last part, for names found in several places)
 _NEAREST = {
@@ -66,6 +69,11 @@ _NEAREST = {
     "cpp_extensions": _KERNELS_HINT, "jit": _KERNELS_HINT, "triton": _KERNELS_HINT,
     "attention.dot_product_attention": "DotProductAttention is transformer_engine.pytorch.attention.DotProductAttention",
     "attention.multi_head_attention": "MultiheadAttention is transformer_engine.pytorch.attention.MultiheadAttention",
+    **{f"optimizers.{kernel}": _ADAM_KERNEL_HINT for kernel in (
+        "multi_tensor_adam", "multi_tensor_adam_fp8", "multi_tensor_adam_capturable",
+        "multi_tensor_adam_capturable_master", "multi_tensor_adam_param_remainder")},
+    "optimizers.multi_tensor_sgd": "a kernel of Transformer Engine's extension, which its FusedSGD launches: step "
+                                   "with transformer_engine.pytorch.optimizers.FusedSGD",
 }
 
 
@@ -285,6 +293,19 @@ def _dummy_wgrads():
     return get_dummy_wgrad
 
 
+def _optimizers_module(parent: types.ModuleType) -> None:
+    """transformer_engine.pytorch.optimizers: te-core's optimizers and multi-tensor helpers, with
+    Transformer Engine's files for them; its kernel names explain themselves (_NEAREST)."""
+    from te_core import optimizers
+
+    package = _submodule(parent, "optimizers", "FusedAdam, FusedSGD and the multi-tensor helpers",
+                         _names(optimizers, optimizers.__all__))
+    _submodule(package, "fused_adam", "FusedAdam", dict(FusedAdam=optimizers.FusedAdam))
+    _submodule(package, "fused_sgd", "FusedSGD", dict(FusedSGD=optimizers.FusedSGD))
+    _submodule(package, "multi_tensor_apply", "the multi-tensor applier",
+               _names(optimizers, ["MultiTensorApply", "multi_tensor_applier"]))
+
+
 def _pytorch_module() -> types.ModuleType:
     import te_core
     from te_core import cpu_offload, export, modules, permutation, quantization, router
@@ -303,6 +324,7 @@ def _pytorch_module() -> types.ModuleType:
     module.__version__ = f"{TE_API_VERSION}+tecore.{te_core.__version__}"
     module.fp8 = _fp8_module(f"{ROOT}.pytorch.fp8")
     module.quantization = _fp8_module(f"{ROOT}.pytorch.quantization")
+    _optimizers_module(module)
     _submodule(module, "distributed", "activation recompute, the RNG states tracker, collective helpers", dict(
         checkpoint=te_core.checkpoint, CudaRNGStatesTracker=te_core.CudaRNGStatesTracker,
         prepare_te_modules_for_fsdp=te_core.distributed.prepare_te_modules_for_fsdp,
@@ -402,7 +424,7 @@ def install_as_transformer_engine(replace: bool = False) -> types.ModuleType:
     extension = _module(EXTENSION, "te-core standing in for Transformer Engine's compiled extension: DType only")
     extension.DType = pytorch.DType
     modules = {ROOT: root, f"{ROOT}.common": common, f"{ROOT}.common.recipe": recipe,
-               f"{ROOT}.pytorch.optimizers": pytorch.optimizers, **_stand_in_modules(pytorch), EXTENSION: extension}
+               **_stand_in_modules(pytorch), EXTENSION: extension}
     for name in [n for n in sys.modules if _is_te_name(n)]:
         del sys.modules[name]  # a replaced real package: none of its submodules may linger
     sys.modules.update(modules)
@@ -415,11 +437,11 @@ def install_as_transformer_engine(replace: bool = False) -> types.ModuleType:
 
 def uninstall_transformer_engine() -> None:
     """Remove the stand-in from sys.modules (a no-op when it is not installed)."""
-    from .. import optimizers, recipe
+    from .. import recipe
 
     uninstall_metadata()
     while _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
     for name in [n for n in sys.modules if _is_te_name(n)]:
-        if _is_stand_in(name) or sys.modules[name] is recipe or sys.modules[name] is optimizers:
+        if _is_stand_in(name) or sys.modules[name] is recipe:
             del sys.modules[name]

@@ -1,7 +1,8 @@
 """Argument and checkpoint checks FusedAdam and FusedSGD share: every hyperparameter of every
 parameter group (the constructor's and add_param_group's) is a finite-or-inf real number in its
-range, a group holds each parameter once, and a loaded state dict is this optimizer's, for these
-parameters (torch.optim would load a mismatched one and fail obscurely, or not at all, later)."""
+range, a group holds each parameter once and only parameters of a dtype the optimizer steps, and a
+loaded state dict is this optimizer's, for these parameters (torch.optim would load a mismatched
+one and fail obscurely, or not at all, later)."""
 from __future__ import annotations
 
 import math
@@ -13,6 +14,30 @@ from torch.optim.optimizer import required
 
 # name -> (lowest allowed, highest allowed or None, whether the highest is excluded)
 Ranges = Dict[str, Tuple[float, object, bool]]
+
+
+class ParamDtypeError(TypeError, RuntimeError):
+    """A parameter of a dtype the optimizer does not step. Transformer Engine's FusedAdam raises
+    RuntimeError for one, so code written for it (`except RuntimeError`) catches this too."""
+
+
+def check_param_dtype(optimizer: str, param, supported, hint: str, where: str = "") -> None:
+    """`param` is of a dtype in `supported`, or one no gradient can have (an integer parameter is
+    never stepped). `hint` says what to do instead."""
+    dtype = param.dtype
+    if dtype in supported or not (dtype.is_floating_point or dtype.is_complex):
+        return
+    names = [str(d) for d in supported]
+    raise ParamDtypeError(f"{optimizer}: a parameter{where} (shape {tuple(param.shape)}) is {dtype}; {optimizer} "
+                          f"steps {', '.join(names[:-1])} and {names[-1]} parameters only, {hint}")
+
+
+def scalar(value):
+    """A one-element tensor hyperparameter (check_real takes any shape) as a 0-dim view, which
+    torch's ops take where they take a number and which broadcasts into a 0-dim parameter; a
+    number as it is. (A view: a value the caller changes in place, as an LR scheduler does, is
+    still read.)"""
+    return value.reshape(()) if torch.is_tensor(value) and value.dim() else value
 
 
 def check_real(optimizer: str, name: str, value, low: float, high=None, open_high: bool = False,
@@ -36,9 +61,10 @@ def check_real(optimizer: str, name: str, value, low: float, high=None, open_hig
         raise ValueError(f"{optimizer}: {name}{where} must be {' and '.join(bound) or 'a number'}, got {number}")
 
 
-def check_group(optimizer: str, group: dict, ranges: Ranges, index=None) -> None:
-    """A parameter group's hyperparameters (defaults filled in) and its parameters' uniqueness
-    (index None: the constructor's arguments)."""
+def check_group(optimizer: str, group: dict, ranges: Ranges, index=None, dtypes=None) -> None:
+    """A parameter group's hyperparameters (defaults filled in), its parameters' uniqueness and,
+    given `dtypes` (supported dtypes, what to do instead), their dtypes (index None: the
+    constructor's arguments)."""
     where = "" if index is None else f" (parameter group {index})"
     for name, (low, high, open_high) in ranges.items():
         value = group.get(name)
@@ -61,6 +87,8 @@ def check_group(optimizer: str, group: dict, ranges: Ranges, index=None) -> None
                              "parameter once (e.g. list(dict.fromkeys(params)), or model.parameters(), which "
                              "already drops shared ones)")
         seen.add(id(param))
+        if dtypes is not None:
+            check_param_dtype(optimizer, param, *dtypes, where=f" of parameter group {index}")
 
 
 def check_loadable(optimizer, state_dict, *, allowed, required, shaped) -> None:

@@ -32,15 +32,21 @@ from .. import ops
 from ..quantization.tensor import QuantizedTensor
 from . import _scaled_states as compact
 from ._amp_scaling import AmpScaling
-from ._checks import check_group, check_loadable
+from ._checks import check_group, check_loadable, check_param_dtype, scalar
 from ._grads import GradResetMixin, grad_of, run_closure
 from ._state_dtypes import StateDtypesMixin
+from ._torch_adam import fused_adam_form
 
 NAME = "FusedAdam"
 MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)
 MASTER_DTYPES = (torch.float32, torch.float16)
 STATES = ("exp_avg", "exp_avg_sq", "master_param")
 RANGES = {"lr": (0.0, None, False), "eps": (0.0, None, False), "weight_decay": (0.0, None, False)}
+# (supported parameter dtypes, what to do instead): as Transformer Engine's "FusedAdam only support model
+# weights in fp32, fp16, bf16 and fp8" (an FP8 parameter's dtype is its nominal one)
+PARAM_DTYPES = ((torch.float32, torch.float16, torch.bfloat16),
+                "as in Transformer Engine (and FP8 ones of those nominal dtypes); convert the model (e.g. "
+                "model.float()) or step float64 parameters with torch.optim.AdamW")
 
 
 class FusedAdamConfigError(ValueError, RuntimeError):
@@ -96,7 +102,7 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, with the group's hyperparameters and parameters checked first (_checks)."""
-        check_group(NAME, {**self.defaults, **param_group}, RANGES, len(self.param_groups))
+        check_group(NAME, {**self.defaults, **param_group}, RANGES, len(self.param_groups), PARAM_DTYPES)
         super().add_param_group(param_group)
 
     def state_dtype(self, name: str):
@@ -191,18 +197,33 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
         device when capturable (a checkpoint loaded to the CPU would otherwise put host
         arithmetic into every step, which a captured graph does not replay), plain numbers
         otherwise (a capturable optimizer's checkpoint resumed without capturable=True). A state
-        dict of another optimizer or of other parameters is refused before anything loads."""
-        check_loadable(self, state_dict, allowed=(*STATES, "step"), required=STATES[:2], shaped=STATES)
+        dict of another optimizer or of other parameters is refused before anything loads;
+        torch.optim.Adam's and AdamW's load with their step counts (_torch_adam). A master weight
+        the step does not use is dropped (_drop_unused_masters)."""
+        state_dict = fused_adam_form(self, state_dict)
+        check_loadable(self, state_dict, allowed=STATES, required=STATES[:2], shaped=STATES)
         super().load_state_dict(state_dict)
+        self._drop_unused_masters()
         for group in self.param_groups:
             for key in ("step", "lr"):
                 value = group.get(key)
-                if not torch.is_tensor(value):
-                    continue
-                if self.capturable:
-                    group[key] = value.to(device=group["params"][0].device, dtype=torch.float32)
-                else:
+                if self.capturable and key in group:
+                    device = group["params"][0].device if group["params"] else self._step_device([])
+                    group[key] = torch.as_tensor(value).to(device=device, dtype=torch.float32)
+                elif torch.is_tensor(value):
                     group[key] = int(value.item()) if key == "step" else value.item()
+
+    def _drop_unused_masters(self) -> None:
+        """Drop the loaded master weights of parameters that step without one: float32 ones (not
+        FP8), or any without master_weights. Transformer Engine's FusedAdam(master_weights=True)
+        keeps and saves a master weight for every parameter but steps a float32 one in place, so
+        its checkpoints hold that parameter's initial value there; stepping it would put the
+        parameter back to where training began."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if "master_param" in self.state.get(p, {}) and not self._needs_master(p):
+                    del self.state[p]["master_param"]
+                    self._scales.get(p, {}).pop("master_param", None)
 
     def _state_of(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -261,6 +282,9 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
         # stale bias correction.
         lives = [[(p, g) for p in group["params"] if (g := grad_of(p, self.use_decoupled_grad, NAME)) is not None]
                  for group in self.param_groups]
+        for live in lives:  # (a model converted after the optimizer was made, e.g. by model.double())
+            for p, _ in live:
+                check_param_dtype(NAME, p, *PARAM_DTYPES)
         # an inf step is skipped here, read on the host; a capturable step decides on the device
         if self.capturable or not scaling.skips_on_host():
             for group, live in zip(self.param_groups, lives):
@@ -283,8 +307,9 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
     def _fused_step(self, group: dict, live, scaling: AmpScaling) -> None:
         """One ops.multi_tensor_adam call per (device, dtype) of the stepped tensors, each with
         its batch's gradients unscaled (new tensors, made batch by batch) where GradScaler's."""
-        beta1, beta2 = group["betas"]
-        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+        beta1, beta2 = map(scalar, group["betas"])  # (a one-element tensor hyperparameter as a 0-dim one)
+        lr, eps, weight_decay = (scalar(group[key]) for key in ("lr", "eps", "weight_decay"))
+        hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                      step=group["step"], adam_w_mode=self.adam_w_mode, bias_correction=group["bias_correction"])
         batches = defaultdict(lambda: ([], [], [], [], []))
         for p, g in live:
@@ -303,16 +328,17 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
         device. With GradScaler's found_inf the update is computed on copies and the kept
         values selected back (torch.where), the step count advanced by 0."""
         device = self._step_device(live)
-        if not torch.is_tensor(group.get("step")):
-            group["step"] = torch.zeros((), dtype=torch.float32, device=device)
-        if not torch.is_tensor(group["lr"]):
-            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
-        step, lr = group["step"], group["lr"]
-        _, skip = scaling.on(step.device)
-        step.add_(1 if skip is None else (~skip).float())
+        for key in ("step", "lr"):  # (a step count set as a number, e.g. by hand, is kept)
+            if not torch.is_tensor(group.get(key)):
+                group[key] = torch.tensor(float(group.get(key, 0)), dtype=torch.float32, device=device)
+        _, skip = scaling.on(group["step"].device)
+        group["step"].add_(1 if skip is None else (~skip).float())
         if not live:
             return
-        beta1, beta2 = group["betas"]
+        # (0-dim views: a shape-[1] count, as Transformer Engine's checkpoints hold, or a shape-[1]
+        # lr would not broadcast into a 0-dim parameter)
+        step, lr, eps, weight_decay = (scalar(group[key]) for key in ("step", "lr", "eps", "weight_decay"))
+        beta1, beta2 = map(scalar, group["betas"])
         if group["bias_correction"]:
             bc1, bc2_sqrt = 1 - beta1**step, (1 - beta2**step).sqrt()
         else:
@@ -325,14 +351,14 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
             # (float32 tensors are their own .float(): copies where the kept values may be reselected)
             p32, m, v = (t.to(torch.float32, copy=skip is not None) for t in (target, m_kept, v_kept))
             g32 = g.float() if inv_scale is None else g.float() * inv_scale
-            if group["weight_decay"] != 0.0:
+            if weight_decay != 0.0:
                 if self.adam_w_mode:
-                    p32.mul_(1 - lr * group["weight_decay"])
+                    p32.mul_(1 - lr * weight_decay)
                 else:
-                    g32 = g32.add(p32, alpha=group["weight_decay"])
+                    g32 = g32.add(p32, alpha=weight_decay)
             m.lerp_(g32, 1 - beta1)
             v.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
-            p32.sub_(m / (v.sqrt() / bc2_sqrt + group["eps"]) * (lr / bc1))
+            p32.sub_(m / (v.sqrt() / bc2_sqrt + eps) * (lr / bc1))
             if skip is not None:
                 p32, m, v = (torch.where(skip, kept, new) for kept, new in ((target, p32), (m_kept, m), (v_kept, v)))
             for kept, value in ((m_kept, m), (v_kept, v)):

@@ -13,13 +13,18 @@ from typing import Optional
 import torch
 from torch.optim.optimizer import required
 
-from ._checks import check_group, check_loadable
+from ._checks import check_group, check_loadable, check_param_dtype, scalar
 from ._grads import GradResetMixin, grad_of, run_closure
 from ._state_dtypes import StateDtypesMixin
 
 NAME = "FusedSGD"
 RANGES = {"lr": (0.0, None, False), "momentum": (0.0, None, False), "dampening": (-math.inf, None, False),
           "weight_decay": (0.0, None, False)}
+# (supported parameter dtypes, what to do instead): Transformer Engine's FusedSGD steps float16 and float32
+# parameters and silently leaves any other unstepped; te-core steps bf16 ones too, in float32
+PARAM_DTYPES = ((torch.float32, torch.float16, torch.bfloat16),
+                "updated in float32 (Transformer Engine's FusedSGD steps float16 and float32 ones and leaves others "
+                "unstepped); convert the model (e.g. model.float()) or step float64 parameters with torch.optim.SGD")
 
 
 class FusedSGD(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
@@ -46,7 +51,7 @@ class FusedSGD(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, with the group's hyperparameters and parameters checked first (_checks)."""
-        check_group(NAME, {**self.defaults, **param_group}, RANGES, len(self.param_groups))
+        check_group(NAME, {**self.defaults, **param_group}, RANGES, len(self.param_groups), PARAM_DTYPES)
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -57,17 +62,22 @@ class FusedSGD(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = run_closure(closure)
-        for group in self.param_groups:
+        lives = [[(p, g) for p in group["params"] if (g := grad_of(p, False, NAME)) is not None]
+                 for group in self.param_groups]
+        for group, live in zip(self.param_groups, lives):  # (all checked before any is stepped)
             if group["lr"] is required:
                 raise ValueError(f"{NAME}: parameter group without a learning rate; pass lr")
-            for p in group["params"]:
-                g = grad_of(p, False, NAME)
-                if g is not None:
-                    self._update(p, g.float(), group)
+            for p, _ in live:  # (a model converted after the optimizer was made, e.g. by model.double())
+                check_param_dtype(NAME, p, *PARAM_DTYPES)
+        for group, live in zip(self.param_groups, lives):
+            for p, g in live:
+                self._update(p, g.float(), group)
         return loss
 
     def _update(self, p: torch.Tensor, g: torch.Tensor, group: dict) -> None:
-        p32, wd, momentum = p.float(), group["weight_decay"], group["momentum"]
+        # (a one-element tensor hyperparameter as a 0-dim one, which torch's alpha= takes)
+        lr, wd, momentum, dampening = (scalar(group[key]) for key in ("lr", "weight_decay", "momentum", "dampening"))
+        p32 = p.float()
         if wd != 0.0 and not self.wd_after_momentum:
             g = g.add(p32, alpha=wd)
         if momentum != 0.0:
@@ -76,10 +86,10 @@ class FusedSGD(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
             if buf is None:
                 buf = state["momentum_buffer"] = g.clone()
             else:
-                buf.mul_(momentum).add_(g, alpha=1.0 - group["dampening"])
+                buf.mul_(momentum).add_(g, alpha=1.0 - dampening)
             g = g.add(buf, alpha=momentum) if group["nesterov"] else buf
         if wd != 0.0 and self.wd_after_momentum:
             g = g.add(p32, alpha=wd)
-        p32.add_(g, alpha=-group["lr"])
+        p32.add_(g, alpha=-lr)
         if p32 is not p:
             p.copy_(p32)
