@@ -132,7 +132,7 @@ class Backend:
         if self._device_module is None:
             self._require_available("its device module")
             module = self._hook("te_backend_device_module")
-            self._device_module = module if module is not None else torch.get_device_module(self.device_type)
+            self._device_module = module if module is not None else _torch_device_module(self.device_type)
         return self._device_module
 
     @property
@@ -177,6 +177,18 @@ class Backend:
     def __repr__(self) -> str:
         state = "available" if self.available else f"unavailable: {self.reason}"
         return f"<te_core backend {self.name!r} ({self.device_type}, {state})>"
+
+
+def _torch_device_module(device_type: str) -> Any:
+    """torch's module for `device_type`, for a plugin whose te_backend_device_module gave none;
+    where torch has none, its error says which hook supplies one."""
+    try:
+        return torch.get_device_module(device_type)
+    except (RuntimeError, AttributeError) as exc:
+        raise RuntimeError(
+            f"{str(exc).rstrip('.')}; te_backend_device_module returned None, so te-core asked torch for the "
+            f"{device_type!r} device module: return your device's module (synchronize(), current_device(), Stream, "
+            f"Event, manual_seed(), ...) from the te_backend_device_module hook") from exc
 
 
 def te_core_version() -> str:

@@ -30,12 +30,15 @@ declares still delegates to te-core's reference implementation.
 pip install -e .                 # registers the `{name}` backend (entry point `{name}`)
 te-core info                     # lists it, with its native ops
 te-core certify {name}           # the conformance kit and the op coverage table
-python -m pytest tests           # this backend's own tests
+python -m pytest tests --te-backend {name}   # this backend's own tests, on this backend
 ```
 
-Next: set `DEVICE_TYPE` and the availability check in `te_backend_{ident}/plugin.py`, declare
-your device's capabilities, and replace the op bodies in `te_backend_{ident}/ops.py` with your
-kernels. te-core's `docs/backends.md` explains each hook, the op contract and the kit.
+Next: set `DEVICE_TYPE` and the availability check in `te_backend_{ident}/plugin.py` (`auto`
+never selects a backend whose device type is "cpu"), declare your device's capabilities, and
+replace the op bodies in `te_backend_{ident}/ops.py` with your kernels, dropping the ops you do
+not implement (the reference runs them). Rewrite the plugin's description and note, which
+`te-core info` shows, once the ops are yours. te-core's `docs/backends.md` explains each hook,
+the op contract and the kit.
 """
 
 

@@ -7,10 +7,20 @@ Conventions shared by every cast op:
 - `amax` = max(|x|) over the whole input as a 0-dim float32 tensor, NaN if x holds a NaN.
   Delayed-scaling casts also take `amax_out`: a 1-element float32 tensor (typically the slot
   of an amax history row) into which max(amax_out, amax) is written in place (NaN wins); the
-  op then returns amax_out itself as its amax, so no separate buffer or max is needed.
+  op then returns amax_out itself as its amax, so no separate buffer or max is needed. Never
+  overwrite it with amax alone: the slot may already hold a larger amax of the same step (a
+  layer run twice in one autocast, two micro-batches), which the next scale must see.
 - 2-D ops take (M, K) tensors; `*_t` outputs are the transposed (K, M) tensors, contiguous,
   quantized so that data_t == data.T element for element where the scales allow it.
 - Inputs may be float32, bfloat16 or float16; math is done in float32.
+- Tensor inputs may have any strides and a storage offset: callers pass what they hold (a
+  quantizer casts the tensor it is given as it is, a column slice or a weight's transposed view
+  included; master weights cast a 1-D range of a flat buffer; an amax_out slot and a delayed
+  scale are views into their scaling state). An implementation reads them through their
+  strides, makes a contiguous copy itself, or declines the call in `supports()` (the dispatcher
+  then runs the reference); it never walks an input's memory as dense row-major from its data
+  pointer unless `is_contiguous()` says so. The conformance kit passes strided inputs to every
+  cast op and checks the output of every call `supports()` accepts.
 """
 from __future__ import annotations
 
@@ -35,8 +45,9 @@ def _self_scaled_cast_caps(caps: Capabilities, x, fp8_dtype, **_):
 def quantize_fp8(
     x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, *, amax_out: Optional[Tensor] = None
 ) -> Tuple[Tensor, Tensor]:
-    """Delayed-scaling cast: (data, amax). data has x's shape and `fp8_dtype`; amax is of x
-    (before scaling). `scale` is a 1-element float32 tensor."""
+    """Delayed-scaling cast: (data, amax). x has any number of dimensions (1-D included: master
+    weights cast a flat range of a weight this way); data has x's shape and `fp8_dtype`; amax
+    is of x (before scaling). `scale` is a 1-element float32 tensor."""
 
 
 @contract_op("cast", _scaled_cast_caps)
@@ -60,8 +71,8 @@ def quantize_fp8_current(
     Returns (data, data_t or None, scale, scale_inv, amax). amax_eff = max(amax, amax_epsilon);
     scale = fp8_max / amax_eff, 1.0 where amax_eff == 0, float32 max where that overflows,
     and 1.0 where amax is NaN/inf (the data then shows the NaN/inf saturation, visibly);
-    with force_pow2_scales the scale is rounded down to a power of two. `with_transpose` needs
-    a 2-D x. scale and scale_inv are 1-element float32 tensors."""
+    with force_pow2_scales the scale is rounded down to a power of two. x has any number of
+    dimensions; `with_transpose` needs a 2-D x. scale and scale_inv are 1-element float32 tensors."""
 
 
 @contract_op("cast", _self_scaled_cast_caps)

@@ -94,6 +94,34 @@ def amax_slot(start: float) -> Tensor:
     return history[0, 1:2]
 
 
+def column_slice(gen: torch.Generator, x: Tensor, pad: int = 24) -> Tensor:
+    """x's values as a slice of the last dimension of a wider tensor (x[..., 32:96] of a module's
+    activations, say): not contiguous, at a storage offset, the columns around it holding values of
+    four times x's magnitude. A kernel that walks x's memory as dense row-major, or from the start
+    of its storage, casts the wrong values and finds the wrong amax."""
+    magnitude = 4 * (x.float().abs().nan_to_num(0.0).amax().item() if x.numel() else 1.0)
+    limit = fp8_max(x.dtype) if x.dtype in (E4M3, E5M2) else torch.finfo(x.dtype).max / 2
+    wide = (torch.randn((*x.shape[:-1], x.shape[-1] + pad), generator=gen) * magnitude).clamp(-limit, limit)
+    wide = wide.to(x.dtype)
+    start = pad // 3
+    wide[..., start:start + x.shape[-1]] = x
+    return wide[..., start:start + x.shape[-1]]
+
+
+def transposed_view(x: Tensor) -> Tensor:
+    """x's values laid out column-major (x.t() of a contiguous (K, M) tensor, as a weight's
+    transpose reaches a cast): dense memory, but not in x's row-major order."""
+    return x.t().contiguous().t()
+
+
+def flat_range(gen: torch.Generator, x: Tensor, before: int = 24, after: int = 8) -> Tensor:
+    """A 1-D x as a range of a larger flat buffer (a master weight's range of a weight, as
+    te_core.distributed.master_weights casts it): contiguous, at a storage offset."""
+    flat = torch.randn(before + x.numel() + after, generator=gen).to(x.dtype)
+    flat[before:before + x.numel()] = x.reshape(-1)
+    return flat[before:before + x.numel()]
+
+
 def pow2(exponent: int) -> Tensor:
     """A 1-element float32 scale 2**exponent (exact to multiply by)."""
     return torch.tensor([2.0**exponent], dtype=torch.float32)

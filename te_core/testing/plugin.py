@@ -2,8 +2,16 @@
 
 Loaded in every pytest session through te-core's ``pytest11`` entry point, so it imports
 nothing heavy at load time: the registry is only touched when a kit fixture is used.
+
+The backend under test is the one named by ``--te-backend``, else by ``TE_BACKEND`` (as a
+vendor's own tests run with it set), else ``reference``; ``auto`` means the backend it selects
+here. A vendor's tests that take the ``te_backend`` fixture thus never test the reference
+against itself while the vendor's backend is named either way.
 """
 from __future__ import annotations
+
+import os
+from typing import Tuple
 
 import pytest
 
@@ -15,27 +23,49 @@ def pytest_addoption(parser):
     group.addoption(
         "--te-backend",
         action="store",
-        default=DEFAULT_BACKEND,
+        default=None,
         metavar="NAME",
-        help="backend to certify with `pytest --pyargs te_core.testing` (default: %(default)s)",
+        help="backend the kit's fixtures test, e.g. with `pytest --pyargs te_core.testing` "
+             f"(default: $TE_BACKEND, else {DEFAULT_BACKEND})",
     )
+
+
+def requested_backend(config) -> Tuple[str, str]:
+    """(name, where it came from) of the backend under test: --te-backend, else TE_BACKEND,
+    else the reference."""
+    given = config.getoption("--te-backend")
+    if given:
+        return given, f"--te-backend {given}"
+    env = os.environ.get("TE_BACKEND", "").strip()
+    if env:
+        return env, f"TE_BACKEND={env}"
+    return DEFAULT_BACKEND, f"{DEFAULT_BACKEND} (neither --te-backend nor TE_BACKEND given)"
 
 
 @pytest.fixture(scope="session")
 def te_backend_name(request) -> str:
-    """The name given with --te-backend."""
-    return request.config.getoption("--te-backend")
+    """The name of the backend under test (see requested_backend); for `auto`, the name of the
+    backend auto selects here."""
+    name, source = requested_backend(request.config)
+    if name != "auto":
+        return name
+    from te_core import backend
+
+    try:
+        return backend.set_backend("auto").name
+    except backend.BackendError as exc:
+        pytest.fail(f"{source}: {exc}", pytrace=False)
 
 
 @pytest.fixture(scope="session")
-def te_backend(te_backend_name):
+def te_backend(request, te_backend_name):
     """The backend under test, loaded through the registry (fails every test if it cannot load)."""
     from te_core import backend
 
     try:
         return backend.get_backend(te_backend_name)
     except backend.BackendError as exc:
-        pytest.fail(f"--te-backend {te_backend_name}: {exc}", pytrace=False)
+        pytest.fail(f"{requested_backend(request.config)[1]}: {exc}", pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +84,7 @@ def reference_impls():
 
 def pytest_report_header(config):
     if any("te_core.testing" in str(arg) or "test_conformance" in str(arg) for arg in config.args):
-        return f"te-core conformance kit: --te-backend {config.getoption('--te-backend')}"
+        return f"te-core conformance kit: backend from {requested_backend(config)[1]}"
     return None
 
 
@@ -82,7 +112,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     declined = sorted(op for op, seen in outcomes.items() if "skipped" in seen)
     native = sorted(set(outcomes) - set(fallback))
     write = terminalreporter.write_line
-    terminalreporter.section(f"te-core conformance: backend {config.getoption('--te-backend')!r}")
+    terminalreporter.section(f"te-core conformance: backend {requested_backend(config)[0]!r}")
     write(f"native ops ({len(native)}): {', '.join(native) or 'none'}")
     write(f"  failing ({len(failing)}): {', '.join(failing) or 'none'}")
     write(f"  with cases declined (capability check or supports()): {', '.join(declined) or 'none'}")

@@ -1,10 +1,12 @@
 """Runs one conformance case on a backend implementation and checks it against the reference.
 
 The reference runs on CPU copies of the inputs, the implementation under test on copies on
-its device. Checked: the returned structure, shapes, dtypes and device; values within
-tolerance (FP8 casts bit-exact); every input afterwards (in-place updates, `out=` buffers —
-NaN-poisoned, so an element left unwritten shows — and inputs that must stay untouched);
-`out` returned when given; and, for differentiable ops, the gradients of the inputs.
+its device, both laid out as the case made them (a column slice stays a strided view, an amax
+slot a view into its history). Checked: `amax_out` after the call (the contract's max, not an
+overwrite); the returned structure, shapes, dtypes and device; values within tolerance (FP8
+casts bit-exact); every input afterwards (in-place updates, `out=` buffers — NaN-poisoned, so
+an element left unwritten shows — and inputs that must stay untouched); `out` returned when
+given; and, for differentiable ops, the gradients of the inputs.
 """
 from __future__ import annotations
 
@@ -29,8 +31,27 @@ def map_tensors(tree: Any, fn: Callable[[Tensor], Tensor]) -> Any:
 
 
 def copy_to(inputs: Inputs, device: torch.device) -> Inputs:
-    """A deep copy of (args, kwargs) with every tensor on `device` (never shared storage)."""
-    return map_tensors(inputs, lambda t: t.detach().clone().to(device))
+    """A deep copy of (args, kwargs) with every tensor on `device` (never shared storage), with
+    its strides and storage offset: a plain clone would hand the op dense memory where a case
+    gives it a column slice, and a kernel that ignores strides would pass."""
+    return map_tensors(inputs, lambda t: copy_laid_out(t, device))
+
+
+def is_plain(t: Tensor) -> bool:
+    """Whether t is dense row-major memory filling its storage from the start: what a clone
+    reproduces, and what a kernel walking t's data pointer without its strides assumes."""
+    return (t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+def copy_laid_out(t: Tensor, device: torch.device) -> Tensor:
+    """A copy of `t` on `device` with t's shape, strides and storage offset, in a copy of the
+    whole storage t views (what lies around a slice is copied too, as a kernel could read it)."""
+    t = t.detach()
+    if is_plain(t):
+        return t.clone().to(device)
+    storage = torch.as_strided(t, (t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
+    return storage.clone().to(device).as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 def decline_reason(case: Case, op, impl: OpImpl, capabilities, device: torch.device) -> Optional[str]:
@@ -52,11 +73,15 @@ def run_case(case: Case, fn: Callable[..., Any], reference: Callable[..., Any], 
     args, kwargs = copy_to(case.inputs(), device)
     _require_grad(case, ref_args)
     _require_grad(case, args)
+    slot = ref_kwargs.get("amax_out")
+    slot_before = slot.item() if isinstance(slot, Tensor) else None
     expected = reference(*ref_args, **ref_kwargs)
     actual = fn(*args, **kwargs)
     opts = dict(exact_fp8=case.exact_fp8, tol=case.tol)
     if case.returns_out and actual is not kwargs["out"]:
         raise AssertionError(f"{case.id}: must return the `out` tensor it was given, returned another object")
+    if slot_before is not None:
+        _assert_amax_out(case, kwargs["amax_out"], ref_kwargs["amax_out"], slot_before)
     if case.bound is None:
         assert_same(actual, expected, where=f"{case.id} output", device_type=device.type, **opts)
         if case.same_strides:
@@ -69,6 +94,14 @@ def run_case(case: Case, fn: Callable[..., Any], reference: Callable[..., Any], 
     assert_same(_detached(kwargs), _detached(ref_kwargs), where=f"{case.id} keyword inputs after the call", **opts)
     if case.grad_of:
         _check_grads(case, actual, expected, args, ref_args, device)
+
+
+def _assert_amax_out(case: Case, actual: Any, expected: Tensor, before: float) -> None:
+    """The amax_out slot, by name, before the outputs that return it: an op that overwrites it
+    (or leaves it alone) instead of maxing its amax in loses an earlier amax of the step."""
+    assert_same(actual.detach() if isinstance(actual, Tensor) else actual, expected.detach(),
+                where=f"{case.id} amax_out after the call (it held {before:g} before: the contract writes "
+                      f"max(that, the op's amax) into it, never the op's amax alone)")
 
 
 def _assert_strides(actual: Any, expected: Any, where: str) -> None:

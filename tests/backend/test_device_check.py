@@ -45,6 +45,20 @@ def test_auto_falls_back_and_lists_the_liar_as_broken(plugins, kind):
     assert [b.name for b in backend.list_backends()] == ["reference"]
 
 
+def test_a_device_type_torch_has_no_module_for_needs_the_device_module_hook(plugins, monkeypatch):
+    """'meta' allocates, but torch has no torch.meta module: without te_backend_device_module the
+    backend is broken, and the error says which hook to implement."""
+    plugins([FakeEntryPoint("nomodule", make_plugin("nomodule", device_type="meta", te_backend_device_module=None))])
+    with pytest.warns(RuntimeWarning, match="backend 'nomodule' is broken"):
+        assert backend.get_backend().name == "reference"
+    (broken,) = backend.broken_plugins()
+    assert "Device 'meta' does not have a corresponding module registered as 'torch.meta'" in broken.error
+    assert "return your device's module" in broken.error and "from the te_backend_device_module hook" in broken.error
+    plugins([FakeEntryPoint("withmodule", make_plugin("withmodule", device_type="meta"))])  # the hook gives one
+    monkeypatch.setenv("TE_BACKEND", "withmodule")
+    assert backend.get_backend().name == "withmodule" and not backend.broken_plugins()
+
+
 def test_plain_linear_works_with_a_liar_installed(plugins, gen):
     plugins([_liar("torch-module-asserts")])
     with pytest.warns(RuntimeWarning, match="liar"):

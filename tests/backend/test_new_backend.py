@@ -1,6 +1,8 @@
 """`te-core new-backend` writes a renamed, installable copy of the template, and `te-core certify`
 runs the conformance kit and prints the op coverage."""
 import importlib
+import os
+import subprocess
 import sys
 
 import pytest
@@ -38,8 +40,9 @@ def test_generated_tree_is_renamed_and_clean(acme):
     assert 'name = "te-backend-acme"' in pyproject and 'include = ["te_backend_acme*"]' in pyproject
     assert install_hints(acme.parents[1]) == {"acme": f"pip install {acme}"}  # its te_core.backends entry point
     tests = (acme / "tests" / "test_acme_backend.py").read_text()
-    assert "from te_backend_acme.ops import gemm_fp8_supports" in tests
-    assert 'set_backend("acme")' in tests
+    assert "from te_backend_acme.ops import OPS" in tests
+    assert "from te_backend_acme.plugin import DEVICE_TYPE, NAME" in tests and "set_backend(NAME)" in tests
+    assert 'NAME = "acme"' in (acme / "te_backend_acme" / "plugin.py").read_text()
 
 
 def test_generated_backend_loads_under_its_name(acme, plugins):
@@ -51,6 +54,26 @@ def test_generated_backend_loads_under_its_name(acme, plugins):
     assert entry["available"] and entry["reason"] == "acme backend, always available (runs on the CPU)"
     assert entry["vendor_versions"]["te-backend-acme"] == "0.1.0"
     assert entry["capabilities"]["device_name"] == "acme (cpu)" and len(entry["ops"]) == 6
+
+
+def test_generated_tests_follow_the_ops_a_vendor_keeps(acme):
+    """A vendor drops ops it does not implement (docs/backends.md, section 3): the generated tests
+    take the op table from OPS, and the gemm_fp8 decline tests skip once gemm_fp8 is gone."""
+    ops_py = acme / "te_backend_acme" / "ops.py"
+    kept = [line for line in ops_py.read_text().splitlines(keepends=True)
+            if not line.lstrip().startswith(('"gemm_fp8":', '"layernorm_fwd":'))]
+    ops_py.write_text("".join(kept))
+    dist = acme / "te_backend_acme-0.1.0.dist-info"  # the entry point, as `pip install -e` would register it
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: te-backend-acme\nVersion: 0.1.0\n")
+    (dist / "entry_points.txt").write_text("[te_core.backends]\nacme = te_backend_acme.plugin\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("TE_BACKEND", "TE_BACKEND_PLUGINS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(acme), env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "tests"],
+                            cwd=acme, env=env, capture_output=True, text=True, timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "1 passed, 3 skipped" in out and "OPS declares no gemm_fp8 with a supports()" in out, out
 
 
 @pytest.mark.parametrize("name, problem", [

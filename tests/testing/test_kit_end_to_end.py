@@ -1,10 +1,12 @@
 """`pytest --pyargs te_core.testing --te-backend NAME` run as a vendor would, in a subprocess:
 a broken backend (installed here as a throw-away distribution with an entry point) fails,
 the template passes with its declined case and undeclared ops skipped with reasons, and an
-unknown name errors with the registry's explanation."""
+unknown name errors with the registry's explanation. A vendor's own tests on the kit's
+fixtures test the backend --te-backend or TE_BACKEND names, never the reference by default."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -89,3 +91,47 @@ def test_unknown_backend_errors_with_the_registry_reason(tmp_path):
     out = result.stdout + result.stderr
     assert result.returncode != 0, out
     assert "--te-backend no-such-backend: unknown backend 'no-such-backend'" in out, out
+
+
+OWN_TEST = textwrap.dedent(
+    """
+    import torch
+    from te_core.testing.inputs import Case, pow2, randn
+    from te_core.testing.runner import run_case
+
+    def test_extra_cast(te_backend, te_device, reference_impls):
+        from te_core import backend
+
+        print(f"backend under test: {te_backend.name}; selected: {backend.get_backend().name}")
+        case = Case("quantize_fp8", "extra", lambda g: ((randn(g, 64, 64, std=50.0), pow2(0), torch.float8_e4m3fn), {}))
+        run_case(case, te_backend.ops["quantize_fp8"].fn, reference_impls["quantize_fp8"], te_device)
+    """
+)
+
+
+def _run_own_tests(path, *args, te_backend=None):
+    """The vendor's own test file (docs/backends.md, section 7) run with pytest, TE_BACKEND set or not."""
+    (path / "test_own.py").write_text(OWN_TEST)
+    env = {k: v for k, v in os.environ.items() if k not in ("TE_BACKEND", "TE_BACKEND_PLUGINS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(path), env.get("PYTHONPATH", "")])
+    if te_backend is not None:
+        env["TE_BACKEND"] = te_backend
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-s", "test_own.py", *args]
+    result = subprocess.run(cmd, cwd=path, env=env, capture_output=True, text=True, timeout=300)
+    return result.returncode, result.stdout + result.stderr
+
+
+def test_own_tests_on_the_fixtures_test_the_named_backend(tmp_path):
+    """The audit's finding: the fixtures defaulted to the reference and ignored TE_BACKEND, so a
+    vendor's extra tests compared the reference with itself and passed."""
+    _install_broken_backend(tmp_path)
+    for how in (dict(te_backend="broken"), dict(args=("--te-backend", "broken"))):
+        code, out = _run_own_tests(tmp_path, *how.get("args", ()), te_backend=how.get("te_backend"))
+        assert code == 1 and "backend under test: broken;" in out and "FP8 values differ" in out, (how, out)
+    code, out = _run_own_tests(tmp_path, "--te-backend", "reference", te_backend="broken")  # the option wins
+    assert code == 0 and "backend under test: reference" in out, out
+    code, out = _run_own_tests(tmp_path, te_backend="auto")  # the backend auto selects on this machine
+    under_test = re.search(r"backend under test: (\S+); selected: (\S+)", out)
+    assert code == 0 and under_test and under_test[1] == under_test[2] != "broken", out
+    code, out = _run_own_tests(tmp_path)
+    assert code == 0 and "backend under test: reference" in out, out

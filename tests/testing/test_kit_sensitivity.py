@@ -1,6 +1,8 @@
 """The kit proves its sensitivity: every case fails a known-good backend (the reference) once
 its results are perturbed as a plausible kernel bug would perturb them: every result scaled by
-1 + eps, one element shifted, and, where the op casts to FP8, the rounding mode swapped."""
+1 + eps, one element shifted, and, where the op casts to FP8, the rounding mode swapped. Per op,
+some case fails an amax_out overwritten (or left alone) instead of maxed into; every case with a
+strided input fails a kernel that reads it as dense memory or from its storage's start."""
 from __future__ import annotations
 
 from typing import Callable, List
@@ -10,11 +12,12 @@ import torch
 from torch import Tensor
 
 from te_core.backend.types import fp8_max
+from te_core.ops import CONTRACT
 from te_core.reference import cast as reference_cast
 from te_core.reference.plugin import implementations
 from te_core.testing.cases import CASES
 from te_core.testing.compare import is_fp8
-from te_core.testing.runner import map_tensors, run_case
+from te_core.testing.runner import is_plain, map_tensors, run_case
 
 REF = implementations()
 CPU = torch.device("cpu")
@@ -206,4 +209,123 @@ def test_kit_fails_another_layout(case):
                            lambda t: _other_layout(t) if t.dim() == 2 and min(t.shape) > 1 else t)
 
     with pytest.raises(AssertionError, match="strides"):
+        run_case(case, wrong, REF[case.op], CPU)
+
+
+AMAX_OUT_OPS = [name for name, op in CONTRACT.items() if "amax_out" in op.signature.parameters]
+
+
+def _amax_out_cases(op):
+    """The op's cases with an amax_out slot, but for the empty-batch ones (nothing to max in)."""
+    return [c for c in CASES if c.op == op and "amax_out" in c.inputs()[1] and not c.name.startswith("empty")]
+
+
+def test_amax_out_ops_are_the_known_ones():
+    """AMAX_OUT_OPS comes from the contract's signatures, so a new op taking amax_out joins the
+    tests below by itself; it holds at least the ops known to take one."""
+    known = {"quantize_fp8", "cast_transpose_fp8", "layernorm_fwd", "rmsnorm_fwd", "activation_fwd",
+             "dbias_cast_transpose", "dbias_cast_transpose_parts", "activation_bwd_dbias_cast_transpose"}
+    assert known <= set(AMAX_OUT_OPS)
+
+
+@pytest.mark.parametrize("op", AMAX_OUT_OPS)
+def test_amax_out_slots_start_below_and_above_the_amax(op):
+    """A slot below the op's amax tells maxing from ignoring the slot; only a slot above it tells
+    maxing from overwriting (both give the op's amax when the slot is below)."""
+    raised, kept = [], []
+    for case in _amax_out_cases(op):
+        args, kwargs = case.inputs()
+        before = kwargs["amax_out"].item()
+        REF[op](*args, **kwargs)
+        (raised if kwargs["amax_out"].item() > before else kept).append(case.id)
+    assert raised, f"{op}: no case whose amax_out slot starts below the op's amax"
+    assert kept, f"{op}: no case whose amax_out slot starts above the op's amax (an overwrite would pass)"
+
+
+def _overwriting_amax_out(fn):
+    """fn writing its own amax into amax_out, the earlier value lost (the slot returned as the amax)."""
+
+    def wrong(*args, amax_out=None, **kwargs):
+        result = fn(*args, **kwargs)
+        if amax_out is None:
+            return result
+        amax_out.copy_(result[-1].reshape(amax_out.shape))
+        return (*result[:-1], amax_out)
+
+    return wrong
+
+
+def _ignoring_amax_out(fn):
+    """fn leaving amax_out alone and returning a fresh amax of its own."""
+
+    def wrong(*args, amax_out=None, **kwargs):
+        return fn(*args, **kwargs)
+
+    return wrong
+
+
+@pytest.mark.parametrize("wrong", [_overwriting_amax_out, _ignoring_amax_out], ids=["overwritten", "ignored"])
+@pytest.mark.parametrize("op", AMAX_OUT_OPS)
+def test_kit_fails_amax_out_not_maxed(op, wrong):
+    """Every op taking amax_out has a case that fails, naming amax_out, when the slot is
+    overwritten with the op's amax, and one when it is left alone (a fresh amax returned)."""
+    caught = []
+    for case in _amax_out_cases(op):
+        try:
+            run_case(case, wrong(REF[op]), REF[op], CPU)
+        except AssertionError as exc:
+            if "amax_out after the call" in str(exc):
+                caught.append(case.id)
+    assert caught, f"no {op} case fails, naming amax_out, against {wrong.__name__}: {wrong.__doc__}"
+
+
+def _as_dense(t: Tensor) -> Tensor:
+    """t's memory walked as dense row-major from where t starts (strides ignored)."""
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.insert(0, step)
+        step *= max(size, 1)
+    return torch.as_strided(t, t.shape, strides)
+
+
+def _from_storage_start(t: Tensor) -> Tensor:
+    """t's strides walked from the start of its storage (the storage offset ignored)."""
+    return torch.as_strided(t, t.shape, t.stride(), 0)
+
+
+MISREADS = {"read-as-dense": _as_dense, "read-from-storage-start": _from_storage_start}
+
+
+def _misread_pairs():
+    """(case, misread) where the misread changes a positional input the case lays out unusually."""
+    pairs = []
+    for case in CASES:
+        args, _ = case.inputs()
+        laid_out = [t for t in _tensors(args) if t.numel() and not is_plain(t)]
+        for name, misread in MISREADS.items():
+            if any(not torch.equal(misread(t).float().nan_to_num(), t.float().nan_to_num()) for t in laid_out):
+                pairs.append(pytest.param(case, misread, id=f"{case.id}-{name}"))
+    return pairs
+
+
+MISREAD_PAIRS = _misread_pairs()
+
+
+@pytest.mark.parametrize("op", [name for name, op in CONTRACT.items() if op.family == "cast"])
+def test_every_cast_op_has_a_strided_case(op):
+    """The contract lets callers pass strided inputs to the cast ops (te_core/ops/cast.py)."""
+    assert any(p.values[0].op == op for p in MISREAD_PAIRS), \
+        f"no {op} case passes a strided input (column slice, transposed view or offset range)"
+
+
+@pytest.mark.parametrize("case, misread", MISREAD_PAIRS)
+def test_kit_fails_an_input_read_without_its_strides(case, misread):
+    """A kernel that takes a strided input's data pointer and walks it as dense row-major memory,
+    or from its storage's start, fails the case: the kit hands the op the layout the case made."""
+
+    def wrong(*args, **kwargs):
+        args = map_tensors(args, lambda t: t if is_plain(t) or not t.numel() else misread(t).clone())
+        return REF[case.op](*args, **kwargs)
+
+    with pytest.raises(AssertionError):
         run_case(case, wrong, REF[case.op], CPU)

@@ -15,12 +15,15 @@ from te_core.backend.types import FP8_FORMATS, SCALING_MODES
 from . import __version__
 
 NAME = "template"
-DEVICE_TYPE = "cpu"  # your torch device type, e.g. "xpu" or "privateuseone"
+# Your torch device type, e.g. "xpu" or "privateuseone". `auto` selection never picks a "cpu"
+# backend: until this changes, the backend runs only when named (TE_BACKEND=template).
+DEVICE_TYPE = "cpu"
 
 
 @hookimpl
 def te_backend_info():
-    # vendor_versions is shown by `te-core info`: your runtime, compiler, kernel library.
+    # vendor_versions is shown by `te-core info`: your runtime, compiler, kernel library. So is the
+    # description: rewrite it once your kernels replace the reference's (it says they do not).
     return BackendInfo(
         name=NAME,
         device_type=DEVICE_TYPE,
@@ -40,6 +43,7 @@ def te_backend_available():
 def te_backend_capabilities(device):
     # Declare only what the hardware runs natively: the dispatcher falls back to the reference
     # (with a warning naming the reason) for FP8 formats and scaling modes left out here.
+    # `te-core info` shows the notes: replace this one with what your device lacks.
     return Capabilities(
         fp8_formats={name: fmax for name, fmax in FP8_FORMATS.values()},
         scaling_modes=frozenset(SCALING_MODES),

@@ -1,5 +1,7 @@
 """Cases for ops.activation: every activation kind forward and backward, FP8 outputs, dbias
-and the fused backward epilogues (dbias + cast + transpose)."""
+and the fused backward epilogues (dbias + cast + transpose). Every op taking amax_out has a case
+whose slot starts below the op's amax and one whose slot starts above it (maxing keeps it there;
+an op that overwrites the slot loses an earlier amax of the step)."""
 from __future__ import annotations
 
 import torch
@@ -15,9 +17,8 @@ def _out_shape(shape, kind):
     return (*shape[:-1], shape[-1] // 2) if kind in GATED_ACTIVATIONS else tuple(shape)
 
 
-def _fwd(kind, shape, dtype, fp8=None, amax_start=None):
-    name = f"{kind}-{short(dtype)}-{dims(shape)}" + (f"-fp8-{short(fp8)}" if fp8 else "")
-    name += "-amax-out" if amax_start is not None else ""
+def _fwd(kind, shape, dtype, fp8=None, amax_start=None, name_extra=""):
+    name = f"{kind}-{short(dtype)}-{dims(shape)}" + (f"-fp8-{short(fp8)}" if fp8 else "") + name_extra
 
     @case("activation_fwd", name, exact_fp8=False)
     def make(gen):
@@ -41,7 +42,8 @@ _fwd("gelu", (13, 40), torch.bfloat16)
 _fwd("swiglu", (13, 40), torch.bfloat16)
 _fwd("gelu", (16, 48), torch.float32, fp8=E4M3)
 _fwd("swiglu", (9, 64), torch.bfloat16, fp8=E5M2)
-_fwd("gelu", (8, 32), torch.bfloat16, fp8=E4M3, amax_start=0.25)
+_fwd("gelu", (8, 32), torch.bfloat16, fp8=E4M3, amax_start=0.25, name_extra="-amax-out")
+_fwd("swiglu", (6, 40), torch.float32, fp8=E4M3, amax_start=1e4, name_extra="-amax-out-above")
 _bwd("geglu", (13, 40), torch.bfloat16)
 _bwd("srelu", (5, 31), torch.float16)
 
@@ -80,6 +82,13 @@ def _(gen):
     return (x, scale, E4M3), dict(amax_out=amax_slot(uniform(gen, 1, low=0.5, high=1.0).item()))
 
 
+@case("dbias_cast_transpose", "fp32-e5m2-amax-out-above-16x24")
+def _(gen):
+    scale = pow2(-2)
+    x = to_cast(gen, (16, 24), torch.float32, E5M2, scale, specials=False)
+    return (x, scale, E5M2), dict(amax_out=amax_slot(uniform(gen, 1, low=1e30, high=2e30).item()))
+
+
 def _parts(widths, rows, dtype, fp8, exponent, amax_start=None, name_extra=""):
     """Column blocks of one gradient; the first block carries the format's special values."""
     name = f"{short(dtype)}-{short(fp8)}{name_extra}-{rows}x" + "+".join(map(str, widths))
@@ -96,6 +105,7 @@ _parts((128, 64, 64), 48, torch.bfloat16, E4M3, 0)  # QKV-like: each block a who
 _parts((5, 12), 17, torch.float32, E5M2, -1)  # ragged widths: no block aligns with a tile
 _parts((32,), 16, torch.float16, E4M3, 2)
 _parts((32, 64), 40, torch.bfloat16, E4M3, 1, amax_start=0.5, name_extra="-amax-out")
+_parts((24, 40), 16, torch.float32, E5M2, -2, amax_start=1e30, name_extra="-amax-out-above")
 
 
 def _self_scaled(op, widths, rows, dtype, fp8, std, **kwargs):
@@ -134,6 +144,12 @@ def _bwd_epilogue(kind, m, h, dtype, fp8):
 def _(gen):
     x = randn(gen, 16, 32, dtype=torch.bfloat16, std=2.0)
     return (randn(gen, 16, 32, dtype=torch.bfloat16), x, "gelu", pow2(2), E5M2), dict(amax_out=amax_slot(0.125))
+
+
+@case("activation_bwd_dbias_cast_transpose", "srelu-fp32-amax-out-above-24x40", exact_fp8=False)
+def _(gen):
+    x = randn(gen, 24, 40, std=2.0)
+    return (randn(gen, 24, 40), x, "srelu", pow2(1), E4M3), dict(amax_out=amax_slot(1e4))
 
 
 _bwd_epilogue("gelu", 32, 48, torch.float32, E4M3)

@@ -2,6 +2,8 @@
 
 Backward cases take statistics computed here from x in float32, as a forward would give them.
 FP8 outputs follow a float32 reduction, so they may differ by one FP8 step (not bit-exact).
+Each forward with FP8 output has an amax_out slot starting below y's amax and one starting
+above it (where maxing keeps the slot and overwriting it loses an earlier amax of the step).
 """
 from __future__ import annotations
 
@@ -81,6 +83,8 @@ _rmsnorm_fwd("bf16-zero-centered-fp8-e4m3-33x64", (33, 64), torch.bfloat16, zero
 _rmsnorm_fwd("fp16-17x48", (17, 48), torch.float16)
 _layernorm_fwd("bf16-fp8-e4m3-amax-out-12x64", (12, 64), torch.bfloat16, fp8=E4M3, amax_start=0.5)
 _rmsnorm_fwd("fp32-fp8-e4m3-amax-out-above-8x32", (8, 32), torch.float32, fp8=E4M3, amax_start=1e4)
+_rmsnorm_fwd("bf16-fp8-e5m2-amax-out-below-16x48", (16, 48), torch.bfloat16, fp8=E5M2, amax_start=0.25)
+_layernorm_fwd("fp32-fp8-e5m2-amax-out-above-6x48", (6, 48), torch.float32, fp8=E5M2, amax_start=1e4)
 _layernorm_bwd("fp32-6x5x48", (6, 5, 48), torch.float32)
 _layernorm_bwd("bf16-zero-centered-33x64", (33, 64), torch.bfloat16, zero_centered=True)
 _layernorm_bwd("fp16-17x40", (17, 40), torch.float16)
