@@ -17,6 +17,7 @@ import math
 import numbers
 import os
 import warnings
+import weakref
 from dataclasses import FrozenInstanceError, dataclass, field, fields
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -156,9 +157,29 @@ def default_split_accumulator(gemm: str) -> bool:
     return _DEFAULT_SPLIT[gemm]
 
 
+_LIVE: "weakref.WeakValueDictionary[int, Recipe]" = weakref.WeakValueDictionary()
+
+
+def live_recipe(recipe_id: int) -> Optional["Recipe"]:
+    """The recipe object of id `recipe_id` made outside a torch.compile trace, if still alive."""
+    return _LIVE.get(recipe_id)
+
+
 class Recipe:
     """Base of every recipe. Subclasses are dataclasses whose fields are set through
     _assignable (checked assignments) and read by modules through in_use."""
+
+    # Whether the object exists outside a trace (made eagerly, then handed to compiled code):
+    # tracing then reaches it by id (live_recipe), where its fields may be symbolic values that
+    # cannot be handed to code run while tracing; a recipe made inside the trace has constant ones.
+    _te_live = False
+
+    def __new__(cls, *args, **kwargs):
+        self = super().__new__(cls)
+        if not torch.compiler.is_compiling():
+            self.__dict__["_te_live"] = True
+            _LIVE[id(self)] = self
+        return self
 
     def split_accumulator(self, gemm: str) -> bool:
         """Whether this recipe's `gemm` ("fprop", "dgrad" or "wgrad") accumulates in float32: its
@@ -357,6 +378,11 @@ def in_use(recipe: "Recipe") -> "Recipe":
     _te_version (QuantizedModule.new_quantization_step), which dynamo guards on."""
     if torch.compiler.is_compiling():
         return recipe
+    return frozen_copy(recipe)
+
+
+def frozen_copy(recipe: "Recipe") -> "Recipe":
+    """in_use's copy, also while tracing (code torch.compile runs untraced binds states to it)."""
     state = recipe.__dict__
     if state.get(_COPY):
         return recipe

@@ -349,9 +349,12 @@ def check_split_sizes(split_sizes, total: int, module: str) -> Tuple[int, ...]:
 
 
 def _row_count(value) -> int:
-    if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool:  # (operator.index takes True as 1)
+    # (operator.index takes True as 1; isinstance first: a traced int has no dtype to ask for)
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         raise TypeError
-    return operator.index(value)  # ints, numpy's and integer tensors' elements; not floats
+    if isinstance(value, (int, torch.SymInt)):  # as it is: a traced count stays symbolic, where
+        return value  # operator.index would specialize the graph to it (a recompile per split)
+    return operator.index(value)  # numpy's ints and integer tensors' elements; not floats
 
 
 def check_m_splits(m_splits, count: int, rows: Optional[int], module: str, what: str = "inp") -> List[int]:

@@ -275,7 +275,7 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
         # contiguous rows: a GEMM may pick another kernel (and summation order) for a strided operand
         x = inp.reshape(-1, self.in_features).to(dtype).contiguous()
         step = self.quantization_step(is_first_microbatch)
-        check_fp8_gemms(step, name, *((m, self.out_features, self.in_features) for m in m_splits if m))
+        check_fp8_gemms(step, name, *((m, self.out_features, self.in_features) for m in m_splits))  # (0 is aligned)
         biases = self._params("bias") if self.use_bias and not self.return_bias else []
         proxied, proxies = (), ()
         if torch.compiler.is_compiling():  # FP8 primary weights' gradient stand-ins (_grad_proxy); none eagerly
