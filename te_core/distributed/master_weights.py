@@ -134,6 +134,9 @@ def _target(weight: QuantizedTensor, start: int, count: int, fragment: Optional[
     """The FP8 bytes the range [start, start + count) of `weight` is cast into."""
     if fragment is not None:
         fragment = getattr(fragment, "_data", fragment)  # a shard given as a quantized tensor
+        if fragment.dtype not in (torch.uint8, weight.fp8_dtype):
+            raise ValueError(f"quantize_master_weights: an FSDP shard of {fragment.dtype} cannot hold the weight's "
+                             f"{weight.fp8_dtype} bytes; pass its uint8 or {weight.fp8_dtype} storage")
         return fragment.view(-1).view(weight.fp8_dtype) if fragment.dtype == torch.uint8 else fragment.view(-1)
     data = _rowwise_bytes(weight, "quantize_master_weights")
     if not data.is_contiguous():
@@ -142,13 +145,47 @@ def _target(weight: QuantizedTensor, start: int, count: int, fragment: Optional[
     return data.view(-1)[start : start + count]
 
 
-def _all_reduce_max(flat: Tensor, group) -> None:
+def _distributed(group) -> bool:
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
             raise RuntimeError("quantize_master_weights: a process group was given but torch.distributed is not "
                                "initialized; call torch.distributed.init_process_group first")
-        return  # one process: its amaxes are the whole weights'
+        return False  # one process: its amaxes are the whole weights'
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # (torch would skip the collective on this rank, silently)
+        raise ValueError(f"quantize_master_weights: the group does not contain this rank ({dist.get_rank()}): "
+                         "torch.distributed.new_group returned its placeholder for the ranks it leaves out; pass each "
+                         "rank the data-parallel group it belongs to")
+    return True
+
+
+def _all_reduce_max(flat: Tensor, group) -> Tensor:
+    """The whole weights' amaxes from the ranks' partial ones: the max, and NaN wherever any rank
+    saw a NaN (as the amax of the whole weight is), whatever order the library reduces in."""
+    if not _distributed(group):
+        return flat
+    nan = torch.isnan(flat)
+    both = torch.cat([torch.where(nan, 0.0, flat), nan.to(flat.dtype)])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    largest, any_nan = both.split(flat.numel())
+    return torch.where(any_nan > 0, float("nan"), largest)
+
+
+def _check_same_on_every_rank(buckets: dict, group) -> None:
+    """One small all-reduce that tells every rank whether the ranks passed the same weights (the
+    amax reductions pair up one per bucket and weight): otherwise all raise, where mismatched
+    collectives would hang, abort or mix different weights' amaxes."""
+    if not _distributed(group):
+        return
+    signature = []
+    for bucket in buckets.values():
+        numels = [item[0].numel() for item in bucket]
+        signature += [len(bucket), sum(numels), sum((i + 1) * n for i, n in enumerate(numels)) % (2**31 - 1)]
+    flat = torch.tensor(signature + [-v for v in signature], dtype=torch.int64)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+    if not torch.equal(flat[: len(signature)], -flat[len(signature):]):
+        raise ValueError("quantize_master_weights: the ranks passed different model weights (another count, size or "
+                         "order per recipe); every rank must pass the same weights in the same order, with None as "
+                         "the master of a weight it holds no range of")
 
 
 def _set(weight: QuantizedTensor, name: str, value: Tensor) -> None:
@@ -173,19 +210,19 @@ def _delayed(items, group, manual: bool) -> None:
             data, _ = ops.quantize_fp8(master, scale, quantizer.fp8_dtype, amax_out=slot)
             _target(weight, start, master.numel(), fragment).copy_(data)
         slots.append(slot)
-    flat = torch.cat(slots)
-    _all_reduce_max(flat, group)
+    flat = _all_reduce_max(torch.cat(slots), group)
     for (weight, _, _, _), slot, amax in zip(items, slots, flat.split(1)):
         slot.copy_(amax)
         quantizer = _core_quantizer(weight)
-        # the scaling state's own reciprocal of the scale the bytes were cast with (see ScalingGroup)
-        weight._scale_inv = quantizer.scaling_group.scale_inv_of(quantizer.column)
+        # the reciprocal of the scale the bytes were cast with, written into the tensor the weight
+        # holds, as its requantization does: views and aliases of the weight share it
+        _set(weight, "_scale_inv", quantizer.scaling_group.scale_inv_of(quantizer.column))
 
 
 def _current(items, group, manual: bool) -> None:
-    flat = torch.stack([amax_of(master) if master is not None else torch.zeros((), device=weight.device)
-                        for weight, master, _, _ in items])
-    _all_reduce_max(flat, group)
+    flat = _all_reduce_max(torch.stack([amax_of(master) if master is not None
+                                        else torch.zeros((), device=weight.device) for weight, master, _, _ in items]),
+                           group)
     for (weight, master, start, fragment), amax in zip(items, flat.split(1)):
         quantizer = _core_quantizer(weight)
         scale = scale_from_amax(amax, fp8_max(quantizer.fp8_dtype), quantizer.amax_epsilon, quantizer.power_2_scale)
@@ -242,8 +279,7 @@ def _block(items, group, manual: bool) -> None:
             band = (band, first)
         grids.append(grid)
         bands.append(band)
-    flat = torch.cat([g.reshape(-1) for g in grids])
-    _all_reduce_max(flat, group)
+    flat = _all_reduce_max(torch.cat([g.reshape(-1) for g in grids]), group)
     for (weight, master, start, fragment), grid, band in zip(items, flat.split([g.numel() for g in grids]), bands):
         quantizer = _core_quantizer(weight)
         scale = scale_from_amax(grid.reshape(weight._scale_inv.shape), fp8_max(quantizer.fp8_dtype),
@@ -297,6 +333,7 @@ def quantize_master_weights(model_weights: Sequence[Tensor], master_weights: Seq
             raise ValueError(f"quantize_master_weights: a weight quantized by {type(quantizer).__name__} is not "
                              "supported; supported are the weights of DelayedScaling, Float8CurrentScaling and "
                              "Float8BlockScaling made by te.quantized_model_init")
+    _check_same_on_every_rank(buckets, group)
     with torch.no_grad():
         for cast, bucket in buckets.items():
             if bucket:
@@ -355,6 +392,10 @@ def clear_columnwise_cache(tensor: QuantizedTensor) -> None:
     again where the format allows)."""
     if not isinstance(tensor, QuantizedTensor):
         raise TypeError(f"clear_columnwise_cache: expected a quantized tensor, got {type(tensor).__name__}")
+    if isinstance(tensor, MXFP8Tensor) or (isinstance(tensor, Float8BlockwiseTensor) and not tensor._block_2d):
+        raise ValueError(f"clear_columnwise_cache: a {type(tensor).__name__} of 1x128 or 1x32 blocks cannot remake its "
+                         "column-wise copy from the row-wise data (its scales run along the other dimension), so a "
+                         "backward would fail without it; keep it")
     if tensor._data is None:
         raise ValueError("clear_columnwise_cache: this tensor keeps only its column-wise copy; clearing it would "
                          "lose its data")

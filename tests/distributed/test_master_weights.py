@@ -238,3 +238,90 @@ def test_helpers_of_transformer_engine():
     saved = w.columnwise_only()
     with pytest.raises(ValueError, match="lose its data"):
         mw.clear_columnwise_cache(saved)
+
+
+def test_a_delayed_weights_views_follow_its_new_scale():
+    """The new scale_inv is written into the tensor the weight holds (as its requantization
+    does), so `w.data` and views taken before the cast dequantize as the weight does."""
+    w = _one_weight(DelayedScaling())
+    alias, view = w.data, w.view(-1)
+    state, column = w._quantizer.scaling_group, w._quantizer.column
+    state.scale_of(column).mul_(0.5)  # as a scale update between steps would
+    state.scale_changed()
+    mw.quantize_master_weights([w], [torch.randn(w.numel()) * 0.05], [0], None)
+    assert torch.equal(alias.dequantize(), w.dequantize())
+    assert torch.equal(view.dequantize(), w.dequantize().reshape(-1))
+
+
+def test_an_fsdp_shard_of_another_dtype_is_refused():
+    w = _one_weight(Float8CurrentScaling())
+    for dtype in (torch.bfloat16, torch.float32, torch.float8_e5m2):
+        with pytest.raises(ValueError, match="cannot hold the weight's"):
+            mw.quantize_master_weights([w], [torch.randn(100)], [0], None,
+                                       fsdp_shard_model_weights=[torch.zeros(100, dtype=dtype)])
+
+
+def test_column_wise_copies_that_cannot_be_remade_are_kept():
+    for recipe in (MXFP8BlockScaling(), Float8BlockScaling(w_block_scaling_dim=1)):
+        w = _one_weight(recipe, (128, 128))
+        with pytest.raises(ValueError, match="cannot remake its column-wise copy"):
+            mw.clear_columnwise_cache(w)
+
+
+def _nan_on(ctx, holder: int):
+    """A 128x128 current- and block-scaled weight, each rank casting half of it, a NaN in the
+    half of rank `holder`: every rank gets the whole weight's cast (its amax is NaN), whichever
+    rank held the NaN."""
+    out = []
+    for recipe in (Float8CurrentScaling(), Float8BlockScaling()):
+        w = _one_weight(recipe, (128, 128))
+        master = torch.randn(w.numel(), generator=torch.Generator().manual_seed(3)) * 0.05
+        master[holder * 8192 + 100] = float("nan")
+        half = master.numel() // 2
+        mine = master[ctx.rank * half : (ctx.rank + 1) * half]
+        mw.quantize_master_weights([w], [mine], [ctx.rank * half], dist.group.WORLD)
+        out.append(w._scale_inv.clone())
+    return out
+
+
+def test_a_nan_gives_the_whole_weights_scale_whichever_rank_holds_it(pool):
+    first, second = pool.run(_nan_on, 0), pool.run(_nan_on, 1)
+    for results in (first, second):
+        for got, want in zip(results[0], results[1]):
+            assert torch.equal(got, want)
+    for a, b in zip(first[0], second[0]):
+        assert torch.equal(a, b)
+    whole = _one_weight(Float8CurrentScaling(), (128, 128))
+    master = torch.randn(whole.numel(), generator=torch.Generator().manual_seed(3)) * 0.05
+    master[100] = float("nan")
+    mw.quantize_master_weights([whole], [master], [0], None)
+    assert torch.equal(first[0][0], whole._scale_inv)
+
+
+def _mismatched(ctx):
+    weights = [_one_weight(Float8CurrentScaling()) for _ in range(2 if ctx.rank == 0 else 1)]
+    try:
+        mw.quantize_master_weights(weights, [None] * len(weights), [None] * len(weights), dist.group.WORLD)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_ranks_passing_different_weights_all_fail(pool):
+    for message in pool.run(_mismatched):
+        assert message is not None and "the ranks passed different model weights" in message
+
+
+def _outside_group(ctx):
+    solo = dist.new_group([0])  # every rank takes part in creating it; rank 1 gets the placeholder
+    w = _one_weight(Float8CurrentScaling())
+    if ctx.rank == 0:
+        mw.quantize_master_weights([w], [torch.randn(w.numel())], [0], solo)
+        return None
+    with pytest.raises(ValueError, match="does not contain this rank"):
+        mw.quantize_master_weights([w], [torch.randn(w.numel())], [0], solo)
+    return True
+
+
+def test_a_group_without_this_rank_is_named(pool):
+    assert pool.run(_outside_group) == [None, True]
