@@ -1,11 +1,13 @@
-"""Transformer Engine checkpoints into te-core modules: its `_extra_state` and its QKV names.
+"""Transformer Engine checkpoints into te-core modules: its `_extra_state`, its QKV names and
+its pickled FP8 primary weights.
 
 TE stores a module's delayed-scaling state as a pickle (a uint8 tensor) holding its recipe
 object and the tensors scale_fwd / amax_history_fwd / scale_bwd / amax_history_bwd. Unpickling
 it could run arbitrary code, so it is read by an unpickler that knows only an allow-list:
 tensors (rebuilt from their bytes with torch.load(weights_only=True)), OrderedDict, and TE's
 recipe classes, rebuilt as inert records whose fields are read as plain values. Anything else,
-or contents that do not fit the module, restart the module's scales, with one warning.
+or contents that do not fit the module, restart the module's scales, with one warning. A pickle
+holding no scales (TE 2.0-2.3's None, a stateless recipe's record) has nothing to restore.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ..quantization.roles import Role
+from ..quantization.state import DelayedScalingState
 
 TE_RECIPE_MODULE = "transformer_engine.common.recipe"
 _FORMAT_BY_MAX = {(448, 448): "E4M3", (57344, 57344): "E5M2", (448, 57344): "HYBRID"}
@@ -101,10 +104,11 @@ class _AllowListUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("persistent references are not part of Transformer Engine extra state")
 
 
-def read_te_extra_state(data: bytes) -> dict:
-    """The dict TE pickled, its recipe as a _Record; raises for anything off the allow-list."""
+def read_te_extra_state(data: bytes) -> Optional[dict]:
+    """The dict TE pickled, its recipe as a _Record, or None (TE 2.0-2.3 pickle None for a
+    module that never ran FP8); raises for anything off the allow-list."""
     state = _AllowListUnpickler(io.BytesIO(data)).load()
-    if not isinstance(state, dict):
+    if state is not None and not isinstance(state, dict):
         raise pickle.UnpicklingError(f"expected a dict, found {type(state).__name__}")
     return state
 
@@ -123,11 +127,9 @@ def _format_name(value) -> str:
 
 
 def _recipe_config(recipe) -> dict:
-    """te-core's checkpoint config for TE's DelayedScaling record (TE 1.x had no recipe: the default)."""
+    """te-core's checkpoint config for TE's DelayedScaling record."""
     from ..recipe import DelayedScaling, Format
 
-    if recipe is None:
-        return DelayedScaling().to_config()
     if not isinstance(recipe, _Record) or recipe.te_name != "DelayedScaling":
         raise ValueError(f"recipe {getattr(recipe, 'te_name', type(recipe).__name__)} keeps no state te-core reads")
     kwargs = {k: recipe.fields[k] for k in _DELAYED_FIELDS if k in recipe.fields}
@@ -138,10 +140,42 @@ def _recipe_config(recipe) -> dict:
     return DelayedScaling(**kwargs).to_config()
 
 
-def _slot_state(slots, state: dict) -> dict:
+_SCALE_KEYS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
+
+
+class _MisfitState(ValueError):
+    """TE extra state that was read but belongs to another kind of module; the message says how."""
+
+
+def _check_gemm_count(module: str, gemms: int, state: dict) -> None:
+    """TE keeps 3 forward and 2 backward columns per GEMM and records num_gemms: state of another
+    count is another module type's (or another GroupedLinear's), and reading it by column would
+    take other GEMMs' scales (more columns) or fail (fewer)."""
+    for key in _SCALE_KEYS:
+        rank = 2 if key.startswith("amax_history") else 1
+        if not (isinstance(state.get(key), Tensor) and state[key].dim() == rank):
+            raise ValueError(f"{key} is not a tensor of rank {rank}")
+    forward, backward = state["scale_fwd"].shape[0], state["scale_bwd"].shape[0]
+    if (state["amax_history_fwd"].shape[1], state["amax_history_bwd"].shape[1]) != (forward, backward):
+        raise ValueError(f"the amax histories have {state['amax_history_fwd'].shape[1]} forward and "
+                         f"{state['amax_history_bwd'].shape[1]} backward columns, the scales {forward} and {backward}")
+    extra = state.get("extra_fp8_variables")
+    recorded = extra.get("num_gemms") if isinstance(extra, dict) else None
+    if (forward, backward) == (3 * gemms, 2 * gemms) and recorded in (None, gemms):
+        return
+    saved = f"num_gemms={recorded}, " if recorded is not None else ""
+    raise _MisfitState(
+        f"the checkpoint's Transformer Engine extra state holds FP8 scales for {saved}{forward} forward and "
+        f"{backward} backward tensors, but this {module} has {gemms} GEMM{'s' if gemms != 1 else ''}, so "
+        f"{3 * gemms} forward and {2 * gemms} backward; it was saved from another module type (LayerNormMLP "
+        "has 2 GEMMs, Linear and LayerNormLinear 1) or from a GroupedLinear with another num_gemms")
+
+
+def _slot_state(module: str, slots, state: dict) -> dict:
     """te-core's quantization_state from TE's tensors. TE keeps per GEMM three forward columns
     (input, weight, output) and two backward ones (grad output, grad input); te-core's slots
     come three per GEMM (input, weight, grad_output) in the module's GEMM order."""
+    _check_gemm_count(module, len(slots) // 3, state)
     out = {"forward": {}, "backward": {}}
     for n, slot in enumerate(slots):
         gemm = n // 3
@@ -150,29 +184,128 @@ def _slot_state(slots, state: dict) -> dict:
         else:
             direction, column, suffix = "forward", 3 * gemm + (slot.role is Role.WEIGHT), "fwd"
         scale, history = state[f"scale_{suffix}"], state[f"amax_history_{suffix}"]
-        if not (isinstance(scale, Tensor) and isinstance(history, Tensor) and history.dim() == 2):
-            raise ValueError(f"scale_{suffix} / amax_history_{suffix} are not tensors of the expected rank")
         out[direction][slot.name] = {"scale": scale[column:column + 1].float().clone(),
                                      "amax_history": history[:, column].float().clone()}
     return out
 
 
 def te_extra_state(module, tensor: Tensor) -> Optional[dict]:
-    """te-core's extra state for `module` from TE's serialized one, or None (nothing to restore,
-    or unreadable: then the scales restart, with a warning)."""
+    """te-core's extra state for `module` from TE's serialized one, or None: nothing to restore,
+    restored here (TE 1.x's, _restore_unrecorded_format), or unusable (then the scales restart,
+    with a warning)."""
     if tensor.numel() == 0:
         return None  # TE's "no FP8 state"
+    return _from_te(module, lambda: read_te_extra_state(tensor.detach().cpu().contiguous().numpy().tobytes()))
+
+
+def te_bytesio_extra_state(module, buffer: io.BytesIO) -> Optional[dict]:
+    """te_extra_state for Transformer Engine 1.x's default form, an io.BytesIO holding torch.save
+    of its state: tensors and plain values, read with torch.load(weights_only=True), so no code
+    from the checkpoint runs (content of any other kind cannot be read: the scales restart, with
+    a warning)."""
+    def read():
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=True, map_location="cpu")
+
+    return _from_te(module, read)
+
+
+def holds_fp8_scales(state) -> bool:
+    """Whether Transformer Engine extra state (its uint8 tensor, or TE 1.x's io.BytesIO) holds FP8
+    scales: not when empty, a pickled None (TE 2.0-2.3's for a module that never ran FP8) or a
+    stateless recipe's record; content that cannot be read counts as holding some."""
     try:
-        state = read_te_extra_state(tensor.detach().cpu().contiguous().numpy().tobytes())
-        config = _recipe_config(state.get("recipe"))
+        if isinstance(state, io.BytesIO):
+            state.seek(0)
+            state = torch.load(state, weights_only=True, map_location="cpu")
+        elif isinstance(state, Tensor):
+            if state.numel() == 0:
+                return False
+            state = read_te_extra_state(state.detach().cpu().contiguous().numpy().tobytes())
+    except Exception:  # noqa: BLE001 - unreadable: the caller says it is not used
+        return True
+    return isinstance(state, dict) and "scale_fwd" in state
+
+
+def _from_te(module, read) -> Optional[dict]:
+    name = type(module).__name__
+    try:
+        state = read()
         slots = getattr(module, "_quantizer_slots", ())
-        if not slots or "scale_fwd" not in state:
+        # TE 2.0-2.3 pickle None for a module that never ran FP8, and TE 2.0-2.17 a stateless
+        # recipe's record (current, block or MXFP8 scaling) without scales: TE's set_extra_state
+        # finds nothing to copy in either, and neither is an error
+        if state is None or "scale_fwd" not in state or not slots:
             return None
-        return {"recipe": config, "quantization_state": _slot_state(slots, state)}
+        recipe = state.get("recipe")  # (none in TE 1.x's)
+        config = None if recipe is None else _recipe_config(recipe)
+        saved = _slot_state(name, slots, state)
+    except _MisfitState as err:
+        warnings.warn(f"{name}: {err}. The FP8 scales of this module restart from their initial values; drop its "
+                      "'_extra_state' entry from the state dict to start them afresh without this warning",
+                      UserWarning, stacklevel=3)
+        return None
     except Exception as err:  # noqa: BLE001 - any unreadable content means: start afresh, once, loudly
-        warnings.warn(f"{type(module).__name__}: Transformer Engine extra state could not be read ({err}); "
+        warnings.warn(f"{name}: Transformer Engine extra state could not be read ({err}); "
                       "the FP8 scales of this module restart from their initial values", UserWarning, stacklevel=3)
         return None
+    if config is None:
+        return _restore_unrecorded_format(module, saved, state["amax_history_fwd"].shape[0])
+    return {"recipe": config, "quantization_state": saved}
+
+
+class _UnrecordedFormatState(DelayedScalingState):
+    """Delayed-scaling state from a checkpoint that records no FP8 format (TE 1.x's): it serves
+    the first DelayedScaling recipe its module runs under, in that recipe's format, as TE keeps
+    such state under any delayed recipe; from then on it is an ordinary state of that recipe."""
+
+    def __init__(self, recipe, slots, device, module: str):
+        super().__init__(recipe, slots, device)
+        self.module, self.format_open = module, True
+
+    def carries_over_to(self, recipe) -> bool:
+        """Any DelayedScaling recipe while the format is open; raises for another class, as a
+        module refuses a loaded checkpoint's state under another recipe class."""
+        if not self.format_open:
+            return super().carries_over_to(recipe)
+        if not recipe.delayed():
+            raise ValueError(
+                f"{self.module}: its FP8 scales were loaded from a Transformer Engine 1.x checkpoint, which holds "
+                f"delayed scaling's state, but the recipe is now {type(recipe).__name__}; scales and amax histories "
+                "do not carry over to another recipe class. Run it under a DelayedScaling recipe (any fp8_format), "
+                "or drop the module's '_extra_state' entry from the state dict to start the scaling state afresh.")
+        return True
+
+    def rebind(self, recipe) -> None:
+        super().rebind(recipe)
+        self.format_open = False
+
+
+def _restore_unrecorded_format(module, saved: dict, history: int) -> Optional[dict]:
+    """TE 1.x's state: delayed scaling (1.x had no other recipe) whose format was the module's
+    recipe's at run time, not recorded. A module that has a state already takes it in that
+    state's format (te-core's checkpoint dict, returned); one that has none gets a state that
+    adopts the format of the recipe it first runs under (made here; None returned)."""
+    from ..recipe import DelayedScaling
+
+    current = module._recipe_state
+    if current is not None:  # (under another recipe class, set_extra_state refuses it as any delayed state)
+        fmt = current.recipe.fp8_format if current.recipe.delayed() else DelayedScaling.fp8_format
+        return {"recipe": DelayedScaling(fp8_format=fmt, amax_history_len=history).to_config(),
+                "quantization_state": saved}
+    state = _UnrecordedFormatState(DelayedScaling(amax_history_len=history), module._quantizer_slots,
+                                   module._state_device(), type(module).__name__)
+    state.load_quantization_state(saved)  # (raises for corrupt values, as set_extra_state's load does)
+    module._recipe_state = state
+    module._weight_cache.clear()
+    return None
+
+
+def unrecognised_extra_state(module: str, state) -> str:
+    """The error for extra state of a type no loader reads (set_extra_state)."""
+    return (f"{module}: unrecognised extra state {type(state).__name__}; expected the dict written by te_core "
+            "(keys 'recipe' and 'quantization_state'), Transformer Engine's uint8 tensor, or Transformer Engine "
+            "1.x's io.BytesIO")
 
 
 def _interleave(parts, groups: int) -> Tensor:
@@ -208,19 +341,43 @@ def accept_te_norm_extra_state(module, state_dict, prefix, *_):
 
 def to_transformer_engine_state_dict(model) -> dict:
     """`model`'s state dict in the names Transformer Engine's modules of the same configuration
-    load: q/k/v weights split where fuse_qkv_params=False. Extra state is written empty (TE's
-    form for "no FP8 state"), so TE restarts the scales: TE reads its recipe state only from
-    its own pickled objects."""
+    load: q/k/v weights split where fuse_qkv_params=False, and an `_extra_state` entry for each
+    norm (TE's norms are fusible operations, which have one). Extra state is written empty (TE's
+    form for "no FP8 state"), so TE restarts the scales: TE reads its recipe state only from its
+    own pickled objects."""
     from ..modules.multihead_attention import MultiheadAttention
 
     state = model.state_dict()
     for name in [k for k in state if k.endswith("_extra_state")]:
         state[name] = torch.empty(0, dtype=torch.uint8)
+    _add_norm_extra_states(model, state)
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
         if isinstance(module, MultiheadAttention) and not module.fuse_qkv_params:
             _split_qkv(module, state, prefix)
     return state
+
+
+def _add_norm_extra_states(model, state: dict) -> None:
+    """An empty `_extra_state` (what TE's BasicOperation.set_extra_state takes as "no state")
+    for each te.LayerNorm, te.RMSNorm and L2Normalization (MultiheadAttention's q_norm / k_norm,
+    one module under both names) in `model`, after the norm's parameters, where TE's state dict
+    has it, in place."""
+    from ..modules.layernorm import LayerNorm, RMSNorm
+    from ..modules.multihead_attention import L2Normalization
+
+    prefixes = [f"{path}." if path else "" for path, module in model.named_modules(remove_duplicate=False)
+                if isinstance(module, (LayerNorm, RMSNorm, L2Normalization))]
+    after = {}  # the norm's last own entry -> its extra state's key
+    for prefix in prefixes:
+        own = [k for k in state if k.startswith(prefix) and "." not in k[len(prefix):]]
+        after.setdefault(own[-1] if own else None, []).append(prefix + "_extra_state")
+    items = list(state.items())
+    state.clear()
+    for key, value in items:
+        state[key] = value
+        state.update((extra, torch.empty(0, dtype=torch.uint8)) for extra in after.get(key, ()))
+    state.update((extra, torch.empty(0, dtype=torch.uint8)) for extra in after.get(None, ()))
 
 
 def _qkv_parts(mha) -> dict:
@@ -277,3 +434,45 @@ def save_split_qkv_names(mha, state_dict, prefix, local_metadata) -> None:
     Parameters themselves), FP8 primary weights and sharded (DTensor) weights keep the fused
     name, as `named_parameters()` does. load_split_qkv_names reads both forms back."""
     _split_qkv(mha, state_dict, prefix, plain_only=True)
+
+
+# TE's pickled Float8Tensor (an FP8 primary weight, quantized_model_init): Float8Tensor.__reduce_ex__
+# of TE >= 2.16 calls this function of its float8_tensor module with its FP8 bytes
+TE_FLOAT8_REBUILD = "transformer_engine.pytorch.tensor.float8_tensor._make_float8_tensor_in_reduce_ex"
+
+
+def rebuild_te_float8_tensor(data, fp8_dtype, fp8_scale_inv, dtype, shape=None, data_transpose=None) -> Tensor:
+    """The value of Transformer Engine's pickled Float8Tensor (`TE_FLOAT8_REBUILD`'s arguments:
+    its uint8 data, DType, scale_inv, nominal dtype, shape, and its column-wise copy
+    [last, *leading] where it kept no data), dequantized: the plain tensor te-core's own state
+    dicts hold for an FP8 primary weight, which load_state_dict takes into a high-precision
+    parameter and requantizes into an FP8 one. Registered for torch.load(weights_only=True), so
+    every argument is checked: it builds a tensor and nothing else."""
+    from ..dtype import DType
+
+    where = "Transformer Engine Float8Tensor in the checkpoint"
+    if not isinstance(fp8_dtype, int) or int(fp8_dtype) not in (DType.kFloat8E4M3, DType.kFloat8E5M2):
+        raise ValueError(f"{where}: fp8_dtype {fp8_dtype!r} is not DType.kFloat8E4M3 or kFloat8E5M2; the checkpoint "
+                         "is corrupt or not Transformer Engine's")
+    fp8 = DType(int(fp8_dtype)).torch_dtype
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"{where}: its nominal dtype {dtype!r} is not a floating-point torch.dtype; the checkpoint "
+                         "is corrupt")
+    stored = data if data is not None else data_transpose
+    if not (isinstance(stored, Tensor) and stored.dtype in (torch.uint8, fp8) and stored.dim() >= 1):
+        raise ValueError(f"{where}: its FP8 data is {_describe_value(stored)}, expected a uint8 tensor; the "
+                         "checkpoint is corrupt")
+    value = stored.view(fp8) if data is not None else stored.view(fp8).movedim(0, -1)
+    if shape is not None and tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{where}: its FP8 data has shape {tuple(value.shape)}, but its shape is recorded as "
+                         f"{tuple(shape)}; the checkpoint is corrupt")
+    if not (isinstance(fp8_scale_inv, Tensor) and fp8_scale_inv.is_floating_point() and fp8_scale_inv.numel() == 1):
+        raise ValueError(f"{where}: its scale_inv is {_describe_value(fp8_scale_inv)}, expected one float (per-tensor "
+                         "scaling); the checkpoint is corrupt")
+    return (value.float() * fp8_scale_inv.float().reshape(())).to(dtype)
+
+
+def _describe_value(value) -> str:
+    if isinstance(value, Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return repr(value) if value is None else f"a {type(value).__name__}"

@@ -24,6 +24,7 @@ from typing import Optional, Tuple
 import torch
 
 from .fp8_state import GlobalStateControls
+from .te_checkpoint import TE_FLOAT8_REBUILD, rebuild_te_float8_tensor
 from .te_extension import EXTENSION, EXTENSION_HINT, constants, tensor_quantizers
 from .te_metadata import install_metadata, uninstall_metadata
 
@@ -343,9 +344,12 @@ def _pytorch_module() -> types.ModuleType:
                    MXFP8Tensor=quantization.MXFP8Tensor, Float8BlockwiseQTensor=quantization.Float8BlockwiseTensor)
     tensor = _submodule(module, "tensor", "te-core's quantized tensors under Transformer Engine's names", tensors)
     quantizers = tensor_quantizers()
+    # the function TE's pickled Float8Tensors call (FP8 primary weights in its checkpoints)
+    rebuild = {"float8_tensor": {TE_FLOAT8_REBUILD.rpartition(".")[2]: rebuild_te_float8_tensor}}
     for sub, cls in (("float8_tensor", "Float8Tensor"), ("mxfp8_tensor", "MXFP8Tensor"),
                      ("float8_blockwise_tensor", "Float8BlockwiseQTensor")):
-        _submodule(tensor, sub, f"{cls} and its quantizers", {cls: tensors[cls], **quantizers[sub]})
+        _submodule(tensor, sub, f"{cls} and its quantizers",
+                   {cls: tensors[cls], **quantizers[sub], **rebuild.get(sub, {})})
         for name, quantizer in quantizers[sub].items():
             setattr(tensor, name, quantizer)
     _submodule(tensor, "utils", "the helpers of FP8 primary weights under a sharded optimizer",
@@ -429,10 +433,22 @@ def install_as_transformer_engine(replace: bool = False) -> types.ModuleType:
         del sys.modules[name]  # a replaced real package: none of its submodules may linger
     sys.modules.update(modules)
     _PROVIDED[:] = sorted(modules)
+    torch.serialization.add_safe_globals(_safe_globals())
     if _FINDER not in sys.meta_path:
         sys.meta_path.append(_FINDER)
     install_metadata(pytorch.__version__)  # integrations check the distribution before importing
     return pytorch
+
+
+def _safe_globals() -> list:
+    """What torch.load(weights_only=True) may call in a Transformer Engine checkpoint while the
+    stand-in is installed, by TE's names, as TE registers them on import: the rebuild of its
+    pickled Float8Tensor (which checks its arguments) and the DType it is given (TE's Python enum
+    and its extension's, both pickled as DType(int))."""
+    from ..dtype import DType
+
+    return [(rebuild_te_float8_tensor, TE_FLOAT8_REBUILD), (DType, f"{EXTENSION}.DType"),
+            (DType, f"{ROOT}.pytorch.constants.DType")]
 
 
 def uninstall_transformer_engine() -> None:
@@ -440,6 +456,11 @@ def uninstall_transformer_engine() -> None:
     from .. import recipe
 
     uninstall_metadata()
+    ours = set(_safe_globals())
+    kept = [entry for entry in torch.serialization.get_safe_globals() if entry not in ours]
+    if len(kept) != len(torch.serialization.get_safe_globals()):  # (torch has no call to remove some)
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(kept)
     while _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
     for name in [n for n in sys.modules if _is_te_name(n)]:

@@ -6,6 +6,7 @@ checkpoint-safe extra state (tensors and plain values only).
 """
 from __future__ import annotations
 
+import io
 import threading
 import warnings
 import weakref
@@ -361,11 +362,16 @@ class QuantizedModule(DeferredInit, nn.Module):
             from ..compat.te_checkpoint import te_extra_state
 
             state = te_extra_state(self, state)
+        elif isinstance(state, io.BytesIO):  # Transformer Engine 1.x's default form
+            from ..compat.te_checkpoint import te_bytesio_extra_state
+
+            state = te_bytesio_extra_state(self, state)
         if state is None:
             return
         if not isinstance(state, dict) or "recipe" not in state or "quantization_state" not in state:
-            raise ValueError(f"{type(self).__name__}: unrecognised extra state {type(state).__name__}; expected the "
-                             "dict written by te_core (keys 'recipe' and 'quantization_state')")
+            from ..compat.te_checkpoint import unrecognised_extra_state
+
+            raise ValueError(unrecognised_extra_state(type(self).__name__, state))
         for key in ("recipe", "quantization_state"):
             if not isinstance(state[key], dict):
                 raise ValueError(f"{type(self).__name__}: extra state entry {key!r} is a {type(state[key]).__name__}, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 import warnings
 from functools import partial
@@ -307,10 +308,13 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
     def set_extra_state(self, state) -> None:
         """Accepts Transformer Engine's extra state: empty, or FP8-attention scales, which
         te-core has no use for (it computes attention in high precision), so it warns."""
-        if isinstance(state, Tensor) and state.dtype == torch.uint8 and state.numel():
+        from ..compat.te_checkpoint import holds_fp8_scales
+
+        te_form = (isinstance(state, Tensor) and state.dtype == torch.uint8) or isinstance(state, io.BytesIO)
+        if te_form and holds_fp8_scales(state):
             warnings.warn("DotProductAttention: the checkpoint's FP8 attention state is not used; te-core "
                           "computes attention in high precision", UserWarning, stacklevel=2)
-        elif state is not None and not (isinstance(state, Tensor) and state.dtype == torch.uint8):
+        elif state is not None and not te_form:
             raise ValueError(f"DotProductAttention: unrecognised extra state {type(state).__name__}")
 
     @staticmethod

@@ -7,7 +7,12 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..compat.te_checkpoint import expose_split_qkv_names, load_split_qkv_names, save_split_qkv_names
+from ..compat.te_checkpoint import (
+    accept_te_norm_extra_state,
+    expose_split_qkv_names,
+    load_split_qkv_names,
+    save_split_qkv_names,
+)
 from ._base import QuantizedContainer
 from ._tp_container import TensorParallelContainer
 from ._common import (
@@ -44,6 +49,9 @@ class L2Normalization(torch.nn.Module):
     def __init__(self, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
+        # Transformer Engine's L2Normalization is a fusible operation, which writes an `_extra_state`
+        # entry (q_norm._extra_state, k_norm._extra_state) that its checkpoints then hold
+        self.register_load_state_dict_pre_hook(accept_te_norm_extra_state)
 
     def forward(self, x: Tensor) -> Tensor:
         x32 = x.float()
