@@ -35,7 +35,8 @@ def _ignores_unknown_arguments(cls):
         unknown = [name for name in kwargs if name not in known]
         if unknown:
             one = len(unknown) == 1
-            warnings.warn(f"{cls.__name__}: {', '.join(unknown)} {'is not an argument' if one else 'are not arguments'} "
+            verb = "is not an argument" if one else "are not arguments"
+            warnings.warn(f"{cls.__name__}: {', '.join(unknown)} {verb} "
                           f"of the recipe, in te-core or in Transformer Engine, and {'is' if one else 'are'} ignored "
                           f"(Transformer Engine's recipes ignore arguments they do not define); its arguments: "
                           f"{', '.join(sorted(known))}", stacklevel=2)

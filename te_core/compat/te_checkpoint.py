@@ -324,7 +324,8 @@ def load_split_qkv_names(mha, state_dict, prefix, *_):
             if not all(k in state_dict for k in keys):
                 continue  # te-core's own names, or an incomplete set that load_state_dict reports
             tensors = [state_dict.pop(k) for k in keys]
-            fused = _interleave(tensors, mha.num_gqa_groups_per_partition) if mha.qkv_weight_interleaved else torch.cat(tensors)
+            fused = (_interleave(tensors, mha.num_gqa_groups_per_partition) if mha.qkv_weight_interleaved
+                     else torch.cat(tensors))
             state_dict[f"{prefix}{sub}.{kind}"] = fused
 
 

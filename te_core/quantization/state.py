@@ -180,7 +180,8 @@ class DelayedScalingState(RecipeState):
         for role, group in self.groups.items():
             group.settle()
             flags = fresh.get(role.direction, {})
-            group.fresh = {c for c, name in enumerate(group.names) if isinstance(flags, dict) and flags.get(name) is True}
+            group.fresh = {c for c, name in enumerate(group.names)
+                           if isinstance(flags, dict) and flags.get(name) is True}
 
     def rebind(self, recipe) -> None:
         super().rebind(recipe)

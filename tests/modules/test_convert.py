@@ -111,7 +111,8 @@ def test_fused_pairs_load_a_state_dict_saved_before_conversion():
     torch.manual_seed(0)
 
     def build():
-        return nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.RMSNorm(32), nn.Linear(32, 8, bias=False))
+        return nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.RMSNorm(32),
+                             nn.Linear(32, 8, bias=False))
 
     original = build()
     with torch.no_grad():

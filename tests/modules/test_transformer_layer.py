@@ -223,7 +223,8 @@ def test_grouped_linear_flags_refuse_values_read_by_truthiness(kwargs, match):
     ([True, 13], TypeError, r"m_splits must be a list of 2 non-negative ints"),
     (14, TypeError, r"m_splits must be a list of 2 non-negative ints .* got 14"),
     ("77", TypeError, r"m_splits must be a list of 2 non-negative ints"),
-    (torch.tensor([7.0, 6.5]), ValueError, r"m_splits must hold whole row counts, got 6.5"),  # (a float tensor of whole counts is taken, as in TE)
+    # (a float tensor of whole counts is taken, as in TE)
+    (torch.tensor([7.0, 6.5]), ValueError, r"m_splits must hold whole row counts, got 6.5"),
     ([15, -1], ValueError, r"m_splits must be 2 non-negative row counts \(num_gemms\), got \[15, -1\]"),
     ([7, 6], ValueError, r"m_splits sum to 13 but inp has 14 rows"),
 ])
