@@ -4,21 +4,30 @@ unchanging copy modules run with (in_use), and the registry through which code t
 runs untraced finds a recipe made outside the trace (live_recipe)."""
 from __future__ import annotations
 
+import ast
 import copy
 import functools
 import warnings
-import weakref
 from dataclasses import FrozenInstanceError, fields
-from typing import Optional
 
 import torch
 
-_LIVE: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+# A recipe's fields as text (repr of its to_config()), kept in its __dict__ and renewed whenever
+# a field changes: torch.compile reads it as a constant while tracing, where the fields of a
+# recipe made outside the trace may be symbolic values (dynamic shapes, or a field dynamo saw
+# change), which code run untraced cannot be handed; equal recipes have equal text, so a new but
+# equal recipe object reuses the graph.
+_CONFIG = "_te_config"
 
 
-def live_recipe(recipe_id: int) -> Optional[object]:
-    """The recipe object of id `recipe_id` made outside a torch.compile trace, if still alive."""
-    return _LIVE.get(recipe_id)
+def remember_config(recipe) -> None:
+    if not torch.compiler.is_compiling():  # (a recipe made inside a trace has constant fields)
+        recipe.__dict__[_CONFIG] = repr(recipe.to_config())
+
+
+def config_from_text(text: str) -> dict:
+    """The to_config() dict remember_config wrote (plain values only: no code runs)."""
+    return ast.literal_eval(text)
 
 
 def _ignores_unknown_arguments(cls):
@@ -42,6 +51,7 @@ def _ignores_unknown_arguments(cls):
                           f"{', '.join(sorted(known))}", stacklevel=2)
             kwargs = {name: value for name, value in kwargs.items() if name in known}
         init(self, *args, **kwargs)
+        remember_config(self)
 
     cls.__init__ = __init__
     _assignable(cls)
@@ -107,9 +117,10 @@ def _assign(recipe, name: str, value) -> None:
     if post_init is not None:
         post_init()
     for key, new in candidate.__dict__.items():
-        if key not in (_VERSION, _IN_USE, _COPY):
+        if key not in (_VERSION, _IN_USE, _COPY, _CONFIG):
             object.__setattr__(recipe, key, new)
     object.__setattr__(recipe, _VERSION, recipe._te_version + 1)
+    remember_config(recipe)
 
 
 def in_use(recipe: "Recipe") -> "Recipe":

@@ -20,12 +20,11 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple, U
 import torch
 
 from ._recipe_objects import (  # noqa: F401 (re-exported: te_core's modules and TE code import them from here)
-    _LIVE,
     FrozenRecipeError,
     _ignores_unknown_arguments,
+    config_from_text,
     frozen_copy,
     in_use,
-    live_recipe,
 )
 
 __all__ = [
@@ -166,17 +165,9 @@ class Recipe:
     """Base of every recipe. Subclasses are dataclasses whose fields are set through
     _assignable (checked assignments) and read by modules through in_use."""
 
-    # Whether the object exists outside a trace (made eagerly, then handed to compiled code):
-    # tracing then reaches it by id (live_recipe), where its fields may be symbolic values that
-    # cannot be handed to code run while tracing; a recipe made inside the trace has constant ones.
-    _te_live = False
-
-    def __new__(cls, *args, **kwargs):
-        self = super().__new__(cls)
-        if not torch.compiler.is_compiling():
-            self.__dict__["_te_live"] = True
-            _LIVE[id(self)] = self
-        return self
+    # Its fields as text, renewed with every change (_recipe_objects.remember_config); None for
+    # a recipe made inside a torch.compile trace, whose fields are constants there
+    _te_config = None
 
     def split_accumulator(self, gemm: str) -> bool:
         """Whether this recipe's `gemm` ("fprop", "dgrad" or "wgrad") accumulates in float32: its

@@ -48,7 +48,7 @@ class AttentionParallelMixin:
         slice of every sequence (te_core.modules._context_parallel). cp_global_ranks and cp_stream
         (the group's ranks, a stream to overlap Transformer Engine's ring steps on) change no value."""
         module = "DotProductAttention"
-        self.cp_comm_type = _context_parallel.check_comm_type(cp_comm_type, module)
+        self.cp_comm_type = _context_parallel.check_comm_type(cp_comm_type, module, active=cp_group is not None)
         self.cp_size = _context_parallel.cp_size_of(cp_group, module)
         self.cp_rank = torch.distributed.get_rank(cp_group) if self.cp_size > 1 else 0
         self.cp_group, self.cp_global_ranks, self.cp_stream = cp_group, cp_global_ranks, cp_stream

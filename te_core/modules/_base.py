@@ -23,7 +23,7 @@ from ..quantization.roles import QuantizerSlot
 from ..quantization.state import RecipeState, check_compatible, extra_state
 from ..quantization.step import HIGH_PRECISION, CalibrationStep, QuantizationStep
 from ..quantization.tensor import QuantizedTensor
-from ..recipe import frozen_copy, live_recipe, recipe_from_config
+from ..recipe import config_from_text, recipe_from_config
 from ._common import check_optional_bool, resolve_device, resolve_params_dtype
 from ._microbatch import first_microbatch
 from ._reset import DeferredInit
@@ -73,30 +73,30 @@ def _refuse_traced_fp8_weight_training(module: nn.Module) -> None:
 @run_while_tracing
 def _prepare_untraced(module_id: int, recipe_config: dict) -> bool:
     """Create a module's state for the recipe described by `recipe_config` (or move it to the
-    module's device) unless it is ready. torch.compile runs this while tracing instead of
-    tracing it, so delayed scaling's histories exist before the graph (which updates them in
-    place) is built; the traced forward uses it as made for an equal recipe (new_quantization_step)."""
-    return _prepare(module_id, recipe_from_config(recipe_config), bind=False)
+    module's device, or bind it to a recipe of other fields) unless it is ready. torch.compile runs
+    this while tracing instead of tracing it, so delayed scaling's histories exist before the
+    graph (which updates them in place) is built, and a new recipe of the same kind (another
+    margin, an assigned field) rebinds the state here, not inside the graph; the traced forward
+    uses it as made for an equal recipe (new_quantization_step)."""
+    return _prepare(module_id, recipe_config)
 
 
 @run_while_tracing
-def _prepare_untraced_live(module_id: int, recipe_id: int) -> bool:
-    """_prepare_untraced for a recipe made outside the trace, found by id: a state made for another
-    recipe, or for one whose fields differ (a new recipe of the same kind, an assigned field such
-    as its margin), is bound to the object itself here, as an eager step binds it, not inside the
-    graph; the traced forward then finds it ready."""
-    # (bound to the copy an eager step of the recipe binds, so that eager steps between compiled
-    # ones keep the state, and the graph its guards)
-    return _prepare(module_id, frozen_copy(live_recipe(recipe_id)), bind=True)
+def _prepare_untraced_text(module_id: int, config_text: str) -> bool:
+    """_prepare_untraced for a recipe made outside the trace, by the text of its fields
+    (Recipe._te_config): constant while tracing, where the fields themselves may be symbolic."""
+    return _prepare(module_id, config_from_text(config_text))
 
 
-def _prepare(module_id: int, recipe, bind: bool) -> bool:
+def _prepare(module_id: int, config: dict) -> bool:
     module = _LIVE.get(module_id)
+    recipe = recipe_from_config(config)
     state = None if module is None else module._recipe_state
     stale = state is None or not state.carries_over_to(recipe) or any(
         group.device != module._state_device() for group in state.scaling_groups().values())
-    if bind and not stale:  # (a state bound to an equal recipe, an eager step's copy of it, stays as it is)
-        stale = state.recipe != recipe
+    # made for a recipe of other fields (a callable recorded by name counts as the same: the
+    # traced forward binds the state to the recipe that carries it)
+    stale = stale or state.recipe.to_config() != config
     if module is not None and stale:
         _UNTRACED[0] = True  # is_compiling() answers True in here too
         try:
@@ -211,8 +211,9 @@ class QuantizedModule(DeferredInit, nn.Module):
         is_first_microbatch = first_microbatch(is_first_microbatch)  # a graph capture's, when forced
         if torch.compiler.is_compiling():
             _refuse_traced_fp8_weight_training(self)
-            if context.recipe._te_live:  # (its fields may be symbolic: handed over by id, see Recipe._te_live)
-                _prepare_untraced_live(id(self), id(context.recipe))
+            text = context.recipe._te_config  # (a recipe made outside the trace: see Recipe._te_config)
+            if text is not None:
+                _prepare_untraced_text(id(self), text)
             else:
                 _prepare_untraced(id(self), context.recipe.to_config())
         else:

@@ -37,11 +37,13 @@ def cp_size_of(cp_group, module: str) -> int:
     return group_size(cp_group, module, arg="cp_group")
 
 
-def check_comm_type(cp_comm_type, module: str) -> str:
+def check_comm_type(cp_comm_type, module: str, active: bool = True) -> str:
+    """`active`: a context-parallel group is given (without one, as in Transformer Engine, the
+    type is only kept: no communication happens for it to choose)."""
     if cp_comm_type not in COMM_TYPES:
         raise ValueError(f"{module}: cp_comm_type must be one of {', '.join(map(repr, COMM_TYPES))}, "
                          f"got {cp_comm_type!r}")
-    if cp_comm_type == "a2a+p2p":
+    if cp_comm_type == "a2a+p2p" and active:
         raise NotImplementedError(f"{module}: cp_comm_type 'a2a+p2p' (hierarchical context parallelism over two "
                                   "groups) is not supported by te-core; use 'all_gather' over one group")
     return cp_comm_type

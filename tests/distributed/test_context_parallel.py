@@ -132,6 +132,8 @@ def test_what_context_parallelism_does_not_take_is_named(pool):
     single = te.DotProductAttention(H, D, cp_group=None, cp_global_ranks=None, cp_stream=None,
                                     cp_comm_type="all_gather")  # no group: no context parallelism
     assert single.cp_size == 1 and single.cp_comm_type == "all_gather"
+    # without a group a2a+p2p is kept as Transformer Engine keeps it (refused with one, below)
+    assert te.DotProductAttention(H, D, cp_comm_type="a2a+p2p").cp_comm_type == "a2a+p2p"
     with pytest.raises(ValueError, match="cp_comm_type must be one of"):
         te.DotProductAttention(H, D, cp_comm_type="ulysses")
     for messages in pool.run(_errors):
