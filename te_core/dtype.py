@@ -28,6 +28,11 @@ class DType(enum.IntEnum):
     kFloat8E5M2 = 8
     kFloat4E2M1 = 10
 
+    def __reduce_ex__(self, protocol):
+        # by value, whatever the Python release (some 3.11 releases pickle an enum member as
+        # getattr(cls, name), a global torch.load(weights_only=True) refuses)
+        return type(self), (int(self),)
+
     @classmethod
     def cast(cls, value: Union["DType", int, torch.dtype]) -> "DType":
         """`value` as a DType: a member, its integer value, or a torch dtype that has one."""
