@@ -21,8 +21,14 @@ _CONFIG = "_te_config"
 
 
 def remember_config(recipe) -> None:
-    if not torch.compiler.is_compiling():  # (a recipe made inside a trace has constant fields)
-        recipe.__dict__[_CONFIG] = repr(recipe.to_config())
+    if torch.compiler.is_compiling():  # (a recipe made inside a trace has constant fields)
+        return
+    text = repr(recipe.to_config())
+    try:  # values without a literal form (a numpy scalar) keep the text out: tracing reads the fields
+        ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        text = None
+    recipe.__dict__[_CONFIG] = text
 
 
 def config_from_text(text: str) -> dict:
