@@ -38,7 +38,7 @@ from ..backend.types import fp8_max
 from ..quantization import quantizers as core
 from ..quantization.block_tensor import Float8BlockwiseTensor, MXFP8Tensor
 from ..quantization.float8_tensor import Float8Tensor
-from ..quantization.tensor import QuantizedTensor
+from ..quantization.tensor import QuantizedTensor, _same_layout
 from ..reference.cast import BLOCK, amax_of, saturating_cast, scale_from_amax
 
 __all__ = ["replace_raw_data", "quantize_master_weights", "cast_master_weights_to_fp8", "post_all_gather_processing",
@@ -176,11 +176,13 @@ def _check_same_on_every_rank(buckets: dict, group) -> None:
     collectives would hang, abort or mix different weights' amaxes."""
     if not _distributed(group):
         return
-    signature = []
+    signature, device = [], None
     for bucket in buckets.values():
+        device = device or next((item[0].device for item in bucket), None)
         numels = [item[0].numel() for item in bucket]
         signature += [len(bucket), sum(numels), sum((i + 1) * n for i, n in enumerate(numels)) % (2**31 - 1)]
-    flat = torch.tensor(signature + [-v for v in signature], dtype=torch.int64)
+    # (on the weights' device: a collective library may reduce only its device's tensors)
+    flat = torch.tensor(signature + [-v for v in signature], dtype=torch.int64, device=device)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
     if not torch.equal(flat[: len(signature)], -flat[len(signature):]):
         raise ValueError("quantize_master_weights: the ranks passed different model weights (another count, size or "
@@ -190,11 +192,11 @@ def _check_same_on_every_rank(buckets: dict, group) -> None:
 
 def _set(weight: QuantizedTensor, name: str, value: Tensor) -> None:
     """A payload entry set to `value`, written into the held buffer where the layout allows (a
-    captured graph keeps reading it), as a requantization does."""
+    captured graph keeps reading it), as a requantization does (QuantizedTensor._take_payload)."""
     old = getattr(weight, name)
-    if isinstance(old, Tensor) and old.shape == value.shape and old.dtype == value.dtype and old.device == value.device:
+    if _same_layout(old, value):
         old.copy_(value)
-    else:
+    elif old is not value:
         setattr(weight, name, value)
 
 

@@ -194,7 +194,7 @@ def delayed_scaling_update(amax_histories: List[torch.Tensor], scales: List[torc
         return
     _, _, table, fmaxes, max_cols, max_len, scaled = plan(amax_histories, scales, fp8_maxes,
                                                           amax_histories[0].device, place, margin)
-    fmaxes = _scaled_maxes(fp8_maxes, fmaxes, scaled, margin, place)  # (made by plan: a lookup)
+    fmaxes = scaled[float(margin)] if margin else fmaxes  # (made by plan)
     most_recent = amax_compute_algo == "most_recent"
     block_l = next_power_of_2(max_len)
     block_n = min(next_power_of_2(max_cols), TILE_COLUMNS)
