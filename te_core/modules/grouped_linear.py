@@ -105,7 +105,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             w = weights[i]
             if xi.shape[0] == 0:  # an expert that received no tokens this step
                 outs.append(xi.new_empty(0, w.shape[0]))
-                saved += [xi, w]
+                saved += [None, None]  # (the backward reads nothing of an expert without tokens)
                 continue
             dw_needed = grad and w.requires_grad
             original = keep_original and dw_needed  # save_original_input: the backward casts xi

@@ -461,3 +461,24 @@ def test_recipe_made_inside_the_compiled_step(name):
     for i in range(STEPS):
         x = torch.randn(SEQ, BATCH, HIDDEN)
         _assert_identical(_run(compiled, compiled_model, x), _run(step, eager_model, x), f"step {i}")
+
+
+@pytest.mark.parametrize("name", ["delayed", "current"])
+def test_grouped_linear_expert_without_tokens_with_weight_caching(name):
+    """An expert without tokens on a step that caches the FP8 weights (is_first_microbatch True,
+    then False) compiles with fullgraph=True and equals eager, outputs and gradients."""
+    torch.manual_seed(0)
+    rec = RECIPES[name]()
+    eager_layer = tm.GroupedLinear(3, HIDDEN, FFN)
+    compiled_layer = copy.deepcopy(eager_layer)
+    _like_compiled(eager_layer, rec)
+
+    def step(layer, x, first):
+        with te.autocast(recipe=rec):
+            return layer(x, [16, 0, 16], is_first_microbatch=first)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for first in (True, False, False):
+        x = torch.randn(32, HIDDEN)
+        _assert_identical(_run(lambda m, t: compiled(m, t, first), compiled_layer, x),
+                          _run(lambda m, t: step(m, t, first), eager_layer, x), f"is_first_microbatch={first}")
