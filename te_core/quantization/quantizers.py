@@ -244,6 +244,17 @@ class Float8CurrentScalingQuantizer(Quantizer):
         self.power_2_scale = power_2_scale
         self.amax_epsilon = amax_epsilon
 
+    # Kept as text: torch.compile(dynamic=True) makes a float attribute symbolic, and a symbolic
+    # float first read in the backward's trace (the output gradient's cast) fails dynamo's
+    # speculation of the backward; a float parsed from text is a constant of the trace.
+    @property
+    def amax_epsilon(self) -> float:
+        return float(self._amax_epsilon_text)
+
+    @amax_epsilon.setter
+    def amax_epsilon(self, value: float) -> None:
+        self._amax_epsilon_text = repr(float(value))
+
     def quantize(self, x: Tensor, *, columnwise: bool = False) -> Float8Tensor:
         src = _as_2d(x, "a column-wise quantization") if columnwise else x
         data, data_t, _scale, scale_inv, _amax = ops.quantize_fp8_current(

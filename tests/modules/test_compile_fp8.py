@@ -383,14 +383,15 @@ def test_a_new_but_equal_recipe_each_step_reuses_the_graph(name):
             compiled(model, torch.randn(SEQ, BATCH, HIDDEN), RECIPES[name]()).float().sum().backward()
 
 
-@pytest.mark.parametrize("name", ["delayed", "block", "mxfp8"])
+@pytest.mark.parametrize("name", [*RECIPES, "current with epsilon"])
 def test_dynamic_shapes_compile_every_recipe(name):
     """torch.compile(dynamic=True, fullgraph=True): the recipe's integer and float fields become
     symbolic in the trace, yet the module state is made outside the graph and two batch sizes
-    give the eager twin's results. (Current scaling's backward does not trace under dynamic=True
-    in this torch: docs/recipes.md says so; the default, automatic dynamic shapes, compiles it.)"""
+    give the eager twin's results; current scaling's epsilons (read in the backward's trace too)
+    included."""
     torch.manual_seed(0)
-    rec = RECIPES[name]()
+    rec = (recipe.Float8CurrentScaling(fp8_quant_bwd_grad=recipe.QParams(amax_epsilon=1e-3))
+           if name == "current with epsilon" else RECIPES[name]())
     compiled_model = MODULES["Linear"]()
     eager_model = copy.deepcopy(compiled_model)
     _like_compiled(eager_model, rec)
