@@ -1,13 +1,14 @@
 """The life of a recipe object: the arguments its constructor takes and ignores, the checked
 assignments to its fields (te_core.recipe's classes take them as Transformer Engine's do), the
 unchanging copy modules run with (in_use), and the registry through which code that torch.compile
-runs untraced finds a recipe made outside the trace (live_recipe)."""
+runs untraced finds a recipe made outside the trace (its fields as text: remember_config)."""
 from __future__ import annotations
 
 import ast
 import copy
 import functools
 import warnings
+import weakref
 from dataclasses import FrozenInstanceError, fields
 
 import torch
@@ -20,10 +21,27 @@ import torch
 _CONFIG = "_te_config"
 
 
+# The text is (config, {field: key}) for the fields holding a callable (amax_compute_algo,
+# scaling_factor_compute_algo), which to_config() records by name only: the key finds the
+# callable itself again (callable_for), so that the state made untraced runs the recipe's own.
+_CALLABLES = weakref.WeakValueDictionary()
+_UNWEAKABLE: dict = {}  # (callables without weak references: builtins)
+
+
 def remember_config(recipe) -> None:
     if torch.compiler.is_compiling():  # (a recipe made inside a trace has constant fields)
         return
-    text = repr(recipe.to_config())
+    config = recipe.to_config()
+    keys = {}
+    for name, value in config.items():
+        if isinstance(value, str) and value.startswith("<callable"):
+            function = getattr(recipe, name)
+            keys[name] = id(function)
+            try:
+                _CALLABLES[id(function)] = function
+            except TypeError:
+                _UNWEAKABLE[id(function)] = function
+    text = repr((config, keys))
     try:  # values without a literal form (a numpy scalar) keep the text out: tracing reads the fields
         ast.literal_eval(text)
     except (ValueError, SyntaxError):
@@ -31,9 +49,16 @@ def remember_config(recipe) -> None:
     recipe.__dict__[_CONFIG] = text
 
 
-def config_from_text(text: str) -> dict:
-    """The to_config() dict remember_config wrote (plain values only: no code runs)."""
+def config_from_text(text: str) -> tuple:
+    """(the to_config() dict, {field: callable key}) remember_config wrote (plain values only: no
+    code runs)."""
     return ast.literal_eval(text)
+
+
+def callable_for(key: int):
+    """The callable a recipe's text names by `key`, or None where it no longer exists."""
+    function = _CALLABLES.get(key)
+    return _UNWEAKABLE.get(key) if function is None else function
 
 
 def _ignores_unknown_arguments(cls):

@@ -23,6 +23,7 @@ from ..quantization.roles import QuantizerSlot
 from ..quantization.state import RecipeState, check_compatible, extra_state
 from ..quantization.step import HIGH_PRECISION, CalibrationStep, QuantizationStep
 from ..quantization.tensor import QuantizedTensor
+from .._recipe_objects import callable_for
 from ..recipe import config_from_text, recipe_from_config
 from ._common import check_optional_bool, resolve_device, resolve_params_dtype
 from ._microbatch import first_microbatch
@@ -85,18 +86,26 @@ def _prepare_untraced(module_id: int, recipe_config: dict) -> bool:
 def _prepare_untraced_text(module_id: int, config_text: str) -> bool:
     """_prepare_untraced for a recipe made outside the trace, by the text of its fields
     (Recipe._te_config): constant while tracing, where the fields themselves may be symbolic."""
-    return _prepare(module_id, config_from_text(config_text))
+    config, callable_keys = config_from_text(config_text)
+    return _prepare(module_id, config, callable_keys)
 
 
-def _prepare(module_id: int, config: dict) -> bool:
+def _prepare(module_id: int, config: dict, callable_keys=None) -> bool:
     module = _LIVE.get(module_id)
     recipe = recipe_from_config(config)
+    # the recipe's own callables (to_config names them only), so that the state made here is the
+    # traced recipe's equal and the traced forward keeps it; without them (a recipe made in the
+    # trace), a callable recorded by name counts as the same and the traced forward binds the
+    # state to the recipe that carries it
+    for name, key in (callable_keys or {}).items():
+        function = callable_for(key)
+        if function is not None:
+            setattr(recipe, name, function)
     state = None if module is None else module._recipe_state
     stale = state is None or not state.carries_over_to(recipe) or any(
         group.device != module._state_device() for group in state.scaling_groups().values())
-    # made for a recipe of other fields (a callable recorded by name counts as the same: the
-    # traced forward binds the state to the recipe that carries it)
-    stale = stale or state.recipe.to_config() != config
+    stale = stale or state.recipe.to_config() != config or any(  # made for a recipe of other fields
+        getattr(state.recipe, name) is not getattr(recipe, name) for name in callable_keys or ())
     if module is not None and stale:
         _UNTRACED[0] = True  # is_compiling() answers True in here too
         try:

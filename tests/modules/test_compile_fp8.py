@@ -237,19 +237,27 @@ def test_weight_caching_matches_eager(name, module):
 
 
 def test_recipe_with_callables():
-    """A recipe with a user callable does not round-trip through its config: the state made
-    before tracing comes from the config's recipe and is rebound to the autocast's one."""
-    rec = recipe.DelayedScaling(amax_history_len=4, amax_compute_algo=lambda history: history.amax(dim=0))
+    """A recipe with a user callable (its config names it only), handed to the compiled step and
+    given another margin between calls: the state made before tracing runs the recipe's own
+    callable, and every step equals eager, the scaling state included."""
+    rec = recipe.DelayedScaling(amax_history_len=4, amax_compute_algo=lambda history: history.mean(dim=0))
     torch.manual_seed(0)
     eager_model = MODULES["Linear"]()
     compiled_model = copy.deepcopy(eager_model)
     _like_compiled(eager_model, rec)
-    step = _step_fn(rec)
+
+    def step(model, x, rec):
+        with te.autocast(recipe=rec):
+            return model(x)
+
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
-    for i in range(STEPS):  # (the rebinding costs one retrace at the second step)
+    for i in range(STEPS + 2):
+        if i == 2:
+            rec.margin = 1
         x = torch.randn(SEQ, BATCH, HIDDEN)
-        _assert_identical(_run(compiled, compiled_model, x), _run(step, eager_model, x), f"step {i}")
-    assert compiled_model._recipe_state.recipe is rec
+        _assert_identical(_run(lambda m, t: compiled(m, t, rec), compiled_model, x),
+                          _run(lambda m, t: step(m, t, rec), eager_model, x), f"step {i}")
+    assert compiled_model._recipe_state.recipe.amax_compute_algo is rec.amax_compute_algo
     want, got = _scaling_state(eager_model), _scaling_state(compiled_model)
     _assert_identical(list(got.values()), list(want.values()), "scaling state")
 
