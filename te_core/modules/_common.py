@@ -282,10 +282,11 @@ def _check_real(value, *, name: str, module: str, what: str) -> float:
 
 
 def check_eps(value, *, name: str = "eps", module: str) -> float:
-    """A norm's epsilon: a positive finite real (it is added to the variance)."""
-    eps = _check_real(value, name=name, module=module, what="a positive finite number")
-    if not (math.isfinite(eps) and eps > 0):
-        raise ValueError(f"{module}: {name} must be positive and finite, got {value!r}")
+    """A norm's epsilon: a finite real >= 0 (it is added to the variance; 0 is taken, as
+    Transformer Engine and torch take it, though a row without variance then normalizes to NaN)."""
+    eps = _check_real(value, name=name, module=module, what="a finite number >= 0")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"{module}: {name} must be finite and >= 0, got {value!r}")
     return eps
 
 

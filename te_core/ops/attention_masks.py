@@ -37,7 +37,8 @@ def diagonal_bottom_right(attn_mask_type: str, bottom_right_diagonal: Optional[b
 def resolve_window(attn_mask_type: str, window_size) -> Tuple[float, float]:
     """(left, right): how many keys left and right of its diagonal a query sees, math.inf for
     unbounded. As in Transformer Engine, causal types use right = 0 (another right warns and
-    is replaced) and, for the other types, (-1, 0) means no window (with a warning)."""
+    is replaced, except after an unbounded left: an error) and, for the other types, (-1, 0)
+    means no window (with a warning) and one unbounded side alone is an error."""
     causal = attn_mask_type in CAUSAL_MASK_TYPES
     if window_size is None:
         left, right = -1, (0 if causal else -1)
@@ -47,6 +48,12 @@ def resolve_window(attn_mask_type: str, window_size) -> Tuple[float, float]:
             raise ValueError(f"window_size must be a pair of ints >= -1 (left, right; -1 = unbounded), "
                              f"got {window_size!r}")
         left, right = window_size
+    if causal and right != 0 and left == -1 and right != -1:
+        raise ValueError(f"window_size={tuple(window_size)} with attn_mask_type={attn_mask_type!r}: a causal mask "
+                         "takes (-1, 0) or (left >= 0, 0), as in Transformer Engine; give (-1, 0) for no window")
+    if not causal and window_size is not None and (left == -1) != (right == -1) and (left, right) != (-1, 0):
+        raise ValueError(f"window_size={tuple(window_size)} with attn_mask_type={attn_mask_type!r}: bound both "
+                         "sides or neither, (-1, -1) or (left >= 0, right >= 0), as in Transformer Engine")
     if causal and right != 0:
         warnings.warn(f"window_size={tuple(window_size)} with attn_mask_type={attn_mask_type!r}: a causal mask "
                       f"sees no key right of the diagonal; using ({left}, 0)", stacklevel=3)

@@ -100,7 +100,7 @@ def padded_layout(cu_seqlens: Tensor, s_max: int, total: int) -> Padded:
     cu = cu_seqlens.to(torch.long)
     batch, position = token_positions(cu, total)
     padding = torch.arange(s_max, device=cu.device)[None, :] >= cu.diff()[:, None]
-    return Padded(batch, position, padding.view(-1, 1, 1, s_max), s_max)
+    return Padded(batch, position, padding.view(cu.numel() - 1, 1, 1, s_max), s_max)
 
 
 def to_padded(x: Tensor, where: Padded) -> Tensor:

@@ -306,11 +306,12 @@ def reduce_first_amax(group: ScalingGroup, amax: Tensor, process_group) -> Tenso
     """A first cast's own amax (QuantizationStep.first_scale), all-reduced (MAX) over the ranks
     that reduce `group`'s amaxes, so every rank casts with the same scale from the first step on,
     as the updates keep them afterwards."""
-    if not group.recipe.reduce_amax or not _distributed_ready():
-        return amax
-    if _reduction_group_size(process_group) == 1:
-        return amax
-    return _all_reduce_fmax(amax.reshape(1), process_group)
+    return _all_reduce_fmax(amax.reshape(1), process_group) if reduces_first_amax(group, process_group) else amax
+
+
+def reduces_first_amax(group: ScalingGroup, process_group) -> bool:
+    """Whether reduce_first_amax all-reduces over other ranks (which must then all call it)."""
+    return bool(group.recipe.reduce_amax) and _distributed_ready() and _reduction_group_size(process_group) > 1
 
 
 def check_reduction_member(process_group) -> None:

@@ -23,7 +23,8 @@ from .autocast import get_autocast_context
 from .gemm import check_gemm_dims, keep_columnwise
 from .quantizers import joined
 from .roles import Role
-from .scaling import _CAPTURE, amax_of_parts, reduce_first_amax, schedule_backward_update, update_now
+from .scaling import (_CAPTURE, amax_of_parts, reduce_first_amax, reduces_first_amax, schedule_backward_update,
+                      update_now)
 from .tensor import QUANTIZED, QuantizedTensor
 
 
@@ -187,8 +188,12 @@ class QuantizationStep(CalibrationStep):
         torch.compile makes it: a graph cannot branch on Python state without recompiling) or
         captured by te_core.make_graphed_callables (a replay runs no Python)."""
         group, column = quantizer.scaling_group, quantizer.column
+        process_group = self._context.amax_reduction_group
+        if all(part.numel() == 0 for part in (x if isinstance(x, (list, tuple)) else (x,))) and not reduces_first_amax(
+                group, process_group):
+            return  # (no amax to scale by: the slot stays fresh for the first tensor that has elements)
         group.fresh.discard(column)
-        amax = reduce_first_amax(group, amax_of_parts(x), self._context.amax_reduction_group)
+        amax = reduce_first_amax(group, amax_of_parts(x), process_group)
         group.take_first_scale(column, amax)
 
     def _is_fresh(self, quantizer) -> bool:

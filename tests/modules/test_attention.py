@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 import torch
@@ -396,8 +397,8 @@ def test_dot_product_attention_constructor_arguments_are_checked(kwargs, exc, ma
     (dict(fuse_wgrad_accumulation="no"), TypeError, r"fuse_wgrad_accumulation must be True or False, got 'no'"),
     (dict(kv_channels="8"), ValueError, r"kv_channels must be a positive integer, got '8'"),
     (dict(attention_dropout=1.5), ValueError, r"attention_dropout must be in \[0, 1\), got 1.5"),
-    (dict(input_layernorm=True, layernorm_epsilon=0.0), ValueError, r"layernorm_epsilon must be positive and finite"),
-    (dict(qk_norm_type="RMSNorm", qk_norm_eps="1e-6"), TypeError, r"qk_norm_eps must be a positive finite number"),
+    (dict(input_layernorm=True, layernorm_epsilon=-1.0), ValueError, r"layernorm_epsilon must be finite and >= 0"),
+    (dict(qk_norm_type="RMSNorm", qk_norm_eps="1e-6"), TypeError, r"qk_norm_eps must be a finite number >= 0"),
 ])
 def test_multihead_attention_constructor_arguments_are_checked(kwargs, exc, match):
     with pytest.raises(exc, match=rf"MultiheadAttention: {match}"):
@@ -674,6 +675,32 @@ def test_thd_packed_sequences_match_each_sequence_alone(mask_type, heads, groups
     dy = torch.randn(out.shape, generator=g)
     for got, ref in zip(torch.autograd.grad(out, packed, dy), torch.autograd.grad(want, packed, dy.double())):
         torch.testing.assert_close(got.double(), ref.double(), rtol=1.3e-6, atol=1e-5)
+
+
+def test_thd_with_every_query_sequence_empty():
+    """No query tokens at all (cross attention of empty queries): an empty output, and the keys
+    and values get zero gradients."""
+    g = seeded(24)
+    k, v = (torch.randn(8, 2, 8, generator=g, requires_grad=True) for _ in range(2))
+    q = torch.randn(0, 2, 8, requires_grad=True)
+    dpa = tm.DotProductAttention(2, 8, qkv_format="thd", attn_mask_type="padding_causal_bottom_right",
+                                 attention_type="cross")
+    out = dpa(q, k, v, cu_seqlens_q=torch.tensor([0, 0, 0]), cu_seqlens_kv=torch.tensor([0, 6, 8]))
+    assert out.shape == (0, 16)
+    out.sum().backward()
+    assert torch.equal(k.grad, torch.zeros_like(k)) and torch.equal(v.grad, torch.zeros_like(v))
+
+
+@pytest.mark.parametrize("mask_type, window", [("no_mask", (2, -1)), ("padding", (-1, 3)), ("causal", (-1, 3)),
+                                               ("padding_causal_bottom_right", (-1, 1))])
+def test_windows_transformer_engine_refuses_are_refused(mask_type, window):
+    """One unbounded side with the other bounded (TE asserts): a clear error, not a window TE
+    code would not run."""
+    q = torch.randn(4, 1, 2, 8)
+    dpa = tm.DotProductAttention(2, 8, attn_mask_type=mask_type, window_size=window)
+    pad = torch.zeros(1, 1, 1, 4, dtype=torch.bool) if "padding" in mask_type else None
+    with pytest.raises(ValueError, match=rf"window_size={re.escape(str(window))} with attn_mask_type='{mask_type}'"):
+        dpa(q, q, q, attention_mask=pad)
 
 
 def test_cu_seqlens_stand_for_padding_masks_in_bshd_and_through_the_layer():

@@ -139,3 +139,17 @@ def test_calibrated_state_keeps_its_scales():
         layer(torch.randn(16, 32))
         during = layer.quantization_state()["forward"]["input"]["scale"].clone()
     assert torch.equal(during, calibrated)
+
+
+def test_an_empty_first_batch_leaves_the_slots_fresh():
+    """A first step without rows has no amax to scale by: its slots stay fresh, and the first
+    step with rows scales by its own amaxes, as it would have without the empty step."""
+    torch.manual_seed(0)
+    plain = tm.Linear(64, 32)
+    after_empty = copy.deepcopy(plain)
+    x, dy = torch.randn(32, 64) * 1000, torch.randn(32, 32) * 1e-3
+    _step(after_empty, torch.randn(0, 64), torch.randn(0, 32), recipe.DelayedScaling())
+    got = _step(after_empty, x, dy, recipe.DelayedScaling())
+    want = _step(plain, x, dy, recipe.DelayedScaling())
+    for i, (g, w) in enumerate(zip(got, want)):  # (the empty step's parameter gradients are zeros)
+        torch.testing.assert_close(g, w, rtol=0, atol=0, msg=lambda m: f"output/gradient {i}: {m}")

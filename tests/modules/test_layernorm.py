@@ -117,7 +117,7 @@ def test_parameters_default_to_float32_on_backend_device():
         (lambda: tm.RMSNorm(8), lambda m: m(torch.randint(0, 3, (4, 8))), r"inp has dtype torch.int64"),
         (lambda: tm.RMSNorm(8), lambda m: m(torch.randn(4, 8, device="meta")), r"inp is on meta but the weight is on \w+"),
         (lambda: tm.LayerNorm(0), None, r"normalized_shape must be a positive int"),
-        (lambda: tm.LayerNorm(8, eps=0.0), None, r"eps must be positive"),
+        (lambda: tm.LayerNorm(8, eps=-1.0), None, r"eps must be finite and >= 0"),
         (lambda: tm.LayerNorm(8, params_dtype=torch.int32), None, r"params_dtype=torch.int32 is not supported"),
     ],
 )
@@ -135,10 +135,10 @@ def test_flags_and_eps_refuse_what_they_cannot_mean(cls):
     with pytest.raises(TypeError, match=rf"{name}: sequence_parallel must be True, False or None, got 2"):
         cls(8, sequence_parallel=2)
     for eps in (float("inf"), float("nan"), -1e-5):
-        with pytest.raises(ValueError, match=rf"{name}: eps must be positive and finite, got {re.escape(repr(eps))}"):
+        with pytest.raises(ValueError, match=rf"{name}: eps must be finite and >= 0, got {re.escape(repr(eps))}"):
             cls(8, eps=eps)
     for eps in ("1e-5", True, None):
-        with pytest.raises(TypeError, match=rf"{name}: eps must be a positive finite number, got {re.escape(repr(eps))}"):
+        with pytest.raises(TypeError, match=rf"{name}: eps must be a finite number >= 0, got {re.escape(repr(eps))}"):
             cls(8, eps=eps)
     norm = cls(8, eps=np.float32(1e-6), zero_centered_gamma=np.bool_(True), sequence_parallel=0)
     assert type(norm.eps) is float and norm.zero_centered_gamma is True and norm.sequence_parallel is False
@@ -173,3 +173,20 @@ def test_transformer_engines_dtype_and_sm_margin_arguments(cls):
         cls(16, dtype=torch.bfloat16, params_dtype=torch.float32)
     with pytest.raises(TypeError, match="sm_margin must be an int >= 0"):
         cls(16, sm_margin=-1)
+
+
+@pytest.mark.parametrize("cls", [tm.LayerNorm, tm.RMSNorm])
+def test_eps_zero_is_taken_as_transformer_engine_takes_it(cls):
+    """eps=0.0 (Transformer Engine and torch take it): the norm of float64 math without epsilon."""
+    torch.manual_seed(0)
+    norm = cls(8, eps=0.0)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(4, 8)
+    xd = x.double()
+    if cls is tm.LayerNorm:
+        want = (xd - xd.mean(-1, keepdim=True)) / xd.var(-1, unbiased=False, keepdim=True).sqrt()
+    else:
+        want = xd / xd.pow(2).mean(-1, keepdim=True).sqrt()
+    want = want * norm.weight.double() + (norm.bias.double() if cls is tm.LayerNorm else 0)
+    torch.testing.assert_close(norm(x).double(), want, rtol=1.3e-6, atol=1e-5)

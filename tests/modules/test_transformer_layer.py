@@ -190,9 +190,9 @@ def test_bad_input_messages(build, match):
     (dict(hidden_dropout=1.5), ValueError, r"hidden_dropout must be in \[0, 1\), got 1.5"),
     (dict(hidden_dropout="0.1"), TypeError, r"hidden_dropout must be a number in \[0, 1\), got '0.1'"),
     (dict(attention_dropout=-0.1), ValueError, r"attention_dropout must be in \[0, 1\), got -0.1"),
-    (dict(layernorm_epsilon=0), ValueError, r"layernorm_epsilon must be positive and finite, got 0"),
-    (dict(layernorm_epsilon=float("inf")), ValueError, r"layernorm_epsilon must be positive and finite, got inf"),
-    (dict(layernorm_epsilon=None), TypeError, r"layernorm_epsilon must be a positive finite number, got None"),
+    (dict(layernorm_epsilon=-1), ValueError, r"layernorm_epsilon must be finite and >= 0, got -1"),
+    (dict(layernorm_epsilon=float("inf")), ValueError, r"layernorm_epsilon must be finite and >= 0, got inf"),
+    (dict(layernorm_epsilon=None), TypeError, r"layernorm_epsilon must be a finite number >= 0, got None"),
     (dict(kv_channels=8.5), ValueError, r"kv_channels must be a positive integer, got 8.5"),
 ])
 def test_transformer_layer_constructor_arguments_are_checked(kwargs, exc, match):
