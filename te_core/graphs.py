@@ -36,6 +36,7 @@ from ._graph_options import GraphOptions, graph_options
 from ._graph_order import FORWARD, Schedule, default_schedule, pipeline_schedule, run_hooks, shared_samples
 from ._graph_replay import graphed_forward, scaling_groups
 from ._graph_warmup import check_iterations, warm_up
+from .distributed.random import rng_states_kept
 from .modules._delayed_wgrad import DelayedWgradMixin
 from .modules._microbatch import forced_first_microbatch
 from .quantization.autocast import autocast
@@ -298,7 +299,7 @@ def make_graphed_callables(
         if value is not None and value is not False}
     saved = [_save_scaling_state(module) for module in mods]
     with autocast(enabled=any(options.enabled), calibrating=options.calibrating, recipe=options.recipe,
-                  amax_reduction_group=options.amax_reduction_group), graph_capture():
+                  amax_reduction_group=options.amax_reduction_group), graph_capture(), rng_states_kept():
         warm_up(device, variants, inputs, iterations, allow_unused_input, options.pre_warmup_hook,
                 options.post_warmup_hook, steps=steps, hook=hook if options.capture_time_hooks else None,
                 wgrad=warm_up_wgrad)

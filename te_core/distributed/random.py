@@ -146,6 +146,22 @@ class RNGStatesTracker:
             generator.set_state(outside)
 
 
+@contextlib.contextmanager
+def rng_states_kept() -> Iterator[None]:
+    """The device's default generator state and every tracker state (get_all_rng_states) put
+    back on exit: what make_graphed_callables does around its warm-up and capture, as Transformer
+    Engine's does, so that they do not move the dropout masks of the steps after them."""
+    generator = _selected_generator()
+    device_state, tracked = generator.get_state(), dict(_ALL_STATES[0])
+    try:
+        yield
+    finally:
+        generator.set_state(device_state)
+        live = _ALL_STATES[0]  # (the dict trackers hold: a fork replaces its entries, restored here)
+        live.clear()
+        live.update(tracked)
+
+
 # Transformer Engine's name: code written for TE constructs the same tracker. It tracks the
 # selected backend's device whatever that device is.
 CudaRNGStatesTracker = RNGStatesTracker

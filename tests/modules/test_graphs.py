@@ -591,3 +591,18 @@ def test_amax_reduction_group_reaches_the_capture(monkeypatch):
     lin, x = _linear()
     graphs.make_graphed_callables(lin, (x,), enabled=True, recipe=RECIPE, amax_reduction_group=group)
     assert seen == [group]
+
+
+def test_warm_up_and_capture_leave_the_random_states_as_they_were(fake_graphs):
+    """As Transformer Engine's: the default generator and the tracker's states are put back after
+    warm-up and capture (dropout draws in them), so later dropout masks are those without them."""
+    tracker = te.CudaRNGStatesTracker()
+    tracker.add("model-parallel-rng", 1234)
+    torch.manual_seed(0)
+    layer = te.TransformerLayer(32, 64, 4, hidden_dropout=0.1, attention_dropout=0.1, params_dtype=torch.float32,
+                                get_rng_state_tracker=lambda: tracker)
+    x = torch.randn(8, 2, 32, requires_grad=True)
+    before, tracked = torch.get_rng_state(), tracker.get_states()["model-parallel-rng"].clone()
+    graphs.make_graphed_callables(layer, (x,), enabled=False)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(tracker.get_states()["model-parallel-rng"], tracked)
