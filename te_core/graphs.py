@@ -212,13 +212,39 @@ def _variant_steps(steps, copies: int):
         yield from ((kind, v) for v in (variants if kind == FORWARD else reversed(variants)))
 
 
+# Transformer Engine's parameters after sample_kwargs, in its order, with its defaults: TE code
+# may pass any of them positionally
+_TE_POSITIONAL = (("fp8_enabled", None), ("fp8_calibrating", None), ("fp8_recipe", None), ("fp8_group", None),
+                  ("fp8_weight_caching", None), ("enabled", None), ("calibrating", None), ("recipe", None),
+                  ("amax_reduction_group", None), ("cache_quantized_params", None), ("_order", None),
+                  ("_num_layers_per_chunk", None), ("pool", None), ("retain_graph_in_backward", False),
+                  ("_reuse_graph_input_output_buffers", False), ("clone_param_grads_on_return", True),
+                  ("pre_warmup_hook", None), ("post_warmup_hook", None), ("capture_time_hooks", None))
+
+
+def _positional_arguments(positional: tuple, named: dict) -> dict:
+    """`named` (the keyword arguments) with TE's parameters given positionally added by name; a
+    value left at TE's default adds nothing (so a positional None never counts as a deprecated
+    fp8_* name given)."""
+    if len(positional) > len(_TE_POSITIONAL):
+        raise TypeError(f"make_graphed_callables takes at most {5 + len(_TE_POSITIONAL)} positional arguments "
+                        f"(Transformer Engine's), got {5 + len(positional)}")
+    named = dict(named)
+    for (name, default), value in zip(_TE_POSITIONAL, positional):
+        if named.get(name) is not None:
+            raise TypeError(f"make_graphed_callables got multiple values for argument {name!r}")
+        if value is not default:
+            named[name] = value
+    return named
+
+
 def make_graphed_callables(
     modules,
     sample_args,
     num_warmup_iters: int = 3,
     allow_unused_input: bool = False,
     sample_kwargs=None,
-    *,
+    *positional,
     enabled=None,
     recipe=None,
     amax_reduction_group=None,
@@ -227,7 +253,8 @@ def make_graphed_callables(
 ):
     """Capture each module's forward and backward as graphs; returns the module(s) with forward
     replaced by the replay (as torch's own make_graphed_callables does), in TE's signature
-    (TE's older fp8_enabled, fp8_recipe, fp8_group and fp8_weight_caching names work too).
+    (TE's older fp8_enabled, fp8_recipe, fp8_group and fp8_weight_caching names work too, and every
+    argument may be given positionally in TE's order).
 
     `modules` is one nn.Module (a whole model works: all its layers land in one graph per
     direction) or a tuple of them called in that order; `sample_args` the positional inputs of
@@ -240,15 +267,14 @@ def make_graphed_callables(
     (default DelayedScaling()), and every call must then run under an enabled te_core.autocast
     with that recipe; the scales keep updating. cache_quantized_params=True captures each module
     twice, as a first microbatch (weights quantized into the weight cache) and as a later one
-    (the cache read back); each call then passes is_first_microbatch=True or False. `pool` (a
-    keyword, as in TE): a graph memory pool handle shared with other graphs, which must then be
-    replayed in the order they were captured. `clone_param_grads_on_return` (a keyword, default
-    True as in TE): a replay's parameter gradients reach autograd as copies; False hands over the
+    (the cache read back); each call then passes is_first_microbatch=True or False. `pool`: a
+    graph memory pool handle shared with other graphs, which must then be replayed in the order
+    they were captured. `clone_param_grads_on_return` (default True as in TE): a replay's parameter gradients reach autograd as copies; False hands over the
     graph's own buffers (one copy less per parameter and step), which the next replay overwrites:
     only for loops that consume `.grad` before then, or that allocate `.grad` beforehand (autograd
     then adds into it). `num_warmup_iters` warm-up steps run real forward and backward passes, as
     in TE: on a side stream, every forward in order, then every backward in reverse order, after
-    `pre_warmup_hook()` and before `post_warmup_hook()` (keywords, as in TE); the scaling state is
+    `pre_warmup_hook()` and before `post_warmup_hook()` (as in TE); the scaling state is
     put back as it was afterwards. TE's `retain_graph_in_backward` and `capture_time_hooks` (per
     module, hooks run around each warm-up and captured pass, outside the capture) work as in TE.
     With TE's `_order` (and `_num_layers_per_chunk`, `_reuse_graph_input_output_buffers`) the
@@ -258,9 +284,9 @@ def make_graphed_callables(
     """
     mods, args = _checked_inputs(modules, sample_args)
     iterations = check_iterations(num_warmup_iters)
-    options = graph_options(len(mods), te_arguments | dict(
+    options = graph_options(len(mods), _positional_arguments(positional, te_arguments | dict(
         enabled=enabled, recipe=recipe, amax_reduction_group=amax_reduction_group,
-        cache_quantized_params=cache_quantized_params))
+        cache_quantized_params=cache_quantized_params)))
     delaying = [_delaying(module) for module in mods]
     schedule = _schedule(options, mods, args, [bool(d) for d in delaying])
     _check_devices(mods, args, schedule)

@@ -207,7 +207,10 @@ def checkpoint(
                       DeprecationWarning, stacklevel=2)
         distribute_saved_activations, get_rng_state_tracker, tp_group = args[:3]
         args = args[3:]
-    if distribute_saved_activations:
+    if distribute_saved_activations and use_reentrant is False:  # (Transformer Engine's warning, and it runs)
+        warnings.warn("checkpoint: distribute_saved_activations=True has no effect with use_reentrant=False (the "
+                      "saved activations are autograd's, not the checkpoint's own)", UserWarning, stacklevel=2)
+    elif distribute_saved_activations:
         raise NotImplementedError(
             "checkpoint: distribute_saved_activations=True (the saved input split over the tensor-parallel ranks) "
             "is not implemented by te-core; pass distribute_saved_activations=False (each rank keeps its input)")

@@ -126,6 +126,22 @@ def test_checkpoint_rejects_tensor_parallel_options():
         tm.checkpoint(torch.nn.Identity(), torch.randn(2, requires_grad=True), distribute_saved_activations=True)
 
 
+def test_distribute_saved_activations_without_reentrance_warns_and_runs():
+    """As in Transformer Engine: with use_reentrant=False the option has no effect (a warning),
+    and the recompute gives the gradients of the plain call."""
+    torch.manual_seed(0)
+    layer = tm.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.warns(UserWarning, match="distribute_saved_activations=True has no effect with use_reentrant=False"):
+        tm.checkpoint(layer, x, distribute_saved_activations=True, use_reentrant=False).sum().backward()
+    got = [x.grad.clone(), *(p.grad.clone() for p in layer.parameters())]
+    x.grad = None
+    layer.zero_grad(set_to_none=True)
+    layer(x).sum().backward()
+    for g, w in zip(got, [x.grad, *(p.grad for p in layer.parameters())]):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_torch_checkpoint_under_fp8_autocast_is_refused(use_reentrant):
     """torch.utils.checkpoint does not restore te.autocast: its recompute would run in high

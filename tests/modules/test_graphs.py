@@ -606,3 +606,15 @@ def test_warm_up_and_capture_leave_the_random_states_as_they_were(fake_graphs):
     graphs.make_graphed_callables(layer, (x,), enabled=False)
     assert torch.equal(torch.get_rng_state(), before)
     assert torch.equal(tracker.get_states()["model-parallel-rng"], tracked)
+
+
+def test_transformer_engines_arguments_are_taken_positionally(fake_graphs):
+    """Every argument in Transformer Engine's order (enabled is its 11th, recipe its 13th); a
+    value given both ways is an error."""
+    lin, x = _linear()
+    graphs.make_graphed_callables(lin, (x,), 3, False, None, None, None, None, None, None, True, None, RECIPE)
+    assert lin._recipe_state is not None and lin._recipe_state.recipe == RECIPE
+    lin, x = _linear()
+    with pytest.raises(TypeError, match="multiple values for argument 'recipe'"):
+        graphs.make_graphed_callables(lin, (x,), 3, False, None, None, None, None, None, None, True, None, RECIPE,
+                                      recipe=RECIPE)
