@@ -20,7 +20,7 @@ from ..quantization import extra_state as extra_state_bytes
 from ..quantization import high_precision_init
 from ..quantization.autocast import get_autocast_context, model_init_preserves_high_precision, model_init_recipe
 from ..quantization.roles import QuantizerSlot
-from ..quantization.state import RecipeState, check_compatible, extra_state
+from ..quantization.state import RecipeState, describe, extra_state, same_kind
 from ..quantization.step import HIGH_PRECISION, CalibrationStep, QuantizationStep
 from ..quantization.tensor import QuantizedTensor
 from .._recipe_objects import callable_for
@@ -259,10 +259,14 @@ class QuantizedModule(DeferredInit, nn.Module):
         state = self._recipe_state
         if state is not None and state.recipe is recipe and state.version == recipe._te_version:
             return state
-        if state is not None and self._state_from_checkpoint:
-            check_compatible(recipe, state.recipe, where=type(self).__name__)
+        if state is not None and self._state_from_checkpoint and same_kind(recipe, state.recipe):
+            saved = state.recipe
             state.rebind(recipe)
+            if saved.compatible_key() != recipe.compatible_key():
+                _warn_format_change(type(self).__name__, saved, recipe, state.rescale_for_format(saved), stacklevel=5)
+                self._weight_cache.clear()
         elif state is None or not state.carries_over_to(recipe):
+            # (a checkpoint's state under a recipe of another kind too: its scales mean nothing there)
             if state is not None:
                 _warn_recipe_type_change(type(self).__name__, state.recipe, recipe)
             state = recipe.make_state(self._quantizer_slots, self._state_device())
@@ -327,6 +331,8 @@ class QuantizedModule(DeferredInit, nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        if keep_vars:  # the parameters themselves, as torch promises: callers map state to them by identity
+            return
         # Quantized primary weights are saved dequantized: a plain tensor loads with weights_only=True
         # and on any backend; loading requantizes it (QuantizedTensor.copy_).
         for name, param in self._parameters.items():
@@ -336,22 +342,50 @@ class QuantizedModule(DeferredInit, nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         errors = len(error_msgs)
+        quantized = {name: p for name, p in self._parameters.items() if isinstance(p, QuantizedTensor)}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         if len(error_msgs) != errors:
             return
-        # copy_ requantized each quantized primary weight with this module's scale; a delayed
-        # scale from a fresh init can saturate trained values, so such a quantizer redoes it
-        for name, param in self._parameters.items():
+        for name, old in quantized.items():
             value = state_dict.get(prefix + name)
-            if not isinstance(param, QuantizedTensor) or param._quantizer is None or not isinstance(value, Tensor) \
-                    or isinstance(value, QuantizedTensor):
+            param = self._parameters.get(name)
+            if not isinstance(value, Tensor):
+                continue
+            if param is not old:  # assign=True put the loaded value in a parameter of its own
+                if not (isinstance(param, QuantizedTensor) and type(param) is type(old)):
+                    self._assign_primary_weight(name, old, value, prefix, error_msgs)
+                continue
+            # copy_ requantized the quantized primary weight with this module's scale; a delayed
+            # scale from a fresh init can saturate trained values, so such a quantizer redoes it
+            if old._quantizer is None or isinstance(value, QuantizedTensor):
                 continue
             with torch.no_grad():
-                fresh = param._quantizer.load_primary(value.detach().to(param.device, param.dtype).reshape(param.shape))
+                fresh = old._quantizer.load_primary(value.detach().to(old.device, old.dtype).reshape(old.shape))
             if fresh is not None:
-                param._take_payload(fresh)
+                old._take_payload(fresh)
                 self._weight_cache.clear()
+
+    def _assign_primary_weight(self, name: str, old: QuantizedTensor, value: Tensor, prefix: str,
+                               error_msgs) -> None:
+        """load_state_dict(assign=True) of FP8 primary weight `name`: the loaded value (on its
+        device, in its dtype, as assign takes it) quantized as a load into the weight in place
+        would (_quantized_like: load_primary, else the weight's quantizer), in a new parameter
+        that trains as the old one did; Transformer Engine's state dict holds the FP8 tensor, which
+        assign keeps FP8."""
+        try:
+            with torch.no_grad():
+                quantized = old._quantized_like(value)  # (torch checked the shape)
+        except (RuntimeError, TypeError) as err:
+            error_msgs.append(f"While assigning the FP8 primary weight named \"{prefix + name}\": {err}")
+            return
+        new = nn.Parameter(quantized, requires_grad=old.requires_grad)
+        for key, attr in old.__dict__.items():  # (as _apply: Megatron-LM's and the user's attributes)
+            if not key.startswith("_"):
+                new.__dict__.setdefault(key, attr)
+        high_precision_init.carry_over(old, new)  # (the load in place keeps it too)
+        self._parameters[name] = new
+        self._weight_cache.clear()
 
     # ------------------------------------------------------------------ state and checkpoints
     def quantization_state(self) -> Dict[str, Dict[str, Dict[str, Tensor]]]:
@@ -388,14 +422,21 @@ class QuantizedModule(DeferredInit, nn.Module):
                                  "expected the dict te_core writes; the checkpoint is corrupt. Drop the module's "
                                  "'_extra_state' entry from the state dict to start its scaling state afresh.")
         saved_recipe = recipe_from_config(state["recipe"])
-        if self._recipe_state is not None:
-            check_compatible(self._recipe_state.recipe, saved_recipe, where=f"loading {type(self).__name__}")
-            target = self._recipe_state
+        current = self._recipe_state
+        if current is not None and same_kind(current.recipe, saved_recipe):
+            current.follow_device(self._state_device())  # (one made on meta takes no values)
+            current.load_quantization_state(state["quantization_state"], state.get("fresh"))
+            if current.recipe.compatible_key() != saved_recipe.compatible_key():
+                _warn_format_change(type(self).__name__, saved_recipe, current.recipe,
+                                    current.rescale_for_format(saved_recipe), stacklevel=4)
         else:
-            target = saved_recipe.make_state(self._quantizer_slots, self._state_device())
+            # Another kind of recipe's state (or none) gives way to the checkpoint's, as Transformer
+            # Engine's load installs the saved recipe: running under that recipe resumes it, under
+            # another kind the module drops it with the recipe-change warning (_state_for).
+            current = saved_recipe.make_state(self._quantizer_slots, self._state_device())
+            current.load_quantization_state(state["quantization_state"], state.get("fresh"))
             self._state_from_checkpoint = True
-        target.load_quantization_state(state["quantization_state"], state.get("fresh"))
-        self._recipe_state = target
+        self._recipe_state = current
         self._weight_cache.clear()
 
 
@@ -432,3 +473,14 @@ def _warn_recipe_type_change(module: str, old, new) -> None:
     warnings.warn(f"Recipe type changed from {type(old).__name__} to {type(new).__name__}. This may affect model "
                   f"behavior: {module} drops its quantization state for {type(old).__name__} (amax histories, "
                   f"scales) and starts a new one for {type(new).__name__}", UserWarning, stacklevel=5)
+
+
+def _warn_format_change(module: str, saved, new, rescaled, stacklevel: int) -> None:
+    """A checkpoint's delayed-scaling state now serves a recipe of the same kind in another FP8
+    format: the histories are kept, the scales that belong to the old format recomputed."""
+    if torch.compiler.is_compiling():
+        return
+    roles = ", ".join(rescaled) or "no"
+    warnings.warn(f"{module}: its FP8 scaling state was loaded from a checkpoint made with {describe(saved)} and "
+                  f"now serves {describe(new)}; the amax histories are kept and the scales of the {roles} tensors "
+                  f"are recomputed from them for the new format", UserWarning, stacklevel=stacklevel)

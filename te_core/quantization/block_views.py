@@ -1,18 +1,22 @@
 """Views of a Float8BlockwiseTensor that stay FP8: the torch ops FSDP2 shards a parameter with.
 
-A block-scaled tensor cut along dim 0 at block boundaries is, piece by piece, the FP8 bytes of
+A block-scaled tensor cut along dim 0 from a block boundary is, piece by piece, the FP8 bytes of
 those rows with the scale_inv rows of their blocks (a 128x128 tile's scale covers 128 rows, a
-1x128 run's one row), so such a piece is kept quantized, exactly. A cut through a 128x128 tile
-cannot be: its rows would need the scale of a tile they only partly fill. FSDP2 cuts dim 0
-with torch.chunk (pieces of ceil(rows / world size) rows, the last one shorter or empty, then
-padded), so a cut that would split a tile is refused with what to do, instead of silently
-making high-precision shards. Views carry only the row-wise data and scales (the column-wise
-copy is another layout); an FSDP2 all-gather rebuilds it.
+1x128 run's one row), so such a piece is kept quantized, exactly, even where it ends inside a
+tile (its last rows keep their tile's scale, as the last rows of a tensor whose rows are no
+multiple of 128 do). A cut starting inside a tile has no scale grid of its own: as Transformer
+Engine does, it falls back to the dequantized value, a DequantizedView (see below), for a slice,
+a narrow, a split or a chunk alike. FSDP2's own shard of a weight is always such a narrow from
+row 0 of a padded shard, so it stays a block tensor with the all-gather hooks; where its shards
+cut tiles (ceil(rows / world size) or rows not a multiple of 128), that all-gather refuses it
+(te_core.distributed.fsdp_block) on every rank, with what to do. Views carry only the row-wise
+data and scales (the column-wise copy is another layout); an FSDP2 all-gather rebuilds it.
 
 Such a piece is linked to the tensor it was cut from (ViewLink): an in-place op on it writes its
 rows of that tensor's value, requantized whole, so that the column-wise copy the tensor holds
-follows (the piece holds none). A select (`w[1]`, `w[:, 3]`) or a slice along a row is no block
-tensor: it is a DequantizedView, which writes back in the same way.
+follows (the piece holds none). A select (`w[1]`, `w[:, 3]`), a slice along a row, or a cut
+starting inside a tile is no block tensor: it is a DequantizedView, which writes back in the
+same way.
 
 A flattening view (FSDP2 keeps one of each padded shard) is the same payload under the 1-D
 nominal shape: the row-major order of the elements is unchanged, so it dequantizes to the
@@ -60,13 +64,8 @@ def _rows(t, start: int, end: int):
                         _block_2d=t._block_2d, _view_of=ViewLink(t, lambda value, part: value[start:end].copy_(part)))
 
 
-def world_size_of(rows: int, piece: int) -> str:
-    """The FSDP world size that makes torch.chunk cut `rows` into pieces of `piece` rows."""
-    n = _ceil_div(rows, piece)
-    return str(n) if _ceil_div(rows, n + 1) != piece else f"{n} or more"
-
-
 def tile_cut_error(shape, piece: int, world: str) -> ValueError:
+    """The FSDP2 all-gather's refusal of shards that cut tiles (raised by te_core.distributed.fsdp_block)."""
     return ValueError(
         f"FSDP2 FP8 all-gather of a block-scaled (Float8BlockScaling) weight of shape {tuple(shape)}: with world "
         f"size {world}, FSDP2 cuts dim 0 into shards of {piece} rows (ceil(rows / world size)), which cut its "
@@ -75,10 +74,12 @@ def tile_cut_error(shape, piece: int, world: str) -> ValueError:
         "all-gathers it in high precision and the recipe quantizes it in each forward)")
 
 
-def _cut_error(t, start: int, end: int) -> ValueError:
-    return ValueError(
-        f"rows {start}:{end} of a block-scaled tensor of shape {tuple(t.shape)} cut a {_row_block(t)}-row block of "
-        "scales; cut it at multiples of 128 rows, or dequantize it first (t.dequantize())")
+def _cut(t, start: int, end: int):
+    """Rows start:end of t (0 <= start <= end <= rows): a block tensor sharing t's buffers where
+    start is on a block boundary, else a DequantizedView (no scale grid starts inside a block)."""
+    if start % _row_block(t):
+        return dequantized_slice(t, 0, start, end)
+    return _rows(t, start, end)
 
 
 def _split(t, split_size, dim: int = 0):
@@ -89,20 +90,15 @@ def _split(t, split_size, dim: int = 0):
             f"split of a block-scaled weight of shape {tuple(t.shape)} along dim {dim}: its FP8 pieces exist only "
             "along dim 0 (FSDP2's default Shard(0) placement; drop shard_placement_fn for FP8 primary weights). "
             "Dequantize it first (t.dequantize()) for a high-precision split")
-    rows, unit = t.shape[0], _row_block(t)
-    if isinstance(split_size, int):  # torch.chunk's equal pieces: how FSDP2 shards
+    rows = t.shape[0]
+    if isinstance(split_size, int):  # torch.chunk's equal pieces, and FSDP2's shards
         if split_size <= 0:
             return NotImplemented
-        if rows > split_size and (split_size % unit or rows % split_size % unit):
-            raise tile_cut_error(t.shape, split_size, world_size_of(rows, split_size))
         sizes = [split_size] * (rows // split_size) + ([rows % split_size] if rows % split_size else [])
     else:
         sizes = list(split_size)
     bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    for start, end in zip(bounds, bounds[1:]):
-        if start % unit or (end % unit and end != rows):
-            raise _cut_error(t, start, end)
-    return tuple(_rows(t, start, end) for start, end in zip(bounds, bounds[1:]))
+    return tuple(_cut(t, start, end) for start, end in zip(bounds, bounds[1:]))
 
 
 def _slice(t, dim: int = 0, start=None, end=None, step: int = 1):
@@ -113,10 +109,7 @@ def _slice(t, dim: int = 0, start=None, end=None, step: int = 1):
     rows = t.shape[0]
     start, end = (0 if start is None else start), (rows if end is None else end)
     start, end = (min(max(0, i + rows if i < 0 else i), rows) for i in (start, end))
-    end = max(start, end)
-    if start % _row_block(t) or (end % _row_block(t) and end != rows):
-        raise _cut_error(t, start, end)
-    return _rows(t, start, end)
+    return _cut(t, start, max(start, end))
 
 
 def _reshaped(t, size):

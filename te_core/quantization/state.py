@@ -2,14 +2,15 @@
 scaling) the amax histories and scales behind them, with their checkpoint form."""
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
+from ..reference.scaling import history_amax
 from .quantizers import Float8Quantizer, Quantizer
 from .roles import BACKWARD, FORWARD, QuantizerSlot, Role
-from .scaling import ScalingGroup, fit_history, group_state
+from .scaling import ScalingGroup, _scale_for, _user_result, fit_history, group_state
 
 
 class RecipeState:
@@ -52,6 +53,12 @@ class RecipeState:
         """Use `recipe` (compatible with the current one) from now on, keeping the state: also
         the same recipe object after an assignment to one of its fields."""
         self.recipe, self.version = recipe, recipe._te_version
+
+    def rescale_for_format(self, old_recipe) -> List[str]:
+        """After this state took a recipe of `old_recipe`'s kind in another fp8_format while
+        holding scales made under `old_recipe` (a checkpoint's): make those scales fit the new
+        format. Returns the roles whose scales were recomputed."""
+        return []
 
     def carries_over_to(self, recipe) -> bool:
         """Whether this state serves `recipe` after rebind(recipe), rather than a fresh state: for
@@ -183,6 +190,25 @@ class DelayedScalingState(RecipeState):
             group.fresh = {c for c, name in enumerate(group.names)
                            if isinstance(flags, dict) and flags.get(name) is True}
 
+    def rescale_for_format(self, old_recipe) -> List[str]:
+        """An amax history holds for any format, a scale does not (it is fp8_max / amax of its own
+        format): each group whose format changed takes the scales the recipe's update computes from
+        its history, which stays as it is. A column whose history holds no usable amax (one never
+        cast, or amax_history_len=1, whose update leaves the history empty) restarts as a new
+        state's: scale 1, fresh, so that its first cast scales by its own amax."""
+        rescaled = []
+        for role, group in self.groups.items():
+            if old_recipe.fp8_dtype(role) == group.fp8_dtype or group.scale.is_meta:  # (meta: restarts anyway)
+                continue
+            amax = _history_amax(group)
+            usable = torch.isfinite(amax) & (amax > 0)
+            scale = torch.where(usable, _scale_for(group, amax, group.scale), torch.ones_like(group.scale))
+            group.scale.copy_(scale)
+            group.scale_changed()
+            group.fresh.update(column for column, ok in enumerate(usable.tolist()) if not ok)
+            rescaled.append(role.value)
+        return rescaled
+
     def rebind(self, recipe) -> None:
         super().rebind(recipe)
         for role, group in self.groups.items():
@@ -192,6 +218,17 @@ class DelayedScalingState(RecipeState):
                 for column, name in enumerate(group.names):
                     self.quantizers[name] = Float8Quantizer(role, group, column)
         self._adopt_gemm_choices()
+
+
+def _history_amax(group: ScalingGroup) -> Tensor:
+    """The amax the recipe's update takes from `group`'s history, per column."""
+    history, algo = group.amax_history, group.recipe.amax_compute_algo
+    if callable(algo):
+        return _user_result(algo(history), group.scale, "amax_compute_algo", "the (L, n) amax history").float()
+    if algo == "most_recent":
+        # between steps the update has rolled the step's amax from row 0 (zeroed) to the last row
+        return torch.where(history[0] != 0, history[0], history[-1])
+    return history_amax(history, algo)
 
 
 def _check_entry(dst: Tensor, src, what: str) -> None:
@@ -216,19 +253,13 @@ def _check_entry(dst: Tensor, src, what: str) -> None:
                          "to start its scaling state afresh.")
 
 
-def check_compatible(current, saved, *, where: str) -> None:
-    """Raise when scaling state made under `saved` cannot be used with `current`."""
-    if current.compatible_key() != saved.compatible_key():
-        raise ValueError(
-            f"{where}: the quantization state was made with {_describe(saved)} but the recipe is now "
-            f"{_describe(current)}; scales and amax histories do not carry over between recipe classes or "
-            "formats (another amax_history_len is fine: the history is fitted to it). Use the checkpoint's "
-            "recipe, or drop the module's '_extra_state' entry from the state dict to start the scaling "
-            "state afresh."
-        )
+def same_kind(recipe, other) -> bool:
+    """Whether scaling state made under `other` can serve `recipe`, perhaps after
+    rescale_for_format: the same te-core recipe (a subclass counts as its te-core base)."""
+    return recipe.compatible_key()[0] == other.compatible_key()[0]
 
 
-def _describe(recipe) -> str:
+def describe(recipe) -> str:
     key = recipe.compatible_key()
     return f"{key[0]}(fp8_format={key[1]})"
 

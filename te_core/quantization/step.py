@@ -243,9 +243,11 @@ class QuantizationStep(CalibrationStep):
             return cached  # amax not recorded, scale not updated: the weight did not change
         columnwise = self.backward_override is None and (columnwise or self._is_first_microbatch is not None)
         result = self._quantize(slot, weight, columnwise=columnwise)
-        if self._is_first_microbatch is None:
-            self._weight_cache.pop(slot, None)
-        else:
+        # None neither reads nor writes the cache (Transformer Engine passes no cache name then), so a
+        # later False still reuses the weight cached at the last True. What makes a cached weight
+        # stale otherwise (a recipe change, a checkpoint or state load, reset_parameters) clears the
+        # cache where it happens (QuantizedModule), not here.
+        if self._is_first_microbatch is not None:
             self._weight_cache[slot] = result
         return result
 
