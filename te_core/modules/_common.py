@@ -281,6 +281,14 @@ def _check_real(value, *, name: str, module: str, what: str) -> float:
     return float(value)
 
 
+def check_positive_finite(value, *, name: str, module: str) -> float:
+    """A positive finite real (a softmax scale, a rotary base or fraction)."""
+    number = _check_real(value, name=name, module=module, what="a positive finite number")
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{module}: {name} must be positive and finite, got {value!r}")
+    return number
+
+
 def check_eps(value, *, name: str = "eps", module: str) -> float:
     """A norm's epsilon: a finite real >= 0 (it is added to the variance; 0 is taken, as
     Transformer Engine and torch take it, though a row without variance then normalizes to NaN)."""

@@ -30,10 +30,10 @@ from ._common import (
     check_bool,
     check_bools,
     check_choice,
-    check_eps,
     check_name,
     check_optional_bool,
     check_positive,
+    check_positive_finite,
     check_probability,
     compute_dtype,
     no_torch_autocast,
@@ -123,7 +123,7 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
         self.bottom_right_diagonal = check_optional_bool(bottom_right_diagonal, name="bottom_right_diagonal",
                                                          module=module)
         self.softmax_scale = (1.0 / math.sqrt(k_ch) if softmax_scale is None
-                              else check_eps(softmax_scale, name="softmax_scale", module=module))
+                              else check_positive_finite(softmax_scale, name="softmax_scale", module=module))
         # layer_number scales nothing here: Transformer Engine divides the logits by it and
         # multiplies them back inside the softmax (fp16 range), an identity in exact math
         self.layer_number, self.name = layer_number, check_name(name, "DotProductAttention")

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..ops.packed_sequences import check_on_device, checked_offsets, host_readable, token_positions
-from ._common import check_bool, check_choice, check_eps, check_positive
+from ._common import check_bool, check_choice, check_positive, check_positive_finite
 
 
 class RotaryPositionEmbedding(nn.Module):
@@ -29,17 +29,17 @@ class RotaryPositionEmbedding(nn.Module):
         super().__init__()
         module = "RotaryPositionEmbedding"
         check_positive(dim, name="dim", module=module)
-        percent = check_eps(rotary_percent, name="rotary_percent", module=module)
+        percent = check_positive_finite(rotary_percent, name="rotary_percent", module=module)
         if percent > 1:
             raise ValueError(f"{module}: rotary_percent must be in (0, 1] (the share of dim rotated), got "
                              f"{rotary_percent!r}")
         rot_dim = int(dim * percent)  # (odd: ceil(rot_dim / 2) frequencies, as Transformer Engine makes them)
         if rot_dim <= 0:
             raise ValueError(f"{module}: dim * rotary_percent = {rot_dim} must be a positive number of channels")
-        rotary_base = check_eps(rotary_base, name="rotary_base", module=module)
+        rotary_base = check_positive_finite(rotary_base, name="rotary_base", module=module)
         if seq_len_interpolation_factor is not None:
-            seq_len_interpolation_factor = check_eps(seq_len_interpolation_factor, name="seq_len_interpolation_factor",
-                                                     module=module)
+            seq_len_interpolation_factor = check_positive_finite(
+                seq_len_interpolation_factor, name="seq_len_interpolation_factor", module=module)
         if pretrained_max_position_embeddings is not None:
             check_positive(pretrained_max_position_embeddings, name="pretrained_max_position_embeddings",
                            module=module)
