@@ -80,6 +80,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     except BackendError as exc:
         print(f"te-core: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as exc:  # a path the user gave that cannot be written (new-backend --dest, demo --out)
+        where = f" {exc.filename!r}" if exc.filename else ""
+        print(f"te-core: error: cannot write{where}: {exc.strerror or exc}; give a directory you can write to",
+              file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
 from typing import Any, Dict, List
 
 import torch
@@ -73,11 +74,13 @@ def collect() -> Dict[str, Any]:
 def _op_row(name: str, selection) -> Dict[str, str]:
     backend = selection.overrides.get(name, selection.backend)
     reason = dispatch.fallback_reason(name)
+    # under TE_BACKEND_STRICT=1 an op the backend cannot run raises instead of falling back
+    fails = reason is not None and selection.strict
     return {
         "op": name,
         "family": CONTRACT[name].family,
-        "backend": backend.name if reason is None else "reference",
-        "status": "native" if reason is None else "fallback",
+        "backend": backend.name if reason is None else ("none" if fails else "reference"),
+        "status": "native" if reason is None else ("error (TE_BACKEND_STRICT=1)" if fails else "fallback"),
         "reason": reason or ("pinned by TE_BACKEND_OVERRIDES" if name in selection.overrides else ""),
     }
 
@@ -104,7 +107,8 @@ def render(report: Dict[str, Any]) -> str:
     for b in report["broken"]:
         lines.append(f"  {b['name']} ({b['distribution']}): {b['error']}")
     lines.append("")
-    lines.append(f"Selected: {report['selected']}  ({report['selected_reason']})")
+    strict = "; TE_BACKEND_STRICT=1: ops it cannot run raise instead of falling back" if report.get("strict") else ""
+    lines.append(f"Selected: {report['selected']}  ({report['selected_reason']}{strict})")
     if report["ops"]:
         lines.append("")
         lines.append(f"  {'op':<38} {'family':<11} {'runs on':<10} note")
@@ -116,4 +120,6 @@ def render(report: Dict[str, Any]) -> str:
 def main(as_json: bool = False) -> int:
     report = collect()
     print(json.dumps(report, indent=2) if as_json else render(report))
+    if not report.get("selected") and not as_json:  # (also on stderr: what to fix)
+        print(f"te-core: error: no backend selected: {report['selected_reason']}", file=sys.stderr)
     return 0 if report.get("selected") else 1

@@ -87,9 +87,11 @@ def create(name: str, dest: Optional[Path] = None, template: Path = TEMPLATE, in
     check_name(name, installed)
     dest = Path(dest if dest is not None else f"te-backend-{name.replace('_', '-')}")
     if not (template / "pyproject.toml").is_file():
+        fix = ("pass --template the plugins/template directory of a te-core checkout" if template != TEMPLATE else
+               "run the command from a te-core checkout, or pass --template DIR")
         raise BackendError(
             f"te-core's backend template is not at {template} (it ships in te-core's source repository as "
-            f"plugins/template); run the command from a te-core checkout, or pass --template DIR")
+            f"plugins/template, with a pyproject.toml); {fix}")
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise BackendError(f"{dest} already exists and is not an empty directory; pass --dest with a new directory")
     dest.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ import math
 import os
 import platform
 import sys
+import tempfile
 from typing import Callable, Iterator, List, Optional
 
 import torch
@@ -232,6 +233,8 @@ def _device(name: Optional[str], be):
     except (RuntimeError, AssertionError) as err:  # a malformed name, or a device this torch build cannot use
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         return None, f"--device {name}: not usable here ({first}); leave it out to use the backend's device"
+    if device.type == "meta":  # (tensors without data: nothing to train)
+        return None, f"--device {name}: meta tensors hold no data to train on; leave it out to use the backend's device"
     return device, None
 
 
@@ -264,7 +267,12 @@ def _check_out(out: str) -> Optional[str]:
     if os.path.exists(path):
         if not os.path.isdir(path):
             return f"--out {out!r} is a file; {fix}"
-        return None if os.access(path, os.W_OK | os.X_OK) else f"--out {out!r} is not writable; {fix}"
+        try:  # (only writing tells: os.access answers yes to root for /proc and /sys)
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as error:
+            return f"--out {out!r} is not writable ({error.strerror}); {fix}"
+        return None
     made = []  # the directories the run would make, made and removed again: only trying tells (root, /proc)
     try:
         head = path

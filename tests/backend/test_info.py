@@ -30,6 +30,18 @@ def test_report_lists_backends_broken_selection_and_coverage(plugins):
     assert "Selected: fake" in text and "missing libvendor" in text
 
 
+def test_strict_selection_marks_the_ops_that_would_raise(plugins, monkeypatch):
+    """Under TE_BACKEND_STRICT=1 an op the backend lacks raises instead of falling back: the table
+    says so, and the selection line names the mode."""
+    plugins([FakeEntryPoint("fake", make_plugin("fake", ops={"dbias": lambda dy: dy.sum(0)}))])
+    monkeypatch.setenv("TE_BACKEND_STRICT", "1")
+    report = info.collect()
+    rows = {row["op"]: row for row in report["ops"]}
+    assert rows["dbias"]["status"] == "native"
+    assert rows["gemm"]["status"] == "error (TE_BACKEND_STRICT=1)" and rows["gemm"]["backend"] == "none"
+    assert "TE_BACKEND_STRICT=1: ops it cannot run raise" in info.render(report)
+
+
 def test_cli_json_in_a_fresh_process():
     out = subprocess.run([sys.executable, "-m", "te_core", "info", "--json"], capture_output=True, text=True,
                          env={"TE_BACKEND": "reference", "PATH": ""}, check=True)

@@ -94,9 +94,23 @@ def test_existing_destination_is_refused(tmp_path):
         new_backend.create("acme", tmp_path / "keep.txt")
 
 
-def test_missing_template_says_where_it_ships(tmp_path):
+def test_missing_template_says_where_it_ships(tmp_path, monkeypatch):
+    with pytest.raises(BackendError, match="plugins/template.*pass --template the plugins/template directory"):
+        new_backend.create("acme", tmp_path / "x", template=tmp_path / "nowhere")
+    monkeypatch.setattr(new_backend, "TEMPLATE", tmp_path / "nowhere")  # (no checkout: the default is missing)
     with pytest.raises(BackendError, match="plugins/template.*--template DIR"):
         new_backend.create("acme", tmp_path / "x", template=tmp_path / "nowhere")
+
+
+def test_user_path_errors_are_clear_not_tracebacks(tmp_path, capsys):
+    """A --dest that cannot be made, a demo --device without data: exit status 2 and one line saying
+    what is wrong, no traceback."""
+    from te_core import cli
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert cli.main(["new-backend", "acme", "--dest", str(blocker / "sub")]) == 2
+    assert "te-core: error: cannot write" in capsys.readouterr().err
 
 
 def test_coverage_is_read_from_the_kit_report(tmp_path):

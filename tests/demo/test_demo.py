@@ -97,6 +97,8 @@ def test_demo_rejects_bad_arguments(capsys):
         (["--out", "/proc/te-core-demo/out"], "--out '/proc/te-core-demo/out' cannot be made"),
         (["--backend", "no-such-backend", "--steps", "2"], "--backend no-such-backend"),
         (["--device", "no-such-device", "--steps", "2"], "--device no-such-device: not usable here"),
+        (["--device", "meta", "--steps", "2"], "--device meta: meta tensors hold no data to train on"),
+        (["--out", "/proc"], "--out '/proc' is not writable"),
         (["--pin-host-thread", "--steps", "2"], "--pin-host-thread is for training on an accelerator"),
         (["--capture", "--compile"], "--capture and --compile are two ways"),
         (["--capture", "--steps", "2"], "--capture needs an accelerator whose torch module captures graphs; cpu"),
