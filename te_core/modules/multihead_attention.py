@@ -157,6 +157,8 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         if input_layernorm:  # (read only then, as in Transformer Engine)
             check_eps(layernorm_epsilon, name="layernorm_epsilon", module=module)
         hidden_size = check_positive(hidden_size, name="hidden_size", module=module)
+        if kv_channels == 0 and type(kv_channels) is int:  # (TE reads a 0 as unset: hidden_size / heads)
+            kv_channels = None
         _, self.num_gqa_groups, kv_channels = check_attention_heads(
             module, num_attention_heads, num_gqa_groups, hidden_size, kv_channels)
         check_normalization(normalization, module)

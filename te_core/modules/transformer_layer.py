@@ -141,10 +141,13 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
                            ("enc_dec_bottom_right_diagonal", enc_dec_bottom_right_diagonal)):
             check_optional_bool(value, name=arg, module=name)
         layernorm_epsilon = check_eps(layernorm_epsilon, name="layernorm_epsilon", module=name)
-        hidden_dropout = check_probability(hidden_dropout, name="hidden_dropout", module=name)
+        # (1 as torch's dropout takes it: every output zeroed in training)
+        hidden_dropout = check_probability(hidden_dropout, name="hidden_dropout", module=name, closed=True)
         check_probability(attention_dropout, name="attention_dropout", module=name)
         hidden_size = check_positive(hidden_size, name="hidden_size", module=name)
         ffn_hidden_size = check_positive(ffn_hidden_size, name="ffn_hidden_size", module=name)
+        if kv_channels == 0 and type(kv_channels) is int:  # (TE reads a 0 as unset: hidden_size / heads)
+            kv_channels = None
         check_attention_heads(name, num_attention_heads, num_gqa_groups, hidden_size, kv_channels)
         check_activation(activation, name)
         tp = self.init_container_parallel(name, tp_group=tp_group, tp_size=tp_size, sequence_parallel=sequence_parallel,

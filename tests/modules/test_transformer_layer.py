@@ -187,8 +187,8 @@ def test_bad_input_messages(build, match):
     (dict(parallel_attention_mlp=None), TypeError, r"parallel_attention_mlp must be True or False, got None"),
     (dict(ub_overlap_ag="no"), TypeError, r"ub_overlap_ag must be True or False, got 'no'"),
     (dict(bottom_right_diagonal="no"), TypeError, r"bottom_right_diagonal must be True, False or None, got 'no'"),
-    (dict(hidden_dropout=1.5), ValueError, r"hidden_dropout must be in \[0, 1\), got 1.5"),
-    (dict(hidden_dropout="0.1"), TypeError, r"hidden_dropout must be a number in \[0, 1\), got '0.1'"),
+    (dict(hidden_dropout=1.5), ValueError, r"hidden_dropout must be in \[0, 1\], got 1.5"),
+    (dict(hidden_dropout="0.1"), TypeError, r"hidden_dropout must be a number in \[0, 1\], got '0.1'"),
     (dict(attention_dropout=-0.1), ValueError, r"attention_dropout must be in \[0, 1\), got -0.1"),
     (dict(layernorm_epsilon=-1), ValueError, r"layernorm_epsilon must be finite and >= 0, got -1"),
     (dict(layernorm_epsilon=float("inf")), ValueError, r"layernorm_epsilon must be finite and >= 0, got inf"),
@@ -560,3 +560,17 @@ def test_torch_autocast_runs_the_residual_stream_in_its_dtype():
     assert x.grad is not None and x.grad.dtype == torch.float32 and x.grad.abs().sum() > 0
     # outside torch.autocast the input's dtype is kept
     assert layer(x.detach()).dtype == torch.float32
+
+
+def test_transformer_engines_zero_kv_channels_and_full_hidden_dropout():
+    """kv_channels=0 means hidden_size / heads (TE reads 0 as unset); hidden_dropout=1.0 is taken
+    as torch's dropout takes it: in training both residual branches add nothing."""
+    torch.manual_seed(0)
+    zero = tm.TransformerLayer(32, 64, 4, kv_channels=0, hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    unset = tm.TransformerLayer(32, 64, 4, hidden_dropout=0.0, attention_dropout=0.0)
+    x = torch.randn(5, 2, 32)
+    assert zero.self_attention.kv_channels == 8
+    torch.testing.assert_close(zero(x), unset(x), rtol=0, atol=0)
+    dropped = tm.TransformerLayer(32, 64, 4, hidden_dropout=1.0, attention_dropout=0.0)
+    torch.testing.assert_close(dropped.train()(x), x, rtol=0, atol=0)
