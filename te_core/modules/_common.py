@@ -137,11 +137,23 @@ def _normal_init(weight: Tensor, std: float) -> None:
     torch.nn.init.normal_(weight, mean=0.0, std=std)
 
 
-def compute_dtype(x: Tensor) -> torch.dtype:
-    """The dtype a module computes in: torch.autocast's when enabled for x's device, else x's."""
+def compute_dtype(x: Tensor, module: Optional[torch.nn.Module] = None) -> torch.dtype:
+    """The dtype a module computes in: torch.autocast's when enabled for x's device, else x's,
+    which must then be the dtype of each of `module`'s own parameters, as Transformer Engine
+    and torch's layers require (computing in x's dtype would silently round the parameters to it,
+    or compute a low-precision input's layer in float32)."""
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
+    if module is not None:
+        dtype = x.dtype
+        for name, param in module._parameters.items():
+            if param is not None and param.dtype != dtype:
+                raise TypeError(
+                    f"{type(module).__name__}: the input is {dtype} but the parameter {name!r} is {param.dtype}; "
+                    "outside torch.autocast the input and the parameters must have one dtype (as in Transformer "
+                    f"Engine): cast the input (x.to({param.dtype})) or the module (module.to({dtype})), or run it "
+                    "under torch.autocast")
     return x.dtype
 
 

@@ -271,7 +271,7 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
             reject_unsupported(f"{name}.forward", **unsupported)
         check_input(inp, self.in_features, module=name, device=self.weight0.device)
         m_splits = check_m_splits(_whole_splits(m_splits, name), self.num_gemms, inp.numel() // self.in_features, name)
-        dtype = compute_dtype(inp)
+        dtype = compute_dtype(inp, self)
         # contiguous rows: a GEMM may pick another kernel (and summation order) for a strided operand
         x = inp.reshape(-1, self.in_features).to(dtype).contiguous()
         step = self.quantization_step(is_first_microbatch)

@@ -348,7 +348,7 @@ class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.Te
         if self.sequence_parallel and return_residual:
             raise NotImplementedError("LayerNormLinear: return_residual=True with sequence_parallel=True is not "
                                       "supported yet; keep the residual from the module's input yourself")
-        dtype = compute_dtype(inp)
+        dtype = compute_dtype(inp, self)
         step = self.quantization_step(is_first_microbatch)
         norm_inp, gemm_shape = inp, inp.shape
         if self.parallel_mode == "column":  # cast first: a gather moves the compute dtype's bytes

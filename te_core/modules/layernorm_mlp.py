@@ -313,7 +313,7 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
 
     def _forward(self, inp: Tensor, is_first_microbatch: Optional[bool], *, return_residual: bool):
         check_input(inp, self.hidden_size, module="LayerNormMLP", device=self.fc1_weight.device)
-        dtype = compute_dtype(inp)
+        dtype = compute_dtype(inp, self)
         step = self.quantization_step(is_first_microbatch)
         # cast first: a gather under tensor parallelism moves the compute dtype's bytes
         x, step, fc1_shape = tensor_parallel.norm_input(self, inp.to(dtype), step, "fc1_input")

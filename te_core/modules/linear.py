@@ -244,7 +244,7 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
         step = self.quantization_step(is_first_microbatch)
         if self.parallel_mode == "column":  # under sequence parallelism, FP8 all-gather where the recipe allows
             inp = tensor_parallel.column_parallel_input(self, inp, step)
-        options = _Options(compute_dtype(inp),
+        options = _Options(compute_dtype(inp, self),
                            main_grad_mode(self.fuse_wgrad_accumulation, is_first_microbatch, weight),
                            torch.is_grad_enabled(), self.delayed_wgrad_store(), keep_original)
         fused_bias = None if self.return_bias or reduce_output else bias

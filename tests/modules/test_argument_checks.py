@@ -120,3 +120,24 @@ def test_batch_mismatches_name_their_cause():
     with pytest.raises(ValueError, match="encoder_output holds 3 sequences but hidden_states 2"):
         cross(torch.randn(4, 2, 16), encoder_output=torch.randn(6, 3, 16))
     assert cross(torch.randn(4, 2, 16), encoder_output=torch.randn(6, 2, 16)).shape == (4, 2, 16)
+
+
+@pytest.mark.parametrize("build, call", [
+    (lambda: tm.Linear(16, 16), lambda m, x: m(x)),
+    (lambda: tm.LayerNormLinear(16, 16), lambda m, x: m(x)),
+    (lambda: tm.LayerNormMLP(16, 32), lambda m, x: m(x)),
+    (lambda: tm.GroupedLinear(2, 16, 16), lambda m, x: m(x, [2, 2])),
+])
+def test_input_and_parameters_of_different_dtypes_outside_torch_autocast_are_refused(build, call):
+    """As Transformer Engine's modules (and torch's layers): outside torch.autocast the input and
+    the parameters share one dtype, where computing in the input's would round float32 parameters
+    to bfloat16 silently; under torch.autocast the autocast dtype is the compute dtype."""
+    torch.manual_seed(0)
+    module = build()
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"the input is torch.bfloat16 but the parameter '\w+' is torch.float32; "
+                                        r"outside torch.autocast"):
+        call(module, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert call(module, x).dtype == torch.bfloat16
+    assert call(module, x.float()).dtype == torch.float32

@@ -23,11 +23,13 @@ def test_returned_bias_is_in_the_compute_dtype_and_trains_the_float32_parameter(
     with torch.no_grad():
         getattr(split, bias_name).normal_()
         getattr(plain, bias_name).zero_()  # the same GEMM with a zero bias: the output without it
-    x = torch.randn(4, 8, 32, dtype=torch.bfloat16)  # float32 parameters, bf16 compute
-    out, bias = split(x)
+    x = torch.randn(4, 8, 32, dtype=torch.bfloat16)  # float32 parameters, bf16 compute (torch.autocast's)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, bias = split(x)
+        plain_out = plain(x)
     assert out.dtype == bias.dtype == torch.bfloat16
     assert torch.equal(bias, getattr(split, bias_name).to(torch.bfloat16))
-    torch.testing.assert_close(out, plain(x), rtol=1.6e-2, atol=1e-5)
+    torch.testing.assert_close(out, plain_out, rtol=1.6e-2, atol=1e-5)
     dy = torch.randn_like(out)
     (out + bias).backward(dy)
     grad = getattr(split, bias_name).grad
@@ -59,7 +61,8 @@ def test_grouped_linear_returns_each_bias_in_the_compute_dtype():
     torch.manual_seed(0)
     module = tm.GroupedLinear(2, 32, 16, return_bias=True)
     x = torch.randn(6, 32, dtype=torch.bfloat16)
-    out, biases = module(x, [2, 4])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, biases = module(x, [2, 4])
     assert out.dtype == torch.bfloat16 and [b.dtype for b in biases] == [torch.bfloat16] * 2
     (out[:2] + biases[0]).sum().backward()
     assert module.bias0.grad.dtype == torch.float32

@@ -103,12 +103,14 @@ def test_an_input_changed_in_place_before_the_backward_is_an_error():
 
 
 def test_fp32_input_under_a_bf16_compute_dtype():
-    """The input is kept in its own dtype and cast to the compute dtype for the wgrad."""
+    """The input is kept in its own dtype and cast to the compute dtype (torch.autocast's) for the
+    wgrad."""
     a, b = _pair(seed=3)
     x = torch.randn(32, 64)  # float32 input, bfloat16 parameters
     dy = torch.randn(32, 96, dtype=torch.bfloat16)
     for make in (None, recipe.Float8CurrentScaling):
-        got, want = _step(b, x, dy, make and make()), _step(a, x, dy, make and make())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, want = _step(b, x, dy, make and make()), _step(a, x, dy, make and make())
         for g, w in zip(got, want):
             assert torch.equal(g, w)
         a.weight.grad = b.weight.grad = a.bias.grad = b.bias.grad = None
