@@ -59,6 +59,14 @@ def check_hidden_dims(x: Tensor, fmt: str, name: str, module: str) -> None:
         raise ValueError(f"{module}: {name} must be 3-D ({fmt}), got shape {tuple(x.shape)}")
 
 
+def _extra_state_may_be_missing(module, incompatible_keys) -> None:
+    """A strict load of a state dict without a layer's `core_attention._extra_state` (checkpoints
+    of older Transformer Engine releases, Megatron-LM's sharded ones) passes, as Transformer
+    Engine's own post-hook lets it: the entry holds nothing te-core reads."""
+    missing = incompatible_keys.missing_keys
+    missing[:] = [key for key in missing if "core_attention._extra_state" not in key]
+
+
 class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
     """Attention core with Transformer Engine's constructor and forward signature.
 
@@ -142,6 +150,7 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
                                  persistent=False)
         else:
             self.softmax_offset = None
+        self.register_load_state_dict_post_hook(_extra_state_may_be_missing)
 
     def _initialize(self) -> None:
         """reset_parameters' work (DeferredInit): the learnable softmax_offset

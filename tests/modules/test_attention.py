@@ -828,3 +828,16 @@ def test_thd_rows_after_the_last_sequence_are_tail_padding_as_in_transformer_eng
     for leaf, ref, n in zip(leaves, trimmed, (10, 11, 11)):
         torch.testing.assert_close(leaf.grad[:n], ref.grad, rtol=1.3e-6, atol=1e-5)
         assert torch.count_nonzero(leaf.grad[n:]) == 0
+
+
+def test_a_strict_load_without_core_attentions_extra_state_passes():
+    """As Transformer Engine's post-hook: Megatron-LM's sharded checkpoints and older TE ones hold
+    no core_attention._extra_state, and a strict load of them passes (other missing keys fail)."""
+    torch.manual_seed(0)
+    layer = tm.TransformerLayer(32, 64, 4, hidden_dropout=0.0, attention_dropout=0.0)
+    state = {k: v for k, v in layer.state_dict().items() if not k.endswith("core_attention._extra_state")}
+    assert len(state) < len(layer.state_dict())
+    layer.load_state_dict(state, strict=True)
+    del state["layernorm_mlp.fc1_weight"]
+    with pytest.raises(RuntimeError, match="layernorm_mlp.fc1_weight"):
+        layer.load_state_dict(state, strict=True)
