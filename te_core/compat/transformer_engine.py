@@ -26,6 +26,7 @@ import torch
 from .fp8_state import GlobalStateControls
 from .te_checkpoint import TE_FLOAT8_REBUILD, rebuild_te_float8_tensor
 from .te_extension import EXTENSION, EXTENSION_HINT, constants, tensor_quantizers
+from .te_gemm import general_gemm
 from .te_metadata import install_metadata, uninstall_metadata
 
 ROOT = "transformer_engine"
@@ -67,7 +68,7 @@ _NEAREST = {
     "destroy_ub": "userbuffers (communication overlap) are not supported by te-core",
     "UserBufferQuantizationMode": "userbuffers (communication overlap) are not supported by te-core",
     "te_translation_table": "te-core does not export ONNX graphs of its FP8 modules; see onnx_export",
-    "cpp_extensions": _KERNELS_HINT, "jit": _KERNELS_HINT, "triton": _KERNELS_HINT,
+    "jit": _KERNELS_HINT, "triton": _KERNELS_HINT,
     "attention.dot_product_attention": "DotProductAttention is transformer_engine.pytorch.attention.DotProductAttention",
     "attention.multi_head_attention": "MultiheadAttention is transformer_engine.pytorch.attention.MultiheadAttention",
     **{f"optimizers.{kernel}": _ADAM_KERNEL_HINT for kernel in (
@@ -365,6 +366,8 @@ def _pytorch_module() -> types.ModuleType:
     _submodule(module, "permutation", "MoE token permutation",
                _names(permutation, [n for n in te_core.__all__ if n.startswith("moe_")]))
     _submodule(module, "cross_entropy", "parallel_cross_entropy", dict(parallel_cross_entropy=te_core.parallel_cross_entropy))
+    _submodule(module, "cpp_extensions", "general_gemm for high-precision operands (te_core.compat.te_gemm)",
+               dict(general_gemm=general_gemm))
     _submodule(module, "router", "the MoE router functions", _names(router, router.__all__))
     module_pkg = _submodule(module, "module", "the modules", _names(modules, [
         "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "LayerNorm", "RMSNorm", "Fp8Padding",
