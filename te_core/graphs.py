@@ -269,10 +269,10 @@ def make_graphed_callables(
     twice, as a first microbatch (weights quantized into the weight cache) and as a later one
     (the cache read back); each call then passes is_first_microbatch=True or False. `pool`: a
     graph memory pool handle shared with other graphs, which must then be replayed in the order
-    they were captured. `clone_param_grads_on_return` (default True as in TE): a replay's parameter gradients reach autograd as copies; False hands over the
-    graph's own buffers (one copy less per parameter and step), which the next replay overwrites:
-    only for loops that consume `.grad` before then, or that allocate `.grad` beforehand (autograd
-    then adds into it). `num_warmup_iters` warm-up steps run real forward and backward passes, as
+    they were captured. `clone_param_grads_on_return` (default True as in TE): a replay's
+    parameter gradients reach autograd as copies; False hands over the graph's own buffers (one
+    copy less per parameter and step), which the next replay overwrites: only for loops that
+    consume `.grad` before then, or that allocate `.grad` beforehand (autograd then adds into it). `num_warmup_iters` warm-up steps run real forward and backward passes, as
     in TE: on a side stream, every forward in order, then every backward in reverse order, after
     `pre_warmup_hook()` and before `post_warmup_hook()` (as in TE); the scaling state is
     put back as it was afterwards. TE's `retain_graph_in_backward` and `capture_time_hooks` (per
