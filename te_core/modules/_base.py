@@ -189,10 +189,7 @@ class QuantizedModule(DeferredInit, nn.Module):
         for name, old in before.items():
             new = self._parameters.get(name)
             if old is not None and new is not None and new is not old:
-                for key, value in old.__dict__.items():
-                    if not key.startswith("_"):
-                        new.__dict__.setdefault(key, value)
-                high_precision_init.carry_over(old, new)
+                _carry_attributes(old, new)
         return module
 
     # ------------------------------------------------------------------ per forward
@@ -380,10 +377,7 @@ class QuantizedModule(DeferredInit, nn.Module):
             error_msgs.append(f"While assigning the FP8 primary weight named \"{prefix + name}\": {err}")
             return
         new = nn.Parameter(quantized, requires_grad=old.requires_grad)
-        for key, attr in old.__dict__.items():  # (as _apply: Megatron-LM's and the user's attributes)
-            if not key.startswith("_"):
-                new.__dict__.setdefault(key, attr)
-        high_precision_init.carry_over(old, new)  # (the load in place keeps it too)
+        _carry_attributes(old, new)  # (as the load in place keeps them)
         self._parameters[name] = new
         self._weight_cache.clear()
 
@@ -473,6 +467,16 @@ def _warn_recipe_type_change(module: str, old, new) -> None:
     warnings.warn(f"Recipe type changed from {type(old).__name__} to {type(new).__name__}. This may affect model "
                   f"behavior: {module} drops its quantization state for {type(old).__name__} (amax histories, "
                   f"scales) and starts a new one for {type(new).__name__}", UserWarning, stacklevel=5)
+
+
+def _carry_attributes(old: Tensor, new: Tensor) -> None:
+    """A parameter replaced by a new one (moved to another device, assigned by a load) keeps the
+    attributes set on the old one: Transformer Engine's and Megatron-LM's tensor-parallel ones,
+    the user's, and the preserved high-precision value."""
+    for key, value in old.__dict__.items():
+        if not key.startswith("_"):
+            new.__dict__.setdefault(key, value)
+    high_precision_init.carry_over(old, new)
 
 
 def _warn_format_change(module: str, saved, new, rescaled, stacklevel: int) -> None:
