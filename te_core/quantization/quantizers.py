@@ -232,6 +232,22 @@ class Float8Quantizer(Quantizer):
             self.scaling_group.fresh.discard(self.column)  # the update sets the scale from this amax
 
 
+class _FloatAsText:
+    """A float attribute kept as text: torch.compile(dynamic=True) makes a float attribute
+    symbolic, and a symbolic float first read in the backward's trace (the output gradient's
+    cast) fails dynamo's speculation of the backward; a float parsed from text is a constant of
+    the trace (a changed value recompiles)."""
+
+    def __set_name__(self, owner, name):
+        self._slot = "_" + name + "_text"
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else float(getattr(obj, self._slot))
+
+    def __set__(self, obj, value) -> None:
+        setattr(obj, self._slot, repr(float(value)))
+
+
 class Float8CurrentScalingQuantizer(Quantizer):
     """Current scaling: the scale comes from this tensor's amax, in the same op as the cast."""
 
@@ -244,16 +260,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
         self.power_2_scale = power_2_scale
         self.amax_epsilon = amax_epsilon
 
-    # Kept as text: torch.compile(dynamic=True) makes a float attribute symbolic, and a symbolic
-    # float first read in the backward's trace (the output gradient's cast) fails dynamo's
-    # speculation of the backward; a float parsed from text is a constant of the trace.
-    @property
-    def amax_epsilon(self) -> float:
-        return float(self._amax_epsilon_text)
-
-    @amax_epsilon.setter
-    def amax_epsilon(self, value: float) -> None:
-        self._amax_epsilon_text = repr(float(value))
+    amax_epsilon = _FloatAsText()
 
     def quantize(self, x: Tensor, *, columnwise: bool = False) -> Float8Tensor:
         src = _as_2d(x, "a column-wise quantization") if columnwise else x
@@ -279,6 +286,8 @@ class Float8CurrentScalingQuantizer(Quantizer):
 
 class Float8BlockQuantizer(Quantizer):
     """One float32 scale per 1x128 run of a row (block_2d=False) or per 128x128 tile."""
+
+    amax_epsilon = _FloatAsText()
 
     _sharing_getter = sharing_fields("block_2d", "power_2_scale", "amax_epsilon")
 

@@ -112,8 +112,16 @@ def as_stored(t):
     return torch.where(torch.isnan(t32), t32, rounded).to(torch.bfloat16)
 
 
+def fp8_max(fp8_dtype) -> float:
+    """The format's largest finite value, as a constant of the trace: read from a module's dict,
+    a float becomes a symbolic input under torch.compile(dynamic=True), and a backward whose
+    speculation reads it first (the gradient's E5M2 after E4M3 forward casts) cannot lift it
+    into the graph. torch.finfo of a dtype is folded."""
+    return torch.finfo(fp8_dtype).max
+
+
 def _cast(x, scale, fp8_dtype):
-    fmax = FP8_FORMATS[fp8_dtype][1]
+    fmax = fp8_max(fp8_dtype)
     return torch.clamp(_as(x, torch.float32) * scale.reshape(()), -fmax, fmax).to(fp8_dtype)
 
 
@@ -195,7 +203,7 @@ def quantize_fp8_current(x, fp8_dtype, *, with_transpose=False, force_pow2_scale
         return NotImplemented
     x = as_stored(x)
     amax = _amax(x)
-    scale = _current_scale(amax.reshape(1), FP8_FORMATS[fp8_dtype][1], amax_epsilon, force_pow2_scales)
+    scale = _current_scale(amax.reshape(1), fp8_max(fp8_dtype), amax_epsilon, force_pow2_scales)
     data = _cast(x, scale, fp8_dtype)
     data_t = data.t().contiguous() if with_transpose else None
     return data, data_t, scale, torch.div(torch.ones_like(scale), scale), amax

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from te_core.backend.types import FP8_FORMATS
 from te_core.reference.cast import column_major
 
 from . import traced
@@ -37,7 +36,7 @@ def _blocks(x, fp8_dtype, rows: int, force_pow2_scales: bool, amax_epsilon: floa
         x = F.pad(x, (0, pad_k, 0, pad_m))
     blocks = x.reshape(x.shape[0] // rows, rows, x.shape[1] // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=(1, 3))
-    fmax = FP8_FORMATS[fp8_dtype][1]
+    fmax = traced.fp8_max(fp8_dtype)
     scale = traced._current_scale(amax, fmax, amax_epsilon, force_pow2_scales)
     data = torch.clamp(blocks * scale[:, None, :, None], -fmax, fmax).to(fp8_dtype).reshape(x.shape)
     if pad_m or pad_k:

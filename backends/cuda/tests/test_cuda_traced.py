@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.backends.registry import lookup_backend
 
 import te_core as te
-from te_backend_cuda import traced, traced_fused
+from te_backend_cuda import traced, traced_block, traced_fused
 from te_core import recipe
 from te_core.reference import activation as ref_act
 from te_core.reference import cast as ref_cast
@@ -373,3 +373,49 @@ def test_compiled_delayed_scaling_on_gpu_equals_eager(writes_state, module):
         _fwd_bwd(compiled, compiled_model, x, dy)
     opaque = sorted({e.name for e in prof.events() if e.name in OPAQUE_IN_PROFILE})
     assert not opaque, f"opaque casts in the compiled step: {opaque}"
+
+
+DYNAMIC_RECIPES = {
+    "delayed": lambda: recipe.DelayedScaling(amax_history_len=4),
+    "current": recipe.Float8CurrentScaling,
+    "block": recipe.Float8BlockScaling,
+    "current with epsilon": lambda: recipe.Float8CurrentScaling(fp8_quant_bwd_grad=recipe.QParams(amax_epsilon=1e-3)),
+    "block with epsilon": lambda: recipe.Float8BlockScaling(
+        fp8_quant_bwd_grad=recipe.QParams(power_2_scale=True, amax_epsilon=1e-3)),
+}
+
+
+@pytest.mark.parametrize("name", list(DYNAMIC_RECIPES))
+def test_dynamic_shapes_compile_with_twins(monkeypatch, on_cpu, name):
+    """torch.compile(dynamic=True, fullgraph=True) of a Linear with every cast twin. The
+    backward's casts read floats for the first time inside dynamo's speculation of the backward
+    (the E5M2 format's max after E4M3 forward casts, the gradient quantizer's epsilon), where a
+    float read from a module's dict or an object's attribute would be a symbolic input it
+    cannot lift (traced.fp8_max, quantizers._FloatAsText), or a symbolic epsilon the block
+    twin would decline. Two batch sizes, each equal to the eager reference, with no
+    self-scaled cast left opaque."""
+    rec = DYNAMIC_RECIPES[name]()
+    twins = {**{op: traced.TRACED[op] for op in COVERED}, **traced_fused.twins("cpu"), **traced_block.TRACED_BLOCK}
+    with cpu_backend_with(monkeypatch, "cpu_dynamic_twins", twins):
+        torch.manual_seed(0)
+        compiled_model = te.Linear(128, 256)
+        eager = copy.deepcopy(compiled_model)
+        te.init_quantization_state(eager, rec)
+        graphs = []
+
+        def capture(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        def step(model, x):
+            with te.autocast(recipe=rec):
+                return model(x)
+
+        compiled = torch.compile(step, backend=capture, fullgraph=True, dynamic=True)
+        for batch in (2, 4):
+            x = torch.randn(16, batch, 128)
+            dy = torch.randn(16, batch, 256)
+            for j, (g, w) in enumerate(zip(_fwd_bwd(compiled, compiled_model, x, dy), _fwd_bwd(step, eager, x, dy))):
+                assert torch.equal(g, w), f"batch {batch} tensor {j}: differs by {(g - w).abs().max()}"
+    self_scaled = {"quantize_fp8_current", "dbias_cast_transpose_current", "quantize_blockwise"}
+    assert not _opaque_ops(graphs) & self_scaled, sorted(_opaque_ops(graphs))
