@@ -181,6 +181,28 @@ def assert_values(actual: Tensor, expected: Tensor, *, where: str, tol: Tol) -> 
                   what=f"rtol={tol.rtol}, atol={tol.atol}")
 
 
+FLOAT32_ROUNDOFF = 2.0**-24
+
+
+def assert_column_sums(actual: Any, expected: Tensor, summed: Tensor, *, where: str,
+                       device_type: Optional[str] = None) -> None:
+    """A bias gradient: the column sums of `summed` (rows: every dimension but the last),
+    accumulated in float32 in whatever order the backend picks. Besides its dtype's tolerance,
+    each sum may differ from the reference's by what two float32 summations of its column can
+    (2 n u sum_i |x_i| for n rows): where large values cancel, that is far more than a tolerance
+    relative to the small result, and a lost or doubled row is still far more than it."""
+    if not isinstance(actual, Tensor) or actual.shape != expected.shape or actual.dtype != expected.dtype:
+        assert_same(actual, expected, where=where)  # names the type, shape or dtype difference
+    if device_type is not None and actual.device.type != device_type:
+        raise AssertionError(f"{where}: on device {actual.device}, expected the backend's device type {device_type!r}")
+    columns = summed.detach().cpu().double().reshape(-1, expected.shape[-1])
+    tol = TOLERANCES[expected.dtype]
+    e = expected.detach().cpu()
+    allowed = tol.atol + tol.rtol * e.double().abs() + 2 * columns.shape[0] * FLOAT32_ROUNDOFF * columns.abs().sum(0)
+    _assert_close(actual.detach().cpu(), e, allowed, where=where,
+                  what=f"rtol={tol.rtol}, atol={tol.atol} and two float32 summations' rounding")
+
+
 def assert_within(actual: Any, expected: Tensor, bound: ErrorBound, *, where: str,
                   device_type: Optional[str] = None) -> None:
     """A result with its own error model: within bound.per_element everywhere, and the error's

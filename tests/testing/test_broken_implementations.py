@@ -12,7 +12,7 @@ from te_core.backend.types import fp8_max
 from te_core.reference.cast import merge_amax
 from te_core.reference.plugin import implementations
 from te_core.testing.cases import cases_by_op
-from te_core.testing.runner import map_tensors, run_case
+from te_core.testing.runner import COLUMN_SUMS, map_tensors, run_case
 
 REF = implementations()
 CPU = torch.device("cpu")
@@ -187,3 +187,33 @@ def test_block_scales_in_another_layout_fail_and_name_the_strides():
     two_d = [c for c in CASES["quantize_blockwise"] if "-2d-" in c.name]
     for case in two_d:  # 128x128 grids are row-major in the contract: contiguous() changes nothing
         run_case(case, _blockwise_row_major_scales, REF["quantize_blockwise"], CPU)
+
+
+def _summed_backwards(op, drop_row=False):
+    """The reference's result but its bias gradient summed in float32 from the last row up (one
+    row left out with drop_row): what a backend's own reduction order gives, or a lost row."""
+    def run(grad, *args, **kwargs):
+        result = REF[op](grad, *args, **kwargs)
+        dy = torch.cat(list(grad), dim=-1) if isinstance(grad, (tuple, list)) else grad
+        rows = dy.reshape(-1, dy.shape[-1]).float()
+        rows = rows[1:] if drop_row else rows
+        acc = torch.zeros(rows.shape[1])
+        for row in reversed(rows):
+            acc = acc + row
+        dbias = acc.to(dy.dtype)
+        index = COLUMN_SUMS[op]
+        return dbias if index is None else (*result[:index], dbias, *result[index + 1:])
+    return run
+
+
+@pytest.mark.parametrize("op", list(COLUMN_SUMS))
+def test_bias_gradients_summed_in_another_order_pass_and_lost_rows_fail(op):
+    """A bias gradient accumulated in float32 in another order passes, even where its column's
+    values cancel to a result far smaller than them (there the dtype's tolerance relative to
+    the result is tighter than two float32 summations can agree); one row left out fails."""
+    cases = _cases(op)
+    assert cases
+    for case in cases:
+        run_case(case, _summed_backwards(op), REF[op], CPU)
+        with pytest.raises(AssertionError, match="two float32 summations"):
+            run_case(case, _summed_backwards(op, drop_row=True), REF[op], CPU)
