@@ -75,6 +75,19 @@ def _qk_norms(qk_norm_type, eps: float, head_dim: int, params_dtype, device, mod
     return tuple(cls(head_dim, eps=eps, params_dtype=params_dtype, device=device) for _ in range(2))
 
 
+# The keyword arguments Transformer Engine's MultiheadAttention.forward and TransformerLayer.forward
+# take beyond their own and pass on to the attention kernel: any other name is refused with the
+# caller's name, rather than by the DotProductAttention the kwargs would reach.
+PASSED_ON = frozenset(("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "max_seqlen_q",
+                       "max_seqlen_kv", "fast_zero_fill", "pad_between_seqs"))
+
+
+def check_passed_on(kwargs: dict, where: str) -> None:
+    for name in kwargs:
+        if name not in PASSED_ON:
+            raise TypeError(f"{where} got an unexpected keyword argument {name!r}")
+
+
 class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
     """Self- or cross-attention block with Transformer Engine's constructor and submodule names
     (layernorm_qkv / qkv, layernorm_query / query_layer, key_value, core_attention, proj).
@@ -258,6 +271,7 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         the norm's backward (see LayerNormLinear). Attention arguments (window_size,
         core_attention_bias_type, cu_seqlens_*, ...) pass on to core_attention."""
         name = "MultiheadAttention"
+        check_passed_on(kwargs, f"{name}.forward")
         check_input(hidden_states, self.hidden_size, name="hidden_states", module=name)
         check_hidden_dims(hidden_states, self.qkv_format, "hidden_states", name)
         return_residual = check_bool(return_residual, name="return_residual", module=f"{name}.forward")

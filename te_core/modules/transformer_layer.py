@@ -34,7 +34,7 @@ from ._common import (
 from .attention import QKV_FORMATS, check_hidden_dims
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_mlp import LayerNormMLP
-from .multihead_attention import MultiheadAttention
+from .multihead_attention import MultiheadAttention, check_passed_on
 from ._te_order import te_order
 
 
@@ -246,6 +246,7 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         """As Transformer Engine: the bias, rotary and sequence-length arguments (cu_seqlens_*,
         max_seqlen_*, fast_zero_fill, ...) go to both attention blocks."""
         name = "TransformerLayer"
+        check_passed_on(kwargs, f"{name}.forward")
         check_input(hidden_states, self.hidden_size, name="hidden_states", module=name)
         check_hidden_dims(hidden_states, self.attn_input_format, "hidden_states", name)
         if self.layer_type == "decoder" and encoder_output is None:

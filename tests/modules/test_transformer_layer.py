@@ -353,6 +353,22 @@ def test_unsupported_and_unknown_arguments(build, exc, match):
         build()
 
 
+@pytest.mark.parametrize("module", ["TransformerLayer", "MultiheadAttention"])
+@pytest.mark.parametrize("name", ["bogus", "qkv_layer", "num_splits"])
+def test_forward_refuses_unknown_keywords_by_its_own_name(module, name):
+    """A keyword Transformer Engine's forward does not take is refused naming the module called
+    (not the DotProductAttention the keywords would reach; qkv_layer and num_splits are
+    DotProductAttention's own); the ones TE passes on still reach the attention."""
+    torch.manual_seed(0)
+    build = {"TransformerLayer": lambda: tm.TransformerLayer(32, 64, 4, hidden_dropout=0.0, attention_dropout=0.0),
+             "MultiheadAttention": lambda: tm.MultiheadAttention(32, 4, attention_dropout=0.0)}[module]
+    layer, x = build(), torch.randn(5, 2, 32)
+    with pytest.raises(TypeError, match=rf"^{module}.forward got an unexpected keyword argument '{name}'$"):
+        layer(x, **{name: 1})
+    with pytest.raises(ValueError, match="max_seqlen_q"):  # passed on, checked by the attention
+        layer(x, max_seqlen_q=-3)
+
+
 def test_layout_options_match_their_definitions():
     """output_layernorm, apply_residual_connection_post_layernorm, parallel_attention_mlp."""
     torch.manual_seed(0)
