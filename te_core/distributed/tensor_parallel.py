@@ -217,6 +217,14 @@ class _GradScaled(torch.autograd.Function):
         return dy * ctx.scale, None
 
 
+def _splits_columns(module) -> bool:
+    """Whether the module's first GEMM is split over the ranks by its output features (a
+    column-parallel LayerNormLinear; a LayerNormMLP split with set_parallel_mode=True): only
+    then does each rank compute part of the norm's gradients. With parallel_mode=None nothing
+    is split, whatever tp_group is given, as in Transformer Engine."""
+    return module.tp_size > 1 and (module.parallel_mode == "column" or getattr(module, "set_parallel_mode", False))
+
+
 def replicated_output(module, x: Optional[Tensor]) -> Optional[Tensor]:
     """A tensor every rank computes whole in front of its column-parallel GEMM and hands back to
     the caller (a norm's output, return_layernorm_output). The caller's gradient of it, the same
@@ -224,7 +232,7 @@ def replicated_output(module, x: Optional[Tensor]) -> Optional[Tensor]:
     ranks with it (copy_to_tp_region, replicated_parameter), so it enters divided by tp_size to
     count once. Under sequence parallelism the tensor is this rank's shard, whose gradient joins
     after the reduce-scatter: as it is."""
-    if x is None or module.tp_size == 1 or module.sequence_parallel:
+    if x is None or not _splits_columns(module) or module.sequence_parallel:
         return x
     return _GradScaled.apply(x, 1.0 / module.tp_size)
 
@@ -236,7 +244,7 @@ def gathered_norm_output(module, x: Optional[Tensor], in_shape: torch.Size):
     to each rank's shard as the GEMM's own gathered input's is; otherwise it stays this rank's.
     An all-gather of its own, in the norm output's dtype (the GEMM's input may have travelled in
     FP8)."""
-    if x is None or not module.return_layernorm_output_gathered or module.tp_size == 1 \
+    if x is None or not module.return_layernorm_output_gathered or not _splits_columns(module) \
             or not module.sequence_parallel:
         return x, in_shape
     gathered = gather_along_first_dim(x.reshape(in_shape), module.collective_group())
@@ -249,7 +257,7 @@ def replicated_parameter(module, param: Optional[Tensor]) -> Optional[Tensor]:
     its gradient. Without sequence parallelism the parts are summed here, so every rank holds
     the whole gradient (as in Transformer Engine); with it they are left to the training loop
     (see mark_sequence_parallel)."""
-    if param is None or module.tp_size == 1 or module.sequence_parallel:
+    if param is None or not _splits_columns(module) or module.sequence_parallel:
         return param
     return copy_to_tp_region(param, module.collective_group())
 

@@ -158,3 +158,30 @@ def _gathered_norm_output(ctx, kind: str, gathered: dict):
 @pytest.mark.parametrize("kind", ["LayerNormLinear", "LayerNormMLP"])
 def test_gathered_norm_output_under_sequence_parallelism(pool, kind):
     assert pool.run(_gathered_norm_output, kind, dict(return_layernorm_output_gathered=True))[:2] == [True, True]
+
+
+def _unsplit_with_group(ctx, return_layernorm_output: bool):
+    """LayerNormLinear(parallel_mode=None) given a 2-rank tp_group splits nothing and runs no
+    collective, as in Transformer Engine: its output and every gradient (the norm's weight and
+    bias included, and the input's with a gradient flowing into the returned norm output) equal
+    the module's without a group. They came out tp_size times too large."""
+    if ctx.rank >= 2:
+        return None
+    make = lambda **kw: LayerNormLinear(64, 64, return_layernorm_output=return_layernorm_output, **kw)  # noqa: E731
+    full, part, x, dy, d_ln = _full_and_part(ctx, make, {}, 11)
+    assert part.tp_size == 2 and part.parallel_mode is None
+    grads = []
+    for module in (full, part):
+        xi = x.clone().requires_grad_()
+        out = module(xi)
+        torch.autograd.backward(list(out) if return_layernorm_output else [out],
+                                [dy, d_ln] if return_layernorm_output else [dy])
+        grads.append([xi.grad, module.layer_norm_weight.grad, module.layer_norm_bias.grad, module.weight.grad])
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-5)
+    return True
+
+
+@pytest.mark.parametrize("return_layernorm_output", [False, True])
+def test_layernorm_linear_without_parallel_mode_splits_nothing(pool, return_layernorm_output):
+    assert pool.run(_unsplit_with_group, return_layernorm_output)[:2] == [True, True]
