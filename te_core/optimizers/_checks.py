@@ -61,6 +61,13 @@ def check_real(optimizer: str, name: str, value, low: float, high=None, open_hig
         raise ValueError(f"{optimizer}: {name}{where} must be {' and '.join(bound) or 'a number'}, got {number}")
 
 
+def listed_params(param_group: dict) -> dict:
+    """The group with its parameters in a list: a generator (model.parameters()) is read once, so
+    it cannot go to the checks and then to torch's add_param_group, which would find it empty."""
+    params = param_group["params"]
+    return {**param_group, "params": [params] if torch.is_tensor(params) else list(params)}
+
+
 def check_group(optimizer: str, group: dict, ranges: Ranges, index=None, dtypes=None) -> None:
     """A parameter group's hyperparameters (defaults filled in), its parameters' uniqueness and,
     given `dtypes` (supported dtypes, what to do instead), their dtypes (index None: the
@@ -79,6 +86,8 @@ def check_group(optimizer: str, group: dict, ranges: Ranges, index=None, dtypes=
             check_real(optimizer, f"betas[{i}]", beta, 0.0, 1.0, True, where)
     params = group["params"]
     params = [params] if torch.is_tensor(params) else list(params)
+    # torch takes named parameters too: (name, parameter) pairs, as model.named_parameters() gives
+    params = [p[1] if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) else p for p in params]
     seen = set()
     for param in params:
         if id(param) in seen:

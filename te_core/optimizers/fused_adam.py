@@ -29,10 +29,11 @@ from typing import Optional
 import torch
 
 from .. import ops
+from ..quantization.quantizers import Float8Quantizer
 from ..quantization.tensor import QuantizedTensor
 from . import _scaled_states as compact
 from ._amp_scaling import AmpScaling
-from ._checks import check_group, check_loadable, check_param_dtype, scalar
+from ._checks import check_group, check_loadable, check_param_dtype, listed_params, scalar
 from ._grads import GradResetMixin, grad_of, run_closure
 from ._state_dtypes import StateDtypesMixin
 from ._torch_adam import fused_adam_form
@@ -102,6 +103,7 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, with the group's hyperparameters and parameters checked first (_checks)."""
+        param_group = listed_params(param_group)
         check_group(NAME, {**self.defaults, **param_group}, RANGES, len(self.param_groups), PARAM_DTYPES)
         super().add_param_group(param_group)
 
@@ -285,6 +287,8 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
         for live in lives:  # (a model converted after the optimizer was made, e.g. by model.double())
             for p, _ in live:
                 check_param_dtype(NAME, p, *PARAM_DTYPES)
+                if not self.master_weights:
+                    _check_updatable_in_place(p)
         # an inf step is skipped here, read on the host; a capturable step decides on the device
         if self.capturable or not scaling.skips_on_host():
             for group, live in zip(self.param_groups, lives):
@@ -372,6 +376,18 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
 
 def _quantized(p) -> bool:
     return isinstance(compact.local(p), QuantizedTensor)
+
+
+def _check_updatable_in_place(p) -> None:
+    """Without master weights the update lands in the parameter itself. A delayed-scaling FP8
+    weight takes it (rounded to FP8 with its scale each step, as Transformer Engine's FP8 Adam
+    kernel does); any other quantized weight refuses, as in Transformer Engine: its next cast
+    picks a new scale for the updated values, and updates far below one FP8 step would be lost."""
+    local = compact.local(p)
+    if isinstance(local, QuantizedTensor) and not isinstance(getattr(local, "_quantizer", None), Float8Quantizer):
+        raise RuntimeError(f"{NAME} without master_weights does not support {type(local).__name__} parameters of "
+                           f"{type(getattr(local, '_quantizer', None)).__name__}. Use master_weights=True (a float32 "
+                           "copy of each weight takes the updates, and the FP8 weight is cast from it).")
 
 
 def _float32_value(param) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch.optim.optimizer import required
 
-from ._checks import check_group, check_loadable, check_param_dtype, scalar
+from ._checks import check_group, check_loadable, check_param_dtype, listed_params, scalar
 from ._grads import GradResetMixin, grad_of, run_closure
 from ._state_dtypes import StateDtypesMixin
 
@@ -51,6 +51,7 @@ class FusedSGD(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, with the group's hyperparameters and parameters checked first (_checks)."""
+        param_group = listed_params(param_group)
         check_group(NAME, {**self.defaults, **param_group}, RANGES, len(self.param_groups), PARAM_DTYPES)
         super().add_param_group(param_group)
 

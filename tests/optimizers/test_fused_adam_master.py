@@ -87,10 +87,23 @@ def test_fp8_parameters_move_as_adam_does(dtype):
 
 
 def test_fp8_parameters_without_master_weights_keep_none():
-    weight = fp8_weight("current")
+    weight = fp8_weight("delayed")
     opt = FusedAdam([weight], master_weights=False, master_weight_dtype=torch.bfloat16, **HYPER)
     step(opt, weight, grads(2))
     assert set(opt.state[weight]) == {"exp_avg", "exp_avg_sq"}
+
+
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if r != "delayed"])
+def test_self_scaled_fp8_parameters_need_master_weights(recipe):
+    """As in Transformer Engine: without master weights only a delayed-scaling FP8 weight is
+    updated in place; any other quantized weight is refused before anything changes (its
+    updates, far below one FP8 step at its own scale, were mostly lost without an error)."""
+    weight = fp8_weight(recipe)
+    before = weight.dequantize().clone()
+    opt = FusedAdam([weight], master_weights=False, **HYPER)
+    with pytest.raises(RuntimeError, match="without master_weights does not support.*Use master_weights=True"):
+        step(opt, weight, grads(1))
+    assert torch.equal(weight.dequantize(), before) and not opt.state[weight]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -117,7 +130,7 @@ def test_fp8_master_weights_round_trip_through_state_dict(recipe):
 def test_a_checkpoint_without_master_weights_resumes_with_them():
     """One saved without master weights (master_weights=False, or by a te-core whose float32 FP8
     parameters had none) gets the parameter's value as the master at the next step."""
-    weight = fp8_weight("current")
+    weight = fp8_weight("delayed")  # (the one quantized kind stepped without master weights)
     plain = FusedAdam([weight], **HYPER)
     step(plain, weight, grads(2))
     opt = FusedAdam([weight], master_weights=True, **HYPER)

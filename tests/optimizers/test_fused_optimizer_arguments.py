@@ -117,3 +117,29 @@ def test_low_precision_parameters_are_still_taken(dtype):
     opt = FusedAdam(params, lr=1e-2, master_weights=True)
     run([(params, opt)], steps=1)
     assert all(not torch.equal(p, s) for p, s in zip(params, start))
+
+
+@pytest.mark.parametrize("make", [lambda ps: FusedAdam(ps, lr=1e-2), lambda ps: FusedSGD(ps, lr=1e-2, momentum=0.9)],
+                         ids=["FusedAdam", "FusedSGD"])
+@pytest.mark.parametrize("form", ["generator group", "added generator group", "named", "named group"])
+def test_parameter_groups_of_every_form_torch_takes_train(make, form):
+    """Parameters given as a generator inside a group dict (model.parameters(), read once: the
+    group ended up empty and never trained) or as named parameters (model.named_parameters(),
+    which raised) train as with torch.optim: every parameter in its group, and changed by a step."""
+    torch.manual_seed(0)
+    model, extra = torch.nn.Linear(8, 4), torch.nn.Linear(4, 2)
+    if form == "generator group":
+        opt = make([{"params": model.parameters()}])
+    elif form == "added generator group":
+        opt = make([{"params": extra.parameters()}])
+        opt.add_param_group({"params": model.parameters()})
+    elif form == "named":
+        opt = make(model.named_parameters())
+    else:
+        opt = make([{"params": model.named_parameters()}])
+    assert sum(len(g["params"]) for g in opt.param_groups) == (4 if form == "added generator group" else 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(3, 8)).square().sum().backward()
+    opt.step()
+    for b, p in zip(before, model.parameters()):
+        assert not torch.equal(b, p)
