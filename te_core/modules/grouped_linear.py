@@ -262,6 +262,13 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
+    def backward_dw(self) -> None:
+        """DelayedWgradMixin's, except that with nothing pending it returns, as Transformer
+        Engine's GroupedLinear does (its Linear-like modules raise)."""
+        if self.need_backward_dw() and len(self.wgrad_store) == 0:
+            return
+        super().backward_dw()
+
     def _params(self, prefix: str) -> List[Tensor]:
         return [getattr(self, f"{prefix}{i}") for i in range(self.num_gemms)]
 

@@ -170,3 +170,25 @@ def test_hooks_run_after_the_gradients_exist():
 def test_non_bool_is_rejected(name):
     with pytest.raises(TypeError, match=rf"{name}: delay_wgrad_compute must be True or False"):
         BUILD[name][0](delay_wgrad_compute=2)
+
+
+def test_grouped_linear_backward_dw_with_nothing_pending_returns():
+    """Transformer Engine's GroupedLinear.backward_dw returns when nothing is pending (its
+    Linear-like modules raise): before any backward, after a forward without autograd, and
+    after the pending gradient was taken; the gradient it took stays as it was."""
+    from te_core.modules import GroupedLinear
+
+    torch.manual_seed(0)
+    layer = GroupedLinear(2, IN, 8, delay_wgrad_compute=True)
+    layer.backward_dw()
+    with torch.no_grad():
+        layer(torch.randn(6, IN), [2, 4])
+    layer.backward_dw()
+    assert all(p.grad is None for p in layer.parameters() if p is not layer.bias0)
+    x = torch.randn(6, IN)
+    layer(x, [2, 4]).sum().backward()
+    layer.backward_dw()
+    grads = [layer.weight0.grad.clone(), layer.weight1.grad.clone()]
+    layer.backward_dw()
+    assert torch.equal(layer.weight0.grad, grads[0]) and torch.equal(layer.weight1.grad, grads[1])
+    torch.testing.assert_close(grads[0], torch.ones(8, 2) @ x[:2], rtol=1.3e-6, atol=1e-5)
