@@ -101,6 +101,11 @@ def moe_permute_with_probs(inp: Tensor, probs: Tensor, routing_map: Tensor,
     out = _rows_out(inp, tokens, num_out_tokens, name)
     if out.shape[0] > permuted_probs.numel():
         permuted_probs = torch.cat([permuted_probs, permuted_probs.new_zeros(out.shape[0] - permuted_probs.numel())])
+    # A routed slot of probability 0 is padding (routing maps padded to a capacity): its row is
+    # zero, as Transformer Engine's kernel writes it, so that it adds nothing to an expert's FP8
+    # amax; its gradient still reaches the token, as TE's backward sends it.
+    padding = (permuted_probs[:out.shape[0]] == 0).unsqueeze(1)
+    out = out - (out * padding).detach()
     return out, permuted_probs, rows
 
 

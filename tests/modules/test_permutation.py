@@ -165,3 +165,28 @@ def test_unpermuting_fewer_rows_than_the_map_routes_names_the_problem(map_type):
         te.moe_unpermute(permuted[:-1], row_id_map, map_type=map_type)
     back = te.moe_unpermute(permuted, row_id_map, map_type=map_type)  # the whole output still unpermutes
     torch.testing.assert_close(back, _tokens() * K, rtol=1.3e-6, atol=1e-5)
+
+
+def test_a_routed_slot_of_probability_zero_is_a_zero_row_whose_gradient_still_flows():
+    """As Transformer Engine's permute kernel: a routed slot whose probability is 0 (padding of a
+    routing map to a capacity) is written as a zero row, with and without alignment padding,
+    while the permutation's backward still sends that row's gradient to its token."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    routing_map = torch.tensor([[1, 0, 1], [0, 1, 1], [1, 1, 0], [0, 0, 1]], dtype=torch.int32)
+    probs = (torch.rand(4, 3) + 0.1) * routing_map
+    probs[1, 2] = 0.0
+    out, permuted_probs, _ = te.moe_permute_with_probs(x, probs, routing_map, num_out_tokens=7)
+    zero = (permuted_probs == 0).nonzero().flatten()
+    assert zero.tolist() == [5]  # expert 2's second token: token 1
+    assert torch.equal(out[5], torch.zeros(8))
+    kept = torch.ones(7, dtype=torch.bool)
+    kept[5] = False
+    expected_rows = x.detach()[torch.tensor([0, 2, 1, 2, 0, 1, 3])]
+    assert torch.equal(out[kept], expected_rows[kept])
+    dy = torch.randn(7, 8)
+    out.backward(dy)
+    sources = torch.tensor([0, 2, 1, 2, 0, 1, 3])
+    torch.testing.assert_close(x.grad, torch.zeros(4, 8).index_add(0, sources, dy), rtol=1.3e-6, atol=1e-5)
+    padded, padded_probs, *_ = te.moe_permute_and_pad_with_probs(x.detach(), probs, routing_map, routing_map.sum(0), 4)
+    assert torch.equal(padded[padded_probs == 0], torch.zeros(int((padded_probs == 0).sum()), 8))
