@@ -15,16 +15,52 @@ them. The selection rules are those of the unfused router they replace (Megatron
 """
 from __future__ import annotations
 
+import enum
 from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss"]
+__all__ = ["RoutingMapFormat", "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
+           "fused_moe_aux_loss"]
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 BYTEMAP = "bytemap"
+
+
+class RoutingMapFormat(enum.IntEnum):
+    """The routing map's layout, Transformer Engine's values: BYTEMAP a bool [..., num_experts]
+    map; BITMAP_U8 uint8 [..., ceil(num_experts / 8)], bit e % 8 of byte e // 8 set where the
+    token routes to expert e (least significant bit first)."""
+
+    BYTEMAP = 0
+    BITMAP_U8 = 1
+
+
+_FORMATS = {"bytemap": RoutingMapFormat.BYTEMAP, "bitmap_u8": RoutingMapFormat.BITMAP_U8}
+
+
+def _routing_map_format(value, name: str) -> RoutingMapFormat:
+    """Transformer Engine's spellings: the enum, its int value or its lowercase name."""
+    if isinstance(value, str) and value in _FORMATS:
+        return _FORMATS[value]
+    if isinstance(value, int) and not isinstance(value, bool) and value in iter(RoutingMapFormat):
+        return RoutingMapFormat(value)
+    raise ValueError(f"{name}: routing_map_format must be 'bytemap' or 'bitmap_u8' (or RoutingMapFormat.BYTEMAP / "
+                     f".BITMAP_U8, or their ints 0 / 1), got {value!r}")
+
+
+def _in_format(routing_map: Tensor, fmt: RoutingMapFormat) -> Tensor:
+    """A bool [..., num_experts] map in `fmt`: as it is, or packed 8 experts to a byte, LSB first."""
+    if fmt is RoutingMapFormat.BYTEMAP:
+        return routing_map
+    num_experts = routing_map.shape[-1]
+    pad = -num_experts % 8
+    bits = torch.nn.functional.pad(routing_map.to(torch.uint8), (0, pad)) if pad else routing_map.to(torch.uint8)
+    bits = bits.reshape(*routing_map.shape[:-1], -1, 8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=routing_map.device)
+    return (bits * weights).sum(dim=-1, dtype=torch.uint8)
 
 
 def _check(logits: Tensor, score_function: str, routing_map_format, name: str) -> None:
@@ -36,9 +72,7 @@ def _check(logits: Tensor, score_function: str, routing_map_format, name: str) -
                          "bfloat16 or float16")
     if score_function not in SCORE_FUNCTIONS:
         raise ValueError(f"{name}: score_function must be one of {', '.join(SCORE_FUNCTIONS)}, got {score_function!r}")
-    if routing_map_format not in (BYTEMAP, 0):
-        raise NotImplementedError(f"{name}: routing_map_format={routing_map_format!r} is not implemented by te-core; "
-                                  "use 'bytemap' (a bool [num_tokens, num_experts] map)")
+    _routing_map_format(routing_map_format, name)
 
 
 def _check_topk(topk: int, num_experts: int, name: str) -> None:
@@ -122,7 +156,7 @@ def fused_topk_with_score_function(logits: Tensor, topk: int, use_pre_softmax: b
         probs = probs * scaling_factor
     routing_probs = torch.zeros_like(logits).scatter(1, indices, probs.to(logits.dtype))
     routing_map = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter(1, indices, True)
-    return routing_probs.view(shape), routing_map.view(shape)
+    return routing_probs.view(shape), _in_format(routing_map.view(shape), _routing_map_format(routing_map_format, name))
 
 
 def fused_compute_score_for_moe_aux_loss(logits: Tensor, topk: int, score_function: str,
@@ -138,7 +172,7 @@ def fused_compute_score_for_moe_aux_loss(logits: Tensor, topk: int, score_functi
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     indices = torch.topk(scores, k=topk, dim=-1)[1]
     routing_map = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter(1, indices, True)
-    return routing_map.view(shape), scores.view(shape)
+    return _in_format(routing_map.view(shape), _routing_map_format(routing_map_format, name)), scores.view(shape)
 
 
 def fused_moe_aux_loss(probs: Tensor, tokens_per_expert: Tensor, total_num_tokens: Union[int, Tensor],

@@ -35,10 +35,6 @@ _NOT_IMPLEMENTED = {
         "ub_tp_comm_overlap": (False,), "ub_overlap_ag": (False,), "ub_overlap_rs": (False,),
         "ub_overlap_rs_dgrad": (False,), "ub_bulk_dgrad": (False,), "ub_bulk_wgrad": (False,),
     },
-    "parameter and weight-gradient layouts": {
-        "single_grouped_weight": (False,), "single_grouped_bias": (False,),
-        "use_grouped_tensor": (None, False),
-    },
     "FP8 tensors passed between modules": {"fp8_output": (False,), "fp8_grad": (False,), "out": (None,),
                                            "dgrad_out": (None,)},
     "attention variants": {

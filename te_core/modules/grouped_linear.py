@@ -3,8 +3,10 @@ one input (the experts of a mixture-of-experts layer), in one autograd Function.
 
 from __future__ import annotations
 
+import os
+import warnings
 from functools import partial
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -48,17 +50,20 @@ def _zero_main_grad(weight: Tensor) -> None:
 
 
 def _whole_splits(m_splits, module: str):
-    """A floating-point tensor m_splits as int64, as Transformer Engine casts any tensor, where
-    every count is whole (a fraction, which the cast would truncate, is an error); anything else
-    as given."""
-    if not isinstance(m_splits, Tensor) or not m_splits.is_floating_point() or m_splits.dim() != 1:
+    """A floating-point tensor m_splits as int64, as Transformer Engine casts any tensor (and a list
+    holding floats as ints), where every count is whole (a fraction, which the cast would
+    truncate, is an error); anything else as given."""
+    if isinstance(m_splits, (list, tuple)) and any(isinstance(m, float) for m in m_splits):
+        counts = list(m_splits)  # (a list of floats: TE makes an int64 tensor of it)
+    elif not isinstance(m_splits, Tensor) or not m_splits.is_floating_point() or m_splits.dim() != 1:
         return m_splits
-    counts = m_splits.tolist()
+    else:
+        counts = m_splits.tolist()
     fractional = [c for c in counts if not float(c).is_integer()]
     if fractional:
         raise ValueError(f"{module}: m_splits must hold whole row counts, got {fractional[0]} in {counts}; round "
                          "them (or pass an int64 tensor or a list of ints)")
-    return m_splits.long()
+    return m_splits.long() if isinstance(m_splits, Tensor) else [int(c) for c in counts]
 
 
 def _split_grouped(state_dict, prefix: str, kind: str, num_gemms: int, member_shapes, error_msgs) -> None:
@@ -167,6 +172,33 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 *(dws[i] for i in ctx.proxied))
 
 
+def _grouped_tensor_flag(value, name: str) -> bool:
+    """Transformer Engine's use_grouped_tensor picks its fused grouped GEMM over per-expert
+    parameters; the results are the same, and te-core runs its own grouped path either way."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: use_grouped_tensor must be a bool or None, got {type(value).__name__}")
+    return value
+
+
+def _single_param_flags(weight: bool, bias: bool, name: str) -> Tuple[bool, bool]:
+    """Transformer Engine's single_grouped_weight / single_grouped_bias are experimental and gated
+    on NVTE_GROUPED_LINEAR_SINGLE_PARAM: without it TE warns and keeps per-expert parameters, as
+    here; with it te-core, which has no single grouped parameters, refuses."""
+    weight, bias = check_bools(name, single_grouped_weight=weight, single_grouped_bias=bias)
+    if not (weight or bias):
+        return False, False
+    if int(os.environ.get("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "0") or "0") > 0:
+        raise NotImplementedError(f"{name}: single_grouped_weight / single_grouped_bias with "
+                                  "NVTE_GROUPED_LINEAR_SINGLE_PARAM set are not supported by te-core (one parameter "
+                                  "per expert: weight0, weight1, ...); unset the variable or pass False")
+    warnings.warn(f"{name} was constructed with single_grouped_weight={weight} and single_grouped_bias={bias}, but "
+                  "NVTE_GROUPED_LINEAR_SINGLE_PARAM is not set: per-expert parameters are used (as Transformer "
+                  "Engine falls back)", UserWarning, stacklevel=4)
+    return False, False
+
+
 class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, QuantizedModule):
     """Rows m_splits[0], m_splits[1], ... of the input go through weight0, weight1, ...;
     parameters weight{i} (out_features, in_features) and bias{i}, as in Transformer Engine.
@@ -209,6 +241,9 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
         name = "GroupedLinear"
         label = check_name(kwargs.pop("name", None), name)
         ub_name = check_ub_name(kwargs.pop("ub_name", None), name)
+        use_grouped_tensor = _grouped_tensor_flag(kwargs.pop("use_grouped_tensor", None), name)
+        single_flags = _single_param_flags(kwargs.pop("single_grouped_weight", False),
+                                           kwargs.pop("single_grouped_bias", False), name)
         reject_unsupported(name, **kwargs)
         bias, return_bias, fuse_wgrad_accumulation, save_original_input, sequence_parallel = check_bools(
             name, bias=bias, return_bias=return_bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
@@ -243,6 +278,8 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
         tensor_parallel.mark_model_parallel(self)  # Transformer Engine's tensor-parallel attributes
         self.init_delayed_wgrad(delay_wgrad_compute, name)
         self.save_original_input = save_original_input  # read at each forward: may be set later (Megatron-LM does)
+        self.use_grouped_tensor = use_grouped_tensor
+        self.single_grouped_weight, self.single_grouped_bias = single_flags
 
     def _initialize(self, *, materialize: bool = True) -> None:
         with resetting(self, materialize=materialize) as params:
@@ -272,10 +309,12 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
     def _params(self, prefix: str) -> List[Tensor]:
         return [getattr(self, f"{prefix}{i}") for i in range(self.num_gemms)]
 
-    def forward(self, inp: Tensor, m_splits: Sequence[int], is_first_microbatch: Optional[bool] = None, **unsupported):
+    def forward(self, inp: Tensor, m_splits: Sequence[int], is_first_microbatch: Optional[bool] = None,
+                out: Optional[Tensor] = None, dgrad_out: Optional[Tensor] = None):
         name = "GroupedLinear"
-        if unsupported:  # out / dgrad_out (caller-provided output buffers) are not implemented
-            reject_unsupported(f"{name}.forward", **unsupported)
+        if out is not None or dgrad_out is not None:  # caller-provided output buffers are not implemented
+            reject_unsupported(f"{name}.forward", **{k: "a tensor" for k, v in (("out", out), ("dgrad_out", dgrad_out))
+                                                     if v is not None})
         check_input(inp, self.in_features, module=name, device=self.weight0.device)
         m_splits = check_m_splits(_whole_splits(m_splits, name), self.num_gemms, inp.numel() // self.in_features, name)
         dtype = compute_dtype(inp, self)

@@ -133,10 +133,12 @@ def test_fast_zero_fill_selects_no_different_values():
 
 
 def test_num_splits_selects_no_different_values():
+    """DotProductAttention's num_splits (TE's TransformerLayer.forward has none: refused there)."""
     torch.manual_seed(1)
     layer = te.TransformerLayer(8, 16, 2, hidden_dropout=0.0, attention_dropout=0.0)
     x = _x(4, 2, 8, seed=6)
-    torch.testing.assert_close(layer(x, num_splits=4), layer(x))
+    with pytest.raises(TypeError, match="TransformerLayer.forward got an unexpected keyword argument 'num_splits'"):
+        layer(x, num_splits=4)
     q = _x(4, 2, 2, 4, seed=7)
     dpa = te.DotProductAttention(2, 4)
     torch.testing.assert_close(dpa(q, q, q, num_splits=2), dpa(q, q, q))

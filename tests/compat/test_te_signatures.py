@@ -80,6 +80,8 @@ IMPLEMENTED = {
         "parallel_mode": COMPAT, "fuse_wgrad_accumulation": MODULES + "test_fuse_wgrad.py",
         "delay_wgrad_compute": MODULES + "test_delay_wgrad.py",
         "save_original_input": MODULES + "test_save_original_input.py",
+        **{name: MODULES + "test_grouped_linear.py" for name in (
+            "single_grouped_weight", "single_grouped_bias", "use_grouped_tensor")},
         **{name: DIST + "test_grouped_linear_tp.py" for name in (
             "sequence_parallel", "tp_size", "tp_group", "get_rng_state_tracker", "rng_tracker_name")},
     },

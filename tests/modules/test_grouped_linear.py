@@ -71,3 +71,42 @@ def test_a_float_tensor_m_splits_of_whole_counts_is_taken():
     torch.testing.assert_close(got.double(), want, rtol=1.3e-6, atol=1e-5)
     with pytest.raises(ValueError, match=r"m_splits must hold whole row counts, got 3.5 in \[3.0, 3.5, 3.5\]"):
         mod(x, torch.tensor([3.0, 3.5, 3.5]))
+
+
+def test_te_grouped_layout_flags_fall_back_as_te_does(monkeypatch):
+    """TE's experimental single_grouped_weight / single_grouped_bias without
+    NVTE_GROUPED_LINEAR_SINGLE_PARAM: a warning and per-expert parameters (TE's fallback), which
+    compute the same as a module built without them; with the variable set, te-core refuses.
+    use_grouped_tensor (TE's fused grouped GEMM) takes a bool or None and changes no value."""
+    monkeypatch.delenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", raising=False)
+    torch.manual_seed(0)
+    plain = te.GroupedLinear(2, 16, 8)
+    with pytest.warns(UserWarning, match="NVTE_GROUPED_LINEAR_SINGLE_PARAM is not set: per-expert parameters"):
+        flagged = te.GroupedLinear(2, 16, 8, single_grouped_weight=True, single_grouped_bias=True,
+                                   use_grouped_tensor=True)
+    assert [n for n, _ in flagged.named_parameters()] == ["weight0", "bias0", "weight1", "bias1"]
+    assert not flagged.single_grouped_weight and not flagged.single_grouped_bias and flagged.use_grouped_tensor
+    flagged.load_state_dict(plain.state_dict())
+    x = torch.randn(6, 16)
+    assert torch.equal(flagged(x, [2, 4]), plain(x, [2, 4]))
+    monkeypatch.setenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "1")
+    with pytest.raises(NotImplementedError, match="single_grouped_weight / single_grouped_bias with"):
+        te.GroupedLinear(2, 16, 8, single_grouped_bias=True)
+    with pytest.raises(TypeError, match="use_grouped_tensor must be a bool or None"):
+        te.GroupedLinear(2, 16, 8, use_grouped_tensor="yes")
+
+
+def test_forward_takes_te_positional_arguments_and_float_split_lists():
+    """TE's forward(inp, m_splits, is_first_microbatch, out, dgrad_out) positionally (the
+    buffers are refused by name), and m_splits as a list of whole floats, which TE turns into
+    an int64 tensor: the same result as ints; a fraction is an error."""
+    torch.manual_seed(0)
+    layer, x = te.GroupedLinear(2, 16, 8), torch.randn(6, 16)
+    assert torch.equal(layer(x, [2.0, 4.0]), layer(x, [2, 4]))
+    assert torch.equal(layer(x, [2, 4], None, None, None), layer(x, [2, 4]))
+    with pytest.raises(NotImplementedError, match="GroupedLinear.forward: out="):
+        layer(x, [2, 4], None, torch.empty(6, 8))
+    with pytest.raises(NotImplementedError, match="GroupedLinear.forward: dgrad_out="):
+        layer(x, [2, 4], None, None, torch.empty(6, 16))
+    with pytest.raises(ValueError, match="m_splits must hold whole row counts, got 2.5"):
+        layer(x, [2.5, 3.5])

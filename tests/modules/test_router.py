@@ -141,8 +141,10 @@ def test_bad_arguments_name_the_problem():
         router.fused_topk_with_score_function(logits, K, False, None, None, None, "relu", None)
     with pytest.raises(ValueError, match="float64 logits are not supported"):
         router.fused_compute_score_for_moe_aux_loss(logits.double(), K, "softmax")
-    with pytest.raises(NotImplementedError, match="routing_map_format='bitmap_u8'"):
-        router.fused_compute_score_for_moe_aux_loss(logits, K, "softmax", routing_map_format="bitmap_u8")
+    with pytest.raises(ValueError, match="routing_map_format must be 'bytemap' or 'bitmap_u8'"):
+        router.fused_compute_score_for_moe_aux_loss(logits, K, "softmax", routing_map_format="BITMAP")
+    with pytest.raises(ValueError, match="routing_map_format must be"):
+        router.fused_topk_with_score_function(logits, K, False, None, None, None, "softmax", None, routing_map_format=2)
     with pytest.raises(NotImplementedError, match="quantile balancing"):
         router.fused_topk_with_score_function(logits, K, False, None, None, None, "sigmoid", None,
                                               qb_histogram_mode="two_kernel")
@@ -179,3 +181,26 @@ def test_out_of_range_counts_name_the_argument_and_its_range(call, message):
     torch's topk would fail without naming the argument, or the loss divide by zero."""
     with pytest.raises(ValueError, match=message):
         call(_logits(10))
+
+
+@pytest.mark.parametrize("num_experts", [8, 13])
+@pytest.mark.parametrize("spelling", ["bitmap_u8", 1, router.RoutingMapFormat.BITMAP_U8])
+def test_bitmap_routing_maps_pack_the_bytemap_lsb_first(num_experts, spelling):
+    """Transformer Engine's BITMAP_U8 layout: uint8 [..., ceil(E / 8)], bit e % 8 of byte e // 8
+    set where the token routes to expert e; the same experts as the bytemap (3-D logits too)."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, num_experts)
+    probs, bytemap = router.fused_topk_with_score_function(logits, 3, False, None, None, None, "sigmoid", None)
+    probs_b, bitmap = router.fused_topk_with_score_function(logits, 3, False, None, None, None, "sigmoid", None,
+                                                            routing_map_format=spelling)
+    assert bitmap.dtype == torch.uint8 and bitmap.shape == (2, 5, -(-num_experts // 8))
+    assert torch.equal(probs_b, probs)
+    for expert in range(num_experts):
+        bit = (bitmap[..., expert // 8].int() >> (expert % 8)) & 1
+        assert torch.equal(bit.bool(), bytemap[..., expert])
+    assert not ((bitmap[..., -1].int() >> (num_experts % 8 or 8)) & 0xFF).any()  # padding bits clear
+    aux_map, scores = router.fused_compute_score_for_moe_aux_loss(logits, 3, "softmax", routing_map_format=spelling)
+    byte_aux, scores_b = router.fused_compute_score_for_moe_aux_loss(logits, 3, "softmax")
+    assert torch.equal(scores, scores_b) and aux_map.dtype == torch.uint8
+    assert all(torch.equal(((aux_map[..., e // 8].int() >> (e % 8)) & 1).bool(), byte_aux[..., e])
+               for e in range(num_experts))
