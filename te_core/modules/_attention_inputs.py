@@ -25,16 +25,24 @@ def check_mask_type(attn_mask_type, *, name: str, module: str) -> str:
     return check_choice(mask_type_spelling(attn_mask_type), ATTN_MASK_TYPES, name=name, module=module)
 
 
+def check_max_seqlens(fmt: str, q, k, max_seqlens, context_parallel: bool = False) -> None:
+    """sbhd / bshd: max_seqlen_q / max_seqlen_kv, where given, are the query's and the key's
+    sequence lengths (under context parallelism this rank's shares, as Transformer Engine reads them)."""
+    for arg, t, given in (("max_seqlen_q", q, max_seqlens[0]), ("max_seqlen_kv", k, max_seqlens[1])):
+        s = t.shape[0 if fmt == "sbhd" else 1] if isinstance(t, Tensor) and t.dim() == 4 else None
+        if given is not None and given != s:
+            share = (" (under context parallelism max_seqlen_q / max_seqlen_kv are this rank's share of the sequence, "
+                     "as in Transformer Engine)") if context_parallel else ""
+            raise ValueError(f"DotProductAttention: {arg}={given} but the {fmt} tensor holds sequences of {s}{share}")
+
+
 def sequence_layout(fmt, q, k, mask_type, attention_mask, cu_seqlens, max_seqlens):
     """(the (query, key/value) Packing of thd inputs or None, mask type, attention mask): thd
     takes its padding from cu_seqlens; sbhd/bshd may give padding masks as cu_seqlens."""
     if fmt == "thd":
         packed = _packings(q, k, *cu_seqlens, *max_seqlens, attention_mask, mask_type)
         return packed, PADDED_MASK_TYPE[mask_type], None
-    for arg, t, given in (("max_seqlen_q", q, max_seqlens[0]), ("max_seqlen_kv", k, max_seqlens[1])):
-        s = t.shape[0 if fmt == "sbhd" else 1] if isinstance(t, Tensor) and t.dim() == 4 else None
-        if given is not None and given != s:
-            raise ValueError(f"DotProductAttention: {arg}={given} but the {fmt} tensor holds sequences of {s}")
+    check_max_seqlens(fmt, q, k, max_seqlens)
     if cu_seqlens[0] is not None or cu_seqlens[1] is not None:
         attention_mask = _padding_from_lengths(q, k, fmt, *cu_seqlens, attention_mask, mask_type)
     return None, mask_type, attention_mask

@@ -11,6 +11,7 @@ from ..distributed import tensor_parallel
 from ..distributed.groups import check_ranks_agree, group_size
 from ..distributed.random import MODEL_PARALLEL_RNG_TRACKER_NAME
 from . import _context_parallel
+from ._attention_inputs import check_max_seqlens
 from ._common import check_bool
 
 
@@ -54,6 +55,15 @@ class AttentionParallelMixin:
         self.cp_group, self.cp_global_ranks, self.cp_stream = cp_group, cp_global_ranks, cp_stream
         self._cp_shapes_checked = False  # (a new group: its ranks compare their shards at the next call)
 
+    def _check_context_parallel_layout(self, fmt: str, padded: bool, q, k, max_seqlens) -> None:
+        """Before the inputs are unpacked or gathered: the layouts context parallelism does not
+        take are refused (ahead of the checks of thd offsets, which Transformer Engine gives in
+        the whole sequences' terms under it), and max_seqlen_q / max_seqlen_kv are this rank's
+        shares of the sequence, as Transformer Engine reads them."""
+        refuse_under_context_parallelism([what for what, bad in (
+            ("the thd format", fmt == "thd"), ("padding between sequences", padded)) if bad])
+        check_max_seqlens(fmt, q, k, max_seqlens, context_parallel=True)
+
     def _context_parallel(self, fmt, mask_type, query_layer, key_layer, value_layer, attention_mask, window_size,
                           core_attention_bias_type, alibi_slopes, inference_params, padded, check_window):
         """(keys, values, mask type, mask) of a context-parallel call (the whole sequence's keys
@@ -67,10 +77,7 @@ class AttentionParallelMixin:
             ("a sliding window", window not in (None, (-1, -1), (-1, 0))),
             ("an attention bias or alibi", core_attention_bias_type != "no_bias" or alibi_slopes is not None))
             if bad]
-        if unsupported:
-            raise NotImplementedError(f"{module}: context parallelism (cp_group) is not supported by te-core with "
-                                      f"{', '.join(unsupported)}; it takes sbhd or bshd inputs with attn_mask_type "
-                                      "'causal' or 'no_mask'")
+        refuse_under_context_parallelism(unsupported)
         if not self.__dict__.get("_cp_shapes_checked", False):
             # ranks whose shards differ would hang or abort inside the all-gather: at the first call
             # (and in every run of a graph traced before one), one small all-gather compares them
@@ -85,3 +92,10 @@ class AttentionParallelMixin:
             return contextlib.nullcontext()
         return tensor_parallel.tracker_of(self.get_rng_state_tracker, type(self).__name__).fork(
             MODEL_PARALLEL_RNG_TRACKER_NAME)
+
+
+def refuse_under_context_parallelism(unsupported) -> None:
+    if unsupported:
+        raise NotImplementedError(f"DotProductAttention: context parallelism (cp_group) is not supported by te-core "
+                                  f"with {', '.join(unsupported)}; it takes sbhd or bshd inputs with attn_mask_type "
+                                  "'causal' or 'no_mask'")

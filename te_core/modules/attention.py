@@ -205,6 +205,11 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
         query_layer, key_layer, value_layer = unpack_qkv(qkv_layer, kv_layer, query_layer, key_layer, value_layer,
                                                           fmt, interleave_dim)
         check_qkv(query_layer, key_layer, value_layer)
+        if self.cp_size > 1:
+            self._check_context_parallel_layout(
+                fmt, bool(pad_between_seqs) or cu_seqlens_q_padded is not None or cu_seqlens_kv_padded is not None,
+                query_layer, key_layer, (max_seqlen_q, max_seqlen_kv))
+            max_seqlen_q = max_seqlen_kv = None  # (checked: the gathered tensors are the whole sequence's)
         restore = None  # packed outputs back in the caller's layout (padding between sequences, KV cache)
         if inference_params is not None and not isinstance(inference_params, InferenceParams):
             raise TypeError(f"{module}: inference_params must be a te_core.InferenceParams, "

@@ -181,3 +181,37 @@ def test_a_context_parallel_block_rotates_and_attends_as_the_whole_sequence(pool
     context-parallel and its rotary embedding rotates this rank's positions."""
     for rank, diffs in enumerate(pool.run(_layer, kind)):
         assert max(diffs) <= FP32["atol"], (rank, diffs)
+
+
+def _per_rank_lengths(ctx):
+    """max_seqlen_q / max_seqlen_kv under context parallelism are this rank's share (Transformer
+    Engine multiplies them by the group's size): given so, the output equals the call without
+    them; the whole sequence's length names the rule. thd inputs with TE's whole-sequence
+    padded offsets name context parallelism's limit, not their offsets."""
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(3)
+    local = [torch.randn(2 * CHUNK, B, H, D, generator=g) for _ in range(3)]
+    attention = te.DotProductAttention(H, D, attn_mask_type="causal", cp_group=dist.group.WORLD,
+                                       cp_comm_type="all_gather")
+    plain = attention(*local)
+    given = attention(*local, max_seqlen_q=2 * CHUNK, max_seqlen_kv=2 * CHUNK)
+    messages = []
+    try:
+        attention(*local, max_seqlen_q=2 * CHUNK * cp, max_seqlen_kv=2 * CHUNK * cp)
+    except ValueError as err:
+        messages.append(str(err))
+    thd = te.DotProductAttention(H, D, attn_mask_type="padding_causal", qkv_format="thd", cp_group=dist.group.WORLD)
+    tokens = [torch.randn(8, H, D, generator=g) for _ in range(3)]
+    whole = torch.tensor([0, 8 * cp], dtype=torch.int32)
+    try:
+        thd(*tokens, cu_seqlens_q=whole, cu_seqlens_kv=whole, cu_seqlens_q_padded=whole, cu_seqlens_kv_padded=whole)
+    except NotImplementedError as err:
+        messages.append(str(err))
+    return torch.equal(plain, given), messages
+
+
+def test_max_seqlens_are_each_ranks_share_and_thd_names_the_limit(pool):
+    for same, messages in pool.run(_per_rank_lengths):
+        assert same
+        assert "max_seqlen_q=24 but the sbhd tensor holds sequences of 6 (under context parallelism" in messages[0]
+        assert "context parallelism (cp_group) is not supported by te-core with the thd format" in messages[1]
