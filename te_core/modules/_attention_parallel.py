@@ -50,8 +50,11 @@ class AttentionParallelMixin:
         (the group's ranks, a stream to overlap Transformer Engine's ring steps on) change no value."""
         module = "DotProductAttention"
         self.cp_comm_type = _context_parallel.check_comm_type(cp_comm_type, module, active=cp_group is not None)
-        self.cp_size = _context_parallel.cp_size_of(cp_group, module)
-        self.cp_rank = torch.distributed.get_rank(cp_group) if self.cp_size > 1 else 0
+        # the group the collectives run over ('a2a+p2p' over a list whose other group has one rank: TE's fallback)
+        self._cp_run_group, self._cp_run_comm_type = _context_parallel.resolve_hierarchical(cp_group, cp_comm_type,
+                                                                                             module)
+        self.cp_size = _context_parallel.cp_size_of(self._cp_run_group, module)
+        self.cp_rank = torch.distributed.get_rank(self._cp_run_group) if self.cp_size > 1 else 0
         self.cp_group, self.cp_global_ranks, self.cp_stream = cp_group, cp_global_ranks, cp_stream
         self._cp_shapes_checked = False  # (a new group: its ranks compare their shards at the next call)
 
@@ -81,11 +84,11 @@ class AttentionParallelMixin:
         if not self.__dict__.get("_cp_shapes_checked", False):
             # ranks whose shards differ would hang or abort inside the all-gather: at the first call
             # (and in every run of a graph traced before one), one small all-gather compares them
-            check_ranks_agree(key_layer, self.cp_group, module, what="context-parallel")
+            check_ranks_agree(key_layer, self._cp_run_group, module, what="context-parallel")
             if not torch.compiler.is_compiling():
                 self._cp_shapes_checked = True
-        return _context_parallel.gathered(query_layer, key_layer, value_layer, fmt, mask_type, self.cp_group,
-                                          self.cp_size, self.cp_rank, self.cp_comm_type, module)
+        return _context_parallel.gathered(query_layer, key_layer, value_layer, fmt, mask_type, self._cp_run_group,
+                                          self.cp_size, self.cp_rank, self._cp_run_comm_type, module)
 
     def _dropout_context(self, dropout: bool):
         if not dropout or self.get_rng_state_tracker is None or self.sequence_parallel:

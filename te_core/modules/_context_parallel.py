@@ -27,13 +27,30 @@ MASK_TYPES = ("no_mask", "causal")  # those a context-parallel call takes
 _warned = set()
 
 
+def resolve_hierarchical(cp_group, cp_comm_type: str, module: str):
+    """(group, comm type): Transformer Engine's cp_comm_type 'a2a+p2p' takes cp_group = [a2a
+    group, p2p group] and runs plain 'p2p' over the second where the first has one rank, plain
+    'a2a' over the first where the second has; so does te-core. Both larger (hierarchical
+    context parallelism) is not supported."""
+    if not isinstance(cp_group, (list, tuple)):
+        return cp_group, cp_comm_type
+    if cp_comm_type != "a2a+p2p" or len(cp_group) != 2:
+        raise ValueError(f"{module}: a list of context-parallel groups goes with cp_comm_type 'a2a+p2p', as "
+                         f"[a2a group, p2p group]; got {len(cp_group)} groups with cp_comm_type {cp_comm_type!r}")
+    a2a, p2p = cp_group
+    if group_size(a2a, module, arg="cp_group[0]") == 1:
+        return p2p, "p2p"
+    if group_size(p2p, module, arg="cp_group[1]") == 1:
+        return a2a, "a2a"
+    raise NotImplementedError(f"{module}: cp_comm_type 'a2a+p2p' (hierarchical context parallelism over two groups "
+                              "of several ranks each) is not supported by te-core; give one group with cp_comm_type "
+                              "'all_gather'")
+
+
 def cp_size_of(cp_group, module: str) -> int:
     """The context-parallel group's size (1 without a group)."""
     if cp_group is None:
         return 1
-    if isinstance(cp_group, (list, tuple)):
-        raise NotImplementedError(f"{module}: a list of context-parallel groups (cp_comm_type 'a2a+p2p') is not "
-                                  "supported by te-core; give one group with cp_comm_type 'all_gather'")
     return group_size(cp_group, module, arg="cp_group")
 
 
@@ -43,9 +60,6 @@ def check_comm_type(cp_comm_type, module: str, active: bool = True) -> str:
     if cp_comm_type not in COMM_TYPES:
         raise ValueError(f"{module}: cp_comm_type must be one of {', '.join(map(repr, COMM_TYPES))}, "
                          f"got {cp_comm_type!r}")
-    if cp_comm_type == "a2a+p2p" and active:
-        raise NotImplementedError(f"{module}: cp_comm_type 'a2a+p2p' (hierarchical context parallelism over two "
-                                  "groups) is not supported by te-core; use 'all_gather' over one group")
     return cp_comm_type
 
 

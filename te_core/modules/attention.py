@@ -284,7 +284,7 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
         if self.return_max_logit:  # (out, max_logit), as Transformer Engine returns them
             logits = max_logit(q, k, options, packed)
             if self.cp_size > 1:  # this rank's queries: the whole sequence's max over the ranks', as TE reduces it
-                logits = all_reduce_max(logits, self.cp_group)
+                logits = all_reduce_max(logits, self._cp_run_group)
             return result, logits
         return result
 

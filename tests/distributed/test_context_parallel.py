@@ -215,3 +215,27 @@ def test_max_seqlens_are_each_ranks_share_and_thd_names_the_limit(pool):
         assert same
         assert "max_seqlen_q=24 but the sbhd tensor holds sequences of 6 (under context parallelism" in messages[0]
         assert "context parallelism (cp_group) is not supported by te-core with the thd format" in messages[1]
+
+
+def _hierarchical_fallback(ctx):
+    """cp_comm_type 'a2a+p2p' over [a2a group, p2p group] where one of them has a single rank
+    runs as Transformer Engine runs it: plain 'p2p' over the other group, or plain 'a2a': the
+    output equals one group's 'all_gather' call."""
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    singles = [dist.new_group([r]) for r in range(cp)]  # (every rank makes every group)
+    g = torch.Generator().manual_seed(4)
+    local = [torch.randn(2 * CHUNK, B, H, D, generator=g) for _ in range(3)]
+
+    def run(group, comm_type):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return te.DotProductAttention(H, D, attn_mask_type="causal", cp_group=group, cp_comm_type=comm_type)(*local)
+
+    want = run(dist.group.WORLD, "all_gather")
+    as_p2p = run([singles[rank], dist.group.WORLD], "a2a+p2p")
+    as_a2a = run([dist.group.WORLD, singles[rank]], "a2a+p2p")
+    return torch.equal(as_p2p, want) and torch.equal(as_a2a, want)
+
+
+def test_a2a_p2p_over_a_single_rank_group_falls_back_as_te(pool):
+    assert pool.run(_hierarchical_fallback) == [True] * 4
