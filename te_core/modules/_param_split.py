@@ -56,15 +56,17 @@ class ParameterSplitMixin:
 
     def apply_parameters_split(self, parameters_split, module: str) -> None:
         """Replace weight and bias by their named row blocks (no-op for parameters_split=None)."""
-        splits = parse_parameters_split(parameters_split, self._parameters["weight"].shape[0], module)
-        if splits is None:
+        if parameters_split is None:
             return
+        # first: under tensor parallelism the local weight holds this rank's rows only, against
+        # which sizes given for the whole out_features would read as wrong
         for what, unsupported in (("tp_size > 1", getattr(self, "tp_size", 1) > 1),
                                   ("fuse_wgrad_accumulation=True", getattr(self, "fuse_wgrad_accumulation", False)),
                                   ("FP8 primary weights (quantized_model_init)",
                                    type(self._parameters["weight"].data) is not torch.Tensor)):
             if unsupported:
                 raise NotImplementedError(f"{module}: parameters_split with {what} is not supported yet")
+        splits = parse_parameters_split(parameters_split, self._parameters["weight"].shape[0], module)
         for suffix in ("weight", "bias"):
             whole = self._parameters.pop(suffix, None)
             if whole is None:

@@ -185,3 +185,23 @@ def _unsplit_with_group(ctx, return_layernorm_output: bool):
 @pytest.mark.parametrize("return_layernorm_output", [False, True])
 def test_layernorm_linear_without_parallel_mode_splits_nothing(pool, return_layernorm_output):
     assert pool.run(_unsplit_with_group, return_layernorm_output)[:2] == [True, True]
+
+
+def _split_under_tp(ctx):
+    if ctx.rank >= 2:
+        return None
+    messages = []
+    for make in (Linear, LayerNormLinear):
+        try:
+            make(32, 64, parameters_split={"query": 32, "value": 32}, parallel_mode="column", tp_group=ctx.group(2))
+        except NotImplementedError as err:
+            messages.append(str(err))
+    return messages
+
+
+def test_parameters_split_under_tensor_parallelism_names_what_is_not_supported(pool):
+    """The whole out_features' split sizes, as Transformer Engine takes them, are refused for
+    tensor parallelism itself, not reported as not summing to this rank's rows."""
+    for messages in pool.run(_split_under_tp)[:2]:
+        assert messages == [f"{m}: parameters_split with tp_size > 1 is not supported yet"
+                            for m in ("Linear", "LayerNormLinear")]
