@@ -219,7 +219,8 @@ def test_grouped_linear_flags_refuse_values_read_by_truthiness(kwargs, match):
 
 
 @pytest.mark.parametrize("m_splits, exc, match", [
-    ([7.0, 7.0], TypeError, r"m_splits must be a list of 2 non-negative ints .* got \[7.0, 7.0\]"),
+    ([7.0, 6.5], ValueError, r"m_splits must hold whole row counts, got 6.5"),  # (whole floats: TE's int64 cast)
+    (["7", 7], TypeError, r"m_splits must be a list of 2 non-negative ints .* got \['7', 7\]"),
     ([True, 13], TypeError, r"m_splits must be a list of 2 non-negative ints"),
     (14, TypeError, r"m_splits must be a list of 2 non-negative ints .* got 14"),
     ("77", TypeError, r"m_splits must be a list of 2 non-negative ints"),
