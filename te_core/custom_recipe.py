@@ -46,10 +46,6 @@ class CustomRecipe(Recipe):
             raise TypeError(f"CustomRecipe: fp8_format must be a te_core.recipe.Format, got {self.fp8_format!r}")
         _check_block_recipe_flags(self)
         _check_backward_override(self)
-        if self.backward_override is not None:  # (te-core's recipes take it; custom quantizers are untested with it)
-            raise NotImplementedError(
-                f"CustomRecipe: backward_override={self.backward_override!r} is not supported by te-core yet (the "
-                "built-in Float8CurrentScaling, Float8BlockScaling and MXFP8BlockScaling take it); leave it None")
         _check_number("CustomRecipe", "quantization_alignment", self.quantization_alignment, minimum=1, integer=True)
 
     def make_state(self, slots, device):

@@ -125,8 +125,31 @@ def test_the_recipe_validates_its_fields():
         CustomRecipe(qfactory=current_scaling, fp8_dpa=True)
     with pytest.raises(ValueError, match="quantization_alignment must be an int >= 1"):
         CustomRecipe(qfactory=current_scaling, quantization_alignment=0)
-    with pytest.raises(NotImplementedError, match="backward_override='dequantized'"):
-        CustomRecipe(qfactory=current_scaling, backward_override="dequantized")
+    with pytest.raises(ValueError, match="backward_override"):
+        CustomRecipe(qfactory=current_scaling, backward_override="bf16")
+
+
+@pytest.mark.parametrize("mode", ["high_precision", "dequantized"])
+def test_backward_override_runs_custom_quantizers_as_the_built_in_recipe(monkeypatch, mode):
+    """backward_override with a factory of current-scaling quantizers gives the built-in
+    Float8CurrentScaling's results bit for bit under the same override (and other input
+    gradients than without one); NVTE_BACKWARD_OVERRIDE, which TE's CustomRecipe reads as its
+    default, no longer makes CustomRecipe() raise."""
+    def run(rec):
+        torch.manual_seed(0)
+        layer = te.Linear(64, 32)
+        x = randn(torch.Generator().manual_seed(1), 16, 64).requires_grad_()
+        with te.autocast(recipe=rec):
+            y = layer(x)
+        y.backward(randn(torch.Generator().manual_seed(2), 16, 32))
+        return [y.detach(), x.grad, layer.weight.grad, layer.bias.grad]
+
+    custom = run(CustomRecipe(qfactory=current_scaling, backward_override=mode))
+    for got, want in zip(custom, run(Float8CurrentScaling(backward_override=mode))):
+        assert torch.equal(got, want)
+    assert not torch.equal(custom[1], run(CustomRecipe(qfactory=current_scaling))[1])
+    monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", mode)
+    assert CustomRecipe(qfactory=current_scaling).backward_override == mode
 
 
 def test_a_quantizer_returned_for_several_roles_is_not_shared():
