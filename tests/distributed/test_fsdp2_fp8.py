@@ -143,6 +143,41 @@ class _AllReduces:
         dist.all_reduce = self._original
 
 
+def fused_adam_steps_delayed_shards_in_place(ctx, recipe_name):
+    """FusedAdam without master weights on FSDP2 shards of FP8 primary weights: delayed
+    scaling's are stepped in place, as unsharded (the all-gather wraps the shard's quantizer,
+    which the optimizer's check must see through), and the sharded and single-process weights
+    agree after the steps; current scaling's are refused, as in Transformer Engine."""
+    from te_core.optimizers import FusedAdam
+
+    sharded = _shard(_model(RECIPES[recipe_name](True)))
+    reference = _model(RECIPES[recipe_name](False))
+    opt_sharded, opt_reference = FusedAdam(sharded.parameters(), lr=1e-3), FusedAdam(reference.parameters(), lr=1e-3)
+    try:
+        for step in range(STEPS):
+            _step(sharded, opt_sharded, _batch(step, ctx.rank), RECIPES[recipe_name](True), dist.group.WORLD)
+            joined = torch.cat([_batch(s, r) for s in (step,) for r in range(ctx.world)])
+            with autocast(recipe=RECIPES[recipe_name](False)):
+                y_ref = reference(joined)
+            (_loss(y_ref) / ctx.world).backward()  # FSDP2 averages the ranks' gradients
+            opt_reference.step()
+            opt_reference.zero_grad()
+    except RuntimeError as err:
+        return str(err)
+    for (name, p_ref), (_, p) in zip(reference.named_parameters(), sharded.named_parameters()):
+        full, ref = p.full_tensor().detach().float(), p_ref.detach().float()
+        scale = ref.abs().max()
+        torch.testing.assert_close(full / scale, ref / scale, **E4M3, msg=lambda m: f"{name}: {m}")
+    return True
+
+
+def test_fsdp2_fused_adam_without_master_weights(pool):
+    assert pool.run(fused_adam_steps_delayed_shards_in_place, "delayed") == [True] * 2
+    for message in pool.run(fused_adam_steps_delayed_shards_in_place, "current"):
+        assert "without master_weights does not support Float8Tensor parameters of Float8CurrentScalingQuantizer" \
+            in message
+
+
 def foreach_step_reduces_once(ctx, recipe_name):
     """A foreach optimizer step requantizes every FP8 shard with one amax all-reduce (a looping
     step: one per FP8 weight), to the same FP8 bytes and scales."""
