@@ -100,12 +100,24 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
                                   "master_param": master_weight_dtype if master_weights else torch.float32}
         self._scales = {}  # param -> {state name: its float32 scale}, for the scaled states
         self._init_set_grad_none(set_grad_none)
+        for group in self.param_groups:
+            self._capturable_lr(group)
+
+    def _capturable_lr(self, group: dict) -> None:
+        """A capturable group's lr as a float32 tensor on its parameters' device from the start,
+        as Transformer Engine makes it in its constructor: a checkpoint of the optimizer (one
+        saved after a step holds a tensor) then loads into a fresh one, through torch's
+        distributed checkpoint too, whose plan follows the fresh optimizer's types."""
+        if getattr(self, "capturable", False) and not torch.is_tensor(group.get("lr")):
+            device = group["params"][0].device if group["params"] else self._step_device([])
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, with the group's hyperparameters and parameters checked first (_checks)."""
         param_group = listed_params(param_group)
         check_group(NAME, {**self.defaults, **param_group}, RANGES, len(self.param_groups), PARAM_DTYPES)
         super().add_param_group(param_group)
+        self._capturable_lr(self.param_groups[-1])
 
     def state_dtype(self, name: str):
         """The dtype state `name` is kept in (and reloaded in: StateDtypesMixin); None for the

@@ -213,3 +213,42 @@ def test_a_capturable_checkpoint_with_an_empty_group_loads():
     opt.load_state_dict(saved_opt.state_dict())
     assert [float(g["step"]) for g in opt.param_groups] == [1, 1]
     assert all(g["step"].device == param.device for g in opt.param_groups)
+
+
+def test_a_capturable_optimizer_resumes_through_distributed_checkpoint(tmp_path):
+    """capturable=True makes each group's lr a float32 tensor on the parameters' device in the
+    constructor and in add_param_group, as Transformer Engine does: torch's distributed
+    checkpoint, which plans a load by the fresh optimizer's types, then loads a checkpoint saved
+    after steps (lr a tensor there), and the resumed optimizer steps as the one that saved it."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model, extra = torch.nn.Linear(8, 4), torch.nn.Linear(4, 2)
+    opt = FusedAdam(model.parameters(), lr=1e-2, capturable=True)
+    assert torch.is_tensor(opt.param_groups[0]["lr"]) and opt.param_groups[0]["lr"].dtype == torch.float32
+    opt.add_param_group({"params": extra.parameters(), "lr": 5e-3})
+    assert torch.is_tensor(opt.param_groups[1]["lr"]) and opt.param_groups[1]["lr"].item() == pytest.approx(5e-3)
+    both = torch.nn.Sequential(model, extra)
+    x = torch.randn(3, 8)
+    for _ in range(2):
+        both(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's: no process group, one process)
+        dcp.save({"optim": get_optimizer_state_dict(both, opt)}, checkpoint_id=str(tmp_path))
+        twin = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+        twin.load_state_dict(both.state_dict())
+        resumed = FusedAdam(twin[0].parameters(), lr=1e-2, capturable=True)
+        resumed.add_param_group({"params": twin[1].parameters(), "lr": 5e-3})
+        loaded = {"optim": get_optimizer_state_dict(twin, resumed)}
+        dcp.load(loaded, checkpoint_id=str(tmp_path))
+        set_optimizer_state_dict(twin, resumed, loaded["optim"])
+    for model_, opt_ in ((both, opt), (twin, resumed)):
+        model_(x).square().sum().backward()
+        opt_.step()
+    for p, q in zip(both.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
