@@ -22,8 +22,9 @@ per-tensor scaled FSDP2 weight's shards share one scale (te_core.distributed.fsd
 scale_inv serves every sharding; saving checks that the ranks agree on it. A load that one rank
 refuses is refused on every rank. Every other entry (high-precision parameters, buffers, the
 modules' extra state with the recipe and the delayed-scaling amax histories and scales) is
-torch's, the extra state as te-core's checkpoint dict rather than its uint8 tensor (DCP restores
-an object whole, where it would load a tensor in place into one of the same size). The optimizer's functions are torch's, made to leave the FP8
+torch's, the extra state as text holding its uint8 tensor's bytes (DCP restores a string whole,
+where it would load a tensor in place into one of the same size, and would split a dict into
+entries a fresh model does not have). The optimizer's functions are torch's, made to leave the FP8
 weights and scaling state as they are (torch may run a zero-learning-rate step, which requantizes).
 """
 from __future__ import annotations
@@ -212,13 +213,14 @@ def get_model_state_dict(model: nn.Module, *, options: Optional[StateDictOptions
 
 
 def _extra_state_as_objects(state: Dict[str, Any]) -> None:
-    """Modules' extra state as te-core's checkpoint dict (None where empty) instead of its uint8
-    tensor: DCP loads a tensor in place, into the destination's tensor of the same size, which a
-    model whose scaling state is not made yet (or another history length) does not have; an
-    object it saves and restores whole. set_extra_state takes either form."""
+    """Modules' extra state as text holding its uint8 tensor's bytes (extra_state.as_text): DCP
+    loads a tensor in place, into the destination's tensor of the same size, which a model whose
+    scaling state is not made yet (or another history length) does not have, and splits a dict
+    into entries of its own, which such a model lacks too; a string it saves and restores whole,
+    and torch.load(weights_only=True) reads it. set_extra_state takes every form."""
     for key, value in state.items():
         if key.endswith("_extra_state") and extra_state_bytes.is_encoded(value):
-            state[key] = extra_state_bytes.decode(value, key)
+            state[key] = extra_state_bytes.as_text(value)
 
 
 def _this_rank(key: str, what: str, t: Tensor, param: Tensor, shape: Tuple[int, ...], local_shape) -> Tensor:

@@ -394,6 +394,7 @@ class QuantizedModule(DeferredInit, nn.Module):
         return extra_state_bytes.encode(extra_state(self._recipe_state))
 
     def set_extra_state(self, state) -> None:
+        state = extra_state_bytes.from_text(state)  # (te_core.distributed.state_dict's form)
         if extra_state_bytes.is_encoded(state):
             state = extra_state_bytes.decode(state, type(self).__name__)
         elif isinstance(state, Tensor) and state.dtype == torch.uint8:  # Transformer Engine's serialized form

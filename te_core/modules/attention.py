@@ -324,6 +324,7 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
         te-core has no use for (it computes attention in high precision), so it warns."""
         from ..compat.te_checkpoint import holds_fp8_scales
 
+        state = extra_state_bytes.from_text(state)  # (te_core.distributed.state_dict's form)
         te_form = (isinstance(state, Tensor) and state.dtype == torch.uint8) or isinstance(state, io.BytesIO)
         if te_form and holds_fp8_scales(state):
             warnings.warn("DotProductAttention: the checkpoint's FP8 attention state is not used; te-core "

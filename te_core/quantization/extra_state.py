@@ -7,10 +7,12 @@ are torch.save's of te-core's checkpoint dict (plain values and CPU tensors, see
 state.extra_state) and are read back with torch.load(weights_only=True): loading never runs
 code from a checkpoint. Transformer Engine's bytes are a pickle; torch.save's start with a zip
 header, which tells the two apart. Loading also takes the dict itself (te-core checkpoints
-written before this form, and te_core.distributed.state_dict's DCP entries).
+written before this form, and te_core.distributed.state_dict's DCP entries before they became
+text: as_text).
 """
 from __future__ import annotations
 
+import base64
 import io
 from typing import Optional
 
@@ -36,6 +38,26 @@ def encode(state: Optional[dict]) -> Tensor:
     buffer = io.BytesIO()
     torch.save({_MARKER: 1, **_on_cpu(state)}, buffer)
     return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+_TEXT_PREFIX = "te_core_extra_state:base64:"
+
+
+def as_text(state: Tensor) -> str:
+    """A tensor `encode` wrote, as text (its bytes in base64, after a marker): the form
+    te_core.distributed.state_dict hands to torch's distributed checkpoint, which saves and
+    restores a non-tensor value whole (a tensor it loads in place, into one of the same size; a
+    dict it splits into entries of their own, which a model whose scaling state is not made yet
+    has none of), and which torch.load(weights_only=True) reads back (it refuses bytes objects)."""
+    return _TEXT_PREFIX + base64.b64encode(state.detach().to("cpu").contiguous().numpy().tobytes()).decode("ascii")
+
+
+def from_text(state):
+    """`state` as the uint8 tensor of `encode`'s form where it is as_text's text, else as given."""
+    if isinstance(state, str) and state.startswith(_TEXT_PREFIX):
+        data = base64.b64decode(state[len(_TEXT_PREFIX):])
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return state
 
 
 def is_encoded(state) -> bool:

@@ -131,6 +131,41 @@ def test_fsdp2_fp8_checkpoint_round_trip(pool, recipe_name, optimizer_name, tmp_
     assert pool.run(round_trip, recipe_name, optimizer_name, str(tmp_path / "ckpt")) == [True] * 2
 
 
+def high_precision_resume(ctx, path: str):
+    """Delayed scaling over bf16 weights (no FP8 primary weights): a checkpoint saved after
+    steps loads into a freshly built sharded model that has run nothing yet (the usual resume),
+    its scaling state and weights the saved ones, and one more step of each is the same. The
+    extra state travels as one value, which DCP restores whole: as a dict it was split into
+    entries the fresh model did not have, and the load failed with a missing key."""
+    def build():
+        return fsdp_fp8._shard(fsdp_fp8._model(None))
+
+    recipe = RECIPES["delayed"](True)
+    model = build()
+    optimizer = OPTIMIZERS["adam"](model.parameters())
+    for step in range(2):
+        fsdp_fp8._step(model, optimizer, fsdp_fp8._batch(step, ctx.rank), recipe, dist.group.WORLD)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
+             checkpoint_id=path)
+    fresh = build()
+    fresh_optimizer = OPTIMIZERS["adam"](fresh.parameters())
+    state = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_optimizer)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(fresh, state["model"])
+    set_optimizer_state_dict(fresh, fresh_optimizer, state["optim"])
+    _assert_same(_snapshot(fresh), _snapshot(model), "after loading")
+    assert any(t.abs().sum() > 0 for d in fresh[0].quantization_state().values() for e in d.values()
+               for k, t in e.items() if k == "amax_history")
+    y = fsdp_fp8._step(model, optimizer, fsdp_fp8._batch(5, ctx.rank), recipe, dist.group.WORLD)
+    y_fresh = fsdp_fp8._step(fresh, fresh_optimizer, fsdp_fp8._batch(5, ctx.rank), recipe, dist.group.WORLD)
+    assert torch.equal(y, y_fresh), "the first step after loading has another output"
+    return True
+
+
+def test_fsdp2_high_precision_delayed_scaling_resumes_into_a_fresh_model(pool, tmp_path):
+    assert pool.run(high_precision_resume, str(tmp_path / "ckpt")) == [True] * 2
+
+
 def _layouts(w) -> tuple:
     """The FP8 bytes and scale_inv of a weight, and of its column-wise copy where it has one."""
     if isinstance(w, Float8BlockwiseTensor) and w._data_t is not None:
