@@ -61,7 +61,7 @@ def norm_bwd(
 
 
 class NormFunction(torch.autograd.Function):
-    """High-precision norm of x (any shape; normalized over its last dimension)."""
+    """High-precision norm of x (any shape; normalized over its last dimension), as 2-D rows."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, normalization, zero_centered_gamma):
@@ -73,11 +73,14 @@ class NormFunction(torch.autograd.Function):
         ctx.normalization = normalization
         ctx.zero_centered_gamma = zero_centered_gamma
         ctx.has_bias = bias is not None
-        return y.view(x.shape)
+        ctx.x_shape = x.shape
+        # the 2-D result itself, which the module views in x's shape: an output that is a view made
+        # inside a Function cannot be modified in place (a model's `y *= scale` on a norm's output)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x2d, weight, *stats = ctx.saved_tensors
         dy2d = dy.reshape(x2d.shape).to(x2d.dtype)
         dx, dw, db = norm_bwd(dy2d, x2d, tuple(stats), weight, ctx.normalization, ctx.zero_centered_gamma)
-        return dx.view(dy.shape), dw, db if ctx.has_bias else None, None, None, None
+        return dx.view(ctx.x_shape), dw, db if ctx.has_bias else None, None, None, None

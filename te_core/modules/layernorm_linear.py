@@ -99,6 +99,10 @@ def fused_outputs(y, shape: torch.Size, out_features: int, bias: Optional[Tensor
     return result[0] if len(result) == 1 else result
 
 
+def returned_norm_output(ln_out: Tensor) -> Tensor:
+    return ln_out.view_as(ln_out) if torch.compiler.is_compiling() else ln_out
+
+
 def residual_view(x: Tensor, return_residual: bool) -> tuple:
     """The norm's input as one more output of a fused Function (a view, no copy): used as the
     block's residual, its gradient comes back into the same backward and is summed into dx
@@ -212,9 +216,10 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         # place, where autograd would first concatenate them (q, k, v: 3 x 128 MiB at s2048 b8)
         ctx.return_residual = return_residual
         outs = (y,) if split_sizes is None else y.split(split_sizes, dim=-1)
-        # a view, not ln_out itself: under torch.compile (torch 2.11) an output that is also
-        # saved for backward (the GEMM operand) got a zero gradient
-        outs += ((ln_out.view_as(ln_out),) if return_ln_out else ()) + residual_view(x, return_residual)
+        # traced, a view, not ln_out itself: under torch.compile (torch 2.11) an output that is
+        # also saved for backward (the GEMM operand) got a zero gradient; eagerly ln_out itself,
+        # which the caller may modify in place (a view made inside a Function may not be)
+        outs += ((returned_norm_output(ln_out),) if return_ln_out else ()) + residual_view(x, return_residual)
         return outs[0] if len(outs) == 1 else outs
 
     @staticmethod

@@ -54,6 +54,7 @@ from .layernorm_linear import (
     normalized_operand,
     reset_norm_parameters,
     residual_view,
+    returned_norm_output,
     split_grads,
     unpack_outputs,
 )
@@ -141,9 +142,10 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         ctx.needs_norm = norm_grad
         ctx.return_residual = return_residual
         ctx.proxied = (fc1_weight_proxy is not None, fc2_weight_proxy is not None)
-        # a view, not ln_out itself: under torch.compile (torch 2.11) an output that is also
-        # saved for backward (the GEMM operand) got a zero gradient
-        outs = (y,) + ((ln_out.view_as(ln_out),) if return_ln_out else ()) + residual_view(x, return_residual)
+        # traced, a view, not ln_out itself: under torch.compile (torch 2.11) an output that is
+        # also saved for backward (the GEMM operand) got a zero gradient; eagerly ln_out itself,
+        # which the caller may modify in place (a view made inside a Function may not be)
+        outs = (y,) + ((returned_norm_output(ln_out),) if return_ln_out else ()) + residual_view(x, return_residual)
         return outs[0] if len(outs) == 1 else outs
 
     @staticmethod

@@ -97,7 +97,9 @@ class _LinearFunction(torch.autograd.Function):
         ctx.bias_dtype = None if bias is None or not bias.requires_grad else bias.dtype
         ctx.split = split_sizes is not None
         ctx.proxied = weight_proxy is not None
-        return _output(y, inp) if split_sizes is None else _split_output(y, inp, split_sizes)
+        # the 2-D result itself, which Linear.forward views in the input's shape: an output that is
+        # a view made inside a Function cannot be modified in place (a model's `y *= scale`)
+        return y if split_sizes is None else _split_output(y, inp, split_sizes)
 
     @staticmethod
     def backward(ctx, *dys: Tensor):
@@ -253,6 +255,7 @@ class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParal
                                          or (fused_bias is not None and fused_bias.requires_grad)):
                 out = _LinearFunction.apply(inp, weight, fused_bias, step, options, split_sizes,
                                             grad_proxies(self, ("weight",))[0])
+                out = _output(out, inp) if split_sizes is None else out
             else:  # nothing to differentiate: skip the autograd Function's bookkeeping (inference)
                 y = _fprop(inp, weight, fused_bias, step, options)[0]
                 out = _output(y, inp) if split_sizes is None else _split_output(y, inp, split_sizes)
