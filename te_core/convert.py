@@ -216,6 +216,11 @@ class _Walk:
         self.untied: List[str] = []
         self.linear_like: List[str] = []
         self.hooked: List[str] = []
+        # the dtypes of the model's Linear weights: a norm kept in another one (float32 norms in a
+        # bf16 model) returns its input's dtype, where te-core's norms, as TE's, return their
+        # parameters' outside torch.autocast, which the next Linear would refuse
+        self.linear_dtypes = {m.weight.dtype for m in model.modules() if type(m) is nn.Linear}
+        self.own_precision: List[str] = []
 
     def wanted(self, module: nn.Module, fqn: str) -> bool:
         parts = fqn.split(".")
@@ -245,6 +250,9 @@ class _Walk:
             is_norm = _is_layernorm(child) or _is_rmsnorm(child)
             if (is_norm or type(child) is nn.Linear) and _hooked(child):
                 self.hooked.append(f"{fqn} ({type(child).__name__})")
+                continue
+            if is_norm and self.linear_dtypes and child.weight.dtype not in self.linear_dtypes:
+                self.own_precision.append(f"{fqn} ({child.weight.dtype})")
                 continue
             if is_norm and self.fuse and isinstance(parent, nn.Sequential) and i + 1 < len(names):
                 next_name, nxt = names[i + 1]
@@ -279,6 +287,11 @@ class _Walk:
                           "with hooks or parametrizations (weight_norm among them), which a te-core module in their "
                           "place would drop; remove them before converting to convert these, or skip them to "
                           "silence this", stacklevel=3)
+        if self.own_precision:
+            warnings.warn(f"convert_model: left as they are: {', '.join(self.own_precision)}: norms kept in another "
+                          f"dtype than the model's Linear layers ({', '.join(sorted(map(str, self.linear_dtypes)))}), "
+                          "which return their input's dtype; te-core's norms, as Transformer Engine's, return their "
+                          "parameters' dtype outside torch.autocast, which the next layer would not take", stacklevel=3)
         if self.linear_like:
             warnings.warn(f"convert_model: left as they are, in high precision: {', '.join(self.linear_like)}: "
                           "linear layers that are not torch.nn.Linear itself (a subclass, whose forward may differ, "
@@ -287,11 +300,15 @@ class _Walk:
 
 
 def _hooked(module: nn.Module) -> bool:
-    """Whether module has hooks of its own or parametrized tensors (torch.nn.utils.parametrize;
-    the older weight_norm is a forward pre-hook): what a replacement would silently lose."""
+    """Whether module has hooks of its own, parametrized tensors (torch.nn.utils.parametrize;
+    the older weight_norm is a forward pre-hook) or a forward of its own (Accelerate's hooks):
+    what a replacement would silently lose."""
     hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
              "_state_dict_hooks", "_load_state_dict_pre_hooks")
-    return any(getattr(module, h, None) for h in hooks) or parametrize.is_parametrized(module)
+    # Accelerate's hooks (CPU offload, a device_map) replace the instance's forward and keep the
+    # weights elsewhere (_hf_hook), the module's own parameters on the meta device
+    wrapped = hasattr(module, "_hf_hook") or "forward" in vars(module)
+    return any(getattr(module, h, None) for h in hooks) or parametrize.is_parametrized(module) or wrapped
 
 
 def _linear_like(module: nn.Module) -> bool:

@@ -290,3 +290,35 @@ def test_modules_with_hooks_or_parametrizations_are_left_as_they_are():
     assert isinstance(model[3], tm.Linear)  # the plain Linear (its norm stays: no fusion with it)
     assert any(p is original for p in model.parameters())
     torch.testing.assert_close(model(x), want, rtol=1.3e-6, atol=1e-5)
+
+
+def test_norms_kept_in_another_dtype_stay_and_the_model_still_runs():
+    """A bf16 model whose norms are kept in float32 (GPT-OSS-style `_keep_in_fp32_modules`, or by
+    hand): torch's norms return the input's dtype, te-core's (as TE's) their parameters', which
+    the next bf16 Linear would refuse. Those norms stay as they are, with a warning naming them;
+    the Linears are converted, and the model computes what it computed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 16)).to(torch.bfloat16)
+    model[1].float()
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    want = model(x)
+    converted = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match=r"left as they are: 1 \(torch.float32\): norms kept in another dtype"):
+        convert_model(converted)
+    assert type(converted[1]) is nn.LayerNorm and isinstance(converted[0], tm.Linear) \
+        and isinstance(converted[2], tm.Linear)
+    torch.testing.assert_close(converted(x), want, rtol=1.6e-2, atol=1e-5)
+
+
+def test_modules_with_a_forward_of_their_own_stay():
+    """A module whose instance forward was replaced (Accelerate's CPU-offload and device_map
+    hooks, which also set `_hf_hook` and keep the weights elsewhere) is left as it is, with the
+    hooks warning: a te-core module in its place would drop the hook and read meta weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    inner = model[0].forward
+    model[0].forward = lambda x: inner(x) * 2.0
+    model[0]._hf_hook = object()
+    with pytest.warns(UserWarning, match=r"left as they are, in high precision: 0 \(Linear\)"):
+        convert_model(model)
+    assert type(model[0]) is nn.Linear and isinstance(model[1], tm.Linear)
