@@ -185,7 +185,7 @@ class QuantizedModule(DeferredInit, nn.Module):
         # keeps the attributes set on the old one (Transformer Engine's and Megatron-LM's
         # tensor-parallel ones, the preserved high-precision value)
         before = dict(self._parameters)
-        module = super()._apply(fn, recurse)
+        module = super()._apply(_keeping_fp8_data(fn), recurse)
         for name, old in before.items():
             new = self._parameters.get(name)
             if old is not None and new is not None and new is not old:
@@ -489,3 +489,20 @@ def _warn_format_change(module: str, saved, new, rescaled, stacklevel: int) -> N
     warnings.warn(f"{module}: its FP8 scaling state was loaded from a checkpoint made with {describe(saved)} and "
                   f"now serves {describe(new)}; the amax histories are kept and the scales of the {roles} tensors "
                   f"are recomputed from them for the new format", UserWarning, stacklevel=stacklevel)
+
+
+def _keeping_fp8_data(fn):
+    """module._apply's fn, except that a quantized parameter converted to another floating dtype
+    on its own device (module.half(), module.to(torch.bfloat16)) becomes a tensor of its kind
+    with the same FP8 data and scales and the new nominal dtype: fn would dequantize it, and the
+    parameter would quantize the rounded values again, with a scale from their rounded amax
+    (every value moved by up to a rounding step of the new dtype). What fn does is read off its
+    result on an empty tensor of the parameter's dtype and device."""
+    def apply(t):
+        if isinstance(t, QuantizedTensor):
+            probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+            if (isinstance(probe, Tensor) and probe.device == t.device and probe.dtype != t.dtype
+                    and probe.dtype.is_floating_point):
+                return t.with_nominal_dtype(probe.dtype)
+        return fn(t)
+    return apply

@@ -248,6 +248,15 @@ class QuantizedTensor(Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    def with_nominal_dtype(self, dtype: torch.dtype) -> "QuantizedTensor":
+        """A tensor of this kind holding the same quantized data and scales (shared, as a view's
+        are) with nominal dtype `dtype`: its value is this one's, read in `dtype`."""
+        same = self._same_kind()
+        twin = type(self).__new__(type(self), self.shape, dtype, self.device, self._quantizer)
+        for name, value in same.__dict__.items():  # the payload, and a format's own settings (_block_2d)
+            twin.__dict__.setdefault(name, value)
+        return twin
+
     def _with_payload(self, fn) -> "QuantizedTensor":
         """A twin whose quantized data tensors are fn(tensor): a clone, or a move to a device."""
         device = None

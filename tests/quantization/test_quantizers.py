@@ -201,10 +201,13 @@ def test_fp8_primary_weights_survive_deepcopy_clone_and_device_moves():
     assert type(as_bf16) is torch.Tensor and as_bf16.dtype == torch.bfloat16
     torch.testing.assert_close(as_bf16, weight.dequantize().to(torch.bfloat16), rtol=0, atol=0)
 
-    fp8_data = weight._data.clone()
-    layer.to(torch.bfloat16)  # the FP8 data stays; only the nominal dtype changes
+    fp8_data, scale_inv, value = weight._data.clone(), weight._scale_inv.clone(), weight.dequantize()
+    layer.to(torch.bfloat16)  # the FP8 data and scale stay; only the nominal dtype changes
     assert type(layer.weight) is type(weight) and layer.weight.dtype == torch.bfloat16
     assert torch.equal(layer.weight._data.view(torch.uint8), fp8_data.view(torch.uint8))
+    assert torch.equal(layer.weight._scale_inv, scale_inv)  # (it was made again from the bf16 values' amax)
+    layer.float()
+    assert torch.equal(layer.weight.dequantize(), value)  # the round trip keeps every value
 
     layer.to("meta")
     assert type(layer.weight) is type(weight) and layer.weight.device.type == "meta"
