@@ -1,7 +1,8 @@
 """DequantizedView: a view of a quantized tensor that its format cannot hold quantized.
 
 A row or column of a block-scaled or MXFP8 tensor (a select: `w[1]`, `w[:, 3]`), or a slice
-that cuts its blocks (`w[:, 0:64]`; any slice of an MXFP8 tensor), is no tensor of that format.
+that cuts its blocks (`w[:, 0:64]`; any slice of an MXFP8 tensor), a reshape or flattening of
+block-scaled or MXFP8 data, or a split of MXFP8 rows, is no tensor of that format.
 A dequantized copy would read right but silently drop an in-place write through it (`w[1] = 0`,
 `w.select(1, 3).mul_(2)`), so these return a DequantizedView instead: it reads as that view of
 the tensor's dequantized value, and an in-place op on it writes its part of that value, which
@@ -85,3 +86,13 @@ def dequantized_select(t: QuantizedTensor, dim: int, index: int) -> DequantizedV
 def dequantized_slice(t: QuantizedTensor, dim: int = 0, start=None, end=None, step: int = 1) -> DequantizedView:
     """aten.slice.Tensor of a block-scaled or MXFP8 tensor where no block tensor can hold it."""
     return DequantizedView.of(t, lambda value: aten.slice.Tensor(value, dim, start, end, step))
+
+
+def dequantized_views(func, args, kwargs):
+    """A view op (QuantizedTensor._WRITABLE_VIEWS) of args[0] as DequantizedViews: one, or one
+    per piece of a split or unbind."""
+    t, rest = args[0], args[1:]
+    shapes = func(torch.empty(t.shape, device="meta"), *rest, **kwargs)
+    if isinstance(shapes, Tensor):
+        return DequantizedView.of(t, lambda value: func(value, *rest, **kwargs))
+    return tuple(DequantizedView.of(t, lambda value, i=i: func(value, *rest, **kwargs)[i]) for i in range(len(shapes)))

@@ -336,7 +336,18 @@ class QuantizedTensor(Tensor):
             return args[0]._with_payload(lambda t: torch.empty_like(t, device=device))
         if func._schema.name.endswith("_") or func is aten.copy_.default:
             return _mutate(func, args, kwargs)
+        if func in _WRITABLE_VIEWS:  # (one the format's handlers cannot hold quantized)
+            from .dequantized_view import dequantized_views
+
+            return dequantized_views(func, args, kwargs)
         return func(*tree_map(_dequantized, args), **tree_map(_dequantized, kwargs))
+
+
+# Views a format's own handlers may leave (a reshape of block-scaled or MXFP8 data, a split of
+# MXFP8 rows): a dequantized copy would read right but drop an in-place write through it, so these
+# become DequantizedViews, which write back (dequantized_view)
+_WRITABLE_VIEWS = (aten.view.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
+                   aten.slice.Tensor, aten.select.int)
 
 
 class QuantizedOperand:
