@@ -106,7 +106,12 @@ def _copy(dst, src, non_blocking: bool = False):
         return NotImplemented
     same = dst._scale_inv is src._scale_inv or dst._scale_inv.is_meta or src._scale_inv.is_meta  # (meta: no values)
     if not same and not torch.equal(dst._scale_inv, src._scale_inv):
-        return NotImplemented
+        if dst._view_link() is not None or dst._data is None or dst._scale_inv.shape != src._scale_inv.shape:
+            return NotImplemented  # a part of a tensor keeps that tensor's scale: the value is requantized
+        # a whole tensor takes the source's bytes and scale, as Transformer Engine's copy_ does: the
+        # copy is exact, where requantizing with dst's scale (a delayed one, from other values)
+        # would round every value again and could saturate them
+        dst._scale_inv.copy_(src._scale_inv, non_blocking)
     # each of dst's buffers written in place (a view's parent, or a captured graph, reads them)
     if dst._data is not None:
         dst._data.copy_(src._rowwise_data(), non_blocking)

@@ -38,3 +38,23 @@ def test_a_write_through_a_view_reaches_the_weight(name, write):
     # write (signs flipped, rows zeroed or halved) is far outside that
     scale = expected.abs().max()
     torch.testing.assert_close(weight.dequantize() / scale, expected / scale, rtol=0.125, atol=0.0675)
+
+
+@pytest.mark.parametrize("name", ["delayed", "current"])
+def test_a_whole_fp8_weight_copied_from_another_takes_its_bytes_and_scale(name):
+    """copy_ of one tensor-wise FP8 weight into another with another scale (a delayed scale
+    from other values) is exact, as Transformer Engine's copy_ is, and so is a load of another
+    model's FP8 state dict (state_dict(keep_vars=True)): requantizing with the destination's
+    scale rounded every value again, and saturated a source four times larger."""
+    torch.manual_seed(0)
+    with te.quantized_model_init(recipe=RECIPES[name]()):
+        source, target = te.Linear(256, 128), te.Linear(256, 128)
+    with torch.no_grad():
+        source.weight.copy_(source.weight.dequantize() * 4)
+        target.weight.copy_(source.weight)
+    assert torch.equal(target.weight.dequantize(), source.weight.dequantize())
+    assert torch.equal(target.weight._scale_inv, source.weight._scale_inv)
+    with te.quantized_model_init(recipe=RECIPES[name]()):
+        fresh = te.Linear(256, 128)
+    fresh.load_state_dict(source.state_dict(keep_vars=True))
+    assert torch.equal(fresh.weight.dequantize(), source.weight.dequantize())
