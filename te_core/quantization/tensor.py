@@ -336,6 +336,8 @@ class QuantizedTensor(Tensor):
             return args[0]._with_payload(lambda t: torch.empty_like(t, device=device))
         if func._schema.name.endswith("_") or func is aten.copy_.default:
             return _mutate(func, args, kwargs)
+        if func._schema.is_mutable and any(isinstance(v, QuantizedTensor) for v in kwargs.values()):
+            return _into_out(func, args, kwargs)
         if func in _WRITABLE_VIEWS:  # (one the format's handlers cannot hold quantized)
             from .dequantized_view import dequantized_views
 
@@ -463,6 +465,20 @@ class _Dequantize(torch.autograd.Function):
 def _dequantized_copy(t: QuantizedTensor, dtype: torch.dtype, memory_format) -> Tensor:
     out = _Dequantize.apply(t, dtype) if torch.is_grad_enabled() and t.requires_grad else t.dequantize(dtype)
     return out if memory_format == torch.preserve_format else out.contiguous(memory_format=memory_format)
+
+
+def _into_out(func, args, kwargs):
+    """An op writing into quantized `out=` tensors (torch.mul(a, b, out=w)): computed into
+    dequantized copies of them, which are then requantized into them, as an in-place op is; a
+    write into a temporary copy alone would be lost."""
+    written = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    targets = {name: kwargs[name] for name in written if isinstance(kwargs.get(name), QuantizedTensor)}
+    copies = {name: _dequantized(t) for name, t in targets.items()}
+    others = {k: v for k, v in kwargs.items() if k not in targets}
+    func(*tree_map(_dequantized, args), **tree_map(_dequantized, others), **copies)
+    requantize_all([(targets[name], copies[name]) for name in targets])
+    outs = [kwargs[name] for name in written]
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def _mutate(func, args, kwargs):

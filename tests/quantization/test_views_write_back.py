@@ -58,3 +58,18 @@ def test_a_whole_fp8_weight_copied_from_another_takes_its_bytes_and_scale(name):
         fresh = te.Linear(256, 128)
     fresh.load_state_dict(source.state_dict(keep_vars=True))
     assert torch.equal(fresh.weight.dequantize(), source.weight.dequantize())
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_an_op_writing_out_into_an_fp8_weight_reaches_it(name):
+    """torch ops given an FP8 weight as `out=` write their result into it (requantized, as an
+    in-place op's), and return it: the write went to a temporary copy and was lost."""
+    torch.manual_seed(0)
+    with te.quantized_model_init(recipe=RECIPES[name]()):
+        weight = te.Linear(256, 128).weight
+    source = weight.dequantize().clone()
+    with torch.no_grad():
+        returned = torch.mul(source, -1.0, out=weight)
+    assert returned is weight
+    scale = source.abs().max()
+    torch.testing.assert_close(weight.dequantize() / scale, -source / scale, rtol=0.125, atol=0.0675)
