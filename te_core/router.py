@@ -63,7 +63,8 @@ def _in_format(routing_map: Tensor, fmt: RoutingMapFormat) -> Tensor:
     return (bits * weights).sum(dim=-1, dtype=torch.uint8)
 
 
-def _check(logits: Tensor, score_function: str, routing_map_format, name: str) -> None:
+def _check(logits: Tensor, score_function: str, routing_map_format, name: str) -> RoutingMapFormat:
+    """The arguments both routing functions take, checked; the routing map's format."""
     if not isinstance(logits, Tensor) or logits.dim() < 2:
         raise ValueError(f"{name}: logits must be [num_tokens, num_experts] (or [..., num_experts]: the leading "
                          f"dimensions are tokens), got {tuple(getattr(logits, 'shape', ()))}")
@@ -72,7 +73,7 @@ def _check(logits: Tensor, score_function: str, routing_map_format, name: str) -
                          "bfloat16 or float16")
     if score_function not in SCORE_FUNCTIONS:
         raise ValueError(f"{name}: score_function must be one of {', '.join(SCORE_FUNCTIONS)}, got {score_function!r}")
-    _routing_map_format(routing_map_format, name)
+    return _routing_map_format(routing_map_format, name)
 
 
 def _check_topk(topk: int, num_experts: int, name: str) -> None:
@@ -127,7 +128,7 @@ def fused_topk_with_score_function(logits: Tensor, topk: int, use_pre_softmax: b
     """(routing probabilities [num_tokens, num_experts] in the logits' dtype, zero outside each
     token's k experts; routing map, bool of the same shape), by the rules of the module docstring."""
     name = "fused_topk_with_score_function"
-    _check(logits, score_function, routing_map_format, name)
+    fmt = _check(logits, score_function, routing_map_format, name)
     shape, logits = logits.shape, logits.reshape(-1, logits.shape[-1])  # leading dimensions: tokens
     _check_topk(topk, shape[-1], name)
     _check_groups(shape[-1], topk, num_groups, group_topk, name)
@@ -156,7 +157,7 @@ def fused_topk_with_score_function(logits: Tensor, topk: int, use_pre_softmax: b
         probs = probs * scaling_factor
     routing_probs = torch.zeros_like(logits).scatter(1, indices, probs.to(logits.dtype))
     routing_map = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter(1, indices, True)
-    return routing_probs.view(shape), _in_format(routing_map.view(shape), _routing_map_format(routing_map_format, name))
+    return routing_probs.view(shape), _in_format(routing_map.view(shape), fmt)
 
 
 def fused_compute_score_for_moe_aux_loss(logits: Tensor, topk: int, score_function: str,
@@ -164,7 +165,7 @@ def fused_compute_score_for_moe_aux_loss(logits: Tensor, topk: int, score_functi
     """(routing map of each token's top-k experts by score, bool; the scores in float32, softmax
     or, for sigmoid / sqrtsoftplus, normalized to sum to 1 over all experts)."""
     name = "fused_compute_score_for_moe_aux_loss"
-    _check(logits, score_function, routing_map_format, name)
+    fmt = _check(logits, score_function, routing_map_format, name)
     _check_topk(topk, logits.shape[-1], name)
     shape, logits = logits.shape, logits.reshape(-1, logits.shape[-1])  # leading dimensions: tokens
     scores = _scores(logits.float(), score_function)
@@ -172,7 +173,7 @@ def fused_compute_score_for_moe_aux_loss(logits: Tensor, topk: int, score_functi
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     indices = torch.topk(scores, k=topk, dim=-1)[1]
     routing_map = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter(1, indices, True)
-    return _in_format(routing_map.view(shape), _routing_map_format(routing_map_format, name)), scores.view(shape)
+    return _in_format(routing_map.view(shape), fmt), scores.view(shape)
 
 
 def fused_moe_aux_loss(probs: Tensor, tokens_per_expert: Tensor, total_num_tokens: Union[int, Tensor],

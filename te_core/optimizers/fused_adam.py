@@ -396,9 +396,11 @@ def _check_updatable_in_place(p) -> None:
     kernel does); any other quantized weight refuses, as in Transformer Engine: its next cast
     picks a new scale for the updated values, and updates far below one FP8 step would be lost."""
     local = compact.local(p)
+    if not isinstance(local, QuantizedTensor):  # (every plain parameter, at every step: nothing more to read)
+        return
     quantizer = getattr(local, "_quantizer", None)
     quantizer = getattr(quantizer, "inner", quantizer)  # (an FSDP2 shard's: te_core.distributed.fsdp.ShardQuantizer)
-    if isinstance(local, QuantizedTensor) and not isinstance(quantizer, Float8Quantizer):
+    if not isinstance(quantizer, Float8Quantizer):
         raise RuntimeError(f"{NAME} without master_weights does not support {type(local).__name__} parameters of "
                            f"{type(quantizer).__name__}. Use master_weights=True (a float32 "
                            "copy of each weight takes the updates, and the FP8 weight is cast from it).")
