@@ -11,6 +11,13 @@ moe_permute returns is what moe_unpermute needs, in te-core's own layout (Transf
 is its kernels'; both are only handed from one call to the other): for a mask, the output row
 of each (token, expert) pair or -1, [tokens, experts]; for indices, the output row of each
 (token, k) pair or -1 (dropped), [tokens, top_k].
+
+A quantized input (Float8Tensor, 1x128 Float8BlockwiseTensor, MXFP8Tensor) is permuted in its
+quantized form, as Transformer Engine's: the output is a tensor of the same kind whose rows are
+the input rows' FP8 bytes, with the per-tensor scale, or each row's own scales, moved with them
+(row-wise data only; a Float8Tensor's column-wise copy is remade from it when a GEMM needs it).
+The permutation's gradient is in high precision. moe_unpermute, which sums rows, takes
+high-precision rows, as Transformer Engine's.
 """
 from __future__ import annotations
 
@@ -19,8 +26,61 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from .quantization.tensor import QUANTIZED, QuantizedTensor, gather_rows
+
 __all__ = ["moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
            "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs"]
+
+
+class _SelectRows(torch.autograd.Function):
+    """QuantizedTensor.select_rows as an autograd node: the high-precision gradient of each output
+    row goes back to the row it came from (summed over a token's rows). A quantized gradient is
+    refused (moe_permute) or, for a permutation of whole chunks (`invertible`), has its rows moved
+    back in its quantized form, as Transformer Engine's."""
+
+    @staticmethod
+    def forward(ctx, inp: QuantizedTensor, source: Tensor, blank: Optional[Tensor], name: str, invertible: bool):
+        ctx.save_for_backward(source)
+        ctx.num_rows, ctx.name, ctx.invertible = inp.shape[0], name, invertible
+        return inp.select_rows(source, blank)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (source,) = ctx.saved_tensors
+        if isinstance(grad, QuantizedTensor):
+            if not ctx.invertible:
+                raise TypeError(f"the backward of {ctx.name} takes a high-precision gradient, got a "
+                                f"{type(grad).__name__} (as Transformer Engine's, it does not take FP8 gradients); "
+                                "let the op after the permutation return its input gradient unquantized")
+            inverse = torch.empty_like(source).index_copy_(0, source, torch.arange(source.numel(),
+                                                                                    device=source.device))
+            return grad.select_rows(inverse), None, None, None, None
+        valid = source >= 0
+        out = grad.new_zeros(ctx.num_rows, *grad.shape[1:])
+        return out.index_add(0, source[valid], grad[valid]), None, None, None, None
+
+
+def _check_quantized(inp, name: str) -> bool:
+    """Whether inp is quantized (and so permuted in its quantized form), refusing what cannot be."""
+    if not isinstance(inp, QUANTIZED):
+        return False
+    if torch.compiler.is_compiling():
+        raise RuntimeError(f"{name} with a quantized (FP8) input is not supported under torch.compile (as in "
+                           "Transformer Engine); quantize after the permutation, or outside the compiled region")
+    return True
+
+
+def _select_rows(inp: QuantizedTensor, source: Tensor, name: str, blank: Optional[Tensor] = None,
+                 invertible: bool = False) -> QuantizedTensor:
+    """inp's rows `source` (-1: a row of zeros) in inp's quantized form, differentiable."""
+    return _SelectRows.apply(inp, source, blank, name, invertible)
+
+
+def _padded_source(tokens: Tensor, num_out_tokens: Optional[int]) -> Tensor:
+    """The source row of each of num_out_tokens output rows: `tokens`, then -1 (zero rows)."""
+    if num_out_tokens is None or num_out_tokens <= tokens.numel():
+        return tokens
+    return torch.cat([tokens, tokens.new_full((num_out_tokens - tokens.numel(),), -1)])
 
 
 def _check_tokens(inp: Tensor, name: str) -> None:
@@ -42,15 +102,23 @@ def _mask_rows(routing_map: Tensor, num_tokens: int, name: str) -> Tuple[Tensor,
     return tokens, rows.T.contiguous()
 
 
+def _out_count(routed: int, num_out_tokens: Optional[int], name: str) -> int:
+    """The output rows of a mask permutation: num_out_tokens (<= 0 or None: as many as routed)."""
+    if num_out_tokens is None or num_out_tokens <= 0:
+        return routed
+    if num_out_tokens < routed:
+        raise ValueError(f"{name}: num_out_tokens={num_out_tokens} but the routing map routes {routed} token rows; "
+                         "give at least that many (drop tokens by removing them from the routing map)")
+    return num_out_tokens
+
+
 def _rows_out(inp: Tensor, tokens: Tensor, num_out_tokens: Optional[int], name: str) -> Tensor:
     """inp's rows `tokens`, in num_out_tokens rows (<= 0 or None: as many as routed; more: the
     rest zeros, as a buffer of that size holds them)."""
     routed = tokens.numel()
-    if num_out_tokens is None or num_out_tokens <= 0:
-        num_out_tokens = routed
-    if num_out_tokens < routed:
-        raise ValueError(f"{name}: num_out_tokens={num_out_tokens} but the routing map routes {routed} token rows; "
-                         "give at least that many (drop tokens by removing them from the routing map)")
+    num_out_tokens = _out_count(routed, num_out_tokens, name)
+    if isinstance(inp, QuantizedTensor):
+        return _select_rows(inp, _padded_source(tokens, num_out_tokens), name)
     out = inp.index_select(0, tokens)
     if num_out_tokens > routed:
         out = torch.cat([out, out.new_zeros(num_out_tokens - routed, inp.shape[1])])
@@ -65,6 +133,7 @@ def moe_permute(inp: Tensor, routing_map: Tensor, num_out_tokens: int = -1, max_
     rows after the routed ones, with either map type (Transformer Engine leaves them
     uninitialized); max_token_num sizes Transformer Engine's workspace and changes nothing here."""
     name = "moe_permute"
+    quantized = _check_quantized(inp, name)
     _check_tokens(inp, name)
     if map_type == "mask":
         tokens, rows = _mask_rows(routing_map, inp.shape[0], name)
@@ -80,6 +149,8 @@ def moe_permute(inp: Tensor, routing_map: Tensor, num_out_tokens: int = -1, max_
         kept = order.numel() if num_out_tokens is None or num_out_tokens <= 0 else min(num_out_tokens, order.numel())
         rows = torch.full((order.numel(),), -1, dtype=torch.long, device=inp.device)
         rows[order[:kept]] = torch.arange(kept, device=inp.device)
+        if quantized:
+            return _select_rows(inp, _padded_source(order[:kept] // top_k, num_out_tokens), name), rows.view(-1, top_k)
         out = inp.index_select(0, order[:kept] // top_k)
         if num_out_tokens is not None and num_out_tokens > kept:  # (a larger buffer: zeros past the rows, as "mask")
             out = torch.cat([out, out.new_zeros(num_out_tokens - kept, inp.shape[1])])
@@ -92,20 +163,25 @@ def moe_permute_with_probs(inp: Tensor, probs: Tensor, routing_map: Tensor,
     """(the tokens grouped by expert, their probabilities likewise, row_id_map): probs and
     routing_map are [num_tokens, num_experts]."""
     name = "moe_permute_with_probs"
+    quantized = _check_quantized(inp, name)
     _check_tokens(inp, name)
     tokens, rows = _mask_rows(routing_map, inp.shape[0], name)
     if probs.shape != routing_map.shape:
         raise ValueError(f"{name}: probs must match routing_map's shape {tuple(routing_map.shape)}, "
                          f"got {tuple(probs.shape)}")
     permuted_probs = probs.T.masked_select(routing_map.bool().T)
-    out = _rows_out(inp, tokens, num_out_tokens, name)
-    if out.shape[0] > permuted_probs.numel():
-        permuted_probs = torch.cat([permuted_probs, permuted_probs.new_zeros(out.shape[0] - permuted_probs.numel())])
+    num_out = _out_count(tokens.numel(), num_out_tokens, name)
+    if num_out > permuted_probs.numel():
+        permuted_probs = torch.cat([permuted_probs, permuted_probs.new_zeros(num_out - permuted_probs.numel())])
     # A routed slot of probability 0 is padding (routing maps padded to a capacity): its row is
     # zero, as Transformer Engine's kernel writes it, so that it adds nothing to an expert's FP8
-    # amax; its gradient still reaches the token, as TE's backward sends it.
-    padding = (permuted_probs[:out.shape[0]] == 0).unsqueeze(1)
-    out = out - (out * padding).detach()
+    # amax; its gradient still reaches the token, as TE's backward sends it. (Quantized, the zero
+    # row keeps its token's scales, as TE's kernel leaves them.)
+    padding = permuted_probs == 0
+    if quantized:
+        return _select_rows(inp, _padded_source(tokens, num_out), name, blank=padding), permuted_probs, rows
+    out = _rows_out(inp, tokens, num_out, name)
+    out = out - (out * padding.unsqueeze(1)).detach()
     return out, permuted_probs, rows
 
 
@@ -115,6 +191,7 @@ def moe_permute_and_pad_with_probs(inp: Tensor, probs: Tensor, routing_map: Tens
     align_size: (output, permuted probs, row_id_map, pad_offsets (each expert's padding before
     its rows, or None without padding), the padded row counts per expert)."""
     name = "moe_permute_and_pad_with_probs"
+    quantized = _check_quantized(inp, name)
     if tokens_per_expert is None:
         raise ValueError(f"{name}: tokens_per_expert must be given (the routed rows per expert)")
     if isinstance(align_size, bool) or not isinstance(align_size, int) or align_size <= 0:
@@ -132,7 +209,12 @@ def moe_permute_and_pad_with_probs(inp: Tensor, probs: Tensor, routing_map: Tens
     expert_of_row = torch.repeat_interleave(torch.arange(counts.numel(), device=inp.device), counts)
     target = torch.arange(out.shape[0], device=inp.device) + pad_offsets[expert_of_row]
     total = int(padded.sum())
-    padded_out = out.new_zeros(total, out.shape[1]).index_copy(0, target, out)
+    if quantized:
+        source = torch.full((total,), -1, dtype=torch.long, device=inp.device)
+        padded_out = _select_rows(out, source.index_copy(0, target, torch.arange(out.shape[0], device=inp.device)),
+                                  name)
+    else:
+        padded_out = out.new_zeros(total, out.shape[1]).index_copy(0, target, out)
     padded_probs = permuted_probs.new_zeros(total).index_copy(0, target, permuted_probs)
     rows = torch.where(rows >= 0, rows + pad_offsets[None, :], rows)
     return padded_out, padded_probs, rows, pad_offsets, padded
@@ -152,6 +234,9 @@ def moe_unpermute(inp: Tensor, row_id_map: Tensor, merging_probs: Optional[Tenso
         merging_probs = probs
     if map_type not in ("mask", "index"):
         raise ValueError(f"{name}: map_type must be 'mask' or 'index', got {map_type!r}")
+    if map_type == "mask" and isinstance(inp, QUANTIZED):  # (with indices TE's kernel reads it dequantized)
+        raise TypeError(f"{name}: inp is a {type(inp).__name__}; as Transformer Engine's, moe_unpermute does not "
+                        "take FP8 rows (it sums them in high precision): pass inp.dequantize()")
     _check_tokens(inp, name)
     num_tokens = row_id_map.shape[0]
     if restore_shape is not None and tuple(restore_shape)[0] != num_tokens:
@@ -168,10 +253,43 @@ def moe_unpermute(inp: Tensor, row_id_map: Tensor, merging_probs: Optional[Tenso
     if ids.numel() > inp.shape[0]:  # (free: the mask's size is known on the host; one id per routed row)
         raise ValueError(f"{name}: row_id_map routes {ids.numel()} rows but inp has {inp.shape[0]}; pass the "
                          "expert outputs of the moe_permute call that made this row_id_map")
+    if map_type == "mask" and merging_probs is None:
+        return _MergeRows.apply(inp, ids, token, num_tokens)
     rows = inp.index_select(0, ids).to(compute)
     if merging_probs is not None:
         rows = rows * merging_probs[taken][:, None].to(compute)
-    return rows.new_zeros(num_tokens, inp.shape[1]).index_add(0, token, rows).to(inp.dtype)
+    out = rows.new_zeros(num_tokens, inp.shape[1]).index_add(0, token, rows).to(inp.dtype)
+    if map_type == "mask" and out.requires_grad:
+        out.register_hook(_refuse_quantized_grad)
+    return out
+
+
+def _refuse_quantized_grad(grad: Tensor) -> None:
+    if isinstance(grad, QuantizedTensor):
+        raise TypeError(f"the backward of moe_unpermute with merging_probs takes a high-precision gradient, got a "
+                        f"{type(grad).__name__} (as Transformer Engine's, it does not take FP8 gradients); let the op "
+                        "after moe_unpermute return its input gradient unquantized")
+
+
+class _MergeRows(torch.autograd.Function):
+    """moe_unpermute of a mask's rows without probabilities: each token's rows summed (in float32
+    at least). The gradient of a row is its token's, a quantized one moved in its quantized form
+    (QuantizedTensor.select_rows), as Transformer Engine's backward permutes an FP8 gradient."""
+
+    @staticmethod
+    def forward(ctx, inp: Tensor, ids: Tensor, token: Tensor, num_tokens: int) -> Tensor:
+        source = torch.full((inp.shape[0],), -1, dtype=torch.long, device=inp.device)
+        ctx.save_for_backward(source.index_copy_(0, ids, token))  # each row's token; -1: padding, no token
+        compute = torch.promote_types(inp.dtype, torch.float32)
+        rows = inp.index_select(0, ids).to(compute)
+        return rows.new_zeros(num_tokens, inp.shape[1]).index_add(0, token, rows).to(inp.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (source,) = ctx.saved_tensors
+        if isinstance(grad, QuantizedTensor):
+            return grad.select_rows(source), None, None, None
+        return gather_rows(grad, source), None, None, None
 
 
 def _chunk_order(split_sizes, sorted_index, total: int, device, name: str) -> Tensor:
@@ -185,18 +303,25 @@ def _chunk_order(split_sizes, sorted_index, total: int, device, name: str) -> Te
         else torch.zeros(0, dtype=torch.long, device=device)
 
 
+def _sorted_chunks(inp: Tensor, rows: Tensor, quantized: bool, name: str) -> Tensor:
+    return _select_rows(inp, rows, name, invertible=True) if quantized else inp.index_select(0, rows)
+
+
 def moe_sort_chunks_by_index(inp: Tensor, split_sizes, sorted_index) -> Tensor:
     """inp cut along dim 0 into chunks of split_sizes, then put in the order sorted_index gives."""
-    return inp.index_select(0, _chunk_order(split_sizes, sorted_index, inp.shape[0], inp.device,
-                                            "moe_sort_chunks_by_index"))
+    name = "moe_sort_chunks_by_index"
+    quantized = _check_quantized(inp, name)
+    return _sorted_chunks(inp, _chunk_order(split_sizes, sorted_index, inp.shape[0], inp.device, name), quantized,
+                          name)
 
 
 def moe_sort_chunks_by_index_with_probs(inp: Tensor, probs: Tensor, split_sizes, sorted_index) -> Tuple[Tensor, Tensor]:
     """moe_sort_chunks_by_index of inp and of its per-row probs alike."""
     name = "moe_sort_chunks_by_index_with_probs"
+    quantized = _check_quantized(inp, name)
     if not isinstance(probs, Tensor) or probs.dim() == 0 or probs.shape[0] != inp.shape[0]:
         got = f"shape {tuple(probs.shape)}" if isinstance(probs, Tensor) else f"a {type(probs).__name__}"
         raise ValueError(f"{name}: probs must hold one probability per row of inp ([num_tokens] = [{inp.shape[0]}]), "
                          f"got {got}")
     rows = _chunk_order(split_sizes, sorted_index, inp.shape[0], inp.device, name)
-    return inp.index_select(0, rows), probs.index_select(0, rows)
+    return _sorted_chunks(inp, rows, quantized, name), probs.index_select(0, rows)

@@ -38,6 +38,7 @@ from ..backend.types import fp8_max
 from ..quantization import quantizers as core
 from ..quantization.block_tensor import Float8BlockwiseTensor, MXFP8Tensor
 from ..quantization.float8_tensor import Float8Tensor
+from ..quantization.lent_scales import is_lent
 from ..quantization.tensor import QuantizedTensor, _same_layout
 from ..reference.cast import BLOCK, amax_of, saturating_cast, scale_from_amax
 
@@ -192,9 +193,10 @@ def _check_same_on_every_rank(buckets: dict, group) -> None:
 
 def _set(weight: QuantizedTensor, name: str, value: Tensor) -> None:
     """A payload entry set to `value`, written into the held buffer where the layout allows (a
-    captured graph keeps reading it), as a requantization does (QuantizedTensor._take_payload)."""
+    captured graph keeps reading it), as a requantization does (QuantizedTensor._take_payload);
+    a lent scale (lent_scales), which other tensors read, is replaced instead."""
     old = getattr(weight, name)
-    if _same_layout(old, value):
+    if _same_layout(old, value) and not is_lent(old):
         old.copy_(value)
     elif old is not value:
         setattr(weight, name, value)

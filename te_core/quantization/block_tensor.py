@@ -14,7 +14,8 @@ from torch import Tensor
 from .. import ops
 from .block_views import BLOCK_VIEW_OPS
 from .dequantized_view import dequantized_select, dequantized_slice
-from .tensor import BLOCK_1x128, BLOCK_128x128, MX_1x32, GemmOperand, QuantizedOperand, QuantizedTensor
+from .tensor import (BLOCK_1x128, BLOCK_128x128, MX_1x32, GemmOperand, QuantizedOperand, QuantizedTensor,
+                     gather_rows)
 
 
 class _TwoLayout:
@@ -67,6 +68,25 @@ class _TwoLayout:
     def _dequantize_layout(self, data, scale_inv, dtype) -> Tensor:
         raise NotImplementedError
 
+    def _scale_rows(self, scale_inv: Tensor, source: Tensor) -> Tensor:
+        """The row-wise scale_inv of the rows `source` (zeros where source < 0), in its layout."""
+        raise NotImplementedError
+
+    def _settings(self) -> dict:
+        """The format's own attributes that a tensor made from this one's data keeps."""
+        return {}
+
+    def select_rows(self, source: Tensor, blank: Optional[Tensor] = None) -> "_TwoLayout":
+        # each row has scales of its own, which move with it; the column-wise copy's scales run
+        # along the columns, across rows, so no selection of its rows exists
+        data, scale_inv, _ = self.rowwise()  # (raises where only the column-wise copy is kept)
+        if tuple(data.shape) != tuple(self.shape):
+            raise ValueError(f"{type(self).__name__} of shape {tuple(self.shape)} holds its data as "
+                             f"{tuple(data.shape)}: its rows are not the data's; select rows of a tensor "
+                             "quantized in the 2-D shape it has")
+        return type(self).make(gather_rows(data, source, blank), self._scale_rows(scale_inv, source), None, None,
+                               nominal_dtype=self.dtype, quantizer=self._quantizer, **self._settings())
+
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
         dtype = dtype or self.dtype
         if self._data is None:  # column-wise only: dequantize x.T, then transpose back
@@ -107,6 +127,18 @@ class _BlockwiseLayout(_TwoLayout):
     def _dequantize_layout(self, data, scale_inv, dtype) -> Tensor:
         return ops.dequantize_blockwise(data, scale_inv, self._block_2d, dtype)
 
+    def _settings(self) -> dict:
+        return {"_block_2d": self._block_2d}
+
+    def _scale_rows(self, scale_inv: Tensor, source: Tensor) -> Tensor:
+        if self._block_2d:
+            raise ValueError(f"{type(self).__name__} of shape {tuple(self.shape)} has 128x128 blocks, whose scales "
+                             "span 128 rows, so its rows cannot move alone; quantize it with 1x128 blocks "
+                             "(Float8BlockQuantizer(block_2d=False), what Float8BlockScaling casts activations "
+                             "and gradients with) or dequantize() it")
+        # (rows, blocks) laid out column by column, as quantize_blockwise makes it
+        return gather_rows(scale_inv, source).t().contiguous().t()
+
 
 class _MXLayout(_TwoLayout):
     """MXFP8: FP8 data with a uint8 E8M0 scale (2^(s-127)) per 1x32 run of a row."""
@@ -116,6 +148,9 @@ class _MXLayout(_TwoLayout):
 
     def _dequantize_layout(self, data, scale_inv, dtype) -> Tensor:
         return ops.dequantize_mxfp8(data, scale_inv, dtype)
+
+    def _scale_rows(self, scale_inv: Tensor, source: Tensor) -> Tensor:
+        return gather_rows(scale_inv, source)  # (an E8M0 byte 0 with zero data is a zero row)
 
 
 class Float8BlockwiseTensor(_BlockwiseLayout, QuantizedTensor):

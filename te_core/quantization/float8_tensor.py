@@ -10,13 +10,15 @@ from torch import Tensor
 from .. import ops
 from ..dtype import DType
 from .float8_views import FLOAT8_VIEW_OPS
-from .tensor import TENSOR, GemmOperand, QuantizedOperand, QuantizedTensor
+from .lent_scales import is_lent
+from .tensor import TENSOR, GemmOperand, QuantizedOperand, QuantizedTensor, gather_rows
 
 
 class _Float8Layout:
     """x ~= _data * _scale_inv. `_data` has x's shape (FP8); `_transpose` is the column-wise
     copy (K, M) of a 2-D tensor, kept only when a backward GEMM needs it; `_scale_inv` is a
-    1-element float32 snapshot taken at quantization (later scale updates don't change it)."""
+    1-element float32 snapshot taken at quantization (later scale updates don't change it),
+    which a delayed-scaling quantizer lends to every cast of its step (lent_scales)."""
 
     _data: Tensor
     _scale_inv: Tensor
@@ -95,8 +97,23 @@ class _Float8Layout:
         self._transpose = None
         return True
 
+    def select_rows(self, source: Tensor, blank: Optional[Tensor] = None) -> "Float8Tensor":
+        # one scale for all rows, so the selected rows keep its value, in a tensor of their own (a
+        # write into either tensor requantizes its own scale); a GEMM that needs the column-wise copy
+        # makes it from the new row-wise data, exactly
+        data = gather_rows(self._rowwise_data().reshape(self.shape), source, blank)
+        return type(self).make(data, self._scale_inv.clone(), None, nominal_dtype=self.dtype,
+                               quantizer=self._quantizer)
+
     def _payload(self) -> dict:
         return {"_data": self._data, "_scale_inv": self._scale_inv, "_transpose": self._transpose}
+
+    def _holds_lent_scale(self) -> bool:
+        return is_lent(self._scale_inv)
+
+    def _own_scales(self) -> None:
+        if is_lent(self._scale_inv):
+            self._scale_inv = self._scale_inv.clone()
 
     def _writable_value(self, value: Optional[Tensor] = None) -> Tensor:
         # laid out as the row-wise FP8 data: a view's put addresses its bytes' strides and offset

@@ -34,6 +34,7 @@ aten = torch.ops.aten
 def _view(t, data: Tensor):
     """A Float8Tensor of `data` (a view of t's FP8 data) with t's scale_inv and quantizer, linked
     to the tensor that holds those bytes."""
+    t._own_scales()  # (a write into either is the other's)
     view = type(t).make(data, t._scale_inv, None, nominal_dtype=t.dtype, quantizer=t._quantizer)
     link = t._view_link()
     view._view_of = _region_link(t if link is None else link.parent, data)
@@ -83,6 +84,7 @@ def _as_strided(t, size, stride, storage_offset=None):
     data = t._rowwise_data()
     offset = data.storage_offset() if storage_offset is None else storage_offset
     if tuple(size) == tuple(t.shape) and tuple(stride) == data.stride() and offset == data.storage_offset():
+        t._own_scales()
         return t._same_kind()  # the identity (FSDP2 views each gathered parameter so): keeps both layouts
     return _view(t, data.as_strided(size, stride, storage_offset))
 
@@ -111,6 +113,12 @@ def _copy(dst, src, non_blocking: bool = False):
         # a whole tensor takes the source's bytes and scale, as Transformer Engine's copy_ does: the
         # copy is exact, where requantizing with dst's scale (a delayed one, from other values)
         # would round every value again and could saturate them
+        if dst._holds_lent_scale():
+            # buffers of its own, whole (no alias reads them: QuantizedTensor._take_payload): other
+            # tensors read the lent scale, and a saved column-wise twin the old bytes
+            dst._scale_inv = torch.empty_like(dst._scale_inv)
+            dst._data = torch.empty_like(dst._data)
+            dst._transpose = None if dst._transpose is None else torch.empty_like(dst._transpose)
         dst._scale_inv.copy_(src._scale_inv, non_blocking)
     # each of dst's buffers written in place (a view's parent, or a captured graph, reads them)
     if dst._data is not None:

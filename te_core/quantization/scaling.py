@@ -18,6 +18,7 @@ from torch import Tensor
 from .. import ops
 from ..backend.types import fp8_max
 from ..reference.scaling import roll_history, scale_from_amax
+from .lent_scales import lend
 
 _FLOATS_PER_16_BYTES = 4
 
@@ -98,7 +99,8 @@ class ScalingGroup:
     def scale_inv(self) -> Tensor:
         """1 / scale (n,), recomputed (as a NEW tensor) only after `scale` changed in place, so
         tensors quantized earlier keep their snapshot and a step costs one reciprocal per group,
-        not per cast (an update takes its groups' snapshots together: _take_snapshots)."""
+        not per cast (an update takes its groups' snapshots together: _take_snapshots). The
+        casts of a step share their column's snapshot, lent (lent_scales): no write changes it."""
         whole, views = self.scale_inv_snapshot()
         if whole is None:  # a snapshot _take_aligned_snapshots took: its column views, joined
             whole = views[0] if len(views) == 1 else torch.cat(views)
@@ -129,7 +131,7 @@ class ScalingGroup:
     def _new_snapshot(self) -> Tuple[Tensor, List[Tensor]]:
         n = len(self.names)
         if n == 1:  # a fresh (1,) tensor is aligned already
-            inv = torch.reciprocal(self.scale)
+            inv = lend(torch.reciprocal(self.scale))
             return inv, [inv]
         slots, views = _aligned_reciprocals(self.scale)
         return slots.select(1, 0), list(views)
@@ -389,7 +391,7 @@ def _take_snapshots(groups: Sequence[ScalingGroup]) -> None:
             _take_aligned_snapshots(on_device)
     elif len(singles) >= 2:  # (one group: one reciprocal either way, left to its cast)
         for group, inv in zip(singles, torch._foreach_reciprocal([g.scale for g in singles])):
-            group._scale_inv_snapshot, group._scale_inv_version = (inv, [inv]), group.scale._version
+            group._scale_inv_snapshot, group._scale_inv_version = (lend(inv), [inv]), group.scale._version
 
 
 def _take_aligned_snapshots(groups: Sequence[ScalingGroup]) -> None:
@@ -410,9 +412,10 @@ def _take_aligned_snapshots(groups: Sequence[ScalingGroup]) -> None:
 
 def _aligned_reciprocals(scale: Tensor) -> Tuple[Tensor, Tuple[Tensor, ...]]:
     """(slots, views): 1 / scale[i] in every float of row i of an (n, 4) tensor, one 16-byte slot
-    each, and the (1,) view of each slot's first float (what FP8 GEMM libraries read)."""
+    each, and the (1,) view of each slot's first float (what FP8 GEMM libraries read), lent to
+    the casts (lent_scales)."""
     slots = torch.reciprocal(scale.unsqueeze(1).expand(scale.shape[0], _FLOATS_PER_16_BYTES))
-    return slots, slots.narrow(1, 0, 1).unbind(0)
+    return slots, tuple(lend(view) for view in slots.narrow(1, 0, 1).unbind(0))
 
 
 def _custom_update(group: ScalingGroup) -> None:

@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from . import high_precision_init
+from .lent_scales import is_lent
 
 aten = torch.ops.aten
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -95,6 +96,15 @@ class QuantizedTensor(Tensor):
         """The attributes holding the quantized data (shared by detach, replaced by requantize)."""
         raise NotImplementedError
 
+    def _holds_lent_scale(self) -> bool:
+        """Whether this tensor's scale is lent to other tensors too (lent_scales): a delayed-
+        scaling cast's. Formats whose casts make scales of their own never hold one."""
+        return False
+
+    def _own_scales(self) -> None:
+        """Before this tensor gets an alias that must see its writes: a copy of its own of a lent
+        scale, which the alias then shares (lent_scales). At most once per tensor; no cast pays it."""
+
     # --- shared behaviour
     @property
     def quantizer(self):
@@ -155,6 +165,13 @@ class QuantizedTensor(Tensor):
         """After a write through this view requantized `parent`: make this view's own state
         (what it does not share with the parent) match the parent's new data."""
 
+    def select_rows(self, source: Tensor, blank: Optional[Tensor] = None) -> "QuantizedTensor":
+        """A 2-D tensor of this kind (row-wise data only) whose row i is row source[i] of this one,
+        its quantized bytes and their scales unchanged: what a token permutation moves. Row i is a
+        row of zeros where source[i] < 0 (its scales zero) or blank[i] (its source's scales kept)."""
+        raise NotImplementedError(f"rows of a {type(self).__name__} cannot be selected in its quantized form; "
+                                  "dequantize() it first")
+
     def drop_columnwise(self) -> bool:
         """Free the column-wise copy where the row-wise data alone can remake it exactly; a format
         whose column-wise copy has scales of its own (block, MXFP8) keeps it. True when dropped."""
@@ -206,6 +223,8 @@ class QuantizedTensor(Tensor):
             raise TypeError(f"{type(self).__name__}.data must be set to a tensor, got {type(value).__name__}")
         with torch.no_grad():
             source = value if type(value) is type(self) else self._quantized_like(value)
+            if source is value:  # both then share its data, and its writes
+                value._own_scales()
         # (value's shape: a block format's payload is 2-D under any nominal shape)
         if (value.shape, source.dtype, source.device) != (self.shape, self.dtype, self.device):
             _TENSOR_DATA.__set__(self, type(self).__new__(type(self), value.shape, source.dtype, source.device))
@@ -235,9 +254,13 @@ class QuantizedTensor(Tensor):
         return fresh
 
     def _take_payload(self, fresh: "QuantizedTensor") -> None:
+        # A tensor holding a lent scale has no alias reading its buffers (one would have taken it a
+        # scale of its own: _own_scales), so it takes the new payload whole: a write into the lent
+        # scale would change the value of every other tensor it is lent to.
+        whole = self._holds_lent_scale()
         for name, value in fresh._payload().items():
             old = getattr(self, name)
-            if _same_layout(old, value):
+            if not whole and _same_layout(old, value):
                 old.copy_(value)  # in place: a captured graph keeps reading these buffers
             else:
                 setattr(self, name, value)
@@ -251,6 +274,7 @@ class QuantizedTensor(Tensor):
     def with_nominal_dtype(self, dtype: torch.dtype) -> "QuantizedTensor":
         """A tensor of this kind holding the same quantized data and scales (shared, as a view's
         are) with nominal dtype `dtype`: its value is this one's, read in `dtype`."""
+        self._own_scales()  # (the twin shares this tensor's writes)
         same = self._same_kind()
         twin = type(self).__new__(type(self), self.shape, dtype, self.device, self._quantizer)
         for name, value in same.__dict__.items():  # the payload, and a format's own settings (_block_2d)
@@ -315,6 +339,7 @@ class QuantizedTensor(Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in (aten.detach.default, aten.alias.default):
+            args[0]._own_scales()  # (a write into either is the other's)
             return args[0]._same_kind()
         handler = cls._view_ops.get(func)
         if handler is not None:
@@ -443,6 +468,15 @@ def requantize_with(items) -> None:
             t._take_payload(value)
     for view, parent in followers:
         view._follow_write(parent)
+
+
+def gather_rows(t: Tensor, source: Tensor, blank: Optional[Tensor] = None) -> Tensor:
+    """Rows `source` of t, bit for bit, in t's dtype and layout kind (contiguous); a row of zeros
+    where source < 0 or blank. FP8 rows move as their bytes (few ops take float8 dtypes)."""
+    raw = t.view(torch.uint8) if t.dtype in _FP8_DTYPES else t
+    out = raw.index_select(0, source.clamp(min=0))
+    empty = source < 0 if blank is None else (source < 0) | blank
+    return out.masked_fill(empty.view(-1, *([1] * (out.dim() - 1))), 0).view(t.dtype)
 
 
 def _dequantized(value):

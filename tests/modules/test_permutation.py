@@ -190,3 +190,135 @@ def test_a_routed_slot_of_probability_zero_is_a_zero_row_whose_gradient_still_fl
     torch.testing.assert_close(x.grad, torch.zeros(4, 8).index_add(0, sources, dy), rtol=1.3e-6, atol=1e-5)
     padded, padded_probs, *_ = te.moe_permute_and_pad_with_probs(x.detach(), probs, routing_map, routing_map.sum(0), 4)
     assert torch.equal(padded[padded_probs == 0], torch.zeros(int((padded_probs == 0).sum()), 8))
+
+
+# --- quantized (FP8) tokens: permuted in their quantized form, as Transformer Engine's
+
+QT, QH = 13, 160  # an odd token count; 160 columns: a partial 1x128 block, five 1x32 MXFP8 blocks
+
+
+def _quantizer(kind, fp8_dtype=torch.float8_e4m3fn):
+    from te_core.quantization import Float8BlockQuantizer, Float8CurrentScalingQuantizer, MXFP8Quantizer, Role
+
+    if kind == "float8":  # (power-of-two scale: the test's own cast with it is exact)
+        return Float8CurrentScalingQuantizer(Role.INPUT, fp8_dtype, power_2_scale=True)
+    if kind == "blockwise":
+        return Float8BlockQuantizer(Role.INPUT, fp8_dtype, block_2d=False)
+    return MXFP8Quantizer(Role.INPUT, fp8_dtype)
+
+
+def _cast_like(q, hp):
+    """(data bytes, scale_inv) of hp cast as q's format casts: with q's one scale (per-tensor), or
+    each row's own scales (whose cast of a row depends on that row alone)."""
+    from te_core import ops
+
+    if isinstance(q, te.Float8Tensor):
+        data, _ = ops.quantize_fp8(hp, q._scale_inv.reciprocal(), q.fp8_dtype)
+        return data.view(torch.uint8), q._scale_inv
+    cast = q.quantizer.quantize(hp)
+    return cast._data.view(torch.uint8), cast._scale_inv
+
+
+def _fp8_routing(seed):
+    g = torch.Generator().manual_seed(seed)
+    experts = torch.stack([torch.randperm(E, generator=g, device="cpu")[:K] for _ in range(QT)])
+    mask = torch.zeros(QT, E, dtype=torch.int32, device="cpu").scatter_(1, experts, 1)
+    probs = (torch.rand(QT, E, generator=g, device="cpu") + 0.1) * mask
+    probs[3, experts[3, 0]] = 0.0  # a routed slot of probability 0 (capacity padding): a zero row
+    return _here(experts), _here(mask), _here(probs)
+
+
+_PERMUTES = {
+    # op -> (x, routing) -> (permuted tokens, the source row of each output row or -1, blank rows)
+    "mask": lambda x, r: te.moe_permute(x, r[1], num_out_tokens=QT * K + 3)[0],  # 3 rows of zeros after
+    "index": lambda x, r: te.moe_permute(x, r[0], num_out_tokens=QT * K - 3, map_type="index")[0],  # 3 dropped
+    "with_probs": lambda x, r: te.moe_permute_with_probs(x, r[2], r[1], num_out_tokens=QT * K)[0],
+    "pad": lambda x, r: te.moe_permute_and_pad_with_probs(x, r[2], r[1], r[1].sum(0), align_size=4)[0],
+    "chunks": lambda x, r: te.moe_sort_chunks_by_index_with_probs(x, r[2][:, 0], torch.tensor([4, 0, 6, 3]),
+                                                                  torch.tensor([2, 0, 3, 1]))[0],
+}
+
+
+@pytest.mark.parametrize("op", list(_PERMUTES))
+@pytest.mark.parametrize("kind,fp8_dtype", [("float8", torch.float8_e4m3fn), ("float8", torch.float8_e5m2),
+                                            ("blockwise", torch.float8_e4m3fn), ("mxfp8", torch.float8_e4m3fn),
+                                            ("mxfp8", torch.float8_e5m2)])
+def test_quantized_tokens_keep_their_bytes_and_scales(op, kind, fp8_dtype):
+    """A quantized input gives a quantized output of its kind whose rows are the input rows' bytes
+    with their scales: byte for byte the cast of the high-precision permutation (a row's cast
+    does not depend on where it stands). Zero rows (dropped, padding, probability 0) are zero
+    bytes. The gradient is the high-precision permutation's."""
+    routing = _fp8_routing(11)
+    x = _here(torch.randn(QT, QH, generator=torch.Generator().manual_seed(12), device="cpu") * 3)
+    q = _quantizer(kind, fp8_dtype).quantize(x)
+    out = _PERMUTES[op](q, routing)
+    assert type(out) is type(q) and out.fp8_dtype == fp8_dtype and not out.has_columnwise
+    want = _PERMUTES[op](x, routing)  # the high-precision permutation, zero rows included
+    data, scale_inv = _cast_like(q, want)
+    assert torch.equal(out._data.view(torch.uint8), data)
+    live = want.ne(0).any(1)  # rows with a source row (a zero row's scales are not the cast's)
+    if kind == "float8":
+        assert torch.equal(out._scale_inv, scale_inv)
+    else:
+        assert torch.equal(out._scale_inv[live], scale_inv[live]) and out._scale_inv.stride() == scale_inv.stride()
+    assert torch.equal(out.dequantize(), _PERMUTES[op](q.dequantize(), routing))
+    # backward: the high-precision gradient of the same permutation of the dequantized tokens
+    leaf, hp = q.detach().requires_grad_(), q.dequantize().requires_grad_()
+    dy = torch.randn(want.shape, generator=torch.Generator().manual_seed(13), device="cpu").to(want.device)
+    _PERMUTES[op](leaf, routing).backward(dy)
+    _PERMUTES[op](hp, routing).backward(dy)
+    assert type(leaf.grad) is torch.Tensor
+    torch.testing.assert_close(leaf.grad, hp.grad, rtol=1.3e-6, atol=1e-5)
+    assert leaf.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind", ["float8", "blockwise", "mxfp8"])
+def test_quantized_gradients_follow_transformer_engine(kind):
+    """moe_permute's backward refuses an FP8 gradient; moe_sort_chunks_by_index's and
+    moe_unpermute's without probabilities move its rows in its quantized form; moe_unpermute's
+    with probabilities refuses it (Transformer Engine's rules)."""
+    quantizer = _quantizer(kind)
+    _, mask, probs = _fp8_routing(14)
+    g = torch.Generator().manual_seed(15)
+    x = _here(torch.randn(QT, QH, generator=g, device="cpu"))
+    leaf = quantizer.quantize(x).requires_grad_()
+    out, row_id_map = te.moe_permute(leaf, mask)
+    with pytest.raises(TypeError, match="backward of moe_permute takes a high-precision gradient"):
+        out.backward(quantizer.quantize(_here(torch.randn(out.shape, generator=g, device="cpu"))))
+    sizes, order = torch.tensor([4, 0, 6, 3]), torch.tensor([2, 0, 3, 1])
+    dy = quantizer.quantize(_here(torch.randn(QT, QH, generator=g, device="cpu")))
+    leaf = quantizer.quantize(x).requires_grad_()
+    te.moe_sort_chunks_by_index(leaf, sizes, order).backward(dy)
+    assert type(leaf.grad) is type(dy)
+    # sorting the chunks back (the inverse order) is the gradient's permutation
+    inverse = torch.argsort(order)
+    back = te.moe_sort_chunks_by_index(dy.dequantize(), sizes[order], inverse)
+    assert torch.equal(leaf.grad.dequantize(), back)
+    rows = _here(torch.randn(QT * K, QH, generator=g, device="cpu")).requires_grad_()
+    dy = quantizer.quantize(_here(torch.randn(QT, QH, generator=g, device="cpu")))
+    te.moe_unpermute(rows, row_id_map).backward(dy)
+    assert type(rows.grad) is type(dy)
+    want = te.moe_permute(dy.dequantize(), mask)[0]
+    assert torch.equal(rows.grad.dequantize(), want)
+    with pytest.raises(TypeError, match="moe_unpermute with merging_probs takes a high-precision gradient"):
+        te.moe_unpermute(rows, row_id_map, merging_probs=probs).backward(dy)
+
+
+def test_quantized_inputs_transformer_engine_refuses_name_the_problem(monkeypatch):
+    from te_core.quantization import Float8BlockQuantizer, Role
+
+    _, mask, _ = _fp8_routing(16)
+    x = _here(torch.randn(QT, QH, generator=torch.Generator().manual_seed(17), device="cpu"))
+    q = _quantizer("float8").quantize(x)
+    permuted, row_id_map = te.moe_permute(q, mask)
+    with pytest.raises(TypeError, match="moe_unpermute does not take FP8 rows.*inp.dequantize"):
+        te.moe_unpermute(permuted, row_id_map)
+    tiles = Float8BlockQuantizer(Role.WEIGHT, torch.float8_e4m3fn, block_2d=True).quantize(x)
+    with pytest.raises(ValueError, match="128x128 blocks, whose scales span 128 rows"):
+        te.moe_permute(tiles, mask)
+    only_t = _quantizer("blockwise").quantize(x, columnwise=True).columnwise_only()
+    with pytest.raises(RuntimeError, match="keeps only its column-wise copy"):
+        te.moe_permute(only_t, mask)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(RuntimeError, match="quantized \\(FP8\\) input is not supported under torch.compile"):
+        te.moe_permute(q, mask)
