@@ -16,6 +16,7 @@ from .recipe import (
     _check_backward_override,
     _check_block_recipe_flags,
     _check_number,
+    _convert,
     _env_str,
     _ignores_unknown_arguments,
 )
@@ -38,12 +39,11 @@ class CustomRecipe(Recipe):
     quantization_alignment: int = 128
 
     def __post_init__(self):
+        _convert(self)
         if not callable(self.qfactory):
             raise TypeError(f"CustomRecipe: qfactory must be a callable role -> quantizer, got {self.qfactory!r}; "
                             "e.g. CustomRecipe(qfactory=lambda role: te.Float8CurrentScalingQuantizer("
                             "te.DType.kFloat8E5M2 if role.tensor_type == 'grad_output' else te.DType.kFloat8E4M3))")
-        if not isinstance(self.fp8_format, Format):
-            raise TypeError(f"CustomRecipe: fp8_format must be a te_core.recipe.Format, got {self.fp8_format!r}")
         _check_block_recipe_flags(self)
         _check_backward_override(self)
         _check_number("CustomRecipe", "quantization_alignment", self.quantization_alignment, minimum=1, integer=True)

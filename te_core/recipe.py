@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import numbers
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ._recipe_fields import SCALARS, bools_of, convert_fields, enum_member, instance_of
 from ._recipe_objects import (  # noqa: F401 (re-exported: te_core's modules and TE code import them from here)
     FrozenRecipeError,
     _ignores_unknown_arguments,
@@ -76,8 +76,6 @@ def _dtypes(fmt: Format) -> Tuple[torch.dtype, torch.dtype]:
 
 def _check_format(recipe: "Recipe") -> None:
     fmt = recipe.fp8_format
-    if not isinstance(fmt, Format):
-        raise TypeError(f"{type(recipe).__name__}: fp8_format must be a te_core.recipe.Format, got {fmt!r}")
     if fmt is Format.E2M1:
         raise ValueError(f"{type(recipe).__name__}: fp8_format=Format.E2M1 is an FP4 format (NVFP4BlockScaling's "
                          "fp4_format), not an FP8 one; use Format.HYBRID or Format.E4M3")
@@ -89,20 +87,10 @@ def _check_format(recipe: "Recipe") -> None:
 
 
 def _check_number(owner: str, name: str, value, *, minimum: float, integer: bool = False) -> None:
-    """`value` must be a finite real number (an integer where `integer`) >= minimum; a bool is
-    not a number here (True would silently mean 1)."""
-    kind = "an int" if integer else "a number"
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
-        raise TypeError(f"{owner}: {name} must be {kind} >= {minimum:g}, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value) or value < minimum:
+    """`value` (of its field's type already: _convert) must be finite and >= minimum."""
+    if (not integer and not math.isfinite(value)) or value < minimum:
+        kind = "an int" if integer else "a number"
         raise ValueError(f"{owner}: {name} must be {kind} >= {minimum:g} and finite, got {value!r}")
-
-
-def _check_bools(owner: str, recipe, *names: str) -> None:
-    for name in names:
-        value = getattr(recipe, name)
-        if not isinstance(value, bool):
-            raise TypeError(f"{owner}: {name} must be True or False, got {value!r} ({type(value).__name__})")
 
 
 @dataclass(frozen=True)
@@ -118,12 +106,12 @@ class QParams:
     fp4_2d_quantization: bool = False
 
     def __post_init__(self):
+        _convert(self)
         # a NaN epsilon makes every scale NaN, an infinite one every scale 0
         _check_number("QParams", "amax_epsilon", self.amax_epsilon, minimum=0.0)
         if self.amax_epsilon > _FLOAT32_MAX:  # (casts take it as a float32, which cannot hold it)
             raise ValueError(f"QParams: amax_epsilon={self.amax_epsilon!r} is above float32's largest value "
                              f"({_FLOAT32_MAX!r}), and scales are float32; give an amax_epsilon <= {_FLOAT32_MAX!r}")
-        _check_bools("QParams", self, "power_2_scale", *_FP4_QPARAMS)
 
 
 _FP4_QPARAMS = ("random_hadamard_transform", "stochastic_rounding", "fp4_2d_quantization")
@@ -139,8 +127,7 @@ class MMParams:
     use_split_accumulator: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.use_split_accumulator, bool):
-            raise TypeError(f"MMParams.use_split_accumulator must be a bool, got {self.use_split_accumulator!r}")
+        _convert(self)
 
 
 class _OverrideLinearPrecision(NamedTuple):
@@ -149,6 +136,16 @@ class _OverrideLinearPrecision(NamedTuple):
     fprop: bool = False
     dgrad: bool = False
     wgrad: bool = False
+
+
+# Each field's values by its annotation, converted as Transformer Engine's pydantic recipes
+# convert them (16.0 -> 16, 0 -> False, a dict -> MMParams), before any recipe checks them
+_CONVERTERS = {**SCALARS, "Format": enum_member(Format), "QParams": instance_of(QParams),
+               "MMParams": instance_of(MMParams), "_OverrideLinearPrecision": bools_of(_OverrideLinearPrecision)}
+
+
+def _convert(recipe) -> None:
+    convert_fields(recipe, _CONVERTERS)
 
 
 GEMMS = ("fprop", "dgrad", "wgrad")
@@ -331,6 +328,7 @@ class DelayedScaling(Recipe):
     override_linear_precision: _OverrideLinearPrecision = _OverrideLinearPrecision()
 
     def __post_init__(self):
+        _convert(self)
         _check_format(self)
         _check_override(self)
         if self.backward_override is not None:
@@ -338,11 +336,8 @@ class DelayedScaling(Recipe):
                 raise ValueError(f"DelayedScaling: backward_override={self.backward_override!r}: delayed scaling "
                                  "supports only backward_override=None, as in Transformer Engine")
             _check_backward_override(self)
-        # scale = fp8_max * 2^-margin / amax: a NaN margin makes every scale NaN, an infinite one 0
-        _check_number("DelayedScaling", "margin", self.margin, minimum=0)
         _check_margin(self)
         _check_number("DelayedScaling", "amax_history_len", self.amax_history_len, minimum=1, integer=True)
-        _check_bools("DelayedScaling", self, "reduce_amax", "fp8_dpa", "fp8_mha")
         algo = self.amax_compute_algo
         if not callable(algo) and algo not in ("max", "most_recent"):
             raise ValueError(
@@ -366,44 +361,42 @@ class DelayedScaling(Recipe):
 
 
 def _check_margin(recipe) -> None:
-    """fp8_max * 2^-margin (the update's numerator, as in Transformer Engine) below float32's
-    smallest normal number leaves no normal scale: a subnormal or 0 one has an inf reciprocal."""
-    fmt, fp8_max = recipe.fp8_format, recipe.fp8_format.value.max_fwd
-    largest = 126 + math.log2(fp8_max)  # fp8_max * 2^-largest == 2^-126
-    if recipe.margin > largest:  # (compared, not computed: 2.0 ** -margin fails for a huge int margin)
+    """fp8_max * 2^-margin (the update's numerator, as in Transformer Engine) must be a normal
+    float32: below its smallest normal number no scale is normal (a subnormal or 0 one has an inf
+    reciprocal); above its largest every scale is inf, clamped to float32's largest whatever the
+    amax. A negative margin (TE takes any int) doubles the scales per unit instead of halving them."""
+    fmt = recipe.fp8_format  # (E4M3 or HYBRID: its forward maximum is the smaller, its backward one the larger)
+    low_max, high_max = fmt.value.max_fwd, fmt.value.max_bwd
+    largest = math.floor(126 + math.log2(low_max))  # low_max * 2^-largest >= 2^-126
+    smallest = math.ceil(math.log2(high_max) - math.log2(_FLOAT32_MAX))  # high_max * 2^-smallest <= float32 max
+    # (compared, not computed: 2.0 ** -margin fails for a huge int margin)
+    if recipe.margin > largest:
         raise ValueError(
             f"DelayedScaling: margin={recipe.margin!r} is too large: fp8_max * 2**-margin (with Format.{fmt.name}'s "
-            f"forward maximum {fp8_max}) falls below float32's smallest normal number (2**-126), so every scale "
-            f"would underflow. The largest margin allowed is {math.floor(largest * 1000) / 1000} (126 + "
-            f"log2({fp8_max})); each unit of margin halves every scale")
+            f"forward maximum {low_max}) falls below float32's smallest normal number (2**-126), so every scale would "
+            f"underflow. The largest margin allowed is {largest} (126 + log2({low_max}), rounded down); each unit "
+            "of margin halves every scale")
+    if recipe.margin < smallest:
+        raise ValueError(
+            f"DelayedScaling: margin={recipe.margin!r} is too small: fp8_max * 2**-margin (with Format.{fmt.name}'s "
+            f"backward maximum {high_max}) exceeds float32's largest value, so every scale would be inf. The smallest "
+            f"margin allowed is {smallest}; each unit of negative margin doubles every scale")
 
 
 _SUPPORTED_OVERRIDES = ((False, False, False), (False, False, True))
 
 
 def _check_override(recipe) -> None:
-    """override_linear_precision as Transformer Engine's (fprop, dgrad, wgrad) triple of bools,
-    with TE's rule: all-False, or (False, False, True), the weight-gradient GEMM in high precision
+    """override_linear_precision, Transformer Engine's (fprop, dgrad, wgrad) triple of bools, by
+    TE's rule: all-False, or (False, False, True), the weight-gradient GEMM in high precision
     (it reads the layer input and the output gradient in their high-precision dtype; the forward
     and dgrad GEMMs stay FP8)."""
     value = recipe.override_linear_precision
-    if not isinstance(value, tuple) or len(value) != 3 or not all(isinstance(v, bool) for v in value):
-        raise TypeError(f"DelayedScaling: override_linear_precision must be three bools (fprop, dgrad, wgrad), "
-                        f"got {value!r}")
-    object.__setattr__(recipe, "override_linear_precision", _OverrideLinearPrecision(*value))
     if tuple(value) not in _SUPPORTED_OVERRIDES:
         raise NotImplementedError(
             f"DelayedScaling: override_linear_precision={tuple(value)} is not supported: only the wgrad override "
             "is, as in Transformer Engine. Use (False, False, True) to run the weight-gradient GEMM in high "
             "precision, or (False, False, False) to run every GEMM of an FP8 layer in FP8")
-
-
-def _check_mm_params(recipe) -> None:
-    for gemm in GEMMS:
-        value = getattr(recipe, f"fp8_gemm_{gemm}")
-        if not isinstance(value, MMParams):
-            raise TypeError(f"{type(recipe).__name__}: fp8_gemm_{gemm} must be a te_core.recipe.MMParams, "
-                            f"got {value!r}")
 
 
 _FP8_QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
@@ -412,8 +405,6 @@ _FP8_QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad
 def _check_qparams(recipe) -> None:
     for name in _FP8_QPARAMS:
         value = getattr(recipe, name)
-        if not isinstance(value, QParams):
-            raise TypeError(f"{type(recipe).__name__}: {name} must be a te_core.recipe.QParams, got {value!r}")
         for option in _FP4_QPARAMS:
             if getattr(value, option):
                 raise NotImplementedError(
@@ -443,7 +434,6 @@ def _apply_power_2_flag(recipe, forced: Optional[bool]) -> None:
 
 
 def _check_block_recipe_flags(recipe) -> None:
-    _check_bools(type(recipe).__name__, recipe, "fp8_dpa", "fp8_mha")
     if recipe.fp8_dpa or recipe.fp8_mha:
         raise NotImplementedError(f"{type(recipe).__name__}: fp8_dpa / fp8_mha (FP8 attention) are not "
                                   "supported by te-core yet; leave them False")
@@ -486,11 +476,10 @@ class Float8CurrentScaling(Recipe):
     fp8_quant_bwd_grad: QParams = field(default_factory=_qparams)
 
     def __post_init__(self):
+        _convert(self)
         _check_format(self)
         _check_block_recipe_flags(self)
-        _check_mm_params(self)
         _check_qparams(self)
-        _check_bools("Float8CurrentScaling", self, "use_power_2_scales")
         _check_backward_override(self)
         _apply_power_2_flag(self, True if self.use_power_2_scales else None)
 
@@ -536,11 +525,10 @@ class Float8BlockScaling(Recipe):
     fp8_quant_bwd_grad: QParams = field(default_factory=_pow2_qparams)
 
     def __post_init__(self):
+        _convert(self)
         _check_format(self)
         _check_block_recipe_flags(self)
-        _check_mm_params(self)
         _check_qparams(self)
-        _check_bools("Float8BlockScaling", self, "use_f32_scales")
         _check_backward_override(self)
         _apply_power_2_flag(self, False if self.use_f32_scales else None)
         for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
@@ -579,16 +567,15 @@ class MXFP8BlockScaling(Recipe):
     enable_2d_quantization: bool = False
 
     def __post_init__(self):
+        _convert(self)
         _check_format(self)
         _check_block_recipe_flags(self)
-        _check_bools("MXFP8BlockScaling", self, "enable_2d_quantization")
         _check_backward_override(self)
         if self.enable_2d_quantization:
             raise NotImplementedError(
                 "MXFP8BlockScaling: enable_2d_quantization=True (one E8M0 scale per 32x32 weight tile) is not "
                 "supported by te-core yet: every tensor, weights included, gets one scale per 32 consecutive "
                 "elements (enable_2d_quantization=False, the default)")
-        _check_number("MXFP8BlockScaling", "margin", self.margin, minimum=0)
         if self.margin != 0:  # Transformer Engine accepts it and ignores it: te-core says so instead
             raise ValueError(
                 f"MXFP8BlockScaling: margin={self.margin!r} is not used: each 32-element block's E8M0 scale is "
@@ -633,9 +620,8 @@ class NVFP4BlockScaling(Recipe):
     backward_override: Optional[str] = field(default_factory=_env_str("NVTE_BACKWARD_OVERRIDE", None))
 
     def __post_init__(self):
+        _convert(self)
         owner = "NVFP4BlockScaling"
-        _check_bools(owner, self, "disable_rht", "disable_stochastic_rounding", "disable_2d_quantization",
-                     "row_scaled_activation", "fp8_dpa", "fp8_mha")
         if self.fp4_format is not Format.E2M1:
             raise ValueError(f"{owner}: fp4_format must be Format.E2M1, got {self.fp4_format!r}")
         if self.fp8_format is not Format.E4M3:
