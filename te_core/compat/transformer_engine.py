@@ -3,7 +3,8 @@
 After `te_core.install_as_transformer_engine()`, code written for Transformer Engine imports
 te-core: `import transformer_engine.pytorch as te`, `transformer_engine.common.recipe`, and the
 submodules integrations reach into (`transformer_engine.pytorch.fp8` / `.quantization` with
-check_fp8_support, check_mxfp8_support, FP8GlobalStateManager; `.distributed.checkpoint`).
+check_fp8_support, check_mxfp8_support, FP8GlobalStateManager; `.distributed.checkpoint`;
+`.module.base.TransformerEngineBaseModule`).
 Nothing is installed on disk: the modules live in sys.modules of this process only. A real
 Transformer Engine found on the path is never shadowed unless asked for (replace=True).
 
@@ -28,6 +29,7 @@ from .te_checkpoint import TE_FLOAT8_REBUILD, rebuild_te_float8_tensor
 from .te_extension import EXTENSION, EXTENSION_HINT, constants, tensor_quantizers
 from .te_gemm import general_gemm
 from .te_metadata import install_metadata, uninstall_metadata
+from .te_thd import thd_get_partitioned_indices
 
 ROOT = "transformer_engine"
 TE_API_VERSION = "2.20.0"  # the Transformer Engine release whose signatures te-core mirrors
@@ -372,7 +374,8 @@ def _pytorch_module() -> types.ModuleType:
     module_pkg = _submodule(module, "module", "the modules", _names(modules, [
         "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "LayerNorm", "RMSNorm", "Fp8Padding",
         "Fp8Unpadding"]))
-    _submodule(module_pkg, "base", "module helpers", dict(get_dummy_wgrad=_dummy_wgrads()))
+    _submodule(module_pkg, "base", "the modules' base class and helpers", dict(
+        get_dummy_wgrad=_dummy_wgrads(), TransformerEngineBaseModule=modules.TransformerEngineBaseModule))
     # Transformer Engine's one-module files, where code imports a module class from its own file
     for sub, cls in _MODULE_FILES.items():
         _submodule(module_pkg, sub, cls, {cls: getattr(modules, cls)})
@@ -428,8 +431,9 @@ def install_as_transformer_engine(replace: bool = False) -> types.ModuleType:
     pytorch = _pytorch_module()
     root.__version__ = pytorch.__version__
     root.common, root.pytorch, common.recipe = common, pytorch, recipe
-    extension = _module(EXTENSION, "te-core standing in for Transformer Engine's compiled extension: DType only")
-    extension.DType = pytorch.DType
+    extension = _module(EXTENSION, "te-core standing in for Transformer Engine's compiled extension: DType and "
+                                   "thd_get_partitioned_indices")
+    extension.DType, extension.thd_get_partitioned_indices = pytorch.DType, thd_get_partitioned_indices
     modules = {ROOT: root, f"{ROOT}.common": common, f"{ROOT}.common.recipe": recipe,
                **_stand_in_modules(pytorch), EXTENSION: extension}
     for name in [n for n in sys.modules if _is_te_name(n)]:

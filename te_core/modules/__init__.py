@@ -2,6 +2,7 @@
 names and forward signatures as in Transformer Engine), built on the registry ops."""
 
 from ._base import init_quantization_state
+from ._te_base import TransformerEngineBaseModule
 from .attention import DotProductAttention
 from .checkpoint import checkpoint, checkpoint_context
 from .fp8_padding import Fp8Padding, Fp8Unpadding
@@ -34,4 +35,5 @@ __all__ = [
     "checkpoint",
     "checkpoint_context",
     "init_quantization_state",
+    "TransformerEngineBaseModule",
 ]

@@ -28,6 +28,7 @@ from ..recipe import config_from_text, recipe_from_config
 from ._common import check_optional_bool, resolve_device, resolve_params_dtype
 from ._microbatch import first_microbatch
 from ._reset import DeferredInit
+from ._te_base import TransformerEngineBaseModule
 
 _STATE_IN_GRAPH = (
     "{module}: torch.compile is tracing the first use of {recipe}, whose amax histories and scales a compiled "
@@ -144,7 +145,7 @@ def init_quantization_state(model: nn.Module, recipe) -> None:
                 mark_static_address(group.scale)
 
 
-class QuantizedModule(DeferredInit, nn.Module):
+class QuantizedModule(DeferredInit, TransformerEngineBaseModule):
     """Base for modules whose GEMMs follow te_core.autocast. Subclasses declare their quantizer
     slots, call `quantization_step(is_first_microbatch)` once per forward and pass the step to
     their autograd Function (see te_core/modules/linear.py)."""

@@ -22,6 +22,7 @@ from ._attention_parallel import AttentionParallelMixin
 from ._attention_inputs import between_seqs, check_mask_type, check_qkv, sequence_layout, unpack_qkv
 from ._packed import Packing, tail_padding
 from ._reset import DeferredInit, resetting
+from ._te_base import TransformerEngineBaseModule
 from .inference import InferenceParams, fixed_shapes
 from ._common import (
     HP_DTYPES,
@@ -67,7 +68,7 @@ def _extra_state_may_be_missing(module, incompatible_keys) -> None:
     missing[:] = [key for key in missing if "core_attention._extra_state" not in key]
 
 
-class DotProductAttention(AttentionParallelMixin, DeferredInit, nn.Module):
+class DotProductAttention(AttentionParallelMixin, DeferredInit, TransformerEngineBaseModule):
     """Attention core with Transformer Engine's constructor and forward signature.
 
     q is (s, b, h, d) for qkv_format "sbhd" or (b, s, h, d) for "bshd"; k and v have

@@ -1,5 +1,5 @@
-"""The stand-in's `transformer_engine_torch` (DType only), TE's quantizer classes and CustomRecipe
-under Transformer Engine's import paths, and a TE test ported unchanged."""
+"""The stand-in's `transformer_engine_torch` (DType and thd_get_partitioned_indices), TE's quantizer
+classes and CustomRecipe under Transformer Engine's import paths, and a TE test ported unchanged."""
 from __future__ import annotations
 
 import importlib
