@@ -28,8 +28,11 @@ def copied_param_grads(params, clone: bool) -> Tuple[bool, ...]:
     """Which parameters' gradients a replay hands autograd as copies: all of them with `clone`
     (clone_param_grads_on_return), except those marked `skip_backward_post_hook` (a module that
     delays its weight gradients: their lifetime is its business, and with fused accumulation the
-    gradient returned is a stand-in), as Transformer Engine does; an empty tuple if none."""
-    copied = tuple(clone and not getattr(p, "skip_backward_post_hook", False) for p in params)
+    gradient returned is a stand-in), as Transformer Engine does; an empty tuple if none. Such a
+    module's biases are marked `te_grad_from_backward` too: their gradients come from the backward
+    graph itself, whose buffer the next replay overwrites, so they are copied as any other's."""
+    copied = tuple(clone and (not getattr(p, "skip_backward_post_hook", False)
+                              or getattr(p, "te_grad_from_backward", False)) for p in params)
     return copied if any(copied) else ()
 
 

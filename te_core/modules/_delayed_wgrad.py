@@ -84,6 +84,8 @@ class DelayedWgradMixin:
             for name, param in self.named_parameters():
                 if not name.startswith("layer_norm_"):  # the GEMMs' weights and biases, not the norm's
                     param.skip_backward_post_hook = True
+                    if "weight" not in name:  # a bias: its gradient still comes from the backward itself
+                        param.te_grad_from_backward = True
 
     def delayed_wgrad_store(self) -> Optional[WeightGradStore]:
         """What a forward hands its autograd Function: the store, or None for the immediate path."""

@@ -618,3 +618,22 @@ def test_transformer_engines_arguments_are_taken_positionally(fake_graphs):
     with pytest.raises(TypeError, match="multiple values for argument 'recipe'"):
         graphs.make_graphed_callables(lin, (x,), 3, False, None, None, None, None, None, None, True, None, RECIPE,
                                       recipe=RECIPE)
+
+
+
+@pytest.mark.parametrize("make", [lambda: te.Linear(32, 16, delay_wgrad_compute=True),
+                                  lambda: te.LayerNormMLP(32, 64, delay_wgrad_compute=True),
+                                  lambda: te.GroupedLinear(2, 32, 16, delay_wgrad_compute=True)])
+def test_a_module_delaying_its_weight_gradients_gets_copies_of_its_bias_gradients(make):
+    """A module built with delay_wgrad_compute marks its weights and biases skip_backward_post_hook (as
+    Transformer Engine does), but only its weight gradients wait for backward_dw: a bias's comes from
+    the backward graph, whose buffer the next replay overwrites, so a replay hands autograd a copy of
+    it (accumulated over backward passes as an eager twin's), and the graph's own buffer for weights."""
+    from te_core._graph_hooks import copied_param_grads
+
+    named = list(make().named_parameters())
+    assert all(p.skip_backward_post_hook for n, p in named if not n.startswith("layer_norm_"))
+    copied = copied_param_grads([p for _, p in named], clone=True)
+    assert {n: c for (n, _), c in zip(named, copied)} == {
+        n: "weight" not in n or n.startswith("layer_norm_") for n, _ in named}
+    assert any("bias" in n for n, _ in named)
