@@ -115,20 +115,22 @@ def check_loadable(optimizer, state_dict, *, allowed, required, shaped) -> None:
                                                for s, g in zip(saved_groups, groups)):
         return  # torch's load raises for these
     for saved, group in zip(saved_groups, groups):
-        for saved_id, param in zip(saved["params"], group["params"]):
+        names = group.get("param_names") or [None] * len(group["params"])  # (torch's, for named parameters)
+        for saved_id, param, param_name in zip(saved["params"], group["params"], names):
+            label = f"{saved_id} ('{param_name}')" if param_name else saved_id
             states = state_dict["state"].get(saved_id) or {}
             unknown = sorted(set(states) - set(allowed))
             if unknown:
-                raise ValueError(f"{name}.load_state_dict: the state of parameter {saved_id} holds "
+                raise ValueError(f"{name}.load_state_dict: the state of parameter {label} holds "
                                  f"{', '.join(unknown)}, which {name} does not keep (it keeps "
                                  f"{', '.join(allowed)}); was the checkpoint saved by another optimizer?")
             missing = [key for key in required if key not in states]
             if states and missing:
-                raise ValueError(f"{name}.load_state_dict: the state of parameter {saved_id} lacks "
+                raise ValueError(f"{name}.load_state_dict: the state of parameter {label} lacks "
                                  f"{', '.join(missing)}; the checkpoint is incomplete or from another optimizer")
             for key in shaped:
                 value = states.get(key)
                 if torch.is_tensor(value) and tuple(value.shape) != tuple(param.shape):
-                    raise ValueError(f"{name}.load_state_dict: state {key} of parameter {saved_id} has shape "
+                    raise ValueError(f"{name}.load_state_dict: state {key} of parameter {label} has shape "
                                      f"{tuple(value.shape)} but the parameter has {tuple(param.shape)}; was the "
                                      "checkpoint saved for another model, or with the parameters in another order?")

@@ -16,7 +16,8 @@ Transformer Engine, the moments may also be torch.float16 or torch.uint8 (FP8) a
 weights torch.float16 (`master_weight_dtype`): scaled states, updated through float32 copies;
 and `store_param_remainders=True` keeps a bf16 parameter's float32 master weight as the
 parameter plus 16 bits (_scaled_states). `get_unscaled_state` / `set_scaled_state` read and
-write any state in float32, and `state_dict()` holds the scaled states unscaled (float32).
+write any state in float32, and `state_dict()` is in Transformer Engine's form, each state in
+float32 (_adam_checkpoint), so that a checkpoint of either loads into the other.
 Under torch.amp.GradScaler the update divides the gradients by its scale and a step with an
 inf gradient changes nothing (_amp_scaling), capturable or not. AMSGrad raises
 NotImplementedError, as in Transformer Engine.
@@ -31,6 +32,7 @@ import torch
 from .. import ops
 from ..quantization.quantizers import Float8Quantizer
 from ..quantization.tensor import QuantizedTensor
+from . import _adam_checkpoint
 from . import _scaled_states as compact
 from ._amp_scaling import AmpScaling
 from ._checks import check_group, check_loadable, check_param_dtype, listed_params, scalar
@@ -188,16 +190,20 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
         compact.rescaled(value.float(), dtype, state[state_name], scale)
 
     def state_dict(self) -> dict:
-        """torch's state dict with the scaled states in float32, as Transformer Engine saves them
-        (their scales are chosen again on load)."""
-        saved = super().state_dict()
-        params = [p for group in self.param_groups for p in group["params"]]
-        for index, states in saved["state"].items():
-            states = saved["state"][index] = dict(states)  # (torch's dict is the live state's own)
-            for name in states:
-                if self.name_to_dtype_map.get(name) in compact.SCALED:
-                    states[name] = self.get_unscaled_state(params[index], name)
-        return saved
+        """torch's state dict in Transformer Engine's form (_adam_checkpoint): every state in
+        float32 (scaled states unscaled, their scales chosen again on load; bf16 moments
+        converted), remainders as int16, and with master_weights a master weight for every
+        parameter that has states."""
+        return _adam_checkpoint.te_form(self, super().state_dict())
+
+    def _saved_master(self, param) -> torch.Tensor:
+        """The master weight a checkpoint holds for a parameter that keeps none: its float32
+        value, as Transformer Engine saves for a float32 parameter (zero remainders where the
+        first step would make them). A copy, never the parameter: torch's distributed checkpoint
+        loads into the tensors of a state dict, and would write the saved value into the model."""
+        if self._remainders(param):
+            return torch.zeros_like(param, dtype=torch.int16)
+        return _float32_value(param) if _quantized(param) else param.detach().to(torch.float32, copy=True)
 
     def _load_state(self, param, name: str, value) -> None:
         if self.name_to_dtype_map.get(name) in compact.SCALED or name == "master_param" and self._remainders(param):
@@ -207,25 +213,17 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, the states in their own dtypes (StateDtypesMixin), and each group's step
-        count and learning rate in this optimizer's form: float32 tensors on the parameters'
-        device when capturable (a checkpoint loaded to the CPU would otherwise put host
-        arithmetic into every step, which a captured graph does not replay), plain numbers
-        otherwise (a capturable optimizer's checkpoint resumed without capturable=True). A state
-        dict of another optimizer or of other parameters is refused before anything loads;
+        count and learning rate in this optimizer's form (_adam_checkpoint.restore_group_types).
+        A state dict of another optimizer or of other parameters, or with a state this optimizer
+        cannot keep as saved (_adam_checkpoint.check_states), is refused before anything loads;
         torch.optim.Adam's and AdamW's load with their step counts (_torch_adam). A master weight
         the step does not use is dropped (_drop_unused_masters)."""
         state_dict = fused_adam_form(self, state_dict)
         check_loadable(self, state_dict, allowed=STATES, required=STATES[:2], shaped=STATES)
+        _adam_checkpoint.check_states(self, state_dict)
         super().load_state_dict(state_dict)
         self._drop_unused_masters()
-        for group in self.param_groups:
-            for key in ("step", "lr"):
-                value = group.get(key)
-                if self.capturable and key in group:
-                    device = group["params"][0].device if group["params"] else self._step_device([])
-                    group[key] = torch.as_tensor(value).to(device=device, dtype=torch.float32)
-                elif torch.is_tensor(value):
-                    group[key] = int(value.item()) if key == "step" else value.item()
+        _adam_checkpoint.restore_group_types(self)
 
     def _drop_unused_masters(self) -> None:
         """Drop the loaded master weights of parameters that step without one: float32 ones (not
@@ -304,6 +302,7 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
         # an inf step is skipped here, read on the host; a capturable step decides on the device
         if self.capturable or not scaling.skips_on_host():
             for group, live in zip(self.param_groups, lives):
+                self._init_idle(group)
                 if self.capturable:
                     self._capturable_step(group, live, scaling)
                 else:
@@ -312,6 +311,15 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
                         self._fused_step(group, live, scaling)
         scaling.leave_unscaled(g for live in lives for _, g in live)
         return loss
+
+    def _init_idle(self, group: dict) -> None:
+        """States for the group's parameters without a gradient too, as Transformer Engine makes
+        them at each step: a checkpoint then holds every stepped group's parameters
+        (its structure does not depend on which ones had a gradient) and a parameter whose
+        gradient comes later starts from zero moments and its master weight of now."""
+        for p in group["params"]:
+            if not self.state.get(p) and p.dtype in PARAM_DTYPES[0]:
+                self._state_of(p)
 
     def _step_device(self, live) -> torch.device:
         """Where a capturable group's step count lives: its stepped tensors' device, else that of
@@ -344,16 +352,20 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
         device. With GradScaler's found_inf the update is computed on copies and the kept
         values selected back (torch.where), the step count advanced by 0."""
         device = self._step_device(live)
-        for key in ("step", "lr"):  # (a step count set as a number, e.g. by hand, is kept)
-            if not torch.is_tensor(group.get(key)):
-                group[key] = torch.tensor(float(group.get(key, 0)), dtype=torch.float32, device=device)
+        # (a step count or lr set as a number, e.g. by hand, is kept; the count is an int32 tensor
+        # of shape [1], the lr a float32 one, as Transformer Engine's)
+        if not torch.is_tensor(group.get("step")):
+            group["step"] = torch.tensor([round(group.get("step", 0))], dtype=torch.int32, device=device)
+        if not torch.is_tensor(group["lr"]):
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
         _, skip = scaling.on(group["step"].device)
-        group["step"].add_(1 if skip is None else (~skip).float())
+        group["step"].add_(1 if skip is None else (~skip).to(group["step"].dtype))
         if not live:
             return
         # (0-dim views: a shape-[1] count, as Transformer Engine's checkpoints hold, or a shape-[1]
         # lr would not broadcast into a 0-dim parameter)
         step, lr, eps, weight_decay = (scalar(group[key]) for key in ("step", "lr", "eps", "weight_decay"))
+        step = step.to(torch.float32)  # (exact below 2**24 steps; the bias correction is float32 math)
         beta1, beta2 = map(scalar, group["betas"])
         if group["bias_correction"]:
             bc1, bc2_sqrt = 1 - beta1**step, (1 - beta2**step).sqrt()

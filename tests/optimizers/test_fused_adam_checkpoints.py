@@ -3,12 +3,14 @@ for every parameter, a capturable step count of shape [1]), a non-capturable one
 capturable, and torch.optim.Adam's / AdamW's (per-parameter step counts), each continued as the
 optimizer that wrote it would have, against a float64 Adam step or torch.optim itself."""
 import copy
+import io
 
 import pytest
 import torch
 
 import te_core as te
 from te_core.optimizers import FusedAdam
+from te_core.optimizers import _scaled_states as compact
 from te_core.recipe import Float8CurrentScaling
 
 FP32 = dict(rtol=1.3e-6, atol=1e-5)
@@ -60,7 +62,8 @@ def test_te_master_weight_checkpoint_keeps_float32_parameters_where_they_are(cap
     want16 = adamw64(w16_master, g16.bfloat16(), m16, v16, 11, 1e-3)
     torch.testing.assert_close(opt.state[p16]["master_param"].double(), want16, **FP32)
     assert torch.equal(p16.detach(), opt.state[p16]["master_param"].bfloat16())
-    assert "master_param" not in opt.state_dict()["state"][0]
+    saved32 = opt.state_dict()["state"][0]["master_param"]  # (saved as Transformer Engine does: a copy)
+    assert torch.equal(saved32, p32.detach()) and saved32.data_ptr() != p32.data_ptr()
 
 
 def test_a_master_weight_of_an_fp8_float32_parameter_is_kept_from_a_te_checkpoint():
@@ -252,3 +255,221 @@ def test_a_capturable_optimizer_resumes_through_distributed_checkpoint(tmp_path)
         opt_.step()
     for p, q in zip(both.parameters(), twin.parameters()):
         assert torch.equal(p, q)
+
+
+# Transformer Engine's FusedAdam checkpoint, read from its state_dict(), load_state_dict() and step():
+# after a step, every parameter of a stepped group has states (those without a gradient too), each saved
+# in float32 whatever it is kept in (bf16 moments converted, float16/FP8 ones unscaled), but for the
+# int16 remainders of store_param_remainders (bf16 parameters with float32 master weights); with
+# master_weights a "master_param" for every parameter, a float32 one's never stepped (its initial
+# value). A group holds params, lr, bias_correction, betas, eps, weight_decay and step: numbers, or
+# when capturable an int32 step count of shape [1] and a float32 0-dim lr on the parameters' device.
+MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)
+SCALED = (torch.float16, torch.uint8)
+
+
+def _te_options():
+    options = []
+    for master_weights, master_dtype, remainders in ((False, torch.float32, False), (True, torch.float32, False),
+                                                     (True, torch.float32, True), (True, torch.float16, False)):
+        for exp_avg_dtype in MOMENT_DTYPES:
+            for exp_avg_sq_dtype in MOMENT_DTYPES:
+                for capturable in (False, True):
+                    for decoupled in (False, True):
+                        kwargs = dict(master_weights=master_weights, master_weight_dtype=master_dtype,
+                                      store_param_remainders=remainders, exp_avg_dtype=exp_avg_dtype,
+                                      exp_avg_sq_dtype=exp_avg_sq_dtype, capturable=capturable,
+                                      use_decoupled_grad=decoupled)
+                        try:
+                            FusedAdam([torch.nn.Parameter(torch.ones(1))], **kwargs)
+                        except RuntimeError:
+                            continue  # (one Transformer Engine refuses too: test_fused_adam_master)
+                        options.append(pytest.param(kwargs, id="-".join(
+                            f"{k}={str(v).replace('torch.', '')}" for k, v in kwargs.items())))
+    return options
+
+
+TE_OPTIONS = _te_options()
+
+
+def _te_params():
+    """[[float32, bf16], [float16, float32 without a gradient]]: Transformer Engine refuses float16
+    and bf16 parameters in one group."""
+    return [[torch.nn.Parameter(randn(4, 3, seed=0)), torch.nn.Parameter(randn(5, seed=1).bfloat16())],
+            [torch.nn.Parameter(randn(2, 3, seed=2).half()), torch.nn.Parameter(randn(3, seed=3))]]
+
+
+def _te_layout(groups, kwargs):
+    """Transformer Engine's state dict structure after a step: {index: {state: (dtype, shape, device)}}
+    and each group's keys with its step count's and lr's (type, dtype, shape, device)."""
+    state, index = {}, 0
+    names = ("exp_avg", "exp_avg_sq") + (("master_param",) if kwargs["master_weights"] else ())
+    for group in groups:
+        for p in group:
+            remainders = kwargs["store_param_remainders"] and p.dtype == torch.bfloat16
+            state[index] = {name: (torch.int16 if name == "master_param" and remainders else torch.float32,
+                                   tuple(p.shape), p.device) for name in names}
+            index += 1
+    if kwargs["capturable"]:
+        step, lr = (torch.Tensor, torch.int32, (1,), groups[0][0].device), (torch.Tensor, torch.float32, (),
+                                                                           groups[0][0].device)
+    else:
+        step, lr = (int,), (float,)
+    keys = {"params", "lr", "bias_correction", "betas", "eps", "weight_decay", "step"}
+    return state, [(keys, step, lr)] * len(groups)
+
+
+def _layout(saved):
+    def kind(v):
+        return (torch.Tensor, v.dtype, tuple(v.shape), v.device) if torch.is_tensor(v) else (type(v),)
+
+    state = {i: {name: (v.dtype, tuple(v.shape), v.device) for name, v in s.items()} for i, s in saved["state"].items()}
+    return state, [(set(g), kind(g["step"]), kind(g["lr"])) for g in saved["param_groups"]]
+
+
+def _te_checkpoint(opt, initial):
+    """The state dict Transformer Engine's FusedAdam with the same states would save: each state its
+    float32 value (remainders as they are), a float32 parameter's master weight its initial value."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    state = {}
+    for i, p in enumerate(params):
+        state[i] = {name: opt.get_unscaled_state(p, name).clone() for name in ("exp_avg", "exp_avg_sq")}
+        if opt.master_weights:
+            kept = "master_param" in opt.state[p]
+            state[i]["master_param"] = opt.get_unscaled_state(p, "master_param").clone() if kept else initial[i]
+    groups, start = [], 0
+    for group in opt.param_groups:
+        saved = {k: v for k, v in group.items() if k != "params"}
+        saved["params"] = list(range(start, start + len(group["params"])))
+        start += len(group["params"])
+        if opt.capturable:
+            device = group["params"][0].device
+            saved["step"] = torch.tensor([int(group["step"])], dtype=torch.int, device=device)
+            saved["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+        groups.append(saved)
+    return {"state": state, "param_groups": groups}
+
+
+def _give_grads(groups, seed, decoupled):
+    grads = []
+    for i, p in enumerate(p for group in groups for p in group):
+        g = None if i == 3 else randn(*p.shape, seed=seed + i).to(p.dtype)  # (the last one gets none)
+        setattr(p, "decoupled_grad" if decoupled else "grad", g)
+        grads.append(g)
+    return grads
+
+
+def _working(opt, p):
+    """(float32 value the step updates, exp_avg, exp_avg_sq) of `p`, as float32."""
+    state = opt.state[p]
+    master = state.get("master_param")
+    if master is None:
+        target = p.detach().float().clone()
+    elif master.dtype == torch.int16:
+        target = compact.join(p.detach(), master)
+    else:
+        target = opt.get_unscaled_state(p, "master_param")
+    return target.clone(), *(opt.get_unscaled_state(p, name).clone() for name in ("exp_avg", "exp_avg_sq"))
+
+
+@pytest.mark.parametrize("kwargs", TE_OPTIONS)
+def test_checkpoints_are_transformer_engines_and_resume_from_its(kwargs):
+    """te-core's state dict has Transformer Engine's structure for every combination of its options, and
+    one built as Transformer Engine's code builds it loads into te-core and continues as the optimizer that
+    wrote it (bit for bit where every state is kept unscaled; float16 and FP8 states are scaled again on
+    load, as Transformer Engine does), each step a float64 Adam step of the loaded values."""
+    hyper = dict(lr=1e-3, betas=BETAS, eps=EPS, weight_decay=0.01)
+    decoupled = kwargs["use_decoupled_grad"]
+    groups = _te_params()
+    initial = [p.detach().float().clone() for group in groups for p in group]
+    opt = FusedAdam([{"params": g} for g in groups], **hyper, **kwargs)
+    for step in range(3):
+        _give_grads(groups, 10 * step, decoupled)
+        opt.step()
+    expected = _te_layout(groups, kwargs)
+    assert _layout(opt.state_dict()) == expected
+    buffer = io.BytesIO()
+    torch.save(_te_checkpoint(opt, initial), buffer)
+    buffer.seek(0)
+    te_saved = torch.load(buffer, weights_only=True)
+    twins = [[torch.nn.Parameter(p.detach().clone()) for p in group] for group in groups]
+    resumed = FusedAdam([{"params": g} for g in twins], **hyper, **kwargs)
+    resumed.load_state_dict(te_saved)
+    assert _layout(resumed.state_dict()) == expected
+    flat, flat_twins = [p for g in groups for p in g], [p for g in twins for p in g]
+    before = [_working(resumed, p) for p in flat_twins]
+    grads = _give_grads(groups, 100, decoupled)
+    _give_grads(twins, 100, decoupled)
+    opt.step()
+    resumed.step()
+    exact = not {kwargs["exp_avg_dtype"], kwargs["exp_avg_sq_dtype"]} & set(SCALED) and not (
+        kwargs["master_weights"] and kwargs["master_weight_dtype"] == torch.float16)
+    for p, q, g, (target, m, v) in zip(flat, flat_twins, grads, before):
+        if exact:
+            assert torch.equal(q, p)
+            for name, value in opt.state[p].items():
+                assert torch.equal(resumed.state[q][name], value), name
+        else:
+            torch.testing.assert_close(q.detach().float(), p.detach().float(), rtol=0, atol=2 * hyper["lr"] * 0.125)
+        want = target.double() if g is None else adamw64(target, g, m, v, 4, hyper["lr"], hyper["weight_decay"])
+        got = _working(resumed, q)[0]
+        tol = FP32 if got.dtype == torch.float32 and "master_param" in resumed.state[q] or q.dtype == torch.float32 \
+            else dict(rtol=1.6e-2, atol=1e-5)
+        if q.dtype != torch.float32 and "master_param" not in resumed.state[q]:
+            want = want.to(q.dtype).double()  # (stepped in place: rounded to the parameter's dtype)
+        if kwargs["master_weights"] and kwargs["master_weight_dtype"] == torch.float16 and q.dtype != torch.float32:
+            tol = dict(rtol=2e-3, atol=1e-5)  # (the float16 master, scaled again on load)
+        torch.testing.assert_close(got.double(), want, **tol)
+
+
+def _checkpoint_of(**kwargs):
+    params = [torch.nn.Parameter(randn(4, 3, seed=0).bfloat16()), torch.nn.Parameter(randn(5, seed=1).bfloat16())]
+    opt = FusedAdam(params, lr=1e-3, **kwargs)
+    for i, p in enumerate(params):
+        p.grad = randn(*p.shape, seed=5 + i).bfloat16()
+    opt.step()
+    return params, copy.deepcopy(opt.state_dict())
+
+
+@pytest.mark.parametrize("saved_with, loaded_with, edit, message", [
+    (dict(master_weights=True), dict(master_weights=True), lambda sd: sd["state"][1].pop("master_param"),
+     r"the state of parameter 1 \('b'\) \(shape \(5,\), torch.bfloat16\) lacks master_param, its master weight, "
+     r"which the checkpoint holds for other parameters.*state_dict\['state'\]\[1\]\['master_param'\] = "),
+    (dict(master_weights=True), dict(master_weights=True),
+     lambda sd: sd["state"][0].__setitem__("exp_avg", torch.zeros(3, 4)),
+     r"state exp_avg of parameter 0 \('a'\) has shape \(3, 4\) but the parameter has \(4, 3\)"),
+    (dict(master_weights=True, store_param_remainders=True), dict(master_weights=True), None,
+     r"parameter 0 \('a'\) .* holds master_param as int16 remainders \(saved with store_param_remainders=True\) "
+     r"but this optimizer keeps a float32 master weight for it; construct FusedAdam\(master_weights=True, "
+     r"store_param_remainders=True\)"),
+    (dict(master_weights=True), dict(master_weights=True, store_param_remainders=True), None,
+     r"parameter 0 \('a'\) .* holds a torch.float32 master weight but this optimizer keeps the int16 remainders "
+     r"of store_param_remainders=True for it; construct FusedAdam with store_param_remainders=False"),
+    (dict(), dict(), lambda sd: sd["state"][1].__setitem__("exp_avg_sq", torch.zeros(5, dtype=torch.int32)),
+     r"parameter 1 \('b'\) .* holds exp_avg_sq as a torch.int32 tensor; a moment is a floating-point tensor"),
+])
+def test_a_state_dict_that_cannot_load_is_refused_naming_the_parameter(saved_with, loaded_with, edit, message):
+    """Nothing loads, rather than a master weight restarting from its rounded parameter (one missing
+    from a checkpoint that holds the others), int16 remainders read as float values, or a shape or
+    dtype that fails later; the error names the parameter."""
+    params, saved = _checkpoint_of(**saved_with)
+    if edit is not None:
+        edit(saved)
+    opt = FusedAdam([("a", torch.nn.Parameter(params[0].detach().clone())),
+                     ("b", torch.nn.Parameter(params[1].detach().clone()))], lr=1e-3, **loaded_with)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(saved)
+    assert not opt.state
+
+
+def test_bf16_moments_are_saved_in_float32_and_reload_bit_for_bit():
+    """Transformer Engine saves bf16 moments converted to float32; they reload into bf16 exactly."""
+    params, saved = _checkpoint_of(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+    for state in saved["state"].values():
+        assert {v.dtype for v in state.values()} == {torch.float32}
+    opt = FusedAdam(params, lr=1e-3, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+    opt.load_state_dict(saved)
+    for i, p in enumerate(params):
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert opt.state[p][name].dtype == torch.bfloat16
+            assert torch.equal(opt.state[p][name].float(), saved["state"][i][name])

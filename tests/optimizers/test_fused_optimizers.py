@@ -234,9 +234,10 @@ def test_a_resumed_optimizer_keeps_float32_states_and_steps_as_the_original(make
 
 
 def test_a_capturable_optimizers_step_and_lr_reload_in_the_form_each_optimizer_steps_with():
-    """A capturable FusedAdam keeps its step count and lr as float32 tensors on the parameters'
-    device: a checkpoint's (here float64, as a loader might hand them over) come back so, and a
-    non-capturable FusedAdam resuming the same checkpoint gets plain numbers."""
+    """A capturable FusedAdam keeps its step count as an int32 tensor of shape [1] and its lr as a
+    float32 tensor on the parameters' device, as Transformer Engine's: a checkpoint's (here float64,
+    as a loader might hand them over) come back so, and a non-capturable FusedAdam resuming the same
+    checkpoint gets plain numbers."""
     import io
 
     params = fresh()
@@ -252,9 +253,9 @@ def test_a_capturable_optimizers_step_and_lr_reload_in_the_form_each_optimizer_s
     buffer.seek(0)
     resumed.load_state_dict(torch.load(buffer))
     group = resumed.param_groups[0]
-    for key, value in (("step", 2.0), ("lr", 1e-2)):
-        assert group[key].dtype == torch.float32 and group[key].device == twin_params[0].device
-        assert group[key].item() == pytest.approx(value)
+    for key, value, dtype, shape in (("step", 2, torch.int32, (1,)), ("lr", 1e-2, torch.float32, ())):
+        assert group[key].dtype == dtype and group[key].device == twin_params[0].device
+        assert group[key].shape == shape and group[key].item() == pytest.approx(value)
     run(params, original, steps=2, seed=3)
     run(twin_params, resumed, steps=2, seed=3)
     for p, q in zip(params, twin_params):
