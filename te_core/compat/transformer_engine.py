@@ -27,6 +27,7 @@ import torch
 from .fp8_state import GlobalStateControls
 from .te_checkpoint import TE_FLOAT8_REBUILD, rebuild_te_float8_tensor
 from .te_extension import EXTENSION, EXTENSION_HINT, constants, tensor_quantizers
+from . import te_norm_cast
 from .te_gemm import general_gemm
 from .te_metadata import install_metadata, uninstall_metadata
 from .te_thd import thd_get_partitioned_indices
@@ -63,7 +64,6 @@ _NEAREST = {
     "QuantizedTensorStorage": _TENSORS_HINT, "Float8TensorStorage": _TENSORS_HINT,
     "MXFP8TensorStorage": _TENSORS_HINT, "Float8BlockwiseQTensorStorage": _TENSORS_HINT,
     "tensor.storage": _TENSORS_HINT, "prepare_for_saving": _TENSORS_HINT, "restore_from_saved": _TENSORS_HINT,
-    "graph": "te-core's CUDA-graph capture is transformer_engine.pytorch.make_graphed_callables",
     "ops": "that is Transformer Engine's fusible-operation API; te-core's modules (transformer_engine.pytorch."
            "Linear, LayerNormMLP, ...) are the layers it provides",
     "initialize_ub": "userbuffers (communication overlap) are not supported by te-core",
@@ -317,7 +317,7 @@ def _pytorch_module() -> types.ModuleType:
     from te_core.modules.checkpoint import activation_recompute_forward, in_fp8_activation_recompute_phase
     from te_core.modules.checkpoint import is_fp8_activation_recompute_enabled
 
-    from . import te_helpers
+    from . import te_graph, te_helpers
 
     module = _module(f"{ROOT}.pytorch", "te-core standing in for transformer_engine.pytorch")
     for attr in te_core.__all__:
@@ -340,7 +340,10 @@ def _pytorch_module() -> types.ModuleType:
                                 "reduce_scatter_along_first_dim", "set_tensor_model_parallel_attributes"])))
     _submodule(module, "utils", "device queries and small helpers", dict(
         _names(te_core, ["get_device_compute_capability", "get_cudnn_version", "is_bf16_available"]),
-        **_names(te_helpers, ["is_bf16_compatible", "divide", "cast_if_needed", "get_default_init_method"])))
+        **_names(te_helpers, ["is_bf16_compatible", "divide", "cast_if_needed", "get_default_init_method"]),
+        make_weak_ref=te_graph.make_weak_ref))
+    _submodule(module, "graph", "make_graphed_callables and the capture helpers around it (te_core.compat.te_graph)",
+               _names(te_graph, te_graph.__all__))
     _submodule(module, "export", "the ONNX-export switch", _names(export, export.__all__))
     _submodule(module, "cpu_offload", "activation offloading to host memory", _names(cpu_offload, cpu_offload.__all__))
     tensors = dict(QuantizedTensor=quantization.QuantizedTensor, Float8Tensor=quantization.Float8Tensor,
@@ -368,8 +371,8 @@ def _pytorch_module() -> types.ModuleType:
     _submodule(module, "permutation", "MoE token permutation",
                _names(permutation, [n for n in te_core.__all__ if n.startswith("moe_")]))
     _submodule(module, "cross_entropy", "parallel_cross_entropy", dict(parallel_cross_entropy=te_core.parallel_cross_entropy))
-    _submodule(module, "cpp_extensions", "general_gemm for high-precision operands (te_core.compat.te_gemm)",
-               dict(general_gemm=general_gemm))
+    _submodule(module, "cpp_extensions", "general_gemm for high-precision operands (te_core.compat.te_gemm), the "
+               "extension's functions te-core provides", dict(general_gemm=general_gemm, **_extension_functions()))
     _submodule(module, "router", "the MoE router functions", _names(router, router.__all__))
     module_pkg = _submodule(module, "module", "the modules", _names(modules, [
         "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "LayerNorm", "RMSNorm", "Fp8Padding",
@@ -391,6 +394,13 @@ def _pytorch_module() -> types.ModuleType:
 _MODULE_FILES = {"linear": "Linear", "layernorm_linear": "LayerNormLinear", "layernorm_mlp": "LayerNormMLP",
                  "grouped_linear": "GroupedLinear", "layernorm": "LayerNorm", "rmsnorm": "RMSNorm",
                  "fp8_padding": "Fp8Padding", "fp8_unpadding": "Fp8Unpadding"}
+
+
+def _extension_functions() -> dict:
+    """The functions of Transformer Engine's extension te-core provides (its cpp_extensions
+    re-exports them, as TE's does)."""
+    return dict(thd_get_partitioned_indices=thd_get_partitioned_indices, rmsnorm_fwd=te_norm_cast.rmsnorm_fwd,
+                dequantize=te_norm_cast.dequantize)
 
 
 def _stand_in_modules(module: types.ModuleType) -> dict:
@@ -431,9 +441,11 @@ def install_as_transformer_engine(replace: bool = False) -> types.ModuleType:
     pytorch = _pytorch_module()
     root.__version__ = pytorch.__version__
     root.common, root.pytorch, common.recipe = common, pytorch, recipe
-    extension = _module(EXTENSION, "te-core standing in for Transformer Engine's compiled extension: DType and "
-                                   "thd_get_partitioned_indices")
-    extension.DType, extension.thd_get_partitioned_indices = pytorch.DType, thd_get_partitioned_indices
+    extension = _module(EXTENSION, "te-core standing in for Transformer Engine's compiled extension: DType, "
+                                   "thd_get_partitioned_indices, rmsnorm_fwd and dequantize")
+    extension.DType = pytorch.DType
+    for name, function in _extension_functions().items():
+        setattr(extension, name, function)
     modules = {ROOT: root, f"{ROOT}.common": common, f"{ROOT}.common.recipe": recipe,
                **_stand_in_modules(pytorch), EXTENSION: extension}
     for name in [n for n in sys.modules if _is_te_name(n)]:

@@ -225,6 +225,7 @@ class QuantizedModule(DeferredInit, TransformerEngineBaseModule):
                 _prepare_untraced(id(self), context.recipe.to_config())
         else:
             self._fp8_forward = True
+            self.__dict__["_fp8_modes"] = (context.enabled, context.calibrating)  # (fp8, fp8_calibration)
         state = self._recipe_state
         recipe = context.recipe
         if state is None or state.recipe is not recipe or state.version != recipe._te_version:  # (_state_for's test)

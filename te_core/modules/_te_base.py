@@ -93,6 +93,17 @@ class TransformerEngineBaseModule(nn.Module):
         return FP8MetaView(self)
 
     @property
+    def fp8(self) -> bool:
+        """Whether the module's last forward ran with FP8 on (te.autocast(enabled=True)), as
+        Transformer Engine's attribute of that name; False before any."""
+        return bool(self.__dict__.get("_fp8_forward")) and self.__dict__.get("_fp8_modes", (False, False))[0]
+
+    @property
+    def fp8_calibration(self) -> bool:
+        """Whether the module's last forward ran under te.autocast(calibrating=True)."""
+        return bool(self.__dict__.get("_fp8_forward")) and self.__dict__.get("_fp8_modes", (False, False))[1]
+
+    @property
     def primary_weights_in_fp8(self) -> bool:
         """Whether the module's weights were made under te.quantized_model_init (kept in FP8)."""
         return bool(self.__dict__.get("_fp8_primary"))

@@ -244,7 +244,7 @@ PROVIDES = "It provides Transformer Engine's public API: the top-level names of 
 @pytest.mark.parametrize("name, hint", [
     ("transformer_engine.pytorch.jit", "Transformer Engine's kernels and bindings"),
     ("transformer_engine.pytorch.tensor.nvfp4_tensor", "NVFP4 is not supported by te-core yet"),
-    ("transformer_engine.pytorch.graph", "transformer_engine.pytorch.make_graphed_callables"),
+    ("transformer_engine.pytorch.ops", "Transformer Engine's fusible-operation API"),
     ("transformer_engine.pytorch.module.no_such_file", None),
 ])
 def test_a_missing_submodule_says_what_te_core_provides(stand_in, name, hint):

@@ -85,3 +85,98 @@ def test_init_fp8_metadata_has_nothing_to_prepare():
     te.Linear(16, 16).init_fp8_metadata()
     with pytest.raises(ValueError, match="num_gemms=2, but the module runs 3 GEMM"):
         grouped.init_fp8_metadata(num_gemms=2)
+
+
+def test_fp8_and_fp8_calibration_follow_the_last_forward():
+    linear = te.Linear(16, 16)
+    assert linear.fp8 is False and linear.fp8_calibration is False  # before any forward, as TE's
+    x = torch.randn(8, 16)
+    with te.autocast(recipe=DelayedScaling()):
+        linear(x)
+    assert linear.fp8 is True and linear.fp8_calibration is False
+    with te.autocast(enabled=False, calibrating=True, recipe=DelayedScaling()):
+        linear(x)
+    assert linear.fp8 is False and linear.fp8_calibration is True
+    linear(x)
+    assert linear.fp8 is False and linear.fp8_calibration is False
+    assert te.DotProductAttention(2, 8).fp8 is False
+
+
+class _MegatronGroupedLinear(te.GroupedLinear):
+    """Megatron-LM's TEGroupedLinear dist-checkpoint path (megatron/core/extensions/
+    transformer_engine.py: merge_extra_states, _encode_extra_state, _decode_extra_state,
+    _split_extra_state), its TE >= 2.0 branches copied as written, with pickle.Unpickler in place
+    of its SafeUnpickler (an allow-list of the same classes)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._register_load_state_dict_pre_hook(_MegatronGroupedLinear.merge_extra_states, with_module=True)
+
+    def merge_extra_states(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                           error_msgs):
+        self.init_fp8_metadata(num_gemms=self.num_gemms)
+        fp8_checkpoint = any("_extra_state" in str(key) for key in state_dict.keys())
+        if not fp8_checkpoint:
+            return
+        try:
+            state_list = [state_dict.pop(f"{prefix}_extra_state{i}") for i in range(1, self.num_gemms)]
+        except KeyError:
+            return
+        if (not state_dict or not state_list or state_dict.get(f"{prefix}_extra_state") is None
+                or self._decode_extra_state(state_dict[f"{prefix}_extra_state"]) is None):
+            return
+        raise AssertionError("a te-core state without delayed scaling decodes to None: not reached")
+
+    def _encode_extra_state(self, state):
+        import pickle
+
+        return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+
+    def _decode_extra_state(self, state):
+        import io
+        import pickle
+
+        if isinstance(state, torch.Tensor):
+            if state.numel() == 0:
+                return
+            return pickle.Unpickler(io.BytesIO(state.detach().cpu().numpy().tobytes())).load()
+        raise RuntimeError("Unsupported checkpoint format.")
+
+    def _split_extra_state(self, state):
+        fp8_checkpoint = self.fp8_meta["fp8_checkpoint"] or self.fp8 or self.fp8_calibration
+        if not fp8_checkpoint:
+            return [state] * self.num_gemms
+        state = self._decode_extra_state(state)
+        if state is None:
+            return [torch.empty(0, dtype=torch.uint8)] * self.num_gemms
+        raise AssertionError("a te-core state without delayed scaling decodes to None: not reached")
+
+    def megatron_dist_checkpoint(self) -> dict:
+        """The per-expert entries _sharded_state_dict_grouped saves, by their keys there."""
+        full = self.state_dict(prefix="", keep_vars=True)
+        extra_states = self._split_extra_state(full["_extra_state"])
+        saved = {}
+        for gemm_idx in range(self.num_gemms):
+            saved[f"weight{gemm_idx}"] = full[f"weight{gemm_idx}"].detach().clone()
+            saved[f"bias{gemm_idx}"] = full[f"bias{gemm_idx}"].detach().clone()
+            saved[f"_extra_state{'' if gemm_idx == 0 else gemm_idx}"] = extra_states[gemm_idx]
+        return saved
+
+
+@pytest.mark.parametrize("recipe", [None, Float8CurrentScaling(), MXFP8BlockScaling()])
+def test_megatron_grouped_linear_dist_checkpoint_round_trip(recipe):
+    """Megatron splits a GroupedLinear's extra state per expert on save and merges it on load; it
+    reads fp8 / fp8_calibration to decide whether there is FP8 state to split. With no FP8 or a
+    recipe that keeps no scaling state, te-core's (empty) extra state goes through unchanged."""
+    torch.manual_seed(4)
+    source = _MegatronGroupedLinear(3, 32, 32)
+    x, splits = torch.randn(96, 32), [32, 32, 32]
+    with te.autocast(enabled=recipe is not None, recipe=recipe):
+        expected = source(x, splits)
+    assert source.fp8 is (recipe is not None)
+    saved = source.megatron_dist_checkpoint()
+    assert {k for k in saved if "_extra_state" in k} == {"_extra_state", "_extra_state1", "_extra_state2"}
+    target = _MegatronGroupedLinear(3, 32, 32)
+    target.load_state_dict(saved, strict=True)
+    with te.autocast(enabled=recipe is not None, recipe=recipe):
+        torch.testing.assert_close(target(x, splits), expected, rtol=0, atol=0)
