@@ -10,6 +10,7 @@ import sys
 from typing import List, Optional
 
 EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 141  # what a shell reports for a command ended by SIGPIPE (128 + 13)
 
 
 def version_line() -> str:
@@ -76,15 +77,34 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return _run(argv)
+        status = _run(argv)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not in the interpreter's flush at exit
+        return status
     except BackendError as exc:
         print(f"te-core: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # the reader quit early (`te-core info | head`): nothing went wrong here
+        _drop_stdout()
+        return EXIT_BROKEN_PIPE
     except OSError as exc:  # a path the user gave that cannot be written (new-backend --dest, demo --out)
         where = f" {exc.filename!r}" if exc.filename else ""
         print(f"te-core: error: cannot write{where}: {exc.strerror or exc}; give a directory you can write to",
               file=sys.stderr)
         return EXIT_USAGE
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's flush at exit does not fail on the
+    closed pipe again and print a traceback."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # a stdout without a file descriptor (captured): nothing to flush into a pipe
+        pass
+    finally:
+        os.close(devnull)
 
 
 if __name__ == "__main__":

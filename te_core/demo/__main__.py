@@ -1,5 +1,6 @@
 import sys
 
-from .main import main
+from ..cli import main
 
-sys.exit(main())
+# `te-core demo` itself, so that the command's error handling (a closed pipe, an unwritable path) applies
+sys.exit(main(["demo", *sys.argv[1:]]))

@@ -353,11 +353,24 @@ def _print_header(args, backend_name: str, device, cfg: RunConfig, thread_choice
     mode = (", compiled (torch.compile)" if args.compile else
             ", layers captured as graphs after the first step (te_core.make_graphed_callables)" if args.capture else "")
     print(f"  runs   bf16, then fp8 with recipe {args.recipe}; {cfg.steps} steps each, peak lr {cfg.lr:g}{mode}")
+    if _fp8_emulated():
+        print("  note   the reference backend emulates the FP8 GEMMs (exact FP8 casts, float32 GEMMs): the loss gap\n"
+              "         is FP8's, the speed is not (FP8 only adds work here; FP8 hardware is what makes it pay)")
     if thread_choice is not None and thread_choice.reduced:
         print(f"  note   other processes keep CPUs busy, so fewer threads than torch's {thread_choice.default} "
               "(--threads N to choose); speeds vary with the load")  # fmt: skip
     if args.verbose:
         print(f"  data   {corpus['bytes'] / 1e6:.1f} MB from {corpus['files']} files under {corpus['root']}")
+
+
+def _fp8_emulated() -> bool:
+    """Whether the FP8 GEMMs run on the reference implementation (selected, pinned by
+    TE_BACKEND_OVERRIDES, or the fallback of a backend without them), which computes them in float32."""
+    from ..backend.registry import REFERENCE, REGISTRY
+
+    selection = REGISTRY.selection()
+    backend = selection.overrides.get("gemm_fp8", selection.backend)
+    return backend.name == REFERENCE or "gemm_fp8" not in backend.ops
 
 
 def report(args, cfg: RunConfig, backend_name: str, device, fp8_recipe, runs, corpus: dict, thread_choice,

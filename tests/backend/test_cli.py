@@ -40,3 +40,18 @@ def test_other_commands_refuse_extra_arguments(capsys):
     with pytest.raises(SystemExit) as done:
         cli.main(["info", "--frobnicate"])
     assert done.value.code == 2 and "unrecognized arguments: --frobnicate" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["te_core", "te_core.demo"])
+def test_a_reader_that_quits_early_is_no_error(module, tmp_path):
+    # `te-core info | head -1`: the pipe closes while te-core still writes; that is the reader's
+    # choice, not an unwritable path (the message for those) and not a traceback. The reader here
+    # closes its end first, so that every run meets the closed pipe.
+    args = ["info"] if module == "te_core" else ["--size", "tiny", "--steps", "2", "--no-progress", "--threads", "1",
+                                                 "--out", str(tmp_path)]
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={"PATH": "", "TE_BACKEND": "reference"}, cwd=tmp_path)
+    proc.stdout.close()  # before anything is written: the first write meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == cli.EXIT_BROKEN_PIPE, err
+    assert err == ""

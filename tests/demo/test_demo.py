@@ -7,10 +7,11 @@ import time
 import pytest
 import torch
 
+from te_core.backend import registry
 from te_core.demo import main
 from te_core.demo.data import BatchSampler, load_corpus, split, stdlib_dir, stdlib_sources
 from te_core.demo.figure import BF16_COLOR, FP8_COLOR, GAP_COLOR
-from te_core.demo.main import default_size
+from te_core.demo.main import _fp8_emulated, default_size
 from te_core.demo.model import SIZES
 from te_core.demo import train as train_module
 from te_core.demo.report import final_gap, side_by_side, speed
@@ -63,6 +64,8 @@ def test_demo_tiny_run_writes_sensible_json_and_png(tmp_path, capsys):
                     f"{rates['bf16_tokens_per_s']:,.0f} tokens/s, fp8 {rates['fp8_tokens_per_s']:,.0f} tokens/s, "
                     f"fp8/bf16 {rates['fp8_over_bf16']:.2f}x")
     assert "runs on" not in out and "Selected:" not in out  # the op table only with --verbose
+    # on the reference backend FP8 costs work instead of saving it: the header says so
+    assert "  note   the reference backend emulates the FP8 GEMMs" in out
 
 
 def test_verbose_adds_the_backend_report_and_the_corpus(tmp_path, capsys):
@@ -79,6 +82,20 @@ def test_verbose_adds_the_backend_report_and_the_corpus(tmp_path, capsys):
         assert record["runs"][name]["steady_seconds"] is None and record["runs"][name]["steady_tokens_per_s"] is None
         assert record["speed"][f"{name}_steady_tokens_per_s"] is None
     assert record["speed"]["fp8_over_bf16_steady"] is None
+
+
+@pytest.mark.parametrize("backend, overrides, emulated", [
+    ("reference", "", True), ("template", "", False), ("template", "gemm_fp8=reference", True)])
+def test_fp8_is_called_emulated_where_the_reference_runs_the_fp8_gemms(monkeypatch, backend, overrides, emulated):
+    pytest.importorskip("te_backend_template")  # a backend that declares gemm_fp8 itself
+    monkeypatch.setenv("TE_BACKEND", backend)
+    monkeypatch.setenv("TE_BACKEND_OVERRIDES", overrides)
+    registry.REGISTRY.reset()
+    try:
+        assert _fp8_emulated() is emulated
+    finally:
+        monkeypatch.undo()
+        registry.REGISTRY.reset()
 
 
 def test_demo_rejects_bad_arguments(capsys):
