@@ -20,8 +20,9 @@ same way.
 
 A flattening view (FSDP2 keeps one of each padded shard) is the same payload under the 1-D
 nominal shape: the row-major order of the elements is unchanged, so it dequantizes to the
-flattened value. It has no quantizer, since a requantization of it would not reach the tensor
-it views: an in-place op on it raises. Other reshapes take QuantizedTensor's general path.
+flattened value. Linked to the tensor it flattens, an in-place op on it writes that tensor's
+value, requantized whole, whose buffers it shares. Other views (another shape, t(), expand...)
+take QuantizedTensor's general path: DequantizedViews, which write back alike.
 
 `copy_` between two block tensors of one layout copies the source's FP8 bytes and scales into
 the destination's buffers, which makes the destination's value the source's, exactly, and a
@@ -117,10 +118,11 @@ def _reshaped(t, size):
         return t._same_kind()
     if len(size) != 1 or size[0] not in (-1, t.numel()) or not _is_plain_2d(t):
         return NotImplemented  # another shape would misread the payload's blocks (or is not a view)
-    flat = type(t).__new__(type(t), torch.Size([t.numel()]), t.dtype, t.device, None)
+    flat = type(t).__new__(type(t), torch.Size([t.numel()]), t.dtype, t.device, t._quantizer)
     for name, value in t._payload().items():
         setattr(flat, name, value)
     flat._block_2d = t._block_2d
+    flat._view_of = ViewLink(t, lambda value, part: value.view(-1).copy_(part))
     return flat
 
 

@@ -3,12 +3,18 @@
 A row or column of a block-scaled or MXFP8 tensor (a select: `w[1]`, `w[:, 3]`), or a slice
 that cuts its blocks (`w[:, 0:64]`; any slice of an MXFP8 tensor), a reshape or flattening of
 block-scaled or MXFP8 data, or a split of MXFP8 rows, is no tensor of that format.
-A dequantized copy would read right but silently drop an in-place write through it (`w[1] = 0`,
-`w.select(1, 3).mul_(2)`), so these return a DequantizedView instead: it reads as that view of
-the tensor's dequantized value, and an in-place op on it writes its part of that value, which
-the tensor's quantizer then casts whole (its ViewLink, see QuantizedTensor). A select, slice or
-view of it is a DequantizedView of it in turn; any other op sees the dequantized value, as on
-every quantized tensor.
+So is any other view op (t(), transpose, permute, expand, unsqueeze, as_strided...) that a
+format's own handlers do not keep quantized. A dequantized copy would read right but silently
+drop an in-place write through it (`w[1] = 0`, `w.select(1, 3).mul_(2)`, `w.t()[0].zero_()`), so
+these return a DequantizedView instead: it reads as that view of the tensor's dequantized value,
+and an in-place op on it writes its part of that value, which the tensor's quantizer then casts
+whole (its ViewLink, see QuantizedTensor). A view of it is a DequantizedView of the same tensor,
+the two view ops composed; any other op sees the dequantized value, as on every quantized tensor.
+
+Its wrapper has the strides torch's view of the tensor would have (worked out on a meta tensor
+laid out as the viewed one), so torch's own rules hold: a view that torch refuses for those
+strides (`w[:, 2:5].view(-1)`) raises torch's error, and reshape, flatten or contiguous of a
+non-contiguous view is a plain copy, as it is of a plain tensor.
 """
 from __future__ import annotations
 
@@ -29,14 +35,24 @@ class DequantizedView(QuantizedTensor):
 
     @classmethod
     def of(cls, parent: QuantizedTensor, view_fn: Callable[[Tensor], Tensor]) -> "DequantizedView":
-        shape = view_fn(torch.empty(parent.shape, device="meta")).shape
-        self = cls.__new__(cls, shape, parent.dtype, parent.device, parent._quantizer)
+        if isinstance(parent, cls):  # a view of a view: both ops on the value of the tensor viewed
+            inner, parent = parent._view_fn, parent._view_of.parent
+            view_fn = (lambda outer: lambda value: outer(inner(value)))(view_fn)
+        # laid out as parent's writable value (its wrapper's strides), as the puts address it
+        meta = view_fn(torch.empty_strided(parent.shape, parent.stride(), device="meta"))
+        self = cls.__new__(cls, meta.shape, parent.dtype, parent.device, parent._quantizer,
+                           None if meta.is_contiguous() else meta.stride())
         self._view_fn = view_fn
         self._view_of = ViewLink(parent, lambda value, part: view_fn(value).copy_(part))
         return self
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
-        return self._view_fn(self._view_of.parent.dequantize(dtype)).contiguous()
+        parent = self._view_of.parent
+        value = parent.dequantize(dtype)
+        if value.stride() != parent.stride():  # (a view_fn reading strides: as_strided, view)
+            value = torch.empty_strided(parent.shape, parent.stride(), dtype=value.dtype,
+                                        device=value.device).copy_(value)
+        return self._view_fn(value).contiguous()
 
     @property
     def has_columnwise(self) -> bool:
@@ -65,14 +81,11 @@ class DequantizedView(QuantizedTensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if args and type(args[0]) is cls and func in _VIEW_OPS:
-            return cls.of(args[0], lambda value: func(value, *args[1:], **kwargs))
         if func in _COPIES:
             return func(*[a.dequantize() if isinstance(a, cls) else a for a in args], **kwargs)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-_VIEW_OPS = (aten.select.int, aten.slice.Tensor, aten.view.default, aten._unsafe_view.default)
 # QuantizedTensor's handlers would copy the (empty) payload: these take the dequantized value
 _COPIES = (aten.clone.default, aten._to_copy.default, aten.empty_like.default, aten.new_zeros.default,
            aten.new_empty.default, aten._pin_memory.default)
@@ -89,10 +102,18 @@ def dequantized_slice(t: QuantizedTensor, dim: int = 0, start=None, end=None, st
 
 
 def dequantized_views(func, args, kwargs):
-    """A view op (QuantizedTensor._WRITABLE_VIEWS) of args[0] as DequantizedViews: one, or one
-    per piece of a split or unbind."""
+    """A view op of args[0] as DequantizedViews: one, or one per piece of a split or unbind."""
     t, rest = args[0], args[1:]
-    shapes = func(torch.empty(t.shape, device="meta"), *rest, **kwargs)
+    if func is aten.view.dtype:
+        if rest[0] == t.dtype:
+            return DequantizedView.of(t, lambda value: value)
+        raise NotImplementedError(f"view({rest[0]}) of a {type(t).__name__}: its memory holds quantized data and "
+                                  f"scales, not {t.dtype} elements to reinterpret; dequantize() it first (a copy)")
+    if func is aten.as_strided.default and t._view_link() is not None and not isinstance(t, DequantizedView):
+        # its storage offset would count from the start of its own bytes, not of the tensor it views
+        raise NotImplementedError(f"as_strided of a view of a {type(t._view_link().parent).__name__}: call it on "
+                                  "the tensor that view was taken of, or dequantize() first (a copy)")
+    shapes = func(torch.empty_strided(t.shape, t.stride(), device="meta"), *rest, **kwargs)
     if isinstance(shapes, Tensor):
         return DequantizedView.of(t, lambda value: func(value, *rest, **kwargs))
     return tuple(DequantizedView.of(t, lambda value, i=i: func(value, *rest, **kwargs)[i]) for i in range(len(shapes)))

@@ -26,16 +26,23 @@ class _Float8Layout:
 
     @classmethod
     def make(cls, data: Tensor, scale_inv: Tensor, transpose: Optional[Tensor], *, nominal_dtype: torch.dtype,
-             quantizer=None) -> "Float8Tensor":
+             quantizer=None, strides=None) -> "Float8Tensor":
+        """`strides`: a view's (data's), which its wrapper reports (float8_views); else contiguous."""
         if cls._traced_twin is not None and torch.compiler.is_compiling():
             cls = cls._traced_twin
-        self = cls.__new__(cls, data.shape, nominal_dtype, data.device, quantizer)
+        if strides is not None and issubclass(cls, Tensor):  # (a traced Float8Operand has no strides)
+            self = cls.__new__(cls, data.shape, nominal_dtype, data.device, quantizer, strides)
+        else:
+            self = cls.__new__(cls, data.shape, nominal_dtype, data.device, quantizer)
         self._data, self._transpose = data, transpose
         self._scale_inv = scale_inv if scale_inv.dim() == 1 else scale_inv.reshape(1)
         return self
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
-        return ops.dequantize_fp8(self._rowwise_data(), self._scale_inv, dtype or self.dtype).reshape(self.shape)
+        data = self._rowwise_data()
+        if not data.is_contiguous():  # a view's bytes (w.t(), w[:, 2:5]): backends' kernels read dense rows
+            data = data.contiguous()
+        return ops.dequantize_fp8(data, self._scale_inv, dtype or self.dtype).reshape(self.shape)
 
     @property
     def fp8_dtype(self) -> torch.dtype:
@@ -116,10 +123,14 @@ class _Float8Layout:
             self._scale_inv = self._scale_inv.clone()
 
     def _writable_value(self, value: Optional[Tensor] = None) -> Tensor:
-        # laid out as the row-wise FP8 data: a view's put addresses its bytes' strides and offset
-        data = self._rowwise_data()
-        out = torch.empty_strided(data.shape, data.stride(), dtype=self.dtype, device=self.device)
-        return out.copy_((self.dequantize() if value is None else value).reshape(data.shape))
+        # laid out as the wrapper reports: a view's put addresses its bytes' strides and offset
+        # (float8_views makes FP8 views only where the two agree, DequantizedViews elsewhere)
+        out = torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device=self.device)
+        return out.copy_((self.dequantize() if value is None else value).reshape(self.shape))
+
+    def _payload_strides(self) -> Optional[tuple]:
+        data = self._data
+        return None if data is None or data.is_contiguous() else data.stride()
 
     def _follow_write(self, parent: "Float8Tensor") -> None:
         # the bytes this view shares were requantized with the parent's new scale; a column-wise

@@ -1,17 +1,20 @@
-"""Views of a Float8Tensor that stay FP8: the torch ops FSDP2 shards a parameter with, and the
-select that indexing makes (`w[1]`, `w[:, 3]`).
+"""Views of a Float8Tensor that stay FP8: every view op torch has for a tensor's elements (the
+ones FSDP2 shards a parameter with, indexing's select and slice, t(), transpose, permute, expand,
+unsqueeze, squeeze, diagonal, unfold, as_strided).
 
-With one scale for the whole tensor, any element-wise view of the FP8 data (a split, a slice, a
-reshape, as_strided) is that view of the tensor's value, with the same scale_inv, so it is kept
-quantized instead of being dequantized into a high-precision copy. The column-wise copy is not
-carried into a view (a view of it would be another layout); a GEMM that needs it makes it again
-from the row-wise data, exactly. An as_strided that is the identity keeps both layouts.
+With one scale for the whole tensor, any element-wise view of the FP8 data is that view of the
+tensor's value, with the same scale_inv, so it is kept quantized instead of being dequantized
+into a high-precision copy. The column-wise copy is not carried into a view (a view of it would
+be another layout); a GEMM that needs it makes it again from the row-wise data, exactly. An
+as_strided that is the identity keeps both layouts.
 
-A view carries a ViewLink to the tensor whose bytes it views (a view of a view, to that same
+A view's wrapper reports the strides of its FP8 bytes, so torch's own rules hold as for a plain
+tensor: view() where those strides allow no view (`w[:, 2:5].view(-1)`) raises torch's error,
+and reshape, flatten and contiguous of such a view copy (torch asks for a clone, then a view of
+it). A view carries a ViewLink to the tensor whose bytes it views (a view of a view, to that same
 tensor): an in-place op on it requantizes that tensor whole, since the view shares its one scale
-(QuantizedTensor). Where the FP8 bytes cannot be viewed in the asked shape (a reshape of a
-column slice: the wrapper reports contiguous strides, so torch's reshape asks for a view), the
-reshape is a copy, as torch's reshape of such a tensor is.
+(QuantizedTensor). A tensor whose wrapper and bytes are laid out differently (one kept column-wise
+only) takes the general path: its views are DequantizedViews, which write back alike.
 
 `copy_` between two Float8Tensors with equal scale_inv copies the FP8 bytes into the
 destination's buffers (both layouts it has), so a write into a view reaches the tensor it views
@@ -35,7 +38,8 @@ def _view(t, data: Tensor):
     """A Float8Tensor of `data` (a view of t's FP8 data) with t's scale_inv and quantizer, linked
     to the tensor that holds those bytes."""
     t._own_scales()  # (a write into either is the other's)
-    view = type(t).make(data, t._scale_inv, None, nominal_dtype=t.dtype, quantizer=t._quantizer)
+    view = type(t).make(data, t._scale_inv, None, nominal_dtype=t.dtype, quantizer=t._quantizer,
+                        strides=data.stride())
     link = t._view_link()
     view._view_of = _region_link(t if link is None else link.parent, data)
     return view
@@ -58,30 +62,51 @@ def _region_link(base, data: Tensor) -> ViewLink:
     return ViewLink(base, put)
 
 
-def _split(t, split_size, dim: int = 0):
-    return tuple(_view(t, part) for part in t._rowwise_data().split(split_size, dim))
-
-
-def _slice(t, dim: int = 0, start=None, end=None, step: int = 1):
-    return _view(t, aten.slice.Tensor(t._rowwise_data(), dim, start, end, step))
-
-
-def _select(t, dim: int, index: int):
-    return _view(t, t._rowwise_data().select(dim, index))
-
-
-def _reshaped(t, size):
+def _bytes(t):
+    """t's row-wise FP8 data where the wrapper reports its layout (then a view of one is the same
+    view of the other), else None."""
     data = t._rowwise_data()
+    return data if data.stride() == t.stride() else None
+
+
+def _viewing(func):
+    """The handler of view op `func`: the same view of t's FP8 bytes, one or one per piece."""
+    def handler(t, *args, **kwargs):
+        data = _bytes(t)
+        if data is None:
+            return NotImplemented
+        out = func(data, *args, **kwargs)  # (raises torch's error where the bytes' strides allow no view)
+        return _view(t, out) if isinstance(out, Tensor) else tuple(_view(t, part) for part in out)
+    return handler
+
+
+def _unsafe_view(t, size):
+    """What torch's reshape views a clone with (and other composites a fresh result): no alias
+    of t to keep, so a copy where t's bytes cannot be viewed so, whose requantization must leave
+    t's scale_inv alone."""
+    data = _bytes(t)
+    if data is None:
+        return NotImplemented
     try:
         viewed = data.view(size)
-    except RuntimeError:  # (a column slice) a copy, whose requantization must leave t's scale_inv alone
+    except RuntimeError:
         return type(t).make(data.reshape(size), t._scale_inv.clone(), None, nominal_dtype=t.dtype,
                             quantizer=t._quantizer)
     return _view(t, viewed)
 
 
+def _clone(t, *, memory_format=None):
+    """A copy of its own; contiguous where asked (what torch's contiguous() and reshape ask)."""
+    if memory_format in (None, torch.preserve_format) or t.is_contiguous(memory_format=memory_format):
+        return NotImplemented  # (QuantizedTensor's: every buffer cloned as it is laid out)
+    return type(t).make(t._rowwise_data().clone(memory_format=memory_format), t._scale_inv.clone(), None,
+                        nominal_dtype=t.dtype, quantizer=t._quantizer)
+
+
 def _as_strided(t, size, stride, storage_offset=None):
-    data = t._rowwise_data()
+    data = _bytes(t)
+    if data is None:
+        return NotImplemented
     offset = data.storage_offset() if storage_offset is None else storage_offset
     if tuple(size) == tuple(t.shape) and tuple(stride) == data.stride() and offset == data.storage_offset():
         t._own_scales()
@@ -138,7 +163,7 @@ def _pin_payload(t, device=None):
     return t._with_payload(lambda d: d.pin_memory())
 
 
-def fsdp_view_ops(split, slice_, reshaped, as_strided, new_zeros, copy) -> dict:
+def fsdp_view_ops(split, slice_, reshaped, as_strided, new_zeros, copy, unsafe_view=None) -> dict:
     """The aten ops FSDP2 shards, pads and refills a parameter with, each mapped to a quantized
     tensor class's handler (the other ops dequantize)."""
     return {
@@ -146,7 +171,7 @@ def fsdp_view_ops(split, slice_, reshaped, as_strided, new_zeros, copy) -> dict:
         aten.split_with_sizes.default: split,
         aten.slice.Tensor: slice_,
         aten.view.default: reshaped,
-        aten._unsafe_view.default: reshaped,
+        aten._unsafe_view.default: unsafe_view or reshaped,
         aten.as_strided.default: as_strided,
         aten.new_zeros.default: new_zeros,
         aten.new_empty.default: new_zeros,  # FSDP2 makes a rank's empty shard with it
@@ -155,5 +180,13 @@ def fsdp_view_ops(split, slice_, reshaped, as_strided, new_zeros, copy) -> dict:
     }
 
 
-FLOAT8_VIEW_OPS = {**fsdp_view_ops(_split, _slice, _reshaped, _as_strided, _new_zeros, _copy),
-                   aten.select.int: _select}
+# (t(), mT, movedim, narrow, flatten, unflatten, chunk, expand_as and view_as come to these)
+_VIEWS = (aten.select.int, aten.t.default, aten.transpose.int, aten.permute.default, aten.expand.default,
+          aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.diagonal.default,
+          aten.unfold.default, aten.unbind.int, aten._reshape_alias.default)
+
+FLOAT8_VIEW_OPS = {**fsdp_view_ops(_viewing(aten.split.Tensor), _viewing(aten.slice.Tensor),
+                                   _viewing(aten.view.default), _as_strided, _new_zeros, _copy, _unsafe_view),
+                   aten.split_with_sizes.default: _viewing(aten.split_with_sizes.default),
+                   aten.clone.default: _clone,
+                   **{op: _viewing(op) for op in _VIEWS}}

@@ -67,8 +67,11 @@ class QuantizedTensor(Tensor):
     _view_ops: dict = {}
 
     @staticmethod
-    def __new__(cls, shape, nominal_dtype: torch.dtype, device: torch.device, quantizer=None):
-        self = Tensor._make_wrapper_subclass(cls, shape, dtype=nominal_dtype, device=device, requires_grad=False)
+    def __new__(cls, shape, nominal_dtype: torch.dtype, device: torch.device, quantizer=None, strides=None):
+        # `strides`: a view's, which the wrapper reports as torch's view would (torch's reshape,
+        # flatten and contiguous choose between a view and a copy by them); None is contiguous
+        self = Tensor._make_wrapper_subclass(cls, shape, strides=strides, dtype=nominal_dtype, device=device,
+                                             requires_grad=False)
         self._quantizer = quantizer
         return self
 
@@ -132,9 +135,15 @@ class QuantizedTensor(Tensor):
 
     def _same_kind(self) -> "QuantizedTensor":
         cls = type(self)
-        if cls._traced_twin is not None and torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if cls._traced_twin is not None and compiling:
             cls = cls._traced_twin  # a primary FP8 weight inside a compiled graph: no subclass made there
-        twin = cls.__new__(cls, self.shape, self.dtype, self.device, self._quantizer)
+        # the same payload, the same layout (a view's strides; dynamo cannot trace a subclass's
+        # is_contiguous, and no view is made while it traces)
+        if not compiling and isinstance(self, Tensor) and not self.is_contiguous():
+            twin = cls.__new__(cls, self.shape, self.dtype, self.device, self._quantizer, self.stride())
+        else:
+            twin = cls.__new__(cls, self.shape, self.dtype, self.device, self._quantizer)
         for name, value in self._payload().items():
             setattr(twin, name, value)
         link = getattr(self, "_view_of", None)  # (getattr: the traced operands share this code)
@@ -160,6 +169,11 @@ class QuantizedTensor(Tensor):
         if value is None:
             return self.dequantize().contiguous()
         return value.clone(memory_format=torch.contiguous_format)
+
+    def _payload_strides(self) -> Optional[tuple]:
+        """The strides the wrapper reports for this tensor's payload (None: contiguous). A format
+        whose views are views of its quantized bytes reports theirs (Float8Tensor)."""
+        return None
 
     def _follow_write(self, parent: "QuantizedTensor") -> None:
         """After a write through this view requantized `parent`: make this view's own state
@@ -226,8 +240,10 @@ class QuantizedTensor(Tensor):
             if source is value:  # both then share its data, and its writes
                 value._own_scales()
         # (value's shape: a block format's payload is 2-D under any nominal shape)
-        if (value.shape, source.dtype, source.device) != (self.shape, self.dtype, self.device):
-            _TENSOR_DATA.__set__(self, type(self).__new__(type(self), value.shape, source.dtype, source.device))
+        if (value.shape, source.stride(), source.dtype, source.device) != \
+                (self.shape, self.stride(), self.dtype, self.device):
+            _TENSOR_DATA.__set__(self, type(self).__new__(type(self), value.shape, source.dtype, source.device,
+                                                          strides=source.stride()))
         self._view_of = None
         self.__dict__.update(vars(source._same_kind()))
 
@@ -291,8 +307,12 @@ class QuantizedTensor(Tensor):
                 value = fn(value)
                 device = device or value.device
             setattr(twin, name, value)
-        if device is not None and device != self.device:  # the wrapper's own device must follow
-            moved = type(self).__new__(type(self), self.shape, self.dtype, device, self._quantizer)
+        strides = twin._payload_strides()  # (a clone of a view's bytes may be laid out anew)
+        if (device is not None and device != self.device) or strides != (None if self.is_contiguous()
+                                                                         else self.stride()):
+            # the wrapper's own device and layout must follow
+            moved = type(self).__new__(type(self), self.shape, self.dtype, device or self.device, self._quantizer,
+                                       strides)
             for name, value in twin.__dict__.items():  # the payload, and a format's own settings (_block_2d)
                 moved.__dict__.setdefault(name, value)
             twin = moved
@@ -363,18 +383,12 @@ class QuantizedTensor(Tensor):
             return _mutate(func, args, kwargs)
         if func._schema.is_mutable and any(isinstance(v, QuantizedTensor) for v in kwargs.values()):
             return _into_out(func, args, kwargs)
-        if func in _WRITABLE_VIEWS:  # (one the format's handlers cannot hold quantized)
+        if func.is_view:  # (one the format's handlers cannot hold quantized: a dequantized copy would
+            # read right but drop a write through it, which a DequantizedView writes back)
             from .dequantized_view import dequantized_views
 
             return dequantized_views(func, args, kwargs)
         return func(*tree_map(_dequantized, args), **tree_map(_dequantized, kwargs))
-
-
-# Views a format's own handlers may leave (a reshape of block-scaled or MXFP8 data, a split of
-# MXFP8 rows): a dequantized copy would read right but drop an in-place write through it, so these
-# become DequantizedViews, which write back (dequantized_view)
-_WRITABLE_VIEWS = (aten.view.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
-                   aten.slice.Tensor, aten.select.int)
 
 
 class QuantizedOperand:
@@ -449,7 +463,17 @@ def requantize_with(items) -> None:
             parent = link.parent
             pending = values.get(id(parent))
             value = parent._writable_value(None if pending is None else pending[1])
-            link.put(value, hp)
+            try:
+                link.put(value, hp)
+            except RuntimeError as error:
+                if "more than one element" not in str(error):
+                    raise
+                # torch refuses it too for most writes; its fill_ and index writes would write the
+                # shared elements one after another, which a requantized value has no order for
+                raise RuntimeError(f"an in-place write through an expanded (or otherwise self-overlapping) view of "
+                                   f"a {type(parent).__name__}: several of its elements are one element of the "
+                                   "tensor it views; write into that tensor (or a slice of it) instead, or "
+                                   "clone() the view first") from None
             chain.append((t, parent))
             t, hp, link = parent, value, parent._view_link()
         values[id(t)] = [t, hp, quantizer]
