@@ -292,7 +292,8 @@ class QuantizedTensor(Tensor):
         are) with nominal dtype `dtype`: its value is this one's, read in `dtype`."""
         self._own_scales()  # (the twin shares this tensor's writes)
         same = self._same_kind()
-        twin = type(self).__new__(type(self), self.shape, dtype, self.device, self._quantizer)
+        strides = None if self.is_contiguous() else self.stride()  # (a view's layout, which the twin shares)
+        twin = type(self).__new__(type(self), self.shape, dtype, self.device, self._quantizer, strides)
         for name, value in same.__dict__.items():  # the payload, and a format's own settings (_block_2d)
             twin.__dict__.setdefault(name, value)
         return twin

@@ -197,3 +197,15 @@ def test_a_float8_view_dequantizes_from_dense_bytes(monkeypatch, gen):
     whole = w.dequantize()
     assert torch.equal(w.t().dequantize(), whole.t())
     assert torch.equal(w[:, 2:5].dequantize(), whole[:, 2:5])
+
+
+def test_a_views_twin_in_another_nominal_dtype_keeps_its_layout(gen):
+    """with_nominal_dtype of a view (w.t()) shares its FP8 bytes and reports their strides, so torch's
+    view rules hold for the twin as for the view: view(-1) raises, and the values are the view's."""
+    w = te.Float8CurrentScalingQuantizer(E4M3, rowwise=True, columnwise=False)(randn(gen, ROWS, COLS))
+    v = w.t()
+    twin = v.with_nominal_dtype(torch.bfloat16)
+    assert twin.stride() == v.stride() and not twin.is_contiguous()
+    assert torch.equal(twin.dequantize(), v.dequantize().to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        twin.view(-1)
