@@ -187,7 +187,8 @@ class Registry:
             return (f"backend {name!r} is not installed; install it from te-core's repository: {missing[name]}. "
                     f"Installed backends: {installed}")
         message = (f"unknown backend {name!r}{settings.did_you_mean(name, self._backends)}. Installed backends: "
-                   f"{installed} ('te-core info' shows which are available here)")
+                   f"{installed}, or 'auto' (the available accelerator backend, else reference; 'te-core info' "
+                   "shows which are available here)")
         if missing:
             others = "; ".join(f"{n} ({h})" for n, h in sorted(missing.items()))
             message += f". Not installed, from te-core's repository: {others}"

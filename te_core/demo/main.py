@@ -356,6 +356,9 @@ def _print_header(args, backend_name: str, device, cfg: RunConfig, thread_choice
     if _fp8_emulated():
         print("  note   the reference backend emulates the FP8 GEMMs (exact FP8 casts, float32 GEMMs): the loss gap\n"
               "         is FP8's, the speed is not (FP8 only adds work here; FP8 hardware is what makes it pay)")
+    if thread_choice is not None and thread_choice.oversubscribed:
+        print(f"  note   --threads {thread_choice.threads} is more than the {thread_choice.cpus} CPUs this process may "
+              "run on: threads\n         share cores and each op waits for the slowest (fewer threads are faster)")
     if thread_choice is not None and thread_choice.reduced:
         print(f"  note   other processes keep CPUs busy, so fewer threads than torch's {thread_choice.default} "
               "(--threads N to choose); speeds vary with the load")  # fmt: skip

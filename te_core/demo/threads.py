@@ -31,6 +31,12 @@ class ThreadChoice:
         """Whether busy CPUs made the choice lower than torch's own default."""
         return not self.requested and self.threads < self.default
 
+    @property
+    def oversubscribed(self) -> bool:
+        """Whether the requested team is larger than the CPUs this process may run on: its members
+        then share cores, and every barrier waits for one that lost its core (module docstring)."""
+        return self.requested and self.threads > self.cpus
+
     def describe(self) -> str:
         if self.requested:
             why = "as requested"

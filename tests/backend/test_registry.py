@@ -48,7 +48,7 @@ def test_unknown_backend_lists_installed_without_a_hint_for_them(plugins, monkey
         backend.get_backend()
     msg = str(err.value)
     assert msg.startswith("TE_BACKEND='nope': unknown backend 'nope'")
-    assert "Installed backends: cuda, fake, reference" in msg
+    assert "Installed backends: cuda, fake, reference, or 'auto'" in msg
     assert "backends/cuda" not in msg  # installed: no install hint for it
     assert "te-backend-cuda" not in msg  # no package index serves the vendor wheels
 

@@ -36,3 +36,12 @@ def test_pick_honours_a_request_and_describes_the_choice(monkeypatch):
     monkeypatch.setattr(threads, "_torch_default", lambda: 2)
     auto = threads.pick()
     assert auto.threads == 1 and auto.reduced and auto.describe() == "1 thread (2 cpus, 1.7 busy with other work)"
+
+
+def test_a_request_above_the_cpus_is_called_oversubscribed(monkeypatch):
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 2)
+    assert threads.pick(3).oversubscribed
+    assert not threads.pick(2).oversubscribed
+    monkeypatch.setattr(threads, "busy_cpus", lambda: 0.0)
+    monkeypatch.setattr(threads, "_torch_default", lambda: 2)
+    assert not threads.pick().oversubscribed  # chosen, never above the CPUs
