@@ -201,8 +201,18 @@ class Float8Quantizer(Quantizer):
         return weight
 
     def load_primary(self, x: Tensor) -> Float8Tensor:
-        # The module's scale came from its fresh initialization and would saturate trained
-        # values far larger than those: scaled by the loaded value's own amax, as at init.
+        # A checkpoint's FP8 weight was cast with the module's scale of then, which the checkpoint's
+        # extra state has restored by now: cast with it, the saved bytes and scale come back exactly
+        # (a resumed step equals the uninterrupted one). Where that scale does not give back the
+        # loaded values (no extra state: the scale of a fresh init, which can saturate trained
+        # values far larger), the value is cast by its own amax, as at init.
+        x2d = _as_2d(x, "a primary weight")
+        scale = self.scale
+        data, data_t, _ = ops.cast_transpose_fp8(x2d, scale, self.fp8_dtype)
+        weight = Float8Tensor.make(_shaped_like(data, x), torch.reciprocal(scale), data_t, nominal_dtype=x.dtype,
+                                   quantizer=self)
+        if torch.equal(weight.dequantize(), x):
+            return weight
         return self._by_own_amax(x)[0]
 
     def _by_own_amax(self, x: Tensor) -> Tuple[Float8Tensor, Tensor, Tensor]:

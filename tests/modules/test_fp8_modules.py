@@ -286,6 +286,44 @@ def test_quantized_primary_weights_load_trained_values_without_saturating(rec_na
         assert_close_scaled(fresh(x), trained(x), E4M3, "forward after loading")
 
 
+def test_a_resumed_delayed_scaling_fp8_weight_is_the_saved_one_exactly():
+    """FP8 primary weights trained under delayed scaling (an optimizer requantizes them with the
+    module's scale) are saved dequantized; a fresh model loading the checkpoint (its extra state
+    restores that scale) gets the same FP8 bytes and scale_inv back, so the resumed step equals
+    the uninterrupted one bit for bit (re-cast by their own amax, some values rounded otherwise)."""
+    from te_core.optimizers import FusedAdam
+    from te_core.quantization import quantized_model_init
+
+    torch.manual_seed(0)
+    rec = recipe.DelayedScaling()
+    with quantized_model_init(recipe=rec):
+        model = torch.nn.Sequential(tm.LayerNormLinear(64, 128), tm.Linear(128, 64))
+        twin = torch.nn.Sequential(tm.LayerNormLinear(64, 128), tm.Linear(128, 64))
+    x = torch.randn(32, 64)
+
+    def step(m, opt):
+        with autocast(recipe=rec):
+            loss = m(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    opt = FusedAdam(model.parameters(), lr=1e-3, master_weights=True)
+    for _ in range(4):
+        step(model, opt)
+    twin.load_state_dict(model.state_dict())
+    twin_opt = FusedAdam(twin.parameters(), lr=1e-3, master_weights=True)
+    twin_opt.load_state_dict(opt.state_dict())
+    for i in (0, 1):
+        saved, loaded = model[i].weight, twin[i].weight
+        assert torch.equal(loaded._data.view(torch.uint8), saved._data.view(torch.uint8)), i
+        assert torch.equal(loaded._scale_inv, saved._scale_inv), i
+    assert torch.equal(step(twin, twin_opt), step(model, opt))
+    with autocast(recipe=rec):
+        assert torch.equal(twin(x), model(x))
+
+
 @pytest.mark.parametrize("kind", ["LayerNormMLP", "LayerNormLinear", "Linear"])
 @pytest.mark.parametrize("rec_name", sorted(RECIPES))
 def test_fp8_weights_built_for_inference_keep_no_column_wise_copy(rec_name, kind):
