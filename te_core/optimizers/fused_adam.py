@@ -302,7 +302,7 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
         # an inf step is skipped here, read on the host; a capturable step decides on the device
         if self.capturable or not scaling.skips_on_host():
             for group, live in zip(self.param_groups, lives):
-                self._init_idle(group)
+                self._init_idle(group, live)
                 if self.capturable:
                     self._capturable_step(group, live, scaling)
                 else:
@@ -312,11 +312,15 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
         scaling.leave_unscaled(g for live in lives for _, g in live)
         return loss
 
-    def _init_idle(self, group: dict) -> None:
+    def _init_idle(self, group: dict, live) -> None:
         """States for the group's parameters without a gradient too, as Transformer Engine makes
         them at each step: a checkpoint then holds every stepped group's parameters
         (its structure does not depend on which ones had a gradient) and a parameter whose
-        gradient comes later starts from zero moments and its master weight of now."""
+        gradient comes later starts from zero moments and its master weight of now. Nothing to
+        do (no pass over the parameters) where every one of them has a gradient: the step makes
+        their states."""
+        if len(live) == len(group["params"]):
+            return
         for p in group["params"]:
             if not self.state.get(p) and p.dtype in PARAM_DTYPES[0]:
                 self._state_of(p)

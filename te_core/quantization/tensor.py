@@ -140,10 +140,9 @@ class QuantizedTensor(Tensor):
             cls = cls._traced_twin  # a primary FP8 weight inside a compiled graph: no subclass made there
         # the same payload, the same layout (a view's strides; dynamo cannot trace a subclass's
         # is_contiguous, and no view is made while it traces)
-        if not compiling and isinstance(self, Tensor) and not self.is_contiguous():
-            twin = cls.__new__(cls, self.shape, self.dtype, self.device, self._quantizer, self.stride())
-        else:
-            twin = cls.__new__(cls, self.shape, self.dtype, self.device, self._quantizer)
+        strides = None if compiling or not isinstance(self, Tensor) else self._view_strides()
+        twin = cls.__new__(cls, self.shape, self.dtype, self.device, self._quantizer,
+                           *(() if strides is None else (strides,)))
         for name, value in self._payload().items():
             setattr(twin, name, value)
         link = getattr(self, "_view_of", None)  # (getattr: the traced operands share this code)
@@ -169,6 +168,11 @@ class QuantizedTensor(Tensor):
         if value is None:
             return self.dequantize().contiguous()
         return value.clone(memory_format=torch.contiguous_format)
+
+    def _view_strides(self) -> Optional[tuple]:
+        """The strides the wrapper reports where they are a view's (not contiguous), which a tensor
+        sharing its payload reports too; None where contiguous."""
+        return None if self.is_contiguous() else self.stride()
 
     def _payload_strides(self) -> Optional[tuple]:
         """The strides the wrapper reports for this tensor's payload (None: contiguous). A format
@@ -292,8 +296,7 @@ class QuantizedTensor(Tensor):
         are) with nominal dtype `dtype`: its value is this one's, read in `dtype`."""
         self._own_scales()  # (the twin shares this tensor's writes)
         same = self._same_kind()
-        strides = None if self.is_contiguous() else self.stride()  # (a view's layout, which the twin shares)
-        twin = type(self).__new__(type(self), self.shape, dtype, self.device, self._quantizer, strides)
+        twin = type(self).__new__(type(self), self.shape, dtype, self.device, self._quantizer, self._view_strides())
         for name, value in same.__dict__.items():  # the payload, and a format's own settings (_block_2d)
             twin.__dict__.setdefault(name, value)
         return twin
@@ -309,8 +312,7 @@ class QuantizedTensor(Tensor):
                 device = device or value.device
             setattr(twin, name, value)
         strides = twin._payload_strides()  # (a clone of a view's bytes may be laid out anew)
-        if (device is not None and device != self.device) or strides != (None if self.is_contiguous()
-                                                                         else self.stride()):
+        if (device is not None and device != self.device) or strides != self._view_strides():
             # the wrapper's own device and layout must follow
             moved = type(self).__new__(type(self), self.shape, self.dtype, device or self.device, self._quantizer,
                                        strides)
