@@ -62,7 +62,7 @@ def _rows(t, start: int, end: int):
     unit = _row_block(t)
     scale_inv = t._scale_inv[start // unit: _ceil_div(end, unit)]
     return type(t).make(t._data[start:end], scale_inv, None, None, nominal_dtype=t.dtype, quantizer=t._quantizer,
-                        _block_2d=t._block_2d, _view_of=ViewLink(t, lambda value, part: value[start:end].copy_(part)))
+                        _block_2d=t._block_2d, _view_of=ViewLink(t, lambda value: value[start:end]))
 
 
 def tile_cut_error(shape, piece: int, world: str) -> ValueError:
@@ -122,7 +122,7 @@ def _reshaped(t, size):
     for name, value in t._payload().items():
         setattr(flat, name, value)
     flat._block_2d = t._block_2d
-    flat._view_of = ViewLink(t, lambda value, part: value.view(-1).copy_(part))
+    flat._view_of = ViewLink(t, lambda value: value.view(-1))
     return flat
 
 

@@ -43,7 +43,7 @@ class DequantizedView(QuantizedTensor):
         self = cls.__new__(cls, meta.shape, parent.dtype, parent.device, parent._quantizer,
                            None if meta.is_contiguous() else meta.stride())
         self._view_fn = view_fn
-        self._view_of = ViewLink(parent, lambda value, part: view_fn(value).copy_(part))
+        self._view_of = ViewLink(parent, view_fn)
         return self
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:

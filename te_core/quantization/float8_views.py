@@ -53,13 +53,13 @@ def _region_link(base, data: Tensor) -> ViewLink:
     size, stride, offset = data.size(), data.stride(), data.storage_offset() - rows.storage_offset()
     layout = rows.stride()
 
-    def put(value: Tensor, part: Tensor) -> None:
+    def region(value: Tensor) -> Tensor:
         if value.stride() != layout:
             raise RuntimeError("a write through a view of a Float8Tensor whose data has since been replaced "
                                "(it was requantized into another layout); take the view again")
-        value.as_strided(size, stride, value.storage_offset() + offset).copy_(part)
+        return value.as_strided(size, stride, value.storage_offset() + offset)
 
-    return ViewLink(base, put)
+    return ViewLink(base, region)
 
 
 def _bytes(t):

@@ -38,11 +38,15 @@ class GemmOperand(NamedTuple):
 
 class ViewLink(NamedTuple):
     """What a quantized view writes into: `parent`, the tensor whose data it views, and
-    `put(parent_value, value)`, which writes the view's new high-precision `value` into its
-    place in `parent_value` (a buffer from parent._writable_value())."""
+    `region(parent_value)`, the view's elements of `parent_value` (a buffer from
+    parent._writable_value()), as torch's same view of it."""
 
     parent: "QuantizedTensor"
-    put: Callable[[Tensor, Tensor], None]
+    region: Callable[[Tensor], Tensor]
+
+    def put(self, parent_value: Tensor, value: Tensor) -> None:
+        """Write the view's new high-precision `value` into its place in `parent_value`."""
+        self.region(parent_value).copy_(value)
 
 
 _TENSOR_DATA = torch._C.TensorBase.data  # torch's own `data` descriptor (QuantizedTensor's wraps it)
@@ -439,16 +443,17 @@ def _same_layout(old, new) -> bool:
             and old.dtype == new.dtype and old.device == new.device and not torch.compiler.is_compiling())
 
 
-def requantize_all(pairs) -> None:
+def requantize_all(pairs, fill: Optional[Callable[[Tensor], Any]] = None) -> None:
     """Replace the value of each (QuantizedTensor, hp) pair with hp quantized by the tensor's
     quantizer. A quantizer class with a `quantize_batch([(quantizer, hp, columnwise)])`
     staticmethod quantizes all of its tensors in one call: a foreach optimizer step updates
     every parameter in one op, and the FSDP2 shard quantizer then reduces every shard's amax in
-    one collective instead of one per weight."""
-    requantize_with([(t, hp, t._quantizer) for t, hp in pairs])
+    one collective instead of one per weight. `fill`: the fill op (fill_, zero_) that made hp,
+    for a view whose elements overlap (see _put)."""
+    requantize_with([(t, hp, t._quantizer) for t, hp in pairs], fill)
 
 
-def requantize_with(items) -> None:
+def requantize_with(items, fill: Optional[Callable[[Tensor], Any]] = None) -> None:
     """requantize_all for (QuantizedTensor, hp, quantizer) triples. A view (ViewLink) is written
     into the value of the tensor it views, which is requantized whole by the view's quantizer;
     views of one tensor in one call write into one value, requantized once."""
@@ -466,17 +471,7 @@ def requantize_with(items) -> None:
             parent = link.parent
             pending = values.get(id(parent))
             value = parent._writable_value(None if pending is None else pending[1])
-            try:
-                link.put(value, hp)
-            except RuntimeError as error:
-                if "more than one element" not in str(error):
-                    raise
-                # torch refuses it too for most writes; its fill_ and index writes would write the
-                # shared elements one after another, which a requantized value has no order for
-                raise RuntimeError(f"an in-place write through an expanded (or otherwise self-overlapping) view of "
-                                   f"a {type(parent).__name__}: several of its elements are one element of the "
-                                   "tensor it views; write into that tensor (or a slice of it) instead, or "
-                                   "clone() the view first") from None
+            _put(link, value, hp, fill)
             chain.append((t, parent))
             t, hp, link = parent, value, parent._view_link()
         values[id(t)] = [t, hp, quantizer]
@@ -495,6 +490,34 @@ def requantize_with(items) -> None:
             t._take_payload(value)
     for view, parent in followers:
         view._follow_write(parent)
+
+
+def _put(link: ViewLink, value: Tensor, hp: Tensor, fill: Optional[Callable[[Tensor], Any]]) -> None:
+    """Write a view's new value `hp` into `value`, its parent's. Where several of the view's elements
+    are one element of the parent (an expand) torch refuses every write but a fill (fill_, zero_),
+    which gives them all one value: such a fill is done on the view's region of `value`, where
+    torch takes it. Other writes (index_put_, masked_fill_, which torch takes with a deprecation
+    warning) would write the shared elements one after another, which a requantized value has
+    no order for."""
+    if not _refused_overlap(lambda: link.put(value, hp)):
+        return
+    if fill is not None and not _refused_overlap(lambda: fill(link.region(value))):
+        return
+    raise RuntimeError(f"an in-place write through an expanded (or otherwise self-overlapping) view of a "
+                       f"{type(link.parent).__name__}: several of its elements are one element of the tensor it "
+                       "views, so torch refuses this write too (it takes only fill_ of a number, and zero_); "
+                       "write into that tensor (or a slice of it) instead, or clone() the view first")
+
+
+def _refused_overlap(write: Callable[[], Any]) -> bool:
+    """Run `write`; True where torch refused it for writing one memory location twice."""
+    try:
+        write()
+    except RuntimeError as error:
+        if "more than one element" not in str(error):
+            raise
+        return True
+    return False
 
 
 def gather_rows(t: Tensor, source: Tensor, blank: Optional[Tensor] = None) -> Tensor:
@@ -542,6 +565,9 @@ def _into_out(func, args, kwargs):
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 
+_FILLS = (aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default)  # (torch decides which take an overlap)
+
+
 def _mutate(func, args, kwargs):
     """In-place op on quantized tensor(s): run it on dequantized copies, then requantize them."""
     target = args[0]
@@ -549,7 +575,10 @@ def _mutate(func, args, kwargs):
     copies = [_dequantized(t) for t in targets]
     hp_first = copies if isinstance(target, (list, tuple)) else copies[0]
     rest = tree_map(_dequantized, args[1:])
-    func(hp_first, *rest, **tree_map(_dequantized, kwargs))
-    requantize_all([(t, hp) for t, hp in zip(targets, copies) if isinstance(t, QuantizedTensor)])
+    rest_kwargs = tree_map(_dequantized, kwargs)
+    func(hp_first, *rest, **rest_kwargs)
+    # a fill may write through an overlapping view (an expand), as torch's does (_put)
+    fill = (lambda region: func(region, *rest, **rest_kwargs)) if func in _FILLS else None
+    requantize_all([(t, hp) for t, hp in zip(targets, copies) if isinstance(t, QuantizedTensor)], fill)
     # in-place foreach ops (a foreach optimizer step) return nothing, and torch checks that
     return target if func._schema.returns else None

@@ -121,7 +121,9 @@ def test_a_view_writes_through_raises_or_copies_as_torch(kind, view, gen):
             assert torch.equal(t.dequantize().double(), before), (write, "a refused write changed the tensor")
             continue
         result = VIEWS[view](t)
-        if view == "expand":  # torch writes the shared elements one after another: no requantized order for that
+        if view == "expand" and write not in ("fill_", "zero_"):
+            # torch (with a deprecation warning) writes the shared elements one after another: no
+            # requantized order for that; a fill gives them all one value (test_expand_fill)
             with pytest.raises(RuntimeError, match="expanded .* write into that tensor"):
                 WRITES[write](result, torch.Generator().manual_seed(1))
             assert torch.equal(t.dequantize().double(), before)
