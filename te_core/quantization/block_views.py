@@ -36,7 +36,7 @@ import torch
 
 from .dequantized_view import dequantized_select, dequantized_slice
 from .float8_views import fsdp_view_ops
-from .tensor import ViewLink
+from .write_back import ViewLink
 
 aten = torch.ops.aten
 

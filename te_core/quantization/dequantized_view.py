@@ -23,7 +23,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from .tensor import QuantizedTensor, ViewLink
+from .tensor import QuantizedTensor
+from .write_back import ViewLink
 
 aten = torch.ops.aten
 

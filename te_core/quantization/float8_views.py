@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .tensor import ViewLink
+from .write_back import ViewLink
 
 aten = torch.ops.aten
 

@@ -26,7 +26,8 @@ from ..dtype import DType, fp8_torch_dtype
 from . import quantizers as core
 from .block_tensor import Float8BlockwiseTensor, MXFP8Tensor
 from .float8_tensor import Float8Tensor
-from .tensor import QuantizedTensor, requantize_with
+from .tensor import QuantizedTensor
+from .write_back import requantize_with
 
 __all__ = ["Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8BlockQuantizer", "MXFP8Quantizer",
            "QUANTIZER_CLASSES", "te_quantizer_of"]
