@@ -4,7 +4,8 @@ After `te_core.install_as_transformer_engine()`, code written for Transformer En
 te-core: `import transformer_engine.pytorch as te`, `transformer_engine.common.recipe`, and the
 submodules integrations reach into (`transformer_engine.pytorch.fp8` / `.quantization` with
 check_fp8_support, check_mxfp8_support, FP8GlobalStateManager; `.distributed.checkpoint`;
-`.module.base.TransformerEngineBaseModule`).
+`.module.base.TransformerEngineBaseModule`), and the subset of TE's fusible-operation API
+(`.ops`: GroupedLinear, Sequential, SwiGLU) and of `.attention.inference` its Mixtral tutorial imports.
 Nothing is installed on disk: the modules live in sys.modules of this process only. A real
 Transformer Engine found on the path is never shadowed unless asked for (replace=True).
 
@@ -64,8 +65,12 @@ _NEAREST = {
     "QuantizedTensorStorage": _TENSORS_HINT, "Float8TensorStorage": _TENSORS_HINT,
     "MXFP8TensorStorage": _TENSORS_HINT, "Float8BlockwiseQTensorStorage": _TENSORS_HINT,
     "tensor.storage": _TENSORS_HINT, "prepare_for_saving": _TENSORS_HINT, "restore_from_saved": _TENSORS_HINT,
-    "ops": "that is Transformer Engine's fusible-operation API; te-core's modules (transformer_engine.pytorch."
-           "Linear, LayerNormMLP, ...) are the layers it provides",
+    # (a key ending in ".*": every name under that module)
+    "ops.*": "te-core provides the part of Transformer Engine's fusible-operation API that its Mixtral tutorial "
+             "uses: transformer_engine.pytorch.ops.GroupedLinear, Sequential and SwiGLU; its modules "
+             "(transformer_engine.pytorch.Linear, LayerNormMLP, ...) are the other layers it provides",
+    "attention.inference.*": "te-core's InferenceParams holds, and with is_paged=True pages, the KV caches itself, "
+                             "without cache manager objects",
     "initialize_ub": "userbuffers (communication overlap) are not supported by te-core",
     "destroy_ub": "userbuffers (communication overlap) are not supported by te-core",
     "UserBufferQuantizationMode": "userbuffers (communication overlap) are not supported by te-core",
@@ -98,7 +103,8 @@ def _not_provided_message(module_name: str, name: str) -> str:
     te-core's nearest counterpart where it has one."""
     full = f"{module_name}.{name}"
     relative = full[len(ROOT) + len(".pytorch."):] if full.startswith(ROOT + ".pytorch.") else full
-    hint = EXTENSION_HINT if full.startswith(EXTENSION + ".") else _NEAREST.get(relative) or _NEAREST.get(name)
+    hint = EXTENSION_HINT if full.startswith(EXTENSION + ".") else (
+        _NEAREST.get(relative) or _NEAREST.get(name) or _NEAREST.get(relative.rpartition(".")[0] + ".*"))
     return (f"te-core stands in for Transformer Engine here and does not provide {full!r}"
             + (f" ({hint})" if hint else "")
             + ". It provides Transformer Engine's public API: the top-level names of transformer_engine.pytorch "
@@ -260,7 +266,7 @@ def _fp8_module(name: str) -> types.ModuleType:
 
 
 # te_core names that are not Transformer Engine's under transformer_engine.pytorch: TE's `ops` is
-# its fusible-operation API, not te-core's op contract.
+# its fusible-operation API (te_core.modules.fusible_ops), not te-core's op contract.
 _NOT_TE_NAMES = {"ops"}
 
 
@@ -314,10 +320,11 @@ def _pytorch_module() -> types.ModuleType:
     import te_core
     from te_core import cpu_offload, export, modules, permutation, quantization, router
     from te_core.distributed import master_weights, random, te_functions
+    from te_core.modules import fusible_ops
     from te_core.modules.checkpoint import activation_recompute_forward, in_fp8_activation_recompute_phase
     from te_core.modules.checkpoint import is_fp8_activation_recompute_enabled
 
-    from . import te_graph, te_helpers
+    from . import te_graph, te_helpers, te_inference
 
     module = _module(f"{ROOT}.pytorch", "te-core standing in for transformer_engine.pytorch")
     for attr in te_core.__all__:
@@ -329,6 +336,8 @@ def _pytorch_module() -> types.ModuleType:
     module.fp8 = _fp8_module(f"{ROOT}.pytorch.fp8")
     module.quantization = _fp8_module(f"{ROOT}.pytorch.quantization")
     _optimizers_module(module)
+    _submodule(module, "ops", "the fusible operations of Transformer Engine's Mixtral tutorial "
+               "(te_core.modules.fusible_ops)", _names(fusible_ops, fusible_ops.__all__))
     _submodule(module, "distributed", "activation recompute, the RNG states tracker, collective helpers", dict(
         checkpoint=te_core.checkpoint, CudaRNGStatesTracker=te_core.CudaRNGStatesTracker,
         prepare_te_modules_for_fsdp=te_core.distributed.prepare_te_modules_for_fsdp,
@@ -368,6 +377,8 @@ def _pytorch_module() -> types.ModuleType:
         rope, DotProductAttention=te_core.DotProductAttention, MultiheadAttention=te_core.MultiheadAttention,
         InferenceParams=te_core.InferenceParams))
     _submodule(attention, "rope", "rotary position embeddings", rope)
+    _submodule(attention, "inference", "the KV cache (te_core.compat.te_inference)", dict(
+        InferenceParams=te_core.InferenceParams, PagedKVCacheManager=te_inference.PagedKVCacheManager))
     _submodule(module, "permutation", "MoE token permutation",
                _names(permutation, [n for n in te_core.__all__ if n.startswith("moe_")]))
     _submodule(module, "cross_entropy", "parallel_cross_entropy", dict(parallel_cross_entropy=te_core.parallel_cross_entropy))

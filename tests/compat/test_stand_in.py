@@ -157,7 +157,7 @@ def test_a_name_te_core_does_not_provide_is_a_clear_attribute_error(stand_in):
 def test_the_submodules_megatron_imports_resolve(stand_in):
     """The submodules Megatron-LM's Transformer Engine integration imports at load time or on its
     default training path resolve to te-core's objects; TE's fusible-op API (`ops`) is not
-    te-core's op contract, so it is not provided."""
+    te-core's op contract: only the Mixtral tutorial's subset of it is provided, not its fuser's modules."""
     import torch
 
     from transformer_engine.pytorch.attention import DotProductAttention
@@ -186,9 +186,9 @@ def test_the_submodules_megatron_imports_resolve(stand_in):
     assert fused_topk_with_score_function is router.fused_topk_with_score_function
     import transformer_engine.pytorch as te
 
-    assert not hasattr(te, "ops")
+    assert te.ops is not te_core.ops and not hasattr(te.ops, "BasicLinear")
     with pytest.raises(ModuleNotFoundError):
-        importlib.import_module("transformer_engine.pytorch.ops")
+        importlib.import_module("transformer_engine.pytorch.ops.fuser")
     uninstall_transformer_engine()
     assert not any(name.startswith("transformer_engine") for name in sys.modules)
 
@@ -244,7 +244,7 @@ PROVIDES = "It provides Transformer Engine's public API: the top-level names of 
 @pytest.mark.parametrize("name, hint", [
     ("transformer_engine.pytorch.jit", "Transformer Engine's kernels and bindings"),
     ("transformer_engine.pytorch.tensor.nvfp4_tensor", "NVFP4 is not supported by te-core yet"),
-    ("transformer_engine.pytorch.ops", "Transformer Engine's fusible-operation API"),
+    ("transformer_engine.pytorch.ops.fused", "Transformer Engine's fusible-operation API that its Mixtral"),
     ("transformer_engine.pytorch.module.no_such_file", None),
 ])
 def test_a_missing_submodule_says_what_te_core_provides(stand_in, name, hint):

@@ -1,0 +1,93 @@
+"""ops.GroupedLinear: Transformer Engine's fusible grouped linear operation, as te.GroupedLinear.
+
+TE's operation and its module compute the same thing (rows split_sizes[0], split_sizes[1], ... of
+the input through weight0, weight1, ...) with other constructor and forward arguments; this class
+is te-core's GroupedLinear under the operation's arguments, parameter order and forward, so its
+quantization (te.autocast, its extra state) is the module's."""
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from .._common import HP_DTYPES, check_input
+from ..grouped_linear import GroupedLinear as GroupedLinearModule
+from ._op import FusibleOperation, check_extra_inputs
+
+_NAME = "ops.GroupedLinear"
+# TE's operation initializes each weight as torch.nn.Linear does (its module: normal(0, 0.023))
+_KAIMING_UNIFORM = functools.partial(torch.nn.init.kaiming_uniform_, a=math.sqrt(5))
+# TE's op_kwargs (caller-provided buffers), by te-core's forward argument of the same meaning
+_BUFFER_KWARGS = {"output": "out", "grad_input": "dgrad_out"}
+
+
+def split_sizes_list(split_sizes, num_groups: int, rows: int) -> List[int]:
+    """The split sizes (a 1-D integer tensor, as TE takes them, or a list of ints) as `num_groups`
+    non-negative ints summing to the input's `rows`."""
+    if isinstance(split_sizes, Tensor):
+        if split_sizes.dim() != 1 or split_sizes.is_floating_point() or split_sizes.is_complex() \
+                or split_sizes.dtype == torch.bool:
+            raise TypeError(f"{_NAME}: split_sizes must be a 1-D integer tensor of num_groups={num_groups} row counts, "
+                            f"got a {split_sizes.dim()}-D {split_sizes.dtype} tensor")
+        sizes = split_sizes.tolist()
+    elif isinstance(split_sizes, (list, tuple)) and all(
+            isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in split_sizes):
+        sizes = [int(s) for s in split_sizes]
+    else:
+        raise TypeError(f"{_NAME}: split_sizes must be a 1-D integer tensor (or a list of ints) of "
+                        f"num_groups={num_groups} row counts, got {split_sizes!r}")
+    if len(sizes) != num_groups:
+        raise ValueError(f"{_NAME}: expected {num_groups} split sizes (one per group, num_groups={num_groups}), got "
+                         f"{len(sizes)}: {sizes}")
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"{_NAME}: split sizes must be non-negative row counts, got {sizes}")
+    if sum(sizes) != rows:
+        raise ValueError(f"{_NAME}: split sizes {sizes} sum to {sum(sizes)} but the input has {rows} rows (its "
+                         "elements / in_features); they must add up to its rows")
+    return sizes
+
+
+class GroupedLinear(FusibleOperation, GroupedLinearModule):
+    """y_i = x_i W_i^T + b_i for the row groups x_i of the input given by the extra input
+    split_sizes; parameters weight0, weight1, ..., then bias0, bias1, ... as in Transformer
+    Engine. Not provided: scale_bias (a bias scaled by a second extra input)."""
+
+    num_extra_inputs = 1
+
+    def __init__(self, num_groups: int, in_features: int, out_features: int, *, bias: bool = True,
+                 device=None, dtype: Optional[torch.dtype] = None, rng_state_tracker_function=None,
+                 accumulate_into_main_grad: bool = False, single_grouped_weight: bool = False,
+                 single_grouped_bias: bool = False, delay_wgrad_compute: bool = False, scale_bias: bool = False):
+        if scale_bias and bias:
+            raise NotImplementedError(f"{_NAME}: scale_bias=True (a bias scaled by an extra probability input) is not "
+                                      "supported by te-core; pass scale_bias=False and scale the bias outside")
+        if dtype is not None and dtype not in HP_DTYPES:
+            raise TypeError(f"{_NAME}: dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+        super().__init__(num_gemms=num_groups, in_features=in_features, out_features=out_features, bias=bias,
+                         init_method=_KAIMING_UNIFORM, params_dtype=dtype, device=device,
+                         fuse_wgrad_accumulation=accumulate_into_main_grad, delay_wgrad_compute=delay_wgrad_compute,
+                         get_rng_state_tracker=rng_state_tracker_function,
+                         single_grouped_weight=single_grouped_weight, single_grouped_bias=single_grouped_bias)
+        self.num_groups = self.num_gemms
+        # TE's order (parameters(), state_dict()): every weight, then every bias
+        order = [f"weight{i}" for i in range(num_groups)] + [f"bias{i}" for i in range(num_groups)]
+        params = dict(self._parameters)
+        self._parameters.clear()
+        self._parameters.update((k, params[k]) for k in order + [k for k in params if k not in order])
+
+    @property
+    def has_bias(self) -> bool:
+        return self.use_bias
+
+    def forward(self, input: Tensor, *extra_inputs, **op_kwargs) -> Tensor:  # noqa: A002 (TE's name)
+        check_extra_inputs(_NAME, 1, extra_inputs, "the split sizes: rows of the input per group")
+        unknown = sorted(set(op_kwargs) - set(_BUFFER_KWARGS))
+        if unknown:
+            raise TypeError(f"{_NAME}: unexpected keyword arguments {unknown} (it takes output and grad_input)")
+        check_input(input, self.in_features, name="input", module=_NAME, device=self.weight0.device)
+        sizes = split_sizes_list(extra_inputs[0], self.num_groups, input.numel() // self.in_features)
+        return super().forward(input, sizes, **{_BUFFER_KWARGS[k]: v for k, v in op_kwargs.items()})
