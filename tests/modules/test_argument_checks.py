@@ -138,6 +138,6 @@ def test_input_and_parameters_of_different_dtypes_outside_torch_autocast_are_ref
     with pytest.raises(TypeError, match=r"the input is torch.bfloat16 but the parameter '\w+' is torch.float32; "
                                         r"outside torch.autocast"):
         call(module, x)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
         assert call(module, x).dtype == torch.bfloat16
     assert call(module, x.float()).dtype == torch.float32

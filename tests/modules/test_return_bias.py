@@ -24,7 +24,7 @@ def test_returned_bias_is_in_the_compute_dtype_and_trains_the_float32_parameter(
         getattr(split, bias_name).normal_()
         getattr(plain, bias_name).zero_()  # the same GEMM with a zero bias: the output without it
     x = torch.randn(4, 8, 32, dtype=torch.bfloat16)  # float32 parameters, bf16 compute (torch.autocast's)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
         out, bias = split(x)
         plain_out = plain(x)
     assert out.dtype == bias.dtype == torch.bfloat16
@@ -61,7 +61,7 @@ def test_grouped_linear_returns_each_bias_in_the_compute_dtype():
     torch.manual_seed(0)
     module = tm.GroupedLinear(2, 32, 16, return_bias=True)
     x = torch.randn(6, 32, dtype=torch.bfloat16)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
         out, biases = module(x, [2, 4])
     assert out.dtype == torch.bfloat16 and [b.dtype for b in biases] == [torch.bfloat16] * 2
     (out[:2] + biases[0]).sum().backward()

@@ -109,7 +109,7 @@ def test_fp32_input_under_a_bf16_compute_dtype():
     x = torch.randn(32, 64)  # float32 input, bfloat16 parameters
     dy = torch.randn(32, 96, dtype=torch.bfloat16)
     for make in (None, recipe.Float8CurrentScaling):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
             got, want = _step(b, x, dy, make and make()), _step(a, x, dy, make and make())
         for g, w in zip(got, want):
             assert torch.equal(g, w)
