@@ -1,5 +1,5 @@
-"""The part of Transformer Engine's fusible-operation API its Mixtral tutorial uses
-(transformer_engine.pytorch.ops: GroupedLinear, Sequential, SwiGLU) and its
+"""The part of Transformer Engine's fusible-operation API its Mixtral tutorials use
+(transformer_engine.pytorch.ops: GroupedLinear, Sequential, SwiGLU, ScaledSwiGLU) and their
 attention.inference import, through the stand-in: forward and every gradient against a float64
 computation, under te.autocast against te-core's own GroupedLinear, TE's parameter and state-dict
 names, and the errors of bad inputs."""
@@ -12,38 +12,51 @@ import te_core
 from te_core.recipe import DelayedScaling
 
 FP32 = dict(rtol=1.3e-6, atol=1e-5)
+BF16 = dict(rtol=1.6e-2, atol=1e-5)
 E4M3 = dict(rtol=0.125, atol=0.0675)
+E5M2 = dict(rtol=0.25, atol=0.125)
 GROUPS, HIDDEN, FFN = 4, 24, 20
 SPLITS = [5, 0, 9, 3]  # one expert without tokens
 
 
-def _experts(ops, bias: bool):
-    """The tutorial's expert FFN: gate_up, SwiGLU, down, every GroupedLinear over GROUPS experts."""
+def _experts(ops, bias: bool, activation=None):
+    """The tutorial's expert FFN: gate_up, the activation (SwiGLU unless given), down, every
+    GroupedLinear over GROUPS experts."""
     gate_up = ops.GroupedLinear(GROUPS, HIDDEN, 2 * FFN, bias=bias)
     down = ops.GroupedLinear(GROUPS, FFN, HIDDEN, bias=bias)
-    return ops.Sequential(gate_up, ops.SwiGLU(), down)
+    return ops.Sequential(gate_up, activation or ops.SwiGLU(), down)
 
 
 def _params(linear, kind: str):
     return [getattr(linear, f"{kind}{i}") for i in range(linear.num_groups)]
 
 
-def _swiglu(h):
-    """silu(a) * b, with silu as x sigmoid(x) (the formula of te-core's reference activation)."""
-    a, b = h.chunk(2, dim=-1)
+def _swiglu(h, interleave=None):
+    """silu(a) * b, with silu as x sigmoid(x) (the formula of te-core's reference activation);
+    with `interleave`, h alternates blocks of that many gate (a) and linear (b) columns."""
+    if interleave:
+        blocks = h.reshape(*h.shape[:-1], -1, 2, interleave)
+        a, b = blocks[..., 0, :].flatten(-2), blocks[..., 1, :].flatten(-2)
+    else:
+        a, b = h.chunk(2, dim=-1)
     return a * torch.sigmoid(a) * b
 
 
-def _float64_experts(x, splits, seq, bias: bool):
-    """(y, leaves) of the expert FFN in float64 autograd, on float64 copies of seq's parameters."""
-    gate_up, _, down = seq
+def _float64_experts(x, splits, seq, bias: bool, probs=None):
+    """(y, leaves) of the expert FFN in float64 autograd, on float64 copies of seq's parameters
+    (and of probs, which scale the activation's rows, the last leaf)."""
+    gate_up, activation, down = seq
     leaves = [p.detach().double().requires_grad_() for m in (gate_up, down) for p in m.parameters()]
     x64 = x.detach().double().requires_grad_()
     n = len(leaves) // 2
     w1, b1 = leaves[:GROUPS], leaves[GROUPS:n] if bias else [0.0] * GROUPS
     w2, b2 = leaves[n:n + GROUPS], leaves[n + GROUPS:] if bias else [0.0] * GROUPS
     rows = x64.reshape(-1, HIDDEN).split(splits)
-    y = torch.cat([_swiglu(r @ w1[g].T + b1[g]) @ w2[g].T + b2[g] for g, r in enumerate(rows)])
+    h = _swiglu(torch.cat([r @ w1[g].T + b1[g] for g, r in enumerate(rows)]), activation.glu_interleave_size)
+    if probs is not None:
+        leaves.append(probs.detach().double().requires_grad_())
+        h = h * leaves[-1].reshape(-1, 1)
+    y = torch.cat([r @ w2[g].T + b2[g] for g, r in enumerate(h.split(splits))])
     return y.reshape(*x.shape[:-1], HIDDEN), [x64] + leaves
 
 
@@ -228,18 +241,169 @@ def test_the_tutorials_imports_resolve(stand_in):
     from transformer_engine.pytorch.attention import InferenceParams
     from transformer_engine.pytorch.attention.inference import InferenceParams as from_inference
     from transformer_engine.pytorch.attention.inference import PagedKVCacheManager
-    from transformer_engine.pytorch.ops import GroupedLinear, Sequential, SwiGLU
+    from transformer_engine.pytorch.ops import GroupedLinear, ScaledSwiGLU, Sequential, SwiGLU
 
     from te_core.modules import fusible_ops
 
-    assert (GroupedLinear, Sequential, SwiGLU) == (fusible_ops.GroupedLinear, fusible_ops.Sequential,
-                                                   fusible_ops.SwiGLU)
+    assert (GroupedLinear, Sequential, SwiGLU, ScaledSwiGLU) == (
+        fusible_ops.GroupedLinear, fusible_ops.Sequential, fusible_ops.SwiGLU, fusible_ops.ScaledSwiGLU)
+    assert not issubclass(ScaledSwiGLU, SwiGLU)  # (nor in TE: code telling them apart keeps working)
     assert InferenceParams is from_inference is te_core.InferenceParams
     assert issubclass(GroupedLinear, te_core.GroupedLinear)
     with pytest.raises(NotImplementedError, match=r"InferenceParams\(2, 64, num_heads_kv=4, .*is_paged=True, "
                                                   r"total_num_pages=8, page_size=16\)"):
         PagedKVCacheManager(8, 16, 4, 32, torch.bfloat16, 2, 64)
-    with pytest.raises(ImportError, match="GroupedLinear, Sequential and SwiGLU"):
+    with pytest.raises(ImportError, match="GroupedLinear, Sequential, SwiGLU and ScaledSwiGLU"):
         from transformer_engine.pytorch.ops import BasicLinear  # noqa: F401
     with pytest.raises(ImportError, match="holds, and with is_paged=True pages, the KV caches itself"):
         from transformer_engine.pytorch.attention.inference import NonPagedKVCacheManager  # noqa: F401
+
+
+# ScaledSwiGLU: TE's MXFP8 Mixtral tutorial scales the SwiGLU rows by the routing probabilities.
+
+@pytest.mark.parametrize("interleave", [None, 32], ids=["halves", "interleaved"])
+@pytest.mark.parametrize("shape", [(13, 128), (3, 5, 128)], ids=["2d", "3d"])
+def test_scaled_swiglu_matches_float64(stand_in, interleave, shape):
+    """swiglu(x) * probs[..., None], probs shaped as x without its last dimension (TE's
+    documented shape); the gradients of x and of probs. 64 output columns in blocks of 32: the
+    tutorial's interleave, two blocks, so a layout mix-up changes the result."""
+    from transformer_engine.pytorch.ops import ScaledSwiGLU
+
+    torch.manual_seed(2)
+    x = torch.randn(shape, requires_grad=True)
+    probs = torch.rand(shape[:-1], requires_grad=True)
+    y = ScaledSwiGLU(glu_interleave_size=interleave)(x, probs)
+    x64, p64 = x.detach().double().requires_grad_(), probs.detach().double().requires_grad_()
+    want = _swiglu(x64, interleave) * p64.unsqueeze(-1)
+    assert y.shape == (*shape[:-1], 64)
+    torch.testing.assert_close(y.double(), want, **FP32)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    want.backward(dy.double())
+    torch.testing.assert_close(x.grad.double(), x64.grad, **FP32)
+    torch.testing.assert_close(probs.grad.double(), p64.grad, **FP32)
+
+
+def test_scaled_swiglu_bfloat16_input_float32_probs(stand_in):
+    """As in the tutorial: a bfloat16 input, float32 probs (a softmax's). The output is the
+    input's dtype, probs get a float32 gradient of their own shape ((rows, 1) here: TE takes any
+    shape of one value per row); with probs that need no gradient the input still gets its own."""
+    from transformer_engine.pytorch.ops import ScaledSwiGLU
+
+    torch.manual_seed(3)
+    op = ScaledSwiGLU(32)  # (positional, as TE's signature allows)
+    x = torch.randn(13, 128, dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(13, 1, requires_grad=True)
+    y = op(x, probs)
+    x64, p64 = x.detach().double().requires_grad_(), probs.detach().double().requires_grad_()
+    want = _swiglu(x64, 32) * p64
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), want, **BF16)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    want.backward(dy.double())
+    assert probs.grad.dtype == torch.float32 and probs.grad.shape == (13, 1)
+    torch.testing.assert_close(x.grad.double(), x64.grad, **BF16)
+    torch.testing.assert_close(probs.grad.double(), p64.grad, **BF16)
+    x.grad = None
+    op(x, probs.detach()).backward(dy)
+    torch.testing.assert_close(x.grad.double(), x64.grad, **BF16)
+
+
+@pytest.mark.parametrize("interleave", [None, 5], ids=["halves", "interleaved"])
+def test_experts_with_scaled_swiglu_match_float64(stand_in, interleave):
+    """The MXFP8 tutorial's call: Sequential(GroupedLinear, ScaledSwiGLU, GroupedLinear)(x,
+    split_sizes, probs, split_sizes), the extra inputs in the order of the operations; output and
+    the gradients of x, every weight and probs; TE's state-dict keys (ScaledSwiGLU's empty
+    _extra_state)."""
+    from transformer_engine.pytorch import ops
+
+    torch.manual_seed(4)
+    seq = _experts(ops, bias=False, activation=ops.ScaledSwiGLU(glu_interleave_size=interleave))
+    x, probs = torch.randn(17, HIDDEN, requires_grad=True), torch.rand(17, requires_grad=True)
+    splits = torch.tensor(SPLITS, dtype=torch.int32)
+    y = seq(x, splits, probs, splits)
+    want, leaves = _float64_experts(x, SPLITS, seq, bias=False, probs=probs)
+    torch.testing.assert_close(y.double(), want, **FP32)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    want.backward(dy.double())
+    got = [x] + list(seq[0].parameters()) + list(seq[2].parameters()) + [probs]
+    for tensor, leaf in zip(got, leaves, strict=True):
+        torch.testing.assert_close(tensor.grad.double(), leaf.grad, **FP32)
+    assert "1._extra_state" in seq.state_dict() and seq.state_dict()["1._extra_state"].numel() == 0
+
+
+def _on_fp8_grid(t, splits=None, fp8_dtype=torch.float8_e4m3fn):
+    """t rounded to the values an FP8 cast under DelayedScaling's first scale (fp8_max / amax)
+    represents exactly, as Transformer Engine's tests make their operands; with `splits`, each row
+    group first gets t's amax, so that per-group casts use the same scale."""
+    t = t.clone()
+    if splits is not None:
+        starts = torch.tensor([0] + splits[:-1]).cumsum(0)[torch.tensor(splits) > 0]
+        t[starts, 0] = t.abs().max()
+    scale = torch.finfo(fp8_dtype).max / t.abs().max()
+    return (t * scale).to(fp8_dtype).float() / scale
+
+
+def test_experts_with_scaled_swiglu_under_delayed_scaling(stand_in):
+    """Under te.autocast(recipe=DelayedScaling()) the MXFP8 tutorial's experts run with FP8 GEMMs:
+    on operands FP8 represents exactly (as TE's tests make them), the output and the gradient of
+    probs are within E4M3's tolerances of the high-precision run's, and the gradient of x within
+    E5M2's (DelayedScaling's backward format); the output is FP8's, not the high-precision one."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.pytorch import ops
+
+    torch.manual_seed(5)
+    seq = _experts(ops, bias=False, activation=ops.ScaledSwiGLU(glu_interleave_size=4))
+    with torch.no_grad():
+        for p in seq.parameters():
+            p.copy_(_on_fp8_grid(torch.randn_like(p) * 0.2))
+    x, probs = _on_fp8_grid(torch.randn(17, HIDDEN), SPLITS), torch.rand(17)
+    dy = _on_fp8_grid(torch.randn(17, HIDDEN), SPLITS, torch.float8_e5m2)
+    splits = torch.tensor(SPLITS, dtype=torch.int32)
+    runs = []
+    for fp8 in (True, False):
+        leaves = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        with te.autocast(enabled=fp8, recipe=DelayedScaling()):
+            y = seq(leaves[0], splits, leaves[1], splits)
+        y.backward(dy)
+        runs.append((y, *(t.grad for t in leaves)))
+    (y, dx, dprobs), (y_high, dx_high, dprobs_high) = runs
+    assert not torch.allclose(y, y_high, **FP32)  # FP8 GEMMs ran
+    torch.testing.assert_close(y, y_high, **E4M3)
+    torch.testing.assert_close(dprobs, dprobs_high, **E4M3)
+    torch.testing.assert_close(dx, dx_high, **E5M2)
+
+
+def test_scaled_swiglu_bad_inputs_say_what_is_wrong(stand_in):
+    from transformer_engine.pytorch import ops
+
+    op, x = ops.ScaledSwiGLU(), torch.randn(17, 40)
+    want = r"must hold one value per row of the input: 17 values, shape \(17,\) for an input of shape \(17, 40\)"
+    with pytest.raises(ValueError, match=want + r"; got shape \(17, 2\)"):
+        op(x, torch.rand(17, 2))
+    with pytest.raises(ValueError, match=want + r"; got shape \(16,\)"):
+        op(x, torch.rand(16))
+    with pytest.raises(ValueError, match=r"shape \(2, 3\) for an input of shape \(2, 3, 40\); got shape \(3, 2, 2\)"):
+        op(torch.randn(2, 3, 40), torch.rand(3, 2, 2))
+    with pytest.raises(TypeError, match=r"probs \(its extra input\) must be a floating-point tensor.*got a "
+                                        r"torch.int64"):
+        op(x, torch.ones(17, dtype=torch.int64))
+    with pytest.raises(TypeError, match="floating-point tensor.*got list"):
+        op(x, [0.5] * 17)
+    with pytest.raises(ValueError, match="probs are on meta but the input is on cpu"):
+        op(x, torch.rand(17, device="meta"))
+    with pytest.raises(TypeError, match=r"ops.ScaledSwiGLU: takes the input and 1 extra input\(s\) \(probs"):
+        op(x)
+    seq = _experts(ops, bias=False, activation=op)
+    splits = torch.tensor(SPLITS)
+    with pytest.raises(TypeError, match=r"1 for the ScaledSwiGLU at '1', 1 for the GroupedLinear at '2'\).*got 2"):
+        seq(torch.randn(17, HIDDEN), splits, splits)
+    with pytest.raises(ValueError, match="ops.ScaledSwiGLU: the input's last dimension must be a positive multiple "
+                                         "of 2 \\* glu_interleave_size = 64"):
+        ops.ScaledSwiGLU(glu_interleave_size=32)(torch.randn(3, 96), torch.rand(3))
+    with pytest.raises(ValueError, match="ops.ScaledSwiGLU: glu_interleave_size must be a positive int or None"):
+        ops.ScaledSwiGLU(glu_interleave_size=0)
+    with pytest.raises(ValueError, match="activation_recompute_in_mlp=True is not supported"):
+        ops.ScaledSwiGLU(activation_recompute_in_mlp=True)

@@ -1,5 +1,6 @@
 """ops.Sequential: Transformer Engine's container of fusible operations, which hands each
-operation its extra inputs (a GroupedLinear's split sizes) and runs them in order."""
+operation its extra inputs (a GroupedLinear's split sizes, a ScaledSwiGLU's probabilities) and
+runs them in order."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -15,7 +16,8 @@ class Sequential(nn.Sequential):
     """torch.nn.Sequential (its container methods, and a dict of named modules) whose call
     seq(input, *extra_inputs) gives each fusible operation, in order, the next num_extra_inputs
     of the extra inputs: Sequential(GroupedLinear, SwiGLU, GroupedLinear)(x, split_sizes,
-    split_sizes). A plain nn.Module in it takes the running tensor only. te-core fuses nothing:
+    split_sizes), or with a ScaledSwiGLU in the middle (x, split_sizes, probs, split_sizes).
+    A plain nn.Module in it takes the running tensor only. te-core fuses nothing:
     each operation runs as it would alone."""
 
     def __init__(self, *args: nn.Module):

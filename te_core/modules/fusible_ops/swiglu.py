@@ -1,6 +1,8 @@
-"""ops.SwiGLU: Transformer Engine's fusible SwiGLU, silu(a) * b of the input's halves [a, b].
+"""ops.SwiGLU and ops.ScaledSwiGLU: Transformer Engine's fusible SwiGLU, silu(a) * b of the
+input's halves [a, b], and the variant that scales each output row by an extra input (an MoE's
+routing probabilities, applied before the down projection instead of when combining).
 
-It runs te-core's activation ops in the input's precision; under te.autocast the next
+They run te-core's activation ops in the input's precision; under te.autocast the next
 GroupedLinear quantizes the result as its input, as te-core's modules quantize theirs."""
 from __future__ import annotations
 
@@ -12,8 +14,6 @@ from torch import Tensor, nn
 from ... import ops
 from .._common import HP_DTYPES, check_bool
 from ._op import FusibleOperation, check_extra_inputs
-
-_NAME = "ops.SwiGLU"
 
 
 class _SwiGLUFunction(torch.autograd.Function):
@@ -29,6 +29,30 @@ class _SwiGLUFunction(torch.autograd.Function):
         return ops.activation_bwd(dy.contiguous(), x, "swiglu")
 
 
+class _ScaledSwiGLUFunction(torch.autograd.Function):
+    """swiglu(x) * scales, scales (rows..., 1) in x's dtype. Like Transformer Engine's, it saves
+    only x and the scales: backward recomputes swiglu(x) for the scales' gradient, and only when
+    they need one."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, scales: Tensor) -> Tensor:
+        y, _ = ops.activation_fwd(x, "swiglu")
+        ctx.save_for_backward(x, scales)
+        return y * scales
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, scales = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = ops.activation_bwd(dy * scales, x, "swiglu") if ctx.needs_input_grad[0] else None
+        dscales = None
+        if ctx.needs_input_grad[1]:
+            y, _ = ops.activation_fwd(x, "swiglu")
+            # (a row sum over the FFN width: float32, as TE's kernel accumulates it)
+            dscales = (dy.float() * y.float()).sum(-1, keepdim=True).to(scales.dtype)
+        return dx, dscales
+
+
 def _gates_first(x: Tensor, block: int) -> Tensor:
     """x's last dimension, alternating blocks of `block` gate and `block` linear columns, as
     [all gate columns, all linear columns] (through torch ops, so autograd interleaves the
@@ -37,42 +61,99 @@ def _gates_first(x: Tensor, block: int) -> Tensor:
     return x.reshape(-1, shape[-1] // (2 * block), 2, block).transpose(1, 2).reshape(shape)
 
 
-class SwiGLU(FusibleOperation, nn.Module):
+class _GatedOperation(FusibleOperation, nn.Module):
+    """What SwiGLU and ScaledSwiGLU share: the layout of their input's gate and linear columns
+    (glu_interleave_size), its checks, and Transformer Engine's empty extra state."""
+
+    def __init__(self, glu_interleave_size: Optional[int]):
+        super().__init__()
+        size = glu_interleave_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"{self._name}: glu_interleave_size must be a positive int or None, got {size!r}")
+        self.glu_interleave_size = glu_interleave_size
+
+    @property
+    def _name(self) -> str:
+        return f"ops.{type(self).__name__}"
+
+    def _gates_first_input(self, input: Tensor) -> Tensor:  # noqa: A002 (TE's name)
+        """The checked input, contiguous, its gate columns first."""
+        if not isinstance(input, Tensor) or input.dtype not in HP_DTYPES:
+            got = input.dtype if isinstance(input, Tensor) else type(input).__name__
+            raise TypeError(f"{self._name}: input must be a float32, bfloat16 or float16 tensor, got {got}")
+        width, unit = (input.shape[-1] if input.dim() else 0), 2 * (self.glu_interleave_size or 1)
+        if width == 0 or width % unit:
+            what = f"2 * glu_interleave_size = {unit}" if self.glu_interleave_size else "2"
+            raise ValueError(f"{self._name}: the input's last dimension must be a positive multiple of {what} (gate "
+                             f"and linear columns), got shape {tuple(input.shape)}")
+        return _gates_first(input, self.glu_interleave_size) if self.glu_interleave_size else input.contiguous()
+
+    def get_extra_state(self) -> Tensor:
+        """Empty, as Transformer Engine writes it for this operation (it holds no quantization
+        state), so that state dicts have TE's keys."""
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        if state is not None and not (isinstance(state, Tensor) and state.numel() == 0):
+            raise ValueError(f"{self._name}: its _extra_state must be empty (it holds no quantization state), got "
+                             f"{state!r}; drop that entry from the state dict")
+
+
+class SwiGLU(_GatedOperation):
     """SiLU(a) * b where a and b are the first and second halves of the input's last dimension
     (Transformer Engine's order: the gate comes first, unlike torch's GLU). glu_interleave_size:
     the input alternates blocks of that many gate and linear columns instead. Not provided:
     cache_quantized_input=True."""
 
     def __init__(self, *, cache_quantized_input: bool = False, glu_interleave_size: Optional[int] = None):
-        super().__init__()
-        if check_bool(cache_quantized_input, name="cache_quantized_input", module=_NAME):
-            raise NotImplementedError(f"{_NAME}: cache_quantized_input=True (an FP8 copy of the input saved for "
+        if check_bool(cache_quantized_input, name="cache_quantized_input", module="ops.SwiGLU"):
+            raise NotImplementedError("ops.SwiGLU: cache_quantized_input=True (an FP8 copy of the input saved for "
                                       "backward) is not supported by te-core; pass False")
-        size = glu_interleave_size
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise ValueError(f"{_NAME}: glu_interleave_size must be a positive int or None, got {size!r}")
+        super().__init__(glu_interleave_size)
         self.cache_quantized_input = False
-        self.glu_interleave_size = glu_interleave_size
 
     def forward(self, input: Tensor, *extra_inputs) -> Tensor:  # noqa: A002 (TE's name)
-        check_extra_inputs(_NAME, 0, extra_inputs, "none")
-        if not isinstance(input, Tensor) or input.dtype not in HP_DTYPES:
-            got = input.dtype if isinstance(input, Tensor) else type(input).__name__
-            raise TypeError(f"{_NAME}: input must be a float32, bfloat16 or float16 tensor, got {got}")
-        width, unit = (input.shape[-1] if input.dim() else 0), 2 * (self.glu_interleave_size or 1)
-        if width == 0 or width % unit:
-            what = f"2 * glu_interleave_size = {unit}" if self.glu_interleave_size else "2"
-            raise ValueError(f"{_NAME}: the input's last dimension must be a positive multiple of {what} (gate and "
-                             f"linear columns), got shape {tuple(input.shape)}")
-        x = _gates_first(input, self.glu_interleave_size) if self.glu_interleave_size else input.contiguous()
-        return _SwiGLUFunction.apply(x)
+        check_extra_inputs(self._name, 0, extra_inputs, "none")
+        return _SwiGLUFunction.apply(self._gates_first_input(input))
 
-    def get_extra_state(self) -> Tensor:
-        """Empty, as Transformer Engine's SwiGLU writes it (the operation holds no quantization
-        state), so that state dicts have TE's keys."""
-        return torch.empty(0, dtype=torch.uint8)
 
-    def set_extra_state(self, state) -> None:
-        if state is not None and not (isinstance(state, Tensor) and state.numel() == 0):
-            raise ValueError(f"{_NAME}: its _extra_state must be empty (SwiGLU holds no quantization state), got "
-                             f"{state!r}; drop that entry from the state dict")
+class ScaledSwiGLU(_GatedOperation):
+    """SwiGLU (as ops.SwiGLU, glu_interleave_size included) whose output row i is multiplied by
+    probs[i], the extra input: one value per row of the input, shaped as the input without its
+    last dimension (any shape of that many values is taken, as Transformer Engine does).
+    Sequential(GroupedLinear, ScaledSwiGLU, GroupedLinear)(x, split_sizes, probs, split_sizes).
+
+    probs are cast to the input's dtype; both the input and probs (where it requires grad) get
+    gradients, the latter in probs' own shape and dtype. Transformer Engine's CUDA kernel takes
+    only a glu_interleave_size that is a multiple of 32; te-core takes any positive size."""
+
+    num_extra_inputs = 1
+
+    def __init__(self, glu_interleave_size: Optional[int] = None, *, activation_recompute_in_mlp: bool = False):
+        if check_bool(activation_recompute_in_mlp, name="activation_recompute_in_mlp", module="ops.ScaledSwiGLU"):
+            raise ValueError("ops.ScaledSwiGLU: activation_recompute_in_mlp=True is not supported (nor by Transformer "
+                             "Engine's ScaledSwiGLU); pass False")
+        super().__init__(glu_interleave_size)
+        self.activation_recompute_in_mlp = False
+
+    def forward(self, input: Tensor, *extra_inputs) -> Tensor:  # noqa: A002 (TE's name)
+        check_extra_inputs(self._name, 1, extra_inputs, "probs: one scale per row of the input")
+        x = self._gates_first_input(input)
+        return _ScaledSwiGLUFunction.apply(x, self._row_scales(extra_inputs[0], input))
+
+    def _row_scales(self, probs, input: Tensor) -> Tensor:  # noqa: A002 (TE's name)
+        """probs as a (rows..., 1) column in the input's dtype (autograd maps the gradient back)."""
+        rows = input.shape[:-1]
+        want = f"one value per row of the input: {rows.numel()} values, shape {tuple(rows)} for an input of shape " \
+               f"{tuple(input.shape)}"
+        if not isinstance(probs, Tensor) or not probs.is_floating_point():
+            got = f"a {probs.dtype} tensor" if isinstance(probs, Tensor) else type(probs).__name__
+            raise TypeError(f"{self._name}: probs (its extra input) must be a floating-point tensor of {want}; got "
+                            f"{got}")
+        if probs.numel() != rows.numel():
+            raise ValueError(f"{self._name}: probs (its extra input) must hold {want}; got shape "
+                             f"{tuple(probs.shape)}")
+        if probs.device != input.device:
+            raise ValueError(f"{self._name}: probs are on {probs.device} but the input is on {input.device}; move "
+                             "them to the input's device")
+        return probs.reshape(*rows, 1).to(input.dtype)
