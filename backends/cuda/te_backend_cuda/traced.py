@@ -6,7 +6,8 @@ Under torch.compile each opaque op costs a trip through torch.library and this b
 Python on every call, which on a host-bound step makes the compiled step slower than the eager
 one. Traced in plain operations instead, the casts become kernels the compiler writes and
 fuses (the cast, its amax and its transpose read x once), launched by its own launcher, and
-the GEMM is one extern call of torch._scaled_mm.
+the GEMM is one extern call of torch._scaled_mm, or, for the small tensor-wise GEMMs the eager op
+gives te_triton's kernel, that kernel launched by the compiled code.
 
 The math is the Triton kernels': x times the float32 scale, clamped to the format's max (NaN
 stays NaN), cast round-to-nearest-even; amax max|x| with NaN winning; divisions rounded once
@@ -30,6 +31,7 @@ from __future__ import annotations
 import torch
 from te_core._tracing import run_while_tracing
 from te_core.backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, FP8_FORMATS, TENSORWISE
+from te_triton import gemm as triton_gemm
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 # Casts of MAX_NUMEL elements or more stay the Triton kernels (where they switch to descriptors).
@@ -37,7 +39,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 # (a 2^25-element cast), which a GPU-bound layer step feels by a few percent; a host-bound step,
 # a lone Linear of that size, gains far more from not paying an opaque op per cast.
 from .configs import TMA_MIN_NUMEL as MAX_NUMEL
-from . import capabilities, scaled_mm
+from . import capabilities, configs, scaled_mm
 from .scaled_mm import fp8_gemm_layout_reason
 
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -273,6 +275,8 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, b
         return NotImplemented  # (the opaque op's dispatch sends it to the reference)
     if scaling != TENSORWISE:
         return _block_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, scaling, bias)
+    if _WRAP_TRITON is not None and a.device.type == "cuda" and scaled_mm._small(a, b, scaling, out, bias):
+        return _small_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accumulation)
     kwargs = dict(out_dtype=out_dtype, use_fast_accum=bool(fast_accumulation))
     epilogue = scaled_mm._epilogue_bias(bias, out_dtype, scaling)
     if epilogue:
@@ -283,6 +287,35 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, b
     if bias is not None and not epilogue:
         y = _add_bias(y, bias, out_dtype)
     return y
+
+
+# The GEMMs the eager op gives te_triton's kernel (scaled_mm._small) launch it from the compiled
+# code too, as a user-defined Triton kernel of the graph: an extern torch._scaled_mm call costs
+# the host cuBLASLt's setup, several times such a kernel's GPU time, and the kernel gives the
+# eager op's bytes. (torch.library.wrap_triton: torch 2.6 and later; before, torch._scaled_mm.)
+_WRAP_TRITON = getattr(torch.library, "wrap_triton", None)
+
+
+@run_while_tracing
+def _small_gemm_config(index: int) -> tuple:
+    """(block_m, block_n, block_k, num_warps, num_stages) of GPU `index`'s small GEMM, read at
+    trace time (the tuning table reads the device's properties)."""
+    cfg = configs.for_device(index).small_gemm
+    return cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages
+
+
+def _small_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accumulation):
+    """te_triton's small tensor-wise GEMM, as the eager op launches it (same kernel, same tiles)."""
+    block_m, block_n, block_k, num_warps, num_stages = _small_gemm_config(a.device.index)
+    (m, k), n = a.shape, b.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    sa = _as(a_scale_inv.reshape(()), torch.float32)
+    sb = _as(b_scale_inv.reshape(()), torch.float32)
+    _WRAP_TRITON(triton_gemm._gemm_kernel.kernel)[((m + block_m - 1) // block_m, (n + block_n - 1) // block_n)](
+        a, b, out, sa, sb, sa if bias is None else bias,  # (no bias: a pointer the kernel never reads)
+        m, n, k, bias is not None, bool(fast_accumulation), block_m, block_n, block_k,
+        num_warps=num_warps, num_stages=num_stages)
+    return out
 
 
 def gemm(a, b, *, bias=None, out=None, accumulate=False, out_dtype=None):

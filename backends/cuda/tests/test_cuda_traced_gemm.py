@@ -57,3 +57,32 @@ def test_gemm_twin_equals_eager_op_on_gpu(dtype):
         assert torch.equal(traced.gemm(a, b, **kwargs), scaled_mm.gemm(a, b, **kwargs))
     compiled = torch.compile(lambda a, b, bias: traced.gemm(a, b, bias=bias), fullgraph=True)
     torch.testing.assert_close(compiled(a, b, bias), scaled_mm.gemm(a, b, bias=bias), **TOL[dtype])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("k", [256, 2048], ids=["small", "past-the-limit"])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("fast", [False, True])
+def test_fp8_gemm_twin_runs_the_eager_ops_kernel(k, with_bias, fast):
+    """A tensor-wise GEMM the eager op gives te_triton's kernel (scaled_mm._small) launches that
+    kernel from the compiled code too, with no torch._scaled_mm; one past the limit (K above
+    configs.SMALL_GEMM_MAX_K) calls torch._scaled_mm, as eagerly. Either way the compiled result
+    is the eager op's, bit for bit."""
+    from te_core.backend.types import TENSORWISE
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    a = (torch.randn(128, k, device="cuda") * 4).to(torch.float8_e4m3fn)
+    b = (torch.randn(192, k, device="cuda") * 4).to(torch.float8_e4m3fn)
+    sa, sb = torch.rand(1, device="cuda") + 0.5, torch.rand(1, device="cuda") + 0.5
+    bias = torch.randn(192, device="cuda", dtype=torch.bfloat16) if with_bias else None
+    small = scaled_mm._small(a, b, TENSORWISE, None, bias)
+    assert small == (k == 256)
+    want = scaled_mm.gemm_fp8(a, b, sa, sb, out_dtype=torch.bfloat16, bias=bias, fast_accumulation=fast)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b, sa, sb, bias: traced.gemm_fp8(
+        a, b, sa, sb, out_dtype=torch.bfloat16, bias=bias, fast_accumulation=fast), fullgraph=True)
+    got, codes = run_and_get_code(compiled, a, b, sa, sb, bias)
+    assert torch.equal(got, want)
+    code = "\n".join(codes)
+    assert ("_scaled_mm" in code) != small and ("_gemm_kernel" in code) == small
