@@ -4,8 +4,9 @@ After `te_core.install_as_transformer_engine()`, code written for Transformer En
 te-core: `import transformer_engine.pytorch as te`, `transformer_engine.common.recipe`, and the
 submodules integrations reach into (`transformer_engine.pytorch.fp8` / `.quantization` with
 check_fp8_support, check_mxfp8_support, FP8GlobalStateManager; `.distributed.checkpoint`;
-`.module.base.TransformerEngineBaseModule`), and the subset of TE's fusible-operation API
-(`.ops`: GroupedLinear, Sequential, SwiGLU, ScaledSwiGLU) and of `.attention.inference` its Mixtral
+`.module.base.TransformerEngineBaseModule`), the subset of TE's fusible-operation API its Mixtral
+tutorials and Megatron-LM's op-fuser MLP use (`.ops`: Sequential, GroupedLinear, BasicLinear, Bias,
+LayerNorm, RMSNorm, the activations, FusibleOperation), and the part of `.attention.inference` the
 tutorials import.
 Nothing is installed on disk: the modules live in sys.modules of this process only. A real
 Transformer Engine found on the path is never shadowed unless asked for (replace=True).
@@ -68,8 +69,10 @@ _NEAREST = {
     "tensor.storage": _TENSORS_HINT, "prepare_for_saving": _TENSORS_HINT, "restore_from_saved": _TENSORS_HINT,
     # (a key ending in ".*": every name under that module)
     "ops.*": "te-core provides the part of Transformer Engine's fusible-operation API that its Mixtral tutorials "
-             "use: transformer_engine.pytorch.ops.GroupedLinear, Sequential, SwiGLU and ScaledSwiGLU; its modules "
-             "(transformer_engine.pytorch.Linear, LayerNormMLP, ...) are the other layers it provides",
+             "and Megatron-LM's op-fuser MLP (without tensor parallelism) use: transformer_engine.pytorch.ops."
+             "Sequential, GroupedLinear, BasicLinear, Bias, LayerNorm, RMSNorm, GELU, ReLU, SiLU, GEGLU, ReGLU, "
+             "SwiGLU, ScaledSwiGLU and FusibleOperation; its modules (transformer_engine.pytorch.Linear, "
+             "LayerNormMLP, ...) are the other layers it provides",
     "attention.inference.*": "te-core's InferenceParams holds, and with is_paged=True pages, the KV caches itself, "
                              "without cache manager objects",
     "initialize_ub": "userbuffers (communication overlap) are not supported by te-core",
@@ -337,8 +340,8 @@ def _pytorch_module() -> types.ModuleType:
     module.fp8 = _fp8_module(f"{ROOT}.pytorch.fp8")
     module.quantization = _fp8_module(f"{ROOT}.pytorch.quantization")
     _optimizers_module(module)
-    _submodule(module, "ops", "the fusible operations of Transformer Engine's Mixtral tutorials "
-               "(te_core.modules.fusible_ops)", _names(fusible_ops, fusible_ops.__all__))
+    _submodule(module, "ops", "the fusible operations of Transformer Engine's Mixtral tutorials and Megatron-LM's "
+               "op-fuser MLP (te_core.modules.fusible_ops)", _names(fusible_ops, fusible_ops.__all__))
     _submodule(module, "distributed", "activation recompute, the RNG states tracker, collective helpers", dict(
         checkpoint=te_core.checkpoint, CudaRNGStatesTracker=te_core.CudaRNGStatesTracker,
         prepare_te_modules_for_fsdp=te_core.distributed.prepare_te_modules_for_fsdp,

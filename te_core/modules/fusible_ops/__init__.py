@@ -1,14 +1,23 @@
 """Transformer Engine's fusible-operation API (`transformer_engine.pytorch.ops`), the subset its
 Mixtral tutorials build their experts from: `Sequential(GroupedLinear, SwiGLU, GroupedLinear)`, and
-`Sequential(GroupedLinear, ScaledSwiGLU, GroupedLinear)` with the routing probabilities (MXFP8 tutorial).
+`Sequential(GroupedLinear, ScaledSwiGLU, GroupedLinear)` with the routing probabilities (MXFP8 tutorial);
+and the subset Megatron-LM's `--use-transformer-engine-op-fuser` builds its MLP from:
+`Sequential(RMSNorm or LayerNorm, BasicLinear, Bias, an activation, BasicLinear, Bias)`, whose
+operations are built on the meta device and then given the model's parameters.
 
 te-core fuses nothing across the operations: each runs as te-core's own module or op would
-(GroupedLinear is te.GroupedLinear, so under te.autocast its GEMMs run in FP8 exactly as there).
-Sequential only hands each operation its extra inputs (a GroupedLinear's split sizes, a
-ScaledSwiGLU's probabilities)."""
+(GroupedLinear is te.GroupedLinear and BasicLinear te.Linear(bias=False), so under te.autocast
+their GEMMs run in FP8 exactly as there; the norms are te.LayerNorm and te.RMSNorm). Sequential only
+hands each operation its extra inputs (a GroupedLinear's split sizes, a ScaledSwiGLU's probabilities)."""
 
+from ._op import FusibleOperation
+from .activation import GEGLU, GELU, ReGLU, ReLU, SiLU
+from .basic_linear import BasicLinear
+from .bias import Bias
 from .grouped_linear import GroupedLinear
+from .norm import LayerNorm, RMSNorm
 from .sequential import Sequential
 from .swiglu import ScaledSwiGLU, SwiGLU
 
-__all__ = ["GroupedLinear", "ScaledSwiGLU", "Sequential", "SwiGLU"]
+__all__ = ["BasicLinear", "Bias", "FusibleOperation", "GEGLU", "GELU", "GroupedLinear", "LayerNorm", "RMSNorm",
+           "ReGLU", "ReLU", "ScaledSwiGLU", "Sequential", "SiLU", "SwiGLU"]

@@ -1,5 +1,19 @@
-"""What Sequential asks of a fusible operation: how many extra tensor inputs it takes."""
+"""What the fusible operations share: how many extra inputs Sequential hands each one, their
+checks of dtype and extra inputs, Transformer Engine's initial weights and empty extra state, and
+the initialization of parameters left on the meta device."""
 from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .._common import HP_DTYPES
+
+# TE's operations initialize a weight as torch.nn.Linear does (its modules: normal(0, 0.023))
+TORCH_LINEAR_INIT = functools.partial(torch.nn.init.kaiming_uniform_, a=math.sqrt(5))
 
 
 class FusibleOperation:
@@ -8,6 +22,38 @@ class FusibleOperation:
     a plain nn.Module in a Sequential takes the input only."""
 
     num_extra_inputs: int = 0
+
+    @property
+    def _name(self) -> str:
+        return f"ops.{type(self).__name__}"
+
+    def _materialize_meta_parameters(self) -> None:
+        """As Transformer Engine's operations do at their first forward: parameters still on the
+        meta device (an operation built there and given none of a model's parameters) are
+        initialized on te-core's device, by the operation's reset_parameters()."""
+        if any(p is not None and p.is_meta for p in self._parameters.values()):
+            self.reset_parameters()
+
+
+class EmptyExtraState:
+    """Transformer Engine's `_extra_state` of an operation that holds no quantization state: empty,
+    so that state dicts have TE's keys (a mixin of an nn.Module before it in the bases)."""
+
+    def get_extra_state(self) -> Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        if state is not None and not (isinstance(state, Tensor) and state.numel() == 0):
+            raise ValueError(f"ops.{type(self).__name__}: its _extra_state must be empty (it holds no quantization "
+                             f"state), got {state!r}; drop that entry from the state dict")
+
+
+def check_dtype(dtype: Optional[torch.dtype], op: str) -> Optional[torch.dtype]:
+    """An operation's parameter dtype: None (torch's default dtype) or a high-precision one."""
+    if dtype is not None and dtype not in HP_DTYPES:
+        raise TypeError(f"{op}: dtype must be torch.float32, torch.bfloat16 or torch.float16 (or None: torch's "
+                        f"default dtype), got {dtype}")
+    return dtype
 
 
 def check_extra_inputs(op: str, expected: int, extra_inputs: tuple, what: str) -> None:

@@ -6,21 +6,17 @@ is te-core's GroupedLinear under the operation's arguments, parameter order and 
 quantization (te.autocast, its extra state) is the module's."""
 from __future__ import annotations
 
-import functools
-import math
 import numbers
 from typing import List, Optional
 
 import torch
 from torch import Tensor
 
-from .._common import HP_DTYPES, check_input
+from .._common import check_input
 from ..grouped_linear import GroupedLinear as GroupedLinearModule
-from ._op import FusibleOperation, check_extra_inputs
+from ._op import TORCH_LINEAR_INIT, FusibleOperation, check_dtype, check_extra_inputs
 
 _NAME = "ops.GroupedLinear"
-# TE's operation initializes each weight as torch.nn.Linear does (its module: normal(0, 0.023))
-_KAIMING_UNIFORM = functools.partial(torch.nn.init.kaiming_uniform_, a=math.sqrt(5))
 # TE's op_kwargs (caller-provided buffers), by te-core's forward argument of the same meaning
 _BUFFER_KWARGS = {"output": "out", "grad_input": "dgrad_out"}
 
@@ -65,10 +61,8 @@ class GroupedLinear(FusibleOperation, GroupedLinearModule):
         if scale_bias and bias:
             raise NotImplementedError(f"{_NAME}: scale_bias=True (a bias scaled by an extra probability input) is not "
                                       "supported by te-core; pass scale_bias=False and scale the bias outside")
-        if dtype is not None and dtype not in HP_DTYPES:
-            raise TypeError(f"{_NAME}: dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
         super().__init__(num_gemms=num_groups, in_features=in_features, out_features=out_features, bias=bias,
-                         init_method=_KAIMING_UNIFORM, params_dtype=dtype, device=device,
+                         init_method=TORCH_LINEAR_INIT, params_dtype=check_dtype(dtype, _NAME), device=device,
                          fuse_wgrad_accumulation=accumulate_into_main_grad, delay_wgrad_compute=delay_wgrad_compute,
                          get_rng_state_tracker=rng_state_tracker_function,
                          single_grouped_weight=single_grouped_weight, single_grouped_bias=single_grouped_bias)

@@ -12,21 +12,9 @@ import torch
 from torch import Tensor, nn
 
 from ... import ops
-from .._common import HP_DTYPES, check_bool
-from ._op import FusibleOperation, check_extra_inputs
-
-
-class _SwiGLUFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        y, _ = ops.activation_fwd(x, "swiglu")
-        ctx.save_for_backward(x)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy: Tensor) -> Tensor:
-        (x,) = ctx.saved_tensors
-        return ops.activation_bwd(dy.contiguous(), x, "swiglu")
+from .._common import check_bool
+from ._op import EmptyExtraState, FusibleOperation, check_extra_inputs
+from .activation import ActivationFunction, check_activation_input, check_gate_columns, refuse_cache_quantized_input
 
 
 class _ScaledSwiGLUFunction(torch.autograd.Function):
@@ -61,7 +49,7 @@ def _gates_first(x: Tensor, block: int) -> Tensor:
     return x.reshape(-1, shape[-1] // (2 * block), 2, block).transpose(1, 2).reshape(shape)
 
 
-class _GatedOperation(FusibleOperation, nn.Module):
+class _GatedOperation(EmptyExtraState, FusibleOperation, nn.Module):
     """What SwiGLU and ScaledSwiGLU share: the layout of their input's gate and linear columns
     (glu_interleave_size), its checks, and Transformer Engine's empty extra state."""
 
@@ -72,31 +60,11 @@ class _GatedOperation(FusibleOperation, nn.Module):
             raise ValueError(f"{self._name}: glu_interleave_size must be a positive int or None, got {size!r}")
         self.glu_interleave_size = glu_interleave_size
 
-    @property
-    def _name(self) -> str:
-        return f"ops.{type(self).__name__}"
-
     def _gates_first_input(self, input: Tensor) -> Tensor:  # noqa: A002 (TE's name)
         """The checked input, contiguous, its gate columns first."""
-        if not isinstance(input, Tensor) or input.dtype not in HP_DTYPES:
-            got = input.dtype if isinstance(input, Tensor) else type(input).__name__
-            raise TypeError(f"{self._name}: input must be a float32, bfloat16 or float16 tensor, got {got}")
-        width, unit = (input.shape[-1] if input.dim() else 0), 2 * (self.glu_interleave_size or 1)
-        if width == 0 or width % unit:
-            what = f"2 * glu_interleave_size = {unit}" if self.glu_interleave_size else "2"
-            raise ValueError(f"{self._name}: the input's last dimension must be a positive multiple of {what} (gate "
-                             f"and linear columns), got shape {tuple(input.shape)}")
+        check_activation_input(input, self._name)
+        check_gate_columns(input, self._name, self.glu_interleave_size)
         return _gates_first(input, self.glu_interleave_size) if self.glu_interleave_size else input.contiguous()
-
-    def get_extra_state(self) -> Tensor:
-        """Empty, as Transformer Engine writes it for this operation (it holds no quantization
-        state), so that state dicts have TE's keys."""
-        return torch.empty(0, dtype=torch.uint8)
-
-    def set_extra_state(self, state) -> None:
-        if state is not None and not (isinstance(state, Tensor) and state.numel() == 0):
-            raise ValueError(f"{self._name}: its _extra_state must be empty (it holds no quantization state), got "
-                             f"{state!r}; drop that entry from the state dict")
 
 
 class SwiGLU(_GatedOperation):
@@ -106,15 +74,13 @@ class SwiGLU(_GatedOperation):
     cache_quantized_input=True."""
 
     def __init__(self, *, cache_quantized_input: bool = False, glu_interleave_size: Optional[int] = None):
-        if check_bool(cache_quantized_input, name="cache_quantized_input", module="ops.SwiGLU"):
-            raise NotImplementedError("ops.SwiGLU: cache_quantized_input=True (an FP8 copy of the input saved for "
-                                      "backward) is not supported by te-core; pass False")
+        refuse_cache_quantized_input(cache_quantized_input, "ops.SwiGLU")
         super().__init__(glu_interleave_size)
         self.cache_quantized_input = False
 
     def forward(self, input: Tensor, *extra_inputs) -> Tensor:  # noqa: A002 (TE's name)
         check_extra_inputs(self._name, 0, extra_inputs, "none")
-        return _SwiGLUFunction.apply(self._gates_first_input(input))
+        return ActivationFunction.apply(self._gates_first_input(input), "swiglu")
 
 
 class ScaledSwiGLU(_GatedOperation):
