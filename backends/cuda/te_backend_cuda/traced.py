@@ -275,7 +275,7 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, b
         return NotImplemented  # (the opaque op's dispatch sends it to the reference)
     if scaling != TENSORWISE:
         return _block_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, scaling, bias)
-    if _WRAP_TRITON is not None and a.device.type == "cuda" and scaled_mm._small(a, b, scaling, out, bias):
+    if _on_small_kernel(a, b, scaling, out, bias):
         return _small_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accumulation)
     kwargs = dict(out_dtype=out_dtype, use_fast_accum=bool(fast_accumulation))
     epilogue = scaled_mm._epilogue_bias(bias, out_dtype, scaling)
@@ -294,6 +294,15 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, *, out_dtype, scaling=TENSORWISE, b
 # the host cuBLASLt's setup, several times such a kernel's GPU time, and the kernel gives the
 # eager op's bytes. (torch.library.wrap_triton: torch 2.6 and later; before, torch._scaled_mm.)
 _WRAP_TRITON = getattr(torch.library, "wrap_triton", None)
+
+
+def _on_small_kernel(a, b, scaling, out, bias) -> bool:
+    """Whether the compiled code launches te_triton's kernel for this GEMM: the eager op runs it
+    there (scaled_mm._small), on a CUDA device, every size a plain int (under
+    torch.compile(dynamic=True) a symbolic size keeps torch._scaled_mm: the kernel's grid and the
+    size limits would be symbolic too)."""
+    return (_WRAP_TRITON is not None and a.device.type == "cuda" and all(type(d) is int for d in (*a.shape, *b.shape))
+            and scaled_mm._small(a, b, scaling, out, bias))
 
 
 @run_while_tracing
