@@ -5,9 +5,10 @@ te-core: `import transformer_engine.pytorch as te`, `transformer_engine.common.r
 submodules integrations reach into (`transformer_engine.pytorch.fp8` / `.quantization` with
 check_fp8_support, check_mxfp8_support, FP8GlobalStateManager; `.distributed.checkpoint`;
 `.module.base.TransformerEngineBaseModule`), the subset of TE's fusible-operation API its Mixtral
-tutorials and Megatron-LM's op-fuser MLP use (`.ops`: Sequential, GroupedLinear, BasicLinear, Bias,
-LayerNorm, RMSNorm, the activations, FusibleOperation), and the part of `.attention.inference` the
-tutorials import.
+tutorials and Megatron-LM's op-fuser MLP and fused residual RMSNorm use (`.ops`: Sequential,
+GroupedLinear, BasicLinear, Bias, LayerNorm, RMSNorm, the activations, AllReduce, ReduceScatter,
+AllGather, MakeExtraOutput, FusibleOperation), and the part of `.attention.inference` the tutorials
+import.
 Nothing is installed on disk: the modules live in sys.modules of this process only. A real
 Transformer Engine found on the path is never shadowed unless asked for (replace=True).
 
@@ -69,10 +70,10 @@ _NEAREST = {
     "tensor.storage": _TENSORS_HINT, "prepare_for_saving": _TENSORS_HINT, "restore_from_saved": _TENSORS_HINT,
     # (a key ending in ".*": every name under that module)
     "ops.*": "te-core provides the part of Transformer Engine's fusible-operation API that its Mixtral tutorials "
-             "and Megatron-LM's op-fuser MLP (without tensor parallelism) use: transformer_engine.pytorch.ops."
+             "and Megatron-LM's op-fuser MLP and fused residual RMSNorm use: transformer_engine.pytorch.ops."
              "Sequential, GroupedLinear, BasicLinear, Bias, LayerNorm, RMSNorm, GELU, ReLU, SiLU, GEGLU, ReGLU, "
-             "SwiGLU, ScaledSwiGLU and FusibleOperation; its modules (transformer_engine.pytorch.Linear, "
-             "LayerNormMLP, ...) are the other layers it provides",
+             "SwiGLU, ScaledSwiGLU, AllReduce, ReduceScatter, AllGather, MakeExtraOutput and FusibleOperation; its "
+             "modules (transformer_engine.pytorch.Linear, LayerNormMLP, ...) are the other layers it provides",
     "attention.inference.*": "te-core's InferenceParams holds, and with is_paged=True pages, the KV caches itself, "
                              "without cache manager objects",
     "initialize_ub": "userbuffers (communication overlap) are not supported by te-core",
@@ -341,7 +342,8 @@ def _pytorch_module() -> types.ModuleType:
     module.quantization = _fp8_module(f"{ROOT}.pytorch.quantization")
     _optimizers_module(module)
     _submodule(module, "ops", "the fusible operations of Transformer Engine's Mixtral tutorials and Megatron-LM's "
-               "op-fuser MLP (te_core.modules.fusible_ops)", _names(fusible_ops, fusible_ops.__all__))
+               "op-fuser MLP and fused residual RMSNorm (te_core.modules.fusible_ops)",
+               _names(fusible_ops, fusible_ops.__all__))
     _submodule(module, "distributed", "activation recompute, the RNG states tracker, collective helpers", dict(
         checkpoint=te_core.checkpoint, CudaRNGStatesTracker=te_core.CudaRNGStatesTracker,
         prepare_te_modules_for_fsdp=te_core.distributed.prepare_te_modules_for_fsdp,

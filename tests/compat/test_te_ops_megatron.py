@@ -3,7 +3,9 @@
 LayerNorm, BasicLinear, Bias, the activations, FusibleOperation), through the stand-in: operations
 built on the meta device and then given a model's existing Parameters, as Megatron-LM's adapters
 do; forward and every gradient against a float64 computation, landing on the original Parameters;
-under te.autocast BasicLinear against te-core's Linear; main_grad; the errors of bad inputs."""
+under te.autocast BasicLinear against te-core's Linear; main_grad; its fused residual RMSNorm
+(MakeExtraOutput: Sequential's extra outputs); the errors of bad inputs. The collectives
+(AllReduce, ReduceScatter) are tested on ranks: tests/distributed/test_te_ops_tp.py."""
 from __future__ import annotations
 
 import math
@@ -198,10 +200,85 @@ def test_operations_left_on_meta_initialize_at_first_forward(stand_in):
     torch.testing.assert_close(y.double(), want, **FP32)
 
 
+def _fused_residual_rmsnorm(ops, norm):
+    """Megatron-LM's TEFusedResidualRMSNorm._make_fused_impl: MakeExtraOutput, then an RMSNorm
+    operation built on meta and given the te.RMSNorm module's weight."""
+    kwargs = dict(eps=norm.eps, device="meta", dtype=norm.weight.dtype, zero_centered_gamma=norm.zero_centered_gamma)
+    if hasattr(norm, "_sm_margins"):
+        kwargs["sm_margin"] = norm._sm_margins
+    op = ops.RMSNorm(norm.weight.shape, **kwargs)
+    op.weight = norm.weight
+    seq = ops.Sequential()
+    seq.append(ops.MakeExtraOutput())
+    seq.append(op)
+    return seq
+
+
+@pytest.mark.parametrize("use_residual", [True, False], ids=["residual-used", "residual-unused"])
+@pytest.mark.parametrize("zero_centered_gamma", [False, True], ids=["gamma", "zero_centered_gamma"])
+def test_fused_residual_rmsnorm_returns_normalized_and_residual(stand_in, zero_centered_gamma, use_residual):
+    """Sequential(MakeExtraOutput(), RMSNorm) returns (normalized, residual): float64's RMSNorm and
+    the input itself; the gradients of both outputs sum into the input's (the norm's alone where the
+    residual is not used), and the module's weight gets float64's gradient."""
+    from transformer_engine.pytorch import ops
+
+    torch.manual_seed(5)
+    norm = te_core.RMSNorm(HIDDEN, eps=1e-6, zero_centered_gamma=zero_centered_gamma)
+    with torch.no_grad():
+        norm.weight.normal_(std=0.3)
+    seq = _fused_residual_rmsnorm(ops, norm)
+    x = torch.randn(3, 7, HIDDEN, requires_grad=True)
+    out = seq(x)
+    assert isinstance(out, tuple) and len(out) == 2
+    y, residual = out
+    assert torch.equal(residual, x) and residual.requires_grad
+    x64, g64 = x.detach().double().requires_grad_(), norm.weight.detach().double().requires_grad_()
+    gamma = g64 + 1 if zero_centered_gamma else g64
+    want = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * gamma
+    torch.testing.assert_close(y.double(), want, **FP32)
+    dy, dres = torch.randn_like(y), torch.randn_like(x)
+    if use_residual:
+        torch.autograd.backward([y, residual], [dy, dres])
+        torch.autograd.backward([want, x64], [dy.double(), dres.double()])
+    else:
+        y.backward(dy)
+        want.backward(dy.double())
+    torch.testing.assert_close(x.grad.double(), x64.grad, **FP32)
+    torch.testing.assert_close(norm.weight.grad.double(), g64.grad, **FP32)
+
+
+def test_sequential_returns_extra_outputs_in_order(stand_in):
+    """Sequential returns its output alone without extra-output operations, else (output, extra
+    outputs in the order of the operations), across plain modules too; MakeExtraOutput alone
+    returns (input, input); every extra output's gradient reaches the input (float64's)."""
+    from transformer_engine.pytorch import ops
+
+    torch.manual_seed(6)
+    plain = ops.Sequential(ops.RMSNorm(HIDDEN), ops.BasicLinear(HIDDEN, FFN))
+    x = torch.randn(5, HIDDEN, requires_grad=True)
+    assert isinstance(plain(x), torch.Tensor)
+    linear = ops.BasicLinear(HIDDEN, FFN)
+    seq = ops.Sequential(ops.MakeExtraOutput(), linear, torch.nn.Tanh(), ops.MakeExtraOutput(in_place=True),
+                         ops.GELU())
+    y, first, second = seq(x)
+    x64, w64 = x.detach().double().requires_grad_(), linear.weight.detach().double().requires_grad_()
+    h64 = torch.tanh(x64 @ w64.T)
+    torch.testing.assert_close(first, x, rtol=0, atol=0)
+    torch.testing.assert_close(second.double(), h64, **FP32)
+    torch.testing.assert_close(y.double(), _gelu_tanh(h64), **FP32)
+    grads = [torch.randn_like(t) for t in (y, first, second)]
+    torch.autograd.backward([y, first, second], grads)
+    torch.autograd.backward([_gelu_tanh(h64), x64, h64], [g.double() for g in grads])
+    torch.testing.assert_close(x.grad.double(), x64.grad, **FP32)
+    torch.testing.assert_close(linear.weight.grad.double(), w64.grad, **FP32)
+    alone = ops.MakeExtraOutput()(x)
+    assert isinstance(alone, tuple) and len(alone) == 2 and all(torch.equal(t, x) for t in alone)
+
+
 def test_names_imports_and_state_dict(stand_in):
     """TE's parameter names, isinstance(op, ops.FusibleOperation) for every operation, an
     _extra_state entry for the linear, bias and activation operations; the rest of TE's
-    fusible-operation API (its communication operations) keeps explaining itself."""
+    fusible-operation API keeps explaining itself."""
     from transformer_engine.pytorch import ops
 
     seq = ops.Sequential(ops.LayerNorm(8), ops.BasicLinear(8, 16), ops.Bias(16), ops.GEGLU(), ops.RMSNorm(8))
@@ -217,8 +294,8 @@ def test_names_imports_and_state_dict(stand_in):
     copy.load_state_dict(seq.state_dict())
     x = torch.randn(3, 8)
     assert torch.equal(copy(x), seq(x))
-    with pytest.raises(ImportError, match="Megatron-LM's op-fuser MLP \\(without tensor parallelism\\)"):
-        from transformer_engine.pytorch.ops import ReduceScatter  # noqa: F401
+    with pytest.raises(ImportError, match="Megatron-LM's op-fuser MLP and fused residual RMSNorm use"):
+        from transformer_engine.pytorch.ops import AddExtraInput  # noqa: F401
 
 
 def test_bad_inputs_say_what_is_wrong(stand_in):
@@ -263,3 +340,16 @@ def test_bad_inputs_say_what_is_wrong(stand_in):
     with pytest.raises(TypeError, match="ops.ReLU: input must be a float32, bfloat16 or float16 tensor, got "
                                         "torch.int64"):
         ops.ReLU()(torch.ones(3, dtype=torch.int64))
+    with pytest.raises(TypeError, match="ops.MakeExtraOutput: in_place must be"):
+        ops.MakeExtraOutput(in_place="yes")
+
+    class OneExtraOutput(ops.FusibleOperation, torch.nn.Module):
+        num_extra_outputs = 1
+
+        def forward(self, x):
+            return x
+
+    with pytest.raises(TypeError, match=r"ops.Sequential: the OneExtraOutput at '1' declares num_extra_outputs=1, so "
+                                        r"it must return a tuple \(output, \*1 extra output\(s\)\); it returned "
+                                        r"Tensor"):
+        ops.Sequential(ops.MakeExtraOutput(), OneExtraOutput())(torch.randn(2, 3))

@@ -254,7 +254,7 @@ def test_the_tutorials_imports_resolve(stand_in):
                                                   r"total_num_pages=8, page_size=16\)"):
         PagedKVCacheManager(8, 16, 4, 32, torch.bfloat16, 2, 64)
     with pytest.raises(ImportError, match="Megatron-LM's op-fuser MLP .*GroupedLinear, BasicLinear, Bias"):
-        from transformer_engine.pytorch.ops import AllReduce  # noqa: F401
+        from transformer_engine.pytorch.ops import AddExtraInput  # noqa: F401
     with pytest.raises(ImportError, match="holds, and with is_paged=True pages, the KV caches itself"):
         from transformer_engine.pytorch.attention.inference import NonPagedKVCacheManager  # noqa: F401
 

@@ -1,13 +1,15 @@
 """Transformer Engine's fusible ops.BasicLinear and ops.Bias with tensor parallelism on gloo ranks:
 each rank's operation, built on meta and given its shard of a whole layer's weight (as Megatron-LM
-gives it), computes its share of the whole layer's output and gradients (float32)."""
+gives it), computes its share of the whole layer's output and gradients (float32); and its
+collectives ops.AllReduce and ReduceScatter (after Megatron-LM's FC2), and AllGather."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from te_core.modules import Linear
-from te_core.modules.fusible_ops import BasicLinear, Bias
+from te_core.modules.fusible_ops import AllGather, AllReduce, BasicLinear, Bias, ReduceScatter, Sequential
 
 from ._parity import FP32, randomize
 
@@ -63,3 +65,98 @@ def test_default_group_is_the_world_and_bias_is_split(pool):
     results = pool.run(_default_group_and_bias)
     assert results[:2] == [(4, (OUT // 4, IN), OUT // 2, (OUT // 2,))] * 2
     assert results[2:] == [(4, (OUT // 4, IN), OUT // 4, (OUT // 4,))] * 2
+
+
+def _fc2_with_collective(ctx, sequence_parallel: bool):
+    """Megatron-LM's FC2 above one tensor-parallel rank: Sequential(BasicLinear over this rank's input
+    features, AllReduce), or ReduceScatter under sequence parallelism, against the unsharded layer in
+    float64: the output (this rank's rows under sequence parallelism), the input and weight gradients."""
+    if ctx.rank >= 2:
+        return None
+    rank, group = ctx.rank, ctx.group(2)
+    gen = torch.Generator().manual_seed(9)
+    weight = torch.randn(OUT, IN, generator=gen) * IN ** -0.5
+    x, dy = torch.randn(TOKENS, IN, generator=gen), torch.randn(TOKENS, OUT, generator=gen)
+    x64, w64 = x.double().requires_grad_(), weight.double().requires_grad_()
+    want = x64 @ w64.T
+    want.backward(dy.double())
+    linear = BasicLinear(IN // 2, OUT, device="meta")  # (Megatron-LM builds FC2's without tensor_parallel_mode)
+    linear.weight = torch.nn.Parameter(weight.chunk(2, 1)[rank].clone())
+    seq = Sequential(linear, ReduceScatter(group) if sequence_parallel else AllReduce(group))
+    x_op = x.chunk(2, 1)[rank].clone().requires_grad_()
+    y = seq(x_op)
+    rows = (lambda t: t.chunk(2, 0)[rank]) if sequence_parallel else (lambda t: t)
+    torch.testing.assert_close(y.double(), rows(want.detach()), **FP32)
+    y.backward(rows(dy))
+    torch.testing.assert_close(x_op.grad.double(), x64.grad.chunk(2, 1)[rank], **FP32)
+    torch.testing.assert_close(linear.weight.grad.double(), w64.grad.chunk(2, 1)[rank], **FP32)
+    return seq[1].process_group_size
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["all-reduce", "sp-reduce-scatter"])
+def test_fc2_with_all_reduce_or_reduce_scatter_matches_the_whole_layer(pool, sequence_parallel):
+    assert pool.run(_fc2_with_collective, sequence_parallel)[:2] == [2, 2]
+
+
+def _all_gather(ctx):
+    """AllGather: the ranks' blocks concatenated in rank order (exactly); the gradient is the sum of
+    the ranks' output gradients, of which each rank keeps its block (float64's)."""
+    if ctx.rank >= 2:
+        return None
+    rank, group = ctx.rank, ctx.group(2)
+    whole = torch.randn(TOKENS, 3, IN, generator=torch.Generator().manual_seed(10))
+    dys = [torch.randn(TOKENS, 3, IN, generator=torch.Generator().manual_seed(11 + r)) for r in range(2)]
+    x = whole.chunk(2, 0)[rank].clone().requires_grad_()
+    y = AllGather(group)(x)
+    assert torch.equal(y, whole)
+    y.backward(dys[rank])
+    torch.testing.assert_close(x.grad.double(), (dys[0].double() + dys[1].double()).chunk(2, 0)[rank], **FP32)
+    return True
+
+
+def test_all_gather_forward_and_backward(pool):
+    assert pool.run(_all_gather)[:2] == [True, True]
+
+
+def _groups_of_one_and_the_world(ctx):
+    """Over a group of one rank each collective is the identity (gradient included); without a
+    group they run over the world's ranks (AllReduce: the sum of all four ranks' inputs)."""
+    alone = [dist.new_group([r]) for r in range(ctx.world)][ctx.rank]  # (every rank creates every group)
+    inputs = [torch.randn(4, IN, generator=torch.Generator().manual_seed(20 + r)) for r in range(ctx.world)]
+    x = inputs[ctx.rank].clone().requires_grad_()
+    dy = torch.randn(4, IN)
+    for op in (AllReduce(alone), ReduceScatter(alone), AllGather(alone)):
+        x.grad = None
+        y = op(x)
+        assert torch.equal(y, x) and op.process_group_size == 1
+        y.backward(dy)
+        assert torch.equal(x.grad, dy)
+    world = AllReduce()
+    summed = world(x)
+    torch.testing.assert_close(summed.double(), sum(t.double() for t in inputs), **FP32)
+    return world.process_group_size
+
+
+def test_groups_of_one_rank_are_the_identity_and_the_default_is_the_world(pool):
+    assert pool.run(_groups_of_one_and_the_world) == [4] * 4
+
+
+def _collective_errors(ctx):
+    """A first dimension that the ranks cannot share, and ranks whose inputs differ, fail with a
+    message saying so on every rank (not inside the collective)."""
+    if ctx.rank >= 2:
+        return None
+    group = ctx.group(2)
+    with pytest.raises(ValueError, match=r"ops.ReduceScatter: the input's first dimension \(5, shape \(5, 64\)\) "
+                                         r"must be divisible by the 2 ranks of process_group"):
+        ReduceScatter(group)(torch.randn(5, IN))
+    with pytest.raises(ValueError, match=r"ops.AllGather: input must have at least one dimension"):
+        AllGather(group)(torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"ops.AllGather: the tensor-parallel ranks disagree .*rank 0: shape "
+                                         r"\(4, 64\).*rank 1: shape \(6, 64\)"):
+        AllGather(group)(torch.randn(4 + 2 * ctx.rank, IN))
+    return True
+
+
+def test_collectives_say_what_is_wrong(pool):
+    assert pool.run(_collective_errors)[:2] == [True, True]

@@ -1,6 +1,6 @@
-"""What the fusible operations share: how many extra inputs Sequential hands each one, their
-checks of dtype and extra inputs, Transformer Engine's initial weights and empty extra state, and
-the initialization of parameters left on the meta device."""
+"""What the fusible operations share: how many extra inputs Sequential hands each one and how many
+extra outputs it collects from each, their checks of dtype and extra inputs, Transformer Engine's
+initial weights and empty extra state, and the initialization of parameters left on the meta device."""
 from __future__ import annotations
 
 import functools
@@ -19,9 +19,11 @@ TORCH_LINEAR_INIT = functools.partial(torch.nn.init.kaiming_uniform_, a=math.sqr
 class FusibleOperation:
     """A te-core fusible operation (a mixin of an nn.Module). Sequential hands it the input and the
     next `num_extra_inputs` of the extra inputs it was called with, in the order of the operations;
-    a plain nn.Module in a Sequential takes the input only."""
+    a plain nn.Module in a Sequential takes the input only. An operation with `num_extra_outputs`
+    returns (output, *that many extra outputs), which Sequential returns after its own output."""
 
     num_extra_inputs: int = 0
+    num_extra_outputs: int = 0
 
     @property
     def _name(self) -> str:
