@@ -178,6 +178,26 @@ def test_meta_device_then_reset_parameters(stand_in):
     torch.testing.assert_close(op(x, torch.tensor(SPLITS)).double(), want, **FP32)
 
 
+def test_left_on_meta_initializes_at_first_forward(stand_in):
+    """As in Transformer Engine (and as the other operations do): a GroupedLinear built on meta and
+    never reset initializes its parameters at its first forward (kaiming uniform weights, zero
+    biases), keeping TE's parameter order; the output is float64's with those weights."""
+    from transformer_engine.pytorch.ops import GroupedLinear
+
+    torch.manual_seed(6)
+    op = GroupedLinear(GROUPS, HIDDEN, FFN, device="meta")
+    x = torch.randn(17, HIDDEN)
+    y = op(x, torch.tensor(SPLITS))
+    assert not any(p.is_meta for p in op.parameters())
+    assert list(op.state_dict()) == [f"weight{i}" for i in range(GROUPS)] + [f"bias{i}" for i in range(GROUPS)] + [
+        "_extra_state"]
+    bound = HIDDEN ** -0.5
+    assert all(w.abs().max() <= bound and w.std() > 0.5 * bound / 3 ** 0.5 for w in _params(op, "weight"))
+    assert not any(b.any() for b in _params(op, "bias"))
+    want = torch.cat([r.double() @ w.double().T for r, w in zip(x.split(SPLITS), _params(op, "weight"))])
+    torch.testing.assert_close(y.double(), want, **FP32)
+
+
 @pytest.mark.parametrize("mode", ["accumulate_into_main_grad", "delay_wgrad_compute"])
 def test_weight_gradient_options(stand_in, mode):
     """accumulate_into_main_grad: the weight gradients add into main_grad (grad stays None);
@@ -233,6 +253,14 @@ def test_bad_inputs_say_what_is_wrong(stand_in):
         ops.GroupedLinear(2, 8, 8, dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="op_kwargs"):
         seq(x, torch.tensor(SPLITS), torch.tensor(SPLITS), op_kwargs={0: {"output": torch.empty(17, 2 * FFN)}})
+    # TE's buffer names, said as given (not te-core GroupedLinear's out=, nor its FP8 reason)
+    with pytest.raises(NotImplementedError, match=r"ops.GroupedLinear: caller-provided buffers \(grad_input, "
+                                                  r"output\) are not supported"):
+        seq[0](x, torch.tensor(SPLITS), output=torch.empty(17, 2 * FFN), grad_input=torch.empty(17, HIDDEN))
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['out'\]"):
+        seq[0](x, torch.tensor(SPLITS), out=torch.empty(17, 2 * FFN))
+    torch.testing.assert_close(seq[0](x, torch.tensor(SPLITS), output=None), seq[0](x, torch.tensor(SPLITS)),
+                               rtol=0, atol=0)
 
 
 def test_the_tutorials_imports_resolve(stand_in):

@@ -224,7 +224,9 @@ def test_a_loaded_delayed_state_under_another_format_rescales_from_its_history(a
         x.grad = None
         with te.autocast(recipe=e4m3):
             y = module(x.requires_grad_())
-        y.backward(torch.randn_like(y, generator=torch.Generator(y.device).manual_seed(3)) * 1e-3)
+        # (torch.randn: randn_like takes a generator from torch 2.10 on)
+        dy = torch.randn(y.shape, generator=torch.Generator(y.device).manual_seed(3), dtype=y.dtype, device=y.device)
+        y.backward(dy * 1e-3)
         return y.detach(), x.grad.clone(), module.weight.grad.clone()
 
     target.weight.grad = None

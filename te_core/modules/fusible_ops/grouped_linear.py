@@ -17,8 +17,7 @@ from ..grouped_linear import GroupedLinear as GroupedLinearModule
 from ._op import TORCH_LINEAR_INIT, FusibleOperation, check_dtype, check_extra_inputs
 
 _NAME = "ops.GroupedLinear"
-# TE's op_kwargs (caller-provided buffers), by te-core's forward argument of the same meaning
-_BUFFER_KWARGS = {"output": "out", "grad_input": "dgrad_out"}
+_BUFFER_KWARGS = ("output", "grad_input")  # TE's op_kwargs: caller-provided buffers
 
 
 def split_sizes_list(split_sizes, num_groups: int, rows: int) -> List[int]:
@@ -82,6 +81,12 @@ class GroupedLinear(FusibleOperation, GroupedLinearModule):
         unknown = sorted(set(op_kwargs) - set(_BUFFER_KWARGS))
         if unknown:
             raise TypeError(f"{_NAME}: unexpected keyword arguments {unknown} (it takes output and grad_input)")
+        given = sorted(k for k, v in op_kwargs.items() if v is not None)
+        if given:
+            raise NotImplementedError(f"{_NAME}: caller-provided buffers ({', '.join(given)}) are not supported by "
+                                      "te-core; call without them (the output and the input's gradient are new "
+                                      "tensors)")
+        self._materialize_meta_parameters()
         check_input(input, self.in_features, name="input", module=_NAME, device=self.weight0.device)
         sizes = split_sizes_list(extra_inputs[0], self.num_groups, input.numel() // self.in_features)
-        return super().forward(input, sizes, **{_BUFFER_KWARGS[k]: v for k, v in op_kwargs.items()})
+        return super().forward(input, sizes)
