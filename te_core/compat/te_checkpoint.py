@@ -2,7 +2,9 @@
 its pickled FP8 primary weights.
 
 TE stores a module's delayed-scaling state as a pickle (a uint8 tensor) holding its recipe
-object and the tensors scale_fwd / amax_history_fwd / scale_bwd / amax_history_bwd. Unpickling
+object and the tensors scale_fwd / amax_history_fwd / scale_bwd / amax_history_bwd; its fusible
+operations (ops.BasicLinear, ops.GroupedLinear) pickle {"forward": {recipe, scale_fwd, ...},
+"backward": {recipe, scale_bwd, ...}} with fewer columns per GEMM (_Layout). Unpickling
 it could run arbitrary code, so it is read by an unpickler that knows only an allow-list:
 tensors (rebuilt from their bytes with torch.load(weights_only=True)), OrderedDict, and TE's
 recipe classes, rebuilt as inert records whose fields are read as plain values. Anything else,
@@ -15,7 +17,7 @@ import collections
 import io
 import pickle
 import warnings
-from typing import Optional
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -140,53 +142,124 @@ def _recipe_config(recipe) -> dict:
     return DelayedScaling(**kwargs).to_config()
 
 
-_SCALE_KEYS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
+_DIRECTIONS = {"fwd": "forward", "bwd": "backward"}
+
+
+class _Layout(NamedTuple):
+    """Where TE keeps a GEMM's scales: `per_gemm` columns of each direction's tensors ("fwd",
+    "bwd") per GEMM, GEMM after GEMM, the input's and then the weight's first among the forward
+    ones and the grad output's first among the backward ones; `sources`: what else writes state
+    of this layout, for the message of a misfit."""
+
+    per_gemm: Dict[str, int]
+    sources: str
+
+    def counts(self, columns: Dict[str, int]) -> str:
+        return " and ".join(f"{n} {_DIRECTIONS[suffix]}" for suffix, n in columns.items())
+
+
+# A module keeps input, weight and output forward, grad output and grad input backward.
+_MODULE_LAYOUT = _Layout({"fwd": 3, "bwd": 2}, "another module type (LayerNormMLP has 2 GEMMs, Linear and "
+                                              "LayerNormLinear 1) or from a GroupedLinear with another num_gemms")
+# An operation keeps only its own quantizers' (TE's num_quantizers / get_quantizer): input and
+# weight forward, grad output backward.
+_OP_LAYOUT = _Layout({"fwd": 2, "bwd": 1}, "another operation (ops.BasicLinear has 1 GEMM, ops.GroupedLinear one "
+                                          "per group) or from an ops.GroupedLinear with another num_groups")
 
 
 class _MisfitState(ValueError):
     """TE extra state that was read but belongs to another kind of module; the message says how."""
 
 
-def _check_gemm_count(module: str, gemms: int, state: dict) -> None:
-    """TE keeps 3 forward and 2 backward columns per GEMM and records num_gemms: state of another
-    count is another module type's (or another GroupedLinear's), and reading it by column would
-    take other GEMMs' scales (more columns) or fail (fewer)."""
-    for key in _SCALE_KEYS:
-        rank = 2 if key.startswith("amax_history") else 1
-        if not (isinstance(state.get(key), Tensor) and state[key].dim() == rank):
-            raise ValueError(f"{key} is not a tensor of rank {rank}")
-    forward, backward = state["scale_fwd"].shape[0], state["scale_bwd"].shape[0]
-    if (state["amax_history_fwd"].shape[1], state["amax_history_bwd"].shape[1]) != (forward, backward):
-        raise ValueError(f"the amax histories have {state['amax_history_fwd'].shape[1]} forward and "
-                         f"{state['amax_history_bwd'].shape[1]} backward columns, the scales {forward} and {backward}")
+def _check_gemm_count(module: str, gemms: int, state: dict, layout: _Layout) -> None:
+    """State of another column count than `gemms` GEMMs have in `layout` is another module
+    type's (or another GroupedLinear's; a module's also records num_gemms), and reading it by
+    column would take other GEMMs' scales (more columns) or fail (fewer)."""
+    saved = {}
+    for suffix in layout.per_gemm:
+        scale, history = state.get(f"scale_{suffix}"), state.get(f"amax_history_{suffix}")
+        for key, value, rank in ((f"scale_{suffix}", scale, 1), (f"amax_history_{suffix}", history, 2)):
+            if not (isinstance(value, Tensor) and value.dim() == rank):
+                raise ValueError(f"{key} is not a tensor of rank {rank}")
+        if history.shape[1] != scale.shape[0]:
+            raise ValueError(f"the {_DIRECTIONS[suffix]} amax history has {history.shape[1]} columns, its scales "
+                             f"{scale.shape[0]}")
+        saved[suffix] = scale.shape[0]
+    wanted = {suffix: n * gemms for suffix, n in layout.per_gemm.items()}
     extra = state.get("extra_fp8_variables")
     recorded = extra.get("num_gemms") if isinstance(extra, dict) else None
-    if (forward, backward) == (3 * gemms, 2 * gemms) and recorded in (None, gemms):
+    if saved == wanted and recorded in (None, gemms):
         return
-    saved = f"num_gemms={recorded}, " if recorded is not None else ""
+    saved_gemms = f"num_gemms={recorded}, " if recorded is not None else ""
     raise _MisfitState(
-        f"the checkpoint's Transformer Engine extra state holds FP8 scales for {saved}{forward} forward and "
-        f"{backward} backward tensors, but this {module} has {gemms} GEMM{'s' if gemms != 1 else ''}, so "
-        f"{3 * gemms} forward and {2 * gemms} backward; it was saved from another module type (LayerNormMLP "
-        "has 2 GEMMs, Linear and LayerNormLinear 1) or from a GroupedLinear with another num_gemms")
+        f"the checkpoint's Transformer Engine extra state holds FP8 scales for {saved_gemms}{layout.counts(saved)} "
+        f"tensors, but this {module} has {gemms} GEMM{'s' if gemms != 1 else ''}, so {layout.counts(wanted)}; it "
+        f"was saved from {layout.sources}")
 
 
-def _slot_state(module: str, slots, state: dict) -> dict:
-    """te-core's quantization_state from TE's tensors. TE keeps per GEMM three forward columns
-    (input, weight, output) and two backward ones (grad output, grad input); te-core's slots
-    come three per GEMM (input, weight, grad_output) in the module's GEMM order."""
-    _check_gemm_count(module, len(slots) // 3, state)
+def _slot_state(module: str, slots, state: dict, layout: _Layout = _MODULE_LAYOUT) -> dict:
+    """te-core's quantization_state from TE's tensors, in `layout`'s columns; te-core's slots
+    come three per GEMM (input, weight, grad_output) in the module's GEMM order. Slots of a
+    direction that `layout` leaves out (a forward-only operation's) are not in the result."""
+    _check_gemm_count(module, len(slots) // 3, state, layout)
     out = {"forward": {}, "backward": {}}
     for n, slot in enumerate(slots):
-        gemm = n // 3
-        if slot.role is Role.GRAD_OUTPUT:
-            direction, column, suffix = "backward", 2 * gemm, "bwd"
-        else:
-            direction, column, suffix = "forward", 3 * gemm + (slot.role is Role.WEIGHT), "fwd"
+        suffix = "bwd" if slot.role is Role.GRAD_OUTPUT else "fwd"
+        if suffix not in layout.per_gemm:
+            continue
+        column = layout.per_gemm[suffix] * (n // 3) + (slot.role is Role.WEIGHT)
         scale, history = state[f"scale_{suffix}"], state[f"amax_history_{suffix}"]
-        out[direction][slot.name] = {"scale": scale[column:column + 1].float().clone(),
-                                     "amax_history": history[:, column].float().clone()}
+        out[slot.role.direction][slot.name] = {"scale": scale[column:column + 1].float().clone(),
+                                               "amax_history": history[:, column].float().clone()}
     return out
+
+
+def _flatten_op_state(state: dict) -> Optional[Tuple[dict, dict, _Layout]]:
+    """TE's operation state as the module form's flat tensors (scale_fwd, ...), te-core's recipe
+    config and the layout of the directions that hold scales; None where none does (empty, or a
+    stateless recipe's, as TE's set_extra_state copies nothing then)."""
+    flat, per_gemm, configs = {}, {}, []
+    for suffix, direction in _DIRECTIONS.items():
+        half = state.get(direction)
+        if half is None:
+            continue  # (an operation without quantizers in this direction writes none)
+        if not isinstance(half, dict):
+            raise ValueError(f"its {direction!r} entry is a {type(half).__name__}, expected a dict")
+        if f"scale_{suffix}" not in half:
+            continue
+        if half.get("recipe") is None:
+            raise ValueError(f"its {direction!r} entry holds scales but no recipe")
+        configs.append(_recipe_config(half["recipe"]))
+        flat.update((key, half.get(key)) for key in (f"scale_{suffix}", f"amax_history_{suffix}"))
+        per_gemm[suffix] = _OP_LAYOUT.per_gemm[suffix]
+    if not per_gemm:
+        return None
+    if any(config != configs[0] for config in configs):  # (TE gives both directions one recipe)
+        raise ValueError("its forward and backward entries hold different recipes, where a module has one")
+    return flat, configs[0], _OP_LAYOUT._replace(per_gemm=per_gemm)
+
+
+def _keep_unsaved_slots(module, saved: dict, history: int) -> Dict[str, Dict[str, bool]]:
+    """Fill in the slots of a direction the checkpoint holds no state for (a forward-only
+    operation's), as TE's set_extra_state leaves that direction: as the module has it (its live
+    delayed-scaling values), or as a new state's (scale 1, zero history; fresh, so that its
+    first cast scales by its own amax). Returns the fresh flags of every slot, for the load."""
+    live = module.quantization_state()
+    live_fresh = module._recipe_state.fresh_slots() if module._recipe_state is not None else {}
+    fresh = {"forward": {}, "backward": {}}
+    for slot in module._quantizer_slots:
+        direction = slot.role.direction
+        if slot.name in saved[direction]:
+            fresh[direction][slot.name] = False
+            continue
+        current = live[direction].get(slot.name)
+        if current is not None and not current["scale"].is_meta:
+            saved[direction][slot.name] = {key: value.detach().float().clone() for key, value in current.items()}
+            fresh[direction][slot.name] = live_fresh.get(direction, {}).get(slot.name) is True
+        else:
+            saved[direction][slot.name] = {"scale": torch.ones(1), "amax_history": torch.zeros(history)}
+            fresh[direction][slot.name] = True
+    return fresh
 
 
 def te_extra_state(module, tensor: Tensor) -> Optional[dict]:
@@ -235,8 +308,10 @@ def _from_te(module, read) -> Optional[dict]:
         # TE 2.0-2.3 pickle None for a module that never ran FP8, and TE 2.0-2.17 a stateless
         # recipe's record (current, block or MXFP8 scaling) without scales: TE's set_extra_state
         # finds nothing to copy in either, and neither is an error
-        if state is None or "scale_fwd" not in state or not slots:
+        if state is None or not slots:
             return None
+        if "scale_fwd" not in state:  # an operation's ({"forward": ..., "backward": ...}), or no scales
+            return _from_te_op(module, name, slots, state)
         recipe = state.get("recipe")  # (none in TE 1.x's)
         config = None if recipe is None else _recipe_config(recipe)
         saved = _slot_state(name, slots, state)
@@ -252,6 +327,20 @@ def _from_te(module, read) -> Optional[dict]:
     if config is None:
         return _restore_unrecorded_format(module, saved, state["amax_history_fwd"].shape[0])
     return {"recipe": config, "quantization_state": saved}
+
+
+def _from_te_op(module, name: str, slots, state: dict) -> Optional[dict]:
+    """_from_te for the state of one of TE's fusible operations (or of nothing: a stateless
+    recipe's, an empty dict); raises as _from_te's reading does."""
+    op = _flatten_op_state(state)
+    if op is None:
+        return None
+    flat, config, layout = op
+    saved = _slot_state(name, slots, flat, layout)
+    if layout == _OP_LAYOUT:
+        return {"recipe": config, "quantization_state": saved}
+    history = next(flat[f"amax_history_{suffix}"].shape[0] for suffix in layout.per_gemm)
+    return {"recipe": config, "quantization_state": saved, "fresh": _keep_unsaved_slots(module, saved, history)}
 
 
 class _UnrecordedFormatState(DelayedScalingState):

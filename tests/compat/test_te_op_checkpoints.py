@@ -1,0 +1,195 @@
+"""Extra state written by Transformer Engine's fusible operations (ops.BasicLinear,
+ops.GroupedLinear) loads into te-core's: {"forward": {recipe, scale_fwd, amax_history_fwd, ...},
+"backward": {recipe, scale_bwd, amax_history_bwd, ...}}, with the operation's own quantizers'
+columns (input and weight forward, grad output backward, per group), read through the same
+allow-list as a module's."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import te_core as te
+from te_core.modules.fusible_ops import BasicLinear, GroupedLinear
+from te_core.recipe import DelayedScaling, Format
+
+from .test_te_checkpoint_formats import _stateless_records
+from .test_te_checkpoints import _te_extra_state, te_recipe  # noqa: F401  (fixture)
+
+E4M3 = dict(rtol=0.125, atol=0.0675)
+IN, OUT, HISTORY = 16, 24, 4
+RECIPE = DelayedScaling(margin=1, fp8_format=Format.E4M3, amax_history_len=HISTORY)
+
+
+def _op_state(te_recipe, forward: int, backward: int, seed: int = 0, directions=("forward", "backward")) -> dict:
+    """What TE's BasicOperation.get_extra_state pickles under DelayedScaling: per direction the
+    recipe, the scales and amax histories of `forward` / `backward` quantizers, and its plain
+    fp8_meta items (none of its recipe state's or group's)."""
+    g = torch.Generator().manual_seed(seed)
+    recipe = te_recipe.DelayedScaling(margin=1, fp8_format=te_recipe.Format.E4M3, amax_history_len=HISTORY)
+    state = {}
+    for direction, suffix, n in (("forward", "fwd", forward), ("backward", "bwd", backward)):
+        state[direction] = {"recipe": recipe, f"scale_{suffix}": torch.rand(n, generator=g) + 0.5,
+                            f"amax_history_{suffix}": torch.rand(HISTORY, n, generator=g) + 0.1,
+                            "extra_fp8_variables": {}}
+    return {d: state[d] for d in directions}
+
+
+def _module_state(te_recipe, op_state: dict, gemms: int) -> dict:
+    """The same scales in TE's module form (3 forward, 2 backward columns per GEMM), with other
+    values in the output and grad-input columns that modules keep and operations do not."""
+    fwd, bwd = op_state["forward"], op_state["backward"]
+    scale_fwd, history_fwd = torch.rand(3 * gemms) + 0.5, torch.rand(HISTORY, 3 * gemms)
+    scale_bwd, history_bwd = torch.rand(2 * gemms) + 0.5, torch.rand(HISTORY, 2 * gemms)
+    for gemm in range(gemms):
+        scale_fwd[3 * gemm:3 * gemm + 2] = fwd["scale_fwd"][2 * gemm:2 * gemm + 2]
+        history_fwd[:, 3 * gemm:3 * gemm + 2] = fwd["amax_history_fwd"][:, 2 * gemm:2 * gemm + 2]
+        scale_bwd[2 * gemm] = bwd["scale_bwd"][gemm]
+        history_bwd[:, 2 * gemm] = bwd["amax_history_bwd"][:, gemm]
+    return {"recipe": fwd["recipe"], "scale_fwd": scale_fwd, "amax_history_fwd": history_fwd,
+            "scale_bwd": scale_bwd, "amax_history_bwd": history_bwd,
+            "extra_fp8_variables": {"num_gemms": gemms, "fp8_checkpoint": True}}
+
+
+def _load(module, state) -> None:
+    sd = module.state_dict()
+    sd["_extra_state"] = state if isinstance(state, torch.Tensor) else _te_extra_state(state)
+    module.load_state_dict(sd)
+
+
+def _load_silently(module, state) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # read, not restarted with a warning
+        _load(module, state)
+
+
+def _assert_slots_are_columns(got: dict, op_state: dict, gemms: int, prefix) -> None:
+    """Every slot's scale and history are its column of the operation's state, exactly."""
+    for gemm in range(gemms):
+        p = prefix(gemm)
+        columns = {("forward", f"{p}input"): ("fwd", 2 * gemm), ("forward", f"{p}weight"): ("fwd", 2 * gemm + 1),
+                   ("backward", f"{p}grad_output"): ("bwd", gemm)}
+        for (direction, slot), (suffix, column) in columns.items():
+            if direction not in op_state:
+                continue
+            saved = op_state[direction]
+            assert torch.equal(got[direction][slot]["scale"], saved[f"scale_{suffix}"][column:column + 1]), slot
+            assert torch.equal(got[direction][slot]["amax_history"], saved[f"amax_history_{suffix}"][:, column]), slot
+
+
+def _step(module, x, dy, *splits):
+    """One forward and backward under RECIPE: output, input and weight gradients."""
+    x = x.clone().requires_grad_()
+    with te.autocast(recipe=RECIPE):
+        y = module(x, *splits)
+    y.backward(dy)
+    weights = [p for name, p in module.named_parameters() if name.startswith("weight")]
+    return y.detach(), x.grad, [w.grad for w in weights]
+
+
+def _assert_same_step(got, want) -> None:
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
+
+
+def test_basic_linear_restores_te_operation_state(te_recipe):
+    """Empty and stateless-recipe operation states restore nothing, silently; a delayed-scaling one
+    restores every slot exactly, and the next FP8 step is that of a te.Linear given the same scales
+    in TE's module form (and near float64's)."""
+    op = BasicLinear(IN, OUT)
+    record = _stateless_records(te_recipe)["Float8CurrentScaling"]  # (older TE: the recipe, no scales)
+    for stateless in [{}, {"forward": record, "backward": record}]:
+        _load_silently(op, stateless)
+        assert op.quantization_state() == {"forward": {}, "backward": {}}
+    state = _op_state(te_recipe, 2, 1)
+    _load_silently(op, state)
+    _assert_slots_are_columns(op.quantization_state(), state, 1, lambda gemm: "")
+
+    torch.manual_seed(0)
+    linear = te.Linear(IN, OUT, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(op.weight)
+    _load_silently(linear, _module_state(te_recipe, state, 1))
+    x, dy = torch.randn(8, IN), torch.randn(8, OUT)
+    got = _step(op, x, dy)
+    _assert_same_step(got, _step(linear, x, dy))
+    assert torch.equal(op.quantization_state()["forward"]["input"]["scale"],
+                       linear.quantization_state()["forward"]["input"]["scale"])
+    torch.testing.assert_close(got[0].double(), x.double() @ op.weight.detach().double().T, **E4M3)
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+def test_grouped_linear_restores_te_operation_state(te_recipe, groups):
+    """Each group's input, weight and grad-output slots take its columns (TE's get_quantizer:
+    forward 2 g and 2 g + 1, backward g), and the next FP8 step is that of a te.GroupedLinear given
+    the same scales in TE's module form."""
+    state = _op_state(te_recipe, 2 * groups, groups, seed=groups)
+    op = GroupedLinear(groups, IN, OUT, bias=False)
+    _load_silently(op, state)
+    _assert_slots_are_columns(op.quantization_state(), state, groups, lambda gemm: f"gemm{gemm}_")
+
+    module = te.GroupedLinear(groups, IN, OUT, bias=False)
+    with torch.no_grad():
+        for i in range(groups):
+            getattr(module, f"weight{i}").copy_(getattr(op, f"weight{i}"))
+    _load_silently(module, _module_state(te_recipe, state, groups))
+    splits = [5, 0, 7][:groups]
+    x, dy = torch.randn(sum(splits), IN), torch.randn(sum(splits), OUT)
+    _assert_same_step(_step(op, x, dy, torch.tensor(splits)), _step(module, x, dy, splits))
+
+
+@pytest.mark.parametrize("make, columns, counts", [
+    (lambda: BasicLinear(IN, OUT), (4, 2), "4 forward and 2 backward tensors, but this BasicLinear has 1 GEMM, so 2 "
+                                           "forward and 1 backward"),
+    (lambda: BasicLinear(IN, OUT), (3, 2), "3 forward and 2 backward tensors, but this BasicLinear has 1 GEMM, so 2 "
+                                           "forward and 1 backward"),
+    (lambda: GroupedLinear(3, IN, OUT), (4, 2), "4 forward and 2 backward tensors, but this GroupedLinear has 3 "
+                                                "GEMMs, so 6 forward and 3 backward"),
+    (lambda: GroupedLinear(2, IN, OUT), (6, None), "6 forward tensors, but this GroupedLinear has 2 GEMMs, so 4 "
+                                                   "forward"),
+])
+def test_operation_state_of_another_column_count_restarts_with_a_warning(te_recipe, make, columns, counts):
+    forward, backward = columns
+    directions = ("forward",) if backward is None else ("forward", "backward")
+    op = make()
+    with pytest.warns(UserWarning, match=f"{type(op).__name__}: .*{counts}; it was saved from another operation "
+                                         ".*restart.*drop its '_extra_state' entry") as record:
+        _load(op, _op_state(te_recipe, forward, backward or 0, directions=directions))
+    assert len(record) == 1
+    assert op.quantization_state() == {"forward": {}, "backward": {}}
+
+
+def test_forward_only_operation_state_restores_the_forward_slots(te_recipe):
+    """A state with only "forward" restores input and weight; grad_output starts as a new state's
+    (scale 1, zero history, not cast yet), and the forward is a te.Linear's given those forward scales."""
+    full = _op_state(te_recipe, 2, 1, seed=4)
+    op = BasicLinear(IN, OUT)
+    _load_silently(op, {"forward": full["forward"]})
+    got = op.quantization_state()
+    _assert_slots_are_columns(got, {"forward": full["forward"]}, 1, lambda gemm: "")
+    assert torch.equal(got["backward"]["grad_output"]["scale"], torch.ones(1))
+    assert torch.equal(got["backward"]["grad_output"]["amax_history"], torch.zeros(HISTORY))
+    assert op._recipe_state.fresh_slots() == {"forward": {"input": False, "weight": False},
+                                              "backward": {"grad_output": True}}
+    linear = te.Linear(IN, OUT, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(op.weight)
+    _load_silently(linear, _module_state(te_recipe, full, 1))
+    x = torch.randn(8, IN)
+    with torch.no_grad(), te.autocast(recipe=RECIPE):
+        assert torch.equal(op(x), linear(x))
+
+
+def test_forward_only_operation_state_keeps_the_live_backward_state(te_recipe):
+    """As TE's set_extra_state skips a direction the checkpoint lacks, an operation that already
+    has delayed-scaling state keeps its grad-output scale and history."""
+    op = BasicLinear(IN, OUT)
+    _step(op, torch.randn(8, IN), torch.randn(8, OUT))
+    before = {k: v.clone() for k, v in op.quantization_state()["backward"]["grad_output"].items()}
+    assert not torch.equal(before["amax_history"], torch.zeros(HISTORY))
+    state = _op_state(te_recipe, 2, 1, seed=5, directions=("forward",))
+    _load_silently(op, state)
+    got = op.quantization_state()
+    _assert_slots_are_columns(got, state, 1, lambda gemm: "")
+    assert all(torch.equal(got["backward"]["grad_output"][k], v) for k, v in before.items())
