@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from ..compat.te_checkpoint import accept_te_norm_extra_state
+from ..compat.te_state_dict_names import accept_te_norm_extra_state
 from ..distributed.tensor_parallel import mark_sequence_parallel
 from ._common import (
     reject_unsupported,

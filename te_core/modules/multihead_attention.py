@@ -7,7 +7,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..compat.te_checkpoint import (
+from ..compat.te_state_dict_names import (
     accept_te_norm_extra_state,
     expose_split_qkv_names,
     load_split_qkv_names,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import te_core as te
-from te_core.compat.te_checkpoint import to_transformer_engine_state_dict
+from te_core.compat.te_state_dict_names import to_transformer_engine_state_dict
 from te_core.compat.transformer_engine import uninstall_transformer_engine
 from te_core.recipe import DelayedScaling, Float8CurrentScaling, Format, MXFP8BlockScaling
 

@@ -298,7 +298,7 @@ def test_te_core_checkpoints_keep_loading_with_weights_only():
 
 
 def test_export_in_te_names_round_trips():
-    from te_core.compat.te_checkpoint import to_transformer_engine_state_dict
+    from te_core.compat.te_state_dict_names import to_transformer_engine_state_dict
 
     torch.manual_seed(2)
     kw = dict(num_gqa_groups=2, layer_type="decoder", hidden_dropout=0.0, attention_dropout=0.0)
