@@ -1,7 +1,8 @@
 """Transformer Engine's fusible ops.BasicLinear and ops.Bias with tensor parallelism on gloo ranks:
 each rank's operation, built on meta and given its shard of a whole layer's weight (as Megatron-LM
 gives it), computes its share of the whole layer's output and gradients (float32); and its
-collectives ops.AllReduce and ReduceScatter (after Megatron-LM's FC2), and AllGather."""
+collectives ops.AllReduce and ReduceScatter (after Megatron-LM's FC2), and AllGather; an AllReduce
+built before torch.distributed is initialized, as Transformer Engine's can be."""
 from __future__ import annotations
 
 import pytest
@@ -139,6 +140,48 @@ def _groups_of_one_and_the_world(ctx):
 
 def test_groups_of_one_rank_are_the_identity_and_the_default_is_the_world(pool):
     assert pool.run(_groups_of_one_and_the_world) == [4] * 4
+
+
+def _built_before_init(ctx, op):
+    """An AllReduce built (and pickled) in the test's process before torch.distributed was
+    initialized there: its first forward reads the group (the world's four ranks), as TE's does;
+    given a pair's group afterwards, it sums over that pair. The gradient passes unchanged."""
+    inputs = [torch.randn(3, IN, generator=torch.Generator().manual_seed(30 + r)) for r in range(ctx.world)]
+    x = inputs[ctx.rank].clone().requires_grad_()
+    y = op(x)
+    torch.testing.assert_close(y.double(), sum(t.double() for t in inputs), **FP32)
+    dy = torch.randn(3, IN)
+    y.backward(dy)
+    assert torch.equal(x.grad, dy)
+    if ctx.rank >= 2:
+        return op.process_group_size, None
+    op.process_group = ctx.group(2)
+    pair = op(inputs[ctx.rank])
+    torch.testing.assert_close(pair.double(), inputs[0].double() + inputs[1].double(), **FP32)
+    return 4, op.process_group_size
+
+
+def test_all_reduce_built_before_init_process_group(pool):
+    assert not dist.is_initialized()  # (the pool's ranks initialize theirs; this process never does)
+    op = AllReduce()
+    assert "the world group, once torch.distributed is initialized" in repr(op)
+    assert pool.run(_built_before_init, op) == [(4, 2)] * 2 + [(4, None)] * 2
+
+
+def test_collectives_without_torch_distributed_say_so():
+    """Without an initialized torch.distributed, AllReduce's forward (where TE's reads the world
+    group's size) and the construction of ReduceScatter and AllGather (where TE's read it) say what
+    to do instead of failing inside torch.distributed."""
+    assert not dist.is_initialized()
+    op = AllReduce(reduce_in_backward=False)
+    with pytest.raises(RuntimeError, match="ops.AllReduce: process_group was not given, whose default is the world "
+                                           r"group, but torch.distributed is not initialized; call "
+                                           r"torch.distributed.init_process_group\(\) first"):
+        op(torch.randn(4, IN))
+    for op_type in (ReduceScatter, AllGather):
+        with pytest.raises(RuntimeError, match=f"ops.{op_type.__name__}: process_group was not given.* not "
+                                               "initialized"):
+            op_type()
 
 
 def _collective_errors(ctx):

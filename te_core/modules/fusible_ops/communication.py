@@ -13,10 +13,14 @@ the sequence's in (s, b, h) and (tokens, h) inputs:
 
 AllReduce passes the gradient on as is, as in Transformer Engine: its output feeds computations
 that every rank repeats, so every rank already holds the whole gradient. Over a group of one rank
-each operation is the identity."""
+each operation is the identity.
+
+As in Transformer Engine, AllReduce reads its group's size at each call, so that it can be built
+before torch.distributed is initialized; ReduceScatter and AllGather read it when they are built."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from ...distributed.collectives import gather_along_first_dim, reduce_from_tp_region, scatter_reduce_first_dim
@@ -28,16 +32,15 @@ from ._parallel import process_group_size
 
 class _Collective(EmptyExtraState, FusibleOperation, nn.Module):
     """A collective over process_group (None: the world group), `communicate(x, group)` above one
-    rank. The ranks' shapes and dtypes are checked against each other at the first call, so that a
-    mismatch fails with a message naming them instead of inside the collective."""
+    rank (process_group_size: a property of AllReduce, an attribute of the others). The ranks'
+    shapes and dtypes are checked against each other at the first call, so that a mismatch fails
+    with a message naming them instead of inside the collective."""
 
     communicate = staticmethod(reduce_from_tp_region)
-    splits_first_dim = False  # the input's first dimension is split or gathered over the ranks
 
     def __init__(self, process_group=None):
         super().__init__()
         self.process_group = process_group
-        self.process_group_size = process_group_size(process_group, self._name)
         self._ranks_checked = False
 
     def forward(self, input: Tensor, *extra_inputs) -> Tensor:  # noqa: A002 (TE's name)
@@ -55,11 +58,10 @@ class _Collective(EmptyExtraState, FusibleOperation, nn.Module):
         if not isinstance(input, Tensor) or not input.is_floating_point():
             got = f"a {input.dtype} tensor" if isinstance(input, Tensor) else type(input).__name__
             raise TypeError(f"{self._name}: input must be a floating-point tensor, got {got}")
-        if self.splits_first_dim and input.dim() == 0:
-            raise ValueError(f"{self._name}: input must have at least one dimension (the first is split or gathered "
-                             "over the ranks), got a 0-dimensional tensor")
 
     def extra_repr(self) -> str:
+        if self.process_group is None and not (dist.is_available() and dist.is_initialized()):
+            return "process_group=None (the world group, once torch.distributed is initialized)"
         return f"process_group_size={self.process_group_size}"
 
 
@@ -73,14 +75,34 @@ class AllReduce(_Collective):
         super().__init__(process_group)
         self._reduce_in_backward = check_bool(reduce_in_backward, name="reduce_in_backward", module="ops.AllReduce")
 
+    @property
+    def process_group_size(self) -> int:
+        """The number of ranks of process_group, read at each call, as Transformer Engine's AllReduce
+        reads it in its forward."""
+        return process_group_size(self.process_group, self._name)
 
-class ReduceScatter(_Collective):
+
+class _SplittingCollective(_Collective):
+    """A collective that splits or gathers the first dimension over the ranks, whose group's size
+    is read when it is built, as Transformer Engine's ReduceScatter and AllGather read it."""
+
+    def __init__(self, process_group=None):
+        super().__init__(process_group)
+        self.process_group_size = process_group_size(process_group, self._name)
+
+    def _check_input(self, input: Tensor) -> None:  # noqa: A002 (TE's name)
+        super()._check_input(input)
+        if input.dim() == 0:
+            raise ValueError(f"{self._name}: input must have at least one dimension (the first is split or gathered "
+                             "over the ranks), got a 0-dimensional tensor")
+
+
+class ReduceScatter(_SplittingCollective):
     """The sum of the ranks' inputs, of which each rank keeps its block of the first dimension (rank
     0 the first); the input's first dimension must be divisible by the number of ranks. The
     gradient is all-gathered along the first dimension."""
 
     communicate = staticmethod(scatter_reduce_first_dim)
-    splits_first_dim = True
 
     def _check_input(self, input: Tensor) -> None:  # noqa: A002 (TE's name)
         super()._check_input(input)
@@ -91,9 +113,8 @@ class ReduceScatter(_Collective):
                              f"which keeps an equal block of it; pad it to a multiple of {ranks}")
 
 
-class AllGather(_Collective):
+class AllGather(_SplittingCollective):
     """The ranks' inputs concatenated along the first dimension, in rank order; every rank's input
     has the same shape. The gradient is summed over the ranks, each keeping its block."""
 
     communicate = staticmethod(gather_along_first_dim)
-    splits_first_dim = True
