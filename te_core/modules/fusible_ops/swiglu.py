@@ -35,9 +35,10 @@ class _ScaledSwiGLUFunction(torch.autograd.Function):
         dx = ops.activation_bwd(dy * scales, x, "swiglu") if ctx.needs_input_grad[0] else None
         dscales = None
         if ctx.needs_input_grad[1]:
-            y, _ = ops.activation_fwd(x, "swiglu")
-            # (a row sum over the FFN width: float32, as TE's kernel accumulates it)
-            dscales = (dy.float() * y.float()).sum(-1, keepdim=True).to(scales.dtype)
+            # swiglu(x) and the row sum over the FFN width in float32, rounded once, as TE's kernel: summing
+            # products of a swiglu already rounded to bf16 loses a row sum that cancels beyond bf16's tolerance
+            y, _ = ops.activation_fwd(x.float(), "swiglu")
+            dscales = (dy.float() * y).sum(-1, keepdim=True).to(scales.dtype)
         return dx, dscales
 
 
