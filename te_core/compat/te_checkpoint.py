@@ -285,8 +285,10 @@ def te_bytesio_extra_state(module, buffer: io.BytesIO) -> Optional[dict]:
 
 def holds_fp8_scales(state) -> bool:
     """Whether Transformer Engine extra state (its uint8 tensor, or TE 1.x's io.BytesIO) holds FP8
-    scales: not when empty, a pickled None (TE 2.0-2.3's for a module that never ran FP8) or a
-    stateless recipe's record; content that cannot be read counts as holding some."""
+    scales, in a module's form or an operation's (per direction): not when empty, a pickled None
+    (TE 2.0-2.3's for a module that never ran FP8), a pickled {} (TE 2.3-2.8's for an operation
+    without quantization state: a norm, Bias, an activation) or a stateless recipe's record;
+    content that cannot be read counts as holding some."""
     try:
         if isinstance(state, io.BytesIO):
             state.seek(0)
@@ -297,7 +299,9 @@ def holds_fp8_scales(state) -> bool:
             state = read_te_extra_state(state.detach().cpu().contiguous().numpy().tobytes())
     except Exception:  # noqa: BLE001 - unreadable: the caller says it is not used
         return True
-    return isinstance(state, dict) and "scale_fwd" in state
+    return isinstance(state, dict) and ("scale_fwd" in state or any(
+        isinstance(state.get(direction), dict) and f"scale_{suffix}" in state[direction]
+        for suffix, direction in _DIRECTIONS.items()))
 
 
 def _from_te(module, read) -> Optional[dict]:

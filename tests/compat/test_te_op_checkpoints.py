@@ -193,3 +193,42 @@ def test_forward_only_operation_state_keeps_the_live_backward_state(te_recipe):
     got = op.quantization_state()
     _assert_slots_are_columns(got, state, 1, lambda gemm: "")
     assert all(torch.equal(got["backward"]["grad_output"][k], v) for k, v in before.items())
+
+
+def test_te_2_3_to_2_8_sequential_state_loads_silently(te_recipe):
+    """TE 2.3-2.8 pickle {} as the extra state of every operation without quantization state (a
+    norm, Bias, SwiGLU; later versions write an empty tensor), so each `_extra_state` of their
+    Sequential is non-empty: it loads strictly and silently, and the loaded Sequential computes
+    float64's chain on the saved weights. Extra state that holds scales is still refused by Bias."""
+    from te_core.modules import fusible_ops as ops
+
+    def chain():
+        return ops.Sequential(ops.RMSNorm(IN), BasicLinear(IN, 2 * OUT), ops.Bias(2 * OUT), ops.SwiGLU(),
+                              BasicLinear(OUT, IN))
+
+    torch.manual_seed(7)
+    src = chain()
+    with torch.no_grad():
+        for p in src.parameters():
+            p.copy_(torch.randn(p.shape) * 0.5)
+        src[0].weight.add_(1.0)  # (a norm weight around 1)
+    sd = {k: _te_extra_state({}) if k.endswith("_extra_state") else v for k, v in src.state_dict().items()}
+    sd["0._extra_state"] = _te_extra_state({})  # (TE's norms are operations and write one)
+    dst = chain()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the norm's entry is not "extra state that is not used")
+        dst.load_state_dict(sd)  # strict
+    assert all(op.quantization_state() == {"forward": {}, "backward": {}} for op in (dst[1], dst[4]))
+
+    x = torch.randn(8, IN)
+    w = {k: v.double() for k, v in src.state_dict().items() if not k.endswith("_extra_state")}
+    h = x.double()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + dst[0].eps) * w["0.weight"]
+    a, b = (h @ w["1.weight"].T + w["2.bias"]).chunk(2, dim=-1)
+    want = (a * torch.sigmoid(a) * b) @ w["4.weight"].T
+    with torch.no_grad():
+        torch.testing.assert_close(dst(x).double(), want, rtol=1.3e-6, atol=1e-5)
+
+    bias = ops.Bias(4)
+    with pytest.raises(ValueError, match="ops.Bias: its _extra_state must be empty"):
+        bias.load_state_dict({"bias": torch.zeros(4), "_extra_state": _te_extra_state(_op_state(te_recipe, 2, 1))})
