@@ -4,7 +4,8 @@ primary weights (its state-dict names: te_state_dict_names).
 TE stores a module's delayed-scaling state as a pickle (a uint8 tensor) holding its recipe
 object and the tensors scale_fwd / amax_history_fwd / scale_bwd / amax_history_bwd; its fusible
 operations (ops.BasicLinear, ops.GroupedLinear) pickle {"forward": {recipe, scale_fwd, ...},
-"backward": {recipe, scale_bwd, ...}} with fewer columns per GEMM (_Layout). Unpickling
+"backward": {recipe, scale_bwd, ...}} with fewer columns per GEMM (_Layout); TE 1.13's
+operations pickled another form, not read (a warning where it holds trained values). Unpickling
 it could run arbitrary code, so it is read by an unpickler that knows only an allow-list:
 tensors (rebuilt from their bytes with torch.load(weights_only=True)), OrderedDict, and TE's
 recipe classes, rebuilt as inert records whose fields are read as plain values. Anything else,
@@ -168,7 +169,8 @@ _OP_LAYOUT = _Layout({"fwd": 2, "bwd": 1}, "another operation (ops.BasicLinear h
 
 
 class _MisfitState(ValueError):
-    """TE extra state that was read but belongs to another kind of module; the message says how."""
+    """TE extra state that was read but is not restored: another kind of module's, or a form
+    te-core does not read; the message says which."""
 
 
 def _check_gemm_count(module: str, gemms: int, state: dict, layout: _Layout) -> None:
@@ -239,6 +241,34 @@ def _flatten_op_state(state: dict) -> Optional[Tuple[dict, dict, _Layout]]:
     return flat, configs[0], _OP_LAYOUT._replace(per_gemm=per_gemm)
 
 
+# Transformer Engine 1.13's operations pickled one entry per quantizer kind (None for a kind they
+# lack), each with the scales of its direction(s) and no recipe. It is not read: 1.13 writes it
+# (scale 1, zero history) also for an operation that never ran FP8, so without a recipe there is
+# no telling the format its scales served; only state that training wrote is worth a warning.
+_TE_1_13_OP_KEYS = ("input", "param", "grad_output")
+
+
+def _is_te_1_13_op_state(state: dict) -> bool:
+    return any(key in state for key in _TE_1_13_OP_KEYS)
+
+
+def _te_1_13_holds_values(state: dict) -> bool:
+    """Whether TE 1.13's operation state holds delayed-scaling values other than the initial ones
+    (any scale other than 1, any amax other than 0); content that cannot be read counts as some."""
+    for entry in (state.get(key) for key in _TE_1_13_OP_KEYS):
+        if entry is None:
+            continue
+        if not isinstance(entry, dict):
+            return True
+        for suffix in _DIRECTIONS:
+            for key, initial in ((f"scale_{suffix}", 1.0), (f"amax_history_{suffix}", 0.0)):
+                value = entry.get(key)
+                if value is not None and not (isinstance(value, Tensor) and value.is_floating_point()
+                                              and bool((value == initial).all())):
+                    return True
+    return False
+
+
 def _keep_unsaved_slots(module, saved: dict, history: int) -> Dict[str, Dict[str, bool]]:
     """Fill in the slots of a direction the checkpoint holds no state for (a forward-only
     operation's), as TE's set_extra_state leaves that direction: as the module has it (its live
@@ -287,8 +317,9 @@ def holds_fp8_scales(state) -> bool:
     """Whether Transformer Engine extra state (its uint8 tensor, or TE 1.x's io.BytesIO) holds FP8
     scales, in a module's form or an operation's (per direction): not when empty, a pickled None
     (TE 2.0-2.3's for a module that never ran FP8), a pickled {} (TE 2.3-2.8's for an operation
-    without quantization state: a norm, Bias, an activation) or a stateless recipe's record;
-    content that cannot be read counts as holding some."""
+    without quantization state: a norm, Bias, an activation), a stateless recipe's record, or TE
+    1.13's operation state with only initial values (which 1.13 writes for operations that never ran
+    FP8); content that cannot be read counts as holding some."""
     try:
         if isinstance(state, io.BytesIO):
             state.seek(0)
@@ -299,9 +330,12 @@ def holds_fp8_scales(state) -> bool:
             state = read_te_extra_state(state.detach().cpu().contiguous().numpy().tobytes())
     except Exception:  # noqa: BLE001 - unreadable: the caller says it is not used
         return True
-    return isinstance(state, dict) and ("scale_fwd" in state or any(
-        isinstance(state.get(direction), dict) and f"scale_{suffix}" in state[direction]
-        for suffix, direction in _DIRECTIONS.items()))
+    if not isinstance(state, dict):
+        return False
+    if _is_te_1_13_op_state(state):
+        return _te_1_13_holds_values(state)
+    return "scale_fwd" in state or any(isinstance(state.get(direction), dict) and f"scale_{suffix}" in state[direction]
+                                       for suffix, direction in _DIRECTIONS.items())
 
 
 def _from_te(module, read) -> Optional[dict]:
@@ -314,7 +348,7 @@ def _from_te(module, read) -> Optional[dict]:
         # finds nothing to copy in either, and neither is an error
         if state is None or not slots:
             return None
-        if "scale_fwd" not in state:  # an operation's ({"forward": ..., "backward": ...}), or no scales
+        if "scale_fwd" not in state:  # an operation's ({"forward": ...}; TE 1.13's {"input": ...}), or no scales
             return _from_te_op(module, name, slots, state)
         recipe = state.get("recipe")  # (none in TE 1.x's)
         config = None if recipe is None else _recipe_config(recipe)
@@ -335,7 +369,14 @@ def _from_te(module, read) -> Optional[dict]:
 
 def _from_te_op(module, name: str, slots, state: dict) -> Optional[dict]:
     """_from_te for the state of one of TE's fusible operations (or of nothing: a stateless
-    recipe's, an empty dict); raises as _from_te's reading does."""
+    recipe's, an empty dict); raises as _from_te's reading does. TE 1.13's form is not read; it
+    warns where it holds values that training wrote."""
+    if _is_te_1_13_op_state(state):
+        if _te_1_13_holds_values(state):
+            raise _MisfitState("its extra state is Transformer Engine 1.13's operation state (one entry per "
+                               "quantizer: 'input', 'param', 'grad_output'), which te-core does not read: it "
+                               "records no recipe, so the format its delayed-scaling scales served is unknown")
+        return None
     op = _flatten_op_state(state)
     if op is None:
         return None

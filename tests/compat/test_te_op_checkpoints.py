@@ -232,3 +232,67 @@ def test_te_2_3_to_2_8_sequential_state_loads_silently(te_recipe):
     bias = ops.Bias(4)
     with pytest.raises(ValueError, match="ops.Bias: its _extra_state must be empty"):
         bias.load_state_dict({"bias": torch.zeros(4), "_extra_state": _te_extra_state(_op_state(te_recipe, 2, 1))})
+
+
+def _te_1_13_op_state(trained: bool, seed: int = 0, history: int = 1024) -> dict:
+    """What TE 1.13's BasicOperation.get_extra_state pickled for ops.BasicLinear: one entry per
+    quantizer kind with its direction's scale, scale_inv and amax history, and no recipe; untrained,
+    the initial values (scale 1, zero history of the default recipe's length) it writes also for an
+    operation that never ran FP8."""
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for mode, suffix in (("input", "fwd"), ("param", "fwd"), ("grad_output", "bwd")):
+        scale = torch.rand(1, generator=g) + 0.5 if trained else torch.ones(1)
+        amax = torch.rand(history, 1, generator=g) + 0.1 if trained else torch.zeros(history, 1)
+        state[mode] = {f"scale_{suffix}": scale, f"scale_inv_{suffix}": 1 / scale, f"amax_history_{suffix}": amax,
+                       "extra_fp8_variables": {}}
+    return state
+
+
+def test_trained_te_1_13_operation_state_warns_once_and_restores_nothing():
+    """TE 1.13's per-quantizer form records no recipe, so it is not read; holding trained values, it
+    warns once that the scales restart, and the next FP8 step is that of an operation never loaded."""
+    from te_core.compat.te_checkpoint import holds_fp8_scales
+
+    state = _te_extra_state(_te_1_13_op_state(trained=True, seed=6, history=HISTORY))
+    op, fresh = BasicLinear(IN, OUT), BasicLinear(IN, OUT)
+    with torch.no_grad():
+        fresh.weight.copy_(op.weight)
+    with pytest.warns(UserWarning, match="BasicLinear: its extra state is Transformer Engine 1.13's operation state "
+                                         ".*not read.*restart.*drop its '_extra_state' entry") as record:
+        _load(op, state)
+    assert len(record) == 1
+    assert op.quantization_state() == {"forward": {}, "backward": {}} and holds_fp8_scales(state)
+    x, dy = torch.randn(8, IN), torch.randn(8, OUT)
+    got = _step(op, x, dy)
+    _assert_same_step(got, _step(fresh, x, dy))
+    torch.testing.assert_close(got[0].double(), x.double() @ op.weight.detach().double().T, **E4M3)
+
+
+def test_untrained_te_1_13_operation_state_loads_silently():
+    """TE 1.13's initial values (scale 1, zero histories; None for a quantizer kind an operation
+    lacks, as its ops.Quantize's) load silently and restore nothing, and hold no FP8 scales for
+    holds_fp8_scales, so a stateless operation (ops.Bias) accepts them too. Any one value off its
+    initial one is trained state: the operation warns once, holds_fp8_scales says so, ops.Bias refuses it."""
+    from te_core.compat.te_checkpoint import holds_fp8_scales
+    from te_core.modules import fusible_ops as ops
+
+    untrained = _te_1_13_op_state(trained=False)
+    for state in [untrained, {**untrained, "param": None, "grad_output": None}]:
+        op = BasicLinear(IN, OUT)
+        _load_silently(op, state)
+        assert op.quantization_state() == {"forward": {}, "backward": {}}
+        assert not holds_fp8_scales(_te_extra_state(state))
+        _load_silently(ops.Bias(4), state)
+
+    for mode, key, index in [("input", "scale_fwd", 0), ("param", "amax_history_fwd", (1023, 0)),
+                             ("grad_output", "amax_history_bwd", (0, 0))]:
+        state = _te_1_13_op_state(trained=False)
+        state[mode][key][index] = torch.rand(()).item() + 0.25  # (never 1 nor 0)
+        assert holds_fp8_scales(_te_extra_state(state)), (mode, key)
+        op = BasicLinear(IN, OUT)
+        with pytest.warns(UserWarning, match="Transformer Engine 1.13's operation state") as record:
+            _load(op, state)
+        assert len(record) == 1 and op.quantization_state() == {"forward": {}, "backward": {}}
+        with pytest.raises(ValueError, match="ops.Bias: its _extra_state must be empty"):
+            _load(ops.Bias(4), state)
