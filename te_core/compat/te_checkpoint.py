@@ -297,7 +297,7 @@ def te_extra_state(module, tensor: Tensor) -> Optional[dict]:
     restored here (TE 1.x's, _restore_unrecorded_format), or unusable (then the scales restart,
     with a warning)."""
     if tensor.numel() == 0:
-        return None  # TE's "no FP8 state"
+        return None  # TE's "no FP8 state" (uint8; TE 1.13's operations' float32)
     return _from_te(module, lambda: read_te_extra_state(tensor.detach().cpu().contiguous().numpy().tobytes()))
 
 
@@ -315,7 +315,8 @@ def te_bytesio_extra_state(module, buffer: io.BytesIO) -> Optional[dict]:
 
 def holds_fp8_scales(state) -> bool:
     """Whether Transformer Engine extra state (its uint8 tensor, or TE 1.x's io.BytesIO) holds FP8
-    scales, in a module's form or an operation's (per direction): not when empty, a pickled None
+    scales, in a module's form or an operation's (per direction): not when empty (of any dtype: TE
+    1.13's operations write a float32 torch.Tensor() for "no FP8 state"), a pickled None
     (TE 2.0-2.3's for a module that never ran FP8), a pickled {} (TE 2.3-2.8's for an operation
     without quantization state: a norm, Bias, an activation), a stateless recipe's record, or TE
     1.13's operation state with only initial values (which 1.13 writes for operations that never ran

@@ -326,7 +326,9 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, TransformerEngin
         from ..compat.te_checkpoint import holds_fp8_scales
 
         state = extra_state_bytes.from_text(state)  # (te_core.distributed.state_dict's form)
-        te_form = (isinstance(state, Tensor) and state.dtype == torch.uint8) or isinstance(state, io.BytesIO)
+        # (any empty tensor is TE's "no state": TE 1.13's operations write a float32 torch.Tensor())
+        te_form = (isinstance(state, Tensor) and (state.dtype == torch.uint8 or state.numel() == 0)) \
+            or isinstance(state, io.BytesIO)
         if te_form and holds_fp8_scales(state):
             warnings.warn("DotProductAttention: the checkpoint's FP8 attention state is not used; te-core "
                           "computes attention in high precision", UserWarning, stacklevel=2)

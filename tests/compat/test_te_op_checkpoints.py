@@ -296,3 +296,112 @@ def test_untrained_te_1_13_operation_state_loads_silently():
         assert len(record) == 1 and op.quantization_state() == {"forward": {}, "backward": {}}
         with pytest.raises(ValueError, match="ops.Bias: its _extra_state must be empty"):
             _load(ops.Bias(4), state)
+
+
+def _te_1_13_empty() -> torch.Tensor:
+    """What TE 1.13's BasicOperation.get_extra_state returns for an operation without FP8 state:
+    torch.Tensor(), an empty float32 tensor (later versions: an empty uint8 one)."""
+    return torch.Tensor()
+
+
+@pytest.mark.parametrize("linear_state", ["empty", "initial"])
+def test_te_1_13_sequential_state_loads_strictly_and_silently(linear_state):
+    """A TE 1.13 Sequential checkpoint: its norm, Bias and SwiGLU write torch.Tensor() (float32,
+    empty) as `_extra_state`, its BasicLinears that or their initial per-quantizer state (which
+    1.13 writes for an operation that never ran FP8). It loads strictly and silently, and computes
+    float64's chain on the saved weights."""
+    from te_core.compat.te_checkpoint import holds_fp8_scales
+    from te_core.modules import fusible_ops as ops
+
+    def chain():
+        return ops.Sequential(ops.RMSNorm(IN), BasicLinear(IN, 2 * OUT), ops.Bias(2 * OUT), ops.SwiGLU(),
+                              BasicLinear(OUT, IN))
+
+    torch.manual_seed(11)
+    src = chain()
+    with torch.no_grad():
+        for p in src.parameters():
+            p.copy_(torch.randn(p.shape) * 0.5)
+        src[0].weight.add_(1.0)  # (a norm weight around 1)
+    linear = _te_1_13_empty() if linear_state == "empty" else _te_extra_state(_te_1_13_op_state(trained=False))
+    sd = {k: v for k, v in src.state_dict().items() if not k.endswith("_extra_state")}
+    for i in range(4):  # (1.13's norms are operations and write one too)
+        sd[f"{i}._extra_state"] = _te_1_13_empty()
+    for i in (1, 4):
+        sd[f"{i}._extra_state"] = linear
+    assert not holds_fp8_scales(_te_1_13_empty())
+    dst = chain()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dst.load_state_dict(sd)  # strict
+    assert all(op.quantization_state() == {"forward": {}, "backward": {}} for op in (dst[1], dst[4]))
+
+    x = torch.randn(8, IN)
+    w = {k: v.double() for k, v in src.state_dict().items() if not k.endswith("_extra_state")}
+    h = x.double()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + dst[0].eps) * w["0.weight"]
+    a, b = (h @ w["1.weight"].T + w["2.bias"]).chunk(2, dim=-1)
+    want = (a * torch.sigmoid(a) * b) @ w["4.weight"].T
+    with torch.no_grad():
+        torch.testing.assert_close(dst(x).double(), want, rtol=1.3e-6, atol=1e-5)
+
+
+def _norm_want(norm, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    h = x.double()
+    if isinstance(norm, te.LayerNorm):
+        h = h - h.mean(-1, keepdim=True)
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps) * weight.double() + bias.double()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps) * weight.double()
+
+
+@pytest.mark.parametrize("make", [lambda: te.LayerNorm(IN), lambda: te.RMSNorm(IN), lambda: te.Linear(IN, OUT),
+                                  lambda: BasicLinear(IN, OUT)], ids=["LayerNorm", "RMSNorm", "Linear", "BasicLinear"])
+def test_modules_take_te_1_13_empty_float32_extra_state(make):
+    """te.LayerNorm, te.RMSNorm, te.Linear and ops.BasicLinear load TE 1.13's empty float32
+    `_extra_state` strictly and silently, with their saved weights (float64's output); a non-empty
+    float32 one is still refused, with the error they give it."""
+    torch.manual_seed(12)
+    module = make()
+    params = {k: torch.randn(v.shape) * 0.5 + (1.0 if k == "weight" and v.dim() == 1 else 0.0)
+              for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module.load_state_dict({**params, "_extra_state": _te_1_13_empty()})  # strict
+    x = torch.randn(8, IN)
+    if isinstance(module, (te.LayerNorm, te.RMSNorm)):
+        want = _norm_want(module, x, params["weight"], params.get("bias"))
+        refusal = "Unexpected key.*_extra_state"
+    else:
+        assert module.quantization_state() == {"forward": {}, "backward": {}}
+        want = x.double() @ params["weight"].double().T + params.get("bias", torch.zeros(OUT)).double()
+        refusal = "unrecognised extra state Tensor"
+    with torch.no_grad():
+        torch.testing.assert_close(module(x).double(), want, rtol=1.3e-6, atol=1e-5)
+    with pytest.raises((RuntimeError, ValueError), match=refusal):
+        make().load_state_dict({**params, "_extra_state": torch.randn(5)})
+
+
+def test_attention_and_stateless_operations_take_te_1_13_empty_float32_extra_state():
+    """DotProductAttention and the stateless operations (ops.Bias) take TE 1.13's empty float32
+    `_extra_state` as "no state", and still refuse a non-empty float32 one."""
+    from te_core.modules import fusible_ops as ops
+
+    torch.manual_seed(13)
+    attention = te.DotProductAttention(2, 8, attn_mask_type="no_mask")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attention.load_state_dict({"_extra_state": _te_1_13_empty()})
+    q, k, v = (torch.randn(6, 3, 2, 8) for _ in range(3))  # sbhd
+    d = [t.double().permute(1, 2, 0, 3) for t in (q, k, v)]
+    want = torch.softmax(d[0] @ d[1].transpose(-1, -2) / 8 ** 0.5, dim=-1) @ d[2]
+    torch.testing.assert_close(attention(q, k, v).double(), want.permute(2, 0, 1, 3).reshape(6, 3, 16),
+                               rtol=1.3e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="DotProductAttention: unrecognised extra state Tensor"):
+        attention.load_state_dict({"_extra_state": torch.randn(5)})
+
+    bias, b = ops.Bias(4), torch.randn(4)
+    bias.load_state_dict({"bias": b, "_extra_state": _te_1_13_empty()})
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(bias(x).double(), x.double() + b.double(), rtol=1.3e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="ops.Bias: its _extra_state must be empty"):
+        bias.load_state_dict({"bias": b, "_extra_state": torch.randn(5)})

@@ -45,6 +45,7 @@ class EmptyExtraState:
         return torch.empty(0, dtype=torch.uint8)
 
     def set_extra_state(self, state) -> None:
+        # (empty of any dtype: TE 1.13 writes torch.Tensor(), a float32 one, later versions uint8)
         if state is None or (isinstance(state, Tensor) and state.numel() == 0):
             return
         from ...compat.te_checkpoint import holds_fp8_scales
