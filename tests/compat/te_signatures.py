@@ -198,4 +198,40 @@ SIGNATURES = {
         'params': REQUIRED, 'lr': REQUIRED, 'momentum': 0.0, 'dampening': 0.0, 'weight_decay': 0.0, 'nesterov': False,
         'wd_after_momentum': False, 'materialize_master_grads': True, 'set_grad_none': None,
     },
+    # transformer_engine.pytorch.ops (te_core.modules.fusible_ops), the operations te-core provides.
+    # Their forwards are (input, *extra_inputs, **op_kwargs): only the arguments listed below have
+    # names; an operation given op_kwargs it does not read raises TypeError in TE and te-core alike.
+    ('ops.Sequential', 'forward'): {'input': REQUIRED, 'op_kwargs': None},
+    ('ops.BasicLinear', '__init__'): {
+        'in_features': REQUIRED, 'out_features': REQUIRED, 'device': None, 'dtype': None,
+        'tensor_parallel_mode': None, 'tensor_parallel_group': None, 'sequence_parallel': False,
+        'rng_state_tracker_function': None, 'accumulate_into_main_grad': False, 'userbuffers_options': None,
+    },
+    ('ops.GroupedLinear', '__init__'): {
+        'num_groups': REQUIRED, 'in_features': REQUIRED, 'out_features': REQUIRED, 'bias': True, 'device': None,
+        'dtype': None, 'rng_state_tracker_function': None, 'accumulate_into_main_grad': False,
+        'single_grouped_weight': False, 'single_grouped_bias': False, 'delay_wgrad_compute': False,
+        'scale_bias': False,
+    },
+    # the op_kwargs its fuser_forward reads (OUTPUT_BUFFER_KEY, GRAD_INPUT_BUFFER_KEY)
+    ('ops.GroupedLinear', 'forward'): {'input': REQUIRED, 'output': None, 'grad_input': None},
+    ('ops.Bias', '__init__'): {
+        'size': REQUIRED, 'device': None, 'dtype': None, 'tensor_parallel': False, 'tensor_parallel_group': None,
+    },
+    ('ops.LayerNorm', '__init__'): {
+        'normalized_shape': REQUIRED, 'eps': 1e-05, 'device': None, 'dtype': None, 'zero_centered_gamma': False,
+        'sm_margin': 0,
+    },
+    ('ops.RMSNorm', '__init__'): {
+        'normalized_shape': REQUIRED, 'eps': 1e-05, 'device': None, 'dtype': None, 'zero_centered_gamma': False,
+        'sm_margin': 0,
+    },
+    **{('ops.' + name, '__init__'): {'cache_quantized_input': False}
+       for name in ('GELU', 'ReLU', 'SiLU', 'GEGLU', 'ReGLU')},
+    ('ops.SwiGLU', '__init__'): {'cache_quantized_input': False, 'glu_interleave_size': None},
+    ('ops.ScaledSwiGLU', '__init__'): {'glu_interleave_size': None, 'activation_recompute_in_mlp': False},
+    ('ops.AllReduce', '__init__'): {'process_group': None, 'reduce_in_backward': True},
+    ('ops.ReduceScatter', '__init__'): {'process_group': None},
+    ('ops.AllGather', '__init__'): {'process_group': None},
+    ('ops.MakeExtraOutput', '__init__'): {'in_place': False},
 }

@@ -3,7 +3,8 @@
 For every argument of TE 2.x's public modules and functions (te_signatures.py): either te-core
 implements it, and a behavioural test names it (IMPLEMENTED: the test file whose test functions
 use the argument), or passing a value other than TE's default raises NotImplementedError whose
-message names the argument.
+message names the argument (or, where TE itself refuses the value, TE's exception: REJECTED_AS_BY_TE).
+Owners "ops.X" are TE's fusible operations (transformer_engine.pytorch.ops), te_core.modules.fusible_ops.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import te_core as te
+from te_core.modules import fusible_ops as te_ops
 
 from .te_signatures import REQUIRED, SIGNATURES
 
@@ -23,6 +25,9 @@ MODULES, ATTN, COMPAT = "modules/", "modules/test_attention.py", "compat/test_te
 DIST = "distributed/"
 OPTIMIZERS = "optimizers/test_fused_optimizers.py"
 COMPACT_STATES = "optimizers/test_fused_adam_compact_states.py"
+OPS_MEGATRON, OPS_SUBSET = "compat/test_te_ops_megatron.py", "compat/test_te_ops_subset.py"
+OPS_ARGUMENTS, FUSIBLE_OPS = "compat/test_te_ops_arguments.py", MODULES + "test_fusible_ops.py"
+OPS_TP = DIST + "test_te_ops_tp.py"
 TENSOR_PARALLEL = {"sequence_parallel": DIST + "test_errors.py", "tp_group": DIST + "test_errors.py",
                    "tp_size": DIST + "test_errors.py", "get_rng_state_tracker": DIST + "test_rng_tracker.py"}
 ATTENTION_PARALLEL = {name: DIST + "test_attention_parallel.py" for name in (
@@ -217,7 +222,33 @@ IMPLEMENTED = {
     ("FusedSGD", "__init__"): {name: OPTIMIZERS for name in (
         "momentum", "dampening", "weight_decay", "nesterov", "wd_after_momentum", "set_grad_none",
         "materialize_master_grads")},
+    **{(owner, "__init__"): {"device": OPS_MEGATRON, "dtype": FUSIBLE_OPS, "eps": FUSIBLE_OPS,
+                             "zero_centered_gamma": OPS_MEGATRON, "sm_margin": OPS_ARGUMENTS}
+       for owner in ("ops.LayerNorm", "ops.RMSNorm")},
+    ("ops.BasicLinear", "__init__"): {
+        "device": OPS_MEGATRON, "dtype": FUSIBLE_OPS, "accumulate_into_main_grad": OPS_MEGATRON,
+        "rng_state_tracker_function": OPS_ARGUMENTS,
+        **{name: OPS_TP for name in ("tensor_parallel_mode", "tensor_parallel_group", "sequence_parallel")},
+    },
+    ("ops.GroupedLinear", "__init__"): {
+        "bias": OPS_SUBSET, "device": OPS_SUBSET, "dtype": FUSIBLE_OPS, "accumulate_into_main_grad": OPS_SUBSET,
+        "delay_wgrad_compute": OPS_SUBSET,
+        **{name: OPS_ARGUMENTS for name in (
+            "rng_state_tracker_function", "single_grouped_weight", "single_grouped_bias")},
+    },
+    ("ops.Bias", "__init__"): {"device": OPS_MEGATRON, "dtype": FUSIBLE_OPS, "tensor_parallel": OPS_TP,
+                               "tensor_parallel_group": OPS_TP},
+    ("ops.SwiGLU", "__init__"): {"glu_interleave_size": OPS_SUBSET},
+    ("ops.ScaledSwiGLU", "__init__"): {"glu_interleave_size": OPS_SUBSET},
+    ("ops.AllReduce", "__init__"): {"process_group": OPS_TP, "reduce_in_backward": OPS_TP},
+    ("ops.ReduceScatter", "__init__"): {"process_group": OPS_TP},
+    ("ops.AllGather", "__init__"): {"process_group": OPS_TP},
+    ("ops.MakeExtraOutput", "__init__"): {"in_place": OPS_MEGATRON},
 }
+
+# TE arguments whose values other than the default TE itself refuses: te-core refuses them with TE's
+# exception class, its message naming the argument.
+REJECTED_AS_BY_TE = {("ops.ScaledSwiGLU", "__init__"): {"activation_recompute_in_mlp": ValueError}}
 
 # TE arguments that are not te-core's to implement nor to reject: checkpoint() passes **kwargs on
 # to the function it runs, as TE's does.
@@ -284,6 +315,19 @@ CALLS = {
     "Fp8Unpadding": _module_call(lambda **kw: te.Fp8Unpadding(2, **kw), lambda: (_x(32, 8), [2, 2])),
     "FusedAdam": (lambda **kw: te.optimizers.FusedAdam([torch.nn.Parameter(_x(4))], **kw), None),
     "FusedSGD": (lambda **kw: te.optimizers.FusedSGD([torch.nn.Parameter(_x(4))], lr=0.1, **kw), None),
+    # transformer_engine.pytorch.ops: te_core.modules.fusible_ops (te.ops is the backends' op registry)
+    "ops.Sequential": (None, lambda **kw: te_ops.Sequential(te_ops.GELU())(_x(4, 8), **kw)),
+    "ops.BasicLinear": _module_call(lambda **kw: te_ops.BasicLinear(8, 8, **kw), lambda: (_x(4, 8),)),
+    "ops.GroupedLinear": _module_call(lambda **kw: te_ops.GroupedLinear(2, 8, 8, **kw),
+                                      lambda: (_x(4, 8), torch.tensor([2, 2]))),
+    "ops.Bias": _module_call(lambda **kw: te_ops.Bias(8, **kw), lambda: (_x(4, 8),)),
+    "ops.LayerNorm": _module_call(lambda **kw: te_ops.LayerNorm(8, **kw), lambda: (_x(4, 8),)),
+    "ops.RMSNorm": _module_call(lambda **kw: te_ops.RMSNorm(8, **kw), lambda: (_x(4, 8),)),
+    **{f"ops.{name}": _module_call(lambda name=name, **kw: getattr(te_ops, name)(**kw), lambda: (_x(4, 8),))
+       for name in ("GELU", "ReLU", "SiLU", "GEGLU", "ReGLU", "SwiGLU", "MakeExtraOutput")},
+    "ops.ScaledSwiGLU": _module_call(lambda **kw: te_ops.ScaledSwiGLU(**kw), lambda: (_x(4, 8), _x(4))),
+    **{f"ops.{name}": (lambda name=name, **kw: getattr(te_ops, name)(**kw), None)
+       for name in ("AllReduce", "ReduceScatter", "AllGather")},
 }
 
 
@@ -297,22 +341,34 @@ def _cases():
             yield pytest.param(owner, method, arg, default, id=f"{owner}.{method}.{arg}")
 
 
+def _names_in(fn: ast.AST) -> set:
+    names = set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.keyword) and node.arg:
+            names.add(node.arg)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.add(node.value)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+    return names
+
+
 @lru_cache(maxsize=None)
 def _names_used_in_tests(path: str) -> frozenset:
-    """Every identifier, keyword-argument name and string constant inside test functions of `path`."""
+    """Every identifier, keyword-argument name and string constant inside test functions of `path`
+    and inside the module's functions they name (the helpers that distributed tests run on each rank)."""
     tree = ast.parse((TESTS / path).read_text())
-    names = set()
-    for fn in ast.walk(tree):
-        if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test"):
-            for node in ast.walk(fn):
-                if isinstance(node, ast.Name):
-                    names.add(node.id)
-                elif isinstance(node, ast.keyword) and node.arg:
-                    names.add(node.arg)
-                elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                    names.add(node.value)
-                elif isinstance(node, ast.Attribute):
-                    names.add(node.attr)
+    helpers = {fn.name: fn for fn in tree.body if isinstance(fn, ast.FunctionDef)}
+    todo = [fn for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test")]
+    names, seen = set(), set()
+    while todo:
+        fn = todo.pop()
+        seen.add(fn.name)
+        found = _names_in(fn)
+        names |= found
+        todo += [helpers[name] for name in found if name in helpers and name not in seen]
     return frozenset(names)
 
 
@@ -327,7 +383,7 @@ def test_argument_implemented_or_rejected(owner, method, arg, default):
     construct, call = CALLS[owner]
     run = construct if method in ("__init__",) and construct is not None else call
     value = _probe(arg, default)
-    with pytest.raises(NotImplementedError, match=arg):
+    with pytest.raises(REJECTED_AS_BY_TE.get((owner, method), {}).get(arg, NotImplementedError), match=arg):
         run(**{arg: value})
 
 

@@ -121,7 +121,8 @@ def test_all_gather_forward_and_backward(pool):
 
 def _groups_of_one_and_the_world(ctx):
     """Over a group of one rank each collective is the identity (gradient included); without a
-    group they run over the world's ranks (AllReduce: the sum of all four ranks' inputs)."""
+    group they run over the world's ranks (AllReduce: the sum of all four ranks' inputs, its gradient
+    passed on unchanged whatever reduce_in_backward says, as in TE)."""
     alone = [dist.new_group([r]) for r in range(ctx.world)][ctx.rank]  # (every rank creates every group)
     inputs = [torch.randn(4, IN, generator=torch.Generator().manual_seed(20 + r)) for r in range(ctx.world)]
     x = inputs[ctx.rank].clone().requires_grad_()
@@ -132,9 +133,12 @@ def _groups_of_one_and_the_world(ctx):
         assert torch.equal(y, x) and op.process_group_size == 1
         y.backward(dy)
         assert torch.equal(x.grad, dy)
-    world = AllReduce()
-    summed = world(x)
-    torch.testing.assert_close(summed.double(), sum(t.double() for t in inputs), **FP32)
+    for reduce_in_backward in (True, False):  # TE's flag changes nothing: the gradient passes on either way
+        world, x.grad = AllReduce(reduce_in_backward=reduce_in_backward), None
+        summed = world(x)
+        torch.testing.assert_close(summed.double(), sum(t.double() for t in inputs), **FP32)
+        summed.backward(dy)
+        assert torch.equal(x.grad, dy)
     return world.process_group_size
 
 
