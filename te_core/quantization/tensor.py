@@ -476,20 +476,23 @@ def _into_out(func, args, kwargs):
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 
-_FILLS = (aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default)  # (torch decides which take an overlap)
+# (torch decides which take an overlap; it has no foreach fill_, and its _foreach_zero_ takes one)
+_FILLS = (aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default, aten._foreach_zero_.default)
 
 
 def _mutate(func, args, kwargs):
     """In-place op on quantized tensor(s): run it on dequantized copies, then requantize them."""
     target = args[0]
-    targets = list(target) if isinstance(target, (list, tuple)) else [target]
+    many = isinstance(target, (list, tuple))
+    targets = list(target) if many else [target]
     copies = [_dequantized(t) for t in targets]
-    hp_first = copies if isinstance(target, (list, tuple)) else copies[0]
+    hp_first = copies if many else copies[0]
     rest = tree_map(_dequantized, args[1:])
     rest_kwargs = tree_map(_dequantized, kwargs)
     func(hp_first, *rest, **rest_kwargs)
-    # a fill may write through an overlapping view (an expand), as torch's does (write_back._put)
-    fill = (lambda region: func(region, *rest, **rest_kwargs)) if func in _FILLS else None
+    # a fill may write through an overlapping view (an expand), as torch's does (write_back._put);
+    # a foreach fill is the same fill on each region
+    fill = (lambda region: func([region] if many else region, *rest, **rest_kwargs)) if func in _FILLS else None
     requantize_all([(t, hp) for t, hp in zip(targets, copies) if isinstance(t, QuantizedTensor)], fill)
     # in-place foreach ops (a foreach optimizer step) return nothing, and torch checks that
     return target if func._schema.returns else None

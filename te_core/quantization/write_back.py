@@ -34,7 +34,7 @@ def requantize_all(pairs, fill: Optional[Callable[[Tensor], Any]] = None) -> Non
     quantizer. A quantizer class with a `quantize_batch([(quantizer, hp, columnwise)])`
     staticmethod quantizes all of its tensors in one call: a foreach optimizer step updates
     every parameter in one op, and the FSDP2 shard quantizer then reduces every shard's amax in
-    one collective instead of one per weight. `fill`: the fill op (fill_, zero_) that made hp,
+    one collective instead of one per weight. `fill`: the fill op (fill_, zero_, _foreach_zero_) that made hp,
     for a view whose elements overlap (see _put)."""
     requantize_with([(t, hp, t._quantizer) for t, hp in pairs], fill)
 
@@ -80,7 +80,7 @@ def requantize_with(items, fill: Optional[Callable[[Tensor], Any]] = None) -> No
 
 def _put(link: ViewLink, value: Tensor, hp: Tensor, fill: Optional[Callable[[Tensor], Any]]) -> None:
     """Write a view's new value `hp` into `value`, its parent's. Where several of the view's elements
-    are one element of the parent (an expand) torch refuses every write but a fill (fill_, zero_),
+    are one element of the parent (an expand) torch refuses every write but a fill (fill_, zero_, _foreach_zero_),
     which gives them all one value: such a fill is done on the view's region of `value`, where
     torch takes it. Other writes (index_put_, masked_fill_, which torch takes with a deprecation
     warning) would write the shared elements one after another, which a requantized value has
@@ -91,8 +91,8 @@ def _put(link: ViewLink, value: Tensor, hp: Tensor, fill: Optional[Callable[[Ten
         return
     raise RuntimeError(f"an in-place write through an expanded (or otherwise self-overlapping) view of a "
                        f"{type(link.parent).__name__}: several of its elements are one element of the tensor it "
-                       "views, so torch refuses this write too (it takes only fill_ of a number, and zero_); "
-                       "write into that tensor (or a slice of it) instead, or clone() the view first")
+                       "views, so torch refuses this write too (it takes only fill_ of a number, zero_ and "
+                       "_foreach_zero_); write into that tensor (or a slice of it) instead, or clone() the view first")
 
 
 def _refused_overlap(write: Callable[[], Any]) -> bool:

@@ -1,7 +1,7 @@
 """fill_ and zero_ through a view whose elements overlap (an expand, an expand of a view, an
 as_strided with a zero stride) write into the quantized tensor it views, as torch's do: every
-shared element takes the one value, so torch allows them. Every other in-place write through
-such a view raises, as torch's does. te-core refused the fills too."""
+shared element takes the one value, so torch allows them, and torch._foreach_zero_. Every other
+in-place write through such a view raises, as torch's does. te-core refused the fills too."""
 from __future__ import annotations
 
 import pytest
@@ -27,6 +27,9 @@ REFUSED = {
     "add_": lambda v: v.add_(1.0),
     "mul_": lambda v: v.mul_(2.0),
     "copy_": lambda v: v.copy_(torch.full(v.shape, 0.5, dtype=v.dtype)),
+    "_foreach_add_": lambda v: torch._foreach_add_([v], 1.0),
+    "_foreach_mul_": lambda v: torch._foreach_mul_([v], 0.0),
+    "_foreach_copy_": lambda v: torch._foreach_copy_([v], [torch.full(v.shape, 0.5, dtype=v.dtype)]),
 }
 
 
@@ -81,3 +84,31 @@ def test_a_fill_with_a_tensor_value_through_an_expand_does_as_torch(kind, gen):
     t[0:1].expand(4, COLS).fill_(value)
     scale = model.abs().max()
     torch.testing.assert_close(t.dequantize().double() / scale, model / scale, rtol=0.125, atol=0.0675)
+
+
+def _on_the_grid(gen) -> torch.Tensor:
+    """Values every format requantizes to themselves after a zero: E4M3 values within 6 and one 7
+    (a current scale of 448 / 7 = 64, a power of two) in the corner no view here writes, so that
+    the amax, hence the current scale, stays."""
+    x = randn(gen, ROWS, COLS, scale=2.0).clamp(-6, 6).to(torch.float8_e4m3fn).float()
+    x[-1, -1] = 7.0
+    return x
+
+
+@pytest.mark.parametrize("view", list(OVERLAPPING))
+@pytest.mark.parametrize("kind", list(QUANTIZERS))
+def test_foreach_zero_through_overlapping_views_does_as_torch(kind, view, gen):
+    """torch._foreach_zero_ (what optimizer.zero_grad(set_to_none=False) calls) zeroes each tensor
+    as zero_ does, an expand too (torch has no foreach fill_): here views of two quantized tensors,
+    a quantized tensor and a plain one in one list, against torch's on the dequantized values."""
+    t, other, whole = (QUANTIZERS[kind]()(_on_the_grid(gen)) for _ in range(3))
+    plain = randn(gen, 3, 5)
+    models = [q.dequantize().double() for q in (t, other, whole)]
+    befores = [m.clone() for m in models]
+    torch._foreach_zero_([OVERLAPPING[view](models[0]), models[1][9:10].expand(3, COLS), models[2]])  # (torch takes it)
+    torch._foreach_zero_([OVERLAPPING[view](t), other[9:10].expand(3, COLS), whole, plain])
+    for q, model, before in zip((t, other, whole), models, befores):
+        got = q.dequantize().double()
+        assert not torch.equal(got, before), "the zero was lost"
+        assert torch.equal(got, model)
+    assert torch.equal(plain, torch.zeros(3, 5))
