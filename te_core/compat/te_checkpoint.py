@@ -292,6 +292,13 @@ def _keep_unsaved_slots(module, saved: dict, history: int) -> Dict[str, Dict[str
     return fresh
 
 
+def is_te_tensor_form(state) -> bool:
+    """Whether `state` is Transformer Engine's extra state as a tensor: its pickle in a uint8 tensor,
+    or an empty tensor of any dtype, its "no FP8 state" (TE 1.13's operations write torch.Tensor(), a
+    float32 one)."""
+    return isinstance(state, Tensor) and (state.dtype == torch.uint8 or state.numel() == 0)
+
+
 def te_extra_state(module, tensor: Tensor) -> Optional[dict]:
     """te-core's extra state for `module` from TE's serialized one, or None: nothing to restore,
     restored here (TE 1.x's, _restore_unrecorded_format), or unusable (then the scales restart,

@@ -36,10 +36,10 @@ def accept_te_norm_extra_state(module, state_dict, prefix, *_):
     `_extra_state` entry (empty: uint8, or TE 1.13's float32 torch.Tensor(); or TE 2.3-2.8's pickled
     {}, without FP8 state), which te-core's norms have no use for; one that holds FP8 scales is
     dropped with a warning. A non-empty tensor of another dtype is left for load_state_dict to refuse."""
-    from .te_checkpoint import holds_fp8_scales
+    from .te_checkpoint import holds_fp8_scales, is_te_tensor_form
 
     state = state_dict.get(prefix + "_extra_state")
-    if isinstance(state, Tensor) and (state.dtype == torch.uint8 or state.numel() == 0):
+    if is_te_tensor_form(state):
         del state_dict[prefix + "_extra_state"]
         if holds_fp8_scales(state):
             warnings.warn(f"{type(module).__name__}: the checkpoint's Transformer Engine extra state is not used "

@@ -396,12 +396,12 @@ class QuantizedModule(DeferredInit, TransformerEngineBaseModule):
         return extra_state_bytes.encode(extra_state(self._recipe_state))
 
     def set_extra_state(self, state) -> None:
+        from ..compat.te_checkpoint import is_te_tensor_form
+
         state = extra_state_bytes.from_text(state)  # (te_core.distributed.state_dict's form)
         if extra_state_bytes.is_encoded(state):
             state = extra_state_bytes.decode(state, type(self).__name__)
-        elif isinstance(state, Tensor) and (state.dtype == torch.uint8 or state.numel() == 0):
-            # Transformer Engine's serialized form; any empty tensor is its "no FP8 state" (TE 1.13's
-            # operations write torch.Tensor(), a float32 one)
+        elif is_te_tensor_form(state):  # Transformer Engine's serialized form
             from ..compat.te_checkpoint import te_extra_state
 
             state = te_extra_state(self, state)

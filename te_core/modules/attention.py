@@ -323,12 +323,10 @@ class DotProductAttention(AttentionParallelMixin, DeferredInit, TransformerEngin
     def set_extra_state(self, state) -> None:
         """Accepts Transformer Engine's extra state: empty, or FP8-attention scales, which
         te-core has no use for (it computes attention in high precision), so it warns."""
-        from ..compat.te_checkpoint import holds_fp8_scales
+        from ..compat.te_checkpoint import holds_fp8_scales, is_te_tensor_form
 
         state = extra_state_bytes.from_text(state)  # (te_core.distributed.state_dict's form)
-        # (any empty tensor is TE's "no state": TE 1.13's operations write a float32 torch.Tensor())
-        te_form = (isinstance(state, Tensor) and (state.dtype == torch.uint8 or state.numel() == 0)) \
-            or isinstance(state, io.BytesIO)
+        te_form = is_te_tensor_form(state) or isinstance(state, io.BytesIO)
         if te_form and holds_fp8_scales(state):
             warnings.warn("DotProductAttention: the checkpoint's FP8 attention state is not used; te-core "
                           "computes attention in high precision", UserWarning, stacklevel=2)

@@ -195,28 +195,31 @@ def test_forward_only_operation_state_keeps_the_live_backward_state(te_recipe):
     assert all(torch.equal(got["backward"]["grad_output"][k], v) for k, v in before.items())
 
 
-def test_te_2_3_to_2_8_sequential_state_loads_silently(te_recipe):
-    """TE 2.3-2.8 pickle {} as the extra state of every operation without quantization state (a
-    norm, Bias, SwiGLU; later versions write an empty tensor), so each `_extra_state` of their
-    Sequential is non-empty: it loads strictly and silently, and the loaded Sequential computes
-    float64's chain on the saved weights. Extra state that holds scales is still refused by Bias."""
+def _chain():
+    """RMSNorm, BasicLinear, Bias, SwiGLU, BasicLinear: a Sequential as TE's checkpoints below hold one."""
     from te_core.modules import fusible_ops as ops
 
-    def chain():
-        return ops.Sequential(ops.RMSNorm(IN), BasicLinear(IN, 2 * OUT), ops.Bias(2 * OUT), ops.SwiGLU(),
-                              BasicLinear(OUT, IN))
+    return ops.Sequential(ops.RMSNorm(IN), BasicLinear(IN, 2 * OUT), ops.Bias(2 * OUT), ops.SwiGLU(),
+                          BasicLinear(OUT, IN))
 
-    torch.manual_seed(7)
-    src = chain()
+
+def _sequential_with_weights():
+    """_chain() with random weights (the norm's around 1)."""
+    src = _chain()
     with torch.no_grad():
         for p in src.parameters():
             p.copy_(torch.randn(p.shape) * 0.5)
-        src[0].weight.add_(1.0)  # (a norm weight around 1)
-    sd = {k: _te_extra_state({}) if k.endswith("_extra_state") else v for k, v in src.state_dict().items()}
-    sd["0._extra_state"] = _te_extra_state({})  # (TE's norms are operations and write one)
-    dst = chain()
+        src[0].weight.add_(1.0)
+    return src
+
+
+def _assert_loads_strictly_and_silently(src, sd) -> None:
+    """`sd` (src's weights, TE's extra state) loads into a new _chain() strictly with warnings as
+    errors (no norm entry reads as "extra state that is not used"), restores no FP8 state, and
+    the loaded chain computes float64's chain on src's weights."""
+    dst = _chain()
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # (the norm's entry is not "extra state that is not used")
+        warnings.simplefilter("error")
         dst.load_state_dict(sd)  # strict
     assert all(op.quantization_state() == {"forward": {}, "backward": {}} for op in (dst[1], dst[4]))
 
@@ -228,6 +231,20 @@ def test_te_2_3_to_2_8_sequential_state_loads_silently(te_recipe):
     want = (a * torch.sigmoid(a) * b) @ w["4.weight"].T
     with torch.no_grad():
         torch.testing.assert_close(dst(x).double(), want, rtol=1.3e-6, atol=1e-5)
+
+
+def test_te_2_3_to_2_8_sequential_state_loads_silently(te_recipe):
+    """TE 2.3-2.8 pickle {} as the extra state of every operation without quantization state (a
+    norm, Bias, SwiGLU; later versions write an empty tensor), so each `_extra_state` of their
+    Sequential is non-empty: it loads strictly and silently, and the loaded Sequential computes
+    float64's chain on the saved weights. Extra state that holds scales is still refused by Bias."""
+    from te_core.modules import fusible_ops as ops
+
+    torch.manual_seed(7)
+    src = _sequential_with_weights()
+    sd = {k: _te_extra_state({}) if k.endswith("_extra_state") else v for k, v in src.state_dict().items()}
+    sd["0._extra_state"] = _te_extra_state({})  # (TE's norms are operations and write one)
+    _assert_loads_strictly_and_silently(src, sd)
 
     bias = ops.Bias(4)
     with pytest.raises(ValueError, match="ops.Bias: its _extra_state must be empty"):
@@ -311,18 +328,9 @@ def test_te_1_13_sequential_state_loads_strictly_and_silently(linear_state):
     1.13 writes for an operation that never ran FP8). It loads strictly and silently, and computes
     float64's chain on the saved weights."""
     from te_core.compat.te_checkpoint import holds_fp8_scales
-    from te_core.modules import fusible_ops as ops
-
-    def chain():
-        return ops.Sequential(ops.RMSNorm(IN), BasicLinear(IN, 2 * OUT), ops.Bias(2 * OUT), ops.SwiGLU(),
-                              BasicLinear(OUT, IN))
 
     torch.manual_seed(11)
-    src = chain()
-    with torch.no_grad():
-        for p in src.parameters():
-            p.copy_(torch.randn(p.shape) * 0.5)
-        src[0].weight.add_(1.0)  # (a norm weight around 1)
+    src = _sequential_with_weights()
     linear = _te_1_13_empty() if linear_state == "empty" else _te_extra_state(_te_1_13_op_state(trained=False))
     sd = {k: v for k, v in src.state_dict().items() if not k.endswith("_extra_state")}
     for i in range(4):  # (1.13's norms are operations and write one too)
@@ -330,20 +338,7 @@ def test_te_1_13_sequential_state_loads_strictly_and_silently(linear_state):
     for i in (1, 4):
         sd[f"{i}._extra_state"] = linear
     assert not holds_fp8_scales(_te_1_13_empty())
-    dst = chain()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        dst.load_state_dict(sd)  # strict
-    assert all(op.quantization_state() == {"forward": {}, "backward": {}} for op in (dst[1], dst[4]))
-
-    x = torch.randn(8, IN)
-    w = {k: v.double() for k, v in src.state_dict().items() if not k.endswith("_extra_state")}
-    h = x.double()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + dst[0].eps) * w["0.weight"]
-    a, b = (h @ w["1.weight"].T + w["2.bias"]).chunk(2, dim=-1)
-    want = (a * torch.sigmoid(a) * b) @ w["4.weight"].T
-    with torch.no_grad():
-        torch.testing.assert_close(dst(x).double(), want, rtol=1.3e-6, atol=1e-5)
+    _assert_loads_strictly_and_silently(src, sd)
 
 
 def _norm_want(norm, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:

@@ -45,14 +45,11 @@ class EmptyExtraState:
         return torch.empty(0, dtype=torch.uint8)
 
     def set_extra_state(self, state) -> None:
-        # (empty of any dtype: TE 1.13 writes torch.Tensor(), a float32 one, later versions uint8)
-        if state is None or (isinstance(state, Tensor) and state.numel() == 0):
-            return
-        from ...compat.te_checkpoint import holds_fp8_scales
+        from ...compat.te_checkpoint import holds_fp8_scales, is_te_tensor_form
 
-        # TE 2.3-2.8 write a pickled {} for an operation without quantization state (later ones an
-        # empty tensor), so every operation's entry in their Sequential checkpoints is non-empty
-        if isinstance(state, Tensor) and state.dtype == torch.uint8 and not holds_fp8_scales(state):
+        # TE's form without scales: empty (of any dtype), or TE 2.3-2.8's pickled {} for an operation
+        # without quantization state, so that every entry of their Sequential checkpoints loads
+        if state is None or (is_te_tensor_form(state) and not holds_fp8_scales(state)):
             return
         raise ValueError(f"ops.{type(self).__name__}: its _extra_state must be empty (it holds no quantization "
                          f"state), got {state!r}; drop that entry from the state dict")
