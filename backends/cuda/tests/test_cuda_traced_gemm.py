@@ -86,3 +86,27 @@ def test_fp8_gemm_twin_runs_the_eager_ops_kernel(k, with_bias, fast):
     assert torch.equal(got, want)
     code = "\n".join(codes)
     assert ("_scaled_mm" in code) != small and ("_gemm_kernel" in code) == small
+
+
+def test_small_gemm_kernel_only_for_static_cuda_sizes():
+    """The compiled graph launches te_triton's small GEMM only where the eager op would run it, on a
+    CUDA tensor with plain int sizes; a symbolic size (torch.compile(dynamic=True)) or another
+    device keeps torch._scaled_mm. (Stand-ins for the operands: only device and shape are read.)"""
+    from types import SimpleNamespace
+
+    from te_core.backend.types import TENSORWISE
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    if traced._WRAP_TRITON is None:
+        pytest.skip("torch.library.wrap_triton is not in this torch")
+
+    def operand(rows, k, device="cuda"):
+        return SimpleNamespace(device=SimpleNamespace(type=device), shape=(rows, k))
+
+    k = 256
+    assert traced._on_small_kernel(operand(128, k), operand(192, k), TENSORWISE, None, None)
+    assert not traced._on_small_kernel(operand(128, k, "cpu"), operand(192, k, "cpu"), TENSORWISE, None, None)
+    assert not traced._on_small_kernel(operand(128, 2048), operand(192, 2048), TENSORWISE, None, None)  # K limit
+    tokens = ShapeEnv().create_unbacked_symint()
+    assert not traced._on_small_kernel(operand(tokens, k), operand(192, k), TENSORWISE, None, None)
+    assert not traced._on_small_kernel(operand(192, tokens), operand(128, tokens), TENSORWISE, None, None)
