@@ -356,12 +356,16 @@ class InferenceParams:
 
     def packed_tokens(self, x: Tensor, qkv_format: str) -> Tensor:
         """This step's new tokens of `x` ((b, s, ...) / (s, b, ...) padded, or packed (t, ...)) as
-        one packed (t, ...) tensor, in the batch's order."""
+        one packed (t, ...) tensor, in the batch's order. Packed rows past the step's tokens are
+        padding (a caller rounding the token count up for FP8 GEMMs), dropped as a fixed-shape
+        step drops them and as Transformer Engine's cache reads only the step's cu_seqlens_q."""
         if qkv_format == "thd":
-            if x.shape[0] != sum(self.step_lens):
-                raise ValueError(f"InferenceParams: the step's sequences bring {sum(self.step_lens)} tokens, but the "
-                                 f"packed input holds {x.shape[0]}")
-            return x
+            tokens = sum(self.step_lens)
+            if x.shape[0] < tokens:
+                raise ValueError(f"InferenceParams: the step's sequences bring {tokens} tokens, but the packed input "
+                                 f"holds {x.shape[0]}; give every new token of the step's sequences, in their order "
+                                 "(padding rows may follow them)")
+            return x[:tokens] if x.shape[0] > tokens else x
         x = x.transpose(0, 1) if qkv_format == "sbhd" else x
         if x.shape[0] != self.batch_size or x.shape[1] < max(self.step_lens):
             raise ValueError(f"InferenceParams: pre_step gave {self.batch_size} sequences bringing up to "
@@ -370,10 +374,11 @@ class InferenceParams:
         return x[batch, position]
 
     def unpacked(self, out: Tensor, qkv_format: str, like_shape) -> Tensor:
-        """The packed `out` back in the input's layout (`like_shape`'s leading two dimensions),
-        zeros in the padding rows."""
-        if qkv_format == "thd":
-            return out
+        """The packed `out` back in the input's layout (`like_shape`'s leading two dimensions, or
+        its tokens when packed), zeros in the padding rows."""
+        if qkv_format == "thd":  # the padding rows past the step's tokens come back as zeros
+            pad = like_shape[0] - out.shape[0]
+            return torch.cat([out, out.new_zeros(pad, *out.shape[1:])]) if pad else out
         b, s = (like_shape[1], like_shape[0]) if qkv_format == "sbhd" else (like_shape[0], like_shape[1])
         full = out.new_zeros(b, s, *out.shape[1:])
         full[self._new_rows] = out

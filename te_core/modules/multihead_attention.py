@@ -311,8 +311,11 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
                            _or(kwargs.get("cu_seqlens_kv_padded"), kwargs.get("cu_seqlens_kv")))
                           if packed else (None, None))
             fixed = inference_params is not None and fixed_shapes(q)  # a KV-cache step compiled or captured
+            # packed rows past the step's tokens: padding, placed as in a fixed-shape step
+            padded_packed = (packed and inference_params is not None and not fixed
+                             and q.shape[0] > sum(inference_params.step_lens))
             starts = None
-            if inference_params is not None and (fixed or not packed):
+            if inference_params is not None and (fixed or not packed or padded_packed):
                 # each token at its place after the cached ones: padded rows (padding tokens at their
                 # row's last), or packed as fixed_shape_step lays the tokens out; one position each
                 inference_params.check_rotary_reach(min(q_freqs.shape[0], k_freqs.shape[0]), on_device=fixed)

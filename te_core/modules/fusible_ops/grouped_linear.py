@@ -76,6 +76,33 @@ class GroupedLinear(FusibleOperation, GroupedLinearModule):
     def has_bias(self) -> bool:
         return self.use_bias
 
+    def reset_parameters(self, defer_init: bool = False) -> None:
+        """Initializes every weight{i} (and bias{i}) as construction does. One taken out of the
+        registered parameters and set back as a plain attribute (a model that keeps its experts'
+        weights stacked in one parameter of its own and gives the operation views of it, as
+        Transformer Engine's Mixtral tutorial does) is registered again on new storage, as
+        Transformer Engine's operation registers each weight it initializes: the model's stacked
+        tensor is never written through its views."""
+        if not defer_init:
+            self._register_detached_parameters()
+        super().reset_parameters(defer_init)
+
+    def _register_detached_parameters(self) -> None:
+        shapes = {f"weight{i}": (self.out_features, self.in_features) for i in range(self.num_groups)}
+        if self.use_bias:
+            shapes.update({f"bias{i}": (self.out_features,) for i in range(self.num_groups)})
+        for name, shape in shapes.items():
+            if name in self._parameters:
+                continue
+            held = self.__dict__.get(name)
+            if not isinstance(held, Tensor) or tuple(held.shape) != shape:
+                got = f"shape {tuple(held.shape)}" if isinstance(held, Tensor) else type(held).__name__
+                raise RuntimeError(f"{_NAME}: reset_parameters() found no parameter {name} (it was removed from the "
+                                   f"operation's parameters) and, as its stand-in attribute, {got}; set a tensor of "
+                                   f"shape {shape} as {name} (or register the parameter again) first")
+            del self.__dict__[name]
+            self.register_parameter(name, torch.nn.Parameter(torch.empty(shape, dtype=held.dtype, device=held.device)))
+
     def forward(self, input: Tensor, *extra_inputs, **op_kwargs) -> Tensor:  # noqa: A002 (TE's name)
         check_extra_inputs(_NAME, 1, extra_inputs, "the split sizes: rows of the input per group")
         unknown = sorted(set(op_kwargs) - set(_BUFFER_KWARGS))
