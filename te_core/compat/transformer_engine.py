@@ -35,6 +35,7 @@ from . import te_norm_cast
 from .te_gemm import general_gemm
 from .te_metadata import install_metadata, uninstall_metadata
 from .te_thd import thd_get_partitioned_indices
+from .te_userbuffers import USERBUFFERS_HINT, destroy_ub, device_supports_multicast
 
 ROOT = "transformer_engine"
 TE_API_VERSION = "2.20.0"  # the Transformer Engine release whose signatures te-core mirrors
@@ -60,6 +61,11 @@ _KERNELS_HINT = "Transformer Engine's kernels and bindings; te-core's backends i
 _ADAM_KERNEL_HINT = ("a kernel of Transformer Engine's extension, which its FusedAdam launches: step with "
                      "transformer_engine.pytorch.optimizers.FusedAdam, which runs the selected backend's multi-tensor "
                      "Adam")
+_EP_HINT = ("Transformer Engine's expert-parallel dispatch and combine (ep_bootstrap, EpBuffer, ep_dispatch, "
+            "ep_combine) run NCCL's device-initiated EP kernels, which te-core has no counterpart of, on any backend; "
+            "exchange the tokens between the expert-parallel ranks with torch.distributed.all_to_all_single, order "
+            "them by expert with transformer_engine.pytorch.moe_permute / moe_unpermute, and run the local experts "
+            "with transformer_engine.pytorch.GroupedLinear")
 # The nearest te-core counterpart of Transformer Engine names te-core does not provide, by the
 # name's path under transformer_engine.pytorch (or its last part, for names found in several places)
 _NEAREST = {
@@ -76,9 +82,8 @@ _NEAREST = {
              "modules (transformer_engine.pytorch.Linear, LayerNormMLP, ...) are the other layers it provides",
     "attention.inference.*": "te-core's InferenceParams holds, and with is_paged=True pages, the KV caches itself, "
                              "without cache manager objects",
-    "initialize_ub": "userbuffers (communication overlap) are not supported by te-core",
-    "destroy_ub": "userbuffers (communication overlap) are not supported by te-core",
-    "UserBufferQuantizationMode": "userbuffers (communication overlap) are not supported by te-core",
+    "initialize_ub": USERBUFFERS_HINT, "UserBufferQuantizationMode": USERBUFFERS_HINT,
+    "ep": _EP_HINT, "ep.*": _EP_HINT,
     "te_translation_table": "te-core does not export ONNX graphs of its FP8 modules; see onnx_export",
     "jit": _KERNELS_HINT, "triton": _KERNELS_HINT,
     "attention.dot_product_attention": "DotProductAttention is transformer_engine.pytorch.attention.DotProductAttention",
@@ -395,7 +400,8 @@ def _pytorch_module() -> types.ModuleType:
         "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "LayerNorm", "RMSNorm", "Fp8Padding",
         "Fp8Unpadding"]))
     _submodule(module_pkg, "base", "the modules' base class and helpers", dict(
-        get_dummy_wgrad=_dummy_wgrads(), TransformerEngineBaseModule=modules.TransformerEngineBaseModule))
+        get_dummy_wgrad=_dummy_wgrads(), TransformerEngineBaseModule=modules.TransformerEngineBaseModule,
+        destroy_ub=destroy_ub))
     # Transformer Engine's one-module files, where code imports a module class from its own file
     for sub, cls in _MODULE_FILES.items():
         _submodule(module_pkg, sub, cls, {cls: getattr(modules, cls)})
@@ -417,7 +423,7 @@ def _extension_functions() -> dict:
     """The functions of Transformer Engine's extension te-core provides (its cpp_extensions
     re-exports them, as TE's does)."""
     return dict(thd_get_partitioned_indices=thd_get_partitioned_indices, rmsnorm_fwd=te_norm_cast.rmsnorm_fwd,
-                dequantize=te_norm_cast.dequantize)
+                dequantize=te_norm_cast.dequantize, device_supports_multicast=device_supports_multicast)
 
 
 def _stand_in_modules(module: types.ModuleType) -> dict:
@@ -459,7 +465,7 @@ def install_as_transformer_engine(replace: bool = False) -> types.ModuleType:
     root.__version__ = pytorch.__version__
     root.common, root.pytorch, common.recipe = common, pytorch, recipe
     extension = _module(EXTENSION, "te-core standing in for Transformer Engine's compiled extension: DType, "
-                                   "thd_get_partitioned_indices, rmsnorm_fwd and dequantize")
+                                   "thd_get_partitioned_indices, rmsnorm_fwd, dequantize and device_supports_multicast")
     extension.DType = pytorch.DType
     for name, function in _extension_functions().items():
         setattr(extension, name, function)

@@ -98,6 +98,19 @@ class ShardQuantizer:
         data_t = ops.transpose_fp8(data.reshape(-1, data.shape[-1])) if columnwise else None
         return Float8Tensor.make(data, scale_inv, data_t, nominal_dtype=x.dtype, quantizer=self)
 
+    def load_primary(self, x: Tensor) -> Optional[Float8Tensor]:
+        """A shard's value loaded from a dequantized checkpoint (module.state_dict()), after the
+        checkpoint's extra state restored the module's scaling state. Delayed scaling: cast with
+        the restored scale, which every rank holds, recording no amax, as the inner quantizer loads
+        a whole weight (the saved bytes come back exactly, and the history stays the saved one).
+        None for current scaling: copy_ cast the shard with the whole weight's amax already."""
+        inner = self.inner
+        if not isinstance(inner, Float8Quantizer):
+            return None
+        scale = inner.scale
+        data, _ = ops.quantize_fp8(x, scale, self.fp8_dtype)
+        return Float8Tensor.make(data, torch.reciprocal(scale), None, nominal_dtype=x.dtype, quantizer=self)
+
     def __deepcopy__(self, memo):  # a copied model shares the process group, never copies it
         return ShardQuantizer(copy.deepcopy(self.inner, memo), self.group)
 

@@ -2,10 +2,10 @@
 (te.quantized_model_init), sharded by FSDP2 or not: `get_model_state_dict` and
 `set_model_state_dict`, called as torch.distributed.checkpoint.state_dict's functions are.
 
-torch's own functions cannot round-trip these weights. Its sharded state dict holds an FSDP2 shard
-as a DTensor over the shard's Float8Tensor, which DCP pickles together with its quantizer; its
-full state dict holds the dequantized value, which loading requantizes with the module's current
-scale (under delayed scaling a fresh model's scale saturates a trained weight).
+torch's own functions hold each weight dequantized (module.state_dict(); an FSDP2 shard as a DTensor
+over its dequantized shard): 2 to 4 bytes per element, and a load casts the values again, with the
+checkpoint's restored scale where the module restores one (te_core.modules._base), with the
+module's current one where it does not (a fresh model's scale can saturate a trained weight).
 
 Here each Float8Tensor weight is one entry of plain values instead:
 

@@ -27,7 +27,7 @@ from .._recipe_objects import callable_for
 from ..recipe import config_from_text, recipe_from_config
 from ._common import check_optional_bool, resolve_device, resolve_params_dtype
 from ._microbatch import first_microbatch
-from ._reset import DeferredInit
+from ._reset import DeferredInit, local_tensor, sharded_like
 from ._te_base import TransformerEngineBaseModule
 
 _STATE_IN_GRAPH = (
@@ -333,19 +333,25 @@ class QuantizedModule(DeferredInit, TransformerEngineBaseModule):
         if keep_vars:  # the parameters themselves, as torch promises: callers map state to them by identity
             return
         # Quantized primary weights are saved dequantized: a plain tensor loads with weights_only=True
-        # and on any backend; loading requantizes it (QuantizedTensor.copy_).
+        # and on any backend; loading requantizes it (QuantizedTensor.copy_). An FSDP2 shard of one
+        # is saved as a DTensor over its dequantized shard, which torch.distributed.checkpoint writes
+        # as any high-precision parameter (it would pickle the quantized shard with its quantizer).
         for name, param in self._parameters.items():
-            if isinstance(param, QuantizedTensor) and prefix + name in destination:
-                destination[prefix + name] = param.dequantize().detach()
+            local = local_tensor(param)
+            if isinstance(local, QuantizedTensor) and prefix + name in destination:
+                destination[prefix + name] = sharded_like(param, local.dequantize().detach())
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         errors = len(error_msgs)
         quantized = {name: p for name, p in self._parameters.items() if isinstance(p, QuantizedTensor)}
+        shards = {name: p for name, p in self._parameters.items()
+                  if p is not None and p is not local_tensor(p) and isinstance(local_tensor(p), QuantizedTensor)}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         if len(error_msgs) != errors:
             return
+        self._requantize_loaded_shards(shards, state_dict, prefix)
         for name, old in quantized.items():
             value = state_dict.get(prefix + name)
             param = self._parameters.get(name)
@@ -363,6 +369,24 @@ class QuantizedModule(DeferredInit, TransformerEngineBaseModule):
                 fresh = old._quantizer.load_primary(value.detach().to(old.device, old.dtype).reshape(old.shape))
             if fresh is not None:
                 old._take_payload(fresh)
+                self._weight_cache.clear()
+
+    def _requantize_loaded_shards(self, shards: Dict[str, Tensor], state_dict, prefix: str) -> None:
+        """FSDP2 shards of FP8 primary weights loaded from dequantized values (module.state_dict()'s,
+        through torch.distributed.checkpoint), cast again now that the checkpoint's extra state has
+        restored the scales, as unsharded weights are (below): copy_ cast them with the scales of
+        before, which under delayed scaling can be a fresh model's and saturate trained values."""
+        for name, old in shards.items():
+            value = state_dict.get(prefix + name)
+            if self._parameters.get(name) is not old or not isinstance(value, Tensor):
+                continue  # (assign=True made a new parameter; nothing loaded for this one)
+            value, shard = local_tensor(value), local_tensor(old)
+            if isinstance(value, QuantizedTensor) or shard._quantizer is None:
+                continue  # (a quantized value's bytes and scale were copied as they are)
+            with torch.no_grad():
+                fresh = shard._quantizer.load_primary(value.detach().to(shard.device, shard.dtype).reshape(shard.shape))
+            if fresh is not None:
+                shard._take_payload(fresh)
                 self._weight_cache.clear()
 
     def _assign_primary_weight(self, name: str, old: QuantizedTensor, value: Tensor, prefix: str,

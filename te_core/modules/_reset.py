@@ -95,15 +95,20 @@ def _commit(module: nn.Module, values: Dict[str, Tensor], inference_only: bool =
         module.device = local_tensor(next(iter(module._parameters[n] for n in values))).device
 
 
+def sharded_like(param: Tensor, local: Tensor) -> Tensor:
+    """`local` as `param`'s local shard: a DTensor of its mesh and placements where `param` is
+    one; `local` itself otherwise."""
+    if not hasattr(param, "_local_tensor"):
+        return local
+    from torch.distributed.tensor import DTensor  # (a sharded parameter: torch.distributed is there)
+
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
 def _replace(module: nn.Module, name: str, old: Tensor, new_local: Tensor) -> None:
     """Parameter `name` holding `new_local`: a DTensor like `old` where it is one."""
-    new = new_local
-    if hasattr(old, "_local_tensor"):
-        from torch.distributed.tensor import DTensor  # (a sharded parameter: torch.distributed is there)
-
-        new = DTensor.from_local(new_local, old.device_mesh, old.placements, run_check=False, shape=old.shape,
-                                 stride=old.stride())
-    new = nn.Parameter(new, requires_grad=old.requires_grad)
+    new = nn.Parameter(sharded_like(old, new_local), requires_grad=old.requires_grad)
     for key, value in getattr(old, "__dict__", {}).items():
         if not key.startswith("_"):  # the user's and Megatron-LM's attributes, not the tensor's own
             setattr(new, key, value)

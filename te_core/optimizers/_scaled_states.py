@@ -35,6 +35,16 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "_local_tensor", t)
 
 
+def sharded_like(param: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """`shard`, this rank's part of a state of sharded (DTensor) `param`, as a DTensor sharded
+    alike; any other tensor unchanged."""
+    if not hasattr(param, "_local_tensor") or hasattr(shard, "_local_tensor"):
+        return shard
+    from torch.distributed.tensor import DTensor  # (a sharded parameter: torch.distributed is there)
+    return DTensor.from_local(shard, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
 def rescaled(unscaled: torch.Tensor, dtype: torch.dtype, out: torch.Tensor, scale: torch.Tensor) -> None:
     """Store float32 `unscaled` into `out` (dtype's storage) and its new scale into `scale`."""
     unscaled, out = local(unscaled), local(out)
@@ -55,12 +65,7 @@ def unscaled(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def join(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """The float32 master weight from a bf16 parameter and its int16 remainder (of a sharded
     parameter: built from this rank's shards, and sharded alike)."""
-    master = _join(local(param), local(remainder))
-    if not hasattr(param, "_local_tensor"):
-        return master
-    from torch.distributed.tensor import DTensor  # (a sharded parameter: torch.distributed is there)
-    return DTensor.from_local(master, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
+    return sharded_like(param, _join(local(param), local(remainder)))
 
 
 def _join(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:

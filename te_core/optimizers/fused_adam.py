@@ -169,7 +169,11 @@ class FusedAdam(StateDtypesMixin, GradResetMixin, torch.optim.Optimizer):
 
     def set_scaled_state(self, param, state_name: str, unscaled_state: torch.Tensor) -> None:
         """Set state `state_name` of `param` from its float32 value, scaled into its dtype where
-        that is float16 or FP8 (int16 remainders are taken as they are)."""
+        that is float16 or FP8 (int16 remainders are taken as they are). The value of a sharded
+        (FSDP2 DTensor) parameter's state may be this rank's shard, as Transformer Engine takes it
+        (it copies the value into the state's local tensor): seeding master weights from
+        `get_high_precision_init_val()` of the local FP8 shard passes one."""
+        unscaled_state = _state_value(param, state_name, unscaled_state)
         state = self.state[param]
         dtype = self.name_to_dtype_map[state_name]
         if state_name == "master_param" and self._remainders(param):
@@ -422,6 +426,19 @@ def _check_updatable_in_place(p) -> None:
                            "copy of each weight takes the updates, and the FP8 weight is cast from it).")
 
 
+def _state_value(param, state_name: str, value) -> torch.Tensor:
+    """`value` laid out as `param` (a shard of a sharded parameter as a DTensor), or a ValueError
+    naming the shapes: a state of another shape would only fail later, inside the step's update."""
+    sharded = hasattr(param, "_local_tensor") and not hasattr(value, "_local_tensor")
+    want = compact.local(param).shape if sharded else param.shape
+    if not torch.is_tensor(value) or value.shape != want:
+        got = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+        shard = " (this rank's shard of the sharded parameter, or a DTensor of its full shape)" if sharded else ""
+        raise ValueError(f"{NAME}.set_scaled_state: {state_name} must have shape {tuple(want)}{shard}, as the "
+                         f"parameter it belongs to; got {got}")
+    return compact.sharded_like(param, value)
+
+
 def _float32_value(param) -> torch.Tensor:
     """A new float32 tensor holding `param`'s value (of a sharded parameter: sharded alike). An
     FP8 parameter is dequantized explicitly: .float() of one whose nominal dtype is already
@@ -429,9 +446,4 @@ def _float32_value(param) -> torch.Tensor:
     shard = compact.local(param)
     if not isinstance(shard, QuantizedTensor):
         return param.detach().float()
-    value = shard.dequantize(dtype=torch.float32)
-    if shard is param:
-        return value
-    from torch.distributed.tensor import DTensor  # (a sharded parameter: torch.distributed is there)
-    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
+    return compact.sharded_like(param, shard.dequantize(dtype=torch.float32))
