@@ -24,10 +24,11 @@ from ..quantization.state import RecipeState, describe, extra_state, same_kind
 from ..quantization.step import HIGH_PRECISION, CalibrationStep, QuantizationStep
 from ..quantization.tensor import QuantizedTensor
 from .._recipe_objects import callable_for
+from .._sharded import local_tensor, sharded_like
 from ..recipe import config_from_text, recipe_from_config
 from ._common import check_optional_bool, resolve_device, resolve_params_dtype
 from ._microbatch import first_microbatch
-from ._reset import DeferredInit, local_tensor, sharded_like
+from ._reset import DeferredInit
 from ._te_base import TransformerEngineBaseModule
 
 _STATE_IN_GRAPH = (

@@ -22,6 +22,7 @@ from typing import Dict, Iterator
 import torch
 from torch import Tensor, nn
 
+from .._sharded import local_tensor, sharded_like
 from ..quantization import high_precision_init
 from ..quantization.tensor import QuantizedTensor
 from ._common import resolve_device
@@ -37,11 +38,6 @@ class DeferredInit:
         module docstring says. `defer_init=True` (Transformer Engine's) does nothing."""
         if not defer_init:
             self._initialize()
-
-
-def local_tensor(param: Tensor) -> Tensor:
-    """A DTensor's (FSDP2's sharded parameter's) local shard; any other tensor as it is."""
-    return param._local_tensor if hasattr(param, "_local_tensor") else param
 
 
 @contextlib.contextmanager
@@ -93,17 +89,6 @@ def _commit(module: nn.Module, values: Dict[str, Tensor], inference_only: bool =
         module._weight_cache.clear()  # FP8 copies of the old values
     if values and isinstance(getattr(module, "device", None), torch.device):
         module.device = local_tensor(next(iter(module._parameters[n] for n in values))).device
-
-
-def sharded_like(param: Tensor, local: Tensor) -> Tensor:
-    """`local` as `param`'s local shard: a DTensor of its mesh and placements where `param` is
-    one; `local` itself otherwise."""
-    if not hasattr(param, "_local_tensor"):
-        return local
-    from torch.distributed.tensor import DTensor  # (a sharded parameter: torch.distributed is there)
-
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
 
 
 def _replace(module: nn.Module, name: str, old: Tensor, new_local: Tensor) -> None:

@@ -19,6 +19,8 @@ from typing import Tuple
 
 import torch
 
+from .._sharded import local_tensor, sharded_like
+
 FP8 = torch.float8_e4m3fn
 SCALED = (torch.float16, torch.uint8)  # the dtypes a state is stored scaled in (uint8: FP8, TE's name for it)
 RANGE = {torch.float16: torch.finfo(torch.float16).max / 2.0, torch.uint8: 448.0}
@@ -29,20 +31,9 @@ def storage_dtype(dtype: torch.dtype) -> torch.dtype:
     return FP8 if dtype == torch.uint8 else dtype
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A sharded (DTensor) state's own shard: each rank scales its shard, as Transformer Engine's
-    FusedAdam does (no collective in the optimizer step)."""
-    return getattr(t, "_local_tensor", t)
-
-
-def sharded_like(param: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
-    """`shard`, this rank's part of a state of sharded (DTensor) `param`, as a DTensor sharded
-    alike; any other tensor unchanged."""
-    if not hasattr(param, "_local_tensor") or hasattr(shard, "_local_tensor"):
-        return shard
-    from torch.distributed.tensor import DTensor  # (a sharded parameter: torch.distributed is there)
-    return DTensor.from_local(shard, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
+# A sharded (DTensor) state's own shard: each rank scales its shard, as Transformer Engine's
+# FusedAdam does (no collective in the optimizer step).
+local = local_tensor
 
 
 def rescaled(unscaled: torch.Tensor, dtype: torch.dtype, out: torch.Tensor, scale: torch.Tensor) -> None:
