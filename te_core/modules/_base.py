@@ -249,6 +249,12 @@ class QuantizedModule(DeferredInit, TransformerEngineBaseModule):
             raise RuntimeError(_RECOMPUTED_OUTSIDE_AUTOCAST.format(module=type(self).__name__))
         self._fp8_forward = False
 
+    def _owned_slots(self) -> tuple:
+        """The slots, each carrying this module's name= (set after the slots are declared), for the
+        recipe state: a CustomRecipe factory gets it as QuantizerRole.name, as in Transformer Engine."""
+        owner = getattr(self, "name", None) or ""
+        return tuple(slot._replace(owner=owner) for slot in self._quantizer_slots)
+
     def _state_device(self) -> torch.device:
         for param in self._parameters.values():  # (not self.parameters(): this runs every step)
             if param is not None:
@@ -269,7 +275,7 @@ class QuantizedModule(DeferredInit, TransformerEngineBaseModule):
             # (a checkpoint's state under a recipe of another kind too: its scales mean nothing there)
             if state is not None:
                 _warn_recipe_type_change(type(self).__name__, state.recipe, recipe)
-            state = recipe.make_state(self._quantizer_slots, self._state_device())
+            state = recipe.make_state(self._owned_slots(), self._state_device())
             if state.scaling_groups() and torch.compiler.is_compiling() and not _UNTRACED[0]:
                 raise RuntimeError(_STATE_IN_GRAPH.format(module=type(self).__name__, recipe=type(recipe).__name__))
             self._weight_cache.clear()
@@ -457,7 +463,7 @@ class QuantizedModule(DeferredInit, TransformerEngineBaseModule):
             # Another kind of recipe's state (or none) gives way to the checkpoint's, as Transformer
             # Engine's load installs the saved recipe: running under that recipe resumes it, under
             # another kind the module drops it with the recipe-change warning (_state_for).
-            current = saved_recipe.make_state(self._quantizer_slots, self._state_device())
+            current = saved_recipe.make_state(self._owned_slots(), self._state_device())
             current.load_quantization_state(state["quantization_state"], state.get("fresh"))
             self._state_from_checkpoint = True
         self._recipe_state = current

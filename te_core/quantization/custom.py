@@ -17,8 +17,8 @@ __all__ = ["QuantizerRole", "CustomRecipeState", "role_of_slot"]
 
 class QuantizerRole(str):
     """Which tensor a CustomRecipe factory is asked to quantize: `module_type` ("linear",
-    "grouped_linear"), `tensor_type` ("input", "weight", "grad_output") and `name` (the GEMM
-    within its module: "fc1" / "fc2" in LayerNormMLP, else "").
+    "grouped_linear"), `tensor_type` ("input", "weight", "grad_output") and `name` (the module's
+    name= argument, with ".fc1" / ".fc2" for LayerNormMLP's GEMMs; "" or "fc1" / "fc2" unnamed).
 
     Transformer Engine gave factories a string ("linear_input", ... : every GEMM tensor of every
     module as linear_<tensor_type>) before 2.20, and since then a QuantizerRole with these three
@@ -64,11 +64,15 @@ class QuantizerRole(str):
 def role_of_slot(slot: QuantizerSlot) -> QuantizerRole:
     """The role te-core's module slot `slot` plays, in Transformer Engine's terms. Modules name
     their slots <prefix><role> (quantization.roles.gemm_slots): GroupedLinear's prefixes are
-    gemm<i>_, LayerNormMLP's fc1_ / fc2_ (TE's names of those GEMMs), a one-GEMM module has none."""
+    gemm<i>_, LayerNormMLP's fc1_ / fc2_ (TE's names of those GEMMs), a one-GEMM module has none.
+    The role's name is TE's: the module's name= (the slot's owner), "<owner>.fc1" for a GEMM of
+    LayerNormMLP (just "fc1" for an unnamed one)."""
     prefix = slot.name[: len(slot.name) - len(slot.role.value)] if slot.name.endswith(slot.role.value) else ""
+    owner = slot.owner
     if prefix.startswith("gemm"):
-        return QuantizerRole("grouped_linear", slot.role.value)
-    return QuantizerRole("linear", slot.role.value, prefix.rstrip("_"))
+        return QuantizerRole("grouped_linear", slot.role.value, owner)
+    gemm = prefix.rstrip("_")
+    return QuantizerRole("linear", slot.role.value, f"{owner}.{gemm}" if owner and gemm else owner or gemm)
 
 
 def _accepted() -> str:

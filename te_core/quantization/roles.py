@@ -21,10 +21,13 @@ class Role(enum.Enum):
 
 
 class QuantizerSlot(NamedTuple):
-    """One tensor a module quantizes: `name` keys its state (quantization_state, checkpoints)."""
+    """One tensor a module quantizes: `name` keys its state (quantization_state, checkpoints);
+    `owner` is the module's own name= (Transformer Engine's instance name), which a CustomRecipe
+    factory reads as QuantizerRole.name to treat one layer apart from the others."""
 
     name: str
     role: Role
+    owner: str = ""
 
 
 def gemm_slots(prefix: str = "") -> Tuple[QuantizerSlot, QuantizerSlot, QuantizerSlot]:
