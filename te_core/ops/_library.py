@@ -7,7 +7,8 @@ keep the direct dispatch: a custom op's dispatcher round trip costs host time on
 Where the selected backend gives an op a plain-torch twin (OpImpl.traced), the trace takes the
 twin instead: the compiler then fuses it with its neighbours and launches the result itself,
 which on a host-bound step is the difference between a compiled step slower than eager and
-one faster. Such a graph belongs to the backend it was traced with.
+one faster. Such a graph belongs to the backend it was traced with. While torch.onnx.export
+traces, every op records the reference's plain-torch operators: ONNX has no te_core operators.
 
 Rules the schema encodes, derived from each op's stub:
 - arguments named `amax_out` and `out`, and those an op declares with `mutates`, are written in
@@ -32,6 +33,8 @@ import typing
 from typing import Any, Dict, Tuple
 
 import torch
+
+from .._tracing import run_while_tracing
 
 NAMESPACE = "te_core"
 ALIASED_OUTPUTS = {"amax_out": -1, "out": 0}  # argument -> the output position it is returned at
@@ -214,6 +217,14 @@ def _needs_autograd(args, kwargs) -> bool:
     return any(t.requires_grad for t in _tensors(args, kwargs))
 
 
+@run_while_tracing
+def _exporting_onnx() -> bool:
+    """Whether torch.onnx.export is tracing the model (read once per trace, as a constant)."""
+    import torch.onnx
+
+    return torch.onnx.is_in_onnx_export()
+
+
 def traced_call(op, args, kwargs):
     """What a contract op call records while dynamo traces (see the module docstring)."""
     if op.untraceable:
@@ -221,6 +232,8 @@ def traced_call(op, args, kwargs):
                                   f"trace it ({op.untraceable}); run it outside the compiled region")
     from ..backend.dispatch import call, resolution
 
+    if _exporting_onnx():  # ONNX has no te_core operators: record the reference's standard torch ones
+        return resolution(op).reference(*args, **kwargs)
     if torch.is_grad_enabled() and _needs_autograd(args, kwargs):
         return call(op, args, kwargs)
     traced = resolution(op).traced
