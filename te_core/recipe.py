@@ -590,7 +590,9 @@ class MXFP8BlockScaling(Recipe):
 
 # Why te-core refuses NVFP4: raised by every use of NVFP4BlockScaling, is_nvfp4_available's reason
 NVFP4_UNSUPPORTED = ("NVFP4 (FP4 E2M1 block scaling) is not supported by te-core yet; te-core runs the recipes "
-                     "DelayedScaling, Float8CurrentScaling, Float8BlockScaling and MXFP8BlockScaling")
+                     "DelayedScaling, Float8CurrentScaling, Float8BlockScaling and MXFP8BlockScaling: pass one of "
+                     "them as the recipe instead (MXFP8BlockScaling() is the nearest: FP8 with one scale per 32 "
+                     "values), or run without quantization (te.autocast(enabled=False))")
 
 _NVFP4_4OVER6_SCOPES = ("none", "weights", "activations", "all")
 _NVFP4_4OVER6_ERR_MODES = ("MAE", "MSE")

@@ -4,11 +4,9 @@ After `te_core.install_as_transformer_engine()`, code written for Transformer En
 te-core: `import transformer_engine.pytorch as te`, `transformer_engine.common.recipe`, and the
 submodules integrations reach into (`transformer_engine.pytorch.fp8` / `.quantization` with
 check_fp8_support, check_mxfp8_support, FP8GlobalStateManager; `.distributed.checkpoint`;
-`.module.base.TransformerEngineBaseModule`), the subset of TE's fusible-operation API its Mixtral
-tutorials and Megatron-LM's op-fuser MLP and fused residual RMSNorm use (`.ops`: Sequential,
-GroupedLinear, BasicLinear, Bias, LayerNorm, RMSNorm, the activations, AllReduce, ReduceScatter,
-AllGather, MakeExtraOutput, FusibleOperation), and the part of `.attention.inference` the tutorials
-import.
+`.module.base.TransformerEngineBaseModule`), TE's fusible-operation API without its fusions (`.ops`:
+Sequential, Linear, the basic operations and their base classes), and the part of
+`.attention.inference` the tutorials import.
 Nothing is installed on disk: the modules live in sys.modules of this process only. A real
 Transformer Engine found on the path is never shadowed unless asked for (replace=True).
 
@@ -66,6 +64,15 @@ _EP_HINT = ("Transformer Engine's expert-parallel dispatch and combine (ep_boots
             "exchange the tokens between the expert-parallel ranks with torch.distributed.all_to_all_single, order "
             "them by expert with transformer_engine.pytorch.moe_permute / moe_unpermute, and run the local experts "
             "with transformer_engine.pytorch.GroupedLinear")
+_DEBUG_HINT = ("Transformer Engine's precision debug tools (transformer_engine.debug, driven by nvdlfw_inspect's "
+               "debug_api) have no te-core counterpart, and te-core's modules never consult debug_api: leave "
+               "debug_api.initialize() and debug_api.step() out; to keep a layer in high precision (DisableFP8Layer), "
+               "run it under te.autocast(enabled=False) nested in the FP8 one; to log tensor statistics "
+               "(LogTensorStats), register torch forward and backward hooks on the modules")
+# Transformer Engine's blockwise-scaling docs page writes te.common.recipe.Format, which its own
+# transformer_engine.pytorch does not have either: say where the recipes are
+_COMMON_HINT = ("Transformer Engine's transformer_engine.pytorch has no 'common' either; import the recipes and Format "
+                "from transformer_engine.common.recipe")
 # The nearest te-core counterpart of Transformer Engine names te-core does not provide, by the
 # name's path under transformer_engine.pytorch (or its last part, for names found in several places)
 _NEAREST = {
@@ -75,15 +82,17 @@ _NEAREST = {
     "MXFP8TensorStorage": _TENSORS_HINT, "Float8BlockwiseQTensorStorage": _TENSORS_HINT,
     "tensor.storage": _TENSORS_HINT, "prepare_for_saving": _TENSORS_HINT, "restore_from_saved": _TENSORS_HINT,
     # (a key ending in ".*": every name under that module)
-    "ops.*": "te-core provides the part of Transformer Engine's fusible-operation API that its Mixtral tutorials "
-             "and Megatron-LM's op-fuser MLP and fused residual RMSNorm use: transformer_engine.pytorch.ops."
-             "Sequential, GroupedLinear, BasicLinear, Bias, LayerNorm, RMSNorm, GELU, ReLU, SiLU, GEGLU, ReGLU, "
-             "SwiGLU, ScaledSwiGLU, AllReduce, ReduceScatter, AllGather, MakeExtraOutput and FusibleOperation; its "
-             "modules (transformer_engine.pytorch.Linear, LayerNormMLP, ...) are the other layers it provides",
+    "ops.*": "te-core provides Transformer Engine's fusible-operation API as transformer_engine.pytorch.ops: "
+             "Sequential, Linear, the basic operations (GroupedLinear, BasicLinear, Bias, LayerNorm, RMSNorm, "
+             "L2Normalization, the activations, SwiGLU, ScaledSwiGLU, ScaledSReLU, AllReduce, ReduceScatter, "
+             "AllGather, MakeExtraOutput, AddExtraInput, ConstantScale, Identity, Reshape, Dropout, Quantize) and "
+             "the base classes, not its fused operations nor its fuser (te-core fuses nothing); its modules "
+             "(transformer_engine.pytorch.Linear, LayerNormMLP, ...) are the other layers it provides",
     "attention.inference.*": "te-core's InferenceParams holds, and with is_paged=True pages, the KV caches itself, "
                              "without cache manager objects",
     "initialize_ub": USERBUFFERS_HINT, "UserBufferQuantizationMode": USERBUFFERS_HINT,
     "ep": _EP_HINT, "ep.*": _EP_HINT,
+    "common": _COMMON_HINT, f"{ROOT}.debug": _DEBUG_HINT,
     "te_translation_table": "te-core does not export ONNX graphs of its FP8 modules; see onnx_export",
     "jit": _KERNELS_HINT, "triton": _KERNELS_HINT,
     "attention.dot_product_attention": "DotProductAttention is transformer_engine.pytorch.attention.DotProductAttention",
@@ -346,8 +355,7 @@ def _pytorch_module() -> types.ModuleType:
     module.fp8 = _fp8_module(f"{ROOT}.pytorch.fp8")
     module.quantization = _fp8_module(f"{ROOT}.pytorch.quantization")
     _optimizers_module(module)
-    _submodule(module, "ops", "the fusible operations of Transformer Engine's Mixtral tutorials and Megatron-LM's "
-               "op-fuser MLP and fused residual RMSNorm (te_core.modules.fusible_ops)",
+    _submodule(module, "ops", "Transformer Engine's fusible operations, none fused (te_core.modules.fusible_ops)",
                _names(fusible_ops, fusible_ops.__all__))
     _submodule(module, "distributed", "activation recompute, the RNG states tracker, collective helpers", dict(
         checkpoint=te_core.checkpoint, CudaRNGStatesTracker=te_core.CudaRNGStatesTracker,

@@ -234,4 +234,18 @@ SIGNATURES = {
     ('ops.ReduceScatter', '__init__'): {'process_group': None},
     ('ops.AllGather', '__init__'): {'process_group': None},
     ('ops.MakeExtraOutput', '__init__'): {'in_place': False},
+    ('ops.Linear', '__init__'): {
+        'in_features': REQUIRED, 'out_features': REQUIRED, 'bias': True, 'device': None, 'dtype': None,
+        'tensor_parallel_mode': None, 'tensor_parallel_group': None, 'sequence_parallel': False,
+        'rng_state_tracker_function': None, 'accumulate_into_main_grad': False,
+    },
+    ('ops.AddExtraInput', '__init__'): {'in_place': False},
+    ('ops.ConstantScale', '__init__'): {'scale': REQUIRED},
+    ('ops.Reshape', '__init__'): {'shape': REQUIRED},
+    ('ops.Dropout', '__init__'): {'p': REQUIRED},
+    ('ops.Quantize', '__init__'): {'forward': True, 'backward': False},
+    ('ops.L2Normalization', '__init__'): {'eps': 1e-06, 'seq_length': None, 'micro_batch_size': None},
+    **{('ops.' + name, '__init__'): {'cache_quantized_input': False}
+       for name in ('GLU', 'QGELU', 'QGEGLU', 'SReLU', 'SReGLU')},
+    ('ops.ScaledSReLU', '__init__'): {'activation_recompute_in_mlp': False},
 }

@@ -281,8 +281,8 @@ def test_the_tutorials_imports_resolve(stand_in):
     with pytest.raises(NotImplementedError, match=r"InferenceParams\(2, 64, num_heads_kv=4, .*is_paged=True, "
                                                   r"total_num_pages=8, page_size=16\)"):
         PagedKVCacheManager(8, 16, 4, 32, torch.bfloat16, 2, 64)
-    with pytest.raises(ImportError, match="Megatron-LM's op-fuser MLP .*GroupedLinear, BasicLinear, Bias"):
-        from transformer_engine.pytorch.ops import AddExtraInput  # noqa: F401
+    with pytest.raises(ImportError, match="Sequential, Linear, the basic operations .*not its fused operations"):
+        from transformer_engine.pytorch.ops import ClampedSwiGLU  # noqa: F401
     with pytest.raises(ImportError, match="holds, and with is_paged=True pages, the KV caches itself"):
         from transformer_engine.pytorch.attention.inference import NonPagedKVCacheManager  # noqa: F401
 

@@ -27,7 +27,7 @@ OPTIMIZERS = "optimizers/test_fused_optimizers.py"
 COMPACT_STATES = "optimizers/test_fused_adam_compact_states.py"
 OPS_MEGATRON, OPS_SUBSET = "compat/test_te_ops_megatron.py", "compat/test_te_ops_subset.py"
 OPS_ARGUMENTS, FUSIBLE_OPS = "compat/test_te_ops_arguments.py", MODULES + "test_fusible_ops.py"
-OPS_TP = DIST + "test_te_ops_tp.py"
+OPS_TP, OPS_BASIC = DIST + "test_te_ops_tp.py", "compat/test_te_ops_basic.py"
 TENSOR_PARALLEL = {"sequence_parallel": DIST + "test_errors.py", "tp_group": DIST + "test_errors.py",
                    "tp_size": DIST + "test_errors.py", "get_rng_state_tracker": DIST + "test_rng_tracker.py"}
 ATTENTION_PARALLEL = {name: DIST + "test_attention_parallel.py" for name in (
@@ -244,6 +244,14 @@ IMPLEMENTED = {
     ("ops.ReduceScatter", "__init__"): {"process_group": OPS_TP},
     ("ops.AllGather", "__init__"): {"process_group": OPS_TP},
     ("ops.MakeExtraOutput", "__init__"): {"in_place": OPS_MEGATRON},
+    ("ops.Linear", "__init__"): {
+        **{name: OPS_BASIC for name in ("bias", "device", "dtype", "rng_state_tracker_function",
+                                        "accumulate_into_main_grad")},
+        **{name: OPS_TP for name in ("tensor_parallel_mode", "tensor_parallel_group", "sequence_parallel")},
+    },
+    ("ops.AddExtraInput", "__init__"): {"in_place": OPS_BASIC},
+    ("ops.Quantize", "__init__"): {"forward": OPS_BASIC, "backward": OPS_BASIC},
+    ("ops.L2Normalization", "__init__"): {name: OPS_BASIC for name in ("eps", "seq_length", "micro_batch_size")},
 }
 
 # TE arguments whose values other than the default TE itself refuses: te-core refuses them with TE's
@@ -328,6 +336,14 @@ CALLS = {
     "ops.ScaledSwiGLU": _module_call(lambda **kw: te_ops.ScaledSwiGLU(**kw), lambda: (_x(4, 8), _x(4))),
     **{f"ops.{name}": (lambda name=name, **kw: getattr(te_ops, name)(**kw), None)
        for name in ("AllReduce", "ReduceScatter", "AllGather")},
+    "ops.Linear": _module_call(lambda **kw: te_ops.Linear(8, 8, **kw), lambda: (_x(4, 8),)),
+    "ops.AddExtraInput": _module_call(lambda **kw: te_ops.AddExtraInput(**kw), lambda: (_x(4, 8), _x(4, 8))),
+    "ops.ConstantScale": _module_call(lambda **kw: te_ops.ConstantScale(2.0, **kw), lambda: (_x(4, 8),)),
+    "ops.Reshape": _module_call(lambda **kw: te_ops.Reshape((8, 4), **kw), lambda: (_x(4, 8),)),
+    "ops.Dropout": _module_call(lambda **kw: te_ops.Dropout(0.5, **kw), lambda: (_x(4, 8),)),
+    **{f"ops.{name}": _module_call(lambda name=name, **kw: getattr(te_ops, name)(**kw), lambda: (_x(4, 8),))
+       for name in ("Quantize", "L2Normalization", "GLU", "QGELU", "QGEGLU", "SReLU", "SReGLU")},
+    "ops.ScaledSReLU": _module_call(lambda **kw: te_ops.ScaledSReLU(**kw), lambda: (_x(4, 8), _x(4))),
 }
 
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from te_core.modules import Linear
 from te_core.modules.fusible_ops import AllGather, AllReduce, BasicLinear, Bias, ReduceScatter, Sequential
+from te_core.modules.fusible_ops import Linear as Linear_
 
 from ._parity import FP32, randomize
 
@@ -53,6 +54,43 @@ def _parallel_basic_linear(ctx, mode: str, sequence_parallel: bool):
 @pytest.mark.parametrize("mode", ["column", "row"])
 def test_parallel_basic_linear_matches_the_whole_layer(pool, mode, sequence_parallel):
     assert pool.run(_parallel_basic_linear, mode, sequence_parallel)[:2] == [True, True]
+
+
+def _parallel_linear(ctx, mode: str, sequence_parallel: bool):
+    """ops.Linear(in, out) with bias over two ranks, given its shards of a whole layer's weight and
+    bias (under "row", TE's layout: a bias per rank, the layer's bias their sum) against float64:
+    the output, and the input, weight and bias gradients of this rank's shard."""
+    if ctx.rank >= 2:
+        return None
+    rank, group = ctx.rank, ctx.group(2)
+    gen = torch.Generator().manual_seed(12)
+    weight, biases = torch.randn(OUT, IN, generator=gen) * IN ** -0.5, torch.randn(2, OUT, generator=gen)
+    x, dy = torch.randn(TOKENS, IN, generator=gen), torch.randn(TOKENS, OUT, generator=gen)
+    x64, w64, b64 = (t.double().requires_grad_() for t in (x, weight, biases))
+    want = x64 @ w64.T + (b64.sum(0) if mode == "row" else b64[0])
+    want.backward(dy.double())
+    op = Linear_(IN, OUT, tensor_parallel_mode=mode, tensor_parallel_group=group, sequence_parallel=sequence_parallel)
+    cols, rows = (lambda t: t.chunk(2, -1)[rank]), (lambda t: t.chunk(2, 0)[rank] if sequence_parallel else t)
+    with torch.no_grad():
+        op.weight.copy_(cols(weight) if mode == "row" else weight.chunk(2, 0)[rank])
+        op.bias.copy_(biases[rank] if mode == "row" else cols(biases[0]))
+    x_op = (cols(x) if mode == "row" else rows(x)).clone().requires_grad_()
+    y = Sequential(op)(x_op)
+    torch.testing.assert_close(y.double(), rows(want.detach()) if mode == "row" else cols(want.detach()), **FP32)
+    y.backward(rows(dy) if mode == "row" else cols(dy))
+    torch.testing.assert_close(x_op.grad.double(), cols(x64.grad) if mode == "row" else rows(x64.grad), **FP32)
+    want_dw, want_db = (cols(w64.grad), b64.grad[rank]) if mode == "row" else (w64.grad.chunk(2, 0)[rank],
+                                                                              cols(b64.grad[0]))
+    torch.testing.assert_close(op.weight.grad.double(), want_dw, **FP32)
+    torch.testing.assert_close(op.bias.grad.double(), want_db, **FP32)
+    return [type(m).__name__ for m in op.basic_ops]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
+@pytest.mark.parametrize("mode", ["column", "row"])
+def test_parallel_ops_linear_matches_the_whole_layer(pool, mode, sequence_parallel):
+    last = {"column": [], "row": ["ReduceScatter" if sequence_parallel else "AllReduce"]}[mode]
+    assert pool.run(_parallel_linear, mode, sequence_parallel)[:2] == [["BasicLinear", "Bias"] + last] * 2
 
 
 def _default_group_and_bias(ctx):

@@ -12,19 +12,33 @@ te-core fuses nothing across the operations: each runs as te-core's own module o
 (GroupedLinear is te.GroupedLinear and BasicLinear te.Linear(bias=False), so under te.autocast
 their GEMMs run in FP8 exactly as there; the norms are te.LayerNorm and te.RMSNorm). Sequential only
 hands each operation its extra inputs (a GroupedLinear's split sizes, a ScaledSwiGLU's probabilities)
-and returns the extra outputs they make after its output."""
+and returns the extra outputs they make after its output.
+
+Also TE's other basic operations (Identity, Reshape, ConstantScale, Dropout, AddExtraInput, Quantize,
+L2Normalization, the remaining activations), its composite ops.Linear (a FusedOperation of
+BasicLinear, Bias and a collective) and the base classes BasicOperation and FusedOperation; the
+registration of fusions is refused, since te-core fuses nothing."""
 
 from ._op import FusibleOperation
-from .activation import GEGLU, GELU, ReGLU, ReLU, SiLU
+from .activation import GEGLU, GELU, GLU, QGEGLU, QGELU, ReGLU, ReLU, SiLU, SReGLU, SReLU
 from .basic_linear import BasicLinear
 from .bias import Bias
 from .communication import AllGather, AllReduce, ReduceScatter
+from .fuser import register_backward_fusion, register_forward_backward_fusion, register_forward_fusion
 from .grouped_linear import GroupedLinear
+from .l2_normalization import L2Normalization
+from .linear import Linear
 from .make_extra_output import MakeExtraOutput
 from .norm import LayerNorm, RMSNorm
+from .operation import BasicOperation, FusedOperation
+from .quantize import Quantize
 from .sequential import Sequential
-from .swiglu import ScaledSwiGLU, SwiGLU
+from .swiglu import ScaledSReLU, ScaledSwiGLU, SwiGLU
+from .tensor_ops import AddExtraInput, ConstantScale, Dropout, Identity, Reshape
 
-__all__ = ["AllGather", "AllReduce", "BasicLinear", "Bias", "FusibleOperation", "GEGLU", "GELU", "GroupedLinear",
-           "LayerNorm", "MakeExtraOutput", "RMSNorm", "ReGLU", "ReLU", "ReduceScatter", "ScaledSwiGLU", "Sequential",
-           "SiLU", "SwiGLU"]
+__all__ = ["AddExtraInput", "AllGather", "AllReduce", "BasicLinear", "BasicOperation", "Bias", "ConstantScale",
+           "Dropout", "FusedOperation", "FusibleOperation", "GEGLU", "GELU", "GLU", "GroupedLinear", "Identity",
+           "L2Normalization", "LayerNorm", "Linear", "MakeExtraOutput", "QGEGLU", "QGELU", "Quantize", "RMSNorm",
+           "ReGLU", "ReLU", "ReduceScatter", "Reshape", "SReGLU", "SReLU", "ScaledSReLU", "ScaledSwiGLU",
+           "Sequential", "SiLU", "SwiGLU", "register_backward_fusion", "register_forward_backward_fusion",
+           "register_forward_fusion"]

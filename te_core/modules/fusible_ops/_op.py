@@ -24,6 +24,7 @@ class FusibleOperation:
 
     num_extra_inputs: int = 0
     num_extra_outputs: int = 0
+    is_fused_op: bool = False  # (Transformer Engine's: True for a FusedOperation, a run of basic operations)
 
     @property
     def _name(self) -> str:

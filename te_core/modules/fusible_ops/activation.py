@@ -1,6 +1,7 @@
-"""Transformer Engine's fusible activations: the element-wise GELU, ReLU and SiLU, and the gated
-GEGLU and ReGLU, act(a) * b of the input's halves [a, b] (TE's order: the gate comes first, unlike
-torch's GLU). SwiGLU, which also takes an interleaved layout, is in swiglu.py.
+"""Transformer Engine's fusible activations: the element-wise GELU, QGELU, ReLU, SReLU and SiLU,
+and the gated GLU, GEGLU, QGEGLU, ReGLU and SReGLU, act(a) * b of the input's halves [a, b] (TE's
+order: the gate comes first, unlike torch's GLU). SwiGLU, which also takes an interleaved layout,
+and the row-scaled ScaledSwiGLU and ScaledSReLU are in swiglu.py.
 
 They run te-core's activation ops in the input's precision (GELU is the tanh approximation, as
 TE's); under te.autocast the next linear operation quantizes the result as its input."""
@@ -102,3 +103,33 @@ class ReGLU(_Activation):
     """max(a, 0) * b, a and b the first and second halves of the input's last dimension."""
 
     kind, gated = "reglu", True
+
+
+class QGELU(_Activation):
+    """Quick GELU: x sigmoid(1.702 x)."""
+
+    kind = "qgelu"
+
+
+class SReLU(_Activation):
+    """Squared ReLU: max(x, 0)^2."""
+
+    kind = "srelu"
+
+
+class GLU(_Activation):
+    """sigmoid(a) * b, a and b the first and second halves of the input's last dimension."""
+
+    kind, gated = "glu", True
+
+
+class QGEGLU(_Activation):
+    """QGELU(a) * b, a and b the first and second halves of the input's last dimension."""
+
+    kind, gated = "qgeglu", True
+
+
+class SReGLU(_Activation):
+    """max(a, 0)^2 * b, a and b the first and second halves of the input's last dimension."""
+
+    kind, gated = "sreglu", True

@@ -11,7 +11,7 @@ Sequentials keyed from "0"."""
 from __future__ import annotations
 
 import operator
-from typing import Iterable, Iterator, List, Union
+from typing import Dict, Iterable, Iterator, List, Optional, Union
 
 from torch import Tensor, nn
 
@@ -117,31 +117,38 @@ class Sequential(nn.Module):
         if op_kwargs:
             raise NotImplementedError(f"{_NAME}: op_kwargs (caller-provided output / grad_input buffers) are not "
                                       "supported by te-core; call without them")
-        takes = [(key, m) for key, m in self._modules.items()
-                 if isinstance(m, FusibleOperation) and m.num_extra_inputs]
-        if len(extra_inputs) != sum(m.num_extra_inputs for _, m in takes):
-            wanted = ", ".join(f"{m.num_extra_inputs} for the {type(m).__name__} at {key!r}" for key, m in takes)
-            raise TypeError(f"{_NAME}: takes the input and {sum(m.num_extra_inputs for _, m in takes)} extra "
-                            f"input(s) ({wanted or 'none'}), in the order of its operations; got {len(extra_inputs)}")
-        x, rest, made = input, extra_inputs, []
-        for key, module in self._modules.items():
-            if isinstance(module, FusibleOperation):
-                count = module.num_extra_inputs
-                x, rest = module(x, *rest[:count]), rest[count:]
-                if module.num_extra_outputs:
-                    x = _take_extra_outputs(key, module, x, made)
-            else:
-                x = module(x)
-        return (x, *made) if made else x
+        return run_in_order(_NAME, self._modules, input, extra_inputs)
 
 
-def _take_extra_outputs(key: str, op: FusibleOperation, outputs, made: list) -> Tensor:
+def run_in_order(owner: str, modules: Dict[str, nn.Module], input: Tensor, extra_inputs: tuple,  # noqa: A002
+                 op_kwargs: Optional[List[dict]] = None):
+    """`modules` run in order on `input`, each fusible operation given its next num_extra_inputs of
+    `extra_inputs` (and its dict of `op_kwargs`, where given, as keyword arguments): the output
+    alone, or (output, *the extra outputs the operations made, in their order)."""
+    takes = [(key, m) for key, m in modules.items() if isinstance(m, FusibleOperation) and m.num_extra_inputs]
+    if len(extra_inputs) != sum(m.num_extra_inputs for _, m in takes):
+        wanted = ", ".join(f"{m.num_extra_inputs} for the {type(m).__name__} at {key!r}" for key, m in takes)
+        raise TypeError(f"{owner}: takes the input and {sum(m.num_extra_inputs for _, m in takes)} extra "
+                        f"input(s) ({wanted or 'none'}), in the order of its operations; got {len(extra_inputs)}")
+    x, rest, made = input, extra_inputs, []
+    for i, (key, module) in enumerate(modules.items()):
+        if isinstance(module, FusibleOperation):
+            count = module.num_extra_inputs
+            x, rest = module(x, *rest[:count], **(op_kwargs[i] if op_kwargs else {})), rest[count:]
+            if module.num_extra_outputs:
+                x = _take_extra_outputs(owner, key, module, x, made)
+        else:
+            x = module(x)
+    return (x, *made) if made else x
+
+
+def _take_extra_outputs(owner: str, key: str, op: FusibleOperation, outputs, made: list) -> Tensor:
     """The output of an operation that returned (output, *extra outputs); the extra ones appended
     to `made`."""
     count = op.num_extra_outputs
     if not (isinstance(outputs, tuple) and len(outputs) == 1 + count):
         got = f"a tuple of {len(outputs)}" if isinstance(outputs, tuple) else type(outputs).__name__
-        raise TypeError(f"{_NAME}: the {type(op).__name__} at {key!r} declares num_extra_outputs={count}, so it must "
+        raise TypeError(f"{owner}: the {type(op).__name__} at {key!r} declares num_extra_outputs={count}, so it must "
                         f"return a tuple (output, *{count} extra output(s)); it returned {got}")
     made.extend(outputs[1:])
     return outputs[0]

@@ -1,6 +1,7 @@
 """ops.SwiGLU and ops.ScaledSwiGLU: Transformer Engine's fusible SwiGLU, silu(a) * b of the
 input's halves [a, b], and the variant that scales each output row by an extra input (an MoE's
-routing probabilities, applied before the down projection instead of when combining).
+routing probabilities, applied before the down projection instead of when combining); and
+ops.ScaledSReLU, the squared ReLU scaled so.
 
 They run te-core's activation ops in the input's precision; under te.autocast the next
 GroupedLinear quantizes the result as its input, as te-core's modules quantize theirs."""
@@ -17,29 +18,30 @@ from ._op import EmptyExtraState, FusibleOperation, check_extra_inputs
 from .activation import ActivationFunction, check_activation_input, check_gate_columns, refuse_cache_quantized_input
 
 
-class _ScaledSwiGLUFunction(torch.autograd.Function):
-    """swiglu(x) * scales, scales (rows..., 1) in x's dtype. Like Transformer Engine's, it saves
-    only x and the scales: backward recomputes swiglu(x) for the scales' gradient, and only when
-    they need one."""
+class _ScaledActivationFunction(torch.autograd.Function):
+    """act(x) * scales (act: te-core's activation `kind`), scales (rows..., 1) in x's dtype. Like
+    Transformer Engine's, it saves only x and the scales: backward recomputes act(x) for the
+    scales' gradient, and only when they need one."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, scales: Tensor) -> Tensor:
-        y, _ = ops.activation_fwd(x, "swiglu")
+    def forward(ctx, x: Tensor, scales: Tensor, kind: str) -> Tensor:
+        y, _ = ops.activation_fwd(x, kind)
         ctx.save_for_backward(x, scales)
+        ctx.kind = kind
         return y * scales
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, scales = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = ops.activation_bwd(dy * scales, x, "swiglu") if ctx.needs_input_grad[0] else None
+        dx = ops.activation_bwd(dy * scales, x, ctx.kind) if ctx.needs_input_grad[0] else None
         dscales = None
         if ctx.needs_input_grad[1]:
-            # swiglu(x) and the row sum over the FFN width in float32, rounded once, as TE's kernel: summing
-            # products of a swiglu already rounded to bf16 loses a row sum that cancels beyond bf16's tolerance
-            y, _ = ops.activation_fwd(x.float(), "swiglu")
+            # act(x) and the row sum over the FFN width in float32, rounded once, as TE's kernel: summing
+            # products of an activation already rounded to bf16 loses a row sum that cancels beyond bf16's tolerance
+            y, _ = ops.activation_fwd(x.float(), ctx.kind)
             dscales = (dy.float() * y).sum(-1, keepdim=True).to(scales.dtype)
-        return dx, dscales
+        return dx, dscales, None
 
 
 def _gates_first(x: Tensor, block: int) -> Tensor:
@@ -106,21 +108,46 @@ class ScaledSwiGLU(_GatedOperation):
     def forward(self, input: Tensor, *extra_inputs) -> Tensor:  # noqa: A002 (TE's name)
         check_extra_inputs(self._name, 1, extra_inputs, "probs: one scale per row of the input")
         x = self._gates_first_input(input)
-        return _ScaledSwiGLUFunction.apply(x, self._row_scales(extra_inputs[0], input))
+        return _ScaledActivationFunction.apply(x, _row_scales(self._name, extra_inputs[0], input), "swiglu")
 
-    def _row_scales(self, probs, input: Tensor) -> Tensor:  # noqa: A002 (TE's name)
-        """probs as a (rows..., 1) column in the input's dtype (autograd maps the gradient back)."""
-        rows = input.shape[:-1]
-        want = f"one value per row of the input: {rows.numel()} values, shape {tuple(rows)} for an input of shape " \
-               f"{tuple(input.shape)}"
-        if not isinstance(probs, Tensor) or not probs.is_floating_point():
-            got = f"a {probs.dtype} tensor" if isinstance(probs, Tensor) else type(probs).__name__
-            raise TypeError(f"{self._name}: probs (its extra input) must be a floating-point tensor of {want}; got "
-                            f"{got}")
-        if probs.numel() != rows.numel():
-            raise ValueError(f"{self._name}: probs (its extra input) must hold {want}; got shape "
-                             f"{tuple(probs.shape)}")
-        if probs.device != input.device:
-            raise ValueError(f"{self._name}: probs are on {probs.device} but the input is on {input.device}; move "
-                             "them to the input's device")
-        return probs.reshape(*rows, 1).to(input.dtype)
+
+class ScaledSReLU(EmptyExtraState, FusibleOperation, nn.Module):
+    """max(x, 0)^2 whose output row i is multiplied by probs[i], the extra input (one value per row
+    of the input, as for ScaledSwiGLU, cast to the input's dtype; both get gradients). Not
+    provided: activation_recompute_in_mlp=True, which Transformer Engine takes only in its fused
+    grouped MLP (te-core fuses nothing)."""
+
+    num_extra_inputs = 1
+
+    def __init__(self, *, activation_recompute_in_mlp: bool = False):
+        if check_bool(activation_recompute_in_mlp, name="activation_recompute_in_mlp", module="ops.ScaledSReLU"):
+            raise NotImplementedError("ops.ScaledSReLU: activation_recompute_in_mlp=True (recomputing the activation "
+                                      "in a fused grouped MLP's backward) is not supported by te-core, which fuses no "
+                                      "operations; pass False")
+        super().__init__()
+        self.activation_recompute_in_mlp = False
+
+    def forward(self, input: Tensor, *extra_inputs) -> Tensor:  # noqa: A002 (TE's name)
+        check_extra_inputs(self._name, 1, extra_inputs, "probs: one scale per row of the input")
+        check_activation_input(input, self._name)
+        if input.dim() == 0:
+            raise ValueError(f"{self._name}: input must have at least one dimension (its rows are scaled), got a "
+                             "0-dimensional tensor")
+        scales = _row_scales(self._name, extra_inputs[0], input)
+        return _ScaledActivationFunction.apply(input.contiguous(), scales, "srelu")
+
+
+def _row_scales(op: str, probs, input: Tensor) -> Tensor:  # noqa: A002 (TE's name)
+    """probs as a (rows..., 1) column in the input's dtype (autograd maps the gradient back)."""
+    rows = input.shape[:-1]
+    want = f"one value per row of the input: {rows.numel()} values, shape {tuple(rows)} for an input of shape " \
+           f"{tuple(input.shape)}"
+    if not isinstance(probs, Tensor) or not probs.is_floating_point():
+        got = f"a {probs.dtype} tensor" if isinstance(probs, Tensor) else type(probs).__name__
+        raise TypeError(f"{op}: probs (its extra input) must be a floating-point tensor of {want}; got {got}")
+    if probs.numel() != rows.numel():
+        raise ValueError(f"{op}: probs (its extra input) must hold {want}; got shape {tuple(probs.shape)}")
+    if probs.device != input.device:
+        raise ValueError(f"{op}: probs are on {probs.device} but the input is on {input.device}; move them to the "
+                         "input's device")
+    return probs.reshape(*rows, 1).to(input.dtype)
