@@ -100,6 +100,19 @@ def test_linear_assigned_and_meta_parameters_are_trained():
         ops.Linear(IN, OUT, bias=False).bias = torch.nn.Parameter(torch.randn(OUT))
 
 
+def test_linear_to_empty_keeps_one_weight_and_bias():
+    """Built on meta and moved with to_empty (which makes new tensors), `weight` and `bias` are still
+    the basic operations' Parameters: initializing them through op.weight / op.bias reaches the GEMM."""
+    linear = ops.Linear(IN, OUT, device="meta").to_empty(device="cpu")
+    assert linear.weight is linear.basic_ops[0].weight and linear.bias is linear.basic_ops[1].bias
+    assert len(list(linear.parameters())) == 2
+    with torch.no_grad():
+        linear.weight.normal_()
+        linear.bias.normal_()
+    x = torch.randn(6, IN)
+    _check(linear(x), x.double() @ linear.weight.double().T + linear.bias.double(), FP32, "y")
+
+
 def test_linear_fp8_under_autocast_matches_float64():
     """Under te.autocast the GEMMs run in FP8 (E4M3 forward, E5M2 backward): within E4M3's tolerance
     of float64, and equal to te.Linear(bias=False) given the same weight plus the bias."""
@@ -173,7 +186,7 @@ def test_add_extra_input_in_place_writes_the_extra_input():
     are the output's."""
     x = torch.randn(4, 8, requires_grad=True)
     base = torch.randn(4, 8, requires_grad=True)
-    extra = base * 1.0  # (a leaf that requires grad cannot be written in place, in torch or TE)
+    extra = base * 1.0  # (te-core, as torch, refuses to write a leaf that requires grad; TE writes it detached)
     before = extra.detach().clone()
     y = ops.Sequential(ops.AddExtraInput(in_place=True), ops.ConstantScale(3.0))(x, extra)
     _check(extra, before + x.detach(), FP32, "extra input after")

@@ -89,6 +89,16 @@ class Linear(FusedOperation):
         elif name == "bias" and self._bias_idx is not None:
             self.basic_ops[self._bias_idx].bias = param
 
+    def _apply(self, fn, recurse: bool = True):
+        # A conversion that makes new tensors (to_empty off the meta device) would give this
+        # operation's references copies of their own, which the GEMM never reads: convert only
+        # the basic operations' parameters, then refer to them again
+        self._parameters["weight"] = self._parameters["bias"] = None
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._take_parameters()
+
     def reset_parameters(self) -> None:
         for op in self.basic_ops:
             if hasattr(op, "reset_parameters"):
