@@ -186,7 +186,7 @@ def test_add_extra_input_in_place_writes_the_extra_input():
     are the output's."""
     x = torch.randn(4, 8, requires_grad=True)
     base = torch.randn(4, 8, requires_grad=True)
-    extra = base * 1.0  # (te-core, as torch, refuses to write a leaf that requires grad; TE writes it detached)
+    extra = base * 1.0
     before = extra.detach().clone()
     y = ops.Sequential(ops.AddExtraInput(in_place=True), ops.ConstantScale(3.0))(x, extra)
     _check(extra, before + x.detach(), FP32, "extra input after")
@@ -194,6 +194,39 @@ def test_add_extra_input_in_place_writes_the_extra_input():
     y.backward(dy)
     _check(x.grad, 3 * dy, FP32, "dx")
     _check(base.grad, 3 * dy, FP32, "d extra")
+
+
+def test_add_extra_input_in_place_accepts_a_leaf_that_requires_grad():
+    """As Transformer Engine: in_place=True writes the sum into a leaf extra input that requires grad
+    (through a detached alias) instead of failing torch's in-place check; the leaf gets dy."""
+    x = torch.randn(4, 8, requires_grad=True)
+    extra = torch.randn(4, 8, requires_grad=True)
+    expected = extra.detach().double() + x.detach().double()
+    y = ops.AddExtraInput(in_place=True)(x, extra)
+    _check(y, expected, FP32, "y")
+    _check(extra.detach(), expected, FP32, "extra input after")
+    dy = torch.randn(4, 8)
+    y.backward(dy)
+    _check(x.grad, dy, FP32, "dx")
+    _check(extra.grad, dy, FP32, "d extra")
+
+
+@pytest.mark.parametrize("op_cls", [ops.BasicLinear, ops.Linear], ids=["BasicLinear", "Linear"])
+def test_linear_input_of_another_dtype_computes_in_the_weights(op_cls):
+    """As Transformer Engine's linear operations (te.Linear refuses the mix): outside torch.autocast a
+    bfloat16 input meets float32 weights in float32, the output float32, the input's gradient bfloat16."""
+    torch.manual_seed(0)
+    op = op_cls(IN, OUT, dtype=torch.float32)
+    x = torch.randn(6, IN, dtype=torch.bfloat16, requires_grad=True)
+    y = op(x)
+    w64 = op.weight.detach().double()
+    assert y.dtype == torch.float32
+    _check(y, x.detach().double() @ w64.T + (op.bias.detach().double() if op_cls is ops.Linear else 0), FP32, "y")
+    dy = torch.randn(6, OUT)
+    y.backward(dy)
+    assert x.grad.dtype == torch.bfloat16 and op.weight.grad.dtype == torch.float32
+    _check(x.grad, dy.double() @ w64, BF16, "dx")
+    _check(op.weight.grad, dy.double().T @ x.detach().double(), FP32, "dw")
 
 
 def test_dropout_masks_and_scales_in_training_only():

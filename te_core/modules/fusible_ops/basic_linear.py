@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import torch
 from torch import Tensor
 
+from ...quantization.tensor import QuantizedTensor
 from .._common import check_bool, check_input
 from ..linear import Linear
 from ._op import TORCH_LINEAR_INIT, FusibleOperation, check_dtype, check_extra_inputs
@@ -29,7 +31,8 @@ class BasicLinear(FusibleOperation, Linear):
     Transformer Engine. Unlike TE's, in_features and out_features are this rank's share (te-core's
     Linear's); local_in_features and local_out_features name them as TE does. accumulate_into_main_grad:
     the weight gradient is added into weight.main_grad (Linear's fuse_wgrad_accumulation). Not
-    provided: userbuffers_options (communication overlap)."""
+    provided: userbuffers_options (communication overlap). An input of another dtype than the weight's
+    is cast to it outside torch.autocast, as in TE."""
 
     def __init__(self, in_features: int, out_features: int, *, device=None, dtype=None,
                  tensor_parallel_mode: Optional[str] = None, tensor_parallel_group=None,
@@ -72,4 +75,9 @@ class BasicLinear(FusibleOperation, Linear):
                              "weight of that shape or build the operation for the weight's")
         check_input(input, self.in_features, name="input", module=_NAME, last_dim_name="in_features",
                     device=weight.device)
+        if (not torch.is_autocast_enabled(input.device.type) and not isinstance(input, QuantizedTensor)
+                and input.dtype != weight.dtype):
+            # As Transformer Engine's operation: outside torch.autocast it computes in the weight's dtype
+            # (te.Linear refuses the mix); the cast is differentiable, so the input's gradient keeps its dtype.
+            input = input.to(weight.dtype)  # noqa: A001 (TE's name)
         return super().forward(input)

@@ -99,9 +99,11 @@ class _AddIntoExtraInput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, extra: Tensor) -> Tensor:
-        extra.add_(x)
-        ctx.mark_dirty(extra)
-        return extra
+        # Through a detached alias, as Transformer Engine does: the memory holds the sum, while the
+        # extra input keeps its autograd identity (torch would refuse marking a leaf that requires grad dirty).
+        out = extra.detach()
+        out.add_(x)
+        return out
 
     @staticmethod
     def backward(ctx, dy: Tensor):
@@ -111,8 +113,8 @@ class _AddIntoExtraInput(torch.autograd.Function):
 class AddExtraInput(BasicOperation):
     """input + the extra input (a residual), whose shape the input broadcasts to; both get the
     output's gradient. in_place=True adds the input into the extra input's memory and returns it,
-    as Transformer Engine does (so that tensor holds the sum afterwards; torch refuses it for a
-    leaf tensor that requires grad, as for any in-place operation)."""
+    as Transformer Engine does (so that tensor holds the sum afterwards, also for a leaf tensor that
+    requires grad)."""
 
     num_extra_inputs = 1
 
