@@ -87,7 +87,7 @@ class _TwoLayout:
         return type(self).make(gather_rows(data, source, blank), self._scale_rows(scale_inv, source), None, None,
                                nominal_dtype=self.dtype, quantizer=self._quantizer, **self._settings())
 
-    def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
+    def _dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
         dtype = dtype or self.dtype
         if self._data is None:  # column-wise only: dequantize x.T, then transpose back
             return self._dequantize_layout(self._data_t, self._scale_inv_t, dtype).t()

@@ -47,9 +47,9 @@ class DequantizedView(QuantizedTensor):
         self._view_of = ViewLink(parent, view_fn)
         return self
 
-    def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
+    def _dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
         parent = self._view_of.parent
-        value = parent.dequantize(dtype)
+        value = parent._dequantize(dtype)
         if value.stride() != parent.stride():  # (a view_fn reading strides: as_strided, view)
             value = torch.empty_strided(parent.shape, parent.stride(), dtype=value.dtype,
                                         device=value.device).copy_(value)
@@ -74,16 +74,16 @@ class DequantizedView(QuantizedTensor):
 
     # a copy of a view is a plain tensor: it has no quantized data of its own to carry
     def __deepcopy__(self, memo):
-        return self.dequantize()
+        return self._dequantize()
 
     def __reduce_ex__(self, protocol):
-        return self.dequantize().__reduce_ex__(protocol)
+        return self._dequantize().__reduce_ex__(protocol)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _COPIES:
-            return func(*[a.dequantize() if isinstance(a, cls) else a for a in args], **kwargs)
+            return func(*[a._dequantize() if isinstance(a, cls) else a for a in args], **kwargs)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 

@@ -38,7 +38,7 @@ class _Float8Layout:
         self._scale_inv = scale_inv if scale_inv.dim() == 1 else scale_inv.reshape(1)
         return self
 
-    def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
+    def _dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
         data = self._rowwise_data()
         if not data.is_contiguous():  # a view's bytes (w.t(), w[:, 2:5]): backends' kernels read dense rows
             data = data.contiguous()

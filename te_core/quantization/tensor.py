@@ -69,6 +69,15 @@ class QuantizedTensor(Tensor):
 
     # --- what subclasses provide
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
+        """The high-precision value, in `dtype` (default: the nominal dtype). Differentiable, as
+        Transformer Engine's: while grad mode is on, the result's gradient reaches this tensor
+        (a quantize -> dequantize round trip passes gradients through, as TE code expects)."""
+        if torch.is_grad_enabled() and self.requires_grad:
+            return _Dequantize.apply(self, dtype)
+        return self._dequantize(dtype)
+
+    def _dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
+        """dequantize() outside autograd: what each format computes."""
         raise NotImplementedError
 
     def rowwise(self) -> GemmOperand:
@@ -158,7 +167,7 @@ class QuantizedTensor(Tensor):
         """A new high-precision buffer holding `value` (by default this tensor's value), laid out
         as the puts of views of this tensor (ViewLink) address it."""
         if value is None:
-            return self.dequantize().contiguous()
+            return self._dequantize().contiguous()
         return value.clone(memory_format=torch.contiguous_format)
 
     def _view_strides(self) -> Optional[tuple]:
@@ -248,7 +257,7 @@ class QuantizedTensor(Tensor):
         if self._quantizer is None:
             raise RuntimeError(f"{type(self).__name__} has no quantizer, so it cannot take a new value; "
                                "assign a tensor of the same kind instead")
-        hp = value.dequantize() if isinstance(value, QuantizedTensor) else value.detach()
+        hp = value._dequantize() if isinstance(value, QuantizedTensor) else value.detach()
         if not hp.is_floating_point():
             raise TypeError(f"{type(self).__name__}.data: a {hp.dtype} tensor cannot be quantized; "
                             "assign a floating-point tensor")
@@ -279,7 +288,7 @@ class QuantizedTensor(Tensor):
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return (f"{type(self).__name__}(shape={tuple(self.shape)}, nominal_dtype={self.dtype}, "
-                f"device={self.device}, value={self.dequantize()})")
+                f"device={self.device}, value={self._dequantize()})")
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -405,6 +414,9 @@ class QuantizedOperand:
     def dim(self) -> int:
         return len(self.shape)
 
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
+        return self._dequantize(dtype)  # (held on ctx, outside autograd: nothing to differentiate)
+
 
 QUANTIZED = (QuantizedTensor, QuantizedOperand)  # what GEMM helpers read as quantized operands
 
@@ -441,7 +453,7 @@ def gather_rows(t: Tensor, source: Tensor, blank: Optional[Tensor] = None) -> Te
 
 
 def _dequantized(value):
-    return value.dequantize() if isinstance(value, QuantizedTensor) else value
+    return value._dequantize() if isinstance(value, QuantizedTensor) else value
 
 
 class _Dequantize(torch.autograd.Function):
@@ -450,7 +462,7 @@ class _Dequantize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: QuantizedTensor, dtype: torch.dtype) -> Tensor:
         ctx.dtype = t.dtype
-        return t.dequantize(dtype)
+        return t._dequantize(dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -458,7 +470,7 @@ class _Dequantize(torch.autograd.Function):
 
 
 def _dequantized_copy(t: QuantizedTensor, dtype: torch.dtype, memory_format) -> Tensor:
-    out = _Dequantize.apply(t, dtype) if torch.is_grad_enabled() and t.requires_grad else t.dequantize(dtype)
+    out = t.dequantize(dtype)
     return out if memory_format == torch.preserve_format else out.contiguous(memory_format=memory_format)
 
 

@@ -93,3 +93,46 @@ def test_custom_recipe_roles_of_layernorm_mlp_name_each_gemm_under_the_module():
                      + [("linear", t, "fc1") for t in gemm] + [("linear", t, "fc2") for t in gemm])
     # the name picks quantizers only: the same quantizers give the same numbers
     assert torch.equal(named_out[0], unnamed_out[0]) and torch.equal(named_out[1], unnamed_out[1])
+
+
+BF16 = dict(rtol=1.6e-2, atol=1e-5)  # TE's tolerances for bf16 results
+
+
+def _te_quantizers():
+    return {"current": te.Float8CurrentScalingQuantizer(DType.kFloat8E4M3, device="cpu"),
+            "block1x128": te.Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=True,
+                                                  block_scaling_dim=1),
+            "block128x128": te.Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=True,
+                                                    block_scaling_dim=2),
+            "mxfp8": te.MXFP8Quantizer(DType.kFloat8E4M3)}
+
+
+@pytest.mark.parametrize("kind", ["current", "block1x128", "block128x128", "mxfp8"])
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_dequantize_passes_gradients_to_the_quantized_input(kind, out_dtype):
+    """TE's dequantize() is differentiable (test_quantized_tensor.py's
+    test_quantize_dequantize_autograd): a quantize -> dequantize round trip is straight-through,
+    so d/dx sum(w * deq(q(x))^2) = 2 * w * deq(q(x)), in x's dtype."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(128, 256, generator=gen).to(torch.bfloat16).requires_grad_()
+    w = torch.rand(128, 256, generator=gen) + 0.5
+    xq = _te_quantizers()[kind](x)
+    y = xq.dequantize(dtype=out_dtype)
+    assert y.requires_grad and y.dtype == (out_dtype or torch.bfloat16)
+    (w * y.float() ** 2).sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.bfloat16
+    with torch.no_grad():
+        ref = 2.0 * w.double() * xq.dequantize(dtype=out_dtype).double()
+    torch.testing.assert_close(x.grad.double(), ref, **BF16)
+
+
+def test_dequantize_without_grad_records_no_graph():
+    """Outside grad mode (or for a tensor not requiring grad) dequantize() is a plain value."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(5))
+    q = _te_quantizers()["current"]
+    plain = q(x).dequantize()
+    with torch.no_grad():
+        detached = q(x.clone().requires_grad_()).dequantize()
+    assert plain.grad_fn is None and detached.grad_fn is None
+    torch.testing.assert_close(plain, detached, rtol=0, atol=0)
+    torch.testing.assert_close(plain, x, **E4M3)
