@@ -91,6 +91,11 @@ class Quantizer:
     def quantize(self, x: Tensor, *, columnwise: bool = False) -> QuantizedTensor:
         raise NotImplementedError
 
+    def requantize(self, x: Tensor, *, columnwise: bool = False) -> QuantizedTensor:
+        """A quantized tensor's new value (an in-place write: copy_, an optimizer's update) cast
+        for it; quantize() unless the quantizer's scaling treats such a write apart."""
+        return self.quantize(x, columnwise=columnwise)
+
     # What a cast's result depends on besides its input, in a quantizer whose cast depends on
     # nothing else and records nothing: an attrgetter of them (sharing_fields), or None, where
     # casts are never shared. Each class declares its own: a subclass (a user's, whose cast may
@@ -198,6 +203,21 @@ class Float8Quantizer(Quantizer):
         self.scale.copy_(scale)
         self._record(amax)
         self.scaling_group.fresh.discard(self.column)
+        self.scaling_group.init_scaled.add(self.column)
+        return weight
+
+    def requantize(self, x: Tensor, *, columnwise: bool = False) -> Float8Tensor:
+        # A weight's whole new value before any update (pretrained weights copied into a model made
+        # under quantized_model_init): scaled by its own amax, as at init, the init amax in the
+        # history replaced by it. Afterwards delayed scaling: the current scale, the amax recorded
+        # (also once compiled or captured graphs use the group: they update it where no flag is seen).
+        group = self.scaling_group
+        if self.column not in group.init_scaled or group._updated_in_graphs or group.captured:
+            return self.quantize(x, columnwise=columnwise)
+        self.scaling_group.amax_slot(self.column).zero_()
+        weight = self.quantize_primary(x)
+        if not columnwise:
+            weight.drop_columnwise()
         return weight
 
     def load_primary(self, x: Tensor) -> Float8Tensor:

@@ -78,6 +78,11 @@ class ScalingGroup:
         # fresh state's scale is 1, which flushes the first step's output gradients (1e-7..1e-4
         # in a model of any size) to zero in E5M2 and casts small weights to E4M3 subnormals.
         self.fresh = set(range(n))
+        # The columns of FP8 primary weights whose scale their own value set (quantized_model_init)
+        # and no update has changed since: a new value written into such a weight before training
+        # (pretrained weights copied in) takes its scale from its own amax as well, where the init
+        # value's scale would saturate a larger one; the first update ends it (delayed scaling then).
+        self.init_scaled: set = set()
         # Set (by the module, when torch.compile traces it) once a compiled graph uses the group:
         # in-graph updates write `scale` through kernels that torch's version counter does not
         # see, so eager casts after it take a fresh snapshot each time instead of trusting it.
@@ -149,6 +154,7 @@ class ScalingGroup:
                 self.amax_history = torch.zeros(self.amax_history.shape, dtype=torch.float32, device=device)
                 self.scale = torch.ones(self.scale.shape, dtype=torch.float32, device=device)
                 self.fresh = set(range(len(self.names)))
+                self.init_scaled = set()
             else:
                 self.amax_history = self.amax_history.to(device)
                 self.scale = self.scale.to(device)
@@ -185,6 +191,7 @@ class ScalingGroup:
     def settle(self) -> None:
         """Every column's scale is a real one from now on (loaded, calibrated or set by a cast)."""
         self.fresh = set()
+        self.init_scaled = set()
 
     def take_first_scale(self, column: int, amax: Tensor) -> None:
         """Set `column`'s scale from `amax` (a tensor's own, at its first cast): the scale the
@@ -366,6 +373,8 @@ def update_scales(groups: Sequence[ScalingGroup]) -> None:
     if not torch.compiler.is_compiling():  # each group's scale_changed(), inline
         for group in groups:
             group._scale_inv_version = None
+            if group.init_scaled:
+                group.init_scaled = set()
         _take_snapshots(groups)
 
 

@@ -71,7 +71,9 @@ def requantize_with(items, fill: Optional[Callable[[Tensor], Any]] = None) -> No
         if batch is not None:
             fresh = batch([(quantizer, hp, t.has_columnwise) for t, hp, quantizer in group])
         else:
-            fresh = [quantizer.quantize(hp, columnwise=t.has_columnwise) for t, hp, quantizer in group]
+            # (a quantizer of another kind than te-core's, a user's: its quantize)
+            fresh = [getattr(quantizer, "requantize", quantizer.quantize)(hp, columnwise=t.has_columnwise)
+                     for t, hp, quantizer in group]
         for (t, _, _), value in zip(group, fresh):
             t._take_payload(value)
     for view, parent in followers:
