@@ -84,9 +84,10 @@ _NEAREST = {
     # (a key ending in ".*": every name under that module)
     "ops.*": "te-core provides Transformer Engine's fusible-operation API as transformer_engine.pytorch.ops: "
              "Sequential, Linear, the basic operations (GroupedLinear, BasicLinear, Bias, LayerNorm, RMSNorm, "
-             "L2Normalization, the activations, SwiGLU, ScaledSwiGLU, ScaledSReLU, AllReduce, ReduceScatter, "
-             "AllGather, MakeExtraOutput, AddExtraInput, ConstantScale, Identity, Reshape, Dropout, Quantize) and "
-             "the base classes, not its fused operations nor its fuser (te-core fuses nothing); its modules "
+             "L2Normalization, the activations, SwiGLU, ScaledSwiGLU, ClampedSwiGLU, ScaledClampedQGeGLU, SiTUGLU, "
+             "ScaledSiTUGLU, ScaledSReLU, AllReduce, ReduceScatter, AllGather, MakeExtraOutput, AddExtraInput, "
+             "ConstantScale, Identity, Reshape, Dropout, Quantize) and the base classes, not its fused operations "
+             "nor its fuser (te-core fuses nothing); its modules "
              "(transformer_engine.pytorch.Linear, LayerNormMLP, ...) are the other layers it provides",
     "attention.inference.*": "te-core's InferenceParams holds, and with is_paged=True pages, the KV caches itself, "
                              "without cache manager objects",

@@ -248,4 +248,18 @@ SIGNATURES = {
     **{('ops.' + name, '__init__'): {'cache_quantized_input': False}
        for name in ('GLU', 'QGELU', 'QGEGLU', 'SReLU', 'SReGLU')},
     ('ops.ScaledSReLU', '__init__'): {'activation_recompute_in_mlp': False},
+    ('ops.ClampedSwiGLU', '__init__'): {
+        'limit': 7.0, 'alpha': 1.702, 'glu_linear_offset': 1.0, 'cache_quantized_input': False,
+        'glu_interleave_size': None,
+    },
+    ('ops.SiTUGLU', '__init__'): {
+        'beta1': 4.0, 'beta2': 25.0, 'cache_quantized_input': False, 'glu_interleave_size': None,
+    },
+    ('ops.ScaledSiTUGLU', '__init__'): {
+        'glu_interleave_size': None, 'activation_recompute_in_mlp': False, 'beta1': 4.0, 'beta2': 25.0,
+    },
+    ('ops.ScaledClampedQGeGLU', '__init__'): {
+        'glu_interleave_size': None, 'activation_recompute_in_mlp': False, 'limit': 7.0, 'alpha': 1.702,
+        'glu_linear_offset': 1.0,
+    },
 }

@@ -186,7 +186,7 @@ def test_the_submodules_megatron_imports_resolve(stand_in):
     assert fused_topk_with_score_function is router.fused_topk_with_score_function
     import transformer_engine.pytorch as te
 
-    assert te.ops is not te_core.ops and not hasattr(te.ops, "ScaledClampedQGeGLU")
+    assert te.ops is not te_core.ops and not hasattr(te.ops, "is_op_fuser_grouped_tensor_path_supported")
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("transformer_engine.pytorch.ops.fuser")
     uninstall_transformer_engine()

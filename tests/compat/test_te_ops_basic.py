@@ -1,7 +1,7 @@
 """Transformer Engine's fusible operations beyond its tutorials' and Megatron-LM's subset
 (transformer_engine.pytorch.ops): ops.Linear (BasicLinear + Bias as a FusedOperation, TE's parameter
 and state-dict names), AddExtraInput, ConstantScale, Identity, Reshape, Dropout, Quantize,
-L2Normalization, the remaining activations, BasicOperation / FusedOperation subclasses, and the
+L2Normalization, the remaining activations and SwiGLU variants, BasicOperation / FusedOperation subclasses, and the
 refused fusion registration. Forward and every gradient against float64 on random inputs, inside
 ops.Sequential with extra inputs where an operation takes them."""
 from __future__ import annotations
@@ -368,6 +368,87 @@ def test_scaled_srelu_matches_float64(dtype):
     _check(probs.grad, p64.grad, tols, "dprobs")
     with pytest.raises(NotImplementedError, match="activation_recompute_in_mlp=True"):
         ops.ScaledSReLU(activation_recompute_in_mlp=True)
+
+
+# ---------------------------------------------------------------- SwiGLU variants: clamped (GPT-OSS), SiTU (Kimi K3)
+
+def _clamped_swiglu64(x, limit=7.0, alpha=1.702, glu_linear_offset=1.0):
+    """TE's formula: a' = min(a, limit), b' = clamp(b, -limit, limit); a clamp passes a gradient
+    only where it is inactive, boundaries included (TE's `<=` and `>=`)."""
+    a, b = _halves(x)
+    a_c = torch.where(a <= limit, a, torch.full_like(a, limit))
+    b_c = torch.where((b >= -limit) & (b <= limit), b, b.detach().clamp(-limit, limit))
+    return a_c * torch.sigmoid(alpha * a_c) * (b_c + glu_linear_offset)
+
+
+def _situglu64(x, beta1=4.0, beta2=25.0):
+    a, b = _halves(x)
+    return beta1 * torch.tanh(a / beta1) * torch.sigmoid(a) * (beta2 * torch.tanh(b / beta2))
+
+
+def _deinterleave(x, block):
+    """x's alternating blocks of `block` gate and `block` linear columns as [gates, linears]."""
+    return x.reshape(*x.shape[:-1], x.shape[-1] // (2 * block), 2, block).transpose(-3, -2).reshape(x.shape)
+
+
+def _glu_variants():
+    """case: (operation, its keyword arguments, TE's formula of them in float64, whether probs scale each row)."""
+    return {
+        "ClampedSwiGLU-default": ("ClampedSwiGLU", {}, _clamped_swiglu64, False),
+        "ClampedSwiGLU": ("ClampedSwiGLU", dict(limit=1.5, alpha=1.25, glu_linear_offset=0.5),
+                          lambda x: _clamped_swiglu64(x, 1.5, 1.25, 0.5), False),
+        "ScaledClampedQGeGLU": ("ScaledClampedQGeGLU", dict(limit=1.5, alpha=1.25, glu_linear_offset=-0.5),
+                                lambda x: _clamped_swiglu64(x, 1.5, 1.25, -0.5), True),
+        "SiTUGLU-default": ("SiTUGLU", {}, _situglu64, False),
+        "SiTUGLU": ("SiTUGLU", dict(beta1=1.5, beta2=2.0), lambda x: _situglu64(x, 1.5, 2.0), False),
+        "ScaledSiTUGLU": ("ScaledSiTUGLU", dict(beta1=1.5, beta2=2.0), lambda x: _situglu64(x, 1.5, 2.0), True),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("interleave", [None, 2], ids=["halves", "interleaved"])
+@pytest.mark.parametrize("case", list(_glu_variants()))
+def test_glu_variants_match_float64(case, interleave, dtype):
+    """Output, input gradient and (Scaled*) probs gradient against TE's formula in float64; inputs
+    of up to ~3 sigma, with the clamp boundaries +-1.5 themselves in both halves."""
+    name, kwargs, formula, scaled = _glu_variants()[case]
+    torch.manual_seed(7)
+    x = (torch.randn(3, 5, 16) * 2).to(dtype)
+    x[0, :, :4] = torch.tensor([1.5, -1.5, 1.5, -1.5])  # gate and linear columns in either layout
+    x[1, :, 8:12] = torch.tensor([1.5, -1.5, 1.5, -1.5])
+    x.requires_grad_()
+    probs = torch.rand(3, 5, requires_grad=True)
+    dy = torch.randn(3, 5, 8, dtype=dtype)
+    op = getattr(ops, name)(**kwargs, glu_interleave_size=interleave)
+    y = ops.Sequential(ops.Identity(), op)(x, *([probs] if scaled else []))
+    y.backward(dy)
+    x64, p64 = _leaves(x, probs)
+    want = formula(_deinterleave(x64, interleave) if interleave else x64)
+    if scaled:
+        # TE casts probs to the input's dtype
+        want = want * p64.to(dtype).double().unsqueeze(-1)
+    want.backward(dy.double())
+    tols = TOLS[dtype]
+    assert y.dtype == dtype
+    _check(y, want, tols, "y")
+    _check(x.grad, x64.grad, tols, "dx")
+    if scaled:
+        _check(probs.grad, p64.grad, tols, "dprobs")
+
+
+@pytest.mark.parametrize("name", ["ClampedSwiGLU", "SiTUGLU", "ScaledClampedQGeGLU", "ScaledSiTUGLU"])
+def test_glu_variants_refuse_what_te_core_cannot_honour(name):
+    if name.startswith("Scaled"):
+        with pytest.raises(ValueError, match=f"ops.{name}: activation_recompute_in_mlp=True is not supported"):
+            getattr(ops, name)(activation_recompute_in_mlp=True)
+    else:
+        with pytest.raises(NotImplementedError, match=f"ops.{name}: cache_quantized_input=True"):
+            getattr(ops, name)(cache_quantized_input=True)
+    bad = dict(limit=0.0) if "Clamped" in name else dict(beta1=-1.0)
+    with pytest.raises(ValueError, match=f"ops.{name}: {next(iter(bad))} must be a finite number > 0"):
+        getattr(ops, name)(**bad)
+    with pytest.raises(ValueError, match="positive multiple of 2 \\* glu_interleave_size = 8"):
+        getattr(ops, name)(glu_interleave_size=4)(torch.randn(2, 12), *([torch.rand(2)] if "Scaled" in name else []))
 
 
 # ---------------------------------------------------------------- base classes, fusion registration

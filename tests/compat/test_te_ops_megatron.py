@@ -295,7 +295,7 @@ def test_names_imports_and_state_dict(stand_in):
     x = torch.randn(3, 8)
     assert torch.equal(copy(x), seq(x))
     with pytest.raises(ImportError, match="not its fused operations nor its fuser"):
-        from transformer_engine.pytorch.ops import ScaledClampedQGeGLU  # noqa: F401
+        from transformer_engine.pytorch.ops import is_op_fuser_grouped_tensor_path_supported  # noqa: F401
 
 
 def test_bad_inputs_say_what_is_wrong(stand_in):

@@ -282,7 +282,7 @@ def test_the_tutorials_imports_resolve(stand_in):
                                                   r"total_num_pages=8, page_size=16\)"):
         PagedKVCacheManager(8, 16, 4, 32, torch.bfloat16, 2, 64)
     with pytest.raises(ImportError, match="Sequential, Linear, the basic operations .*not its fused operations"):
-        from transformer_engine.pytorch.ops import ClampedSwiGLU  # noqa: F401
+        from transformer_engine.pytorch.ops import fused  # noqa: F401
     with pytest.raises(ImportError, match="holds, and with is_paged=True pages, the KV caches itself"):
         from transformer_engine.pytorch.attention.inference import NonPagedKVCacheManager  # noqa: F401
 

@@ -252,11 +252,16 @@ IMPLEMENTED = {
     ("ops.AddExtraInput", "__init__"): {"in_place": OPS_BASIC},
     ("ops.Quantize", "__init__"): {"forward": OPS_BASIC, "backward": OPS_BASIC},
     ("ops.L2Normalization", "__init__"): {name: OPS_BASIC for name in ("eps", "seq_length", "micro_batch_size")},
+    **{(owner, "__init__"): {name: OPS_BASIC for name in ("limit", "alpha", "glu_linear_offset", "glu_interleave_size")}
+       for owner in ("ops.ClampedSwiGLU", "ops.ScaledClampedQGeGLU")},
+    **{(owner, "__init__"): {name: OPS_BASIC for name in ("beta1", "beta2", "glu_interleave_size")}
+       for owner in ("ops.SiTUGLU", "ops.ScaledSiTUGLU")},
 }
 
 # TE arguments whose values other than the default TE itself refuses: te-core refuses them with TE's
 # exception class, its message naming the argument.
-REJECTED_AS_BY_TE = {("ops.ScaledSwiGLU", "__init__"): {"activation_recompute_in_mlp": ValueError}}
+REJECTED_AS_BY_TE = {(owner, "__init__"): {"activation_recompute_in_mlp": ValueError}
+                     for owner in ("ops.ScaledSwiGLU", "ops.ScaledClampedQGeGLU", "ops.ScaledSiTUGLU")}
 
 # TE arguments that are not te-core's to implement nor to reject: checkpoint() passes **kwargs on
 # to the function it runs, as TE's does.
@@ -344,6 +349,10 @@ CALLS = {
     **{f"ops.{name}": _module_call(lambda name=name, **kw: getattr(te_ops, name)(**kw), lambda: (_x(4, 8),))
        for name in ("Quantize", "L2Normalization", "GLU", "QGELU", "QGEGLU", "SReLU", "SReGLU")},
     "ops.ScaledSReLU": _module_call(lambda **kw: te_ops.ScaledSReLU(**kw), lambda: (_x(4, 8), _x(4))),
+    **{f"ops.{name}": _module_call(lambda name=name, **kw: getattr(te_ops, name)(**kw), lambda: (_x(4, 8),))
+       for name in ("ClampedSwiGLU", "SiTUGLU")},
+    **{f"ops.{name}": _module_call(lambda name=name, **kw: getattr(te_ops, name)(**kw), lambda: (_x(4, 8), _x(4)))
+       for name in ("ScaledClampedQGeGLU", "ScaledSiTUGLU")},
 }
 
 

@@ -15,7 +15,7 @@ hands each operation its extra inputs (a GroupedLinear's split sizes, a ScaledSw
 and returns the extra outputs they make after its output.
 
 Also TE's other basic operations (Identity, Reshape, ConstantScale, Dropout, AddExtraInput, Quantize,
-L2Normalization, the remaining activations), its composite ops.Linear (a FusedOperation of
+L2Normalization, the remaining activations and SwiGLU variants), its composite ops.Linear (a FusedOperation of
 BasicLinear, Bias and a collective) and the base classes BasicOperation and FusedOperation; the
 registration of fusions is refused, since te-core fuses nothing."""
 
@@ -33,12 +33,12 @@ from .norm import LayerNorm, RMSNorm
 from .operation import BasicOperation, FusedOperation
 from .quantize import Quantize
 from .sequential import Sequential
-from .swiglu import ScaledSReLU, ScaledSwiGLU, SwiGLU
+from .swiglu import ClampedSwiGLU, ScaledClampedQGeGLU, ScaledSiTUGLU, ScaledSReLU, ScaledSwiGLU, SiTUGLU, SwiGLU
 from .tensor_ops import AddExtraInput, ConstantScale, Dropout, Identity, Reshape
 
-__all__ = ["AddExtraInput", "AllGather", "AllReduce", "BasicLinear", "BasicOperation", "Bias", "ConstantScale",
-           "Dropout", "FusedOperation", "FusibleOperation", "GEGLU", "GELU", "GLU", "GroupedLinear", "Identity",
-           "L2Normalization", "LayerNorm", "Linear", "MakeExtraOutput", "QGEGLU", "QGELU", "Quantize", "RMSNorm",
-           "ReGLU", "ReLU", "ReduceScatter", "Reshape", "SReGLU", "SReLU", "ScaledSReLU", "ScaledSwiGLU",
-           "Sequential", "SiLU", "SwiGLU", "register_backward_fusion", "register_forward_backward_fusion",
-           "register_forward_fusion"]
+__all__ = ["AddExtraInput", "AllGather", "AllReduce", "BasicLinear", "BasicOperation", "Bias", "ClampedSwiGLU",
+           "ConstantScale", "Dropout", "FusedOperation", "FusibleOperation", "GEGLU", "GELU", "GLU", "GroupedLinear",
+           "Identity", "L2Normalization", "LayerNorm", "Linear", "MakeExtraOutput", "QGEGLU", "QGELU", "Quantize",
+           "RMSNorm", "ReGLU", "ReLU", "ReduceScatter", "Reshape", "SReGLU", "SReLU", "ScaledClampedQGeGLU",
+           "ScaledSReLU", "ScaledSiTUGLU", "ScaledSwiGLU", "Sequential", "SiLU", "SiTUGLU", "SwiGLU",
+           "register_backward_fusion", "register_forward_backward_fusion", "register_forward_fusion"]

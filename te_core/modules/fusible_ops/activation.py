@@ -18,11 +18,13 @@ from ._op import EmptyExtraState, FusibleOperation, check_extra_inputs
 
 
 class ActivationFunction(torch.autograd.Function):
-    """ops.activation_fwd(x, kind), its gradient by ops.activation_bwd from the saved input."""
+    """ops.activation_fwd(x, kind, **params), its gradient by ops.activation_bwd from the saved
+    input (params: clamped_swiglu's limit, alpha and glu_linear_offset, else None)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, kind: str) -> Tensor:
-        y, _ = ops.activation_fwd(x, kind)
+    def forward(ctx, x: Tensor, kind: str, params: Optional[dict] = None) -> Tensor:
+        ctx.params = params or {}
+        y, _ = ops.activation_fwd(x, kind, **ctx.params)
         ctx.save_for_backward(x)
         ctx.kind = kind
         return y
@@ -30,7 +32,7 @@ class ActivationFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         (x,) = ctx.saved_tensors
-        return ops.activation_bwd(dy.contiguous(), x, ctx.kind), None
+        return ops.activation_bwd(dy.contiguous(), x, ctx.kind, **ctx.params), None, None
 
 
 def check_activation_input(input: Tensor, op: str) -> None:  # noqa: A002 (TE's name)

@@ -1,12 +1,15 @@
 """ops.SwiGLU and ops.ScaledSwiGLU: Transformer Engine's fusible SwiGLU, silu(a) * b of the
 input's halves [a, b], and the variant that scales each output row by an extra input (an MoE's
 routing probabilities, applied before the down projection instead of when combining); and
-ops.ScaledSReLU, the squared ReLU scaled so.
+ops.ScaledSReLU, the squared ReLU scaled so. Transformer Engine's variants: ops.ClampedSwiGLU
+(GPT-OSS's) and ops.SiTUGLU (Kimi K3's soft-capped one), and their row-scaled ScaledClampedQGeGLU
+and ScaledSiTUGLU.
 
 They run te-core's activation ops in the input's precision; under te.autocast the next
 GroupedLinear quantizes the result as its input, as te-core's modules quantize theirs."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -24,8 +27,9 @@ class _ScaledActivationFunction(torch.autograd.Function):
     scales' gradient, and only when they need one."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, scales: Tensor, kind: str) -> Tensor:
-        y, _ = ops.activation_fwd(x, kind)
+    def forward(ctx, x: Tensor, scales: Tensor, kind: str, params: Optional[dict] = None) -> Tensor:
+        ctx.params = params or {}
+        y, _ = ops.activation_fwd(x, kind, **ctx.params)
         ctx.save_for_backward(x, scales)
         ctx.kind = kind
         return y * scales
@@ -34,14 +38,14 @@ class _ScaledActivationFunction(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         x, scales = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = ops.activation_bwd(dy * scales, x, ctx.kind) if ctx.needs_input_grad[0] else None
+        dx = ops.activation_bwd(dy * scales, x, ctx.kind, **ctx.params) if ctx.needs_input_grad[0] else None
         dscales = None
         if ctx.needs_input_grad[1]:
             # act(x) and the row sum over the FFN width in float32, rounded once, as TE's kernel: summing
             # products of an activation already rounded to bf16 loses a row sum that cancels beyond bf16's tolerance
-            y, _ = ops.activation_fwd(x.float(), ctx.kind)
+            y, _ = ops.activation_fwd(x.float(), ctx.kind, **ctx.params)
             dscales = (dy.float() * y).sum(-1, keepdim=True).to(scales.dtype)
-        return dx, dscales, None
+        return dx, dscales, None, None
 
 
 def _gates_first(x: Tensor, block: int) -> Tensor:
@@ -99,9 +103,7 @@ class ScaledSwiGLU(_GatedOperation):
     num_extra_inputs = 1
 
     def __init__(self, glu_interleave_size: Optional[int] = None, *, activation_recompute_in_mlp: bool = False):
-        if check_bool(activation_recompute_in_mlp, name="activation_recompute_in_mlp", module="ops.ScaledSwiGLU"):
-            raise ValueError("ops.ScaledSwiGLU: activation_recompute_in_mlp=True is not supported (nor by Transformer "
-                             "Engine's ScaledSwiGLU); pass False")
+        _refuse_recompute(activation_recompute_in_mlp, "ops." + type(self).__name__)
         super().__init__(glu_interleave_size)
         self.activation_recompute_in_mlp = False
 
@@ -151,3 +153,115 @@ def _row_scales(op: str, probs, input: Tensor) -> Tensor:  # noqa: A002 (TE's na
         raise ValueError(f"{op}: probs are on {probs.device} but the input is on {input.device}; move them to the "
                          "input's device")
     return probs.reshape(*rows, 1).to(input.dtype)
+
+
+def _refuse_recompute(activation_recompute_in_mlp, op: str) -> None:
+    if check_bool(activation_recompute_in_mlp, name="activation_recompute_in_mlp", module=op):
+        raise ValueError(f"{op}: activation_recompute_in_mlp=True is not supported (nor by Transformer Engine's "
+                         f"{op.removeprefix('ops.')}); pass False")
+
+
+def _finite(value, name: str, op: str, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or (positive and value <= 0):
+        what = "a finite number > 0" if positive else "a finite number"
+        raise ValueError(f"{op}: {name} must be {what}, got {value!r}")
+    return float(value)
+
+
+def _clamped_params(op: str, limit, alpha, glu_linear_offset) -> dict:
+    """te-core's clamped_swiglu takes only a positive limit (a limit <= 0 clamps every gate)."""
+    return {"limit": _finite(limit, "limit", op, positive=True), "alpha": _finite(alpha, "alpha", op),
+            "glu_linear_offset": _finite(glu_linear_offset, "glu_linear_offset", op)}
+
+
+def _situglu(x: Tensor, beta1: float, beta2: float) -> Tensor:
+    """beta1 tanh(a / beta1) sigmoid(a) * beta2 tanh(b / beta2) of x's halves [a, b], in float32 as
+    Transformer Engine's kernel (autograd differentiates it there too, so gradients round once)."""
+    a, b = x.float().chunk(2, dim=-1)
+    return beta1 * torch.tanh(a / beta1) * torch.sigmoid(a) * (beta2 * torch.tanh(b / beta2))
+
+
+class ClampedSwiGLU(_GatedOperation):
+    """GPT-OSS's SwiGLU: a' sigmoid(alpha a') (b' + glu_linear_offset) with a' = min(a, limit) and
+    b' = clamp(b, -limit, limit) of the input's halves [a, b] (gate first; glu_interleave_size as
+    ops.SwiGLU); no gradient flows through an active clamp. Not provided: cache_quantized_input=True,
+    and a limit <= 0."""
+
+    def __init__(self, *, limit: float = 7.0, alpha: float = 1.702, glu_linear_offset: float = 1.0,
+                 cache_quantized_input: bool = False, glu_interleave_size: Optional[int] = None):
+        refuse_cache_quantized_input(cache_quantized_input, "ops.ClampedSwiGLU")
+        params = _clamped_params("ops.ClampedSwiGLU", limit, alpha, glu_linear_offset)
+        super().__init__(glu_interleave_size)
+        self.limit, self.alpha, self.glu_linear_offset = params.values()
+        self.cache_quantized_input = False
+
+    def forward(self, input: Tensor, *extra_inputs) -> Tensor:  # noqa: A002 (TE's name)
+        check_extra_inputs(self._name, 0, extra_inputs, "none")
+        params = {"limit": self.limit, "alpha": self.alpha, "glu_linear_offset": self.glu_linear_offset}
+        return ActivationFunction.apply(self._gates_first_input(input), "clamped_swiglu", params)
+
+
+class ScaledClampedQGeGLU(_GatedOperation):
+    """ClampedSwiGLU (limit, alpha, glu_linear_offset and glu_interleave_size as there) whose output
+    row i is multiplied by probs[i], the extra input, as ops.ScaledSwiGLU; the input and probs get
+    gradients. Not provided: activation_recompute_in_mlp=True, and a limit <= 0."""
+
+    num_extra_inputs = 1
+
+    def __init__(self, glu_interleave_size: Optional[int] = None, *, activation_recompute_in_mlp: bool = False,
+                 limit: float = 7.0, alpha: float = 1.702, glu_linear_offset: float = 1.0):
+        _refuse_recompute(activation_recompute_in_mlp, "ops.ScaledClampedQGeGLU")
+        params = _clamped_params("ops.ScaledClampedQGeGLU", limit, alpha, glu_linear_offset)
+        super().__init__(glu_interleave_size)
+        self.limit, self.alpha, self.glu_linear_offset = params.values()
+        self.activation_recompute_in_mlp = False
+
+    def forward(self, input: Tensor, *extra_inputs) -> Tensor:  # noqa: A002 (TE's name)
+        check_extra_inputs(self._name, 1, extra_inputs, "probs: one scale per row of the input")
+        x = self._gates_first_input(input)
+        params = {"limit": self.limit, "alpha": self.alpha, "glu_linear_offset": self.glu_linear_offset}
+        return _ScaledActivationFunction.apply(x, _row_scales(self._name, extra_inputs[0], input), "clamped_swiglu",
+                                               params)
+
+
+class SiTUGLU(_GatedOperation):
+    """Kimi K3's soft-capped SwiGLU: beta1 tanh(a / beta1) sigmoid(a) * beta2 tanh(b / beta2) of the
+    input's halves [a, b] (gate first; glu_interleave_size as ops.SwiGLU), beta1 and beta2 finite and
+    positive. Not provided: cache_quantized_input=True."""
+
+    def __init__(self, *, beta1: float = 4.0, beta2: float = 25.0, cache_quantized_input: bool = False,
+                 glu_interleave_size: Optional[int] = None):
+        refuse_cache_quantized_input(cache_quantized_input, "ops.SiTUGLU")
+        beta1 = _finite(beta1, "beta1", "ops.SiTUGLU", positive=True)
+        beta2 = _finite(beta2, "beta2", "ops.SiTUGLU", positive=True)
+        super().__init__(glu_interleave_size)
+        self.beta1, self.beta2 = beta1, beta2
+        self.cache_quantized_input = False
+
+    def forward(self, input: Tensor, *extra_inputs) -> Tensor:  # noqa: A002 (TE's name)
+        check_extra_inputs(self._name, 0, extra_inputs, "none")
+        return _situglu(self._gates_first_input(input), self.beta1, self.beta2).to(input.dtype)
+
+
+class ScaledSiTUGLU(_GatedOperation):
+    """SiTUGLU (beta1, beta2 and glu_interleave_size as there) whose output row i is multiplied by
+    probs[i], the extra input, as ops.ScaledSwiGLU; the input and probs get gradients. Not provided:
+    activation_recompute_in_mlp=True."""
+
+    num_extra_inputs = 1
+
+    def __init__(self, glu_interleave_size: Optional[int] = None, *, activation_recompute_in_mlp: bool = False,
+                 beta1: float = 4.0, beta2: float = 25.0):
+        _refuse_recompute(activation_recompute_in_mlp, "ops.ScaledSiTUGLU")
+        beta1 = _finite(beta1, "beta1", "ops.ScaledSiTUGLU", positive=True)
+        beta2 = _finite(beta2, "beta2", "ops.ScaledSiTUGLU", positive=True)
+        super().__init__(glu_interleave_size)
+        self.beta1, self.beta2 = beta1, beta2
+        self.activation_recompute_in_mlp = False
+
+    def forward(self, input: Tensor, *extra_inputs) -> Tensor:  # noqa: A002 (TE's name)
+        check_extra_inputs(self._name, 1, extra_inputs, "probs: one scale per row of the input")
+        scales = _row_scales(self._name, extra_inputs[0], input)
+        y = _situglu(self._gates_first_input(input), self.beta1, self.beta2) * scales.float()
+        return y.to(input.dtype)
