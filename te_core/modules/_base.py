@@ -351,49 +351,32 @@ class QuantizedModule(DeferredInit, TransformerEngineBaseModule):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         errors = len(error_msgs)
-        quantized = {name: p for name, p in self._parameters.items() if isinstance(p, QuantizedTensor)}
-        shards = {name: p for name, p in self._parameters.items()
-                  if p is not None and p is not local_tensor(p) and isinstance(local_tensor(p), QuantizedTensor)}
+        # FP8 primary weights, whole or as FSDP2 shards (a DTensor over a quantized local tensor)
+        quantized = {name: p for name, p in self._parameters.items() if isinstance(local_tensor(p), QuantizedTensor)}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         if len(error_msgs) != errors:
             return
-        self._requantize_loaded_shards(shards, state_dict, prefix)
         for name, old in quantized.items():
             value = state_dict.get(prefix + name)
             param = self._parameters.get(name)
             if not isinstance(value, Tensor):
                 continue
             if param is not old:  # assign=True put the loaded value in a parameter of its own
-                if not (isinstance(param, QuantizedTensor) and type(param) is type(old)):
+                if old is local_tensor(old) and not (isinstance(param, QuantizedTensor) and type(param) is type(old)):
                     self._assign_primary_weight(name, old, value, prefix, error_msgs)
                 continue
-            # copy_ requantized the quantized primary weight with this module's scale; a delayed
-            # scale from a fresh init can saturate trained values, so such a quantizer redoes it
-            if old._quantizer is None or isinstance(value, QuantizedTensor):
-                continue
-            with torch.no_grad():
-                fresh = old._quantizer.load_primary(value.detach().to(old.device, old.dtype).reshape(old.shape))
-            if fresh is not None:
-                old._take_payload(fresh)
-                self._weight_cache.clear()
-
-    def _requantize_loaded_shards(self, shards: Dict[str, Tensor], state_dict, prefix: str) -> None:
-        """FSDP2 shards of FP8 primary weights loaded from dequantized values (module.state_dict()'s,
-        through torch.distributed.checkpoint), cast again now that the checkpoint's extra state has
-        restored the scales, as unsharded weights are (below): copy_ cast them with the scales of
-        before, which under delayed scaling can be a fresh model's and saturate trained values."""
-        for name, old in shards.items():
-            value = state_dict.get(prefix + name)
-            if self._parameters.get(name) is not old or not isinstance(value, Tensor):
-                continue  # (assign=True made a new parameter; nothing loaded for this one)
-            value, shard = local_tensor(value), local_tensor(old)
-            if isinstance(value, QuantizedTensor) or shard._quantizer is None:
+            # copy_ requantized the weight (or this rank's shard of it) with this module's scale of
+            # before; a delayed scale from a fresh init can saturate trained values, so such a
+            # quantizer casts it again with the scale the checkpoint's extra state has restored
+            value, weight = local_tensor(value), local_tensor(old)
+            if weight._quantizer is None or isinstance(value, QuantizedTensor):
                 continue  # (a quantized value's bytes and scale were copied as they are)
             with torch.no_grad():
-                fresh = shard._quantizer.load_primary(value.detach().to(shard.device, shard.dtype).reshape(shard.shape))
+                fresh = weight._quantizer.load_primary(value.detach().to(weight.device, weight.dtype)
+                                                       .reshape(weight.shape))
             if fresh is not None:
-                shard._take_payload(fresh)
+                weight._take_payload(fresh)
                 self._weight_cache.clear()
 
     def _assign_primary_weight(self, name: str, old: QuantizedTensor, value: Tensor, prefix: str,
