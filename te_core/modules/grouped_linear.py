@@ -309,6 +309,11 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
     def _params(self, prefix: str) -> List[Tensor]:
         return [getattr(self, f"{prefix}{i}") for i in range(self.num_gemms)]
 
+    def _gemm_biases(self) -> List[Tensor]:
+        """The biases the GEMMs add: none when the module returns them (return_bias) or, in the
+        fusible operation with scale_bias, adds them scaled per row after the GEMMs."""
+        return self._params("bias") if self.use_bias and not self.return_bias else []
+
     def forward(self, inp: Tensor, m_splits: Sequence[int], is_first_microbatch: Optional[bool] = None,
                 out: Optional[Tensor] = None, dgrad_out: Optional[Tensor] = None):
         name = "GroupedLinear"
@@ -322,7 +327,7 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
         x = inp.reshape(-1, self.in_features).to(dtype).contiguous()
         step = self.quantization_step(is_first_microbatch)
         check_fp8_gemms(step, name, *((m, self.out_features, self.in_features) for m in m_splits))  # (0 is aligned)
-        biases = self._params("bias") if self.use_bias and not self.return_bias else []
+        biases = self._gemm_biases()
         proxied, proxies = (), ()
         if torch.compiler.is_compiling():  # FP8 primary weights' gradient stand-ins (_grad_proxy); none eagerly
             named = grad_proxies(self, tuple(f"weight{i}" for i in range(self.num_gemms)))

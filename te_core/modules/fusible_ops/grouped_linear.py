@@ -3,7 +3,8 @@
 TE's operation and its module compute the same thing (rows split_sizes[0], split_sizes[1], ... of
 the input through weight0, weight1, ...) with other constructor and forward arguments; this class
 is te-core's GroupedLinear under the operation's arguments, parameter order and forward, so its
-quantization (te.autocast, its extra state) is the module's."""
+quantization (te.autocast, its extra state) is the module's. The operation's own scale_bias (each
+row's bias times that row's scale, a second extra input) is added after the module's GEMMs."""
 from __future__ import annotations
 
 import numbers
@@ -12,7 +13,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from .._common import check_input
+from .._common import check_bools, check_input
 from ..grouped_linear import GroupedLinear as GroupedLinearModule
 from ._op import TORCH_LINEAR_INIT, FusibleOperation, check_dtype, check_extra_inputs
 
@@ -46,10 +47,37 @@ def split_sizes_list(split_sizes, num_groups: int, rows: int) -> List[int]:
     return sizes
 
 
+def bias_scales(scales, rows: int, device: torch.device) -> Tensor:
+    """The scale_bias extra input (one scale per input row, as the routing probabilities of a
+    mixture of experts) as a 1-D tensor of `rows` values."""
+    if not isinstance(scales, Tensor) or not scales.is_floating_point():
+        got = f"a {scales.dtype} tensor" if isinstance(scales, Tensor) else repr(scales)
+        raise TypeError(f"{_NAME}: with scale_bias=True the second extra input must be a floating-point tensor of "
+                        f"one bias scale per input row ({rows}), got {got}")
+    if scales.numel() != rows:
+        raise ValueError(f"{_NAME}: with scale_bias=True the second extra input holds one bias scale per input row: "
+                         f"expected {rows} values (shape ({rows},)), got shape {tuple(scales.shape)}")
+    if scales.device != device:
+        raise ValueError(f"{_NAME}: the bias scales are on {scales.device} but the input is on {device}; move them "
+                         "to the input's device")
+    return scales.reshape(-1)
+
+
+def add_scaled_bias(y: Tensor, biases: List[Tensor], scales: Tensor, sizes: List[int]) -> Tensor:
+    """y + bias_g * scale_r for each row r of group g, summed in float32 and rounded to y's dtype, as
+    Transformer Engine's split-quantize path adds it to the GEMMs' output (its grouped GEMM on
+    Hopper adds it before rounding that output); autograd gives each bias the scale-weighted sum of
+    its rows' output gradients and each scale its row's output gradient dotted with its bias."""
+    rows = y.reshape(-1, y.shape[-1])
+    scaled = torch.cat([b.to(y.dtype).float() * s.float().unsqueeze(-1) for b, s in zip(biases, scales.split(sizes))])
+    return (rows.float() + scaled).to(y.dtype).view(y.shape)
+
+
 class GroupedLinear(FusibleOperation, GroupedLinearModule):
     """y_i = x_i W_i^T + b_i for the row groups x_i of the input given by the extra input
     split_sizes; parameters weight0, weight1, ..., then bias0, bias1, ... as in Transformer
-    Engine. Not provided: scale_bias (a bias scaled by a second extra input)."""
+    Engine. scale_bias=True (with a bias): y_i = x_i W_i^T + s_i b_i, s (one scale per input row)
+    a second extra input, as Transformer Engine's; with bias=False it is ignored, as there."""
 
     num_extra_inputs = 1
 
@@ -57,15 +85,16 @@ class GroupedLinear(FusibleOperation, GroupedLinearModule):
                  device=None, dtype: Optional[torch.dtype] = None, rng_state_tracker_function=None,
                  accumulate_into_main_grad: bool = False, single_grouped_weight: bool = False,
                  single_grouped_bias: bool = False, delay_wgrad_compute: bool = False, scale_bias: bool = False):
-        if scale_bias and bias:
-            raise NotImplementedError(f"{_NAME}: scale_bias=True (a bias scaled by an extra probability input) is not "
-                                      "supported by te-core; pass scale_bias=False and scale the bias outside")
+        (scale_bias,) = check_bools(_NAME, scale_bias=scale_bias)
         super().__init__(num_gemms=num_groups, in_features=in_features, out_features=out_features, bias=bias,
                          init_method=TORCH_LINEAR_INIT, params_dtype=check_dtype(dtype, _NAME), device=device,
                          fuse_wgrad_accumulation=accumulate_into_main_grad, delay_wgrad_compute=delay_wgrad_compute,
                          get_rng_state_tracker=rng_state_tracker_function,
                          single_grouped_weight=single_grouped_weight, single_grouped_bias=single_grouped_bias)
         self.num_groups = self.num_gemms
+        self._scale_bias = scale_bias and self.use_bias
+        if self._scale_bias:  # (an instance's count: Sequential hands it the scales after the split sizes)
+            self.num_extra_inputs = 2
         # TE's order (parameters(), state_dict()): every weight, then every bias
         order = [f"weight{i}" for i in range(num_groups)] + [f"bias{i}" for i in range(num_groups)]
         params = dict(self._parameters)
@@ -104,7 +133,8 @@ class GroupedLinear(FusibleOperation, GroupedLinearModule):
             self.register_parameter(name, torch.nn.Parameter(torch.empty(shape, dtype=held.dtype, device=held.device)))
 
     def forward(self, input: Tensor, *extra_inputs, **op_kwargs) -> Tensor:  # noqa: A002 (TE's name)
-        check_extra_inputs(_NAME, 1, extra_inputs, "the split sizes: rows of the input per group")
+        check_extra_inputs(_NAME, self.num_extra_inputs, extra_inputs, "the split sizes: rows of the input per group"
+                           + ("; then, with scale_bias=True, one bias scale per input row" if self._scale_bias else ""))
         unknown = sorted(set(op_kwargs) - set(_BUFFER_KWARGS))
         if unknown:
             raise TypeError(f"{_NAME}: unexpected keyword arguments {unknown} (it takes output and grad_input)")
@@ -115,5 +145,13 @@ class GroupedLinear(FusibleOperation, GroupedLinearModule):
                                       "tensors)")
         self._materialize_meta_parameters()
         check_input(input, self.in_features, name="input", module=_NAME, device=self.weight0.device)
-        sizes = split_sizes_list(extra_inputs[0], self.num_groups, input.numel() // self.in_features)
-        return super().forward(input, sizes)
+        rows = input.numel() // self.in_features
+        sizes = split_sizes_list(extra_inputs[0], self.num_groups, rows)
+        if not self._scale_bias:
+            return super().forward(input, sizes)
+        scales = bias_scales(extra_inputs[1], rows, input.device)
+        return add_scaled_bias(super().forward(input, sizes), self._params("bias"), scales, sizes)
+
+    def _gemm_biases(self) -> List[Tensor]:
+        # with scale_bias the GEMMs add no bias: forward adds it scaled afterwards
+        return [] if self._scale_bias else super()._gemm_biases()
