@@ -4,7 +4,8 @@ order: the gate comes first, unlike torch's GLU). SwiGLU, which also takes an in
 and the row-scaled ScaledSwiGLU and ScaledSReLU are in swiglu.py.
 
 They run te-core's activation ops in the input's precision (GELU is the tanh approximation, as
-TE's); under te.autocast the next linear operation quantizes the result as its input."""
+TE's); under te.autocast the next linear operation quantizes the result as its input.
+cache_quantized_input=True saves their input for the backward as FP8 (see cached_input)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -13,26 +14,29 @@ import torch
 from torch import Tensor, nn
 
 from ... import ops
-from .._common import HP_DTYPES, check_bool
+from .._common import HP_DTYPES
 from ._op import EmptyExtraState, FusibleOperation, check_extra_inputs
+from .cached_input import cache_quantized_input_flag, save_input, saved_input
 
 
 class ActivationFunction(torch.autograd.Function):
     """ops.activation_fwd(x, kind, **params), its gradient by ops.activation_bwd from the saved
-    input (params: clamped_swiglu's limit, alpha and glu_linear_offset, else None)."""
+    input (params: clamped_swiglu's limit, alpha and glu_linear_offset, else None); with
+    cache_quantized, the saved input is an FP8 copy (cached_input) and `op` names the operation."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, kind: str, params: Optional[dict] = None) -> Tensor:
+    def forward(ctx, x: Tensor, kind: str, params: Optional[dict] = None, cache_quantized: bool = False,
+                op: str = "") -> Tensor:
         ctx.params = params or {}
         y, _ = ops.activation_fwd(x, kind, **ctx.params)
-        ctx.save_for_backward(x)
-        ctx.kind = kind
+        save_input(ctx, x, cache_quantized)
+        ctx.kind, ctx.op = kind, op or kind
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        (x,) = ctx.saved_tensors
-        return ops.activation_bwd(dy.contiguous(), x, ctx.kind, **ctx.params), None, None
+        x = saved_input(ctx, ctx.op)
+        return ops.activation_bwd(dy.contiguous(), x, ctx.kind, **ctx.params), None, None, None, None
 
 
 def check_activation_input(input: Tensor, op: str) -> None:  # noqa: A002 (TE's name)
@@ -51,12 +55,6 @@ def check_gate_columns(input: Tensor, op: str, interleave: Optional[int] = None)
                          f"columns), got shape {tuple(input.shape)}")
 
 
-def refuse_cache_quantized_input(cache_quantized_input, op: str) -> None:
-    if check_bool(cache_quantized_input, name="cache_quantized_input", module=op):
-        raise NotImplementedError(f"{op}: cache_quantized_input=True (an FP8 copy of the input saved for backward) "
-                                  "is not supported by te-core; pass False")
-
-
 class _Activation(EmptyExtraState, FusibleOperation, nn.Module):
     """An activation of te-core's activation ops by the name `kind`; gated ones take an input whose
     last dimension is even, the gate columns first."""
@@ -65,16 +63,16 @@ class _Activation(EmptyExtraState, FusibleOperation, nn.Module):
     gated = False
 
     def __init__(self, *, cache_quantized_input: bool = False):
-        refuse_cache_quantized_input(cache_quantized_input, self._name)
+        cache = cache_quantized_input_flag(cache_quantized_input, self._name)
         super().__init__()
-        self.cache_quantized_input = False
+        self.cache_quantized_input = cache
 
     def forward(self, input: Tensor, *extra_inputs) -> Tensor:  # noqa: A002 (TE's name)
         check_extra_inputs(self._name, 0, extra_inputs, "none")
         check_activation_input(input, self._name)
         if self.gated:
             check_gate_columns(input, self._name)
-        return ActivationFunction.apply(input.contiguous(), self.kind)
+        return ActivationFunction.apply(input.contiguous(), self.kind, None, self.cache_quantized_input, self._name)
 
 
 class GELU(_Activation):

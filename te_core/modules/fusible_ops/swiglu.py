@@ -6,7 +6,8 @@ ops.ScaledSReLU, the squared ReLU scaled so. Transformer Engine's variants: ops.
 and ScaledSiTUGLU.
 
 They run te-core's activation ops in the input's precision; under te.autocast the next
-GroupedLinear quantizes the result as its input, as te-core's modules quantize theirs."""
+GroupedLinear quantizes the result as its input, as te-core's modules quantize theirs.
+cache_quantized_input=True saves the input for the backward as FP8 (see cached_input)."""
 from __future__ import annotations
 
 import math
@@ -18,7 +19,8 @@ from torch import Tensor, nn
 from ... import ops
 from .._common import check_bool
 from ._op import EmptyExtraState, FusibleOperation, check_extra_inputs
-from .activation import ActivationFunction, check_activation_input, check_gate_columns, refuse_cache_quantized_input
+from .activation import ActivationFunction, check_activation_input, check_gate_columns
+from .cached_input import FromCachedInput, cache_quantized_input_flag
 
 
 class _ScaledActivationFunction(torch.autograd.Function):
@@ -77,17 +79,19 @@ class _GatedOperation(EmptyExtraState, FusibleOperation, nn.Module):
 class SwiGLU(_GatedOperation):
     """SiLU(a) * b where a and b are the first and second halves of the input's last dimension
     (Transformer Engine's order: the gate comes first, unlike torch's GLU). glu_interleave_size:
-    the input alternates blocks of that many gate and linear columns instead. Not provided:
-    cache_quantized_input=True."""
+    the input alternates blocks of that many gate and linear columns instead."""
 
     def __init__(self, *, cache_quantized_input: bool = False, glu_interleave_size: Optional[int] = None):
-        refuse_cache_quantized_input(cache_quantized_input, "ops.SwiGLU")
+        cache = cache_quantized_input_flag(cache_quantized_input, "ops.SwiGLU")
         super().__init__(glu_interleave_size)
-        self.cache_quantized_input = False
+        self.cache_quantized_input = cache
 
     def forward(self, input: Tensor, *extra_inputs) -> Tensor:  # noqa: A002 (TE's name)
         check_extra_inputs(self._name, 0, extra_inputs, "none")
-        return ActivationFunction.apply(self._gates_first_input(input), "swiglu")
+        # (with glu_interleave_size, the FP8 copy is of the reordered input: one per-tensor scale, so
+        # the same values as Transformer Engine's copy of the interleaved one)
+        return ActivationFunction.apply(self._gates_first_input(input), "swiglu", None, self.cache_quantized_input,
+                                        self._name)
 
 
 class ScaledSwiGLU(_GatedOperation):
@@ -185,21 +189,21 @@ def _situglu(x: Tensor, beta1: float, beta2: float) -> Tensor:
 class ClampedSwiGLU(_GatedOperation):
     """GPT-OSS's SwiGLU: a' sigmoid(alpha a') (b' + glu_linear_offset) with a' = min(a, limit) and
     b' = clamp(b, -limit, limit) of the input's halves [a, b] (gate first; glu_interleave_size as
-    ops.SwiGLU); no gradient flows through an active clamp. Not provided: cache_quantized_input=True,
-    and a limit <= 0."""
+    ops.SwiGLU); no gradient flows through an active clamp. Not provided: a limit <= 0."""
 
     def __init__(self, *, limit: float = 7.0, alpha: float = 1.702, glu_linear_offset: float = 1.0,
                  cache_quantized_input: bool = False, glu_interleave_size: Optional[int] = None):
-        refuse_cache_quantized_input(cache_quantized_input, "ops.ClampedSwiGLU")
+        cache = cache_quantized_input_flag(cache_quantized_input, "ops.ClampedSwiGLU")
         params = _clamped_params("ops.ClampedSwiGLU", limit, alpha, glu_linear_offset)
         super().__init__(glu_interleave_size)
         self.limit, self.alpha, self.glu_linear_offset = params.values()
-        self.cache_quantized_input = False
+        self.cache_quantized_input = cache
 
     def forward(self, input: Tensor, *extra_inputs) -> Tensor:  # noqa: A002 (TE's name)
         check_extra_inputs(self._name, 0, extra_inputs, "none")
         params = {"limit": self.limit, "alpha": self.alpha, "glu_linear_offset": self.glu_linear_offset}
-        return ActivationFunction.apply(self._gates_first_input(input), "clamped_swiglu", params)
+        return ActivationFunction.apply(self._gates_first_input(input), "clamped_swiglu", params,
+                                        self.cache_quantized_input, self._name)
 
 
 class ScaledClampedQGeGLU(_GatedOperation):
@@ -228,20 +232,36 @@ class ScaledClampedQGeGLU(_GatedOperation):
 class SiTUGLU(_GatedOperation):
     """Kimi K3's soft-capped SwiGLU: beta1 tanh(a / beta1) sigmoid(a) * beta2 tanh(b / beta2) of the
     input's halves [a, b] (gate first; glu_interleave_size as ops.SwiGLU), beta1 and beta2 finite and
-    positive. Not provided: cache_quantized_input=True."""
+    positive."""
 
     def __init__(self, *, beta1: float = 4.0, beta2: float = 25.0, cache_quantized_input: bool = False,
                  glu_interleave_size: Optional[int] = None):
-        refuse_cache_quantized_input(cache_quantized_input, "ops.SiTUGLU")
+        cache = cache_quantized_input_flag(cache_quantized_input, "ops.SiTUGLU")
         beta1 = _finite(beta1, "beta1", "ops.SiTUGLU", positive=True)
         beta2 = _finite(beta2, "beta2", "ops.SiTUGLU", positive=True)
         super().__init__(glu_interleave_size)
         self.beta1, self.beta2 = beta1, beta2
-        self.cache_quantized_input = False
+        self.cache_quantized_input = cache
 
     def forward(self, input: Tensor, *extra_inputs) -> Tensor:  # noqa: A002 (TE's name)
         check_extra_inputs(self._name, 0, extra_inputs, "none")
-        return _situglu(self._gates_first_input(input), self.beta1, self.beta2).to(input.dtype)
+        x = self._gates_first_input(input)
+        if self.cache_quantized_input:
+            return FromCachedInput.apply(x, self._situglu_in_dtype, self._situglu_grad, self._name)
+        return self._situglu_in_dtype(x)
+
+    def _situglu_in_dtype(self, x: Tensor) -> Tensor:
+        return _situglu(x, self.beta1, self.beta2).to(x.dtype)
+
+    def _situglu_grad(self, dy: Tensor, x: Tensor) -> Tensor:
+        """SiTUGLU's derivative applied to dy, in float32 as its forward (written out: torch.compile
+        cannot trace autograd.grad inside a backward)."""
+        a, b = x.float().chunk(2, dim=-1)
+        tanh_a, sigmoid_a, tanh_b = torch.tanh(a / self.beta1), torch.sigmoid(a), torch.tanh(b / self.beta2)
+        gate, linear = self.beta1 * tanh_a * sigmoid_a, self.beta2 * tanh_b
+        d_gate = (1 - tanh_a**2) * sigmoid_a + gate * (1 - sigmoid_a)
+        dy = dy.float()
+        return torch.cat([dy * linear * d_gate, dy * gate * (1 - tanh_b**2)], dim=-1).to(x.dtype)
 
 
 class ScaledSiTUGLU(_GatedOperation):
