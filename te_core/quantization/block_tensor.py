@@ -89,8 +89,8 @@ class _TwoLayout:
 
     def _dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
         dtype = dtype or self.dtype
-        if self._data is None:  # column-wise only: dequantize x.T, then transpose back
-            return self._dequantize_layout(self._data_t, self._scale_inv_t, dtype).t()
+        if self._data is None:  # column-wise only: dequantize x.T, then transpose back (to the nominal shape)
+            return self._dequantize_layout(self._data_t, self._scale_inv_t, dtype).t().reshape(self.shape)
         # a flattened view (block_views) keeps its 2-D payload under its own shape
         return self._dequantize_layout(self._data, self._scale_inv, dtype).reshape(self.shape)
 

@@ -204,8 +204,15 @@ def _high_precision(t: Operand, columnwise: bool, other: Operand) -> Tensor:
     return t.t() if columnwise else t
 
 
+class RecipeMismatchError(ValueError, RuntimeError):
+    """FP8 GEMM operands quantized under recipes of different kinds (a weight kept in FP8 under
+    another recipe's format, most often). A ValueError for te-core's callers, and the RuntimeError
+    ("Recipe mismatch ...") that Transformer Engine raises for it, for code written against TE."""
+
+
 def _no_scaling_mode(a: GemmOperand, b: GemmOperand) -> NoReturn:
-    raise ValueError(
+    raise RecipeMismatchError(
+        "Recipe mismatch for the operands of an FP8 GEMM: "
         f"no FP8 GEMM scaling mode for operands quantized as {a.kind} (a) and {b.kind} (b); quantize both "
         "operands with the same recipe (a 128x128-block operand must be the second one, b). A weight kept "
         "only in FP8 (te.quantized_model_init) stays in the format of the recipe it was made under: run "

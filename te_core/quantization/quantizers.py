@@ -30,8 +30,8 @@ def _shaped_like(data: Tensor, x: Tensor) -> Tensor:
 def _as_2d(x: Tensor, what: str) -> Tensor:
     if x.dim() == 2:
         return x
-    if x.dim() == 0:
-        raise ValueError(f"{what} needs a tensor with at least 1 dimension, got a 0-dim tensor")
+    if x.dim() == 0:  # one row of one element, as Transformer Engine flattens a 0-d tensor
+        return x.reshape(1, 1)
     return x.reshape(-1, x.shape[-1])
 
 

@@ -15,6 +15,7 @@ Two callers, one `quantize`:
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from typing import Iterable, Optional, Union
 
@@ -135,7 +136,7 @@ class _TEQuantizer:
         if not (self.rowwise_usage or self.columnwise_usage):
             raise ValueError(f"{type(self).__name__}: rowwise and columnwise usage are both False, so there is "
                              "nothing to produce; set_usage(rowwise=True) or set_usage(columnwise=True)")
-        result = self._cast(x.detach(), self.columnwise_usage and x.dim() >= 1)
+        result = self._cast(x.detach(), self.columnwise_usage)
         result = _with_shape(result, x.shape)
         return result if self.rowwise_usage else result.columnwise_only()
 
@@ -170,8 +171,6 @@ class _TEQuantizer:
         from ..backend import get_backend
 
         shape = torch.Size(shape)
-        if len(shape) == 0:
-            raise ValueError(f"{type(self).__name__}.make_empty: shape must have at least one dimension")
         device = torch.device(device) if device is not None else get_backend().device
         empty = dict(device=device, pin_memory=pin_memory)
         result = self._empty(shape, dtype, empty)
@@ -195,8 +194,8 @@ class _TEQuantizer:
 
 def _fp8_empty(quantizer, shape, dtype, empty, scale_inv: Tensor) -> Float8Tensor:
     data = torch.empty(shape, dtype=quantizer.fp8_dtype, **empty)
-    rows = data.reshape(-1, shape[-1])
-    transpose = torch.empty(rows.t().shape, dtype=quantizer.fp8_dtype, **empty) if quantizer.columnwise_usage else None
+    rows, cols = _rows_cols(shape)
+    transpose = torch.empty((cols, rows), dtype=quantizer.fp8_dtype, **empty) if quantizer.columnwise_usage else None
     return Float8Tensor.make(data, scale_inv.to(empty["device"]), transpose, nominal_dtype=dtype, quantizer=quantizer)
 
 
@@ -276,6 +275,12 @@ def _check_epsilon(owner: str, value) -> None:
         raise ValueError(f"{owner}: amax_epsilon must be a finite number >= 0, got {value!r}")
 
 
+def _rows_cols(shape: torch.Size) -> tuple:
+    """The 2-D payload's (rows, columns) for nominal `shape`; a 0-d tensor is one row of one
+    element, as in Transformer Engine."""
+    return (math.prod(shape[:-1]), shape[-1]) if len(shape) else (1, 1)
+
+
 def _ceil(n: int, d: int) -> int:
     return -(-n // d)
 
@@ -307,7 +312,7 @@ class Float8BlockQuantizer(_TEQuantizer, core.Float8BlockQuantizer):
         return torch.empty(shape, dtype=torch.float32, **empty)
 
     def _empty(self, shape, dtype, empty):
-        rows, cols = shape.numel() // shape[-1], shape[-1]
+        rows, cols = _rows_cols(shape)
         data = torch.empty((rows, cols), dtype=self.fp8_dtype, **empty)
         data_t = scale_inv_t = None
         if self.columnwise_usage:
@@ -335,7 +340,7 @@ class MXFP8Quantizer(_TEQuantizer, core.MXFP8Quantizer):
         core.MXFP8Quantizer.__init__(self, None, dtype)
 
     def _empty(self, shape, dtype, empty):
-        rows, cols = shape.numel() // shape[-1], shape[-1]
+        rows, cols = _rows_cols(shape)
         if cols % MX_BLOCK or (self.columnwise_usage and rows % MX_BLOCK):
             raise ValueError(f"{type(self).__name__}.make_empty: MXFP8 needs the last dimension (and, with "
                              f"columnwise usage, the product of the others) to be a multiple of 32; got {tuple(shape)}")

@@ -243,12 +243,13 @@ def test_bad_inputs_say_what_is_wrong(stand_in):
         ops.SwiGLU()(torch.randn(3, 5))
     with pytest.raises(ValueError, match="multiple of 2 \\* glu_interleave_size = 8"):
         ops.SwiGLU(glu_interleave_size=4)(torch.randn(3, 12))
-    with pytest.raises(NotImplementedError, match="cache_quantized_input=True"):
-        ops.SwiGLU(cache_quantized_input=True)
+    with pytest.raises(TypeError, match="ops.SwiGLU.*cache_quantized_input"):
+        ops.SwiGLU(cache_quantized_input="yes")
     with pytest.raises(ValueError, match="glu_interleave_size must be a positive int or None, got 0"):
         ops.SwiGLU(glu_interleave_size=0)
-    with pytest.raises(NotImplementedError, match="scale_bias=True"):
-        ops.GroupedLinear(2, 8, 8, scale_bias=True)
+    with pytest.raises(TypeError, match=r"takes the input and 2 extra input\(s\) .*with scale_bias=True, one bias "
+                                        r"scale per input row\), got 1"):
+        ops.GroupedLinear(2, 8, 8, scale_bias=True)(torch.randn(3, 8), torch.tensor([1, 2]))
     with pytest.raises(TypeError, match="dtype must be"):
         ops.GroupedLinear(2, 8, 8, dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="op_kwargs"):
