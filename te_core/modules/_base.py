@@ -407,14 +407,15 @@ class QuantizedModule(DeferredInit, TransformerEngineBaseModule):
 
     def get_extra_state(self) -> Tensor:
         """Transformer Engine's form: a uint8 tensor, empty without scaling state (extra_state.py)."""
-        return extra_state_bytes.encode(extra_state(self._recipe_state))
+        return extra_state_bytes.encode(extra_state(self._recipe_state), self._quantizer_slots)
 
     def set_extra_state(self, state) -> None:
         from ..compat.te_checkpoint import is_te_tensor_form
 
         state = extra_state_bytes.from_text(state)  # (te_core.distributed.state_dict's form)
+        self.__dict__.pop("_fp8_meta_recipe", None)  # (a recipe written to fp8_meta for this load: _te_base)
         if extra_state_bytes.is_encoded(state):
-            state = extra_state_bytes.decode(state, type(self).__name__)
+            state = extra_state_bytes.decode(state, type(self).__name__, self._quantizer_slots)
         elif is_te_tensor_form(state):  # Transformer Engine's serialized form
             from ..compat.te_checkpoint import te_extra_state
 

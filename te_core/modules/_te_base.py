@@ -17,10 +17,11 @@ from torch import nn
 from ..quantization.roles import FORWARD
 
 _FP8_META_READ_ONLY = (
-    "{module}.fp8_meta is a read-only view in te-core: its modules take the recipe and the amax reduction "
-    "group from te.autocast(recipe=..., amax_reduction_group=...) at each forward, and keep their scaling state "
-    "in the module (quantization_state(), saved as its extra state), not in fp8_meta. Run the forward under "
-    "te.autocast with the recipe and group wanted instead of assigning fp8_meta[{key!r}]")
+    "{module}.fp8_meta is a read-only view in te-core (but for 'recipe', before a checkpoint load): its modules "
+    "take the recipe and the amax reduction group from te.autocast(recipe=..., amax_reduction_group=...) at each "
+    "forward, and keep their scaling state in the module (quantization_state(), saved as its extra state), not in "
+    "fp8_meta. Run the forward under te.autocast with the recipe and group wanted instead of assigning "
+    "fp8_meta[{key!r}]")
 
 
 class ParameterInitMeta(NamedTuple):
@@ -32,10 +33,15 @@ class ParameterInitMeta(NamedTuple):
 
 
 class FP8MetaView(Mapping):
-    """A module's `fp8_meta`, read-only: "recipe" (the recipe its quantization state serves, else
-    the one it was made under by quantized_model_init, else the active autocast's, else TE's default
+    """A module's `fp8_meta`: "recipe" (the recipe its quantization state serves, else the one it
+    was made under by quantized_model_init, else the active autocast's, else TE's default
     DelayedScaling()), "fp8_checkpoint" (whether it holds scaling state that its extra state saves)
-    and "fp8_group" (the active autocast's amax reduction group, None outside autocast)."""
+    and "fp8_group" (the active autocast's amax reduction group, None outside autocast).
+
+    Only "recipe" takes a write, as the recipe of extra state about to be loaded: Megatron-LM's
+    TEGroupedLinear, merging its per-expert checkpoint entries, assigns the saved recipe (te-core's
+    config dict, or a recipe) and reads it back for the amax history length and for the merged
+    entry. It reads back until the module loads extra state or its quantization state changes."""
 
     _KEYS = ("recipe", "fp8_checkpoint", "fp8_group")
 
@@ -55,15 +61,30 @@ class FP8MetaView(Mapping):
         return len(self._KEYS)
 
     def __setitem__(self, key: str, value: Any) -> None:
-        raise TypeError(_FP8_META_READ_ONLY.format(module=type(self._module).__name__, key=key))
+        if key != "recipe":
+            raise TypeError(_FP8_META_READ_ONLY.format(module=type(self._module).__name__, key=key))
+        from ..recipe import Recipe, recipe_from_config
 
-    __delitem__ = __setitem__
+        if isinstance(value, dict):  # (te-core's extra state holds its recipe's config)
+            value = recipe_from_config(value)
+        if not isinstance(value, Recipe):
+            raise TypeError(f"{type(self._module).__name__}.fp8_meta['recipe'] takes a recipe (te.recipe."
+                            "DelayedScaling, ...) or the recipe config of te-core's extra state, got "
+                            f"{type(value).__name__}")
+        state = getattr(self._module, "_recipe_state", None)
+        self._module.__dict__["_fp8_meta_recipe"] = (value, state)
+
+    def __delitem__(self, key: str) -> None:
+        raise TypeError(_FP8_META_READ_ONLY.format(module=type(self._module).__name__, key=key))
 
     def _recipe(self):
         from ..quantization.autocast import get_autocast_context
         from ..recipe import DelayedScaling
 
         state = getattr(self._module, "_recipe_state", None)
+        written, state_then = self._module.__dict__.get("_fp8_meta_recipe", (None, None))
+        if written is not None and state_then is state:
+            return written
         if state is not None:
             return state.recipe
         init = self._module.__dict__.get("_fp8_init")

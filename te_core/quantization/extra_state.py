@@ -2,25 +2,46 @@
 scaling state to keep.
 
 State dicts are saved by tools that take tensors only (safetensors, and Hugging Face's
-`save_pretrained` through it), so the entry is a tensor, as Transformer Engine's is. Its bytes
-are torch.save's of te-core's checkpoint dict (plain values and CPU tensors, see
-state.extra_state) and are read back with torch.load(weights_only=True): loading never runs
-code from a checkpoint. Transformer Engine's bytes are a pickle; torch.save's start with a zip
-header, which tells the two apart. Loading also takes the dict itself (te-core checkpoints
-written before this form, and te_core.distributed.state_dict's DCP entries before they became
-text: as_text).
+`save_pretrained` through it), so the entry is a tensor, as Transformer Engine's is. Its bytes are
+a pickle of TE's module layout (TE's `get_extra_state`): `scale_fwd` / `amax_history_fwd` with
+three columns per GEMM (input, weight, output), `scale_bwd` / `amax_history_bwd` with two (grad
+output, grad input), and `extra_fp8_variables` with `num_gemms`; te-core keeps no output or grad
+input scales and writes TE's initial values there (scale 1, zero history). The columns go role by
+role (every GEMM's input, then every weight, then every output), the layout that Megatron-LM's
+TEGroupedLinear slices per expert for its distributed checkpoints (`view(3, -1)[:, gemm]`), so
+each expert's entry holds its own scales. Everything pickled is a plain value or a CPU tensor:
+te-core's recipe goes in as its config dict, in `recipe` and in `extra_fp8_variables` (which
+Megatron's split and merge carry over, where they drop other keys).
+
+Reading never runs code from a checkpoint: the unpickler rebuilds tensors (their storage through
+torch.load(weights_only=True)) and OrderedDict, and turns recipe objects (a training framework
+pickles the module's fp8_meta["recipe"] when it merges the split entries) into inert
+placeholders that are never read; any other global is refused. Loading still takes te-core's
+earlier forms: a torch.save archive (zip header) of its checkpoint dict, and the dict itself.
 """
 from __future__ import annotations
 
 import base64
+import collections
 import io
-from typing import Optional
+import pickle
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-_ZIP_HEADER = b"PK\x03\x04"  # torch.save's archives; a pickle starts with its protocol byte instead
-_MARKER = "te_core_extra_state"  # names the dict's form, so that another archive is never misread
+from .roles import BACKWARD, FORWARD, Role
+
+_ZIP_HEADER = b"PK\x03\x04"  # torch.save's archives (te-core's form before 2): a pickle starts with b"\x80"
+_MARKER = "te_core_extra_state"  # names the form, so that another archive or pickle is never misread
+_VERSION = 2
+_PICKLE_PROTOCOL = 4
+# Where a pickle of te-core's form shows its marker: the first key of extra_fp8_variables, itself
+# the first key (also after Megatron-LM's split and merge, which keep that order)
+_MARKER_WINDOW = 160
+# TE's columns per GEMM, by direction; None: a column te-core keeps no state for
+_COLUMNS = {"fwd": (FORWARD, (Role.INPUT, Role.WEIGHT, None)), "bwd": (BACKWARD, (Role.GRAD_OUTPUT, None))}
+_AFRESH = "Drop the module's '_extra_state' entry from the state dict to start its scaling state afresh."
 
 
 def _on_cpu(value):
@@ -31,13 +52,55 @@ def _on_cpu(value):
     return value
 
 
-def encode(state: Optional[dict]) -> Tensor:
-    """The uint8 tensor a module's `get_extra_state` returns for its checkpoint dict (or None)."""
+def _slot_roles(slots, module: str) -> List[Tuple[str, Role]]:
+    """[(name, Role)] of QuantizerSlots or of the [[name, role value]] record in the bytes."""
+    if slots is None:
+        raise ValueError(f"{module}: te-core extra state without its slot record needs the module's quantizer slots "
+                         "to place its columns; load it with the module's load_state_dict / set_extra_state")
+    try:
+        return [(str(slot[0]), slot[1] if isinstance(slot[1], Role) else Role(slot[1])) for slot in slots]
+    except (TypeError, ValueError, IndexError) as err:
+        raise ValueError(f"{module}: the extra state's slot record is malformed ({err}); the checkpoint is corrupt. "
+                         f"{_AFRESH}") from err
+
+
+def _columns(slots: List[Tuple[str, Role]]) -> Tuple[int, Dict[str, List[Optional[str]]]]:
+    """(num_gemms, {"fwd"|"bwd": slot name of each column, None for a pad}): role by role, GEMM
+    by GEMM within a role (the k-th slot of a role is GEMM k's)."""
+    by_role: Dict[Role, List[str]] = collections.defaultdict(list)
+    for name, role in slots:
+        by_role[role].append(name)
+    gemms = max([len(names) for names in by_role.values()] + [1])
+    layout = {suffix: [by_role[role][g] if role is not None and g < len(by_role[role]) else None
+                       for role in roles for g in range(gemms)]
+              for suffix, (_, roles) in _COLUMNS.items()}
+    return gemms, layout
+
+
+def encode(state: Optional[dict], slots: Optional[Sequence] = None) -> Tensor:
+    """The uint8 tensor a module's `get_extra_state` returns for its checkpoint dict (or None).
+    `slots`: the module's QuantizerSlots in order (default: the dict's own "slots" record, which
+    `decode` returns)."""
     if state is None:
         return torch.empty(0, dtype=torch.uint8)
-    buffer = io.BytesIO()
-    torch.save({_MARKER: 1, **_on_cpu(state)}, buffer)
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    roles = _slot_roles(slots if slots is not None else state.get("slots"), "encode")
+    gemms, layout = _columns(roles)
+    recipe, saved = _on_cpu(state["recipe"]), state["quantization_state"]
+    entries = [entry for direction in saved.values() for entry in direction.values()]
+    length = entries[0]["amax_history"].numel() if entries else 1
+    payload = {"extra_fp8_variables": {_MARKER: _VERSION, "num_gemms": gemms, "te_core_recipe": recipe},
+               "recipe": recipe}
+    for suffix, (direction, _) in _COLUMNS.items():
+        columns = [saved[direction].get(name) if name is not None else None for name in layout[suffix]]
+        payload[f"scale_{suffix}"] = torch.cat([torch.ones(1) if c is None else c["scale"].detach().float().reshape(1)
+                                                for c in columns]).cpu()
+        payload[f"amax_history_{suffix}"] = torch.stack(
+            [torch.zeros(length) if c is None else c["amax_history"].detach().float().reshape(-1) for c in columns],
+            dim=1).cpu()
+    payload["te_core_slots"] = [[name, role.value] for name, role in roles]
+    if state.get("fresh") is not None:
+        payload["fresh"] = _on_cpu(state["fresh"])
+    return torch.frombuffer(bytearray(pickle.dumps(payload, protocol=_PICKLE_PROTOCOL)), dtype=torch.uint8)
 
 
 _TEXT_PREFIX = "te_core_extra_state:base64:"
@@ -60,27 +123,120 @@ def from_text(state):
     return state
 
 
+def _bytes(state: Tensor) -> bytes:
+    return state.detach().to("cpu").contiguous().numpy().tobytes()
+
+
 def is_encoded(state) -> bool:
-    """Whether `state` is a tensor `encode` wrote (empty, or a torch.save archive)."""
+    """Whether `state` is a tensor of te-core's extra state: empty, a pickle of its form (also as
+    Megatron-LM's split and merge re-pickle it), or an earlier te-core's torch.save archive.
+    Transformer Engine's pickles are not (compat.te_checkpoint reads those)."""
     if not (isinstance(state, Tensor) and state.dtype == torch.uint8 and state.dim() == 1):
         return False
-    return state.numel() == 0 or bytes(state[:4].tolist()) == _ZIP_HEADER
+    if state.numel() == 0:
+        return True
+    head = bytes(state[:_MARKER_WINDOW].tolist())
+    return head.startswith(_ZIP_HEADER) or (head.startswith(b"\x80") and _MARKER.encode() in head)
 
 
-def decode(state: Tensor, module: str) -> Optional[dict]:
-    """The checkpoint dict of a tensor `encode` wrote, None for an empty one; a clear error for
-    an archive that is not te-core's extra state."""
+class _Inert:
+    """A recipe object in the bytes (a framework pickles fp8_meta["recipe"] when it merges te-core's
+    split entries): built from nothing, keeping nothing; the config in extra_fp8_variables is read."""
+
+    def __new__(cls, *args, **kwargs):
+        return super().__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+
+def _inert_member(cls, name):
+    """getattr(Format, "E4M3"), as some Python versions pickle an enum member: only on a placeholder."""
+    if not (isinstance(cls, type) and issubclass(cls, _Inert)):
+        raise pickle.UnpicklingError(f"refusing getattr({cls!r}, {name!r}) in te-core extra state")
+    return cls()
+
+
+_RECIPE_MODULES = ("te_core.recipe", "transformer_engine.common.recipe")
+_ALLOWED = {
+    ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+    ("torch.storage", "_load_from_bytes"): lambda data: torch.load(io.BytesIO(data), weights_only=True),
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("builtins", "getattr"): _inert_member,
+}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ALLOWED:
+            return _ALLOWED[module, name]
+        if module in _RECIPE_MODULES and name.isidentifier():
+            return type(name, (_Inert,), {})
+        raise pickle.UnpicklingError(f"{module}.{name} is not on the allow-list of te-core extra state")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("persistent references are not part of te-core extra state")
+
+
+def decode(state: Tensor, module: str, slots: Optional[Sequence] = None) -> Optional[dict]:
+    """The checkpoint dict of a tensor `is_encoded` accepts, None for an empty one; a clear error
+    for bytes that are not te-core's extra state. `slots`: the module's QuantizerSlots, which
+    place the columns of an entry that Megatron-LM's merge re-pickled without te-core's record."""
     if state.numel() == 0:
         return None
-    data = state.detach().to("cpu").contiguous().numpy().tobytes()
+    data = _bytes(state)
     try:
-        loaded = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    except Exception as err:  # noqa: BLE001 - any unreadable archive gets the same message
+        if data.startswith(_ZIP_HEADER):
+            loaded = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        else:
+            loaded = _Unpickler(io.BytesIO(data)).load()
+    except Exception as err:  # noqa: BLE001 - any unreadable bytes get the same message
         raise ValueError(f"{module}: the extra state could not be read ({type(err).__name__}: {err}); the checkpoint "
-                         "is corrupt or not te-core's. Drop the module's '_extra_state' entry from the state dict to "
-                         "start its scaling state afresh.") from err
-    if not isinstance(loaded, dict) or loaded.pop(_MARKER, None) != 1:
-        raise ValueError(f"{module}: the extra state is a torch.save archive of {type(loaded).__name__}, not te-core's "
-                         "extra state. Drop the module's '_extra_state' entry from the state dict to start its scaling "
-                         "state afresh.")
-    return loaded
+                         f"is corrupt or not te-core's. {_AFRESH}") from err
+    if data.startswith(_ZIP_HEADER):  # te-core's torch.save form
+        if not isinstance(loaded, dict) or loaded.pop(_MARKER, None) != 1:
+            raise ValueError(f"{module}: the extra state is a torch.save archive of {type(loaded).__name__}, not "
+                             f"te-core's extra state. {_AFRESH}")
+        return loaded
+    extra = loaded.get("extra_fp8_variables") if isinstance(loaded, dict) else None
+    if not (isinstance(extra, dict) and extra.get(_MARKER) == _VERSION):
+        raise ValueError(f"{module}: the extra state is a pickled {type(loaded).__name__} without te-core's marker, "
+                         f"not te-core's extra state. {_AFRESH}")
+    return _checkpoint_dict(loaded, extra, module, slots)
+
+
+def _checkpoint_dict(loaded: dict, extra: dict, module: str, slots) -> dict:
+    """te-core's checkpoint dict from the pickled form: each slot's column of TE's tensors; the
+    fresh flags as recorded, else (dropped by Megatron-LM's split) a slot is fresh where it holds
+    a new state's values (scale 1, zero history: it never cast)."""
+    recipe = extra.get("te_core_recipe")
+    if not isinstance(recipe, dict):
+        raise ValueError(f"{module}: the extra state's recipe config is a {type(recipe).__name__}, expected a dict; "
+                         f"the checkpoint is corrupt. {_AFRESH}")
+    roles = _slot_roles(loaded.get("te_core_slots", slots), module)
+    gemms, layout = _columns(roles)
+    if extra.get("num_gemms", gemms) != gemms:
+        raise ValueError(f"{module}: the extra state holds FP8 scales of num_gemms={extra.get('num_gemms')}, but the "
+                         f"module has {gemms} GEMM(s); was it saved from another module type or num_gemms? {_AFRESH}")
+    saved: Dict[str, dict] = {FORWARD: {}, BACKWARD: {}}
+    for suffix, (direction, _) in _COLUMNS.items():
+        scale, history, names = loaded.get(f"scale_{suffix}"), loaded.get(f"amax_history_{suffix}"), layout[suffix]
+        if not (isinstance(scale, Tensor) and isinstance(history, Tensor) and scale.dim() == 1 and history.dim() == 2
+                and scale.numel() == len(names) == history.shape[1]):
+            shapes = [tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in (scale, history)]
+            raise ValueError(f"{module}: the extra state's scale_{suffix} / amax_history_{suffix} have shapes "
+                             f"{shapes[0]} / {shapes[1]}, expected ({len(names)},) / (length, {len(names)}) for "
+                             f"{gemms} GEMM(s); was it saved from another module type or num_gemms? {_AFRESH}")
+        for column, name in enumerate(names):
+            if name is not None:
+                saved[direction][name] = {"scale": scale[column:column + 1].clone(),
+                                          "amax_history": history[:, column].clone()}
+    fresh = loaded.get("fresh")
+    if fresh is None:
+        fresh = {direction: {name: bool((entry["scale"] == 1).all() and (entry["amax_history"] == 0).all())
+                             for name, entry in entries.items()} for direction, entries in saved.items()}
+    return {"recipe": recipe, "quantization_state": saved, "fresh": fresh,
+            "slots": [[name, role.value] for name, role in roles]}

@@ -53,8 +53,8 @@ def test_fp8_meta_follows_the_modules_state():
 
 def test_fp8_meta_refuses_writes_and_unknown_keys():
     linear = te.Linear(16, 16)
-    with pytest.raises(TypeError, match="Linear.fp8_meta is a read-only view in te-core.*te.autocast.*'recipe'"):
-        linear.fp8_meta["recipe"] = DelayedScaling()
+    with pytest.raises(TypeError, match="Linear.fp8_meta is a read-only view in te-core.*te.autocast.*'fp8_group'"):
+        linear.fp8_meta["fp8_group"] = None
     with pytest.raises(KeyError, match="has no 'scaling_fwd' in te-core.*quantization_state"):
         linear.fp8_meta["scaling_fwd"]
 
