@@ -8,7 +8,8 @@ operations (ops.BasicLinear, ops.GroupedLinear) pickle {"forward": {recipe, scal
 operations pickled another form, not read (a warning where it holds trained values). Unpickling
 it could run arbitrary code, so it is read by an unpickler that knows only an allow-list:
 tensors (rebuilt from their bytes with torch.load(weights_only=True)), OrderedDict, and TE's
-recipe classes, rebuilt as inert records whose fields are read as plain values. Anything else,
+recipe classes (and te-core's, which a framework's merge of TE's entries on te-core pickles in
+their place), rebuilt as inert records whose fields are read as plain values. Anything else,
 or contents that do not fit the module, restart the module's scales, with one warning. A pickle
 holding no scales (TE 2.0-2.3's None, a stateless recipe's record) has nothing to restore.
 """
@@ -27,6 +28,11 @@ from ..quantization.roles import Role
 from ..quantization.state import DelayedScalingState
 
 TE_RECIPE_MODULE = "transformer_engine.common.recipe"
+# te-core's recipe module, which stands in for TE's (install_as_transformer_engine): a framework that
+# unpickles TE's recipe through the stand-in and pickles it again names te-core's classes (Megatron-LM's
+# TEGroupedLinear merges its per-expert entries so, after assigning their recipe to fp8_meta["recipe"]).
+# They carry TE's class names and fields, so they are read as TE's, as inert records too.
+TE_CORE_RECIPE_MODULE = "te_core.recipe"
 _FORMAT_BY_MAX = {(448, 448): "E4M3", (57344, 57344): "E5M2", (448, 57344): "HYBRID"}
 _DELAYED_FIELDS = ("margin", "amax_history_len", "amax_compute_algo", "reduce_amax")
 # Recipe subclasses that checkpoints of Transformer Engine models hold in place of TE's own class
@@ -97,7 +103,7 @@ class _AllowListUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in _ALLOWED:
             return _ALLOWED[(module, name)]
-        if module == TE_RECIPE_MODULE and name.isidentifier():
+        if module in (TE_RECIPE_MODULE, TE_CORE_RECIPE_MODULE) and name.isidentifier():
             return _record_class(name)
         if (module, name) in _SUBCLASSED_RECIPES:  # a training framework's subclass of a TE recipe
             return _record_class(_SUBCLASSED_RECIPES[module, name])
