@@ -14,6 +14,7 @@ from torch import Tensor
 from .. import ops
 from .block_views import BLOCK_VIEW_OPS
 from .dequantized_view import dequantized_select, dequantized_slice
+from .mxfp8_views import MXFP8_SPLIT_OPS
 from .tensor import (BLOCK_1x128, BLOCK_128x128, MX_1x32, GemmOperand, QuantizedOperand, QuantizedTensor,
                      gather_rows)
 
@@ -146,8 +147,14 @@ class _MXLayout(_TwoLayout):
     def _operand_kind(self, columnwise: bool) -> str:
         return MX_1x32
 
+    def columnwise(self) -> GemmOperand:
+        # a row piece's column-wise copy is a column slice of its tensor's (mxfp8_views); kernels
+        # read contiguous operands, so such a piece's is copied when read (a no-op otherwise)
+        data_t, scale_inv_t, kind = super().columnwise()
+        return GemmOperand(data_t.contiguous(), scale_inv_t.contiguous(), kind)
+
     def _dequantize_layout(self, data, scale_inv, dtype) -> Tensor:
-        return ops.dequantize_mxfp8(data, scale_inv, dtype)
+        return ops.dequantize_mxfp8(data.contiguous(), scale_inv.contiguous(), dtype)
 
     def _scale_rows(self, scale_inv: Tensor, source: Tensor) -> Tensor:
         return gather_rows(scale_inv, source)  # (an E8M0 byte 0 with zero data is a zero row)
@@ -175,9 +182,10 @@ class Float8BlockwiseTensor(_BlockwiseLayout, QuantizedTensor):
 class MXFP8Tensor(_MXLayout, QuantizedTensor):
     __doc__ = _MXLayout.__doc__
 
-    # no view of it stays MXFP8; a select or slice writes back (dequantized_view)
+    # a split into 32-row pieces stays MXFP8 (mxfp8_views); no other view does: a select or slice
+    # writes back (dequantized_view)
     _view_ops = {**QuantizedTensor._view_ops, torch.ops.aten.select.int: dequantized_select,
-                 torch.ops.aten.slice.Tensor: dequantized_slice}
+                 torch.ops.aten.slice.Tensor: dequantized_slice, **MXFP8_SPLIT_OPS}
 
 
 class Float8BlockwiseOperand(_BlockwiseLayout, QuantizedOperand):

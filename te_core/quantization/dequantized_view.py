@@ -2,7 +2,8 @@
 
 A row or column of a block-scaled or MXFP8 tensor (a select: `w[1]`, `w[:, 3]`), or a slice
 that cuts its blocks (`w[:, 0:64]`; any slice of an MXFP8 tensor), a reshape or flattening of
-block-scaled or MXFP8 data, or a split of MXFP8 rows, is no tensor of that format.
+block-scaled or MXFP8 data, or a split of MXFP8 rows that cuts a 32-row run (mxfp8_views), is no
+tensor of that format.
 So is any other view op (t(), transpose, permute, expand, unsqueeze, as_strided...) that a
 format's own handlers do not keep quantized. A dequantized copy would read right but silently
 drop an in-place write through it (`w[1] = 0`, `w.select(1, 3).mul_(2)`, `w.t()[0].zero_()`), so
