@@ -27,7 +27,7 @@ def _shaped_like(data: Tensor, x: Tensor) -> Tensor:
     return data if data.shape == x.shape else data.reshape(x.shape)
 
 
-def _as_2d(x: Tensor, what: str) -> Tensor:
+def _as_2d(x: Tensor) -> Tensor:
     if x.dim() == 2:
         return x
     if x.dim() == 0:  # one row of one element, as Transformer Engine flattens a 0-d tensor
@@ -180,7 +180,7 @@ class Float8Quantizer(Quantizer):
         scales, slots = self.scaling_group.column_views()
         scale, slot = scales[self.column], slots[self.column]
         if columnwise:
-            x2d = _as_2d(x, "a column-wise quantization")
+            x2d = _as_2d(x)
             data, data_t, _ = ops.cast_transpose_fp8(x2d, scale, self.fp8_dtype, amax_out=slot)
             data = _shaped_like(data, x)
         else:
@@ -226,7 +226,7 @@ class Float8Quantizer(Quantizer):
         # (a resumed step equals the uninterrupted one). Where that scale does not give back the
         # loaded values (no extra state: the scale of a fresh init, which can saturate trained
         # values far larger), the value is cast by its own amax, as at init.
-        x2d = _as_2d(x, "a primary weight")
+        x2d = _as_2d(x)
         scale = self.scale
         data, data_t, _ = ops.cast_transpose_fp8(x2d, scale, self.fp8_dtype)
         weight = Float8Tensor.make(_shaped_like(data, x), torch.reciprocal(scale), data_t, nominal_dtype=x.dtype,
@@ -237,7 +237,7 @@ class Float8Quantizer(Quantizer):
 
     def _by_own_amax(self, x: Tensor) -> Tuple[Float8Tensor, Tensor, Tensor]:
         """(x cast with the scale of its own amax, both layouts; that scale; the amax)."""
-        x2d = _as_2d(x, "a primary weight")
+        x2d = _as_2d(x)
         data, data_t, scale, scale_inv, amax = ops.quantize_fp8_current(x2d, self.fp8_dtype, with_transpose=True)
         weight = Float8Tensor.make(_shaped_like(data, x), scale_inv, data_t, nominal_dtype=x.dtype, quantizer=self)
         return weight, scale, amax
@@ -253,7 +253,7 @@ class Float8Quantizer(Quantizer):
         if not columnwise:
             data_t = None
         elif data_t is None:
-            data_t = ops.transpose_fp8(_as_2d(data, "a column-wise copy"))
+            data_t = ops.transpose_fp8(_as_2d(data))
         return self._wrap(data, data_t, nominal_dtype)
 
     def observe(self, x: Tensor) -> None:
@@ -293,7 +293,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
     amax_epsilon = _FloatAsText()
 
     def quantize(self, x: Tensor, *, columnwise: bool = False) -> Float8Tensor:
-        src = _as_2d(x, "a column-wise quantization") if columnwise else x
+        src = _as_2d(x) if columnwise else x
         data, data_t, _scale, scale_inv, _amax = ops.quantize_fp8_current(
             src, self.fp8_dtype, with_transpose=columnwise,
             force_pow2_scales=self.power_2_scale, amax_epsilon=self.amax_epsilon,
@@ -306,7 +306,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
         # Without a column-wise copy to make, the cast and torch's column sum do less.
         if not columnwise or not declares("dbias_cast_transpose_current"):
             return super().quantize_with_dbias(dy, columnwise=columnwise)
-        parts = list(dy) if isinstance(dy, (list, tuple)) else [_as_2d(dy, "a gradient with its bias gradient")]
+        parts = list(dy) if isinstance(dy, (list, tuple)) else [_as_2d(dy)]
         data, data_t, dbias, _scale, scale_inv, _amax = ops.dbias_cast_transpose_current(
             parts, self.fp8_dtype, force_pow2_scales=self.power_2_scale, amax_epsilon=self.amax_epsilon)
         if isinstance(dy, Tensor):
@@ -329,7 +329,7 @@ class Float8BlockQuantizer(Quantizer):
 
     def quantize(self, x: Tensor, *, columnwise: bool = False) -> Float8BlockwiseTensor:
         data, scale_inv, data_t, scale_inv_t = ops.quantize_blockwise(
-            _as_2d(x, "block quantization"), self.fp8_dtype, block_2d=self.block_2d, with_transpose=columnwise,
+            _as_2d(x), self.fp8_dtype, block_2d=self.block_2d, with_transpose=columnwise,
             force_pow2_scales=self.power_2_scale, amax_epsilon=self.amax_epsilon,
         )
         return Float8BlockwiseTensor.make(data, scale_inv, data_t, scale_inv_t, nominal_dtype=x.dtype,
@@ -342,7 +342,7 @@ class Float8BlockQuantizer(Quantizer):
         if (not columnwise or self.block_2d or torch.compiler.is_compiling()
                 or not declares("dbias_cast_transpose_blockwise")):
             return super().quantize_with_dbias(dy, columnwise=columnwise)
-        parts = list(dy) if isinstance(dy, (list, tuple)) else [_as_2d(dy, "a gradient with its bias gradient")]
+        parts = list(dy) if isinstance(dy, (list, tuple)) else [_as_2d(dy)]
         data, scale_inv, data_t, scale_inv_t, dbias = ops.dbias_cast_transpose_blockwise(
             parts, self.fp8_dtype, force_pow2_scales=self.power_2_scale, amax_epsilon=self.amax_epsilon)
         return Float8BlockwiseTensor.make(data, scale_inv, data_t, scale_inv_t, nominal_dtype=parts[0].dtype,
@@ -357,7 +357,7 @@ class MXFP8Quantizer(Quantizer):
     _sharing_getter = sharing_fields()
 
     def quantize(self, x: Tensor, *, columnwise: bool = False) -> MXFP8Tensor:
-        x2d = _as_2d(x, "MXFP8 quantization")
+        x2d = _as_2d(x)
         rows, cols = x2d.shape
         if cols % 32 or (columnwise and rows % 32):
             need = "both dimensions" if columnwise else "the last dimension"

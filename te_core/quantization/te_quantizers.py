@@ -223,7 +223,7 @@ class Float8Quantizer(_TEQuantizer, core.Quantizer):
     def _cast(self, x: Tensor, columnwise: bool) -> Float8Tensor:
         scale, amax = self.scale.reshape(1), self.amax.reshape(1)
         if columnwise:
-            data, data_t, _ = ops.cast_transpose_fp8(core._as_2d(x, "a column-wise quantization"), scale,
+            data, data_t, _ = ops.cast_transpose_fp8(core._as_2d(x), scale,
                                                      self.fp8_dtype, amax_out=amax)
             data = core._shaped_like(data, x)
         else:
