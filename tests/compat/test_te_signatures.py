@@ -28,6 +28,9 @@ COMPACT_STATES = "optimizers/test_fused_adam_compact_states.py"
 OPS_MEGATRON, OPS_SUBSET = "compat/test_te_ops_megatron.py", "compat/test_te_ops_subset.py"
 OPS_ARGUMENTS, FUSIBLE_OPS = "compat/test_te_ops_arguments.py", MODULES + "test_fusible_ops.py"
 OPS_TP, OPS_BASIC = DIST + "test_te_ops_tp.py", "compat/test_te_ops_basic.py"
+OPS_CACHED = MODULES + "test_fusible_cache_quantized_input.py"
+CLAMPED_ARGS = ("limit", "alpha", "glu_linear_offset", "glu_interleave_size")
+SITU_ARGS = ("beta1", "beta2", "glu_interleave_size")
 TENSOR_PARALLEL = {"sequence_parallel": DIST + "test_errors.py", "tp_group": DIST + "test_errors.py",
                    "tp_size": DIST + "test_errors.py", "get_rng_state_tracker": DIST + "test_rng_tracker.py"}
 ATTENTION_PARALLEL = {name: DIST + "test_attention_parallel.py" for name in (
@@ -232,13 +235,15 @@ IMPLEMENTED = {
     },
     ("ops.GroupedLinear", "__init__"): {
         "bias": OPS_SUBSET, "device": OPS_SUBSET, "dtype": FUSIBLE_OPS, "accumulate_into_main_grad": OPS_SUBSET,
-        "delay_wgrad_compute": OPS_SUBSET,
+        "delay_wgrad_compute": OPS_SUBSET, "scale_bias": MODULES + "test_grouped_scale_bias.py",
         **{name: OPS_ARGUMENTS for name in (
             "rng_state_tracker_function", "single_grouped_weight", "single_grouped_bias")},
     },
     ("ops.Bias", "__init__"): {"device": OPS_MEGATRON, "dtype": FUSIBLE_OPS, "tensor_parallel": OPS_TP,
                                "tensor_parallel_group": OPS_TP},
-    ("ops.SwiGLU", "__init__"): {"glu_interleave_size": OPS_SUBSET},
+    ("ops.SwiGLU", "__init__"): {"glu_interleave_size": OPS_SUBSET, "cache_quantized_input": OPS_CACHED},
+    **{(f"ops.{name}", "__init__"): {"cache_quantized_input": OPS_CACHED}
+       for name in ("GELU", "ReLU", "SiLU", "GEGLU", "ReGLU", "GLU", "QGELU", "QGEGLU", "SReLU", "SReGLU")},
     ("ops.ScaledSwiGLU", "__init__"): {"glu_interleave_size": OPS_SUBSET},
     ("ops.AllReduce", "__init__"): {"process_group": OPS_TP, "reduce_in_backward": OPS_TP},
     ("ops.ReduceScatter", "__init__"): {"process_group": OPS_TP},
@@ -252,10 +257,10 @@ IMPLEMENTED = {
     ("ops.AddExtraInput", "__init__"): {"in_place": OPS_BASIC},
     ("ops.Quantize", "__init__"): {"forward": OPS_BASIC, "backward": OPS_BASIC},
     ("ops.L2Normalization", "__init__"): {name: OPS_BASIC for name in ("eps", "seq_length", "micro_batch_size")},
-    **{(owner, "__init__"): {name: OPS_BASIC for name in ("limit", "alpha", "glu_linear_offset", "glu_interleave_size")}
-       for owner in ("ops.ClampedSwiGLU", "ops.ScaledClampedQGeGLU")},
-    **{(owner, "__init__"): {name: OPS_BASIC for name in ("beta1", "beta2", "glu_interleave_size")}
-       for owner in ("ops.SiTUGLU", "ops.ScaledSiTUGLU")},
+    ("ops.ClampedSwiGLU", "__init__"): {**{n: OPS_BASIC for n in CLAMPED_ARGS}, "cache_quantized_input": OPS_CACHED},
+    ("ops.ScaledClampedQGeGLU", "__init__"): {n: OPS_BASIC for n in CLAMPED_ARGS},
+    ("ops.SiTUGLU", "__init__"): {**{n: OPS_BASIC for n in SITU_ARGS}, "cache_quantized_input": OPS_CACHED},
+    ("ops.ScaledSiTUGLU", "__init__"): {n: OPS_BASIC for n in SITU_ARGS},
 }
 
 # TE arguments whose values other than the default TE itself refuses: te-core refuses them with TE's
