@@ -5,7 +5,9 @@ all import), on te-core's graph capture (te_core.graphs).
 
 set_capture_start / set_capture_end bracket graphs the caller captures itself: te-core's modules
 then run as inside te.make_graphed_callables (te_core.quantization.scaling.graph_capture): no
-host reads, no cast shared between graphs, no scale update queued inside a captured backward.
+host reads, no cast shared between graphs, no scale update queued inside a captured backward;
+and once FP8GlobalStateManager.set_skip_fp8_weight_update_tensor has made its flag, each weight
+cast captured is kept or refreshed per that device flag (te_core.quantization.weight_refresh).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from torch import nn
 
 from ..graphs import _restore_scaling_state, _save_scaling_state, make_graphed_callables
 from ..quantization.scaling import graph_capture, graph_capture_active
+from ..quantization.weight_refresh import set_caller_capture
 
 __all__ = ["make_graphed_callables", "set_capture_start", "set_capture_end", "is_graph_capturing",
            "graph_pool_handle", "save_fp8_tensors", "restore_fp8_tensors"]
@@ -30,11 +33,13 @@ def set_capture_start() -> None:
         mode = graph_capture()
         mode.__enter__()
         _STARTED.append(mode)
+        set_caller_capture(True)  # FP8GlobalStateManager.set_skip_fp8_weight_update_tensor's flag decides weight casts
 
 
 def set_capture_end() -> None:
     """End what set_capture_start began (nothing to do when it was not called)."""
     if _STARTED:
+        set_caller_capture(False)
         _STARTED.pop().__exit__(None, None, None)
 
 

@@ -23,11 +23,12 @@ from ..quantization.roles import QuantizerSlot
 from ..quantization.state import RecipeState, describe, extra_state, same_kind
 from ..quantization.step import HIGH_PRECISION, CalibrationStep, QuantizationStep
 from ..quantization.tensor import QuantizedTensor
+from ..quantization.weight_refresh import refresh_gate
 from .._recipe_objects import callable_for
 from .._sharded import local_tensor, sharded_like
 from ..recipe import config_from_text, recipe_from_config
 from ._common import check_optional_bool, resolve_device, resolve_params_dtype
-from ._microbatch import first_microbatch
+from ._microbatch import first_microbatch, forced_first_microbatch_active
 from ._reset import DeferredInit
 from ._te_base import TransformerEngineBaseModule
 
@@ -238,7 +239,11 @@ class QuantizedModule(DeferredInit, TransformerEngineBaseModule):
                 state = self._state_for(recipe)
         state.follow_device(self._state_device())
         if context.enabled:
-            return QuantizationStep(state, context, is_first_microbatch, self._weight_cache)
+            # a caller's own capture with a weight-refresh flag set (not make_graphed_callables' forced variants)
+            flag = refresh_gate()
+            if flag is not None and forced_first_microbatch_active():
+                flag = None
+            return QuantizationStep(state, context, is_first_microbatch, self._weight_cache, flag)
         return CalibrationStep(state, context, is_first_microbatch)
 
     def _check_not_recomputed_outside_autocast(self) -> None:

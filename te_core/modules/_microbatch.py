@@ -44,3 +44,9 @@ def first_microbatch(given: Optional[bool]) -> Optional[bool]:
     """The is_first_microbatch a module's step uses: the forced one if any, else `given`."""
     forced = _FORCED.value
     return given if forced is None else forced
+
+
+def forced_first_microbatch_active() -> bool:
+    """Whether a forced_first_microbatch(flag) with a flag is active (make_graphed_callables'
+    weight-caching variants, which pick their graph per call instead of reading a device flag)."""
+    return _FORCED.value is not None

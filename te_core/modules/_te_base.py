@@ -17,7 +17,8 @@ from torch import nn
 from ..quantization.roles import FORWARD
 
 _FP8_META_READ_ONLY = (
-    "{module}.fp8_meta is a read-only view in te-core (but for 'recipe', before a checkpoint load): its modules "
+    "{module}.fp8_meta is a read-only view in te-core (but for 'recipe', before a checkpoint load, and 'fp8_group' "
+    "set to the active te.autocast's amax_reduction_group, which it reads already): its modules "
     "take the recipe and the amax reduction group from te.autocast(recipe=..., amax_reduction_group=...) at each "
     "forward, and keep their scaling state in the module (quantization_state(), saved as its extra state), not in "
     "fp8_meta. Run the forward under te.autocast with the recipe and group wanted instead of assigning "
@@ -60,7 +61,14 @@ class FP8MetaView(Mapping):
     def __len__(self) -> int:
         return len(self._KEYS)
 
+    @property
+    def module(self) -> nn.Module:
+        """The module this view reads."""
+        return self._module
+
     def __setitem__(self, key: str, value: Any) -> None:
+        if key == "fp8_group" and self._is_active_group(value):
+            return  # (what the view reads already: Megatron-LM's graph replays write it before each replay)
         if key != "recipe":
             raise TypeError(_FP8_META_READ_ONLY.format(module=type(self._module).__name__, key=key))
         from ..recipe import Recipe, recipe_from_config
@@ -96,6 +104,13 @@ class FP8MetaView(Mapping):
     def _fp8_checkpoint(self) -> bool:
         state = getattr(self._module, "_recipe_state", None)
         return bool(state is not None and state.scaling_groups())
+
+    @staticmethod
+    def _is_active_group(value) -> bool:
+        from ..quantization.autocast import get_autocast_context
+
+        context = get_autocast_context()
+        return context is not None and value is context.amax_reduction_group
 
     def _fp8_group(self):
         from ..quantization.autocast import get_autocast_context

@@ -26,6 +26,7 @@ from .roles import Role
 from .scaling import (_CAPTURE, amax_of_parts, reduce_first_amax, reduces_first_amax, schedule_backward_update,
                       update_now)
 from .tensor import QUANTIZED, QuantizedTensor
+from .weight_refresh import gated_weight
 
 
 class HighPrecisionStep:
@@ -163,10 +164,13 @@ class QuantizationStep(CalibrationStep):
 
     fp8 = True
 
-    def __init__(self, state, context, is_first_microbatch: Optional[bool], weight_cache: Dict[str, QuantizedTensor]):
+    def __init__(self, state, context, is_first_microbatch: Optional[bool], weight_cache: Dict[str, QuantizedTensor],
+                 refresh_flag: Optional[Tensor] = None):
         super().__init__(state, context, is_first_microbatch)
         self._is_first_microbatch = is_first_microbatch
         self._weight_cache = weight_cache
+        # a caller-captured graph's device flag deciding each weight cast (weight_refresh), or None
+        self._refresh_flag = refresh_flag
         # Transformer Engine's backward_override: the backward runs in high precision, on the
         # layer's original operands ("high_precision") or the forward's FP8 ones dequantized
         # ("dequantized"); the forward makes no column-wise copy and no output gradient is cast
@@ -238,6 +242,10 @@ class QuantizationStep(CalibrationStep):
             if weight.quantizer is not None:
                 self._used(weight.quantizer)
             return weight
+        if self._refresh_flag is not None:  # whatever is_first_microbatch says, as Transformer Engine's
+            columnwise = self.backward_override is None
+            return gated_weight(lambda: self._quantize(slot, weight, columnwise=columnwise), self._state.quantizer(slot),
+                                self._weight_cache, slot, self._refresh_flag)
         cached = self._weight_cache.get(slot)
         if self._is_first_microbatch is False and cached is not None:
             return cached  # amax not recorded, scale not updated: the weight did not change
