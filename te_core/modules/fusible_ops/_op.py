@@ -11,16 +11,19 @@ import torch
 from torch import Tensor
 
 from .._common import HP_DTYPES
+from ._channels import ChannelBindings
 
 # TE's operations initialize a weight as torch.nn.Linear does (its modules: normal(0, 0.023))
 TORCH_LINEAR_INIT = functools.partial(torch.nn.init.kaiming_uniform_, a=math.sqrt(5))
 
 
-class FusibleOperation:
+class FusibleOperation(ChannelBindings):
     """A te-core fusible operation (a mixin of an nn.Module). Sequential hands it the input and the
     next `num_extra_inputs` of the extra inputs it was called with, in the order of the operations;
     a plain nn.Module in a Sequential takes the input only. An operation with `num_extra_outputs`
-    returns (output, *that many extra outputs), which Sequential returns after its own output."""
+    returns (output, *that many extra outputs), which Sequential returns after its own output.
+    Slots bound to a named channel (set_extra_input_channel / set_extra_output_channel) pass their
+    tensors between the operations instead."""
 
     num_extra_inputs: int = 0
     num_extra_outputs: int = 0

@@ -11,10 +11,11 @@ Sequentials keyed from "0"."""
 from __future__ import annotations
 
 import operator
-from typing import Dict, Iterable, Iterator, List, Optional, Union
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from torch import Tensor, nn
 
+from ._channels import gather_inputs, plan_channels, scatter_outputs
 from ._op import FusibleOperation
 
 _NAME = "ops.Sequential"
@@ -29,7 +30,10 @@ class Sequential(nn.Module):
 
     The call returns the output alone, or, where operations make extra outputs (num_extra_outputs),
     (output, *extra_outputs) in the order of the operations, as Transformer Engine's does:
-    Sequential(MakeExtraOutput(), RMSNorm(h))(x) is (the normalized x, x)."""
+    Sequential(MakeExtraOutput(), RMSNorm(h))(x) is (the normalized x, x). Extra slots bound to a
+    named channel pass their tensors from one operation to later ones instead (see _channels), so
+    Sequential(MakeExtraOutput() bound to "residual", Bias(h), AddExtraInput() bound to "residual")(x)
+    is (x + b + x, x), or x + b + x alone where the MakeExtraOutput's binding has output_to_caller=False."""
 
     def __init__(self, *args: nn.Module):
         super().__init__()
@@ -122,36 +126,37 @@ class Sequential(nn.Module):
 
 def run_in_order(owner: str, modules: Dict[str, nn.Module], input: Tensor, extra_inputs: tuple,  # noqa: A002
                  op_kwargs: Optional[List[dict]] = None):
-    """`modules` run in order on `input`, each fusible operation given its next num_extra_inputs of
-    `extra_inputs` (and its dict of `op_kwargs`, where given, as keyword arguments): the output
-    alone, or (output, *the extra outputs the operations made, in their order)."""
-    takes = [(key, m) for key, m in modules.items() if isinstance(m, FusibleOperation) and m.num_extra_inputs]
-    if len(extra_inputs) != sum(m.num_extra_inputs for _, m in takes):
-        wanted = ", ".join(f"{m.num_extra_inputs} for the {type(m).__name__} at {key!r}" for key, m in takes)
-        raise TypeError(f"{owner}: takes the input and {sum(m.num_extra_inputs for _, m in takes)} extra "
-                        f"input(s) ({wanted or 'none'}), in the order of its operations; got {len(extra_inputs)}")
-    x, rest, made = input, extra_inputs, []
-    for i, (key, module) in enumerate(modules.items()):
-        if isinstance(module, FusibleOperation):
-            count = module.num_extra_inputs
-            x, rest = module(x, *rest[:count], **(op_kwargs[i] if op_kwargs else {})), rest[count:]
-            if module.num_extra_outputs:
-                x = _take_extra_outputs(owner, key, module, x, made)
-        else:
+    """`modules` run in order on `input`, each fusible operation given its extra inputs, from its
+    channels or else the next of `extra_inputs` (and its dict of `op_kwargs`, where given, as keyword
+    arguments): the output alone, or (output, *the extra outputs that go to the caller, in order)."""
+    steps = plan_channels(owner, modules)
+    wanted = [(key, m, sum(c is None for c in step.inputs)) for (key, m), step in zip(modules.items(), steps)
+              if step is not None]
+    if len(extra_inputs) != sum(n for *_, n in wanted):
+        listed = ", ".join(f"{n} for the {type(m).__name__} at {key!r}" for key, m, n in wanted if n)
+        raise TypeError(f"{owner}: takes the input and {sum(n for *_, n in wanted)} extra input(s) ({listed or 'none'}"
+                        f"), in the order of its operations; got {len(extra_inputs)}")
+    x, rest, made, channels = input, list(extra_inputs), [], {}
+    for i, ((key, module), step) in enumerate(zip(modules.items(), steps)):
+        if step is None:
             x = module(x)
+            continue
+        inputs = gather_inputs(owner, key, step, rest, channels)
+        x = module(x, *inputs, **(op_kwargs[i] if op_kwargs else {}))
+        if module.num_extra_outputs:
+            x, extras = _split_outputs(owner, key, module, x)
+            scatter_outputs(owner, key, module, step, extras, channels, made)
     return (x, *made) if made else x
 
 
-def _take_extra_outputs(owner: str, key: str, op: FusibleOperation, outputs, made: list) -> Tensor:
-    """The output of an operation that returned (output, *extra outputs); the extra ones appended
-    to `made`."""
+def _split_outputs(owner: str, key: str, op: FusibleOperation, outputs) -> Tuple[Tensor, tuple]:
+    """(output, extra outputs) of an operation that returned (output, *extra outputs)."""
     count = op.num_extra_outputs
     if not (isinstance(outputs, tuple) and len(outputs) == 1 + count):
         got = f"a tuple of {len(outputs)}" if isinstance(outputs, tuple) else type(outputs).__name__
         raise TypeError(f"{owner}: the {type(op).__name__} at {key!r} declares num_extra_outputs={count}, so it must "
                         f"return a tuple (output, *{count} extra output(s)); it returned {got}")
-    made.extend(outputs[1:])
-    return outputs[0]
+    return outputs[0], outputs[1:]
 
 
 def _position(idx) -> int:
