@@ -444,7 +444,7 @@ class QuantizedModule(DeferredInit, TransformerEngineBaseModule):
         current = self._recipe_state
         if current is not None and same_kind(current.recipe, saved_recipe):
             current.follow_device(self._state_device())  # (one made on meta takes no values)
-            current.load_quantization_state(state["quantization_state"], state.get("fresh"))
+            current.load_quantization_state(state["quantization_state"], state.get("fresh"), state.get("init_scaled"))
             if current.recipe.compatible_key() != saved_recipe.compatible_key():
                 _warn_format_change(type(self).__name__, saved_recipe, current.recipe,
                                     current.rescale_for_format(saved_recipe), stacklevel=4)
@@ -453,7 +453,7 @@ class QuantizedModule(DeferredInit, TransformerEngineBaseModule):
             # Engine's load installs the saved recipe: running under that recipe resumes it, under
             # another kind the module drops it with the recipe-change warning (_state_for).
             current = saved_recipe.make_state(self._owned_slots(), self._state_device())
-            current.load_quantization_state(state["quantization_state"], state.get("fresh"))
+            current.load_quantization_state(state["quantization_state"], state.get("fresh"), state.get("init_scaled"))
             self._state_from_checkpoint = True
         self._recipe_state = current
         self._weight_cache.clear()

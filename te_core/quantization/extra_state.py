@@ -98,8 +98,9 @@ def encode(state: Optional[dict], slots: Optional[Sequence] = None) -> Tensor:
             [torch.zeros(length) if c is None else c["amax_history"].detach().float().reshape(-1) for c in columns],
             dim=1).cpu()
     payload["te_core_slots"] = [[name, role.value] for name, role in roles]
-    if state.get("fresh") is not None:
-        payload["fresh"] = _on_cpu(state["fresh"])
+    for flags in ("fresh", "init_scaled"):
+        if state.get(flags) is not None:
+            payload[flags] = _on_cpu(state[flags])
     return torch.frombuffer(bytearray(pickle.dumps(payload, protocol=_PICKLE_PROTOCOL)), dtype=torch.uint8)
 
 
@@ -238,5 +239,5 @@ def _checkpoint_dict(loaded: dict, extra: dict, module: str, slots) -> dict:
     if fresh is None:
         fresh = {direction: {name: bool((entry["scale"] == 1).all() and (entry["amax_history"] == 0).all())
                              for name, entry in entries.items()} for direction, entries in saved.items()}
-    return {"recipe": recipe, "quantization_state": saved, "fresh": fresh,
+    return {"recipe": recipe, "quantization_state": saved, "fresh": fresh, "init_scaled": loaded.get("init_scaled"),
             "slots": [[name, role.value] for name, role in roles]}

@@ -38,15 +38,23 @@ class RecipeState:
         """The delayed-scaling group of each role (none for stateless recipes)."""
         return {}
 
-    def load_quantization_state(self, saved: dict, fresh: Optional[dict] = None) -> None:
-        """Copy saved tensors in (the inverse of quantization_state); `fresh`: fresh_slots() of
-        the saved state, where the checkpoint has it."""
+    def load_quantization_state(self, saved: dict, fresh: Optional[dict] = None,
+                                init_scaled: Optional[dict] = None) -> None:
+        """Copy saved tensors in (the inverse of quantization_state); `fresh` and `init_scaled`:
+        fresh_slots() and init_scaled_slots() of the saved state, where the checkpoint has them."""
 
     def fresh_slots(self) -> Dict[str, Dict[str, bool]]:
         """{direction: {slot: whether it has not cast yet}} of the delayed-scaling slots: a fresh
         slot's first cast takes its scale from its own amax (QuantizationStep.first_scale). A
         flag per slot, not a list of the fresh ones: the checkpoint's bytes then have one size
         for a module type (torch.distributed.checkpoint loads into a buffer of the saved size)."""
+        return {}
+
+    def init_scaled_slots(self) -> Dict[str, Dict[str, bool]]:
+        """{direction: {slot: whether its scale is still its own amax's}} of the delayed-scaling
+        slots: an FP8 primary weight's slot before the first scale update, whose whole writes (an
+        optimizer step, a copy_) take their own amax's scale (Float8Quantizer.requantize). Saved
+        so that a run resumed before that update writes the weight as the uninterrupted one."""
         return {}
 
     def rebind(self, recipe) -> None:
@@ -142,13 +150,22 @@ class DelayedScalingState(RecipeState):
             fresh.setdefault(role.direction, {}).update((name, c in group.fresh) for c, name in enumerate(group.names))
         return fresh
 
-    def load_quantization_state(self, saved: dict, fresh: Optional[dict] = None) -> None:
+    def init_scaled_slots(self) -> Dict[str, Dict[str, bool]]:
+        flags: Dict[str, Dict[str, bool]] = {}
+        for role, group in self.groups.items():
+            flags.setdefault(role.direction, {}).update(
+                (name, c in group.init_scaled) for c, name in enumerate(group.names))
+        return flags
+
+    def load_quantization_state(self, saved: dict, fresh: Optional[dict] = None,
+                                init_scaled: Optional[dict] = None) -> None:
         """All entries are checked before any is copied, so a bad checkpoint leaves the state as it was.
         Scales load as saved; a history saved with another amax_history_len is fitted to this
         state's (scaling.fit_history: this step's row and the most recent entries). Slots that had
         not cast when saved (`fresh`, te-core's checkpoints) stay fresh, so the resumed run casts
         as the uninterrupted one; a checkpoint without that record (Transformer Engine's, older
-        te-core ones) starts every slot from its saved scale."""
+        te-core ones) starts every slot from its saved scale. So do `init_scaled` slots (an FP8
+        primary weight's before the first update): recorded, they stay so; otherwise not."""
         copies = []
         known = {}
         for role, group in self.groups.items():
@@ -189,6 +206,9 @@ class DelayedScalingState(RecipeState):
             flags = fresh.get(role.direction, {})
             group.fresh = {c for c, name in enumerate(group.names)
                            if isinstance(flags, dict) and flags.get(name) is True}
+            flags = init_scaled.get(role.direction, {}) if isinstance(init_scaled, dict) else {}
+            group.init_scaled = {c for c, name in enumerate(group.names)
+                                 if isinstance(flags, dict) and flags.get(name) is True}
 
     def rescale_for_format(self, old_recipe) -> List[str]:
         """An amax history holds for any format, a scale does not (it is fp8_max / amax of its own
@@ -273,4 +293,5 @@ def extra_state(state: Optional[RecipeState]) -> Optional[dict]:
         return None  # stateless recipes: nothing to restore, so nothing that could conflict on load
     tensors = {d: {name: {k: v.detach().clone() for k, v in entry.items()} for name, entry in roles.items()}
                for d, roles in saved.items()}
-    return {"recipe": state.recipe.to_config(), "quantization_state": tensors, "fresh": state.fresh_slots()}
+    return {"recipe": state.recipe.to_config(), "quantization_state": tensors, "fresh": state.fresh_slots(),
+            "init_scaled": state.init_scaled_slots()}

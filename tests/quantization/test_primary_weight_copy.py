@@ -88,3 +88,42 @@ def test_copy_after_an_update_is_delayed_scaling():
     assert torch.equal(group.scale[column], scale)
     torch.testing.assert_close(group.amax_history[0, column], value.abs().amax(), rtol=0, atol=0)
     torch.testing.assert_close(weight.dequantize(), value, **E4M3)
+
+
+@pytest.mark.parametrize("module", ["Linear", "LayerNormMLP"])
+def test_resume_before_any_update_writes_the_weights_as_the_uninterrupted_run(module):
+    """FP8 primary weights trained with high-precision compute (te.autocast off, Transformer
+    Engine's checkpointing test): no scale update ever runs, so each optimizer step's write takes
+    its own amax's scale. A model loaded from a checkpoint keeps doing so (the flag is in its extra
+    state): its weights after further steps equal the uninterrupted run's, FP8 bytes and scales
+    (the restored scale was kept instead, saturating values the steps grew past it)."""
+    import io
+
+    def step(model, optim, x, dy):
+        optim.zero_grad()
+        model(x).backward(dy)
+        optim.step()
+
+    torch.manual_seed(0)
+    saved = _model(module)
+    optim = torch.optim.SGD(saved.parameters(), lr=0.05)
+    for _ in range(2):
+        step(saved, optim, torch.randn(32, 64), torch.randn(32, 48 if module == "Linear" else 64))
+    buffer = io.BytesIO()
+    torch.save({"model": saved.state_dict(), "optim": optim.state_dict()}, buffer)
+    loaded = _model(module)
+    checkpoint = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    loaded.load_state_dict(checkpoint["model"])
+    optim_loaded = torch.optim.SGD(loaded.parameters(), lr=0.05)
+    optim_loaded.load_state_dict(checkpoint["optim"])
+    for _ in range(3):
+        x, dy = torch.randn(32, 64), torch.randn(32, 48 if module == "Linear" else 64)
+        reference = [w.dequantize().double() for w in _weights(saved)]
+        step(saved, optim, x, dy)
+        step(loaded, optim_loaded, x, dy)
+        for a, b, before in zip(_weights(saved), _weights(loaded), reference):
+            assert torch.equal(a._data.view(torch.uint8), b._data.view(torch.uint8))
+            assert torch.equal(a._scale_inv, b._scale_inv)
+            # and the step's write is the update's value within E4M3 (nothing saturated)
+            expected = before - 0.05 * a.grad.double()
+            torch.testing.assert_close(b.dequantize().double(), expected, **E4M3)
