@@ -237,9 +237,20 @@ class Float8Quantizer(Quantizer):
 
     def _by_own_amax(self, x: Tensor) -> Tuple[Float8Tensor, Tensor, Tensor]:
         """(x cast with the scale of its own amax, both layouts; that scale; the amax)."""
+        # Values the format holds exactly at some power-of-two scale (FP8 values dequantized, as
+        # Transformer Engine casts a fresh weight with scale 1 and its tests copy such values in)
+        # are kept exactly by the largest power-of-two scale below fp8_max / amax; 448 / amax
+        # itself would round them again. Other values take that scale, which rounds them least.
+        # (No values to compare on a meta device or in a trace: the plain scale there.)
+        try_pow2 = x.device.type != "meta" and not torch.compiler.is_compiling()
         x2d = _as_2d(x)
-        data, data_t, scale, scale_inv, amax = ops.quantize_fp8_current(x2d, self.fp8_dtype, with_transpose=True)
-        weight = Float8Tensor.make(_shaped_like(data, x), scale_inv, data_t, nominal_dtype=x.dtype, quantizer=self)
+        for pow2 in (True, False)[0 if try_pow2 else 1:]:
+            data, data_t, scale, scale_inv, amax = ops.quantize_fp8_current(
+                x2d, self.fp8_dtype, with_transpose=True, force_pow2_scales=pow2)
+            weight = Float8Tensor.make(_shaped_like(data, x), scale_inv, data_t, nominal_dtype=x.dtype,
+                                       quantizer=self)
+            if not pow2 or torch.equal(weight.dequantize(), x):
+                break
         return weight, scale, amax
 
     def fused_cast_args(self) -> Optional[dict]:

@@ -362,6 +362,12 @@ class QuantizedTensor(Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.is_view and torch.is_inference_mode_enabled() and not args[0].is_inference():
+            # torch's view of a normal tensor stays a normal tensor in inference mode (autograd then
+            # shares its version counter); a wrapper made here in that mode would be an inference
+            # tensor, which torch refuses as the view (TE's inference loops detach() FP8 weights)
+            with torch.inference_mode(False):
+                return cls.__torch_dispatch__(func, types, args, kwargs)
         if func in (aten.detach.default, aten.alias.default):
             args[0]._own_scales()  # (a write into either is the other's)
             return args[0]._same_kind()

@@ -161,8 +161,9 @@ def _row_scales(op: str, probs, input: Tensor) -> Tensor:  # noqa: A002 (TE's na
 
 def _refuse_recompute(activation_recompute_in_mlp, op: str) -> None:
     if check_bool(activation_recompute_in_mlp, name="activation_recompute_in_mlp", module=op):
-        raise ValueError(f"{op}: activation_recompute_in_mlp=True is not supported (nor by Transformer Engine's "
-                         f"{op.removeprefix('ops.')}); pass False")
+        # (with Transformer Engine's words for the refusal, which callers match on)
+        raise ValueError(f"{op}: activation_recompute_in_mlp=True is not supported: Transformer Engine's "
+                         f"{op.removeprefix('ops.')} does not support activation recomputation either; pass False")
 
 
 def _finite(value, name: str, op: str, *, positive: bool = False) -> float:
