@@ -278,6 +278,7 @@ def _fp8_module(name: str) -> types.ModuleType:
                  "is_mxfp8_available", "is_fp8_block_scaling_available", "is_nvfp4_available", "get_default_recipe",
                  "QuantizerRole"):
         setattr(module, attr, getattr(te_core, attr))
+    module.get_align_size_for_quantization = te_core.quantization.get_align_size_for_quantization
     for attr in ("Recipe", "DelayedScaling", "Format", "Float8CurrentScaling", "Float8BlockScaling",
                  "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe"):
         setattr(module, attr, getattr(recipe, attr))

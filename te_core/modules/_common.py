@@ -35,8 +35,7 @@ _NOT_IMPLEMENTED = {
         "ub_tp_comm_overlap": (False,), "ub_overlap_ag": (False,), "ub_overlap_rs": (False,),
         "ub_overlap_rs_dgrad": (False,), "ub_bulk_dgrad": (False,), "ub_bulk_wgrad": (False,),
     },
-    "FP8 tensors passed between modules": {"fp8_output": (False,), "fp8_grad": (False,), "out": (None,),
-                                           "dgrad_out": (None,)},
+    "FP8 tensors passed between modules": {"fp8_output": (False,), "fp8_grad": (False,)},
     "attention variants": {
         "score_mod": (None,), "score_mod_bprop": (None,), "score_mod_tensors": (None,),
         "score_mod_bprop_tensors": (None,),

@@ -1,13 +1,13 @@
 """te.Fp8Padding / te.Fp8Unpadding: pad each row group of a grouped GEMM's input to a multiple
 of the FP8 GEMM alignment, and take the padding off its output.
 
-FP8 GEMMs need their token dimension aligned (16 rows; 32 with MXFP8). Before a GroupedLinear,
-Fp8Padding appends zero rows to each of the m_splits groups and returns the padded splits;
-after it, Fp8Unpadding drops those rows again. The padding is plain torch (zeros, split, cat),
-so autograd gives the exact gradients: the padded rows' gradients are dropped, and the dropped
-rows get zero gradient. As in Transformer Engine, align_size=None takes the alignment from the
-recipe of the autocast around the module's first forward (DelayedScaling's 16 outside one) and
-keeps it.
+FP8 GEMMs need their token dimension aligned (16 rows; 32 with MXFP8; a CustomRecipe's
+quantization_alignment). Before a GroupedLinear, Fp8Padding appends zero rows to each of the
+m_splits groups and returns the padded splits; after it, Fp8Unpadding drops those rows again.
+The padding is plain torch (zeros, split, cat), so autograd gives the exact gradients: the
+padded rows' gradients are dropped, and the dropped rows get zero gradient. As in Transformer
+Engine, align_size=None takes the alignment from the recipe of the autocast around the module's
+first forward (DelayedScaling's 16 outside one) and keeps it.
 """
 from __future__ import annotations
 
@@ -21,11 +21,12 @@ from ._common import check_m_splits, check_positive
 
 def _recipe_align_size() -> int:
     """The row alignment the running autocast's recipe needs (16 outside one)."""
-    from ..quantization.autocast import get_autocast_context
+    from ..quantization.autocast import get_align_size_for_quantization, get_autocast_context
 
     context = get_autocast_context()
-    mxfp8 = context is not None and context.recipe is not None and context.recipe.mxfp8()
-    return 32 if mxfp8 else 16
+    if context is None or context.recipe is None:
+        return 16
+    return get_align_size_for_quantization(context.recipe)
 
 
 def _rows(inp: Tensor, module: str) -> Tensor:

@@ -95,7 +95,8 @@ def _slot(i: int, role: str) -> str:
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, m_splits, step, num_gemms, fuse_wgrad, wgrad_store, proxied, keep_original, grad, *params):
+    def forward(ctx, x, m_splits, step, num_gemms, fuse_wgrad, wgrad_store, proxied, keep_original, grad, buffers,
+                *params):
         # (backward_override="dequantized" reads the forward's FP8 inputs instead, as Transformer Engine)
         keep_original = keep_original and step.backward_override != "dequantized"
         # grad: whether autograd records this call (the module's torch.is_grad_enabled(); inside
@@ -133,7 +134,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
         ctx.bias_dtypes = [b.dtype for b in biases]
         ctx.x_dtype, ctx.needs_dx = x.dtype, dx_needed
         ctx.proxied = proxied
-        return torch.cat(outs, dim=0)
+        out, ctx.dgrad_out = buffers  # (the caller's buffers: the output aliases out, as in Transformer Engine)
+        return torch.cat(outs, dim=0) if out is None else torch.cat(outs, dim=0, out=out)
 
     @staticmethod
     def backward(ctx, dy):
@@ -167,9 +169,31 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 ctx.fused_weights[i]))
             dbs.append(None if db is None else db.to(ctx.bias_dtypes[i]))
         step.backward_done()
-        dx = torch.cat(dxs, dim=0) if ctx.needs_dx else None
-        return (dx, None, None, None, None, None, None, None, None, *dws, *(dbs if ctx.bias_dtypes else ()),
+        dx = None if not ctx.needs_dx else torch.cat(dxs, dim=0, **({} if ctx.dgrad_out is None else
+                                                                     {"out": ctx.dgrad_out}))
+        return (dx, None, None, None, None, None, None, None, None, None, *dws, *(dbs if ctx.bias_dtypes else ()),
                 *(dws[i] for i in ctx.proxied))
+
+
+def _caller_buffer(buffer: Optional[Tensor], what: str, rows: int, cols: int, dtype: torch.dtype,
+                   device: torch.device) -> Optional[Tensor]:
+    """forward's out= / dgrad_out=: a buffer the GEMMs write into, which must be what they would
+    allocate (Transformer Engine's rule)."""
+    if buffer is None:
+        return None
+    where = f"GroupedLinear.forward: {what}="
+    if not isinstance(buffer, Tensor):
+        raise TypeError(f"{where} must be a tensor or None, got {type(buffer).__name__}")
+    if tuple(buffer.shape) != (rows, cols) or buffer.dtype != dtype or buffer.device != device:
+        raise ValueError(f"{where} must be a ({rows}, {cols}) {dtype} tensor on {device} (the input's rows by "
+                         f"{'out' if what == 'out' else 'in'}_features, in the compute dtype), got "
+                         f"{tuple(buffer.shape)} {buffer.dtype} on {buffer.device}")
+    if not buffer.is_contiguous():
+        raise ValueError(f"{where} must be contiguous; allocate it with torch.empty({rows}, {cols})")
+    if buffer.requires_grad:
+        raise ValueError(f"{where} must not require grad; pass buffer.detach() when you reuse a buffer across "
+                         "steps (autograd marks the returned output)")
+    return buffer
 
 
 def _grouped_tensor_flag(value, name: str) -> bool:
@@ -317,12 +341,12 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
     def forward(self, inp: Tensor, m_splits: Sequence[int], is_first_microbatch: Optional[bool] = None,
                 out: Optional[Tensor] = None, dgrad_out: Optional[Tensor] = None):
         name = "GroupedLinear"
-        if out is not None or dgrad_out is not None:  # caller-provided output buffers are not implemented
-            reject_unsupported(f"{name}.forward", **{k: "a tensor" for k, v in (("out", out), ("dgrad_out", dgrad_out))
-                                                     if v is not None})
         check_input(inp, self.in_features, module=name, device=self.weight0.device)
-        m_splits = check_m_splits(_whole_splits(m_splits, name), self.num_gemms, inp.numel() // self.in_features, name)
+        rows = inp.numel() // self.in_features
+        m_splits = check_m_splits(_whole_splits(m_splits, name), self.num_gemms, rows, name)
         dtype = compute_dtype(inp, self)
+        buffers = (_caller_buffer(out, "out", rows, self.out_features, dtype, inp.device),
+                   _caller_buffer(dgrad_out, "dgrad_out", rows, self.in_features, dtype, inp.device))
         # contiguous rows: a GEMM may pick another kernel (and summation order) for a strided operand
         x = inp.reshape(-1, self.in_features).to(dtype).contiguous()
         step = self.quantization_step(is_first_microbatch)
@@ -340,7 +364,8 @@ class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quan
                                                             self.weight0),
                                              self.delayed_wgrad_store(), proxied,
                                              bool(getattr(self, "save_original_input", False)),
-                                             torch.is_grad_enabled(), *self._params("weight"), *biases, *proxies)
+                                             torch.is_grad_enabled(), buffers, *self._params("weight"), *biases,
+                                             *proxies)
         y = y.view(*inp.shape[:-1], self.out_features)
         if self.return_bias:
             return y, [returned_bias(b, dtype) for b in self._params("bias")] if self.use_bias else None

@@ -5,6 +5,7 @@ from .autocast import (
     autocast,
     fp8_autocast,
     fp8_model_init,
+    get_align_size_for_quantization,
     get_autocast_context,
     get_default_recipe,
     is_bf16_available,
@@ -31,6 +32,7 @@ from .tensor import GemmOperand, QuantizedTensor
 
 __all__ = [
     "AutocastContext", "autocast", "fp8_autocast", "fp8_model_init", "get_autocast_context", "get_default_recipe",
+    "get_align_size_for_quantization",
     "is_bf16_available", "is_fp8_available",
     "is_fp8_block_scaling_available", "is_mxfp8_available", "is_nvfp4_available", "quantized_model_init",
     "Float8BlockwiseTensor", "MXFP8Tensor", "Float8Tensor", "QuantizedTensor", "GemmOperand",

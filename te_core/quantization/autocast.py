@@ -192,6 +192,24 @@ def get_default_recipe() -> Recipe:
     return _DEFAULT_RECIPE
 
 
+def get_align_size_for_quantization(recipe: Recipe) -> int:
+    """The multiple each group's row count is padded to before a grouped quantized GEMM under
+    `recipe` (Transformer Engine's get_align_size_for_quantization): a CustomRecipe's declared
+    quantization_alignment (its factories may be stateful, so they are not asked), 32 for MXFP8,
+    128 for NVFP4 and 16 for the per-tensor and block recipes."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"get_align_size_for_quantization: expected a recipe (te.recipe.DelayedScaling(), "
+                        f"MXFP8BlockScaling(), ...), got {type(recipe).__name__}; pass the recipe of your "
+                        f"te.autocast, or te.get_default_recipe() outside one")
+    if recipe.custom():
+        return recipe.quantization_alignment
+    if recipe.mxfp8():
+        return 32
+    if recipe.nvfp4():
+        return 128
+    return 16
+
+
 def is_bf16_available(return_reason: bool = False) -> Union[bool, Tuple[bool, str]]:
     """Whether the selected backend's device computes in bfloat16: a bool, or (bool, reason) with
     return_reason=True, as in Transformer Engine. The device's own answer where its torch device

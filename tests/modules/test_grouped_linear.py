@@ -97,16 +97,17 @@ def test_te_grouped_layout_flags_fall_back_as_te_does(monkeypatch):
 
 
 def test_forward_takes_te_positional_arguments_and_float_split_lists():
-    """TE's forward(inp, m_splits, is_first_microbatch, out, dgrad_out) positionally (the
-    buffers are refused by name), and m_splits as a list of whole floats, which TE turns into
-    an int64 tensor: the same result as ints; a fraction is an error."""
+    """TE's forward(inp, m_splits, is_first_microbatch, out, dgrad_out) positionally, and
+    m_splits as a list of whole floats, which TE turns into an int64 tensor: the same result as
+    ints; a fraction is an error."""
     torch.manual_seed(0)
     layer, x = te.GroupedLinear(2, 16, 8), torch.randn(6, 16)
     assert torch.equal(layer(x, [2.0, 4.0]), layer(x, [2, 4]))
     assert torch.equal(layer(x, [2, 4], None, None, None), layer(x, [2, 4]))
-    with pytest.raises(NotImplementedError, match="GroupedLinear.forward: out="):
-        layer(x, [2, 4], None, torch.empty(6, 8))
-    with pytest.raises(NotImplementedError, match="GroupedLinear.forward: dgrad_out="):
-        layer(x, [2, 4], None, None, torch.empty(6, 16))
+    assert torch.equal(layer(x, [2, 4], None, torch.empty(6, 8)), layer(x, [2, 4]))
+    with pytest.raises(ValueError, match=r"GroupedLinear.forward: out= must be a \(6, 8\)"):
+        layer(x, [2, 4], None, torch.empty(7, 8))
+    with pytest.raises(ValueError, match="dgrad_out= must not require grad"):
+        layer(x, [2, 4], None, None, torch.empty(6, 16, requires_grad=True))
     with pytest.raises(ValueError, match="m_splits must hold whole row counts, got 2.5"):
         layer(x, [2.5, 3.5])
