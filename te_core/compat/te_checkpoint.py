@@ -24,6 +24,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..quantization.extra_state import rebuild_tensor
 from ..quantization.roles import Role
 from ..quantization.state import DelayedScalingState
 
@@ -90,7 +91,7 @@ def _storage_from_bytes(data: bytes):
 
 
 _ALLOWED = {
-    ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_tensor_v2"): rebuild_tensor,
     ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("copyreg", "_reconstructor"): _reconstructor,

@@ -161,9 +161,29 @@ def _inert_member(cls, name):
     return cls()
 
 
+def rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
+    """torch's rebuild of a pickled tensor (_rebuild_tensor_v2), for allow-listed unpicklers: only a
+    view that lies inside its storage, with no autograd state. torch's own would grow the storage to
+    any size the bytes name (memory a checkpoint chooses, its new part uninitialized) and attach
+    the bytes' backward hooks."""
+    dims = (size, stride) if isinstance(size, (tuple, list)) and isinstance(stride, (tuple, list)) else ((), (None,))
+    if not (isinstance(storage, torch.TypedStorage) and isinstance(storage_offset, int) and storage_offset >= 0
+            and len(dims[0]) == len(dims[1]) and all(isinstance(n, int) and n >= 0 for d in dims for n in d)):
+        raise pickle.UnpicklingError("a pickled tensor's storage, offset, size or stride is malformed")
+    if backward_hooks:
+        raise pickle.UnpicklingError("a pickled tensor with backward hooks is not a checkpoint's tensor")
+    extent = storage_offset + (1 + sum((n - 1) * st for n, st in zip(size, stride)) if all(size) else 0)
+    elements = storage._untyped_storage.nbytes() // storage.dtype.itemsize  # (not .size(): a deprecation warning)
+    if extent > elements:
+        raise pickle.UnpicklingError(f"a pickled tensor of size {tuple(size)}, stride {tuple(stride)} at offset "
+                                     f"{storage_offset} reaches past its storage of {elements} elements")
+    return torch._utils._rebuild_tensor_v2(storage, storage_offset, tuple(size), tuple(stride), False,
+                                           collections.OrderedDict())
+
+
 _RECIPE_MODULES = ("te_core.recipe", "transformer_engine.common.recipe")
 _ALLOWED = {
-    ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_tensor_v2"): rebuild_tensor,
     ("torch.storage", "_load_from_bytes"): lambda data: torch.load(io.BytesIO(data), weights_only=True),
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("builtins", "getattr"): _inert_member,
