@@ -60,7 +60,9 @@ def _piece(t, start: int, end: int):
 def split_rows(t, split_size, dim: int = 0):
     """aten.split.Tensor / aten.split_with_sizes.default of an MXFP8Tensor (NotImplemented: the
     general path's DequantizedViews)."""
-    sizes = _piece_sizes(t, split_size, dim)
+    # (traced, the pieces take the general path: a tuple of subclass tensors from a view op is not
+    # something torch.compile's tracing of a subclass can return)
+    sizes = None if torch.compiler.is_compiling() else _piece_sizes(t, split_size, dim)
     if sizes is None:
         return NotImplemented
     bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
