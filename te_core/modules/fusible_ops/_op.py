@@ -50,7 +50,9 @@ class EmptyExtraState:
 
     def set_extra_state(self, state) -> None:
         from ...compat.te_checkpoint import holds_fp8_scales, is_te_tensor_form
+        from ...quantization.extra_state import from_text
 
+        state = from_text(state)  # (te_core.distributed.state_dict's text form of the empty entry)
         # TE's form without scales: empty (of any dtype), or TE 2.3-2.8's pickled {} for an operation
         # without quantization state, so that every entry of their Sequential checkpoints loads
         if state is None or (is_te_tensor_form(state) and not holds_fp8_scales(state)):
