@@ -6,16 +6,16 @@ object and the tensors scale_fwd / amax_history_fwd / scale_bwd / amax_history_b
 operations (ops.BasicLinear, ops.GroupedLinear) pickle {"forward": {recipe, scale_fwd, ...},
 "backward": {recipe, scale_bwd, ...}} with fewer columns per GEMM (_Layout); TE 1.13's
 operations pickled another form, not read (a warning where it holds trained values). Unpickling
-it could run arbitrary code, so it is read by an unpickler that knows only an allow-list:
-tensors (rebuilt from their bytes with torch.load(weights_only=True)), OrderedDict, and TE's
-recipe classes (and te-core's, which a framework's merge of TE's entries on te-core pickles in
-their place), rebuilt as inert records whose fields are read as plain values. Anything else,
+it could run arbitrary code, so it is read by te-core's allow-listed unpickler
+(quantization.safe_pickle: tensors, OrderedDict, and TE's recipe classes, or te-core's, which a
+framework's merge of TE's entries on te-core pickles in their place, rebuilt as inert records
+whose fields are read as plain values), which also takes the recipe subclasses of training
+frameworks below. Anything else,
 or contents that do not fit the module, restart the module's scales, with one warning. A pickle
 holding no scales (TE 2.0-2.3's None, a stateless recipe's record) has nothing to restore.
 """
 from __future__ import annotations
 
-import collections
 import io
 import pickle
 import warnings
@@ -24,16 +24,10 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..quantization.extra_state import rebuild_tensor
 from ..quantization.roles import Role
+from ..quantization.safe_pickle import AllowListUnpickler, Record
 from ..quantization.state import DelayedScalingState
 
-TE_RECIPE_MODULE = "transformer_engine.common.recipe"
-# te-core's recipe module, which stands in for TE's (install_as_transformer_engine): a framework that
-# unpickles TE's recipe through the stand-in and pickles it again names te-core's classes (Megatron-LM's
-# TEGroupedLinear merges its per-expert entries so, after assigning their recipe to fp8_meta["recipe"]).
-# They carry TE's class names and fields, so they are read as TE's, as inert records too.
-TE_CORE_RECIPE_MODULE = "te_core.recipe"
 _FORMAT_BY_MAX = {(448, 448): "E4M3", (57344, 57344): "E5M2", (448, 57344): "HYBRID"}
 _DELAYED_FIELDS = ("margin", "amax_history_len", "amax_compute_algo", "reduce_amax")
 # Recipe subclasses that checkpoints of Transformer Engine models hold in place of TE's own class
@@ -42,80 +36,14 @@ _DELAYED_FIELDS = ("margin", "amax_history_len", "amax_compute_algo", "reduce_am
 _SUBCLASSED_RECIPES = {("megatron.core.extensions.transformer_engine", "TEDelayedScaling"): "DelayedScaling"}
 
 
-class _Record:
-    """An inert stand-in for one of TE's recipe objects: constructor arguments and state only."""
 
-    te_name = ""
-    member = None  # an enum member pickled by name: getattr(cls, member)
-
-    def __new__(cls, *args):  # pickle's NEWOBJ calls __new__ only, REDUCE calls the class
-        record = super().__new__(cls)
-        record.args, record.fields = args, {}
-        return record
-
-    def __init__(self, *args):
-        pass
-
-    def __setstate__(self, state):
-        if isinstance(state, tuple):  # (dict, slots) from objects with __slots__
-            state = {k: v for part in state if isinstance(part, dict) for k, v in part.items()}
-        if isinstance(state, dict):
-            self.fields.update(state)
-
-
-def _record_class(name: str):
-    return type(name, (_Record,), {"te_name": name})
-
-
-def _reconstructor(cls, base, state):
-    if not (isinstance(cls, type) and issubclass(cls, _Record)):
-        raise pickle.UnpicklingError(f"refusing to rebuild {cls!r}")
-    record = cls()
-    record.__setstate__(state)
-    return record
-
-
-def _member(cls, name):
-    """getattr(cls, name) of a TE recipe class: how some Python versions (3.11's first releases)
-    pickle an enum member, by name. Only a member name of one of TE's recipe classes."""
-    if not (isinstance(cls, type) and issubclass(cls, _Record)) or not isinstance(name, str) \
-            or not name.isidentifier():
-        raise pickle.UnpicklingError(f"refusing getattr({cls!r}, {name!r}): only members of TE's recipe classes")
-    record = cls()
-    record.member = name
-    return record
-
-
-def _storage_from_bytes(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=True)
-
-
-_ALLOWED = {
-    ("torch._utils", "_rebuild_tensor_v2"): rebuild_tensor,
-    ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    ("copyreg", "_reconstructor"): _reconstructor,
-    ("builtins", "object"): object,
-    ("builtins", "getattr"): _member,
-}
-
-
-class _AllowListUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if (module, name) in _ALLOWED:
-            return _ALLOWED[(module, name)]
-        if module in (TE_RECIPE_MODULE, TE_CORE_RECIPE_MODULE) and name.isidentifier():
-            return _record_class(name)
-        if (module, name) in _SUBCLASSED_RECIPES:  # a training framework's subclass of a TE recipe
-            return _record_class(_SUBCLASSED_RECIPES[module, name])
-        raise pickle.UnpicklingError(f"{module}.{name} is not on the allow-list of Transformer Engine extra state")
-
-    def persistent_load(self, pid):
-        raise pickle.UnpicklingError("persistent references are not part of Transformer Engine extra state")
+class _AllowListUnpickler(AllowListUnpickler):
+    what = "Transformer Engine extra state"
+    renamed = _SUBCLASSED_RECIPES
 
 
 def read_te_extra_state(data: bytes) -> Optional[dict]:
-    """The dict TE pickled, its recipe as a _Record, or None (TE 2.0-2.3 pickle None for a
+    """The dict TE pickled, its recipe as a Record, or None (TE 2.0-2.3 pickle None for a
     module that never ran FP8); raises for anything off the allow-list."""
     state = _AllowListUnpickler(io.BytesIO(data)).load()
     if state is not None and not isinstance(state, dict):
@@ -125,12 +53,12 @@ def read_te_extra_state(data: bytes) -> Optional[dict]:
 
 def _format_name(value) -> str:
     """TE's Format enum member, from its (max_fwd, max_bwd) value or its name."""
-    if isinstance(value, _Record) and value.member is not None:
+    if isinstance(value, Record) and value.member is not None:
         if value.member not in _FORMAT_BY_MAX.values():
             raise ValueError(f"unknown fp8_format {value.member!r}")
         return value.member
-    helper = value.args[0] if isinstance(value, _Record) and value.args else None
-    limits = tuple(helper.args) if isinstance(helper, _Record) else tuple(getattr(helper, "_asdict", dict)().values())
+    helper = value.args[0] if isinstance(value, Record) and value.args else None
+    limits = tuple(helper.args) if isinstance(helper, Record) else tuple(getattr(helper, "_asdict", dict)().values())
     if tuple(int(x) for x in limits) not in _FORMAT_BY_MAX:
         raise ValueError(f"unknown fp8_format {limits!r}")
     return _FORMAT_BY_MAX[tuple(int(x) for x in limits)]
@@ -140,7 +68,7 @@ def _recipe_config(recipe) -> dict:
     """te-core's checkpoint config for TE's DelayedScaling record."""
     from ..recipe import DelayedScaling, Format
 
-    if not isinstance(recipe, _Record) or recipe.te_name != "DelayedScaling":
+    if not isinstance(recipe, Record) or recipe.te_name != "DelayedScaling":
         raise ValueError(f"recipe {getattr(recipe, 'te_name', type(recipe).__name__)} keeps no state te-core reads")
     kwargs = {k: recipe.fields[k] for k in _DELAYED_FIELDS if k in recipe.fields}
     if not isinstance(kwargs.get("amax_compute_algo", "max"), str):

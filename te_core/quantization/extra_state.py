@@ -13,10 +13,10 @@ each expert's entry holds its own scales. Everything pickled is a plain value or
 te-core's recipe goes in as its config dict, in `recipe` and in `extra_fp8_variables` (which
 Megatron's split and merge carry over, where they drop other keys).
 
-Reading never runs code from a checkpoint: the unpickler rebuilds tensors (their storage through
-torch.load(weights_only=True)) and OrderedDict, and turns recipe objects (a training framework
-pickles the module's fp8_meta["recipe"] when it merges the split entries) into inert
-placeholders that are never read; any other global is refused. Loading still takes te-core's
+Reading never runs code from a checkpoint: safe_pickle's allow-list, shared with the reader of
+Transformer Engine's form (tensors, OrderedDict, recipe objects as inert records: a training
+framework pickles the module's fp8_meta["recipe"] when it merges the split entries; this form's
+are never read); any other global is refused. Loading still takes te-core's
 earlier forms: a torch.save archive (zip header) of its checkpoint dict, and the dict itself.
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .roles import BACKWARD, FORWARD, Role
+from .safe_pickle import AllowListUnpickler
 
 _ZIP_HEADER = b"PK\x03\x04"  # torch.save's archives (te-core's form before 2): a pickle starts with b"\x80"
 _MARKER = "te_core_extra_state"  # names the form, so that another archive or pickle is never misread
@@ -140,66 +141,8 @@ def is_encoded(state) -> bool:
     return head.startswith(_ZIP_HEADER) or (head.startswith(b"\x80") and _MARKER.encode() in head)
 
 
-class _Inert:
-    """A recipe object in the bytes (a framework pickles fp8_meta["recipe"] when it merges te-core's
-    split entries): built from nothing, keeping nothing; the config in extra_fp8_variables is read."""
-
-    def __new__(cls, *args, **kwargs):
-        return super().__new__(cls)
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __setstate__(self, state):
-        pass
-
-
-def _inert_member(cls, name):
-    """getattr(Format, "E4M3"), as some Python versions pickle an enum member: only on a placeholder."""
-    if not (isinstance(cls, type) and issubclass(cls, _Inert)):
-        raise pickle.UnpicklingError(f"refusing getattr({cls!r}, {name!r}) in te-core extra state")
-    return cls()
-
-
-def rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
-    """torch's rebuild of a pickled tensor (_rebuild_tensor_v2), for allow-listed unpicklers: only a
-    view that lies inside its storage, with no autograd state. torch's own would grow the storage to
-    any size the bytes name (memory a checkpoint chooses, its new part uninitialized) and attach
-    the bytes' backward hooks."""
-    dims = (size, stride) if isinstance(size, (tuple, list)) and isinstance(stride, (tuple, list)) else ((), (None,))
-    if not (isinstance(storage, torch.TypedStorage) and isinstance(storage_offset, int) and storage_offset >= 0
-            and len(dims[0]) == len(dims[1]) and all(isinstance(n, int) and n >= 0 for d in dims for n in d)):
-        raise pickle.UnpicklingError("a pickled tensor's storage, offset, size or stride is malformed")
-    if backward_hooks:
-        raise pickle.UnpicklingError("a pickled tensor with backward hooks is not a checkpoint's tensor")
-    extent = storage_offset + (1 + sum((n - 1) * st for n, st in zip(size, stride)) if all(size) else 0)
-    elements = storage._untyped_storage.nbytes() // storage.dtype.itemsize  # (not .size(): a deprecation warning)
-    if extent > elements:
-        raise pickle.UnpicklingError(f"a pickled tensor of size {tuple(size)}, stride {tuple(stride)} at offset "
-                                     f"{storage_offset} reaches past its storage of {elements} elements")
-    return torch._utils._rebuild_tensor_v2(storage, storage_offset, tuple(size), tuple(stride), False,
-                                           collections.OrderedDict())
-
-
-_RECIPE_MODULES = ("te_core.recipe", "transformer_engine.common.recipe")
-_ALLOWED = {
-    ("torch._utils", "_rebuild_tensor_v2"): rebuild_tensor,
-    ("torch.storage", "_load_from_bytes"): lambda data: torch.load(io.BytesIO(data), weights_only=True),
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    ("builtins", "getattr"): _inert_member,
-}
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if (module, name) in _ALLOWED:
-            return _ALLOWED[module, name]
-        if module in _RECIPE_MODULES and name.isidentifier():
-            return type(name, (_Inert,), {})
-        raise pickle.UnpicklingError(f"{module}.{name} is not on the allow-list of te-core extra state")
-
-    def persistent_load(self, pid):
-        raise pickle.UnpicklingError("persistent references are not part of te-core extra state")
+class _Unpickler(AllowListUnpickler):
+    what = "te-core extra state"
 
 
 def decode(state: Tensor, module: str, slots: Optional[Sequence] = None) -> Optional[dict]:
