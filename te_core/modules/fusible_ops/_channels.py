@@ -88,8 +88,13 @@ class Step:
     outputs: List[Tuple[Optional[str], bool]]
 
 
-def plan_channels(owner: str, modules: Dict[str, nn.Module]) -> List[Optional[Step]]:
-    """Each module's Step (None for a plain module), the bindings checked and then frozen."""
+def plan_channels(owner: str, modules: Dict[str, nn.Module], cache: Optional[list] = None) -> List[Optional[Step]]:
+    """Each module's Step (None for a plain module), the bindings checked and then frozen. `cache`:
+    a list the caller keeps, [modules, steps] of its last plan, reused while it runs the same
+    modules in the same order (frozen bindings give the same plan)."""
+    members = tuple(modules.values())
+    if cache and len(cache[0]) == len(members) and all(a is b for a, b in zip(cache[0], members)):
+        return cache[1]
     steps = [_step(owner, key, m) if isinstance(m, ChannelBindings) else None for key, m in modules.items()]
     run: List[Tuple[str, nn.Module, Step]] = []
     for (key, module), step in zip(list(modules.items()) + [("", None)], steps + [None]):
@@ -102,6 +107,8 @@ def plan_channels(owner: str, modules: Dict[str, nn.Module]) -> List[Optional[St
         for op in getattr(module, "basic_ops", [module]):
             if isinstance(op, ChannelBindings):
                 op._extra_tensor_channels_locked = True
+    if cache is not None:
+        cache[:] = [members, steps]
     return steps
 
 

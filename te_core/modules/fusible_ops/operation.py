@@ -160,4 +160,5 @@ class FusedOperation(FusibleOperation, nn.Module):
         if basic_op_kwargs is not None and len(basic_op_kwargs) != len(self.basic_ops):
             raise ValueError(f"{self._name}: basic_op_kwargs must hold one dict per basic operation "
                              f"({len(self.basic_ops)}), got {len(basic_op_kwargs)}")
-        return run_in_order(self._name, dict(self.basic_ops.named_children()), input, extra_inputs, basic_op_kwargs)
+        return run_in_order(self._name, dict(self.basic_ops.named_children()), input, extra_inputs, basic_op_kwargs,
+                            plan_cache=self.__dict__.setdefault("_plan", []))

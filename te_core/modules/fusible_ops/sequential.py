@@ -121,15 +121,16 @@ class Sequential(nn.Module):
         if op_kwargs:
             raise NotImplementedError(f"{_NAME}: op_kwargs (caller-provided output / grad_input buffers) are not "
                                       "supported by te-core; call without them")
-        return run_in_order(_NAME, self._modules, input, extra_inputs)
+        return run_in_order(_NAME, self._modules, input, extra_inputs, plan_cache=self.__dict__.setdefault("_plan", []))
 
 
 def run_in_order(owner: str, modules: Dict[str, nn.Module], input: Tensor, extra_inputs: tuple,  # noqa: A002
-                 op_kwargs: Optional[List[dict]] = None):
+                 op_kwargs: Optional[List[dict]] = None, plan_cache: Optional[list] = None):
     """`modules` run in order on `input`, each fusible operation given its extra inputs, from its
     channels or else the next of `extra_inputs` (and its dict of `op_kwargs`, where given, as keyword
-    arguments): the output alone, or (output, *the extra outputs that go to the caller, in order)."""
-    steps = plan_channels(owner, modules)
+    arguments): the output alone, or (output, *the extra outputs that go to the caller, in order).
+    `plan_cache`: the caller's list for plan_channels' cache."""
+    steps = plan_channels(owner, modules, plan_cache)
     wanted = [(key, m, sum(c is None for c in step.inputs)) for (key, m), step in zip(modules.items(), steps)
               if step is not None]
     if len(extra_inputs) != sum(n for *_, n in wanted):
