@@ -71,6 +71,8 @@ from .quantization.te_quantizers import (
     Float8Quantizer,
     MXFP8Quantizer,
 )
+from .quantization.identity import IdentityQuantizer, IdentityTensor
+from .quantization.hybrid import HybridQuantizedTensor, HybridQuantizer
 
 __all__ = [
     "__version__", "ops", "optimizers", "recipe", "get_backend", "set_backend", "list_backends", "convert_model",
@@ -87,6 +89,7 @@ __all__ = [
     "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "parallel_cross_entropy",
     "CudaRNGStatesTracker", "get_cpu_offload_context", "mark_not_offload", "ManualOffloadSynchronizer",
     "DType", "Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8BlockQuantizer", "MXFP8Quantizer",
+    "IdentityQuantizer", "IdentityTensor", "HybridQuantizer", "HybridQuantizedTensor",
     "QuantizerRole",
     "get_device_compute_capability", "get_cudnn_version", "onnx_export",
 ]

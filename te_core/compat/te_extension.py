@@ -28,8 +28,12 @@ def constants() -> dict:
 def tensor_quantizers() -> dict:
     """TE's quantizer classes by the tensor submodule that defines them in TE."""
     from ..quantization import te_quantizers as q
+    from ..quantization.hybrid import HybridQuantizer
+    from ..quantization.identity import IdentityQuantizer
 
     return {"float8_tensor": {"Float8Quantizer": q.Float8Quantizer,
                               "Float8CurrentScalingQuantizer": q.Float8CurrentScalingQuantizer},
             "mxfp8_tensor": {"MXFP8Quantizer": q.MXFP8Quantizer},
-            "float8_blockwise_tensor": {"Float8BlockQuantizer": q.Float8BlockQuantizer}}
+            "float8_blockwise_tensor": {"Float8BlockQuantizer": q.Float8BlockQuantizer},
+            "identity_tensor": {"IdentityQuantizer": IdentityQuantizer},
+            "hybrid_tensor": {"HybridQuantizer": HybridQuantizer}}

@@ -377,13 +377,15 @@ def _pytorch_module() -> types.ModuleType:
     _submodule(module, "export", "the ONNX-export switch", _names(export, export.__all__))
     _submodule(module, "cpu_offload", "activation offloading to host memory", _names(cpu_offload, cpu_offload.__all__))
     tensors = dict(QuantizedTensor=quantization.QuantizedTensor, Float8Tensor=quantization.Float8Tensor,
-                   MXFP8Tensor=quantization.MXFP8Tensor, Float8BlockwiseQTensor=quantization.Float8BlockwiseTensor)
+                   MXFP8Tensor=quantization.MXFP8Tensor, Float8BlockwiseQTensor=quantization.Float8BlockwiseTensor,
+                   IdentityTensor=te_core.IdentityTensor, HybridQuantizedTensor=te_core.HybridQuantizedTensor)
     tensor = _submodule(module, "tensor", "te-core's quantized tensors under Transformer Engine's names", tensors)
     quantizers = tensor_quantizers()
     # the function TE's pickled Float8Tensors call (FP8 primary weights in its checkpoints)
     rebuild = {"float8_tensor": {TE_FLOAT8_REBUILD.rpartition(".")[2]: rebuild_te_float8_tensor}}
     for sub, cls in (("float8_tensor", "Float8Tensor"), ("mxfp8_tensor", "MXFP8Tensor"),
-                     ("float8_blockwise_tensor", "Float8BlockwiseQTensor")):
+                     ("float8_blockwise_tensor", "Float8BlockwiseQTensor"), ("identity_tensor", "IdentityTensor"),
+                     ("hybrid_tensor", "HybridQuantizedTensor")):
         _submodule(tensor, sub, f"{cls} and its quantizers",
                    {cls: tensors[cls], **quantizers[sub], **rebuild.get(sub, {})})
         for name, quantizer in quantizers[sub].items():

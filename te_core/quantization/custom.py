@@ -2,15 +2,21 @@
 
 The factory is asked once per slot, with the slot's QuantizerRole, when a module's state is made
 (or rebound to another CustomRecipe); what it returns must be one of te-core's TE-signature
-quantizers (te_quantizers), which the state copies and binds to the slot's te-core role.
+quantizers (te_quantizers; identity: the slot in high precision; hybrid: one per direction),
+which the state copies and binds to the slot's te-core role.
 """
 from __future__ import annotations
 
 from typing import Tuple
 
+from .hybrid import HybridQuantizer
+from .identity import IdentityQuantizer
 from .roles import QuantizerSlot
 from .state import RecipeState
 from .te_quantizers import QUANTIZER_CLASSES, Float8BlockQuantizer
+
+# what a factory may return: a quantizer of one format, a high-precision slot, or one per direction
+FACTORY_QUANTIZERS = QUANTIZER_CLASSES + (IdentityQuantizer, HybridQuantizer)
 
 __all__ = ["QuantizerRole", "CustomRecipeState", "role_of_slot"]
 
@@ -76,7 +82,7 @@ def role_of_slot(slot: QuantizerSlot) -> QuantizerRole:
 
 
 def _accepted() -> str:
-    return ", ".join(f"te.{cls.__name__}" for cls in QUANTIZER_CLASSES)
+    return ", ".join(f"te.{cls.__name__}" for cls in FACTORY_QUANTIZERS)
 
 
 def quantizer_from_factory(recipe, slot: QuantizerSlot):
@@ -88,7 +94,7 @@ def quantizer_from_factory(recipe, slot: QuantizerSlot):
             f"CustomRecipe: qfactory returned None for role {role!r} ({str(role)!r}), a tensor te-core quantizes "
             f"under this recipe; return a quantizer ({_accepted()}) for every input, weight and grad_output role "
             "(te-core asks for no other role: its modules never quantize their outputs or input gradients)")
-    if not isinstance(quantizer, QUANTIZER_CLASSES):
+    if not isinstance(quantizer, FACTORY_QUANTIZERS):
         raise TypeError(f"CustomRecipe: qfactory returned a {type(quantizer).__name__} for role {role!r}; it must "
                         f"return one of {_accepted()} (Transformer Engine's quantizer classes, as te-core provides "
                         "them)")
@@ -110,9 +116,16 @@ class CustomRecipeState(RecipeState):
         self.quantizers = {slot.name: quantizer_from_factory(self.recipe, slot) for slot in self.slots}
         self._adopt_gemm_choices()
         for quantizer in self.quantizers.values():
-            if isinstance(quantizer, Float8BlockQuantizer):
-                # block-scaled GEMMs accumulate in float32 (Float8BlockScaling allows nothing else)
-                quantizer.split_accumulator = _always_split
+            if isinstance(quantizer, HybridQuantizer) and self.recipe.backward_override is not None:
+                raise ValueError(
+                    f"CustomRecipe: backward_override={self.recipe.backward_override!r} with a HybridQuantizer: "
+                    "both choose what the backward GEMMs read. Drop backward_override and give the hybrid an "
+                    "IdentityQuantizer as columnwise_quantizer (columnwise_source='rowwise_dequantized' for "
+                    "'dequantized'), with an IdentityQuantizer for the grad_output roles")
+            for part in getattr(quantizer, "sub_quantizers", (quantizer,)):
+                if isinstance(part, Float8BlockQuantizer):
+                    # block-scaled GEMMs accumulate in float32 (Float8BlockScaling allows nothing else)
+                    part.split_accumulator = _always_split
 
 
 def _always_split(gemm: str) -> bool:

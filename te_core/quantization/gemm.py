@@ -3,7 +3,8 @@
 Every GEMM is ops.gemm_fp8 / ops.gemm's `a @ b.T`. With QuantizedTensors the scaling mode
 comes from the operands' layout kinds; the backward GEMMs read the column-wise copies made at
 quantization time. With plain tensors the same call runs ops.gemm in high precision, so a
-module's autograd Function has one code path.
+module's autograd Function has one code path; so does a GEMM with one plain operand (a
+CustomRecipe's IdentityQuantizer), on the other operand dequantized.
 """
 from __future__ import annotations
 
@@ -18,10 +19,15 @@ from ..backend.dispatch import resolution
 from ..backend.plugin import BackendError
 from ..backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, MXFP8, TENSORWISE
 from ..recipe import default_split_accumulator
+from .hybrid import HybridQuantizedTensor
+from .identity import IdentityTensor
 from .quantizers import Quantizer
 from .tensor import BLOCK_1x128, BLOCK_128x128, MX_1x32, QUANTIZED, TENSOR, GemmOperand, QuantizedTensor
 
 Operand = Union[Tensor, QuantizedTensor]
+# Quantized tensors whose GEMM operand is a tensor they hold: an IdentityQuantizer's high-precision
+# tensor, a HybridQuantizer's direction (gemm_operand)
+_HOLDERS = (IdentityTensor, HybridQuantizedTensor)
 
 _MODES = {
     (TENSOR, TENSOR): TENSORWISE,
@@ -97,6 +103,10 @@ def quantized_gemm(a: Operand, b: Operand, *, a_columnwise: bool = False, b_colu
     build an error."""
     if out is not None:
         out_dtype = out.dtype
+    if isinstance(a, _HOLDERS):
+        a = a.gemm_operand(a_columnwise)
+    if isinstance(b, _HOLDERS):
+        b = b.gemm_operand(b_columnwise)
     if isinstance(a, QUANTIZED) and isinstance(b, QUANTIZED):
         qa = a.columnwise() if a_columnwise else a.rowwise()
         qb = b.columnwise() if b_columnwise else b.rowwise()

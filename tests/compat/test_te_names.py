@@ -33,3 +33,13 @@ def test_a_utils_name_te_core_lacks_says_so(stand_in):
                                           "'transformer_engine.pytorch.utils': te-core stands in for "
                                           "Transformer Engine"):
         from transformer_engine.pytorch.utils import clear_tensor_data  # noqa: F401
+
+
+def test_identity_and_hybrid_quantizers_resolve(stand_in):
+    from transformer_engine.pytorch import HybridQuantizedTensor, HybridQuantizer, IdentityQuantizer
+    from transformer_engine.pytorch.tensor.hybrid_tensor import HybridQuantizer as hybrid
+    from transformer_engine.pytorch.tensor.identity_tensor import IdentityQuantizer as identity, IdentityTensor
+
+    assert (IdentityQuantizer, identity, IdentityTensor) == (te_core.IdentityQuantizer,) * 2 + (te_core.IdentityTensor,)
+    assert (HybridQuantizer, hybrid, HybridQuantizedTensor) == (te_core.HybridQuantizer,) * 2 + (
+        te_core.HybridQuantizedTensor,)
