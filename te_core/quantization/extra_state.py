@@ -86,18 +86,18 @@ def encode(state: Optional[dict], slots: Optional[Sequence] = None) -> Tensor:
         return torch.empty(0, dtype=torch.uint8)
     roles = _slot_roles(slots if slots is not None else state.get("slots"), "encode")
     gemms, layout = _columns(roles)
-    # (on the CPU first: the placeholder columns are CPU tensors, the module's scales on its device)
+    # all on the CPU: the module's scales may be on its device, and factory calls follow torch.device(...) contexts
     recipe, saved = _on_cpu(state["recipe"]), _on_cpu(state["quantization_state"])
     entries = [entry for direction in saved.values() for entry in direction.values()]
     length = entries[0]["amax_history"].numel() if entries else 1
     payload = {"extra_fp8_variables": {_MARKER: _VERSION, "num_gemms": gemms, "te_core_recipe": recipe},
                "recipe": recipe}
+    one, none = torch.ones(1, device="cpu"), torch.zeros(length, device="cpu")  # (placeholder columns)
     for suffix, (direction, _) in _COLUMNS.items():
         columns = [saved[direction].get(name) if name is not None else None for name in layout[suffix]]
-        payload[f"scale_{suffix}"] = torch.cat([torch.ones(1) if c is None else c["scale"].float().reshape(1)
-                                                for c in columns])
+        payload[f"scale_{suffix}"] = torch.cat([one if c is None else c["scale"].float().reshape(1) for c in columns])
         payload[f"amax_history_{suffix}"] = torch.stack(
-            [torch.zeros(length) if c is None else c["amax_history"].float().reshape(-1) for c in columns], dim=1)
+            [none if c is None else c["amax_history"].float().reshape(-1) for c in columns], dim=1)
     payload["te_core_slots"] = [[name, role.value] for name, role in roles]
     for flags in ("fresh", "init_scaled"):
         if state.get(flags) is not None:

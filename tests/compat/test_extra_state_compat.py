@@ -106,6 +106,17 @@ def test_torch_save_then_weights_only_load(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_state_dict_under_another_default_device(kind):
+    """state_dict() inside a `with torch.device(...)` block (model-building code often is): the
+    extra state's placeholder columns must not follow that default device while the scales stay
+    on the module's (on a GPU this raised for scales on the GPU and for the block's device alike)."""
+    source = _trained(kind)
+    with torch.device("meta"):
+        state = source.state_dict()
+    _assert_resumes_as(_into_fresh(kind, state), source, kind)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_safetensors_round_trip(kind):
     safetensors_torch = pytest.importorskip("safetensors.torch")
     source = _trained(kind)
