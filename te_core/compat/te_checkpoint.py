@@ -222,7 +222,9 @@ def _keep_unsaved_slots(module, saved: dict, history: int) -> Dict[str, Dict[str
             saved[direction][slot.name] = {key: value.detach().float().clone() for key, value in current.items()}
             fresh[direction][slot.name] = live_fresh.get(direction, {}).get(slot.name) is True
         else:
-            saved[direction][slot.name] = {"scale": torch.ones(1), "amax_history": torch.zeros(history)}
+            # (on the CPU, as the checkpoint's own entries: not on a torch.device(...) context's device)
+            saved[direction][slot.name] = {"scale": torch.ones(1, device="cpu"),
+                                           "amax_history": torch.zeros(history, device="cpu")}
             fresh[direction][slot.name] = True
     return fresh
 

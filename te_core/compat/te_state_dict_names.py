@@ -56,7 +56,7 @@ def to_transformer_engine_state_dict(model) -> dict:
 
     state = model.state_dict()
     for name in [k for k in state if k.endswith("_extra_state")]:
-        state[name] = torch.empty(0, dtype=torch.uint8)
+        state[name] = torch.empty(0, dtype=torch.uint8, device="cpu")
     _add_norm_extra_states(model, state)
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
@@ -83,8 +83,8 @@ def _add_norm_extra_states(model, state: dict) -> None:
     state.clear()
     for key, value in items:
         state[key] = value
-        state.update((extra, torch.empty(0, dtype=torch.uint8)) for extra in after.get(key, ()))
-    state.update((extra, torch.empty(0, dtype=torch.uint8)) for extra in after.get(None, ()))
+        state.update((extra, torch.empty(0, dtype=torch.uint8, device="cpu")) for extra in after.get(key, ()))
+    state.update((extra, torch.empty(0, dtype=torch.uint8, device="cpu")) for extra in after.get(None, ()))
 
 
 def _qkv_parts(mha) -> dict:

@@ -174,14 +174,15 @@ class InferenceParams:
         self.cu_seqlens_kv = as_device(_cumulative(list(totals.values())))
         # the step's indices, made once for every layer (vectorized: a long context is many
         # tokens): where each new token sits in the padded input (batch row, position), where it
-        # goes in the caches, and where every cached token of the step's sequences is
+        # goes in the caches, and where every cached token of the step's sequences is; made on the
+        # host (also inside a torch.device(...) context), then moved once
         order, none = list(step_dict), [0] * self.batch_size
         if self.is_paged:
             table = torch.tensor([self._pages[s] + [0] * (self.max_pages_per_seq - len(self._pages[s]))
-                                  for s in order], dtype=torch.long)
+                                  for s in order], dtype=torch.long, device="cpu")
             self.page_table = table.to(device=self.device, dtype=torch.int32)
         else:
-            table = torch.tensor([self._slots[s] for s in order], dtype=torch.long)
+            table = torch.tensor([self._slots[s] for s in order], dtype=torch.long, device="cpu")
         to_device = lambda pair: tuple(t.to(self.device) for t in pair)  # noqa: E731
         self._new_rows = to_device(_token_rows(none, self.step_lens))
         self._writes = to_device(self._in_cache(table, *_token_rows(pre, self.step_lens)))
@@ -204,13 +205,13 @@ class InferenceParams:
 
     def _fill_layout(self, step_dict, pre: List[int], table: Tensor) -> None:
         """The step's layout into the fixed-shape buffer, in place (one copy to the device)."""
-        layout = torch.zeros(self._layout.shape, dtype=torch.long)  # padding rows read row (page) 0, masked
+        layout = torch.zeros(self._layout.shape, dtype=torch.long, device="cpu")  # padding rows read row 0, masked
         b = self.batch_size
-        layout[:b, 0] = torch.tensor(self.step_lens)
-        layout[:b, 1] = torch.tensor(pre)
+        layout[:b, 0] = torch.tensor(self.step_lens, device="cpu")
+        layout[:b, 1] = torch.tensor(pre, device="cpu")
         if self.is_paged:
             for row, seq in enumerate(step_dict):
-                layout[row, 2:2 + len(self._pages[seq])] = torch.tensor(self._pages[seq])
+                layout[row, 2:2 + len(self._pages[seq])] = torch.tensor(self._pages[seq], device="cpu")
         else:
             layout[:b, 2] = table
         self._layout.copy_(layout)
@@ -430,8 +431,8 @@ class InferenceParams:
 
 def _token_rows(starts, counts) -> Tuple[Tensor, Tensor]:
     """(row j, position) of counts[j] tokens of each row j from position starts[j] on, in order."""
-    row, position = token_positions(torch.tensor(_cumulative(counts)), sum(counts))
-    return row, position + torch.tensor(starts, dtype=torch.long)[row]
+    row, position = token_positions(torch.tensor(_cumulative(counts), device="cpu"), sum(counts))
+    return row, position + torch.tensor(starts, dtype=torch.long, device="cpu")[row]
 
 
 def _cumulative(lengths) -> list:

@@ -133,9 +133,11 @@ def default_alibi_slopes(num_heads: int, device=None) -> Tensor:
     """Transformer Engine's (and the ALiBi paper's) slopes: a geometric sequence from 2^(-8/n)
     for the largest power of two n <= num_heads, the remaining heads interleaved from 2^(-4/n)."""
     n = 2 ** math.floor(math.log2(num_heads))
-    slopes = torch.pow(2.0 ** (-8.0 / n), torch.arange(1, 1 + n, dtype=torch.float64))
+    # float64 on the host (not every device has it), also inside a torch.device(...) context
+    slopes = torch.pow(2.0 ** (-8.0 / n), torch.arange(1, 1 + n, dtype=torch.float64, device="cpu"))
     if n < num_heads:
-        extra = torch.pow(2.0 ** (-4.0 / n), torch.arange(1, 1 + 2 * (num_heads - n), 2, dtype=torch.float64))
+        extra = torch.pow(2.0 ** (-4.0 / n), torch.arange(1, 1 + 2 * (num_heads - n), 2, dtype=torch.float64,
+                                                          device="cpu"))
         slopes = torch.cat([slopes, extra])
     return slopes.to(dtype=torch.float32, device=device)
 

@@ -119,13 +119,13 @@ def restore_group_types(optimizer) -> None:
         if "step" in group:
             step = group["step"]
             if optimizer.capturable:
-                step = torch.as_tensor(step)
+                step = torch.as_tensor(step, device=device)  # (not a torch.device(...) context's device)
                 step = step.round() if step.is_floating_point() else step  # (te-core's once were float32)
                 group["step"] = step.to(device=device, dtype=torch.int32).reshape(1)
             elif torch.is_tensor(step):
                 group["step"] = round(step.item())
         lr = group.get("lr")
         if optimizer.capturable and lr is not None:
-            group["lr"] = torch.as_tensor(lr).to(device=device, dtype=torch.float32)
+            group["lr"] = torch.as_tensor(lr, dtype=torch.float32, device=device)
         elif torch.is_tensor(lr):
             group["lr"] = lr.item()

@@ -82,8 +82,8 @@ def encode(state: Optional[dict], slots: Optional[Sequence] = None) -> Tensor:
     """The uint8 tensor a module's `get_extra_state` returns for its checkpoint dict (or None).
     `slots`: the module's QuantizerSlots in order (default: the dict's own "slots" record, which
     `decode` returns)."""
-    if state is None:
-        return torch.empty(0, dtype=torch.uint8)
+    if state is None:  # (on the CPU as the pickled form is, not on a torch.device(...) context's device)
+        return torch.empty(0, dtype=torch.uint8, device="cpu")
     roles = _slot_roles(slots if slots is not None else state.get("slots"), "encode")
     gemms, layout = _columns(roles)
     # all on the CPU: the module's scales may be on its device, and factory calls follow torch.device(...) contexts

@@ -267,7 +267,7 @@ class Float8CurrentScalingQuantizer(_TEQuantizer, core.Float8CurrentScalingQuant
     force_pow_2_scales = property(lambda self: self.power_2_scale, doc="TE's name for power_2_scale")
 
     def _empty(self, shape, dtype, empty):
-        return _fp8_empty(self, shape, dtype, empty, torch.ones(1))
+        return _fp8_empty(self, shape, dtype, empty, torch.ones(1, device=empty["device"]))
 
 
 def _check_epsilon(owner: str, value) -> None:

@@ -46,7 +46,7 @@ class EmptyExtraState:
     so that state dicts have TE's keys (a mixin of an nn.Module before it in the bases)."""
 
     def get_extra_state(self) -> Tensor:
-        return torch.empty(0, dtype=torch.uint8)
+        return torch.empty(0, dtype=torch.uint8, device="cpu")  # (host-side, as a module's extra state)
 
     def set_extra_state(self, state) -> None:
         from ...compat.te_checkpoint import holds_fp8_scales, is_te_tensor_form
