@@ -102,7 +102,38 @@ def encode(state: Optional[dict], slots: Optional[Sequence] = None) -> Tensor:
     for flags in ("fresh", "init_scaled"):
         if state.get(flags) is not None:
             payload[flags] = _on_cpu(state[flags])
-    return torch.frombuffer(bytearray(pickle.dumps(payload, protocol=_PICKLE_PROTOCOL)), dtype=torch.uint8)
+    out = io.BytesIO()
+    _StableSizePickler(out, protocol=_PICKLE_PROTOCOL).dump(payload)
+    return torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8)
+
+
+class _StableSizePickler(pickle.Pickler):
+    """Pickles tensors as torch does (torch._utils._rebuild_tensor_v2 of a storage read by
+    torch.storage._load_from_bytes: what Transformer Engine and Megatron-LM's restricted
+    unpickler read), but each storage as a torch.save archive, whose size depends on the tensor
+    alone: torch's own pickle names the storage by its memory address, so the bytes' length
+    changed from call to call, and torch's distributed checkpoint loads an entry in place only
+    into a tensor of the same size (a model's initialized extra state then refused the saved one
+    at random)."""
+
+    def reducer_override(self, obj):
+        if not isinstance(obj, Tensor):
+            return NotImplemented
+        t = obj.detach().to("cpu").contiguous()
+        archive = io.BytesIO()
+        torch.save(torch.TypedStorage(wrap_storage=t.untyped_storage(), dtype=t.dtype, _internal=True), archive)
+        return torch._utils._rebuild_tensor_v2, (_Archived(archive.getvalue()), t.storage_offset(), tuple(t.shape),
+                                                 t.stride(), False, collections.OrderedDict())
+
+
+class _Archived:
+    """A storage pickled as the torch.save archive it is read back from."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def __reduce__(self):
+        return torch.storage._load_from_bytes, (self.data,)
 
 
 _TEXT_PREFIX = "te_core_extra_state:base64:"

@@ -310,6 +310,24 @@ def test_other_archive_as_extra_state_is_named():
         Linear(16, 16).set_extra_state(archive[:40].clone())
 
 
+def test_extra_state_bytes_depend_on_the_state_alone(gen):
+    """The same scaling state encodes to the same bytes wherever its tensors sit in memory (torch's
+    tensor pickle names storages by address): torch's distributed checkpoint loads the entry in
+    place only into a tensor of the same size."""
+    source = _trained_layer(gen, RECIPE)
+    first = source.get_extra_state()
+    twin = Linear(16, 16)
+    ballast = [torch.empty(n) for n in (1, 3000, 70000)]  # other allocations: other addresses
+    twin.load_state_dict(source.state_dict())
+    assert torch.equal(twin.get_extra_state(), first)
+    target = Linear(16, 16)
+    from te_core.modules import init_quantization_state
+
+    init_quantization_state(target, RECIPE)
+    assert target.get_extra_state().numel() == first.numel()
+    del ballast
+
+
 def test_torch_dcp_restores_scaling_state_into_an_initialized_model(gen, tmp_path):
     """torch.distributed.checkpoint loads a tensor in place into the destination's tensor of the
     same size: a model whose scaling state te.init_quantization_state made (or one that has run
