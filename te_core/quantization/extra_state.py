@@ -92,12 +92,12 @@ def encode(state: Optional[dict], slots: Optional[Sequence] = None) -> Tensor:
     length = entries[0]["amax_history"].numel() if entries else 1
     payload = {"extra_fp8_variables": {_MARKER: _VERSION, "num_gemms": gemms, "te_core_recipe": recipe},
                "recipe": recipe}
-    one, none = torch.ones(1, device="cpu"), torch.zeros(length, device="cpu")  # (placeholder columns)
+    one, zero_history = torch.ones(1, device="cpu"), torch.zeros(length, device="cpu")  # placeholder columns
     for suffix, (direction, _) in _COLUMNS.items():
         columns = [saved[direction].get(name) if name is not None else None for name in layout[suffix]]
         payload[f"scale_{suffix}"] = torch.cat([one if c is None else c["scale"].float().reshape(1) for c in columns])
         payload[f"amax_history_{suffix}"] = torch.stack(
-            [none if c is None else c["amax_history"].float().reshape(-1) for c in columns], dim=1)
+            [zero_history if c is None else c["amax_history"].float().reshape(-1) for c in columns], dim=1)
     payload["te_core_slots"] = [[name, role.value] for name, role in roles]
     for flags in ("fresh", "init_scaled"):
         if state.get(flags) is not None:
