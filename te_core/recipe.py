@@ -670,17 +670,22 @@ def is_nvfp4_available(return_reason: bool = False) -> Union[bool, Tuple[bool, s
 RECIPES = {cls.__name__: cls for cls in (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling)}
 
 
-def recipe_from_config(config: Dict[str, Any]) -> Recipe:
+def recipe_from_config(config: Dict[str, Any], callables: Optional[Dict[str, Callable]] = None) -> Recipe:
     """Inverse of Recipe.to_config. A callable recorded by name comes back as the default ("max"
-    / None): the checkpoint keeps the state, the caller's autocast recipe supplies the callable."""
-    config = dict(config)
+    / None): the checkpoint keeps the state, the caller's autocast recipe supplies the callable.
+    `callables` ({field: callable}) are the recipe's own, for code that torch.compile runs
+    untraced (modules/_base._prepare), which rebuilds a live recipe from its text: they go to the
+    constructor, and a qfactory among them admits a CustomRecipe, which no config alone rebuilds
+    (no checkpoint holds one: a CustomRecipe's state has nothing to save)."""
+    config, callables = dict(config), dict(callables or {})
     name = config.pop("recipe", None)
-    if name not in RECIPES:
+    known = {**RECIPES, "CustomRecipe": CustomRecipe} if "qfactory" in callables else RECIPES
+    if name not in known:
         raise ValueError(f"unknown recipe {name!r} in checkpoint; known: {', '.join(RECIPES)}")
-    cls = RECIPES[name]
-    kwargs = {}
+    cls = known[name]
+    kwargs = {f.name: callables[f.name] for f in fields(cls) if f.name in callables}
     for f in fields(cls):
-        if f.name not in config:
+        if f.name not in config or f.name in kwargs:
             continue
         value = config[f.name]
         if f.name == "fp8_format":

@@ -75,14 +75,15 @@ def _refuse_traced_fp8_weight_training(module: nn.Module) -> None:
 
 
 @run_while_tracing
-def _prepare_untraced(module_id: int, recipe_config: dict) -> bool:
+def _prepare_untraced(module_id: int, recipe_config: dict, qfactory=None) -> bool:
     """Create a module's state for the recipe described by `recipe_config` (or move it to the
     module's device, or bind it to a recipe of other fields) unless it is ready. torch.compile runs
     this while tracing instead of tracing it, so delayed scaling's histories exist before the
     graph (which updates them in place) is built, and a new recipe of the same kind (another
     margin, an assigned field) rebinds the state here, not inside the graph; the traced forward
-    uses it as made for an equal recipe (new_quantization_step)."""
-    return _prepare(module_id, recipe_config)
+    uses it as made for an equal recipe (new_quantization_step). `qfactory`: a CustomRecipe's,
+    which its config names only and without which it cannot be rebuilt."""
+    return _prepare(module_id, recipe_config, {} if qfactory is None else {"qfactory": qfactory})
 
 
 @run_while_tracing
@@ -90,25 +91,22 @@ def _prepare_untraced_text(module_id: int, config_text: str) -> bool:
     """_prepare_untraced for a recipe made outside the trace, by the text of its fields
     (Recipe._te_config): constant while tracing, where the fields themselves may be symbolic."""
     config, callable_keys = config_from_text(config_text)
-    return _prepare(module_id, config, callable_keys)
+    callables = {name: callable_for(key) for name, key in callable_keys.items()}
+    return _prepare(module_id, config, {name: f for name, f in callables.items() if f is not None})
 
 
-def _prepare(module_id: int, config: dict, callable_keys=None) -> bool:
+def _prepare(module_id: int, config: dict, callables: dict) -> bool:
     module = _LIVE.get(module_id)
-    recipe = recipe_from_config(config)
     # the recipe's own callables (to_config names them only), so that the state made here is the
-    # traced recipe's equal and the traced forward keeps it; without them (a recipe made in the
-    # trace), a callable recorded by name counts as the same and the traced forward binds the
-    # state to the recipe that carries it
-    for name, key in (callable_keys or {}).items():
-        function = callable_for(key)
-        if function is not None:
-            setattr(recipe, name, function)
+    # traced recipe's equal and the traced forward keeps it (a CustomRecipe's qfactory: the
+    # recipe itself); without them (a recipe made in the trace), a callable recorded by name
+    # counts as the same and the traced forward binds the state to the recipe that carries it
+    recipe = recipe_from_config(config, callables)
     state = None if module is None else module._recipe_state
     stale = state is None or not state.carries_over_to(recipe) or any(
         group.device != module._state_device() for group in state.scaling_groups().values())
     stale = stale or state.recipe.to_config() != config or any(  # made for a recipe of other fields
-        getattr(state.recipe, name) is not getattr(recipe, name) for name in callable_keys or ())
+        getattr(state.recipe, name) is not getattr(recipe, name) for name in callables)
     if module is not None and stale:
         _UNTRACED[0] = True  # is_compiling() answers True in here too
         try:
@@ -224,7 +222,7 @@ class QuantizedModule(DeferredInit, TransformerEngineBaseModule):
             if text is not None:
                 _prepare_untraced_text(id(self), text)
             else:
-                _prepare_untraced(id(self), context.recipe.to_config())
+                _prepare_untraced(id(self), context.recipe.to_config(), getattr(context.recipe, "qfactory", None))
         else:
             self._fp8_forward = True
             self.__dict__["_fp8_modes"] = (context.enabled, context.calibrating)  # (fp8, fp8_calibration)
@@ -233,9 +231,11 @@ class QuantizedModule(DeferredInit, TransformerEngineBaseModule):
         if state is None or state.recipe is not recipe or state.version != recipe._te_version:  # (_state_for's test)
             # Traced, a state made for an equal recipe (_prepare_untraced's) is kept as it is: binding
             # it to this recipe object would mutate module state inside the graph, which a graph
-            # region (an activation checkpoint's) cannot hold.
+            # region (an activation checkpoint's) cannot hold. A CustomRecipe's is always _prepare's:
+            # its factory runs untraced only (dynamo builds no QuantizerRole), and one made in the
+            # trace (a lambda, a partial) reaches _prepare as an equal copy, never the same object.
             if not (torch.compiler.is_compiling() and state is not None and state.recipe is not recipe
-                    and state.recipe == recipe):
+                    and (state.recipe == recipe or recipe.custom())):
                 state = self._state_for(recipe)
         state.follow_device(self._state_device())
         if context.enabled:

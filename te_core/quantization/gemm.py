@@ -19,15 +19,15 @@ from ..backend.dispatch import resolution
 from ..backend.plugin import BackendError
 from ..backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, MXFP8, TENSORWISE
 from ..recipe import default_split_accumulator
-from .hybrid import HybridQuantizedTensor
+from .hybrid import HybridOperand, HybridQuantizedTensor
 from .identity import IdentityTensor
 from .quantizers import Quantizer
 from .tensor import BLOCK_1x128, BLOCK_128x128, MX_1x32, QUANTIZED, TENSOR, GemmOperand, QuantizedTensor
 
 Operand = Union[Tensor, QuantizedTensor]
 # Quantized tensors whose GEMM operand is a tensor they hold: an IdentityQuantizer's high-precision
-# tensor, a HybridQuantizer's direction (gemm_operand)
-_HOLDERS = (IdentityTensor, HybridQuantizedTensor)
+# tensor, a HybridQuantizer's direction (gemm_operand; traced, a HybridOperand)
+_HOLDERS = (IdentityTensor, HybridQuantizedTensor, HybridOperand)
 
 _MODES = {
     (TENSOR, TENSOR): TENSORWISE,

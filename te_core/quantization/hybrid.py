@@ -17,21 +17,21 @@ from torch import Tensor
 from . import quantizers as core
 from .identity import IdentityTensor
 from .te_quantizers import _TEQuantizer
-from .tensor import QuantizedTensor
+from .tensor import QUANTIZED, QuantizedOperand, QuantizedTensor
 
-__all__ = ["HybridQuantizer", "HybridQuantizedTensor"]
+__all__ = ["HybridQuantizer", "HybridQuantizedTensor", "HybridOperand"]
 
 COLUMNWISE_SOURCES = ("original", "rowwise_dequantized")
 
 
 def _value(part: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
     """The high-precision value of one direction (an FP8 tensor dequantized, a plain one as is)."""
-    if isinstance(part, QuantizedTensor):
+    if isinstance(part, QUANTIZED):
         return part._dequantize(dtype)
     return part if dtype is None or part.dtype == dtype else part.to(dtype)
 
 
-class HybridQuantizedTensor(QuantizedTensor):
+class _HybridLayout:
     """`_rowwise` / `_columnwise`: each direction as its quantizer cast it, or None where that
     direction was not asked for."""
 
@@ -41,6 +41,8 @@ class HybridQuantizedTensor(QuantizedTensor):
     @classmethod
     def make(cls, rowwise: Optional[Tensor], columnwise: Optional[Tensor], like: Tensor,
              quantizer=None) -> "HybridQuantizedTensor":
+        if cls._traced_twin is not None and torch.compiler.is_compiling():
+            cls = cls._traced_twin  # (dynamo builds no wrapper subclass in a graph: see QuantizedOperand)
         self = cls.__new__(cls, like.shape, like.dtype, like.device, quantizer)
         self._rowwise, self._columnwise = rowwise, columnwise
         return self
@@ -78,6 +80,18 @@ class HybridQuantizedTensor(QuantizedTensor):
 
     def _payload(self) -> dict:
         return {"_rowwise": self._rowwise, "_columnwise": self._columnwise}
+
+
+class HybridQuantizedTensor(_HybridLayout, QuantizedTensor):
+    """A tensor quantized by a HybridQuantizer: one direction per sub-quantizer."""
+
+
+class HybridOperand(_HybridLayout, QuantizedOperand):
+    """HybridQuantizedTensor's twin while torch.compile traces (its directions are the sub-quantizers'
+    traced forms: an FP8 operand, or the plain tensor of an IdentityQuantizer)."""
+
+
+HybridQuantizedTensor._traced_twin = HybridOperand
 
 
 def _check_part(direction: str, quantizer) -> None:
@@ -143,14 +157,11 @@ class HybridQuantizer(_TEQuantizer, core.Quantizer):
         return _value(rowwise, x.dtype).reshape(x.shape)
 
     def _cast(self, x: Tensor, columnwise: bool) -> HybridQuantizedTensor:
-        if torch.compiler.is_compiling():
-            raise NotImplementedError("HybridQuantizer under torch.compile is not supported by te-core yet: run the "
-                                      "layer eagerly, or express the recipe without HybridQuantizer")
         rowwise = self.rowwise_quantizer._cast(x, False)
         col = None
         if columnwise:
             col = self.columnwise_quantizer._cast(self._columnwise_source(x, rowwise), True)
-            col = col.columnwise_only() if isinstance(col, QuantizedTensor) else col
+            col = col.columnwise_only() if isinstance(col, QUANTIZED) else col
         return HybridQuantizedTensor.make(rowwise, col, x, self)
 
     def _cast_for_user(self, x: Tensor) -> HybridQuantizedTensor:
