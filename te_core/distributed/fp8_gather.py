@@ -64,7 +64,7 @@ def _quantize_shard(x: Tensor, step, slot: str, group) -> Float8Tensor:
 
 def gather_shard_bytes(shard: Float8Tensor, group) -> Float8Tensor:
     """The ranks' shards (quantized with one scale) gathered along the first dimension."""
-    data = shard._rowwise_data()
+    data = shard._row_bytes()
     data = data if data.is_contiguous() else data.contiguous()
     # moved as bytes: every process-group backend (gloo included) gathers uint8
     gathered = all_gather_first_dim(data.view(torch.uint8), group).view(data.dtype)

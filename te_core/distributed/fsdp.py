@@ -166,7 +166,7 @@ def pre_all_gather(shard: Float8Tensor, mesh, orig_size: torch.Size):
     shard rows (ceil(rows / ranks)); the metadata is what post_all_gather needs."""
     check_row_shard(shard, orig_size)
     _bind(shard, mesh.get_group())
-    data = shard._rowwise_data()
+    data = shard._row_bytes()
     rows = -(-orig_size[0] // mesh.size())
     if data.shape[0] != rows:  # uneven sharding: this rank's shard is short (or empty)
         padded = data.new_zeros((rows, *data.shape[1:]))

@@ -73,7 +73,7 @@ class _PerTensor:
 
     @staticmethod
     def data(local: Float8Tensor) -> Tensor:
-        return local._rowwise_data()
+        return local._row_bytes()
 
     @staticmethod
     def scale_inv(local: Float8Tensor) -> Tensor:

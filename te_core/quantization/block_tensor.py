@@ -15,12 +15,14 @@ from .. import ops
 from .block_views import BLOCK_VIEW_OPS
 from .dequantized_view import dequantized_select, dequantized_slice
 from .mxfp8_views import MXFP8_SPLIT_OPS
+from .te_storage_names import TEStorageNames
 from .tensor import (BLOCK_1x128, BLOCK_128x128, MX_1x32, GemmOperand, QuantizedOperand, QuantizedTensor,
                      gather_rows)
 
 
-class _TwoLayout:
-    """2-D data (M, K) with scale_inv, and optionally the column-wise pair (K, M)."""
+class _TwoLayout(TEStorageNames):
+    """2-D data (M, K) with scale_inv, and optionally the column-wise pair (K, M); TE's names
+    (`_rowwise_data`, `_columnwise_scale_inv`, ...) alias them (te_storage_names)."""
 
     _data: Tensor
     _scale_inv: Tensor

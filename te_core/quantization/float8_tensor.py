@@ -39,7 +39,7 @@ class _Float8Layout:
         return self
 
     def _dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
-        data = self._rowwise_data()
+        data = self._row_bytes()
         if not data.is_contiguous():  # a view's bytes (w.t(), w[:, 2:5]): backends' kernels read dense rows
             data = data.contiguous()
         return ops.dequantize_fp8(data, self._scale_inv, dtype or self.dtype).reshape(self.shape)
@@ -67,7 +67,9 @@ class _Float8Layout:
         if invalid and self._data is not None:
             self._transpose = None
 
-    def _rowwise_data(self) -> Tensor:
+    def _row_bytes(self) -> Tensor:
+        # not `_rowwise_data`: integrations (Megatron's fp8_get/set_raw_data) read that attribute
+        # when present and `_data` otherwise; TE's Float8Tensor has only `_data`
         if self._data is None:  # kept column-wise only: the transpose of the transpose is exact
             return self._transpose.t()
         return self._data
@@ -108,7 +110,7 @@ class _Float8Layout:
         # one scale for all rows, so the selected rows keep its value, in a tensor of their own (a
         # write into either tensor requantizes its own scale); a GEMM that needs the column-wise copy
         # makes it from the new row-wise data, exactly
-        data = gather_rows(self._rowwise_data().reshape(self.shape), source, blank)
+        data = gather_rows(self._row_bytes().reshape(self.shape), source, blank)
         return type(self).make(data, self._scale_inv.clone(), None, nominal_dtype=self.dtype,
                                quantizer=self._quantizer)
 

@@ -49,7 +49,7 @@ def _region_link(base, data: Tensor) -> ViewLink:
     """The link of a view whose FP8 bytes are `data`, inside base's row-wise data: the view's
     value goes to the same elements of base's value, laid out as those bytes
     (Float8Tensor._writable_value)."""
-    rows = base._rowwise_data()
+    rows = base._row_bytes()
     size, stride, offset = data.size(), data.stride(), data.storage_offset() - rows.storage_offset()
     layout = rows.stride()
 
@@ -65,7 +65,7 @@ def _region_link(base, data: Tensor) -> ViewLink:
 def _bytes(t):
     """t's row-wise FP8 data where the wrapper reports its layout (then a view of one is the same
     view of the other), else None."""
-    data = t._rowwise_data()
+    data = t._row_bytes()
     return data if data.stride() == t.stride() else None
 
 
@@ -99,7 +99,7 @@ def _clone(t, *, memory_format=None):
     """A copy of its own; contiguous where asked (what torch's contiguous() and reshape ask)."""
     if memory_format in (None, torch.preserve_format) or t.is_contiguous(memory_format=memory_format):
         return NotImplemented  # (QuantizedTensor's: every buffer cloned as it is laid out)
-    return type(t).make(t._rowwise_data().clone(memory_format=memory_format), t._scale_inv.clone(), None,
+    return type(t).make(t._row_bytes().clone(memory_format=memory_format), t._scale_inv.clone(), None,
                         nominal_dtype=t.dtype, quantizer=t._quantizer)
 
 
@@ -147,9 +147,9 @@ def _copy(dst, src, non_blocking: bool = False):
         dst._scale_inv.copy_(src._scale_inv, non_blocking)
     # each of dst's buffers written in place (a view's parent, or a captured graph, reads them)
     if dst._data is not None:
-        dst._data.copy_(src._rowwise_data(), non_blocking)
+        dst._data.copy_(src._row_bytes(), non_blocking)
     if dst._transpose is not None:
-        src_t = src._transpose if src._transpose is not None else src._rowwise_data().t()
+        src_t = src._transpose if src._transpose is not None else src._row_bytes().t()
         dst._transpose.copy_(src_t, non_blocking)
     link = dst._view_link()
     if link is not None:  # the bytes went into a part of the viewed tensor: its column-wise copy follows

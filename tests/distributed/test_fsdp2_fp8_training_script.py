@@ -84,7 +84,7 @@ def _step(model, optimizer, step: int) -> float:
 
 def _fp8_shards(model):
     """{name: (FP8 bytes, scale_inv)} of this rank's shards."""
-    return {name: (p._local_tensor._rowwise_data().view(torch.uint8).clone(), p._local_tensor._scale_inv.clone())
+    return {name: (p._local_tensor._row_bytes().view(torch.uint8).clone(), p._local_tensor._scale_inv.clone())
             for name, p in model.named_parameters() if isinstance(p._local_tensor, QuantizedTensor)}
 
 
