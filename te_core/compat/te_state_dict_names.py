@@ -46,6 +46,18 @@ def accept_te_norm_extra_state(module, state_dict, prefix, *_):
                           "(te-core's norms keep no FP8 state)", UserWarning, stacklevel=3)
 
 
+def accept_l2_qk_norm_extra_state(mha, state_dict, prefix, *_):
+    """load_state_dict pre-hook of a MultiheadAttention with qk_norm_type="L2Normalization": its
+    q_norm / k_norm (one ops.L2Normalization) have an `_extra_state`, as TE's, which te-core state
+    dicts written before they were that operation lack (then it loads as empty), and TE's forms of
+    "no FP8 state" load as before; one that holds FP8 scales is dropped with a warning, as te-core's
+    norms drop it, rather than refused as the operation alone refuses it."""
+    for name in ("q_norm", "k_norm"):
+        norm_prefix = f"{prefix}{name}."
+        accept_te_norm_extra_state(getattr(mha, name), state_dict, norm_prefix)
+        state_dict.setdefault(norm_prefix + "_extra_state", torch.empty(0, dtype=torch.uint8, device="cpu"))
+
+
 def to_transformer_engine_state_dict(model) -> dict:
     """`model`'s state dict in the names Transformer Engine's modules of the same configuration
     load: q/k/v weights split where fuse_qkv_params=False, and an `_extra_state` entry for each
@@ -67,14 +79,13 @@ def to_transformer_engine_state_dict(model) -> dict:
 
 def _add_norm_extra_states(model, state: dict) -> None:
     """An empty `_extra_state` (what TE's BasicOperation.set_extra_state takes as "no state")
-    for each te.LayerNorm, te.RMSNorm and L2Normalization (MultiheadAttention's q_norm / k_norm,
-    one module under both names) in `model`, after the norm's parameters, where TE's state dict
-    has it, in place."""
+    for each te.LayerNorm and te.RMSNorm in `model`, after the norm's parameters, where TE's state
+    dict has it, in place. (MultiheadAttention's q_norm / k_norm L2Normalization is TE's operation,
+    which writes its own.)"""
     from ..modules.layernorm import LayerNorm, RMSNorm
-    from ..modules.multihead_attention import L2Normalization
 
     prefixes = [f"{path}." if path else "" for path, module in model.named_modules(remove_duplicate=False)
-                if isinstance(module, (LayerNorm, RMSNorm, L2Normalization))]
+                if isinstance(module, (LayerNorm, RMSNorm))]
     after = {}  # the norm's last own entry -> its extra state's key
     for prefix in prefixes:
         own = [k for k in state if k.startswith(prefix) and "." not in k[len(prefix):]]

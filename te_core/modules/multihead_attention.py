@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ..compat.te_state_dict_names import (
-    accept_te_norm_extra_state,
+    accept_l2_qk_norm_extra_state,
     expose_split_qkv_names,
     load_split_qkv_names,
     save_split_qkv_names,
@@ -32,6 +32,7 @@ from ._common import (
 )
 from ..distributed import tensor_parallel
 from .attention import QKV_FORMATS, DotProductAttention, check_hidden_dims
+from .fusible_ops.l2_normalization import L2Normalization
 from .inference import fixed_shapes
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_linear import LayerNormLinear
@@ -42,34 +43,16 @@ from ._te_order import te_order
 QK_NORM_TYPES = (None, "L2Normalization", "RMSNorm", "LayerNorm")
 
 
-class L2Normalization(torch.nn.Module):
-    """y = x / sqrt(sum(x^2) + eps) over the last dimension, computed in float32 (Transformer
-    Engine's parameter-free QK normalization)."""
-
-    def __init__(self, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        # Transformer Engine's L2Normalization is a fusible operation, which writes an `_extra_state`
-        # entry (q_norm._extra_state, k_norm._extra_state) that its checkpoints then hold
-        self.register_load_state_dict_pre_hook(accept_te_norm_extra_state)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.square().sum(dim=-1, keepdim=True) + self.eps)).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"eps={self.eps}"
-
-
-def _qk_norms(qk_norm_type, eps: float, head_dim: int, params_dtype, device, module: str):
-    """(q_norm, k_norm) over each head's features, as Transformer Engine names them: one shared
-    L2Normalization, or an RMSNorm / LayerNorm of its own each; (None, None) without."""
+def _qk_norms(qk_norm_type, eps: float, head_dim: int, params_dtype, device, module: str, warmup_sizes: dict):
+    """(q_norm, k_norm) over each head's features, as Transformer Engine builds them: one shared
+    fusible operation ops.L2Normalization (given TE's seq_length / micro_batch_size), or an
+    RMSNorm / LayerNorm of its own each; (None, None) without."""
     check_choice(qk_norm_type, QK_NORM_TYPES, name="qk_norm_type", module=module)
     if qk_norm_type is None:
         return None, None
     eps = check_eps(eps, name="qk_norm_eps", module=module)
     if qk_norm_type == "L2Normalization":
-        norm = L2Normalization(eps)
+        norm = L2Normalization(eps=eps, **warmup_sizes)
         return norm, norm
     cls = RMSNorm if qk_norm_type == "RMSNorm" else LayerNorm
     return tuple(cls(head_dim, eps=eps, params_dtype=params_dtype, device=device) for _ in range(2))
@@ -157,7 +140,8 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
         super().__init__()
         module = "MultiheadAttention"
         fuse_wgrad = kwargs.pop("fuse_wgrad_accumulation", False)  # passed on to every projection
-        check_warmup_sizes(module, kwargs.pop("seq_length", None), kwargs.pop("micro_batch_size", None))
+        warmup_sizes = {arg: kwargs.pop(arg, None) for arg in ("seq_length", "micro_batch_size")}  # (for q_norm)
+        check_warmup_sizes(module, **warmup_sizes)
         reject_unsupported(module, **kwargs)
         (self.return_bias, fuse_wgrad, return_layernorm_output, input_layernorm, fuse_qkv_params, zero_centered_gamma,
          qkv_weight_interleaved, rotary_pos_interleaved, bias, sequence_parallel, qk_norm_before_rope) = check_bools(
@@ -227,8 +211,11 @@ class MultiheadAttention(TensorParallelContainer, QuantizedContainer):
                 f"{module}: qk_norm_type={qk_norm_type!r} with tp_size > 1 is not supported: the norms' weights are "
                 "shared by heads split over the ranks, so their gradients would need a sum over the tensor-parallel "
                 "group; use qk_norm_type='L2Normalization' (no weights) or tp_size=1")
-        self.q_norm, self.k_norm = _qk_norms(qk_norm_type, qk_norm_eps, kv_channels, params_dtype, device, module)
+        self.q_norm, self.k_norm = _qk_norms(qk_norm_type, qk_norm_eps, kv_channels, params_dtype, device, module,
+                                             warmup_sizes)
         self.qk_norm_before_rope = qk_norm_before_rope
+        if qk_norm_type == "L2Normalization":  # (state dicts of te-core's earlier q_norm, without extra state, load)
+            self.register_load_state_dict_pre_hook(accept_l2_qk_norm_extra_state)
         # Transformer Engine names separate q, k, v weights (its default, fuse_qkv_params=False): its
         # checkpoints load, and the state dict of such a module names them as TE's does
         self.register_load_state_dict_pre_hook(load_split_qkv_names)

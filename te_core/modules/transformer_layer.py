@@ -123,8 +123,8 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
         debug_name, name = name, "TransformerLayer"
         activation_params = kwargs.pop("activation_params", None)  # checked by LayerNormMLP
         fuse_wgrad = kwargs.pop("fuse_wgrad_accumulation", False)  # passed on to every weighted submodule
-        self.seq_length = kwargs.pop("seq_length", None)
-        check_warmup_sizes(name, self.seq_length, kwargs.pop("micro_batch_size", None))
+        self.seq_length, micro_batch_size = kwargs.pop("seq_length", None), kwargs.pop("micro_batch_size", None)
+        check_warmup_sizes(name, self.seq_length, micro_batch_size)
         debug_name = check_name(debug_name, name)
         reject_unsupported(name, ub_tp_comm_overlap=ub_tp_comm_overlap, **kwargs)
         (apply_residual_connection_post_layernorm, output_layernorm, parallel_attention_mlp, fuse_qkv_params,
@@ -186,7 +186,8 @@ class TransformerLayer(TensorParallelContainer, QuantizedContainer):
                          fuse_qkv_params=fuse_qkv_params, qkv_weight_interleaved=qkv_weight_interleaved,
                          rotary_pos_interleaved=rotary_pos_interleaved,
                          layernorm_epsilon=layernorm_epsilon, qk_norm_type=qk_norm_type, qk_norm_eps=qk_norm_eps,
-                         qk_norm_before_rope=qk_norm_before_rope, softmax_type=softmax_type, **common)
+                         qk_norm_before_rope=qk_norm_before_rope, softmax_type=softmax_type,
+                         seq_length=self.seq_length, micro_batch_size=micro_batch_size, **common)
         # output_layernorm (BERT's post-norm): the norm moves from the self-attention's input to the
         # layer's output, so self-attention has no normalized input to be the residual either
         self.output_layernorm = output_layernorm

@@ -210,6 +210,35 @@ def test_te_l2_normalization_extra_state_is_accepted(make, prefix):
         module.load_state_dict(sd)
 
 
+def test_l2_qk_norm_is_te_operation_with_te_state_dict_keys(stand_in):
+    """TE's MultiheadAttention builds q_norm / k_norm as one ops.L2Normalization, a fusible operation
+    with an `_extra_state`: the same type, eps and state-dict keys here; a te-core state dict of an
+    earlier version, without those two entries, still loads strictly, to the same outputs."""
+    te_pt = stand_in
+
+    def make(seed):
+        torch.manual_seed(seed)
+        return te_pt.MultiheadAttention(32, 4, qk_norm_type="L2Normalization", qk_norm_eps=1e-4, attention_dropout=0.0)
+
+    mha = make(0)
+    assert isinstance(mha.q_norm, te_pt.ops.L2Normalization) and mha.q_norm is mha.k_norm and mha.q_norm.eps == 1e-4
+    sd = mha.state_dict()
+    te_keys = {"qkv.query_weight", "qkv.key_weight", "qkv.value_weight", "qkv.query_bias", "qkv.key_bias",
+               "qkv.value_bias", "qkv._extra_state", "core_attention._extra_state", "proj.weight", "proj.bias",
+               "proj._extra_state", "q_norm._extra_state", "k_norm._extra_state"}
+    assert set(sd) == te_keys
+    for norm in ("q_norm", "k_norm"):
+        assert sd[f"{norm}._extra_state"].dtype == torch.uint8 and sd[f"{norm}._extra_state"].numel() == 0
+    earlier = {k: v for k, v in sd.items() if not k.endswith("norm._extra_state")}
+    fresh = make(1)
+    x = torch.randn(5, 2, 32)
+    assert not torch.equal(fresh(x), mha(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh.load_state_dict(earlier)  # strict
+    assert torch.equal(fresh(x), mha(x))
+
+
 class _TENormOp(torch.nn.Module):
     """What TE's norms are to load_state_dict: fusible operations with an `_extra_state` entry."""
 

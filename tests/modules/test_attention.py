@@ -540,6 +540,69 @@ def test_multihead_attention_qk_norm_with_the_interleaved_qkv_layout():
     torch.testing.assert_close(mha(x).double(), want, rtol=1.3e-6, atol=1e-5)
 
 
+class _Float64MHA(torch.nn.Module):
+    """mha64 of a self-attention block with causal mask and L2 QK normalization (eps 1e-3), as a
+    module whose parameters torch.func.functional_call can replace by float64 leaves."""
+
+    def __init__(self, mha):
+        super().__init__()
+        self.mha = mha
+
+    def forward(self, x, freqs):
+        return mha64(self.mha, x, freqs, qk_norm=("L2Normalization", 1e-3, False), mask_type="causal")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_l2_qk_norm_is_te_fusible_operation(dtype):
+    """As Transformer Engine's: q_norm and k_norm of qk_norm_type="L2Normalization" are one
+    instance of the fusible operation ops.L2Normalization (transformer_engine.pytorch.ops), with
+    qk_norm_eps as its eps. In the block, its outputs and input gradients (q's and k's) match
+    float64 x / sqrt(sum(x^2) + eps) of its inputs; in float32 the whole block's output and every
+    gradient match float64 too (in bf16 the block's GEMMs round more than bf16's tolerance)."""
+    from te_core.modules import fusible_ops
+
+    mha = _mha(attn_mask_type="causal", qk_norm_type="L2Normalization", qk_norm_eps=1e-3, params_dtype=dtype,
+               seq_length=6, micro_batch_size=2)
+    assert isinstance(mha.q_norm, fusible_ops.L2Normalization) and mha.q_norm is mha.k_norm
+    assert mha.q_norm.eps == 1e-3
+    layer = tm.TransformerLayer(32, 64, 4, qk_norm_type="L2Normalization", qk_norm_eps=1e-4, seq_length=6)
+    assert isinstance(layer.self_attention.q_norm, fusible_ops.L2Normalization)
+    assert layer.self_attention.q_norm is layer.self_attention.k_norm and layer.self_attention.k_norm.eps == 1e-4
+    seen = []  # (input, output) of each call: q's, then k's
+
+    def keep(_, args, out):
+        args[0].retain_grad()
+        out.retain_grad()
+        seen.append((args[0], out))
+
+    mha.q_norm.register_forward_hook(keep)
+    x = torch.randn(6, 2, 32, generator=seeded(16)).to(dtype).requires_grad_()
+    freqs = tm.RotaryPositionEmbedding(8)(6)
+    got = mha(x, rotary_pos_emb=freqs)
+    dy = torch.randn(got.shape, generator=seeded(17)).to(dtype)
+    got.backward(dy)
+    tols = dict(rtol=1.6e-2, atol=1e-5) if dtype == torch.bfloat16 else dict(rtol=1.3e-6, atol=1e-5)
+    assert [out.dtype for _, out in seen] == [dtype, dtype]
+    for inp, out in seen:
+        t = inp.detach().double().requires_grad_()
+        want = t / torch.sqrt(t.square().sum(-1, keepdim=True) + 1e-3)
+        torch.testing.assert_close(out.double(), want, **tols)
+        want.backward(out.grad.double())
+        assert inp.grad.abs().sum() > 0
+        torch.testing.assert_close(inp.grad.double(), t.grad, **tols)
+    if dtype != torch.float32:
+        return
+    grads = [x.grad] + [p.grad for p in mha.parameters()]
+    x64 = x.detach().double().requires_grad_()
+    params64 = {f"mha.{name}": p.detach().double().requires_grad_() for name, p in mha.named_parameters()}
+    want = torch.func.functional_call(_Float64MHA(mha), params64, (x64, freqs))
+    torch.testing.assert_close(got.double(), want, **tols)
+    want.backward(dy.double())
+    for g, w in zip(grads, [x64.grad, *(p.grad for p in params64.values())]):
+        assert g.abs().sum() > 0
+        torch.testing.assert_close(g.double(), w, **tols)
+
+
 def test_qk_norm_names_and_errors():
     layer = tm.TransformerLayer(32, 64, 4, layer_type="decoder", qk_norm_type="LayerNorm", qk_norm_eps=1e-4,
                                 qk_norm_before_rope=True, hidden_dropout=0.0, attention_dropout=0.0)
