@@ -43,6 +43,16 @@ def _check_bool(owner: str, name: str, value) -> bool:
     return value
 
 
+def _set_pow_2_scales(self, value) -> None:
+    self.power_2_scale = _check_bool(type(self).__name__, "force_pow_2_scales", value)
+
+
+def _check_block_scaling_dim(owner: str, value) -> int:
+    if isinstance(value, bool) or value not in (1, 2):
+        raise ValueError(f"{owner}: block_scaling_dim must be 1 (1x128 blocks) or 2 (128x128 tiles), got {value!r}")
+    return int(value)
+
+
 class _QuantizeFunction(torch.autograd.Function):
     """The cast as an autograd node: its gradient reaches the high-precision input unchanged."""
 
@@ -264,7 +274,8 @@ class Float8CurrentScalingQuantizer(_TEQuantizer, core.Float8CurrentScalingQuant
         _check_epsilon(owner, amax_epsilon)
         core.Float8CurrentScalingQuantizer.__init__(self, None, dtype, force_pow_2_scales, float(amax_epsilon))
 
-    force_pow_2_scales = property(lambda self: self.power_2_scale, doc="TE's name for power_2_scale")
+    force_pow_2_scales = property(lambda self: self.power_2_scale, _set_pow_2_scales,
+                                  doc="TE's name for power_2_scale (a plain attribute in TE: factories set it)")
 
     def _empty(self, shape, dtype, empty):
         return _fp8_empty(self, shape, dtype, empty, torch.ones(1, device=empty["device"]))
@@ -295,17 +306,21 @@ class Float8BlockQuantizer(_TEQuantizer, core.Float8BlockQuantizer):
                  force_pow_2_scales: bool = True, block_scaling_dim: int = 2):
         owner = type(self).__name__
         dtype = self._init_te(fp8_dtype, rowwise, columnwise)
-        if isinstance(block_scaling_dim, bool) or block_scaling_dim not in (1, 2):
-            raise ValueError(f"{owner}: block_scaling_dim must be 1 (1x128 blocks) or 2 (128x128 tiles), "
-                             f"got {block_scaling_dim!r}")
+        _check_block_scaling_dim(owner, block_scaling_dim)
         _check_bool(owner, "force_pow_2_scales", force_pow_2_scales)
         _check_epsilon(owner, amax_epsilon)
         self.block_len = BLOCK
         core.Float8BlockQuantizer.__init__(self, None, dtype, block_scaling_dim == 2, force_pow_2_scales,
                                            float(amax_epsilon))
 
-    force_pow_2_scales = property(lambda self: self.power_2_scale, doc="TE's name for power_2_scale")
-    block_scaling_dim = property(lambda self: 2 if self.block_2d else 1, doc="TE's name for block_2d: 2 or 1")
+    force_pow_2_scales = property(lambda self: self.power_2_scale, _set_pow_2_scales,
+                                  doc="TE's name for power_2_scale (a plain attribute in TE: factories set it)")
+
+    def _set_block_scaling_dim(self, value) -> None:
+        self.block_2d = _check_block_scaling_dim(type(self).__name__, value) == 2
+
+    block_scaling_dim = property(lambda self: 2 if self.block_2d else 1, _set_block_scaling_dim,
+                                 doc="TE's name for block_2d: 2 or 1 (TE's factories set it per role)")
 
     def _scales(self, rows: int, cols: int, empty: dict) -> Tensor:
         shape = (_ceil(rows, BLOCK), _ceil(cols, BLOCK)) if self.block_2d else (rows, _ceil(cols, BLOCK))

@@ -77,6 +77,23 @@ def test_block_factories_are_their_built_in_recipes(gen, recipe, factory):
     assert_bitwise(run(a, x, dy, recipe), run(b, x, dy, CustomRecipe(qfactory=factory)))
 
 
+def test_a_factory_may_set_the_block_geometry_after_construction(gen):
+    """TE's test helpers (make_role_aware_quantizer) build Float8BlockQuantizer() with its default
+    128x128 tiles and then set block_scaling_dim = 1 for every tensor but the weight: the attribute
+    is writable in TE, and the casts follow it, giving Float8BlockScaling()'s outputs and gradients."""
+    def factory(role):
+        quantizer = te.Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=True)
+        quantizer.block_scaling_dim = 2 if role.tensor_type == "weight" else 1
+        return quantizer
+
+    a, b = twins(te.Linear, 128, 64)
+    x, dy = randn(gen, 64, 128, scale=3.0), randn(gen, 64, 64)
+    ref = run(a, x, dy, Float8BlockScaling())
+    assert_bitwise(ref, run(b, x, dy, CustomRecipe(qfactory=factory)))
+    # and it is FP8: the high-precision output differs
+    assert not torch.equal(a(x), ref[0])
+
+
 def test_the_factory_is_asked_once_per_slot_with_transformer_engines_roles(gen):
     asked = []
 

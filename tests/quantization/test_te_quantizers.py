@@ -160,6 +160,37 @@ def test_block_scaling_matches_te_cores_cast(gen, dim, shape):
     torch.testing.assert_close(got.dequantize().double(), x.double(), **TOLERANCE[E4M3])
 
 
+def test_quantizer_options_set_after_construction_take_effect(gen):
+    """TE's quantizers keep block_scaling_dim and force_pow_2_scales as plain attributes that
+    factories set after building one; a cast then equals one built with the value."""
+    x = randn(gen, 2, 130, 200, scale=4.0)
+    for dim in (1, 2):
+        q = te.Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=True, block_scaling_dim=3 - dim)
+        q.block_scaling_dim = dim
+        built = te.Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=True, block_scaling_dim=dim)
+        assert q.block_scaling_dim == dim
+        assert_same_payload(q(x), built(x))
+        torch.testing.assert_close(q(x).dequantize().double(), x.double(), **TOLERANCE[E4M3])
+    for pow2 in (True, False):
+        for make in (lambda p: te.Float8CurrentScalingQuantizer(DType.kFloat8E4M3, "cpu", force_pow_2_scales=p),
+                     lambda p: te.Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=True,
+                                                       force_pow_2_scales=p)):
+            q = make(not pow2)
+            q.force_pow_2_scales = pow2
+            assert q.force_pow_2_scales is pow2
+            assert_same_payload(q(x), make(pow2)(x))
+    x = randn(gen, 64, 96, scale=3.0)  # amax not a power of two: the two scales differ
+    q = te.Float8CurrentScalingQuantizer(DType.kFloat8E4M3, "cpu")
+    before = q(x)._scale_inv.clone()
+    q.force_pow_2_scales = True
+    after = q(x)._scale_inv
+    assert not torch.equal(before, after) and torch.equal(torch.exp2(torch.log2(after).round()), after)
+    with pytest.raises(ValueError, match="block_scaling_dim must be 1 .* got 3"):
+        te.Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=True).block_scaling_dim = 3
+    with pytest.raises(TypeError, match="force_pow_2_scales must be True or False, got 1"):
+        q.force_pow_2_scales = 1
+
+
 def test_mxfp8_matches_te_cores_cast(gen):
     x = randn(gen, 2, 64, 96, scale=9.0)
     q = te.MXFP8Quantizer(DType.kFloat8E4M3)
