@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from .._tracing import run_while_tracing
 from ..quantization import extra_state as extra_state_bytes
-from ..quantization import high_precision_init
+from ..quantization import high_precision_init, tensor_pickle
 from ..quantization.autocast import get_autocast_context, model_init_preserves_high_precision, model_init_recipe
 from ..quantization.roles import QuantizerSlot
 from ..quantization.state import RecipeState, describe, extra_state, same_kind
@@ -55,6 +55,7 @@ class _Recompute(threading.local):
 RECOMPUTE = _Recompute()
 
 GRAD_PROXIES = "_fp8_grad_proxies"  # the module attribute holding its FP8 weights' stand-ins (_grad_proxy)
+_QUANTIZER_LINKS = "_quantizer_links"  # a pickled module's (tensor, quantizer) pairs (tensor_pickle.relink)
 
 _LIVE = weakref.WeakValueDictionary()  # id -> QuantizedModule, for _prepare_untraced
 _UNTRACED = [False]  # True while _prepare_untraced runs
@@ -174,9 +175,15 @@ class QuantizedModule(DeferredInit, TransformerEngineBaseModule):
         # their hooks feed this module's weights, and the copy makes its own when compiled
         state = super().__getstate__()  # (a copy of __dict__: popping from it leaves the module alone)
         state.pop(GRAD_PROXIES, None)
+        # a quantized tensor pickles a copy of its quantizer (tensor_pickle): the copy gives its
+        # tensors back the very quantizers they hold, which its scaling state holds too
+        held = (*self._parameters.values(), *self._buffers.values(), *state.get("_weight_cache", {}).values())
+        state[_QUANTIZER_LINKS] = tensor_pickle.quantizer_links(held)
         return state
 
     def __setstate__(self, state) -> None:  # copies (deepcopy, pickle) bypass __init__
+        state = dict(state)
+        tensor_pickle.relink(state.pop(_QUANTIZER_LINKS, []))
         super().__setstate__(state)
         _LIVE[id(self)] = self
 

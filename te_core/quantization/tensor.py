@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from . import high_precision_init
+from . import high_precision_init, tensor_pickle
 from .lent_scales import is_lent
 from .write_back import ViewLink, requantize_all
 
@@ -323,8 +323,9 @@ class QuantizedTensor(Tensor):
         return twin
 
     def __getstate__(self) -> dict:
-        # Plain pickle (multiprocessing's, not torch.save) cannot rebuild a float8 tensor's storage
-        # in torch: the FP8 payload travels as its bytes, viewed back by __setstate__.
+        # torch's pickling of a subclass outside tensor_pickle's kinds (and te-core's earlier pickles,
+        # which __setstate__ still reads). Plain pickle (multiprocessing's, not torch.save) cannot
+        # rebuild a float8 tensor's storage in torch: the FP8 payload travels as its bytes.
         state = dict(self.__dict__)
         state.pop("_view_of", None)  # (a closure): a view travels as the data it holds
         fp8 = {name: value.dtype for name, value in state.items()
@@ -345,6 +346,19 @@ class QuantizedTensor(Tensor):
             state[name] = state[name].view(dtype)
         for name, value in state.items():
             setattr(self, name, value)
+
+    def __reduce_ex__(self, protocol):
+        # through te-core's own rebuild, which torch.load(weights_only=True) may call (tensor_pickle)
+        reduced = tensor_pickle.reduce(self, protocol)
+        return super().__reduce_ex__(protocol) if reduced is None else reduced
+
+    def __copy__(self):
+        # a tensor sharing this one's data and quantizer, as torch's copy of a tensor shares its storage
+        # (copy.copy cannot apply the state setter __reduce_ex__ gives)
+        twin = type(self).__new__(type(self), self.shape, self.dtype, self.device, self._quantizer,
+                                  self._view_strides())
+        twin.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_view_of"})
+        return twin.requires_grad_() if self.requires_grad else twin
 
     def __deepcopy__(self, memo):
         twin = self._with_payload(lambda t: t.clone())
