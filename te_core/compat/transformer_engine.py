@@ -5,7 +5,8 @@ te-core: `import transformer_engine.pytorch as te`, `transformer_engine.common.r
 submodules integrations reach into (`transformer_engine.pytorch.fp8` / `.quantization` with
 check_fp8_support, check_mxfp8_support, FP8GlobalStateManager; `.distributed.checkpoint`;
 `.module.base.TransformerEngineBaseModule`), TE's fusible-operation API without its fusions (`.ops`:
-Sequential, Linear, the basic operations and their base classes), and the part of
+Sequential, Linear, the basic operations and their base classes, also by TE's files, `.ops.basic.<file>`),
+the built-in recipes' quantizer factories (`.custom_recipes.quantizer_factories`), and the part of
 `.attention.inference` the tutorials import.
 Nothing is installed on disk: the modules live in sys.modules of this process only. A real
 Transformer Engine found on the path is never shadowed unless asked for (replace=True).
@@ -32,6 +33,7 @@ from .te_extension import EXTENSION, EXTENSION_HINT, constants, tensor_quantizer
 from . import te_norm_cast
 from .te_gemm import general_gemm
 from .te_metadata import install_metadata, uninstall_metadata
+from .te_ops_files import OPS_BASIC_FILES, OPS_FILES
 from .te_thd import thd_get_partitioned_indices
 from .te_userbuffers import USERBUFFERS_HINT, destroy_ub, device_supports_multicast
 
@@ -73,6 +75,14 @@ _DEBUG_HINT = ("Transformer Engine's precision debug tools (transformer_engine.d
 # transformer_engine.pytorch does not have either: say where the recipes are
 _COMMON_HINT = ("Transformer Engine's transformer_engine.pytorch has no 'common' either; import the recipes and Format "
                 "from transformer_engine.common.recipe")
+_OPS_HINT = ("te-core provides Transformer Engine's fusible-operation API as transformer_engine.pytorch.ops: "
+             "Sequential, Linear, the basic operations (GroupedLinear, BasicLinear, Bias, LayerNorm, RMSNorm, "
+             "L2Normalization, the activations, SwiGLU, ScaledSwiGLU, ClampedSwiGLU, ScaledClampedQGeGLU, SiTUGLU, "
+             "ScaledSiTUGLU, ScaledSReLU, AllReduce, ReduceScatter, AllGather, MakeExtraOutput, AddExtraInput, "
+             "ConstantScale, Identity, Reshape, Dropout, Quantize; also under ops.basic and in TE's files "
+             "ops.basic.<file>) and the base classes, not its fused operations nor its fuser (te-core fuses "
+             "nothing); its modules (transformer_engine.pytorch.Linear, LayerNormMLP, ...) are the other layers "
+             "it provides")
 # The nearest te-core counterpart of Transformer Engine names te-core does not provide, by the
 # name's path under transformer_engine.pytorch (or its last part, for names found in several places)
 _NEAREST = {
@@ -82,13 +92,10 @@ _NEAREST = {
     "MXFP8TensorStorage": _TENSORS_HINT, "Float8BlockwiseQTensorStorage": _TENSORS_HINT,
     "tensor.storage": _TENSORS_HINT, "prepare_for_saving": _TENSORS_HINT, "restore_from_saved": _TENSORS_HINT,
     # (a key ending in ".*": every name under that module)
-    "ops.*": "te-core provides Transformer Engine's fusible-operation API as transformer_engine.pytorch.ops: "
-             "Sequential, Linear, the basic operations (GroupedLinear, BasicLinear, Bias, LayerNorm, RMSNorm, "
-             "L2Normalization, the activations, SwiGLU, ScaledSwiGLU, ClampedSwiGLU, ScaledClampedQGeGLU, SiTUGLU, "
-             "ScaledSiTUGLU, ScaledSReLU, AllReduce, ReduceScatter, AllGather, MakeExtraOutput, AddExtraInput, "
-             "ConstantScale, Identity, Reshape, Dropout, Quantize) and the base classes, not its fused operations "
-             "nor its fuser (te-core fuses nothing); its modules "
-             "(transformer_engine.pytorch.Linear, LayerNormMLP, ...) are the other layers it provides",
+    "ops.*": _OPS_HINT, "ops.basic.*": _OPS_HINT,
+    "custom_recipes.*": "of Transformer Engine's custom_recipes, te-core provides quantizer_factories (the built-in "
+                        "recipes' factories, te_core.quantization.factories), not its NVFP4 factory zoo, reference "
+                        "quantizers or reference GEMMs",
     "attention.inference.*": "te-core's InferenceParams holds, and with is_paged=True pages, the KV caches itself, "
                              "without cache manager objects",
     "initialize_ub": USERBUFFERS_HINT, "UserBufferQuantizationMode": USERBUFFERS_HINT,
@@ -112,10 +119,12 @@ _PROVIDED: list = []  # set by install_as_transformer_engine: what the stand-in 
 def _describe_provided(names) -> str:
     """The stand-in's modules `names`, short: TE's one-module files under `module` as one entry."""
     pytorch = f"{ROOT}.pytorch."
-    files = {f"{pytorch}module.{sub}" for sub in _MODULE_FILES}
+    files = {f"{pytorch}module.{sub}" for sub in _MODULE_FILES} | {f"{pytorch}ops.{sub}" for sub in OPS_FILES} | {
+        f"{pytorch}ops.basic.{sub}" for sub in OPS_BASIC_FILES}
     subs = [n[len(pytorch):] for n in sorted(names) if n.startswith(pytorch) and n not in files]
-    return (f"{ROOT}.common.recipe, and {ROOT}.pytorch with its submodules {', '.join(subs)} and "
-            f"module.<file> for each module class ({', '.join(sorted(_MODULE_FILES))})")
+    return (f"{ROOT}.common.recipe, and {ROOT}.pytorch with its submodules {', '.join(subs)}, "
+            f"module.<file> for each module class ({', '.join(sorted(_MODULE_FILES))}), and ops.<file> and "
+            f"ops.basic.<file> for each fusible operation, as Transformer Engine's files hold them")
 
 
 def _not_provided_message(module_name: str, name: str) -> str:
@@ -337,6 +346,17 @@ def _optimizers_module(parent: types.ModuleType) -> None:
                _names(optimizers, ["MultiTensorApply", "multi_tensor_applier"]))
 
 
+def _ops_module(parent: types.ModuleType, fusible_ops) -> None:
+    """transformer_engine.pytorch.ops, with `ops.basic` and TE's files under both (te_ops_files)."""
+    ops = _submodule(parent, "ops", "Transformer Engine's fusible operations, none fused "
+                     "(te_core.modules.fusible_ops)", _names(fusible_ops, fusible_ops.__all__))
+    basic = _submodule(ops, "basic", "the basic operations", _names(
+        fusible_ops, [cls for classes in OPS_BASIC_FILES.values() for cls in classes]))
+    for package, files in ((ops, OPS_FILES), (basic, OPS_BASIC_FILES)):
+        for sub, classes in files.items():
+            _submodule(package, sub, ", ".join(classes), _names(fusible_ops, classes))
+
+
 def _pytorch_module() -> types.ModuleType:
     import te_core
     from te_core import cpu_offload, export, modules, permutation, quantization, router
@@ -344,6 +364,7 @@ def _pytorch_module() -> types.ModuleType:
     from te_core.modules import fusible_ops
     from te_core.modules.checkpoint import activation_recompute_forward, in_fp8_activation_recompute_phase
     from te_core.modules.checkpoint import is_fp8_activation_recompute_enabled
+    from te_core.quantization import factories
 
     from . import te_graph, te_helpers, te_inference
 
@@ -357,8 +378,10 @@ def _pytorch_module() -> types.ModuleType:
     module.fp8 = _fp8_module(f"{ROOT}.pytorch.fp8")
     module.quantization = _fp8_module(f"{ROOT}.pytorch.quantization")
     _optimizers_module(module)
-    _submodule(module, "ops", "Transformer Engine's fusible operations, none fused (te_core.modules.fusible_ops)",
-               _names(fusible_ops, fusible_ops.__all__))
+    _ops_module(module, fusible_ops)
+    recipes = _submodule(module, "custom_recipes", "CustomRecipe's quantizer factories", {})
+    _submodule(recipes, "quantizer_factories", "the built-in recipes' quantizer factories "
+               "(te_core.quantization.factories)", _names(factories, factories.__all__))
     _submodule(module, "distributed", "activation recompute, the RNG states tracker, collective helpers", dict(
         checkpoint=te_core.checkpoint, CudaRNGStatesTracker=te_core.CudaRNGStatesTracker,
         prepare_te_modules_for_fsdp=te_core.distributed.prepare_te_modules_for_fsdp,

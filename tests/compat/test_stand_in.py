@@ -301,6 +301,75 @@ def test_te_submodules_with_a_te_core_counterpart_are_aliases(stand_in):
         from transformer_engine.pytorch.quantized_tensor import prepare_for_saving  # noqa: F401
 
 
+def test_fusible_operations_import_from_transformer_engines_files(stand_in):
+    """TE's own tests import an operation from the file that defines it (`ops.basic.l2normalization`,
+    test_qk_norm.py); each such path is the class `transformer_engine.pytorch.ops` has, and
+    `ops.basic` holds every basic operation, as TE's does."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.pytorch.ops.basic import ScaledSReLU as via_basic
+    from transformer_engine.pytorch.ops.basic.activation import GELU, ScaledSReLU
+    from transformer_engine.pytorch.ops.basic.basic_linear import BasicLinear
+    from transformer_engine.pytorch.ops.basic.l2normalization import L2Normalization
+    from transformer_engine.pytorch.ops.basic.swiglu import ScaledClampedQGeGLU
+    from transformer_engine.pytorch.ops.linear import Linear
+    from transformer_engine.pytorch.ops.op import BasicOperation, FusedOperation, FusibleOperation
+    from transformer_engine.pytorch.ops.sequential import Sequential
+
+    from te_core.compat.te_ops_files import OPS_BASIC_FILES, OPS_FILES
+
+    assert (L2Normalization, BasicLinear, GELU, ScaledSReLU, ScaledClampedQGeGLU) == (
+        te.ops.L2Normalization, te.ops.BasicLinear, te.ops.GELU, te.ops.ScaledSReLU, te.ops.ScaledClampedQGeGLU)
+    assert (Linear, Sequential, BasicOperation, FusedOperation, FusibleOperation) == (
+        te.ops.Linear, te.ops.Sequential, te.ops.BasicOperation, te.ops.FusedOperation, te.ops.FusibleOperation)
+    assert via_basic is ScaledSReLU and te.ops.basic.L2Normalization is L2Normalization
+    for package, files in (("ops", OPS_FILES), ("ops.basic", OPS_BASIC_FILES)):
+        for sub, classes in files.items():
+            module = importlib.import_module(f"transformer_engine.pytorch.{package}.{sub}")
+            assert all(getattr(module, cls) is getattr(te.ops, cls) for cls in classes), (package, sub)
+    # TE's qk-norm use of the imported class: x / sqrt(sum(x^2) + eps) over the last dimension
+    x = torch.randn(4, 2, 3, 16, dtype=torch.float64).float()
+    y = Sequential(L2Normalization(eps=1e-6))(x)
+    x64 = x.double()
+    torch.testing.assert_close(y.double(), x64 / torch.sqrt((x64 * x64).sum(-1, keepdim=True) + 1e-6),
+                               rtol=1.3e-6, atol=1e-5)
+    # a file TE has but not te-core (a fused operation) still says so
+    with pytest.raises(ModuleNotFoundError, match="not its fused operations nor its fuser"):
+        importlib.import_module("transformer_engine.pytorch.ops.fused.forward_linear_bias_add")
+
+
+def test_transformer_engines_quantizer_factories_import_and_run(stand_in):
+    """TE's custom_recipes.quantizer_factories (its tests' import): te-core's factories, and a
+    CustomRecipe of one runs as the built-in recipe, bit for bit, as TE's test_factory_matches_*."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe
+    from transformer_engine.pytorch.custom_recipes import quantizer_factories
+    from transformer_engine.pytorch.custom_recipes.quantizer_factories import (
+        current_scaling_factory, delayed_scaling_factory, float8_block_scaling_factory, high_precision_factory,
+        mxfp8_factory, nvfp4_factory)
+
+    from te_core.quantization import factories
+
+    assert (current_scaling_factory, delayed_scaling_factory, float8_block_scaling_factory, high_precision_factory,
+            mxfp8_factory, nvfp4_factory) == (
+        factories.current_scaling_factory, factories.delayed_scaling_factory, factories.float8_block_scaling_factory,
+        factories.high_precision_factory, factories.mxfp8_factory, factories.nvfp4_factory)
+    assert quantizer_factories.mxfp8_factory is factories.mxfp8_factory
+    a = te.Linear(128, 128, params_dtype=torch.bfloat16, bias=False)
+    b = te.Linear(128, 128, params_dtype=torch.bfloat16, bias=False)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    results = []
+    for layer, used in ((a, recipe.Float8CurrentScaling()), (b, recipe.CustomRecipe(qfactory=current_scaling_factory))):
+        inp = x.clone().requires_grad_()
+        with te.autocast(recipe=used):
+            out = layer(inp)
+        out.float().sum().backward()
+        results.append((out, inp.grad, layer.weight.grad))
+    assert all(torch.equal(p, q) for p, q in zip(*results))
+    with pytest.raises(ModuleNotFoundError, match="te-core provides quantizer_factories"):
+        importlib.import_module("transformer_engine.pytorch.custom_recipes.quantizer_factory_zoo")
+
+
 def test_the_not_provided_finder_leaves_with_the_stand_in(stand_in):
     from te_core.compat.transformer_engine import _FINDER
 
