@@ -177,4 +177,7 @@ def relink(links: List[tuple]) -> None:
 
 # What torch.load(weights_only=True) may call, under the names a pickle gives them. Registered when
 # te-core is imported: a load must not need the user to allow-list te-core's own functions.
-torch.serialization.add_safe_globals([(rebuild_checked, f"{__name__}.rebuild")])
+try:
+    torch.serialization.add_safe_globals([(rebuild_checked, f"{__name__}.rebuild")])
+except TypeError:  # a torch whose allow-list takes no (function, name) pairs: such loads keep refusing loudly
+    pass
