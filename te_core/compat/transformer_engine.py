@@ -6,7 +6,8 @@ submodules integrations reach into (`transformer_engine.pytorch.fp8` / `.quantiz
 check_fp8_support, check_mxfp8_support, FP8GlobalStateManager; `.distributed.checkpoint`;
 `.module.base.TransformerEngineBaseModule`), TE's fusible-operation API without its fusions (`.ops`:
 Sequential, Linear, the basic operations and their base classes, also by TE's files, `.ops.basic.<file>`),
-the built-in recipes' quantizer factories (`.custom_recipes.quantizer_factories`), and the part of
+the built-in recipes' quantizer factories (`.custom_recipes.quantizer_factories`) and its mixed-precision
+ones (`.custom_recipes.quantizer_factory_zoo`), and the part of
 `.attention.inference` the tutorials import.
 Nothing is installed on disk: the modules live in sys.modules of this process only. A real
 Transformer Engine found on the path is never shadowed unless asked for (replace=True).
@@ -94,8 +95,9 @@ _NEAREST = {
     # (a key ending in ".*": every name under that module)
     "ops.*": _OPS_HINT, "ops.basic.*": _OPS_HINT,
     "custom_recipes.*": "of Transformer Engine's custom_recipes, te-core provides quantizer_factories (the built-in "
-                        "recipes' factories, te_core.quantization.factories), not its NVFP4 factory zoo, reference "
-                        "quantizers or reference GEMMs",
+                        "recipes' factories, te_core.quantization.factories) and quantizer_factory_zoo (the "
+                        "mixed-precision ones, te_core.quantization.factory_zoo; its NVFP4 choices raise), not its "
+                        "reference quantizers or reference GEMMs",
     "attention.inference.*": "te-core's InferenceParams holds, and with is_paged=True pages, the KV caches itself, "
                              "without cache manager objects",
     "initialize_ub": USERBUFFERS_HINT, "UserBufferQuantizationMode": USERBUFFERS_HINT,
@@ -364,7 +366,7 @@ def _pytorch_module() -> types.ModuleType:
     from te_core.modules import fusible_ops
     from te_core.modules.checkpoint import activation_recompute_forward, in_fp8_activation_recompute_phase
     from te_core.modules.checkpoint import is_fp8_activation_recompute_enabled
-    from te_core.quantization import factories
+    from te_core.quantization import factories, factory_zoo
 
     from . import te_graph, te_helpers, te_inference
 
@@ -382,6 +384,8 @@ def _pytorch_module() -> types.ModuleType:
     recipes = _submodule(module, "custom_recipes", "CustomRecipe's quantizer factories", {})
     _submodule(recipes, "quantizer_factories", "the built-in recipes' quantizer factories "
                "(te_core.quantization.factories)", _names(factories, factories.__all__))
+    _submodule(recipes, "quantizer_factory_zoo", "mixed-precision quantizer factories; the NVFP4 ones raise "
+               "(te_core.quantization.factory_zoo)", _names(factory_zoo, factory_zoo.__all__))
     _submodule(module, "distributed", "activation recompute, the RNG states tracker, collective helpers", dict(
         checkpoint=te_core.checkpoint, CudaRNGStatesTracker=te_core.CudaRNGStatesTracker,
         prepare_te_modules_for_fsdp=te_core.distributed.prepare_te_modules_for_fsdp,

@@ -366,8 +366,23 @@ def test_transformer_engines_quantizer_factories_import_and_run(stand_in):
         out.float().sum().backward()
         results.append((out, inp.grad, layer.weight.grad))
     assert all(torch.equal(p, q) for p, q in zip(*results))
-    with pytest.raises(ModuleNotFoundError, match="te-core provides quantizer_factories"):
-        importlib.import_module("transformer_engine.pytorch.custom_recipes.quantizer_factory_zoo")
+    with pytest.raises(ModuleNotFoundError, match="te-core provides quantizer_factories .* and quantizer_factory_zoo"):
+        importlib.import_module("transformer_engine.pytorch.custom_recipes.reference_nvfp4")
+
+
+def test_transformer_engines_quantizer_factory_zoo_imports_te_cores(stand_in):
+    """TE's custom_recipes.quantizer_factory_zoo (imported by its test_hybrid_quantization.py and
+    test_identity_quantizer.py): every name TE's module defines, te-core's functions."""
+    from transformer_engine.pytorch.custom_recipes import quantizer_factory_zoo
+    from transformer_engine.pytorch.custom_recipes.quantizer_factory_zoo import (  # noqa: F401
+        high_precision_fwd_mxfp8_bwd_factory, mxfp8_fwd_high_precision_bwd_factory, mxfp8_fwd_nvfp4_bwd_factory,
+        nvfp4_1d_weight_factory, nvfp4_linear_fp8_dpa_factory, nvfp4_row_scaled_fwd_high_precision_bwd_factory,
+        nvfp4_row_scaled_fwd_mxfp8_bwd_factory)
+
+    from te_core.quantization import factory_zoo
+
+    assert all(getattr(quantizer_factory_zoo, name) is getattr(factory_zoo, name) for name in factory_zoo.__all__)
+    assert len(factory_zoo.__all__) == 7
 
 
 def test_the_not_provided_finder_leaves_with_the_stand_in(stand_in):
