@@ -15,6 +15,7 @@ from ..distributed import tensor_parallel
 from ..quantization import gemm_slots
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, wgrad_operand
 from ._base import QuantizedModule
+from ._quantizer_roles import GemmQuantizerRoles
 from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
 from ._wgrad import OVERWRITE, check_original_input, main_grad_mode, original_input_operand, weight_grad
@@ -223,7 +224,7 @@ def _single_param_flags(weight: bool, bias: bool, name: str) -> Tuple[bool, bool
     return False, False
 
 
-class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, QuantizedModule):
+class GroupedLinear(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, GemmQuantizerRoles, QuantizedModule):
     """Rows m_splits[0], m_splits[1], ... of the input go through weight0, weight1, ...;
     parameters weight{i} (out_features, in_features) and bias{i}, as in Transformer Engine.
     save_original_input=True: as te.Linear's (the backward casts the kept input rows).

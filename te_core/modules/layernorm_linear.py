@@ -18,6 +18,7 @@ from ..distributed.norm_gather import shard_grad
 from ..quantization import gemm_slots
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, wgrad_operand
 from ._base import QuantizedModule
+from ._quantizer_roles import GemmQuantizerRoles
 from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
 from ._param_split import ParameterSplitMixin
@@ -244,7 +245,8 @@ class _LayerNormLinearFunction(torch.autograd.Function):
                 dw if ctx.proxied else None, None)
 
 
-class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParallelMixin, QuantizedModule):
+class LayerNormLinear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParallelMixin, GemmQuantizerRoles,
+                      QuantizedModule):
     """y = norm(x) @ weight.T + bias. Parameters layer_norm_weight, layer_norm_bias (LayerNorm
     only), weight (out_features, in_features), bias.
 

@@ -21,6 +21,7 @@ from ..quantization.gemm import dgrad_gemm, fprop_gemm, wgrad_operand
 from . import _saved
 from ._activation import activation_op, split_activation
 from ._base import QuantizedModule
+from ._quantizer_roles import GemmQuantizerRoles
 from .checkpoint import checkpoint as recompute
 from ._delayed_wgrad import DelayedWgradMixin, new_batch, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
@@ -189,7 +190,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
                 d_fc1_w if ctx.proxied[0] else None, d_fc2_w if ctx.proxied[1] else None, None)
 
 
-class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, QuantizedModule):
+class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, GemmQuantizerRoles, QuantizedModule):
     """y = fc2(act(fc1(norm(x)))). Parameters layer_norm_weight, layer_norm_bias (LayerNorm
     only), fc1_weight (ffn_hidden_size, or 2 * ffn_hidden_size for gated activations, x
     hidden_size), fc1_bias, fc2_weight (hidden_size x ffn_hidden_size), fc2_bias.
@@ -199,6 +200,7 @@ class LayerNormMLP(DelayedWgradMixin, tensor_parallel.TensorParallelMixin, Quant
     gated activation, its block of each half of fc1), and fc2_bias whole, added after the sum."""
 
     _routes_fp8_weight_grads = True
+    _chained_gemms = True  # fc1 feeds fc2 (get_quantizer_roles)
 
     @te_order("hidden_size", "ffn_hidden_size", "eps", "sequence_parallel", "return_bias", "get_rng_state_tracker",
               "tp_group", "tp_size", "init_method", "bias", "normalization", "activation", "activation_params",

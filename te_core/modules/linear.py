@@ -16,6 +16,7 @@ from ..distributed import tensor_parallel
 from ..quantization.gemm import dgrad_gemm, fprop_gemm, wgrad_operand
 from ..quantization.roles import gemm_slots
 from ._base import QuantizedModule
+from ._quantizer_roles import GemmQuantizerRoles
 from ._delayed_wgrad import DelayedWgradMixin, WeightGradStore, new_batch, weight_grad_or_defer
 from ._grad_proxy import grad_proxies
 from ._param_split import ParameterSplitMixin
@@ -137,7 +138,8 @@ def _split_output(y: Tensor, inp: Tensor, split_sizes) -> tuple:
     return tuple(_output(part, inp) for part in y.split(split_sizes, dim=-1))
 
 
-class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParallelMixin, QuantizedModule):
+class Linear(ParameterSplitMixin, DelayedWgradMixin, tensor_parallel.TensorParallelMixin, GemmQuantizerRoles,
+             QuantizedModule):
     """Applies y = x @ weight.T + bias. Runs in FP8 per the recipe under te_core.autocast,
     in high precision (ops.gemm) otherwise.
 

@@ -72,13 +72,15 @@ def role_of_slot(slot: QuantizerSlot) -> QuantizerRole:
     their slots <prefix><role> (quantization.roles.gemm_slots): GroupedLinear's prefixes are
     gemm<i>_, LayerNormMLP's fc1_ / fc2_ (TE's names of those GEMMs), a one-GEMM module has none.
     The role's name is TE's: the module's name= (the slot's owner), "<owner>.fc1" for a GEMM of
-    LayerNormMLP (just "fc1" for an unnamed one)."""
+    LayerNormMLP (just "fc1" for an unnamed one). A slot's own module_type overrides the prefix's
+    (TE's grouped linear operation asks with "linear", its module with "grouped_linear")."""
     prefix = slot.name[: len(slot.name) - len(slot.role.value)] if slot.name.endswith(slot.role.value) else ""
     owner = slot.owner
     if prefix.startswith("gemm"):
-        return QuantizerRole("grouped_linear", slot.role.value, owner)
+        return QuantizerRole(slot.module_type or "grouped_linear", slot.role.value, owner)
     gemm = prefix.rstrip("_")
-    return QuantizerRole("linear", slot.role.value, f"{owner}.{gemm}" if owner and gemm else owner or gemm)
+    return QuantizerRole(slot.module_type or "linear", slot.role.value,
+                         f"{owner}.{gemm}" if owner and gemm else owner or gemm)
 
 
 def _accepted() -> str:

@@ -23,11 +23,14 @@ class Role(enum.Enum):
 class QuantizerSlot(NamedTuple):
     """One tensor a module quantizes: `name` keys its state (quantization_state, checkpoints);
     `owner` is the module's own name= (Transformer Engine's instance name), which a CustomRecipe
-    factory reads as QuantizerRole.name to treat one layer apart from the others."""
+    factory reads as QuantizerRole.name to treat one layer apart from the others; `module_type`:
+    the QuantizerRole.module_type it is asked with where the slot name does not say it (see
+    quantization.custom.role_of_slot)."""
 
     name: str
     role: Role
     owner: str = ""
+    module_type: str = ""
 
 
 def gemm_slots(prefix: str = "") -> Tuple[QuantizerSlot, QuantizerSlot, QuantizerSlot]:

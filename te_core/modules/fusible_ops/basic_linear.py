@@ -15,6 +15,7 @@ from torch import Tensor
 from ...quantization.tensor import QuantizedTensor
 from .._common import check_bool, check_input
 from ..linear import Linear
+from .._quantizer_roles import op_quantizer_roles
 from ._op import TORCH_LINEAR_INIT, FusibleOperation, check_dtype, check_extra_inputs
 from ._parallel import resolve_tensor_parallel_group
 
@@ -56,6 +57,11 @@ class BasicLinear(FusibleOperation, Linear):
                          get_rng_state_tracker=rng_state_tracker_function,
                          fuse_wgrad_accumulation=accumulate_into_main_grad)
         self.tensor_parallel_mode, self.tensor_parallel_group, self.tensor_parallel_size = mode, group, size
+
+    def get_quantizer_roles(self, mode: str):
+        """TE's operation form (not the module's fwd= / num_quantizers=): the roles of the quantizers
+        this operation owns, forward [input, weight] and backward [grad_output] per GEMM."""
+        return op_quantizer_roles(self, mode)
 
     @property
     def local_in_features(self) -> int:

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .._common import check_bools, check_input
 from ..grouped_linear import GroupedLinear as GroupedLinearModule
+from .._quantizer_roles import op_quantizer_roles
 from ._op import TORCH_LINEAR_INIT, FusibleOperation, check_dtype, check_extra_inputs
 
 _NAME = "ops.GroupedLinear"
@@ -100,6 +101,15 @@ class GroupedLinear(FusibleOperation, GroupedLinearModule):
         params = dict(self._parameters)
         self._parameters.clear()
         self._parameters.update((k, params[k]) for k in order + [k for k in params if k not in order])
+
+    def _owned_slots(self) -> tuple:
+        # TE's operation asks a CustomRecipe factory with module_type "linear" (its module: "grouped_linear")
+        return tuple(slot._replace(module_type="linear") for slot in super()._owned_slots())
+
+    def get_quantizer_roles(self, mode: str):
+        """TE's operation form (not the module's fwd= / num_quantizers=): the roles of the quantizers
+        this operation owns, forward [input, weight] and backward [grad_output] per GEMM."""
+        return op_quantizer_roles(self, mode)
 
     @property
     def has_bias(self) -> bool:
