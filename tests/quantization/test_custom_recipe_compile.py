@@ -13,32 +13,13 @@ import pytest
 import torch
 
 import te_core as te
-from te_core.dtype import DType
 from te_core.recipe import CustomRecipe
 
 from .conftest import randn
+from .test_identity_quantizer import fp8, identity
+from .test_identity_quantizer import fp8_forward_identity_backward as hybrid
 
 IN, OUT, TOKENS = 128, 128, 32
-
-
-def fp8(role):
-    """Current scaling: E5M2 for gradients, E4M3 for the rest (TE's test factory)."""
-    grad = role.tensor_type == "grad_output"
-    return te.Float8CurrentScalingQuantizer(DType.kFloat8E5M2 if grad else DType.kFloat8E4M3, device="cpu")
-
-
-def identity(role):
-    return te.IdentityQuantizer()
-
-
-def hybrid(source):
-    """FP8 forward, high-precision backward, per direction of each GEMM operand."""
-    def factory(role):
-        if role.tensor_type == "grad_output":
-            return te.IdentityQuantizer()
-        return te.HybridQuantizer(rowwise_quantizer=fp8(role), columnwise_quantizer=te.IdentityQuantizer(),
-                                  columnwise_source=source)
-    return factory
 
 
 FACTORIES = {"current": fp8, "identity": identity, "hybrid-original": hybrid("original"),
