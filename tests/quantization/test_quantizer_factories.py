@@ -19,6 +19,7 @@ from te_core.quantization.factories import (
 from te_core.recipe import CustomRecipe, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
 from .conftest import randn
+from .test_custom_recipe import assert_bitwise, twins
 
 GEMM_ROLES = ("input", "weight", "grad_output")
 
@@ -30,19 +31,6 @@ def run(module, x, dy, recipe):
         y = module(x)
     y.backward(dy)
     return y, x.grad, [p.grad for p in module.parameters()]
-
-
-def twins(cls, *args):
-    a = cls(*args, params_dtype=torch.float32)
-    b = cls(*args, params_dtype=torch.float32)
-    b.load_state_dict(a.state_dict())
-    return a, b
-
-
-def assert_bitwise(ref, got):
-    (y0, dx0, dw0), (y1, dx1, dw1) = ref, got
-    assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
-    assert len(dw0) == len(dw1) and all(torch.equal(a, b) for a, b in zip(dw0, dw1))
 
 
 BUILT_IN = [(current_scaling_factory, Float8CurrentScaling()), (mxfp8_factory, MXFP8BlockScaling()),
