@@ -19,6 +19,15 @@ or doubly given arguments raises Python's TypeError, naming the kernel, before a
 Settings Triton reads when it compiles (TRITON_DEBUG and the like) apply as they were at a
 specialization's first launch: change them before the first step, or set
 TE_TRITON_FAST_LAUNCH=0, which turns the shortcut off (switched_on).
+
+Where te_triton's C extension was built (te_triton/_fastlaunch.c, optional: any C compiler), a
+repeated launch does not reach Python's key at all: the extension builds the same key, looks up
+the plan registered after the specialization's first launch (the compiled function, its block
+and shared memory, how each parameter is passed) and calls the driver's cuLaunchKernel itself,
+as Triton's launcher would with no hooks set. That is where a host-bound step spends its time:
+the key's Python and Triton's launch wrapper cost several times the driver call. Kernels the
+plan cannot describe (tensor descriptors, clusters of CTAs, scratch memory), launches with hooks
+and callable grids stay in Python; TE_TRITON_C_LAUNCH=0 keeps every launch there.
 """
 from __future__ import annotations
 
@@ -40,16 +49,18 @@ _Tensor = torch.Tensor
 _LAUNCH_CALL = "kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata,"
 
 
-def switched_on(value: Optional[str]) -> bool:
-    """TE_TRITON_FAST_LAUNCH's value: unset or empty, 1, true, yes, on (any case) turn the
-    cache on; 0, false, no, off turn it off; anything else is an error naming the variable."""
+def switched_on(value: Optional[str], variable: str = "TE_TRITON_FAST_LAUNCH") -> bool:
+    """A switch's value: unset or empty, 1, true, yes, on (any case) turn it on; 0, false, no, off
+    turn it off; anything else is an error naming the variable."""
     word = (value or "1").strip().lower()
     if word in ("1", "true", "yes", "on"):
         return True
     if word in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"TE_TRITON_FAST_LAUNCH={value!r} is not understood: set it to 1 (the default: launches "
-                     "reuse compiled kernels directly) or 0 (every launch goes through Triton's own path)")
+    what = ("launches reuse compiled kernels directly) or 0 (every launch goes through Triton's own path)"
+            if variable == "TE_TRITON_FAST_LAUNCH" else
+            "repeated launches go through te_triton's C extension) or 0 (they stay in Python)")
+    raise ValueError(f"{variable}={value!r} is not understood: set it to 1 (the default: {what}")
 
 
 def _supported() -> bool:
@@ -71,6 +82,88 @@ def _supported() -> bool:
 
 
 ENABLED = _supported()
+
+# Triton's CUDA launcher passes a compiled kernel's parameters, constexprs left out, then one null
+# pointer per scratch buffer the compiler may ask for: the layout the C launch repeats. Read from
+# Triton's source, as _LAUNCH_CALL is, so that a Triton whose launcher differs keeps Python's path.
+_SCRATCH_PARAMS = ('params.append("&global_scratch")', 'params.append("&profile_scratch")')
+# How a scalar parameter of each Triton type is passed (a byte of te_triton._fastlaunch's plan).
+_SCALAR_KINDS = {"i1": "b", "i8": "b", "u1": "B", "u8": "B", "i16": "h", "u16": "H", "i32": "i", "u32": "I",
+                 "i64": "q", "u64": "Q", "fp32": "f", "f32": "f", "fp64": "d"}
+
+
+def _c_launcher():
+    """te_triton._fastlaunch, bound to this torch, where it was built and Triton launches the way it
+    repeats (TE_TRITON_C_LAUNCH=0 keeps launches in Python); else None."""
+    if not ENABLED or not switched_on(os.environ.get("TE_TRITON_C_LAUNCH"), "TE_TRITON_C_LAUNCH"):
+        return None
+    try:
+        from triton.backends.nvidia import driver as nvidia_driver
+
+        from . import _fastlaunch
+        source = inspect.getsource(nvidia_driver.make_launcher)
+    except (ImportError, OSError, TypeError, AttributeError):
+        return None
+    if not all(s in source for s in _SCRATCH_PARAMS) or "config.gridDimX = gridX * num_ctas" not in source:
+        return None
+    _fastlaunch.bind(_Tensor, float)
+    return _fastlaunch
+
+
+C_LAUNCH = _c_launcher()
+_C_STATE = [None if C_LAUNCH is None else C_LAUNCH.launch]  # what every generated launch reads
+
+
+def use_c_launch(on: bool) -> bool:
+    """Turn the C launch on or off for every kernel from the next launch on (on: only where it
+    is available, C_LAUNCH); returns whether it was on. For comparing the two in one process;
+    TE_TRITON_C_LAUNCH=0 keeps it off from the start."""
+    previous = _C_STATE[0] is not None
+    _C_STATE[0] = C_LAUNCH.launch if on and C_LAUNCH is not None else None
+    return previous
+
+
+def make_plan(compiled, args: tuple):
+    """The C launch's plan for `compiled` (a kernel Triton compiled for the call `args`, every
+    parameter in order), or None where the C launch cannot repeat Triton's: several CTAs per
+    program, a cooperative or programmatic-dependent launch, scratch memory, a parameter type it
+    does not pass (a tensor descriptor, a half-precision scalar), a pointer given as other than a
+    tensor."""
+    metadata = compiled.metadata
+    if (getattr(metadata, "num_ctas", 1) != 1 or getattr(metadata, "launch_cooperative_grid", False)
+            or getattr(metadata, "launch_pdl", False) or getattr(metadata, "global_scratch_size", 0)
+            or getattr(metadata, "profile_scratch_size", 0)):
+        return None
+    signature = getattr(getattr(compiled, "src", None), "signature", None)
+    function = getattr(compiled, "function", None)
+    if not isinstance(signature, dict) or len(signature) != len(args) or not isinstance(function, int):
+        return None
+    kinds = []
+    for kind, arg in zip(signature.values(), args):
+        if kind == "constexpr":
+            kinds.append("-")
+        elif isinstance(kind, str) and kind.startswith("*") and isinstance(arg, _Tensor):
+            kinds.append("p")
+        elif kind in _SCALAR_KINDS:
+            kinds.append(_SCALAR_KINDS[kind])
+        else:
+            return None
+    return C_LAUNCH.make_plan(function, metadata.num_warps, metadata.shared, "".join(kinds).encode(),
+                              len(_SCRATCH_PARAMS))
+
+
+def register_plan(plans: dict, mask: bytes, device, options: tuple, args: tuple, compiled) -> None:
+    """After Triton's own first launch of a specialization: its plan under the C launch's key for
+    the call, so that the next call with that key launches from C."""
+    key = C_LAUNCH.key(mask, device, options, args)
+    if key is None:
+        return
+    plan = make_plan(compiled, args)
+    if plan is not None:
+        try:
+            plans[key] = (plan, compiled)
+        except TypeError:  # an unhashable constexpr: never cached (as on Python's path)
+            pass
 
 
 class _NoRule(Exception):
@@ -97,6 +190,14 @@ def _spec(value):
 _TEMPLATE = """
 def {name}(_te_grid, _te_device_of, _te_stream_of, {signature}, **_te_options):
     _te_device = _te_device_of()
+    _te_c_launch = _te_c[0]
+    if _te_c_launch is not None and _te_grid.__class__ is tuple:  # the registered plan, launched in C
+        _te_hooks = _te_knobs.runtime
+        if _te_active(_te_hooks.launch_enter_hook) is None and _te_active(_te_hooks.launch_exit_hook) is None:
+            _te_done = _te_c_launch(_te_plans, _te_mask, _te_device, tuple(_te_options.items()) if _te_options else (),
+                                    _te_grid, _te_stream_of(_te_device), ({values},))
+            if _te_done is not None:
+                return _te_done
     try:
         _te_key = (_te_device, {key}, tuple(_te_options.items()) if _te_options else ())
         _te_compiled = _te_cache.get(_te_key)
@@ -106,6 +207,9 @@ def {name}(_te_grid, _te_device_of, _te_stream_of, {signature}, **_te_options):
         _te_compiled = _te_kernel[_te_grid]({values}, **_te_options)
         if hasattr(_te_compiled, "packed_metadata"):
             _te_cache[_te_key] = _te_compiled
+            if _te_c[0] is not None:
+                _te_register(_te_plans, _te_mask, _te_device, tuple(_te_options.items()) if _te_options else (),
+                             ({values},), _te_compiled)
         return _te_compiled
     _te_stream = _te_stream_of(_te_device)
     if _te_grid.__class__ is not tuple and callable(_te_grid):
@@ -139,7 +243,9 @@ def _generate(kernel, names, constexpr, defaults, cache):
     if any(name.startswith("_te_") for name in names):
         return None
     env = {"_te_kernel": kernel, "_te_cache": cache, "_te_NoRule": _NoRule, "_te_spec": _spec,
-           "_te_Tensor": _Tensor, "_te_knobs": _knobs, "_te_active": _active}
+           "_te_Tensor": _Tensor, "_te_knobs": _knobs, "_te_active": _active,
+           "_te_c": _C_STATE, "_te_register": register_plan,
+           "_te_plans": {}, "_te_mask": b"".join(b"c" if c else b"." for c in constexpr)}
     signature = []
     for name in names:
         if name in defaults:
