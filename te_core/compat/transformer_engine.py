@@ -91,7 +91,7 @@ _NEAREST = {
     "tensor.nvfp4_tensor": _NVFP4_HINT,
     "QuantizedTensorStorage": _TENSORS_HINT, "Float8TensorStorage": _TENSORS_HINT,
     "MXFP8TensorStorage": _TENSORS_HINT, "Float8BlockwiseQTensorStorage": _TENSORS_HINT,
-    "tensor.storage": _TENSORS_HINT, "prepare_for_saving": _TENSORS_HINT, "restore_from_saved": _TENSORS_HINT,
+    "tensor.storage": _TENSORS_HINT,
     # (a key ending in ".*": every name under that module)
     "ops.*": _OPS_HINT, "ops.basic.*": _OPS_HINT,
     "custom_recipes.*": "of Transformer Engine's custom_recipes, te-core provides quantizer_factories (the built-in "
@@ -362,6 +362,7 @@ def _ops_module(parent: types.ModuleType, fusible_ops) -> None:
 def _pytorch_module() -> types.ModuleType:
     import te_core
     from te_core import cpu_offload, export, modules, permutation, quantization, router
+    from te_core.quantization import te_storage_names
     from te_core.distributed import master_weights, random, te_functions
     from te_core.modules import fusible_ops
     from te_core.modules.checkpoint import activation_recompute_forward, in_fp8_activation_recompute_phase
@@ -446,8 +447,10 @@ def _pytorch_module() -> types.ModuleType:
         _submodule(module_pkg, sub, cls, {cls: getattr(modules, cls)})
     _submodule(module, "transformer", "TransformerLayer", dict(TransformerLayer=te_core.TransformerLayer))
     # TE's base classes of quantized tensors and quantizers (its other names there are not provided)
-    _submodule(module, "quantized_tensor", "QuantizedTensor and Quantizer", dict(
-        QuantizedTensor=quantization.QuantizedTensor, Quantizer=quantization.Quantizer))
+    _submodule(module, "quantized_tensor", "QuantizedTensor, Quantizer and the save protocol", dict(
+        QuantizedTensor=quantization.QuantizedTensor, Quantizer=quantization.Quantizer,
+        prepare_for_saving=te_storage_names.prepare_for_saving, restore_from_saved=te_storage_names.restore_from_saved,
+        restore_from_func_ctx=te_storage_names.restore_from_func_ctx))
     # TE's deprecated path to Float8Tensor (TE warns on import; the stand-in does not)
     _submodule(module, "float8_tensor", "Float8Tensor", dict(Float8Tensor=quantization.Float8Tensor))
     return module

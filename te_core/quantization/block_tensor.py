@@ -15,19 +15,38 @@ from .. import ops
 from .block_views import BLOCK_VIEW_OPS
 from .dequantized_view import dequantized_select, dequantized_slice
 from .mxfp8_views import MXFP8_SPLIT_OPS
-from .te_storage_names import TEStorageNames
+from .te_storage_names import TEStorageMethods, TEStorageNames
 from .tensor import (BLOCK_1x128, BLOCK_128x128, MX_1x32, GemmOperand, QuantizedOperand, QuantizedTensor,
                      gather_rows)
 
 
-class _TwoLayout(TEStorageNames):
+class _TwoLayout(TEStorageNames, TEStorageMethods):
     """2-D data (M, K) with scale_inv, and optionally the column-wise pair (K, M); TE's names
-    (`_rowwise_data`, `_columnwise_scale_inv`, ...) alias them (te_storage_names)."""
+    (`_rowwise_data`, `_columnwise_scale_inv`, ...) alias them, and TE's storage methods work
+    on them (te_storage_names)."""
 
     _data: Tensor
     _scale_inv: Tensor
     _data_t: Optional[Tensor]
     _scale_inv_t: Optional[Tensor]
+    _TE_LAYOUT = ("_data", "_data_t")
+    _TE_SAVED = ("_data", "_data_t", "_scale_inv", "_scale_inv_t")  # TE's order
+
+    def _te_make(self, rowwise: bool) -> None:
+        if rowwise:
+            raise ValueError(f"update_usage: this {type(self).__name__} holds only its column-wise copy, and "
+                             f"{self._layout_name()} scales run along one direction, so the row-wise data cannot be "
+                             "made from it; quantize again with rowwise=True")
+        self.columnwise()  # (raises the clear error where the layout cannot be made)
+
+    def _te_drop(self, rowwise: bool) -> None:
+        if rowwise:
+            self._data = self._scale_inv = None
+        else:
+            self._data_t = self._scale_inv_t = None
+
+    def _layout_name(self) -> str:
+        return "MXFP8"
 
     @classmethod
     def make(cls, data, scale_inv, data_t, scale_inv_t, *, nominal_dtype, quantizer=None, **extra):
@@ -116,6 +135,16 @@ class _BlockwiseLayout(_TwoLayout):
 
     def _operand_kind(self, columnwise: bool) -> str:
         return BLOCK_128x128 if self._block_2d else BLOCK_1x128
+
+    def _layout_name(self) -> str:
+        return "128x128" if self._block_2d else "1x128"
+
+    def _te_make(self, rowwise: bool) -> None:
+        if rowwise and self._block_2d and self._data_t is not None:
+            # a 128x128 tile of x is the transpose of a tile of x.T, with its scale: exact
+            self._data, self._scale_inv = self._data_t.t().contiguous(), self._scale_inv_t.t().contiguous()
+            return
+        super()._te_make(rowwise)
 
     def columnwise(self) -> GemmOperand:
         if self._data_t is None and self._block_2d and self._data is not None:

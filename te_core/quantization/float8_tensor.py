@@ -11,18 +11,24 @@ from .. import ops
 from ..dtype import DType
 from .float8_views import FLOAT8_VIEW_OPS
 from .lent_scales import is_lent
+from .te_storage_names import TEStorageMethods, _alias
 from .tensor import TENSOR, GemmOperand, QuantizedOperand, QuantizedTensor, gather_rows
 
 
-class _Float8Layout:
+class _Float8Layout(TEStorageMethods):
     """x ~= _data * _scale_inv. `_data` has x's shape (FP8); `_transpose` is the column-wise
     copy (K, M) of a 2-D tensor, kept only when a backward GEMM needs it; `_scale_inv` is a
     1-element float32 snapshot taken at quantization (later scale updates don't change it),
-    which a delayed-scaling quantizer lends to every cast of its step (lent_scales)."""
+    which a delayed-scaling quantizer lends to every cast of its step (lent_scales). TE's
+    storage methods and its byte-level name `_rowwise_data` work on it (te_storage_names)."""
 
     _data: Tensor
     _scale_inv: Tensor
     _transpose: Optional[Tensor]
+    _TE_LAYOUT = ("_data", "_transpose")
+    _TE_SAVED = ("_data", "_transpose", "_scale_inv")  # TE's order
+    # `_data` as uint8 bytes, for code that moves raw bytes (Megatron's FSDP prefers this name)
+    _rowwise_data = _alias("_rowwise_data")
 
     @classmethod
     def make(cls, data: Tensor, scale_inv: Tensor, transpose: Optional[Tensor], *, nominal_dtype: torch.dtype,
@@ -65,6 +71,24 @@ class _Float8Layout:
     def _transpose_invalid(self, invalid: bool) -> None:
         # TE code sets it after writing _data in place: the copy held no longer matches it
         if invalid and self._data is not None:
+            self._transpose = None
+
+    def _create_transpose(self) -> None:
+        """TE's: make the column-wise copy again from the row-wise data (nothing without it)."""
+        if self._data is not None:
+            self._transpose = None
+            self.columnwise()
+
+    def _te_make(self, rowwise: bool) -> None:
+        if rowwise:  # one scale for both layouts: the transpose of the transpose is exact
+            self._data = self.rowwise().data.reshape(self.shape)
+        else:
+            self.columnwise()
+
+    def _te_drop(self, rowwise: bool) -> None:
+        if rowwise:
+            self._data = None
+        else:
             self._transpose = None
 
     def _row_bytes(self) -> Tensor:

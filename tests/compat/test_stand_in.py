@@ -297,8 +297,14 @@ def test_te_submodules_with_a_te_core_counterpart_are_aliases(stand_in):
                                                               te_core.GroupedLinear, te_core.RMSNorm)
     assert TransformerLayer is te_core.TransformerLayer and Float8Tensor is te_core.Float8Tensor
     assert QuantizedTensor is te_core.QuantizedTensor and Quantizer is own_quantizer
-    with pytest.raises(ImportError, match="'transformer_engine.pytorch.quantized_tensor.prepare_for_saving'"):
-        from transformer_engine.pytorch.quantized_tensor import prepare_for_saving  # noqa: F401
+    from transformer_engine.pytorch.quantized_tensor import prepare_for_saving, restore_from_func_ctx, restore_from_saved
+
+    from te_core.quantization import te_storage_names as protocol
+
+    assert (prepare_for_saving, restore_from_saved, restore_from_func_ctx) == (
+        protocol.prepare_for_saving, protocol.restore_from_saved, protocol.restore_from_func_ctx)
+    with pytest.raises(ImportError, match="'transformer_engine.pytorch.quantized_tensor.Float8TensorStorage'"):
+        from transformer_engine.pytorch.quantized_tensor import Float8TensorStorage  # noqa: F401
 
 
 def test_fusible_operations_import_from_transformer_engines_files(stand_in):

@@ -1,9 +1,10 @@
 """TE's storage attribute names, as integrations swapping a parameter's raw storage read them.
 
 Megatron's FSDP gets a quantized parameter's bytes through `_rowwise_data` when the tensor has
-that attribute and `_data` otherwise (`_columnwise_data` for the column-wise copy), copies them
-into a slice of its buffer, and sets that slice back under the same name. A te-core tensor must
-answer both steps with its own storage, and its GEMMs must then read the new bytes.
+that attribute and `_data` otherwise (`_columnwise_data` for the column-wise copy), checks that
+they are a tensor of their own (`_base is None`), copies them into a slice of its uint8 buffer,
+checks that the dtypes agree and sets that slice back under the same name. A te-core tensor must
+answer each step with its own storage, and its GEMMs must then read the new bytes.
 """
 from __future__ import annotations
 
@@ -41,13 +42,18 @@ def set_raw_data(t, data, transpose: bool = False) -> None:
 
 
 def _swap_into_buffer(t, transpose: bool = False):
-    """Megatron's step: the bytes copied into a buffer slice, which then replaces the storage."""
+    """Megatron's step: the bytes copied into a slice of a uint8 buffer, which then replaces the storage."""
     held = get_raw_data(t, transpose)
+    assert held._base is None
     buffer = torch.zeros(held.numel() + 64, dtype=torch.uint8)[32:32 + held.numel()]
-    slot = buffer.view(held.dtype).view(held.shape)
-    slot.copy_(held)
+    slot = buffer.view(held.shape)
+    slot.detach().copy_(held)
     set_raw_data(t, slot, transpose)
     return slot
+
+
+def _shares(a, b) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
 # --- float64 dequantization of each layout, from its bytes and scales
@@ -73,14 +79,15 @@ def _state(kind):
 
 
 @pytest.mark.parametrize("kind", list(PER_TENSOR))
-def test_float8_tensor_has_te_attribute_set(gen, kind):
-    """TE's Float8Tensor has `_data` and no `_rowwise_data`: the helpers must pick `_data`."""
+def test_float8_tensor_answers_its_bytes_as_uint8(gen, kind):
+    """TE's Float8Tensor keeps uint8 bytes under `_data`; te-core's `_data` is float8, so the
+    helpers must find `_rowwise_data`, the same bytes as uint8, a tensor of its own."""
     w = _state(kind).quantizer("weight").quantize(randn(gen, 32, 64), columnwise=True)
-    assert not hasattr(w, "_rowwise_data")
     assert w._transpose is not None and not w._transpose_invalid
     raw = get_raw_data(w)
-    assert isinstance(raw, torch.Tensor) and raw is w._data
-    assert torch.equal(raw.view(torch.uint8), w.rowwise().data.view(torch.uint8))
+    assert raw.dtype == torch.uint8 and raw._base is None and _shares(raw, w._data)
+    assert w._data.dtype == torch.float8_e4m3fn
+    assert torch.equal(raw, w.rowwise().data.view(torch.uint8))
 
 
 @pytest.mark.parametrize("kind", list(PER_TENSOR))
@@ -89,13 +96,13 @@ def test_float8_raw_data_swap_is_what_gemms_read(gen, kind):
     w = state.quantizer("weight").quantize(randn(gen, 32, 64), columnwise=True)
     old = w.dequantize().double()
     slot = _swap_into_buffer(w)
-    assert w._data is slot
+    assert _shares(w._data, slot) and w._data.dtype == torch.float8_e4m3fn
     torch.testing.assert_close(w.dequantize().double(), old, rtol=0, atol=0)  # the same bytes, now the buffer's
 
     # new bytes written into the buffer (a gathered shard's), with their scale; the transpose held
     # is stale, which TE code marks as Megatron does
     fresh = state.quantizer("weight").quantize(randn(gen, 32, 64, scale=3.0))
-    slot.copy_(fresh._data)
+    slot.copy_(fresh._rowwise_data)
     w._scale_inv = fresh._scale_inv.clone()
     w._transpose_invalid = True
     want = _dequantize64(fresh._data, fresh._scale_inv, kind)
@@ -113,9 +120,11 @@ def test_float8_raw_data_swap_is_what_gemms_read(gen, kind):
 def test_blocked_raw_data_get_returns_held_bytes(gen, kind):
     w = _state(kind).quantizer("weight").quantize(randn(gen, 64, 256), columnwise=True)
     rows, cols = get_raw_data(w), get_raw_data(w, transpose=True)
-    assert rows is w.rowwise().data and cols is w.columnwise().data
+    assert rows.dtype == cols.dtype == torch.uint8 and rows._base is None and cols._base is None
+    assert _shares(rows, w.rowwise().data) and _shares(cols, w.columnwise().data)
     assert w._rowwise_scale_inv is w.rowwise().scale_inv and w._columnwise_scale_inv is w.columnwise().scale_inv
-    torch.testing.assert_close(_dequantize64(rows, w._rowwise_scale_inv, kind), w.dequantize().double(), **FP32)
+    torch.testing.assert_close(_dequantize64(rows.view(w.fp8_dtype), w._rowwise_scale_inv, kind),
+                               w.dequantize().double(), **FP32)
 
 
 @pytest.mark.parametrize("kind", list(BLOCKED))
@@ -124,7 +133,7 @@ def test_blocked_raw_data_swap_is_what_gemms_read(gen, kind):
     w = state.quantizer("weight").quantize(randn(gen, 64, 256), columnwise=True)
     old = w.dequantize().double()
     slot, slot_t = _swap_into_buffer(w), _swap_into_buffer(w, transpose=True)
-    assert w._data is slot and w._data_t is slot_t
+    assert _shares(w._data, slot) and _shares(w._data_t, slot_t) and w._data.dtype == w._data_t.dtype != torch.uint8
     torch.testing.assert_close(w.dequantize().double(), old, rtol=0, atol=0)  # the same bytes, now the buffer's
 
     # a different value's bytes written into both buffer slices, its scales set under TE's names
@@ -151,8 +160,10 @@ def test_blocked_replacement_of_another_layout_is_refused(gen, kind):
     held = w._data
     with pytest.raises(ValueError, match=r"_rowwise_data: .* \(\(64, 256\), torch.float8_e4m3fn.* \(\(256, 64\)"):
         w._rowwise_data = torch.zeros(256, 64, dtype=held.dtype)
-    with pytest.raises(ValueError, match="view uint8 bytes as torch.float8_e4m3fn"):
-        w._columnwise_data = torch.zeros(256, 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"_columnwise_data: .* in torch.float8_e4m3fn or uint8"):
+        w._columnwise_data = torch.zeros(64, 256, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"_rowwise_data: .* in torch.float8_e4m3fn or uint8"):
+        w._rowwise_data = torch.zeros(64, 256, dtype=torch.int8)  # one byte, but not raw bytes
     with pytest.raises(ValueError, match="_rowwise_scale_inv: .*strides"):
         w._rowwise_scale_inv = w._scale_inv[:-1]
     with pytest.raises(TypeError, match="_columnwise_scale_inv replaces .* got NoneType"):
