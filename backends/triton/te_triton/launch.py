@@ -116,7 +116,8 @@ _C_STATE = [None if C_LAUNCH is None else C_LAUNCH.launch]  # what every generat
 
 def use_c_launch(on: bool) -> bool:
     """Turn the C launch on or off for every kernel from the next launch on (on: only where it
-    is available, C_LAUNCH); returns whether it was on. For comparing the two in one process;
+    is available, C_LAUNCH); returns whether it was on. For comparing the two in one process
+    (specializations first launched while it is off are registered all the same);
     TE_TRITON_C_LAUNCH=0 keeps it off from the start."""
     previous = _C_STATE[0] is not None
     _C_STATE[0] = C_LAUNCH.launch if on and C_LAUNCH is not None else None
@@ -207,7 +208,7 @@ def {name}(_te_grid, _te_device_of, _te_stream_of, {signature}, **_te_options):
         _te_compiled = _te_kernel[_te_grid]({values}, **_te_options)
         if hasattr(_te_compiled, "packed_metadata"):
             _te_cache[_te_key] = _te_compiled
-            if _te_c[0] is not None:
+            if _te_register is not None:  # (also while use_c_launch(False): on again, the C launch has it)
                 _te_register(_te_plans, _te_mask, _te_device, tuple(_te_options.items()) if _te_options else (),
                              ({values},), _te_compiled)
         return _te_compiled
@@ -244,7 +245,7 @@ def _generate(kernel, names, constexpr, defaults, cache):
         return None
     env = {"_te_kernel": kernel, "_te_cache": cache, "_te_NoRule": _NoRule, "_te_spec": _spec,
            "_te_Tensor": _Tensor, "_te_knobs": _knobs, "_te_active": _active,
-           "_te_c": _C_STATE, "_te_register": register_plan,
+           "_te_c": _C_STATE, "_te_register": None if C_LAUNCH is None else register_plan,
            "_te_plans": {}, "_te_mask": b"".join(b"c" if c else b"." for c in constexpr)}
     signature = []
     for name in names:

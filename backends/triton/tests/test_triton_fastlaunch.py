@@ -132,15 +132,18 @@ def c_kernel(monkeypatch):
     monkeypatch.setattr(launch, "_DRIVER", [(lambda: 0, lambda device: STREAM, True)])
     monkeypatch.setattr(launch, "make_plan", lambda compiled, args: ("plan", len(args)))
     calls = []
+    monkeypatch.setattr(launch, "_C_STATE", [c_kernel_launch(calls)])
+    raw = _Kernel()
+    return raw, launch.launcher(raw), calls
 
+
+def c_kernel_launch(calls):
+    """The recording twin of the C launch (see c_kernel)."""
     def c_launch(plans, mask, device, options, grid, stream, args):
         found = plans.get(fastlaunch.key(mask, device, options, args))
         calls.append((grid, stream, args, found is not None))
         return None if found is None else found[1]
-
-    monkeypatch.setattr(launch, "_C_STATE", [c_launch])
-    raw = _Kernel()
-    return raw, launch.launcher(raw), calls
+    return c_launch
 
 
 def test_a_repeated_launch_goes_to_c_under_the_key_registered_at_the_first(c_kernel):
@@ -174,3 +177,15 @@ def test_hooks_callable_grids_and_the_switch_keep_launches_in_python(c_kernel, m
     k[(1,)](*args, BLOCK=16)
     assert [e[0] for e in raw.log if e[0] != "metadata"] == ["triton", "direct", "direct", "direct"]
     assert len(calls) == 1  # only the first launch asked the C half (and found nothing yet)
+
+
+def test_a_specialization_first_launched_while_off_goes_to_c_once_on(c_kernel):
+    raw, k, calls = c_kernel
+    args = (torch.randn(16), torch.empty(16), 16, 1.0)
+    recording = launch._C_STATE[0]
+    assert launch.use_c_launch(False) is True and launch._C_STATE[0] is None
+    k[(1,)](*args, BLOCK=16)  # Triton's first launch, with the C launch off: the plan is registered all the same
+    assert calls == []
+    launch._C_STATE[0] = recording  # on again (use_c_launch(True) would bind the real extension)
+    k[(1,)](*args, BLOCK=16)
+    assert [e[0] for e in raw.log] == ["triton"] and calls[-1][-1] is True
