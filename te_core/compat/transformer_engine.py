@@ -362,7 +362,7 @@ def _ops_module(parent: types.ModuleType, fusible_ops) -> None:
 def _pytorch_module() -> types.ModuleType:
     import te_core
     from te_core import cpu_offload, export, modules, permutation, quantization, router
-    from te_core.quantization import te_storage_names
+    from te_core.quantization import te_storage
     from te_core.distributed import master_weights, random, te_functions
     from te_core.modules import fusible_ops
     from te_core.modules.checkpoint import activation_recompute_forward, in_fp8_activation_recompute_phase
@@ -449,8 +449,8 @@ def _pytorch_module() -> types.ModuleType:
     # TE's base classes of quantized tensors and quantizers (its other names there are not provided)
     _submodule(module, "quantized_tensor", "QuantizedTensor, Quantizer and the save protocol", dict(
         QuantizedTensor=quantization.QuantizedTensor, Quantizer=quantization.Quantizer,
-        prepare_for_saving=te_storage_names.prepare_for_saving, restore_from_saved=te_storage_names.restore_from_saved,
-        restore_from_func_ctx=te_storage_names.restore_from_func_ctx))
+        prepare_for_saving=te_storage.prepare_for_saving, restore_from_saved=te_storage.restore_from_saved,
+        restore_from_func_ctx=te_storage.restore_from_func_ctx))
     # TE's deprecated path to Float8Tensor (TE warns on import; the stand-in does not)
     _submodule(module, "float8_tensor", "Float8Tensor", dict(Float8Tensor=quantization.Float8Tensor))
     return module

@@ -15,7 +15,7 @@ from .. import ops
 from .block_views import BLOCK_VIEW_OPS
 from .dequantized_view import dequantized_select, dequantized_slice
 from .mxfp8_views import MXFP8_SPLIT_OPS
-from .te_storage_names import TEStorageMethods, TEStorageNames
+from .te_storage import TEStorageMethods, TEStorageNames
 from .tensor import (BLOCK_1x128, BLOCK_128x128, MX_1x32, GemmOperand, QuantizedOperand, QuantizedTensor,
                      gather_rows)
 
@@ -23,7 +23,7 @@ from .tensor import (BLOCK_1x128, BLOCK_128x128, MX_1x32, GemmOperand, Quantized
 class _TwoLayout(TEStorageNames, TEStorageMethods):
     """2-D data (M, K) with scale_inv, and optionally the column-wise pair (K, M); TE's names
     (`_rowwise_data`, `_columnwise_scale_inv`, ...) alias them, and TE's storage methods work
-    on them (te_storage_names)."""
+    on them (te_storage)."""
 
     _data: Tensor
     _scale_inv: Tensor

@@ -11,7 +11,7 @@ from .. import ops
 from ..dtype import DType
 from .float8_views import FLOAT8_VIEW_OPS
 from .lent_scales import is_lent
-from .te_storage_names import TEStorageMethods, _alias
+from .te_storage import TEStorageMethods, _alias
 from .tensor import TENSOR, GemmOperand, QuantizedOperand, QuantizedTensor, gather_rows
 
 
@@ -20,7 +20,7 @@ class _Float8Layout(TEStorageMethods):
     copy (K, M) of a 2-D tensor, kept only when a backward GEMM needs it; `_scale_inv` is a
     1-element float32 snapshot taken at quantization (later scale updates don't change it),
     which a delayed-scaling quantizer lends to every cast of its step (lent_scales). TE's
-    storage methods and its byte-level name `_rowwise_data` work on it (te_storage_names)."""
+    storage methods and its byte-level name `_rowwise_data` work on it (te_storage)."""
 
     _data: Tensor
     _scale_inv: Tensor

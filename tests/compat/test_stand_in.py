@@ -299,7 +299,7 @@ def test_te_submodules_with_a_te_core_counterpart_are_aliases(stand_in):
     assert QuantizedTensor is te_core.QuantizedTensor and Quantizer is own_quantizer
     from transformer_engine.pytorch.quantized_tensor import prepare_for_saving, restore_from_func_ctx, restore_from_saved
 
-    from te_core.quantization import te_storage_names as protocol
+    from te_core.quantization import te_storage as protocol
 
     assert (prepare_for_saving, restore_from_saved, restore_from_func_ctx) == (
         protocol.prepare_for_saving, protocol.restore_from_saved, protocol.restore_from_func_ctx)

@@ -178,7 +178,7 @@ def test_an_autograd_function_saves_quantized_tensors_through_tes_protocol(gen, 
     """TE's pattern in a custom autograd Function: prepare_for_saving in the forward,
     restore_from_func_ctx in the backward; te-core's quantized tensors are saved as the tensors
     they are, so the backward computes with the very FP8 operands of the forward."""
-    from te_core.quantization.te_storage_names import prepare_for_saving, restore_from_func_ctx
+    from te_core.quantization.te_storage import prepare_for_saving, restore_from_func_ctx
 
     state = _state(kind)
     w = state.quantizer("weight").quantize(randn(gen, 64, 256), columnwise=True)
@@ -215,7 +215,7 @@ def test_an_autograd_function_saves_quantized_tensors_through_tes_protocol(gen, 
 
 
 def test_storage_objects_are_taken_apart_and_put_back():
-    from te_core.quantization.te_storage_names import prepare_for_saving, restore_from_saved
+    from te_core.quantization.te_storage import prepare_for_saving, restore_from_saved
 
     a, b, c = torch.ones(2), torch.zeros(3), torch.full((1,), 7.0)
     storage = _Storage(a, b)
