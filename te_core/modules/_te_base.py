@@ -152,6 +152,21 @@ class TransformerEngineBaseModule(nn.Module):
         return {name: ParameterInitMeta(forward.index(primary[name]) if primary.get(name) in forward else None)
                 for name in self._parameters}
 
+    # the boundary roles a parent module may set (TE's attributes; GemmQuantizerRoles reports them)
+    _output_quantizer_role = None
+    _grad_input_quantizer_role = None
+
+    def get_quantizer_roles(self, *, fwd: bool, num_quantizers: int):
+        """Transformer Engine's hook for a module's QuantizerRole per quantizer slot: None here
+        (no explicit roles), as TE's base class answers; te-core's GEMM modules override it
+        (GemmQuantizerRoles), and a subclass describing its own slots overrides it in turn."""
+        if not isinstance(fwd, bool):
+            raise TypeError(f"{type(self).__name__}.get_quantizer_roles: fwd must be a bool, got {fwd!r}")
+        if isinstance(num_quantizers, bool) or not isinstance(num_quantizers, int) or num_quantizers < 0:
+            raise ValueError(f"{type(self).__name__}.get_quantizer_roles: num_quantizers must be an int >= 0, "
+                             f"got {num_quantizers!r}")
+        return None
+
     def init_fp8_metadata(self, num_gemms: int = 1) -> None:
         """Nothing to prepare in te-core (TE sets up its FP8 state here before a forward): a
         module makes its quantization state from te.autocast's recipe on first use."""

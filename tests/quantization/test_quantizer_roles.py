@@ -151,3 +151,26 @@ def test_bad_arguments_say_what_to_pass():
         module.output_quantizer_role = "linear_input"
     with pytest.raises(ValueError, match="mode must be 'forward' or 'backward'"):
         te_ops.BasicLinear(H, F).get_quantizer_roles("fwd")
+
+
+def test_the_base_classes_answer_no_explicit_roles_as_transformer_engines():
+    """TE's base module and base operation return None ("no explicit roles"): a module or operation
+    that describes no GEMM slots answers that, and a subclass overriding the hook can call it."""
+    from te_core.modules import TransformerEngineBaseModule
+
+    class Custom(TransformerEngineBaseModule):
+        def get_quantizer_roles(self, *, fwd, num_quantizers):
+            base = super().get_quantizer_roles(fwd=fwd, num_quantizers=num_quantizers)
+            return [QuantizerRole("custom", "input", "mine")] * num_quantizers if base is None else base
+
+    assert Custom().get_quantizer_roles(fwd=True, num_quantizers=2) == [QuantizerRole("custom", "input", "mine")] * 2
+    assert te.DotProductAttention(2, 16).get_quantizer_roles(fwd=True, num_quantizers=9) is None
+    assert te.DotProductAttention(2, 16).get_quantizer_roles(fwd=False, num_quantizers=6) is None
+    for op in (te_ops.Bias(H), te_ops.GELU(), te_ops.LayerNorm(H)):
+        assert op.get_quantizer_roles("forward") is None and op.get_quantizer_roles("backward") is None
+    with pytest.raises(ValueError, match="mode must be 'forward' or 'backward', got 'fwd'"):
+        te_ops.Bias(H).get_quantizer_roles("fwd")
+    with pytest.raises(TypeError, match="fwd must be a bool"):
+        Custom().get_quantizer_roles(fwd="yes", num_quantizers=2)
+    with pytest.raises(ValueError, match="num_quantizers must be an int >= 0"):
+        te.DotProductAttention(2, 16).get_quantizer_roles(fwd=True, num_quantizers=-1)

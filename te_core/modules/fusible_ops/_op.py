@@ -33,6 +33,14 @@ class FusibleOperation(ChannelBindings):
     def _name(self) -> str:
         return f"ops.{type(self).__name__}"
 
+    def get_quantizer_roles(self, mode: str):
+        """Transformer Engine's hook for an operation's QuantizerRole per quantizer slot of `mode`
+        ("forward" or "backward"): None (no explicit roles), as TE's base class answers; the
+        linear operations override it."""
+        if mode not in ("forward", "backward"):
+            raise ValueError(f"{self._name}.get_quantizer_roles: mode must be 'forward' or 'backward', got {mode!r}")
+        return None
+
     def _materialize_meta_parameters(self) -> None:
         """As Transformer Engine's operations do at their first forward: parameters still on the
         meta device (an operation built there and given none of a model's parameters) are
