@@ -257,10 +257,13 @@ static PyObject *py_launch(PyObject *self, PyObject *const *argv, Py_ssize_t arg
     Py_INCREF(compiled);
     if (dims[0] * dims[1] * dims[2] == 0) return compiled;  /* as Triton: an empty grid launches nothing */
     if (load_driver() < 0) { Py_DECREF(compiled); return NULL; }
+    /* the plan's own copy: another thread may replace the table's entry while the GIL is released */
+    void *function = plan->function;
+    unsigned threads = plan->threads, shared = plan->shared;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = cu_launch(plan->function, (unsigned)dims[0], (unsigned)dims[1], (unsigned)dims[2], plan->threads, 1, 1,
-                   plan->shared, stream_ptr, params, NULL);
+    rc = cu_launch(function, (unsigned)dims[0], (unsigned)dims[1], (unsigned)dims[2], threads, 1, 1, shared,
+                   stream_ptr, params, NULL);
     Py_END_ALLOW_THREADS
     if (rc != 0) {
         const char *text = NULL;
