@@ -11,7 +11,7 @@ from .. import ops
 from ..dtype import DType
 from .float8_views import FLOAT8_VIEW_OPS
 from .lent_scales import is_lent
-from .te_storage import TEStorageMethods, _alias
+from .te_storage import TEStorageMethods, _alias, byte_alias
 from .tensor import TENSOR, GemmOperand, QuantizedOperand, QuantizedTensor, gather_rows
 
 
@@ -167,9 +167,42 @@ class _Float8Layout(TEStorageMethods):
 
 
 class Float8Tensor(_Float8Layout, QuantizedTensor):
-    __doc__ = _Float8Layout.__doc__
+    __doc__ = _Float8Layout.__doc__ + """
+
+    Made by a quantizer (`quantizer(x)`), or, as Transformer Engine code makes one from raw FP8
+    bytes, with TE's keywords: `Float8Tensor(shape=..., dtype=..., data=..., fp8_scale_inv=...,
+    fp8_dtype=..., data_transpose=None, quantizer=None, requires_grad=False, device=None)`
+    (`data` / `data_transpose` in uint8 as TE keeps them, or in the FP8 dtype; `get_metadata()`
+    gives those keywords back, `make_like(t)` a tensor on t's data)."""
 
     _view_ops = FLOAT8_VIEW_OPS
+
+    def __new__(cls, shape, dtype=None, device=None, quantizer=None, strides=None, *, data=None,
+                fp8_scale_inv=None, fp8_dtype=None, data_transpose=None, fake_dtype=None, requires_grad=False,
+                **unused):
+        if data is None and fp8_scale_inv is None and fp8_dtype is None and data_transpose is None:
+            # te-core's own form (make, _same_kind): shape, nominal dtype, device, quantizer, strides
+            return QuantizedTensor.__new__(cls, shape, dtype, device, quantizer, strides)
+        return _from_te_keywords(cls, shape, dtype, device, quantizer, data, fp8_scale_inv, fp8_dtype,
+                                 data_transpose, fake_dtype, requires_grad, unused)
+
+    def get_metadata(self) -> dict:
+        """Transformer Engine's keywords of this tensor (its bytes as uint8, as TE's): what
+        `Float8Tensor(shape=..., dtype=..., **t.get_metadata())` takes."""
+        return {"data": byte_alias(self._data), "fp8_scale_inv": self._scale_inv, "fp8_dtype": self._fp8_dtype,
+                "data_transpose": byte_alias(self._transpose), "quantizer": self._quantizer, "fake_dtype": self.dtype}
+
+    @classmethod
+    def make_like(cls, tensor: "Float8Tensor", *, shape=None, dtype: Optional[torch.dtype] = None,
+                  requires_grad: bool = False) -> "Float8Tensor":
+        """A Float8Tensor on `tensor`'s data (TE's make_like): its shape by default, or another
+        shape of as many elements (the column-wise copy is then left to be made again)."""
+        if not isinstance(tensor, Float8Tensor):
+            raise TypeError(f"Float8Tensor.make_like takes a Float8Tensor, got {type(tensor).__name__}")
+        meta = tensor.get_metadata()
+        meta["fake_dtype"] = dtype or tensor.dtype
+        return cls(shape=tensor.shape if shape is None else shape, dtype=dtype or tensor.dtype,
+                   requires_grad=requires_grad, device=tensor.device, **meta)
 
     # FSDP2's all-gather extension points (torch.distributed.fsdp.fully_shard): a shard of an FP8
     # primary weight is all-gathered as its FP8 bytes; see te_core.distributed.fsdp. Imported at
@@ -190,3 +223,51 @@ class Float8Operand(_Float8Layout, QuantizedOperand):
 
 
 Float8Tensor._traced_twin = Float8Operand
+
+
+def _from_te_keywords(cls, shape, dtype, device, quantizer, data, scale_inv, fp8_dtype, data_t, fake_dtype,
+                      requires_grad, unused) -> Float8Tensor:
+    """A Float8Tensor from Transformer Engine's constructor keywords (see Float8Tensor), checked."""
+    if unused:
+        raise TypeError(f"Float8Tensor: unexpected keyword(s) {sorted(unused)}; Transformer Engine's are shape, "
+                        "dtype, data, fp8_scale_inv, fp8_dtype, data_transpose, quantizer, requires_grad, device")
+    if fp8_dtype is None or scale_inv is None or (data is None and data_t is None):
+        raise ValueError("Float8Tensor from raw data needs fp8_dtype, fp8_scale_inv and data (or data_transpose, "
+                         "for a column-wise-only tensor)")
+    fp8 = DType.cast(fp8_dtype).torch_dtype
+    if fp8 not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"Float8Tensor: fp8_dtype must be an FP8 format (E4M3 or E5M2), got {fp8_dtype!r}")
+    nominal = dtype or fake_dtype or torch.float32
+    if fake_dtype is not None and dtype is not None and fake_dtype != dtype:
+        raise ValueError(f"Float8Tensor: fake_dtype ({fake_dtype}) does not match dtype ({dtype})")
+    shape = torch.Size(shape)
+    if not isinstance(scale_inv, Tensor) or scale_inv.numel() != 1 or scale_inv.dtype != torch.float32:
+        raise ValueError("Float8Tensor: fp8_scale_inv must be a 1-element float32 tensor (1 / the cast's scale)")
+
+    def as_fp8(t, name):
+        if t is None:
+            return None
+        if not isinstance(t, Tensor) or t.dtype not in (torch.uint8, fp8):
+            raise TypeError(f"Float8Tensor: {name} must be a uint8 tensor of FP8 bytes (or in {fp8}), got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+        return t.view(fp8) if t.dtype == torch.uint8 else t
+
+    data, data_t = as_fp8(data, "data"), as_fp8(data_t, "data_transpose")
+    rows = shape.numel() // shape[-1] if len(shape) and shape[-1] else 0
+    if data is not None:
+        if data.numel() != shape.numel():
+            raise ValueError(f"Float8Tensor: data has {data.numel()} elements, shape {tuple(shape)} needs "
+                             f"{shape.numel()}")
+        if data.shape != shape:
+            data = data.reshape(shape)
+    if data_t is not None and (len(shape) < 1 or tuple(data_t.shape) != (shape[-1], rows)):
+        if data is None:
+            raise ValueError(f"Float8Tensor: data_transpose has shape {tuple(data_t.shape)}; a tensor of shape "
+                             f"{tuple(shape)} keeps it as ({shape[-1] if len(shape) else 0}, {rows})")
+        data_t = None  # (another shape's transpose: made again from the data when a GEMM needs it)
+    held = data if data is not None else data_t
+    if device is not None and torch.device(device) != held.device:
+        raise ValueError(f"Float8Tensor: device {device} differs from the data's, {held.device}")
+    tensor = QuantizedTensor.__new__(cls, shape, nominal, held.device, quantizer)
+    tensor._data, tensor._transpose, tensor._scale_inv = data, data_t, scale_inv.reshape(1)
+    return tensor.requires_grad_(requires_grad) if requires_grad else tensor

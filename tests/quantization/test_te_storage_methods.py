@@ -43,6 +43,10 @@ def _bytes(t):
     return None if t is None else t.view(torch.uint8).clone()
 
 
+def _shares(a, b) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
 @pytest.mark.parametrize("kind", list(RECIPES))
 def test_get_data_tensors_and_usages_name_the_held_layouts(gen, kind):
     w = _weight(gen, kind)
@@ -229,3 +233,64 @@ def test_storage_objects_are_taken_apart_and_put_back():
         restore_from_saved([None, None], [c])
     with pytest.raises(TypeError, match="got str"):
         prepare_for_saving("x")
+
+
+# --- Transformer Engine's constructor of a Float8Tensor from raw bytes, get_metadata and make_like
+
+@pytest.mark.parametrize("kind", PER_TENSOR)
+def test_float8_tensor_from_tes_keywords_is_the_same_tensor(gen, kind):
+    from te_core.quantization import Float8Tensor
+
+    state = _state(kind)
+    w = state.quantizer("weight").quantize(randn(gen, 4, 32, 64), columnwise=True)
+    meta = w.get_metadata()
+    assert meta["data"].dtype == torch.uint8 and meta["data_transpose"].dtype == torch.uint8
+    assert meta["fake_dtype"] == w.dtype and meta["quantizer"] is w._quantizer
+    rebuilt = Float8Tensor(shape=w.shape, dtype=w.dtype, **meta)
+    assert type(rebuilt) is Float8Tensor and rebuilt.shape == w.shape and rebuilt.dtype == w.dtype
+    assert _shares(rebuilt._data, w._data) and _shares(rebuilt._transpose, w._transpose)
+    torch.testing.assert_close(rebuilt.dequantize(), w.dequantize(), rtol=0, atol=0)
+    x = state.quantizer("input").quantize(randn(gen, 16, 64))
+    dy = state.quantizer("grad_output").quantize(randn(gen, 16, 128), columnwise=True)
+    w2d, rebuilt2d = (Float8Tensor.make_like(t, shape=(128, 64)) for t in (w, rebuilt))
+    for gemm, a in ((fprop_gemm, x), (dgrad_gemm, dy)):
+        torch.testing.assert_close(gemm(a, rebuilt2d, out_dtype=torch.float32), gemm(a, w2d, out_dtype=torch.float32),
+                                   rtol=0, atol=0)
+    # a bf16 nominal dtype over the same bytes, and a column-wise-only tensor
+    half = Float8Tensor(shape=(128, 64), dtype=torch.bfloat16, data=w._rowwise_data.reshape(128, 64),
+                        fp8_scale_inv=w._scale_inv, fp8_dtype=torch.float8_e4m3fn)
+    torch.testing.assert_close(half.dequantize(), w.dequantize().reshape(128, 64).to(torch.bfloat16), rtol=0, atol=0)
+    cols = Float8Tensor(shape=w.shape, dtype=w.dtype, **{**meta, "data": None})
+    assert cols.get_usages() == {"rowwise": False, "columnwise": True}
+    torch.testing.assert_close(cols.dequantize(), w.dequantize(), rtol=0, atol=0)
+
+
+def test_make_like_gives_another_shape_on_the_same_bytes(gen):
+    from te_core.quantization import Float8Tensor
+
+    w = _weight(gen, "delayed")
+    flat = Float8Tensor.make_like(w, shape=(w.numel(),), requires_grad=True)
+    assert flat.shape == (w.numel(),) and flat.requires_grad and flat._transpose is None
+    assert flat._data.data_ptr() == w._data.data_ptr()
+    torch.testing.assert_close(flat.dequantize(), w.dequantize().reshape(-1), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="takes a Float8Tensor"):
+        Float8Tensor.make_like(_weight(gen, "1x128"))
+
+
+def test_tes_keywords_with_bad_values_say_what_to_pass(gen):
+    from te_core.quantization import Float8Tensor
+
+    w = _weight(gen, "current")
+    meta = w.get_metadata()
+    with pytest.raises(ValueError, match="needs fp8_dtype, fp8_scale_inv and data"):
+        Float8Tensor(shape=w.shape, dtype=w.dtype, data=meta["data"])
+    with pytest.raises(ValueError, match="data has 32768 elements, shape \\(4, 4\\) needs 16"):
+        Float8Tensor(shape=(4, 4), dtype=w.dtype, **meta)
+    with pytest.raises(TypeError, match="data must be a uint8 tensor of FP8 bytes"):
+        Float8Tensor(shape=w.shape, dtype=w.dtype, **{**meta, "data": w.dequantize()})
+    with pytest.raises(ValueError, match="fp8_dtype must be an FP8 format"):
+        Float8Tensor(shape=w.shape, dtype=w.dtype, **{**meta, "fp8_dtype": torch.bfloat16})
+    with pytest.raises(ValueError, match="fp8_scale_inv must be a 1-element float32 tensor"):
+        Float8Tensor(shape=w.shape, dtype=w.dtype, **{**meta, "fp8_scale_inv": torch.ones(2)})
+    with pytest.raises(TypeError, match="unexpected keyword\\(s\\) \\['rowwise'\\]"):
+        Float8Tensor(shape=w.shape, dtype=w.dtype, rowwise=True, **meta)
