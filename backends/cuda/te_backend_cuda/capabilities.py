@@ -85,6 +85,15 @@ def library_versions() -> Dict[str, Tuple[int, int, int]]:
     return {} if encoded is None else {"cudnn": decode_cudnn_version(encoded)}
 
 
+def _launch_note() -> str:
+    """Whether te_triton's repeated launches go through its C extension (te-core info shows it)."""
+    try:
+        from te_triton.launch import c_launch_status
+    except ImportError as err:  # (te_triton loads with the ops; say so rather than fail the query)
+        return f"te_triton is not importable ({err})"
+    return c_launch_status()
+
+
 @functools.lru_cache(maxsize=None)
 def capabilities_for(index: int, probe: Optional[Callable[[str, object], Tuple[bool, str]]] = None) -> Capabilities:
     probe = probe or probe_scaling_mode
@@ -92,7 +101,7 @@ def capabilities_for(index: int, probe: Optional[Callable[[str, object], Tuple[b
     name = torch.cuda.get_device_name(index)
     arch = f"sm_{major}{minor}"
     device_facts = dict(compute_capability=(major, minor), library_versions=library_versions())
-    notes = []
+    notes = [_launch_note()]
     if (major, minor) < FP8_MIN_CAPABILITY:
         notes.append(f"FP8 needs compute capability >= 8.9; {name} is {major}.{minor}")
         return Capabilities({}, frozenset(), arch, name, "nccl", tuple(notes), **device_facts)

@@ -218,3 +218,14 @@ def test_norm_backward_warps_keep_32_elements_per_thread(monkeypatch, n, rms, wa
     monkeypatch.setattr(configs, "for_tensor", lambda x: configs.tuning((9, 0), 132))
     cfg = norm._norm_bwd_cfg(torch.empty(2, n), rms=rms)
     assert cfg.num_warps == warps
+
+
+def test_info_says_where_te_triton_launches_go(fake_gpu, monkeypatch):
+    """te-core info shows, among the device's notes, whether repeated te_triton launches go
+    through the C extension or stay in Python, and why (here: turned off by the variable)."""
+    from te_triton import launch
+
+    monkeypatch.setattr(launch, "_C_STATE", [None])
+    monkeypatch.setattr(launch, "_C_REASON", "TE_TRITON_C_LAUNCH=0")
+    caps = capabilities.capabilities_for(0, lambda mode, device: (True, ""))
+    assert "te_triton kernel launches stay in Python: TE_TRITON_C_LAUNCH=0" in caps.notes

@@ -93,24 +93,39 @@ _SCALAR_KINDS = {"i1": "b", "i8": "b", "u1": "B", "u8": "B", "i16": "h", "u16": 
 
 
 def _c_launcher():
-    """te_triton._fastlaunch, bound to this torch, where it was built and Triton launches the way it
-    repeats (TE_TRITON_C_LAUNCH=0 keeps launches in Python); else None."""
-    if not ENABLED or not switched_on(os.environ.get("TE_TRITON_C_LAUNCH"), "TE_TRITON_C_LAUNCH"):
-        return None
+    """(te_triton._fastlaunch bound to this torch, "") where it was built and Triton launches the
+    way it repeats; else (None, why not)."""
+    if not switched_on(os.environ.get("TE_TRITON_C_LAUNCH"), "TE_TRITON_C_LAUNCH"):
+        return None, "TE_TRITON_C_LAUNCH=0"
+    if not ENABLED:
+        return None, ("te_triton's launch cache is off (TE_TRITON_FAST_LAUNCH=0, Triton's interpreter, or a "
+                      "Triton before 3.3)")
+    try:
+        from . import _fastlaunch
+    except ImportError:
+        return None, ("te_triton's C extension was not built (no C compiler when it was installed); reinstall "
+                      "te-triton-kernels where gcc or clang is available")
     try:
         from triton.backends.nvidia import driver as nvidia_driver
 
-        from . import _fastlaunch
         source = inspect.getsource(nvidia_driver.make_launcher)
     except (ImportError, OSError, TypeError, AttributeError):
-        return None
+        source = ""
     if not all(s in source for s in _SCRATCH_PARAMS) or "config.gridDimX = gridX * num_ctas" not in source:
-        return None
+        return None, f"Triton {triton.__version__} launches kernels in a way the C extension does not repeat"
     _fastlaunch.bind(_Tensor, float)
-    return _fastlaunch
+    return _fastlaunch, ""
 
 
-C_LAUNCH = _c_launcher()
+C_LAUNCH, _C_REASON = _c_launcher()
+
+
+def c_launch_status() -> str:
+    """One line for `te-core info`: where repeated te_triton launches go, and why not to C."""
+    if C_LAUNCH is not None and _C_STATE[0] is not None:
+        return "te_triton kernel launches: repeated ones go from C to the driver (te_triton._fastlaunch)"
+    why = _C_REASON or "turned off in this process (use_c_launch(False))"
+    return f"te_triton kernel launches stay in Python: {why}"
 _C_STATE = [None if C_LAUNCH is None else C_LAUNCH.launch]  # what every generated launch reads
 
 

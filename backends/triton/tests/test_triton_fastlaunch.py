@@ -189,3 +189,17 @@ def test_a_specialization_first_launched_while_off_goes_to_c_once_on(c_kernel):
     launch._C_STATE[0] = recording  # on again (use_c_launch(True) would bind the real extension)
     k[(1,)](*args, BLOCK=16)
     assert [e[0] for e in raw.log] == ["triton"] and calls[-1][-1] is True
+
+
+def test_the_status_line_says_where_launches_go_and_why(monkeypatch):
+    monkeypatch.setattr(launch, "C_LAUNCH", fastlaunch)
+    monkeypatch.setattr(launch, "_C_STATE", [fastlaunch.launch])
+    assert "go from C to the driver" in launch.c_launch_status()
+    monkeypatch.setattr(launch, "_C_STATE", [None])
+    monkeypatch.setattr(launch, "_C_REASON", "")
+    assert launch.c_launch_status().endswith("turned off in this process (use_c_launch(False))")
+    monkeypatch.setenv("TE_TRITON_C_LAUNCH", "0")
+    assert launch._c_launcher() == (None, "TE_TRITON_C_LAUNCH=0")
+    monkeypatch.setenv("TE_TRITON_C_LAUNCH", "1")
+    monkeypatch.setattr(launch, "ENABLED", False)
+    assert "launch cache is off" in launch._c_launcher()[1]
