@@ -13,7 +13,8 @@ from _sweep_table import Notes
 VARIANTS = ("nn.Linear", "te bf16", "te delayed", "te current", "te block")
 BASELINE = "te bf16"
 TARGET = 2.0  # FP8 step time over te bf16's, at most
-EXTRA_COLUMNS = (("Threads pinned to one CPU", "us_pinned"), ("te-core alone (ops replayed)", "us_ops_replayed"),
+EXTRA_COLUMNS = (("Threads pinned to one CPU", "us_pinned"), ("te_triton launches in Python", "us_python_launch"),
+                 ("te-core alone (ops replayed)", "us_ops_replayed"),
                  ("Compiled", "us_compiled"),
                  ("Compiled, backward on the calling thread", "us_compiled_calling_thread"))
 
@@ -66,6 +67,13 @@ def _pinned(settings: dict) -> str:
             "(`te.pin_host_threads`)")
 
 
+def _python_launch(results: dict) -> str:
+    if not any("us_python_launch" in (cell or {}) for cells in results.values() for cell in cells.values()):
+        return ""
+    return (" \"te_triton launches in Python\": the default step with te_triton's C launch off "
+            "(`te_triton.launch.use_c_launch(False)`), timed with the others: what the C extension saves.")
+
+
 def render(data: dict) -> str:
     results = data.get("host", {})
     m, s = data.get("meta", {}), data.get("settings", {})
@@ -76,7 +84,8 @@ def render(data: dict) -> str:
              "brackets is the step's time "
              f"over {BASELINE}'s (below {TARGET:g}: the target met), with the backward on "
              "autograd's device thread (torch's default); the next column runs it on the calling thread "
-             f"(`torch.autograd.set_multithreading_enabled(False)`){_pinned(s)}. \"te-core alone\": the step on the "
+             f"(`torch.autograd.set_multithreading_enabled(False)`){_pinned(s)}.{_python_launch(results)} "
+             "\"te-core alone\": the step on the "
              "calling thread with every te-core op returning its recorded outputs, no backend work (the module layer, "
              "its tensor bookkeeping and autograd). \"Compiled\": the forward (te.autocast included) under "
              "`torch.compile` (inductor's default mode), the backward on either thread (smallest shape only). "

@@ -15,6 +15,8 @@ dropped between steps:
   (cProfile; the profiler itself slows the step, so its times are shares, not speeds);
 - on the smallest shape (not with --smoke), the same step with its forward (te.autocast
   included) under torch.compile, the backward on either thread;
+- where te_triton's C launch is on (te-core info says), the te variants' step again with it off
+  (te_triton.launch.use_c_launch(False) around each timed run): what the C extension saves;
 - te-core's own host time (te variants): the step, backward on the calling thread, with every
   contract op returning what it returned in one recorded step instead of running on the backend
   (OpsReplayed): what remains is the module layer, its tensor bookkeeping and autograd. The step
@@ -172,6 +174,27 @@ def _runners(wrap):
             op._cache = cached
 
 
+def _c_launch_on() -> bool:
+    """Whether te_triton's repeated launches go through its C extension in this process."""
+    try:
+        from te_triton import launch
+    except ImportError:
+        return False
+    return launch.c_launch_on()
+
+
+@contextlib.contextmanager
+def _python_launches():
+    """te_triton's launches kept in Python (its C launch off) inside, as they were after."""
+    from te_triton import launch
+
+    previous = launch.use_c_launch(False)
+    try:
+        yield
+    finally:
+        launch.use_c_launch(previous)
+
+
 def _sync(device: str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -259,6 +282,10 @@ def measure_row(shape, device: str, steps: int, compiled: bool = False) -> Dict[
         make = _once(partial(make_step, variant, shape, device, False, True))
         compiled_cells[variant] = (group.cell(make), group.cell(
             make, around=partial(torch.autograd.set_multithreading_enabled, False)))
+    python_launch = {}
+    if _c_launch_on():  # the same step with every te_triton launch kept in Python
+        python_launch = {variant: group.cell(partial(make_step, variant, shape, device), around=_python_launches)
+                         for variant in VARIANTS[1:]}
     pinned = {}
     if torch.device(device).type != "cpu":  # on a CPU the model's own threads need the cores
         pinned = {variant: group.cell(partial(make_step, variant, shape, device),
@@ -270,6 +297,8 @@ def measure_row(shape, device: str, steps: int, compiled: bool = False) -> Dict[
                             "us_calling_thread": round(walls[(variant, True)]()["us"], 1),
                             **({"us_pinned": round(pinned[variant]()["us"], 1)} if pinned else {}),
                             **({"us_ops_replayed": round(replayed[variant]()["us"], 1)} if variant in replayed else {}),
+                            **({"us_python_launch": round(python_launch[variant]()["us"], 1)}
+                               if variant in python_launch else {}),
                             **({"us_compiled": round(compiled_cells[variant][0]()["us"], 1),
                                 "us_compiled_calling_thread": round(compiled_cells[variant][1]()["us"], 1)}
                                if variant in compiled_cells else {}),

@@ -527,6 +527,21 @@ def test_host_table_targets_counts_and_error_notes():
     assert "boom / x" in _host_table.render(HOST)
 
 
+def test_host_table_shows_the_c_launch_off_column_where_measured():
+    """The step with te_triton's C launch off appears as its own column, with its ratio over te
+    bf16's in the same setting, only in runs that measured it (a GPU with the extension)."""
+    assert "te_triton launches in Python" not in _host_table.render(HOST)
+    data = json.loads(json.dumps(HOST))
+    cells = data["host"]["M128 K1024 N1024"]
+    cells["te bf16"]["us_python_launch"], cells["te delayed"]["us_python_launch"] = 510.0, 1020.0
+    text = _host_table.render(data)
+    assert "te_triton's C launch off" in text
+    rows = _table_rows(text)
+    assert "| M128 K1024 N1024 | te delayed | 900 µs (1.80x) | 600 µs (2.40x) | 1020 µs (2.00x) | 40 | 18.0 | " \
+           "900 (330) | 50% |" in rows, rows
+    assert "| M128 K1024 N1024 | te current | 1100 µs (2.20x) | – | – | 45 | 20.0 | 1100 (400) | 50% |" in rows
+
+
 def test_host_smoke_writes_json_and_report_renders_it(tmp_path):
     """bench_host.py --smoke on the CPU (reference backend): every variant measured, FP8 steps
     doing more torch ops and Python calls than te bf16's, rendered by report.py."""

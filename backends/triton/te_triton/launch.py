@@ -122,11 +122,16 @@ C_LAUNCH, _C_REASON = _c_launcher()
 
 def c_launch_status() -> str:
     """One line for `te-core info`: where repeated te_triton launches go, and why not to C."""
-    if C_LAUNCH is not None and _C_STATE[0] is not None:
+    if c_launch_on():
         return "te_triton kernel launches: repeated ones go from C to the driver (te_triton._fastlaunch)"
     why = _C_REASON or "turned off in this process (use_c_launch(False))"
     return f"te_triton kernel launches stay in Python: {why}"
 _C_STATE = [None if C_LAUNCH is None else C_LAUNCH.launch]  # what every generated launch reads
+
+
+def c_launch_on() -> bool:
+    """Whether repeated launches go through the C extension now."""
+    return _C_STATE[0] is not None
 
 
 def use_c_launch(on: bool) -> bool:
