@@ -66,13 +66,7 @@ class GemmQuantizerRoles:
         and [grad_output, grad_input] backward, repeated to num_quantizers. A CustomRecipe factory
         is asked with the input, weight and grad_output roles; te-core quantizes no output or
         input gradient, whose slots report output_quantizer_role / grad_input_quantizer_role."""
-        module = type(self).__name__
-        if not isinstance(fwd, bool):
-            raise TypeError(f"{module}.get_quantizer_roles: fwd must be a bool (True: the forward pass's "
-                            f"quantizers, False: the backward's), got {fwd!r}")
-        if isinstance(num_quantizers, bool) or not isinstance(num_quantizers, int) or num_quantizers < 0:
-            raise ValueError(f"{module}.get_quantizer_roles: num_quantizers must be an int >= 0 (TE passes "
-                             f"3 * num_gemms forward, 2 * num_gemms backward), got {num_quantizers!r}")
+        check_module_arguments(self, fwd, num_quantizers)
         gemms = gemm_roles(self)
         base: List[Optional[QuantizerRole]] = []
         for g, (input_role, weight_role, grad_output_role) in enumerate(gemms):
@@ -85,13 +79,29 @@ class GemmQuantizerRoles:
         return [base[i % len(base)] for i in range(num_quantizers)]
 
 
+def check_module_arguments(module, fwd, num_quantizers) -> None:
+    """The module form's arguments (every module's get_quantizer_roles checks them alike)."""
+    name = type(module).__name__
+    if not isinstance(fwd, bool):
+        raise TypeError(f"{name}.get_quantizer_roles: fwd must be a bool (True: the forward pass's "
+                        f"quantizers, False: the backward's), got {fwd!r}")
+    if isinstance(num_quantizers, bool) or not isinstance(num_quantizers, int) or num_quantizers < 0:
+        raise ValueError(f"{name}.get_quantizer_roles: num_quantizers must be an int >= 0 (TE passes "
+                         f"3 * num_gemms forward, 2 * num_gemms backward), got {num_quantizers!r}")
+
+
+def check_op_mode(op, mode) -> None:
+    """The fusible-operation form's argument (every operation's get_quantizer_roles checks it alike)."""
+    if mode not in ("forward", "backward"):
+        raise ValueError(f"ops.{type(op).__name__}.get_quantizer_roles: mode must be 'forward' or 'backward', "
+                         f"got {mode!r}")
+
+
 def op_quantizer_roles(op, mode: str) -> List[QuantizerRole]:
     """Transformer Engine's fusible-operation form: the roles of the quantizers the operation owns,
     per GEMM [input, weight] (mode "forward") or [grad_output] ("backward"); the output's and the
     input gradient's quantizers belong to the neighbouring operations."""
-    if mode not in ("forward", "backward"):
-        raise ValueError(f"ops.{type(op).__name__}.get_quantizer_roles: mode must be 'forward' or 'backward', "
-                         f"got {mode!r}")
+    check_op_mode(op, mode)
     gemms = gemm_roles(op)
     if mode == "forward":
         return [role for input_role, weight_role, _ in gemms for role in (input_role, weight_role)]

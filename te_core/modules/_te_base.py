@@ -15,6 +15,7 @@ from typing import Any, Iterator, NamedTuple, Optional
 from torch import nn
 
 from ..quantization.roles import FORWARD
+from ._quantizer_roles import check_module_arguments
 
 _FP8_META_READ_ONLY = (
     "{module}.fp8_meta is a read-only view in te-core (but for 'recipe', before a checkpoint load, and 'fp8_group' "
@@ -160,11 +161,7 @@ class TransformerEngineBaseModule(nn.Module):
         """Transformer Engine's hook for a module's QuantizerRole per quantizer slot: None here
         (no explicit roles), as TE's base class answers; te-core's GEMM modules override it
         (GemmQuantizerRoles), and a subclass describing its own slots overrides it in turn."""
-        if not isinstance(fwd, bool):
-            raise TypeError(f"{type(self).__name__}.get_quantizer_roles: fwd must be a bool, got {fwd!r}")
-        if isinstance(num_quantizers, bool) or not isinstance(num_quantizers, int) or num_quantizers < 0:
-            raise ValueError(f"{type(self).__name__}.get_quantizer_roles: num_quantizers must be an int >= 0, "
-                             f"got {num_quantizers!r}")
+        check_module_arguments(self, fwd, num_quantizers)
         return None
 
     def init_fp8_metadata(self, num_gemms: int = 1) -> None:

@@ -11,7 +11,7 @@ from .. import ops
 from ..dtype import DType
 from .float8_views import FLOAT8_VIEW_OPS
 from .lent_scales import is_lent
-from .te_storage import TEStorageMethods, _alias, byte_alias
+from .te_storage import TEStorageMethods, byte_alias, te_alias
 from .tensor import TENSOR, GemmOperand, QuantizedOperand, QuantizedTensor, gather_rows
 
 
@@ -28,7 +28,7 @@ class _Float8Layout(TEStorageMethods):
     _TE_LAYOUT = ("_data", "_transpose")
     _TE_SAVED = ("_data", "_transpose", "_scale_inv")  # TE's order
     # `_data` as uint8 bytes, for code that moves raw bytes (Megatron's FSDP prefers this name)
-    _rowwise_data = _alias("_rowwise_data")
+    _rowwise_data = te_alias("_rowwise_data")
 
     @classmethod
     def make(cls, data: Tensor, scale_inv: Tensor, transpose: Optional[Tensor], *, nominal_dtype: torch.dtype,

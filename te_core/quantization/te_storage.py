@@ -74,9 +74,9 @@ def _strides(t: Tensor) -> tuple:
     return tuple(s for s, n in zip(t.stride(), t.shape) if n != 1)
 
 
-def _alias(te_name: str, own: Optional[str] = None) -> property:
-    default_own, what = _ALIASES[te_name]
-    own = own or default_own
+def te_alias(te_name: str) -> property:
+    """The property TE's name `te_name` is on a te-core tensor (see the module docstring)."""
+    own, what = _ALIASES[te_name]
     raw = te_name in _BYTES
 
     def get(self):
@@ -97,10 +97,10 @@ class TEStorageNames:
     `_data_t`, `_scale_inv`, `_scale_inv_t`. A set replaces only that one tensor: the other layout
     is not remade (as in TE)."""
 
-    _rowwise_data = _alias("_rowwise_data")
-    _columnwise_data = _alias("_columnwise_data")
-    _rowwise_scale_inv = _alias("_rowwise_scale_inv")
-    _columnwise_scale_inv = _alias("_columnwise_scale_inv")
+    _rowwise_data = te_alias("_rowwise_data")
+    _columnwise_data = te_alias("_columnwise_data")
+    _rowwise_scale_inv = te_alias("_rowwise_scale_inv")
+    _columnwise_scale_inv = te_alias("_columnwise_scale_inv")
 
 
 class TEStorageMethods:

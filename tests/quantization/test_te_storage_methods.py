@@ -13,6 +13,7 @@ from te_core.quantization import dgrad_gemm, fprop_gemm, gemm_slots
 from te_core.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
 from .conftest import randn
+from .test_te_storage_names import _shares
 
 FP32 = dict(rtol=1.3e-6, atol=1e-5)
 E4M3 = dict(rtol=0.125, atol=0.0675)
@@ -41,10 +42,6 @@ def _layouts(w):
 
 def _bytes(t):
     return None if t is None else t.view(torch.uint8).clone()
-
-
-def _shares(a, b) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
 @pytest.mark.parametrize("kind", list(RECIPES))

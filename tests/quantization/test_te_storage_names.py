@@ -56,6 +56,17 @@ def _shares(a, b) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
+def _assert_gemms_read(state, gen, w, m, want, want_t):
+    """The forward and dgrad GEMMs of `m` fresh rows on `w` equal float64 products with `want`, the
+    weight's value, and `want_t`, its column-wise copy's (x.T)."""
+    n, k = want.shape
+    x = state.quantizer("input").quantize(randn(gen, m, k))
+    dy = state.quantizer("grad_output").quantize(randn(gen, m, n), columnwise=True)
+    x64, dy64 = x.dequantize().double(), dy.dequantize().double()
+    torch.testing.assert_close(fprop_gemm(x, w, out_dtype=torch.float32).double(), x64 @ want.T, **FP32)
+    torch.testing.assert_close(dgrad_gemm(dy, w, out_dtype=torch.float32).double(), dy64 @ want_t.T, **FP32)
+
+
 # --- float64 dequantization of each layout, from its bytes and scales
 def _expand(scale, rows, cols, block_rows, block_cols):
     return scale.repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)[:rows, :cols]
@@ -109,11 +120,7 @@ def test_float8_raw_data_swap_is_what_gemms_read(gen, kind):
     assert not torch.allclose(want, old, **FP32)
     torch.testing.assert_close(w.dequantize().double(), want, **FP32)
 
-    x = state.quantizer("input").quantize(randn(gen, 16, 64))
-    dy = state.quantizer("grad_output").quantize(randn(gen, 16, 32), columnwise=True)
-    x64, dy64 = x.dequantize().double(), dy.dequantize().double()
-    torch.testing.assert_close(fprop_gemm(x, w, out_dtype=torch.float32).double(), x64 @ want.T, **FP32)
-    torch.testing.assert_close(dgrad_gemm(dy, w, out_dtype=torch.float32).double(), dy64 @ want, **FP32)
+    _assert_gemms_read(state, gen, w, 16, want, want.T)
 
 
 @pytest.mark.parametrize("kind", list(BLOCKED))
@@ -147,11 +154,7 @@ def test_blocked_raw_data_swap_is_what_gemms_read(gen, kind):
     assert not torch.allclose(want, old, **FP32)
     torch.testing.assert_close(w.dequantize().double(), want, **FP32)
 
-    x = state.quantizer("input").quantize(randn(gen, 32, 256))
-    dy = state.quantizer("grad_output").quantize(randn(gen, 32, 64), columnwise=True)
-    x64, dy64 = x.dequantize().double(), dy.dequantize().double()
-    torch.testing.assert_close(fprop_gemm(x, w, out_dtype=torch.float32).double(), x64 @ want.T, **FP32)
-    torch.testing.assert_close(dgrad_gemm(dy, w, out_dtype=torch.float32).double(), dy64 @ want_t.T, **FP32)
+    _assert_gemms_read(state, gen, w, 32, want, want_t)
 
 
 @pytest.mark.parametrize("kind", list(BLOCKED))

@@ -49,6 +49,13 @@ _Tensor = torch.Tensor
 _LAUNCH_CALL = "kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata,"
 
 
+# each switch's meaning at 1 (its default) and at 0, for the error a value neither names
+_SWITCHES = {
+    "TE_TRITON_FAST_LAUNCH": ("launches reuse compiled kernels directly", "every launch goes through Triton's own path"),
+    "TE_TRITON_C_LAUNCH": ("repeated launches go through te_triton's C extension", "they stay in Python"),
+}
+
+
 def switched_on(value: Optional[str], variable: str = "TE_TRITON_FAST_LAUNCH") -> bool:
     """A switch's value: unset or empty, 1, true, yes, on (any case) turn it on; 0, false, no, off
     turn it off; anything else is an error naming the variable."""
@@ -57,10 +64,8 @@ def switched_on(value: Optional[str], variable: str = "TE_TRITON_FAST_LAUNCH") -
         return True
     if word in ("0", "false", "no", "off"):
         return False
-    what = ("launches reuse compiled kernels directly) or 0 (every launch goes through Triton's own path)"
-            if variable == "TE_TRITON_FAST_LAUNCH" else
-            "repeated launches go through te_triton's C extension) or 0 (they stay in Python)")
-    raise ValueError(f"{variable}={value!r} is not understood: set it to 1 (the default: {what}")
+    on, off = _SWITCHES[variable]
+    raise ValueError(f"{variable}={value!r} is not understood: set it to 1 (the default: {on}) or 0 ({off})")
 
 
 def _supported() -> bool:

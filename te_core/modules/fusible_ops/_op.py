@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .._common import HP_DTYPES
+from .._quantizer_roles import check_op_mode
 from ._channels import ChannelBindings
 
 # TE's operations initialize a weight as torch.nn.Linear does (its modules: normal(0, 0.023))
@@ -37,8 +38,7 @@ class FusibleOperation(ChannelBindings):
         """Transformer Engine's hook for an operation's QuantizerRole per quantizer slot of `mode`
         ("forward" or "backward"): None (no explicit roles), as TE's base class answers; the
         linear operations override it."""
-        if mode not in ("forward", "backward"):
-            raise ValueError(f"{self._name}.get_quantizer_roles: mode must be 'forward' or 'backward', got {mode!r}")
+        check_op_mode(self, mode)
         return None
 
     def _materialize_meta_parameters(self) -> None:
