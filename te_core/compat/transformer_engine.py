@@ -29,6 +29,8 @@ from typing import Optional, Tuple
 import torch
 
 from .fp8_state import GlobalStateControls
+from .te_block_pickles import (TE_BLOCK_REBUILD, TE_MXFP8_REBUILD, TE_PICKLED_QUANTIZERS, PickledQuantizer,
+                               rebuild_te_blockwise_tensor, rebuild_te_mxfp8_tensor)
 from .te_checkpoint import TE_FLOAT8_REBUILD, rebuild_te_float8_tensor
 from .te_extension import EXTENSION, EXTENSION_HINT, constants, tensor_quantizers
 from . import te_norm_cast
@@ -409,8 +411,11 @@ def _pytorch_module() -> types.ModuleType:
                    IdentityTensor=te_core.IdentityTensor, HybridQuantizedTensor=te_core.HybridQuantizedTensor)
     tensor = _submodule(module, "tensor", "te-core's quantized tensors under Transformer Engine's names", tensors)
     quantizers = tensor_quantizers()
-    # the function TE's pickled Float8Tensors call (FP8 primary weights in its checkpoints)
-    rebuild = {"float8_tensor": {TE_FLOAT8_REBUILD.rpartition(".")[2]: rebuild_te_float8_tensor}}
+    # the functions TE's pickled quantized tensors call (FP8 primary weights in its checkpoints)
+    rebuild = {sub: {name.rpartition(".")[2]: fn} for sub, name, fn in (
+        ("float8_tensor", TE_FLOAT8_REBUILD, rebuild_te_float8_tensor),
+        ("mxfp8_tensor", TE_MXFP8_REBUILD, rebuild_te_mxfp8_tensor),
+        ("float8_blockwise_tensor", TE_BLOCK_REBUILD, rebuild_te_blockwise_tensor))}
     for sub, cls in (("float8_tensor", "Float8Tensor"), ("mxfp8_tensor", "MXFP8Tensor"),
                      ("float8_blockwise_tensor", "Float8BlockwiseQTensor"), ("identity_tensor", "IdentityTensor"),
                      ("hybrid_tensor", "HybridQuantizedTensor")):
@@ -526,13 +531,15 @@ def install_as_transformer_engine(replace: bool = False) -> types.ModuleType:
 
 def _safe_globals() -> list:
     """What torch.load(weights_only=True) may call in a Transformer Engine checkpoint while the
-    stand-in is installed, by TE's names, as TE registers them on import: the rebuild of its
-    pickled Float8Tensor (which checks its arguments) and the DType it is given (TE's Python enum
-    and its extension's, both pickled as DType(int))."""
+    stand-in is installed, by TE's names, as TE registers them on import: the rebuilds of its
+    pickled Float8Tensor, MXFP8Tensor and Float8BlockwiseQTensor (which check their arguments),
+    the DType they are given (TE's Python enum and its extension's, both pickled as DType(int))
+    and the quantizer objects pickled beside the block-scaled ones (inert records)."""
     from ..dtype import DType
 
-    return [(rebuild_te_float8_tensor, TE_FLOAT8_REBUILD), (DType, f"{EXTENSION}.DType"),
-            (DType, f"{ROOT}.pytorch.constants.DType")]
+    return [(rebuild_te_float8_tensor, TE_FLOAT8_REBUILD), (rebuild_te_mxfp8_tensor, TE_MXFP8_REBUILD),
+            (rebuild_te_blockwise_tensor, TE_BLOCK_REBUILD), (DType, f"{EXTENSION}.DType"),
+            (DType, f"{ROOT}.pytorch.constants.DType"), *((PickledQuantizer, name) for name in TE_PICKLED_QUANTIZERS)]
 
 
 def uninstall_transformer_engine() -> None:
