@@ -1,0 +1,57 @@
+"""benchmarks/tools/profile_layer.py: kernels sorted into families by name, and the bounds on FP8's
+ratio over bf16 computed from the family sums."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "tools"))
+import profile_layer  # noqa: E402
+
+# kernel names as torch.profiler reports them for the layer step on an H100 (cuBLASLt, cuDNN,
+# te_triton and torch kernels)
+NAMES = {
+    "nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT": "GEMM",
+    "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_TNT": "GEMM",
+    "_gemm_kernel": "GEMM",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x4x1_cga1x1x1_kernel0_0":
+        "attention",
+    "void cudnn::fusion::compute_dot_do_o_specialized<true, 128>(void const*, void const*, void*)": "attention",
+    "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>, "
+    "std::array<char*, 3ul> >(int)": "element-wise add",
+    "_cast_transpose_kernel": "FP8 casts",
+    "_dbias_ct_tma_kernel": "FP8 casts",
+    "_transpose_kernel": "FP8 casts",
+    "_quantize_kernel": "FP8 casts",
+    "_delayed_update_tile_kernel": "FP8 casts",
+    "_norm_bwd_kernel": "norms",
+    "_act_fwd_kernel": "activations",
+    "Memset (Device)": "other",
+    "void at::native::reduce_kernel<128, 4, at::native::ReduceOp<float>>()": "other",
+}
+
+
+@pytest.mark.parametrize("name", sorted(NAMES))
+def test_each_kernel_lands_in_its_family(name):
+    assert profile_layer.kernel_family(name) == NAMES[name]
+
+
+def test_family_sums_keep_every_microsecond_and_the_order():
+    kernels = {name: float(i + 1) for i, name in enumerate(sorted(NAMES))}
+    sums = profile_layer.by_family(kernels)
+    assert list(sums) == [f for f, _ in profile_layer.FAMILIES] + ["other"]
+    assert sum(sums.values()) == pytest.approx(sum(kernels.values()))
+    for family in sums:
+        assert sums[family] == pytest.approx(sum(t for n, t in kernels.items() if NAMES[n] == family))
+
+
+def test_bounds_from_family_sums():
+    bf16 = {"GEMM": 12.0, "attention": 1.0, "other": 3.0}
+    fp8 = {"GEMM": 6.0, "attention": 1.0, "other": 3.5}
+    sums, gemms, free = profile_layer.bounds(bf16, fp8)
+    assert sums == pytest.approx(16.0 / 10.5)
+    assert gemms == pytest.approx(2.0)
+    assert free == pytest.approx(16.0 / (6.0 + 4.0))  # FP8's GEMMs plus bf16's attention and rest
+    with pytest.raises(ValueError, match="no GEMM time"):
+        profile_layer.bounds(bf16, {"GEMM": 0.0, "other": 1.0})
