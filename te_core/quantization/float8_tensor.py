@@ -194,13 +194,23 @@ class Float8Tensor(_Float8Layout, QuantizedTensor):
 
     @classmethod
     def make_like(cls, tensor: "Float8Tensor", *, shape=None, dtype: Optional[torch.dtype] = None,
-                  requires_grad: bool = False) -> "Float8Tensor":
+                  requires_grad: bool = False, data: Optional[Tensor] = None,
+                  data_transpose: Optional[Tensor] = None) -> "Float8Tensor":
         """A Float8Tensor on `tensor`'s data (TE's make_like): its shape by default, or another
-        shape of as many elements (the column-wise copy is then left to be made again)."""
+        shape of as many elements (the column-wise copy is then left to be made again). With
+        `data` (FP8 bytes, uint8 or in the FP8 dtype: e.g. a contiguous copy of a sliced tensor's
+        `_data`, as Megatron-LM's checkpoint reader makes one), on those bytes with tensor's scale,
+        in data's shape unless `shape` is given, and with `data_transpose` as its column-wise copy
+        where given; tensor's own copy, made from other bytes, is never kept beside new data."""
         if not isinstance(tensor, Float8Tensor):
             raise TypeError(f"Float8Tensor.make_like takes a Float8Tensor, got {type(tensor).__name__}")
         meta = tensor.get_metadata()
         meta["fake_dtype"] = dtype or tensor.dtype
+        if data is not None:
+            meta["data"], meta["data_transpose"] = data, data_transpose
+            shape = data.shape if shape is None else shape
+        elif data_transpose is not None:
+            meta["data_transpose"] = data_transpose
         return cls(shape=tensor.shape if shape is None else shape, dtype=dtype or tensor.dtype,
                    requires_grad=requires_grad, device=tensor.device, **meta)
 

@@ -274,6 +274,33 @@ def test_make_like_gives_another_shape_on_the_same_bytes(gen):
         Float8Tensor.make_like(_weight(gen, "1x128"))
 
 
+def test_make_like_on_new_bytes_as_megatrons_checkpoint_reader_calls_it(gen):
+    """Megatron-LM reads a sliced (non-contiguous) FP8 weight through a contiguous twin,
+    Float8Tensor.make_like(t, data=t._data.contiguous()), then t.copy_(twin) writes it back."""
+    from te_core.quantization import Float8Tensor
+
+    w2d = _weight(gen, "current")  # (128, 256)
+    t = w2d[:, 16:48]
+    assert not t.is_contiguous()
+    twin = Float8Tensor.make_like(t, data=t._data.contiguous())
+    assert type(twin) is Float8Tensor and twin.shape == t.shape and twin.is_contiguous()
+    assert twin._transpose is None  # t's copy was made from other bytes: never kept beside new data
+    torch.testing.assert_close(twin.dequantize(), t.dequantize(), rtol=0, atol=0)
+    loaded = w2d.dequantize()[:, 16:48].flip(0).contiguous()  # what the checkpoint holds: other values
+    replacement = Float8Tensor.make_like(twin, data=t._data.flip(0).contiguous().view(torch.uint8))
+    before = w2d.dequantize()
+    t.copy_(replacement)
+    after = w2d.dequantize()
+    torch.testing.assert_close(after[:, 16:48], loaded, rtol=0, atol=0)
+    torch.testing.assert_close(after[:, :16], before[:, :16], rtol=0, atol=0)
+    torch.testing.assert_close(after[:, 48:], before[:, 48:], rtol=0, atol=0)
+    # a column-wise copy given with the bytes is kept; bytes of another size say so
+    with_t = Float8Tensor.make_like(twin, data=twin._data, data_transpose=twin._data.t().contiguous())
+    assert with_t._transpose is not None and _shares(with_t._data, twin._data)
+    with pytest.raises(ValueError, match=r"data has 8 elements, shape \(4, 4\) needs 16"):
+        Float8Tensor.make_like(twin, data=twin._data.reshape(-1)[:8], shape=(4, 4))
+
+
 def test_tes_keywords_with_bad_values_say_what_to_pass(gen):
     from te_core.quantization import Float8Tensor
 
