@@ -1,5 +1,5 @@
-"""Transformer Engine checkpoints into te-core modules: its `_extra_state` and its pickled FP8
-primary weights (its state-dict names: te_state_dict_names).
+"""Transformer Engine checkpoints into te-core modules: its `_extra_state` (its state-dict names:
+te_state_dict_names; its pickled FP8 primary weights: te_tensor_pickles).
 
 TE stores a module's delayed-scaling state as a pickle (a uint8 tensor) holding its recipe
 object and the tensors scale_fwd / amax_history_fwd / scale_bwd / amax_history_bwd; its fusible
@@ -385,45 +385,3 @@ def unrecognised_extra_state(module: str, state) -> str:
     return (f"{module}: unrecognised extra state {type(state).__name__}; expected the dict written by te_core "
             "(keys 'recipe' and 'quantization_state'), Transformer Engine's uint8 tensor, or Transformer Engine "
             "1.x's io.BytesIO")
-
-
-# TE's pickled Float8Tensor (an FP8 primary weight, quantized_model_init): Float8Tensor.__reduce_ex__
-# of TE >= 2.16 calls this function of its float8_tensor module with its FP8 bytes
-TE_FLOAT8_REBUILD = "transformer_engine.pytorch.tensor.float8_tensor._make_float8_tensor_in_reduce_ex"
-
-
-def rebuild_te_float8_tensor(data, fp8_dtype, fp8_scale_inv, dtype, shape=None, data_transpose=None) -> Tensor:
-    """The value of Transformer Engine's pickled Float8Tensor (`TE_FLOAT8_REBUILD`'s arguments:
-    its uint8 data, DType, scale_inv, nominal dtype, shape, and its column-wise copy
-    [last, *leading] where it kept no data), dequantized: the plain tensor te-core's own state
-    dicts hold for an FP8 primary weight, which load_state_dict takes into a high-precision
-    parameter and requantizes into an FP8 one. Registered for torch.load(weights_only=True), so
-    every argument is checked: it builds a tensor and nothing else."""
-    from ..dtype import DType
-
-    where = "Transformer Engine Float8Tensor in the checkpoint"
-    if not isinstance(fp8_dtype, int) or int(fp8_dtype) not in (DType.kFloat8E4M3, DType.kFloat8E5M2):
-        raise ValueError(f"{where}: fp8_dtype {fp8_dtype!r} is not DType.kFloat8E4M3 or kFloat8E5M2; the checkpoint "
-                         "is corrupt or not Transformer Engine's")
-    fp8 = DType(int(fp8_dtype)).torch_dtype
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"{where}: its nominal dtype {dtype!r} is not a floating-point torch.dtype; the checkpoint "
-                         "is corrupt")
-    stored = data if data is not None else data_transpose
-    if not (isinstance(stored, Tensor) and stored.dtype in (torch.uint8, fp8) and stored.dim() >= 1):
-        raise ValueError(f"{where}: its FP8 data is {_describe_value(stored)}, expected a uint8 tensor; the "
-                         "checkpoint is corrupt")
-    value = stored.view(fp8) if data is not None else stored.view(fp8).movedim(0, -1)
-    if shape is not None and tuple(value.shape) != tuple(shape):
-        raise ValueError(f"{where}: its FP8 data has shape {tuple(value.shape)}, but its shape is recorded as "
-                         f"{tuple(shape)}; the checkpoint is corrupt")
-    if not (isinstance(fp8_scale_inv, Tensor) and fp8_scale_inv.is_floating_point() and fp8_scale_inv.numel() == 1):
-        raise ValueError(f"{where}: its scale_inv is {_describe_value(fp8_scale_inv)}, expected one float (per-tensor "
-                         "scaling); the checkpoint is corrupt")
-    return (value.float() * fp8_scale_inv.float().reshape(())).to(dtype)
-
-
-def _describe_value(value) -> str:
-    if isinstance(value, Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    return repr(value) if value is None else f"a {type(value).__name__}"

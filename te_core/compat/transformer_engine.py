@@ -29,9 +29,9 @@ from typing import Optional, Tuple
 import torch
 
 from .fp8_state import GlobalStateControls
-from .te_block_pickles import (TE_BLOCK_REBUILD, TE_MXFP8_REBUILD, TE_PICKLED_QUANTIZERS, PickledQuantizer,
-                               rebuild_te_blockwise_tensor, rebuild_te_mxfp8_tensor)
-from .te_checkpoint import TE_FLOAT8_REBUILD, rebuild_te_float8_tensor
+from .te_tensor_pickles import (TE_BLOCK_REBUILD, TE_FLOAT8_REBUILD, TE_MXFP8_REBUILD, TE_PICKLED_QUANTIZERS,
+                                PickledQuantizer, rebuild_te_blockwise_tensor, rebuild_te_float8_tensor,
+                                rebuild_te_mxfp8_tensor)
 from .te_extension import EXTENSION, EXTENSION_HINT, constants, tensor_quantizers
 from . import te_norm_cast
 from .te_gemm import general_gemm

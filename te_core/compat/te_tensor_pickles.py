@@ -1,16 +1,19 @@
-"""Transformer Engine's pickled MXFP8 and block-scaled FP8 tensors (FP8 primary weights made
-under an MXFP8BlockScaling or Float8BlockScaling quantized_model_init, in TE's checkpoints),
+"""Transformer Engine's pickled quantized tensors (FP8 primary weights made under
+quantized_model_init, in TE's checkpoints): Float8Tensor, MXFP8Tensor and Float8BlockwiseQTensor,
 read back as the plain tensors they hold.
 
 TE pickles such a tensor as a call of a function of its tensor module, given the tensor's buffers
-in TE's layouts and its quantizer object. The functions here take those arguments and return the
-dequantized value: the form te-core's own state dicts hold an FP8 primary weight in, which
-load_state_dict takes into a high-precision parameter or requantizes into an FP8 one. They are
+in TE's layouts (and, for the block-scaled formats, its quantizer object). The functions here
+take those arguments and return the dequantized value: the form te-core's own state dicts hold
+an FP8 primary weight in, which load_state_dict takes into a high-precision parameter or
+requantizes into an FP8 one. They are
 registered for torch.load(weights_only=True), so each argument is checked and nothing but a
 tensor is built; the quantizer object is read as an inert record (PickledQuantizer).
 
 TE's layouts, for the logical shape flattened to (M, K) = (prod(shape[:-1]), shape[-1]); scale
 matrices carry padding, which is not read:
+- Float8Tensor: uint8 data in the logical shape, one float32 scale_inv; where it kept only its
+  column-wise copy, that copy as [last, *leading].
 - MXFP8 keeps its data (M, K) in both directions. Row-wise scales are (M, K/32) E8M0 bytes,
   padded to multiples of (128, 4); column-wise scales, one per 32 rows of a column, are
   (M/32, K), padded to multiples of (4, 128). An E8M0 byte e scales by 2^(e - 127); 255 is NaN.
@@ -30,6 +33,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+# Float8Tensor.__reduce_ex__ of TE >= 2.16 (older releases pickle through a classmethod, not read)
+TE_FLOAT8_REBUILD = "transformer_engine.pytorch.tensor.float8_tensor._make_float8_tensor_in_reduce_ex"
 TE_MXFP8_REBUILD = "transformer_engine.pytorch.tensor.mxfp8_tensor._make_mxfp8_tensor_in_reduce_ex"
 TE_BLOCK_REBUILD = ("transformer_engine.pytorch.tensor.float8_blockwise_tensor."
                     "_make_float8_blockwise_tensor_in_reduce_ex")
@@ -48,6 +53,26 @@ class PickledQuantizer:
 
     def __setstate__(self, state) -> None:
         self.state = state
+
+
+def rebuild_te_float8_tensor(data, fp8_dtype, fp8_scale_inv, dtype, shape=None, data_transpose=None) -> Tensor:
+    """The value of Transformer Engine's pickled Float8Tensor (`TE_FLOAT8_REBUILD`'s arguments:
+    its uint8 data, DType, scale_inv, nominal dtype, shape, and its column-wise copy
+    [last, *leading] where it kept no data), dequantized."""
+    where = "Transformer Engine Float8Tensor in the checkpoint"
+    fp8, nominal = _fp8_dtype(fp8_dtype, where), _nominal(dtype, where)
+    stored = data if data is not None else data_transpose
+    if not (isinstance(stored, Tensor) and stored.dtype in (torch.uint8, fp8) and stored.dim() >= 1):
+        raise ValueError(f"{where}: its FP8 data is {_describe(stored)}, expected a uint8 tensor; the "
+                         "checkpoint is corrupt")
+    value = stored.view(fp8) if data is not None else stored.view(fp8).movedim(0, -1)
+    if shape is not None and tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{where}: its FP8 data has shape {tuple(value.shape)}, but its shape is recorded as "
+                         f"{tuple(shape)}; the checkpoint is corrupt")
+    if not (isinstance(fp8_scale_inv, Tensor) and fp8_scale_inv.is_floating_point() and fp8_scale_inv.numel() == 1):
+        raise ValueError(f"{where}: its scale_inv is {_describe(fp8_scale_inv)}, expected one float (per-tensor "
+                         "scaling); the checkpoint is corrupt")
+    return (value.float() * fp8_scale_inv.float().reshape(())).to(nominal)
 
 
 def rebuild_te_mxfp8_tensor(rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv, fp8_dtype, dtype,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from te_core import ops
-from te_core.compat.te_block_pickles import TE_BLOCK_REBUILD, TE_MXFP8_REBUILD
+from te_core.compat.te_tensor_pickles import TE_BLOCK_REBUILD, TE_MXFP8_REBUILD
 from te_core.recipe import Float8BlockScaling, MXFP8BlockScaling
 
 E4M3 = 7
@@ -209,7 +209,7 @@ def test_te_block_weight_loads_into_a_block_scaled_primary_weight(stand_in, monk
                                rtol=0.125, atol=0.0675)
 
 
-def test_damaged_te_block_pickles_say_what_is_wrong(stand_in, monkeypatch):
+def test_damaged_te_tensor_pickles_say_what_is_wrong(stand_in, monkeypatch):
     shape = (64, 96)
     buffers = _mxfp8_weight(shape, seed=4)
     args = list(_mxfp8_args(buffers, shape))
