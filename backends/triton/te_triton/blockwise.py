@@ -174,9 +174,12 @@ def dbias_cast_transpose_blockwise(parts, fp8_dtype, *, force_pow2_scales=True, 
         for part in parts:
             k = part.shape[1]
             if k:
-                s, st = scale_inv[:, off // BLOCK:], scale_inv_t[off:]
+                # the first part starts every output: no views of them (torch calls, on a host-bound step)
+                d, s, dt, st, p = ((data, scale_inv, data_t, scale_inv_t, partial) if off == 0 else
+                                   (data[:, off:], scale_inv[:, off // BLOCK:], data_t[off:], scale_inv_t[off:],
+                                    partial[:, off:]))
                 _blockwise_kernel[(MB, cdiv(k, BLOCK))](
-                    part, data[:, off:], s, data_t[off:], st, partial[:, off:], M, k, MB, cdiv(k, BLOCK), K,
+                    part, d, s, dt, st, p, M, k, MB, cdiv(k, BLOCK), K,
                     s.stride(0), s.stride(1), st.stride(0), st.stride(1), K, fmax, float(amax_epsilon),
                     BM=BLOCK, BLOCK_2D=False, TRANSPOSE=True, POW2=bool(force_pow2_scales),
                     SUB=min(cfg.block_m, BLOCK), num_warps=cfg.num_warps, CLAMP=transpose_clamps(cfg, part),
