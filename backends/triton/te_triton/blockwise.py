@@ -112,8 +112,8 @@ def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, db_ptr, M, K, MB, KB,
 def _scales(rows: int, kb: int, column_major: bool, device) -> torch.Tensor:
     """A (rows, kb) float32 scale grid; `column_major` (1x128 grids, as te_core.ops.quantize_blockwise
     lays them out): strides (1, rows), the layout block-scaled cuBLASLt GEMMs read."""
-    if column_major:
-        return torch.empty((kb, rows), dtype=torch.float32, device=device).t()
+    if column_major:  # (the strides of a contiguous (kb, rows) grid's .t(), in one torch call)
+        return torch.empty_strided((rows, kb), (1, max(rows, 1)), dtype=torch.float32, device=device)
     return torch.empty((rows, kb), dtype=torch.float32, device=device)
 
 
