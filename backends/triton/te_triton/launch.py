@@ -123,6 +123,7 @@ def _c_launcher():
 
 
 C_LAUNCH, _C_REASON = _c_launcher()
+_C_STATE = [None if C_LAUNCH is None else C_LAUNCH.launch]  # what every generated launch reads
 
 
 def c_launch_status() -> str:
@@ -131,7 +132,6 @@ def c_launch_status() -> str:
         return "te_triton kernel launches: repeated ones go from C to the driver (te_triton._fastlaunch)"
     why = _C_REASON or "turned off in this process (use_c_launch(False))"
     return f"te_triton kernel launches stay in Python: {why}"
-_C_STATE = [None if C_LAUNCH is None else C_LAUNCH.launch]  # what every generated launch reads
 
 
 def c_launch_on() -> bool:
@@ -216,16 +216,17 @@ def _spec(value):
 _TEMPLATE = """
 def {name}(_te_grid, _te_device_of, _te_stream_of, {signature}, **_te_options):
     _te_device = _te_device_of()
+    _te_opts = tuple(_te_options.items()) if _te_options else ()
     _te_c_launch = _te_c[0]
     if _te_c_launch is not None and _te_grid.__class__ is tuple:  # the registered plan, launched in C
         _te_hooks = _te_knobs.runtime
         if _te_active(_te_hooks.launch_enter_hook) is None and _te_active(_te_hooks.launch_exit_hook) is None:
-            _te_done = _te_c_launch(_te_plans, _te_mask, _te_device, tuple(_te_options.items()) if _te_options else (),
-                                    _te_grid, _te_stream_of(_te_device), ({values},))
+            _te_done = _te_c_launch(_te_plans, _te_mask, _te_device, _te_opts, _te_grid, _te_stream_of(_te_device),
+                                    ({values},))
             if _te_done is not None:
                 return _te_done
     try:
-        _te_key = (_te_device, {key}, tuple(_te_options.items()) if _te_options else ())
+        _te_key = (_te_device, {key}, _te_opts)
         _te_compiled = _te_cache.get(_te_key)
     except (_te_NoRule, TypeError):  # an argument without a rule, an unhashable constexpr: never cached
         return _te_kernel[_te_grid]({values}, **_te_options)
@@ -234,8 +235,7 @@ def {name}(_te_grid, _te_device_of, _te_stream_of, {signature}, **_te_options):
         if hasattr(_te_compiled, "packed_metadata"):
             _te_cache[_te_key] = _te_compiled
             if _te_register is not None:  # (also while use_c_launch(False): on again, the C launch has it)
-                _te_register(_te_plans, _te_mask, _te_device, tuple(_te_options.items()) if _te_options else (),
-                             ({values},), _te_compiled)
+                _te_register(_te_plans, _te_mask, _te_device, _te_opts, ({values},), _te_compiled)
         return _te_compiled
     _te_stream = _te_stream_of(_te_device)
     if _te_grid.__class__ is not tuple and callable(_te_grid):
