@@ -55,3 +55,15 @@ def test_bounds_from_family_sums():
     assert free == pytest.approx(16.0 / (6.0 + 4.0))  # FP8's GEMMs plus bf16's attention and rest
     with pytest.raises(ValueError, match="no GEMM time"):
         profile_layer.bounds(bf16, {"GEMM": 0.0, "other": 1.0})
+
+
+def test_bad_arguments_say_what_to_pass(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["profile_layer.py", "--recipes", "bf16,fp4"])
+    with pytest.raises(SystemExit):
+        profile_layer.main()
+    assert "--recipes: unknown ['fp4']; choose from delayed, current, block, bf16" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["profile_layer.py", "--recipes", "bf16"])
+    monkeypatch.setattr(profile_layer.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        profile_layer.main()
+    assert "profiles CUDA kernels: run it on a machine with an NVIDIA GPU" in capsys.readouterr().err

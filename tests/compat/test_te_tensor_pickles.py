@@ -25,9 +25,9 @@ _TENSOR_PKG = "transformer_engine.pytorch.tensor"
 
 
 def _te_checkpoint(monkeypatch, rebuild: str, quantizer_class: str, args) -> bytes:
-    """torch.save of {"weight": ...} whose weight pickles as TE's tensor does: rebuild(*args) with
-    the DType and the quantizer object (index 0 of `args` replaced by the fp8 DType is not needed:
-    `args` holds the ints E4M3 where the DType goes and QUANTIZER where the quantizer goes)."""
+    """torch.save of a state dict whose weight pickles as TE's tensor does: a call of `rebuild` (TE's
+    name) with `args`, in which the int E4M3 stands for TE's DType and QUANTIZER for the quantizer
+    object of class `quantizer_class` (TE's name), both pickled as TE pickles them."""
     module_name, _, function_name = rebuild.rpartition(".")
     with monkeypatch.context() as m:
         mods = {}
@@ -49,7 +49,8 @@ def _te_checkpoint(monkeypatch, rebuild: str, quantizer_class: str, args) -> byt
             raise AssertionError("only TE's name is pickled")
 
         for obj, name, module in ((DType, "DType", "transformer_engine.pytorch.constants"),
-                                  (rebuild_fn, function_name, module_name), (quantizer_type, quantizer_class, module_name)):
+                                  (rebuild_fn, function_name, module_name),
+                                  (quantizer_type, quantizer_class, module_name)):
             obj.__module__, obj.__qualname__, obj.__name__ = module, name, name
             setattr(mods[module], name, obj)
         quantizer = quantizer_type()
@@ -231,3 +232,47 @@ def test_damaged_te_tensor_pickles_say_what_is_wrong(stand_in, monkeypatch):
         blob = _te_checkpoint(monkeypatch, TE_BLOCK_REBUILD, "Float8BlockQuantizer", args)
         with pytest.raises(Exception, match=match):
             torch.load(io.BytesIO(blob), weights_only=False)
+
+
+# each bad MXFP8 argument, as a change to a good call (given its row-wise data), and the error naming it
+BAD_MXFP8 = {
+    "swizzled": (lambda row: dict(with_gemm_swizzled_scales="yes"),
+                 r"with_gemm_swizzled_scales is 'yes', expected a bool"),
+    "dtype": (lambda row: dict(dtype=torch.int32),
+              r"its nominal dtype torch.int32 is not a floating-point torch.dtype"),
+    "shape": (lambda row: dict(shape=(64, -96)), r"its shape is recorded as \(64, -96\), expected a torch.Size"),
+    "k": (lambda row: dict(shape=torch.Size((64, 80))), r"its last dimension 80 is not a multiple of 32"),
+    "rows": (lambda row: dict(rowwise_data=None, shape=torch.Size((48, 96))),
+             r"its 48 rows \(all but the last dimension\) are not a multiple of 32"),
+    "data": (lambda row: dict(rowwise_data=row.float()),
+             r"its row-wise data is a torch.float32 tensor of shape \(64, 96\), expected a uint8 tensor"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MXFP8))
+def test_each_bad_mxfp8_argument_is_named(case):
+    from te_core.compat.te_tensor_pickles import rebuild_te_mxfp8_tensor
+
+    shape = (64, 96)
+    row, row_s, col, col_s, _, _ = _mxfp8_weight(shape, seed=6)
+    args = dict(rowwise_data=row, rowwise_scale_inv=row_s, columnwise_data=col, columnwise_scale_inv=col_s,
+                fp8_dtype=E4M3, dtype=torch.bfloat16, shape=torch.Size(shape), with_gemm_swizzled_scales=False)
+    change, match = BAD_MXFP8[case]
+    args.update(change(row))
+    with pytest.raises(ValueError, match=match):
+        rebuild_te_mxfp8_tensor(**args)
+
+
+def test_each_bad_block_argument_is_named():
+    from te_core.compat.te_tensor_pickles import rebuild_te_blockwise_tensor
+
+    row, row_s, col, col_s, _, _ = _block_weight((128, 256), False, seed=7)
+    good = dict(shape=torch.Size((128, 256)), rowwise_data=row, rowwise_scale_inv=row_s, columnwise_data=col,
+                columnwise_scale_inv=col_s, fp8_dtype=E4M3, dtype=torch.bfloat16, is_2D_scaled=False)
+    with pytest.raises(ValueError, match="is_2D_scaled is 1, expected a bool"):
+        rebuild_te_blockwise_tensor(**{**good, "is_2D_scaled": 1})
+    with pytest.raises(ValueError, match=r"column-wise data \(it keeps no row-wise data\) has shape \(128, 256\), "
+                                         r"which does not hold the \(256, 128\)"):
+        rebuild_te_blockwise_tensor(**{**good, "rowwise_data": None, "columnwise_data": row})
+    with pytest.raises(ValueError, match=r"its row-wise scales are a torch.float64 tensor"):
+        rebuild_te_blockwise_tensor(**{**good, "rowwise_scale_inv": row_s.double()})
