@@ -67,3 +67,31 @@ def test_bad_arguments_say_what_to_pass(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         profile_layer.main()
     assert "profiles CUDA kernels: run it on a machine with an NVIDIA GPU" in capsys.readouterr().err
+
+
+def test_unknown_mode_says_what_to_pass(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["profile_layer.py", "--recipes", "bf16", "--modes", "eager,graphed"])
+    with pytest.raises(SystemExit):
+        profile_layer.main()
+    assert "--modes: unknown ['graphed']; choose from eager, compiled" in capsys.readouterr().err
+
+
+def test_compiled_against_eager_by_family():
+    gemm, cast, add = "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_TNT", "_cast_transpose_kernel", \
+        "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>, " \
+        "std::array<char*, 3ul> >(int)"
+    eager = ({gemm: 6000.0, cast: 1000.0}, {gemm: 6.0, cast: 10.0})
+    compiled = ({gemm: 6000.0, cast: 900.0, add: 300.0}, {gemm: 6.0, cast: 8.0, add: 3.0})
+    lines = profile_layer.compared(eager, compiled)
+    assert lines[0] == "  compiled over eager: GPU time 1.029x, 17 against 16 kernels"
+    assert "  FP8 casts           1.000 ->   0.900 ms,    10 ->     8 kernels" in lines
+    assert "  element-wise add    0.000 ->   0.300 ms,     0 ->     3 kernels" in lines
+    assert not any(line.lstrip().startswith(("attention", "norms")) for line in lines)
+
+
+def test_report_counts_kernels_per_family():
+    lines = profile_layer.report("delayed", {"_gemm_kernel": 2000.0, "_quantize_kernel": 500.0}, rows=5,
+                                 counts={"_gemm_kernel": 3.0, "_quantize_kernel": 4.0})
+    assert lines[0] == "GPU time per step 2.50 ms, 7 kernels; by family:"
+    assert "    2.000 ms  80.0%      3 kernels  GEMM" in lines
+    assert "    0.500 ms  20.0%      4 kernels  FP8 casts" in lines

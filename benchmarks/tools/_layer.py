@@ -29,19 +29,25 @@ def torch_layer():
     return TorchLayer(H, FFN, HEADS).to("cuda", torch.bfloat16)
 
 
-def training_step(module, x, dy, recipe_name: str = "delayed", grads: str = "accumulate"):
+def training_step(module, x, dy, recipe_name: str = "delayed", grads: str = "accumulate", compiled: bool = False):
     """fwd+bwd of `module` under te.autocast with the named recipe (bf16: autocast disabled).
-    grads="none" drops .grad first, as after optimizer.zero_grad(): no accumulation."""
+    grads="none" drops .grad first, as after optimizer.zero_grad(): no accumulation. compiled:
+    the forward, te.autocast included, under torch.compile (inductor's default mode), as the
+    sweep's compiled cells run it."""
     make = RECIPES[recipe_name]
     rcp = None if make is None else make()
+
+    def forward(inp):
+        with te.autocast(enabled=rcp is not None, recipe=rcp):
+            return module(inp)
+
+    forward = torch.compile(forward) if compiled else forward
 
     def step():
         if grads == "none":
             x.grad = None
             for p in module.parameters():
                 p.grad = None
-        with te.autocast(enabled=rcp is not None, recipe=rcp):
-            y = module(x)
-        y.backward(dy)
+        forward(x).backward(dy)
 
     return step

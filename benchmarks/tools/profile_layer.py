@@ -4,14 +4,19 @@ by family (GEMMs, attention, element-wise adds, FP8 casts, norms, activations). 
 FP8 recipe, it also prints what bounds FP8's ratio: the GEMMs' ratio alone, and the ratio FP8
 would reach if each of its other kernels cost what bf16's do.
 
-    python benchmarks/tools/profile_layer.py [--recipes delayed,bf16] [--batch 8] [--rows 40] [--grads accumulate|none]
+With --modes eager,compiled it profiles each recipe's step eagerly and with the forward under
+torch.compile as well, and prints where the compiled step's kernels differ from the eager one's
+(family by family: GPU time and kernel count).
+
+    python benchmarks/tools/profile_layer.py [--recipes delayed,bf16] [--modes eager,compiled] [--batch 8] [--rows 40]
+                                             [--grads accumulate|none]
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -31,6 +36,7 @@ FAMILIES: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("activations", ("_act",)),
 )
 OTHER = "other"
+MODES = ("eager", "compiled")
 
 
 def kernel_family(name: str) -> str:
@@ -58,31 +64,51 @@ def bounds(bf16: Dict[str, float], fp8: Dict[str, float]) -> Tuple[float, float,
     return total16 / total8, bf16["GEMM"] / fp8["GEMM"], total16 / (fp8["GEMM"] + total16 - bf16["GEMM"])
 
 
-def profile_step(step, steps: int = 3) -> Dict[str, float]:
-    """{kernel name: GPU microseconds per step} over `steps` profiled steps."""
+def profile_step(step, steps: int = 3) -> Tuple[Dict[str, float], Dict[str, float]]:
+    """({kernel name: GPU microseconds per step}, {kernel name: launches per step}) over `steps`
+    profiled steps."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return {e.key: e.self_device_time_total / steps for e in events}
+    return ({e.key: e.self_device_time_total / steps for e in events}, {e.key: e.count / steps for e in events})
 
 
-def report(name: str, kernels: Dict[str, float], rows: int) -> List[str]:
+def report(name: str, kernels: Dict[str, float], rows: int, counts: Optional[Dict[str, float]] = None) -> List[str]:
     total = sum(kernels.values())
-    lines = [f"GPU time per step {total / 1e3:.2f} ms; by family:"]
+    launches = by_family(counts) if counts is not None else None
+    lines = [f"GPU time per step {total / 1e3:.2f} ms" + (f", {sum(counts.values()):.0f} kernels" if counts else "")
+             + "; by family:"]
     for family, t in by_family(kernels).items():
         if t:
-            lines.append(f"  {t / 1e3:7.3f} ms  {100 * t / total:4.1f}%  {family}")
+            n = f"  {launches[family]:5.0f} kernels" if launches is not None else ""
+            lines.append(f"  {t / 1e3:7.3f} ms  {100 * t / total:4.1f}%{n}  {family}")
     lines.append(f"{name}: kernels by time per step:")
     for key, t in sorted(kernels.items(), key=lambda kv: -kv[1])[:rows]:
         lines.append(f"  {t / 1e3:7.3f} ms  {key[:110]}")
     return lines
 
 
+def compared(eager: Tuple[Dict[str, float], Dict[str, float]],
+             compiled: Tuple[Dict[str, float], Dict[str, float]]) -> List[str]:
+    """Family by family, where the compiled step's kernels differ from the eager step's: GPU time
+    and kernel count of each, from their profile_step results."""
+    (et, en), (ct, cn) = [(by_family(times), by_family(counts)) for times, counts in (eager, compiled)]
+    lines = [f"  compiled over eager: GPU time {sum(ct.values()) / max(sum(et.values()), 1e-9):.3f}x, "
+             f"{sum(cn.values()):.0f} against {sum(en.values()):.0f} kernels"]
+    for family in et:
+        if et[family] or ct[family]:
+            lines.append(f"  {family:17s} {et[family] / 1e3:7.3f} -> {ct[family] / 1e3:7.3f} ms, "
+                         f"{en[family]:5.0f} -> {cn[family]:5.0f} kernels")
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipes", default="delayed", help=f"comma-separated, of {', '.join(RECIPES)}")
+    parser.add_argument("--modes", default="eager", help="comma-separated, of eager, compiled (the forward, "
+                        "te.autocast included, under torch.compile)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rows", type=int, default=40)
     parser.add_argument("--grads", default="accumulate", choices=("accumulate", "none"),
@@ -92,22 +118,32 @@ def main():
     unknown = [r for r in names if r not in RECIPES]
     if unknown or not names:
         parser.error(f"--recipes: unknown {unknown or names}; choose from {', '.join(RECIPES)}")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        parser.error(f"--modes: unknown {[m for m in modes if m not in MODES] or modes}; choose from {', '.join(MODES)}")
     if not torch.cuda.is_available():
         parser.error("profile_layer.py profiles CUDA kernels: run it on a machine with an NVIDIA GPU")
     x, dy = inputs(args.batch)
-    families = {}
+    families, profiles = {}, {}
     for name in names:
-        step = training_step(te_layer(), x, dy, name, grads=args.grads)
-        host, total = host_and_total_ms(step, n=5, warmup=3)
-        print(f"layer {name} b{args.batch}: host {host:.2f} ms, total {total:.2f} ms per step")
-        kernels = profile_step(step)
-        families[name] = by_family(kernels)
-        print("\n".join(report(name, kernels, args.rows)))
-    for name in names:
-        if name != "bf16" and "bf16" in families:
-            sums, gemms, free = bounds(families["bf16"], families[name])
-            print(f"{name} over bf16, by GPU time: kernel sums {sums:.2f}x; GEMMs alone {gemms:.2f}x; "
-                  f"with its other kernels as bf16's {free:.2f}x")
+        for mode in modes:
+            step = training_step(te_layer(), x, dy, name, grads=args.grads, compiled=mode == "compiled")
+            host, total = host_and_total_ms(step, n=5, warmup=3)
+            print(f"layer {name} {mode} b{args.batch}: host {host:.2f} ms, total {total:.2f} ms per step")
+            kernels, counts = profile_step(step)
+            profiles[name, mode] = kernels, counts
+            families[name, mode] = by_family(kernels)
+            print("\n".join(report(f"{name} {mode}", kernels, args.rows, counts)))
+    for mode in modes:
+        for name in names:
+            if name != "bf16" and ("bf16", mode) in families:
+                sums, gemms, free = bounds(families["bf16", mode], families[name, mode])
+                print(f"{name} over bf16 ({mode}), by GPU time: kernel sums {sums:.2f}x; GEMMs alone {gemms:.2f}x; "
+                      f"with its other kernels as bf16's {free:.2f}x")
+    if "compiled" in modes and "eager" in modes:
+        for name in names:
+            print(f"{name}:")
+            print("\n".join(compared(profiles[name, "eager"], profiles[name, "compiled"])))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 # (a 2^25-element cast), which a GPU-bound layer step feels by a few percent; a host-bound step,
 # a lone Linear of that size, gains far more from not paying an opaque op per cast.
 from .configs import TMA_MIN_NUMEL as MAX_NUMEL
-from . import capabilities, configs, scaled_mm
+from . import capabilities, configs, scaled_mm, traced_kernels
 from .scaled_mm import fp8_gemm_layout_reason
 
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -203,6 +203,9 @@ def _current_scale(amax, fmax, amax_epsilon, force_pow2_scales):
 def quantize_fp8_current(x, fp8_dtype, *, with_transpose=False, force_pow2_scales=False, amax_epsilon=0.0):
     if not _takes(x, fp8_dtype) or (with_transpose and x.dim() != 2):
         return NotImplemented
+    if traced_kernels.takes(x):  # te_triton's kernels, launched by the compiled code
+        return traced_kernels.quantize_fp8_current(x, fp8_dtype, with_transpose=with_transpose,
+                                                   force_pow2_scales=force_pow2_scales, amax_epsilon=amax_epsilon)
     x = as_stored(x)
     amax = _amax(x)
     scale = _current_scale(amax.reshape(1), fp8_max(fp8_dtype), amax_epsilon, force_pow2_scales)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from te_core.reference.cast import column_major
 
-from . import traced
+from . import traced, traced_kernels
 
 BLOCK = 128
 
@@ -64,6 +64,9 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
                        amax_epsilon=0.0):
     if not _takes(x, fp8_dtype, block_2d, with_transpose, force_pow2_scales, amax_epsilon):
         return NotImplemented
+    if traced_kernels.takes(x):  # te_triton's kernel, launched by the compiled code
+        return traced_kernels.quantize_blockwise(x, fp8_dtype, block_2d=block_2d, with_transpose=with_transpose,
+                                                 force_pow2_scales=force_pow2_scales, amax_epsilon=amax_epsilon)
     x32 = traced._as(traced.as_stored(x), torch.float32)
     rows = BLOCK if block_2d else 1
     data, scale_inv = _blocks(x32, fp8_dtype, rows, force_pow2_scales, float(amax_epsilon))

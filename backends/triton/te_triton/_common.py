@@ -196,6 +196,15 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
+def as_float32(v):
+    """A float argument as float32: Triton's launcher passes a Python float as one, while the
+    launches torch.compile writes for a kernel (torch.library.wrap_triton) pass it as float64,
+    whose arithmetic would promote the cast's (and which div_rn refuses). The same value either
+    way: the float64 holds the float the eager launch rounds to float32."""
+    return tl.cast(v, tl.float32)
+
+
+@triton.jit
 def scale_from_amax(amax, fmax, eps, POW2: tl.constexpr):
     """Current scaling's scale of an amax (a scalar, or a block of them), as
     te_core.ops.quantize_fp8_current defines it: fmax / max(amax, eps) rounded once; an infinite

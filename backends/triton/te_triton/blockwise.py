@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ._common import (MAX_NUMEL, Config, abs_bits, cdiv, check_2d_input, check_device, column_blocks, fp8_max,
-                      saturating_cast, scale_from_amax)
+                      saturating_cast, scale_from_amax, as_float32)
 from .cast import check_dequantize_args, transpose_clamps
 from .launch import launcher
 
@@ -56,6 +56,7 @@ def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, db_ptr, M, K, MB, KB,
     # gradient, each cast into its place); DBIAS (1x128 with the transpose): each program's
     # column sums over its rows into row pm of db (float32, or the bias gradient's dtype where
     # a single row block makes the sums the gradient itself), summed over the programs after.
+    fmax, eps = as_float32(fmax), as_float32(eps)
     pm = tl.program_id(0)
     pk = tl.program_id(1)
     DT: tl.constexpr = x_ptr.dtype.element_ty

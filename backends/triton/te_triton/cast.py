@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ._common import (FLOAT_DTYPES, FP8_DTYPES, MAX_NUMEL, Config, abs_bits, amax_from_buffer, cdiv, check_scalar,
-                      fp8_max, grid_size, max_into, new_amax_buffer, saturating_cast, scale_from_amax)
+                      fp8_max, grid_size, max_into, new_amax_buffer, saturating_cast, scale_from_amax, as_float32)
 from .launch import launcher
 
 QUANTIZE_DEFAULT = Config(block=4096, num_warps=8)
@@ -43,6 +43,7 @@ def _quantize_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, n, fmax, scale_inv_ptr, 
                      POW2: tl.constexpr = False):
     """STORE: cast x with the scale (see _cast_scale) into y; without FROM_AMAX, max |x| into
     amax_ptr (see max_into), which is all the kernel does without STORE."""
+    fmax, eps = as_float32(fmax), as_float32(eps)
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
     scale = _cast_scale(scale_ptr, scale_inv_ptr, amax_ptr, fmax, eps, FROM_AMAX, POW2)
@@ -88,6 +89,7 @@ def _cast_transpose_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, M, N, fmax
                            BM: tl.constexpr, BN: tl.constexpr, CLAMP: tl.constexpr, FROM_AMAX: tl.constexpr = False,
                            POW2: tl.constexpr = False):
     """Both layouts of x cast with the scale (see _cast_scale); max |x| as _quantize_kernel."""
+    fmax, eps = as_float32(fmax), as_float32(eps)
     pid = tl.program_id(0)
     n_tn = tl.cdiv(N, BN)
     n_tiles = tl.cdiv(M, BM) * n_tn

@@ -1,0 +1,133 @@
+"""Current-scaling and block-scaled casts of mid-sized tensors as te_triton's own kernels,
+launched by the compiled code (torch.library.wrap_triton): the twins traced and traced_block
+take for tensors of KERNEL_MIN_NUMEL elements and up.
+
+Written in torch ops, such a cast becomes kernels the compiler writes: an amax reduction, the
+cast, a transpose. From 2^24 elements on these took 1.4x (current scaling with its transpose)
+to 2.5x and more (1x128 blocks with the transpose) the GPU time of te_triton's kernels, which
+read the input once per pass and write both layouts from one tile, so a GPU-bound compiled
+layer step ran slower than its eager self. Left as the opaque ops, each cast would cost the
+compiled step a trip through torch.library and this backend's Python. Launched from the
+compiled code, the kernels cost neither, and give the eager op's bytes (the same kernels with
+the same tiles). Below KERNEL_MIN_NUMEL the compiler's casts stay: there the cast can fuse with
+the op that produces its input, which saves a launch on a host-bound step.
+
+Each pointer a kernel writes is a tensor of its own here (the eager launches pass one tensor
+for pointers a variant never touches): wrap_triton finds the tensors a kernel writes from its
+code and functionalizes those, so no written tensor may stand for two arguments.
+"""
+from __future__ import annotations
+
+import torch
+from te_core._tracing import run_while_tracing
+from te_triton import blockwise as triton_blockwise
+from te_triton import cast as triton_cast
+
+from . import configs
+
+KERNEL_MIN_NUMEL = 1 << 20
+_WRAP_TRITON = getattr(torch.library, "wrap_triton", None)  # torch 2.6 and later
+
+
+def takes(x) -> bool:
+    """Whether the cast of x (which the traced twin already took) launches te_triton's kernel:
+    wrap_triton there, a contiguous x on a CUDA device, at least KERNEL_MIN_NUMEL elements and
+    every size a plain int (a symbolic size under dynamic=True keeps the compiler's cast: the
+    grid would be symbolic too)."""
+    return (_WRAP_TRITON is not None and x.device.type == "cuda" and x.is_contiguous()
+            and all(type(d) is int for d in x.shape) and x.numel() >= KERNEL_MIN_NUMEL)
+
+
+@run_while_tracing
+def _quantize_config(index: int) -> tuple:
+    """(block, num_warps, max_programs, hw_saturate) of GPU `index`'s quantize launches."""
+    cfg = configs.for_device(index).quantize
+    return cfg.block, cfg.num_warps, cfg.max_programs, cfg.hw_saturate
+
+
+@run_while_tracing
+def _cast_transpose_config(index: int) -> tuple:
+    """(block_m, block_n, num_warps, max_programs, hw_saturate) of its cast-transposes."""
+    cfg = configs.for_device(index).cast_transpose
+    return cfg.block_m, cfg.block_n, cfg.num_warps, cfg.max_programs, cfg.hw_saturate
+
+
+@run_while_tracing
+def _blockwise_config(index: int, with_transpose: bool, block_2d: bool) -> tuple:
+    """(block_m, num_warps, hw_saturate) of its block casts, as ops.cast.quantize_blockwise picks."""
+    t = configs.for_device(index)
+    cfg = t.blockwise_1d_transpose if with_transpose and not block_2d else t.blockwise
+    return cfg.block_m, cfg.num_warps, cfg.hw_saturate
+
+
+def _programs(work: int, max_programs: int) -> int:
+    """te_triton._common.grid_size of those numbers."""
+    return max(1, min(work, max_programs)) if max_programs > 0 else max(1, work)
+
+
+def quantize_fp8_current(x, fp8_dtype, *, with_transpose, force_pow2_scales, amax_epsilon):
+    """(data, data_t or None, scale, scale_inv, amax) as te_triton.cast.quantize_fp8_current
+    launches them: the amax pass, then the cast pass that makes the scale from it."""
+    fmax = torch.finfo(fp8_dtype).max
+    dev, n = x.device, x.numel()
+    block, warps, max_programs, hw_saturate = _quantize_config(dev.index)
+    amax = torch.zeros((), dtype=torch.float32, device=dev)
+    scale = torch.empty(1, dtype=torch.float32, device=dev)
+    scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
+    eps, pow2 = float(amax_epsilon), bool(force_pow2_scales)
+    # the amax pass writes amax alone (its y, scale and scale_inv pointers are never written)
+    _WRAP_TRITON(triton_cast._quantize_kernel.kernel)[(_programs(-(-n // block), max_programs),)](
+        x, x, scale, amax, n, 1.0, scale_inv, 0.0, BLOCK=block, STORE=False, CLAMP=True, FROM_AMAX=False,
+        POW2=False, num_warps=warps)
+    if with_transpose:
+        m, k = x.shape
+        bm, bn, ct_warps, ct_max_programs, ct_hw_saturate = _cast_transpose_config(dev.index)
+        data = torch.empty((m, k), dtype=fp8_dtype, device=dev)
+        data_t = torch.empty((k, m), dtype=fp8_dtype, device=dev)
+        tiles = -(-m // bm) * -(-k // bn)
+        _WRAP_TRITON(triton_cast._cast_transpose_kernel.kernel)[(_programs(tiles, ct_max_programs),)](
+            x, data, data_t, scale, amax, m, k, fmax, scale_inv, eps, BM=bm, BN=bn,
+            CLAMP=not ct_hw_saturate or x.dtype != torch.bfloat16, FROM_AMAX=True, POW2=pow2, num_warps=ct_warps)
+        return data, data_t, scale, scale_inv, amax
+    data = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
+    _WRAP_TRITON(triton_cast._quantize_kernel.kernel)[(_programs(-(-n // block), max_programs),)](
+        x, data, scale, amax, n, fmax, scale_inv, eps, BLOCK=block, STORE=True, CLAMP=not hw_saturate,
+        FROM_AMAX=True, POW2=pow2, num_warps=warps)
+    return data, None, scale, scale_inv, amax
+
+
+def quantize_blockwise(x, fp8_dtype, *, block_2d, with_transpose, force_pow2_scales, amax_epsilon):
+    """(data, scale_inv, data_t, scale_inv_t) as te_triton.blockwise.quantize_blockwise launches
+    them (1x128 scale grids column by column)."""
+    block = triton_blockwise.BLOCK
+    fmax = torch.finfo(fp8_dtype).max
+    dev = x.device
+    m, k = x.shape
+    mb, kb = -(-m // block), -(-k // block)
+    block_m, warps, hw_saturate = _blockwise_config(dev.index, bool(with_transpose), bool(block_2d))
+    bm = block if (block_2d or with_transpose) else block_m
+    data = torch.empty((m, k), dtype=fp8_dtype, device=dev)
+    scale_inv = _scales(mb if block_2d else m, kb, not block_2d, dev)
+    if with_transpose:
+        data_t = torch.empty((k, m), dtype=fp8_dtype, device=dev)
+        scale_inv_t = _scales(kb if block_2d else k, mb, not block_2d, dev)
+        yt, st = data_t, scale_inv_t
+    else:  # pointers the variant never writes: tensors of their own (see the module docstring)
+        data_t = scale_inv_t = None
+        yt = torch.empty(1, dtype=fp8_dtype, device=dev)
+        st = torch.empty((1, 1), dtype=torch.float32, device=dev)
+    unused_dbias = torch.empty(1, dtype=torch.float32, device=dev)
+    _WRAP_TRITON(triton_blockwise._blockwise_kernel.kernel)[(-(-m // bm), kb)](
+        x, data, scale_inv, yt, st, unused_dbias, m, k, mb, kb, k,
+        scale_inv.stride(0), scale_inv.stride(1), st.stride(0), st.stride(1), 0, fmax, float(amax_epsilon),
+        BM=bm, BLOCK_2D=bool(block_2d), TRANSPOSE=bool(with_transpose), POW2=bool(force_pow2_scales),
+        SUB=min(block_m, block), num_warps=warps,
+        CLAMP=not hw_saturate or (bool(with_transpose) and x.dtype != torch.bfloat16), DBIAS=False)
+    return data, scale_inv, data_t, scale_inv_t
+
+
+def _scales(rows: int, cols: int, column_major: bool, device) -> torch.Tensor:
+    """te_triton.blockwise's scale grid: (rows, cols) float32, column by column for 1x128 blocks."""
+    if column_major:
+        return torch.empty_strided((rows, cols), (1, max(rows, 1)), dtype=torch.float32, device=device)
+    return torch.empty((rows, cols), dtype=torch.float32, device=device)
