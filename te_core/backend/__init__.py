@@ -19,7 +19,7 @@ from .types import API_VERSION, BackendInfo, Capabilities, OpImpl
 __all__ = [
     "API_VERSION", "Backend", "BackendError", "BackendFallbackWarning", "BackendInfo", "BrokenPlugin",
     "Capabilities", "ENTRY_POINT_GROUP", "OpImpl", "broken_plugins", "declares", "get_backend", "hookimpl",
-    "is_fp8_available", "list_backends", "require_device", "reset", "selection_reason", "set_backend",
+    "is_fp8_available", "list_backends", "require_device", "reset", "selection_reason", "set_backend", "traces",
 ]
 
 
@@ -37,6 +37,16 @@ def declares(op_name: str) -> bool:
     from ..ops import CONTRACT
 
     return resolution(CONTRACT[op_name]).fn is not None
+
+
+def traces(op_name: str) -> bool:
+    """Whether the selected backend gives `op_name` a twin that torch.compile traces in its place
+    (it may still decline a call, which then records the opaque op). Callers that avoid a fused
+    op under torch.compile because an opaque op there costs more than the composite use it to
+    pick the fused op where it is traced."""
+    from ..ops import CONTRACT
+
+    return resolution(CONTRACT[op_name]).traced is not None
 
 
 def require_device(device) -> torch.device:

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from ..backend import declares
+from ..backend import declares, traces
 from ..dtype import DType, fp8_torch_dtype
 from ..recipe import GEMMS, default_split_accumulator
 from .block_tensor import Float8BlockwiseTensor, MXFP8Tensor
@@ -349,9 +349,10 @@ class Float8BlockQuantizer(Quantizer):
     def quantize_with_dbias(self, dy, *, columnwise: bool = True):
         # One op where the backend fuses it: both 1x128 casts and the bias gradient from one read
         # of dy, whose column blocks it casts in place (no join). A compiled step keeps the cast
-        # and the column sum, which the compiler traces and fuses with their neighbours.
-        if (not columnwise or self.block_2d or torch.compiler.is_compiling()
-                or not declares("dbias_cast_transpose_blockwise")):
+        # and the column sum, which the compiler traces and fuses with their neighbours, unless
+        # the backend gives the fused op a twin of its own.
+        if (not columnwise or self.block_2d or not declares("dbias_cast_transpose_blockwise")
+                or (torch.compiler.is_compiling() and not traces("dbias_cast_transpose_blockwise"))):
             return super().quantize_with_dbias(dy, columnwise=columnwise)
         parts = list(dy) if isinstance(dy, (list, tuple)) else [_as_2d(dy)]
         data, scale_inv, data_t, scale_inv_t, dbias = ops.dbias_cast_transpose_blockwise(

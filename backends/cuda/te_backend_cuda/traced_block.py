@@ -80,4 +80,30 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
     return data, column_major(scale_inv), data_t, column_major(scale_inv_t)
 
 
-TRACED_BLOCK = {"quantize_blockwise": quantize_blockwise}
+def dbias_cast_transpose_blockwise(parts, fp8_dtype, *, force_pow2_scales=True, amax_epsilon=0.0):
+    """The gradient's column blocks joined, both 1x128 casts and the column sums: from
+    KERNEL_MIN_NUMEL elements on te_triton's fused kernel (traced_kernels), below it the
+    compiler's cast (quantize_blockwise above) and sum. A gradient of MAX_NUMEL elements or more
+    stays the opaque op, which casts its column blocks in place."""
+    if not isinstance(parts, (list, tuple)) or not parts or not all([traced._here(p) and p.dim() == 2 for p in parts]):
+        return NotImplemented
+    first = parts[0]
+    if any([p.dtype != first.dtype or p.shape[0] != first.shape[0] or p.device != first.device for p in parts]):
+        return NotImplemented  # (the opaque op names the mismatch)
+    if first.shape[0] * sum([p.shape[1] for p in parts]) >= traced.MAX_NUMEL:
+        return NotImplemented
+    dy = torch.cat(list(parts), dim=1) if len(parts) > 1 else first
+    if not _takes(dy, fp8_dtype, False, True, force_pow2_scales, amax_epsilon):
+        return NotImplemented
+    if traced_kernels.takes(dy):  # te_triton's kernel, launched by the compiled code
+        return traced_kernels.dbias_cast_transpose_blockwise(dy, fp8_dtype, force_pow2_scales=force_pow2_scales,
+                                                             amax_epsilon=amax_epsilon)
+    data, scale_inv, data_t, scale_inv_t = quantize_blockwise(dy, fp8_dtype, with_transpose=True,
+                                                              force_pow2_scales=force_pow2_scales,
+                                                              amax_epsilon=amax_epsilon)
+    dy = traced.as_stored(dy)
+    return data, scale_inv, data_t, scale_inv_t, traced._as(traced._as(dy, torch.float32).sum(0), dy.dtype)
+
+
+TRACED_BLOCK = {"quantize_blockwise": quantize_blockwise,
+                "dbias_cast_transpose_blockwise": dbias_cast_transpose_blockwise}

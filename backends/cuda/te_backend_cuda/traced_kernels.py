@@ -1,6 +1,7 @@
-"""Current-scaling and block-scaled casts of mid-sized tensors as te_triton's own kernels,
-launched by the compiled code (torch.library.wrap_triton): the twins traced and traced_block
-take for tensors of KERNEL_MIN_NUMEL elements and up.
+"""Current-scaling and block-scaled casts of mid-sized tensors (and the block-scaled gradient's
+cast with its bias gradient) as te_triton's own kernels, launched by the compiled code
+(torch.library.wrap_triton): what the twins of traced and traced_block run for tensors of
+KERNEL_MIN_NUMEL elements and up.
 
 Written in torch ops, such a cast becomes kernels the compiler writes: an amax reduction, the
 cast, a transpose. From 2^24 elements on these took 1.4x (current scaling with its transpose)
@@ -131,3 +132,28 @@ def _scales(rows: int, cols: int, column_major: bool, device) -> torch.Tensor:
     if column_major:
         return torch.empty_strided((rows, cols), (1, max(rows, 1)), dtype=torch.float32, device=device)
     return torch.empty((rows, cols), dtype=torch.float32, device=device)
+
+
+def dbias_cast_transpose_blockwise(dy, fp8_dtype, *, force_pow2_scales, amax_epsilon):
+    """(data, scale_inv, data_t, scale_inv_t, dbias) of a 2-D gradient as
+    te_triton.blockwise.dbias_cast_transpose_blockwise launches them for one part: both 1x128
+    casts and each row block's column sums in one kernel, then their sum (none for one row
+    block, whose sums are the bias gradient)."""
+    block = triton_blockwise.BLOCK
+    fmax = torch.finfo(fp8_dtype).max
+    dev = dy.device
+    m, k = dy.shape
+    mb, kb = -(-m // block), -(-k // block)
+    block_m, warps, hw_saturate = _blockwise_config(dev.index, True, False)
+    data = torch.empty((m, k), dtype=fp8_dtype, device=dev)
+    data_t = torch.empty((k, m), dtype=fp8_dtype, device=dev)
+    scale_inv, scale_inv_t = _scales(m, kb, True, dev), _scales(k, mb, True, dev)
+    one = mb == 1
+    partial = torch.empty((mb, k), dtype=dy.dtype if one else torch.float32, device=dev)
+    _WRAP_TRITON(triton_blockwise._blockwise_kernel.kernel)[(mb, kb)](
+        dy, data, scale_inv, data_t, scale_inv_t, partial, m, k, mb, kb, k,
+        scale_inv.stride(0), scale_inv.stride(1), scale_inv_t.stride(0), scale_inv_t.stride(1), k, fmax,
+        float(amax_epsilon), BM=block, BLOCK_2D=False, TRANSPOSE=True, POW2=bool(force_pow2_scales),
+        SUB=min(block_m, block), num_warps=warps, CLAMP=not hw_saturate or dy.dtype != torch.bfloat16, DBIAS=True)
+    dbias = partial[0] if one else partial.sum(dim=0).to(dy.dtype)
+    return data, scale_inv, data_t, scale_inv_t, dbias

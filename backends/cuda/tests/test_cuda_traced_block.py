@@ -13,6 +13,7 @@ import te_core as te
 from te_backend_cuda import traced, traced_block
 from te_core import backend, recipe
 from te_core.backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128
+from te_core.reference import activation as ref_act
 from te_core.reference import cast as ref_cast
 
 from test_cuda_traced_fused import (MODULES, _assert_relative_errors, _capture, _compare_compiled, _fwd_bwd,
@@ -341,3 +342,82 @@ def test_block_gemm_twin_declines_a_mode_the_gpu_does_not_run(monkeypatch):
     a, b, a_si, b_si = _block_operands(BLOCK_1x128_128x128)
     got = traced.gemm_fp8(a, b, a_si, b_si, out_dtype=torch.bfloat16, scaling=BLOCK_1x128_128x128)
     assert got is NotImplemented
+
+
+# --- the fused gradient cast's twin -----------------------------------------------------------
+PARTS = [[(130, 256), (130, 300)], [(256, 384)], [(5, 129)]]  # column blocks; whole and partial blocks
+
+
+def _parts(widths, dtype, device="cpu", seed=7):
+    rows = widths[0][0]
+    dy = _input((rows, sum(k for _, k in widths)), dtype, device=device, seed=seed)
+    return list(torch.split(dy, [k for _, k in widths], dim=1)), dy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("widths", PARTS, ids=lambda w: "+".join(f"{m}x{k}" for m, k in w))
+def test_dbias_twin_is_the_reference(on_cpu, widths, dtype):
+    """Below the kernel's threshold: the joined gradient's casts bit for bit the reference's,
+    the bias gradient within float32 summation's tolerance of it."""
+    parts, _ = _parts(widths, dtype)
+    got = traced_block.dbias_cast_transpose_blockwise(parts, E5M2, force_pow2_scales=True, amax_epsilon=0.0)
+    want = ref_act.dbias_cast_transpose_blockwise(parts, E5M2, force_pow2_scales=True, amax_epsilon=0.0)
+    assert got is not NotImplemented
+    _assert_same_bits(got[:4], want[:4], "dbias twin")
+    finite = torch.isfinite(want[4])
+    assert not finite.all()  # the NaN and inf columns reach the bias gradient
+    torch.testing.assert_close(got[4][finite], want[4][finite], rtol=1.3e-6 if dtype == torch.float32 else 1.6e-2,
+                               atol=1e-5)
+    assert torch.equal(torch.isnan(got[4]), torch.isnan(want[4]))
+
+
+def test_dbias_twin_declines_what_it_does_not_take(on_cpu):
+    parts, dy = _parts([(130, 256), (130, 300)], torch.bfloat16)
+    declined = [
+        ([], {}),
+        (dy, {}),  # a tensor, not a list of parts
+        ([dy.reshape(-1)], {}),
+        ([parts[0], parts[1][:64]], {}),  # rows differ: the opaque op names the mismatch
+        ([parts[0], parts[1].float()], {}),
+        ([dy.to(torch.int32)], {}),
+        ([dy], dict(force_pow2_scales=False)),  # a partial 1x128 block both ways (traced_block._takes)
+        ([dy], dict(amax_epsilon=-1.0)),
+    ]
+    for args, kwargs in declined:
+        assert traced_block.dbias_cast_transpose_blockwise(args, E4M3, **kwargs) is NotImplemented, kwargs
+
+
+def test_traces_names_the_ops_a_backend_gives_twins(block_twin_backend):
+    assert backend.traces("quantize_blockwise") and backend.traces("dbias_cast_transpose_blockwise")
+    assert not backend.traces("layernorm_fwd")
+
+
+def test_the_reference_backend_traces_nothing():
+    backend.set_backend("reference")
+    try:
+        assert not backend.traces("quantize_blockwise") and not backend.traces("dbias_cast_transpose_blockwise")
+    finally:
+        backend.reset()
+
+
+@GPU
+@pytest.mark.parametrize("widths", [[(1024, 1024)], [(1024, 512), (1024, 640)], [(1040, 1100)], [(128, 8192)]],
+                         ids=["whole", "two-parts", "partial-blocks", "one-row-block"])
+def test_dbias_twin_compiled_is_the_cuda_op(widths):
+    """From the kernel's threshold on, compiled: te_triton's fused kernel, the eager op's bytes
+    and scales, its bias gradient within bfloat16's tolerance (the row blocks' sums are added in
+    the compiler's order; one row block's sums are the gradient itself, bit for bit)."""
+    from te_backend_cuda import ops
+
+    torch._dynamo.reset()
+    parts, _ = _parts(widths, torch.bfloat16, device="cuda", seed=9)
+    run = torch.compile(lambda p: traced_block.dbias_cast_transpose_blockwise(p, E4M3), fullgraph=True)
+    got = run(parts)
+    want = ops.dbias_cast_transpose_blockwise(parts, E4M3)
+    _assert_same_bits(got[:4], want[:4], "cuda")
+    assert got[1].stride() == want[1].stride() and got[3].stride() == want[3].stride()
+    if widths[0][0] <= 128:
+        assert torch.equal(got[4].view(torch.int16), want[4].view(torch.int16))
+    else:
+        torch.testing.assert_close(got[4], want[4], rtol=1.6e-2, atol=1e-5, equal_nan=True)
+    torch._dynamo.reset()
