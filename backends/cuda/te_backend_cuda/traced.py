@@ -37,7 +37,9 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 # Casts of MAX_NUMEL elements or more stay the Triton kernels (where they switch to descriptors).
 # Below that, inductor's cast, amax and transpose take up to twice the Triton kernels' GPU time
 # (a 2^25-element cast), which a GPU-bound layer step feels by a few percent; a host-bound step,
-# a lone Linear of that size, gains far more from not paying an opaque op per cast.
+# a lone Linear of that size, gains far more from not paying an opaque op per cast. Current
+# scaling's casts (and traced_block's) of traced_kernels.KERNEL_MIN_NUMEL elements and up launch
+# the Triton kernels from the compiled code instead, which costs neither.
 from .configs import TMA_MIN_NUMEL as MAX_NUMEL
 from . import capabilities, configs, scaled_mm, traced_kernels
 from .scaled_mm import fp8_gemm_layout_reason
