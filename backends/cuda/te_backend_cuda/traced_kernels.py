@@ -4,10 +4,10 @@ cast with its bias gradient) as te_triton's own kernels, launched by the compile
 KERNEL_MIN_NUMEL elements and up.
 
 Written in torch ops, such a cast becomes kernels the compiler writes: an amax reduction, the
-cast, a transpose. From 2^24 elements on these took 1.4x (current scaling with its transpose)
-to 2.5x and more (1x128 blocks with the transpose) the GPU time of te_triton's kernels, which
-read the input once per pass and write both layouts from one tile, so a GPU-bound compiled
-layer step ran slower than its eager self. Left as the opaque ops, each cast would cost the
+cast, a transpose. For a 2^25-element cast with its transpose these took twice (current
+scaling) and over four times (1x128 blocks) the GPU time of te_triton's kernels, which read the
+input once per pass and write both layouts from one tile, so a GPU-bound compiled layer step
+ran slower than its eager self. Left as the opaque ops, each cast would cost the
 compiled step a trip through torch.library and this backend's Python. Launched from the
 compiled code, the kernels cost neither, and give the eager op's bytes (the same kernels with
 the same tiles). Below KERNEL_MIN_NUMEL the compiler's casts stay: there the cast can fuse with
