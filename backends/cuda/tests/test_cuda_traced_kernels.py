@@ -3,7 +3,9 @@ current-scaling and block-scaled casts of KERNEL_MIN_NUMEL elements and up, unde
 give the eager cuda op's bytes (the same kernels), on inputs with NaN, inf, zero runs and rows
 of very different magnitudes, whole and partial tiles; the compiled call launches te_triton's
 kernels, not the compiler's reduction; a compiled te.Linear of that size matches eager. Below
-the threshold, and for sizes inductor leaves symbolic, the compiler's casts stay."""
+the threshold, and for sizes inductor leaves symbolic, the compiler's casts stay. On the CPU,
+whatever the GPU: each twin's launches (kernel, grid, tiles, flags, argument layouts) are the
+ones te_triton's eager op makes, so a change to either that the other misses fails here."""
 import pytest
 import torch
 
@@ -150,3 +152,110 @@ def test_compiled_linear_of_that_size_matches_eager(make):
     finally:
         torch._dynamo.reset()
         backend.reset()
+
+
+# --- the launches themselves, on the CPU: the twins' against te_triton's eager ones -------------
+class _Recorder:
+    """Stands in for a kernel launch: records (kernel name, grid, arguments, keywords)."""
+
+    def __init__(self, calls, kernel):
+        self.calls, self.kernel = calls, kernel
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((self.kernel.__name__, tuple(grid), args, kwargs))
+
+
+def _described(value):
+    """An argument as the kernel sees it: a tensor by dtype, shape and strides; else its value."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape), value.stride())
+    return value
+
+
+def _launches(run, monkeypatch, twin: bool):
+    """The launches run() makes: through wrap_triton (the twins) or te_triton's launcher (eager)."""
+    from te_triton import launch
+
+    calls = []
+    if twin:
+        monkeypatch.setattr(traced_kernels, "_WRAP_TRITON", lambda kernel: _Recorder(calls, kernel))
+    else:
+        monkeypatch.setattr(launch.Launcher, "__getitem__", lambda self, grid: _Recorder(calls, self.kernel)[grid])
+    run()
+    monkeypatch.undo()
+    return [(name, grid, [_described(a) for a in args], kwargs) for name, grid, args, kwargs in calls]
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """The H100's tuning table (132 SMs) for every device index: what the twins read on a GPU."""
+    from te_backend_cuda import configs
+
+    tuning = configs.sm90(132)
+    monkeypatch.setattr(configs, "for_device", lambda index: tuning)
+    return tuning
+
+
+def _same_launches(twin, eager, unused=()):
+    """Launch for launch, the same kernel, grid, keywords and arguments, but for the positions
+    `unused` ((launch, argument) pairs): pointers that kernel variant never dereferences (for
+    each, the eager launch passes another argument's tensor, the twin one of its own)."""
+    assert [c[0] for c in twin] == [c[0] for c in eager]
+    for i, ((name, grid, args, kwargs), (_, e_grid, e_args, e_kwargs)) in enumerate(zip(twin, eager)):
+        assert (grid, kwargs) == (e_grid, e_kwargs), f"launch {i} ({name})"
+        assert len(args) == len(e_args), f"launch {i} ({name})"
+        for j, (a, e) in enumerate(zip(args, e_args)):
+            if (i, j) not in unused:
+                assert a == e, f"launch {i} ({name}) argument {j}: {a} against {e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(1024, 1024), (1040, 1100)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("setting", CURRENT, ids=lambda s: f"t{int(s[0])}-pow2{int(s[1])}-eps{s[2]}")
+def test_current_scaling_twin_launches_what_te_triton_launches(monkeypatch, sm90, setting, shape, dtype):
+    """On the CPU, whatever the GPU: the kernels, grids, tiles, flags and argument layouts the twin
+    launches are te_triton's eager ones (with the H100's table), so its bytes are the eager op's."""
+    from te_triton import cast
+
+    with_transpose, pow2, eps = setting
+    x = torch.randn(shape).to(dtype)
+    kwargs = dict(with_transpose=with_transpose, force_pow2_scales=pow2, amax_epsilon=eps)
+    twin = _launches(lambda: traced_kernels.quantize_fp8_current(x, E4M3, **kwargs), monkeypatch, twin=True)
+    eager = _launches(lambda: cast.quantize_fp8_current(x, E4M3, cfg=sm90.quantize, ct_cfg=sm90.cast_transpose,
+                                                        **kwargs), monkeypatch, twin=False)
+    assert len(eager) == 2
+    # the amax pass: its scale and scale_inv pointers (eager: the amax buffer) are never read
+    _same_launches(twin, eager, unused={(0, 2), (0, 6)})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(1024, 1024), (1040, 1100)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("setting", BLOCK, ids=lambda s: f"{'2d' if s[0] else '1d'}-t{int(s[1])}-pow2{int(s[2])}")
+def test_block_twin_launches_what_te_triton_launches(monkeypatch, sm90, setting, shape, dtype):
+    from te_triton import blockwise
+
+    block_2d, with_transpose, pow2, eps = setting
+    x = torch.randn(shape).to(dtype)
+    kwargs = dict(block_2d=block_2d, with_transpose=with_transpose, force_pow2_scales=pow2, amax_epsilon=eps)
+    cfg = sm90.blockwise_1d_transpose if with_transpose and not block_2d else sm90.blockwise
+    twin = _launches(lambda: traced_kernels.quantize_blockwise(x, E4M3, **kwargs), monkeypatch, twin=True)
+    eager = _launches(lambda: blockwise.quantize_blockwise(x, E4M3, cfg=cfg, **kwargs), monkeypatch, twin=False)
+    assert len(eager) == 1
+    # the bias-gradient pointer is never written without DBIAS; without the transpose, neither are
+    # the transposed data and scales (nor their strides read)
+    unused = {(0, 5)} | (set() if with_transpose else {(0, 3), (0, 4), (0, 13), (0, 14)})
+    _same_launches(twin, eager, unused=unused)
+
+
+@pytest.mark.parametrize("shape", [(1024, 1024), (128, 8192), (1040, 1100)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_dbias_twin_launches_what_te_triton_launches(monkeypatch, sm90, shape):
+    from te_triton import blockwise
+
+    dy = torch.randn(shape).to(torch.bfloat16)
+    twin = _launches(lambda: traced_kernels.dbias_cast_transpose_blockwise(
+        dy, E4M3, force_pow2_scales=True, amax_epsilon=0.0), monkeypatch, twin=True)
+    eager = _launches(lambda: blockwise.dbias_cast_transpose_blockwise(
+        [dy], E4M3, force_pow2_scales=True, amax_epsilon=0.0, cfg=sm90.blockwise_1d_transpose), monkeypatch,
+        twin=False)
+    assert len(eager) == 1
+    _same_launches(twin, eager)
