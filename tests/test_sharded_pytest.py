@@ -45,3 +45,45 @@ def test_a_share_cut_by_its_limit_says_so(tmp_path):
     log = _write(tmp_path / "share-0.txt", "....\n")
     assert "TIMED OUT after 9 s" in sharded_pytest.summary(log, 124, 9)
     assert "no pytest summary (exit 3)" in sharded_pytest.summary(log, 3, 9)
+
+
+def test_by_test_deals_the_cases_out_in_turn():
+    ids = [f"t.py::test_a[{i}]" for i in range(5)] + ["u.py::test_b"]
+    parts = sharded_pytest.id_shares(ids, 4)
+    assert parts == [["t.py::test_a[0]", "t.py::test_a[4]"], ["t.py::test_a[1]", "u.py::test_b"],
+                     ["t.py::test_a[2]"], ["t.py::test_a[3]"]]
+    assert sharded_pytest.id_shares(ids[:2], 4) == [["t.py::test_a[0]"], ["t.py::test_a[1]"]]  # no empty share
+
+
+def test_collected_ids_are_the_lines_naming_tests():
+    out = ("backends/x/test_a.py::test_one[1-2]\nbackends/x/test_a.py::test_two\n\n"
+           "  <Function test_three>\n3 tests collected in 0.01s\n")
+    assert sharded_pytest.collected_ids(out) == ["backends/x/test_a.py::test_one[1-2]",
+                                                 "backends/x/test_a.py::test_two"]
+
+
+def test_by_test_runs_every_test_once_across_shares(tmp_path, capsys):
+    many = _write(tmp_path / "test_many.py", "import pytest\n\n@pytest.mark.parametrize('i', range(6))\n"
+                  "def test_i(i):\n    assert i != 4\n")
+    one = _write(tmp_path / "test_one.py", "def test_ok():\n    assert True\n")
+    rc = sharded_pytest.main(["--jobs", "3", "--by-test", "--logs", str(tmp_path / "logs"), many, one, "--", "-rf"])
+    out = capsys.readouterr().out
+    assert rc == 1  # test_i[4] fails
+    logs = [(tmp_path / "logs" / f"share-{k}.txt").read_text() for k in range(3)]
+    assert sum(int(log.split(" passed")[0].split()[-1]) for log in logs if " passed" in log) == 6
+    assert "test_i[4]" in out and "## 2 of test_many.py, 1 of test_one.py" in out
+    assert sharded_pytest.main(["--jobs", "3", "--by-test", "--logs", str(tmp_path / "l2"), one]) == 0
+
+
+def test_by_test_with_nothing_collected_fails_and_says_so(tmp_path, capsys):
+    empty = _write(tmp_path / "test_empty.py", "x = 1\n")
+    assert sharded_pytest.main(["--by-test", "--logs", str(tmp_path / "logs"), empty]) == 1
+    assert "collecting the tests failed" in capsys.readouterr().out
+
+
+def test_collected_ids_name_the_given_files_absolutely(tmp_path):
+    f = _write(tmp_path / "test_a.py", "")
+    assert sharded_pytest.absolute("test_a.py::test_x[1]", [f]) == os.path.abspath(f) + "::test_x[1]"
+    assert sharded_pytest.absolute(f"{os.path.basename(tmp_path)}/test_a.py::t", [f]) == os.path.abspath(f) + "::t"
+    with pytest.raises(RuntimeError, match="in none of the files given"):
+        sharded_pytest.absolute("other/test_b.py::t", [f])
