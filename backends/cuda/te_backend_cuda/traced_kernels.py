@@ -32,11 +32,23 @@ _WRAP_TRITON = getattr(torch.library, "wrap_triton", None)  # torch 2.6 and late
 
 def takes(x) -> bool:
     """Whether the cast of x (which the traced twin already took) launches te_triton's kernel:
-    wrap_triton there, a contiguous x on a CUDA device, at least KERNEL_MIN_NUMEL elements and
-    every size a plain int (a symbolic size under dynamic=True keeps the compiler's cast: the
-    grid would be symbolic too)."""
+    wrap_triton there, a contiguous x on a CUDA device whose convert saturates, at least
+    KERNEL_MIN_NUMEL elements and every size a plain int (a symbolic size under dynamic=True
+    keeps the compiler's cast: the grid would be symbolic too)."""
     return (_WRAP_TRITON is not None and x.device.type == "cuda" and x.is_contiguous()
-            and all(type(d) is int for d in x.shape) and x.numel() >= KERNEL_MIN_NUMEL)
+            and all(type(d) is int for d in x.shape) and x.numel() >= KERNEL_MIN_NUMEL
+            and _kernels_run_on(x.device.index))
+
+
+@run_while_tracing
+def _kernels_run_on(index: int) -> bool:
+    """Whether GPU `index` runs te_triton's FP8-output kernels: the check the eager ops make in
+    supports() (the kernels leave saturation to the convert, which saturates from compute
+    capability 8.9 on), which a twin, run without supports(), makes itself. Elsewhere the
+    compiler's cast, which clamps, stays."""
+    from .ops.checks import fp8_convert_ok  # (not at import: ops imports this module's importers)
+
+    return fp8_convert_ok(index)[0]
 
 
 @run_while_tracing

@@ -54,6 +54,21 @@ def test_the_threshold_and_what_it_declines():
         assert not traced_kernels.takes(x[:1023])  # fewer elements
 
 
+def test_gpus_whose_convert_does_not_saturate_keep_the_compilers_cast(monkeypatch):
+    """The kernels leave saturation to the convert (compute capability 8.9 and up), as the eager
+    ops' supports() checks; on an older GPU the twin keeps the compiler's cast, which clamps."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from te_backend_cuda.ops import checks
+
+    with FakeTensorMode():  # a CUDA tensor as the trace sees it, on any machine
+        x = torch.empty(1024, 1024, dtype=torch.bfloat16, device="cuda")
+    monkeypatch.setattr(checks, "fp8_convert_ok", lambda index: (True, ""))
+    assert traced_kernels.takes(x)
+    monkeypatch.setattr(checks, "fp8_convert_ok", lambda index: (False, "compute capability 8.0"))
+    assert not traced_kernels.takes(x)
+
+
 CURRENT = [(False, False, 0.0), (True, False, 0.0), (True, True, 0.0), (True, False, 1e-3), (False, True, 0.0)]
 
 
