@@ -120,11 +120,12 @@ def main():
         parser.error(f"--recipes: unknown {unknown or names}; choose from {', '.join(RECIPES)}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
-        parser.error(f"--modes: unknown {[m for m in modes if m not in MODES] or modes}; choose from {', '.join(MODES)}")
+        unknown = [m for m in modes if m not in MODES] or modes
+        parser.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
     if not torch.cuda.is_available():
         parser.error("profile_layer.py profiles CUDA kernels: run it on a machine with an NVIDIA GPU")
     x, dy = inputs(args.batch)
-    families, profiles = {}, {}
+    profiles = {}
     for name in names:
         for mode in modes:
             step = training_step(te_layer(), x, dy, name, grads=args.grads, compiled=mode == "compiled")
@@ -132,12 +133,12 @@ def main():
             print(f"layer {name} {mode} b{args.batch}: host {host:.2f} ms, total {total:.2f} ms per step")
             kernels, counts = profile_step(step)
             profiles[name, mode] = kernels, counts
-            families[name, mode] = by_family(kernels)
             print("\n".join(report(f"{name} {mode}", kernels, args.rows, counts)))
     for mode in modes:
         for name in names:
-            if name != "bf16" and ("bf16", mode) in families:
-                sums, gemms, free = bounds(families["bf16", mode], families[name, mode])
+            if name != "bf16" and ("bf16", mode) in profiles:
+                bf16, fp8 = by_family(profiles["bf16", mode][0]), by_family(profiles[name, mode][0])
+                sums, gemms, free = bounds(bf16, fp8)
                 print(f"{name} over bf16 ({mode}), by GPU time: kernel sums {sums:.2f}x; GEMMs alone {gemms:.2f}x; "
                       f"with its other kernels as bf16's {free:.2f}x")
     if "compiled" in modes and "eager" in modes:

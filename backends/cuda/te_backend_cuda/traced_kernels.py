@@ -23,6 +23,7 @@ import torch
 from te_core._tracing import run_while_tracing
 from te_triton import blockwise as triton_blockwise
 from te_triton import cast as triton_cast
+from te_triton._common import cdiv, grid_size
 
 from . import configs
 
@@ -52,17 +53,18 @@ def _kernels_run_on(index: int) -> bool:
 
 
 @run_while_tracing
-def _quantize_config(index: int) -> tuple:
-    """(block, num_warps, max_programs, hw_saturate) of GPU `index`'s quantize launches."""
+def _quantize_launch(index: int, n: int) -> tuple:
+    """(programs, block, num_warps, hw_saturate) of GPU `index`'s quantize launches over n elements."""
     cfg = configs.for_device(index).quantize
-    return cfg.block, cfg.num_warps, cfg.max_programs, cfg.hw_saturate
+    return grid_size(cdiv(n, cfg.block), cfg), cfg.block, cfg.num_warps, cfg.hw_saturate
 
 
 @run_while_tracing
-def _cast_transpose_config(index: int) -> tuple:
-    """(block_m, block_n, num_warps, max_programs, hw_saturate) of its cast-transposes."""
+def _cast_transpose_launch(index: int, m: int, k: int) -> tuple:
+    """(programs, block_m, block_n, num_warps, hw_saturate) of its cast-transposes of an (m, k) x."""
     cfg = configs.for_device(index).cast_transpose
-    return cfg.block_m, cfg.block_n, cfg.num_warps, cfg.max_programs, cfg.hw_saturate
+    programs = grid_size(cdiv(m, cfg.block_m) * cdiv(k, cfg.block_n), cfg)
+    return programs, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.hw_saturate
 
 
 @run_while_tracing
@@ -73,37 +75,31 @@ def _blockwise_config(index: int, with_transpose: bool, block_2d: bool) -> tuple
     return cfg.block_m, cfg.num_warps, cfg.hw_saturate
 
 
-def _programs(work: int, max_programs: int) -> int:
-    """te_triton._common.grid_size of those numbers."""
-    return max(1, min(work, max_programs)) if max_programs > 0 else max(1, work)
-
-
 def quantize_fp8_current(x, fp8_dtype, *, with_transpose, force_pow2_scales, amax_epsilon):
     """(data, data_t or None, scale, scale_inv, amax) as te_triton.cast.quantize_fp8_current
     launches them: the amax pass, then the cast pass that makes the scale from it."""
     fmax = torch.finfo(fp8_dtype).max
     dev, n = x.device, x.numel()
-    block, warps, max_programs, hw_saturate = _quantize_config(dev.index)
+    programs, block, warps, hw_saturate = _quantize_launch(dev.index, n)
     amax = torch.zeros((), dtype=torch.float32, device=dev)
     scale = torch.empty(1, dtype=torch.float32, device=dev)
     scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
     eps, pow2 = float(amax_epsilon), bool(force_pow2_scales)
     # the amax pass writes amax alone (its y, scale and scale_inv pointers are never written)
-    _WRAP_TRITON(triton_cast._quantize_kernel.kernel)[(_programs(-(-n // block), max_programs),)](
+    _WRAP_TRITON(triton_cast._quantize_kernel.kernel)[(programs,)](
         x, x, scale, amax, n, 1.0, scale_inv, 0.0, BLOCK=block, STORE=False, CLAMP=True, FROM_AMAX=False,
         POW2=False, num_warps=warps)
     if with_transpose:
         m, k = x.shape
-        bm, bn, ct_warps, ct_max_programs, ct_hw_saturate = _cast_transpose_config(dev.index)
+        ct_programs, bm, bn, ct_warps, ct_hw_saturate = _cast_transpose_launch(dev.index, m, k)
         data = torch.empty((m, k), dtype=fp8_dtype, device=dev)
         data_t = torch.empty((k, m), dtype=fp8_dtype, device=dev)
-        tiles = -(-m // bm) * -(-k // bn)
-        _WRAP_TRITON(triton_cast._cast_transpose_kernel.kernel)[(_programs(tiles, ct_max_programs),)](
+        _WRAP_TRITON(triton_cast._cast_transpose_kernel.kernel)[(ct_programs,)](
             x, data, data_t, scale, amax, m, k, fmax, scale_inv, eps, BM=bm, BN=bn,
             CLAMP=not ct_hw_saturate or x.dtype != torch.bfloat16, FROM_AMAX=True, POW2=pow2, num_warps=ct_warps)
         return data, data_t, scale, scale_inv, amax
     data = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
-    _WRAP_TRITON(triton_cast._quantize_kernel.kernel)[(_programs(-(-n // block), max_programs),)](
+    _WRAP_TRITON(triton_cast._quantize_kernel.kernel)[(programs,)](
         x, data, scale, amax, n, fmax, scale_inv, eps, BLOCK=block, STORE=True, CLAMP=not hw_saturate,
         FROM_AMAX=True, POW2=pow2, num_warps=warps)
     return data, None, scale, scale_inv, amax
@@ -116,34 +112,27 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d, with_transpose, force_pow2_sca
     fmax = torch.finfo(fp8_dtype).max
     dev = x.device
     m, k = x.shape
-    mb, kb = -(-m // block), -(-k // block)
+    mb, kb = cdiv(m, block), cdiv(k, block)
     block_m, warps, hw_saturate = _blockwise_config(dev.index, bool(with_transpose), bool(block_2d))
     bm = block if (block_2d or with_transpose) else block_m
     data = torch.empty((m, k), dtype=fp8_dtype, device=dev)
-    scale_inv = _scales(mb if block_2d else m, kb, not block_2d, dev)
+    scale_inv = triton_blockwise._scales(mb if block_2d else m, kb, not block_2d, dev)
     if with_transpose:
         data_t = torch.empty((k, m), dtype=fp8_dtype, device=dev)
-        scale_inv_t = _scales(kb if block_2d else k, mb, not block_2d, dev)
+        scale_inv_t = triton_blockwise._scales(kb if block_2d else k, mb, not block_2d, dev)
         yt, st = data_t, scale_inv_t
     else:  # pointers the variant never writes: tensors of their own (see the module docstring)
         data_t = scale_inv_t = None
         yt = torch.empty(1, dtype=fp8_dtype, device=dev)
         st = torch.empty((1, 1), dtype=torch.float32, device=dev)
     unused_dbias = torch.empty(1, dtype=torch.float32, device=dev)
-    _WRAP_TRITON(triton_blockwise._blockwise_kernel.kernel)[(-(-m // bm), kb)](
+    _WRAP_TRITON(triton_blockwise._blockwise_kernel.kernel)[(cdiv(m, bm), kb)](
         x, data, scale_inv, yt, st, unused_dbias, m, k, mb, kb, k,
         scale_inv.stride(0), scale_inv.stride(1), st.stride(0), st.stride(1), 0, fmax, float(amax_epsilon),
         BM=bm, BLOCK_2D=bool(block_2d), TRANSPOSE=bool(with_transpose), POW2=bool(force_pow2_scales),
         SUB=min(block_m, block), num_warps=warps,
         CLAMP=not hw_saturate or (bool(with_transpose) and x.dtype != torch.bfloat16), DBIAS=False)
     return data, scale_inv, data_t, scale_inv_t
-
-
-def _scales(rows: int, cols: int, column_major: bool, device) -> torch.Tensor:
-    """te_triton.blockwise's scale grid: (rows, cols) float32, column by column for 1x128 blocks."""
-    if column_major:
-        return torch.empty_strided((rows, cols), (1, max(rows, 1)), dtype=torch.float32, device=device)
-    return torch.empty((rows, cols), dtype=torch.float32, device=device)
 
 
 def dbias_cast_transpose_blockwise(dy, fp8_dtype, *, force_pow2_scales, amax_epsilon):
@@ -155,11 +144,11 @@ def dbias_cast_transpose_blockwise(dy, fp8_dtype, *, force_pow2_scales, amax_eps
     fmax = torch.finfo(fp8_dtype).max
     dev = dy.device
     m, k = dy.shape
-    mb, kb = -(-m // block), -(-k // block)
+    mb, kb = cdiv(m, block), cdiv(k, block)
     block_m, warps, hw_saturate = _blockwise_config(dev.index, True, False)
     data = torch.empty((m, k), dtype=fp8_dtype, device=dev)
     data_t = torch.empty((k, m), dtype=fp8_dtype, device=dev)
-    scale_inv, scale_inv_t = _scales(m, kb, True, dev), _scales(k, mb, True, dev)
+    scale_inv, scale_inv_t = triton_blockwise._scales(m, kb, True, dev), triton_blockwise._scales(k, mb, True, dev)
     one = mb == 1
     partial = torch.empty((mb, k), dtype=dy.dtype if one else torch.float32, device=dev)
     _WRAP_TRITON(triton_blockwise._blockwise_kernel.kernel)[(mb, kb)](
