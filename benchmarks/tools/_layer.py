@@ -15,13 +15,14 @@ RECIPES = {"delayed": recipe.DelayedScaling, "current": recipe.Float8CurrentScal
            "block": recipe.Float8BlockScaling, "bf16": None}
 
 
-def inputs(batch: int):
-    x = torch.randn(SEQ, batch, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    return x, torch.randn(SEQ, batch, H, device="cuda", dtype=torch.bfloat16)
+def inputs(batch: int, hidden: int = H):
+    x = torch.randn(SEQ, batch, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return x, torch.randn(SEQ, batch, hidden, device="cuda", dtype=torch.bfloat16)
 
 
-def te_layer():
-    return _te_layer(H, FFN, HEADS)
+def te_layer(hidden: int = H):
+    """The layer; another hidden size keeps the sweep's proportions (ffn 4x hidden, 128 per head)."""
+    return _te_layer(hidden, FFN * hidden // H, HEADS * hidden // H)
 
 
 def torch_layer():

@@ -1,4 +1,4 @@
-"""Where a te.TransformerLayer training step (h4096, ffn 16384, 32 heads, s2048) spends GPU time:
+"""Where a te.TransformerLayer training step (h4096, ffn 16384, 32 heads, s2048; --hidden scales it) spends GPU time:
 host enqueue against total time per step, then its kernels by CUDA time (torch.profiler), summed
 by family (GEMMs, attention, element-wise adds, FP8 casts, norms, activations). Given bf16 and an
 FP8 recipe, it also prints what bounds FP8's ratio: the GEMMs' ratio alone, and the ratio FP8
@@ -9,7 +9,7 @@ torch.compile as well, and prints where the compiled step's kernels differ from 
 (family by family: GPU time and kernel count).
 
     python benchmarks/tools/profile_layer.py [--recipes delayed,bf16] [--modes eager,compiled] [--batch 8] [--rows 40]
-                                             [--grads accumulate|none]
+                                             [--grads accumulate|none] [--hidden 4096]
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: shared helpers
-from _layer import RECIPES, inputs, te_layer, training_step  # noqa: E402
+from _layer import H, RECIPES, inputs, te_layer, training_step  # noqa: E402
 from _timing import host_and_total_ms  # noqa: E402
 
 # Matched in order against the lower-cased kernel name; the first family with a match wins.
@@ -110,6 +110,7 @@ def main():
     parser.add_argument("--modes", default="eager", help="comma-separated, of eager, compiled (the forward, "
                         "te.autocast included, under torch.compile)")
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=H, help="hidden size (ffn 4x, 128 per head; default %(default)s)")
     parser.add_argument("--rows", type=int, default=40)
     parser.add_argument("--grads", default="accumulate", choices=("accumulate", "none"),
                         help="accumulate into .grad across steps (the benchmarks' step), or drop it first")
@@ -124,11 +125,11 @@ def main():
         parser.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
     if not torch.cuda.is_available():
         parser.error("profile_layer.py profiles CUDA kernels: run it on a machine with an NVIDIA GPU")
-    x, dy = inputs(args.batch)
+    x, dy = inputs(args.batch, args.hidden)
     profiles = {}
     for name in names:
         for mode in modes:
-            step = training_step(te_layer(), x, dy, name, grads=args.grads, compiled=mode == "compiled")
+            step = training_step(te_layer(args.hidden), x, dy, name, grads=args.grads, compiled=mode == "compiled")
             host, total = host_and_total_ms(step, n=5, warmup=3)
             print(f"layer {name} {mode} b{args.batch}: host {host:.2f} ms, total {total:.2f} ms per step")
             kernels, counts = profile_step(step)
