@@ -17,14 +17,17 @@ FP8 bytes, amaxes and scales are the eager ones; a bias gradient sums its rows i
 order. A cast reads a delayed-scaling scale through hold_scale, so that the backward never
 re-reads a scale the step has updated since.
 
-Delayed scaling's slot writes are taken only where WRITES_SLOTS allows (see there): a cast
-maxes its amax into `amax_out` (the history slot) through the max_into op and returns amax_out
-as its amax, as the contract says. The delayed-scaling update has no twin and stays the opaque
-op, one launch per step that mode="reduce-overhead" captures in its CUDA graphs: written in
-torch ops and compiled by inductor, it kept the old scales for a history holding NaN where the
-kernel, as Transformer Engine, ignores the NaN, and it made inductor's scheduler fail on a
-compiled TransformerLayer. Anything else (row-wise and MXFP8 scales, outputs written into
-`out`, tensors off this backend's device) returns NotImplemented and stays the opaque op.
+Delayed scaling's casts that max their amax into `amax_out` (a history slot) and its update
+are te_triton's own kernels launched by the compiled code (traced_kernels, where its DELAYED is
+on), at every size: the eager ops' kernels and bytes, the slot written through max_into. As
+opaque ops, each costs a trip through torch.library and te-core's dispatch, and a small
+compiled delayed-scaling step cost the host more than its eager self. Where those launches cannot run (a GPU whose convert does
+not saturate, a strided x, a history too long for one register tile), a cast with a slot stays
+the opaque op unless WRITES_SLOTS allows its torch-op twin (see there), and the update stays
+the opaque op: written in torch ops, it kept the old scales for a history holding NaN where the
+kernel, as Transformer Engine, ignores the NaN. Anything else (row-wise and MXFP8 scales,
+outputs written into `out`, tensors off this backend's device) returns NotImplemented and
+stays the opaque op.
 """
 from __future__ import annotations
 
@@ -52,11 +55,12 @@ CAST_DTYPES = (torch.float32, torch.bfloat16)
 TRACED_SCALINGS = (TENSORWISE, BLOCK_1x128_128x128, BLOCK_1x128_1x128)  # the GEMMs torch._scaled_mm runs here
 FLOAT32_MAX = torch.finfo(torch.float32).max
 DEVICE_TYPE = "cuda"  # the device whose tensors the twins take (the opaque op handles the rest)
-# Casts that max their amax into a delayed-scaling history slot (amax_out) stay the opaque ops
-# unless this is on. Traced, through max_into below, they compile and replay under
+# Casts that max their amax into a delayed-scaling history slot (amax_out) and that te_triton's
+# kernels cannot take from the compiled code (traced_kernels.takes) stay the opaque ops unless
+# this is on. Traced in torch ops, through max_into below, they compile and replay under
 # mode="reduce-overhead", but a compiled or graphed delayed-scaling step is no faster with them
-# (a TransformerLayer is slower), so the opaque ops keep them. The tests check the twins' math
-# with it on.
+# (a TransformerLayer is slower: inductor's casts take more GPU time and more launches), so the
+# opaque ops keep them. The tests check the twins' math with it on.
 WRITES_SLOTS = False
 
 
@@ -74,10 +78,24 @@ def _takes(x, fp8_dtype, scale=None, amax_out=None) -> bool:
         return False
     if fp8_dtype not in FP8_FORMATS or x.dtype not in CAST_DTYPES:
         return False
-    if amax_out is not None and not (WRITES_SLOTS and _here(amax_out) and amax_out.device == x.device
-                                     and amax_out.dtype == torch.float32 and amax_out.numel() == 1):
+    if amax_out is not None and not (_here(amax_out) and amax_out.device == x.device
+                                     and amax_out.dtype == torch.float32 and amax_out.numel() == 1
+                                     and (WRITES_SLOTS or _slot_kernel(x))):
         return False
     return scale is None or (scale.device == x.device and scale.numel() == 1 and scale.dtype == torch.float32)
+
+
+def _slot_kernel(x) -> bool:
+    """Whether a cast of x writing a history slot launches te_triton's kernel (every size)."""
+    return traced_kernels.DELAYED and traced_kernels.takes(x, min_numel=1)
+
+
+def _on_kernel(x, amax_out) -> bool:
+    """Whether a cast with a given scale launches te_triton's kernel: one writing a history slot
+    as _slot_kernel says, others from traced_kernels.KERNEL_MIN_NUMEL (as current scaling's)."""
+    if amax_out is not None:
+        return _slot_kernel(x)
+    return traced_kernels.DELAYED and traced_kernels.takes(x)
 
 
 def _as(t, dtype):
@@ -168,6 +186,8 @@ def _div_rn(a, b):
 def quantize_fp8(x, scale, fp8_dtype, *, amax_out=None):
     if not _takes(x, fp8_dtype, scale, amax_out):
         return NotImplemented
+    if _on_kernel(x, amax_out):
+        return traced_kernels.quantize_fp8(x, scale, fp8_dtype, amax_out=amax_out)
     x = as_stored(x)
     return _cast(x, hold_scale(scale), fp8_dtype), amax_into(_amax(x), amax_out)
 
@@ -175,6 +195,8 @@ def quantize_fp8(x, scale, fp8_dtype, *, amax_out=None):
 def cast_transpose_fp8(x, scale, fp8_dtype, *, amax_out=None):
     if not _takes(x, fp8_dtype, scale, amax_out) or x.dim() != 2:
         return NotImplemented
+    if _on_kernel(x, amax_out):
+        return traced_kernels.cast_transpose_fp8(x, scale, fp8_dtype, amax_out=amax_out)
     x = as_stored(x)
     data = _cast(x, hold_scale(scale), fp8_dtype)
     return data, data.t().contiguous(), amax_into(_amax(x), amax_out)
@@ -183,6 +205,8 @@ def cast_transpose_fp8(x, scale, fp8_dtype, *, amax_out=None):
 def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out=None):
     if not _takes(dy, fp8_dtype, scale, amax_out) or dy.dim() != 2:
         return NotImplemented
+    if _on_kernel(dy, amax_out):
+        return traced_kernels.dbias_cast_transpose(dy, scale, fp8_dtype, amax_out=amax_out)
     dy = as_stored(dy)
     data = _cast(dy, hold_scale(scale), fp8_dtype)
     dbias = _as(_as(dy, torch.float32).sum(0), dy.dtype)
@@ -218,13 +242,17 @@ def quantize_fp8_current(x, fp8_dtype, *, with_transpose=False, force_pow2_scale
 
 def dbias_cast_transpose_current(parts, fp8_dtype, *, force_pow2_scales=False, amax_epsilon=0.0):
     """quantize_fp8_current's twin on the joined column blocks (the compiler fuses the join
-    into the cast), plus their column sums."""
+    into the cast), plus their column sums; from traced_kernels.KERNEL_MIN_NUMEL elements
+    te_triton's fused kernel with its bias gradient."""
     if not isinstance(parts, (list, tuple)) or not parts or not all(_here(p) and p.dim() == 2 for p in parts):
         return NotImplemented
     first = parts[0]
     if any(p.dtype != first.dtype or p.shape[0] != first.shape[0] or p.device != first.device for p in parts):
         return NotImplemented  # (the opaque op names the mismatch)
     dy = torch.cat(list(parts), dim=1) if len(parts) > 1 else first
+    if _takes(dy, fp8_dtype) and traced_kernels.takes(dy):  # te_triton's fused kernel, as the eager op
+        return traced_kernels.dbias_cast_transpose_current(dy, fp8_dtype, force_pow2_scales=force_pow2_scales,
+                                                           amax_epsilon=amax_epsilon)
     result = quantize_fp8_current(dy, fp8_dtype, with_transpose=True, force_pow2_scales=force_pow2_scales,
                                   amax_epsilon=amax_epsilon)
     if result is NotImplemented:
@@ -232,6 +260,17 @@ def dbias_cast_transpose_current(parts, fp8_dtype, *, force_pow2_scales=False, a
     data, data_t, scale, scale_inv, amax = result
     dy = as_stored(dy)
     return data, data_t, _as(_as(dy, torch.float32).sum(0), dy.dtype), scale, scale_inv, amax
+
+
+def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin=0.0, amax_compute_algo="max"):
+    """te_triton's update kernel launched by the compiled code, per history (traced_kernels);
+    NotImplemented (the opaque op) where it cannot take them."""
+    if (not isinstance(amax_compute_algo, str) or amax_compute_algo not in ("max", "most_recent")
+            or len(fp8_maxes) != len(amax_histories) or not traced_kernels.update_takes(amax_histories, scales)):
+        return NotImplemented
+    traced_kernels.delayed_scaling_update(amax_histories, scales, fp8_maxes, margin=float(margin),
+                                          amax_compute_algo=amax_compute_algo)
+    return None
 
 
 def transpose_fp8(data):
@@ -354,6 +393,7 @@ TRACED = {
     "dbias_cast_transpose": dbias_cast_transpose,
     "quantize_fp8_current": quantize_fp8_current,
     "dbias_cast_transpose_current": dbias_cast_transpose_current,
+    "delayed_scaling_update": delayed_scaling_update,
     "transpose_fp8": transpose_fp8,
     "dequantize_fp8": dequantize_fp8,
     "gemm_fp8": gemm_fp8,

@@ -1,5 +1,5 @@
-"""Current-scaling and block-scaled casts of mid-sized tensors (and the block-scaled gradient's
-cast with its bias gradient) as te_triton's own kernels, launched by the compiled code
+"""Current-scaling and block-scaled casts of mid-sized tensors (and the gradient's cast with its
+bias gradient, in either recipe) as te_triton's own kernels, launched by the compiled code
 (torch.library.wrap_triton): what the twins of traced and traced_block run for tensors of
 KERNEL_MIN_NUMEL elements and up.
 
@@ -23,7 +23,9 @@ import torch
 from te_core._tracing import run_while_tracing
 from te_triton import blockwise as triton_blockwise
 from te_triton import cast as triton_cast
-from te_triton._common import cdiv, grid_size
+from te_triton import dbias as triton_dbias
+from te_triton import scaling as triton_scaling
+from te_triton._common import cdiv, grid_size, next_power_of_2
 
 from . import configs
 
@@ -31,13 +33,13 @@ KERNEL_MIN_NUMEL = 1 << 20
 _WRAP_TRITON = getattr(torch.library, "wrap_triton", None)  # torch 2.6 and later
 
 
-def takes(x) -> bool:
+def takes(x, min_numel: int = KERNEL_MIN_NUMEL) -> bool:
     """Whether the cast of x (which the traced twin already took) launches te_triton's kernel:
     wrap_triton there, a contiguous x on a CUDA device whose convert saturates, at least
-    KERNEL_MIN_NUMEL elements and every size a plain int (a symbolic size under dynamic=True
-    keeps the compiler's cast: the grid would be symbolic too)."""
+    `min_numel` elements and every size a plain int (a symbolic size under dynamic=True keeps
+    the compiler's cast: the grid would be symbolic too)."""
     return (_WRAP_TRITON is not None and x.device.type == "cuda" and x.is_contiguous()
-            and all(type(d) is int for d in x.shape) and x.numel() >= KERNEL_MIN_NUMEL
+            and all(type(d) is int for d in x.shape) and x.numel() >= max(min_numel, 1)
             and _kernels_run_on(x.device.index))
 
 
@@ -75,6 +77,24 @@ def _blockwise_config(index: int, with_transpose: bool, block_2d: bool) -> tuple
     return cfg.block_m, cfg.num_warps, cfg.hw_saturate
 
 
+@run_while_tracing
+def _dbias_ct_launch(index: int, m: int, k: int) -> tuple:
+    """(row groups, column strips, block_m, block_n, num_warps, prefetch, hw_saturate) of its dbias
+    cast-transposes of an (m, k) gradient: the pointer kernel's config, as the eager op picks for
+    tensors below TMA_MIN_NUMEL (the twins take none larger)."""
+    cfg = configs.for_device(index).dbias_cast_transpose
+    strips = cdiv(k, cfg.block_n)
+    return (triton_dbias._groups(m, strips, cfg), strips, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.prefetch,
+            cfg.hw_saturate)
+
+
+def _amax_pass(x, scale, scale_inv, amax, programs, block, warps) -> None:
+    """Current scaling's first pass: max |x| into amax (the pass writes nothing else)."""
+    _WRAP_TRITON(triton_cast._quantize_kernel.kernel)[(programs,)](
+        x, x, scale, amax, x.numel(), 1.0, scale_inv, 0.0, BLOCK=block, STORE=False, CLAMP=True, FROM_AMAX=False,
+        POW2=False, num_warps=warps)
+
+
 def quantize_fp8_current(x, fp8_dtype, *, with_transpose, force_pow2_scales, amax_epsilon):
     """(data, data_t or None, scale, scale_inv, amax) as te_triton.cast.quantize_fp8_current
     launches them: the amax pass, then the cast pass that makes the scale from it."""
@@ -85,10 +105,7 @@ def quantize_fp8_current(x, fp8_dtype, *, with_transpose, force_pow2_scales, ama
     scale = torch.empty(1, dtype=torch.float32, device=dev)
     scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
     eps, pow2 = float(amax_epsilon), bool(force_pow2_scales)
-    # the amax pass writes amax alone (its y, scale and scale_inv pointers are never written)
-    _WRAP_TRITON(triton_cast._quantize_kernel.kernel)[(programs,)](
-        x, x, scale, amax, n, 1.0, scale_inv, 0.0, BLOCK=block, STORE=False, CLAMP=True, FROM_AMAX=False,
-        POW2=False, num_warps=warps)
+    _amax_pass(x, scale, scale_inv, amax, programs, block, warps)
     if with_transpose:
         m, k = x.shape
         ct_programs, bm, bn, ct_warps, ct_hw_saturate = _cast_transpose_launch(dev.index, m, k)
@@ -158,3 +175,154 @@ def dbias_cast_transpose_blockwise(dy, fp8_dtype, *, force_pow2_scales, amax_eps
         SUB=min(block_m, block), num_warps=warps, CLAMP=not hw_saturate or dy.dtype != torch.bfloat16, DBIAS=True)
     dbias = partial[0] if one else partial.sum(dim=0).to(dy.dtype)
     return data, scale_inv, data_t, scale_inv_t, dbias
+
+
+def dbias_cast_transpose_current(dy, fp8_dtype, *, force_pow2_scales, amax_epsilon):
+    """(data, data_t, dbias, scale, scale_inv, amax) of a 2-D gradient as
+    te_triton.dbias.dbias_cast_transpose_current launches them for one part: the amax pass, then
+    the dbias cast-transpose that makes its scale from that amax, then the sum of its row
+    groups' column sums (none for one group, whose sums are the bias gradient). A gradient the
+    eager op reads as column blocks is joined here first: each column's sums run over the same
+    rows in the same order either way, so the bytes are the same."""
+    fmax = torch.finfo(fp8_dtype).max
+    dev = dy.device
+    m, k = dy.shape
+    programs, block, warps, _ = _quantize_launch(dev.index, m * k)
+    amax = torch.zeros((), dtype=torch.float32, device=dev)
+    scale = torch.empty(1, dtype=torch.float32, device=dev)
+    scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
+    _amax_pass(dy, scale, scale_inv, amax, programs, block, warps)
+    groups, strips, bm, bn, ct_warps, prefetch, hw_saturate = _dbias_ct_launch(dev.index, m, k)
+    data = torch.empty((m, k), dtype=fp8_dtype, device=dev)
+    data_t = torch.empty((k, m), dtype=fp8_dtype, device=dev)
+    summed = groups == 1
+    partial = torch.empty((groups, k), dtype=dy.dtype if summed else torch.float32, device=dev)
+    # one part: the second and third column blocks start past the last column (never read)
+    _WRAP_TRITON(triton_dbias._dbias_ct_kernel.kernel)[(groups * strips,)](
+        dy, dy, data, data_t, scale, amax, partial, m, k, fmax, groups, dy, dy, k, k, scale_inv,
+        float(amax_epsilon), ACT=False, KIND=0, BM=bm, BN=bn, CLAMP=not hw_saturate or dy.dtype != torch.bfloat16,
+        PREFETCH=prefetch, PARTS=1, FROM_AMAX=True, POW2=bool(force_pow2_scales), num_warps=ct_warps)
+    dbias = partial[0] if summed else partial.sum(dim=0).to(dy.dtype)
+    return data, data_t, dbias, scale, scale_inv, amax
+
+
+# --- delayed scaling: casts that max their amax into a history slot, and the update -------------
+# Whether the twins take delayed scaling's slot-writing casts and its update here (traced.py);
+# off, they stay the opaque ops. Off until the GPU tests of these launches have run.
+DELAYED = False
+
+# Whether a cast's kernel maxes its amax into the history slot itself, as the eager op's does.
+# Off: the kernel maxes it into a zero of its own, and the max_into op (traced.py) writes the
+# slot. A kernel's written arguments are functionalized, and a slot is a view of its history:
+# written by the kernel, the slot becomes a functionalized copy of the whole history, which
+# CUDA graph trees (mode="reduce-overhead") reject; max_into is called on the history's own
+# memory.
+SLOT_IN_KERNEL = False
+
+
+def _amax_buffer(amax_out, dev):
+    """(what the kernel maxes |x| into, whether max_into must then write amax_out)."""
+    if amax_out is not None and SLOT_IN_KERNEL:
+        return amax_out, False
+    return torch.zeros((), dtype=torch.float32, device=dev), amax_out is not None
+
+
+def _into_slot(amax, amax_out, write: bool):
+    """The amax the cast returns: amax_out, maxed with amax where the kernel did not write it."""
+    if write:
+        torch.ops.te_backend_cuda.max_into(amax_out, amax)
+    return amax_out if amax_out is not None else amax
+
+
+def quantize_fp8(x, scale, fp8_dtype, *, amax_out):
+    """(data, amax) of a delayed-scaling cast as te_triton.cast.quantize_fp8 launches it; its
+    amax maxed into `amax_out` (a history slot) where given (see SLOT_IN_KERNEL)."""
+    dev, n = x.device, x.numel()
+    programs, block, warps, hw_saturate = _quantize_launch(dev.index, n)
+    amax, write = _amax_buffer(amax_out, dev)
+    data = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
+    # (the scale_inv position is read only by current scaling: eager passes the scale there too)
+    _WRAP_TRITON(triton_cast._quantize_kernel.kernel)[(programs,)](
+        x, data, scale, amax, n, torch.finfo(fp8_dtype).max, scale, 0.0, BLOCK=block, STORE=True,
+        CLAMP=not hw_saturate, FROM_AMAX=False, POW2=False, num_warps=warps)
+    return data, _into_slot(amax, amax_out, write)
+
+
+def cast_transpose_fp8(x, scale, fp8_dtype, *, amax_out):
+    """(data, data_t, amax) as te_triton.cast.cast_transpose_fp8 launches them (amax as
+    quantize_fp8's)."""
+    dev = x.device
+    m, k = x.shape
+    programs, bm, bn, warps, hw_saturate = _cast_transpose_launch(dev.index, m, k)
+    amax, write = _amax_buffer(amax_out, dev)
+    data = torch.empty((m, k), dtype=fp8_dtype, device=dev)
+    data_t = torch.empty((k, m), dtype=fp8_dtype, device=dev)
+    _WRAP_TRITON(triton_cast._cast_transpose_kernel.kernel)[(programs,)](
+        x, data, data_t, scale, amax, m, k, torch.finfo(fp8_dtype).max, scale, 0.0, BM=bm, BN=bn,
+        CLAMP=not hw_saturate or x.dtype != torch.bfloat16, FROM_AMAX=False, POW2=False, num_warps=warps)
+    return data, data_t, _into_slot(amax, amax_out, write)
+
+
+def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out):
+    """(data, data_t, dbias, amax) as te_triton.dbias.dbias_cast_transpose launches them (amax as
+    above; the bias gradient as dbias_cast_transpose_current's)."""
+    dev = dy.device
+    m, k = dy.shape
+    groups, strips, bm, bn, warps, prefetch, hw_saturate = _dbias_ct_launch(dev.index, m, k)
+    amax, write = _amax_buffer(amax_out, dev)
+    data = torch.empty((m, k), dtype=fp8_dtype, device=dev)
+    data_t = torch.empty((k, m), dtype=fp8_dtype, device=dev)
+    summed = groups == 1
+    partial = torch.empty((groups, k), dtype=dy.dtype if summed else torch.float32, device=dev)
+    _WRAP_TRITON(triton_dbias._dbias_ct_kernel.kernel)[(groups * strips,)](
+        dy, dy, data, data_t, scale, amax, partial, m, k, torch.finfo(fp8_dtype).max, groups, dy, dy, k, k, scale,
+        0.0, ACT=False, KIND=0, BM=bm, BN=bn, CLAMP=not hw_saturate or dy.dtype != torch.bfloat16,
+        PREFETCH=prefetch, PARTS=1, FROM_AMAX=False, POW2=False, num_warps=warps)
+    dbias = partial[0] if summed else partial.sum(dim=0).to(dy.dtype)
+    return data, data_t, dbias, _into_slot(amax, amax_out, write)
+
+
+@run_while_tracing
+def _scaled_max(fp8_max: float, margin: float) -> float:
+    """fp8_max * 2^-margin as te_triton.scaling computes it on the host: 2^-margin rounded to
+    float32, then the product in float32."""
+    product = torch.tensor(2.0 ** -float(margin), dtype=torch.float32) * torch.tensor(float(fp8_max),
+                                                                                      dtype=torch.float32)
+    return float(product)
+
+
+def update_takes(amax_histories, scales) -> bool:
+    """Whether the compiled code can launch the update of these histories: wrap_triton there,
+    each history a contiguous float32 (L, n) tensor with its n contiguous float32 scales, all on
+    one CUDA device, each small enough for te_triton's register-tile kernel (the eager op's
+    for the usual histories; longer ones keep the opaque op)."""
+    if not DELAYED or _WRAP_TRITON is None or not amax_histories or len(amax_histories) != len(scales):
+        return False
+    device = amax_histories[0].device
+    for h, s in zip(amax_histories, scales):
+        if not (isinstance(h, torch.Tensor) and isinstance(s, torch.Tensor) and h.device == device == s.device
+                and device.type == "cuda" and h.dim() == 2 and h.dtype == s.dtype == torch.float32
+                and h.is_contiguous() and s.is_contiguous() and h.shape[0] >= 1 and s.numel() == h.shape[1]
+                and all(type(d) is int for d in h.shape)):
+            return False
+        bl, bn = _update_blocks(*h.shape)
+        if bl * bn > triton_scaling.TILE_ELEMENTS:
+            return False
+    return True
+
+
+def _update_blocks(length: int, columns: int) -> tuple:
+    """(BL, BN) of te_triton's register-tile update of an (length, columns) history."""
+    return next_power_of_2(length), min(next_power_of_2(max(columns, 1)), triton_scaling.TILE_COLUMNS)
+
+
+def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin, amax_compute_algo):
+    """In place, as te_triton.scaling.delayed_scaling_update updates them, one launch per history
+    (the eager op's one launch reads the histories' addresses from a table, which the compiled
+    code's functionalization cannot see). The same math on the same tiles, so the same bytes."""
+    for h, s, fp8_max in zip(amax_histories, scales, fp8_maxes):
+        length, columns = h.shape
+        bl, bn = _update_blocks(length, columns)
+        _WRAP_TRITON(triton_scaling._delayed_update_one_kernel.kernel)[(1, cdiv(columns, bn))](
+            h, s, columns, length, _scaled_max(fp8_max, margin), MOST_RECENT=amax_compute_algo == "most_recent",
+            BL=bl, BN=bn, num_warps=4 if bl * bn <= 4096 else 8)

@@ -274,3 +274,176 @@ def test_dbias_twin_launches_what_te_triton_launches(monkeypatch, sm90, shape):
         twin=False)
     assert len(eager) == 1
     _same_launches(twin, eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(1024, 1024), (128, 8192), (1040, 1100)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("setting", [(False, 0.0), (True, 1e-3)], ids=["plain", "pow2-eps"])
+def test_current_dbias_twin_launches_what_te_triton_launches(monkeypatch, sm90, setting, shape, dtype):
+    from te_triton import dbias
+
+    pow2, eps = setting
+    dy = torch.randn(shape).to(dtype)
+    twin = _launches(lambda: traced_kernels.dbias_cast_transpose_current(
+        dy, E5M2, force_pow2_scales=pow2, amax_epsilon=eps), monkeypatch, twin=True)
+    eager = _launches(lambda: dbias.dbias_cast_transpose_current(
+        [dy], E5M2, sm90.dbias_cast_transpose, force_pow2_scales=pow2, amax_epsilon=eps, amax_cfg=sm90.quantize),
+        monkeypatch, twin=False)
+    assert [c[0] for c in eager] == ["_quantize_kernel", "_dbias_ct_kernel"]
+    # the amax pass: its scale and scale_inv pointers (eager: the amax buffer) are never read
+    _same_launches(twin, eager, unused={(0, 2), (0, 6)})
+
+
+@GPU
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("widths", [[1024], [512, 640], [1100]], ids=["whole", "two-parts", "partial-strips"])
+@pytest.mark.parametrize("setting", [(False, 0.0), (True, 1e-3)], ids=["plain", "pow2-eps"])
+def test_current_dbias_twin_compiled_is_the_cuda_op(setting, widths, dtype):
+    """From the threshold on, compiled: te_triton's amax pass and fused dbias cast-transpose, the
+    eager op's bytes, scales and amax (column blocks joined first: the same bytes as the eager
+    op's reading them in place); the bias gradient within bfloat16's tolerance (the row groups'
+    sums are added in the compiler's order)."""
+    from te_backend_cuda import ops
+
+    torch._dynamo.reset()
+    pow2, eps = setting
+    full = _input((1040, sum(widths)), dtype=dtype, seed=4)
+    parts = [p.contiguous() for p in torch.split(full, widths, dim=1)]
+    kwargs = dict(force_pow2_scales=pow2, amax_epsilon=eps)
+    run = torch.compile(lambda p: traced.dbias_cast_transpose_current(p, E5M2, **kwargs), fullgraph=True)
+    got = run(parts)
+    want = ops.dbias_cast_transpose_current(parts, E5M2, **kwargs)
+    _assert_same(got[:2] + got[3:], want[:2] + want[3:])
+    torch.testing.assert_close(got[2], want[2], rtol=1.6e-2, atol=1e-5, equal_nan=True)
+    names = _kernels(run, parts)
+    assert "_dbias_ct_kernel" in names, names
+    torch._dynamo.reset()
+
+
+# --- delayed scaling: casts into a history slot (every size) and the update ----------------------
+@pytest.mark.parametrize("slot_in_kernel", [False, True], ids=["max_into", "in-kernel"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(128, 1024), (1040, 1100)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("cast", ["quantize", "cast_transpose", "dbias"])
+def test_delayed_twins_launch_what_te_triton_launches(monkeypatch, sm90, cast, shape, dtype, slot_in_kernel):
+    """A cast with a given scale maxing into a history slot, at small sizes too: te_triton's
+    eager launch, with the slot itself as the amax pointer (SLOT_IN_KERNEL) or a zero of its
+    own, which max_into then maxes into the slot."""
+    monkeypatch.setattr(traced_kernels, "SLOT_IN_KERNEL", slot_in_kernel)
+    from te_triton import cast as triton_cast
+    from te_triton import dbias
+
+    x, scale, slot = torch.randn(shape).to(dtype), torch.full((1,), 3.0), torch.zeros(1)
+    twin_fn = {"quantize": traced_kernels.quantize_fp8, "cast_transpose": traced_kernels.cast_transpose_fp8,
+               "dbias": traced_kernels.dbias_cast_transpose}[cast]
+    eager_fn = {"quantize": lambda: triton_cast.quantize_fp8(x, scale, E4M3, sm90.quantize, amax_out=slot),
+                "cast_transpose": lambda: triton_cast.cast_transpose_fp8(x, scale, E4M3, sm90.cast_transpose,
+                                                                         amax_out=slot),
+                "dbias": lambda: dbias.dbias_cast_transpose(x, scale, E4M3, sm90.dbias_cast_transpose,
+                                                            amax_out=slot)}[cast]
+    twin_slot, returned = torch.full((1,), 0.5), []
+    twin = _launches(lambda: returned.append(twin_fn(x, scale, E4M3, amax_out=twin_slot)), monkeypatch, twin=True)
+    monkeypatch.setattr(traced_kernels, "SLOT_IN_KERNEL", slot_in_kernel)  # (_launches undoes it)
+    eager = _launches(eager_fn, monkeypatch, twin=False)
+    assert len(eager) == 1
+    amax_position = {"quantize": 3, "cast_transpose": 4, "dbias": 5}[cast]
+    _same_launches(twin, eager, unused=set() if slot_in_kernel else {(0, amax_position)})
+    if not slot_in_kernel:  # its own zero, maxed into the slot after the (recorded, not run) launch
+        assert twin[0][2][amax_position] == ("tensor", torch.float32, (), ())
+    assert returned[0][-1] is twin_slot and twin_slot.item() == 0.5  # the contract's amax: the slot
+
+
+@pytest.fixture
+def delayed(monkeypatch):
+    """The delayed-scaling launches on (traced_kernels.DELAYED)."""
+    monkeypatch.setattr(traced_kernels, "DELAYED", True)
+
+
+def test_update_twin_launches_one_tile_per_history(monkeypatch, delayed):
+    """The update: te_triton's one-history kernel per history, its register tile as the table
+    kernel's, the fp8 max scaled by 2^-margin in float32; histories too long for one tile, and
+    a callable amax_compute_algo, stay the opaque op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        hists = [torch.zeros(1024, 1, device="cuda"), torch.zeros(16, 20, device="cuda")]
+        scales = [torch.ones(1, device="cuda"), torch.ones(20, device="cuda")]
+        long, long_scales = [torch.zeros(4096, 4, device="cuda")], [torch.ones(4, device="cuda")]
+    calls = []
+    monkeypatch.setattr(traced_kernels, "_WRAP_TRITON", lambda kernel: _Recorder(calls, kernel))
+    assert traced.delayed_scaling_update(hists, scales, [448.0, 57344.0], margin=2.0) is None
+    assert [(c[0], c[1], c[2][2:], c[3]) for c in calls] == [
+        ("_delayed_update_one_kernel", (1, 1), (1, 1024, 112.0), dict(MOST_RECENT=False, BL=1024, BN=1, num_warps=4)),
+        ("_delayed_update_one_kernel", (1, 2), (20, 16, 14336.0), dict(MOST_RECENT=False, BL=16, BN=16, num_warps=4)),
+    ]
+    assert calls[0][2][0] is hists[0] and calls[0][2][1] is scales[0]
+    assert traced.delayed_scaling_update(long, long_scales, [448.0]) is NotImplemented
+    assert traced.delayed_scaling_update(hists, scales, [448.0, 448.0], amax_compute_algo=max) is NotImplemented
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int32 if t.element_size() == 4 else torch.uint8)
+
+
+@GPU
+@pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan"])
+@pytest.mark.parametrize("shape", [(128, 1024), (1040, 1100)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("name", ["quantize_fp8", "cast_transpose_fp8", "dbias_cast_transpose"])
+def test_delayed_casts_compiled_write_the_history_as_eager(delayed, name, shape, nan):
+    """Compiled, a cast into a history slot (a view of the history, as modules pass it) gives
+    the eager op's FP8 bytes and leaves the history as the eager op leaves it, bit for bit; the
+    bias gradient within bfloat16's tolerance (its row groups summed in the compiler's order)."""
+    from te_backend_cuda import ops
+
+    torch._dynamo.reset()
+    x = _input(shape, special=nan, seed=5)
+    scale = torch.full((1,), 0.37, device="cuda")
+    history = torch.rand(4, 3, device="cuda") + 1
+    history[0, 1] = 2.5
+    want_history = history.clone()
+    want = getattr(ops, name)(x, scale, E4M3, amax_out=want_history[0][1:2])
+    run = torch.compile(lambda t, s, h: getattr(traced, name)(t, s, E4M3, amax_out=h[0][1:2]), fullgraph=True)
+    got = run(x, scale, history)
+    exact = 2 if name != "quantize_fp8" else 1
+    _assert_same(got[:exact], want[:exact])
+    if name == "dbias_cast_transpose":
+        torch.testing.assert_close(got[2], want[2], rtol=1.6e-2, atol=1e-5, equal_nan=True)
+    assert torch.equal(_bits(history), _bits(want_history)), (history[0], want_history[0])
+    assert torch.equal(_bits(got[-1]), _bits(want[-1]))
+    torch._dynamo.reset()
+
+
+@GPU
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_update_compiled_is_the_cuda_op(delayed, algo):
+    """Compiled, the update of histories holding NaN, inf, zero and unrecorded columns, of
+    lengths 1 to 1024, gives the eager op's histories and scales bit for bit, through
+    te_triton's one-history kernel."""
+    from te_backend_cuda import ops
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(6)
+    hists = [torch.rand(5, 3, generator=g), torch.rand(1, 4, generator=g), torch.rand(13, 70, generator=g) * 100,
+             torch.rand(1024, 1, generator=g)]
+    hists[0][:, 1] = 0.0
+    hists[1][0, 2] = float("nan")
+    hists[2][3, 5] = float("inf")
+    hists[2][0, 7] = 1e-39
+    hists[2][6, 9] = float("nan")
+    hists[2][0, 11] = 0.0
+    hists = [h.cuda() for h in hists]
+    scales = [(torch.rand(h.shape[1], generator=g) + 0.5).cuda() for h in hists]
+    fmaxes = [448.0, 57344.0, 448.0, 448.0]
+    want_h, want_s = [h.clone() for h in hists], [s.clone() for s in scales]
+    ops.delayed_scaling_update(want_h, want_s, fmaxes, margin=1.0, amax_compute_algo=algo)
+
+    def update(hs, ss):
+        traced.delayed_scaling_update(hs, ss, fmaxes, margin=1.0, amax_compute_algo=algo)
+
+    run = torch.compile(update, fullgraph=True)
+    run(hists, scales)
+    for h, wh, s, ws in zip(hists, want_h, scales, want_s):
+        assert torch.equal(_bits(h), _bits(wh)) and torch.equal(_bits(s), _bits(ws))
+    names = _kernels(lambda _: run([h.clone() for h in hists], [s.clone() for s in scales]), None)
+    assert "_delayed_update_one_kernel" in names, names
+    torch._dynamo.reset()

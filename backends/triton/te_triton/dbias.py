@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (FLOAT_DTYPES, MAX_NUMEL, Config, abs_bits, amax_from_buffer, answered, cdiv, check_device,
-                      check_scalar, column_blocks, descriptor, fp8_max, launched, max_into, new_amax_buffer,
-                      saturating_cast, tma_ready)
+from ._common import (FLOAT_DTYPES, MAX_NUMEL, Config, abs_bits, amax_from_buffer, answered, as_float32, cdiv,
+                      check_device, check_scalar, column_blocks, descriptor, fp8_max, launched, max_into,
+                      new_amax_buffer, saturating_cast, tma_ready)
 from .activation import ELEMENTWISE_DEFAULT, KIND_IDS, _check, _check_dy, _dact, _no_params, activation_bwd
 from .cast import (NO_CURRENT, QUANTIZE_DEFAULT, _cast_scale, _cast_transpose_tile, _check_input, _check_x, _quantize,
                    amax, current_slots, transpose_clamps)
@@ -54,6 +54,7 @@ def _dbias_ct_kernel(g_ptr, x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, dbias_ptr
 
     FROM_AMAX (current scaling): the scale is made from the amax an earlier pass left at
     amax_ptr (cast._cast_scale), and no amax is recorded."""
+    fmax, eps = as_float32(fmax), as_float32(eps)
     pid = tl.program_id(0)
     tn = pid // groups
     cols = tn * BN + tl.arange(0, BN)

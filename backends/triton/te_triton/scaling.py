@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Config, cdiv, next_power_of_2
+from ._common import Config, as_float32, cdiv, next_power_of_2
 from .launch import launcher
 
 SCALING_DEFAULT = Config(block_m=8, block_n=128, num_warps=4)
@@ -59,6 +59,23 @@ def _amax_bits(h):
 def _delayed_update_tile_kernel(table_ptr, fmax_ptr, MOST_RECENT: tl.constexpr,
                                 BL: tl.constexpr, BN: tl.constexpr):
     hist, scales, n, L, fmax = _table_row(table_ptr, fmax_ptr, tl.program_id(0))
+    _update_tile(hist, scales, n, L, fmax, MOST_RECENT, BL, BN)
+
+
+@launcher
+@triton.jit
+def _delayed_update_one_kernel(hist_ptr, scale_ptr, n, L, fmax, MOST_RECENT: tl.constexpr, BL: tl.constexpr,
+                               BN: tl.constexpr):
+    """_delayed_update_tile_kernel's update of one history, given as arguments rather than a
+    table row: for launches that must name each tensor they write (torch.compile's, whose
+    functionalization finds the written tensors in the kernel's code). fmax: the fp8 max times
+    2^-margin, rounded to float32."""
+    _update_tile(hist_ptr, scale_ptr, n, L, as_float32(fmax), MOST_RECENT, BL, BN)
+
+
+@triton.jit
+def _update_tile(hist, scales, n, L, fmax, MOST_RECENT: tl.constexpr, BL: tl.constexpr, BN: tl.constexpr):
+    """One (L, BN) block of columns of one history, held in registers (see the module docstring)."""
     rows = tl.arange(0, BL)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     cmask = cols < n

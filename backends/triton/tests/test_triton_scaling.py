@@ -1,6 +1,7 @@
 """te_triton.scaling (one-launch delayed-scaling update) under the interpreter vs the reference."""
 import pytest
 import torch
+import triton
 from te_core.reference import scaling as ref
 from te_triton import Config, scaling
 
@@ -125,3 +126,27 @@ def test_cached_plan_follows_the_tensors():
     assert torch.equal(moved, want_h[0])
     with pytest.raises(ValueError, match="contiguous float32"):
         scaling.delayed_scaling_update([moved.t()], [torch.ones(16)], [448.0])
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0.0, 3.0])
+def test_one_history_kernel_is_the_table_kernel(algo, margin):
+    """_delayed_update_one_kernel (a history and its scales as arguments, for torch.compile's
+    launches) gives the table kernel's bytes, history by history: NaN, inf, zero and unrecorded
+    columns, lengths from 1 to 1024."""
+    hists, scales = _state(3)
+    g = torch.Generator().manual_seed(4)
+    hists.append(torch.rand(1024, 1, generator=g) * 7)
+    scales.append(torch.rand(1, generator=g) + 0.5)
+    fmaxes = [448.0, 57344.0, 448.0, 448.0]
+    want_h, want_s = [h.clone() for h in hists], [s.clone() for s in scales]
+    scaling.delayed_scaling_update(want_h, want_s, fmaxes, margin=margin, amax_compute_algo=algo)
+    for h, s, fmax in zip(hists, scales, fmaxes):
+        length, cols = h.shape
+        bl, bn = triton.next_power_of_2(length), min(triton.next_power_of_2(cols), scaling.TILE_COLUMNS)
+        scaled = float(torch.tensor(2.0 ** -margin, dtype=torch.float32) * torch.tensor(fmax, dtype=torch.float32))
+        scaling._delayed_update_one_kernel[(1, triton.cdiv(cols, bn))](
+            h, s, cols, length, scaled, MOST_RECENT=algo == "most_recent", BL=bl, BN=bn, num_warps=4)
+    for h, wh, s, ws in zip(hists, want_h, scales, want_s):
+        assert torch.equal(h.view(torch.int32), wh.view(torch.int32))
+        assert torch.equal(s.view(torch.int32), ws.view(torch.int32))
