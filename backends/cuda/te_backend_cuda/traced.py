@@ -342,10 +342,10 @@ _WRAP_TRITON = getattr(torch.library, "wrap_triton", None)
 
 def _on_small_kernel(a, b, scaling, out, bias) -> bool:
     """Whether the compiled code launches te_triton's kernel for this GEMM: the eager op runs it
-    there (scaled_mm._small), on a CUDA device, every size a plain int (under
-    torch.compile(dynamic=True) a symbolic size keeps torch._scaled_mm: the kernel's grid and the
-    size limits would be symbolic too)."""
-    return (_WRAP_TRITON is not None and a.device.type == "cuda" and all(type(d) is int for d in (*a.shape, *b.shape))
+    there (scaled_mm._small), on a CUDA device, every size a plain int (traced_kernels.static_sizes:
+    a symbolic size keeps torch._scaled_mm, as the kernel's grid and the size limits would be
+    symbolic too)."""
+    return (_WRAP_TRITON is not None and a.device.type == "cuda" and traced_kernels.static_sizes(a, b)
             and scaled_mm._small(a, b, scaling, out, bias))
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 from te_core._tracing import run_while_tracing
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from te_triton import blockwise as triton_blockwise
 from te_triton import cast as triton_cast
 from te_triton import dbias as triton_dbias
@@ -33,13 +34,26 @@ KERNEL_MIN_NUMEL = 1 << 20
 _WRAP_TRITON = getattr(torch.library, "wrap_triton", None)  # torch 2.6 and later
 
 
+def static_sizes(*tensors) -> bool:
+    """Whether every size of the tensors is a plain int, not a size the compiler left symbolic
+    (dynamic=True, or its automatic dynamic shapes after a size changed). Inside dynamo's trace
+    a symbolic size passes for an int (type() and isinstance() say int), so the test asks the
+    compiler what it knows: a plain int's remainder modulo 3 is known, a symbolic size's is not."""
+    for t in tensors:
+        for d in t.shape:
+            if not (statically_known_true(d % 3 == 0) or statically_known_true(d % 3 == 1)
+                    or statically_known_true(d % 3 == 2)):
+                return False
+    return True
+
+
 def takes(x, min_numel: int = KERNEL_MIN_NUMEL) -> bool:
     """Whether the cast of x (which the traced twin already took) launches te_triton's kernel:
     wrap_triton there, a contiguous x on a CUDA device whose convert saturates, at least
-    `min_numel` elements and every size a plain int (a symbolic size under dynamic=True keeps
-    the compiler's cast: the grid would be symbolic too)."""
+    `min_numel` elements and every size a plain int (static_sizes: a symbolic size keeps the
+    compiler's cast, as the grid would be symbolic too)."""
     return (_WRAP_TRITON is not None and x.device.type == "cuda" and x.is_contiguous()
-            and all(type(d) is int for d in x.shape) and x.numel() >= max(min_numel, 1)
+            and static_sizes(x) and x.numel() >= max(min_numel, 1)
             and _kernels_run_on(x.device.index))
 
 
@@ -208,15 +222,17 @@ def dbias_cast_transpose_current(dy, fp8_dtype, *, force_pow2_scales, amax_epsil
 
 # --- delayed scaling: casts that max their amax into a history slot, and the update -------------
 # Whether the twins take delayed scaling's slot-writing casts and its update here (traced.py);
-# off, they stay the opaque ops. Off until the GPU tests of these launches have run.
-DELAYED = False
+# off, they stay the opaque ops, each a trip through torch.library and te-core's dispatch that
+# made a small compiled delayed-scaling step cost the host more than its eager self.
+DELAYED = True
 
 # Whether a cast's kernel maxes its amax into the history slot itself, as the eager op's does.
 # Off: the kernel maxes it into a zero of its own, and the max_into op (traced.py) writes the
-# slot. A kernel's written arguments are functionalized, and a slot is a view of its history:
-# written by the kernel, the slot becomes a functionalized copy of the whole history, which
-# CUDA graph trees (mode="reduce-overhead") reject; max_into is called on the history's own
-# memory.
+# slot. A kernel's written arguments are functionalized, and a slot is a view of its history,
+# so a kernel writing it stands where a torch-op write into the slot stood, which became a
+# functionalized copy of the whole history that CUDA graph trees (mode="reduce-overhead")
+# reject; max_into is called on the history's own memory. On saves the host that call and the
+# zero's fill; it stays off until mode="reduce-overhead" is shown to take it.
 SLOT_IN_KERNEL = False
 
 
@@ -303,7 +319,7 @@ def update_takes(amax_histories, scales) -> bool:
         if not (isinstance(h, torch.Tensor) and isinstance(s, torch.Tensor) and h.device == device == s.device
                 and device.type == "cuda" and h.dim() == 2 and h.dtype == s.dtype == torch.float32
                 and h.is_contiguous() and s.is_contiguous() and h.shape[0] >= 1 and s.numel() == h.shape[1]
-                and all(type(d) is int for d in h.shape)):
+                and static_sizes(h)):
             return False
         bl, bn = _update_blocks(*h.shape)
         if bl * bn > triton_scaling.TILE_ELEMENTS:

@@ -447,3 +447,52 @@ def test_update_compiled_is_the_cuda_op(delayed, algo):
     names = _kernels(lambda _: run([h.clone() for h in hists], [s.clone() for s in scales]), None)
     assert "_delayed_update_one_kernel" in names, names
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dynamic", [None, True, False], ids=["automatic", "dynamic", "static"])
+def test_static_sizes_tells_a_symbolic_size_while_dynamo_traces(dynamic):
+    """Inside dynamo's trace a symbolic size passes type() and isinstance() as an int; the
+    kernel paths must still see it (a launch configuration read at trace time needs plain ints).
+    torch.compile's default makes a size symbolic once it changes (automatic dynamic shapes)."""
+    torch._dynamo.reset()
+    assert traced_kernels.static_sizes(torch.ones(3, 4), torch.ones(5))
+    run = torch.compile(lambda x: x * 2 if traced_kernels.static_sizes(x) else x * 3, fullgraph=True,
+                        dynamic=dynamic)
+    got = [run(torch.ones(n, 4))[0, 0].item() for n in (5, 7, 9)]
+    assert got == {None: [2.0, 3.0, 3.0], True: [3.0, 3.0, 3.0], False: [2.0, 2.0, 2.0]}[dynamic]
+    torch._dynamo.reset()
+
+
+@GPU
+@pytest.mark.parametrize("make", [recipe.DelayedScaling, recipe.Float8CurrentScaling, recipe.Float8BlockScaling],
+                         ids=["delayed", "current", "block"])
+def test_compiled_linear_with_changing_token_counts(make, delayed):
+    """A second token count makes torch.compile retrace with it symbolic (automatic dynamic
+    shapes): the casts of that trace keep the compiler's versions, the first trace's launches
+    stay; every step's output within 1e-2 (relative, L2) of the eager module's."""
+    backend.set_backend("cuda")
+    try:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = te.Linear(1024, 1024, params_dtype=torch.bfloat16, device="cuda")
+        rec = make()
+
+        def step(inp):
+            with te.autocast(recipe=rec):
+                return model(inp)
+
+        compiled = torch.compile(step, fullgraph=True)
+        for tokens in (1024, 1536, 2048, 1024):
+            x = torch.randn(tokens, 1024, device="cuda").to(torch.bfloat16)
+            dy = torch.randn(tokens, 1024, device="cuda").to(torch.bfloat16)
+            outs = []
+            for fn in (compiled, step):
+                xi = x.clone().requires_grad_(True)
+                y = fn(xi)
+                y.backward(dy)
+                outs.append((y.float(), xi.grad.float()))
+            for got, want in zip(*outs):
+                assert ((got - want).norm() / want.norm()).item() <= 1e-2, tokens
+    finally:
+        torch._dynamo.reset()
+        backend.reset()
