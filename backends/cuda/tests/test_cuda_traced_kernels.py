@@ -6,6 +6,8 @@ kernels, not the compiler's reduction; a compiled te.Linear of that size matches
 the threshold, and for sizes inductor leaves symbolic, the compiler's casts stay. On the CPU,
 whatever the GPU: each twin's launches (kernel, grid, tiles, flags, argument layouts) are the
 ones te_triton's eager op makes, so a change to either that the other misses fails here."""
+import contextlib
+
 import pytest
 import torch
 
@@ -133,12 +135,10 @@ def test_compiled_casts_launch_te_triton_kernels_above_the_threshold_only():
     torch._dynamo.reset()
 
 
-@GPU
-@pytest.mark.parametrize("make", [recipe.Float8CurrentScaling, recipe.Float8BlockScaling], ids=["current", "block"])
-def test_compiled_linear_of_that_size_matches_eager(make):
-    """te.Linear(1024, 1024) on 1024 tokens: every cast of the step is at the threshold. The
-    forward output is eager's bit for bit (same casts, same GEMM); the gradients within
-    bfloat16's tolerance (the bias gradient sums in another order)."""
+@contextlib.contextmanager
+def _compiled_linear(make):
+    """(model, step, the step compiled with fullgraph=True) on the cuda backend: a
+    te.Linear(1024, 1024) forward under te.autocast with the recipe make() builds."""
     backend.set_backend("cuda")
     try:
         torch._dynamo.reset()
@@ -150,7 +150,19 @@ def test_compiled_linear_of_that_size_matches_eager(make):
             with te.autocast(recipe=rec):
                 return model(inp)
 
-        compiled = torch.compile(step, fullgraph=True)
+        yield model, step, torch.compile(step, fullgraph=True)
+    finally:
+        torch._dynamo.reset()
+        backend.reset()
+
+
+@GPU
+@pytest.mark.parametrize("make", [recipe.Float8CurrentScaling, recipe.Float8BlockScaling], ids=["current", "block"])
+def test_compiled_linear_of_that_size_matches_eager(make):
+    """te.Linear(1024, 1024) on 1024 tokens: every cast of the step is at the threshold. The
+    forward output is eager's bit for bit (same casts, same GEMM); the gradients within
+    bfloat16's tolerance (the bias gradient sums in another order)."""
+    with _compiled_linear(make) as (model, step, compiled):
         for i in range(2):
             x = (torch.randn(1024, 1024, device="cuda") * (i + 1)).to(torch.bfloat16)
             dy = torch.randn(1024, 1024, device="cuda").to(torch.bfloat16)
@@ -164,9 +176,6 @@ def test_compiled_linear_of_that_size_matches_eager(make):
             assert torch.equal(outs[1][0], outs[0][0])
             for got, want in zip(outs[1][1:], outs[0][1:]):
                 torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-5)
-    finally:
-        torch._dynamo.reset()
-        backend.reset()
 
 
 # --- the launches themselves, on the CPU: the twins' against te_triton's eager ones -------------
@@ -470,18 +479,7 @@ def test_compiled_linear_with_changing_token_counts(make, delayed):
     """A second token count makes torch.compile retrace with it symbolic (automatic dynamic
     shapes): the casts of that trace keep the compiler's versions, the first trace's launches
     stay; every step's output within 1e-2 (relative, L2) of the eager module's."""
-    backend.set_backend("cuda")
-    try:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = te.Linear(1024, 1024, params_dtype=torch.bfloat16, device="cuda")
-        rec = make()
-
-        def step(inp):
-            with te.autocast(recipe=rec):
-                return model(inp)
-
-        compiled = torch.compile(step, fullgraph=True)
+    with _compiled_linear(make) as (_, step, compiled):
         for tokens in (1024, 1536, 2048, 1024):
             x = torch.randn(tokens, 1024, device="cuda").to(torch.bfloat16)
             dy = torch.randn(tokens, 1024, device="cuda").to(torch.bfloat16)
@@ -493,6 +491,3 @@ def test_compiled_linear_with_changing_token_counts(make, delayed):
                 outs.append((y.float(), xi.grad.float()))
             for got, want in zip(*outs):
                 assert ((got - want).norm() / want.norm()).item() <= 1e-2, tokens
-    finally:
-        torch._dynamo.reset()
-        backend.reset()
