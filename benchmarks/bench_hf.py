@@ -144,6 +144,11 @@ class Bench:
             te.init_quantization_state(model, rcp)  # delayed scaling's state must exist before the first trace
         if mode == "captured":
             capture_layers(model, rcp, input_ids)
+        if kw is not None:
+            # each cell compiles afresh: dynamo's cache of loss_of would carry the earlier cells'
+            # graphs, retrace this one with the sizes that changed made symbolic (automatic dynamic
+            # shapes) and, past its cache limit, run the step eagerly
+            torch._dynamo.reset()
         loss_step = loss_of if kw is None else torch.compile(loss_of, **kw)
         fused = torch.device(self.device).type == "cuda"
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
