@@ -21,13 +21,13 @@ Delayed scaling's casts that max their amax into `amax_out` (a history slot) and
 are te_triton's own kernels launched by the compiled code (traced_kernels, where its DELAYED is
 on), at every size: the eager ops' kernels and bytes, the slot written through max_into. As
 opaque ops, each costs a trip through torch.library and te-core's dispatch, and a small
-compiled delayed-scaling step cost the host more than its eager self. Where those launches cannot run (a GPU whose convert does
-not saturate, a strided x, a history too long for one register tile), a cast with a slot stays
-the opaque op unless WRITES_SLOTS allows its torch-op twin (see there), and the update stays
-the opaque op: written in torch ops, it kept the old scales for a history holding NaN where the
-kernel, as Transformer Engine, ignores the NaN. Anything else (row-wise and MXFP8 scales,
-outputs written into `out`, tensors off this backend's device) returns NotImplemented and
-stays the opaque op.
+compiled delayed-scaling step cost the host more than its eager self. Where those launches
+cannot run (a GPU whose convert does not saturate, a strided x, a size the compiler left
+symbolic, a history too long for one register tile), a cast with a slot stays the opaque op
+unless WRITES_SLOTS allows its torch-op twin (see there), and the update stays the opaque op:
+written in torch ops, it kept the old scales for a history holding NaN where the kernel, as
+Transformer Engine, ignores the NaN. Anything else (row-wise and MXFP8 scales, outputs written
+into `out`, tensors off this backend's device) returns NotImplemented and stays the opaque op.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Current-scaling and block-scaled casts of mid-sized tensors (and the gradient's cast with its
-bias gradient, in either recipe) as te_triton's own kernels, launched by the compiled code
-(torch.library.wrap_triton): what the twins of traced and traced_block run for tensors of
-KERNEL_MIN_NUMEL elements and up.
+"""te_triton's own kernels launched by the compiled code (torch.library.wrap_triton), for the
+twins of traced and traced_block: current-scaling and block-scaled casts (and the gradient's
+cast with its bias gradient) of KERNEL_MIN_NUMEL elements and up, and delayed scaling's casts
+into its amax histories at every size, with its scale update (see the section below).
 
 Written in torch ops, such a cast becomes kernels the compiler writes: an amax reduction, the
 cast, a transpose. For a 2^25-element cast with its transpose these took twice (current
@@ -10,8 +10,9 @@ input once per pass and write both layouts from one tile, so a GPU-bound compile
 ran slower than its eager self. Left as the opaque ops, each cast would cost the
 compiled step a trip through torch.library and this backend's Python. Launched from the
 compiled code, the kernels cost neither, and give the eager op's bytes (the same kernels with
-the same tiles). Below KERNEL_MIN_NUMEL the compiler's casts stay: there the cast can fuse with
-the op that produces its input, which saves a launch on a host-bound step.
+the same tiles). Below KERNEL_MIN_NUMEL current and block scaling keep the compiler's casts:
+there the cast can fuse with the op that produces its input, which saves a launch on a
+host-bound step.
 
 Each pointer a kernel writes is a tensor of its own here (the eager launches pass one tensor
 for pointers a variant never touches): wrap_triton finds the tensors a kernel writes from its
@@ -302,9 +303,8 @@ def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out):
 def _scaled_max(fp8_max: float, margin: float) -> float:
     """fp8_max * 2^-margin as te_triton.scaling computes it on the host: 2^-margin rounded to
     float32, then the product in float32."""
-    product = torch.tensor(2.0 ** -float(margin), dtype=torch.float32) * torch.tensor(float(fp8_max),
-                                                                                      dtype=torch.float32)
-    return float(product)
+    f32 = torch.float32
+    return float(torch.tensor(2.0 ** -float(margin), dtype=f32) * torch.tensor(float(fp8_max), dtype=f32))
 
 
 def update_takes(amax_histories, scales) -> bool:
