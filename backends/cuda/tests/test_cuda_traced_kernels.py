@@ -7,6 +7,7 @@ the threshold, and for sizes inductor leaves symbolic, the compiler's casts stay
 whatever the GPU: each twin's launches (kernel, grid, tiles, flags, argument layouts) are the
 ones te_triton's eager op makes, so a change to either that the other misses fails here."""
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -137,20 +138,24 @@ def test_compiled_casts_launch_te_triton_kernels_above_the_threshold_only():
 
 @contextlib.contextmanager
 def _compiled_linear(make):
-    """(model, step, the step compiled with fullgraph=True) on the cuda backend: a
-    te.Linear(1024, 1024) forward under te.autocast with the recipe make() builds."""
+    """(model, an identical twin, step(module, x), that step compiled with fullgraph=True) on the
+    cuda backend: a te.Linear(1024, 1024) forward under te.autocast with the recipe make()
+    builds. Eager steps run the model and compiled ones the twin, so that delayed scaling's
+    state advances alike in both."""
     backend.set_backend("cuda")
     try:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = te.Linear(1024, 1024, params_dtype=torch.bfloat16, device="cuda")
+        twin = copy.deepcopy(model)
         rec = make()
+        te.init_quantization_state(model, rec)  # as compiling makes the twin's: both start alike
 
-        def step(inp):
+        def step(module, inp):
             with te.autocast(recipe=rec):
-                return model(inp)
+                return module(inp)
 
-        yield model, step, torch.compile(step, fullgraph=True)
+        yield model, twin, step, torch.compile(step, fullgraph=True)
     finally:
         torch._dynamo.reset()
         backend.reset()
@@ -162,17 +167,17 @@ def test_compiled_linear_of_that_size_matches_eager(make):
     """te.Linear(1024, 1024) on 1024 tokens: every cast of the step is at the threshold. The
     forward output is eager's bit for bit (same casts, same GEMM); the gradients within
     bfloat16's tolerance (the bias gradient sums in another order)."""
-    with _compiled_linear(make) as (model, step, compiled):
+    with _compiled_linear(make) as (model, twin, step, compiled):
         for i in range(2):
             x = (torch.randn(1024, 1024, device="cuda") * (i + 1)).to(torch.bfloat16)
             dy = torch.randn(1024, 1024, device="cuda").to(torch.bfloat16)
             outs = []
-            for fn in (step, compiled):
+            for fn, module in ((step, model), (compiled, twin)):
                 xi = x.clone().requires_grad_(True)
-                y = fn(xi)
+                y = fn(module, xi)
                 y.backward(dy)
-                outs.append([y.detach(), xi.grad, model.weight.grad.clone(), model.bias.grad.clone()])
-                model.zero_grad(set_to_none=True)
+                outs.append([y.detach(), xi.grad, module.weight.grad.clone(), module.bias.grad.clone()])
+                module.zero_grad(set_to_none=True)
             assert torch.equal(outs[1][0], outs[0][0])
             for got, want in zip(outs[1][1:], outs[0][1:]):
                 torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-5)
@@ -478,15 +483,16 @@ def test_static_sizes_tells_a_symbolic_size_while_dynamo_traces(dynamic):
 def test_compiled_linear_with_changing_token_counts(make, delayed):
     """A second token count makes torch.compile retrace with it symbolic (automatic dynamic
     shapes): the casts of that trace keep the compiler's versions, the first trace's launches
-    stay; every step's output within 1e-2 (relative, L2) of the eager module's."""
-    with _compiled_linear(make) as (_, step, compiled):
+    stay; every step's output and input gradient within 1e-2 (relative, L2) of an identical
+    eager module's."""
+    with _compiled_linear(make) as (model, twin, step, compiled):
         for tokens in (1024, 1536, 2048, 1024):
             x = torch.randn(tokens, 1024, device="cuda").to(torch.bfloat16)
             dy = torch.randn(tokens, 1024, device="cuda").to(torch.bfloat16)
             outs = []
-            for fn in (compiled, step):
+            for fn, module in ((compiled, twin), (step, model)):
                 xi = x.clone().requires_grad_(True)
-                y = fn(xi)
+                y = fn(module, xi)
                 y.backward(dy)
                 outs.append((y.float(), xi.grad.float()))
             for got, want in zip(*outs):
