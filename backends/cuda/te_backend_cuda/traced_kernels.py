@@ -103,38 +103,71 @@ def _dbias_ct_launch(index: int, m: int, k: int) -> tuple:
             cfg.hw_saturate)
 
 
-def _amax_pass(x, scale, scale_inv, amax, programs, block, warps) -> None:
-    """Current scaling's first pass: max |x| into amax (the pass writes nothing else)."""
+def _cast_pass(x, fp8_dtype, scale, amax, scale_inv, eps, *, from_amax, pow2, with_transpose):
+    """(data, data_t or None): the cast pass as te_triton.cast launches it (_quantize, or
+    _cast_transpose with the transpose). from_amax (current scaling): the kernel makes the scale
+    from the amax an earlier pass left, and writes it with scale_inv; else it casts with `scale`
+    and maxes |x| into `amax` (delayed scaling, whose eager launch passes scale as scale_inv and
+    eps 0)."""
+    fmax = torch.finfo(fp8_dtype).max
+    dev = x.device
+    if with_transpose:
+        m, k = x.shape
+        programs, bm, bn, warps, hw_saturate = _cast_transpose_launch(dev.index, m, k)
+        data = torch.empty((m, k), dtype=fp8_dtype, device=dev)
+        data_t = torch.empty((k, m), dtype=fp8_dtype, device=dev)
+        _WRAP_TRITON(triton_cast._cast_transpose_kernel.kernel)[(programs,)](
+            x, data, data_t, scale, amax, m, k, fmax, scale_inv, eps, BM=bm, BN=bn,
+            CLAMP=not hw_saturate or x.dtype != torch.bfloat16, FROM_AMAX=from_amax, POW2=pow2, num_warps=warps)
+        return data, data_t
+    programs, block, warps, hw_saturate = _quantize_launch(dev.index, x.numel())
+    data = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
+    _WRAP_TRITON(triton_cast._quantize_kernel.kernel)[(programs,)](
+        x, data, scale, amax, x.numel(), fmax, scale_inv, eps, BLOCK=block, STORE=True, CLAMP=not hw_saturate,
+        FROM_AMAX=from_amax, POW2=pow2, num_warps=warps)
+    return data, None
+
+
+def _dbias_pass(dy, fp8_dtype, scale, amax, scale_inv, eps, *, from_amax, pow2):
+    """(data, data_t, dbias) of a 2-D gradient as te_triton.dbias launches its pointer kernel for
+    one part (from_amax as for _cast_pass), then the sum of its row groups' column sums (none
+    for one group, whose sums are the bias gradient)."""
+    dev = dy.device
+    m, k = dy.shape
+    groups, strips, bm, bn, warps, prefetch, hw_saturate = _dbias_ct_launch(dev.index, m, k)
+    data = torch.empty((m, k), dtype=fp8_dtype, device=dev)
+    data_t = torch.empty((k, m), dtype=fp8_dtype, device=dev)
+    summed = groups == 1
+    partial = torch.empty((groups, k), dtype=dy.dtype if summed else torch.float32, device=dev)
+    # one part: the second and third column blocks start past the last column (never read)
+    _WRAP_TRITON(triton_dbias._dbias_ct_kernel.kernel)[(groups * strips,)](
+        dy, dy, data, data_t, scale, amax, partial, m, k, torch.finfo(fp8_dtype).max, groups, dy, dy, k, k,
+        scale_inv, eps, ACT=False, KIND=0, BM=bm, BN=bn, CLAMP=not hw_saturate or dy.dtype != torch.bfloat16,
+        PREFETCH=prefetch, PARTS=1, FROM_AMAX=from_amax, POW2=pow2, num_warps=warps)
+    return data, data_t, partial[0] if summed else partial.sum(dim=0).to(dy.dtype)
+
+
+def _current_slots(x):
+    """(amax, scale, scale_inv) of a current-scaling cast of x, after its amax pass (which
+    writes the amax alone; the cast pass writes the scales)."""
+    dev = x.device
+    programs, block, warps, _ = _quantize_launch(dev.index, x.numel())
+    amax = torch.zeros((), dtype=torch.float32, device=dev)
+    scale = torch.empty(1, dtype=torch.float32, device=dev)
+    scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
     _WRAP_TRITON(triton_cast._quantize_kernel.kernel)[(programs,)](
         x, x, scale, amax, x.numel(), 1.0, scale_inv, 0.0, BLOCK=block, STORE=False, CLAMP=True, FROM_AMAX=False,
         POW2=False, num_warps=warps)
+    return amax, scale, scale_inv
 
 
 def quantize_fp8_current(x, fp8_dtype, *, with_transpose, force_pow2_scales, amax_epsilon):
     """(data, data_t or None, scale, scale_inv, amax) as te_triton.cast.quantize_fp8_current
     launches them: the amax pass, then the cast pass that makes the scale from it."""
-    fmax = torch.finfo(fp8_dtype).max
-    dev, n = x.device, x.numel()
-    programs, block, warps, hw_saturate = _quantize_launch(dev.index, n)
-    amax = torch.zeros((), dtype=torch.float32, device=dev)
-    scale = torch.empty(1, dtype=torch.float32, device=dev)
-    scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
-    eps, pow2 = float(amax_epsilon), bool(force_pow2_scales)
-    _amax_pass(x, scale, scale_inv, amax, programs, block, warps)
-    if with_transpose:
-        m, k = x.shape
-        ct_programs, bm, bn, ct_warps, ct_hw_saturate = _cast_transpose_launch(dev.index, m, k)
-        data = torch.empty((m, k), dtype=fp8_dtype, device=dev)
-        data_t = torch.empty((k, m), dtype=fp8_dtype, device=dev)
-        _WRAP_TRITON(triton_cast._cast_transpose_kernel.kernel)[(ct_programs,)](
-            x, data, data_t, scale, amax, m, k, fmax, scale_inv, eps, BM=bm, BN=bn,
-            CLAMP=not ct_hw_saturate or x.dtype != torch.bfloat16, FROM_AMAX=True, POW2=pow2, num_warps=ct_warps)
-        return data, data_t, scale, scale_inv, amax
-    data = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
-    _WRAP_TRITON(triton_cast._quantize_kernel.kernel)[(programs,)](
-        x, data, scale, amax, n, fmax, scale_inv, eps, BLOCK=block, STORE=True, CLAMP=not hw_saturate,
-        FROM_AMAX=True, POW2=pow2, num_warps=warps)
-    return data, None, scale, scale_inv, amax
+    amax, scale, scale_inv = _current_slots(x)
+    data, data_t = _cast_pass(x, fp8_dtype, scale, amax, scale_inv, float(amax_epsilon), from_amax=True,
+                              pow2=bool(force_pow2_scales), with_transpose=with_transpose)
+    return data, data_t, scale, scale_inv, amax
 
 
 def quantize_blockwise(x, fp8_dtype, *, block_2d, with_transpose, force_pow2_scales, amax_epsilon):
@@ -195,29 +228,12 @@ def dbias_cast_transpose_blockwise(dy, fp8_dtype, *, force_pow2_scales, amax_eps
 def dbias_cast_transpose_current(dy, fp8_dtype, *, force_pow2_scales, amax_epsilon):
     """(data, data_t, dbias, scale, scale_inv, amax) of a 2-D gradient as
     te_triton.dbias.dbias_cast_transpose_current launches them for one part: the amax pass, then
-    the dbias cast-transpose that makes its scale from that amax, then the sum of its row
-    groups' column sums (none for one group, whose sums are the bias gradient). A gradient the
-    eager op reads as column blocks is joined here first: each column's sums run over the same
-    rows in the same order either way, so the bytes are the same."""
-    fmax = torch.finfo(fp8_dtype).max
-    dev = dy.device
-    m, k = dy.shape
-    programs, block, warps, _ = _quantize_launch(dev.index, m * k)
-    amax = torch.zeros((), dtype=torch.float32, device=dev)
-    scale = torch.empty(1, dtype=torch.float32, device=dev)
-    scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
-    _amax_pass(dy, scale, scale_inv, amax, programs, block, warps)
-    groups, strips, bm, bn, ct_warps, prefetch, hw_saturate = _dbias_ct_launch(dev.index, m, k)
-    data = torch.empty((m, k), dtype=fp8_dtype, device=dev)
-    data_t = torch.empty((k, m), dtype=fp8_dtype, device=dev)
-    summed = groups == 1
-    partial = torch.empty((groups, k), dtype=dy.dtype if summed else torch.float32, device=dev)
-    # one part: the second and third column blocks start past the last column (never read)
-    _WRAP_TRITON(triton_dbias._dbias_ct_kernel.kernel)[(groups * strips,)](
-        dy, dy, data, data_t, scale, amax, partial, m, k, fmax, groups, dy, dy, k, k, scale_inv,
-        float(amax_epsilon), ACT=False, KIND=0, BM=bm, BN=bn, CLAMP=not hw_saturate or dy.dtype != torch.bfloat16,
-        PREFETCH=prefetch, PARTS=1, FROM_AMAX=True, POW2=bool(force_pow2_scales), num_warps=ct_warps)
-    dbias = partial[0] if summed else partial.sum(dim=0).to(dy.dtype)
+    the dbias cast-transpose that makes its scale from that amax. A gradient the eager op reads
+    as column blocks is joined here first: each column's sums run over the same rows in the same
+    order either way, so the bytes are the same."""
+    amax, scale, scale_inv = _current_slots(dy)
+    data, data_t, dbias = _dbias_pass(dy, fp8_dtype, scale, amax, scale_inv, float(amax_epsilon), from_amax=True,
+                                      pow2=bool(force_pow2_scales))
     return data, data_t, dbias, scale, scale_inv, amax
 
 
@@ -254,48 +270,25 @@ def _into_slot(amax, amax_out, write: bool):
 def quantize_fp8(x, scale, fp8_dtype, *, amax_out):
     """(data, amax) of a delayed-scaling cast as te_triton.cast.quantize_fp8 launches it; its
     amax maxed into `amax_out` (a history slot) where given (see SLOT_IN_KERNEL)."""
-    dev, n = x.device, x.numel()
-    programs, block, warps, hw_saturate = _quantize_launch(dev.index, n)
-    amax, write = _amax_buffer(amax_out, dev)
-    data = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
-    # (the scale_inv position is read only by current scaling: eager passes the scale there too)
-    _WRAP_TRITON(triton_cast._quantize_kernel.kernel)[(programs,)](
-        x, data, scale, amax, n, torch.finfo(fp8_dtype).max, scale, 0.0, BLOCK=block, STORE=True,
-        CLAMP=not hw_saturate, FROM_AMAX=False, POW2=False, num_warps=warps)
+    amax, write = _amax_buffer(amax_out, x.device)
+    data, _ = _cast_pass(x, fp8_dtype, scale, amax, scale, 0.0, from_amax=False, pow2=False, with_transpose=False)
     return data, _into_slot(amax, amax_out, write)
 
 
 def cast_transpose_fp8(x, scale, fp8_dtype, *, amax_out):
     """(data, data_t, amax) as te_triton.cast.cast_transpose_fp8 launches them (amax as
     quantize_fp8's)."""
-    dev = x.device
-    m, k = x.shape
-    programs, bm, bn, warps, hw_saturate = _cast_transpose_launch(dev.index, m, k)
-    amax, write = _amax_buffer(amax_out, dev)
-    data = torch.empty((m, k), dtype=fp8_dtype, device=dev)
-    data_t = torch.empty((k, m), dtype=fp8_dtype, device=dev)
-    _WRAP_TRITON(triton_cast._cast_transpose_kernel.kernel)[(programs,)](
-        x, data, data_t, scale, amax, m, k, torch.finfo(fp8_dtype).max, scale, 0.0, BM=bm, BN=bn,
-        CLAMP=not hw_saturate or x.dtype != torch.bfloat16, FROM_AMAX=False, POW2=False, num_warps=warps)
+    amax, write = _amax_buffer(amax_out, x.device)
+    data, data_t = _cast_pass(x, fp8_dtype, scale, amax, scale, 0.0, from_amax=False, pow2=False,
+                              with_transpose=True)
     return data, data_t, _into_slot(amax, amax_out, write)
 
 
 def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out):
     """(data, data_t, dbias, amax) as te_triton.dbias.dbias_cast_transpose launches them (amax as
-    above; the bias gradient as dbias_cast_transpose_current's)."""
-    dev = dy.device
-    m, k = dy.shape
-    groups, strips, bm, bn, warps, prefetch, hw_saturate = _dbias_ct_launch(dev.index, m, k)
-    amax, write = _amax_buffer(amax_out, dev)
-    data = torch.empty((m, k), dtype=fp8_dtype, device=dev)
-    data_t = torch.empty((k, m), dtype=fp8_dtype, device=dev)
-    summed = groups == 1
-    partial = torch.empty((groups, k), dtype=dy.dtype if summed else torch.float32, device=dev)
-    _WRAP_TRITON(triton_dbias._dbias_ct_kernel.kernel)[(groups * strips,)](
-        dy, dy, data, data_t, scale, amax, partial, m, k, torch.finfo(fp8_dtype).max, groups, dy, dy, k, k, scale,
-        0.0, ACT=False, KIND=0, BM=bm, BN=bn, CLAMP=not hw_saturate or dy.dtype != torch.bfloat16,
-        PREFETCH=prefetch, PARTS=1, FROM_AMAX=False, POW2=False, num_warps=warps)
-    dbias = partial[0] if summed else partial.sum(dim=0).to(dy.dtype)
+    quantize_fp8's)."""
+    amax, write = _amax_buffer(amax_out, dy.device)
+    data, data_t, dbias = _dbias_pass(dy, fp8_dtype, scale, amax, scale, 0.0, from_amax=False, pow2=False)
     return data, data_t, dbias, _into_slot(amax, amax_out, write)
 
 
