@@ -404,6 +404,17 @@ def test_hf_cells_run_eager_first_and_cover_every_variant():
     assert bench_hf.intermediate_size(2048) == 7168 and bench_hf.intermediate_size(1000) % 64 == 0
 
 
+@pytest.mark.parametrize("mode", bench_hf.MODES[:3])
+def test_hf_compiled_cells_compile_afresh(monkeypatch, mode):
+    """Each compiled cell starts from an empty dynamo cache: one compiled loss function serving
+    every cell would retrace later sizes as symbolic ones and, past the cache limit, run eagerly."""
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    bench = bench_hf.Bench(None, bench_hf.FULL, "cpu", smoke=True)
+    bench.train_step(torch.nn.Linear(4, 4), None, mode, torch.zeros(1, 4, dtype=torch.long))
+    assert len(resets) == (0 if mode == "eager" else 1)
+
+
 class _StandInLayer(torch.nn.Module):
     """A decoder layer called as Hugging Face's are: hidden states, then keyword arguments."""
 
