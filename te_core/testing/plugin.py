@@ -11,6 +11,7 @@ against itself while the vendor's backend is named either way.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Tuple
 
 import pytest
@@ -40,6 +41,22 @@ def requested_backend(config) -> Tuple[str, str]:
     if env:
         return env, f"TE_BACKEND={env}"
     return DEFAULT_BACKEND, f"{DEFAULT_BACKEND} (neither --te-backend nor TE_BACKEND given)"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_thread_pool_started():
+    """Starts torch's CPU thread pool before the first test computes anything.
+
+    With more than one intra-op thread, a vectorized transcendental (tanh, exp, erf) that runs
+    before the pool's first parallel region can return values off by about 1e-4 (seen with
+    torch 2.13's CPU wheel, in a few percent of processes): an oracle computed then fails the
+    backend under test. One large elementwise op starts the pool. Only where the tests have
+    imported torch already, so that sessions without torch stay as light as they were.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() > 1:
+        torch.ones(1 << 20).add_(1.0)  # above torch's intra-op grain size: a parallel region
+    yield
 
 
 @pytest.fixture(scope="session")
