@@ -326,12 +326,25 @@ def _update_blocks(length: int, columns: int) -> tuple:
 
 
 def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin, amax_compute_algo):
-    """In place, as te_triton.scaling.delayed_scaling_update updates them, one launch per history
-    (the eager op's one launch reads the histories' addresses from a table, which the compiled
-    code's functionalization cannot see). The same math on the same tiles, so the same bytes."""
+    """In place, as te_triton.scaling.delayed_scaling_update updates them: histories of one tile
+    height, up to te_triton's ARGS_PER_LAUNCH of them, in one launch (the eager op's one launch
+    reads the histories' addresses from a table, which the compiled code's functionalization
+    cannot see, so each launch names its tensors). A compiled layer updates a history per cast
+    of its forward and per gradient, where a launch each cost the host more than the eager step's
+    one. The same math on the same tiles, column by column, so the same bytes."""
+    by_height = {}
     for h, s, fp8_max in zip(amax_histories, scales, fp8_maxes):
-        length, columns = h.shape
-        bl, bn = _update_blocks(length, columns)
-        _WRAP_TRITON(triton_scaling._delayed_update_one_kernel.kernel)[(1, cdiv(columns, bn))](
-            h, s, columns, length, _scaled_max(fp8_max, margin), MOST_RECENT=amax_compute_algo == "most_recent",
-            BL=bl, BN=bn, num_warps=4 if bl * bn <= 4096 else 8)
+        by_height.setdefault(next_power_of_2(h.shape[0]), []).append((h, s, fp8_max))
+    per_launch = triton_scaling.ARGS_PER_LAUNCH
+    for bl, listed in by_height.items():
+        for start in range(0, len(listed), per_launch):
+            chunk = listed[start:start + per_launch]
+            columns = max(h.shape[1] for h, _, _ in chunk)
+            bn = _update_blocks(bl, columns)[1]
+            args = []
+            for h, s, fp8_max in chunk:
+                args += [h, s, h.shape[1], h.shape[0], _scaled_max(fp8_max, margin)]
+            args += [None] * (5 * (per_launch - len(chunk)))
+            _WRAP_TRITON(triton_scaling._delayed_update_args_kernel)[(len(chunk), cdiv(columns, bn))](
+                *args, COUNT=len(chunk), MOST_RECENT=amax_compute_algo == "most_recent", BL=bl, BN=bn,
+                num_warps=4 if bl * bn <= 4096 else 8)

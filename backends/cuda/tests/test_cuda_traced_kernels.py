@@ -373,26 +373,43 @@ def delayed(monkeypatch):
     monkeypatch.setattr(traced_kernels, "DELAYED", True)
 
 
-def test_update_twin_launches_one_tile_per_history(monkeypatch, delayed):
-    """The update: te_triton's one-history kernel per history, its register tile as the table
-    kernel's, the fp8 max scaled by 2^-margin in float32; histories too long for one tile, and
-    a callable amax_compute_algo, stay the opaque op."""
+def test_update_twin_launches_histories_of_one_tile_height_together(monkeypatch, delayed):
+    """The update: te_triton's listed-histories kernel, one launch per tile height BL and up to
+    ARGS_PER_LAUNCH histories, each with its columns, length and fp8 max scaled by 2^-margin in
+    float32, the unused arguments None; its tile as the table kernel's (BN of the widest of the
+    launch's histories). Histories too long for one tile, and a callable amax_compute_algo, stay
+    the opaque op."""
+    from te_triton import scaling as triton_scaling
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    assert triton_scaling.ARGS_PER_LAUNCH == 8
+    shapes = [(1024, 1), (16, 20), (1000, 2)] + [(9 + i, 1 + i % 3) for i in range(8)]  # heights 1024, 16, 1024, 16...
     with FakeTensorMode():
-        hists = [torch.zeros(1024, 1, device="cuda"), torch.zeros(16, 20, device="cuda")]
-        scales = [torch.ones(1, device="cuda"), torch.ones(20, device="cuda")]
+        hists = [torch.zeros(*shape, device="cuda") for shape in shapes]
+        scales = [torch.ones(shape[1], device="cuda") for shape in shapes]
         long, long_scales = [torch.zeros(4096, 4, device="cuda")], [torch.ones(4, device="cuda")]
+    fmaxes = [448.0, 57344.0] * 5 + [448.0]
     calls = []
     monkeypatch.setattr(traced_kernels, "_WRAP_TRITON", lambda kernel: _Recorder(calls, kernel))
-    assert traced.delayed_scaling_update(hists, scales, [448.0, 57344.0], margin=2.0) is None
-    assert [(c[0], c[1], c[2][2:], c[3]) for c in calls] == [
-        ("_delayed_update_one_kernel", (1, 1), (1, 1024, 112.0), dict(MOST_RECENT=False, BL=1024, BN=1, num_warps=4)),
-        ("_delayed_update_one_kernel", (1, 2), (20, 16, 14336.0), dict(MOST_RECENT=False, BL=16, BN=16, num_warps=4)),
-    ]
-    assert calls[0][2][0] is hists[0] and calls[0][2][1] is scales[0]
+    assert traced.delayed_scaling_update(hists, scales, fmaxes, margin=2.0) is None
+    scaled = {448.0: 112.0, 57344.0: 14336.0}
+
+    def listed(indices):
+        args = []
+        for i in indices:
+            args += [hists[i], scales[i], shapes[i][1], shapes[i][0], scaled[fmaxes[i]]]
+        return args + [None] * 5 * (8 - len(indices))
+
+    want = [((2, 1), listed([0, 2]), dict(COUNT=2, MOST_RECENT=False, BL=1024, BN=2, num_warps=4)),
+            ((8, 2), listed([1, 3, 4, 5, 6, 7, 8, 9]), dict(COUNT=8, MOST_RECENT=False, BL=16, BN=16, num_warps=4)),
+            ((1, 1), listed([10]), dict(COUNT=1, MOST_RECENT=False, BL=16, BN=2, num_warps=4))]
+    assert [c[0] for c in calls] == ["_delayed_update_args_kernel"] * 3
+    for (name, grid, args, kwargs), (want_grid, want_args, want_kwargs) in zip(calls, want):
+        assert (grid, kwargs) == (want_grid, want_kwargs)
+        assert len(args) == len(want_args) and all(a is b or (a == b and not isinstance(a, torch.Tensor))
+                                                   for a, b in zip(args, want_args)), (args, want_args)
     assert traced.delayed_scaling_update(long, long_scales, [448.0]) is NotImplemented
-    assert traced.delayed_scaling_update(hists, scales, [448.0, 448.0], amax_compute_algo=max) is NotImplemented
+    assert traced.delayed_scaling_update(hists, scales, fmaxes, amax_compute_algo=max) is NotImplemented
 
 
 @GPU
@@ -427,13 +444,14 @@ def test_delayed_casts_compiled_write_the_history_as_eager(delayed, name, shape,
 def test_update_compiled_is_the_cuda_op(delayed, algo):
     """Compiled, the update of histories holding NaN, inf, zero and unrecorded columns, of
     lengths 1 to 1024, gives the eager op's histories and scales bit for bit, through
-    te_triton's one-history kernel."""
+    te_triton's listed-histories kernel (ten histories of one tile height in two launches)."""
     from te_backend_cuda import ops
 
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(6)
     hists = [torch.rand(5, 3, generator=g), torch.rand(1, 4, generator=g), torch.rand(13, 70, generator=g) * 100,
              torch.rand(1024, 1, generator=g)]
+    hists += [torch.rand(5 + i % 4, 1 + i % 5, generator=g) * 10 for i in range(9)]  # height 8, as hists[0]
     hists[0][:, 1] = 0.0
     hists[1][0, 2] = float("nan")
     hists[2][3, 5] = float("inf")
@@ -442,7 +460,7 @@ def test_update_compiled_is_the_cuda_op(delayed, algo):
     hists[2][0, 11] = 0.0
     hists = [h.cuda() for h in hists]
     scales = [(torch.rand(h.shape[1], generator=g) + 0.5).cuda() for h in hists]
-    fmaxes = [448.0, 57344.0, 448.0, 448.0]
+    fmaxes = [448.0, 57344.0, 448.0, 448.0] + [448.0, 57344.0, 448.0] * 3
     want_h, want_s = [h.clone() for h in hists], [s.clone() for s in scales]
     ops.delayed_scaling_update(want_h, want_s, fmaxes, margin=1.0, amax_compute_algo=algo)
 
@@ -454,7 +472,7 @@ def test_update_compiled_is_the_cuda_op(delayed, algo):
     for h, wh, s, ws in zip(hists, want_h, scales, want_s):
         _assert_same([h, s], [wh, ws])
     names = _kernels(lambda _: run([h.clone() for h in hists], [s.clone() for s in scales]), None)
-    assert "_delayed_update_one_kernel" in names, names
+    assert "_delayed_update_args_kernel" in names, names
     torch._dynamo.reset()
 
 

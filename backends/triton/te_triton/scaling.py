@@ -62,15 +62,37 @@ def _delayed_update_tile_kernel(table_ptr, fmax_ptr, MOST_RECENT: tl.constexpr,
     _update_tile(hist, scales, n, L, fmax, MOST_RECENT, BL, BN)
 
 
-@launcher
+ARGS_PER_LAUNCH = 8  # histories _delayed_update_args_kernel takes in one launch
+
+
 @triton.jit
-def _delayed_update_one_kernel(hist_ptr, scale_ptr, n, L, fmax, MOST_RECENT: tl.constexpr, BL: tl.constexpr,
-                               BN: tl.constexpr):
-    """_delayed_update_tile_kernel's update of one history, given as arguments rather than a
-    table row: for launches that must name each tensor they write (torch.compile's, whose
-    functionalization finds the written tensors in the kernel's code). fmax: the fp8 max times
-    2^-margin, rounded to float32."""
-    _update_tile(hist_ptr, scale_ptr, n, L, as_float32(fmax), MOST_RECENT, BL, BN)
+def _update_listed(i: tl.constexpr, COUNT: tl.constexpr, hist_ptr, scale_ptr, n, L, fmax,
+                   MOST_RECENT: tl.constexpr, BL: tl.constexpr, BN: tl.constexpr):
+    """The update of the launch's i-th history, by the programs of row i of the grid."""
+    if i < COUNT:  # (a constexpr test: the histories not given are None, and never reached)
+        if tl.program_id(0) == i:
+            _update_tile(hist_ptr, scale_ptr, n, L, as_float32(fmax), MOST_RECENT, BL, BN)
+
+
+@triton.jit
+def _delayed_update_args_kernel(h0, s0, n0, L0, f0, h1, s1, n1, L1, f1, h2, s2, n2, L2, f2,
+                                h3, s3, n3, L3, f3, h4, s4, n4, L4, f4, h5, s5, n5, L5, f5,
+                                h6, s6, n6, L6, f6, h7, s7, n7, L7, f7, COUNT: tl.constexpr,
+                                MOST_RECENT: tl.constexpr, BL: tl.constexpr, BN: tl.constexpr):
+    """_delayed_update_tile_kernel's update of up to ARGS_PER_LAUNCH histories of one tile
+    height BL, given as arguments rather than table rows: for launches that must name each
+    tensor they write (torch.compile's, whose functionalization finds the written tensors in
+    the kernel's code). Grid (COUNT, column blocks of the widest history); history i with its
+    scales, columns n, length L and fp8 max times 2^-margin (rounded to float32) f; the
+    arguments after the COUNT-th history are None."""
+    _update_listed(0, COUNT, h0, s0, n0, L0, f0, MOST_RECENT, BL, BN)
+    _update_listed(1, COUNT, h1, s1, n1, L1, f1, MOST_RECENT, BL, BN)
+    _update_listed(2, COUNT, h2, s2, n2, L2, f2, MOST_RECENT, BL, BN)
+    _update_listed(3, COUNT, h3, s3, n3, L3, f3, MOST_RECENT, BL, BN)
+    _update_listed(4, COUNT, h4, s4, n4, L4, f4, MOST_RECENT, BL, BN)
+    _update_listed(5, COUNT, h5, s5, n5, L5, f5, MOST_RECENT, BL, BN)
+    _update_listed(6, COUNT, h6, s6, n6, L6, f6, MOST_RECENT, BL, BN)
+    _update_listed(7, COUNT, h7, s7, n7, L7, f7, MOST_RECENT, BL, BN)
 
 
 @triton.jit

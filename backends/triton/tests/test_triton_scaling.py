@@ -128,25 +128,43 @@ def test_cached_plan_follows_the_tensors():
         scaling.delayed_scaling_update([moved.t()], [torch.ones(16)], [448.0])
 
 
+def _launch_listed(hists, scales, fmaxes, margin, algo):
+    """_delayed_update_args_kernel over `hists` (all of one tile height), as one launch."""
+    bl = triton.next_power_of_2(max(h.shape[0] for h in hists))
+    cols = max(h.shape[1] for h in hists)
+    bn = min(triton.next_power_of_2(cols), scaling.TILE_COLUMNS)
+    args = []
+    for h, s, fmax in zip(hists, scales, fmaxes):
+        scaled = float(torch.tensor(2.0 ** -margin, dtype=torch.float32) * torch.tensor(fmax, dtype=torch.float32))
+        args += [h, s, h.shape[1], h.shape[0], scaled]
+    args += [None] * 5 * (scaling.ARGS_PER_LAUNCH - len(hists))
+    scaling._delayed_update_args_kernel[(len(hists), triton.cdiv(cols, bn))](
+        *args, COUNT=len(hists), MOST_RECENT=algo == "most_recent", BL=bl, BN=bn, num_warps=4)
+
+
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("margin", [0.0, 3.0])
-def test_one_history_kernel_is_the_table_kernel(algo, margin):
-    """_delayed_update_one_kernel (a history and its scales as arguments, for torch.compile's
-    launches) gives the table kernel's bytes, history by history: NaN, inf, zero and unrecorded
-    columns, lengths from 1 to 1024."""
+def test_listed_histories_kernel_is_the_table_kernel(algo, margin):
+    """_delayed_update_args_kernel (histories and their scales as arguments, for torch.compile's
+    launches) gives the table kernel's bytes: NaN, inf, zero and unrecorded columns, lengths
+    from 1 to 1024; one history per launch, and eight of one tile height (lengths 9 to 16,
+    columns 1 to 20) in one launch."""
     hists, scales = _state(3)
     g = torch.Generator().manual_seed(4)
     hists.append(torch.rand(1024, 1, generator=g) * 7)
     scales.append(torch.rand(1, generator=g) + 0.5)
     fmaxes = [448.0, 57344.0, 448.0, 448.0]
-    want_h, want_s = [h.clone() for h in hists], [s.clone() for s in scales]
-    scaling.delayed_scaling_update(want_h, want_s, fmaxes, margin=margin, amax_compute_algo=algo)
+    shared = [(torch.rand(length, cols, generator=g) * 3, torch.rand(cols, generator=g) + 0.5)
+              for length, cols in [(16, 1), (9, 2), (13, 20), (16, 3), (10, 1), (11, 16), (16, 2), (12, 5)]]
+    shared[2][0][0, 4] = float("nan")
+    shared[5][0][0, 3] = 0.0
+    shared_h, shared_s = [h for h, _ in shared], [s for _, s in shared]
+    shared_f = [448.0, 57344.0] * 4
+    want_h, want_s = [h.clone() for h in hists + shared_h], [s.clone() for s in scales + shared_s]
+    scaling.delayed_scaling_update(want_h, want_s, fmaxes + shared_f, margin=margin, amax_compute_algo=algo)
     for h, s, fmax in zip(hists, scales, fmaxes):
-        length, cols = h.shape
-        bl, bn = triton.next_power_of_2(length), min(triton.next_power_of_2(cols), scaling.TILE_COLUMNS)
-        scaled = float(torch.tensor(2.0 ** -margin, dtype=torch.float32) * torch.tensor(fmax, dtype=torch.float32))
-        scaling._delayed_update_one_kernel[(1, triton.cdiv(cols, bn))](
-            h, s, cols, length, scaled, MOST_RECENT=algo == "most_recent", BL=bl, BN=bn, num_warps=4)
-    for h, wh, s, ws in zip(hists, want_h, scales, want_s):
+        _launch_listed([h], [s], [fmax], margin, algo)
+    _launch_listed(shared_h, shared_s, shared_f, margin, algo)
+    for h, wh, s, ws in zip(hists + shared_h, want_h, scales + shared_s, want_s):
         assert torch.equal(h.view(torch.int32), wh.view(torch.int32))
         assert torch.equal(s.view(torch.int32), ws.view(torch.int32))
