@@ -29,7 +29,9 @@ traced.hold_scale, so that the backward never rebuilds the FP8 data (the column-
 wgrad reads) with the updated scale. The backward epilogues cast with the gradient's scale,
 which is updated only after the backward's GEMMs have read the data. A call that maxes its
 amax into `amax_out` (a delayed-scaling history slot) is taken only where traced.WRITES_SLOTS
-allows it.
+allows it, but for the norm forwards: those launch te_triton's norm kernel from the compiled
+code where traced_kernels takes them (the eager op's kernel and bytes, the slot written through
+max_into), as delayed scaling's casts do.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from te_core.backend.types import FP8_FORMATS
 from te_core.reference import activation as ref_act
 from te_core.reference.plugin import implementations
 
-from . import traced
+from . import traced, traced_kernels
 from .traced import MAX_NUMEL as CAST_MAX_NUMEL
 from .traced import as_stored, hold_scale
 
@@ -169,6 +171,35 @@ _TAKES = {
 }
 
 
+# --- te_triton's kernels for delayed scaling's slot-writing calls (traced_kernels) -------------
+# A call that maxes its FP8 output's amax into a history slot (amax_out) launches the eager op's
+# kernel from the compiled code where traced_kernels takes it: the eager bytes, and no trip
+# through torch.library and te-core's dispatch, which the opaque op costs each call.
+def _norm_fwd_kernel(dev, x, weight, bias, eps, *, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None,
+                     amax_out=None):
+    """(y, mean or None, rstd, amax) through te_triton's norm kernel (RMSNorm where bias is None),
+    or NotImplemented where traced_kernels.norm_takes declines the call."""
+    where = x.device if isinstance(x, torch.Tensor) else None
+    if not (amax_out is not None and _hp(x, dev) and fp8_dtype in FP8_FORMATS and _one_f32(fp8_scale, where)
+            and _one_f32(amax_out, where) and all([_hp(p, where, sized=False) for p in (weight, bias) if p is not None])
+            and traced_kernels.norm_takes(x, weight, bias)):
+        return NotImplemented
+    return traced_kernels.norm_fwd(x, weight, bias, eps, zero_centered_gamma=zero_centered_gamma, fp8_scale=fp8_scale,
+                                   fp8_dtype=fp8_dtype, amax_out=amax_out)
+
+
+def _layernorm_fwd_kernel(dev, x, weight, bias, eps, **kwargs):
+    return NotImplemented if bias is None else _norm_fwd_kernel(dev, x, weight, bias, eps, **kwargs)
+
+
+def _rmsnorm_fwd_kernel(dev, x, weight, eps, **kwargs):
+    result = _norm_fwd_kernel(dev, x, weight, None, eps, **kwargs)
+    return result if result is NotImplemented else (result[0], result[2], result[3])
+
+
+_KERNELS = {"layernorm_fwd": _layernorm_fwd_kernel, "rmsnorm_fwd": _rmsnorm_fwd_kernel}
+
+
 def _act_bwd_dbias_ct_math(dy, x, kind, scale, fp8_dtype, *, amax_out=None, **params):
     """The reference's composition (activation_bwd, then dbias_cast_transpose of dx), dx as
     stored in x's dtype; params: clamped_swiglu's."""
@@ -180,10 +211,15 @@ def _math(name: str) -> Callable:
     return _act_bwd_dbias_ct_math if name == "activation_bwd_dbias_cast_transpose" else implementations()[name]
 
 
-def _twin(takes: Callable, math: Callable, device_type: str) -> Callable:
+def _twin(takes: Callable, math: Callable, device_type: str, kernel=None) -> Callable:
     """math as a twin: NotImplemented where `takes` declines; the bfloat16 tensors it reads (the
-    positional arguments) and returns as stored (as_stored)."""
+    positional arguments) and returns as stored (as_stored). A call writing a history slot goes
+    to `kernel` first (_KERNELS), where the op has one."""
     def twin(*args, **kwargs):
+        if kernel is not None and kwargs.get("amax_out") is not None:
+            result = kernel(device_type, *args, **kwargs)
+            if result is not NotImplemented:
+                return result
         if not takes(device_type, *args, **kwargs):
             return NotImplemented
         if kwargs.get("fp8_scale") is not None:  # see hold_scale
@@ -202,7 +238,7 @@ def _twin(takes: Callable, math: Callable, device_type: str) -> Callable:
 
 def twins(device_type: str = DEVICE_TYPE) -> Dict[str, Callable]:
     """op name -> twin taking calls on tensors of `device_type` (the tests build CPU ones)."""
-    return {name: _twin(takes, _math(name), device_type) for name, takes in _TAKES.items()}
+    return {name: _twin(takes, _math(name), device_type, _KERNELS.get(name)) for name, takes in _TAKES.items()}
 
 
 TRACED_FUSED = twins()

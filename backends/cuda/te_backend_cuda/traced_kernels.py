@@ -26,6 +26,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from te_triton import blockwise as triton_blockwise
 from te_triton import cast as triton_cast
 from te_triton import dbias as triton_dbias
+from te_triton import norm as triton_norm
 from te_triton import scaling as triton_scaling
 from te_triton._common import cdiv, grid_size, next_power_of_2
 
@@ -290,6 +291,44 @@ def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out):
     amax, write = _amax_buffer(amax_out, dy.device)
     data, data_t, dbias = _dbias_pass(dy, fp8_dtype, scale, amax, scale, 0.0, from_amax=False, pow2=False)
     return data, data_t, dbias, _into_slot(amax, amax_out, write)
+
+
+def norm_takes(x, weight, bias) -> bool:
+    """Whether a norm forward with FP8 output into a history slot launches te_triton's norm kernel
+    (`bias` None: RMSNorm): as takes() at any size below the descriptor kernels' (whose launch
+    the compiled code does not repeat), rows that fit the kernel, weight and bias contiguous and
+    one per column on x's device."""
+    n = x.shape[-1] if x.dim() else 0
+    params = (weight,) if bias is None else (weight, bias)
+    return (DELAYED and x.dim() >= 1 and 0 < n <= triton_norm.MAX_N and x.numel() < configs.TMA_MIN_NUMEL
+            and all([p.is_contiguous() and p.numel() == n and p.device == x.device for p in params])
+            and takes(x, min_numel=1))
+
+
+@run_while_tracing
+def _norm_fwd_launch(index: int, m: int, n: int, rms: bool) -> tuple:
+    """(programs, keywords) of GPU `index`'s norm forwards with FP8 output over m rows of n, the
+    pointer kernel's, as te-backend-cuda's layernorm_fwd / rmsnorm_fwd launch it."""
+    from .ops.norm import fp8_pointer_cfg  # (not at import: ops imports this module's importers)
+
+    return triton_norm.fwd_launch(m, n, fp8_pointer_cfg(configs.for_device(index), n, rms))
+
+
+def norm_fwd(x, weight, bias, eps, *, zero_centered_gamma, fp8_scale, fp8_dtype, amax_out):
+    """(y, mean or None, rstd, amax) of a LayerNorm (RMSNorm where bias is None) forward with FP8
+    output, as te_triton.norm.norm_fwd launches its kernel (amax as quantize_fp8's)."""
+    rms, n, dev = bias is None, x.shape[-1], x.device
+    m = x.numel() // n
+    programs, meta = _norm_fwd_launch(dev.index, m, n, rms)
+    y = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=dev)
+    mean = None if rms else torch.empty(x.shape[:-1], dtype=torch.float32, device=dev)
+    amax, write = _amax_buffer(amax_out, dev)
+    unused = torch.empty(1, dtype=torch.float32, device=dev) if rms else mean  # (RMSNorm writes no mean)
+    _WRAP_TRITON(triton_norm._norm_fwd_kernel.kernel)[(programs,)](
+        x, weight, weight if rms else bias, y, unused, rstd, fp8_scale, amax, m, n, float(eps),
+        torch.finfo(fp8_dtype).max, RMS=rms, ZERO_CENTERED=bool(zero_centered_gamma), FP8_OUT=True, **meta)
+    return y, mean, rstd, _into_slot(amax, amax_out, write)
 
 
 @run_while_tracing

@@ -183,6 +183,50 @@ def test_compiled_linear_of_that_size_matches_eager(make):
                 torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-5)
 
 
+@GPU
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_compiled_layernorm_linear_with_delayed_scaling_matches_eager(delayed, normalization):
+    """te.LayerNormLinear with DelayedScaling, compiled with the shipped settings: the norm's FP8
+    output into its history slot launches te_triton's norm kernel (no opaque norm op left in a
+    compiled step), and over three steps the forward output is eager's bit for bit, the input
+    gradient within bfloat16's tolerance, the histories alike."""
+    backend.set_backend("cuda")
+    try:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = te.LayerNormLinear(1024, 1024, normalization=normalization, params_dtype=torch.bfloat16,
+                                   device="cuda")
+        twin = copy.deepcopy(model)
+        rec = recipe.DelayedScaling()
+        te.init_quantization_state(model, rec)
+
+        def step(module, inp):
+            with te.autocast(recipe=rec):
+                return module(inp)
+
+        compiled = torch.compile(step, fullgraph=True)
+        for i in range(3):
+            x = (torch.randn(256, 1024, device="cuda") * (i + 1)).to(torch.bfloat16)
+            dy = torch.randn(256, 1024, device="cuda").to(torch.bfloat16)
+            outs = []
+            for fn, module in ((step, model), (compiled, twin)):
+                xi = x.clone().requires_grad_(True)
+                with torch.profiler.profile() as prof:
+                    y = fn(module, xi)
+                    y.backward(dy)
+                opaque = {e.name for e in prof.events() if e.name.startswith("te_core::") and "norm_fwd" in e.name}
+                outs.append((y.detach(), xi.grad, opaque))
+            assert torch.equal(outs[1][0], outs[0][0]), f"step {i}"
+            torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1.6e-2, atol=1e-5)
+            assert not outs[1][2], f"opaque norm ops in the compiled step: {sorted(outs[1][2])}"
+        for (d, slots), (_, twin_slots) in zip(model.quantization_state().items(), twin.quantization_state().items()):
+            for slot, entry in slots.items():
+                assert torch.equal(entry["amax_history"], twin_slots[slot]["amax_history"]), (d, slot)
+    finally:
+        torch._dynamo.reset()
+        backend.reset()
+
+
 # --- the launches themselves, on the CPU: the twins' against te_triton's eager ones -------------
 class _Recorder:
     """Stands in for a kernel launch: records (kernel name, grid, arguments, keywords)."""
@@ -367,6 +411,81 @@ def test_delayed_twins_launch_what_te_triton_launches(monkeypatch, sm90, cast, s
     assert returned[0][-1] is twin_slot and twin_slot.item() == 0.5  # the contract's amax: the slot
 
 
+NORM_SHAPES = [(128, 1024), (3, 40, 1100), (8, 5000), (7, 96)]  # (8, 5000): LayerNorm's long-row config
+
+
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["gamma", "zero-centered"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", NORM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_norm_twin_launches_what_the_cuda_op_launches(monkeypatch, sm90, rms, shape, dtype, zero_centered):
+    """A norm forward with FP8 output maxing into a history slot: te-backend-cuda's eager launch
+    (its config for the row length, H100 table), with a zero of its own as the amax pointer
+    (max_into then writes the slot) and, for RMSNorm, a tensor of its own where the kernel
+    writes no mean."""
+    from te_backend_cuda import configs
+    from te_backend_cuda.ops import norm
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(shape, generator=g).to(dtype)
+    w, b = torch.randn(shape[-1], generator=g).to(dtype), torch.randn(shape[-1], generator=g).to(dtype)
+    scale, slot = torch.full((1,), 2.0), torch.zeros(1)
+    kwargs = dict(zero_centered_gamma=zero_centered, fp8_scale=scale, fp8_dtype=E4M3, amax_out=slot)
+    twin_slot, returned = torch.full((1,), 0.5), []
+    twin = _launches(lambda: returned.append(traced_kernels.norm_fwd(
+        x, w, None if rms else b, 1e-5, **{**kwargs, "amax_out": twin_slot})), monkeypatch, twin=True)
+    eager_fn = (lambda: norm.rmsnorm_fwd(x, w, 1e-5, **kwargs)) if rms else (lambda: norm.layernorm_fwd(
+        x, w, b, 1e-5, **kwargs))
+    monkeypatch.setattr(configs, "for_device", lambda index: sm90)  # (_launches undid sm90's)
+    eager = _launches(eager_fn, monkeypatch, twin=False)
+    assert len(eager) == 1 and eager[0][0] == "_norm_fwd_kernel"
+    _same_launches(twin, eager, unused={(0, 7)} | ({(0, 4)} if rms else set()))
+    y, mean, rstd, amax = returned[0]
+    assert y.dtype == E4M3 and y.shape == x.shape and rstd.shape == x.shape[:-1]
+    assert (mean is None) == rms and (rms or mean.shape == x.shape[:-1])
+    assert amax is twin_slot and twin_slot.item() == 0.5  # the contract's amax: the slot, written by max_into
+
+
+def test_norm_twin_declines_what_the_kernel_does_not_take(monkeypatch):
+    """Slot-writing norm forwards of LayerNorm and RMSNorm go to the kernel twin on a GPU whose
+    convert saturates; without a slot, with a strided x or weight, rows longer than the kernel's,
+    a size at the descriptor kernels' threshold, or DELAYED off, the kernel declines (the
+    opaque op then takes a slot-writing call, the traced math one without a slot)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from te_backend_cuda import configs, traced_fused
+    from te_triton import norm
+
+    monkeypatch.setattr(traced_kernels, "_kernels_run_on", lambda index: True)
+    calls = []
+    monkeypatch.setattr(traced_kernels, "_WRAP_TRITON", lambda kernel: _Recorder(calls, kernel))
+    monkeypatch.setattr(traced_kernels, "_norm_fwd_launch", lambda *a: (4, {}))
+    layernorm, rmsnorm = traced_fused.TRACED_FUSED["layernorm_fwd"], traced_fused.TRACED_FUSED["rmsnorm_fwd"]
+    with FakeTensorMode():
+        def cuda(*shape, dtype=torch.bfloat16):
+            return torch.empty(shape, dtype=dtype, device="cuda")
+
+        x, w, b, scale, slot = cuda(64, 256), cuda(256), cuda(256), cuda(1, dtype=torch.float32), cuda(
+            1, dtype=torch.float32)
+        fp8 = dict(fp8_scale=scale, fp8_dtype=E4M3)
+        assert len(layernorm(x, w, b, 1e-5, amax_out=slot, **fp8)) == 4
+        assert len(rmsnorm(x, w, 1e-5, amax_out=slot, **fp8)) == 3
+        assert [c[0] for c in calls] == ["_norm_fwd_kernel"] * 2
+        assert calls[1][2][2] is w and calls[1][3]["RMS"] and not calls[0][3]["RMS"]
+        long, long_w = cuda(2, norm.MAX_N + 1), cuda(norm.MAX_N + 1)
+        large = cuda(configs.TMA_MIN_NUMEL // 256, 256)
+        strided_w = torch.empty_strided((256,), (2,), dtype=torch.bfloat16, device="cuda")
+        for declined in (lambda: layernorm(x.t(), w, b, 1e-5, amax_out=slot, **fp8),
+                         lambda: layernorm(x, strided_w, b, 1e-5, amax_out=slot, **fp8),
+                         lambda: rmsnorm(long, long_w, 1e-5, amax_out=slot, **fp8),
+                         lambda: rmsnorm(large, w, 1e-5, amax_out=slot, **fp8)):
+            assert declined() is NotImplemented
+        assert traced_fused._norm_fwd_kernel("cuda", x, w, b, 1e-5, **fp8) is NotImplemented  # no slot: the math
+        monkeypatch.setattr(traced_kernels, "DELAYED", False)
+        assert layernorm(x, w, b, 1e-5, amax_out=slot, **fp8) is NotImplemented
+    assert len(calls) == 2
+
+
 @pytest.fixture
 def delayed(monkeypatch):
     """The delayed-scaling launches on (traced_kernels.DELAYED)."""
@@ -436,6 +555,37 @@ def test_delayed_casts_compiled_write_the_history_as_eager(delayed, name, shape,
     if name == "dbias_cast_transpose":
         torch.testing.assert_close(got[2], want[2], rtol=1.6e-2, atol=1e-5, equal_nan=True)
     _assert_same([history, got[-1]], [want_history, want[-1]])
+    torch._dynamo.reset()
+
+
+@GPU
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(128, 1024), (3, 40, 1100), (8, 5000)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_norm_with_slot_compiled_is_the_cuda_op(delayed, rms, shape, dtype):
+    """Compiled, a norm forward with FP8 output maxing into a history slot (a view of the
+    history, as modules pass it) launches te_triton's norm kernel, gives the eager op's FP8
+    bytes and statistics, and leaves the history as the eager op leaves it, bit for bit."""
+    from te_backend_cuda import ops, traced_fused
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(shape, generator=g) * 3 + 1).to(dtype).cuda()
+    w, b = [(torch.randn(shape[-1], generator=g) + 1).to(dtype).cuda() for _ in range(2)]
+    scale, history = torch.full((1,), 20.0, device="cuda"), torch.rand(4, 3, device="cuda") + 1
+    history[0, 1] = 0.5
+    want_history = history.clone()
+    name = "rmsnorm_fwd" if rms else "layernorm_fwd"
+    params = (w,) if rms else (w, b)
+    want = getattr(ops, name)(x, *params, 1e-5, fp8_scale=scale, fp8_dtype=E4M3, amax_out=want_history[0][1:2])
+    twin = traced_fused.TRACED_FUSED[name]
+    run = torch.compile(lambda t, s, h: twin(t, *params, 1e-5, fp8_scale=s, fp8_dtype=E4M3, amax_out=h[0][1:2]),
+                        fullgraph=True)
+    got = run(x, scale, history)
+    _assert_same(list(got[:-1]), list(want[:-1]))
+    _assert_same([history, got[-1]], [want_history, want[-1]])
+    names = _kernels(lambda _: run(x, scale, history.clone()), None)
+    assert "_norm_fwd_kernel" in names, names
     torch._dynamo.reset()
 
 

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from . import norm_tma
-from ._common import (MAX_NUMEL, Config, abs_bits, amax_from_buffer, cdiv, check_device, check_hp_input, fp8_max,
-                      fp8_out_args, grid_size, max_into, new_amax_buffer, next_power_of_2, saturating_cast)
+from ._common import (MAX_NUMEL, Config, abs_bits, amax_from_buffer, as_float32, cdiv, check_device, check_hp_input,
+                      fp8_max, fp8_out_args, grid_size, max_into, new_amax_buffer, next_power_of_2, saturating_cast)
 from ._norm_math import backward_step, norm_params, row_statistics, scale_shift
 from .launch import launcher
 
@@ -39,7 +39,9 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, scale_ptr, 
     2, per CHUNK-element chunk (a thread-local max each step). HOIST keeps gamma/beta in
     registers across steps; else they are reloaded each step (cache hits), which frees
     registers for long rows. EVEN (N == BLOCK_N and M a multiple of ROWS): every step is a
-    full tile, so loads, stores and the amax go without per-element masks."""
+    full tile, so loads, stores and the amax go without per-element masks. eps and fmax as
+    float32 (as_float32: a launch from compiled code passes them as float64)."""
+    eps, fmax = as_float32(eps), as_float32(fmax)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HOIST:
@@ -178,20 +180,26 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, zero_centered_gamma=False, fp8_
         x.view(M, N), y.view(M, N), weight, bias, mean, rstd, scale, amax_buf, eps, fmax, rms=rms,
         zero_centered_gamma=zero_centered_gamma, cfg=cfg)
     if M and not tma:
-        block_n = next_power_of_2(N)
-        rows = max(1, min(cfg.rows, MAX_TILE // block_n))
-        chunk = min(cfg.amax_chunk, rows * block_n)
-        if chunk:
-            amax_mode = 2
-        else:
-            amax_mode = 1 if rows * block_n <= TILE_AMAX_ELEMENTS_PER_THREAD * 32 * cfg.num_warps else 0
-        _norm_fwd_kernel[(grid_size(cdiv(M, rows), cfg),)](
+        programs, meta = fwd_launch(M, N, cfg)
+        _norm_fwd_kernel[(programs,)](
             x, weight, weight if bias is None else bias, y, rstd if mean is None else mean, rstd, scale, amax_buf,
-            M, N, float(eps), fmax, BLOCK_N=block_n, ROWS=rows, RMS=rms,
-            ZERO_CENTERED=bool(zero_centered_gamma), FP8_OUT=fp8_out, AMAX_MODE=amax_mode, CHUNK=max(chunk, 1),
-            HOIST=cfg.hoist_params, CLAMP=not cfg.hw_saturate, EVEN=block_n == N and M % rows == 0,
-            num_warps=cfg.num_warps)
+            M, N, float(eps), fmax, RMS=rms, ZERO_CENTERED=bool(zero_centered_gamma), FP8_OUT=fp8_out, **meta)
     return y, mean, rstd, amax_from_buffer(amax_buf, amax_out) if fp8_out else None
+
+
+def fwd_launch(M: int, N: int, cfg: Config):
+    """(programs, keywords) of the pointer kernel's forward over M rows of N: its tile, amax mode
+    and the config's choices, all but RMS, ZERO_CENTERED and FP8_OUT."""
+    block_n = next_power_of_2(N)
+    rows = max(1, min(cfg.rows, MAX_TILE // block_n))
+    chunk = min(cfg.amax_chunk, rows * block_n)
+    if chunk:
+        amax_mode = 2
+    else:
+        amax_mode = 1 if rows * block_n <= TILE_AMAX_ELEMENTS_PER_THREAD * 32 * cfg.num_warps else 0
+    return grid_size(cdiv(M, rows), cfg), dict(
+        BLOCK_N=block_n, ROWS=rows, AMAX_MODE=amax_mode, CHUNK=max(chunk, 1), HOIST=cfg.hoist_params,
+        CLAMP=not cfg.hw_saturate, EVEN=block_n == N and M % rows == 0, num_warps=cfg.num_warps)
 
 
 def norm_bwd_add(dy, x, mean: Optional[torch.Tensor], rstd, weight, add, *, rms: bool, zero_centered_gamma=False,

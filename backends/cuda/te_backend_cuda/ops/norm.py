@@ -18,9 +18,12 @@ def _norm_fwd_cfg(x, fp8_dtype, rms: bool):
     t = configs.for_tensor(x)
     if fp8_dtype is None:
         return t.norm_high_precision
-    long_rows = x.shape[-1] > 4096
-    cfg = t.norm_layernorm_long_rows if long_rows and not rms else t.norm
-    return tma_or(x, cfg, t.norm_tma[rms, long_rows])
+    return tma_or(x, fp8_pointer_cfg(t, x.shape[-1], rms), t.norm_tma[rms, x.shape[-1] > 4096])
+
+
+def fp8_pointer_cfg(t: configs.Tuning, n: int, rms: bool):
+    """The pointer kernel's config of a forward with FP8 output over rows of n (of tuning t)."""
+    return t.norm_layernorm_long_rows if n > 4096 and not rms else t.norm
 
 
 def _norm_bwd_cfg(x, rms: bool):
