@@ -29,9 +29,9 @@ traced.hold_scale, so that the backward never rebuilds the FP8 data (the column-
 wgrad reads) with the updated scale. The backward epilogues cast with the gradient's scale,
 which is updated only after the backward's GEMMs have read the data. A call that maxes its
 amax into `amax_out` (a delayed-scaling history slot) is taken only where traced.WRITES_SLOTS
-allows it, but for the norm forwards: those launch te_triton's norm kernel from the compiled
-code where traced_kernels takes them (the eager op's kernel and bytes, the slot written through
-max_into), as delayed scaling's casts do.
+allows it, but for the norm and activation forwards: those launch te_triton's kernel from the
+compiled code where traced_kernels takes them (the eager op's kernel and bytes, the slot written
+through max_into), as delayed scaling's casts do.
 """
 from __future__ import annotations
 
@@ -197,7 +197,18 @@ def _rmsnorm_fwd_kernel(dev, x, weight, eps, **kwargs):
     return result if result is NotImplemented else (result[0], result[2], result[3])
 
 
-_KERNELS = {"layernorm_fwd": _layernorm_fwd_kernel, "rmsnorm_fwd": _rmsnorm_fwd_kernel}
+def _activation_fwd_kernel(dev, x, kind, *, fp8_scale=None, fp8_dtype=None, amax_out=None, **params):
+    """(y, amax) through te_triton's activation kernel, or NotImplemented where
+    traced_kernels.activation_takes declines the call."""
+    where = x.device if isinstance(x, torch.Tensor) else None
+    if not (amax_out is not None and _hp(x, dev) and fp8_dtype in FP8_FORMATS and _one_f32(fp8_scale, where)
+            and _one_f32(amax_out, where) and traced_kernels.activation_takes(x, kind, params)):
+        return NotImplemented
+    return traced_kernels.activation_fwd(x, kind, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, amax_out=amax_out)
+
+
+_KERNELS = {"layernorm_fwd": _layernorm_fwd_kernel, "rmsnorm_fwd": _rmsnorm_fwd_kernel,
+            "activation_fwd": _activation_fwd_kernel}
 
 
 def _act_bwd_dbias_ct_math(dy, x, kind, scale, fp8_dtype, *, amax_out=None, **params):

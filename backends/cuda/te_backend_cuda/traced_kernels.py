@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from te_core._tracing import run_while_tracing
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from te_triton import activation as triton_activation
 from te_triton import blockwise as triton_blockwise
 from te_triton import cast as triton_cast
 from te_triton import dbias as triton_dbias
@@ -329,6 +330,40 @@ def norm_fwd(x, weight, bias, eps, *, zero_centered_gamma, fp8_scale, fp8_dtype,
         x, weight, weight if rms else bias, y, unused, rstd, fp8_scale, amax, m, n, float(eps),
         torch.finfo(fp8_dtype).max, RMS=rms, ZERO_CENTERED=bool(zero_centered_gamma), FP8_OUT=True, **meta)
     return y, mean, rstd, _into_slot(amax, amax_out, write)
+
+
+def activation_takes(x, kind: str, params: dict) -> bool:
+    """Whether an activation forward with FP8 output into a history slot launches te_triton's
+    activation kernel: as takes() at any size, a kind the kernel has (without parameters: those
+    are clamped_swiglu's, which it has not), a gated one over an even last dimension."""
+    if not (DELAYED and not params and kind in triton_activation.KIND_IDS and x.dim() >= 1):
+        return False
+    return (kind not in triton_activation.GATED or x.shape[-1] % 2 == 0) and takes(x, min_numel=1)
+
+
+@run_while_tracing
+def _act_fwd_launch(index: int, r: int, h: int, kind: str) -> tuple:
+    """(programs, block_m, block_n, clamp, num_warps) of GPU `index`'s activation forwards of
+    `kind` over an (r, h) output, as te-backend-cuda's activation_fwd launches them."""
+    from .ops.activation import fwd_cfg  # (not at import: ops imports this module's importers)
+
+    cfg = fwd_cfg(configs.for_device(index), kind)
+    return triton_activation._grid(r, h, cfg)[0], cfg.block_m, cfg.block_n, not cfg.hw_saturate, cfg.num_warps
+
+
+def activation_fwd(x, kind, *, fp8_scale, fp8_dtype, amax_out):
+    """(y, amax) of an activation forward with FP8 output, as te_triton.activation.activation_fwd
+    launches its kernel (amax as quantize_fp8's)."""
+    gated, dev = kind in triton_activation.GATED, x.device
+    h = x.shape[-1] // 2 if gated else x.shape[-1]
+    r = x.numel() // x.shape[-1]
+    programs, bm, bn, clamp, warps = _act_fwd_launch(dev.index, r, h, kind)
+    y = torch.empty((*x.shape[:-1], h), dtype=fp8_dtype, device=dev)
+    amax, write = _amax_buffer(amax_out, dev)
+    _WRAP_TRITON(triton_activation._act_fwd_kernel.kernel)[(programs,)](
+        x, y, fp8_scale, amax, r, h, torch.finfo(fp8_dtype).max, KIND=triton_activation.KIND_IDS[kind], GATED=gated,
+        FP8_OUT=True, BM=bm, BN=bn, CLAMP=clamp, num_warps=warps)
+    return y, _into_slot(amax, amax_out, write)
 
 
 @run_while_tracing

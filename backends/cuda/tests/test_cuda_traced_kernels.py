@@ -183,19 +183,26 @@ def test_compiled_linear_of_that_size_matches_eager(make):
                 torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-5)
 
 
+MODULES_WITH_FUSED_CASTS = {  # name -> the module, whose forward casts a norm's or activation's output
+    "LayerNormLinear": lambda: te.LayerNormLinear(1024, 1024, params_dtype=torch.bfloat16, device="cuda"),
+    "LayerNormLinear-RMSNorm": lambda: te.LayerNormLinear(1024, 1024, normalization="RMSNorm",
+                                                          params_dtype=torch.bfloat16, device="cuda"),
+    "LayerNormMLP": lambda: te.LayerNormMLP(1024, 4096, params_dtype=torch.bfloat16, device="cuda"),
+}
+
+
 @GPU
-@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
-def test_compiled_layernorm_linear_with_delayed_scaling_matches_eager(delayed, normalization):
-    """te.LayerNormLinear with DelayedScaling, compiled with the shipped settings: the norm's FP8
-    output into its history slot launches te_triton's norm kernel (no opaque norm op left in a
-    compiled step), and over three steps the forward output is eager's bit for bit, the input
-    gradient within bfloat16's tolerance, the histories alike."""
+@pytest.mark.parametrize("module", list(MODULES_WITH_FUSED_CASTS))
+def test_compiled_fused_casts_with_delayed_scaling_match_eager(delayed, module):
+    """A module with DelayedScaling, compiled with the shipped settings: the norm's and the
+    activation's FP8 outputs into their history slots launch te_triton's kernels (no opaque norm
+    or activation forward left in a compiled step), and over three steps the forward output is
+    eager's bit for bit, the input gradient within bfloat16's tolerance, the histories alike."""
     backend.set_backend("cuda")
     try:
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = te.LayerNormLinear(1024, 1024, normalization=normalization, params_dtype=torch.bfloat16,
-                                   device="cuda")
+        model = MODULES_WITH_FUSED_CASTS[module]()
         twin = copy.deepcopy(model)
         rec = recipe.DelayedScaling()
         te.init_quantization_state(model, rec)
@@ -214,11 +221,12 @@ def test_compiled_layernorm_linear_with_delayed_scaling_matches_eager(delayed, n
                 with torch.profiler.profile() as prof:
                     y = fn(module, xi)
                     y.backward(dy)
-                opaque = {e.name for e in prof.events() if e.name.startswith("te_core::") and "norm_fwd" in e.name}
+                opaque = {e.name for e in prof.events()
+                          if e.name.startswith("te_core::") and ("norm_fwd" in e.name or "activation_fwd" in e.name)}
                 outs.append((y.detach(), xi.grad, opaque))
             assert torch.equal(outs[1][0], outs[0][0]), f"step {i}"
             torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1.6e-2, atol=1e-5)
-            assert not outs[1][2], f"opaque norm ops in the compiled step: {sorted(outs[1][2])}"
+            assert not outs[1][2], f"opaque forwards in the compiled step: {sorted(outs[1][2])}"
         for (d, slots), (_, twin_slots) in zip(model.quantization_state().items(), twin.quantization_state().items()):
             for slot, entry in slots.items():
                 assert torch.equal(entry["amax_history"], twin_slots[slot]["amax_history"]), (d, slot)
@@ -486,6 +494,63 @@ def test_norm_twin_declines_what_the_kernel_does_not_take(monkeypatch):
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(128, 4096), (3, 40, 1100), (7, 96)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("kind", ["gelu", "swiglu", "srelu"])
+def test_activation_twin_launches_what_the_cuda_op_launches(monkeypatch, sm90, kind, shape, dtype):
+    """An activation forward with FP8 output maxing into a history slot: te-backend-cuda's eager
+    launch (its plain or gated config, H100 table), with a zero of its own as the amax pointer."""
+    from te_backend_cuda import configs
+    from te_backend_cuda.ops import activation
+
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    scale, slot = torch.full((1,), 2.0), torch.zeros(1)
+    twin_slot, returned = torch.full((1,), 0.5), []
+    twin = _launches(lambda: returned.append(traced_kernels.activation_fwd(
+        x, kind, fp8_scale=scale, fp8_dtype=E5M2, amax_out=twin_slot)), monkeypatch, twin=True)
+    monkeypatch.setattr(configs, "for_device", lambda index: sm90)  # (_launches undid sm90's)
+    eager = _launches(lambda: activation.activation_fwd(x, kind, fp8_scale=scale, fp8_dtype=E5M2, amax_out=slot),
+                      monkeypatch, twin=False)
+    assert len(eager) == 1 and eager[0][0] == "_act_fwd_kernel"
+    _same_launches(twin, eager, unused={(0, 3)})
+    y, amax = returned[0]
+    h = shape[-1] // 2 if kind == "swiglu" else shape[-1]
+    assert y.dtype == E5M2 and y.shape == (*shape[:-1], h)
+    assert amax is twin_slot and twin_slot.item() == 0.5
+
+
+def test_activation_twin_declines_what_the_kernel_does_not_take(monkeypatch):
+    """Slot-writing activation forwards go to the kernel twin; a kind without a kernel
+    (clamped_swiglu, whose parameters come with it), a gated one over an odd last dimension, a
+    strided x, no slot, or DELAYED off: the kernel declines."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from te_backend_cuda import traced_fused
+
+    monkeypatch.setattr(traced_kernels, "_kernels_run_on", lambda index: True)
+    calls = []
+    monkeypatch.setattr(traced_kernels, "_WRAP_TRITON", lambda kernel: _Recorder(calls, kernel))
+    monkeypatch.setattr(traced_kernels, "_act_fwd_launch", lambda *a: (4, 64, 64, False, 4))
+    act, kernel = traced_fused.TRACED_FUSED["activation_fwd"], traced_fused._activation_fwd_kernel
+    with FakeTensorMode():
+        x = torch.empty(64, 256, dtype=torch.bfloat16, device="cuda")
+        odd = torch.empty(64, 255, dtype=torch.bfloat16, device="cuda")
+        strided = torch.empty_strided((64, 256), (1, 64), dtype=torch.bfloat16, device="cuda")
+        scale, slot = [torch.empty(1, dtype=torch.float32, device="cuda") for _ in range(2)]
+        fp8 = dict(fp8_scale=scale, fp8_dtype=E4M3)
+        assert len(act(x, "swiglu", amax_out=slot, **fp8)) == 2
+        assert [c[0] for c in calls] == ["_act_fwd_kernel"] and calls[0][3]["GATED"]
+        for declined in (lambda: kernel("cuda", x, "clamped_swiglu", amax_out=slot, limit=7.0, alpha=1.702, **fp8),
+                         lambda: kernel("cuda", x, "gelu", amax_out=slot, limit=7.0, **fp8),
+                         lambda: kernel("cuda", odd, "geglu", amax_out=slot, **fp8),
+                         lambda: kernel("cuda", strided, "gelu", amax_out=slot, **fp8),
+                         lambda: kernel("cuda", x, "gelu", **fp8)):
+            assert declined() is NotImplemented
+        monkeypatch.setattr(traced_kernels, "DELAYED", False)
+        assert kernel("cuda", x, "gelu", amax_out=slot, **fp8) is NotImplemented
+    assert len(calls) == 1
+
+
 @pytest.fixture
 def delayed(monkeypatch):
     """The delayed-scaling launches on (traced_kernels.DELAYED)."""
@@ -586,6 +651,31 @@ def test_norm_with_slot_compiled_is_the_cuda_op(delayed, rms, shape, dtype):
     _assert_same([history, got[-1]], [want_history, want[-1]])
     names = _kernels(lambda _: run(x, scale, history.clone()), None)
     assert "_norm_fwd_kernel" in names, names
+    torch._dynamo.reset()
+
+
+@GPU
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("kind", ["gelu", "swiglu", "relu"])
+def test_activation_with_slot_compiled_is_the_cuda_op(delayed, kind, dtype):
+    """Compiled, an activation forward with FP8 output maxing into a history slot launches
+    te_triton's activation kernel and gives the eager op's FP8 bytes and history, bit for bit."""
+    from te_backend_cuda import ops, traced_fused
+
+    torch._dynamo.reset()
+    x = _input((120, 1100), dtype=dtype, seed=9)
+    scale, history = torch.full((1,), 0.7, device="cuda"), torch.rand(4, 3, device="cuda") + 1
+    history[0, 2] = 0.25
+    want_history = history.clone()
+    want = ops.activation_fwd(x, kind, fp8_scale=scale, fp8_dtype=E4M3, amax_out=want_history[0][2:3])
+    twin = traced_fused.TRACED_FUSED["activation_fwd"]
+    run = torch.compile(lambda t, s, h: twin(t, kind, fp8_scale=s, fp8_dtype=E4M3, amax_out=h[0][2:3]),
+                        fullgraph=True)
+    got = run(x, scale, history)
+    _assert_same([got[0]], [want[0]])
+    _assert_same([history, got[1]], [want_history, want[1]])
+    names = _kernels(lambda _: run(x, scale, history.clone()), None)
+    assert "_act_fwd_kernel" in names, names
     torch._dynamo.reset()
 
 

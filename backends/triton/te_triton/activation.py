@@ -10,8 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (FLOAT_DTYPES, MAX_NUMEL, Config, abs_bits, amax_from_buffer, answered, cdiv, check_device,
-                      check_hp_input, fp8_max, fp8_out_args, grid_size, max_into, new_amax_buffer, saturating_cast)
+from ._common import (FLOAT_DTYPES, MAX_NUMEL, Config, abs_bits, amax_from_buffer, answered, as_float32, cdiv,
+                      check_device, check_hp_input, fp8_max, fp8_out_args, grid_size, max_into, new_amax_buffer,
+                      saturating_cast)
 from .launch import launcher
 
 ELEMENTWISE_DEFAULT = Config(block_m=16, block_n=256, num_warps=8, max_programs=0)
@@ -73,7 +74,9 @@ def _tile(t, R, C, BM: tl.constexpr, BN: tl.constexpr):
 @triton.jit
 def _act_fwd_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, R, H, fmax, KIND: tl.constexpr, GATED: tl.constexpr,
                     FP8_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CLAMP: tl.constexpr):
-    """y (R, H) = act(a) [* b]; x is (R, H) or, gated, (R, 2H)."""
+    """y (R, H) = act(a) [* b]; x is (R, H) or, gated, (R, 2H). fmax as float32 (as_float32: a
+    launch from compiled code passes it as float64)."""
+    fmax = as_float32(fmax)
     x_cols = 2 * H if GATED else H
     n_tiles = tl.cdiv(R, BM) * tl.cdiv(H, BN)
     scale = tl.load(scale_ptr)

@@ -16,10 +16,14 @@ from .launch import fp8_amax, guard, tma_or
 
 
 def activation_fwd(x, kind, *, fp8_scale=None, fp8_dtype=None, amax_out=None):
-    t = configs.for_tensor(x)
-    cfg = t.activation_fwd_gated if kind in activation.GATED else t.activation_fwd
-    return activation.activation_fwd(x, kind, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, cfg=cfg,
+    return activation.activation_fwd(x, kind, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype,
+                                     cfg=fwd_cfg(configs.for_tensor(x), kind),
                                      amax_out=fp8_amax(amax_out, x, fp8_dtype))
+
+
+def fwd_cfg(t: configs.Tuning, kind: str):
+    """The forward's config of activation `kind` (of tuning t)."""
+    return t.activation_fwd_gated if kind in activation.GATED else t.activation_fwd
 
 
 def activation_bwd(dy, x, kind):
