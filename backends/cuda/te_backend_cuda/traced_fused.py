@@ -29,9 +29,9 @@ traced.hold_scale, so that the backward never rebuilds the FP8 data (the column-
 wgrad reads) with the updated scale. The backward epilogues cast with the gradient's scale,
 which is updated only after the backward's GEMMs have read the data. A call that maxes its
 amax into `amax_out` (a delayed-scaling history slot) is taken only where traced.WRITES_SLOTS
-allows it, but for the norm and activation forwards: those launch te_triton's kernel from the
-compiled code where traced_kernels takes them (the eager op's kernel and bytes, the slot written
-through max_into), as delayed scaling's casts do.
+allows it, but for the norm and activation forwards and the backward epilogues: those launch
+te_triton's kernels from the compiled code where traced_kernels takes them (the eager op's
+kernels and bytes, the slot written through max_into), as delayed scaling's casts do.
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ import torch
 from te_core.backend.types import FP8_FORMATS
 from te_core.reference import activation as ref_act
 from te_core.reference.plugin import implementations
+from te_triton import activation as triton_activation
 
 from . import traced, traced_kernels
 from .traced import MAX_NUMEL as CAST_MAX_NUMEL
@@ -207,8 +208,36 @@ def _activation_fwd_kernel(dev, x, kind, *, fp8_scale=None, fp8_dtype=None, amax
     return traced_kernels.activation_fwd(x, kind, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, amax_out=amax_out)
 
 
+def _act_bwd_dbias_ct_kernel(dev, dy, x, kind, scale, fp8_dtype, *, amax_out=None, **params):
+    """(data, data_t, dbias, amax) through te_triton's kernels, or NotImplemented where
+    traced_kernels.epilogue_takes declines dy or x, or the kind has no kernel."""
+    where = x.device if isinstance(x, torch.Tensor) else None
+    if not (amax_out is not None and not params and kind in triton_activation.KIND_IDS and _act_bwd(dev, dy, x, kind)
+            and fp8_dtype in FP8_FORMATS and _one_f32(scale, where) and _one_f32(amax_out, where)
+            and traced_kernels.epilogue_takes(x) and traced_kernels.epilogue_takes(dy)):
+        return NotImplemented
+    gated = kind in triton_activation.GATED
+    if x.shape[1] % 2 and gated or tuple(dy.shape) != (x.shape[0], x.shape[1] // 2 if gated else x.shape[1]):
+        return NotImplemented  # (the opaque op names the mismatch)
+    return traced_kernels.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, amax_out=amax_out)
+
+
+def _dbias_ct_parts_kernel(dev, parts, scale, fp8_dtype, *, amax_out=None):
+    """(data, data_t, dbias, amax) of the joined column blocks through te_triton's kernel, or
+    NotImplemented where traced_kernels.parts_takes declines them."""
+    if not (amax_out is not None and isinstance(parts, (list, tuple)) and parts and _on(parts[0], dev)):
+        return NotImplemented
+    where = parts[0].device
+    if not (all([_hp(p, where, sized=False) for p in parts]) and fp8_dtype in FP8_FORMATS and _one_f32(scale, where)
+            and _one_f32(amax_out, where) and traced_kernels.parts_takes(parts)):
+        return NotImplemented
+    return traced_kernels.dbias_cast_transpose_parts(parts, scale, fp8_dtype, amax_out=amax_out)
+
+
 _KERNELS = {"layernorm_fwd": _layernorm_fwd_kernel, "rmsnorm_fwd": _rmsnorm_fwd_kernel,
-            "activation_fwd": _activation_fwd_kernel}
+            "activation_fwd": _activation_fwd_kernel,
+            "activation_bwd_dbias_cast_transpose": _act_bwd_dbias_ct_kernel,
+            "dbias_cast_transpose_parts": _dbias_ct_parts_kernel}
 
 
 def _act_bwd_dbias_ct_math(dy, x, kind, scale, fp8_dtype, *, amax_out=None, **params):

@@ -130,23 +130,26 @@ def _cast_pass(x, fp8_dtype, scale, amax, scale_inv, eps, *, from_amax, pow2, wi
     return data, None
 
 
-def _dbias_pass(dy, fp8_dtype, scale, amax, scale_inv, eps, *, from_amax, pow2):
+def _dbias_pass(dy, fp8_dtype, scale, amax, scale_inv, eps, *, from_amax, pow2, act=None):
     """(data, data_t, dbias) of a 2-D gradient as te_triton.dbias launches its pointer kernel for
     one part (from_amax as for _cast_pass), then the sum of its row groups' column sums (none
-    for one group, whose sums are the bias gradient)."""
+    for one group, whose sums are the bias gradient). act: (x, kind) of a plain (not gated)
+    activation whose gradient the kernel forms on the way, dy * act'(x), read from x."""
     dev = dy.device
     m, k = dy.shape
+    src = dy if act is None else act[0]
     groups, strips, bm, bn, warps, prefetch, hw_saturate = _dbias_ct_launch(dev.index, m, k)
     data = torch.empty((m, k), dtype=fp8_dtype, device=dev)
     data_t = torch.empty((k, m), dtype=fp8_dtype, device=dev)
     summed = groups == 1
-    partial = torch.empty((groups, k), dtype=dy.dtype if summed else torch.float32, device=dev)
+    partial = torch.empty((groups, k), dtype=src.dtype if summed else torch.float32, device=dev)
     # one part: the second and third column blocks start past the last column (never read)
     _WRAP_TRITON(triton_dbias._dbias_ct_kernel.kernel)[(groups * strips,)](
-        dy, dy, data, data_t, scale, amax, partial, m, k, torch.finfo(fp8_dtype).max, groups, dy, dy, k, k,
-        scale_inv, eps, ACT=False, KIND=0, BM=bm, BN=bn, CLAMP=not hw_saturate or dy.dtype != torch.bfloat16,
-        PREFETCH=prefetch, PARTS=1, FROM_AMAX=from_amax, POW2=pow2, num_warps=warps)
-    return data, data_t, partial[0] if summed else partial.sum(dim=0).to(dy.dtype)
+        dy, src, data, data_t, scale, amax, partial, m, k, torch.finfo(fp8_dtype).max, groups, dy, dy, k, k,
+        scale_inv, eps, ACT=act is not None, KIND=0 if act is None else triton_activation.KIND_IDS[act[1]], BM=bm,
+        BN=bn, CLAMP=not hw_saturate or src.dtype != torch.bfloat16, PREFETCH=prefetch, PARTS=1,
+        FROM_AMAX=from_amax, POW2=pow2, num_warps=warps)
+    return data, data_t, partial[0] if summed else partial.sum(dim=0).to(src.dtype)
 
 
 def _current_slots(x):
@@ -364,6 +367,60 @@ def activation_fwd(x, kind, *, fp8_scale, fp8_dtype, amax_out):
         x, y, fp8_scale, amax, r, h, torch.finfo(fp8_dtype).max, KIND=triton_activation.KIND_IDS[kind], GATED=gated,
         FP8_OUT=True, BM=bm, BN=bn, CLAMP=clamp, num_warps=warps)
     return y, _into_slot(amax, amax_out, write)
+
+
+def epilogue_takes(x) -> bool:
+    """Whether a backward epilogue into a history slot (a fused dbias cast-transpose of a
+    gradient, after an activation's backward or of column blocks joined) launches te_triton's
+    kernels: as takes() for the 2-D tensor it reads, below the descriptor kernels' size."""
+    return DELAYED and x.dim() == 2 and x.numel() < configs.TMA_MIN_NUMEL and takes(x, min_numel=1)
+
+
+@run_while_tracing
+def _act_bwd_launch(index: int, r: int, h: int) -> tuple:
+    """(programs, block_m, block_n, num_warps) of GPU `index`'s activation backwards over an (r, h)
+    output, as te-backend-cuda launches them (its elementwise config)."""
+    cfg = configs.for_device(index).elementwise
+    return triton_activation._grid(r, h, cfg)[0], cfg.block_m, cfg.block_n, cfg.num_warps
+
+
+def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, *, amax_out):
+    """(data, data_t, dbias, amax) of dx = activation_bwd(dy, x, kind), as te_triton.dbias launches
+    them: one pass forming dx for a plain kind; for a gated one, the activation's backward kernel
+    and then the dbias cast-transpose of its dx (amax as quantize_fp8's)."""
+    amax, write = _amax_buffer(amax_out, x.device)
+    if kind in triton_activation.GATED:
+        r, h = dy.shape
+        programs, bm, bn, warps = _act_bwd_launch(x.device.index, r, h)
+        dx = torch.empty_like(x)
+        _WRAP_TRITON(triton_activation._act_bwd_kernel.kernel)[(programs,)](
+            dy, x, dx, r, h, KIND=triton_activation.KIND_IDS[kind], GATED=True, BM=bm, BN=bn, num_warps=warps)
+        data, data_t, dbias = _dbias_pass(dx, fp8_dtype, scale, amax, scale, 0.0, from_amax=False, pow2=False)
+    else:
+        data, data_t, dbias = _dbias_pass(dy, fp8_dtype, scale, amax, scale, 0.0, from_amax=False, pow2=False,
+                                          act=(x, kind))
+    return data, data_t, dbias, _into_slot(amax, amax_out, write)
+
+
+def parts_takes(parts) -> bool:
+    """Whether column blocks of one gradient (2-D, equal rows, one dtype and CUDA device) are
+    joined and cast by te_triton's kernel, as takes() for the joined gradient."""
+    first = parts[0]
+    if not (DELAYED and _WRAP_TRITON is not None and first.device.type == "cuda" and static_sizes(*parts)):
+        return False
+    if not all([p.dim() == 2 and p.shape[0] == first.shape[0] and p.dtype == first.dtype and p.device == first.device
+                for p in parts]):
+        return False
+    numel = first.shape[0] * sum([p.shape[1] for p in parts])
+    return 0 < numel < configs.TMA_MIN_NUMEL and _kernels_run_on(first.device.index)
+
+
+def dbias_cast_transpose_parts(parts, scale, fp8_dtype, *, amax_out):
+    """(data, data_t, dbias, amax) of column blocks of one gradient, joined first: the eager op
+    reads blocks in place where their widths allow, and its per-column sums run over the same
+    rows in the same order either way, so the bytes are the same (amax as quantize_fp8's)."""
+    joined = parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=1)
+    return dbias_cast_transpose(joined.contiguous(), scale, fp8_dtype, amax_out=amax_out)
 
 
 @run_while_tracing

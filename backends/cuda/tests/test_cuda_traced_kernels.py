@@ -191,13 +191,18 @@ MODULES_WITH_FUSED_CASTS = {  # name -> the module, whose forward casts a norm's
 }
 
 
+KERNEL_TWINNED = ("norm_fwd", "activation_fwd", "activation_bwd_dbias_cast_transpose", "dbias_cast_transpose",
+                  "quantize_fp8", "cast_transpose_fp8", "delayed_scaling_update")
+
+
 @GPU
 @pytest.mark.parametrize("module", list(MODULES_WITH_FUSED_CASTS))
 def test_compiled_fused_casts_with_delayed_scaling_match_eager(delayed, module):
     """A module with DelayedScaling, compiled with the shipped settings: the norm's and the
-    activation's FP8 outputs into their history slots launch te_triton's kernels (no opaque norm
-    or activation forward left in a compiled step), and over three steps the forward output is
-    eager's bit for bit, the input gradient within bfloat16's tolerance, the histories alike."""
+    activation's FP8 outputs and the gradient epilogues into their history slots launch
+    te_triton's kernels (none of those left an opaque op in a compiled step), and over three
+    steps the forward output is eager's bit for bit, the input gradient within bfloat16's
+    tolerance, the histories alike."""
     backend.set_backend("cuda")
     try:
         torch._dynamo.reset()
@@ -221,12 +226,12 @@ def test_compiled_fused_casts_with_delayed_scaling_match_eager(delayed, module):
                 with torch.profiler.profile() as prof:
                     y = fn(module, xi)
                     y.backward(dy)
-                opaque = {e.name for e in prof.events()
-                          if e.name.startswith("te_core::") and ("norm_fwd" in e.name or "activation_fwd" in e.name)}
+                opaque = {e.name for e in prof.events() if e.name.startswith("te_core::")
+                          and any(op in e.name for op in KERNEL_TWINNED)}
                 outs.append((y.detach(), xi.grad, opaque))
             assert torch.equal(outs[1][0], outs[0][0]), f"step {i}"
             torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1.6e-2, atol=1e-5)
-            assert not outs[1][2], f"opaque forwards in the compiled step: {sorted(outs[1][2])}"
+            assert not outs[1][2], f"opaque ops in the compiled step: {sorted(outs[1][2])}"
         for (d, slots), (_, twin_slots) in zip(model.quantization_state().items(), twin.quantization_state().items()):
             for slot, entry in slots.items():
                 assert torch.equal(entry["amax_history"], twin_slots[slot]["amax_history"]), (d, slot)
@@ -551,6 +556,96 @@ def test_activation_twin_declines_what_the_kernel_does_not_take(monkeypatch):
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(128, 1024), (1040, 1100)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("kind", ["gelu", "srelu", "swiglu"])
+def test_activation_epilogue_twin_launches_what_the_cuda_op_launches(monkeypatch, sm90, kind, shape, dtype):
+    """The activation's backward with the gradient's dbias cast-transpose into a history slot:
+    te-backend-cuda's eager launches (one fused pass for a plain kind; the activation's backward
+    kernel, then the dbias cast-transpose of its dx, for a gated one), with a zero of its own as
+    the amax pointer."""
+    from te_backend_cuda import configs
+    from te_backend_cuda.ops import activation
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(shape, generator=g).to(dtype)
+    dy = torch.randn(shape[0], shape[1] // 2 if kind == "swiglu" else shape[1], generator=g).to(dtype)
+    scale, slot = torch.full((1,), 2.0), torch.zeros(1)
+    twin_slot, returned = torch.full((1,), 0.5), []
+    twin = _launches(lambda: returned.append(traced_kernels.activation_bwd_dbias_cast_transpose(
+        dy, x, kind, scale, E5M2, amax_out=twin_slot)), monkeypatch, twin=True)
+    monkeypatch.setattr(configs, "for_device", lambda index: sm90)  # (_launches undid sm90's)
+    eager = _launches(lambda: activation.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, E5M2,
+                                                                              amax_out=slot), monkeypatch, twin=False)
+    names = ["_act_bwd_kernel", "_dbias_ct_kernel"] if kind == "swiglu" else ["_dbias_ct_kernel"]
+    assert [c[0] for c in eager] == names
+    # the dbias pass's amax pointer; its second and third column blocks, past the last column, never read
+    _same_launches(twin, eager, unused={(len(names) - 1, 5), (len(names) - 1, 11), (len(names) - 1, 12)})
+    assert returned[0][-1] is twin_slot and twin_slot.item() == 0.5
+
+
+@pytest.mark.parametrize("widths", [(1024, 512, 512), (256, 100)], ids=["in-place", "joined"])
+def test_parts_twin_launches_the_joined_gradients_cast(monkeypatch, sm90, widths):
+    """Column blocks of a gradient cast into a history slot: joined, then te_triton's dbias
+    cast-transpose as the eager op launches it for the joined gradient (which the eager op's
+    reading of whole-strip blocks in place matches byte for byte: te_triton's interpreter test)."""
+    from te_backend_cuda import configs
+    from te_backend_cuda.ops import activation
+
+    g = torch.Generator().manual_seed(5)
+    parts = [torch.randn(96, w, generator=g).to(torch.bfloat16) for w in widths]
+    scale, slot, twin_slot = torch.full((1,), 2.0), torch.zeros(1), torch.full((1,), 0.5)
+    returned = []
+    twin = _launches(lambda: returned.append(traced_kernels.dbias_cast_transpose_parts(
+        parts, scale, E4M3, amax_out=twin_slot)), monkeypatch, twin=True)
+    monkeypatch.setattr(configs, "for_device", lambda index: sm90)
+    joined = torch.cat(parts, dim=1)
+    eager = _launches(lambda: activation.dbias_cast_transpose(joined, scale, E4M3, amax_out=slot), monkeypatch,
+                      twin=False)
+    _same_launches(twin, eager, unused={(0, 5)})
+    assert returned[0][0].shape == joined.shape and returned[0][-1] is twin_slot
+
+
+def test_epilogue_twins_decline_what_the_kernels_do_not_take(monkeypatch):
+    """Slot-writing backward epilogues go to the kernel twins; a kind without a kernel, a
+    parameter, a gradient not matching x, a strided or too large x, parts of different rows,
+    or no slot: the kernels decline."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from te_backend_cuda import configs, traced_fused
+
+    monkeypatch.setattr(traced_kernels, "_kernels_run_on", lambda index: True)
+    calls = []
+    monkeypatch.setattr(traced_kernels, "_WRAP_TRITON", lambda kernel: _Recorder(calls, kernel))
+    monkeypatch.setattr(traced_kernels, "_dbias_pass",
+                        lambda dy, *a, **k: calls.append(("_dbias_pass", None, (dy,), k)) or (dy, dy, dy))
+    monkeypatch.setattr(traced_kernels, "_act_bwd_launch", lambda *a: (4, 64, 64, 4))
+    epilogue, parts_twin = traced_fused._act_bwd_dbias_ct_kernel, traced_fused._dbias_ct_parts_kernel
+    with FakeTensorMode():
+        def cuda(*shape):
+            return torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+
+        x, dy, half = cuda(64, 256), cuda(64, 256), cuda(64, 128)
+        strided = torch.empty_strided((64, 256), (1, 64), dtype=torch.bfloat16, device="cuda")
+        large = cuda(configs.TMA_MIN_NUMEL // 256, 256)
+        scale, slot = [torch.empty(1, dtype=torch.float32, device="cuda") for _ in range(2)]
+        assert len(epilogue("cuda", dy, x, "gelu", scale, E4M3, amax_out=slot)) == 4
+        assert len(epilogue("cuda", half, x, "swiglu", scale, E4M3, amax_out=slot)) == 4
+        assert len(parts_twin("cuda", [half, half], scale, E4M3, amax_out=slot)) == 4
+        assert [c[0] for c in calls] == ["_dbias_pass", "_act_bwd_kernel", "_dbias_pass", "_dbias_pass"]
+        assert calls[0][3]["act"][0] is x and calls[2][3].get("act") is None  # gated: the pass reads dx
+        for declined in (lambda: epilogue("cuda", dy, x, "clamped_swiglu", scale, E4M3, amax_out=slot, limit=7.0),
+                         lambda: epilogue("cuda", dy, x, "gelu", scale, E4M3, amax_out=slot, limit=7.0),
+                         lambda: epilogue("cuda", half, x, "gelu", scale, E4M3, amax_out=slot),
+                         lambda: epilogue("cuda", dy, strided, "gelu", scale, E4M3, amax_out=slot),
+                         lambda: epilogue("cuda", large, large, "gelu", scale, E4M3, amax_out=slot),
+                         lambda: epilogue("cuda", dy, x, "gelu", scale, E4M3),
+                         lambda: parts_twin("cuda", [half, cuda(32, 128)], scale, E4M3, amax_out=slot),
+                         lambda: parts_twin("cuda", [half, half], scale, E4M3)):
+            assert declined() is NotImplemented
+    assert len(calls) == 4
+
+
 @pytest.fixture
 def delayed(monkeypatch):
     """The delayed-scaling launches on (traced_kernels.DELAYED)."""
@@ -676,6 +771,53 @@ def test_activation_with_slot_compiled_is_the_cuda_op(delayed, kind, dtype):
     _assert_same([history, got[1]], [want_history, want[1]])
     names = _kernels(lambda _: run(x, scale, history.clone()), None)
     assert "_act_fwd_kernel" in names, names
+    torch._dynamo.reset()
+
+
+@GPU
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("kind", ["gelu", "srelu", "swiglu"])
+def test_activation_epilogue_with_slot_compiled_is_the_cuda_op(delayed, kind, dtype):
+    """Compiled, the activation's backward with the dbias cast-transpose of its gradient into a
+    history slot launches te_triton's kernels and gives the eager op's FP8 bytes and history bit
+    for bit; the bias gradient within bfloat16's tolerance (its row groups summed in torch's
+    order where there are several)."""
+    from te_backend_cuda import ops, traced_fused
+
+    torch._dynamo.reset()
+    x = _input((1040, 1100), dtype=dtype, special=False, seed=10)
+    dy = _input((1040, 550 if kind == "swiglu" else 1100), dtype=dtype, special=False, seed=11)
+    scale, history = torch.full((1,), 0.3, device="cuda"), torch.rand(4, 3, device="cuda") + 1
+    want_history = history.clone()
+    want = ops.activation_bwd_dbias_cast_transpose(dy, x, kind, scale, E4M3, amax_out=want_history[0][1:2])
+    twin = traced_fused.TRACED_FUSED["activation_bwd_dbias_cast_transpose"]
+    run = torch.compile(lambda d, t, s, h: twin(d, t, kind, s, E4M3, amax_out=h[0][1:2]), fullgraph=True)
+    got = run(dy, x, scale, history)
+    _assert_same(list(got[:2]), list(want[:2]))
+    torch.testing.assert_close(got[2], want[2], rtol=1.6e-2, atol=1e-5)
+    _assert_same([history, got[3]], [want_history, want[3]])
+    names = _kernels(lambda _: run(dy, x, scale, history.clone()), None)
+    assert "_dbias_ct_kernel" in names, names
+    torch._dynamo.reset()
+
+
+@GPU
+@pytest.mark.parametrize("widths", [(1024, 512, 512), (256, 100)], ids=["in-place", "joined"])
+def test_parts_with_slot_compiled_is_the_cuda_op(delayed, widths):
+    """Compiled, column blocks of a gradient cast into a history slot (joined, then te_triton's
+    dbias cast-transpose) give the eager op's bytes, bias gradient and history, bit for bit."""
+    from te_backend_cuda import ops, traced_fused
+
+    torch._dynamo.reset()
+    parts = [_input((520, w), special=False, seed=12 + i) for i, w in enumerate(widths)]
+    scale, history = torch.full((1,), 0.3, device="cuda"), torch.rand(4, 3, device="cuda") + 1
+    want_history = history.clone()
+    want = ops.dbias_cast_transpose_parts(parts, scale, E4M3, amax_out=want_history[0][1:2])
+    twin = traced_fused.TRACED_FUSED["dbias_cast_transpose_parts"]
+    run = torch.compile(lambda ps, s, h: twin(ps, s, E4M3, amax_out=h[0][1:2]), fullgraph=True)
+    got = run(parts, scale, history)
+    _assert_same(list(got[:3]), list(want[:3]))
+    _assert_same([history, got[3]], [want_history, want[3]])
     torch._dynamo.reset()
 
 

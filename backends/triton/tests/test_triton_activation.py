@@ -69,6 +69,26 @@ def test_dbias_cast_transpose_parts(widths, prefetch):
     assert got[3] is amax_slot and torch.equal(got[3], want[3])
 
 
+@pytest.mark.parametrize("groups", [1, 3], ids=["one-group", "row-groups"])
+@pytest.mark.parametrize("widths", [(32, 16, 16), (16, 48)])
+def test_parts_read_in_place_give_the_joined_gradients_bytes(monkeypatch, widths, groups):
+    """The parts read in place (the kernel's PARTS) and their concatenation cast as one gradient
+    give the same bytes, bias gradient included (one row group, or partial sums of several):
+    the compiled code's twin joins them first."""
+    if groups > 1:
+        monkeypatch.setattr(dbias, "ONE_GROUP_NUMEL", 0)
+    parts = [_x((70, w), torch.bfloat16, 40 + i) * 10 ** i for i, w in enumerate(widths)]
+    scale = torch.tensor([10.0])
+    cfg = Config(block_m=16, block_n=16, max_programs=12)
+    assert dbias._groups(70, 4, cfg) == groups
+    got = dbias.dbias_cast_transpose_parts(parts, scale, torch.float8_e4m3fn, cfg, amax_out=torch.tensor([0.5]))
+    want = dbias.dbias_cast_transpose(torch.cat(parts, dim=1), scale, torch.float8_e4m3fn, cfg,
+                                      amax_out=torch.tensor([0.5]))
+    for g, w in zip(got, want):
+        assert torch.equal(g.view(torch.uint8) if g.element_size() == 1 else g, w.view(torch.uint8)
+                           if w.element_size() == 1 else w)
+
+
 def test_dbias_cast_transpose_parts_strided_part_is_copied():
     base = _x((24, 64), torch.bfloat16, 20)
     parts = [base[:, :32], base[:, 32:]]  # column slices: not contiguous
