@@ -251,11 +251,13 @@ def _math(name: str) -> Callable:
     return _act_bwd_dbias_ct_math if name == "activation_bwd_dbias_cast_transpose" else implementations()[name]
 
 
-def _twin(takes: Callable, math: Callable, device_type: str, kernel=None) -> Callable:
+def _twin(name: str, takes: Callable, math: Callable, device_type: str) -> Callable:
     """math as a twin: NotImplemented where `takes` declines; the bfloat16 tensors it reads (the
     positional arguments) and returns as stored (as_stored). A call writing a history slot goes
-    to `kernel` first (_KERNELS), where the op has one."""
+    to the op's kernel launch first, where _KERNELS has one (looked up while tracing, so that a
+    comparison can take an entry out)."""
     def twin(*args, **kwargs):
+        kernel = _KERNELS.get(name)
         if kernel is not None and kwargs.get("amax_out") is not None:
             result = kernel(device_type, *args, **kwargs)
             if result is not NotImplemented:
@@ -278,7 +280,7 @@ def _twin(takes: Callable, math: Callable, device_type: str, kernel=None) -> Cal
 
 def twins(device_type: str = DEVICE_TYPE) -> Dict[str, Callable]:
     """op name -> twin taking calls on tensors of `device_type` (the tests build CPU ones)."""
-    return {name: _twin(takes, _math(name), device_type, _KERNELS.get(name)) for name, takes in _TAKES.items()}
+    return {name: _twin(name, takes, _math(name), device_type) for name, takes in _TAKES.items()}
 
 
 TRACED_FUSED = twins()
