@@ -309,13 +309,18 @@ def norm_takes(x, weight, bias) -> bool:
             and takes(x, min_numel=1))
 
 
+_NORM_FWD_KEYWORDS = ("BLOCK_N", "ROWS", "AMAX_MODE", "CHUNK", "HOIST", "CLAMP", "EVEN", "num_warps")
+
+
 @run_while_tracing
 def _norm_fwd_launch(index: int, m: int, n: int, rms: bool) -> tuple:
-    """(programs, keywords) of GPU `index`'s norm forwards with FP8 output over m rows of n, the
-    pointer kernel's, as te-backend-cuda's layernorm_fwd / rmsnorm_fwd launch it."""
+    """(programs, then te_triton.norm.fwd_launch's keywords in _NORM_FWD_KEYWORDS' order) of GPU
+    `index`'s norm forwards with FP8 output over m rows of n, the pointer kernel's, as
+    te-backend-cuda's layernorm_fwd / rmsnorm_fwd launch it (plain values: a constant of the trace)."""
     from .ops.norm import fp8_pointer_cfg  # (not at import: ops imports this module's importers)
 
-    return triton_norm.fwd_launch(m, n, fp8_pointer_cfg(configs.for_device(index), n, rms))
+    programs, keywords = triton_norm.fwd_launch(m, n, fp8_pointer_cfg(configs.for_device(index), n, rms))
+    return (programs, *(keywords[k] for k in _NORM_FWD_KEYWORDS))
 
 
 def norm_fwd(x, weight, bias, eps, *, zero_centered_gamma, fp8_scale, fp8_dtype, amax_out):
@@ -323,7 +328,7 @@ def norm_fwd(x, weight, bias, eps, *, zero_centered_gamma, fp8_scale, fp8_dtype,
     output, as te_triton.norm.norm_fwd launches its kernel (amax as quantize_fp8's)."""
     rms, n, dev = bias is None, x.shape[-1], x.device
     m = x.numel() // n
-    programs, meta = _norm_fwd_launch(dev.index, m, n, rms)
+    programs, block_n, rows, amax_mode, chunk, hoist, clamp, even, warps = _norm_fwd_launch(dev.index, m, n, rms)
     y = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=dev)
     mean = None if rms else torch.empty(x.shape[:-1], dtype=torch.float32, device=dev)
@@ -331,7 +336,8 @@ def norm_fwd(x, weight, bias, eps, *, zero_centered_gamma, fp8_scale, fp8_dtype,
     unused = torch.empty(1, dtype=torch.float32, device=dev) if rms else mean  # (RMSNorm writes no mean)
     _WRAP_TRITON(triton_norm._norm_fwd_kernel.kernel)[(programs,)](
         x, weight, weight if rms else bias, y, unused, rstd, fp8_scale, amax, m, n, float(eps),
-        torch.finfo(fp8_dtype).max, RMS=rms, ZERO_CENTERED=bool(zero_centered_gamma), FP8_OUT=True, **meta)
+        torch.finfo(fp8_dtype).max, BLOCK_N=block_n, ROWS=rows, RMS=rms, ZERO_CENTERED=bool(zero_centered_gamma),
+        FP8_OUT=True, AMAX_MODE=amax_mode, CHUNK=chunk, HOIST=hoist, CLAMP=clamp, EVEN=even, num_warps=warps)
     return y, mean, rstd, _into_slot(amax, amax_out, write)
 
 

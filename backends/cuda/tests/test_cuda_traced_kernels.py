@@ -472,7 +472,7 @@ def test_norm_twin_declines_what_the_kernel_does_not_take(monkeypatch):
     monkeypatch.setattr(traced_kernels, "_kernels_run_on", lambda index: True)
     calls = []
     monkeypatch.setattr(traced_kernels, "_WRAP_TRITON", lambda kernel: _Recorder(calls, kernel))
-    monkeypatch.setattr(traced_kernels, "_norm_fwd_launch", lambda *a: (4, {}))
+    monkeypatch.setattr(traced_kernels, "_norm_fwd_launch", lambda *a: (4, 1024, 1, 1, 1, True, False, True, 8))
     layernorm, rmsnorm = traced_fused.TRACED_FUSED["layernorm_fwd"], traced_fused.TRACED_FUSED["rmsnorm_fwd"]
     with FakeTensorMode():
         def cuda(*shape, dtype=torch.bfloat16):
