@@ -48,10 +48,10 @@ def _cpu_thread_pool_started():
     """Starts torch's CPU thread pool before the first test computes anything.
 
     With more than one intra-op thread, a vectorized transcendental (tanh, exp, erf) that runs
-    before the pool's first parallel region can return values off by about 1e-4 (seen with
-    torch 2.13's CPU wheel, in a few percent of processes): an oracle computed then fails the
-    backend under test. One large elementwise op starts the pool. Only where the tests have
-    imported torch already, so that sessions without torch stay as light as they were.
+    before the pool's first parallel region can return values off by about 1e-4 (torch 2.13's
+    CPU wheel, in some processes): an oracle computed then fails the backend under test. One
+    large elementwise op starts the pool. Only where the tests have imported torch already, so
+    that sessions without torch stay as light as they were.
     """
     torch = sys.modules.get("torch")
     if torch is not None and torch.get_num_threads() > 1:
