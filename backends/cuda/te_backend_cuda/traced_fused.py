@@ -75,9 +75,16 @@ def _one_f32(t, where) -> bool:
 
 def _fp8_cast_ok(scale, fp8_dtype, amax_out, where) -> bool:
     """A tensor-wise FP8 output: a known format, a 1-element float32 scale, an optional
-    1-element float32 amax_out, both on `where`."""
-    return fp8_dtype in FP8_FORMATS and _one_f32(scale, where) and (
-        amax_out is None or (traced.WRITES_SLOTS and _one_f32(amax_out, where)))
+    1-element float32 amax_out (where traced.WRITES_SLOTS allows one), both on `where`."""
+    if amax_out is not None:
+        return traced.WRITES_SLOTS and _slot_cast_ok(scale, fp8_dtype, amax_out, where)
+    return fp8_dtype in FP8_FORMATS and _one_f32(scale, where)
+
+
+def _slot_cast_ok(scale, fp8_dtype, amax_out, where) -> bool:
+    """A tensor-wise FP8 output maxing its amax into a history slot: a known format, a 1-element
+    float32 scale and a 1-element float32 amax_out, both on `where`."""
+    return amax_out is not None and fp8_dtype in FP8_FORMATS and _one_f32(scale, where) and _one_f32(amax_out, where)
 
 
 def _fp8_out_ok(fp8_scale, fp8_dtype, amax_out, where) -> bool:
@@ -181,8 +188,8 @@ def _norm_fwd_kernel(dev, x, weight, bias, eps, *, zero_centered_gamma=False, fp
     """(y, mean or None, rstd, amax) through te_triton's norm kernel (RMSNorm where bias is None),
     or NotImplemented where traced_kernels.norm_takes declines the call."""
     where = x.device if isinstance(x, torch.Tensor) else None
-    if not (amax_out is not None and _hp(x, dev) and fp8_dtype in FP8_FORMATS and _one_f32(fp8_scale, where)
-            and _one_f32(amax_out, where) and all([_hp(p, where, sized=False) for p in (weight, bias) if p is not None])
+    if not (_hp(x, dev) and _slot_cast_ok(fp8_scale, fp8_dtype, amax_out, where)
+            and all([_hp(p, where, sized=False) for p in (weight, bias) if p is not None])
             and traced_kernels.norm_takes(x, weight, bias)):
         return NotImplemented
     return traced_kernels.norm_fwd(x, weight, bias, eps, zero_centered_gamma=zero_centered_gamma, fp8_scale=fp8_scale,
@@ -202,8 +209,8 @@ def _activation_fwd_kernel(dev, x, kind, *, fp8_scale=None, fp8_dtype=None, amax
     """(y, amax) through te_triton's activation kernel, or NotImplemented where
     traced_kernels.activation_takes declines the call."""
     where = x.device if isinstance(x, torch.Tensor) else None
-    if not (amax_out is not None and _hp(x, dev) and fp8_dtype in FP8_FORMATS and _one_f32(fp8_scale, where)
-            and _one_f32(amax_out, where) and traced_kernels.activation_takes(x, kind, params)):
+    if not (_hp(x, dev) and _slot_cast_ok(fp8_scale, fp8_dtype, amax_out, where)
+            and traced_kernels.activation_takes(x, kind, params)):
         return NotImplemented
     return traced_kernels.activation_fwd(x, kind, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, amax_out=amax_out)
 
@@ -212,8 +219,8 @@ def _act_bwd_dbias_ct_kernel(dev, dy, x, kind, scale, fp8_dtype, *, amax_out=Non
     """(data, data_t, dbias, amax) through te_triton's kernels, or NotImplemented where
     traced_kernels.epilogue_takes declines dy or x, or the kind has no kernel."""
     where = x.device if isinstance(x, torch.Tensor) else None
-    if not (amax_out is not None and not params and kind in triton_activation.KIND_IDS and _act_bwd(dev, dy, x, kind)
-            and fp8_dtype in FP8_FORMATS and _one_f32(scale, where) and _one_f32(amax_out, where)
+    if not (not params and kind in triton_activation.KIND_IDS and _act_bwd(dev, dy, x, kind)
+            and _slot_cast_ok(scale, fp8_dtype, amax_out, where)
             and traced_kernels.epilogue_takes(x) and traced_kernels.epilogue_takes(dy)):
         return NotImplemented
     gated = kind in triton_activation.GATED
@@ -228,8 +235,8 @@ def _dbias_ct_parts_kernel(dev, parts, scale, fp8_dtype, *, amax_out=None):
     if not (amax_out is not None and isinstance(parts, (list, tuple)) and parts and _on(parts[0], dev)):
         return NotImplemented
     where = parts[0].device
-    if not (all([_hp(p, where, sized=False) for p in parts]) and fp8_dtype in FP8_FORMATS and _one_f32(scale, where)
-            and _one_f32(amax_out, where) and traced_kernels.parts_takes(parts)):
+    if not (all([_hp(p, where, sized=False) for p in parts]) and _slot_cast_ok(scale, fp8_dtype, amax_out, where)
+            and traced_kernels.parts_takes(parts)):
         return NotImplemented
     return traced_kernels.dbias_cast_transpose_parts(parts, scale, fp8_dtype, amax_out=amax_out)
 
