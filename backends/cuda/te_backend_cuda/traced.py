@@ -297,7 +297,12 @@ def _gpu_runs(index: int, scaling: str) -> bool:
 def _block_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, scaling, bias):
     """The block-scaled GEMM as the eager op runs it: one torch._scaled_mm with the block scales
     laid out as cuBLASLt reads them (accumulating in float32), the bias in its epilogue where the
-    eager op puts it there, else added after."""
+    eager op puts it there, else added after. A symbolic inner size (the weight gradient's
+    token count under automatic dynamic shapes) stays the opaque op: inductor's lowering of
+    torch._scaled_mm checks the scale grid against ceil(K / 128), which it cannot prove equal to
+    the casts' K // 128 for a symbolic K, and fails the compile."""
+    if not traced_kernels.static_int(a.shape[1]):
+        return NotImplemented
     expected = scaled_mm.block_scale_shapes(a, b, scaling)
     if (tuple(a_scale_inv.shape), tuple(b_scale_inv.shape)) != expected or not (_here(a_scale_inv) and _here(b_scale_inv)):
         return NotImplemented  # (the opaque op names a bad scale)

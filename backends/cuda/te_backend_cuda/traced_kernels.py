@@ -42,12 +42,13 @@ def static_sizes(*tensors) -> bool:
     (dynamic=True, or its automatic dynamic shapes after a size changed). Inside dynamo's trace
     a symbolic size passes for an int (type() and isinstance() say int), so the test asks the
     compiler what it knows: a plain int's remainder modulo 3 is known, a symbolic size's is not."""
-    for t in tensors:
-        for d in t.shape:
-            if not (statically_known_true(d % 3 == 0) or statically_known_true(d % 3 == 1)
-                    or statically_known_true(d % 3 == 2)):
-                return False
-    return True
+    return all(static_int(d) for t in tensors for d in t.shape)
+
+
+def static_int(d) -> bool:
+    """Whether the size `d` is a plain int (static_sizes, for one size)."""
+    return (statically_known_true(d % 3 == 0) or statically_known_true(d % 3 == 1)
+            or statically_known_true(d % 3 == 2))
 
 
 def takes(x, min_numel: int = KERNEL_MIN_NUMEL) -> bool:

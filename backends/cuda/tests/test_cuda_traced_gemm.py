@@ -110,3 +110,32 @@ def test_small_gemm_kernel_only_for_static_cuda_sizes():
     tokens = ShapeEnv().create_unbacked_symint()
     assert not traced._on_small_kernel(operand(tokens, k), operand(192, k), TENSORWISE, None, None)
     assert not traced._on_small_kernel(operand(192, tokens), operand(128, tokens), TENSORWISE, None, None)
+
+
+def test_block_gemm_keeps_the_opaque_op_for_a_symbolic_inner_size(monkeypatch):
+    """A block-scaled GEMM whose inner size is symbolic (the weight gradient's token count once
+    torch.compile makes it dynamic) stays the opaque op: inductor cannot match its scale grid and
+    would fail the compile. A symbolic outer size goes on to the scale check. (Stand-ins for the
+    operands: only shapes are read before the scale check, which records the call.)"""
+    from types import SimpleNamespace
+
+    from te_core.backend.types import BLOCK_1x128_128x128
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    checked = []
+
+    def scale_shapes(a, b, scaling):
+        checked.append((a.shape, b.shape))
+        return ((-1,), (-1,))  # never the given scales': the twin declines right after
+
+    monkeypatch.setattr(scaled_mm, "block_scale_shapes", scale_shapes)
+    tokens = ShapeEnv().create_unbacked_symint()
+    scale = SimpleNamespace(shape=(1,))
+
+    def block_gemm(a_shape, b_shape):
+        a, b = SimpleNamespace(shape=a_shape), SimpleNamespace(shape=b_shape)
+        return traced._block_gemm(a, b, scale, scale, torch.bfloat16, BLOCK_1x128_128x128, None)
+
+    assert block_gemm((256, tokens), (128, tokens)) is NotImplemented and checked == []
+    assert block_gemm((tokens, 256), (128, 256)) is NotImplemented and len(checked) == 1
+    assert block_gemm((384, 256), (128, 256)) is NotImplemented and len(checked) == 2
