@@ -19,7 +19,7 @@ re-reads a scale the step has updated since.
 
 Delayed scaling's casts that max their amax into `amax_out` (a history slot) and its update
 are te_triton's own kernels launched by the compiled code (traced_kernels, where its DELAYED is
-on), at every size: the eager ops' kernels and bytes, the slot written through max_into. As
+on), at every size: the eager ops' kernels and bytes, each kernel maxing into the slot. As
 opaque ops, each costs a trip through torch.library and te-core's dispatch, and a small
 compiled delayed-scaling step cost the host more than its eager self. Where those launches
 cannot run (a GPU whose convert does not saturate, a strided x, a size the compiler left

@@ -31,7 +31,7 @@ which is updated only after the backward's GEMMs have read the data. A call that
 amax into `amax_out` (a delayed-scaling history slot) is taken only where traced.WRITES_SLOTS
 allows it, but for the norm and activation forwards and the backward epilogues: those launch
 te_triton's kernels from the compiled code where traced_kernels takes them (the eager op's
-kernels and bytes, the slot written through max_into), as delayed scaling's casts do.
+kernels and bytes, each maxing into the slot), as delayed scaling's casts do.
 """
 from __future__ import annotations
 

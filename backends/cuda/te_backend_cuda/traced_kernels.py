@@ -250,13 +250,11 @@ def dbias_cast_transpose_current(dy, fp8_dtype, *, force_pow2_scales, amax_epsil
 DELAYED = True
 
 # Whether a cast's kernel maxes its amax into the history slot itself, as the eager op's does.
-# Off: the kernel maxes it into a zero of its own, and the max_into op (traced.py) writes the
-# slot. A kernel's written arguments are functionalized, and a slot is a view of its history,
-# so a kernel writing it stands where a torch-op write into the slot stood, which became a
-# functionalized copy of the whole history that CUDA graph trees (mode="reduce-overhead")
-# reject; max_into is called on the history's own memory. On saves the host that call and the
-# zero's fill; it stays off until mode="reduce-overhead" is shown to take it.
-SLOT_IN_KERNEL = False
+# The slot is a view of its history; inductor writes a launched kernel's written arguments in
+# place, views included, and CUDA graph trees (mode="reduce-overhead") replay it. Off: the kernel
+# maxes into a zero of its own and the max_into op (traced.py) writes the slot, one more op
+# call per cast for the host of every compiled step and a zero's fill on the GPU.
+SLOT_IN_KERNEL = True
 
 
 def _amax_buffer(amax_out, dev):

@@ -295,6 +295,14 @@ def _same_launches(twin, eager, unused=()):
                 assert a == e, f"launch {i} ({name}) argument {j}: {a} against {e}"
 
 
+def _slot_pointer(monkeypatch, slot_in_kernel, launch, position):
+    """Sets SLOT_IN_KERNEL for the twin's launch (_launches undoes it); the (launch, argument)
+    of its amax pointer where that is a zero of the twin's own (max_into then writes the slot),
+    as _same_launches' `unused`. With the slot in the kernel the twin passes the slot, as eager."""
+    monkeypatch.setattr(traced_kernels, "SLOT_IN_KERNEL", slot_in_kernel)
+    return set() if slot_in_kernel else {(launch, position)}
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", [(1024, 1024), (1040, 1100)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("setting", CURRENT, ids=lambda s: f"t{int(s[0])}-pow2{int(s[1])}-eps{s[2]}")
@@ -430,12 +438,14 @@ NORM_SHAPES = [(128, 1024), (3, 40, 1100), (8, 5000), (7, 96)]  # (8, 5000): Lay
 @pytest.mark.parametrize("zero_centered", [False, True], ids=["gamma", "zero-centered"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", NORM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("slot_in_kernel", [True, False], ids=["in-kernel", "max_into"])
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
-def test_norm_twin_launches_what_the_cuda_op_launches(monkeypatch, sm90, rms, shape, dtype, zero_centered):
+def test_norm_twin_launches_what_the_cuda_op_launches(monkeypatch, sm90, rms, shape, dtype, zero_centered,
+                                                      slot_in_kernel):
     """A norm forward with FP8 output maxing into a history slot: te-backend-cuda's eager launch
-    (its config for the row length, H100 table), with a zero of its own as the amax pointer
-    (max_into then writes the slot) and, for RMSNorm, a tensor of its own where the kernel
-    writes no mean."""
+    (its config for the row length, H100 table), the slot as the amax pointer or a zero of the
+    twin's own (_slot_pointer) and, for RMSNorm, a tensor of its own where the kernel writes no
+    mean."""
     from te_backend_cuda import configs
     from te_backend_cuda.ops import norm
 
@@ -445,6 +455,7 @@ def test_norm_twin_launches_what_the_cuda_op_launches(monkeypatch, sm90, rms, sh
     scale, slot = torch.full((1,), 2.0), torch.zeros(1)
     kwargs = dict(zero_centered_gamma=zero_centered, fp8_scale=scale, fp8_dtype=E4M3, amax_out=slot)
     twin_slot, returned = torch.full((1,), 0.5), []
+    amax_pointer = _slot_pointer(monkeypatch, slot_in_kernel, 0, 7)
     twin = _launches(lambda: returned.append(traced_kernels.norm_fwd(
         x, w, None if rms else b, 1e-5, **{**kwargs, "amax_out": twin_slot})), monkeypatch, twin=True)
     eager_fn = (lambda: norm.rmsnorm_fwd(x, w, 1e-5, **kwargs)) if rms else (lambda: norm.layernorm_fwd(
@@ -452,11 +463,11 @@ def test_norm_twin_launches_what_the_cuda_op_launches(monkeypatch, sm90, rms, sh
     monkeypatch.setattr(configs, "for_device", lambda index: sm90)  # (_launches undid sm90's)
     eager = _launches(eager_fn, monkeypatch, twin=False)
     assert len(eager) == 1 and eager[0][0] == "_norm_fwd_kernel"
-    _same_launches(twin, eager, unused={(0, 7)} | ({(0, 4)} if rms else set()))
+    _same_launches(twin, eager, unused=amax_pointer | ({(0, 4)} if rms else set()))
     y, mean, rstd, amax = returned[0]
     assert y.dtype == E4M3 and y.shape == x.shape and rstd.shape == x.shape[:-1]
     assert (mean is None) == rms and (rms or mean.shape == x.shape[:-1])
-    assert amax is twin_slot and twin_slot.item() == 0.5  # the contract's amax: the slot, written by max_into
+    assert amax is twin_slot and twin_slot.item() == 0.5  # the contract's amax: the slot (launches not run)
 
 
 def test_norm_twin_declines_what_the_kernel_does_not_take(monkeypatch):
@@ -501,23 +512,25 @@ def test_norm_twin_declines_what_the_kernel_does_not_take(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", [(128, 4096), (3, 40, 1100), (7, 96)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("slot_in_kernel", [True, False], ids=["in-kernel", "max_into"])
 @pytest.mark.parametrize("kind", ["gelu", "swiglu", "srelu"])
-def test_activation_twin_launches_what_the_cuda_op_launches(monkeypatch, sm90, kind, shape, dtype):
+def test_activation_twin_launches_what_the_cuda_op_launches(monkeypatch, sm90, kind, shape, dtype, slot_in_kernel):
     """An activation forward with FP8 output maxing into a history slot: te-backend-cuda's eager
-    launch (its plain or gated config, H100 table), with a zero of its own as the amax pointer."""
+    launch (its plain or gated config, H100 table), the slot or a zero as the amax pointer."""
     from te_backend_cuda import configs
     from te_backend_cuda.ops import activation
 
     x = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(dtype)
     scale, slot = torch.full((1,), 2.0), torch.zeros(1)
     twin_slot, returned = torch.full((1,), 0.5), []
+    amax_pointer = _slot_pointer(monkeypatch, slot_in_kernel, 0, 3)
     twin = _launches(lambda: returned.append(traced_kernels.activation_fwd(
         x, kind, fp8_scale=scale, fp8_dtype=E5M2, amax_out=twin_slot)), monkeypatch, twin=True)
     monkeypatch.setattr(configs, "for_device", lambda index: sm90)  # (_launches undid sm90's)
     eager = _launches(lambda: activation.activation_fwd(x, kind, fp8_scale=scale, fp8_dtype=E5M2, amax_out=slot),
                       monkeypatch, twin=False)
     assert len(eager) == 1 and eager[0][0] == "_act_fwd_kernel"
-    _same_launches(twin, eager, unused={(0, 3)})
+    _same_launches(twin, eager, unused=amax_pointer)
     y, amax = returned[0]
     h = shape[-1] // 2 if kind == "swiglu" else shape[-1]
     assert y.dtype == E5M2 and y.shape == (*shape[:-1], h)
@@ -558,12 +571,14 @@ def test_activation_twin_declines_what_the_kernel_does_not_take(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", [(128, 1024), (1040, 1100)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("slot_in_kernel", [True, False], ids=["in-kernel", "max_into"])
 @pytest.mark.parametrize("kind", ["gelu", "srelu", "swiglu"])
-def test_activation_epilogue_twin_launches_what_the_cuda_op_launches(monkeypatch, sm90, kind, shape, dtype):
+def test_activation_epilogue_twin_launches_what_the_cuda_op_launches(monkeypatch, sm90, kind, shape, dtype,
+                                                                     slot_in_kernel):
     """The activation's backward with the gradient's dbias cast-transpose into a history slot:
     te-backend-cuda's eager launches (one fused pass for a plain kind; the activation's backward
-    kernel, then the dbias cast-transpose of its dx, for a gated one), with a zero of its own as
-    the amax pointer."""
+    kernel, then the dbias cast-transpose of its dx, for a gated one), the slot or a zero as the
+    amax pointer."""
     from te_backend_cuda import configs
     from te_backend_cuda.ops import activation
 
@@ -572,6 +587,8 @@ def test_activation_epilogue_twin_launches_what_the_cuda_op_launches(monkeypatch
     dy = torch.randn(shape[0], shape[1] // 2 if kind == "swiglu" else shape[1], generator=g).to(dtype)
     scale, slot = torch.full((1,), 2.0), torch.zeros(1)
     twin_slot, returned = torch.full((1,), 0.5), []
+    last = 1 if kind == "swiglu" else 0
+    amax_pointer = _slot_pointer(monkeypatch, slot_in_kernel, last, 5)
     twin = _launches(lambda: returned.append(traced_kernels.activation_bwd_dbias_cast_transpose(
         dy, x, kind, scale, E5M2, amax_out=twin_slot)), monkeypatch, twin=True)
     monkeypatch.setattr(configs, "for_device", lambda index: sm90)  # (_launches undid sm90's)
@@ -579,13 +596,14 @@ def test_activation_epilogue_twin_launches_what_the_cuda_op_launches(monkeypatch
                                                                               amax_out=slot), monkeypatch, twin=False)
     names = ["_act_bwd_kernel", "_dbias_ct_kernel"] if kind == "swiglu" else ["_dbias_ct_kernel"]
     assert [c[0] for c in eager] == names
-    # the dbias pass's amax pointer; its second and third column blocks, past the last column, never read
-    _same_launches(twin, eager, unused={(len(names) - 1, 5), (len(names) - 1, 11), (len(names) - 1, 12)})
+    # the dbias pass's second and third column blocks, past the last column, never read
+    _same_launches(twin, eager, unused=amax_pointer | {(last, 11), (last, 12)})
     assert returned[0][-1] is twin_slot and twin_slot.item() == 0.5
 
 
+@pytest.mark.parametrize("slot_in_kernel", [True, False], ids=["in-kernel", "max_into"])
 @pytest.mark.parametrize("widths", [(1024, 512, 512), (256, 100)], ids=["in-place", "joined"])
-def test_parts_twin_launches_the_joined_gradients_cast(monkeypatch, sm90, widths):
+def test_parts_twin_launches_the_joined_gradients_cast(monkeypatch, sm90, widths, slot_in_kernel):
     """Column blocks of a gradient cast into a history slot: joined, then te_triton's dbias
     cast-transpose as the eager op launches it for the joined gradient (which the eager op's
     reading of whole-strip blocks in place matches byte for byte: te_triton's interpreter test)."""
@@ -596,13 +614,14 @@ def test_parts_twin_launches_the_joined_gradients_cast(monkeypatch, sm90, widths
     parts = [torch.randn(96, w, generator=g).to(torch.bfloat16) for w in widths]
     scale, slot, twin_slot = torch.full((1,), 2.0), torch.zeros(1), torch.full((1,), 0.5)
     returned = []
+    amax_pointer = _slot_pointer(monkeypatch, slot_in_kernel, 0, 5)
     twin = _launches(lambda: returned.append(traced_kernels.dbias_cast_transpose_parts(
         parts, scale, E4M3, amax_out=twin_slot)), monkeypatch, twin=True)
     monkeypatch.setattr(configs, "for_device", lambda index: sm90)
     joined = torch.cat(parts, dim=1)
     eager = _launches(lambda: activation.dbias_cast_transpose(joined, scale, E4M3, amax_out=slot), monkeypatch,
                       twin=False)
-    _same_launches(twin, eager, unused={(0, 5)})
+    _same_launches(twin, eager, unused=amax_pointer)
     assert returned[0][0].shape == joined.shape and returned[0][-1] is twin_slot
 
 
