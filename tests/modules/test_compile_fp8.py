@@ -409,6 +409,36 @@ def test_dynamic_shapes_compile_every_recipe(name):
         _assert_identical(_run(compiled, compiled_model, x), _run(_step_fn(rec), eager_model, x), f"batch {batch}")
 
 
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_changing_token_counts_under_inductor_match_eager(name):
+    """torch.compile's default shapes under inductor: a second token count retraces with the
+    count symbolic (automatic dynamic shapes), which then sizes the weight gradient's inner
+    dimension and its block scales too; every step, the first count again included, gives the
+    eager twin's results and scaling state."""
+    torch.manual_seed(0)
+    rec = RECIPES[name]()
+    compiled_model = MODULES["Linear"]()
+    eager_model = copy.deepcopy(compiled_model)
+    _like_compiled(eager_model, rec)
+    from torch._inductor.compile_fx import compile_fx
+
+    symbolic = []
+
+    def inductor(gm, example_inputs):  # inductor, noting whether dynamo passed it a symbolic size
+        symbolic.append(any(isinstance(i, torch.SymInt) for i in example_inputs))
+        return compile_fx(gm, example_inputs)
+
+    compiled = torch.compile(_step_fn(rec), backend=inductor, fullgraph=True)
+    for seq in (SEQ, 3 * SEQ, SEQ):
+        x = torch.randn(seq, BATCH, HIDDEN)
+        _assert_identical(_run(compiled, compiled_model, x), _run(_step_fn(rec), eager_model, x), f"{seq} tokens")
+    assert symbolic == [False, True], symbolic  # a static trace, a symbolic one; the first count again adds none
+    state, want = _scaling_state(compiled_model), _scaling_state(eager_model)
+    assert state.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(state[key], value), key
+
+
 def test_grouped_linear_splits_stay_symbolic_under_compile():
     """m_splits that change every step (MoE routing) do not recompile the graph per split: after
     the first change they are symbolic (only which experts get no tokens specializes it), and
