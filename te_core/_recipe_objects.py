@@ -28,8 +28,10 @@ _CALLABLES = weakref.WeakValueDictionary()
 _UNWEAKABLE: dict = {}  # (callables without weak references: builtins)
 
 
-def remember_config(recipe) -> None:
-    if torch.compiler.is_compiling():  # (a recipe made inside a trace has constant fields)
+def remember_config(recipe, untraced: bool = False) -> None:
+    """`untraced`: called from code torch.compile runs while tracing rather than traces (a
+    recipe's fields are plain values there), where is_compiling() answers True as well."""
+    if torch.compiler.is_compiling() and not untraced:  # (a recipe made inside a trace has constant fields)
         return
     config = recipe.to_config()
     keys = {}

@@ -24,7 +24,7 @@ from ..quantization.state import RecipeState, describe, extra_state, same_kind
 from ..quantization.step import HIGH_PRECISION, CalibrationStep, QuantizationStep
 from ..quantization.tensor import QuantizedTensor
 from ..quantization.weight_refresh import refresh_gate
-from .._recipe_objects import callable_for
+from .._recipe_objects import callable_for, remember_config
 from .._sharded import local_tensor, sharded_like
 from ..recipe import config_from_text, recipe_from_config
 from ._common import check_optional_bool, resolve_device, resolve_params_dtype
@@ -75,6 +75,16 @@ def _refuse_traced_fp8_weight_training(module: nn.Module) -> None:
                 "graph-captured (te.make_graphed_callables), or compile under torch.no_grad() for inference")
 
 
+def _equal_recipes(a, b) -> bool:
+    """a == b, by their fields' text where both have one (Recipe._te_config: every field, and the
+    callables by identity): traced, comparing the fields one by one would add a guard per field
+    per module, each checked on every call of the compiled function."""
+    text_a, text_b = a._te_config, b._te_config
+    if text_a is not None and text_b is not None:
+        return type(a) is type(b) and text_a == text_b
+    return a == b
+
+
 @run_while_tracing
 def _prepare_untraced(module_id: int, recipe_config: dict, qfactory=None) -> bool:
     """Create a module's state for the recipe described by `recipe_config` (or move it to the
@@ -103,6 +113,7 @@ def _prepare(module_id: int, config: dict, callables: dict) -> bool:
     # recipe itself); without them (a recipe made in the trace), a callable recorded by name
     # counts as the same and the traced forward binds the state to the recipe that carries it
     recipe = recipe_from_config(config, callables)
+    remember_config(recipe, untraced=True)  # (its text: what the traced forward compares, _equal_recipes)
     state = None if module is None else module._recipe_state
     stale = state is None or not state.carries_over_to(recipe) or any(
         group.device != module._state_device() for group in state.scaling_groups().values())
@@ -242,9 +253,10 @@ class QuantizedModule(DeferredInit, TransformerEngineBaseModule):
             # its factory runs untraced only (dynamo builds no QuantizerRole), and one made in the
             # trace (a lambda, a partial) reaches _prepare as an equal copy, never the same object.
             if not (torch.compiler.is_compiling() and state is not None and state.recipe is not recipe
-                    and (state.recipe == recipe or recipe.custom())):
+                    and (_equal_recipes(state.recipe, recipe) or recipe.custom())):
                 state = self._state_for(recipe)
-        state.follow_device(self._state_device())
+        if not torch.compiler.is_compiling():  # (traced, _prepare moved it, untraced: no guards on each group)
+            state.follow_device(self._state_device())
         if context.enabled:
             # a caller's own capture with a weight-refresh flag set (not make_graphed_callables' forced variants)
             flag = refresh_gate()

@@ -391,6 +391,38 @@ def test_a_new_but_equal_recipe_each_step_reuses_the_graph(name):
             compiled(model, torch.randn(SEQ, BATCH, HIDDEN), RECIPES[name]()).float().sum().backward()
 
 
+def _guard_text(fn) -> str:
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    entries = _debug_get_cache_entry_list(fn.__code__)
+    assert len(entries) == 1, f"{len(entries)} graphs compiled where one was expected"
+    return str(entries[0].guard_manager)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_compiled_step_guards_no_recipe_field_one_by_one(name):
+    """Dynamo checks a compiled function's guards on every call. The state a module made for an
+    equal recipe is matched by the recipes' fields as one text, not field by field (a guard per
+    field per module, each checked every step), and the state's device is checked where the state
+    is made, not in the graph. (The fields the scale update uses are still read.) The graph is
+    still reused with a new but equal recipe and recompiled with another (the tests above)."""
+    torch.manual_seed(0)
+    model = MODULES["LayerNormMLP"]()
+    rec = RECIPES[name]()
+
+    def step(x):
+        with te.autocast(recipe=rec):
+            return model(x)
+
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    compiled(torch.randn(SEQ, BATCH, HIDDEN)).float().sum().backward()
+    guards = [line for line in _guard_text(step).splitlines() if "_recipe_state" in line]
+    assert guards, "no guard on the module's recipe state: the test no longer sees the state"
+    per_field = [line for line in guards if " in __eq__" in line]
+    assert not per_field, "guards comparing the recipes field by field:\n" + "\n".join(per_field[:5])
+    assert not [line for line in guards if "in follow_device" in line]
+
+
 @pytest.mark.parametrize("name", [*RECIPES, "current with epsilon"])
 def test_dynamic_shapes_compile_every_recipe(name):
     """torch.compile(dynamic=True, fullgraph=True): the recipe's integer and float fields become
