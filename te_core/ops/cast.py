@@ -10,6 +10,10 @@ Conventions shared by every cast op:
   op then returns amax_out itself as its amax, so no separate buffer or max is needed. Never
   overwrite it with amax alone: the slot may already hold a larger amax of the same step (a
   layer run twice in one autocast, two micro-batches), which the next scale must see.
+  te-core's own slots carry `te_slot_column` = c: the slot is `amax_out._base[0, c:c+1]`, row 0
+  of its history's column c. A compiled (traced) implementation may write the history through
+  the base instead (column 0: the base's first element), as a compiler copies a view of a graph
+  input that a kernel writes; a slot without the attribute is only a 1-element tensor.
 - 2-D ops take (M, K) tensors; `*_t` outputs are the transposed (K, M) tensors, contiguous,
   quantized so that data_t == data.T element for element where the scales allow it.
 - Inputs may be float32, bfloat16 or float16; math is done in float32.

@@ -171,6 +171,8 @@ class ScalingGroup:
         if traced or self._column_views is None:
             columns = range(len(self.names))
             views = ([self.scale[i : i + 1] for i in columns], [self.amax_history[0, i : i + 1] for i in columns])
+            for i, slot in enumerate(views[1]):
+                slot.te_slot_column = i  # (what a backend's compiled cast may write through: ops/cast.py)
             if traced:
                 return views
             self._column_views = views

@@ -383,6 +383,25 @@ def test_per_column_views_are_live_aligned_and_snapshotted():
     torch.testing.assert_close(group.scale_inv(), torch.tensor([0.25, 0.125, 0.0625]), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "compiled"])
+def test_amax_slots_name_their_column_of_history_row_0(traced):
+    """Each amax slot a cast is handed carries te_slot_column = c and is amax_history[0, c:c+1]
+    (ops/cast.py): what lets a backend's compiled cast write the history itself for column 0.
+    Compiled, the slots are made in the graph and carry it there."""
+    group = ScalingGroup(["a", "b"], torch.float8_e4m3fn, DelayedScaling(amax_history_len=4), torch.device("cpu"))
+
+    def columns_and_offsets():
+        slots = group.column_views()[1]
+        checks = [float(slot.te_slot_column == i and slot._base is group.amax_history) for i, slot in enumerate(slots)]
+        for slot in slots:  # the slot is row 0's element of its column: writing it shows there
+            slot.add_(1.0)
+        return torch.tensor(checks)
+
+    run = torch.compile(columns_and_offsets, fullgraph=True, backend="eager") if traced else columns_and_offsets
+    assert run().tolist() == [1.0, 1.0]
+    assert group.amax_history[0].tolist() == [1.0, 1.0] and group.amax_history[1:].abs().sum() == 0
+
+
 def test_single_column_snapshot_is_the_reciprocal_itself():
     """A one-column group's scale_inv needs no slot layout: the view handed to casts is the
     snapshot tensor itself, recomputed only when the scale changed."""

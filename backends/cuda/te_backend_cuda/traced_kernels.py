@@ -250,17 +250,31 @@ def dbias_cast_transpose_current(dy, fp8_dtype, *, force_pow2_scales, amax_epsil
 DELAYED = True
 
 # Whether a cast's kernel maxes its amax into the history slot itself, as the eager op's does.
-# The slot is a view of its history; inductor writes a launched kernel's written arguments in
-# place, views included, and CUDA graph trees (mode="reduce-overhead") replay it. Off: the kernel
+# The slot is a view of its history, which the compiler copies for the kernel and scatters back
+# (_slot_memory hands column 0's kernels the history itself, written in place); CUDA graph trees
+# (mode="reduce-overhead") replay either. Off: the kernel
 # maxes into a zero of its own and the max_into op (traced.py) writes the slot, one more op
 # call per cast for the host of every compiled step and a zero's fill on the GPU.
 SLOT_IN_KERNEL = True
 
 
+def _slot_memory(amax_out):
+    """What a kernel maxing into the slot `amax_out` is handed: its history where the slot is
+    te-core's column 0 (te_slot_column, see te_core/ops/cast.py: row 0 of the history's column
+    0, the history's first element), else the slot. A kernel's write through a view of a graph
+    input costs the compiled step three more kernels (a copy of the slot for the kernel, its
+    scatter into a copy of the history, that copy written back at the end); a write to the input
+    itself is done in place. (LayerNormMLP's second GEMM has column 1 of its histories.)"""
+    base = amax_out._base
+    if getattr(amax_out, "te_slot_column", None) == 0 and base is not None and base.dtype == amax_out.dtype:
+        return base
+    return amax_out
+
+
 def _amax_buffer(amax_out, dev):
     """(what the kernel maxes |x| into, whether max_into must then write amax_out)."""
     if amax_out is not None and SLOT_IN_KERNEL:
-        return amax_out, False
+        return _slot_memory(amax_out), False
     return torch.zeros((), dtype=torch.float32, device=dev), amax_out is not None
 
 

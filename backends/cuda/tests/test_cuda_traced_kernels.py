@@ -432,6 +432,32 @@ def test_delayed_twins_launch_what_te_triton_launches(monkeypatch, sm90, cast, s
     assert returned[0][-1] is twin_slot and twin_slot.item() == 0.5  # the contract's amax: the slot
 
 
+@pytest.mark.parametrize("column", [0, 1])
+def test_delayed_twin_writes_column_0_through_its_history(monkeypatch, sm90, column):
+    """te-core's slot of column 0 (te_slot_column) is its history's first element: the twin hands
+    the kernel the history itself, whose in-place write the compiler keeps, where a kernel writing
+    through a view of a graph input costs three more kernels. Another column's slot is passed as
+    it is; so is a slot without the attribute."""
+    from te_backend_cuda import configs
+
+    x, scale = torch.randn(128, 1024), torch.full((1,), 3.0)
+    history = torch.zeros(16, 2)
+    slot = history[0, column : column + 1]
+    slot.te_slot_column = column
+    plain = history[0, column : column + 1]
+
+    def amax_argument(amax_out):
+        monkeypatch.setattr(traced_kernels, "SLOT_IN_KERNEL", True)  # (_launches undoes these)
+        monkeypatch.setattr(configs, "for_device", lambda index: sm90)
+        run = _launches(lambda: traced_kernels.cast_transpose_fp8(x, scale, E4M3, amax_out=amax_out), monkeypatch,
+                        twin=True)
+        return run[0][2][4]
+
+    want = ("tensor", torch.float32, (16, 2), (2, 1)) if column == 0 else _described(slot)
+    assert amax_argument(slot) == want
+    assert amax_argument(plain) == _described(plain)
+
+
 NORM_SHAPES = [(128, 1024), (3, 40, 1100), (8, 5000), (7, 96)]  # (8, 5000): LayerNorm's long-row config
 
 
