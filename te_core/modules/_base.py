@@ -255,7 +255,9 @@ class QuantizedModule(DeferredInit, TransformerEngineBaseModule):
             if not (torch.compiler.is_compiling() and state is not None and state.recipe is not recipe
                     and (_equal_recipes(state.recipe, recipe) or recipe.custom())):
                 state = self._state_for(recipe)
-        if not torch.compiler.is_compiling():  # (traced, _prepare moved it, untraced: no guards on each group)
+        # traced, _prepare (run untraced) has moved the state already, and reading each group's
+        # device here would put a guard on it for every call
+        if not torch.compiler.is_compiling():
             state.follow_device(self._state_device())
         if context.enabled:
             # a caller's own capture with a weight-refresh flag set (not make_graphed_callables' forced variants)

@@ -252,9 +252,9 @@ DELAYED = True
 # Whether a cast's kernel maxes its amax into the history slot itself, as the eager op's does.
 # The slot is a view of its history, which the compiler copies for the kernel and scatters back
 # (_slot_memory hands column 0's kernels the history itself, written in place); CUDA graph trees
-# (mode="reduce-overhead") replay either. Off: the kernel
-# maxes into a zero of its own and the max_into op (traced.py) writes the slot, one more op
-# call per cast for the host of every compiled step and a zero's fill on the GPU.
+# (mode="reduce-overhead") replay either. Off: the kernel maxes into a zero of its own and the
+# max_into op (traced.py) writes the slot, one more op call per cast for the host of every
+# compiled step and a zero's fill on the GPU.
 SLOT_IN_KERNEL = True
 
 
