@@ -23,8 +23,8 @@ on), at every size: the eager ops' kernels and bytes, each kernel maxing into th
 opaque ops, each costs a trip through torch.library and te-core's dispatch, and a small
 compiled delayed-scaling step cost the host more than its eager self. Where those launches
 cannot run (a GPU whose convert does not saturate, a strided x, a size the compiler left
-symbolic, a history too long for one register tile), a cast with a slot stays the opaque op
-unless WRITES_SLOTS allows its torch-op twin (see there), and the update stays the opaque op:
+symbolic: traced_kernels.SYMBOLIC, a history too long for one register tile), a cast with a
+slot stays the opaque op unless WRITES_SLOTS allows its torch-op twin (see there), and the update stays the opaque op:
 written in torch ops, it kept the old scales for a history holding NaN where the kernel, as
 Transformer Engine, ignores the NaN. Anything else (row-wise and MXFP8 scales, outputs written
 into `out`, tensors off this backend's device) returns NotImplemented and stays the opaque op.
@@ -68,34 +68,36 @@ def _here(t) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == DEVICE_TYPE
 
 
-def _takes(x, fp8_dtype, scale=None, amax_out=None) -> bool:
+def _takes(x, fp8_dtype, scale=None, amax_out=None, symbolic=False) -> bool:
     """Whether the twin takes the call. Not for tensors of MAX_NUMEL elements or more: steps
     with such tensors are GPU-bound, and there the Triton cast-transposes (one read, both
     layouts written, the amax maxed into its slot with one atomic) are faster than the
     compiler's cast, transpose and reduction. `amax_out`, where given, must be the contract's
-    1-element float32 slot on x's device (else the opaque op names the problem)."""
+    1-element float32 slot on x's device (else the opaque op names the problem). symbolic: the
+    twin's kernel takes symbolic sizes (traced_kernels.takes)."""
     if not _here(x) or x.numel() == 0 or x.numel() >= MAX_NUMEL:
         return False
     if fp8_dtype not in FP8_FORMATS or x.dtype not in CAST_DTYPES:
         return False
     if amax_out is not None and not (_here(amax_out) and amax_out.device == x.device
                                      and amax_out.dtype == torch.float32 and amax_out.numel() == 1
-                                     and (WRITES_SLOTS or _slot_kernel(x))):
+                                     and (WRITES_SLOTS or _slot_kernel(x, symbolic))):
         return False
     return scale is None or (scale.device == x.device and scale.numel() == 1 and scale.dtype == torch.float32)
 
 
-def _slot_kernel(x) -> bool:
-    """Whether a cast of x writing a history slot launches te_triton's kernel (every size)."""
-    return traced_kernels.DELAYED and traced_kernels.takes(x, min_numel=1)
+def _slot_kernel(x, symbolic=False) -> bool:
+    """Whether a cast of x writing a history slot launches te_triton's kernel (every size;
+    symbolic sizes where the kernel takes them, see traced_kernels.takes)."""
+    return traced_kernels.DELAYED and traced_kernels.takes(x, min_numel=1, symbolic=symbolic)
 
 
-def _on_kernel(x, amax_out) -> bool:
+def _on_kernel(x, amax_out, symbolic=False) -> bool:
     """Whether a cast with a given scale launches te_triton's kernel: one writing a history slot
     as _slot_kernel says, others from traced_kernels.KERNEL_MIN_NUMEL (as current scaling's)."""
     if amax_out is not None:
-        return _slot_kernel(x)
-    return traced_kernels.DELAYED and traced_kernels.takes(x)
+        return _slot_kernel(x, symbolic)
+    return traced_kernels.DELAYED and traced_kernels.takes(x, symbolic=symbolic)
 
 
 def _as(t, dtype):
@@ -184,18 +186,18 @@ def _div_rn(a, b):
 
 
 def quantize_fp8(x, scale, fp8_dtype, *, amax_out=None):
-    if not _takes(x, fp8_dtype, scale, amax_out):
+    if not _takes(x, fp8_dtype, scale, amax_out, symbolic=True):
         return NotImplemented
-    if _on_kernel(x, amax_out):
+    if _on_kernel(x, amax_out, symbolic=True):
         return traced_kernels.quantize_fp8(x, scale, fp8_dtype, amax_out=amax_out)
     x = as_stored(x)
     return _cast(x, hold_scale(scale), fp8_dtype), amax_into(_amax(x), amax_out)
 
 
 def cast_transpose_fp8(x, scale, fp8_dtype, *, amax_out=None):
-    if not _takes(x, fp8_dtype, scale, amax_out) or x.dim() != 2:
+    if not _takes(x, fp8_dtype, scale, amax_out, symbolic=True) or x.dim() != 2:
         return NotImplemented
-    if _on_kernel(x, amax_out):
+    if _on_kernel(x, amax_out, symbolic=True):
         return traced_kernels.cast_transpose_fp8(x, scale, fp8_dtype, amax_out=amax_out)
     x = as_stored(x)
     data = _cast(x, hold_scale(scale), fp8_dtype)
@@ -229,7 +231,7 @@ def _current_scale(amax, fmax, amax_epsilon, force_pow2_scales):
 def quantize_fp8_current(x, fp8_dtype, *, with_transpose=False, force_pow2_scales=False, amax_epsilon=0.0):
     if not _takes(x, fp8_dtype) or (with_transpose and x.dim() != 2):
         return NotImplemented
-    if traced_kernels.takes(x):  # te_triton's kernels, launched by the compiled code
+    if traced_kernels.takes(x, symbolic=True):  # te_triton's kernels, launched by the compiled code
         return traced_kernels.quantize_fp8_current(x, fp8_dtype, with_transpose=with_transpose,
                                                    force_pow2_scales=force_pow2_scales, amax_epsilon=amax_epsilon)
     x = as_stored(x)

@@ -29,7 +29,7 @@ from te_triton import cast as triton_cast
 from te_triton import dbias as triton_dbias
 from te_triton import norm as triton_norm
 from te_triton import scaling as triton_scaling
-from te_triton._common import cdiv, grid_size, next_power_of_2
+from te_triton._common import cdiv, next_power_of_2
 
 from . import configs
 
@@ -51,13 +51,24 @@ def static_int(d) -> bool:
             or statically_known_true(d % 3 == 2))
 
 
-def takes(x, min_numel: int = KERNEL_MIN_NUMEL) -> bool:
+# Whether the plain casts (_cast_pass, _current_slots) launch te_triton's kernels for sizes the
+# compiler leaves symbolic (dynamic=True, or its automatic dynamic shapes once a token count
+# changes): their grids are arithmetic on the sizes (_programs), which the compiled code works
+# out on each call. Off, such a size keeps the compiler's cast (current scaling) or the opaque
+# op (delayed scaling's casts into its histories), which cost a compiled step more than its
+# eager self. Off until test_casts_with_symbolic_sizes_launch_te_triton_kernels has passed on
+# a GPU: the symbolic grids have not run there yet.
+SYMBOLIC = False
+
+
+def takes(x, min_numel: int = KERNEL_MIN_NUMEL, symbolic: bool = False) -> bool:
     """Whether the cast of x (which the traced twin already took) launches te_triton's kernel:
     wrap_triton there, a contiguous x on a CUDA device whose convert saturates, at least
-    `min_numel` elements and every size a plain int (static_sizes: a symbolic size keeps the
-    compiler's cast, as the grid would be symbolic too)."""
+    `min_numel` elements, and every size a plain int (static_sizes) unless `symbolic` (a twin
+    whose launch takes symbolic sizes) and SYMBOLIC. Launches whose configuration branches on
+    the sizes (the fused norm, activation and bias-gradient kernels) need plain ints."""
     return (_WRAP_TRITON is not None and x.device.type == "cuda" and x.is_contiguous()
-            and static_sizes(x) and x.numel() >= max(min_numel, 1)
+            and ((symbolic and SYMBOLIC) or static_sizes(x)) and x.numel() >= max(min_numel, 1)
             and _kernels_run_on(x.device.index))
 
 
@@ -72,19 +83,41 @@ def _kernels_run_on(index: int) -> bool:
     return fp8_convert_ok(index)[0]
 
 
+def _programs(work_items, max_programs: int):
+    """te_triton's grid_size for a plain or a symbolic number of work items: a symbolic one stays
+    an expression of the sizes (torch.sym_min / sym_max), which the compiled code evaluates on
+    each call, rather than a comparison dynamo would guard on."""
+    if static_int(work_items):
+        return max(1, min(work_items, max_programs)) if max_programs > 0 else max(1, work_items)
+    if max_programs > 0:
+        return torch.sym_max(1, torch.sym_min(work_items, max_programs))
+    return torch.sym_max(1, work_items)
+
+
 @run_while_tracing
-def _quantize_launch(index: int, n: int) -> tuple:
-    """(programs, block, num_warps, hw_saturate) of GPU `index`'s quantize launches over n elements."""
+def _quantize_config(index: int) -> tuple:
+    """(block, num_warps, hw_saturate, max_programs) of GPU `index`'s quantize launches."""
     cfg = configs.for_device(index).quantize
-    return grid_size(cdiv(n, cfg.block), cfg), cfg.block, cfg.num_warps, cfg.hw_saturate
+    return cfg.block, cfg.num_warps, cfg.hw_saturate, cfg.max_programs
+
+
+def _quantize_launch(index: int, n) -> tuple:
+    """(programs, block, num_warps, hw_saturate) of its quantize launches over n elements."""
+    block, warps, hw_saturate, max_programs = _quantize_config(index)
+    return _programs(cdiv(n, block), max_programs), block, warps, hw_saturate
 
 
 @run_while_tracing
-def _cast_transpose_launch(index: int, m: int, k: int) -> tuple:
-    """(programs, block_m, block_n, num_warps, hw_saturate) of its cast-transposes of an (m, k) x."""
+def _cast_transpose_config(index: int) -> tuple:
+    """(block_m, block_n, num_warps, hw_saturate, max_programs) of its cast-transposes."""
     cfg = configs.for_device(index).cast_transpose
-    programs = grid_size(cdiv(m, cfg.block_m) * cdiv(k, cfg.block_n), cfg)
-    return programs, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.hw_saturate
+    return cfg.block_m, cfg.block_n, cfg.num_warps, cfg.hw_saturate, cfg.max_programs
+
+
+def _cast_transpose_launch(index: int, m, k) -> tuple:
+    """(programs, block_m, block_n, num_warps, hw_saturate) of its cast-transposes of an (m, k) x."""
+    bm, bn, warps, hw_saturate, max_programs = _cast_transpose_config(index)
+    return _programs(cdiv(m, bm) * cdiv(k, bn), max_programs), bm, bn, warps, hw_saturate
 
 
 @run_while_tracing

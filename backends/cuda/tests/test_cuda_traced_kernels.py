@@ -2,8 +2,9 @@
 current-scaling and block-scaled casts of KERNEL_MIN_NUMEL elements and up, under inductor,
 give the eager cuda op's bytes (the same kernels), on inputs with NaN, inf, zero runs and rows
 of very different magnitudes, whole and partial tiles; the compiled call launches te_triton's
-kernels, not the compiler's reduction; a compiled te.Linear of that size matches eager. Below
-the threshold, and for sizes inductor leaves symbolic, the compiler's casts stay. On the CPU,
+kernels, not the compiler's reduction (for sizes inductor leaves symbolic too where
+traced_kernels.SYMBOLIC is on); a compiled te.Linear of that size matches eager. Below the
+threshold the compiler's casts stay. On the CPU,
 whatever the GPU: each twin's launches (kernel, grid, tiles, flags, argument layouts) are the
 ones te_triton's eager op makes, so a change to either that the other misses fails here."""
 import contextlib
@@ -133,6 +134,58 @@ def test_compiled_casts_launch_te_triton_kernels_above_the_threshold_only():
     torch._dynamo.reset()
     small = _kernels(current, _input((256, 512), special=False))  # the compiler's amax reduction
     assert "_cast_transpose_kernel" not in small and any("amax" in n for n in small), small
+    torch._dynamo.reset()
+
+
+@GPU
+@pytest.mark.parametrize("cast", ["current", "current-transpose", "delayed", "delayed-transpose"])
+def test_casts_with_symbolic_sizes_launch_te_triton_kernels(monkeypatch, cast):
+    """With traced_kernels.SYMBOLIC on, compiled with dynamic=True (every size symbolic, as
+    torch.compile's automatic dynamic shapes make a token count that changed), the plain casts
+    still launch te_triton's kernels, with grids the compiled code works out per call: one
+    graph for every shape, each call the eager op's bytes (a delayed cast's amax maxed into its
+    history slot alike), whole and partial tiles, NaN and inf included."""
+    from te_backend_cuda import ops
+
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC", True)
+
+    transpose = cast.endswith("transpose")
+    if cast.startswith("current"):
+        def twin(t, slot):
+            return traced.quantize_fp8_current(t, E4M3, with_transpose=transpose)
+
+        def eager(t, slot):
+            return ops.quantize_fp8_current(t, E4M3, with_transpose=transpose)
+    else:
+        scale = torch.full((1,), 0.5, device="cuda")
+
+        def twin(t, slot):
+            fn = traced.cast_transpose_fp8 if transpose else traced.quantize_fp8
+            return fn(t, scale, E4M3, amax_out=slot)
+
+        def eager(t, slot):
+            fn = ops.cast_transpose_fp8 if transpose else ops.quantize_fp8
+            return fn(t, scale, E4M3, amax_out=slot)
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+
+    compiled = torch.compile(twin, backend=counting, fullgraph=True, dynamic=True)
+    for shape in SHAPES:
+        x = _input(shape, seed=shape[0])
+        slots = [torch.full((4,), 2.0, device="cuda")[1:2] for _ in range(2)]  # a history's row, not its start
+        _assert_same(compiled(x, slots[0]), eager(x, slots[1]))
+        assert torch.equal(slots[0].view(torch.int32), slots[1].view(torch.int32))  # (NaN: the same NaN)
+    assert len(graphs) == 1, f"{len(graphs)} graphs for {len(SHAPES)} shapes"
+    names = _kernels(lambda t: compiled(t, torch.zeros(1, device="cuda")), _input((1536, 1024), special=False))
+    want = "_cast_transpose_kernel" if transpose else "_quantize_kernel"
+    assert want in names and not any("amax" in n for n in names), names
     torch._dynamo.reset()
 
 
@@ -879,6 +932,34 @@ def test_update_compiled_is_the_cuda_op(delayed, algo):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("max_programs", [0, 7], ids=["uncapped", "capped"])
+def test_programs_is_grid_size_for_plain_and_symbolic_sizes(max_programs):
+    """The grid of a launch with symbolic sizes (traced_kernels.SYMBOLIC): te_triton's grid_size
+    for every size, worked out on each call of one compiled graph (no guard on the cap), and
+    plain ints for plain sizes."""
+    from te_triton._common import Config, cdiv, grid_size
+
+    cfg = Config(block=64, max_programs=max_programs)
+    torch._dynamo.reset()
+    frames = []
+
+    def counting(gm, example_inputs):
+        frames.append(gm)
+        return gm.forward
+
+    def grid(x):
+        return x.new_zeros(traced_kernels._programs(cdiv(x.numel(), 64), max_programs))
+
+    compiled = torch.compile(grid, backend=counting, fullgraph=True, dynamic=True)
+    for n in (64, 65, 448, 449, 5000, 3):  # (not 1: dynamo keeps a size of 1 a plain int)
+        assert compiled(torch.ones(n)).numel() == grid_size(cdiv(n, 64), cfg), n
+    assert len(frames) == 1
+    for n in (1, 64, 449, 5000):
+        assert traced_kernels._programs(cdiv(n, 64), max_programs) == grid_size(cdiv(n, 64), cfg), n
+    assert type(traced_kernels._programs(9, max_programs)) is int
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("dynamic", [None, True, False], ids=["automatic", "dynamic", "static"])
 def test_static_sizes_tells_a_symbolic_size_while_dynamo_traces(dynamic):
     """Inside dynamo's trace a symbolic size passes type() and isinstance() as an int; the
@@ -898,9 +979,9 @@ def test_static_sizes_tells_a_symbolic_size_while_dynamo_traces(dynamic):
                          ids=["delayed", "current", "block"])
 def test_compiled_linear_with_changing_token_counts(make, delayed):
     """A second token count makes torch.compile retrace with it symbolic (automatic dynamic
-    shapes): the casts of that trace keep the compiler's versions, the first trace's launches
-    stay; every step's output and input gradient within 1e-2 (relative, L2) of an identical
-    eager module's."""
+    shapes): the casts of that trace keep the compiler's versions (delayed scaling's: the opaque
+    ops; see traced_kernels.SYMBOLIC), the first trace's launches stay; every step's output and
+    input gradient within 1e-2 (relative, L2) of an identical eager module's."""
     with _compiled_linear(make) as (model, twin, step, compiled):
         for tokens in (1024, 1536, 2048, 1024):
             x = torch.randn(tokens, 1024, device="cuda").to(torch.bfloat16)
