@@ -24,9 +24,9 @@ opaque ops, each costs a trip through torch.library and te-core's dispatch, and 
 compiled delayed-scaling step cost the host more than its eager self. Where those launches
 cannot run (a GPU whose convert does not saturate, a strided x, a size the compiler left
 symbolic: traced_kernels.SYMBOLIC, a history too long for one register tile), a cast with a
-slot stays the opaque op unless WRITES_SLOTS allows its torch-op twin (see there), and the update stays the opaque op:
-written in torch ops, it kept the old scales for a history holding NaN where the kernel, as
-Transformer Engine, ignores the NaN. Anything else (row-wise and MXFP8 scales, outputs written
+slot stays the opaque op unless WRITES_SLOTS allows its torch-op twin (see there), and the
+update stays the opaque op: written in torch ops, it kept the old scales for a history holding
+NaN where the kernel, as Transformer Engine, ignores the NaN. Anything else (row-wise and MXFP8 scales, outputs written
 into `out`, tensors off this backend's device) returns NotImplemented and stays the opaque op.
 """
 from __future__ import annotations
