@@ -26,8 +26,9 @@ cannot run (a GPU whose convert does not saturate, a strided x, a size the compi
 symbolic: traced_kernels.SYMBOLIC, a history too long for one register tile), a cast with a
 slot stays the opaque op unless WRITES_SLOTS allows its torch-op twin (see there), and the
 update stays the opaque op: written in torch ops, it kept the old scales for a history holding
-NaN where the kernel, as Transformer Engine, ignores the NaN. Anything else (row-wise and MXFP8 scales, outputs written
-into `out`, tensors off this backend's device) returns NotImplemented and stays the opaque op.
+NaN where the kernel, as Transformer Engine, ignores the NaN. Anything else (row-wise and MXFP8
+scales, outputs written into `out`, tensors off this backend's device) returns NotImplemented
+and stays the opaque op.
 """
 from __future__ import annotations
 
