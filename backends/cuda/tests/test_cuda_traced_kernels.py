@@ -21,6 +21,9 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # at least KERNEL_MIN_NUMEL elements: whole tiles, partial tiles both ways, a wide one
 SHAPES = [(1024, 1024), (1040, 1100), (640, 2048)]
+# No two sizes alike: dynamo gives equal sizes one symbol (duck sizing), and the next shape
+# without that equality is a second graph whatever the kernels do.
+SYMBOLIC_SHAPES = [(1040, 1100), (640, 2048), (1536, 1024)]
 
 
 def _input(shape, dtype=torch.bfloat16, special=True, seed=0):
@@ -177,12 +180,12 @@ def test_casts_with_symbolic_sizes_launch_te_triton_kernels(monkeypatch, cast):
         return compile_fx(gm, example_inputs)
 
     compiled = torch.compile(twin, backend=counting, fullgraph=True, dynamic=True)
-    for shape in SHAPES:
+    for shape in SYMBOLIC_SHAPES:
         x = _input(shape, seed=shape[0])
         slots = [torch.full((4,), 2.0, device="cuda")[1:2] for _ in range(2)]  # a history's row, not its start
         _assert_same(compiled(x, slots[0]), eager(x, slots[1]))
         assert torch.equal(slots[0].view(torch.int32), slots[1].view(torch.int32))  # (NaN: the same NaN)
-    assert len(graphs) == 1, f"{len(graphs)} graphs for {len(SHAPES)} shapes"
+    assert len(graphs) == 1, f"{len(graphs)} graphs for {len(SYMBOLIC_SHAPES)} shapes"
     names = _kernels(lambda t: compiled(t, torch.zeros(1, device="cuda")), _input((1536, 1024), special=False))
     want = "_cast_transpose_kernel" if transpose else "_quantize_kernel"
     assert want in names and not any("amax" in n for n in names), names
@@ -977,11 +980,14 @@ def test_static_sizes_tells_a_symbolic_size_while_dynamo_traces(dynamic):
 @GPU
 @pytest.mark.parametrize("make", [recipe.DelayedScaling, recipe.Float8CurrentScaling, recipe.Float8BlockScaling],
                          ids=["delayed", "current", "block"])
-def test_compiled_linear_with_changing_token_counts(make, delayed):
+@pytest.mark.parametrize("symbolic", [False, True], ids=["plain-sizes", "symbolic-sizes"])
+def test_compiled_linear_with_changing_token_counts(monkeypatch, make, delayed, symbolic):
     """A second token count makes torch.compile retrace with it symbolic (automatic dynamic
-    shapes): the casts of that trace keep the compiler's versions (delayed scaling's: the opaque
-    ops; see traced_kernels.SYMBOLIC), the first trace's launches stay; every step's output and
-    input gradient within 1e-2 (relative, L2) of an identical eager module's."""
+    shapes): that trace's plain casts launch te_triton's kernels with symbolic grids when
+    traced_kernels.SYMBOLIC is on, and keep the compiler's versions otherwise (delayed scaling's:
+    the opaque ops); every step's output and input gradient within 1e-2 (relative, L2) of an
+    identical eager module's."""
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC", symbolic)
     with _compiled_linear(make) as (model, twin, step, compiled):
         for tokens in (1024, 1536, 2048, 1024):
             x = torch.randn(tokens, 1024, device="cuda").to(torch.bfloat16)
