@@ -56,9 +56,10 @@ def static_int(d) -> bool:
 # changes): their grids are arithmetic on the sizes (_programs), which the compiled code works
 # out on each call. Off, such a size keeps the compiler's cast (current scaling) or the opaque
 # op (delayed scaling's casts into its histories), which cost a compiled step more than its
-# eager self. Off until test_casts_with_symbolic_sizes_launch_te_triton_kernels passes on a GPU:
-# there the symbolic grids' bytes and history slots equal the eager op's, but a current-scaling
-# cast was still traced again for each new shape, for a reason not yet found.
+# eager self. Off while a current-scaling cast with symbolic sizes is still traced again for
+# each new shape (test_casts_with_symbolic_sizes_launch_te_triton_kernels asserts one graph for
+# all of them), for a reason not yet found; the launches' bytes and history slots already equal
+# the eager op's.
 SYMBOLIC = False
 
 
