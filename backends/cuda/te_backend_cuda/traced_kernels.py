@@ -56,10 +56,11 @@ def static_int(d) -> bool:
 # changes): their grids are arithmetic on the sizes (_programs), which the compiled code works
 # out on each call. Off, such a size keeps the compiler's cast (current scaling) or the opaque
 # op (delayed scaling's casts into its histories), which cost a compiled step more than its
-# eager self. Off while a current-scaling cast with symbolic sizes is still traced again for
-# each new shape (test_casts_with_symbolic_sizes_launch_te_triton_kernels asserts one graph for
-# all of them), for a reason not yet found; the launches' bytes and history slots already equal
-# the eager op's.
+# eager self. The casts alone, compiled with every size symbolic, give the eager op's bytes and
+# history slots in one graph for every shape (test_casts_with_symbolic_sizes_launch_te_triton_kernels).
+# Off until a whole compiled module whose token count changes has been checked with it on a GPU
+# (test_compiled_linear_with_changing_token_counts, symbolic-sizes) and timed against eager and
+# against it off.
 SYMBOLIC = False
 
 
