@@ -34,6 +34,7 @@ from te_triton._common import cdiv, next_power_of_2
 from . import configs
 
 KERNEL_MIN_NUMEL = 1 << 20
+DEVICE_TYPE = "cuda"  # the device whose tensors the kernels take
 _WRAP_TRITON = getattr(torch.library, "wrap_triton", None)  # torch 2.6 and later
 
 
@@ -56,8 +57,9 @@ def static_int(d) -> bool:
 # changes): their grids are arithmetic on the sizes (_programs), which the compiled code works
 # out on each call. Off, such a size keeps the compiler's cast (current scaling) or the opaque
 # op (delayed scaling's casts into its histories), which cost a compiled step more than its
-# eager self. The casts alone, compiled with every size symbolic, give the eager op's bytes and
-# history slots in one graph for every shape (test_casts_with_symbolic_sizes_launch_te_triton_kernels).
+# eager self. The casts alone, compiled with every size symbolic, trace to one graph for every
+# shape (tests/test_cuda_traced_symbolic.py, on any machine) and give the eager op's bytes and
+# history slots (test_casts_with_symbolic_sizes_launch_te_triton_kernels, on a GPU).
 # Off until a whole compiled module whose token count changes has been checked with it on a GPU
 # (test_compiled_linear_with_changing_token_counts, symbolic-sizes) and timed against eager and
 # against it off.
@@ -70,7 +72,7 @@ def takes(x, min_numel: int = KERNEL_MIN_NUMEL, symbolic: bool = False) -> bool:
     `min_numel` elements, and every size a plain int (static_sizes) unless `symbolic` (a twin
     whose launch takes symbolic sizes) and SYMBOLIC. Launches whose configuration branches on
     the sizes (the fused norm, activation and bias-gradient kernels) need plain ints."""
-    return (_WRAP_TRITON is not None and x.device.type == "cuda" and x.is_contiguous()
+    return (_WRAP_TRITON is not None and x.device.type == DEVICE_TYPE and x.is_contiguous()
             and ((symbolic and SYMBOLIC) or static_sizes(x)) and x.numel() >= max(min_numel, 1)
             and _kernels_run_on(x.device.index))
 
@@ -461,7 +463,7 @@ def parts_takes(parts) -> bool:
     """Whether column blocks of one gradient (2-D, equal rows, one dtype and CUDA device) are
     joined and cast by te_triton's kernel, as takes() for the joined gradient."""
     first = parts[0]
-    if not (DELAYED and _WRAP_TRITON is not None and first.device.type == "cuda" and static_sizes(*parts)):
+    if not (DELAYED and _WRAP_TRITON is not None and first.device.type == DEVICE_TYPE and static_sizes(*parts)):
         return False
     if not all([p.dim() == 2 and p.shape[0] == first.shape[0] and p.dtype == first.dtype and p.device == first.device
                 for p in parts]):
@@ -496,7 +498,7 @@ def update_takes(amax_histories, scales) -> bool:
     device = amax_histories[0].device
     for h, s in zip(amax_histories, scales):
         if not (isinstance(h, torch.Tensor) and isinstance(s, torch.Tensor) and h.device == device == s.device
-                and device.type == "cuda" and h.dim() == 2 and h.dtype == s.dtype == torch.float32
+                and device.type == DEVICE_TYPE and h.dim() == 2 and h.dtype == s.dtype == torch.float32
                 and h.is_contiguous() and s.is_contiguous() and h.shape[0] >= 1 and s.numel() == h.shape[1]
                 and static_sizes(h)):
             return False
