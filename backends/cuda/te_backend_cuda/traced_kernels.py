@@ -58,8 +58,8 @@ def static_int(d) -> bool:
 # out on each call. Off, such a size keeps the compiler's cast (current scaling) or the opaque
 # op (delayed scaling's casts into its histories), which cost a compiled step more than its
 # eager self. The casts alone, compiled with every size symbolic, trace to one graph for every
-# shape (tests/test_cuda_traced_symbolic.py, on any machine) and give the eager op's bytes and
-# history slots (test_casts_with_symbolic_sizes_launch_te_triton_kernels, on a GPU).
+# shape (backends/cuda/tests/test_cuda_traced_symbolic.py, on any machine) and give the eager
+# op's bytes and history slots (test_casts_with_symbolic_sizes_launch_te_triton_kernels, on a GPU).
 # Off until a whole compiled module whose token count changes has been checked with it on a GPU
 # (test_compiled_linear_with_changing_token_counts, symbolic-sizes) and timed against eager and
 # against it off.
