@@ -327,16 +327,6 @@ def _launches(run, monkeypatch, twin: bool):
     return [(name, grid, [_described(a) for a in args], kwargs) for name, grid, args, kwargs in calls]
 
 
-@pytest.fixture
-def sm90(monkeypatch):
-    """The H100's tuning table (132 SMs) for every device index: what the twins read on a GPU."""
-    from te_backend_cuda import configs
-
-    tuning = configs.sm90(132)
-    monkeypatch.setattr(configs, "for_device", lambda index: tuning)
-    return tuning
-
-
 def _same_launches(twin, eager, unused=()):
     """Launch for launch, the same kernel, grid, keywords and arguments, but for the positions
     `unused` ((launch, argument) pairs): pointers that kernel variant never dereferences (for

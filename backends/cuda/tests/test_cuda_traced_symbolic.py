@@ -7,7 +7,7 @@ grids worked out from the sizes; off, such sizes keep the compiler's casts or th
 import pytest
 import torch
 
-from te_backend_cuda import configs, traced, traced_kernels
+from te_backend_cuda import traced, traced_kernels
 
 triton = pytest.importorskip("triton")
 E4M3 = torch.float8_e4m3fn
@@ -33,7 +33,7 @@ class _StandInDriver:
 
 
 @pytest.fixture
-def stand_in_gpu(monkeypatch):
+def stand_in_gpu(monkeypatch, sm90):
     """CPU tensors taken as the GPU's by the twins and traced as a GPU's launches (see the module
     docstring); everything restored afterwards."""
     from torch._C import DispatchKey
@@ -52,8 +52,6 @@ def stand_in_gpu(monkeypatch):
     for module in (traced, traced_kernels):
         monkeypatch.setattr(module, "DEVICE_TYPE", "cpu")
     monkeypatch.setattr(traced_kernels, "_kernels_run_on", lambda index: True)
-    sm90 = configs.tuning((9, 0), 132)
-    monkeypatch.setattr(configs, "for_device", lambda index: sm90)
     monkeypatch.setattr(driver, "_active", _StandInDriver())  # (restored as it was: None where no GPU)
     torch._dynamo.reset()
     yield
