@@ -1,6 +1,7 @@
 """benchmarks/tools/sharded_pytest.py: the GPU test parts' runner splits files into balanced shares,
 reports each share's pytest summary and fails when a share fails."""
 import os
+import re
 import sys
 
 import pytest
@@ -73,6 +74,16 @@ def test_by_test_runs_every_test_once_across_shares(tmp_path, capsys):
     assert sum(int(log.split(" passed")[0].split()[-1]) for log in logs if " passed" in log) == 6
     assert "test_i[4]" in out and "## 2 of test_many.py, 1 of test_one.py" in out
     assert sharded_pytest.main(["--jobs", "3", "--by-test", "--logs", str(tmp_path / "l2"), one]) == 0
+
+
+@pytest.mark.parametrize("verbosity", ["-q", "-v", "-vv"])
+def test_by_test_collects_the_same_whatever_verbosity_is_asked_for(tmp_path, capsys, verbosity):
+    many = _write(tmp_path / "test_many.py", "import pytest\n\n@pytest.mark.parametrize('i', range(4))\n"
+                  "def test_i(i):\n    assert i >= 0\n")
+    rc = sharded_pytest.main(["--jobs", "2", "--by-test", "--logs", str(tmp_path / "logs"), many, "--", verbosity])
+    assert rc == 0, capsys.readouterr().out
+    logs = [(tmp_path / "logs" / f"share-{k}.txt").read_text() for k in range(2)]
+    assert sum(int(re.search(r"(\d+) passed", log).group(1)) for log in logs) == 4, logs
 
 
 def test_by_test_with_nothing_collected_fails_and_says_so(tmp_path, capsys):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -46,9 +47,12 @@ def collected_ids(output: str) -> List[str]:
 
 
 def collect(files: List[str], pytest_args: List[str]) -> List[str]:
-    """The ids of the tests pytest collects from `files` with `pytest_args` (-k, -m select)."""
+    """The ids of the tests pytest collects from `files` with `pytest_args` (-k, -m select).
+    Verbosity flags are left out: the ids are the lines of exactly one -q (-qq prints counts per
+    file, -v a tree)."""
+    selecting = [a for a in pytest_args if not re.fullmatch(r"-[qv]+|--quiet|--verbose", a)]
     done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           *pytest_args, *files], capture_output=True, text=True)
+                           *selecting, *files], capture_output=True, text=True)
     ids = collected_ids(done.stdout)
     if done.returncode not in (0, 5) or not ids:
         tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
@@ -88,6 +92,8 @@ def main(argv=None) -> int:
     if "--" in argv:
         at = argv.index("--")
         argv, pytest_args = argv[:at], argv[at + 1:]
+    # the shares run with -q already; another would hide pytest's summary line, which this reports
+    pytest_args = [a for a in pytest_args if not re.fullmatch(r"-q+|--quiet", a)]
     args = ap.parse_args(argv)
     if args.jobs < 1 or args.timeout < 1:
         ap.error(f"--jobs and --timeout must be at least 1, got {args.jobs} and {args.timeout}")

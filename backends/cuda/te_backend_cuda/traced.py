@@ -23,7 +23,8 @@ on), at every size: the eager ops' kernels and bytes, each kernel maxing into th
 opaque ops, each costs a trip through torch.library and te-core's dispatch, and a small
 compiled delayed-scaling step cost the host more than its eager self. Where those launches
 cannot run (a GPU whose convert does not saturate, a strided x, a size the compiler left
-symbolic: traced_kernels.SYMBOLIC, a history too long for one register tile), a cast with a
+symbolic in a fused cast, whose launch branches on the sizes, or in a plain cast with
+traced_kernels.SYMBOLIC off, a history too long for one register tile), a cast with a
 slot stays the opaque op unless WRITES_SLOTS allows its torch-op twin (see there), and the
 update stays the opaque op: written in torch ops, it kept the old scales for a history holding
 NaN where the kernel, as Transformer Engine, ignores the NaN. Anything else (row-wise and MXFP8

@@ -55,15 +55,12 @@ def static_int(d) -> bool:
 # Whether the plain casts (_cast_pass, _current_slots) launch te_triton's kernels for sizes the
 # compiler leaves symbolic (dynamic=True, or its automatic dynamic shapes once a token count
 # changes): their grids are arithmetic on the sizes (_programs), which the compiled code works
-# out on each call. Off, such a size keeps the compiler's cast (current scaling) or the opaque
-# op (delayed scaling's casts into its histories), which cost a compiled step more than its
-# eager self. The casts alone, compiled with every size symbolic, trace to one graph for every
-# shape (backends/cuda/tests/test_cuda_traced_symbolic.py, on any machine) and give the eager
-# op's bytes and history slots (test_casts_with_symbolic_sizes_launch_te_triton_kernels, on a GPU).
-# Off until a whole compiled module whose token count changes has been checked with it on a GPU
-# (test_compiled_linear_with_changing_token_counts, symbolic-sizes) and timed against eager and
-# against it off.
-SYMBOLIC = False
+# out on each call, so one graph serves every shape (backends/cuda/tests/test_cuda_traced_symbolic.py)
+# with the eager op's bytes and history slots. Off, such a size keeps the compiler's cast
+# (current scaling: more GPU time than the eager op) or the opaque op (delayed scaling's casts
+# into its histories: a trip through torch.library and te-core's dispatch per cast). Kept as a
+# switch to tell a compiled step's cost from these kernels' in a profile.
+SYMBOLIC = True
 
 
 def takes(x, min_numel: int = KERNEL_MIN_NUMEL, symbolic: bool = False) -> bool:

@@ -92,3 +92,55 @@ def test_the_c_launch_runs_and_gives_the_bytes_of_pythons_launch():
     assert len(hits) >= 6 and all(hits[:6]), f"repeated launches that missed the C launch: {hits}"
     for i, (a, b) in enumerate(zip(by_c, by_python)):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"output {i} differs"
+
+
+def test_a_c_launch_on_a_thread_without_a_cuda_context_makes_the_primary_one_current():
+    """autograd runs a backward on a thread of its own, which has no current CUDA context until
+    a CUDA call makes one; where a repeated launch is that thread's first CUDA work, the C launch
+    makes the launch's GPU's primary context current, as Triton's launch does, and runs (here:
+    an amax pass into a slot, on a thread whose context is cleared first)."""
+    import ctypes
+    import threading
+
+    from te_triton import cast, launch
+
+    if launch.C_LAUNCH is None:
+        pytest.skip("te_triton's C extension is not built here, or this Triton launches in another way")
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(8192, device="cuda", generator=g, dtype=torch.bfloat16) * 7
+    slot = torch.zeros(1, device="cuda")
+    cast.amax(x, amax_out=slot)  # compiled, registered: the next launch goes through C
+    slot.zero_()
+    torch.cuda.synchronize()
+    real = launch._C_STATE[0]
+    hits, seen = [], {}
+
+    def counting(*args):
+        done = real(*args)
+        hits.append(done is not None)
+        return done
+
+    def on_a_bare_thread():
+        try:
+            assert libcuda.cuCtxSetCurrent(ctypes.c_void_p(0)) == 0
+            cast.amax(x, amax_out=slot)
+            context = ctypes.c_void_p()
+            assert libcuda.cuCtxGetCurrent(ctypes.byref(context)) == 0
+            seen["context"] = context.value
+        except Exception as exc:  # re-raised on the test's thread
+            seen["error"] = exc
+
+    launch._C_STATE[0] = counting
+    try:
+        worker = threading.Thread(target=on_a_bare_thread)
+        worker.start()
+        worker.join()
+    finally:
+        launch._C_STATE[0] = real
+    if "error" in seen:
+        raise seen["error"]
+    torch.cuda.synchronize()
+    assert hits == [True], f"the launch did not go through C: {hits}"
+    assert seen["context"], "no context current on the thread after the launch"
+    assert slot.item() == x.abs().max().float().item()

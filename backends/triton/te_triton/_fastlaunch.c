@@ -19,9 +19,17 @@
 typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                          unsigned shared, void *stream, void **params, void **extra);
 typedef int (*error_string_fn)(int code, const char **text);
+typedef int (*device_get_fn)(int *device, int ordinal);
+typedef int (*ctx_retain_fn)(void **ctx, int device);
+typedef int (*ctx_set_fn)(void *ctx);
+
+#define CUDA_ERROR_INVALID_CONTEXT 201
 
 static launch_fn cu_launch = NULL;
 static error_string_fn cu_error_string = NULL;
+static device_get_fn cu_device_get = NULL;
+static ctx_retain_fn cu_primary_ctx_retain = NULL;
+static ctx_set_fn cu_ctx_set_current = NULL;
 static PyObject *tensor_type = NULL;  /* torch.Tensor, set by bind() */
 static PyObject *float_marker = NULL; /* what a float argument enters the key as */
 static PyObject *str_dtype = NULL, *str_data_ptr = NULL;
@@ -44,11 +52,29 @@ static int load_driver(void) {
     }
     cu_launch = (launch_fn)dlsym(lib, "cuLaunchKernel");
     cu_error_string = (error_string_fn)dlsym(lib, "cuGetErrorString");
+    cu_device_get = (device_get_fn)dlsym(lib, "cuDeviceGet");
+    cu_primary_ctx_retain = (ctx_retain_fn)dlsym(lib, "cuDevicePrimaryCtxRetain");
+    cu_ctx_set_current = (ctx_set_fn)dlsym(lib, "cuCtxSetCurrent");
     if (cu_launch == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "te_triton fast launch: libcuda.so.1 has no cuLaunchKernel");
         return -1;
     }
     return 0;
+}
+
+/* Makes GPU `ordinal`'s primary context (the one torch and Triton use) current on this thread;
+ * 0 on success, else the driver's error. A thread has no current context until a CUDA call makes
+ * one, and autograd runs a backward on a thread of its own, where the first CUDA work can be a
+ * repeated launch: Triton's launcher makes the context current first, and so must this one. */
+static int make_context_current(int ordinal) {
+    if (cu_device_get == NULL || cu_primary_ctx_retain == NULL || cu_ctx_set_current == NULL)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    int device = 0;
+    void *ctx = NULL;
+    int rc = cu_device_get(&device, ordinal);
+    if (rc == 0) rc = cu_primary_ctx_retain(&ctx, device);
+    if (rc == 0) rc = cu_ctx_set_current(ctx);
+    return rc;
 }
 
 /* The key entry of one non-constexpr argument, as launch.py's Python key spells it: a tensor by
@@ -260,10 +286,17 @@ static PyObject *py_launch(PyObject *self, PyObject *const *argv, Py_ssize_t arg
     /* the plan's own copy: another thread may replace the table's entry while the GIL is released */
     void *function = plan->function;
     unsigned threads = plan->threads, shared = plan->shared;
+    /* the device the launch is for (the key's first entry): whose context to make current if the
+     * thread has none; the launch is tried first, so the usual call pays nothing for this */
+    long ordinal = PyLong_Check(device) ? PyLong_AsLong(device) : -1;
+    if (ordinal < 0 && PyErr_Occurred()) PyErr_Clear();
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = cu_launch(function, (unsigned)dims[0], (unsigned)dims[1], (unsigned)dims[2], threads, 1, 1, shared,
                    stream_ptr, params, NULL);
+    if (rc == CUDA_ERROR_INVALID_CONTEXT && ordinal >= 0 && make_context_current((int)ordinal) == 0)
+        rc = cu_launch(function, (unsigned)dims[0], (unsigned)dims[1], (unsigned)dims[2], threads, 1, 1, shared,
+                       stream_ptr, params, NULL);
     Py_END_ALLOW_THREADS
     if (rc != 0) {
         const char *text = NULL;
