@@ -25,10 +25,11 @@ repeated launch does not reach Python's key at all: the extension builds the sam
 the plan registered after the specialization's first launch (the compiled function, its block
 and shared memory, how each parameter is passed) and calls the driver's cuLaunchKernel itself,
 as Triton's launcher would with no hooks set (making the GPU's primary context current first
-where the thread has none, as autograd's backward thread may not). That is where a host-bound step spends its time:
-the key's Python and Triton's launch wrapper cost several times the driver call. Kernels the
-plan cannot describe (tensor descriptors, clusters of CTAs, scratch memory), launches with hooks
-and callable grids stay in Python; TE_TRITON_C_LAUNCH=0 keeps every launch there.
+where the thread has none, as autograd's backward thread may not). That is where a host-bound
+step spends its time: the key's Python and Triton's launch wrapper cost several times the
+driver call. Kernels the plan cannot describe (tensor descriptors, clusters of CTAs, scratch
+memory), launches with hooks and callable grids stay in Python; TE_TRITON_C_LAUNCH=0 keeps
+every launch there.
 """
 from __future__ import annotations
 
