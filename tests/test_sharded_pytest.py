@@ -26,12 +26,14 @@ def test_shares_balance_by_size_and_keep_every_file(tmp_path):
 
 def test_a_failing_share_fails_the_run_and_names_its_failures(tmp_path, capsys):
     good = _write(tmp_path / "test_good.py", "def test_a():\n    assert 1 + 1 == 2\n")
-    bad = _write(tmp_path / "test_bad.py", "def test_b():\n    assert 2 + 2 == 5\n")
+    bad = _write(tmp_path / "test_bad.py", "import pytest\n\n@pytest.mark.parametrize('case', ['x' * 60])\n"
+                 "def test_b(case):\n    assert 2 + 2 == 5, 'the sum is off'\n")
     rc = sharded_pytest.main(["--jobs", "2", "--logs", str(tmp_path / "logs"), good, bad, "--", "-rf"])
     out = capsys.readouterr().out
     assert rc == 1
     assert "1 passed" in out and "1 failed" in out
     assert "FAILED" in out and "test_b" in out
+    assert "the sum is off" in out  # the message, beside a long test id
     assert sharded_pytest.main(["--jobs", "2", "--logs", str(tmp_path / "logs2"), good]) == 0
 
 

@@ -116,7 +116,10 @@ def main(argv=None) -> int:
         with open(log, "w") as out:
             cmd = ["timeout", str(args.timeout), sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                    *pytest_args, *part]
-            started.append((part, log, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)))
+            # a wide terminal: pytest drops a failure's message from its summary line where the
+            # line would pass the width, and test ids with parameters are long
+            env = {**os.environ, "COLUMNS": os.environ.get("COLUMNS", "400")}
+            started.append((part, log, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)))
     worst = 0
     for part, log, proc in started:
         rc = proc.wait()
