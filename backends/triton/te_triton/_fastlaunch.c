@@ -22,6 +22,7 @@ typedef int (*error_string_fn)(int code, const char **text);
 typedef int (*device_get_fn)(int *device, int ordinal);
 typedef int (*ctx_retain_fn)(void **ctx, int device);
 typedef int (*ctx_set_fn)(void *ctx);
+typedef int (*ctx_get_fn)(void **ctx);
 
 #define CUDA_ERROR_INVALID_CONTEXT 201
 
@@ -30,6 +31,7 @@ static error_string_fn cu_error_string = NULL;
 static device_get_fn cu_device_get = NULL;
 static ctx_retain_fn cu_primary_ctx_retain = NULL;
 static ctx_set_fn cu_ctx_set_current = NULL;
+static ctx_get_fn cu_ctx_get_current = NULL;
 static PyObject *tensor_type = NULL;  /* torch.Tensor, set by bind() */
 static PyObject *float_marker = NULL; /* what a float argument enters the key as */
 static PyObject *str_dtype = NULL, *str_data_ptr = NULL;
@@ -55,6 +57,7 @@ static int load_driver(void) {
     cu_device_get = (device_get_fn)dlsym(lib, "cuDeviceGet");
     cu_primary_ctx_retain = (ctx_retain_fn)dlsym(lib, "cuDevicePrimaryCtxRetain");
     cu_ctx_set_current = (ctx_set_fn)dlsym(lib, "cuCtxSetCurrent");
+    cu_ctx_get_current = (ctx_get_fn)dlsym(lib, "cuCtxGetCurrent");
     if (cu_launch == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "te_triton fast launch: libcuda.so.1 has no cuLaunchKernel");
         return -1;
@@ -62,16 +65,21 @@ static int load_driver(void) {
     return 0;
 }
 
-/* Makes GPU `ordinal`'s primary context (the one torch and Triton use) current on this thread;
- * 0 on success, else the driver's error. A thread has no current context until a CUDA call makes
- * one, and autograd runs a backward on a thread of its own, where the first CUDA work can be a
- * repeated launch: Triton's launcher makes the context current first, and so must this one. */
+/* Makes GPU `ordinal`'s primary context (the one torch and Triton use) current on a thread that
+ * has no current context; 0 on success, else the driver's error (a thread with a context of its
+ * own keeps it). A thread has none until a CUDA call makes one, and autograd runs a backward on a
+ * thread of its own, where the first CUDA work can be a repeated launch: Triton's launcher makes
+ * the context current first, and so must this one. */
 static int make_context_current(int ordinal) {
-    if (cu_device_get == NULL || cu_primary_ctx_retain == NULL || cu_ctx_set_current == NULL)
+    if (cu_device_get == NULL || cu_primary_ctx_retain == NULL || cu_ctx_set_current == NULL ||
+        cu_ctx_get_current == NULL)
         return CUDA_ERROR_INVALID_CONTEXT;
     int device = 0;
     void *ctx = NULL;
-    int rc = cu_device_get(&device, ordinal);
+    int rc = cu_ctx_get_current(&ctx);
+    if (rc != 0) return rc;
+    if (ctx != NULL) return CUDA_ERROR_INVALID_CONTEXT;
+    rc = cu_device_get(&device, ordinal);
     if (rc == 0) rc = cu_primary_ctx_retain(&ctx, device);
     if (rc == 0) rc = cu_ctx_set_current(ctx);
     return rc;
