@@ -64,7 +64,7 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
                        amax_epsilon=0.0):
     if not _takes(x, fp8_dtype, block_2d, with_transpose, force_pow2_scales, amax_epsilon):
         return NotImplemented
-    if traced_kernels.takes(x):  # te_triton's kernel, launched by the compiled code
+    if traced_kernels.takes(x, symbolic=traced_kernels.SYMBOLIC_BLOCK):  # te_triton's kernel, from compiled code
         return traced_kernels.quantize_blockwise(x, fp8_dtype, block_2d=block_2d, with_transpose=with_transpose,
                                                  force_pow2_scales=force_pow2_scales, amax_epsilon=amax_epsilon)
     x32 = traced._as(traced.as_stored(x), torch.float32)
@@ -95,7 +95,7 @@ def dbias_cast_transpose_blockwise(parts, fp8_dtype, *, force_pow2_scales=True, 
     dy = torch.cat(list(parts), dim=1) if len(parts) > 1 else first
     if not _takes(dy, fp8_dtype, False, True, force_pow2_scales, amax_epsilon):
         return NotImplemented
-    if traced_kernels.takes(dy):  # te_triton's kernel, launched by the compiled code
+    if traced_kernels.takes(dy, symbolic=traced_kernels.SYMBOLIC_BLOCK):  # te_triton's kernel, from compiled code
         return traced_kernels.dbias_cast_transpose_blockwise(dy, fp8_dtype, force_pow2_scales=force_pow2_scales,
                                                              amax_epsilon=amax_epsilon)
     data, scale_inv, data_t, scale_inv_t = quantize_blockwise(dy, fp8_dtype, with_transpose=True,

@@ -191,6 +191,47 @@ def test_casts_with_symbolic_sizes_launch_te_triton_kernels(monkeypatch, cast):
     torch._dynamo.reset()
 
 
+@GPU
+@pytest.mark.parametrize("cast", ["block", "block-transpose", "block-2d", "block-2d-transpose", "block-dbias"])
+def test_block_casts_with_symbolic_sizes_launch_te_triton_kernels(monkeypatch, cast):
+    """With traced_kernels.SYMBOLIC and SYMBOLIC_BLOCK on, compiled with dynamic=True: the block
+    casts launch te_triton's kernel with grids and scale grids the compiled code works out per
+    call, one graph for every shape, each call the eager op's bytes, scales (and their layout)
+    and bias gradient, whole and partial blocks, NaN and inf included."""
+    from te_backend_cuda import ops
+
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC", True)
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC_BLOCK", True)
+    kwargs = dict(block_2d="-2d" in cast, with_transpose=cast.endswith("transpose"), force_pow2_scales=True,
+                  amax_epsilon=0.0)
+    if cast == "block-dbias":
+        def twin(t):
+            return traced_block.dbias_cast_transpose_blockwise([t], E4M3)
+
+        def eager(t):
+            return ops.dbias_cast_transpose_blockwise([t], E4M3)
+    else:
+        def twin(t):
+            return traced_block.quantize_blockwise(t, E4M3, **kwargs)
+
+        def eager(t):
+            return ops.quantize_blockwise(t, E4M3, **kwargs)
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(twin, fullgraph=True, dynamic=True)
+    for shape in SYMBOLIC_SHAPES:
+        x = _input(shape, seed=shape[0])
+        _assert_same(compiled(x), eager(x))
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 1, f"{graphs} graphs for {len(SYMBOLIC_SHAPES)} shapes"
+    names = _kernels(compiled, _input((1536, 1024), special=False))
+    assert "_blockwise_kernel" in names, names
+    torch._dynamo.reset()
+
+
 @contextlib.contextmanager
 def _compiled_linear(make):
     """(model, an identical twin, step(module, x), that step compiled with fullgraph=True) on the

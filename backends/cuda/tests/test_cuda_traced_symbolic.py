@@ -1,13 +1,16 @@
-"""The plain casts' twins traced by torch.compile with every size symbolic, on any machine: Triton
-compiles a kernel to its IR (which dynamo reads to learn what a launch writes) for a stand-in
-CUDA target without a GPU, and the launches run as nothing, so the trace and its guards are the
-ones a GPU gets, while their bytes are checked on a GPU (test_cuda_traced_kernels.py). With
-traced_kernels.SYMBOLIC on, one graph serves every shape and launches te_triton's kernels with
-grids worked out from the sizes; off, such sizes keep the compiler's casts or the opaque ops."""
+"""The plain and block casts' twins traced by torch.compile with every size symbolic, on any
+machine: Triton compiles a kernel to its IR (which dynamo reads to learn what a launch writes)
+for a stand-in CUDA target without a GPU, and the launches are recorded, not run, so the trace
+and its guards are the ones a GPU gets, while their bytes are checked on a GPU
+(test_cuda_traced_kernels.py). With traced_kernels.SYMBOLIC on (and SYMBOLIC_BLOCK, for the
+block casts), one graph serves every shape and launches te_triton's kernels with grids worked
+out from the sizes, at each shape the launches te_triton's eager op makes; off, such sizes keep
+the compiler's casts or the opaque ops."""
 import pytest
 import torch
+from test_cuda_traced_kernels import _described
 
-from te_backend_cuda import traced, traced_kernels
+from te_backend_cuda import traced, traced_block, traced_kernels
 
 triton = pytest.importorskip("triton")
 E4M3 = torch.float8_e4m3fn
@@ -15,6 +18,7 @@ E4M3 = torch.float8_e4m3fn
 # is a graph of its own), every one at least traced_kernels.KERNEL_MIN_NUMEL elements.
 SHAPES = [(1040, 1100), (640, 2048), (1536, 1024)]
 CASTS = ["current", "current-transpose", "delayed", "delayed-transpose"]
+BLOCK_CASTS = ["block", "block-transpose", "block-2d", "block-2d-transpose", "block-dbias"]
 
 
 class _StandInDriver:
@@ -47,25 +51,112 @@ def stand_in_gpu(monkeypatch, sm90):
     if traced_kernels._WRAP_TRITON is None or not hasattr(driver, "_active"):
         pytest.skip("this torch has no torch.library.wrap_triton, or this Triton no settable active driver")
     monkeypatch.setattr(torch_triton, "has_triton", lambda: True)
-    monkeypatch.setitem(launch_op.py_kernels, DispatchKey.CompositeExplicitAutograd, lambda *args, **kwargs: None)
+    launched = []  # each launch the compiled code makes, as the launch op gets it: recorded, not run
+    monkeypatch.setitem(launch_op.py_kernels, DispatchKey.CompositeExplicitAutograd,
+                        lambda *args, **kwargs: launched.append(kwargs))
     launch_op._dispatch_cache.clear()
     for module in (traced, traced_kernels):
         monkeypatch.setattr(module, "DEVICE_TYPE", "cpu")
     monkeypatch.setattr(traced_kernels, "_kernels_run_on", lambda index: True)
     monkeypatch.setattr(driver, "_active", _StandInDriver())  # (restored as it was: None where no GPU)
     torch._dynamo.reset()
-    yield
+    yield launched
     torch._dynamo.reset()
     launch_op._dispatch_cache.clear()
+
+
+SCALE = 0.5  # delayed scaling's
+
+
+def _block_kwargs(cast):
+    return dict(block_2d="-2d" in cast, with_transpose=cast.endswith("transpose"), force_pow2_scales=True,
+                amax_epsilon=0.0)
 
 
 def _twin(cast):
     transpose = cast.endswith("transpose")
     if cast.startswith("current"):
         return lambda x, slot: traced.quantize_fp8_current(x, E4M3, with_transpose=transpose)
-    scale = torch.full((1,), 0.5)
+    if cast == "block-dbias":
+        return lambda x, slot: traced_block.dbias_cast_transpose_blockwise([x], E4M3)
+    if cast.startswith("block"):
+        return lambda x, slot: traced_block.quantize_blockwise(x, E4M3, **_block_kwargs(cast))
+    scale = torch.full((1,), SCALE)
     fn = traced.cast_transpose_fp8 if transpose else traced.quantize_fp8
     return lambda x, slot: fn(x, scale, E4M3, amax_out=slot)
+
+
+def _eager(cast, x, slot, tuning):
+    """te_triton's eager op for `cast` on x, with `tuning` (the H100's table), as the cuda op calls it."""
+    from te_triton import blockwise
+    from te_triton import cast as triton_cast
+
+    transpose = cast.endswith("transpose")
+    if cast.startswith("current"):
+        return triton_cast.quantize_fp8_current(x, E4M3, with_transpose=transpose, cfg=tuning.quantize,
+                                                ct_cfg=tuning.cast_transpose)
+    if cast == "block-dbias":
+        return blockwise.dbias_cast_transpose_blockwise([x], E4M3, force_pow2_scales=True, amax_epsilon=0.0,
+                                                        cfg=tuning.blockwise_1d_transpose)
+    if cast.startswith("block"):
+        kwargs = _block_kwargs(cast)
+        cfg = tuning.blockwise_1d_transpose if transpose and not kwargs["block_2d"] else tuning.blockwise
+        return blockwise.quantize_blockwise(x, E4M3, cfg=cfg, **kwargs)
+    scale = torch.full((1,), SCALE)
+    if transpose:
+        return triton_cast.cast_transpose_fp8(x, scale, E4M3, tuning.cast_transpose, amax_out=slot)
+    return triton_cast.quantize_fp8(x, scale, E4M3, tuning.quantize, amax_out=slot)
+
+
+def _by_name(kernel, grid, values):
+    """(kernel name, 3-D grid, {parameter: its described value}) of one launch."""
+    grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+    return kernel.__name__, grid, {name: _described(value) for name, value in values.items()}
+
+
+def _recorded(launched):
+    """The compiled code's launches (the launch op's keywords) by _by_name: a launch with launch
+    options (num_warps) names a one-config autotuner wrapping the kernel."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from triton.runtime.autotuner import Autotuner
+
+    out = []
+    for call in launched:
+        kernel = kernel_side_table.get_kernel(call["kernel_idx"])
+        values = {**kernel_side_table.get_constant_args(call["constant_args_idx"]), **call["kwargs"]}
+        if isinstance(kernel, Autotuner):
+            values["num_warps"] = kernel.configs[0].num_warps
+            kernel = kernel.fn
+        out.append(_by_name(kernel.fn, call["grid"][0], values))
+    return out
+
+
+def _eager_launches(run, monkeypatch):
+    """The launches te_triton's eager op makes in run(), recorded through its launcher, not run."""
+    from te_triton import launch
+
+    calls = []
+
+    def record(self, grid):
+        def call(*args, **kwargs):
+            calls.append(_by_name(self.kernel.fn, grid, {**dict(zip(self.kernel.arg_names, args)), **kwargs}))
+        return call
+
+    with monkeypatch.context() as patch:
+        patch.setattr(launch.Launcher, "__getitem__", record)
+        run()
+    return calls
+
+
+def _unused(cast):
+    """Per launch, the parameters that variant never reads, which each side passes a tensor of its
+    own: current scaling's amax pass writes no scales; a block cast writes no bias gradient, nor,
+    without the transpose, the transposed copy and its scales (whose strides it never reads)."""
+    if cast.startswith("current"):
+        return [{"scale_ptr", "scale_inv_ptr"}, set()]
+    if cast == "block-dbias" or not cast.startswith("block"):
+        return [set()]
+    return [{"db_ptr"} | (set() if cast.endswith("transpose") else {"yt_ptr", "st_ptr", "st_row", "st_col"})]
 
 
 def _traced(cast, shapes, dynamic):
@@ -91,25 +182,61 @@ def _traced(cast, shapes, dynamic):
     return counters["stats"]["unique_graphs"], launches
 
 
-@pytest.mark.parametrize("cast", CASTS)
+@pytest.mark.parametrize("cast", CASTS + BLOCK_CASTS)
 def test_one_graph_launches_the_kernels_for_every_shape(stand_in_gpu, monkeypatch, cast):
     monkeypatch.setattr(traced_kernels, "SYMBOLIC", True)
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC_BLOCK", True)
     graphs, launches = _traced(cast, SHAPES, dynamic=True)
     assert graphs == 1, f"{graphs} graphs for {len(SHAPES)} shapes"
-    want = ["_quantize_kernel"] if cast.startswith("current") else []  # current scaling's amax pass
-    want.append("_cast_transpose_kernel" if cast.endswith("transpose") else "_quantize_kernel")
+    if cast.startswith("block"):
+        want = ["_blockwise_kernel"]
+    else:
+        want = ["_quantize_kernel"] if cast.startswith("current") else []  # current scaling's amax pass
+        want.append("_cast_transpose_kernel" if cast.endswith("transpose") else "_quantize_kernel")
     assert [name for name, _ in launches] == want
     for name, grid in launches:  # each grid an expression of the sizes, not a number of one shape
         assert isinstance(grid[0][0], torch.fx.Node), (name, grid)
 
 
-@pytest.mark.parametrize("cast", CASTS)
+@pytest.mark.parametrize("cast", CASTS + BLOCK_CASTS)
+def test_at_each_shape_the_compiled_code_launches_what_the_eager_op_launches(stand_in_gpu, monkeypatch, sm90, cast):
+    """One graph, traced with every size symbolic, run at three shapes: each call's launches (the
+    grids and sizes the compiled code works out, the tiles, flags, warps and argument layouts)
+    are te_triton's eager ones at that shape, with the H100's table."""
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC", True)
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC_BLOCK", True)
+    compiled = torch.compile(_twin(cast), backend="aot_eager", fullgraph=True, dynamic=True)
+    unused = _unused(cast)
+    for shape in SHAPES:
+        x = torch.randn(shape).to(torch.bfloat16)
+        stand_in_gpu.clear()
+        compiled(x, torch.full((4,), 2.0)[1:2])
+        got = _recorded(stand_in_gpu)
+        want = _eager_launches(lambda: _eager(cast, x, torch.full((1,), 2.0), sm90), monkeypatch)
+        assert [(name, grid) for name, grid, _ in got] == [(name, grid) for name, grid, _ in want], shape
+        assert len(got) == len(unused), shape
+        for (name, _, values), (_, _, eager_values), skip in zip(got, want, unused):
+            assert values.keys() == eager_values.keys(), (shape, name)
+            differ = {k: (values[k], eager_values[k]) for k in values if k not in skip and values[k] != eager_values[k]}
+            assert not differ, (shape, name, differ)
+
+
+@pytest.mark.parametrize("cast", CASTS + BLOCK_CASTS)
 def test_symbolic_sizes_keep_the_compilers_casts_while_symbolic_is_off(stand_in_gpu, monkeypatch, cast):
     monkeypatch.setattr(traced_kernels, "SYMBOLIC", False)
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC_BLOCK", True)
     _, launches = _traced(cast, SHAPES[:1], dynamic=True)
     assert launches == []
     _, launches = _traced(cast, SHAPES[:1], dynamic=False)  # plain sizes: the kernels, whatever SYMBOLIC says
     assert launches and all(isinstance(grid[0][0], int) for _, grid in launches), launches
+
+
+@pytest.mark.parametrize("cast", BLOCK_CASTS)
+def test_symbolic_block_sizes_keep_the_compilers_casts_while_symbolic_block_is_off(stand_in_gpu, monkeypatch, cast):
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC", True)
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC_BLOCK", False)
+    _, launches = _traced(cast, SHAPES[:1], dynamic=True)
+    assert launches == []
 
 
 def test_a_shape_with_equal_sizes_is_a_graph_of_its_own(stand_in_gpu, monkeypatch):
