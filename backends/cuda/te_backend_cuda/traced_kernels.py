@@ -67,7 +67,7 @@ SYMBOLIC = True
 # compiler's block casts, which took several times te_triton's GPU time. Their launches at
 # symbolic sizes are checked against the eager op's on any machine
 # (backends/cuda/tests/test_cuda_traced_symbolic.py); off until their bytes have been compared
-# with eager's on a GPU (test_casts_with_symbolic_sizes_launch_te_triton_kernels, block casts).
+# with eager's on a GPU (test_block_casts_with_symbolic_sizes_launch_te_triton_kernels).
 SYMBOLIC_BLOCK = False
 
 

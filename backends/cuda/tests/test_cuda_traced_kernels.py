@@ -3,8 +3,8 @@ current-scaling and block-scaled casts of KERNEL_MIN_NUMEL elements and up, unde
 give the eager cuda op's bytes (the same kernels), on inputs with NaN, inf, zero runs and rows
 of very different magnitudes, whole and partial tiles; the compiled call launches te_triton's
 kernels, not the compiler's reduction (for sizes inductor leaves symbolic too, while
-traced_kernels.SYMBOLIC is on, its default); a compiled te.Linear of that size matches eager. Below the
-threshold the compiler's casts stay. On the CPU, whatever the GPU: each twin's launches
+traced_kernels.SYMBOLIC is on, its default); a compiled te.Linear of that size matches eager.
+Below the threshold the compiler's casts stay. On the CPU, whatever the GPU: each twin's launches
 (kernel, grid, tiles, flags, argument layouts) are the ones te_triton's eager op makes, so a
 change to either that the other misses fails here."""
 import contextlib
