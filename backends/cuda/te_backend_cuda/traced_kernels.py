@@ -66,9 +66,22 @@ SYMBOLIC = True
 # the sizes, scale grids sized from them) do the same while SYMBOLIC is on, in place of the
 # compiler's block casts, which took several times te_triton's GPU time. Their launches at
 # symbolic sizes are checked against the eager op's on any machine
-# (backends/cuda/tests/test_cuda_traced_symbolic.py); off until their bytes have been compared
-# with eager's on a GPU (test_block_casts_with_symbolic_sizes_launch_te_triton_kernels).
-SYMBOLIC_BLOCK = False
+# (backends/cuda/tests/test_cuda_traced_symbolic.py), their bytes on a GPU
+# (test_block_casts_with_symbolic_sizes_launch_te_triton_kernels).
+SYMBOLIC_BLOCK = True
+
+# Whether delayed scaling's norm and activation forwards with FP8 output (traced_fused) do the
+# same while SYMBOLIC is on, where the row count is symbolic and the row length a plain int (a
+# token count that changes under a fixed hidden size): their tiles follow from the row length,
+# their grids are arithmetic on the rows, and a norm's unmasked variant (EVEN) is taken where
+# the compiler knows the row count a multiple of its rows per step (a batch size that is),
+# else the masked one, whose bytes are the same (checked against the eager ops on any machine and,
+# for the bytes, on a GPU: test_fused_forwards_over_changing_token_counts_launch_te_triton_kernels).
+# Off by default: with it, a compiled LayerNormMLP step at symbolic sizes gets a copy-transpose
+# kernel from the compiler that runs several times longer than the one it writes beside the
+# opaque ops, a GPU cost above the host time the launches save (docs/performance.md, "Known
+# limits"). Off, such calls stay the opaque ops (the same kernels, launched by the op).
+SYMBOLIC_FUSED = False
 
 
 def takes(x, min_numel: int = KERNEL_MIN_NUMEL, symbolic: bool = False) -> bool:
@@ -76,7 +89,8 @@ def takes(x, min_numel: int = KERNEL_MIN_NUMEL, symbolic: bool = False) -> bool:
     wrap_triton there, a contiguous x on a CUDA device whose convert saturates, at least
     `min_numel` elements, and every size a plain int (static_sizes) unless `symbolic` (a twin
     whose launch takes symbolic sizes) and SYMBOLIC. Launches whose configuration branches on
-    the sizes (the fused norm, activation and bias-gradient kernels) need plain ints."""
+    the sizes need plain ints: the bias-gradient kernels' every size, the fused norm and
+    activation forwards' row length (_rows_symbolic)."""
     return (_WRAP_TRITON is not None and x.device.type == DEVICE_TYPE and x.is_contiguous()
             and ((symbolic and SYMBOLIC) or static_sizes(x)) and x.numel() >= max(min_numel, 1)
             and _kernels_run_on(x.device.index))
@@ -353,30 +367,49 @@ def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out):
     return data, data_t, dbias, _into_slot(amax, amax_out, write)
 
 
+def _rows_symbolic(x) -> bool:
+    """Whether a fused forward of x may launch with its row count symbolic: SYMBOLIC_FUSED, and
+    the row length (x's last size) a plain int."""
+    return SYMBOLIC_FUSED and static_int(x.shape[-1])
+
+
 def norm_takes(x, weight, bias) -> bool:
     """Whether a norm forward with FP8 output into a history slot launches te_triton's norm kernel
     (`bias` None: RMSNorm): as takes() at any size below the descriptor kernels' (whose launch
     the compiled code does not repeat), rows that fit the kernel, weight and bias contiguous and
-    one per column on x's device."""
-    n = x.shape[-1] if x.dim() else 0
+    one per column on x's device; a symbolic row count as _rows_symbolic allows."""
+    if not (DELAYED and x.dim() >= 1):
+        return False
+    n = x.shape[-1]
     params = (weight,) if bias is None else (weight, bias)
-    return (DELAYED and x.dim() >= 1 and 0 < n <= triton_norm.MAX_N and x.numel() < configs.TMA_MIN_NUMEL
-            and all([p.is_contiguous() and p.numel() == n and p.device == x.device for p in params])
-            and takes(x, min_numel=1))
+    return (_rows_symbolic(x) or static_sizes(x)) and (
+        0 < n <= triton_norm.MAX_N and x.numel() < configs.TMA_MIN_NUMEL
+        and all([p.is_contiguous() and p.numel() == n and p.device == x.device for p in params])
+        and takes(x, min_numel=1, symbolic=True))
 
 
 _NORM_FWD_KEYWORDS = ("BLOCK_N", "ROWS", "AMAX_MODE", "CHUNK", "HOIST", "CLAMP", "EVEN", "num_warps")
 
 
 @run_while_tracing
-def _norm_fwd_launch(index: int, m: int, n: int, rms: bool) -> tuple:
-    """(programs, then te_triton.norm.fwd_launch's keywords in _NORM_FWD_KEYWORDS' order) of GPU
-    `index`'s norm forwards with FP8 output over m rows of n, the pointer kernel's, as
-    te-backend-cuda's layernorm_fwd / rmsnorm_fwd launch it (plain values: a constant of the trace)."""
+def _norm_fwd_tiles(index: int, n: int, rms: bool) -> tuple:
+    """(max_programs, then te_triton.norm.fwd_launch's keywords in _NORM_FWD_KEYWORDS' order, EVEN
+    as if the row count were a multiple of ROWS) of GPU `index`'s norm forwards with FP8 output
+    over rows of n, the pointer kernel's, as te-backend-cuda's layernorm_fwd / rmsnorm_fwd
+    launch it: what depends on the row length alone (plain values, a constant of the trace)."""
     from .ops.norm import fp8_pointer_cfg  # (not at import: ops imports this module's importers)
 
-    programs, keywords = triton_norm.fwd_launch(m, n, fp8_pointer_cfg(configs.for_device(index), n, rms))
-    return (programs, *(keywords[k] for k in _NORM_FWD_KEYWORDS))
+    cfg = fp8_pointer_cfg(configs.for_device(index), n, rms)
+    _, keywords = triton_norm.fwd_launch(0, n, cfg)
+    return (cfg.max_programs, *(keywords[k] for k in _NORM_FWD_KEYWORDS))
+
+
+def _norm_fwd_launch(index: int, m, n: int, rms: bool) -> tuple:
+    """(programs, then the keywords in _NORM_FWD_KEYWORDS' order) of those forwards over m rows
+    (a plain or a symbolic count; see SYMBOLIC_FUSED for EVEN)."""
+    max_programs, block_n, rows, *middle, even, warps = _norm_fwd_tiles(index, n, rms)
+    even = even and statically_known_true(m % rows == 0)
+    return (_programs(cdiv(m, rows), max_programs), block_n, rows, *middle, even, warps)
 
 
 def norm_fwd(x, weight, bias, eps, *, zero_centered_gamma, fp8_scale, fp8_dtype, amax_out):
@@ -403,17 +436,25 @@ def activation_takes(x, kind: str, params: dict) -> bool:
     are clamped_swiglu's, which it has not), a gated one over an even last dimension."""
     if not (DELAYED and not params and kind in triton_activation.KIND_IDS and x.dim() >= 1):
         return False
-    return (kind not in triton_activation.GATED or x.shape[-1] % 2 == 0) and takes(x, min_numel=1)
+    return ((kind not in triton_activation.GATED or x.shape[-1] % 2 == 0)
+            and (_rows_symbolic(x) or static_sizes(x)) and takes(x, min_numel=1, symbolic=True))
 
 
 @run_while_tracing
-def _act_fwd_launch(index: int, r: int, h: int, kind: str) -> tuple:
-    """(programs, block_m, block_n, clamp, num_warps) of GPU `index`'s activation forwards of
-    `kind` over an (r, h) output, as te-backend-cuda's activation_fwd launches them."""
+def _act_fwd_tiles(index: int, kind: str) -> tuple:
+    """(max_programs, block_m, block_n, clamp, num_warps) of GPU `index`'s activation forwards of
+    `kind`, as te-backend-cuda's activation_fwd launches them."""
     from .ops.activation import fwd_cfg  # (not at import: ops imports this module's importers)
 
     cfg = fwd_cfg(configs.for_device(index), kind)
-    return triton_activation._grid(r, h, cfg)[0], cfg.block_m, cfg.block_n, not cfg.hw_saturate, cfg.num_warps
+    return cfg.max_programs, cfg.block_m, cfg.block_n, not cfg.hw_saturate, cfg.num_warps
+
+
+def _act_fwd_launch(index: int, r, h: int, kind: str) -> tuple:
+    """(programs, block_m, block_n, clamp, num_warps) of those forwards over an (r, h) output, r a
+    plain or a symbolic count (te_triton.activation._grid's arithmetic)."""
+    max_programs, bm, bn, clamp, warps = _act_fwd_tiles(index, kind)
+    return _programs(cdiv(r, bm) * cdiv(h, bn), max_programs), bm, bn, clamp, warps
 
 
 def activation_fwd(x, kind, *, fp8_scale, fp8_dtype, amax_out):

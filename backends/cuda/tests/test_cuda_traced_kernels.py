@@ -232,17 +232,62 @@ def test_block_casts_with_symbolic_sizes_launch_te_triton_kernels(monkeypatch, c
     torch._dynamo.reset()
 
 
+FUSED_NAMES = {"layernorm": "layernorm_fwd", "rmsnorm": "rmsnorm_fwd", "gelu": "activation_fwd",
+               "swiglu": "activation_fwd"}
+
+
+@GPU
+@pytest.mark.parametrize("batch", [4, 0], ids=["tokens-x-batch", "rows"])
+@pytest.mark.parametrize("cast", list(FUSED_NAMES))
+def test_fused_forwards_over_changing_token_counts_launch_te_triton_kernels(monkeypatch, delayed, cast, batch):
+    """With traced_kernels.SYMBOLIC and SYMBOLIC_FUSED on, a norm or activation forward with FP8
+    output into a history slot, its token count marked dynamic (hidden size fixed): one graph
+    for every token count, te_triton's kernel launched by it, and at each count the eager op's
+    FP8 bytes, statistics and history, bit for bit; the 2-D input's row count is not known to
+    fill the norm's steps (its masked variant), the 3-D one's is."""
+    from te_backend_cuda import ops, traced_fused
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC", True)
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC_FUSED", True)
+    name, hidden = FUSED_NAMES[cast], 1024
+    g = torch.Generator().manual_seed(3)
+    w, b = [(torch.randn(hidden, generator=g) + 1).to(torch.bfloat16).cuda() for _ in range(2)]
+    params = {"layernorm": (w, b, 1e-5), "rmsnorm": (w, 1e-5)}.get(cast, (cast,))
+    kwargs = dict(fp8_scale=torch.full((1,), 20.0 if cast.endswith("norm") else 0.7, device="cuda"), fp8_dtype=E4M3)
+    twin = traced_fused.TRACED_FUSED[name]
+    torch._dynamo.reset()
+    counters.clear()
+    run = torch.compile(lambda x, h: twin(x, *params, **kwargs, amax_out=h[0][1:2]), fullgraph=True)
+    for tokens in (260, 384, 520):
+        width = 2 * hidden if cast == "swiglu" else hidden
+        x = (torch.randn((tokens, batch, width) if batch else (tokens, width), generator=g) * 3 + 1)
+        x = x.to(torch.bfloat16).cuda()
+        x[1, 0] = float("nan") if tokens == 384 else x[1, 0]
+        torch._dynamo.mark_dynamic(x, 0)
+        history = torch.rand(4, 3, device="cuda") + 1
+        want_history = history.clone()
+        want = getattr(ops, name)(x, *params, **kwargs, amax_out=want_history[0][1:2])
+        got = run(x, history)
+        _assert_same([history, *got], [want_history, *want])
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 1, f"{graphs} graphs for 3 token counts"
+    names = _kernels(lambda h: run(x, h), history)
+    assert ("_norm_fwd_kernel" if cast.endswith("norm") else "_act_fwd_kernel") in names, names
+    torch._dynamo.reset()
+
+
 @contextlib.contextmanager
-def _compiled_linear(make):
+def _compiled_linear(make, build=None):
     """(model, an identical twin, step(module, x), that step compiled with fullgraph=True) on the
-    cuda backend: a te.Linear(1024, 1024) forward under te.autocast with the recipe make()
-    builds. Eager steps run the model and compiled ones the twin, so that delayed scaling's
-    state advances alike in both."""
+    cuda backend: a te.Linear(1024, 1024) (or what build() makes) forward under te.autocast with
+    the recipe make() builds. Eager steps run the model and compiled ones the twin, so that
+    delayed scaling's state advances alike in both."""
     backend.set_backend("cuda")
     try:
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = te.Linear(1024, 1024, params_dtype=torch.bfloat16, device="cuda")
+        model = te.Linear(1024, 1024, params_dtype=torch.bfloat16, device="cuda") if build is None else build()
         twin = copy.deepcopy(model)
         rec = make()
         te.init_quantization_state(model, rec)  # as compiling makes the twin's: both start alike
@@ -1007,6 +1052,23 @@ def test_static_sizes_tells_a_symbolic_size_while_dynamo_traces(dynamic):
     torch._dynamo.reset()
 
 
+def _match_eager_over_changing_token_counts(model, twin, step, compiled):
+    """Steps at 1024, 1536, 2048 and again 1024 tokens (the second count makes torch.compile retrace
+    with it symbolic): each compiled step's output and input gradient within 1e-2 (relative, L2)
+    of the eager model's."""
+    for tokens in (1024, 1536, 2048, 1024):
+        x = torch.randn(tokens, 1024, device="cuda").to(torch.bfloat16)
+        dy = torch.randn(tokens, 1024, device="cuda").to(torch.bfloat16)
+        outs = []
+        for fn, module in ((compiled, twin), (step, model)):
+            xi = x.clone().requires_grad_(True)
+            y = fn(module, xi)
+            y.backward(dy)
+            outs.append((y.float(), xi.grad.float()))
+        for got, want in zip(*outs):
+            assert ((got - want).norm() / want.norm()).item() <= 1e-2, tokens
+
+
 @GPU
 @pytest.mark.parametrize("make", [recipe.DelayedScaling, recipe.Float8CurrentScaling, recipe.Float8BlockScaling],
                          ids=["delayed", "current", "block"])
@@ -1019,14 +1081,32 @@ def test_compiled_linear_with_changing_token_counts(monkeypatch, make, delayed, 
     identical eager module's."""
     monkeypatch.setattr(traced_kernels, "SYMBOLIC", symbolic)
     with _compiled_linear(make) as (model, twin, step, compiled):
-        for tokens in (1024, 1536, 2048, 1024):
-            x = torch.randn(tokens, 1024, device="cuda").to(torch.bfloat16)
-            dy = torch.randn(tokens, 1024, device="cuda").to(torch.bfloat16)
-            outs = []
-            for fn, module in ((compiled, twin), (step, model)):
-                xi = x.clone().requires_grad_(True)
-                y = fn(module, xi)
-                y.backward(dy)
-                outs.append((y.float(), xi.grad.float()))
-            for got, want in zip(*outs):
-                assert ((got - want).norm() / want.norm()).item() <= 1e-2, tokens
+        _match_eager_over_changing_token_counts(model, twin, step, compiled)
+
+
+@GPU
+@pytest.mark.parametrize("symbolic", [False, True], ids=["opaque", "symbolic-fused"])
+def test_compiled_layernorm_mlp_with_changing_token_counts(monkeypatch, delayed, symbolic):
+    """LayerNormMLP under delayed scaling, compiled, over changing token counts (its norm and
+    activation forwards cast FP8 into histories): with traced_kernels.SYMBOLIC_FUSED on, the
+    symbolic trace launches te_triton's norm and activation kernels; either way every step's
+    output and input gradient within 1e-2 (relative, L2) of an identical eager module's."""
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC_FUSED", symbolic)
+
+    def build():
+        return te.LayerNormMLP(1024, 4096, params_dtype=torch.bfloat16, device="cuda")
+
+    with _compiled_linear(recipe.DelayedScaling, build) as (model, twin, step, compiled):
+        _match_eager_over_changing_token_counts(model, twin, step, compiled)
+        xi = torch.randn(1536, 1024, device="cuda").to(torch.bfloat16)
+        compiled(twin, xi)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            compiled(twin, xi)
+            torch.cuda.synchronize()
+        events = {e.key for e in prof.key_averages()}
+        assert {"_norm_fwd_kernel", "_act_fwd_kernel"} <= events, sorted(events)  # the same kernels either way,
+        ops = sorted(e for e in events if e.startswith("te_core::"))  # launched by the compiled code or the op
+        for op in ("te_core::layernorm_fwd", "te_core::activation_fwd"):  # (a slot-writing op's name ends in _into)
+            assert any(e.startswith(op) for e in ops) != symbolic, (op, ops)

@@ -244,3 +244,127 @@ def test_a_shape_with_equal_sizes_is_a_graph_of_its_own(stand_in_gpu, monkeypatc
     monkeypatch.setattr(traced_kernels, "SYMBOLIC", True)
     graphs, _ = _traced("delayed", [(1024, 1024)] + SHAPES[:2], dynamic=True)
     assert graphs == 2
+
+
+# --- delayed scaling's norm and activation forwards with FP8 output (traced_kernels.SYMBOLIC_FUSED)
+FUSED = ["layernorm", "rmsnorm", "gelu", "swiglu"]
+HIDDEN = 1024
+TOKENS = [260, 384, 520]  # sequence lengths of one graph (batch and hidden fixed); no two alike
+
+
+def _fused_params(cast):
+    torch.manual_seed(1)
+    return torch.randn(HIDDEN).to(torch.bfloat16), torch.randn(HIDDEN).to(torch.bfloat16)
+
+
+def _fused_input(cast, tokens, batch):
+    width = 2 * HIDDEN if cast == "swiglu" else HIDDEN
+    shape = (tokens, batch, width) if batch else (tokens, width)
+    return torch.randn(shape).to(torch.bfloat16)
+
+
+def _fused_twin(cast):
+    """The twin of `cast` taking CPU tensors (the stand-in's), with delayed scaling's scale."""
+    from te_backend_cuda import traced_fused
+
+    twins = traced_fused.twins("cpu")
+    scale = torch.full((1,), SCALE)
+    w, b = _fused_params(cast)
+    kwargs = dict(fp8_dtype=E4M3)
+    if cast == "layernorm":
+        return lambda x, slot: twins["layernorm_fwd"](x, w, b, 1e-5, fp8_scale=scale, amax_out=slot, **kwargs)
+    if cast == "rmsnorm":
+        return lambda x, slot: twins["rmsnorm_fwd"](x, w, 1e-5, fp8_scale=scale, amax_out=slot, **kwargs)
+    return lambda x, slot: twins["activation_fwd"](x, cast, fp8_scale=scale, amax_out=slot, **kwargs)
+
+
+def _fused_eager(cast, x, slot, tuning):
+    """te_triton's eager op for `cast` with `tuning`'s config, as the cuda op calls it below the
+    descriptor kernels' size."""
+    from te_triton import activation, norm
+
+    from te_backend_cuda.ops.activation import fwd_cfg
+    from te_backend_cuda.ops.norm import fp8_pointer_cfg
+
+    scale = torch.full((1,), SCALE)
+    w, b = _fused_params(cast)
+    if cast in ("layernorm", "rmsnorm"):
+        rms = cast == "rmsnorm"
+        return norm.norm_fwd(x, w, None if rms else b, 1e-5, rms=rms, fp8_scale=scale, fp8_dtype=E4M3,
+                             cfg=fp8_pointer_cfg(tuning, HIDDEN, rms), amax_out=slot)
+    return activation.activation_fwd(x, cast, fp8_scale=scale, fp8_dtype=E4M3, cfg=fwd_cfg(tuning, cast),
+                                     amax_out=slot)
+
+
+def _run_fused(cast, batch, stand_in_gpu, monkeypatch, tuning):
+    """[(launches of the compiled twin, te_triton's eager launches)] at each of TOKENS, the token
+    count marked dynamic (one graph), and the number of graphs dynamo kept."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    compiled = torch.compile(_fused_twin(cast), backend="aot_eager", fullgraph=True)
+    out = []
+    for tokens in TOKENS:
+        x = _fused_input(cast, tokens, batch)
+        torch._dynamo.mark_dynamic(x, 0)
+        stand_in_gpu.clear()
+        compiled(x, torch.full((4,), 2.0)[1:2])  # a history's row as the slot
+        got = _recorded(stand_in_gpu)
+        want = _eager_launches(lambda: _fused_eager(cast, x, torch.full((1,), 2.0), tuning), monkeypatch)
+        out.append((got, want))
+    return out, counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("cast", FUSED)
+def test_fused_forwards_over_a_changing_token_count_launch_what_the_eager_op_launches(stand_in_gpu, monkeypatch,
+                                                                                     sm90, cast):
+    """A (tokens, batch, hidden) input whose token count is symbolic: one graph, and at each
+    token count the launches (grid, sizes, tiles, flags, warps, argument layouts) of te_triton's
+    eager op, with the H100's table; the norm's unmasked variant too, as the row count
+    (batch x tokens) is known to be a multiple of its rows per step."""
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC", True)
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC_FUSED", True)
+    runs, graphs = _run_fused(cast, 4, stand_in_gpu, monkeypatch, sm90)
+    assert graphs == 1, f"{graphs} graphs for {len(TOKENS)} token counts"
+    unused = {"mean_ptr"} if cast == "rmsnorm" else set()  # (RMSNorm stores no mean: each side passes its own)
+    for tokens, (got, want) in zip(TOKENS, runs):
+        assert len(got) == len(want) == 1, (tokens, got, want)
+        (name, grid, values), (eager_name, eager_grid, eager_values) = got[0], want[0]
+        assert (name, grid) == (eager_name, eager_grid), tokens
+        assert values.keys() == eager_values.keys(), tokens
+        differ = {k: (values[k], eager_values[k]) for k in values if k not in unused and values[k] != eager_values[k]}
+        assert not differ, (tokens, differ)
+        if cast.endswith("norm"):
+            assert values["EVEN"] is True, tokens
+
+
+@pytest.mark.parametrize("cast", ["layernorm", "rmsnorm"])
+def test_a_norm_over_rows_not_known_to_fill_its_steps_launches_the_masked_variant(stand_in_gpu, monkeypatch, sm90,
+                                                                                   cast):
+    """A 2-D input whose row count is symbolic: the compiler cannot know it a multiple of the
+    kernel's rows per step, so the launch takes the masked variant (EVEN off, the same bytes);
+    everything else as the eager launch."""
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC", True)
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC_FUSED", True)
+    runs, graphs = _run_fused(cast, 0, stand_in_gpu, monkeypatch, sm90)
+    assert graphs == 1
+    for tokens, (got, want) in zip(TOKENS, runs):
+        (name, grid, values), (_, eager_grid, eager_values) = got[0], want[0]
+        assert grid == eager_grid and eager_values["EVEN"] is True and values["EVEN"] is False, tokens
+        differ = {k for k in values if k not in ("EVEN", "mean_ptr") and values[k] != eager_values[k]}
+        assert not differ, (tokens, differ)
+
+
+@pytest.mark.parametrize("cast", FUSED)
+def test_fused_forwards_keep_the_opaque_ops_while_symbolic_fused_is_off_or_the_hidden_size_is_symbolic(
+        stand_in_gpu, monkeypatch, sm90, cast):
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC", True)
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC_FUSED", False)
+    runs, _ = _run_fused(cast, 4, stand_in_gpu, monkeypatch, sm90)
+    assert all(got == [] for got, _ in runs)
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC_FUSED", True)
+    torch._dynamo.reset()
+    compiled = torch.compile(_fused_twin(cast), backend="aot_eager", fullgraph=True, dynamic=True)
+    stand_in_gpu.clear()
+    compiled(_fused_input(cast, TOKENS[0], 4), torch.full((4,), 2.0)[1:2])
+    assert stand_in_gpu == []
