@@ -116,13 +116,15 @@ def test_block_cast_compiled_is_the_cuda_op(shape, setting, dtype):
     torch._dynamo.reset()
 
 
-def _kernels(fn, x):
+def _kernels(fn, x, with_ops=False):
+    """The names of the kernels fn(x) runs (after a first call), and with_ops, of the ops it calls."""
     fn(x)
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if with_ops else [])
+    with torch.profiler.profile(activities=activities) as prof:
         fn(x)
         torch.cuda.synchronize()
-    return {e.key for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA}
+    return {e.key for e in prof.key_averages() if with_ops or e.device_type == torch.autograd.DeviceType.CUDA}
 
 
 @GPU
@@ -1099,13 +1101,7 @@ def test_compiled_layernorm_mlp_with_changing_token_counts(monkeypatch, delayed,
     with _compiled_linear(recipe.DelayedScaling, build) as (model, twin, step, compiled):
         _match_eager_over_changing_token_counts(model, twin, step, compiled)
         xi = torch.randn(1536, 1024, device="cuda").to(torch.bfloat16)
-        compiled(twin, xi)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
-            compiled(twin, xi)
-            torch.cuda.synchronize()
-        events = {e.key for e in prof.key_averages()}
+        events = _kernels(lambda t: compiled(twin, t), xi, with_ops=True)
         assert {"_norm_fwd_kernel", "_act_fwd_kernel"} <= events, sorted(events)  # the same kernels either way,
         ops = sorted(e for e in events if e.startswith("te_core::"))  # launched by the compiled code or the op
         for op in ("te_core::layernorm_fwd", "te_core::activation_fwd"):  # (a slot-writing op's name ends in _into)

@@ -148,6 +148,11 @@ def _eager_launches(run, monkeypatch):
     return calls
 
 
+def _differing(values, eager_values, skip):
+    """{parameter: (compiled launch's value, eager launch's)} where the two differ, but for `skip`."""
+    return {k: (values[k], eager_values[k]) for k in values if k not in skip and values[k] != eager_values[k]}
+
+
 def _unused(cast):
     """Per launch, the parameters that variant never reads, which each side passes a tensor of its
     own: current scaling's amax pass writes no scales; a block cast writes no bias gradient, nor,
@@ -217,7 +222,7 @@ def test_at_each_shape_the_compiled_code_launches_what_the_eager_op_launches(sta
         assert len(got) == len(unused), shape
         for (name, _, values), (_, _, eager_values), skip in zip(got, want, unused):
             assert values.keys() == eager_values.keys(), (shape, name)
-            differ = {k: (values[k], eager_values[k]) for k in values if k not in skip and values[k] != eager_values[k]}
+            differ = _differing(values, eager_values, skip)
             assert not differ, (shape, name, differ)
 
 
@@ -252,7 +257,7 @@ HIDDEN = 1024
 TOKENS = [260, 384, 520]  # sequence lengths of one graph (batch and hidden fixed); no two alike
 
 
-def _fused_params(cast):
+def _fused_params():
     torch.manual_seed(1)
     return torch.randn(HIDDEN).to(torch.bfloat16), torch.randn(HIDDEN).to(torch.bfloat16)
 
@@ -269,7 +274,7 @@ def _fused_twin(cast):
 
     twins = traced_fused.twins("cpu")
     scale = torch.full((1,), SCALE)
-    w, b = _fused_params(cast)
+    w, b = _fused_params()
     kwargs = dict(fp8_dtype=E4M3)
     if cast == "layernorm":
         return lambda x, slot: twins["layernorm_fwd"](x, w, b, 1e-5, fp8_scale=scale, amax_out=slot, **kwargs)
@@ -287,7 +292,7 @@ def _fused_eager(cast, x, slot, tuning):
     from te_backend_cuda.ops.norm import fp8_pointer_cfg
 
     scale = torch.full((1,), SCALE)
-    w, b = _fused_params(cast)
+    w, b = _fused_params()
     if cast in ("layernorm", "rmsnorm"):
         rms = cast == "rmsnorm"
         return norm.norm_fwd(x, w, None if rms else b, 1e-5, rms=rms, fp8_scale=scale, fp8_dtype=E4M3,
@@ -332,7 +337,7 @@ def test_fused_forwards_over_a_changing_token_count_launch_what_the_eager_op_lau
         (name, grid, values), (eager_name, eager_grid, eager_values) = got[0], want[0]
         assert (name, grid) == (eager_name, eager_grid), tokens
         assert values.keys() == eager_values.keys(), tokens
-        differ = {k: (values[k], eager_values[k]) for k in values if k not in unused and values[k] != eager_values[k]}
+        differ = _differing(values, eager_values, unused)
         assert not differ, (tokens, differ)
         if cast.endswith("norm"):
             assert values["EVEN"] is True, tokens
@@ -351,7 +356,7 @@ def test_a_norm_over_rows_not_known_to_fill_its_steps_launches_the_masked_varian
     for tokens, (got, want) in zip(TOKENS, runs):
         (name, grid, values), (_, eager_grid, eager_values) = got[0], want[0]
         assert grid == eager_grid and eager_values["EVEN"] is True and values["EVEN"] is False, tokens
-        differ = {k for k in values if k not in ("EVEN", "mean_ptr") and values[k] != eager_values[k]}
+        differ = _differing(values, eager_values, {"EVEN", "mean_ptr"})
         assert not differ, (tokens, differ)
 
 
