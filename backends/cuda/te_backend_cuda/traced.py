@@ -50,6 +50,7 @@ from . import capabilities, configs, scaled_mm, traced_kernels
 from .scaled_mm import fp8_gemm_layout_reason
 
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_TRANSPOSE_NUMEL = 2**31 - 1  # te_triton's transpose indexes with int32 offsets
 # A cast takes no float16 input: inductor keeps a fused float16 producer's result in float32,
 # and as_stored restores the stored values of bfloat16 only, so the FP8 bytes could differ
 # from eager's; float16 casts stay the opaque ops.
@@ -278,8 +279,13 @@ def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin=0.0, ama
 
 
 def transpose_fp8(data):
+    """te_triton's transpose launched by the compiled code from traced_kernels.KERNEL_MIN_NUMEL
+    elements (plain or symbolic sizes; see traced_kernels.transpose_fp8 for why), else the
+    compiler's: a small step's host pays less for a kernel the compiler launches itself."""
     if data.dtype not in FP8_FORMATS or data.dim() != 2 or not _here(data):
         return NotImplemented
+    if traced_kernels.takes(data, symbolic=True) and data.numel() <= MAX_TRANSPOSE_NUMEL:
+        return traced_kernels.transpose_fp8(data)
     return data.t().contiguous()
 
 

@@ -163,6 +163,28 @@ def _dbias_ct_launch(index: int, m: int, k: int) -> tuple:
             cfg.hw_saturate)
 
 
+@run_while_tracing
+def _transpose_config(index: int) -> tuple:
+    """(block_m, block_n, num_warps) of its FP8 transposes."""
+    cfg = configs.for_device(index).transpose
+    return cfg.block_m, cfg.block_n, cfg.num_warps
+
+
+def transpose_fp8(data):
+    """data.t().contiguous() of a 2-D FP8 tensor as te_triton.cast.transpose_fp8 launches it (its
+    grid arithmetic on the sizes, so plain or symbolic). The compiler's own copy of the transpose
+    is slower where it reads the output of a kernel launched from the compiled code (a fused norm
+    or activation forward's FP8 data): its tiling analysis loses track of a buffer such a launch
+    wrote and writes a one-dimensional copy whose reads are strided, several times the time of a
+    tiled one (torch 2.11)."""
+    m, n = data.shape
+    bm, bn, warps = _transpose_config(data.device.index)
+    out = torch.empty((n, m), dtype=data.dtype, device=data.device)
+    _WRAP_TRITON(triton_cast._transpose_kernel.kernel)[(_programs(cdiv(m, bm) * cdiv(n, bn), 0),)](
+        data, out, m, n, BM=bm, BN=bn, num_warps=warps)
+    return out
+
+
 def _cast_pass(x, fp8_dtype, scale, amax, scale_inv, eps, *, from_amax, pow2, with_transpose):
     """(data, data_t or None): the cast pass as te_triton.cast launches it (_quantize, or
     _cast_transpose with the transpose). from_amax (current scaling): the kernel makes the scale

@@ -234,6 +234,28 @@ def test_block_casts_with_symbolic_sizes_launch_te_triton_kernels(monkeypatch, c
     torch._dynamo.reset()
 
 
+@GPU
+@pytest.mark.parametrize("dynamic", [True, False], ids=["symbolic", "plain"])
+def test_fp8_transposes_launch_te_triton_kernels(dynamic):
+    """The FP8 transpose twin compiled with plain or symbolic sizes (one graph for three shapes):
+    te_triton's transpose kernel, and the bytes of data.t(), NaN and infinities included."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(traced.transpose_fp8, fullgraph=True, dynamic=dynamic)
+    for shape in SYMBOLIC_SHAPES:
+        for dtype in (E4M3, E5M2):
+            data = _input(shape, seed=shape[0]).to(dtype)
+            got = compiled(data)
+            assert got.dtype == dtype and got.shape == shape[::-1]
+            assert torch.equal(got.view(torch.uint8), data.t().contiguous().view(torch.uint8)), (shape, dtype)
+    if dynamic:
+        assert counters["stats"]["unique_graphs"] == 1
+    assert "_transpose_kernel" in _kernels(compiled, data)
+    torch._dynamo.reset()
+
+
 FUSED_NAMES = {"layernorm": "layernorm_fwd", "rmsnorm": "rmsnorm_fwd", "gelu": "activation_fwd",
                "swiglu": "activation_fwd"}
 
@@ -1106,3 +1128,5 @@ def test_compiled_layernorm_mlp_with_changing_token_counts(monkeypatch, delayed,
         ops = sorted(e for e in events if e.startswith("te_core::"))  # launched by the compiled code or the op
         for op in ("te_core::layernorm_fwd", "te_core::activation_fwd"):  # (a slot-writing op's name ends in _into)
             assert any(e.startswith(op) for e in ops) != symbolic, (op, ops)
+        # the column-wise copies of their FP8 outputs: te_triton's transposes, not the compiler's
+        assert "_transpose_kernel" in events, sorted(events)

@@ -373,3 +373,47 @@ def test_fused_forwards_keep_the_opaque_ops_while_symbolic_fused_is_off_or_the_h
     stand_in_gpu.clear()
     compiled(_fused_input(cast, TOKENS[0], 4), torch.full((4,), 2.0)[1:2])
     assert stand_in_gpu == []
+
+
+# --- the FP8 transpose (traced.transpose_fp8): te_triton's from KERNEL_MIN_NUMEL elements, any sizes
+@pytest.mark.parametrize("dynamic", [True, False], ids=["symbolic", "plain"])
+def test_fp8_transposes_launch_what_the_eager_op_launches(stand_in_gpu, monkeypatch, sm90, dynamic):
+    """At each shape, plain sizes or all symbolic (then one graph): te_triton's eager launch
+    (grid, sizes, tiles, warps, argument layouts), the same for a transpose of a transpose."""
+    from torch._dynamo.utils import counters
+
+    from te_triton import cast as triton_cast
+
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC", True)
+    counters.clear()
+    compiled = torch.compile(traced.transpose_fp8, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    for shape in SHAPES:
+        for data in (torch.randn(shape).to(E4M3), torch.randn(shape[::-1]).to(E4M3)):
+            stand_in_gpu.clear()
+            compiled(data)
+            got = _recorded(stand_in_gpu)
+            want = _eager_launches(lambda: triton_cast.transpose_fp8(data, sm90.transpose), monkeypatch)
+            assert [(name, grid) for name, grid, _ in got] == [(name, grid) for name, grid, _ in want], shape
+            assert len(got) == 1 and got[0][0] == "_transpose_kernel", got
+            assert got[0][2].keys() == want[0][2].keys(), shape
+            differ = _differing(got[0][2], want[0][2], set())
+            assert not differ, (shape, differ)
+    if dynamic:
+        assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_small_fp8_transposes_and_symbolic_ones_with_symbolic_off_stay_the_compilers(stand_in_gpu, monkeypatch):
+    """Below KERNEL_MIN_NUMEL elements, and at symbolic sizes with SYMBOLIC off, no launch: the
+    compiler's transpose, bit for bit data.t()."""
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC", True)
+    small = torch.randn(96, 1000).to(E4M3)  # under 2^20 elements
+    assert small.numel() < traced_kernels.KERNEL_MIN_NUMEL
+    out = torch.compile(traced.transpose_fp8, backend="aot_eager", fullgraph=True, dynamic=True)(small)
+    assert stand_in_gpu == []
+    assert torch.equal(out.view(torch.uint8), small.t().contiguous().view(torch.uint8))
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC", False)
+    torch._dynamo.reset()
+    large = torch.randn(SHAPES[0]).to(E4M3)
+    out = torch.compile(traced.transpose_fp8, backend="aot_eager", fullgraph=True, dynamic=True)(large)
+    assert stand_in_gpu == []
+    assert torch.equal(out.view(torch.uint8), large.t().contiguous().view(torch.uint8))
