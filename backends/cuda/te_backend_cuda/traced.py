@@ -208,9 +208,11 @@ def cast_transpose_fp8(x, scale, fp8_dtype, *, amax_out=None):
 
 
 def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out=None):
-    if not _takes(dy, fp8_dtype, scale, amax_out) or dy.dim() != 2:
+    # its launch branches on the row length: symbolic rows only (traced_kernels.rows_symbolic)
+    symbolic = isinstance(dy, torch.Tensor) and dy.dim() == 2 and traced_kernels.rows_symbolic(dy)
+    if not _takes(dy, fp8_dtype, scale, amax_out, symbolic=symbolic) or dy.dim() != 2:
         return NotImplemented
-    if _on_kernel(dy, amax_out):
+    if _on_kernel(dy, amax_out, symbolic=symbolic):
         return traced_kernels.dbias_cast_transpose(dy, scale, fp8_dtype, amax_out=amax_out)
     dy = as_stored(dy)
     data = _cast(dy, hold_scale(scale), fp8_dtype)

@@ -70,17 +70,22 @@ SYMBOLIC = True
 # (test_block_casts_with_symbolic_sizes_launch_te_triton_kernels).
 SYMBOLIC_BLOCK = True
 
-# Whether delayed scaling's norm and activation forwards with FP8 output (traced_fused) do the
-# same while SYMBOLIC is on, where the row count is symbolic and the row length a plain int (a
-# token count that changes under a fixed hidden size): their tiles follow from the row length,
-# their grids are arithmetic on the rows, and a norm's unmasked variant (EVEN) is taken where
-# the compiler knows the row count a multiple of its rows per step (a batch size that is),
-# else the masked one, whose bytes are the same (checked against the eager ops on any machine and,
-# for the bytes, on a GPU: test_fused_forwards_over_changing_token_counts_launch_te_triton_kernels).
-# Off by default: with it, a compiled LayerNormMLP step at symbolic sizes gets a copy-transpose
-# kernel from the compiler that runs several times longer than the one it writes beside the
-# opaque ops, a GPU cost above the host time the launches save (docs/performance.md, "Known
-# limits"). Off, such calls stay the opaque ops (the same kernels, launched by the op).
+# Whether the launches whose configuration depends on the row length do the same while SYMBOLIC
+# is on, where the row count is symbolic and the row length a plain int (a token count that
+# changes under a fixed hidden size): delayed scaling's norm and activation forwards with FP8
+# output (traced_fused) and the bias-gradient casts (dbias_cast_transpose, alone, after an
+# activation's backward or of joined column blocks). Their tiles follow from the row length,
+# their grids are arithmetic on the rows; a norm's unmasked variant (EVEN) is taken where the
+# compiler knows the row count a multiple of its rows per step (a batch size that is), else the
+# masked one, whose bytes are the same; a bias gradient of so few rows that one group of them
+# writes it is a graph of its own (a guard). Each launch is checked against the eager op's on
+# any machine (backends/cuda/tests/test_cuda_traced_symbolic.py), the forwards' bytes on a GPU
+# (test_fused_forwards_over_changing_token_counts_launch_te_triton_kernels).
+# Off by default: with it, a compiled LayerNormMLP step at symbolic sizes took more GPU time
+# than with the opaque ops, as the compiler's transposes of the forwards' FP8 outputs were
+# one-dimensional copies (traced.transpose_fp8 now launches te_triton's); it stays off until
+# the step is measured again (docs/performance.md, "Known limits"). Off, such calls stay the
+# opaque ops (the same kernels, launched by the op).
 SYMBOLIC_FUSED = False
 
 
@@ -89,8 +94,8 @@ def takes(x, min_numel: int = KERNEL_MIN_NUMEL, symbolic: bool = False) -> bool:
     wrap_triton there, a contiguous x on a CUDA device whose convert saturates, at least
     `min_numel` elements, and every size a plain int (static_sizes) unless `symbolic` (a twin
     whose launch takes symbolic sizes) and SYMBOLIC. Launches whose configuration branches on
-    the sizes need plain ints: the bias-gradient kernels' every size, the fused norm and
-    activation forwards' row length (_rows_symbolic)."""
+    the row length need it a plain int (rows_symbolic): the fused norm and activation forwards'
+    and the bias-gradient casts'."""
     return (_WRAP_TRITON is not None and x.device.type == DEVICE_TYPE and x.is_contiguous()
             and ((symbolic and SYMBOLIC) or static_sizes(x)) and x.numel() >= max(min_numel, 1)
             and _kernels_run_on(x.device.index))
@@ -153,14 +158,28 @@ def _blockwise_config(index: int, with_transpose: bool, block_2d: bool) -> tuple
 
 
 @run_while_tracing
-def _dbias_ct_launch(index: int, m: int, k: int) -> tuple:
-    """(row groups, column strips, block_m, block_n, num_warps, prefetch, hw_saturate) of its dbias
-    cast-transposes of an (m, k) gradient: the pointer kernel's config, as the eager op picks for
-    tensors below TMA_MIN_NUMEL (the twins take none larger)."""
+def _dbias_ct_tiles(index: int, k: int) -> tuple:
+    """(column strips, block_m, block_n, num_warps, prefetch, hw_saturate, max_programs) of its dbias
+    cast-transposes of a gradient of k columns: the pointer kernel's config, as the eager op
+    picks for tensors below TMA_MIN_NUMEL (the twins take none larger)."""
     cfg = configs.for_device(index).dbias_cast_transpose
-    strips = cdiv(k, cfg.block_n)
-    return (triton_dbias._groups(m, strips, cfg), strips, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.prefetch,
-            cfg.hw_saturate)
+    return cdiv(k, cfg.block_n), cfg.block_m, cfg.block_n, cfg.num_warps, cfg.prefetch, cfg.hw_saturate, cfg.max_programs
+
+
+def _dbias_ct_launch(index: int, m, k: int) -> tuple:
+    """(row groups, column strips, block_m, block_n, num_warps, prefetch, hw_saturate) of those
+    over an (m, k) gradient, m a plain or a symbolic count (te_triton.dbias._groups' arithmetic).
+    Whether the gradient is small enough for one group is a comparison dynamo guards on: so few
+    rows make a graph of their own, whose kernel writes the bias gradient itself."""
+    strips, bm, bn, warps, prefetch, hw_saturate, max_programs = _dbias_ct_tiles(index, k)
+    if m * strips * bn <= triton_dbias.ONE_GROUP_NUMEL:
+        groups = 1
+    elif max_programs <= 0:
+        groups = cdiv(m, bm)
+    else:
+        cap = max_programs // strips
+        groups = _programs(cdiv(m, bm), cap) if cap > 0 else 1
+    return groups, strips, bm, bn, warps, prefetch, hw_saturate
 
 
 @run_while_tracing
@@ -389,9 +408,10 @@ def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out):
     return data, data_t, dbias, _into_slot(amax, amax_out, write)
 
 
-def _rows_symbolic(x) -> bool:
-    """Whether a fused forward of x may launch with its row count symbolic: SYMBOLIC_FUSED, and
-    the row length (x's last size) a plain int."""
+def rows_symbolic(x) -> bool:
+    """Whether a launch over the rows of x whose configuration depends on the row length (a fused
+    forward, a bias-gradient cast) may take a symbolic row count: SYMBOLIC_FUSED, and the row
+    length (x's last size) a plain int."""
     return SYMBOLIC_FUSED and static_int(x.shape[-1])
 
 
@@ -399,12 +419,12 @@ def norm_takes(x, weight, bias) -> bool:
     """Whether a norm forward with FP8 output into a history slot launches te_triton's norm kernel
     (`bias` None: RMSNorm): as takes() at any size below the descriptor kernels' (whose launch
     the compiled code does not repeat), rows that fit the kernel, weight and bias contiguous and
-    one per column on x's device; a symbolic row count as _rows_symbolic allows."""
+    one per column on x's device; a symbolic row count as rows_symbolic allows."""
     if not (DELAYED and x.dim() >= 1):
         return False
     n = x.shape[-1]
     params = (weight,) if bias is None else (weight, bias)
-    return (_rows_symbolic(x) or static_sizes(x)) and (
+    return (rows_symbolic(x) or static_sizes(x)) and (
         0 < n <= triton_norm.MAX_N and x.numel() < configs.TMA_MIN_NUMEL
         and all([p.is_contiguous() and p.numel() == n and p.device == x.device for p in params])
         and takes(x, min_numel=1, symbolic=True))
@@ -459,7 +479,7 @@ def activation_takes(x, kind: str, params: dict) -> bool:
     if not (DELAYED and not params and kind in triton_activation.KIND_IDS and x.dim() >= 1):
         return False
     return ((kind not in triton_activation.GATED or x.shape[-1] % 2 == 0)
-            and (_rows_symbolic(x) or static_sizes(x)) and takes(x, min_numel=1, symbolic=True))
+            and (rows_symbolic(x) or static_sizes(x)) and takes(x, min_numel=1, symbolic=True))
 
 
 @run_while_tracing
@@ -498,15 +518,23 @@ def epilogue_takes(x) -> bool:
     """Whether a backward epilogue into a history slot (a fused dbias cast-transpose of a
     gradient, after an activation's backward or of column blocks joined) launches te_triton's
     kernels: as takes() for the 2-D tensor it reads, below the descriptor kernels' size."""
-    return DELAYED and x.dim() == 2 and x.numel() < configs.TMA_MIN_NUMEL and takes(x, min_numel=1)
+    return (DELAYED and x.dim() == 2 and x.numel() < configs.TMA_MIN_NUMEL
+            and takes(x, min_numel=1, symbolic=rows_symbolic(x)))
 
 
 @run_while_tracing
-def _act_bwd_launch(index: int, r: int, h: int) -> tuple:
-    """(programs, block_m, block_n, num_warps) of GPU `index`'s activation backwards over an (r, h)
-    output, as te-backend-cuda launches them (its elementwise config)."""
+def _act_bwd_tiles(index: int) -> tuple:
+    """(max_programs, block_m, block_n, num_warps) of GPU `index`'s activation backwards, as
+    te-backend-cuda launches them (its elementwise config)."""
     cfg = configs.for_device(index).elementwise
-    return triton_activation._grid(r, h, cfg)[0], cfg.block_m, cfg.block_n, cfg.num_warps
+    return cfg.max_programs, cfg.block_m, cfg.block_n, cfg.num_warps
+
+
+def _act_bwd_launch(index: int, r, h: int) -> tuple:
+    """(programs, block_m, block_n, num_warps) of those over an (r, h) output, r a plain or a
+    symbolic count (te_triton.activation._grid's arithmetic)."""
+    max_programs, bm, bn, warps = _act_bwd_tiles(index)
+    return _programs(cdiv(r, bm) * cdiv(h, bn), max_programs), bm, bn, warps
 
 
 def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, *, amax_out):
@@ -531,7 +559,8 @@ def parts_takes(parts) -> bool:
     """Whether column blocks of one gradient (2-D, equal rows, one dtype and CUDA device) are
     joined and cast by te_triton's kernel, as takes() for the joined gradient."""
     first = parts[0]
-    if not (DELAYED and _WRAP_TRITON is not None and first.device.type == DEVICE_TYPE and static_sizes(*parts)):
+    if not (DELAYED and _WRAP_TRITON is not None and first.device.type == DEVICE_TYPE
+            and (static_sizes(*parts) or (SYMBOLIC and all([rows_symbolic(p) for p in parts])))):
         return False
     if not all([p.dim() == 2 and p.shape[0] == first.shape[0] and p.dtype == first.dtype and p.device == first.device
                 for p in parts]):

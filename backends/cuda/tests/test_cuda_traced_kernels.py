@@ -301,6 +301,66 @@ def test_fused_forwards_over_changing_token_counts_launch_te_triton_kernels(monk
     torch._dynamo.reset()
 
 
+@GPU
+@pytest.mark.parametrize("cast", ["dbias", "gelu", "swiglu", "parts"])
+def test_bias_gradient_casts_over_changing_token_counts_launch_te_triton_kernels(monkeypatch, cast):
+    """With traced_kernels.SYMBOLIC and SYMBOLIC_FUSED on, delayed scaling's bias-gradient casts into
+    a history slot (alone, after an activation's backward, of joined column blocks), the token
+    count marked dynamic: one graph for every count, te_triton's kernel launched by it, and at
+    each count the eager op's FP8 bytes of both layouts and history bit for bit, NaN included;
+    the bias gradient within bf16's tolerance (its row groups' sums added in the compiler's order)."""
+    from te_backend_cuda import ops, traced_fused
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC", True)
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC_FUSED", True)
+    scale = torch.full((1,), 0.7, device="cuda")
+    g = torch.Generator().manual_seed(4)
+
+    def rand(rows, width):
+        return (torch.randn((rows, width), generator=g) * 3 + 1).to(torch.bfloat16).cuda()
+
+    if cast == "dbias":
+        twin, eager = traced.dbias_cast_transpose, ops.dbias_cast_transpose
+    elif cast == "parts":
+        twin, eager = traced_fused.TRACED_FUSED["dbias_cast_transpose_parts"], ops.dbias_cast_transpose_parts
+    else:
+        fused = traced_fused.TRACED_FUSED["activation_bwd_dbias_cast_transpose"]
+
+        def twin(dy, x, scale, fp8_dtype, amax_out):
+            return fused(dy, x, cast, scale, fp8_dtype, amax_out=amax_out)
+
+        def eager(dy, x, scale, fp8_dtype, amax_out):
+            return ops.activation_bwd_dbias_cast_transpose(dy, x, cast, scale, fp8_dtype, amax_out=amax_out)
+    torch._dynamo.reset()
+    counters.clear()
+    if cast == "parts":
+        run = torch.compile(lambda h, *p: twin(list(p), scale, E4M3, amax_out=h[0][1:2]), fullgraph=True)
+    else:
+        run = torch.compile(lambda h, *a: twin(*a, scale, E4M3, amax_out=h[0][1:2]), fullgraph=True)
+    for rows in (1040, 2600, 4200):
+        if cast == "parts":
+            inputs = [rand(rows, w) for w in (256, 512, 256)]
+        else:
+            inputs = [rand(rows, 1024)] + ([] if cast == "dbias" else [rand(rows, 2048 if cast == "swiglu" else 1024)])
+        inputs[0][1, 3] = float("nan") if rows == 2600 else inputs[0][1, 3]
+        for t in inputs:
+            torch._dynamo.mark_dynamic(t, 0)
+        history = torch.rand(4, 3, device="cuda") + 1
+        want_history = history.clone()
+        if cast == "parts":
+            want = eager(inputs, scale, E4M3, amax_out=want_history[0][1:2])
+        else:
+            want = eager(*inputs, scale, E4M3, amax_out=want_history[0][1:2])
+        got = run(history, *inputs)
+        _assert_same([history, got[0], got[1]], [want_history, want[0], want[1]])
+        torch.testing.assert_close(got[2], want[2], rtol=1.6e-2, atol=1e-5, equal_nan=True)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 1, f"{graphs} graphs for 3 token counts"
+    assert "_dbias_ct_kernel" in _kernels(lambda h: run(h, *inputs), history)
+    torch._dynamo.reset()
+
+
 @contextlib.contextmanager
 def _compiled_linear(make, build=None):
     """(model, an identical twin, step(module, x), that step compiled with fullgraph=True) on the
@@ -1112,9 +1172,10 @@ def test_compiled_linear_with_changing_token_counts(monkeypatch, make, delayed, 
 @pytest.mark.parametrize("symbolic", [False, True], ids=["opaque", "symbolic-fused"])
 def test_compiled_layernorm_mlp_with_changing_token_counts(monkeypatch, delayed, symbolic):
     """LayerNormMLP under delayed scaling, compiled, over changing token counts (its norm and
-    activation forwards cast FP8 into histories): with traced_kernels.SYMBOLIC_FUSED on, the
-    symbolic trace launches te_triton's norm and activation kernels; either way every step's
-    output and input gradient within 1e-2 (relative, L2) of an identical eager module's."""
+    activation forwards and its bias gradients cast FP8 into histories): with
+    traced_kernels.SYMBOLIC_FUSED on, the symbolic trace launches te_triton's kernels for them
+    (off, the opaque ops do); either way every step's output and input gradient within 1e-2
+    (relative, L2) of an identical eager module's."""
     monkeypatch.setattr(traced_kernels, "SYMBOLIC_FUSED", symbolic)
 
     def build():
@@ -1126,7 +1187,8 @@ def test_compiled_layernorm_mlp_with_changing_token_counts(monkeypatch, delayed,
         events = _kernels(lambda t: compiled(twin, t), xi, with_ops=True)
         assert {"_norm_fwd_kernel", "_act_fwd_kernel"} <= events, sorted(events)  # the same kernels either way,
         ops = sorted(e for e in events if e.startswith("te_core::"))  # launched by the compiled code or the op
-        for op in ("te_core::layernorm_fwd", "te_core::activation_fwd"):  # (a slot-writing op's name ends in _into)
+        for op in ("te_core::layernorm_fwd", "te_core::activation_fwd",  # (a slot-writing op's name ends in _into)
+                   "te_core::activation_bwd_dbias_cast_transpose", "te_core::dbias_cast_transpose"):
             assert any(e.startswith(op) for e in ops) != symbolic, (op, ops)
         # the column-wise copies of their FP8 outputs: te_triton's transposes, not the compiler's
         assert "_transpose_kernel" in events, sorted(events)

@@ -417,3 +417,109 @@ def test_small_fp8_transposes_and_symbolic_ones_with_symbolic_off_stay_the_compi
     out = torch.compile(traced.transpose_fp8, backend="aot_eager", fullgraph=True, dynamic=True)(large)
     assert stand_in_gpu == []
     assert torch.equal(out.view(torch.uint8), large.t().contiguous().view(torch.uint8))
+
+
+# --- delayed scaling's bias-gradient casts into a history slot (traced_kernels.SYMBOLIC_FUSED)
+EPILOGUES = ["dbias", "gelu-bwd", "swiglu-bwd", "parts"]
+GRAD_ROWS = [1040, 2600, 4200]  # token counts of one graph (hidden fixed); no two alike; row groups capped or not
+
+
+def _epilogue_inputs(cast, rows):
+    """The gradient (or its column blocks) and, for an activation's backward, its input; their row
+    count marked dynamic."""
+    g = torch.Generator().manual_seed(rows)
+    dy = torch.randn((rows, HIDDEN), generator=g).to(torch.bfloat16)
+    if cast == "parts":
+        inputs = [torch.randn((rows, w), generator=g).to(torch.bfloat16) for w in (256, 512, 256)]
+    elif cast.endswith("-bwd"):
+        width = 2 * HIDDEN if cast.startswith("swiglu") else HIDDEN
+        inputs = [dy, torch.randn((rows, width), generator=g).to(torch.bfloat16)]
+    else:
+        inputs = [dy]
+    for t in inputs:
+        torch._dynamo.mark_dynamic(t, 0)
+    return inputs
+
+
+def _epilogue_twin(cast):
+    from te_backend_cuda import traced_fused
+
+    twins = traced_fused.twins("cpu")
+    scale = torch.full((1,), SCALE)
+    if cast == "parts":
+        return lambda slot, *parts: twins["dbias_cast_transpose_parts"](list(parts), scale, E4M3, amax_out=slot)
+    if cast.endswith("-bwd"):
+        kind = cast[:-len("-bwd")]
+        return lambda slot, dy, x: twins["activation_bwd_dbias_cast_transpose"](dy, x, kind, scale, E4M3,
+                                                                               amax_out=slot)
+    return lambda slot, dy: traced.dbias_cast_transpose(dy, scale, E4M3, amax_out=slot)
+
+
+def _epilogue_eager(cast, inputs, slot, tuning):
+    """te_triton's eager op as the cuda op calls it below the descriptor kernels' size; column
+    blocks joined first, as the twin joins them (the eager op may read them in place)."""
+    from te_triton import dbias
+
+    scale = torch.full((1,), SCALE)
+    if cast.endswith("-bwd"):
+        return dbias.activation_bwd_dbias_cast_transpose(*inputs, cast[:-len("-bwd")], scale, E4M3,
+                                                         tuning.dbias_cast_transpose, tuning.elementwise,
+                                                         amax_out=slot)
+    dy = torch.cat(inputs, dim=1) if cast == "parts" else inputs[0]
+    return dbias.dbias_cast_transpose(dy, scale, E4M3, tuning.dbias_cast_transpose, amax_out=slot)
+
+
+def _run_epilogue(cast, rows, stand_in_gpu, monkeypatch, tuning):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    compiled = torch.compile(_epilogue_twin(cast), backend="aot_eager", fullgraph=True)
+    out = []
+    for r in rows:
+        inputs = _epilogue_inputs(cast, r)
+        stand_in_gpu.clear()
+        compiled(torch.full((4,), 2.0)[1:2], *inputs)  # a history's row as the slot
+        got = _recorded(stand_in_gpu)
+        want = _eager_launches(lambda: _epilogue_eager(cast, inputs, torch.full((1,), 2.0), tuning), monkeypatch)
+        out.append((got, want))
+    return out, counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("cast", EPILOGUES)
+def test_bias_gradient_casts_over_a_changing_token_count_launch_what_the_eager_op_launches(stand_in_gpu, monkeypatch,
+                                                                                          sm90, cast):
+    """A gradient whose row count is symbolic: one graph, and at each count the launches (grids,
+    row groups, sizes, tiles, flags, warps, argument layouts) of te_triton's eager op, with the
+    H100's table."""
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC", True)
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC_FUSED", True)
+    runs, graphs = _run_epilogue(cast, GRAD_ROWS, stand_in_gpu, monkeypatch, sm90)
+    assert graphs == 1, f"{graphs} graphs for {len(GRAD_ROWS)} token counts"
+    for rows, (got, want) in zip(GRAD_ROWS, runs):
+        assert [(name, grid) for name, grid, _ in got] == [(name, grid) for name, grid, _ in want], rows
+        assert "_dbias_ct_kernel" in [name for name, _, _ in got], got
+        for (name, _, values), (_, _, eager_values) in zip(got, want):
+            assert values.keys() == eager_values.keys(), (rows, name)
+            differ = _differing(values, eager_values, set())
+            assert not differ, (rows, name, differ)
+
+
+def test_a_bias_gradient_of_few_rows_is_a_graph_of_its_own(stand_in_gpu, monkeypatch, sm90):
+    """Few enough rows that one group writes the bias gradient (no sum after the kernel): a second
+    graph, whose launch is the eager op's at that count, and the first graph's again for many."""
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC", True)
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC_FUSED", True)
+    runs, graphs = _run_epilogue("dbias", [1040, 200, 1536], stand_in_gpu, monkeypatch, sm90)
+    assert graphs == 2
+    for got, want in runs:
+        assert [(name, grid) for name, grid, _ in got] == [(name, grid) for name, grid, _ in want]
+        assert not _differing(got[0][2], want[0][2], set())
+    assert runs[1][0][0][1][0] == 1024 // sm90.dbias_cast_transpose.block_n  # one group: a program per strip
+
+
+@pytest.mark.parametrize("cast", EPILOGUES)
+def test_bias_gradient_casts_stay_the_opaque_ops_while_symbolic_fused_is_off(stand_in_gpu, monkeypatch, sm90, cast):
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC", True)
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC_FUSED", False)
+    runs, _ = _run_epilogue(cast, GRAD_ROWS[:2], stand_in_gpu, monkeypatch, sm90)
+    assert all(got == [] for got, _ in runs)
