@@ -163,7 +163,8 @@ def _dbias_ct_tiles(index: int, k: int) -> tuple:
     cast-transposes of a gradient of k columns: the pointer kernel's config, as the eager op
     picks for tensors below TMA_MIN_NUMEL (the twins take none larger)."""
     cfg = configs.for_device(index).dbias_cast_transpose
-    return cdiv(k, cfg.block_n), cfg.block_m, cfg.block_n, cfg.num_warps, cfg.prefetch, cfg.hw_saturate, cfg.max_programs
+    return (cdiv(k, cfg.block_n), cfg.block_m, cfg.block_n, cfg.num_warps, cfg.prefetch, cfg.hw_saturate,
+            cfg.max_programs)
 
 
 def _dbias_ct_launch(index: int, m, k: int) -> tuple:
