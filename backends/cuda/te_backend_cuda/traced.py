@@ -257,7 +257,8 @@ def dbias_cast_transpose_current(parts, fp8_dtype, *, force_pow2_scales=False, a
     if any(p.dtype != first.dtype or p.shape[0] != first.shape[0] or p.device != first.device for p in parts):
         return NotImplemented  # (the opaque op names the mismatch)
     dy = torch.cat(list(parts), dim=1) if len(parts) > 1 else first
-    if _takes(dy, fp8_dtype) and traced_kernels.takes(dy):  # te_triton's fused kernel, as the eager op
+    # te_triton's fused kernel, as the eager op; its launch branches on the row length (rows_symbolic)
+    if _takes(dy, fp8_dtype) and traced_kernels.takes(dy, symbolic=traced_kernels.rows_symbolic(dy)):
         return traced_kernels.dbias_cast_transpose_current(dy, fp8_dtype, force_pow2_scales=force_pow2_scales,
                                                            amax_epsilon=amax_epsilon)
     result = quantize_fp8_current(dy, fp8_dtype, with_transpose=True, force_pow2_scales=force_pow2_scales,

@@ -302,13 +302,14 @@ def test_fused_forwards_over_changing_token_counts_launch_te_triton_kernels(monk
 
 
 @GPU
-@pytest.mark.parametrize("cast", ["dbias", "gelu", "swiglu", "parts"])
+@pytest.mark.parametrize("cast", ["dbias", "gelu", "swiglu", "parts", "current"])
 def test_bias_gradient_casts_over_changing_token_counts_launch_te_triton_kernels(monkeypatch, cast):
     """With traced_kernels.SYMBOLIC and SYMBOLIC_FUSED on, delayed scaling's bias-gradient casts into
-    a history slot (alone, after an activation's backward, of joined column blocks), the token
-    count marked dynamic: one graph for every count, te_triton's kernel launched by it, and at
-    each count the eager op's FP8 bytes of both layouts and history bit for bit, NaN included;
-    the bias gradient within bf16's tolerance (its row groups' sums added in the compiler's order)."""
+    a history slot (alone, after an activation's backward, of joined column blocks) and current
+    scaling's, the token count marked dynamic: one graph for every count, te_triton's kernel
+    launched by it, and at each count the eager op's FP8 bytes of both layouts, history (or
+    scales and amax) bit for bit, NaN included; the bias gradient within bf16's tolerance (its
+    row groups' sums added in the compiler's order)."""
     from te_backend_cuda import ops, traced_fused
     from torch._dynamo.utils import counters
 
@@ -322,6 +323,12 @@ def test_bias_gradient_casts_over_changing_token_counts_launch_te_triton_kernels
 
     if cast == "dbias":
         twin, eager = traced.dbias_cast_transpose, ops.dbias_cast_transpose
+    elif cast == "current":
+        def twin(dy, scale, fp8_dtype, amax_out):
+            return traced.dbias_cast_transpose_current([dy], fp8_dtype)
+
+        def eager(dy, scale, fp8_dtype, amax_out):
+            return ops.dbias_cast_transpose_current([dy], fp8_dtype)
     elif cast == "parts":
         twin, eager = traced_fused.TRACED_FUSED["dbias_cast_transpose_parts"], ops.dbias_cast_transpose_parts
     else:
@@ -342,7 +349,8 @@ def test_bias_gradient_casts_over_changing_token_counts_launch_te_triton_kernels
         if cast == "parts":
             inputs = [rand(rows, w) for w in (256, 512, 256)]
         else:
-            inputs = [rand(rows, 1024)] + ([] if cast == "dbias" else [rand(rows, 2048 if cast == "swiglu" else 1024)])
+            inputs = [rand(rows, 1024)] + ([] if cast in ("dbias", "current")
+                                           else [rand(rows, 2048 if cast == "swiglu" else 1024)])
         inputs[0][1, 3] = float("nan") if rows == 2600 else inputs[0][1, 3]
         for t in inputs:
             torch._dynamo.mark_dynamic(t, 0)
@@ -353,7 +361,7 @@ def test_bias_gradient_casts_over_changing_token_counts_launch_te_triton_kernels
         else:
             want = eager(*inputs, scale, E4M3, amax_out=want_history[0][1:2])
         got = run(history, *inputs)
-        _assert_same([history, got[0], got[1]], [want_history, want[0], want[1]])
+        _assert_same([history, got[0], got[1], *got[3:]], [want_history, want[0], want[1], *want[3:]])
         torch.testing.assert_close(got[2], want[2], rtol=1.6e-2, atol=1e-5, equal_nan=True)
     graphs = counters["stats"]["unique_graphs"]
     assert graphs == 1, f"{graphs} graphs for 3 token counts"
