@@ -424,9 +424,9 @@ EPILOGUES = ["dbias", "gelu-bwd", "swiglu-bwd", "parts", "current-dbias"]
 GRAD_ROWS = [1040, 2600, 4200]  # token counts of one graph (hidden fixed); no two alike; row groups capped or not
 
 
-def _epilogue_inputs(cast, rows):
+def _epilogue_inputs(cast, rows, dynamic=True):
     """The gradient (or its column blocks) and, for an activation's backward, its input; their row
-    count marked dynamic."""
+    count marked dynamic unless `dynamic` is off."""
     g = torch.Generator().manual_seed(rows)
     dy = torch.randn((rows, HIDDEN), generator=g).to(torch.bfloat16)
     if cast == "parts":
@@ -436,7 +436,7 @@ def _epilogue_inputs(cast, rows):
         inputs = [dy, torch.randn((rows, width), generator=g).to(torch.bfloat16)]
     else:
         inputs = [dy]
-    for t in inputs:
+    for t in inputs if dynamic else []:
         torch._dynamo.mark_dynamic(t, 0)
     return inputs
 
@@ -473,14 +473,14 @@ def _epilogue_eager(cast, inputs, slot, tuning):
     return dbias.dbias_cast_transpose(dy, scale, E4M3, tuning.dbias_cast_transpose, amax_out=slot)
 
 
-def _run_epilogue(cast, rows, stand_in_gpu, monkeypatch, tuning):
+def _run_epilogue(cast, rows, stand_in_gpu, monkeypatch, tuning, dynamic=True):
     from torch._dynamo.utils import counters
 
     counters.clear()
-    compiled = torch.compile(_epilogue_twin(cast), backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(_epilogue_twin(cast), backend="aot_eager", fullgraph=True, dynamic=None if dynamic else False)
     out = []
     for r in rows:
-        inputs = _epilogue_inputs(cast, r)
+        inputs = _epilogue_inputs(cast, r, dynamic)
         stand_in_gpu.clear()
         compiled(torch.full((4,), 2.0)[1:2], *inputs)  # a history's row as the slot
         got = _recorded(stand_in_gpu)
@@ -489,16 +489,17 @@ def _run_epilogue(cast, rows, stand_in_gpu, monkeypatch, tuning):
     return out, counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.parametrize("dynamic", [True, False], ids=["symbolic", "plain"])
 @pytest.mark.parametrize("cast", EPILOGUES)
 def test_bias_gradient_casts_over_a_changing_token_count_launch_what_the_eager_op_launches(stand_in_gpu, monkeypatch,
-                                                                                          sm90, cast):
-    """A gradient whose row count is symbolic: one graph, and at each count the launches (grids,
-    row groups, sizes, tiles, flags, warps, argument layouts) of te_triton's eager op, with the
-    H100's table."""
+                                                                                          sm90, cast, dynamic):
+    """A gradient whose row count is symbolic (one graph) or plain (a graph per count): at each
+    count the launches (grids, row groups, sizes, tiles, flags, warps, argument layouts) of
+    te_triton's eager op, with the H100's table."""
     monkeypatch.setattr(traced_kernels, "SYMBOLIC", True)
     monkeypatch.setattr(traced_kernels, "SYMBOLIC_FUSED", True)
-    runs, graphs = _run_epilogue(cast, GRAD_ROWS, stand_in_gpu, monkeypatch, sm90)
-    assert graphs == 1, f"{graphs} graphs for {len(GRAD_ROWS)} token counts"
+    runs, graphs = _run_epilogue(cast, GRAD_ROWS, stand_in_gpu, monkeypatch, sm90, dynamic)
+    assert graphs == (1 if dynamic else len(GRAD_ROWS)), f"{graphs} graphs for {len(GRAD_ROWS)} token counts"
     # current scaling's amax pass writes no scales: each side passes tensors of its own there
     unused = [{"scale_ptr", "scale_inv_ptr"}, set()] if cast == "current-dbias" else [set(), set()]
     for rows, (got, want) in zip(GRAD_ROWS, runs):
