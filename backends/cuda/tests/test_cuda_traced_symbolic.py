@@ -477,7 +477,8 @@ def _run_epilogue(cast, rows, stand_in_gpu, monkeypatch, tuning, dynamic=True):
     from torch._dynamo.utils import counters
 
     counters.clear()
-    compiled = torch.compile(_epilogue_twin(cast), backend="aot_eager", fullgraph=True, dynamic=None if dynamic else False)
+    compiled = torch.compile(_epilogue_twin(cast), backend="aot_eager", fullgraph=True,
+                             dynamic=None if dynamic else False)  # (None: the rows marked dynamic, the rest plain)
     out = []
     for r in rows:
         inputs = _epilogue_inputs(cast, r, dynamic)
