@@ -81,12 +81,12 @@ SYMBOLIC_BLOCK = True
 # writes it is a graph of its own (a guard). Each launch is checked against the eager op's on
 # any machine (backends/cuda/tests/test_cuda_traced_symbolic.py), the forwards' bytes on a GPU
 # (test_fused_forwards_over_changing_token_counts_launch_te_triton_kernels).
-# Off by default: with it, a compiled LayerNormMLP step at symbolic sizes took more GPU time
-# than with the opaque ops, as the compiler's transposes of the forwards' FP8 outputs were
-# one-dimensional copies (traced.transpose_fp8 now launches te_triton's); it stays off until
-# the step is measured again (docs/performance.md, "Known limits"). Off, such calls stay the
-# opaque ops (the same kernels, launched by the op).
-SYMBOLIC_FUSED = False
+# With the compiler's transposes of the forwards' FP8 outputs, one-dimensional copies, a compiled
+# LayerNormMLP step at symbolic sizes took more GPU time than with the opaque ops; with
+# te_triton's transposes (traced.transpose_fp8) it takes about as much and saves the host the
+# opaque ops' dispatch (docs/performance.md, "Known limits"). Off, such calls stay the opaque
+# ops (the same kernels, launched by the op).
+SYMBOLIC_FUSED = True
 
 
 def takes(x, min_numel: int = KERNEL_MIN_NUMEL, symbolic: bool = False) -> bool:
