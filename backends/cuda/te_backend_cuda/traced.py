@@ -37,6 +37,7 @@ import torch
 from te_core._tracing import run_while_tracing
 from te_core.backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, FP8_FORMATS, TENSORWISE
 from te_triton import gemm as triton_gemm
+from te_triton._common import MAX_NUMEL as KERNEL_MAX_NUMEL  # its kernels index with int32 offsets
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 # Casts of MAX_NUMEL elements or more stay the Triton kernels (where they switch to descriptors).
@@ -50,7 +51,6 @@ from . import capabilities, configs, scaled_mm, traced_kernels
 from .scaled_mm import fp8_gemm_layout_reason
 
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_TRANSPOSE_NUMEL = 2**31 - 1  # te_triton's transpose indexes with int32 offsets
 # A cast takes no float16 input: inductor keeps a fused float16 producer's result in float32,
 # and as_stored restores the stored values of bfloat16 only, so the FP8 bytes could differ
 # from eager's; float16 casts stay the opaque ops.
@@ -287,7 +287,7 @@ def transpose_fp8(data):
     compiler's: a small step's host pays less for a kernel the compiler launches itself."""
     if data.dtype not in FP8_FORMATS or data.dim() != 2 or not _here(data):
         return NotImplemented
-    if traced_kernels.takes(data, symbolic=True) and data.numel() <= MAX_TRANSPOSE_NUMEL:
+    if traced_kernels.takes(data, symbolic=True) and data.numel() <= KERNEL_MAX_NUMEL:
         return traced_kernels.transpose_fp8(data)
     return data.t().contiguous()
 

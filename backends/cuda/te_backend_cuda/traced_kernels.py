@@ -123,6 +123,11 @@ def _programs(work_items, max_programs: int):
     return torch.sym_max(1, work_items)
 
 
+def _tile_programs(m, n, bm: int, bn: int, max_programs: int):
+    """_programs over the (bm, bn) tiles of an (m, n) tensor, m and n plain or symbolic."""
+    return _programs(cdiv(m, bm) * cdiv(n, bn), max_programs)
+
+
 @run_while_tracing
 def _quantize_config(index: int) -> tuple:
     """(block, num_warps, hw_saturate, max_programs) of GPU `index`'s quantize launches."""
@@ -146,7 +151,7 @@ def _cast_transpose_config(index: int) -> tuple:
 def _cast_transpose_launch(index: int, m, k) -> tuple:
     """(programs, block_m, block_n, num_warps, hw_saturate) of its cast-transposes of an (m, k) x."""
     bm, bn, warps, hw_saturate, max_programs = _cast_transpose_config(index)
-    return _programs(cdiv(m, bm) * cdiv(k, bn), max_programs), bm, bn, warps, hw_saturate
+    return _tile_programs(m, k, bm, bn, max_programs), bm, bn, warps, hw_saturate
 
 
 @run_while_tracing
@@ -200,7 +205,7 @@ def transpose_fp8(data):
     m, n = data.shape
     bm, bn, warps = _transpose_config(data.device.index)
     out = torch.empty((n, m), dtype=data.dtype, device=data.device)
-    _WRAP_TRITON(triton_cast._transpose_kernel.kernel)[(_programs(cdiv(m, bm) * cdiv(n, bn), 0),)](
+    _WRAP_TRITON(triton_cast._transpose_kernel.kernel)[(_tile_programs(m, n, bm, bn, 0),)](
         data, out, m, n, BM=bm, BN=bn, num_warps=warps)
     return out
 
@@ -497,7 +502,7 @@ def _act_fwd_launch(index: int, r, h: int, kind: str) -> tuple:
     """(programs, block_m, block_n, clamp, num_warps) of those forwards over an (r, h) output, r a
     plain or a symbolic count (te_triton.activation._grid's arithmetic)."""
     max_programs, bm, bn, clamp, warps = _act_fwd_tiles(index, kind)
-    return _programs(cdiv(r, bm) * cdiv(h, bn), max_programs), bm, bn, clamp, warps
+    return _tile_programs(r, h, bm, bn, max_programs), bm, bn, clamp, warps
 
 
 def activation_fwd(x, kind, *, fp8_scale, fp8_dtype, amax_out):
@@ -535,7 +540,7 @@ def _act_bwd_launch(index: int, r, h: int) -> tuple:
     """(programs, block_m, block_n, num_warps) of those over an (r, h) output, r a plain or a
     symbolic count (te_triton.activation._grid's arithmetic)."""
     max_programs, bm, bn, warps = _act_bwd_tiles(index)
-    return _programs(cdiv(r, bm) * cdiv(h, bn), max_programs), bm, bn, warps
+    return _tile_programs(r, h, bm, bn, max_programs), bm, bn, warps
 
 
 def activation_bwd_dbias_cast_transpose(dy, x, kind, scale, fp8_dtype, *, amax_out):

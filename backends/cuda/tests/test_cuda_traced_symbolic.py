@@ -269,7 +269,8 @@ def _fused_input(cast, tokens, batch):
 
 
 def _fused_twin(cast):
-    """The twin of `cast` taking CPU tensors (the stand-in's), with delayed scaling's scale."""
+    """The twin of `cast` taking CPU tensors (the stand-in's), with delayed scaling's scale:
+    twin(slot, x)."""
     from te_backend_cuda import traced_fused
 
     twins = traced_fused.twins("cpu")
@@ -277,10 +278,10 @@ def _fused_twin(cast):
     w, b = _fused_params()
     kwargs = dict(fp8_dtype=E4M3)
     if cast == "layernorm":
-        return lambda x, slot: twins["layernorm_fwd"](x, w, b, 1e-5, fp8_scale=scale, amax_out=slot, **kwargs)
+        return lambda slot, x: twins["layernorm_fwd"](x, w, b, 1e-5, fp8_scale=scale, amax_out=slot, **kwargs)
     if cast == "rmsnorm":
-        return lambda x, slot: twins["rmsnorm_fwd"](x, w, 1e-5, fp8_scale=scale, amax_out=slot, **kwargs)
-    return lambda x, slot: twins["activation_fwd"](x, cast, fp8_scale=scale, amax_out=slot, **kwargs)
+        return lambda slot, x: twins["rmsnorm_fwd"](x, w, 1e-5, fp8_scale=scale, amax_out=slot, **kwargs)
+    return lambda slot, x: twins["activation_fwd"](x, cast, fp8_scale=scale, amax_out=slot, **kwargs)
 
 
 def _fused_eager(cast, x, slot, tuning):
@@ -301,23 +302,34 @@ def _fused_eager(cast, x, slot, tuning):
                                      amax_out=slot)
 
 
-def _run_fused(cast, batch, stand_in_gpu, monkeypatch, tuning):
-    """[(launches of the compiled twin, te_triton's eager launches)] at each of TOKENS, the token
-    count marked dynamic (one graph), and the number of graphs dynamo kept."""
+def _launches_per_count(twin, counts, inputs_at, eager, stand_in_gpu, monkeypatch, dynamic=True):
+    """[(the compiled twin's launches, te_triton's eager launches)] at each of `counts`, and the
+    number of graphs dynamo kept: twin(slot, *inputs_at(count)) compiled with the inputs' first
+    size marked dynamic (or, `dynamic` off, every size plain), eager(inputs, slot) recorded
+    through te_triton's launcher."""
     from torch._dynamo.utils import counters
 
     counters.clear()
-    compiled = torch.compile(_fused_twin(cast), backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(twin, backend="aot_eager", fullgraph=True,
+                             dynamic=None if dynamic else False)  # (None: the marked sizes dynamic, the rest plain)
     out = []
-    for tokens in TOKENS:
-        x = _fused_input(cast, tokens, batch)
-        torch._dynamo.mark_dynamic(x, 0)
+    for count in counts:
+        inputs = inputs_at(count)
+        for t in inputs if dynamic else []:
+            torch._dynamo.mark_dynamic(t, 0)
         stand_in_gpu.clear()
-        compiled(x, torch.full((4,), 2.0)[1:2])  # a history's row as the slot
+        compiled(torch.full((4,), 2.0)[1:2], *inputs)  # a history's row as the slot
         got = _recorded(stand_in_gpu)
-        want = _eager_launches(lambda: _fused_eager(cast, x, torch.full((1,), 2.0), tuning), monkeypatch)
+        want = _eager_launches(lambda: eager(inputs, torch.full((1,), 2.0)), monkeypatch)
         out.append((got, want))
     return out, counters["stats"]["unique_graphs"]
+
+
+def _run_fused(cast, batch, stand_in_gpu, monkeypatch, tuning):
+    """_launches_per_count of the fused forward at each of TOKENS, the token count dynamic."""
+    return _launches_per_count(_fused_twin(cast), TOKENS, lambda tokens: [_fused_input(cast, tokens, batch)],
+                               lambda inputs, slot: _fused_eager(cast, inputs[0], slot, tuning), stand_in_gpu,
+                               monkeypatch)
 
 
 @pytest.mark.parametrize("cast", FUSED)
@@ -371,7 +383,7 @@ def test_fused_forwards_keep_the_opaque_ops_while_symbolic_fused_is_off_or_the_h
     torch._dynamo.reset()
     compiled = torch.compile(_fused_twin(cast), backend="aot_eager", fullgraph=True, dynamic=True)
     stand_in_gpu.clear()
-    compiled(_fused_input(cast, TOKENS[0], 4), torch.full((4,), 2.0)[1:2])
+    compiled(torch.full((4,), 2.0)[1:2], _fused_input(cast, TOKENS[0], 4))
     assert stand_in_gpu == []
 
 
@@ -424,9 +436,8 @@ EPILOGUES = ["dbias", "gelu-bwd", "swiglu-bwd", "parts", "current-dbias"]
 GRAD_ROWS = [1040, 2600, 4200]  # token counts of one graph (hidden fixed); no two alike; row groups capped or not
 
 
-def _epilogue_inputs(cast, rows, dynamic=True):
-    """The gradient (or its column blocks) and, for an activation's backward, its input; their row
-    count marked dynamic unless `dynamic` is off."""
+def _epilogue_inputs(cast, rows):
+    """The gradient (or its column blocks) and, for an activation's backward, its input."""
     g = torch.Generator().manual_seed(rows)
     dy = torch.randn((rows, HIDDEN), generator=g).to(torch.bfloat16)
     if cast == "parts":
@@ -436,8 +447,6 @@ def _epilogue_inputs(cast, rows, dynamic=True):
         inputs = [dy, torch.randn((rows, width), generator=g).to(torch.bfloat16)]
     else:
         inputs = [dy]
-    for t in inputs if dynamic else []:
-        torch._dynamo.mark_dynamic(t, 0)
     return inputs
 
 
@@ -474,20 +483,10 @@ def _epilogue_eager(cast, inputs, slot, tuning):
 
 
 def _run_epilogue(cast, rows, stand_in_gpu, monkeypatch, tuning, dynamic=True):
-    from torch._dynamo.utils import counters
-
-    counters.clear()
-    compiled = torch.compile(_epilogue_twin(cast), backend="aot_eager", fullgraph=True,
-                             dynamic=None if dynamic else False)  # (None: the rows marked dynamic, the rest plain)
-    out = []
-    for r in rows:
-        inputs = _epilogue_inputs(cast, r, dynamic)
-        stand_in_gpu.clear()
-        compiled(torch.full((4,), 2.0)[1:2], *inputs)  # a history's row as the slot
-        got = _recorded(stand_in_gpu)
-        want = _eager_launches(lambda: _epilogue_eager(cast, inputs, torch.full((1,), 2.0), tuning), monkeypatch)
-        out.append((got, want))
-    return out, counters["stats"]["unique_graphs"]
+    """_launches_per_count of the bias-gradient cast at each row count."""
+    return _launches_per_count(_epilogue_twin(cast), rows, lambda r: _epilogue_inputs(cast, r),
+                               lambda inputs, slot: _epilogue_eager(cast, inputs, slot, tuning), stand_in_gpu,
+                               monkeypatch, dynamic)
 
 
 @pytest.mark.parametrize("dynamic", [True, False], ids=["symbolic", "plain"])
