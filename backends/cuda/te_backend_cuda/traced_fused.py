@@ -241,10 +241,55 @@ def _dbias_ct_parts_kernel(dev, parts, scale, fp8_dtype, *, amax_out=None):
     return traced_kernels.dbias_cast_transpose_parts(parts, scale, fp8_dtype, amax_out=amax_out)
 
 
+def _norm_bwd_kernel(dev, dy, x, mean, rstd, weight, add, zero_centered_gamma):
+    """(dx, dweight, dbias or None) through te_triton's norm backward kernel (RMSNorm where mean
+    is None), or NotImplemented where traced_kernels.norm_bwd_takes declines the call. At any
+    size: from traced_fused.MAX_NUMEL elements up to the descriptor kernels' the opaque op would
+    launch the same kernel."""
+    stats = (rstd,) if mean is None else (mean, rstd)
+    others = (*stats, weight) if add is None else (*stats, weight, add)
+    if not (_hp(dy, dev, sized=False) and _hp(x, dy.device, sized=False)
+            and all([isinstance(t, torch.Tensor) and t.device == dy.device for t in others])
+            and traced_kernels.norm_bwd_takes(dy, x, stats, weight, add)):
+        return NotImplemented
+    return traced_kernels.norm_bwd(dy, x, mean, rstd, weight, add, zero_centered_gamma=zero_centered_gamma)
+
+
+def _layernorm_bwd_kernel(dev, dy, x, mean, rstd, weight, *, zero_centered_gamma=False):
+    if mean is None:  # (the math names what is missing)
+        return NotImplemented
+    return _norm_bwd_kernel(dev, dy, x, mean, rstd, weight, None, zero_centered_gamma)
+
+
+def _layernorm_bwd_add_kernel(dev, dy, x, mean, rstd, weight, add, *, zero_centered_gamma=False):
+    if mean is None or not isinstance(add, torch.Tensor):
+        return NotImplemented
+    return _norm_bwd_kernel(dev, dy, x, mean, rstd, weight, add, zero_centered_gamma)
+
+
+def _rmsnorm_bwd_kernel(dev, dy, x, rstd, weight, *, zero_centered_gamma=False):
+    return _dx_dweight(_norm_bwd_kernel(dev, dy, x, None, rstd, weight, None, zero_centered_gamma))
+
+
+def _rmsnorm_bwd_add_kernel(dev, dy, x, rstd, weight, add, *, zero_centered_gamma=False):
+    if not isinstance(add, torch.Tensor):
+        return NotImplemented
+    return _dx_dweight(_norm_bwd_kernel(dev, dy, x, None, rstd, weight, add, zero_centered_gamma))
+
+
+def _dx_dweight(result):
+    """RMSNorm's (dx, dweight) of _norm_bwd_kernel's result, or NotImplemented."""
+    return result if result is NotImplemented else result[:2]
+
+
+# Tried before the traced math, each declining (NotImplemented) what its kernel does not take: the
+# forwards and epilogues take only calls that max into a history slot, the norm backwards any call.
 _KERNELS = {"layernorm_fwd": _layernorm_fwd_kernel, "rmsnorm_fwd": _rmsnorm_fwd_kernel,
             "activation_fwd": _activation_fwd_kernel,
             "activation_bwd_dbias_cast_transpose": _act_bwd_dbias_ct_kernel,
-            "dbias_cast_transpose_parts": _dbias_ct_parts_kernel}
+            "dbias_cast_transpose_parts": _dbias_ct_parts_kernel,
+            "layernorm_bwd": _layernorm_bwd_kernel, "layernorm_bwd_add": _layernorm_bwd_add_kernel,
+            "rmsnorm_bwd": _rmsnorm_bwd_kernel, "rmsnorm_bwd_add": _rmsnorm_bwd_add_kernel}
 
 
 def _act_bwd_dbias_ct_math(dy, x, kind, scale, fp8_dtype, *, amax_out=None, **params):
@@ -260,12 +305,12 @@ def _math(name: str) -> Callable:
 
 def _twin(name: str, takes: Callable, math: Callable, device_type: str) -> Callable:
     """math as a twin: NotImplemented where `takes` declines; the bfloat16 tensors it reads (the
-    positional arguments) and returns as stored (as_stored). A call writing a history slot goes
-    to the op's kernel launch first, where _KERNELS has one (looked up while tracing, so that a
+    positional arguments) and returns as stored (as_stored). A call goes to the op's kernel
+    launch first, where _KERNELS has one that takes it (looked up while tracing, so that a
     comparison can take an entry out)."""
     def twin(*args, **kwargs):
         kernel = _KERNELS.get(name)
-        if kernel is not None and kwargs.get("amax_out") is not None:
+        if kernel is not None:
             result = kernel(device_type, *args, **kwargs)
             if result is not NotImplemented:
                 return result

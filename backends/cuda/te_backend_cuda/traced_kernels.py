@@ -478,6 +478,65 @@ def norm_fwd(x, weight, bias, eps, *, zero_centered_gamma, fp8_scale, fp8_dtype,
     return y, mean, rstd, _into_slot(amax, amax_out, write)
 
 
+# --- norm backward: te_triton's pointer kernel wherever the traced twin would run ---------------
+# Written in torch ops, a norm backward becomes the compiler's row reductions and column sums of
+# the weight's (and bias's) gradient, which took 1.3 to 3 times the GPU time of te_triton's kernel
+# with its column sums on an H100 (rows of 1024 to 2048 bfloat16), in every recipe's step. Launched
+# from the compiled code, the eager op's kernel runs at every size below the descriptor kernels'
+# (where the op runs the same pointer kernel): dx is the eager op's, bit for bit; the column sums
+# of the programs' partial rows are the compiler's. Off: the traced math below
+# traced_fused.MAX_NUMEL elements, the opaque op from there on.
+NORM_BWD = True
+
+
+def norm_bwd_takes(dy, x, stats, weight, add) -> bool:
+    """Whether a LayerNorm or RMSNorm backward launches te_triton's norm backward kernel: wrap_triton
+    there, x a contiguous tensor on a CUDA device below the descriptor kernels' size, of at least
+    one row no longer than the kernel takes; dy (and `add`) of x's shape and dtype, contiguous;
+    the statistics (mean and rstd, or rstd) contiguous float32, one per row; weight contiguous,
+    one per column; every size plain, or a symbolic row count as rows_symbolic allows."""
+    if not (NORM_BWD and _WRAP_TRITON is not None and x.dim() >= 1 and x.device.type == DEVICE_TYPE):
+        return False
+    if not (static_sizes(x) or (SYMBOLIC and rows_symbolic(x))):
+        return False
+    n, rows = x.shape[-1], x.shape[:-1]
+    like_x = [dy] if add is None else [dy, add]
+    return (0 < n <= triton_norm.MAX_N and 0 < x.numel() < configs.TMA_MIN_NUMEL and x.is_contiguous()
+            and all([t.shape == x.shape and t.dtype == x.dtype and t.is_contiguous() for t in like_x])
+            and all([s.shape == rows and s.dtype == torch.float32 and s.is_contiguous() for s in stats])
+            and weight.numel() == n and weight.is_contiguous()
+            and all([t.device == x.device for t in (*like_x, *stats, weight)]))
+
+
+@run_while_tracing
+def _norm_bwd_tiles(index: int, n: int, rms: bool) -> tuple:
+    """(max_programs, num_warps) of GPU `index`'s norm backwards over rows of n, the pointer
+    kernel's, as te-backend-cuda's layernorm_bwd / rmsnorm_bwd launch it."""
+    from .ops.norm import pointer_bwd_cfg  # (not at import: ops imports this module's importers)
+
+    cfg = pointer_bwd_cfg(configs.for_device(index), n, rms)
+    return cfg.max_programs, cfg.num_warps
+
+
+def norm_bwd(dy, x, mean, rstd, weight, add, *, zero_centered_gamma):
+    """(dx, dweight, dbias or None) of a LayerNorm (RMSNorm where mean is None) backward, `add`
+    (or None) added to dx, as te_triton.norm.norm_bwd launches its pointer kernel: each program
+    writes a partial row of the weight's (and bias's) gradient, summed over the programs here."""
+    rms, n, dev = mean is None, x.shape[-1], x.device
+    m = x.numel() // n
+    max_programs, warps = _norm_bwd_tiles(dev.index, n, rms)
+    programs = _programs(m, max_programs)
+    dx = torch.empty_like(x)
+    dw_part = torch.empty((programs, n), dtype=torch.float32, device=dev)
+    db_part = torch.empty((1,) if rms else (programs, n), dtype=torch.float32, device=dev)  # (RMSNorm writes none)
+    _WRAP_TRITON(triton_norm._norm_bwd_kernel.kernel)[(programs,)](
+        dy, x, rstd if rms else mean, rstd, weight, dx, dw_part, db_part, x if add is None else add, m, n,
+        BLOCK_N=next_power_of_2(n), RMS=rms, ZERO_CENTERED=bool(zero_centered_gamma), ADD=add is not None,
+        num_warps=warps)
+    dweight = dw_part.sum(dim=0).to(weight.dtype)
+    return dx, dweight, None if rms else db_part.sum(dim=0).to(weight.dtype)
+
+
 def activation_takes(x, kind: str, params: dict) -> bool:
     """Whether an activation forward with FP8 output into a history slot launches te_triton's
     activation kernel: as takes() at any size, a kind the kernel has (without parameters: those

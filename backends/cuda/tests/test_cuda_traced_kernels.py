@@ -369,6 +369,47 @@ def test_bias_gradient_casts_over_changing_token_counts_launch_te_triton_kernels
     torch._dynamo.reset()
 
 
+@GPU
+@pytest.mark.parametrize("dynamic", [True, False], ids=["symbolic", "plain"])
+@pytest.mark.parametrize("cast", ["layernorm", "layernorm-add", "rmsnorm", "rmsnorm-add"])
+def test_norm_backwards_launch_te_triton_kernels(cast, dynamic):
+    """Compiled norm backwards (traced_kernels.norm_bwd) of (tokens, 4, 1024) bfloat16 rows at three
+    token counts, the count marked dynamic (one graph) or every size plain (a graph per count):
+    te_triton's norm backward kernel launched, and at each count dx the eager op's bit for bit,
+    the weight's (and bias's) gradient within bfloat16's tolerance (the programs' partial rows
+    summed in the compiler's order); zero-centered gamma with LayerNorm's residual gradient."""
+    from te_backend_cuda import ops, traced_fused
+    from torch._dynamo.utils import counters
+
+    rms, add = cast.startswith("rms"), cast.endswith("-add")
+    name = ("rmsnorm_bwd" if rms else "layernorm_bwd") + ("_add" if add else "")
+    twin, eager = traced_fused.TRACED_FUSED[name], getattr(ops, name)
+    kwargs = dict(zero_centered_gamma=cast == "layernorm-add")
+    g = torch.Generator().manual_seed(6)
+    w, b = [(torch.randn(1024, generator=g) + 1).to(torch.bfloat16).cuda() for _ in range(2)]
+    torch._dynamo.reset()
+    counters.clear()
+    run = torch.compile(lambda dy, x, stats, extra: twin(dy, x, *stats, w, *extra, **kwargs), fullgraph=True,
+                        dynamic=None if dynamic else False)
+    for tokens in (260, 384, 520):
+        dy, x, res = [(torch.randn((tokens, 4, 1024), generator=g) * 3 + 1).to(torch.bfloat16).cuda() for _ in range(3)]
+        stats = list(ops.rmsnorm_fwd(x, w, 1e-5)[1:2] if rms else ops.layernorm_fwd(x, w, b, 1e-5)[1:3])
+        extra = [res] if add else []
+        for t in [dy, x, *stats, *extra] if dynamic else []:
+            torch._dynamo.mark_dynamic(t, 0)
+        want = eager(dy, x, *stats, w, *extra, **kwargs)
+        got = run(dy, x, stats, extra)
+        assert len(got) == len(want) == (2 if rms else 3)
+        _assert_same(got[:1], want[:1])
+        for i, (a, e) in enumerate(zip(got[1:], want[1:])):
+            torch.testing.assert_close(a, e, rtol=1.6e-2, atol=1e-5,
+                                       msg=lambda m: f"{tokens} tokens, output {i + 1}: {m}")
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == (1 if dynamic else 3), f"{graphs} graphs for 3 token counts"
+    assert "_norm_bwd_kernel" in _kernels(lambda d: run(d, x, stats, extra), dy)
+    torch._dynamo.reset()
+
+
 @contextlib.contextmanager
 def _compiled_linear(make, build=None):
     """(model, an identical twin, step(module, x), that step compiled with fullgraph=True) on the
@@ -757,6 +798,99 @@ def test_norm_twin_declines_what_the_kernel_does_not_take(monkeypatch):
         monkeypatch.setattr(traced_kernels, "DELAYED", False)
         assert layernorm(x, w, b, 1e-5, amax_out=slot, **fp8) is NotImplemented
     assert len(calls) == 2
+
+
+def _norm_bwd_inputs(shape, dtype, seed=5):
+    """(dy, x, mean, rstd, weight, add): fresh random values of a norm backward's arguments."""
+    g = torch.Generator().manual_seed(seed)
+    dy, x, add = [torch.randn(shape, generator=g).to(dtype) for _ in range(3)]
+    mean, rstd = torch.randn(shape[:-1], generator=g), torch.rand(shape[:-1], generator=g) + 0.5
+    return dy, x, mean, rstd, torch.randn(shape[-1], generator=g).to(dtype), add
+
+
+@pytest.mark.parametrize("add", [False, True], ids=["plain", "add"])
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["gamma", "zero-centered"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", NORM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_norm_backward_twin_launches_what_the_cuda_op_launches(monkeypatch, sm90, rms, shape, dtype, zero_centered,
+                                                               add):
+    """A norm backward (a residual's gradient added or not): te-backend-cuda's eager launch (its
+    pointer config for the row length, H100 table), but for RMSNorm's bias-gradient pointer,
+    which that kernel never writes (the eager op passes the weight's, the twin one of its own)."""
+    from te_backend_cuda import configs
+    from te_backend_cuda.ops import norm
+
+    dy, x, mean, rstd, w, res = _norm_bwd_inputs(shape, dtype)
+    stats, extra = ((rstd,) if rms else (mean, rstd)), ((res,) if add else ())
+    returned = []
+    twin = _launches(lambda: returned.append(traced_kernels.norm_bwd(
+        dy, x, None if rms else mean, rstd, w, res if add else None, zero_centered_gamma=zero_centered)),
+        monkeypatch, twin=True)
+    name = ("rmsnorm_bwd" if rms else "layernorm_bwd") + ("_add" if add else "")
+    monkeypatch.setattr(configs, "for_device", lambda index: sm90)  # (_launches undid sm90's)
+    eager = _launches(lambda: getattr(norm, name)(dy, x, *stats, w, *extra, zero_centered_gamma=zero_centered),
+                      monkeypatch, twin=False)
+    assert len(eager) == 1 and eager[0][0] == "_norm_bwd_kernel"
+    assert eager[0][3]["ADD"] is add and eager[0][3]["ZERO_CENTERED"] is zero_centered
+    _same_launches(twin, eager, unused={(0, 7)} if rms else set())
+    dx, dw, db = returned[0]
+    assert (dx.shape, dx.dtype, dw.shape, dw.dtype) == (x.shape, dtype, w.shape, dtype)
+    assert (db is None) == rms and (rms or (db.shape, db.dtype) == (w.shape, dtype))
+
+
+def test_norm_backward_twin_declines_what_the_kernel_does_not_take(monkeypatch):
+    """Norm backwards go to the kernel twin, LayerNorm's and RMSNorm's, a residual's gradient
+    added or not; a strided x, dy or weight, dy or add of another dtype, statistics not float32,
+    rows longer than the kernel's, a size at the descriptor kernels' threshold, the _add op
+    without its tensor, or NORM_BWD off: the kernel declines (the traced math, or the opaque op,
+    then takes the call and names what is wrong)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from te_backend_cuda import configs, traced_fused
+    from te_triton import norm
+
+    calls = []
+    monkeypatch.setattr(traced_kernels, "_WRAP_TRITON", lambda kernel: _Recorder(calls, kernel))
+    monkeypatch.setattr(traced_kernels, "_norm_bwd_tiles", lambda *a: (264, 8))
+    kernels, f32 = traced_fused._KERNELS, torch.float32
+    with FakeTensorMode():
+        def cuda(*shape, dtype=torch.bfloat16):
+            return torch.empty(shape, dtype=dtype, device="cuda")
+
+        dy, x, add, w, mean, rstd = cuda(64, 256), cuda(64, 256), cuda(64, 256), cuda(256), cuda(64, dtype=f32), \
+            cuda(64, dtype=f32)
+        assert len(traced_fused.TRACED_FUSED["layernorm_bwd"](dy, x, mean, rstd, w)) == 3
+        assert len(traced_fused.TRACED_FUSED["layernorm_bwd_add"](dy, x, mean, rstd, w, add)) == 3
+        assert len(traced_fused.TRACED_FUSED["rmsnorm_bwd"](dy, x, rstd, w)) == 2
+        assert len(traced_fused.TRACED_FUSED["rmsnorm_bwd_add"](dy, x, rstd, w, add, zero_centered_gamma=True)) == 2
+        assert [c[0] for c in calls] == ["_norm_bwd_kernel"] * 4
+        assert [(c[3]["RMS"], c[3]["ADD"], c[3]["ZERO_CENTERED"]) for c in calls] == [
+            (False, False, False), (False, True, False), (True, False, False), (True, True, True)]
+        assert calls[1][2][8] is add and calls[0][2][8] is x  # (without add the kernel never reads that pointer)
+        strided = torch.empty_strided((64, 256), (1, 64), dtype=torch.bfloat16, device="cuda")
+        long, long_w = cuda(2, norm.MAX_N + 1), cuda(norm.MAX_N + 1)
+        large = cuda(configs.TMA_MIN_NUMEL // 256, 256)
+        large_rstd = cuda(configs.TMA_MIN_NUMEL // 256, dtype=f32)
+        strided_w = torch.empty_strided((256,), (2,), dtype=torch.bfloat16, device="cuda")
+        ln, ln_add, rms_add = kernels["layernorm_bwd"], kernels["layernorm_bwd_add"], kernels["rmsnorm_bwd_add"]
+        declined = {
+            "strided x": lambda: ln("cuda", dy, strided, mean, rstd, w),
+            "strided dy": lambda: ln("cuda", strided, x, mean, rstd, w),
+            "strided weight": lambda: ln("cuda", dy, x, mean, rstd, strided_w),
+            "dy of another dtype": lambda: ln("cuda", dy.float(), x, mean, rstd, w),
+            "add of another dtype": lambda: ln_add("cuda", dy, x, mean, rstd, w, add.float()),
+            "bfloat16 statistics": lambda: ln("cuda", dy, x, mean, rstd.to(torch.bfloat16), w),
+            "no mean": lambda: ln("cuda", dy, x, None, rstd, w),
+            "no add": lambda: rms_add("cuda", dy, x, rstd, w, None),
+            "rows too long": lambda: kernels["rmsnorm_bwd"]("cuda", long, long, cuda(2, dtype=f32), long_w),
+            "descriptor size": lambda: kernels["rmsnorm_bwd"]("cuda", large, large, large_rstd, w),
+        }
+        for what, call in declined.items():
+            assert call() is NotImplemented, what
+        monkeypatch.setattr(traced_kernels, "NORM_BWD", False)
+        assert ln("cuda", dy, x, mean, rstd, w) is NotImplemented
+    assert len(calls) == 4
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

@@ -534,3 +534,75 @@ def test_bias_gradient_casts_keep_the_opaque_ops_or_plain_casts_while_symbolic_f
         assert all([name for name, _, _ in got] == ["_quantize_kernel", "_cast_transpose_kernel"] for got, _ in runs)
     else:
         assert all(got == [] for got, _ in runs)
+
+
+# --- norm backwards (traced_kernels.norm_bwd): te_triton's kernel, plain or symbolic row counts
+NORM_BWD = ["layernorm", "layernorm-add", "rmsnorm", "rmsnorm-add"]
+
+
+def _norm_bwd_inputs(cast, tokens):
+    """(dy, x, statistics..., add or nothing) of a (tokens, 4, HIDDEN) norm backward."""
+    g = torch.Generator().manual_seed(tokens)
+    dy, x, add = [torch.randn((tokens, 4, HIDDEN), generator=g).to(torch.bfloat16) for _ in range(3)]
+    stats = [torch.rand((tokens, 4), generator=g) + 0.5 for _ in range(1 if cast.startswith("rms") else 2)]
+    return [dy, x, *stats] + ([add] if cast.endswith("-add") else [])
+
+
+def _norm_bwd_twin(cast):
+    from te_backend_cuda import traced_fused
+
+    op = cast.replace("norm", "norm_bwd").replace("-add", "_add")
+    twin, (w, _) = traced_fused.twins("cpu")[op], _fused_params()
+    if cast.endswith("-add"):
+        return lambda slot, dy, x, *stats_add: twin(dy, x, *stats_add[:-1], w, stats_add[-1])
+    return lambda slot, dy, x, *stats: twin(dy, x, *stats, w)
+
+
+def _norm_bwd_eager(cast, inputs, tuning):
+    from te_triton import norm
+
+    from te_backend_cuda.ops.norm import pointer_bwd_cfg
+
+    rms, add = cast.startswith("rms"), cast.endswith("-add")
+    dy, x, *stats = inputs[:-1] if add else inputs
+    mean, rstd = (None, stats[0]) if rms else stats
+    return norm.norm_bwd(dy, x, mean, rstd, _fused_params()[0], rms=rms, cfg=pointer_bwd_cfg(tuning, HIDDEN, rms),
+                         add=inputs[-1] if add else None)
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["symbolic", "plain"])
+@pytest.mark.parametrize("cast", NORM_BWD)
+def test_norm_backwards_launch_what_the_eager_op_launches(stand_in_gpu, monkeypatch, sm90, cast, dynamic):
+    """A (tokens, batch, hidden) norm backward whose token count is symbolic (one graph) or plain
+    (a graph per count): at each count the launch (grid, sizes, tile, flags, warps, argument
+    layouts) of te_triton's eager op with the H100's table, but for RMSNorm's bias-gradient
+    pointer, which that kernel never writes."""
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC", True)
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC_FUSED", True)
+    runs, graphs = _launches_per_count(_norm_bwd_twin(cast), TOKENS, lambda tokens: _norm_bwd_inputs(cast, tokens),
+                                       lambda inputs, slot: _norm_bwd_eager(cast, inputs, sm90), stand_in_gpu,
+                                       monkeypatch, dynamic)
+    assert graphs == (1 if dynamic else len(TOKENS)), f"{graphs} graphs for {len(TOKENS)} token counts"
+    unused = {"db_part_ptr"} if cast.startswith("rms") else set()
+    for tokens, (got, want) in zip(TOKENS, runs):
+        assert len(got) == len(want) == 1 and got[0][:2] == want[0][:2], (tokens, got, want)
+        assert got[0][2]["ADD"] is cast.endswith("-add") and got[0][2]["M"] == 4 * tokens
+        assert got[0][2].keys() == want[0][2].keys(), tokens
+        differ = _differing(got[0][2], want[0][2], unused)
+        assert not differ, (tokens, differ)
+
+
+def test_norm_backwards_over_a_symbolic_hidden_size_keep_the_traced_math(stand_in_gpu, monkeypatch):
+    """With the hidden size symbolic too (dynamic=True) the launch's tile would depend on it: the
+    traced math, no launch; the same with NORM_BWD off at plain sizes."""
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC", True)
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC_FUSED", True)
+    compiled = torch.compile(_norm_bwd_twin("rmsnorm"), backend="aot_eager", fullgraph=True, dynamic=True)
+    stand_in_gpu.clear()
+    compiled(torch.zeros(1), *_norm_bwd_inputs("rmsnorm", TOKENS[0]))
+    assert stand_in_gpu == []
+    monkeypatch.setattr(traced_kernels, "NORM_BWD", False)
+    torch._dynamo.reset()
+    compiled = torch.compile(_norm_bwd_twin("layernorm"), backend="aot_eager", fullgraph=True, dynamic=False)
+    compiled(torch.zeros(1), *_norm_bwd_inputs("layernorm", TOKENS[0]))
+    assert stand_in_gpu == []

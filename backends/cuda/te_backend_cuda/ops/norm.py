@@ -27,12 +27,24 @@ def fp8_pointer_cfg(t: configs.Tuning, n: int, rms: bool):
 
 
 def _norm_bwd_cfg(x, rms: bool):
-    """The pointer backward holds two rows of x and dy per program: at most 32 elements per
-    thread (warps >= padded row / 1024), beyond which the kernel spills registers."""
     t = configs.for_tensor(x)
     n = x.shape[-1]
-    cfg = t.rmsnorm_bwd_long_rows if rms and n > 4096 else t.norm_bwd
-    cfg = tma_or(x, cfg, t.norm_bwd_tma_long_rows if n > 4096 else t.norm_bwd_tma)
+    cfg = tma_or(x, _bwd_pointer_cfg(t, n, rms), t.norm_bwd_tma_long_rows if n > 4096 else t.norm_bwd_tma)
+    return _bwd_warps(cfg, n)
+
+
+def pointer_bwd_cfg(t: configs.Tuning, n: int, rms: bool):
+    """The pointer kernel's config of a backward over rows of n (of tuning t)."""
+    return _bwd_warps(_bwd_pointer_cfg(t, n, rms), n)
+
+
+def _bwd_pointer_cfg(t: configs.Tuning, n: int, rms: bool):
+    return t.rmsnorm_bwd_long_rows if rms and n > 4096 else t.norm_bwd
+
+
+def _bwd_warps(cfg, n: int):
+    """The backward holds two rows of x and dy per program: at most 32 elements per thread
+    (warps >= padded row / 1024), beyond which the kernel spills registers."""
     return _with_warps(cfg, min(32, max(cfg.num_warps, next_power_of_2(n) // 1024)))
 
 
