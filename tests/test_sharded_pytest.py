@@ -10,6 +10,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "
 import sharded_pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def plain_pytest(monkeypatch):
+    """The runs these tests start load no installed pytest plugins: te-core's own (which imports
+    torch) would cost each of them seconds, and the runner's behaviour does not depend on it."""
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+
 def _write(path, text):
     path.write_text(text)
     return str(path)
