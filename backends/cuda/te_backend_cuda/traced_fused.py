@@ -22,6 +22,10 @@ the row, descriptor loads) beat the compiler's. The limit is half the casts' (tr
 norms and activations run inside layers, whose steps are GPU-bound from smaller tensors on
 than a lone Linear's. A Linear step with tensors of 2^25 elements is still host-bound, and
 gains from traced casts; a layer step with such tensors is not, and loses with traced norms.
+The norm backwards are the exception: their twins launch te_triton's kernel from the compiled
+code at every size below the descriptor kernels' (traced_kernels.norm_bwd), which took less
+GPU time than the compiler's version of the math at every size measured; the math runs only
+where that launch declines a call.
 
 The forward twins (norms, activation) cast FP8 output with the module's delayed-scaling
 scale, which the same compiled step updates in place after the forward; they read it through

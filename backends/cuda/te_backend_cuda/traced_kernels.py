@@ -73,19 +73,19 @@ SYMBOLIC_BLOCK = True
 # Whether the launches whose configuration depends on the row length do the same while SYMBOLIC
 # is on, where the row count is symbolic and the row length a plain int (a token count that
 # changes under a fixed hidden size): delayed scaling's norm and activation forwards with FP8
-# output (traced_fused) and the bias-gradient casts (dbias_cast_transpose, alone, after an
-# activation's backward or of joined column blocks). Their tiles follow from the row length,
-# their grids are arithmetic on the rows; a norm's unmasked variant (EVEN) is taken where the
-# compiler knows the row count a multiple of its rows per step (a batch size that is), else the
-# masked one, whose bytes are the same; a bias gradient of so few rows that one group of them
-# writes it is a graph of its own (a guard). Each launch is checked against the eager op's on
+# output (traced_fused), the bias-gradient casts (dbias_cast_transpose, alone, after an
+# activation's backward or of joined column blocks) and every recipe's norm backwards. Their
+# tiles follow from the row length, their grids are arithmetic on the rows; a norm forward's
+# unmasked variant (EVEN) is taken where the compiler knows the row count a multiple of its rows
+# per step (a batch size that is), else the masked one, whose bytes are the same; a bias
+# gradient of so few rows that one group of them writes it is a graph of its own (a guard). Each launch is checked against the eager op's on
 # any machine (backends/cuda/tests/test_cuda_traced_symbolic.py), the forwards' bytes on a GPU
 # (test_fused_forwards_over_changing_token_counts_launch_te_triton_kernels).
 # With the compiler's transposes of the forwards' FP8 outputs, one-dimensional copies, a compiled
 # LayerNormMLP step at symbolic sizes took more GPU time than with the opaque ops; with
 # te_triton's transposes (traced.transpose_fp8) it takes about as much and saves the host the
 # opaque ops' dispatch (docs/performance.md, "Known limits"). Off, such calls stay the opaque
-# ops (the same kernels, launched by the op).
+# ops (the same kernels, launched by the op), the norm backwards the traced math.
 SYMBOLIC_FUSED = True
 
 
@@ -481,11 +481,11 @@ def norm_fwd(x, weight, bias, eps, *, zero_centered_gamma, fp8_scale, fp8_dtype,
 # --- norm backward: te_triton's pointer kernel wherever the traced twin would run ---------------
 # Written in torch ops, a norm backward becomes the compiler's row reductions and column sums of
 # the weight's (and bias's) gradient, which took 1.3 to 3 times the GPU time of te_triton's kernel
-# with its column sums on an H100 (rows of 1024 to 2048 bfloat16), in every recipe's step. Launched
-# from the compiled code, the eager op's kernel runs at every size below the descriptor kernels'
-# (where the op runs the same pointer kernel): dx is the eager op's, bit for bit; the column sums
-# of the programs' partial rows are the compiler's. Off: the traced math below
-# traced_fused.MAX_NUMEL elements, the opaque op from there on.
+# with its column sums on an H100 (rows of 1024 to 2048 bfloat16 elements), and every recipe's
+# layer step runs two. Launched from the compiled code, the eager op's kernel runs at every size
+# below the descriptor kernels' (where the op runs the same pointer kernel): dx is the eager op's,
+# bit for bit; the column sums of the programs' partial rows are the compiler's. Off: the traced
+# math below traced_fused.MAX_NUMEL elements, the opaque op from there on.
 NORM_BWD = True
 
 
