@@ -78,9 +78,10 @@ SYMBOLIC_BLOCK = True
 # tiles follow from the row length, their grids are arithmetic on the rows; a norm forward's
 # unmasked variant (EVEN) is taken where the compiler knows the row count a multiple of its rows
 # per step (a batch size that is), else the masked one, whose bytes are the same; a bias
-# gradient of so few rows that one group of them writes it is a graph of its own (a guard). Each launch is checked against the eager op's on
-# any machine (backends/cuda/tests/test_cuda_traced_symbolic.py), the forwards' bytes on a GPU
-# (test_fused_forwards_over_changing_token_counts_launch_te_triton_kernels).
+# gradient of so few rows that one group of them writes it is a graph of its own (a guard). Each
+# launch is checked against the eager op's on any machine
+# (backends/cuda/tests/test_cuda_traced_symbolic.py), the bytes on a GPU
+# (backends/cuda/tests/test_cuda_traced_kernels.py).
 # With the compiler's transposes of the forwards' FP8 outputs, one-dimensional copies, a compiled
 # LayerNormMLP step at symbolic sizes took more GPU time than with the opaque ops; with
 # te_triton's transposes (traced.transpose_fp8) it takes about as much and saves the host the
