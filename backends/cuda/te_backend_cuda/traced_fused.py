@@ -23,9 +23,9 @@ norms and activations run inside layers, whose steps are GPU-bound from smaller 
 than a lone Linear's. A Linear step with tensors of 2^25 elements is still host-bound, and
 gains from traced casts; a layer step with such tensors is not, and loses with traced norms.
 The norm backwards are the exception: their twins launch te_triton's kernel from the compiled
-code at every size below the descriptor kernels' (traced_kernels.norm_bwd), which took less
-GPU time than the compiler's version of the math at every size measured; the math runs only
-where that launch declines a call.
+code at every size below the descriptor kernels' (traced_kernels.norm_bwd), which forms dx and
+the weight's partial column sums in one pass where the compiler's version of the math reads
+the rows again for the sums; the math runs only where that launch declines a call.
 
 The forward twins (norms, activation) cast FP8 output with the module's delayed-scaling
 scale, which the same compiled step updates in place after the forward; they read it through
@@ -253,7 +253,7 @@ def _norm_bwd_kernel(dev, dy, x, mean, rstd, weight, add, zero_centered_gamma):
     stats = (rstd,) if mean is None else (mean, rstd)
     others = (*stats, weight) if add is None else (*stats, weight, add)
     if not (_hp(dy, dev, sized=False) and _hp(x, dy.device, sized=False)
-            and all([isinstance(t, torch.Tensor) and t.device == dy.device for t in others])
+            and all([isinstance(t, torch.Tensor) for t in others])  # (norm_bwd_takes checks the rest)
             and traced_kernels.norm_bwd_takes(dy, x, stats, weight, add)):
         return NotImplemented
     return traced_kernels.norm_bwd(dy, x, mean, rstd, weight, add, zero_centered_gamma=zero_centered_gamma)

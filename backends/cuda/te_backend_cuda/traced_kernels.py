@@ -480,13 +480,14 @@ def norm_fwd(x, weight, bias, eps, *, zero_centered_gamma, fp8_scale, fp8_dtype,
 
 
 # --- norm backward: te_triton's pointer kernel wherever the traced twin would run ---------------
-# Written in torch ops, a norm backward becomes the compiler's row reductions and column sums of
-# the weight's (and bias's) gradient, which took 1.3 to 3 times the GPU time of te_triton's kernel
-# with its column sums on an H100 (rows of 1024 to 2048 bfloat16 elements), and every recipe's
-# layer step runs two. Launched from the compiled code, the eager op's kernel runs at every size
-# below the descriptor kernels' (where the op runs the same pointer kernel): dx is the eager op's,
-# bit for bit; the column sums of the programs' partial rows are the compiler's. Off: the traced
-# math below traced_fused.MAX_NUMEL elements, the opaque op from there on.
+# Written in torch ops, a norm backward becomes the compiler's row reductions and, in passes of
+# their own over the rows, the column sums of the weight's (and bias's) gradient; te_triton's
+# kernel forms dx and per-program partial column sums in one pass, so it takes less GPU time
+# (docs/performance.md, "Known limits"), and every recipe's layer step runs two. Launched from
+# the compiled code, the eager op's kernel runs at every size below the descriptor kernels'
+# (where the op runs the same pointer kernel): dx is the eager op's, bit for bit; the column sums
+# of the programs' partial rows are the compiler's. Off: the traced math below
+# traced_fused.MAX_NUMEL elements, the opaque op from there on.
 NORM_BWD = True
 
 
