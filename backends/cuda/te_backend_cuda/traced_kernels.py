@@ -236,25 +236,32 @@ def _cast_pass(x, fp8_dtype, scale, amax, scale_inv, eps, *, from_amax, pow2, wi
     return data, None
 
 
-def _dbias_pass(dy, fp8_dtype, scale, amax, scale_inv, eps, *, from_amax, pow2, act=None):
+def _dbias_pass(dy, fp8_dtype, scale, amax, scale_inv, eps, *, from_amax, pow2, act=None, parts=None):
     """(data, data_t, dbias) of a 2-D gradient as te_triton.dbias launches its pointer kernel for
     one part (from_amax as for _cast_pass), then the sum of its row groups' column sums (none
     for one group, whose sums are the bias gradient). act: (x, kind) of a plain (not gated)
-    activation whose gradient the kernel forms on the way, dy * act'(x), read from x."""
+    activation whose gradient the kernel forms on the way, dy * act'(x), read from x. parts: the
+    gradient as up to three column blocks the kernel reads in place (parts_in_place; dy is the
+    first), as te_triton.dbias.dbias_cast_transpose_parts launches it."""
     dev = dy.device
-    m, k = dy.shape
+    blocks = [dy] if parts is None else list(parts)
+    widths = [b.shape[1] for b in blocks]
+    m, k = dy.shape[0], sum(widths)
     src = dy if act is None else act[0]
     groups, strips, bm, bn, warps, prefetch, hw_saturate = _dbias_ct_launch(dev.index, m, k)
     data = torch.empty((m, k), dtype=fp8_dtype, device=dev)
     data_t = torch.empty((k, m), dtype=fp8_dtype, device=dev)
     summed = groups == 1
     partial = torch.empty((groups, k), dtype=src.dtype if summed else torch.float32, device=dev)
-    # one part: the second and third column blocks start past the last column (never read)
+    # where the second and third column blocks start; past the last column (k) a block is never read
+    starts = [min(sum(widths[:i]), k) for i in (1, 2)]
+    blocks += [blocks[-1]] * (3 - len(blocks))
     _WRAP_TRITON(triton_dbias._dbias_ct_kernel.kernel)[(groups * strips,)](
-        dy, src, data, data_t, scale, amax, partial, m, k, torch.finfo(fp8_dtype).max, groups, dy, dy, k, k,
-        scale_inv, eps, ACT=act is not None, KIND=0 if act is None else triton_activation.KIND_IDS[act[1]], BM=bm,
-        BN=bn, CLAMP=not hw_saturate or src.dtype != torch.bfloat16, PREFETCH=prefetch, PARTS=1,
-        FROM_AMAX=from_amax, POW2=pow2, num_warps=warps)
+        dy, src, data, data_t, scale, amax, partial, m, k, torch.finfo(fp8_dtype).max, groups, blocks[1], blocks[2],
+        starts[0], starts[1], scale_inv, eps, ACT=act is not None,
+        KIND=0 if act is None else triton_activation.KIND_IDS[act[1]], BM=bm, BN=bn,
+        CLAMP=not hw_saturate or src.dtype != torch.bfloat16, PREFETCH=prefetch,
+        PARTS=1 if parts is None else len(parts), FROM_AMAX=from_amax, POW2=pow2, num_warps=warps)
     return data, data_t, partial[0] if summed else partial.sum(dim=0).to(src.dtype)
 
 
@@ -636,12 +643,25 @@ def parts_takes(parts) -> bool:
     return 0 < numel < configs.TMA_MIN_NUMEL and _kernels_run_on(first.device.index)
 
 
+def parts_in_place(parts) -> bool:
+    """Whether te_triton's kernel reads these column blocks of a gradient in place, as the eager
+    op decides it (te_triton.dbias._direct, with the config it launches below TMA_MIN_NUMEL): two
+    or three contiguous blocks, each a whole number of the kernel's column strips wide."""
+    return triton_dbias._direct(parts, configs.for_device(parts[0].device.index).dbias_cast_transpose)
+
+
 def dbias_cast_transpose_parts(parts, scale, fp8_dtype, *, amax_out):
-    """(data, data_t, dbias, amax) of column blocks of one gradient, joined first: the eager op
-    reads blocks in place where their widths allow, and its per-column sums run over the same
-    rows in the same order either way, so the bytes are the same (amax as quantize_fp8's)."""
-    joined = parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=1)
-    return dbias_cast_transpose(joined.contiguous(), scale, fp8_dtype, amax_out=amax_out)
+    """(data, data_t, dbias, amax) of column blocks of one gradient as the eager op launches its
+    kernel: blocks it reads in place (parts_in_place) are read in place here, without the
+    compiler's join, a pass over the whole gradient; other blocks are joined first, as the eager
+    op joins them (amax as quantize_fp8's)."""
+    if not parts_in_place(parts):
+        joined = parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=1)
+        return dbias_cast_transpose(joined.contiguous(), scale, fp8_dtype, amax_out=amax_out)
+    amax, write = _amax_buffer(amax_out, parts[0].device)
+    data, data_t, dbias = _dbias_pass(parts[0], fp8_dtype, scale, amax, scale, 0.0, from_amax=False, pow2=False,
+                                      parts=parts)
+    return data, data_t, dbias, _into_slot(amax, amax_out, write)
 
 
 @run_while_tracing

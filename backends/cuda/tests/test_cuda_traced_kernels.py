@@ -985,13 +985,14 @@ def test_activation_epilogue_twin_launches_what_the_cuda_op_launches(monkeypatch
 
 
 @pytest.mark.parametrize("slot_in_kernel", [True, False], ids=["in-kernel", "max_into"])
-@pytest.mark.parametrize("widths", [(1024, 512, 512), (256, 100)], ids=["in-place", "joined"])
-def test_parts_twin_launches_the_joined_gradients_cast(monkeypatch, sm90, widths, slot_in_kernel):
-    """Column blocks of a gradient cast into a history slot: joined, then te_triton's dbias
-    cast-transpose as the eager op launches it for the joined gradient (which the eager op's
-    reading of whole-strip blocks in place matches byte for byte: te_triton's interpreter test)."""
+@pytest.mark.parametrize("widths", [(1024, 512, 512), (512, 640), (256, 100), (1024,), (128, 128, 128, 128)],
+                         ids=["three-in-place", "two-in-place", "joined", "whole", "four-joined"])
+def test_parts_twin_launches_what_the_cuda_op_launches(monkeypatch, sm90, widths, slot_in_kernel):
+    """Column blocks of a gradient cast into a history slot: te_triton's dbias cast-transpose as
+    te-backend-cuda's eager op launches it, reading two or three blocks of whole strips in place
+    (no join), joining others first."""
     from te_backend_cuda import configs
-    from te_backend_cuda.ops import activation
+    from te_backend_cuda.ops import activation, launch
 
     g = torch.Generator().manual_seed(5)
     parts = [torch.randn(96, w, generator=g).to(torch.bfloat16) for w in widths]
@@ -1001,14 +1002,19 @@ def test_parts_twin_launches_the_joined_gradients_cast(monkeypatch, sm90, widths
     twin = _launches(lambda: returned.append(traced_kernels.dbias_cast_transpose_parts(
         parts, scale, E4M3, amax_out=twin_slot)), monkeypatch, twin=True)
     monkeypatch.setattr(configs, "for_device", lambda index: sm90)
-    joined = torch.cat(parts, dim=1)
-    eager = _launches(lambda: activation.dbias_cast_transpose(joined, scale, E4M3, amax_out=slot), monkeypatch,
+    monkeypatch.setattr(launch, "_current_device", lambda: -1)  # the CPU tensors' device: no guard
+    eager = _launches(lambda: activation.dbias_cast_transpose_parts(parts, scale, E4M3, amax_out=slot), monkeypatch,
                       twin=False)
+    assert [c[0] for c in eager] == ["_dbias_ct_kernel"]
+    in_place = widths in ((1024, 512, 512), (512, 640))
+    # the blocks the kernel reads: the parts themselves in place, else one joined gradient
+    assert eager[0][3]["PARTS"] == (len(widths) if in_place else 1)
+    assert eager[0][2][0][2] == ((96, widths[0]) if in_place else (96, sum(widths)))
     _same_launches(twin, eager, unused=amax_pointer)
-    assert returned[0][0].shape == joined.shape and returned[0][-1] is twin_slot
+    assert returned[0][0].shape == (96, sum(widths)) and returned[0][-1] is twin_slot
 
 
-def test_epilogue_twins_decline_what_the_kernels_do_not_take(monkeypatch):
+def test_epilogue_twins_decline_what_the_kernels_do_not_take(monkeypatch, sm90):
     """Slot-writing backward epilogues go to the kernel twins; a kind without a kernel, a
     parameter, a gradient not matching x, a strided or too large x, parts of different rows,
     or no slot: the kernels decline."""
@@ -1036,6 +1042,7 @@ def test_epilogue_twins_decline_what_the_kernels_do_not_take(monkeypatch):
         assert len(parts_twin("cuda", [half, half], scale, E4M3, amax_out=slot)) == 4
         assert [c[0] for c in calls] == ["_dbias_pass", "_act_bwd_kernel", "_dbias_pass", "_dbias_pass"]
         assert calls[0][3]["act"][0] is x and calls[2][3].get("act") is None  # gated: the pass reads dx
+        assert calls[3][3]["parts"] == [half, half]  # whole strips: read in place
         for declined in (lambda: epilogue("cuda", dy, x, "clamped_swiglu", scale, E4M3, amax_out=slot, limit=7.0),
                          lambda: epilogue("cuda", dy, x, "gelu", scale, E4M3, amax_out=slot, limit=7.0),
                          lambda: epilogue("cuda", half, x, "gelu", scale, E4M3, amax_out=slot),

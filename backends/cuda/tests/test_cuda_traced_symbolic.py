@@ -467,8 +467,8 @@ def _epilogue_twin(cast):
 
 
 def _epilogue_eager(cast, inputs, slot, tuning):
-    """te_triton's eager op as the cuda op calls it below the descriptor kernels' size; column
-    blocks joined first, as the twin joins them (the eager op may read them in place)."""
+    """te_triton's eager op as the cuda op calls it below the descriptor kernels' size (column
+    blocks of whole strips read in place, by the twin as well)."""
     from te_triton import dbias
 
     scale = torch.full((1,), SCALE)
@@ -478,8 +478,9 @@ def _epilogue_eager(cast, inputs, slot, tuning):
                                                          amax_out=slot)
     if cast == "current-dbias":
         return dbias.dbias_cast_transpose_current(inputs, E4M3, tuning.dbias_cast_transpose, amax_cfg=tuning.quantize)
-    dy = torch.cat(inputs, dim=1) if cast == "parts" else inputs[0]
-    return dbias.dbias_cast_transpose(dy, scale, E4M3, tuning.dbias_cast_transpose, amax_out=slot)
+    if cast == "parts":
+        return dbias.dbias_cast_transpose_parts(inputs, scale, E4M3, tuning.dbias_cast_transpose, amax_out=slot)
+    return dbias.dbias_cast_transpose(inputs[0], scale, E4M3, tuning.dbias_cast_transpose, amax_out=slot)
 
 
 def _run_epilogue(cast, rows, stand_in_gpu, monkeypatch, tuning, dynamic=True):
