@@ -414,11 +414,12 @@ def cast_transpose_fp8(x, scale, fp8_dtype, *, amax_out):
     return data, data_t, _into_slot(amax, amax_out, write)
 
 
-def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out):
+def dbias_cast_transpose(dy, scale, fp8_dtype, *, amax_out, parts=None):
     """(data, data_t, dbias, amax) as te_triton.dbias.dbias_cast_transpose launches them (amax as
-    quantize_fp8's)."""
+    quantize_fp8's); `parts` as for _dbias_pass."""
     amax, write = _amax_buffer(amax_out, dy.device)
-    data, data_t, dbias = _dbias_pass(dy, fp8_dtype, scale, amax, scale, 0.0, from_amax=False, pow2=False)
+    data, data_t, dbias = _dbias_pass(dy, fp8_dtype, scale, amax, scale, 0.0, from_amax=False, pow2=False,
+                                      parts=parts)
     return data, data_t, dbias, _into_slot(amax, amax_out, write)
 
 
@@ -655,13 +656,10 @@ def dbias_cast_transpose_parts(parts, scale, fp8_dtype, *, amax_out):
     kernel: blocks it reads in place (parts_in_place) are read in place here, without the
     compiler's join, a pass over the whole gradient; other blocks are joined first, as the eager
     op joins them (amax as quantize_fp8's)."""
-    if not parts_in_place(parts):
-        joined = parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=1)
-        return dbias_cast_transpose(joined.contiguous(), scale, fp8_dtype, amax_out=amax_out)
-    amax, write = _amax_buffer(amax_out, parts[0].device)
-    data, data_t, dbias = _dbias_pass(parts[0], fp8_dtype, scale, amax, scale, 0.0, from_amax=False, pow2=False,
-                                      parts=parts)
-    return data, data_t, dbias, _into_slot(amax, amax_out, write)
+    if parts_in_place(parts):
+        return dbias_cast_transpose(parts[0], scale, fp8_dtype, amax_out=amax_out, parts=parts)
+    joined = parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=1)
+    return dbias_cast_transpose(joined.contiguous(), scale, fp8_dtype, amax_out=amax_out)
 
 
 @run_while_tracing
