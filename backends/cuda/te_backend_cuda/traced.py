@@ -247,15 +247,30 @@ def quantize_fp8_current(x, fp8_dtype, *, with_transpose=False, force_pow2_scale
     return data, data_t, scale, torch.div(torch.ones_like(scale), scale), amax
 
 
+def _current_parts_in_place(parts, fp8_dtype) -> bool:
+    """Whether te_triton's fused kernel casts these column blocks of a gradient in place, as the
+    eager op reads them (traced_kernels.parts_in_place), their joined size one it takes."""
+    numel = parts[0].shape[0] * sum([p.shape[1] for p in parts])
+    if len(parts) == 1 or not traced_kernels.KERNEL_MIN_NUMEL <= numel < MAX_NUMEL:
+        return False
+    kernel = traced_kernels.takes
+    return (all([_takes(p, fp8_dtype) and kernel(p, min_numel=1, symbolic=traced_kernels.rows_symbolic(p))
+                 for p in parts]) and traced_kernels.parts_in_place(parts))
+
+
 def dbias_cast_transpose_current(parts, fp8_dtype, *, force_pow2_scales=False, amax_epsilon=0.0):
     """quantize_fp8_current's twin on the joined column blocks (the compiler fuses the join
     into the cast), plus their column sums; from traced_kernels.KERNEL_MIN_NUMEL elements
-    te_triton's fused kernel with its bias gradient."""
+    te_triton's fused kernel with its bias gradient, reading the blocks in place where the eager
+    op does (without the join, a pass over the whole gradient)."""
     if not isinstance(parts, (list, tuple)) or not parts or not all(_here(p) and p.dim() == 2 for p in parts):
         return NotImplemented
     first = parts[0]
     if any(p.dtype != first.dtype or p.shape[0] != first.shape[0] or p.device != first.device for p in parts):
         return NotImplemented  # (the opaque op names the mismatch)
+    if _current_parts_in_place(parts, fp8_dtype):
+        return traced_kernels.dbias_cast_transpose_current(first, fp8_dtype, force_pow2_scales=force_pow2_scales,
+                                                           amax_epsilon=amax_epsilon, parts=list(parts))
     dy = torch.cat(list(parts), dim=1) if len(parts) > 1 else first
     # te_triton's fused kernel, as the eager op; its launch branches on the row length (rows_symbolic)
     if _takes(dy, fp8_dtype) and traced_kernels.takes(dy, symbolic=traced_kernels.rows_symbolic(dy)):

@@ -265,24 +265,26 @@ def _dbias_pass(dy, fp8_dtype, scale, amax, scale_inv, eps, *, from_amax, pow2, 
     return data, data_t, partial[0] if summed else partial.sum(dim=0).to(src.dtype)
 
 
-def _current_slots(x):
-    """(amax, scale, scale_inv) of a current-scaling cast of x, after its amax pass (which
-    writes the amax alone; the cast pass writes the scales)."""
-    dev = x.device
-    programs, block, warps, _ = _quantize_launch(dev.index, x.numel())
+def _current_slots(blocks):
+    """(amax, scale, scale_inv) of a current-scaling cast of the tensors `blocks` (one tensor, or
+    a gradient's column blocks), after an amax pass over each, all maxed into one amax (the
+    passes write the amax alone; the cast pass writes the scales)."""
+    dev = blocks[0].device
     amax = torch.zeros((), dtype=torch.float32, device=dev)
     scale = torch.empty(1, dtype=torch.float32, device=dev)
     scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
-    _WRAP_TRITON(triton_cast._quantize_kernel.kernel)[(programs,)](
-        x, x, scale, amax, x.numel(), 1.0, scale_inv, 0.0, BLOCK=block, STORE=False, CLAMP=True, FROM_AMAX=False,
-        POW2=False, num_warps=warps)
+    for x in blocks:
+        programs, block, warps, _ = _quantize_launch(dev.index, x.numel())
+        _WRAP_TRITON(triton_cast._quantize_kernel.kernel)[(programs,)](
+            x, x, scale, amax, x.numel(), 1.0, scale_inv, 0.0, BLOCK=block, STORE=False, CLAMP=True,
+            FROM_AMAX=False, POW2=False, num_warps=warps)
     return amax, scale, scale_inv
 
 
 def quantize_fp8_current(x, fp8_dtype, *, with_transpose, force_pow2_scales, amax_epsilon):
     """(data, data_t or None, scale, scale_inv, amax) as te_triton.cast.quantize_fp8_current
     launches them: the amax pass, then the cast pass that makes the scale from it."""
-    amax, scale, scale_inv = _current_slots(x)
+    amax, scale, scale_inv = _current_slots([x])
     data, data_t = _cast_pass(x, fp8_dtype, scale, amax, scale_inv, float(amax_epsilon), from_amax=True,
                               pow2=bool(force_pow2_scales), with_transpose=with_transpose)
     return data, data_t, scale, scale_inv, amax
@@ -343,15 +345,16 @@ def dbias_cast_transpose_blockwise(dy, fp8_dtype, *, force_pow2_scales, amax_eps
     return data, scale_inv, data_t, scale_inv_t, dbias
 
 
-def dbias_cast_transpose_current(dy, fp8_dtype, *, force_pow2_scales, amax_epsilon):
+def dbias_cast_transpose_current(dy, fp8_dtype, *, force_pow2_scales, amax_epsilon, parts=None):
     """(data, data_t, dbias, scale, scale_inv, amax) of a 2-D gradient as
-    te_triton.dbias.dbias_cast_transpose_current launches them for one part: the amax pass, then
-    the dbias cast-transpose that makes its scale from that amax. A gradient the eager op reads
-    as column blocks is joined here first: each column's sums run over the same rows in the same
-    order either way, so the bytes are the same."""
-    amax, scale, scale_inv = _current_slots(dy)
+    te_triton.dbias.dbias_cast_transpose_current launches them: an amax pass over each part, then
+    the dbias cast-transpose that makes its scale from that amax. parts: the gradient as column
+    blocks the kernel reads in place (parts_in_place; dy is the first), as the eager op reads them;
+    other blocks are joined by the caller first (each column's sums run over the same rows in the
+    same order either way, so the bytes are the same)."""
+    amax, scale, scale_inv = _current_slots([dy] if parts is None else list(parts))
     data, data_t, dbias = _dbias_pass(dy, fp8_dtype, scale, amax, scale_inv, float(amax_epsilon), from_amax=True,
-                                      pow2=bool(force_pow2_scales))
+                                      pow2=bool(force_pow2_scales), parts=parts)
     return data, data_t, dbias, scale, scale_inv, amax
 
 

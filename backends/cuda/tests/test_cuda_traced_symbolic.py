@@ -432,7 +432,7 @@ def test_small_fp8_transposes_and_symbolic_ones_with_symbolic_off_stay_the_compi
 
 
 # --- delayed scaling's bias-gradient casts into a history slot (traced_kernels.SYMBOLIC_FUSED)
-EPILOGUES = ["dbias", "gelu-bwd", "swiglu-bwd", "parts", "current-dbias"]
+EPILOGUES = ["dbias", "gelu-bwd", "swiglu-bwd", "parts", "current-dbias", "current-parts"]
 GRAD_ROWS = [1040, 2600, 4200]  # token counts of one graph (hidden fixed); no two alike; row groups capped or not
 
 
@@ -440,7 +440,7 @@ def _epilogue_inputs(cast, rows):
     """The gradient (or its column blocks) and, for an activation's backward, its input."""
     g = torch.Generator().manual_seed(rows)
     dy = torch.randn((rows, HIDDEN), generator=g).to(torch.bfloat16)
-    if cast == "parts":
+    if cast.endswith("parts"):
         inputs = [torch.randn((rows, w), generator=g).to(torch.bfloat16) for w in (256, 512, 256)]
     elif cast.endswith("-bwd"):
         width = 2 * HIDDEN if cast.startswith("swiglu") else HIDDEN
@@ -463,6 +463,8 @@ def _epilogue_twin(cast):
                                                                                amax_out=slot)
     if cast == "current-dbias":  # (current scaling: no history)
         return lambda slot, dy: traced.dbias_cast_transpose_current([dy], E4M3)
+    if cast == "current-parts":
+        return lambda slot, *parts: traced.dbias_cast_transpose_current(list(parts), E4M3)
     return lambda slot, dy: traced.dbias_cast_transpose(dy, scale, E4M3, amax_out=slot)
 
 
@@ -476,7 +478,7 @@ def _epilogue_eager(cast, inputs, slot, tuning):
         return dbias.activation_bwd_dbias_cast_transpose(*inputs, cast[:-len("-bwd")], scale, E4M3,
                                                          tuning.dbias_cast_transpose, tuning.elementwise,
                                                          amax_out=slot)
-    if cast == "current-dbias":
+    if cast.startswith("current"):
         return dbias.dbias_cast_transpose_current(inputs, E4M3, tuning.dbias_cast_transpose, amax_cfg=tuning.quantize)
     if cast == "parts":
         return dbias.dbias_cast_transpose_parts(inputs, scale, E4M3, tuning.dbias_cast_transpose, amax_out=slot)
@@ -501,8 +503,9 @@ def test_bias_gradient_casts_over_a_changing_token_count_launch_what_the_eager_o
     monkeypatch.setattr(traced_kernels, "SYMBOLIC_FUSED", True)
     runs, graphs = _run_epilogue(cast, GRAD_ROWS, stand_in_gpu, monkeypatch, sm90, dynamic)
     assert graphs == (1 if dynamic else len(GRAD_ROWS)), f"{graphs} graphs for {len(GRAD_ROWS)} token counts"
-    # current scaling's amax pass writes no scales: each side passes tensors of its own there
-    unused = [{"scale_ptr", "scale_inv_ptr"}, set()] if cast == "current-dbias" else [set(), set()]
+    # current scaling's amax passes (one per block) write no scales: each side passes tensors of its own there
+    passes = {"current-dbias": 1, "current-parts": 3}.get(cast, 0)
+    unused = [{"scale_ptr", "scale_inv_ptr"}] * passes + [set(), set()]
     for rows, (got, want) in zip(GRAD_ROWS, runs):
         assert [(name, grid) for name, grid, _ in got] == [(name, grid) for name, grid, _ in want], rows
         assert "_dbias_ct_kernel" in [name for name, _, _ in got], got
@@ -531,7 +534,7 @@ def test_bias_gradient_casts_keep_the_opaque_ops_or_plain_casts_while_symbolic_f
     monkeypatch.setattr(traced_kernels, "SYMBOLIC", True)
     monkeypatch.setattr(traced_kernels, "SYMBOLIC_FUSED", False)
     runs, _ = _run_epilogue(cast, GRAD_ROWS[:2], stand_in_gpu, monkeypatch, sm90)
-    if cast == "current-dbias":  # te_triton's plain current-scaling casts, the compiler's sum
+    if cast.startswith("current"):  # te_triton's plain current-scaling casts (of the joined blocks), the compiler's sum
         assert all([name for name, _, _ in got] == ["_quantize_kernel", "_cast_transpose_kernel"] for got, _ in runs)
     else:
         assert all(got == [] for got, _ in runs)
