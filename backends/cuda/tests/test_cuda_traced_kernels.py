@@ -638,6 +638,26 @@ def test_current_dbias_twin_launches_what_te_triton_launches(monkeypatch, sm90, 
     _same_launches(twin, eager, unused={(0, 2), (0, 6)})
 
 
+@pytest.mark.parametrize("widths", [(1024, 512, 512), (512, 640)], ids=["three", "two"])
+def test_current_parts_twin_launches_what_te_triton_launches(monkeypatch, sm90, widths):
+    """Column blocks of whole strips read in place with current scaling: an amax pass over each
+    block into one amax, then the dbias cast-transpose reading the blocks (PARTS), as te_triton's
+    eager op launches them."""
+    from te_triton import dbias
+
+    g = torch.Generator().manual_seed(7)
+    parts = [torch.randn(96, w, generator=g).to(torch.bfloat16) for w in widths]
+    kwargs = dict(force_pow2_scales=False, amax_epsilon=0.0)
+    twin = _launches(lambda: traced_kernels.dbias_cast_transpose_current(parts[0], E5M2, parts=parts, **kwargs),
+                     monkeypatch, twin=True)
+    eager = _launches(lambda: dbias.dbias_cast_transpose_current(
+        parts, E5M2, sm90.dbias_cast_transpose, amax_cfg=sm90.quantize, **kwargs), monkeypatch, twin=False)
+    assert [c[0] for c in eager] == ["_quantize_kernel"] * len(widths) + ["_dbias_ct_kernel"]
+    assert eager[-1][3]["PARTS"] == len(widths)
+    # the amax passes: their scale and scale_inv pointers (eager: the amax buffer) are never read
+    _same_launches(twin, eager, unused={(i, j) for i in range(len(widths)) for j in (2, 6)})
+
+
 @GPU
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("widths", [[1024], [512, 640], [1100]], ids=["whole", "two-parts", "partial-strips"])
