@@ -352,7 +352,7 @@ def dbias_cast_transpose_current(dy, fp8_dtype, *, force_pow2_scales, amax_epsil
     blocks the kernel reads in place (parts_in_place; dy is the first), as the eager op reads them;
     other blocks are joined by the caller first (each column's sums run over the same rows in the
     same order either way, so the bytes are the same)."""
-    amax, scale, scale_inv = _current_slots([dy] if parts is None else list(parts))
+    amax, scale, scale_inv = _current_slots([dy] if parts is None else parts)
     data, data_t, dbias = _dbias_pass(dy, fp8_dtype, scale, amax, scale_inv, float(amax_epsilon), from_amax=True,
                                       pow2=bool(force_pow2_scales), parts=parts)
     return data, data_t, dbias, scale, scale_inv, amax
