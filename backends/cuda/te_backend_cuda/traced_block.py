@@ -80,11 +80,24 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
     return data, column_major(scale_inv), data_t, column_major(scale_inv_t)
 
 
+def _parts_in_place(parts, fp8_dtype, force_pow2_scales, amax_epsilon) -> bool:
+    """Whether te_triton's kernel casts these column blocks of a gradient in place, as the eager
+    op reads them (traced_kernels.blockwise_parts_in_place): each block a cast the twin takes, and
+    their joined size one the kernel takes (from KERNEL_MIN_NUMEL elements)."""
+    if len(parts) == 1 or parts[0].shape[0] * sum([p.shape[1] for p in parts]) < traced_kernels.KERNEL_MIN_NUMEL:
+        return False
+    symbolic = traced_kernels.SYMBOLIC_BLOCK
+    return (all([_takes(p, fp8_dtype, False, True, force_pow2_scales, amax_epsilon)
+                 and traced_kernels.takes(p, min_numel=1, symbolic=symbolic) for p in parts])
+            and traced_kernels.blockwise_parts_in_place(parts))
+
+
 def dbias_cast_transpose_blockwise(parts, fp8_dtype, *, force_pow2_scales=True, amax_epsilon=0.0):
-    """The gradient's column blocks joined, both 1x128 casts and the column sums: from
-    KERNEL_MIN_NUMEL elements on te_triton's fused kernel (traced_kernels), below it the
-    compiler's cast (quantize_blockwise above) and sum. A gradient of MAX_NUMEL elements or more
-    stays the opaque op, which casts its column blocks in place."""
+    """The gradient's column blocks, both 1x128 casts and the column sums: from KERNEL_MIN_NUMEL
+    elements on te_triton's fused kernel (traced_kernels), reading the blocks in place where the
+    eager op does (without the join, a pass over the whole gradient), else joined first; below it
+    the compiler's cast (quantize_blockwise above) and sum. A gradient of MAX_NUMEL elements or
+    more stays the opaque op."""
     if not isinstance(parts, (list, tuple)) or not parts or not all([traced._here(p) and p.dim() == 2 for p in parts]):
         return NotImplemented
     first = parts[0]
@@ -92,15 +105,15 @@ def dbias_cast_transpose_blockwise(parts, fp8_dtype, *, force_pow2_scales=True, 
         return NotImplemented  # (the opaque op names the mismatch)
     if first.shape[0] * sum([p.shape[1] for p in parts]) >= traced.MAX_NUMEL:
         return NotImplemented
+    kwargs = dict(force_pow2_scales=force_pow2_scales, amax_epsilon=amax_epsilon)
+    if _parts_in_place(parts, fp8_dtype, force_pow2_scales, amax_epsilon):
+        return traced_kernels.dbias_cast_transpose_blockwise(first, fp8_dtype, parts=list(parts), **kwargs)
     dy = torch.cat(list(parts), dim=1) if len(parts) > 1 else first
     if not _takes(dy, fp8_dtype, False, True, force_pow2_scales, amax_epsilon):
         return NotImplemented
     if traced_kernels.takes(dy, symbolic=traced_kernels.SYMBOLIC_BLOCK):  # te_triton's kernel, from compiled code
-        return traced_kernels.dbias_cast_transpose_blockwise(dy, fp8_dtype, force_pow2_scales=force_pow2_scales,
-                                                             amax_epsilon=amax_epsilon)
-    data, scale_inv, data_t, scale_inv_t = quantize_blockwise(dy, fp8_dtype, with_transpose=True,
-                                                              force_pow2_scales=force_pow2_scales,
-                                                              amax_epsilon=amax_epsilon)
+        return traced_kernels.dbias_cast_transpose_blockwise(dy, fp8_dtype, **kwargs)
+    data, scale_inv, data_t, scale_inv_t = quantize_blockwise(dy, fp8_dtype, with_transpose=True, **kwargs)
     dy = traced.as_stored(dy)
     return data, scale_inv, data_t, scale_inv_t, traced._as(traced._as(dy, torch.float32).sum(0), dy.dtype)
 

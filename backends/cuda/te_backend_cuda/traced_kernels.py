@@ -313,22 +313,25 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d, with_transpose, force_pow2_sca
     unused_dbias = torch.empty(1, dtype=torch.float32, device=dev)
     _WRAP_TRITON(triton_blockwise._blockwise_kernel.kernel)[(cdiv(m, bm), kb)](
         x, data, scale_inv, yt, st, unused_dbias, m, k, mb, kb, k,
-        scale_inv.stride(0), scale_inv.stride(1), st.stride(0), st.stride(1), 0, fmax, float(amax_epsilon),
+        scale_inv.stride(0), scale_inv.stride(1), st.stride(0), st.stride(1), 0, fmax, float(amax_epsilon), 0,
         BM=bm, BLOCK_2D=bool(block_2d), TRANSPOSE=bool(with_transpose), POW2=bool(force_pow2_scales),
         SUB=min(block_m, block), num_warps=warps,
         CLAMP=not hw_saturate or (bool(with_transpose) and x.dtype != torch.bfloat16), DBIAS=False)
     return data, scale_inv, data_t, scale_inv_t
 
 
-def dbias_cast_transpose_blockwise(dy, fp8_dtype, *, force_pow2_scales, amax_epsilon):
+def dbias_cast_transpose_blockwise(dy, fp8_dtype, *, force_pow2_scales, amax_epsilon, parts=None):
     """(data, scale_inv, data_t, scale_inv_t, dbias) of a 2-D gradient as
-    te_triton.blockwise.dbias_cast_transpose_blockwise launches them for one part: both 1x128
-    casts and each row block's column sums in one kernel, then their sum (none for one row
-    block, whose sums are the bias gradient)."""
+    te_triton.blockwise.dbias_cast_transpose_blockwise launches them: both 1x128 casts and each
+    row block's column sums in one kernel per column block, each into its place in the outputs,
+    then their sum (none for one row block, whose sums are the bias gradient). parts: the
+    gradient as column blocks the eager op reads in place (blockwise_parts_in_place; dy is the
+    first), else dy is the whole gradient."""
+    parts = [dy] if parts is None else list(parts)
     block = triton_blockwise.BLOCK
     fmax = torch.finfo(fp8_dtype).max
     dev = dy.device
-    m, k = dy.shape
+    m, k = dy.shape[0], sum([p.shape[1] for p in parts])
     mb, kb = cdiv(m, block), cdiv(k, block)
     block_m, warps, hw_saturate = _blockwise_config(dev.index, True, False)
     data = torch.empty((m, k), dtype=fp8_dtype, device=dev)
@@ -336,13 +339,27 @@ def dbias_cast_transpose_blockwise(dy, fp8_dtype, *, force_pow2_scales, amax_eps
     scale_inv, scale_inv_t = triton_blockwise._scales(m, kb, True, dev), triton_blockwise._scales(k, mb, True, dev)
     one = mb == 1
     partial = torch.empty((mb, k), dtype=dy.dtype if one else torch.float32, device=dev)
-    _WRAP_TRITON(triton_blockwise._blockwise_kernel.kernel)[(mb, kb)](
-        dy, data, scale_inv, data_t, scale_inv_t, partial, m, k, mb, kb, k,
-        scale_inv.stride(0), scale_inv.stride(1), scale_inv_t.stride(0), scale_inv_t.stride(1), k, fmax,
-        float(amax_epsilon), BM=block, BLOCK_2D=False, TRANSPOSE=True, POW2=bool(force_pow2_scales),
-        SUB=min(block_m, block), num_warps=warps, CLAMP=not hw_saturate or dy.dtype != torch.bfloat16, DBIAS=True)
+    off = 0
+    for part in parts:
+        width = part.shape[1]
+        _WRAP_TRITON(triton_blockwise._blockwise_kernel.kernel)[(mb, cdiv(width, block))](
+            part, data, scale_inv, data_t, scale_inv_t, partial, m, width, mb, cdiv(width, block), k,
+            scale_inv.stride(0), scale_inv.stride(1), scale_inv_t.stride(0), scale_inv_t.stride(1), k, fmax,
+            float(amax_epsilon), off, BM=block, BLOCK_2D=False, TRANSPOSE=True, POW2=bool(force_pow2_scales),
+            SUB=min(block_m, block), num_warps=warps, CLAMP=not hw_saturate or dy.dtype != torch.bfloat16, DBIAS=True)
+        off += width
     dbias = partial[0] if one else partial.sum(dim=0).to(dy.dtype)
     return data, scale_inv, data_t, scale_inv_t, dbias
+
+
+def blockwise_parts_in_place(parts) -> bool:
+    """Whether te_triton's block-scaled bias-gradient cast reads these column blocks of a gradient
+    in place, as the eager op decides it: two or more contiguous blocks, each but the last a whole
+    number of 128-column blocks wide, none empty (an empty block launches nothing eagerly; here
+    it stays the join, which launches the same kernels)."""
+    block = triton_blockwise.BLOCK
+    return len(parts) > 1 and all([p.is_contiguous() and static_int(p.shape[1]) and p.shape[1] > 0 for p in parts]) \
+        and all([p.shape[1] % block == 0 for p in parts[:-1]])
 
 
 def dbias_cast_transpose_current(dy, fp8_dtype, *, force_pow2_scales, amax_epsilon, parts=None):

@@ -401,18 +401,24 @@ def test_the_reference_backend_traces_nothing():
 
 
 @GPU
-@pytest.mark.parametrize("widths", [[(1024, 1024)], [(1024, 512), (1024, 640)], [(1040, 1100)], [(128, 8192)]],
-                         ids=["whole", "two-parts", "partial-blocks", "one-row-block"])
+@pytest.mark.parametrize("widths", [[(1024, 1024)], [(1024, 512), (1024, 640)], [(1024, 512), (1024, 256), (1024, 256)],
+                                    [(1040, 1100)], [(128, 8192)]],
+                         ids=["whole", "two-parts", "three-parts", "partial-blocks", "one-row-block"])
 def test_dbias_twin_compiled_is_the_cuda_op(widths):
     """From the kernel's threshold on, compiled: te_triton's fused kernel, the eager op's bytes
     and scales, its bias gradient within bfloat16's tolerance (the row blocks' sums are added in
-    the compiler's order; one row block's sums are the gradient itself, bit for bit)."""
+    the compiler's order; one row block's sums are the gradient itself, bit for bit). Column
+    blocks are read in place, as the eager op reads them: no join of the compiler's."""
+    from test_cuda_traced_kernels import _joins, _kernels
+
     from te_backend_cuda import ops
 
     torch._dynamo.reset()
     parts, _ = _parts(widths, torch.bfloat16, device="cuda", seed=9)
     run = torch.compile(lambda p: traced_block.dbias_cast_transpose_blockwise(p, E4M3), fullgraph=True)
     got = run(parts)
+    if len(parts) > 1:
+        assert not _joins(_kernels(run, parts))
     want = ops.dbias_cast_transpose_blockwise(parts, E4M3)
     _assert_same_bits(got[:4], want[:4], "cuda")
     assert got[1].stride() == want[1].stride() and got[3].stride() == want[3].stride()

@@ -663,6 +663,25 @@ def test_current_parts_twin_launches_what_te_triton_launches(monkeypatch, sm90, 
     _same_launches(twin, eager, unused={(i, j) for i in range(len(widths)) for j in (2, 6)})
 
 
+@pytest.mark.parametrize("widths", [(512, 256, 256), (256, 200)], ids=["three", "two"])
+def test_block_parts_twin_launches_what_te_triton_launches(monkeypatch, sm90, widths):
+    """Column blocks read in place with block scaling: one launch per block, each writing its
+    columns of the whole outputs (its first column in the last integer argument), as te_triton's
+    eager op launches them."""
+    from te_triton import blockwise
+
+    g = torch.Generator().manual_seed(8)
+    parts = [torch.randn(300, w, generator=g).to(torch.bfloat16) for w in widths]
+    kwargs = dict(force_pow2_scales=True, amax_epsilon=0.0)
+    twin = _launches(lambda: traced_kernels.dbias_cast_transpose_blockwise(parts[0], E4M3, parts=parts, **kwargs),
+                     monkeypatch, twin=True)
+    eager = _launches(lambda: blockwise.dbias_cast_transpose_blockwise(
+        parts, E4M3, cfg=sm90.blockwise_1d_transpose, **kwargs), monkeypatch, twin=False)
+    assert [c[0] for c in eager] == ["_blockwise_kernel"] * len(widths)
+    assert [c[2][18] for c in eager] == [sum(widths[:i]) for i in range(len(widths))]
+    _same_launches(twin, eager)
+
+
 @GPU
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("widths", [[1024], [512, 640], [1100]], ids=["whole", "two-parts", "partial-strips"])

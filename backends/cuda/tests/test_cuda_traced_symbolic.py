@@ -432,7 +432,7 @@ def test_small_fp8_transposes_and_symbolic_ones_with_symbolic_off_stay_the_compi
 
 
 # --- delayed scaling's bias-gradient casts into a history slot (traced_kernels.SYMBOLIC_FUSED)
-EPILOGUES = ["dbias", "gelu-bwd", "swiglu-bwd", "parts", "current-dbias", "current-parts"]
+EPILOGUES = ["dbias", "gelu-bwd", "swiglu-bwd", "parts", "current-dbias", "current-parts", "block-parts"]
 GRAD_ROWS = [1040, 2600, 4200]  # token counts of one graph (hidden fixed); no two alike; row groups capped or not
 
 
@@ -465,15 +465,19 @@ def _epilogue_twin(cast):
         return lambda slot, dy: traced.dbias_cast_transpose_current([dy], E4M3)
     if cast == "current-parts":
         return lambda slot, *parts: traced.dbias_cast_transpose_current(list(parts), E4M3)
+    if cast == "block-parts":  # (block scaling: no history)
+        return lambda slot, *parts: traced_block.dbias_cast_transpose_blockwise(list(parts), E4M3)
     return lambda slot, dy: traced.dbias_cast_transpose(dy, scale, E4M3, amax_out=slot)
 
 
 def _epilogue_eager(cast, inputs, slot, tuning):
     """te_triton's eager op as the cuda op calls it below the descriptor kernels' size (column
     blocks of whole strips read in place, by the twin as well)."""
-    from te_triton import dbias
+    from te_triton import blockwise, dbias
 
     scale = torch.full((1,), SCALE)
+    if cast == "block-parts":
+        return blockwise.dbias_cast_transpose_blockwise(inputs, E4M3, cfg=tuning.blockwise_1d_transpose)
     if cast.endswith("-bwd"):
         return dbias.activation_bwd_dbias_cast_transpose(*inputs, cast[:-len("-bwd")], scale, E4M3,
                                                          tuning.dbias_cast_transpose, tuning.elementwise,
@@ -505,10 +509,10 @@ def test_bias_gradient_casts_over_a_changing_token_count_launch_what_the_eager_o
     assert graphs == (1 if dynamic else len(GRAD_ROWS)), f"{graphs} graphs for {len(GRAD_ROWS)} token counts"
     # current scaling's amax passes (one per block) write no scales: each side passes tensors of its own there
     passes = {"current-dbias": 1, "current-parts": 3}.get(cast, 0)
-    unused = [{"scale_ptr", "scale_inv_ptr"}] * passes + [set(), set()]
     for rows, (got, want) in zip(GRAD_ROWS, runs):
         assert [(name, grid) for name, grid, _ in got] == [(name, grid) for name, grid, _ in want], rows
-        assert "_dbias_ct_kernel" in [name for name, _, _ in got], got
+        unused = [{"scale_ptr", "scale_inv_ptr"}] * passes + [set()] * (len(got) - passes)
+        assert ("_blockwise_kernel" if cast.startswith("block") else "_dbias_ct_kernel") in [n for n, _, _ in got], got
         for (name, _, values), (_, _, eager_values), skip in zip(got, want, unused):
             assert values.keys() == eager_values.keys(), (rows, name)
             differ = _differing(values, eager_values, skip)
@@ -536,8 +540,18 @@ def test_bias_gradient_casts_keep_the_opaque_ops_or_plain_casts_while_symbolic_f
     runs, _ = _run_epilogue(cast, GRAD_ROWS[:2], stand_in_gpu, monkeypatch, sm90)
     if cast.startswith("current"):  # te_triton's plain current-scaling casts (of the joined blocks), the compiler's sum
         assert all([name for name, _, _ in got] == ["_quantize_kernel", "_cast_transpose_kernel"] for got, _ in runs)
+    elif cast == "block-parts":  # the block casts take symbolic sizes by SYMBOLIC_BLOCK, not SYMBOLIC_FUSED
+        assert all([name for name, _, _ in got] == ["_blockwise_kernel"] * 3 for got, _ in runs)
     else:
         assert all(got == [] for got, _ in runs)
+
+
+def test_block_scaled_gradient_blocks_keep_the_compilers_cast_while_symbolic_block_is_off(stand_in_gpu, monkeypatch,
+                                                                                          sm90):
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC", True)
+    monkeypatch.setattr(traced_kernels, "SYMBOLIC_BLOCK", False)
+    runs, _ = _run_epilogue("block-parts", GRAD_ROWS[:2], stand_in_gpu, monkeypatch, sm90)
+    assert all(got == [] for got, _ in runs)
 
 
 # --- norm backwards (traced_kernels.norm_bwd): te_triton's kernel, plain or symbolic row counts

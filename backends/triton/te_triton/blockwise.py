@@ -50,18 +50,22 @@ def _abs_bits_of(v, IN_DTYPE: tl.constexpr):
 @launcher
 @triton.jit
 def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, db_ptr, M, K, MB, KB, y_row, s_row, s_col, st_row, st_col,
-                      db_row, fmax, eps, BM: tl.constexpr, BLOCK_2D: tl.constexpr, TRANSPOSE: tl.constexpr,
+                      db_row, fmax, eps, c0, BM: tl.constexpr, BLOCK_2D: tl.constexpr, TRANSPOSE: tl.constexpr,
                       POW2: tl.constexpr, SUB: tl.constexpr, CLAMP: tl.constexpr, DBIAS: tl.constexpr):
-    # y_row: the row stride of y, which may be a column block of a wider array (the parts of a
-    # gradient, each cast into its place); DBIAS (1x128 with the transpose): each program's
-    # column sums over its rows into row pm of db (float32, or the bias gradient's dtype where
-    # a single row block makes the sums the gradient itself), summed over the programs after.
+    # c0: the column of the outputs where x's first column goes, a multiple of 128 (a gradient's
+    # column blocks, each cast into its place in outputs as wide as all of them, y_row their
+    # width: no views of the outputs to make per block, and the same whole buffers handed to
+    # every launch, which compiled code needs to write them in place); DBIAS (1x128 with the
+    # transpose): each program's column sums over its rows into row pm of db (float32, or the
+    # bias gradient's dtype where a single row block makes the sums the gradient itself), summed
+    # over the programs after.
     fmax, eps = as_float32(fmax), as_float32(eps)
     pm = tl.program_id(0)
     pk = tl.program_id(1)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     rows = pm * BM + tl.arange(0, BM)
     cols = pk * 128 + tl.arange(0, 128)
+    kb = c0 // 128 + pk  # this tile's column of the scale grids
     if not BLOCK_2D and TRANSPOSE:
         # 1x128 runs both ways from a 128x128 tile, SUB rows then SUB columns at a time: holding
         # the whole tile at once (with its float32 copy) spills registers. Each element is read
@@ -72,8 +76,8 @@ def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, db_ptr, M, K, MB, KB,
             v = tl.load(x_ptr + r[:, None] * K + cols[None, :], mask=m, other=0.0)
             scale = scale_from_amax(_amax_of_bits(tl.max(_abs_bits_of(v, DT), axis=1), DT), fmax, eps, POW2)
             q = saturating_cast(v.to(tl.float32) * scale[:, None], fmax, y_ptr.dtype.element_ty, CLAMP)
-            tl.store(y_ptr + r[:, None] * y_row + cols[None, :], q, mask=m)
-            tl.store(s_ptr + r * s_row + pk * s_col, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=r < M)
+            tl.store(y_ptr + r[:, None] * y_row + c0 + cols[None, :], q, mask=m)
+            tl.store(s_ptr + r * s_row + kb * s_col, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=r < M)
         for h in tl.static_range(128 // SUB):
             c = pk * 128 + h * SUB + tl.arange(0, SUB)
             m = (rows[:, None] < M) & (c[None, :] < K)
@@ -81,11 +85,11 @@ def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, db_ptr, M, K, MB, KB,
             scale_t = scale_from_amax(_amax_of_bits(tl.max(_abs_bits_of(v, DT), axis=0), DT), fmax, eps, POW2)
             qt = saturating_cast(v.to(tl.float32) * scale_t[None, :], fmax, yt_ptr.dtype.element_ty, CLAMP)
             mt = (c[:, None] < K) & (rows[None, :] < M)
-            tl.store(yt_ptr + c[:, None] * M + rows[None, :], tl.trans(qt), mask=mt)
-            tl.store(st_ptr + c * st_row + pm * st_col, tl.math.div_rn(tl.zeros_like(scale_t) + 1.0, scale_t),
+            tl.store(yt_ptr + (c0 + c)[:, None] * M + rows[None, :], tl.trans(qt), mask=mt)
+            tl.store(st_ptr + (c0 + c) * st_row + pm * st_col, tl.math.div_rn(tl.zeros_like(scale_t) + 1.0, scale_t),
                      mask=c < K)
             if DBIAS:
-                tl.store(db_ptr + pm * db_row + c, tl.sum(v.to(tl.float32), axis=0), mask=c < K)
+                tl.store(db_ptr + pm * db_row + c0 + c, tl.sum(v.to(tl.float32), axis=0), mask=c < K)
     else:
         # the input's own dtype in registers (its bits give the amax), float32 only for the
         # product: a float32 copy of the whole tile held from the load halves the bandwidth
@@ -96,17 +100,17 @@ def _blockwise_kernel(x_ptr, y_ptr, s_ptr, yt_ptr, st_ptr, db_ptr, M, K, MB, KB,
             # the max over integer bits keeps a NaN (a float max might drop it)
             scale = scale_from_amax(_amax_of_bits(tl.max(tl.max(bits, axis=1), axis=0), DT), fmax, eps, POW2)
             q = saturating_cast(v.to(tl.float32) * scale, fmax, y_ptr.dtype.element_ty, CLAMP)
-            tl.store(y_ptr + rows[:, None] * y_row + cols[None, :], q, mask=mask)
-            tl.store(s_ptr + pm * s_row + pk * s_col, tl.math.div_rn(1.0, scale))
+            tl.store(y_ptr + rows[:, None] * y_row + c0 + cols[None, :], q, mask=mask)
+            tl.store(s_ptr + pm * s_row + kb * s_col, tl.math.div_rn(1.0, scale))
             if TRANSPOSE:
                 mask_t = (cols[:, None] < K) & (rows[None, :] < M)
-                tl.store(yt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
-                tl.store(st_ptr + pk * st_row + pm * st_col, tl.math.div_rn(1.0, scale))
+                tl.store(yt_ptr + (c0 + cols)[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
+                tl.store(st_ptr + kb * st_row + pm * st_col, tl.math.div_rn(1.0, scale))
         else:
             scale = scale_from_amax(_amax_of_bits(tl.max(bits, axis=1), DT), fmax, eps, POW2)
             q = saturating_cast(v.to(tl.float32) * scale[:, None], fmax, y_ptr.dtype.element_ty, CLAMP)
-            tl.store(y_ptr + rows[:, None] * y_row + cols[None, :], q, mask=mask)
-            tl.store(s_ptr + rows * s_row + pk * s_col, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale),
+            tl.store(y_ptr + rows[:, None] * y_row + c0 + cols[None, :], q, mask=mask)
+            tl.store(s_ptr + rows * s_row + kb * s_col, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale),
                      mask=rows < M)
 
 
@@ -138,7 +142,7 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
         st = scale_inv if scale_inv_t is None else scale_inv_t
         _blockwise_kernel[(cdiv(M, BM), KB)](
             x, data, scale_inv, data if data_t is None else data_t, st, st, M, K, MB, KB, K,
-            scale_inv.stride(0), scale_inv.stride(1), st.stride(0), st.stride(1), 0, fmax, float(amax_epsilon),
+            scale_inv.stride(0), scale_inv.stride(1), st.stride(0), st.stride(1), 0, fmax, float(amax_epsilon), 0,
             BM=BM, BLOCK_2D=bool(block_2d), TRANSPOSE=bool(with_transpose), POW2=bool(force_pow2_scales),
             SUB=min(cfg.block_m, BLOCK), num_warps=cfg.num_warps,
             CLAMP=transpose_clamps(cfg, x, with_transpose), DBIAS=False)
@@ -175,14 +179,10 @@ def dbias_cast_transpose_blockwise(parts, fp8_dtype, *, force_pow2_scales=True, 
         for part in parts:
             k = part.shape[1]
             if k:
-                # the first part starts every output: no views of them (torch calls, on a host-bound step)
-                d, s, dt, st, p = ((data, scale_inv, data_t, scale_inv_t, partial) if off == 0 else
-                                   (data[:, off:], scale_inv[:, off // BLOCK:], data_t[off:], scale_inv_t[off:],
-                                    partial[:, off:]))
                 _blockwise_kernel[(MB, cdiv(k, BLOCK))](
-                    part, d, s, dt, st, p, M, k, MB, cdiv(k, BLOCK), K,
-                    s.stride(0), s.stride(1), st.stride(0), st.stride(1), K, fmax, float(amax_epsilon),
-                    BM=BLOCK, BLOCK_2D=False, TRANSPOSE=True, POW2=bool(force_pow2_scales),
+                    part, data, scale_inv, data_t, scale_inv_t, partial, M, k, MB, cdiv(k, BLOCK), K,
+                    scale_inv.stride(0), scale_inv.stride(1), scale_inv_t.stride(0), scale_inv_t.stride(1), K, fmax,
+                    float(amax_epsilon), off, BM=BLOCK, BLOCK_2D=False, TRANSPOSE=True, POW2=bool(force_pow2_scales),
                     SUB=min(cfg.block_m, BLOCK), num_warps=cfg.num_warps, CLAMP=transpose_clamps(cfg, part),
                     DBIAS=True)
             off += k
