@@ -354,12 +354,11 @@ def dbias_cast_transpose_blockwise(dy, fp8_dtype, *, force_pow2_scales, amax_eps
 
 def blockwise_parts_in_place(parts) -> bool:
     """Whether te_triton's block-scaled bias-gradient cast reads these column blocks of a gradient
-    in place, as the eager op decides it: two or more contiguous blocks, each but the last a whole
-    number of 128-column blocks wide, none empty (an empty block launches nothing eagerly; here
-    it stays the join, which launches the same kernels)."""
-    block = triton_blockwise.BLOCK
-    return len(parts) > 1 and all([p.is_contiguous() and static_int(p.shape[1]) and p.shape[1] > 0 for p in parts]) \
-        and all([p.shape[1] % block == 0 for p in parts[:-1]])
+    in place, as the eager op decides it (te_triton.blockwise.parts_in_place): two or more, their
+    widths plain ints, none empty (eagerly an empty block launches nothing; the join of such
+    blocks is one launch writing the same bytes)."""
+    return (len(parts) > 1 and all([static_int(p.shape[1]) and p.shape[1] > 0 for p in parts])
+            and triton_blockwise.parts_in_place(parts))
 
 
 def dbias_cast_transpose_current(dy, fp8_dtype, *, force_pow2_scales, amax_epsilon, parts=None):

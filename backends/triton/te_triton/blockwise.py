@@ -149,6 +149,13 @@ def quantize_blockwise(x, fp8_dtype, *, block_2d=False, with_transpose=False, fo
     return data, scale_inv, data_t, scale_inv_t
 
 
+def parts_in_place(parts) -> bool:
+    """Whether dbias_cast_transpose_blockwise casts these column blocks where they are: each
+    contiguous, each but the last a whole number of 128-column blocks wide (else a 1x128 run
+    would span two blocks)."""
+    return all(p.is_contiguous() for p in parts) and not any(p.shape[1] % BLOCK for p in parts[:-1])
+
+
 def dbias_cast_transpose_blockwise(parts, fp8_dtype, *, force_pow2_scales=True, amax_epsilon=0.0,
                                    cfg: Config = BLOCKWISE_DEFAULT):
     """(data, scale_inv, data_t, scale_inv_t, dbias) as te_core.ops.dbias_cast_transpose_blockwise:
@@ -156,7 +163,7 @@ def dbias_cast_transpose_blockwise(parts, fp8_dtype, *, force_pow2_scales=True, 
     (one launch per part). A part whose width is not a multiple of 128 but the last would share
     a block with the next: such parts are joined first."""
     parts = column_blocks(parts)
-    if any(p.shape[1] % BLOCK for p in parts[:-1]) or not all(p.is_contiguous() for p in parts):
+    if not parts_in_place(parts):
         parts = [torch.cat(parts, dim=1)]
     for part in parts:
         check_2d_input(part)
