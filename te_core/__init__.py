@@ -6,6 +6,10 @@ in te_core.backend, and every computation runs through the op contract in te_cor
 """
 __version__ = "0.1.0"
 
+from . import _torch_fixes
+
+_torch_fixes.apply()
+
 from . import ops, optimizers, recipe
 from .recipe import is_nvfp4_available
 from .backend import get_backend, list_backends, set_backend

@@ -273,20 +273,21 @@ class Float8Quantizer(Quantizer):
             self.scaling_group.fresh.discard(self.column)  # the update sets the scale from this amax
 
 
-class _FloatAsText:
+def _float_as_text(name: str) -> property:
     """A float attribute kept as text: torch.compile(dynamic=True) makes a float attribute
     symbolic, and a symbolic float first read in the backward's trace (the output gradient's
     cast) fails dynamo's speculation of the backward; a float parsed from text is a constant of
-    the trace (a changed value recompiles)."""
+    the trace (a changed value recompiles). A property, which dynamo reads on every supported
+    torch (torch 2.7's cannot call a descriptor class's __get__)."""
+    slot = "_" + name + "_text"
 
-    def __set_name__(self, owner, name):
-        self._slot = "_" + name + "_text"
+    def get(self) -> float:
+        return float(getattr(self, slot))
 
-    def __get__(self, obj, owner=None):
-        return self if obj is None else float(getattr(obj, self._slot))
+    def set_(self, value) -> None:
+        setattr(self, slot, repr(float(value)))
 
-    def __set__(self, obj, value) -> None:
-        setattr(obj, self._slot, repr(float(value)))
+    return property(get, set_)
 
 
 class Float8CurrentScalingQuantizer(Quantizer):
@@ -301,7 +302,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
         self.power_2_scale = power_2_scale
         self.amax_epsilon = amax_epsilon
 
-    amax_epsilon = _FloatAsText()
+    amax_epsilon = _float_as_text("amax_epsilon")
 
     def quantize(self, x: Tensor, *, columnwise: bool = False) -> Float8Tensor:
         src = _as_2d(x) if columnwise else x
@@ -328,7 +329,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
 class Float8BlockQuantizer(Quantizer):
     """One float32 scale per 1x128 run of a row (block_2d=False) or per 128x128 tile."""
 
-    amax_epsilon = _FloatAsText()
+    amax_epsilon = _float_as_text("amax_epsilon")
 
     _sharing_getter = sharing_fields("block_2d", "power_2_scale", "amax_epsilon")
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from .._torch_fixes import SETS_TRACED_TENSOR_ATTRIBUTES
 from ..backend.types import fp8_max
 from ..reference.scaling import roll_history, scale_from_amax
 from .lent_scales import lend
@@ -171,7 +172,7 @@ class ScalingGroup:
         if traced or self._column_views is None:
             columns = range(len(self.names))
             views = ([self.scale[i : i + 1] for i in columns], [self.amax_history[0, i : i + 1] for i in columns])
-            for i, slot in enumerate(views[1]):
+            for i, slot in enumerate(views[1] if SETS_TRACED_TENSOR_ATTRIBUTES or not traced else ()):
                 slot.te_slot_column = i  # (what a backend's compiled cast may write through: ops/cast.py)
             if traced:
                 return views

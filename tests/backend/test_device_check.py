@@ -89,7 +89,7 @@ def test_info_lists_the_liar_as_broken_and_does_not_die(plugins):
     assert "liar (te-backend-fake): claims to be available" in info.render(report)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch build without CUDA")
+@pytest.mark.skipif(torch.backends.cuda.is_built(), reason="needs a torch build without CUDA (its error names that)")
 def test_info_survives_a_gpu_liar_in_a_fresh_process(tmp_path):
     """The real registry path: a plugin claiming a GPU on a CPU-only torch, through `te-core info`."""
     (tmp_path / "gpu_liar.py").write_text(

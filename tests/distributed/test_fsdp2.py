@@ -78,8 +78,8 @@ def fsdp_matches_ddp(ctx, dtype_name: str, fp8: bool):
 @pytest.mark.skipif(fully_shard is None, reason="torch.distributed.fsdp.fully_shard is not available")
 @pytest.mark.parametrize("dtype, fp8", [("float32", False), ("bfloat16", False), ("float32", True)],
                          ids=["fp32", "bf16", "fp8-delayed"])
-def test_fsdp2_matches_ddp(pool, dtype, fp8):
-    assert pool.run(fsdp_matches_ddp, dtype, fp8) == [True] * 4
+def test_fsdp2_matches_ddp(fsdp2_training, dtype, fp8):
+    assert fsdp2_training.run(fsdp_matches_ddp, dtype, fp8) == [True] * 4
 
 
 def _tp_model(tp_group, rank_in_tp: int):
@@ -118,5 +118,5 @@ def tp_inside_fsdp_matches_ddp(ctx):
 
 
 @pytest.mark.skipif(fully_shard is None, reason="torch.distributed.fsdp.fully_shard is not available")
-def test_tensor_parallel_inside_fsdp2_matches_ddp(pool):
-    assert pool.run(tp_inside_fsdp_matches_ddp) == [True] * 4
+def test_tensor_parallel_inside_fsdp2_matches_ddp(fsdp2_training):
+    assert fsdp2_training.run(tp_inside_fsdp_matches_ddp) == [True] * 4

@@ -143,8 +143,8 @@ def training_matches_single_process(ctx):
     return True
 
 
-def test_fsdp2_block_fp8_training_matches_single_process(pool):
-    assert pool.run(training_matches_single_process) == [True] * 2
+def test_fsdp2_block_fp8_training_matches_single_process(fsdp2_training):
+    assert fsdp2_training.run(training_matches_single_process) == [True] * 2
 
 
 def all_gather_bytes_per_step(ctx):

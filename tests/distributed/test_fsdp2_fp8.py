@@ -121,8 +121,8 @@ def fsdp_fp8_matches_single_process(ctx, recipe_name: str):
 
 
 @pytest.mark.parametrize("recipe_name", sorted(RECIPES))
-def test_fsdp2_fp8_all_gather_matches_single_process(pool, recipe_name):
-    assert pool.run(fsdp_fp8_matches_single_process, recipe_name) == [True] * 2
+def test_fsdp2_fp8_all_gather_matches_single_process(fsdp2_training, recipe_name):
+    assert fsdp2_training.run(fsdp_fp8_matches_single_process, recipe_name) == [True] * 2
 
 
 class _AllReduces:

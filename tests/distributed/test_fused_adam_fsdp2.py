@@ -71,8 +71,8 @@ def _sharded_against_unsharded(ctx, case):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_sharded_compact_states_train_as_unsharded_ones(pool, case):
-    for worst, scales_per_shard in pool.run(_sharded_against_unsharded, case):
+def test_sharded_compact_states_train_as_unsharded_ones(fsdp2_training, case):
+    for worst, scales_per_shard in fsdp2_training.run(_sharded_against_unsharded, case):
         assert scales_per_shard
         if case == "param remainders":
             assert worst == 0.0

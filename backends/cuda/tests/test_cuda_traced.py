@@ -396,7 +396,7 @@ def test_dynamic_shapes_compile_with_twins(monkeypatch, on_cpu, name):
     backward's casts read floats for the first time inside dynamo's speculation of the backward
     (the E5M2 format's max after E4M3 forward casts, the gradient quantizer's epsilon), where a
     float read from a module's dict or an object's attribute would be a symbolic input it
-    cannot lift (traced.fp8_max, quantizers._FloatAsText), or a symbolic epsilon the block
+    cannot lift (traced.fp8_max, quantizers._float_as_text), or a symbolic epsilon the block
     twin would decline. Two batch sizes, each equal to the eager reference, with no
     self-scaled cast left opaque."""
     rec = DYNAMIC_RECIPES[name]()
