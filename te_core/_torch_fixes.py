@@ -52,3 +52,10 @@ def apply() -> None:
     """Apply the fixes this torch needs (none on a current release)."""
     if _TORCH_2_7:
         _fix_lifted_input_names()
+
+
+def pad_end(x: torch.Tensor, pad_cols: int, pad_rows: int = 0) -> torch.Tensor:
+    """A 2-D `x` zero-padded by `pad_cols` columns and `pad_rows` rows at its end. The rows' pair
+    is passed only when it pads: torch 2.7 and 2.8 refuse any pad of a dimension of size 0, even a
+    pad of 0 (an empty batch's (0, K) cast)."""
+    return torch.nn.functional.pad(x, (0, pad_cols) if pad_rows == 0 else (0, pad_cols, 0, pad_rows))

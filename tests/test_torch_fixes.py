@@ -63,3 +63,13 @@ def test_traced_tensor_attributes_flag_matches_this_torch():
     else:
         with pytest.raises(Exception, match="setattr"):
             compiled(x)
+
+
+@pytest.mark.parametrize("shape, pads, want", [((0, 100), (28, 0), (0, 128)), ((0, 100), (28, 128), (128, 128)),
+                                               ((3, 5), (0, 2), (5, 5)), ((3, 5), (3, 0), (3, 8))])
+def test_pad_end_pads_empty_batches(shape, pads, want):
+    x = torch.randn(shape)
+    y = _torch_fixes.pad_end(x, *pads)
+    assert y.shape == want
+    torch.testing.assert_close(y[: shape[0], : shape[1]], x, rtol=0, atol=0)
+    assert int(torch.count_nonzero(y)) == int(torch.count_nonzero(x))  # the padding is zeros

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import ops
+from .._torch_fixes import pad_end
 from ..backend.dispatch import resolution
 from ..backend.plugin import BackendError
 from ..backend.types import BLOCK_1x128_1x128, BLOCK_1x128_128x128, MXFP8, TENSORWISE
@@ -170,7 +171,7 @@ def _pad_fp8(data: Tensor, rows: int, cols: int) -> Tensor:
     r, c = data.shape
     if (r, c) == (rows, cols):
         return data
-    return F.pad(data.view(torch.uint8), (0, cols - c, 0, rows - r)).view(data.dtype)
+    return pad_end(data.view(torch.uint8), cols - c, rows - r).view(data.dtype)
 
 
 def _padded_gemm_fp8(qa: GemmOperand, qb: GemmOperand, m: int, n: int, k: int, *, out_dtype: torch.dtype,

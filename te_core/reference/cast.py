@@ -11,6 +11,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._torch_fixes import pad_end
 from ..backend.types import FP8_FORMATS, as_dtype, fp8_max
 
 BLOCK = 128  # elements per block of quantize_blockwise
@@ -201,7 +202,7 @@ def _pad_to_blocks(x32: Tensor, rows_block: int) -> Tensor:
     m, k = x32.shape
     pad_m = _ceil_div(m, rows_block) * rows_block - m
     pad_k = _ceil_div(k, BLOCK) * BLOCK - k
-    return torch.nn.functional.pad(x32, (0, pad_k, 0, pad_m))
+    return pad_end(x32, pad_k, pad_m)
 
 
 def _quantize_blocks(x: Tensor, fp8_dtype, block_2d: bool, pow2: bool, eps: float) -> Tuple[Tensor, Tensor]:

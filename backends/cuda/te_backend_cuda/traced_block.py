@@ -20,8 +20,7 @@ stays the opaque op (traced.CAST_DTYPES).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from te_core.reference.cast import column_major
+from te_core.reference.cast import column_major, pad_end
 
 from . import traced, traced_kernels
 
@@ -33,7 +32,7 @@ def _blocks(x, fp8_dtype, rows: int, force_pow2_scales: bool, amax_epsilon: floa
     m, k = x.shape
     pad_m, pad_k = -m % rows, -k % BLOCK
     if pad_m or pad_k:
-        x = F.pad(x, (0, pad_k, 0, pad_m))
+        x = pad_end(x, pad_k, pad_m)
     blocks = x.reshape(x.shape[0] // rows, rows, x.shape[1] // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=(1, 3))
     fmax = traced.fp8_max(fp8_dtype)
