@@ -425,7 +425,9 @@ class QuantizedOperand:
 
     def __new__(cls, shape, nominal_dtype: torch.dtype, device: torch.device, quantizer=None):
         self = object.__new__(cls)
-        self.shape, self.dtype, self.device, self._quantizer = torch.Size(shape), nominal_dtype, device, quantizer
+        # (a torch.Size passes as it is: torch 2.7's dynamo cannot call torch.Size on symbolic sizes)
+        shape = shape if isinstance(shape, torch.Size) else torch.Size(shape)
+        self.shape, self.dtype, self.device, self._quantizer = shape, nominal_dtype, device, quantizer
         return self
 
     quantizer = QuantizedTensor.quantizer

@@ -12,6 +12,10 @@ from te_core import recipe
 from te_core.modules import layernorm_mlp
 from te_core.quantization import autocast
 
+HOLDS_ON_CTX = pytest.mark.skipif(not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"), reason=(
+    "this torch (2.7) cannot tell whether saved-tensor hooks are active, so te-core saves intermediates "
+    "through save_for_backward and frees none early"))
+
 
 def _node_with_intermediates(t):
     todo = [t.grad_fn]
@@ -55,6 +59,7 @@ def _run(monkeypatch, fp8: bool, retain: bool):
     return alive_at_norm_backward[0], mlp, x, y, dy
 
 
+@HOLDS_ON_CTX
 @pytest.mark.parametrize("fp8", [False, True])
 def test_intermediates_are_freed_before_the_norm_backward(monkeypatch, fp8):
     alive, *_ = _run(monkeypatch, fp8, retain=False)
@@ -63,6 +68,7 @@ def test_intermediates_are_freed_before_the_norm_backward(monkeypatch, fp8):
     assert not any(alive if fp8 else alive[0:1] + alive[2:4]), alive
 
 
+@HOLDS_ON_CTX
 @pytest.mark.parametrize("fp8", [False, True])
 def test_retained_graph_keeps_them_and_backward_runs_again(monkeypatch, fp8):
     alive, mlp, x, y, dy = _run(monkeypatch, fp8, retain=True)
@@ -73,6 +79,7 @@ def test_retained_graph_keeps_them_and_backward_runs_again(monkeypatch, fp8):
         torch.testing.assert_close(t.grad - before, before, rtol=1.3e-6, atol=1e-5)  # the same gradient again
 
 
+@HOLDS_ON_CTX
 def test_second_backward_without_retain_graph_names_the_fix(monkeypatch):
     *_, y, dy = _run(monkeypatch, fp8=False, retain=False)
     with pytest.raises(RuntimeError, match="second time"):
@@ -125,6 +132,7 @@ def _linear_step(rec, hooks: bool, kind: str = "Linear"):
     return saved, held, packed, [p.grad for p in (x, *lin.parameters())], node
 
 
+@HOLDS_ON_CTX
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear"])
 @pytest.mark.parametrize("name", ["delayed", "current", "block"])
 def test_linear_holds_its_quantized_operands_on_ctx_and_lets_them_go(name, kind):

@@ -189,6 +189,8 @@ def test_fp8_step_peak_is_no_higher_than_high_precision(monkeypatch, name):
         assert fp8 <= plain + fp8_weight_copies, (fp8, plain, fp8_weight_copies)
 
 
+@pytest.mark.skipif(not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"), reason=(
+    "this torch (2.7) cannot tell whether saved-tensor hooks are active, so te-core frees no intermediate early"))
 @pytest.mark.parametrize("name", ["current", "block", "mxfp8", None])
 def test_gradient_cast_runs_after_the_activation_inputs_are_freed(monkeypatch, name):
     """Without a fused activation-backward cast, the FP8 cast of d_h must not run while the

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from te_core._torch_fixes import SETS_TRACED_TENSOR_ATTRIBUTES
 from te_core import ops
 from te_core.modules import linear as linear_module
 from te_core.modules.linear import Linear
@@ -388,6 +389,8 @@ def test_amax_slots_name_their_column_of_history_row_0(traced):
     """Each amax slot a cast is handed carries te_slot_column = c and is amax_history[0, c:c+1]
     (ops/cast.py): what lets a backend's compiled cast write the history itself for column 0.
     Compiled, the slots are made in the graph and carry it there."""
+    if traced and not SETS_TRACED_TENSOR_ATTRIBUTES:
+        pytest.skip("this torch's dynamo (2.7) cannot set an attribute on a traced tensor: traced slots carry none")
     group = ScalingGroup(["a", "b"], torch.float8_e4m3fn, DelayedScaling(amax_history_len=4), torch.device("cpu"))
 
     def columns_and_offsets():

@@ -115,6 +115,19 @@ def test_high_precision_gemm_out_dtype():
     torch.testing.assert_close(got, ref.gemm(a, b, out_dtype=torch.float32), rtol=1.6e-2, atol=1e-5)
 
 
+def _cpu_scaled_mm() -> bool:
+    """Whether this torch has a CPU _scaled_mm at all (torch 2.7's has none)."""
+    a = torch.ones(16, 16).to(E4M3)
+    try:
+        torch._scaled_mm(a, a.t(), torch.ones(()), torch.ones(()), out_dtype=torch.float32)
+    except RuntimeError:  # NotImplementedError: no CPU kernel
+        return False
+    return True
+
+
+NEEDS_CPU_SCALED_MM = pytest.mark.skipif(not _cpu_scaled_mm(), reason="this torch has no CPU _scaled_mm (torch 2.7)")
+
+
 def _cpu_scaled_mm_has_rowwise() -> bool:
     """torch 2.13's CPU _scaled_mm takes row-wise scales; 2.11's asserts per-tensor only."""
     a = torch.ones(16, 16).to(E4M3)
@@ -130,6 +143,7 @@ def _cpu_scaled_mm_has_rowwise() -> bool:
 @pytest.mark.parametrize("out_kind", ["new", "out", "accumulate"])
 @pytest.mark.parametrize("out_dtype,bias_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
                                                   (torch.bfloat16, None)])
+@NEEDS_CPU_SCALED_MM
 def test_gemm_fp8_glue_on_cpu_scaled_mm(mode, out_kind, out_dtype, bias_dtype):
     """torch's CPU _scaled_mm runs tensor-wise and row-wise scales: enough to test the glue
     (operand layout, scales, fused or separate bias, out / accumulate) against the reference."""
@@ -220,6 +234,7 @@ def test_tensorwise_scales_keep_their_shape_and_must_have_one_element():
     pytest.param(ROWWISE, "new", (32, 64, 48), False, marks=pytest.mark.skipif(
         not _cpu_scaled_mm_has_rowwise(), reason="this torch's CPU _scaled_mm has per-tensor scales only")),
 ])
+@NEEDS_CPU_SCALED_MM
 def test_small_tensorwise_gemms_go_to_triton(monkeypatch, mode, out_kind, mnk, expect):
     monkeypatch.setattr(configs, "SMALL_GEMM_MAX_MNK", 64 ** 3)
     monkeypatch.setattr(configs, "SMALL_GEMM_MAX_K", 256)
