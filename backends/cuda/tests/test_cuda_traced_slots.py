@@ -14,6 +14,11 @@ from te_backend_cuda import traced, traced_fused
 from te_core import recipe
 from twin_backends import cpu_backend_with
 
+# torch 2.8's CPU inductor crashes the process (a segmentation fault) on this step's compiled code, and
+# torch 2.7 cannot trace it; torch 2.10 and later run it
+pytestmark = pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 10),
+                                reason="torch before 2.10 cannot compile these slot writes on a CPU "
+                                       "(torch 2.8 crashes the process)")
 HISTORY = 7  # no other tensor of the layer has this leading dimension
 TRACED_WITH_SLOTS = ("quantize_fp8", "cast_transpose_fp8", "dbias_cast_transpose", "layernorm_fwd", "rmsnorm_fwd",
                      "activation_fwd", "activation_bwd_dbias_cast_transpose", "dbias_cast_transpose_parts")
