@@ -49,7 +49,8 @@ def _fix_lifted_input_names() -> None:
 
 
 def apply() -> None:
-    """Apply the fixes this torch needs (none on a current release)."""
+    """Apply the fixes this torch needs (none on a current release; on torch 2.7 this imports
+    torch._dynamo, about a second of `import te_core`)."""
     if _TORCH_2_7:
         _fix_lifted_input_names()
 
