@@ -75,7 +75,8 @@ def test_second_launch_of_a_specialization_goes_direct_with_bound_arguments(kern
     assert direct[0][1][9:] == (x2, y2, 32, 2.0, 128, True)
 
 
-@pytest.mark.skipif(not hasattr(launch._knobs.runtime.launch_enter_hook, "calls"), reason="triton before hook chains")
+@pytest.mark.skipif(launch._knobs is None or not hasattr(launch._knobs.runtime.launch_enter_hook, "calls"),
+                    reason="triton before hook chains")
 def test_a_hook_chain_is_passed_only_when_it_holds_a_hook(kernel, monkeypatch):
     """Recent Triton's hook knobs are chains, never None: an empty chain is passed as None
     (nothing to call, no launch metadata to make), one holding a hook as it is."""
