@@ -28,8 +28,14 @@ from ..quantization.tensor import QUANTIZED
 _RELEASED = object()  # held intermediates a backward without retain_graph has taken
 
 
+# torch 2.7 has no way to ask whether saved-tensor hooks are active: there te-core keeps torch's
+# own saving and holds nothing on ctx
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+HOLDS_INTERMEDIATES = _TOP_HOOKS is not None
+
+
 def _saved_tensor_hooks_active() -> bool:
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    top = _TOP_HOOKS
     if top is None:
         return True  # cannot tell: keep torch's own saving
     try:

@@ -9,10 +9,10 @@ import torch
 
 import te_core.modules as tm
 from te_core import recipe
-from te_core.modules import layernorm_mlp
+from te_core.modules import _saved, layernorm_mlp
 from te_core.quantization import autocast
 
-HOLDS_ON_CTX = pytest.mark.skipif(not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"), reason=(
+HOLDS_ON_CTX = pytest.mark.skipif(not _saved.HOLDS_INTERMEDIATES, reason=(
     "this torch (2.7) cannot tell whether saved-tensor hooks are active, so te-core saves intermediates "
     "through save_for_backward and frees none early"))
 

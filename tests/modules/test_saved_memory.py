@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten
 import te_core as te
 from te_core import ops, recipe
 from te_core.ops._spec import Op
+from te_core.modules import _saved
 from te_core.quantization import autocast
 from te_core.quantization.step import HighPrecisionStep, QuantizationStep
 from te_core.quantization.tensor import QuantizedTensor
@@ -189,7 +190,7 @@ def test_fp8_step_peak_is_no_higher_than_high_precision(monkeypatch, name):
         assert fp8 <= plain + fp8_weight_copies, (fp8, plain, fp8_weight_copies)
 
 
-@pytest.mark.skipif(not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"), reason=(
+@pytest.mark.skipif(not _saved.HOLDS_INTERMEDIATES, reason=(
     "this torch (2.7) cannot tell whether saved-tensor hooks are active, so te-core frees no intermediate early"))
 @pytest.mark.parametrize("name", ["current", "block", "mxfp8", None])
 def test_gradient_cast_runs_after_the_activation_inputs_are_freed(monkeypatch, name):
